@@ -1,0 +1,30 @@
+# Two commands: `make demo` and `make test`. Each creates .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch lies on this kind of machine's disk; installing it first keeps pip from
+# pulling a multi-GB CUDA build for the package's `torch` range. Override with TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test bench venv clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" || $(PY) -m pip install --quiet torch
+	$(PY) -m pip install --quiet -e ".[test,plot]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) examples/train_zero.py --nproc 2 --stage 3 --steps 200
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

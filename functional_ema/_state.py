@@ -1,0 +1,57 @@
+"""The EMA state: a typed, optree-registered NamedTuple of tensors."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import optree
+import torch
+
+__all__ = ["EmaState"]
+
+
+class EmaState(NamedTuple):
+    """State of one or more EMAs over a name-keyed tree of (local) shards.
+
+    A NamedTuple, hence a pytree node for optree (and ``torch.utils._pytree``): ``optree.tree_map``
+    over a state maps over ``step`` and every EMA tensor.
+
+    Attributes:
+        step: int64 scalar tensor, the training step of the last update (0 right after
+            :func:`init_ema`). Decays are pure functions of it, so resuming cannot desynchronise them.
+        emas: one name-keyed dict per tracked EMA (``len(emas) == num_emas``); ``emas[k][name]``
+            has the shape of ``shards[name]`` and the EMA dtype (fp32 by default). The tensors of
+            a state made by :func:`init_ema` are views into one flat buffer per source buffer, which
+            lets :func:`update` run one fused pass.
+
+    An ``EmaState`` refuses to be pickled: it holds only this rank's pieces, and DeepSpeed keeps
+    ``client_state`` from rank 0 only on ZeRO stages 0-2. Use :func:`functional_ema.save`.
+    """
+
+    step: torch.Tensor
+    emas: tuple[dict[str, torch.Tensor], ...]
+
+    @property
+    def ema(self) -> dict[str, torch.Tensor]:
+        """The first (often the only) EMA: ``emas[0]``."""
+        return self.emas[0]
+
+    @property
+    def num_emas(self) -> int:
+        return len(self.emas)
+
+    def __reduce__(self):  # pickle, torch.save, client_state
+        raise TypeError(
+            "EmaState holds only this rank's shard of the EMA and is not picklable: DeepSpeed keeps "
+            "client_state from rank 0 only on ZeRO stages 0-2, so the other ranks' EMA would be lost. "
+            "Save it with functional_ema.save(state, engine, save_dir, tag) beside engine.save_checkpoint."
+        )
+
+    def __reduce_ex__(self, protocol):
+        return self.__reduce__()
+
+    def __copy__(self) -> "EmaState":
+        return EmaState(self.step, tuple(dict(e) for e in self.emas))
+
+    def __deepcopy__(self, memo) -> "EmaState":
+        return optree.tree_map(lambda t: t.clone(), self, namespace="functional_ema")

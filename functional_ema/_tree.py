@@ -1,0 +1,55 @@
+"""Pytree helpers: flattening with parameter names and mismatch errors that name them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["flatten_named", "check_same_tree", "path_name", "TreeMismatchError"]
+
+
+class TreeMismatchError(ValueError):
+    """Two trees that must match (names, shapes) do not."""
+
+
+def path_name(path: tuple) -> str:
+    return ".".join(str(p) for p in path) if path else "<root>"
+
+
+def flatten_named(tree: Any, what: str = "shards") -> tuple[list[str], list[torch.Tensor], optree.PyTreeSpec]:
+    """Flatten ``tree`` (dict keys in sorted order, the same on every rank) into names and tensors."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=False)
+    names = [path_name(p) for p in paths]
+    for name, leaf in zip(names, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{what}[{name!r}] is a {type(leaf).__name__}, expected a torch.Tensor")
+    return names, leaves, spec
+
+
+def check_same_tree(
+    expected_names: list[str],
+    expected_spec: optree.PyTreeSpec,
+    got_names: list[str],
+    got_spec: optree.PyTreeSpec,
+    expected_what: str = "the EMA state",
+    got_what: str = "shards",
+) -> None:
+    if expected_spec == got_spec:
+        return
+    exp, got = set(expected_names), set(got_names)
+    missing, extra = sorted(exp - got), sorted(got - exp)
+    parts = []
+    if missing:
+        parts.append(f"missing from {got_what}: {_short(missing)}")
+    if extra:
+        parts.append(f"not in {expected_what}: {_short(extra)}")
+    if not parts:
+        parts.append(f"same names, different structure: expected {expected_spec}, got {got_spec}")
+    raise TreeMismatchError(f"{got_what} do not match {expected_what}; " + "; ".join(parts))
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -1,0 +1,305 @@
+"""Decay schedules: pure functions of the training step.
+
+A schedule gives the *per-step* decay ``beta(t)`` used for the update that brings the EMA to
+step ``t`` (``t >= 1`` counts optimizer steps)::
+
+    ema_t = beta(t) * ema_{t-1} + (1 - beta(t)) * x_t
+
+When the EMA is updated only every N steps, :func:`functional_ema.update` compounds the decays of
+the skipped steps: going from step ``t0`` to ``t1`` uses ``interval(t0, t1) = prod_{s=t0+1}^{t1}
+beta(s)``, so the result weighs the current weights exactly as if they had been held since ``t0``.
+Each schedule here provides a closed form for that product; any plain callable ``step -> decay``
+works too (compounded by a product over the skipped steps).
+
+Because the decay depends only on the step (never on a counter inside the state), resuming from a
+checkpoint cannot desynchronise it.
+
+Example:
+    >>> from functional_ema import schedules
+    >>> s = schedules.power(sigma_rel=0.10)
+    >>> round(s.gamma, 6)
+    6.937204
+    >>> round(schedules.power(gamma=6.94)(10), 12)
+    0.433197084371
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol, Union, runtime_checkable
+
+__all__ = [
+    "Schedule",
+    "DecayLike",
+    "constant",
+    "litema",
+    "warmup",
+    "half_life",
+    "power",
+    "sigma_rel_to_gamma",
+    "gamma_to_sigma_rel",
+    "interval_decay",
+    "as_schedule",
+]
+
+
+@runtime_checkable
+class Schedule(Protocol):
+    """Per-step decay ``beta(step)`` with a compounded form over an interval of steps."""
+
+    def __call__(self, step: int) -> float: ...
+
+    def interval(self, start: int, stop: int) -> float:
+        """Decay for going from step ``start`` to ``stop`` (``prod beta(s)``, ``start < s <= stop``)."""
+        ...
+
+    def describe(self) -> dict: ...
+
+
+DecayLike = Union[float, Schedule, Callable[[int], float]]
+
+
+def _check_decay(name: str, value: float) -> float:
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return value
+
+
+def _check_steps(start: int, stop: int) -> None:
+    if stop < start or start < 0:
+        raise ValueError(f"interval needs 0 <= start <= stop, got start={start}, stop={stop}")
+
+
+def _product(beta: Callable[[int], float], start: int, stop: int) -> float:
+    out = 1.0
+    for s in range(start + 1, stop + 1):
+        out *= float(beta(s))
+        if out == 0.0:
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class _Constant:
+    decay: float
+
+    def __call__(self, step: int) -> float:
+        return self.decay
+
+    def interval(self, start: int, stop: int) -> float:
+        _check_steps(start, stop)
+        return self.decay ** (stop - start)
+
+    def describe(self) -> dict:
+        return {"kind": "constant", "decay": self.decay}
+
+
+def constant(decay: float) -> Schedule:
+    """``beta(t) = decay``; over N steps the decay compounds to ``decay**N``."""
+    return _Constant(_check_decay("decay", decay))
+
+
+@dataclass(frozen=True)
+class _LitEma:
+    decay: float
+
+    def __call__(self, step: int) -> float:
+        return min(self.decay, (1.0 + step) / (10.0 + step))
+
+    def interval(self, start: int, stop: int) -> float:
+        _check_steps(start, stop)
+        return _product(self, start, stop)
+
+    def describe(self) -> dict:
+        return {"kind": "litema", "decay": self.decay}
+
+
+def litema(decay: float = 0.9999) -> Schedule:
+    """LitEma / latent-diffusion warm-up: ``beta(t) = min(decay, (1 + t) / (10 + t))``."""
+    return _LitEma(_check_decay("decay", decay))
+
+
+@dataclass(frozen=True)
+class _Warmup:
+    inv_gamma: float
+    power: float
+    min_decay: float
+    max_decay: float
+    start_step: int
+
+    def __call__(self, step: int) -> float:
+        s = step - self.start_step - 1
+        if s <= 0:
+            return 0.0
+        value = 1.0 - (1.0 + s / self.inv_gamma) ** -self.power
+        return max(self.min_decay, min(value, self.max_decay))
+
+    def interval(self, start: int, stop: int) -> float:
+        _check_steps(start, stop)
+        return _product(self, start, stop)
+
+    def describe(self) -> dict:
+        return {
+            "kind": "warmup",
+            "inv_gamma": self.inv_gamma,
+            "power": self.power,
+            "min_decay": self.min_decay,
+            "max_decay": self.max_decay,
+            "start_step": self.start_step,
+        }
+
+
+def warmup(
+    inv_gamma: float = 1.0,
+    power: float = 2.0 / 3.0,
+    min_decay: float = 0.0,
+    max_decay: float = 0.9999,
+    start_step: int = 0,
+) -> Schedule:
+    """diffusers / timm EMA warm-up.
+
+    ``beta(t) = clamp(1 - (1 + s / inv_gamma) ** -power, min_decay, max_decay)`` with
+    ``s = t - start_step - 1``, and ``beta(t) = 0`` (EMA = weights) while ``s <= 0``.
+    ``power=2/3`` reaches 0.999 at ~31.6k steps, ``power=3/4`` reaches 0.9999 at ~215k steps.
+    """
+    if inv_gamma <= 0 or power <= 0:
+        raise ValueError(f"warmup needs inv_gamma > 0 and power > 0, got inv_gamma={inv_gamma}, power={power}")
+    lo, hi = _check_decay("min_decay", min_decay), _check_decay("max_decay", max_decay)
+    if lo > hi:
+        raise ValueError(f"min_decay={lo} is larger than max_decay={hi}")
+    return _Warmup(float(inv_gamma), float(power), lo, hi, int(start_step))
+
+
+@dataclass(frozen=True)
+class _HalfLife:
+    steps: float
+
+    def __call__(self, step: int) -> float:
+        return 0.5 ** (1.0 / self.steps)
+
+    def interval(self, start: int, stop: int) -> float:
+        _check_steps(start, stop)
+        return 0.5 ** ((stop - start) / self.steps)
+
+    def describe(self) -> dict:
+        return {"kind": "half_life", "steps": self.steps}
+
+
+def half_life(steps: float) -> Schedule:
+    """Constant decay whose weight on past weights halves every ``steps`` steps: ``0.5**(1/steps)``."""
+    if not steps > 0:
+        raise ValueError(f"half_life needs steps > 0, got {steps!r}")
+    return _HalfLife(float(steps))
+
+
+def gamma_to_sigma_rel(gamma: float) -> float:
+    """Relative standard deviation of the power profile ``t**gamma`` (Karras et al. 2024, eq. 3)."""
+    g = float(gamma)
+    if not g > -1:
+        raise ValueError(f"gamma must be > -1, got {gamma!r}")
+    return math.sqrt((g + 1.0) / ((g + 2.0) ** 2 * (g + 3.0)))
+
+
+_SIGMA_REL_MAX = 12.0**-0.5
+
+
+def sigma_rel_to_gamma(sigma_rel: float) -> float:
+    """Inverse of :func:`gamma_to_sigma_rel`: the largest real root of
+    ``g**3 + 7 g**2 + (16 - s**-2) g + (12 - s**-2) = 0`` with ``s = sigma_rel``.
+
+    Example: ``sigma_rel_to_gamma(0.05) == 16.972198602303447`` (to float precision).
+    """
+    s = float(sigma_rel)
+    # For gamma > 0 sigma_rel falls monotonically from 1/sqrt(12) (gamma = 0, a uniform average) to 0.
+    if not 0.0 < s < _SIGMA_REL_MAX:
+        raise ValueError(f"sigma_rel must be in (0, {_SIGMA_REL_MAX:.6f}) (gamma > 0), got {sigma_rel!r}")
+    t = s**-2
+    f = lambda g: ((g + 7.0) * g + (16.0 - t)) * g + (12.0 - t)  # noqa: E731
+    df = lambda g: (3.0 * g + 14.0) * g + (16.0 - t)  # noqa: E731
+    # f is increasing beyond its largest root, and that root is below sqrt(t): start above, Newton down.
+    g = max(math.sqrt(t), 1.0)
+    for _ in range(200):
+        step = f(g) / df(g)
+        g_next = g - step
+        if abs(step) <= 1e-15 * max(1.0, abs(g)):
+            g = g_next
+            break
+        g = g_next
+    return g
+
+
+@dataclass(frozen=True)
+class _Power:
+    gamma: float
+
+    def __call__(self, step: int) -> float:
+        if step <= 0:
+            raise ValueError(f"the power EMA is defined for steps >= 1, got {step}")
+        return (1.0 - 1.0 / step) ** (self.gamma + 1.0)
+
+    def interval(self, start: int, stop: int) -> float:
+        _check_steps(start, stop)
+        if stop == 0:
+            return 1.0
+        # prod_{s=start+1}^{stop} ((s-1)/s)^(g+1) telescopes to (start/stop)^(g+1).
+        return (start / stop) ** (self.gamma + 1.0)
+
+    @property
+    def sigma_rel(self) -> float:
+        return gamma_to_sigma_rel(self.gamma)
+
+    def describe(self) -> dict:
+        return {"kind": "power", "gamma": self.gamma, "sigma_rel": self.sigma_rel}
+
+
+def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Schedule:
+    """EDM2 power-function EMA: ``beta(t) = (1 - 1/t) ** (gamma + 1)``.
+
+    The EMA at step ``t`` averages the weights with a profile proportional to ``s**gamma`` over
+    ``0 < s <= t``. Give either ``gamma`` or ``sigma_rel`` (the profile's width relative to ``t``).
+    Updating every N steps compounds exactly to ``((t - N) / t) ** (gamma + 1)``.
+    """
+    if (gamma is None) == (sigma_rel is None):
+        raise ValueError("power() takes exactly one of gamma= or sigma_rel=")
+    g = sigma_rel_to_gamma(sigma_rel) if gamma is None else float(gamma)
+    if not g > 0:
+        raise ValueError(f"the power EMA needs gamma > 0, got {g!r}")
+    return _Power(g)
+
+
+@dataclass(frozen=True)
+class _Callable:
+    fn: Callable[[int], float]
+
+    def __call__(self, step: int) -> float:
+        return float(self.fn(step))
+
+    def interval(self, start: int, stop: int) -> float:
+        _check_steps(start, stop)
+        return _product(self.fn, start, stop)
+
+    def describe(self) -> dict:
+        return {"kind": "callable", "name": getattr(self.fn, "__qualname__", repr(self.fn))}
+
+
+def as_schedule(decay: DecayLike) -> Schedule:
+    """Turn a float (constant decay), a schedule, or a callable ``step -> decay`` into a schedule."""
+    if isinstance(decay, (_Constant, _LitEma, _Warmup, _HalfLife, _Power, _Callable)):
+        return decay
+    if isinstance(decay, (int, float)) and not isinstance(decay, bool):
+        return constant(float(decay))
+    if callable(decay) and hasattr(decay, "interval"):
+        return decay  # a user schedule following the protocol
+    if callable(decay):
+        return _Callable(decay)
+    raise TypeError(f"decay must be a float, a schedule or a callable step -> decay, got {type(decay).__name__}")
+
+
+def interval_decay(decay: DecayLike, start: int, stop: int) -> float:
+    """Compounded decay for moving an EMA from step ``start`` to step ``stop``; checked in [0, 1]."""
+    value = float(as_schedule(decay).interval(int(start), int(stop)))
+    if not 0.0 <= value <= 1.0 or math.isnan(value):
+        raise ValueError(f"decay schedule {decay!r} gave {value!r} for steps ({start}, {stop}]; it must be in [0, 1]")
+    return value

@@ -1,0 +1,206 @@
+"""The one shared multi-rank harness: real DeepSpeed engines in real processes (gloo on CPU).
+
+``run_ranks("tests.workers_x:fn", world_size=2, **kwargs)`` starts ``world_size`` fresh Python
+processes wired like ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT), calls ``fn(**kwargs)`` in
+each after ``deepspeed.init_distributed("gloo")``, and returns the per-rank JSON-able results. A
+failure on any rank raises ``AssertionError`` carrying that rank's traceback. Batch many checks into
+one launch: a launch costs seconds, an extra engine in the same launch well under one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict | None = None, **kwargs):
+    """Run ``target`` ("module:function") on ``world_size`` ranks; return the list of results."""
+    with tempfile.TemporaryDirectory(prefix="fe_ranks_") as tmp:
+        args_path = Path(tmp) / "args.json"
+        args_path.write_text(json.dumps({"target": target, "kwargs": kwargs}))
+        port = _free_port()
+        procs = []
+        for rank in range(world_size):
+            penv = dict(os.environ)
+            penv.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=penv.get("OMP_NUM_THREADS", "1"),
+                PYTHONPATH=os.pathsep.join([str(ROOT), penv.get("PYTHONPATH", "")]),
+                FE_RESULT=str(Path(tmp) / f"result_{rank}.json"),
+            )
+            penv.update(env or {})
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", "from tests._multirank import _child; _child()", str(args_path)],
+                env=penv, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            ))
+        outputs = []
+        try:
+            for p in procs:
+                out, _ = p.communicate(timeout=timeout)
+                outputs.append(out)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        results = []
+        for rank, (p, out) in enumerate(zip(procs, outputs)):
+            path = Path(tmp) / f"result_{rank}.json"
+            payload = json.loads(path.read_text()) if path.exists() else None
+            if payload is None or "error" in payload or p.returncode != 0:
+                err = (payload or {}).get("error", "")
+                raise AssertionError(
+                    f"rank {rank} of {world_size} failed (exit {p.returncode}) in {target}:\n{err}\n--- output ---\n{out[-6000:]}"
+                )
+            results.append(payload["result"])
+        return results
+
+
+def _child() -> None:
+    args = json.loads(Path(sys.argv[1]).read_text())
+    result_path = Path(os.environ["FE_RESULT"])
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        mod_name, fn_name = args["target"].split(":")
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+        result = fn(**args["kwargs"])
+        result_path.write_text(json.dumps({"result": result}))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        result_path.write_text(json.dumps({"error": traceback.format_exc()}))
+        raise SystemExit(1)
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ------------------------------------------------------------------------------------ test models
+
+
+class OddNet(nn.Module):
+    """Parameters of odd, uneven sizes (so ZeRO pads partitions and ZeRO-1/2 split parameters
+    across ranks), plus a frozen parameter and a trainable one that the optimizer is not given."""
+
+    def __init__(self, d_in: int = 7, hidden: int = 13, d_out: int = 5, extras: bool = True):
+        super().__init__()
+        self.inp = nn.Linear(d_in, hidden)
+        self.mid = nn.Linear(hidden, 11)
+        self.norm = nn.LayerNorm(11)
+        self.out = nn.Linear(11, d_out)
+        self.table = nn.Parameter(torch.randn(37, 3) * 0.1)  # 111 elements
+        if extras:
+            self.frozen = nn.Parameter(torch.randn(9), requires_grad=False)
+            self.not_optimized = nn.Parameter(torch.randn(5))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = self.norm(self.mid(h) + self.table.sum())
+        y = self.out(h)
+        if hasattr(self, "frozen"):
+            y = y + self.frozen.sum() * 0.01 + self.not_optimized.sum() * 0.01
+        return y
+
+
+def optimized_params(model: nn.Module):
+    return [p for n, p in model.named_parameters() if p.requires_grad and n != "not_optimized"]
+
+
+def ds_config(stage: int, dtype: str = "fp32", offload: str | None = None, micro_batch: int = 4, **zero_extra) -> dict:
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, **zero_extra}
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if offload in ("optimizer", "param"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    if offload == "param":
+        zero["offload_param"] = {"device": "cpu"}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def make_engine(stage: int, dtype: str = "fp32", offload: str | None = None, seed: int = 0, model=None, lr: float = 1e-2, **zero_extra):
+    """A real DeepSpeed engine over ``OddNet`` (or ``model``) with a client AdamW."""
+    import deepspeed
+
+    torch.manual_seed(seed)
+    model = model if model is not None else OddNet()
+    opt = torch.optim.AdamW(optimized_params(model), lr=lr, weight_decay=0.01)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, offload, **zero_extra))
+    return engine
+
+
+def batch(engine, step: int, seed: int = 1234, n: int = 4, d_in: int = 7, d_out: int = 5):
+    """Deterministic per-(step, rank) data so every run with the same seeds sees the same batches."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    g = torch.Generator().manual_seed(seed + 1000 * step + rank)
+    x = torch.randn(n, d_in, generator=g)
+    y = torch.randn(n, d_out, generator=g)
+    dtype = next(p for p in engine.module.parameters()).dtype
+    return x.to(engine.device, dtype), y.to(engine.device, dtype)
+
+
+def train_step(engine, step: int, seed: int = 1234) -> float:
+    x, y = batch(engine, step, seed)
+    loss = ((engine(x).float() - y.float()) ** 2).mean()
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
+def full_fp32_reference(engine) -> dict[str, torch.Tensor]:
+    """Independent full fp32 master weights via DeepSpeed's own API (a collective on stages 1-3).
+
+    Stage 0 has no such API: fp32 training updates the parameters themselves, and 16-bit training
+    keeps per-parameter fp32 copies in the wrapper optimizer, paired here by position.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    stage = engine.zero_optimization_stage()
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad and n != "not_optimized"]
+    params = dict(engine.module.named_parameters())
+    out = {}
+    if stage == 0:
+        opt = engine.optimizer
+        if hasattr(opt, "fp32_groups"):
+            pairs = {id(lp): hp for lg, hg in zip(opt.fp16_groups, opt.fp32_groups) for lp, hp in zip(lg, hg)}
+            return {n: pairs[id(params[n])].detach().clone().view(params[n].shape).float() for n in names}
+        return {n: params[n].detach().clone().float() for n in names}
+    for n in names:
+        full = safe_get_full_fp32_param(params[n])
+        assert full is not None, n
+        out[n] = full.detach().clone().cpu().float()
+    return out
