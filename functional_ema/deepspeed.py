@@ -14,8 +14,9 @@ core package works without it. Internals relied on (DeepSpeed 0.19):
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from ._layout import ShardLayout, ShardSpec
 from ._state import EmaState
 
-__all__ = ["local_shards", "shard_layout", "gather_full", "data_parallel_group", "unsupported_reason"]
+__all__ = ["local_shards", "shard_layout", "gather_full", "swapped", "SwapStats", "data_parallel_group", "unsupported_reason"]
 
 
 class _Cached(NamedTuple):
@@ -316,3 +317,102 @@ def _all_layouts(engine, cached: _Cached) -> list[dict[str, ShardSpec]]:
         result.append(specs)
     _LAYOUTS[engine] = (cached, result)
     return result
+
+
+# ----------------------------------------------------------------------------------- eval swap
+
+
+class SwapStats(NamedTuple):
+    """What a :func:`swapped` block allocated on this rank."""
+
+    swapped_params: int
+    extra_bytes: int  # temporary weight memory held during the block
+
+
+@contextlib.contextmanager
+def swapped(engine, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
+    """Run the engine's ordinary forward with EMA weights; live weights come back on exit.
+
+    Inside the block ``engine(x)`` (and ``engine.module(x)``) computes with ``state.emas[index]``
+    cast to the parameters' dtype, exactly as a plain model loaded with those weights would.
+    Restored on exit, also when the body raises. DeepSpeed's fp32 master weights and optimizer
+    state are never written, so training after the block continues bitwise as if it never ran.
+    Use it for forward passes only (evaluation, sampling) under ``torch.no_grad()``; do not call
+    ``backward``/``step`` inside. Call it on every rank (ZeRO-1/2 gather the EMA; ZeRO-3 gathers
+    weights in the forward as usual).
+
+    How, per stage:
+        * ZeRO-3: the EMA piece, cast to the partition dtype, replaces each parameter's local
+          partition (``ds_tensor``); DeepSpeed's gathered-parameter cache is emptied on entry and on
+          exit so no live weights leak in and no EMA weights leak out. Extra memory: one 16-bit
+          copy of this rank's partition (O(local shard), never the full model).
+        * ZeRO-1/2: the full EMA is all-gathered once and the parameters' ``.data`` point at it
+          (full model in the parameter dtype, the memory the forward needs anyway).
+        * ZeRO-0: the EMA is already full on every rank; no communication.
+    Frozen parameters and parameters outside the optimizer keep their live weights, which never
+    change, so they are their own EMA.
+
+    Yields:
+        :class:`SwapStats` with the number of swapped parameters and the temporary bytes held.
+
+    Example:
+        >>> with fe.swapped(engine, state), torch.no_grad():   # doctest: +SKIP
+        ...     val_loss = loss_fn(engine(x_val), y_val)
+    """
+    cached = _read(engine)
+    ema = state.emas[index]
+    missing = [n for n in cached.params if n not in ema]
+    if missing:
+        raise ValueError(f"the EMA state has no entry for parameters {missing[:8]} of this engine")
+    if cached.layout.stage == 3:
+        with _swap_zero3(engine, cached, ema) as stats:
+            yield stats
+    else:
+        with _swap_data(engine, cached, state, index) as stats:
+            yield stats
+
+
+@contextlib.contextmanager
+def _swap_zero3(engine, cached: _Cached, ema: dict[str, torch.Tensor]):
+    engine.empty_partition_cache()  # drop gathered live weights (persistent ones included)
+    saved: list[tuple[torch.nn.Parameter, torch.Tensor, Any]] = []
+    extra = 0
+    try:
+        for name, p in cached.params.items():
+            part = p.ds_tensor
+            piece = ema[name]
+            swap = torch.empty_like(part.data)
+            n = piece.numel()
+            swap[:n].copy_(piece.reshape(-1))
+            if n < swap.numel():  # padding tail: keep whatever DeepSpeed had there
+                swap[n:].copy_(part.data[n:])
+            extra += swap.numel() * swap.element_size()
+            saved.append((p, part.data, getattr(p, "ds_secondary_tensor", None)))
+            part.data = swap
+            if getattr(p, "ds_secondary_tensor", None) is not None:  # ZeRO++ hpZ gathers from here
+                p.ds_secondary_tensor = None
+        yield SwapStats(len(saved), extra)
+    finally:
+        engine.empty_partition_cache()  # drop gathered EMA weights before training resumes
+        for p, data, secondary in saved:
+            p.ds_tensor.data = data
+            if secondary is not None:
+                p.ds_secondary_tensor = secondary
+
+
+@contextlib.contextmanager
+def _swap_data(engine, cached: _Cached, state: EmaState, index: int):
+    full = gather_full(state, engine, index=index)
+    saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    extra = 0
+    try:
+        for name, p in cached.params.items():
+            w = full[name].to(device=p.device, dtype=p.dtype).view(p.shape)
+            extra += w.numel() * w.element_size()
+            saved.append((p, p.data))
+            p.data = w
+        del full
+        yield SwapStats(len(saved), extra)
+    finally:
+        for p, data in saved:
+            p.data = data

@@ -178,7 +178,7 @@ def train_step(engine, step: int, seed: int = 1234) -> float:
     loss = ((engine(x).float() - y.float()) ** 2).mean()
     engine.backward(loss)
     engine.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def full_fp32_reference(engine) -> dict[str, torch.Tensor]:
