@@ -5,7 +5,7 @@ from ._core import ema_nbytes, init_ema, update
 from ._layout import ShardLayout, ShardSpec
 from ._state import EmaState
 from ._tree import TreeMismatchError
-from .deepspeed import gather_full, local_shards, shard_layout
+from .deepspeed import SwapStats, gather_full, local_shards, shard_layout, swapped
 
 __version__ = "0.1.0"
 
@@ -13,6 +13,7 @@ __all__ = [
     "EmaState",
     "ShardLayout",
     "ShardSpec",
+    "SwapStats",
     "TreeMismatchError",
     "ema_nbytes",
     "gather_full",
@@ -20,5 +21,6 @@ __all__ = [
     "local_shards",
     "schedules",
     "shard_layout",
+    "swapped",
     "update",
 ]
