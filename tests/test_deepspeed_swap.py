@@ -67,8 +67,12 @@ def swap_worker(configs, steps=3):
     return out
 
 
-def training_unchanged_worker(stage, dtype, offload, steps=3):
+def training_unchanged_worker(configs, steps=3):
     """Training after an eval block continues bitwise as a run without it."""
+    return [_training_unchanged(*cfg, steps=steps) for cfg in configs]
+
+
+def _training_unchanged(stage, dtype, offload, steps):
     import functional_ema as fe
 
     finals, losses = [], []
@@ -88,6 +92,7 @@ def training_unchanged_worker(stage, dtype, offload, steps=3):
         losses.append(run_losses)
         del engine
     return {
+        "config": [stage, dtype, offload],
         "weights_equal": all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0]),
         "losses_equal": losses[0] == losses[1],
     }
@@ -132,10 +137,10 @@ def test_swapped_forward_matches_plain_model_and_restores():
 
 
 def test_training_after_eval_is_bitwise_unchanged():
-    for stage, dtype, offload in [(3, "bf16", None), (2, "bf16", None)]:
-        res = run_ranks("tests.test_deepspeed_swap:training_unchanged_worker", world_size=2, stage=stage, dtype=dtype, offload=offload)
-        for rank, r in enumerate(res):
-            assert r["weights_equal"] and r["losses_equal"], (stage, dtype, rank, r)
+    configs = [(3, "bf16", None), (2, "bf16", None), (0, "fp32", None)]
+    for rank, per_rank in enumerate(run_ranks("tests.test_deepspeed_swap:training_unchanged_worker", world_size=2, configs=configs)):
+        for r in per_rank:
+            assert r["weights_equal"] and r["losses_equal"], (rank, r)
 
 
 def test_decay0_ema_eval_equals_raw_eval_zero3_param_offload():
