@@ -9,6 +9,7 @@ one launch: a launch costs seconds, an extra engine in the same launch well unde
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -31,6 +32,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def extensions_dir() -> str:
+    """Where DeepSpeed JIT-builds its CPU ops for this environment.
+
+    The default ``~/.cache/torch_extensions`` is shared by every environment on the machine; two of
+    them with different include paths rebuild the op on every launch (minutes). One per venv.
+    """
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        tempfile.gettempdir(), "functional_ema_torch_ext_" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+    )
+
+
 def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict | None = None, **kwargs):
     """Run ``target`` ("module:function") on ``world_size`` ranks; return the list of results."""
     with tempfile.TemporaryDirectory(prefix="fe_ranks_") as tmp:
@@ -44,7 +56,7 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
                 RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=penv.get("OMP_NUM_THREADS", "1"),
                 PYTHONPATH=os.pathsep.join([str(ROOT), penv.get("PYTHONPATH", "")]),
-                FE_RESULT=str(Path(tmp) / f"result_{rank}.json"),
+                FE_RESULT=str(Path(tmp) / f"result_{rank}.json"), TORCH_EXTENSIONS_DIR=extensions_dir(),
             )
             penv.update(env or {})
             procs.append(subprocess.Popen(

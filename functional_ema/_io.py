@@ -1,0 +1,574 @@
+"""File plumbing for checkpoints: atomic writes, a streaming safetensors writer, checked reads.
+
+Nothing here unpickles. Files are safetensors (an 8-byte little-endian header length, a JSON header,
+then the raw tensor bytes), written by :class:`StreamingWriter` one tensor at a time, so a file of
+any size is written with no more extra memory than one tensor's host copy, and read back either
+whole-tensor straight into a destination buffer (:meth:`SafetensorsFile.read_into`) or slice by slice
+through ``safetensors.safe_open(...).get_slice`` (:meth:`SafetensorsFile.read_range`).
+
+Integrity: every tensor's bytes are covered by CRC-32s over fixed :data:`CHUNK_BYTES` chunks, so a
+slice can be verified by reading only the chunks it touches. The writer returns them; the caller
+stores them in its manifest and hands them back to the reader.
+
+Atomicity (:func:`atomic_open`, :func:`atomic_write_bytes`): write to a temporary file in the target
+directory, flush and ``os.fsync`` it, ``os.replace`` it over the target, then ``os.fsync`` the
+directory. A reader sees the old file or the new one, never a mix, including after a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Iterator, NamedTuple, Sequence
+
+import torch
+
+__all__ = [
+    "CHUNK_BYTES",
+    "FormatError",
+    "PickleFileError",
+    "TruncatedFileError",
+    "ChecksumError",
+    "TensorEntry",
+    "SafetensorsFile",
+    "StreamingWriter",
+    "atomic_open",
+    "atomic_write_bytes",
+    "fsync_dir",
+    "chunk_crcs",
+    "Verifier",
+    "looks_like_pickle",
+    "tmp_name",
+    "is_tmp_name",
+]
+
+CHUNK_BYTES = 4 << 20  # CRC granularity; a multiple of every dtype's size
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+_TMP_MARK = ".tmp-"
+
+if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian; so do we
+    raise ImportError("functional_ema checkpoints need a little-endian host")
+
+DTYPE_TO_STR: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+STR_TO_DTYPE = {v: k for k, v in DTYPE_TO_STR.items()}
+
+
+class FormatError(ValueError):
+    """A file is not a well-formed safetensors file (the message names the file and the problem)."""
+
+
+class PickleFileError(FormatError):
+    """A pickle / ``torch.save`` file was handed in where a safetensors file was expected."""
+
+
+class TruncatedFileError(FormatError):
+    """A file is shorter than its header (or its manifest) says."""
+
+
+class ChecksumError(FormatError):
+    """Bytes read back do not match the recorded CRC-32."""
+
+
+# ------------------------------------------------------------------------------------------ atomic
+
+
+def tmp_name(final: str | os.PathLike) -> Path:
+    """The temporary sibling used while writing ``final`` (same directory, so ``os.replace`` is atomic)."""
+    final = Path(final)
+    return final.with_name(f"{final.name}{_TMP_MARK}{os.getpid()}")
+
+
+def is_tmp_name(name: str) -> bool:
+    return _TMP_MARK in name
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a directory's entries (created, renamed, removed files) durable."""
+    try:
+        fd = os.open(os.fspath(path), os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(final: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """Open a temporary file that replaces ``final`` atomically when the block exits cleanly.
+
+    On exit the file is flushed, fsynced, ``os.replace``-d over ``final`` and the directory is
+    fsynced. On an exception the temporary file is removed and ``final`` is left as it was.
+
+    Example:
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> with atomic_open(os.path.join(d, "x.txt")) as f:
+        ...     _ = f.write(b"hello")
+        >>> open(os.path.join(d, "x.txt"), "rb").read()
+        b'hello'
+    """
+    final = Path(final)
+    tmp = tmp_name(final)
+    f = open(tmp, "wb")
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, final)
+    except BaseException:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(final.parent)
+
+
+def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``final`` atomically (see :func:`atomic_open`)."""
+    with atomic_open(final) as f:
+        f.write(data)
+
+
+# --------------------------------------------------------------------------------------- checksums
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads for CRC-32s (zlib releases the GIL on large buffers), created on first use."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="fe_crc")
+    return _POOL
+
+
+def _forget_pool() -> None:  # a forked child does not inherit the threads
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _chunks(buf: memoryview, chunk_bytes: int) -> list[memoryview]:
+    return [buf[i : i + chunk_bytes] for i in range(0, len(buf), chunk_bytes)]
+
+
+def chunk_crcs(buf: memoryview | bytes, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
+    """CRC-32 of each ``chunk_bytes`` chunk of ``buf`` (the last one may be shorter; none if empty)."""
+    chunks = _chunks(memoryview(buf), chunk_bytes)
+    if len(chunks) < 2:
+        return [zlib.crc32(c) for c in chunks]
+    return list(_pool().map(zlib.crc32, chunks))
+
+
+# ------------------------------------------------------------------------------------------ writer
+
+
+class TensorEntry(NamedTuple):
+    """One tensor of a safetensors file: ``dtype``, ``shape`` and its byte range in the data area."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _header_bytes(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, TensorEntry]]:
+    header: dict = {"__metadata__": dict(metadata)}
+    table: dict[str, TensorEntry] = {}
+    offset = 0
+    for key, dtype, shape in entries:
+        if key in table or key == "__metadata__":
+            raise ValueError(f"duplicate or reserved tensor name {key!r}")
+        if dtype not in DTYPE_TO_STR:
+            raise TypeError(f"tensor {key!r}: dtype {dtype} cannot be stored in safetensors here")
+        shape = tuple(int(s) for s in shape)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": DTYPE_TO_STR[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        table[key] = TensorEntry(dtype, shape, offset, offset + nbytes)
+        offset += nbytes
+    for k, v in header["__metadata__"].items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"safetensors metadata must map str to str; got {k!r}: {type(v).__name__}")
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8-byte alignment
+    return struct.pack("<Q", len(raw)) + raw, table
+
+
+class StreamingWriter:
+    """Write a safetensors file header first, then one tensor at a time, atomically.
+
+    All names, dtypes and shapes are declared up front, so the header (with every offset) is written
+    before any data; :meth:`write` then appends the tensors in the declared order. Peak extra memory
+    is one tensor's host copy (none for contiguous CPU tensors). :meth:`commit` fsyncs and renames
+    the temporary file over ``path``; leaving the ``with`` block through an exception removes it.
+
+    Example:
+        >>> import tempfile, os, torch
+        >>> from safetensors.torch import load_file
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> with StreamingWriter(path, [("w", torch.float32, (2, 2))], {"note": "x"}) as w:
+        ...     _ = w.write("w", torch.eye(2))
+        ...     _ = w.commit()
+        >>> load_file(path)["w"]
+        tensor([[1., 0.],
+                [0., 1.]])
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+        *,
+        checksums: bool = True,
+    ):
+        self.path = Path(path)
+        self.checksums = checksums
+        self._header, self.table = _header_bytes(entries, metadata or {})
+        self._order = list(self.table)
+        self._next = 0
+        self._cm = atomic_open(self.path)
+        self._f = self._cm.__enter__()
+        self._f.write(self._header)
+        self.header_crc32 = zlib.crc32(self._header)
+        self.crcs: dict[str, list[int]] = {}
+        self._done = False
+
+    @property
+    def size(self) -> int:
+        """Total file size once every tensor is written."""
+        return len(self._header) + (self.table[self._order[-1]].end if self._order else 0)
+
+    def write(self, key: str, tensor: torch.Tensor) -> list[int]:
+        """Append ``tensor`` (must be the next declared one, same dtype and numel); return its chunk
+        CRCs (empty with ``checksums=False``)."""
+        if self._next >= len(self._order) or self._order[self._next] != key:
+            expected = self._order[self._next] if self._next < len(self._order) else "nothing (all written)"
+            raise ValueError(f"{self.path.name}: tensors must be written in declared order; expected {expected!r}, got {key!r}")
+        entry = self.table[key]
+        if tensor.dtype != entry.dtype or tensor.numel() != entry.numel:
+            raise ValueError(
+                f"{self.path.name}: tensor {key!r} was declared {entry.dtype} with {entry.numel} elements, "
+                f"got {tensor.dtype} with {tensor.numel()}"
+            )
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        chunks = _chunks(_byte_view(t), CHUNK_BYTES)
+        pending = _pool().map(zlib.crc32, chunks) if self.checksums and len(chunks) > 1 else None  # overlaps the writes
+        for piece in chunks:
+            self._f.write(piece)
+        if not self.checksums:
+            crcs = []
+        else:
+            crcs = list(pending) if pending is not None else [zlib.crc32(c) for c in chunks]
+        self.crcs[key] = crcs
+        self._next += 1
+        return crcs
+
+    def commit(self) -> int:
+        """Finish: fsync, rename over the target, fsync the directory. Returns the file size."""
+        if self._next != len(self._order):
+            raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were never written")
+        self._done = True
+        self._cm.__exit__(None, None, None)
+        return self.size
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            with contextlib.suppress(Exception):
+                self._cm.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+    def __enter__(self) -> "StreamingWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or not self._done:
+            self.abort()
+
+
+# ------------------------------------------------------------------------------------------ reader
+
+
+def looks_like_pickle(head: bytes) -> bool:
+    """True for ``torch.save`` zip archives and raw pickles (protocol 2+)."""
+    return head[:4] == b"PK\x03\x04" or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
+_PICKLE_HINT = (
+    "functional_ema never unpickles files (loading a pickle can run arbitrary code); EMA checkpoints "
+    "are safetensors files named ema_rank_*.safetensors beside an ema_manifest.json: pass the "
+    "checkpoint directory (the one holding 'latest' and the tag folders)"
+)
+
+
+class SafetensorsFile:
+    """A validated safetensors file: header parsed and checked against the file size, nothing loaded.
+
+    Args:
+        path: the file.
+        expected_size: the size recorded elsewhere (a manifest); a shorter file is reported as
+            truncated, a different one as modified.
+
+    Raises:
+        PickleFileError: the file is a pickle / ``torch.save`` archive.
+        TruncatedFileError: the file is shorter than its header or ``expected_size`` says.
+        FormatError: anything else that makes it not a safetensors file.
+    """
+
+    def __init__(self, path: str | os.PathLike, expected_size: int | None = None):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise self._bad_head(head, size, "it is shorter than the 8-byte safetensors prefix")
+                (n,) = struct.unpack("<Q", head)
+                if n > _MAX_HEADER or n < 2:
+                    raise self._bad_head(head, size, f"its header length field reads {n}")
+                raw = f.read(n)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise FormatError(f"{self.path}: cannot read ({e})") from e
+        if len(raw) < n:
+            raise TruncatedFileError(f"{self.path} is truncated: {size} bytes, but its header alone needs {8 + n}")
+        self.header_size = 8 + n
+        self.header_crc32 = zlib.crc32(head + raw)
+        try:
+            header = json.loads(raw)
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except ValueError as e:
+            if looks_like_pickle(head):
+                raise PickleFileError(f"{self.path} is a pickle / torch.save file, not safetensors. {_PICKLE_HINT}") from None
+            raise FormatError(f"{self.path}: the safetensors header is not valid JSON ({e}); the file is corrupted") from None
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise FormatError(f"{self.path}: __metadata__ must map strings to strings")
+        self.metadata: dict[str, str] = meta
+        self.tensors: dict[str, TensorEntry] = {}
+        spans = []
+        for key, info in header.items():
+            try:
+                dtype = STR_TO_DTYPE[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                start, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise FormatError(f"{self.path}: bad header entry for tensor {key!r}: {info!r} ({e!r})") from None
+            entry = TensorEntry(dtype, shape, start, end)
+            if end - start != entry.numel * torch.empty((), dtype=dtype).element_size() or start < 0:
+                raise FormatError(f"{self.path}: tensor {key!r} spans bytes [{start}, {end}) but {dtype}{list(shape)} needs {entry.numel * torch.empty((), dtype=dtype).element_size()}")
+            self.tensors[key] = entry
+            spans.append((start, end, key))
+        spans.sort()
+        pos = 0
+        for start, end, key in spans:
+            if start != pos:
+                raise FormatError(f"{self.path}: tensor {key!r} starts at byte {start} of the data, expected {pos} (gap or overlap)")
+            pos = end
+        self.data_size = pos
+        self.size = self.header_size + pos
+        if expected_size is not None and size < expected_size:
+            raise TruncatedFileError(f"{self.path} is truncated: {size} bytes, expected {expected_size}")
+        if size < self.size:
+            raise TruncatedFileError(f"{self.path} is truncated: {size} bytes, its header describes {self.size}")
+        if size != self.size or (expected_size is not None and size != expected_size):
+            raise FormatError(
+                f"{self.path} has {size} bytes, expected {expected_size if expected_size is not None else self.size}: "
+                "it was modified after it was written"
+            )
+        self._fh: IO[bytes] | None = None
+        self._st = None
+
+    def _bad_head(self, head: bytes, size: int, why: str) -> FormatError:
+        if looks_like_pickle(head):
+            return PickleFileError(f"{self.path} is a pickle / torch.save file, not safetensors. {_PICKLE_HINT}")
+        if size < 8:
+            return TruncatedFileError(f"{self.path} is truncated ({size} bytes): {why}")
+        return FormatError(f"{self.path} is not a safetensors file: {why}")
+
+    # -- reading
+
+    def _file(self) -> IO[bytes]:
+        if self._fh is None:
+            self._fh = open(self.path, "rb", buffering=0)
+        return self._fh
+
+    def _safe_open(self):
+        if self._st is None:
+            from safetensors import safe_open
+
+            self._st = safe_open(os.fspath(self.path), framework="pt")
+        return self._st
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        self._st = None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def read_into(self, key: str, dst: torch.Tensor, crcs: Sequence[int] | None = None, verifier: "Verifier | None" = None, context: str = "") -> None:
+        """Read tensor ``key`` whole into ``dst`` (same dtype and numel), verifying ``crcs`` if given.
+
+        The bytes go straight from the file into ``dst``'s memory when it is a contiguous CPU
+        tensor (no intermediate copy); otherwise through one host buffer. With a ``verifier`` the
+        CRCs are checked in the background and any mismatch is raised by ``verifier.wait()``
+        (``dst`` must then stay alive and unmodified until that call).
+        """
+        entry = self.tensors[key]
+        if dst.dtype != entry.dtype or dst.numel() != entry.numel:
+            raise FormatError(f"{self.path}: tensor {key!r} is {entry.dtype}{list(entry.shape)}; cannot read it into {dst.dtype}{list(dst.shape)}")
+        direct = dst.device.type == "cpu" and dst.is_contiguous()
+        host = dst if direct else torch.empty(dst.shape, dtype=dst.dtype)
+        buf = _byte_view(host)
+        f = self._file()
+        f.seek(self.header_size + entry.start)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(buf[got:])
+            if not n:
+                raise TruncatedFileError(f"{self.path} is truncated: tensor {key!r} ends early")
+            got += n
+        if crcs is not None:
+            if verifier is not None and direct:
+                verifier.add(self.path, key, buf, 0, crcs, context)
+            else:
+                _verify_now(self.path, key, buf, 0, crcs, context)
+        if not direct:
+            dst.copy_(host)
+
+    def read_range(self, key: str, start: int, stop: int, crcs: Sequence[int] | None = None, context: str = "") -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor ``key``, via ``safe_open(...).get_slice``.
+
+        With ``crcs``, the read widens to whole CRC chunks (at most one chunk more on each side),
+        which are verified before the requested part is returned.
+        """
+        entry = self.tensors[key]
+        if not 0 <= start <= stop <= entry.numel:
+            raise IndexError(f"{self.path}: range [{start}, {stop}) outside tensor {key!r} of {entry.numel} elements")
+        if start == stop:
+            return torch.empty(0, dtype=entry.dtype)
+        lo, hi = start, stop
+        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        per_chunk = CHUNK_BYTES // itemsize
+        if crcs is not None:
+            lo = (start // per_chunk) * per_chunk
+            hi = min(-(-stop // per_chunk) * per_chunk, entry.numel)
+        sl = self._safe_open().get_slice(key)
+        if len(entry.shape) == 1:
+            t = sl[lo:hi]
+        else:  # get_slice indexes dimensions; take whole rows and flatten
+            row = math.prod(entry.shape[1:]) or 1
+            r0, r1 = lo // row, -(-hi // row)
+            t = sl[r0:r1].reshape(-1)[lo - r0 * row : hi - r0 * row]
+        t = t.contiguous()
+        if crcs is not None:
+            _verify_now(self.path, key, _byte_view(t), lo // per_chunk, crcs, context)
+        return t[start - lo : stop - lo]
+
+
+def _expected(path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str) -> list[int]:
+    n = -(-len(buf) // CHUNK_BYTES)
+    want = list(crcs[first_chunk : first_chunk + n])
+    if len(want) != n:
+        raise ChecksumError(
+            f"{path}: tensor {key!r} has {len(crcs)} recorded checksum chunks, which does not fit its size: the file "
+            f"or its manifest was modified {context}".rstrip()
+        )
+    return want
+
+
+def _mismatch(path, key: str, lo: int, n: int, got: int, want: int, context: str) -> ChecksumError:
+    return ChecksumError(
+        f"{path}: checksum mismatch in tensor {key!r}, bytes {lo}..{lo + n} of the tensor: crc32 {got:08x}, recorded "
+        f"{want:08x}. The file is corrupted: restore it from a copy or load an earlier tag {context}".rstrip()
+    )
+
+
+def _verify_now(path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str = "") -> None:
+    want = _expected(path, key, buf, first_chunk, crcs, context)
+    got = chunk_crcs(buf)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            lo = (first_chunk + i) * CHUNK_BYTES
+            raise _mismatch(path, key, lo, min(CHUNK_BYTES, len(buf) - i * CHUNK_BYTES), g, w, context)
+
+
+class Verifier:
+    """Checks CRC-32s on a thread pool while the caller goes on reading; :meth:`wait` raises the
+    first mismatch. The buffers handed to :meth:`add` must stay alive and unchanged until then."""
+
+    _INLINE = 256 << 10  # smaller chunks are checked at once: a pool round trip costs more
+
+    def __init__(self) -> None:
+        self._pending: list[tuple] = []
+
+    def add(self, path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str = "") -> None:
+        want = _expected(path, key, buf, first_chunk, crcs, context)
+        for i, w in enumerate(want):
+            chunk = buf[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]
+            lo = (first_chunk + i) * CHUNK_BYTES
+            if len(chunk) < self._INLINE:
+                got = zlib.crc32(chunk)
+                if got != w:
+                    raise _mismatch(path, key, lo, len(chunk), got, w, context)
+            else:
+                self._pending.append((_pool().submit(zlib.crc32, chunk), w, path, key, lo, len(chunk), context))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        error = None
+        for fut, w, path, key, lo, n, context in pending:
+            got = fut.result()  # wait for all, even after a mismatch: the buffers must outlive the work
+            if got != w and error is None:
+                error = _mismatch(path, key, lo, n, got, w, context)
+        if error is not None:
+            raise error

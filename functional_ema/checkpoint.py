@@ -1,0 +1,947 @@
+"""EMA checkpoints beside DeepSpeed's: every rank's pieces, exact resume, resharding, offline rebuild.
+
+Layout of one checkpoint, inside DeepSpeed's tag folder ``save_dir/tag/``::
+
+    ema_rank_00000_of_00002.safetensors   rank 0's 1-D piece of every parameter, for every EMA
+    ema_rank_00001_of_00002.safetensors   rank 1's (one file per rank on ZeRO stages 1-3; stage 0
+                                          replicates whole parameters, so only rank 0 writes)
+    ema_manifest.json                     written last, by rank 0, once every rank file is durable
+
+Each rank file holds tensors ``emas.<k>.<parameter name>`` (EMA ``k``'s local piece, 1-D, the EMA
+dtype) and string metadata: format version, tag, step, number of EMAs, EMA dtype, the decay
+schedules (when passed to :func:`save`), world size, rank, ZeRO stage and the :class:`ShardLayout`
+(per parameter: full shape, offset and length of the piece). That is enough to rebuild full weights
+with no process group (:func:`consolidate`) and to re-cut the pieces for another world size or
+stage (:func:`load`). The manifest lists the rank files with their sizes and CRC-32s of their
+header and tensor bytes (per 4 MiB chunk). **Only a manifest makes a checkpoint complete.**
+
+Crash safety: every file is written to a temporary name, fsynced, renamed into place, and the
+folder fsynced. Saving again into a tag that already holds a complete EMA writes the new rank files
+under new names (``...of_00002.gen1.safetensors``) and swaps the manifest last, so a crash at any
+moment leaves either the old or the new checkpoint loadable, never a mix; stale files are removed
+after the swap.
+
+Recommended order, and what ``latest`` means::
+
+    fe.save(state, engine, save_dir)          # EMA first ...
+    engine.save_checkpoint(save_dir)          # ... then DeepSpeed, which writes `latest` last
+
+DeepSpeed writes ``save_dir/latest`` at the end of ``save_checkpoint`` (from rank 0, not atomically).
+Saving the EMA first means ``latest`` only ever names a tag whose EMA is complete. With the other
+order a crash between the two calls leaves ``latest`` naming a tag without an EMA manifest;
+:func:`load` then raises :class:`IncompleteCheckpointError` naming the tag and listing the tags that
+are complete. Either order is otherwise fine: the two never touch each other's files. :func:`load`
+and :func:`consolidate` follow ``latest`` when no tag is given, like DeepSpeed's tools.
+
+Nothing per-rank goes through DeepSpeed's ``client_state`` (on ZeRO stages 0-2 DeepSpeed keeps rank
+0's only); :func:`client_state_summary` gives a small JSON-able record that is safe to put there.
+
+Resuming::
+
+    engine.load_checkpoint(save_dir)              # DeepSpeed's weights and optimizer
+    state = fe.load(engine, save_dir)             # the EMA, same tag (``latest``)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _io
+from ._core import init_ema
+from ._layout import ShardLayout, ShardSpec
+from ._state import EmaState
+from .schedules import DecayLike, as_schedule
+
+__all__ = [
+    "save",
+    "load",
+    "consolidate",
+    "consolidate_to_file",
+    "client_state_summary",
+    "read_manifest",
+    "default_tag",
+    "rank_file_name",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "CheckpointVersionError",
+    "CheckpointMismatchError",
+]
+
+logger = logging.getLogger("functional_ema")
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "ema_manifest.json"
+_FILE_FORMAT = "functional_ema.ema_shards"
+_MANIFEST_FORMAT = "functional_ema.manifest"
+_CONSOLIDATED_FORMAT = "functional_ema.consolidated"
+_RANK_FILE = re.compile(r"^ema_rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+class CheckpointError(ValueError):
+    """Base class: an EMA checkpoint cannot be saved or read. The message says what and how to fix."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory, the tag, or ``latest`` does not exist."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The tag has no manifest (the save did not finish) or files listed in it are missing."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file is truncated, fails its checksum, is not safetensors (e.g. a pickle), or disagrees
+    with the manifest."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """Written by a newer functional_ema (a format version this one cannot read)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint does not fit the model or the request: parameter names, shapes, dtype, index."""
+
+
+# ---------------------------------------------------------------------------------------- naming
+
+
+def default_tag(engine) -> str:
+    """DeepSpeed's own default tag, ``f"global_step{engine.global_steps}"``."""
+    return f"global_step{engine.global_steps}"
+
+
+def rank_file_name(rank: int, world_size: int, generation: int = 0) -> str:
+    """``ema_rank_00000_of_00002.safetensors``; later saves into the same tag add ``.gen<N>``."""
+    suffix = f".gen{generation}" if generation else ""
+    return f"ema_rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
+
+
+def _key(k: int, name: str) -> str:
+    return f"emas.{k}.{name}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _parse_dtype(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CorruptCheckpointError(f"{where}: unknown EMA dtype {name!r}")
+    return dtype
+
+
+def _check_tag(tag: Any) -> str:
+    tag = str(tag)
+    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or "\0" in tag:
+        raise ValueError(f"tag {tag!r} must be a plain folder name (DeepSpeed's default is 'global_step<N>')")
+    return tag
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _complete_tags(root: Path) -> list[str]:
+    try:
+        tags = [d.name for d in root.iterdir() if d.is_dir() and (d / MANIFEST_NAME).is_file()]
+    except OSError:
+        return []
+    return sorted(tags, key=_natural)
+
+
+def _short(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in list(names)[:limit])
+    return "[" + shown + (f", ... {len(names) - limit} more" if len(names) > limit else "") + "]"
+
+
+# ------------------------------------------------------------------------------- rank agreement
+
+
+def _exchange(obj: Any, group, world: int) -> list[Any]:
+    if world <= 1 or not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _agree(what: str, fn, group, world: int, rank: int):
+    """Run ``fn()`` on every rank; if it fails anywhere, raise on every rank (no rank is left hanging
+    in a later collective). Returns every rank's result."""
+    local_exc: BaseException | None = None
+    try:
+        payload = ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        local_exc = e
+        payload = ("error", type(e).__name__, str(e), isinstance(e, CheckpointError))
+    results = _exchange(payload, group, world)
+    failed = [(r, p) for r, p in enumerate(results) if p[0] == "error"]
+    if failed:
+        if local_exc is not None:
+            raise local_exc
+        r, (_, cls_name, msg, is_ckpt) = failed[0]
+        cls = globals().get(cls_name) if is_ckpt else None
+        cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
+        raise cls(f"{what} failed on rank {r} ({cls_name}): {msg}")
+    return [p[1] for p in results]
+
+
+def _world(engine):
+    from .deepspeed import data_parallel_group, shard_layout
+
+    layout = shard_layout(engine)
+    group = data_parallel_group(engine) if layout.world_size > 1 and dist.is_initialized() else None
+    return layout, group
+
+
+# -------------------------------------------------------------------------------------------- save
+
+
+def _describe(decay, num_emas: int):
+    if decay is None:
+        return None
+    decays = list(decay) if isinstance(decay, (list, tuple)) else [decay]
+    if len(decays) != num_emas:
+        raise ValueError(f"got {len(decays)} decays for a state tracking {num_emas} EMAs")
+    out = []
+    for d in decays:
+        s = as_schedule(d)
+        describe = getattr(s, "describe", None)
+        out.append(describe() if describe is not None else {"kind": "callable", "name": repr(s)})
+    json.dumps(out)  # must be JSON-able
+    return out
+
+
+def _check_state(state: EmaState, layout: ShardLayout) -> torch.dtype:
+    if not isinstance(state, EmaState):
+        raise TypeError(f"save() takes an EmaState (from init_ema / update / load), got {type(state).__name__}")
+    want = list(layout.specs)
+    dtypes = set()
+    for k, ema in enumerate(state.emas):
+        if not isinstance(ema, dict) or set(ema) != set(want):
+            have = set(ema) if isinstance(ema, dict) else set()
+            raise CheckpointMismatchError(
+                f"state.emas[{k}] does not match this engine's parameters: missing {_short(sorted(set(want) - have))}, "
+                f"extra {_short(sorted(have - set(want)))}. Make the state with init_ema(local_shards(engine))"
+            )
+        for n in want:
+            t = ema[n]
+            if t.numel() != layout.specs[n].numel:
+                raise CheckpointMismatchError(
+                    f"state.emas[{k}][{n!r}] has {t.numel()} elements but this rank's piece has {layout.specs[n].numel}: "
+                    "the state was made from another engine, world size or ZeRO stage"
+                )
+            dtypes.add(t.dtype)
+    if len(dtypes) > 1:
+        raise CheckpointMismatchError(f"the EMA tensors mix dtypes {sorted(map(str, dtypes))}; a checkpoint stores one EMA dtype")
+    return dtypes.pop() if dtypes else torch.float32
+
+
+def save(
+    state: EmaState,
+    engine,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    decay: DecayLike | Sequence[DecayLike] | None = None,
+) -> Path:
+    """Write every rank's EMA pieces into ``save_dir/tag/``, beside DeepSpeed's files. Collective.
+
+    Call it on every rank of the data-parallel group, with the same ``tag`` DeepSpeed uses (the
+    default is DeepSpeed's default, ``f"global_step{engine.global_steps}"``). Each rank writes its
+    own safetensors file (on ZeRO stage 0 only rank 0, since every rank holds the same whole
+    parameters); rank 0 then writes ``ema_manifest.json``, which makes the checkpoint complete. See
+    the module docstring for the layout, the crash guarantees and the recommended order with
+    ``engine.save_checkpoint`` (EMA first). The directory must be shared by all ranks.
+
+    Args:
+        state: this rank's state (from :func:`functional_ema.init_ema` over ``local_shards(engine)``,
+            :func:`functional_ema.update` or :func:`load`).
+        engine: the DeepSpeed engine the state's pieces come from.
+        save_dir: the checkpoint directory (the one given to ``engine.save_checkpoint``).
+        tag: the tag folder; ``None`` means DeepSpeed's default.
+        decay: optional, metadata only: the decay(s) or schedule(s) the EMAs use (one per EMA), so
+            offline tools know what each EMA is. Not needed by :func:`load`.
+
+    Returns:
+        The tag folder, ``save_dir/tag``.
+
+    Raises:
+        CheckpointError: on every rank when any rank fails (nothing is marked complete then; a
+            previous complete checkpoint in the same tag stays loadable).
+
+    Example:
+        >>> fe.save(state, engine, "ckpt", decay=0.999)          # doctest: +SKIP
+        >>> engine.save_checkpoint("ckpt")                       # doctest: +SKIP
+    """
+    layout, group = _world(engine)
+    rank, world, stage = layout.rank, layout.world_size, layout.stage
+    save_dir = Path(save_dir)
+    tag = _check_tag(default_tag(engine) if tag is None else tag)
+    tag_dir = save_dir / tag
+
+    def plan():
+        dtype = _check_state(state, layout)
+        schedules = _describe(decay, state.num_emas)
+        generation = 0
+        if rank == 0:
+            with contextlib.suppress(Exception):  # an unreadable old manifest: nothing to preserve
+                old = json.loads((tag_dir / MANIFEST_NAME).read_text())
+                generation = int(old["generation"]) + 1
+        return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas,
+                "dtype": _dtype_name(dtype), "schedules": schedules, "generation": generation}
+
+    plans = _agree("save (checking the state)", plan, group, world, rank)
+    mine, first = plans[rank], plans[0]
+    for field in ("tag", "step", "num_emas", "dtype"):  # not the path: mounts may differ between nodes
+        values = [p[field] for p in plans]
+        if len(set(map(str, values))) > 1:
+            raise CheckpointError(f"save: ranks disagree on {field}: {values}; every rank must save the same state with the same tag")
+    generation = first["generation"]
+    writes = stage != 0 or rank == 0
+    fname = rank_file_name(rank, world, generation)
+    dtype = _parse_dtype(mine["dtype"], "save")
+
+    def write():
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        if not writes:
+            return None
+        names = list(layout.specs)
+        entries = [(_key(k, n), dtype, (layout.specs[n].numel,)) for k in range(state.num_emas) for n in names]
+        meta = {
+            "format": _FILE_FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "library": f"functional_ema {_version()}",
+            "tag": tag,
+            "step": str(mine["step"]),
+            "num_emas": str(state.num_emas),
+            "dtype": mine["dtype"],
+            "schedules": json.dumps(mine["schedules"]),
+            "world_size": str(world),
+            "rank": str(rank),
+            "zero_stage": str(stage),
+            "generation": str(generation),
+            "layout": json.dumps(layout.to_json_dict(), separators=(",", ":")),
+        }
+        with _io.StreamingWriter(tag_dir / fname, entries, meta) as w:
+            for k, ema in enumerate(state.emas):
+                for n in names:
+                    w.write(_key(k, n), ema[n].reshape(-1))
+            size = w.commit()
+        return {"rank": rank, "file": fname, "bytes": size, "header_crc32": w.header_crc32, "tensor_crc32": w.crcs}
+
+    written = _agree("save (writing the rank files)", write, group, world, rank)
+
+    def commit():
+        if rank != 0:
+            return None
+        _io.fsync_dir(save_dir)  # the tag folder's own entry
+        manifest = {
+            "format": _MANIFEST_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "library": f"functional_ema {_version()}",
+            "note": "functional_ema EMA checkpoint: complete because this manifest exists. Each file holds "
+                    "'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata says where the "
+                    "piece sits in the full parameter.",
+            "tag": tag,
+            "generation": generation,
+            "step": first["step"],
+            "num_emas": first["num_emas"],
+            "dtype": first["dtype"],
+            "schedules": first["schedules"],
+            "world_size": world,
+            "zero_stage": stage,
+            "params": {n: list(s.shape) for n, s in layout.specs.items()},
+            "chunk_bytes": _io.CHUNK_BYTES,
+            "files": [w for w in written if w is not None],
+        }
+        _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
+        _cleanup(tag_dir, {w["file"] for w in manifest["files"]})
+        return None
+
+    _agree("save (writing the manifest)", commit, group, world, rank)
+    return tag_dir
+
+
+def _cleanup(tag_dir: Path, keep: set[str]) -> None:
+    """Remove rank files of older generations and temporary files of crashed saves (best effort)."""
+    removed = False
+    for p in tag_dir.iterdir():
+        stale_rank_file = _RANK_FILE.match(p.name) and p.name not in keep
+        stale_tmp = _io.is_tmp_name(p.name) and (p.name.startswith("ema_") or p.name.startswith(MANIFEST_NAME))
+        if stale_rank_file or stale_tmp:
+            try:
+                os.unlink(p)
+                removed = True
+            except OSError as e:  # pragma: no cover
+                logger.warning("functional_ema: could not remove stale %s: %s", p, e)
+    if removed:
+        _io.fsync_dir(tag_dir)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def client_state_summary(state: EmaState, engine=None) -> dict:
+    """A small JSON-able record of the EMA, safe to pass in DeepSpeed's ``client_state``.
+
+    It holds **no weights**: on ZeRO stages 0-2 DeepSpeed keeps rank 0's ``client_state`` only, so
+    per-rank data placed there is silently lost. The weights live in the files :func:`save` writes;
+    this record only lets you see, from DeepSpeed's checkpoint alone, that an EMA exists and where.
+
+    Returns:
+        ``{"functional_ema": {"step", "num_emas", "manifest", "format_version", "holds_weights": False,
+        ...}}``; with ``engine``, also ``world_size`` and ``zero_stage``.
+
+    Example:
+        >>> engine.save_checkpoint(d, client_state=fe.client_state_summary(state, engine))  # doctest: +SKIP
+    """
+    info: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": int(state.step),
+        "num_emas": state.num_emas,
+        "manifest": MANIFEST_NAME,
+        "files": "ema_rank_<rank>_of_<world>.safetensors beside this file (listed in the manifest)",
+        "holds_weights": False,
+        "note": "EMA weights are not in client_state (DeepSpeed keeps rank 0's only on ZeRO 0-2); "
+                "load them with functional_ema.load(engine, load_dir, tag)",
+    }
+    if engine is not None:
+        from .deepspeed import shard_layout
+
+        layout = shard_layout(engine)
+        info.update(world_size=layout.world_size, zero_stage=layout.stage)
+    return {"functional_ema": info}
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+class _RankFile:
+    def __init__(self, rank: int, st: _io.SafetensorsFile, layout: ShardLayout, crcs: dict[str, list[int]]):
+        self.rank, self.st, self.layout, self.crcs = rank, st, layout, crcs
+
+
+class _Checkpoint:
+    """An opened, validated checkpoint (manifest + every rank file's header). Nothing loaded yet."""
+
+    def __init__(self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[_RankFile]):
+        self.root, self.tag, self.tag_dir, self.manifest, self.files = root, tag, tag_dir, manifest, files
+        self.step = int(manifest["step"])
+        self.num_emas = int(manifest["num_emas"])
+        self.dtype = _parse_dtype(manifest["dtype"], str(tag_dir / MANIFEST_NAME))
+        self.world_size = int(manifest["world_size"])
+        self.stage = int(manifest["zero_stage"])
+        self.shapes = {n: tuple(int(x) for x in s) for n, s in manifest["params"].items()}
+        self.pieces: dict[str, list[tuple[int, int, int]]] = {n: [] for n in self.shapes}
+        for i, f in enumerate(files):
+            for n, spec in f.layout.specs.items():
+                if spec.numel:
+                    self.pieces[n].append((spec.offset, spec.numel, i))
+        for p in self.pieces.values():
+            p.sort()
+
+    # -- opening
+
+    @classmethod
+    def open(cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True) -> "_Checkpoint":
+        root = Path(checkpoint_dir)
+        if root.is_file():
+            cls._not_a_directory(root)
+        if not root.is_dir():
+            raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+        from_latest = False
+        if tag is None and (root / MANIFEST_NAME).is_file():  # handed the tag folder itself
+            tag_dir, tag, root = root, root.name, root.parent
+        else:
+            if tag is None:
+                latest = root / "latest"
+                if not latest.is_file():
+                    raise CheckpointNotFoundError(
+                        f"{root} has no 'latest' file (DeepSpeed writes it in save_checkpoint): pass tag=... "
+                        f"Tags here with a complete EMA: {_complete_tags(root)}"
+                    )
+                tag = latest.read_text().strip()
+                if not tag:
+                    raise CheckpointNotFoundError(f"{latest} is empty (a crash while DeepSpeed wrote it?): pass tag=... "
+                                                  f"Tags here with a complete EMA: {_complete_tags(root)}")
+                from_latest = True
+            tag = str(tag)
+            tag_dir = root / tag
+            if not tag_dir.is_dir():
+                raise CheckpointNotFoundError(
+                    f"no tag {tag!r} in {root}{' (named by latest)' if from_latest else ''}. "
+                    f"Tags here with a complete EMA: {_complete_tags(root)}"
+                )
+        mpath = tag_dir / MANIFEST_NAME
+        if not mpath.is_file():
+            found = sorted(p.name for p in tag_dir.iterdir() if _RANK_FILE.match(p.name))
+            what = (f"found {len(found)} EMA rank file(s) {_short(found, 4)} but the manifest, written last, is missing"
+                    if found else "there are no EMA files at all (was functional_ema.save called for this tag?)")
+            hint = (" 'latest' names this tag: DeepSpeed finished its save but the EMA save did not (call "
+                    "functional_ema.save before engine.save_checkpoint to avoid this)." if from_latest else "")
+            raise IncompleteCheckpointError(
+                f"tag {tag!r} in {root} has no complete EMA checkpoint: {what}.{hint} Load another tag; "
+                f"tags here with a complete EMA: {[t for t in _complete_tags(root) if t != tag]}"
+            )
+        manifest = cls._read_manifest(mpath)
+        files = cls._open_files(tag, tag_dir, manifest, verify)
+        ckpt = cls(root, tag, tag_dir, manifest, files)
+        ckpt._check_coverage()
+        return ckpt
+
+    @staticmethod
+    def _not_a_directory(path: Path) -> None:
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if _io.looks_like_pickle(head):
+            raise CorruptCheckpointError(
+                f"{path} is a pickle / torch.save file. functional_ema never unpickles (loading a pickle can run "
+                "arbitrary code); pass the checkpoint directory (the one holding 'latest' and the tag folders)"
+            )
+        if path.name == MANIFEST_NAME:
+            raise CheckpointError(f"{path} is a manifest: pass its folder, {path.parent}, or the checkpoint directory with tag=")
+        raise CheckpointError(f"{path} is a file: pass the checkpoint directory (the one holding 'latest' and the tag folders)")
+
+    @staticmethod
+    def _read_manifest(mpath: Path) -> dict:
+        raw = mpath.read_bytes()
+        if _io.looks_like_pickle(raw[:8]):
+            raise CorruptCheckpointError(f"{mpath} is a pickle, not JSON; functional_ema never unpickles. The manifest is damaged")
+        try:
+            manifest = json.loads(raw)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{mpath} is not valid JSON ({e}): the manifest is damaged; load another tag") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
+            raise CorruptCheckpointError(f"{mpath} is not a functional_ema manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+        version = manifest.get("format_version")
+        if not isinstance(version, int) or version < 1:
+            raise CorruptCheckpointError(f"{mpath}: bad format_version {version!r}")
+        if version > FORMAT_VERSION:
+            raise CheckpointVersionError(
+                f"{mpath} was written by a newer functional_ema ({manifest.get('library', '?')}, format version {version}); "
+                f"this one ({_version()}) reads format version {FORMAT_VERSION} and older. Upgrade functional_ema "
+                "(pip install -U functional-ema)"
+            )
+        missing = [k for k in ("tag", "generation", "step", "num_emas", "dtype", "world_size", "zero_stage", "params", "files") if k not in manifest]
+        if missing:
+            raise CorruptCheckpointError(f"{mpath} lacks fields {missing}: the manifest is damaged")
+        if manifest.get("chunk_bytes", _io.CHUNK_BYTES) != _io.CHUNK_BYTES:
+            raise CheckpointVersionError(f"{mpath} uses checksum chunks of {manifest['chunk_bytes']} bytes; this version uses {_io.CHUNK_BYTES}")
+        return manifest
+
+    @staticmethod
+    def _open_files(tag: str, tag_dir: Path, manifest: dict, verify: bool) -> list[_RankFile]:
+        world = int(manifest["world_size"])
+        missing = [e for e in manifest["files"] if not (tag_dir / e["file"]).is_file()]
+        if missing:
+            listed = ", ".join(f"{e['file']} (rank {e['rank']} of {world})" for e in missing[:4])
+            raise IncompleteCheckpointError(
+                f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} EMA file(s) listed in its manifest: {listed}. "
+                "The folder was copied or pruned partially: restore the file(s) or load another tag"
+            )
+        dtype_name = manifest["dtype"]
+        files = []
+        for e in manifest["files"]:
+            path, rank = tag_dir / e["file"], int(e["rank"])
+            where = f"{path} (rank {rank} of {world})"
+            try:
+                st = _io.SafetensorsFile(path, expected_size=int(e["bytes"]))
+            except _io.PickleFileError as err:
+                raise CorruptCheckpointError(f"{err} [rank {rank} of {world}]") from None
+            except _io.TruncatedFileError as err:
+                raise CorruptCheckpointError(
+                    f"{where} is truncated: {path.stat().st_size} bytes, the manifest records {e['bytes']}. The write or "
+                    f"copy was cut short: restore the file or load another tag ({err})"
+                ) from None
+            except _io.FormatError as err:
+                raise CorruptCheckpointError(f"{where}: {err}") from None
+            if verify and st.header_crc32 != int(e["header_crc32"]):
+                raise CorruptCheckpointError(f"{where}: the header does not match the checksum in the manifest; the file is corrupted")
+            meta = st.metadata
+            if meta.get("format") != _FILE_FORMAT:
+                raise CorruptCheckpointError(f"{where} is not a functional_ema EMA file (format {meta.get('format')!r})")
+            try:
+                fversion = int(meta.get("format_version", ""))
+            except ValueError:
+                raise CorruptCheckpointError(f"{where}: bad format_version {meta.get('format_version')!r}") from None
+            if fversion > FORMAT_VERSION:
+                raise CheckpointVersionError(
+                    f"{where} was written by a newer functional_ema (format version {fversion}; this one reads up to "
+                    f"{FORMAT_VERSION}). Upgrade functional_ema (pip install -U functional-ema)"
+                )
+            for field, want in (("tag", manifest["tag"]), ("step", manifest["step"]), ("num_emas", manifest["num_emas"]),
+                                ("world_size", world), ("rank", rank), ("zero_stage", manifest["zero_stage"]),
+                                ("generation", manifest["generation"]), ("dtype", dtype_name)):
+                if meta.get(field) != str(want):
+                    raise CorruptCheckpointError(
+                        f"{where}: metadata {field}={meta.get(field)!r} but the manifest says {want!r}: the file does not "
+                        "belong to this checkpoint (mixed copies of two saves?)"
+                    )
+            try:
+                layout = ShardLayout.from_json_dict(json.loads(meta["layout"]))
+            except (KeyError, ValueError, TypeError) as err:
+                raise CorruptCheckpointError(f"{where}: unreadable layout metadata ({err!r})") from None
+            dtype = _parse_dtype(dtype_name, where)
+            for k in range(int(manifest["num_emas"])):
+                for n, spec in layout.specs.items():
+                    entry = st.tensors.get(_key(k, n))
+                    if entry is None:
+                        raise CorruptCheckpointError(f"{where} lacks tensor {_key(k, n)!r} (parameter {n!r}, EMA {k})")
+                    if entry.dtype != dtype:
+                        raise CorruptCheckpointError(
+                            f"{where}: dtype mismatch for parameter {n!r} (EMA {k}): the file stores {entry.dtype}, the "
+                            f"manifest says {dtype}. The file was rewritten by another tool; restore it or load another tag"
+                        )
+                    if entry.numel != spec.numel or tuple(spec.shape) != tuple(manifest["params"].get(n, ())):
+                        raise CorruptCheckpointError(
+                            f"{where}: parameter {n!r} (EMA {k}): {entry.numel} elements stored, layout says {spec.numel} of "
+                            f"{spec.shape}, manifest says shape {manifest['params'].get(n)}"
+                        )
+            crcs = e.get("tensor_crc32", {})
+            if verify and set(crcs) != set(st.tensors):
+                raise CorruptCheckpointError(f"{where}: the manifest's checksums name other tensors than the file holds")
+            files.append(_RankFile(rank, st, layout, crcs))
+        return files
+
+    def _check_coverage(self) -> None:
+        for n, shape in self.shapes.items():
+            numel, cursor = math.prod(shape), 0
+            for off, cnt, _ in self.pieces[n]:
+                if off > cursor:
+                    break
+                cursor = max(cursor, off + cnt)
+            if cursor < numel:
+                raise IncompleteCheckpointError(
+                    f"tag {self.tag!r}: the saved pieces of parameter {n!r} {shape} cover only elements [0, {cursor}) of "
+                    f"{numel}; the manifest lists {len(self.files)} rank file(s) of a world size of {self.world_size}"
+                )
+
+    def close(self) -> None:
+        for f in self.files:
+            f.st.close()
+
+    def __enter__(self) -> "_Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- checks
+
+    def check_index(self, index: int) -> None:
+        if not 0 <= int(index) < self.num_emas:
+            raise CheckpointMismatchError(
+                f"index={index}, but tag {self.tag!r} holds {self.num_emas} EMA(s) (valid: 0..{self.num_emas - 1})"
+            )
+
+    def check_model(self, specs: dict[str, ShardSpec]) -> None:
+        saved = self.shapes
+        in_model_only = [n for n in specs if n not in saved]
+        in_ckpt_only = [n for n in saved if n not in specs]
+        bad_shapes = [(n, saved[n], tuple(specs[n].shape)) for n in specs if n in saved and saved[n] != tuple(specs[n].shape)]
+        if not (in_model_only or in_ckpt_only or bad_shapes):
+            return
+        lines = [f"the EMA checkpoint (tag {self.tag!r} in {self.root}, {len(saved)} parameters) does not match this model "
+                 f"({len(specs)} trained parameters):"]
+        if in_model_only:
+            lines.append(f"  in the model but not in the checkpoint: {_short(in_model_only)}")
+        if in_ckpt_only:
+            lines.append(f"  in the checkpoint but not in the model: {_short(in_ckpt_only)}")
+        renamed = [(a, b) for a in in_ckpt_only for b in in_model_only if saved[a] == tuple(specs[b].shape)]
+        if renamed and len(in_model_only) == len(in_ckpt_only):
+            lines.append("  renamed? " + ", ".join(f"{a!r} -> {b!r}" for a, b in renamed[:8]))
+        for n, want, got in bad_shapes[:8]:
+            lines.append(f"  shape of {n!r}: checkpoint {want}, model {got}")
+        lines.append(
+            "Load into the model the EMA was saved from (frozen and not-optimized parameters have no EMA), or rebuild "
+            "the weights with functional_ema.consolidate, adapt them, and start a new EMA with init_ema"
+        )
+        raise CheckpointMismatchError("\n".join(lines))
+
+    # -- reading pieces
+
+    def fill(self, dst: torch.Tensor, k: int, name: str, start: int, numel: int, verify: bool,
+             verifier: _io.Verifier | None = None) -> None:
+        """Write elements ``[start, start + numel)`` of flattened EMA ``k`` of ``name`` into 1-D ``dst``.
+
+        With ``verifier``, CRC checks of whole pieces run in the background (see :func:`_verifying`).
+        """
+        stop, cursor, key = start + numel, start, _key(k, name)
+        for off, cnt, i in self.pieces[name]:
+            if cursor >= stop:
+                break
+            end = off + cnt
+            if end <= cursor:
+                continue
+            if off > cursor:
+                break
+            upto = min(end, stop)
+            f = self.files[i]
+            context = f"[rank {f.rank} of {self.world_size}, parameter {name!r}, EMA {k}, tag {self.tag!r}]"
+            crcs = f.crcs.get(key) if verify else None
+            if verify and crcs is None:
+                raise CorruptCheckpointError(f"{f.st.path}: the manifest has no checksum for tensor {key!r} {context}")
+            out = dst[cursor - start : upto - start]
+            try:
+                if cursor == off and upto == end:
+                    f.st.read_into(key, out, crcs, verifier, context)
+                else:
+                    out.copy_(f.st.read_range(key, cursor - off, upto - off, crcs, context))
+            except _io.FormatError as err:
+                msg = str(err)
+                raise CorruptCheckpointError(msg if context in msg else f"{msg} {context}") from None
+            cursor = upto
+        if cursor < stop:  # _check_coverage makes this unreachable for well-formed manifests
+            raise IncompleteCheckpointError(f"tag {self.tag!r}: elements [{cursor}, {stop}) of {name!r} are in no saved piece")
+
+
+@contextlib.contextmanager
+def _verifying():
+    """A :class:`_io.Verifier` whose background checks finish (and raise) when the block ends."""
+    verifier = _io.Verifier()
+    try:
+        yield verifier
+    except BaseException:
+        with contextlib.suppress(Exception):
+            verifier.wait()  # let the workers finish with the buffers; the first error wins
+        raise
+    try:
+        verifier.wait()
+    except _io.FormatError as err:
+        raise CorruptCheckpointError(str(err)) from None
+
+
+def read_manifest(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> dict:
+    """The validated manifest of a checkpoint (step, num_emas, dtype, schedules, world size, ...).
+
+    Checks that the tag is complete and every rank file is present and well-formed; reads no
+    tensor data. ``tag=None`` follows ``latest`` (or takes ``checkpoint_dir`` as the tag folder
+    when it holds a manifest).
+    """
+    with _Checkpoint.open(checkpoint_dir, tag, verify=True) as ckpt:
+        return dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir))
+
+
+# -------------------------------------------------------------------------------------------- load
+
+
+def load(
+    engine,
+    load_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    verify: bool = True,
+) -> EmaState:
+    """Rebuild this rank's EMA state from a checkpoint written by :func:`save`. Collective.
+
+    Works at any world size and ZeRO stage: when they match the saved ones each rank reads its own
+    file; otherwise each rank reads just the slices of the saved pieces that overlap its new pieces
+    (through ``safetensors.safe_open(...).get_slice``). The step and the EMA dtype are restored as
+    saved (an fp32 EMA stays fp32), and the state is laid out like :func:`functional_ema.init_ema`'s,
+    so :func:`functional_ema.update` keeps its fused path. Call it before or after
+    ``engine.load_checkpoint`` (it only reads the engine's parameter layout).
+
+    Args:
+        engine: the DeepSpeed engine to load for.
+        load_dir: the checkpoint directory (as for ``engine.load_checkpoint``), or a tag folder.
+        tag: the tag; ``None`` reads ``load_dir/latest`` like DeepSpeed.
+        dtype: the EMA dtype you expect; ``None`` accepts the saved one. A different value raises
+            rather than casting silently.
+        verify: check CRC-32s of every byte read (the default; costs about one pass at ~2 GB/s).
+
+    Returns:
+        ``EmaState`` with ``step`` and ``num_emas`` as saved and this rank's pieces.
+
+    Raises:
+        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError,
+        CheckpointVersionError, CheckpointMismatchError: on every rank, with the reason. Nothing on
+        disk is modified.
+
+    Example:
+        >>> engine.load_checkpoint("ckpt")                        # doctest: +SKIP
+        >>> state = fe.load(engine, "ckpt")                       # doctest: +SKIP
+        >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.999)  # doctest: +SKIP
+    """
+    from .deepspeed import local_shards
+
+    layout, group = _world(engine)
+    box: dict[str, Any] = {}
+
+    def run():
+        with _Checkpoint.open(load_dir, tag, verify) as ckpt:
+            ckpt.check_model(layout.specs)
+            if dtype is not None and dtype != ckpt.dtype:
+                raise CheckpointMismatchError(
+                    f"tag {ckpt.tag!r} holds {_dtype_name(ckpt.dtype)} EMAs but dtype={_dtype_name(dtype)} was requested. "
+                    f"Pass dtype=None to restore them as saved ({_dtype_name(ckpt.dtype)}); cast afterwards only if you "
+                    "accept the loss"
+                )
+            if (ckpt.world_size, ckpt.stage) != (layout.world_size, layout.stage):
+                logger.info("functional_ema: resharding EMA saved at world_size=%d stage=%d for world_size=%d stage=%d",
+                            ckpt.world_size, ckpt.stage, layout.world_size, layout.stage)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="keeping the EMA in")  # the 16-bit choice was made at save
+                state = init_ema(local_shards(engine), num_emas=ckpt.num_emas, dtype=ckpt.dtype, step=ckpt.step)
+            with _verifying() as verifier, torch.no_grad():
+                for k in range(ckpt.num_emas):
+                    for n, spec in layout.specs.items():
+                        ckpt.fill(state.emas[k][n].view(-1), k, n, spec.offset, spec.numel, verify, verifier)
+            box["state"] = state
+        return None
+
+    _agree("load", run, group, layout.world_size, layout.rank)
+    return box["state"]
+
+
+# ------------------------------------------------------------------------------------- consolidate
+
+
+def consolidate(
+    checkpoint_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    index: int = 0,
+    verify: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Full EMA weights from a checkpoint, offline: no process group, no GPU, no DeepSpeed engine.
+
+    Args:
+        checkpoint_dir: the checkpoint directory (holding ``latest`` and tag folders), or a tag folder.
+        tag: the tag; ``None`` reads ``checkpoint_dir/latest`` like DeepSpeed's ``zero_to_fp32.py``.
+        index: which EMA (``state.emas[index]`` at save time).
+        verify: check CRC-32s of every byte read.
+
+    Returns:
+        ``{parameter name: tensor of its full shape}`` in the EMA dtype, names as in
+        ``module.named_parameters()`` (trained parameters only: frozen and not-optimized ones have
+        no EMA; load with ``module.load_state_dict(weights, strict=False)``). Bitwise equal to
+        :func:`functional_ema.gather_full` of the saved state. Holds the whole EMA in memory; to
+        write a file with memory near one tensor use :func:`consolidate_to_file` or the CLI.
+
+    Example:
+        >>> weights = fe.consolidate("ckpt")                      # doctest: +SKIP
+        >>> missing, unexpected = model.load_state_dict(weights, strict=False)  # doctest: +SKIP
+    """
+    with _Checkpoint.open(checkpoint_dir, tag, verify) as ckpt:
+        ckpt.check_index(index)
+        out = {}
+        with _verifying() as verifier:
+            for name, shape in ckpt.shapes.items():
+                full = torch.empty(math.prod(shape), dtype=ckpt.dtype)
+                ckpt.fill(full, index, name, 0, full.numel(), verify, verifier)
+                out[name] = full.view(shape)
+        return out
+
+
+def _progress(total: int, enabled: bool | None, desc: str):
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+
+            return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+        except ImportError:  # pragma: no cover - tqdm comes with deepspeed
+            pass
+
+    class _Null:
+        def update(self, n):
+            pass
+
+        def close(self):
+            pass
+
+    return _Null()
+
+
+def consolidate_to_file(
+    checkpoint_dir: str | os.PathLike,
+    out_path: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    index: int = 0,
+    verify: bool = True,
+    progress: bool | None = None,
+) -> Path:
+    """Stream full EMA weights into one safetensors file, holding about one tensor in memory.
+
+    The header (every name, shape and offset, known from the manifest) is written first, then each
+    parameter is assembled from its saved pieces and written before the next one is read. Peak
+    memory is the largest single parameter in the EMA dtype, plus a few 4 MiB checksum chunks when a
+    piece is read partially (never the whole model); the output goes through the OS page cache. The
+    file appears atomically at ``out_path`` when complete (temporary file, fsync, rename).
+    Measured: a 256 MiB EMA of eight 32 MiB parameters, saved by 2 ranks on ZeRO-3, consolidates
+    with a peak RSS 36 MiB above the bare interpreter's (``consolidate()`` of the same: +259 MiB).
+
+    Args:
+        checkpoint_dir, tag, index, verify: as for :func:`consolidate`.
+        out_path: the ``.safetensors`` file to write (replaced if it exists).
+        progress: show a progress bar; ``None`` shows one when stderr is a terminal.
+
+    Returns:
+        ``out_path``. Its metadata records the source tag, step, EMA index and schedule; its names
+        are the module's parameter names, so ``safetensors.torch.load_file`` then
+        ``module.load_state_dict(..., strict=False)`` restores the EMA weights.
+
+    Example:
+        >>> fe.consolidate_to_file("ckpt", "ema.safetensors")     # doctest: +SKIP
+
+    Command line: ``python -m functional_ema consolidate ckpt ema.safetensors [--tag T] [--index K]``.
+    """
+    out_path = Path(out_path)
+    with _Checkpoint.open(checkpoint_dir, tag, verify) as ckpt:
+        ckpt.check_index(index)
+        schedules = ckpt.manifest.get("schedules")
+        meta = {
+            "format": _CONSOLIDATED_FORMAT,
+            "format_version": str(FORMAT_VERSION),
+            "library": f"functional_ema {_version()}",
+            "tag": ckpt.tag,
+            "step": str(ckpt.step),
+            "ema_index": str(index),
+            "schedule": json.dumps(schedules[index] if schedules else None),
+            "saved_world_size": str(ckpt.world_size),
+            "saved_zero_stage": str(ckpt.stage),
+        }
+        entries = [(name, ckpt.dtype, shape) for name, shape in ckpt.shapes.items()]
+        itemsize = torch.empty((), dtype=ckpt.dtype).element_size()
+        total = sum(math.prod(s) for s in ckpt.shapes.values()) * itemsize
+        bar = _progress(total, progress, f"consolidate {ckpt.tag}")
+        try:
+            with _io.StreamingWriter(out_path, entries, meta, checksums=False) as w:
+                for name, shape in ckpt.shapes.items():
+                    full = torch.empty(math.prod(shape), dtype=ckpt.dtype)
+                    with _verifying() as verifier:  # input CRCs are checked during the write; a mismatch aborts
+                        ckpt.fill(full, index, name, 0, full.numel(), verify, verifier)
+                        w.write(name, full)
+                    bar.update(full.numel() * itemsize)
+                    del full
+                w.commit()
+        finally:
+            bar.close()
+    return out_path
