@@ -35,6 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--decay", type=float, default=0.99, help="EMA decay after warm-up")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", default="runs/demo", help="checkpoint folder")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out (weights, optimizer and EMA)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     return p.parse_args(argv)
 
@@ -93,6 +94,11 @@ def main(args) -> None:
     # The EMA: fp32, 1/world_size of the model per rank, from the fp32 master partitions.
     schedule = fe.schedules.warmup(max_decay=args.decay, power=3 / 4)
     state = fe.init_ema(fe.local_shards(engine))
+    if args.resume and (Path(args.out) / "latest").exists():
+        engine.load_checkpoint(args.out)
+        state = fe.load(engine, args.out)  # this rank's EMA pieces, resharded if the world size changed
+        if rank == 0:
+            print(f"resumed from {args.out} at step {engine.global_steps} (EMA step {int(state.step)})")
     n_local = sum(t.numel() for t in state.ema.values())
     n_total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
     if rank == 0:
@@ -107,6 +113,7 @@ def main(args) -> None:
     g = torch.Generator().manual_seed(100 + rank)
     t0 = time.perf_counter()
     update_time = 0.0
+    last = engine.global_steps + args.steps
     for _ in range(args.steps):
         idx = torch.randint(0, x_train.shape[0], (16,), generator=g)
         x, y = x_train[idx].to(engine.device, dtype), y_train[idx].to(engine.device)
@@ -117,7 +124,7 @@ def main(args) -> None:
         state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=schedule)
         update_time += time.perf_counter() - u0
         step = engine.global_steps
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % args.eval_every == 0 or step == last:
             engine.eval()
             raw = val_loss()
             with fe.swapped(engine, state):
