@@ -18,6 +18,8 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
+from .posthoc import _add_posthoc
+
 
 def _add_consolidate(subparsers) -> None:
     p = subparsers.add_parser(
@@ -63,7 +65,7 @@ def _run_consolidate(args) -> int:
     return 0
 
 
-_COMMANDS: list[Callable] = [_add_consolidate]
+_COMMANDS: list[Callable] = [_add_consolidate, _add_posthoc]
 
 
 def build_parser() -> argparse.ArgumentParser:

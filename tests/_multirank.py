@@ -88,25 +88,31 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
 def _child() -> None:
     args = json.loads(Path(sys.argv[1]).read_text())
     result_path = Path(os.environ["FE_RESULT"])
+    code = 0
     try:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
         mod_name, fn_name = args["target"].split(":")
         fn = getattr(importlib.import_module(mod_name), fn_name)
-        result = fn(**args["kwargs"])
-        result_path.write_text(json.dumps({"result": result}))
+        payload = {"result": fn(**args["kwargs"])}
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        result_path.write_text(json.dumps({"error": traceback.format_exc()}))
-        raise SystemExit(1)
-    finally:
-        try:
-            import torch.distributed as dist
+        payload, code = {"error": traceback.format_exc()}, 1
+    try:
+        import torch.distributed as dist
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    tmp = result_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    tmp.replace(result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: DeepSpeed's native threads occasionally abort there
+    # ("terminate called without an active exception") after all the work is done.
+    os._exit(code)
 
 
 # ------------------------------------------------------------------------------------ test models

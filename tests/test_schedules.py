@@ -1,0 +1,174 @@
+"""Decay schedules: known values, round trips, compounded forms, and argument errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from functional_ema import schedules
+
+# ------------------------------------------------------------------------------ power / sigma_rel
+
+
+@pytest.mark.parametrize(
+    "sigma_rel, gamma",
+    [(0.05, 16.972198602303447), (0.10, 6.937203937601809)],
+)
+def test_sigma_rel_to_gamma_known_values(sigma_rel, gamma):
+    assert schedules.sigma_rel_to_gamma(sigma_rel) == pytest.approx(gamma, rel=1e-13)
+    assert schedules.power(sigma_rel=sigma_rel).gamma == pytest.approx(gamma, rel=1e-13)
+    assert schedules.gamma_to_sigma_rel(gamma) == pytest.approx(sigma_rel, rel=1e-13)
+
+
+def test_gamma_to_sigma_rel_formula():
+    # sigma_rel = sqrt((g + 1) / ((g + 2)^2 (g + 3))), by hand at g = 1: sqrt(2 / 36).
+    assert schedules.gamma_to_sigma_rel(1.0) == pytest.approx(math.sqrt(2.0 / 36.0), rel=1e-15)
+    # gamma = 0 is a uniform average: 1/sqrt(12).
+    assert schedules.gamma_to_sigma_rel(0.0) == pytest.approx(12.0**-0.5, rel=1e-15)
+
+
+def test_power_beta_known_values():
+    s = schedules.power(gamma=6.94)
+    assert s(10) == pytest.approx(0.43319708437114385, rel=1e-14)
+    assert s(1000) == pytest.approx(0.9920874973147553, rel=1e-14)
+    assert s(1) == 0.0  # the first update replaces the EMA by the weights
+    # By hand: (1 - 1/t) ** (gamma + 1).
+    assert s(10) == pytest.approx(0.9**7.94, rel=1e-15)
+
+
+@pytest.mark.parametrize("gamma", [0.05, 1.0, 6.94, 16.97, 97.0, 1000.0])
+def test_gamma_round_trip(gamma):
+    assert schedules.sigma_rel_to_gamma(schedules.gamma_to_sigma_rel(gamma)) == pytest.approx(gamma, rel=1e-11)
+
+
+@pytest.mark.parametrize("sigma_rel", [0.001, 0.01, 0.05, 0.075, 0.1, 0.15, 0.25, 0.28])
+def test_sigma_rel_round_trip(sigma_rel):
+    g = schedules.sigma_rel_to_gamma(sigma_rel)
+    assert g > 0
+    assert schedules.gamma_to_sigma_rel(g) == pytest.approx(sigma_rel, rel=1e-12)
+
+
+def test_power_describe_and_sigma_rel_property():
+    s = schedules.power(sigma_rel=0.1)
+    d = s.describe()
+    assert d["kind"] == "power"
+    assert d["gamma"] == s.gamma
+    assert d["sigma_rel"] == pytest.approx(0.1, rel=1e-12)
+
+
+# --------------------------------------------------------------------------------- compounding
+
+
+def _product(s, start, stop):
+    out = 1.0
+    for t in range(start + 1, stop + 1):
+        out *= s(t)
+    return out
+
+
+@pytest.mark.parametrize(
+    "sched",
+    [schedules.power(gamma=6.94), schedules.power(sigma_rel=0.05), schedules.constant(0.999), schedules.half_life(37.5)],
+    ids=["power_g6.94", "power_s0.05", "constant", "half_life"],
+)
+@pytest.mark.parametrize("start, stop", [(0, 0), (0, 1), (0, 7), (1, 2), (5, 13), (100, 164), (999, 1000), (1000, 3000)])
+def test_interval_closed_form_matches_product(sched, start, stop):
+    assert sched.interval(start, stop) == pytest.approx(_product(sched, start, stop), rel=1e-11, abs=1e-300)
+
+
+def test_power_interval_closed_form_values():
+    s = schedules.power(gamma=3.0)
+    assert s.interval(50, 100) == pytest.approx(0.5**4, rel=1e-15)  # (t0 / t1) ** (gamma + 1)
+    assert s.interval(0, 10) == 0.0
+    assert s.interval(7, 7) == 1.0
+
+
+def test_constant_and_half_life_values():
+    assert schedules.constant(0.9).interval(3, 5) == pytest.approx(0.81, rel=1e-15)
+    h = schedules.half_life(10)
+    assert h(1) == pytest.approx(0.5**0.1, rel=1e-15)
+    assert h.interval(0, 10) == pytest.approx(0.5, rel=1e-15)
+    assert h.interval(20, 50) == pytest.approx(0.125, rel=1e-15)
+
+
+# ------------------------------------------------------------------------------ litema / warmup
+
+
+def test_litema_hand_values():
+    s = schedules.litema(0.9999)
+    assert s(0) == pytest.approx(1 / 10)
+    assert s(5) == pytest.approx(6 / 15)
+    assert s(10**6) == 0.9999  # capped
+    assert schedules.litema(0.3)(5) == 0.3
+    assert s.interval(0, 3) == pytest.approx((2 / 11) * (3 / 12) * (4 / 13), rel=1e-15)
+    assert s.interval(4, 4) == 1.0
+
+
+def test_warmup_default_hand_values():
+    w = schedules.warmup()  # inv_gamma=1, power=2/3, max 0.9999
+    assert w(0) == 0.0 and w(1) == 0.0  # s = t - 1 <= 0: the EMA is the weights
+    assert w(2) == pytest.approx(1 - 2 ** (-2 / 3), rel=1e-15)
+    assert w(3) == pytest.approx(1 - 3 ** (-2 / 3), rel=1e-15)
+    assert w(11) == pytest.approx(1 - 11 ** (-2 / 3), rel=1e-15)
+    assert w(10**9) == 0.9999
+    assert w.interval(1, 3) == pytest.approx((1 - 2 ** (-2 / 3)) * (1 - 3 ** (-2 / 3)), rel=1e-15)
+
+
+def test_warmup_parameters_hand_values():
+    w = schedules.warmup(inv_gamma=2.0, power=0.5, min_decay=0.2, max_decay=0.6, start_step=3)
+    assert w(3) == 0.0 and w(4) == 0.0  # s = t - 3 - 1 <= 0
+    assert w(5) == 0.2  # s = 1: 1 - 1.5 ** -0.5 = 0.1835, clamped up to min_decay
+    assert w(6) == pytest.approx(1 - 2**-0.5, rel=1e-15)  # s = 2
+    assert w(7) == pytest.approx(1 - 2.5**-0.5, rel=1e-15)  # s = 3
+    assert w(20) == 0.6  # s = 16: 1 - 9 ** -0.5 = 0.667, clamped to max_decay
+    assert w.describe()["start_step"] == 3
+
+
+# ------------------------------------------------------------------------- as_schedule / helpers
+
+
+def test_as_schedule_and_interval_decay():
+    assert schedules.as_schedule(0.9)(5) == 0.9
+    p = schedules.power(gamma=2.0)
+    assert schedules.as_schedule(p) is p
+    f = schedules.as_schedule(lambda t: 0.5)
+    assert f.interval(0, 3) == 0.125
+    assert schedules.interval_decay(0.5, 2, 4) == 0.25
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: schedules.power(), "exactly one"),
+        (lambda: schedules.power(1.0, sigma_rel=0.1), "exactly one"),
+        (lambda: schedules.power(gamma=0.0), "gamma > 0"),
+        (lambda: schedules.power(gamma=-0.5), "gamma > 0"),
+        (lambda: schedules.power(sigma_rel=0.0), "sigma_rel must be in"),
+        (lambda: schedules.power(sigma_rel=0.29), "sigma_rel must be in"),
+        (lambda: schedules.sigma_rel_to_gamma(-0.1), "sigma_rel must be in"),
+        (lambda: schedules.gamma_to_sigma_rel(-1.0), "gamma must be > -1"),
+        (lambda: schedules.constant(1.5), "decay must be in"),
+        (lambda: schedules.constant(-0.1), "decay must be in"),
+        (lambda: schedules.litema(2.0), "decay must be in"),
+        (lambda: schedules.half_life(0), "steps > 0"),
+        (lambda: schedules.warmup(inv_gamma=0.0), "inv_gamma > 0"),
+        (lambda: schedules.warmup(power=-1.0), "power > 0"),
+        (lambda: schedules.warmup(min_decay=0.9, max_decay=0.5), "larger than max_decay"),
+        (lambda: schedules.power(gamma=1.0)(0), "steps >= 1"),
+        (lambda: schedules.power(gamma=1.0).interval(5, 3), "start <= stop"),
+        (lambda: schedules.constant(0.5).interval(-1, 3), "start <= stop"),
+        (lambda: schedules.interval_decay(lambda t: 1.5, 0, 1), "must be in"),
+    ],
+)
+def test_bad_arguments_raise_value_error(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_as_schedule_rejects_non_decays():
+    with pytest.raises(TypeError, match="decay must be"):
+        schedules.as_schedule("0.9")
