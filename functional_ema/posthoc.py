@@ -70,8 +70,7 @@ or on disk, one safetensors file per rank per snapshot (DeepSpeed, any ZeRO stag
     posthoc.plot_profile(gammas, steps, "profile.png", sigma_rel=0.15)  # how faithful it is
 
 Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors
-[--step S] [--plot profile.png]``, once ``functional_ema.__main__`` lists :func:`_add_posthoc` in
-its ``_COMMANDS``; until then :func:`posthoc_to_file` does the same from Python.
+[--step S] [--plot profile.png]`` (:func:`posthoc_to_file` from Python).
 """
 
 from __future__ import annotations
