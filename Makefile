@@ -24,7 +24,8 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/bench_update.py
+	$(PY) benchmarks/bench_checkpoint.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
