@@ -10,49 +10,29 @@ from __future__ import annotations
 
 import itertools
 import warnings
-import weakref
-from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import optree
 import torch
 
+from . import _plan
+from ._plan import _storage_key
+from ._plan import own as _own
+from ._plan import owned_base as _owned_base
 from ._state import EmaState
-from ._tree import TreeMismatchError, check_same_tree, flatten_named
+from ._tree import check_same_tree, flatten_named
 from .schedules import DecayLike, interval_decay
 
-__all__ = ["init_ema", "update", "ema_nbytes"]
+__all__ = ["ema_nbytes", "init_ema", "update"]
 
 # Two leaves of one source buffer stay in one fused run while the gap between them is at most this
 # many elements (ZeRO-3 pads each partition to ceil(numel / world_size); ZeRO-1/2 align groups).
 # The EMA mirrors the gap, so this bounds the wasted EMA memory per gap.
 _MAX_GAP = 4096
-# With several EMAs the weights are streamed in chunks small enough to stay in cache while every EMA
-# reads them, so memory traffic is 4 + 8K bytes per element instead of 12K.
-_CHUNK_ELEMENTS = 1 << 16
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-
-# Flat EMA buffers allocated here, by id -> weakref. A fused update writes a whole span of such a
-# buffer, including the alignment gaps between leaves; it never does that to memory it did not make.
-_OWNED: dict[int, weakref.ref] = {}
-
-
-def _own(buf: torch.Tensor) -> torch.Tensor:
-    key = id(buf)
-    _OWNED[key] = weakref.ref(buf, lambda _r, key=key: _OWNED.pop(key, None))
-    return buf
-
-
-def _owned_base(t: torch.Tensor) -> torch.Tensor | None:
-    base = t._base if t._base is not None else t
-    ref = _OWNED.get(id(base))
-    return base if ref is not None and ref() is base else None
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.dtype, t.untyped_storage().data_ptr())
 
 
 # --------------------------------------------------------------------------------------------- init
@@ -78,7 +58,10 @@ def init_ema(
             ``(1 - decay) * (x - ema)`` is below bf16 resolution and the EMA stops moving.
         device: where the EMA lives; defaults to each shard's device (with ZeRO-Offload that is
             already the CPU).
-        pin_memory: allocate CPU EMAs in pinned memory (for GPU training with a CPU EMA).
+        pin_memory: allocate CPU EMAs in pinned memory. For GPU training with ``device="cpu"``:
+            :func:`update` then copies the weights to the host chunk by chunk on a side CUDA stream,
+            overlapped with the CPU update of the previous chunk. Ignored when CUDA is not
+            available (there is nothing to transfer from).
         step: the training step the EMAs correspond to (0 at the start of training).
 
     Returns:
@@ -112,7 +95,10 @@ def init_ema(
         for run in _mirror_runs(leaves):
             target = torch.device(device) if device is not None else leaves[run.members[0]].device
             span = run.stop - run.start
-            base = torch.zeros(num_emas * span, dtype=dtype, device=target, pin_memory=pin_memory and target.type == "cpu")
+            # Pinning needs a CUDA runtime; without one there is no device-to-host copy to speed up.
+            pin = pin_memory and target.type == "cpu" and torch.cuda.is_available()
+            # The K EMAs of a run share one buffer, EMA k at [k * span, (k + 1) * span).
+            base = torch.zeros(num_emas * span, dtype=dtype, device=target, pin_memory=pin)
             _own(base)
             for i, rel in zip(run.members, run.rel_offsets):
                 leaf = leaves[i]
@@ -205,9 +191,17 @@ def update(
 
     ``d`` is the decay compounded over the steps since the last update,
     ``d = prod_{s = state.step + 1}^{step} beta(s)`` (``beta ** N`` for a constant decay updated
-    every N steps; see :mod:`functional_ema.schedules`). The update is one ``lerp_`` per flat
-    source buffer when the state came from :func:`init_ema` on the same buffers, one per tensor
-    otherwise; both give bitwise the same numbers. It never communicates.
+    every N steps; see :mod:`functional_ema.schedules`). It never communicates.
+
+    Speed: when the state came from :func:`init_ema` on views of a few flat buffers (DeepSpeed's
+    ZeRO partitions), the update is one ``lerp_`` per flat buffer, and several EMAs are updated
+    chunk by chunk so the weights are read from memory once. Other trees are updated per tensor,
+    one ``torch._foreach_lerp_`` per (device, dtype). All paths give bitwise the numbers of
+    ``ema.lerp_(shard, 1 - d)`` per tensor. The plan is cached by tensor identity: calling again
+    with the same tensor objects (e.g. ``local_shards(engine)`` every step) costs ~0.2 us per
+    tensor on top of the arithmetic (~0.5 us right after a large update, with cold caches); new
+    tensor objects (or replaced EMA tensors) are re-planned, ~10 us per tensor. ``module.to(...)``-style rebinding of the weights' ``.data`` is detected; rebinding
+    ``.data`` of a single view inside a flat buffer, or of an EMA tensor, is not: pass new tensors.
 
     Args:
         state: from :func:`init_ema` (or :func:`functional_ema.load`).
@@ -218,7 +212,7 @@ def update(
             ``state.num_emas`` of them when the state tracks several EMAs.
         inplace: ``True`` (default) writes into the state's buffers and returns a state sharing
             them (the old state is updated too, as in torchopt); ``False`` leaves ``state``
-            untouched and returns fresh tensors.
+            untouched and returns new buffers with the same layout (so they update fused too).
 
     Returns:
         The new state, with ``step`` set to ``step``.
@@ -226,30 +220,62 @@ def update(
     Raises:
         TreeMismatchError: names or shapes of ``shards`` differ from the state's.
         ValueError: ``step`` is not after ``state.step``, or the number of decays is wrong.
+
+    Example:
+        >>> import torch, functional_ema as fe
+        >>> w = {"a": torch.ones(2), "b": torch.ones(3)}
+        >>> state = fe.init_ema(w, num_emas=2)
+        >>> state = fe.update(state, {"a": torch.zeros(2), "b": torch.zeros(3)}, decay=(0.5, 0.75))
+        >>> state.emas[0]["a"], state.emas[1]["a"]
+        (tensor([0.5000, 0.5000]), tensor([0.7500, 0.7500]))
     """
-    last = int(state.step)
+    # Right after a large update the caches are cold and every distinct call here costs tens of
+    # microseconds, so the common path is kept short: one cache lookup, plain-float decays
+    # inlined, the step counter read and written through a cached numpy view, and the lerps run
+    # without a no_grad context (the plan's tensors are detached).
+    decays = _decays_for(state, decay)
+    if not inplace:
+        _next_step(int(state.step), step)  # fail before copying anything
+        # Copy the buffers (keeping their layout), then update the copy in place below.
+        state = EmaState(state.step.clone(), _clone_emas(state.emas))
+
+    key = _plan.cache_key(state.emas, shards)
+    plan = _plan.lookup(key)
+    if plan is None:  # first call with these tensors (or they changed): check the trees, plan
+        plan = _new_plan(state, shards, key)
+    counter = plan.step_array(state.step)
+    last = int(state.step) if counter is None else int(counter)
+    step = _next_step(last, step)
+    weights = [
+        1.0 - d ** (step - last) if type(d) is float and 0.0 <= d <= 1.0 else 1.0 - interval_decay(d, last, step)
+        for d in decays
+    ]
+    plan.run(weights)
+    if counter is None:
+        state.step.fill_(step)
+    else:
+        counter.fill(step)
+    return state
+
+
+def _next_step(last: int, step: int | None) -> int:
     step = last + 1 if step is None else int(step)
     if step <= last:
         raise ValueError(f"update(step={step}) must come after the state's step {last}; steps must increase")
-    decays = _decays_for(state, decay)
-    weights = [1.0 - interval_decay(d, last, step) for d in decays]
+    return step
 
+
+def _new_plan(state: EmaState, shards: Any, key: _plan.Key) -> _plan.Plan:
     src_names, src, src_spec = flatten_named(shards, "shards")
     ema_lists = []
     for k, ema in enumerate(state.emas):
-        names, leaves, spec = flatten_named(ema, "state.emas[%d]" % k)
+        names, leaves, spec = flatten_named(ema, f"state.emas[{k}]")
         check_same_tree(names, spec, src_names, src_spec)
         ema_lists.append(leaves)
-    plan = _plan_for(ema_lists, src, src_names)
-
     with torch.no_grad():
-        if inplace:
-            _apply_inplace(plan, ema_lists, src, weights)
-            state.step.fill_(step)
-            return state
-        new_lists = _apply_out_of_place(plan, ema_lists, src, weights)
-    emas = tuple(optree.tree_unflatten(src_spec, leaves) for leaves in new_lists)
-    return EmaState(torch.tensor(step, dtype=torch.int64), emas)
+        plan = _plan.build_plan(ema_lists, src, src_names)
+    _plan.remember(key, plan, src, [t for leaves in ema_lists for t in leaves])
+    return plan
 
 
 def _decays_for(state: EmaState, decay) -> list:
@@ -263,201 +289,19 @@ def _decays_for(state: EmaState, decay) -> list:
     return [decay]
 
 
-@dataclass
-class _FusedRun:
-    """One lerp over ``length`` elements: source span at ``src_start`` of leaf ``src_rep``'s
-    storage, EMA k's span at ``ema_starts[k]`` of leaf ``ema_reps[k]``'s storage."""
+def _clone_emas(emas: tuple) -> tuple:
+    """Copies of the EMA trees; leaves of one owned buffer become views of one copied buffer."""
+    copies: dict[int, torch.Tensor] = {}
 
-    members: list[int]
-    src_rep: int
-    src_start: int
-    length: int
-    ema_reps: list[int]
-    ema_starts: list[int]
-
-
-@dataclass
-class _Plan:
-    fused: list[_FusedRun]
-    single: list[int]  # leaves updated one by one
-    src_refs: list[weakref.ref]
-    ema_refs: list[list[weakref.ref]]
-
-    def matches(self, ema_lists, src) -> bool:
-        if len(src) != len(self.src_refs) or len(ema_lists) != len(self.ema_refs):
-            return False
-        for ref, t in zip(self.src_refs, src):
-            if ref() is not t:
-                return False
-        for refs, leaves in zip(self.ema_refs, ema_lists):
-            for ref, t in zip(refs, leaves):
-                if ref() is not t:
-                    return False
-        return True
-
-
-_PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
-_MAX_PLANS = 32
-
-
-def _plan_for(ema_lists: list[list[torch.Tensor]], src: list[torch.Tensor], names: list[str]) -> _Plan:
-    key = (id(src[0]) if src else 0, id(ema_lists[0][0]) if src else 0, len(src), len(ema_lists))
-    plan = _PLANS.get(key)
-    if plan is not None and plan.matches(ema_lists, src):
-        _PLANS.move_to_end(key)
-        return plan
-    plan = _build_plan(ema_lists, src, names)
-    _PLANS[key] = plan
-    while len(_PLANS) > _MAX_PLANS:
-        _PLANS.popitem(last=False)
-    return plan
-
-
-def _build_plan(ema_lists, src, names) -> _Plan:
-    for i, (name, s) in enumerate(zip(names, src)):
-        for k, leaves in enumerate(ema_lists):
-            e = leaves[i]
-            if e.shape != s.shape:
-                raise TreeMismatchError(
-                    f"shards[{name!r}] has shape {tuple(s.shape)} but the EMA (emas[{k}]) has {tuple(e.shape)}; "
-                    "was the state made from another model or world size? (functional_ema.load reshards)"
-                )
-            if e.device != s.device and e.device.type != "cpu":
-                raise ValueError(f"shards[{name!r}] is on {s.device} but its EMA is on {e.device}")
-    # Group leaves whose source and every EMA sit in one buffer each, at a constant offset apart.
-    groups: dict[tuple, list[int]] = {}
-    single: list[int] = []
-    for i, s in enumerate(src):
-        es = [leaves[i] for leaves in ema_lists]
-        fusable = (
-            s.numel() > 0
-            and s.is_contiguous()
-            and all(e.is_contiguous() and e.dtype == s.dtype and e.device == s.device for e in es)
-        )
-        bases = [_owned_base(e) for e in es] if fusable else []
-        if not fusable or any(b is None for b in bases):
-            single.append(i)
-            continue
-        key = (_storage_key(s),) + tuple(
-            (id(b), e.storage_offset() - s.storage_offset()) for b, e in zip(bases, es)
-        )
-        groups.setdefault(key, []).append(i)
-    fused: list[_FusedRun] = []
-    for key, members in groups.items():
-        if len(members) == 1:
-            single.extend(members)
-            continue
-        start = min(src[i].storage_offset() for i in members)
-        stop = max(src[i].storage_offset() + src[i].numel() for i in members)
-        ema_starts, ok = [], True
-        for (base_id, delta), leaves in zip(key[1:], ema_lists):
-            base = _owned_base(leaves[members[0]])
-            lo, hi = start + delta, stop + delta
-            if lo < base.storage_offset() or hi > base.storage_offset() + base.numel():
-                ok = False
-            ema_starts.append(lo)
-        if ok:
-            fused.append(_FusedRun(members, members[0], start, stop - start, [members[0]] * len(ema_lists), ema_starts))
-        else:
-            single.extend(members)
-    # A fused run writes its whole span, gaps included: if spans of two runs (or a run and a leaf
-    # updated on its own) overlap in one EMA buffer, e.g. after names were shuffled, fall back.
-    unsafe = _overlapping(fused, ema_lists, single)
-    if unsafe:
-        keep = []
-        for r_idx, run in enumerate(fused):
-            if r_idx in unsafe:
-                single.extend(run.members)
-            else:
-                keep.append(run)
-        fused = keep
-    single.sort()
-    return _Plan(
-        fused,
-        single,
-        [weakref.ref(t) for t in src],
-        [[weakref.ref(t) for t in leaves] for leaves in ema_lists],
-    )
-
-
-def _overlapping(fused, ema_lists, single) -> set[int]:
-    spans = []  # (base id, lo, hi, run index or -1)
-    for r_idx, run in enumerate(fused):
-        for k, leaves in enumerate(ema_lists):
-            base = _owned_base(leaves[run.ema_reps[k]])
-            spans.append((id(base), run.ema_starts[k], run.ema_starts[k] + run.length, r_idx))
-    for i in single:
-        for leaves in ema_lists:
-            e = leaves[i]
-            base = _owned_base(e)
-            if base is not None and e.numel():
-                spans.append((id(base), e.storage_offset(), e.storage_offset() + e.numel(), -1))
-    spans.sort()
-    unsafe: set[int] = set()
-    for a, b in zip(spans, spans[1:]):
-        if a[0] == b[0] and b[1] < a[2]:
-            unsafe.update(x for x in (a[3], b[3]) if x >= 0)
-    return unsafe
-
-
-def _span(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    return t.as_strided((length,), (1,), start)
-
-
-def _lerp_k(emas: list[torch.Tensor], src: torch.Tensor, weights: list[float]) -> None:
-    """``emas[k].lerp_(src, weights[k])`` for all k, reading ``src`` once from memory."""
-    if len(emas) == 1:
-        emas[0].lerp_(src, weights[0])
-        return
-    n = src.numel()
-    for lo in range(0, n, _CHUNK_ELEMENTS):
-        m = min(_CHUNK_ELEMENTS, n - lo)
-        s = src.narrow(0, lo, m)
-        for e, w in zip(emas, weights):
-            e.narrow(0, lo, m).lerp_(s, w)
-
-
-def _apply_inplace(plan: _Plan, ema_lists, src, weights) -> None:
-    for run in plan.fused:
-        s = _span(src[run.src_rep], run.src_start, run.length)
-        es = [_span(leaves[r], st, run.length) for leaves, r, st in zip(ema_lists, run.ema_reps, run.ema_starts)]
-        _lerp_k(es, s, weights)
-    for i in plan.single:
-        s = src[i]
-        for leaves, w in zip(ema_lists, weights):
-            e = leaves[i]
-            e.lerp_(s.to(device=e.device, dtype=e.dtype), w)
-
-
-def _apply_out_of_place(plan: _Plan, ema_lists, src, weights) -> list[list[torch.Tensor]]:
-    # Fresh buffers shaped like the old ones keep the mirrored layout, so the next update is fused too.
-    new_bases: dict[int, torch.Tensor] = {}
-
-    def fresh(e: torch.Tensor) -> torch.Tensor | None:
-        base = _owned_base(e)
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        base = _owned_base(t)
         if base is None:
-            return None
-        nb = new_bases.get(id(base))
-        if nb is None:
-            nb = new_bases[id(base)] = _own(torch.empty_like(base))
-        return nb.as_strided(e.shape, e.stride(), e.storage_offset() - base.storage_offset() + nb.storage_offset())
+            return t.detach().clone()
+        new = copies.get(id(base))
+        if new is None:
+            new = torch.empty(base.shape, dtype=base.dtype, device=base.device, pin_memory=base.is_pinned())
+            new = copies[id(base)] = _own(new.copy_(base))
+        return new.as_strided(t.size(), t.stride(), t.storage_offset() - base.storage_offset())
 
-    new_lists = [[fresh(e) for e in leaves] for leaves in ema_lists]
-    for run in plan.fused:
-        s = _span(src[run.src_rep], run.src_start, run.length)
-        for k, leaves in enumerate(ema_lists):
-            rep = run.ema_reps[k]
-            old = _span(leaves[rep], run.ema_starts[k], run.length)
-            # Same place in the fresh buffer: shift by the difference of the two leaf views.
-            shift = new_lists[k][rep].storage_offset() - leaves[rep].storage_offset()
-            torch.lerp(old, s, weights[k], out=_span(new_lists[k][rep], run.ema_starts[k] + shift, run.length))
-    for i in plan.single:
-        s = src[i]
-        for k, leaves in enumerate(ema_lists):
-            e = leaves[i]
-            val = torch.lerp(e, s.to(device=e.device, dtype=e.dtype), weights[k])
-            if new_lists[k][i] is None:
-                new_lists[k][i] = val
-            else:
-                new_lists[k][i].copy_(val)
-    return new_lists
+    with torch.no_grad():
+        return tuple(optree.tree_map(clone, e, none_is_leaf=False) for e in emas)
