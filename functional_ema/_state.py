@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import optree
 import torch
 
 __all__ = ["EmaState"]
@@ -54,4 +53,6 @@ class EmaState(NamedTuple):
         return EmaState(self.step, tuple(dict(e) for e in self.emas))
 
     def __deepcopy__(self, memo) -> "EmaState":
-        return optree.tree_map(lambda t: t.clone(), self, namespace="functional_ema")
+        from ._core import _clone_emas  # keeps the flat layout, so the copy updates fused too
+
+        return EmaState(self.step.clone(), _clone_emas(self.emas))

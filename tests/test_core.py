@@ -466,3 +466,22 @@ def test_real_zero_buffers_fused_and_memory():
             assert rep["fused_runs"] == rep["flat_buffers"] == 1, (where, rep)
             local_bytes = 4 * 2 * rep["local_numel"]  # K = 2 EMAs, fp32
             assert local_bytes <= rep["ema_nbytes"] <= 1.01 * local_bytes, (where, rep)
+
+
+def test_fp32_ema_keeps_moving_where_bf16_stalls():
+    """Decay 0.9999 under steady drift: the per-step change (1 - d) * (x - ema) is below bf16 resolution."""
+    w = {"w": torch.full((8,), 0.25)}
+    fp32 = fe.init_ema(w)
+    with pytest.warns(UserWarning, match="stalls"):
+        bf16 = fe.init_ema(w, dtype=torch.bfloat16)
+    for t in range(1, 10_001):
+        w["w"].fill_(0.25 + 1e-3 * t)  # steady drift to 10.25
+        fp32 = fe.update(fp32, w, decay=0.9999)
+        bf16 = fe.update(bf16, w, decay=0.9999)
+        if t == 9_000:
+            # bf16 has not moved at all: 1e-4 * (x - ema) < half a bf16 ulp at 0.25 (9.8e-4).
+            assert bf16.ema["w"][0].item() == 0.25
+            assert fp32.ema["w"][0].item() > 3.0
+    # A continuous EMA of the ramp lags by tau * (1 - e^-1) = 6321 steps: 0.25 + 10 - 6.321 = 3.93.
+    assert fp32.ema["w"][0].item() == pytest.approx(3.93, abs=0.01)
+    assert bf16.ema["w"][0].item() < 0.5  # it starts creeping only once x - ema exceeds ~9.8
