@@ -85,6 +85,12 @@ def init_ema(
             "16-bit EMA stalls. Use dtype=torch.float32 (the default) unless memory forces otherwise.",
             stacklevel=2,
         )
+    return _allocate(shards, num_emas, dtype, device, pin_memory, step, copy_values=True)
+
+
+def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values: bool) -> EmaState:
+    """The state's buffers laid out like ``shards``; filled with their values when ``copy_values``,
+    else uninitialised (for :func:`functional_ema.load`, which overwrites every value)."""
     names, leaves, spec = flatten_named(shards)
     for name, leaf in zip(names, leaves):
         if not leaf.is_floating_point():
@@ -98,13 +104,15 @@ def init_ema(
             # Pinning needs a CUDA runtime; without one there is no device-to-host copy to speed up.
             pin = pin_memory and target.type == "cpu" and torch.cuda.is_available()
             # The K EMAs of a run share one buffer, EMA k at [k * span, (k + 1) * span).
-            base = torch.zeros(num_emas * span, dtype=dtype, device=target, pin_memory=pin)
+            alloc = torch.zeros if copy_values else torch.empty  # zeros keep the mirrored gaps clean
+            base = alloc(num_emas * span, dtype=dtype, device=target, pin_memory=pin)
             _own(base)
             for i, rel in zip(run.members, run.rel_offsets):
                 leaf = leaves[i]
                 for k in range(num_emas):
                     view = base.narrow(0, k * span + rel, leaf.numel()).view(leaf.shape)
-                    view.copy_(leaf.detach())
+                    if copy_values:
+                        view.copy_(leaf.detach())
                     emas_flat[k][i] = view
     emas = tuple(optree.tree_unflatten(spec, flat) for flat in emas_flat)
     return EmaState(torch.tensor(int(step), dtype=torch.int64), emas)

@@ -51,7 +51,6 @@ import math
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -59,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from . import _io
-from ._core import init_ema
+from ._core import _allocate
 from ._layout import ShardLayout, ShardSpec
 from ._state import EmaState
 from .schedules import DecayLike, as_schedule
@@ -804,9 +803,8 @@ def load(
             if (ckpt.world_size, ckpt.stage) != (layout.world_size, layout.stage):
                 logger.info("functional_ema: resharding EMA saved at world_size=%d stage=%d for world_size=%d stage=%d",
                             ckpt.world_size, ckpt.stage, layout.world_size, layout.stage)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="keeping the EMA in")  # the 16-bit choice was made at save
-                state = init_ema(local_shards(engine), num_emas=ckpt.num_emas, dtype=ckpt.dtype, step=ckpt.step)
+            # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
+            state = _allocate(local_shards(engine), ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
             with _verifying() as verifier, torch.no_grad():
                 for k in range(ckpt.num_emas):
                     for n, spec in layout.specs.items():

@@ -359,7 +359,7 @@ def _engine_errors(engine, state, d: Path) -> dict:
     before = _snapshot(d)
     for label, model in (("renamed", RenamedNet), ("missing", MissingNet), ("extra", ExtraNet), ("shape", lambda: OddNet(hidden=14))):
         other = make_engine(2, "fp32", model=model())
-        errors[label] = _error_of(lambda: fe.load(other, d))
+        errors[label] = _error_of(lambda other=other: fe.load(other, d))
         del other
     errors["dtype"] = _error_of(lambda: fe.load(engine, d, dtype=torch.bfloat16))
     errors["wrong_tag_load"] = _error_of(lambda: fe.load(engine, d, "global_step999"))
