@@ -169,7 +169,10 @@ def launch(args) -> None:
             continue
         argv.append(a)
     cmd += argv
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), FE_LAUNCHED="1")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # DeepSpeed JIT-builds a CPU op into ~/.cache/torch_extensions, shared by every environment on the
+    # machine: one build folder per virtual environment avoids rebuilding it when switching between them.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     raise SystemExit(subprocess.call(cmd, env=env))
 

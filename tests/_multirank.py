@@ -9,7 +9,6 @@ one launch: a launch costs seconds, an extra engine in the same launch well unde
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -38,9 +37,7 @@ def extensions_dir() -> str:
     The default ``~/.cache/torch_extensions`` is shared by every environment on the machine; two of
     them with different include paths rebuild the op on every launch (minutes). One per venv.
     """
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
-        tempfile.gettempdir(), "functional_ema_torch_ext_" + hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-    )
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
 
 
 def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict | None = None, **kwargs):
