@@ -22,18 +22,20 @@ wired like ``torchrun``, ``OMP_NUM_THREADS=1``), trains one bf16 step, then time
   element). For K=2 EMAs the roofline moves (4 + 8K) = 20 bytes per element: a flat ``lerp_`` over
   20/12 as many elements, timed (not scaled: see ``roofline_k2`` in ``worker``).
 
-Timing: all approaches interleaved in shuffled order in the same rounds on every rank (barrier
-before each call, not timed), 20 samples per round for the local approaches, one for the
-gathering ones. ``ms/update``: per rank the minimum (median) over all samples, then the slowest
-rank. ``x roofline``: per round the fastest sample over the roofline's fastest sample of the same
-round, median over rounds, then the worst rank: the comparison stays fair when other processes
-load the machine unevenly over time. Bytes communicated: every call into
+Timing: every timing is a barrier, then a batch of 5 back-to-back calls timed together (one call
+for the gathering approaches): all ranks update at once, as in training, so a batch measures the
+steady state with the ranks sharing the memory bandwidth. Each fast approach is timed next to its
+roofline, in the order roofline, approach, approach, roofline (reversed every other round), 15
+rounds. ``x roofline``: per round the approach's two batches over the roofline's two, median over
+rounds, then the worst rank (the machine's speed drifts over seconds; paired timings cancel it).
+``ms/update``: per rank the minimum (median) over batches of the per-call time, then the slowest
+rank. Bytes communicated: every call into
 ``torch.distributed`` and DeepSpeed's comm backend is wrapped and counts, per collective, its largest
 tensor argument (the full buffer of an all-gather, the tensor of a broadcast). Memory: ``EMA`` is the
 persistent EMA storage per rank; ``peak transient`` is the most extra CPU memory allocated through
 PyTorch during one update (torch.profiler memory events).
 
-Options: ``--world-sizes 2 4``, ``--rounds 7``, ``--quick`` (small models, for a smoke test).
+Options: ``--world-sizes 2 4``, ``--rounds 15``, ``--quick`` (small models, for a smoke test).
 """
 
 from __future__ import annotations
@@ -254,7 +256,7 @@ def python_overhead_us(num_tensors: int = 516, reps: int = 300) -> float:
     return min(times) * 1e6
 
 
-def worker(configs, rounds=7, inner=20, quick=False):
+def worker(configs, rounds=15, inner=5, quick=False):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -355,30 +357,49 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter, overhead):
         "lib": lib, "lib_update_only": lib_update_only, "lib_k2": lib_k2, "roofline": roofline,
         "roofline_k2": roofline_k2, "litema": litema, "ds_chat": ds_chat, "gather_all": gather_all,
     }
-    fast = {"lib", "lib_update_only", "lib_k2", "roofline", "roofline_k2", "litema"}
+    fast = ["lib", "lib_update_only", "lib_k2", "roofline", "roofline_k2", "litema"]
     for fn in approaches.values():  # warm up (plans, page faults)
         dist.barrier()
         fn()
-    samples = {k: [] for k in approaches}  # per round, the samples of that round
+    # All ranks update at the same time, as in training: each timing is a barrier, then a batch of
+    # back-to-back calls timed together, so it measures the steady state with the ranks sharing
+    # the memory bandwidth. (Timing single calls after a barrier measures, at the minimum, a call
+    # that happened to run alone while the other rank was late, and ratios of such minima swing
+    # with that luck.) The machine's speed drifts over seconds (other processes, other VMs), so
+    # each fast approach is compared with its roofline in the same moment: per round, batches in
+    # the order roofline, approach, approach, roofline (or the reverse, alternating), and the
+    # round's ratio is the approach's two batches over the roofline's two.
+    def batch(fn, n: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
+    samples = {k: [] for k in approaches}  # seconds per call, one entry per batch
+    ratios = {k: [] for k in approaches}  # per round: this approach over its roofline
     order = random.Random(0)  # the same order on every rank: the collectives must match
-    for _ in range(rounds):
-        # Fast approaches get `inner` samples per round, interleaved in a shuffled order.
-        calls = [name for name in approaches for _ in range(inner if name in fast else 1)]
-        order.shuffle(calls)
-        for name in approaches:
-            samples[name].append([])
-        for name in calls:
-            dist.barrier()
-            t0 = time.perf_counter()
-            approaches[name]()
-            samples[name][-1].append(time.perf_counter() - t0)
-    # Ratio to the roofline per round (fastest sample of each in that round), median over rounds:
-    # robust to the load of other processes drifting between rounds.
-    paired = {}
-    for name in approaches:
-        ref = samples["roofline_k2" if name == "lib_k2" else "roofline"]
-        paired[name] = statistics.median(min(a) / min(b) for a, b in zip(samples[name], ref))
-    samples = {k: [t for r in v for t in r] for k, v in samples.items()}
+    for r in range(rounds):
+        names = [k for k in fast if k not in ("roofline", "roofline_k2")]
+        order.shuffle(names)
+        for name in names:
+            ref = "roofline_k2" if name == "lib_k2" else "roofline"
+            seq = [ref, name, name, ref] if r % 2 == 0 else [name, ref, ref, name]
+            t = {ref: 0.0, name: 0.0}
+            for k in seq:
+                dt = batch(approaches[k], inner)
+                samples[k].append(dt)
+                t[k] += dt
+            ratios[name].append(t[name] / t[ref])
+    for r in range(max(3, rounds // 3)):  # the gathering approaches: milliseconds to seconds a call
+        for name in ("ds_chat", "gather_all"):
+            samples[name].append(batch(approaches[name], 1))
+            samples["roofline"].append(batch(roofline, inner))
+            ratios[name].append(samples[name][-1] / samples["roofline"][-1])
+    ratios["roofline"] = ratios["roofline_k2"] = [1.0]
+    rk2 = samples["roofline_k2"]
+    ratios["roofline_k2"] = [statistics.median(rk2) / statistics.median(samples["roofline"])]
+    paired = {name: statistics.median(v) for name, v in ratios.items()}
     comm, peak = {}, {}
     for name, fn in approaches.items():
         dist.barrier()
@@ -451,7 +472,7 @@ def report(all_results, command: str) -> str:
             f"<= {local / 1e6:.2f}M fp32 elements per rank"
         )
         lines.append("")
-        lines.append("| approach | ms/update min (median) | x roofline | speedup vs per-param gather | bytes communicated | EMA MiB/rank | peak transient MiB/rank |")
+        lines.append("| approach | ms/update, min (median) over rounds | x roofline | speedup vs per-param gather | bytes communicated | EMA MiB/rank | peak transient MiB/rank |")
         lines.append("|---|---|---|---|---|---|---|")
         ratio = {k: max(r["paired_ratio"][k] for r in reps) for k in LABELS}
         for k, label in LABELS.items():
@@ -486,7 +507,7 @@ def report(all_results, command: str) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="tiny models, a smoke test of the script")
     parser.add_argument("--json", type=str, default=None, help="also write the raw per-rank results here")
     args = parser.parse_args(argv)

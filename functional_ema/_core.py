@@ -205,11 +205,15 @@ def update(
     ZeRO partitions), the update is one ``lerp_`` per flat buffer, and several EMAs are updated
     chunk by chunk so the weights are read from memory once. Other trees are updated per tensor,
     one ``torch._foreach_lerp_`` per (device, dtype). All paths give bitwise the numbers of
-    ``ema.lerp_(shard, 1 - d)`` per tensor. The plan is cached by tensor identity: calling again
-    with the same tensor objects (e.g. ``local_shards(engine)`` every step) costs ~0.2 us per
-    tensor on top of the arithmetic (~0.5 us right after a large update, with cold caches); new
-    tensor objects (or replaced EMA tensors) are re-planned, ~10 us per tensor. ``module.to(...)``-style rebinding of the weights' ``.data`` is detected; rebinding
-    ``.data`` of a single view inside a flat buffer, or of an EMA tensor, is not: pass new tensors.
+    ``ema.lerp_(shard, 1 - d)`` per tensor. The plan is cached: called again with the same dict
+    objects (``local_shards(engine)`` returns the same dict every step) the call costs a few
+    microseconds whatever the number of tensors; with other dicts of the same tensors ~0.1-0.3 us
+    per tensor (every key and value is checked); new tensor objects are re-planned, ~10 us per
+    tensor. Treat the dicts you pass as values: a dict edited in place is noticed when the tensor
+    it held is freed (the usual case), not while that tensor stays alive elsewhere, so pass a new
+    dict to change what is tracked. ``module.to(...)``-style rebinding of the weights' ``.data`` is
+    detected; rebinding ``.data`` of a single view inside a flat buffer, or of an EMA tensor, is
+    not: pass new tensors.
 
     Args:
         state: from :func:`init_ema` (or :func:`functional_ema.load`).
@@ -237,28 +241,34 @@ def update(
         >>> state.emas[0]["a"], state.emas[1]["a"]
         (tensor([0.5000, 0.5000]), tensor([0.7500, 0.7500]))
     """
-    # Right after a large update the caches are cold and every distinct call here costs tens of
-    # microseconds, so the common path is kept short: one cache lookup, plain-float decays
-    # inlined, the step counter read and written through a cached numpy view, and the lerps run
-    # without a no_grad context (the plan's tensors are detached).
-    decays = _decays_for(state, decay)
+    # This runs every step right after the optimizer step has flushed the CPU caches, when every
+    # distinct Python call costs microseconds: the common path (flat dicts, one float decay, a
+    # cached plan) is kept short: one cache lookup, the decay inlined, the step counter read and
+    # written through a cached numpy view, and the lerps run without a no_grad context (the
+    # plan's tensors are detached).
+    emas = state.emas
     if not inplace:
+        _decays_for(state, decay)
         _next_step(int(state.step), step)  # fail before copying anything
         # Copy the buffers (keeping their layout), then update the copy in place below.
-        state = EmaState(state.step.clone(), _clone_emas(state.emas))
-
-    key = _plan.cache_key(state.emas, shards)
-    plan = _plan.lookup(key)
-    if plan is None:  # first call with these tensors (or they changed): check the trees, plan
-        plan = _new_plan(state, shards, key)
-    counter = plan.step_array(state.step)
+        state = EmaState(state.step.clone(), _clone_emas(emas))
+        emas = state.emas
+    plan = _plan.lookup_dicts(emas, shards) if type(shards) is dict else None
+    if plan is None:  # not flat dicts, or the first call with these tensors (or they changed)
+        key = _plan.cache_key(emas, shards)
+        plan = _plan.lookup(key)
+        if plan is None:  # check the trees, plan
+            plan = _new_plan(state, shards, key)
+    counter = plan._step_view if state.step is plan._step else plan.step_array(state.step)
     last = int(state.step) if counter is None else int(counter)
-    step = _next_step(last, step)
-    weights = [
-        1.0 - d ** (step - last) if type(d) is float and 0.0 <= d <= 1.0 else 1.0 - interval_decay(d, last, step)
-        for d in decays
-    ]
-    plan.run(weights)
+    step = last + 1 if step is None else _next_step(last, step)
+    if type(decay) is float and len(emas) == 1 and 0.0 <= decay <= 1.0:
+        plan.run((1.0 - decay ** (step - last),))
+    else:
+        plan.run([
+            1.0 - d ** (step - last) if type(d) is float and 0.0 <= d <= 1.0 else 1.0 - interval_decay(d, last, step)
+            for d in _decays_for(state, decay)
+        ])
     if counter is None:
         state.step.fill_(step)
     else:

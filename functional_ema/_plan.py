@@ -19,12 +19,14 @@ All of these give bitwise the same numbers as ``ema.lerp_(shard, 1 - decay)`` pe
 elementwise and its vectorised and scalar code paths agree (checked in ``tests/test_core.py``).
 
 Plans are cached by the identity of the leaf tensors (and the names), and dropped as soon as any
-of those tensors is freed, so a cache entry never keeps a model's buffers alive on its own.
+of those tensors is freed, so a cache entry never keeps a model's buffers alive on its own. The
+same dict objects as in a plan's last call are matched at a constant cost (see lookup_dicts).
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -259,12 +261,22 @@ class Plan:
         # Leaves (positions in build_plan's order) whose data pointers lookup() checks: the first
         # and last leaf of each fused span and every leaf updated on its own. See lookup().
         self.check_leaves: list[int] = []
-        self.ids: tuple = ()  # Key.ids this plan was cached under
+        self.ids: tuple = ()  # Key.ids this plan was cached under (trees other than flat dicts)
+        # Flat dicts: the keys and weak references to the values it was cached under (see lookup).
+        self.src_keys: tuple | None = None
+        self.src_refs: tuple = ()
+        self.ema_keys: tuple = ()
+        self.ema_refs: tuple = ()
+        self.n = 0  # number of leaves
+        self.ends: tuple = ()  # weak references: first and last value of the shards, then of each EMA dict
+        self.check_keys: tuple = ()  # names of the leaves at _check_pos
+        self.recent: tuple | None = None  # this plan's key in _RECENT
         self._check_pos: list[int] | None = None  # check_leaves as positions in Key.src; None: all
         self._src_ptrs: tuple[int, ...] = ()
         self._refs: list[weakref.ref] = []
         self._step: torch.Tensor | None = None
         self._step_view: Any = None
+        self.single: tuple | None = None  # (bound lerp_ of the EMA span, weights span), see finish()
 
     def step_array(self, step: torch.Tensor) -> Any:
         """A numpy view of the state's step counter, or ``None`` if it has none.
@@ -285,7 +297,7 @@ class Plan:
     def _ptrs(self, src: list[torch.Tensor]) -> tuple[int, ...]:
         if self._check_pos is None:
             return tuple(map(_data_ptr, src))
-        return tuple([src[j].data_ptr() for j in self._check_pos])
+        return tuple(map(_data_ptr, map(src.__getitem__, self._check_pos)))
 
     def add(self, emas: list[torch.Tensor], src: torch.Tensor) -> None:
         """Schedule ``emas[k].lerp_(src, w_k)`` for each k (one leaf or one fused span)."""
@@ -308,8 +320,17 @@ class Plan:
         else:
             self.converted.extend((e, src, k) for k, e in enumerate(emas))
 
+    def finish(self) -> None:
+        """Called once built: notes whether the whole update is a single ``lerp_`` (see run)."""
+        groups = list(self.groups.values())
+        single = len(groups) == 1 and len(groups[0].emas) == 1 and not self.staged and not self.converted
+        self.single = (groups[0].emas[0].lerp_, groups[0].srcs[0]) if single else None
+
     def run(self, weights: Sequence[float]) -> None:
         """All lerps, in place: EMA k moves towards the weights by ``weights[k]``."""
+        if self.single is not None:  # one fused span, one EMA: the usual DeepSpeed case
+            self.single[0](self.single[1], weights[0])
+            return
         for group in self.groups.values():
             group.run(weights)
         for staged in self.staged.values():
@@ -319,59 +340,138 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------- cache
+#
+# Two levels. _PLANS holds every plan under a slot derived from its leaves; a lookup there checks
+# every leaf (identity, at C speed: ~0.1-0.3 us per tensor when the caches are cold). _RECENT maps
+# the identity of the containers of the last flat-dict call of each plan to it, so the next call
+# with the same dict objects (every step's `update(state, local_shards(engine))`) costs the same
+# whatever the number of tensors. Both drop a plan as soon as any tensor it was built from is freed.
 
 _PLANS: OrderedDict[tuple, Plan] = OrderedDict()
+_RECENT: dict[tuple, Plan] = {}
 _data_ptr: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
+_is = operator.is_
+_deref = getattr(operator, "call", weakref.ref.__call__)  # operator.call: Python 3.11+, ~2x faster
 
 
 class Key(NamedTuple):
     """Identity of a (state, shards) pair, see :func:`cache_key`."""
 
-    slot: tuple  # a few ids: where the plan is cached (hashing all of ``ids`` would cost ~30 us)
-    ids: tuple  # names (or tree specs) and ``id()`` of every leaf, shards first, then each EMA
+    slot: tuple  # a few ids: where the plan is cached
+    shards: Any  # the caller's shards tree
+    emas: Sequence[Any]  # the state's EMA trees
     src: list[torch.Tensor]  # the shards' leaves (dict order for flat dicts, else optree order)
+    ids: tuple | None  # other trees: tree specs and ``id()`` of every leaf; None for flat dicts
 
 
 def cache_key(emas: Sequence[Any], shards: Any) -> Key:
-    """The cache key of a (state, shards) pair: names and ``id()`` of every leaf.
+    """The cache key of a (state, shards) pair.
 
-    Every update computes it, so it is kept to a few passes at C speed over the leaves: with flat
-    dicts of tensors (what ``local_shards`` returns and ``init_ema`` builds) ~0.1 us per tensor when
-    the objects are in cache, ~0.2 us right after a large update has flushed the caches; other
-    trees are flattened with optree first.
+    Flat dicts of tensors (what ``local_shards`` returns and ``init_ema`` builds) are checked in
+    :func:`lookup` by the identity of their keys and values. Other trees are flattened with optree
+    and keyed by their specs and leaf ids.
     """
     if type(shards) is dict and all(type(e) is dict for e in emas):
         src = list(shards.values())
         if all(map(isinstance, src, itertools.repeat(torch.Tensor))):
-            parts = [tuple(shards), tuple(map(id, src))]
-            for e in emas:
-                parts.append(tuple(e))
-                parts.append(tuple(map(id, e.values())))
-            return Key((len(src), len(emas), parts[1][:1], parts[3][:1]), tuple(parts), src)
+            first_ema = next(iter(emas[0].values()), None) if emas else None
+            slot = (len(src), len(emas), id(src[0]) if src else 0, id(first_ema))
+            return Key(slot, shards, emas, src, None)
     src, spec = optree.tree_flatten(shards, none_is_leaf=False)
     parts = [spec, tuple(map(id, src))]
     for e in emas:
         leaves, espec = optree.tree_flatten(e, none_is_leaf=False)
         parts.append(espec)
         parts.append(tuple(map(id, leaves)))
-    return Key((len(src), len(emas), parts[1][:1], parts[3][:1]), tuple(parts), src)
+    return Key((len(src), len(emas), parts[1][:1], parts[3][:1]), shards, emas, src, tuple(parts))
+
+
+def _same_dict(d: dict, keys: tuple, refs: tuple) -> bool:
+    """``d`` has exactly ``keys`` (in order) and, under them, the objects ``refs`` point to."""
+    return type(d) is dict and len(d) == len(refs) and tuple(d) == keys and all(map(_is, d.values(), map(_deref, refs)))
+
+
+def _ends_hold(d: Any, n: int, first: weakref.ref, last: weakref.ref) -> bool:
+    return (
+        type(d) is dict and len(d) == n and next(iter(d.values())) is first() and next(reversed(d.values())) is last()
+    )
+
+
+def lookup_dicts(emas: Sequence[dict], shards: dict) -> Plan | None:
+    """:func:`lookup` for flat dicts (``type(shards) is dict``), without building a :class:`Key`.
+
+    This is every step's path, run right after the optimizer step has flushed the CPU caches,
+    when every Python call costs microseconds. When ``shards`` and the EMA dicts are the very
+    objects of this plan's last call, only their lengths, first and last values and the data
+    pointers of a few leaves are checked: a constant cost, whatever the number of tensors.
+    Otherwise every key and value is checked, and the plan remembers these dict objects.
+
+    What the constant-cost check relies on: a dict passed to ``update`` is not edited in place
+    while the tensor it held stays alive elsewhere. Replacing a value frees the old tensor in the
+    usual case (the dicts of ``local_shards`` and ``init_ema`` are their tensors' only owners),
+    which drops the plan, so the next call checks everything again.
+    """
+    if not emas:
+        return None
+    plan = _RECENT.get((id(shards), *map(id, emas)))
+    if plan is not None:
+        n, ends = plan.n, plan.ends
+        if _ends_hold(shards, n, ends[0], ends[1]) and all(map(_ends_hold, emas, itertools.repeat(n), ends[2::2], ends[3::2])):
+            try:
+                if tuple(map(_data_ptr, map(shards.__getitem__, plan.check_keys))) == plan._src_ptrs:
+                    return plan
+            except (KeyError, TypeError):  # another dict at a reused address, without those names
+                pass
+    src = list(shards.values())
+    if not src or type(emas[0]) is not dict:
+        return None
+    plan = _PLANS.get((len(src), len(emas), id(src[0]), id(next(iter(emas[0].values()), None))))
+    if (
+        plan is None
+        or plan.src_keys is None
+        or len(src) != len(plan.src_refs)
+        or tuple(shards) != plan.src_keys
+        or not all(map(_is, src, map(_deref, plan.src_refs)))
+        or len(emas) != len(plan.ema_refs)
+        or not all(map(_same_dict, emas, plan.ema_keys, plan.ema_refs))
+        or plan._ptrs(src) != plan._src_ptrs
+    ):
+        return None
+    _remember_recent(plan, shards, emas)
+    return plan
+
+
+def _remember_recent(plan: Plan, shards: dict, emas: Sequence[dict]) -> None:
+    """Make ``plan`` the constant-cost match for these dict objects (one entry per plan)."""
+    old = plan.recent
+    if old is not None and _RECENT.get(old) is plan:
+        del _RECENT[old]
+    plan.recent = (id(shards), *map(id, emas))
+    _RECENT[plan.recent] = plan
+
+
+def _forget(plan: Plan) -> None:
+    if plan.recent is not None and _RECENT.get(plan.recent) is plan:
+        del _RECENT[plan.recent]
 
 
 def lookup(key: Key) -> Plan | None:
-    """The cached plan for ``key``, if its source tensors still point at the same memory.
+    """The cached plan for ``key``, if its tensors are the plan's and still point at the same memory.
 
-    Equal ids mean the same live tensor objects, because a plan is dropped as soon as any of its
-    tensors is freed. The data pointers of a few leaves rule out ``module.to(...)``-style
-    rebinding of ``.data`` between steps: the first and last leaf of each fused span (rebinding
-    moves all of a module's parameters) and every leaf updated on its own. Rebinding ``.data`` of
-    one leaf inside a fused span (a view of a flat buffer) is not detected: pass a new tensor
-    object instead.
+    Flat dicts match when their keys are equal and their values are the very tensor objects the
+    plan was built from (identity, through weak references: a plan is dropped as soon as any of
+    its tensors is freed); other trees when their specs and leaf ids are equal. The data pointers
+    of a few leaves rule out ``module.to(...)``-style rebinding of ``.data`` between steps: the
+    first and last leaf of each fused span (rebinding moves all of a module's parameters) and every
+    leaf updated on its own. Rebinding ``.data`` of one leaf inside a fused span (a view of a flat
+    buffer) is not detected: pass a new tensor object instead.
     """
+    if key.ids is None:
+        return lookup_dicts(key.emas, key.shards)
     plan = _PLANS.get(key.slot)
     # Tuple equality short-cuts on identical elements, so this is cheap when it holds.
     if plan is None or plan.ids != key.ids or plan._ptrs(key.src) != plan._src_ptrs:
         return None
-    _PLANS.move_to_end(key.slot)
     return plan
 
 
@@ -384,19 +484,35 @@ def remember(key: Key, plan: Plan, src: list[torch.Tensor], ema_leaves: list[tor
         return
     position = {id(t): j for j, t in enumerate(key.src)}
     check = [position[id(src[i])] for i in plan.check_leaves]
-    plan._check_pos = check if 2 * len(check) < len(key.src) else None
-    plan._src_ptrs = plan._ptrs(key.src)
-    plan.ids = key.ids
     slot, plan_ref = key.slot, weakref.ref(plan)
 
     def expire(_ref) -> None:
-        if _PLANS.get(slot) is plan_ref():
+        p = plan_ref()
+        if p is not None and _PLANS.get(slot) is p:
             _PLANS.pop(slot, None)
+            _forget(p)
 
-    plan._refs = [weakref.ref(t, expire) for t in (*key.src, *ema_leaves)]
+    if key.ids is None:  # flat dicts: identity checks go through these weak references
+        plan._check_pos = check  # lookup_dicts needs the names of these leaves
+        plan.check_keys = tuple(map(list(key.shards).__getitem__, check))
+        plan.src_keys = tuple(key.shards)
+        plan.src_refs = tuple(weakref.ref(t, expire) for t in key.src)
+        plan.ema_keys = tuple(tuple(e) for e in key.emas)
+        plan.ema_refs = tuple(tuple(weakref.ref(t, expire) for t in e.values()) for e in key.emas)
+        plan.n = len(key.src)
+        if plan.n:
+            plan.ends = (plan.src_refs[0], plan.src_refs[-1], *(x for refs in plan.ema_refs for x in (refs[0], refs[-1])))
+        plan._refs = []
+    else:
+        plan._check_pos = check if 2 * len(check) < len(key.src) else None
+        plan.ids = key.ids
+        plan._refs = [weakref.ref(t, expire) for t in (*key.src, *ema_leaves)]
+    plan._src_ptrs = plan._ptrs(key.src)
     _PLANS[slot] = plan
+    if key.ids is None and plan.ends:
+        _remember_recent(plan, key.shards, key.emas)
     while len(_PLANS) > _MAX_PLANS:
-        _PLANS.popitem(last=False)
+        _forget(_PLANS.popitem(last=False)[1])
 
 
 # ------------------------------------------------------------------------------------------- build
@@ -460,6 +576,7 @@ def build_plan(ema_lists: list[list[torch.Tensor]], src: list[torch.Tensor], nam
     for i in sorted(single):
         plan.add([_shadow(leaves[i]) for leaves in ema_lists], _shadow(src[i]))
         plan.check_leaves.append(i)
+    plan.finish()
     return plan
 
 

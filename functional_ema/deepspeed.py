@@ -32,6 +32,10 @@ class _Cached(NamedTuple):
     shards: dict[str, torch.Tensor]
     layout: ShardLayout
     params: dict[str, torch.nn.Parameter]
+    # What local_shards hands out: the same dict on every call (so update() recognises it at a
+    # constant cost), holding its own view objects (so replacing one of them frees the old view,
+    # which update() notices). Internal code reads `shards`, which callers cannot reach.
+    handed_out: dict[str, torch.Tensor]
 
 
 _CACHE: "weakref.WeakKeyDictionary[Any, _Cached]" = weakref.WeakKeyDictionary()
@@ -52,9 +56,11 @@ def local_shards(engine) -> dict[str, torch.Tensor]:
     optimizer never change, so they have no EMA and are left out; their live weights are their
     EMA. Works for ZeRO stages 0-3, fp32/bf16/fp16, ``offload_optimizer`` and ``offload_param``
     to CPU (not NVMe). The result is cached per engine and re-read only when DeepSpeed's master
-    buffers move, so calling it every step is cheap.
+    buffers move, so calling it every step is cheap: it returns the **same dict object** each time,
+    which :func:`functional_ema.update` recognises at a constant cost, whatever the number of
+    tensors. Treat it as read-only: copy it (``dict(local_shards(engine))``) before editing.
     """
-    return dict(_read(engine).shards)
+    return _read(engine).handed_out
 
 
 def shard_layout(engine) -> ShardLayout:
@@ -134,7 +140,8 @@ def _read(engine) -> _Cached:
     shards = {n: v for n, (v, _) in pieces.items()}
     layout = ShardLayout(rank, world, stage, {n: s for n, (_, s) in pieces.items()})
     params = {n: p for n, p in named if n in pieces}
-    cached = _Cached(fp, shards, layout, params)
+    handed_out = {n: v.view(v.shape) for n, v in shards.items()}
+    cached = _Cached(fp, shards, layout, params, handed_out)
     _CACHE[engine] = cached
     return cached
 

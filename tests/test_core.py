@@ -332,6 +332,62 @@ def test_two_states_on_the_same_shards():
     assert all(torch.equal(s1.ema[n], r1.ema[n]) and torch.equal(s2.emas[0][n], r1.ema[n]) for n in shards)
 
 
+def recent_plan(state, shards):
+    """The plan the constant-cost check finds for these dict objects, or None."""
+    return _plan._RECENT.get((id(shards), *map(id, state.emas)))
+
+
+def test_same_dicts_are_matched_at_constant_cost_and_stay_exact():
+    _, shards = flat_views([7 + i for i in range(40)])
+    state = fe.init_ema(shards, num_emas=2)
+    ref = [{n: t.clone() for n, t in shards.items()} for _ in range(2)]
+    for step in range(1, 5):
+        perturb(shards, step)
+        fe.update(state, shards, decay=(0.9, 0.6))
+        for k, d in enumerate((0.9, 0.6)):
+            for n, t in ref[k].items():
+                t.lerp_(shards[n], 1 - d)
+        assert all(torch.equal(state.emas[k][n], ref[k][n]) for k in range(2) for n in shards)
+    plan = recent_plan(state, shards)
+    assert plan is not None and plan is plan_of(state, shards) and plan.fused_runs == 1
+
+
+def test_replacing_a_middle_value_in_the_same_dicts_is_seen():
+    # The constant-cost check looks at the ends of each dict only; replacing a value in the middle
+    # frees the old tensor, which drops the plan, so the next call checks every value.
+    _, shards = flat_views([5, 6, 7, 8])
+    state = fe.init_ema(shards)
+    fe.update(state, shards, decay=0.5)
+    assert recent_plan(state, shards) is not None
+    new_w = torch.randn(6)
+    shards["layer1.w"] = new_w  # the old view's only owner was the dict
+    assert recent_plan(state, shards) is None
+    expect = {n: state.ema[n].clone().lerp_(t, 0.5) for n, t in shards.items()}
+    fe.update(state, shards, decay=0.5)
+    assert all(torch.equal(state.ema[n], expect[n]) for n in shards)
+    state.ema["layer2.w"] = torch.zeros(7)  # same for a middle EMA tensor
+    expect = {n: state.ema[n].clone().lerp_(t, 0.5) for n, t in shards.items()}
+    fe.update(state, shards, decay=0.5)
+    assert all(torch.equal(state.ema[n], expect[n]) for n in shards)
+    assert torch.equal(state.ema["layer2.w"], shards["layer2.w"] * 0.5)
+
+
+def test_a_new_dict_is_checked_in_full_even_at_a_reused_address():
+    # A fresh dict each step often lands at the address of the previous, freed one; with other
+    # tensors in the middle it must not be taken for it.
+    a = {f"w{i}": torch.randn(4) for i in range(5)}
+    state = fe.init_ema(a)
+    fe.update(state, a, decay=0.5)
+    others = {n: torch.randn(4) for n in a}
+    for step in range(2, 6):
+        shards = dict(a)
+        shards["w2"] = others["w2"] if step % 2 else a["w2"]  # alternate the middle tensor
+        expect = {n: state.ema[n].clone().lerp_(t, 0.5) for n, t in shards.items()}
+        fe.update(state, shards, decay=0.5)
+        assert all(torch.equal(state.ema[n], expect[n]) for n in shards), step
+        del shards
+
+
 # ----------------------------------------------------------------------------------------- errors
 
 
@@ -443,6 +499,7 @@ def zero_layout_worker(stages, steps=3):
                     t.lerp_(shards[n], 1 - d)
             equal &= all(torch.equal(state.emas[k][n], ref[k][n]) for k in range(2) for n in shards)
         plan = plan_of(state, shards)
+        constant_cost = fe.local_shards(engine) is shards and recent_plan(state, shards) is plan
         flat_buffers = {t.untyped_storage().data_ptr() for t in shards.values() if t.numel()}
         out.append({
             "stage": stage,
@@ -451,6 +508,7 @@ def zero_layout_worker(stages, steps=3):
             "ema_nbytes": fe.ema_nbytes(state),
             "fused_runs": plan.fused_runs,
             "flat_buffers": len(flat_buffers),
+            "constant_cost": bool(constant_cost),
         })
     return out
 
@@ -464,6 +522,7 @@ def test_real_zero_buffers_fused_and_memory():
             where = f"stage {rep['stage']} rank {rank}"
             assert rep["equal"], where
             assert rep["fused_runs"] == rep["flat_buffers"] == 1, (where, rep)
+            assert rep["constant_cost"], (where, "local_shards + update should match the plan at a constant cost")
             local_bytes = 4 * 2 * rep["local_numel"]  # K = 2 EMAs, fp32
             assert local_bytes <= rep["ema_nbytes"] <= 1.01 * local_bytes, (where, rep)
 
