@@ -244,7 +244,7 @@ def update(
     # This runs every step right after the optimizer step has flushed the CPU caches, when every
     # distinct Python call costs microseconds: the common path (flat dicts, one float decay, a
     # cached plan) is kept short: one cache lookup, the decay inlined, the step counter read and
-    # written through a cached numpy view, and the lerps run without a no_grad context (the
+    # written through a cached memoryview, and the lerps run without a no_grad context (the
     # plan's tensors are detached).
     emas = state.emas
     if not inplace:
@@ -260,7 +260,7 @@ def update(
         if plan is None:  # check the trees, plan
             plan = _new_plan(state, shards, key)
     counter = plan._step_view if state.step is plan._step else plan.step_array(state.step)
-    last = int(state.step) if counter is None else int(counter)
+    last = int(state.step) if counter is None else counter[0]
     step = last + 1 if step is None else _next_step(last, step)
     if type(decay) is float and len(emas) == 1 and 0.0 <= decay <= 1.0:
         plan.run((1.0 - decay ** (step - last),))
@@ -272,7 +272,7 @@ def update(
     if counter is None:
         state.step.fill_(step)
     else:
-        counter.fill(step)
+        counter[0] = step
     return state
 
 

@@ -28,7 +28,9 @@ __all__ = ["local_shards", "shard_layout", "gather_full", "swapped", "SwapStats"
 
 
 class _Cached(NamedTuple):
-    fingerprint: tuple
+    optimizer: Any  # weak reference to the engine's optimizer when read (it may refer to the engine)
+    stage: int
+    buffer_ptrs: tuple
     shards: dict[str, torch.Tensor]
     layout: ShardLayout
     params: dict[str, torch.nn.Parameter]
@@ -104,27 +106,42 @@ def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def _fingerprint(engine) -> tuple:
-    opt = engine.optimizer
-    stage = engine.zero_optimization_stage()
+def _master_buffers(opt, stage: int) -> list[torch.Tensor]:
+    """The tensors holding the fp32 master weights (a few flat buffers, per parameter at stage 0)."""
     if stage == 3:
-        bufs = opt.fp32_partitioned_groups_flat
-    elif stage in (1, 2):
-        bufs = getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups_flat_partition", [])
-    elif hasattr(opt, "fp32_groups_flat"):
-        bufs = opt.fp32_groups_flat
-    elif hasattr(opt, "fp32_groups"):
-        bufs = [t for g in opt.fp32_groups for t in g]
-    else:
-        bufs = [p for g in opt.param_groups for p in g["params"]]
-    return (id(opt), stage) + tuple((t.data_ptr(), t.numel()) for t in bufs)
+        return opt.fp32_partitioned_groups_flat
+    if stage in (1, 2):
+        return getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups_flat_partition", [])
+    if hasattr(opt, "fp32_groups_flat"):
+        return opt.fp32_groups_flat
+    if hasattr(opt, "fp32_groups"):
+        return [t for g in opt.fp32_groups for t in g]
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _buffer_ptrs(bufs: list[torch.Tensor]) -> tuple:
+    return tuple(map(_data_ptr, bufs))
+
+
+_data_ptr = torch.Tensor.data_ptr
+# The engine read last and its cache entry: local_shards runs every step right after the optimizer
+# step has flushed the CPU caches, when a WeakKeyDictionary lookup alone costs ~20 us. Cleared when
+# that engine is freed, so it never keeps an engine's buffers alive.
+_LAST: list = [None, None]
 
 
 def _read(engine) -> _Cached:
-    fp = _fingerprint(engine)
-    cached = _CACHE.get(engine)
-    if cached is not None and cached.fingerprint == fp:
-        return cached
+    ref, cached = _LAST
+    if ref is None or ref() is not engine:
+        cached = _CACHE.get(engine)
+    if cached is not None:
+        opt = engine.optimizer
+        # DeepSpeed does not move its master buffers in normal training; if it ever does (or the
+        # optimizer is replaced), everything is read again.
+        if opt is cached.optimizer() and _buffer_ptrs(_master_buffers(opt, cached.stage)) == cached.buffer_ptrs:
+            if ref is None or ref() is not engine:
+                _LAST[:] = [weakref.ref(engine, _clear_last), cached]
+            return cached
     reason = unsupported_reason(engine)
     if reason:
         raise NotImplementedError(reason)
@@ -141,9 +158,16 @@ def _read(engine) -> _Cached:
     layout = ShardLayout(rank, world, stage, {n: s for n, (_, s) in pieces.items()})
     params = {n: p for n, p in named if n in pieces}
     handed_out = {n: v.view(v.shape) for n, v in shards.items()}
-    cached = _Cached(fp, shards, layout, params, handed_out)
+    opt = engine.optimizer
+    cached = _Cached(weakref.ref(opt), stage, _buffer_ptrs(_master_buffers(opt, stage)), shards, layout, params, handed_out)
     _CACHE[engine] = cached
+    _LAST[:] = [weakref.ref(engine, _clear_last), cached]
     return cached
+
+
+def _clear_last(_ref) -> None:
+    if _LAST[0] is _ref:
+        _LAST[:] = [None, None]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,7 @@ def equivalence_worker(configs, steps=4):
         g3 = fe.gather_full(every3, engine)
         mismatches += [("every3", n) for n in ref3 if not torch.equal(g3[n].cpu(), ref3[n])]
         on_dst = fe.gather_full(state, engine, dst=0)
+        same_dict, reread = _local_shards_cache_checks(engine, stage)
         report.append({
             "config": [stage, dtype, offload],
             "keys": list(shards),
@@ -102,9 +103,37 @@ def equivalence_worker(configs, steps=4):
             "ema_moved": all(not torch.equal(gathered[0][n].cpu(), full[n]) for n in full),
             "dst_keys": sorted(on_dst),
             "step": int(state.step),
+            "same_dict": same_dict,
+            "reread_after_move": reread,
         })
         del engine
     return report
+
+
+def _local_shards_cache_checks(engine, stage):
+    """local_shards hands out one dict per engine, and reads again once a master buffer moves."""
+    import functional_ema as fe
+    from functional_ema.deepspeed import _master_buffers
+
+    first = fe.local_shards(engine)
+    same_dict = fe.local_shards(engine) is first
+    if stage == 0:  # per-parameter fp32 tensors, no flat buffer to move
+        return same_dict, None
+    bufs = _master_buffers(engine.optimizer, stage)
+    old = bufs[0]
+    bufs[0] = old.clone()  # as if DeepSpeed had reallocated it
+    try:
+        moved = fe.local_shards(engine)
+        lo = bufs[0].data_ptr()
+        hi = lo + bufs[0].numel() * bufs[0].element_size()
+        # ZeRO-3 pieces are cut from that buffer; ZeRO-1/2 ones come from the parameters' hp
+        # mappings, which DeepSpeed would rebuild with it (this test does not), so only the new read shows.
+        inside = any(lo <= t.data_ptr() < hi for t in moved.values() if t.numel())
+        reread = moved is not first and (inside or stage in (1, 2))
+    finally:
+        bufs[0] = old
+    reread = reread and all(a.data_ptr() == b.data_ptr() for a, b in zip(fe.local_shards(engine).values(), first.values()))
+    return same_dict, bool(reread)
 
 
 CONFIGS_2 = [
@@ -130,6 +159,8 @@ def _check_report(reports, world_size):
             assert rep["decay0_equals_weights"], where
             assert rep["ema_moved"], where
             assert rep["step"] == 4
+            assert rep["same_dict"], f"{where}: local_shards should return the same dict every call"
+            assert rep["reread_after_move"] in ((None,) if cfg[0] == 0 else (True,)), where
             assert rep["dst_keys"] == (sorted(expected) if rank == 0 else []), where
         if cfg[0] == 0:  # replicated: every rank holds whole parameters
             assert all(r["offsets"][n] == 0 and r["numels"][n] > 0 for r in per_rank for n in expected)
