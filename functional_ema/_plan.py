@@ -272,6 +272,7 @@ class Plan:
         self.ema_ends: tuple = ()  # the same, per EMA dict
         self.check_keys: tuple = ()  # names of the leaves at _check_pos
         self.recent: tuple | None = None  # this plan's key in _RECENT
+        self.slot: tuple = ()  # this plan's key in _PLANS
         self._check_pos: list[int] | None = None  # check_leaves as positions in Key.src; None: all
         self._src_ptrs: tuple[int, ...] = ()
         self._refs: list[weakref.ref] = []
@@ -423,6 +424,8 @@ def lookup_dicts(emas: Sequence[dict], shards: dict) -> Plan | None:
         if hold:
             try:
                 if tuple(map(_data_ptr, map(shards.__getitem__, plan.check_keys))) == plan._src_ptrs:
+                    if plan.slot in _PLANS:  # keep it the most recently used
+                        _PLANS.move_to_end(plan.slot)
                     return plan
             except (KeyError, TypeError):  # another dict at a reused address, without those names
                 pass
@@ -441,6 +444,7 @@ def lookup_dicts(emas: Sequence[dict], shards: dict) -> Plan | None:
         or plan._ptrs(src) != plan._src_ptrs
     ):
         return None
+    _PLANS.move_to_end(plan.slot)
     _remember_recent(plan, shards, emas)
     return plan
 
@@ -476,6 +480,7 @@ def lookup(key: Key) -> Plan | None:
     # Tuple equality short-cuts on identical elements, so this is cheap when it holds.
     if plan is None or plan.ids != key.ids or plan._ptrs(key.src) != plan._src_ptrs:
         return None
+    _PLANS.move_to_end(key.slot)
     return plan
 
 
@@ -513,6 +518,7 @@ def remember(key: Key, plan: Plan, src: list[torch.Tensor], ema_leaves: list[tor
         plan.ids = key.ids
         plan._refs = [weakref.ref(t, expire) for t in (*key.src, *ema_leaves)]
     plan._src_ptrs = plan._ptrs(key.src)
+    plan.slot = slot
     _PLANS[slot] = plan
     if key.ids is None and plan.ends:
         _remember_recent(plan, key.shards, key.emas)

@@ -544,3 +544,19 @@ def test_fp32_ema_keeps_moving_where_bf16_stalls():
     # A continuous EMA of the ramp lags by tau * (1 - e^-1) = 6321 steps: 0.25 + 10 - 6.321 = 3.93.
     assert fp32.ema["w"][0].item() == pytest.approx(3.93, abs=0.01)
     assert bf16.ema["w"][0].item() < 0.5  # it starts creeping only once x - ema exceeds ~9.8
+
+
+def test_a_plan_in_constant_cost_use_stays_cached_among_many_others():
+    # The plan matched at a constant cost every step is the most recently used one: planning
+    # other trees (more than the cache holds) must not evict it.
+    _, shards = flat_views([5, 6, 7])
+    state = fe.init_ema(shards)
+    fe.update(state, shards, decay=0.5)
+    plan = plan_of(state, shards)
+    keep = []
+    for i in range(2 * _plan._MAX_PLANS):
+        other = {"x": torch.randn(3)}
+        keep.append((other, fe.init_ema(other)))
+        fe.update(keep[-1][1], other, decay=0.5)
+        fe.update(state, shards, decay=0.5)
+    assert recent_plan(state, shards) is plan and plan_of(state, shards) is plan
