@@ -207,7 +207,7 @@ def update(
     one ``torch._foreach_lerp_`` per (device, dtype). All paths give bitwise the numbers of
     ``ema.lerp_(shard, 1 - d)`` per tensor. The plan is cached: called again with the same dict
     objects (``local_shards(engine)`` returns the same dict every step) the call costs a few
-    microseconds whatever the number of tensors; with other dicts of the same tensors ~0.1-0.3 us
+    microseconds whatever the number of tensors; with other dicts of the same tensors ~0.1-0.4 us
     per tensor (every key and value is checked); new tensor objects are re-planned, ~10 us per
     tensor. Treat the dicts you pass as values: a dict edited in place is noticed when the tensor
     it held is freed (the usual case), not while that tensor stays alive elsewhere, so pass a new
