@@ -4,12 +4,14 @@ Commands:
     consolidate CHECKPOINT_DIR OUT.safetensors [--tag T] [--index K]
         Rebuild full EMA weights from the per-rank files of a checkpoint, with no GPU and no process
         group, streaming: peak memory is about the largest single parameter.
+    posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG]
+        Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
 
 Adding a command: write ``_add_<name>(subparsers)`` that registers a parser with
 ``set_defaults(run=<function taking the parsed args, returning an exit code>)`` and append it to
 ``_COMMANDS``.
 
-Exit codes: 0 success, 1 checkpoint error (message on stderr), 2 usage error.
+Exit codes: 0 success, 1 checkpoint or reconstruction error (message on stderr), 2 usage error.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from .posthoc import _add_posthoc
+from .posthoc import DEFAULT_MAX_PROFILE_ERROR, SNAPSHOT_PREFIX
+
+
+def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str) -> None:
+    """The arguments every command shares: where to read, the .safetensors file to write."""
+    p.add_argument(source, help=source_help)
+    p.add_argument("out", help="output .safetensors file (written atomically; replaced if it exists)")
+    p.add_argument("--no-verify", action="store_true", help="skip the CRC-32 checks of the bytes read")
 
 
 def _add_consolidate(subparsers) -> None:
@@ -32,11 +41,9 @@ def _add_consolidate(subparsers) -> None:
             "parameter (the header is written first, then one tensor at a time)."
         ),
     )
-    p.add_argument("checkpoint_dir", help="DeepSpeed checkpoint directory (holding 'latest'), or one tag folder")
-    p.add_argument("out", help="output .safetensors file (written atomically; replaced if it exists)")
+    _add_input_output(p, "checkpoint_dir", "DeepSpeed checkpoint directory (holding 'latest'), or one tag folder")
     p.add_argument("--tag", default=None, help="tag folder to read (default: the one named in CHECKPOINT_DIR/latest)")
     p.add_argument("--index", type=int, default=0, help="which EMA, when several were tracked (default 0)")
-    p.add_argument("--no-verify", action="store_true", help="skip the CRC-32 checks of the bytes read")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
@@ -65,6 +72,55 @@ def _run_consolidate(args) -> int:
     return 0
 
 
+def _add_posthoc(subparsers) -> None:
+    p = subparsers.add_parser(
+        "posthoc",
+        help="synthesise the EMA of any sigma_rel from power-EMA snapshots into one .safetensors file",
+        description=(
+            "Post-hoc EMA (Karras et al. 2024): combine the snapshots that posthoc.save_snapshot wrote (one "
+            "safetensors file per rank per snapshot) into the EMA of the requested sigma_rel or gamma at the "
+            "requested step, by a float64 least-squares fit of the power-EMA averaging profiles. Needs no GPU "
+            "and no process group."
+        ),
+    )
+    _add_input_output(p, "snapshot_dir", "directory holding the snapshot_<step> folders")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--sigma-rel", type=float, help="EMA width relative to the step, e.g. 0.15")
+    target.add_argument("--gamma", type=float, help="power-EMA exponent instead of --sigma-rel")
+    p.add_argument("--step", type=int, default=None, help="step to reconstruct at (default: the last snapshot)")
+    p.add_argument(
+        "--max-profile-error", type=float, default=DEFAULT_MAX_PROFILE_ERROR,
+        help=f"refuse targets whose averaging profile is off by more than this (relative L2, default {DEFAULT_MAX_PROFILE_ERROR})",
+    )
+    p.add_argument("--plot", metavar="PNG", default=None, help="also save the synthesised vs requested profile (needs matplotlib)")
+    p.add_argument("--prefix", default=SNAPSHOT_PREFIX, help=f"tag prefix of the snapshot folders (default {SNAPSHOT_PREFIX!r})")
+    p.set_defaults(run=_run_posthoc)
+
+
+def _run_posthoc(args) -> int:
+    from safetensors import safe_open
+
+    from .posthoc import list_snapshots, plot_profile, posthoc_to_file
+
+    out = posthoc_to_file(
+        args.snapshot_dir, args.out, sigma_rel=args.sigma_rel, gamma=args.gamma, step=args.step,
+        max_profile_error=args.max_profile_error, verify=not args.no_verify, prefix=args.prefix,
+    )
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata() or {}
+    print(
+        f"wrote {out}: post-hoc EMA sigma_rel={float(meta['sigma_rel']):.4g} (gamma={float(meta['gamma']):.4g}) at step "
+        f"{meta['step']} from {meta['num_snapshots']} snapshots; profile error {float(meta['profile_error']):.2e}"
+    )
+    if args.plot:
+        infos = list_snapshots(args.snapshot_dir, prefix=args.prefix)
+        gammas = [g for i in infos for g in i.gammas]
+        steps = [i.step for i in infos for _ in i.gammas]
+        plot_profile(gammas, steps, args.plot, gamma=float(meta["gamma"]), step=int(meta["step"]))
+        print(f"wrote {args.plot}")
+    return 0
+
+
 _COMMANDS: list[Callable] = [_add_consolidate, _add_posthoc]
 
 
@@ -80,10 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code (see the module docstring)."""
     args = build_parser().parse_args(argv)
     from .checkpoint import CheckpointError
+    from .posthoc import ReconstructionError
 
     try:
         return int(args.run(args) or 0)
-    except (CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+    except (CheckpointError, ReconstructionError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -419,8 +419,6 @@ def test_offline_files_equal_in_memory(tmp_path, one_rank_engine):
 
 
 def test_posthoc_to_file_and_cli(tmp_path, one_rank_engine, capsys):
-    import argparse
-
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -435,16 +433,14 @@ def test_posthoc_to_file_and_cli(tmp_path, one_rank_engine, capsys):
         meta = f.metadata()
     assert float(meta["sigma_rel"]) == pytest.approx(0.12) and meta["step"] == "256" and meta["num_snapshots"] == "8"
 
-    parser = argparse.ArgumentParser()
-    posthoc._add_posthoc(parser.add_subparsers(dest="command", required=True))
+    from functional_ema.__main__ import main
+
     png = tmp_path / "p.png"
-    args = parser.parse_args(["posthoc", str(snap_dir), str(tmp_path / "cli.safetensors"), "--sigma-rel", "0.12", "--plot", str(png)])
-    assert args.run(args) == 0
+    assert main(["posthoc", str(snap_dir), str(tmp_path / "cli.safetensors"), "--sigma-rel", "0.12", "--plot", str(png)]) == 0
     assert all(torch.equal(t, full[n]) for n, t in load_file(str(tmp_path / "cli.safetensors")).items())
     assert png.stat().st_size > 10_000
     assert "profile error" in capsys.readouterr().out
-    args = parser.parse_args(["posthoc", str(snap_dir), str(tmp_path / "x.safetensors"), "--sigma-rel", "0.28"])
-    assert args.run(args) == 1
+    assert main(["posthoc", str(snap_dir), str(tmp_path / "x.safetensors"), "--sigma-rel", "0.28"]) == 1
     assert "cannot be synthesised" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
 
