@@ -256,7 +256,8 @@ def update(
     plan = _plan.lookup_dicts(emas, shards) if type(shards) is dict else None
     if plan is None:  # not flat dicts, or the first call with these tensors (or they changed)
         key = _plan.cache_key(emas, shards)
-        plan = _plan.lookup(key)
+        # Flat dicts (key.ids is None) were just looked up; other trees go by specs and leaf ids.
+        plan = _plan.lookup(key) if key.ids is not None else None
         if plan is None:  # check the trees, plan
             plan = _new_plan(state, shards, key)
     counter = plan._step_view if state.step is plan._step else plan.step_array(state.step)
