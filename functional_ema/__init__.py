@@ -1,21 +1,40 @@
-"""functional_ema: pure-function EMA of model weights over this rank's ZeRO partitions."""
+"""functional_ema: pure-function EMA of model weights over this rank's local shards.
+
+The same verbs for a DeepSpeed engine, a torch FSDP2 model and a plain or DDP module::
+
+    state = fe.init_ema(fe.local_shards(model))
+    state = fe.update(state, fe.local_shards(model), step, decay=0.9999)
+"""
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 from . import posthoc, schedules
-from ._core import ema_nbytes, init_ema, update
+from ._api import StateMismatchError, SwappedTrainingError, gather_full, local_shards, process_group, shard_layout, swapped
+from ._core import NonFiniteError, ema_nbytes, init_ema, update
 from ._layout import ShardLayout, ShardSpec
+from ._shards import SegmentIndex, Shards
 from ._state import EmaState
 from ._tree import TreeMismatchError
 from .checkpoint import CheckpointError, client_state_summary, consolidate, consolidate_to_file, load, save
-from .deepspeed import SwapStats, gather_full, local_shards, shard_layout, swapped
+from .engines import SwapStats
 
-__version__ = "0.1.0"
+try:
+    __version__ = _version("functional-ema")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "CheckpointError",
     "EmaState",
+    "NonFiniteError",
+    "SegmentIndex",
     "ShardLayout",
     "ShardSpec",
+    "Shards",
+    "StateMismatchError",
     "SwapStats",
+    "SwappedTrainingError",
     "TreeMismatchError",
     "client_state_summary",
     "consolidate",
@@ -26,6 +45,7 @@ __all__ = [
     "load",
     "local_shards",
     "posthoc",
+    "process_group",
     "save",
     "schedules",
     "shard_layout",

@@ -1,38 +1,38 @@
 """``init_ema`` / ``update``: the EMA math over any name-keyed tree of tensors.
 
 This module never imports a training framework. The fast path exploits one fact about sharded
-training: the shards handed in are usually views into a few flat buffers (DeepSpeed's ZeRO
-partitions). ``init_ema`` mirrors that layout, so ``update`` runs one ``lerp_`` per flat buffer
-instead of one per parameter, and reads the weights once for all tracked EMAs.
+training: a rank's weights sit in a few contiguous segments (DeepSpeed's flat ZeRO partitions) or
+one tensor per parameter (FSDP2, plain modules). ``local_shards`` returns a :class:`Shards` that
+records those segments; ``init_ema`` mirrors them, so ``update`` runs one ``lerp_`` per segment
+(one ``_foreach_lerp_`` over all of them) and reads the weights once for all tracked EMAs. Any
+other tree is updated per tensor, with every name and shape checked on every call.
 """
 
 from __future__ import annotations
 
-import itertools
+import operator
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import optree
 import torch
 
-from . import _plan
-from ._plan import _storage_key
-from ._plan import own as _own
-from ._plan import owned_base as _owned_base
+from ._plan import Plan
+from ._shards import Shards, clone_tree
 from ._state import EmaState
-from ._tree import check_same_tree, flatten_named
+from ._tree import TreeMismatchError, check_same_names, flatten_named
 from .schedules import DecayLike, interval_decay
 
-__all__ = ["ema_nbytes", "init_ema", "update"]
-
-# Two leaves of one source buffer stay in one fused run while the gap between them is at most this
-# many elements (ZeRO-3 pads each partition to ceil(numel / world_size); ZeRO-1/2 align groups).
-# The EMA mirrors the gap, so this bounds the wasted EMA memory per gap.
-_MAX_GAP = 4096
+__all__ = ["ema_nbytes", "init_ema", "update", "NonFiniteError"]
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+# A step is an int64 counter: refuse what cannot be stored before anything moves.
+_MAX_STEP = 2**63 - 1
+
+
+class NonFiniteError(FloatingPointError):
+    """``update(..., nonfinite="raise")`` met a NaN or inf in the weights (the EMA is unchanged)."""
 
 
 # --------------------------------------------------------------------------------------------- init
@@ -89,99 +89,43 @@ def init_ema(
 
 
 def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values: bool) -> EmaState:
-    """The state's buffers laid out like ``shards``; filled with their values when ``copy_values``,
+    """The state's tensors laid out like ``shards``; filled with their values when ``copy_values``,
     else uninitialised (for :func:`functional_ema.load`, which overwrites every value)."""
+    step = _check_step_value(step, "step")
+    if isinstance(shards, Shards):
+        for j, seg in enumerate(shards.segments):
+            if not seg.is_floating_point():
+                name = next(n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j)
+                raise TypeError(f"shards[{name!r}] has dtype {seg.dtype}; EMAs need floating-point weights")
+        emas = tuple(shards.mirror(dtype, device, pin_memory, fill=copy_values) for _ in range(num_emas))
+        return EmaState(torch.tensor(step, dtype=torch.int64), emas)
     names, leaves, spec = flatten_named(shards)
+    _check_floating(names, leaves, "shards")
+
+    def alloc(leaf: torch.Tensor) -> torch.Tensor:
+        target = torch.device(device) if device is not None else leaf.device
+        pin = pin_memory and target.type == "cpu" and torch.cuda.is_available()
+        out = torch.empty(leaf.shape, dtype=dtype, device=target, pin_memory=pin)
+        return out.copy_(leaf.detach()) if copy_values else out
+
+    with torch.no_grad():
+        emas = tuple(optree.tree_unflatten(spec, [alloc(t) for t in leaves]) for _ in range(num_emas))
+    return EmaState(torch.tensor(step, dtype=torch.int64), emas)
+
+
+def _check_floating(names: list[str], leaves: list[torch.Tensor], what: str) -> None:
     for name, leaf in zip(names, leaves):
         if not leaf.is_floating_point():
-            raise TypeError(f"shards[{name!r}] has dtype {leaf.dtype}; EMAs need floating-point weights")
-
-    emas_flat: list[list[torch.Tensor | None]] = [[None] * len(leaves) for _ in range(num_emas)]
-    with torch.no_grad():
-        for run in _mirror_runs(leaves):
-            target = torch.device(device) if device is not None else leaves[run.members[0]].device
-            span = run.stop - run.start
-            # Pinning needs a CUDA runtime; without one there is no device-to-host copy to speed up.
-            pin = pin_memory and target.type == "cpu" and torch.cuda.is_available()
-            # The K EMAs of a run share one buffer, EMA k at [k * span, (k + 1) * span).
-            alloc = torch.zeros if copy_values else torch.empty  # zeros keep the mirrored gaps clean
-            base = alloc(num_emas * span, dtype=dtype, device=target, pin_memory=pin)
-            _own(base)
-            for i, rel in zip(run.members, run.rel_offsets):
-                leaf = leaves[i]
-                for k in range(num_emas):
-                    view = base.narrow(0, k * span + rel, leaf.numel()).view(leaf.shape)
-                    if copy_values:
-                        view.copy_(leaf.detach())
-                    emas_flat[k][i] = view
-    emas = tuple(optree.tree_unflatten(spec, flat) for flat in emas_flat)
-    return EmaState(torch.tensor(int(step), dtype=torch.int64), emas)
-
-
-@dataclass
-class _Run:
-    """Leaves laid out in one EMA buffer: ``rel_offsets[j]`` is leaf ``members[j]``'s place in it."""
-
-    members: list[int]
-    rel_offsets: list[int]
-    start: int = 0
-    stop: int = 0
-
-
-def _mirror_runs(leaves: list[torch.Tensor]) -> list[_Run]:
-    """Group leaves into EMA buffers that mirror the source buffers' layout where they can.
-
-    Leaves that are contiguous views of one storage, close together, become one run whose EMA buffer
-    copies their relative offsets (gaps included). Everything else is packed per (device, dtype).
-    """
-    by_storage: dict[tuple, list[int]] = {}
-    loose: dict[tuple, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        if leaf.numel() == 0:
-            loose.setdefault((leaf.device, leaf.dtype), []).append(i)
-        elif leaf.is_contiguous():
-            by_storage.setdefault(_storage_key(leaf), []).append(i)
-        else:
-            loose.setdefault((leaf.device, leaf.dtype), []).append(i)
-    runs: list[_Run] = []
-    for members in by_storage.values():
-        members.sort(key=lambda i: leaves[i].storage_offset())
-        current: list[int] = []
-        end = 0
-        for i in members:
-            off, n = leaves[i].storage_offset(), leaves[i].numel()
-            if current and (off < end or off - end > _MAX_GAP):  # overlap or a large gap: new run
-                runs.append(_span_run(leaves, current))
-                current = []
-            end = off + n if not current else max(end, off + n)
-            current.append(i)
-        if current:
-            runs.append(_span_run(leaves, current))
-    # A run of one leaf gains nothing from mirroring; pack those with the loose ones.
-    packed = [r for r in runs if len(r.members) > 1]
-    for r in runs:
-        if len(r.members) == 1:
-            leaf = leaves[r.members[0]]
-            loose.setdefault((leaf.device, leaf.dtype), []).append(r.members[0])
-    for members in loose.values():
-        offsets = list(itertools.accumulate((leaves[i].numel() for i in members), initial=0))
-        packed.append(_Run(members, offsets[:-1], 0, offsets[-1]))
-    return packed
-
-
-def _span_run(leaves: list[torch.Tensor], members: list[int]) -> _Run:
-    start = leaves[members[0]].storage_offset()
-    stop = max(leaves[i].storage_offset() + leaves[i].numel() for i in members)
-    return _Run(members, [leaves[i].storage_offset() - start for i in members], start, stop)
+            raise TypeError(f"{what}[{name!r}] has dtype {leaf.dtype}; EMAs need floating-point weights")
 
 
 def ema_nbytes(state: EmaState) -> int:
-    """Bytes held by the state's EMA buffers (mirrored gaps included)."""
-    seen: dict[int, int] = {}
-    for t in optree.tree_leaves(state.emas):
-        base = t._base if t._base is not None else t
-        seen[id(base)] = base.numel() * base.element_size()
-    return sum(seen.values())
+    """Bytes held by the state's EMA tensors (mirrored gaps between fused tensors included)."""
+    total = 0
+    for ema in state.emas:
+        tensors = ema.segments if isinstance(ema, Shards) else optree.tree_leaves(ema, none_is_leaf=False)
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
 
 
 # ------------------------------------------------------------------------------------------- update
@@ -194,44 +138,50 @@ def update(
     *,
     decay: DecayLike | Sequence[DecayLike] = 0.9999,
     inplace: bool = True,
+    nonfinite: Literal["skip", "raise"] | None = None,
 ) -> EmaState:
     """Move the EMAs towards ``shards``: ``ema = d * ema + (1 - d) * shards`` for each tracked EMA.
 
     ``d`` is the decay compounded over the steps since the last update,
     ``d = prod_{s = state.step + 1}^{step} beta(s)`` (``beta ** N`` for a constant decay updated
-    every N steps; see :mod:`functional_ema.schedules`). It never communicates.
+    every N steps; see :mod:`functional_ema.schedules`). ``d = 0`` sets the EMA to the weights
+    exactly (a copy, so it also clears a NaN the EMA held). It never communicates.
 
-    Speed: when the state came from :func:`init_ema` on views of a few flat buffers (DeepSpeed's
-    ZeRO partitions), the update is one ``lerp_`` per flat buffer, and several EMAs are updated
-    chunk by chunk so the weights are read from memory once. Other trees are updated per tensor,
-    one ``torch._foreach_lerp_`` per (device, dtype). All paths give bitwise the numbers of
-    ``ema.lerp_(shard, 1 - d)`` per tensor. The plan is cached: called again with the same dict
-    objects (``local_shards(engine)`` returns the same dict every step) the call costs a few
-    microseconds whatever the number of tensors; with other dicts of the same tensors ~0.1-0.4 us
-    per tensor (every key and value is checked); new tensor objects are re-planned, ~10 us per
-    tensor. Treat the dicts you pass as values: a dict edited in place is noticed when the tensor
-    it held is freed (the usual case), not while that tensor stays alive elsewhere, so pass a new
-    dict to change what is tracked. ``module.to(...)``-style rebinding of the weights' ``.data`` is
-    detected; rebinding ``.data`` of a single view inside a flat buffer, or of an EMA tensor, is
-    not: pass new tensors.
+    Speed: when ``shards`` is a :class:`Shards` (what ``local_shards`` returns) and the state's
+    EMAs were made from one with the same layout (``init_ema``, ``load``), the update is one
+    ``lerp_`` per segment of the engine's buffers (one ``_foreach_lerp_`` when there are many),
+    after a check whose cost does not depend on the number of tensors; several EMAs are updated
+    chunk by chunk so the weights are read from memory once. Any other tree is updated per tensor
+    (one ``torch._foreach_lerp_`` per device and dtype), every name and shape checked on every
+    call. All paths give bitwise the numbers of ``ema.lerp_(shard, 1 - d)`` per tensor. Nothing is
+    cached outside the objects you pass in.
 
     Args:
         state: from :func:`init_ema` (or :func:`functional_ema.load`).
         shards: the same tree (names, shapes) the state was made from, current values.
-        step: the training step the shards belong to, e.g. ``engine.global_steps``; must be larger
-            than ``state.step``. ``None`` means ``state.step + 1``.
+        step: the training step the shards belong to, e.g. ``engine.global_steps``; an ``int``.
+            ``None`` means ``state.step + 1``. Equal to ``state.step``: nothing to do, the state is
+            returned unchanged (e.g. a micro-batch within gradient accumulation, where the
+            optimizer has not stepped). Smaller: an error.
         decay: a float (per-step decay), a schedule, or a callable ``step -> decay``; a sequence of
             ``state.num_emas`` of them when the state tracks several EMAs.
         inplace: ``True`` (default) writes into the state's buffers and returns a state sharing
             them (the old state is updated too, as in torchopt); ``False`` leaves ``state``
             untouched and returns new buffers with the same layout (so they update fused too).
+        nonfinite: ``None`` (default) averages whatever the weights hold. ``"skip"``: when any
+            weight is NaN or inf, leave the EMAs and the step unchanged and return the state (a
+            later update compounds the skipped steps). ``"raise"``: raise :class:`NonFiniteError`
+            naming the parameter, state unchanged. The check reads the weights once more (about
+            +33% of the update's memory traffic for one fp32 EMA).
 
     Returns:
         The new state, with ``step`` set to ``step``.
 
     Raises:
         TreeMismatchError: names or shapes of ``shards`` differ from the state's.
-        ValueError: ``step`` is not after ``state.step``, or the number of decays is wrong.
+        TypeError: a shard is not floating point, or ``step`` is not an int.
+        ValueError: ``step`` is before ``state.step``, or a decay is outside [0, 1], or the number
+            of decays is wrong. Everything is checked before any EMA value changes.
 
     Example:
         >>> import torch, functional_ema as fe
@@ -241,60 +191,53 @@ def update(
         >>> state.emas[0]["a"], state.emas[1]["a"]
         (tensor([0.5000, 0.5000]), tensor([0.7500, 0.7500]))
     """
-    # This runs every step right after the optimizer step has flushed the CPU caches, when every
-    # distinct Python call costs microseconds: the common path (flat dicts, one float decay, a
-    # cached plan) is kept short: one cache lookup, the decay inlined, the step counter read and
-    # written through a cached memoryview, and the lerps run without a no_grad context (the
-    # plan's tensors are detached).
-    emas = state.emas
+    if type(state) is not EmaState:
+        raise TypeError(f"update() takes an EmaState (from init_ema or load), got {type(state).__name__}")
+    last = int(state.step)
+    if step is None:
+        step = last + 1
+    elif type(step) is not int:
+        step = _check_step_value(step, "step")
+    if step <= last:
+        if step == last:
+            return state  # the optimizer has not stepped since the last update: nothing to average in
+        raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
+    if step > _MAX_STEP:
+        raise ValueError(f"update(step={step}) does not fit the int64 step counter")
+    decays = _decays_for(state, decay)
+    weights = [_weight(d, last, step) for d in decays]
+    plan = _plan_for(state.emas, shards)
+    if nonfinite is not None and not _all_finite(state.emas[0], shards, nonfinite):
+        return state
     if not inplace:
-        _decays_for(state, decay)
-        _next_step(int(state.step), step)  # fail before copying anything
-        # Copy the buffers (keeping their layout), then update the copy in place below.
-        state = EmaState(state.step.clone(), _clone_emas(emas))
-        emas = state.emas
-    plan = _plan.lookup_dicts(emas, shards) if type(shards) is dict else None
-    if plan is None:  # not flat dicts, or the first call with these tensors (or they changed)
-        key = _plan.cache_key(emas, shards)
-        # Flat dicts (key.ids is None) were just looked up; other trees go by specs and leaf ids.
-        plan = _plan.lookup(key) if key.ids is not None else None
-        if plan is None:  # check the trees, plan
-            plan = _new_plan(state, shards, key)
-    counter = plan._step_view if state.step is plan._step else plan.step_array(state.step)
-    last = int(state.step) if counter is None else counter[0]
-    step = last + 1 if step is None else _next_step(last, step)
-    if type(decay) is float and len(emas) == 1 and 0.0 <= decay <= 1.0:
-        plan.run((1.0 - decay ** (step - last),))
-    else:
-        plan.run([
-            1.0 - d ** (step - last) if type(d) is float and 0.0 <= d <= 1.0 else 1.0 - interval_decay(d, last, step)
-            for d in _decays_for(state, decay)
-        ])
-    if counter is None:
-        state.step.fill_(step)
-    else:
-        counter[0] = step
+        state = EmaState(state.step.clone(), _clone_emas(state.emas))
+        plan = _plan_for(state.emas, shards)
+    plan.run(weights)
+    state.step.fill_(step)
     return state
 
 
-def _next_step(last: int, step: int | None) -> int:
-    step = last + 1 if step is None else int(step)
-    if step <= last:
-        raise ValueError(f"update(step={step}) must come after the state's step {last}; steps must increase")
-    return step
+def _weight(d: Any, last: int, step: int) -> float:
+    if type(d) is float and 0.0 <= d <= 1.0:
+        return 1.0 - d ** (step - last)
+    return 1.0 - interval_decay(d, last, step)
 
 
-def _new_plan(state: EmaState, shards: Any, key: _plan.Key) -> _plan.Plan:
-    src_names, src, src_spec = flatten_named(shards, "shards")
-    ema_lists = []
-    for k, ema in enumerate(state.emas):
-        names, leaves, spec = flatten_named(ema, f"state.emas[{k}]")
-        check_same_tree(names, spec, src_names, src_spec)
-        ema_lists.append(leaves)
-    with torch.no_grad():
-        plan = _plan.build_plan(ema_lists, src, src_names)
-    _plan.remember(key, plan, src, [t for leaves in ema_lists for t in leaves])
-    return plan
+def _check_step_value(step: Any, what: str) -> int:
+    """An int step (numpy / torch integer scalars accepted); bools, floats and strings refused."""
+    if isinstance(step, bool):
+        raise TypeError(f"{what} must be an int, got a bool ({step!r})")
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.dtype.is_floating_point or step.dtype == torch.bool or step.is_complex():
+            raise TypeError(f"{what} must be an int, got a tensor of dtype {step.dtype} and shape {tuple(step.shape)}")
+        step = step.item()
+    try:
+        value = operator.index(step)  # ints and integer scalars only: 2.7 and "5" fail here
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(step).__name__} {step!r}") from None
+    if not 0 <= value <= _MAX_STEP:
+        raise ValueError(f"{what}={value} is outside [0, 2**63 - 1]")
+    return value
 
 
 def _decays_for(state: EmaState, decay) -> list:
@@ -305,22 +248,109 @@ def _decays_for(state: EmaState, decay) -> list:
         return list(decay)
     if k != 1:
         raise ValueError(f"the state tracks {k} EMAs: pass decay as a sequence of {k} decays or schedules")
+    if type(decay) is float and not 0.0 <= decay <= 1.0:  # NaN fails too
+        raise ValueError(f"decay must be in [0, 1], got {decay!r}")
     return [decay]
 
 
-def _clone_emas(emas: tuple) -> tuple:
-    """Copies of the EMA trees; leaves of one owned buffer become views of one copied buffer."""
-    copies: dict[int, torch.Tensor] = {}
+# ------------------------------------------------------------------------------------------ planning
 
-    def clone(t: torch.Tensor) -> torch.Tensor:
-        base = _owned_base(t)
-        if base is None:
-            return t.detach().clone()
-        new = copies.get(id(base))
-        if new is None:
-            new = torch.empty(base.shape, dtype=base.dtype, device=base.device, pin_memory=base.is_pinned())
-            new = copies[id(base)] = _own(new.copy_(base))
-        return new.as_strided(t.size(), t.stride(), t.storage_offset() - base.storage_offset())
 
+def _plan_for(emas: tuple, shards: Any) -> Plan:
+    """The lerps of this update. Fused when both sides are :class:`Shards` of one layout.
+
+    The plan of the last update is kept on the first EMA ``Shards`` with the objects it was built
+    from; ``Shards`` are immutable, so when those are the very objects passed now (identity, a
+    constant cost), the plan still describes them. Anything else is checked in full.
+    """
+    if type(shards) is Shards:
+        index = shards.index
+        e0 = emas[0] if emas else None
+        if type(e0) is Shards:
+            memo = e0._memo
+            if memo is not None and memo[0] is shards and len(memo[1]) == len(emas) and all(map(operator.is_, memo[1], emas)):
+                return memo[2]
+            if all(type(e) is Shards and (e.index is index or e.index == index) for e in emas):
+                plan = _fused_plan(emas, shards)
+                e0._memo = (shards, tuple(emas), plan)
+                return plan
+    return _per_tensor_plan(emas, shards)
+
+
+def _fused_plan(emas: tuple, shards: Shards) -> Plan:
+    for j, seg in enumerate(shards.segments):
+        if not seg.is_floating_point():
+            name = next(n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j)
+            raise TypeError(f"shards[{name!r}] has dtype {seg.dtype}; EMAs need floating-point weights")
+        for k, e in enumerate(emas):
+            _check_device(e.segments[j], seg, lambda: _segment_name(shards, j), k)
+    plan = Plan()
+    for j, seg in enumerate(shards.segments):
+        plan.add([e.segments[j] for e in emas], seg)
+        plan.fused_runs += seg.numel() > 0
+    plan.finish()
+    return plan
+
+
+def _segment_name(shards: Shards, j: int) -> str:
+    return next((n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j), f"<segment {j}>")
+
+
+def _check_device(e: torch.Tensor, s: torch.Tensor, name, k: int) -> None:
+    if e.device != s.device and e.device.type != "cpu":
+        raise ValueError(
+            f"shards[{name()!r}] is on {s.device} but its EMA (emas[{k}]) is on {e.device}; keep the EMA on the "
+            "weights' device or on the CPU (init_ema(..., device='cpu', pin_memory=True))"
+        )
+
+
+def _per_tensor_plan(emas: tuple, shards: Any) -> Plan:
+    src_names, src, _ = flatten_named(shards, "shards")
+    _check_floating(src_names, src, "shards")
+    ema_lists = []
+    for k, ema in enumerate(emas):
+        names, leaves, _ = flatten_named(ema, f"state.emas[{k}]")
+        check_same_names(names, src_names, f"state.emas[{k}]", "shards")
+        ema_lists.append(leaves)
+    plan = Plan()
     with torch.no_grad():
-        return tuple(optree.tree_map(clone, e, none_is_leaf=False) for e in emas)
+        for i, (name, s) in enumerate(zip(src_names, src)):
+            es = [leaves[i] for leaves in ema_lists]
+            for k, e in enumerate(es):
+                if e.shape != s.shape:
+                    raise TreeMismatchError(
+                        f"shards[{name!r}] has shape {tuple(s.shape)} but the EMA (emas[{k}]) has {tuple(e.shape)}; "
+                        "was the state made from another model or world size? (functional_ema.load reshards)"
+                    )
+                _check_device(e, s, lambda: name, k)
+            plan.add([e.detach() for e in es], s.detach())
+    plan.finish()
+    return plan
+
+
+def _all_finite(ema0: Any, shards: Any, mode: str) -> bool:
+    """Whether every weight is finite; ``mode="raise"`` raises naming the first that is not."""
+    if mode not in ("skip", "raise"):
+        raise ValueError(f'nonfinite must be None, "skip" or "raise", got {mode!r}')
+    if isinstance(shards, Shards):
+        tensors = [t for t in shards.segments if t.numel()]
+    else:
+        tensors = [t for t in optree.tree_leaves(shards, none_is_leaf=False) if t.numel()]
+    if not tensors:
+        return True
+    with torch.no_grad():
+        bad = any(not bool(torch.isfinite(t).all()) for t in tensors)
+        if not bad:
+            return True
+        # Segments may hold uninitialised padding between tensors: look at the named tensors.
+        names, leaves, _ = flatten_named(shards, "shards")
+        culprit = next((n for n, t in zip(names, leaves) if t.numel() and not bool(torch.isfinite(t).all())), None)
+    if culprit is None:
+        return True  # only padding between tensors was non-finite
+    if mode == "raise":
+        raise NonFiniteError(f"shards[{culprit!r}] holds NaN or inf; the EMA was left unchanged (nonfinite='raise')")
+    return False
+
+
+def _clone_emas(emas: tuple) -> tuple:
+    return tuple(map(clone_tree, emas))

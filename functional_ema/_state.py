@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._shards import Shards, clone_tree
+
 __all__ = ["EmaState"]
 
 
@@ -18,10 +20,12 @@ class EmaState(NamedTuple):
     Attributes:
         step: int64 scalar tensor, the training step of the last update (0 right after
             :func:`init_ema`). Decays are pure functions of it, so resuming cannot desynchronise them.
-        emas: one name-keyed dict per tracked EMA (``len(emas) == num_emas``); ``emas[k][name]``
-            has the shape of ``shards[name]`` and the EMA dtype (fp32 by default). The tensors of
-            a state made by :func:`init_ema` are views into one flat buffer per source buffer, which
-            lets :func:`update` run one fused pass.
+        emas: one name-keyed tree per tracked EMA (``len(emas) == num_emas``); ``emas[k][name]``
+            has the shape of ``shards[name]`` and the EMA dtype (fp32 by default). When the state
+            was made from a :class:`~functional_ema.Shards` (``init_ema(local_shards(x))``) each
+            ``emas[k]`` is a read-only ``Shards`` over buffers that mirror the engine's, with the
+            same layout, which lets :func:`update` run one fused pass; otherwise each is a tree of
+            the same type as the shards (e.g. a ``dict``).
 
     An ``EmaState`` refuses to be pickled: it holds only this rank's pieces, and DeepSpeed keeps
     ``client_state`` from rank 0 only on ZeRO stages 0-2. Use :func:`functional_ema.save`.
@@ -50,9 +54,7 @@ class EmaState(NamedTuple):
         return self.__reduce__()
 
     def __copy__(self) -> "EmaState":
-        return EmaState(self.step, tuple(dict(e) for e in self.emas))
+        return EmaState(self.step, tuple(e if isinstance(e, Shards) else dict(e) for e in self.emas))
 
     def __deepcopy__(self, memo) -> "EmaState":
-        from ._core import _clone_emas  # keeps the flat layout, so the copy updates fused too
-
-        return EmaState(self.step.clone(), _clone_emas(self.emas))
+        return EmaState(self.step.clone(), tuple(map(clone_tree, self.emas)))

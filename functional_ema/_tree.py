@@ -7,7 +7,7 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["flatten_named", "check_same_tree", "path_name", "TreeMismatchError"]
+__all__ = ["flatten_named", "check_same_names", "check_same_tree", "path_name", "TreeMismatchError", "short_list"]
 
 
 class TreeMismatchError(ValueError):
@@ -28,6 +28,25 @@ def flatten_named(tree: Any, what: str = "shards") -> tuple[list[str], list[torc
     return names, leaves, spec
 
 
+def check_same_names(expected: list[str], got: list[str], expected_what: str = "the EMA state", got_what: str = "shards") -> None:
+    """Raise :class:`TreeMismatchError` naming the missing and extra names unless the lists are equal.
+
+    Names are optree paths (``flatten_named``), so a ``dict`` and a ``Shards`` with the same keys match.
+    """
+    if expected == got:
+        return
+    exp, have = set(expected), set(got)
+    missing, extra = sorted(exp - have), sorted(have - exp)
+    parts = []
+    if missing:
+        parts.append(f"missing from {got_what}: {short_list(missing)}")
+    if extra:
+        parts.append(f"not in {expected_what}: {short_list(extra)}")
+    if not parts:
+        parts.append("same names, different nesting or order")
+    raise TreeMismatchError(f"{got_what} do not match {expected_what}; " + "; ".join(parts))
+
+
 def check_same_tree(
     expected_names: list[str],
     expected_spec: optree.PyTreeSpec,
@@ -42,14 +61,14 @@ def check_same_tree(
     missing, extra = sorted(exp - got), sorted(got - exp)
     parts = []
     if missing:
-        parts.append(f"missing from {got_what}: {_short(missing)}")
+        parts.append(f"missing from {got_what}: {short_list(missing)}")
     if extra:
-        parts.append(f"not in {expected_what}: {_short(extra)}")
+        parts.append(f"not in {expected_what}: {short_list(extra)}")
     if not parts:
         parts.append(f"same names, different structure: expected {expected_spec}, got {got_spec}")
     raise TreeMismatchError(f"{got_what} do not match {expected_what}; " + "; ".join(parts))
 
 
-def _short(names: list[str], limit: int = 8) -> str:
+def short_list(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

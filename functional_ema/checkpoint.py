@@ -61,6 +61,7 @@ from . import _io
 from ._core import _allocate
 from ._layout import ShardLayout, ShardSpec
 from ._state import EmaState
+from .engines import adapter_for
 from .schedules import DecayLike, as_schedule
 
 __all__ = [
@@ -123,9 +124,11 @@ class CheckpointMismatchError(CheckpointError):
 # ---------------------------------------------------------------------------------------- naming
 
 
-def default_tag(engine) -> str:
-    """DeepSpeed's own default tag, ``f"global_step{engine.global_steps}"``."""
-    return f"global_step{engine.global_steps}"
+def default_tag(x, state: EmaState | None = None) -> str:
+    """The tag :func:`save` uses when none is given: DeepSpeed's own default,
+    ``f"global_step{engine.global_steps}"``, for a DeepSpeed engine; ``f"global_step{state.step}"``
+    for other models."""
+    return adapter_for(x).default_tag(state)
 
 
 def rank_file_name(rank: int, world_size: int, generation: int = 0) -> str:
@@ -205,11 +208,11 @@ def _agree(what: str, fn, group, world: int, rank: int):
     return [p[1] for p in results]
 
 
-def _world(engine):
-    from .deepspeed import data_parallel_group, shard_layout
-
-    layout = shard_layout(engine)
-    group = data_parallel_group(engine) if layout.world_size > 1 and dist.is_initialized() else None
+def _world(x):
+    """(layout, process group or None) of a training object: all the checkpoint code needs of it."""
+    reading = adapter_for(x).read()
+    layout = reading.layout
+    group = reading.group if layout.world_size > 1 and dist.is_initialized() else None
     return layout, group
 
 
@@ -296,7 +299,7 @@ def save(
     layout, group = _world(engine)
     rank, world, stage = layout.rank, layout.world_size, layout.stage
     save_dir = Path(save_dir)
-    tag = _check_tag(default_tag(engine) if tag is None else tag)
+    tag = _check_tag(default_tag(engine, state) if tag is None else tag)
     tag_dir = save_dir / tag
 
     def plan():
@@ -399,9 +402,12 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
 
 
 def _version() -> str:
-    from . import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
-    return __version__
+    try:
+        return version("functional-ema")
+    except PackageNotFoundError:  # a source tree that was not installed
+        return "unknown"
 
 
 def client_state_summary(state: EmaState, engine=None) -> dict:
@@ -429,9 +435,7 @@ def client_state_summary(state: EmaState, engine=None) -> dict:
                 "load them with functional_ema.load(engine, load_dir, tag)",
     }
     if engine is not None:
-        from .deepspeed import shard_layout
-
-        layout = shard_layout(engine)
+        layout = adapter_for(engine).read().layout
         info.update(world_size=layout.world_size, zero_stage=layout.stage)
     return {"functional_ema": info}
 
@@ -786,8 +790,6 @@ def load(
         >>> state = fe.load(engine, "ckpt")                       # doctest: +SKIP
         >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.999)  # doctest: +SKIP
     """
-    from .deepspeed import local_shards
-
     layout, group = _world(engine)
     box: dict[str, Any] = {}
 
@@ -804,7 +806,7 @@ def load(
                 logger.info("functional_ema: resharding EMA saved at world_size=%d stage=%d for world_size=%d stage=%d",
                             ckpt.world_size, ckpt.stage, layout.world_size, layout.stage)
             # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
-            state = _allocate(local_shards(engine), ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
+            state = _allocate(adapter_for(engine).read().shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
             with _verifying() as verifier, torch.no_grad():
                 for k in range(ckpt.num_emas):
                     for n, spec in layout.specs.items():

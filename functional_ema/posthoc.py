@@ -974,7 +974,7 @@ def posthoc_local(
     from ._layout import ShardLayout
 
     if not isinstance(layout, ShardLayout):
-        from .deepspeed import shard_layout
+        from ._api import shard_layout
 
         layout = shard_layout(layout)
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)

@@ -72,11 +72,29 @@ def _check_steps(start: int, stop: int) -> None:
         raise ValueError(f"interval needs 0 <= start <= stop, got start={start}, stop={stop}")
 
 
-def _product(beta: Callable[[int], float], start: int, stop: int) -> float:
+# A plain callable has no closed form for skipped steps: it is called once per step. Past this many
+# steps in one update that costs ~0.2 s, so longer gaps are refused with the fix (an interval()).
+MAX_CALLABLE_STEPS = 1_000_000
+# Once the compounded decay is below 2**-54, ``1 - decay`` is exactly 1.0 in float64: further
+# factors cannot change the update, so the product stops there.
+_NEGLIGIBLE = 2.0**-54
+
+
+def _product(beta: Callable[[int], float], start: int, stop: int, checked: bool = False) -> float:
+    if checked and stop - start > MAX_CALLABLE_STEPS:
+        raise ValueError(
+            f"the decay callable {getattr(beta, '__qualname__', beta)!r} would be called {stop - start} times to skip "
+            f"steps ({start}, {stop}] (more than {MAX_CALLABLE_STEPS}); give it an interval(start, stop) method "
+            "(see functional_ema.schedules.Schedule) or update more often"
+        )
     out = 1.0
     for s in range(start + 1, stop + 1):
-        out *= float(beta(s))
-        if out == 0.0:
+        b = float(beta(s))
+        if checked and not 0.0 <= b <= 1.0:  # NaN fails too
+            raise ValueError(f"the decay callable {getattr(beta, '__qualname__', beta)!r} gave {b!r} at step {s}; "
+                             "a per-step decay must be in [0, 1]")
+        out *= b
+        if out < _NEGLIGIBLE:
             break
     return out
 
@@ -278,7 +296,7 @@ class _Callable:
 
     def interval(self, start: int, stop: int) -> float:
         _check_steps(start, stop)
-        return _product(self.fn, start, stop)
+        return _product(self.fn, start, stop, checked=True)
 
     def describe(self) -> dict:
         return {"kind": "callable", "name": getattr(self.fn, "__qualname__", repr(self.fn))}

@@ -1,0 +1,311 @@
+"""The verbs that take a training object: the same for DeepSpeed, FSDP2 and plain/DDP models.
+
+Each verb asks :func:`functional_ema.engines.adapter_for` for the object's adapter and works on
+what it returns (shards, layout, process group); nothing here knows an engine's internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._layout import ShardLayout
+from ._shards import Shards
+from ._state import EmaState
+from ._tree import short_list
+from .engines import Reading, SwapStats, adapter_for
+
+__all__ = ["local_shards", "shard_layout", "gather_full", "swapped", "StateMismatchError", "SwappedTrainingError"]
+
+
+class StateMismatchError(ValueError):
+    """An EMA state does not fit the training object it is used with (names or piece sizes)."""
+
+
+class SwappedTrainingError(RuntimeError):
+    """``backward`` or an optimizer step was attempted inside :func:`swapped`."""
+
+
+def local_shards(x: Any) -> Shards:
+    """This rank's pieces of the fp32 weights the optimizer updates, keyed by parameter name.
+
+    Args:
+        x: a DeepSpeed engine (ZeRO stages 0-3, fp32/bf16/fp16, CPU offload), a model with torch
+            FSDP2 (``fully_shard``) applied, a ``DistributedDataParallel`` model, or a plain
+            ``nn.Module``.
+
+    Returns:
+        A read-only :class:`Shards` ``{name: view}``, no copy, in ``named_parameters()`` order, the
+        same names on every rank: DeepSpeed's fp32 master pieces (1-D), FSDP2's local fp32 shards
+        (dim-0 rows, the real unpadded length), or the whole trainable parameters of a plain/DDP
+        model. A rank that owns none of a parameter gets an empty tensor. Frozen parameters
+        (``requires_grad=False``) are left out (they never change: they are their own EMA); tied
+        parameters appear once, under their first name. ``shard_layout(x).specs[name]`` places
+        each piece in the full parameter.
+
+    The reading is kept on ``x`` and re-made only when the weights' memory moves, so calling it
+    every step costs microseconds and returns the same object, which :func:`update` recognises
+    with one identity check.
+
+    Example:
+        >>> state = fe.init_ema(fe.local_shards(engine))            # doctest: +SKIP
+        >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps)  # doctest: +SKIP
+    """
+    return adapter_for(x).read().shards
+
+
+def shard_layout(x: Any) -> ShardLayout:
+    """Full shape, offset and length of each of this rank's pieces (see :func:`local_shards`)."""
+    return adapter_for(x).read().layout
+
+
+def process_group(x: Any):
+    """The process group ``x``'s pieces are spread over (``None`` when there is none)."""
+    return adapter_for(x).read().group
+
+
+# ----------------------------------------------------------------------------------- state checks
+
+
+def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Mapping[str, torch.Tensor]:
+    """``state.emas[index]`` once checked against this rank's layout, on every rank together.
+
+    The check is local (names, and each piece's length against this rank's), and its outcome is
+    shared, so a state cut for another world size or model fails on every rank with one message
+    instead of leaving some ranks in a collective.
+    """
+    problem = _state_problem(state, reading, index, verb)
+    group, layout = reading.group, reading.layout
+    if layout.world_size > 1 and dist.is_initialized():
+        problems: list[Any] = [None] * layout.world_size
+        dist.all_gather_object(problems, problem, group=group)
+        bad = [(r, p) for r, p in enumerate(problems) if p]
+        if bad:
+            r, p = bad[0]
+            raise StateMismatchError(f"{verb}: on rank {r}: {p}" + (f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""))
+    elif problem:
+        raise StateMismatchError(f"{verb}: {problem}")
+    return state.emas[index]
+
+
+def _state_problem(state: Any, reading: Reading, index: int, verb: str) -> str | None:
+    if not isinstance(state, EmaState):
+        return f"expected an EmaState (from init_ema, update or load), got {type(state).__name__}"
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < state.num_emas:
+        return f"index={index!r} is not one of the state's {state.num_emas} EMAs"
+    ema = state.emas[index]
+    shards = reading.shards
+    if isinstance(ema, Shards) and (ema.index is shards.index or ema.index == shards.index):
+        return None
+    specs = reading.layout.specs
+    try:
+        names = list(ema.keys())
+    except AttributeError:
+        return f"state.emas[{index}] is a {type(ema).__name__}, not a name-keyed mapping"
+    if set(names) != set(specs):
+        missing, extra = sorted(set(specs) - set(names)), sorted(set(names) - set(specs))
+        return (f"state.emas[{index}] does not match this model's trainable parameters: missing {short_list(missing)}, "
+                f"extra {short_list(extra)}. Make the state with init_ema(local_shards(model)) or load it with fe.load")
+    for n, spec in specs.items():
+        t = ema[n]
+        if not isinstance(t, torch.Tensor) or t.numel() != spec.numel:
+            got = t.numel() if isinstance(t, torch.Tensor) else type(t).__name__
+            return (f"state.emas[{index}][{n!r}] has {got} elements but rank {reading.layout.rank}'s piece of it has "
+                    f"{spec.numel}: the state was cut for another world size, sharding or model. fe.load(model, dir) "
+                    "reshards a saved state")
+    return None
+
+
+# ------------------------------------------------------------------------------------ gather_full
+
+
+def gather_full(
+    state: EmaState,
+    x: Any,
+    *,
+    index: int = 0,
+    dst: int | None = None,
+    device: torch.device | str | None = None,
+    bucket_bytes: int = 256 << 20,
+) -> dict[str, torch.Tensor]:
+    """Full-shape EMA weights from every rank's pieces. A collective: call it on all ranks.
+
+    Args:
+        state: this rank's state (from :func:`functional_ema.init_ema` over ``local_shards(x)``).
+        x: the engine or model the shards came from (see :func:`local_shards`).
+        index: which tracked EMA (``state.emas[index]``).
+        dst: ``None`` returns the full weights on every rank; a rank number returns them on that
+            rank only (the others get ``{}``), which saves memory on the others.
+        device: where the result goes (default: the EMA's device).
+        bucket_bytes: pieces are exchanged in buckets of about this size per rank, so the
+            transient memory is ``world_size * bucket_bytes`` plus the result.
+
+    Returns:
+        ``{name: tensor of the parameter's full shape}``, dtype of the EMA, names as in
+        ``named_parameters()``; load it with ``model.load_state_dict(full, strict=False)``.
+
+    Raises:
+        StateMismatchError: on every rank, when the state does not fit ``x`` on some rank.
+    """
+    reading = adapter_for(x).read()
+    pieces = state_pieces(state, reading, index, "gather_full")
+    return gather_pieces(reading, pieces, dst=dst, device=device, bucket_bytes=bucket_bytes)
+
+
+def gather_pieces(reading: Reading, pieces: Mapping[str, torch.Tensor], *, dst: int | None = None,
+                  device: torch.device | str | None = None, bucket_bytes: int = 256 << 20) -> dict[str, torch.Tensor]:
+    """:func:`gather_full` over plain data: a reading's layout and group, and checked pieces."""
+    layout = reading.layout
+    names = list(layout.specs)
+    if not names:
+        return {}
+    if layout.stage == 0 or layout.world_size == 1:  # every rank holds everything
+        if dst is not None and layout.rank != dst:
+            return {}
+        return {n: pieces[n].detach().reshape(layout.specs[n].shape).to(device or pieces[n].device, copy=True) for n in names}
+    group = reading.group
+    all_specs = reading.all_specs()
+    out: dict[str, torch.Tensor] = {}
+    ref = pieces[names[0]]
+    dtype, src_device = ref.dtype, ref.device
+    device = torch.device(device) if device is not None else src_device
+    # The collective runs on the backend's device: gloo takes CPU tensors, nccl CUDA ones.
+    comm_device = src_device
+    for bucket in _buckets(names, all_specs, max(1, bucket_bytes // ref.element_size())):
+        sizes = [sum(all_specs[r][n].numel for n in bucket) for r in range(layout.world_size)]
+        width = max(sizes)
+        send = torch.zeros(width, dtype=dtype, device=comm_device)
+        torch.cat([pieces[n].detach().reshape(-1).to(comm_device) for n in bucket] or [send[:0]], out=send[: sizes[layout.rank]])
+        if dst is None:
+            recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)]
+            dist.all_gather(recv, send, group=group)
+        else:
+            recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)] if layout.rank == dst else None
+            dist.gather(send, recv, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
+            if layout.rank != dst:
+                continue
+        cursor = [0] * layout.world_size
+        for n in bucket:
+            spec = layout.specs[n]
+            full = torch.empty(spec.full_numel, dtype=dtype, device=device)
+            for r in range(layout.world_size):
+                s = all_specs[r][n]
+                if s.numel:
+                    full[s.offset : s.offset + s.numel].copy_(recv[r][cursor[r] : cursor[r] + s.numel])
+                    cursor[r] += s.numel
+            out[n] = full.view(spec.shape)
+    return out
+
+
+def _buckets(names, all_specs, max_elems):
+    bucket, size = [], 0
+    for n in names:
+        n_el = max(specs[n].numel for specs in all_specs)
+        if bucket and size + n_el > max_elems:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(n)
+        size += n_el
+    if bucket:
+        yield bucket
+
+
+# ----------------------------------------------------------------------------------- eval swap
+
+
+@contextlib.contextmanager
+def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
+    """Run the model's ordinary forward with EMA weights; the live weights come back on exit.
+
+    Inside the block ``x(inputs)`` computes with ``state.emas[index]`` cast to the parameters'
+    dtype, exactly as a plain model loaded with those weights would. Restored on exit, also when
+    the body raises; the trained weights and the optimizer state are untouched, so training after
+    the block continues bitwise as if it never ran. Call it on every rank.
+
+    Training inside the block is refused (:class:`SwappedTrainingError`, before anything changes):
+    a backward through a forward made inside it, ``engine.backward``/``engine.step`` of a
+    DeepSpeed engine, and ``step()`` of any ``torch.optim`` optimizer over these parameters. Use
+    the block for evaluation and sampling, under ``torch.no_grad()``.
+
+    How, per engine:
+        * DeepSpeed ZeRO-3: each parameter's local partition (``ds_tensor``) is replaced by the EMA
+          piece cast to the partition dtype; DeepSpeed's gathered-parameter cache is emptied on
+          entry and exit. Extra memory: one copy of the local partition, never the full model.
+        * DeepSpeed ZeRO-0/1/2: the parameters' ``.data`` point at the full EMA (gathered once).
+        * FSDP2: the EMA pieces are copied into the local shards (the live ones kept aside) and the
+          model is resharded on entry and exit, so the forward all-gathers the EMA and no EMA
+          weights stay unsharded afterwards. Extra memory: one copy of the local shards.
+        * plain / DDP: the EMA is copied into the parameters, the live values kept aside.
+    Frozen parameters keep their live weights, which never change: they are their own EMA.
+
+    Yields:
+        :class:`SwapStats` with the number of swapped parameters and the temporary bytes held.
+
+    Example:
+        >>> with fe.swapped(engine, state), torch.no_grad():   # doctest: +SKIP
+        ...     val_loss = loss_fn(engine(x_val), y_val)
+    """
+    adapter = adapter_for(x)
+    reading = adapter.read()
+    pieces = state_pieces(state, reading, index, "swapped")
+    with _refuse_training(adapter, reading):
+        with adapter.swap(reading, pieces, state, index) as stats:
+            yield stats
+
+
+@contextlib.contextmanager
+def _refuse_training(adapter, reading: Reading) -> Iterator[None]:
+    """Refuse backward and optimizer steps while EMA weights are swapped in."""
+    module = adapter.module()
+    target = adapter.target
+    why = ("inside fe.swapped(...) the model computes with EMA weights, which are for evaluation; a gradient or "
+           "optimizer step taken there would train the EMA copy (or be thrown away) while the optimizer state and "
+           "step counter advance. Leave the block before training")
+
+    def refuse_backward(_grad):
+        raise SwappedTrainingError(f"backward through a forward made {why}")
+
+    def on_output(_mod, _inputs, output):
+        # The output's gradient hook runs before any parameter gradient in the backward, so a
+        # refused backward leaves every .grad as it was.
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(refuse_backward)
+        return output
+
+    params = {id(p) for p in reading.params.values()}
+
+    def on_step(optimizer, _args, _kwargs):
+        if any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
+            raise SwappedTrainingError(f"optimizer.step() {why}")
+
+    handles = [module.register_forward_hook(on_output)]
+    if target is not module:
+        handles.append(target.register_forward_hook(on_output))
+    handles.append(register_optimizer_step_pre_hook(on_step))
+    patched = []
+    if adapter.name == "deepspeed":
+        for verb in ("backward", "step"):
+            def refuse(*_a, _verb=verb, **_k):
+                raise SwappedTrainingError(f"engine.{_verb}() {why}")
+            target.__dict__[verb] = refuse
+            patched.append(verb)
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for verb in patched:
+            target.__dict__.pop(verb, None)
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    import optree
+
+    return [t for t in optree.tree_leaves(output, none_is_leaf=False) if isinstance(t, torch.Tensor)]

@@ -1,0 +1,42 @@
+"""Engine adapters: one per kind of training object, the same verbs for all.
+
+:func:`adapter_for` picks the adapter for an object: a DeepSpeed engine, a model with torch FSDP2
+(``fully_shard``) applied, a ``DistributedDataParallel`` model, or a plain ``nn.Module``. The
+core (``init_ema``, ``update``, schedules) imports none of these modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._base import Adapter, Reading, SwapStats, known_adapter
+
+__all__ = ["Adapter", "Reading", "SwapStats", "adapter_for", "ACCEPTED"]
+
+ACCEPTED = (
+    "a deepspeed.DeepSpeedEngine (ZeRO stages 0-3), a torch.nn.Module with FSDP2 (fully_shard) applied, "
+    "a torch.nn.parallel.DistributedDataParallel model, or a plain torch.nn.Module"
+)
+
+
+def adapter_for(x: Any) -> Adapter:
+    """The adapter for ``x``; a ``TypeError`` that lists what is accepted for anything else."""
+    known = known_adapter(x)
+    if known is not None:
+        return known(x)
+    from . import deepspeed, fsdp2, module
+
+    if deepspeed.is_deepspeed_engine(x):
+        return deepspeed.DeepSpeedAdapter(x)
+    if isinstance(x, torch.nn.Module):
+        if fsdp2.is_fsdp2(x):
+            return fsdp2.FSDP2Adapter(x)
+        return module.ModuleAdapter(x)
+    hint = ""
+    if isinstance(x, dict) or hasattr(x, "items"):
+        hint = " (this looks like a tree of tensors: pass it to init_ema/update directly; local_shards reads a model)"
+    elif isinstance(x, torch.optim.Optimizer):
+        hint = " (an optimizer: pass the model or engine it trains)"
+    raise TypeError(f"functional_ema cannot read a {type(x).__module__}.{type(x).__qualname__}{hint}; it accepts {ACCEPTED}")

@@ -1,0 +1,175 @@
+"""What every engine adapter provides, and the parts they share.
+
+An adapter turns one kind of training object (a DeepSpeed engine, an FSDP2 model, a plain or DDP
+module) into plain data the rest of the package works with:
+
+* a :class:`Reading`: this rank's :class:`~functional_ema.Shards` (views of the fp32 weights the
+  optimizer updates, no copy), the :class:`~functional_ema.ShardLayout` that places each piece in
+  its full parameter, the live parameters (for swapping weights in), and the process group the
+  pieces are spread over;
+* ``swap``: a context manager that makes the model's forward compute with other weights.
+
+The reading is kept on the training object itself (the object the user holds), re-read when the
+adapter sees that the buffers moved; there is no module-level registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._layout import ShardLayout, ShardSpec
+from .._shards import Shards
+
+__all__ = ["Adapter", "Reading", "SwapStats", "swap_by_copy", "known_adapter"]
+
+# Attribute of the training object under which its reading is kept (see Adapter.read).
+_SLOT = "_functional_ema_reading"
+
+
+class SwapStats(NamedTuple):
+    """What a :func:`functional_ema.swapped` block allocated on this rank."""
+
+    swapped_params: int
+    extra_bytes: int  # temporary weight memory held during the block
+
+
+class Reading:
+    """This rank's view of a training object's weights. Immutable once made.
+
+    Attributes:
+        shards: ``Shards`` of this rank's pieces of the fp32 weights (no copy).
+        layout: where each piece sits in its full parameter.
+        params: ``{name: nn.Parameter}``, the live parameters, same names as ``shards``.
+        group: the process group the pieces are spread over (``None`` without one).
+        token: what the adapter compares to decide whether the reading is still current.
+    """
+
+    __slots__ = ("shards", "layout", "params", "group", "token", "_all_specs")
+
+    def __init__(self, shards: Shards, layout: ShardLayout, params: dict[str, torch.nn.Parameter], group: Any, token: Any):
+        self.shards, self.layout, self.params, self.group, self.token = shards, layout, params, group, token
+        self._all_specs: list[dict[str, ShardSpec]] | None = None  # every rank's specs, exchanged once
+
+    def all_specs(self) -> list[dict[str, ShardSpec]]:
+        """Every rank's specs (a collective the first time it is asked for, on every rank)."""
+        if self._all_specs is None:
+            self._all_specs = exchange_specs(self.layout, self.group)
+        return self._all_specs
+
+
+class _Slot:
+    """Holds a reading on the training object; copies and pickles of the object get an empty slot
+    (a reading holds views of this process's buffers)."""
+
+    __slots__ = ("reading", "adapter")
+
+    def __init__(self, reading: Reading | None = None, adapter: type | None = None):
+        self.reading = reading
+        self.adapter = adapter  # the adapter class, so the next call skips the type checks
+
+    def __deepcopy__(self, memo) -> "_Slot":
+        return _Slot()
+
+    def __copy__(self) -> "_Slot":
+        return _Slot()
+
+    def __reduce__(self):
+        return (_Slot, ())
+
+
+def known_adapter(x: Any) -> type | None:
+    """The adapter class that read ``x`` last, if any (kept with its reading on ``x``)."""
+    d = getattr(x, "__dict__", None)
+    slot = d.get(_SLOT) if d is not None else None
+    return slot.adapter if slot is not None else None
+
+
+class Adapter:
+    """Base class: subclasses implement ``_read`` and ``_token`` and may override ``swap``."""
+
+    name = "?"
+
+    def __init__(self, target: Any):
+        self.target = target
+
+    # -- reading
+    def read(self) -> Reading:
+        """The current reading, made once and re-made only when ``_is_current`` says the one kept
+        on the training object is stale (the buffers moved, the optimizer was replaced)."""
+        slot = self.target.__dict__.get(_SLOT)
+        if slot is not None and slot.reading is not None and self._is_current(slot.reading):
+            return slot.reading
+        reading = self._read()
+        self.target.__dict__[_SLOT] = _Slot(reading, type(self))
+        return reading
+
+    def _read(self) -> Reading:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _is_current(self, reading: Reading) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- what the verbs need besides the reading
+    def module(self) -> torch.nn.Module:
+        """The ``nn.Module`` whose forward computes with the parameters."""
+        return self.target
+
+    def default_tag(self, state) -> str:
+        """The tag :func:`functional_ema.save` uses when none is given."""
+        return f"global_step{int(state.step)}"
+
+    def swap(self, reading: Reading, pieces: Mapping[str, torch.Tensor], state, index: int):
+        """Context manager: the forward computes with ``pieces`` (this rank's EMA pieces)."""
+        return swap_by_copy(reading, pieces)
+
+
+def world_of(group: Any) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def exchange_specs(layout: ShardLayout, group: Any) -> list[dict[str, ShardSpec]]:
+    """Every rank's specs (a collective over ``group``); just this rank's without a group."""
+    if layout.world_size == 1 or group is None and not dist.is_initialized():
+        return [layout.specs]
+    gathered: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(gathered, [(n, s.offset, s.numel) for n, s in layout.specs.items()], group=group)
+    result = []
+    for r, entries in enumerate(gathered):
+        specs = {n: ShardSpec(layout.specs[n].shape, off, numel) for n, off, numel in entries if n in layout.specs}
+        if list(specs) != list(layout.specs) or len(entries) != len(layout.specs):
+            raise RuntimeError(f"rank {r} reports different parameter names than rank {layout.rank}")
+        result.append(specs)
+    return result
+
+
+@contextlib.contextmanager
+def swap_by_copy(reading: Reading, pieces: Mapping[str, torch.Tensor]) -> Iterator[SwapStats]:
+    """Copy ``pieces`` into the parameters' storage, keep the live values aside, copy them back.
+
+    In place, so every alias of the parameters (the optimizer's references, hooks, DDP's buckets)
+    sees the swapped values, and the live values come back bitwise. Extra memory: one copy of this
+    rank's pieces.
+    """
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    extra = 0
+    try:
+        with torch.no_grad():
+            for name, target in reading.shards.items():
+                if target.numel() == 0:
+                    continue
+                saved.append((target, target.clone()))
+                extra += target.numel() * target.element_size()
+                target.copy_(pieces[name].reshape(target.shape))
+        yield SwapStats(len(saved), extra)
+    finally:
+        with torch.no_grad():
+            for target, live in saved:
+                target.copy_(live)

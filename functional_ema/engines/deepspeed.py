@@ -1,0 +1,253 @@
+"""DeepSpeed adapter: this rank's fp32 master partitions, and the eval swap per ZeRO stage.
+
+Every function here takes a ``deepspeed.DeepSpeedEngine``. DeepSpeed itself is never imported, so
+the package works without it. Internals relied on (DeepSpeed 0.19):
+
+* ZeRO-3: each trainable parameter ``p`` owns ``[r*ps, (r+1)*ps)`` of its flattened values on rank
+  ``r`` (``ps = p.partition_numel()``), stored in ``opt.fp32_partitioned_groups_flat[g]`` at
+  ``opt.grad_position[id][1]``. The tail of the last piece is uninitialised padding and is cut off.
+* ZeRO-1/2: ``p._hp_mapping.hp_fragment`` is a view into the flat fp32 partition, and
+  ``p._hp_mapping.lp_fragment_address`` gives its offset and length in the flattened parameter.
+* ZeRO-0: fp32 training updates the parameters themselves; 16-bit training keeps fp32 copies in
+  the wrapper optimizer (``fp32_groups`` per parameter, or ``fp32_groups_flat``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._layout import ShardLayout, ShardSpec
+from .._shards import shards_from_views
+from ._base import Adapter, Reading, SwapStats, world_of
+
+__all__ = ["DeepSpeedAdapter", "is_deepspeed_engine", "data_parallel_group", "unsupported_reason"]
+
+
+def is_deepspeed_engine(x: Any) -> bool:
+    """Whether ``x`` is a ``deepspeed.DeepSpeedEngine`` (without importing DeepSpeed)."""
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed") for c in type(x).__mro__)
+
+
+class DeepSpeedAdapter(Adapter):
+    """A ``deepspeed.DeepSpeedEngine``: ZeRO stages 0-3, fp32/bf16/fp16, CPU offload."""
+
+    name = "deepspeed"
+
+    def module(self) -> torch.nn.Module:
+        return self.target.module
+
+    def default_tag(self, state) -> str:
+        """DeepSpeed's own default tag, ``f"global_step{engine.global_steps}"``."""
+        return f"global_step{self.target.global_steps}"
+
+    def _token(self) -> tuple:
+        opt = self.target.optimizer
+        return (opt, tuple(map(_data_ptr, _master_buffers(opt, self.target.zero_optimization_stage()))))
+
+    def _is_current(self, reading: Reading) -> bool:
+        # DeepSpeed does not move its master buffers in normal training; if it ever does (or the
+        # optimizer is replaced), everything is read again.
+        opt, ptrs = reading.token
+        return self.target.optimizer is opt and tuple(map(_data_ptr, _master_buffers(opt, reading.layout.stage))) == ptrs
+
+    def _read(self) -> Reading:
+        engine = self.target
+        reason = unsupported_reason(engine)
+        if reason:
+            raise NotImplementedError(reason)
+        token = self._token()
+        stage = engine.zero_optimization_stage()
+        group = data_parallel_group(engine)
+        rank, world = world_of(group)
+        named = _named_params(engine)
+        if stage == 3:
+            pieces = _zero3(engine, named, rank)
+        elif stage in (1, 2):
+            pieces = _zero12(engine, named)
+        else:
+            pieces = _zero0(engine, named)
+        shards = shards_from_views([(n, v) for n, (v, _) in pieces.items()])
+        layout = ShardLayout(rank, world, stage, {n: s for n, (_, s) in pieces.items()}, engine="deepspeed")
+        params = {n: p for n, p in named if n in pieces}
+        return Reading(shards, layout, params, group if world > 1 else None, token)
+
+    def swap(self, reading: Reading, pieces, state, index: int):
+        if reading.layout.stage == 3:
+            return _swap_zero3(self.target, reading, pieces)
+        return _swap_data(reading, pieces)
+
+
+def data_parallel_group(engine):
+    """The process group ZeRO partitions over."""
+    opt = engine.optimizer
+    group = getattr(opt, "dp_process_group", None)
+    if group is None:
+        group = getattr(engine, "data_parallel_group", None)
+    return group if group is not None else dist.group.WORLD
+
+
+def unsupported_reason(engine) -> str | None:
+    """Why :func:`local_shards` cannot read this engine, or ``None`` when it can."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() == 3 and getattr(opt, "params_in_nvme_and_cpu", False):
+        return "ZeRO-3 with NVMe offload keeps the fp32 master on disk; functional_ema supports CPU offload only"
+    if engine.zero_optimization_stage() == 3 and any(t.numel() == 0 for t in getattr(opt, "fp32_partitioned_groups_flat", [])):
+        return "ZeRO-3 optimizer state is swapped out (NVMe); functional_ema supports CPU offload only"
+    return None
+
+
+def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
+    seen: set[int] = set()
+    out = []
+    for name, p in engine.module.named_parameters():
+        if id(p) not in seen:  # tied weights: one entry, under the first name
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _master_buffers(opt, stage: int) -> list[torch.Tensor]:
+    """The tensors holding the fp32 master weights (a few flat buffers, per parameter at stage 0)."""
+    if stage == 3:
+        return opt.fp32_partitioned_groups_flat
+    if stage in (1, 2):
+        return getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups_flat_partition", [])
+    if hasattr(opt, "fp32_groups_flat"):
+        return opt.fp32_groups_flat
+    if hasattr(opt, "fp32_groups"):
+        return [t for g in opt.fp32_groups for t in g]
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(-1)
+
+
+def _zero3(engine, named, rank) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+    opt = engine.optimizer
+    trained = {id(p) for group in opt.fp16_groups for p in group}
+    out = {}
+    for name, p in named:
+        if id(p) not in trained:
+            continue
+        group_idx, offset, _ = opt.grad_position[opt.get_param_id(p)]
+        ps = p.partition_numel()
+        prank = dist.get_rank(p.ds_process_group) if dist.is_initialized() else 0
+        valid = max(0, min(p.ds_numel - prank * ps, ps))
+        flat = opt.fp32_partitioned_groups_flat[group_idx]
+        view = _flat(flat).narrow(0, offset, valid)
+        out[name] = (view, ShardSpec(tuple(p.ds_shape), prank * ps if valid else 0, valid))
+    return out
+
+
+def _zero12(engine, named) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+    opt = engine.optimizer
+    groups = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)
+    if groups is None:
+        raise NotImplementedError(f"unknown ZeRO-1/2 optimizer {type(opt).__name__}: no bit16_groups/bf16_groups")
+    flat_parts = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
+    trained = {id(p) for group in groups for p in group}
+    out = {}
+    for name, p in named:
+        if id(p) not in trained:
+            continue
+        hp = getattr(p, "_hp_mapping", None)
+        if hp is None:  # this rank owns none of p
+            empty = flat_parts[0].detach().narrow(0, 0, 0)
+            out[name] = (empty, ShardSpec(tuple(p.shape), 0, 0))
+            continue
+        start, numel = int(hp.lp_fragment_address.start), int(hp.lp_fragment_address.numel)
+        view = _flat(hp.hp_fragment)
+        assert view.numel() == numel, (name, view.numel(), numel)
+        out[name] = (view, ShardSpec(tuple(p.shape), start, numel))
+    return out
+
+
+def _zero0(engine, named) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+    opt = engine.optimizer
+    pairs: dict[int, torch.Tensor] = {}  # id(module param) -> fp32 master
+    if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):  # FP16_UnfusedOptimizer
+        for lp_group, hp_group in zip(opt.fp16_groups, opt.fp32_groups):
+            for lp, hp in zip(lp_group, hp_group):
+                pairs[id(lp)] = hp
+    elif hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups_flat"):  # FP16_Optimizer
+        for lp_group, flat in zip(opt.fp16_groups, opt.fp32_groups_flat):
+            offset = 0
+            for lp in lp_group:
+                pairs[id(lp)] = flat.detach().narrow(0, offset, lp.numel())
+                offset += lp.numel()
+    else:  # fp32 training: the optimizer updates the module parameters themselves
+        for group in opt.param_groups:
+            for p in group["params"]:
+                pairs[id(p)] = p
+    out = {}
+    for name, p in named:
+        hp = pairs.get(id(p))
+        if hp is None or not p.requires_grad:
+            continue
+        out[name] = (_flat(hp), ShardSpec(tuple(p.shape), 0, p.numel()))
+    return out
+
+
+# ----------------------------------------------------------------------------------- eval swap
+
+
+@contextlib.contextmanager
+def _swap_zero3(engine, reading: Reading, ema):
+    """ZeRO-3: the EMA piece, cast to the partition dtype, replaces each parameter's local partition
+    (``ds_tensor``); DeepSpeed's gathered-parameter cache is emptied on entry and on exit (a
+    ``no_grad`` forward leaves parameters gathered, and replacing the partition alone would then be
+    silently ignored). Extra memory: one 16-bit copy of this rank's partition."""
+    engine.empty_partition_cache()  # drop gathered live weights (persistent ones included)
+    saved: list[tuple[torch.nn.Parameter, torch.Tensor, Any]] = []
+    extra = 0
+    try:
+        for name, p in reading.params.items():
+            part = p.ds_tensor
+            piece = ema[name]
+            swap = torch.empty_like(part.data)
+            n = piece.numel()
+            swap[:n].copy_(piece.reshape(-1))
+            if n < swap.numel():  # padding tail: keep whatever DeepSpeed had there
+                swap[n:].copy_(part.data[n:])
+            extra += swap.numel() * swap.element_size()
+            saved.append((p, part.data, getattr(p, "ds_secondary_tensor", None)))
+            part.data = swap
+            if getattr(p, "ds_secondary_tensor", None) is not None:  # ZeRO++ hpZ gathers from here
+                p.ds_secondary_tensor = None
+        yield SwapStats(len(saved), extra)
+    finally:
+        engine.empty_partition_cache()  # drop gathered EMA weights before training resumes
+        for p, data, secondary in saved:
+            p.ds_tensor.data = data
+            if secondary is not None:
+                p.ds_secondary_tensor = secondary
+
+
+@contextlib.contextmanager
+def _swap_data(reading: Reading, pieces):
+    """ZeRO-0/1/2 with 16-bit parameters: the parameters' ``.data`` point at the full EMA (gathered
+    once on ZeRO-1/2; the memory the forward needs anyway)."""
+    from .._api import gather_pieces
+
+    full = gather_pieces(reading, pieces)
+    saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    extra = 0
+    try:
+        for name, p in reading.params.items():
+            w = full[name].to(device=p.device, dtype=p.dtype).view(p.shape)
+            extra += w.numel() * w.element_size()
+            saved.append((p, p.data))
+            p.data = w
+        del full
+        yield SwapStats(len(saved), extra)
+    finally:
+        for p, data in saved:
+            p.data = data
