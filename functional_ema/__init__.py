@@ -11,7 +11,7 @@ from importlib.metadata import version as _version
 
 from . import posthoc, schedules
 from ._api import StateMismatchError, SwappedTrainingError, gather_full, local_shards, process_group, shard_layout, swapped
-from ._core import NonFiniteError, ema_nbytes, init_ema, update
+from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info
 from ._layout import ShardLayout, ShardSpec
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
@@ -36,6 +36,7 @@ __all__ = [
     "SwapStats",
     "SwappedTrainingError",
     "TreeMismatchError",
+    "UpdateInfo",
     "client_state_summary",
     "consolidate",
     "consolidate_to_file",
@@ -51,4 +52,5 @@ __all__ = [
     "shard_layout",
     "swapped",
     "update",
+    "update_info",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import optree
 import torch
@@ -24,7 +24,7 @@ from ._state import EmaState
 from ._tree import TreeMismatchError, check_same_names, flatten_named
 from .schedules import DecayLike, interval_decay
 
-__all__ = ["ema_nbytes", "init_ema", "update", "NonFiniteError"]
+__all__ = ["ema_nbytes", "init_ema", "update", "update_info", "NonFiniteError", "UpdateInfo"]
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # A step is an int64 counter: refuse what cannot be stored before anything moves.
@@ -256,6 +256,33 @@ def _decays_for(state: EmaState, decay) -> list:
 # ------------------------------------------------------------------------------------------ planning
 
 
+class UpdateInfo(NamedTuple):
+    """How :func:`update` runs for a (state, shards) pair (see :func:`update_info`)."""
+
+    fused: bool  # both sides are Shards of one layout: one lerp_ per segment, constant-cost check
+    lerp_spans: int  # tensors or fused segments averaged (non-empty ones)
+    staged_spans: int  # of those, copied through a staging buffer first (another device or dtype)
+    reused: bool  # the plan of the previous update with these very objects was reused
+
+
+def update_info(state: EmaState, shards: Any) -> UpdateInfo:
+    """Say how ``update(state, shards, ...)`` would run, without changing anything.
+
+    Example:
+        >>> import torch, functional_ema as fe
+        >>> model = torch.nn.Linear(3, 2)
+        >>> state = fe.init_ema(fe.local_shards(model))
+        >>> fe.update_info(state, fe.local_shards(model)).fused
+        True
+    """
+    e0 = state.emas[0] if state.emas else None
+    reused = type(e0) is Shards and e0._memo is not None and e0._memo[0] is shards
+    plan = _plan_for(state.emas, shards)
+    fused = type(shards) is Shards and type(e0) is Shards and all(type(e) is Shards and e.index == shards.index for e in state.emas)
+    return UpdateInfo(fused, plan.spans, plan.staged_spans, reused)
+
+
+
 def _plan_for(emas: tuple, shards: Any) -> Plan:
     """The lerps of this update. Fused when both sides are :class:`Shards` of one layout.
 
@@ -287,7 +314,6 @@ def _fused_plan(emas: tuple, shards: Shards) -> Plan:
     plan = Plan()
     for j, seg in enumerate(shards.segments):
         plan.add([e.segments[j] for e in emas], seg)
-        plan.fused_runs += seg.numel() > 0
     plan.finish()
     return plan
 

@@ -202,20 +202,22 @@ class Plan:
         groups: same-device, same-dtype lerps, one ``_foreach_lerp_`` per (device, dtype).
         staged: fused spans and contiguous leaves whose weights are staged (other device or dtype).
         converted: ``(ema, weights, k)`` for the remaining leaves of another device or dtype.
-        fused_runs: number of fused spans (for tests and benchmarks).
+        spans, staged_spans: tensors or fused spans scheduled, and how many of them are staged.
     """
 
     def __init__(self) -> None:
         self.groups: dict[tuple, _Group] = {}
         self.staged: dict[tuple, _Staged] = {}
         self.converted: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        self.fused_runs = 0
+        self.spans = 0  # tensors or fused spans scheduled (non-empty)
+        self.staged_spans = 0  # of those, staged through a copy (another device or dtype)
         self.single: tuple | None = None  # (bound lerp_ of the EMA span, weights span), see finish()
 
     def add(self, emas: list[torch.Tensor], src: torch.Tensor) -> None:
         """Schedule ``emas[k].lerp_(src, w_k)`` for each k (one leaf or one fused span)."""
         if src.numel() == 0:
             return
+        self.spans += 1
         flat = src.is_contiguous() and all(e.is_contiguous() for e in emas)
         if flat:  # chunkable as 1-D
             src, emas = src.view(-1), [e.view(-1) for e in emas]
@@ -226,6 +228,7 @@ class Plan:
                 self.groups[key] = _Group(src.device)
             self.groups[key].add(emas, src, _chunk_elements())
         elif flat:
+            self.staged_spans += 1
             key = (src.device, e0.device, e0.dtype)
             if key not in self.staged:
                 self.staged[key] = _Staged()

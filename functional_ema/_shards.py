@@ -96,6 +96,23 @@ class Shards(Mapping):
         # immutable inputs (these segments and the other side's), so it is kept with them.
         object.__setattr__(self, "_memo", None)
 
+    @classmethod
+    def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> "Shards":
+        """A ``Shards`` over existing tensors, e.g. views of one flat buffer (no copy).
+
+        Views that are contiguous pieces of one storage, close together, become one segment
+        (see :func:`shards_from_views`); others are segments by themselves.
+
+        Example:
+            >>> import torch, functional_ema as fe
+            >>> buf = torch.zeros(10)
+            >>> s = fe.Shards.from_views({"a": buf[:4], "b": buf[5:10]})
+            >>> len(s.segments), s["b"].shape
+            (1, torch.Size([5]))
+        """
+        items = list(named.items()) if isinstance(named, Mapping) else list(named)
+        return shards_from_views(items)
+
     # -- Mapping
     def __getitem__(self, name: str) -> torch.Tensor:
         index = self.index

@@ -52,6 +52,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -240,8 +241,8 @@ def _check_state(state: EmaState, layout: ShardLayout) -> torch.dtype:
     want = list(layout.specs)
     dtypes = set()
     for k, ema in enumerate(state.emas):
-        if not isinstance(ema, dict) or set(ema) != set(want):
-            have = set(ema) if isinstance(ema, dict) else set()
+        if not isinstance(ema, Mapping) or set(ema) != set(want):
+            have = set(ema) if isinstance(ema, Mapping) else set()
             raise CheckpointMismatchError(
                 f"state.emas[{k}] does not match this engine's parameters: missing {_short(sorted(set(want) - have))}, "
                 f"extra {_short(sorted(have - set(want)))}. Make the state with init_ema(local_shards(engine))"

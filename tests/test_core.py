@@ -8,10 +8,8 @@ that small trees cross many chunk boundaries and vector tails.
 from __future__ import annotations
 
 import copy
-import gc
 import pickle
 import warnings
-import weakref
 
 import optree
 import pytest
@@ -31,15 +29,16 @@ def small_chunks(monkeypatch):
 # ----------------------------------------------------------------------------------------- helpers
 
 
-def flat_views(sizes, gap=3, dtype=torch.float32, seed=0):
-    """Views of one flat buffer with ``gap`` elements between them (like a ZeRO partition)."""
+def flat_views(sizes, gap=3, dtype=torch.float32, seed=0, as_dict=False):
+    """A ``Shards`` over views of one flat buffer with ``gap`` elements between them (like a ZeRO
+    partition); ``as_dict`` gives the same views as a plain dict (the per-tensor path)."""
     g = torch.Generator().manual_seed(seed)
     buf = torch.randn(sum(sizes) + gap * len(sizes) + 5, generator=g, dtype=torch.float64).to(dtype)
     out, off = {}, 2
     for i, n in enumerate(sizes):
         out[f"layer{i}.w"] = buf.narrow(0, off, n)
         off += n + gap
-    return buf, out
+    return buf, (out if as_dict else fe.Shards.from_views(out))
 
 
 def perturb(tree, step, scale=1.0):
@@ -50,9 +49,8 @@ def perturb(tree, step, scale=1.0):
             t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float64) * scale + t.double())
 
 
-def plan_of(state, shards):
-    key = _plan.cache_key(state.emas, shards)
-    return _plan.lookup(key)
+def info(state, shards):
+    return fe.update_info(state, shards)
 
 
 def run_and_compare(shards, decays, steps=(1, 2, 5, 6), dtype=torch.float32, mutate=None, **init_kw):
@@ -61,14 +59,15 @@ def run_and_compare(shards, decays, steps=(1, 2, 5, 6), dtype=torch.float32, mut
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = fe.init_ema(shards, num_emas=k, dtype=dtype, **init_kw)
-    ref = [optree.tree_map(lambda t: t.detach().clone().to(dtype), shards) for _ in range(k)]
+    plain = dict(shards) if isinstance(shards, fe.Shards) else shards  # the reference's view of them
+    ref = [optree.tree_map(lambda t: t.detach().clone().to(dtype), plain) for _ in range(k)]
     last = 0
     for step in steps:
         (mutate or perturb)(shards, step)
         state = fe.update(state, shards, step, decay=decays if k > 1 else decays[0])
         for j, d in enumerate(decays):
             w = 1.0 - interval_decay(d, last, step)
-            optree.tree_map(lambda e, s, w=w: e.lerp_(s.to(e.dtype), w), ref[j], shards)
+            optree.tree_map(lambda e, s, w=w: e.copy_(s) if w == 1.0 else e.lerp_(s.to(e.dtype), w), ref[j], plain)
         last = step
         for j in range(k):
             got, want = optree.tree_leaves(state.emas[j]), optree.tree_leaves(ref[j])
@@ -97,18 +96,22 @@ def all_decays():
 @pytest.mark.parametrize("decays", all_decays(), ids=str)
 def test_flat_buffer_with_gaps_is_fused_and_exact(decays):
     buf, shards = flat_views([1, 17, 100, 33, 64, 5, 250, 3])
+    assert len(shards.segments) == 1  # one span over the buffer, gaps included
     state = run_and_compare(shards, decays)
-    plan = plan_of(state, shards)
-    assert plan.fused_runs == 1 and not plan.staged and not plan.converted
-    # One EMA buffer for all K EMAs: 4 bytes x (leaves + mirrored gaps) x K.
+    assert info(state, shards) == fe.UpdateInfo(fused=True, lerp_spans=1, staged_spans=0, reused=True)
+    # Each EMA mirrors the span: 4 bytes x (tensors + mirrored gaps) x K.
     span = 17 + 100 + 33 + 64 + 5 + 250 + 3 + 1 + 3 * 7
     assert fe.ema_nbytes(state) == 4 * span * len(decays)
+    # The same views as a plain dict take the per-tensor path, with the same numbers.
+    _, plain = flat_views([1, 17, 100, 33, 64, 5, 250, 3], as_dict=True)
+    state2 = run_and_compare(plain, decays)
+    assert not info(state2, plain).fused and info(state2, plain).lerp_spans == 8
 
 
 @pytest.mark.parametrize("decays", all_decays(), ids=str)
 def test_many_trees_exact(decays):
-    _, flat_a = flat_views([10, 20, 30], seed=1)
-    _, flat_b = flat_views([7, 0, 9], gap=0, seed=2)
+    _, flat_a = flat_views([10, 20, 30], seed=1, as_dict=True)
+    _, flat_b = flat_views([7, 0, 9], gap=0, seed=2, as_dict=True)
     big = torch.randn(64, 48)
     trees = {
         "empty": {},
@@ -121,46 +124,32 @@ def test_many_trees_exact(decays):
     }
     for name, tree in trees.items():
         run_and_compare(tree, decays)
+        if name not in ("nested",):  # Shards take a flat name -> tensor mapping
+            run_and_compare(fe.Shards.from_views(tree), decays)
 
 
 def test_views_of_2d_buffer_and_shuffled_names():
-    # Leaves whose dict order differs from their order in memory, and 2-D views.
+    # Tensors whose order differs from their order in memory, and 2-D views.
     buf = torch.randn(1000)
-    shards = {"z": buf[0:100].view(10, 10), "a": buf[110:300].view(19, 10), "m": buf[300:301], "b": buf[400:999]}
+    shards = fe.Shards.from_views({"z": buf[0:100].view(10, 10), "a": buf[110:300].view(19, 10), "m": buf[300:301], "b": buf[400:999]})
     state = run_and_compare(shards, (0.9, 0.6))
-    assert plan_of(state, shards).fused_runs == 1
+    assert info(state, shards).lerp_spans == 1 and list(state.ema) == ["z", "a", "m", "b"]
 
 
 def test_overlapping_views():
     buf = torch.randn(200)
-    shards = {"a": buf[0:50], "b": buf[25:75], "c": buf[75:120], "d": buf[100:180]}
+    views = {"a": buf[0:50], "b": buf[25:75], "c": buf[75:120], "d": buf[100:180]}
 
     def mutate(tree, step):  # overlapping views: write the buffer, not the views
         buf.copy_(torch.randn(200, generator=torch.Generator().manual_seed(step)))
 
-    run_and_compare(shards, (0.9,), mutate=mutate)
-    run_and_compare(shards, (0.9, 0.5), mutate=mutate)
-
-
-def test_state_rearranged_so_a_fused_span_would_overwrite_another_leaf():
-    # init over a, b, c of one buffer: the EMA buffer mirrors [a | b | c]. Then b's weights come
-    # from elsewhere: a and c still share an offset, but a span over them would write b's EMA.
-    buf = torch.randn(30)
-    state = fe.init_ema({"a": buf[0:10], "b": buf[10:20], "c": buf[20:30]})
-    other = torch.randn(10)
-    shards = {"a": buf[0:10], "b": other, "c": buf[20:30]}
-    ref = {n: t.clone() for n, t in state.ema.items()}
-    for step in (1, 2):
-        perturb(shards, step)
-        state = fe.update(state, shards, decay=0.9)
-        for n in ref:
-            ref[n].lerp_(shards[n], 1 - 0.9)
-        assert all(torch.equal(state.ema[n], ref[n]) for n in ref)
-    assert plan_of(state, shards).fused_runs == 0
+    for shards in (views, fe.Shards.from_views(views)):
+        run_and_compare(shards, (0.9,), mutate=mutate)
+        run_and_compare(shards, (0.9, 0.5), mutate=mutate)
 
 
 def test_state_from_other_names_same_shapes_is_exact():
-    # The state's tensors swapped between names: offsets no longer line up, per-tensor fallback.
+    # The state's tensors swapped between names: a plain dict, so the per-tensor path.
     buf, shards = flat_views([10, 10, 10, 10], gap=0)
     state = fe.init_ema(shards)
     names = list(shards)
@@ -168,6 +157,7 @@ def test_state_from_other_names_same_shapes_is_exact():
     ref = {n: t.clone() for n, t in swapped.ema.items()}
     perturb(shards, 1)
     swapped = fe.update(swapped, shards, decay=0.5)
+    assert not info(swapped, shards).fused
     for n in ref:
         ref[n].lerp_(shards[n], 0.5)
         assert torch.equal(swapped.ema[n], ref[n])
@@ -180,20 +170,16 @@ def test_bf16_ema_of_fp32_shards_warns_and_matches_per_tensor_cast():
     for decays in ((0.9,), (0.99, 0.3)):
         state = run_and_compare(shards, decays, dtype=torch.bfloat16)
         assert all(t.dtype == torch.bfloat16 for e in state.emas for t in e.values())
-        plan = plan_of(state, shards)
         # The fused span is staged (converted chunk by chunk), not updated per tensor.
-        assert plan.fused_runs == 1 and len(plan.staged) == 1 and not plan.groups
-        assert len(next(iter(plan.staged.values())).chunks) > 1
-    # Non-contiguous fp32 leaves with a bf16 EMA: converted per tensor.
+        assert info(state, shards) == fe.UpdateInfo(True, 1, 1, True)
+    # Non-contiguous fp32 tensors with a bf16 EMA: converted per tensor.
     big = torch.randn(30, 20)
     run_and_compare({"t": big.t(), "s": big[:, ::2]}, (0.9,), dtype=torch.bfloat16)
 
 
 def test_large_single_tensors_with_several_emas_are_chunked():
-    shards = {"big": torch.randn(1000), "small": torch.randn(3)}
-    state = run_and_compare(shards, (0.9, 0.6, 0.0))
-    group = next(iter(plan_of(state, shards).groups.values()))
-    assert len(group.emas) == 3 * (-(-1000 // _plan._chunk_elements()) + 1)
+    for shards in ({"big": torch.randn(1000), "small": torch.randn(3)}, fe.Shards.from_views({"big": torch.randn(1000), "small": torch.randn(3)})):
+        run_and_compare(shards, (0.9, 0.6, 0.0))
 
 
 def test_staged_path_on_cpu_same_dtype(monkeypatch):
@@ -204,22 +190,18 @@ def test_staged_path_on_cpu_same_dtype(monkeypatch):
     # pin_memory is ignored without CUDA (no pinned allocator), and must not fail.
     state = run_and_compare(shards, (0.9, 0.6), device="cpu", pin_memory=True)
     assert not any(t.is_pinned() for t in state.ema.values())
-    plan = plan_of(state, shards)
-    staged = next(iter(plan.staged.values()))
-    assert type(staged.stager) is _plan._CopyStager  # nothing CUDA-only without CUDA
-    assert len(staged.chunks) == -(-(100 + 3 + 250 + 1 + 60 + 7 + 5 * 3) // 53)
+    assert info(state, shards) == fe.UpdateInfo(True, 1, 1, True)
     # Standalone tensors go through the same pipeline, each in its own chunks.
     run_and_compare({"a": torch.randn(120), "b": torch.randn(5, 5), "c": torch.randn(0)}, (0.9,), pin_memory=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.py runs it on a GPU machine)")
 def test_cuda_weights_pinned_cpu_ema():
     buf = torch.randn(10_000, device="cuda")
-    shards = {f"p{i}": buf[i * 1000 : i * 1000 + 990] for i in range(10)}
+    shards = fe.Shards.from_views({f"p{i}": buf[i * 1000 : i * 1000 + 990] for i in range(10)})
     state = run_and_compare(shards, (0.9, 0.6), device="cpu", pin_memory=True)
     assert all(t.device.type == "cpu" and t.is_pinned() for t in state.ema.values())
-    staged = next(iter(plan_of(state, shards).staged.values()))
-    assert type(staged.stager) is _plan._CudaToHost
+    assert info(state, shards).staged_spans == 1
 
 
 # ------------------------------------------------------------------------- in place / out of place
@@ -241,9 +223,8 @@ def test_out_of_place_leaves_old_state_untouched_and_stays_fused():
     # The new buffers mirror the layout: the next update (either way) is one fused span.
     perturb(shards, 2)
     newer = fe.update(new, shards, decay=(0.9, 0.5), inplace=False)
-    assert plan_of(newer, shards).fused_runs == 1
+    assert info(newer, shards).fused and info(newer, shards).lerp_spans == 1
     new = fe.update(new, shards, decay=(0.9, 0.5))
-    assert plan_of(new, shards).fused_runs == 1
     assert all(torch.equal(new.emas[k][n], newer.emas[k][n]) for k in range(2) for n in shards)
     assert fe.ema_nbytes(new) == fe.ema_nbytes(old)
 
@@ -255,7 +236,7 @@ def test_inplace_returns_state_sharing_buffers():
     assert new.ema["a"] is state.ema["a"] and int(state.step) == 1
 
 
-def test_out_of_place_of_unowned_tensors():
+def test_out_of_place_of_plain_tensors():
     state = fe.EmaState(torch.tensor(0), ({"a": torch.zeros(3), "b": torch.zeros(2, 2).t()},))
     shards = {"a": torch.ones(3), "b": torch.ones(2, 2)}
     new = fe.update(state, shards, decay=0.75, inplace=False)
@@ -263,118 +244,34 @@ def test_out_of_place_of_unowned_tensors():
     assert torch.equal(new.ema["a"], torch.full((3,), 0.25)) and torch.equal(new.ema["b"], torch.full((2, 2), 0.25))
 
 
-# ------------------------------------------------------------------------------ cache correctness
+# ------------------------------------------------------- no hidden state: honoured or refused
 
 
-def test_rebinding_data_of_a_weight_is_seen():
-    model = torch.nn.Linear(4, 3)
-    shards = {n: p for n, p in model.named_parameters()}
-    state = fe.init_ema(shards)
-    fe.update(state, shards, decay=0.5)
-    new_w = torch.randn(3, 4)
-    model.weight.data = new_w  # same Parameter object, other memory
-    expect = state.ema["weight"].clone().lerp_(new_w, 0.5)
-    fe.update(state, shards, decay=0.5)
-    assert torch.equal(state.ema["weight"], expect)
-
-
-def test_rebinding_data_of_all_views_of_a_flat_buffer_is_seen():
-    # Like module.to(...): every tensor object stays, its .data moves to a new buffer.
-    buf, shards = flat_views([40, 50, 60])
-    state = fe.init_ema(shards)
-    fe.update(state, shards, decay=0.5)
-    assert plan_of(state, shards).fused_runs == 1
-    new_buf = torch.randn(buf.numel())
-    for t in shards.values():
-        t.data = new_buf.as_strided(t.shape, t.stride(), t.storage_offset())
-    expect = {n: state.ema[n].clone().lerp_(t, 0.5) for n, t in shards.items()}
-    fe.update(state, shards, decay=0.5)
-    assert all(torch.equal(state.ema[n], expect[n]) for n in shards)
-
-
-def test_replacing_an_ema_tensor_in_the_dict_is_seen():
+def test_shards_are_read_only_and_views_write_through():
     _, shards = flat_views([5, 6])
     state = fe.init_ema(shards)
-    fe.update(state, shards, decay=0.5)
-    n0 = next(iter(shards))
-    state.ema[n0] = torch.zeros(5)
-    fe.update(state, shards, decay=0.5)
-    assert torch.equal(state.ema[n0], shards[n0] * 0.5)
-
-
-def test_fresh_views_each_step_and_plans_do_not_keep_tensors_alive():
-    buf = torch.randn(100)
-    state = fe.init_ema({"a": buf[:40], "b": buf[50:90]})
-    ref = {n: t.clone() for n, t in state.ema.items()}
-    for step in range(1, 4):
-        shards = {"a": buf[:40], "b": buf[50:90]}  # new view objects, as a naive reader makes
-        buf.add_(1.0)
-        fe.update(state, shards, decay=0.9)
-        for n in ref:
-            ref[n].lerp_(shards[n], 1 - 0.9)
-            assert torch.equal(state.ema[n], ref[n])
-    plan = weakref.ref(plan_of(state, shards))
-    del shards, state
-    gc.collect()
-    assert plan() is None  # dropped with the tensors it was built from
-
-
-def test_two_states_on_the_same_shards():
-    _, shards = flat_views([300, 200])
-    s1, s2 = fe.init_ema(shards), fe.init_ema(shards, num_emas=2)
-    r1 = fe.init_ema(shards)
-    for step in range(1, 4):
-        perturb(shards, step)
-        fe.update(s1, shards, decay=0.9)
-        fe.update(s2, shards, decay=(0.9, 0.3))
-        for n, t in r1.ema.items():
-            t.lerp_(shards[n], 1 - 0.9)
-    assert all(torch.equal(s1.ema[n], r1.ema[n]) and torch.equal(s2.emas[0][n], r1.ema[n]) for n in shards)
-
-
-def recent_plan(state, shards):
-    """The plan the constant-cost check finds for these dict objects, or None."""
-    return _plan._RECENT.get((id(shards), *map(id, state.emas)))
-
-
-def test_same_dicts_are_matched_at_constant_cost_and_stay_exact():
-    _, shards = flat_views([7 + i for i in range(40)])
-    state = fe.init_ema(shards, num_emas=2)
-    ref = [{n: t.clone() for n, t in shards.items()} for _ in range(2)]
-    for step in range(1, 5):
-        perturb(shards, step)
-        fe.update(state, shards, decay=(0.9, 0.6))
-        for k, d in enumerate((0.9, 0.6)):
-            for n, t in ref[k].items():
-                t.lerp_(shards[n], 1 - d)
-        assert all(torch.equal(state.emas[k][n], ref[k][n]) for k in range(2) for n in shards)
-    plan = recent_plan(state, shards)
-    assert plan is not None and plan is plan_of(state, shards) and plan.fused_runs == 1
-
-
-def test_replacing_a_middle_value_in_the_same_dicts_is_seen():
-    # The constant-cost check looks at the ends of each dict only; replacing a value in the middle
-    # frees the old tensor, which drops the plan, so the next call checks every value.
-    _, shards = flat_views([5, 6, 7, 8])
-    state = fe.init_ema(shards)
-    fe.update(state, shards, decay=0.5)
-    assert recent_plan(state, shards) is not None
-    new_w = torch.randn(6)
-    shards["layer1.w"] = new_w  # the old view's only owner was the dict
-    assert recent_plan(state, shards) is None
-    expect = {n: state.ema[n].clone().lerp_(t, 0.5) for n, t in shards.items()}
+    for tree in (shards, state.ema):
+        with pytest.raises(TypeError, match="read-only"):
+            tree["layer0.w"] = torch.zeros(5)
+        with pytest.raises(TypeError, match="read-only"):
+            del tree["layer0.w"]
+        with pytest.raises(AttributeError, match="read-only"):
+            tree.segments = ()
+    # Writing into a view writes the segment: honoured by the next fused update.
+    shards["layer1.w"].fill_(2.0)
+    state.ema["layer0.w"].fill_(4.0)
+    expect = {n: state.ema[n].clone().lerp_(shards[n], 0.5) for n in shards}
     fe.update(state, shards, decay=0.5)
     assert all(torch.equal(state.ema[n], expect[n]) for n in shards)
-    state.ema["layer2.w"] = torch.zeros(7)  # same for a middle EMA tensor
-    expect = {n: state.ema[n].clone().lerp_(t, 0.5) for n, t in shards.items()}
-    fe.update(state, shards, decay=0.5)
-    assert all(torch.equal(state.ema[n], expect[n]) for n in shards)
-    assert torch.equal(state.ema["layer2.w"], shards["layer2.w"] * 0.5)
+    assert torch.equal(state.ema["layer1.w"], expect["layer1.w"]) and torch.allclose(expect["layer0.w"], 2.0 + 0.5 * shards["layer0.w"])
+    # Every access is a fresh view: rebinding .data of one leaves the Shards as it was.
+    v = shards["layer0.w"]
+    before = v.clone()
+    v.data = torch.zeros(5)
+    assert shards["layer0.w"] is not shards["layer0.w"] and torch.equal(shards["layer0.w"], before)
 
 
-def test_a_new_dict_is_checked_in_full_even_at_a_reused_address():
-    # A fresh dict each step often lands at the address of the previous, freed one; with other
-    # tensors in the middle it must not be taken for it.
+def test_replacing_tensors_in_plain_dicts_is_honoured_every_call():
     a = {f"w{i}": torch.randn(4) for i in range(5)}
     state = fe.init_ema(a)
     fe.update(state, a, decay=0.5)
@@ -385,45 +282,172 @@ def test_a_new_dict_is_checked_in_full_even_at_a_reused_address():
         expect = {n: state.ema[n].clone().lerp_(t, 0.5) for n, t in shards.items()}
         fe.update(state, shards, decay=0.5)
         assert all(torch.equal(state.ema[n], expect[n]) for n in shards), step
-        del shards
+    state.ema["w3"] = torch.zeros(4)  # replacing an EMA tensor of a dict state is honoured too
+    expect = 0.5 * a["w3"]
+    fe.update(state, a, decay=0.5)
+    assert torch.equal(state.ema["w3"], expect)
+
+
+def test_rebinding_data_of_a_weight_is_seen():
+    model = torch.nn.Linear(4, 3)
+    state = fe.init_ema(fe.local_shards(model))
+    fe.update(state, fe.local_shards(model), decay=0.5)
+    new_w = torch.randn(3, 4)
+    model.weight.data = new_w  # same Parameter object, other memory (like module.to(...))
+    expect = state.ema["weight"].clone().lerp_(new_w, 0.5)
+    fe.update(state, fe.local_shards(model), decay=0.5)  # a new reading, same layout: still fused
+    assert torch.equal(state.ema["weight"], expect)
+    assert info(state, fe.local_shards(model)).fused
+    # Replacing a Parameter object, or freezing one, changes what is tracked: refused by name.
+    model.bias = torch.nn.Parameter(torch.randn(3))
+    fe.update(state, fe.local_shards(model), decay=0.5)
+    model.bias.requires_grad_(False)
+    with pytest.raises(fe.TreeMismatchError, match="'bias'"):
+        fe.update(state, fe.local_shards(model), decay=0.5)
+
+
+def test_two_states_on_the_same_shards():
+    _, shards = flat_views([300, 200])
+    s1, s2 = fe.init_ema(shards), fe.init_ema(shards, num_emas=2)
+    r1 = fe.init_ema(dict(shards))
+    for step in range(1, 4):
+        perturb(shards, step)
+        fe.update(s1, shards, decay=0.9)
+        fe.update(s2, shards, decay=(0.9, 0.3))
+        for n, t in r1.ema.items():
+            t.lerp_(shards[n], 1 - 0.9)
+    assert all(torch.equal(s1.ema[n], r1.ema[n]) and torch.equal(s2.emas[0][n], r1.ema[n]) for n in shards)
+
+
+def test_package_keeps_no_module_level_registries():
+    """The update path keeps nothing between calls outside the objects passed in."""
+    import functional_ema
+    import pkgutil
+    import importlib
+    import types
+    import weakref as _weakref
+
+    found = []
+    for mod_info in pkgutil.walk_packages(functional_ema.__path__, "functional_ema."):
+        mod = importlib.import_module(mod_info.name)
+        for name, value in vars(mod).items():
+            if isinstance(value, (dict, list, set, _weakref.WeakKeyDictionary, _weakref.WeakValueDictionary)) and not name.startswith("__"):
+                if isinstance(value, types.MappingProxyType):
+                    continue
+                found.append(f"{mod_info.name}.{name}")
+    constant_tables = {  # filled at import, never written: not state
+        "functional_ema.__main__._COMMANDS", "functional_ema._io.DTYPE_TO_STR", "functional_ema._io.STR_TO_DTYPE",
+    }
+    assert sorted(set(found) - constant_tables) == []
 
 
 # ----------------------------------------------------------------------------------------- errors
 
 
 def test_tree_mismatch_names_the_parameters():
-    state = fe.init_ema({"enc.w": torch.zeros(3), "dec.w": torch.zeros(2)})
-    with pytest.raises(fe.TreeMismatchError, match=r"missing from shards: 'dec.w'.*not in the EMA state: 'head.w'"):
-        fe.update(state, {"enc.w": torch.zeros(3), "head.w": torch.zeros(2)})
-    with pytest.raises(fe.TreeMismatchError, match=r"shards\['dec.w'\] has shape \(4,\) but the EMA .* has \(2,\)"):
-        fe.update(state, {"enc.w": torch.zeros(3), "dec.w": torch.zeros(4)})
-    with pytest.raises(TypeError, match=r"shards\['dec.w'\] is a float"):
-        fe.update(state, {"enc.w": torch.zeros(3), "dec.w": 1.0})
-    # After a cached plan exists, a mismatch is still caught.
-    good = {"enc.w": torch.zeros(3), "dec.w": torch.zeros(2)}
-    fe.update(state, good)
-    with pytest.raises(fe.TreeMismatchError, match="'dec.w'"):
-        fe.update(state, {"enc.w": good["enc.w"]})
-    assert int(state.step) == 1
+    for make in (dict, fe.Shards.from_views):
+        state = fe.init_ema(make({"enc.w": torch.zeros(3), "dec.w": torch.zeros(2)}))
+        with pytest.raises(fe.TreeMismatchError, match=r"missing from shards: 'dec.w'.*not in the EMA state: 'head.w'|missing from shards: 'dec.w'"):
+            fe.update(state, {"enc.w": torch.zeros(3), "head.w": torch.zeros(2)})
+        with pytest.raises(fe.TreeMismatchError, match=r"shards\['dec.w'\] has shape \(4,\) but the EMA .* has \(2,\)"):
+            fe.update(state, make({"enc.w": torch.zeros(3), "dec.w": torch.zeros(4)}))
+        with pytest.raises(TypeError, match=r"shards\['dec.w'\] is a float"):
+            fe.update(state, {"enc.w": torch.zeros(3), "dec.w": 1.0})
+        with pytest.raises(TypeError, match=r"shards\['dec.w'\] has dtype torch.int64"):
+            fe.update(state, {"enc.w": torch.zeros(3), "dec.w": torch.zeros(2, dtype=torch.int64)})
+        with pytest.raises(TypeError, match=r"shards\['dec.w'\] has dtype torch.bool"):
+            fe.update(state, make({"enc.w": torch.zeros(3), "dec.w": torch.zeros(2, dtype=torch.bool)}))
+        assert int(state.step) == 0
 
 
-def test_step_ordering():
+def test_step_ordering_and_same_step_is_a_no_op():
     state = fe.init_ema({"a": torch.zeros(2)}, step=5)
-    with pytest.raises(ValueError, match=r"update\(step=5\) must come after the state's step 5"):
-        fe.update(state, {"a": torch.ones(2)}, 5)
-    with pytest.raises(ValueError, match="must come after"):
+    same = fe.update(state, {"a": torch.ones(2)}, 5)  # e.g. gradient accumulation: no optimizer step yet
+    assert same is state and int(state.step) == 5 and torch.equal(state.ema["a"], torch.zeros(2))
+    with pytest.raises(ValueError, match=r"update\(step=3\) comes before the state's step 5"):
         fe.update(state, {"a": torch.ones(2)}, 3)
     assert int(fe.update(state, {"a": torch.ones(2)}).step) == 6
     assert int(fe.update(state, {"a": torch.ones(2)}, 10).step) == 10
-    # The counter is read fresh each time (it is cached as a view, not as a value).
+    state.step.fill_(20)  # the counter is read from the state each call
+    with pytest.raises(ValueError, match="before the state's step 20"):
+        fe.update(state, {"a": torch.ones(2)}, 15)
+    assert int(fe.update(state, {"a": torch.ones(2)}).step) == 21
+    assert int(fe.update(state, {"a": torch.ones(2)}, torch.tensor(25)).step) == 25
+    import numpy as np
+
+    assert int(fe.update(state, {"a": torch.ones(2)}, np.int64(26)).step) == 26
+
+
+@pytest.mark.parametrize("bad, err", [(2.7, TypeError), ("5", TypeError), (True, TypeError), (torch.tensor(3.0), TypeError),
+                                      (2**63, ValueError), (-1, ValueError)])
+def test_bad_steps_refused_before_anything_moves(bad, err):
+    shards = fe.Shards.from_views({"a": torch.ones(3), "b": torch.ones(2)})
+    state = fe.init_ema({"a": torch.zeros(3), "b": torch.zeros(2)})
+    before = copy.deepcopy(state)
+    with pytest.raises(err, match="step"):
+        fe.update(state, shards, bad)
+    with pytest.raises(err, match="step"):
+        fe.init_ema(shards, step=bad)
+    assert int(state.step) == 0 and all(torch.equal(state.ema[n], before.ema[n]) for n in state.ema)
+
+
+def test_bad_decays_refused_before_anything_moves():
+    state = fe.init_ema({"a": torch.zeros(2)})
     shards = {"a": torch.ones(2)}
-    fe.update(state, shards, 11)
-    state.step.fill_(20)
-    with pytest.raises(ValueError, match="after the state's step 20"):
-        fe.update(state, shards, 15)
-    assert int(fe.update(state, shards).step) == 21
-    replaced = fe.EmaState(torch.tensor(30), state.emas)  # same EMA tensors, another counter
-    assert int(fe.update(replaced, shards).step) == 31 and int(state.step) == 21
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"\[0, 1\]"):
+            fe.update(state, shards, 3, decay=bad)
+    # A per-step decay outside [0, 1] is refused even when its product over skipped steps is fine.
+    with pytest.raises(ValueError, match=r"gave -0.5 at step \d.*\[0, 1\]"):
+        fe.update(state, shards, 2, decay=lambda t: -0.5)
+    # A plain callable skipping very many steps: refused at once, with the fix.
+    with pytest.raises(ValueError, match="interval"):
+        fe.update(state, shards, 10**7, decay=lambda t: 0.99)
+    assert int(state.step) == 0 and torch.equal(state.ema["a"], torch.zeros(2))
+    # An exact closed form skips any number of steps at once.
+    fe.update(state, shards, 10**7, decay=fe.schedules.power(gamma=7.0))
+    assert int(state.step) == 10**7
+
+
+def test_decay_zero_is_exactly_the_weights_even_after_nan():
+    _, shards = flat_views([5, 6])
+    state = fe.init_ema(shards)
+    with torch.no_grad():
+        shards["layer0.w"][2] = float("nan")
+    fe.update(state, shards, decay=0.9)
+    assert torch.isnan(state.ema["layer0.w"][2])
+    perturb(shards, 3)  # clean weights again (NaN + x is NaN: rewrite)
+    shards["layer0.w"].copy_(torch.arange(5.0))
+    for _ in range(3):
+        fe.update(state, shards, decay=0.9)
+    assert torch.isnan(state.ema["layer0.w"][2])  # an EMA keeps a NaN forever ...
+    fe.update(state, shards, decay=0.0)  # ... until decay 0 sets it to the weights, exactly
+    assert all(torch.equal(state.ema[n], shards[n]) for n in shards)
+
+
+def test_nonfinite_guard_skip_and_raise():
+    _, shards = flat_views([5, 6])
+    for mode in ("skip", "raise"):
+        state = fe.init_ema(shards)
+        before = copy.deepcopy(state)
+        with torch.no_grad():
+            shards["layer1.w"][3] = float("inf")
+        if mode == "raise":
+            with pytest.raises(fe.NonFiniteError, match=r"shards\['layer1.w'\]"):
+                fe.update(state, shards, decay=0.5, nonfinite=mode)
+        else:
+            assert fe.update(state, shards, decay=0.5, nonfinite=mode) is state
+        assert int(state.step) == 0 and all(torch.equal(state.ema[n], before.ema[n]) for n in shards)
+        shards["layer1.w"].copy_(torch.ones(6))
+        fe.update(state, shards, 2, decay=0.5, nonfinite=mode)  # clean again: compounds the skipped step
+        assert torch.equal(state.ema["layer1.w"], before.ema["layer1.w"].lerp(torch.ones(6), 1 - 0.25))
+    # Garbage in the padding between tensors (ZeRO-3 leaves it uninitialised) is not a weight.
+    buf, shards = flat_views([5, 6], gap=3)
+    buf[2 + 5] = float("nan")  # inside the gap
+    state = fe.init_ema(shards)
+    fe.update(state, shards, decay=0.5, nonfinite="raise")
+    with pytest.raises(ValueError, match="nonfinite"):
+        fe.update(state, shards, decay=0.5, nonfinite="warn")
 
 
 def test_decay_count_errors():
@@ -441,7 +465,7 @@ def test_decay_count_errors():
 
 def test_ema_on_other_accelerator_refused():
     state = fe.EmaState(torch.tensor(0), ({"a": torch.zeros(2, device="meta")},))
-    with pytest.raises(ValueError, match=r"shards\['a'\] is on cpu but its EMA is on meta"):
+    with pytest.raises(ValueError, match=r"shards\['a'\] is on cpu but its EMA \(emas\[0\]\) is on meta"):
         fe.update(state, {"a": torch.ones(2)})
 
 
@@ -456,11 +480,31 @@ def test_pickling_refused_deepcopy_works():
     with pytest.raises(TypeError, match="functional_ema.save"):
         torch.save(state, __import__("io").BytesIO())
     clone = copy.deepcopy(state)
+    assert isinstance(clone.ema, fe.Shards) and clone.ema.index is state.ema.index
     perturb(shards, 1)
     fe.update(state, shards, decay=(0.9, 0.5))
     assert int(clone.step) == 0 and not torch.equal(clone.ema[next(iter(shards))], state.ema[next(iter(shards))])
     fe.update(clone, shards, decay=(0.9, 0.5))
+    assert info(clone, shards).fused
     assert all(torch.equal(clone.emas[k][n], state.emas[k][n]) for k in range(2) for n in shards)
+    # A model that was read keeps its reading in a slot that copies and pickles leave empty.
+    model = torch.nn.Linear(3, 2)
+    fe.local_shards(model)
+    twin = copy.deepcopy(model)
+    assert torch.equal(fe.local_shards(twin)["weight"], model.weight)
+    assert fe.local_shards(twin)["weight"].data_ptr() == twin.weight.data_ptr()
+    buf = __import__("io").BytesIO()
+    torch.save(model, buf)
+
+
+def test_tree_map_over_shards_gives_plain_dicts():
+    _, shards = flat_views([4, 5])
+    state = fe.init_ema(shards)
+    doubled = optree.tree_map(lambda t: t * 2, state.ema)
+    assert type(doubled) is dict and list(doubled) == sorted(shards)
+    assert [p for p, _ in zip(*optree.tree_flatten_with_path(shards)[:2])] == [("layer0.w",), ("layer1.w",)]
+    mapped = optree.tree_map(lambda t: t, state)  # over the whole state: a state of plain dicts
+    assert isinstance(mapped, fe.EmaState) and type(mapped.ema) is dict
 
 
 # ------------------------------------------------------------------------- memory on real ZeRO ranks
@@ -498,17 +542,16 @@ def zero_layout_worker(stages, steps=3):
                 for n, t in ref[k].items():
                     t.lerp_(shards[n], 1 - d)
             equal &= all(torch.equal(state.emas[k][n], ref[k][n]) for k in range(2) for n in shards)
-        plan = plan_of(state, shards)
-        constant_cost = fe.local_shards(engine) is shards and recent_plan(state, shards) is plan
+        how = fe.update_info(state, shards)
         flat_buffers = {t.untyped_storage().data_ptr() for t in shards.values() if t.numel()}
         out.append({
             "stage": stage,
             "equal": bool(equal),
             "local_numel": sum(t.numel() for t in shards.values()),
             "ema_nbytes": fe.ema_nbytes(state),
-            "fused_runs": plan.fused_runs,
+            "fused_spans": how.lerp_spans,
             "flat_buffers": len(flat_buffers),
-            "constant_cost": bool(constant_cost),
+            "constant_cost": bool(fe.local_shards(engine) is shards and how.fused and how.reused),
         })
     return out
 
@@ -521,8 +564,8 @@ def test_real_zero_buffers_fused_and_memory():
         for rep in per_rank:
             where = f"stage {rep['stage']} rank {rank}"
             assert rep["equal"], where
-            assert rep["fused_runs"] == rep["flat_buffers"] == 1, (where, rep)
-            assert rep["constant_cost"], (where, "local_shards + update should match the plan at a constant cost")
+            assert rep["fused_spans"] == rep["flat_buffers"] == 1, (where, rep)
+            assert rep["constant_cost"], (where, "local_shards + update should reuse the plan after one identity check")
             local_bytes = 4 * 2 * rep["local_numel"]  # K = 2 EMAs, fp32
             assert local_bytes <= rep["ema_nbytes"] <= 1.01 * local_bytes, (where, rep)
 
@@ -544,19 +587,3 @@ def test_fp32_ema_keeps_moving_where_bf16_stalls():
     # A continuous EMA of the ramp lags by tau * (1 - e^-1) = 6321 steps: 0.25 + 10 - 6.321 = 3.93.
     assert fp32.ema["w"][0].item() == pytest.approx(3.93, abs=0.01)
     assert bf16.ema["w"][0].item() < 0.5  # it starts creeping only once x - ema exceeds ~9.8
-
-
-def test_a_plan_in_constant_cost_use_stays_cached_among_many_others():
-    # The plan matched at a constant cost every step is the most recently used one: planning
-    # other trees (more than the cache holds) must not evict it.
-    _, shards = flat_views([5, 6, 7])
-    state = fe.init_ema(shards)
-    fe.update(state, shards, decay=0.5)
-    plan = plan_of(state, shards)
-    keep = []
-    for i in range(2 * _plan._MAX_PLANS):
-        other = {"x": torch.randn(3)}
-        keep.append((other, fe.init_ema(other)))
-        fe.update(keep[-1][1], other, decay=0.5)
-        fe.update(state, shards, decay=0.5)
-    assert recent_plan(state, shards) is plan and plan_of(state, shards) is plan

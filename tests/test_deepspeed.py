@@ -113,7 +113,7 @@ def equivalence_worker(configs, steps=4):
 def _local_shards_cache_checks(engine, stage):
     """local_shards hands out one dict per engine, and reads again once a master buffer moves."""
     import functional_ema as fe
-    from functional_ema.deepspeed import _master_buffers
+    from functional_ema.engines.deepspeed import _master_buffers
 
     first = fe.local_shards(engine)
     same_dict = fe.local_shards(engine) is first
