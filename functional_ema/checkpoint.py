@@ -97,6 +97,10 @@ _RANK_FILE = re.compile(r"^ema_rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$"
 # ------------------------------------------------------------------------------------------ errors
 
 
+# The tag of the last complete save in a checkpoint directory (see save and _Checkpoint.open).
+LATEST_NAME = "ema_latest"
+
+
 class CheckpointError(ValueError):
     """Base class: an EMA checkpoint cannot be saved or read. The message says what and how to fix."""
 
@@ -379,6 +383,9 @@ def save(
             "files": [w for w in written if w is not None],
         }
         _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
+        # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
+        # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
+        _io.atomic_write_bytes(save_dir / LATEST_NAME, (tag + "\n").encode())
         _cleanup(tag_dir, {w["file"] for w in manifest["files"]})
         return None
 
@@ -482,10 +489,13 @@ class _Checkpoint:
             tag_dir, tag, root = root, root.name, root.parent
         else:
             if tag is None:
-                latest = root / "latest"
+                latest = root / "latest"  # DeepSpeed's, written after its own save: it wins when present
+                if not latest.is_file():
+                    latest = root / LATEST_NAME  # ours, written by save() once a tag is complete
                 if not latest.is_file():
                     raise CheckpointNotFoundError(
-                        f"{root} has no 'latest' file (DeepSpeed writes it in save_checkpoint): pass tag=... "
+                        f"{root} has no 'latest' file (DeepSpeed writes it in save_checkpoint) nor {LATEST_NAME!r} "
+                        f"(functional_ema.save writes it): pass tag=... "
                         f"Tags here with a complete EMA: {_complete_tags(root)}"
                     )
                 tag = latest.read_text().strip()
@@ -773,7 +783,8 @@ def load(
     Args:
         engine: the DeepSpeed engine to load for.
         load_dir: the checkpoint directory (as for ``engine.load_checkpoint``), or a tag folder.
-        tag: the tag; ``None`` reads ``load_dir/latest`` like DeepSpeed.
+        tag: the tag; ``None`` reads ``load_dir/latest`` like DeepSpeed, or, where DeepSpeed wrote no
+            ``latest`` (FSDP2, plain and DDP models), ``load_dir/ema_latest``, which :func:`save` writes.
         dtype: the EMA dtype you expect; ``None`` accepts the saved one. A different value raises
             rather than casting silently.
         verify: check CRC-32s of every byte read (the default; costs about one pass at ~2 GB/s).
@@ -833,7 +844,8 @@ def consolidate(
 
     Args:
         checkpoint_dir: the checkpoint directory (holding ``latest`` and tag folders), or a tag folder.
-        tag: the tag; ``None`` reads ``checkpoint_dir/latest`` like DeepSpeed's ``zero_to_fp32.py``.
+        tag: the tag; ``None`` reads ``checkpoint_dir/latest`` like DeepSpeed's ``zero_to_fp32.py``,
+            else ``checkpoint_dir/ema_latest`` (written by :func:`save` once a tag is complete).
         index: which EMA (``state.emas[index]`` at save time).
         verify: check CRC-32s of every byte read.
 

@@ -9,6 +9,7 @@ one launch: a launch costs seconds, an extra engine in the same launch well unde
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -110,6 +111,42 @@ def _child() -> None:
     # Skip interpreter teardown: DeepSpeed's native threads occasionally abort there
     # ("terminate called without an active exception") after all the work is done.
     os._exit(code)
+
+
+# ------------------------------------------------------------------------------ counting collectives
+
+COLLECTIVES = [
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter",
+    "barrier", "send", "recv", "isend", "irecv", "all_to_all", "all_to_all_single", "batch_isend_irecv",
+]
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count calls into torch.distributed collectives (deepspeed.comm and DTensor go through them too)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    counts = {"calls": 0}
+    saved = []
+    for mod in (dist, c10d):
+        for name in COLLECTIVES:
+            fn = getattr(mod, name, None)
+            if fn is None:
+                continue
+
+            def wrapped(*a, __fn=fn, **k):
+                counts["calls"] += 1
+                return __fn(*a, **k)
+
+            saved.append((mod, name, fn))
+            setattr(mod, name, wrapped)
+    try:
+        yield counts
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 # ------------------------------------------------------------------------------------ test models

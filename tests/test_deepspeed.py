@@ -3,45 +3,9 @@ EMA of DeepSpeed's own full fp32 weights computed in plain torch."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 
-from tests._multirank import OddNet, full_fp32_reference, make_engine, run_ranks, train_step
-
-COLLECTIVES = [
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter",
-    "barrier", "send", "recv", "isend", "irecv", "all_to_all", "all_to_all_single", "batch_isend_irecv",
-]
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Count calls into torch.distributed collectives (deepspeed.comm goes through them too)."""
-    import torch.distributed.distributed_c10d as c10d
-
-    counts = {"calls": 0}
-    saved = []
-    for mod in (dist, c10d):
-        for name in COLLECTIVES:
-            fn = getattr(mod, name, None)
-            if fn is None:
-                continue
-
-            def wrapped(*a, __fn=fn, **k):
-                counts["calls"] += 1
-                return __fn(*a, **k)
-
-            saved.append((mod, name, fn))
-            setattr(mod, name, wrapped)
-    try:
-        yield counts
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
-
+from tests._multirank import OddNet, count_collectives, full_fp32_reference, make_engine, run_ranks, train_step
 
 def equivalence_worker(configs, steps=4):
     import functional_ema as fe

@@ -1,0 +1,238 @@
+"""Plain ``nn.Module`` and DDP: the same verbs as DeepSpeed, checked against a plain-torch EMA.
+
+World 1 runs in this process; DDP runs on 2 real gloo ranks. Each run checks: the EMA equals a
+per-tensor ``lerp_`` of the live weights bitwise, ``update`` makes no collective call, ``swapped``
+computes like an unsharded twin loaded with the EMA and restores the weights bitwise, training
+inside it is refused with nothing changed, save -> load is bitwise, and offline ``consolidate``
+equals the live gather. The cross-engine case loads an EMA saved by DeepSpeed ZeRO-3 at 2 ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import functional_ema as fe
+from tests._multirank import ROOT, count_collectives, run_ranks
+
+DECAYS = (0.9, fe.schedules.power(gamma=3.0))
+
+
+class TiedNet(nn.Module):
+    """Uneven sizes, a frozen parameter, a tied pair and a BatchNorm (buffers have no EMA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(7, 13, bias=False)
+        self.mid = nn.Linear(13, 13)
+        self.norm = nn.BatchNorm1d(13)
+        self.head = nn.Linear(13, 7, bias=False)
+        self.tied = self.mid  # the same module twice: its parameters are listed once, as mid.*
+        self.frozen = nn.Parameter(torch.randn(9), requires_grad=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        h = self.norm(self.tied(h)) + self.frozen.sum() * 0.01
+        return self.head(h)
+
+
+def _batch(step: int, rank: int = 0):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 7, generator=g), torch.randn(8, 7, generator=g)
+
+
+def _train_step(model, opt, step: int, rank: int = 0) -> None:
+    x, y = _batch(step, rank)
+    opt.zero_grad(set_to_none=True)
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+def run_checks(model, opt, save_dir: str, rank: int, world: int, make_fresh, steps: int = 5) -> dict:
+    """Everything the issue asks of one engine, on this rank; returns a JSON-able report."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    names = [n for n, p in inner.named_parameters() if p.requires_grad]
+    report: dict = {"names": names}
+    state = fe.init_ema(fe.local_shards(model), num_emas=2)
+    ref = [{n: p.detach().clone() for n, p in inner.named_parameters() if p.requires_grad} for _ in DECAYS]
+    calls = 0
+    for step in range(1, steps + 1):
+        _train_step(model, opt, step, rank)
+        with count_collectives() as counts:
+            state = fe.update(state, fe.local_shards(model), step, decay=DECAYS)
+        calls += counts["calls"]
+        params = dict(inner.named_parameters())
+        for k, d in enumerate(DECAYS):
+            w = 1.0 - fe.schedules.interval_decay(d, step - 1, step)
+            for n in ref[k]:
+                ref[k][n].lerp_(params[n].detach(), w)
+    report["update_collectives"] = calls
+    report["fused"] = fe.update_info(state, fe.local_shards(model)).fused
+    full = [fe.gather_full(state, model, index=k) for k in range(2)]
+    report["bitwise"] = all(torch.equal(full[k][n], ref[k][n]) for k in range(2) for n in names)
+    report["keys"] = sorted(full[0])
+
+    # swapped: forward == an unsharded twin loaded with the EMA; weights restored bitwise.
+    inner.eval()
+    live = {n: p.detach().clone() for n, p in inner.named_parameters()}
+    x, _ = _batch(99, rank)
+    with torch.no_grad(), fe.swapped(model, state) as stats:
+        out = model(x)
+    twin = copy.deepcopy(inner)  # after the forward: DDP broadcast rank 0's buffers in it
+    twin.load_state_dict(full[0], strict=False)
+    with torch.no_grad():
+        report["swap_forward_equal"] = torch.equal(out, twin(x))
+    report["swapped_params"] = stats.swapped_params
+    report["restored"] = all(torch.equal(p, live[n]) for n, p in inner.named_parameters())
+    report["tied_frozen_live"] = torch.equal(inner.frozen, live["frozen"])
+    inner.train()
+
+    # Training inside swapped is refused, nothing changes (weights, grads, optimizer state).
+    opt_state = copy.deepcopy(opt.state_dict())
+    grads = [None if p.grad is None else p.grad.clone() for p in inner.parameters()]
+    refused = []
+    with fe.swapped(model, state):
+        x, y = _batch(7, rank)
+        try:
+            ((model(x) - y) ** 2).mean().backward()
+        except fe.SwappedTrainingError:
+            refused.append("backward")
+        try:
+            opt.step()
+        except fe.SwappedTrainingError:
+            refused.append("step")
+    report["refused"] = refused
+    report["untouched_after_refusal"] = (
+        all(torch.equal(p, live[n]) for n, p in inner.named_parameters())
+        and all((g is None and p.grad is None) or torch.equal(g, p.grad) for g, p in zip(grads, inner.parameters()))
+        and str(opt.state_dict()) == str(opt_state)
+    )
+
+    # Training after a swapped block continues bitwise as without it.
+    shadow = copy.deepcopy(inner)
+    shadow_opt = torch.optim.AdamW([p for p in shadow.parameters() if p.requires_grad], lr=1e-2)
+    shadow_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # load_state_dict would share the moments
+    step = steps + 1
+    with torch.no_grad(), fe.swapped(model, state):
+        model(x)
+    _train_step(model, opt, step, rank)
+    _train_step(shadow, shadow_opt, step, rank) if world == 1 else None
+    if world == 1:
+        report["training_unchanged"] = all(torch.equal(a, b) for a, b in zip(inner.parameters(), shadow.parameters()))
+    state = fe.update(state, fe.local_shards(model), step, decay=DECAYS)
+
+    # save -> load (a fresh model and state) is bitwise; offline consolidate == live gather.
+    fe.save(state, model, save_dir, decay=list(DECAYS))  # tag: global_step{state.step}
+    report["tag"] = fe.checkpoint.read_manifest(save_dir)["tag"]  # found through ema_latest
+    fresh = make_fresh()
+    loaded = fe.load(fresh, save_dir)
+    report["load_bitwise"] = int(loaded.step) == step and all(
+        torch.equal(loaded.emas[k][n], state.emas[k][n]) for k in range(2) for n in names
+    )
+    report["load_fused"] = fe.update_info(loaded, fe.local_shards(fresh)).fused
+    live_full = fe.gather_full(state, model)
+    offline = fe.consolidate(save_dir)
+    report["consolidate_equal"] = sorted(offline) == sorted(live_full) and all(torch.equal(offline[n], live_full[n]) for n in live_full)
+    return report
+
+
+def _check(report: dict, world: int) -> None:
+    assert report["names"] == ["emb.weight", "mid.weight", "mid.bias", "norm.weight", "norm.bias", "head.weight"]
+    assert report["update_collectives"] == 0
+    assert report["fused"] and report["bitwise"] and report["keys"] == sorted(report["names"])
+    assert report["swap_forward_equal"] and report["restored"] and report["tied_frozen_live"]
+    assert report["swapped_params"] == 6
+    assert report["refused"] == ["backward", "step"] and report["untouched_after_refusal"]
+    if world == 1:
+        assert report["training_unchanged"]
+    assert report["tag"] == "global_step6"
+    assert report["load_bitwise"] and report["load_fused"] and report["consolidate_equal"]
+
+
+def test_plain_module_world1(tmp_path):
+    torch.manual_seed(0)
+    model = TiedNet()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    _check(run_checks(model, opt, str(tmp_path / "ckpt"), rank=0, world=1, make_fresh=TiedNet), world=1)
+
+
+def ddp_worker(save_dir: str) -> dict:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(TiedNet())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    report = run_checks(model, opt, save_dir, dist.get_rank(), dist.get_world_size(),
+                        make_fresh=lambda: nn.parallel.DistributedDataParallel(TiedNet()))
+    layout = fe.shard_layout(model)
+    report["layout"] = [layout.rank, layout.world_size, layout.stage, layout.engine]
+    files = sorted(p.name for p in (Path(save_dir) / report["tag"]).iterdir())
+    report["files"] = files
+    return report
+
+
+def test_ddp_two_ranks(tmp_path):
+    reports = run_ranks("tests.test_module:ddp_worker", world_size=2, timeout=300, save_dir=str(tmp_path / "ckpt"))
+    for rank, rep in enumerate(reports):
+        _check(rep, world=2)
+        assert rep["layout"] == [rank, 2, 0, "module"]  # replicated: whole parameters on every rank
+    # Replicated weights: one rank file (rank 0's) and the manifest.
+    assert reports[0]["files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
+
+
+def zero3_save_worker(save_dir: str) -> dict:
+    from tests._multirank import OddNet, make_engine, train_step
+
+    engine = make_engine(3, "bf16", model=OddNet())
+    state = fe.init_ema(fe.local_shards(engine))
+    for _ in range(3):
+        train_step(engine, engine.global_steps)
+        state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.8)
+    fe.save(state, engine, save_dir, tag="zero3")
+    full = fe.gather_full(state, engine)
+    return {n: t.tolist() for n, t in full.items()}
+
+
+def test_deepspeed_zero3_checkpoint_loads_into_a_plain_module(tmp_path):
+    from tests._multirank import OddNet
+
+    save_dir = str(tmp_path / "ckpt")
+    full = run_ranks("tests.test_module:zero3_save_worker", world_size=2, timeout=300, save_dir=save_dir)[0]
+    model = OddNet()
+    model.not_optimized.requires_grad_(False)  # DeepSpeed's optimizer did not train it: no EMA
+    state = fe.load(model, save_dir, tag="zero3")
+    assert fe.update_info(state, fe.local_shards(model)).fused
+    got = fe.gather_full(state, model)
+    assert sorted(got) == sorted(full)
+    assert all(torch.equal(got[n], torch.tensor(full[n], dtype=torch.float32)) for n in full)
+
+
+def test_quickstart_module_example_runs(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "examples/quickstart_module.py", "--out", str(tmp_path / "q")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "EMA eval loss" in out.stdout and "consolidated == gathered: True" in out.stdout
+
+
+def test_unknown_objects_get_one_clear_error():
+    for bad in (object(), {"w": torch.zeros(2)}, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)):
+        with pytest.raises(TypeError, match=r"it accepts a deepspeed.DeepSpeedEngine .*FSDP2.*DistributedDataParallel.*nn.Module"):
+            fe.local_shards(bad)
+
+
+def test_state_of_another_model_is_refused_by_every_verb(tmp_path):
+    small, big = nn.Linear(3, 2), nn.Linear(3, 4)
+    state = fe.init_ema(fe.local_shards(big))
+    for verb in (lambda: fe.gather_full(state, small), lambda: fe.swapped(small, state).__enter__(),
+                 lambda: fe.save(state, small, tmp_path / "x", tag="t")):
+        with pytest.raises((fe.StateMismatchError, fe.CheckpointError), match=r"'weight'\]\[?.*has 12 elements but .*piece.* 6"):
+            verb()
+    assert not (tmp_path / "x" / "t" / "ema_manifest.json").exists()
