@@ -455,7 +455,7 @@ def test_files_beside_deepspeeds(world2_first, ckroot):
             assert entry["bytes"] == (d / entry["file"]).stat().st_size
             with safe_open(str(d / entry["file"]), framework="pt") as f:
                 meta = f.metadata()
-                assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == ("1", str(K), "2", "2")
+                assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == ("2", str(K), "2", "2")
                 assert (meta["rank"], meta["zero_stage"]) == (str(entry["rank"]), str(stage))
                 layout = ShardLayout.from_json_dict(json.loads(meta["layout"]))
                 assert json.loads(meta["schedules"]) == m["schedules"]
@@ -763,7 +763,9 @@ def _rewrite_as_bf16(path: Path, manifest_path: Path) -> None:
     m = json.loads(manifest_path.read_text())
     for e in m["files"]:
         if e["file"] == path.name:
-            e.update(bytes=size, header_crc32=w.header_crc32, tensor_crc32=w.crcs)
+            hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731
+            e.update(bytes=size, header_checksum=hexa(w.header_checksum),
+                     tensor_checksums={k: [hexa(v) for v in vs] for k, vs in w.crcs.items()})
     manifest_path.write_text(json.dumps(m))
 
 
