@@ -80,6 +80,8 @@ __all__ = [
     "CorruptCheckpointError",
     "CheckpointVersionError",
     "CheckpointMismatchError",
+    "AsyncSaver",
+    "SaveHandle",
 ]
 
 logger = logging.getLogger("functional_ema")
@@ -300,23 +302,9 @@ def save(
     tag = _check_tag(default_tag(engine) if tag is None else tag)
     tag_dir = save_dir / tag
 
-    def plan():
-        dtype = _check_state(state, layout)
-        schedules = _describe(decay, state.num_emas)
-        generation = 0
-        if rank == 0:
-            with contextlib.suppress(Exception):  # an unreadable old manifest: nothing to preserve
-                old = json.loads((tag_dir / MANIFEST_NAME).read_text())
-                generation = int(old["generation"]) + 1
-        return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas,
-                "dtype": _dtype_name(dtype), "schedules": schedules, "generation": generation}
-
-    plans = _agree("save (checking the state)", plan, group, world, rank)
+    plans = _agree("save (checking the state)", lambda: _plan_save(state, decay, layout, tag, tag_dir), group, world, rank)
     mine, first = plans[rank], plans[0]
-    for field in ("tag", "step", "num_emas", "dtype"):  # not the path: mounts may differ between nodes
-        values = [p[field] for p in plans]
-        if len(set(map(str, values))) > 1:
-            raise CheckpointError(f"save: ranks disagree on {field}: {values}; every rank must save the same state with the same tag")
+    _check_plans(plans)
     generation = first["generation"]
     writes = stage != 0 or rank == 0
     fname = rank_file_name(rank, world, generation)
@@ -338,6 +326,26 @@ def save(
 
     _agree("save (writing the manifest)", commit, group, world, rank)
     return tag_dir
+
+
+def _plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, tag_dir: Path) -> dict:
+    """This rank's part of a save's plan (checks the state); rank 0 also picks the generation."""
+    dtype = _check_state(state, layout)
+    schedules = _describe(decay, state.num_emas)
+    generation = 0
+    if layout.rank == 0:
+        with contextlib.suppress(Exception):  # an unreadable old manifest: nothing to preserve
+            old = json.loads((tag_dir / MANIFEST_NAME).read_text())
+            generation = int(old["generation"]) + 1
+    return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas,
+            "dtype": _dtype_name(dtype), "schedules": schedules, "generation": generation}
+
+
+def _check_plans(plans: list[dict]) -> None:
+    for field in ("tag", "step", "num_emas", "dtype"):  # not the path: mounts may differ between nodes
+        values = [p[field] for p in plans]
+        if len(set(map(str, values))) > 1:
+            raise CheckpointError(f"save: ranks disagree on {field}: {values}; every rank must save the same state with the same tag")
 
 
 def _rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
@@ -993,3 +1001,7 @@ def consolidate_to_file(
         finally:
             bar.close()
     return out_path
+
+
+# The asynchronous save reuses the helpers above (plan, rank file, manifest); imported last for that.
+from ._async import AsyncSaver, SaveHandle  # noqa: E402
