@@ -12,8 +12,8 @@ dtype) and string metadata: format version, tag, step, number of EMAs, EMA dtype
 schedules (when passed to :func:`save`), world size, rank, ZeRO stage and the :class:`ShardLayout`
 (per parameter: full shape, offset and length of the piece). That is enough to rebuild full weights
 with no process group (:func:`consolidate`) and to re-cut the pieces for another world size or
-stage (:func:`load`). The manifest lists the rank files with their sizes and CRC-32s of their
-header and tensor bytes (per 4 MiB chunk). **Only a manifest makes a checkpoint complete.**
+stage (:func:`load`). The manifest lists the rank files with their sizes and checksums of their
+header and tensor bytes (XXH3-64 per 4 MiB chunk since format 2; format 1's CRC-32s are still read). **Only a manifest makes a checkpoint complete.**
 
 Crash safety: every file is written to a temporary name, fsynced, renamed into place, and the
 folder fsynced. Saving again into a tag that already holds a complete EMA writes the new rank files
@@ -82,11 +82,14 @@ __all__ = [
     "CorruptCheckpointError",
     "CheckpointVersionError",
     "CheckpointMismatchError",
+    "AsyncSaver",
+    "SaveHandle",
 ]
 
 logger = logging.getLogger("functional_ema")
 
-FORMAT_VERSION = 1
+# 2: xxh3_64 checksums as hex strings (header_checksum / tensor_checksums); 1: CRC-32 integers (still read).
+FORMAT_VERSION = 2
 MANIFEST_NAME = "ema_manifest.json"
 _FILE_FORMAT = "functional_ema.ema_shards"
 _MANIFEST_FORMAT = "functional_ema.manifest"
@@ -307,23 +310,9 @@ def save(
     tag = _check_tag(default_tag(engine, state) if tag is None else tag)
     tag_dir = save_dir / tag
 
-    def plan():
-        dtype = _check_state(state, layout)
-        schedules = _describe(decay, state.num_emas)
-        generation = 0
-        if rank == 0:
-            with contextlib.suppress(Exception):  # an unreadable old manifest: nothing to preserve
-                old = json.loads((tag_dir / MANIFEST_NAME).read_text())
-                generation = int(old["generation"]) + 1
-        return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas,
-                "dtype": _dtype_name(dtype), "schedules": schedules, "generation": generation}
-
-    plans = _agree("save (checking the state)", plan, group, world, rank)
+    plans = _agree("save (checking the state)", lambda: _plan_save(state, decay, layout, tag, tag_dir), group, world, rank)
     mine, first = plans[rank], plans[0]
-    for field in ("tag", "step", "num_emas", "dtype"):  # not the path: mounts may differ between nodes
-        values = [p[field] for p in plans]
-        if len(set(map(str, values))) > 1:
-            raise CheckpointError(f"save: ranks disagree on {field}: {values}; every rank must save the same state with the same tag")
+    _check_plans(plans)
     generation = first["generation"]
     writes = stage != 0 or rank == 0
     fname = rank_file_name(rank, world, generation)
@@ -333,64 +322,132 @@ def save(
         tag_dir.mkdir(parents=True, exist_ok=True)
         if not writes:
             return None
-        names = list(layout.specs)
-        entries = [(_key(k, n), dtype, (layout.specs[n].numel,)) for k in range(state.num_emas) for n in names]
-        meta = {
-            "format": _FILE_FORMAT,
-            "format_version": str(FORMAT_VERSION),
-            "library": f"functional_ema {_version()}",
-            "tag": tag,
-            "step": str(mine["step"]),
-            "num_emas": str(state.num_emas),
-            "dtype": mine["dtype"],
-            "schedules": json.dumps(mine["schedules"]),
-            "world_size": str(world),
-            "rank": str(rank),
-            "zero_stage": str(stage),
-            "generation": str(generation),
-            "layout": json.dumps(layout.to_json_dict(), separators=(",", ":")),
-        }
-        with _io.StreamingWriter(tag_dir / fname, entries, meta) as w:
-            for k, ema in enumerate(state.emas):
-                for n in names:
-                    w.write(_key(k, n), ema[n].reshape(-1))
-            size = w.commit()
-        return {"rank": rank, "file": fname, "bytes": size, "header_crc32": w.header_crc32, "tensor_crc32": w.crcs}
+        return _write_rank_file(tag_dir / fname, layout, state.emas, dtype, _rank_file_meta(mine, layout, generation))
 
     written = _agree("save (writing the rank files)", write, group, world, rank)
 
     def commit():
         if rank != 0:
             return None
-        _io.fsync_dir(save_dir)  # the tag folder's own entry
-        manifest = {
-            "format": _MANIFEST_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "library": f"functional_ema {_version()}",
-            "note": "functional_ema EMA checkpoint: complete because this manifest exists. Each file holds "
-                    "'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata says where the "
-                    "piece sits in the full parameter.",
-            "tag": tag,
-            "generation": generation,
-            "step": first["step"],
-            "num_emas": first["num_emas"],
-            "dtype": first["dtype"],
-            "schedules": first["schedules"],
-            "world_size": world,
-            "zero_stage": stage,
-            "params": {n: list(s.shape) for n, s in layout.specs.items()},
-            "chunk_bytes": _io.CHUNK_BYTES,
-            "files": [w for w in written if w is not None],
-        }
-        _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
-        # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
-        # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
-        _io.atomic_write_bytes(save_dir / LATEST_NAME, (tag + "\n").encode())
-        _cleanup(tag_dir, {w["file"] for w in manifest["files"]})
+        _commit_manifest(save_dir, tag_dir, _build_manifest(first, layout, [w for w in written if w is not None]))
         return None
 
     _agree("save (writing the manifest)", commit, group, world, rank)
     return tag_dir
+
+
+def _plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, tag_dir: Path) -> dict:
+    """This rank's part of a save's plan (checks the state); rank 0 also picks the generation."""
+    dtype = _check_state(state, layout)
+    schedules = _describe(decay, state.num_emas)
+    generation = 0
+    if layout.rank == 0:
+        with contextlib.suppress(Exception):  # an unreadable old manifest: nothing to preserve
+            old = json.loads((tag_dir / MANIFEST_NAME).read_text())
+            generation = int(old["generation"]) + 1
+    return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas,
+            "dtype": _dtype_name(dtype), "schedules": schedules, "generation": generation}
+
+
+def _check_plans(plans: list[dict]) -> None:
+    for field in ("tag", "step", "num_emas", "dtype"):  # not the path: mounts may differ between nodes
+        values = [p[field] for p in plans]
+        if len(set(map(str, values))) > 1:
+            raise CheckpointError(f"save: ranks disagree on {field}: {values}; every rank must save the same state with the same tag")
+
+
+def _rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
+    """The string metadata of one rank file (``plan``: the agreed tag, step, num_emas, dtype, schedules)."""
+    return {
+        "format": _FILE_FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "library": f"functional_ema {_version()}",
+        "tag": plan["tag"],
+        "step": str(plan["step"]),
+        "num_emas": str(plan["num_emas"]),
+        "dtype": plan["dtype"],
+        "schedules": json.dumps(plan["schedules"]),
+        "world_size": str(layout.world_size),
+        "rank": str(layout.rank),
+        "zero_stage": str(layout.stage),
+        "generation": str(generation),
+        "layout": json.dumps(layout.to_json_dict(), separators=(",", ":")),
+    }
+
+
+def _write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, torch.Tensor]], dtype: torch.dtype,
+                     meta: dict[str, str]) -> dict:
+    """Write this rank's file (``emas.<k>.<name>``, atomically) and return its manifest record."""
+    names = list(layout.specs)
+    entries = [(_key(k, n), dtype, (layout.specs[n].numel,)) for k in range(len(emas)) for n in names]
+    with _io.StreamingWriter(path, entries, meta, algo=_io.CHECKSUM) as w:
+        for k, ema in enumerate(emas):
+            for n in names:
+                w.write(_key(k, n), ema[n].reshape(-1))
+        size = w.commit()
+    hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731 - hex strings: JSON-safe beyond 2**53
+    return {"rank": layout.rank, "file": path.name, "bytes": size, "header_checksum": hexa(w.header_checksum),
+            "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()}}
+
+
+def _build_manifest(plan: dict, layout: ShardLayout, files: list[dict], **extra) -> dict:
+    """The manifest of a save whose rank files are ``files`` (their records); ``plan`` as agreed by the ranks."""
+    return {
+        "format": _MANIFEST_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "library": f"functional_ema {_version()}",
+        "note": "functional_ema EMA checkpoint: complete because this manifest exists. Each file holds "
+                "'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata says where the "
+                "piece sits in the full parameter.",
+        "tag": plan["tag"],
+        "generation": plan["generation"],
+        "step": plan["step"],
+        "num_emas": plan["num_emas"],
+        "dtype": plan["dtype"],
+        "schedules": plan["schedules"],
+        "world_size": layout.world_size,
+        "zero_stage": layout.stage,
+        "params": {n: list(s.shape) for n, s in layout.specs.items()},
+        "chunk_bytes": _io.CHUNK_BYTES,
+        "checksum": _io.CHECKSUM,
+        "files": files,
+        **extra,
+    }
+
+
+def _commit_manifest(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
+    """Rank 0, once every rank file is durable: write the manifest (which completes the checkpoint), then
+    remove what older generations and crashed saves left."""
+    _io.fsync_dir(save_dir)  # the tag folder's own entry
+    _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
+    # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
+    # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
+    _io.atomic_write_bytes(save_dir / LATEST_NAME, (manifest["tag"] + "\n").encode())
+    _cleanup(tag_dir, {w["file"] for w in manifest["files"]})
+
+
+def _file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | None, dict[str, list[int]]]:
+    """(algorithm, header checksum, chunk checksums per tensor) of one manifest file record.
+
+    Format 2 records ``header_checksum`` / ``tensor_checksums`` as hex strings of ``manifest["checksum"]``;
+    format 1 recorded ``header_crc32`` / ``tensor_crc32`` as CRC-32 integers.
+    """
+    try:
+        if int(manifest["format_version"]) < 2:
+            header, tensors, algo = entry.get("header_crc32"), entry.get("tensor_crc32", {}), "crc32"
+            return algo, None if header is None else int(header), {k: [int(v) for v in vs] for k, vs in tensors.items()}
+        algo = manifest.get("checksum")
+        header, tensors = entry.get("header_checksum"), entry.get("tensor_checksums", {})
+        parsed = {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
+        header = None if header is None else int(header, 16)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: unreadable checksums in the manifest ({e!r}); the manifest is damaged") from None
+    if algo not in _io.CHECKSUMS:
+        raise CheckpointVersionError(
+            f"{where}: the manifest's checksums use {algo!r}, which this functional_ema ({_version()}) cannot compute "
+            f"(it knows {sorted(_io.CHECKSUMS)}). Upgrade functional_ema, or load with verify=False"
+        )
+    return algo, header, parsed
 
 
 def _cleanup(tag_dir: Path, keep: set[str]) -> None:
@@ -452,8 +509,9 @@ def client_state_summary(state: EmaState, engine=None) -> dict:
 
 
 class _RankFile:
-    def __init__(self, rank: int, st: _io.SafetensorsFile, layout: ShardLayout, crcs: dict[str, list[int]]):
-        self.rank, self.st, self.layout, self.crcs = rank, st, layout, crcs
+    def __init__(self, rank: int, st: _io.SafetensorsFile, layout: ShardLayout, crcs: dict[str, list[int]],
+                 algo: str = _io.CHECKSUM):
+        self.rank, self.st, self.layout, self.crcs, self.algo = rank, st, layout, crcs, algo
 
 
 class _Checkpoint:
@@ -593,7 +651,8 @@ class _Checkpoint:
                 ) from None
             except _io.FormatError as err:
                 raise CorruptCheckpointError(f"{where}: {err}") from None
-            if verify and st.header_crc32 != int(e["header_crc32"]):
+            algo, header_sum, crcs = _file_checksums(manifest, e, where) if verify else (_io.CHECKSUM, None, {})
+            if verify and st.header_checksum(algo) != header_sum:
                 raise CorruptCheckpointError(f"{where}: the header does not match the checksum in the manifest; the file is corrupted")
             meta = st.metadata
             if meta.get("format") != _FILE_FORMAT:
@@ -635,10 +694,9 @@ class _Checkpoint:
                             f"{where}: parameter {n!r} (EMA {k}): {entry.numel} elements stored, layout says {spec.numel} of "
                             f"{spec.shape}, manifest says shape {manifest['params'].get(n)}"
                         )
-            crcs = e.get("tensor_crc32", {})
             if verify and set(crcs) != set(st.tensors):
                 raise CorruptCheckpointError(f"{where}: the manifest's checksums name other tensors than the file holds")
-            files.append(_RankFile(rank, st, layout, crcs))
+            files.append(_RankFile(rank, st, layout, crcs, algo))
         return files
 
     def _check_coverage(self) -> None:
@@ -702,7 +760,7 @@ class _Checkpoint:
              verifier: _io.Verifier | None = None) -> None:
         """Write elements ``[start, start + numel)`` of flattened EMA ``k`` of ``name`` into 1-D ``dst``.
 
-        With ``verifier``, CRC checks of whole pieces run in the background (see :func:`_verifying`).
+        With ``verifier``, checksums of whole pieces are checked in the background (see :func:`_verifying`).
         """
         stop, cursor, key = start + numel, start, _key(k, name)
         for off, cnt, i in self.pieces[name]:
@@ -722,9 +780,9 @@ class _Checkpoint:
             out = dst[cursor - start : upto - start]
             try:
                 if cursor == off and upto == end:
-                    f.st.read_into(key, out, crcs, verifier, context)
+                    f.st.read_into(key, out, crcs, verifier, context, f.algo)
                 else:
-                    out.copy_(f.st.read_range(key, cursor - off, upto - off, crcs, context))
+                    out.copy_(f.st.read_range(key, cursor - off, upto - off, crcs, context, f.algo))
             except _io.FormatError as err:
                 msg = str(err)
                 raise CorruptCheckpointError(msg if context in msg else f"{msg} {context}") from None
@@ -787,7 +845,7 @@ def load(
             ``latest`` (FSDP2, plain and DDP models), ``load_dir/ema_latest``, which :func:`save` writes.
         dtype: the EMA dtype you expect; ``None`` accepts the saved one. A different value raises
             rather than casting silently.
-        verify: check CRC-32s of every byte read (the default; costs about one pass at ~2 GB/s).
+        verify: check the checksums of every byte read (the default; XXH3-64 costs one pass at ~10 GB/s).
 
     Returns:
         ``EmaState`` with ``step`` and ``num_emas`` as saved and this rank's pieces.
@@ -847,7 +905,7 @@ def consolidate(
         tag: the tag; ``None`` reads ``checkpoint_dir/latest`` like DeepSpeed's ``zero_to_fp32.py``,
             else ``checkpoint_dir/ema_latest`` (written by :func:`save` once a tag is complete).
         index: which EMA (``state.emas[index]`` at save time).
-        verify: check CRC-32s of every byte read.
+        verify: check the checksums of every byte read.
 
     Returns:
         ``{parameter name: tensor of its full shape}`` in the EMA dtype, names as in
@@ -949,7 +1007,7 @@ def consolidate_to_file(
             with _io.StreamingWriter(out_path, entries, meta, checksums=False) as w:
                 for name, shape in ckpt.shapes.items():
                     full = torch.empty(math.prod(shape), dtype=ckpt.dtype)
-                    with _verifying() as verifier:  # input CRCs are checked during the write; a mismatch aborts
+                    with _verifying() as verifier:  # input checksums are checked during the write; a mismatch aborts
                         ckpt.fill(full, index, name, 0, full.numel(), verify, verifier)
                         w.write(name, full)
                     bar.update(full.numel() * itemsize)
@@ -958,3 +1016,7 @@ def consolidate_to_file(
         finally:
             bar.close()
     return out_path
+
+
+# The asynchronous save reuses the helpers above (plan, rank file, manifest); imported last for that.
+from ._async import AsyncSaver, SaveHandle  # noqa: E402
