@@ -181,7 +181,7 @@ def _parse_dtype(name: str, where: str) -> torch.dtype:
 #: Names a tag must not take: DeepSpeed's pointer files and recovery script beside the tag folders
 #: (``latest`` is written by ``engine.save_checkpoint``; a folder of that name makes it fail on rank 0
 #: only), and functional_ema's own file names. Compared case-insensitively (case-insensitive filesystems).
-_RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", MANIFEST_NAME)
+_RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", MANIFEST_NAME)
 _MAX_TAG_BYTES = 255  # one path component on common filesystems
 
 
@@ -485,7 +485,7 @@ def save(
             loadable; the rank files of the failed save are removed). :class:`CheckpointIOError`
             for a full disk, a read-only folder or a permission error (naming rank, file, errno);
             :class:`InvalidTagError` for a tag that is not one plain folder name or is reserved
-            (``latest``, ``latest_universal``, ``zero_to_fp32.py``); :class:`CheckpointTimeoutError`
+            (``latest``, ``latest_universal``, ``zero_to_fp32.py``, ``zero_to_torch.py``); :class:`CheckpointTimeoutError`
             when not every rank calls it.
 
     Example:
@@ -1255,7 +1255,7 @@ def consolidate(
         return out
 
 
-_POINTER_FILES = ("latest", "latest_universal", "zero_to_fp32.py")
+_POINTER_FILES = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed 0.19 writes the scripts
 
 
 def _looks_like_tag(folder: Path) -> bool:

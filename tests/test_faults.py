@@ -116,7 +116,7 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
 
     # -- class 9: tags that are refused, on every rank, before anything is written
     before = _hashes(root)
-    bad_tags = ["latest", "LATEST", "latest_universal", "zero_to_fp32.py", ck.MANIFEST_NAME,
+    bad_tags = ["latest", "LATEST", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", ck.MANIFEST_NAME,
                 "ema_rank_00000_of_00002.safetensors", "x.tmp-123", "a b", " lead", "trail ", "tab\tx", "nl\nx",
                 "nul\0x", "bell\x07", "zero\u200bwidth", "nbsp\u00a0x", "../escape", "a/b", "/abs", "back\\slash",
                 "..", ".", "", "x" * 256, 3.5, "x/"]
@@ -471,6 +471,7 @@ def test_cli_never_overwrites_its_inputs(faults, tmp_path, capsys):
         (d, tdir),
         (d, d),
         (d, d / "zero_to_fp32.py"),
+        (d, d / "zero_to_torch.py"),
         (tdir, tdir / "ema_rank_00000_of_00002.safetensors"),  # the tag folder given as CHECKPOINT_DIR
         (d, outside / "to_rank0"),  # symlinks into the checkpoint are resolved
         (d, outside / "to_tag" / "x.safetensors"),
