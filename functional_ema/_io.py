@@ -150,7 +150,8 @@ def atomic_open(final: str | os.PathLike) -> Iterator[IO[bytes]]:
         f.close()
         os.replace(tmp, final)
     except BaseException:
-        f.close()
+        with contextlib.suppress(OSError):  # on a full disk close() fails too (flushing its buffer)
+            f.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
@@ -433,8 +434,8 @@ class SafetensorsFile:
                 if len(head) < 8:
                     raise self._bad_head(head, size, "it is shorter than the 8-byte safetensors prefix")
                 (n,) = struct.unpack("<Q", head)
-                if n > _MAX_HEADER or n < 2:
-                    raise self._bad_head(head, size, f"its header length field reads {n}")
+                if n > _MAX_HEADER or n < 2:  # the value is not quoted: these are the file's first bytes
+                    raise self._bad_head(head, size, "its 8-byte header length field is out of range")
                 raw = f.read(n)
         except FileNotFoundError:
             raise
@@ -448,6 +449,8 @@ class SafetensorsFile:
             header = json.loads(raw)
             if not isinstance(header, dict):
                 raise ValueError("header is not a JSON object")
+        except RecursionError:
+            raise FormatError(f"{self.path}: the safetensors header is nested too deeply; the file is corrupted") from None
         except ValueError as e:
             if looks_like_pickle(head):
                 raise PickleFileError(f"{self.path} is a pickle / torch.save file, not safetensors. {_PICKLE_HINT}") from None
@@ -459,15 +462,21 @@ class SafetensorsFile:
         self.tensors: dict[str, TensorEntry] = {}
         spans = []
         for key, info in header.items():
-            try:
-                dtype = STR_TO_DTYPE[info["dtype"]]
-                shape = tuple(int(s) for s in info["shape"])
-                start, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise FormatError(f"{self.path}: bad header entry for tensor {key!r}: {info!r} ({e!r})") from None
+            field = _bad_entry_field(info)
+            if field is not None:
+                shown = repr(info.get(field) if isinstance(info, dict) else info)
+                raise FormatError(
+                    f"{self.path}: header entry of tensor {key!r}: field {field!r} is invalid "
+                    f"({shown[:80] + '...' if len(shown) > 80 else shown}); the file is corrupted"
+                )
+            dtype, shape = STR_TO_DTYPE[info["dtype"]], tuple(info["shape"])
+            start, end = info["data_offsets"]
             entry = TensorEntry(dtype, shape, start, end)
             if end - start != entry.numel * torch.empty((), dtype=dtype).element_size() or start < 0:
-                raise FormatError(f"{self.path}: tensor {key!r} spans bytes [{start}, {end}) but {dtype}{list(shape)} needs {entry.numel * torch.empty((), dtype=dtype).element_size()}")
+                raise FormatError(
+                    f"{self.path}: header entry of tensor {key!r}: its fields 'data_offsets' [{start}, {end}) and 'shape' "
+                    f"{list(shape)[:8]} ({dtype}) disagree; the file is corrupted"
+                )
             self.tensors[key] = entry
             spans.append((start, end, key))
         spans.sort()
@@ -593,6 +602,22 @@ class SafetensorsFile:
         if crcs is not None:
             _verify_now(self.path, key, _byte_view(t), lo // per_chunk, crcs, context, algo)
         return t[start - lo : stop - lo]
+
+
+def _bad_entry_field(info) -> str | None:
+    """The first invalid field of a safetensors header entry (None if valid): a known dtype, a shape
+    of ints >= 0, two byte offsets (ints >= 0). Checked before any size is computed from them."""
+    if not isinstance(info, dict):
+        return "entry"
+    if not isinstance(info.get("dtype"), str) or info["dtype"] not in STR_TO_DTYPE:
+        return "dtype"
+    shape = info.get("shape")
+    if not (isinstance(shape, list) and len(shape) <= 64 and all(type(s) is int and 0 <= s < 2**62 for s in shape)):
+        return "shape"
+    offsets = info.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int and 0 <= x < 2**62 for x in offsets)):
+        return "data_offsets"
+    return None
 
 
 def _expected(path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str) -> list[int]:
