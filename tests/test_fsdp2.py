@@ -32,13 +32,15 @@ DS_TAG = "zero3_w2"
 
 
 class TiedNet(nn.Module):
-    """Embedding tied to the output head, a block FSDP2 shards by itself, a frozen parameter."""
+    """Embedding tied to the output head, a block FSDP2 shards by itself, a frozen parameter, and
+    a one-row parameter (empty pieces on all ranks but the first)."""
 
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, D)  # (11, 7)
         self.block = nn.Sequential(nn.Linear(D, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, D))  # (13, 7), (7, 13)
         self.norm = nn.LayerNorm(D)
+        self.gate = nn.Parameter(torch.ones(1, D))  # one row: the other ranks' pieces are empty
         self.frozen = nn.Parameter(torch.randn(5), requires_grad=False)
         self.head = nn.Linear(D, VOCAB, bias=False)
         self.head.weight = self.emb.weight  # tied: one parameter, named "emb.weight"
@@ -46,7 +48,7 @@ class TiedNet(nn.Module):
     def forward(self, tokens):
         x = self.emb(tokens)
         x = x + self.block(x)
-        return self.head(self.norm(x) + self.frozen.sum() * 0.01)
+        return self.head(self.norm(x) * self.gate + self.frozen.sum() * 0.01)
 
 
 # ------------------------------------------------------------------------------------ rank helpers
@@ -485,8 +487,9 @@ def test_local_shards_are_unpadded_views_of_the_local_tensors(trained):
     for world, rank, rep in _reports(trained):
         where = (world, rank, rep["tag"])
         assert rep["adapter"] == "FSDP2Adapter", where
-        assert rep["names"] == ["emb.weight", "block.0.weight", "block.0.bias", "block.2.weight", "block.2.bias",
-                                "norm.weight", "norm.bias"], where  # frozen left out, tied head once
+        # named_parameters() order (the root's own first), frozen left out, the tied head once
+        assert rep["names"] == ["gate", "emb.weight", "block.0.weight", "block.0.bias", "block.2.weight",
+                                "block.2.bias", "norm.weight", "norm.bias"], where
         assert rep["layout_meta"] == [rank, world, 3, "fsdp2"], where
         assert rep["pieces_match_full_tensor"] and rep["no_copy"] and rep["numel_is_to_local"], where
         assert rep["same_reading_object"] and rep["same_reading_after_training"], where
@@ -513,6 +516,7 @@ def test_local_shards_are_unpadded_views_of_the_local_tensors(trained):
     # the padding case really occurs: 11 rows over 2 ranks -> 6, 5; 7 rows over 3 -> 3, 3, 1
     assert trained[2][1]["configs"][0]["layout"]["emb.weight"] == [[11, 7], 42, 35]
     assert trained[3][2]["configs"][0]["layout"]["block.2.weight"] == [[7, 13], 78, 13]
+    assert [res["configs"][0]["layout"]["gate"] for res in trained[3]] == [[[1, 7], 0, 7], [[1, 7], 0, 0], [[1, 7], 0, 0]]
 
 
 def test_gathered_ema_is_bitwise_the_reference_ema_of_full_tensor(trained):
