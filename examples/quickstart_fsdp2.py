@@ -3,7 +3,8 @@
     python examples/quickstart_fsdp2.py [CHECKPOINT_DIR]
 
 Init, an EMA update every step (no communication), evaluation with the EMA swapped in, save and
-load (FSDP2 has no DeepSpeed ``latest`` file: pass the tag), offline consolidation.
+load (FSDP2 has no DeepSpeed ``latest`` file: ``save`` writes ``ema_latest``, or pass ``tag=``),
+offline consolidation.
 """
 
 import os
@@ -45,11 +46,11 @@ def main(rank: int, world: int, port: int, ckpt: str) -> None:
     with torch.no_grad(), fe.swapped(model, state):  # the model's forward sees the EMA weights
         ema_out = model(x_val)
 
-    fe.save(state, model, ckpt, tag=f"global_step{step}")  # one file per rank + a manifest
-    restored = fe.load(model, ckpt, tag=f"global_step{step}")
+    fe.save(state, model, ckpt)  # ckpt/global_step5/: one file per rank + a manifest; ckpt/ema_latest
+    restored = fe.load(model, ckpt)  # no DeepSpeed `latest` here: the tag comes from ema_latest
     full = fe.gather_full(restored, model)  # {name: full fp32 tensor}, a collective
     if rank == 0:
-        offline = fe.consolidate(ckpt, tag=f"global_step{step}")  # no process group needed
+        offline = fe.consolidate(ckpt)  # no process group needed (CLI: python -m functional_ema consolidate)
         assert all(torch.equal(offline[n], full[n]) for n in full)
         plain = nn.Sequential(nn.Linear(8, 33), nn.GELU(), nn.Linear(33, 3))
         plain.load_state_dict(offline)

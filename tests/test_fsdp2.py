@@ -629,3 +629,4 @@ def test_quickstart_fsdp2_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "quickstart_fsdp2: ok" in proc.stdout, proc.stdout[-3000:]
     assert (tmp_path / "global_step5" / "ema_manifest.json").is_file()
+    assert (tmp_path / "ema_latest").read_text().strip() == "global_step5"
