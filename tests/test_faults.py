@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import functional_ema as fe
+from functional_ema import _io
 from functional_ema import checkpoint as ck
 from functional_ema import posthoc
 
