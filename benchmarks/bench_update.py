@@ -351,25 +351,6 @@ def worker(configs, rounds=25, inner=5, quick=False):
     return results
 
 
-def _one_flat_buffer(model) -> None:
-    """Experiment: move every FSDP2 parameter's padded shard buffer into one flat buffer (before
-    the first optimizer step). Rebinds FSDP2 internals (``FSDPParam._sharded_param_data`` and the
-    DTensor's ``_local_tensor``); the all-gather reads the same values from the new place."""
-    from functional_ema.engines.fsdp2 import _param_groups, fsdp_modules
-
-    fps = [fp for m in fsdp_modules(model) for g in _param_groups(m) for fp in g.fsdp_params]
-    flat = torch.empty(sum(fp._sharded_param_data.numel() for fp in fps), dtype=fps[0]._sharded_param_data.dtype)
-    cursor = 0
-    for fp in fps:
-        old = fp._sharded_param_data
-        new = flat[cursor : cursor + old.numel()]
-        new.copy_(old)
-        cursor += old.numel()
-        local = fp.sharded_param._local_tensor
-        fp._sharded_param_data = new
-        fp.sharded_param._local_tensor = new.view(fp.padded_sharded_param_size).narrow(0, 0, local.shape[0])
-
-
 def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
     """FSDP2 (``fully_shard`` per block and on the root, bf16 ``MixedPrecisionPolicy``): the
     library vs one flat ``lerp_`` over as many elements and vs ``torch._foreach_lerp_`` over the
@@ -424,14 +405,17 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
     def foreach():
         torch._foreach_lerp_(foreach_ema, locals_, 1 - DECAY)
 
-    # Experiment (not part of the library): the same model with FSDP2's per-parameter shard
-    # buffers moved into one flat buffer, so local_shards finds one segment and update is one lerp_.
+    # The opt-in layout (functional_ema.engines.fsdp2.flatten_local_shards): the same model with
+    # FSDP2's per-parameter shard buffers moved into one flat buffer, so local_shards finds one
+    # segment and update is one lerp_.
+    from functional_ema.engines.fsdp2 import flatten_local_shards
+
     torch.manual_seed(0)
     flat_model = build_model(model_name, quick)
     for blk in getattr(flat_model, "blocks", getattr(flat_model, "layers", [])):
         fully_shard(blk, mesh=mesh, mp_policy=mp)
     fully_shard(flat_model, mesh=mesh, mp_policy=mp)
-    _one_flat_buffer(flat_model)
+    flatten_local_shards(flat_model)  # the opt-in one-buffer layout
     flat_opt = torch.optim.AdamW(flat_model.parameters(), lr=1e-3)
     flat_model.example_loss(flat_model, 1).backward()
     flat_opt.step()
@@ -686,8 +670,8 @@ FSDP2_LABELS = {
     "lib_update_only": "functional_ema: update alone",
     "local_shards_only": "functional_ema: local_shards alone",
     "foreach": "torch._foreach_lerp_ over the local shards",
-    "lib_one_buffer": "experiment: local_shards + update, FSDP2 shards moved into one buffer",
-    "lib_one_buffer_update_only": "experiment: update alone, FSDP2 shards moved into one buffer",
+    "lib_one_buffer": "functional_ema after `flatten_local_shards(model)`: local_shards + update",
+    "lib_one_buffer_update_only": "functional_ema after `flatten_local_shards(model)`: update alone",
     "roofline": "roofline: one flat lerp_",
     "roofline_again": "noise check: the roofline on other buffers",
 }
@@ -703,7 +687,7 @@ def report_fsdp2(w: int, model: str, reps: list[dict]) -> list[str]:
         f"\n### FSDP2 (fully_shard per block + root, bf16 MixedPrecisionPolicy), {w} ranks, {model}: {r0['tensors']} "
         f"tensors, {r0['params'] / 1e6:.1f}M params, <= {local / 1e6:.2f}M fp32 elements per rank in "
         f"{r0['distinct_storages']} separate storages ({r0['segments']} segments in local_shards; "
-        f"{r0['one_buffer_segments']} after the one-buffer experiment)",
+        f"{r0['one_buffer_segments']} after `flatten_local_shards`)",
         "",
         "| approach | ms/update, min (median) over rounds | x roofline | bytes communicated |",
         "|---|---|---|---|",

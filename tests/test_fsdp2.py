@@ -567,3 +567,45 @@ def test_quickstart_fsdp2_example_runs(tmp_path):
     assert "quickstart_fsdp2: ok" in proc.stdout, proc.stdout[-3000:]
     assert (tmp_path / "global_step5" / "ema_manifest.json").is_file()
     assert (tmp_path / "ema_latest").read_text().strip() == "global_step5"
+
+
+def flatten_worker(dtype: str) -> dict:
+    """``flatten_local_shards``: one segment, one lerp, and training bitwise as an untouched twin."""
+    import functional_ema as fe
+    from functional_ema.engines.fsdp2 import flatten_local_shards
+
+    a, opt_a = _fsdp_model(0, dtype, wrap_root=True)
+    b, opt_b = _fsdp_model(0, dtype, wrap_root=True)
+    before = fe.local_shards(a)
+    _train_step(a, opt_a, 1)
+    _train_step(b, opt_b, 1)  # optimizer state exists before the move
+    moved = flatten_local_shards(b)
+    shards = fe.local_shards(b)
+    state = fe.init_ema(shards, step=1)
+    ref = {n: t.clone() for n, t in _full_trainable(b).items()}
+    losses = []
+    for step in range(2, 6):
+        losses.append([_train_step(a, opt_a, step), _train_step(b, opt_b, step)])
+        state = fe.update(state, fe.local_shards(b), step, decay=DECAY)
+        for n, t in _full_trainable(b).items():
+            ref[n].lerp_(t, 1 - DECAY)
+    full = fe.gather_full(state, b)
+    info = fe.update_info(state, fe.local_shards(b))
+    return {
+        "moved": moved,
+        "segments_before": len(before.segments),
+        "segments_after": len([s for s in fe.local_shards(b).segments if s.numel()]),
+        "lerp_spans": info.lerp_spans,
+        "losses_equal": all(x == y for x, y in losses),
+        "training_equal": _same_training_state(a, opt_a, b, opt_b),
+        "ema_bitwise": all(torch.equal(full[n], ref[n]) for n in ref),
+    }
+
+
+def test_flatten_local_shards_gives_one_lerp_and_changes_no_number():
+    for dtype in ("fp32", "bf16"):
+        for rank, r in enumerate(run_ranks("tests.test_fsdp2:flatten_worker", world_size=2, timeout=300, dtype=dtype)):
+            where = (dtype, rank, r)
+            assert r["moved"] >= 5 and r["segments_before"] >= 5, where
+            assert r["lerp_spans"] <= 2 and r["segments_after"] <= 2, where  # the flat buffer (+ a replicated root tensor)
+            assert r["losses_equal"] and r["training_equal"] and r["ema_bitwise"], where

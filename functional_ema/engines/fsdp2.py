@@ -280,3 +280,53 @@ def _swap(modules, reading: Reading, pieces):
         finally:
             _recover(modules, busy_before)
             _reshard(modules)
+
+
+def flatten_local_shards(model: torch.nn.Module) -> int:
+    """Opt-in: move every FSDP2 parameter's local shard into one flat buffer (per device and dtype).
+
+    FSDP2 keeps each parameter's shard in its own padded buffer, so ``update`` over FSDP2 shards is
+    one ``_foreach_lerp_`` over as many tensors as the model has, which on CPU costs a dispatch per
+    tensor (measured 1.5-1.6x one flat ``lerp_`` over the same bytes for 516 tensors). After this
+    call ``local_shards(model)`` finds one segment and ``update`` is one ``lerp_``.
+
+    It copies each padded shard buffer (``FSDPParam._sharded_param_data``, what the all-gather
+    reads) into the flat buffer and points that buffer and the ``DTensor``'s local tensor (what the
+    optimizer updates) at it: values, optimizer references and training are unchanged (tested
+    bitwise against an untouched twin). Call it after ``fully_shard`` and outside a forward or
+    backward (every parameter sharded); optimizer state may already exist. Parameters with CPU
+    offload keep their pinning. Relies on FSDP2 internals (torch 2.13): see the module docstring.
+
+    Returns:
+        The number of parameter shards moved.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    fps = [fp for m in fsdp_modules(model) for g in _param_groups(m) for fp in g.fsdp_params]
+    for m in fsdp_modules(model):
+        if m._get_fsdp_state()._training_state != TrainingState.IDLE:
+            raise RuntimeError("flatten_local_shards: call it outside a forward or backward")
+    for fp in fps:
+        if fp.sharded_state != ShardedState.SHARDED:
+            raise RuntimeError(
+                f"flatten_local_shards: parameter {fp._param_fqn or fp._module_info.param_name!r} is not sharded "
+                "(a forward left it gathered): call model.reshard() first"
+            )
+    by_kind: dict[tuple, list] = {}
+    for fp in fps:
+        data = fp._sharded_param_data
+        by_kind.setdefault((data.device, data.dtype, data.is_pinned()), []).append(fp)
+    with torch.no_grad():
+        for (device, dtype, pinned), group in by_kind.items():
+            flat = torch.empty(sum(fp._sharded_param_data.numel() for fp in group), dtype=dtype, device=device, pin_memory=pinned)
+            cursor = 0
+            for fp in group:
+                old = fp._sharded_param_data
+                new = flat.narrow(0, cursor, old.numel())
+                new.copy_(old)
+                cursor += old.numel()
+                rows = fp.sharded_param._local_tensor.shape[0]
+                fp._sharded_param_data = new
+                fp.sharded_param._local_tensor = new.view(fp.padded_sharded_param_size).narrow(0, 0, rows)
+    return len(fps)
