@@ -43,6 +43,7 @@ import torch
 
 from . import _io
 from . import checkpoint as _ck
+from ._shards import Shards
 from ._state import EmaState
 from .schedules import DecayLike
 
@@ -258,27 +259,18 @@ class AsyncSaver:
         self._reap()
 
     def _snapshot(self, state: EmaState, dtype: torch.dtype):
-        """Copy every EMA tensor into one host buffer (file order); return their views, the buffer and
-        a CUDA event marking the end of the copies (None on CPU)."""
-        tensors = [t for ema in state.emas for t in ema.values()]
-        # Tensors sharing one storage (init_ema's layout: one buffer per run of parameters, K EMAs
-        # in it) are copied as one span: one copy_ per buffer instead of one per tensor.
-        groups: dict[tuple, list[int]] = {}
-        for i, t in enumerate(tensors):
-            key = (t.untyped_storage().data_ptr(), t.device) if t.is_contiguous() and t.dtype == dtype else ("own", i)
-            groups.setdefault(key, []).append(i)
-        segments = []  # (source 1-D tensor, its first element's storage offset or None)
-        for members in groups.values():
-            ts = [tensors[i] for i in members]
-            if len(ts) > 1:
-                lo = min(t.storage_offset() for t in ts)
-                hi = max(t.storage_offset() + t.numel() for t in ts)
-                if hi - lo <= 1.25 * sum(t.numel() for t in ts):  # gaps are small: copy the span
-                    segments.append((ts[0].as_strided((hi - lo,), (1,), lo), lo, members))
-                    continue
-            segments.extend((tensors[i].detach().reshape(-1), None, [i]) for i in members)
-        total = sum(src.numel() for src, _, _ in segments)
-        on_gpu = any(t.device.type == "cuda" for t in tensors)
+        """Copy every EMA tensor into one host buffer; return the EMAs as views of it, the buffer
+        and a CUDA event marking the end of the copies (None on CPU).
+
+        The EMAs of ``init_ema(local_shards(x))`` are ``Shards``: their segments are copied as they
+        are (one ``copy_`` per segment, the layout they already carry); other trees one tensor at a
+        time."""
+        if all(isinstance(e, Shards) for e in state.emas):
+            sources = [seg.detach() for e in state.emas for seg in e.segments]
+        else:
+            sources = [t.detach() for e in state.emas for t in e.values()]
+        total = sum(t.numel() for t in sources)
+        on_gpu = any(t.device.type == "cuda" for t in sources)
         pinned = on_gpu and self.pin_memory
         buffer = next((b for b in self._free if b.numel() == total and b.dtype == dtype and b.is_pinned() == pinned), None)
         if buffer is not None:
@@ -287,22 +279,23 @@ class AsyncSaver:
             self._free.clear()  # another layout: the old buffers will not fit again
             buffer = torch.empty(total, dtype=dtype, pin_memory=pinned)
             _io._prefault(buffer)
-        views: list[torch.Tensor | None] = [None] * len(tensors)
-        pos = 0
+        copies, pos = [], 0
         with torch.no_grad():
-            for src, lo, members in segments:
+            for src in sources:
                 n = src.numel()
-                buffer[pos : pos + n].copy_(src, non_blocking=pinned)
-                for i in members:
-                    start = pos + (tensors[i].storage_offset() - lo if lo is not None else 0)
-                    views[i] = buffer[start : start + tensors[i].numel()]
+                dst = buffer[pos : pos + n].view(src.shape)
+                dst.copy_(src, non_blocking=pinned)
+                copies.append(dst)
                 pos += n
         ready = None
         if on_gpu:
             ready = torch.cuda.Event()
             ready.record()  # the copies are queued on the current stream; the writer waits for this
-        it = iter(views)
-        emas = [{n: next(it) for n in ema} for ema in state.emas]
+        it = iter(copies)
+        if all(isinstance(e, Shards) for e in state.emas):
+            emas = [Shards([next(it) for _ in e.segments], e.index) for e in state.emas]
+        else:
+            emas = [{n: next(it) for n in ema} for ema in state.emas]
         return emas, buffer, ready
 
 
