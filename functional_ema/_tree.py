@@ -55,18 +55,12 @@ def check_same_tree(
     expected_what: str = "the EMA state",
     got_what: str = "shards",
 ) -> None:
+    """:func:`check_same_names`, for trees that must also have the same structure (the same spec)."""
     if expected_spec == got_spec:
         return
-    exp, got = set(expected_names), set(got_names)
-    missing, extra = sorted(exp - got), sorted(got - exp)
-    parts = []
-    if missing:
-        parts.append(f"missing from {got_what}: {short_list(missing)}")
-    if extra:
-        parts.append(f"not in {expected_what}: {short_list(extra)}")
-    if not parts:
-        parts.append(f"same names, different structure: expected {expected_spec}, got {got_spec}")
-    raise TreeMismatchError(f"{got_what} do not match {expected_what}; " + "; ".join(parts))
+    check_same_names(expected_names, got_names, expected_what, got_what)
+    raise TreeMismatchError(f"{got_what} do not match {expected_what}; same names, different structure: "
+                            f"expected {expected_spec}, got {got_spec}")
 
 
 def short_list(names: list[str], limit: int = 8) -> str:

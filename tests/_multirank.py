@@ -159,6 +159,49 @@ def _child() -> None:
     os._exit(code)
 
 
+# ------------------------------------------------------------------------------------ killed saves
+
+
+def fork_and_kill(body, install, kill_at: int, count_file: Path | None = None, on_call=None) -> int:
+    """Run ``body()`` in a forked child that SIGKILLs itself at the ``kill_at``-th hooked call.
+
+    ``install(hook)`` replaces the functions to count (e.g. ``os.fsync``) with ``hook(original)``;
+    ``on_call()``, if given, runs first on every hooked call (e.g. to assert which thread calls).
+    ``kill_at=-1`` never kills and writes the number of hooked calls to ``count_file``. Returns the
+    child's wait status.
+    """
+    import signal
+
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        code = 3
+        try:
+            calls = [0]
+
+            def hook(orig):
+                def hooked(*a, **k):
+                    calls[0] += 1
+                    if on_call is not None:
+                        on_call()
+                    if calls[0] == kill_at:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    return orig(*a, **k)
+
+                return hooked
+
+            install(hook)
+            body()
+            if count_file is not None:
+                count_file.write_text(str(calls[0]))
+            code = 0
+        except BaseException:  # noqa: BLE001
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
 # ------------------------------------------------------------------------------ counting collectives
 
 COLLECTIVES = [

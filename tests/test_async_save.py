@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._multirank import ROOT, make_engine, run_ranks
+from tests._multirank import ROOT, fork_and_kill, make_engine, run_ranks
 from tests.test_checkpoint import _advance, _decays, _diff, _error_of, _gather_all, _rank, _unflat
 
 V1 = ROOT / "tests" / "data" / "ckpt_v1"
@@ -215,41 +215,22 @@ def torch_load_ref():
 def _fork_async_save(state, engine, save_dir, tag, kill_at: int, count_file: Path | None = None) -> int:
     """AsyncSaver.save + wait in a forked child that SIGKILLs itself at its ``kill_at``-th fsync, rename,
     unlink or tensor write (all of them in the background thread: the call itself makes none)."""
-    pid = os.fork()
-    if pid == 0:  # child: never returns
-        code = 3
-        try:
-            import functional_ema as fe
-            from functional_ema import _io
+    import functional_ema as fe
+    from functional_ema import _io
 
-            calls, main = [0], threading.get_ident()
+    main = threading.get_ident()
 
-            def hook(orig):
-                def hooked(*a, **k):
-                    calls[0] += 1
-                    if threading.get_ident() == main:
-                        os.write(2, b"I/O call from the calling thread\n")
-                        os._exit(4)
-                    if calls[0] == kill_at:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    return orig(*a, **k)
+    def only_in_background():
+        if threading.get_ident() == main:
+            os.write(2, b"I/O call from the calling thread\n")
+            os._exit(4)
 
-                return hooked
+    def install(hook):
+        os.fsync, os.replace, os.unlink = hook(os.fsync), hook(os.replace), hook(os.unlink)
+        _io.StreamingWriter.write = hook(_io.StreamingWriter.write)
 
-            os.fsync, os.replace, os.unlink = hook(os.fsync), hook(os.replace), hook(os.unlink)
-            _io.StreamingWriter.write = hook(_io.StreamingWriter.write)
-            fe.AsyncSaver().save(state, engine, save_dir, tag).wait()
-            if count_file is not None:
-                count_file.write_text(str(calls[0]))
-            code = 0
-        except BaseException:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return status
+    return fork_and_kill(lambda: fe.AsyncSaver().save(state, engine, save_dir, tag).wait(), install, kill_at, count_file,
+                         on_call=only_in_background)
 
 
 def world1_kill_worker(root):

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._multirank import ROOT, OddNet, full_fp32_reference, make_engine, run_ranks, train_step
+from tests._multirank import ROOT, OddNet, fork_and_kill, full_fp32_reference, make_engine, run_ranks, train_step
 
 K = 3  # steps before the save; the reference run continues to 2K
 CONFIGS = [(2, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"), (0, "fp32")]
@@ -202,36 +202,12 @@ def world1_worker(root, reshard, kill_root):
 
 def _fork_save(state, engine, save_dir, tag, kill_at: int, count_file: Path | None = None) -> int:
     """fe.save in a forked child that SIGKILLs itself at its ``kill_at``-th fsync/replace/unlink."""
-    pid = os.fork()
-    if pid == 0:  # child: never returns
-        code = 3
-        try:
-            import functional_ema as fe
+    import functional_ema as fe
 
-            calls = [0]
+    def install(hook):
+        os.fsync, os.replace, os.unlink = hook(os.fsync), hook(os.replace), hook(os.unlink)
 
-            def hook(orig):
-                def hooked(*a, **k):
-                    calls[0] += 1
-                    if calls[0] == kill_at:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    return orig(*a, **k)
-
-                return hooked
-
-            os.fsync, os.replace, os.unlink = hook(os.fsync), hook(os.replace), hook(os.unlink)
-            fe.save(state, engine, save_dir, tag)
-            if count_file is not None:
-                count_file.write_text(str(calls[0]))
-            code = 0
-        except BaseException:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return status
+    return fork_and_kill(lambda: fe.save(state, engine, save_dir, tag), install, kill_at, count_file)
 
 
 def _kill_points(d: Path) -> dict:
