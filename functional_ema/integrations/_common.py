@@ -231,9 +231,10 @@ class EMAController:
 
     # --------------------------------------------------------------------------------------- end
 
-    def full_state_dict(self, x: Any, index: int | None = None, dst: int | None = 0) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, x: Any, index: int | None = None, dst: int | None = 0, strip_prefix: str = "") -> dict[str, torch.Tensor]:
         """Full-shape EMA ``index`` (parameters, their tied aliases, buffers) on rank ``dst``
-        (``None``: every rank; others get ``{}``). Collective."""
+        (``None``: every rank; others get ``{}``), names as in the engine's module with
+        ``strip_prefix`` removed (a framework's wrapper, e.g. Lightning's ``_forward_module.``). Collective."""
         index = self.eval_index if index is None else index
         index = 0 if index is None else index
         if self.state is None:
@@ -251,13 +252,15 @@ class EMAController:
         if self.buffer_state is not None:
             full.update({n: t.detach().clone() for n, t in self.buffer_state.emas[index].items()})
             full.update({n: t.detach().clone() for n, t in self.buffer_state.copied.items()})
+        if strip_prefix:
+            full = {n.removeprefix(strip_prefix): t for n, t in full.items()}
         return full
 
-    def export(self, x: Any, path: str | os.PathLike, index: int | None = None) -> Path | None:
+    def export(self, x: Any, path: str | os.PathLike, index: int | None = None, strip_prefix: str = "") -> Path | None:
         """Write :meth:`full_state_dict` to one safetensors file from rank 0 (atomic). Collective."""
         from safetensors.torch import save as st_save
 
-        full = self.full_state_dict(x, index=index, dst=0)
+        full = self.full_state_dict(x, index=index, dst=0, strip_prefix=strip_prefix)
         path = Path(path)
         if _rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -312,11 +315,11 @@ class EMAController:
                     live[n].copy_(t)
         _barrier()
 
-    def on_train_end(self, x: Any) -> None:
+    def on_train_end(self, x: Any, strip_prefix: str = "") -> None:
         """The configured final export and/or copy into the model."""
         if self.state is None:
             return
         if self.export_path is not None:
-            self.export(x, self.export_path)
+            self.export(x, self.export_path, strip_prefix=strip_prefix)
         if self.copy_to_model_at_end:
             self.copy_to_model(x)
