@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_checkpoint.py [--world-size 2] [--stage 2] [--mib 192] [--num-emas 2] [--repeat 3]
+    python benchmarks/bench_checkpoint.py [--world-size 2] [--stage 2] [--mib 192] [--repeat 3]
 
 Real DeepSpeed engines on CPU ranks (the shared harness ``tests/_multirank.py``). Each operation is
 timed as the slowest rank (the wall time of the collective save / load), best of ``--repeat``;
@@ -17,7 +17,12 @@ GB/s = bytes moved / that time. Baselines over exactly the same tensors:
   full tensors (in memory) / then ``save_file`` + fsync (to a file).
 
 Numbers are with a warm page cache (files just written), so they measure the software path and
-fsync, not the disk's read speed. Ours verifies CRC-32s of every byte read (``verify=True``).
+fsync, not the disk's read speed. Ours verifies XXH3-64 checksums of every byte read (``verify=True``).
+
+For one and for two EMAs: the async save's blocking time (the call, steady state with its buffer
+reused; the first call also allocates it) against one ``copy_`` of this rank's bytes, and its total
+time to ``wait()``; a breakdown of the load (open/validate, reading, checking; raw hash speed of
+XXH3-64 and zlib's CRC-32); and the previous format (CRC-32 manifest) read from the same files.
 """
 
 from __future__ import annotations
@@ -42,12 +47,35 @@ def _fsync(path) -> None:
         os.close(fd)
 
 
-def worker(out_dir: str, mib: int, num_emas: int, stage: int, repeat: int):
+def _to_format1(tag_dir: Path) -> None:
+    """Rewrite a checkpoint's manifest as format 1 (CRC-32 integers), as the previous version wrote it."""
+    import json
+
+    from functional_ema import _io
+
+    mpath = tag_dir / "ema_manifest.json"
+    m = json.loads(mpath.read_text())
+    for e in m["files"]:
+        st = _io.SafetensorsFile(tag_dir / e["file"])
+        data = memoryview((tag_dir / e["file"]).read_bytes())
+        e.pop("header_checksum"), e.pop("tensor_checksums")
+        e["header_crc32"] = st.header_checksum("crc32")
+        e["tensor_crc32"] = {k: _io.chunk_crcs(data[st.header_size + t.start : st.header_size + t.end]) for k, t in st.tensors.items()}
+    m.pop("checksum")
+    m["format_version"] = 1
+    mpath.write_text(json.dumps(m))
+
+
+def worker(out_dir: str, mib: int, stage: int, repeat: int):
+    import xxhash
+    import zlib
+
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
     import functional_ema as fe
+    from functional_ema.checkpoint import _Checkpoint
     from tests._multirank import make_engine
 
     rank = dist.get_rank()
@@ -56,84 +84,116 @@ def worker(out_dir: str, mib: int, num_emas: int, stage: int, repeat: int):
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     engine = make_engine(stage, "fp32", model=model)
     shards = fe.local_shards(engine)
-    state = fe.init_ema(shards, num_emas=num_emas)
-    for k in range(1, num_emas):  # make the EMAs differ
-        for t in state.emas[k].values():
-            t.add_(k)
-    local = {f"emas.{k}.{n}": t for k, e in enumerate(state.emas) for n, t in e.items()}
-    local_bytes = sum(t.numel() * t.element_size() for t in local.values())
-    d = Path(out_dir)
-    plain = d / f"plain_rank{rank}.safetensors"
-    times: dict[str, list[float]] = {}
+    result = {"params": sum(p.numel() for p in model.parameters()), "world": dist.get_world_size(), "runs": {}}
+    for num_emas in (1, 2):
+        state = fe.init_ema(shards, num_emas=num_emas)
+        for k in range(1, num_emas):  # make the EMAs differ
+            for t in state.emas[k].values():
+                t.add_(k)
+        local = {f"emas.{k}.{n}": t for k, e in enumerate(state.emas) for n, t in e.items()}
+        local_bytes = sum(t.numel() * t.element_size() for t in local.values())
+        d = Path(out_dir) / f"emas{num_emas}"
+        d.mkdir(exist_ok=True)
+        plain = d / f"plain_rank{rank}.safetensors"
+        times: dict[str, list[float]] = {}
 
-    def timed(name, fn, barrier=True):
-        if barrier:
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        if barrier:
-            dist.barrier()
-        times.setdefault(name, []).append(time.perf_counter() - t0)
+        def timed(name, fn, barrier=True, after=True):
+            if barrier:
+                dist.barrier()
+            t0 = time.perf_counter()
+            r = fn()
+            if barrier and after:
+                dist.barrier()
+            times.setdefault(name, []).append(time.perf_counter() - t0)
+            return r
 
-    def plain_save(fsync):
-        save_file(local, str(plain))
-        if fsync:
-            _fsync(plain)
+        def plain_save(fsync):
+            save_file(local, str(plain))
+            if fsync:
+                _fsync(plain)
 
-    dst = fe.init_ema(shards, num_emas=num_emas)
-    dst_flat = {f"emas.{k}.{n}": t for k, e in enumerate(dst.emas) for n, t in e.items()}
+        dst = fe.init_ema(shards, num_emas=num_emas)
+        dst_flat = {f"emas.{k}.{n}": t for k, e in enumerate(dst.emas) for n, t in e.items()}
 
-    def plain_load_copy():
-        loaded = load_file(str(plain))
-        for key, t in loaded.items():
-            dst_flat[key].copy_(t)
+        def plain_load_copy():
+            for key, t in load_file(str(plain)).items():
+                dst_flat[key].copy_(t)
 
-    def plain_load_clone():
-        return {key: t.clone() for key, t in load_file(str(plain)).items()}
+        def plain_load_clone():
+            return {key: t.clone() for key, t in load_file(str(plain)).items()}
 
-    for i in range(repeat):
-        tag = f"bench{i}"
-        timed("save", lambda: fe.save(state, engine, d, tag))
-        timed("plain_save_fsync", lambda: plain_save(True))
-        timed("plain_save_nofsync", lambda: plain_save(False))
-        timed("load", lambda: fe.load(engine, d, tag))
-        timed("plain_load_clone", plain_load_clone)
-        timed("plain_load_copy", plain_load_copy)
-        timed("plain_load_lazy", lambda: load_file(str(plain)))
-    full_bytes = sum(t.numel() * t.element_size() for t in state.ema.values())
-    if rank == 0:  # offline tools: one process, no collectives
-        world = dist.get_world_size()
-        paths = [d / f"plain_rank{r}.safetensors" for r in range(world)]
-        layout = fe.shard_layout(engine)
-        out = d / "consolidated.safetensors"
-        plain_out = d / "plain_consolidated.safetensors"
-        specs = _all_specs(d, world)
-
-        def plain_assemble():
-            full = {n: torch.empty(s.full_numel) for n, s in layout.specs.items()}
-            for r, p in enumerate(paths):
-                loaded = load_file(str(p))
-                for n, (off, numel) in specs[r].items():
-                    if numel:
-                        full[n][off : off + numel].copy_(loaded[f"emas.0.{n}"])
-            return {n: full[n].view(layout.specs[n].shape) for n in full}
-
-        def plain_to_file():
-            save_file(plain_assemble(), str(plain_out))
-            _fsync(plain_out)
-
+        # One copy_ of the same bytes (the async save's floor): between two touched buffers.
+        src_flat = torch.cat([t.reshape(-1) for t in local.values()])
+        copy_dst = torch.empty_like(src_flat).copy_(src_flat)
+        saver = fe.AsyncSaver()
         for i in range(repeat):
             tag = f"bench{i}"
-            timed("consolidate_file", lambda: fe.consolidate_to_file(d, out, tag, progress=False), barrier=False)
-            timed("plain_consolidate_file", plain_to_file, barrier=False)
-            timed("consolidate_mem", lambda: fe.consolidate(d, tag), barrier=False)
-            timed("plain_consolidate_mem", plain_assemble, barrier=False)
-        check = fe.consolidate(d, f"bench{repeat - 1}")
-        same = all(torch.equal(check[n], t) for n, t in load_file(str(out)).items())
-        times["consolidate_matches"] = [float(same)]
-    dist.barrier()
-    return {"times": {k: min(v) for k, v in times.items()}, "local_bytes": local_bytes, "full_bytes": full_bytes,
-            "params": sum(p.numel() for p in model.parameters()), "world": dist.get_world_size()}
+            timed("save", lambda: fe.save(state, engine, d, tag))
+            timed("plain_save_fsync", lambda: plain_save(True))
+            timed("plain_save_nofsync", lambda: plain_save(False))
+            timed("copy", lambda: copy_dst.copy_(src_flat), after=False)
+            dist.barrier()
+            t0 = time.perf_counter()
+            h = saver.save(state, engine, d, f"async{i}")
+            times.setdefault("async_block" if i else "async_block_first", []).append(time.perf_counter() - t0)
+            h.wait()
+            dist.barrier()
+            times.setdefault("async_total", []).append(time.perf_counter() - t0)
+            timed("load", lambda: fe.load(engine, d, tag))
+            timed("load_noverify", lambda: fe.load(engine, d, tag, verify=False))
+            timed("plain_load_clone", plain_load_clone)
+            timed("plain_load_copy", plain_load_copy)
+            timed("open", lambda: _Checkpoint.open(d, tag, True).close())
+        if repeat == 1:
+            times["async_block"] = times["async_block_first"]
+        # The previous format (CRC-32) on the same files, for the before/after.
+        fe.save(state, engine, d, "v1")
+        if rank == 0:
+            _to_format1(d / "v1")
+        for _ in range(repeat):
+            timed("load_v1", lambda: fe.load(engine, d, "v1"))
+        buf = memoryview(src_flat.view(torch.uint8).numpy())
+        for _ in range(repeat):
+            timed("hash_xxh3", lambda: xxhash.xxh3_64_intdigest(buf), barrier=False)
+            timed("hash_crc32", lambda: zlib.crc32(buf), barrier=False)
+        full_bytes = sum(s.full_numel for s in fe.shard_layout(engine).specs.values()) * 4
+        if rank == 0:  # offline tools: one process, no collectives
+            world = dist.get_world_size()
+            paths = [d / f"plain_rank{r}.safetensors" for r in range(world)]
+            layout = fe.shard_layout(engine)
+            out = d / "consolidated.safetensors"
+            plain_out = d / "plain_consolidated.safetensors"
+            specs = _all_specs(d, world)
+
+            def plain_assemble():
+                full = {n: torch.empty(s.full_numel) for n, s in layout.specs.items()}
+                for r, p in enumerate(paths):
+                    loaded = load_file(str(p))
+                    for n, (off, numel) in specs[r].items():
+                        if numel:
+                            full[n][off : off + numel].copy_(loaded[f"emas.0.{n}"])
+                return {n: full[n].view(layout.specs[n].shape) for n in full}
+
+            def plain_to_file():
+                save_file(plain_assemble(), str(plain_out))
+                _fsync(plain_out)
+
+            for i in range(repeat):
+                tag = f"bench{i}"
+                timed("consolidate_file", lambda: fe.consolidate_to_file(d, out, tag, progress=False), barrier=False)
+                timed("plain_consolidate_file", plain_to_file, barrier=False)
+                timed("consolidate_mem", lambda: fe.consolidate(d, tag), barrier=False)
+                timed("plain_consolidate_mem", plain_assemble, barrier=False)
+                timed("consolidate_mem_v1", lambda: fe.consolidate(d, "v1"), barrier=False)
+            check = fe.consolidate(d, f"bench{repeat - 1}")
+            same = all(torch.equal(check[n], t) for n, t in load_file(str(out)).items())
+            same = same and all(torch.equal(check[n], t) for n, t in fe.consolidate(d, f"async{repeat - 1}").items())
+            times["consolidate_matches"] = [float(same)]
+        dist.barrier()
+        result["runs"][num_emas] = {"times": {k: min(v) for k, v in times.items()}, "local_bytes": local_bytes,
+                                    "full_bytes": full_bytes}
+        del saver
+    return result
 
 
 def _all_specs(d: Path, world: int) -> list[dict]:
@@ -159,7 +219,6 @@ def main(argv=None) -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
     ap.add_argument("--mib", type=int, default=192, help="model size (fp32 MiB); each EMA is this big in total")
-    ap.add_argument("--num-emas", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
     args = ap.parse_args(argv)
@@ -168,32 +227,50 @@ def main(argv=None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="fe_bench_", dir=args.dir) as tmp:
         results = run_ranks("benchmarks.bench_checkpoint:worker", world_size=args.world_size,
-                            out_dir=tmp, mib=args.mib,
-                            num_emas=args.num_emas, stage=args.stage, repeat=args.repeat)
-    t = {k: max(r["times"].get(k, 0.0) for r in results) for k in results[0]["times"]}
-    total = sum(r["local_bytes"] for r in results)
-    full = results[0]["full_bytes"]
+                            out_dir=tmp, mib=args.mib, stage=args.stage, repeat=args.repeat)
     gbs = lambda nbytes, sec: nbytes / sec / 1e9  # noqa: E731
     print(
-        f"EMA checkpoint benchmark: world_size={args.world_size}, ZeRO stage {args.stage}, fp32 EMA x{args.num_emas}, "
-        f"{results[0]['params'] / 1e6:.1f}M parameters; {total / 2**20:.0f} MiB of EMA pieces in all "
-        f"({total / args.world_size / 2**20:.0f} MiB per rank); best of {args.repeat}; warm page cache; "
-        f"{os.cpu_count()} CPU cores"
+        f"EMA checkpoint benchmark: world_size={args.world_size}, ZeRO stage {args.stage}, fp32 EMAs, "
+        f"{results[0]['params'] / 1e6:.1f}M parameters ({args.mib} MiB per EMA); best of {args.repeat}; warm page cache; "
+        f"{os.cpu_count()} CPU cores. Ours verifies XXH3-64 checksums of every byte read (format 2)."
     )
-    rows = [
-        ("save (all ranks)", total, "save", "plain_save_fsync", "save_file + fsync, per rank"),
-        ("", total, "save", "plain_save_nofsync", "save_file, no fsync"),
-        ("load (all ranks, verified)", total, "load", "plain_load_clone", "load_file + clone (fresh memory, as a new state)"),
-        ("", total, "load", "plain_load_copy", "load_file + copy into existing buffers"),
-        ("", total, "load", "plain_load_lazy", "load_file alone (lazy mmap: reads nothing)"),
-        ("consolidate -> file (rank 0)", full, "consolidate_file", "plain_consolidate_file", "load_file all ranks + assemble + save_file + fsync"),
-        ("consolidate -> memory (rank 0)", full, "consolidate_mem", "plain_consolidate_mem", "load_file all ranks + assemble"),
-    ]
-    print(f"{'operation':32s} {'ours GB/s':>10s} {'plain GB/s':>11s} {'ours/plain':>11s}   baseline")
-    for label, nbytes, ours, base, what in rows:
-        a, b = gbs(nbytes, t[ours]), gbs(nbytes, t[base])
-        print(f"{label:32s} {a:10.2f} {b:11.2f} {a / b:11.2f}   {what}")
-    print(f"consolidated file equals consolidate(): {bool(t['consolidate_matches'])}")
+    for num_emas in (1, 2):
+        runs = [r["runs"][str(num_emas)] if str(num_emas) in r["runs"] else r["runs"][num_emas] for r in results]
+        t = {k: max(r["times"].get(k, 0.0) for r in runs) for k in runs[0]["times"]}  # slowest rank
+        total = sum(r["local_bytes"] for r in runs)
+        full = runs[0]["full_bytes"]
+        per_rank = max(r["local_bytes"] for r in runs)
+        print(f"\n== {num_emas} EMA(s): {total / 2**20:.0f} MiB of EMA pieces in all ({per_rank / 2**20:.0f} MiB per rank) ==")
+        rows = [
+            ("save, blocking (all ranks)", total, "save", "plain_save_fsync", "save_file + fsync, per rank"),
+            ("", total, "save", "plain_save_nofsync", "save_file, no fsync"),
+            ("async save, total to wait()", total, "async_total", "plain_save_fsync", "save_file + fsync, per rank"),
+            ("load (all ranks, verified)", total, "load", "plain_load_clone", "load_file + clone (fresh memory, as a new state)"),
+            ("", total, "load", "plain_load_copy", "load_file + copy into existing buffers"),
+            ("consolidate -> file (rank 0)", full, "consolidate_file", "plain_consolidate_file", "load_file all ranks + assemble + save_file + fsync"),
+            ("consolidate -> memory (rank 0)", full, "consolidate_mem", "plain_consolidate_mem", "load_file all ranks + assemble"),
+        ]
+        print(f"{'operation':32s} {'ours GB/s':>10s} {'plain GB/s':>11s} {'ours/plain':>11s}   baseline")
+        for label, nbytes, ours, base, what in rows:
+            a, b = gbs(nbytes, t[ours]), gbs(nbytes, t[base])
+            print(f"{label:32s} {a:10.2f} {b:11.2f} {a / b:11.2f}   {what}")
+        print(f"async save, blocking: {t['async_block'] * 1e3:.1f} ms per call (first call, allocating its buffer: "
+              f"{t['async_block_first'] * 1e3:.1f} ms); one copy_ of this rank's {per_rank / 2**20:.0f} MiB: "
+              f"{t['copy'] * 1e3:.1f} ms; ratio {t['async_block'] / t['copy']:.2f}x (target <= 1.5x)")
+        # Where the load time goes (slowest rank; the parts are measured separately).
+        mine = per_rank
+        print(f"load breakdown per rank ({mine / 2**20:.0f} MiB): open + validate headers/manifest "
+              f"{t['open'] * 1e3:.1f} ms; read into fresh memory, no checks {t['load_noverify'] * 1e3:.1f} ms; "
+              f"checks on top {max(0.0, t['load'] - t['load_noverify']) * 1e3:.1f} ms "
+              f"(verified load {t['load'] * 1e3:.1f} ms)")
+        print(f"  one thread hashing the same bytes in memory: XXH3-64 {t['hash_xxh3'] * 1e3:.1f} ms "
+              f"({gbs(mine, t['hash_xxh3']):.1f} GB/s), zlib CRC-32 {t['hash_crc32'] * 1e3:.1f} ms "
+              f"({gbs(mine, t['hash_crc32']):.1f} GB/s)")
+        print(f"  previous format (CRC-32) on the same files: load {gbs(total, t['load_v1']):.2f} GB/s "
+              f"({gbs(total, t['load_v1']) / gbs(total, t['plain_load_clone']):.2f}x plain), consolidate -> memory "
+              f"{gbs(full, t['consolidate_mem_v1']):.2f} GB/s "
+              f"({gbs(full, t['consolidate_mem_v1']) / gbs(full, t['plain_consolidate_mem']):.2f}x plain)")
+        print(f"consolidated file and async save equal consolidate(): {bool(t['consolidate_matches'])}")
 
 
 if __name__ == "__main__":

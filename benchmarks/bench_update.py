@@ -246,10 +246,11 @@ def _ema_engine(model: nn.Module, stage: int):
 def overhead_table(sizes=(16, 516, 5000), reps: int = 60) -> list[dict]:
     """Cost of one ``fe.update`` call beyond the arithmetic, by number of tensors (one process).
 
-    The shards are 1-element views of one buffer, so the lerp itself is negligible. "same dicts":
-    the dict objects of the last call again (what ``update(state, local_shards(engine))`` does
-    every step); "new dict": a fresh dict of the same tensors each call (checked key by key).
-    "cold": right after a 32 MiB lerp_ has flushed the CPU caches, as after an optimizer step.
+    The shards are 1-element views of one buffer, so the lerp itself is negligible. "same Shards":
+    the ``Shards`` object of the last call again (what ``update(state, local_shards(engine))``
+    passes every step: one identity check, then one fused lerp); "plain dict": a dict of the same
+    tensors (the per-tensor path: every name and shape checked each call). "cold": right after a
+    32 MiB lerp_ has flushed the CPU caches, as after an optimizer step.
     """
     import functional_ema as fe
 
@@ -259,13 +260,15 @@ def overhead_table(sizes=(16, 516, 5000), reps: int = 60) -> list[dict]:
     rows = []
     for n in sizes:
         buf = torch.zeros(2 * n)
-        shards = {f"p{i:05d}": buf[2 * i : 2 * i + 1] for i in range(n)}
+        views = {f"p{i:05d}": buf[2 * i : 2 * i + 1] for i in range(n)}
+        shards = fe.Shards.from_views(views)
         state = fe.init_ema(shards)
+        dict_state = fe.init_ema(views)
         ema_buf = buf.clone()
         row = {"tensors": n}
         calls = (
             ("same", lambda: shards, lambda arg: fe.update(state, arg, decay=DECAY)),
-            ("new", lambda: dict(shards), lambda arg: fe.update(state, arg, decay=DECAY)),
+            ("new", lambda: views, lambda arg: fe.update(dict_state, arg, decay=DECAY)),
             ("lerp", lambda: None, lambda arg: ema_buf.lerp_(buf, 1 - DECAY)),  # the floor: one bare lerp_
         )
         for label, make, call in calls:
@@ -281,6 +284,54 @@ def overhead_table(sizes=(16, 516, 5000), reps: int = 60) -> list[dict]:
                 row[f"{label}_{'cold' if cold else 'warm'}"] = statistics.median(times) * 1e6
         rows.append(row)
     return rows
+
+
+def plain_module_table(rounds: int = 25, inner: int = 5, quick: bool = False) -> dict:
+    """A plain (or DDP: the same per-rank work) module, one process: ``local_shards + update``
+    against ``torch._foreach_lerp_`` over the parameters (lists built once, outside the timing)
+    and one flat ``lerp_`` over the same number of elements. Paired rounds, as for the engines."""
+    import functional_ema as fe
+
+    torch.set_num_threads(1)
+    model = build_model("transformer", quick)
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    state = fe.init_ema(fe.local_shards(model))
+    ema_list = [p.detach().clone() for p in params]
+    src_list = [p.detach() for p in params]
+    flat_src, flat_ema = torch.randn(numel), torch.randn(numel)
+    w = 1 - DECAY
+
+    def batch(fn):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t0) / inner
+
+    lib = lambda: fe.update(state, fe.local_shards(model), decay=DECAY)  # noqa: E731
+    foreach = lambda: torch._foreach_lerp_(ema_list, src_list, w)  # noqa: E731
+    roof = lambda: flat_ema.lerp_(flat_src, w)  # noqa: E731
+    for fn in (lib, foreach, roof):
+        batch(fn)  # warm up
+    pairs = {"lib": [], "foreach": []}
+    times = {"lib": [], "foreach": [], "roofline": []}
+    for r in range(rounds):
+        for key, fn in (("lib", lib), ("foreach", foreach)):
+            order = (roof, fn, fn, roof) if r % 2 == 0 else (fn, roof, roof, fn)
+            got = [batch(f) for f in order]
+            t_fn = sum(g for f, g in zip(order, got) if f is fn)
+            t_roof = sum(g for f, g in zip(order, got) if f is roof)
+            pairs[key].append(t_fn / t_roof)
+            times[key] += [g for f, g in zip(order, got) if f is fn]
+            times["roofline"] += [g for f, g in zip(order, got) if f is roof]
+    return {
+        "tensors": len(params), "params": numel,
+        "ms_min": {k: min(v) * 1e3 for k, v in times.items()},
+        "ms_median": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+        "x_roofline": {k: statistics.median(v) for k, v in pairs.items()},
+        "ema_bytes": fe.ema_nbytes(state),
+        "fused": fe.update_info(state, fe.local_shards(model)).fused,
+    }
 
 
 def worker(configs, rounds=25, inner=5, quick=False):
@@ -495,7 +546,7 @@ def _mb(b: int) -> str:
     return f"{b / 2**20:.1f}"
 
 
-def report(all_results, command: str, overhead_rows: list[dict]) -> str:
+def report(all_results, command: str, overhead_rows: list[dict], plain: dict | None = None) -> str:
     lines, checks, groups = [], [], {}
     for per_world in all_results:
         for rep in (rep for per_rank in per_world for rep in per_rank):
@@ -544,9 +595,21 @@ def report(all_results, command: str, overhead_rows: list[dict]) -> str:
     lines.append("|---|---|---|---|---|---|---|")
     for (w, stage, model), vals in checks:
         lines.append(f"| ZeRO-{stage}, {w} ranks, {model} | " + " | ".join(vals) + " |")
-    lines.append("\n### Cost of one `update` call beyond the arithmetic (one process, 1-element views, plan cached)")
+    if plain is not None:
+        lines.append(f"\n### Plain module (one process; DDP does the same work per rank): {plain['tensors']} tensors, "
+                     f"{plain['params'] / 1e6:.1f}M params")
+        lines.append("")
+        lines.append("| approach | ms/update, min (median) | x roofline |")
+        lines.append("|---|---|---|")
+        rows = (("functional_ema: `local_shards(model)` + `update`", "lib"), ("`torch._foreach_lerp_` over the parameters (lists prebuilt)", "foreach"))
+        for label, k in rows:
+            lines.append(f"| {label} | {plain['ms_min'][k]:.2f} ({plain['ms_median'][k]:.2f}) | {plain['x_roofline'][k]:.2f} |")
+        lines.append(f"| roofline: one flat `lerp_` over as many elements | {plain['ms_min']['roofline']:.2f} ({plain['ms_median']['roofline']:.2f}) | 1.00 |")
+        lines.append(f"\nfunctional_ema / `_foreach_lerp_`: {plain['x_roofline']['lib'] / plain['x_roofline']['foreach']:.2f} "
+                     f"(target <= 1.00); EMA bytes / (4 x params) = {plain['ema_bytes'] / (4 * plain['params']):.4f}; fused: {plain['fused']}")
+    lines.append("\n### Cost of one `update` call beyond the arithmetic (one process, 1-element views)")
     lines.append("")
-    lines.append("| tensors | same dicts, warm (cold) us | a new dict of the same tensors, warm (cold) us | one bare lerp_, warm (cold) us |")
+    lines.append("| tensors | same `Shards`, warm (cold) us | a plain dict of the same tensors, warm (cold) us | one bare lerp_, warm (cold) us |")
     lines.append("|---|---|---|---|")
     for row in overhead_rows:
         lines.append(
@@ -554,9 +617,9 @@ def report(all_results, command: str, overhead_rows: list[dict]) -> str:
             f"| {row['lerp_warm']:.0f} ({row['lerp_cold']:.0f}) |"
         )
     lines.append(
-        "\nCold: right after a 32 MiB lerp_ has flushed the CPU caches, as after an optimizer step. The same dict "
-        "objects as in the last call (what `update(state, local_shards(engine))` passes) cost the same whatever the "
-        "number of tensors; a new dict is checked key by key."
+        "\nCold: right after a 32 MiB lerp_ has flushed the CPU caches, as after an optimizer step. A `Shards` "
+        "(what `local_shards` returns) costs the same whatever the number of tensors: one identity check of its "
+        "layout against the state's, then one lerp per segment; a plain dict is checked name by name every call."
     )
     lines.append(f"\nCommand: `{command}` (torch {torch.__version__}, {os.cpu_count()} CPU cores, 1 thread per rank)")
     return "\n".join(lines)
@@ -582,7 +645,7 @@ def main(argv=None):
         print(f"[{w} ranks done in {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(all_results, indent=1))
-    print(report(all_results, command, overhead_table()))
+    print(report(all_results, command, overhead_table(), plain_module_table(args.rounds, quick=args.quick)))
 
 
 if __name__ == "__main__":

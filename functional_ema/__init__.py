@@ -16,7 +16,7 @@ from ._layout import ShardLayout, ShardSpec
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
 from ._tree import TreeMismatchError
-from .checkpoint import CheckpointError, client_state_summary, consolidate, consolidate_to_file, load, save
+from .checkpoint import AsyncSaver, CheckpointError, SaveHandle, client_state_summary, consolidate, consolidate_to_file, load, save
 from .engines import SwapStats
 
 try:
@@ -25,9 +25,11 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "AsyncSaver",
     "CheckpointError",
     "EmaState",
     "NonFiniteError",
+    "SaveHandle",
     "SegmentIndex",
     "ShardLayout",
     "ShardSpec",

@@ -26,7 +26,8 @@ from .posthoc import DEFAULT_MAX_PROFILE_ERROR, SNAPSHOT_PREFIX
 def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str) -> None:
     """The arguments every command shares: where to read, the .safetensors file to write."""
     p.add_argument(source, help=source_help)
-    p.add_argument("out", help="output .safetensors file (written atomically; replaced if it exists)")
+    p.add_argument("out", help="output .safetensors file (written atomically; never inside the checkpoint being read)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically); refused otherwise")
     p.add_argument("--no-verify", action="store_true", help="skip the CRC-32 checks of the bytes read")
 
 
@@ -59,7 +60,8 @@ def _run_consolidate(args) -> int:
 
     t0 = time.perf_counter()
     out = consolidate_to_file(
-        args.checkpoint_dir, args.out, args.tag, index=args.index, verify=not args.no_verify, progress=args.progress
+        args.checkpoint_dir, args.out, args.tag, index=args.index, verify=not args.no_verify, progress=args.progress,
+        overwrite=args.overwrite,
     )
     with safe_open(str(out), framework="pt") as f:
         meta, n = f.metadata() or {}, len(list(f.keys()))
@@ -104,7 +106,7 @@ def _run_posthoc(args) -> int:
 
     out = posthoc_to_file(
         args.snapshot_dir, args.out, sigma_rel=args.sigma_rel, gamma=args.gamma, step=args.step,
-        max_profile_error=args.max_profile_error, verify=not args.no_verify, prefix=args.prefix,
+        max_profile_error=args.max_profile_error, verify=not args.no_verify, prefix=args.prefix, overwrite=args.overwrite,
     )
     with safe_open(str(out), framework="pt") as f:
         meta = f.metadata() or {}
@@ -140,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return int(args.run(args) or 0)
-    except (CheckpointError, ReconstructionError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+    except (CheckpointError, ReconstructionError, OSError) as e:  # OSError: e.g. a full disk while writing OUT
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -212,7 +212,11 @@ def update(
     if not inplace:
         state = EmaState(state.step.clone(), _clone_emas(state.emas))
         plan = _plan_for(state.emas, shards)
-    plan.run(weights)
+    if plan.no_grad:
+        with torch.no_grad():
+            plan.run(weights)
+    else:
+        plan.run(weights)
     state.step.fill_(step)
     return state
 
@@ -331,27 +335,45 @@ def _check_device(e: torch.Tensor, s: torch.Tensor, name, k: int) -> None:
 
 
 def _per_tensor_plan(emas: tuple, shards: Any) -> Plan:
+    """Any tree: every name, shape, dtype and device checked on every call, then one
+    ``_foreach_lerp_`` per (device, dtype) (or staged copies where the EMA's differ)."""
     src_names, src, _ = flatten_named(shards, "shards")
-    _check_floating(src_names, src, "shards")
     ema_lists = []
     for k, ema in enumerate(emas):
         names, leaves, _ = flatten_named(ema, f"state.emas[{k}]")
         check_same_names(names, src_names, f"state.emas[{k}]", "shards")
         ema_lists.append(leaves)
+    src_shapes = list(map(_SHAPE, src))
+    for k, leaves in enumerate(ema_lists):
+        if list(map(_SHAPE, leaves)) != src_shapes:
+            i = next(i for i, (e, s) in enumerate(zip(leaves, src)) if e.shape != s.shape)
+            raise TreeMismatchError(
+                f"shards[{src_names[i]!r}] has shape {tuple(src[i].shape)} but the EMA (emas[{k}]) has "
+                f"{tuple(ema_lists[k][i].shape)}; was the state made from another model or world size? "
+                "(functional_ema.load reshards)"
+            )
+    kinds = set(map(_KIND, src))
+    if not all(dtype.is_floating_point for _, dtype in kinds):
+        _check_floating(src_names, src, "shards")
     plan = Plan()
-    with torch.no_grad():
+    plan.no_grad = True  # the leaves may be parameters that require grad
+    if len(kinds) == 1 and all(set(map(_KIND, leaves)) == kinds for leaves in ema_lists) and len(ema_lists) == 1:
+        plan.add_same_kind(ema_lists, src)  # the usual case: one foreach call, no per-tensor planning
+    else:
         for i, (name, s) in enumerate(zip(src_names, src)):
             es = [leaves[i] for leaves in ema_lists]
             for k, e in enumerate(es):
-                if e.shape != s.shape:
-                    raise TreeMismatchError(
-                        f"shards[{name!r}] has shape {tuple(s.shape)} but the EMA (emas[{k}]) has {tuple(e.shape)}; "
-                        "was the state made from another model or world size? (functional_ema.load reshards)"
-                    )
                 _check_device(e, s, lambda: name, k)
             plan.add([e.detach() for e in es], s.detach())
     plan.finish()
     return plan
+
+
+_SHAPE = operator.attrgetter("shape")
+
+
+def _KIND(t: torch.Tensor) -> tuple:
+    return (t.device, t.dtype)
 
 
 def _all_finite(ema0: Any, shards: Any, mode: str) -> bool:

@@ -209,6 +209,7 @@ class Plan:
         self.groups: dict[tuple, _Group] = {}
         self.staged: dict[tuple, _Staged] = {}
         self.converted: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.no_grad = False  # run under torch.no_grad() (the tensors may require grad)
         self.spans = 0  # tensors or fused spans scheduled (non-empty)
         self.staged_spans = 0  # of those, staged through a copy (another device or dtype)
         self.single: tuple | None = None  # (bound lerp_ of the EMA span, weights span), see finish()
@@ -235,6 +236,22 @@ class Plan:
             self.staged[key].add(emas, src, _STAGE_CHUNK_ELEMENTS)
         else:
             self.converted.extend((e, src, k) for k, e in enumerate(emas))
+
+    def add_same_kind(self, ema_lists: list[list[torch.Tensor]], srcs: list[torch.Tensor]) -> None:
+        """Schedule ``ema_lists[k][i].lerp_(srcs[i], w_k)`` for tensors that all share the EMAs'
+        device and dtype: appended to one group as they are, without per-tensor planning."""
+        if not srcs:
+            return
+        device, dtype = srcs[0].device, srcs[0].dtype
+        group = self.groups.get((device, dtype))
+        if group is None:
+            group = self.groups[(device, dtype)] = _Group(device)
+        group._num_emas = max(group._num_emas, len(ema_lists))
+        for k, emas in enumerate(ema_lists):
+            group.emas.extend(emas)
+            group.srcs.extend(srcs)
+            group.ks.extend([k] * len(srcs))
+        self.spans += sum(1 for t in srcs if t.numel())
 
     def finish(self) -> None:
         """Called once built: notes whether the whole update is a single ``lerp_`` (see run)."""

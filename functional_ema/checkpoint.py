@@ -12,8 +12,8 @@ dtype) and string metadata: format version, tag, step, number of EMAs, EMA dtype
 schedules (when passed to :func:`save`), world size, rank, ZeRO stage and the :class:`ShardLayout`
 (per parameter: full shape, offset and length of the piece). That is enough to rebuild full weights
 with no process group (:func:`consolidate`) and to re-cut the pieces for another world size or
-stage (:func:`load`). The manifest lists the rank files with their sizes and CRC-32s of their
-header and tensor bytes (per 4 MiB chunk). **Only a manifest makes a checkpoint complete.**
+stage (:func:`load`). The manifest lists the rank files with their sizes and checksums of their
+header and tensor bytes (XXH3-64 per 4 MiB chunk since format 2; format 1's CRC-32s are still read). **Only a manifest makes a checkpoint complete.**
 
 Crash safety: every file is written to a temporary name, fsynced, renamed into place, and the
 folder fsynced. Saving again into a tag that already holds a complete EMA writes the new rank files
@@ -45,12 +45,16 @@ Resuming::
 from __future__ import annotations
 
 import contextlib
+import errno as _errno
 import json
 import logging
 import math
 import os
 import re
 import sys
+import time
+import unicodedata
+from datetime import timedelta
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -82,11 +86,20 @@ __all__ = [
     "CorruptCheckpointError",
     "CheckpointVersionError",
     "CheckpointMismatchError",
+    "AsyncSaver",
+    "SaveHandle",
+    "InvalidTagError",
+    "CheckpointIOError",
+    "CheckpointTimeoutError",
+    "OutputPathError",
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_ENV",
 ]
 
 logger = logging.getLogger("functional_ema")
 
-FORMAT_VERSION = 1
+# 2: xxh3_64 checksums as hex strings (header_checksum / tensor_checksums); 1: CRC-32 integers (still read).
+FORMAT_VERSION = 2
 MANIFEST_NAME = "ema_manifest.json"
 _FILE_FORMAT = "functional_ema.ema_shards"
 _MANIFEST_FORMAT = "functional_ema.manifest"
@@ -126,6 +139,25 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the model or the request: parameter names, shapes, dtype, index."""
 
 
+class InvalidTagError(CheckpointError):
+    """A tag that is not one plain folder name (separators, ``..``, whitespace, control characters),
+    or one that collides with DeepSpeed's or functional_ema's own files (``latest``, ...)."""
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """A file could not be written or read (full disk, read-only folder, no permission). Raised on
+    every rank of a collective verb; the message names the rank, the file and the errno."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """Not every rank of the data-parallel group called a collective verb (:func:`save`,
+    :func:`load`) within the timeout (see :data:`TIMEOUT_ENV`)."""
+
+
+class OutputPathError(CheckpointError):
+    """An output path inside the checkpoint being read, or an existing file without ``overwrite``."""
+
+
 # ---------------------------------------------------------------------------------------- naming
 
 
@@ -157,10 +189,83 @@ def _parse_dtype(name: str, where: str) -> torch.dtype:
     return dtype
 
 
-def _check_tag(tag: Any) -> str:
-    tag = str(tag)
-    if not tag or tag in (".", "..") or "/" in tag or os.sep in tag or "\0" in tag:
-        raise ValueError(f"tag {tag!r} must be a plain folder name (DeepSpeed's default is 'global_step<N>')")
+#: Names a tag must not take: DeepSpeed's pointer files and recovery script beside the tag folders
+#: (``latest`` is written by ``engine.save_checkpoint``; a folder of that name makes it fail on rank 0
+#: only), and functional_ema's own file names. Compared case-insensitively (case-insensitive filesystems).
+_RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", MANIFEST_NAME)
+_MAX_TAG_BYTES = 255  # one path component on common filesystems
+
+
+def _tag_problem(tag: str) -> str | None:
+    """Why ``tag`` is not one plain path component, or None. Never quotes the tag (it may come from a file)."""
+    if not tag:
+        return "is empty"
+    if tag in (".", ".."):
+        return f"is {tag!r}, which names a folder relative to the checkpoint, not a tag in it"
+    if "/" in tag or "\\" in tag:
+        return "contains a path separator ('/' or '\\'); a tag is one folder name"
+    bad = sorted({c for c in tag if c.isspace() or unicodedata.category(c).startswith("C")})
+    if bad:
+        return "contains whitespace or control characters (" + ", ".join(f"U+{ord(c):04X}" for c in bad[:6]) + ")"
+    if len(tag.encode("utf-8", "surrogatepass")) > _MAX_TAG_BYTES:
+        return f"is longer than {_MAX_TAG_BYTES} bytes"
+    return None
+
+
+def _check_tag(tag: Any, *, saving: bool = True) -> str:
+    """The tag as a ``str`` if it is one plain folder name; else :class:`InvalidTagError`.
+
+    Saving also refuses the reserved names of :data:`_RESERVED_TAGS` and names of the library's own
+    files (rank files, temporary files).
+    """
+    if isinstance(tag, int) and not isinstance(tag, bool):
+        tag = str(tag)
+    if not isinstance(tag, str):
+        raise InvalidTagError(f"tag must be a str (a folder name such as 'global_step<N>'), got {type(tag).__name__}")
+    problem = _tag_problem(tag)
+    if problem is None and saving:
+        if tag.lower() in _RESERVED_TAGS:
+            problem = ("collides with a file DeepSpeed or functional_ema writes beside the tag folders "
+                       f"(reserved: {', '.join(_RESERVED_TAGS)})")
+        elif _RANK_FILE.match(tag) or _io.is_tmp_name(tag):
+            problem = "is the name of one of functional_ema's own files"
+    if problem is not None:
+        shown = repr(tag) if len(tag) <= 80 else repr(tag[:80]) + "..."
+        raise InvalidTagError(
+            f"tag {shown} {problem}. Use a plain folder name such as DeepSpeed's default 'global_step<N>'"
+        )
+    return tag
+
+
+_MAX_LATEST_BYTES = 4096
+
+
+def _read_latest(root: Path, latest: Path) -> str:
+    """The tag named by ``root/latest`` (DeepSpeed's pointer file), validated; never echoes its content."""
+    try:
+        inside = latest.resolve().parent == root.resolve()
+        size = latest.stat().st_size
+    except OSError as e:
+        raise CheckpointNotFoundError(f"cannot read {latest}: {e}") from None
+    if not inside:
+        raise InvalidTagError(
+            f"{latest} is a link to a file outside {root}; DeepSpeed writes 'latest' as a plain file holding one tag. "
+            "Pass tag=... (or --tag) instead"
+        )
+    if size > _MAX_LATEST_BYTES:
+        raise InvalidTagError(f"{latest} holds {size} bytes, not one tag name (DeepSpeed writes a single tag): pass tag=...")
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InvalidTagError(f"{latest} is not UTF-8 text, so it names no tag: pass tag=...") from None
+    except OSError as e:
+        raise CheckpointNotFoundError(f"cannot read {latest}: {e}") from None
+    problem = _tag_problem(tag) if tag else None
+    if problem is not None:
+        raise InvalidTagError(
+            f"{latest} does not name a tag folder of {root}: its content {problem}. Tags are looked up only inside the "
+            f"checkpoint directory; pass tag=... (or --tag). Tags here with a complete EMA: {_complete_tags(root)}"
+        )
     return tag
 
 
@@ -192,25 +297,113 @@ def _exchange(obj: Any, group, world: int) -> list[Any]:
     return out
 
 
+def _io_error(e: OSError, rank: int, path: Path | str, doing: str = "write") -> CheckpointIOError:
+    """An OSError as a :class:`CheckpointIOError` naming the rank, the file and the errno."""
+    code = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "no errno"
+    why = e.strerror or str(e)
+    hint = {
+        _errno.ENOSPC: "free space on that filesystem (or save elsewhere) and save again",
+        _errno.EDQUOT: "free quota on that filesystem (or save elsewhere) and save again",
+        _errno.EROFS: "the filesystem is mounted read-only: save to a writable directory",
+        _errno.EACCES: "this process may not write there: fix the folder's permissions or save elsewhere",
+        _errno.EPERM: "this process may not write there: fix the folder's permissions or save elsewhere",
+    }.get(e.errno, "see the error above")
+    err = CheckpointIOError(f"rank {rank} could not {doing} {path}: {why} (errno {e.errno}, {code}); {hint}")
+    err.errno = e.errno  # only errno: with strerror/filename set, OSError.__str__ would drop the message
+    return err
+
+
 def _agree(what: str, fn, group, world: int, rank: int):
     """Run ``fn()`` on every rank; if it fails anywhere, raise on every rank (no rank is left hanging
-    in a later collective). Returns every rank's result."""
+    in a later collective). Returns every rank's result.
+
+    Every rank raises the same :class:`CheckpointError` subclass, naming the first failing rank: that
+    rank re-raises its own error (an ``OSError`` becomes a :class:`CheckpointIOError`), the others
+    raise the same class with that rank's message. A non-checkpoint error of the caller's own
+    arguments (e.g. ``TypeError``) stays as it is on the rank that raised it.
+    """
     local_exc: BaseException | None = None
     try:
         payload = ("ok", fn())
     except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+            e = _io_error(e, rank, e.filename or "a checkpoint file", "access")
         local_exc = e
-        payload = ("error", type(e).__name__, str(e), isinstance(e, CheckpointError))
+        payload = ("error", type(e).__name__, str(e), isinstance(e, CheckpointError), getattr(e, "errno", None))
     results = _exchange(payload, group, world)
     failed = [(r, p) for r, p in enumerate(results) if p[0] == "error"]
     if failed:
-        if local_exc is not None:
+        r, (_, cls_name, msg, is_ckpt, code) = failed[0]
+        if local_exc is not None and (r == rank or not isinstance(local_exc, CheckpointError)):
             raise local_exc
-        r, (_, cls_name, msg, is_ckpt) = failed[0]
         cls = globals().get(cls_name) if is_ckpt else None
         cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
-        raise cls(f"{what} failed on rank {r} ({cls_name}): {msg}")
+        err = cls(f"{what} failed on rank {r} of {world} ({cls_name}): {msg}")
+        if code is not None and isinstance(err, OSError):
+            err.errno = code
+        raise err from local_exc
     return [p[1] for p in results]
+
+
+#: Default bound, in seconds, on how long :func:`save` and :func:`load` wait for every rank of the
+#: data-parallel group to call them (a rank that never does would otherwise block the others forever).
+DEFAULT_TIMEOUT_S = 600.0
+#: Environment variable that sets that bound (seconds) when ``timeout=`` is not passed.
+TIMEOUT_ENV = "FUNCTIONAL_EMA_TIMEOUT"
+
+
+def _timeout_s(timeout: float | None) -> float:
+    where = "timeout="
+    if timeout is None:
+        env = os.environ.get(TIMEOUT_ENV)
+        if not env:
+            return DEFAULT_TIMEOUT_S
+        timeout, where = env, f"environment variable {TIMEOUT_ENV}"
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        t = math.nan
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"{where} must be a positive number of seconds, got {timeout!r}")
+    return t
+
+
+# One gloo side group per data-parallel group whose own backend is not gloo (NCCL): only gloo has
+# monitored_barrier, and creating a group is a rendezvous of its ranks, so it is made once and kept.
+_SIDE_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _barrier_group(group, timeout: float):
+    g = group if group is not None else dist.group.WORLD
+    if dist.get_backend(g) == "gloo":
+        return g
+    ranks = tuple(dist.get_process_group_ranks(g))
+    side = _SIDE_GROUPS.get(ranks)
+    if side is None:
+        side = dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=timeout), use_local_synchronization=True)
+        _SIDE_GROUPS[ranks] = side
+    return side
+
+
+def _arrive(what: str, group, world: int, rank: int, timeout: float | None) -> None:
+    """Wait, at most the timeout, until every rank of ``group`` has called ``what``; else raise
+    :class:`CheckpointTimeoutError` (a verb called on one rank only fails instead of hanging)."""
+    if world <= 1 or not dist.is_initialized():
+        return
+    t = _timeout_s(timeout)
+    t0 = time.monotonic()
+    try:
+        g = _barrier_group(group, t)
+        dist.monitored_barrier(group=g, timeout=timedelta(seconds=t), wait_all_ranks=True)
+    except RuntimeError as e:  # gloo reports a timeout or a vanished peer as RuntimeError (DistError)
+        detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise CheckpointTimeoutError(
+            f"functional_ema.{what}: rank {rank} waited {time.monotonic() - t0:.1f} s (limit {t:g} s) for the other ranks "
+            f"of the data-parallel group (world size {world}) to call it too, and they did not ({detail}). {what}() is "
+            f"collective: call it on "
+            f"every rank, with the same arguments. The wait is set by timeout= or the environment variable "
+            f"{TIMEOUT_ENV} (default {DEFAULT_TIMEOUT_S:g} s). The process group may be unusable after this"
+        ) from None
 
 
 def _world(x):
@@ -271,6 +464,7 @@ def save(
     tag: str | None = None,
     *,
     decay: DecayLike | Sequence[DecayLike] | None = None,
+    timeout: float | None = None,
 ) -> Path:
     """Write every rank's EMA pieces into ``save_dir/tag/``, beside DeepSpeed's files. Collective.
 
@@ -289,13 +483,21 @@ def save(
         tag: the tag folder; ``None`` means DeepSpeed's default.
         decay: optional, metadata only: the decay(s) or schedule(s) the EMAs use (one per EMA), so
             offline tools know what each EMA is. Not needed by :func:`load`.
+        timeout: seconds to wait for every rank to call ``save`` before raising
+            :class:`CheckpointTimeoutError`; ``None`` reads :data:`TIMEOUT_ENV`
+            (``FUNCTIONAL_EMA_TIMEOUT``), else :data:`DEFAULT_TIMEOUT_S` (600 s).
 
     Returns:
         The tag folder, ``save_dir/tag``.
 
     Raises:
-        CheckpointError: on every rank when any rank fails (nothing is marked complete then; a
-            previous complete checkpoint in the same tag stays loadable).
+        CheckpointError: on every rank when any rank fails, the same subclass on every rank
+            (nothing is marked complete then; a previous complete checkpoint in the same tag stays
+            loadable; the rank files of the failed save are removed). :class:`CheckpointIOError`
+            for a full disk, a read-only folder or a permission error (naming rank, file, errno);
+            :class:`InvalidTagError` for a tag that is not one plain folder name or is reserved
+            (``latest``, ``latest_universal``, ``zero_to_fp32.py``, ``zero_to_torch.py``); :class:`CheckpointTimeoutError`
+            when not every rank calls it.
 
     Example:
         >>> fe.save(state, engine, "ckpt", decay=0.999)          # doctest: +SKIP
@@ -304,93 +506,186 @@ def save(
     layout, group = _world(engine)
     rank, world, stage = layout.rank, layout.world_size, layout.stage
     save_dir = Path(save_dir)
-    tag = _check_tag(default_tag(engine, state) if tag is None else tag)
-    tag_dir = save_dir / tag
+    raw_tag = default_tag(engine, state) if tag is None else tag
+    _arrive("save", group, world, rank, timeout)
+    tag_dir: Path = save_dir
 
     def plan():
-        dtype = _check_state(state, layout)
-        schedules = _describe(decay, state.num_emas)
-        generation = 0
-        if rank == 0:
-            with contextlib.suppress(Exception):  # an unreadable old manifest: nothing to preserve
-                old = json.loads((tag_dir / MANIFEST_NAME).read_text())
-                generation = int(old["generation"]) + 1
-        return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas,
-                "dtype": _dtype_name(dtype), "schedules": schedules, "generation": generation}
+        nonlocal tag, tag_dir
+        tag = _check_tag(raw_tag)  # inside the agreement: a bad tag raises on every rank
+        tag_dir = save_dir / tag
+        return _plan_save(state, decay, layout, tag, tag_dir)
 
     plans = _agree("save (checking the state)", plan, group, world, rank)
     mine, first = plans[rank], plans[0]
-    for field in ("tag", "step", "num_emas", "dtype"):  # not the path: mounts may differ between nodes
-        values = [p[field] for p in plans]
-        if len(set(map(str, values))) > 1:
-            raise CheckpointError(f"save: ranks disagree on {field}: {values}; every rank must save the same state with the same tag")
+    _check_plans(plans)
     generation = first["generation"]
     writes = stage != 0 or rank == 0
     fname = rank_file_name(rank, world, generation)
     dtype = _parse_dtype(mine["dtype"], "save")
 
     def write():
+        try:
+            return _write()
+        except OSError as e:
+            raise _io_error(e, rank, tag_dir / fname if writes else tag_dir) from None
+
+    def _write():
         tag_dir.mkdir(parents=True, exist_ok=True)
         if not writes:
             return None
-        names = list(layout.specs)
-        entries = [(_key(k, n), dtype, (layout.specs[n].numel,)) for k in range(state.num_emas) for n in names]
-        meta = {
-            "format": _FILE_FORMAT,
-            "format_version": str(FORMAT_VERSION),
-            "library": f"functional_ema {_version()}",
-            "tag": tag,
-            "step": str(mine["step"]),
-            "num_emas": str(state.num_emas),
-            "dtype": mine["dtype"],
-            "schedules": json.dumps(mine["schedules"]),
-            "world_size": str(world),
-            "rank": str(rank),
-            "zero_stage": str(stage),
-            "generation": str(generation),
-            "layout": json.dumps(layout.to_json_dict(), separators=(",", ":")),
-        }
-        with _io.StreamingWriter(tag_dir / fname, entries, meta) as w:
-            for k, ema in enumerate(state.emas):
-                for n in names:
-                    w.write(_key(k, n), ema[n].reshape(-1))
-            size = w.commit()
-        return {"rank": rank, "file": fname, "bytes": size, "header_crc32": w.header_crc32, "tensor_crc32": w.crcs}
+        return _write_rank_file(tag_dir / fname, layout, state.emas, dtype, _rank_file_meta(mine, layout, generation))
 
-    written = _agree("save (writing the rank files)", write, group, world, rank)
+    try:
+        written = _agree("save (writing the rank files)", write, group, world, rank)
+    except CheckpointError:
+        _remove_unlisted(tag_dir, fname if writes else None)
+        raise
 
     def commit():
         if rank != 0:
             return None
-        _io.fsync_dir(save_dir)  # the tag folder's own entry
-        manifest = {
-            "format": _MANIFEST_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "library": f"functional_ema {_version()}",
-            "note": "functional_ema EMA checkpoint: complete because this manifest exists. Each file holds "
-                    "'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata says where the "
-                    "piece sits in the full parameter.",
-            "tag": tag,
-            "generation": generation,
-            "step": first["step"],
-            "num_emas": first["num_emas"],
-            "dtype": first["dtype"],
-            "schedules": first["schedules"],
-            "world_size": world,
-            "zero_stage": stage,
-            "params": {n: list(s.shape) for n, s in layout.specs.items()},
-            "chunk_bytes": _io.CHUNK_BYTES,
-            "files": [w for w in written if w is not None],
-        }
-        _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
-        # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
-        # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
-        _io.atomic_write_bytes(save_dir / LATEST_NAME, (tag + "\n").encode())
-        _cleanup(tag_dir, {w["file"] for w in manifest["files"]})
+        try:
+            _commit_manifest(save_dir, tag_dir, _build_manifest(first, layout, [w for w in written if w is not None]))
+        except OSError as e:
+            raise _io_error(e, rank, tag_dir / MANIFEST_NAME) from None
         return None
 
-    _agree("save (writing the manifest)", commit, group, world, rank)
+    try:
+        _agree("save (writing the manifest)", commit, group, world, rank)
+    except CheckpointError:
+        _remove_unlisted(tag_dir, fname if writes else None)
+        raise
     return tag_dir
+
+
+def _plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, tag_dir: Path) -> dict:
+    """This rank's part of a save's plan (checks the state); rank 0 also picks the generation."""
+    dtype = _check_state(state, layout)
+    schedules = _describe(decay, state.num_emas)
+    generation = 0
+    if layout.rank == 0:
+        with contextlib.suppress(Exception):  # an unreadable old manifest: nothing to preserve
+            old = json.loads((tag_dir / MANIFEST_NAME).read_text())
+            generation = int(old["generation"]) + 1
+    return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas,
+            "dtype": _dtype_name(dtype), "schedules": schedules, "generation": generation}
+
+
+def _check_plans(plans: list[dict]) -> None:
+    for field in ("tag", "step", "num_emas", "dtype", "schedules"):  # not the path: mounts may differ between nodes
+        values = [p[field] if field != "schedules" else json.dumps(p[field], sort_keys=True) for p in plans]
+        if len(set(map(str, values))) > 1:
+            raise CheckpointError(f"save: ranks disagree on {field}: {values}; every rank must save the same state with the same tag")
+
+
+def _rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
+    """The string metadata of one rank file (``plan``: the agreed tag, step, num_emas, dtype, schedules)."""
+    return {
+        "format": _FILE_FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "library": f"functional_ema {_version()}",
+        "tag": plan["tag"],
+        "step": str(plan["step"]),
+        "num_emas": str(plan["num_emas"]),
+        "dtype": plan["dtype"],
+        "schedules": json.dumps(plan["schedules"]),
+        "world_size": str(layout.world_size),
+        "rank": str(layout.rank),
+        "zero_stage": str(layout.stage),
+        "generation": str(generation),
+        "layout": json.dumps(layout.to_json_dict(), separators=(",", ":")),
+    }
+
+
+def _write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, torch.Tensor]], dtype: torch.dtype,
+                     meta: dict[str, str]) -> dict:
+    """Write this rank's file (``emas.<k>.<name>``, atomically) and return its manifest record."""
+    names = list(layout.specs)
+    entries = [(_key(k, n), dtype, (layout.specs[n].numel,)) for k in range(len(emas)) for n in names]
+    with _io.StreamingWriter(path, entries, meta, algo=_io.CHECKSUM) as w:
+        for k, ema in enumerate(emas):
+            for n in names:
+                w.write(_key(k, n), ema[n].reshape(-1))
+        size = w.commit()
+    hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731 - hex strings: JSON-safe beyond 2**53
+    return {"rank": layout.rank, "file": path.name, "bytes": size, "header_checksum": hexa(w.header_checksum),
+            "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()}}
+
+
+def _build_manifest(plan: dict, layout: ShardLayout, files: list[dict], **extra) -> dict:
+    """The manifest of a save whose rank files are ``files`` (their records); ``plan`` as agreed by the ranks."""
+    return {
+        "format": _MANIFEST_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "library": f"functional_ema {_version()}",
+        "note": "functional_ema EMA checkpoint: complete because this manifest exists. Each file holds "
+                "'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata says where the "
+                "piece sits in the full parameter.",
+        "tag": plan["tag"],
+        "generation": plan["generation"],
+        "step": plan["step"],
+        "num_emas": plan["num_emas"],
+        "dtype": plan["dtype"],
+        "schedules": plan["schedules"],
+        "world_size": layout.world_size,
+        "zero_stage": layout.stage,
+        "params": {n: list(s.shape) for n, s in layout.specs.items()},
+        "chunk_bytes": _io.CHUNK_BYTES,
+        "checksum": _io.CHECKSUM,
+        "files": files,
+        **extra,
+    }
+
+
+def _commit_manifest(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
+    """Rank 0, once every rank file is durable: write the manifest (which completes the checkpoint), then
+    remove what older generations and crashed saves left."""
+    _io.fsync_dir(save_dir)  # the tag folder's own entry
+    _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
+    # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
+    # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
+    _io.atomic_write_bytes(save_dir / LATEST_NAME, (manifest["tag"] + "\n").encode())
+    _cleanup(tag_dir, {w["file"] for w in manifest["files"]})
+
+
+def _file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | None, dict[str, list[int]]]:
+    """(algorithm, header checksum, chunk checksums per tensor) of one manifest file record.
+
+    Format 2 records ``header_checksum`` / ``tensor_checksums`` as hex strings of ``manifest["checksum"]``;
+    format 1 recorded ``header_crc32`` / ``tensor_crc32`` as CRC-32 integers.
+    """
+    try:
+        if int(manifest["format_version"]) < 2:
+            header, tensors, algo = entry.get("header_crc32"), entry.get("tensor_crc32", {}), "crc32"
+            return algo, None if header is None else int(header), {k: [int(v) for v in vs] for k, vs in tensors.items()}
+        algo = manifest.get("checksum")
+        header, tensors = entry.get("header_checksum"), entry.get("tensor_checksums", {})
+        parsed = {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
+        header = None if header is None else int(header, 16)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: unreadable checksums in the manifest ({e!r}); the manifest is damaged") from None
+    if algo not in _io.CHECKSUMS:
+        raise CheckpointVersionError(
+            f"{where}: the manifest's checksums use {algo!r}, which this functional_ema ({_version()}) cannot compute "
+            f"(it knows {sorted(_io.CHECKSUMS)}). Upgrade functional_ema, or load with verify=False"
+        )
+    return algo, header, parsed
+
+
+def _remove_unlisted(tag_dir: Path, fname: str | None) -> None:
+    """After a failed save: remove this rank's new rank file unless the manifest on disk lists it
+    (the previous complete checkpoint, if any, stays as it was). Best effort."""
+    if fname is None:
+        return
+    path = tag_dir / fname
+    try:
+        listed = {e.get("file") for e in json.loads((tag_dir / MANIFEST_NAME).read_bytes()).get("files", [])}
+    except Exception:  # noqa: BLE001 - no readable manifest: nothing lists the file
+        listed = set()
+    if fname not in listed:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _cleanup(tag_dir: Path, keep: set[str]) -> None:
@@ -448,12 +743,158 @@ def client_state_summary(state: EmaState, engine=None) -> dict:
     return {"functional_ema": info}
 
 
+# ------------------------------------------------------------------- validation of files read back
+#
+# Everything read from disk is untrusted: the manifest is checked against a schema (types, ranges,
+# the library's own rank-file names) before anything else is read, and every field that changes a
+# result is cross-checked against the rank files' headers, which the manifest's CRC-32s cover.
+# Sizes are checked against the bytes on disk before anything is allocated.
+
+_MAX_MANIFEST_BYTES = 256 << 20  # ~22M checksum entries, i.e. ~90 TB of EMA
+_MAX_NUM_EMAS = 1 << 16
+_MAX_WORLD = 1 << 20
+_MAX_DIMS = 64
+_MAX_NUMEL = 1 << 62
+_SAVED_DTYPES = tuple(_dtype_name(d) for d in _io.DTYPE_TO_STR if d.is_floating_point)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:60] + '...'}"
+
+
+def _is_int(value: Any, lo: int = 0, hi: int = _MAX_NUMEL) -> bool:
+    return type(value) is int and lo <= value <= hi
+
+
+def _manifest_field_error(mpath: Path, field: str, want: str, got: Any) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{mpath}: field {field!r} must be {want}, got {_brief(got)}. The manifest is damaged or was edited: restore it "
+        "from a copy or load another tag"
+    )
+
+
+def _validate_manifest(mpath: Path, m: dict) -> None:
+    """Types and ranges of every manifest field, and the rank-file names; before anything else is read."""
+    for field, ok, want in (  # in order, each check may rely on the ones before it
+        ("tag", lambda v: isinstance(v, str) and _tag_problem(v) is None, "one plain folder name"),
+        ("generation", _is_int, "an int >= 0"),
+        ("step", lambda v: _is_int(v, 0, 2**63 - 1), "an int in [0, 2**63)"),
+        ("num_emas", lambda v: _is_int(v, 1, _MAX_NUM_EMAS), f"an int in [1, {_MAX_NUM_EMAS}]"),
+        ("dtype", lambda v: isinstance(v, str) and v in _SAVED_DTYPES, f"one of {list(_SAVED_DTYPES)}"),
+        ("world_size", lambda v: _is_int(v, 1, _MAX_WORLD), f"an int in [1, {_MAX_WORLD}]"),
+        ("zero_stage", lambda v: _is_int(v, 0, 3), "0, 1, 2 or 3"),
+        ("params", lambda v: isinstance(v, dict), "an object {parameter name: full shape}"),
+        ("files", lambda v: isinstance(v, list) and 1 <= len(v) <= m["world_size"],
+         "a list of 1 to world_size rank-file entries"),
+    ):
+        if not ok(m[field]):
+            raise _manifest_field_error(mpath, field, want, m[field])
+    scheds = m.get("schedules")
+    if scheds is not None and not (isinstance(scheds, list) and len(scheds) == m["num_emas"]
+                                   and all(isinstance(d, dict) for d in scheds)):
+        raise _manifest_field_error(mpath, "schedules", "null or a list of num_emas objects", scheds)
+    for name, shape in m["params"].items():
+        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(x) for x in shape)
+                and math.prod(shape) <= _MAX_NUMEL):
+            raise _manifest_field_error(mpath, f"params[{name!r}]", "a full shape: a list of ints >= 0", shape)
+    world, generation, seen = m["world_size"], m["generation"], set()
+    for i, e in enumerate(m["files"]):
+        field = f"files[{i}]"
+        if not isinstance(e, dict):
+            raise _manifest_field_error(mpath, field, "an object", e)
+        name = e.get("file")
+        match = _RANK_FILE.match(name) if isinstance(name, str) else None
+        if match is None:
+            raise CorruptCheckpointError(
+                f"{mpath}: field '{field}.file' is not the name of a functional_ema rank file "
+                "(ema_rank_<rank>_of_<world>[.gen<N>].safetensors, inside the tag folder); the manifest is damaged or "
+                "was edited: only the library's own files beside it are ever read"
+            )
+        rank = e.get("rank")
+        if not _is_int(rank, 0, world - 1) or rank in seen:
+            raise _manifest_field_error(mpath, f"{field}.rank", f"a distinct int in [0, {world})", rank)
+        seen.add(rank)
+        named = (int(match.group(1)), int(match.group(2)), int(match.group(3) or 0))
+        if named != (rank, world, generation):
+            raise _manifest_field_error(
+                mpath, f"{field}.file", f"the file of rank {rank} of world_size {world}, generation {generation}", name)
+        for key, ok, want in (
+            ("bytes", _is_int(e.get("bytes")), "an int >= 0"),
+            ("header_crc32", _is_int(e.get("header_crc32"), 0, 2**32 - 1), "a CRC-32 (an int in [0, 2**32))"),
+            ("tensor_crc32", isinstance(e.get("tensor_crc32", {}), dict), "an object {tensor name: [CRC-32, ...]}"),
+        ):
+            if not ok:
+                raise _manifest_field_error(mpath, f"{field}.{key}", want, e.get(key))
+        for key, crcs in e.get("tensor_crc32", {}).items():
+            if not (isinstance(crcs, list) and all(_is_int(c, 0, 2**32 - 1) for c in crcs)):
+                raise _manifest_field_error(mpath, f"{field}.tensor_crc32[{key!r}]", "a list of CRC-32s", crcs)
+
+
+def _check_schedules_metadata(where: str, meta: dict, manifest: dict) -> None:
+    """The manifest's ``schedules`` (what post-hoc EMA reads its gammas from) must equal the ones in the
+    rank file's header, which the manifest's header CRC-32 covers."""
+    raw = meta.get("schedules")
+    try:
+        saved = json.loads(raw) if isinstance(raw, str) else ...
+    except (ValueError, RecursionError):
+        saved = ...
+    if saved is ...:
+        raise CorruptCheckpointError(f"{where}: metadata 'schedules' is missing or not JSON: the file is damaged")
+    if json.dumps(saved, sort_keys=True) != json.dumps(manifest.get("schedules"), sort_keys=True):
+        raise CorruptCheckpointError(
+            f"{where}: the manifest's field 'schedules' ({_brief(manifest.get('schedules'))}) differs from the one saved "
+            f"in this file's header ({_brief(saved)}): the manifest was edited after the save (e.g. a changed gamma). "
+            "Restore the manifest from a copy or load another tag"
+        )
+
+
+def _parse_layout(where: str, text: Any, manifest: dict, rank: int) -> ShardLayout:
+    """The rank file's ``layout`` metadata, checked against the manifest: same rank, world size, stage
+    and parameters (with their full shapes), every piece inside its parameter."""
+
+    def bad(field: str, want: str, got: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: layout metadata field {field!r} must be {want}, got {_brief(got)}; "
+                                      "the file is damaged: restore it or load another tag")
+
+    try:
+        d = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        d = None
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"{where}: metadata 'layout' is missing or not a JSON object; the file is damaged")
+    for field, want in (("rank", rank), ("world_size", manifest["world_size"]), ("stage", manifest["zero_stage"])):
+        if type(d.get(field)) is not int or d[field] != want:
+            raise bad(field, f"{want}, as in the manifest", d.get(field))
+    specs, params = d.get("specs"), manifest["params"]
+    if not isinstance(specs, dict):
+        raise bad("specs", "an object {parameter name: [shape, offset, numel]}", specs)
+    if set(specs) != set(params):
+        raise CorruptCheckpointError(
+            f"{where}: its layout lists other parameters than the manifest's field 'params': only in the file "
+            f"{_short(sorted(set(specs) - set(params)), 4)}, only in the manifest {_short(sorted(set(params) - set(specs)), 4)}"
+        )
+    out = {}
+    for n, v in specs.items():
+        if not (isinstance(v, list) and len(v) == 3 and isinstance(v[0], list)):
+            raise bad(f"specs[{n!r}]", "[shape, offset, numel]", v)
+        shape, off, cnt = v
+        if not all(_is_int(x) for x in shape) or shape != params[n]:
+            raise bad(f"specs[{n!r}] shape", f"{params[n]}, the shape in the manifest's field 'params'", shape)
+        full = math.prod(shape)
+        if not (_is_int(off) and _is_int(cnt) and off + cnt <= full):
+            raise bad(f"specs[{n!r}] offset, numel", f"a piece inside the {full} elements of {tuple(shape)}", [off, cnt])
+        out[n] = ShardSpec(tuple(shape), off, cnt)
+    return ShardLayout(rank, manifest["world_size"], manifest["zero_stage"], out)
+
+
 # ------------------------------------------------------------------------------------------ reading
 
 
 class _RankFile:
-    def __init__(self, rank: int, st: _io.SafetensorsFile, layout: ShardLayout, crcs: dict[str, list[int]]):
-        self.rank, self.st, self.layout, self.crcs = rank, st, layout, crcs
+    def __init__(self, rank: int, st: _io.SafetensorsFile, layout: ShardLayout, crcs: dict[str, list[int]],
+                 algo: str = _io.CHECKSUM):
+        self.rank, self.st, self.layout, self.crcs, self.algo = rank, st, layout, crcs, algo
 
 
 class _Checkpoint:
@@ -498,12 +939,12 @@ class _Checkpoint:
                         f"(functional_ema.save writes it): pass tag=... "
                         f"Tags here with a complete EMA: {_complete_tags(root)}"
                     )
-                tag = latest.read_text().strip()
+                tag = _read_latest(root, latest)
                 if not tag:
                     raise CheckpointNotFoundError(f"{latest} is empty (a crash while DeepSpeed wrote it?): pass tag=... "
                                                   f"Tags here with a complete EMA: {_complete_tags(root)}")
                 from_latest = True
-            tag = str(tag)
+            tag = _check_tag(tag, saving=False)
             tag_dir = root / tag
             if not tag_dir.is_dir():
                 raise CheckpointNotFoundError(
@@ -542,17 +983,21 @@ class _Checkpoint:
 
     @staticmethod
     def _read_manifest(mpath: Path) -> dict:
+        size = mpath.stat().st_size
+        if size > _MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{mpath} holds {size} bytes, far more than any manifest: it is damaged; load another tag")
         raw = mpath.read_bytes()
         if _io.looks_like_pickle(raw[:8]):
             raise CorruptCheckpointError(f"{mpath} is a pickle, not JSON; functional_ema never unpickles. The manifest is damaged")
         try:
             manifest = json.loads(raw)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{mpath} is not valid JSON ({e}): the manifest is damaged; load another tag") from None
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise CorruptCheckpointError(f"{mpath} is not valid JSON ({why}): the manifest is damaged; load another tag") from None
         if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
             raise CorruptCheckpointError(f"{mpath} is not a functional_ema manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
         version = manifest.get("format_version")
-        if not isinstance(version, int) or version < 1:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise CorruptCheckpointError(f"{mpath}: bad format_version {version!r}")
         if version > FORMAT_VERSION:
             raise CheckpointVersionError(
@@ -564,7 +1009,8 @@ class _Checkpoint:
         if missing:
             raise CorruptCheckpointError(f"{mpath} lacks fields {missing}: the manifest is damaged")
         if manifest.get("chunk_bytes", _io.CHUNK_BYTES) != _io.CHUNK_BYTES:
-            raise CheckpointVersionError(f"{mpath} uses checksum chunks of {manifest['chunk_bytes']} bytes; this version uses {_io.CHUNK_BYTES}")
+            raise CheckpointVersionError(f"{mpath} uses checksum chunks of {_brief(manifest['chunk_bytes'])} bytes; this version uses {_io.CHUNK_BYTES}")
+        _validate_manifest(mpath, manifest)
         return manifest
 
     @staticmethod
@@ -579,9 +1025,15 @@ class _Checkpoint:
             )
         dtype_name = manifest["dtype"]
         files = []
+        real_tag_dir = tag_dir.resolve()
         for e in manifest["files"]:
             path, rank = tag_dir / e["file"], int(e["rank"])
             where = f"{path} (rank {rank} of {world})"
+            if path.resolve().parent != real_tag_dir:  # a link to a file elsewhere: never followed
+                raise CorruptCheckpointError(
+                    f"{where} is a link to a file outside the tag folder {tag_dir}; functional_ema reads only its own "
+                    "files inside the tag folder. Replace the link by the file itself"
+                )
             try:
                 st = _io.SafetensorsFile(path, expected_size=int(e["bytes"]))
             except _io.PickleFileError as err:
@@ -593,7 +1045,8 @@ class _Checkpoint:
                 ) from None
             except _io.FormatError as err:
                 raise CorruptCheckpointError(f"{where}: {err}") from None
-            if verify and st.header_crc32 != int(e["header_crc32"]):
+            algo, header_sum, crcs = _file_checksums(manifest, e, where) if verify else (_io.CHECKSUM, None, {})
+            if verify and st.header_checksum(algo) != header_sum:
                 raise CorruptCheckpointError(f"{where}: the header does not match the checksum in the manifest; the file is corrupted")
             meta = st.metadata
             if meta.get("format") != _FILE_FORMAT:
@@ -615,11 +1068,12 @@ class _Checkpoint:
                         f"{where}: metadata {field}={meta.get(field)!r} but the manifest says {want!r}: the file does not "
                         "belong to this checkpoint (mixed copies of two saves?)"
                     )
-            try:
-                layout = ShardLayout.from_json_dict(json.loads(meta["layout"]))
-            except (KeyError, ValueError, TypeError) as err:
-                raise CorruptCheckpointError(f"{where}: unreadable layout metadata ({err!r})") from None
+            _check_schedules_metadata(where, meta, manifest)
+            layout = _parse_layout(where, meta.get("layout"), manifest, rank)
             dtype = _parse_dtype(dtype_name, where)
+            extra = sorted(set(st.tensors) - {_key(k, n) for k in range(int(manifest["num_emas"])) for n in layout.specs})
+            if extra:
+                raise CorruptCheckpointError(f"{where} holds tensors that no EMA of this checkpoint has: {_short(extra, 4)}")
             for k in range(int(manifest["num_emas"])):
                 for n, spec in layout.specs.items():
                     entry = st.tensors.get(_key(k, n))
@@ -635,10 +1089,9 @@ class _Checkpoint:
                             f"{where}: parameter {n!r} (EMA {k}): {entry.numel} elements stored, layout says {spec.numel} of "
                             f"{spec.shape}, manifest says shape {manifest['params'].get(n)}"
                         )
-            crcs = e.get("tensor_crc32", {})
             if verify and set(crcs) != set(st.tensors):
                 raise CorruptCheckpointError(f"{where}: the manifest's checksums name other tensors than the file holds")
-            files.append(_RankFile(rank, st, layout, crcs))
+            files.append(_RankFile(rank, st, layout, crcs, algo))
         return files
 
     def _check_coverage(self) -> None:
@@ -650,7 +1103,8 @@ class _Checkpoint:
                 cursor = max(cursor, off + cnt)
             if cursor < numel:
                 raise IncompleteCheckpointError(
-                    f"tag {self.tag!r}: the saved pieces of parameter {n!r} {shape} cover only elements [0, {cursor}) of "
+                    f"{self.tag_dir / MANIFEST_NAME}: field 'params' gives parameter {n!r} the shape {shape}, but the saved "
+                    f"pieces cover only elements [0, {cursor}) of "
                     f"{numel}; the manifest lists {len(self.files)} rank file(s) of a world size of {self.world_size}"
                 )
 
@@ -702,7 +1156,7 @@ class _Checkpoint:
              verifier: _io.Verifier | None = None) -> None:
         """Write elements ``[start, start + numel)`` of flattened EMA ``k`` of ``name`` into 1-D ``dst``.
 
-        With ``verifier``, CRC checks of whole pieces run in the background (see :func:`_verifying`).
+        With ``verifier``, checksums of whole pieces are checked in the background (see :func:`_verifying`).
         """
         stop, cursor, key = start + numel, start, _key(k, name)
         for off, cnt, i in self.pieces[name]:
@@ -722,9 +1176,9 @@ class _Checkpoint:
             out = dst[cursor - start : upto - start]
             try:
                 if cursor == off and upto == end:
-                    f.st.read_into(key, out, crcs, verifier, context)
+                    f.st.read_into(key, out, crcs, verifier, context, f.algo)
                 else:
-                    out.copy_(f.st.read_range(key, cursor - off, upto - off, crcs, context))
+                    out.copy_(f.st.read_range(key, cursor - off, upto - off, crcs, context, f.algo))
             except _io.FormatError as err:
                 msg = str(err)
                 raise CorruptCheckpointError(msg if context in msg else f"{msg} {context}") from None
@@ -770,6 +1224,7 @@ def load(
     *,
     dtype: torch.dtype | None = None,
     verify: bool = True,
+    timeout: float | None = None,
 ) -> EmaState:
     """Rebuild this rank's EMA state from a checkpoint written by :func:`save`. Collective.
 
@@ -787,7 +1242,8 @@ def load(
             ``latest`` (FSDP2, plain and DDP models), ``load_dir/ema_latest``, which :func:`save` writes.
         dtype: the EMA dtype you expect; ``None`` accepts the saved one. A different value raises
             rather than casting silently.
-        verify: check CRC-32s of every byte read (the default; costs about one pass at ~2 GB/s).
+        verify: check the checksums of every byte read (the default; XXH3-64 costs one pass at ~10 GB/s).
+        timeout: seconds to wait for every rank to call ``load`` (as for :func:`save`).
 
     Returns:
         ``EmaState`` with ``step`` and ``num_emas`` as saved and this rank's pieces.
@@ -803,6 +1259,7 @@ def load(
         >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.999)  # doctest: +SKIP
     """
     layout, group = _world(engine)
+    _arrive("load", group, layout.world_size, layout.rank, timeout)
     box: dict[str, Any] = {}
 
     def run():
@@ -847,7 +1304,7 @@ def consolidate(
         tag: the tag; ``None`` reads ``checkpoint_dir/latest`` like DeepSpeed's ``zero_to_fp32.py``,
             else ``checkpoint_dir/ema_latest`` (written by :func:`save` once a tag is complete).
         index: which EMA (``state.emas[index]`` at save time).
-        verify: check CRC-32s of every byte read.
+        verify: check the checksums of every byte read.
 
     Returns:
         ``{parameter name: tensor of its full shape}`` in the EMA dtype, names as in
@@ -869,6 +1326,58 @@ def consolidate(
                 ckpt.fill(full, index, name, 0, full.numel(), verify, verifier)
                 out[name] = full.view(shape)
         return out
+
+
+_POINTER_FILES = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed 0.19 writes the scripts
+
+
+def _looks_like_tag(folder: Path) -> bool:
+    """A folder holding an EMA manifest or rank files, or DeepSpeed's ``*_states.pt`` files."""
+    try:
+        return any(p.name == MANIFEST_NAME or _RANK_FILE.match(p.name) or p.name.endswith("_states.pt")
+                   for p in folder.iterdir())
+    except OSError:
+        return False
+
+
+def _check_output(out_path: str | os.PathLike, root: str | os.PathLike, tag_dirs: Sequence[Path], overwrite: bool) -> Path:
+    """Refuse an output that would land inside the checkpoint being read, or replace a file unasked.
+
+    ``root`` is the checkpoint (or snapshot) directory and ``tag_dirs`` the tag folders being read.
+    Refused, after resolving symlinks: anything inside a tag folder being read or inside any other
+    folder of ``root`` (DeepSpeed's and functional_ema's tag folders), the pointer files beside them
+    (``latest``, ...), ``root`` itself, any directory; an existing file unless ``overwrite``.
+    """
+    out = Path(out_path)
+    try:
+        real = out.resolve()
+        real_root = Path(root).resolve()
+        real_tags = [Path(t).resolve() for t in tag_dirs]
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise OutputPathError(f"cannot resolve the output path {out}: {e}") from None
+    fix = f"Write it outside the checkpoint, e.g. {real_root.parent / out.name}"
+    inside = next((t for t in real_tags if real == t or t in real.parents), None)
+    if inside is not None:
+        raise OutputPathError(
+            f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the tag folder "
+            f"{inside} being read, and would replace or add to that checkpoint's files. {fix}"
+        )
+    first = real_root / real.relative_to(real_root).parts[0] if real_root in real.parents else None
+    if real == real_root or first is not None and (
+        real.name.lower() in _POINTER_FILES and first == real or first != real and _looks_like_tag(first)
+    ):
+        raise OutputPathError(
+            f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the checkpoint "
+            f"directory {real_root} being read (a tag folder or a pointer file such as 'latest'). {fix}"
+        )
+    if real.is_dir():
+        raise OutputPathError(f"refusing to write {out}: it is a directory; give a .safetensors file name")
+    if not overwrite and (out.exists() or out.is_symlink()):
+        raise OutputPathError(
+            f"refusing to replace the existing file {out}: pass --overwrite (overwrite=True) to replace it "
+            "(atomically), or choose another name"
+        )
+    return out
 
 
 def _progress(total: int, enabled: bool | None, desc: str):
@@ -900,6 +1409,7 @@ def consolidate_to_file(
     index: int = 0,
     verify: bool = True,
     progress: bool | None = None,
+    overwrite: bool = True,
 ) -> Path:
     """Stream full EMA weights into one safetensors file, holding about one tensor in memory.
 
@@ -913,8 +1423,11 @@ def consolidate_to_file(
 
     Args:
         checkpoint_dir, tag, index, verify: as for :func:`consolidate`.
-        out_path: the ``.safetensors`` file to write (replaced if it exists).
+        out_path: the ``.safetensors`` file to write (replaced atomically if it exists and
+            ``overwrite``). A path inside the checkpoint being read (its tag folders, ``latest``)
+            is refused with :class:`OutputPathError`, symlinks resolved.
         progress: show a progress bar; ``None`` shows one when stderr is a terminal.
+        overwrite: replace an existing ``out_path``; ``False`` refuses (the CLI's default).
 
     Returns:
         ``out_path``. Its metadata records the source tag, step, EMA index and schedule; its names
@@ -929,6 +1442,7 @@ def consolidate_to_file(
     out_path = Path(out_path)
     with _Checkpoint.open(checkpoint_dir, tag, verify) as ckpt:
         ckpt.check_index(index)
+        _check_output(out_path, ckpt.root, [ckpt.tag_dir], overwrite)
         schedules = ckpt.manifest.get("schedules")
         meta = {
             "format": _CONSOLIDATED_FORMAT,
@@ -949,7 +1463,7 @@ def consolidate_to_file(
             with _io.StreamingWriter(out_path, entries, meta, checksums=False) as w:
                 for name, shape in ckpt.shapes.items():
                     full = torch.empty(math.prod(shape), dtype=ckpt.dtype)
-                    with _verifying() as verifier:  # input CRCs are checked during the write; a mismatch aborts
+                    with _verifying() as verifier:  # input checksums are checked during the write; a mismatch aborts
                         ckpt.fill(full, index, name, 0, full.numel(), verify, verifier)
                         w.write(name, full)
                     bar.update(full.numel() * itemsize)
@@ -958,3 +1472,7 @@ def consolidate_to_file(
         finally:
             bar.close()
     return out_path
+
+
+# The asynchronous save reuses the helpers above (plan, rank file, manifest); imported last for that.
+from ._async import AsyncSaver, SaveHandle  # noqa: E402

@@ -1001,6 +1001,7 @@ def posthoc_to_file(
     verify: bool = True,
     prefix: str = SNAPSHOT_PREFIX,
     buffer_bytes: int = 1 << 30,
+    overwrite: bool = True,
 ) -> Path:
     """Stream the post-hoc EMA (as :func:`posthoc_offline`) into one safetensors file, atomically.
 
@@ -1008,12 +1009,16 @@ def posthoc_to_file(
     ``gamma``, ``step``, the profile error and the number of snapshots. Memory: the accumulators of
     one group (``buffer_bytes``) plus one parameter.
 
+    ``out_path`` inside the snapshot directory's folders is refused (``checkpoint.OutputPathError``),
+    and so is an existing file unless ``overwrite``.
+
     Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
     """
     from . import _io
-    from .checkpoint import FORMAT_VERSION
+    from .checkpoint import FORMAT_VERSION, _check_output
 
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
+    _check_output(out_path, plan.root, [plan.root / tag for tag, _, _ in plan.terms], overwrite)
     meta = {
         "format": "functional_ema.posthoc",
         "format_version": str(FORMAT_VERSION),

@@ -10,13 +10,16 @@ one launch: a launch costs seconds, an extra engine in the same launch well unde
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -47,7 +50,7 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
         args_path = Path(tmp) / "args.json"
         args_path.write_text(json.dumps({"target": target, "kwargs": kwargs}))
         port = _free_port()
-        procs = []
+        procs, log_paths = [], []
         for rank in range(world_size):
             penv = dict(os.environ)
             penv.update(
@@ -57,19 +60,29 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
                 FE_RESULT=str(Path(tmp) / f"result_{rank}.json"), TORCH_EXTENSIONS_DIR=extensions_dir(),
             )
             penv.update(env or {})
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", "from tests._multirank import _child; _child()", str(args_path)],
-                env=penv, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            ))
-        outputs = []
+            # Output goes to a file, not a pipe: a pipe that nobody drains while the parent waits for
+            # another rank fills at 64 KiB and blocks its writer inside a print, and the other rank
+            # then waits for it in a collective until the timeout (the old "ZeRO-3 hang at step 128":
+            # DeepSpeed's ZeRO-3 prints ~0.5 KB of warnings per step).
+            log_paths.append(Path(tmp) / f"output_{rank}.txt")
+            with open(log_paths[-1], "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-c", "from tests._multirank import _child; _child()", str(args_path)],
+                    env=penv, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
+                ))
         try:
+            deadline = time.monotonic() + timeout
             for p in procs:
-                out, _ = p.communicate(timeout=timeout)
-                outputs.append(out)
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(_timeout_report(procs, log_paths, target, world_size, timeout)) from None
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+                    p.wait()
+        outputs = [_tail(path) for path in log_paths]
         results = []
         for rank, (p, out) in enumerate(zip(procs, outputs)):
             path = Path(tmp) / f"result_{rank}.json"
@@ -83,14 +96,47 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
         return results
 
 
+def _tail(path: Path, limit: int = 8000) -> str:
+    data = path.read_bytes() if path.exists() else b""
+    return data[-limit:].decode(errors="replace")
+
+
+def _timeout_report(procs, log_paths: list[Path], target: str, world_size: int, timeout: float) -> str:
+    """Which ranks were still running at the timeout, and where: every thread's Python stack of each
+    (SIGUSR1 makes the child's faulthandler print them), then that rank's last output."""
+    waiting = [r for r, p in enumerate(procs) if p.poll() is None]
+    for r in waiting:
+        with contextlib.suppress(ProcessLookupError):
+            procs[r].send_signal(signal.SIGUSR1)
+    time.sleep(2.0)  # let faulthandler write the stacks
+    done = {r: p.returncode for r, p in enumerate(procs) if r not in waiting}
+    parts = [f"timeout after {timeout:g} s in {target}: rank(s) {waiting} of {world_size} still running "
+             f"(exit codes of the others: {done})"]
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        state = "WAITING at the timeout (its stacks are at the end)" if r in waiting else f"exited {p.returncode}"
+        parts.append(f"--- rank {r}: {state} ---\n{_tail(log_paths[r])}")
+    return "\n".join(parts)
+
+
 def _child() -> None:
+    # On SIGUSR1 (sent by run_ranks at a timeout) print every thread's stack: a hung test then says
+    # which rank waited where.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     args = json.loads(Path(sys.argv[1]).read_text())
     result_path = Path(os.environ["FE_RESULT"])
     code = 0
     try:
-        import deepspeed
+        if os.environ.get("FE_DIST_INIT") == "torch":  # plain torch.distributed, for harness tests (fast start)
+            import torch.distributed as dist
 
-        deepspeed.init_distributed(dist_backend="gloo")
+            dist.init_process_group("gloo")
+        else:
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
         mod_name, fn_name = args["target"].split(":")
         fn = getattr(importlib.import_module(mod_name), fn_name)
         payload = {"result": fn(**args["kwargs"])}

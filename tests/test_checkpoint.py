@@ -455,7 +455,7 @@ def test_files_beside_deepspeeds(world2_first, ckroot):
             assert entry["bytes"] == (d / entry["file"]).stat().st_size
             with safe_open(str(d / entry["file"]), framework="pt") as f:
                 meta = f.metadata()
-                assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == ("1", str(K), "2", "2")
+                assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == ("2", str(K), "2", "2")
                 assert (meta["rank"], meta["zero_stage"]) == (str(entry["rank"]), str(stage))
                 layout = ShardLayout.from_json_dict(json.loads(meta["layout"]))
                 assert json.loads(meta["schedules"]) == m["schedules"]
@@ -763,7 +763,9 @@ def _rewrite_as_bf16(path: Path, manifest_path: Path) -> None:
     m = json.loads(manifest_path.read_text())
     for e in m["files"]:
         if e["file"] == path.name:
-            e.update(bytes=size, header_crc32=w.header_crc32, tensor_crc32=w.crcs)
+            hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731
+            e.update(bytes=size, header_checksum=hexa(w.header_checksum),
+                     tensor_checksums={k: [hexa(v) for v in vs] for k, vs in w.crcs.items()})
     manifest_path.write_text(json.dumps(m))
 
 
@@ -783,3 +785,66 @@ def test_partial_reads_across_pieces(world2_first, ckroot, no_unpickling):
                 with _verifying() as v:
                     ckpt.fill(out, 1, "table", start, stop - start, verify, v)
                 assert torch.equal(out, full["table"].reshape(-1)[start:stop]), (verify, start, stop)
+
+
+# ------------------------------------------------------------------- checkpoint format 1 (CRC-32)
+
+V1 = ROOT / "tests" / "data" / "ckpt_v1"  # written by the pre-format-2 code: see tests/data/make_ckpt_v1.py
+
+
+def test_format1_checkpoint_consolidates(tmp_path, no_unpickling):
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    want = _unflat(load_file(str(V1 / "reference_full.safetensors")))
+    assert fe.checkpoint.read_manifest(V1)["format_version"] == 1
+    assert _diff([fe.consolidate(V1, index=i) for i in range(2)], want) == []
+    out = fe.consolidate_to_file(V1, tmp_path / "ema1.safetensors", index=1, progress=False)
+    assert _diff([load_file(str(out))], [want[1]]) == []
+    # Its CRC-32s are still checked: one flipped byte is reported.
+    d = tmp_path / "v1"
+    shutil.copytree(V1, d)
+    from functional_ema import _io
+
+    r1 = d / "global_step3" / "ema_rank_00001_of_00002.safetensors"
+    st = _io.SafetensorsFile(r1)
+    key = next(k for k, e in st.tensors.items() if e.numel > 10 and k.startswith("emas.1."))
+    raw = bytearray(r1.read_bytes())
+    raw[st.header_size + st.tensors[key].start + 3] ^= 0x01
+    r1.write_bytes(bytes(raw))
+    _expect("CorruptCheckpointError", ["checksum mismatch", "crc32", key, "rank 1 of 2"], lambda: fe.consolidate(d, index=1), d)
+
+
+@pytest.mark.parametrize("algo", ["xxh3_64", "crc32"])
+def test_chunk_checksums_multi_chunk(tmp_path, algo):
+    """Tensors over several 4 MiB chunks: whole reads (background verifier) and slices, both algorithms."""
+    from functional_ema import _io
+
+    t = torch.randn(3 * _io.CHUNK_BYTES // 4 + 1000)
+    path = tmp_path / "x.safetensors"
+    with _io.StreamingWriter(path, [("x", torch.float32, t.shape)], algo=algo) as w:
+        sums = w.write("x", t)
+        w.commit()
+    assert sums == _io.chunk_checksums(t.numpy().tobytes(), algo=algo) and len(sums) == 4
+    st = _io.SafetensorsFile(path)
+    assert st.header_checksum(algo) == w.header_checksum
+    out = torch.empty_like(t)
+    v = _io.Verifier()
+    st.read_into("x", out, sums, v, algo=algo)
+    v.wait()
+    assert torch.equal(out, t)
+    lo, hi = _io.CHUNK_BYTES // 4 - 7, 2 * _io.CHUNK_BYTES // 4 + 9  # straddles chunks 0..2
+    assert torch.equal(st.read_range("x", lo, hi, sums, algo=algo), t[lo:hi])
+    st.close()
+    raw = bytearray(path.read_bytes())
+    raw[st.header_size + 2 * _io.CHUNK_BYTES + 5] ^= 0x40  # in chunk 2
+    path.write_bytes(bytes(raw))
+    st = _io.SafetensorsFile(path)
+    with pytest.raises(_io.ChecksumError, match=f"bytes {2 * _io.CHUNK_BYTES}\\.\\.{3 * _io.CHUNK_BYTES} of the tensor: {algo}"):
+        v = _io.Verifier()
+        st.read_into("x", torch.empty_like(t), sums, v, algo=algo)
+        v.wait()
+    with pytest.raises(_io.ChecksumError):
+        st.read_range("x", lo, hi, sums, algo=algo)
+    assert torch.equal(st.read_range("x", 0, 100, sums, algo=algo), t[:100])  # chunk 0 is intact
+    st.close()

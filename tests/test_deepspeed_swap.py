@@ -167,3 +167,73 @@ def test_functional_call_with_full_ema_weights():
     ref.load_state_dict(state.ema, strict=False)
     assert torch.equal(out, ref(x))
     assert not torch.equal(out, model(x))
+
+
+def misuse_worker(configs, steps=2):
+    """Training inside ``swapped`` is refused on every rank and leaves the run as if never tried;
+    a state cut for another world size or model is refused by every verb that takes one."""
+    import torch.distributed as dist
+
+    import functional_ema as fe
+
+    out = []
+    for stage, dtype in configs:
+        finals, report = [], {"config": [stage, dtype]}
+        for misuse in (True, False):
+            engine = make_engine(stage, dtype, seed=0)
+            state = fe.init_ema(fe.local_shards(engine))
+            for i in range(2 * steps):
+                train_step(engine, engine.global_steps)
+                state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.5)
+                if misuse and i == steps - 1:
+                    before_step = engine.global_steps
+                    masters = full_fp32_reference(engine)
+                    refused = []
+                    x, y = batch(engine, 555)
+                    with fe.swapped(engine, state):
+                        loss = ((engine(x).float() - y.float()) ** 2).mean()
+                        for name, call in (("engine.backward", lambda: engine.backward(loss)),
+                                           ("loss.backward", lambda: loss.backward()),
+                                           ("engine.step", lambda: engine.step())):
+                            try:
+                                call()
+                            except fe.SwappedTrainingError as e:
+                                refused.append([name, "swapped" in str(e)])
+                    engine.optimizer.zero_grad() if hasattr(engine.optimizer, "zero_grad") else None
+                    report["refused"] = refused
+                    report["step_unchanged"] = engine.global_steps == before_step
+                    after = full_fp32_reference(engine)
+                    report["masters_unchanged"] = all(torch.equal(masters[n], after[n]) for n in masters)
+            finals.append(full_fp32_reference(engine))
+            if not misuse and stage != 0:  # ZeRO-0 pieces are whole parameters: a whole-model state fits
+                # A state cut for one rank (whole parameters) used with this 2-rank engine.
+                whole = {n: t.reshape(-1).clone() for n, t in full_fp32_reference(engine).items()}
+                wrong = fe.init_ema(whole)
+                errors = []
+                for verb, call in (("gather_full", lambda: fe.gather_full(wrong, engine)),
+                                   ("swapped", lambda: fe.swapped(engine, wrong).__enter__())):
+                    try:
+                        call()
+                        errors.append([verb, None])
+                    except fe.StateMismatchError as e:
+                        errors.append([verb, str(e)])
+                report["wrong_state_errors"] = errors
+                dist.barrier()
+            del engine
+        report["weights_equal_to_clean_run"] = all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
+        out.append(report)
+    return out
+
+
+def test_training_inside_swapped_is_refused_and_wrong_states_too():
+    configs = [(0, "fp32"), (2, "bf16"), (3, "bf16")]
+    for rank, per_rank in enumerate(run_ranks("tests.test_deepspeed_swap:misuse_worker", world_size=2, configs=configs)):
+        for r in per_rank:
+            where = (rank, r["config"])
+            assert r["refused"] == [["engine.backward", True], ["loss.backward", True], ["engine.step", True]], where
+            assert r["step_unchanged"] and r["masters_unchanged"], where
+            assert r["weights_equal_to_clean_run"], where
+            if r["config"][0] != 0:
+                assert [v for v, _ in r["wrong_state_errors"]] == ["gather_full", "swapped"], where
+                for verb, msg in r["wrong_state_errors"]:
+                    assert msg is not None and "on rank" in msg and "elements but rank" in msg and "fe.load" in msg, (where, verb, msg)

@@ -8,7 +8,7 @@ The pieces are the trainable parameters themselves (``requires_grad``), no copy.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,37 @@ from ._base import Adapter, Reading, world_of
 __all__ = ["ModuleAdapter", "is_ddp"]
 
 _data_ptr = torch.Tensor.data_ptr
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class _Check(NamedTuple):
+    """What a plain module's reading depends on, gathered once so re-checking needs no tree walk."""
+
+    trained: tuple  # the trainable parameters read
+    pointers: tuple  # their data pointers
+    owners: tuple  # the `_parameters` dict of the module owning each (first name)
+    names: tuple  # each one's name in that dict
+    every: tuple  # every distinct parameter (frozen ones too)
+    requires_grad: tuple  # their requires_grad flags
+    param_dicts: tuple  # every module's `_parameters` ...
+    module_dicts: tuple  # ... and `_modules` dict
+    count: int  # total entries of those dicts
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, params: dict) -> "_Check":
+        owners, names = [], []
+        for full in params:
+            owner_name, _, leaf = full.rpartition(".")
+            owners.append(module.get_submodule(owner_name)._parameters)
+            names.append(leaf)
+        every = tuple(module.parameters())
+        mods = list(module.modules())
+        param_dicts = tuple(m._parameters for m in mods)
+        module_dicts = tuple(m._modules for m in mods)
+        trained = tuple(params.values())
+        return cls(trained, tuple(map(_data_ptr, trained)), tuple(owners), tuple(names), every,
+                   tuple(map(_REQUIRES_GRAD, every)), param_dicts, module_dicts,
+                   sum(map(len, param_dicts)) + sum(map(len, module_dicts)))
 
 
 def is_ddp(x: Any) -> bool:
@@ -44,15 +75,16 @@ class ModuleAdapter(Adapter):
         return out
 
     def _is_current(self, reading: Reading) -> bool:
-        # The pieces are detached views of the parameters: read again when the trainable
-        # parameters are not the same objects (replaced, frozen, added) or a parameter's memory
-        # moved (module.to(...), load_state_dict(assign=True)).
-        trainable = [p for p in self.module().parameters() if p.requires_grad]
-        held = reading.params.values()
+        # What could make the reading stale, each checked without walking the module tree (a
+        # walk costs milliseconds for a few hundred parameters): a parameter's memory moved
+        # (module.to(...), load_state_dict(assign=True)); a parameter object was replaced; one
+        # was frozen or unfrozen; a parameter or submodule was added or removed anywhere.
+        check = reading.token
         return (
-            len(trainable) == len(held)
-            and all(map(operator.is_, trainable, held))
-            and tuple(map(_data_ptr, trainable)) == reading.token
+            tuple(map(_data_ptr, check.trained)) == check.pointers
+            and all(map(operator.is_, map(dict.get, check.owners, check.names), check.trained))
+            and tuple(map(_REQUIRES_GRAD, check.every)) == check.requires_grad
+            and sum(map(len, check.param_dicts)) + sum(map(len, check.module_dicts)) == check.count
         )
 
     def _read(self) -> Reading:
@@ -64,5 +96,5 @@ class ModuleAdapter(Adapter):
         specs = {n: ShardSpec(tuple(p.shape), 0, p.numel()) for n, p in named}
         shards = shards_from_views([(n, p) for n, p in named])
         params = dict(named)
-        token = tuple(map(_data_ptr, params.values()))
-        return Reading(shards, ShardLayout(rank, world, 0, specs, engine="module"), params, group if world > 1 else None, token)
+        return Reading(shards, ShardLayout(rank, world, 0, specs, engine="module"), params, group if world > 1 else None,
+                       _Check.of(self.module(), params))

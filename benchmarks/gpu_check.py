@@ -1,0 +1,256 @@
+"""The CUDA paths, checked against the same references as the CPU tests, with figures. One GPU.
+
+    python benchmarks/gpu_check.py            # a few minutes on one GPU; exits at once without CUDA
+
+Checks (each PASS/FAIL, exit status 1 if any fails):
+
+1. ``update`` on CUDA shards (views of one flat fp32 buffer, K = 1 and 2) is bitwise equal to a
+   per-tensor ``lerp_``; timed against one flat ``lerp_`` over the same bytes (the roofline).
+2. A pinned CPU EMA of CUDA weights (``init_ema(..., device="cpu", pin_memory=True)``): chunks are
+   copied on a side stream while the CPU updates the previous chunk. Bitwise equal to lerping a
+   ``.cpu()`` copy; timed against that naive copy-then-lerp.
+3. DeepSpeed ZeRO-3 bf16 with fp32 masters on the GPU (world 1, client AdamW): the EMA equals an
+   EMA of ``safe_get_full_fp32_param`` bitwise, and ``swapped`` computes like a plain model loaded
+   with the EMA.
+4. FSDP2 (``fully_shard``, bf16 ``MixedPrecisionPolicy``, world 1): the same two checks against
+   ``full_tensor()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import functional_ema as fe  # noqa: E402
+
+RESULTS: list[tuple[str, bool, str]] = []  # (check, passed, figures)  -- filled by main() only
+
+
+def record(name: str, ok: bool, figures: str = "") -> None:
+    RESULTS.append((name, bool(ok), figures))
+    print(f"[{'PASS' if ok else 'FAIL'}] {name}" + (f": {figures}" if figures else ""), flush=True)
+
+
+def cuda_time(fn, reps: int = 20) -> float:
+    """Median milliseconds of ``fn`` with CUDA events (after a warm-up)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def wall_time(fn, reps: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def flat_shards(n_tensors: int = 400, per: int = 60_000, gap: int = 7) -> tuple[torch.Tensor, fe.Shards]:
+    buf = torch.randn(n_tensors * (per + gap), device="cuda")
+    views = {f"p{i:04d}": buf.narrow(0, i * (per + gap), per - (i % 5)) for i in range(n_tensors)}
+    return buf, fe.Shards.from_views(views)
+
+
+def check_core() -> None:
+    buf, shards = flat_shards()
+    numel = sum(t.numel() for t in shards.values())
+    for k, decays in ((1, 0.999), (2, (0.999, 0.9999))):
+        state = fe.init_ema(shards, num_emas=k)
+        ref = [{n: t.clone() for n, t in shards.items()} for _ in range(k)]
+        ok = True
+        for step in range(1, 4):
+            buf.add_(torch.randn_like(buf) * 0.01)
+            fe.update(state, shards, step, decay=decays)
+            for j, d in enumerate(decays if k > 1 else (decays,)):
+                for n in ref[j]:
+                    ref[j][n].lerp_(shards[n], 1 - d)
+            ok &= all(torch.equal(state.emas[j][n], ref[j][n]) for j in range(k) for n in shards)
+        flat_e, flat_s = torch.randn(int(numel * (4 + 8 * k) / 12), device="cuda"), torch.randn(int(numel * (4 + 8 * k) / 12), device="cuda")
+        t_lib = cuda_time(lambda: fe.update(state, shards, decay=decays))
+        t_roof = cuda_time(lambda: flat_e.lerp_(flat_s, 0.001))
+        gbs = numel * (4 + 8 * k) / (t_lib * 1e-3) / 1e9
+        record(f"CUDA update, K={k}, {len(shards)} tensors, {numel / 1e6:.1f}M elements: bitwise vs per-tensor lerp_", ok,
+               f"{t_lib:.3f} ms ({gbs:.0f} GB/s), {t_lib / t_roof:.2f}x one flat lerp_ over the same bytes")
+
+
+def check_pinned_cpu_ema() -> None:
+    buf, shards = flat_shards(200, 100_000)
+    state = fe.init_ema(shards, num_emas=2, device="cpu", pin_memory=True)
+    ok_pinned = all(t.is_pinned() for t in state.ema.segments)
+    ref = [{n: t.cpu() for n, t in shards.items()} for _ in range(2)]
+    ok = True
+    for step in range(1, 4):
+        buf.add_(torch.randn_like(buf) * 0.01)
+        fe.update(state, shards, step, decay=(0.99, 0.999))
+        host = {n: t.cpu() for n, t in shards.items()}
+        for j, d in enumerate((0.99, 0.999)):
+            for n in ref[j]:
+                ref[j][n].lerp_(host[n], 1 - d)
+        ok &= all(torch.equal(state.emas[j][n], ref[j][n]) for j in range(2) for n in shards)
+    info = fe.update_info(state, shards)
+    t_lib = wall_time(lambda: fe.update(state, shards, decay=(0.99, 0.999)))
+    naive = [{n: t.cpu() for n, t in shards.items()} for _ in range(2)]
+
+    def copy_then_lerp():
+        host = {n: t.cpu() for n, t in shards.items()}
+        for j, d in enumerate((0.99, 0.999)):
+            for n in naive[j]:
+                naive[j][n].lerp_(host[n], 1 - d)
+
+    t_naive = wall_time(copy_then_lerp)
+    record("pinned CPU EMA of CUDA weights (side-stream staging): bitwise vs .cpu() + lerp_", ok and ok_pinned and info.staged_spans > 0,
+           f"{t_lib:.2f} ms vs {t_naive:.2f} ms for copy-then-lerp ({t_naive / t_lib:.2f}x), staged spans {info.staged_spans}, pinned {ok_pinned}")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 257)
+        self.mid = nn.Linear(257, 129)
+        self.out = nn.Linear(129, 16)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def _data(step: int, dtype=torch.float32):
+    g = torch.Generator(device="cuda").manual_seed(step)
+    return torch.randn(8, 64, device="cuda", generator=g).to(dtype), torch.randn(8, 16, device="cuda", generator=g).to(dtype)
+
+
+def check_deepspeed_zero3() -> None:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(0)
+    model = Net()
+    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
+    shards = fe.local_shards(engine)
+    on_gpu = all(t.device.type == "cuda" for t in shards.values())
+    state = fe.init_ema(shards)
+    params = dict(engine.module.named_parameters())
+    ref = {n: safe_get_full_fp32_param(params[n]).detach().clone() for n in shards}
+    for step in range(1, 6):
+        x, y = _data(step, torch.bfloat16)
+        loss = ((engine(x).float() - y.float()) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.9)
+        for n in ref:
+            ref[n].lerp_(safe_get_full_fp32_param(params[n]).detach(), 0.1)
+    full = fe.gather_full(state, engine)
+    ok = all(torch.equal(full[n], ref[n]) for n in ref)
+    twin = Net().cuda()
+    twin.load_state_dict({n: t.to(torch.bfloat16).float() for n, t in full.items()})
+    twin = twin.to(torch.bfloat16)
+    x, _ = _data(99, torch.bfloat16)
+    engine.eval()
+    with torch.no_grad(), fe.swapped(engine, state):
+        out = engine(x)
+    with torch.no_grad():
+        same = torch.equal(out, twin(x))
+    t_upd = cuda_time(lambda: fe.update(state, fe.local_shards(engine), decay=0.9))
+    record("DeepSpeed ZeRO-3 bf16, fp32 masters on GPU: EMA bitwise vs safe_get_full_fp32_param EMA", ok and on_gpu,
+           f"local_shards + update {t_upd:.3f} ms for {sum(t.numel() for t in shards.values()):,} elements")
+    record("DeepSpeed ZeRO-3 swapped forward == plain bf16 model loaded with the EMA", same)
+
+
+def check_fsdp2() -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = Net().cuda()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in (model.inp, model.mid, model.out):
+        fully_shard(m, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    for step in range(1, 6):
+        x, y = _data(step)
+        loss = ((model(x).float() - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state = fe.update(state, fe.local_shards(model), step, decay=0.9)
+        for n, p in model.named_parameters():
+            ref[n].lerp_(p.full_tensor().detach(), 0.1)
+    full = fe.gather_full(state, model)
+    ok = all(torch.equal(full[n], ref[n]) for n in ref)
+    twin = Net().cuda()
+    twin.load_state_dict(full)
+    x, _ = _data(99)
+    with torch.no_grad(), fe.swapped(model, state):
+        out = model(x)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        want = twin.to(torch.bfloat16)(x.to(torch.bfloat16))
+    t_upd = cuda_time(lambda: fe.update(state, fe.local_shards(model), decay=0.9))
+    record("FSDP2 bf16 mixed precision: EMA bitwise vs full_tensor() EMA", ok, f"local_shards + update {t_upd:.3f} ms")
+    record("FSDP2 swapped forward == plain bf16 model loaded with the EMA (max abs diff shown)", torch.allclose(out.float(), want.float(), atol=1e-2),
+           f"max abs diff {(out.float() - want.float()).abs().max().item():.2e}")
+
+
+def _init_world_of_one() -> None:
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        os.environ.setdefault(k, v)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: CUDA is not available here (torch " + torch.__version__ + "); nothing to check. "
+              "Run it on a machine with a GPU and a CUDA build of torch.")
+        return 0
+    print(f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    _init_world_of_one()
+    for check in (check_core, check_pinned_cpu_ema, check_deepspeed_zero3, check_fsdp2):
+        try:
+            check()
+        except Exception as e:  # noqa: BLE001 - report every check, then fail
+            record(f"{check.__name__} raised {type(e).__name__}: {e}", False)
+    failed = [r for r in RESULTS if not r[1]]
+    print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

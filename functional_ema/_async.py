@@ -1,0 +1,419 @@
+"""Asynchronous EMA checkpoint save: snapshot at the call, write in the background.
+
+``AsyncSaver.save`` is :func:`functional_ema.checkpoint.save` split in two:
+
+* **At the call** (the training thread, collective): wait for the previous save if the in-flight
+  limit is reached (raising its error, if any, on every rank); check the state and agree the plan
+  with the other ranks (the same ``all_gather_object`` exchange as the blocking save); copy this
+  rank's EMA into a reusable host buffer (pinned where the EMA lives on a GPU; the copy is queued
+  on the current CUDA stream, so later work on that stream, such as ``update``, runs after it).
+* **In a background thread** (no collectives, no process group at all): write this rank's file
+  (temporary name, fsync, rename, folder fsync, as the blocking save), then commit through the
+  shared filesystem: every writing rank other than 0 drops a small marker file with its file's
+  record (``ema_async.<id>.rank<r>.done``); rank 0 polls for them, writes ``ema_manifest.json``
+  (which completes the checkpoint, as before) and removes the markers; the other ranks poll until
+  the manifest carrying this save's id appears. A failure on any rank leaves an
+  ``ema_async.<id>.rank<r>.error`` marker, so every rank's handle fails with it instead of waiting.
+
+Why not a collective in the background: torch.distributed collectives on one process group must
+be issued in the same order on every rank, and the training thread issues its own (gradients,
+ZeRO); a second thread issuing collectives concurrently could interleave differently on different
+ranks and deadlock or corrupt both. Files on the (already required) shared directory need no
+ordering. The cost: a rank that dies silently is noticed by the others only after
+``commit_timeout`` seconds.
+
+Crash safety is the blocking save's: rank files are written under new names when the tag already
+holds a complete EMA, and only the manifest (written last, atomically) makes a checkpoint
+complete, so a process killed at any point of the background write leaves the previous checkpoint
+loadable. Markers are never read by :func:`~functional_ema.checkpoint.load`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import _io
+from . import checkpoint as _ck
+from ._state import EmaState
+from .schedules import DecayLike
+
+__all__ = ["AsyncSaver", "SaveHandle"]
+
+logger = logging.getLogger("functional_ema")
+
+_MARK = "ema_async."
+
+
+def _marker(token: str, rank: int, kind: str) -> str:
+    return f"{_MARK}{token}.rank{rank:05d}.{kind}"
+
+
+class SaveHandle:
+    """One asynchronous save in flight: :meth:`wait` for it, :meth:`done` to poll it.
+
+    Attributes:
+        tag_dir: the tag folder being written, ``save_dir/tag``.
+        step: the EMA step that was snapshotted.
+    """
+
+    def __init__(self, tag_dir: Path, step: int):
+        self.tag_dir, self.step = tag_dir, step
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._raised = False  # the error reached the caller on this rank (wait or the next save)
+        self._buffer: torch.Tensor | None = None  # the snapshot, reused by the next save once this one is done
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """True once the checkpoint is complete (manifest written) or the save has failed."""
+        return self._event.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The failure, once :meth:`done` (None on success)."""
+        return self._error if self._event.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> Path:
+        """Block until the save is complete; return ``tag_dir``.
+
+        Raises:
+            The background failure: on the rank where it happened, the original exception (e.g.
+            ``OSError``); on the other ranks, :class:`~functional_ema.checkpoint.CheckpointError`
+            naming the failed rank. Raised on every call to ``wait`` after a failure.
+            TimeoutError: ``timeout`` seconds passed first (the save goes on).
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"async EMA save into {self.tag_dir} still running after {timeout} s")
+        if self._error is not None:
+            self._raised = True
+            raise self._error
+        return self.tag_dir
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._event.set()
+
+
+class AsyncSaver:
+    """Save EMA checkpoints in the background; the call costs about one memory copy of this rank's EMA.
+
+    Keep one saver per training run (it holds the reusable snapshot buffers and the saves in
+    flight) and call :meth:`save` where you would call :func:`functional_ema.save`, on every rank.
+    The file layout, atomicity and crash guarantees are the blocking save's; see the module
+    docstring of :mod:`functional_ema._async` for how the ranks commit without collectives.
+
+    Args:
+        max_in_flight: saves allowed in the background at once (default 1). A :meth:`save` beyond
+            it first waits for the oldest one (the training loop stalls until it is written).
+            Each save in flight holds one host copy of this rank's EMA.
+        commit_timeout: seconds a rank waits for the other ranks' files (or for rank 0's manifest)
+            before failing the save; bounds the wait when another rank died silently.
+        pin_memory: snapshot GPU-resident EMAs into pinned host memory (the default, faster
+            device-to-host copies). CPU-resident EMAs always use ordinary memory.
+
+    Example:
+        >>> saver = fe.AsyncSaver()                                   # doctest: +SKIP
+        >>> for step in range(1, n + 1):                              # doctest: +SKIP
+        ...     train_step(engine)
+        ...     state = fe.update(state, fe.local_shards(engine), step, decay=0.999)
+        ...     if step % 1000 == 0:
+        ...         saver.save(state, engine, "ckpt", decay=0.999)   # returns after the snapshot
+        ...         engine.save_checkpoint("ckpt")                    # overlaps with the EMA write
+        >>> saver.wait()                                              # doctest: +SKIP
+    """
+
+    def __init__(self, max_in_flight: int = 1, *, commit_timeout: float = 1800.0, pin_memory: bool = True):
+        if int(max_in_flight) < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.max_in_flight = int(max_in_flight)
+        self.commit_timeout = float(commit_timeout)
+        self.pin_memory = pin_memory
+        self._handles: list[SaveHandle] = []  # in start order; finished ones are dropped at the next save
+        self._free: list[torch.Tensor] = []  # snapshot buffers of finished saves, for reuse
+
+    # -- the call
+
+    def save(
+        self,
+        state: EmaState,
+        engine,
+        save_dir: str | os.PathLike,
+        tag: str | None = None,
+        *,
+        decay: DecayLike | Sequence[DecayLike] | None = None,
+    ) -> SaveHandle:
+        """Snapshot this rank's EMA and write the checkpoint in the background. Collective.
+
+        Arguments and the files written are those of :func:`functional_ema.save`. Returns once the
+        snapshot is taken: ``state`` may be updated (even in place) right away. The checkpoint is
+        complete when the returned handle's :meth:`SaveHandle.wait` returns (on every rank).
+
+        Raises:
+            CheckpointError (or the original exception on the rank where it happened): on every
+                rank, when the state does not fit the engine, the ranks disagree, or a previous
+                save of this saver failed and its ``wait()`` has not raised that on this rank.
+        """
+        layout, group = _ck._world(engine)
+        rank, world, stage = layout.rank, layout.world_size, layout.stage
+        save_dir = Path(save_dir)
+        tag = _ck._check_tag(_ck.default_tag(engine, state) if tag is None else tag)
+        tag_dir = save_dir / tag
+        writes = stage != 0 or rank == 0
+        box: dict[str, Any] = {}
+
+        def plan():
+            self._settle(tag_dir)  # raises a previous failure; inside _agree, so on every rank
+            p = _ck._plan_save(state, decay, layout, tag, tag_dir)
+            tag_dir.mkdir(parents=True, exist_ok=True)
+            if writes:
+                box["snapshot"] = self._snapshot(state, _ck._parse_dtype(p["dtype"], "save"))
+            p["token"] = secrets.token_hex(8) if rank == 0 else None
+            return p
+
+        try:
+            plans = _ck._agree("async save (checking the state)", plan, group, world, rank)
+            _ck._check_plans(plans)
+        except BaseException:
+            if "snapshot" in box:  # nothing started: keep the buffer for the next call
+                self._free.append(box["snapshot"][1])
+            raise
+        first = plans[0]
+        handle = SaveHandle(tag_dir, first["step"])
+        emas, buffer, ready = box.get("snapshot", (None, None, None))
+        handle._buffer = buffer
+        job = _Job(
+            save_dir=save_dir, tag_dir=tag_dir, layout=layout, first=first, mine=plans[rank], token=first["token"],
+            writers=[0] if stage == 0 else list(range(world)), emas=emas, ready=ready,
+            dtype=_ck._parse_dtype(first["dtype"], "save"), timeout=self.commit_timeout,
+        )
+        # Not a daemon: interpreter exit waits for the write to finish rather than cutting it short.
+        handle._thread = threading.Thread(target=_run, args=(job, handle), name=f"fe_async_save_{tag}")
+        self._handles.append(handle)
+        handle._thread.start()
+        return handle
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first failure not yet raised on this rank."""
+        first_error = None
+        for h in self._handles:
+            h._event.wait()
+            if h._error is not None and not h._raised and first_error is None:
+                h._raised = True
+                first_error = h._error
+        self._reap()
+        if first_error is not None:
+            raise first_error
+
+    close = wait
+
+    def __enter__(self) -> "AsyncSaver":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.wait()
+        else:  # already failing: finish the writes, report (not raise) their errors
+            try:
+                self.wait()
+            except Exception as e:  # noqa: BLE001
+                logger.error("functional_ema: async EMA save failed: %s", e)
+
+    # -- internals
+
+    def _reap(self) -> None:
+        keep = []
+        for h in self._handles:
+            if h.done() and (h._error is None or h._raised):
+                if h._buffer is not None:
+                    self._free.append(h._buffer)
+                    h._buffer = None
+            else:
+                keep.append(h)
+        self._handles = keep
+
+    def _settle(self, tag_dir: Path) -> None:
+        """Before a new save: wait while the in-flight limit is reached or the same tag is being
+        written, and raise any failure not yet raised on this rank."""
+        while True:
+            busy = [h for h in self._handles if not h.done()]
+            if len(busy) < self.max_in_flight and not any(h.tag_dir == tag_dir for h in busy):
+                break
+            busy[0]._event.wait()
+        for h in self._handles:
+            if h.done() and h._error is not None and not h._raised:
+                h._raised = True
+                self._reap()
+                raise _ck.CheckpointError(
+                    f"the previous async EMA save (step {h.step}, {h.tag_dir}) failed: {type(h._error).__name__}: "
+                    f"{h._error}. Nothing of it is marked complete; the checkpoint before it is intact"
+                ) from h._error
+        self._reap()
+
+    def _snapshot(self, state: EmaState, dtype: torch.dtype):
+        """Copy every EMA tensor into one host buffer (file order); return their views, the buffer and
+        a CUDA event marking the end of the copies (None on CPU)."""
+        tensors = [t for ema in state.emas for t in ema.values()]
+        # Tensors sharing one storage (init_ema's layout: one buffer per run of parameters, K EMAs
+        # in it) are copied as one span: one copy_ per buffer instead of one per tensor.
+        groups: dict[tuple, list[int]] = {}
+        for i, t in enumerate(tensors):
+            key = (t.untyped_storage().data_ptr(), t.device) if t.is_contiguous() and t.dtype == dtype else ("own", i)
+            groups.setdefault(key, []).append(i)
+        segments = []  # (source 1-D tensor, its first element's storage offset or None)
+        for members in groups.values():
+            ts = [tensors[i] for i in members]
+            if len(ts) > 1:
+                lo = min(t.storage_offset() for t in ts)
+                hi = max(t.storage_offset() + t.numel() for t in ts)
+                if hi - lo <= 1.25 * sum(t.numel() for t in ts):  # gaps are small: copy the span
+                    segments.append((ts[0].as_strided((hi - lo,), (1,), lo), lo, members))
+                    continue
+            segments.extend((tensors[i].detach().reshape(-1), None, [i]) for i in members)
+        total = sum(src.numel() for src, _, _ in segments)
+        on_gpu = any(t.device.type == "cuda" for t in tensors)
+        pinned = on_gpu and self.pin_memory
+        buffer = next((b for b in self._free if b.numel() == total and b.dtype == dtype and b.is_pinned() == pinned), None)
+        if buffer is not None:
+            self._free.remove(buffer)
+        else:
+            self._free.clear()  # another layout: the old buffers will not fit again
+            buffer = torch.empty(total, dtype=dtype, pin_memory=pinned)
+            _io._prefault(buffer)
+        views: list[torch.Tensor | None] = [None] * len(tensors)
+        pos = 0
+        with torch.no_grad():
+            for src, lo, members in segments:
+                n = src.numel()
+                buffer[pos : pos + n].copy_(src, non_blocking=pinned)
+                for i in members:
+                    start = pos + (tensors[i].storage_offset() - lo if lo is not None else 0)
+                    views[i] = buffer[start : start + tensors[i].numel()]
+                pos += n
+        ready = None
+        if on_gpu:
+            ready = torch.cuda.Event()
+            ready.record()  # the copies are queued on the current stream; the writer waits for this
+        it = iter(views)
+        emas = [{n: next(it) for n in ema} for ema in state.emas]
+        return emas, buffer, ready
+
+
+class _Job:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _run(job: _Job, handle: SaveHandle) -> None:
+    """The background part of one rank's save. No collectives (see the module docstring)."""
+    rank = job.layout.rank
+    error: BaseException | None = None
+    try:
+        if job.ready is not None:
+            job.ready.synchronize()
+        record = None
+        if job.emas is not None:
+            fname = _ck.rank_file_name(rank, job.layout.world_size, job.first["generation"])
+            meta = _ck._rank_file_meta(job.mine, job.layout, job.first["generation"])
+            record = _ck._write_rank_file(job.tag_dir / fname, job.layout, job.emas, job.dtype, meta)
+        deadline = time.monotonic() + job.timeout
+        if rank == 0:
+            records = {0: record} if record is not None else {}
+            others = [r for r in job.writers if r != 0]
+
+            def collect():
+                names = set(os.listdir(job.tag_dir))
+                _raise_remote_error(job, names)
+                for r in others:
+                    if r not in records and _marker(job.token, r, "done") in names:
+                        records[r] = json.loads((job.tag_dir / _marker(job.token, r, "done")).read_text())
+                return True if len(records) == len(job.writers) else None
+
+            _poll(collect, deadline, job, f"the files of ranks {others}")
+            manifest = _ck._build_manifest(job.first, job.layout, [records[r] for r in sorted(records)],
+                                           save_id=job.token)
+            _ck._commit_manifest(job.save_dir, job.tag_dir, manifest)
+            _remove_markers(job.tag_dir)
+        else:
+            if record is not None:
+                _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "done"), json.dumps(record).encode())
+            seen: list[Any] = [None]
+
+            def committed():
+                mpath = job.tag_dir / _ck.MANIFEST_NAME
+                try:
+                    st = mpath.stat()
+                    if (st.st_mtime_ns, st.st_size) != seen[0]:  # parse only a changed manifest
+                        seen[0] = (st.st_mtime_ns, st.st_size)
+                        if json.loads(mpath.read_bytes()).get("save_id") == job.token:
+                            return True
+                except (OSError, ValueError):
+                    pass  # not there yet, or being replaced
+                _raise_remote_error(job, set(os.listdir(job.tag_dir)))
+                return None
+
+            _poll(committed, deadline, job, "rank 0's manifest")
+    except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
+        error = e
+        if not isinstance(e, _RemoteError):
+            try:  # tell the other ranks, so they fail now rather than at the timeout
+                payload = {"rank": rank, "type": type(e).__name__, "message": str(e),
+                           "checkpoint_error": isinstance(e, _ck.CheckpointError)}
+                _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "error"), json.dumps(payload).encode())
+            except Exception as e2:  # noqa: BLE001
+                logger.error("functional_ema: could not record the async save failure for the other ranks: %s", e2)
+        logger.error("functional_ema: async EMA save of step %s into %s failed on rank %d: %s: %s",
+                     job.first["step"], job.tag_dir, rank, type(e).__name__, e)
+    handle._finish(error)
+
+
+class _RemoteError(_ck.CheckpointError):
+    """Another rank's background write failed (read from its error marker)."""
+
+
+def _raise_remote_error(job: _Job, names: set[str]) -> None:
+    prefix = f"{_MARK}{job.token}."
+    for name in sorted(names):
+        if name.startswith(prefix) and name.endswith(".error"):
+            try:
+                info = json.loads((job.tag_dir / name).read_text())
+            except (OSError, ValueError):
+                continue  # being written (atomically: complete on the next poll)
+            raise _RemoteError(
+                f"async save of tag {job.first['tag']!r} failed on rank {info.get('rank')} "
+                f"({info.get('type')}): {info.get('message')}"
+            )
+
+
+def _poll(check, deadline: float, job: _Job, what: str) -> None:
+    delay = 0.001
+    while check() is None:
+        if time.monotonic() > deadline:
+            raise _ck.CheckpointError(
+                f"async save of tag {job.first['tag']!r} (rank {job.layout.rank}): timed out after "
+                f"{job.timeout:.0f} s waiting for {what} in {job.tag_dir}. Is the directory shared by all "
+                "ranks, and are they all alive? The checkpoint is not marked complete"
+            )
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+
+
+def _remove_markers(tag_dir: Path) -> None:
+    """After the commit: remove this save's markers and those of failed earlier saves (best effort)."""
+    removed = False
+    for name in os.listdir(tag_dir):
+        if name.startswith(_MARK):
+            try:
+                os.unlink(tag_dir / name)
+                removed = True
+            except OSError:  # pragma: no cover
+                pass
+    if removed:
+        _io.fsync_dir(tag_dir)

@@ -1,0 +1,801 @@
+"""Fault injection: misuse is refused, hostile files stay confined, failures are the same on every rank.
+
+Issue 13, classes 3-6 and 8-11. One 2-rank launch (real DeepSpeed ZeRO-2 engines on gloo) writes the
+checkpoints and snapshots and runs every check that needs ranks (failed saves on a full tmpfs and a
+read-only bind mount, injected EACCES and manifest write errors, bad tags, leftovers, a save and a load
+called on one rank only); the offline checks then work on copies of what it wrote. Every check asserts
+the error type, that the message names the thing (file, field, rank, errno) and that no file changed
+(hashes before and after). ``CASES`` counts the cases per class (README's reliability section).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import functional_ema as fe
+from functional_ema import checkpoint as ck
+from functional_ema import posthoc
+
+STEPS = 6
+TAG = f"global_step{STEPS}"
+TRACKED = (0.05, 0.10)
+CASES: dict[str, int] = {}
+
+
+def _count(cls: str, n: int = 1) -> None:
+    CASES[cls] = CASES.get(cls, 0) + n
+
+
+def _hashes(root: Path) -> dict:
+    """Path -> sha256 of every file (and link target) under root."""
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_symlink():
+            out[str(p)] = "link:" + os.readlink(p)
+        elif p.is_file():
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+# --------------------------------------------------------------------------------- 2-rank worker
+
+
+def _err(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the checks look at type and message
+        return [type(e).__name__, str(e), getattr(e, "errno", None), isinstance(e, ck.CheckpointError)]
+    return None
+
+
+def _tensors_equal(a: fe.EmaState, b: fe.EmaState) -> bool:
+    return all(torch.equal(x[n], y[n]) for x, y in zip(a.emas, b.emas) for n in x) and int(a.step) == int(b.step)
+
+
+def _fill(directory: Path, leave: int) -> None:
+    """Fill the filesystem of ``directory`` until a write fails, then give back ``leave`` bytes."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # unbuffered: nothing left to flush at close
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    if leave:
+        with open(filler, "r+b") as f:
+            f.truncate(max(0, filler.stat().st_size - leave))
+
+
+def _wait_for(path: Path, limit: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not path.exists():
+        assert time.monotonic() - t0 < limit, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str):
+    import torch.distributed as dist
+
+    from functional_ema import _io, schedules
+    from tests._multirank import make_engine, train_step
+
+    rank = dist.get_rank()
+    root, full_dir, ro_src, ro_dir, marks = map(Path, (root, full_dir, ro_src, ro_dir, marks))
+    out: dict = {}
+    engine = make_engine(2)
+    scheds = [schedules.power(sigma_rel=s) for s in TRACKED]
+    state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+    ckdir, snaps = root / "ck", root / "snaps"
+    for step in range(1, STEPS + 1):
+        train_step(engine, step)
+        state = fe.update(state, fe.local_shards(engine), step, decay=scheds)
+        if step % 2 == 0:
+            posthoc.save_snapshot(state, engine, snaps, scheds)
+    fe.save(state, engine, ckdir, decay=scheds)
+    engine.save_checkpoint(str(ckdir))
+    dist.barrier()
+
+    def later(s: fe.EmaState) -> fe.EmaState:  # another state to save (the EMA one step later); s unchanged
+        copy = fe.EmaState(s.step.clone(), tuple({n: t.clone() for n, t in e.items()} for e in s.emas))
+        return fe.update(copy, fe.local_shards(engine), int(s.step) + 1, decay=[0.5, 0.5])
+
+    # -- class 9: tags that are refused, on every rank, before anything is written
+    before = _hashes(root)
+    bad_tags = ["latest", "LATEST", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", ck.MANIFEST_NAME,
+                "ema_rank_00000_of_00002.safetensors", "x.tmp-123", "a b", " lead", "trail ", "tab\tx", "nl\nx",
+                "nul\0x", "bell\x07", "zero\u200bwidth", "nbsp\u00a0x", "../escape", "a/b", "/abs", "back\\slash",
+                "..", ".", "", "x" * 256, 3.5, "x/"]
+    out["bad_tags"] = [repr(t) for t in bad_tags]
+    out["tag_errors"] = [_err(lambda t=t: fe.save(state, engine, ckdir, tag=t)) for t in bad_tags]
+    dist.barrier()
+    out["tags_changed_nothing"] = _hashes(root) == before
+
+    # -- ranks passing different schedules: refused on every rank (the manifest records one)
+    other = [schedules.power(sigma_rel=s) for s in ((0.05, 0.10) if rank == 0 else (0.05, 0.11))]
+    out["schedules_disagree"] = _err(lambda: fe.save(state, engine, root / "disagree", decay=other))
+
+    # -- class 8: a full disk (1 MiB tmpfs), with a complete checkpoint of the same tag already there
+    fe.save(state, engine, full_dir, tag="t", decay=scheds)
+    dist.barrier()
+    size = max(p.stat().st_size for p in (full_dir / "t").glob("ema_rank_*"))
+    if rank == 0:
+        _fill(full_dir, leave=size + 4096)  # room for about one rank file: one rank (or the manifest) fails
+    dist.barrier()
+    before = _hashes(full_dir / "t")
+    s2 = later(state)
+    out["enospc"] = _err(lambda: fe.save(s2, engine, full_dir, tag="t", decay=scheds))
+    dist.barrier()
+    out["enospc_unchanged"] = _hashes(full_dir / "t") == before
+    out["enospc_files"] = sorted(p.name for p in (full_dir / "t").iterdir())
+    out["enospc_previous_loads"] = _tensors_equal(fe.load(engine, full_dir, "t"), state)
+    if rank == 0:
+        _fill(full_dir, leave=0)  # now nothing fits: every writing rank fails
+    dist.barrier()
+    out["enospc_all"] = _err(lambda: fe.save(s2, engine, full_dir, tag="t2", decay=scheds))
+    dist.barrier()
+    out["enospc_all_leftovers"] = sorted(p.name for p in (full_dir / "t2").iterdir()) if (full_dir / "t2").exists() else []
+    if rank == 0:
+        (full_dir / "filler").unlink()
+    dist.barrier()
+    fe.save(s2, engine, full_dir, tag="t", decay=scheds)  # space again: the same tags save and load
+    fe.save(s2, engine, full_dir, tag="t2", decay=scheds)
+    out["enospc_then_saves"] = [_tensors_equal(fe.load(engine, full_dir, t), s2) for t in ("t", "t2")]
+    dist.barrier()
+    out["enospc_final_files"] = sorted(p.name for p in (full_dir / "t").iterdir())
+
+    # -- class 8: a read-only folder (a read-only bind mount of a folder holding a checkpoint)
+    fe.save(state, engine, ro_src, tag="r")
+    dist.barrier()
+    before = _hashes(ro_src)
+    out["erofs_existing_tag"] = _err(lambda: fe.save(s2, engine, ro_dir, tag="r"))
+    out["erofs_new_tag"] = _err(lambda: fe.save(s2, engine, ro_dir, tag="r2"))
+    dist.barrier()
+    out["erofs_unchanged"] = _hashes(ro_src) == before
+    out["erofs_still_loads"] = _tensors_equal(fe.load(engine, ro_dir, "r"), state)
+
+    # -- class 8: EACCES on rank 1 only (root ignores permission bits, so the error is injected)
+    real_writer = _io.StreamingWriter
+    if rank == 1:
+        def refuse(path, *a, **k):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        _io.StreamingWriter = refuse
+    before = _hashes(ckdir)
+    try:
+        out["eacces"] = _err(lambda: fe.save(s2, engine, ckdir, decay=scheds))
+    finally:
+        _io.StreamingWriter = real_writer
+    dist.barrier()
+    out["eacces_unchanged"] = _hashes(ckdir) == before
+
+    # -- class 8: the manifest write fails (injected ENOSPC at the last write point, rank 0)
+    real_write = _io.atomic_write_bytes
+    if rank == 0:
+        def no_space(path, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        _io.atomic_write_bytes = no_space
+    try:
+        out["manifest_enospc"] = _err(lambda: fe.save(s2, engine, ckdir, decay=scheds))
+    finally:
+        _io.atomic_write_bytes = real_write
+    dist.barrier()
+    out["manifest_enospc_unchanged"] = _hashes(ckdir) == before
+    out["manifest_enospc_previous_loads"] = _tensors_equal(fe.load(engine, ckdir), state)
+
+    # -- class 8: leftovers of crashed saves (temporary manifest, orphan rank files) never block a save
+    lt = root / "left" / "t"
+    if rank == 0:
+        lt.mkdir(parents=True)
+        for name in ("ema_manifest.json.tmp-99999", "ema_rank_00001_of_00002.safetensors.tmp-4242",
+                     "ema_rank_00000_of_00004.safetensors", "ema_rank_00001_of_00002.gen9.safetensors",
+                     "ema_rank_00000_of_00002.safetensors"):
+            (lt / name).write_bytes(b"leftover of a crashed save")
+    dist.barrier()
+    out["leftover_save"] = _err(lambda: fe.save(state, engine, root / "left", tag="t"))
+    dist.barrier()
+    out["leftover_files"] = sorted(p.name for p in lt.iterdir())
+    out["leftover_loads"] = _tensors_equal(fe.load(engine, root / "left", "t"), state)
+
+    # -- a tampered manifest fails load on every rank (class 5 through the collective verb)
+    tampered = root / "tampered"
+    if rank == 0:
+        shutil.copytree(ckdir, tampered)
+        m = tampered / TAG / ck.MANIFEST_NAME
+        d = json.loads(m.read_text())
+        d["schedules"][1]["gamma"] /= 2
+        m.write_text(json.dumps(d))
+    dist.barrier()
+    out["tampered_load"] = _err(lambda: fe.load(engine, tampered))
+    dist.barrier()
+
+    # -- class 10 (last: a timed-out barrier leaves the process group unusable): a save called on rank
+    # 0 only and a load called on rank 1 only fail after the timeout instead of hanging. The ranks
+    # wait for each other through files, not collectives.
+    if rank == 0:
+        t0 = time.monotonic()
+        out["lonely_save"] = _err(lambda: fe.save(state, engine, ckdir, tag="lonely", timeout=3))
+        out["lonely_save_s"] = time.monotonic() - t0
+        out["lonely_dir"] = (ckdir / "lonely").exists()
+        (marks / "save_done").write_text("1")
+        _wait_for(marks / "load_done")
+    else:
+        _wait_for(marks / "save_done")
+        os.environ[ck.TIMEOUT_ENV] = "3"
+        t0 = time.monotonic()
+        out["lonely_load"] = _err(lambda: fe.load(engine, ckdir))
+        out["lonely_load_s"] = time.monotonic() - t0
+        (marks / "load_done").write_text("1")
+    return out
+
+
+def _mount(*args: str) -> bool:
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """Runs the 2-rank worker once; yields (root, per-rank results)."""
+    from tests._multirank import run_ranks
+
+    base = tmp_path_factory.mktemp("faults")
+    root, full, src, ro, marks = (base / n for n in ("root", "full", "ro_src", "ro", "marks"))
+    for d in (root, full, src, ro, marks):
+        d.mkdir()
+    if not (_mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full))):
+        pytest.fail("this test needs root to mount a 1 MiB tmpfs (the full-disk case); run it as root")
+    mounted = [full]
+    try:
+        assert _mount("--bind", str(src), str(ro)), "bind mount failed"
+        mounted.append(ro)
+        assert _mount("-o", "remount,bind,ro", str(ro)), "read-only remount failed"
+        results = run_ranks("tests.test_faults:faults_worker", world_size=2, timeout=400, root=str(root),
+                            full_dir=str(full), ro_src=str(src), ro_dir=str(ro), marks=str(marks))
+    finally:
+        for d in reversed(mounted):
+            subprocess.run(["umount", str(d)], capture_output=True)
+    yield root, results
+
+
+# ------------------------------------------------------------------------------- 2-rank checks
+
+
+def test_bad_tags_refused_on_every_rank(faults):
+    """Class 9: reserved names (DeepSpeed's `latest`...), separators, whitespace, control characters."""
+    _, results = faults
+    for rank, r in enumerate(results):
+        assert r["tags_changed_nothing"], rank
+        for tag, e in zip(r["bad_tags"], r["tag_errors"]):
+            assert e is not None, f"rank {rank}: tag {tag} was accepted"
+            name, msg, _, is_ckpt = e
+            assert name == "InvalidTagError" and is_ckpt, (rank, tag, e)
+            assert "tag" in msg and ("global_step<N>" in msg or "str" in msg), (rank, tag, msg)
+        disagree = r["schedules_disagree"]
+        assert disagree[0] == "CheckpointError" and "ranks disagree on schedules" in disagree[1], disagree
+    _count("9 tags", len(results[0]["bad_tags"]) + 1)
+
+
+def _assert_io_error(e, rank_names, errname: str, file_frag: str):
+    assert e is not None, "the save did not fail"
+    name, msg, code, is_ckpt = e
+    assert name == "CheckpointIOError" and is_ckpt, e
+    assert errname in msg and code == getattr(errno, errname), e
+    assert any(f"rank {r} could not" in msg for r in rank_names), e
+    assert file_frag in msg, e
+
+
+def test_failed_saves_same_error_on_every_rank_and_no_leftovers(faults):
+    """Class 8: full disk, read-only folder, EACCES, failed manifest write; leftovers of crashes."""
+    _, (r0, r1) = faults
+    for key, errname, frag in (("enospc", "ENOSPC", "ema_"), ("enospc_all", "ENOSPC", "ema_rank_"),
+                               ("erofs_existing_tag", "EROFS", "ema_rank_"), ("erofs_new_tag", "EROFS", "r2"),
+                               ("eacces", "EACCES", "ema_rank_00001_of_00002"),
+                               ("manifest_enospc", "ENOSPC", ck.MANIFEST_NAME)):
+        e0, e1 = r0[key], r1[key]
+        assert e0 is not None and e1 is not None, key
+        assert e0[0] == e1[0] == "CheckpointIOError", (key, e0, e1)
+        first = 1 if key == "eacces" else (0 if key in ("manifest_enospc", "enospc_all", "erofs_existing_tag", "erofs_new_tag") else None)
+        ranks = [first] if first is not None else [0, 1]
+        _assert_io_error(e0, ranks, errname, frag)
+        _assert_io_error(e1, ranks, errname, frag)
+        _count("8 failed saves")
+    for r in (r0, r1):
+        assert r["enospc_unchanged"] and r["enospc_previous_loads"], ("the previous checkpoint of the tag changed", r["enospc_files"])
+        assert r["enospc_all_leftovers"] == [], r["enospc_all_leftovers"]
+        assert r["enospc_then_saves"] == [True, True]
+        assert r["enospc_final_files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.gen1.safetensors",
+                                           "ema_rank_00001_of_00002.gen1.safetensors"], r["enospc_final_files"]
+        assert r["erofs_unchanged"] and r["erofs_still_loads"]
+        assert r["eacces_unchanged"] and r["manifest_enospc_unchanged"] and r["manifest_enospc_previous_loads"]
+        assert r["leftover_save"] is None, r["leftover_save"]
+        assert r["leftover_files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors",
+                                       "ema_rank_00001_of_00002.safetensors"], r["leftover_files"]
+        assert r["leftover_loads"]
+    _count("8 failed saves")  # the leftovers case
+
+
+def test_tampered_manifest_fails_load_on_every_rank(faults):
+    _, results = faults
+    for r in results:
+        name, msg, _, _ = r["tampered_load"]
+        assert name == "CorruptCheckpointError" and "'schedules'" in msg and "ema_rank_" in msg, msg
+    _count("5 manifest fields")
+
+
+def test_collective_called_on_one_rank_times_out(faults):
+    """Class 10: a save on rank 0 only fails after the timeout (3 s here) instead of hanging; then a
+    load on rank 1 only fails too. (Gloo closes the connection when a monitored barrier times out, so
+    that second verb fails at once with "Connection closed by peer": the group is unusable after a
+    timeout, as the message says.)"""
+    _, (r0, r1) = faults
+    name, msg, _, _ = r0["lonely_save"]
+    assert name == "CheckpointTimeoutError", r0["lonely_save"]
+    for frag in ("functional_ema.save: rank 0 waited", "(limit 3 s)", "call it on every rank", ck.TIMEOUT_ENV):
+        assert frag in msg, msg
+    assert 2.5 < r0["lonely_save_s"] < 30, (r0["lonely_save_s"], msg)
+    assert not r0["lonely_dir"], "the lone save wrote a tag folder"
+    name, msg, _, _ = r1["lonely_load"]
+    assert name == "CheckpointTimeoutError" and "functional_ema.load: rank 1 waited" in msg, r1["lonely_load"]
+    assert r1["lonely_load_s"] < 30, (r1["lonely_load_s"], msg)
+    _count("10 one-rank collectives", 2)
+
+
+# ------------------------------------------------------------------------------ offline helpers
+
+
+def _copy(faults, tmp_path: Path, what: str = "ck") -> Path:
+    root, _ = faults
+    dst = tmp_path / what
+    shutil.copytree(root / what, dst, symlinks=True)
+    return dst
+
+
+def _expect(cls, fragments, fn, *roots: Path, absent=()):
+    """fn() raises cls (a CheckpointError) whose message holds every fragment and none of ``absent``;
+    no file under ``roots`` changes."""
+    before = [_hashes(r) for r in roots]
+    with pytest.raises(cls) as info:
+        fn()
+    assert isinstance(info.value, ck.CheckpointError), type(info.value)
+    msg = str(info.value)
+    for frag in fragments:
+        assert frag in msg, f"{frag!r} not in: {msg}"
+    for frag in absent:
+        assert frag not in msg, f"{frag!r} leaked into: {msg}"
+    assert [_hashes(r) for r in roots] == before, "an error path modified files"
+    return msg
+
+
+def _edit_manifest(tag_dir: Path, edit) -> None:
+    m = tag_dir / ck.MANIFEST_NAME
+    d = json.loads(m.read_text())
+    edit(d)
+    m.write_text(json.dumps(d))
+
+
+def _forge_header(tag_dir: Path, rank: int, edit) -> None:
+    """Rewrite a rank file's safetensors header, and update the manifest's size and header CRC-32 to
+    match, as a deliberate forger would (so only validation, not a checksum, can catch it)."""
+    f = tag_dir / f"ema_rank_{rank:05d}_of_00002.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header = edit(header) or header
+    text = header if isinstance(header, (bytes, str)) else json.dumps(header, separators=(",", ":"))
+    text = text.encode() if isinstance(text, str) else text
+    text += b" " * (-len(text) % 8)
+    new = struct.pack("<Q", len(text)) + text
+    f.write_bytes(new + raw[8 + n :])
+
+    def fix(d):
+        e = next(e for e in d["files"] if e["rank"] == rank)
+        e["bytes"], e["header_crc32"] = len(new) + len(raw) - 8 - n, zlib.crc32(new)
+    _edit_manifest(tag_dir, fix)
+
+
+def _meta_edit(key, fn):
+    def edit(h):
+        h["__metadata__"][key] = fn(h["__metadata__"][key])
+    return edit
+
+
+def _layout_edit(fn):
+    def edit(h):
+        lay = json.loads(h["__metadata__"]["layout"])
+        fn(lay)
+        h["__metadata__"]["layout"] = json.dumps(lay)
+    return edit
+
+
+def _first_tensor(h, pred=lambda info: True):
+    return next(k for k, v in h.items() if k != "__metadata__" and pred(v))
+
+
+@pytest.fixture
+def no_big_alloc(monkeypatch):
+    """Fail the test if anything asks torch for more than 4M elements (a forged size must be refused first)."""
+    for fname in ("empty", "zeros"):
+        real = getattr(torch, fname)
+
+        def guarded(*size, _real=real, **kw):
+            dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+            numel = 1
+            for d in dims:
+                numel *= int(d)
+            assert numel <= 4 << 20, f"torch.{_real.__name__}{tuple(dims)}: a large allocation from a forged size"
+            return _real(*size, **kw)
+        monkeypatch.setattr(torch, fname, guarded)
+
+
+def _cli(*argv, capsys):
+    from functional_ema.__main__ import main
+
+    code = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+# ---------------------------------------------------------------------- class 3: CLI outputs
+
+
+def test_cli_never_overwrites_its_inputs(faults, tmp_path, capsys):
+    d = _copy(faults, tmp_path)
+    snaps = _copy(faults, tmp_path, "snaps")
+    tdir = d / TAG
+    want = fe.consolidate(d)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "to_rank0").symlink_to(tdir / "ema_rank_00000_of_00002.safetensors")
+    (outside / "to_tag").symlink_to(tdir, target_is_directory=True)
+    (outside / "to_latest").symlink_to(d / "latest")
+    snap_tag = sorted(p.name for p in snaps.iterdir())[-1]
+    refused = [
+        (d, tdir / "ema_rank_00000_of_00002.safetensors"),
+        (d, tdir / "ema_rank_00001_of_00002.safetensors"),
+        (d, tdir / ck.MANIFEST_NAME),
+        (d, d / "latest"),
+        (d, tdir / "new.safetensors"),  # not an input, but inside the tag folder being read
+        (d, tdir),
+        (d, d),
+        (d, d / "zero_to_fp32.py"),
+        (d, d / "zero_to_torch.py"),
+        (tdir, tdir / "ema_rank_00000_of_00002.safetensors"),  # the tag folder given as CHECKPOINT_DIR
+        (d, outside / "to_rank0"),  # symlinks into the checkpoint are resolved
+        (d, outside / "to_tag" / "x.safetensors"),
+        (d, outside / "to_latest"),
+        (d, tdir / "sub" / ".." / "ema_manifest.json"),
+    ]
+    before = _hashes(tmp_path)
+    for src, out in refused:
+        code, _, err = _cli("consolidate", src, out, capsys=capsys)
+        assert code == 1 and err.startswith("error: refusing to write"), (out, code, err)
+        assert str(out) in err and "Traceback" not in err and ("outside the checkpoint" in err or "directory" in err), err
+        _count("3 CLI outputs")
+    for args in (["posthoc", snaps, snaps / snap_tag / "ema_rank_00000_of_00002.safetensors", "--gamma", "6.94"],
+                 ["posthoc", snaps, snaps / snap_tag / "x.safetensors", "--sigma-rel", "0.1"]):
+        code, _, err = _cli(*args, capsys=capsys)
+        assert code == 1 and "refusing to write" in err and "Traceback" not in err, err
+        _count("3 CLI outputs")
+    assert _hashes(tmp_path) == before, "a refused CLI call modified files"
+
+    # An existing output is kept unless --overwrite; with it the file is replaced atomically (new inode).
+    out = tmp_path / "ema.safetensors"
+    out.write_bytes(b"precious")
+    for cmd in (["consolidate", d, out], ["posthoc", snaps, out, "--sigma-rel", "0.1"]):
+        code, _, err = _cli(*cmd, capsys=capsys)
+        assert code == 1 and "refusing to replace the existing file" in err and "--overwrite" in err, err
+        assert out.read_bytes() == b"precious"
+        _count("3 CLI outputs")
+    inode = out.stat().st_ino
+    code, stdout, err = _cli("consolidate", d, out, "--overwrite", capsys=capsys)
+    assert code == 0 and "wrote" in stdout, err
+    from safetensors.torch import load_file
+
+    got = load_file(str(out))
+    assert all(torch.equal(got[n], want[n]) for n in want) and out.stat().st_ino != inode
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+    _count("3 CLI outputs")
+    # The real command line: exit code 1, one line on stderr, no traceback.
+    proc = subprocess.run([sys.executable, "-m", "functional_ema", "consolidate", str(d), str(d / "latest")],
+                          capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 1 and proc.stderr.startswith("error: refusing") and "Traceback" not in proc.stderr, proc.stderr
+    assert (d / "latest").read_text().strip() == TAG
+    _count("3 CLI outputs")
+
+
+# ----------------------------------------------------------------- class 4: paths stay inside
+
+
+def test_paths_never_leave_the_checkpoint(faults, tmp_path, capsys):
+    d = _copy(faults, tmp_path)
+    tdir = d / TAG
+    mpath = tdir / ck.MANIFEST_NAME
+    good_manifest = mpath.read_text()
+    # A second, valid checkpoint beside it: a path that escapes would load it without complaint.
+    decoy = tmp_path / "decoy"
+    shutil.copytree(d, decoy)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0:SECRET-CONTENT\n")
+    leak = ["SECRET-CONTENT", "root:x", str(struct.unpack("<Q", secret.read_bytes()[:8])[0])]
+
+    names = ["../../decoy/" + TAG + "/ema_rank_00000_of_00002.safetensors", str(secret), "/etc/passwd",
+             str(decoy / TAG / "ema_rank_00000_of_00002.safetensors"),
+             "../" + TAG + "/ema_rank_00000_of_00002.safetensors",
+             "ema_rank_00000_of_00002.safetensors/../ema_rank_00000_of_00002.safetensors",
+             "sub/ema_rank_00000_of_00002.safetensors", "ema_rank_00000_of_00002.safetensors\0.txt",
+             "ema_rank_00001_of_00002.safetensors", "ema_rank_00000_of_00004.safetensors",
+             "ema_rank_00000_of_00002.gen3.safetensors", "secret.txt", "", 7, None]
+    for name in names:
+        mpath.write_text(good_manifest)
+        _edit_manifest(tdir, lambda m, name=name: m["files"][0].__setitem__("file", name))
+        _expect(ck.CorruptCheckpointError, [str(mpath), "files[0]"], lambda: fe.consolidate(d), d, decoy, absent=leak)
+        _count("4 paths")
+    mpath.write_text(good_manifest)
+
+    # A rank file that is a link to a file elsewhere (even a valid one) is not followed.
+    r0 = tdir / "ema_rank_00000_of_00002.safetensors"
+    saved = r0.read_bytes()
+    r0.unlink()
+    r0.symlink_to(decoy / TAG / r0.name)
+    _expect(ck.CorruptCheckpointError, [str(r0), "outside the tag folder"], lambda: fe.consolidate(d), d, decoy)
+    r0.unlink()
+    r0.symlink_to(secret)
+    _expect(ck.CorruptCheckpointError, [str(r0), "outside the tag folder"], lambda: fe.consolidate(d), d, absent=leak)
+    r0.unlink()
+    r0.write_bytes(saved)
+    _count("4 paths", 2)
+
+    # A rank file replaced by foreign content: the error never quotes its bytes.
+    r0.write_bytes(secret.read_bytes() * 3)
+    _expect(ck.CorruptCheckpointError, [str(r0)], lambda: fe.consolidate(d), d, absent=leak)
+    r0.write_bytes(saved)
+    _count("4 paths")
+
+    # `latest` names a tag only inside the checkpoint; its content is never echoed.
+    latest = d / "latest"
+    for content in ["../decoy/" + TAG, str(decoy / TAG), "a/b", "/etc", "..", TAG + " x", "tab\tx", "nul\0",
+                    "bell\x07", "x" * 300]:
+        latest.write_bytes(content.encode())
+        _expect(ck.InvalidTagError, [str(latest), "does not name a tag folder"], lambda: fe.consolidate(d), d, decoy)
+        _count("4 paths")
+    for raw in (b"\xff\xfe\x00garbage", b"g" * 10000):
+        latest.write_bytes(raw)
+        _expect(ck.InvalidTagError, [str(latest)], lambda: fe.consolidate(d), d)
+        _count("4 paths")
+    latest.unlink()
+    latest.symlink_to(secret)
+    _expect(ck.InvalidTagError, [str(latest), "outside"], lambda: fe.consolidate(d), d, absent=leak)
+    latest.unlink()
+    latest.write_text(TAG)
+    _count("4 paths")
+
+    # --tag / tag=: one path component.
+    for tag in ["../decoy/" + TAG, str(decoy / TAG), "a/b", "..", ".", "", "x\ty", "x\0y", " " + TAG]:
+        _expect(ck.InvalidTagError, ["tag", "plain folder name"], lambda tag=tag: fe.consolidate(d, tag), d, decoy)
+        _count("4 paths")
+    code, _, err = _cli("consolidate", d, tmp_path / "o.safetensors", "--tag", "../decoy/" + TAG, capsys=capsys)
+    assert code == 1 and "path separator" in err and not (tmp_path / "o.safetensors").exists(), err
+    _count("4 paths")
+    # And the untampered checkpoint still reads.
+    assert fe.consolidate(d).keys() == fe.consolidate(decoy).keys()
+
+
+# ------------------------------------------------------------ class 5: fields that change results
+
+
+def test_manifest_fields_cross_checked(faults, tmp_path, capsys):
+    d = _copy(faults, tmp_path)
+    snaps = _copy(faults, tmp_path, "snaps")
+    tdir = d / TAG
+    mpath = tdir / ck.MANIFEST_NAME
+    good = mpath.read_text()
+    m0 = json.loads(good)
+    name0, shape0 = next((n, s) for n, s in m0["params"].items() if len(s) == 2 and s[0] != s[1])
+
+    def gamma_half(m):
+        m["schedules"][1]["gamma"] /= 2
+
+    edits = {
+        "step": lambda m: m.__setitem__("step", m["step"] + 1),
+        "num_emas": lambda m: (m.__setitem__("num_emas", 1), m.__setitem__("schedules", m["schedules"][:1])),
+        "dtype": lambda m: m.__setitem__("dtype", "float64"),
+        "zero_stage": lambda m: m.__setitem__("zero_stage", 3),
+        "world_size": lambda m: m.__setitem__("world_size", 3),
+        "generation": lambda m: m.__setitem__("generation", 1),
+        "tag": lambda m: m.__setitem__("tag", "global_step7"),
+        "schedules": gamma_half,
+        "params": lambda m: m["params"].__setitem__(name0, shape0[::-1]),
+        "rank": lambda m: [e.__setitem__("rank", 1 - e["rank"]) for e in m["files"]],
+        "bytes": lambda m: m["files"][0].__setitem__("bytes", m["files"][0]["bytes"] + 8),
+        "header": lambda m: m["files"][1].__setitem__("header_crc32", m["files"][1]["header_crc32"] ^ 1),
+    }
+    for field, edit in edits.items():
+        mpath.write_text(good)
+        _edit_manifest(tdir, edit)
+        msg = _expect(ck.CorruptCheckpointError, [field], lambda: fe.consolidate(d), d)
+        assert str(tdir) in msg, msg
+        _count("5 manifest fields")
+    # A changed tensor checksum: caught when the bytes are read.
+    mpath.write_text(good)
+    key = next(iter(m0["files"][0]["tensor_crc32"]))
+    _edit_manifest(tdir, lambda m: m["files"][0]["tensor_crc32"][key].__setitem__(0, m["files"][0]["tensor_crc32"][key][0] ^ 1))
+    _expect(ck.CorruptCheckpointError, ["checksum", key], lambda: fe.consolidate(d), d)
+    mpath.write_text(good)
+    _count("5 manifest fields")
+
+    # Post-hoc: halving one gamma in one snapshot manifest no longer gives silently wrong weights.
+    stag = sorted(p.name for p in snaps.iterdir())[-1]
+    _edit_manifest(snaps / stag, gamma_half)
+    msg = _expect(ck.CorruptCheckpointError, ["'schedules'", stag, "edited"],
+                  lambda: posthoc.posthoc_offline(snaps, sigma_rel=0.1), snaps)
+    code, _, err = _cli("posthoc", snaps, tmp_path / "p.safetensors", "--sigma-rel", "0.1", capsys=capsys)
+    assert code == 1 and "'schedules'" in err and not (tmp_path / "p.safetensors").exists(), err
+    _count("5 manifest fields", 2)
+    # The gammas live in the rank files' headers too; forging both (and the CRC) is the only way round.
+
+
+# ------------------------------------------------------- class 6: malformed manifests and headers
+
+
+def test_malformed_manifests_refused_before_use(faults, tmp_path, no_big_alloc):
+    d = _copy(faults, tmp_path)
+    tdir = d / TAG
+    mpath = tdir / ck.MANIFEST_NAME
+    good = mpath.read_text()
+    m0 = json.loads(good)
+    name0 = next(iter(m0["params"]))
+    bad_values = {
+        "step": ["6", 6.0, True, -1, 2**64, None, [6]],
+        "num_emas": [0, -2, 10**9, "2", 2.0, False],
+        "dtype": [5, "int32", "float8_e4m3fn", "torch.float32", "", None],
+        "world_size": [0, -2, 2**40, "2", 2.5],
+        "zero_stage": [7, -1, "2", None],
+        "generation": [-1, "0", 0.5],
+        "tag": [5, "../x", "a b", ""],
+        "params": [[], "x", {name0: [-3, 4]}, {name0: "ab"}, {name0: [2**40, 2**40, 2**40]}, {name0: [2.5]},
+                   {name0: [[1]]}, {name0: [True]}],
+        "files": [{}, [], ["x"], "x", [None], [{"rank": 0}]],
+        "schedules": ["x", [1, 2], [{}], {}],
+        "format_version": [True, "1", 0, 1.0],
+    }
+    for field, values in bad_values.items():
+        for v in values:
+            mpath.write_text(good)
+            _edit_manifest(tdir, lambda m, f=field, v=v: m.__setitem__(f, v))
+            _expect(ck.CorruptCheckpointError, [str(mpath), field],
+                    lambda: fe.consolidate(d), d)
+            _count("6 malformed manifests")
+    file_values = {"bytes": ["12", -1, None, 1.5], "header_crc32": [2**33, -1, "x"], "rank": [-1, 2, "0", None],
+                   "tensor_crc32": [[], "x", {"k": "x"}, {"k": [2**40]}]}
+    for key, values in file_values.items():
+        for v in values:
+            mpath.write_text(good)
+            _edit_manifest(tdir, lambda m, k=key, v=v: m["files"][1].__setitem__(k, v))
+            _expect(ck.CorruptCheckpointError, [str(mpath), f"files[1].{key}" if key != "rank" else "files[1]"],
+                    lambda: fe.consolidate(d), d)
+            _count("6 malformed manifests")
+    for field in ("tag", "generation", "step", "num_emas", "dtype", "world_size", "zero_stage", "params", "files"):
+        mpath.write_text(good)
+        _edit_manifest(tdir, lambda m, f=field: m.pop(f))
+        _expect(ck.CorruptCheckpointError, [str(mpath), field], lambda: fe.consolidate(d), d)
+        _count("6 malformed manifests")
+    deep = good.replace('"params": {', '"params": ' + "[" * 200000 + "]" * 200000 + ', "x": {', 1)
+    for text, frag in ((deep, "nested too deeply"), ("[" * 200000 + "]" * 200000, "nested too deeply"),
+                       ("[]", "not a functional_ema manifest"), ("null", "not a functional_ema manifest"),
+                       ("{\"format\": 1", "not valid JSON"), ("", "not valid JSON")):
+        mpath.write_text(text)
+        _expect(ck.CorruptCheckpointError, [str(mpath), frag], lambda: fe.consolidate(d), d)
+        _count("6 malformed manifests")
+    mpath.write_text(good)
+    with open(mpath, "r+b") as f:  # a sparse 300 MiB manifest: refused by its size, never read
+        f.truncate(300 << 20)
+    _expect(ck.CorruptCheckpointError, [str(mpath), "bytes"], lambda: fe.consolidate(d), d)
+    mpath.write_text(good)
+    _count("6 malformed manifests")
+    assert fe.consolidate(d).keys() == set(m0["params"])
+
+
+def test_forged_headers_refused_before_allocation(faults, tmp_path, no_big_alloc):
+    """Rank-file headers rewritten with the manifest's size and CRC updated to match (a forger):
+    negative, huge or fractional shapes, pieces outside their parameter, unknown dtypes, deep nesting."""
+    base = _copy(faults, tmp_path)
+    big = lambda info: info["shape"][0] > 1
+    forgeries = {
+        "negative shape": (lambda h: h[_first_tensor(h, big)].__setitem__("shape", [-65536, -4096]), ["shape"]),
+        "fractional shape": (lambda h: h[_first_tensor(h, big)].__setitem__("shape", [2.5]), ["shape"]),
+        "huge shape": (lambda h: h[_first_tensor(h, big)].__setitem__("shape", [2**40, 2**40]), ["shape"]),
+        "string shape": (lambda h: h[_first_tensor(h)].__setitem__("shape", "12"), ["shape"]),
+        "unknown dtype": (lambda h: h[_first_tensor(h)].__setitem__("dtype", "F8_E4M3"), ["dtype"]),
+        "int dtype": (lambda h: h[_first_tensor(h)].__setitem__("dtype", "I32"), ["dtype"]),
+        "offsets": (lambda h: h[_first_tensor(h)].__setitem__("data_offsets", [0, 2**50]), ["data_offsets"]),
+        "negative offsets": (lambda h: h[_first_tensor(h)].__setitem__("data_offsets", [-8, 0]), ["data_offsets"]),
+        "entry type": (lambda h: h.__setitem__(_first_tensor(h), [1, 2]), ["entry"]),
+        "deep header": (lambda h: '{"x":' + "[" * 200000 + "]" * 200000 + "}", ["nested too deeply"]),
+        "header not object": (lambda h: "[1, 2]", ["not a JSON object"]),
+        "layout negative": (_layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(0, [-65536, -4096])),
+                            ["layout", "shape"]),
+        "layout huge": (_layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(0, [2**31, 2**31])),
+                        ["layout", "shape"]),
+        "layout offset beyond": (_layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(1, 10**9)),
+                                 ["layout", "offset"]),
+        "layout negative numel": (_layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(2, -5)),
+                                  ["layout", "offset, numel"]),
+        "layout rank": (_layout_edit(lambda lay: lay.__setitem__("rank", 0)), ["layout", "'rank'"]),
+        "layout stage": (_layout_edit(lambda lay: lay.__setitem__("stage", 3)), ["layout", "'stage'"]),
+        "layout specs type": (_layout_edit(lambda lay: lay.__setitem__("specs", [1])), ["layout", "specs"]),
+        "layout extra param": (_layout_edit(lambda lay: lay["specs"].__setitem__("ghost", [[4], 0, 0])), ["ghost"]),
+        "layout deep": (_meta_edit("layout", lambda s: "[" * 200000 + "]" * 200000), ["layout"]),
+        "layout not json": (_meta_edit("layout", lambda s: s[:-3]), ["layout"]),
+        "schedules deep": (_meta_edit("schedules", lambda s: "[" * 200000 + "]" * 200000), ["schedules"]),
+        "schedules forged": (_meta_edit("schedules", lambda s: s.replace("gamma\": ", "gamma\": 1")), ["schedules"]),
+        "metadata type": (lambda h: h["__metadata__"].__setitem__("step", 6), ["__metadata__"]),
+        "step": (_meta_edit("step", lambda s: str(int(s) + 1)), ["step"]),
+    }
+    for what, (edit, frags) in forgeries.items():
+        d = tmp_path / "case"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(base, d)
+        _forge_header(d / TAG, 1, edit)
+        where = str(d / TAG / "ema_rank_00001_of_00002.safetensors")
+        _expect(ck.CorruptCheckpointError, [where, *frags], lambda: fe.consolidate(d), d)
+        _count("6 forged headers")
+    # A forger who also edits the manifest's shape to the huge one: still refused before allocating.
+    d = tmp_path / "case"
+    shutil.rmtree(d)
+    shutil.copytree(base, d)
+    m = json.loads((d / TAG / ck.MANIFEST_NAME).read_text())
+    name = next(iter(m["params"]))
+    for r in (0, 1):
+        _forge_header(d / TAG, r, _layout_edit(lambda lay: lay["specs"][name].__setitem__(0, [2**20, 2**20])))
+    _edit_manifest(d / TAG, lambda m: m["params"].__setitem__(name, [2**20, 2**20]))
+    _expect(ck.IncompleteCheckpointError, [str(d / TAG / ck.MANIFEST_NAME), name, "cover only"], lambda: fe.consolidate(d), d)
+    _count("6 forged headers")
+
+
+# --------------------------------------------------------------- class 11: the harness reports hangs
+
+
+def hang_worker():
+    """Rank 0 returns; rank 1 blocks in a collective that rank 0 never joins."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        dist.barrier()
+    else:
+        time.sleep(60)
+    return None
+
+
+def test_run_ranks_reports_which_rank_waited_where():
+    """Class 11: a hung launch fails at its timeout with every waiting rank's Python stacks."""
+    from tests._multirank import run_ranks
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_ranks("tests.test_faults:hang_worker", world_size=2, timeout=30, env={"FE_DIST_INIT": "torch"})
+    msg = str(info.value)
+    assert time.monotonic() - t0 < 50
+    assert "timeout after 30 s" in msg and "rank(s) [0, 1] of 2 still running" in msg, msg[:500]
+    r1 = msg[msg.index("--- rank 1"):]
+    assert "in hang_worker" in r1 and "barrier" in r1, r1[-3000:]
+    assert "time.sleep" in msg or "in hang_worker" in msg[: msg.index("--- rank 1")]
+    _count("11 harness")
+
+
+def test_zz_case_counts(capsys):
+    """Prints the number of cases per class (for the README's reliability section)."""
+    with capsys.disabled():
+        print("\nfault cases per class:", json.dumps(CASES, sort_keys=True), "total", sum(CASES.values()))
