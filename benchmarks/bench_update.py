@@ -37,7 +37,11 @@ tensor argument (the full buffer of an all-gather, the tensor of a broadcast). M
 persistent EMA storage per rank; ``peak transient`` is the most extra CPU memory allocated through
 PyTorch during one update (torch.profiler memory events).
 
-Options: ``--world-sizes 2 4``, ``--rounds 25``, ``--quick`` (small models, for a smoke test).
+FSDP2 (2 ranks, the 516-tensor transformer, ``fully_shard`` per block and on the root, bf16
+``MixedPrecisionPolicy``): ``local_shards + update`` and ``update`` alone against the same flat
+roofline and against ``torch._foreach_lerp_`` over the parameters' local shards, timed the same way.
+
+Options: ``--engines zero fsdp2 module`` (all by default), ``--world-sizes 2 4``, ``--rounds 25``, ``--quick`` (small models, for a smoke test).
 """
 
 from __future__ import annotations
@@ -341,9 +345,151 @@ def worker(configs, rounds=25, inner=5, quick=False):
     counter = CommCounter().install()
     results = []
     for stage, model_name in configs:
-        results.append(_bench_config(stage, model_name, rounds, inner, quick, counter))
+        bench = _bench_fsdp2 if stage == "fsdp2" else _bench_config
+        results.append(bench(stage, model_name, rounds, inner, quick, counter))
         dist.barrier()
     return results
+
+
+def _one_flat_buffer(model) -> None:
+    """Experiment: move every FSDP2 parameter's padded shard buffer into one flat buffer (before
+    the first optimizer step). Rebinds FSDP2 internals (``FSDPParam._sharded_param_data`` and the
+    DTensor's ``_local_tensor``); the all-gather reads the same values from the new place."""
+    from functional_ema.engines.fsdp2 import _param_groups, fsdp_modules
+
+    fps = [fp for m in fsdp_modules(model) for g in _param_groups(m) for fp in g.fsdp_params]
+    flat = torch.empty(sum(fp._sharded_param_data.numel() for fp in fps), dtype=fps[0]._sharded_param_data.dtype)
+    cursor = 0
+    for fp in fps:
+        old = fp._sharded_param_data
+        new = flat[cursor : cursor + old.numel()]
+        new.copy_(old)
+        cursor += old.numel()
+        local = fp.sharded_param._local_tensor
+        fp._sharded_param_data = new
+        fp.sharded_param._local_tensor = new.view(fp.padded_sharded_param_size).narrow(0, 0, local.shape[0])
+
+
+def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
+    """FSDP2 (``fully_shard`` per block and on the root, bf16 ``MixedPrecisionPolicy``): the
+    library vs one flat ``lerp_`` over as many elements and vs ``torch._foreach_lerp_`` over the
+    local shards (``p._local_tensor``: what a hand-written sharded EMA would run)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import functional_ema as fe
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model(model_name, quick)
+    n_tensors = sum(1 for _ in model.parameters())
+    n_full = sum(p.numel() for p in model.parameters())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for blk in getattr(model, "blocks", getattr(model, "layers", [])):
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.example_loss(model, 1).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    shards = fe.local_shards(model)
+    n_local = sum(t.numel() for t in shards.values())
+    state = fe.init_ema(shards)
+
+    def lib():
+        fe.update(state, fe.local_shards(model), decay=DECAY)
+
+    def lib_update_only():
+        fe.update(state, shards, decay=DECAY)
+
+    def local_shards_only():
+        fe.local_shards(model)
+
+    src_flat = torch.cat([t.reshape(-1) for t in shards.values()])
+    ema_flat = src_flat.clone()
+    src_flat2, ema_flat2 = src_flat.clone(), src_flat.clone()
+
+    def roofline():
+        ema_flat.lerp_(src_flat, 1 - DECAY)
+
+    def roofline_again():
+        ema_flat2.lerp_(src_flat2, 1 - DECAY)
+
+    locals_ = [p._local_tensor for p in model.parameters()]
+    foreach_ema = [t.clone() for t in locals_]
+
+    def foreach():
+        torch._foreach_lerp_(foreach_ema, locals_, 1 - DECAY)
+
+    # Experiment (not part of the library): the same model with FSDP2's per-parameter shard
+    # buffers moved into one flat buffer, so local_shards finds one segment and update is one lerp_.
+    torch.manual_seed(0)
+    flat_model = build_model(model_name, quick)
+    for blk in getattr(flat_model, "blocks", getattr(flat_model, "layers", [])):
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(flat_model, mesh=mesh, mp_policy=mp)
+    _one_flat_buffer(flat_model)
+    flat_opt = torch.optim.AdamW(flat_model.parameters(), lr=1e-3)
+    flat_model.example_loss(flat_model, 1).backward()
+    flat_opt.step()
+    flat_shards = fe.local_shards(flat_model)
+    flat_state = fe.init_ema(flat_shards)
+
+    def lib_one_buffer():
+        fe.update(flat_state, fe.local_shards(flat_model), decay=DECAY)
+
+    def lib_one_buffer_update_only():
+        fe.update(flat_state, flat_shards, decay=DECAY)
+
+    approaches = {"lib": lib, "lib_update_only": lib_update_only, "local_shards_only": local_shards_only,
+                  "foreach": foreach, "lib_one_buffer": lib_one_buffer,
+                  "lib_one_buffer_update_only": lib_one_buffer_update_only, "roofline": roofline,
+                  "roofline_again": roofline_again}
+    for fn in approaches.values():  # warm up
+        dist.barrier()
+        fn()
+
+    def batch(fn, n: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
+    # The same paired method as _bench_config: per round roofline, X, X, roofline (or reversed).
+    samples = {k: [] for k in approaches}
+    rounds_of = {k: [] for k in approaches}
+    order = random.Random(0)
+    for r in range(rounds):
+        names = [k for k in approaches if k != "roofline"]
+        order.shuffle(names)
+        for name in names:
+            seq = ["roofline", name, name, "roofline"] if r % 2 == 0 else [name, "roofline", "roofline", name]
+            t = {"roofline": 0.0, name: 0.0}
+            for k in seq:
+                dt = batch(approaches[k], inner)
+                samples[k].append(dt)
+                t[k] += dt
+            rounds_of[name].append([t[name], t["roofline"]])
+    rounds_of["roofline"] = [[1.0, 1.0]]
+    comm = {}
+    for name, fn in approaches.items():
+        dist.barrier()
+        with counter.counting():
+            fn()
+        comm[name] = [counter.calls, counter.bytes]
+    return {
+        "stage": "fsdp2", "model": model_name, "world_size": dist.get_world_size(), "rank": rank,
+        "tensors": n_tensors, "params": n_full, "local_numel": n_local,
+        "segments": len(shards.segments), "local_tensors": len(locals_), "one_buffer_segments": len(flat_shards.segments),
+        "distinct_storages": len({t.untyped_storage().data_ptr() for t in locals_}),
+        "min_ms": {k: min(v) * 1e3 for k, v in samples.items()},
+        "median_ms": {k: statistics.median(v) * 1e3 for k, v in samples.items()},
+        "comm": comm, "ema_bytes": {"lib": fe.ema_nbytes(state)}, "rounds": rounds_of,
+    }
 
 
 def _bench_config(stage, model_name, rounds, inner, quick, counter):
@@ -535,6 +681,38 @@ LABELS = {
 }
 
 
+FSDP2_LABELS = {
+    "lib": "functional_ema: local_shards + update",
+    "lib_update_only": "functional_ema: update alone",
+    "local_shards_only": "functional_ema: local_shards alone",
+    "foreach": "torch._foreach_lerp_ over the local shards",
+    "lib_one_buffer": "experiment: local_shards + update, FSDP2 shards moved into one buffer",
+    "lib_one_buffer_update_only": "experiment: update alone, FSDP2 shards moved into one buffer",
+    "roofline": "roofline: one flat lerp_",
+    "roofline_again": "noise check: the roofline on other buffers",
+}
+
+
+def report_fsdp2(w: int, model: str, reps: list[dict]) -> list[str]:
+    r0 = next(r for r in reps if r["rank"] == 0)
+    t_min = {k: max(r["min_ms"][k] for r in reps) for k in FSDP2_LABELS}
+    t_med = {k: max(r["median_ms"][k] for r in reps) for k in FSDP2_LABELS}
+    ratio = {k: _paired_ratio([r["rounds"][k] for r in reps]) for k in FSDP2_LABELS}
+    local = max(r["local_numel"] for r in reps)
+    lines = [
+        f"\n### FSDP2 (fully_shard per block + root, bf16 MixedPrecisionPolicy), {w} ranks, {model}: {r0['tensors']} "
+        f"tensors, {r0['params'] / 1e6:.1f}M params, <= {local / 1e6:.2f}M fp32 elements per rank in "
+        f"{r0['distinct_storages']} separate storages ({r0['segments']} segments in local_shards; "
+        f"{r0['one_buffer_segments']} after the one-buffer experiment)",
+        "",
+        "| approach | ms/update, min (median) over rounds | x roofline | bytes communicated |",
+        "|---|---|---|---|",
+    ]
+    for k, label in FSDP2_LABELS.items():
+        lines.append(f"| {label} | {t_min[k]:.3f} ({t_med[k]:.3f}) | {ratio[k]:.2f} | {max(r['comm'][k][1] for r in reps):,} |")
+    return lines
+
+
 def _paired_ratio(per_rank: list[list[list[float]]]) -> float:
     """Median over rounds of (slowest rank's time for the approach) / (slowest rank's roofline)."""
     return statistics.median(
@@ -548,9 +726,11 @@ def _mb(b: int) -> str:
 
 def report(all_results, command: str, overhead_rows: list[dict], plain: dict | None = None) -> str:
     lines, checks, groups = [], [], {}
+    fsdp2_groups: dict = {}
     for per_world in all_results:
         for rep in (rep for per_rank in per_world for rep in per_rank):
-            groups.setdefault((rep["world_size"], rep["stage"], rep["model"]), []).append(rep)
+            into = fsdp2_groups if rep["stage"] == "fsdp2" else groups
+            into.setdefault((rep["world_size"], rep["stage"], rep["model"]), []).append(rep)
     order = sorted(groups, key=lambda g: (g[0], -g[1], g[2]))
     for w, stage, model in order:
         reps = groups[(w, stage, model)]
@@ -585,6 +765,15 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
             f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
             f"{ratio['roofline_again']:.2f}",
         ]))
+    for (w, _, model), reps in sorted(fsdp2_groups.items()):
+        lines.extend(report_fsdp2(w, model, reps))
+        ratio = {k: _paired_ratio([r["rounds"][k] for r in reps]) for k in FSDP2_LABELS}
+        checks.append(((w, "fsdp2", model), [
+            f"{ratio['lib']:.2f} ({ratio['lib_update_only']:.2f})", "-", "-",
+            f"{max(r['comm']['lib'][1] for r in reps)}",
+            f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
+            f"{ratio['roofline_again']:.2f}",
+        ]))
     lines.append("\n### Targets")
     lines.append("")
     lines.append(
@@ -594,7 +783,8 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
     )
     lines.append("|---|---|---|---|---|---|---|")
     for (w, stage, model), vals in checks:
-        lines.append(f"| ZeRO-{stage}, {w} ranks, {model} | " + " | ".join(vals) + " |")
+        engine = "FSDP2" if stage == "fsdp2" else f"ZeRO-{stage}"
+        lines.append(f"| {engine}, {w} ranks, {model} | " + " | ".join(vals) + " |")
     if plain is not None:
         lines.append(f"\n### Plain module (one process; DDP does the same work per rank): {plain['tensors']} tensors, "
                      f"{plain['params'] / 1e6:.1f}M params")
@@ -631,6 +821,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="tiny models, a smoke test of the script")
     parser.add_argument("--json", type=str, default=None, help="also write the raw per-rank results here")
+    parser.add_argument("--engines", nargs="+", default=["zero", "fsdp2", "module"], choices=["zero", "fsdp2", "module"],
+                        help="ZeRO-2/3 configs, the FSDP2 config (2 ranks, transformer), the plain-module table")
     args = parser.parse_args(argv)
     from tests._multirank import run_ranks
 
@@ -639,13 +831,19 @@ def main(argv=None):
     for w in args.world_sizes:
         # ZeRO-3 at every world size (how the gap to per-parameter gathering grows); ZeRO-2 at 2 ranks.
         configs = [(3, "transformer"), (3, "mlp")] + ([(2, "transformer"), (2, "mlp")] if w == 2 else [])
+        configs = configs if "zero" in args.engines else []
+        if "fsdp2" in args.engines and w == 2:  # FSDP2: the 516-tensor transformer at 2 ranks
+            configs.append(("fsdp2", "transformer"))
+        if not configs:
+            continue
         t0 = time.time()
         all_results.append(run_ranks("benchmarks.bench_update:worker", world_size=w, timeout=1800,
                                      env={"OMP_NUM_THREADS": "1"}, configs=configs, rounds=args.rounds, quick=args.quick))
         print(f"[{w} ranks done in {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(all_results, indent=1))
-    print(report(all_results, command, overhead_table(), plain_module_table(args.rounds, quick=args.quick)))
+    plain = plain_module_table(args.rounds, quick=args.quick) if "module" in args.engines else None
+    print(report(all_results, command, overhead_table(), plain))
 
 
 if __name__ == "__main__":

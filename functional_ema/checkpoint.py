@@ -798,6 +798,11 @@ def _validate_manifest(mpath: Path, m: dict) -> None:
         if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(x) for x in shape)
                 and math.prod(shape) <= _MAX_NUMEL):
             raise _manifest_field_error(mpath, f"params[{name!r}]", "a full shape: a list of ints >= 0", shape)
+    v1 = _is_int(m.get("format_version")) and m["format_version"] < 2
+    if not v1 and m.get("checksum") not in _io.CHECKSUMS:
+        raise CheckpointVersionError(
+            f"{mpath}: field 'checksum' is {_brief(m.get('checksum'))}, not an algorithm this version reads "
+            f"({sorted(_io.CHECKSUMS)}): upgrade functional_ema, or restore the manifest from a copy")
     world, generation, seen = m["world_size"], m["generation"], set()
     for i, e in enumerate(m["files"]):
         field = f"files[{i}]"
@@ -819,16 +824,32 @@ def _validate_manifest(mpath: Path, m: dict) -> None:
         if named != (rank, world, generation):
             raise _manifest_field_error(
                 mpath, f"{field}.file", f"the file of rank {rank} of world_size {world}, generation {generation}", name)
+        if v1:  # format 1: CRC-32 integers
+            sums = (("header_crc32", "tensor_crc32", lambda c: _is_int(c, 0, 2**32 - 1), "a CRC-32 (an int in [0, 2**32))"))
+        else:  # format 2: hex strings of the manifest's checksum algorithm
+            sums = (("header_checksum", "tensor_checksums", _is_hex64, f"a {m.get('checksum')} checksum (a hex string)"))
+        header_key, tensors_key, is_sum, want_sum = sums
         for key, ok, want in (
             ("bytes", _is_int(e.get("bytes")), "an int >= 0"),
-            ("header_crc32", _is_int(e.get("header_crc32"), 0, 2**32 - 1), "a CRC-32 (an int in [0, 2**32))"),
-            ("tensor_crc32", isinstance(e.get("tensor_crc32", {}), dict), "an object {tensor name: [CRC-32, ...]}"),
+            (header_key, is_sum(e.get(header_key)), want_sum),
+            (tensors_key, isinstance(e.get(tensors_key, {}), dict), f"an object {{tensor name: [{want_sum}, ...]}}"),
         ):
             if not ok:
                 raise _manifest_field_error(mpath, f"{field}.{key}", want, e.get(key))
-        for key, crcs in e.get("tensor_crc32", {}).items():
-            if not (isinstance(crcs, list) and all(_is_int(c, 0, 2**32 - 1) for c in crcs)):
-                raise _manifest_field_error(mpath, f"{field}.tensor_crc32[{key!r}]", "a list of CRC-32s", crcs)
+        for key, crcs in e.get(tensors_key, {}).items():
+            if not (isinstance(crcs, list) and all(is_sum(c) for c in crcs)):
+                raise _manifest_field_error(mpath, f"{field}.{tensors_key}[{key!r}]", f"a list of {want_sum}s", crcs)
+
+
+def _is_hex64(v: Any) -> bool:
+    """A checksum as format 2 stores it: a hex string of at most 64 bits."""
+    if not isinstance(v, str) or not 1 <= len(v) <= 16:
+        return False
+    try:
+        int(v, 16)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_schedules_metadata(where: str, meta: dict, manifest: dict) -> None:

@@ -195,6 +195,68 @@ def count_collectives():
             setattr(mod, name, fn)
 
 
+class CollectiveSpy:
+    """Counts collectives two independent ways while active (a stricter :func:`count_collectives`).
+
+    * ``api``: every call of a ``torch.distributed`` collective function (the module attributes
+      are wrapped, so FSDP2's, DTensor's and this library's calls through them all count);
+    * ``ops``: every c10d operator that reaches the dispatcher (a ``TorchDispatchMode``): the
+      eager process-group ops (``c10d.allgather_`` ...) and the functional collectives DTensor
+      uses (``_c10d_functional.*``), whichever Python path called them. DTensor's
+      ``full_tensor()`` and redistributions use only these: the ``api`` count misses them.
+    """
+
+    NAMES = [
+        "all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+        "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object", "broadcast", "broadcast_object_list",
+        "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "send", "recv",
+        "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier",
+    ]
+
+    def __init__(self):
+        self.api: list[str] = []
+        self.ops: list[str] = []
+
+    @property
+    def total(self) -> int:
+        return len(self.api) + len(self.ops)
+
+    def __enter__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        spy = self
+        self._saved = []
+        for mod in (dist, c10d):
+            for name in self.NAMES:
+                fn = mod.__dict__.get(name)
+                if callable(fn):
+                    self._saved.append((mod, name, fn))
+
+                    def wrapped(*a, _fn=fn, _name=name, **k):
+                        spy.api.append(_name)
+                        return _fn(*a, **k)
+
+                    setattr(mod, name, wrapped)
+
+        class _Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_dtensor"):
+                    spy.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Ops()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for mod, name, fn in self._saved:
+            setattr(mod, name, fn)
+        return False
+
+
 # ------------------------------------------------------------------------------------ test models
 
 

@@ -402,8 +402,14 @@ def _forge_header(tag_dir: Path, rank: int, edit) -> None:
 
     def fix(d):
         e = next(e for e in d["files"] if e["rank"] == rank)
-        e["bytes"], e["header_crc32"] = len(new) + len(raw) - 8 - n, zlib.crc32(new)
+        e["bytes"] = len(new) + len(raw) - 8 - n
+        e["header_checksum"] = _io.format_checksum(_io.CHECKSUM, _io.CHECKSUMS[_io.CHECKSUM](new))
     _edit_manifest(tag_dir, fix)
+
+
+def _flip_hex(h: str) -> str:
+    """A stored checksum with its lowest bit flipped (same width)."""
+    return f"{int(h, 16) ^ 1:0{len(h)}x}"
 
 
 def _meta_edit(key, fn):
@@ -620,7 +626,7 @@ def test_manifest_fields_cross_checked(faults, tmp_path, capsys):
         "params": lambda m: m["params"].__setitem__(name0, shape0[::-1]),
         "rank": lambda m: [e.__setitem__("rank", 1 - e["rank"]) for e in m["files"]],
         "bytes": lambda m: m["files"][0].__setitem__("bytes", m["files"][0]["bytes"] + 8),
-        "header": lambda m: m["files"][1].__setitem__("header_crc32", m["files"][1]["header_crc32"] ^ 1),
+        "header": lambda m: m["files"][1].__setitem__("header_checksum", _flip_hex(m["files"][1]["header_checksum"])),
     }
     for field, edit in edits.items():
         mpath.write_text(good)
@@ -630,8 +636,8 @@ def test_manifest_fields_cross_checked(faults, tmp_path, capsys):
         _count("5 manifest fields")
     # A changed tensor checksum: caught when the bytes are read.
     mpath.write_text(good)
-    key = next(iter(m0["files"][0]["tensor_crc32"]))
-    _edit_manifest(tdir, lambda m: m["files"][0]["tensor_crc32"][key].__setitem__(0, m["files"][0]["tensor_crc32"][key][0] ^ 1))
+    key = next(iter(m0["files"][0]["tensor_checksums"]))
+    _edit_manifest(tdir, lambda m: m["files"][0]["tensor_checksums"][key].__setitem__(0, _flip_hex(m["files"][0]["tensor_checksums"][key][0])))
     _expect(ck.CorruptCheckpointError, ["checksum", key], lambda: fe.consolidate(d), d)
     mpath.write_text(good)
     _count("5 manifest fields")
@@ -678,8 +684,8 @@ def test_malformed_manifests_refused_before_use(faults, tmp_path, no_big_alloc):
             _expect(ck.CorruptCheckpointError, [str(mpath), field],
                     lambda: fe.consolidate(d), d)
             _count("6 malformed manifests")
-    file_values = {"bytes": ["12", -1, None, 1.5], "header_crc32": [2**33, -1, "x"], "rank": [-1, 2, "0", None],
-                   "tensor_crc32": [[], "x", {"k": "x"}, {"k": [2**40]}]}
+    file_values = {"bytes": ["12", -1, None, 1.5], "header_checksum": [2**33, -1, "x", "1" * 17], "rank": [-1, 2, "0", None],
+                   "tensor_checksums": [[], "x", {"k": "x"}, {"k": [2**40]}]}
     for key, values in file_values.items():
         for v in values:
             mpath.write_text(good)

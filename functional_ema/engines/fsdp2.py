@@ -1,14 +1,53 @@
-"""torch FSDP2 (``fully_shard``) adapter. (Being written; see engines/__init__.py.)"""
+"""torch FSDP2 (``fully_shard``) adapter: each parameter's local fp32 shard, and the eval swap.
+
+FSDP2 keeps every parameter it manages as a ``DTensor`` sharded ``Shard(0)`` over a 1-D device
+mesh: rank ``r`` holds rows ``[r*c, min((r+1)*c, rows))`` of dim 0, ``c = ceil(rows / world)``
+(``torch.chunk``), in its own padded buffer; the last ranks' pieces are short or empty. The piece
+read here is ``p._local_tensor``, the unpadded view of that buffer that the optimizer updates (no
+copy); its place in the flattened parameter is ``offset = first_row * prod(shape[1:])``,
+``numel = local numel`` (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``,
+cross-checked against the local tensor). Internals relied on (torch 2.13):
+
+* ``FSDPModule._get_fsdp_state()._fsdp_param_groups[*].fsdp_params``: one ``FSDPParam`` per managed
+  parameter; ``fsdp_param.sharded_param`` is the ``DTensor`` parameter the optimizer holds, and
+  ``fsdp_param._module_info`` names the module attribute(s) it is registered under. After a
+  forward the root module's attributes hold *unsharded* plain tensors until ``reshard()``, so the
+  parameters are looked up through the ``FSDPParam`` objects, never through the attributes.
+* ``sharded_param._local_tensor`` is a view of ``fsdp_param._sharded_param_data`` (the padded 1-D
+  buffer FSDP2 all-gathers from, casting to ``MixedPrecisionPolicy.param_dtype``), so writing the
+  local tensor changes what the next forward gathers.
+
+Decisions:
+
+* Only ``Shard(0)`` on a 1-D mesh (plain ``fully_shard``) is read; HSDP (2-D mesh), ``Shard(d>0)``
+  from ``shard_placement_fn``, ``Replicate`` and tensor-parallel DTensors raise, naming the parameter.
+* A trainable parameter outside every ``fully_shard``-ed module (a plain tensor) is *replicated*:
+  every rank's piece is the whole parameter (offset 0), as for DDP. FSDP2 does not reduce its
+  gradients; keeping the copies equal across ranks is the training loop's job (``gather_full``
+  takes the last rank's copy, ``consolidate`` rank 0's).
+* Frozen parameters (``requires_grad=False``) are left out; tied parameters appear once, under the
+  first name ``named_parameters()`` gives them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import operator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ._base import Adapter
+from .._layout import ShardLayout, ShardSpec
+from .._shards import shards_from_views
+from ._base import Adapter, Reading, swap_by_copy, world_of
 
-__all__ = ["FSDP2Adapter", "is_fsdp2"]
+__all__ = ["FSDP2Adapter", "is_fsdp2", "fsdp_modules"]
+
+_local_tensor_of = operator.attrgetter("_local_tensor")
+_sharded_param_of = operator.attrgetter("sharded_param")
+_requires_grad_of = operator.attrgetter("requires_grad")
 
 
 def is_fsdp2(x: Any) -> bool:
@@ -20,5 +59,224 @@ def is_fsdp2(x: Any) -> bool:
     return isinstance(x, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in x.modules())
 
 
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module of ``model`` that ``fully_shard`` was applied to, in ``modules()`` order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _param_groups(module) -> list:
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.11: at most one group per module
+        group = state._fsdp_param_group
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _managed(model: torch.nn.Module) -> dict[tuple[int, str], Any]:
+    """``(id(module), attribute name) -> FSDPParam`` for every registration of a managed parameter."""
+    out = {}
+    for m in fsdp_modules(model):
+        for group in _param_groups(m):
+            for fp in group.fsdp_params:
+                info = fp._module_info
+                out[(id(info.module), info.param_name)] = fp
+                for mod, attr in zip(info.shared_modules, info.shared_param_names):
+                    out[(id(mod), attr)] = fp
+    return out
+
+
+def _walk(model: torch.nn.Module):
+    """``(name, param, fsdp_param or None, module, attr)`` per parameter, each once (first name).
+
+    Like ``named_parameters()``, but a managed parameter is its sharded ``DTensor`` even while the
+    module attribute holds the unsharded tensor (after a forward, before ``reshard()``).
+    """
+    managed = _managed(model)
+    seen: set[int] = set()
+    for prefix, mod in model.named_modules():
+        for attr, t in mod._parameters.items():
+            if t is None:
+                continue
+            fp = managed.get((id(mod), attr))
+            param = fp.sharded_param if fp is not None else t
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            yield (f"{prefix}.{attr}" if prefix else attr), param, fp, mod, attr
+
+
+def _shard_spec(name: str, param, mesh) -> tuple[torch.Tensor, ShardSpec]:
+    """The local piece of a ``Shard(0)`` DTensor parameter and where it sits in the full one."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(param.placements)
+    if param.device_mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
+        raise NotImplementedError(
+            f"parameter {name!r} is a DTensor placed {placements} on a {param.device_mesh.ndim}-D mesh; functional_ema "
+            "reads FSDP2 parameters sharded Shard(0) on a 1-D mesh (plain fully_shard). HSDP (2-D mesh), "
+            "shard_placement_fn with Shard(dim>0), Replicate and tensor parallelism are not supported"
+        )
+    if param.device_mesh is not mesh and param.device_mesh != mesh:
+        raise NotImplementedError(
+            f"parameter {name!r} is sharded over mesh {param.device_mesh}, other parameters over {mesh}; functional_ema "
+            "reads FSDP2 models whose parameters share one 1-D mesh"
+        )
+    local = param._local_tensor
+    shape = tuple(param.shape)
+    local_shape, global_offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if tuple(local.shape) != tuple(local_shape) or local.numel() != param.to_local().numel():
+        raise RuntimeError(
+            f"parameter {name!r}: FSDP2's local shard has shape {tuple(local.shape)}, but Shard(0) of {shape} over "
+            f"{mesh.size()} ranks gives {tuple(local_shape)} on this rank; the torch FSDP2 internals differ from the "
+            "ones functional_ema was written for"
+        )
+    if not local.is_contiguous():
+        raise RuntimeError(f"parameter {name!r}: FSDP2's local shard is not contiguous (stride {local.stride()})")
+    numel = local.numel()
+    offset = int(global_offset[0]) * math.prod(shape[1:]) if numel else 0
+    return local.detach(), ShardSpec(shape, offset, numel)
+
+
 class FSDP2Adapter(Adapter):
+    """A model with torch FSDP2 (``fully_shard``) applied to it or to some of its submodules."""
+
     name = "fsdp2"
+
+    def _read(self) -> Reading:
+        model = self.target
+        entries = list(_walk(model))
+        mesh = next((fp.sharded_param.device_mesh for _, _, fp, _, _ in entries if fp is not None), None)
+        if mesh is not None:
+            group = mesh.get_group(0)
+            rank, world = world_of(group)
+        else:  # no managed parameter at all (fully_shard on parameter-free modules): replicated
+            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+            rank, world = world_of(group)
+        from torch.distributed.tensor import DTensor
+
+        named_views, specs, params = [], {}, {}
+        managed, plain = [], []  # what _is_current compares (see _Token)
+        for name, param, fp, mod, attr in entries:
+            if fp is not None:
+                managed.append((fp, param))
+            elif isinstance(param, DTensor):
+                if not param.requires_grad:
+                    continue
+                raise NotImplementedError(
+                    f"parameter {name!r} is a DTensor placed {tuple(param.placements)} that FSDP2 does not manage "
+                    "(tensor parallelism?); functional_ema reads FSDP2 Shard(0) parameters and plain tensors"
+                )
+            else:
+                plain.append((mod, attr, param))
+            if not param.requires_grad:
+                continue
+            if fp is not None:
+                view, spec = _shard_spec(name, param, mesh)
+            else:  # outside every fully_shard-ed module: replicated, the whole tensor on every rank
+                view, spec = param.detach(), ShardSpec(tuple(param.shape), 0, param.numel())
+            named_views.append((name, view))
+            specs[name] = spec
+            params[name] = param
+        shards = shards_from_views(named_views)
+        layout = ShardLayout(rank, world, 3, specs, engine="fsdp2")
+        return Reading(shards, layout, params, group if world > 1 else None, _Token(managed, plain))
+
+    def _is_current(self, reading: Reading) -> bool:
+        return reading.token.current()
+
+    def swap(self, reading: Reading, pieces, state, index: int):
+        return _swap(fsdp_modules(self.target), reading, pieces)
+
+
+class _Token:
+    """Cheap re-validation of a reading, no module walk (about 0.1-0.2 us per parameter).
+
+    Current when the local tensor of the parameter each ``FSDPParam`` holds now is still the
+    object the reading's views were made from, each parameter outside FSDP2 is still the module
+    attribute with the same memory, and every parameter's ``requires_grad`` is unchanged (frozen
+    ones included, so freezing or unfreezing is seen). FSDP2 replaces parameters and local tensors
+    in lazy init (``reset_sharded_param``, when a local tensor had to be re-padded), in
+    ``module._apply`` / ``.to()`` and in ``load_state_dict(assign=True)``; each gives a new local
+    tensor object. (FSDP2 never moves a sharded local tensor's memory in place, so its data
+    pointer is not compared: that would double the cost.)
+    """
+
+    __slots__ = ("fsdp", "locals", "params", "plain", "ptrs", "grads")
+
+    def __init__(self, managed: list, plain: list):
+        self.fsdp = tuple(fp for fp, _ in managed)
+        self.locals = self._locals()
+        self.params = tuple(p for _, p in managed) + tuple(p for _, _, p in plain)
+        self.plain = tuple(plain)
+        self.ptrs = tuple(p.data_ptr() for _, _, p in plain)
+        self.grads = self._grads()
+
+    def _locals(self) -> tuple:
+        return tuple(map(_local_tensor_of, map(_sharded_param_of, self.fsdp)))
+
+    def _grads(self) -> tuple:
+        # requires_grad of a DTensor goes through __torch_function__ handling otherwise (2x slower)
+        with torch._C.DisableTorchFunctionSubclass():
+            return tuple(map(_requires_grad_of, self.params))
+
+    def current(self) -> bool:
+        return (
+            all(map(operator.is_, map(_local_tensor_of, map(_sharded_param_of, self.fsdp)), self.locals))
+            and all(mod._parameters.get(attr) is p for mod, attr, p in self.plain)
+            and tuple(p.data_ptr() for _, _, p in self.plain) == self.ptrs
+            and self._grads() == self.grads
+        )
+
+
+def _reshard(modules) -> None:
+    for m in modules:
+        m.reshard()
+
+
+def _busy(modules) -> list[bool]:
+    """Per module: whether FSDP2 is inside a forward or backward (its state is not IDLE)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    return [m._get_fsdp_state()._training_state != TrainingState.IDLE for m in modules]
+
+
+def _recover(modules, busy_before: list[bool]) -> None:
+    """Reset FSDP2's iteration state when a backward was aborted inside the block.
+
+    ``swapped`` refuses a backward from a gradient hook on the model's output, which runs after
+    the root's own pre-backward hook (FSDP2 registers it first): the root is left in
+    ``PRE_BACKWARD``, and its next forward would then be taken for an activation-checkpointing
+    recompute and skip the all-gather, computing silently with stale weights. FSDP2's recovery
+    API for an aborted backward, ``reset_iter_state()`` on the root, restores it. Only called
+    when a module left IDLE during the block, so gradient accumulation outside it is untouched.
+    """
+    busy = _busy(modules)
+    if not any(now and not before for now, before in zip(busy, busy_before)):
+        return
+    for m in modules:
+        if m._get_fsdp_state()._is_root:
+            m.reset_iter_state()
+
+
+@contextlib.contextmanager
+def _swap(modules, reading: Reading, pieces):
+    """Copy the EMA pieces into the local shards between two reshards of every FSDP module.
+
+    A forward leaves the root module's parameters unsharded (gathered live weights) until
+    ``reshard()``: resharding first makes the next forward all-gather the swapped shards, and
+    resharding on exit drops the gathered EMA weights before the live shards come back. With a
+    ``MixedPrecisionPolicy`` the all-gather casts the fp32 EMA shards to ``param_dtype``, as it
+    casts the live ones. Extra memory: one copy of the local shards (``swap_by_copy``).
+    """
+    _reshard(modules)
+    busy_before = _busy(modules)
+    with swap_by_copy(reading, pieces) as stats:
+        try:
+            yield stats
+        finally:
+            _recover(modules, busy_before)
+            _reshard(modules)

@@ -1,0 +1,569 @@
+"""torch FSDP2 (``fully_shard``) on real gloo ranks (CPU): local shards, update, swap, checkpoints.
+
+Every figure is checked against an independent unsharded reference: a plain-torch EMA of
+``p.full_tensor()`` (``ref.lerp_(full, 1 - decay)`` per tensor, each step), a plain ``nn.Module``
+twin loaded with the gathered EMA, a second FSDP2 model trained identically without any EMA block,
+and DeepSpeed ZeRO-3 for the cross-engine checkpoint. Launches are few and batched: each one
+builds several models (fp32 and bf16 mixed precision, root wrapped or not).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests._multirank import ROOT, CollectiveSpy, OddNet, make_engine, run_ranks, train_step
+
+DECAY = 0.75  # large steps, so a wrong weight or a missed update shows in every element
+STEPS = 3
+VOCAB, D, HIDDEN = 11, 7, 13  # rows not divisible by 2 or 3: FSDP2 pads the last ranks' shards
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# (tag, dtype, root wrapped): unwrapped root params are plain tensors, replicated on every rank
+CONFIGS = [("fp32_root", "fp32", True), ("bf16_root", "bf16", True), ("fp32_blocks_only", "fp32", False)]
+DS_TAG = "zero3_w2"
+
+
+class TiedNet(nn.Module):
+    """Embedding tied to the output head, a block FSDP2 shards by itself, a frozen parameter, and
+    a one-row parameter (empty pieces on all ranks but the first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)  # (11, 7)
+        self.block = nn.Sequential(nn.Linear(D, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, D))  # (13, 7), (7, 13)
+        self.norm = nn.LayerNorm(D)
+        self.gate = nn.Parameter(torch.ones(1, D))  # one row: the other ranks' pieces are empty
+        self.frozen = nn.Parameter(torch.randn(5), requires_grad=False)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: one parameter, named "emb.weight"
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        x = x + self.block(x)
+        return self.head(self.norm(x) * self.gate + self.frozen.sum() * 0.01)
+
+
+# ------------------------------------------------------------------------------------ rank helpers
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _fsdp_model(seed: int, dtype: str, wrap_root: bool, model: nn.Module | None = None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(seed)
+    model = model if model is not None else TiedNet()
+    mesh = init_device_mesh("cpu", (_world()[1],))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bf16" else MixedPrecisionPolicy()
+    if hasattr(model, "block"):
+        fully_shard(model.block, mesh=mesh, mp_policy=mp)
+    if wrap_root:
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2, weight_decay=0.01)
+    return model, opt
+
+
+def _tokens(step: int, rank: int, n: int = 6):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (2, n), generator=g)
+
+
+def _train_step(model, opt, step: int) -> float:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    rank, world = _world()
+    tokens = _tokens(step, rank)
+    loss = F.cross_entropy(model(tokens).float().reshape(-1, VOCAB), tokens.roll(1, 1).reshape(-1))
+    loss.backward()
+    for p in model.parameters():  # parameters FSDP2 does not manage: averaged like DDP would
+        if p.grad is not None and not isinstance(p, DTensor):
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
+def _full(p) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+
+
+def _full_trainable(model) -> dict[str, torch.Tensor]:
+    """``p.full_tensor()`` of each trainable parameter (a collective): FSDP2's own unsharded view."""
+    return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _local(p) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p._local_tensor if isinstance(p, DTensor) else p.detach()
+
+
+def _same_training_state(a, opt_a, b, opt_b) -> bool:
+    """Local shards and AdamW state of two FSDP2 models bitwise equal."""
+    for p, q in zip(a.parameters(), b.parameters()):
+        if not torch.equal(_local(p), _local(q)):
+            return False
+    for p, q in zip(opt_a.param_groups[0]["params"], opt_b.param_groups[0]["params"]):
+        sa, sb = opt_a.state.get(p, {}), opt_b.state.get(q, {})
+        if set(sa) != set(sb):
+            return False
+        for k in sa:
+            if not torch.equal(_local(sa[k]), _local(sb[k])):
+                return False
+        if p.grad is not None:
+            return False
+    return True
+
+
+def _twin(dtype: str, trained: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor]) -> nn.Module:
+    """An unsharded TiedNet with ``trained`` (EMA) and ``frozen`` (live) full weights, in the dtype
+    FSDP2 computes in (``MixedPrecisionPolicy.param_dtype`` casts the gathered fp32 weights)."""
+    twin = TiedNet()
+    weights = dict(trained, **frozen)
+    weights["head.weight"] = weights["emb.weight"]
+    twin.load_state_dict(weights, strict=True)
+    return twin.to(DTYPES[dtype]).eval()
+
+
+# ------------------------------------------------------------------------------------------ workers
+
+
+def train_worker(ckpt_dir: str, configs, with_deepspeed: bool = False):
+    """Per config: layout, update (no collectives), gathered EMA vs reference, swapped, refusals, save."""
+    out = {"configs": [_train_check(ckpt_dir, *cfg) for cfg in configs]}
+    if with_deepspeed:
+        out["deepspeed"] = _deepspeed_save(ckpt_dir)
+    out["guards"] = _guards()
+    return out
+
+
+def _train_check(ckpt_dir, tag, dtype, wrap_root):
+    import functional_ema as fe
+    from functional_ema.engines.fsdp2 import FSDP2Adapter
+    from functional_ema.engines import adapter_for
+
+    rank, world = _world()
+    model, opt = _fsdp_model(0, dtype, wrap_root)
+    control, opt_c = _fsdp_model(0, dtype, wrap_root)  # trained the same way, never sees an EMA block
+    r = {"tag": tag, "rank": rank, "adapter": type(adapter_for(model)).__name__}
+    assert isinstance(adapter_for(model), FSDP2Adapter)
+
+    # -- layout: unpadded offsets, views of the DTensors' local tensors, frozen and tied handled
+    shards = fe.local_shards(model)
+    layout = fe.shard_layout(model)
+    params = dict(model.named_parameters())
+    full0 = _full_trainable(model)
+    r["names"] = list(layout.specs)
+    r["layout"] = {n: [list(s.shape), s.offset, s.numel] for n, s in layout.specs.items()}
+    r["layout_meta"] = [layout.rank, layout.world_size, layout.stage, layout.engine]
+    r["pieces_match_full_tensor"] = all(
+        torch.equal(full0[n].reshape(-1)[s.offset : s.offset + s.numel], shards[n].reshape(-1)) for n, s in layout.specs.items()
+    )
+    r["no_copy"] = all(
+        shards[n].data_ptr() == _local(params[n]).data_ptr() and shards[n].numel() == _local(params[n]).numel()
+        for n in layout.specs if shards[n].numel()
+    )
+    r["numel_is_to_local"] = all(
+        s.numel == (params[n].to_local().numel() if hasattr(params[n], "to_local") else params[n].numel())
+        for n, s in layout.specs.items()
+    )
+    r["same_reading_object"] = fe.local_shards(model) is shards
+
+    # -- training with an EMA; update must not communicate
+    state = fe.init_ema(shards)
+    ref = {n: t.clone() for n, t in full0.items()}
+    r["update_collectives"] = []
+    losses, losses_c = [], []
+    for step in range(1, STEPS + 1):
+        losses.append(_train_step(model, opt, step))
+        losses_c.append(_train_step(control, opt_c, step))
+        with CollectiveSpy() as spy:
+            state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        r["update_collectives"].append([spy.api, spy.ops])
+        for n, full in _full_trainable(model).items():
+            ref[n].lerp_(full, 1 - DECAY)
+    r["same_reading_after_training"] = fe.local_shards(model) is shards
+    r["fused_state"] = state.emas[0].index is shards.index
+    with CollectiveSpy() as positive:  # the spy sees a collective when there is one
+        gathered = fe.gather_full(state, model)
+    r["gather_collectives_seen"] = [len(positive.api), len(positive.ops)]
+    with CollectiveSpy() as positive_dtensor:
+        _full(next(p for p in model.parameters() if hasattr(p, "full_tensor")))
+    r["full_tensor_collectives_seen"] = [len(positive_dtensor.api), len(positive_dtensor.ops)]
+    r["ema_bitwise"] = sorted(gathered) == sorted(ref) and all(torch.equal(gathered[n], ref[n]) for n in ref)
+    r["ema_moved"] = not all(torch.equal(ref[n], full0[n]) for n in ref)
+    r["ema_dtype"] = str(gathered["emb.weight"].dtype)
+
+    # -- swapped: forward == unsharded twin with the EMA; restored bitwise, also after an error
+    frozen = {n: _full(p) for n, p in model.named_parameters() if not p.requires_grad}
+    twin = _twin(dtype, gathered, frozen)
+    x = _tokens(99, 0)  # the same input on every rank
+    before = {n: t.clone() for n, t in fe.local_shards(model).items()}
+    with torch.no_grad():
+        live = model(x).clone()  # leaves the root's parameters unsharded (live weights)
+        with fe.swapped(model, state) as stats:
+            inside = model(x).clone()
+            inside_again = model(x).clone()
+        live_after = model(x).clone()
+        raised = False
+        try:
+            with fe.swapped(model, state):
+                model(x)
+                raise KeyError("boom")
+        except KeyError:
+            raised = True
+        live_after_raise = model(x).clone()
+        want = twin(x)
+    r["swap_out_dtype"] = [str(inside.dtype), str(want.dtype)]
+    r["swap_equals_twin"] = torch.equal(inside, want)
+    r["swap_max_diff"] = (inside.float() - want.float()).abs().max().item()
+    r["swap_repeat_equal"] = torch.equal(inside, inside_again)
+    r["swap_differs_from_live"] = not torch.equal(inside, live)
+    r["swap_restored_output"] = torch.equal(live_after, live) and raised and torch.equal(live_after_raise, live)
+    r["swap_restored_weights"] = all(torch.equal(before[n], t) for n, t in fe.local_shards(model).items())
+    r["swap_stats"] = [stats.swapped_params, stats.extra_bytes, sum(t.numel() * t.element_size() for t in before.values() if t.numel())]
+    r["swap_nonempty"] = sum(1 for t in before.values() if t.numel())
+
+    # -- training after the block continues bitwise as if it never ran
+    step = STEPS + 1
+    losses.append(_train_step(model, opt, step))
+    losses_c.append(_train_step(control, opt_c, step))
+    r["train_after_swap_bitwise"] = _same_training_state(model, opt, control, opt_c) and losses == losses_c
+
+    # -- training inside the block is refused, and changes nothing
+    refused = []
+    with fe.swapped(model, state):
+        loss = model(x).float().pow(2).mean()
+        try:
+            loss.backward()
+        except fe.SwappedTrainingError as e:
+            refused.append(f"backward: {str(e)[:60]}")
+        try:
+            opt.step()
+        except fe.SwappedTrainingError as e:
+            refused.append(f"step: {str(e)[:60]}")
+    r["refused"] = refused
+    r["grads_untouched"] = all(p.grad is None for p in model.parameters())
+    r["refusal_changed_nothing"] = _same_training_state(model, opt, control, opt_c)
+    opt.zero_grad(set_to_none=True)
+    step += 1
+    losses.append(_train_step(model, opt, step))
+    losses_c.append(_train_step(control, opt_c, step))
+    r["train_after_refusal_bitwise"] = _same_training_state(model, opt, control, opt_c) and losses == losses_c
+
+    # -- save (loaded in a fresh process group by load_worker); the reference beside it
+    state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+    gathered = fe.gather_full(state, model)
+    fe.save(state, model, ckpt_dir, tag=tag)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({n: t.contiguous() for n, t in gathered.items()}, os.path.join(ckpt_dir, f"{tag}.ref.safetensors"))
+    r["saved_step"] = int(state.step)
+    return r
+
+
+def _deepspeed_save(ckpt_dir):
+    """A ZeRO-3 EMA of OddNet (``not_optimized`` frozen, so every trained parameter has an EMA)."""
+    import functional_ema as fe
+
+    torch.manual_seed(0)
+    model = OddNet()
+    model.not_optimized.requires_grad_(False)
+    engine = make_engine(3, "fp32", seed=0, model=model)
+    state = fe.init_ema(fe.local_shards(engine))
+    for _ in range(STEPS):
+        train_step(engine, engine.global_steps)
+        state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=DECAY)
+    gathered = fe.gather_full(state, engine)
+    fe.save(state, engine, ckpt_dir, tag=DS_TAG)
+    if _world()[0] == 0:
+        from safetensors.torch import save_file
+
+        save_file({n: t.contiguous() for n, t in gathered.items()}, os.path.join(ckpt_dir, f"{DS_TAG}.ref.safetensors"))
+    return {"names": sorted(gathered), "layout_stage": fe.shard_layout(engine).stage}
+
+
+def _guards():
+    """Unsupported placements are refused naming the parameter; the reading is re-made when stale."""
+    import functional_ema as fe
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    rank, world = _world()
+    out = {}
+
+    def error_of(fn):
+        try:
+            fn()
+        except NotImplementedError as e:
+            return str(e)
+        return None
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2 * world, 5), nn.Linear(5, 3))  # weight (5, 2w): Shard(1) divides evenly
+    fully_shard(m[0], mesh=init_device_mesh("cpu", (world,)), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+    fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
+    out["shard1"] = error_of(lambda: fe.local_shards(m))
+
+    m2 = nn.Sequential(nn.Linear(4, 5))
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    fully_shard(m2, mesh=mesh2)  # HSDP: a 2-D mesh
+    out["hsdp"] = error_of(lambda: fe.local_shards(m2))
+
+    # the reading is kept while current and re-made when FSDP2 replaces or freezes a parameter
+    model, opt = _fsdp_model(0, "fp32", True)
+    first = fe.local_shards(model)
+    model.norm.weight.requires_grad_(False)
+    frozen_now = fe.local_shards(model)
+    out["refreeze_rereads"] = frozen_now is not first and "norm.weight" not in frozen_now and "norm.weight" in first
+    model.norm.weight.requires_grad_(True)
+    again = fe.local_shards(model)
+    out["unfreeze_rereads"] = again is not frozen_now and "norm.weight" in again
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(sd, assign=True)  # FSDP2 installs new sharded parameters
+    replaced = fe.local_shards(model)
+    p = dict(model.named_parameters())["emb.weight"]
+    out["assign_rereads"] = replaced is not again and replaced["emb.weight"].data_ptr() == p._local_tensor.data_ptr()
+    return out
+
+
+def load_worker(ckpt_dir: str, tags, load_deepspeed: bool = False):
+    """A fresh process group: load each saved EMA into a new FSDP2 model, gather, compare."""
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    out = []
+    for tag, dtype, wrap_root in tags:
+        model, _ = _fsdp_model(123, dtype, wrap_root)  # other weights: load reads only the layout
+        out.append(_check_loaded(fe, load_file, model, ckpt_dir, tag))
+    if load_deepspeed:
+        odd = OddNet()
+        odd.not_optimized.requires_grad_(False)
+        model, _ = _fsdp_model(7, "fp32", True, model=odd)
+        out.append(_check_loaded(fe, load_file, model, ckpt_dir, DS_TAG))
+    return out
+
+
+def _check_loaded(fe, load_file, model, ckpt_dir, tag):
+    ref = load_file(os.path.join(ckpt_dir, f"{tag}.ref.safetensors"))
+    state = fe.load(model, ckpt_dir, tag=tag)
+    layout = fe.shard_layout(model)
+    gathered = fe.gather_full(state, model)
+    return {
+        "tag": tag,
+        "step": int(state.step),
+        "gather_bitwise": sorted(gathered) == sorted(ref) and all(torch.equal(gathered[n], ref[n]) for n in ref),
+        "pieces_bitwise": all(
+            torch.equal(state.emas[0][n].reshape(-1), ref[n].reshape(-1)[s.offset : s.offset + s.numel])
+            for n, s in layout.specs.items()
+        ),
+        "fused_layout": state.emas[0].index is fe.local_shards(model).index or state.emas[0].index == fe.local_shards(model).index,
+        "world": layout.world_size,
+    }
+
+
+# --------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def ckroot(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp2_ckpt")
+
+
+@pytest.fixture(scope="module")
+def trained(ckroot):
+    """{world: per-rank results} of the training launches (2 ranks also save a ZeRO-3 EMA)."""
+    out = {}
+    for world in (2, 3):
+        d = ckroot / f"w{world}"
+        d.mkdir()
+        out[world] = run_ranks("tests.test_fsdp2:train_worker", world_size=world, ckpt_dir=str(d), configs=CONFIGS,
+                               with_deepspeed=world == 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reloaded(trained, ckroot):
+    """Second launches: fresh process groups load what the first ones saved (3 ranks: also ZeRO-3's)."""
+    import shutil
+
+    shutil.copytree(ckroot / "w2" / DS_TAG, ckroot / "w3" / DS_TAG)
+    shutil.copy(ckroot / "w2" / f"{DS_TAG}.ref.safetensors", ckroot / "w3")
+    return {world: run_ranks("tests.test_fsdp2:load_worker", world_size=world, ckpt_dir=str(ckroot / f"w{world}"),
+                             tags=CONFIGS, load_deepspeed=world == 3) for world in (2, 3)}
+
+
+def _reports(trained):
+    for world, per_rank in trained.items():
+        for rank, res in enumerate(per_rank):
+            for rep in res["configs"]:
+                yield world, rank, rep
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+
+def test_local_shards_are_unpadded_views_of_the_local_tensors(trained):
+    for world, rank, rep in _reports(trained):
+        where = (world, rank, rep["tag"])
+        assert rep["adapter"] == "FSDP2Adapter", where
+        # named_parameters() order (the root's own first), frozen left out, the tied head once
+        assert rep["names"] == ["gate", "emb.weight", "block.0.weight", "block.0.bias", "block.2.weight",
+                                "block.2.bias", "norm.weight", "norm.bias"], where
+        assert rep["layout_meta"] == [rank, world, 3, "fsdp2"], where
+        assert rep["pieces_match_full_tensor"] and rep["no_copy"] and rep["numel_is_to_local"], where
+        assert rep["same_reading_object"] and rep["same_reading_after_training"], where
+    # across ranks the pieces tile each parameter exactly, the last ranks' short (or empty)
+    for world, per_rank in trained.items():
+        for k, (tag, _, wrap_root) in enumerate(CONFIGS):
+            layouts = [res["configs"][k]["layout"] for res in per_rank]
+            for name, (shape, _, _) in layouts[0].items():
+                total = int(torch.tensor(shape).prod())
+                pieces = sorted((lay[name][1], lay[name][2]) for lay in layouts if lay[name][2])
+                replicated = not wrap_root and not name.startswith("block.")
+                if replicated:  # outside every fully_shard-ed module: the whole tensor on every rank
+                    assert pieces == [(0, total)] * world, (world, tag, name, pieces)
+                    continue
+                cursor = 0
+                for off, n in pieces:
+                    assert off == cursor, (world, tag, name, pieces)
+                    cursor += n
+                assert cursor == total, (world, tag, name, pieces)
+                rows = shape[0]
+                chunk = -(-rows // world)
+                want = [min(chunk, max(0, rows - r * chunk)) * (total // rows) for r in range(world)]
+                assert [lay[name][2] for lay in layouts] == want, (world, tag, name)
+    # the padding case really occurs: 11 rows over 2 ranks -> 6, 5; 7 rows over 3 -> 3, 3, 1
+    assert trained[2][1]["configs"][0]["layout"]["emb.weight"] == [[11, 7], 42, 35]
+    assert trained[3][2]["configs"][0]["layout"]["block.2.weight"] == [[7, 13], 78, 13]
+    assert [res["configs"][0]["layout"]["gate"] for res in trained[3]] == [[[1, 7], 0, 7], [[1, 7], 0, 0], [[1, 7], 0, 0]]
+
+
+def test_gathered_ema_is_bitwise_the_reference_ema_of_full_tensor(trained):
+    for world, rank, rep in _reports(trained):
+        assert rep["ema_bitwise"] and rep["ema_moved"], (world, rank, rep["tag"])
+        assert rep["ema_dtype"] == "torch.float32"
+        assert rep["fused_state"], (world, rank, rep["tag"])
+
+
+def test_update_makes_no_collective_calls(trained):
+    for world, rank, rep in _reports(trained):
+        assert rep["update_collectives"] == [[[], []]] * STEPS, (world, rank, rep["tag"], rep["update_collectives"])
+        # the spy is not blind: it sees gather_full's collectives and DTensor's full_tensor()
+        api, ops = rep["gather_collectives_seen"]
+        assert api > 0 and ops > 0, rep["gather_collectives_seen"]
+        assert sum(rep["full_tensor_collectives_seen"]) > 0, rep["full_tensor_collectives_seen"]
+
+
+def test_swapped_forward_equals_unsharded_twin_and_restores(trained):
+    for world, rank, rep in _reports(trained):
+        where = (world, rank, rep["tag"], rep["swap_max_diff"])
+        want_dtype = "torch.bfloat16" if rep["tag"].startswith("bf16") else "torch.float32"
+        assert rep["swap_out_dtype"] == [want_dtype, want_dtype], where
+        assert rep["swap_equals_twin"] and rep["swap_repeat_equal"] and rep["swap_differs_from_live"], where
+        assert rep["swap_restored_output"] and rep["swap_restored_weights"], where
+        swapped, extra, local_bytes = rep["swap_stats"]
+        assert swapped == rep["swap_nonempty"] and extra == local_bytes, where
+
+
+def test_training_after_swapped_continues_bitwise(trained):
+    for world, rank, rep in _reports(trained):
+        assert rep["train_after_swap_bitwise"], (world, rank, rep["tag"])
+
+
+def test_training_inside_swapped_is_refused_and_changes_nothing(trained):
+    for world, rank, rep in _reports(trained):
+        where = (world, rank, rep["tag"], rep["refused"])
+        assert [r.split(":")[0] for r in rep["refused"]] == ["backward", "step"], where
+        assert rep["grads_untouched"] and rep["refusal_changed_nothing"], where
+        assert rep["train_after_refusal_bitwise"], where
+
+
+def test_unsupported_placements_are_refused_naming_the_parameter(trained):
+    for world, per_rank in trained.items():
+        for res in per_rank:
+            g = res["guards"]
+            assert g["shard1"] and "'0.weight'" in g["shard1"] and "Shard(dim=1)" in g["shard1"], g["shard1"]
+            assert g["hsdp"] and "'0.weight'" in g["hsdp"] and "2-D mesh" in g["hsdp"], g["hsdp"]
+
+
+def test_reading_is_remade_when_fsdp2_replaces_or_freezes_parameters(trained):
+    for world, per_rank in trained.items():
+        for res in per_rank:
+            g = res["guards"]
+            assert g["refreeze_rereads"] and g["unfreeze_rereads"] and g["assign_rereads"], g
+
+
+def test_save_then_load_in_a_fresh_process_group_is_bitwise(trained, reloaded):
+    for world, per_rank in reloaded.items():
+        for rank, reps in enumerate(per_rank):
+            for k, (rep, (tag, _, _)) in enumerate(zip(reps, CONFIGS)):
+                assert rep["tag"] == tag and rep["world"] == world
+                assert rep["step"] == trained[world][rank]["configs"][k]["saved_step"] == STEPS + 2, rep
+                assert rep["gather_bitwise"] and rep["pieces_bitwise"] and rep["fused_layout"], (world, rank, rep)
+
+
+def test_offline_consolidate_equals_the_live_gather(trained, ckroot):
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    for world in trained:
+        for tag, _, _ in CONFIGS:
+            d = ckroot / f"w{world}"
+            ref = load_file(d / f"{tag}.ref.safetensors")
+            full = fe.consolidate(d, tag=tag)
+            assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref), (world, tag)
+            manifest = fe.checkpoint.read_manifest(d, tag=tag)
+            assert manifest["world_size"] == world and manifest["zero_stage"] == 3
+
+
+def test_zero3_checkpoint_loads_into_fsdp2_at_3_ranks_and_into_a_plain_module(trained, reloaded, ckroot):
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    ds = trained[2][0]["deepspeed"]
+    assert ds["layout_stage"] == 3
+    ref = load_file(ckroot / "w2" / f"{DS_TAG}.ref.safetensors")
+    assert sorted(ref) == ds["names"] and "frozen" not in ref and "not_optimized" not in ref
+    for rank, reps in enumerate(reloaded[3]):
+        rep = reps[-1]
+        assert rep["tag"] == DS_TAG and rep["world"] == 3
+        assert rep["gather_bitwise"] and rep["pieces_bitwise"] and rep["step"] == STEPS, (rank, rep)
+    # a plain module, world of one, no process group
+    plain = OddNet()
+    plain.not_optimized.requires_grad_(False)
+    state = fe.load(plain, ckroot / "w2", tag=DS_TAG)
+    full = fe.gather_full(state, plain)
+    assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref)
+    assert fe.shard_layout(plain).world_size == 1 and int(state.step) == STEPS
+    # and offline, by the same consolidate
+    offline = fe.consolidate(ckroot / "w2", tag=DS_TAG)
+    assert all(torch.equal(offline[n], ref[n]) for n in ref)
+
+
+def test_quickstart_fsdp2_example_runs(tmp_path):
+    """examples/quickstart_fsdp2.py, as a user would run it (it spawns its own 2 gloo ranks)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart_fsdp2.py"), str(tmp_path)], env=env,
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "quickstart_fsdp2: ok" in proc.stdout, proc.stdout[-3000:]
+    assert (tmp_path / "global_step5" / "ema_manifest.json").is_file()
+    assert (tmp_path / "ema_latest").read_text().strip() == "global_step5"
