@@ -8,7 +8,7 @@
 import argparse
 
 import torch
-from accelerate import Accelerator, DeepSpeedPlugin
+from accelerate import Accelerator, DeepSpeedPlugin, PartialState
 from torch import nn
 
 import functional_ema as fe
@@ -30,7 +30,11 @@ DS_CONFIG = {  # runs on CPU: ZeRO-3, the client optimizer below, no fused ops t
     "zero_allow_untested_optimizer": True,
     "steps_per_print": 10**9,
 }
-accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=DS_CONFIG), gradient_accumulation_steps=GA)
+# On CPU: set up the CPU ranks (gloo) first; Accelerator(cpu=True) would turn DeepSpeed off. On GPUs
+# drop this line.
+PartialState(cpu=True)
+accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=DS_CONFIG), gradient_accumulation_steps=GA)
+assert accelerator.distributed_type == "DEEPSPEED", accelerator.distributed_type
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 1))
