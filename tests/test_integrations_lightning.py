@@ -88,7 +88,7 @@ def _module(kind: str):
                 mesh = self.device_mesh["data_parallel"]
                 for m in (self.net.inp, self.net.mid):
                     fully_shard(m, mesh=mesh)
-                fully_shard(self, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)  # the root is the network Lightning calls, not the LightningModule
                 self._sharded = True
 
         def training_step(self, batch, batch_idx):
