@@ -110,7 +110,12 @@ class EMAController:
         if posthoc_every is not None:
             if posthoc_every < 1:
                 raise ValueError(f"posthoc_every must be >= 1, got {posthoc_every}")
-            fe.posthoc.snapshot_gammas(self.decays)  # post-hoc needs power EMAs: refuse others now
+            # Post-hoc synthesis needs power EMAs; refuse anything else now, not at the first snapshot
+            # (a bare float would be read as a sigma_rel by posthoc.snapshot_gammas).
+            bad = [d for d in self.decays if not isinstance(getattr(d, "gamma", None), (int, float))]
+            if bad:
+                raise TypeError(f"post-hoc snapshots need power EMAs (fe.schedules.power(sigma_rel=...)) for every decay; "
+                                f"got {bad!r}")
         self.every_n_steps, self.start_step, self.buffers = every_n_steps, start_step, buffers
         self.eval_index, self.tag, self.dtype = eval_index, tag, dtype
         self.posthoc_dir = None if posthoc_dir is None else Path(posthoc_dir)
