@@ -42,6 +42,15 @@ def test_lightning_example(tmp_path):
     full = fe.posthoc.posthoc_offline(f"{out}/snapshots", sigma_rel=0.08)
     net.load_state_dict(full, strict=False)
     assert all(torch.equal(dict(net.named_parameters())[n].detach(), t) for n, t in full.items())
+    # the README's CLI line with the `plot` extra
+    import subprocess
+
+    pytest.importorskip("matplotlib")
+    subprocess.run([sys.executable, "-m", "functional_ema", "posthoc", f"{out}/snapshots", "--sigma-rel", "0.08",
+                    f"{out}/ema_008.safetensors", "--plot", f"{out}/profile.png"], check=True, cwd=str(ROOT), timeout=300)
+    assert (tmp_path / "profile.png").stat().st_size > 0
+    cli = load_file(f"{out}/ema_008.safetensors")
+    assert all(torch.equal(cli[n], full[n]) for n in full)
 
 
 def test_hf_trainer_example(tmp_path):
