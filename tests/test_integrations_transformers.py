@@ -32,7 +32,7 @@ def _decays():
     return [0.9, fe.schedules.power(gamma=3.0)]
 
 
-def _trainer(out: str, max_steps: int, extra_callbacks=(), export: str | None = None):
+def _trainer(out: str, max_steps: int, extra_callbacks=(), export: str | None = None, deepspeed: bool = True):
     from transformers import Trainer, TrainingArguments
 
     from functional_ema.integrations.transformers import EMACallback
@@ -50,7 +50,7 @@ def _trainer(out: str, max_steps: int, extra_callbacks=(), export: str | None = 
         output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         per_device_eval_batch_size=8, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch",
         save_strategy="steps", save_steps=4, eval_strategy="steps", eval_steps=4, logging_steps=4,
-        report_to=[], disable_tqdm=True, seed=0, data_seed=0, deepspeed=ds_config, ddp_backend="gloo",
+        report_to=[], disable_tqdm=True, seed=0, data_seed=0, deepspeed=ds_config if deepspeed else None, ddp_backend="gloo",
         dataloader_num_workers=0, use_cpu=True,
     )
     torch.manual_seed(0)
@@ -70,7 +70,11 @@ def _reference_callback(trainer_box: dict, ref):
         def on_step_end(self, args, state, control, **kwargs):
             if ref.due(state.global_step):
                 engine = trainer_box["t"].model_wrapped
-                ref.feed(state.global_step, deepspeed_full_fp32(engine), float_buffers(engine.module))
+                if type(engine).__name__ == "DeepSpeedEngine":
+                    full = deepspeed_full_fp32(engine)
+                else:  # DDP: every rank holds the whole parameters
+                    full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+                ref.feed(state.global_step, full, float_buffers(engine.module))
 
     return Reference()
 
@@ -129,6 +133,19 @@ def hf_worker(out: str, phase: str) -> dict:
             report["ckpt4_strict"] = str(BNNet().load_state_dict(sd, strict=True))
         save_file({f"{k}.{n}": t.contiguous() for k in range(2) for n, t in bs.emas[k].items()},
                   os.path.join(out, f"buffers_final_{rank}.safetensors"))
+    elif phase == "ddp":
+        ref = ReferenceEMA(_decays(), start=START)
+        box = {}
+        trainer, ema = _trainer(os.path.join(out, "ddp"), STEPS, [_reference_callback(box, ref)], deepspeed=False)
+        box["t"] = trainer
+        trainer.train()
+        wrapped = trainer.model_wrapped
+        report["engine"] = type(wrapped).__name__
+        full = [fe.gather_full(ema.state, wrapped, index=k) for k in range(2)]
+        report["bitwise"] = [equal(full[k], ref.emas[k]) for k in range(2)]
+        report["buffers_bitwise"] = [equal(ema.ema.buffer_state.emas[k], ref.buffers[k]) for k in range(2)]
+        report["eval_ema_steps"] = [h["step"] for h in trainer.state.log_history if "eval_ema_loss" in h]
+        report["ema_files"] = sorted(p.name for p in Path(out, "ddp", "checkpoint-4", "ema").iterdir())
     elif phase == "interrupted":
         class Kill(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
@@ -185,3 +202,12 @@ def test_trainer_deepspeed_zero3_grad_accum_resume(tmp_path):
         assert r["bitwise_vs_uninterrupted"] == [True, True]
         assert r["buffers_vs_uninterrupted"] == [True, True]
         assert r["eval_ema_steps"] == [4, 8]  # step 4 from the restored log history, step 8 new
+
+
+def test_trainer_ddp(tmp_path):
+    res = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=str(tmp_path), phase="ddp")
+    for r in res:
+        assert r["engine"] == "DistributedDataParallel"
+        assert r["bitwise"] == [True, True] and r["buffers_bitwise"] == [True, True]
+        assert r["eval_ema_steps"] == [4, 8]
+        assert "ema_manifest.json" in r["ema_files"]
