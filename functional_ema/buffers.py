@@ -1,0 +1,315 @@
+"""Module buffers (BatchNorm running statistics and the like) carried along with the EMA.
+
+Buffers are not parameters: no optimizer updates them and no sharding engine partitions them
+(DeepSpeed ZeRO-3 and FSDP2 keep every buffer whole on every rank; DDP broadcasts rank 0's). So
+they need none of the machinery of sharded weights: they are a small, name-keyed tree of whole
+tensors, and the engine-agnostic core handles them as it handles any tree (:func:`functional_ema.update`
+takes its per-tensor path). This module adds only what a tree cannot know:
+
+* which buffers a model has (:func:`module_buffers`: the persistent ones, by ``state_dict`` name);
+* the two behaviours of the peers: ``mode="average"`` keeps an EMA of every floating buffer (timm's
+  ``ModelEmaV3``, Lightning's ``EMAWeightAveraging``), ``mode="copy"`` copies the live values at
+  each update (ema-pytorch's default). Integer and bool buffers (``num_batches_tracked``) are always
+  copied, never averaged;
+* evaluation with them (:func:`swapped_buffers`, to nest with :func:`functional_ema.swapped`);
+* files: one small safetensors file per rank inside the EMA checkpoint's tag folder (DeepSpeed and
+  FSDP2 do not synchronise buffers, so each rank's may differ; at another world size rank 0's is
+  used, as DeepSpeed does for module state), and :func:`consolidate` that returns parameters and
+  buffers together, loadable with ``load_state_dict(strict=True)`` (models without frozen or tied
+  parameters; the parameters' EMA covers the trainable parameters once each).
+
+Example:
+    >>> import torch, functional_ema as fe
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    >>> bufs = fe.buffers.init_buffers(net)
+    >>> _ = net(torch.randn(8, 3))                      # running stats move
+    >>> bufs = fe.buffers.update_buffers(bufs, net, 1, decay=0.5)
+    >>> sorted(bufs.emas[0]), sorted(bufs.copied)
+    (['1.running_mean', '1.running_var'], ['1.num_batches_tracked'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from ._core import update as _update
+from .schedules import DecayLike
+
+__all__ = [
+    "BufferState",
+    "module_buffers",
+    "init_buffers",
+    "update_buffers",
+    "swapped_buffers",
+    "save_buffers",
+    "load_buffers",
+    "has_buffers",
+    "consolidate",
+    "buffer_file_name",
+]
+
+Mode = Literal["average", "copy"]
+
+
+class BufferState(NamedTuple):
+    """EMAs (or copies) of a module's buffers; whole tensors, the same tree on every rank.
+
+    Attributes:
+        step: int64 scalar tensor, the training step of the last update.
+        emas: one ``{buffer name: tensor}`` per tracked EMA, floating buffers only, dtype ``float32``
+            (or the ``dtype`` given to :func:`init_buffers`), the buffers' shapes.
+        copied: ``{buffer name: tensor}`` for the integer and bool buffers: the live values at the
+            last update (never averaged).
+    """
+
+    step: torch.Tensor
+    emas: tuple[dict[str, torch.Tensor], ...]
+    copied: dict[str, torch.Tensor]
+
+    @property
+    def num_emas(self) -> int:
+        return len(self.emas)
+
+
+def _module(x: Any) -> torch.nn.Module:
+    from .engines import adapter_for
+
+    return adapter_for(x).module()
+
+
+def module_buffers(x: Any) -> dict[str, torch.Tensor]:
+    """The persistent buffers of ``x``'s module, by ``state_dict`` name (live tensors, no copy).
+
+    Args:
+        x: anything :func:`functional_ema.local_shards` accepts (a DeepSpeed engine, an FSDP2 model,
+            a DDP or plain module). Non-persistent buffers (not in ``state_dict``) are left out.
+    """
+    module = _module(x)
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        for b_name, b in mod.named_buffers(recurse=False):
+            if b is None or b_name in skip or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out[f"{mod_name}.{b_name}" if mod_name else b_name] = b
+    return out
+
+
+def _split(bufs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    floats = {n: b for n, b in bufs.items() if b.is_floating_point()}
+    others = {n: b for n, b in bufs.items() if not b.is_floating_point()}
+    return floats, others
+
+
+def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype = torch.float32) -> BufferState:
+    """Start the buffer EMAs equal to ``x``'s buffers (copies; integer buffers copied as they are)."""
+    if num_emas < 1:
+        raise ValueError(f"num_emas must be >= 1, got {num_emas}")
+    floats, others = _split(module_buffers(x))
+    with torch.no_grad():
+        emas = tuple({n: b.detach().to(dtype=dtype, copy=True) for n, b in floats.items()} for _ in range(num_emas))
+        copied = {n: b.detach().clone() for n, b in others.items()}
+    return BufferState(torch.tensor(int(step), dtype=torch.int64), emas, copied)
+
+
+def _check_names(bstate: BufferState, floats: dict, others: dict, verb: str) -> None:
+    want_f, want_o = set(floats), set(others)
+    for k, ema in enumerate(bstate.emas):
+        if set(ema) != want_f:
+            raise ValueError(
+                f"{verb}: buffer EMA {k} holds {sorted(ema)} but the model's floating buffers are {sorted(want_f)}: "
+                "the buffer state was made for another model"
+            )
+    if set(bstate.copied) != want_o:
+        raise ValueError(
+            f"{verb}: the buffer state copies {sorted(bstate.copied)} but the model's integer buffers are {sorted(want_o)}"
+        )
+
+
+def update_buffers(
+    bstate: BufferState,
+    x: Any,
+    step: int | None = None,
+    *,
+    decay: DecayLike | Sequence[DecayLike] = 0.9999,
+    mode: Mode = "average",
+) -> BufferState:
+    """Move the buffer EMAs towards ``x``'s buffers (``mode="average"``) or copy them (``"copy"``).
+
+    ``"average"`` is :func:`functional_ema.update` over the floating buffers with the same
+    ``step`` and ``decay`` as the parameters' EMA (so the two stay in step, compounded alike);
+    ``"copy"`` sets every EMA to the live values. Integer buffers are copied in both modes. An
+    update at the state's own step is a no-op, as for :func:`functional_ema.update`. In place.
+    """
+    if mode not in ("average", "copy"):
+        raise ValueError(f'mode must be "average" or "copy", got {mode!r}')
+    floats, others = _split(module_buffers(x))
+    _check_names(bstate, floats, others, "update_buffers")
+    last = int(bstate.step)
+    step = last + 1 if step is None else int(step)
+    if step == last:
+        return bstate
+    if mode == "copy":
+        decay = [0.0] * bstate.num_emas if bstate.num_emas > 1 else 0.0
+    from ._state import EmaState
+
+    inner = _update(EmaState(bstate.step, bstate.emas), floats, step, decay=decay)
+    with torch.no_grad():
+        for n, b in others.items():
+            bstate.copied[n].copy_(b)
+    return BufferState(inner.step, inner.emas, bstate.copied)
+
+
+@contextlib.contextmanager
+def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[int]:
+    """Within the block ``x``'s buffers hold EMA ``index`` (cast to each buffer's dtype) and the
+    copied integer buffers; the live values come back on exit, also on error. Nest it with
+    :func:`functional_ema.swapped` to evaluate with EMA parameters and buffers. Yields the number of
+    buffers swapped."""
+    floats, others = _split(module_buffers(x))
+    _check_names(bstate, floats, others, "swapped_buffers")
+    if not 0 <= index < bstate.num_emas:
+        raise IndexError(f"index={index} is not one of the buffer state's {bstate.num_emas} EMAs")
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        with torch.no_grad():
+            for src, live in [(bstate.emas[index], floats), (bstate.copied, others)]:
+                for n, b in live.items():
+                    saved.append((b, b.detach().clone()))
+                    b.copy_(src[n])
+        yield len(saved)
+    finally:
+        with torch.no_grad():
+            for b, keep in saved:
+                b.copy_(keep)
+
+
+# ------------------------------------------------------------------------------------------- files
+
+
+def buffer_file_name(rank: int, world_size: int) -> str:
+    """``buffers_rank_<rank>_of_<world>.safetensors``: one file per rank in the tag folder."""
+    return f"buffers_rank_{rank:05d}_of_{world_size:05d}.safetensors"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.part-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _rank_world(x: Any) -> tuple[int, int]:
+    from ._api import shard_layout
+
+    layout = shard_layout(x)
+    return layout.rank, layout.world_size
+
+
+def save_buffers(bstate: BufferState, x: Any, save_dir: str | os.PathLike, tag: str, *, mode: Mode = "average") -> Path:
+    """Write this rank's buffer state into ``save_dir/tag/`` (atomic; no collective).
+
+    Call it on every rank before :func:`functional_ema.save` of the same tag, whose manifest,
+    written last, marks the tag complete.
+    """
+    from safetensors.torch import save as st_save
+
+    rank, world = _rank_world(x)
+    tag_dir = Path(save_dir) / tag
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {f"emas.{k}.{n}": t.detach().contiguous().cpu() for k, ema in enumerate(bstate.emas) for n, t in ema.items()}
+    tensors.update({f"copied.{n}": t.detach().contiguous().cpu() for n, t in bstate.copied.items()})
+    meta = {"format": "functional_ema.buffers", "step": str(int(bstate.step)), "num_emas": str(bstate.num_emas),
+            "mode": mode, "rank": str(rank), "world_size": str(world),
+            "floating": json.dumps(sorted(bstate.emas[0]) if bstate.emas else []),
+            "copied": json.dumps(sorted(bstate.copied))}
+    path = tag_dir / buffer_file_name(rank, world)
+    _atomic_write(path, st_save(tensors, metadata=meta))
+    return path
+
+
+def _buffer_file(tag_dir: Path, rank: int, world: int) -> Path:
+    own = tag_dir / buffer_file_name(rank, world)
+    if own.is_file():
+        return own
+    found = sorted(tag_dir.glob("buffers_rank_*_of_*.safetensors"))
+    if not found:
+        raise FileNotFoundError(
+            f"no buffer file in {tag_dir}: the EMA there was saved without buffers (buffers=None); "
+            "load without buffers, or save with them"
+        )
+    return found[0]  # another world size: rank 0's, as DeepSpeed restores module state from rank 0
+
+
+def has_buffers(load_dir: str | os.PathLike, tag: str) -> bool:
+    """Whether ``load_dir/tag`` holds buffer files."""
+    return any((Path(load_dir) / tag).glob("buffers_rank_*_of_*.safetensors"))
+
+
+def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("format") != "functional_ema.buffers":
+        raise ValueError(f"{path} is not a functional_ema buffer file (format {meta.get('format')!r})")
+    return meta, tensors
+
+
+def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str) -> BufferState:
+    """This rank's buffer state from ``load_dir/tag`` (its own file, or rank 0's at another world
+    size), on the devices of ``x``'s buffers, checked against ``x``'s buffer names."""
+    rank, world = _rank_world(x)
+    path = _buffer_file(Path(load_dir) / tag, rank, world)
+    meta, tensors = _read(path)
+    floats, others = _split(module_buffers(x))
+    k_count = int(meta["num_emas"])
+    emas = tuple({n: tensors[f"emas.{k}.{n}"].to(b.device) for n, b in floats.items() if f"emas.{k}.{n}" in tensors}
+                 for k in range(k_count))
+    copied = {n: tensors[f"copied.{n}"].to(b.device) for n, b in others.items() if f"copied.{n}" in tensors}
+    state = BufferState(torch.tensor(int(meta["step"]), dtype=torch.int64), emas, copied)
+    _check_names(state, floats, others, f"load_buffers({path})")
+    return state
+
+
+def consolidate(checkpoint_dir: str | os.PathLike, tag: str | None = None, *, index: int = 0, verify: bool = True) -> dict[str, torch.Tensor]:
+    """:func:`functional_ema.consolidate` plus rank 0's buffers: a full ``state_dict`` offline.
+
+    Floating buffers come from buffer EMA ``index`` (fp32), integer buffers as copied. Loads with
+    ``model.load_state_dict(sd, strict=True)`` when every parameter is trainable and untied.
+    """
+    from .checkpoint import consolidate as _consolidate
+    from .checkpoint import read_manifest
+
+    weights = _consolidate(checkpoint_dir, tag, index=index, verify=verify)
+    tag_dir = Path(read_manifest(checkpoint_dir, tag)["tag_dir"])
+    _, tensors = _read(_buffer_file(tag_dir, 0, -1))
+    for key, t in tensors.items():
+        if key.startswith(f"emas.{index}."):
+            weights[key[len(f"emas.{index}."):]] = t
+        elif key.startswith("copied."):
+            weights[key[len("copied."):]] = t
+    return weights

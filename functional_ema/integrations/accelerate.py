@@ -1,0 +1,114 @@
+"""Hugging Face Accelerate: an EMA that follows ``accelerator.save_state`` / ``load_state``.
+
+Example (the gradient-accumulation loop; DeepSpeed, FSDP2, DDP or one process alike)::
+
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    model, optimizer = accelerator.prepare(model, optimizer)
+    ema = AcceleratorEMA(accelerator, model, decay=0.999)     # after prepare
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = compute_loss(model, batch)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        ema.step()                      # moves only when the optimizer stepped
+    with ema.swapped(), torch.no_grad():
+        val_loss = compute_loss(model, val_batch)
+    accelerator.save_state("ckpt")      # every rank also writes its EMA pieces into ckpt/ema/
+    accelerator.load_state("ckpt")      # ... and reads them back (any world size: it reshards)
+
+The helper registers a save-state and a load-state pre-hook on the accelerator; each writes or reads
+the EMA inside the folder ``save_state``/``load_state`` uses. The optimizer step is DeepSpeed's
+``engine.global_steps`` under DeepSpeed, else a count of the steps the accelerator really took
+(``sync_gradients`` and not ``optimizer_step_was_skipped``), kept in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import accelerate  # noqa: F401 - the framework this module glues to
+
+from functional_ema.engines.deepspeed import is_deepspeed_engine
+from functional_ema.schedules import DecayLike
+
+from ._common import INTEGRATION_FILE, EMAController
+
+__all__ = ["AcceleratorEMA"]
+
+
+class AcceleratorEMA:
+    """EMA of a prepared model's weights, saved and loaded with the accelerator's state.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        model: what ``accelerator.prepare`` returned for the model (a DeepSpeed engine, a DDP or
+            FSDP2 model, or the module).
+        decay, every_n_steps, start_step, buffers, eval_index, posthoc_dir, posthoc_every,
+        export_path, copy_to_model, tag: as for :class:`functional_ema.integrations.EMAController`.
+    """
+
+    def __init__(self, accelerator, model, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any):
+        self.accelerator, self.model = accelerator, model
+        self.ema = EMAController(decay, **kwargs)
+        self._steps = 0
+        self._handles = [
+            accelerator.register_save_state_pre_hook(self._on_save),
+            accelerator.register_load_state_pre_hook(self._on_load),
+        ]
+
+    @property
+    def state(self):
+        """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
+        return self.ema.state
+
+    @property
+    def optimizer_step(self) -> int:
+        """Optimizer steps taken so far (DeepSpeed's ``global_steps`` under DeepSpeed)."""
+        if is_deepspeed_engine(self.model):
+            return int(self.model.global_steps)
+        return self._steps
+
+    def step(self) -> bool:
+        """Call once per loop iteration, after ``optimizer.step()``. Returns whether the EMA moved."""
+        acc = self.accelerator
+        if not is_deepspeed_engine(self.model) and acc.sync_gradients and not acc.optimizer_step_was_skipped:
+            self._steps += 1
+        return self.ema.on_step(self.model, self.optimizer_step)
+
+    def swapped(self, index: int | None = None):
+        """Context manager: the model computes with EMA ``index`` (default ``eval_index``)."""
+        return self.ema.swapped(self.model, index)
+
+    def _on_save(self, models, weights, output_dir) -> None:
+        self.ema.save(self.model, output_dir, self.optimizer_step)
+
+    def _on_load(self, models, input_dir) -> None:
+        # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest.
+        if not is_deepspeed_engine(self.model):
+            info = Path(input_dir) / self.ema.tag / INTEGRATION_FILE
+            if not info.is_file():
+                raise FileNotFoundError(f"{info} is missing: this checkpoint was saved without AcceleratorEMA")
+            self._steps = int(json.loads(info.read_text())["framework_step"])
+        self.ema.load(self.model, input_dir, framework_step=self.optimizer_step)
+
+    def export(self, path, index: int | None = None):
+        """Consolidated EMA ``index`` into one safetensors file (rank 0 writes). Collective."""
+        return self.ema.export(self.model, path, index)
+
+    def copy_to_model(self, index: int | None = None) -> None:
+        """Overwrite the model's weights with EMA ``index`` (end of training). Collective."""
+        self.ema.copy_to_model(self.model, index)
+
+    def end(self) -> None:
+        """The configured final export / copy into the model (``export_path=``, ``copy_to_model=``)."""
+        self.ema.on_train_end(self.model)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

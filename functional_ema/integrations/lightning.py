@@ -1,0 +1,145 @@
+"""PyTorch Lightning callback: EMA under DDP, FSDP2 (``ModelParallelStrategy``) and DeepSpeed.
+
+Example::
+
+    import lightning as L
+    from functional_ema.integrations.lightning import EMACallback
+
+    ema = EMACallback(decay=0.999, export_path="out/ema.safetensors")
+    trainer = L.Trainer(strategy="ddp", callbacks=[ema, L.pytorch.callbacks.ModelCheckpoint(...)])
+    trainer.fit(model, ckpt_path=...)   # resuming loads the EMA saved with that checkpoint
+
+Per Lightning event:
+
+* ``on_train_batch_end``: after each batch, ``update`` at ``trainer.global_step``: it moves only
+  when the optimizer stepped (within gradient accumulation the step is unchanged: a no-op);
+* validation: ``on_validation_epoch_start`` swaps the EMA weights in (the model's own validation
+  metrics are then the EMA's), ``on_validation_epoch_end`` swaps them out (also on an exception);
+* saving: every ``trainer.save_checkpoint`` (``ModelCheckpoint`` included) also writes every rank's
+  EMA pieces: inside the checkpoint folder when the checkpoint is a folder (DeepSpeed,
+  distributed FSDP2 checkpoints: ``<ckpt>/ema/``), else beside the file (``<ckpt>.ema/ema/``),
+  removed with it when ``ModelCheckpoint`` rotates checkpoints. Lightning's callback hooks are not
+  told the checkpoint path, so the callback wraps this trainer's ``save_checkpoint`` and its
+  strategy's ``remove_checkpoint`` (instance attributes, set up in ``setup``);
+* ``on_train_start`` of ``fit(ckpt_path=...)``: load the EMA saved with that checkpoint (any world
+  size: it reshards);
+* ``on_train_end``: optional export to one safetensors file, or copy into the model.
+
+The training object is ``trainer.strategy.model``: the ``DeepSpeedEngine``, the DDP wrapper, or
+the LightningModule with ``fully_shard`` applied. Lightning's ``DeepSpeedStrategy`` runs only on CUDA
+(it refuses CPU in ``setup_environment``); this callback's DeepSpeed path is tested on CPU with a
+test-only subclass that lifts the check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from functional_ema.schedules import DecayLike
+
+from ._common import EMAController
+
+__all__ = ["EMACallback", "ema_dir_for"]
+
+
+def ema_dir_for(ckpt_path: str | os.PathLike) -> Path:
+    """Where the EMA of a Lightning checkpoint lives: inside it when it is a folder, else beside it."""
+    p = Path(ckpt_path)
+    return p if p.is_dir() else p.with_name(p.name + ".ema")
+
+
+class EMACallback(pl.Callback):
+    """EMA of the weights for a ``lightning.Trainer``; see the module docstring.
+
+    Args:
+        decay, every_n_steps, start_step, buffers, eval_index, posthoc_dir, posthoc_every,
+        export_path, copy_to_model, tag: as for :class:`functional_ema.integrations.EMAController`.
+    """
+
+    def __init__(self, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any):
+        self.ema = EMAController(decay, **kwargs)
+        self._swap: contextlib.ExitStack | None = None
+        self._last_saved: str | None = None
+
+    @property
+    def state(self):
+        """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
+        return self.ema.state
+
+    @staticmethod
+    def _target(trainer: "pl.Trainer"):
+        model = trainer.strategy.model
+        return model if model is not None else trainer.lightning_module
+
+    # ----------------------------------------------------------------------------------- wiring
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if getattr(trainer, "_functional_ema_wrapped", None) is self:
+            return
+        save, strategy = trainer.save_checkpoint, trainer.strategy
+        remove = strategy.remove_checkpoint
+
+        def save_checkpoint(filepath, *args, **kwargs):
+            path = os.fspath(trainer.strategy.broadcast(filepath))
+            save(filepath, *args, **kwargs)
+            self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
+            self._last_saved = path
+
+        def remove_checkpoint(filepath):
+            remove(filepath)
+            sibling = Path(os.fspath(filepath) + ".ema")
+            if trainer.is_global_zero and sibling.is_dir():
+                shutil.rmtree(sibling, ignore_errors=True)
+
+        trainer.save_checkpoint = save_checkpoint
+        strategy.remove_checkpoint = remove_checkpoint
+        trainer._functional_ema_wrapped = self
+
+    def state_dict(self) -> dict[str, Any]:
+        # Only small metadata goes into Lightning's checkpoint: the pieces are per-rank files.
+        return {"ema_step": None if self.ema.state is None else int(self.ema.state.step),
+                "num_emas": self.ema.num_emas, "tag": self.ema.tag}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded_meta = dict(state_dict)
+
+    # ----------------------------------------------------------------------------------- events
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if trainer.ckpt_path:
+            self.ema.load(self._target(trainer), ema_dir_for(trainer.ckpt_path), framework_step=trainer.global_step)
+        elif trainer.global_step == 0:
+            self.ema.state = self.ema.buffer_state = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.ema.on_step(self._target(trainer), trainer.global_step)
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or self._swap is not None:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.ema.swapped(self._target(trainer)))
+        self._swap = stack
+
+    def _unswap(self) -> None:
+        stack, self._swap = self._swap, None
+        if stack is not None:
+            stack.close()
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        self._unswap()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._unswap()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._unswap()
+        # Lightning's DeepSpeed strategy wraps the LightningModule: export with its own names.
+        self.ema.on_train_end(self._target(trainer), strip_prefix="_forward_module.")

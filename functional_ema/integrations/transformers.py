@@ -1,0 +1,143 @@
+"""Hugging Face ``Trainer`` callback: EMA under DeepSpeed ZeRO-0..3, FSDP2, DDP or one process.
+
+Example::
+
+    from functional_ema.integrations.transformers import EMACallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val)
+    ema = EMACallback(decay=0.999, export_path="out/ema.safetensors").attach(trainer)
+    trainer.train()                                  # or train(resume_from_checkpoint=True)
+
+What it does, per ``Trainer`` event:
+
+* ``on_step_end`` (once per optimizer step, after gradient accumulation): update the EMA of the
+  fp32 weights the optimizer holds (``trainer.model_wrapped``: the DeepSpeed engine, the FSDP2 or
+  DDP model), at ``state.global_step``;
+* ``on_evaluate``: evaluate again with the EMA weights swapped in; the metrics are logged with the
+  prefix ``eval_ema`` (``eval_ema_loss``, ...) beside the live ones;
+* ``on_save``: every rank writes its EMA pieces into the checkpoint folder
+  (``output_dir/checkpoint-<step>/ema/``), so checkpoint rotation removes them together;
+* ``on_train_begin`` of a resumed run: load the EMA from the checkpoint being resumed (any world
+  size: it reshards);
+* ``on_train_end``: the optional export (one consolidated safetensors file) or copy into the model.
+
+The callback needs the ``Trainer`` itself (callbacks are handed the unwrapped model, not the
+engine): :meth:`EMACallback.attach` adds it and keeps a reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import TrainerCallback
+
+from functional_ema.schedules import DecayLike
+
+from ._common import EMAController
+
+__all__ = ["EMACallback"]
+
+
+class EMACallback(TrainerCallback):
+    """EMA of the weights for a ``transformers.Trainer``; see the module docstring.
+
+    Args:
+        decay, every_n_steps, start_step, buffers, eval_index, posthoc_dir, posthoc_every,
+        export_path, copy_to_model, tag: as for :class:`functional_ema.integrations.EMAController`.
+        metric_prefix: prefix of the metrics of the evaluation with EMA weights.
+    """
+
+    def __init__(self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any):
+        self.ema = EMAController(decay, **kwargs)
+        self.metric_prefix = metric_prefix
+        self._trainer: Any = None
+        self._resume_arg: Any = None
+        self._in_ema_eval = False
+        self._evaluated_at: int | None = None
+
+    # -------------------------------------------------------------------------------- wiring
+
+    def attach(self, trainer) -> "EMACallback":
+        """Add this callback to ``trainer`` (if not already there) and keep a reference to it.
+
+        ``trainer.train`` is wrapped (on this instance only) to see ``resume_from_checkpoint``, so
+        the EMA is loaded from the same checkpoint as the weights. Returns ``self``.
+        """
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        self._trainer = weakref.proxy(trainer)
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_and_remember(*args, **kwargs):
+            self._resume_arg = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+            return train(*args, **kwargs)
+
+        trainer.train = train_and_remember
+        return self
+
+    @property
+    def state(self):
+        """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
+        return self.ema.state
+
+    def _target(self):
+        if self._trainer is None:
+            raise RuntimeError("EMACallback needs the Trainer: create it with EMACallback(...).attach(trainer)")
+        t = self._trainer
+        wrapped = getattr(t, "model_wrapped", None)
+        return wrapped if wrapped is not None else t.model
+
+    def _resume_dir(self, args, state) -> str:
+        arg = self._resume_arg
+        if isinstance(arg, (str, os.PathLike)) and os.path.isdir(arg):
+            return os.fspath(arg)
+        if arg is True or arg is None:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            if arg is True:
+                last = get_last_checkpoint(args.output_dir)
+                if last is not None:
+                    return last
+        return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+
+    # -------------------------------------------------------------------------------- events
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step > 0:  # a resumed run: the weights came from a checkpoint, so does the EMA
+            self.ema.load(self._target(), self._resume_dir(args, state), framework_step=state.global_step)
+        else:
+            self.ema.state = self.ema.buffer_state = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ema.on_step(self._target(), state.global_step)
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.ema.save(self._target(), folder, state.global_step)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self._in_ema_eval or not self.ema.started or self.ema.eval_index is None:
+            return
+        if self._evaluated_at == state.global_step:  # several eval datasets: one EMA pass covers them all
+            return
+        self._evaluated_at = state.global_step
+        trainer = self._trainer
+        self._in_ema_eval = True
+        try:
+            with self.ema.swapped(self._target()):
+                datasets = trainer.eval_dataset
+                if isinstance(datasets, dict):
+                    for name, ds in datasets.items():
+                        trainer.evaluate(ds, metric_key_prefix=f"{self.metric_prefix}_{name}")
+                else:
+                    trainer.evaluate(metric_key_prefix=self.metric_prefix)
+        finally:
+            self._in_ema_eval = False
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.ema.on_train_end(self._target())

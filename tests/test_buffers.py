@@ -1,0 +1,144 @@
+"""Buffers carried beside the EMA, and the framework-free controller, in one process (world 1).
+
+References are plain ``lerp_`` per tensor; integer buffers must be copied, never averaged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import functional_ema as fe
+from functional_ema.integrations import EMAController
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.Linear(7, 3))
+
+
+def test_average_and_copy_modes_and_integer_buffers():
+    net = _net()
+    avg = fe.buffers.init_buffers(net, num_emas=2)
+    cp = fe.buffers.init_buffers(net)
+    ref = {n: b.detach().clone() for n, b in net.named_buffers() if b.is_floating_point()}
+    for step in range(1, 5):
+        net(torch.randn(16, 5))
+        avg = fe.buffers.update_buffers(avg, net, step, decay=[0.5, 0.9])
+        cp = fe.buffers.update_buffers(cp, net, step, mode="copy")
+        for n, b in net.named_buffers():
+            if b.is_floating_point():
+                ref[n].lerp_(b, 0.5)
+    live = dict(net.named_buffers())
+    assert all(torch.equal(avg.emas[0][n], ref[n]) for n in ref)
+    assert not torch.equal(avg.emas[1]["1.running_mean"], avg.emas[0]["1.running_mean"])
+    assert all(torch.equal(cp.emas[0][n], live[n]) for n in ref)
+    assert avg.copied["1.num_batches_tracked"].dtype == torch.int64 and int(avg.copied["1.num_batches_tracked"]) == 4
+    assert int(avg.step) == 4
+    assert fe.buffers.update_buffers(avg, net, 4) is avg  # same step: a no-op
+
+
+def test_swapped_buffers_restores_and_evaluates_with_ema():
+    net = _net()
+    b = fe.buffers.init_buffers(net)
+    net(torch.randn(16, 5))
+    b = fe.buffers.update_buffers(b, net, 1, decay=0.5)
+    live = {n: t.clone() for n, t in net.named_buffers()}
+    net.eval()
+    x = torch.randn(4, 5)
+    twin = _net()
+    twin.load_state_dict({**net.state_dict(), **b.emas[0], **b.copied})
+    twin.eval()
+    with torch.no_grad(), fe.buffers.swapped_buffers(net, b):
+        assert torch.equal(net(x), twin(x))
+    assert all(torch.equal(t, live[n]) for n, t in net.named_buffers())
+    with pytest.raises(RuntimeError, match="boom"), fe.buffers.swapped_buffers(net, b):
+        raise RuntimeError("boom")
+    assert all(torch.equal(t, live[n]) for n, t in net.named_buffers())
+
+
+def test_wrong_model_is_refused():
+    b = fe.buffers.init_buffers(_net())
+    with pytest.raises(ValueError, match="another model"):
+        fe.buffers.update_buffers(b, nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(9)), 1)
+    with pytest.raises(ValueError, match='mode must be "average" or "copy"'):
+        fe.buffers.update_buffers(b, _net(), 1, mode="mean")
+
+
+def test_controller_every_n_start_k_save_load_consolidate_strict(tmp_path):
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    c = EMAController([0.9, 0.5], every_n_steps=3, start_step=2, buffers="average")
+    ref = None
+    moved = []
+    for step in range(1, 11):
+        opt.zero_grad()
+        net(torch.randn(16, 5)).square().mean().backward()
+        opt.step()
+        for _micro in range(2):  # the same step again (gradient accumulation): a no-op
+            moved.append(c.on_step(net, step))
+        if step == 2:
+            ref = {n: p.detach().clone() for n, p in net.named_parameters()}
+            last = 2
+        elif step > 2 and step % 3 == 0:
+            w = 1 - 0.9 ** (step - last)
+            for n, p in net.named_parameters():
+                ref[n].lerp_(p.detach(), w)
+            last = step
+    assert moved == [False, False, True, False, True, False, False, False, False, False, True, False,
+                     False, False, False, False, True, False, False, False]
+    assert int(c.state.step) == 9
+    assert all(torch.equal(c.state.emas[0][n].view(p.shape), ref[n]) for n, p in net.named_parameters())
+    c.save(net, tmp_path, 10)
+    sd = fe.buffers.consolidate(tmp_path, "ema")
+    assert str(_net().load_state_dict(sd, strict=True)) == "<All keys matched successfully>"
+    c2 = EMAController([0.9, 0.5], every_n_steps=3, start_step=2, buffers="average")
+    c2.load(net, tmp_path, framework_step=10)
+    assert int(c2.state.step) == 9 and torch.equal(c2.buffer_state.copied["1.num_batches_tracked"], c.buffer_state.copied["1.num_batches_tracked"])
+    with pytest.raises(ValueError, match="after the step the training resumed at"):
+        EMAController([0.9, 0.5]).load(net, tmp_path, framework_step=5)
+    with pytest.raises(ValueError, match="tracks 2 EMAs"):
+        EMAController(0.9).load(net, tmp_path, framework_step=10)
+
+
+def test_controller_before_start_saves_marker_and_resumes_unstarted(tmp_path):
+    net = _net()
+    c = EMAController(0.9, start_step=100)
+    assert c.on_step(net, 5) is False and c.state is None
+    c.save(net, tmp_path, 5)
+    c2 = EMAController(0.9, start_step=100)
+    c2.load(net, tmp_path, framework_step=5)
+    assert c2.state is None
+    with c2.swapped(net) as swapped:
+        assert swapped is False
+
+
+def test_controller_copy_to_model_and_export(tmp_path):
+    from safetensors.torch import load_file
+
+    net = _net()
+    c = EMAController(0.5, buffers="copy")
+    c.on_step(net, 0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    net(torch.randn(16, 5))
+    c.on_step(net, 1)
+    want = {n: t.view(dict(net.named_parameters())[n].shape).clone() for n, t in c.state.emas[0].items()}
+    c.export(net, tmp_path / "ema.safetensors")
+    exported = load_file(tmp_path / "ema.safetensors")
+    assert all(torch.equal(exported[n], want[n]) for n in want)
+    c.copy_to_model(net)
+    assert all(torch.equal(p, want[n]) for n, p in net.named_parameters())
+
+
+def test_controller_rejects_bad_config():
+    with pytest.raises(ValueError, match="every_n_steps"):
+        EMAController(0.9, every_n_steps=0)
+    with pytest.raises(ValueError, match="buffers"):
+        EMAController(0.9, buffers="mean")
+    with pytest.raises(ValueError, match="posthoc_dir and posthoc_every"):
+        EMAController(0.9, posthoc_every=10)
+    with pytest.raises(TypeError, match="power EMAs"):
+        EMAController(0.9, posthoc_dir="x", posthoc_every=10)

@@ -1,0 +1,299 @@
+"""PyTorch Lightning at 2 real CPU ranks: DDP, FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO-2/3.
+
+Each run: gradient accumulation 2, two EMAs (a float decay and a power schedule), every 2 steps,
+started after step K, buffers averaged (DDP, DeepSpeed). Checked against a reference EMA of the full
+fp32 weights through the engine's own API (the DDP parameters, FSDP2 ``full_tensor()``, DeepSpeed
+``safe_get_full_fp32_param``) taken once per optimizer step: bitwise. Validation logs the EMA's loss
+(different from the live one). A run killed after its epoch-2 checkpoint and resumed in fresh
+processes from that checkpoint ends with the uninterrupted run's EMA, bitwise.
+
+Lightning's ``DeepSpeedStrategy`` refuses CPU ("only supported on CUDA GPUs"): the DeepSpeed runs use
+``CPUDeepSpeedStrategy`` below, a test-only subclass that lifts that check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from tests._multirank import run_ranks  # noqa: E402
+
+START = 2
+EVERY = 2
+EPOCHS = 4  # 2 optimizer steps per epoch: 8 steps
+
+
+def _decays():
+    import functional_ema as fe
+
+    return [0.8, fe.schedules.power(gamma=3.0)]
+
+
+def _strategy(kind: str):
+    import lightning.pytorch as pl
+
+    if kind == "ddp":
+        return pl.strategies.DDPStrategy(process_group_backend="gloo")
+    if kind == "fsdp2":
+        return pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    stage = int(kind[-1])
+    return _cpu_deepspeed_strategy()(stage=stage, process_group_backend="gloo", logging_batch_size_per_gpu=4,
+                                     params_buffer_count=0, allgather_bucket_size=1e6, reduce_bucket_size=1e6)
+
+
+def _cpu_deepspeed_strategy():
+    """DeepSpeedStrategy on CPU, for tests only: Lightning refuses anything but CUDA."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.strategies.ddp import DDPStrategy
+
+    class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+        def setup_environment(self) -> None:  # skip DeepSpeedStrategy's CUDA-only check
+            DDPStrategy.setup_environment(self)
+
+        def setup_distributed(self) -> None:  # skip the CUDA device-index check (CPU devices have none)
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+        @property
+        def root_device(self) -> torch.device:  # DeepSpeed takes root_device.index as its device rank
+            return torch.device("cpu", self.local_rank)
+
+    return CPUDeepSpeedStrategy
+
+
+def _module(kind: str):
+    import lightning.pytorch as pl
+
+    from tests._integration_models import BNNet, RegressionData
+
+    class LitNet(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _NoBN() if kind.startswith("fsdp2") else BNNet()
+
+        def configure_model(self):
+            if kind == "fsdp2" and not getattr(self, "_sharded", False):
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for m in (self.net.inp, self.net.mid):
+                    fully_shard(m, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)  # the root is the network Lightning calls, not the LightningModule
+                self._sharded = True
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch["x"], batch["labels"])["loss"]
+
+        def validation_step(self, batch, batch_idx):
+            loss = self.net(batch["x"], batch["labels"])["loss"]
+            self.log("val_loss", loss, sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(RegressionData(32, seed=1), batch_size=4, shuffle=False)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(RegressionData(16, seed=2), batch_size=8, shuffle=False)
+
+    return LitNet()
+
+
+class _NoBN(torch.nn.Module):
+    """FSDP2 variant of the test net: uneven sizes, no BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(7, 13)
+        self.mid = torch.nn.Linear(13, 11)
+        self.out = torch.nn.Linear(11, 5)
+
+    def forward(self, x, labels=None):
+        y = self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+        return {"loss": ((y - labels) ** 2).mean(), "logits": y}
+
+
+def _full_weights(trainer, kind: str) -> dict:
+    from tests._integration_models import deepspeed_full_fp32
+
+    if kind.startswith("zero"):
+        return deepspeed_full_fp32(trainer.strategy.model)
+    out = {}
+    for n, p in trainer.lightning_module.named_parameters():
+        if p.requires_grad:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[n] = t.detach().clone().float()
+    return out
+
+
+def _reference_callback(ref, kind: str):
+    import lightning.pytorch as pl
+
+    from tests._integration_models import float_buffers
+
+    class Reference(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if ref.due(trainer.global_step):
+                import functional_ema as fe
+
+                bufs = float_buffers(fe.engines.adapter_for(trainer.strategy.model).module()) if kind != "fsdp2" else None
+                ref.feed(trainer.global_step, _full_weights(trainer, kind), bufs)
+
+    return Reference()
+
+
+class _Killed(Exception):
+    pass
+
+
+def _trainer(kind: str, root: str, callbacks, max_epochs: int = EPOCHS, export: str | None = None):
+    import lightning.pytorch as pl
+
+    from functional_ema.integrations.lightning import EMACallback
+
+    ema = EMACallback(decay=_decays(), start_step=START, every_n_steps=EVERY,
+                      buffers=None if kind == "fsdp2" else "average", export_path=export)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_epochs=1, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, num_nodes=1, strategy=_strategy(kind), max_epochs=max_epochs,
+        accumulate_grad_batches=2, callbacks=[ema, ckpt, *callbacks], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root, deterministic=False,
+        use_distributed_sampler=True,
+    )
+    return trainer, ema
+
+
+def lightning_worker(kind: str, out: str, phase: str) -> dict:
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    import functional_ema as fe
+    import lightning.pytorch as pl
+    from tests._integration_models import ReferenceEMA, equal, max_diff, quiet
+
+    quiet()
+    rank = dist.get_rank()
+    report: dict = {"kind": kind}
+    root = os.path.join(out, phase if phase != "resume" else "interrupted")
+    if phase == "full":
+        ref = ReferenceEMA(_decays(), start=START, every=EVERY)
+        val_losses: list = []
+
+        class Record(pl.Callback):
+            def on_validation_epoch_end(self, trainer, pl_module):
+                # runs after the EMA callback's hook (callbacks in order): the logged metric is the EMA's
+                val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+        trainer, ema = _trainer(kind, root, [_reference_callback(ref, kind), Record()],
+                                export=os.path.join(out, "export.safetensors"))
+        module = _module(kind)
+        trainer.fit(module)
+        target = trainer.strategy.model
+        report["target"] = type(target).__name__
+        report["global_step"] = trainer.global_step
+        report["ema_step"] = int(ema.state.step)
+        full = [fe.gather_full(ema.state, target, index=k) for k in range(2)]
+        report["bitwise"] = [equal(full[k], ref.emas[k]) for k in range(2)]
+        report["max_diff"] = [max_diff(full[k], ref.emas[k]) for k in range(2)]
+        live = _full_weights(trainer, kind)
+        report["ema_differs_from_live"] = not equal(full[0], live)
+        # the EMA validation loss, recomputed by hand from the reference EMA on rank 0's batch
+        report["val_losses"] = val_losses
+        if ema.ema.buffer_state is not None:
+            report["buffers_bitwise"] = [equal(ema.ema.buffer_state.emas[k], ref.buffers[k]) for k in range(2)]
+        report["ckpts"] = sorted(p.name for p in Path(root, "ckpt").iterdir())
+        if rank == 0:
+            save_file({f"{k}.{n}": t.contiguous() for k in range(2) for n, t in full[k].items()}, os.path.join(out, "final.safetensors"))
+        strip = lambda n: n.removeprefix("_forward_module.")  # noqa: E731 - Lightning's DeepSpeed wrapper
+        exported = load_file(os.path.join(out, "export.safetensors"))
+        report["export_equal"] = all(torch.equal(exported[strip(n)], ref.emas[0][n]) for n in ref.emas[0])
+        net = _module("fsdp2-plain" if kind == "fsdp2" else "plain")
+        report["export_strict"] = str(net.load_state_dict(exported, strict=True))
+        # The EMA's validation loss computed independently on this rank's half of the data, by a
+        # plain twin loaded with the export and this rank's buffer EMA: DeepSpeed does not
+        # synchronise BatchNorm statistics between ranks, while DDP broadcasts rank 0's at every
+        # forward (the export holds rank 0's).
+        bs = ema.ema.buffer_state
+        if bs is not None and kind != "ddp":
+            net.load_state_dict({**exported, **{strip(n): t for n, t in {**bs.emas[0], **bs.copied}.items()}}, strict=True)
+        from tests._integration_models import RegressionData
+
+        net.eval()
+        vd = RegressionData(16, seed=2)
+        idx = list(range(rank, 16, 2))  # DistributedSampler without shuffle; one batch of 8 per rank
+        with torch.no_grad():
+            report["twin_val_loss"] = float(net.net(vd.x[idx], vd.y[idx])["loss"])
+    elif phase == "interrupted":
+        class Kill(pl.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == 5:
+                    raise _Killed()
+
+        trainer, ema = _trainer(kind, root, [Kill()])
+        try:
+            trainer.fit(_module(kind))
+            report["killed"] = False
+        except _Killed:
+            report["killed"] = True
+        report["ckpts"] = sorted(p.name for p in Path(root, "ckpt").iterdir())
+    elif phase == "resume":
+        trainer, ema = _trainer(kind, root, [])
+        ckpt = os.path.join(root, "ckpt", "epoch=1-step=4.ckpt")
+        trainer.fit(_module(kind), ckpt_path=ckpt)
+        target = trainer.strategy.model
+        full = [fe.gather_full(ema.state, target, index=k) for k in range(2)]
+        want = load_file(os.path.join(out, "final.safetensors"))
+        report["bitwise_vs_uninterrupted"] = [equal(full[k], {n[2:]: t for n, t in want.items() if n.startswith(f"{k}.")}) for k in range(2)]
+        report["ema_step"] = int(ema.state.step)
+    return report
+
+
+def _run(kind: str, tmp_path):
+    out = str(tmp_path)
+    full = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=2, timeout=600, kind=kind, out=out, phase="full")
+    print(json.dumps(full[0]))
+    for r in full:
+        assert r["global_step"] == 2 * EPOCHS and r["ema_step"] == 2 * EPOCHS
+        assert r["bitwise"] == [True, True], r["max_diff"]
+        assert r["ema_differs_from_live"]
+        assert len(r["val_losses"]) == EPOCHS
+        if kind != "fsdp2":
+            assert r["buffers_bitwise"] == [True, True]
+        assert r["export_equal"] is True
+        assert r["export_strict"] == "<All keys matched successfully>"
+    # the last validation ran with the EMA swapped in: its logged loss (mean over ranks) is the twins'
+    twin = sum(r["twin_val_loss"] for r in full) / len(full)
+    assert abs(full[0]["val_losses"][-1] - twin) < 1e-5, (full[0]["val_losses"], twin)
+
+    killed = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=2, timeout=600, kind=kind, out=out, phase="interrupted")
+    assert all(r["killed"] for r in killed)
+    resumed = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=2, timeout=600, kind=kind, out=out, phase="resume")
+    for r in resumed:
+        assert r["ema_step"] == 2 * EPOCHS
+        assert r["bitwise_vs_uninterrupted"] == [True, True]
+    return full, killed, resumed
+
+
+def test_lightning_ddp(tmp_path):
+    _run("ddp", tmp_path)
+
+
+def test_lightning_fsdp2(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp")
+    _run("fsdp2", tmp_path)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lightning_deepspeed_cpu(tmp_path, stage):
+    _run(f"zero{stage}", tmp_path)

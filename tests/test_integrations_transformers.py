@@ -1,0 +1,213 @@
+"""Hugging Face ``Trainer`` + DeepSpeed ZeRO-3 at 2 real ranks, gradient accumulation 2, the callback attached.
+
+Checked against a reference EMA of DeepSpeed's full fp32 weights (``safe_get_full_fp32_param``)
+taken once per optimizer step by a second, test-only callback: bitwise, for two EMAs (a float decay
+and a power schedule), started after step K, with the BatchNorm buffers averaged too. The EMA
+evaluation is logged (``eval_ema_loss``). A run interrupted after its step-4 checkpoint and resumed
+in fresh processes ends with the uninterrupted run's EMA, bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests._multirank import run_ranks  # noqa: E402
+
+DECAYS = (0.9, "power3")  # the power schedule is built in the worker (JSON-able arguments)
+START = 2
+STEPS = 8
+
+
+def _decays():
+    import functional_ema as fe
+
+    return [0.9, fe.schedules.power(gamma=3.0)]
+
+
+def _trainer(out: str, max_steps: int, extra_callbacks=(), export: str | None = None, deepspeed: bool = True):
+    from transformers import Trainer, TrainingArguments
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import BNNet, RegressionData
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    args = TrainingArguments(
+        output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        per_device_eval_batch_size=8, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch",
+        save_strategy="steps", save_steps=4, eval_strategy="steps", eval_steps=4, logging_steps=4,
+        report_to=[], disable_tqdm=True, seed=0, data_seed=0, deepspeed=ds_config if deepspeed else None, ddp_backend="gloo",
+        dataloader_num_workers=0, use_cpu=True,
+    )
+    torch.manual_seed(0)
+    trainer = Trainer(model=BNNet(), args=args, train_dataset=RegressionData(96, seed=1), eval_dataset=RegressionData(32, seed=2))
+    ema = EMACallback(decay=_decays(), start_step=START, buffers="average", export_path=export).attach(trainer)
+    for cb in extra_callbacks:
+        trainer.add_callback(cb)
+    return trainer, ema
+
+
+def _reference_callback(trainer_box: dict, ref):
+    from transformers import TrainerCallback
+
+    from tests._integration_models import deepspeed_full_fp32, float_buffers
+
+    class Reference(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if ref.due(state.global_step):
+                engine = trainer_box["t"].model_wrapped
+                if type(engine).__name__ == "DeepSpeedEngine":
+                    full = deepspeed_full_fp32(engine)
+                else:  # DDP: every rank holds the whole parameters
+                    full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+                ref.feed(state.global_step, full, float_buffers(engine.module))
+
+    return Reference()
+
+
+class _Killed(Exception):
+    pass
+
+
+def hf_worker(out: str, phase: str) -> dict:
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    from transformers import TrainerCallback
+
+    import functional_ema as fe
+    from tests._integration_models import BNNet, ReferenceEMA, deepspeed_full_fp32, equal, max_diff, quiet
+
+    quiet()
+    rank = dist.get_rank()
+    report: dict = {}
+    if phase == "full":
+        ref = ReferenceEMA(_decays(), start=START)
+        box: dict = {}
+        trainer, ema = _trainer(os.path.join(out, "full"), STEPS, [_reference_callback(box, ref)],
+                                export=os.path.join(out, "export.safetensors"))
+        box["t"] = trainer
+        trainer.train()
+        engine = trainer.model_wrapped
+        report["engine"] = type(engine).__name__
+        report["stage"] = engine.zero_optimization_stage()
+        report["gas"] = engine.gradient_accumulation_steps()
+        report["global_steps"] = engine.global_steps
+        report["ema_step"] = int(ema.state.step)
+        full = [fe.gather_full(ema.state, engine, index=k) for k in range(2)]
+        report["bitwise"] = [equal(full[k], ref.emas[k]) for k in range(2)]
+        report["max_diff"] = [max_diff(full[k], ref.emas[k]) for k in range(2)]
+        bs = ema.ema.buffer_state
+        report["buffers_bitwise"] = [equal(bs.emas[k], ref.buffers[k]) for k in range(2)]
+        report["num_batches_tracked"] = int(bs.copied["norm.num_batches_tracked"])
+        report["ema_differs_from_live"] = not equal(full[0], deepspeed_full_fp32(engine))
+        logs = trainer.state.log_history
+        report["eval_ema_steps"] = [h["step"] for h in logs if "eval_ema_loss" in h]
+        report["eval_steps"] = [h["step"] for h in logs if "eval_loss" in h]
+        report["ema_vs_live_loss"] = [(h["eval_ema_loss"]) for h in logs if "eval_ema_loss" in h]
+        report["live_loss"] = [(h["eval_loss"]) for h in logs if "eval_loss" in h]
+        ckpt = Path(out, "full", "checkpoint-4")
+        report["ckpt4_files"] = sorted(p.name for p in (ckpt / "ema").iterdir())
+        if rank == 0:
+            save_file({f"{k}.{n}": t.contiguous() for k in range(2) for n, t in full[k].items()}, os.path.join(out, "final.safetensors"))
+            exported = load_file(os.path.join(out, "export.safetensors"))
+            net = BNNet()
+            report["export_strict"] = str(net.load_state_dict(exported, strict=True))
+            report["export_equal"] = all(torch.equal(exported[n], ref.emas[0][n]) for n in ref.emas[0]) and all(
+                torch.equal(exported[n], ref.buffers[0][n]) for n in ref.buffers[0])
+            # offline consolidate of the step-4 checkpoint, buffers included, loads strictly
+            sd = fe.buffers.consolidate(ckpt, "ema")
+            report["ckpt4_strict"] = str(BNNet().load_state_dict(sd, strict=True))
+        save_file({f"{k}.{n}": t.contiguous() for k in range(2) for n, t in bs.emas[k].items()},
+                  os.path.join(out, f"buffers_final_{rank}.safetensors"))
+    elif phase == "ddp":
+        ref = ReferenceEMA(_decays(), start=START)
+        box = {}
+        trainer, ema = _trainer(os.path.join(out, "ddp"), STEPS, [_reference_callback(box, ref)], deepspeed=False)
+        box["t"] = trainer
+        trainer.train()
+        wrapped = trainer.model_wrapped
+        report["engine"] = type(wrapped).__name__
+        full = [fe.gather_full(ema.state, wrapped, index=k) for k in range(2)]
+        report["bitwise"] = [equal(full[k], ref.emas[k]) for k in range(2)]
+        report["buffers_bitwise"] = [equal(ema.ema.buffer_state.emas[k], ref.buffers[k]) for k in range(2)]
+        report["eval_ema_steps"] = [h["step"] for h in trainer.state.log_history if "eval_ema_loss" in h]
+        report["ema_files"] = sorted(p.name for p in Path(out, "ddp", "checkpoint-4", "ema").iterdir())
+    elif phase == "interrupted":
+        class Kill(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 6:  # after the step-4 checkpoint, before the step-8 one
+                    raise _Killed()
+
+        trainer, ema = _trainer(os.path.join(out, "resumed"), STEPS, [Kill()])
+        try:
+            trainer.train()
+            report["killed"] = False
+        except _Killed:
+            report["killed"] = True
+        report["checkpoints"] = sorted(p.name for p in Path(out, "resumed").iterdir() if p.name.startswith("checkpoint-"))
+    elif phase == "resume":
+        trainer, ema = _trainer(os.path.join(out, "resumed"), STEPS)
+        trainer.train(resume_from_checkpoint=True)
+        engine = trainer.model_wrapped
+        full = [fe.gather_full(ema.state, engine, index=k) for k in range(2)]
+        want = load_file(os.path.join(out, "final.safetensors"))
+        report["bitwise_vs_uninterrupted"] = [equal(full[k], {n[2:]: t for n, t in want.items() if n.startswith(f"{k}.")}) for k in range(2)]
+        wb = load_file(os.path.join(out, f"buffers_final_{rank}.safetensors"))
+        bs = ema.ema.buffer_state
+        report["buffers_vs_uninterrupted"] = [equal(bs.emas[k], {n[2:]: t for n, t in wb.items() if n.startswith(f"{k}.")}) for k in range(2)]
+        report["ema_step"] = int(ema.state.step)
+        report["eval_ema_steps"] = [h["step"] for h in trainer.state.log_history if "eval_ema_loss" in h]
+    return report
+
+
+def test_trainer_deepspeed_zero3_grad_accum_resume(tmp_path):
+    out = str(tmp_path)
+    full = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="full")
+    print(json.dumps(full[0]))
+    for r in full:
+        assert r["engine"] == "DeepSpeedEngine" and r["stage"] == 3 and r["gas"] == 2
+        assert r["global_steps"] == STEPS and r["ema_step"] == STEPS
+        assert r["bitwise"] == [True, True], r["max_diff"]
+        assert r["buffers_bitwise"] == [True, True]
+        assert r["ema_differs_from_live"]
+        assert r["eval_ema_steps"] == [4, 8] and r["eval_steps"] == [4, 8]
+        assert all(a != b for a, b in zip(r["ema_vs_live_loss"], r["live_loss"]))
+        assert "ema_manifest.json" in r["ckpt4_files"] and "buffers_rank_00001_of_00002.safetensors" in r["ckpt4_files"]
+    assert full[0]["export_equal"] is True
+    assert full[0]["export_strict"] == "<All keys matched successfully>"
+    assert full[0]["ckpt4_strict"] == "<All keys matched successfully>"
+
+    killed = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="interrupted")
+    assert all(r["killed"] for r in killed)
+    assert killed[0]["checkpoints"] == ["checkpoint-4"]
+
+    resumed = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="resume")
+    print(json.dumps(resumed[0]))
+    for r in resumed:
+        assert r["ema_step"] == STEPS
+        assert r["bitwise_vs_uninterrupted"] == [True, True]
+        assert r["buffers_vs_uninterrupted"] == [True, True]
+        assert r["eval_ema_steps"] == [4, 8]  # step 4 from the restored log history, step 8 new
+
+
+def test_trainer_ddp(tmp_path):
+    res = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=str(tmp_path), phase="ddp")
+    for r in res:
+        assert r["engine"] == "DistributedDataParallel"
+        assert r["bitwise"] == [True, True] and r["buffers_bitwise"] == [True, True]
+        assert r["eval_ema_steps"] == [4, 8]
+        assert "ema_manifest.json" in r["ema_files"]
