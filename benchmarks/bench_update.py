@@ -247,6 +247,19 @@ def _ema_engine(model: nn.Module, stage: int):
     return engine.module
 
 
+def timed_batch(fn, n: int, synchronize: bool = True) -> float:
+    """Seconds per call of ``n`` back-to-back calls of ``fn``, after a barrier across the ranks
+    (all ranks update at the same time, as in training)."""
+    if synchronize:
+        import torch.distributed as dist
+
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
 def overhead_table(sizes=(16, 516, 5000), reps: int = 60) -> list[dict]:
     """Cost of one ``fe.update`` call beyond the arithmetic, by number of tensors (one process).
 
@@ -307,10 +320,7 @@ def plain_module_table(rounds: int = 25, inner: int = 5, quick: bool = False) ->
     w = 1 - DECAY
 
     def batch(fn):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        return (time.perf_counter() - t0) / inner
+        return timed_batch(fn, inner, synchronize=False)
 
     lib = lambda: fe.update(state, fe.local_shards(model), decay=DECAY)  # noqa: E731
     foreach = lambda: torch._foreach_lerp_(ema_list, src_list, w)  # noqa: E731
@@ -436,12 +446,7 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
         dist.barrier()
         fn()
 
-    def batch(fn, n: int) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n
+    batch = timed_batch
 
     # The same paired method as _bench_config: per round roofline, X, X, roofline (or reversed).
     samples = {k: [] for k in approaches}
@@ -583,12 +588,7 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
     # each fast approach is compared with its roofline in the same moment: per round, batches in
     # the order roofline, approach, approach, roofline (or the reverse, alternating), and the
     # round's ratio is the approach's two batches over the roofline's two.
-    def batch(fn, n: int) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n
+    batch = timed_batch
 
     samples = {k: [] for k in approaches}  # seconds per call, one entry per batch
     # per round: [this approach's seconds, its roofline's seconds]; the report takes the slowest
