@@ -499,6 +499,8 @@ def test_pickling_refused_deepcopy_works():
     assert fe.local_shards(twin)["weight"].data_ptr() == twin.weight.data_ptr()
     buf = __import__("io").BytesIO()
     torch.save(model, buf)
+    assert b"functional_ema.engines" not in pickle.dumps(model)  # loading the pickle needs no functional_ema
+    assert pickle.loads(pickle.dumps(model)).__dict__["_functional_ema_reading"] is None
 
 
 def test_tree_map_over_shards_gives_plain_dicts():

@@ -79,14 +79,15 @@ class _Slot:
         return _Slot()
 
     def __reduce__(self):
-        return (_Slot, ())
+        # Unpickles as None: a pickled model must not need functional_ema to be loaded.
+        return (type(None), ())
 
 
 def known_adapter(x: Any) -> type | None:
     """The adapter class that read ``x`` last, if any (kept with its reading on ``x``)."""
     d = getattr(x, "__dict__", None)
     slot = d.get(_SLOT) if d is not None else None
-    return slot.adapter if slot is not None else None
+    return slot.adapter if isinstance(slot, _Slot) else None
 
 
 class Adapter:
@@ -102,7 +103,7 @@ class Adapter:
         """The current reading, made once and re-made only when ``_is_current`` says the one kept
         on the training object is stale (the buffers moved, the optimizer was replaced)."""
         slot = self.target.__dict__.get(_SLOT)
-        if slot is not None and slot.reading is not None and self._is_current(slot.reading):
+        if isinstance(slot, _Slot) and slot.reading is not None and self._is_current(slot.reading):
             return slot.reading
         reading = self._read()
         self.target.__dict__[_SLOT] = _Slot(reading, type(self))
