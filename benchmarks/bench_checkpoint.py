@@ -2,11 +2,13 @@
 
 Usage::
 
-    python benchmarks/bench_checkpoint.py [--world-size 2] [--stage 2] [--mib 192] [--repeat 3]
+    python benchmarks/bench_checkpoint.py [--world-size 2] [--stage 2] [--mib 192] [--repeat 4]
 
 Real DeepSpeed engines on CPU ranks (the shared harness ``tests/_multirank.py``). Each operation is
-timed as the slowest rank (the wall time of the collective save / load), best of ``--repeat``;
-GB/s = bytes moved / that time. Baselines over exactly the same tensors:
+timed as the slowest rank (the wall time of the collective save / load), best of ``--repeat``,
+the order of the competing readers rotated between repeats (on a VM the first read after a burst of
+writes is often several times slower: rotating gives every reader that slot equally; dirty pages
+are synced between timings, untimed). GB/s = bytes moved / that time. Baselines over exactly the same tensors:
 
 * save: ``safetensors.torch.save_file`` of this rank's pieces, with an fsync (our save fsyncs the
   file and the folder, since that is what makes it crash safe), and without one for reference.
@@ -131,6 +133,7 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
             timed("save", lambda: fe.save(state, engine, d, tag))
             timed("plain_save_fsync", lambda: plain_save(True))
             timed("plain_save_nofsync", lambda: plain_save(False))
+            os.sync()  # untimed: no dirty pages left for the kernel to write back during the next timings
             timed("copy", lambda: copy_dst.copy_(src_flat), after=False)
             dist.barrier()
             t0 = time.perf_counter()
@@ -139,10 +142,13 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
             h.wait()
             dist.barrier()
             times.setdefault("async_total", []).append(time.perf_counter() - t0)
-            timed("load", lambda: fe.load(engine, d, tag))
-            timed("load_noverify", lambda: fe.load(engine, d, tag, verify=False))
-            timed("plain_load_clone", plain_load_clone)
-            timed("plain_load_copy", plain_load_copy)
+            # The first read after the writes above is often several times slower on this VM (the
+            # host still writing back); rotating the order gives each reader that slot equally.
+            loads = [("load", lambda: fe.load(engine, d, tag)),
+                     ("load_noverify", lambda: fe.load(engine, d, tag, verify=False)),
+                     ("plain_load_clone", plain_load_clone), ("plain_load_copy", plain_load_copy)]
+            for name, fn in loads[i % len(loads):] + loads[: i % len(loads)]:
+                timed(name, fn)
             timed("open", lambda: _Checkpoint.open(d, tag, True).close())
         if repeat == 1:
             times["async_block"] = times["async_block_first"]
@@ -180,11 +186,15 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
 
             for i in range(repeat):
                 tag = f"bench{i}"
-                timed("consolidate_file", lambda: fe.consolidate_to_file(d, out, tag, progress=False), barrier=False)
-                timed("plain_consolidate_file", plain_to_file, barrier=False)
-                timed("consolidate_mem", lambda: fe.consolidate(d, tag), barrier=False)
-                timed("plain_consolidate_mem", plain_assemble, barrier=False)
-                timed("consolidate_mem_v1", lambda: fe.consolidate(d, "v1"), barrier=False)
+                ops = [("consolidate_file", lambda: fe.consolidate_to_file(d, out, tag, progress=False)),
+                       ("plain_consolidate_file", plain_to_file)]
+                for name, fn in ops if i % 2 == 0 else ops[::-1]:
+                    timed(name, fn, barrier=False)
+                    os.sync()
+                ops = [("consolidate_mem", lambda: fe.consolidate(d, tag)), ("plain_consolidate_mem", plain_assemble),
+                       ("consolidate_mem_v1", lambda: fe.consolidate(d, "v1"))]
+                for name, fn in ops[i % 3:] + ops[: i % 3]:
+                    timed(name, fn, barrier=False)
             check = fe.consolidate(d, f"bench{repeat - 1}")
             same = all(torch.equal(check[n], t) for n, t in load_file(str(out)).items())
             same = same and all(torch.equal(check[n], t) for n, t in fe.consolidate(d, f"async{repeat - 1}").items())
@@ -219,7 +229,7 @@ def main(argv=None) -> None:
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
     ap.add_argument("--mib", type=int, default=192, help="model size (fp32 MiB); each EMA is this big in total")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
     args = ap.parse_args(argv)
 

@@ -24,6 +24,8 @@ import optree
 import optree.registry
 import torch
 
+from . import _memory
+
 __all__ = ["SegmentIndex", "Shards", "clone_tree", "shards_from_views"]
 
 # Two views of one source buffer stay in one segment while the gap between them is at most this
@@ -173,17 +175,18 @@ class Shards(Mapping):
         ``fill`` copies the values of every named tensor (gaps between them are zero); otherwise the
         memory is uninitialised, for a caller that overwrites every value.
         """
+        gapless = fill and self._gapless()
         segs = []
         for seg in self.segments:
             target = torch.device(device) if device is not None else seg.device
             # Pinning needs a CUDA runtime; without one there is no device-to-host copy to speed up.
             pin = pin_memory and target.type == "cpu" and torch.cuda.is_available()
-            alloc = torch.zeros if fill else torch.empty
-            segs.append(alloc(seg.shape, dtype=dtype, device=target, pin_memory=pin))
+            new = _memory.empty(seg.shape, dtype=dtype, device=target, pin_memory=pin)
+            segs.append(new.zero_() if fill and not gapless else new)
         out = Shards(segs, self.index)
         if fill:
             with torch.no_grad():
-                if self._gapless():
+                if gapless:
                     for dst, src in zip(segs, self.segments):
                         dst.copy_(src)
                 else:  # copy the named tensors only: gaps may hold uninitialised padding
@@ -195,7 +198,7 @@ class Shards(Mapping):
         """Copies of the segments (same dtype, device, pinning), same index."""
         segs = []
         for seg in self.segments:
-            new = torch.empty(seg.shape, dtype=seg.dtype, device=seg.device, pin_memory=seg.is_pinned())
+            new = _memory.empty(seg.shape, dtype=seg.dtype, device=seg.device, pin_memory=seg.is_pinned())
             segs.append(new.copy_(seg))
         return Shards(segs, self.index)
 

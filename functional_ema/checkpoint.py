@@ -44,6 +44,7 @@ Resuming::
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno as _errno
 import json
@@ -62,7 +63,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _io
+from . import _io, _memory
 from ._core import _allocate
 from ._layout import ShardLayout, ShardSpec
 from ._state import EmaState
@@ -1173,12 +1174,9 @@ class _Checkpoint:
 
     # -- reading pieces
 
-    def fill(self, dst: torch.Tensor, k: int, name: str, start: int, numel: int, verify: bool,
-             verifier: _io.Verifier | None = None) -> None:
-        """Write elements ``[start, start + numel)`` of flattened EMA ``k`` of ``name`` into 1-D ``dst``.
-
-        With ``verifier``, checksums of whole pieces are checked in the background (see :func:`_verifying`).
-        """
+    def fill(self, dst: torch.Tensor, k: int, name: str, start: int, numel: int, verify: bool) -> None:
+        """Write elements ``[start, start + numel)`` of flattened EMA ``k`` of ``name`` into 1-D ``dst``,
+        checking the checksums of every byte read when ``verify``."""
         stop, cursor, key = start + numel, start, _key(k, name)
         for off, cnt, i in self.pieces[name]:
             if cursor >= stop:
@@ -1197,7 +1195,7 @@ class _Checkpoint:
             out = dst[cursor - start : upto - start]
             try:
                 if cursor == off and upto == end:
-                    f.st.read_into(key, out, crcs, verifier, context, f.algo)
+                    f.st.read_into(key, out, crcs, context, f.algo)
                 else:
                     out.copy_(f.st.read_range(key, cursor - off, upto - off, crcs, context, f.algo))
             except _io.FormatError as err:
@@ -1208,20 +1206,25 @@ class _Checkpoint:
             raise IncompleteCheckpointError(f"tag {self.tag!r}: elements [{cursor}, {stop}) of {name!r} are in no saved piece")
 
 
-@contextlib.contextmanager
-def _verifying():
-    """A :class:`_io.Verifier` whose background checks finish (and raise) when the block ends."""
-    verifier = _io.Verifier()
-    try:
-        yield verifier
-    except BaseException:
-        with contextlib.suppress(Exception):
-            verifier.wait()  # let the workers finish with the buffers; the first error wins
-        raise
-    try:
-        verifier.wait()
-    except _io.FormatError as err:
-        raise CorruptCheckpointError(str(err)) from None
+def _fill_all(ckpt: _Checkpoint, jobs: list[tuple[torch.Tensor, int, str, int, int]], verify: bool) -> None:
+    """``ckpt.fill(*job, verify)`` for every job, spread over the shared I/O threads.
+
+    Each thread reads (positional reads, GIL released) and hashes its own tensors, so reading and
+    checking use every core the process may use; with one thread it is a plain loop. Every job
+    has finished when this returns or raises (the first failure, in job order).
+    """
+    def run(job):
+        with torch.no_grad():
+            ckpt.fill(*job, verify)
+
+    if len(jobs) < 2 or _io.io_threads() < 2:
+        for job in jobs:
+            run(job)
+        return
+    futures = [_io._pool().submit(run, job) for job in jobs]
+    concurrent.futures.wait(futures)
+    for fut in futures:
+        fut.result()
 
 
 def read_manifest(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> dict:
@@ -1297,10 +1300,10 @@ def load(
                             ckpt.world_size, ckpt.stage, layout.world_size, layout.stage)
             # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
             state = _allocate(adapter_for(engine).read().shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
-            with _verifying() as verifier, torch.no_grad():
-                for k in range(ckpt.num_emas):
-                    for n, spec in layout.specs.items():
-                        ckpt.fill(state.emas[k][n].view(-1), k, n, spec.offset, spec.numel, verify, verifier)
+            with torch.no_grad():
+                jobs = [(state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
+                        for k in range(ckpt.num_emas) for n, spec in layout.specs.items()]
+            _fill_all(ckpt, jobs, verify)
             box["state"] = state
         return None
 
@@ -1340,12 +1343,8 @@ def consolidate(
     """
     with _Checkpoint.open(checkpoint_dir, tag, verify) as ckpt:
         ckpt.check_index(index)
-        out = {}
-        with _verifying() as verifier:
-            for name, shape in ckpt.shapes.items():
-                full = torch.empty(math.prod(shape), dtype=ckpt.dtype)
-                ckpt.fill(full, index, name, 0, full.numel(), verify, verifier)
-                out[name] = full.view(shape)
+        out = {name: _memory.empty(shape, dtype=ckpt.dtype) for name, shape in ckpt.shapes.items()}
+        _fill_all(ckpt, [(t.view(-1), index, name, 0, t.numel()) for name, t in out.items()], verify)
         return out
 
 
@@ -1481,14 +1480,14 @@ def consolidate_to_file(
         total = sum(math.prod(s) for s in ckpt.shapes.values()) * itemsize
         bar = _progress(total, progress, f"consolidate {ckpt.tag}")
         try:
+            # One buffer, the size of the largest parameter, reused for each (faulted in once).
+            buffer = _memory.empty(max((math.prod(s) for s in ckpt.shapes.values()), default=0), dtype=ckpt.dtype)
             with _io.StreamingWriter(out_path, entries, meta, checksums=False) as w:
                 for name, shape in ckpt.shapes.items():
-                    full = torch.empty(math.prod(shape), dtype=ckpt.dtype)
-                    with _verifying() as verifier:  # input checksums are checked during the write; a mismatch aborts
-                        ckpt.fill(full, index, name, 0, full.numel(), verify, verifier)
-                        w.write(name, full)
+                    full = buffer[: math.prod(shape)]
+                    ckpt.fill(full, index, name, 0, full.numel(), verify)  # checked before it is written
+                    w.write(name, full)
                     bar.update(full.numel() * itemsize)
-                    del full
                 w.commit()
         finally:
             bar.close()
