@@ -156,33 +156,93 @@ def _check(report: dict, world: int) -> None:
     assert report["load_bitwise"] and report["load_fused"] and report["consolidate_equal"]
 
 
-def test_plain_module_world1(tmp_path):
+@pytest.mark.parametrize("flat", [False, True], ids=["own-memory", "flatten_parameters"])
+def test_plain_module_world1(tmp_path, flat):
     torch.manual_seed(0)
     model = TiedNet()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    _check(run_checks(model, opt, str(tmp_path / "ckpt"), rank=0, world=1, make_fresh=TiedNet), world=1)
+    if flat:
+        assert _step_twice_then_flatten(model, opt) == (6, True)
+    report = run_checks(model, opt, str(tmp_path / "ckpt"), rank=0, world=1, make_fresh=TiedNet)
+    _check(report, world=1)
+    assert len(fe.local_shards(model).segments) == (1 if flat else 6)
 
 
-def ddp_worker(save_dir: str) -> dict:
+def _step_twice_then_flatten(model, opt) -> tuple[int, bool]:
+    """Train two steps (optimizer state exists), ``flatten_parameters``, and compare two more steps
+    against an untouched twin: returns (parameters moved, training bitwise equal)."""
+    from functional_ema.engines.module import flatten_parameters
+
+    for step in (201, 202):
+        _train_step(model, opt, step)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    moved = flatten_parameters(model)
+    same = True
+    for step in (203, 204):
+        _train_step(model, opt, step)
+        _train_step(twin, twin_opt, step)
+        same = same and all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    return moved, same
+
+
+def test_flatten_parameters_moves_trainable_contiguous_parameters_only():
+    from functional_ema.engines.module import flatten_parameters
+
+    torch.manual_seed(0)
+    model = TiedNet()
+    model.head.weight.data = model.head.weight.data.t().contiguous().t()  # non-contiguous: stays put
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = {n: id(p) for n, p in model.named_parameters()}
+    frozen_ptr, head_ptr = model.frozen.data_ptr(), model.head.weight.data_ptr()
+    assert flatten_parameters(model) == 5  # emb.weight, mid.weight, mid.bias, norm.weight, norm.bias
+    after = dict(model.named_parameters())
+    assert all(id(after[n]) == ids[n] and torch.equal(after[n], before[n]) for n in before)
+    assert model.frozen.data_ptr() == frozen_ptr and model.head.weight.data_ptr() == head_ptr
+    storages = {p.untyped_storage().data_ptr() for n, p in after.items() if n not in ("frozen", "head.weight")}
+    assert len(storages) == 1
+    assert len(fe.local_shards(model).segments) == 2  # the flat buffer and head.weight
+    _train_step(model, opt, 1)  # the optimizer still holds the same parameter objects
+    assert not torch.equal(model.emb.weight, before["emb.weight"])
+
+
+def ddp_worker(save_dir: str, flat: bool = False) -> dict:
     import torch.distributed as dist
 
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(TiedNet())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    flat_info = None
+    if flat:  # after wrapping in DDP: DDP keeps averaging the gradients of the moved parameters
+        twin = nn.parallel.DistributedDataParallel(copy.deepcopy(model.module))
+        twin_opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2)
+        from functional_ema.engines.module import flatten_parameters
+
+        moved = flatten_parameters(model)
+        for step in (201, 202, 203):
+            _train_step(model, opt, step, dist.get_rank())
+            _train_step(twin, twin_opt, step, dist.get_rank())
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+        flat_info = [moved, same, len(fe.local_shards(model).segments)]
     report = run_checks(model, opt, save_dir, dist.get_rank(), dist.get_world_size(),
                         make_fresh=lambda: nn.parallel.DistributedDataParallel(TiedNet()))
     layout = fe.shard_layout(model)
     report["layout"] = [layout.rank, layout.world_size, layout.stage, layout.engine]
     files = sorted(p.name for p in (Path(save_dir) / report["tag"]).iterdir())
     report["files"] = files
+    report["flat"] = flat_info
     return report
 
 
-def test_ddp_two_ranks(tmp_path):
-    reports = run_ranks("tests.test_module:ddp_worker", world_size=2, timeout=300, save_dir=str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("flat", [False, True], ids=["own-memory", "flatten_parameters"])
+def test_ddp_two_ranks(tmp_path, flat):
+    reports = run_ranks("tests.test_module:ddp_worker", world_size=2, timeout=300, save_dir=str(tmp_path / "ckpt"), flat=flat)
     for rank, rep in enumerate(reports):
         _check(rep, world=2)
         assert rep["layout"] == [rank, 2, 0, "module"]  # replicated: whole parameters on every rank
+        assert rep["flat"] == ([6, True, 1] if flat else None), rep["flat"]
     # Replicated weights: one rank file (rank 0's) and the manifest.
     assert reports[0]["files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
 
