@@ -20,6 +20,7 @@ parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
 parser.add_argument("--save-at", type=int, default=4)
 parser.add_argument("--stop-at", type=int, default=None, help="stop right after this step (as if killed)")
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--async-save", action="store_true", help="write the EMA files in the background")
 args = parser.parse_args()
 
 GA = 2
@@ -40,7 +41,8 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
-ema = AcceleratorEMA(accelerator, model, decay=[0.9, fe.schedules.power(sigma_rel=0.1)], buffers="average")
+ema = AcceleratorEMA(accelerator, model, decay=[0.9, fe.schedules.power(sigma_rel=0.1)], buffers="average",
+                     async_save=args.async_save)
 ckpt = f"{args.out}/ckpt"
 if args.resume:
     accelerator.load_state(ckpt)  # DeepSpeed's engine, then the EMA (any world size: it reshards)
@@ -75,4 +77,5 @@ with torch.no_grad():
     with ema.swapped():  # EMA 0's weights and BatchNorm statistics
         ema_loss = nn.functional.mse_loss(model(x_val), y_val).item()
 accelerator.print(f"step {ema.optimizer_step}: raw eval loss {raw:.4f}, EMA eval loss {ema_loss:.4f}")
+ema.wait()  # with --async-save: the step-4 EMA files are complete (exiting would wait for them too)
 ema.export(f"{args.out}/ema.safetensors")  # consolidated EMA 0 + buffers, loads with strict=True

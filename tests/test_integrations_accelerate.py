@@ -37,12 +37,18 @@ def test_accelerate_deepspeed_save_load_state_resume(tmp_path):
     from torch import nn
 
     import functional_ema as fe
+    from functional_ema.checkpoint import read_manifest
 
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600, argv=["--out", full])
-    run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600, argv=["--out", part, "--stop-at", "5"])
+    # The interrupted run writes its EMA in the background (async_save) and exits one step after
+    # the save: the process waits for the write, and the resumed run ends bitwise as the full one.
+    run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600,
+              argv=["--out", part, "--stop-at", "5", "--async-save"])
     assert not (tmp_path / "part" / "ema.safetensors").exists()  # stopped before the end
-    run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600, argv=["--out", part, "--resume"])
+    assert read_manifest(tmp_path / "part" / "ckpt", "ema")["step"] == 4
+    run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600,
+              argv=["--out", part, "--resume", "--async-save"])
     a, b = load_file(f"{full}/ema.safetensors"), load_file(f"{part}/ema.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
     # strict load into the plain model (parameters and BatchNorm buffers)
@@ -52,8 +58,6 @@ def test_accelerate_deepspeed_save_load_state_resume(tmp_path):
     ckpt = tmp_path / "full" / "ckpt"
     names = sorted(p.name for p in (ckpt / "ema").iterdir())
     assert "ema_rank_00000_of_00002.safetensors" in names and "ema_rank_00001_of_00002.safetensors" in names
-    from functional_ema.checkpoint import read_manifest
-
     m = read_manifest(ckpt, "ema")
     assert m["step"] == 4 and m["zero_stage"] == 3 and m["world_size"] == 2
     sd = fe.buffers.consolidate(ckpt, "ema")

@@ -77,6 +77,11 @@ class EMAController:
         copy_to_model: at the end of training, copy EMA ``eval_index`` into the model's weights.
         tag: the tag folder name inside each checkpoint folder.
         dtype: EMA dtype (fp32).
+        async_save: write the EMA files in the background (:class:`functional_ema.AsyncSaver`):
+            :meth:`save` returns after a memory copy of this rank's EMA, the write overlaps the
+            training that follows, and a failure is raised at the next :meth:`save`, at
+            :meth:`wait`, :meth:`load` or at the end of training. A process that exits waits for
+            the write to finish.
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class EMAController:
         copy_to_model: bool = False,
         tag: str = "ema",
         dtype: torch.dtype = torch.float32,
+        async_save: bool = False,
     ):
         self.decays = list(decay) if isinstance(decay, (list, tuple)) else [decay]
         if not self.decays:
@@ -124,6 +130,7 @@ class EMAController:
         self.copy_to_model_at_end = copy_to_model
         self.state: fe.EmaState | None = None
         self.buffer_state: fb.BufferState | None = None
+        self._saver = fe.AsyncSaver() if async_save else None
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -201,12 +208,21 @@ class EMAController:
             return tag_dir
         if self.buffer_state is not None:
             fb.save_buffers(self.buffer_state, x, save_dir, self.tag, mode=self.buffers)
+        if self._saver is not None:
+            self._saver.save(self.state, x, save_dir, self.tag, decay=self.decay)  # manifest last, in the background
+            return tag_dir
         return fe.save(self.state, x, save_dir, self.tag, decay=self.decay)
+
+    def wait(self) -> None:
+        """Wait for the EMA writes in flight (``async_save=True``); raise a failure of one."""
+        if self._saver is not None:
+            self._saver.wait()
 
     def load(self, x: Any, load_dir: str | os.PathLike, framework_step: int | None = None) -> None:
         """Restore this rank's state from ``load_dir/<tag>/`` (any world size or engine: ``fe.load``
         reshards). Collective. ``framework_step`` (the step the framework resumed at) is checked: an
         EMA ahead of it belongs to another run."""
+        self.wait()  # a write of this process in flight finishes first
         load_dir = Path(load_dir)
         info_path = load_dir / self.tag / INTEGRATION_FILE
         info = json.loads(info_path.read_text()) if info_path.is_file() else None
@@ -321,7 +337,8 @@ class EMAController:
         _barrier()
 
     def on_train_end(self, x: Any, strip_prefix: str = "") -> None:
-        """The configured final export and/or copy into the model."""
+        """Wait for the EMA writes in flight, then the configured final export and/or copy into the model."""
+        self.wait()
         if self.state is None:
             return
         if self.export_path is not None:

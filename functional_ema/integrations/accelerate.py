@@ -49,7 +49,7 @@ class AcceleratorEMA:
         model: what ``accelerator.prepare`` returned for the model (a DeepSpeed engine, a DDP or
             FSDP2 model, or the module).
         decay, every_n_steps, start_step, buffers, eval_index, posthoc_dir, posthoc_every,
-        export_path, copy_to_model, tag: as for :class:`functional_ema.integrations.EMAController`.
+        export_path, copy_to_model, tag, async_save: as for :class:`functional_ema.integrations.EMAController`.
     """
 
     def __init__(self, accelerator, model, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any):
@@ -103,6 +103,10 @@ class AcceleratorEMA:
     def copy_to_model(self, index: int | None = None) -> None:
         """Overwrite the model's weights with EMA ``index`` (end of training). Collective."""
         self.ema.copy_to_model(self.model, index)
+
+    def wait(self) -> None:
+        """Wait for the EMA writes in flight (``async_save=True``); raise a failure of one."""
+        self.ema.wait()
 
     def end(self) -> None:
         """The configured final export / copy into the model (``export_path=``, ``copy_to_model=``)."""

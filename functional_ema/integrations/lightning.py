@@ -60,7 +60,7 @@ class EMACallback(pl.Callback):
 
     Args:
         decay, every_n_steps, start_step, buffers, eval_index, posthoc_dir, posthoc_every,
-        export_path, copy_to_model, tag: as for :class:`functional_ema.integrations.EMAController`.
+        export_path, copy_to_model, tag, async_save: as for :class:`functional_ema.integrations.EMAController`.
     """
 
     def __init__(self, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any):

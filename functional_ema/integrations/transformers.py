@@ -47,7 +47,7 @@ class EMACallback(TrainerCallback):
 
     Args:
         decay, every_n_steps, start_step, buffers, eval_index, posthoc_dir, posthoc_every,
-        export_path, copy_to_model, tag: as for :class:`functional_ema.integrations.EMAController`.
+        export_path, copy_to_model, tag, async_save: as for :class:`functional_ema.integrations.EMAController`.
         metric_prefix: prefix of the metrics of the evaluation with EMA weights.
     """
 
