@@ -1300,9 +1300,8 @@ def load(
                             ckpt.world_size, ckpt.stage, layout.world_size, layout.stage)
             # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
             state = _allocate(adapter_for(engine).read().shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
-            with torch.no_grad():
-                jobs = [(state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
-                        for k in range(ckpt.num_emas) for n, spec in layout.specs.items()]
+            jobs = [(state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
+                    for k in range(ckpt.num_emas) for n, spec in layout.specs.items()]
             _fill_all(ckpt, jobs, verify)
             box["state"] = state
         return None
