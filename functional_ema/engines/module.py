@@ -125,11 +125,9 @@ def flatten_parameters(model: torch.nn.Module) -> int:
         1
     """
     inner = model.module if is_ddp(model) else model
-    seen: set[int] = set()
     groups: dict[tuple, list[torch.nn.Parameter]] = {}
-    for p in inner.parameters():
-        if p.requires_grad and id(p) not in seen and p.is_contiguous():
-            seen.add(id(p))
+    for p in inner.parameters():  # tied parameters are listed once
+        if p.requires_grad and p.is_contiguous():
             groups.setdefault((p.device, p.dtype, p.device.type == "cpu" and p.is_pinned()), []).append(p)
     moved = 0
     with torch.no_grad():
