@@ -768,6 +768,10 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
             f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
             f"{ratio['roofline_again']:.2f}",
         ]))
+        checks.append(((w, "fsdp2 after flatten_local_shards", model), [
+            f"{ratio['lib_one_buffer']:.2f} ({ratio['lib_one_buffer_update_only']:.2f})", "-", "-",
+            f"{max(r['comm']['lib_one_buffer'][1] for r in reps)}", "-", f"{ratio['roofline_again']:.2f}",
+        ]))
     lines.append("\n### Targets")
     lines.append("")
     lines.append(
@@ -777,7 +781,7 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
     )
     lines.append("|---|---|---|---|---|---|---|")
     for (w, stage, model), vals in checks:
-        engine = "FSDP2" if stage == "fsdp2" else f"ZeRO-{stage}"
+        engine = stage.replace("fsdp2", "FSDP2") if str(stage).startswith("fsdp2") else f"ZeRO-{stage}"
         lines.append(f"| {engine}, {w} ranks, {model} | " + " | ".join(vals) + " |")
     if plain is not None:
         lines.append(f"\n### Plain module (one process; DDP does the same work per rank): {plain['tensors']} tensors, "

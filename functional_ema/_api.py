@@ -43,14 +43,17 @@ def local_shards(x: Any) -> Shards:
         A read-only :class:`Shards` ``{name: view}``, no copy, in ``named_parameters()`` order, the
         same names on every rank: DeepSpeed's fp32 master pieces (1-D), FSDP2's local fp32 shards
         (dim-0 rows, the real unpadded length), or the whole trainable parameters of a plain/DDP
-        model. A rank that owns none of a parameter gets an empty tensor. Frozen parameters
-        (``requires_grad=False``) are left out (they never change: they are their own EMA); tied
-        parameters appear once, under their first name. ``shard_layout(x).specs[name]`` places
-        each piece in the full parameter.
+        model. A rank that owns none of a parameter gets an empty tensor. Parameters frozen
+        (``requires_grad=False``) when ``x`` is first read are left out (they never change: they
+        are their own EMA); one frozen later keeps its place, its EMA averaging its now-constant
+        value (as DeepSpeed's fp32 masters, fixed at engine init, do), and one unfrozen later is
+        read in (then :func:`update` refuses the state that lacks it, naming it). Tied parameters
+        appear once, under their first name. ``shard_layout(x).specs[name]`` places each piece in
+        the full parameter.
 
-    The reading is kept on ``x`` and re-made only when the weights' memory moves, so calling it
-    every step costs microseconds and returns the same object, which :func:`update` recognises
-    with one identity check.
+    The reading is kept on ``x`` and re-made only when the weights' memory moves or parameters
+    are replaced, added or unfrozen, so calling it every step costs microseconds and returns the
+    same object, which :func:`update` recognises with one identity check.
 
     Example:
         >>> state = fe.init_ema(fe.local_shards(engine))            # doctest: +SKIP

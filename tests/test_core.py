@@ -298,12 +298,30 @@ def test_rebinding_data_of_a_weight_is_seen():
     fe.update(state, fe.local_shards(model), decay=0.5)  # a new reading, same layout: still fused
     assert torch.equal(state.ema["weight"], expect)
     assert info(state, fe.local_shards(model)).fused
-    # Replacing a Parameter object, or freezing one, changes what is tracked: refused by name.
+    # A replaced Parameter object is read again under its name.
     model.bias = torch.nn.Parameter(torch.randn(3))
     fe.update(state, fe.local_shards(model), decay=0.5)
+    # Freezing a parameter read keeps its place, also when the reading is re-made for another reason:
+    # its EMA goes on averaging its now-constant value.
     model.bias.requires_grad_(False)
+    model.weight.data = torch.randn(3, 4)
+    expect = state.ema["bias"].clone().lerp_(model.bias.detach(), 0.5)
+    fe.update(state, fe.local_shards(model), decay=0.5)
+    assert "bias" in fe.local_shards(model) and torch.equal(state.ema["bias"], expect)
+    # Unfreezing a parameter frozen when the model was first read changes what is tracked: refused by name.
+    partly_frozen = torch.nn.Linear(4, 3)
+    partly_frozen.bias.requires_grad_(False)
+    state = fe.init_ema(fe.local_shards(partly_frozen))
+    assert list(state.ema) == ["weight"]
+    partly_frozen.bias.requires_grad_(True)
     with pytest.raises(fe.TreeMismatchError, match="'bias'"):
-        fe.update(state, fe.local_shards(model), decay=0.5)
+        fe.update(state, fe.local_shards(partly_frozen), decay=0.5)
+    # Progressive unfreezing (the README's recipe): read the model before freezing anything.
+    staged = torch.nn.Linear(4, 3)
+    first = fe.local_shards(staged)
+    staged.bias.requires_grad_(False)
+    staged.bias.requires_grad_(True)
+    assert fe.local_shards(staged) is first and list(first) == ["weight", "bias"]
 
 
 def test_two_states_on_the_same_shards():

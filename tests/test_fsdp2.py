@@ -327,20 +327,34 @@ def _guards():
     fully_shard(m2, mesh=mesh2)  # HSDP: a 2-D mesh
     out["hsdp"] = error_of(lambda: fe.local_shards(m2))
 
-    # the reading is kept while current and re-made when FSDP2 replaces or freezes a parameter
+    # the reading is kept while current and re-made when FSDP2 replaces a parameter or one is unfrozen;
+    # a parameter frozen after the first reading keeps its place, also in readings re-made later
     model, opt = _fsdp_model(0, "fp32", True)
     first = fe.local_shards(model)
     model.norm.weight.requires_grad_(False)
-    frozen_now = fe.local_shards(model)
-    out["refreeze_rereads"] = frozen_now is not first and "norm.weight" not in frozen_now and "norm.weight" in first
-    model.norm.weight.requires_grad_(True)
+    out["freeze_keeps_reading"] = fe.local_shards(model) is first and "norm.weight" in first and "frozen" not in first
+    model.frozen.requires_grad_(True)  # frozen from the start: unfreezing it is seen
     again = fe.local_shards(model)
-    out["unfreeze_rereads"] = again is not frozen_now and "norm.weight" in again
+    out["unfreeze_rereads"] = again is not first and "frozen" in again and "norm.weight" in again
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.load_state_dict(sd, assign=True)  # FSDP2 installs new sharded parameters
     replaced = fe.local_shards(model)
     p = dict(model.named_parameters())["emb.weight"]
-    out["assign_rereads"] = replaced is not again and replaced["emb.weight"].data_ptr() == p._local_tensor.data_ptr()
+    out["assign_rereads"] = (
+        replaced is not again and replaced["emb.weight"].data_ptr() == p._local_tensor.data_ptr()
+        and "norm.weight" in replaced
+    )
+    model.float()  # module._apply: swap_tensors gives every parameter a new local tensor object
+    moved = fe.local_shards(model)
+    live = dict(model.named_parameters())
+    out["apply_rereads"] = moved is not replaced and all(t.data_ptr() == live[n]._local_tensor.data_ptr() for n, t in moved.items())
+    # a replaced reading takes its load_state_dict post-hooks with it; a current one adds none
+    hooks = len(model.norm._load_state_dict_post_hooks)
+    model.load_state_dict(model.state_dict())
+    reloaded = fe.local_shards(model)
+    out["load_rereads_without_piling_hooks"] = (
+        reloaded is not moved and fe.local_shards(model) is reloaded and len(model.norm._load_state_dict_post_hooks) == hooks
+    )
     return out
 
 
@@ -504,11 +518,12 @@ def test_unsupported_placements_are_refused_naming_the_parameter(trained):
             assert g["hsdp"] and "'0.weight'" in g["hsdp"] and "2-D mesh" in g["hsdp"], g["hsdp"]
 
 
-def test_reading_is_remade_when_fsdp2_replaces_or_freezes_parameters(trained):
+def test_reading_is_remade_when_fsdp2_replaces_or_unfreezes_parameters(trained):
     for world, per_rank in trained.items():
         for res in per_rank:
             g = res["guards"]
-            assert g["refreeze_rereads"] and g["unfreeze_rereads"] and g["assign_rereads"], g
+            assert g["freeze_keeps_reading"] and g["unfreeze_rereads"] and g["assign_rereads"], g
+            assert g["apply_rereads"] and g["load_rereads_without_piling_hooks"], g
 
 
 def test_save_then_load_in_a_fresh_process_group_is_bitwise(trained, reloaded):

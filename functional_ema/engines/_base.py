@@ -91,7 +91,7 @@ def known_adapter(x: Any) -> type | None:
 
 
 class Adapter:
-    """Base class: subclasses implement ``_read`` and ``_token`` and may override ``swap``."""
+    """Base class: subclasses implement ``_read`` and ``_is_current`` and may override ``swap``."""
 
     name = "?"
 
@@ -103,13 +103,20 @@ class Adapter:
         """The current reading, made once and re-made only when ``_is_current`` says the one kept
         on the training object is stale (the buffers moved, the optimizer was replaced)."""
         slot = self.target.__dict__.get(_SLOT)
-        if isinstance(slot, _Slot) and slot.reading is not None and self._is_current(slot.reading):
-            return slot.reading
-        reading = self._read()
+        previous = None
+        if isinstance(slot, _Slot) and slot.reading is not None:
+            if self._is_current(slot.reading):
+                return slot.reading
+            previous = slot.reading
+            close = getattr(previous.token, "close", None)
+            if close is not None:  # e.g. hooks the stale reading registered on the model
+                close()
+        reading = self._read(previous)
         self.target.__dict__[_SLOT] = _Slot(reading, type(self))
         return reading
 
-    def _read(self) -> Reading:  # pragma: no cover - abstract
+    def _read(self, previous: Reading | None) -> Reading:  # pragma: no cover - abstract
+        """A new reading; ``previous`` is the stale one it replaces (``None`` the first time)."""
         raise NotImplementedError
 
     def _is_current(self, reading: Reading) -> bool:  # pragma: no cover - abstract
@@ -127,6 +134,24 @@ class Adapter:
     def swap(self, reading: Reading, pieces: Mapping[str, torch.Tensor], state, index: int):
         """Context manager: the forward computes with ``pieces`` (this rank's EMA pieces)."""
         return swap_by_copy(reading, pieces)
+
+
+def is_read(name: str, param: torch.Tensor, previous: Reading | None) -> bool:
+    """Whether a parameter belongs in a reading: trainable now, or in the reading this one replaces.
+
+    So a parameter frozen after the model was first read keeps its place (its EMA goes on averaging
+    its now-constant value, as DeepSpeed's fp32 master copy, fixed at engine init, does), also when
+    the reading is re-made for another reason; one frozen from the start is left out.
+    """
+    return param.requires_grad or (previous is not None and name in previous.params)
+
+
+try:  # one C loop over the tensors, stopping at the first that requires grad
+    any_requires_grad = torch._C._any_requires_grad
+except AttributeError:  # pragma: no cover - older torch
+
+    def any_requires_grad(*tensors: torch.Tensor) -> bool:
+        return any(t.requires_grad for t in tensors)
 
 
 def world_of(group: Any) -> tuple[int, int]:

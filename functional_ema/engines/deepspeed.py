@@ -54,7 +54,7 @@ class DeepSpeedAdapter(Adapter):
         opt, ptrs = reading.token
         return self.target.optimizer is opt and tuple(map(_data_ptr, _master_buffers(opt, reading.layout.stage))) == ptrs
 
-    def _read(self) -> Reading:
+    def _read(self, previous: Reading | None = None) -> Reading:
         engine = self.target
         reason = unsupported_reason(engine)
         if reason:

@@ -2,7 +2,8 @@
 
 Every rank holds whole parameters (DDP keeps them identical on every rank), so the layout is the
 replicated one, as for ZeRO-0: each piece is a whole parameter, rank ``r`` of the DDP group, stage 0.
-The pieces are the trainable parameters themselves (``requires_grad``), no copy.
+The pieces are the trainable parameters themselves (``requires_grad`` when first read, see
+``_base.is_read``), no copy.
 """
 
 from __future__ import annotations
@@ -15,23 +16,21 @@ import torch.distributed as dist
 
 from .._layout import ShardLayout, ShardSpec
 from .._shards import shards_from_views
-from ._base import Adapter, Reading, world_of
+from ._base import Adapter, Reading, any_requires_grad, is_read, world_of
 
 __all__ = ["ModuleAdapter", "is_ddp", "flatten_parameters"]
 
 _data_ptr = torch.Tensor.data_ptr
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class _Check(NamedTuple):
     """What a plain module's reading depends on, gathered once so re-checking needs no tree walk."""
 
-    trained: tuple  # the trainable parameters read
+    trained: tuple  # the parameters read
     pointers: tuple  # their data pointers
     owners: tuple  # the `_parameters` dict of the module owning each (first name)
     names: tuple  # each one's name in that dict
-    every: tuple  # every distinct parameter (frozen ones too)
-    requires_grad: tuple  # their requires_grad flags
+    frozen: tuple  # the parameters left out as frozen (unfreezing one is seen)
     param_dicts: tuple  # every module's `_parameters` ...
     module_dicts: tuple  # ... and `_modules` dict
     count: int  # total entries of those dicts
@@ -43,14 +42,14 @@ class _Check(NamedTuple):
             owner_name, _, leaf = full.rpartition(".")
             owners.append(module.get_submodule(owner_name)._parameters)
             names.append(leaf)
-        every = tuple(module.parameters())
+        read = {id(p) for p in params.values()}
+        frozen = tuple(p for p in module.parameters() if id(p) not in read)
         mods = list(module.modules())
         param_dicts = tuple(m._parameters for m in mods)
         module_dicts = tuple(m._modules for m in mods)
         trained = tuple(params.values())
-        return cls(trained, tuple(map(_data_ptr, trained)), tuple(owners), tuple(names), every,
-                   tuple(map(_REQUIRES_GRAD, every)), param_dicts, module_dicts,
-                   sum(map(len, param_dicts)) + sum(map(len, module_dicts)))
+        return cls(trained, tuple(map(_data_ptr, trained)), tuple(owners), tuple(names), frozen,
+                   param_dicts, module_dicts, sum(map(len, param_dicts)) + sum(map(len, module_dicts)))
 
 
 def is_ddp(x: Any) -> bool:
@@ -65,11 +64,11 @@ class ModuleAdapter(Adapter):
     def module(self) -> torch.nn.Module:
         return self.target.module if is_ddp(self.target) else self.target
 
-    def _params(self) -> list[tuple[str, torch.nn.Parameter]]:
+    def _params(self, previous: Reading | None) -> list[tuple[str, torch.nn.Parameter]]:
         seen: set[int] = set()
         out = []
         for name, p in self.module().named_parameters():  # tied weights: once, under the first name
-            if p.requires_grad and id(p) not in seen:
+            if is_read(name, p, previous) and id(p) not in seen:
                 seen.add(id(p))
                 out.append((name, p))
         return out
@@ -78,17 +77,18 @@ class ModuleAdapter(Adapter):
         # What could make the reading stale, each checked without walking the module tree (a
         # walk costs milliseconds for a few hundred parameters): a parameter's memory moved
         # (module.to(...), load_state_dict(assign=True)); a parameter object was replaced; one
-        # was frozen or unfrozen; a parameter or submodule was added or removed anywhere.
+        # left out as frozen was unfrozen; a parameter or submodule was added or removed anywhere.
+        # (Freezing a parameter read changes nothing: see _base.is_read.)
         check = reading.token
         return (
             tuple(map(_data_ptr, check.trained)) == check.pointers
             and all(map(operator.is_, map(dict.get, check.owners, check.names), check.trained))
-            and tuple(map(_REQUIRES_GRAD, check.every)) == check.requires_grad
+            and not any_requires_grad(*check.frozen)
             and sum(map(len, check.param_dicts)) + sum(map(len, check.module_dicts)) == check.count
         )
 
-    def _read(self) -> Reading:
-        named = self._params()
+    def _read(self, previous: Reading | None = None) -> Reading:
+        named = self._params(previous)
         group = getattr(self.target, "process_group", None) if is_ddp(self.target) else None
         if is_ddp(self.target) and group is None and dist.is_initialized():
             group = dist.group.WORLD
