@@ -55,6 +55,7 @@ def equivalence_worker(configs, steps=4):
         mismatches += [("every3", n) for n in ref3 if not torch.equal(g3[n].cpu(), ref3[n])]
         on_dst = fe.gather_full(state, engine, dst=0)
         same_dict, reread = _local_shards_cache_checks(engine, stage)
+        masters_copied, forward_copied = _copy_to_model_checks(engine, state, gathered[0])
         report.append({
             "config": [stage, dtype, offload],
             "keys": list(shards),
@@ -69,6 +70,8 @@ def equivalence_worker(configs, steps=4):
             "step": int(state.step),
             "same_dict": same_dict,
             "reread_after_move": reread,
+            "copy_to_model_masters": masters_copied,
+            "copy_to_model_forward": forward_copied,
         })
         del engine
     return report
@@ -100,6 +103,28 @@ def _local_shards_cache_checks(engine, stage):
     return same_dict, bool(reread)
 
 
+def _copy_to_model_checks(engine, state, ema_full):
+    """The integrations' end-of-training copy (``EMAController.copy_to_model``), last in a config
+    since it overwrites the weights: DeepSpeed's fp32 masters become the EMA bitwise, and the
+    weights the forward uses become the EMA cast to their dtype (gathered under ZeRO-3)."""
+    import deepspeed
+
+    from functional_ema.integrations._common import EMAController
+
+    controller = EMAController(0.7)
+    controller.state = state
+    controller.copy_to_model(engine)
+    masters = full_fp32_reference(engine)
+    masters_ok = sorted(masters) == sorted(ema_full) and all(torch.equal(masters[n], ema_full[n].cpu()) for n in masters)
+    params = dict(engine.module.named_parameters())
+    live = [params[n] for n in masters]
+    with deepspeed.zero.GatheredParameters(live, enabled=engine.zero_optimization_stage() == 3):
+        forward_ok = all(
+            torch.equal(params[n].detach().cpu(), ema_full[n].cpu().to(params[n].dtype).view(params[n].shape)) for n in masters
+        )
+    return masters_ok, forward_ok
+
+
 CONFIGS_2 = [
     (0, "fp32", None), (0, "bf16", None), (1, "fp32", None), (1, "bf16", None), (2, "fp32", None),
     (2, "bf16", None), (3, "fp32", None), (3, "bf16", None), (2, "bf16", "optimizer"),
@@ -126,6 +151,7 @@ def _check_report(reports, world_size):
             assert rep["same_dict"], f"{where}: local_shards should return the same dict every call"
             assert rep["reread_after_move"] in ((None,) if cfg[0] == 0 else (True,)), where
             assert rep["dst_keys"] == (sorted(expected) if rank == 0 else []), where
+            assert rep["copy_to_model_masters"] and rep["copy_to_model_forward"], f"{where}: copy_to_model"
         if cfg[0] == 0:  # replicated: every rank holds whole parameters
             assert all(r["offsets"][n] == 0 and r["numels"][n] > 0 for r in per_rank for n in expected)
             continue
