@@ -218,11 +218,13 @@ class _Token:
     0.27 ms, and reading every ``requires_grad`` (to see freezing too) 0.26 ms.
     """
 
-    __slots__ = ("managed", "locals", "plain", "ptrs", "frozen", "loaded", "hooks")
+    __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks")
 
     def __init__(self, read: list, managed: list, plain: list, frozen: list):
-        self.managed = tuple(read)  # the DTensor parameters read
-        self.locals = tuple(map(_local_tensor_of, self.managed))
+        """``read``: the DTensor parameters read; ``managed``: every ``FSDPParam`` (frozen ones too);
+        ``plain``: ``(module, attribute, parameter)`` outside FSDP2; ``frozen``: the ones left out."""
+        self.read = tuple(read)
+        self.locals = tuple(map(_local_tensor_of, self.read))
         self.plain = tuple(plain)
         self.ptrs = tuple(p.data_ptr() for _, _, p in plain)
         self.frozen = tuple(frozen)
@@ -237,7 +239,7 @@ class _Token:
     def current(self) -> bool:
         return (
             not self.loaded
-            and all(map(operator.is_, map(_local_tensor_of, self.managed), self.locals))
+            and all(map(operator.is_, map(_local_tensor_of, self.read), self.locals))
             and all(mod._parameters.get(attr) is p for mod, attr, p in self.plain)
             and tuple(p.data_ptr() for _, _, p in self.plain) == self.ptrs
             and not any_requires_grad(*self.frozen)
