@@ -369,8 +369,7 @@ def _timeout_s(timeout: float | None) -> float:
     return t
 
 
-# One gloo side group per data-parallel group whose own backend is not gloo (NCCL): only gloo has
-# monitored_barrier, and creating a group is a rendezvous of its ranks, so it is made once and kept.
+# Reason: a gloo side group (for monitored_barrier) per NCCL group costs a rendezvous to make, so one is kept per group.
 _SIDE_GROUPS: dict[tuple[int, ...], Any] = {}
 
 
