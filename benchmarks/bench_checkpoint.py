@@ -5,22 +5,21 @@ Usage::
     python benchmarks/bench_checkpoint.py [--world-size 2] [--stage 2] [--mib 192] [--repeat 8]
 
 Real DeepSpeed engines on CPU ranks (the shared harness ``tests/_multirank.py``). Each operation is
-timed as the slowest rank (the wall time of the collective save / load), best of ``--repeat``
-(the median ratio is printed beside it), the order of the competing readers rotated between
+timed as the slowest rank (the wall time of the collective save / load), best of ``--repeat``,
+with the median ratio printed beside it; the order of the competing readers is rotated between
 repeats (on a VM the first read after a burst of writes is often several times slower: rotating
-gives every reader that slot equally; dirty pages are synced between timings, untimed). On the
-2-core VM these figures come from, a load into fresh memory now and then takes 3-4x its usual time
-with the process's CPU time rising as much (kernel work faulting the memory in, not waiting), for
-our reader and plain safetensors alike; 8 repeats keep such outliers out of the best-of figures. GB/s = bytes moved / that time. Baselines over exactly the same tensors:
+gives every reader that slot equally) and dirty pages are synced between timings, untimed. On the
+2-core VM these figures come from, a load into fresh memory often takes 2-4x its best time, with
+the process's CPU time rising as much (the kernel faulting the memory in, not waiting); our
+readers' huge-page buffers meet it more often than plain safetensors' 4 KiB pages (see
+:func:`first_touch_probe`). GB/s = bytes moved / that time. Baselines over exactly the same tensors:
 
 * save: ``safetensors.torch.save_file`` of this rank's pieces, with an fsync (our save fsyncs the
   file and the folder, since that is what makes it crash safe), and without one for reference.
 * load: ``safetensors.torch.load_file`` plus a clone into fresh memory (our load returns a new
   state, so it allocates too), plus a copy into one fresh buffer per EMA (what a state holds: the
   same memory our load fills), and plus a copy into existing buffers; ``load_file`` alone only maps
-  the file (the bytes are read on first touch), shown for reference. Repeated in one process, the
-  clones (a few MiB each) reuse memory that malloc kept from the previous repeat, while buffers as
-  large as a state's EMAs are mapped fresh each time (as they are for both on a real resume).
+  the file (the bytes are read on first touch), shown for reference.
 * consolidate (rank 0, no process group): ``load_file`` of every rank's plain file, assembled into
   full tensors (in memory) / then ``save_file`` + fsync (to a file).
 
@@ -235,8 +234,6 @@ def first_touch_probe(mib: int, tries: int = 3) -> dict[tuple[str, str], float]:
     reporting reports free 2 MiB blocks), a buffer built from such blocks is faulted in again on
     first touch; 4 KiB pages come from recently freed ones first.
     """
-    import statistics
-
     import torch
 
     from functional_ema import _memory
@@ -308,6 +305,8 @@ def main(argv=None) -> None:
         total = sum(r["local_bytes"] for r in runs)
         full = runs[0]["full_bytes"]
         per_rank = max(r["local_bytes"] for r in runs)
+        if num_emas == 1:
+            probe_bytes = per_rank  # the first-touch probe fills one EMA's share of a rank
         print(f"\n== {num_emas} EMA(s): {total / 2**20:.0f} MiB of EMA pieces in all ({per_rank / 2**20:.0f} MiB per rank) ==")
         rows = [
             ("save, blocking (all ranks)", total, "save", "plain_save_fsync", "save_file + fsync, per rank"),
@@ -340,7 +339,7 @@ def main(argv=None) -> None:
               f"{gbs(full, t['consolidate_mem_v1']):.2f} GB/s "
               f"({gbs(full, t['consolidate_mem_v1']) / gbs(full, t['plain_consolidate_mem']):.2f}x plain)")
         print(f"consolidated file and async save equal consolidate(): {bool(t['consolidate_matches'])}")
-    mib = max(r["runs"][1]["local_bytes"] if 1 in r["runs"] else r["runs"]["1"]["local_bytes"] for r in results) >> 20
+    mib = probe_bytes >> 20
     probe = first_touch_probe(mib)
     print(f"\nfirst touch of a fresh {mib} MiB buffer (one process, one thread, median of 3; copy into it): "
           + "; ".join(f"{pages} pages {pause} {ms:.0f} ms" for (pages, pause), ms in probe.items()))
