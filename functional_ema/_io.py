@@ -281,7 +281,7 @@ def _header_bytes(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], met
         if dtype not in DTYPE_TO_STR:
             raise TypeError(f"tensor {key!r}: dtype {dtype} cannot be stored in safetensors here")
         shape = tuple(int(s) for s in shape)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         header[key] = {"dtype": DTYPE_TO_STR[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         table[key] = TensorEntry(dtype, shape, offset, offset + nbytes)
         offset += nbytes
@@ -467,7 +467,7 @@ class SafetensorsFile:
             dtype, shape = STR_TO_DTYPE[info["dtype"]], tuple(info["shape"])
             start, end = info["data_offsets"]
             entry = TensorEntry(dtype, shape, start, end)
-            if end - start != entry.numel * torch.empty((), dtype=dtype).element_size() or start < 0:
+            if end - start != entry.numel * dtype.itemsize or start < 0:
                 raise FormatError(
                     f"{self.path}: header entry of tensor {key!r}: its fields 'data_offsets' [{start}, {end}) and 'shape' "
                     f"{list(shape)[:8]} ({dtype}) disagree; the file is corrupted"
@@ -586,7 +586,7 @@ class SafetensorsFile:
         if start == stop:
             return torch.empty(0, dtype=entry.dtype)
         lo, hi = start, stop
-        itemsize = torch.empty((), dtype=entry.dtype).element_size()
+        itemsize = entry.dtype.itemsize
         per_chunk = CHUNK_BYTES // itemsize
         if crcs is not None:
             lo = (start // per_chunk) * per_chunk

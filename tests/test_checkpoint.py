@@ -296,6 +296,7 @@ def world2_resume_worker(root, configs, reverse):
         _, client = engine.load_checkpoint(str(d))
         state = fe.load(engine, d)
         step_loaded, gs = int(state.step), engine.global_steps
+        out["resume"][_name(stage, dtype) + "/out"] = _load_into_checks(engine, d, state)
         state = _advance(engine, state, K)
         want = load_file(str(d / f"ref_local_2k_rank{rank}.safetensors"))
         out["resume"][_name(stage, dtype)] = {
@@ -325,6 +326,54 @@ def world2_resume_worker(root, configs, reverse):
     return out
 
 
+def _load_into_checks(engine, d: Path, loaded) -> dict:
+    """``load(out=...)`` into a fresh ``init_ema`` state: the same values as ``loaded`` (a plain load),
+    in the target's own buffers, with the saved step."""
+    import functional_ema as fe
+
+    target = fe.init_ema(fe.local_shards(engine), num_emas=loaded.num_emas)
+    ptrs = [[t.data_ptr() for t in e.values()] for e in target.emas]
+    into = fe.load(engine, d, out=target)
+    return {
+        "mismatch": _diff(list(into.emas), [dict(e) for e in loaded.emas]),
+        "same_buffers": [[t.data_ptr() for t in e.values()] for e in into.emas] == ptrs,
+        "step": int(into.step),
+        "target_step_kept": int(target.step) == 0,
+    }
+
+
+def _load_into_errors(engine, d: Path) -> dict:
+    """``load(out=...)`` refusing a state it cannot fill, before reading; and a corrupt file after reading began."""
+    import torch.distributed as dist
+
+    import functional_ema as fe
+
+    rank, shards = _rank(), fe.local_shards(engine)
+    errors = {
+        "out_not_state": _error_of(lambda: fe.load(engine, d, out={"inp.weight": torch.zeros(1)})),
+        "out_num_emas": _error_of(lambda: fe.load(engine, d, out=fe.init_ema(shards, num_emas=1))),
+        "out_dtype": _error_of(lambda: fe.load(engine, d, out=fe.init_ema(shards, num_emas=2, dtype=torch.bfloat16))),
+        "out_names": _error_of(lambda: fe.load(engine, d, out=fe.init_ema({"renamed." + n: t.clone() for n, t in shards.items()}, num_emas=2))),
+    }
+    target = fe.init_ema(shards, num_emas=2)
+    before = [t.clone() for e in target.emas for t in e.values()]
+    errors["out_untouched_after_refusals"] = all(torch.equal(a, b) for a, b in zip(before, (t for e in target.emas for t in e.values())))
+    bad = d.parent / (d.name + "_corrupt")
+    if rank == 0:
+        shutil.copytree(d, bad)
+        tag = (bad / "latest").read_text().strip()
+        victim = bad / tag / "ema_rank_00001_of_00002.safetensors"
+        data = bytearray(victim.read_bytes())
+        data[-5] ^= 0xFF  # a byte of the last tensor's data
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    errors["out_corrupt"] = _error_of(lambda: fe.load(engine, bad, out=target))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(bad)
+    return errors
+
+
 def _engine_errors(engine, state, d: Path) -> dict:
     """Error cases that need a live engine; each must leave the disk untouched."""
     import functional_ema as fe
@@ -338,6 +387,7 @@ def _engine_errors(engine, state, d: Path) -> dict:
         errors[label] = _error_of(lambda other=other: fe.load(other, d))
         del other
     errors["dtype"] = _error_of(lambda: fe.load(engine, d, dtype=torch.bfloat16))
+    errors.update(_load_into_errors(engine, d))
     errors["wrong_tag_load"] = _error_of(lambda: fe.load(engine, d, "global_step999"))
     errors["disk_untouched"] = _snapshot(d) == before
     # A rank failing in the middle of a save: every rank raises, no manifest, the last tag still loads.
@@ -455,6 +505,9 @@ def test_exact_resume_bitwise(world2_resume):
             assert r["step_loaded"] == K and r["global_steps_loaded"] == K, where
             assert r["mismatch"] == [], f"{where}: resumed EMA differs from the uninterrupted run: {r['mismatch'][:5]}"
             assert r["views"], where  # loaded into init_ema's flat buffers: update keeps its fused path
+            into = rep["resume"][_name(stage, dtype) + "/out"]
+            assert into["mismatch"] == [], f"{where}: load(out=) differs from load(): {into['mismatch'][:5]}"
+            assert into["same_buffers"] and into["step"] == K and into["target_step_kept"], (where, into)
             cs = r["client_state"]
             assert cs["holds_weights"] is False and cs["step"] == K and cs["zero_stage"] == stage, cs
 
@@ -566,6 +619,18 @@ def test_engine_error_cases(world2_resume):
         assert name == "CheckpointMismatchError" and "shape of 'inp.weight': checkpoint (13, 7), model (14, 7)" in msg, msg
         name, msg, _ = e["dtype"]
         assert name == "CheckpointMismatchError" and "holds float32 EMAs but dtype=bfloat16" in msg, msg
+        name, msg, _ = e["out_not_state"]
+        assert name == "TypeError" and "load(out=...) takes an EmaState" in msg and "dict" in msg, msg
+        name, msg, _ = e["out_num_emas"]
+        assert name == "CheckpointMismatchError" and "load(out=...) on rank 0" in msg and "holds 2 EMA(s) but out= has 1" in msg, msg
+        name, msg, _ = e["out_dtype"]
+        assert name == "CheckpointMismatchError" and "is bfloat16 but tag" in msg and "float32 EMAs" in msg, msg
+        name, msg, _ = e["out_names"]
+        assert name == "CheckpointMismatchError" and "missing: ['table', 'inp.weight'" in msg and "'renamed.inp.weight'" in msg, msg
+        assert e["out_untouched_after_refusals"]
+        name, msg, _ = e["out_corrupt"]  # rank 1's file is corrupt: both ranks raise, each says its out= was written to
+        assert name == "CorruptCheckpointError" and "checksum mismatch" in msg, msg
+        assert f"out= was partly overwritten on rank {rank}" in msg, msg
         name, msg, mro = e["wrong_tag_load"]
         assert name == "CheckpointNotFoundError" and "global_step999" in msg and f"global_step{K}" in msg, msg
         assert "FileNotFoundError" in mro

@@ -137,6 +137,12 @@ def run_checks(model, opt, save_dir: str, rank: int, world: int, make_fresh, ste
         torch.equal(loaded.emas[k][n], state.emas[k][n]) for k in range(2) for n in names
     )
     report["load_fused"] = fe.update_info(loaded, fe.local_shards(fresh)).fused
+    target = fe.init_ema(fe.local_shards(fresh), num_emas=2)  # load(out=): into the buffers of a state held
+    into = fe.load(fresh, save_dir, out=target)
+    report["load_into"] = int(into.step) == step and all(
+        torch.equal(into.emas[k][n], state.emas[k][n]) and into.emas[k][n].data_ptr() == target.emas[k][n].data_ptr()
+        for k in range(2) for n in names
+    ) and fe.update_info(into, fe.local_shards(fresh)).fused
     live_full = fe.gather_full(state, model)
     offline = fe.consolidate(save_dir)
     report["consolidate_equal"] = sorted(offline) == sorted(live_full) and all(torch.equal(offline[n], live_full[n]) for n in live_full)
@@ -153,7 +159,7 @@ def _check(report: dict, world: int) -> None:
     if world == 1:
         assert report["training_unchanged"]
     assert report["tag"] == "global_step6"
-    assert report["load_bitwise"] and report["load_fused"] and report["consolidate_equal"]
+    assert report["load_bitwise"] and report["load_fused"] and report["consolidate_equal"] and report["load_into"]
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["own-memory", "flatten_parameters"])
