@@ -16,10 +16,12 @@ readers' huge-page buffers meet it more often than plain safetensors' 4 KiB page
 
 * save: ``safetensors.torch.save_file`` of this rank's pieces, with an fsync (our save fsyncs the
   file and the folder, since that is what makes it crash safe), and without one for reference.
-* load: ``safetensors.torch.load_file`` plus a clone into fresh memory (our load returns a new
-  state, so it allocates too), plus a copy into one fresh buffer per EMA (what a state holds: the
-  same memory our load fills), and plus a copy into existing buffers; ``load_file`` alone only maps
-  the file (the bytes are read on first touch), shown for reference.
+* load into new memory: ``safetensors.torch.load_file`` plus a clone into fresh memory (our load
+  returns a new state, so it allocates too), and plus a copy into one fresh buffer per EMA (what a
+  state holds: the same memory our load fills); a diagnostic row does the latter into huge-page
+  buffers like ours, which separates the memory's cost from the reader's. ``load_file`` alone only
+  maps the file (the bytes are read on first touch), so it is never timed alone.
+* load into a state (``load(..., out=state)``): ``load_file`` plus a copy into existing buffers.
 * consolidate (rank 0, no process group): ``load_file`` of every rank's plain file, assembled into
   full tensors (in memory) / then ``save_file`` + fsync (to a file).
 
@@ -83,6 +85,7 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
     from safetensors.torch import load_file, save_file
 
     import functional_ema as fe
+    from functional_ema import _memory
     from functional_ema.checkpoint import _Checkpoint
     from tests._multirank import make_engine
 
@@ -132,9 +135,9 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
 
         ema_numel = [sum(t.numel() for t in e.values()) for e in state.emas]
 
-        def plain_load_flat():  # into one fresh buffer per EMA, as a state holds its EMAs
+        def plain_load_flat(alloc=torch.empty):  # into one fresh buffer per EMA, as a state holds its EMAs
             loaded = load_file(str(plain))
-            flats = [torch.empty(n) for n in ema_numel]
+            flats = [alloc(n) for n in ema_numel]
             for k, e in enumerate(state.emas):
                 pos = 0
                 for n, t in e.items():
@@ -165,6 +168,8 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
             loads = [("load", lambda: fe.load(engine, d, tag)),
                      ("load_noverify", lambda: fe.load(engine, d, tag, verify=False)),
                      ("plain_load_clone", plain_load_clone), ("plain_load_flat", plain_load_flat),
+                     ("plain_load_flat_huge", lambda: plain_load_flat(lambda n: _memory.empty(n, dtype=torch.float32))),
+                     ("load_into", lambda: fe.load(engine, d, tag, out=dst)),
                      ("plain_load_copy", plain_load_copy)]
             for name, fn in loads[i % len(loads):] + loads[: i % len(loads)]:
                 timed(name, fn)
@@ -314,7 +319,8 @@ def main(argv=None) -> None:
             ("async save, total to wait()", total, "async_total", "plain_save_fsync", "save_file + fsync, per rank"),
             ("load (all ranks, verified)", total, "load", "plain_load_clone", "load_file + clone (fresh memory, as a new state)"),
             ("", total, "load", "plain_load_flat", "load_file + copy into one fresh buffer per EMA (a state's layout)"),
-            ("", total, "load", "plain_load_copy", "load_file + copy into existing buffers"),
+            ("", total, "load", "plain_load_flat_huge", "the same into huge-page buffers, as ours (diagnostic)"),
+            ("load into a state (out=)", total, "load_into", "plain_load_copy", "load_file + copy into existing buffers"),
             ("consolidate -> file (rank 0)", full, "consolidate_file", "plain_consolidate_file", "load_file all ranks + assemble + save_file + fsync"),
             ("consolidate -> memory (rank 0)", full, "consolidate_mem", "plain_consolidate_mem", "load_file all ranks + assemble"),
         ]
