@@ -929,6 +929,7 @@ class _Checkpoint:
 
     def __init__(self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[_RankFile]):
         self.root, self.tag, self.tag_dir, self.manifest, self.files = root, tag, tag_dir, manifest, files
+        self.partial = False  # True when only some rank files were opened (see open's ``own``)
         self.step = int(manifest["step"])
         self.num_emas = int(manifest["num_emas"])
         self.dtype = _parse_dtype(manifest["dtype"], str(tag_dir / MANIFEST_NAME))
@@ -946,7 +947,16 @@ class _Checkpoint:
     # -- opening
 
     @classmethod
-    def open(cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True) -> "_Checkpoint":
+    def open(cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True,
+             own: tuple[int, int, int] | None = None) -> "_Checkpoint":
+        """Open and validate the manifest and the rank files' headers.
+
+        ``own=(rank, world_size, stage)``: when the checkpoint was saved at that world size and stage
+        and has a file of that rank, open that file only (``partial`` is then True and coverage is
+        the caller's to check, see :meth:`holds`). A rank then reads one header instead of all
+        ``world_size`` of them; the other ranks open their own files, and a bad one is reported
+        on every rank by the collective's agreement.
+        """
         root = Path(checkpoint_dir)
         if root.is_file():
             cls._not_a_directory(root)
@@ -990,9 +1000,14 @@ class _Checkpoint:
                 f"tags here with a complete EMA: {[t for t in _complete_tags(root) if t != tag]}"
             )
         manifest = cls._read_manifest(mpath)
-        files = cls._open_files(tag, tag_dir, manifest, verify)
+        entries = manifest["files"]
+        if own is not None and (int(manifest["world_size"]), int(manifest["zero_stage"])) == own[1:]:
+            entries = [e for e in entries if e["rank"] == own[0]] or entries
+        files = cls._open_files(tag, tag_dir, manifest, verify, entries)
         ckpt = cls(root, tag, tag_dir, manifest, files)
-        ckpt._check_coverage()
+        ckpt.partial = len(entries) < len(manifest["files"])
+        if not ckpt.partial:
+            ckpt._check_coverage()
         return ckpt
 
     @staticmethod
@@ -1041,7 +1056,9 @@ class _Checkpoint:
         return manifest
 
     @staticmethod
-    def _open_files(tag: str, tag_dir: Path, manifest: dict, verify: bool) -> list[_RankFile]:
+    def _open_files(tag: str, tag_dir: Path, manifest: dict, verify: bool, entries: list[dict]) -> list[_RankFile]:
+        """The rank files of ``entries`` (of the manifest's ``files``), opened and validated; every
+        listed file must exist."""
         world = int(manifest["world_size"])
         missing = [e for e in manifest["files"] if not (tag_dir / e["file"]).is_file()]
         if missing:
@@ -1053,7 +1070,7 @@ class _Checkpoint:
         dtype_name = manifest["dtype"]
         files = []
         real_tag_dir = tag_dir.resolve()
-        for e in manifest["files"]:
+        for e in entries:
             path, rank = tag_dir / e["file"], int(e["rank"])
             where = f"{path} (rank {rank} of {world})"
             if path.resolve().parent != real_tag_dir:  # a link to a file elsewhere: never followed
@@ -1120,6 +1137,14 @@ class _Checkpoint:
                 raise CorruptCheckpointError(f"{where}: the manifest's checksums name other tensors than the file holds")
             files.append(_RankFile(rank, st, layout, crcs, algo))
         return files
+
+    def holds(self, specs: dict[str, ShardSpec]) -> bool:
+        """Whether the opened files hold exactly the pieces ``specs`` describes (same names, offsets, lengths)."""
+        if len(self.files) != 1:
+            return False
+        saved = self.files[0].layout.specs
+        return saved.keys() == specs.keys() and all(
+            (saved[n].offset, saved[n].numel) == (s.offset, s.numel) for n, s in specs.items())
 
     def _check_coverage(self) -> None:
         for n, shape in self.shapes.items():
@@ -1306,7 +1331,7 @@ def load(
     box: dict[str, Any] = {}
 
     def run():
-        with _Checkpoint.open(load_dir, tag, verify) as ckpt:
+        with _open_for(load_dir, tag, verify, layout) as ckpt:
             ckpt.check_model(layout.specs)
             if dtype is not None and dtype != ckpt.dtype:
                 raise CheckpointMismatchError(
@@ -1338,6 +1363,16 @@ def load(
                          "discard it (load into a fresh state, or without out=)")
         raise
     return box["state"]
+
+
+def _open_for(load_dir, tag: str | None, verify: bool, layout: ShardLayout) -> _Checkpoint:
+    """The checkpoint, with only this rank's file open when it holds exactly this rank's pieces
+    (saved at this world size and stage), else every rank file (to re-cut the pieces)."""
+    ckpt = _Checkpoint.open(load_dir, tag, verify, own=(layout.rank, layout.world_size, layout.stage))
+    if not ckpt.partial or ckpt.holds(layout.specs):
+        return ckpt
+    ckpt.close()
+    return _Checkpoint.open(ckpt.root, ckpt.tag, verify)  # the tag as resolved: `latest` may move meanwhile
 
 
 def _load_target(out: EmaState, ckpt: _Checkpoint, layout: ShardLayout) -> tuple:

@@ -283,6 +283,16 @@ class ExtraNet(OddNet):
         self.extra = torch.nn.Parameter(torch.zeros(4))
 
 
+class ReorderedNet(OddNet):
+    """OddNet's names and shapes, registered in another order: ZeRO-1/2 flatten them differently."""
+
+    def __init__(self):
+        super().__init__()
+        inp = self.inp
+        del self.inp
+        self.inp = inp
+
+
 def world2_resume_worker(root, configs, reverse):
     import functional_ema as fe
     from safetensors.torch import load_file
@@ -374,6 +384,27 @@ def _load_into_errors(engine, d: Path) -> dict:
     return errors
 
 
+def _own_file_checks(engine, d: Path) -> dict:
+    """At the saved world size and stage a load opens this rank's file only; when the model lays its
+    pieces out differently (same names, other order) it opens every rank file and re-cuts them."""
+    import functional_ema as fe
+    from functional_ema.checkpoint import _open_for
+
+    def opened(x):
+        with _open_for(d, None, True, fe.shard_layout(x)) as ckpt:
+            return [f.rank for f in ckpt.files]
+
+    reordered = make_engine(2, "fp32", model=ReorderedNet())
+    same = fe.load(engine, d)
+    other = fe.load(reordered, d)
+    return {
+        "opened_same_layout": opened(engine),
+        "opened_other_layout": opened(reordered),
+        "layouts_differ": fe.shard_layout(engine).specs != fe.shard_layout(reordered).specs,
+        "other_layout_mismatch": _diff(_gather_all(other, reordered), _gather_all(same, engine)),
+    }
+
+
 def _engine_errors(engine, state, d: Path) -> dict:
     """Error cases that need a live engine; each must leave the disk untouched."""
     import functional_ema as fe
@@ -388,6 +419,7 @@ def _engine_errors(engine, state, d: Path) -> dict:
         del other
     errors["dtype"] = _error_of(lambda: fe.load(engine, d, dtype=torch.bfloat16))
     errors.update(_load_into_errors(engine, d))
+    errors.update(_own_file_checks(engine, d))
     errors["wrong_tag_load"] = _error_of(lambda: fe.load(engine, d, "global_step999"))
     errors["disk_untouched"] = _snapshot(d) == before
     # A rank failing in the middle of a save: every rank raises, no manifest, the last tag still loads.
@@ -619,6 +651,9 @@ def test_engine_error_cases(world2_resume):
         assert name == "CheckpointMismatchError" and "shape of 'inp.weight': checkpoint (13, 7), model (14, 7)" in msg, msg
         name, msg, _ = e["dtype"]
         assert name == "CheckpointMismatchError" and "holds float32 EMAs but dtype=bfloat16" in msg, msg
+        assert e["opened_same_layout"] == [rank], e["opened_same_layout"]  # one header read, not world_size
+        assert e["layouts_differ"] and e["opened_other_layout"] == [0, 1], e["opened_other_layout"]
+        assert e["other_layout_mismatch"] == [], e["other_layout_mismatch"][:5]  # re-cut from both files, bitwise
         name, msg, _ = e["out_not_state"]
         assert name == "TypeError" and "load(out=...) takes an EmaState" in msg and "dict" in msg, msg
         name, msg, _ = e["out_num_emas"]
