@@ -925,7 +925,8 @@ class _RankFile:
 
 
 class _Checkpoint:
-    """An opened, validated checkpoint (manifest + every rank file's header). Nothing loaded yet."""
+    """An opened, validated checkpoint: the manifest and the headers of the rank files opened (every
+    one, or this rank's only with ``open(..., own=...)``). Nothing loaded yet."""
 
     def __init__(self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[_RankFile]):
         self.root, self.tag, self.tag_dir, self.manifest, self.files = root, tag, tag_dir, manifest, files
