@@ -866,14 +866,19 @@ def _stream(
     verify: bool,
     dtype: torch.dtype,
     buffer_bytes: int,
+    layout=None,
 ):
     """Yield ``(name, tensor)`` for each name of ``ranges`` (``name -> (start, numel, out shape)``
     of the flattened parameter): ``sum_terms c * piece`` accumulated in float64.
 
     Parameters are taken in groups whose float64 accumulators fit ``buffer_bytes`` (at least one
-    parameter a group); each snapshot checkpoint is opened once per group.
+    parameter a group); each snapshot checkpoint is opened once per group. With ``layout`` (this
+    rank's), a snapshot saved with that layout is read from this rank's file alone.
     """
-    from .checkpoint import _Checkpoint
+    from .checkpoint import _Checkpoint, _open_for
+
+    def opened(tag):
+        return _Checkpoint.open(plan.root, tag, verify) if layout is None else _open_for(plan.root, tag, verify, layout)
 
     names = list(ranges)
     groups: list[list[str]] = []
@@ -891,7 +896,7 @@ def _stream(
     for group in groups:
         acc = {n: torch.zeros(ranges[n][1], dtype=torch.float64) for n in group}
         for tag, ks in by_tag.items():
-            with _Checkpoint.open(plan.root, tag, verify) as ckpt:
+            with opened(tag) as ckpt:
                 for k, c in ks:
                     for n in group:
                         start, numel, _ = ranges[n]
@@ -986,7 +991,7 @@ def posthoc_local(
             f"other shapes {_short(bad)}"
         )
     ranges = {n: (s.offset, s.numel, (s.numel,)) for n, s in layout.specs.items()}
-    return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes))
+    return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes, layout=layout))
 
 
 def posthoc_to_file(
