@@ -1303,7 +1303,8 @@ def load(
         out: a state of this rank to read into instead of allocating a new one (e.g. the one
             ``init_ema`` made before resuming): its EMA buffers are overwritten in place and the
             returned state shares them. Peak memory stays at one state and the load skips faulting
-            fresh memory in (on the benchmark's VM the larger part of a load into new memory). It
+            fresh memory in (on the benchmark's VM a fifth of a load into new memory at best, several
+            times the read when the fresh pages come back from the host). It
             must hold the saved number of EMAs, in the saved dtype, with this rank's pieces (same
             names and sizes); that is checked on every rank before any byte is read. If the load
             fails after reading began (a checksum mismatch), ``out``'s values are partly
