@@ -375,8 +375,7 @@ def _timeout_s(timeout: float | None) -> float:
     return t
 
 
-# Reason: a gloo side group (for monitored_barrier) per NCCL group costs a rendezvous to make, so one is kept per group.
-_SIDE_GROUPS: dict[tuple[int, ...], Any] = {}
+_SIDE_GROUPS: dict[tuple[int, ...], Any] = {}  # reason: a gloo side group costs a rendezvous to make, so one is kept per group
 
 
 def _barrier_group(group, timeout: float):
@@ -1367,9 +1366,12 @@ def load(
     return box["state"]
 
 
-def _open_for(load_dir, tag: str | None, verify: bool, layout: ShardLayout) -> _Checkpoint:
-    """The checkpoint, with only this rank's file open when it holds exactly this rank's pieces
-    (saved at this world size and stage), else every rank file (to re-cut the pieces)."""
+def _open_for(load_dir, tag: str | None, verify: bool, layout: ShardLayout | None) -> _Checkpoint:
+    """The checkpoint, with only this rank's file open when it holds exactly ``layout``'s pieces
+    (saved at this world size and stage), else every rank file (to re-cut the pieces; always
+    with ``layout=None``, for the offline tools)."""
+    if layout is None:
+        return _Checkpoint.open(load_dir, tag, verify)
     ckpt = _Checkpoint.open(load_dir, tag, verify, own=(layout.rank, layout.world_size, layout.stage))
     if not ckpt.partial or ckpt.holds(layout.specs):
         return ckpt

@@ -875,10 +875,7 @@ def _stream(
     parameter a group); each snapshot checkpoint is opened once per group. With ``layout`` (this
     rank's), a snapshot saved with that layout is read from this rank's file alone.
     """
-    from .checkpoint import _Checkpoint, _open_for
-
-    def opened(tag):
-        return _Checkpoint.open(plan.root, tag, verify) if layout is None else _open_for(plan.root, tag, verify, layout)
+    from .checkpoint import _open_for
 
     names = list(ranges)
     groups: list[list[str]] = []
@@ -896,7 +893,7 @@ def _stream(
     for group in groups:
         acc = {n: torch.zeros(ranges[n][1], dtype=torch.float64) for n in group}
         for tag, ks in by_tag.items():
-            with opened(tag) as ckpt:
+            with _open_for(plan.root, tag, verify, layout) as ckpt:
                 for k, c in ks:
                     for n in group:
                         start, numel, _ = ranges[n]

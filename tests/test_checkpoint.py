@@ -359,15 +359,18 @@ def _load_into_errors(engine, d: Path) -> dict:
     import functional_ema as fe
 
     rank, shards = _rank(), fe.local_shards(engine)
-    errors = {
-        "out_not_state": _error_of(lambda: fe.load(engine, d, out={"inp.weight": torch.zeros(1)})),
-        "out_num_emas": _error_of(lambda: fe.load(engine, d, out=fe.init_ema(shards, num_emas=1))),
-        "out_dtype": _error_of(lambda: fe.load(engine, d, out=fe.init_ema(shards, num_emas=2, dtype=torch.bfloat16))),
-        "out_names": _error_of(lambda: fe.load(engine, d, out=fe.init_ema({"renamed." + n: t.clone() for n, t in shards.items()}, num_emas=2))),
+    refused = {
+        "out_num_emas": fe.init_ema(shards, num_emas=1),
+        "out_dtype": fe.init_ema(shards, num_emas=2, dtype=torch.bfloat16),
+        "out_names": fe.init_ema({"renamed." + n: t.clone() for n, t in shards.items()}, num_emas=2),
     }
+    before = {label: [t.clone() for e in st.emas for t in e.values()] for label, st in refused.items()}
+    errors = {"out_not_state": _error_of(lambda: fe.load(engine, d, out={"inp.weight": torch.zeros(1)}))}
+    errors.update({label: _error_of(lambda st=st: fe.load(engine, d, out=st)) for label, st in refused.items()})
+    errors["out_untouched_after_refusals"] = all(
+        torch.equal(a, b) for label, st in refused.items() for a, b in zip(before[label], (t for e in st.emas for t in e.values()))
+    )
     target = fe.init_ema(shards, num_emas=2)
-    before = [t.clone() for e in target.emas for t in e.values()]
-    errors["out_untouched_after_refusals"] = all(torch.equal(a, b) for a, b in zip(before, (t for e in target.emas for t in e.values())))
     bad = d.parent / (d.name + "_corrupt")
     if rank == 0:
         shutil.copytree(d, bad)
