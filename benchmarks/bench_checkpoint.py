@@ -86,7 +86,7 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
 
     import functional_ema as fe
     from functional_ema import _memory
-    from functional_ema.checkpoint import _Checkpoint
+    from functional_ema._checkpoint.reader import CheckpointReader
     from tests._multirank import make_engine
 
     rank = dist.get_rank()
@@ -175,7 +175,7 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
                      ("plain_load_copy", plain_load_copy)]
             for name, fn in loads[i % len(loads):] + loads[: i % len(loads)]:
                 timed(name, fn)
-            timed("open", lambda: _Checkpoint.open(d, tag, True, own=own).close())  # as load opens it
+            timed("open", lambda: CheckpointReader.open(d, tag, True, own=own).close())  # as load opens it
         if repeat == 1:
             times["async_block"] = times["async_block_first"]
         # The previous format (CRC-32) on the same files, for the before/after.

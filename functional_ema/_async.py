@@ -43,7 +43,9 @@ from typing import Any, Sequence
 import torch
 
 from . import _io, _memory
-from . import checkpoint as _ck
+from ._checkpoint import collective, format as fmt, writer
+from ._checkpoint.errors import CheckpointError
+from .engines import adapter_for
 from ._shards import Shards
 from ._state import EmaState
 from .schedules import DecayLike
@@ -171,26 +173,26 @@ class AsyncSaver:
                 rank, when the state does not fit the engine, the ranks disagree, or a previous
                 save of this saver failed and its ``wait()`` has not raised that on this rank.
         """
-        layout, group = _ck._world(engine)
+        layout, group = collective.world_of(engine)
         rank, world, stage = layout.rank, layout.world_size, layout.stage
         save_dir = Path(save_dir)
-        tag = _ck._check_tag(_ck.default_tag(engine, state) if tag is None else tag)
+        tag = fmt.check_tag(adapter_for(engine).default_tag(state) if tag is None else tag)
         tag_dir = save_dir / tag
         writes = stage != 0 or rank == 0
         box: dict[str, Any] = {}
 
         def plan():
             self._settle(tag_dir)  # raises a previous failure; inside _agree, so on every rank
-            p = _ck._plan_save(state, decay, layout, tag, tag_dir)
+            p = writer.plan_save(state, decay, layout, tag, tag_dir)
             tag_dir.mkdir(parents=True, exist_ok=True)
             if writes:
-                box["snapshot"] = self._snapshot(state, _ck._parse_dtype(p["dtype"], "save"))
+                box["snapshot"] = self._snapshot(state, fmt.parse_dtype(p["dtype"], "save"))
             p["token"] = secrets.token_hex(8) if rank == 0 else None
             return p
 
         try:
-            plans = _ck._agree("async save (checking the state)", plan, group, world, rank)
-            _ck._check_plans(plans)
+            plans = collective.agree("async save (checking the state)", plan, group, world, rank)
+            writer.check_plans(plans)
         except BaseException:
             if "snapshot" in box:  # nothing started: keep the buffer for the next call
                 self._free.append(box["snapshot"][1])
@@ -202,7 +204,7 @@ class AsyncSaver:
         job = _Job(
             save_dir=save_dir, tag_dir=tag_dir, layout=layout, first=first, mine=plans[rank], token=first["token"],
             writers=[0] if stage == 0 else list(range(world)), emas=emas, ready=ready,
-            dtype=_ck._parse_dtype(first["dtype"], "save"), timeout=self.commit_timeout,
+            dtype=fmt.parse_dtype(first["dtype"], "save"), timeout=self.commit_timeout,
         )
         self._writer_threads().submit(_run, job, handle)
         self._handles.append(handle)
@@ -259,7 +261,7 @@ class AsyncSaver:
             if h.done() and h._error is not None and not h._raised:
                 h._raised = True
                 self._reap()
-                raise _ck.CheckpointError(
+                raise CheckpointError(
                     f"the previous async EMA save (step {h.step}, {h.tag_dir}) failed: {type(h._error).__name__}: "
                     f"{h._error}. Nothing of it is marked complete; the checkpoint before it is intact"
                 ) from h._error
@@ -319,9 +321,9 @@ def _run(job: _Job, handle: SaveHandle) -> None:
             job.ready.synchronize()
         record = None
         if job.emas is not None:
-            fname = _ck.rank_file_name(rank, job.layout.world_size, job.first["generation"])
-            meta = _ck._rank_file_meta(job.mine, job.layout, job.first["generation"])
-            record = _ck._write_rank_file(job.tag_dir / fname, job.layout, job.emas, job.dtype, meta)
+            fname = fmt.rank_file_name(rank, job.layout.world_size, job.first["generation"])
+            meta = writer.rank_file_meta(job.mine, job.layout, job.first["generation"])
+            record = writer.write_rank_file(job.tag_dir / fname, job.layout, job.emas, job.dtype, meta)
         deadline = time.monotonic() + job.timeout
         if rank == 0:
             records = {0: record} if record is not None else {}
@@ -336,9 +338,9 @@ def _run(job: _Job, handle: SaveHandle) -> None:
                 return True if len(records) == len(job.writers) else None
 
             _poll(collect, deadline, job, f"the files of ranks {others}")
-            manifest = _ck._build_manifest(job.first, job.layout, [records[r] for r in sorted(records)],
+            manifest = writer.build_manifest(job.first, job.layout, [records[r] for r in sorted(records)],
                                            save_id=job.token)
-            _ck._commit_manifest(job.save_dir, job.tag_dir, manifest)
+            writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
             _remove_markers(job.tag_dir)
         else:
             if record is not None:
@@ -346,7 +348,7 @@ def _run(job: _Job, handle: SaveHandle) -> None:
             seen: list[Any] = [None]
 
             def committed():
-                mpath = job.tag_dir / _ck.MANIFEST_NAME
+                mpath = job.tag_dir / fmt.MANIFEST_NAME
                 try:
                     st = mpath.stat()
                     if (st.st_mtime_ns, st.st_size) != seen[0]:  # parse only a changed manifest
@@ -364,7 +366,7 @@ def _run(job: _Job, handle: SaveHandle) -> None:
         if not isinstance(e, _RemoteError):
             try:  # tell the other ranks, so they fail now rather than at the timeout
                 payload = {"rank": rank, "type": type(e).__name__, "message": str(e),
-                           "checkpoint_error": isinstance(e, _ck.CheckpointError)}
+                           "checkpoint_error": isinstance(e, CheckpointError)}
                 _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "error"), json.dumps(payload).encode())
             except Exception as e2:  # noqa: BLE001
                 logger.error("functional_ema: could not record the async save failure for the other ranks: %s", e2)
@@ -373,7 +375,7 @@ def _run(job: _Job, handle: SaveHandle) -> None:
     handle._finish(error)
 
 
-class _RemoteError(_ck.CheckpointError):
+class _RemoteError(CheckpointError):
     """Another rank's background write failed (read from its error marker)."""
 
 
@@ -395,7 +397,7 @@ def _poll(check, deadline: float, job: _Job, what: str) -> None:
     delay = 0.001
     while check() is None:
         if time.monotonic() > deadline:
-            raise _ck.CheckpointError(
+            raise CheckpointError(
                 f"async save of tag {job.first['tag']!r} (rank {job.layout.rank}): timed out after "
                 f"{job.timeout:.0f} s waiting for {what} in {job.tag_dir}. Is the directory shared by all "
                 "ranks, and are they all alive? The checkpoint is not marked complete"

@@ -86,9 +86,14 @@ import numpy as np
 import optree
 import torch
 
+from . import _io, checkpoint
+from ._checkpoint.errors import CheckpointNotFoundError
+from ._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
+from ._checkpoint.reader import open_checkpoint
+from ._layout import ShardLayout
 from ._state import EmaState
 from ._tree import TreeMismatchError, check_same_tree, flatten_named
-from .schedules import Schedule, gamma_to_sigma_rel, sigma_rel_to_gamma
+from .schedules import SIGMA_REL_MAX, Schedule, gamma_to_sigma_rel, power, sigma_rel_to_gamma
 
 __all__ = [
     "DEFAULT_MAX_PROFILE_ERROR",
@@ -116,10 +121,6 @@ __all__ = [
     "solve_coefficients",
     "synthesize",
 ]
-
-#: ``sigma_rel`` of ``gamma = 0`` (a uniform average over the whole run): ``1/sqrt(12) ~ 0.2887``.
-#: ``sigma_rel`` targets at or above it are refused (they would need ``gamma <= 0``).
-SIGMA_REL_MAX = 12.0**-0.5
 
 #: Default limit on the relative L2 error of the synthesised averaging profile. With 64 snapshots
 #: of sigma_rel 0.05 and 0.10 it admits sigma_rel ~0.016 to ~0.254 (0.075: 2.3e-4, 0.15: 5.8e-4).
@@ -733,9 +734,6 @@ def save_snapshot(
         >>> if step % 1000 == 0:                                                 # doctest: +SKIP
         ...     posthoc.save_snapshot(state, engine, "snapshots", scheds)
     """
-    from . import checkpoint
-    from .schedules import power
-
     gammas = snapshot_gammas(schedules)
     if len(gammas) != state.num_emas:
         raise ValueError(f"got {len(gammas)} schedules for a state tracking {state.num_emas} EMAs")
@@ -775,13 +773,11 @@ def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PR
             different models.
         functional_ema.CheckpointError: a damaged snapshot.
     """
-    from . import checkpoint
-
     root = Path(snapshot_dir)
     if not root.is_dir():
-        raise checkpoint.CheckpointNotFoundError(f"snapshot directory {root} does not exist")
+        raise CheckpointNotFoundError(f"snapshot directory {root} does not exist")
     tags = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.startswith(prefix))
-    incomplete = [t for t in tags if not (root / t / checkpoint.MANIFEST_NAME).is_file()]
+    incomplete = [t for t in tags if not (root / t / MANIFEST_NAME).is_file()]
     if incomplete:
         warnings.warn(
             f"skipping {len(incomplete)} incomplete snapshot tag(s) without a manifest (interrupted saves?): "
@@ -821,14 +817,11 @@ def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PR
                 n for n in s.shapes if s.shapes[n] != first.shapes.get(n)
             )
             raise ReconstructionError(
-                f"snapshots {first.tag!r} and {s.tag!r} hold different parameters ({_short(diff)}): "
+                f"snapshots {first.tag!r} and {s.tag!r} hold different parameters ({short_list(diff)}): "
                 "they come from different models; keep one run's snapshots per directory"
             )
     return out
 
-
-def _short(names: Sequence[str], limit: int = 6) -> str:
-    return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 class _FilePlan(NamedTuple):
@@ -875,8 +868,6 @@ def _stream(
     parameter a group); each snapshot checkpoint is opened once per group. With ``layout`` (this
     rank's), a snapshot saved with that layout is read from this rank's file alone.
     """
-    from .checkpoint import _open_for
-
     names = list(ranges)
     groups: list[list[str]] = []
     size = 0
@@ -893,7 +884,7 @@ def _stream(
     for group in groups:
         acc = {n: torch.zeros(ranges[n][1], dtype=torch.float64) for n in group}
         for tag, ks in by_tag.items():
-            with _open_for(plan.root, tag, verify, layout) as ckpt:
+            with open_checkpoint(plan.root, tag, verify, layout) as ckpt:
                 for k, c in ks:
                     for n in group:
                         start, numel, _ = ranges[n]
@@ -973,8 +964,6 @@ def posthoc_local(
         ``EmaState(torch.tensor(step), (pieces,))`` for :func:`functional_ema.gather_full` or
         :func:`functional_ema.swapped`.
     """
-    from ._layout import ShardLayout
-
     if not isinstance(layout, ShardLayout):
         from ._api import shard_layout
 
@@ -984,8 +973,8 @@ def posthoc_local(
     bad = [n for n, s in layout.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
     if missing or bad:
         raise TreeMismatchError(
-            f"the snapshots in {plan.root} do not fit this layout: not in the snapshots {_short(missing)}; "
-            f"other shapes {_short(bad)}"
+            f"the snapshots in {plan.root} do not fit this layout: not in the snapshots {short_list(missing)}; "
+            f"other shapes {short_list(bad)}"
         )
     ranges = {n: (s.offset, s.numel, (s.numel,)) for n, s in layout.specs.items()}
     return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes, layout=layout))
@@ -1016,11 +1005,8 @@ def posthoc_to_file(
 
     Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
     """
-    from . import _io
-    from .checkpoint import FORMAT_VERSION, _check_output
-
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
-    _check_output(out_path, plan.root, [plan.root / tag for tag, _, _ in plan.terms], overwrite)
+    check_output(out_path, plan.root, [plan.root / tag for tag, _, _ in plan.terms], overwrite)
     meta = {
         "format": "functional_ema.posthoc",
         "format_version": str(FORMAT_VERSION),

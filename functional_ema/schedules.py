@@ -220,7 +220,9 @@ def gamma_to_sigma_rel(gamma: float) -> float:
     return math.sqrt((g + 1.0) / ((g + 2.0) ** 2 * (g + 3.0)))
 
 
-_SIGMA_REL_MAX = 12.0**-0.5
+#: ``sigma_rel`` of ``gamma = 0`` (a uniform average over the whole run): ``1/sqrt(12) ~ 0.2887``.
+#: ``sigma_rel`` targets at or above it are refused (they would need ``gamma <= 0``).
+SIGMA_REL_MAX = 12.0**-0.5
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
@@ -231,8 +233,8 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """
     s = float(sigma_rel)
     # For gamma > 0 sigma_rel falls monotonically from 1/sqrt(12) (gamma = 0, a uniform average) to 0.
-    if not 0.0 < s < _SIGMA_REL_MAX:
-        raise ValueError(f"sigma_rel must be in (0, {_SIGMA_REL_MAX:.6f}) (gamma > 0), got {sigma_rel!r}")
+    if not 0.0 < s < SIGMA_REL_MAX:
+        raise ValueError(f"sigma_rel must be in (0, {SIGMA_REL_MAX:.6f}) (gamma > 0), got {sigma_rel!r}")
     t = s**-2
     f = lambda g: ((g + 7.0) * g + (16.0 - t)) * g + (12.0 - t)  # noqa: E731
     df = lambda g: (3.0 * g + 14.0) * g + (16.0 - t)  # noqa: E731

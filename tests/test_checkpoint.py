@@ -391,10 +391,10 @@ def _own_file_checks(engine, d: Path) -> dict:
     """At the saved world size and stage a load opens this rank's file only; when the model lays its
     pieces out differently (same names, other order) it opens every rank file and re-cuts them."""
     import functional_ema as fe
-    from functional_ema.checkpoint import _open_for
+    from functional_ema._checkpoint.reader import open_checkpoint
 
     def opened(x):
-        with _open_for(d, None, True, fe.shard_layout(x)) as ckpt:
+        with open_checkpoint(d, None, True, fe.shard_layout(x)) as ckpt:
             return [f.rank for f in ckpt.files]
 
     reordered = make_engine(2, "fp32", model=ReorderedNet())
@@ -851,11 +851,11 @@ def _rewrite_as_bf16(path: Path, manifest_path: Path) -> None:
 def test_partial_reads_across_pieces(world2_first, ckroot, no_unpickling):
     """Resharding reads slices that straddle saved pieces (safe_open get_slice, CRC chunks widened)."""
     import functional_ema as fe
-    from functional_ema.checkpoint import _Checkpoint
+    from functional_ema._checkpoint.reader import CheckpointReader
 
     d = ckroot / _name(3, "fp32")
     full = fe.consolidate(d, index=1)
-    with _Checkpoint.open(d, None) as ckpt:
+    with CheckpointReader.open(d, None) as ckpt:
         pieces = ckpt.pieces["table"]
         assert len(pieces) == 2 and pieces[0][:2] == (0, 56)  # ceil(111 / 2) on rank 0, the rest on rank 1
         for verify in (True, False):

@@ -364,17 +364,15 @@ def test_plot_profile_without_matplotlib(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def one_rank_engine(monkeypatch):
-    """A stand-in for a 1-rank DeepSpeed engine: checkpoint.save only asks the engine for its layout."""
-    from types import SimpleNamespace
-
-    from functional_ema import checkpoint
-
-    monkeypatch.setattr(checkpoint, "_world", lambda engine: (engine.layout, None))
+def one_rank_engine():
+    """A plain 1-rank model whose parameters have the tree's names and shapes: what checkpoint.save
+    reads of a model (its layout) when the state is kept over a separate tree."""
 
     def make(tree):
-        specs = {n: fe.ShardSpec(tuple(t.shape), 0, t.numel()) for n, t in tree.items()}
-        return SimpleNamespace(layout=fe.ShardLayout(0, 1, 0, specs))
+        model = torch.nn.Module()
+        for n, t in tree.items():
+            model.register_parameter(n, torch.nn.Parameter(t.detach().clone()))
+        return model
 
     return make
 

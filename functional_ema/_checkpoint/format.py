@@ -1,0 +1,406 @@
+"""What an EMA checkpoint is on disk, and the checks of everything read back from it.
+
+Names (tags, rank files, tensor keys, dtypes), the format constants, the manifest schema and its
+validation, the rank files' layout metadata, the checksum records, and the guard that keeps the
+offline tools' outputs out of the checkpoint they read. Nothing here does I/O beyond reading the
+small pointer files and listing folders.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import unicodedata
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .. import _io
+from .._layout import ShardLayout, ShardSpec
+from .errors import CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError, InvalidTagError, OutputPathError
+
+# 2: xxh3_64 checksums as hex strings (header_checksum / tensor_checksums); 1: CRC-32 integers (still read).
+FORMAT_VERSION = 2
+MANIFEST_NAME = "ema_manifest.json"
+FILE_FORMAT = "functional_ema.ema_shards"
+MANIFEST_FORMAT = "functional_ema.manifest"
+CONSOLIDATED_FORMAT = "functional_ema.consolidated"
+RANK_FILE = re.compile(r"^ema_rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
+
+# The tag of the last complete save in a checkpoint directory (see save and CheckpointReader.open).
+LATEST_NAME = "ema_latest"
+
+
+def rank_file_name(rank: int, world_size: int, generation: int = 0) -> str:
+    """``ema_rank_00000_of_00002.safetensors``; later saves into the same tag add ``.gen<N>``."""
+    suffix = f".gen{generation}" if generation else ""
+    return f"ema_rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
+
+
+def tensor_key(k: int, name: str) -> str:
+    return f"emas.{k}.{name}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CorruptCheckpointError(f"{where}: unknown EMA dtype {name!r}")
+    return dtype
+
+
+#: Names a tag must not take: DeepSpeed's pointer files and recovery script beside the tag folders
+#: (``latest`` is written by ``engine.save_checkpoint``; a folder of that name makes it fail on rank 0
+#: only), and functional_ema's own file names. Compared case-insensitively (case-insensitive filesystems).
+_RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", MANIFEST_NAME)
+_MAX_TAG_BYTES = 255  # one path component on common filesystems
+
+
+def _tag_problem(tag: str) -> str | None:
+    """Why ``tag`` is not one plain path component, or None. Never quotes the tag (it may come from a file)."""
+    if not tag:
+        return "is empty"
+    if tag in (".", ".."):
+        return f"is {tag!r}, which names a folder relative to the checkpoint, not a tag in it"
+    if "/" in tag or "\\" in tag:
+        return "contains a path separator ('/' or '\\'); a tag is one folder name"
+    bad = sorted({c for c in tag if c.isspace() or unicodedata.category(c).startswith("C")})
+    if bad:
+        return "contains whitespace or control characters (" + ", ".join(f"U+{ord(c):04X}" for c in bad[:6]) + ")"
+    if len(tag.encode("utf-8", "surrogatepass")) > _MAX_TAG_BYTES:
+        return f"is longer than {_MAX_TAG_BYTES} bytes"
+    return None
+
+
+def check_tag(tag: Any, *, saving: bool = True) -> str:
+    """The tag as a ``str`` if it is one plain folder name; else :class:`InvalidTagError`.
+
+    Saving also refuses the reserved names of :data:`_RESERVED_TAGS` and names of the library's own
+    files (rank files, temporary files).
+    """
+    if isinstance(tag, int) and not isinstance(tag, bool):
+        tag = str(tag)
+    if not isinstance(tag, str):
+        raise InvalidTagError(f"tag must be a str (a folder name such as 'global_step<N>'), got {type(tag).__name__}")
+    problem = _tag_problem(tag)
+    if problem is None and saving:
+        if tag.lower() in _RESERVED_TAGS:
+            problem = ("collides with a file DeepSpeed or functional_ema writes beside the tag folders "
+                       f"(reserved: {', '.join(_RESERVED_TAGS)})")
+        elif RANK_FILE.match(tag) or _io.is_tmp_name(tag):
+            problem = "is the name of one of functional_ema's own files"
+    if problem is not None:
+        shown = repr(tag) if len(tag) <= 80 else repr(tag[:80]) + "..."
+        raise InvalidTagError(
+            f"tag {shown} {problem}. Use a plain folder name such as DeepSpeed's default 'global_step<N>'"
+        )
+    return tag
+
+
+_MAX_LATEST_BYTES = 4096
+
+
+def read_latest(root: Path, latest: Path) -> str:
+    """The tag named by ``root/latest`` (DeepSpeed's pointer file), validated; never echoes its content."""
+    try:
+        inside = latest.resolve().parent == root.resolve()
+        size = latest.stat().st_size
+    except OSError as e:
+        raise CheckpointNotFoundError(f"cannot read {latest}: {e}") from None
+    if not inside:
+        raise InvalidTagError(
+            f"{latest} is a link to a file outside {root}; DeepSpeed writes 'latest' as a plain file holding one tag. "
+            "Pass tag=... (or --tag) instead"
+        )
+    if size > _MAX_LATEST_BYTES:
+        raise InvalidTagError(f"{latest} holds {size} bytes, not one tag name (DeepSpeed writes a single tag): pass tag=...")
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InvalidTagError(f"{latest} is not UTF-8 text, so it names no tag: pass tag=...") from None
+    except OSError as e:
+        raise CheckpointNotFoundError(f"cannot read {latest}: {e}") from None
+    problem = _tag_problem(tag) if tag else None
+    if problem is not None:
+        raise InvalidTagError(
+            f"{latest} does not name a tag folder of {root}: its content {problem}. Tags are looked up only inside the "
+            f"checkpoint directory; pass tag=... (or --tag). Tags here with a complete EMA: {complete_tags(root)}"
+        )
+    return tag
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def complete_tags(root: Path) -> list[str]:
+    try:
+        tags = [d.name for d in root.iterdir() if d.is_dir() and (d / MANIFEST_NAME).is_file()]
+    except OSError:
+        return []
+    return sorted(tags, key=_natural)
+
+
+def short_list(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in list(names)[:limit])
+    return "[" + shown + (f", ... {len(names) - limit} more" if len(names) > limit else "") + "]"
+
+
+def library_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("functional-ema")
+    except PackageNotFoundError:  # a source tree that was not installed
+        return "unknown"
+
+
+def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | None, dict[str, list[int]]]:
+    """(algorithm, header checksum, chunk checksums per tensor) of one manifest file record.
+
+    Format 2 records ``header_checksum`` / ``tensor_checksums`` as hex strings of ``manifest["checksum"]``;
+    format 1 recorded ``header_crc32`` / ``tensor_crc32`` as CRC-32 integers.
+    """
+    try:
+        if int(manifest["format_version"]) < 2:
+            header, tensors, algo = entry.get("header_crc32"), entry.get("tensor_crc32", {}), "crc32"
+            return algo, None if header is None else int(header), {k: [int(v) for v in vs] for k, vs in tensors.items()}
+        algo = manifest.get("checksum")
+        header, tensors = entry.get("header_checksum"), entry.get("tensor_checksums", {})
+        parsed = {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
+        header = None if header is None else int(header, 16)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: unreadable checksums in the manifest ({e!r}); the manifest is damaged") from None
+    if algo not in _io.CHECKSUMS:
+        raise CheckpointVersionError(
+            f"{where}: the manifest's checksums use {algo!r}, which this functional_ema ({library_version()}) cannot compute "
+            f"(it knows {sorted(_io.CHECKSUMS)}). Upgrade functional_ema, or load with verify=False"
+        )
+    return algo, header, parsed
+
+
+# ------------------------------------------------------------------- validation of files read back
+#
+# Everything read from disk is untrusted: the manifest is checked against a schema (types, ranges,
+# the library's own rank-file names) before anything else is read, and every field that changes a
+# result is cross-checked against the rank files' headers, which the manifest's CRC-32s cover.
+# Sizes are checked against the bytes on disk before anything is allocated.
+
+MAX_MANIFEST_BYTES = 256 << 20  # ~22M checksum entries, i.e. ~90 TB of EMA
+_MAX_NUM_EMAS = 1 << 16
+_MAX_WORLD = 1 << 20
+_MAX_DIMS = 64
+_MAX_NUMEL = 1 << 62
+_SAVED_DTYPES = tuple(dtype_name(d) for d in _io.DTYPE_TO_STR if d.is_floating_point)
+
+
+def brief(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:60] + '...'}"
+
+
+def _is_int(value: Any, lo: int = 0, hi: int = _MAX_NUMEL) -> bool:
+    return type(value) is int and lo <= value <= hi
+
+
+def _manifest_field_error(mpath: Path, field: str, want: str, got: Any) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{mpath}: field {field!r} must be {want}, got {brief(got)}. The manifest is damaged or was edited: restore it "
+        "from a copy or load another tag"
+    )
+
+
+def validate_manifest(mpath: Path, m: dict) -> None:
+    """Types and ranges of every manifest field, and the rank-file names; before anything else is read."""
+    for field, ok, want in (  # in order, each check may rely on the ones before it
+        ("tag", lambda v: isinstance(v, str) and _tag_problem(v) is None, "one plain folder name"),
+        ("generation", _is_int, "an int >= 0"),
+        ("step", lambda v: _is_int(v, 0, 2**63 - 1), "an int in [0, 2**63)"),
+        ("num_emas", lambda v: _is_int(v, 1, _MAX_NUM_EMAS), f"an int in [1, {_MAX_NUM_EMAS}]"),
+        ("dtype", lambda v: isinstance(v, str) and v in _SAVED_DTYPES, f"one of {list(_SAVED_DTYPES)}"),
+        ("world_size", lambda v: _is_int(v, 1, _MAX_WORLD), f"an int in [1, {_MAX_WORLD}]"),
+        ("zero_stage", lambda v: _is_int(v, 0, 3), "0, 1, 2 or 3"),
+        ("params", lambda v: isinstance(v, dict), "an object {parameter name: full shape}"),
+        ("files", lambda v: isinstance(v, list) and 1 <= len(v) <= m["world_size"],
+         "a list of 1 to world_size rank-file entries"),
+    ):
+        if not ok(m[field]):
+            raise _manifest_field_error(mpath, field, want, m[field])
+    scheds = m.get("schedules")
+    if scheds is not None and not (isinstance(scheds, list) and len(scheds) == m["num_emas"]
+                                   and all(isinstance(d, dict) for d in scheds)):
+        raise _manifest_field_error(mpath, "schedules", "null or a list of num_emas objects", scheds)
+    for name, shape in m["params"].items():
+        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(x) for x in shape)
+                and math.prod(shape) <= _MAX_NUMEL):
+            raise _manifest_field_error(mpath, f"params[{name!r}]", "a full shape: a list of ints >= 0", shape)
+    v1 = _is_int(m.get("format_version")) and m["format_version"] < 2
+    if not v1 and m.get("checksum") not in _io.CHECKSUMS:
+        raise CheckpointVersionError(
+            f"{mpath}: field 'checksum' is {brief(m.get('checksum'))}, not an algorithm this version reads "
+            f"({sorted(_io.CHECKSUMS)}): upgrade functional_ema, or restore the manifest from a copy")
+    world, generation, seen = m["world_size"], m["generation"], set()
+    for i, e in enumerate(m["files"]):
+        field = f"files[{i}]"
+        if not isinstance(e, dict):
+            raise _manifest_field_error(mpath, field, "an object", e)
+        name = e.get("file")
+        match = RANK_FILE.match(name) if isinstance(name, str) else None
+        if match is None:
+            raise CorruptCheckpointError(
+                f"{mpath}: field '{field}.file' is not the name of a functional_ema rank file "
+                "(ema_rank_<rank>_of_<world>[.gen<N>].safetensors, inside the tag folder); the manifest is damaged or "
+                "was edited: only the library's own files beside it are ever read"
+            )
+        rank = e.get("rank")
+        if not _is_int(rank, 0, world - 1) or rank in seen:
+            raise _manifest_field_error(mpath, f"{field}.rank", f"a distinct int in [0, {world})", rank)
+        seen.add(rank)
+        named = (int(match.group(1)), int(match.group(2)), int(match.group(3) or 0))
+        if named != (rank, world, generation):
+            raise _manifest_field_error(
+                mpath, f"{field}.file", f"the file of rank {rank} of world_size {world}, generation {generation}", name)
+        if v1:  # format 1: CRC-32 integers
+            sums = (("header_crc32", "tensor_crc32", lambda c: _is_int(c, 0, 2**32 - 1), "a CRC-32 (an int in [0, 2**32))"))
+        else:  # format 2: hex strings of the manifest's checksum algorithm
+            sums = (("header_checksum", "tensor_checksums", _is_hex64, f"a {m.get('checksum')} checksum (a hex string)"))
+        header_key, tensors_key, is_sum, want_sum = sums
+        for key, ok, want in (
+            ("bytes", _is_int(e.get("bytes")), "an int >= 0"),
+            (header_key, is_sum(e.get(header_key)), want_sum),
+            (tensors_key, isinstance(e.get(tensors_key, {}), dict), f"an object {{tensor name: [{want_sum}, ...]}}"),
+        ):
+            if not ok:
+                raise _manifest_field_error(mpath, f"{field}.{key}", want, e.get(key))
+        for key, crcs in e.get(tensors_key, {}).items():
+            if not (isinstance(crcs, list) and all(is_sum(c) for c in crcs)):
+                raise _manifest_field_error(mpath, f"{field}.{tensors_key}[{key!r}]", f"a list of {want_sum}s", crcs)
+
+
+def _is_hex64(v: Any) -> bool:
+    """A checksum as format 2 stores it: a hex string of at most 64 bits."""
+    if not isinstance(v, str) or not 1 <= len(v) <= 16:
+        return False
+    try:
+        int(v, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def check_schedules_metadata(where: str, meta: dict, manifest: dict) -> None:
+    """The manifest's ``schedules`` (what post-hoc EMA reads its gammas from) must equal the ones in the
+    rank file's header, which the manifest's header CRC-32 covers."""
+    raw = meta.get("schedules")
+    try:
+        saved = json.loads(raw) if isinstance(raw, str) else ...
+    except (ValueError, RecursionError):
+        saved = ...
+    if saved is ...:
+        raise CorruptCheckpointError(f"{where}: metadata 'schedules' is missing or not JSON: the file is damaged")
+    if json.dumps(saved, sort_keys=True) != json.dumps(manifest.get("schedules"), sort_keys=True):
+        raise CorruptCheckpointError(
+            f"{where}: the manifest's field 'schedules' ({brief(manifest.get('schedules'))}) differs from the one saved "
+            f"in this file's header ({brief(saved)}): the manifest was edited after the save (e.g. a changed gamma). "
+            "Restore the manifest from a copy or load another tag"
+        )
+
+
+def parse_layout(where: str, text: Any, manifest: dict, rank: int) -> ShardLayout:
+    """The rank file's ``layout`` metadata, checked against the manifest: same rank, world size, stage
+    and parameters (with their full shapes), every piece inside its parameter."""
+
+    def bad(field: str, want: str, got: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: layout metadata field {field!r} must be {want}, got {brief(got)}; "
+                                      "the file is damaged: restore it or load another tag")
+
+    try:
+        d = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        d = None
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"{where}: metadata 'layout' is missing or not a JSON object; the file is damaged")
+    for field, want in (("rank", rank), ("world_size", manifest["world_size"]), ("stage", manifest["zero_stage"])):
+        if type(d.get(field)) is not int or d[field] != want:
+            raise bad(field, f"{want}, as in the manifest", d.get(field))
+    specs, params = d.get("specs"), manifest["params"]
+    if not isinstance(specs, dict):
+        raise bad("specs", "an object {parameter name: [shape, offset, numel]}", specs)
+    if set(specs) != set(params):
+        raise CorruptCheckpointError(
+            f"{where}: its layout lists other parameters than the manifest's field 'params': only in the file "
+            f"{short_list(sorted(set(specs) - set(params)), 4)}, only in the manifest {short_list(sorted(set(params) - set(specs)), 4)}"
+        )
+    out = {}
+    for n, v in specs.items():
+        if not (isinstance(v, list) and len(v) == 3 and isinstance(v[0], list)):
+            raise bad(f"specs[{n!r}]", "[shape, offset, numel]", v)
+        shape, off, cnt = v
+        if not all(_is_int(x) for x in shape) or shape != params[n]:
+            raise bad(f"specs[{n!r}] shape", f"{params[n]}, the shape in the manifest's field 'params'", shape)
+        full = math.prod(shape)
+        if not (_is_int(off) and _is_int(cnt) and off + cnt <= full):
+            raise bad(f"specs[{n!r}] offset, numel", f"a piece inside the {full} elements of {tuple(shape)}", [off, cnt])
+        out[n] = ShardSpec(tuple(shape), off, cnt)
+    return ShardLayout(rank, manifest["world_size"], manifest["zero_stage"], out)
+
+
+# ------------------------------------------------------------------------------ outputs of tools
+
+
+_POINTER_FILES = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed 0.19 writes the scripts
+
+
+def _looks_like_tag(folder: Path) -> bool:
+    """A folder holding an EMA manifest or rank files, or DeepSpeed's ``*_states.pt`` files."""
+    try:
+        return any(p.name == MANIFEST_NAME or RANK_FILE.match(p.name) or p.name.endswith("_states.pt")
+                   for p in folder.iterdir())
+    except OSError:
+        return False
+
+
+def check_output(out_path: str | os.PathLike, root: str | os.PathLike, tag_dirs: Sequence[Path], overwrite: bool) -> Path:
+    """Refuse an output that would land inside the checkpoint being read, or replace a file unasked.
+
+    ``root`` is the checkpoint (or snapshot) directory and ``tag_dirs`` the tag folders being read.
+    Refused, after resolving symlinks: anything inside a tag folder being read or inside any other
+    folder of ``root`` (DeepSpeed's and functional_ema's tag folders), the pointer files beside them
+    (``latest``, ...), ``root`` itself, any directory; an existing file unless ``overwrite``.
+    """
+    out = Path(out_path)
+    try:
+        real = out.resolve()
+        real_root = Path(root).resolve()
+        real_tags = [Path(t).resolve() for t in tag_dirs]
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise OutputPathError(f"cannot resolve the output path {out}: {e}") from None
+    fix = f"Write it outside the checkpoint, e.g. {real_root.parent / out.name}"
+    inside = next((t for t in real_tags if real == t or t in real.parents), None)
+    if inside is not None:
+        raise OutputPathError(
+            f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the tag folder "
+            f"{inside} being read, and would replace or add to that checkpoint's files. {fix}"
+        )
+    first = real_root / real.relative_to(real_root).parts[0] if real_root in real.parents else None
+    if real == real_root or first is not None and (
+        real.name.lower() in _POINTER_FILES and first == real or first != real and _looks_like_tag(first)
+    ):
+        raise OutputPathError(
+            f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the checkpoint "
+            f"directory {real_root} being read (a tag folder or a pointer file such as 'latest'). {fix}"
+        )
+    if real.is_dir():
+        raise OutputPathError(f"refusing to write {out}: it is a directory; give a .safetensors file name")
+    if not overwrite and (out.exists() or out.is_symlink()):
+        raise OutputPathError(
+            f"refusing to replace the existing file {out}: pass --overwrite (overwrite=True) to replace it "
+            "(atomically), or choose another name"
+        )
+    return out
