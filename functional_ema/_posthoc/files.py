@@ -1,0 +1,357 @@
+"""Snapshot checkpoints on disk (one safetensors file per rank per snapshot) and reconstruction
+streamed from them, a few parameters at a time."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from .. import _io, checkpoint
+from .._checkpoint.errors import CheckpointNotFoundError
+from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
+from .._checkpoint.reader import open_checkpoint
+from .._layout import ShardLayout
+from .._state import EmaState
+from .._tree import TreeMismatchError
+from ..schedules import Schedule, gamma_to_sigma_rel, power
+from .profiles import DEFAULT_MAX_PROFILE_ERROR, ReconstructionError, profile_error, resolve_step, solve_coefficients, target_gamma
+from .synthesis import gammas_and_step, scaled_like
+
+# ----------------------------------------------------------------------------------- snapshot files
+
+#: Tag prefix of snapshot folders written by :func:`save_snapshot`.
+SNAPSHOT_PREFIX = "snapshot_"
+
+
+def snapshot_tag(step: int) -> str:
+    """``f"snapshot_{step:09d}"``: sorts by step as text up to a billion steps."""
+    return f"{SNAPSHOT_PREFIX}{int(step):09d}"
+
+
+def save_snapshot(
+    state: EmaState,
+    engine: Any,
+    snapshot_dir: str | os.PathLike,
+    schedules: Sequence[Schedule | float],
+    *,
+    tag: str | None = None,
+) -> Path:
+    """Write this rank's pieces of every tracked power EMA as a snapshot checkpoint. Collective.
+
+    Call it on every rank every N steps (e.g. ``if step % 1000 == 0``). It is
+    :func:`functional_ema.save` into ``snapshot_dir/snapshot_<step:09d>/``, with the power schedules
+    recorded (so the files carry each EMA's ``gamma`` and the step, all that reconstruction needs).
+    Each snapshot is one safetensors file per rank in the EMA dtype (keep fp32; 16-bit snapshots
+    cost accuracy, see :func:`snapshot`) plus a manifest written last, so an interrupted save leaves
+    an incomplete tag that the readers skip. Use a directory of its own or
+    DeepSpeed's checkpoint directory: the tags never collide with ``global_step<N>``.
+
+    Args:
+        state: this rank's state tracking ``K`` power EMAs over ``local_shards(engine)``.
+        engine: the DeepSpeed engine.
+        snapshot_dir: directory shared by all ranks.
+        schedules: the ``K`` schedules passed to :func:`functional_ema.update` (``schedules.power``)
+            or their ``sigma_rel`` floats, in the state's order.
+        tag: folder name; default :func:`snapshot_tag` of ``state.step``.
+
+    Returns:
+        The snapshot folder.
+
+    Example:
+        >>> scheds = [schedules.power(sigma_rel=s) for s in (0.05, 0.10)]       # doctest: +SKIP
+        >>> state = fe.update(state, fe.local_shards(engine), step, decay=scheds)  # doctest: +SKIP
+        >>> if step % 1000 == 0:                                                 # doctest: +SKIP
+        ...     posthoc.save_snapshot(state, engine, "snapshots", scheds)
+    """
+    gammas, step = gammas_and_step(state, schedules)
+    return checkpoint.save(
+        state, engine, snapshot_dir, snapshot_tag(step) if tag is None else tag, decay=[power(gamma=g) for g in gammas]
+    )
+
+
+class SnapshotInfo(NamedTuple):
+    """One complete snapshot checkpoint on disk.
+
+    Attributes:
+        tag: its folder name.
+        step: training step of the EMAs in it.
+        gammas: exponent of each EMA in it (``emas.<k>.*`` tensors).
+        shapes: parameter name -> full shape.
+    """
+
+    tag: str
+    step: int
+    gammas: tuple[float, ...]
+    shapes: dict[str, tuple[int, ...]]
+
+
+def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PREFIX) -> list[SnapshotInfo]:
+    """Complete snapshot checkpoints in ``snapshot_dir`` (tags starting with ``prefix``), by step.
+
+    Each is validated (manifest, every rank file's header and checksum, coverage of every
+    parameter) without reading tensor data. Tags without a manifest (an interrupted save) are
+    skipped with a warning.
+
+    Raises:
+        ReconstructionError: no complete snapshot, an EMA that is not a power EMA, or snapshots of
+            different models.
+        functional_ema.CheckpointError: a damaged snapshot.
+    """
+    root = Path(snapshot_dir)
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"snapshot directory {root} does not exist")
+    tags = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.startswith(prefix))
+    incomplete = [t for t in tags if not (root / t / MANIFEST_NAME).is_file()]
+    if incomplete:
+        warnings.warn(
+            f"skipping {len(incomplete)} incomplete snapshot tag(s) without a manifest (interrupted saves?): "
+            f"{incomplete[:4]}{' ...' if len(incomplete) > 4 else ''}",
+            stacklevel=2,
+        )
+    out: list[SnapshotInfo] = []
+    for tag in tags:
+        if tag in incomplete:
+            continue
+        m = checkpoint.read_manifest(root, tag)
+        scheds = m.get("schedules") or []
+        if len(scheds) != int(m["num_emas"]):
+            raise ReconstructionError(
+                f"snapshot {tag!r} in {root} does not record its EMAs' schedules (was it written by functional_ema.save "
+                "without decay=?). Post-hoc EMA needs power EMAs: write snapshots with posthoc.save_snapshot"
+            )
+        gammas = []
+        for k, d in enumerate(scheds):
+            if not isinstance(d, dict) or d.get("kind") != "power" or not isinstance(d.get("gamma"), (int, float)):
+                raise ReconstructionError(
+                    f"snapshot {tag!r}: EMA {k} has schedule {d!r}, not a power EMA; post-hoc EMA synthesises only from "
+                    "power EMAs (schedules.power(sigma_rel=...))"
+                )
+            gammas.append(float(d["gamma"]))
+        shapes = {n: tuple(int(x) for x in s) for n, s in m["params"].items()}
+        out.append(SnapshotInfo(tag, int(m["step"]), tuple(gammas), shapes))
+    if not out:
+        raise ReconstructionError(
+            f"no complete snapshot (tags {prefix}*) in {root}; write them with posthoc.save_snapshot during training"
+        )
+    out.sort(key=lambda s: (s.step, s.tag))
+    first = out[0]
+    for s in out[1:]:
+        if s.shapes != first.shapes:
+            diff = sorted(set(s.shapes).symmetric_difference(first.shapes)) or sorted(
+                n for n in s.shapes if s.shapes[n] != first.shapes.get(n)
+            )
+            raise ReconstructionError(
+                f"snapshots {first.tag!r} and {s.tag!r} hold different parameters ({short_list(diff)}): "
+                "they come from different models; keep one run's snapshots per directory"
+            )
+    return out
+
+
+
+class _FilePlan(NamedTuple):
+    root: Path
+    terms: list[tuple[str, int, float]]  # (tag, EMA index, coefficient), nonzero only, by step
+    shapes: dict[str, tuple[int, ...]]
+    step: int
+    gamma: float
+    profile_error: float
+    num_snapshots: int
+
+
+def _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix) -> _FilePlan:
+    infos = list_snapshots(snapshot_dir, prefix=prefix)
+    gammas, steps, refs = [], [], []
+    for info in infos:
+        for k, g in enumerate(info.gammas):
+            gammas.append(g)
+            steps.append(info.step)
+            refs.append((info.tag, k))
+    x = solve_coefficients(
+        gammas, steps, sigma_rel=sigma_rel, gamma=gamma, step=step, max_profile_error=max_profile_error
+    )
+    target = target_gamma(sigma_rel, gamma)
+    s = int(resolve_step(np.asarray(steps, dtype=np.float64), step))
+    err = profile_error(gammas, steps, x, gamma=target, step=s)
+    terms = [(tag, k, float(c)) for (tag, k), c in zip(refs, x) if c != 0.0]
+    return _FilePlan(Path(snapshot_dir), terms, infos[0].shapes, s, target, err, len(infos))
+
+
+def _stream(
+    plan: _FilePlan,
+    ranges: dict[str, tuple[int, int, tuple[int, ...]]],
+    *,
+    verify: bool,
+    dtype: torch.dtype,
+    buffer_bytes: int,
+    layout=None,
+):
+    """Yield ``(name, tensor)`` for each name of ``ranges`` (``name -> (start, numel, out shape)``
+    of the flattened parameter): ``sum_terms c * piece`` accumulated in float64.
+
+    Parameters are taken in groups whose float64 accumulators fit ``buffer_bytes`` (at least one
+    parameter a group); each snapshot checkpoint is opened once per group. With ``layout`` (this
+    rank's), a snapshot saved with that layout is read from this rank's file alone.
+    """
+    names = list(ranges)
+    groups: list[list[str]] = []
+    size = 0
+    for n in names:
+        nbytes = 8 * ranges[n][1]
+        if not groups or size + nbytes > buffer_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += nbytes
+    by_tag: dict[str, list[tuple[int, float]]] = {}
+    for tag, k, c in plan.terms:
+        by_tag.setdefault(tag, []).append((k, c))
+    for group in groups:
+        acc = {n: torch.zeros(ranges[n][1], dtype=torch.float64) for n in group}
+        for tag, ks in by_tag.items():
+            with open_checkpoint(plan.root, tag, verify, layout) as ckpt:
+                for k, c in ks:
+                    for n in group:
+                        start, numel, _ = ranges[n]
+                        piece = torch.empty(numel, dtype=ckpt.dtype)
+                        ckpt.fill(piece, k, n, start, numel, verify)
+                        acc[n].add_(scaled_like(piece, c, acc[n]))
+        for n in group:
+            yield n, acc.pop(n).to(dtype).view(ranges[n][2])
+
+
+def posthoc_offline(
+    snapshot_dir: str | os.PathLike,
+    *,
+    sigma_rel: float | None = None,
+    gamma: float | None = None,
+    step: int | None = None,
+    max_profile_error: float | None = DEFAULT_MAX_PROFILE_ERROR,
+    dtype: torch.dtype = torch.float32,
+    verify: bool = True,
+    prefix: str = SNAPSHOT_PREFIX,
+    buffer_bytes: int = 1 << 30,
+) -> dict[str, torch.Tensor]:
+    """Full post-hoc EMA weights from the per-rank snapshot files: no process group, no GPU.
+
+    ``EMA(sigma_rel, step) ~ sum_{snapshot j, EMA k} x_jk * full_jk`` with ``x`` from
+    :func:`solve_coefficients` over every complete snapshot in ``snapshot_dir``; each full
+    parameter is assembled from the ranks' pieces (any world size and ZeRO stage) and accumulated
+    in float64, parameter by parameter (groups of at most ``buffer_bytes`` of accumulators), reading
+    only the snapshots with a nonzero coefficient.
+
+    Args:
+        snapshot_dir: the directory :func:`save_snapshot` wrote into.
+        sigma_rel, gamma, step, max_profile_error: as in :func:`solve_coefficients` (``step``
+            defaults to the last snapshot).
+        dtype: result dtype.
+        verify: check the CRC-32s of every byte read.
+        prefix: tag prefix of the snapshot folders.
+        buffer_bytes: memory for float64 accumulators; smaller streams in more passes.
+
+    Returns:
+        ``{parameter name: tensor of its full shape}``; equal (bitwise) to reconstructing each
+        rank's pieces (:func:`reconstruct`, :func:`posthoc_local`) and then gathering them.
+
+    Example:
+        >>> weights = posthoc.posthoc_offline("snapshots", sigma_rel=0.15)   # doctest: +SKIP
+        >>> model.load_state_dict(weights, strict=False)                     # doctest: +SKIP
+    """
+    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
+    ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
+    return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes))
+
+
+def posthoc_local(
+    snapshot_dir: str | os.PathLike,
+    layout: Any,
+    *,
+    sigma_rel: float | None = None,
+    gamma: float | None = None,
+    step: int | None = None,
+    max_profile_error: float | None = DEFAULT_MAX_PROFILE_ERROR,
+    dtype: torch.dtype = torch.float32,
+    verify: bool = True,
+    prefix: str = SNAPSHOT_PREFIX,
+    buffer_bytes: int = 1 << 30,
+) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the post-hoc EMA, from the snapshot files; never communicates.
+
+    Args:
+        snapshot_dir: the directory :func:`save_snapshot` wrote into.
+        layout: a :class:`functional_ema.ShardLayout` (e.g. ``fe.shard_layout(engine)``), or a
+            DeepSpeed engine. Any world size and ZeRO stage: each piece is read from the saved
+            pieces that overlap it.
+        others: as in :func:`posthoc_offline`.
+
+    Returns:
+        ``{name: 1-D tensor}`` shaped like ``local_shards(engine)``; e.g. wrap it as
+        ``EmaState(torch.tensor(step), (pieces,))`` for :func:`functional_ema.gather_full` or
+        :func:`functional_ema.swapped`.
+    """
+    if not isinstance(layout, ShardLayout):
+        from ._api import shard_layout
+
+        layout = shard_layout(layout)
+    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
+    missing = [n for n in layout.specs if n not in plan.shapes]
+    bad = [n for n, s in layout.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
+    if missing or bad:
+        raise TreeMismatchError(
+            f"the snapshots in {plan.root} do not fit this layout: not in the snapshots {short_list(missing)}; "
+            f"other shapes {short_list(bad)}"
+        )
+    ranges = {n: (s.offset, s.numel, (s.numel,)) for n, s in layout.specs.items()}
+    return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes, layout=layout))
+
+
+def posthoc_to_file(
+    snapshot_dir: str | os.PathLike,
+    out_path: str | os.PathLike,
+    *,
+    sigma_rel: float | None = None,
+    gamma: float | None = None,
+    step: int | None = None,
+    max_profile_error: float | None = DEFAULT_MAX_PROFILE_ERROR,
+    dtype: torch.dtype = torch.float32,
+    verify: bool = True,
+    prefix: str = SNAPSHOT_PREFIX,
+    buffer_bytes: int = 1 << 30,
+    overwrite: bool = True,
+) -> Path:
+    """Stream the post-hoc EMA (as :func:`posthoc_offline`) into one safetensors file, atomically.
+
+    The file's names are the module's parameter names; its metadata records ``sigma_rel``,
+    ``gamma``, ``step``, the profile error and the number of snapshots. Memory: the accumulators of
+    one group (``buffer_bytes``) plus one parameter.
+
+    ``out_path`` inside the snapshot directory's folders is refused (``checkpoint.OutputPathError``),
+    and so is an existing file unless ``overwrite``.
+
+    Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
+    """
+    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
+    check_output(out_path, plan.root, [plan.root / tag for tag, _, _ in plan.terms], overwrite)
+    meta = {
+        "format": "functional_ema.posthoc",
+        "format_version": str(FORMAT_VERSION),
+        "sigma_rel": repr(gamma_to_sigma_rel(plan.gamma)),
+        "gamma": repr(plan.gamma),
+        "step": str(plan.step),
+        "profile_error": repr(plan.profile_error),
+        "num_snapshots": str(plan.num_snapshots),
+    }
+    ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
+    entries = [(n, dtype, s) for n, s in plan.shapes.items()]
+    out_path = Path(out_path)
+    with _io.StreamingWriter(out_path, entries, meta) as w:
+        for name, t in _stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes):
+            w.write(name, t)
+        w.commit()
+    return out_path
