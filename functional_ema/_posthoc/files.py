@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .. import _io, checkpoint
+from .._api import shard_layout
 from .._checkpoint.errors import CheckpointNotFoundError
 from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
 from .._checkpoint.reader import open_checkpoint
@@ -296,8 +297,6 @@ def posthoc_local(
         :func:`functional_ema.swapped`.
     """
     if not isinstance(layout, ShardLayout):
-        from ._api import shard_layout
-
         layout = shard_layout(layout)
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
     missing = [n for n in layout.specs if n not in plan.shapes]
