@@ -430,7 +430,8 @@ def consolidate(
     with open_checkpoint(checkpoint_dir, tag, verify) as ckpt:
         ckpt.check_index(index)
         out = {name: _memory.empty(shape, dtype=ckpt.dtype) for name, shape in ckpt.shapes.items()}
-        fill_all(ckpt, [(t.view(-1), index, name, 0, t.numel()) for name, t in out.items()], verify)
+        jobs = [(t.view(-1), index, name, 0, t.numel()) for name, t in out.items()]
+        fill_all(ckpt, jobs, verify, threads=_io.io_threads(shared=False))  # offline: every core of this process
         return out
 
 

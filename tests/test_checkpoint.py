@@ -925,3 +925,25 @@ def test_chunk_checksums_multi_chunk(tmp_path, algo):
         st.read_range("x", lo, hi, sums, algo=algo)
     assert torch.equal(st.read_range("x", 0, 100, sums, algo=algo), t[:100])  # chunk 0 is intact
     st.close()
+
+
+def test_io_threads_share_the_node(monkeypatch):
+    """Loads and saves take this rank's share of its CPUs (every local rank runs them at once), the
+    offline tools all of them, 1 to 4; FUNCTIONAL_EMA_IO_THREADS overrides, and a bad value is refused by name."""
+    from functional_ema import _io
+
+    monkeypatch.setattr(_io.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv(_io.IO_THREADS_ENV, raising=False)
+    for local_ranks, want in ((None, 4), ("1", 4), ("2", 4), ("4", 2), ("8", 1), ("16", 1), ("x", 4)):
+        if local_ranks is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+        assert _io.io_threads() == want, local_ranks
+        assert _io.io_threads(shared=False) == 4, local_ranks  # the offline tools run alone
+    monkeypatch.setenv(_io.IO_THREADS_ENV, "3")
+    assert _io.io_threads() == _io.io_threads(shared=False) == 3
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv(_io.IO_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{_io.IO_THREADS_ENV} must be a positive integer, got '{bad}'"):
+            _io.io_threads()

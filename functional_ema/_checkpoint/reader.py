@@ -348,25 +348,47 @@ class CheckpointReader:
             raise IncompleteCheckpointError(f"tag {self.tag!r}: elements [{cursor}, {stop}) of {name!r} are in no saved piece")
 
 
-def fill_all(ckpt: CheckpointReader, jobs: list[tuple[torch.Tensor, int, str, int, int]], verify: bool) -> None:
-    """``ckpt.fill(*job, verify)`` for every job, spread over the shared I/O threads.
+def fill_all(ckpt: CheckpointReader, jobs: list[tuple[torch.Tensor, int, str, int, int]], verify: bool,
+             threads: int | None = None) -> None:
+    """``ckpt.fill(*job, verify)`` for every job, on ``threads`` threads at once.
 
-    Each thread reads (positional reads, GIL released) and hashes its own tensors, so reading and
-    checking use every core the process may use; with one thread it is a plain loop. Every job
-    has finished when this returns or raises (the first failure, in job order).
+    Each thread reads (positional reads, GIL released) and hashes its own share of the jobs
+    (balanced by size); with one thread it is a plain loop. ``threads=None`` takes this rank's share
+    of its node's CPUs (:func:`functional_ema._io.io_threads`), for loads that every rank runs at
+    once; the offline tools, alone on their machine, pass ``io_threads(shared=False)``. Every job
+    has run when this returns or raises (the first failure, in job order).
     """
+    threads = _io.io_threads() if threads is None else threads
+
     def run(job):
         with torch.no_grad():
             ckpt.fill(*job, verify)
 
-    if len(jobs) < 2 or _io.io_threads() < 2:
+    if len(jobs) < 2 or threads < 2:
         for job in jobs:
             run(job)
         return
-    futures = [_io._pool().submit(run, job) for job in jobs]
+    shares: list[list[int]] = [[] for _ in range(min(threads, len(jobs)))]
+    loads = [0] * len(shares)
+    for i in sorted(range(len(jobs)), key=lambda i: -jobs[i][4]):  # largest first, each to the least loaded
+        j = loads.index(min(loads))
+        shares[j].append(i)
+        loads[j] += jobs[i][4]
+    failures: dict[int, BaseException] = {}
+
+    def run_share(share: list[int]) -> None:
+        for i in sorted(share):
+            try:
+                run(jobs[i])
+            except BaseException as e:  # noqa: BLE001 - re-raised below, the first in job order
+                failures[i] = e
+
+    futures = [_io._pool().submit(run_share, share) for share in shares]
     concurrent.futures.wait(futures)
     for fut in futures:
         fut.result()
+    if failures:
+        raise failures[min(failures)]
 
 
 def open_checkpoint(load_dir, tag: str | None = None, verify: bool = True, layout: ShardLayout | None = None) -> CheckpointReader:
