@@ -187,22 +187,20 @@ class AsyncSaver:
             tag_dir.mkdir(parents=True, exist_ok=True)
             if writes:
                 box["snapshot"] = self._snapshot(state, fmt.parse_dtype(p["dtype"], "save"))
-            p["token"] = secrets.token_hex(8) if rank == 0 else None
+            p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
             return p
 
         try:
-            plans = collective.agree("async save (checking the state)", plan, group, world, rank)
-            writer.check_plans(plans)
+            mine, first = writer.agree_plans("async save (checking the state)", plan, group, world, rank)
         except BaseException:
             if "snapshot" in box:  # nothing started: keep the buffer for the next call
                 self._free.append(box["snapshot"][1])
             raise
-        first = plans[0]
         handle = SaveHandle(tag_dir, first["step"])
         emas, buffer, ready = box.get("snapshot", (None, None, None))
         handle._buffer = buffer
         job = _Job(
-            save_dir=save_dir, tag_dir=tag_dir, layout=layout, first=first, mine=plans[rank], token=first["token"],
+            save_dir=save_dir, tag_dir=tag_dir, layout=layout, first=first, mine=mine, token=first["token"],
             writers=[0] if stage == 0 else list(range(world)), emas=emas, ready=ready,
             dtype=fmt.parse_dtype(first["dtype"], "save"), timeout=self.commit_timeout,
         )

@@ -64,7 +64,7 @@ from ._checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointM
 from ._checkpoint.format import (CONSOLIDATED_FORMAT, FORMAT_VERSION, MANIFEST_NAME, check_output, check_tag,
                                  dtype_name, library_version, parse_dtype, rank_file_name, short_list)
 from ._checkpoint.reader import CheckpointReader, fill_all, open_checkpoint
-from ._checkpoint.writer import (build_manifest, check_plans, commit_manifest, plan_save, rank_file_meta, remove_unlisted,
+from ._checkpoint.writer import (agree_plans, build_manifest, commit_manifest, plan_save, rank_file_meta, remove_unlisted,
                                  write_rank_file)
 from ._core import _allocate
 from ._layout import ShardLayout
@@ -173,9 +173,7 @@ def save(
         tag_dir = save_dir / tag
         return plan_save(state, decay, layout, tag, tag_dir)
 
-    plans = agree("save (checking the state)", plan, group, world, rank)
-    mine, first = plans[rank], plans[0]
-    check_plans(plans)
+    mine, first = agree_plans("save (checking the state)", plan, group, world, rank)
     generation = first["generation"]
     writes = stage != 0 or rank == 0
     fname = rank_file_name(rank, world, generation)
@@ -209,7 +207,7 @@ def save(
         return None
 
     try:
-        agree("save (writing the manifest)", commit, group, world, rank)
+        agree("save (writing the manifest)", commit, group, world, rank, results=False)
     except CheckpointError:
         remove_unlisted(tag_dir, fname if writes else None)
         raise

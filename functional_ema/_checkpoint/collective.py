@@ -53,19 +53,35 @@ def agree(what: str, fn, group, world: int, rank: int, results: bool = True):
     raise the same class with that rank's message. A non-checkpoint error of the caller's own
     arguments (e.g. ``TypeError``) stays as it is on the rank that raised it.
     """
-    local_exc: BaseException | None = None
+    payload, local_exc = run_local(fn, rank)
+    if not results and world > 1 and dist.is_initialized():
+        if not all_reduce_max([int(local_exc is not None)], group)[0]:
+            return [None] * world
+    return settle(what, payload, local_exc, group, world, rank)
+
+
+def run_local(fn, rank: int) -> tuple[tuple, Exception | None]:
+    """``fn()`` on this rank, as the payload :func:`settle` exchanges: ``("ok", result)``, or the
+    error's class, message, whether it is a :class:`CheckpointError`, and its errno."""
     try:
-        payload = ("ok", fn())
-    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        return ("ok", fn()), None
+    except Exception as e:  # noqa: BLE001 - re-raised by settle, on every rank
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             e = io_error(e, rank, e.filename or "a checkpoint file", "access")
-        local_exc = e
-        payload = ("error", type(e).__name__, str(e), isinstance(e, CheckpointError), getattr(e, "errno", None))
-    if not results and world > 1 and dist.is_initialized():
-        failures = torch.tensor([int(local_exc is not None)], dtype=torch.int32)
-        dist.all_reduce(failures, group=barrier_group(group, DEFAULT_TIMEOUT_S))  # CPU tensor: the gloo group
-        if not int(failures):
-            return [None] * world
+        return ("error", type(e).__name__, str(e), isinstance(e, CheckpointError), getattr(e, "errno", None)), e
+
+
+def all_reduce_max(values: list[int], group) -> list[int]:
+    """The elementwise maximum over the ranks of ``group`` of a few ints (one small all-reduce on the
+    gloo side group, cheaper than exchanging objects)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=barrier_group(group, DEFAULT_TIMEOUT_S))  # CPU tensor: the gloo group
+    return t.tolist()
+
+
+def settle(what: str, payload: tuple, local_exc: Exception | None, group, world: int, rank: int) -> list:
+    """Exchange the ranks' :func:`run_local` payloads; raise on every rank if any failed (see
+    :func:`agree`), else return every rank's result."""
     gathered = exchange(payload, group, world)
     failed = [(r, p) for r, p in enumerate(gathered) if p[0] == "error"]
     if failed:
