@@ -182,7 +182,7 @@ class AsyncSaver:
         box: dict[str, Any] = {}
 
         def plan():
-            self._settle(tag_dir)  # raises a previous failure; inside _agree, so on every rank
+            self._settle(tag_dir)  # raises a previous failure; inside agree_plans, so on every rank
             p = writer.plan_save(state, decay, layout, tag, tag_dir)
             tag_dir.mkdir(parents=True, exist_ok=True)
             if writes:

@@ -110,7 +110,8 @@ def agree_plans(what: str, plan, group, world: int, rank: int) -> tuple[dict, di
             agreed = json.dumps([mine[f] for f in AGREED_FIELDS], sort_keys=True).encode()
             digest = xxhash.xxh3_64_intdigest(agreed) >> 2  # in [0, 2**62): its negation fits too
             if rank == 0:
-                generation, token = mine["generation"], int(mine.get("token") or "-1", 16)
+                generation = mine["generation"]
+                token = int(mine["token"], 16) if mine.get("token") else -1  # only async saves carry one
         failed, high, neg_low, generation, token = collective.all_reduce_max(
             [int(mine is None), digest, -digest, generation, token], group)
         if not failed and high == -neg_low:
