@@ -27,12 +27,94 @@ from .schedules import DecayLike, interval_decay
 __all__ = ["ema_nbytes", "init_ema", "update", "update_info", "NonFiniteError", "UpdateInfo"]
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+# The dtypes an EMA may have (the first is the default). float8 has no lerp_ kernel and 2-3 mantissa
+# bits; an integer, bool or complex EMA is not an average of real weights.
+EMA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # A step is an int64 counter: refuse what cannot be stored before anything moves.
 _MAX_STEP = 2**63 - 1
+_TENSOR, _INT64 = torch.Tensor, torch.int64  # read on every update: no module attribute lookups
 
 
 class NonFiniteError(FloatingPointError):
     """``update(..., nonfinite="raise")`` met a NaN or inf in the weights (the EMA is unchanged)."""
+
+
+# ------------------------------------------------------------------------------------ argument checks
+# Shared with functional_ema.buffers (and the integrations): one wording for each odd value, raised
+# before anything is allocated or moved.
+
+
+def check_num_emas(num_emas: Any, what: str = "num_emas") -> int:
+    """``num_emas`` as an int >= 1; bools, floats and strings refused (``2.0`` is not a count)."""
+    if isinstance(num_emas, bool):
+        raise TypeError(f"{what} must be an int >= 1 (how many EMAs to track), got a bool ({num_emas!r})")
+    try:
+        value = operator.index(num_emas)  # ints and integer scalars only: 2.0 and "2" fail here
+    except TypeError:
+        raise TypeError(
+            f"{what} must be an int >= 1 (how many EMAs to track), got {type(num_emas).__name__} {num_emas!r}; "
+            f"pass e.g. {what}=2"
+        ) from None
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}")
+    return value
+
+
+def check_ema_dtype(dtype: Any, what: str = "dtype") -> torch.dtype:
+    """``dtype`` if it is one of :data:`EMA_DTYPES` (a ``torch.dtype``), else a ``TypeError`` with the fix."""
+    if not isinstance(dtype, torch.dtype):
+        hint = ""
+        if isinstance(dtype, str) and isinstance(getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
+            hint = f"; pass {what}=torch.{dtype.removeprefix('torch.')} (the dtype object, not its name)"
+        raise TypeError(
+            f"{what} must be a torch.dtype (torch.float32, torch.float64, torch.float16 or torch.bfloat16), "
+            f"got {type(dtype).__name__} {dtype!r}{hint}"
+        )
+    if dtype not in EMA_DTYPES:
+        raise TypeError(
+            f"{what}={dtype} is not a supported EMA dtype: pass torch.float32 (the default), torch.float64, "
+            "torch.float16 or torch.bfloat16 (float8 has no lerp_ and too few mantissa bits; integer, bool and "
+            "complex EMAs are not averages of real weights)"
+        )
+    return dtype
+
+
+def check_step_tensor(
+    counter: Any, what: str = "state.step", maker: str = "init_ema", loader: str = "functional_ema.load"
+) -> None:
+    """Refuse a state's step counter that is not what ``maker`` makes: a one-element int64 tensor,
+    >= 0, on a real device. ``update`` writes the new step into it after the EMAs moved, so a
+    counter that cannot hold it must be refused before anything else happens."""
+    made = f"(as {maker} makes it)"
+    fix = f"make the state with {maker} or {loader} (or use torch.tensor(step, dtype=torch.int64))"
+    if not isinstance(counter, torch.Tensor):
+        raise TypeError(f"{what} must be an int64 scalar tensor {made}, got {type(counter).__name__} {counter!r}; {fix}")
+    got = f"a tensor of dtype {counter.dtype} and shape {tuple(counter.shape)} on {counter.device}"
+    if counter.dtype is not torch.int64:
+        raise TypeError(f"{what} must be an int64 scalar tensor {made}, got {got}; {fix}")
+    if counter.numel() != 1 or counter.is_meta:
+        raise ValueError(
+            f"{what} must be an int64 scalar tensor {made}, got {got}: it must hold one value, on a real device; {fix}"
+        )
+    if int(counter) < 0:
+        raise ValueError(f"{what} must be >= 0 (a training step), got {int(counter)}; {fix}")
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    """An int step (numpy / torch integer scalars accepted); bools, floats and strings refused."""
+    if isinstance(step, bool):
+        raise TypeError(f"{what} must be an int, got a bool ({step!r})")
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.dtype.is_floating_point or step.dtype == torch.bool or step.is_complex():
+            raise TypeError(f"{what} must be an int, got a tensor of dtype {step.dtype} and shape {tuple(step.shape)}")
+        step = step.item()
+    try:
+        value = operator.index(step)  # ints and integer scalars only: 2.7 and "5" fail here
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(step).__name__} {step!r}") from None
+    if not 0 <= value <= _MAX_STEP:
+        raise ValueError(f"{what}={value} is outside [0, 2**63 - 1]")
+    return value
 
 
 # --------------------------------------------------------------------------------------------- init
@@ -53,11 +135,14 @@ def init_ema(
         shards: a pytree (usually ``dict[str, Tensor]`` from :func:`functional_ema.local_shards`)
             of floating tensors: this rank's pieces of the fp32 master weights. Empty tensors are
             fine (a rank that owns none of a parameter).
-        num_emas: how many EMAs to track in one state (e.g. two decays, or EDM2's two power EMAs).
-        dtype: EMA dtype. fp32 by default; a 16-bit EMA warns, because at decay 0.9999 the update
-            ``(1 - decay) * (x - ema)`` is below bf16 resolution and the EMA stops moving.
+        num_emas: how many EMAs to track in one state (e.g. two decays, or EDM2's two power EMAs);
+            an int >= 1.
+        dtype: EMA dtype, a ``torch.dtype``: ``torch.float32`` (default), ``float64``, ``float16`` or
+            ``bfloat16`` (float8, integer, bool and complex dtypes are refused). A 16-bit EMA warns,
+            because at decay 0.9999 the update ``(1 - decay) * (x - ema)`` is below bf16 resolution
+            and the EMA stops moving.
         device: where the EMA lives; defaults to each shard's device (with ZeRO-Offload that is
-            already the CPU).
+            already the CPU). Not ``"meta"``; shards on the meta device are refused too.
         pin_memory: allocate CPU EMAs in pinned memory. For GPU training with ``device="cpu"``:
             :func:`update` then copies the weights to the host chunk by chunk on a side CUDA stream,
             overlapped with the CPU update of the previous chunk. Ignored when CUDA is not
@@ -75,10 +160,13 @@ def init_ema(
         >>> state.ema["w"]
         tensor([0.5000, 0.5000, 0.5000])
     """
-    if num_emas < 1:
-        raise ValueError(f"num_emas must be >= 1, got {num_emas}")
-    if not dtype.is_floating_point:
-        raise TypeError(f"the EMA dtype must be floating point, got {dtype}")
+    num_emas = check_num_emas(num_emas)
+    dtype = check_ema_dtype(dtype)
+    if device is not None and torch.device(device).type == "meta":
+        raise ValueError(
+            f"device={device!r}: an EMA on the meta device holds no values; pass a real device (or None for "
+            "each shard's own)"
+        )
     if dtype in _SIXTEEN_BIT:
         warnings.warn(
             f"keeping the EMA in {dtype} loses updates smaller than its resolution: with decay 0.9999 a "
@@ -91,16 +179,21 @@ def init_ema(
 def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values: bool) -> EmaState:
     """The state's tensors laid out like ``shards``; filled with their values when ``copy_values``,
     else uninitialised (for :func:`functional_ema.load`, which overwrites every value)."""
-    step = _check_step_value(step, "step")
+    step = check_step(step, "step")
     if isinstance(shards, Shards):
         for j, seg in enumerate(shards.segments):
             if not seg.is_floating_point():
                 name = next(n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j)
                 raise TypeError(f"shards[{name!r}] has dtype {seg.dtype}; EMAs need floating-point weights")
+            if seg.is_meta:
+                _refuse_meta_shard(_segment_name(shards, j))
         emas = tuple(shards.mirror(dtype, device, pin_memory, fill=copy_values) for _ in range(num_emas))
         return EmaState(torch.tensor(step, dtype=torch.int64), emas)
     names, leaves, spec = flatten_named(shards)
     _check_floating(names, leaves, "shards")
+    for name, leaf in zip(names, leaves):
+        if leaf.is_meta:
+            _refuse_meta_shard(name)
 
     def alloc(leaf: torch.Tensor) -> torch.Tensor:
         target = torch.device(device) if device is not None else leaf.device
@@ -111,6 +204,13 @@ def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values:
     with torch.no_grad():
         emas = tuple(optree.tree_unflatten(spec, [alloc(t) for t in leaves]) for _ in range(num_emas))
     return EmaState(torch.tensor(step, dtype=torch.int64), emas)
+
+
+def _refuse_meta_shard(name: str) -> None:
+    raise ValueError(
+        f"shards[{name!r}] is on the meta device: it has a shape but no values to average. Pass the "
+        "materialised weights (e.g. after model.to_empty(device=...) and loading or initialising them)"
+    )
 
 
 def _check_floating(names: list[str], leaves: list[torch.Tensor], what: str) -> None:
@@ -179,9 +279,13 @@ def update(
 
     Raises:
         TreeMismatchError: names or shapes of ``shards`` differ from the state's.
-        TypeError: a shard is not floating point, or ``step`` is not an int.
-        ValueError: ``step`` is before ``state.step``, or a decay is outside [0, 1], or the number
-            of decays is wrong. Everything is checked before any EMA value changes.
+        TypeError: a shard is not floating point, ``step`` is not an int, ``state.step`` is not an
+            int64 tensor (a state built by hand), or a decay (or a callable's value at some step)
+            is not a real number.
+        ValueError: ``step`` is before ``state.step`` or does not fit its int64 counter,
+            ``state.step`` is not one element >= 0 on a real device, a decay is outside [0, 1], the
+            number of decays is wrong, or a shard or EMA tensor is on the meta device. Everything
+            is checked before any EMA value (or the step) changes.
 
     Example:
         >>> import torch, functional_ema as fe
@@ -193,17 +297,33 @@ def update(
     """
     if type(state) is not EmaState:
         raise TypeError(f"update() takes an EmaState (from init_ema or load), got {type(state).__name__}")
-    last = int(state.step)
+    counter = state.step
+    # Two attribute reads, no sync: what init_ema makes passes; int() fails on a meta or multi-element
+    # counter. Anything odd is refused by check_step_tensor with the reason, before anything moves.
+    if type(counter) is not _TENSOR or counter.dtype is not _INT64:
+        check_step_tensor(counter, "state.step")
+    try:
+        last = int(counter)
+    except (RuntimeError, ValueError):
+        check_step_tensor(counter, "state.step")
+        raise
+    if last < 0:
+        check_step_tensor(counter, "state.step")
     if step is None:
         step = last + 1
+        if step > _MAX_STEP:
+            raise ValueError(
+                f"update(step=None): state.step + 1 = {step} does not fit the state's int64 step counter (at most "
+                "2**63 - 1); the state has reached the last step it can count"
+            )
     elif type(step) is not int:
-        step = _check_step_value(step, "step")
+        step = check_step(step, "step")
     if step <= last:
         if step == last:
             return state  # the optimizer has not stepped since the last update: nothing to average in
         raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
     if step > _MAX_STEP:
-        raise ValueError(f"update(step={step}) does not fit the int64 step counter")
+        raise ValueError(f"update(step={step}) does not fit the state's int64 step counter (at most 2**63 - 1)")
     decays = _decays_for(state, decay)
     weights = [_weight(d, last, step) for d in decays]
     plan = _plan_for(state.emas, shards)
@@ -225,23 +345,6 @@ def _weight(d: Any, last: int, step: int) -> float:
     if type(d) is float and 0.0 <= d <= 1.0:
         return 1.0 - d ** (step - last)
     return 1.0 - interval_decay(d, last, step)
-
-
-def _check_step_value(step: Any, what: str) -> int:
-    """An int step (numpy / torch integer scalars accepted); bools, floats and strings refused."""
-    if isinstance(step, bool):
-        raise TypeError(f"{what} must be an int, got a bool ({step!r})")
-    if isinstance(step, torch.Tensor):
-        if step.numel() != 1 or step.dtype.is_floating_point or step.dtype == torch.bool or step.is_complex():
-            raise TypeError(f"{what} must be an int, got a tensor of dtype {step.dtype} and shape {tuple(step.shape)}")
-        step = step.item()
-    try:
-        value = operator.index(step)  # ints and integer scalars only: 2.7 and "5" fail here
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {type(step).__name__} {step!r}") from None
-    if not 0 <= value <= _MAX_STEP:
-        raise ValueError(f"{what}={value} is outside [0, 2**63 - 1]")
-    return value
 
 
 def _decays_for(state: EmaState, decay) -> list:
@@ -313,6 +416,8 @@ def _fused_plan(emas: tuple, shards: Shards) -> Plan:
         if not seg.is_floating_point():
             name = next(n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j)
             raise TypeError(f"shards[{name!r}] has dtype {seg.dtype}; EMAs need floating-point weights")
+        if seg.is_meta:
+            _refuse_meta_shard(_segment_name(shards, j))
         for k, e in enumerate(emas):
             _check_device(e.segments[j], seg, lambda: _segment_name(shards, j), k)
     plan = Plan()
@@ -327,6 +432,11 @@ def _segment_name(shards: Shards, j: int) -> str:
 
 
 def _check_device(e: torch.Tensor, s: torch.Tensor, name, k: int) -> None:
+    if e.is_meta:
+        raise ValueError(
+            f"state.emas[{k}][{name()!r}] is on the meta device and holds no values (shards[{name()!r}] is on "
+            f"{s.device}); make the state with init_ema from the real weights, or with functional_ema.load"
+        )
     if e.device != s.device and e.device.type != "cpu":
         raise ValueError(
             f"shards[{name()!r}] is on {s.device} but its EMA (emas[{k}]) is on {e.device}; keep the EMA on the "
@@ -355,6 +465,8 @@ def _per_tensor_plan(emas: tuple, shards: Any) -> Plan:
     kinds = set(map(_KIND, src))
     if not all(dtype.is_floating_point for _, dtype in kinds):
         _check_floating(src_names, src, "shards")
+    if any(device.type == "meta" for device, _ in kinds):
+        _refuse_meta_shard(next(n for n, t in zip(src_names, src) if t.is_meta))
     plan = Plan()
     plan.no_grad = True  # the leaves may be parameters that require grad
     if len(kinds) == 1 and all(set(map(_KIND, leaves)) == kinds for leaves in ema_lists) and len(ema_lists) == 1:

@@ -39,6 +39,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from ._core import check_ema_dtype, check_num_emas, check_step, check_step_tensor
 from ._core import update as _update
 from .schedules import DecayLike
 
@@ -111,14 +112,26 @@ def _split(bufs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict
 
 
 def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype = torch.float32) -> BufferState:
-    """Start the buffer EMAs equal to ``x``'s buffers (copies; integer buffers copied as they are)."""
-    if num_emas < 1:
-        raise ValueError(f"num_emas must be >= 1, got {num_emas}")
+    """Start the buffer EMAs equal to ``x``'s buffers (copies; integer buffers copied as they are).
+
+    ``num_emas``, ``step`` and ``dtype`` are checked as :func:`functional_ema.init_ema` checks them
+    (an int >= 1, an int step, a float32/float64/float16/bfloat16 ``torch.dtype``), and buffers on
+    the meta device are refused, before anything is copied.
+    """
+    num_emas = check_num_emas(num_emas)
+    dtype = check_ema_dtype(dtype)
+    step = check_step(step, "step")
     floats, others = _split(module_buffers(x))
+    for n, b in {**floats, **others}.items():
+        if b.is_meta:
+            raise ValueError(
+                f"buffer {n!r} is on the meta device: it has a shape but no values to keep. Materialise the model "
+                "(e.g. model.to_empty(device=...) and load or initialise its buffers) before init_buffers"
+            )
     with torch.no_grad():
         emas = tuple({n: b.detach().to(dtype=dtype, copy=True) for n, b in floats.items()} for _ in range(num_emas))
         copied = {n: b.detach().clone() for n, b in others.items()}
-    return BufferState(torch.tensor(int(step), dtype=torch.int64), emas, copied)
+    return BufferState(torch.tensor(step, dtype=torch.int64), emas, copied)
 
 
 def _check_names(bstate: BufferState, floats: dict, others: dict, verb: str) -> None:
@@ -149,13 +162,16 @@ def update_buffers(
     ``step`` and ``decay`` as the parameters' EMA (so the two stay in step, compounded alike);
     ``"copy"`` sets every EMA to the live values. Integer buffers are copied in both modes. An
     update at the state's own step is a no-op, as for :func:`functional_ema.update`. In place.
+    ``bstate.step``, ``step`` and ``decay`` are checked as :func:`functional_ema.update` checks them,
+    before any buffer value changes.
     """
     if mode not in ("average", "copy"):
         raise ValueError(f'mode must be "average" or "copy", got {mode!r}')
+    check_step_tensor(bstate.step, "bstate.step", "init_buffers", "load_buffers")
     floats, others = _split(module_buffers(x))
     _check_names(bstate, floats, others, "update_buffers")
     last = int(bstate.step)
-    step = last + 1 if step is None else int(step)
+    step = last + 1 if step is None else check_step(step, "step")
     if step == last:
         return bstate
     if mode == "copy":

@@ -26,8 +26,9 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Callable, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Protocol, Union, runtime_checkable
 
 __all__ = [
     "Schedule",
@@ -60,11 +61,55 @@ class Schedule(Protocol):
 DecayLike = Union[float, Schedule, Callable[[int], float]]
 
 
+def _real(value: Any) -> float | None:
+    """``value`` as a float when it is one real number (an int or float, a numpy scalar, a
+    one-element real tensor or array); ``None`` for anything else (``None``, strings, bools,
+    complex numbers, tensors of several elements)."""
+    if type(value) is float:
+        return value
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or math.prod(shape) != 1 or "complex" in str(dtype) or "bool" in str(dtype):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _describe(value: Any) -> str:
+    """A short description of a value that is not a decay (a big tensor is not printed)."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"a {type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    if value is None:
+        return "None"
+    text = repr(value)
+    return f"{text if len(text) <= 60 else text[:57] + '...'} (a {type(value).__name__})"
+
+
+def _checked_decay(value: Any, source: str, where: str) -> float:
+    """``value`` as a float in [0, 1]; otherwise an error naming ``source`` (which decay) and
+    ``where`` (the step or steps it was asked for)."""
+    real = _real(value)
+    if real is None:
+        raise TypeError(f"{source} gave {_describe(value)} {where}; a decay must be a real number in [0, 1]: "
+                        "make it return a float")
+    if not 0.0 <= real <= 1.0:  # NaN fails too
+        raise ValueError(f"{source} gave {real!r} {where}; a decay must be in [0, 1]")
+    return real
+
+
 def _check_decay(name: str, value: float) -> float:
-    value = float(value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-    return value
+    real = _real(value)
+    if real is None:
+        raise TypeError(f"{name} must be a real number in [0, 1] (a float), got {_describe(value)}")
+    if not 0.0 <= real <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {real!r}")
+    return real
 
 
 def _check_steps(start: int, stop: int) -> None:
@@ -83,20 +128,23 @@ _NEGLIGIBLE = 2.0**-54
 def _product(beta: Callable[[int], float], start: int, stop: int, checked: bool = False) -> float:
     if checked and stop - start > MAX_CALLABLE_STEPS:
         raise ValueError(
-            f"the decay callable {getattr(beta, '__qualname__', beta)!r} would be called {stop - start} times to skip "
+            f"{_callable_name(beta)} would be called {stop - start} times to skip "
             f"steps ({start}, {stop}] (more than {MAX_CALLABLE_STEPS}); give it an interval(start, stop) method "
             "(see functional_ema.schedules.Schedule) or update more often"
         )
     out = 1.0
     for s in range(start + 1, stop + 1):
-        b = float(beta(s))
-        if checked and not 0.0 <= b <= 1.0:  # NaN fails too
-            raise ValueError(f"the decay callable {getattr(beta, '__qualname__', beta)!r} gave {b!r} at step {s}; "
-                             "a per-step decay must be in [0, 1]")
+        b = beta(s)
+        if type(b) is not float or (checked and not 0.0 <= b <= 1.0):  # NaN fails too
+            b = _checked_decay(b, _callable_name(beta), f"at step {s}") if checked else float(b)
         out *= b
         if out < _NEGLIGIBLE:
             break
     return out
+
+
+def _callable_name(beta: Callable[[int], float]) -> str:
+    return f"the decay callable {getattr(beta, '__qualname__', beta)!r}"
 
 
 @dataclass(frozen=True)
@@ -319,7 +367,7 @@ def as_schedule(decay: DecayLike) -> Schedule:
 
 def interval_decay(decay: DecayLike, start: int, stop: int) -> float:
     """Compounded decay for moving an EMA from step ``start`` to step ``stop``; checked in [0, 1]."""
-    value = float(as_schedule(decay).interval(int(start), int(stop)))
-    if not 0.0 <= value <= 1.0 or math.isnan(value):
-        raise ValueError(f"decay schedule {decay!r} gave {value!r} for steps ({start}, {stop}]; it must be in [0, 1]")
-    return value
+    value = as_schedule(decay).interval(int(start), int(stop))
+    if type(value) is float and 0.0 <= value <= 1.0:
+        return value
+    return _checked_decay(value, f"decay schedule {decay!r}", f"for steps ({start}, {stop}]")

@@ -66,6 +66,98 @@ def test_wrong_model_is_refused():
         fe.buffers.update_buffers(b, _net(), 1, mode="mean")
 
 
+def _buffer_snapshot(b) -> list:
+    """The step counter, every buffer EMA and every copied buffer, cloned (meta left as is)."""
+    step = b.step.clone() if isinstance(b.step, torch.Tensor) and not b.step.is_meta else b.step
+    return [step, *[t.clone() for ema in b.emas for t in ema.values()], *[t.clone() for t in b.copied.values()]]
+
+
+def _same(a: list, b: list) -> bool:
+    if len(a) != len(b) or type(a[0]) is not type(b[0]):
+        return False
+    if isinstance(a[0], torch.Tensor) and (a[0].is_meta or b[0].is_meta or a[0].dtype != b[0].dtype):
+        return a[0].is_meta and b[0].is_meta
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        ({"dtype": "float32"}, TypeError, r"dtype must be a torch.dtype .*pass dtype=torch.float32"),
+        ({"dtype": torch.float8_e4m3fn}, TypeError, r"dtype=torch.float8_e4m3fn is not a supported EMA dtype"),
+        ({"dtype": torch.int64}, TypeError, r"dtype=torch.int64 is not a supported EMA dtype"),
+        ({"num_emas": "2"}, TypeError, r"num_emas must be an int >= 1 .*got str '2'"),
+        ({"num_emas": 2.0}, TypeError, r"num_emas must be an int >= 1 .*got float 2.0"),
+        ({"num_emas": True}, TypeError, r"num_emas must be an int >= 1 .*got a bool"),
+        ({"num_emas": 0}, ValueError, r"num_emas must be >= 1"),
+        ({"step": 2.7}, TypeError, r"step must be an int, got float 2.7"),
+        ({"step": "5"}, TypeError, r"step must be an int, got str '5'"),
+        ({"step": True}, TypeError, r"step must be an int, got a bool"),
+        ({"step": -1}, ValueError, r"step=-1 is outside \[0, 2\*\*63 - 1\]"),
+        ({"step": 2**63}, ValueError, r"step=9223372036854775808 is outside"),
+    ],
+    ids=str,
+)
+def test_odd_init_buffers_arguments_refused(kwargs, err, match):
+    net = _net()
+    live = {n: t.clone() for n, t in net.named_buffers()}
+    with pytest.raises(err, match=match):
+        fe.buffers.init_buffers(net, **kwargs)
+    assert all(torch.equal(t, live[n]) for n, t in net.named_buffers())
+
+
+def test_meta_buffers_refused_naming_the_buffer():
+    net = nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7, device="meta"))
+    with pytest.raises(ValueError, match=r"buffer '1.running_mean' is on the meta device"):
+        fe.buffers.init_buffers(net)
+
+
+@pytest.mark.parametrize(
+    "counter, err, match",
+    [
+        (0, TypeError, r"bstate\.step must be an int64 scalar tensor \(as init_buffers makes it\), got int 0.*load_buffers"),
+        (torch.tensor(2**31 - 1, dtype=torch.int32), TypeError, r"bstate\.step must be .*dtype torch.int32"),
+        (torch.tensor(0.0), TypeError, r"bstate\.step must be .*dtype torch.float32"),
+        (torch.tensor([0, 0]), ValueError, r"bstate\.step must be .*shape \(2,\)"),
+        (torch.tensor(0, device="meta"), ValueError, r"bstate\.step must be .*on meta"),
+    ],
+    ids=str,
+)
+def test_odd_buffer_step_counters_refused_before_anything_moves(counter, err, match):
+    net = _net()
+    good = fe.buffers.init_buffers(net)
+    net(torch.randn(16, 5))  # the live buffers move, the state must not
+    bad = fe.buffers.BufferState(counter, good.emas, good.copied)
+    snap = _buffer_snapshot(bad)
+    for mode in ("average", "copy"):
+        with pytest.raises(err, match=match):
+            fe.buffers.update_buffers(bad, net, None, decay=0.5, mode=mode)
+        assert _same(_buffer_snapshot(bad), snap)
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        ({"step": "5"}, TypeError, r"step must be an int, got str '5'"),
+        ({"step": 2.7}, TypeError, r"step must be an int, got float 2.7"),
+        ({"step": 2**63}, ValueError, r"step=9223372036854775808 is outside"),
+        ({"decay": lambda s: None}, TypeError, r"the decay callable '.*<lambda>' gave None at step 1"),
+        ({"decay": lambda s: "0.5"}, TypeError, r"the decay callable '.*<lambda>' gave '0.5' \(a str\) at step 1"),
+        ({"decay": "0.5"}, TypeError, r"decay must be a float, a schedule or a callable"),
+        ({"decay": 1.5}, ValueError, r"decay must be in \[0, 1\]"),
+    ],
+    ids=str,
+)
+def test_odd_update_buffers_arguments_refused_before_anything_moves(kwargs, err, match):
+    net = _net()
+    b = fe.buffers.init_buffers(net)
+    net(torch.randn(16, 5))
+    snap = _buffer_snapshot(b)
+    with pytest.raises(err, match=match):
+        fe.buffers.update_buffers(b, net, **kwargs)
+    assert _same(_buffer_snapshot(b), snap)  # the integer buffers were not copied either
+
+
 def test_controller_every_n_start_k_save_load_consolidate_strict(tmp_path):
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)

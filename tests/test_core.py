@@ -11,6 +11,7 @@ import copy
 import pickle
 import warnings
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -431,6 +432,217 @@ def test_bad_decays_refused_before_anything_moves():
     assert int(state.step) == 10**7
 
 
+# ------------------------------------------------------------------- odd values (issue 21, item 5)
+
+
+def snapshot(state):
+    """Copies of the step counter and of every EMA tensor (segments included), to compare after a
+    refused call."""
+    step = state.step
+    step = step.clone() if isinstance(step, torch.Tensor) and not step.is_meta else step
+    tensors = [t.clone() for ema in state.emas for t in optree.tree_leaves(ema)]
+    tensors += [t.clone() for ema in state.emas if isinstance(ema, fe.Shards) for t in ema.segments]
+    return step, tensors
+
+
+def unchanged(state, snap) -> bool:
+    """Whether the step counter and every EMA tensor equal ``snap`` (meta tensors: same shape)."""
+    step, tensors = snap
+    now_step, now = snapshot(state)
+    if isinstance(step, torch.Tensor) != isinstance(now_step, torch.Tensor):
+        return False
+    if isinstance(step, torch.Tensor):
+        if step.is_meta or now_step.is_meta:
+            same_step = step.is_meta and now_step.is_meta and step.shape == now_step.shape
+        else:
+            same_step = step.dtype == now_step.dtype and torch.equal(step, now_step)
+    else:
+        same_step = step == now_step
+    return same_step and len(now) == len(tensors) and all(
+        (a.shape == b.shape and a.is_meta) if a.is_meta else torch.equal(a, b) for a, b in zip(now, tensors)
+    )
+
+
+def _real_state(fused: bool):
+    """A state at step 0 and new weights (a ``Shards`` or a plain dict of the same views)."""
+    _, shards = flat_views([5, 6], as_dict=not fused)
+    state = fe.init_ema(shards)
+    perturb(shards, 1)
+    return state, shards
+
+
+ODD_COUNTERS = [
+    (0, TypeError, "got int 0"),
+    (torch.tensor(2**31 - 1, dtype=torch.int32), TypeError, "dtype torch.int32"),
+    (torch.tensor(0.0), TypeError, "dtype torch.float32"),
+    (torch.tensor([0, 0]), ValueError, r"shape \(2,\)"),
+    (torch.tensor(0, device="meta"), ValueError, "on meta"),
+    (torch.tensor(-3), ValueError, ">= 0"),
+]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["Shards", "dict"])
+@pytest.mark.parametrize("counter, err, frag", ODD_COUNTERS, ids=lambda v: str(v)[:24])
+def test_odd_step_counters_refused_before_anything_moves(counter, err, frag, fused):
+    """An EmaState built by hand with a counter update could not write (a Python int, int32 near
+    2**31, a float, several elements, meta, negative) is refused before the EMAs move."""
+    state, shards = _real_state(fused)
+    bad = fe.EmaState(counter, state.emas)
+    snap = snapshot(bad)
+    for step in (None, 7):
+        with pytest.raises(err, match=rf"state\.step must be .*{frag}") as info_:
+            fe.update(bad, shards, step, decay=0.5)
+        assert "init_ema" in str(info_.value)  # the fix
+        assert unchanged(bad, snap)
+    if not isinstance(counter, int):
+        with pytest.raises(err, match=r"state\.step"):
+            fe.update(bad, shards, decay=0.5, inplace=False)
+    assert unchanged(bad, snap)
+
+
+def test_one_element_int64_counter_is_a_counter():
+    state, shards = _real_state(True)
+    state = fe.EmaState(torch.tensor([4]), state.emas)
+    assert int(fe.update(state, shards, decay=0.5).step) == 5 and state.step.shape == (1,)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["Shards", "dict"])
+def test_steps_past_the_counter_refused_before_anything_moves(fused):
+    state, shards = _real_state(fused)
+    state.step.fill_(2**63 - 1)
+    snap = snapshot(state)
+    with pytest.raises(ValueError, match=r"update\(step=None\).*does not fit the state's int64 step counter"):
+        fe.update(state, shards, decay=0.5)
+    with pytest.raises(ValueError, match=r"step=9223372036854775808 is outside \[0, 2\*\*63 - 1\]"):
+        fe.update(state, shards, np.uint64(2**63), decay=0.5)
+    with pytest.raises(ValueError, match=r"update\(step=9223372036854775808\) does not fit the state's int64"):
+        fe.update(state, shards, 2**63, decay=0.5)
+    assert unchanged(state, snap)
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        ({"dtype": "float32"}, TypeError, r"dtype must be a torch.dtype .*got str 'float32'; pass dtype=torch.float32"),
+        ({"dtype": "torch.bfloat16"}, TypeError, r"dtype must be a torch.dtype .*pass dtype=torch.bfloat16"),
+        ({"dtype": float}, TypeError, r"dtype must be a torch.dtype .*got type"),
+        ({"dtype": None}, TypeError, r"dtype must be a torch.dtype .*got NoneType"),
+        ({"dtype": torch.float8_e4m3fn}, TypeError, r"dtype=torch.float8_e4m3fn is not a supported EMA dtype"),
+        ({"dtype": torch.float8_e5m2}, TypeError, r"dtype=torch.float8_e5m2 is not a supported EMA dtype"),
+        ({"dtype": torch.int32}, TypeError, r"dtype=torch.int32 is not a supported EMA dtype.*torch.float32"),
+        ({"dtype": torch.bool}, TypeError, r"dtype=torch.bool is not a supported EMA dtype"),
+        ({"dtype": torch.complex64}, TypeError, r"dtype=torch.complex64 is not a supported EMA dtype"),
+        ({"num_emas": "2"}, TypeError, r"num_emas must be an int >= 1 .*got str '2'"),
+        ({"num_emas": 2.0}, TypeError, r"num_emas must be an int >= 1 .*got float 2.0"),
+        ({"num_emas": True}, TypeError, r"num_emas must be an int >= 1 .*got a bool"),
+        ({"num_emas": None}, TypeError, r"num_emas must be an int >= 1 .*got NoneType"),
+        ({"num_emas": 0}, ValueError, r"num_emas must be >= 1, got 0"),
+        ({"device": "meta"}, ValueError, r"device='meta': an EMA on the meta device holds no values"),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("fused", [True, False], ids=["Shards", "dict"])
+def test_odd_init_arguments_refused(kwargs, err, match, fused):
+    _, shards = flat_views([5, 6], as_dict=not fused)
+    before = {n: t.clone() for n, t in shards.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before the 16-bit warning, too
+        with pytest.raises(err, match=match):
+            fe.init_ema(shards, **kwargs)
+    assert all(torch.equal(shards[n], before[n]) for n in before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_supported_ema_dtypes(dtype):
+    _, shards = flat_views([5, 6])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = fe.init_ema(shards, dtype=dtype, num_emas=np.int64(2))
+    assert state.num_emas == 2 and state.ema.segments[0].dtype == dtype
+    assert bool(caught) == (dtype in (torch.float16, torch.bfloat16))  # the 16-bit warning stays
+
+
+def test_meta_tensors_refused_naming_the_parameter():
+    _, shards = flat_views([5, 6])
+    meta_shards = shards.mirror(torch.float32, device="meta", fill=False)  # same layout: the fused path
+    assert meta_shards.index == shards.index
+    meta_dict = {n: torch.empty(t.shape, device="meta") for n, t in shards.items()}
+    one_meta = {**dict(shards), "layer1.w": meta_dict["layer1.w"]}
+    for tree, name in ((meta_shards, "layer0.w"), (meta_dict, "layer0.w"), (one_meta, "layer1.w")):
+        with pytest.raises(ValueError, match=rf"shards\['{name}'\] is on the meta device.*materialised"):
+            fe.init_ema(tree)
+        for fused in (True, False):
+            state, real = _real_state(fused)
+            snap = snapshot(state)
+            with pytest.raises(ValueError, match=rf"shards\['{name}'\] is on the meta device"):
+                fe.update(state, tree, decay=0.5)
+            assert unchanged(state, snap)
+    # An EMA state whose tensors are on meta (made from meta weights by hand), on both paths.
+    for fused in (True, False):
+        state, real = _real_state(fused)
+        meta = {n: torch.empty(t.shape, device="meta") for n, t in real.items()}
+        ema = real.mirror(torch.float32, device="meta", fill=False) if fused else meta
+        bad = fe.EmaState(state.step, (ema,))
+        snap = snapshot(bad)
+        with pytest.raises(ValueError, match=r"state\.emas\[0\]\['layer0\.w'\] is on the meta device"):
+            fe.update(bad, real, decay=0.5)
+        assert unchanged(bad, snap) and int(bad.step) == 0
+
+
+ODD_DECAYS = [
+    (lambda s: None, TypeError, r"gave None at step 1"),
+    (lambda s: "0.5", TypeError, r"gave '0.5' \(a str\) at step 1"),
+    (lambda s: torch.tensor([0.5, 0.5]), TypeError, r"gave a Tensor of shape \(2,\) .* at step 1"),
+    (lambda s: 0.5j, TypeError, r"gave 0.5j \(a complex\) at step 1"),
+    (lambda s: True, TypeError, r"gave True \(a bool\) at step 1"),
+    (lambda s: float("nan"), ValueError, r"gave nan at step 1"),
+    (lambda s: 0.9 if s < 3 else None, TypeError, r"gave None at step 3"),  # fine for the first steps
+]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["Shards", "dict"])
+@pytest.mark.parametrize("decay, err, match", ODD_DECAYS)
+def test_odd_decay_callables_refused_naming_decay_and_step(decay, err, match, fused):
+    state, shards = _real_state(fused)
+    snap = snapshot(state)
+    with pytest.raises(err, match=rf"the decay callable '.*<lambda>' {match}; a decay must be"):
+        fe.update(state, shards, 4, decay=decay)
+    assert unchanged(state, snap)
+    two = fe.init_ema(shards, num_emas=2)
+    snap = snapshot(two)
+    with pytest.raises(err, match=match):
+        fe.update(two, shards, 4, decay=(0.9, decay))
+    assert unchanged(two, snap)
+
+
+def test_odd_decay_arguments_and_schedules_refused():
+    state, shards = _real_state(True)
+    snap = snapshot(state)
+
+    class NoneInterval:
+        def __call__(self, step):
+            return 0.9
+
+        def interval(self, start, stop):
+            return None
+
+        def __repr__(self):
+            return "NoneInterval()"
+
+    cases = [
+        ("0.9", TypeError, "decay must be a float, a schedule or a callable"),
+        (None, TypeError, "decay must be a float, a schedule or a callable"),
+        (NoneInterval(), TypeError, r"decay schedule NoneInterval\(\) gave None for steps \(0, 2\]"),
+    ]
+    for decay, err, match in cases:
+        with pytest.raises(err, match=match):
+            fe.update(state, shards, 2, decay=decay)
+        assert unchanged(state, snap)
+    # One real number in any form is a decay.
+    for ok in (lambda s: np.float32(0.5), lambda s: torch.tensor(0.5), lambda s: torch.tensor([0.5]), lambda s: 1):
+        assert int(fe.update(copy.deepcopy(state), shards, 2, decay=ok).step) == 2
+
+
 def test_decay_zero_is_exactly_the_weights_even_after_nan():
     _, shards = flat_views([5, 6])
     state = fe.init_ema(shards)
@@ -487,8 +699,16 @@ def test_decay_count_errors():
 
 def test_ema_on_other_accelerator_refused():
     state = fe.EmaState(torch.tensor(0), ({"a": torch.zeros(2, device="meta")},))
-    with pytest.raises(ValueError, match=r"shards\['a'\] is on cpu but its EMA \(emas\[0\]\) is on meta"):
+    with pytest.raises(ValueError, match=r"state.emas\[0\]\['a'\] is on the meta device .*shards\['a'\] is on cpu"):
         fe.update(state, {"a": torch.ones(2)})
+    # Another accelerator than the weights' (no second device here: stand-ins with the attributes read).
+    from types import SimpleNamespace
+
+    from functional_ema import _core
+
+    ema = SimpleNamespace(is_meta=False, device=torch.device("cuda", 1))
+    with pytest.raises(ValueError, match=r"shards\['a'\] is on cpu but its EMA \(emas\[0\]\) is on cuda:1"):
+        _core._check_device(ema, torch.ones(2), lambda: "a", 0)
 
 
 # ------------------------------------------------------------------------------ copies and pickle

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 from functional_ema import schedules
 
@@ -172,3 +174,62 @@ def test_bad_arguments_raise_value_error(make, match):
 def test_as_schedule_rejects_non_decays():
     with pytest.raises(TypeError, match="decay must be"):
         schedules.as_schedule("0.9")
+
+
+@pytest.mark.parametrize(
+    "value, err, match",
+    [
+        (None, TypeError, r"gave None at step 2; a decay must be a real number in \[0, 1\]: make it return a float"),
+        ("0.5", TypeError, r"gave '0.5' \(a str\) at step 2"),
+        (0.5j, TypeError, r"gave 0.5j \(a complex\) at step 2"),
+        (False, TypeError, r"gave False \(a bool\) at step 2"),
+        (torch.tensor([0.5, 0.5]), TypeError, r"gave a Tensor of shape \(2,\) and dtype torch.float32 at step 2"),
+        (torch.tensor(True), TypeError, r"gave a Tensor of shape \(\) and dtype torch.bool at step 2"),
+        (1.5, ValueError, r"gave 1.5 at step 2; a decay must be in \[0, 1\]"),
+    ],
+    ids=str,
+)
+def test_decay_callable_values_checked_naming_the_step(value, err, match):
+    """A plain callable's per-step value: one real number in [0, 1], else an error naming the
+    callable and the step (here the second: the first gives 0.9)."""
+
+    def my_decay(step):
+        return 0.9 if step == 1 else value
+
+    with pytest.raises(err, match=rf"the decay callable '.*my_decay' {match}"):
+        schedules.interval_decay(my_decay, 0, 3)
+    with pytest.raises(err, match=match):
+        schedules.as_schedule(my_decay).interval(0, 3)
+
+
+def test_schedule_interval_values_checked_naming_the_steps():
+    class Odd:
+        def __init__(self, value):
+            self.value = value
+
+        def __call__(self, step):
+            return 0.5
+
+        def interval(self, start, stop):
+            return self.value
+
+        def __repr__(self):
+            return "Odd()"
+
+    for value, err, match in [(None, TypeError, "gave None"), ("0.25", TypeError, r"gave '0.25' \(a str\)"),
+                              (torch.ones(3), TypeError, r"gave a Tensor of shape \(3,\) and dtype torch.float32"),
+                              (float("nan"), ValueError, r"gave nan")]:
+        with pytest.raises(err, match=rf"decay schedule Odd\(\) {match} for steps \(2, 5\]"):
+            schedules.interval_decay(Odd(value), 2, 5)
+    assert schedules.interval_decay(Odd(torch.tensor(0.25)), 2, 5) == 0.25
+    assert schedules.interval_decay(Odd(np.float32(0.25)), 2, 5) == 0.25
+    assert schedules.interval_decay(lambda t: torch.tensor([0.5]), 0, 2) == 0.25
+
+
+@pytest.mark.parametrize("make", [lambda v: schedules.constant(v), lambda v: schedules.litema(v),
+                                  lambda v: schedules.warmup(max_decay=v)])
+def test_schedule_decay_arguments_must_be_real_numbers(make):
+    for bad in ("0.9", None, True, 0.5j, torch.tensor([0.5, 0.5])):
+        with pytest.raises(TypeError, match=r"decay must be a real number in \[0, 1\] \(a float\), got"):
+            make(bad)
+    assert make(np.float32(0.5)).describe() == make(0.5).describe()
