@@ -802,6 +802,177 @@ def test_run_ranks_reports_which_rank_waited_where():
     _count("11 harness")
 
 
+# ---------------------------------------------------------- class 12: odd API values (issue 21, item 5)
+
+
+def test_odd_api_values_refused_before_anything_moves():
+    """Class 12: odd values for init_ema / update and the buffers' init_buffers / update_buffers
+    (hand-made step counters, steps past the counter, dtype and num_emas of the wrong type or an
+    unsupported dtype, decay callables giving no real number, meta tensors) are refused with an
+    error naming the argument, before any tensor of the state moves: the step and every EMA tensor
+    (segments and copied buffers included) are compared with ``torch.equal`` before and after.
+    In process, no ranks."""
+    import warnings
+
+    from torch import nn
+
+    def weights(fused: bool = True):
+        buf = torch.randn(16, generator=torch.Generator().manual_seed(0))
+        views = {"w.a": buf[1:6], "w.b": buf[8:14]}
+        return fe.Shards.from_views(views) if fused else dict(views)
+
+    def state_and_weights(fused: bool = True, counter=None, meta_ema: bool = False):
+        w = weights(fused)
+        state = fe.init_ema(w)
+        emas = state.emas
+        if meta_ema:
+            emas = (w.mirror(torch.float32, device="meta", fill=False) if fused
+                    else {n: torch.empty(t.shape, device="meta") for n, t in w.items()},)
+        state = fe.EmaState(state.step if counter is None else counter, emas)
+        with torch.no_grad():
+            for t in w.values():
+                t.add_(1.0)  # new weights: an update that went through would move the EMA
+        return state, w
+
+    def meta_weights(fused: bool):
+        w = weights(True)
+        if fused:
+            return w.mirror(torch.float32, device="meta", fill=False)  # the same layout: the fused path
+        return {n: torch.empty(t.shape, device="meta") for n, t in w.items()}
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+
+    def buffers_and_net(counter=None):
+        m = net()
+        b = fe.buffers.init_buffers(m)
+        m(torch.randn(8, 3))  # the live buffers move; the buffer state must not
+        return fe.buffers.BufferState(b.step if counter is None else counter, b.emas, b.copied), m
+
+    def update_case(counter=None, fused=True, meta_ema=False, step=None, **kw):
+        def make():
+            state, w = state_and_weights(fused, counter, meta_ema)
+            return state, lambda: fe.update(state, w, step, **kw)
+        return make
+
+    def init_case(fused=True, meta=False, **kw):
+        def make():
+            w = meta_weights(fused) if meta else weights(fused)
+            return w, lambda: fe.init_ema(w, **kw)
+        return make
+
+    def meta_update_case(fused):
+        def make():
+            state, _ = state_and_weights(fused)
+            return state, lambda: fe.update(state, meta_weights(fused))
+        return make
+
+    def update_buffers_case(counter=None, step=None, **kw):
+        def make():
+            b, m = buffers_and_net(counter)
+            return b, lambda: fe.buffers.update_buffers(b, m, step, **kw)
+        return make
+
+    def init_buffers_case(**kw):
+        def make():
+            m = net()
+            return m, lambda: fe.buffers.init_buffers(m, **kw)
+        return make
+
+    def at_max_step():
+        state, w = state_and_weights()
+        state.step.fill_(2**63 - 1)
+        return state, lambda: fe.update(state, w, decay=0.5)
+
+    i32 = torch.tensor(2**31 - 1, dtype=torch.int32)
+    counter = "state.step must be an int64 scalar tensor"
+    unsupported = "is not a supported EMA dtype"
+    callable_ = "the decay callable 'test_odd_api_values_refused_before_anything_moves.<locals>.<lambda>'"
+    table = [
+        # (what, expected error, fragment(s) naming the argument, case)
+        ("update: state.step a Python int (Shards)", TypeError, counter, update_case(0)),
+        ("update: state.step a Python int (dict)", TypeError, counter, update_case(0, fused=False)),
+        ("update: state.step int32 at 2**31 - 1", TypeError, counter, update_case(i32)),
+        ("update: state.step float", TypeError, counter, update_case(torch.tensor(0.0))),
+        ("update: state.step two elements", ValueError, counter, update_case(torch.tensor([0, 0]))),
+        ("update: state.step on meta", ValueError, counter, update_case(torch.tensor(0, device="meta"))),
+        ("update: state.step negative", ValueError, "state.step must be >= 0", update_case(torch.tensor(-2))),
+        ("update: step=None past the int64 counter", ValueError, "update(step=None)", at_max_step),
+        ("update: step=2**63", ValueError, "update(step=9223372036854775808) does not fit", update_case(step=2**63)),
+        ("init_ema: dtype='float32'", TypeError, "dtype must be a torch.dtype", init_case(dtype="float32")),
+        ("init_ema: dtype=float8_e4m3fn", TypeError, f"dtype=torch.float8_e4m3fn {unsupported}", init_case(dtype=torch.float8_e4m3fn)),
+        ("init_ema: dtype=float8_e5m2", TypeError, f"dtype=torch.float8_e5m2 {unsupported}", init_case(dtype=torch.float8_e5m2)),
+        ("init_ema: dtype=int32", TypeError, f"dtype=torch.int32 {unsupported}", init_case(dtype=torch.int32)),
+        ("init_ema: dtype=bool", TypeError, f"dtype=torch.bool {unsupported}", init_case(dtype=torch.bool)),
+        ("init_ema: dtype=complex64", TypeError, f"dtype=torch.complex64 {unsupported}", init_case(dtype=torch.complex64)),
+        ("init_ema: num_emas='2'", TypeError, "num_emas must be an int >= 1", init_case(num_emas="2")),
+        ("init_ema: num_emas=2.0", TypeError, "num_emas must be an int >= 1", init_case(num_emas=2.0)),
+        ("init_ema: num_emas=True", TypeError, "num_emas must be an int >= 1", init_case(num_emas=True)),
+        ("update: decay callable gives None", TypeError, (callable_, "gave None at step 1"), update_case(decay=lambda s: None)),
+        ("update: decay callable gives a str", TypeError, (callable_, "gave '0.5' (a str) at step 1"), update_case(decay=lambda s: "0.5")),
+        ("update: decay callable gives 2 elements", TypeError, (callable_, "shape (2,)", "at step 1"), update_case(decay=lambda s: torch.ones(2))),
+        ("update: decay callable gives complex", TypeError, (callable_, "gave 0.5j (a complex) at step 1"), update_case(fused=False, decay=lambda s: 0.5j)),
+        ("init_ema: meta Shards", ValueError, "shards['w.a'] is on the meta device", init_case(meta=True)),
+        ("init_ema: meta dict", ValueError, "shards['w.a'] is on the meta device", init_case(fused=False, meta=True)),
+        ("init_ema: device='meta'", ValueError, "device='meta'", init_case(device="meta")),
+        ("update: meta Shards (fused path)", ValueError, "shards['w.a'] is on the meta device", meta_update_case(True)),
+        ("update: meta dict", ValueError, "shards['w.a'] is on the meta device", meta_update_case(False)),
+        ("update: EMA state on meta (Shards)", ValueError, "state.emas[0]['w.a'] is on the meta device", update_case(meta_ema=True)),
+        ("update: EMA state on meta (dict)", ValueError, "state.emas[0]['w.a'] is on the meta device", update_case(fused=False, meta_ema=True)),
+        ("init_buffers: dtype='float32'", TypeError, "dtype must be a torch.dtype", init_buffers_case(dtype="float32")),
+        ("init_buffers: dtype=float8_e4m3fn", TypeError, f"dtype=torch.float8_e4m3fn {unsupported}", init_buffers_case(dtype=torch.float8_e4m3fn)),
+        ("init_buffers: num_emas='2'", TypeError, "num_emas must be an int >= 1", init_buffers_case(num_emas="2")),
+        ("init_buffers: num_emas=2.0", TypeError, "num_emas must be an int >= 1", init_buffers_case(num_emas=2.0)),
+        ("init_buffers: step='5'", TypeError, "step must be an int", init_buffers_case(step="5")),
+        ("update_buffers: bstate.step a Python int", TypeError, "b" + counter, update_buffers_case(0)),
+        ("update_buffers: bstate.step int32", TypeError, "b" + counter, update_buffers_case(i32)),
+        ("update_buffers: step=2.7", TypeError, "step must be an int", update_buffers_case(step=2.7)),
+        ("update_buffers: decay callable gives None", TypeError, (callable_, "gave None at step 1"), update_buffers_case(decay=lambda s: None)),
+    ]
+
+    def tensors(obj) -> list:
+        if isinstance(obj, nn.Module):
+            return list(obj.buffers())
+        if isinstance(obj, (fe.EmaState, fe.buffers.BufferState)):
+            out = [obj.step] + [t for ema in obj.emas for t in ema.values()]
+            out += [t for ema in obj.emas if isinstance(ema, fe.Shards) for t in ema.segments]
+            return out + (list(obj.copied.values()) if isinstance(obj, fe.buffers.BufferState) else [])
+        return list(obj.values())
+
+    def frozen(obj) -> list:
+        return [t.clone() if isinstance(t, torch.Tensor) and not t.is_meta else t for t in tensors(obj)]
+
+    def same(before: list, after: list) -> bool:
+        def eq(a, b):
+            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+                return type(a) is type(b) and a == b
+            if a.is_meta or b.is_meta:
+                return a.is_meta and b.is_meta and a.shape == b.shape
+            return a.dtype == b.dtype and torch.equal(a, b)
+        return len(before) == len(after) and all(eq(a, b) for a, b in zip(before, after))
+
+    failures = []
+    for what, err, fragment, make in table:
+        watched, call = make()
+        before = frozen(watched)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - the type and message are checked below
+                got = e
+            else:
+                got = None
+        fragments = (fragment,) if isinstance(fragment, str) else fragment
+        if type(got) is not err or not all(f in str(got) for f in fragments):
+            failures.append(f"{what}: expected {err.__name__} with {fragments}, got {type(got).__name__}: {got}")
+        elif not same(before, frozen(watched)):
+            failures.append(f"{what}: refused, but the state changed")
+    assert not failures, "\n".join(failures)
+    _count("12 API values", len(table))
+
+
 def test_zz_case_counts(capsys):
     """Prints the number of cases per class (for the README's reliability section)."""
     with capsys.disabled():
