@@ -49,39 +49,12 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
     with tempfile.TemporaryDirectory(prefix="fe_ranks_") as tmp:
         args_path = Path(tmp) / "args.json"
         args_path.write_text(json.dumps({"target": target, "kwargs": kwargs}))
-        port = _free_port()
-        procs, log_paths = [], []
-        for rank in range(world_size):
-            penv = dict(os.environ)
-            penv.update(
-                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=penv.get("OMP_NUM_THREADS", "1"),
-                PYTHONPATH=os.pathsep.join([str(ROOT), penv.get("PYTHONPATH", "")]),
-                FE_RESULT=str(Path(tmp) / f"result_{rank}.json"), TORCH_EXTENSIONS_DIR=extensions_dir(),
-            )
-            penv.update(env or {})
-            # Output goes to a file, not a pipe: a pipe that nobody drains while the parent waits for
-            # another rank fills at 64 KiB and blocks its writer inside a print, and the other rank
-            # then waits for it in a collective until the timeout (the old "ZeRO-3 hang at step 128":
-            # DeepSpeed's ZeRO-3 prints ~0.5 KB of warnings per step).
-            log_paths.append(Path(tmp) / f"output_{rank}.txt")
-            with open(log_paths[-1], "wb") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-c", "from tests._multirank import _child; _child()", str(args_path)],
-                    env=penv, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
-                ))
-        try:
-            deadline = time.monotonic() + timeout
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    raise AssertionError(_timeout_report(procs, log_paths, target, world_size, timeout)) from None
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        # Each rank's async EMA saves must end by then (see _finish_async_saves); a little before the
+        # parent's deadline, so that the rank reports it rather than being killed.
+        deadline = time.time() + max(0.5 * timeout, timeout - 5)
+        procs, log_paths = spawn_ranks([sys.executable, "-c", "from tests._multirank import _child; _child()", str(args_path)],
+                                       world_size, Path(tmp), env={"FE_DEADLINE": repr(deadline), **(env or {})})
+        wait_ranks(procs, log_paths, target, timeout)
         outputs = [_tail(path) for path in log_paths]
         results = []
         for rank, (p, out) in enumerate(zip(procs, outputs)):
@@ -94,6 +67,59 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
                 )
             results.append(payload["result"])
         return results
+
+
+def spawn_ranks(argv: list[str], world_size: int, tmp: Path, env: dict | None = None) -> tuple[list, list[Path]]:
+    """Start ``argv`` once per rank, wired like ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
+    each in its own process group (so :func:`kill_ranks` ends whatever a rank started too), its
+    output in ``tmp/output_<rank>.txt``. ``env`` is added last. Returns the processes and log paths."""
+    port = _free_port()
+    procs, log_paths = [], []
+    for rank in range(world_size):
+        penv = dict(os.environ)
+        penv.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=penv.get("OMP_NUM_THREADS", "1"),
+            PYTHONPATH=os.pathsep.join([str(ROOT), penv.get("PYTHONPATH", "")]),
+            FE_RESULT=str(Path(tmp) / f"result_{rank}.json"), TORCH_EXTENSIONS_DIR=extensions_dir(),
+        )
+        penv.update(env or {})
+        # Output goes to a file, not a pipe: a pipe that nobody drains while the parent waits for
+        # another rank fills at 64 KiB and blocks its writer inside a print, and the other rank
+        # then waits for it in a collective until the timeout (the old "ZeRO-3 hang at step 128":
+        # DeepSpeed's ZeRO-3 prints ~0.5 KB of warnings per step).
+        log_paths.append(Path(tmp) / f"output_{rank}.txt")
+        try:
+            with open(log_paths[-1], "wb") as log:
+                procs.append(subprocess.Popen(argv, env=penv, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        except BaseException:
+            kill_ranks(procs)
+            raise
+    return procs, log_paths
+
+
+def wait_ranks(procs: list, log_paths: list[Path], what: str, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for every rank to exit. At the timeout raise ``AssertionError``
+    with every waiting rank's Python stacks and output; either way no rank is left running."""
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(_timeout_report(procs, log_paths, what, len(procs), timeout)) from None
+    finally:
+        kill_ranks(procs)
+
+
+def kill_ranks(procs: list) -> None:
+    """SIGKILL each rank's process group (the rank and anything it started), where still running."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def _tail(path: Path, limit: int = 8000) -> str:
@@ -112,10 +138,8 @@ def _timeout_report(procs, log_paths: list[Path], target: str, world_size: int, 
     done = {r: p.returncode for r, p in enumerate(procs) if r not in waiting}
     parts = [f"timeout after {timeout:g} s in {target}: rank(s) {waiting} of {world_size} still running "
              f"(exit codes of the others: {done})"]
+    kill_ranks(procs)
     for r, p in enumerate(procs):
-        if p.poll() is None:
-            p.kill()
-            p.wait()
         state = "WAITING at the timeout (its stacks are at the end)" if r in waiting else f"exited {p.returncode}"
         parts.append(f"--- rank {r}: {state} ---\n{_tail(log_paths[r])}")
     return "\n".join(parts)
@@ -142,6 +166,9 @@ def _child() -> None:
         payload = {"result": fn(**args["kwargs"])}
     except BaseException:  # noqa: BLE001 - report everything to the parent
         payload, code = {"error": traceback.format_exc()}, 1
+    late = _finish_async_saves(float(os.environ.get("FE_DEADLINE", "inf")))
+    if late is not None:
+        payload, code = {"error": payload.get("error", "") + late}, 1
     try:
         import torch.distributed as dist
 
@@ -155,8 +182,46 @@ def _child() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: DeepSpeed's native threads occasionally abort there
-    # ("terminate called without an active exception") after all the work is done.
+    # ("terminate called without an active exception") after all the work is done. What teardown
+    # would have waited for, this rank's async EMA writes, ended above.
     os._exit(code)
+
+
+def _finish_async_saves(deadline: float) -> str | None:
+    """Wait until ``deadline`` (``time.time()``) for this process's async EMA saves in flight;
+    return a report of those still running then (None: none left).
+
+    ``os._exit`` skips what a normal interpreter exit does first: joining the threads of every
+    ``ThreadPoolExecutor``, which :class:`functional_ema.AsyncSaver` writes on. Without this wait a
+    rank that returns with a save in flight cuts it short (rank files written, no manifest), which
+    a real script would not do.
+
+    It waits on the saves' own handles (public ``SaveHandle.done()`` / ``wait(timeout)``: the
+    manifest committed, or the failure recorded), found through ``gc`` (each handle in flight is
+    held by its queued or running job, so none is missed), rather than joining the executors'
+    threads as ``concurrent.futures.thread._python_exit`` would: that private function joins the
+    threads of every executor in the process, whoever made it (one with a blocked task hangs the
+    rank), with no timeout, and waits for threads to end rather than for the checkpoint to be
+    complete. Here the wait is bounded by the launch's deadline, and a rank that passes it says so.
+
+    Before the process group is destroyed, as at a real exit (threads are joined before ``atexit``
+    handlers and module teardown); the write needs no collective anyway: the ranks commit through
+    files, each rank's writer thread on its own (rank 0 polls for the others' marker files).
+    """
+    mod = sys.modules.get("functional_ema._async")
+    if mod is None:  # never imported: nothing can be in flight
+        return None
+    import gc
+
+    pending = [o for o in gc.get_objects() if isinstance(o, mod.SaveHandle) and not o.done()]
+    while pending and time.time() < deadline:
+        with contextlib.suppress(Exception):  # TimeoutError, or the save's failure (the library logs it)
+            pending[0].wait(min(0.5, max(0.0, deadline - time.time())))
+        pending = [h for h in pending if not h.done()]
+    if not pending:
+        return None
+    return ("\nasync EMA save(s) still in flight at the launch's deadline: "
+            + ", ".join(f"step {h.step} into {h.tag_dir}" for h in pending))
 
 
 # ------------------------------------------------------------------------------------ killed saves

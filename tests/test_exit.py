@@ -1,0 +1,105 @@
+"""A rank that ends with an async EMA write in flight (``fe.AsyncSaver``) leaves a complete checkpoint.
+
+* A script that exits normally (a real interpreter exit) right after ``AsyncSaver.save``: Python
+  joins the writer threads at exit, so the write finishes and the manifest is committed.
+* A rank of the test harness (``run_ranks``), which ends with ``os._exit``: the harness waits for
+  the rank's saves first (``tests._multirank._finish_async_saves``), as a real exit would.
+
+Both: 2 ranks, gloo, a DDP model (no DeepSpeed: its native threads sometimes abort at interpreter
+teardown), rank 0's file write held back ``DELAY`` seconds by a test-only hook, so that the write
+is really in flight when the rank's last line runs: each rank records there that the manifest did
+not exist yet and its save was not done. From the parent: the manifest reads and the consolidated
+EMA equals the state that was saved, bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests._multirank import run_ranks, spawn_ranks, wait_ranks
+
+DELAY = 1.5
+TAG = "ema"
+
+
+def save_and_return(out: str, delay: float) -> dict:
+    """Save an EMA asynchronously and return at once (every rank); write what the last line saw."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    import functional_ema as fe
+    from functional_ema._checkpoint import writer
+    from functional_ema.checkpoint import MANIFEST_NAME
+
+    rank, out = dist.get_rank(), Path(out)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 3)))
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-2.0)
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5)
+    full = fe.gather_full(state, model)
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in full.items()}, str(out / "expected.safetensors"))
+    dist.barrier()
+
+    write = writer.write_rank_file  # the background thread's file write, held back (test only)
+
+    def slow_write(*args, **kwargs):
+        time.sleep(delay)
+        return write(*args, **kwargs)
+
+    writer.write_rank_file = slow_write
+    handle = fe.AsyncSaver().save(state, model, out, TAG, decay=0.5)
+    seen = {"manifest_existed": (out / TAG / MANIFEST_NAME).exists(), "save_done": handle.done(), "at": time.time()}
+    (out / f"last_line_rank{rank}.json").write_text(json.dumps(seen))
+    return seen
+
+
+# A normal script: init, save, and the interpreter exits when the last line has run.
+SCRIPT = ("import sys, torch.distributed as dist; dist.init_process_group('gloo'); "
+          "from tests.test_exit import save_and_return; save_and_return(sys.argv[1], float(sys.argv[2]))")
+
+
+def _check_complete(out: Path) -> None:
+    from safetensors.torch import load_file
+
+    import functional_ema as fe
+    from functional_ema.checkpoint import read_manifest
+
+    for rank in range(2):
+        seen = json.loads((out / f"last_line_rank{rank}.json").read_text())
+        assert seen["manifest_existed"] is False and seen["save_done"] is False, (rank, seen)  # really in flight
+    manifest = read_manifest(out, TAG)
+    assert manifest["step"] == 1 and manifest["world_size"] == 2, manifest
+    want, got = load_file(str(out / "expected.safetensors")), fe.consolidate(out, TAG)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert not [p.name for p in (out / TAG).iterdir() if p.name.startswith("ema_async.")]  # the commit's markers removed
+
+
+def test_normal_exit_waits_for_async_save(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    t0 = time.monotonic()
+    procs, logs = spawn_ranks([sys.executable, "-c", SCRIPT, str(out), str(DELAY)], 2, tmp_path)
+    wait_ranks(procs, logs, "a script exiting with an async save in flight", timeout=120)
+    elapsed = time.monotonic() - t0
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log.read_text()[-4000:]}"
+    _check_complete(out)
+    assert elapsed >= DELAY
+
+
+def test_harness_rank_waits_for_async_save(tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    res = run_ranks("tests.test_exit:save_and_return", world_size=2, timeout=120, env={"FE_DIST_INIT": "torch"},
+                    out=str(out), delay=DELAY)
+    assert [r["save_done"] for r in res] == [False, False], res
+    _check_complete(out)
