@@ -127,3 +127,65 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[n].float().reshape(b[n].shape) - b[n].float()).abs().max().item() for n in b) if b else 0.0
+
+
+# --------------------------------------------------------------------------- the start rule (one trajectory, two accumulations)
+
+#: Optimizer steps of each start-rule run, and the later start it also checks (besides start_step=0).
+RULE_STEPS = 5
+RULE_START = 3
+
+
+def record_start(controller) -> dict:
+    """Wrap ``controller.on_step`` (this instance only) to record the step it started at and how
+    often it was called at step 0 (a micro-batch before the first optimizer step)."""
+    seen = {"started_at": None, "calls_at_0": 0}
+    on_step = controller.on_step
+
+    def recording(x, step):
+        moved = on_step(x, step)
+        if int(step) == 0:
+            seen["calls_at_0"] += 1
+        if seen["started_at"] is None and controller.state is not None:
+            seen["started_at"] = int(step)
+        return moved
+
+    controller.on_step = recording
+    return seen
+
+
+def start_rule_report(runs: dict) -> dict:
+    """Compare one trajectory trained at gradient accumulation 1 and 2 (the same micro-batch twice).
+
+    ``runs[ga]`` holds ``weights`` (the full weights at the end), and per start step ``k``:
+    ``emas[k]`` (the integration's EMAs gathered full), ``refs[k]`` (a :class:`ReferenceEMA` started
+    at the first optimizer step >= max(1, k)) and ``seen[k]`` (:func:`record_start`)."""
+    one, two = runs[1], runs[2]
+    starts = sorted(one["emas"])
+    return {
+        "weights_equal": equal(one["weights"], two["weights"]),  # validates the setup
+        "weights_moved": not equal(one["weights"], one["start_weights"]),
+        "refs_equal": {str(k): all(equal(a, b) for a, b in zip(one["refs"][k].emas, two["refs"][k].emas)) for k in starts},
+        "emas_equal": {str(k): all(equal(a, b) for a, b in zip(one["emas"][k], two["emas"][k])) for k in starts},
+        "emas_vs_ref": {f"ga{ga}/start{k}": all(equal(e, r) for e, r in zip(run["emas"][k], run["refs"][k].emas))
+                        for ga, run in runs.items() for k in starts},
+        "max_diff_vs_ref": {f"ga{ga}/start{k}": max(max_diff(e, r) for e, r in zip(run["emas"][k], run["refs"][k].emas))
+                            for ga, run in runs.items() for k in starts},
+        "started_at": {f"ga{ga}/start{k}": run["seen"][k]["started_at"] for ga, run in runs.items() for k in starts},
+        "calls_at_0": {f"ga{ga}/start{k}": run["seen"][k]["calls_at_0"] for ga, run in runs.items() for k in starts},
+        "ref_steps": {f"ga{ga}/start{k}": run["refs"][k].step for ga, run in runs.items() for k in starts},
+    }
+
+
+def check_start_rule(report: dict, calls_at_0: bool) -> None:
+    """The assertions on :func:`start_rule_report` (in the parent). ``calls_at_0``: whether the
+    framework calls the controller at step 0 under accumulation (the case the rule is about)."""
+    starts = (0, RULE_START)
+    assert report["weights_equal"] and report["weights_moved"], report
+    assert report["refs_equal"] == {str(k): True for k in starts}, report
+    assert report["emas_equal"] == {str(k): True for k in starts}, report
+    assert all(report["emas_vs_ref"].values()), report["max_diff_vs_ref"]
+    assert report["started_at"] == {f"ga{ga}/start{k}": max(1, k) for ga in (1, 2) for k in starts}, report
+    assert set(report["ref_steps"].values()) == {RULE_STEPS}, report
+    want_0 = {f"ga{ga}/start{k}": (1 if calls_at_0 and ga == 2 else 0) for ga in (1, 2) for k in starts}
+    assert report["calls_at_0"] == want_0, report

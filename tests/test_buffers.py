@@ -206,17 +206,44 @@ def test_controller_before_start_saves_marker_and_resumes_unstarted(tmp_path):
         assert swapped is False
 
 
+def test_controller_start_rule_step_zero_never_starts():
+    """The EMA starts after the first optimizer step >= max(1, start_step): step 0 (micro-batches
+    before the first optimizer step) never starts it, so accumulation does not change the EMA."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    plain = [EMAController([0.9, 0.5], start_step=k) for k in (0, 1, 3)]
+    accum = [EMAController([0.9, 0.5], start_step=k) for k in (0, 1, 3)]
+    assert all(c.on_step(net, 0) is False and c.state is None for c in accum)  # no optimizer step yet
+    started_at = {}
+    for step in range(1, 6):
+        opt.zero_grad()
+        net(torch.randn(16, 5)).square().mean().backward()
+        opt.step()
+        for k, c in zip((0, 1, 3), plain):
+            if c.on_step(net, step) and k not in started_at:
+                started_at[k] = step
+                assert all(torch.equal(c.state.emas[0][n].view(p.shape), p) for n, p in net.named_parameters())
+        for c in accum:  # the micro-batches of an accumulation of 2: the step before, then this step
+            c.on_step(net, step - 1)
+            c.on_step(net, step)
+    assert started_at == {0: 1, 1: 1, 3: 3}
+    for a, b in zip(plain + plain[:1], accum + plain[1:2]):  # start_step 0 and 1 are the same rule
+        assert int(a.state.step) == int(b.state.step) == 5
+        assert all(torch.equal(x[n], y[n]) for x, y in zip(a.state.emas, b.state.emas) for n in x)
+
+
 def test_controller_copy_to_model_and_export(tmp_path):
     from safetensors.torch import load_file
 
     net = _net()
     c = EMAController(0.5, buffers="copy")
-    c.on_step(net, 0)
+    assert c.on_step(net, 1) is True  # starts: the EMA equals the weights after optimizer step 1
     with torch.no_grad():
         for p in net.parameters():
             p.add_(1.0)
     net(torch.randn(16, 5))
-    c.on_step(net, 1)
+    c.on_step(net, 2)
+    assert not any(torch.equal(c.state.emas[0][n].view(p.shape), p) for n, p in net.named_parameters())  # a real average
     want = {n: t.view(dict(net.named_parameters())[n].shape).clone() for n, t in c.state.emas[0].items()}
     c.export(net, tmp_path / "ema.safetensors")
     exported = load_file(tmp_path / "ema.safetensors")

@@ -2,12 +2,18 @@
 through ``examples/accelerate_ema.py`` as written: a run stopped after its step-4 ``save_state`` and
 resumed with ``load_state`` in fresh processes ends with the uninterrupted run's EMA, bitwise; the
 EMA is checked against DeepSpeed's full fp32 weights at the save step; the export loads strictly.
+
+The start rule, in the same processes after the example: one trajectory trained at gradient
+accumulation 1 and 2 (the same micro-batch twice), under DeepSpeed (``engine.global_steps``) and
+under DDP (the helper's own count), gives the same EMA bitwise, started after optimizer step 1 (or
+step K), as a reference EMA of the full weights.
 """
 
 from __future__ import annotations
 
 import runpy
 import sys
+import time
 
 import pytest
 import torch
@@ -19,7 +25,7 @@ from tests._multirank import ROOT, run_ranks  # noqa: E402
 EXAMPLE = str(ROOT / "examples" / "accelerate_ema.py")
 
 
-def example_worker(argv: list[str]) -> dict:
+def example_worker(argv: list[str], start_rule: bool = False) -> dict:
     from tests._integration_models import quiet
 
     quiet()
@@ -29,20 +35,111 @@ def example_worker(argv: list[str]) -> dict:
     except SystemExit as e:
         if e.code not in (0, None):
             raise
-    return {"ok": True}
+    out: dict = {"ok": True}
+    if start_rule:
+        t0 = time.perf_counter()
+        out["start_rule"] = {kind: _start_rule(kind) for kind in ("deepspeed", "ddp")}
+        out["start_rule_seconds"] = time.perf_counter() - t0
+    return out
 
 
-def test_accelerate_deepspeed_save_load_state_resume(tmp_path):
+def _start_rule(kind: str) -> dict:
+    """Train RULE_STEPS optimizer steps at accumulation 1 and 2 (each micro-batch twice), with an
+    EMA started at step 0 and one at RULE_START, and compare (tests._integration_models)."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from torch import nn
+
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+    from tests._integration_models import (RULE_START, RULE_STEPS, ReferenceEMA, deepspeed_full_fp32, record_start,
+                                           start_rule_report)
+
+    decays = [0.9, fe.schedules.power(sigma_rel=0.1)]
+    runs = {}
+    for ga in (1, 2):
+        AcceleratorState._reset_state(reset_partial_state=True)  # a new Accelerator with other settings
+        GradientState._reset_state()
+        PartialState(cpu=True)
+        if kind == "deepspeed":
+            cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ga, "steps_per_print": 10**9,
+                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                   "zero_allow_untested_optimizer": True}
+            acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=ga)
+        else:
+            acc = Accelerator(cpu=True, gradient_accumulation_steps=ga)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+        model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+        assert acc.distributed_type == ("DEEPSPEED" if kind == "deepspeed" else "MULTI_CPU"), acc.distributed_type
+
+        def full():
+            if kind == "deepspeed":
+                return deepspeed_full_fp32(model)
+            return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+        emas = {k: AcceleratorEMA(acc, model, decay=decays, start_step=k) for k in (0, RULE_START)}
+        refs = {k: ReferenceEMA(decays, start=max(1, k)) for k in emas}
+        seen = {k: record_start(e.ema) for k, e in emas.items()}
+        start_weights = full()
+        for micro in range(RULE_STEPS * ga):
+            g = torch.Generator().manual_seed(1000 * (micro // ga) + acc.process_index)  # each batch ga times
+            x = torch.randn(4, 16, generator=g)
+            y = x.sum(1, keepdim=True) + 0.3 * torch.randn(4, 1, generator=g)
+            with acc.accumulate(model):
+                acc.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            for e in emas.values():
+                e.step()
+            if (micro + 1) % ga == 0:  # the optimizer stepped: the test's own count, from 1
+                step = (micro + 1) // ga
+                weights = full()
+                for ref in refs.values():
+                    if ref.due(step):
+                        ref.feed(step, weights)
+        runs[ga] = {"weights": full(), "start_weights": start_weights, "refs": refs, "seen": seen,
+                    "emas": {k: [fe.gather_full(e.state, model, index=i) for i in range(2)] for k, e in emas.items()},
+                    "optimizer_step": {k: e.optimizer_step for k, e in emas.items()}}
+        for e in emas.values():
+            e.remove_hooks()
+    report = start_rule_report(runs)
+    report["optimizer_step"] = {f"ga{ga}": sorted(set(run["optimizer_step"].values())) for ga, run in runs.items()}
+    return report
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The uninterrupted example run, then the start-rule runs in the same processes."""
+    root = tmp_path_factory.mktemp("accelerate")
+    res = run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600,
+                    argv=["--out", str(root / "full")], start_rule=True)
+    return root, res
+
+
+def test_accelerate_start_rule_same_ema_with_and_without_accumulation(full_run):
+    from tests._integration_models import RULE_STEPS, check_start_rule
+
+    print(f"start-rule runs: {full_run[1][0]['start_rule_seconds']:.1f} s")
+    for rank_report in full_run[1]:
+        for kind, report in rank_report["start_rule"].items():
+            assert report["optimizer_step"] == {"ga1": [RULE_STEPS], "ga2": [RULE_STEPS]}, (kind, report)
+            check_start_rule(report, calls_at_0=True)
+
+
+def test_accelerate_deepspeed_save_load_state_resume(full_run, tmp_path):
     from safetensors.torch import load_file
     from torch import nn
 
     import functional_ema as fe
     from functional_ema.checkpoint import read_manifest
 
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600, argv=["--out", full])
+    root, _ = full_run
+    full, part = str(root / "full"), str(tmp_path / "part")
     # The interrupted run writes its EMA in the background (async_save) and exits one step after
     # the save: the process waits for the write, and the resumed run ends bitwise as the full one.
+    # (The harness ends a rank with os._exit; before it, it waits for the rank's async saves as an
+    # interpreter exit would: tests._multirank._finish_async_saves. tests/test_exit.py checks both.)
     run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600,
               argv=["--out", part, "--stop-at", "5", "--async-save"])
     assert not (tmp_path / "part" / "ema.safetensors").exists()  # stopped before the end
@@ -55,7 +152,7 @@ def test_accelerate_deepspeed_save_load_state_resume(tmp_path):
     net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 1))
     assert str(net.load_state_dict(a, strict=True)) == "<All keys matched successfully>"
     # the step-4 checkpoint: every rank's pieces inside accelerate's folder, consolidated offline
-    ckpt = tmp_path / "full" / "ckpt"
+    ckpt = root / "full" / "ckpt"
     names = sorted(p.name for p in (ckpt / "ema").iterdir())
     assert "ema_rank_00000_of_00002.safetensors" in names and "ema_rank_00001_of_00002.safetensors" in names
     m = read_manifest(ckpt, "ema")

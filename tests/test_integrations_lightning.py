@@ -7,6 +7,10 @@ fp32 weights through the engine's own API (the DDP parameters, FSDP2 ``full_tens
 (different from the live one). A run killed after its epoch-2 checkpoint and resumed in fresh
 processes from that checkpoint ends with the uninterrupted run's EMA, bitwise.
 
+The start rule (in the DDP launch, after its run): one trajectory trained at accumulation 1 and 2
+(the same micro-batch twice) gives the same EMA, bitwise, started after optimizer step 1 (or step
+K) as a reference EMA, although under accumulation the callback also sees step 0.
+
 Lightning's ``DeepSpeedStrategy`` refuses CPU ("only supported on CUDA GPUs"): the DeepSpeed runs use
 ``CPUDeepSpeedStrategy`` below, a test-only subclass that lifts that check.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +239,10 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
         idx = list(range(rank, 16, 2))  # DistributedSampler without shuffle; one batch of 8 per rank
         with torch.no_grad():
             report["twin_val_loss"] = float(net.net(vd.x[idx], vd.y[idx])["loss"])
+        if kind == "ddp":
+            t0 = time.perf_counter()
+            report["start_rule"] = _start_rule(rank)
+            report["start_rule_seconds"] = time.perf_counter() - t0
     elif phase == "interrupted":
         class Kill(pl.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -257,6 +266,44 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
         report["bitwise_vs_uninterrupted"] = [equal(full[k], {n[2:]: t for n, t in want.items() if n.startswith(f"{k}.")}) for k in range(2)]
         report["ema_step"] = int(ema.state.step)
     return report
+
+
+def _start_rule(rank: int) -> dict:
+    """DDP, RULE_STEPS optimizer steps at accumulation 1 and 2 (each micro-batch twice), EMAs
+    started at step 0 and at RULE_START; compared by tests._integration_models.start_rule_report."""
+    import lightning.pytorch as pl
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import (RULE_START, RULE_STEPS, ReferenceEMA, RegressionData, record_start,
+                                           start_rule_report)
+
+    data = RegressionData(4 * RULE_STEPS, seed=10 + rank)
+    batches = [{"x": data.x[4 * j:4 * j + 4], "labels": data.y[4 * j:4 * j + 4]} for j in range(RULE_STEPS)]
+    runs = {}
+    for ga in (1, 2):
+        callbacks, emas, refs, seen = [], {}, {}, {}
+        for k in (0, RULE_START):
+            # two EMA callbacks in one trainer need distinct state keys (Lightning refuses duplicates)
+            cls = type(f"EMACallbackStart{k}", (EMACallback,), {"state_key": property(lambda self, k=k: f"EMA[start={k}]")})
+            emas[k] = cls(decay=_decays(), start_step=k)
+            refs[k] = ReferenceEMA(_decays(), start=max(1, k))
+            seen[k] = record_start(emas[k].ema)
+            callbacks += [emas[k], _reference_callback(refs[k], "ddp")]
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, num_nodes=1, strategy=_strategy("ddp"), max_steps=RULE_STEPS, max_epochs=1,
+            accumulate_grad_batches=ga, callbacks=callbacks, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
+            default_root_dir=None, use_distributed_sampler=False,
+        )
+        module = _module("fsdp2-plain")  # no BatchNorm: its statistics would see each micro-batch twice
+        start_weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([b for b in batches for _ in range(ga)], batch_size=None))
+        assert trainer.global_step == RULE_STEPS, trainer.global_step
+        target = trainer.strategy.model
+        runs[ga] = {"weights": _full_weights(trainer, "ddp"), "start_weights": start_weights, "refs": refs, "seen": seen,
+                    "emas": {k: [fe.gather_full(e.state, target, index=i) for i in range(2)] for k, e in emas.items()}}
+    return start_rule_report(runs)
 
 
 def _run(kind: str, tmp_path):
@@ -286,7 +333,11 @@ def _run(kind: str, tmp_path):
 
 
 def test_lightning_ddp(tmp_path):
-    _run("ddp", tmp_path)
+    from tests._integration_models import check_start_rule
+
+    full, _, _ = _run("ddp", tmp_path)
+    for r in full:
+        check_start_rule(r["start_rule"], calls_at_0=True)
 
 
 def test_lightning_fsdp2(tmp_path):

@@ -5,12 +5,17 @@ taken once per optimizer step by a second, test-only callback: bitwise, for two 
 and a power schedule), started after step K, with the BatchNorm buffers averaged too. The EMA
 evaluation is logged (``eval_ema_loss``). A run interrupted after its step-4 checkpoint and resumed
 in fresh processes ends with the uninterrupted run's EMA, bitwise.
+
+The start rule (in the DDP launch, after its run): one trajectory trained at accumulation 1 and 2
+(the same micro-batch twice) gives the same EMA, bitwise, started after optimizer step 1 (or step
+K) as a reference EMA.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +82,47 @@ def _reference_callback(trainer_box: dict, ref):
                 ref.feed(state.global_step, full, float_buffers(engine.module))
 
     return Reference()
+
+
+def _start_rule(out: str) -> dict:
+    """DDP, RULE_STEPS optimizer steps at accumulation 1 and 2 (each micro-batch twice), EMAs
+    started at step 0 and at RULE_START; compared by tests._integration_models.start_rule_report."""
+    from transformers import Trainer, TrainingArguments
+
+    import functional_ema as fe
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import (RULE_START, RULE_STEPS, BNNet, ReferenceEMA, RegressionData, record_start,
+                                           start_rule_report)
+
+    data = RegressionData(8 * RULE_STEPS, seed=3)  # micro-batch j of rank r: samples 4(2j + r) ..
+    runs = {}
+    for ga in (1, 2):
+        # Sequential sampling; accelerate gives rank r the batches r, r + 2, ...: repeat each pair of batches.
+        blocks = [b for j in range(RULE_STEPS) for _ in range(ga) for b in (2 * j, 2 * j + 1)]
+        train = torch.utils.data.Subset(data, [4 * b + i for b in blocks for i in range(4)])
+        args = TrainingArguments(
+            output_dir=os.path.join(out, f"rule_ga{ga}"), max_steps=RULE_STEPS, per_device_train_batch_size=4,
+            gradient_accumulation_steps=ga, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch",
+            train_sampling_strategy="sequential", save_strategy="no", eval_strategy="no", logging_strategy="no",
+            report_to=[], disable_tqdm=True, seed=0, data_seed=0, ddp_backend="gloo", dataloader_num_workers=0, use_cpu=True,
+        )
+        torch.manual_seed(0)
+        model = BNNet()  # buffers=None: BatchNorm sees each micro-batch twice, the weights do not
+        start_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = Trainer(model=model, args=args, train_dataset=train)
+        emas = {k: EMACallback(decay=_decays(), start_step=k).attach(trainer) for k in (0, RULE_START)}
+        refs = {k: ReferenceEMA(_decays(), start=max(1, k)) for k in emas}
+        seen = {k: record_start(e.ema) for k, e in emas.items()}
+        box = {"t": trainer}
+        for ref in refs.values():
+            trainer.add_callback(_reference_callback(box, ref))
+        trainer.train()
+        assert trainer.state.global_step == RULE_STEPS, trainer.state.global_step
+        wrapped = trainer.model_wrapped
+        runs[ga] = {"weights": {n: p.detach().clone() for n, p in wrapped.module.named_parameters()},
+                    "start_weights": start_weights, "refs": refs, "seen": seen,
+                    "emas": {k: [fe.gather_full(e.state, wrapped, index=i) for i in range(2)] for k, e in emas.items()}}
+    return start_rule_report(runs)
 
 
 class _Killed(Exception):
@@ -146,6 +192,9 @@ def hf_worker(out: str, phase: str) -> dict:
         report["buffers_bitwise"] = [equal(ema.ema.buffer_state.emas[k], ref.buffers[k]) for k in range(2)]
         report["eval_ema_steps"] = [h["step"] for h in trainer.state.log_history if "eval_ema_loss" in h]
         report["ema_files"] = sorted(p.name for p in Path(out, "ddp", "checkpoint-4", "ema").iterdir())
+        t0 = time.perf_counter()
+        report["start_rule"] = _start_rule(out)
+        report["start_rule_seconds"] = time.perf_counter() - t0
     elif phase == "interrupted":
         class Kill(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
@@ -205,9 +254,13 @@ def test_trainer_deepspeed_zero3_grad_accum_resume(tmp_path):
 
 
 def test_trainer_ddp(tmp_path):
+    from tests._integration_models import check_start_rule
+
     res = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=str(tmp_path), phase="ddp")
+    print(f"start-rule runs: {res[0]['start_rule_seconds']:.1f} s")
     for r in res:
         assert r["engine"] == "DistributedDataParallel"
         assert r["bitwise"] == [True, True] and r["buffers_bitwise"] == [True, True]
         assert r["eval_ema_steps"] == [4, 8]
         assert "ema_manifest.json" in r["ema_files"]
+        check_start_rule(r["start_rule"], calls_at_0=False)  # the callback runs once per optimizer step

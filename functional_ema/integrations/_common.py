@@ -63,8 +63,11 @@ class EMAController:
             or a sequence of them to track several EMAs at once (one state, read once per update).
         every_n_steps: update at optimizer steps that are multiples of N only; the decay is
             compounded over the skipped steps exactly (``update`` does that).
-        start_step: the EMA starts (equal to the weights) at the first optimizer step ``>= start_step``;
-            before it there is nothing to evaluate, save or export.
+        start_step: the EMA starts (equal to the weights) after the first optimizer step ``>= start_step``
+            that :meth:`on_step` sees. Optimizer steps are numbered from 1, so it starts at a step
+            ``>= max(1, start_step)`` whatever the gradient accumulation: step 0 (no optimizer step
+            yet, e.g. the first micro-batches of an accumulation) never starts it. Before it there is
+            nothing to evaluate, save or export.
         buffers: ``None`` (parameters only), ``"average"`` (an EMA of every floating buffer, with
             the same decays) or ``"copy"`` (the live buffers copied at each update). Integer buffers
             are copied in both modes. See :mod:`functional_ema.buffers`.
@@ -150,10 +153,15 @@ class EMAController:
     # ---------------------------------------------------------------------------------- training
 
     def on_step(self, x: Any, step: int) -> bool:
-        """After the optimizer step that made the training step ``step``. Returns whether the EMA
-        moved. Calling it again with the same step (each micro-batch of an accumulation) is a no-op."""
+        """After the optimizer step that made the training step ``step`` (optimizer steps count from
+        1; ``0``: none yet). Returns whether the EMA moved. Calling it again with the same step (each
+        micro-batch of an accumulation) is a no-op.
+
+        The EMA starts equal to the weights at the first step ``>= max(1, start_step)`` seen: a call
+        at step 0 (a micro-batch before the first optimizer step) never starts it, so the same
+        trajectory gives the same EMA with or without gradient accumulation."""
         step = int(step)
-        if step < self.start_step:
+        if step < max(1, self.start_step):
             return False
         if self.state is None:
             self.state = fe.init_ema(fe.local_shards(x), num_emas=self.num_emas, dtype=self.dtype, step=step)
