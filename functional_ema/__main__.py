@@ -28,7 +28,7 @@ def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str)
     p.add_argument(source, help=source_help)
     p.add_argument("out", help="output .safetensors file (written atomically; never inside the checkpoint being read)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically); refused otherwise")
-    p.add_argument("--no-verify", action="store_true", help="skip the CRC-32 checks of the bytes read")
+    p.add_argument("--no-verify", action="store_true", help="skip the checksum checks (XXH3-64; CRC-32 for format-1 checkpoints) of the bytes read")
 
 
 def _add_consolidate(subparsers) -> None:

@@ -14,21 +14,15 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._errors import StateMismatchError, SwappedTrainingError
 from ._layout import ShardLayout
 from ._shards import Shards
 from ._state import EmaState
 from ._tree import short_list
 from .engines import Reading, SwapStats, adapter_for
+from .engines._base import gather_pieces
 
 __all__ = ["local_shards", "shard_layout", "gather_full", "swapped", "StateMismatchError", "SwappedTrainingError"]
-
-
-class StateMismatchError(ValueError):
-    """An EMA state does not fit the training object it is used with (names or piece sizes)."""
-
-
-class SwappedTrainingError(RuntimeError):
-    """``backward`` or an optimizer step was attempted inside :func:`swapped`."""
 
 
 def local_shards(x: Any) -> Shards:
@@ -112,8 +106,11 @@ def _state_problem(state: Any, reading: Reading, index: int, verb: str) -> str |
         return f"state.emas[{index}] is a {type(ema).__name__}, not a name-keyed mapping"
     if set(names) != set(specs):
         missing, extra = sorted(set(specs) - set(names)), sorted(set(names) - set(specs))
-        return (f"state.emas[{index}] does not match this model's trainable parameters: missing {short_list(missing)}, "
-                f"extra {short_list(extra)}. Make the state with init_ema(local_shards(model)) or load it with fe.load")
+        parts = ([f"this model trains {short_list(missing)}, which the state lacks"] if missing else []) + (
+            [f"the state has EMAs of {short_list(extra)}, which this model does not train (frozen here, or another model)"]
+            if extra else [])
+        return (f"state.emas[{index}] does not match this model's trainable parameters: {'; '.join(parts)}. Make the state "
+                "with init_ema(local_shards(model)) or load it with fe.load")
     for n, spec in specs.items():
         t = ema[n]
         if not isinstance(t, torch.Tensor) or t.numel() != spec.numel:
@@ -158,64 +155,6 @@ def gather_full(
     reading = adapter_for(x).read()
     pieces = state_pieces(state, reading, index, "gather_full")
     return gather_pieces(reading, pieces, dst=dst, device=device, bucket_bytes=bucket_bytes)
-
-
-def gather_pieces(reading: Reading, pieces: Mapping[str, torch.Tensor], *, dst: int | None = None,
-                  device: torch.device | str | None = None, bucket_bytes: int = 256 << 20) -> dict[str, torch.Tensor]:
-    """:func:`gather_full` over plain data: a reading's layout and group, and checked pieces."""
-    layout = reading.layout
-    names = list(layout.specs)
-    if not names:
-        return {}
-    if layout.stage == 0 or layout.world_size == 1:  # every rank holds everything
-        if dst is not None and layout.rank != dst:
-            return {}
-        return {n: pieces[n].detach().reshape(layout.specs[n].shape).to(device or pieces[n].device, copy=True) for n in names}
-    group = reading.group
-    all_specs = reading.all_specs()
-    out: dict[str, torch.Tensor] = {}
-    ref = pieces[names[0]]
-    dtype, src_device = ref.dtype, ref.device
-    device = torch.device(device) if device is not None else src_device
-    # The collective runs on the backend's device: gloo takes CPU tensors, nccl CUDA ones.
-    comm_device = src_device
-    for bucket in _buckets(names, all_specs, max(1, bucket_bytes // ref.element_size())):
-        sizes = [sum(all_specs[r][n].numel for n in bucket) for r in range(layout.world_size)]
-        width = max(sizes)
-        send = torch.zeros(width, dtype=dtype, device=comm_device)
-        torch.cat([pieces[n].detach().reshape(-1).to(comm_device) for n in bucket] or [send[:0]], out=send[: sizes[layout.rank]])
-        if dst is None:
-            recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)]
-            dist.all_gather(recv, send, group=group)
-        else:
-            recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)] if layout.rank == dst else None
-            dist.gather(send, recv, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
-            if layout.rank != dst:
-                continue
-        cursor = [0] * layout.world_size
-        for n in bucket:
-            spec = layout.specs[n]
-            full = torch.empty(spec.full_numel, dtype=dtype, device=device)
-            for r in range(layout.world_size):
-                s = all_specs[r][n]
-                if s.numel:
-                    full[s.offset : s.offset + s.numel].copy_(recv[r][cursor[r] : cursor[r] + s.numel])
-                    cursor[r] += s.numel
-            out[n] = full.view(spec.shape)
-    return out
-
-
-def _buckets(names, all_specs, max_elems):
-    bucket, size = [], 0
-    for n in names:
-        n_el = max(specs[n].numel for specs in all_specs)
-        if bucket and size + n_el > max_elems:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(n)
-        size += n_el
-    if bucket:
-        yield bucket
 
 
 # ----------------------------------------------------------------------------------- eval swap
@@ -292,20 +231,12 @@ def _refuse_training(adapter, reading: Reading) -> Iterator[None]:
     if target is not module:
         handles.append(target.register_forward_hook(on_output))
     handles.append(register_optimizer_step_pre_hook(on_step))
-    patched = []
-    if adapter.name == "deepspeed":
-        for verb in ("backward", "step"):
-            def refuse(*_a, _verb=verb, **_k):
-                raise SwappedTrainingError(f"engine.{_verb}() {why}")
-            target.__dict__[verb] = refuse
-            patched.append(verb)
     try:
-        yield
+        with adapter.refuse_training(why):
+            yield
     finally:
         for h in handles:
             h.remove()
-        for verb in patched:
-            target.__dict__.pop(verb, None)
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

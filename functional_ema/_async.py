@@ -4,7 +4,8 @@
 
 * **At the call** (the training thread, collective): wait for the previous save if the in-flight
   limit is reached (raising its error, if any, on every rank); check the state and agree the plan
-  with the other ranks (the same ``all_gather_object`` exchange as the blocking save); copy this
+  with the other ranks (one small all-reduce, as the blocking save); rank 0 takes the tag's write
+  lock (held until its background commit is done); copy this
   rank's EMA into a reusable host buffer (pinned where the EMA lives on a GPU; the copy is queued
   on the current CUDA stream, so later work on that stream, such as ``update``, runs after it).
 * **In a background thread** (no collectives, no process group at all): write this rank's file
@@ -71,14 +72,33 @@ class SaveHandle:
 
     def __init__(self, tag_dir: Path, step: int):
         self.tag_dir, self.step = tag_dir, step
+        self._pid = os.getpid()  # the process whose thread writes it (a forked child inherits the handle, not the thread)
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._raised = False  # the error reached the caller on this rank (wait or the next save)
         self._buffer: torch.Tensor | None = None  # the snapshot, reused by the next save once this one is done
 
     def done(self) -> bool:
-        """True once the checkpoint is complete (manifest written) or the save has failed."""
+        """True once the checkpoint is complete (manifest written) or the save has failed (in a forked
+        child, a save of the parent still in flight counts as failed here: see :meth:`wait`)."""
+        self._adopt_after_fork()
         return self._event.is_set()
+
+    def _adopt_after_fork(self) -> None:
+        """In a child forked while this save was in flight, the writing thread is the parent's: nothing in
+        the child will ever finish it. Fail it here (not in the parent, whose save goes on) with an error
+        that says so, so ``wait()`` raises instead of blocking forever."""
+        pid = os.getpid()
+        if pid == self._pid:
+            return
+        parent, self._pid = self._pid, pid
+        if not self._event.is_set():
+            self._finish(CheckpointError(
+                f"this process (pid {pid}) was forked from pid {parent} while the async EMA save of step {self.step} into "
+                f"{self.tag_dir} was in flight. That save is written by the parent's thread and completes there (wait for it "
+                "in the parent); this process cannot wait for it or know its outcome. Save again from this process if it "
+                "needs its own checkpoint"
+            ))
 
     def exception(self) -> BaseException | None:
         """The failure, once :meth:`done` (None on success)."""
@@ -93,6 +113,7 @@ class SaveHandle:
             naming the failed rank. Raised on every call to ``wait`` after a failure.
             TimeoutError: ``timeout`` seconds passed first (the save goes on).
         """
+        self._adopt_after_fork()
         if not self._event.wait(timeout):
             raise TimeoutError(f"async EMA save into {self.tag_dir} still running after {timeout} s")
         if self._error is not None:
@@ -161,47 +182,72 @@ class AsyncSaver:
         tag: str | None = None,
         *,
         decay: DecayLike | Sequence[DecayLike] | None = None,
+        buffers=None,
+        extra: dict | None = None,
+        timeout: float | None = None,
     ) -> SaveHandle:
         """Snapshot this rank's EMA and write the checkpoint in the background. Collective.
 
-        Arguments and the files written are those of :func:`functional_ema.save`. Returns once the
-        snapshot is taken: ``state`` may be updated (even in place) right away. The checkpoint is
-        complete when the returned handle's :meth:`SaveHandle.wait` returns (on every rank).
+        Arguments and the files written are those of :func:`functional_ema.save` (``buffers`` and
+        ``extra`` included). Returns once the snapshot is taken: ``state`` (and ``buffers``) may be
+        updated, even in place, right away. The checkpoint is complete when the returned handle's
+        :meth:`SaveHandle.wait` returns (on every rank). A save of a tag that another save (of this
+        saver, another saver, or another process) is writing first waits for it (``timeout``).
 
         Raises:
             CheckpointError (or the original exception on the rank where it happened): on every
-                rank, when the state does not fit the engine, the ranks disagree, or a previous
-                save of this saver failed and its ``wait()`` has not raised that on this rank.
+                rank, when the state does not fit the engine, the ranks disagree, a previous save of
+                this saver failed and its ``wait()`` has not raised that on this rank, the process
+                group is gone, or two ranks of the job would write the same file.
         """
+        adapter = adapter_for(engine)
         layout, group = collective.world_of(engine)
         rank, world, stage = layout.rank, layout.world_size, layout.stage
+        collective.check_reachable("AsyncSaver.save", group, world)
         save_dir = Path(save_dir)
-        tag = fmt.check_tag(adapter_for(engine).default_tag(state) if tag is None else tag)
+        tag = fmt.check_tag(adapter.default_tag(state) if tag is None else tag)
         tag_dir = save_dir / tag
         writes = stage != 0 or rank == 0
+        collective.check_distinct_writers("AsyncSaver.save", tag_dir, writer.save_files(layout, 0, buffers is not None, writes),
+                                          world, timeout, adapter.model_parallel())
         box: dict[str, Any] = {}
+        lock: list[writer.TagLock] = []
 
         def plan():
             self._settle(tag_dir)  # raises a previous failure; inside agree_plans, so on every rank
-            p = writer.plan_save(state, decay, layout, tag, tag_dir)
+            p = writer.plan_save(state, decay, layout, tag, buffers, extra)
+            if rank == 0:  # the committing rank holds the tag until its background commit is done
+                lock.append(writer.TagLock.acquire(tag_dir, collective.timeout_s(timeout), "AsyncSaver.save"))
+                p["generation"] = writer.read_generation(tag_dir)
             tag_dir.mkdir(parents=True, exist_ok=True)
             if writes:
                 box["snapshot"] = self._snapshot(state, fmt.parse_dtype(p["dtype"], "save"))
+            if buffers is not None:  # small whole tensors: copied as they are
+                with torch.no_grad():
+                    box["buffers"] = type(buffers)(buffers.step.clone(),
+                                                   tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
+                                                   {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()})
             p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
             return p
 
+        def give_up():
+            for held in lock:
+                held.release(remove_empty=True)
+
         try:
-            mine, first = writer.agree_plans("async save (checking the state)", plan, group, world, rank)
+            mine, first = writer.agree_plans("async save (checking the state)", plan, group, world, rank, on_failure=give_up)
         except BaseException:
             if "snapshot" in box:  # nothing started: keep the buffer for the next call
                 self._free.append(box["snapshot"][1])
+            give_up()
             raise
         handle = SaveHandle(tag_dir, first["step"])
         emas, buffer, ready = box.get("snapshot", (None, None, None))
         handle._buffer = buffer
+        writers = list(range(world)) if stage != 0 or buffers is not None else [0]
         job = _Job(
             save_dir=save_dir, tag_dir=tag_dir, layout=layout, first=first, mine=mine, token=first["token"],
-            writers=[0] if stage == 0 else list(range(world)), emas=emas, ready=ready,
+            writers=writers, emas=emas, ready=ready, buffers=box.get("buffers"), lock=lock[0] if lock else None,
             dtype=fmt.parse_dtype(first["dtype"], "save"), timeout=self.commit_timeout,
         )
         self._writer_threads().submit(_run, job, handle)
@@ -209,9 +255,13 @@ class AsyncSaver:
         return handle
 
     def wait(self) -> None:
-        """Wait for every save in flight; raise the first failure not yet raised on this rank."""
+        """Wait for every save in flight; raise the first failure not yet raised on this rank.
+
+        In a process forked while a save was in flight, that save is the parent's: it is reported here
+        (once) as failed in this process, with an error that says so, instead of blocking forever."""
         first_error = None
         for h in self._handles:
+            h.done()  # a save of the parent, in a forked child, fails here
             h._event.wait()
             if h._error is not None and not h._raised and first_error is None:
                 h._raised = True
@@ -251,7 +301,7 @@ class AsyncSaver:
         """Before a new save: wait while the in-flight limit is reached or the same tag is being
         written, and raise any failure not yet raised on this rank."""
         while True:
-            busy = [h for h in self._handles if not h.done()]
+            busy = [h for h in self._handles if not h.done()]  # done() fails a forked parent's save here
             if len(busy) < self.max_in_flight and not any(h.tag_dir == tag_dir for h in busy):
                 break
             busy[0]._event.wait()
@@ -314,34 +364,38 @@ def _run(job: _Job, handle: SaveHandle) -> None:
     """The background part of one rank's save. No collectives (see the module docstring)."""
     rank = job.layout.rank
     error: BaseException | None = None
+    names = writer.save_files(job.layout, job.first["generation"], job.buffers is not None, job.emas is not None)
     try:
         if job.ready is not None:
             job.ready.synchronize()
-        record = None
+        record: dict = {}
         if job.emas is not None:
-            fname = fmt.rank_file_name(rank, job.layout.world_size, job.first["generation"])
             meta = writer.rank_file_meta(job.mine, job.layout, job.first["generation"])
-            record = writer.write_rank_file(job.tag_dir / fname, job.layout, job.emas, job.dtype, meta)
+            record["file"] = writer.write_rank_file(job.tag_dir / names[0], job.layout, job.emas, job.dtype, meta)
+        if job.buffers is not None:
+            meta = writer.buffer_file_meta(job.mine, job.layout, job.first["generation"])
+            record["buffers"] = writer.write_buffer_file(job.tag_dir / names[-1], rank, job.buffers, job.mine["buffers"], meta)
         deadline = time.monotonic() + job.timeout
         if rank == 0:
-            records = {0: record} if record is not None else {}
+            records = {0: record} if record else {}
             others = [r for r in job.writers if r != 0]
 
             def collect():
-                names = set(os.listdir(job.tag_dir))
-                _raise_remote_error(job, names)
+                found = set(os.listdir(job.tag_dir))
+                _raise_remote_error(job, found)
                 for r in others:
-                    if r not in records and _marker(job.token, r, "done") in names:
+                    if r not in records and _marker(job.token, r, "done") in found:
                         records[r] = json.loads((job.tag_dir / _marker(job.token, r, "done")).read_text())
                 return True if len(records) == len(job.writers) else None
 
             _poll(collect, deadline, job, f"the files of ranks {others}")
-            manifest = writer.build_manifest(job.first, job.layout, [records[r] for r in sorted(records)],
-                                           save_id=job.token)
+            ordered = [records[r] for r in sorted(records)]
+            manifest = writer.build_manifest(job.first, job.layout, [x["file"] for x in ordered if "file" in x],
+                                             [x["buffers"] for x in ordered if "buffers" in x], save_id=job.token)
             writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
             _remove_markers(job.tag_dir)
         else:
-            if record is not None:
+            if record:
                 _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "done"), json.dumps(record).encode())
             seen: list[Any] = [None]
 
@@ -370,6 +424,10 @@ def _run(job: _Job, handle: SaveHandle) -> None:
                 logger.error("functional_ema: could not record the async save failure for the other ranks: %s", e2)
         logger.error("functional_ema: async EMA save of step %s into %s failed on rank %d: %s: %s",
                      job.first["step"], job.tag_dir, rank, type(e).__name__, e)
+        writer.remove_unlisted(job.tag_dir, names)
+    finally:
+        if job.lock is not None:
+            job.lock.release()
     handle._finish(error)
 
 

@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import struct
 import sys
 import threading
@@ -103,9 +104,13 @@ class ChecksumError(FormatError):
 
 
 def tmp_name(final: str | os.PathLike) -> Path:
-    """The temporary sibling used while writing ``final`` (same directory, so ``os.replace`` is atomic)."""
+    """A temporary sibling for one write of ``final`` (same directory, so ``os.replace`` is atomic).
+
+    Unique per write, not per process: two writers of one file in one process (two threads, two savers)
+    never share a temporary file, so neither can rename the other's half-written bytes into place.
+    """
     final = Path(final)
-    return final.with_name(f"{final.name}{_TMP_MARK}{os.getpid()}")
+    return final.with_name(f"{final.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(6)}")
 
 
 def is_tmp_name(name: str) -> bool:

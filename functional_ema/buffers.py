@@ -49,7 +49,6 @@ __all__ = [
     "init_buffers",
     "update_buffers",
     "swapped_buffers",
-    "save_buffers",
     "load_buffers",
     "has_buffers",
     "consolidate",
@@ -210,122 +209,87 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
 
 
 # ------------------------------------------------------------------------------------------- files
+#
+# Buffers are saved by functional_ema.save(state, x, dir, tag, buffers=bstate): one file per rank
+# (buffers_rank_<r>_of_<w>[.gen<N>].safetensors) written with the EMA's files, listed with their
+# checksums in the same manifest, so a tag is complete only with them and a failed save never leaves
+# buffers at a newer step than the EMA. Reading goes through the validated checkpoint reader.
 
 
-def buffer_file_name(rank: int, world_size: int) -> str:
-    """``buffers_rank_<rank>_of_<world>.safetensors``: one file per rank in the tag folder."""
-    return f"buffers_rank_{rank:05d}_of_{world_size:05d}.safetensors"
+def buffer_file_name(rank: int, world_size: int, generation: int = 0) -> str:
+    """``buffers_rank_<rank>_of_<world>[.gen<N>].safetensors``: one rank's buffers in a tag folder."""
+    from ._checkpoint.format import buffer_file_name as name
+
+    return name(rank, world_size, generation)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.part-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _rank_world(x: Any) -> tuple[int, int]:
+def loaded_buffer_state(x: Any, ckpt, verify: bool = True) -> BufferState:
+    """The buffer state of ``x``'s rank from an opened checkpoint (see :func:`load_buffers`)."""
     from ._api import shard_layout
+    from ._checkpoint.errors import CheckpointMismatchError
 
     layout = shard_layout(x)
-    return layout.rank, layout.world_size
-
-
-def save_buffers(bstate: BufferState, x: Any, save_dir: str | os.PathLike, tag: str, *, mode: Mode = "average") -> Path:
-    """Write this rank's buffer state into ``save_dir/tag/`` (atomic; no collective).
-
-    Call it on every rank before :func:`functional_ema.save` of the same tag, whose manifest,
-    written last, marks the tag complete.
-    """
-    from safetensors.torch import save as st_save
-
-    rank, world = _rank_world(x)
-    tag_dir = Path(save_dir) / tag
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {f"emas.{k}.{n}": t.detach().contiguous().cpu() for k, ema in enumerate(bstate.emas) for n, t in ema.items()}
-    tensors.update({f"copied.{n}": t.detach().contiguous().cpu() for n, t in bstate.copied.items()})
-    meta = {"format": "functional_ema.buffers", "step": str(int(bstate.step)), "num_emas": str(bstate.num_emas),
-            "mode": mode, "rank": str(rank), "world_size": str(world),
-            "floating": json.dumps(sorted(bstate.emas[0]) if bstate.emas else []),
-            "copied": json.dumps(sorted(bstate.copied))}
-    path = tag_dir / buffer_file_name(rank, world)
-    _atomic_write(path, st_save(tensors, metadata=meta))
-    return path
-
-
-def _buffer_file(tag_dir: Path, rank: int, world: int) -> Path:
-    own = tag_dir / buffer_file_name(rank, world)
-    if own.is_file():
-        return own
-    found = sorted(tag_dir.glob("buffers_rank_*_of_*.safetensors"))
-    if not found:
-        raise FileNotFoundError(
-            f"no buffer file in {tag_dir}: the EMA there was saved without buffers (buffers=None); "
-            "load without buffers, or save with them"
-        )
-    return found[0]  # another world size: rank 0's, as DeepSpeed restores module state from rank 0
-
-
-def has_buffers(load_dir: str | os.PathLike, tag: str) -> bool:
-    """Whether ``load_dir/tag`` holds buffer files."""
-    return any((Path(load_dir) / tag).glob("buffers_rank_*_of_*.safetensors"))
-
-
-def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if meta.get("format") != "functional_ema.buffers":
-        raise ValueError(f"{path} is not a functional_ema buffer file (format {meta.get('format')!r})")
-    return meta, tensors
-
-
-def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str) -> BufferState:
-    """This rank's buffer state from ``load_dir/tag`` (its own file, or rank 0's at another world
-    size), on the devices of ``x``'s buffers, checked against ``x``'s buffer names."""
-    rank, world = _rank_world(x)
-    path = _buffer_file(Path(load_dir) / tag, rank, world)
-    meta, tensors = _read(path)
+    num_emas, emas, copied = ckpt.read_buffers(layout.rank, layout.world_size, verify)
     floats, others = _split(module_buffers(x))
-    k_count = int(meta["num_emas"])
-    emas = tuple({n: tensors[f"emas.{k}.{n}"].to(b.device) for n, b in floats.items() if f"emas.{k}.{n}" in tensors}
-                 for k in range(k_count))
-    copied = {n: tensors[f"copied.{n}"].to(b.device) for n, b in others.items() if f"copied.{n}" in tensors}
-    state = BufferState(torch.tensor(int(meta["step"]), dtype=torch.int64), emas, copied)
-    _check_names(state, floats, others, f"load_buffers({path})")
-    return state
+    where = f"buffers of tag {ckpt.tag!r} in {ckpt.root}"
+    for what, saved, live in (("floating", emas[0] if emas else {}, floats), ("integer", copied, others)):
+        if set(saved) != set(live):
+            raise CheckpointMismatchError(
+                f"{where}: the saved {what} buffers {sorted(saved)} are not this model's {sorted(live)}: the checkpoint "
+                "was saved from another model"
+            )
+        for n, t in saved.items():
+            if tuple(t.shape) != tuple(live[n].shape):
+                raise CheckpointMismatchError(f"{where}: buffer {n!r} has shape {tuple(t.shape)} in the checkpoint but "
+                                              f"{tuple(live[n].shape)} in the model")
+    emas = tuple({n: t.to(floats[n].device) for n, t in ema.items()} for ema in emas)
+    copied = {n: t.to(others[n].device) for n, t in copied.items()}
+    return BufferState(torch.tensor(ckpt.step, dtype=torch.int64), emas, copied)
+
+
+def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> BufferState:
+    """This rank's buffer state saved with the EMA (``fe.save(..., buffers=...)``). Collective.
+
+    Reads this rank's own buffer file when the checkpoint was saved at this world size, else rank 0's;
+    only files the tag's manifest lists (of its world size and generation), checked field by field and
+    byte by byte, on the devices of ``x``'s buffers and against ``x``'s buffer names and shapes.
+    ``tag=None`` follows ``latest`` / ``ema_latest`` as :func:`functional_ema.load` does.
+    """
+    from ._checkpoint.collective import agree, arrive, world_of
+    from ._checkpoint.reader import open_checkpoint
+
+    layout, group = world_of(x)
+    arrive("load_buffers", group, layout.world_size, layout.rank, None)
+    box = {}
+
+    def run():
+        with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
+            box["state"] = loaded_buffer_state(x, ckpt, verify)
+
+    agree("load_buffers", run, group, layout.world_size, layout.rank, results=False)
+    return box["state"]
+
+
+def has_buffers(load_dir: str | os.PathLike, tag: str | None = None) -> bool:
+    """Whether the complete checkpoint ``load_dir/tag`` carries buffers (its manifest lists buffer files)."""
+    from .checkpoint import read_manifest
+
+    return read_manifest(load_dir, tag).get("buffer_files") is not None
 
 
 def consolidate(checkpoint_dir: str | os.PathLike, tag: str | None = None, *, index: int = 0, verify: bool = True) -> dict[str, torch.Tensor]:
     """:func:`functional_ema.consolidate` plus rank 0's buffers: a full ``state_dict`` offline.
 
-    Floating buffers come from buffer EMA ``index`` (fp32), integer buffers as copied. Loads with
-    ``model.load_state_dict(sd, strict=True)`` when every parameter is trainable and untied.
+    Floating buffers come from buffer EMA ``index``, integer buffers as copied; both from the same
+    checkpoint (one opening, one generation). Loads with ``model.load_state_dict(sd, strict=True)``
+    when every parameter is trainable and untied.
     """
-    from .checkpoint import consolidate as _consolidate
-    from .checkpoint import read_manifest
+    from ._checkpoint.reader import open_checkpoint
+    from .checkpoint import consolidate_opened
 
-    weights = _consolidate(checkpoint_dir, tag, index=index, verify=verify)
-    tag_dir = Path(read_manifest(checkpoint_dir, tag)["tag_dir"])
-    _, tensors = _read(_buffer_file(tag_dir, 0, -1))
-    for key, t in tensors.items():
-        if key.startswith(f"emas.{index}."):
-            weights[key[len(f"emas.{index}."):]] = t
-        elif key.startswith("copied."):
-            weights[key[len("copied."):]] = t
+    with open_checkpoint(checkpoint_dir, tag, verify) as ckpt:
+        weights = consolidate_opened(ckpt, index, verify)
+        _, emas, copied = ckpt.read_buffers(0, ckpt.world_size, verify)
+    weights.update(emas[index])
+    weights.update(copied)
     return weights

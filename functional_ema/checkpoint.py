@@ -5,7 +5,9 @@ Layout of one checkpoint, inside DeepSpeed's tag folder ``save_dir/tag/``::
     ema_rank_00000_of_00002.safetensors   rank 0's 1-D piece of every parameter, for every EMA
     ema_rank_00001_of_00002.safetensors   rank 1's (one file per rank on ZeRO stages 1-3; stage 0
                                           replicates whole parameters, so only rank 0 writes)
-    ema_manifest.json                     written last, by rank 0, once every rank file is durable
+    buffers_rank_0000<r>_of_00002.safetensors  each rank's module buffers (save(..., buffers=...))
+    ema_manifest.json                     written last, by rank 0, once every file is durable; lists
+                                          them all with their checksums, and the save's ``extra``
 
 Each rank file holds tensors ``emas.<k>.<parameter name>`` (EMA ``k``'s local piece, 1-D, the EMA
 dtype) and string metadata: format version, tag, step, number of EMAs, EMA dtype, the decay
@@ -13,13 +15,15 @@ schedules (when passed to :func:`save`), world size, rank, ZeRO stage and the :c
 (per parameter: full shape, offset and length of the piece). That is enough to rebuild full weights
 with no process group (:func:`consolidate`) and to re-cut the pieces for another world size or
 stage (:func:`load`). The manifest lists the rank files with their sizes and checksums of their
-header and tensor bytes (XXH3-64 per 4 MiB chunk since format 2; format 1's CRC-32s are still read). **Only a manifest makes a checkpoint complete.**
+header and tensor bytes (XXH3-64 per 4 MiB chunk since format 2; format 1's CRC-32s are still read).
+**Only a manifest makes a checkpoint complete**, and only with every file it lists.
 
 Crash safety: every file is written to a temporary name, fsynced, renamed into place, and the
 folder fsynced. Saving again into a tag that already holds a complete EMA writes the new rank files
 under new names (``...of_00002.gen1.safetensors``) and swaps the manifest last, so a crash at any
 moment leaves either the old or the new checkpoint loadable, never a mix; stale files are removed
-after the swap.
+after the swap. One save writes a tag at a time: its committing rank holds the tag's lock
+(``.ema_write.lock``, ``flock``) from choosing the generation to writing the manifest.
 
 Recommended order, and what ``latest`` means::
 
@@ -51,20 +55,22 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from . import _io, _memory
 from ._async import AsyncSaver, SaveHandle
-from ._checkpoint.collective import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, agree, arrive, io_error, world_of)
+from ._checkpoint.collective import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, agree, arrive, check_distinct_writers, io_error,
+                                     timeout_s, world_of)
 from ._checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
                                  CheckpointTimeoutError, CheckpointVersionError, CorruptCheckpointError,
                                  IncompleteCheckpointError, InvalidTagError, OutputPathError)
 from ._checkpoint.format import (CONSOLIDATED_FORMAT, FORMAT_VERSION, MANIFEST_NAME, check_output, check_tag,
                                  dtype_name, library_version, parse_dtype, rank_file_name, short_list)
 from ._checkpoint.reader import CheckpointReader, fill_all, open_checkpoint
-from ._checkpoint.writer import (agree_plans, build_manifest, commit_manifest, plan_save, rank_file_meta, remove_unlisted,
+from ._checkpoint.writer import (TagLock, agree_plans, buffer_file_meta, build_manifest, commit_manifest, plan_save,
+                                 rank_file_meta, read_generation, remove_unlisted, save_files, write_buffer_file,
                                  write_rank_file)
 from ._core import _allocate
 from ._layout import ShardLayout
@@ -79,6 +85,8 @@ __all__ = [
     "consolidate_to_file",
     "client_state_summary",
     "read_manifest",
+    "load_checkpoint",
+    "Loaded",
     "default_tag",
     "rank_file_name",
     "FORMAT_VERSION",
@@ -121,28 +129,40 @@ def save(
     tag: str | None = None,
     *,
     decay: DecayLike | Sequence[DecayLike] | None = None,
+    buffers=None,
+    extra: dict | None = None,
     timeout: float | None = None,
 ) -> Path:
-    """Write every rank's EMA pieces into ``save_dir/tag/``, beside DeepSpeed's files. Collective.
+    """Write every rank's EMA pieces into ``save_dir/tag/``, beside the training checkpoint. Collective.
 
-    Call it on every rank of the data-parallel group, with the same ``tag`` DeepSpeed uses (the
-    default is DeepSpeed's default, ``f"global_step{engine.global_steps}"``). Each rank writes its
-    own safetensors file (on ZeRO stage 0 only rank 0, since every rank holds the same whole
-    parameters); rank 0 then writes ``ema_manifest.json``, which makes the checkpoint complete. See
-    the module docstring for the layout, the crash guarantees and the recommended order with
-    ``engine.save_checkpoint`` (EMA first). The directory must be shared by all ranks.
+    Call it on every rank, with the same ``tag`` the training checkpoint uses (the default is
+    DeepSpeed's, ``f"global_step{engine.global_steps}"``, for an engine, ``f"global_step{state.step}"``
+    otherwise). Each rank writes its own safetensors file (only rank 0 where every rank holds the same
+    whole parameters: ZeRO-0, DDP, a plain module), and its buffers' file when ``buffers`` is given;
+    rank 0 then writes ``ema_manifest.json``, which lists every file with its checksums and makes the
+    checkpoint complete. See the module docstring for the layout, the crash guarantees and the
+    recommended order with ``engine.save_checkpoint`` (EMA first). The directory must be shared by all
+    ranks. One save writes a tag at a time: a second save of the same tag (another saver, thread or
+    process) waits until the first is done.
 
     Args:
         state: this rank's state (from :func:`functional_ema.init_ema` over ``local_shards(engine)``,
             :func:`functional_ema.update` or :func:`load`).
-        engine: the DeepSpeed engine the state's pieces come from.
+        engine: the training object the state's pieces come from (a DeepSpeed engine, an FSDP2, DDP
+            or plain model).
         save_dir: the checkpoint directory (the one given to ``engine.save_checkpoint``).
-        tag: the tag folder; ``None`` means DeepSpeed's default.
+        tag: the tag folder; ``None`` means the default above.
         decay: optional, metadata only: the decay(s) or schedule(s) the EMAs use (one per EMA), so
             offline tools know what each EMA is. Not needed by :func:`load`.
-        timeout: seconds to wait for every rank to call ``save`` before raising
-            :class:`CheckpointTimeoutError`; ``None`` reads :data:`TIMEOUT_ENV`
-            (``FUNCTIONAL_EMA_TIMEOUT``), else :data:`DEFAULT_TIMEOUT_S` (600 s).
+        buffers: optional :class:`functional_ema.buffers.BufferState` of this rank (at the state's
+            step), saved in the same checkpoint: listed and checksummed in the manifest, read back
+            with :func:`functional_ema.buffers.load_buffers`.
+        extra: optional small JSON object (at most 64 KiB as JSON), the same on every rank, saved in the
+            manifest and in every rank file's header (so its checksums cover it): e.g. your training
+            loop's counters. Read back with ``read_manifest(dir, tag)["extra"]``.
+        timeout: seconds to wait for every rank to call ``save`` (and for another save of the same tag
+            to finish) before raising :class:`CheckpointTimeoutError`; ``None`` reads
+            :data:`TIMEOUT_ENV` (``FUNCTIONAL_EMA_TIMEOUT``), else :data:`DEFAULT_TIMEOUT_S` (600 s).
 
     Returns:
         The tag folder, ``save_dir/tag``.
@@ -150,68 +170,105 @@ def save(
     Raises:
         CheckpointError: on every rank when any rank fails, the same subclass on every rank
             (nothing is marked complete then; a previous complete checkpoint in the same tag stays
-            loadable; the rank files of the failed save are removed). :class:`CheckpointIOError`
+            loadable; the files of the failed save are removed). :class:`CheckpointIOError`
             for a full disk, a read-only folder or a permission error (naming rank, file, errno);
             :class:`InvalidTagError` for a tag that is not one plain folder name or is reserved
-            (``latest``, ``latest_universal``, ``zero_to_fp32.py``, ``zero_to_torch.py``); :class:`CheckpointTimeoutError`
-            when not every rank calls it.
+            (``latest``, ``latest_universal``, ``ema_latest``, ``zero_to_fp32.py``, ``zero_to_torch.py``);
+            :class:`CheckpointTimeoutError` when not every rank calls it. Refused before anything is
+            written: a process group that is gone (``destroy_process_group``), and two ranks of the job
+            that would write the same file (model-parallel ranks, several groups saving into one folder).
 
     Example:
         >>> fe.save(state, engine, "ckpt", decay=0.999)          # doctest: +SKIP
         >>> engine.save_checkpoint("ckpt")                       # doctest: +SKIP
     """
+    adapter = adapter_for(engine)
     layout, group = world_of(engine)
     rank, world, stage = layout.rank, layout.world_size, layout.stage
     save_dir = Path(save_dir)
     raw_tag = default_tag(engine, state) if tag is None else tag
     arrive("save", group, world, rank, timeout)
+    writes = stage != 0 or rank == 0
+    if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
+        check_distinct_writers("save", save_dir / raw_tag, save_files(layout, 0, buffers is not None, writes),
+                               world, timeout, adapter.model_parallel())
     tag_dir: Path = save_dir
+    lock: list[TagLock] = []
 
     def plan():
         nonlocal tag, tag_dir
         tag = check_tag(raw_tag)  # inside the agreement: a bad tag raises on every rank
         tag_dir = save_dir / tag
-        return plan_save(state, decay, layout, tag, tag_dir)
+        p = plan_save(state, decay, layout, tag, buffers, extra)
+        if rank == 0:  # the committing rank holds the tag for the whole save, then picks the generation
+            lock.append(TagLock.acquire(tag_dir, timeout_s(timeout), "save"))
+            p["generation"] = read_generation(tag_dir)
+        return p
 
-    mine, first = agree_plans("save (checking the state)", plan, group, world, rank)
-    generation = first["generation"]
-    writes = stage != 0 or rank == 0
-    fname = rank_file_name(rank, world, generation)
-    dtype = parse_dtype(mine["dtype"], "save")
-
-    def write():
-        try:
-            return _write()
-        except OSError as e:
-            raise io_error(e, rank, tag_dir / fname if writes else tag_dir) from None
-
-    def _write():
-        tag_dir.mkdir(parents=True, exist_ok=True)
-        if not writes:
-            return None
-        return write_rank_file(tag_dir / fname, layout, state.emas, dtype, rank_file_meta(mine, layout, generation))
+    def give_up():
+        for held in lock:
+            held.release(remove_empty=True)
 
     try:
-        written = agree("save (writing the rank files)", write, group, world, rank)
-    except CheckpointError:
-        remove_unlisted(tag_dir, fname if writes else None)
+        mine, first = agree_plans("save (checking the state)", plan, group, world, rank, on_failure=give_up)
+    except BaseException:
+        give_up()  # a failure of this rank's own plan (the others' raise after the agreement)
         raise
-
-    def commit():
-        if rank != 0:
-            return None
-        try:
-            commit_manifest(save_dir, tag_dir, build_manifest(first, layout, [w for w in written if w is not None]))
-        except OSError as e:
-            raise io_error(e, rank, tag_dir / MANIFEST_NAME) from None
-        return None
-
     try:
-        agree("save (writing the manifest)", commit, group, world, rank, results=False)
-    except CheckpointError:
-        remove_unlisted(tag_dir, fname if writes else None)
-        raise
+        generation = first["generation"]
+        names = save_files(layout, generation, buffers is not None, writes)
+        dtype = parse_dtype(mine["dtype"], "save")
+
+        def write():
+            path = tag_dir
+            try:
+                tag_dir.mkdir(parents=True, exist_ok=True)
+                records = {}
+                if writes:
+                    path = tag_dir / names[0]
+                    records["file"] = write_rank_file(path, layout, state.emas, dtype, rank_file_meta(mine, layout, generation))
+                if buffers is not None:
+                    path = tag_dir / names[-1]
+                    records["buffers"] = write_buffer_file(path, rank, buffers, mine["buffers"],
+                                                           buffer_file_meta(mine, layout, generation))
+                return records
+            except OSError as e:
+                raise io_error(e, rank, path) from None
+
+        try:
+            written = agree("save (writing the rank files)", write, group, world, rank)
+        except CheckpointError:
+            remove_unlisted(tag_dir, names)
+            raise
+
+        def commit():
+            if rank != 0:
+                return None
+            manifest = build_manifest(first, layout, [w["file"] for w in written if "file" in w],
+                                      [w["buffers"] for w in written if "buffers" in w])
+            try:
+                commit_manifest(save_dir, tag_dir, manifest)
+            except OSError as e:
+                raise io_error(e, rank, tag_dir / MANIFEST_NAME) from None
+            return None
+
+        try:
+            agree("save (writing the manifest)", commit, group, world, rank, results=False)
+        except CheckpointError:
+            remove_unlisted(tag_dir, names)
+            raise
+    finally:
+        for held in lock:
+            held.release()
     return tag_dir
+
+
+def _tag_ok(tag: str) -> bool:
+    try:
+        check_tag(tag)
+    except CheckpointError:
+        return False
+    return True
 
 
 def client_state_summary(state: EmaState, engine=None) -> dict:
@@ -270,30 +327,28 @@ def load(
 ) -> EmaState:
     """Rebuild this rank's EMA state from a checkpoint written by :func:`save`. Collective.
 
-    Works at any world size and ZeRO stage: when they match the saved ones each rank reads its own
-    file; otherwise each rank reads just the slices of the saved pieces that overlap its new pieces
-    (through ``safetensors.safe_open(...).get_slice``). The step and the EMA dtype are restored as
-    saved (an fp32 EMA stays fp32), and the state is laid out like :func:`functional_ema.init_ema`'s,
-    so :func:`functional_ema.update` keeps its fused path. Call it before or after
-    ``engine.load_checkpoint`` (it only reads the engine's parameter layout).
+    Works at any world size and ZeRO stage, and across engines: when they match the saved ones each
+    rank reads its own file; otherwise each rank reads just the slices of the saved pieces that
+    overlap its new pieces. The step and the EMA dtype are restored as saved (an fp32 EMA stays fp32),
+    and the state is laid out like :func:`functional_ema.init_ema`'s, so :func:`functional_ema.update`
+    keeps its fused path. Call it before or after the engine's own checkpoint load (it only reads the
+    engine's parameter layout).
 
     Args:
-        engine: the DeepSpeed engine to load for.
+        engine: the training object to load for (a DeepSpeed engine, an FSDP2, DDP or plain model).
         load_dir: the checkpoint directory (as for ``engine.load_checkpoint``), or a tag folder.
         tag: the tag; ``None`` reads ``load_dir/latest`` like DeepSpeed, or, where DeepSpeed wrote no
             ``latest`` (FSDP2, plain and DDP models), ``load_dir/ema_latest``, which :func:`save` writes.
         dtype: the EMA dtype you expect; ``None`` accepts the saved one. A different value raises
             rather than casting silently.
-        verify: check the checksums of every byte read (the default; XXH3-64 costs one pass at ~10 GB/s).
+        verify: check the checksums of every byte read (the default).
         timeout: seconds to wait for every rank to call ``load`` (as for :func:`save`).
         out: a state of this rank to read into instead of allocating a new one (e.g. the one
             ``init_ema`` made before resuming): its EMA buffers are overwritten in place and the
-            returned state shares them. Peak memory stays at one state and the load skips faulting
-            fresh memory in (on the benchmark's VM a fifth of a load into new memory at best, several
-            times the read when the fresh pages come back from the host). It
-            must hold the saved number of EMAs, in the saved dtype, with this rank's pieces (same
-            names and sizes); that is checked on every rank before any byte is read. If the load
-            fails after reading began (a checksum mismatch), ``out``'s values are partly
+            returned state shares them, so peak memory stays at one state and no fresh memory is
+            faulted in. It must hold the saved number of EMAs, in the saved dtype, with this rank's
+            pieces (same names and sizes); that is checked on every rank before any byte is read. If
+            the load fails after reading began (a checksum mismatch), ``out``'s values are partly
             overwritten (the error says so): discard it. Its ``step`` tensor is left as it was.
 
     Returns:
@@ -303,7 +358,8 @@ def load(
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError,
         CheckpointVersionError, CheckpointMismatchError: on every rank, with the reason. Nothing on
-        disk is modified.
+        disk is modified. ``CheckpointMismatchError`` also for a model-parallel DeepSpeed engine
+        (tensor or pipeline parallel), whose pieces the format cannot place yet.
         TypeError: ``out`` is not an ``EmaState`` or holds tensors a load cannot fill in place.
 
     Example:
@@ -312,13 +368,43 @@ def load(
         >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.999)  # doctest: +SKIP
         >>> state = fe.load(engine, "ckpt", out=state)            # doctest: +SKIP  (into its own buffers)
     """
+    return load_checkpoint(engine, load_dir, tag, dtype=dtype, verify=verify, timeout=timeout, out=out).state
+
+
+class Loaded(NamedTuple):
+    """What :func:`load_checkpoint` read, from one opening of one checkpoint (one generation)."""
+
+    state: EmaState
+    buffers: Any  # a functional_ema.buffers.BufferState, or None (not asked for)
+    manifest: dict  # the validated manifest: step, generation, schedules, extra, ...
+
+
+def load_checkpoint(
+    engine,
+    load_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    verify: bool = True,
+    timeout: float | None = None,
+    out: EmaState | None = None,
+    buffers: bool = False,
+) -> Loaded:
+    """:func:`load`, and with ``buffers=True`` this rank's module buffers saved with it, plus the
+    validated manifest (its ``extra`` record), all from one opening of the checkpoint. Collective."""
     if out is not None and not isinstance(out, EmaState):
         raise TypeError(f"load(out=...) takes an EmaState (from fe.init_ema or fe.load), got {type(out).__name__}")
+    adapter = adapter_for(engine)
     layout, group = world_of(engine)
     arrive("load", group, layout.world_size, layout.rank, timeout)
     box: dict[str, Any] = {}
 
     def run():
+        parallel = adapter.model_parallel()
+        if parallel:
+            raise CheckpointMismatchError(f"functional_ema.load: the engine is {parallel}, which functional_ema does not "
+                                          "support yet: its files do not place pieces by model-parallel rank, so a load "
+                                          "could hand this rank another rank's pieces")
         with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
             ckpt.check_model(layout.specs)
             if dtype is not None and dtype != ckpt.dtype:
@@ -330,9 +416,14 @@ def load(
             if (ckpt.world_size, ckpt.stage) != (layout.world_size, layout.stage):
                 logger.info("functional_ema: resharding EMA saved at world_size=%d stage=%d for world_size=%d stage=%d",
                             ckpt.world_size, ckpt.stage, layout.world_size, layout.stage)
+            bstate = None
+            if buffers:
+                from .buffers import loaded_buffer_state
+
+                bstate = loaded_buffer_state(engine, ckpt, verify)
             if out is None:
                 # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
-                state = _allocate(adapter_for(engine).read().shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step,
+                state = _allocate(adapter.read().shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step,
                                   copy_values=False)
             else:
                 state = EmaState(torch.tensor(ckpt.step, dtype=torch.int64), _load_target(out, ckpt, layout))
@@ -340,7 +431,7 @@ def load(
                     for k in range(ckpt.num_emas) for n, spec in layout.specs.items()]
             box["reading"] = True
             fill_all(ckpt, jobs, verify)
-            box["state"] = state
+            box["loaded"] = Loaded(state, bstate, dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir)))
         return None
 
     try:
@@ -350,7 +441,7 @@ def load(
             _add_note(e, f"The state passed as out= was partly overwritten on rank {layout.rank} before the failure: "
                          "discard it (load into a fresh state, or without out=)")
         raise
-    return box["state"]
+    return box["loaded"]
 
 
 def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout) -> tuple:
@@ -426,11 +517,16 @@ def consolidate(
         >>> missing, unexpected = model.load_state_dict(weights, strict=False)  # doctest: +SKIP
     """
     with open_checkpoint(checkpoint_dir, tag, verify) as ckpt:
-        ckpt.check_index(index)
-        out = {name: _memory.empty(shape, dtype=ckpt.dtype) for name, shape in ckpt.shapes.items()}
-        jobs = [(t.view(-1), index, name, 0, t.numel()) for name, t in out.items()]
-        fill_all(ckpt, jobs, verify, threads=_io.io_threads(shared=False))  # offline: every core of this process
-        return out
+        return consolidate_opened(ckpt, index, verify)
+
+
+def consolidate_opened(ckpt: CheckpointReader, index: int, verify: bool) -> dict[str, torch.Tensor]:
+    """:func:`consolidate` of a checkpoint already opened (so other reads come from the same files)."""
+    ckpt.check_index(index)
+    out = {name: _memory.empty(shape, dtype=ckpt.dtype) for name, shape in ckpt.shapes.items()}
+    jobs = [(t.view(-1), index, name, 0, t.numel()) for name, t in out.items()]
+    fill_all(ckpt, jobs, verify, threads=_io.io_threads(shared=False))  # offline: every core of this process
+    return out
 
 
 def _progress(total: int, enabled: bool | None, desc: str):

@@ -392,6 +392,76 @@ class OddNet(nn.Module):
         return y
 
 
+class BNSeq(nn.Sequential):
+    """A small model with module buffers (BatchNorm: floating running statistics and an integer count),
+    taking ``batch()``'s inputs."""
+
+    def __init__(self, d_in: int = 7, hidden: int = 13, d_out: int = 5):
+        super().__init__(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Linear(hidden, d_out))
+
+
+class MPU:
+    """A minimal Megatron-style ``mpu`` for ``deepspeed.initialize(..., mpu=...)``: tensor-parallel groups of
+    ``tp`` consecutive ranks, data-parallel groups across them. A collective to make (every rank)."""
+
+    def __init__(self, tp: int):
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.tp = tp
+        for i in range(world // tp):
+            ranks = list(range(i * tp, (i + 1) * tp))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._tp_group = g
+        for j in range(tp):
+            ranks = list(range(j, world, tp))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._dp_group = g
+
+    def get_model_parallel_rank(self):
+        import torch.distributed as dist
+
+        return dist.get_rank(self._tp_group)
+
+    def get_model_parallel_world_size(self):
+        return self.tp
+
+    def get_model_parallel_group(self):
+        return self._tp_group
+
+    def get_data_parallel_rank(self):
+        import torch.distributed as dist
+
+        return dist.get_rank(self._dp_group)
+
+    def get_data_parallel_world_size(self):
+        import torch.distributed as dist
+
+        return dist.get_world_size(self._dp_group)
+
+    def get_data_parallel_group(self):
+        return self._dp_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+
+def pipeline_engine(stages: int = 2, seed: int = 0):
+    """A real DeepSpeed ``PipelineEngine`` (ZeRO-1) over a small MLP cut into ``stages`` stages."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(seed)
+    module = PipelineModule(layers=[nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)], num_stages=stages, loss_fn=nn.MSELoss())
+    cfg = ds_config(1)
+    cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"]
+    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2), config=cfg)
+    return engine
+
+
 def optimized_params(model: nn.Module):
     return [p for n, p in model.named_parameters() if p.requires_grad and n != "not_optimized"]
 
@@ -418,14 +488,15 @@ def ds_config(stage: int, dtype: str = "fp32", offload: str | None = None, micro
     return cfg
 
 
-def make_engine(stage: int, dtype: str = "fp32", offload: str | None = None, seed: int = 0, model=None, lr: float = 1e-2, **zero_extra):
-    """A real DeepSpeed engine over ``OddNet`` (or ``model``) with a client AdamW."""
+def make_engine(stage: int, dtype: str = "fp32", offload: str | None = None, seed: int = 0, model=None, lr: float = 1e-2,
+                mpu=None, **zero_extra):
+    """A real DeepSpeed engine over ``OddNet`` (or ``model``) with a client AdamW (and ``mpu=``, if given)."""
     import deepspeed
 
     torch.manual_seed(seed)
     model = model if model is not None else OddNet()
     opt = torch.optim.AdamW(optimized_params(model), lr=lr, weight_decay=0.01)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, offload, **zero_extra))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, offload, **zero_extra), mpu=mpu)
     return engine
 
 

@@ -188,10 +188,13 @@ def test_controller_every_n_start_k_save_load_consolidate_strict(tmp_path):
     c2 = EMAController([0.9, 0.5], every_n_steps=3, start_step=2, buffers="average")
     c2.load(net, tmp_path, framework_step=10)
     assert int(c2.state.step) == 9 and torch.equal(c2.buffer_state.copied["1.num_batches_tracked"], c.buffer_state.copied["1.num_batches_tracked"])
-    with pytest.raises(ValueError, match="after the step the training resumed at"):
-        EMAController([0.9, 0.5]).load(net, tmp_path, framework_step=5)
-    with pytest.raises(ValueError, match="tracks 2 EMAs"):
+    with pytest.raises(fe.CheckpointError, match="framework step 10, but the training resumed at step 5"):
+        EMAController([0.9, 0.5], every_n_steps=3, start_step=2).load(net, tmp_path, framework_step=5)
+    with pytest.raises(fe.CheckpointError, match="tracks 2 EMA"):
         EMAController(0.9).load(net, tmp_path, framework_step=10)
+    with pytest.raises(fe.CheckpointError, match=r"EMA is at step 9, but at framework step 10 the rules \(start_step=0, "
+                                                 r"every_n_steps=1\) put it at step 10"):
+        EMAController([0.9, 0.5]).load(net, tmp_path, framework_step=10)
 
 
 def test_controller_before_start_saves_marker_and_resumes_unstarted(tmp_path):

@@ -223,6 +223,84 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     out["tampered_load"] = _err(lambda: fe.load(engine, tampered))
     dist.barrier()
 
+    # -- class 13 (2 ranks): buffers saved with the EMA, each rank its own file, listed in the manifest
+    from tests._multirank import BNSeq, MPU, pipeline_engine
+
+    bn = make_engine(2, model=BNSeq(), seed=1)
+    bstate = fe.init_ema(fe.local_shards(bn))
+    bufs = fe.buffers.init_buffers(bn)
+    for step in range(1, 4):
+        train_step(bn, step)
+        bstate = fe.update(bstate, fe.local_shards(bn), step, decay=0.5)
+        bufs = fe.buffers.update_buffers(bufs, bn, step, decay=0.5)
+    bdir = root / "bufs"
+    fe.save(bstate, bn, bdir, tag="t", buffers=bufs, extra={"framework_step": 3})
+    dist.barrier()
+
+    def same_buffers(b):
+        return (int(b.step) == int(bufs.step) and all(torch.equal(b.emas[0][n], t) for n, t in bufs.emas[0].items())
+                and all(torch.equal(b.copied[n], t) for n, t in bufs.copied.items()))
+
+    out["bufs_own"] = same_buffers(fe.buffers.load_buffers(bn, bdir, "t"))
+    if rank == 0:  # a leftover of a world-1 save beside the world-2 files: never read
+        shutil.copy(bdir / "t" / "buffers_rank_00001_of_00002.safetensors", bdir / "t" / "buffers_rank_00000_of_00001.safetensors")
+    dist.barrier()
+    out["bufs_leftover_ignored"] = same_buffers(fe.buffers.load_buffers(bn, bdir, "t"))
+    dist.barrier()
+    if rank == 0:
+        (bdir / "t" / "buffers_rank_00000_of_00001.safetensors").unlink()
+        shutil.copytree(bdir, root / "bufs_gone")
+        (root / "bufs_gone" / "t" / "buffers_rank_00001_of_00002.safetensors").unlink()
+    dist.barrier()
+    before = _hashes(root / "bufs_gone")
+    out["bufs_gone"] = [_err(lambda: fe.buffers.load_buffers(bn, root / "bufs_gone", "t")),
+                        _err(lambda: fe.load(bn, root / "bufs_gone", "t"))]
+    dist.barrier()
+    out["bufs_gone_unchanged"] = _hashes(root / "bufs_gone") == before
+    # The buffer write fails (ENOSPC on rank 1, after its EMA file was written): the save fails on every rank,
+    # the previous checkpoint of the tag is unchanged and loads, EMA and buffers at its step.
+    later_b = fe.buffers.update_buffers(fe.buffers.BufferState(bufs.step.clone(), ({n: t.clone() for n, t in bufs.emas[0].items()},),
+                                                               dict(bufs.copied)), bn, 4, decay=0.5)
+    later_e = fe.update(fe.EmaState(bstate.step.clone(), ({n: t.clone() for n, t in bstate.emas[0].items()},)),
+                        fe.local_shards(bn), 4, decay=0.5)
+    import functional_ema.checkpoint as ckmod
+
+    real_bw = ckmod.write_buffer_file
+    if rank == 1:
+        def full_disk(path, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        ckmod.write_buffer_file = full_disk
+    before = _hashes(bdir)
+    try:
+        out["bufs_enospc"] = _err(lambda: fe.save(later_e, bn, bdir, tag="t", buffers=later_b))
+    finally:
+        ckmod.write_buffer_file = real_bw
+    dist.barrier()
+    out["bufs_enospc_unchanged"] = _hashes(bdir) == before
+    loaded = fe.checkpoint.load_checkpoint(bn, bdir, "t", buffers=True)
+    out["bufs_enospc_previous"] = [int(loaded.state.step), int(loaded.buffers.step), same_buffers(loaded.buffers)]
+    # The buffers' step must be the EMA's: refused on every rank before anything is written.
+    out["bufs_step_mismatch"] = _err(lambda: fe.save(bstate, bn, bdir, tag="t2", buffers=later_b))
+    out["bufs_step_mismatch_nothing"] = not (bdir / "t2").exists()
+    dist.barrier()
+
+    # -- class 16 (2 ranks): model-parallel DeepSpeed engines write clashing files: refused on every rank, naming them
+    mp_root = root / "mp"
+    before = _hashes(root)
+    mpu_engine = make_engine(2, model=BNSeq(), seed=2, mpu=MPU(2))  # tensor-parallel 2 x data-parallel 1
+    mstate = fe.init_ema(fe.local_shards(mpu_engine))
+    out["mpu_save"] = _err(lambda: fe.save(mstate, mpu_engine, mp_root / "mpu"))
+    out["mpu_async"] = _err(lambda: fe.AsyncSaver().save(mstate, mpu_engine, mp_root / "mpu"))
+    out["mpu_load"] = _err(lambda: fe.load(mpu_engine, ckdir))
+    pipe = pipeline_engine(2)
+    pstate = fe.init_ema(fe.local_shards(pipe))
+    out["pipe_save"] = _err(lambda: fe.save(pstate, pipe, mp_root / "pipe"))
+    out["pipe_snapshot"] = _err(lambda: posthoc.save_snapshot(fe.init_ema(fe.local_shards(pipe), num_emas=2, step=4), pipe,
+                                                              mp_root / "snaps", scheds))
+    out["pipe_load"] = _err(lambda: fe.load(pipe, ckdir))
+    dist.barrier()
+    out["mp_nothing_written"] = _hashes(root) == before and not mp_root.exists()
+
     # -- class 10 (last: a timed-out barrier leaves the process group unusable): a save called on rank
     # 0 only and a load called on rank 1 only fail after the timeout instead of hanging. The ranks
     # wait for each other through files, not collectives.
@@ -240,6 +318,14 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
         out["lonely_load"] = _err(lambda: fe.load(engine, ckdir))
         out["lonely_load_s"] = time.monotonic() - t0
         (marks / "load_done").write_text("1")
+    # -- class 16: a save after destroy_process_group is refused at once, on each rank, touching nothing
+    # (it used to commit rank 0's file alone, removing rank 1's, and move ema_latest)
+    _wait_for(marks / ("save_done" if rank else "load_done"))
+    dist.destroy_process_group()
+    before = _hashes(ckdir)
+    out["destroyed_save"] = _err(lambda: fe.save(state, engine, ckdir, decay=scheds))
+    out["destroyed_async"] = _err(lambda: fe.AsyncSaver().save(state, engine, ckdir, decay=scheds))
+    out["destroyed_unchanged"] = _hashes(ckdir) == before
     return out
 
 
@@ -302,7 +388,7 @@ def test_failed_saves_same_error_on_every_rank_and_no_leftovers(faults):
     """Class 8: full disk, read-only folder, EACCES, failed manifest write; leftovers of crashes."""
     _, (r0, r1) = faults
     for key, errname, frag in (("enospc", "ENOSPC", "ema_"), ("enospc_all", "ENOSPC", "ema_rank_"),
-                               ("erofs_existing_tag", "EROFS", "ema_rank_"), ("erofs_new_tag", "EROFS", "r2"),
+                               ("erofs_existing_tag", "EROFS", ".ema_write.lock"), ("erofs_new_tag", "EROFS", "r2"),
                                ("eacces", "EACCES", "ema_rank_00001_of_00002"),
                                ("manifest_enospc", "ENOSPC", ck.MANIFEST_NAME)):
         e0, e1 = r0[key], r1[key]
@@ -387,10 +473,11 @@ def _edit_manifest(tag_dir: Path, edit) -> None:
     m.write_text(json.dumps(d))
 
 
-def _forge_header(tag_dir: Path, rank: int, edit) -> None:
-    """Rewrite a rank file's safetensors header, and update the manifest's size and header CRC-32 to
-    match, as a deliberate forger would (so only validation, not a checksum, can catch it)."""
-    f = tag_dir / f"ema_rank_{rank:05d}_of_00002.safetensors"
+def _forge_header(tag_dir: Path, rank: int, edit, kind: str = "ema") -> None:
+    """Rewrite a rank file's (``kind="buffers"``: a buffer file's) safetensors header, and update the
+    manifest's size and header checksum to match, as a deliberate forger would (so only validation, not
+    a checksum, can catch it)."""
+    f = tag_dir / f"{kind}_rank_{rank:05d}_of_00002.safetensors"
     raw = f.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
@@ -402,7 +489,7 @@ def _forge_header(tag_dir: Path, rank: int, edit) -> None:
     f.write_bytes(new + raw[8 + n :])
 
     def fix(d):
-        e = next(e for e in d["files"] if e["rank"] == rank)
+        e = next(e for e in d["files" if kind == "ema" else "buffer_files"] if e["rank"] == rank)
         e["bytes"] = len(new) + len(raw) - 8 - n
         e["header_checksum"] = _io.format_checksum(_io.CHECKSUM, _io.CHECKSUMS[_io.CHECKSUM](new))
     _edit_manifest(tag_dir, fix)
@@ -770,6 +857,486 @@ def test_forged_headers_refused_before_allocation(faults, tmp_path, no_big_alloc
     _edit_manifest(d / TAG, lambda m: m["params"].__setitem__(name, [2**20, 2**20]))
     _expect(ck.IncompleteCheckpointError, [str(d / TAG / ck.MANIFEST_NAME), name, "cover only"], lambda: fe.consolidate(d), d)
     _count("6 forged headers")
+
+
+# ------------------------------------------------------------ class 13: buffers files (issue 21)
+
+
+def test_buffers_belong_to_the_checkpoint_on_every_rank(faults):
+    """2 ranks: each rank reads its own listed buffer file; a leftover of another world size beside them is
+    never read; a missing listed file makes the tag incomplete for every reader; a buffer write that fails
+    after the EMA file leaves the previous checkpoint (EMA and buffers at one step) as it was."""
+    _, results = faults
+    for rank, r in enumerate(results):
+        assert r["bufs_own"] and r["bufs_leftover_ignored"], rank
+        for e in r["bufs_gone"]:
+            assert e is not None and e[0] == "IncompleteCheckpointError", (rank, e)
+            assert "buffers_rank_00001_of_00002.safetensors" in e[1] and "missing" in e[1], e
+        assert r["bufs_gone_unchanged"]
+        name, msg, code, _ = r["bufs_enospc"]
+        assert name == "CheckpointIOError" and "rank 1 could not write" in msg and "buffers_rank_00001_of_00002" in msg, msg
+        assert code == errno.ENOSPC and r["bufs_enospc_unchanged"], r["bufs_enospc"]
+        assert r["bufs_enospc_previous"] == [3, 3, True], r["bufs_enospc_previous"]
+        name, msg, _, _ = r["bufs_step_mismatch"]
+        assert name == "CheckpointMismatchError" and "buffer state is at step 4 but the EMA state at step 3" in msg, msg
+        assert r["bufs_step_mismatch_nothing"]
+    _count("13 buffers files", 5)
+
+
+def _buffers_read(d: Path, rank: int = 0):
+    """What rank ``rank`` of the saved world of 2 reads (load_buffers' reader), and rank 0's for consolidate."""
+    from functional_ema._checkpoint.reader import open_checkpoint
+
+    with open_checkpoint(d, "t") as ckpt:
+        return ckpt.read_buffers(rank, 2)
+
+
+def test_damaged_buffer_files_refused(faults, tmp_path, no_big_alloc):
+    """Flipped bytes, a changed dtype (with and without the checksums forged to match), another rank's,
+    step's or generation's file in its place, a pickle, a truncated file, a link out of the folder,
+    extra and missing tensors, malformed manifest records: all refused naming the file, nothing changed."""
+    base = _copy(faults, tmp_path, "bufs")
+    good = {k: [t.clone() for t in (v.values() if isinstance(v, dict) else [])] for k, v in
+            zip(("emas", "copied"), (_buffers_read(base)[1][0], _buffers_read(base)[2]))}
+    assert good["emas"] and good["copied"]
+    f0 = "buffers_rank_00000_of_00002.safetensors"
+    f1 = "buffers_rank_00001_of_00002.safetensors"
+
+    def case():
+        d = tmp_path / "case"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(base, d, symlinks=True)
+        return d
+
+    def flip_data(d):
+        p = d / "t" / f0
+        raw = bytearray(p.read_bytes())
+        raw[-3] ^= 0x10
+        p.write_bytes(bytes(raw))
+
+    def header_dtype(d):  # F32 -> I32 in the header, same size: the header checksum no longer matches
+        p = d / "t" / f0
+        p.write_bytes(p.read_bytes().replace(b'"dtype":"F32"', b'"dtype":"I32"', 1))
+
+    def other_rank(d):
+        shutil.copy(d / "t" / f1, d / "t" / f0)
+
+    def pickled(d):
+        torch.save({"x": torch.zeros(3)}, d / "t" / f0)
+
+    def truncated(d):
+        p = d / "t" / f0
+        p.write_bytes(p.read_bytes()[:-8])
+
+    def link_out(d):
+        (tmp_path / "elsewhere.safetensors").write_bytes((d / "t" / f0).read_bytes())
+        (d / "t" / f0).unlink()
+        (d / "t" / f0).symlink_to(tmp_path / "elsewhere.safetensors")
+
+    readers = {"consolidate": lambda d: fe.buffers.consolidate(d, "t"), "rank 1": lambda d: _buffers_read(d, 1)}
+    plain = {"flipped data byte": (flip_data, ["checksum mismatch", f0]),
+             "dtype F32->I32": (header_dtype, ["header does not match the checksum", f0]),
+             "another rank's file": (other_rank, [f0]),
+             "a pickle": (pickled, [f0, "pickle"]),
+             "truncated": (truncated, [f0, "truncated"]),
+             "a link out of the folder": (link_out, [f0, "outside the tag folder"])}
+    for what, (damage, frags) in plain.items():
+        d = case()
+        damage(d)
+        _expect(ck.CorruptCheckpointError, frags, lambda: readers["consolidate"](d), d)
+        _count("13 buffers files")
+    # Forgers who also fix the manifest's size and header checksum: the fields themselves are checked.
+    forged = {
+        "dtype F32->I32, checksums forged": (lambda h: h[_first_tensor(h, lambda v: v["dtype"] == "F32")].__setitem__("dtype", "I32"),
+                                             ["is int32", "manifest's field 'buffers'"]),
+        "step": (_meta_edit("step", lambda v: str(int(v) + 2)), ["step=", "does not belong"]),
+        "generation": (_meta_edit("generation", lambda v: "7"), ["generation=", "does not belong"]),
+        "rank": (_meta_edit("rank", lambda v: "0"), ["rank=", "does not belong"]),
+        "world size": (_meta_edit("world_size", lambda v: "1"), ["world_size=", "does not belong"]),
+        "tag": (_meta_edit("tag", lambda v: "other"), ["tag=", "does not belong"]),
+        "extra tensor": (lambda h: h.__setitem__("copied.ghost", dict(h[_first_tensor(h)], data_offsets=[0, 0], shape=[0])),
+                         ["other tensors", "ghost"]),
+        "shape": (lambda h: h[_first_tensor(h, lambda v: v["dtype"] == "F32" and len(v["shape"]) == 1 and v["shape"][0] > 1)]
+                  .__setitem__("shape", [1, h[_first_tensor(h, lambda v: v["dtype"] == "F32" and len(v["shape"]) == 1 and v["shape"][0] > 1)]["shape"][0]]),
+                  ["manifest's field 'buffers'"]),
+    }
+    for what, (edit, frags) in forged.items():
+        d = case()
+        _forge_header(d / "t", 1, edit, kind="buffers")
+        _expect(ck.CorruptCheckpointError, [f1, *frags], lambda: readers["rank 1"](d), d)
+        _count("13 buffers files")
+    # Malformed manifest records of the buffers.
+    m0 = json.loads((base / "t" / ck.MANIFEST_NAME).read_text())
+    bad = {"buffers": [None, [], {"num_emas": 0}, dict(m0["buffers"], dtype="int32"),
+                       dict(m0["buffers"], floating={"x": [-1]}), dict(m0["buffers"], copied={"x": ["float8", [1]]})],
+           "buffer_files": [[], "x", [{"rank": 0}], [dict(m0["buffer_files"][0], file="../../etc/passwd")],
+                            [dict(m0["buffer_files"][0], file="buffers_rank_00000_of_00001.safetensors")],
+                            [dict(m0["buffer_files"][0], bytes=-1)]]}
+    for field, values in bad.items():
+        for v in values:
+            d = case()
+            _edit_manifest(d / "t", lambda m, f=field, v=v: m.__setitem__(f, v))
+            _expect(ck.CorruptCheckpointError, [field], lambda: fe.buffers.consolidate(d, "t"), d)
+            _count("13 buffers files")
+    # The EMA alone reads nothing of the buffers, but a tag is complete only with every listed file.
+    d = case()
+    (d / "t" / f1).unlink()
+    _expect(ck.IncompleteCheckpointError, [f1, "missing"], lambda: fe.consolidate(d, "t"), d)
+    _count("13 buffers files")
+    # Untouched, everything reads, and rank 0's buffers are the ones consolidate returns.
+    sd = fe.buffers.consolidate(base, "t")
+    assert all(torch.equal(sd[n], t) for n, t in _buffers_read(base)[1][0].items())
+
+
+# ------------------------------------------------------ class 14: integration state (issue 21)
+
+
+def _bn_net(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 3))
+
+
+def _train_controller(c, net, steps, save=None):
+    """Steps 1..steps of SGD on ``net`` with ``c.on_step`` after each; ``save(step)`` after each step."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7)
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        net(torch.randn(8, 5, generator=g)).square().mean().backward()
+        opt.step()
+        c.on_step(net, step)
+        if save is not None:
+            save(step)
+
+
+def test_resume_checks_the_integration_record(tmp_path):
+    """The framework's step and the EMA's step must agree by the controller's rules; the record beside a
+    not-started EMA is checksummed; nothing unchecked discards or restarts a verified EMA."""
+    from functional_ema.integrations import EMAController
+    from functional_ema._checkpoint.format import RECORD_NAME, record_bytes
+
+    net = _bn_net()
+    c = EMAController(0.9, buffers="average", start_step=3)
+    ckpts = tmp_path / "ck"
+
+    def save(step):
+        c.save(net, ckpts / f"checkpoint-{step}", step)
+
+    _train_controller(c, net, 6, save)
+    new = lambda **k: EMAController(0.9, buffers="average", start_step=3, **k)  # noqa: E731
+    # Handled correctly: each checkpoint resumes at its own step (not started before step 3).
+    for step in range(1, 7):
+        r = new()
+        assert r.load(net, ckpts / f"checkpoint-{step}", framework_step=step) == step
+        assert (r.state is None) == (step < 3) and (r.state is None or int(r.state.step) == step)
+    _count("14 integration state", 2)
+    cases = []
+
+    def refused(cls, frags, fn, folder):
+        _expect(cls, frags, fn, folder)
+        cases.append(1)
+
+    # An EMA from another checkpoint (two steps behind the framework's), through the framework's own step.
+    refused(ck.CheckpointMismatchError, ["framework step 4, but the training resumed at step 6"],
+            lambda: new().load(net, ckpts / "checkpoint-4", framework_step=6), ckpts)
+    # The record of a not-started EMA: damaged, edited, or contradicted by the rules.
+    rec = ckpts / "checkpoint-2" / "ema" / RECORD_NAME
+    good = rec.read_bytes()
+    for damage, frags in ((lambda b: b[:-5], ["not a readable JSON record"]), (lambda b: b"[]", ["not a functional_ema record"]),
+                          (lambda b: b.replace(b'"started": false', b'"started": true'), ["checksum does not match"]),
+                          (lambda b: b.replace(b'"framework_step": 2', b'"framework_step": 9'), ["checksum does not match"]),
+                          (lambda b: b"[" * 30000, ["not a readable JSON record", "nested too deeply"]), (lambda b: b"{" * 100000, ["far more than a record"]), (lambda b: b"\xff\xfe" + b, ["not a readable"])):
+        rec.write_bytes(damage(good))
+        refused(ck.CorruptCheckpointError, [str(rec), *frags], lambda: new().load(net, ckpts / "checkpoint-2", framework_step=2), ckpts)
+    # A forged record (checksum recomputed) that says "not started" at a step where the rules say it must be.
+    forged = json.loads(good)
+    forged.update(framework_step=5)
+    rec.write_bytes(record_bytes(forged))
+    refused(ck.CheckpointMismatchError, ["had not started at framework step 5", "must be at step 5"],
+            lambda: new().load(net, ckpts / "checkpoint-2", framework_step=5), ckpts)
+    rec.write_bytes(good)
+    # A not-started record dropped beside a complete, verified EMA (older than it): the EMA is kept.
+    (ckpts / "checkpoint-5" / "ema" / RECORD_NAME).write_bytes(record_bytes(dict(forged, framework_step=5, supersedes_generation=-1)))
+    r = new()
+    assert r.load(net, ckpts / "checkpoint-5", framework_step=5) == 5 and int(r.state.step) == 5
+    cases.append(1)
+    # ... and one that claims to be newer: the rules still refuse a not-started EMA at step 5.
+    (ckpts / "checkpoint-5" / "ema" / RECORD_NAME).write_bytes(record_bytes(dict(forged, framework_step=5, supersedes_generation=0)))
+    refused(ck.CheckpointMismatchError, ["had not started at framework step 5"],
+            lambda: new().load(net, ckpts / "checkpoint-5", framework_step=5), ckpts)
+    (ckpts / "checkpoint-5" / "ema" / RECORD_NAME).unlink()
+    # The manifest's record (the framework step the EMA was saved at), edited: its copy in the rank file's
+    # header (covered by the checksums) disagrees.
+    m = ckpts / "checkpoint-6" / "ema" / ck.MANIFEST_NAME
+    saved = m.read_text()
+    _edit_manifest(m.parent, lambda d: d["extra"].__setitem__("framework_step", 100))
+    refused(ck.CorruptCheckpointError, ["'extra'", "edited"], lambda: new().load(net, ckpts / "checkpoint-6", framework_step=None), ckpts)
+    m.write_text(saved)
+    # An EMA whose step is behind its own record (saved at framework step 6 with the EMA of step 4).
+    e4 = new()
+    e4.load(net, ckpts / "checkpoint-4", framework_step=4)
+    e4.save(net, tmp_path / "behind", 6)
+    refused(ck.CheckpointMismatchError, ["EMA is at step 4, but at framework step 6", "put it at step 6"],
+            lambda: new().load(net, tmp_path / "behind", framework_step=6), tmp_path / "behind")
+    refused(ck.CheckpointMismatchError, ["EMA is at step 4, but at framework step 6"],
+            lambda: new().load(net, tmp_path / "behind", framework_step=None), tmp_path / "behind")
+    # Other settings than the run that saved it: named.
+    refused(ck.CheckpointMismatchError, ["saved by a run with start_step=3, every_n_steps=1"],
+            lambda: EMAController(0.9, buffers="average", start_step=3, every_n_steps=4).load(net, ckpts / "checkpoint-6", 6), ckpts)
+    # No EMA at all where the rules say there must be one.
+    (tmp_path / "empty" / "ema").mkdir(parents=True)
+    refused(ck.IncompleteCheckpointError, ["no complete EMA checkpoint", "must have started"],
+            lambda: new().load(net, tmp_path / "empty", framework_step=4), tmp_path / "empty")
+    r = new()
+    assert r.load(net, tmp_path / "empty", framework_step=2) == 2 and r.state is None  # before the start: nothing to read
+    cases.append(1)
+    _count("14 integration state", len(cases))
+
+
+def test_a_failed_save_leaves_no_part_of_the_tag_newer(tmp_path):
+    """The EMA, buffers and record of one controller save succeed or fail together: a failure of the
+    buffer write after the EMA's leaves the previous checkpoint of the same folder, at one step."""
+    import functional_ema.checkpoint as ckmod
+    from functional_ema.integrations import EMAController
+
+    net = _bn_net()
+    c = EMAController(0.9, buffers="average")
+    _train_controller(c, net, 2)
+    c.save(net, tmp_path, 2)
+    before = _hashes(tmp_path)
+    with torch.no_grad():  # the weights of step 3
+        for p in net.parameters():
+            p.mul_(0.5)
+    c.state = fe.update(c.state, fe.local_shards(net), 3, decay=0.9)
+    c.buffer_state = fe.buffers.update_buffers(c.buffer_state, net, 3, decay=0.9)
+    real = ckmod.write_buffer_file
+
+    def full_disk(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    ckmod.write_buffer_file = full_disk
+    try:
+        _expect(ck.CheckpointIOError, ["ENOSPC", "buffers_rank_00000_of_00001.gen1"], lambda: c.save(net, tmp_path, 3), tmp_path)
+    finally:
+        ckmod.write_buffer_file = real
+    assert _hashes(tmp_path) == before
+    r = EMAController(0.9, buffers="average")
+    assert r.load(net, tmp_path, framework_step=2) == 2 and int(r.state.step) == 2 and int(r.buffer_state.step) == 2
+    _count("14 integration state")
+
+
+# ----------------------------------------------------------------------- class 15: exports (issue 21)
+
+
+def test_exports_never_land_on_a_checkpoint(tmp_path):
+    """``export_path`` onto a rank, buffer or manifest file, a record, a pointer file, a tag folder, DeepSpeed's
+    files, a link into a checkpoint: refused before anything is gathered; the metadata names the EMA asked
+    for; ``copy_to_model`` refuses a model that does not fit, skipping nothing silently."""
+    from safetensors import safe_open
+
+    from functional_ema.integrations import EMAController
+
+    net = _bn_net()
+    c = EMAController([0.9, 0.5], buffers="average")
+    _train_controller(c, net, 3)
+    c.save(net, tmp_path / "ck", 3)
+    fe.save(c.state, net, tmp_path / "plain", "global_step3")
+    tag = tmp_path / "ck" / "ema"
+    (tmp_path / "ds" / "global_step3").mkdir(parents=True)
+    (tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"deepspeed")
+    (tmp_path / "ds" / "latest").write_text("global_step3")
+    (tmp_path / "link").symlink_to(tag / "ema_manifest.json")
+    targets = [tag / "ema_rank_00000_of_00001.safetensors", tag / "buffers_rank_00000_of_00001.safetensors",
+               tag / ck.MANIFEST_NAME, tag / "integration.json", tag / "new.safetensors", tag,
+               tmp_path / "plain" / "ema_latest", tmp_path / "plain" / "global_step3" / "x.safetensors",
+               tmp_path / "ds" / "latest", tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt",
+               tmp_path / "ds" / "global_step3" / "ema.safetensors", tmp_path / "link", tmp_path / "ck" / "ema" / ".." / "ema" / "w"]
+    for t in targets:
+        _expect(ck.OutputPathError, ["refusing to write", str(t)], lambda t=t: c.export(net, t), tmp_path)
+        _count("15 exports")
+    out = c.export(net, tmp_path / "ema1.safetensors", index=1)
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["ema_index"] == "1" and json.loads(meta["schedule"]) == {"kind": "constant", "decay": 0.5}, meta
+    assert torch.equal(f_tensor(out, "0.weight"), c.state.emas[1]["0.weight"].view(7, 5))
+    _count("15 exports")
+    # copy_to_model: a model where a parameter with an EMA is frozen (its EMA would be skipped silently)
+    frozen = _bn_net()
+    frozen[0].weight.requires_grad_(False)
+    before = {n: p.clone() for n, p in frozen.state_dict().items()}
+    with pytest.raises(fe.StateMismatchError, match=r"the state has EMAs of '0.weight', which this model does not train"):
+        c.copy_to_model(frozen)
+    assert all(torch.equal(before[n], p) for n, p in frozen.state_dict().items())
+    other = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 4))
+    with pytest.raises(fe.StateMismatchError, match="2.weight"):
+        c.copy_to_model(other)
+    with pytest.raises(ValueError, match="index=2 is not one of the 2"):
+        c.export(net, tmp_path / "x.safetensors", index=2)
+    _count("15 exports", 3)
+
+
+def f_tensor(path: Path, key: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))[key]
+
+
+# ---------------------------------------------------------- class 16: one writer per file (issue 21)
+
+
+def test_one_writer_per_tag(tmp_path):
+    """Two AsyncSavers, an AsyncSaver and fe.save, two processes: on one tag they take turns (each save
+    complete, the last one's content loaded); a save that cannot get the tag in time is refused naming
+    the holder, nothing changed; temporary names are unique per write."""
+    import functional_ema._checkpoint.writer as ckwriter
+
+    net = _bn_net()
+    s1 = fe.init_ema(fe.local_shards(net))
+    s2 = fe.init_ema(fe.local_shards(net))
+    with torch.no_grad():
+        for t in s2.ema.values():
+            t.add_(1.0)
+    a, b = fe.AsyncSaver(), fe.AsyncSaver()
+    slow = _slow_writes(0.3)
+    try:
+        h1 = a.save(s1, net, tmp_path, "t")
+        h2 = b.save(s2, net, tmp_path, "t")  # waits for h1's commit before taking the tag
+        fe.save(s1, net, tmp_path, "t")      # and this one for h2's
+    finally:
+        slow()
+    h1.wait(), h2.wait()
+    assert _tensors_equal(fe.load(net, tmp_path, "t"), s1)
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [ck.MANIFEST_NAME, "ema_rank_00000_of_00001.gen2.safetensors"]
+    _count("16 one writer", 2)
+    # Another process writing the tag: this save waits for it.
+    code = ("import sys, time, torch, functional_ema as fe\n"
+            "sys.path.insert(0, %r)\n"
+            "from tests.test_faults import _bn_net, _slow_writes\n"
+            "net = _bn_net(); s = fe.init_ema(fe.local_shards(net)); _slow_writes(1.0)\n"
+            "fe.save(s, net, %r, 't')\n") % (str(Path(__file__).parents[1]), str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        _wait_for(tmp_path / "t" / ".ema_write.lock", 60)  # the other process holds the tag
+        fe.save(s2, net, tmp_path, "t")
+    finally:
+        assert proc.wait(60) == 0
+    assert _tensors_equal(fe.load(net, tmp_path, "t"), s2)
+    _count("16 one writer")
+    # A holder that does not finish in time: refused, naming it, nothing changed.
+    lock = ckwriter.TagLock.acquire(tmp_path / "t", 5, "test")
+    before = _hashes(tmp_path)
+    try:
+        _expect(ck.CheckpointError, ["being written by another save", f"pid {os.getpid()}", "1 s"],
+                lambda: fe.save(s1, net, tmp_path, "t", timeout=1), tmp_path)
+    finally:
+        lock.release()
+    assert _hashes(tmp_path) == {k: v for k, v in before.items() if not k.endswith(".ema_write.lock")}
+    _count("16 one writer")
+    names = {_io.tmp_name(tmp_path / "x").name for _ in range(100)}
+    assert len(names) == 100 and all(_io.is_tmp_name(n) for n in names)
+    _count("16 one writer")
+
+
+def _slow_writes(seconds: float):
+    """Make every rank-file write of this process take ``seconds`` longer (a save then stays in flight);
+    returns the undo."""
+    import functional_ema._checkpoint.writer as ckwriter
+
+    real = ckwriter.write_rank_file
+
+    def slow(*a, **k):
+        time.sleep(seconds)
+        return real(*a, **k)
+
+    ckwriter.write_rank_file = slow
+    import functional_ema.checkpoint as ckmod
+
+    real_ck = ckmod.write_rank_file
+    ckmod.write_rank_file = slow
+
+    def undo():
+        ckwriter.write_rank_file = real
+        ckmod.write_rank_file = real_ck
+
+    return undo
+
+
+def test_model_parallel_and_unreachable_groups_refused(faults):
+    """2 ranks: DeepSpeed engines with an mpu= (tensor parallel 2) or a PipelineEngine (2 stages) write the
+    same file names from both model-parallel ranks: save, AsyncSaver and snapshots are refused on every rank
+    before anything is written, naming the engine; their loads too. A save after destroy_process_group is
+    refused before touching anything (it used to commit rank 0's file alone)."""
+    _, results = faults
+    for rank, r in enumerate(results):
+        for key, frag in (("mpu_save", "mpu= model-parallel group (2 ranks)"), ("mpu_async", "mpu= model-parallel group"),
+                          ("pipe_save", "PipelineEngine (2 pipeline stages)"), ("pipe_snapshot", "PipelineEngine")):
+            name, msg, _, is_ckpt = r[key]
+            assert name == "CheckpointError" and is_ckpt, (rank, key, r[key])
+            assert "ranks [0, 1] of the job (world size 2) would all write" in msg and frag in msg, (key, msg)
+            assert "ema_rank_00000_of_00001" in msg and "Nothing was written" in msg, msg
+        for key, frag in (("mpu_load", "mpu="), ("pipe_load", "PipelineEngine")):
+            name, msg, _, _ = r[key]
+            assert name == "CheckpointMismatchError" and frag in msg and "does not support yet" in msg, (key, msg)
+        assert r["mp_nothing_written"], rank
+        for key in ("destroyed_save", "destroyed_async"):
+            name, msg, _, _ = r[key]
+            assert name == "CheckpointError" and "spans 2 ranks but torch.distributed is not initialized" in msg, (key, msg)
+        assert r["destroyed_unchanged"], rank
+    _count("16 one writer", 9)
+
+
+# ------------------------------------------------------------------- class 17: fork (issue 21)
+
+
+def test_forked_child_neither_hangs_nor_drops_the_parents_save(tmp_path):
+    """A child forked while an async save is in flight: its wait() and save() raise a clear error (once),
+    then its own saves work; the parent's save completes in the parent."""
+    net = _bn_net()
+    state = fe.init_ema(fe.local_shards(net))
+    saver = fe.AsyncSaver()
+    report = tmp_path / "child.json"
+    undo = _slow_writes(1.0)
+    try:
+        handle = saver.save(state, net, tmp_path, "parent")
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            out = {}
+            try:
+                t0 = time.monotonic()
+                out["handle_wait"] = _err(lambda: handle.wait(timeout=30))
+                out["saver_wait"] = _err(saver.wait)  # already raised through the handle: nothing more
+                out["own_save"] = _err(lambda: saver.save(state, net, tmp_path, "child").wait(timeout=60))
+                out["seconds"] = time.monotonic() - t0
+            finally:
+                report.write_text(json.dumps(out))
+                os._exit(0)
+        assert handle.wait(timeout=60) == tmp_path / "parent"
+        os.waitpid(pid, 0)
+        handle2 = saver.save(state, net, tmp_path, "parent2")
+        pid = os.fork()  # a second child, forked while a save is in flight, that calls save() first
+        if pid == 0:
+            out = {}
+            try:
+                out["save_first"] = _err(lambda: saver.save(state, net, tmp_path, "child2"))
+                out["save_again"] = _err(lambda: saver.save(state, net, tmp_path, "child2").wait(timeout=60))
+            finally:
+                (tmp_path / "child2.json").write_text(json.dumps(out))
+                os._exit(0)
+        os.waitpid(pid, 0)
+        handle2.wait(timeout=60)
+    finally:
+        undo()
+    child = json.loads(report.read_text())
+    name, msg, _, _ = child["handle_wait"]
+    assert name == "CheckpointError" and "was forked from pid" in msg and "written by the parent" in msg, msg
+    assert child["saver_wait"] is None and child["own_save"] is None and child["seconds"] < 30, child
+    child2 = json.loads((tmp_path / "child2.json").read_text())
+    name, msg, _, _ = child2["save_first"]
+    assert name == "CheckpointError" and "was forked from pid" in msg, child2
+    assert child2["save_again"] is None, child2
+    for tag in ("parent", "parent2", "child", "child2"):
+        assert _tensors_equal(fe.load(net, tmp_path, tag), state), tag
+    _count("17 fork", 3)
 
 
 # --------------------------------------------------------------- class 11: the harness reports hangs

@@ -348,3 +348,45 @@ def test_lightning_fsdp2(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lightning_deepspeed_cpu(tmp_path, stage):
     _run(f"zero{stage}", tmp_path)
+
+
+def _one_process_trainer(root: Path, max_epochs: int, every_n_steps: int = 1):
+    import lightning.pytorch as pl
+
+    from functional_ema.integrations.lightning import EMACallback
+
+    ema = EMACallback(decay=0.9, every_n_steps=every_n_steps, buffers="average")
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(root / "ckpt"), every_n_epochs=1, save_top_k=-1)
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=[ema, ckpt], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      default_root_dir=str(root))
+
+
+def test_ema_folder_of_another_checkpoint_refused(tmp_path):
+    """One process, no ranks: a ``.ckpt.ema`` folder that is not the one saved with the checkpoint is refused
+    at resume, naming both steps: one of another epoch (its record names another framework step), and one of
+    another run at the same step (the callback state inside the ``.ckpt`` names another EMA step)."""
+    import shutil
+
+    import functional_ema as fe
+    from tests._integration_models import quiet
+
+    quiet()
+    _one_process_trainer(tmp_path / "a", 2).fit(_module("ddp"))  # 8 optimizer steps per epoch
+    ck = tmp_path / "a" / "ckpt"
+    first, second = ck / "epoch=0-step=8.ckpt", ck / "epoch=1-step=16.ckpt"
+    assert (Path(str(first) + ".ema") / "ema" / "ema_manifest.json").is_file()
+    shutil.rmtree(str(second) + ".ema")
+    shutil.copytree(str(first) + ".ema", str(second) + ".ema")
+    with pytest.raises(fe.CheckpointError, match="saved with the checkpoint of framework step 8, but the training resumed at step 16"):
+        _one_process_trainer(tmp_path / "a", 3).fit(_module("ddp"), ckpt_path=str(second))
+    # Another run (updating every 3 steps: its EMA is at step 15 at step 16) beside this run's step-16 checkpoint.
+    _one_process_trainer(tmp_path / "b", 2, every_n_steps=3).fit(_module("ddp"))
+    _one_process_trainer(tmp_path / "c", 2).fit(_module("ddp"))
+    theirs, ours = tmp_path / "b" / "ckpt" / "epoch=1-step=16.ckpt.ema", tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt.ema"
+    shutil.rmtree(ours)
+    shutil.copytree(theirs, ours)
+    with pytest.raises(fe.CheckpointError, match="own EMACallback state says the EMA was at step 16 .* at step 15"):
+        _one_process_trainer(tmp_path / "c", 3, every_n_steps=3).fit(_module("ddp"), ckpt_path=str(ours)[: -len(".ema")])
+    # Untouched, it resumes.
+    _one_process_trainer(tmp_path / "b", 3, every_n_steps=3).fit(_module("ddp"), ckpt_path=str(theirs)[: -len(".ema")])

@@ -135,10 +135,34 @@ def barrier_group(group, timeout: float):
     return side
 
 
+def check_reachable(what: str, group, world: int) -> None:
+    """Refuse a collective verb whose group cannot be reached, before any file is touched: a layout of
+    several ranks with no process group (destroyed, or never made in this process), or a group that is
+    gone or has another size. Otherwise the verb would run on this rank alone, e.g. rank 0 committing a
+    checkpoint without the other ranks' files."""
+    if world <= 1:
+        return
+    fix = (f"functional_ema.{what} is collective: call it on every rank while the process group that trains the "
+           "model is up (before destroy_process_group)")
+    if not dist.is_available() or not dist.is_initialized():
+        raise CheckpointError(f"functional_ema.{what}: the model's layout spans {world} ranks but torch.distributed is not "
+                              f"initialized in this process (destroy_process_group called?). {fix}")
+    try:
+        size = dist.get_world_size(group)
+    except (ValueError, RuntimeError) as e:
+        raise CheckpointError(f"functional_ema.{what}: the model's process group of {world} ranks is no longer usable "
+                              f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}). {fix}") from None
+    if size != world:
+        raise CheckpointError(f"functional_ema.{what}: the model's layout spans {world} ranks but its process group has "
+                              f"{size}. {fix}")
+
+
 def arrive(what: str, group, world: int, rank: int, timeout: float | None) -> None:
     """Wait, at most the timeout, until every rank of ``group`` has called ``what``; else raise
-    :class:`CheckpointTimeoutError` (a verb called on one rank only fails instead of hanging)."""
-    if world <= 1 or not dist.is_initialized():
+    :class:`CheckpointTimeoutError` (a verb called on one rank only fails instead of hanging). A group
+    that cannot be reached at all is refused at once (:func:`check_reachable`)."""
+    check_reachable(what, group, world)
+    if world <= 1:
         return
     t = timeout_s(timeout)
     t0 = time.monotonic()
@@ -154,6 +178,45 @@ def arrive(what: str, group, world: int, rank: int, timeout: float | None) -> No
             f"every rank, with the same arguments. The wait is set by timeout= or the environment variable "
             f"{TIMEOUT_ENV} (default {DEFAULT_TIMEOUT_S:g} s). The process group may be unusable after this"
         ) from None
+
+
+def check_distinct_writers(what: str, tag_dir: Path, names: list[str], group_world: int, timeout: float | None,
+                           hint: str | None = None) -> None:
+    """Refuse, on every rank of the job, a save in which two ranks would write the same file.
+
+    Decided from what each rank would write (the real paths of its files), so any layout where the
+    ranks that save are not one data-parallel group is covered: model-parallel ranks with the same
+    data-parallel coordinate, several groups saving into one folder. Free when the data-parallel group
+    is the whole job (its file names differ by rank); otherwise one exchange over the whole job, which
+    every rank of the job must then join. A model read as a world of its own (a plain module, not
+    DDP-wrapped) may be saved by one rank alone, so it is checked only when ``hint`` says the engine
+    splits the model across ranks; two such savers of one tag otherwise take turns (the tag's lock).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    job = dist.get_world_size()
+    if job == group_world or (group_world == 1 and hint is None):
+        return
+    me = dist.get_rank()
+    arrive(f"{what} (every rank of the job: {job} ranks)", None, job, me, timeout)
+    paths = [os.path.realpath(tag_dir / n) for n in names]
+    gathered = exchange(paths, barrier_group(None, timeout_s(timeout)), job)
+    owners: dict[str, list[int]] = {}
+    for r, ps in enumerate(gathered):
+        for p in ps:
+            owners.setdefault(p, []).append(r)
+    clashes = [(p, rs) for p, rs in owners.items() if len(rs) > 1]
+    if clashes:
+        path, ranks = clashes[0]
+        more = f" ({len(clashes) - 1} more files likewise)" if len(clashes) > 1 else ""
+        raise CheckpointError(
+            f"functional_ema.{what}: ranks {ranks} of the job (world size {job}) would all write {path}{more}: each would "
+            f"overwrite the others' EMA. The model's pieces are spread over data-parallel groups of {group_world} rank(s), "
+            f"and {job // max(group_world, 1)} such groups save into one folder. "
+            + (f"The engine is {hint}, which functional_ema does not support yet (each model-parallel rank holds other "
+               "pieces under the same data-parallel rank). " if hint else "")
+            + "Nothing was written"
+        )
 
 
 def world_of(x):

@@ -22,13 +22,25 @@ from .. import _io
 from .._layout import ShardLayout, ShardSpec
 from .errors import CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError, InvalidTagError, OutputPathError
 
-# 2: xxh3_64 checksums as hex strings (header_checksum / tensor_checksums); 1: CRC-32 integers (still read).
-FORMAT_VERSION = 2
+# 3: the manifest may list buffer files (``buffer_files``, ``buffers``) and carry a JSON object ``extra``
+#    (mirrored in every rank file's header); a checkpoint is complete only with every listed file.
+# 2: xxh3_64 checksums as hex strings (header_checksum / tensor_checksums); 1: CRC-32 integers. Both still read.
+FORMAT_VERSION = 3
 MANIFEST_NAME = "ema_manifest.json"
 FILE_FORMAT = "functional_ema.ema_shards"
+BUFFERS_FORMAT = "functional_ema.buffers"
 MANIFEST_FORMAT = "functional_ema.manifest"
 CONSOLIDATED_FORMAT = "functional_ema.consolidated"
 RANK_FILE = re.compile(r"^ema_rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
+BUFFER_FILE = re.compile(r"^buffers_rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
+#: Held (``flock``) by the save writing a tag folder, and removed by it; never read as data.
+LOCK_NAME = ".ema_write.lock"
+#: A framework integration's record in a tag folder where the EMA has not started yet (see
+#: :func:`record_bytes`); once it has, the record lives in the manifest's ``extra``.
+RECORD_NAME = "integration.json"
+RECORD_FORMAT = "functional_ema.integration"
+#: Bound on the JSON text of a save's ``extra`` record (it is copied into every rank file's header).
+MAX_EXTRA_BYTES = 64 << 10
 
 # The tag of the last complete save in a checkpoint directory (see save and CheckpointReader.open).
 LATEST_NAME = "ema_latest"
@@ -38,6 +50,58 @@ def rank_file_name(rank: int, world_size: int, generation: int = 0) -> str:
     """``ema_rank_00000_of_00002.safetensors``; later saves into the same tag add ``.gen<N>``."""
     suffix = f".gen{generation}" if generation else ""
     return f"ema_rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
+
+
+def buffer_file_name(rank: int, world_size: int, generation: int = 0) -> str:
+    """``buffers_rank_00000_of_00002.safetensors``: one rank's module buffers, saved with its EMA pieces."""
+    suffix = f".gen{generation}" if generation else ""
+    return f"buffers_rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
+
+
+def is_own_file(name: str) -> bool:
+    """Whether ``name`` is one of the files a save writes into a tag folder (or their temporaries)."""
+    return bool(RANK_FILE.match(name) or BUFFER_FILE.match(name) or name in (MANIFEST_NAME, LOCK_NAME, RECORD_NAME)
+                or (_io.is_tmp_name(name) and name.startswith(("ema_", "buffers_", MANIFEST_NAME, RECORD_NAME))))
+
+
+# ------------------------------------------------------------------------------- checksummed records
+
+
+def record_bytes(record: dict) -> bytes:
+    """A small JSON record as written to disk: ``record`` plus ``format`` and a ``checksum`` (XXH3-64 of
+    its canonical JSON), so a flipped byte or a hand edit is refused when read (:func:`read_record`)."""
+    body = dict(record, format=RECORD_FORMAT)
+    body.pop("checksum", None)
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    body["checksum"] = f"xxh3_64:{_io.format_checksum('xxh3_64', _io.CHECKSUMS['xxh3_64'](canonical.encode()))}"
+    return json.dumps(body, sort_keys=True, indent=1).encode()
+
+
+def read_record(path: Path) -> dict | None:
+    """The record at ``path`` (``None`` when there is none), its checksum verified; else
+    :class:`CorruptCheckpointError` naming the file. Never quotes the file's content."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read it ({e.strerror or e}): restore it or resume from another checkpoint") from None
+    if size > MAX_EXTRA_BYTES:
+        raise CorruptCheckpointError(f"{path} holds {size} bytes, far more than a record: it is damaged")
+    try:
+        raw = path.read_bytes()
+        record = json.loads(raw.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else type(e).__name__
+        raise CorruptCheckpointError(f"{path} is not a readable JSON record ({why}): the file is damaged; restore it or "
+                                     "resume from another checkpoint") from None
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or not isinstance(record.get("checksum"), str):
+        raise CorruptCheckpointError(f"{path} is not a functional_ema record (no format {RECORD_FORMAT!r} and checksum): "
+                                     "the file is damaged or was replaced")
+    if record_bytes(record) != json.dumps(record, sort_keys=True, indent=1).encode():
+        raise CorruptCheckpointError(f"{path}: its checksum does not match its content: the file was damaged or edited "
+                                     "by hand; restore it or resume from another checkpoint")
+    return record
 
 
 def tensor_key(k: int, name: str) -> str:
@@ -58,7 +122,7 @@ def parse_dtype(name: str, where: str) -> torch.dtype:
 #: Names a tag must not take: DeepSpeed's pointer files and recovery script beside the tag folders
 #: (``latest`` is written by ``engine.save_checkpoint``; a folder of that name makes it fail on rank 0
 #: only), and functional_ema's own file names. Compared case-insensitively (case-insensitive filesystems).
-_RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", MANIFEST_NAME)
+_RESERVED_TAGS = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", MANIFEST_NAME, LATEST_NAME)
 _MAX_TAG_BYTES = 255  # one path component on common filesystems
 
 
@@ -93,7 +157,7 @@ def check_tag(tag: Any, *, saving: bool = True) -> str:
         if tag.lower() in _RESERVED_TAGS:
             problem = ("collides with a file DeepSpeed or functional_ema writes beside the tag folders "
                        f"(reserved: {', '.join(_RESERVED_TAGS)})")
-        elif RANK_FILE.match(tag) or _io.is_tmp_name(tag):
+        elif RANK_FILE.match(tag) or BUFFER_FILE.match(tag) or _io.is_tmp_name(tag):
             problem = "is the name of one of functional_ema's own files"
     if problem is not None:
         shown = repr(tag) if len(tag) <= 80 else repr(tag[:80]) + "..."
@@ -189,7 +253,7 @@ def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | 
 #
 # Everything read from disk is untrusted: the manifest is checked against a schema (types, ranges,
 # the library's own rank-file names) before anything else is read, and every field that changes a
-# result is cross-checked against the rank files' headers, which the manifest's CRC-32s cover.
+# result is cross-checked against the rank files' headers, which the manifest's checksums cover.
 # Sizes are checked against the bytes on disk before anything is allocated.
 
 MAX_MANIFEST_BYTES = 256 << 20  # ~22M checksum entries, i.e. ~90 TB of EMA
@@ -198,6 +262,7 @@ _MAX_WORLD = 1 << 20
 _MAX_DIMS = 64
 _MAX_NUMEL = 1 << 62
 _SAVED_DTYPES = tuple(dtype_name(d) for d in _io.DTYPE_TO_STR if d.is_floating_point)
+_COPIED_DTYPES = tuple(dtype_name(d) for d in _io.DTYPE_TO_STR)
 
 
 def brief(value: Any) -> str:
@@ -237,26 +302,70 @@ def validate_manifest(mpath: Path, m: dict) -> None:
                                    and all(isinstance(d, dict) for d in scheds)):
         raise _manifest_field_error(mpath, "schedules", "null or a list of num_emas objects", scheds)
     for name, shape in m["params"].items():
-        if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(x) for x in shape)
-                and math.prod(shape) <= _MAX_NUMEL):
+        if not _is_shape(shape):
             raise _manifest_field_error(mpath, f"params[{name!r}]", "a full shape: a list of ints >= 0", shape)
     v1 = _is_int(m.get("format_version")) and m["format_version"] < 2
     if not v1 and m.get("checksum") not in _io.CHECKSUMS:
         raise CheckpointVersionError(
             f"{mpath}: field 'checksum' is {brief(m.get('checksum'))}, not an algorithm this version reads "
             f"({sorted(_io.CHECKSUMS)}): upgrade functional_ema, or restore the manifest from a copy")
+    _validate_file_entries(mpath, m, "files", RANK_FILE, "ema_rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
+    if "extra" in m and m["extra"] is not None and not isinstance(m["extra"], dict):
+        raise _manifest_field_error(mpath, "extra", "null or a JSON object", m["extra"])
+    has_files, has_desc = m.get("buffer_files") is not None, m.get("buffers") is not None
+    if has_files != has_desc:
+        raise _manifest_field_error(mpath, "buffers" if has_files else "buffer_files",
+                                    "present together with 'buffer_files' and 'buffers'", m.get("buffers" if has_files else "buffer_files"))
+    if has_files:
+        validate_buffers_descriptor(mpath, m)
+        if not (isinstance(m["buffer_files"], list) and 1 <= len(m["buffer_files"]) <= m["world_size"]):
+            raise _manifest_field_error(mpath, "buffer_files", "a list of 1 to world_size buffer-file entries", m["buffer_files"])
+        _validate_file_entries(mpath, m, "buffer_files", BUFFER_FILE, "buffers_rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
+
+
+def validate_buffers_descriptor(mpath: Path, m: dict) -> None:
+    """The manifest's ``buffers``: ``{"num_emas", "dtype", "floating": {name: shape}, "copied": {name: [dtype, shape]}}``."""
+    d = m["buffers"]
+    if not isinstance(d, dict):
+        raise _manifest_field_error(mpath, "buffers", "an object {num_emas, dtype, floating, copied}", d)
+    for field, ok, want in (
+        ("num_emas", lambda v: _is_int(v, 1, _MAX_NUM_EMAS), f"an int in [1, {_MAX_NUM_EMAS}]"),
+        ("dtype", lambda v: isinstance(v, str) and v in _SAVED_DTYPES, f"one of {list(_SAVED_DTYPES)}"),
+        ("floating", lambda v: isinstance(v, dict), "an object {buffer name: shape}"),
+        ("copied", lambda v: isinstance(v, dict), "an object {buffer name: [dtype, shape]}"),
+    ):
+        if not ok(d.get(field)):
+            raise _manifest_field_error(mpath, f"buffers.{field}", want, d.get(field))
+    for name, shape in d["floating"].items():
+        if not _is_shape(shape):
+            raise _manifest_field_error(mpath, f"buffers.floating[{name!r}]", "a shape: a list of ints >= 0", shape)
+    for name, v in d["copied"].items():
+        if not (isinstance(v, list) and len(v) == 2 and v[0] in _COPIED_DTYPES and _is_shape(v[1])):
+            raise _manifest_field_error(mpath, f"buffers.copied[{name!r}]", "[dtype name, shape]", v)
+    both = sorted(set(d["floating"]) & set(d["copied"]))
+    if both:
+        raise _manifest_field_error(mpath, "buffers", "disjoint 'floating' and 'copied' names", both)
+
+
+def _is_shape(shape: Any) -> bool:
+    return (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(x) for x in shape)
+            and math.prod(shape) <= _MAX_NUMEL)
+
+
+def _validate_file_entries(mpath: Path, m: dict, key: str, pattern: re.Pattern, form: str, v1: bool) -> None:
+    """The records of ``m[key]`` (``files`` or ``buffer_files``): the library's own file names for their
+    rank, world size and generation, distinct ranks, sizes and checksums of the right types."""
     world, generation, seen = m["world_size"], m["generation"], set()
-    for i, e in enumerate(m["files"]):
-        field = f"files[{i}]"
+    for i, e in enumerate(m[key]):
+        field = f"{key}[{i}]"
         if not isinstance(e, dict):
             raise _manifest_field_error(mpath, field, "an object", e)
         name = e.get("file")
-        match = RANK_FILE.match(name) if isinstance(name, str) else None
+        match = pattern.match(name) if isinstance(name, str) else None
         if match is None:
             raise CorruptCheckpointError(
-                f"{mpath}: field '{field}.file' is not the name of a functional_ema rank file "
-                "(ema_rank_<rank>_of_<world>[.gen<N>].safetensors, inside the tag folder); the manifest is damaged or "
-                "was edited: only the library's own files beside it are ever read"
+                f"{mpath}: field '{field}.file' is not the name of a functional_ema file ({form}, inside the tag "
+                "folder); the manifest is damaged or was edited: only the library's own files beside it are ever read"
             )
         rank = e.get("rank")
         if not _is_int(rank, 0, world - 1) or rank in seen:
@@ -268,19 +377,19 @@ def validate_manifest(mpath: Path, m: dict) -> None:
                 mpath, f"{field}.file", f"the file of rank {rank} of world_size {world}, generation {generation}", name)
         if v1:  # format 1: CRC-32 integers
             sums = (("header_crc32", "tensor_crc32", lambda c: _is_int(c, 0, 2**32 - 1), "a CRC-32 (an int in [0, 2**32))"))
-        else:  # format 2: hex strings of the manifest's checksum algorithm
+        else:  # formats 2 and 3: hex strings of the manifest's checksum algorithm
             sums = (("header_checksum", "tensor_checksums", _is_hex64, f"a {m.get('checksum')} checksum (a hex string)"))
         header_key, tensors_key, is_sum, want_sum = sums
-        for key, ok, want in (
+        for k, ok, want in (
             ("bytes", _is_int(e.get("bytes")), "an int >= 0"),
             (header_key, is_sum(e.get(header_key)), want_sum),
             (tensors_key, isinstance(e.get(tensors_key, {}), dict), f"an object {{tensor name: [{want_sum}, ...]}}"),
         ):
             if not ok:
-                raise _manifest_field_error(mpath, f"{field}.{key}", want, e.get(key))
-        for key, crcs in e.get(tensors_key, {}).items():
+                raise _manifest_field_error(mpath, f"{field}.{k}", want, e.get(k))
+        for k, crcs in e.get(tensors_key, {}).items():
             if not (isinstance(crcs, list) and all(is_sum(c) for c in crcs)):
-                raise _manifest_field_error(mpath, f"{field}.{tensors_key}[{key!r}]", f"a list of {want_sum}s", crcs)
+                raise _manifest_field_error(mpath, f"{field}.{tensors_key}[{k!r}]", f"a list of {want_sum}s", crcs)
 
 
 def _is_hex64(v: Any) -> bool:
@@ -294,21 +403,24 @@ def _is_hex64(v: Any) -> bool:
     return True
 
 
-def check_schedules_metadata(where: str, meta: dict, manifest: dict) -> None:
-    """The manifest's ``schedules`` (what post-hoc EMA reads its gammas from) must equal the ones in the
-    rank file's header, which the manifest's header CRC-32 covers."""
-    raw = meta.get("schedules")
+def check_json_metadata(where: str, meta: dict, key: str, manifest: dict) -> None:
+    """The manifest's field ``key`` must equal the JSON saved under ``key`` in a file's header, which the
+    manifest's header checksum covers: ``schedules`` (what post-hoc EMA reads its gammas from) and, since
+    format 3, ``extra`` (a save's own record, e.g. an integration's training step)."""
+    raw = meta.get(key)
+    if raw is None and key == "extra" and int(manifest.get("format_version", 0)) < 3:
+        raw = "null"  # older files have no 'extra'
     try:
         saved = json.loads(raw) if isinstance(raw, str) else ...
     except (ValueError, RecursionError):
         saved = ...
     if saved is ...:
-        raise CorruptCheckpointError(f"{where}: metadata 'schedules' is missing or not JSON: the file is damaged")
-    if json.dumps(saved, sort_keys=True) != json.dumps(manifest.get("schedules"), sort_keys=True):
+        raise CorruptCheckpointError(f"{where}: metadata {key!r} is missing or not JSON: the file is damaged")
+    if json.dumps(saved, sort_keys=True) != json.dumps(manifest.get(key), sort_keys=True):
         raise CorruptCheckpointError(
-            f"{where}: the manifest's field 'schedules' ({brief(manifest.get('schedules'))}) differs from the one saved "
-            f"in this file's header ({brief(saved)}): the manifest was edited after the save (e.g. a changed gamma). "
-            "Restore the manifest from a copy or load another tag"
+            f"{where}: the manifest's field {key!r} ({brief(manifest.get(key))}) differs from the one saved "
+            f"in this file's header ({brief(saved)}): the manifest was edited after the save"
+            f"{' (e.g. a changed gamma)' if key == 'schedules' else ''}. Restore the manifest from a copy or load another tag"
         )
 
 
@@ -357,13 +469,43 @@ def parse_layout(where: str, text: Any, manifest: dict, rank: int) -> ShardLayou
 _POINTER_FILES = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed 0.19 writes the scripts
 
 
+def _is_checkpoint_file(name: str) -> bool:
+    """A name only a checkpoint's own files have: the library's, DeepSpeed's (``*_states.pt``, the pointer
+    files and recovery scripts beside the tags)."""
+    return is_own_file(name) or name == LATEST_NAME or name.lower() in _POINTER_FILES or name.endswith("_states.pt")
+
+
 def _looks_like_tag(folder: Path) -> bool:
-    """A folder holding an EMA manifest or rank files, or DeepSpeed's ``*_states.pt`` files."""
+    """A folder holding an EMA manifest, rank or buffer files, a record, or DeepSpeed's ``*_states.pt`` files."""
     try:
-        return any(p.name == MANIFEST_NAME or RANK_FILE.match(p.name) or p.name.endswith("_states.pt")
-                   for p in folder.iterdir())
+        return any(is_own_file(p.name) or p.name.endswith("_states.pt") for p in folder.iterdir())
     except OSError:
         return False
+
+
+def check_export_path(out_path: str | os.PathLike, what: str = "export") -> Path:
+    """Refuse an export (full weights written by a training run) that would land on a checkpoint's files.
+
+    Refused, symlinks resolved: a directory; a file named like a checkpoint's own files (rank, buffer
+    and manifest files, records, ``latest``/``ema_latest``, DeepSpeed's ``*_states.pt``); any file inside
+    a tag folder (one holding such files). The message names the path and what it would overwrite.
+    """
+    out = Path(out_path)
+    try:
+        real = out.resolve()
+    except (OSError, RuntimeError) as e:
+        raise OutputPathError(f"{what}: cannot resolve the path {out}: {e}") from None
+    shown = f"{out}{f' (-> {real})' if real != out.absolute() else ''}"
+    fix = "Write it outside the checkpoint folders, e.g. next to them as ema.safetensors"
+    if real.is_dir():
+        raise OutputPathError(f"{what}: refusing to write {shown}: it is a directory; give a .safetensors file name")
+    if _is_checkpoint_file(real.name):
+        raise OutputPathError(f"{what}: refusing to write {shown}: that name belongs to a checkpoint's own files, which "
+                              f"an export would replace. {fix}")
+    if _looks_like_tag(real.parent):
+        raise OutputPathError(f"{what}: refusing to write {shown}: {real.parent} holds a checkpoint's files (a tag "
+                              f"folder), and an export there would mix with them. {fix}")
+    return out
 
 
 def check_output(out_path: str | os.PathLike, root: str | os.PathLike, tag_dirs: Sequence[Path], overwrite: bool) -> Path:

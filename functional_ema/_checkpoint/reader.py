@@ -16,8 +16,8 @@ from .. import _io
 from .._layout import ShardLayout, ShardSpec
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointVersionError,
                      CorruptCheckpointError, IncompleteCheckpointError)
-from .format import (FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE,
-                     brief, check_schedules_metadata, check_tag, complete_tags, file_checksums, parse_dtype,
+from .format import (BUFFERS_FORMAT, FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE,
+                     brief, check_json_metadata, check_tag, complete_tags, file_checksums, parse_dtype, dtype_name,
                      library_version, parse_layout, read_latest, short_list, tensor_key, validate_manifest)
 
 __all__ = ["CheckpointReader", "open_checkpoint", "fill_all"]
@@ -172,11 +172,11 @@ class CheckpointReader:
         """The rank files of ``entries`` (of the manifest's ``files``), opened and validated; every
         listed file must exist."""
         world = int(manifest["world_size"])
-        missing = [e for e in manifest["files"] if not (tag_dir / e["file"]).is_file()]
+        missing = [e for e in manifest["files"] + (manifest.get("buffer_files") or []) if not (tag_dir / e["file"]).is_file()]
         if missing:
             listed = ", ".join(f"{e['file']} (rank {e['rank']} of {world})" for e in missing[:4])
             raise IncompleteCheckpointError(
-                f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} EMA file(s) listed in its manifest: {listed}. "
+                f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} file(s) listed in its manifest: {listed}. "
                 "The folder was copied or pruned partially: restore the file(s) or load another tag"
             )
         dtype_name = manifest["dtype"]
@@ -224,7 +224,8 @@ class CheckpointReader:
                         f"{where}: metadata {field}={meta.get(field)!r} but the manifest says {want!r}: the file does not "
                         "belong to this checkpoint (mixed copies of two saves?)"
                     )
-            check_schedules_metadata(where, meta, manifest)
+            check_json_metadata(where, meta, "schedules", manifest)
+            check_json_metadata(where, meta, "extra", manifest)
             layout = parse_layout(where, meta.get("layout"), manifest, rank)
             dtype = parse_dtype(dtype_name, where)
             extra = sorted(set(st.tensors) - {tensor_key(k, n) for k in range(int(manifest["num_emas"])) for n in layout.specs})
@@ -281,6 +282,86 @@ class CheckpointReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # -- buffers
+
+    @property
+    def has_buffers(self) -> bool:
+        """Whether the save carried module buffers (format 3: ``buffers`` / ``buffer_files`` in the manifest)."""
+        return self.manifest.get("buffer_files") is not None
+
+    def read_buffers(self, rank: int, world_size: int, verify: bool = True):
+        """This rank's buffers: ``(num_emas, emas, copied)`` read from its own buffer file when the save had
+        ``world_size`` ranks, else from rank 0's (buffers are whole tensors; at another world size the
+        first rank's stand for all, as DeepSpeed restores module state). Every field of the file is
+        checked against the manifest and every byte against its checksum."""
+        if not self.has_buffers:
+            raise CheckpointMismatchError(
+                f"tag {self.tag!r} in {self.root} was saved without buffers (save(..., buffers=None)): load without them, "
+                "or start the buffer EMAs from the live buffers (functional_ema.buffers.init_buffers)"
+            )
+        desc, entries = self.manifest["buffers"], self.manifest["buffer_files"]
+        by_rank = {e["rank"]: e for e in entries}
+        entry = by_rank.get(rank) if world_size == self.world_size else by_rank.get(0)
+        if entry is None:
+            raise IncompleteCheckpointError(
+                f"{self.tag_dir / MANIFEST_NAME}: field 'buffer_files' lists no buffer file of rank "
+                f"{rank if world_size == self.world_size else 0} (saved at world size {self.world_size}); the manifest is damaged"
+            )
+        path, r = self.tag_dir / entry["file"], entry["rank"]
+        where = f"{path} (buffers of rank {r} of {self.world_size})"
+        if path.resolve().parent != self.tag_dir.resolve():
+            raise CorruptCheckpointError(f"{where} is a link to a file outside the tag folder {self.tag_dir}; functional_ema "
+                                         "reads only its own files inside the tag folder")
+        try:
+            st = _io.SafetensorsFile(path, expected_size=int(entry["bytes"]))
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{where} is missing: restore it or load another tag") from None
+        except _io.FormatError as err:
+            raise CorruptCheckpointError(f"{where}: {err}") from None
+        with st:
+            algo, header_sum, crcs = file_checksums(self.manifest, entry, where) if verify else (_io.CHECKSUM, None, {})
+            if verify and st.header_checksum(algo) != header_sum:
+                raise CorruptCheckpointError(f"{where}: the header does not match the checksum in the manifest; the file is corrupted")
+            meta = st.metadata
+            expect = {"format": BUFFERS_FORMAT, "tag": self.manifest["tag"], "step": str(self.step),
+                      "generation": str(self.manifest["generation"]), "rank": str(r), "world_size": str(self.world_size),
+                      "num_emas": str(desc["num_emas"]), "dtype": desc["dtype"]}
+            for field, want in expect.items():
+                if meta.get(field) != want:
+                    raise CorruptCheckpointError(
+                        f"{where}: metadata {field}={brief(meta.get(field))} but the manifest says {want!r}: the file does not "
+                        "belong to this checkpoint (a copy from another save, rank or world size?)"
+                    )
+            dtype = parse_dtype(desc["dtype"], where)
+            want_tensors = {tensor_key(k, n): (dtype, tuple(shape)) for k in range(desc["num_emas"])
+                            for n, shape in desc["floating"].items()}
+            want_tensors.update({f"copied.{n}": (getattr(torch, dt), tuple(shape)) for n, (dt, shape) in desc["copied"].items()})
+            if set(st.tensors) != set(want_tensors):
+                raise CorruptCheckpointError(
+                    f"{where} holds other tensors than the manifest's field 'buffers' describes: only in the file "
+                    f"{short_list(sorted(set(st.tensors) - set(want_tensors)), 4)}, missing "
+                    f"{short_list(sorted(set(want_tensors) - set(st.tensors)), 4)}"
+                )
+            out = {}
+            for key, (dt, shape) in want_tensors.items():
+                e = st.tensors[key]
+                if e.dtype != dt or tuple(e.shape) != shape:
+                    raise CorruptCheckpointError(
+                        f"{where}: tensor {key!r} is {dtype_name(e.dtype)}{list(e.shape)} in the file but "
+                        f"{dtype_name(dt)}{list(shape)} in the manifest's field 'buffers'"
+                    )
+                if verify and key not in crcs:
+                    raise CorruptCheckpointError(f"{where}: the manifest has no checksum for tensor {key!r}")
+                t = torch.empty(shape, dtype=dt)
+                try:
+                    st.read_into(key, t, crcs.get(key) if verify else None, f"[buffers of rank {r}, tag {self.tag!r}]", algo)
+                except _io.FormatError as err:
+                    raise CorruptCheckpointError(f"{err}") from None
+                out[key] = t
+        emas = tuple({n: out[tensor_key(k, n)] for n in desc["floating"]} for k in range(desc["num_emas"]))
+        copied = {n: out[f"copied.{n}"] for n in desc["copied"]}
+        return desc["num_emas"], emas, copied
 
     # -- checks
 

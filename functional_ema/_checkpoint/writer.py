@@ -5,9 +5,13 @@ both write through these, so a checkpoint looks the same whichever wrote it."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import socket
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Sequence
@@ -22,8 +26,9 @@ from .._state import EmaState
 from ..schedules import as_schedule
 from . import collective
 from .errors import CheckpointError, CheckpointMismatchError
-from .format import (FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_FORMAT, MANIFEST_NAME, RANK_FILE, dtype_name,
-                     library_version, short_list, tensor_key)
+from .format import (BUFFER_FILE, BUFFERS_FORMAT, FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, LOCK_NAME, MANIFEST_FORMAT,
+                     MANIFEST_NAME, MAX_EXTRA_BYTES, RANK_FILE, buffer_file_name, dtype_name, library_version,
+                     rank_file_name, short_list, tensor_key)
 
 logger = logging.getLogger("functional_ema")
 
@@ -68,39 +73,117 @@ def check_state(state: EmaState, layout: ShardLayout) -> torch.dtype:
     return dtypes.pop() if dtypes else torch.float32
 
 
-def plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, tag_dir: Path) -> dict:
-    """This rank's part of a save's plan (checks the state); rank 0 also picks the generation."""
+def describe_buffers(buffers, state: EmaState) -> dict | None:
+    """The manifest's ``buffers`` record of a :class:`functional_ema.buffers.BufferState` saved with
+    ``state`` (checked: same step and number of EMAs, one floating dtype, names and shapes), or None."""
+    if buffers is None:
+        return None
+    from ..buffers import BufferState
+
+    if not isinstance(buffers, BufferState):
+        raise TypeError(f"save(buffers=...) takes a functional_ema.buffers.BufferState (from init_buffers / update_buffers / "
+                        f"load_buffers), got {type(buffers).__name__}")
+    if int(buffers.step) != int(state.step):
+        raise CheckpointMismatchError(
+            f"save(buffers=...): the buffer state is at step {int(buffers.step)} but the EMA state at step {int(state.step)}; "
+            "update both at the same steps (update_buffers with the step given to update) so a resume reads one step"
+        )
+    if buffers.num_emas != state.num_emas:
+        raise CheckpointMismatchError(f"save(buffers=...): the buffer state tracks {buffers.num_emas} EMA(s) but the EMA "
+                                      f"state {state.num_emas}; make both with the same num_emas")
+    floating: dict[str, list[int]] = {}
+    dtypes = set()
+    for k, ema in enumerate(buffers.emas):
+        if k and sorted(ema) != sorted(buffers.emas[0]):
+            raise CheckpointMismatchError(f"save(buffers=...): buffer EMA {k} holds other names than buffer EMA 0")
+        for n, t in ema.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"save(buffers=...): buffers.emas[{k}][{n!r}] must be a floating tensor, got "
+                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if n in floating and floating[n] != list(t.shape):
+                raise CheckpointMismatchError(f"save(buffers=...): buffer {n!r} has shape {list(t.shape)} in EMA {k} but "
+                                              f"{floating[n]} in EMA 0")
+            floating[n] = list(t.shape)
+            dtypes.add(t.dtype)
+    if len(dtypes) > 1:
+        raise CheckpointMismatchError(f"save(buffers=...): the buffer EMAs mix dtypes {sorted(map(str, dtypes))}")
+    copied = {}
+    for n, t in buffers.copied.items():
+        if not isinstance(t, torch.Tensor) or t.dtype not in _io.DTYPE_TO_STR:
+            raise TypeError(f"save(buffers=...): buffers.copied[{n!r}] must be a tensor of a storable dtype, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if n in floating:
+            raise CheckpointMismatchError(f"save(buffers=...): buffer {n!r} is both averaged and copied")
+        copied[n] = [dtype_name(t.dtype), list(t.shape)]
+    return {"num_emas": buffers.num_emas, "dtype": dtype_name(dtypes.pop() if dtypes else torch.float32),
+            "floating": dict(sorted(floating.items())), "copied": dict(sorted(copied.items()))}
+
+
+def check_extra(extra) -> dict | None:
+    """A save's ``extra`` record: a JSON object (strict JSON: no NaN), at most :data:`MAX_EXTRA_BYTES`."""
+    if extra is None:
+        return None
+    if not isinstance(extra, dict):
+        raise TypeError(f"save(extra=...) takes a dict of JSON values (or None), got {type(extra).__name__}")
+    try:
+        text = json.dumps(extra, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save(extra=...) must hold JSON values only (str keys; numbers, strings, lists, dicts, "
+                        f"true/false/null; no NaN): {e}") from None
+    if len(text) > MAX_EXTRA_BYTES:
+        raise ValueError(f"save(extra=...) is {len(text)} bytes as JSON; at most {MAX_EXTRA_BYTES} (it is copied into every "
+                         "rank file's header): keep weights and large data out of it")
+    return json.loads(text)  # a plain copy, as it will read back
+
+
+def plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, buffers=None, extra=None) -> dict:
+    """This rank's part of a save's plan, everything checked; rank 0 adds the generation once it holds
+    the tag (see :func:`read_generation`)."""
     dtype = check_state(state, layout)
     schedules = describe_decays(decay, state.num_emas)
-    generation = 0
-    if layout.rank == 0:
-        with contextlib.suppress(Exception):  # an unreadable old manifest: nothing to preserve
-            old = json.loads((tag_dir / MANIFEST_NAME).read_text())
-            generation = int(old["generation"]) + 1
-    return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas,
-            "dtype": dtype_name(dtype), "schedules": schedules, "generation": generation}
+    return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas, "dtype": dtype_name(dtype),
+            "schedules": schedules, "buffers": describe_buffers(buffers, state), "extra": check_extra(extra),
+            "generation": 0}
+
+
+def read_generation(tag_dir: Path) -> int:
+    """The generation the next save of ``tag_dir`` writes: one more than the complete checkpoint's there
+    (whose files it must not touch), else 0. Read by rank 0 while it holds the tag's :class:`TagLock`."""
+    with contextlib.suppress(Exception):  # no manifest, or an unreadable one: nothing to preserve
+        return int(json.loads((tag_dir / MANIFEST_NAME).read_text())["generation"]) + 1
+    return 0
+
+
+def save_files(layout: ShardLayout, generation: int, has_buffers: bool, writes_pieces: bool) -> list[str]:
+    """The names of the files this rank writes into the tag folder: its EMA pieces (unless another rank
+    holds the same replicated pieces), its buffers (every rank: buffers are not synchronised)."""
+    names = [rank_file_name(layout.rank, layout.world_size, generation)] if writes_pieces else []
+    if has_buffers:
+        names.append(buffer_file_name(layout.rank, layout.world_size, generation))
+    return names
 
 
 #: The fields of a save's plan every rank must agree on (not the path: mounts may differ between nodes).
-AGREED_FIELDS = ("tag", "step", "num_emas", "dtype", "schedules")
+AGREED_FIELDS = ("tag", "step", "num_emas", "dtype", "schedules", "buffers", "extra")
 
 
 def check_plans(plans: list[dict]) -> None:
     for field in AGREED_FIELDS:
-        values = [p[field] if field != "schedules" else json.dumps(p[field], sort_keys=True) for p in plans]
-        if len(set(map(str, values))) > 1:
-            raise CheckpointError(f"save: ranks disagree on {field}: {values}; every rank must save the same state with the same tag")
+        values = [json.dumps(p[field], sort_keys=True) for p in plans]
+        if len(set(values)) > 1:
+            shown = [p[field] if field in ("tag", "step", "num_emas", "dtype") else v for p, v in zip(plans, values)]
+            raise CheckpointError(f"save: ranks disagree on {field}: {shown}; every rank must save the same state with the same tag")
 
 
-def agree_plans(what: str, plan, group, world: int, rank: int) -> tuple[dict, dict]:
+def agree_plans(what: str, plan, group, world: int, rank: int, on_failure=None) -> tuple[dict, dict]:
     """Run ``plan()`` (this rank's :func:`plan_save`, plus a hex ``token`` on rank 0 for an async save)
     on every rank and agree on it: returns (this rank's plan, rank 0's). Collective.
 
     A success costs one small all-reduce: a digest of the :data:`AGREED_FIELDS` (equal on every
     rank iff the maximum of it and of its negation agree) and rank 0's generation and token. A
     failure anywhere or a disagreement falls back to exchanging the plans, and raises on every rank
-    as :func:`collective.agree` does, naming the rank or the field. Measured on 2 CPU ranks (gloo):
-    the object exchange this replaces took 1.4 ms at best, 2.6-3.8 ms median.
+    as :func:`collective.agree` does, naming the rank or the field; ``on_failure()`` (e.g. rank 0 giving
+    up the tag it locked) runs first on every rank, and no rank raises before every rank has run it.
     """
     payload, local_exc = collective.run_local(plan, rank)
     if world > 1 and dist.is_initialized():
@@ -117,13 +200,21 @@ def agree_plans(what: str, plan, group, world: int, rank: int) -> tuple[dict, di
         if not failed and high == -neg_low:
             first = dict(mine, generation=generation, token=f"{token:016x}" if token >= 0 else None)
             return mine, first
-    plans = collective.settle(what, payload, local_exc, group, world, rank)
-    check_plans(plans)
+    try:
+        plans = collective.settle(what, payload, local_exc, group, world, rank)
+        check_plans(plans)
+    except BaseException:
+        if on_failure is not None:
+            on_failure()
+        if world > 1 and dist.is_initialized():
+            with contextlib.suppress(Exception):  # a failure path: what the others see must be the cleaned-up state
+                collective.all_reduce_max([0], group)
+        raise
     return plans[rank], plans[0]
 
 
 def rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
-    """The string metadata of one rank file (``plan``: the agreed tag, step, num_emas, dtype, schedules)."""
+    """The string metadata of one rank file (``plan``: the agreed tag, step, num_emas, dtype, schedules, extra)."""
     return {
         "format": FILE_FORMAT,
         "format_version": str(FORMAT_VERSION),
@@ -133,6 +224,7 @@ def rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str
         "num_emas": str(plan["num_emas"]),
         "dtype": plan["dtype"],
         "schedules": json.dumps(plan["schedules"]),
+        "extra": json.dumps(plan["extra"], sort_keys=True),
         "world_size": str(layout.world_size),
         "rank": str(layout.rank),
         "zero_stage": str(layout.stage),
@@ -141,8 +233,15 @@ def rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str
     }
 
 
+def _record(w: _io.StreamingWriter, rank: int, path: Path, size: int) -> dict:
+    """A file's manifest record: its rank, name, size and checksums (hex strings: JSON-safe beyond 2**53)."""
+    hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731
+    return {"rank": rank, "file": path.name, "bytes": size, "header_checksum": hexa(w.header_checksum),
+            "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()}}
+
+
 def write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, torch.Tensor]], dtype: torch.dtype,
-                     meta: dict[str, str]) -> dict:
+                    meta: dict[str, str]) -> dict:
     """Write this rank's file (``emas.<k>.<name>``, atomically) and return its manifest record."""
     names = list(layout.specs)
     entries = [(tensor_key(k, n), dtype, (layout.specs[n].numel,)) for k in range(len(emas)) for n in names]
@@ -151,26 +250,52 @@ def write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, to
             for n in names:
                 w.write(tensor_key(k, n), ema[n].reshape(-1))
         size = w.commit()
-    hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731 - hex strings: JSON-safe beyond 2**53
-    return {"rank": layout.rank, "file": path.name, "bytes": size, "header_checksum": hexa(w.header_checksum),
-            "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()}}
+    return _record(w, layout.rank, path, size)
 
 
-def build_manifest(plan: dict, layout: ShardLayout, files: list[dict], **extra) -> dict:
-    """The manifest of a save whose rank files are ``files`` (their records); ``plan`` as agreed by the ranks."""
-    return {
+def buffer_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
+    """The string metadata of one buffer file: what it belongs to (tag, step, generation, rank, world)."""
+    return {"format": BUFFERS_FORMAT, "format_version": str(FORMAT_VERSION), "library": f"functional_ema {library_version()}",
+            "tag": plan["tag"], "step": str(plan["step"]), "generation": str(generation), "rank": str(layout.rank),
+            "world_size": str(layout.world_size), "num_emas": str(plan["buffers"]["num_emas"]),
+            "dtype": plan["buffers"]["dtype"]}
+
+
+def buffer_tensors(buffers, desc: dict) -> list[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` of a buffer state in file order: ``emas.<k>.<name>`` then ``copied.<name>``."""
+    out = [(tensor_key(k, n), buffers.emas[k][n]) for k in range(desc["num_emas"]) for n in desc["floating"]]
+    return out + [(f"copied.{n}", buffers.copied[n]) for n in desc["copied"]]
+
+
+def write_buffer_file(path: Path, rank: int, buffers, desc: dict, meta: dict[str, str]) -> dict:
+    """Write this rank's buffers (atomically) and return the file's manifest record."""
+    tensors = buffer_tensors(buffers, desc)
+    entries = [(key, t.dtype, tuple(t.shape)) for key, t in tensors]
+    with _io.StreamingWriter(path, entries, meta, algo=_io.CHECKSUM) as w:
+        for key, t in tensors:
+            w.write(key, t.detach())
+        size = w.commit()
+    return _record(w, rank, path, size)
+
+
+def build_manifest(plan: dict, layout: ShardLayout, files: list[dict], buffer_files: list[dict] | None = None,
+                   **extra) -> dict:
+    """The manifest of a save whose rank files are ``files`` (their records), and ``buffer_files`` when the
+    save carried buffers; ``plan`` as agreed by the ranks."""
+    manifest = {
         "format": MANIFEST_FORMAT,
         "format_version": FORMAT_VERSION,
         "library": f"functional_ema {library_version()}",
-        "note": "functional_ema EMA checkpoint: complete because this manifest exists. Each file holds "
-                "'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata says where the "
-                "piece sits in the full parameter.",
+        "note": "functional_ema EMA checkpoint: complete because this manifest exists (with every file it lists). "
+                "Each rank file holds 'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata "
+                "says where the piece sits in the full parameter.",
         "tag": plan["tag"],
         "generation": plan["generation"],
         "step": plan["step"],
         "num_emas": plan["num_emas"],
         "dtype": plan["dtype"],
         "schedules": plan["schedules"],
+        "extra": plan["extra"],
         "world_size": layout.world_size,
         "zero_stage": layout.stage,
         "params": {n: list(s.shape) for n, s in layout.specs.items()},
@@ -179,41 +304,47 @@ def build_manifest(plan: dict, layout: ShardLayout, files: list[dict], **extra) 
         "files": files,
         **extra,
     }
+    if plan["buffers"] is not None:
+        manifest["buffers"] = plan["buffers"]
+        manifest["buffer_files"] = sorted(buffer_files or [], key=lambda e: e["rank"])
+    return manifest
 
 
 def commit_manifest(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
-    """Rank 0, once every rank file is durable: write the manifest (which completes the checkpoint), then
-    remove what older generations and crashed saves left."""
+    """Rank 0, once every file of the save is durable: write the manifest (which completes the checkpoint),
+    then remove what older generations and crashed saves left."""
     _io.fsync_dir(save_dir)  # the tag folder's own entry
     _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
     # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
     # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
     _io.atomic_write_bytes(save_dir / LATEST_NAME, (manifest["tag"] + "\n").encode())
-    _cleanup(tag_dir, {w["file"] for w in manifest["files"]})
+    _cleanup(tag_dir, {w["file"] for w in manifest["files"] + manifest.get("buffer_files", [])})
 
 
-def remove_unlisted(tag_dir: Path, fname: str | None) -> None:
-    """After a failed save: remove this rank's new rank file unless the manifest on disk lists it
-    (the previous complete checkpoint, if any, stays as it was). Best effort."""
-    if fname is None:
+def remove_unlisted(tag_dir: Path, fnames: Sequence[str]) -> None:
+    """After a failed save: remove this rank's new files unless the manifest on disk lists them (the
+    previous complete checkpoint, if any, stays as it was). Best effort."""
+    if not fnames:
         return
-    path = tag_dir / fname
     try:
-        listed = {e.get("file") for e in json.loads((tag_dir / MANIFEST_NAME).read_bytes()).get("files", [])}
-    except Exception:  # noqa: BLE001 - no readable manifest: nothing lists the file
+        m = json.loads((tag_dir / MANIFEST_NAME).read_bytes())
+        listed = {e.get("file") for e in m.get("files", []) + (m.get("buffer_files") or [])}
+    except Exception:  # noqa: BLE001 - no readable manifest: nothing lists the files
         listed = set()
-    if fname not in listed:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    for fname in fnames:
+        if fname not in listed:
+            with contextlib.suppress(OSError):
+                os.unlink(tag_dir / fname)
 
 
 def _cleanup(tag_dir: Path, keep: set[str]) -> None:
-    """Remove rank files of older generations and temporary files of crashed saves (best effort)."""
+    """Remove files of older generations and temporary files of crashed saves (best effort; the caller
+    holds the tag's :class:`TagLock`, so no other save is writing here)."""
     removed = False
     for p in tag_dir.iterdir():
-        stale_rank_file = RANK_FILE.match(p.name) and p.name not in keep
-        stale_tmp = _io.is_tmp_name(p.name) and (p.name.startswith("ema_") or p.name.startswith(MANIFEST_NAME))
-        if stale_rank_file or stale_tmp:
+        stale_file = (RANK_FILE.match(p.name) or BUFFER_FILE.match(p.name)) and p.name not in keep
+        stale_tmp = _io.is_tmp_name(p.name) and p.name.startswith(("ema_", "buffers_", MANIFEST_NAME))
+        if stale_file or stale_tmp:
             try:
                 os.unlink(p)
                 removed = True
@@ -221,3 +352,82 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
                 logger.warning("functional_ema: could not remove stale %s: %s", p, e)
     if removed:
         _io.fsync_dir(tag_dir)
+
+
+# ------------------------------------------------------------------------------------ one writer
+
+
+class TagLock:
+    """The right to write one tag folder, exclusive across threads and processes.
+
+    ``flock`` on :data:`LOCK_NAME` inside the tag folder, taken by the rank that commits (rank 0)
+    before it picks the generation and held until the manifest is written or the save has failed.
+    A ``flock`` belongs to one open file description, so two savers of one process exclude each other
+    as two processes do, and it is released by the kernel when its holder dies (no stale locks).
+    The holder removes the file before releasing it; a waiter that then holds a removed file tries again.
+    """
+
+    def __init__(self, tag_dir: Path, fd: int | None, created: bool):
+        self.tag_dir, self._fd, self.created = tag_dir, fd, created
+
+    @classmethod
+    def acquire(cls, tag_dir: Path, timeout: float, what: str) -> "TagLock":
+        """Create ``tag_dir`` if needed and take its lock, waiting at most ``timeout`` seconds for another
+        save of the same tag to finish; else :class:`CheckpointError` naming the tag and the holder."""
+        created = not tag_dir.is_dir()
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        path = tag_dir / LOCK_NAME
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"{what}: tag {tag_dir.name!r} in {tag_dir.parent} is being written by another save ({holder}) and "
+                        f"it did not finish within {timeout:g} s. One save writes a tag at a time: wait for the other "
+                        "one (AsyncSaver.wait()), or save under another tag"
+                    ) from None
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
+                continue
+            except OSError as e:  # a filesystem without flock (some network mounts): go on unlocked, say so
+                logger.warning("functional_ema: cannot lock %s (%s); concurrent saves of this tag are not excluded", path, e)
+                os.close(fd)
+                return cls(tag_dir, None, created)
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous holder removed the file we locked: take the new one
+                os.close(fd)
+                continue
+            with contextlib.suppress(OSError):  # who holds it, for another waiter's message (best effort: a full disk)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, thread {threading.current_thread().name}".encode(), 0)
+            return cls(tag_dir, fd, created)
+
+    def release(self, remove_empty: bool = False) -> None:
+        """Give the tag up (idempotent); ``remove_empty`` also removes the folder if this lock created it
+        and nothing else is in it (a save refused before writing anything)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.tag_dir / LOCK_NAME)
+        os.close(fd)
+        if remove_empty and self.created:
+            with contextlib.suppress(OSError):
+                self.tag_dir.rmdir()
+
+
+def _read_holder(fd: int) -> str:
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        text = os.pread(fd, 200, 0).decode()
+        if text:
+            return text
+    return "holder unknown"

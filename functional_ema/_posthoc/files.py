@@ -252,7 +252,7 @@ def posthoc_offline(
         sigma_rel, gamma, step, max_profile_error: as in :func:`solve_coefficients` (``step``
             defaults to the last snapshot).
         dtype: result dtype.
-        verify: check the CRC-32s of every byte read.
+        verify: check the checksums of every byte read.
         prefix: tag prefix of the snapshot folders.
         buffer_bytes: memory for float64 accumulators; smaller streams in more passes.
 

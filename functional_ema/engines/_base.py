@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .._layout import ShardLayout, ShardSpec
 from .._shards import Shards
 
-__all__ = ["Adapter", "Reading", "SwapStats", "swap_by_copy", "known_adapter"]
+__all__ = ["Adapter", "Reading", "SwapStats", "swap_by_copy", "known_adapter", "gather_pieces"]
 
 # Attribute of the training object under which its reading is kept (see Adapter.read).
 _SLOT = "_functional_ema_reading"
@@ -135,6 +135,29 @@ class Adapter:
         """Context manager: the forward computes with ``pieces`` (this rank's EMA pieces)."""
         return swap_by_copy(reading, pieces)
 
+    def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite the trained weights with ``pieces`` (this rank's pieces, already checked against the
+        reading): the fp32 weights the optimizer holds, and any other copy the forward computes with.
+        Call it on every rank (collective where the engine keeps full copies to rebuild)."""
+        with torch.no_grad():
+            for name, target in reading.shards.items():
+                if target.numel():
+                    target.copy_(pieces[name].reshape(target.shape))
+
+    @contextlib.contextmanager
+    def refuse_training(self, why: str) -> Iterator[None]:
+        """While EMA weights are swapped in: refuse the engine's own training verbs (raising
+        ``SwappedTrainingError`` with ``why``). The hooks every engine shares (backward through a
+        swapped forward, ``torch.optim`` steps) are set by :func:`functional_ema.swapped` itself."""
+        yield
+
+    def model_parallel(self) -> str | None:
+        """What splits the model across ranks besides the data-parallel group the reading spans, as a noun
+        phrase (e.g. "a DeepSpeed PipelineEngine (2 pipeline stages)"), or ``None``: model parallelism
+        this library does not place in its files yet. Writers are checked from the files themselves
+        (two ranks that would write one file are refused); this names the cause in the message."""
+        return None
+
 
 def is_read(name: str, param: torch.Tensor, previous: Reading | None) -> bool:
     """Whether a parameter belongs in a reading: trainable now, or in the reading this one replaces.
@@ -199,3 +222,62 @@ def swap_by_copy(reading: Reading, pieces: Mapping[str, torch.Tensor]) -> Iterat
         with torch.no_grad():
             for target, live in saved:
                 target.copy_(live)
+
+
+def gather_pieces(reading: Reading, pieces: Mapping[str, torch.Tensor], *, dst: int | None = None,
+                  device: torch.device | str | None = None, bucket_bytes: int = 256 << 20) -> dict[str, torch.Tensor]:
+    """:func:`functional_ema.gather_full` over plain data: a reading's layout and group, and checked pieces
+    (a collective over the reading's group)."""
+    layout = reading.layout
+    names = list(layout.specs)
+    if not names:
+        return {}
+    if layout.stage == 0 or layout.world_size == 1:  # every rank holds everything
+        if dst is not None and layout.rank != dst:
+            return {}
+        return {n: pieces[n].detach().reshape(layout.specs[n].shape).to(device or pieces[n].device, copy=True) for n in names}
+    group = reading.group
+    all_specs = reading.all_specs()
+    out: dict[str, torch.Tensor] = {}
+    ref = pieces[names[0]]
+    dtype, src_device = ref.dtype, ref.device
+    device = torch.device(device) if device is not None else src_device
+    # The collective runs on the backend's device: gloo takes CPU tensors, nccl CUDA ones.
+    comm_device = src_device
+    for bucket in _buckets(names, all_specs, max(1, bucket_bytes // ref.element_size())):
+        sizes = [sum(all_specs[r][n].numel for n in bucket) for r in range(layout.world_size)]
+        width = max(sizes)
+        send = torch.zeros(width, dtype=dtype, device=comm_device)
+        torch.cat([pieces[n].detach().reshape(-1).to(comm_device) for n in bucket] or [send[:0]], out=send[: sizes[layout.rank]])
+        if dst is None:
+            recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)]
+            dist.all_gather(recv, send, group=group)
+        else:
+            recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)] if layout.rank == dst else None
+            dist.gather(send, recv, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
+            if layout.rank != dst:
+                continue
+        cursor = [0] * layout.world_size
+        for n in bucket:
+            spec = layout.specs[n]
+            full = torch.empty(spec.full_numel, dtype=dtype, device=device)
+            for r in range(layout.world_size):
+                s = all_specs[r][n]
+                if s.numel:
+                    full[s.offset : s.offset + s.numel].copy_(recv[r][cursor[r] : cursor[r] + s.numel])
+                    cursor[r] += s.numel
+            out[n] = full.view(spec.shape)
+    return out
+
+
+def _buckets(names, all_specs, max_elems):
+    bucket, size = [], 0
+    for n in names:
+        n_el = max(specs[n].numel for specs in all_specs)
+        if bucket and size + n_el > max_elems:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(n)
+        size += n_el
+    if bucket:
+        yield bucket

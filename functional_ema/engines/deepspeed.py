@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from .._layout import ShardLayout, ShardSpec
 from .._shards import shards_from_views
-from ._base import Adapter, Reading, SwapStats, world_of
+from .._errors import SwappedTrainingError
+from ._base import Adapter, Reading, SwapStats, gather_pieces, world_of
 
 __all__ = ["DeepSpeedAdapter", "is_deepspeed_engine", "data_parallel_group", "unsupported_reason"]
 
@@ -79,6 +80,66 @@ class DeepSpeedAdapter(Adapter):
         if reading.layout.stage == 3:
             return _swap_zero3(self.target, reading, pieces)
         return _swap_data(reading, pieces)
+
+    def model_parallel(self) -> str | None:
+        return model_parallel(self.target)
+
+    @contextlib.contextmanager
+    def refuse_training(self, why: str):
+        """``engine.backward`` / ``engine.step`` refused (instance attributes shadowing the methods)."""
+        engine = self.target
+        patched = []
+        for verb in ("backward", "step"):
+            def refuse(*_a, _verb=verb, **_k):
+                raise SwappedTrainingError(f"engine.{_verb}() {why}")
+
+            engine.__dict__[verb] = refuse
+            patched.append(verb)
+        try:
+            yield
+        finally:
+            for verb in patched:
+                engine.__dict__.pop(verb, None)
+
+    def write_weights(self, reading: Reading, pieces) -> None:
+        """The fp32 masters, and the 16-bit copies the forward uses: ZeRO-3's partitions (the gathered
+        cache emptied first), or ZeRO-0/1/2's module parameters (rebuilt from every rank's pieces: a
+        collective, done before any rank writes)."""
+        engine, stage = self.target, reading.layout.stage
+        full = gather_pieces(reading, pieces) if stage != 3 else None
+        with torch.no_grad():
+            for n, t in reading.shards.items():
+                if t.numel():
+                    t.copy_(pieces[n].reshape(t.shape))
+            if stage == 3:
+                engine.empty_partition_cache()
+                for n, p in reading.params.items():
+                    numel = reading.layout.specs[n].numel
+                    if numel:
+                        p.ds_tensor.data.view(-1)[:numel].copy_(pieces[n].reshape(-1))
+            else:
+                for n, p in reading.params.items():
+                    p.data.copy_(full[n].to(p.dtype))
+
+
+def model_parallel(engine) -> str | None:
+    """The engine's model-parallel groups as a noun phrase (pipeline stages, AutoTP, an ``mpu=``), or ``None``."""
+    parts = []
+    if any(c.__name__ == "PipelineEngine" for c in type(engine).__mro__):
+        stages = getattr(engine, "num_stages", None)
+        parts.append(f"a DeepSpeed PipelineEngine ({stages} pipeline stages)" if stages else "a DeepSpeed PipelineEngine")
+    autotp = getattr(engine, "autotp_size", None)
+    with contextlib.suppress(Exception):
+        size = int(autotp()) if callable(autotp) else 0
+        if size > 1:
+            parts.append(f"DeepSpeed AutoTP tensor parallelism (tensor_parallel.autotp_size={size})")
+    mpu = getattr(engine, "mpu", None)
+    if mpu is not None and not parts:
+        size = None
+        with contextlib.suppress(Exception):
+            size = int(mpu.get_model_parallel_world_size())
+        parts.append(f"an mpu= model-parallel group ({size} ranks)" if size else "an mpu= model-parallel group")
+    return " with ".join(parts) or None
 
 
 def data_parallel_group(engine):
@@ -235,8 +296,6 @@ def _swap_zero3(engine, reading: Reading, ema):
 def _swap_data(reading: Reading, pieces):
     """ZeRO-0/1/2 with 16-bit parameters: the parameters' ``.data`` point at the full EMA (gathered
     once on ZeRO-1/2; the memory the forward needs anyway)."""
-    from .._api import gather_pieces
-
     full = gather_pieces(reading, pieces)
     saved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     extra = 0

@@ -8,12 +8,22 @@ checkpoint, :meth:`~EMAController.export` / :meth:`~EMAController.copy_to_model`
 callbacks only translate their framework's events and find the training object (a DeepSpeed
 engine, an FSDP2 model, a DDP or plain module) that the verbs of :mod:`functional_ema` take.
 
-Files written into a checkpoint folder ``save_dir`` under ``tag`` (default ``"ema"``)::
+Files written into a checkpoint folder ``save_dir`` under ``tag`` (default ``"ema"``) by one
+:func:`functional_ema.save`::
 
-    save_dir/tag/ema_rank_*_of_*.safetensors    every rank's EMA pieces (functional_ema.save)
+    save_dir/tag/ema_rank_*_of_*.safetensors     every rank's EMA pieces
     save_dir/tag/buffers_rank_*_of_*.safetensors every rank's buffer EMAs (when buffers= is set)
-    save_dir/tag/integration.json               rank 0: the framework's step, whether the EMA started
-    save_dir/tag/ema_manifest.json              written last: the tag is complete
+    save_dir/tag/ema_manifest.json               written last: lists every file with its checksums,
+                                                 and the integration's record (``extra``): the
+                                                 framework's step and the EMA's rules
+
+Before the EMA has started (``start_step``) there is no EMA to save: rank 0 writes a checksummed
+record, ``integration.json``, instead (the framework's step, and the generation of any EMA in that
+folder it supersedes).
+
+Resuming checks, and never guesses: the EMA's step must be the one these rules give for the
+framework's step (:func:`expected_ema_step`), the record must belong to the framework's checkpoint,
+and nothing unchecked can discard or restart a verified EMA.
 """
 
 from __future__ import annotations
@@ -30,11 +40,15 @@ import torch.distributed as dist
 
 import functional_ema as fe
 from functional_ema import buffers as fb
+from functional_ema._api import state_pieces
+from functional_ema._checkpoint.collective import agree, io_error, timeout_s
+from functional_ema._checkpoint.format import (MANIFEST_NAME, RECORD_NAME, check_export_path, read_record,
+                                               record_bytes)
+from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
+from functional_ema._io import atomic_write_bytes
 from functional_ema.schedules import DecayLike
 
-__all__ = ["EMAController", "INTEGRATION_FILE"]
-
-INTEGRATION_FILE = "integration.json"
+__all__ = ["EMAController", "expected_ema_step", "RECORD_NAME"]
 
 
 def _rank() -> int:
@@ -46,13 +60,21 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f"{path.name}.part-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def expected_ema_step(framework_step: int, start_step: int, every_n_steps: int) -> int | None:
+    """The EMA's step after the optimizer step ``framework_step``, under the controller's rules (``None``:
+    not started). The EMA starts equal to the weights after the first optimizer step ``>= start_step``
+    (optimizer steps count from 1), then moves at the multiples of ``every_n_steps``."""
+    first = max(1, int(start_step))
+    if framework_step < first:
+        return None
+    return max(first, (int(framework_step) // int(every_n_steps)) * int(every_n_steps))
+
+
+def _resume_error(where: Path, why: str) -> fe.CheckpointError:
+    return fe.checkpoint.CheckpointMismatchError(
+        f"resuming the EMA from {where}: {why}. The EMA files do not belong to the checkpoint being resumed (or the "
+        "EMA settings changed); resume from the checkpoint they were saved with, or start a new EMA"
+    )
 
 
 class EMAController:
@@ -195,68 +217,161 @@ class EMAController:
 
     # ------------------------------------------------------------------------------- checkpoints
 
-    def save(self, x: Any, save_dir: str | os.PathLike, framework_step: int) -> Path:
-        """Write every rank's pieces into ``save_dir/<tag>/``. Collective: call on every rank.
+    def _record(self, framework_step: int) -> dict:
+        """What a resume checks: the framework's step and the rules that give the EMA's step from it."""
+        return {"integration": 1, "framework_step": int(framework_step), "started": self.state is not None,
+                "ema_step": None if self.state is None else int(self.state.step), "num_emas": self.num_emas,
+                "buffers": self.buffers if self.buffer_state is not None else None,
+                "every_n_steps": self.every_n_steps, "start_step": self.start_step}
 
-        Buffers and the small ``integration.json`` first, :func:`functional_ema.save` last (its
-        manifest marks the tag complete). Before the EMA started only ``integration.json`` is written.
+    def save(self, x: Any, save_dir: str | os.PathLike, framework_step: int) -> Path:
+        """Write every rank's pieces (and buffers) into ``save_dir/<tag>/``. Collective: call on every rank.
+
+        One :func:`functional_ema.save` (or :class:`functional_ema.AsyncSaver` save) writes the EMA, the
+        buffers and this controller's record (``extra``: the framework's step and the rules), all listed
+        and checksummed in one manifest: a failed save leaves no part of the tag at a newer step than
+        the rest. Before the EMA started only a checksummed ``integration.json`` record is written.
         """
         save_dir = Path(save_dir)
         tag_dir = save_dir / self.tag
-        if _rank() == 0:
-            tag_dir.mkdir(parents=True, exist_ok=True)
-            _atomic_json(tag_dir / INTEGRATION_FILE, {
-                "framework_step": int(framework_step), "started": self.state is not None,
-                "ema_step": None if self.state is None else int(self.state.step), "num_emas": self.num_emas,
-                "buffers": self.buffers if self.buffer_state is not None else None,
-                "every_n_steps": self.every_n_steps, "start_step": self.start_step,
-            })
+        record = self._record(framework_step)
         if self.state is None:
-            _barrier()
+            self._save_unstarted(x, tag_dir, record)
             return tag_dir
-        if self.buffer_state is not None:
-            fb.save_buffers(self.buffer_state, x, save_dir, self.tag, mode=self.buffers)
-        if self._saver is not None:
-            self._saver.save(self.state, x, save_dir, self.tag, decay=self.decay)  # manifest last, in the background
+        if self._saver is not None:  # manifest last, in the background
+            self._saver.save(self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record)
             return tag_dir
-        return fe.save(self.state, x, save_dir, self.tag, decay=self.decay)
+        fe.save(self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record)
+        if _rank() == 0:  # an older not-started record is superseded by the manifest; remove it for clarity
+            with contextlib.suppress(OSError):
+                (tag_dir / RECORD_NAME).unlink()
+        return tag_dir
+
+    def _save_unstarted(self, x: Any, tag_dir: Path, record: dict) -> None:
+        """Rank 0 writes the not-started record, atomically, holding the tag's write lock; it names the
+        generation of the EMA saved in that folder before (if any), which it supersedes."""
+        group = fe.process_group(x)
+        layout = fe.shard_layout(x)
+
+        def write():
+            if layout.rank != 0:
+                return None
+            lock = TagLock.acquire(tag_dir, timeout_s(None), "EMA save")
+            try:
+                record["supersedes_generation"] = read_generation(tag_dir) - 1
+                atomic_write_bytes(tag_dir / RECORD_NAME, record_bytes(record))
+            except OSError as e:
+                raise io_error(e, 0, tag_dir / RECORD_NAME) from None
+            finally:
+                lock.release()
+            return None
+
+        agree("EMA save (not started yet)", write, group, layout.world_size, layout.rank, results=False)
 
     def wait(self) -> None:
         """Wait for the EMA writes in flight (``async_save=True``); raise a failure of one."""
         if self._saver is not None:
             self._saver.wait()
 
-    def load(self, x: Any, load_dir: str | os.PathLike, framework_step: int | None = None) -> None:
-        """Restore this rank's state from ``load_dir/<tag>/`` (any world size or engine: ``fe.load``
-        reshards). Collective. ``framework_step`` (the step the framework resumed at) is checked: an
-        EMA ahead of it belongs to another run."""
+    def load(self, x: Any, load_dir: str | os.PathLike, framework_step: int | None = None) -> int:
+        """Restore this rank's state from ``load_dir/<tag>/`` (any world size or engine: it reshards).
+        Collective. Returns the framework step the EMA was saved at (verified).
+
+        ``framework_step`` is the step the framework resumed at (``None``: take it from the checkpoint's
+        own checksummed record, for a framework that keeps no step of its own). Checked, on every rank,
+        before anything is kept: the EMA's record belongs to that step, the EMA's step is the one the
+        rules give for it (:func:`expected_ema_step`: equal, or the last update before it under
+        ``every_n_steps`` / ``start_step``), the number of EMAs; a not-started record is honoured only
+        when the rules say the EMA had not started, and only if it is newer than any EMA beside it.
+        A mismatch is refused (:class:`functional_ema.CheckpointError`) naming both steps.
+        """
         self.wait()  # a write of this process in flight finishes first
         load_dir = Path(load_dir)
-        info_path = load_dir / self.tag / INTEGRATION_FILE
-        info = json.loads(info_path.read_text()) if info_path.is_file() else None
-        if info is not None and not info.get("started", True):
+        tag_dir = load_dir / self.tag
+        group, layout = fe.process_group(x), fe.shard_layout(x)
+
+        def decide():
+            record = read_record(tag_dir / RECORD_NAME)
+            if record is not None and record.get("started") is not False:
+                raise fe.checkpoint.CorruptCheckpointError(f"{tag_dir / RECORD_NAME}: a record beside an EMA must say "
+                                                           "'started': false; the file is damaged")
+            generation = None
+            if (tag_dir / MANIFEST_NAME).is_file():
+                generation = int(fe.checkpoint.read_manifest(load_dir, self.tag)["generation"])
+            if record is not None and (generation is None or _int_field(record, "supersedes_generation", tag_dir) >= generation):
+                return ("unstarted", record)
+            return ("ema", None) if generation is not None else ("nothing", None)
+
+        kind, record = agree("EMA resume", decide, group, layout.world_size, layout.rank)[0]
+        if kind == "unstarted":
+            saved_step = _int_field(record, "framework_step", tag_dir / RECORD_NAME)
+            self._check_unstarted(tag_dir / RECORD_NAME, saved_step, framework_step)
             self.state = self.buffer_state = None
-            return
+            return saved_step
+        if kind == "nothing":
+            if framework_step is not None and expected_ema_step(framework_step, self.start_step, self.every_n_steps) is None:
+                self.state = self.buffer_state = None  # nothing to resume: the EMA starts later, by the rules
+                return int(framework_step)
+            raise fe.checkpoint.IncompleteCheckpointError(
+                f"resuming the EMA: {tag_dir} holds no complete EMA checkpoint (no {MANIFEST_NAME}) and no not-started "
+                f"record, but at framework step {framework_step} the EMA (start_step={self.start_step}) must have "
+                "started. Was the EMA callback attached when this checkpoint was written, and did its save finish?"
+            )
+        has_buffers = False
         try:
-            state = fe.load(x, load_dir, self.tag)
+            if self.buffers:
+                has_buffers = fe.buffers.has_buffers(load_dir, self.tag)
+            loaded = fe.checkpoint.load_checkpoint(x, load_dir, self.tag, buffers=has_buffers)
         except fe.CheckpointError as e:
-            raise fe.CheckpointError(
-                f"resuming from {load_dir}: no usable EMA in it under tag {self.tag!r} ({e}). Was the EMA callback "
-                "attached when this checkpoint was written?"
-            ) from e
-        if state.num_emas != self.num_emas:
-            raise ValueError(f"the EMA checkpoint in {load_dir / self.tag} tracks {state.num_emas} EMAs but this run's "
-                             f"callback has {self.num_emas} decays")
-        if framework_step is not None and int(state.step) > int(framework_step):
-            raise ValueError(f"the EMA in {load_dir / self.tag} is at step {int(state.step)}, after the step the "
-                             f"training resumed at ({framework_step}): it belongs to another checkpoint")
-        self.state = state
-        self.buffer_state = None
-        if self.buffers:
-            if fb.has_buffers(load_dir, self.tag):
-                self.buffer_state = fb.load_buffers(x, load_dir, self.tag)
-            else:  # saved without buffers: start them from the live ones at the EMA's step
-                self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=int(state.step))
+            raise type(e)(f"resuming the EMA from {tag_dir}: {e}") from e
+        saved_step = self._check_loaded(tag_dir, loaded, framework_step)
+        self.state = loaded.state
+        if not self.buffers:
+            self.buffer_state = None
+        elif loaded.buffers is not None:
+            self.buffer_state = loaded.buffers
+        else:  # saved without buffers: start them from the live ones at the EMA's step (as a new run would)
+            self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=int(loaded.state.step))
+        return saved_step
+
+    def _check_unstarted(self, where: Path, saved_step: int, framework_step: int | None) -> None:
+        if framework_step is not None and saved_step != int(framework_step):
+            raise _resume_error(where, f"the not-started record was saved at framework step {saved_step}, but the "
+                                       f"training resumed at step {framework_step}")
+        expected = expected_ema_step(saved_step, self.start_step, self.every_n_steps)
+        if expected is not None:
+            raise _resume_error(where, f"the record says the EMA had not started at framework step {saved_step}, but "
+                                       f"with start_step={self.start_step} it starts after optimizer step "
+                                       f"{max(1, self.start_step)} and must be at step {expected}")
+
+    def _check_loaded(self, tag_dir: Path, loaded, framework_step: int | None) -> int:
+        """The loaded EMA against the framework's step and these rules; returns the verified saved step."""
+        extra = loaded.manifest.get("extra")
+        ema_step = int(loaded.state.step)
+        if loaded.state.num_emas != self.num_emas:
+            raise _resume_error(tag_dir, f"the checkpoint tracks {loaded.state.num_emas} EMA(s) but this run's callback has "
+                                         f"{self.num_emas} decay(s)")
+        saved_step = None
+        if isinstance(extra, dict) and extra.get("integration") == 1:
+            saved_step = _int_field(extra, "framework_step", tag_dir / MANIFEST_NAME)
+            if framework_step is not None and saved_step != int(framework_step):
+                raise _resume_error(tag_dir, f"the EMA was saved with the checkpoint of framework step {saved_step}, but "
+                                             f"the training resumed at step {framework_step}")
+        elif framework_step is None:
+            raise _resume_error(tag_dir, "its manifest carries no integration record (saved by functional_ema.save "
+                                         "directly?), so the framework's step cannot be checked")
+        step = int(framework_step) if framework_step is not None else saved_step
+        expected = expected_ema_step(step, self.start_step, self.every_n_steps)
+        if expected != ema_step:
+            rules = f"start_step={self.start_step}, every_n_steps={self.every_n_steps}"
+            changed = ""
+            if isinstance(extra, dict) and (extra.get("start_step"), extra.get("every_n_steps")) != (self.start_step, self.every_n_steps):
+                changed = (f"; it was saved by a run with start_step={extra.get('start_step')}, "
+                           f"every_n_steps={extra.get('every_n_steps')}")
+            want = "not started" if expected is None else f"at step {expected}"
+            raise _resume_error(tag_dir, f"the EMA is at step {ema_step}, but at framework step {step} the rules "
+                                         f"({rules}) put it {want}{changed}")
+        return step
 
     # --------------------------------------------------------------------------------------- end
 
@@ -264,10 +379,7 @@ class EMAController:
         """Full-shape EMA ``index`` (parameters, their tied aliases, buffers) on rank ``dst``
         (``None``: every rank; others get ``{}``), names as in the engine's module with
         ``strip_prefix`` removed (a framework's wrapper, e.g. Lightning's ``_forward_module.``). Collective."""
-        index = self.eval_index if index is None else index
-        index = 0 if index is None else index
-        if self.state is None:
-            raise RuntimeError(f"the EMA has not started (start_step={self.start_step}): nothing to export")
+        index = self._index(index)
         full = fe.gather_full(self.state, x, index=index, dst=dst)
         if dst is not None and _rank() != dst:
             return {}
@@ -285,24 +397,36 @@ class EMAController:
             full = {n.removeprefix(strip_prefix): t for n, t in full.items()}
         return full
 
+    def _index(self, index: int | None) -> int:
+        """EMA ``index`` (default ``eval_index``, else 0), checked; the EMA must have started."""
+        index = self.eval_index if index is None else index
+        index = 0 if index is None else index
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_emas:
+            raise ValueError(f"index={index!r} is not one of the {self.num_emas} EMA(s)")
+        if self.state is None:
+            raise RuntimeError(f"the EMA has not started (start_step={self.start_step}): nothing to export or copy")
+        return index
+
     def export(self, x: Any, path: str | os.PathLike, index: int | None = None, strip_prefix: str = "") -> Path | None:
-        """Write :meth:`full_state_dict` to one safetensors file from rank 0 (atomic). Collective."""
+        """Write :meth:`full_state_dict` to one safetensors file from rank 0 (atomic). Collective.
+
+        The path is refused (:class:`functional_ema.checkpoint.OutputPathError`, on every rank, before
+        anything is gathered) when it would land on a checkpoint's files: a tag folder, a rank, buffer or
+        manifest file, ``latest``. Its metadata records the EMA written (``ema_index``), its step and schedule.
+        """
         from safetensors.torch import save as st_save
 
+        index = self._index(index)
+        path = check_export_path(path, "EMA export")
         full = self.full_state_dict(x, index=index, dst=0, strip_prefix=strip_prefix)
-        path = Path(path)
         if _rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             # Tied aliases share storage; safetensors wants distinct tensors.
             tensors = {n: t.detach().contiguous().clone() for n, t in full.items()}
-            meta = {"format": "functional_ema.export", "step": str(int(self.state.step)),
-                    "ema_index": str(self.eval_index or 0)}
-            tmp = path.with_name(f"{path.name}.part-{os.getpid()}")
-            with open(tmp, "wb") as f:
-                f.write(st_save(tensors, metadata=meta))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            schedule = describe_decays(self.decays[index], 1)
+            meta = {"format": "functional_ema.export", "step": str(int(self.state.step)), "ema_index": str(index),
+                    "schedule": json.dumps(schedule[0] if schedule else None)}
+            atomic_write_bytes(path, st_save(tensors, metadata=meta))
         _barrier()
         return path if _rank() == 0 else None
 
@@ -312,36 +436,24 @@ class EMAController:
         The fp32 weights the optimizer holds (DeepSpeed's masters, FSDP2's local shards, the plain
         parameters) and the copies the forward uses (ZeRO-3 partitions, ZeRO-0/1/2 module
         parameters) all receive the EMA, so ``save_pretrained``/``save_checkpoint`` afterwards
-        write the EMA weights. Buffers too when they are carried.
+        write the EMA weights. Buffers too when they are carried. The state must fit the model
+        exactly (every EMA'd parameter trainable in it, same pieces), else
+        :class:`functional_ema.StateMismatchError` on every rank, before anything is written.
         """
-        index = self.eval_index if index is None else index
-        index = 0 if index is None else index
-        if self.state is None:
-            raise RuntimeError(f"the EMA has not started (start_step={self.start_step}): nothing to copy")
+        index = self._index(index)
         adapter = fe.engines.adapter_for(x)
         reading = adapter.read()
-        pieces = self.state.emas[index]
-        full = None
-        if adapter.name == "deepspeed" and reading.layout.stage != 3:
-            full = fe.gather_full(self.state, x, index=index)  # collective: before any rank writes
+        pieces = state_pieces(self.state, reading, index, "copy_to_model")  # all ranks agree before any write
+        live = fb.module_buffers(x) if self.buffer_state is not None else {}
+        if self.buffer_state is not None:
+            saved = {**self.buffer_state.emas[index], **self.buffer_state.copied}
+            if set(saved) != set(live) or any(tuple(saved[n].shape) != tuple(live[n].shape) for n in saved):
+                raise fe.StateMismatchError(f"copy_to_model: the buffer EMAs {sorted(saved)} do not fit the model's buffers "
+                                            f"{sorted(live)} (names or shapes)")
+        adapter.write_weights(reading, pieces)
         with torch.no_grad():
-            for n, t in reading.shards.items():
-                if t.numel():
-                    t.copy_(pieces[n].reshape(t.shape))
-            if adapter.name == "deepspeed":
-                if reading.layout.stage == 3:
-                    x.empty_partition_cache()
-                    for n, p in reading.params.items():
-                        numel = reading.layout.specs[n].numel
-                        if numel:
-                            p.ds_tensor.data.view(-1)[:numel].copy_(pieces[n].reshape(-1))
-                else:
-                    for n, p in reading.params.items():
-                        p.data.copy_(full[n].to(p.dtype))
-            if self.buffer_state is not None:
-                live = fb.module_buffers(x)
-                for n, t in {**self.buffer_state.emas[index], **self.buffer_state.copied}.items():
-                    live[n].copy_(t)
+            for n, t in ({**self.buffer_state.emas[index], **self.buffer_state.copied} if self.buffer_state else {}).items():
+                live[n].copy_(t)
         _barrier()
 
     def on_train_end(self, x: Any, strip_prefix: str = "") -> None:
@@ -353,3 +465,10 @@ class EMAController:
             self.export(x, self.export_path, strip_prefix=strip_prefix)
         if self.copy_to_model_at_end:
             self.copy_to_model(x)
+
+
+def _int_field(record: dict, field: str, where: Path) -> int:
+    value = record.get(field)
+    if type(value) is not int or value < -1:
+        raise fe.checkpoint.CorruptCheckpointError(f"{where}: field {field!r} must be an int, got {value!r}; the record is damaged")
+    return value

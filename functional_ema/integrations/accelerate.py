@@ -26,9 +26,7 @@ the EMA inside the folder ``save_state``/``load_state`` uses. The optimizer step
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import accelerate  # noqa: F401 - the framework this module glues to
@@ -36,7 +34,7 @@ import accelerate  # noqa: F401 - the framework this module glues to
 from functional_ema.engines.deepspeed import is_deepspeed_engine
 from functional_ema.schedules import DecayLike
 
-from ._common import INTEGRATION_FILE, EMAController
+from ._common import EMAController
 
 __all__ = ["AcceleratorEMA"]
 
@@ -88,13 +86,13 @@ class AcceleratorEMA:
         self.ema.save(self.model, output_dir, self.optimizer_step)
 
     def _on_load(self, models, input_dir) -> None:
-        # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest.
-        if not is_deepspeed_engine(self.model):
-            info = Path(input_dir) / self.ema.tag / INTEGRATION_FILE
-            if not info.is_file():
-                raise FileNotFoundError(f"{info} is missing: this checkpoint was saved without AcceleratorEMA")
-            self._steps = int(json.loads(info.read_text())["framework_step"])
-        self.ema.load(self.model, input_dir, framework_step=self.optimizer_step)
+        # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest. Without
+        # DeepSpeed the optimizer-step counter is this helper's own: it comes back from the EMA
+        # checkpoint's checksummed record, checked against the EMA's step.
+        if is_deepspeed_engine(self.model):
+            self.ema.load(self.model, input_dir, framework_step=self.optimizer_step)
+        else:
+            self._steps = self.ema.load(self.model, input_dir, framework_step=None)
 
     def export(self, path, index: int | None = None):
         """Consolidated EMA ``index`` into one safetensors file (rank 0 writes). Collective."""

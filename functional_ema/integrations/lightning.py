@@ -114,9 +114,27 @@ class EMACallback(pl.Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if trainer.ckpt_path:
-            self.ema.load(self._target(trainer), ema_dir_for(trainer.ckpt_path), framework_step=trainer.global_step)
+            where = ema_dir_for(trainer.ckpt_path)
+            self.ema.load(self._target(trainer), where, framework_step=trainer.global_step)
+            self._check_own_record(where)
         elif trainer.global_step == 0:
             self.ema.state = self.ema.buffer_state = None
+
+    def _check_own_record(self, where: Path) -> None:
+        """The EMA read from beside the checkpoint must be the one this callback's state in the checkpoint
+        itself names (its step): an ``.ema`` folder from another checkpoint is refused, not used."""
+        meta = getattr(self, "_loaded_meta", None)
+        if meta is None:
+            return
+        loaded = None if self.ema.state is None else int(self.ema.state.step)
+        if meta.get("ema_step") != loaded:
+            import functional_ema as fe
+
+            raise fe.checkpoint.CheckpointMismatchError(
+                f"resuming the EMA from {where}: the Lightning checkpoint's own EMACallback state says the EMA was at step "
+                f"{meta.get('ema_step')} when it was saved, but the EMA files there are at step {loaded}: they belong to "
+                "another checkpoint. Restore the EMA folder saved with this checkpoint, or resume from another one"
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ema.on_step(self._target(trainer), trainer.global_step)
