@@ -1,9 +1,11 @@
 """Command line: ``python -m functional_ema <command> ...`` (also installed as ``functional-ema``).
 
 Commands:
-    consolidate CHECKPOINT_DIR OUT.safetensors [--tag T] [--index K]
+    consolidate CHECKPOINT_DIR OUT.safetensors [--tag T] [--index K] [--tp-dim NAME=DIM ... | --tp-rank R]
         Rebuild full EMA weights from the per-rank files of a checkpoint, with no GPU and no process
-        group, streaming: peak memory is about the largest single parameter.
+        group, streaming: peak memory is about the largest single parameter. Pipeline stages go into
+        one file; tensor-parallel slices are joined where the split is known, else written one file
+        per tensor-parallel rank (OUT.tp<r>of<T>.safetensors).
     posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from .posthoc import DEFAULT_MAX_PROFILE_ERROR, SNAPSHOT_PREFIX
@@ -45,6 +48,12 @@ def _add_consolidate(subparsers) -> None:
     _add_input_output(p, "checkpoint_dir", "DeepSpeed checkpoint directory (holding 'latest'), or one tag folder")
     p.add_argument("--tag", default=None, help="tag folder to read (default: the one named in CHECKPOINT_DIR/latest)")
     p.add_argument("--index", type=int, default=0, help="which EMA, when several were tracked (default 0)")
+    tp = p.add_mutually_exclusive_group()
+    tp.add_argument("--tp-dim", action="append", default=None, metavar="NAME=DIM",
+                    help="tensor-parallel checkpoints whose split the engine did not record (a plain mpu=): join NAME's "
+                         "slices along DIM ('none' for a parameter replicated across the ranks); give one per parameter")
+    tp.add_argument("--tp-rank", type=int, default=None,
+                    help="tensor-parallel checkpoints: write this rank's slices as they are, not joined")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
@@ -58,20 +67,49 @@ def _run_consolidate(args) -> int:
 
     from .checkpoint import consolidate_to_file
 
+    from .checkpoint import saved_parts
+
     t0 = time.perf_counter()
-    out = consolidate_to_file(
-        args.checkpoint_dir, args.out, args.tag, index=args.index, verify=not args.no_verify, progress=args.progress,
-        overwrite=args.overwrite,
-    )
-    with safe_open(str(out), framework="pt") as f:
-        meta, n = f.metadata() or {}, len(list(f.keys()))
-    size = out.stat().st_size
-    dt = time.perf_counter() - t0
-    print(
-        f"wrote {out}: {n} tensors, {size / 2**20:.1f} MiB, EMA {meta.get('ema_index')} of tag {meta.get('tag')!r} "
-        f"(step {meta.get('step')}) in {dt:.2f} s"
-    )
+    tp_dims = _tp_dims(args.tp_dim) if args.tp_dim else None
+    ranks: list[int | None] = [args.tp_rank]
+    outs = [Path(args.out)]
+    saved = saved_parts(args.checkpoint_dir, args.tag)
+    if tp_dims is None and args.tp_rank is None and saved.tp_size > 1 and not saved.tp_split_known:
+        # how the tensor-parallel slices join is unknown: one file per tensor-parallel rank
+        ranks = list(range(saved.tp_size))
+        outs = [_per_rank_name(Path(args.out), t, saved.tp_size) for t in ranks]
+        print(f"tag saved with tensor-parallel size {saved.tp_size} and no recorded split: writing one file per "
+              "tensor-parallel rank (join them with --tp-dim NAME=DIM ...)")
+    for rank, path in zip(ranks, outs):
+        out = consolidate_to_file(
+            args.checkpoint_dir, path, args.tag, index=args.index, verify=not args.no_verify, progress=args.progress,
+            overwrite=args.overwrite, tp_dims=tp_dims, tp_rank=rank,
+        )
+        with safe_open(str(out), framework="pt") as f:
+            meta, n = f.metadata() or {}, len(list(f.keys()))
+        size = out.stat().st_size
+        print(
+            f"wrote {out}: {n} tensors, {size / 2**20:.1f} MiB, EMA {meta.get('ema_index')} of tag {meta.get('tag')!r} "
+            f"(step {meta.get('step')}){'' if rank is None else f', tensor-parallel rank {rank}'} in "
+            f"{time.perf_counter() - t0:.2f} s"
+        )
     return 0
+
+
+def _tp_dims(items: list[str]) -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    for item in items:
+        name, sep, dim = item.rpartition("=")
+        if not sep or not name or not (dim.isdigit() or dim.lower() == "none"):
+            raise SystemExit(f"error: --tp-dim takes NAME=DIM (DIM an int or 'none'), got {item!r}")
+        out[name] = None if dim.lower() == "none" else int(dim)
+    return out
+
+
+def _per_rank_name(out: Path, rank: int, size: int) -> Path:
+    """``ema.safetensors`` -> ``ema.tp0of2.safetensors``."""
+    stem, suffix = (out.name[: -len(".safetensors")], ".safetensors") if out.name.endswith(".safetensors") else (out.name, "")
+    return out.with_name(f"{stem}.tp{rank}of{size}{suffix}")
 
 
 def _add_posthoc(subparsers) -> None:

@@ -201,15 +201,16 @@ class AsyncSaver:
                 group is gone, or two ranks of the job would write the same file.
         """
         adapter = adapter_for(engine)
-        layout, group = collective.world_of(engine)
-        rank, world, stage = layout.rank, layout.world_size, layout.stage
+        reading = adapter.read()  # read once; the rest takes plain data
+        layout = reading.layout
+        group, rank, world = collective.job_of(reading)  # the ranks that save this model together
         collective.check_reachable("AsyncSaver.save", group, world)
         save_dir = Path(save_dir)
         tag = fmt.check_tag(adapter.default_tag(state) if tag is None else tag)
         tag_dir = save_dir / tag
-        writes = stage != 0 or rank == 0
+        writes = layout.stage != 0 or layout.rank == 0
         collective.check_distinct_writers("AsyncSaver.save", tag_dir, writer.save_files(layout, 0, buffers is not None, writes),
-                                          world, timeout, adapter.model_parallel())
+                                          world, timeout)
         box: dict[str, Any] = {}
         lock: list[writer.TagLock] = []
 
@@ -241,13 +242,25 @@ class AsyncSaver:
                 self._free.append(box["snapshot"][1])
             give_up()
             raise
+        try:  # every rank must see the folder rank 0 holds, or the background commit could never complete
+            collective.agree("async save (the folder is shared)",
+                             lambda: writer.check_shared(tag_dir, rank, "AsyncSaver.save") if rank else None,
+                             group, world, rank, results=False)
+        except BaseException:
+            if "snapshot" in box:
+                self._free.append(box["snapshot"][1])
+            give_up()
+            raise
         handle = SaveHandle(tag_dir, first["step"])
         emas, buffer, ready = box.get("snapshot", (None, None, None))
         handle._buffer = buffer
-        writers = list(range(world)) if stage != 0 or buffers is not None else [0]
+        # Ranks whose record rank 0 waits for: all of them, except where only rank 0 writes (a whole,
+        # replicated model without buffers).
+        all_write = layout.stage != 0 or buffers is not None or not layout.part.whole
         job = _Job(
-            save_dir=save_dir, tag_dir=tag_dir, layout=layout, first=first, mine=mine, token=first["token"],
-            writers=writers, emas=emas, ready=ready, buffers=box.get("buffers"), lock=lock[0] if lock else None,
+            save_dir=save_dir, tag_dir=tag_dir, layout=layout, rank=rank, first=first, mine=mine, token=first["token"],
+            writers=list(range(world)) if all_write else [0], writes=writes, emas=emas, ready=ready,
+            buffers=box.get("buffers"), lock=lock[0] if lock else None,
             dtype=fmt.parse_dtype(first["dtype"], "save"), timeout=self.commit_timeout,
         )
         self._writer_threads().submit(_run, job, handle)
@@ -362,22 +375,22 @@ class _Job:
 
 def _run(job: _Job, handle: SaveHandle) -> None:
     """The background part of one rank's save. No collectives (see the module docstring)."""
-    rank = job.layout.rank
+    rank = job.rank  # in the ranks that save together (markers and messages use it)
     error: BaseException | None = None
     names = writer.save_files(job.layout, job.first["generation"], job.buffers is not None, job.emas is not None)
     try:
         if job.ready is not None:
             job.ready.synchronize()
-        record: dict = {}
+        record: dict = {"part": writer.part_record(job.layout, job.mine)}
         if job.emas is not None:
             meta = writer.rank_file_meta(job.mine, job.layout, job.first["generation"])
             record["file"] = writer.write_rank_file(job.tag_dir / names[0], job.layout, job.emas, job.dtype, meta)
         if job.buffers is not None:
             meta = writer.buffer_file_meta(job.mine, job.layout, job.first["generation"])
-            record["buffers"] = writer.write_buffer_file(job.tag_dir / names[-1], rank, job.buffers, job.mine["buffers"], meta)
+            record["buffers"] = writer.write_buffer_file(job.tag_dir / names[-1], job.layout.rank, job.buffers, job.mine["buffers"], meta)
         deadline = time.monotonic() + job.timeout
         if rank == 0:
-            records = {0: record} if record else {}
+            records = {0: record}
             others = [r for r in job.writers if r != 0]
 
             def collect():
@@ -389,13 +402,11 @@ def _run(job: _Job, handle: SaveHandle) -> None:
                 return True if len(records) == len(job.writers) else None
 
             _poll(collect, deadline, job, f"the files of ranks {others}")
-            ordered = [records[r] for r in sorted(records)]
-            manifest = writer.build_manifest(job.first, job.layout, [x["file"] for x in ordered if "file" in x],
-                                             [x["buffers"] for x in ordered if "buffers" in x], save_id=job.token)
+            manifest = writer.build_manifest(job.first, [records[r] for r in sorted(records)], save_id=job.token)
             writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
             _remove_markers(job.tag_dir)
         else:
-            if record:
+            if rank in job.writers:
                 _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "done"), json.dumps(record).encode())
             seen: list[Any] = [None]
 
@@ -454,7 +465,7 @@ def _poll(check, deadline: float, job: _Job, what: str) -> None:
     while check() is None:
         if time.monotonic() > deadline:
             raise CheckpointError(
-                f"async save of tag {job.first['tag']!r} (rank {job.layout.rank}): timed out after "
+                f"async save of tag {job.first['tag']!r} (rank {job.rank}): timed out after "
                 f"{job.timeout:.0f} s waiting for {what} in {job.tag_dir}. Is the directory shared by all "
                 "ranks, and are they all alive? The checkpoint is not marked complete"
             )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["ShardSpec", "ShardLayout"]
+__all__ = ["ShardSpec", "ShardLayout", "ModelPart"]
 
 
 class ShardSpec(NamedTuple):
@@ -34,6 +34,43 @@ class ShardSpec(NamedTuple):
         return n
 
 
+class ModelPart(NamedTuple):
+    """Which model-parallel slice of the model a rank holds, besides its data-parallel piece.
+
+    The ranks of one part hold the same parameters (names and, under tensor parallelism, the same
+    slices) and split them over their data-parallel group; different parts hold other parameters
+    (pipeline stages) or other slices of the same ones (tensor-parallel ranks).
+
+    Attributes:
+        tp: tensor-parallel rank, in ``[0, tp_size)``.
+        tp_size: tensor-parallel degree (1: none).
+        pp: pipeline stage, in ``[0, pp_size)``.
+        pp_size: number of pipeline stages (1: none).
+    """
+
+    tp: int = 0
+    tp_size: int = 1
+    pp: int = 0
+    pp_size: int = 1
+
+    @property
+    def whole(self) -> bool:
+        """No model parallelism: the part is the whole model."""
+        return self.tp_size == 1 and self.pp_size == 1
+
+    def describe(self) -> str:
+        """``"tensor-parallel rank 1 of 2, pipeline stage 0 of 2"`` (for messages)."""
+        parts = []
+        if self.tp_size > 1:
+            parts.append(f"tensor-parallel rank {self.tp} of {self.tp_size}")
+        if self.pp_size > 1:
+            parts.append(f"pipeline stage {self.pp} of {self.pp_size}")
+        return ", ".join(parts) or "the whole model"
+
+    def to_json_dict(self) -> dict:
+        return {"tp": self.tp, "tp_size": self.tp_size, "pp": self.pp, "pp_size": self.pp_size}
+
+
 class ShardLayout(NamedTuple):
     """How a name-keyed tree of local shards maps onto full parameters.
 
@@ -45,6 +82,13 @@ class ShardLayout(NamedTuple):
         specs: parameter name -> :class:`ShardSpec`, in the order of ``local_shards``.
         engine: what the pieces were read from: ``"deepspeed"``, ``"fsdp2"`` or ``"module"``
             (informational: the checkpoint format does not depend on it).
+        part: the model-parallel slice this rank holds (:class:`ModelPart`; the whole model when
+            there is no tensor or pipeline parallelism). ``specs`` then describe that slice: under
+            tensor parallelism a parameter's "full" shape is this tensor-parallel rank's slice.
+        tp_dims: how tensor-parallel slices join into full parameters, when the engine knows it:
+            ``{name: dim}`` (the slices concatenate along ``dim`` in tensor-parallel rank order) or
+            ``{name: None}`` (the parameter is replicated across tensor-parallel ranks). ``None``:
+            unknown (the consolidation then keeps one file per tensor-parallel rank).
     """
 
     rank: int
@@ -52,17 +96,26 @@ class ShardLayout(NamedTuple):
     stage: int
     specs: dict[str, ShardSpec]
     engine: str = "deepspeed"
+    part: ModelPart = ModelPart()
+    tp_dims: dict[str, int | None] | None = None
 
     def to_json_dict(self) -> dict:
-        return {
+        d = {
             "rank": self.rank,
             "world_size": self.world_size,
             "stage": self.stage,
             "engine": self.engine,
             "specs": {n: [list(s.shape), s.offset, s.numel] for n, s in self.specs.items()},
         }
+        if not self.part.whole:
+            d["part"] = self.part.to_json_dict()
+        if self.tp_dims is not None:
+            d["tp_dims"] = dict(self.tp_dims)
+        return d
 
     @classmethod
     def from_json_dict(cls, d: dict) -> "ShardLayout":
         specs = {n: ShardSpec(tuple(int(x) for x in v[0]), int(v[1]), int(v[2])) for n, v in d["specs"].items()}
-        return cls(int(d["rank"]), int(d["world_size"]), int(d["stage"]), specs, str(d.get("engine", "deepspeed")))
+        part = ModelPart(**{k: int(v) for k, v in d["part"].items()}) if d.get("part") else ModelPart()
+        return cls(int(d["rank"]), int(d["world_size"]), int(d["stage"]), specs, str(d.get("engine", "deepspeed")), part,
+                   d.get("tp_dims"))

@@ -232,6 +232,9 @@ def loaded_buffer_state(x: Any, ckpt, verify: bool = True) -> BufferState:
     num_emas, emas, copied = ckpt.read_buffers(layout.rank, layout.world_size, verify)
     floats, others = _split(module_buffers(x))
     where = f"buffers of tag {ckpt.tag!r} in {ckpt.root}"
+    if getattr(ckpt, "recut", False):  # saved with another model-parallel layout: this part's buffers, by name
+        emas = tuple({n: t for n, t in ema.items() if n in floats} for ema in emas)
+        copied = {n: t for n, t in copied.items() if n in others}
     for what, saved, live in (("floating", emas[0] if emas else {}, floats), ("integer", copied, others)):
         if set(saved) != set(live):
             raise CheckpointMismatchError(
@@ -255,18 +258,20 @@ def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
     byte by byte, on the devices of ``x``'s buffers and against ``x``'s buffer names and shapes.
     ``tag=None`` follows ``latest`` / ``ema_latest`` as :func:`functional_ema.load` does.
     """
-    from ._checkpoint.collective import agree, arrive, world_of
+    from ._checkpoint.collective import agree, arrive, job_of
     from ._checkpoint.reader import open_checkpoint
+    from .engines import adapter_for
 
-    layout, group = world_of(x)
-    arrive("load_buffers", group, layout.world_size, layout.rank, None)
+    reading = adapter_for(x).read()
+    layout, job = reading.layout, job_of(reading)
+    arrive("load_buffers", job.group, job.world, job.rank, None)
     box = {}
 
     def run():
         with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
             box["state"] = loaded_buffer_state(x, ckpt, verify)
 
-    agree("load_buffers", run, group, layout.world_size, layout.rank, results=False)
+    agree("load_buffers", run, job.group, job.world, job.rank, results=False)
     return box["state"]
 
 
@@ -284,12 +289,12 @@ def consolidate(checkpoint_dir: str | os.PathLike, tag: str | None = None, *, in
     checkpoint (one opening, one generation). Loads with ``model.load_state_dict(sd, strict=True)``
     when every parameter is trainable and untied.
     """
-    from ._checkpoint.reader import open_checkpoint
+    from ._checkpoint.reader import open_joined
     from .checkpoint import consolidate_opened
 
-    with open_checkpoint(checkpoint_dir, tag, verify) as ckpt:
+    with open_joined(checkpoint_dir, tag, verify) as ckpt:
         weights = consolidate_opened(ckpt, index, verify)
-        _, emas, copied = ckpt.read_buffers(0, ckpt.world_size, verify)
+        _, emas, copied = ckpt.read_buffers(verify)
     weights.update(emas[index])
     weights.update(copied)
     return weights

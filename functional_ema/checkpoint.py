@@ -62,16 +62,16 @@ import torch
 from . import _io, _memory
 from ._async import AsyncSaver, SaveHandle
 from ._checkpoint.collective import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, agree, arrive, check_distinct_writers, io_error,
-                                     timeout_s, world_of)
+                                     job_of, timeout_s)
 from ._checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
                                  CheckpointTimeoutError, CheckpointVersionError, CorruptCheckpointError,
                                  IncompleteCheckpointError, InvalidTagError, OutputPathError)
 from ._checkpoint.format import (CONSOLIDATED_FORMAT, FORMAT_VERSION, MANIFEST_NAME, check_output, check_tag,
-                                 dtype_name, library_version, parse_dtype, rank_file_name, short_list)
-from ._checkpoint.reader import CheckpointReader, fill_all, open_checkpoint
-from ._checkpoint.writer import (TagLock, agree_plans, buffer_file_meta, build_manifest, commit_manifest, plan_save,
-                                 rank_file_meta, read_generation, remove_unlisted, save_files, write_buffer_file,
-                                 write_rank_file)
+                                 dtype_name, library_version, manifest_parts, parse_dtype, rank_file_name, short_list)
+from ._checkpoint.reader import CheckpointReader, JoinedReader, fill_all, open_checkpoint, open_joined
+from ._checkpoint.writer import (TagLock, agree_plans, check_shared, buffer_file_meta, build_manifest, commit_manifest, part_record,
+                                 plan_save, rank_file_meta, read_generation, remove_unlisted, save_files,
+                                 write_buffer_file, write_rank_file)
 from ._core import _allocate
 from ._layout import ShardLayout
 from ._state import EmaState
@@ -87,6 +87,8 @@ __all__ = [
     "read_manifest",
     "load_checkpoint",
     "Loaded",
+    "saved_parts",
+    "SavedParts",
     "default_tag",
     "rank_file_name",
     "FORMAT_VERSION",
@@ -183,15 +185,16 @@ def save(
         >>> engine.save_checkpoint("ckpt")                       # doctest: +SKIP
     """
     adapter = adapter_for(engine)
-    layout, group = world_of(engine)
-    rank, world, stage = layout.rank, layout.world_size, layout.stage
+    reading = adapter.read()  # the training object is read once; everything below takes plain data
+    layout = reading.layout
+    jgroup, jrank, jworld = job_of(reading)
     save_dir = Path(save_dir)
-    raw_tag = default_tag(engine, state) if tag is None else tag
-    arrive("save", group, world, rank, timeout)
-    writes = stage != 0 or rank == 0
+    raw_tag = adapter.default_tag(state) if tag is None else tag
+    arrive("save", jgroup, jworld, jrank, timeout)
+    writes = layout.stage != 0 or layout.rank == 0
     if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
         check_distinct_writers("save", save_dir / raw_tag, save_files(layout, 0, buffers is not None, writes),
-                               world, timeout, adapter.model_parallel())
+                               jworld, timeout)
     tag_dir: Path = save_dir
     lock: list[TagLock] = []
 
@@ -200,7 +203,7 @@ def save(
         tag = check_tag(raw_tag)  # inside the agreement: a bad tag raises on every rank
         tag_dir = save_dir / tag
         p = plan_save(state, decay, layout, tag, buffers, extra)
-        if rank == 0:  # the committing rank holds the tag for the whole save, then picks the generation
+        if jrank == 0:  # the committing rank holds the tag for the whole save, then picks the generation
             lock.append(TagLock.acquire(tag_dir, timeout_s(timeout), "save"))
             p["generation"] = read_generation(tag_dir)
         return p
@@ -210,10 +213,11 @@ def save(
             held.release(remove_empty=True)
 
     try:
-        mine, first = agree_plans("save (checking the state)", plan, group, world, rank, on_failure=give_up)
+        mine, first = agree_plans("save (checking the state)", plan, jgroup, jworld, jrank, on_failure=give_up)
     except BaseException:
         give_up()  # a failure of this rank's own plan (the others' raise after the agreement)
         raise
+    done = False
     try:
         generation = first["generation"]
         names = save_files(layout, generation, buffers is not None, writes)
@@ -221,45 +225,49 @@ def save(
 
         def write():
             path = tag_dir
+            if jrank != 0:
+                check_shared(tag_dir, jrank, "save")
             try:
                 tag_dir.mkdir(parents=True, exist_ok=True)
-                records = {}
+                records = {"part": part_record(layout, mine)}
                 if writes:
                     path = tag_dir / names[0]
                     records["file"] = write_rank_file(path, layout, state.emas, dtype, rank_file_meta(mine, layout, generation))
                 if buffers is not None:
                     path = tag_dir / names[-1]
-                    records["buffers"] = write_buffer_file(path, rank, buffers, mine["buffers"],
+                    records["buffers"] = write_buffer_file(path, layout.rank, buffers, mine["buffers"],
                                                            buffer_file_meta(mine, layout, generation))
                 return records
             except OSError as e:
-                raise io_error(e, rank, path) from None
+                raise io_error(e, jrank, path) from None
 
         try:
-            written = agree("save (writing the rank files)", write, group, world, rank)
+            written = agree("save (writing the rank files)", write, jgroup, jworld, jrank)
         except CheckpointError:
             remove_unlisted(tag_dir, names)
             raise
 
         def commit():
-            if rank != 0:
+            if jrank != 0:
                 return None
-            manifest = build_manifest(first, layout, [w["file"] for w in written if "file" in w],
-                                      [w["buffers"] for w in written if "buffers" in w])
+            manifest = build_manifest(first, written)
             try:
                 commit_manifest(save_dir, tag_dir, manifest)
             except OSError as e:
-                raise io_error(e, rank, tag_dir / MANIFEST_NAME) from None
+                raise io_error(e, jrank, tag_dir / MANIFEST_NAME) from None
+            for held in lock:  # complete: give the tag up before any rank returns
+                held.release()
             return None
 
         try:
-            agree("save (writing the manifest)", commit, group, world, rank, results=False)
+            agree("save (writing the manifest)", commit, jgroup, jworld, jrank, results=False)
         except CheckpointError:
             remove_unlisted(tag_dir, names)
             raise
+        done = True
     finally:
         for held in lock:
-            held.release()
+            held.release(remove_empty=not done)
     return tag_dir
 
 
@@ -358,8 +366,9 @@ def load(
     Raises:
         CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError,
         CheckpointVersionError, CheckpointMismatchError: on every rank, with the reason. Nothing on
-        disk is modified. ``CheckpointMismatchError`` also for a model-parallel DeepSpeed engine
-        (tensor or pipeline parallel), whose pieces the format cannot place yet.
+        disk is modified. A checkpoint saved with another model-parallel layout (tensor-parallel size,
+        pipeline stages) is joined and re-cut for this rank's part where every split is known, else
+        refused with ``CheckpointMismatchError`` naming the parameter.
         TypeError: ``out`` is not an ``EmaState`` or holds tensors a load cannot fill in place.
 
     Example:
@@ -395,16 +404,12 @@ def load_checkpoint(
     if out is not None and not isinstance(out, EmaState):
         raise TypeError(f"load(out=...) takes an EmaState (from fe.init_ema or fe.load), got {type(out).__name__}")
     adapter = adapter_for(engine)
-    layout, group = world_of(engine)
-    arrive("load", group, layout.world_size, layout.rank, timeout)
+    reading = adapter.read()
+    layout, job = reading.layout, job_of(reading)
+    arrive("load", job.group, job.world, job.rank, timeout)
     box: dict[str, Any] = {}
 
     def run():
-        parallel = adapter.model_parallel()
-        if parallel:
-            raise CheckpointMismatchError(f"functional_ema.load: the engine is {parallel}, which functional_ema does not "
-                                          "support yet: its files do not place pieces by model-parallel rank, so a load "
-                                          "could hand this rank another rank's pieces")
         with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
             ckpt.check_model(layout.specs)
             if dtype is not None and dtype != ckpt.dtype:
@@ -423,8 +428,7 @@ def load_checkpoint(
                 bstate = loaded_buffer_state(engine, ckpt, verify)
             if out is None:
                 # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
-                state = _allocate(adapter.read().shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step,
-                                  copy_values=False)
+                state = _allocate(reading.shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
             else:
                 state = EmaState(torch.tensor(ckpt.step, dtype=torch.int64), _load_target(out, ckpt, layout))
             jobs = [(state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
@@ -435,7 +439,7 @@ def load_checkpoint(
         return None
 
     try:
-        agree("load", run, group, layout.world_size, layout.rank, results=False)
+        agree("load", run, job.group, job.world, job.rank, results=False)
     except Exception as e:
         if out is not None and box.get("reading"):
             _add_note(e, f"The state passed as out= was partly overwritten on rank {layout.rank} before the failure: "
@@ -495,8 +499,14 @@ def consolidate(
     *,
     index: int = 0,
     verify: bool = True,
+    tp_dims: dict[str, int | None] | None = None,
+    tp_rank: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full EMA weights from a checkpoint, offline: no process group, no GPU, no DeepSpeed engine.
+
+    A checkpoint of a model split by pipeline and tensor parallelism is joined: every stage's
+    parameters, each tensor-parallel parameter concatenated from its slices along the dimension the
+    engine recorded (DeepSpeed AutoTP, Megatron's ``partition_dim``) or ``tp_dims`` gives.
 
     Args:
         checkpoint_dir: the checkpoint directory (holding ``latest`` and tag folders), or a tag folder.
@@ -504,6 +514,10 @@ def consolidate(
             else ``checkpoint_dir/ema_latest`` (written by :func:`save` once a tag is complete).
         index: which EMA (``state.emas[index]`` at save time).
         verify: check the checksums of every byte read.
+        tp_dims: ``{name: dim}`` (``None`` for a parameter replicated across tensor-parallel ranks):
+            how the slices of a tensor-parallel checkpoint join, where the engine recorded no split
+            (a plain ``mpu=``). Overrides the recorded split.
+        tp_rank: instead of joining, return this tensor-parallel rank's slices as they are.
 
     Returns:
         ``{parameter name: tensor of its full shape}`` in the EMA dtype, names as in
@@ -512,15 +526,19 @@ def consolidate(
         :func:`functional_ema.gather_full` of the saved state. Holds the whole EMA in memory; to
         write a file with memory near one tensor use :func:`consolidate_to_file` or the CLI.
 
+    Raises:
+        CheckpointMismatchError: a tensor-parallel checkpoint whose split is unknown (pass ``tp_dims``
+            or ``tp_rank``), or ``index`` / ``tp_rank`` out of range.
+
     Example:
         >>> weights = fe.consolidate("ckpt")                      # doctest: +SKIP
         >>> missing, unexpected = model.load_state_dict(weights, strict=False)  # doctest: +SKIP
     """
-    with open_checkpoint(checkpoint_dir, tag, verify) as ckpt:
+    with open_joined(checkpoint_dir, tag, verify, tp_dims, tp_rank) as ckpt:
         return consolidate_opened(ckpt, index, verify)
 
 
-def consolidate_opened(ckpt: CheckpointReader, index: int, verify: bool) -> dict[str, torch.Tensor]:
+def consolidate_opened(ckpt: JoinedReader, index: int, verify: bool) -> dict[str, torch.Tensor]:
     """:func:`consolidate` of a checkpoint already opened (so other reads come from the same files)."""
     ckpt.check_index(index)
     out = {name: _memory.empty(shape, dtype=ckpt.dtype) for name, shape in ckpt.shapes.items()}
@@ -559,19 +577,20 @@ def consolidate_to_file(
     verify: bool = True,
     progress: bool | None = None,
     overwrite: bool = True,
+    tp_dims: dict[str, int | None] | None = None,
+    tp_rank: int | None = None,
 ) -> Path:
     """Stream full EMA weights into one safetensors file, holding about one tensor in memory.
 
     The header (every name, shape and offset, known from the manifest) is written first, then each
-    parameter is assembled from its saved pieces and written before the next one is read. Peak
-    memory is the largest single parameter in the EMA dtype, plus a few 4 MiB checksum chunks when a
-    piece is read partially (never the whole model); the output goes through the OS page cache. The
-    file appears atomically at ``out_path`` when complete (temporary file, fsync, rename).
-    Measured: a 256 MiB EMA of eight 32 MiB parameters, saved by 2 ranks on ZeRO-3, consolidates
-    with a peak RSS 36 MiB above the bare interpreter's (``consolidate()`` of the same: +259 MiB).
+    parameter is assembled from its saved pieces (and, for a tensor-parallel checkpoint, its slices)
+    and written before the next one is read. Peak memory is the largest single parameter in the EMA
+    dtype (plus one tensor-parallel slice), and a few 4 MiB checksum chunks when a piece is read
+    partially; never the whole model. The file appears atomically at ``out_path`` when complete
+    (temporary file, fsync, rename).
 
     Args:
-        checkpoint_dir, tag, index, verify: as for :func:`consolidate`.
+        checkpoint_dir, tag, index, verify, tp_dims, tp_rank: as for :func:`consolidate`.
         out_path: the ``.safetensors`` file to write (replaced atomically if it exists and
             ``overwrite``). A path inside the checkpoint being read (its tag folders, ``latest``)
             is refused with :class:`OutputPathError`, symlinks resolved.
@@ -589,7 +608,7 @@ def consolidate_to_file(
     Command line: ``python -m functional_ema consolidate ckpt ema.safetensors [--tag T] [--index K]``.
     """
     out_path = Path(out_path)
-    with open_checkpoint(checkpoint_dir, tag, verify) as ckpt:
+    with open_joined(checkpoint_dir, tag, verify, tp_dims, tp_rank) as ckpt:
         ckpt.check_index(index)
         check_output(out_path, ckpt.root, [ckpt.tag_dir], overwrite)
         schedules = ckpt.manifest.get("schedules")
@@ -604,6 +623,8 @@ def consolidate_to_file(
             "saved_world_size": str(ckpt.world_size),
             "saved_zero_stage": str(ckpt.stage),
         }
+        if tp_rank is not None:
+            meta["tp_rank"] = str(tp_rank)
         entries = [(name, ckpt.dtype, shape) for name, shape in ckpt.shapes.items()]
         itemsize = ckpt.dtype.itemsize
         total = sum(math.prod(s) for s in ckpt.shapes.values()) * itemsize
@@ -621,3 +642,21 @@ def consolidate_to_file(
         finally:
             bar.close()
     return out_path
+
+
+class SavedParts(NamedTuple):
+    """How a checkpoint's model was split (see :func:`saved_parts`)."""
+
+    tp_size: int  # tensor-parallel size (1: none)
+    pp_size: int  # pipeline stages (1: none)
+    tp_split_known: bool  # every tensor-parallel parameter's split dimension was recorded
+
+
+def saved_parts(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> SavedParts:
+    """The model-parallel layout a checkpoint was saved with, from its validated manifest (no file
+    headers read): e.g. to decide whether a consolidation can join tensor-parallel slices."""
+    *_, manifest = CheckpointReader._locate(checkpoint_dir, tag)
+    parts = manifest_parts(manifest)
+    first = parts[0]["part"]
+    known = first.tp_size == 1 or all(p.get("tp_dims") is not None for p in parts)
+    return SavedParts(first.tp_size, first.pp_size, known)

@@ -449,6 +449,67 @@ class MPU:
     get_tensor_model_parallel_group = get_model_parallel_group
 
 
+class ColumnParallelLinear(nn.Module):
+    """Megatron's column-parallel linear: this tensor-parallel rank's rows of ``weight`` and ``bias``
+    (from the full ones, the same on every rank); the output stays split."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: int, tp_size: int, attributes: bool = True):
+        super().__init__()
+        rows = weight.shape[0] // tp_size
+        self.weight = nn.Parameter(weight[tp * rows:(tp + 1) * rows].clone())
+        self.bias = nn.Parameter(bias[tp * rows:(tp + 1) * rows].clone())
+        if attributes:  # Megatron's attributes: how the slices join
+            for p in (self.weight, self.bias):
+                p.tensor_model_parallel, p.partition_dim = True, 0
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.t() + self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Megatron's row-parallel linear: this rank's columns of ``weight``, the outputs summed over the
+    tensor-parallel group (a differentiable all-reduce), then a replicated bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: int, tp_size: int, group, attributes: bool = True):
+        super().__init__()
+        cols = weight.shape[1] // tp_size
+        self.group = group
+        self.weight = nn.Parameter(weight[:, tp * cols:(tp + 1) * cols].clone())
+        self.bias = nn.Parameter(bias.clone())
+        if attributes:
+            self.weight.tensor_model_parallel, self.weight.partition_dim = True, 1
+            self.bias.tensor_model_parallel = False
+
+    def forward(self, h):
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(h @ self.weight.t(), group=self.group) + self.bias
+
+
+def tp_full_weights(seed: int = 0, d_in: int = 7, hidden: int = 12, d_out: int = 5) -> dict[str, torch.Tensor]:
+    """The unsplit weights of :class:`TPMLP` (and of the tensor-parallel pipeline's layers)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w1": torch.randn(hidden, d_in, generator=g) * 0.4, "b1": torch.randn(hidden, generator=g) * 0.1,
+            "w2": torch.randn(d_out, hidden, generator=g) * 0.4, "b2": torch.randn(d_out, generator=g) * 0.1}
+
+
+class TPMLP(nn.Module):
+    """A Megatron-style tensor-parallel MLP (column-parallel then row-parallel linear). With
+    ``attributes`` its parameters carry Megatron's ``tensor_model_parallel`` / ``partition_dim``, so
+    the split is known; :data:`SPLIT` says it in ``tp_dims`` form."""
+
+    SPLIT = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
+
+    def __init__(self, tp: int, tp_size: int, group, seed: int = 0, attributes: bool = True):
+        super().__init__()
+        w = tp_full_weights(seed)
+        self.fc1 = ColumnParallelLinear(w["w1"], w["b1"], tp, tp_size, attributes)
+        self.fc2 = RowParallelLinear(w["w2"], w["b2"], tp, tp_size, group, attributes)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
 def pipeline_engine(stages: int = 2, seed: int = 0):
     """A real DeepSpeed ``PipelineEngine`` (ZeRO-1) over a small MLP cut into ``stages`` stages."""
     import deepspeed
@@ -457,7 +518,6 @@ def pipeline_engine(stages: int = 2, seed: int = 0):
     torch.manual_seed(seed)
     module = PipelineModule(layers=[nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)], num_stages=stages, loss_fn=nn.MSELoss())
     cfg = ds_config(1)
-    cfg["train_batch_size"] = cfg["train_micro_batch_size_per_gpu"]
     engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2), config=cfg)
     return engine
 

@@ -516,7 +516,7 @@ def test_files_beside_deepspeeds(world2_first, ckroot):
             assert entry["bytes"] == (d / entry["file"]).stat().st_size
             with safe_open(str(d / entry["file"]), framework="pt") as f:
                 meta = f.metadata()
-                assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == (str(fe.checkpoint.FORMAT_VERSION), str(K), "2", "2")
+                assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == ("3", str(K), "2", "2")  # format 3: a whole (not model-parallel) model
                 assert (meta["rank"], meta["zero_stage"]) == (str(entry["rank"]), str(stage))
                 layout = ShardLayout.from_json_dict(json.loads(meta["layout"]))
                 assert json.loads(meta["schedules"]) == m["schedules"]
@@ -676,7 +676,8 @@ def test_engine_error_cases(world2_resume):
         name, msg, _ = e["rank_fails_mid_save"]
         assert "No space left on device" in msg and ("rank 1" in msg or rank == 1), (rank, msg)
         assert "ema_manifest.json" not in (e["halfway_files"] or [])
-        assert e["halfway_load"][0] == "IncompleteCheckpointError", e["halfway_load"]
+        # the failed save removes its files, and the tag folder it made (if nothing else is in it yet)
+        assert e["halfway_load"][0] in ("IncompleteCheckpointError", "CheckpointNotFoundError"), e["halfway_load"]
         assert e["previous_still_loads"] is None, e["previous_still_loads"]
         name, msg, _ = e["ranks_disagree"]
         assert name == "CheckpointError" and "ranks disagree on tag" in msg, msg

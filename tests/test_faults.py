@@ -284,22 +284,23 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     out["bufs_step_mismatch_nothing"] = not (bdir / "t2").exists()
     dist.barrier()
 
-    # -- class 16 (2 ranks): model-parallel DeepSpeed engines write clashing files: refused on every rank, naming them
+    # -- class 16 (2 ranks): model-parallel DeepSpeed engines (an mpu= with tensor parallel 2, a PipelineEngine with
+    # 2 stages) used to write the same file names from both model-parallel ranks: now each part has its own files
     mp_root = root / "mp"
-    before = _hashes(root)
     mpu_engine = make_engine(2, model=BNSeq(), seed=2, mpu=MPU(2))  # tensor-parallel 2 x data-parallel 1
     mstate = fe.init_ema(fe.local_shards(mpu_engine))
-    out["mpu_save"] = _err(lambda: fe.save(mstate, mpu_engine, mp_root / "mpu"))
-    out["mpu_async"] = _err(lambda: fe.AsyncSaver().save(mstate, mpu_engine, mp_root / "mpu"))
-    out["mpu_load"] = _err(lambda: fe.load(mpu_engine, ckdir))
+    fe.save(mstate, mpu_engine, mp_root / "mpu", tag="t")
+    out["mpu_files"] = sorted(p.name for p in (mp_root / "mpu" / "t").iterdir() if p.name != ".ema_write.lock")
+    out["mpu_load"] = _tensors_equal(fe.load(mpu_engine, mp_root / "mpu", "t"), mstate)
     pipe = pipeline_engine(2)
-    pstate = fe.init_ema(fe.local_shards(pipe))
-    out["pipe_save"] = _err(lambda: fe.save(pstate, pipe, mp_root / "pipe"))
-    out["pipe_snapshot"] = _err(lambda: posthoc.save_snapshot(fe.init_ema(fe.local_shards(pipe), num_emas=2, step=4), pipe,
-                                                              mp_root / "snaps", scheds))
-    out["pipe_load"] = _err(lambda: fe.load(pipe, ckdir))
+    pstate = fe.init_ema(fe.local_shards(pipe), num_emas=2, step=4)
+    posthoc.save_snapshot(pstate, pipe, mp_root / "snaps", scheds)
+    fe.AsyncSaver().save(pstate, pipe, mp_root / "pipe", tag="t").wait()
+    dist.barrier()  # rank 0 gives the tag up after its background commit
+    out["pipe_files"] = sorted(p.name for p in (mp_root / "pipe" / "t").iterdir() if p.name != ".ema_write.lock")
+    out["pipe_load"] = _tensors_equal(fe.load(pipe, mp_root / "pipe", "t"), pstate)
+    out["pipe_snapshot_load"] = _tensors_equal(fe.load(pipe, mp_root / "snaps"), pstate)
     dist.barrier()
-    out["mp_nothing_written"] = _hashes(root) == before and not mp_root.exists()
 
     # -- class 10 (last: a timed-out barrier leaves the process group unusable): a save called on rank
     # 0 only and a load called on rank 1 only fail after the timeout instead of hanging. The ranks
@@ -1261,28 +1262,61 @@ def _slow_writes(seconds: float):
     return undo
 
 
-def test_model_parallel_and_unreachable_groups_refused(faults):
-    """2 ranks: DeepSpeed engines with an mpu= (tensor parallel 2) or a PipelineEngine (2 stages) write the
-    same file names from both model-parallel ranks: save, AsyncSaver and snapshots are refused on every rank
-    before anything is written, naming the engine; their loads too. A save after destroy_process_group is
-    refused before touching anything (it used to commit rank 0's file alone)."""
+def test_model_parallel_parts_write_their_own_files_and_unreachable_groups_refused(faults):
+    """2 ranks: DeepSpeed engines with an mpu= (tensor parallel 2) or a PipelineEngine (2 stages), whose
+    two model-parallel ranks used to write the same file names, write one file per part (named by it) and
+    load their own. A save after destroy_process_group is refused before touching anything (it used to
+    commit rank 0's file alone)."""
     _, results = faults
     for rank, r in enumerate(results):
-        for key, frag in (("mpu_save", "mpu= model-parallel group (2 ranks)"), ("mpu_async", "mpu= model-parallel group"),
-                          ("pipe_save", "PipelineEngine (2 pipeline stages)"), ("pipe_snapshot", "PipelineEngine")):
-            name, msg, _, is_ckpt = r[key]
-            assert name == "CheckpointError" and is_ckpt, (rank, key, r[key])
-            assert "ranks [0, 1] of the job (world size 2) would all write" in msg and frag in msg, (key, msg)
-            assert "ema_rank_00000_of_00001" in msg and "Nothing was written" in msg, msg
-        for key, frag in (("mpu_load", "mpu="), ("pipe_load", "PipelineEngine")):
-            name, msg, _, _ = r[key]
-            assert name == "CheckpointMismatchError" and frag in msg and "does not support yet" in msg, (key, msg)
-        assert r["mp_nothing_written"], rank
+        assert r["mpu_files"] == [ck.MANIFEST_NAME, "ema_tp000of002_pp000of001_rank_00000_of_00001.safetensors",
+                                  "ema_tp001of002_pp000of001_rank_00000_of_00001.safetensors"], r["mpu_files"]
+        assert r["pipe_files"] == [ck.MANIFEST_NAME, "ema_tp000of001_pp000of002_rank_00000_of_00001.safetensors",
+                                   "ema_tp000of001_pp001of002_rank_00000_of_00001.safetensors"], r["pipe_files"]
+        assert r["mpu_load"] and r["pipe_load"] and r["pipe_snapshot_load"], rank
         for key in ("destroyed_save", "destroyed_async"):
             name, msg, _, _ = r[key]
             assert name == "CheckpointError" and "spans 2 ranks but torch.distributed is not initialized" in msg, (key, msg)
         assert r["destroyed_unchanged"], rank
-    _count("16 one writer", 9)
+    _count("16 one writer", 5)
+
+
+def test_manifest_claiming_another_part_refused(faults, tmp_path):
+    """A manifest edited to give a part another tensor-parallel rank or stage: refused naming the field, whether
+    the file names are left (they no longer match) or renamed to match (the files' checksummed headers say
+    which part they hold)."""
+    for what, key in (("mpu", "tp"), ("pipe", "pp")):
+        d = _copy(faults, tmp_path, f"mp/{what}")
+        tdir = d / "t"
+        good = (tdir / ck.MANIFEST_NAME).read_text()
+
+        def swap(m):
+            a, b = m["parts"][0]["part"], m["parts"][1]["part"]
+            a[key], b[key] = b[key], a[key]
+        _edit_manifest(tdir, swap)
+        _expect(ck.CorruptCheckpointError, ["parts[0].files[0].file", "rank 0 of world_size 1"], lambda: fe.consolidate(d, "t"), d)
+        # the forger also renames the files to the claimed parts
+        names = [e["file"] for p in json.loads(good)["parts"] for e in p["files"]]
+        for n in names:
+            (tdir / n).rename(tdir / (n + ".x"))
+        for n, m in zip(names, reversed(names)):
+            (tdir / (n + ".x")).rename(tdir / m)
+
+        def fix(m):
+            for p in m["parts"]:
+                for e in p["files"]:
+                    e["file"] = names[1 - names.index(e["file"])]
+        _edit_manifest(tdir, fix)
+        _expect(ck.CorruptCheckpointError, ["layout metadata field 'part'"], lambda: fe.consolidate(d, "t"), d)
+        (tdir / ck.MANIFEST_NAME).write_text(good)
+        for n in names:
+            (tdir / n).rename(tdir / (n + ".x"))
+        for n, m in zip(names, reversed(names)):
+            (tdir / (n + ".x")).rename(tdir / m)
+        _count("16 one writer", 2)
+    # Untouched, the pipeline's stages consolidate into one file of both stages' parameters.
+    d = _copy(faults, tmp_path / "again", "mp/pipe")
+    assert sorted(fe.consolidate(d, "t")) == ["0.bias", "0.weight", "2.bias", "2.weight"]
 
 
 # ------------------------------------------------------------------- class 17: fork (issue 21)

@@ -9,12 +9,11 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..engines import adapter_for
 from . import errors
 from .errors import CheckpointError, CheckpointIOError, CheckpointTimeoutError
 
@@ -180,22 +179,21 @@ def arrive(what: str, group, world: int, rank: int, timeout: float | None) -> No
         ) from None
 
 
-def check_distinct_writers(what: str, tag_dir: Path, names: list[str], group_world: int, timeout: float | None,
-                           hint: str | None = None) -> None:
+def check_distinct_writers(what: str, tag_dir: Path, names: list[str], group_world: int, timeout: float | None) -> None:
     """Refuse, on every rank of the job, a save in which two ranks would write the same file.
 
     Decided from what each rank would write (the real paths of its files), so any layout where the
     ranks that save are not one data-parallel group is covered: model-parallel ranks with the same
     data-parallel coordinate, several groups saving into one folder. Free when the data-parallel group
-    is the whole job (its file names differ by rank); otherwise one exchange over the whole job, which
-    every rank of the job must then join. A model read as a world of its own (a plain module, not
-    DDP-wrapped) may be saved by one rank alone, so it is checked only when ``hint`` says the engine
-    splits the model across ranks; two such savers of one tag otherwise take turns (the tag's lock).
+    is the whole job (its file names differ by rank, and by model-parallel part); otherwise one exchange
+    over the whole job, which every rank of the job must then join. A model read as a world of its own
+    (a plain module, not DDP-wrapped) may be saved by one rank alone, so it is not checked: two such
+    savers of one tag take turns (the tag's lock), each writing a complete checkpoint.
     """
     if not dist.is_available() or not dist.is_initialized():
         return
     job = dist.get_world_size()
-    if job == group_world or (group_world == 1 and hint is None):
+    if job == group_world or group_world == 1:
         return
     me = dist.get_rank()
     arrive(f"{what} (every rank of the job: {job} ranks)", None, job, me, timeout)
@@ -212,16 +210,24 @@ def check_distinct_writers(what: str, tag_dir: Path, names: list[str], group_wor
         raise CheckpointError(
             f"functional_ema.{what}: ranks {ranks} of the job (world size {job}) would all write {path}{more}: each would "
             f"overwrite the others' EMA. The model's pieces are spread over data-parallel groups of {group_world} rank(s), "
-            f"and {job // max(group_world, 1)} such groups save into one folder. "
-            + (f"The engine is {hint}, which functional_ema does not support yet (each model-parallel rank holds other "
-               "pieces under the same data-parallel rank). " if hint else "")
-            + "Nothing was written"
+            f"and {job // max(group_world, 1)} such groups save into one folder: save each group's EMA into its own "
+            "folder (or tag). Nothing was written"
         )
 
 
-def world_of(x):
-    """(layout, process group or None) of a training object: all the checkpoint code needs of it."""
-    reading = adapter_for(x).read()
+class Job(NamedTuple):
+    """The ranks that save and load one model together: the data-parallel group for a whole model; every
+    rank of the job (its default group) when the model is split into model-parallel parts."""
+
+    group: Any  # a process group, or None for the default group / no process group
+    rank: int
+    world: int
+
+
+def job_of(reading) -> Job:
+    """The :class:`Job` of a training object's reading (plain data: its layout and group)."""
     layout = reading.layout
-    group = reading.group if layout.world_size > 1 and dist.is_initialized() else None
-    return layout, group
+    if layout.part.whole or not dist.is_initialized():
+        group = reading.group if layout.world_size > 1 and dist.is_initialized() else None
+        return Job(group, layout.rank, layout.world_size)
+    return Job(None, dist.get_rank(), dist.get_world_size())

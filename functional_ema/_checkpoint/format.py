@@ -19,20 +19,27 @@ from typing import Any, Sequence
 import torch
 
 from .. import _io
-from .._layout import ShardLayout, ShardSpec
-from .errors import CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError, InvalidTagError, OutputPathError
+from .._layout import ModelPart, ShardLayout, ShardSpec
+from .errors import (CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError, IncompleteCheckpointError,
+                     InvalidTagError, OutputPathError)
 
+# 4: a model split by tensor or pipeline parallelism: the manifest lists its ``parts`` (one per
+#    tensor-parallel rank and pipeline stage, each with its own world_size, zero_stage, params, files,
+#    buffers), and file names carry the part (``ema_tp000of002_pp001of002_rank_...``). A whole model
+#    is still written as format 3.
 # 3: the manifest may list buffer files (``buffer_files``, ``buffers``) and carry a JSON object ``extra``
 #    (mirrored in every rank file's header); a checkpoint is complete only with every listed file.
 # 2: xxh3_64 checksums as hex strings (header_checksum / tensor_checksums); 1: CRC-32 integers. Both still read.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+WHOLE_FORMAT_VERSION = 3  # what a save of a whole (not model-parallel) model writes
 MANIFEST_NAME = "ema_manifest.json"
 FILE_FORMAT = "functional_ema.ema_shards"
 BUFFERS_FORMAT = "functional_ema.buffers"
 MANIFEST_FORMAT = "functional_ema.manifest"
 CONSOLIDATED_FORMAT = "functional_ema.consolidated"
-RANK_FILE = re.compile(r"^ema_rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
-BUFFER_FILE = re.compile(r"^buffers_rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
+_PART_NAME = r"(?:tp(\d+)of(\d+)_pp(\d+)of(\d+)_)?"
+RANK_FILE = re.compile(r"^ema_" + _PART_NAME + r"rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
+BUFFER_FILE = re.compile(r"^buffers_" + _PART_NAME + r"rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
 #: Held (``flock``) by the save writing a tag folder, and removed by it; never read as data.
 LOCK_NAME = ".ema_write.lock"
 #: A framework integration's record in a tag folder where the EMA has not started yet (see
@@ -46,16 +53,28 @@ MAX_EXTRA_BYTES = 64 << 10
 LATEST_NAME = "ema_latest"
 
 
-def rank_file_name(rank: int, world_size: int, generation: int = 0) -> str:
-    """``ema_rank_00000_of_00002.safetensors``; later saves into the same tag add ``.gen<N>``."""
+def _file_name(kind: str, rank: int, world_size: int, generation: int, part: ModelPart | None) -> str:
+    where = "" if part is None or part.whole else f"tp{part.tp:03d}of{part.tp_size:03d}_pp{part.pp:03d}of{part.pp_size:03d}_"
     suffix = f".gen{generation}" if generation else ""
-    return f"ema_rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
+    return f"{kind}_{where}rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
 
 
-def buffer_file_name(rank: int, world_size: int, generation: int = 0) -> str:
+def rank_file_name(rank: int, world_size: int, generation: int = 0, part: ModelPart | None = None) -> str:
+    """``ema_rank_00000_of_00002.safetensors``; later saves into the same tag add ``.gen<N>``; a
+    model-parallel part adds its coordinates (``ema_tp001of002_pp000of001_rank_...``)."""
+    return _file_name("ema", rank, world_size, generation, part)
+
+
+def buffer_file_name(rank: int, world_size: int, generation: int = 0, part: ModelPart | None = None) -> str:
     """``buffers_rank_00000_of_00002.safetensors``: one rank's module buffers, saved with its EMA pieces."""
-    suffix = f".gen{generation}" if generation else ""
-    return f"buffers_rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
+    return _file_name("buffers", rank, world_size, generation, part)
+
+
+def file_identity(match: re.Match) -> tuple[ModelPart, int, int, int]:
+    """(part, rank, world size, generation) named by a :data:`RANK_FILE` / :data:`BUFFER_FILE` match."""
+    tp, tps, pp, pps, rank, world, gen = match.groups()
+    part = ModelPart(int(tp), int(tps), int(pp), int(pps)) if tp is not None else ModelPart()
+    return part, int(rank), int(world), int(gen or 0)
 
 
 def is_own_file(name: str) -> bool:
@@ -281,19 +300,30 @@ def _manifest_field_error(mpath: Path, field: str, want: str, got: Any) -> Corru
     )
 
 
+#: The fields that describe one model-parallel part: at the top level of a manifest of a whole model
+#: (formats 1-3), inside each entry of ``parts`` for a model-parallel one (format 4).
+PART_FIELDS = ("world_size", "zero_stage", "params", "files", "buffers", "buffer_files", "tp_dims")
+_REQUIRED_PART_FIELDS = ("world_size", "zero_stage", "params", "files")
+_MAX_PARTS = 1 << 16
+
+
+def manifest_parts(m: dict) -> list[dict]:
+    """The parts of a validated manifest, each ``{"part": ModelPart, "field": "parts[i]." or "", world_size,
+    zero_stage, params, files, buffers, buffer_files, tp_dims}``: one (the whole model) before format 4."""
+    if m.get("parts") is None:
+        return [dict({k: m.get(k) for k in PART_FIELDS}, part=ModelPart(), field="")]
+    return [dict({k: p.get(k) for k in PART_FIELDS}, part=ModelPart(**p["part"]), field=f"parts[{i}].")
+            for i, p in enumerate(m["parts"])]
+
+
 def validate_manifest(mpath: Path, m: dict) -> None:
-    """Types and ranges of every manifest field, and the rank-file names; before anything else is read."""
+    """Types and ranges of every manifest field, and the file names; before anything else is read."""
     for field, ok, want in (  # in order, each check may rely on the ones before it
         ("tag", lambda v: isinstance(v, str) and _tag_problem(v) is None, "one plain folder name"),
         ("generation", _is_int, "an int >= 0"),
         ("step", lambda v: _is_int(v, 0, 2**63 - 1), "an int in [0, 2**63)"),
         ("num_emas", lambda v: _is_int(v, 1, _MAX_NUM_EMAS), f"an int in [1, {_MAX_NUM_EMAS}]"),
         ("dtype", lambda v: isinstance(v, str) and v in _SAVED_DTYPES, f"one of {list(_SAVED_DTYPES)}"),
-        ("world_size", lambda v: _is_int(v, 1, _MAX_WORLD), f"an int in [1, {_MAX_WORLD}]"),
-        ("zero_stage", lambda v: _is_int(v, 0, 3), "0, 1, 2 or 3"),
-        ("params", lambda v: isinstance(v, dict), "an object {parameter name: full shape}"),
-        ("files", lambda v: isinstance(v, list) and 1 <= len(v) <= m["world_size"],
-         "a list of 1 to world_size rank-file entries"),
     ):
         if not ok(m[field]):
             raise _manifest_field_error(mpath, field, want, m[field])
@@ -301,33 +331,86 @@ def validate_manifest(mpath: Path, m: dict) -> None:
     if scheds is not None and not (isinstance(scheds, list) and len(scheds) == m["num_emas"]
                                    and all(isinstance(d, dict) for d in scheds)):
         raise _manifest_field_error(mpath, "schedules", "null or a list of num_emas objects", scheds)
-    for name, shape in m["params"].items():
-        if not _is_shape(shape):
-            raise _manifest_field_error(mpath, f"params[{name!r}]", "a full shape: a list of ints >= 0", shape)
     v1 = _is_int(m.get("format_version")) and m["format_version"] < 2
     if not v1 and m.get("checksum") not in _io.CHECKSUMS:
         raise CheckpointVersionError(
             f"{mpath}: field 'checksum' is {brief(m.get('checksum'))}, not an algorithm this version reads "
             f"({sorted(_io.CHECKSUMS)}): upgrade functional_ema, or restore the manifest from a copy")
-    _validate_file_entries(mpath, m, "files", RANK_FILE, "ema_rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
     if "extra" in m and m["extra"] is not None and not isinstance(m["extra"], dict):
         raise _manifest_field_error(mpath, "extra", "null or a JSON object", m["extra"])
-    has_files, has_desc = m.get("buffer_files") is not None, m.get("buffers") is not None
+    if m.get("parts") is None:
+        _validate_part(mpath, m, m, ModelPart(), "", v1)
+        return
+    parts = m["parts"]
+    if not (_is_int(m.get("format_version"), 4) and isinstance(parts, list) and 1 <= len(parts) <= _MAX_PARTS):
+        raise _manifest_field_error(mpath, "parts", f"a list of 1 to {_MAX_PARTS} model-parallel parts (format 4)", parts)
+    stray = [f for f in PART_FIELDS if f in m]
+    if stray:
+        raise _manifest_field_error(mpath, stray[0], "absent at the top level of a manifest with 'parts'", m[stray[0]])
+    seen: set[ModelPart] = set()
+    sizes = None
+    for i, p in enumerate(parts):
+        where = f"parts[{i}]"
+        if not isinstance(p, dict):
+            raise _manifest_field_error(mpath, where, "an object", p)
+        c = p.get("part")
+        if not (isinstance(c, dict) and set(c) == {"tp", "tp_size", "pp", "pp_size"}
+                and _is_int(c["tp_size"], 1, _MAX_WORLD) and _is_int(c["pp_size"], 1, _MAX_WORLD)
+                and _is_int(c["tp"], 0, c["tp_size"] - 1) and _is_int(c["pp"], 0, c["pp_size"] - 1)):
+            raise _manifest_field_error(mpath, f"{where}.part", "{tp, tp_size, pp, pp_size}: ints, tp < tp_size, pp < pp_size", c)
+        part = ModelPart(**c)
+        if part in seen or (sizes is not None and (part.tp_size, part.pp_size) != sizes):
+            raise _manifest_field_error(mpath, f"{where}.part", "a distinct part of the same tensor- and pipeline-parallel sizes "
+                                        "as the other parts", c)
+        seen.add(part)
+        sizes = (part.tp_size, part.pp_size)
+        _validate_part(mpath, m, p, part, f"{where}.", v1)
+    if len(seen) != sizes[0] * sizes[1]:
+        raise IncompleteCheckpointError(
+            f"{mpath}: field 'parts' lists {len(seen)} model-parallel part(s), but tensor-parallel size {sizes[0]} x pipeline "
+            f"size {sizes[1]} makes {sizes[0] * sizes[1]}: the manifest is damaged or was edited")
+
+
+def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, v1: bool) -> None:
+    """One part's fields (``p`` is the manifest itself for a whole model), each named with ``prefix``."""
+    missing = [f for f in _REQUIRED_PART_FIELDS if f not in p]
+    if missing:
+        raise CorruptCheckpointError(f"{mpath} lacks fields {[prefix + f for f in missing]}: the manifest is damaged")
+    for field, ok, want in (
+        ("world_size", lambda v: _is_int(v, 1, _MAX_WORLD), f"an int in [1, {_MAX_WORLD}]"),
+        ("zero_stage", lambda v: _is_int(v, 0, 3), "0, 1, 2 or 3"),
+        ("params", lambda v: isinstance(v, dict), "an object {parameter name: full shape}"),
+        ("files", lambda v: isinstance(v, list) and 1 <= len(v) <= p["world_size"],
+         "a list of 1 to world_size rank-file entries"),
+    ):
+        if not ok(p[field]):
+            raise _manifest_field_error(mpath, prefix + field, want, p[field])
+    for name, shape in p["params"].items():
+        if not _is_shape(shape):
+            raise _manifest_field_error(mpath, f"{prefix}params[{name!r}]", "a full shape: a list of ints >= 0", shape)
+    _validate_file_entries(mpath, m, p, part, prefix, "files", RANK_FILE, "ema_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
+    tp_dims = p.get("tp_dims")
+    if tp_dims is not None and not (isinstance(tp_dims, dict) and set(tp_dims) == set(p["params"]) and all(
+            d is None or (_is_int(d) and d < max(1, len(p["params"][n]))) for n, d in tp_dims.items())):
+        raise _manifest_field_error(mpath, prefix + "tp_dims", "null or {parameter name: a dimension of it, or null} "
+                                    "for every parameter of the part", tp_dims)
+    has_files, has_desc = p.get("buffer_files") is not None, p.get("buffers") is not None
     if has_files != has_desc:
-        raise _manifest_field_error(mpath, "buffers" if has_files else "buffer_files",
-                                    "present together with 'buffer_files' and 'buffers'", m.get("buffers" if has_files else "buffer_files"))
+        raise _manifest_field_error(mpath, prefix + ("buffers" if has_files else "buffer_files"),
+                                    "present together with 'buffer_files' and 'buffers'", p.get("buffers" if has_files else "buffer_files"))
     if has_files:
-        validate_buffers_descriptor(mpath, m)
-        if not (isinstance(m["buffer_files"], list) and 1 <= len(m["buffer_files"]) <= m["world_size"]):
-            raise _manifest_field_error(mpath, "buffer_files", "a list of 1 to world_size buffer-file entries", m["buffer_files"])
-        _validate_file_entries(mpath, m, "buffer_files", BUFFER_FILE, "buffers_rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
+        validate_buffers_descriptor(mpath, p, prefix)
+        if not (isinstance(p["buffer_files"], list) and 1 <= len(p["buffer_files"]) <= p["world_size"]):
+            raise _manifest_field_error(mpath, prefix + "buffer_files", "a list of 1 to world_size buffer-file entries", p["buffer_files"])
+        _validate_file_entries(mpath, m, p, part, prefix, "buffer_files", BUFFER_FILE,
+                               "buffers_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
 
 
-def validate_buffers_descriptor(mpath: Path, m: dict) -> None:
-    """The manifest's ``buffers``: ``{"num_emas", "dtype", "floating": {name: shape}, "copied": {name: [dtype, shape]}}``."""
-    d = m["buffers"]
+def validate_buffers_descriptor(mpath: Path, p: dict, prefix: str = "") -> None:
+    """A part's ``buffers``: ``{"num_emas", "dtype", "floating": {name: shape}, "copied": {name: [dtype, shape]}}``."""
+    d = p["buffers"]
     if not isinstance(d, dict):
-        raise _manifest_field_error(mpath, "buffers", "an object {num_emas, dtype, floating, copied}", d)
+        raise _manifest_field_error(mpath, prefix + "buffers", "an object {num_emas, dtype, floating, copied}", d)
     for field, ok, want in (
         ("num_emas", lambda v: _is_int(v, 1, _MAX_NUM_EMAS), f"an int in [1, {_MAX_NUM_EMAS}]"),
         ("dtype", lambda v: isinstance(v, str) and v in _SAVED_DTYPES, f"one of {list(_SAVED_DTYPES)}"),
@@ -335,16 +418,16 @@ def validate_buffers_descriptor(mpath: Path, m: dict) -> None:
         ("copied", lambda v: isinstance(v, dict), "an object {buffer name: [dtype, shape]}"),
     ):
         if not ok(d.get(field)):
-            raise _manifest_field_error(mpath, f"buffers.{field}", want, d.get(field))
+            raise _manifest_field_error(mpath, f"{prefix}buffers.{field}", want, d.get(field))
     for name, shape in d["floating"].items():
         if not _is_shape(shape):
-            raise _manifest_field_error(mpath, f"buffers.floating[{name!r}]", "a shape: a list of ints >= 0", shape)
+            raise _manifest_field_error(mpath, f"{prefix}buffers.floating[{name!r}]", "a shape: a list of ints >= 0", shape)
     for name, v in d["copied"].items():
         if not (isinstance(v, list) and len(v) == 2 and v[0] in _COPIED_DTYPES and _is_shape(v[1])):
-            raise _manifest_field_error(mpath, f"buffers.copied[{name!r}]", "[dtype name, shape]", v)
+            raise _manifest_field_error(mpath, f"{prefix}buffers.copied[{name!r}]", "[dtype name, shape]", v)
     both = sorted(set(d["floating"]) & set(d["copied"]))
     if both:
-        raise _manifest_field_error(mpath, "buffers", "disjoint 'floating' and 'copied' names", both)
+        raise _manifest_field_error(mpath, prefix + "buffers", "disjoint 'floating' and 'copied' names", both)
 
 
 def _is_shape(shape: Any) -> bool:
@@ -352,12 +435,13 @@ def _is_shape(shape: Any) -> bool:
             and math.prod(shape) <= _MAX_NUMEL)
 
 
-def _validate_file_entries(mpath: Path, m: dict, key: str, pattern: re.Pattern, form: str, v1: bool) -> None:
-    """The records of ``m[key]`` (``files`` or ``buffer_files``): the library's own file names for their
-    rank, world size and generation, distinct ranks, sizes and checksums of the right types."""
-    world, generation, seen = m["world_size"], m["generation"], set()
-    for i, e in enumerate(m[key]):
-        field = f"{key}[{i}]"
+def _validate_file_entries(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, key: str, pattern: re.Pattern,
+                           form: str, v1: bool) -> None:
+    """The records of ``p[key]`` (``files`` or ``buffer_files`` of one part): the library's own file names
+    for their part, rank, world size and generation, distinct ranks, sizes and checksums of the right types."""
+    world, generation, seen = p["world_size"], m["generation"], set()
+    for i, e in enumerate(p[key]):
+        field = f"{prefix}{key}[{i}]"
         if not isinstance(e, dict):
             raise _manifest_field_error(mpath, field, "an object", e)
         name = e.get("file")
@@ -371,13 +455,13 @@ def _validate_file_entries(mpath: Path, m: dict, key: str, pattern: re.Pattern, 
         if not _is_int(rank, 0, world - 1) or rank in seen:
             raise _manifest_field_error(mpath, f"{field}.rank", f"a distinct int in [0, {world})", rank)
         seen.add(rank)
-        named = (int(match.group(1)), int(match.group(2)), int(match.group(3) or 0))
-        if named != (rank, world, generation):
+        if file_identity(match) != (part, rank, world, generation):
             raise _manifest_field_error(
-                mpath, f"{field}.file", f"the file of rank {rank} of world_size {world}, generation {generation}", name)
+                mpath, f"{field}.file", f"the file of rank {rank} of world_size {world}, generation {generation}"
+                + ("" if part.whole else f", {part.describe()}"), name)
         if v1:  # format 1: CRC-32 integers
             sums = (("header_crc32", "tensor_crc32", lambda c: _is_int(c, 0, 2**32 - 1), "a CRC-32 (an int in [0, 2**32))"))
-        else:  # formats 2 and 3: hex strings of the manifest's checksum algorithm
+        else:  # formats 2-4: hex strings of the manifest's checksum algorithm
             sums = (("header_checksum", "tensor_checksums", _is_hex64, f"a {m.get('checksum')} checksum (a hex string)"))
         header_key, tensors_key, is_sum, want_sum = sums
         for k, ok, want in (
@@ -425,8 +509,9 @@ def check_json_metadata(where: str, meta: dict, key: str, manifest: dict) -> Non
 
 
 def parse_layout(where: str, text: Any, manifest: dict, rank: int) -> ShardLayout:
-    """The rank file's ``layout`` metadata, checked against the manifest: same rank, world size, stage
-    and parameters (with their full shapes), every piece inside its parameter."""
+    """The rank file's ``layout`` metadata, checked against its part of the manifest (``manifest``: one
+    entry of :func:`manifest_parts`): same rank, world size, stage, model-parallel part, tensor-parallel
+    split and parameters (with their full shapes), every piece inside its parameter."""
 
     def bad(field: str, want: str, got: Any) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: layout metadata field {field!r} must be {want}, got {brief(got)}; "
@@ -441,6 +526,11 @@ def parse_layout(where: str, text: Any, manifest: dict, rank: int) -> ShardLayou
     for field, want in (("rank", rank), ("world_size", manifest["world_size"]), ("stage", manifest["zero_stage"])):
         if type(d.get(field)) is not int or d[field] != want:
             raise bad(field, f"{want}, as in the manifest", d.get(field))
+    part = manifest["part"]
+    if (d.get("part") or ModelPart().to_json_dict()) != part.to_json_dict():
+        raise bad("part", f"{part.to_json_dict()} ({part.describe()}), as in the manifest", d.get("part"))
+    if d.get("tp_dims") != manifest.get("tp_dims"):
+        raise bad("tp_dims", f"{brief(manifest.get('tp_dims'))}, as in the manifest", d.get("tp_dims"))
     specs, params = d.get("specs"), manifest["params"]
     if not isinstance(specs, dict):
         raise bad("specs", "an object {parameter name: [shape, offset, numel]}", specs)
@@ -460,7 +550,7 @@ def parse_layout(where: str, text: Any, manifest: dict, rank: int) -> ShardLayou
         if not (_is_int(off) and _is_int(cnt) and off + cnt <= full):
             raise bad(f"specs[{n!r}] offset, numel", f"a piece inside the {full} elements of {tuple(shape)}", [off, cnt])
         out[n] = ShardSpec(tuple(shape), off, cnt)
-    return ShardLayout(rank, manifest["world_size"], manifest["zero_stage"], out)
+    return ShardLayout(rank, manifest["world_size"], manifest["zero_stage"], out, part=part, tp_dims=manifest.get("tp_dims"))
 
 
 # ------------------------------------------------------------------------------ outputs of tools

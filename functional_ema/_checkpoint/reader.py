@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 
 from .. import _io
-from .._layout import ShardLayout, ShardSpec
+from .._layout import ModelPart, ShardLayout, ShardSpec
 from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointVersionError,
                      CorruptCheckpointError, IncompleteCheckpointError)
-from .format import (BUFFERS_FORMAT, FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE,
+from .format import (BUFFERS_FORMAT, manifest_parts, FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE,
                      brief, check_json_metadata, check_tag, complete_tags, file_checksums, parse_dtype, dtype_name,
                      library_version, parse_layout, read_latest, short_list, tensor_key, validate_manifest)
 
-__all__ = ["CheckpointReader", "open_checkpoint", "fill_all"]
+__all__ = ["CheckpointReader", "JoinedReader", "RecutReader", "open_checkpoint", "open_parts", "open_joined", "fill_all"]
 
 
 class RankFile:
@@ -33,21 +33,30 @@ class CheckpointReader:
     """An opened, validated checkpoint: the manifest and the headers of the rank files opened (every
     one, or this rank's only with ``open(..., own=...)``). Nothing loaded yet; made by :func:`open_checkpoint`.
 
+    A model split by tensor or pipeline parallelism is saved as several parts (:class:`ModelPart`);
+    a reader reads one of them (``part``), and :func:`open_parts` opens them all.
+
     What readers use: ``tag``, ``root``, ``tag_dir``, ``manifest`` (validated), ``step``,
-    ``num_emas``, ``dtype``, ``world_size``, ``stage``, ``shapes`` (parameter name -> full shape);
+    ``num_emas``, ``dtype``, ``part``, ``parts`` (every part's manifest entry), ``world_size``,
+    ``stage``, ``shapes`` (parameter name -> full shape, in this part), ``tp_dims``;
     :meth:`fill` (any element range of any parameter of any EMA, checksums verified),
     :meth:`check_index`, :meth:`check_model`, :meth:`close` (or a ``with`` block).
     """
 
-    def __init__(self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[RankFile]):
+    def __init__(self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[RankFile], part: dict | None = None):
         self.root, self.tag, self.tag_dir, self.manifest, self.files = root, tag, tag_dir, manifest, files
         self.partial = False  # True when only some rank files were opened (see open's ``own``)
+        self.parts = manifest_parts(manifest)
+        entry = part if part is not None else self.parts[0]
+        self.part_manifest = entry
+        self.part: ModelPart = entry["part"]
         self.step = int(manifest["step"])
         self.num_emas = int(manifest["num_emas"])
         self.dtype = parse_dtype(manifest["dtype"], str(tag_dir / MANIFEST_NAME))
-        self.world_size = int(manifest["world_size"])
-        self.stage = int(manifest["zero_stage"])
-        self.shapes = {n: tuple(int(x) for x in s) for n, s in manifest["params"].items()}
+        self.world_size = int(entry["world_size"])
+        self.stage = int(entry["zero_stage"])
+        self.tp_dims = entry.get("tp_dims")
+        self.shapes = {n: tuple(int(x) for x in s) for n, s in entry["params"].items()}
         self.pieces: dict[str, list[tuple[int, int, int]]] = {n: [] for n in self.shapes}
         for i, f in enumerate(files):
             for n, spec in f.layout.specs.items():
@@ -60,15 +69,54 @@ class CheckpointReader:
 
     @classmethod
     def open(cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True,
-             own: tuple[int, int, int] | None = None) -> "CheckpointReader":
-        """Open and validate the manifest and the rank files' headers.
+             own: tuple[int, int, int] | None = None, part: ModelPart | None = None) -> "CheckpointReader":
+        """Open and validate the manifest and the rank files' headers of one part.
 
-        ``own=(rank, world_size, stage)``: when the checkpoint was saved at that world size and stage
-        and has a file of that rank, open that file only (``partial`` is then True and coverage is
-        the caller's to check, see :meth:`holds`). A rank then reads one header instead of all
-        ``world_size`` of them; the other ranks open their own files, and a bad one is reported
-        on every rank by the collective's agreement.
+        ``part``: which model-parallel part to read (``None``: the only one; a checkpoint of several
+        parts then refuses, naming them: read them with :meth:`open_parts`). ``own=(rank, world_size,
+        stage)``: when that part was saved at that world size and stage and has a file of that rank,
+        open that file only (``partial`` is then True and coverage is the caller's to check, see
+        :meth:`holds`). A rank then reads one header instead of all ``world_size`` of them; the other
+        ranks open their own files, and a bad one is reported on every rank by the collective's agreement.
         """
+        root, tag, tag_dir, manifest = cls._locate(checkpoint_dir, tag)
+        return cls._for_part(root, tag, tag_dir, manifest, cls._select(tag_dir, manifest, part), verify, own)
+
+    @classmethod
+    def open_parts(cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True) -> list["CheckpointReader"]:
+        """One reader per model-parallel part (one for a whole model), from one reading of the manifest."""
+        root, tag, tag_dir, manifest = cls._locate(checkpoint_dir, tag)
+        readers: list[CheckpointReader] = []
+        try:
+            for entry in manifest_parts(manifest):
+                readers.append(cls._for_part(root, tag, tag_dir, manifest, entry, verify, None))
+        except BaseException:
+            for r in readers:
+                r.close()
+            raise
+        return readers
+
+    @classmethod
+    def _select(cls, tag_dir: Path, manifest: dict, part: ModelPart | None) -> dict:
+        parts = manifest_parts(manifest)
+        if part is None and len(parts) == 1:
+            return parts[0]
+        found = [p for p in parts if p["part"] == (part if part is not None else ModelPart())]
+        if found:
+            return found[0]
+        saved = f"tensor-parallel size {parts[0]['part'].tp_size} x pipeline size {parts[0]['part'].pp_size}"
+        if part is None:
+            raise CheckpointMismatchError(
+                f"{tag_dir / MANIFEST_NAME}: this checkpoint holds {len(parts)} model-parallel parts ({saved}); a reader "
+                "of one part must name it (functional_ema.load does, from the engine), the offline tools read them all")
+        raise CheckpointMismatchError(
+            f"{tag_dir / MANIFEST_NAME}: the EMA was saved with {saved if len(parts) > 1 or not parts[0]['part'].whole else 'no model parallelism'}, "
+            f"and holds no part for {part.describe()} of this run: the model-parallel layout changed")
+
+    @classmethod
+    def _locate(cls, checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[Path, str, Path, dict]:
+        """(root, tag, tag folder, validated manifest), following ``latest`` / ``ema_latest`` for ``tag=None``;
+        every file the manifest lists must exist."""
         root = Path(checkpoint_dir)
         if root.is_file():
             cls._not_a_directory(root)
@@ -112,12 +160,26 @@ class CheckpointReader:
                 f"tags here with a complete EMA: {[t for t in complete_tags(root) if t != tag]}"
             )
         manifest = cls._read_manifest(mpath)
-        entries = manifest["files"]
-        if own is not None and (int(manifest["world_size"]), int(manifest["zero_stage"])) == own[1:]:
+        missing = [(e, p) for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])
+                   if not (tag_dir / e["file"]).is_file()]
+        if missing:
+            listed = ", ".join(f"{e['file']} (rank {e['rank']} of {p['world_size']}"
+                               + ("" if p["part"].whole else f", {p['part'].describe()}") + ")" for e, p in missing[:4])
+            raise IncompleteCheckpointError(
+                f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} file(s) listed in its manifest: {listed}. "
+                "The folder was copied or pruned partially: restore the file(s) or load another tag"
+            )
+        return root, tag, tag_dir, manifest
+
+    @classmethod
+    def _for_part(cls, root: Path, tag: str, tag_dir: Path, manifest: dict, entry: dict, verify: bool,
+                  own: tuple[int, int, int] | None) -> "CheckpointReader":
+        entries = entry["files"]
+        if own is not None and (int(entry["world_size"]), int(entry["zero_stage"])) == own[1:]:
             entries = [e for e in entries if e["rank"] == own[0]] or entries
-        files = cls._open_files(tag, tag_dir, manifest, verify, entries)
-        ckpt = cls(root, tag, tag_dir, manifest, files)
-        ckpt.partial = len(entries) < len(manifest["files"])
+        files = cls._open_files(tag, tag_dir, manifest, entry, verify, entries)
+        ckpt = cls(root, tag, tag_dir, manifest, files, entry)
+        ckpt.partial = len(entries) < len(entry["files"])
         if not ckpt.partial:
             ckpt._check_coverage()
         return ckpt
@@ -159,7 +221,9 @@ class CheckpointReader:
                 f"this one ({library_version()}) reads format version {FORMAT_VERSION} and older. Upgrade functional_ema "
                 "(pip install -U functional-ema)"
             )
-        missing = [k for k in ("tag", "generation", "step", "num_emas", "dtype", "world_size", "zero_stage", "params", "files") if k not in manifest]
+        required = ("tag", "generation", "step", "num_emas", "dtype") + (
+            () if manifest.get("parts") is not None else ("world_size", "zero_stage", "params", "files"))
+        missing = [k for k in required if k not in manifest]
         if missing:
             raise CorruptCheckpointError(f"{mpath} lacks fields {missing}: the manifest is damaged")
         if manifest.get("chunk_bytes", _io.CHUNK_BYTES) != _io.CHUNK_BYTES:
@@ -168,23 +232,15 @@ class CheckpointReader:
         return manifest
 
     @staticmethod
-    def _open_files(tag: str, tag_dir: Path, manifest: dict, verify: bool, entries: list[dict]) -> list[RankFile]:
-        """The rank files of ``entries`` (of the manifest's ``files``), opened and validated; every
-        listed file must exist."""
-        world = int(manifest["world_size"])
-        missing = [e for e in manifest["files"] + (manifest.get("buffer_files") or []) if not (tag_dir / e["file"]).is_file()]
-        if missing:
-            listed = ", ".join(f"{e['file']} (rank {e['rank']} of {world})" for e in missing[:4])
-            raise IncompleteCheckpointError(
-                f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} file(s) listed in its manifest: {listed}. "
-                "The folder was copied or pruned partially: restore the file(s) or load another tag"
-            )
+    def _open_files(tag: str, tag_dir: Path, manifest: dict, part: dict, verify: bool, entries: list[dict]) -> list[RankFile]:
+        """The rank files of ``entries`` (of one part's ``files``), opened and validated."""
+        world = int(part["world_size"])
         dtype_name = manifest["dtype"]
         files = []
         real_tag_dir = tag_dir.resolve()
         for e in entries:
             path, rank = tag_dir / e["file"], int(e["rank"])
-            where = f"{path} (rank {rank} of {world})"
+            where = f"{path} (rank {rank} of {world}" + ("" if part["part"].whole else f", {part['part'].describe()}") + ")"
             if path.resolve().parent != real_tag_dir:  # a link to a file elsewhere: never followed
                 raise CorruptCheckpointError(
                     f"{where} is a link to a file outside the tag folder {tag_dir}; functional_ema reads only its own "
@@ -217,7 +273,7 @@ class CheckpointReader:
                     f"{FORMAT_VERSION}). Upgrade functional_ema (pip install -U functional-ema)"
                 )
             for field, want in (("tag", manifest["tag"]), ("step", manifest["step"]), ("num_emas", manifest["num_emas"]),
-                                ("world_size", world), ("rank", rank), ("zero_stage", manifest["zero_stage"]),
+                                ("world_size", world), ("rank", rank), ("zero_stage", part["zero_stage"]),
                                 ("generation", manifest["generation"]), ("dtype", dtype_name)):
                 if meta.get(field) != str(want):
                     raise CorruptCheckpointError(
@@ -226,7 +282,7 @@ class CheckpointReader:
                     )
             check_json_metadata(where, meta, "schedules", manifest)
             check_json_metadata(where, meta, "extra", manifest)
-            layout = parse_layout(where, meta.get("layout"), manifest, rank)
+            layout = parse_layout(where, meta.get("layout"), part, rank)
             dtype = parse_dtype(dtype_name, where)
             extra = sorted(set(st.tensors) - {tensor_key(k, n) for k in range(int(manifest["num_emas"])) for n in layout.specs})
             if extra:
@@ -241,10 +297,10 @@ class CheckpointReader:
                             f"{where}: dtype mismatch for parameter {n!r} (EMA {k}): the file stores {entry.dtype}, the "
                             f"manifest says {dtype}. The file was rewritten by another tool; restore it or load another tag"
                         )
-                    if entry.numel != spec.numel or tuple(spec.shape) != tuple(manifest["params"].get(n, ())):
+                    if entry.numel != spec.numel or tuple(spec.shape) != tuple(part["params"].get(n, ())):
                         raise CorruptCheckpointError(
                             f"{where}: parameter {n!r} (EMA {k}): {entry.numel} elements stored, layout says {spec.numel} of "
-                            f"{spec.shape}, manifest says shape {manifest['params'].get(n)}"
+                            f"{spec.shape}, manifest says shape {part['params'].get(n)}"
                         )
             if verify and set(crcs) != set(st.tensors):
                 raise CorruptCheckpointError(f"{where}: the manifest's checksums name other tensors than the file holds")
@@ -268,7 +324,7 @@ class CheckpointReader:
                 cursor = max(cursor, off + cnt)
             if cursor < numel:
                 raise IncompleteCheckpointError(
-                    f"{self.tag_dir / MANIFEST_NAME}: field 'params' gives parameter {n!r} the shape {shape}, but the saved "
+                    f"{self.tag_dir / MANIFEST_NAME}: field '{self.part_manifest['field']}params' gives parameter {n!r} the shape {shape}, but the saved "
                     f"pieces cover only elements [0, {cursor}) of "
                     f"{numel}; the manifest lists {len(self.files)} rank file(s) of a world size of {self.world_size}"
                 )
@@ -288,7 +344,7 @@ class CheckpointReader:
     @property
     def has_buffers(self) -> bool:
         """Whether the save carried module buffers (format 3: ``buffers`` / ``buffer_files`` in the manifest)."""
-        return self.manifest.get("buffer_files") is not None
+        return self.part_manifest.get("buffer_files") is not None
 
     def read_buffers(self, rank: int, world_size: int, verify: bool = True):
         """This rank's buffers: ``(num_emas, emas, copied)`` read from its own buffer file when the save had
@@ -300,16 +356,16 @@ class CheckpointReader:
                 f"tag {self.tag!r} in {self.root} was saved without buffers (save(..., buffers=None)): load without them, "
                 "or start the buffer EMAs from the live buffers (functional_ema.buffers.init_buffers)"
             )
-        desc, entries = self.manifest["buffers"], self.manifest["buffer_files"]
+        desc, entries = self.part_manifest["buffers"], self.part_manifest["buffer_files"]
         by_rank = {e["rank"]: e for e in entries}
         entry = by_rank.get(rank) if world_size == self.world_size else by_rank.get(0)
         if entry is None:
             raise IncompleteCheckpointError(
-                f"{self.tag_dir / MANIFEST_NAME}: field 'buffer_files' lists no buffer file of rank "
+                f"{self.tag_dir / MANIFEST_NAME}: field '{self.part_manifest['field']}buffer_files' lists no buffer file of rank "
                 f"{rank if world_size == self.world_size else 0} (saved at world size {self.world_size}); the manifest is damaged"
             )
         path, r = self.tag_dir / entry["file"], entry["rank"]
-        where = f"{path} (buffers of rank {r} of {self.world_size})"
+        where = f"{path} (buffers of rank {r} of {self.world_size}" + ("" if self.part.whole else f", {self.part.describe()}") + ")"
         if path.resolve().parent != self.tag_dir.resolve():
             raise CorruptCheckpointError(f"{where} is a link to a file outside the tag folder {self.tag_dir}; functional_ema "
                                          "reads only its own files inside the tag folder")
@@ -472,17 +528,20 @@ def fill_all(ckpt: CheckpointReader, jobs: list[tuple[torch.Tensor, int, str, in
         raise failures[min(failures)]
 
 
-def open_checkpoint(load_dir, tag: str | None = None, verify: bool = True, layout: ShardLayout | None = None) -> CheckpointReader:
+def open_checkpoint(load_dir, tag: str | None = None, verify: bool = True, layout: ShardLayout | None = None,
+                    part: ModelPart | None = None) -> CheckpointReader:
     """Open and validate a saved checkpoint for reading; use it as a context manager.
 
     Args:
         load_dir: the checkpoint directory, or a tag folder.
         tag: the tag; ``None`` follows ``latest`` (else ``ema_latest``), as :func:`functional_ema.load` does.
         verify: check the manifest's checksums of the headers now and of every byte :meth:`CheckpointReader.fill` reads.
-        layout: this rank's :class:`~functional_ema.ShardLayout`, for a reader of this rank's pieces:
-            when the checkpoint was saved at the same world size and stage with exactly these pieces,
-            only this rank's file is opened; otherwise (and with ``None``, for the offline tools)
-            every rank file is, so any range can be re-cut from the saved pieces.
+        layout: this rank's :class:`~functional_ema.ShardLayout`, for a reader of this rank's pieces
+            (of its model-parallel part): when the checkpoint was saved at the same world size and
+            stage with exactly these pieces, only this rank's file is opened; otherwise (and with
+            ``None``, for the offline tools) every rank file is, so any range can be re-cut.
+        part: without ``layout``, which model-parallel part to read (``None``: the only one; use
+            :func:`open_joined` for all of them).
 
     Example:
         >>> with open_checkpoint("ckpt") as reader:                      # doctest: +SKIP
@@ -490,9 +549,221 @@ def open_checkpoint(load_dir, tag: str | None = None, verify: bool = True, layou
         ...     reader.fill(full, 0, "w", 0, full.numel(), verify=True)
     """
     if layout is None:
-        return CheckpointReader.open(load_dir, tag, verify)
-    ckpt = CheckpointReader.open(load_dir, tag, verify, own=(layout.rank, layout.world_size, layout.stage))
+        return CheckpointReader.open(load_dir, tag, verify, part=part)
+    root, tag, _, manifest = CheckpointReader._locate(load_dir, tag)  # the tag as resolved: `latest` may move
+    if not any(p["part"] == layout.part for p in manifest_parts(manifest)):
+        # another model-parallel layout: join the saved parts, then cut this rank's part out of them
+        return RecutReader(open_joined(root, tag, verify), layout)
+    ckpt = CheckpointReader.open(root, tag, verify, own=(layout.rank, layout.world_size, layout.stage), part=layout.part)
     if not ckpt.partial or ckpt.holds(layout.specs):
         return ckpt
     ckpt.close()
-    return CheckpointReader.open(ckpt.root, ckpt.tag, verify)  # the tag as resolved: `latest` may move meanwhile
+    return CheckpointReader.open(root, tag, verify, part=layout.part)
+
+
+def open_parts(load_dir, tag: str | None = None, verify: bool = True) -> list[CheckpointReader]:
+    """Every model-parallel part of a saved checkpoint, opened (one reader for a whole model); close each."""
+    return CheckpointReader.open_parts(load_dir, tag, verify)
+
+
+class JoinedReader:
+    """The full parameters of a whole checkpoint, every model-parallel part joined: what the offline
+    tools (``consolidate``, post-hoc EMA from files, buffers' ``consolidate``) read.
+
+    Pipeline stages hold different parameters: their names are merged (a name held by several stages,
+    a tied layer, is read from the first). Tensor-parallel ranks hold slices of the same parameters:
+    they are concatenated along each parameter's split dimension (``tp_dims``: given here, else as the
+    engine recorded it at save time), or one rank's slices are read alone (``tp_rank``).
+
+    Attributes:
+        readers: one :class:`CheckpointReader` per part (closed with this reader).
+        shapes: output name -> full shape.
+        tag, root, tag_dir, manifest, step, num_emas, dtype: as for :class:`CheckpointReader`.
+    """
+
+    def __init__(self, readers: list[CheckpointReader], tp_dims: dict[str, int | None] | None = None,
+                 tp_rank: int | None = None):
+        self.readers = readers
+        first = readers[0]
+        self.tag, self.root, self.tag_dir, self.manifest = first.tag, first.root, first.tag_dir, first.manifest
+        self.step, self.num_emas, self.dtype = first.step, first.num_emas, first.dtype
+        self.world_size, self.stage = first.world_size, first.stage
+        tp_size = first.part.tp_size
+        if tp_rank is not None and not 0 <= int(tp_rank) < tp_size:
+            raise CheckpointMismatchError(f"tp_rank={tp_rank}, but tag {self.tag!r} was saved with tensor-parallel size {tp_size}")
+        # name -> (list of (reader, local shape), dim or None): the sources of each output tensor
+        self.sources: dict[str, tuple[list[tuple[CheckpointReader, tuple[int, ...]]], int | None]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for pp in range(first.part.pp_size):
+            stage = sorted((r for r in readers if r.part.pp == pp), key=lambda r: r.part.tp)
+            if tp_rank is not None:
+                stage = [stage[int(tp_rank)]]
+            names = list(stage[0].shapes)
+            for r in stage[1:]:
+                if list(r.shapes) != names:
+                    raise CorruptCheckpointError(
+                        f"{self.tag_dir / MANIFEST_NAME}: the tensor-parallel ranks of pipeline stage {pp} hold different "
+                        "parameters; the manifest is damaged")
+            dims = self._dims(stage, names, tp_dims) if len(stage) > 1 else {n: None for n in names}
+            for n in names:
+                if n in self.sources:
+                    continue  # a tied layer held by an earlier stage too
+                d = dims[n]
+                group = [stage[0]] if d is None else stage
+                shapes = [r.shapes[n] for r in group]
+                full = list(shapes[0])
+                if d is not None:
+                    if any(len(s) != len(full) or any(a != b for i, (a, b) in enumerate(zip(s, full)) if i != d) for s in shapes):
+                        raise CheckpointMismatchError(
+                            f"parameter {n!r}: its tensor-parallel slices {shapes} do not join along dimension {d}")
+                    full[d] = sum(s[d] for s in shapes)
+                self.sources[n] = ([(r, r.shapes[n]) for r in group], d)
+                self.shapes[n] = tuple(full)
+
+    def _dims(self, stage: list[CheckpointReader], names: list[str], given) -> dict[str, int | None]:
+        if given is not None:
+            missing = [n for n in names if n not in given]
+            if missing:
+                raise CheckpointMismatchError(f"tp_dims= does not say how {short_list(missing, 4)} join; give a dimension "
+                                              "(or None for a parameter replicated across tensor-parallel ranks) for each")
+            return {n: (None if given[n] is None else int(given[n])) for n in names}
+        recorded = [r.tp_dims for r in stage]
+        if any(d is None for d in recorded) or any(d != recorded[0] for d in recorded):
+            raise CheckpointMismatchError(
+                f"tag {self.tag!r} was saved with tensor parallelism ({len(stage)} ranks), and how its slices join is "
+                "unknown (the parameters carried no split: no AutoTP layout record, no Megatron attributes "
+                "'tensor_model_parallel'/'partition_dim'). Pass tp_dims={name: dim or None, ...}, or tp_rank=r for one "
+                "rank's slices (the CLI writes one file per tensor-parallel rank then)")
+        return recorded[0]
+
+    def fill(self, dst: torch.Tensor, k: int, name: str, start: int, numel: int, verify: bool) -> None:
+        """Write the full EMA ``k`` of ``name`` into the flat ``dst`` (``start`` 0, ``numel`` all of it, as
+        :func:`fill_all` passes them), checksums verified."""
+        if start != 0 or numel != math.prod(self.shapes[name]) or dst.numel() != numel:
+            raise ValueError(f"a joined reader fills whole parameters; got elements [{start}, {start + numel}) of {name!r}")
+        group, d = self.sources[name]
+        if d is None:
+            reader, shape = group[0]
+            reader.fill(dst, k, name, 0, dst.numel(), verify)
+            return
+        out = dst.view(self.shapes[name])
+        offset = 0
+        for reader, shape in group:
+            local = torch.empty(shape, dtype=dst.dtype)
+            reader.fill(local.view(-1), k, name, 0, local.numel(), verify)
+            out.narrow(d, offset, shape[d]).copy_(local)
+            offset += shape[d]
+
+    def check_index(self, index: int) -> None:
+        self.readers[0].check_index(index)
+
+    def read_buffers(self, verify: bool = True):
+        """Rank 0's buffers of every pipeline stage (of tensor-parallel rank 0), merged: ``(num_emas, emas, copied)``."""
+        num, emas, copied = None, None, {}
+        for r in sorted(self.readers, key=lambda r: (r.part.pp, r.part.tp)):
+            if r.part.tp != 0:
+                continue
+            n, e, c = r.read_buffers(0, r.world_size, verify)
+            if emas is None:
+                num, emas = n, tuple({} for _ in e)
+            for k, ek in enumerate(e):
+                for name, t in ek.items():
+                    emas[k].setdefault(name, t)
+            for name, t in c.items():
+                copied.setdefault(name, t)
+        return num, emas, copied
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+    def __enter__(self) -> "JoinedReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_joined(load_dir, tag: str | None = None, verify: bool = True, tp_dims: dict | None = None,
+                tp_rank: int | None = None) -> JoinedReader:
+    """Every part of a saved checkpoint, joined into full parameters (see :class:`JoinedReader`)."""
+    readers = CheckpointReader.open_parts(load_dir, tag, verify)
+    try:
+        return JoinedReader(readers, tp_dims, tp_rank)
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
+
+
+class RecutReader:
+    """A checkpoint saved with another model-parallel layout, read for this rank's part: every saved part
+    joined (:class:`JoinedReader`), then this rank's tensor-parallel slice cut out along the split its
+    engine records (``layout.tp_dims``) and its pipeline stage's parameters taken by name. Used by
+    ``load`` when the checkpoint has no part like this rank's; refused where a split is unknown."""
+
+    recut = True
+
+    def __init__(self, joined: JoinedReader, layout: ShardLayout):
+        self.joined, self.layout = joined, layout
+        self.tag, self.root, self.tag_dir, self.manifest = joined.tag, joined.root, joined.tag_dir, joined.manifest
+        self.step, self.num_emas, self.dtype = joined.step, joined.num_emas, joined.dtype
+        self.world_size, self.stage = joined.world_size, joined.stage
+        self.part = layout.part
+        self.shapes = {n: tuple(s.shape) for n, s in layout.specs.items()}
+
+    def _dim(self, name: str) -> int | None:
+        if self.layout.part.tp_size == 1:
+            return None
+        dims = self.layout.tp_dims
+        if dims is None or name not in dims:
+            raise CheckpointMismatchError(
+                f"tag {self.tag!r} was saved with another model-parallel layout than this run's "
+                f"({self.layout.part.describe()}), and this engine records no tensor-parallel split to cut "
+                f"{name!r} from the full parameter (no AutoTP layout record, no Megatron 'partition_dim'): resume "
+                "with the layout it was saved with")
+        return dims[name]
+
+    def check_model(self, specs: dict[str, ShardSpec]) -> None:
+        missing = [n for n in specs if n not in self.joined.shapes]
+        if missing:
+            raise CheckpointMismatchError(
+                f"tag {self.tag!r} in {self.root} (saved with another model-parallel layout) has no EMA of "
+                f"{short_list(missing)}, which {self.layout.part.describe()} of this run trains")
+        size = self.layout.part.tp_size
+        for n, spec in specs.items():
+            full, local, d = self.joined.shapes[n], tuple(spec.shape), self._dim(n)
+            want = local if d is None else tuple(x * size if i == d else x for i, x in enumerate(local))
+            if tuple(full) != want:
+                raise CheckpointMismatchError(
+                    f"parameter {n!r}: its full shape in tag {self.tag!r} is {tuple(full)}, but this rank's slice "
+                    f"{local} of {self.layout.part.describe()} (split along {d}) makes {want}")
+
+    def check_index(self, index: int) -> None:
+        self.joined.check_index(index)
+
+    def fill(self, dst: torch.Tensor, k: int, name: str, start: int, numel: int, verify: bool) -> None:
+        full = torch.empty(self.joined.shapes[name], dtype=dst.dtype)
+        self.joined.fill(full.view(-1), k, name, 0, full.numel(), verify)
+        d = self._dim(name)
+        local = full
+        if d is not None:
+            size = self.shapes[name][d]
+            local = full.narrow(d, self.layout.part.tp * size, size)
+        dst.copy_(local.reshape(-1)[start : start + numel])
+
+    @property
+    def has_buffers(self) -> bool:
+        return all(r.has_buffers for r in self.joined.readers)
+
+    def read_buffers(self, rank: int, world_size: int, verify: bool = True):
+        return self.joined.read_buffers(verify)
+
+    def close(self) -> None:
+        self.joined.close()
+
+    def __enter__(self) -> "RecutReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

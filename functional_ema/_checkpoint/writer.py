@@ -21,14 +21,14 @@ import torch.distributed as dist
 import xxhash
 
 from .. import _io
-from .._layout import ShardLayout
+from .._layout import ModelPart, ShardLayout
 from .._state import EmaState
 from ..schedules import as_schedule
 from . import collective
 from .errors import CheckpointError, CheckpointMismatchError
 from .format import (BUFFER_FILE, BUFFERS_FORMAT, FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, LOCK_NAME, MANIFEST_FORMAT,
-                     MANIFEST_NAME, MAX_EXTRA_BYTES, RANK_FILE, buffer_file_name, dtype_name, library_version,
-                     rank_file_name, short_list, tensor_key)
+                     MANIFEST_NAME, MAX_EXTRA_BYTES, RANK_FILE, WHOLE_FORMAT_VERSION, buffer_file_name, dtype_name,
+                     library_version, manifest_parts, rank_file_name, short_list, tensor_key)
 
 logger = logging.getLogger("functional_ema")
 
@@ -143,7 +143,7 @@ def plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, buffers=Non
     schedules = describe_decays(decay, state.num_emas)
     return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas, "dtype": dtype_name(dtype),
             "schedules": schedules, "buffers": describe_buffers(buffers, state), "extra": check_extra(extra),
-            "generation": 0}
+            "model_parallel": not layout.part.whole, "generation": 0}
 
 
 def read_generation(tag_dir: Path) -> int:
@@ -156,19 +156,32 @@ def read_generation(tag_dir: Path) -> int:
 
 def save_files(layout: ShardLayout, generation: int, has_buffers: bool, writes_pieces: bool) -> list[str]:
     """The names of the files this rank writes into the tag folder: its EMA pieces (unless another rank
-    holds the same replicated pieces), its buffers (every rank: buffers are not synchronised)."""
-    names = [rank_file_name(layout.rank, layout.world_size, generation)] if writes_pieces else []
+    holds the same replicated pieces), its buffers (every rank: buffers are not synchronised); named by
+    its model-parallel part, data-parallel rank and world, and the save's generation."""
+    names = [rank_file_name(layout.rank, layout.world_size, generation, layout.part)] if writes_pieces else []
     if has_buffers:
-        names.append(buffer_file_name(layout.rank, layout.world_size, generation))
+        names.append(buffer_file_name(layout.rank, layout.world_size, generation, layout.part))
     return names
 
 
+def part_record(layout: ShardLayout, plan: dict) -> dict:
+    """What the manifest says of this rank's model-parallel part (the same on every rank of the part)."""
+    return {"part": layout.part.to_json_dict(), "world_size": layout.world_size, "zero_stage": layout.stage,
+            "params": {n: list(s.shape) for n, s in layout.specs.items()}, "tp_dims": layout.tp_dims,
+            "buffers": plan["buffers"]}
+
+
 #: The fields of a save's plan every rank must agree on (not the path: mounts may differ between nodes).
-AGREED_FIELDS = ("tag", "step", "num_emas", "dtype", "schedules", "buffers", "extra")
+#: The buffers' description too, unless the model is split into parts (each part has its own buffers).
+AGREED_FIELDS = ("tag", "step", "num_emas", "dtype", "schedules", "buffers", "extra", "model_parallel")
+
+
+def _agreed(plan: dict) -> tuple[str, ...]:
+    return tuple(f for f in AGREED_FIELDS if not (f == "buffers" and plan.get("model_parallel")))
 
 
 def check_plans(plans: list[dict]) -> None:
-    for field in AGREED_FIELDS:
+    for field in _agreed(plans[0]):
         values = [json.dumps(p[field], sort_keys=True) for p in plans]
         if len(set(values)) > 1:
             shown = [p[field] if field in ("tag", "step", "num_emas", "dtype") else v for p, v in zip(plans, values)]
@@ -190,7 +203,7 @@ def agree_plans(what: str, plan, group, world: int, rank: int, on_failure=None) 
         mine = payload[1] if local_exc is None else None
         digest, generation, token = -1, -1, -1
         if mine is not None:
-            agreed = json.dumps([mine[f] for f in AGREED_FIELDS], sort_keys=True).encode()
+            agreed = json.dumps([mine[f] for f in _agreed(mine)] + [mine["buffers"] is not None], sort_keys=True).encode()
             digest = xxhash.xxh3_64_intdigest(agreed) >> 2  # in [0, 2**62): its negation fits too
             if rank == 0:
                 generation = mine["generation"]
@@ -217,7 +230,7 @@ def rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str
     """The string metadata of one rank file (``plan``: the agreed tag, step, num_emas, dtype, schedules, extra)."""
     return {
         "format": FILE_FORMAT,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(FORMAT_VERSION if not layout.part.whole else WHOLE_FORMAT_VERSION),
         "library": f"functional_ema {library_version()}",
         "tag": plan["tag"],
         "step": str(plan["step"]),
@@ -255,7 +268,8 @@ def write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, to
 
 def buffer_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
     """The string metadata of one buffer file: what it belongs to (tag, step, generation, rank, world)."""
-    return {"format": BUFFERS_FORMAT, "format_version": str(FORMAT_VERSION), "library": f"functional_ema {library_version()}",
+    version = FORMAT_VERSION if not layout.part.whole else WHOLE_FORMAT_VERSION
+    return {"format": BUFFERS_FORMAT, "format_version": str(version), "library": f"functional_ema {library_version()}",
             "tag": plan["tag"], "step": str(plan["step"]), "generation": str(generation), "rank": str(layout.rank),
             "world_size": str(layout.world_size), "num_emas": str(plan["buffers"]["num_emas"]),
             "dtype": plan["buffers"]["dtype"]}
@@ -278,17 +292,42 @@ def write_buffer_file(path: Path, rank: int, buffers, desc: dict, meta: dict[str
     return _record(w, rank, path, size)
 
 
-def build_manifest(plan: dict, layout: ShardLayout, files: list[dict], buffer_files: list[dict] | None = None,
-                   **extra) -> dict:
-    """The manifest of a save whose rank files are ``files`` (their records), and ``buffer_files`` when the
-    save carried buffers; ``plan`` as agreed by the ranks."""
+def build_manifest(plan: dict, records: list[dict], **extra) -> dict:
+    """The manifest of a save from every rank's record of what it wrote (``{"part": part_record(...),
+    "file": ..., "buffers": ...}``; ``plan`` as agreed by the ranks). One model-parallel part (a whole
+    model) is written at the top level (format 3); several as ``parts`` (format 4). The ranks of one
+    part must describe it alike."""
+    by_part: dict[str, dict] = {}
+    for r in records:
+        desc = r["part"]
+        key = json.dumps(desc["part"], sort_keys=True)
+        entry = by_part.setdefault(key, dict(desc, files=[], buffer_files=[]))
+        if any(json.dumps(entry[k], sort_keys=True) != json.dumps(desc[k], sort_keys=True) for k in desc):
+            raise CheckpointError(f"save: the ranks of {ModelPart(**desc['part']).describe()} describe it differently "
+                                  "(parameters, shapes, world size or buffers); every rank of a part must hold the same model")
+        if "file" in r:
+            entry["files"].append(r["file"])
+        if "buffers" in r:
+            entry["buffer_files"].append(r["buffers"])
+    parts = []
+    for entry in sorted(by_part.values(), key=lambda e: (e["part"]["pp"], e["part"]["tp"])):
+        entry["files"].sort(key=lambda e: e["rank"])
+        if entry["buffers"] is None:
+            del entry["buffers"], entry["buffer_files"]
+        else:
+            entry["buffer_files"].sort(key=lambda e: e["rank"])
+        if entry["tp_dims"] is None:
+            del entry["tp_dims"]
+        parts.append(entry)
+    whole = len(parts) == 1 and ModelPart(**parts[0]["part"]).whole
     manifest = {
         "format": MANIFEST_FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": WHOLE_FORMAT_VERSION if whole else FORMAT_VERSION,
         "library": f"functional_ema {library_version()}",
         "note": "functional_ema EMA checkpoint: complete because this manifest exists (with every file it lists). "
                 "Each rank file holds 'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata "
-                "says where the piece sits in the full parameter.",
+                "says where the piece sits in the full parameter"
+                + ("." if whole else ", and which model-parallel part (tensor-parallel rank, pipeline stage) it holds."),
         "tag": plan["tag"],
         "generation": plan["generation"],
         "step": plan["step"],
@@ -296,17 +335,14 @@ def build_manifest(plan: dict, layout: ShardLayout, files: list[dict], buffer_fi
         "dtype": plan["dtype"],
         "schedules": plan["schedules"],
         "extra": plan["extra"],
-        "world_size": layout.world_size,
-        "zero_stage": layout.stage,
-        "params": {n: list(s.shape) for n, s in layout.specs.items()},
         "chunk_bytes": _io.CHUNK_BYTES,
         "checksum": _io.CHECKSUM,
-        "files": files,
         **extra,
     }
-    if plan["buffers"] is not None:
-        manifest["buffers"] = plan["buffers"]
-        manifest["buffer_files"] = sorted(buffer_files or [], key=lambda e: e["rank"])
+    if whole:
+        manifest.update({k: v for k, v in parts[0].items() if k != "part"})
+    else:
+        manifest["parts"] = parts
     return manifest
 
 
@@ -318,7 +354,7 @@ def commit_manifest(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
     # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
     # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
     _io.atomic_write_bytes(save_dir / LATEST_NAME, (manifest["tag"] + "\n").encode())
-    _cleanup(tag_dir, {w["file"] for w in manifest["files"] + manifest.get("buffer_files", [])})
+    _cleanup(tag_dir, {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])})
 
 
 def remove_unlisted(tag_dir: Path, fnames: Sequence[str]) -> None:
@@ -328,7 +364,7 @@ def remove_unlisted(tag_dir: Path, fnames: Sequence[str]) -> None:
         return
     try:
         m = json.loads((tag_dir / MANIFEST_NAME).read_bytes())
-        listed = {e.get("file") for e in m.get("files", []) + (m.get("buffer_files") or [])}
+        listed = {e.get("file") for p in (m.get("parts") or [m]) for e in p.get("files", []) + (p.get("buffer_files") or [])}
     except Exception:  # noqa: BLE001 - no readable manifest: nothing lists the files
         listed = set()
     for fname in fnames:
@@ -423,6 +459,28 @@ class TagLock:
         if remove_empty and self.created:
             with contextlib.suppress(OSError):
                 self.tag_dir.rmdir()
+
+
+def check_shared(tag_dir: Path, rank: int, what: str, wait: float = 2.0) -> None:
+    """Refuse a save whose folder this rank does not share with the committing rank: its ``TagLock`` file,
+    made before the plan was agreed, must be visible here. Otherwise (node-local storage: the same path
+    on another disk) the manifest would list files this rank's node cannot read, found only at resume.
+    A network filesystem's cached "no such file" is given ``wait`` seconds to clear."""
+    path = tag_dir / LOCK_NAME
+    deadline = time.monotonic() + wait
+    while not path.exists():
+        with contextlib.suppress(OSError):
+            os.listdir(tag_dir)  # revalidates a cached directory (NFS)
+        if path.exists():
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"{what}: rank {rank} does not see the tag folder {tag_dir} that rank 0 is writing (its lock file "
+                f"{LOCK_NAME} is missing here): the checkpoint directory is not shared by every rank (node-local "
+                "storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares. "
+                "Nothing was committed"
+            )
+        time.sleep(0.05)
 
 
 def _read_holder(fd: int) -> str:

@@ -17,8 +17,8 @@ from .. import _io, checkpoint
 from .._api import shard_layout
 from .._checkpoint.errors import CheckpointNotFoundError
 from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
-from .._checkpoint.reader import open_checkpoint
-from .._layout import ShardLayout
+from .._checkpoint.reader import open_checkpoint, open_joined
+from .._layout import ModelPart, ShardLayout
 from .._state import EmaState
 from .._tree import TreeMismatchError
 from ..schedules import Schedule, gamma_to_sigma_rel, power
@@ -93,12 +93,13 @@ class SnapshotInfo(NamedTuple):
     shapes: dict[str, tuple[int, ...]]
 
 
-def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PREFIX) -> list[SnapshotInfo]:
+def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PREFIX, part: ModelPart | None = None) -> list[SnapshotInfo]:
     """Complete snapshot checkpoints in ``snapshot_dir`` (tags starting with ``prefix``), by step.
 
     Each is validated (manifest, every rank file's header and checksum, coverage of every
     parameter) without reading tensor data. Tags without a manifest (an interrupted save) are
-    skipped with a warning.
+    skipped with a warning. ``shapes`` are the full shapes of the whole model (every model-parallel
+    part joined), or of one ``part``'s parameters.
 
     Raises:
         ReconstructionError: no complete snapshot, an EMA that is not a power EMA, or snapshots of
@@ -120,7 +121,12 @@ def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PR
     for tag in tags:
         if tag in incomplete:
             continue
-        m = checkpoint.read_manifest(root, tag)
+        if part is None:
+            with open_joined(root, tag, verify=True) as joined:
+                m, shapes = joined.manifest, dict(joined.shapes)
+        else:
+            with open_checkpoint(root, tag, verify=True, layout=None, part=part) as ckpt:
+                m, shapes = ckpt.manifest, dict(ckpt.shapes)
         scheds = m.get("schedules") or []
         if len(scheds) != int(m["num_emas"]):
             raise ReconstructionError(
@@ -135,7 +141,6 @@ def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PR
                     "power EMAs (schedules.power(sigma_rel=...))"
                 )
             gammas.append(float(d["gamma"]))
-        shapes = {n: tuple(int(x) for x in s) for n, s in m["params"].items()}
         out.append(SnapshotInfo(tag, int(m["step"]), tuple(gammas), shapes))
     if not out:
         raise ReconstructionError(
@@ -166,8 +171,8 @@ class _FilePlan(NamedTuple):
     num_snapshots: int
 
 
-def _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix) -> _FilePlan:
-    infos = list_snapshots(snapshot_dir, prefix=prefix)
+def _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, part=None) -> _FilePlan:
+    infos = list_snapshots(snapshot_dir, prefix=prefix, part=part)
     gammas, steps, refs = [], [], []
     for info in infos:
         for k, g in enumerate(info.gammas):
@@ -216,7 +221,7 @@ def _stream(
     for group in groups:
         acc = {n: torch.zeros(ranges[n][1], dtype=torch.float64) for n in group}
         for tag, ks in by_tag.items():
-            with open_checkpoint(plan.root, tag, verify, layout) as ckpt:
+            with (open_checkpoint(plan.root, tag, verify, layout) if layout is not None else open_joined(plan.root, tag, verify)) as ckpt:
                 for k, c in ks:
                     for n in group:
                         start, numel, _ = ranges[n]
@@ -298,7 +303,7 @@ def posthoc_local(
     """
     if not isinstance(layout, ShardLayout):
         layout = shard_layout(layout)
-    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
+    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, layout.part)
     missing = [n for n in layout.specs if n not in plan.shapes]
     bad = [n for n, s in layout.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
     if missing or bad:

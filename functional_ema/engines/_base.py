@@ -144,19 +144,17 @@ class Adapter:
                 if target.numel():
                     target.copy_(pieces[name].reshape(target.shape))
 
+    def optimizer_steps(self) -> int | None:
+        """The optimizer steps the engine counts itself (DeepSpeed's ``global_steps``), or ``None`` when it
+        keeps no such counter (a framework integration then counts them)."""
+        return None
+
     @contextlib.contextmanager
     def refuse_training(self, why: str) -> Iterator[None]:
         """While EMA weights are swapped in: refuse the engine's own training verbs (raising
         ``SwappedTrainingError`` with ``why``). The hooks every engine shares (backward through a
         swapped forward, ``torch.optim`` steps) are set by :func:`functional_ema.swapped` itself."""
         yield
-
-    def model_parallel(self) -> str | None:
-        """What splits the model across ranks besides the data-parallel group the reading spans, as a noun
-        phrase (e.g. "a DeepSpeed PipelineEngine (2 pipeline stages)"), or ``None``: model parallelism
-        this library does not place in its files yet. Writers are checked from the files themselves
-        (two ranks that would write one file are refused); this names the cause in the message."""
-        return None
 
 
 def is_read(name: str, param: torch.Tensor, previous: Reading | None) -> bool:

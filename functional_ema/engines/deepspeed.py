@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._layout import ShardLayout, ShardSpec
+from .._layout import ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
 from .._errors import SwappedTrainingError
 from ._base import Adapter, Reading, SwapStats, gather_pieces, world_of
@@ -72,7 +72,9 @@ class DeepSpeedAdapter(Adapter):
         else:
             pieces = _zero0(engine, named)
         shards = shards_from_views([(n, v) for n, (v, _) in pieces.items()])
-        layout = ShardLayout(rank, world, stage, {n: s for n, (_, s) in pieces.items()}, engine="deepspeed")
+        part = model_part(engine)
+        layout = ShardLayout(rank, world, stage, {n: s for n, (_, s) in pieces.items()}, engine="deepspeed", part=part,
+                             tp_dims=tp_dims(engine, [(n, p) for n, p in named if n in pieces], part))
         params = {n: p for n, p in named if n in pieces}
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
@@ -81,15 +83,18 @@ class DeepSpeedAdapter(Adapter):
             return _swap_zero3(self.target, reading, pieces)
         return _swap_data(reading, pieces)
 
-    def model_parallel(self) -> str | None:
-        return model_parallel(self.target)
+    def optimizer_steps(self) -> int:
+        return int(self.target.global_steps)
 
     @contextlib.contextmanager
     def refuse_training(self, why: str):
         """``engine.backward`` / ``engine.step`` refused (instance attributes shadowing the methods)."""
         engine = self.target
         patched = []
-        for verb in ("backward", "step"):
+        for verb in ("backward", "step", "train_batch"):  # train_batch: a PipelineEngine's whole step
+            if not callable(getattr(engine, verb, None)):
+                continue
+
             def refuse(*_a, _verb=verb, **_k):
                 raise SwappedTrainingError(f"engine.{_verb}() {why}")
 
@@ -122,24 +127,65 @@ class DeepSpeedAdapter(Adapter):
                     p.data.copy_(full[n].to(p.dtype))
 
 
-def model_parallel(engine) -> str | None:
-    """The engine's model-parallel groups as a noun phrase (pipeline stages, AutoTP, an ``mpu=``), or ``None``."""
-    parts = []
-    if any(c.__name__ == "PipelineEngine" for c in type(engine).__mro__):
-        stages = getattr(engine, "num_stages", None)
-        parts.append(f"a DeepSpeed PipelineEngine ({stages} pipeline stages)" if stages else "a DeepSpeed PipelineEngine")
-    autotp = getattr(engine, "autotp_size", None)
-    with contextlib.suppress(Exception):
-        size = int(autotp()) if callable(autotp) else 0
-        if size > 1:
-            parts.append(f"DeepSpeed AutoTP tensor parallelism (tensor_parallel.autotp_size={size})")
+def _first(obj, names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        fn = getattr(obj, name, None)
+        if callable(fn):
+            return int(fn())
+    return default
+
+
+def model_part(engine) -> ModelPart:
+    """The tensor-parallel rank and pipeline stage an engine's rank holds, from its ``mpu`` (an ``mpu=``
+    object, a PipelineEngine's grid, or DeepSpeed's own groups under AutoTP) and its pipeline stage."""
     mpu = getattr(engine, "mpu", None)
-    if mpu is not None and not parts:
-        size = None
-        with contextlib.suppress(Exception):
-            size = int(mpu.get_model_parallel_world_size())
-        parts.append(f"an mpu= model-parallel group ({size} ranks)" if size else "an mpu= model-parallel group")
-    return " with ".join(parts) or None
+    if mpu is None:
+        return ModelPart()
+    tp_size = _first(mpu, ("get_tensor_model_parallel_world_size", "get_slice_parallel_world_size",
+                           "get_model_parallel_world_size"), 1)
+    tp = _first(mpu, ("get_tensor_model_parallel_rank", "get_slice_parallel_rank", "get_model_parallel_rank"), 0) if tp_size > 1 else 0
+    if any(c.__name__ == "PipelineEngine" for c in type(engine).__mro__):
+        pp, pp_size = int(engine.stage_id), int(engine.num_stages)
+    else:
+        pp_size = _first(mpu, ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"), 1)
+        pp = _first(mpu, ("get_pipeline_model_parallel_rank", "get_pipe_parallel_rank"), 0) if pp_size > 1 else 0
+    return ModelPart(tp, tp_size, pp, pp_size)
+
+
+#: DeepSpeed AutoTP's per-parameter layout record (``deepspeed.checkpoint.constants.DS_AUTOTP_UC_META``).
+_AUTOTP_META = "ds_autotp_universal_checkpoint_meta"
+
+
+def tp_dims(engine, named, part: ModelPart) -> dict[str, int | None] | None:
+    """How this engine's tensor-parallel slices join, per parameter (see ``ShardLayout.tp_dims``), when
+    every parameter says so: AutoTP's layout record (``partition_dim``, or ``replicated``; parameters AutoTP
+    left whole are replicated), or Megatron's attributes (``tensor_model_parallel``, ``partition_dim``).
+    ``None`` when any parameter's split is unknown or is not a plain concatenation (fused sub-parameters)."""
+    if part.tp_size == 1:
+        return None
+    autotp = False
+    with contextlib.suppress(Exception):
+        autotp = int(engine.autotp_size()) > 1
+    dims: dict[str, int | None] = {}
+    for name, p in named:
+        meta = getattr(p, _AUTOTP_META, None)
+        if isinstance(meta, dict):
+            if meta.get("replicated"):
+                dims[name] = None
+            elif (meta.get("partition_dim") is None or meta.get("sub_param_shard_widths") or meta.get("sub_param_sizes")
+                  or (meta.get("conversion") or {}).get("unsupported_reason")):
+                return None
+            else:
+                dims[name] = int(meta["partition_dim"])
+            continue
+        marked = getattr(p, "tensor_model_parallel", None)
+        if marked is True:
+            dims[name] = int(getattr(p, "partition_dim", 0))
+        elif marked is False or autotp:
+            dims[name] = None
+        else:
+            return None
+    return dims
 
 
 def data_parallel_group(engine):
@@ -154,6 +200,9 @@ def data_parallel_group(engine):
 def unsupported_reason(engine) -> str | None:
     """Why :func:`local_shards` cannot read this engine, or ``None`` when it can."""
     opt = engine.optimizer
+    if type(opt).__name__.startswith("MiCS"):  # DeepSpeed < 0.19.8 (later versions refuse the option themselves)
+        return ("ZeRO-3 MiCS (zero_optimization.mics_shard_size) replicates each partition over shard groups, which "
+                "functional_ema does not place yet; use plain ZeRO-3 (ZeRO++ hpZ, zero_hpz_partition_size, works)")
     if engine.zero_optimization_stage() == 3 and getattr(opt, "params_in_nvme_and_cpu", False):
         return "ZeRO-3 with NVMe offload keeps the fp32 master on disk; functional_ema supports CPU offload only"
     if engine.zero_optimization_stage() == 3 and any(t.numel() == 0 for t in getattr(opt, "fp32_partitioned_groups_flat", [])):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
-from functional_ema._checkpoint.collective import agree, io_error, timeout_s
+from functional_ema._checkpoint.collective import agree, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (MANIFEST_NAME, RECORD_NAME, check_export_path, read_record,
                                                record_bytes)
 from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
@@ -250,11 +250,10 @@ class EMAController:
     def _save_unstarted(self, x: Any, tag_dir: Path, record: dict) -> None:
         """Rank 0 writes the not-started record, atomically, holding the tag's write lock; it names the
         generation of the EMA saved in that folder before (if any), which it supersedes."""
-        group = fe.process_group(x)
-        layout = fe.shard_layout(x)
+        job = job_of(fe.engines.adapter_for(x).read())  # every rank that saves this model (all parts)
 
         def write():
-            if layout.rank != 0:
+            if job.rank != 0:
                 return None
             lock = TagLock.acquire(tag_dir, timeout_s(None), "EMA save")
             try:
@@ -266,7 +265,7 @@ class EMAController:
                 lock.release()
             return None
 
-        agree("EMA save (not started yet)", write, group, layout.world_size, layout.rank, results=False)
+        agree("EMA save (not started yet)", write, job.group, job.world, job.rank, results=False)
 
     def wait(self) -> None:
         """Wait for the EMA writes in flight (``async_save=True``); raise a failure of one."""
@@ -288,7 +287,7 @@ class EMAController:
         self.wait()  # a write of this process in flight finishes first
         load_dir = Path(load_dir)
         tag_dir = load_dir / self.tag
-        group, layout = fe.process_group(x), fe.shard_layout(x)
+        job = job_of(fe.engines.adapter_for(x).read())
 
         def decide():
             record = read_record(tag_dir / RECORD_NAME)
@@ -302,7 +301,7 @@ class EMAController:
                 return ("unstarted", record)
             return ("ema", None) if generation is not None else ("nothing", None)
 
-        kind, record = agree("EMA resume", decide, group, layout.world_size, layout.rank)[0]
+        kind, record = agree("EMA resume", decide, job.group, job.world, job.rank)[0]
         if kind == "unstarted":
             saved_step = _int_field(record, "framework_step", tag_dir / RECORD_NAME)
             self._check_unstarted(tag_dir / RECORD_NAME, saved_step, framework_step)

@@ -31,7 +31,7 @@ from typing import Any
 
 import accelerate  # noqa: F401 - the framework this module glues to
 
-from functional_ema.engines.deepspeed import is_deepspeed_engine
+from functional_ema.engines import adapter_for
 from functional_ema.schedules import DecayLike
 
 from ._common import EMAController
@@ -64,17 +64,19 @@ class AcceleratorEMA:
         """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
         return self.ema.state
 
+    def _engine_steps(self) -> int | None:
+        return adapter_for(self.model).optimizer_steps()  # DeepSpeed counts its own; other engines do not
+
     @property
     def optimizer_step(self) -> int:
-        """Optimizer steps taken so far (DeepSpeed's ``global_steps`` under DeepSpeed)."""
-        if is_deepspeed_engine(self.model):
-            return int(self.model.global_steps)
-        return self._steps
+        """Optimizer steps taken so far (the engine's own counter where it keeps one: DeepSpeed's ``global_steps``)."""
+        counted = self._engine_steps()
+        return self._steps if counted is None else counted
 
     def step(self) -> bool:
         """Call once per loop iteration, after ``optimizer.step()``. Returns whether the EMA moved."""
         acc = self.accelerator
-        if not is_deepspeed_engine(self.model) and acc.sync_gradients and not acc.optimizer_step_was_skipped:
+        if self._engine_steps() is None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
             self._steps += 1
         return self.ema.on_step(self.model, self.optimizer_step)
 
@@ -89,7 +91,7 @@ class AcceleratorEMA:
         # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest. Without
         # DeepSpeed the optimizer-step counter is this helper's own: it comes back from the EMA
         # checkpoint's checksummed record, checked against the EMA's step.
-        if is_deepspeed_engine(self.model):
+        if self._engine_steps() is not None:
             self.ema.load(self.model, input_dir, framework_step=self.optimizer_step)
         else:
             self._steps = self.ema.load(self.model, input_dir, framework_step=None)

@@ -1,0 +1,645 @@
+"""DeepSpeed tensor and pipeline parallelism: every verb on each model-parallel layout (issue 22).
+
+Real 8-, 4- and 2-rank launches on CPU (gloo): DeepSpeed engines built with ``mpu=`` (a Megatron-style
+tensor-parallel MLP, :class:`tests._multirank.TPMLP`), as a ``PipelineEngine`` (stages x data parallel,
+a BatchNorm in the first stage), both at once (tensor 2 x pipeline 2 x data parallel 2), AutoTP training
+of a Hugging Face Llama, and ZeRO++ hpZ. On each layout:
+
+* ``local_shards`` places the rank in its model-parallel part (tensor-parallel rank, pipeline stage);
+  ``update`` sends 0 bytes;
+* the EMA gathered over the data-parallel group is bitwise the EMA of DeepSpeed's own full fp32 weights
+  of what the model-parallel rank holds (``safe_get_full_fp32_param``), averaged in plain torch;
+* ``swapped``: the engine's forward (or ``eval_batch``) equals the same engine with the EMA weights put in
+  by plain torch; training inside it is refused (``backward``, ``train_batch``);
+* ``save`` (with buffers on the pipeline), ``AsyncSaver``, snapshots; killed and resumed in fresh
+  processes, the EMA continues bitwise as the uninterrupted run's; loaded at another data-parallel size
+  with the same model-parallel layout, it is the saved one;
+* loaded by another model-parallel layout (no tensor parallelism, one stage), the saved parts are joined
+  and re-cut; where the split is unknown that is refused;
+* offline: the stages consolidate into one file, tensor-parallel slices join along the recorded split
+  (Megatron's attributes, AutoTP's layout record: checked against DeepSpeed's own gather), or per
+  ``tp_dims``, or one tensor-parallel rank's alone (the CLI writes one file per rank when the split is
+  unknown).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import functional_ema as fe
+from tests._multirank import run_ranks
+
+DECAYS = (fe.schedules.power(gamma=3.0), fe.schedules.power(gamma=6.0))  # power EMAs: snapshots need them
+STEPS, SAVE_AT = 6, 4
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _reference(engine) -> dict[str, torch.Tensor]:
+    from tests._multirank import full_fp32_reference
+
+    return full_fp32_reference(engine)
+
+
+class _Ref:
+    """Plain-torch EMAs of full tensors, one ``lerp_`` per tensor, updated at every step."""
+
+    def __init__(self, full: dict[str, torch.Tensor], step: int):
+        self.emas = [{n: t.clone() for n, t in full.items()} for _ in DECAYS]
+        self.step = step
+
+    def feed(self, full: dict[str, torch.Tensor], step: int) -> None:
+        from tests._integration_models import weight
+
+        for k, d in enumerate(DECAYS):
+            w = weight(d, self.step, step)
+            for n, t in full.items():
+                self.emas[k][n].lerp_(t, w)
+        self.step = step
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[n].reshape(b[n].shape), b[n]) for n in a)
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(path))
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _swap_check(engine, state, forward) -> dict:
+    """The forward inside ``swapped`` against the same engine with the gathered EMA put into its module
+    parameters by plain torch; and training inside refused."""
+    full = fe.gather_full(state, engine)
+    with torch.no_grad(), fe.swapped(engine, state):
+        inside = forward()
+        refused = None
+        try:
+            engine.backward(torch.zeros(()))
+        except fe.SwappedTrainingError as e:
+            refused = str(e)
+        if hasattr(engine, "train_batch"):
+            try:
+                engine.train_batch(iter([]))
+            except fe.SwappedTrainingError:
+                pass
+            else:
+                refused = None
+    params = dict(engine.module.named_parameters())
+    live = {n: params[n].detach().clone() for n in full}
+    with torch.no_grad():
+        for n, t in full.items():
+            params[n].copy_(t.to(params[n].dtype).view(params[n].shape))
+        manual = forward()
+        for n, t in live.items():
+            params[n].copy_(t)
+    return {"swapped_equal": torch.equal(inside, manual), "training_refused": refused is not None}
+
+
+def _zero_bytes_update(state, engine, step) -> tuple:
+    from tests._multirank import CollectiveSpy
+
+    shards = fe.local_shards(engine)
+    with CollectiveSpy() as spy:
+        state = fe.update(state, shards, step, decay=list(DECAYS))
+    return state, spy.total
+
+
+# ------------------------------------------------------------------------------ ZeRO++ hpZ and MiCS
+
+
+def hpz_worker(out: str) -> dict:
+    """4 ranks: ZeRO-3 with ZeRO++ hpZ (zero_hpz_partition_size=2: a secondary copy of the 16-bit
+    parameters per node, the fp32 masters still partitioned over all ranks) works like plain ZeRO-3;
+    MiCS (mics_shard_size) is refused, naming the option (by DeepSpeed 0.19.8 itself, which removed it)."""
+    import deepspeed
+
+    from tests._integration_models import quiet
+    from tests._multirank import OddNet, batch, ds_config, make_engine, train_step
+
+    quiet()
+    out = Path(out)
+    report: dict = {}
+    engine = make_engine(3, model=OddNet(extras=False), seed=4, zero_hpz_partition_size=2)
+    state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+    ref = _Ref(_reference(engine), 0)
+    sent = 0
+    for step in (1, 2):
+        train_step(engine, step)
+        state, n = _zero_bytes_update(state, engine, step)
+        sent += n
+        ref.feed(_reference(engine), step)
+    report["hpz_world"] = fe.shard_layout(engine).world_size
+    report["hpz_collectives_in_update"] = sent
+    full = fe.gather_full(state, engine)
+    report["hpz_equal_ref"] = _equal(full, ref.emas[0])
+    twin = OddNet(extras=False)
+    twin.load_state_dict(full, strict=True)
+    x, _ = batch(engine, 99)
+    engine.eval()
+    with torch.no_grad(), fe.swapped(engine, state):
+        inside = engine(x)
+    with torch.no_grad():
+        report["hpz_swapped_equal"] = torch.equal(inside, twin(x))
+    fe.save(state, engine, out / "hpz", "t")
+    report["hpz_load_equal"] = _equal(fe.gather_full(fe.load(engine, out / "hpz", "t"), engine), full)
+    cfg = ds_config(3, mics_shard_size=2)
+    model = OddNet(extras=False)
+    try:
+        deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+    except Exception as e:  # noqa: BLE001
+        report["mics_refused"] = [type(e).__name__, str(e)[:300]]
+    return report
+
+
+def test_zero_plus_plus_hpz_and_mics(tmp_path):
+    for r in run_ranks("tests.test_model_parallel:hpz_worker", world_size=4, timeout=600, out=str(tmp_path)):
+        assert r["hpz_world"] == 4 and r["hpz_collectives_in_update"] == 0, r
+        assert r["hpz_equal_ref"] and r["hpz_swapped_equal"] and r["hpz_load_equal"], r
+        assert "mics_shard_size" in r["mics_refused"][1], r["mics_refused"]
+
+
+# ----------------------------------------------------------------------------- tensor parallel (mpu=)
+
+
+def _tp_engine(tp_size: int, seed: int, attributes: bool = True, stage: int = 2):
+    from tests._multirank import MPU, TPMLP, make_engine
+
+    mpu = MPU(tp_size)
+    model = TPMLP(mpu.get_model_parallel_rank(), tp_size, mpu.get_model_parallel_group(), seed=seed, attributes=attributes)
+    return make_engine(stage, model=model, mpu=mpu, seed=seed), mpu
+
+
+def _tp_batch(mpu, step: int):
+    g = torch.Generator().manual_seed(1234 + 1000 * step + mpu.get_data_parallel_rank())  # the same on every tensor-parallel rank
+    return torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g)
+
+
+def _tp_train(engine, mpu, step: int) -> None:
+    x, y = _tp_batch(mpu, step)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+
+
+def tp_worker(out: str, phase: str, tp_size: int = 2) -> dict:
+    import torch.distributed as dist
+
+    from functional_ema import posthoc
+    from tests._integration_models import quiet
+
+    quiet()
+    out = Path(out)
+    rank = dist.get_rank()
+    report: dict = {}
+    if phase == "train":
+        engine, mpu = _tp_engine(tp_size, seed=0)
+        part = fe.shard_layout(engine).part
+        report["part"] = list(part)
+        report["tp_dims"] = fe.shard_layout(engine).tp_dims
+        state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+        ref = _Ref(_reference(engine), 0)
+        bytes_sent = []
+        for step in range(1, STEPS + 1):
+            _tp_train(engine, mpu, step)
+            state, sent = _zero_bytes_update(state, engine, step)
+            bytes_sent.append(sent)
+            ref.feed(_reference(engine), step)
+            if step % 2 == 0:
+                posthoc.save_snapshot(state, engine, out / "snaps", list(DECAYS))
+            if step == SAVE_AT:
+                fe.save(state, engine, out / "ck", decay=list(DECAYS))
+                engine.save_checkpoint(str(out / "ck"))
+                fe.AsyncSaver().save(state, engine, out / "ck_async", "t").wait()
+                gathered = fe.gather_full(state, engine)
+                report["gathered_at_save_equal_ref"] = _equal(gathered, ref.emas[0])
+                if mpu.get_data_parallel_rank() == 0:
+                    _save_tensors(out / f"gathered{SAVE_AT}_tp{part.tp}.safetensors", gathered)
+        report["collectives_in_update"] = sum(bytes_sent)
+        final = fe.gather_full(state, engine)
+        report["final_equal_ref"] = _equal(final, ref.emas[0]) and _equal(fe.gather_full(state, engine, index=1), ref.emas[1])
+        if mpu.get_data_parallel_rank() == 0:
+            _save_tensors(out / f"final_tp{part.tp}.safetensors", final)
+        x, _ = _tp_batch(mpu, 99)
+        engine.eval()
+        report.update(_swap_check(engine, state, lambda: engine(x)))
+        # the same model without Megatron's attributes: how its slices join is unknown
+        plain, _ = _tp_engine(tp_size, seed=3, attributes=False)
+        fe.save(fe.init_ema(fe.local_shards(plain)), plain, out / "noattr", "t")
+        report["plain_tp_dims"] = fe.shard_layout(plain).tp_dims
+        return report
+    if phase == "resume":  # fresh processes, other initial weights: everything comes from the files
+        engine, mpu = _tp_engine(tp_size, seed=9)
+        engine.load_checkpoint(str(out / "ck"))
+        state = fe.load(engine, out / "ck")
+        report["loaded_step"] = int(state.step)
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            _tp_train(engine, mpu, step)
+            state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
+        part = fe.shard_layout(engine).part
+        report["continued_bitwise"] = _equal(fe.gather_full(state, engine), _load_tensors(out / f"final_tp{part.tp}.safetensors"))
+        saved = _load_tensors(out / f"gathered{SAVE_AT}_tp{part.tp}.safetensors")
+        report["async_equal"] = _equal(fe.gather_full(fe.load(engine, out / "ck_async", "t"), engine), saved)
+        # post-hoc EMA of this rank's pieces, gathered, against the offline reconstruction joined (checked in the test)
+        pieces = posthoc.posthoc_local(out / "snaps", fe.shard_layout(engine), gamma=3.0)
+        local = fe.gather_full(fe.EmaState(torch.tensor(STEPS - 2), (pieces,)), engine)
+        if mpu.get_data_parallel_rank() == 0:
+            _save_tensors(out / f"posthoc_tp{part.tp}.safetensors", local)
+        return report
+    if phase == "relayout":  # no tensor parallelism now (ZeRO-2, data parallel 2): the saved slices joined
+        from tests._multirank import TPMLP, make_engine
+
+        engine = make_engine(2, model=TPMLP(0, 1, None, seed=9), seed=9)
+        report["part"] = list(fe.shard_layout(engine).part)
+        state = fe.load(engine, out / "ck")
+        if rank == 0:
+            _save_tensors(out / "relayout.safetensors", fe.gather_full(state, engine, dst=0))
+        else:
+            fe.gather_full(state, engine, dst=0)
+        try:
+            fe.load(engine, out / "noattr", "t")
+        except fe.CheckpointError as e:
+            report["unknown_split"] = [type(e).__name__, str(e)]
+        return report
+    if phase == "reshard":  # the same tensor-parallel layout, another data-parallel size
+        engine, mpu = _tp_engine(tp_size, seed=9)
+        state = fe.load(engine, out / "ck")
+        part = fe.shard_layout(engine).part
+        report["world"] = fe.shard_layout(engine).world_size
+        report["resharded_equal"] = _equal(fe.gather_full(state, engine),
+                                           _load_tensors(out / f"gathered{SAVE_AT}_tp{part.tp}.safetensors"))
+        return report
+    raise ValueError(phase)
+
+
+def _join(parts: list[dict[str, torch.Tensor]], split: dict) -> dict[str, torch.Tensor]:
+    """Tensor-parallel slices joined in plain torch (the test's own join, independent of the library's)."""
+    return {n: parts[0][n] if d is None else torch.cat([p[n] for p in parts], dim=d) for n, d in split.items()}
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    train = run_ranks("tests.test_model_parallel:tp_worker", world_size=4, timeout=600, out=str(out), phase="train")
+    resume = run_ranks("tests.test_model_parallel:tp_worker", world_size=4, timeout=600, out=str(out), phase="resume")
+    reshard = run_ranks("tests.test_model_parallel:tp_worker", world_size=2, timeout=600, out=str(out), phase="reshard")
+    relayout = run_ranks("tests.test_model_parallel:tp_worker", world_size=2, timeout=600, out=str(out), phase="relayout")
+    return out, train, resume, reshard, relayout
+
+
+def test_tensor_parallel_mpu_every_verb(tp_runs):
+    from tests._multirank import TPMLP
+
+    out, train, resume, reshard, relayout = tp_runs
+    for rank, r in enumerate(train):
+        assert r["part"] == [rank % 2, 2, 0, 1], r["part"]
+        assert r["tp_dims"] == TPMLP.SPLIT and r["plain_tp_dims"] is None
+        assert r["collectives_in_update"] == 0
+        assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"], rank
+        assert r["swapped_equal"] and r["training_refused"], rank
+    for r in resume:
+        assert r["loaded_step"] == SAVE_AT and r["continued_bitwise"] and r["async_equal"], r
+    for r in reshard:
+        assert r["world"] == 1 and r["resharded_equal"], r
+    # another model-parallel layout (none): the slices joined along the recorded split, as consolidate joins them
+    for r in relayout:
+        assert r["part"] == [0, 1, 0, 1]
+        name, msg = r["unknown_split"]
+        assert name == "CheckpointMismatchError" and "how its slices join is unknown" in msg, msg
+    assert _equal(_load_tensors(out / "relayout.safetensors"), fe.consolidate(out / "ck"))
+
+
+def test_tensor_parallel_consolidation(tp_runs, tmp_path):
+    from functional_ema import posthoc
+    from functional_ema.__main__ import main
+    from tests._multirank import TPMLP
+
+    out = tp_runs[0]
+    slices = [_load_tensors(out / f"gathered{SAVE_AT}_tp{t}.safetensors") for t in (0, 1)]
+    want = _join(slices, TPMLP.SPLIT)
+    assert _equal(fe.consolidate(out / "ck"), want)  # joined along Megatron's partition_dim
+    assert _equal(fe.consolidate(out / "ck", tp_rank=1), slices[1])
+    assert fe.checkpoint.saved_parts(out / "ck") == (2, 1, True)
+    fe.consolidate_to_file(out / "ck", tmp_path / "ema.safetensors")
+    assert _equal(_load_tensors(tmp_path / "ema.safetensors"), want)
+    # post-hoc EMA: offline (joined) equals the ranks' own reconstructions, gathered and joined
+    local = _join([_load_tensors(out / f"posthoc_tp{t}.safetensors") for t in (0, 1)], TPMLP.SPLIT)
+    assert _equal(posthoc.posthoc_offline(out / "snaps", gamma=3.0), local)
+    # without the attributes the split is unknown: refused with the fix, joined with tp_dims, or one file per rank
+    with pytest.raises(fe.CheckpointError, match="how its slices join is unknown.*tp_dims="):
+        fe.consolidate(out / "noattr", "t")
+    assert fe.checkpoint.saved_parts(out / "noattr", "t") == (2, 1, False)
+    joined = fe.consolidate(out / "noattr", "t", tp_dims=TPMLP.SPLIT)
+    assert sorted(joined) == sorted(TPMLP.SPLIT) and joined["fc1.weight"].shape == (12, 7)
+    assert main(["consolidate", str(out / "noattr"), str(tmp_path / "plain.safetensors"), "--tag", "t"]) == 0
+    per_rank = [_load_tensors(tmp_path / f"plain.tp{t}of2.safetensors") for t in (0, 1)]
+    assert _equal(_join(per_rank, TPMLP.SPLIT), joined)
+
+
+# ---------------------------------------------------------------------------------- pipeline stages
+
+
+def _pipe_engine(stages: int, seed: int, tp: int = 1):
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from torch import nn
+
+    from tests._multirank import ColumnParallelLinear, RowParallelLinear, ds_config, tp_full_weights
+
+    world = torch.distributed.get_world_size()
+    topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tp, num_dp=world // (stages * tp))
+    torch.manual_seed(seed)
+    if tp == 1:  # a BatchNorm in the first stage: module buffers per stage
+        layers = [nn.Linear(7, 13), nn.BatchNorm1d(13), nn.Tanh(), nn.Linear(13, 5)]
+    else:  # Megatron-style tensor-parallel layers, the column-parallel one in stage 0, the row-parallel one in stage 1
+        grid = PipelineParallelGrid(topology=topo)
+        t, group = grid.get_slice_parallel_rank(), grid.get_slice_parallel_group()
+        w = tp_full_weights(seed)
+        layers = [ColumnParallelLinear(w["w1"], w["b1"], t, tp), RowParallelLinear(w["w2"], w["b2"], t, tp, group)]
+    module = PipelineModule(layers=layers, topology=topo, loss_fn=nn.MSELoss(), partition_method="uniform")
+    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2),
+                                      config=ds_config(1))
+    return engine
+
+
+def _pipe_data(engine, step: int):
+    g = torch.Generator().manual_seed(1234 + 1000 * step + engine.grid.get_data_parallel_rank())
+    return iter([(torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g))])
+
+
+def pipe_worker(out: str, phase: str, tp: int = 1) -> dict:
+    import torch.distributed as dist
+
+    from functional_ema import posthoc
+    from tests._integration_models import quiet
+
+    quiet()
+    out = Path(out)
+    report: dict = {}
+    name = f"pp_tp{tp}"
+    if phase == "train":
+        engine = _pipe_engine(2, seed=0, tp=tp)
+        layout = fe.shard_layout(engine)
+        report["part"] = list(layout.part)
+        report["names"] = sorted(layout.specs)
+        state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+        bufs = fe.buffers.init_buffers(engine, num_emas=2)
+        ref = _Ref(_reference(engine), 0)
+        sent = 0
+        for step in range(1, STEPS + 1):
+            engine.train_batch(_pipe_data(engine, step))
+            state, n = _zero_bytes_update(state, engine, step)
+            sent += n
+            bufs = fe.buffers.update_buffers(bufs, engine, step, decay=list(DECAYS))
+            ref.feed(_reference(engine), step)
+            if step % 2 == 0:
+                posthoc.save_snapshot(state, engine, out / f"{name}_snaps", list(DECAYS))
+            if step == SAVE_AT:
+                fe.save(state, engine, out / f"{name}_ck", decay=list(DECAYS), buffers=bufs)
+                engine.save_checkpoint(str(out / f"{name}_ck"))
+                fe.AsyncSaver().save(state, engine, out / f"{name}_async", "t", buffers=bufs).wait()
+                gathered = fe.gather_full(state, engine)
+                report["gathered_at_save_equal_ref"] = _equal(gathered, ref.emas[0])
+                if engine.grid.get_data_parallel_rank() == 0:
+                    _save_tensors(out / f"{name}_g{SAVE_AT}_pp{layout.part.pp}_tp{layout.part.tp}.safetensors", gathered)
+        report["collectives_in_update"] = sent
+        final = fe.gather_full(state, engine)
+        report["final_equal_ref"] = _equal(final, ref.emas[0])
+        if engine.grid.get_data_parallel_rank() == 0:
+            _save_tensors(out / f"{name}_final_pp{layout.part.pp}_tp{layout.part.tp}.safetensors", final)
+        engine.eval()
+        report.update(_swap_check(engine, state, lambda: engine.eval_batch(_pipe_data(engine, 99))))
+        return report
+    if phase == "resume":
+        engine = _pipe_engine(2, seed=9, tp=tp)
+        engine.load_checkpoint(str(out / f"{name}_ck"))
+        loaded = fe.checkpoint.load_checkpoint(engine, out / f"{name}_ck", buffers=True)
+        state, bufs = loaded.state, loaded.buffers
+        report["loaded_step"] = [int(state.step), int(bufs.step)]
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            engine.train_batch(_pipe_data(engine, step))
+            state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
+        part = fe.shard_layout(engine).part
+        report["continued_bitwise"] = _equal(fe.gather_full(state, engine),
+                                             _load_tensors(out / f"{name}_final_pp{part.pp}_tp{part.tp}.safetensors"))
+        saved = _load_tensors(out / f"{name}_g{SAVE_AT}_pp{part.pp}_tp{part.tp}.safetensors")
+        report["async_equal"] = _equal(fe.gather_full(fe.load(engine, out / f"{name}_async", "t"), engine), saved)
+        report["snapshot_equal"] = _equal(fe.gather_full(fe.load(engine, out / f"{name}_snaps", posthoc.snapshot_tag(SAVE_AT)), engine), saved)
+        return report
+    if phase == "relayout":  # one stage now (data parallel 2): the saved stages' parameters and buffers, by name
+        engine = _pipe_engine(1, seed=9, tp=tp)
+        loaded = fe.checkpoint.load_checkpoint(engine, out / f"{name}_ck", buffers=True)
+        report["part"] = list(fe.shard_layout(engine).part)
+        report["buffers"] = sorted(loaded.buffers.emas[0]) + sorted(loaded.buffers.copied)
+        full = fe.gather_full(loaded.state, engine, dst=0)
+        if torch.distributed.get_rank() == 0:
+            _save_tensors(out / f"{name}_relayout.safetensors", full)
+        return report
+    if phase == "reshard":
+        engine = _pipe_engine(2, seed=9, tp=tp)
+        state = fe.load(engine, out / f"{name}_ck")
+        part = fe.shard_layout(engine).part
+        report["world"] = fe.shard_layout(engine).world_size
+        report["resharded_equal"] = _equal(fe.gather_full(state, engine),
+                                           _load_tensors(out / f"{name}_g{SAVE_AT}_pp{part.pp}_tp{part.tp}.safetensors"))
+        return report
+    raise ValueError(phase)
+
+
+@pytest.fixture(scope="module")
+def pipe_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipe")
+    runs = [run_ranks("tests.test_model_parallel:pipe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
+            for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("relayout", 2))]
+    return (out, *runs)
+
+
+def test_pipeline_stages_every_verb(pipe_runs):
+    out, train, resume, reshard, relayout = pipe_runs
+    for rank, r in enumerate(train):
+        assert r["part"] == [0, 1, rank // 2, 2], r["part"]
+        assert r["names"] == (["0.bias", "0.weight", "1.bias", "1.weight"] if rank < 2 else ["3.bias", "3.weight"]), r["names"]
+        assert r["collectives_in_update"] == 0
+        assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"], rank
+        assert r["swapped_equal"] and r["training_refused"], rank
+    for r in resume:
+        assert r["loaded_step"] == [SAVE_AT, SAVE_AT] and r["continued_bitwise"] and r["async_equal"] and r["snapshot_equal"], r
+    for r in reshard:
+        assert r["world"] == 1 and r["resharded_equal"], r
+    # both stages consolidate into one file: every parameter of the model, and stage 0's BatchNorm buffers
+    stages = [_load_tensors(out / f"pp_tp1_g{SAVE_AT}_pp{p}_tp0.safetensors") for p in (0, 1)]
+    assert _equal(fe.consolidate(out / "pp_tp1_ck"), {**stages[0], **stages[1]})
+    sd = fe.buffers.consolidate(out / "pp_tp1_ck")
+    assert sorted(sd) == ["0.bias", "0.weight", "1.bias", "1.num_batches_tracked", "1.running_mean", "1.running_var",
+                          "1.weight", "3.bias", "3.weight"]
+    # loaded by a one-stage pipeline (another layout): every stage's parameters and buffers, by name
+    for r in relayout:
+        assert r["part"] == [0, 1, 0, 1] and r["buffers"] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"], r
+    assert _equal(_load_tensors(out / "pp_tp1_relayout.safetensors"), {**stages[0], **stages[1]})
+
+
+# ------------------------------------------------------------------ tensor x pipeline x data parallel
+
+
+@pytest.fixture(scope="module")
+def tp_pp_runs(tmp_path_factory):
+    """Tensor 2 x pipeline 2 x data parallel 2 (8 ranks), resumed at 8 and resharded to data parallel 1 (4 ranks)."""
+    out = tmp_path_factory.mktemp("tppp")
+    runs = [run_ranks("tests.test_model_parallel:pipe_worker", world_size=w, timeout=900, out=str(out), phase=phase, tp=2)
+            for phase, w in (("train", 8), ("resume", 8), ("reshard", 4))]
+    return (out, *runs)
+
+
+def test_tensor_times_pipeline_parallel(tp_pp_runs):
+    from tests._multirank import ColumnParallelLinear, RowParallelLinear  # noqa: F401 - the layers of _pipe_engine
+
+    out, train, resume, reshard = tp_pp_runs
+    for rank, r in enumerate(train):  # DeepSpeed's topology: rank = stage * 4 + data-parallel rank * 2 + tensor-parallel rank
+        assert r["part"] == [rank % 2, 2, rank // 4, 2], r["part"]
+        assert r["collectives_in_update"] == 0
+        assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"] and r["swapped_equal"] and r["training_refused"], rank
+    for r in resume:
+        assert r["continued_bitwise"] and r["async_equal"] and r["snapshot_equal"], r
+    for r in reshard:
+        assert r["world"] == 1 and r["resharded_equal"], r
+    # every stage, each tensor-parallel parameter joined along its recorded split
+    g = {(p, t): _load_tensors(out / f"pp_tp2_g{SAVE_AT}_pp{p}_tp{t}.safetensors") for p in (0, 1) for t in (0, 1)}
+    want = {**_join([g[0, 0], g[0, 1]], {"0.weight": 0, "0.bias": 0}),
+            **_join([g[1, 0], g[1, 1]], {"1.weight": 1, "1.bias": None})}
+    assert _equal(fe.consolidate(out / "pp_tp2_ck"), want)
+    assert fe.checkpoint.saved_parts(out / "pp_tp2_ck") == (2, 2, True)
+
+
+# ------------------------------------------------------------------------- DeepSpeed AutoTP (training)
+
+
+AUTOTP_DECAYS = (0.0, 0.9)  # EMA 0 is the weights themselves: checked against DeepSpeed's own gather of the slices
+
+
+def _autotp_engine(seed: int):
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests._multirank import ds_config
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config)
+    cfg = ds_config(1)
+    cfg["tensor_parallel"] = {"autotp_size": 2}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg)
+    return engine
+
+
+def _autotp_ids(step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(100 + step))  # the same on both TP ranks
+
+
+def _autotp_train(engine, step: int) -> None:
+    ids = _autotp_ids(step)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+
+def _deepspeed_gathered_weights(engine) -> dict[str, torch.Tensor]:
+    """The full weights through DeepSpeed's own AutoTP gather (GatherReplacedLayerParams), layer by layer."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    out = {}
+    for prefix, module in engine.module.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        params = [getattr(module, "weight", None), getattr(module, "bias", None)]
+        with GatherReplacedLayerParams([p for p in params if p is not None], module, enabled=True):
+            for n, p in own:
+                out[f"{prefix}.{n}" if prefix else n] = p.detach().clone().float()
+    return out
+
+
+def autotp_worker(out: str, phase: str) -> dict:
+    import torch.distributed as dist
+
+    from tests._integration_models import quiet
+
+    quiet()
+    out = Path(out)
+    rank = dist.get_rank()
+    report: dict = {}
+    if phase == "train":
+        engine = _autotp_engine(0)
+        layout = fe.shard_layout(engine)
+        report["part"], report["tp_dims"] = list(layout.part), layout.tp_dims
+        state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+        ref = {n: t.clone() for n, t in _reference(engine).items()}
+        sent = 0
+        for step in range(1, 5):
+            _autotp_train(engine, step)
+            shards = fe.local_shards(engine)
+            from tests._multirank import CollectiveSpy
+
+            with CollectiveSpy() as spy:
+                state = fe.update(state, shards, step, decay=list(AUTOTP_DECAYS))
+            sent += spy.total
+            for n, t in _reference(engine).items():
+                ref[n].lerp_(t, 1 - 0.9)
+            if step == 3:
+                fe.save(state, engine, out / "ck", decay=list(AUTOTP_DECAYS))
+                engine.save_checkpoint(str(out / "ck"))
+                engine.eval()
+                weights = _deepspeed_gathered_weights(engine)  # a collective over the tensor-parallel ranks
+                engine.train()
+                if rank == 0:
+                    _save_tensors(out / "deepspeed_gathered3.safetensors", weights)
+        report["collectives_in_update"] = sent
+        report["equal_ref"] = _equal(fe.gather_full(state, engine, index=1), ref)
+        _save_tensors(out / f"final_tp{layout.part.tp}.safetensors", fe.gather_full(state, engine, index=1))
+        engine.eval()
+        ids = _autotp_ids(99)
+        report.update(_swap_check(engine, fe.EmaState(state.step, (state.emas[1],)), lambda: engine(input_ids=ids).logits))
+        return report
+    if phase == "resume":
+        engine = _autotp_engine(9)
+        engine.load_checkpoint(str(out / "ck"))
+        state = fe.load(engine, out / "ck")
+        _autotp_train(engine, 4)
+        state = fe.update(state, fe.local_shards(engine), 4, decay=list(AUTOTP_DECAYS))
+        part = fe.shard_layout(engine).part
+        report["continued_bitwise"] = _equal(fe.gather_full(state, engine, index=1),
+                                             _load_tensors(out / f"final_tp{part.tp}.safetensors"))
+        return report
+    raise ValueError(phase)
+
+
+def test_autotp_training_every_verb(tmp_path):
+    pytest.importorskip("transformers")
+    train = run_ranks("tests.test_model_parallel:autotp_worker", world_size=2, timeout=600, out=str(tmp_path), phase="train")
+    resume = run_ranks("tests.test_model_parallel:autotp_worker", world_size=2, timeout=600, out=str(tmp_path), phase="resume")
+    for rank, r in enumerate(train):
+        assert r["part"] == [rank, 2, 0, 1], r["part"]
+        dims = r["tp_dims"]
+        assert dims["model.layers.0.self_attn.q_proj.weight"] == 0 and dims["model.layers.0.self_attn.o_proj.weight"] == 1
+        assert dims["model.layers.0.mlp.down_proj.weight"] == 1 and dims["model.norm.weight"] is None, dims
+        assert r["collectives_in_update"] == 0 and r["equal_ref"], r
+        assert r["swapped_equal"] and r["training_refused"], r
+    for r in resume:
+        assert r["continued_bitwise"], r
+    # EMA 0 (decay 0) is the weights at the save: joined along AutoTP's recorded splits, it equals DeepSpeed's own gather
+    joined = fe.consolidate(tmp_path / "ck", index=0)
+    gathered = _load_tensors(tmp_path / "deepspeed_gathered3.safetensors")
+    assert _equal(joined, {n: gathered[n] for n in joined})
+    assert joined["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)
+    assert joined["model.layers.0.mlp.down_proj.weight"].shape == (32, 64)
