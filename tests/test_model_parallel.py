@@ -643,3 +643,34 @@ def test_autotp_training_every_verb(tmp_path):
     assert _equal(joined, {n: gathered[n] for n in joined})
     assert joined["model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)
     assert joined["model.layers.0.mlp.down_proj.weight"].shape == (32, 64)
+
+
+# ----------------------------------------------------------------------- expert parallel (refused)
+
+
+def moe_worker() -> dict:
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    import deepspeed
+
+    from tests._integration_models import quiet
+    from tests._multirank import ds_config
+
+    quiet()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 8))
+    model.moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(2))
+    try:
+        fe.local_shards(engine)
+    except NotImplementedError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
+def test_expert_parallel_refused_naming_it():
+    """DeepSpeed MoE (expert parallel 2): its expert pieces are not placed yet, so reading it is refused at
+    once, naming expert parallelism, rather than mixing one expert's EMA with another's."""
+    for r in run_ranks("tests.test_model_parallel:moe_worker", world_size=2, timeout=300):
+        assert r["refused"] and "expert parallelism" in r["refused"], r

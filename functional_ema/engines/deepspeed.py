@@ -200,6 +200,10 @@ def data_parallel_group(engine):
 def unsupported_reason(engine) -> str | None:
     """Why :func:`local_shards` cannot read this engine, or ``None`` when it can."""
     opt = engine.optimizer
+    if getattr(engine, "has_moe_layers", False):
+        return ("DeepSpeed MoE (expert parallelism): expert parameters are partitioned over expert-data-parallel groups "
+                "and named by their local expert index, which functional_ema does not place yet (the EMA of one expert "
+                "would be taken for another's); a model without deepspeed.moe layers works")
     if type(opt).__name__.startswith("MiCS"):  # DeepSpeed < 0.19.8 (later versions refuse the option themselves)
         return ("ZeRO-3 MiCS (zero_optimization.mics_shard_size) replicates each partition over shard groups, which "
                 "functional_ema does not place yet; use plain ZeRO-3 (ZeRO++ hpZ, zero_hpz_partition_size, works)")
