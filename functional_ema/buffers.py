@@ -31,10 +31,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch

@@ -24,7 +24,6 @@ of a Hugging Face Llama, and ZeRO++ hpZ. On each layout:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -380,8 +379,6 @@ def _pipe_data(engine, step: int):
 
 
 def pipe_worker(out: str, phase: str, tp: int = 1) -> dict:
-    import torch.distributed as dist
-
     from functional_ema import posthoc
     from tests._integration_models import quiet
 
@@ -503,8 +500,6 @@ def tp_pp_runs(tmp_path_factory):
 
 
 def test_tensor_times_pipeline_parallel(tp_pp_runs):
-    from tests._multirank import ColumnParallelLinear, RowParallelLinear  # noqa: F401 - the layers of _pipe_engine
-
     out, train, resume, reshard = tp_pp_runs
     for rank, r in enumerate(train):  # DeepSpeed's topology: rank = stage * 4 + data-parallel rank * 2 + tensor-parallel rank
         assert r["part"] == [rank % 2, 2, rank // 4, 2], r["part"]
