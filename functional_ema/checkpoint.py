@@ -68,7 +68,8 @@ from ._checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointM
                                  IncompleteCheckpointError, InvalidTagError, OutputPathError)
 from ._checkpoint.format import (CONSOLIDATED_FORMAT, FORMAT_VERSION, MANIFEST_NAME, check_output, check_tag,
                                  dtype_name, library_version, manifest_parts, parse_dtype, rank_file_name, short_list)
-from ._checkpoint.reader import CheckpointReader, JoinedReader, fill_all, open_checkpoint, open_joined
+from ._checkpoint.reader import (CheckpointReader, JoinedReader, fill_all, locate_checkpoint, open_checkpoint,
+                                 open_joined)
 from ._checkpoint.writer import (TagLock, agree_plans, check_shared, buffer_file_meta, build_manifest, commit_manifest, part_record,
                                  plan_save, rank_file_meta, read_generation, remove_unlisted, save_files,
                                  write_buffer_file, write_rank_file)
@@ -655,7 +656,7 @@ class SavedParts(NamedTuple):
 def saved_parts(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> SavedParts:
     """The model-parallel layout a checkpoint was saved with, from its validated manifest (no file
     headers read): e.g. to decide whether a consolidation can join tensor-parallel slices."""
-    *_, manifest = CheckpointReader._locate(checkpoint_dir, tag)
+    *_, manifest = locate_checkpoint(checkpoint_dir, tag)
     parts = manifest_parts(manifest)
     first = parts[0]["part"]
     known = first.tp_size == 1 or all(p.get("tp_dims") is not None for p in parts)

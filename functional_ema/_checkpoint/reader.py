@@ -20,7 +20,8 @@ from .format import (BUFFERS_FORMAT, manifest_parts, FILE_FORMAT, FORMAT_VERSION
                      brief, check_json_metadata, check_tag, complete_tags, file_checksums, parse_dtype, dtype_name,
                      library_version, parse_layout, read_latest, short_list, tensor_key, validate_manifest)
 
-__all__ = ["CheckpointReader", "JoinedReader", "RecutReader", "open_checkpoint", "open_parts", "open_joined", "fill_all"]
+__all__ = ["CheckpointReader", "JoinedReader", "RecutReader", "locate_checkpoint", "open_checkpoint", "open_parts", "open_joined",
+           "fill_all"]
 
 
 class RankFile:
@@ -550,15 +551,22 @@ def open_checkpoint(load_dir, tag: str | None = None, verify: bool = True, layou
     """
     if layout is None:
         return CheckpointReader.open(load_dir, tag, verify, part=part)
-    root, tag, _, manifest = CheckpointReader._locate(load_dir, tag)  # the tag as resolved: `latest` may move
-    if not any(p["part"] == layout.part for p in manifest_parts(manifest)):
-        # another model-parallel layout: join the saved parts, then cut this rank's part out of them
+    root, tag, tag_dir, manifest = locate_checkpoint(load_dir, tag)  # one reading of the manifest, the tag as resolved
+    entry = next((p for p in manifest_parts(manifest) if p["part"] == layout.part), None)
+    if entry is None:  # another model-parallel layout: join the saved parts, then cut this rank's part out of them
         return RecutReader(open_joined(root, tag, verify), layout)
-    ckpt = CheckpointReader.open(root, tag, verify, own=(layout.rank, layout.world_size, layout.stage), part=layout.part)
+    own = (layout.rank, layout.world_size, layout.stage)
+    ckpt = CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, own)
     if not ckpt.partial or ckpt.holds(layout.specs):
         return ckpt
     ckpt.close()
-    return CheckpointReader.open(root, tag, verify, part=layout.part)
+    return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None)
+
+
+def locate_checkpoint(load_dir, tag: str | None = None) -> tuple[Path, str, Path, dict]:
+    """(root, tag, tag folder, validated manifest) of a saved checkpoint, following ``latest`` /
+    ``ema_latest`` for ``tag=None``; every file the manifest lists must exist. Reads no rank file."""
+    return CheckpointReader._locate(load_dir, tag)
 
 
 def open_parts(load_dir, tag: str | None = None, verify: bool = True) -> list[CheckpointReader]:

@@ -42,8 +42,9 @@ import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
 from functional_ema._checkpoint.collective import agree, io_error, job_of, timeout_s
-from functional_ema._checkpoint.format import (MANIFEST_NAME, RECORD_NAME, check_export_path, read_record,
-                                               record_bytes)
+from functional_ema._checkpoint.format import (MANIFEST_NAME, RECORD_NAME, check_export_path, manifest_parts,
+                                               read_record, record_bytes)
+from functional_ema._checkpoint.reader import locate_checkpoint
 from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
 from functional_ema._io import atomic_write_bytes
 from functional_ema.schedules import DecayLike
@@ -294,14 +295,16 @@ class EMAController:
             if record is not None and record.get("started") is not False:
                 raise fe.checkpoint.CorruptCheckpointError(f"{tag_dir / RECORD_NAME}: a record beside an EMA must say "
                                                            "'started': false; the file is damaged")
-            generation = None
-            if (tag_dir / MANIFEST_NAME).is_file():
-                generation = int(fe.checkpoint.read_manifest(load_dir, self.tag)["generation"])
+            generation, buffers = None, False
+            if (tag_dir / MANIFEST_NAME).is_file():  # the manifest alone (validated); the load reads the files
+                *_, manifest = locate_checkpoint(load_dir, self.tag)
+                generation = int(manifest["generation"])
+                buffers = all(p.get("buffer_files") is not None for p in manifest_parts(manifest))
             if record is not None and (generation is None or _int_field(record, "supersedes_generation", tag_dir) >= generation):
-                return ("unstarted", record)
-            return ("ema", None) if generation is not None else ("nothing", None)
+                return ("unstarted", record, False)
+            return ("ema", None, buffers) if generation is not None else ("nothing", None, False)
 
-        kind, record = agree("EMA resume", decide, job.group, job.world, job.rank)[0]
+        kind, record, saved_buffers = agree("EMA resume", decide, job.group, job.world, job.rank)[0]
         if kind == "unstarted":
             saved_step = _int_field(record, "framework_step", tag_dir / RECORD_NAME)
             self._check_unstarted(tag_dir / RECORD_NAME, saved_step, framework_step)
@@ -316,11 +319,8 @@ class EMAController:
                 f"record, but at framework step {framework_step} the EMA (start_step={self.start_step}) must have "
                 "started. Was the EMA callback attached when this checkpoint was written, and did its save finish?"
             )
-        has_buffers = False
         try:
-            if self.buffers:
-                has_buffers = fe.buffers.has_buffers(load_dir, self.tag)
-            loaded = fe.checkpoint.load_checkpoint(x, load_dir, self.tag, buffers=has_buffers)
+            loaded = fe.checkpoint.load_checkpoint(x, load_dir, self.tag, buffers=bool(self.buffers) and saved_buffers)
         except fe.CheckpointError as e:
             raise type(e)(f"resuming the EMA from {tag_dir}: {e}") from e
         saved_step = self._check_loaded(tag_dir, loaded, framework_step)
