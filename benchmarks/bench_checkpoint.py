@@ -303,7 +303,7 @@ def main(argv=None) -> None:
     print(
         f"EMA checkpoint benchmark: world_size={args.world_size}, ZeRO stage {args.stage}, fp32 EMAs, "
         f"{results[0]['params'] / 1e6:.1f}M parameters ({args.mib} MiB per EMA); best of {args.repeat}; warm page cache; "
-        f"{os.cpu_count()} CPU cores. Ours verifies XXH3-64 checksums of every byte read (format 2)."
+        f"{os.cpu_count()} CPU cores. Ours verifies XXH3-64 checksums of every byte read (format 2 and later)."
     )
     for num_emas in (1, 2):
         runs = [r["runs"][str(num_emas)] if str(num_emas) in r["runs"] else r["runs"][num_emas] for r in results]
