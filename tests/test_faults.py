@@ -5,7 +5,7 @@ checkpoints and snapshots and runs every check that needs ranks (failed saves on
 read-only bind mount, injected EACCES and manifest write errors, bad tags, leftovers, a save and a load
 called on one rank only); the offline checks then work on copies of what it wrote. Every check asserts
 the error type, that the message names the thing (file, field, rank, errno) and that no file changed
-(hashes before and after). ``CASES`` counts the cases per class (README's reliability section).
+(hashes before and after). ``CASES`` counts the cases per class (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -1575,6 +1575,6 @@ def test_odd_api_values_refused_before_anything_moves():
 
 
 def test_zz_case_counts(capsys):
-    """Prints the number of cases per class (for the README's reliability section)."""
+    """Prints the number of cases per class (for docs/reliability.md)."""
     with capsys.disabled():
         print("\nfault cases per class:", json.dumps(CASES, sort_keys=True), "total", sum(CASES.values()))
