@@ -243,9 +243,17 @@ class EMAController:
             self._saver.save(self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record)
             return tag_dir
         fe.save(self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record)
-        if _rank() == 0:  # an older not-started record is superseded by the manifest; remove it for clarity
-            with contextlib.suppress(OSError):
-                (tag_dir / RECORD_NAME).unlink()
+        if _rank() == 0 and (tag_dir / RECORD_NAME).exists():
+            # An older not-started record is superseded by the manifest just written: remove it, holding the tag
+            # (a record another save wrote meanwhile, newer than this manifest, stays).
+            lock = TagLock.acquire(tag_dir, timeout_s(None), "EMA save")
+            try:
+                with contextlib.suppress(OSError, fe.CheckpointError):
+                    old = read_record(tag_dir / RECORD_NAME)
+                    if old is not None and old.get("supersedes_generation", -1) < read_generation(tag_dir) - 1:
+                        (tag_dir / RECORD_NAME).unlink()
+            finally:
+                lock.release()
         return tag_dir
 
     def _save_unstarted(self, x: Any, tag_dir: Path, record: dict) -> None:
