@@ -208,8 +208,9 @@ class AsyncSaver:
         save_dir = Path(save_dir)
         tag = fmt.check_tag(adapter.default_tag(state) if tag is None else tag)
         tag_dir = save_dir / tag
-        writes = layout.stage != 0 or layout.rank == 0
-        collective.check_distinct_writers("AsyncSaver.save", tag_dir, writer.save_files(layout, 0, buffers is not None, writes),
+        writes = layout.writes_pieces
+        writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
+        collective.check_distinct_writers("AsyncSaver.save", tag_dir, writer.save_files(layout, 0, writes_buffers, writes),
                                           world, timeout)
         box: dict[str, Any] = {}
         lock: list[writer.TagLock] = []
@@ -223,7 +224,7 @@ class AsyncSaver:
             tag_dir.mkdir(parents=True, exist_ok=True)
             if writes:
                 box["snapshot"] = self._snapshot(state, fmt.parse_dtype(p["dtype"], "save"))
-            if buffers is not None:  # small whole tensors: copied as they are
+            if writes_buffers:  # small whole tensors: copied as they are
                 with torch.no_grad():
                     box["buffers"] = type(buffers)(buffers.step.clone(),
                                                    tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
@@ -255,8 +256,8 @@ class AsyncSaver:
         emas, buffer, ready = box.get("snapshot", (None, None, None))
         handle._buffer = buffer
         # Ranks whose record rank 0 waits for: all of them, except where only rank 0 writes (a whole,
-        # replicated model without buffers).
-        all_write = layout.stage != 0 or buffers is not None or not layout.part.whole
+        # replicated model without buffers). HSDP replicas other than 0 report a record without files.
+        all_write = layout.stage != 0 or buffers is not None or not layout.part.whole or layout.replicas > 1
         job = _Job(
             save_dir=save_dir, tag_dir=tag_dir, layout=layout, rank=rank, first=first, mine=mine, token=first["token"],
             writers=list(range(world)) if all_write else [0], writes=writes, emas=emas, ready=ready,

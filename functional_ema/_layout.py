@@ -89,6 +89,11 @@ class ShardLayout(NamedTuple):
             ``{name: dim}`` (the slices concatenate along ``dim`` in tensor-parallel rank order) or
             ``{name: None}`` (the parameter is replicated across tensor-parallel ranks). ``None``:
             unknown (the consolidation then keeps one file per tensor-parallel rank).
+        replica: which copy of the sharded model this rank holds, in ``[0, replicas)``: FSDP2's HSDP
+            keeps ``replicas`` identical data-parallel groups (the replicate dimension of its mesh).
+            Only replica 0 writes checkpoint files; every replica reads them. Not part of the
+            checkpoint format: an HSDP checkpoint is the checkpoint of one of its groups.
+        replicas: the number of such copies (1: no replication across data-parallel groups).
     """
 
     rank: int
@@ -98,6 +103,14 @@ class ShardLayout(NamedTuple):
     engine: str = "deepspeed"
     part: ModelPart = ModelPart()
     tp_dims: dict[str, int | None] | None = None
+    replica: int = 0
+    replicas: int = 1
+
+    @property
+    def writes_pieces(self) -> bool:
+        """Whether a save writes this rank's EMA pieces: not when another rank holds the same ones
+        (a later rank of a replicated stage-0 model, a replica other than 0)."""
+        return self.replica == 0 and (self.stage != 0 or self.rank == 0)
 
     def to_json_dict(self) -> dict:
         d = {

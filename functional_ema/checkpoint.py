@@ -192,9 +192,10 @@ def save(
     save_dir = Path(save_dir)
     raw_tag = adapter.default_tag(state) if tag is None else tag
     arrive("save", jgroup, jworld, jrank, timeout)
-    writes = layout.stage != 0 or layout.rank == 0
+    writes = layout.writes_pieces
+    writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
     if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
-        check_distinct_writers("save", save_dir / raw_tag, save_files(layout, 0, buffers is not None, writes),
+        check_distinct_writers("save", save_dir / raw_tag, save_files(layout, 0, writes_buffers, writes),
                                jworld, timeout)
     tag_dir: Path = save_dir
     lock: list[TagLock] = []
@@ -221,7 +222,7 @@ def save(
     done = False
     try:
         generation = first["generation"]
-        names = save_files(layout, generation, buffers is not None, writes)
+        names = save_files(layout, generation, writes_buffers, writes)
         dtype = parse_dtype(mine["dtype"], "save")
 
         def write():
@@ -234,7 +235,7 @@ def save(
                 if writes:
                     path = tag_dir / names[0]
                     records["file"] = write_rank_file(path, layout, state.emas, dtype, rank_file_meta(mine, layout, generation))
-                if buffers is not None:
+                if writes_buffers:
                     path = tag_dir / names[-1]
                     records["buffers"] = write_buffer_file(path, layout.rank, buffers, mine["buffers"],
                                                            buffer_file_meta(mine, layout, generation))

@@ -27,6 +27,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (tag, dtype, root wrapped): unwrapped root params are plain tensors, replicated on every rank
 CONFIGS = [("fp32_root", "fp32", True), ("bf16_root", "bf16", True), ("fp32_blocks_only", "fp32", False)]
 DS_TAG = "zero3_w2"
+# HSDP at 4 ranks: 2 replicas of a 2-rank shard group (the 1-D configs above also run there)
+HSDP_CONFIGS = [("hsdp_bf16_root", "bf16", True), ("hsdp_fp32_blocks_only", "fp32", False)]
 
 
 class TiedNet(nn.Module):
@@ -58,13 +60,22 @@ def _world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _fsdp_model(seed: int, dtype: str, wrap_root: bool, model: nn.Module | None = None):
+def _mesh(replicas: int = 1):
+    """FSDP2's mesh over every rank: 1-D, or HSDP's 2-D ``(replicate, shard)`` with ``replicas`` rows."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    world = _world()[1]
+    if replicas == 1:
+        return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+
+
+def _fsdp_model(seed: int, dtype: str, wrap_root: bool, model: nn.Module | None = None, replicas: int = 1):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
     model = model if model is not None else TiedNet()
-    mesh = init_device_mesh("cpu", (_world()[1],))
+    mesh = _mesh(replicas)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bf16" else MixedPrecisionPolicy()
     if hasattr(model, "block"):
         fully_shard(model.block, mesh=mesh, mp_policy=mp)
@@ -143,23 +154,27 @@ def _twin(dtype: str, trained: dict[str, torch.Tensor], frozen: dict[str, torch.
 # ------------------------------------------------------------------------------------------ workers
 
 
-def train_worker(ckpt_dir: str, configs, with_deepspeed: bool = False):
-    """Per config: layout, update (no collectives), gathered EMA vs reference, swapped, refusals, save."""
-    out = {"configs": [_train_check(ckpt_dir, *cfg) for cfg in configs]}
+def train_worker(ckpt_dir: str, configs, with_deepspeed: bool = False, replicas: int = 1):
+    """Per config: layout, update (no collectives), gathered EMA vs reference, swapped, refusals, save.
+    ``replicas > 1``: HSDP, ``replicas`` copies of one shard group (and its buffers and async saves)."""
+    out = {"configs": [_train_check(ckpt_dir, *cfg, replicas=replicas) for cfg in configs]}
     if with_deepspeed:
         out["deepspeed"] = _deepspeed_save(ckpt_dir)
-    out["guards"] = _guards()
+    if replicas > 1:
+        out["hsdp_buffers"] = _hsdp_buffers_and_async(ckpt_dir, replicas)
+    else:
+        out["guards"] = _guards()
     return out
 
 
-def _train_check(ckpt_dir, tag, dtype, wrap_root):
+def _train_check(ckpt_dir, tag, dtype, wrap_root, replicas=1):
     import functional_ema as fe
     from functional_ema.engines.fsdp2 import FSDP2Adapter
     from functional_ema.engines import adapter_for
 
     rank, world = _world()
-    model, opt = _fsdp_model(0, dtype, wrap_root)
-    control, opt_c = _fsdp_model(0, dtype, wrap_root)  # trained the same way, never sees an EMA block
+    model, opt = _fsdp_model(0, dtype, wrap_root, replicas=replicas)
+    control, opt_c = _fsdp_model(0, dtype, wrap_root, replicas=replicas)  # trained the same way, never sees an EMA block
     r = {"tag": tag, "rank": rank, "adapter": type(adapter_for(model)).__name__}
     assert isinstance(adapter_for(model), FSDP2Adapter)
 
@@ -171,6 +186,7 @@ def _train_check(ckpt_dir, tag, dtype, wrap_root):
     r["names"] = list(layout.specs)
     r["layout"] = {n: [list(s.shape), s.offset, s.numel] for n, s in layout.specs.items()}
     r["layout_meta"] = [layout.rank, layout.world_size, layout.stage, layout.engine]
+    r["replica"] = [layout.replica, layout.replicas]
     r["pieces_match_full_tensor"] = all(
         torch.equal(full0[n].reshape(-1)[s.offset : s.offset + s.numel], shards[n].reshape(-1)) for n, s in layout.specs.items()
     )
@@ -274,6 +290,7 @@ def _train_check(ckpt_dir, tag, dtype, wrap_root):
         from safetensors.torch import save_file
 
         save_file({n: t.contiguous() for n, t in gathered.items()}, os.path.join(ckpt_dir, f"{tag}.ref.safetensors"))
+        r["saved_files"] = sorted(os.listdir(os.path.join(ckpt_dir, tag)))
     r["saved_step"] = int(state.step)
     return r
 
@@ -322,10 +339,13 @@ def _guards():
     fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
     out["shard1"] = error_of(lambda: fe.local_shards(m))
 
-    m2 = nn.Sequential(nn.Linear(4, 5))
-    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-    fully_shard(m2, mesh=mesh2)  # HSDP: a 2-D mesh
-    out["hsdp"] = error_of(lambda: fe.local_shards(m2))
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    m2 = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
+    mesh1 = init_device_mesh("cpu", (world,))
+    m2[1].weight = nn.Parameter(distribute_tensor(m2[1].weight.detach(), mesh1, [Replicate()]))  # tensor-parallel style
+    fully_shard(m2[0], mesh=mesh1)
+    out["unmanaged_dtensor"] = error_of(lambda: fe.local_shards(m2))
 
     # the reading is kept while current and re-made when FSDP2 replaces a parameter or one is unfrozen;
     # a parameter frozen after the first reading keeps its place, also in readings re-made later
@@ -355,6 +375,77 @@ def _guards():
     out["load_rereads_without_piling_hooks"] = (
         reloaded is not moved and fe.local_shards(model) is reloaded and len(model.norm._load_state_dict_post_hooks) == hooks
     )
+    return out
+
+
+def _hsdp_buffers_and_async(ckpt_dir, replicas):
+    """HSDP with BatchNorm buffers: a save and an async save write one shard group's files (replica 0's
+    pieces and buffers); every replica loads them back; each rank's own buffers differ (its own data)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
+
+    rank, world = _world()
+    mesh = _mesh(replicas)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, 3))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state, bufs = fe.init_ema(fe.local_shards(model)), fe.buffers.init_buffers(model)
+    for step in range(1, STEPS + 1):
+        x = torch.randn(8, D, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        bufs = fe.buffers.update_buffers(bufs, model, step, decay=DECAY)
+    full = fe.gather_full(state, model)
+    every: list = [None] * world
+    dist.all_gather_object(every, {n: t.clone() for n, t in bufs.emas[0].items()})
+    fe.save(state, model, ckpt_dir, tag="hsdp_buffers", buffers=bufs)
+    with fe.AsyncSaver() as saver:
+        saver.save(state, model, ckpt_dir, tag="hsdp_async", buffers=bufs)
+    layout = fe.shard_layout(model)
+    source = int(mesh.mesh[0, layout.rank])  # the replica-0 rank that holds this rank's shard
+    out = {"source": source, "own_buffers_differ": not all(torch.equal(every[rank][n], every[source][n]) for n in every[rank])}
+    for tag in ("hsdp_buffers", "hsdp_async"):
+        loaded = fe.load(model, ckpt_dir, tag=tag)
+        again = fe.gather_full(loaded, model)
+        got = fe.buffers.load_buffers(model, ckpt_dir, tag=tag)
+        out[tag] = {
+            "step": int(loaded.step),
+            "ema_bitwise": sorted(again) == sorted(full) and all(torch.equal(again[n], full[n]) for n in full),
+            "buffers_of_replica_0": sorted(got.emas[0]) == sorted(every[source])
+            and all(torch.equal(got.emas[0][n], every[source][n]) for n in every[source]),
+            "files": sorted(os.listdir(os.path.join(ckpt_dir, tag))),
+        }
+    if rank == 0:
+        save_file({**full, **every[0]}, os.path.join(ckpt_dir, "hsdp_buffers.ref.safetensors"))
+    return out
+
+
+def hsdp_load_worker(ckpt_dir: str, fsdp2_dir: str, tags, fsdp2_tags):
+    """A fresh 4-rank job: HSDP checkpoints into HSDP 2x2 and into FSDP2 over 4 ranks; FSDP2 world-2
+    and DeepSpeed ZeRO-3 checkpoints into HSDP 2x2."""
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    out = {"hsdp_into_hsdp": [], "hsdp_into_fsdp2_4": [], "fsdp2_2_into_hsdp": []}
+    for tag, dtype, wrap_root in tags:
+        model, _ = _fsdp_model(123, dtype, wrap_root, replicas=2)
+        out["hsdp_into_hsdp"].append(_check_loaded(fe, load_file, model, ckpt_dir, tag))
+        model, _ = _fsdp_model(123, dtype, wrap_root)
+        out["hsdp_into_fsdp2_4"].append(_check_loaded(fe, load_file, model, ckpt_dir, tag))
+    for tag, dtype, wrap_root in fsdp2_tags:
+        model, _ = _fsdp_model(123, dtype, wrap_root, replicas=2)
+        out["fsdp2_2_into_hsdp"].append(_check_loaded(fe, load_file, model, fsdp2_dir, tag))
+    odd = OddNet()
+    odd.not_optimized.requires_grad_(False)
+    model, _ = _fsdp_model(7, "fp32", True, model=odd, replicas=2)
+    out["zero3_into_hsdp"] = _check_loaded(fe, load_file, model, fsdp2_dir, DS_TAG)
     return out
 
 
@@ -422,6 +513,20 @@ def reloaded(trained, ckroot):
     shutil.copy(ckroot / "w2" / f"{DS_TAG}.ref.safetensors", ckroot / "w3")
     return {world: run_ranks("tests.test_fsdp2:load_worker", world_size=world, ckpt_dir=str(ckroot / f"w{world}"),
                              tags=CONFIGS, load_deepspeed=world == 3) for world in (2, 3)}
+
+
+@pytest.fixture(scope="module")
+def hsdp(ckroot):
+    """Per-rank results of one 4-rank HSDP launch (2 replicas x 2 shards)."""
+    d = ckroot / "hsdp"
+    d.mkdir()
+    return run_ranks("tests.test_fsdp2:train_worker", world_size=4, ckpt_dir=str(d), configs=HSDP_CONFIGS, replicas=2)
+
+
+@pytest.fixture(scope="module")
+def hsdp_reloaded(hsdp, trained, ckroot):
+    return run_ranks("tests.test_fsdp2:hsdp_load_worker", world_size=4, ckpt_dir=str(ckroot / "hsdp"),
+                     fsdp2_dir=str(ckroot / "w2"), tags=HSDP_CONFIGS, fsdp2_tags=CONFIGS)
 
 
 def _reports(trained):
@@ -515,7 +620,8 @@ def test_unsupported_placements_are_refused_naming_the_parameter(trained):
         for res in per_rank:
             g = res["guards"]
             assert g["shard1"] and "'0.weight'" in g["shard1"] and "Shard(dim=1)" in g["shard1"], g["shard1"]
-            assert g["hsdp"] and "'0.weight'" in g["hsdp"] and "2-D mesh" in g["hsdp"], g["hsdp"]
+            got = g["unmanaged_dtensor"]
+            assert got and "'1.weight'" in got and "Replicate()" in got and "FSDP2 does not manage" in got, got
 
 
 def test_reading_is_remade_when_fsdp2_replaces_or_unfreezes_parameters(trained):
@@ -571,6 +677,79 @@ def test_zero3_checkpoint_loads_into_fsdp2_at_3_ranks_and_into_a_plain_module(tr
     # and offline, by the same consolidate
     offline = fe.consolidate(ckroot / "w2", tag=DS_TAG)
     assert all(torch.equal(offline[n], ref[n]) for n in ref)
+
+
+# ------------------------------------------------------------------- HSDP: replicas x a shard group
+
+
+def test_hsdp_layout_is_the_shard_groups_and_names_the_replica(hsdp):
+    for rank, res in enumerate(hsdp):
+        for rep in res["configs"]:
+            where = (rank, rep["tag"])
+            assert rep["adapter"] == "FSDP2Adapter", where
+            assert rep["layout_meta"] == [rank % 2, 2, 3, "fsdp2"] and rep["replica"] == [rank // 2, 2], where
+            assert rep["pieces_match_full_tensor"] and rep["no_copy"] and rep["numel_is_to_local"], where
+    for k in range(len(HSDP_CONFIGS)):  # a replica holds replica 0's pieces; the shard ranks tile
+        layouts = [res["configs"][k]["layout"] for res in hsdp]
+        assert layouts[2] == layouts[0] and layouts[3] == layouts[1] and layouts[0] != layouts[1]
+
+
+def test_hsdp_ema_is_bitwise_with_no_collectives_and_swapped_as_on_one_mesh(hsdp):
+    for rank, res in enumerate(hsdp):
+        for rep in res["configs"]:
+            where = (rank, rep["tag"], rep["swap_max_diff"])
+            assert rep["ema_bitwise"] and rep["ema_moved"] and rep["fused_state"], where
+            assert rep["update_collectives"] == [[[], []]] * STEPS, where
+            assert rep["swap_equals_twin"] and rep["swap_repeat_equal"] and rep["swap_differs_from_live"], where
+            assert rep["swap_restored_output"] and rep["swap_restored_weights"], where
+            assert rep["train_after_swap_bitwise"] and rep["train_after_refusal_bitwise"], where
+            assert [r.split(":")[0] for r in rep["refused"]] == ["backward", "step"], where
+
+
+def test_hsdp_save_writes_one_shard_groups_files_and_loads_at_every_layout(hsdp, hsdp_reloaded, ckroot):
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    d = ckroot / "hsdp"
+    for k, (tag, _, _) in enumerate(HSDP_CONFIGS):
+        assert hsdp[0]["configs"][k]["saved_files"] == [
+            "ema_manifest.json", "ema_rank_00000_of_00002.safetensors", "ema_rank_00001_of_00002.safetensors"]
+        manifest = fe.checkpoint.read_manifest(d, tag=tag)
+        assert manifest["world_size"] == 2 and manifest["zero_stage"] == 3, manifest
+        ref = load_file(d / f"{tag}.ref.safetensors")
+        offline = fe.consolidate(d, tag=tag)
+        assert sorted(offline) == sorted(ref) and all(torch.equal(offline[n], ref[n]) for n in ref), tag
+        plain = TiedNet()  # a plain module, no process group
+        full = fe.gather_full(fe.load(plain, d, tag=tag), plain)
+        assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref), tag
+    for rank, res in enumerate(hsdp_reloaded):
+        for kind, world in (("hsdp_into_hsdp", 2), ("hsdp_into_fsdp2_4", 4), ("fsdp2_2_into_hsdp", 2)):
+            assert len(res[kind]) == (len(CONFIGS) if kind == "fsdp2_2_into_hsdp" else len(HSDP_CONFIGS))
+            for rep in res[kind]:
+                assert rep["world"] == world and rep["step"] == STEPS + 2, (rank, kind, rep)
+                assert rep["gather_bitwise"] and rep["pieces_bitwise"] and rep["fused_layout"], (rank, kind, rep)
+        zero3 = res["zero3_into_hsdp"]
+        assert zero3["world"] == 2 and zero3["step"] == STEPS, (rank, zero3)
+        assert zero3["gather_bitwise"] and zero3["pieces_bitwise"], (rank, zero3)
+
+
+def test_hsdp_buffers_and_async_saves_are_replica_0s_and_every_replica_reads_them(hsdp, ckroot):
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    for rank, res in enumerate(hsdp):
+        b = res["hsdp_buffers"]
+        assert b["source"] == rank % 2, b
+        assert b["own_buffers_differ"] == (rank >= 2), b  # so reading replica 0's buffers is seen
+        for tag in ("hsdp_buffers", "hsdp_async"):
+            got = b[tag]
+            assert got["step"] == STEPS and got["ema_bitwise"] and got["buffers_of_replica_0"], (rank, tag, got)
+            assert got["files"] == ["buffers_rank_00000_of_00002.safetensors", "buffers_rank_00001_of_00002.safetensors",
+                                    "ema_manifest.json", "ema_rank_00000_of_00002.safetensors",
+                                    "ema_rank_00001_of_00002.safetensors"], (rank, tag, got["files"])
+    ref = load_file(ckroot / "hsdp" / "hsdp_buffers.ref.safetensors")  # full EMA + rank 0's buffer EMA
+    offline = fe.buffers.consolidate(ckroot / "hsdp", "hsdp_buffers")
+    assert all(torch.equal(offline[n], ref[n]) for n in ref) and "1.running_mean" in ref
 
 
 def test_quickstart_fsdp2_example_runs(tmp_path):

@@ -217,7 +217,8 @@ def check_distinct_writers(what: str, tag_dir: Path, names: list[str], group_wor
 
 class Job(NamedTuple):
     """The ranks that save and load one model together: the data-parallel group for a whole model; every
-    rank of the job (its default group) when the model is split into model-parallel parts."""
+    rank of the job (its default group) when the model is split into model-parallel parts, or held by
+    several replicas of one data-parallel group (HSDP: replica 0 writes, every replica agrees)."""
 
     group: Any  # a process group, or None for the default group / no process group
     rank: int
@@ -227,7 +228,7 @@ class Job(NamedTuple):
 def job_of(reading) -> Job:
     """The :class:`Job` of a training object's reading (plain data: its layout and group)."""
     layout = reading.layout
-    if layout.part.whole or not dist.is_initialized():
+    if (layout.part.whole and layout.replicas == 1) or not dist.is_initialized():
         group = reading.group if layout.world_size > 1 and dist.is_initialized() else None
         return Job(group, layout.rank, layout.world_size)
     return Job(None, dist.get_rank(), dist.get_world_size())

@@ -22,8 +22,12 @@ cross-checked against the local tensor). Internals relied on (torch 2.13):
 
 Decisions:
 
-* Only ``Shard(0)`` on a 1-D mesh (plain ``fully_shard``) is read; HSDP (2-D mesh), ``Shard(d>0)``
-  from ``shard_placement_fn``, ``Replicate`` and tensor-parallel DTensors raise, naming the parameter.
+* ``Shard(0)`` on a 1-D mesh (plain ``fully_shard``) and HSDP, ``(Replicate(), Shard(0))`` on a 2-D
+  ``(replicate, shard)`` mesh, are read. Under HSDP each replica is a data-parallel group of its own
+  (the layout's rank and world are the shard dimension's) and the layout names the replica: the
+  pieces of replica ``r`` equal replica 0's, so only replica 0 writes checkpoint files and the
+  checkpoint is that of one shard group (loadable at any layout). ``Shard(d>0)`` from
+  ``shard_placement_fn`` and tensor-parallel DTensors raise, naming the parameter.
 * A trainable parameter outside every ``fully_shard``-ed module (a plain tensor) is *replicated*:
   every rank's piece is the whole parameter (offset 0), as for DDP. FSDP2 does not reduce its
   gradients; keeping the copies equal across ranks is the training loop's job (``gather_full``
@@ -110,30 +114,46 @@ def _walk(model: torch.nn.Module):
             yield (f"{prefix}.{attr}" if prefix else attr), param, fp, mod, attr
 
 
-def _shard_spec(name: str, param, mesh) -> tuple[torch.Tensor, ShardSpec]:
-    """The local piece of a ``Shard(0)`` DTensor parameter and where it sits in the full one."""
+def _is_hsdp(placements) -> bool:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return (len(placements) == 2 and type(placements[0]) is Replicate and type(placements[1]) is Shard
+            and placements[1].dim == 0)
+
+
+def _check_placements(name: str, param, mesh) -> None:
+    """Refuse what is not plain FSDP2 (``Shard(0)`` on a 1-D mesh) or HSDP (``(Replicate(), Shard(0))``
+    on a 2-D mesh), and parameters spread over different meshes, naming the parameter."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = tuple(param.placements)
-    if param.device_mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard or placements[0].dim != 0:
+    plain = param.device_mesh.ndim == 1 and len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0
+    if not plain and not (param.device_mesh.ndim == 2 and _is_hsdp(placements)):
         raise NotImplementedError(
             f"parameter {name!r} is a DTensor placed {placements} on a {param.device_mesh.ndim}-D mesh; functional_ema "
-            "reads FSDP2 parameters sharded Shard(0) on a 1-D mesh (plain fully_shard). HSDP (2-D mesh), "
-            "shard_placement_fn with Shard(dim>0), Replicate and tensor parallelism are not supported"
+            "reads FSDP2 parameters sharded Shard(0) on a 1-D mesh (plain fully_shard) or (Replicate(), Shard(0)) on a "
+            "2-D mesh (HSDP). shard_placement_fn with Shard(dim>0) and tensor-parallel DTensors are not supported"
         )
     if param.device_mesh is not mesh and param.device_mesh != mesh:
         raise NotImplementedError(
             f"parameter {name!r} is sharded over mesh {param.device_mesh}, other parameters over {mesh}; functional_ema "
-            "reads FSDP2 models whose parameters share one 1-D mesh"
+            "reads FSDP2 models whose parameters share one mesh"
         )
+
+
+def _shard_spec(name: str, param, mesh) -> tuple[torch.Tensor, ShardSpec]:
+    """The local piece of a ``Shard(0)`` (or HSDP) DTensor parameter and where it sits in the full one."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _check_placements(name, param, mesh)
+    placements = tuple(param.placements)
     local = param._local_tensor
     shape = tuple(param.shape)
     local_shape, global_offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     if tuple(local.shape) != tuple(local_shape) or local.numel() != param.to_local().numel():
         raise RuntimeError(
-            f"parameter {name!r}: FSDP2's local shard has shape {tuple(local.shape)}, but Shard(0) of {shape} over "
-            f"{mesh.size()} ranks gives {tuple(local_shape)} on this rank; the torch FSDP2 internals differ from the "
+            f"parameter {name!r}: FSDP2's local shard has shape {tuple(local.shape)}, but {placements} of {shape} over "
+            f"mesh {tuple(mesh.shape)} gives {tuple(local_shape)} on this rank; the torch FSDP2 internals differ from the "
             "ones functional_ema was written for"
         )
     if not local.is_contiguous():
@@ -141,6 +161,23 @@ def _shard_spec(name: str, param, mesh) -> tuple[torch.Tensor, ShardSpec]:
     numel = local.numel()
     offset = int(global_offset[0]) * math.prod(shape[1:]) if numel else 0
     return local.detach(), ShardSpec(shape, offset, numel)
+
+
+def _mesh_groups(mesh) -> tuple[Any, int, int]:
+    """(the shard group, replica index, number of replicas) of FSDP2's mesh: a 1-D mesh is one group;
+    HSDP's 2-D mesh is ``(replicate, shard)``, each replica a full data-parallel group of its own.
+
+    Replicas take part in every collective verb together (replica 0 writes, all read), so their
+    mesh must span the whole job."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0), 0, 1
+    replicas = mesh.size(0)
+    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+        raise NotImplementedError(
+            f"the HSDP mesh {tuple(mesh.shape)} spans {mesh.size()} of the job's {dist.get_world_size()} ranks; "
+            "functional_ema reads HSDP models whose mesh spans every rank of the job"
+        )
+    return mesh.get_group(1), mesh.get_local_rank(0), replicas
 
 
 class FSDP2Adapter(Adapter):
@@ -151,9 +188,12 @@ class FSDP2Adapter(Adapter):
     def _read(self, previous: Reading | None = None) -> Reading:
         model = self.target
         entries = list(_walk(model))
-        mesh = next((fp.sharded_param.device_mesh for _, _, fp, _, _ in entries if fp is not None), None)
+        first = next(((name, fp.sharded_param) for name, _, fp, _, _ in entries if fp is not None), None)
+        mesh = first[1].device_mesh if first is not None else None
+        replica, replicas = 0, 1
         if mesh is not None:
-            group = mesh.get_group(0)
+            _check_placements(*first, mesh)  # what the mesh's dimensions mean depends on the placements
+            group, replica, replicas = _mesh_groups(mesh)
             rank, world = world_of(group)
         else:  # no managed parameter at all (fully_shard on parameter-free modules): replicated
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
@@ -183,7 +223,7 @@ class FSDP2Adapter(Adapter):
             specs[name] = spec
             params[name] = param
         shards = shards_from_views(named_views)
-        layout = ShardLayout(rank, world, 3, specs, engine="fsdp2")
+        layout = ShardLayout(rank, world, 3, specs, engine="fsdp2", replica=replica, replicas=replicas)
         token = _Token([p for p in params.values() if isinstance(p, DTensor)], managed, plain, frozen)
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
