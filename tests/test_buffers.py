@@ -264,3 +264,5 @@ def test_controller_rejects_bad_config():
         EMAController(0.9, posthoc_every=10)
     with pytest.raises(TypeError, match="power EMAs"):
         EMAController(0.9, posthoc_dir="x", posthoc_every=10)
+    with pytest.raises(TypeError, match=r"pass dtype=torch\.bfloat16"):
+        EMAController(0.9, dtype="bfloat16")

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
+from functional_ema._core import check_ema_dtype
 from functional_ema._checkpoint.collective import agree, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (MANIFEST_NAME, RECORD_NAME, check_export_path, manifest_parts,
                                                read_record, record_bytes)
@@ -149,7 +150,8 @@ class EMAController:
                 raise TypeError(f"post-hoc snapshots need power EMAs (fe.schedules.power(sigma_rel=...)) for every decay; "
                                 f"got {bad!r}")
         self.every_n_steps, self.start_step, self.buffers = every_n_steps, start_step, buffers
-        self.eval_index, self.tag, self.dtype = eval_index, tag, dtype
+        self.eval_index, self.tag = eval_index, tag
+        self.dtype = check_ema_dtype(dtype)  # refused here, not at the first optimizer step
         self.posthoc_dir = None if posthoc_dir is None else Path(posthoc_dir)
         self.posthoc_every = posthoc_every
         self.export_path = None if export_path is None else Path(export_path)
