@@ -27,7 +27,15 @@ Decisions:
   (the layout's rank and world are the shard dimension's) and the layout names the replica: the
   pieces of replica ``r`` equal replica 0's, so only replica 0 writes checkpoint files and the
   checkpoint is that of one shard group (loadable at any layout). ``Shard(d>0)`` from
-  ``shard_placement_fn`` and tensor-parallel DTensors raise, naming the parameter.
+  ``shard_placement_fn`` raises, naming the parameter.
+* Tensor parallelism (``parallelize_module`` over a 1-D mesh, with ``fully_shard`` over the rest of a
+  2-D or 3-D mesh, or alone): the layout's part is the tensor-parallel rank and ``tp_dims`` each
+  parameter's split (``Shard(d)`` there: ``d``; ``Replicate()`` and plain parameters: ``None``). FSDP2
+  shards dim 0 of the rank's tensor-parallel slice (``FSDPParam._orig_size``, its DTensor spec before
+  sharding in ``_unsharded_dtensor_spec``), so each piece is a contiguous run of that slice, placed by
+  the same ``torch.chunk`` arithmetic, read from FSDP2's own record (``FSDPParam.mesh_info``: the shard
+  group, and HSDP's replicate group) rather than from the composed placements
+  (``_StridedShard``). Without ``fully_shard`` the whole local slice is the piece (data-parallel world 1).
 * A trainable parameter outside every ``fully_shard``-ed module (a plain tensor) is *replicated*:
   every rank's piece is the whole parameter (offset 0), as for DDP. FSDP2 does not reduce its
   gradients; keeping the copies equal across ranks is the training loop's job (``gather_full``
@@ -42,12 +50,12 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .._layout import ShardLayout, ShardSpec
+from .._layout import ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
 from ._base import Adapter, Reading, any_requires_grad, is_read, swap_by_copy, world_of
 
@@ -57,12 +65,15 @@ _local_tensor_of = operator.attrgetter("_local_tensor")
 
 
 def is_fsdp2(x: Any) -> bool:
-    """Whether ``x`` or one of its submodules has FSDP2 applied."""
+    """Whether ``x`` or one of its submodules has FSDP2 applied, or ``x`` has ``DTensor`` parameters
+    (tensor parallelism without ``fully_shard``, read by the same adapter)."""
     try:
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without FSDP2
         return False
-    return isinstance(x, torch.nn.Module) and any(isinstance(m, FSDPModule) for m in x.modules())
+    return isinstance(x, torch.nn.Module) and (any(isinstance(m, FSDPModule) for m in x.modules())
+                                               or any(isinstance(p, DTensor) for p in x.parameters()))
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -114,70 +125,127 @@ def _walk(model: torch.nn.Module):
             yield (f"{prefix}.{attr}" if prefix else attr), param, fp, mod, attr
 
 
-def _is_hsdp(placements) -> bool:
+class _Placement(NamedTuple):
+    """Where one FSDP2 parameter's pieces live: its data-parallel mesh (shard group and HSDP replicas)
+    and, under tensor parallelism, its tensor-parallel mesh and split dimension."""
+
+    dp_mesh: Any
+    shard_group: Any
+    replica: int
+    replicas: int
+    tp_mesh: Any  # None: not a tensor-parallel DTensor
+    tp_dim: int | None  # Shard(d) over the tensor-parallel mesh; None: replicated there (or no TP)
+
+
+def _placement(name: str, fp) -> _Placement:
+    """Read from FSDP2's own record of the parameter (``FSDPParam.mesh_info``, ``fsdp_placement`` and,
+    for a tensor-parallel DTensor, ``_unsharded_dtensor_spec``); refuse, naming the parameter, what the
+    layout cannot place."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
     from torch.distributed.tensor import Replicate, Shard
 
-    return (len(placements) == 2 and type(placements[0]) is Replicate and type(placements[1]) is Shard
-            and placements[1].dim == 0)
-
-
-def _check_placements(name: str, param, mesh) -> None:
-    """Refuse what is not plain FSDP2 (``Shard(0)`` on a 1-D mesh) or HSDP (``(Replicate(), Shard(0))``
-    on a 2-D mesh), and parameters spread over different meshes, naming the parameter."""
-    from torch.distributed.tensor import Shard
-
-    placements = tuple(param.placements)
-    plain = param.device_mesh.ndim == 1 and len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0
-    if not plain and not (param.device_mesh.ndim == 2 and _is_hsdp(placements)):
+    info = fp.mesh_info
+    placements = tuple(fp.sharded_param.placements)
+    if not isinstance(info, FSDPMeshInfo):
         raise NotImplementedError(
-            f"parameter {name!r} is a DTensor placed {placements} on a {param.device_mesh.ndim}-D mesh; functional_ema "
-            "reads FSDP2 parameters sharded Shard(0) on a 1-D mesh (plain fully_shard) or (Replicate(), Shard(0)) on a "
-            "2-D mesh (HSDP). shard_placement_fn with Shard(dim>0) and tensor-parallel DTensors are not supported"
-        )
-    if param.device_mesh is not mesh and param.device_mesh != mesh:
+            f"parameter {name!r} is replicated by FSDP2 without sharding ({type(info).__name__}, placed {placements}); "
+            "functional_ema reads parameters that fully_shard shards (1-D mesh, or HSDP's 2-D mesh)")
+    if fp.fsdp_placement.dim != 0:
         raise NotImplementedError(
-            f"parameter {name!r} is sharded over mesh {param.device_mesh}, other parameters over {mesh}; functional_ema "
-            "reads FSDP2 models whose parameters share one mesh"
-        )
+            f"parameter {name!r} is a DTensor placed {placements}: FSDP2 shards it along dim {fp.fsdp_placement.dim} "
+            "(shard_placement_fn with Shard(dim>0)); functional_ema reads FSDP2 parameters sharded along dim 0")
+    hsdp = isinstance(info, HSDPMeshInfo)
+    replica, replicas = (info.replicate_mesh_rank, info.replicate_mesh_size) if hsdp else (0, 1)
+    tp_mesh, tp_dim = None, None
+    spec = getattr(fp, "_unsharded_dtensor_spec", None) if fp.is_dtensor else None
+    if fp.is_dtensor:
+        tp = tuple(spec.placements) if spec is not None else ()
+        if spec is None or spec.mesh.ndim != 1 or len(tp) != 1 or type(tp[0]) not in (Shard, Replicate):
+            raise NotImplementedError(
+                f"parameter {name!r} is a DTensor placed {placements} (before fully_shard: {tp}); functional_ema reads "
+                "FSDP2 over a 1-D tensor-parallel mesh whose parameters are Shard(d) or Replicate() there "
+                "(ColwiseParallel, RowwiseParallel, SequenceParallel)")
+        tp_mesh = spec.mesh
+        tp_dim = tp[0].dim % fp.sharded_param.ndim if type(tp[0]) is Shard else None
+    return _Placement(info.mesh, info.shard_process_group, replica, replicas, tp_mesh, tp_dim)
 
 
-def _shard_spec(name: str, param, mesh) -> tuple[torch.Tensor, ShardSpec]:
-    """The local piece of a ``Shard(0)`` (or HSDP) DTensor parameter and where it sits in the full one."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def _fsdp_piece(name: str, fp, where: _Placement) -> tuple[torch.Tensor, ShardSpec]:
+    """The local piece of a managed parameter and where it sits in the parameter FSDP2 shards: the whole
+    parameter, or under tensor parallelism this rank's tensor-parallel slice (``FSDPParam._orig_size``).
 
-    _check_placements(name, param, mesh)
-    placements = tuple(param.placements)
-    local = param._local_tensor
-    shape = tuple(param.shape)
-    local_shape, global_offset = compute_local_shape_and_global_offset(shape, mesh, placements)
-    if tuple(local.shape) != tuple(local_shape) or local.numel() != param.to_local().numel():
+    FSDP2 cuts dim 0 of that tensor like ``torch.chunk``: rank ``r`` of the shard group holds rows
+    ``[r*c, min((r+1)*c, rows))``, ``c = ceil(rows / shard world)``; checked against the local tensor."""
+    local = fp.sharded_param._local_tensor
+    shape = tuple(int(d) for d in fp._orig_size)
+    size, rank = dist.get_world_size(where.shard_group), dist.get_rank(where.shard_group)
+    chunk = -(-shape[0] // size) if shape else 0
+    first = rank * chunk
+    rows = max(0, min(chunk, shape[0] - first)) if shape else 0
+    if tuple(local.shape) != (rows, *shape[1:]) or local.numel() != fp.sharded_param.to_local().numel():
         raise RuntimeError(
-            f"parameter {name!r}: FSDP2's local shard has shape {tuple(local.shape)}, but {placements} of {shape} over "
-            f"mesh {tuple(mesh.shape)} gives {tuple(local_shape)} on this rank; the torch FSDP2 internals differ from the "
-            "ones functional_ema was written for"
-        )
+            f"parameter {name!r}: FSDP2's local shard has shape {tuple(local.shape)}, but rank {rank} of {size} holds "
+            f"rows [{first}, {first + rows}) of {shape}; the torch FSDP2 internals differ from the ones functional_ema "
+            "was written for")
     if not local.is_contiguous():
         raise RuntimeError(f"parameter {name!r}: FSDP2's local shard is not contiguous (stride {local.stride()})")
     numel = local.numel()
-    offset = int(global_offset[0]) * math.prod(shape[1:]) if numel else 0
-    return local.detach(), ShardSpec(shape, offset, numel)
+    return local.detach(), ShardSpec(shape, first * math.prod(shape[1:]) if numel else 0, numel)
 
 
-def _mesh_groups(mesh) -> tuple[Any, int, int]:
-    """(the shard group, replica index, number of replicas) of FSDP2's mesh: a 1-D mesh is one group;
-    HSDP's 2-D mesh is ``(replicate, shard)``, each replica a full data-parallel group of its own.
-
-    Replicas take part in every collective verb together (replica 0 writes, all read), so their
-    mesh must span the whole job."""
-    if mesh.ndim == 1:
-        return mesh.get_group(0), 0, 1
-    replicas = mesh.size(0)
-    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+def _check_same(name: str, first: tuple[str, _Placement], where: _Placement) -> None:
+    """Every managed parameter on one data-parallel mesh, and every tensor-parallel one on one TP mesh."""
+    other, seen = first
+    if where.dp_mesh != seen.dp_mesh:
         raise NotImplementedError(
-            f"the HSDP mesh {tuple(mesh.shape)} spans {mesh.size()} of the job's {dist.get_world_size()} ranks; "
-            "functional_ema reads HSDP models whose mesh spans every rank of the job"
-        )
-    return mesh.get_group(1), mesh.get_local_rank(0), replicas
+            f"parameter {name!r} is sharded over mesh {where.dp_mesh}, {other!r} over {seen.dp_mesh}; functional_ema "
+            "reads FSDP2 models whose parameters share one data-parallel mesh")
+
+
+def _model_part(read: dict[str, _Placement], names: list[str]) -> tuple[ModelPart, dict | None]:
+    """The tensor-parallel part this rank holds and each parameter's split (``None``: replicated over the
+    tensor-parallel ranks, as every parameter that is not a tensor-parallel DTensor is)."""
+    meshes = [w.tp_mesh for w in read.values() if w.tp_mesh is not None]
+    if not meshes:
+        return ModelPart(), None
+    tp_mesh = meshes[0]
+    for n, w in read.items():
+        if w.tp_mesh is not None and w.tp_mesh != tp_mesh:
+            raise NotImplementedError(
+                f"parameter {n!r} is split over tensor-parallel mesh {w.tp_mesh}, others over {tp_mesh}; functional_ema "
+                "reads models with one tensor-parallel mesh")
+    dims = {n: (read[n].tp_dim if n in read else None) for n in names}
+    return ModelPart(tp=tp_mesh.get_local_rank(), tp_size=tp_mesh.size()), dims
+
+
+def _tensor_parallel_only(name: str, param) -> tuple[torch.Tensor, ShardSpec, _Placement]:
+    """A tensor-parallel DTensor of a model without ``fully_shard``: the whole local slice is this rank's
+    piece (no data-parallel sharding), its split read from the placement."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(param.placements)
+    if param.device_mesh.ndim != 1 or type(placements[0]) not in (Shard, Replicate):
+        raise NotImplementedError(
+            f"parameter {name!r} is a DTensor placed {placements} on a {param.device_mesh.ndim}-D mesh; without "
+            "fully_shard, functional_ema reads tensor-parallel DTensors placed Shard(d) or Replicate() on a 1-D mesh")
+    local = param._local_tensor
+    if not local.is_contiguous():
+        raise RuntimeError(f"parameter {name!r}: its local tensor is not contiguous (stride {local.stride()})")
+    tp_dim = placements[0].dim % param.ndim if type(placements[0]) is Shard else None
+    return (local.detach(), ShardSpec(tuple(local.shape), 0, local.numel()),
+            _Placement(None, None, 0, 1, param.device_mesh, tp_dim))
+
+
+def _check_spans_job(dp_size: int, replicas: int, part: ModelPart) -> None:
+    """Replicas and tensor-parallel parts save and load together, over the whole job: their mesh must span it."""
+    if replicas == 1 and part.whole or not dist.is_initialized():
+        return
+    ranks = dp_size * replicas * part.tp_size
+    if ranks != dist.get_world_size():
+        raise NotImplementedError(
+            f"the model's mesh (data-parallel group of {dp_size}, {replicas} replica(s), tensor parallel "
+            f"{part.tp_size}) spans {ranks} of the job's {dist.get_world_size()} ranks; functional_ema reads HSDP and "
+            "tensor-parallel models whose mesh spans every rank of the job")
 
 
 class FSDP2Adapter(Adapter):
@@ -188,34 +256,41 @@ class FSDP2Adapter(Adapter):
     def _read(self, previous: Reading | None = None) -> Reading:
         model = self.target
         entries = list(_walk(model))
-        first = next(((name, fp.sharded_param) for name, _, fp, _, _ in entries if fp is not None), None)
-        mesh = first[1].device_mesh if first is not None else None
-        replica, replicas = 0, 1
-        if mesh is not None:
-            _check_placements(*first, mesh)  # what the mesh's dimensions mean depends on the placements
-            group, replica, replicas = _mesh_groups(mesh)
-            rank, world = world_of(group)
+        where = {name: _placement(name, fp) for name, _, fp, _, _ in entries if fp is not None}
+        first = next(iter(where.items()), None)
+        for name, w in where.items():
+            _check_same(name, first, w)
+        from torch.distributed.tensor import DTensor
+
+        tp_only = first is None and any(isinstance(p, DTensor) for _, p, _, _, _ in entries)
+        if first is not None:
+            group, replica, replicas = first[1].shard_group, first[1].replica, first[1].replicas
+        elif tp_only:  # tensor parallelism without fully_shard: no data-parallel sharding
+            group, replica, replicas = None, 0, 1
         else:  # no managed parameter at all (fully_shard on parameter-free modules): replicated
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-            rank, world = world_of(group)
-        from torch.distributed.tensor import DTensor
+            replica, replicas = 0, 1
+        rank, world = world_of(group) if not tp_only else (0, 1)
 
         named_views, specs, params = [], {}, {}
         managed, plain, frozen = [], [], []  # what _is_current compares (see _Token)
         for name, param, fp, mod, attr in entries:
             if fp is not None:
                 managed.append(fp)
-            elif not isinstance(param, DTensor):
+            elif tp_only or not isinstance(param, DTensor):
                 plain.append((mod, attr, param))
             if not is_read(name, param, previous):
                 frozen.append(param)
                 continue
             if fp is not None:
-                view, spec = _shard_spec(name, param, mesh)
+                view, spec = _fsdp_piece(name, fp, where[name])
+            elif tp_only and isinstance(param, DTensor):
+                view, spec, where[name] = _tensor_parallel_only(name, param)
             elif isinstance(param, DTensor):
                 raise NotImplementedError(
                     f"parameter {name!r} is a DTensor placed {tuple(param.placements)} that FSDP2 does not manage "
-                    "(tensor parallelism?); functional_ema reads FSDP2 Shard(0) parameters and plain tensors"
+                    "(tensor parallelism without fully_shard over it?); functional_ema reads parameters that fully_shard "
+                    "manages (tensor-parallel DTensors too) and plain tensors"
                 )
             else:  # outside every fully_shard-ed module: replicated, the whole tensor on every rank
                 view, spec = param.detach(), ShardSpec(tuple(param.shape), 0, param.numel())
@@ -223,7 +298,11 @@ class FSDP2Adapter(Adapter):
             specs[name] = spec
             params[name] = param
         shards = shards_from_views(named_views)
-        layout = ShardLayout(rank, world, 3, specs, engine="fsdp2", replica=replica, replicas=replicas)
+        part, tp_dims = _model_part({n: where[n] for n in specs if n in where}, list(specs))
+        if first is not None or tp_only:
+            _check_spans_job(world, replicas, part)
+        layout = ShardLayout(rank, world, 0 if tp_only else 3, specs, engine="dtensor" if tp_only else "fsdp2", part=part,
+                             tp_dims=tp_dims, replica=replica, replicas=replicas)
         token = _Token([p for p in params.values() if isinstance(p, DTensor)], managed, plain, frozen)
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
@@ -266,7 +345,7 @@ class _Token:
         self.read = tuple(read)
         self.locals = tuple(map(_local_tensor_of, self.read))
         self.plain = tuple(plain)
-        self.ptrs = tuple(p.data_ptr() for _, _, p in plain)
+        self.ptrs = tuple(map(_memory_of, (p for _, _, p in plain)))
         self.frozen = tuple(frozen)
         self.loaded = False  # set by the load_state_dict post-hooks below
         owners: dict[int, torch.nn.Module] = {}
@@ -281,7 +360,7 @@ class _Token:
             not self.loaded
             and all(map(operator.is_, map(_local_tensor_of, self.read), self.locals))
             and all(mod._parameters.get(attr) is p for mod, attr, p in self.plain)
-            and tuple(p.data_ptr() for _, _, p in self.plain) == self.ptrs
+            and tuple(map(_memory_of, (p for _, _, p in self.plain))) == self.ptrs
             and not any_requires_grad(*self.frozen)
         )
 
@@ -290,6 +369,11 @@ class _Token:
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
+
+
+def _memory_of(p) -> int:
+    """Where a parameter outside FSDP2 keeps its values (a tensor-parallel DTensor: its local tensor)."""
+    return getattr(p, "_local_tensor", p).data_ptr()
 
 
 class _LoadSeen:

@@ -1,0 +1,332 @@
+"""FSDP2 over tensor parallelism (``parallelize_module`` then ``fully_shard``) on real gloo ranks (CPU).
+
+Layouts: tensor parallelism alone (2 ranks, no ``fully_shard``), data parallel 2 x tensor parallel 2 (4 ranks; FSDP2 places colwise weights
+``(_StridedShard(0, sf=2), Shard(0))``, rowwise ``(Shard(0), Shard(1))``, their biases and the layers
+outside tensor parallelism ``(Shard(0), Replicate())``), and HSDP over it, replicate 2 x shard 2 x
+tensor parallel 2 (8 ranks). Each rank's EMA is its piece of its tensor-parallel slice: the layout's
+part is the tensor-parallel rank, ``tp_dims`` records each parameter's split, and the files are those
+of DeepSpeed's tensor parallelism (checkpoint format 4).
+
+The independent reference: a plain-torch EMA of ``p.full_tensor()`` (``ref.lerp_(full, 1 - decay)``
+each step), and a plain ``nn.Module`` loaded with it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests._multirank import CollectiveSpy, run_ranks
+
+DECAY = 0.75
+STEPS = 3
+D, H, OUT = 6, 14, 3  # H/2 = 7 rows per tensor-parallel slice: FSDP2 pads the second shard of each
+
+
+class TPNet(nn.Module):
+    """``up`` colwise, ``down`` rowwise (tensor parallel), ``norm`` and ``head`` outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, H)  # (14, 6): a 7-row slice per tensor-parallel rank
+        self.down = nn.Linear(H, D)  # (6, 14): a 7-column slice per tensor-parallel rank
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, OUT)  # (3, 6): 2 + 1 rows over the shard group
+
+    def forward(self, x):
+        return self.head(self.norm(x + self.down(torch.tanh(self.up(x)))))
+
+
+TP_PLAN_SPLITS = {"up.weight": 0, "up.bias": 0, "down.weight": 1}  # the rest is replicated over tensor parallelism
+
+
+# ------------------------------------------------------------------------------------ rank helpers
+
+
+def _mesh(shape: tuple[int, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = {1: ("tp",), 2: ("shard", "tp"), 3: ("replicate", "shard", "tp")}[len(shape)]
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _tp_model(seed: int, mesh, tp: bool = True):
+    """TPNet: tensor parallel over ``mesh["tp"]`` (when ``tp``), then ``fully_shard`` over the rest."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    model = TPNet()
+    names = mesh.mesh_dim_names
+    if tp:
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        if names == ("tp",):  # tensor parallelism alone
+            return model, torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
+        dp = mesh["replicate", "shard"] if "replicate" in names else mesh["shard"]
+    else:
+        dp = mesh
+    fully_shard(model, mesh=dp)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
+
+
+def _batch(step: int, mesh) -> torch.Tensor:
+    """The same input on the ranks of one tensor-parallel group (tensor parallelism needs it)."""
+    coord = [mesh.get_local_rank(d) for d in range(mesh.ndim) if mesh.mesh_dim_names[d] != "tp"]
+    g = torch.Generator().manual_seed(1000 * step + sum(c * 10**i for i, c in enumerate(coord)))
+    return torch.randn(4, D, generator=g)
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    from tests.test_fsdp2 import _full
+
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
+def _slice(full: torch.Tensor, name: str, tp: int, tp_size: int) -> torch.Tensor:
+    d = TP_PLAN_SPLITS.get(name)
+    return full if d is None else full.chunk(tp_size, dim=d)[tp]
+
+
+# ------------------------------------------------------------------------------------------ workers
+
+
+def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) -> dict:
+    """Layout, update (no collectives), gathered slices vs reference, swapped, refusals, save and reload."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from safetensors.torch import load_file
+
+    import functional_ema as fe
+
+    rank = dist.get_rank()
+    mesh = _mesh(tuple(shape))
+    model, opt = _tp_model(0, mesh)
+    layout = fe.shard_layout(model)
+    r = {"layout": [layout.rank, layout.world_size, layout.replica, layout.replicas, layout.part.tp, layout.part.tp_size],
+         "tp_dims": layout.tp_dims, "placements": {n: str(tuple(getattr(p, "placements", ()))) for n, p in model.named_parameters()},
+         "specs": {n: [list(s.shape), s.offset, s.numel] for n, s in layout.specs.items()}}
+    shards = fe.local_shards(model)
+    params = dict(model.named_parameters())
+    r["no_copy"] = all(shards[n].data_ptr() == getattr(params[n], "_local_tensor", params[n]).data_ptr()
+                       for n in shards if shards[n].numel())
+    state = fe.init_ema(shards)
+    ref = _full_params(model)
+    r["update_collectives"] = []
+    for step in range(1, STEPS + 1):
+        model(_batch(step, mesh)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with CollectiveSpy() as spy:
+            state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        r["update_collectives"].append(spy.total)
+        for n, full in _full_params(model).items():
+            ref[n].lerp_(full, 1 - DECAY)
+    tp, tp_size = layout.part.tp, layout.part.tp_size
+    gathered = fe.gather_full(state, model)  # this rank's tensor-parallel slices, whole
+    r["gather_is_the_slice_of_the_reference"] = sorted(gathered) == sorted(ref) and all(
+        torch.equal(gathered[n], _slice(ref[n], n, tp, tp_size)) for n in ref)
+    r["ema_moved"] = not all(torch.equal(ref[n], f) for n, f in _full_params(model).items())
+
+    # swapped: the forward equals a plain module loaded with the full EMA (the tensor-parallel sums are
+    # reduced in another order, so to rounding), the live weights come back bitwise, training is refused
+    plain = TPNet()
+    plain.load_state_dict(ref)
+    x = torch.ones(2, D)
+    before = {n: t.clone() for n, t in fe.local_shards(model).items()}
+    with torch.no_grad():
+        live = model(x)
+        with fe.swapped(model, state):
+            inside = model(x)
+        r["swap_max_diff"] = (inside - plain(x)).abs().max().item()
+        r["swap_differs_from_live"] = not torch.equal(inside, live)
+    r["swap_restored"] = all(torch.equal(before[n], t) for n, t in fe.local_shards(model).items())
+    with fe.swapped(model, state):
+        loss = model(x).pow(2).mean()
+        try:
+            loss.backward()
+            r["training_refused"] = False
+        except fe.SwappedTrainingError:
+            r["training_refused"] = True
+    r["grads_untouched"] = all(p.grad is None for p in model.parameters())
+
+    fe.save(state, model, ckpt_dir, tag="tp")
+    with fe.AsyncSaver() as saver:
+        saver.save(state, model, ckpt_dir, tag="tp_async")
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in ref.items()}, os.path.join(ckpt_dir, "tp.ref.safetensors"))
+        r["files"] = sorted(os.listdir(os.path.join(ckpt_dir, "tp")))
+        r["async_files"] = sorted(os.listdir(os.path.join(ckpt_dir, "tp_async")))
+    # the same layout, a fresh model (other weights: load reads only the layout)
+    fresh, _ = _tp_model(123, mesh)
+    loaded = fe.gather_full(fe.load(fresh, ckpt_dir, tag="tp_async"), fresh)
+    r["reload_bitwise"] = all(torch.equal(loaded[n], gathered[n]) for n in gathered)
+    r["saved_step"] = int(state.step)
+    if also_load is not None:  # another layout's tensor-parallel EMA, re-cut for this one
+        other = load_file(os.path.join(also_load, "tp.ref.safetensors"))
+        got = fe.gather_full(fe.load(fresh, also_load, tag="tp"), fresh)
+        r["other_layout_bitwise"] = sorted(got) == sorted(other) and all(
+            torch.equal(got[n], _slice(other[n], n, tp, tp_size)) for n in other)
+    return r
+
+
+def load_worker(tp_dir: str, fsdp2_dir: str) -> dict:
+    """A fresh 4-rank job: the dp 2 x tp 2 EMA into FSDP2 over 4 ranks (no tensor parallelism) and into
+    HSDP 2 x 2; an FSDP2 world-2 EMA into dp 2 x tp 2 (cut along the recorded splits)."""
+    from safetensors.torch import load_file
+
+    import functional_ema as fe
+
+    ref = load_file(os.path.join(tp_dir, "tp.ref.safetensors"))
+    out = {}
+    for kind, build in (("into_fsdp2_4", lambda: _tp_model(5, _mesh_1d(), tp=False)),
+                        ("into_hsdp", lambda: _tp_model(5, _mesh_hsdp(), tp=False))):
+        model, _ = build()
+        state = fe.load(model, tp_dir, tag="tp")
+        full = fe.gather_full(state, model)
+        out[kind] = {"world": fe.shard_layout(model).world_size, "step": int(state.step),
+                     "bitwise": sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref)}
+    # an FSDP2 checkpoint (saved over 4 ranks without tensor parallelism) cut along the recorded splits
+    model, _ = _tp_model(5, _mesh_1d(), tp=False)
+    fe.save(fe.load(model, tp_dir, tag="tp"), model, fsdp2_dir, tag="tpnet_fsdp2_4")
+    tp_model, _ = _tp_model(9, _mesh((2, 2)))
+    cut = fe.gather_full(fe.load(tp_model, fsdp2_dir, tag="tpnet_fsdp2_4"), tp_model)
+    part = fe.shard_layout(tp_model).part
+    out["fsdp2_4_into_tp"] = sorted(cut) == sorted(ref) and all(
+        torch.equal(cut[n], _slice(ref[n], n, part.tp, part.tp_size)) for n in ref)
+    return out
+
+
+def _mesh_1d():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _mesh_hsdp():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+# --------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp2_tp")
+
+
+@pytest.fixture(scope="module")
+def dp_tp(root):
+    d = root / "dp2_tp2"
+    d.mkdir()
+    return run_ranks("tests.test_fsdp2_tensor_parallel:train_worker", world_size=4, timeout=400, ckpt_dir=str(d), shape=[2, 2])
+
+
+@pytest.fixture(scope="module")
+def hsdp_tp(root):
+    d = root / "r2_s2_tp2"
+    d.mkdir()
+    return run_ranks("tests.test_fsdp2_tensor_parallel:train_worker", world_size=8, timeout=500, ckpt_dir=str(d),
+                     shape=[2, 2, 2])
+
+
+@pytest.fixture(scope="module")
+def tp_only(dp_tp, root):
+    """Tensor parallelism alone (2 ranks, no fully_shard); it also loads the dp 2 x tp 2 EMA."""
+    d = root / "tp2"
+    d.mkdir()
+    return run_ranks("tests.test_fsdp2_tensor_parallel:train_worker", world_size=2, timeout=400, ckpt_dir=str(d), shape=[2],
+                     also_load=str(root / "dp2_tp2"))
+
+
+@pytest.fixture(scope="module")
+def reloaded(dp_tp, root):
+    d = root / "fsdp2"
+    d.mkdir()
+    return run_ranks("tests.test_fsdp2_tensor_parallel:load_worker", world_size=4, timeout=400,
+                     tp_dir=str(root / "dp2_tp2"), fsdp2_dir=str(d))
+
+
+# ------------------------------------------------------------------------------------------- tests
+
+
+def _check_training(results, replicas: int) -> None:
+    for rank, r in enumerate(results):
+        where = (rank, r)
+        shard, tp = (rank // 2) % 2, rank % 2  # row-major meshes: (replicate,) shard, tp
+        assert r["layout"] == [shard, 2, rank // 4 if replicas > 1 else 0, replicas, tp, 2], where
+        assert r["tp_dims"] == {"up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None, "norm.weight": None,
+                                "norm.bias": None, "head.weight": None, "head.bias": None}, where
+        assert r["no_copy"] and r["update_collectives"] == [0] * STEPS, where
+        assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"], where
+        assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
+        assert r["training_refused"] and r["grads_untouched"], where
+        assert r["reload_bitwise"] and r["saved_step"] == STEPS, where
+    # the placements this covers (FSDP2's own, over tensor parallelism)
+    placements = results[0]["placements"]
+    lead = "Replicate(), " if replicas > 1 else ""
+    assert placements["up.weight"] == f"({lead}_StridedShard(dim=0, sf=2), Shard(dim=0))", placements
+    assert placements["down.weight"] == f"({lead}Shard(dim=0), Shard(dim=1))", placements
+    assert placements["down.bias"] == f"({lead}Shard(dim=0), Replicate())", placements
+    # the up slice's 7 rows over the shard group: 4 + 3 (the pieces tile each slice)
+    assert [r["specs"]["up.weight"] for r in results[:4]] == [[[7, 6], 0, 24], [[7, 6], 0, 24], [[7, 6], 24, 18], [[7, 6], 24, 18]]
+    expected = [f"ema_tp{t:03d}of002_pp000of001_rank_{s:05d}_of_00002.safetensors" for t in (0, 1) for s in (0, 1)]
+    assert results[0]["files"] == ["ema_manifest.json", *expected] == results[0]["async_files"]
+
+
+def test_fsdp2_over_tensor_parallel_every_verb(dp_tp, root):
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    _check_training(dp_tp, replicas=1)
+    ref = load_file(root / "dp2_tp2" / "tp.ref.safetensors")
+    for tag in ("tp", "tp_async"):  # offline, the slices joined along the recorded splits
+        full = fe.consolidate(root / "dp2_tp2", tag=tag)
+        assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref), tag
+    plain = TPNet()  # a plain module, no process group
+    full = fe.gather_full(fe.load(plain, root / "dp2_tp2", tag="tp"), plain)
+    assert all(torch.equal(full[n], ref[n]) for n in ref)
+
+
+def test_hsdp_over_tensor_parallel_at_8_ranks(hsdp_tp, root):
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    _check_training(hsdp_tp, replicas=2)
+    ref = load_file(root / "r2_s2_tp2" / "tp.ref.safetensors")
+    full = fe.consolidate(root / "r2_s2_tp2", tag="tp")
+    assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref)
+
+
+def test_tensor_parallel_alone_every_verb(tp_only, root):
+    import functional_ema as fe
+    from safetensors.torch import load_file
+
+    for rank, r in enumerate(tp_only):
+        where = (rank, r)
+        assert r["layout"] == [0, 1, 0, 1, rank, 2], where  # no data-parallel sharding: the whole local slice
+        assert r["specs"]["up.weight"] == [[7, 6], 0, 42] and r["specs"]["head.weight"] == [[3, 6], 0, 18], where
+        assert r["placements"]["up.weight"] == "(Shard(dim=0),)" and r["placements"]["down.weight"] == "(Shard(dim=1),)"
+        assert r["no_copy"] and r["update_collectives"] == [0] * STEPS, where
+        assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"], where
+        assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
+        assert r["training_refused"] and r["grads_untouched"], where
+        assert r["reload_bitwise"] and r["other_layout_bitwise"], where
+    expected = [f"ema_tp{t:03d}of002_pp000of001_rank_00000_of_00001.safetensors" for t in (0, 1)]
+    assert tp_only[0]["files"] == ["ema_manifest.json", *expected] == tp_only[0]["async_files"]
+    ref = load_file(root / "tp2" / "tp.ref.safetensors")
+    full = fe.consolidate(root / "tp2", tag="tp")
+    assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref)
+
+
+def test_tensor_parallel_ema_loads_across_layouts(reloaded):
+    for rank, r in enumerate(reloaded):
+        assert r["into_fsdp2_4"] == {"world": 4, "step": STEPS, "bitwise": True}, (rank, r)
+        assert r["into_hsdp"] == {"world": 2, "step": STEPS, "bitwise": True}, (rank, r)
+        assert r["fsdp2_4_into_tp"], (rank, r)
