@@ -41,7 +41,10 @@ FSDP2 (2 ranks, the 516-tensor transformer, ``fully_shard`` per block and on the
 ``MixedPrecisionPolicy``): ``local_shards + update`` and ``update`` alone against the same flat
 roofline and against ``torch._foreach_lerp_`` over the parameters' local shards, timed the same way.
 
-Options: ``--engines zero fsdp2 module`` (all by default), ``--world-sizes 2 4``, ``--rounds 25``, ``--quick`` (small models, for a smoke test).
+FSDP2 over tensor parallelism (4 ranks, ``--engines fsdp2_tp``): the same transformer on a (dp 2, tp 2)
+mesh, each block's MLP tensor parallel (``fc1`` colwise, ``fc2`` rowwise), then ``fully_shard`` over dp.
+
+Options: ``--engines zero fsdp2 fsdp2_tp module`` (all by default), ``--world-sizes 2 4``, ``--rounds 25``, ``--quick`` (small models, for a smoke test).
 """
 
 from __future__ import annotations
@@ -365,32 +368,51 @@ def worker(configs, rounds=25, inner=5, quick=False):
     counter = CommCounter().install()
     results = []
     for stage, model_name in configs:
-        bench = _bench_fsdp2 if stage == "fsdp2" else _bench_config
+        bench = _bench_fsdp2 if str(stage).startswith("fsdp2") else _bench_config
         results.append(bench(stage, model_name, rounds, inner, quick, counter))
         dist.barrier()
     return results
 
 
-def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
-    """FSDP2 (``fully_shard`` per block and on the root, bf16 ``MixedPrecisionPolicy``): the
-    library vs one flat ``lerp_`` over as many elements and vs ``torch._foreach_lerp_`` over the
-    local shards (``p._local_tensor``: what a hand-written sharded EMA would run)."""
+def _fsdp2_model(stage: str, model_name: str, quick: bool):
+    """The benchmark model under FSDP2 (``stage="fsdp2"``: a 1-D mesh over every rank), or over tensor
+    parallelism (``"fsdp2_tp"``: a (dp, tp=2) mesh, each block's MLP ``fc1`` colwise and ``fc2`` rowwise)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    torch.manual_seed(0)
+    model = build_model(model_name, quick)
+    blocks = getattr(model, "blocks", getattr(model, "layers", []))
+    if stage == "fsdp2_tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh2 = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+        for blk in blocks:
+            parallelize_module(blk, mesh2["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        mesh = mesh2["dp"]
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for blk in blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
+    """FSDP2 (``fully_shard`` per block and on the root, bf16 ``MixedPrecisionPolicy``; ``fsdp2_tp``:
+    over tensor parallelism, see :func:`_fsdp2_model`): the library vs one flat ``lerp_`` over as many
+    elements and vs ``torch._foreach_lerp_`` over the local shards (``p._local_tensor``: what a
+    hand-written sharded EMA would run)."""
+    import torch.distributed as dist
+
     import functional_ema as fe
 
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = build_model(model_name, quick)
+    model = _fsdp2_model(stage, model_name, quick)
     n_tensors = sum(1 for _ in model.parameters())
     n_full = sum(p.numel() for p in model.parameters())
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for blk in getattr(model, "blocks", getattr(model, "layers", [])):
-        fully_shard(blk, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.example_loss(model, 1).backward()
     opt.step()
@@ -430,11 +452,7 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
     # segment and update is one lerp_.
     from functional_ema.engines.fsdp2 import flatten_local_shards
 
-    torch.manual_seed(0)
-    flat_model = build_model(model_name, quick)
-    for blk in getattr(flat_model, "blocks", getattr(flat_model, "layers", [])):
-        fully_shard(blk, mesh=mesh, mp_policy=mp)
-    fully_shard(flat_model, mesh=mesh, mp_policy=mp)
+    flat_model = _fsdp2_model(stage, model_name, quick)
     flatten_local_shards(flat_model)  # the opt-in one-buffer layout
     flat_opt = torch.optim.AdamW(flat_model.parameters(), lr=1e-3)
     flat_model.example_loss(flat_model, 1).backward()
@@ -481,7 +499,7 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
             fn()
         comm[name] = [counter.calls, counter.bytes]
     return {
-        "stage": "fsdp2", "model": model_name, "world_size": dist.get_world_size(), "rank": rank,
+        "stage": stage, "model": model_name, "world_size": dist.get_world_size(), "rank": rank,
         "tensors": n_tensors, "params": n_full, "local_numel": n_local,
         "segments": len(shards.segments), "local_tensors": len(locals_), "one_buffer_segments": len(flat_shards.segments),
         "distinct_storages": len({t.untyped_storage().data_ptr() for t in locals_}),
@@ -689,12 +707,14 @@ FSDP2_LABELS = {
 
 def report_fsdp2(w: int, model: str, reps: list[dict]) -> list[str]:
     r0 = next(r for r in reps if r["rank"] == 0)
+    how = ("fully_shard per block + root over dp, each block's MLP tensor parallel 2 (fc1 colwise, fc2 rowwise)"
+           if r0["stage"] == "fsdp2_tp" else "fully_shard per block + root")
     t_min = {k: max(r["min_ms"][k] for r in reps) for k in FSDP2_LABELS}
     t_med = {k: max(r["median_ms"][k] for r in reps) for k in FSDP2_LABELS}
     ratio = {k: _paired_ratio([r["rounds"][k] for r in reps]) for k in FSDP2_LABELS}
     local = max(r["local_numel"] for r in reps)
     lines = [
-        f"\n### FSDP2 (fully_shard per block + root, bf16 MixedPrecisionPolicy), {w} ranks, {model}: {r0['tensors']} "
+        f"\n### FSDP2 ({how}, bf16 MixedPrecisionPolicy), {w} ranks, {model}: {r0['tensors']} "
         f"tensors, {r0['params'] / 1e6:.1f}M params, <= {local / 1e6:.2f}M fp32 elements per rank in "
         f"{r0['distinct_storages']} separate storages ({r0['segments']} segments in local_shards; "
         f"{r0['one_buffer_segments']} after `flatten_local_shards`)",
@@ -723,7 +743,7 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
     fsdp2_groups: dict = {}
     for per_world in all_results:
         for rep in (rep for per_rank in per_world for rep in per_rank):
-            into = fsdp2_groups if rep["stage"] == "fsdp2" else groups
+            into = fsdp2_groups if str(rep["stage"]).startswith("fsdp2") else groups
             into.setdefault((rep["world_size"], rep["stage"], rep["model"]), []).append(rep)
     order = sorted(groups, key=lambda g: (g[0], -g[1], g[2]))
     for w, stage, model in order:
@@ -759,16 +779,16 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
             f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
             f"{ratio['roofline_again']:.2f}",
         ]))
-    for (w, _, model), reps in sorted(fsdp2_groups.items()):
+    for (w, stage, model), reps in sorted(fsdp2_groups.items()):
         lines.extend(report_fsdp2(w, model, reps))
         ratio = {k: _paired_ratio([r["rounds"][k] for r in reps]) for k in FSDP2_LABELS}
-        checks.append(((w, "fsdp2", model), [
+        checks.append(((w, stage, model), [
             f"{ratio['lib']:.2f} ({ratio['lib_update_only']:.2f})", "-", "-",
             f"{max(r['comm']['lib'][1] for r in reps)}",
             f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
             f"{ratio['roofline_again']:.2f}",
         ]))
-        checks.append(((w, "fsdp2 after flatten_local_shards", model), [
+        checks.append(((w, f"{stage} after flatten_local_shards", model), [
             f"{ratio['lib_one_buffer']:.2f} ({ratio['lib_one_buffer_update_only']:.2f})", "-", "-",
             f"{max(r['comm']['lib_one_buffer'][1] for r in reps)}", "-", f"{ratio['roofline_again']:.2f}",
         ]))
@@ -781,7 +801,8 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
     )
     lines.append("|---|---|---|---|---|---|---|")
     for (w, stage, model), vals in checks:
-        engine = stage.replace("fsdp2", "FSDP2") if str(stage).startswith("fsdp2") else f"ZeRO-{stage}"
+        engine = stage.replace("fsdp2_tp", "FSDP2 over tensor parallel 2").replace("fsdp2", "FSDP2") \
+            if str(stage).startswith("fsdp2") else f"ZeRO-{stage}"
         lines.append(f"| {engine}, {w} ranks, {model} | " + " | ".join(vals) + " |")
     if plain is not None:
         lines.append(f"\n### Plain module (one process; DDP does the same work per rank): {plain['tensors']} tensors, "
@@ -824,8 +845,10 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="tiny models, a smoke test of the script")
     parser.add_argument("--json", type=str, default=None, help="also write the raw per-rank results here")
-    parser.add_argument("--engines", nargs="+", default=["zero", "fsdp2", "module"], choices=["zero", "fsdp2", "module"],
-                        help="ZeRO-2/3 configs, the FSDP2 config (2 ranks, transformer), the plain-module table")
+    parser.add_argument("--engines", nargs="+", default=["zero", "fsdp2", "fsdp2_tp", "module"],
+                        choices=["zero", "fsdp2", "fsdp2_tp", "module"],
+                        help="ZeRO-2/3 configs, the FSDP2 config (2 ranks, transformer), FSDP2 over tensor parallel "
+                             "(4 ranks: dp 2 x tp 2, transformer), the plain-module table")
     args = parser.parse_args(argv)
     from tests._multirank import run_ranks
 
@@ -837,6 +860,8 @@ def main(argv=None):
         configs = configs if "zero" in args.engines else []
         if "fsdp2" in args.engines and w == 2:  # FSDP2: the 516-tensor transformer at 2 ranks
             configs.append(("fsdp2", "transformer"))
+        if "fsdp2_tp" in args.engines and w == 4:  # and over tensor parallelism at 4 ranks
+            configs.append(("fsdp2_tp", "transformer"))
         if not configs:
             continue
         t0 = time.time()

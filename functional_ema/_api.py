@@ -228,7 +228,7 @@ def _refuse_training(adapter, reading: Reading) -> Iterator[None]:
             raise SwappedTrainingError(f"optimizer.step() {why}")
 
     handles = [module.register_forward_hook(on_output)]
-    if target is not module:
+    if target is not module and isinstance(target, torch.nn.Module):  # an engine wrapping the module
         handles.append(target.register_forward_hook(on_output))
     handles.append(register_optimizer_step_pre_hook(on_step))
     try:

@@ -1,7 +1,8 @@
 """Engine adapters: one per kind of training object, the same verbs for all.
 
 :func:`adapter_for` picks the adapter for an object: a DeepSpeed engine, a model with torch FSDP2
-(``fully_shard``) applied, a ``DistributedDataParallel`` model, or a plain ``nn.Module``. The
+(``fully_shard``) applied or DTensor tensor parallelism, a ``torch.distributed.pipelining`` stage, a
+``DistributedDataParallel`` model, or a plain ``nn.Module``. The
 core (``init_ema``, ``update``, schedules) imports none of these modules.
 """
 
@@ -16,8 +17,9 @@ from ._base import Adapter, Reading, SwapStats, known_adapter
 __all__ = ["Adapter", "Reading", "SwapStats", "adapter_for", "ACCEPTED"]
 
 ACCEPTED = (
-    "a deepspeed.DeepSpeedEngine (ZeRO stages 0-3), a torch.nn.Module with FSDP2 (fully_shard) applied, "
-    "a torch.nn.parallel.DistributedDataParallel model, or a plain torch.nn.Module"
+    "a deepspeed.DeepSpeedEngine (ZeRO stages 0-3), a torch.nn.Module with FSDP2 (fully_shard) applied or with "
+    "tensor-parallel DTensor parameters, a torch.distributed.pipelining stage, a "
+    "torch.nn.parallel.DistributedDataParallel model, or a plain torch.nn.Module"
 )
 
 
@@ -26,10 +28,12 @@ def adapter_for(x: Any) -> Adapter:
     known = known_adapter(x)
     if known is not None:
         return known(x)
-    from . import deepspeed, fsdp2, module
+    from . import deepspeed, fsdp2, module, pipelining
 
     if deepspeed.is_deepspeed_engine(x):
         return deepspeed.DeepSpeedAdapter(x)
+    if pipelining.is_pipeline_stage(x):
+        return pipelining.PipelineStageAdapter(x)
     if isinstance(x, torch.nn.Module):
         if fsdp2.is_fsdp2(x):
             return fsdp2.FSDP2Adapter(x)
