@@ -21,6 +21,7 @@ from ._state import EmaState
 from ._tree import short_list
 from .engines import Reading, SwapStats, adapter_for
 from .engines._base import gather_pieces
+from .engines._base import join_parts as join_parts_of
 
 __all__ = ["local_shards", "shard_layout", "gather_full", "swapped", "StateMismatchError", "SwappedTrainingError"]
 
@@ -132,8 +133,15 @@ def gather_full(
     dst: int | None = None,
     device: torch.device | str | None = None,
     bucket_bytes: int = 256 << 20,
+    join_parts: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Full-shape EMA weights from every rank's pieces. A collective: call it on all ranks.
+
+    Under model parallelism (tensor-parallel ranks, pipeline stages: ``shard_layout(x).part``) the
+    result is this rank's part, whole over its data-parallel group (its tensor-parallel slices, its
+    stage's parameters), which is what this rank's module loads; ``join_parts=True`` returns the whole
+    model's tensors instead, every part's joined (stages merged, slices concatenated along their
+    recorded split), a collective over every rank of the job.
 
     Args:
         state: this rank's state (from :func:`functional_ema.init_ema` over ``local_shards(x)``).
@@ -144,6 +152,8 @@ def gather_full(
         device: where the result goes (default: the EMA's device).
         bucket_bytes: pieces are exchanged in buckets of about this size per rank, so the
             transient memory is ``world_size * bucket_bytes`` plus the result.
+        join_parts: join the model-parallel parts into the whole model (see above; ``dst`` is then a
+            rank of the job, and every part's tensors pass through CPU memory there).
 
     Returns:
         ``{name: tensor of the parameter's full shape}``, dtype of the EMA, names as in
@@ -154,7 +164,10 @@ def gather_full(
     """
     reading = adapter_for(x).read()
     pieces = state_pieces(state, reading, index, "gather_full")
-    return gather_pieces(reading, pieces, dst=dst, device=device, bucket_bytes=bucket_bytes)
+    if not join_parts or reading.layout.part.whole:
+        return gather_pieces(reading, pieces, dst=dst, device=device, bucket_bytes=bucket_bytes)
+    part = gather_pieces(reading, pieces, device="cpu", bucket_bytes=bucket_bytes)
+    return join_parts_of(reading, part, dst=dst, device=device)
 
 
 # ----------------------------------------------------------------------------------- eval swap

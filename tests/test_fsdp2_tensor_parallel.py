@@ -130,6 +130,10 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
     r["gather_is_the_slice_of_the_reference"] = sorted(gathered) == sorted(ref) and all(
         torch.equal(gathered[n], _slice(ref[n], n, tp, tp_size)) for n in ref)
     r["ema_moved"] = not all(torch.equal(ref[n], f) for n, f in _full_params(model).items())
+    joined = fe.gather_full(state, model, join_parts=True)  # every part's slices joined: the whole model
+    on_0 = fe.gather_full(state, model, join_parts=True, dst=0)
+    r["joined_bitwise"] = sorted(joined) == sorted(ref) and all(torch.equal(joined[n], ref[n]) for n in ref) and (
+        sorted(on_0) == sorted(ref) and all(torch.equal(on_0[n], ref[n]) for n in ref) if rank == 0 else on_0 == {})
 
     # swapped: the forward equals a plain module loaded with the full EMA (the tensor-parallel sums are
     # reduced in another order, so to rounding), the live weights come back bitwise, training is refused
@@ -264,7 +268,7 @@ def _check_training(results, replicas: int) -> None:
         assert r["tp_dims"] == {"up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None, "norm.weight": None,
                                 "norm.bias": None, "head.weight": None, "head.bias": None}, where
         assert r["no_copy"] and r["update_collectives"] == [0] * STEPS, where
-        assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"], where
+        assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"] and r["joined_bitwise"], where
         assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
         assert r["training_refused"] and r["grads_untouched"], where
         assert r["reload_bitwise"] and r["saved_step"] == STEPS, where
@@ -314,7 +318,7 @@ def test_tensor_parallel_alone_every_verb(tp_only, root):
         assert r["specs"]["up.weight"] == [[7, 6], 0, 42] and r["specs"]["head.weight"] == [[3, 6], 0, 18], where
         assert r["placements"]["up.weight"] == "(Shard(dim=0),)" and r["placements"]["down.weight"] == "(Shard(dim=1),)"
         assert r["no_copy"] and r["update_collectives"] == [0] * STEPS, where
-        assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"], where
+        assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"] and r["joined_bitwise"], where
         assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
         assert r["training_refused"] and r["grads_untouched"], where
         assert r["reload_bitwise"] and r["other_layout_bitwise"], where

@@ -1,4 +1,5 @@
-"""PyTorch Lightning at 2 real CPU ranks: DDP, FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO-2/3.
+"""PyTorch Lightning at 2 real CPU ranks: DDP, FSDP2 (``ModelParallelStrategy``) and DeepSpeed ZeRO-2/3;
+at 4, FSDP2 over tensor parallelism (``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)``).
 
 Each run: gradient accumulation 2, two EMAs (a float decay and a power schedule), every 2 steps,
 started after step K, buffers averaged (DDP, DeepSpeed). Checked against a reference EMA of the full
@@ -47,6 +48,8 @@ def _strategy(kind: str):
         return pl.strategies.DDPStrategy(process_group_backend="gloo")
     if kind == "fsdp2":
         return pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    if kind == "fsdp2_tp":
+        return pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
     stage = int(kind[-1])
     return _cpu_deepspeed_strategy()(stage=stage, process_group_backend="gloo", logging_batch_size_per_gpu=4,
                                      params_buffer_count=0, allgather_bucket_size=1e6, reduce_bucket_size=1e6)
@@ -84,12 +87,18 @@ def _module(kind: str):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.net = _NoBN() if kind.startswith("fsdp2") else BNNet()
+            # under tensor parallelism 14 hidden units: DTensor's colwise -> rowwise needs an even split
+            self.net = _NoBN(14 if kind.startswith("fsdp2_tp") else 13) if kind.startswith("fsdp2") else BNNet()
 
         def configure_model(self):
-            if kind == "fsdp2" and not getattr(self, "_sharded", False):
+            if kind in ("fsdp2", "fsdp2_tp") and not getattr(self, "_sharded", False):
                 from torch.distributed.fsdp import fully_shard
 
+                if kind == "fsdp2_tp":
+                    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                    parallelize_module(self.net, self.device_mesh["tensor_parallel"],
+                                       {"inp": ColwiseParallel(), "mid": RowwiseParallel()})
                 mesh = self.device_mesh["data_parallel"]
                 for m in (self.net.inp, self.net.mid):
                     fully_shard(m, mesh=mesh)
@@ -118,10 +127,10 @@ def _module(kind: str):
 class _NoBN(torch.nn.Module):
     """FSDP2 variant of the test net: uneven sizes, no BatchNorm."""
 
-    def __init__(self):
+    def __init__(self, hidden: int = 13):
         super().__init__()
-        self.inp = torch.nn.Linear(7, 13)
-        self.mid = torch.nn.Linear(13, 11)
+        self.inp = torch.nn.Linear(7, hidden)
+        self.mid = torch.nn.Linear(hidden, 11)
         self.out = torch.nn.Linear(11, 5)
 
     def forward(self, x, labels=None):
@@ -152,7 +161,7 @@ def _reference_callback(ref, kind: str):
             if ref.due(trainer.global_step):
                 import functional_ema as fe
 
-                bufs = float_buffers(fe.engines.adapter_for(trainer.strategy.model).module()) if kind != "fsdp2" else None
+                bufs = None if kind.startswith("fsdp2") else float_buffers(fe.engines.adapter_for(trainer.strategy.model).module())
                 ref.feed(trainer.global_step, _full_weights(trainer, kind), bufs)
 
     return Reference()
@@ -168,10 +177,10 @@ def _trainer(kind: str, root: str, callbacks, max_epochs: int = EPOCHS, export: 
     from functional_ema.integrations.lightning import EMACallback
 
     ema = EMACallback(decay=_decays(), start_step=START, every_n_steps=EVERY,
-                      buffers=None if kind == "fsdp2" else "average", export_path=export)
+                      buffers=None if kind.startswith("fsdp2") else "average", export_path=export)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_epochs=1, save_top_k=-1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, num_nodes=1, strategy=_strategy(kind), max_epochs=max_epochs,
+        accelerator="cpu", devices=_world(kind), num_nodes=1, strategy=_strategy(kind), max_epochs=max_epochs,
         accumulate_grad_batches=2, callbacks=[ema, ckpt, *callbacks], logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root, deterministic=False,
         use_distributed_sampler=True,
@@ -206,9 +215,11 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
         trainer.fit(module)
         target = trainer.strategy.model
         report["target"] = type(target).__name__
+        part = fe.shard_layout(target).part
+        report["layout"] = [part.tp, part.tp_size, fe.shard_layout(target).world_size]
         report["global_step"] = trainer.global_step
         report["ema_step"] = int(ema.state.step)
-        full = [fe.gather_full(ema.state, target, index=k) for k in range(2)]
+        full = [fe.gather_full(ema.state, target, index=k, join_parts=True) for k in range(2)]
         report["bitwise"] = [equal(full[k], ref.emas[k]) for k in range(2)]
         report["max_diff"] = [max_diff(full[k], ref.emas[k]) for k in range(2)]
         live = _full_weights(trainer, kind)
@@ -223,7 +234,7 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
         strip = lambda n: n.removeprefix("_forward_module.")  # noqa: E731 - Lightning's DeepSpeed wrapper
         exported = load_file(os.path.join(out, "export.safetensors"))
         report["export_equal"] = all(torch.equal(exported[strip(n)], ref.emas[0][n]) for n in ref.emas[0])
-        net = _module("fsdp2-plain" if kind == "fsdp2" else "plain")
+        net = _module(f"{kind}-plain" if kind.startswith("fsdp2") else "plain")
         report["export_strict"] = str(net.load_state_dict(exported, strict=True))
         # The EMA's validation loss computed independently on this rank's half of the data, by a
         # plain twin loaded with the export and this rank's buffer EMA: DeepSpeed does not
@@ -236,7 +247,8 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
 
         net.eval()
         vd = RegressionData(16, seed=2)
-        idx = list(range(rank, 16, 2))  # DistributedSampler without shuffle; one batch of 8 per rank
+        dp_rank = rank // 2 if kind == "fsdp2_tp" else rank  # the tensor-parallel ranks of one group share its data
+        idx = list(range(dp_rank, 16, 2))  # DistributedSampler without shuffle; one batch of 8 per rank
         with torch.no_grad():
             report["twin_val_loss"] = float(net.net(vd.x[idx], vd.y[idx])["loss"])
         if kind == "ddp":
@@ -261,7 +273,7 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
         ckpt = os.path.join(root, "ckpt", "epoch=1-step=4.ckpt")
         trainer.fit(_module(kind), ckpt_path=ckpt)
         target = trainer.strategy.model
-        full = [fe.gather_full(ema.state, target, index=k) for k in range(2)]
+        full = [fe.gather_full(ema.state, target, index=k, join_parts=True) for k in range(2)]
         want = load_file(os.path.join(out, "final.safetensors"))
         report["bitwise_vs_uninterrupted"] = [equal(full[k], {n[2:]: t for n, t in want.items() if n.startswith(f"{k}.")}) for k in range(2)]
         report["ema_step"] = int(ema.state.step)
@@ -306,16 +318,21 @@ def _start_rule(rank: int) -> dict:
     return start_rule_report(runs)
 
 
+def _world(kind: str) -> int:
+    return 4 if kind == "fsdp2_tp" else 2
+
+
 def _run(kind: str, tmp_path):
     out = str(tmp_path)
-    full = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=2, timeout=600, kind=kind, out=out, phase="full")
+    full = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=_world(kind), timeout=600, kind=kind, out=out,
+                     phase="full")
     print(json.dumps(full[0]))
     for r in full:
         assert r["global_step"] == 2 * EPOCHS and r["ema_step"] == 2 * EPOCHS
         assert r["bitwise"] == [True, True], r["max_diff"]
         assert r["ema_differs_from_live"]
         assert len(r["val_losses"]) == EPOCHS
-        if kind != "fsdp2":
+        if not kind.startswith("fsdp2"):
             assert r["buffers_bitwise"] == [True, True]
         assert r["export_equal"] is True
         assert r["export_strict"] == "<All keys matched successfully>"
@@ -323,9 +340,11 @@ def _run(kind: str, tmp_path):
     twin = sum(r["twin_val_loss"] for r in full) / len(full)
     assert abs(full[0]["val_losses"][-1] - twin) < 1e-5, (full[0]["val_losses"], twin)
 
-    killed = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=2, timeout=600, kind=kind, out=out, phase="interrupted")
+    killed = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=_world(kind), timeout=600, kind=kind, out=out,
+                       phase="interrupted")
     assert all(r["killed"] for r in killed)
-    resumed = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=2, timeout=600, kind=kind, out=out, phase="resume")
+    resumed = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=_world(kind), timeout=600, kind=kind, out=out,
+                        phase="resume")
     for r in resumed:
         assert r["ema_step"] == 2 * EPOCHS
         assert r["bitwise_vs_uninterrupted"] == [True, True]
@@ -343,6 +362,14 @@ def test_lightning_ddp(tmp_path):
 def test_lightning_fsdp2(tmp_path):
     pytest.importorskip("torch.distributed.fsdp")
     _run("fsdp2", tmp_path)
+
+
+def test_lightning_model_parallel_fsdp2_over_tensor_parallel(tmp_path):
+    """ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2) at 4 ranks: the EMA joined from
+    the tensor-parallel parts is the reference's, the export is the whole model's, the resume bitwise."""
+    pytest.importorskip("torch.distributed.fsdp")
+    full, _, _ = _run("fsdp2_tp", tmp_path)
+    assert [r["layout"] for r in full] == [[0, 2, 2], [1, 2, 2], [0, 2, 2], [1, 2, 2]], [r["layout"] for r in full]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -110,6 +110,9 @@ def stage_worker(ckpt_dir: str) -> dict:
         saver.save(state, stage, ckpt_dir, tag="pp_async")
     refs: list = [None] * world
     dist.all_gather_object(refs, ref)
+    whole = {n: t for d in refs for n, t in d.items()}
+    joined = fe.gather_full(state, stage, join_parts=True)  # the stages merged: the whole model
+    r["joined_bitwise"] = sorted(joined) == sorted(whole) and all(torch.equal(joined[n], whole[n]) for n in whole)
     if rank == 0:
         from safetensors.torch import save_file
 
@@ -149,7 +152,7 @@ def test_pipeline_stages_every_verb(run):
         assert r["names"] == [f"{i}.{k}" for i in STAGE_LAYERS[index] if i % 2 == 0 for k in ("weight", "bias")], where
         assert r["update_collectives"] == [0] * STEPS and r["gather_bitwise"], where
         assert r["swap_equals_twin"] and r["swap_differs_from_live"] and r["swap_restored"], where
-        assert r["training_refused"] and r["reload_bitwise"], where
+        assert r["training_refused"] and r["reload_bitwise"] and r["joined_bitwise"], where
         if dp > 1:
             assert r["unsharded_refused"] and "pipeline stage" in r["unsharded_refused"], where
     files = [f"ema_tp000of001_pp{s:03d}of002_rank_{k:05d}_of_{dp:05d}.safetensors" for s in (0, 1) for k in range(dp)]

@@ -279,3 +279,53 @@ def _buckets(names, all_specs, max_elems):
         size += n_el
     if bucket:
         yield bucket
+
+
+def join_parts(reading: Reading, part: dict[str, torch.Tensor], *, dst: int | None = None,
+               device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's tensors from every model-parallel part's (``part``: this rank's part, whole, as
+    :func:`gather_pieces` returns it on every rank of its data-parallel group). A collective over every
+    rank of the job: one rank per part (data-parallel rank 0 of replica 0) sends its part; on ``dst``
+    (a rank of the job; ``None``: every rank) the pipeline stages' parameters are merged by name and the
+    tensor-parallel slices concatenated along each parameter's recorded split (``tp_dims``), in
+    tensor-parallel rank order; a parameter replicated over tensor parallelism is taken from rank 0's.
+
+    Raises ``ValueError`` (on every rank, before anything is sent) when the engine records no split
+    for a tensor-parallel model, or ``RuntimeError`` when two stages hold one parameter name.
+    """
+    layout = reading.layout
+    if layout.part.whole:
+        return part if dst is None or not dist.is_initialized() or dist.get_rank() == dst else {}
+    if layout.part.tp_size > 1 and (layout.tp_dims is None or any(n not in layout.tp_dims for n in part)):
+        raise ValueError(
+            f"gather_full(join_parts=True): {layout.part.describe()} records no tensor-parallel split for its parameters "
+            "(no AutoTP layout record, no Megatron 'partition_dim'): the slices cannot be joined; gather each part "
+            "(join_parts=False) or consolidate the saved checkpoint with tp_dims=")
+    sender = layout.rank == 0 and layout.replica == 0
+    payload = (layout.part.tp, layout.part.pp, dict(layout.tp_dims or {}),
+               {n: t.detach().cpu() for n, t in part.items()}) if sender else None
+    world, me = dist.get_world_size(), dist.get_rank()
+    if dst is None:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, payload)
+    else:
+        gathered = [None] * world if me == dst else None
+        dist.gather_object(payload, gathered, dst=dst)
+        if me != dst:
+            return {}
+    by_stage: dict[int, dict[int, tuple[dict, dict]]] = {}
+    for entry in gathered:
+        if entry is not None:
+            tp, pp, dims, tensors = entry
+            by_stage.setdefault(pp, {})[tp] = (dims, tensors)
+    out: dict[str, torch.Tensor] = {}
+    for pp in sorted(by_stage):
+        slices = [by_stage[pp][tp] for tp in sorted(by_stage[pp])]
+        dims, first = slices[0]
+        for name, t in first.items():
+            if name in out:
+                raise RuntimeError(f"gather_full(join_parts=True): parameter {name!r} is held by more than one pipeline stage")
+            d = dims.get(name)
+            whole = t if d is None or len(slices) == 1 else torch.cat([s[1][name] for s in slices], dim=d)
+            out[name] = whole.to(device if device is not None else t.device)
+    return out

@@ -389,7 +389,7 @@ class EMAController:
         (``None``: every rank; others get ``{}``), names as in the engine's module with
         ``strip_prefix`` removed (a framework's wrapper, e.g. Lightning's ``_forward_module.``). Collective."""
         index = self._index(index)
-        full = fe.gather_full(self.state, x, index=index, dst=dst)
+        full = fe.gather_full(self.state, x, index=index, dst=dst, join_parts=True)  # model-parallel parts joined
         if dst is not None and _rank() != dst:
             return {}
         module = fe.engines.adapter_for(x).module()
