@@ -334,3 +334,37 @@ def test_tensor_parallel_ema_loads_across_layouts(reloaded):
         assert r["into_fsdp2_4"] == {"world": 4, "step": STEPS, "bitwise": True}, (rank, r)
         assert r["into_hsdp"] == {"world": 2, "step": STEPS, "bitwise": True}, (rank, r)
         assert r["fsdp2_4_into_tp"], (rank, r)
+
+
+def test_forged_split_or_part_in_the_manifest_is_refused_naming_the_field(dp_tp, root, tmp_path):
+    """A manifest edited to join ``up.weight`` along another dimension, or to swap two parts: refused
+    before anything is joined, naming the field (the rank files' checksummed headers say otherwise)."""
+    import json
+    import shutil
+
+    import functional_ema as fe
+    from functional_ema.checkpoint import CheckpointError
+
+    def forged(edit) -> str:
+        d = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(root / "dp2_tp2" / "tp", d / "tp")
+        mpath = d / "tp" / "ema_manifest.json"
+        m = json.loads(mpath.read_text())
+        edit(m)
+        mpath.write_text(json.dumps(m))
+        with pytest.raises(CheckpointError) as e:
+            fe.consolidate(d, tag="tp")
+        return str(e.value)
+
+    def other_dim(m):
+        for p in m["parts"]:
+            p["tp_dims"]["up.weight"] = 1
+
+    def swap_parts(m):
+        a, b = m["parts"][0]["part"], m["parts"][1]["part"]
+        a["tp"], b["tp"] = b["tp"], a["tp"]
+
+    msg = forged(other_dim)
+    assert "tp_dims" in msg, msg
+    msg = forged(swap_parts)
+    assert "parts[0]" in msg, msg
