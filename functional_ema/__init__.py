@@ -9,7 +9,7 @@ The same verbs for a DeepSpeed engine, a torch FSDP2 model and a plain or DDP mo
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from . import buffers, posthoc, schedules
+from . import buffers, dcp, posthoc, schedules
 from ._api import StateMismatchError, SwappedTrainingError, gather_full, local_shards, process_group, shard_layout, swapped
 from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info
 from ._layout import ModelPart, ShardLayout, ShardSpec
@@ -44,6 +44,7 @@ __all__ = [
     "client_state_summary",
     "consolidate",
     "consolidate_to_file",
+    "dcp",
     "ema_nbytes",
     "gather_full",
     "init_ema",

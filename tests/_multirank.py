@@ -54,7 +54,16 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
         deadline = time.time() + max(0.5 * timeout, timeout - 5)
         procs, log_paths = spawn_ranks([sys.executable, "-c", "from tests._multirank import _child; _child()", str(args_path)],
                                        world_size, Path(tmp), env={"FE_DEADLINE": repr(deadline), **(env or {})})
-        wait_ranks(procs, log_paths, target, timeout)
+        try:
+            wait_ranks(procs, log_paths, target, timeout)
+        except AssertionError as e:  # add the errors the failed ranks reported
+            errors = []
+            for rank in range(world_size):
+                path = Path(tmp) / f"result_{rank}.json"
+                payload = json.loads(path.read_text()) if path.exists() else {}
+                if "error" in payload:
+                    errors.append(f"--- rank {rank} reported ---\n{payload['error']}")
+            raise AssertionError("\n".join([str(e), *errors])) from None
         outputs = [_tail(path) for path in log_paths]
         results = []
         for rank, (p, out) in enumerate(zip(procs, outputs)):
@@ -99,16 +108,28 @@ def spawn_ranks(argv: list[str], world_size: int, tmp: Path, env: dict | None = 
     return procs, log_paths
 
 
+#: After one rank has failed, how long the others get to finish (a rank that failed early, e.g. at
+#: rendezvous, would otherwise leave the others waiting for it until the whole timeout).
+FAILED_RANK_GRACE_S = 30.0
+
+
 def wait_ranks(procs: list, log_paths: list[Path], what: str, timeout: float) -> None:
-    """Wait up to ``timeout`` seconds for every rank to exit. At the timeout raise ``AssertionError``
-    with every waiting rank's Python stacks and output; either way no rank is left running."""
+    """Wait up to ``timeout`` seconds for every rank to exit, or :data:`FAILED_RANK_GRACE_S` after one
+    rank exited with an error. Then raise ``AssertionError`` with every waiting rank's Python stacks
+    and output; either way no rank is left running."""
     try:
         deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(_timeout_report(procs, log_paths, what, len(procs), timeout)) from None
+        failed = None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed is None:
+                failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+                if failed is not None and now + FAILED_RANK_GRACE_S < deadline:
+                    deadline = now + FAILED_RANK_GRACE_S
+                    timeout = f"{timeout:g} s (ended {FAILED_RANK_GRACE_S:g} s after rank {failed} failed)"
+            if now > deadline:
+                raise AssertionError(_timeout_report(procs, log_paths, what, len(procs), timeout))
+            time.sleep(0.05)
     finally:
         kill_ranks(procs)
 
@@ -127,7 +148,7 @@ def _tail(path: Path, limit: int = 8000) -> str:
     return data[-limit:].decode(errors="replace")
 
 
-def _timeout_report(procs, log_paths: list[Path], target: str, world_size: int, timeout: float) -> str:
+def _timeout_report(procs, log_paths: list[Path], target: str, world_size: int, timeout: float | str) -> str:
     """Which ranks were still running at the timeout, and where: every thread's Python stack of each
     (SIGUSR1 makes the child's faulthandler print them), then that rank's last output."""
     waiting = [r for r, p in enumerate(procs) if p.poll() is None]
@@ -136,7 +157,8 @@ def _timeout_report(procs, log_paths: list[Path], target: str, world_size: int, 
             procs[r].send_signal(signal.SIGUSR1)
     time.sleep(2.0)  # let faulthandler write the stacks
     done = {r: p.returncode for r, p in enumerate(procs) if r not in waiting}
-    parts = [f"timeout after {timeout:g} s in {target}: rank(s) {waiting} of {world_size} still running "
+    limit = f"{timeout:g} s" if isinstance(timeout, (int, float)) else timeout
+    parts = [f"timeout after {limit} in {target}: rank(s) {waiting} of {world_size} still running "
              f"(exit codes of the others: {done})"]
     kill_ranks(procs)
     for r, p in enumerate(procs):

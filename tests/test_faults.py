@@ -1403,6 +1403,30 @@ def test_run_ranks_reports_which_rank_waited_where():
     _count("11 harness")
 
 
+def fail_then_hang_worker():
+    """Rank 0 fails at once; rank 1 is stuck in something that never notices (a long sleep)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    raise RuntimeError("rank 0 failed early")
+
+
+def test_run_ranks_ends_soon_after_a_rank_fails():
+    """Class 11: a rank that fails ends the launch FAILED_RANK_GRACE_S later, not at the timeout, and the
+    report carries that rank's error and the waiting rank's stacks."""
+    from tests._multirank import FAILED_RANK_GRACE_S, run_ranks
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as info:
+        run_ranks("tests.test_faults:fail_then_hang_worker", world_size=2, timeout=600, env={"FE_DIST_INIT": "torch"})
+    msg = str(info.value)
+    assert time.monotonic() - t0 < FAILED_RANK_GRACE_S + 30, time.monotonic() - t0
+    assert "after rank 0 failed" in msg and "rank(s) [1] of 2 still running" in msg, msg[:500]
+    assert "rank 0 failed early" in msg and "in fail_then_hang_worker" in msg[msg.index("--- rank 1"):], msg[-3000:]
+    _count("11 harness")
+
+
 # ---------------------------------------------------------- class 12: odd API values (issue 21, item 5)
 
 
