@@ -6,6 +6,8 @@ Commands:
         group, streaming: peak memory is about the largest single parameter. Pipeline stages go into
         one file; tensor-parallel slices are joined where the split is known, else written one file
         per tensor-parallel rank (OUT.tp<r>of<T>.safetensors).
+    consolidate --dcp DCP_DIR OUT.safetensors [--key ema] [--index K]
+        The same from a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful.
     posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
 
@@ -54,6 +56,10 @@ def _add_consolidate(subparsers) -> None:
                          "slices along DIM ('none' for a parameter replicated across the ranks); give one per parameter")
     tp.add_argument("--tp-rank", type=int, default=None,
                     help="tensor-parallel checkpoints: write this rank's slices as they are, not joined")
+    p.add_argument("--dcp", action="store_true",
+                   help="CHECKPOINT_DIR is a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful "
+                        "(its metadata is a pickle that DCP unpickles: trusted folders only)")
+    p.add_argument("--key", default="ema", help="with --dcp: the state-dict key the EMAStateful was saved under (default 'ema')")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
@@ -70,6 +76,8 @@ def _run_consolidate(args) -> int:
     from .checkpoint import saved_parts
 
     t0 = time.perf_counter()
+    if args.dcp:
+        return _run_consolidate_dcp(args, t0)
     tp_dims = _tp_dims(args.tp_dim) if args.tp_dim else None
     ranks: list[int | None] = [args.tp_rank]
     outs = [Path(args.out)]
@@ -93,6 +101,32 @@ def _run_consolidate(args) -> int:
             f"(step {meta.get('step')}){'' if rank is None else f', tensor-parallel rank {rank}'} in "
             f"{time.perf_counter() - t0:.2f} s"
         )
+    return 0
+
+
+def _run_consolidate_dcp(args, t0: float) -> int:
+    import os
+    import time
+
+    from safetensors.torch import save
+
+    from ._io import atomic_write_bytes
+    from .checkpoint import OutputPathError
+    from .dcp import consolidate_dcp
+
+    out, src = Path(args.out), Path(args.checkpoint_dir)
+    if os.path.realpath(out).startswith(os.path.realpath(src) + os.sep):
+        raise OutputPathError(f"{out} is inside the DCP checkpoint {src} being read: write it elsewhere")
+    if out.exists() and not args.overwrite:
+        raise OutputPathError(f"{out} exists: pass --overwrite to replace it")
+    try:
+        full = consolidate_dcp(src, args.key, index=args.index)
+    except KeyError as e:
+        raise SystemExit(f"error: {e.args[0]}") from None
+    atomic_write_bytes(out, save({n: t.contiguous() for n, t in full.items()},
+                                 metadata={"format": "functional_ema.export", "source": "dcp", "ema_index": str(args.index)}))
+    print(f"wrote {out}: {len(full)} tensors, {out.stat().st_size / 2**20:.1f} MiB, EMA {args.index} of DCP key "
+          f"{args.key!r} in {time.perf_counter() - t0:.2f} s")
     return 0
 
 

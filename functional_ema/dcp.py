@@ -27,6 +27,7 @@ trust (:func:`functional_ema.load` never unpickles). Offline full weights: :func
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -130,5 +131,7 @@ def consolidate_dcp(checkpoint_dir: str | os.PathLike, key: str = "ema", *, inde
         emas = sorted({f.split(".")[2] for f in meta.state_dict_metadata if f.startswith(f"{key}.emas.")})
         raise KeyError(f"{checkpoint_dir}: no EMA {index} under key {key!r} (EMAs there: {emas or 'none'}; top-level keys "
                        f"{sorted({f.split('.')[0] for f in meta.state_dict_metadata})})")
-    dcp.load(template, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(template, storage_reader=reader, no_dist=True)
     return {fqn[len(prefix):]: t for fqn, t in template.items()}

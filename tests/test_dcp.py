@@ -183,6 +183,23 @@ def test_dcp_reshards_the_ema_bitwise(root):
         assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref), layout
     with pytest.raises(KeyError, match="no EMA 1 under key 'ema'"):
         fe.dcp.consolidate_dcp(root / "fsdp2", index=1)
+    # and the CLI: python -m functional_ema consolidate --dcp DIR OUT.safetensors
+    import subprocess
+    import sys
+
+    from tests._multirank import ROOT
+
+    out = root / "dp_tp_ema.safetensors"
+    cli = [sys.executable, "-m", "functional_ema", "consolidate", "--dcp", str(root / "dp_tp"), str(out)]
+    proc = subprocess.run(cli, cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "wrote" in proc.stdout, proc.stdout + proc.stderr
+    got, ref = load_file(out), load_file(root / "dp_tp.ref.safetensors")
+    assert sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
+    again = subprocess.run(cli, cwd=str(ROOT), capture_output=True, text=True, timeout=300)  # no --overwrite
+    assert again.returncode == 1 and "--overwrite" in again.stderr, again.stderr
+    inside = subprocess.run(cli[:-1] + [str(root / "dp_tp" / "x.safetensors")], cwd=str(ROOT), capture_output=True, text=True,
+                            timeout=300)
+    assert inside.returncode == 1 and "inside the DCP checkpoint" in inside.stderr, inside.stderr
 
 
 def test_dcp_resume_continues_bitwise_and_async_save_writes_the_call(root):
