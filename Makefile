@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # pulling a multi-GB CUDA build for the package's `torch` range. Override with TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench docs venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,14 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# The documentation site into site/ (the docs extra installed on first use); warnings are errors.
+docs: $(VENV)/.installed
+	@$(PY) -c "import mkdocstrings_handlers.python, material" 2>/dev/null || $(PY) -m pip install --quiet -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_update.py
 	$(PY) benchmarks/bench_checkpoint.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

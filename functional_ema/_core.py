@@ -287,7 +287,7 @@ def update(
             number of decays is wrong, or a shard or EMA tensor is on the meta device. Everything
             is checked before any EMA value (or the step) changes.
 
-    Example:
+    Examples:
         >>> import torch, functional_ema as fe
         >>> w = {"a": torch.ones(2), "b": torch.ones(3)}
         >>> state = fe.init_ema(w, num_emas=2)

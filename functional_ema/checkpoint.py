@@ -366,11 +366,12 @@ def load(
         buffers when given).
 
     Raises:
-        CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError,
-        CheckpointVersionError, CheckpointMismatchError: on every rank, with the reason. Nothing on
-        disk is modified. A checkpoint saved with another model-parallel layout (tensor-parallel size,
-        pipeline stages) is joined and re-cut for this rank's part where every split is known, else
-        refused with ``CheckpointMismatchError`` naming the parameter.
+        CheckpointError: on every rank, with the reason, as one of its subclasses
+            ``CheckpointNotFoundError``, ``IncompleteCheckpointError``, ``CorruptCheckpointError``,
+            ``CheckpointVersionError``, ``CheckpointMismatchError``. Nothing on disk is modified. A
+            checkpoint saved with another model-parallel layout (tensor-parallel size, pipeline stages)
+            is joined and re-cut for this rank's part where every split is known, else refused with
+            ``CheckpointMismatchError`` naming the parameter.
         TypeError: ``out`` is not an ``EmaState`` or holds tensors a load cannot fill in place.
 
     Example:

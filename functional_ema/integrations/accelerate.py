@@ -46,8 +46,10 @@ class AcceleratorEMA:
         accelerator: the ``accelerate.Accelerator``.
         model: what ``accelerator.prepare`` returned for the model (a DeepSpeed engine, a DDP or
             FSDP2 model, or the module).
-        decay, every_n_steps, start_step, buffers, eval_index, posthoc_dir, posthoc_every,
-        export_path, copy_to_model, tag, async_save: as for :class:`functional_ema.integrations.EMAController`.
+        decay: one decay (float, schedule or callable) or a sequence, one per EMA.
+        **kwargs: ``every_n_steps``, ``start_step``, ``buffers``, ``eval_index``, ``posthoc_dir``,
+            ``posthoc_every``, ``export_path``, ``copy_to_model``, ``tag``, ``async_save``, ``dtype``: as
+            for ``functional_ema.integrations._common.EMAController``.
     """
 
     def __init__(self, accelerator, model, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any):

@@ -46,8 +46,10 @@ class EMACallback(TrainerCallback):
     """EMA of the weights for a ``transformers.Trainer``; see the module docstring.
 
     Args:
-        decay, every_n_steps, start_step, buffers, eval_index, posthoc_dir, posthoc_every,
-        export_path, copy_to_model, tag, async_save: as for :class:`functional_ema.integrations.EMAController`.
+        decay: one decay (float, schedule or callable) or a sequence, one per EMA.
+        **kwargs: ``every_n_steps``, ``start_step``, ``buffers``, ``eval_index``, ``posthoc_dir``,
+            ``posthoc_every``, ``export_path``, ``copy_to_model``, ``tag``, ``async_save``, ``dtype``: as
+            for ``functional_ema.integrations._common.EMAController``.
         metric_prefix: prefix of the metrics of the evaluation with EMA weights.
     """
 
