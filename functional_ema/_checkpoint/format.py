@@ -20,6 +20,7 @@ import torch
 
 from .. import _io
 from .._layout import ModelPart, ShardLayout, ShardSpec
+from .._tree import short_list as _tree_short_list
 from .errors import (CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError, IncompleteCheckpointError,
                      InvalidTagError, OutputPathError)
 
@@ -231,8 +232,8 @@ def complete_tags(root: Path) -> list[str]:
 
 
 def short_list(names: Sequence[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(n) for n in list(names)[:limit])
-    return "[" + shown + (f", ... {len(names) - limit} more" if len(names) > limit else "") + "]"
+    """``['a', 'b' and 3 more]``: the core's short list (``_tree.short_list``), bracketed."""
+    return "[" + _tree_short_list(list(names), limit) + "]"
 
 
 def library_version() -> str:

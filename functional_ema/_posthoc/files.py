@@ -56,7 +56,7 @@ def save_snapshot(
 
     Args:
         state: this rank's state tracking ``K`` power EMAs over ``local_shards(engine)``.
-        engine: the DeepSpeed engine.
+        engine: the engine or model the state's pieces come from (see :func:`functional_ema.local_shards`).
         snapshot_dir: directory shared by all ranks.
         schedules: the ``K`` schedules passed to :func:`functional_ema.update` (``schedules.power``)
             or their ``sigma_rel`` floats, in the state's order.
