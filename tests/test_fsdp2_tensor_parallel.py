@@ -19,10 +19,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+import functional_ema as fe
 from tests._multirank import CollectiveSpy, run_ranks
 
 DECAY = 0.75
 STEPS = 3
+POWERS = (fe.schedules.power(gamma=3.0), fe.schedules.power(gamma=6.0))  # post-hoc EMA: power EMAs, snapshots
 D, H, OUT = 6, 14, 3  # H/2 = 7 rows per tensor-parallel slice: FSDP2 pads the second shard of each
 
 
@@ -114,6 +116,8 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
     r["no_copy"] = all(shards[n].data_ptr() == getattr(params[n], "_local_tensor", params[n]).data_ptr()
                        for n in shards if shards[n].numel())
     state = fe.init_ema(shards)
+    powers = fe.init_ema(shards, num_emas=len(POWERS))
+    snaps = os.path.join(ckpt_dir, "snaps")
     ref = _full_params(model)
     r["update_collectives"] = []
     for step in range(1, STEPS + 1):
@@ -125,6 +129,16 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
         r["update_collectives"].append(spy.total)
         for n, full in _full_params(model).items():
             ref[n].lerp_(full, 1 - DECAY)
+        powers = fe.update(powers, fe.local_shards(model), step, decay=list(POWERS))
+        if step >= 2:
+            fe.posthoc.save_snapshot(powers, model, snaps, list(POWERS))
+    # this rank's post-hoc pieces, from the files, never communicating; against the offline synthesis
+    pieces = fe.posthoc.posthoc_local(snaps, layout, gamma=4.0, max_profile_error=None)
+    offline = fe.posthoc.posthoc_offline(snaps, gamma=4.0, max_profile_error=None)
+    r["posthoc_local_is_the_offline_slice"] = sorted(pieces) == sorted(offline) and all(
+        torch.equal(pieces[n].reshape(-1),
+                    _slice(offline[n], n, layout.part.tp, layout.part.tp_size).reshape(-1)[s.offset: s.offset + s.numel])
+        for n, s in layout.specs.items())
     tp, tp_size = layout.part.tp, layout.part.tp_size
     gathered = fe.gather_full(state, model)  # this rank's tensor-parallel slices, whole
     r["gather_is_the_slice_of_the_reference"] = sorted(gathered) == sorted(ref) and all(
@@ -271,7 +285,7 @@ def _check_training(results, replicas: int) -> None:
         assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"] and r["joined_bitwise"], where
         assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
         assert r["training_refused"] and r["grads_untouched"], where
-        assert r["reload_bitwise"] and r["saved_step"] == STEPS, where
+        assert r["reload_bitwise"] and r["saved_step"] == STEPS and r["posthoc_local_is_the_offline_slice"], where
     # the placements this covers (FSDP2's own, over tensor parallelism)
     placements = results[0]["placements"]
     lead = "Replicate(), " if replicas > 1 else ""
@@ -321,7 +335,7 @@ def test_tensor_parallel_alone_every_verb(tp_only, root):
         assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"] and r["joined_bitwise"], where
         assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
         assert r["training_refused"] and r["grads_untouched"], where
-        assert r["reload_bitwise"] and r["other_layout_bitwise"], where
+        assert r["reload_bitwise"] and r["other_layout_bitwise"] and r["posthoc_local_is_the_offline_slice"], where
     expected = [f"ema_tp{t:03d}of002_pp000of001_rank_00000_of_00001.safetensors" for t in (0, 1)]
     assert tp_only[0]["files"] == ["ema_manifest.json", *expected] == tp_only[0]["async_files"]
     ref = load_file(root / "tp2" / "tp.ref.safetensors")
