@@ -48,6 +48,7 @@ Decisions:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 from typing import Any, NamedTuple
@@ -284,6 +285,7 @@ class FSDP2Adapter(Adapter):
                 continue
             if fp is not None:
                 view, spec = _fsdp_piece(name, fp, where[name])
+                setattr(fp, _SEEN, fp.sharded_param._local_tensor)  # what a later replacement is compared with
             elif tp_only and isinstance(param, DTensor):
                 view, spec, where[name] = _tensor_parallel_only(name, param)
             elif isinstance(param, DTensor):
@@ -303,6 +305,7 @@ class FSDP2Adapter(Adapter):
             _check_spans_job(world, replicas, part)
         layout = ShardLayout(rank, world, 0 if tp_only else 3, specs, engine="dtensor" if tp_only else "fsdp2", part=part,
                              tp_dims=tp_dims, replica=replica, replicas=replicas)
+        _count_replacements()
         token = _Token([p for p in params.values() if isinstance(p, DTensor)], managed, plain, frozen)
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
@@ -313,12 +316,57 @@ class FSDP2Adapter(Adapter):
         return _swap(fsdp_modules(self.target), reading, pieces)
 
 
+# How many times FSDP2 has replaced a sharded parameter or its local tensor in this process (see
+# _count_replacements); None until counting is installed (then readings compare each parameter).
+_REPLACEMENTS: list[int | None] = [None]
+_SEEN = "_functional_ema_local"  # FSDPParam attribute: the local tensor last seen by a reading or a reset
+
+
+def _count_replacements() -> None:
+    """Count, once per process, FSDP2's replacements of sharded parameters and local tensors.
+
+    FSDP2 replaces them only in ``FSDPParam.reset_sharded_param`` (from ``module._apply``, lazy init and
+    its ``load_state_dict`` post-hook); wrapping that method to count the calls that did replace
+    something lets a reading check one integer instead of every parameter's local tensor, which on a
+    model of hundreds of parameters is most of what ``local_shards`` costs right after an update has
+    flushed the caches. Left as it is (each parameter compared) if the method is not there."""
+    if _REPLACEMENTS[0] is not None:
+        return
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:  # pragma: no cover - another torch layout
+        return
+    original = getattr(FSDPParam, "reset_sharded_param", None)
+    if original is None:  # pragma: no cover
+        return
+    if not getattr(original, "_functional_ema_counts", False):
+        @functools.wraps(original)
+        def reset_sharded_param(self, *args, **kwargs):
+            # ``_apply`` swaps local tensors before it calls this, so compare with the local tensor a
+            # reading (or the last call) saw, as well as across the call itself
+            seen = getattr(self, _SEEN, None)
+            before = (self.sharded_param, getattr(self.sharded_param, "_local_tensor", None))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                after = (self.sharded_param, getattr(self.sharded_param, "_local_tensor", None))
+                if after[0] is not before[0] or after[1] is not before[1] or (seen is not None and before[1] is not seen):
+                    _REPLACEMENTS[0] = (_REPLACEMENTS[0] or 0) + 1
+                setattr(self, _SEEN, after[1])
+
+        reset_sharded_param._functional_ema_counts = True
+        FSDPParam.reset_sharded_param = reset_sharded_param
+    _REPLACEMENTS[0] = 0
+
+
 class _Token:
     """Cheap re-validation of a reading, no module walk.
 
     Current when no ``load_state_dict`` ran on a module that owns a managed parameter since the
-    reading was made, each managed parameter read still holds the local tensor object the
-    reading's views were made from, each parameter outside FSDP2 is still the module attribute
+    reading was made, FSDP2 replaced no sharded parameter or local tensor since (one integer,
+    counted by ``_count_replacements``; where counting could not be installed, each managed
+    parameter read must still hold the local tensor object the reading's views were made from),
+    each parameter outside FSDP2 (tensor-parallel DTensors without ``fully_shard`` too) is still the module attribute
     with the same memory, and no parameter left out as frozen requires grad now (unfreezing one
     is seen; freezing a parameter read changes nothing, see ``_base.is_read``).
 
@@ -327,17 +375,18 @@ class _Token:
     ``swap_tensors`` gives the same parameter object a new local tensor), from lazy init (a local
     tensor re-padded: a new local tensor object) and from a ``load_state_dict`` post-hook
     (``assign=True`` installs new parameter objects, the old ones keep their local tensors). The
-    first two change a local tensor object, compared here per parameter; the third is seen by
+    first two change a local tensor object, counted (or compared per parameter); the third is seen by
     post-hooks the reading registers on the owning modules, beside FSDP2's own, and removes when
     a newer reading replaces it. (FSDP2 never moves a sharded local tensor's memory in place, so
     its data pointer is not compared.)
 
     Cost, measured on the 516-tensor benchmark model right after a 45 MiB ``lerp_`` (caches
-    cold): 0.12 ms for the local tensors. Following each ``FSDPParam.sharded_param`` would add
-    0.27 ms, and reading every ``requires_grad`` (to see freezing too) 0.26 ms.
+    cold): 0.12 ms to compare the local tensors, which the replacement count saves. Following each
+    ``FSDPParam.sharded_param`` would add 0.27 ms, and reading every ``requires_grad`` (to see
+    freezing too) 0.26 ms.
     """
 
-    __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks")
+    __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks", "replacements")
 
     def __init__(self, read: list, managed: list, plain: list, frozen: list):
         """``read``: the DTensor parameters read; ``managed``: every ``FSDPParam`` (frozen ones too);
@@ -348,6 +397,7 @@ class _Token:
         self.ptrs = tuple(map(_memory_of, (p for _, _, p in plain)))
         self.frozen = tuple(frozen)
         self.loaded = False  # set by the load_state_dict post-hooks below
+        self.replacements = _REPLACEMENTS[0]  # None: compare each parameter's local tensor instead
         owners: dict[int, torch.nn.Module] = {}
         for fp in managed:
             info = fp._module_info
@@ -358,7 +408,8 @@ class _Token:
     def current(self) -> bool:
         return (
             not self.loaded
-            and all(map(operator.is_, map(_local_tensor_of, self.read), self.locals))
+            and (_REPLACEMENTS[0] == self.replacements if self.replacements is not None
+                 else all(map(operator.is_, map(_local_tensor_of, self.read), self.locals)))
             and all(mod._parameters.get(attr) is p for mod, attr, p in self.plain)
             and tuple(map(_memory_of, (p for _, _, p in self.plain))) == self.ptrs
             and not any_requires_grad(*self.frozen)
@@ -493,4 +544,6 @@ def flatten_local_shards(model: torch.nn.Module) -> int:
                 rows = fp.sharded_param._local_tensor.shape[0]
                 fp._sharded_param_data = new
                 fp.sharded_param._local_tensor = new.view(fp.padded_sharded_param_size).narrow(0, 0, rows)
+    if _REPLACEMENTS[0] is not None:  # local tensors replaced here, not by FSDP2: readings must see it
+        _REPLACEMENTS[0] += 1
     return len(fps)
