@@ -318,7 +318,7 @@ class FSDP2Adapter(Adapter):
 
 # How many times FSDP2 has replaced a sharded parameter or its local tensor in this process (see
 # _count_replacements); None until counting is installed (then readings compare each parameter).
-_REPLACEMENTS: list[int | None] = [None]
+_REPLACEMENTS: list[int | None] = [None]  # reason: one process-wide count (an int, holds no object) of FSDP2's replacements
 _SEEN = "_functional_ema_local"  # FSDPParam attribute: the local tensor last seen by a reading or a reset
 
 
