@@ -112,6 +112,11 @@ class ShardLayout(NamedTuple):
         (a later rank of a replicated stage-0 model, a replica other than 0)."""
         return self.replica == 0 and (self.stage != 0 or self.rank == 0)
 
+    @property
+    def job_ranks(self) -> int:
+        """How many ranks hold the whole model together: data-parallel size x replicas x model-parallel parts."""
+        return self.world_size * self.replicas * self.part.tp_size * self.part.pp_size
+
     def to_json_dict(self) -> dict:
         d = {
             "rank": self.rank,

@@ -231,4 +231,10 @@ def job_of(reading) -> Job:
     if (layout.part.whole and layout.replicas == 1) or not dist.is_initialized():
         group = reading.group if layout.world_size > 1 and dist.is_initialized() else None
         return Job(group, layout.rank, layout.world_size)
+    if layout.job_ranks != dist.get_world_size():  # replicas and parts save together: they must be the whole job
+        raise NotImplementedError(
+            f"the model's layout (data parallel {layout.world_size} x {layout.replicas} replica(s) x tensor parallel "
+            f"{layout.part.tp_size} x {layout.part.pp_size} pipeline stage(s)) spans {layout.job_ranks} ranks, but the "
+            f"job has {dist.get_world_size()}; functional_ema saves and loads HSDP and model-parallel layouts whose mesh "
+            "spans every rank of the job")
     return Job(None, dist.get_rank(), dist.get_world_size())

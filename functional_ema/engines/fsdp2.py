@@ -237,18 +237,6 @@ def _tensor_parallel_only(name: str, param) -> tuple[torch.Tensor, ShardSpec, _P
             _Placement(None, None, 0, 1, param.device_mesh, tp_dim))
 
 
-def _check_spans_job(dp_size: int, replicas: int, part: ModelPart) -> None:
-    """Replicas and tensor-parallel parts save and load together, over the whole job: their mesh must span it."""
-    if replicas == 1 and part.whole or not dist.is_initialized():
-        return
-    ranks = dp_size * replicas * part.tp_size
-    if ranks != dist.get_world_size():
-        raise NotImplementedError(
-            f"the model's mesh (data-parallel group of {dp_size}, {replicas} replica(s), tensor parallel "
-            f"{part.tp_size}) spans {ranks} of the job's {dist.get_world_size()} ranks; functional_ema reads HSDP and "
-            "tensor-parallel models whose mesh spans every rank of the job")
-
-
 class FSDP2Adapter(Adapter):
     """A model with torch FSDP2 (``fully_shard``) applied to it or to some of its submodules."""
 
@@ -301,8 +289,6 @@ class FSDP2Adapter(Adapter):
             params[name] = param
         shards = shards_from_views(named_views)
         part, tp_dims = _model_part({n: where[n] for n in specs if n in where}, list(specs))
-        if first is not None or tp_only:
-            _check_spans_job(world, replicas, part)
         layout = ShardLayout(rank, world, 0 if tp_only else 3, specs, engine="dtensor" if tp_only else "fsdp2", part=part,
                              tp_dims=tp_dims, replica=replica, replicas=replicas)
         _count_replacements()
