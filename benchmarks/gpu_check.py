@@ -5,23 +5,28 @@
 Checks (each PASS/FAIL, exit status 1 if any fails):
 
 1. ``update`` on CUDA shards (views of one flat fp32 buffer, K = 1 and 2) is bitwise equal to a
-   per-tensor ``lerp_``; timed against one flat ``lerp_`` over the same bytes (the roofline).
+   per-tensor ``lerp_``.
 2. A pinned CPU EMA of CUDA weights (``init_ema(..., device="cpu", pin_memory=True)``): chunks are
    copied on a side stream while the CPU updates the previous chunk. Bitwise equal to lerping a
    ``.cpu()`` copy; timed against that naive copy-then-lerp.
-3. DeepSpeed ZeRO-3 bf16 with fp32 masters on the GPU (world 1, client AdamW): the EMA equals an
-   EMA of ``safe_get_full_fp32_param`` bitwise, and ``swapped`` computes like a plain model loaded
-   with the EMA.
+3. DeepSpeed ZeRO-2 and ZeRO-3 bf16 with fp32 masters on the GPU, and ZeRO-2 with the optimizer
+   offloaded to the CPU (world 1, client AdamW): the EMA equals an EMA of
+   ``safe_get_full_fp32_param`` bitwise, and ``swapped`` computes like a plain model loaded with
+   the EMA.
 4. FSDP2 (``fully_shard``, bf16 ``MixedPrecisionPolicy``, world 1): the same two checks against
    ``full_tensor()``.
+
+Timings: ``update`` over 400 and 1000 CUDA tensors against ``torch._foreach_lerp_`` and a
+per-tensor ``lerp_`` loop over the same tensors, each as a ratio of one flat ``lerp_`` over the
+same bytes (the memory-bandwidth roofline).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,12 +98,32 @@ def check_core() -> None:
                 for n in ref[j]:
                     ref[j][n].lerp_(shards[n], 1 - d)
             ok &= all(torch.equal(state.emas[j][n], ref[j][n]) for j in range(k) for n in shards)
-        flat_e, flat_s = torch.randn(int(numel * (4 + 8 * k) / 12), device="cuda"), torch.randn(int(numel * (4 + 8 * k) / 12), device="cuda")
-        t_lib = cuda_time(lambda: fe.update(state, shards, decay=decays))
-        t_roof = cuda_time(lambda: flat_e.lerp_(flat_s, 0.001))
-        gbs = numel * (4 + 8 * k) / (t_lib * 1e-3) / 1e9
-        record(f"CUDA update, K={k}, {len(shards)} tensors, {numel / 1e6:.1f}M elements: bitwise vs per-tensor lerp_", ok,
-               f"{t_lib:.3f} ms ({gbs:.0f} GB/s), {t_lib / t_roof:.2f}x one flat lerp_ over the same bytes")
+        record(f"CUDA update, K={k}, {len(shards)} tensors, {numel / 1e6:.1f}M elements: bitwise vs per-tensor lerp_", ok)
+    for n_tensors, per in ((400, 60_000), (1000, 500_000)):
+        time_update_against_peers(n_tensors, per)
+
+
+def time_update_against_peers(n_tensors: int, per: int) -> None:
+    """K = 1 update against the peers over the same tensors, and against one flat ``lerp_`` of the same bytes."""
+    buf, shards = flat_shards(n_tensors, per)
+    numel = sum(t.numel() for t in shards.values())
+    state = fe.init_ema(shards)
+    names = list(shards)
+    emas, weights = [state.emas[0][n] for n in names], [shards[n] for n in names]
+    flat_e, flat_s = torch.randn(numel, device="cuda"), torch.randn(numel, device="cuda")
+
+    def per_tensor_lerp():
+        for e, w in zip(emas, weights):
+            e.lerp_(w, 0.001)
+
+    t_lib = cuda_time(lambda: fe.update(state, shards, decay=0.999))
+    t_roof = cuda_time(lambda: flat_e.lerp_(flat_s, 0.001))
+    t_foreach = cuda_time(lambda: torch._foreach_lerp_(emas, weights, 0.001))
+    t_loop = cuda_time(per_tensor_lerp)
+    gbs = numel * 12 / (t_lib * 1e-3) / 1e9
+    record(f"CUDA update timing, {n_tensors} tensors, {numel / 1e6:.0f}M elements (fp32, K=1)", True,
+           f"fe.update {t_lib:.3f} ms ({gbs:.0f} GB/s) = {t_lib / t_roof:.2f}x one flat lerp_ ({t_roof:.3f} ms); "
+           f"_foreach_lerp_ {t_foreach:.3f} ms ({t_foreach / t_roof:.2f}x); per-tensor lerp_ loop {t_loop:.3f} ms ({t_loop / t_roof:.2f}x)")
 
 
 def check_pinned_cpu_ema() -> None:
@@ -146,17 +171,21 @@ def _data(step: int, dtype=torch.float32):
     return torch.randn(8, 64, device="cuda", generator=g).to(dtype), torch.randn(8, 16, device="cuda", generator=g).to(dtype)
 
 
-def check_deepspeed_zero3() -> None:
+def check_deepspeed(stage: int = 3, offload: bool = False) -> None:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
     torch.manual_seed(0)
     model = Net()
-    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
            "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    where = "CPU (offload)" if offload else "GPU"
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
     shards = fe.local_shards(engine)
-    on_gpu = all(t.device.type == "cuda" for t in shards.values())
+    on_expected = all(t.device.type == ("cpu" if offload else "cuda") for t in shards.values())
     state = fe.init_ema(shards)
     params = dict(engine.module.named_parameters())
     ref = {n: safe_get_full_fp32_param(params[n]).detach().clone() for n in shards}
@@ -180,9 +209,19 @@ def check_deepspeed_zero3() -> None:
     with torch.no_grad():
         same = torch.equal(out, twin(x))
     t_upd = cuda_time(lambda: fe.update(state, fe.local_shards(engine), decay=0.9))
-    record("DeepSpeed ZeRO-3 bf16, fp32 masters on GPU: EMA bitwise vs safe_get_full_fp32_param EMA", ok and on_gpu,
+    with tempfile.TemporaryDirectory() as d:
+        fe.save(state, engine, d, tag="sync")
+        saver = fe.AsyncSaver()
+        saver.save(state, engine, d, tag="async")
+        saver.wait()
+        back = [fe.load(engine, d, tag=t) for t in ("sync", "async")]
+    same_files = all(b.step == state.step and all(torch.equal(b.emas[0][n], state.emas[0][n]) for n in shards) for b in back)
+    same_device = all(b.emas[0][n].device == state.emas[0][n].device for b in back for n in shards)
+    record(f"DeepSpeed ZeRO-{stage} ({where}): save / AsyncSaver / load round trip bitwise, on the state's device",
+           same_files and same_device)
+    record(f"DeepSpeed ZeRO-{stage} bf16, fp32 masters on {where}: EMA bitwise vs safe_get_full_fp32_param EMA", ok and on_expected,
            f"local_shards + update {t_upd:.3f} ms for {sum(t.numel() for t in shards.values()):,} elements")
-    record("DeepSpeed ZeRO-3 swapped forward == plain bf16 model loaded with the EMA", same)
+    record(f"DeepSpeed ZeRO-{stage} ({where}) swapped forward == plain bf16 model loaded with the EMA", same)
 
 
 def check_fsdp2() -> None:
@@ -242,11 +281,14 @@ def main() -> int:
         return 0
     print(f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     _init_world_of_one()
-    for check in (check_core, check_pinned_cpu_ema, check_deepspeed_zero3, check_fsdp2):
+    checks = [("core", check_core), ("pinned CPU EMA", check_pinned_cpu_ema),
+              ("ZeRO-2", lambda: check_deepspeed(2)), ("ZeRO-2 offload", lambda: check_deepspeed(2, offload=True)),
+              ("ZeRO-3", lambda: check_deepspeed(3)), ("FSDP2", check_fsdp2)]
+    for name, check in checks:
         try:
             check()
         except Exception as e:  # noqa: BLE001 - report every check, then fail
-            record(f"{check.__name__} raised {type(e).__name__}: {e}", False)
+            record(f"{name} raised {type(e).__name__}: {e}", False)
     failed = [r for r in RESULTS if not r[1]]
     print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
