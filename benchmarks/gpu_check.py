@@ -1,6 +1,6 @@
 """The CUDA paths, checked against the same references as the CPU tests, with figures. One GPU.
 
-    python benchmarks/gpu_check.py            # a few minutes on one GPU; exits at once without CUDA
+    python benchmarks/gpu_check.py            # under a minute on one GPU; exits at once without CUDA
 
 Checks (each PASS/FAIL, exit status 1 if any fails):
 
@@ -28,6 +28,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -198,7 +199,7 @@ def check_deepspeed(stage: int = 3, offload: bool = False) -> None:
         for n in ref:
             ref[n].lerp_(safe_get_full_fp32_param(params[n]).detach(), 0.1)
     full = fe.gather_full(state, engine)
-    ok = all(torch.equal(full[n], ref[n]) for n in ref)
+    ok = all(torch.equal(full[n].cpu(), ref[n].cpu()) for n in ref)
     twin = Net().cuda()
     twin.load_state_dict({n: t.to(torch.bfloat16).float() for n, t in full.items()})
     twin = twin.to(torch.bfloat16)
@@ -288,6 +289,7 @@ def main() -> int:
         try:
             check()
         except Exception as e:  # noqa: BLE001 - report every check, then fail
+            traceback.print_exc()
             record(f"{name} raised {type(e).__name__}: {e}", False)
     failed = [r for r in RESULTS if not r[1]]
     print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
