@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/bench_checkpoint.py [--world-size 2] [--stage 2] [--mib 192] [--repeat 8]
 
-Real DeepSpeed engines on CPU ranks (the shared harness ``tests/_multirank.py``). Each operation is
+Real DeepSpeed engines on CPU ranks (the shared harness ``functional_ema/_testing/multirank.py``). Each operation is
 timed as the slowest rank (the wall time of the collective save / load), best of ``--repeat``,
 with the median ratio printed beside it; the order of the competing readers is rotated between
 repeats (on a VM the first read after a burst of writes is often several times slower: rotating
@@ -87,7 +87,7 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
     import functional_ema as fe
     from functional_ema import _memory
     from functional_ema._checkpoint.reader import CheckpointReader
-    from tests._multirank import make_engine
+    from functional_ema._testing.multirank import make_engine
 
     rank = dist.get_rank()
     width = 1024
@@ -294,7 +294,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
     args = ap.parse_args(argv)
 
-    from tests._multirank import run_ranks
+    from functional_ema._testing.multirank import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="fe_bench_", dir=args.dir) as tmp:
         results = run_ranks("benchmarks.bench_checkpoint:worker", world_size=args.world_size,

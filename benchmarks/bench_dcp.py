@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a tiny model, a smoke test of the script")
     args = parser.parse_args(argv)
-    from tests._multirank import run_ranks
+    from functional_ema._testing.multirank import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="bench_dcp_") as root:
         r = run_ranks("benchmarks.bench_dcp:worker", world_size=args.world_size, timeout=1800,

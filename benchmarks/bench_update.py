@@ -4,7 +4,7 @@ One command (from the repository root; ~5 minutes on 2 cores, most of it buildin
 
     .venv/bin/python benchmarks/bench_update.py
 
-It launches real ranks with the test harness (``tests/_multirank.run_ranks``: one process per rank,
+It launches real ranks with the test harness (``functional_ema._testing.multirank.run_ranks``: one process per rank,
 wired like ``torchrun``, ``OMP_NUM_THREADS=1``), trains one bf16 step, then times, per update:
 
 * ``functional_ema``: ``fe.update(state, fe.local_shards(engine))``, the per-step pair, in place;
@@ -240,7 +240,7 @@ def _ema_engine(model: nn.Module, stage: int):
     """DeepSpeed-Chat keeps its EMA model in a second engine (no optimizer): ZeRO-3-partitioned."""
     import deepspeed
 
-    from tests._multirank import ds_config
+    from functional_ema._testing.multirank import ds_config
 
     if stage != 3:
         return model.to(torch.bfloat16)  # ZeRO-2 does not partition parameters: a full 16-bit copy
@@ -517,7 +517,7 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
     import torch.distributed as dist
 
     import functional_ema as fe
-    from tests._multirank import make_engine
+    from functional_ema._testing.multirank import make_engine
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -850,7 +850,7 @@ def main(argv=None):
                         help="ZeRO-2/3 configs, the FSDP2 config (2 ranks, transformer), FSDP2 over tensor parallel "
                              "(4 ranks: dp 2 x tp 2, transformer), the plain-module table")
     args = parser.parse_args(argv)
-    from tests._multirank import run_ranks
+    from functional_ema._testing.multirank import run_ranks
 
     command = " ".join(["python", "benchmarks/bench_update.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
     all_results = []

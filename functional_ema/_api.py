@@ -11,14 +11,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._checkpoint.collective import agree
 from ._errors import StateMismatchError, SwappedTrainingError
+from ._fit import state_problem
 from ._layout import ShardLayout
 from ._shards import Shards
 from ._state import EmaState
-from ._tree import short_list
 from .engines import Reading, SwapStats, adapter_for
 from .engines._base import gather_pieces
 from .engines._base import join_parts as join_parts_of
@@ -73,53 +73,22 @@ def process_group(x: Any):
 def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Mapping[str, torch.Tensor]:
     """``state.emas[index]`` once checked against this rank's layout, on every rank together.
 
-    The check is local (names, and each piece's length against this rank's), and its outcome is
-    shared, so a state cut for another world size or model fails on every rank with one message
-    instead of leaving some ranks in a collective.
+    The check is local (:func:`functional_ema._fit.state_problem`: names, and each piece's length
+    against this rank's), and its outcome is shared (:func:`~functional_ema._checkpoint.collective.agree`),
+    so a state cut for another world size or model fails on every rank instead of leaving some ranks
+    in a collective.
     """
-    problem = _state_problem(state, reading, index, verb)
-    group, layout = reading.group, reading.layout
-    if layout.world_size > 1 and dist.is_initialized():
-        problems: list[Any] = [None] * layout.world_size
-        dist.all_gather_object(problems, problem, group=group)
-        bad = [(r, p) for r, p in enumerate(problems) if p]
-        if bad:
-            r, p = bad[0]
-            raise StateMismatchError(f"{verb}: on rank {r}: {p}" + (f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""))
-    elif problem:
-        raise StateMismatchError(f"{verb}: {problem}")
+    layout = reading.layout
+
+    def check() -> None:
+        problem = state_problem(state, layout.specs, layout.rank, indices=(index,), shards=reading.shards)
+        if problem:
+            raise problem.error(StateMismatchError, f"{verb} on rank {layout.rank}",
+                                "Make the state with init_ema(local_shards(model)), or with fe.load(model, dir), which "
+                                "reshards a saved state")
+
+    agree(verb, check, reading.group, layout.world_size, layout.rank, results=False, fallback=StateMismatchError)
     return state.emas[index]
-
-
-def _state_problem(state: Any, reading: Reading, index: int, verb: str) -> str | None:
-    if not isinstance(state, EmaState):
-        return f"expected an EmaState (from init_ema, update or load), got {type(state).__name__}"
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < state.num_emas:
-        return f"index={index!r} is not one of the state's {state.num_emas} EMAs"
-    ema = state.emas[index]
-    shards = reading.shards
-    if isinstance(ema, Shards) and (ema.index is shards.index or ema.index == shards.index):
-        return None
-    specs = reading.layout.specs
-    try:
-        names = list(ema.keys())
-    except AttributeError:
-        return f"state.emas[{index}] is a {type(ema).__name__}, not a name-keyed mapping"
-    if set(names) != set(specs):
-        missing, extra = sorted(set(specs) - set(names)), sorted(set(names) - set(specs))
-        parts = ([f"this model trains {short_list(missing)}, which the state lacks"] if missing else []) + (
-            [f"the state has EMAs of {short_list(extra)}, which this model does not train (frozen here, or another model)"]
-            if extra else [])
-        return (f"state.emas[{index}] does not match this model's trainable parameters: {'; '.join(parts)}. Make the state "
-                "with init_ema(local_shards(model)) or load it with fe.load")
-    for n, spec in specs.items():
-        t = ema[n]
-        if not isinstance(t, torch.Tensor) or t.numel() != spec.numel:
-            got = t.numel() if isinstance(t, torch.Tensor) else type(t).__name__
-            return (f"state.emas[{index}][{n!r}] has {got} elements but rank {reading.layout.rank}'s piece of it has "
-                    f"{spec.numel}: the state was cut for another world size, sharding or model. fe.load(model, dir) "
-                    "reshards a saved state")
-    return None
 
 
 # ------------------------------------------------------------------------------------ gather_full

@@ -108,9 +108,9 @@ class SaveHandle:
         """Block until the save is complete; return ``tag_dir``.
 
         Raises:
-            The background failure: on the rank where it happened, the original exception (e.g.
-            ``OSError``); on the other ranks, :class:`~functional_ema.checkpoint.CheckpointError`
-            naming the failed rank. Raised on every call to ``wait`` after a failure.
+            Exception: the background failure: on the rank where it happened, the original exception
+                (e.g. ``OSError``); on the other ranks, :class:`~functional_ema.checkpoint.CheckpointError`
+                naming the failed rank. Raised on every call to ``wait`` after a failure.
             TimeoutError: ``timeout`` seconds passed first (the save goes on).
         """
         self._adopt_after_fork()
@@ -165,9 +165,9 @@ class AsyncSaver:
         self._writers: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started them, threads)
 
     def _writer_threads(self) -> ThreadPoolExecutor:
-        """The background writers, started once (again in a forked child, which inherits no threads).
-        Starting a thread per save cost 0.4-4 ms of the call on a busy 2-core machine; an executor's
-        threads are joined at interpreter exit, so exit waits for a write rather than cutting it short."""
+        """The background writers, started once (again in a forked child, which inherits no threads):
+        no thread start inside a save's call, and an executor's threads are joined at interpreter exit,
+        so exit waits for a write rather than cutting it short."""
         if self._writers is None or self._writers[0] != os.getpid():
             self._writers = (os.getpid(), ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="fe_async_save"))
         return self._writers[1]

@@ -9,8 +9,8 @@ through ``safetensors.safe_open(...).get_slice`` (:meth:`SafetensorsFile.read_ra
 Integrity: every tensor's bytes are covered by checksums over fixed :data:`CHUNK_BYTES` chunks, so a
 slice can be verified by reading only the chunks it touches. The writer returns them; the caller
 stores them in its manifest and hands them back to the reader. New files use xxHash's XXH3-64
-(:data:`CHECKSUM`, ~10 GB/s on one core, GIL released); CRC-32 (zlib, ~2 GB/s) is still read, for
-files of checkpoint format 1.
+(:data:`CHECKSUM`, several times faster than CRC-32 and hashed with the GIL released); CRC-32
+(zlib) is still read, for files of checkpoint format 1.
 
 Atomicity (:func:`atomic_open`, :func:`atomic_write_bytes`): write to a temporary file in the target
 directory, flush and ``os.fsync`` it, ``os.replace`` it over the target, then ``os.fsync`` the
@@ -195,9 +195,8 @@ def io_threads(shared: bool = True) -> int:
     CPUs it may run on, among the ranks of its node (``LOCAL_WORLD_SIZE``, set by torchrun and
     ``accelerate launch``). ``shared=False`` (the offline tools, alone): every CPU it may run on.
 
-    Why a share: measured on 2 cores with 2 ranks loading 94 MiB each (40 interleaved repeats, two
-    launches), a load into a state took 44-48 ms (median) with one thread per rank and 48-56 ms
-    with two; a load into new memory 56-62 ms against 63-73 ms.
+    Why a share: when every rank of a node reads at once, more threads than cores only add
+    contention (docs/performance.md has the figures).
     """
     env = os.environ.get(IO_THREADS_ENV)
     if env:
@@ -575,9 +574,9 @@ class SafetensorsFile:
         ``crcs`` are the tensor's chunk checksums computed with ``algo``. The bytes go straight from
         the file into ``dst``'s memory when it is a contiguous CPU tensor (no intermediate copy);
         otherwise through one host buffer. Each checksum chunk is read in :data:`_READ_BYTES` pieces,
-        each hashed by the reading thread right after it is read, while it is still in the CPU cache:
-        checking adds about a tenth of the read time (measured: steadier than hashing 4 MiB chunks on
-        a thread pool once several ranks share the cores). Positional reads, so several threads may
+        each hashed by the reading thread right after it is read, while it is still in the CPU cache
+        (steadier than hashing large chunks on a thread pool once several ranks share the cores).
+        Positional reads, so several threads may
         read one file at once. On a mismatch ``dst`` holds unchecked bytes.
         """
         entry = self.tensors[key]

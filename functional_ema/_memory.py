@@ -2,11 +2,10 @@
 
 Fresh memory from the OS is mapped lazily: the first write to each 4 KiB page takes a page fault
 that zeroes it. For a buffer that is filled once right away (a loaded or consolidated EMA, the
-async save's snapshot, a new EMA) those faults cost several times the copy itself: measured on a
-2-core Linux VM, copying 94 MiB into fresh memory took 63-72 ms against 12-14 ms into touched
-memory. Linux backs a mapping with 2 MiB pages on request (``madvise(MADV_HUGEPAGE)``, honoured
-when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``); the same copy
-then took 18-26 ms. PyTorch offers the same for all its CPU allocations behind the environment
+async save's snapshot, a new EMA) those faults cost several times the copy itself (figures in
+docs/performance.md). Linux backs a mapping with 2 MiB pages on request (``madvise(MADV_HUGEPAGE)``,
+honoured when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``), 512
+times fewer faults. PyTorch offers the same for all its CPU allocations behind the environment
 variable ``THP_MEM_ALLOC_ENABLE=1``; here it is asked for only on the buffers that benefit.
 
 Best effort: no effect off Linux, on CUDA or pinned memory, for buffers under 4 MiB (which hold

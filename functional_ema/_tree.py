@@ -7,10 +7,12 @@ from typing import Any
 import optree
 import torch
 
+from ._errors import MismatchError
+
 __all__ = ["flatten_named", "check_same_names", "check_same_tree", "path_name", "TreeMismatchError", "short_list"]
 
 
-class TreeMismatchError(ValueError):
+class TreeMismatchError(MismatchError):
     """Two trees that must match (names, shapes) do not."""
 
 

@@ -39,6 +39,7 @@ import torch
 
 from ._core import check_ema_dtype, check_num_emas, check_step, check_step_tensor
 from ._core import update as _update
+from ._layout import ShardLayout
 from .schedules import DecayLike
 
 __all__ = [
@@ -89,7 +90,11 @@ def module_buffers(x: Any) -> dict[str, torch.Tensor]:
         x: anything :func:`functional_ema.local_shards` accepts (a DeepSpeed engine, an FSDP2 model,
             a DDP or plain module). Non-persistent buffers (not in ``state_dict``) are left out.
     """
-    module = _module(x)
+    return persistent_buffers(_module(x))
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`module_buffers` of a module already in hand (the verbs read the training object once)."""
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for mod_name, mod in module.named_modules(remove_duplicate=False):
@@ -221,14 +226,13 @@ def buffer_file_name(rank: int, world_size: int, generation: int = 0) -> str:
     return name(rank, world_size, generation)
 
 
-def loaded_buffer_state(x: Any, ckpt, verify: bool = True) -> BufferState:
-    """The buffer state of ``x``'s rank from an opened checkpoint (see :func:`load_buffers`)."""
-    from ._api import shard_layout
+def loaded_buffer_state(live_buffers: dict[str, torch.Tensor], layout: ShardLayout, ckpt, verify: bool = True) -> BufferState:
+    """This rank's buffer state from an opened checkpoint, checked against the module's live buffers
+    (:func:`persistent_buffers`) and placed on their devices (see :func:`load_buffers`)."""
     from ._checkpoint.errors import CheckpointMismatchError
 
-    layout = shard_layout(x)
     num_emas, emas, copied = ckpt.read_buffers(layout.rank, layout.world_size, verify)
-    floats, others = _split(module_buffers(x))
+    floats, others = _split(live_buffers)
     where = f"buffers of tag {ckpt.tag!r} in {ckpt.root}"
     if getattr(ckpt, "recut", False):  # saved with another model-parallel layout: this part's buffers, by name
         emas = tuple({n: t for n, t in ema.items() if n in floats} for ema in emas)
@@ -260,14 +264,15 @@ def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
     from ._checkpoint.reader import open_checkpoint
     from .engines import adapter_for
 
-    reading = adapter_for(x).read()
+    adapter = adapter_for(x)
+    reading = adapter.read()
     layout, job = reading.layout, job_of(reading)
     arrive("load_buffers", job.group, job.world, job.rank, None)
     box = {}
 
     def run():
         with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
-            box["state"] = loaded_buffer_state(x, ckpt, verify)
+            box["state"] = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
 
     agree("load_buffers", run, job.group, job.world, job.rank, results=False)
     return box["state"]

@@ -53,7 +53,6 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -67,12 +66,13 @@ from ._checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointM
                                  CheckpointTimeoutError, CheckpointVersionError, CorruptCheckpointError,
                                  IncompleteCheckpointError, InvalidTagError, OutputPathError)
 from ._checkpoint.format import (CONSOLIDATED_FORMAT, FORMAT_VERSION, MANIFEST_NAME, check_output, check_tag,
-                                 dtype_name, library_version, manifest_parts, parse_dtype, rank_file_name, short_list)
+                                 dtype_name, library_version, manifest_parts, parse_dtype, rank_file_name)
 from ._checkpoint.reader import (CheckpointReader, JoinedReader, fill_all, locate_checkpoint, open_checkpoint,
                                  open_joined)
 from ._checkpoint.writer import (TagLock, agree_plans, check_shared, buffer_file_meta, build_manifest, commit_manifest, part_record,
                                  plan_save, rank_file_meta, read_generation, remove_unlisted, save_files,
                                  write_buffer_file, write_rank_file)
+from ._fit import state_problem
 from ._core import _allocate
 from ._layout import ShardLayout
 from ._state import EmaState
@@ -426,9 +426,9 @@ def load_checkpoint(
                             ckpt.world_size, ckpt.stage, layout.world_size, layout.stage)
             bstate = None
             if buffers:
-                from .buffers import loaded_buffer_state
+                from .buffers import loaded_buffer_state, persistent_buffers
 
-                bstate = loaded_buffer_state(engine, ckpt, verify)
+                bstate = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
             if out is None:
                 # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
                 state = _allocate(reading.shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
@@ -453,35 +453,11 @@ def load_checkpoint(
 
 def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout) -> tuple:
     """``out.emas``, checked as the destination of ``ckpt``'s EMAs for this rank's pieces."""
-    where = f"load(out=...) on rank {layout.rank}"
-    if out.num_emas != ckpt.num_emas:
-        raise CheckpointMismatchError(f"{where}: tag {ckpt.tag!r} holds {ckpt.num_emas} EMA(s) but out= has {out.num_emas}; "
-                                      "pass a state with as many EMAs, or load without out=")
-    for k, ema in enumerate(out.emas):
-        if not isinstance(ema, Mapping):
-            raise TypeError(f"{where}: out.emas[{k}] is a {type(ema).__name__}; load fills name-keyed states "
-                            "(from fe.init_ema over a name-keyed tree or fe.local_shards)")
-        missing = [n for n in layout.specs if n not in ema]
-        extra = [n for n in ema if n not in layout.specs]
-        if missing or extra:
-            raise CheckpointMismatchError(
-                f"{where}: out.emas[{k}] does not hold this model's trained parameters (missing: {short_list(missing)}, "
-                f"not in the model: {short_list(extra)}); pass a state made for this engine, or load without out="
-            )
-        for n, spec in layout.specs.items():
-            t = ema[n]
-            if t.dtype != ckpt.dtype:
-                raise CheckpointMismatchError(
-                    f"{where}: out.emas[{k}][{n!r}] is {dtype_name(t.dtype)} but tag {ckpt.tag!r} holds "
-                    f"{dtype_name(ckpt.dtype)} EMAs; pass a state of that dtype, or load without out= (restores it as saved)"
-                )
-            if t.numel() != spec.numel:
-                raise CheckpointMismatchError(
-                    f"{where}: out.emas[{k}][{n!r}] has {t.numel()} elements but this rank's piece has {spec.numel}: "
-                    "the state was made for another world size, sharding or model"
-                )
-            if not t.is_contiguous():
-                raise TypeError(f"{where}: out.emas[{k}][{n!r}] is not contiguous; a load fills contiguous tensors in place")
+    problem = state_problem(out, layout.specs, layout.rank, num_emas=ckpt.num_emas, dtype=ckpt.dtype,
+                            dtype_source=f"tag {ckpt.tag!r}", contiguous=True)
+    if problem:
+        raise problem.error(CheckpointMismatchError, f"load(out=...) on rank {layout.rank}",
+                            "Pass a state made for this model and checkpoint, or load without out= (restores it as saved)")
     return out.emas
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Union, runtime_checkable
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, ClassVar, Protocol, Union, runtime_checkable
 
 __all__ = [
     "Schedule",
@@ -148,18 +148,37 @@ def _callable_name(beta: Callable[[int], float]) -> str:
 
 
 @dataclass(frozen=True)
-class _Constant:
+class _BuiltinSchedule:
+    """What the built-in schedules share: :meth:`interval` checks the steps and compounds the decays
+    (:meth:`_compound`: a closed form where the schedule has one, else the product of the per-step
+    decays), and :meth:`describe` is the JSON record a checkpoint stores (``kind`` and the fields)."""
+
+    kind: ClassVar[str]
+
+    def __call__(self, step: int) -> float:
+        raise NotImplementedError
+
+    def interval(self, start: int, stop: int) -> float:
+        _check_steps(start, stop)
+        return self._compound(start, stop)
+
+    def _compound(self, start: int, stop: int) -> float:
+        return _product(self, start, stop)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class _Constant(_BuiltinSchedule):
+    kind: ClassVar[str] = "constant"
     decay: float
 
     def __call__(self, step: int) -> float:
         return self.decay
 
-    def interval(self, start: int, stop: int) -> float:
-        _check_steps(start, stop)
+    def _compound(self, start: int, stop: int) -> float:
         return self.decay ** (stop - start)
-
-    def describe(self) -> dict:
-        return {"kind": "constant", "decay": self.decay}
 
 
 def constant(decay: float) -> Schedule:
@@ -168,18 +187,12 @@ def constant(decay: float) -> Schedule:
 
 
 @dataclass(frozen=True)
-class _LitEma:
+class _LitEma(_BuiltinSchedule):
+    kind: ClassVar[str] = "litema"
     decay: float
 
     def __call__(self, step: int) -> float:
         return min(self.decay, (1.0 + step) / (10.0 + step))
-
-    def interval(self, start: int, stop: int) -> float:
-        _check_steps(start, stop)
-        return _product(self, start, stop)
-
-    def describe(self) -> dict:
-        return {"kind": "litema", "decay": self.decay}
 
 
 def litema(decay: float = 0.9999) -> Schedule:
@@ -188,7 +201,8 @@ def litema(decay: float = 0.9999) -> Schedule:
 
 
 @dataclass(frozen=True)
-class _Warmup:
+class _Warmup(_BuiltinSchedule):
+    kind: ClassVar[str] = "warmup"
     inv_gamma: float
     power: float
     min_decay: float
@@ -201,20 +215,6 @@ class _Warmup:
             return 0.0
         value = 1.0 - (1.0 + s / self.inv_gamma) ** -self.power
         return max(self.min_decay, min(value, self.max_decay))
-
-    def interval(self, start: int, stop: int) -> float:
-        _check_steps(start, stop)
-        return _product(self, start, stop)
-
-    def describe(self) -> dict:
-        return {
-            "kind": "warmup",
-            "inv_gamma": self.inv_gamma,
-            "power": self.power,
-            "min_decay": self.min_decay,
-            "max_decay": self.max_decay,
-            "start_step": self.start_step,
-        }
 
 
 def warmup(
@@ -239,18 +239,15 @@ def warmup(
 
 
 @dataclass(frozen=True)
-class _HalfLife:
+class _HalfLife(_BuiltinSchedule):
+    kind: ClassVar[str] = "half_life"
     steps: float
 
     def __call__(self, step: int) -> float:
         return 0.5 ** (1.0 / self.steps)
 
-    def interval(self, start: int, stop: int) -> float:
-        _check_steps(start, stop)
+    def _compound(self, start: int, stop: int) -> float:
         return 0.5 ** ((stop - start) / self.steps)
-
-    def describe(self) -> dict:
-        return {"kind": "half_life", "steps": self.steps}
 
 
 def half_life(steps: float) -> Schedule:
@@ -299,7 +296,8 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
 
 
 @dataclass(frozen=True)
-class _Power:
+class _Power(_BuiltinSchedule):
+    kind: ClassVar[str] = "power"
     gamma: float
 
     def __call__(self, step: int) -> float:
@@ -307,8 +305,7 @@ class _Power:
             raise ValueError(f"the power EMA is defined for steps >= 1, got {step}")
         return (1.0 - 1.0 / step) ** (self.gamma + 1.0)
 
-    def interval(self, start: int, stop: int) -> float:
-        _check_steps(start, stop)
+    def _compound(self, start: int, stop: int) -> float:
         if stop == 0:
             return 1.0
         # prod_{s=start+1}^{stop} ((s-1)/s)^(g+1) telescopes to (start/stop)^(g+1).
@@ -319,7 +316,7 @@ class _Power:
         return gamma_to_sigma_rel(self.gamma)
 
     def describe(self) -> dict:
-        return {"kind": "power", "gamma": self.gamma, "sigma_rel": self.sigma_rel}
+        return {**super().describe(), "sigma_rel": self.sigma_rel}
 
 
 def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Schedule:
@@ -338,14 +335,14 @@ def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Sche
 
 
 @dataclass(frozen=True)
-class _Callable:
+class _Callable(_BuiltinSchedule):
+    kind: ClassVar[str] = "callable"
     fn: Callable[[int], float]
 
     def __call__(self, step: int) -> float:
         return float(self.fn(step))
 
-    def interval(self, start: int, stop: int) -> float:
-        _check_steps(start, stop)
+    def _compound(self, start: int, stop: int) -> float:
         return _product(self.fn, start, stop, checked=True)
 
     def describe(self) -> dict:
@@ -354,7 +351,7 @@ class _Callable:
 
 def as_schedule(decay: DecayLike) -> Schedule:
     """Turn a float (constant decay), a schedule, or a callable ``step -> decay`` into a schedule."""
-    if isinstance(decay, (_Constant, _LitEma, _Warmup, _HalfLife, _Power, _Callable)):
+    if isinstance(decay, _BuiltinSchedule):
         return decay
     if isinstance(decay, (int, float)) and not isinstance(decay, bool):
         return constant(float(decay))

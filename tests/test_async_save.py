@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._multirank import ROOT, fork_and_kill, make_engine, run_ranks
-from tests.test_checkpoint import _advance, _decays, _diff, _error_of, _gather_all, _rank, _unflat
+from functional_ema._testing.multirank import (ROOT, advance, checkpoint_decays, current_rank, diff_emas, error_of, fork_and_kill, gather_all,
+                                            make_engine, run_ranks, unflat)
 
 V1 = ROOT / "tests" / "data" / "ckpt_v1"
 
@@ -66,7 +66,7 @@ class _Failing:
         from functional_ema import _io
 
         self.io, self.orig = _io, _io.StreamingWriter.write
-        me, orig = _rank(), self.orig
+        me, orig = current_rank(), self.orig
 
         def write(w, key, tensor):
             if me == rank:
@@ -87,24 +87,24 @@ def world2_worker(root):
 
     import functional_ema as fe
 
-    rank, out = _rank(), {}
+    rank, out = current_rank(), {}
     root = Path(root)
 
     # 1. Async saves at ZeRO 0 / 2 / 3 equal the state at the call.
     for stage in (0, 2, 3):
         d = root / f"basic_s{stage}"
         engine = make_engine(stage, "fp32")
-        state = _advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 2)
-        want = _gather_all(state, engine)
+        state = advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 2)
+        want = gather_all(state, engine)
         saver = fe.AsyncSaver()
-        h = saver.save(state, engine, d, decay=_decays())
+        h = saver.save(state, engine, d, decay=checkpoint_decays())
         tag_dir = h.wait()
         dist.barrier()  # rank 0 removes the markers after its manifest; list after every rank is done
         loaded = fe.load(engine, d, tag_dir.name)
         rep = {"files": sorted(f for f in os.listdir(tag_dir)), "tag": tag_dir.name,
-               "loaded": _diff(list(loaded.emas), list(state.emas)), "step": int(loaded.step)}
+               "loaded": diff_emas(list(loaded.emas), list(state.emas)), "step": int(loaded.step)}
         if rank == 0:
-            rep["consolidated"] = _diff([fe.consolidate(d, tag_dir.name, index=i) for i in range(2)], want)
+            rep["consolidated"] = diff_emas([fe.consolidate(d, tag_dir.name, index=i) for i in range(2)], want)
             rep["manifest"] = {k: v for k, v in fe.checkpoint.read_manifest(d, tag_dir.name).items()
                                if k in ("format_version", "checksum", "save_id", "generation", "schedules")}
         out[f"basic_s{stage}"] = rep
@@ -114,14 +114,14 @@ def world2_worker(root):
 
         # 2. The snapshot buffer is reused; saving into the same tag again swaps generations.
         ptr = h._buffer.data_ptr()  # still held by the finished handle; the next save takes it over
-        state = _advance(engine, state, 1)
+        state = advance(engine, state, 1)
         h2 = saver.save(state, engine, d, tag_dir.name)
         reused = h2._buffer.data_ptr() == ptr
         h2.wait()
         dist.barrier()
         again = fe.load(engine, d, tag_dir.name)
         out["same_tag"] = {"reused": reused, "files": sorted(os.listdir(tag_dir)),
-                           "loaded": _diff(list(again.emas), list(state.emas)), "step": int(again.step)}
+                           "loaded": diff_emas(list(again.emas), list(state.emas)), "step": int(again.step)}
 
         # 3. Updates (with DeepSpeed's collectives) while the write is held: the file has the state at the call.
         at_call = _clone(state)
@@ -131,15 +131,15 @@ def world2_worker(root):
             h3 = saver.save(state, engine, d, "t_upd")
             returned_in = time.perf_counter() - t0
             gate.entered.wait(60)
-            state = _advance(engine, state, 3)
-            changed = bool(_diff(list(state.emas), at_call))
+            state = advance(engine, state, 3)
+            changed = bool(diff_emas(list(state.emas), at_call))
             pending = not h3.done()
         finally:
             gate.release()
         h3.wait()
         got = fe.load(engine, d, "t_upd")
         out["update_during_save"] = {"changed": changed, "pending": pending, "returned_in": returned_in,
-                                     "loaded": _diff(list(got.emas), at_call), "step": int(got.step)}
+                                     "loaded": diff_emas(list(got.emas), at_call), "step": int(got.step)}
 
         # 4. A second call waits for the first (one save in flight by default).
         gate = _Gate()
@@ -160,13 +160,13 @@ def world2_worker(root):
                 h._event.wait(120)
             finally:
                 fail.restore()
-            first, second = _error_of(h.wait), _error_of(h.wait)
+            first, second = error_of(h.wait), error_of(h.wait)
             dist.barrier()
             out[f"error_rank{bad}"] = {
                 "wait": first, "wait_again": second == first,
                 "files": sorted(os.listdir(d / f"t_err{bad}")),
-                "previous_loads": _error_of(lambda: fe.load(engine, d, "t_upd")),
-                "next_call_after_wait": _error_of(lambda: s2.save(state, engine, d, f"t_fine{bad}").wait()),
+                "previous_loads": error_of(lambda: fe.load(engine, d, "t_upd")),
+                "next_call_after_wait": error_of(lambda: s2.save(state, engine, d, f"t_fine{bad}").wait()),
             }
 
         # 6. Nobody waited: the next call raises the failure on every rank; the one after it works.
@@ -178,25 +178,25 @@ def world2_worker(root):
         finally:
             fail.restore()
         out["error_next_call"] = {
-            "next": _error_of(lambda: s3.save(state, engine, d, "t_after")),
-            "after": _error_of(lambda: s3.save(state, engine, d, "t_after").wait()),
-            "loads": _diff(list(fe.load(engine, d, "t_after").emas), list(state.emas)),
-            "wait_raises": _error_of(h.wait) is not None,
+            "next": error_of(lambda: s3.save(state, engine, d, "t_after")),
+            "after": error_of(lambda: s3.save(state, engine, d, "t_after").wait()),
+            "loads": diff_emas(list(fe.load(engine, d, "t_after").emas), list(state.emas)),
+            "wait_raises": error_of(h.wait) is not None,
         }
         s3.wait()
         del engine
 
     # 7. The format-1 checkpoint (CRC-32, written by the previous code) loads, resharded too, and re-saves.
-    ref = _unflat(torch_load_ref())
+    ref = unflat(torch_load_ref())
     for stage in (2, 3):
         engine = make_engine(stage, "fp32", seed=5)
         st = fe.load(engine, V1)
-        rep = {"loaded": _diff(_gather_all(st, engine), ref), "step": int(st.step)}
+        rep = {"loaded": diff_emas(gather_all(st, engine), ref), "step": int(st.step)}
         h = fe.AsyncSaver().save(st, engine, root / f"v1_resaved_s{stage}", "global_step3")
         h.wait()
         dist.barrier()
         if rank == 0:
-            rep["resaved"] = _diff([fe.consolidate(root / f"v1_resaved_s{stage}", "global_step3", index=i) for i in range(2)], ref)
+            rep["resaved"] = diff_emas([fe.consolidate(root / f"v1_resaved_s{stage}", "global_step3", index=i) for i in range(2)], ref)
             rep["resaved_version"] = fe.checkpoint.read_manifest(root / f"v1_resaved_s{stage}", "global_step3")["format_version"]
         out[f"v1_s{stage}"] = rep
         del engine
@@ -239,13 +239,13 @@ def world1_kill_worker(root):
 
     d = Path(root) / "ckpt"
     engine = make_engine(2, "fp32")
-    state = _advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 2)
+    state = advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 2)
     fe.save(state, engine, d, "t1")
     (d / "latest").write_text("t1")
     old = _clone(state)
     pristine = Path(root) / "pristine"
     shutil.copytree(d, pristine)
-    state = _advance(engine, state, 1)
+    state = advance(engine, state, 1)
     new = _clone(state)
 
     def loaded(tag=None):
@@ -264,19 +264,19 @@ def world1_kill_worker(root):
             status = _fork_async_save(state, engine, d, tag, kill_at=i)
             killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
             if scenario == "new_tag":
-                previous_ok = not _diff(loaded(), old)
+                previous_ok = not diff_emas(loaded(), old)
                 try:
-                    got = "new" if not _diff(loaded("t2"), new) else "wrong"
+                    got = "new" if not diff_emas(loaded("t2"), new) else "wrong"
                 except IncompleteCheckpointError:
                     got = "incomplete"
             else:
                 now = loaded()
-                got = "new" if not _diff(now, new) else ("old" if not _diff(now, old) else "wrong")
+                got = "new" if not diff_emas(now, new) else ("old" if not diff_emas(now, old) else "wrong")
                 previous_ok = got in ("old", "new")
             leftovers = sorted(os.listdir(d / tag))
             fe.AsyncSaver().save(state, engine, d, tag).wait()  # a later save succeeds and clears the debris
             outcomes.append({"i": i, "killed": killed, "previous_ok": previous_ok, "state": got, "leftovers": leftovers,
-                             "after": sorted(os.listdir(d / tag)), "after_loads_new": not _diff(loaded(tag), new)})
+                             "after": sorted(os.listdir(d / tag)), "after_loads_new": not diff_emas(loaded(tag), new)})
         report[scenario] = {"calls": n_calls, "outcomes": outcomes}
     return report
 

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests._multirank import ROOT, OddNet, fork_and_kill, full_fp32_reference, make_engine, run_ranks, train_step
+from functional_ema._testing.multirank import (ROOT, OddNet, advance, checkpoint_decays, current_rank, diff_emas, error_of, fork_and_kill,
+                                            gather_all, make_engine, run_ranks, unflat)
 
 K = 3  # steps before the save; the reference run continues to 2K
 CONFIGS = [(2, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"), (0, "fp32")]
@@ -51,61 +52,8 @@ def _name(stage, dtype, world=2) -> str:
 # ------------------------------------------------------------------------------ worker helpers
 
 
-def _decays():
-    from functional_ema import schedules
-
-    return (0.8, schedules.power(gamma=3.0))
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _advance(engine, state, n, ref=None):
-    """Train n steps, updating the EMA; with ``ref`` (full EMAs), update that plain-torch reference too."""
-    import functional_ema as fe
-    from functional_ema import schedules
-
-    decays = _decays()
-    for _ in range(n):
-        step = int(state.step) + 1
-        train_step(engine, step)
-        state = fe.update(state, fe.local_shards(engine), step, decay=decays)
-        if ref is not None:
-            full = full_fp32_reference(engine)
-            for i, d in enumerate(decays):
-                w = 1.0 - schedules.interval_decay(d, step - 1, step)
-                for n_ in ref[i]:
-                    ref[i][n_].lerp_(full[n_], w)
-    return state
-
-
 def _flat_refs(emas) -> dict:
     return {f"{i}/{n}": t.detach().cpu().contiguous() for i, e in enumerate(emas) for n, t in e.items()}
-
-
-def _unflat(d: dict, num=2) -> list:
-    return [{k.split("/", 1)[1]: v for k, v in d.items() if k.startswith(f"{i}/")} for i in range(num)]
-
-
-def _diff(a: list, b: list) -> list:
-    bad = []
-    for i, (x, y) in enumerate(zip(a, b)):
-        if set(x) != set(y):
-            bad.append((i, "names", sorted(set(x) ^ set(y))))
-            continue
-        for n in x:
-            if x[n].dtype != y[n].dtype or x[n].shape != y[n].shape or not torch.equal(x[n].cpu(), y[n].cpu()):
-                bad.append((i, n))
-    return bad
-
-
-def _gather_all(state, engine):
-    import functional_ema as fe
-
-    return [fe.gather_full(state, engine, index=i) for i in range(state.num_emas)]
 
 
 def _snapshot(root) -> dict:
@@ -120,14 +68,6 @@ def _snapshot(root) -> dict:
     return out
 
 
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return [type(e).__name__, str(e), [c.__name__ for c in type(e).__mro__]]
-    return None
-
-
 # ------------------------------------------------------------------------- launch 1: world 2
 
 
@@ -136,18 +76,18 @@ def world2_first_worker(root, configs):
     import functional_ema as fe
     from safetensors.torch import save_file
 
-    rank, out = _rank(), {}
+    rank, out = current_rank(), {}
     for stage, dtype in configs:
         d = Path(root) / _name(stage, dtype)
         engine = make_engine(stage, dtype)
         state = fe.init_ema(fe.local_shards(engine), num_emas=2)
-        state = _advance(engine, state, K)
-        tag_dir = fe.save(state, engine, d, decay=_decays())
+        state = advance(engine, state, K)
+        tag_dir = fe.save(state, engine, d, decay=checkpoint_decays())
         engine.save_checkpoint(str(d), client_state=fe.client_state_summary(state, engine))
-        full_k = _gather_all(state, engine)
+        full_k = gather_all(state, engine)
         if rank == 0:
             save_file(_flat_refs(full_k), str(d / "ref_full_k.safetensors"))
-        state = _advance(engine, state, K)
+        state = advance(engine, state, K)
         save_file(_flat_refs(state.emas), str(d / f"ref_local_2k_rank{rank}.safetensors"))
         out[_name(stage, dtype)] = {
             "tag_dir": str(tag_dir),
@@ -172,15 +112,15 @@ def world1_worker(root, reshard, kill_root):
         src = Path(root) / _name(sstage, sdtype)
         engine = make_engine(tstage, tdtype, seed=1)  # other weights: the EMA must come from the files
         state = fe.load(engine, src)
-        want = _unflat(load_file(str(src / "ref_full_k.safetensors")))
-        loaded = _gather_all(state, engine)
+        want = unflat(load_file(str(src / "ref_full_k.safetensors")))
+        loaded = gather_all(state, engine)
         ref = [{n: t.clone() for n, t in e.items()} for e in want]
-        state = _advance(engine, state, 2, ref)
+        state = advance(engine, state, 2, ref)
         key = f"{_name(sstage, sdtype)}->{_name(tstage, tdtype, 1)}"
         out["reshard"][key] = {
             "step_loaded": K,
-            "loaded_mismatch": _diff(loaded, want),
-            "continued_mismatch": _diff(_gather_all(state, engine), ref),
+            "loaded_mismatch": diff_emas(loaded, want),
+            "continued_mismatch": diff_emas(gather_all(state, engine), ref),
             "step": int(state.step),
             "dtype": str(state.ema[EXPECTED[0]].dtype),
             "views": all(t._base is not None for e in state.emas for t in e.values()),
@@ -190,10 +130,10 @@ def world1_worker(root, reshard, kill_root):
     for stage, dtype in sorted({cfg for cfg, _ in RESHARD_1_TO_2}):
         d = Path(root) / _name(stage, dtype, 1)
         engine = make_engine(stage, dtype)
-        state = _advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), K)
-        fe.save(state, engine, d, decay=_decays())
+        state = advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), K)
+        fe.save(state, engine, d, decay=checkpoint_decays())
         engine.save_checkpoint(str(d))
-        save_file(_flat_refs(_gather_all(state, engine)), str(d / "ref_full_k.safetensors"))
+        save_file(_flat_refs(gather_all(state, engine)), str(d / "ref_full_k.safetensors"))
         out["saved"].append(_name(stage, dtype, 1))
         del engine
     out["kill"] = _kill_points(Path(kill_root))
@@ -216,13 +156,13 @@ def _kill_points(d: Path) -> dict:
     from functional_ema.checkpoint import IncompleteCheckpointError
 
     engine = make_engine(2, "bf16")
-    state = _advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 2)
+    state = advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 2)
     fe.save(state, engine, d, "t1")
     (d / "latest").write_text("t1")  # as DeepSpeed would have
     old = [{n: t.clone() for n, t in e.items()} for e in state.emas]
     pristine = d.parent / (d.name + "_pristine")
     shutil.copytree(d, pristine)
-    state = _advance(engine, state, 1)
+    state = advance(engine, state, 1)
     new = [{n: t.clone() for n, t in e.items()} for e in state.emas]
 
     def loaded(tag=None):
@@ -241,14 +181,14 @@ def _kill_points(d: Path) -> dict:
             status = _fork_save(state, engine, d, tag, kill_at=i)
             killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
             if scenario == "new_tag":
-                previous_ok = not _diff(loaded(), old)  # latest -> t1, untouched
+                previous_ok = not diff_emas(loaded(), old)  # latest -> t1, untouched
                 try:
-                    got = "new" if not _diff(loaded("t2"), new) else "wrong"
+                    got = "new" if not diff_emas(loaded("t2"), new) else "wrong"
                 except IncompleteCheckpointError:
                     got = "incomplete"
             else:  # t1 itself is being replaced: it must load, as the old or the new state
                 now = loaded()
-                got = "new" if not _diff(now, new) else ("old" if not _diff(now, old) else "wrong")
+                got = "new" if not diff_emas(now, new) else ("old" if not diff_emas(now, old) else "wrong")
                 previous_ok = got in ("old", "new")
             leftovers = sorted(os.listdir(d / tag))
             # A later clean save into the same tag succeeds and removes the debris.
@@ -256,7 +196,7 @@ def _kill_points(d: Path) -> dict:
             clean = sorted(os.listdir(d / tag))
             outcomes.append({"i": i, "killed": killed, "previous_ok": previous_ok, "state": got,
                              "leftovers": leftovers, "after_clean_save": clean,
-                             "clean_loads_new": not _diff(loaded(tag), new)})
+                             "clean_loads_new": not diff_emas(loaded(tag), new)})
         report[scenario] = {"calls": n_calls, "outcomes": outcomes}
     return report
 
@@ -297,7 +237,7 @@ def world2_resume_worker(root, configs, reverse):
     import functional_ema as fe
     from safetensors.torch import load_file
 
-    rank, out = _rank(), {"resume": {}, "reverse": {}, "errors": {}}
+    rank, out = current_rank(), {"resume": {}, "reverse": {}, "errors": {}}
     for stage, dtype in configs:
         d = Path(root) / _name(stage, dtype)
         # Same init as the reference run: on ZeRO-3 DeepSpeed's checkpoint lacks the trainable-but-not-optimized
@@ -307,13 +247,13 @@ def world2_resume_worker(root, configs, reverse):
         state = fe.load(engine, d)
         step_loaded, gs = int(state.step), engine.global_steps
         out["resume"][_name(stage, dtype) + "/out"] = _load_into_checks(engine, d, state)
-        state = _advance(engine, state, K)
+        state = advance(engine, state, K)
         want = load_file(str(d / f"ref_local_2k_rank{rank}.safetensors"))
         out["resume"][_name(stage, dtype)] = {
             "step_loaded": step_loaded,
             "global_steps_loaded": gs,
             "client_state": client.get("functional_ema"),
-            "mismatch": _diff(list(state.emas), _unflat(want)),
+            "mismatch": diff_emas(list(state.emas), unflat(want)),
             "views": all(t._base is not None for e in state.emas for t in e.values()),
         }
         if (stage, dtype) == (2, "fp32"):
@@ -323,13 +263,13 @@ def world2_resume_worker(root, configs, reverse):
         src = Path(root) / _name(sstage, sdtype, 1)
         engine = make_engine(tstage, tdtype, seed=3)
         state = fe.load(engine, src)
-        want = _unflat(load_file(str(src / "ref_full_k.safetensors")))
-        loaded = _gather_all(state, engine)
+        want = unflat(load_file(str(src / "ref_full_k.safetensors")))
+        loaded = gather_all(state, engine)
         ref = [{n: t.clone() for n, t in e.items()} for e in want]
-        state = _advance(engine, state, 2, ref)
+        state = advance(engine, state, 2, ref)
         out["reverse"][f"{_name(sstage, sdtype, 1)}->{_name(tstage, tdtype)}"] = {
-            "loaded_mismatch": _diff(loaded, want),
-            "continued_mismatch": _diff(_gather_all(state, engine), ref),
+            "loaded_mismatch": diff_emas(loaded, want),
+            "continued_mismatch": diff_emas(gather_all(state, engine), ref),
             "pieces": {n: t.numel() for n, t in state.ema.items()},
         }
         del engine
@@ -345,7 +285,7 @@ def _load_into_checks(engine, d: Path, loaded) -> dict:
     ptrs = [[t.data_ptr() for t in e.values()] for e in target.emas]
     into = fe.load(engine, d, out=target)
     return {
-        "mismatch": _diff(list(into.emas), [dict(e) for e in loaded.emas]),
+        "mismatch": diff_emas(list(into.emas), [dict(e) for e in loaded.emas]),
         "same_buffers": [[t.data_ptr() for t in e.values()] for e in into.emas] == ptrs,
         "step": int(into.step),
         "target_step_kept": int(target.step) == 0,
@@ -358,15 +298,15 @@ def _load_into_errors(engine, d: Path) -> dict:
 
     import functional_ema as fe
 
-    rank, shards = _rank(), fe.local_shards(engine)
+    rank, shards = current_rank(), fe.local_shards(engine)
     refused = {
         "out_num_emas": fe.init_ema(shards, num_emas=1),
         "out_dtype": fe.init_ema(shards, num_emas=2, dtype=torch.bfloat16),
         "out_names": fe.init_ema({"renamed." + n: t.clone() for n, t in shards.items()}, num_emas=2),
     }
     before = {label: [t.clone() for e in st.emas for t in e.values()] for label, st in refused.items()}
-    errors = {"out_not_state": _error_of(lambda: fe.load(engine, d, out={"inp.weight": torch.zeros(1)}))}
-    errors.update({label: _error_of(lambda st=st: fe.load(engine, d, out=st)) for label, st in refused.items()})
+    errors = {"out_not_state": error_of(lambda: fe.load(engine, d, out={"inp.weight": torch.zeros(1)}))}
+    errors.update({label: error_of(lambda st=st: fe.load(engine, d, out=st)) for label, st in refused.items()})
     errors["out_untouched_after_refusals"] = all(
         torch.equal(a, b) for label, st in refused.items() for a, b in zip(before[label], (t for e in st.emas for t in e.values()))
     )
@@ -380,7 +320,7 @@ def _load_into_errors(engine, d: Path) -> dict:
         data[-5] ^= 0xFF  # a byte of the last tensor's data
         victim.write_bytes(bytes(data))
     dist.barrier()
-    errors["out_corrupt"] = _error_of(lambda: fe.load(engine, bad, out=target))
+    errors["out_corrupt"] = error_of(lambda: fe.load(engine, bad, out=target))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(bad)
@@ -404,7 +344,7 @@ def _own_file_checks(engine, d: Path) -> dict:
         "opened_same_layout": opened(engine),
         "opened_other_layout": opened(reordered),
         "layouts_differ": fe.shard_layout(engine).specs != fe.shard_layout(reordered).specs,
-        "other_layout_mismatch": _diff(_gather_all(other, reordered), _gather_all(same, engine)),
+        "other_layout_mismatch": diff_emas(gather_all(other, reordered), gather_all(same, engine)),
     }
 
 
@@ -413,17 +353,17 @@ def _engine_errors(engine, state, d: Path) -> dict:
     import functional_ema as fe
     from functional_ema import _io
 
-    rank = _rank()
+    rank = current_rank()
     errors = {}
     before = _snapshot(d)
     for label, model in (("renamed", RenamedNet), ("missing", MissingNet), ("extra", ExtraNet), ("shape", lambda: OddNet(hidden=14))):
         other = make_engine(2, "fp32", model=model())
-        errors[label] = _error_of(lambda other=other: fe.load(other, d))
+        errors[label] = error_of(lambda other=other: fe.load(other, d))
         del other
-    errors["dtype"] = _error_of(lambda: fe.load(engine, d, dtype=torch.bfloat16))
+    errors["dtype"] = error_of(lambda: fe.load(engine, d, dtype=torch.bfloat16))
     errors.update(_load_into_errors(engine, d))
     errors.update(_own_file_checks(engine, d))
-    errors["wrong_tag_load"] = _error_of(lambda: fe.load(engine, d, "global_step999"))
+    errors["wrong_tag_load"] = error_of(lambda: fe.load(engine, d, "global_step999"))
     errors["disk_untouched"] = _snapshot(d) == before
     # A rank failing in the middle of a save: every rank raises, no manifest, the last tag still loads.
     orig = _io.StreamingWriter.write
@@ -435,15 +375,15 @@ def _engine_errors(engine, state, d: Path) -> dict:
 
     _io.StreamingWriter.write = failing
     try:
-        errors["rank_fails_mid_save"] = _error_of(lambda: fe.save(state, engine, d, "halfway"))
+        errors["rank_fails_mid_save"] = error_of(lambda: fe.save(state, engine, d, "halfway"))
     finally:
         _io.StreamingWriter.write = orig
     errors["halfway_files"] = sorted(os.listdir(d / "halfway")) if (d / "halfway").is_dir() else None
-    errors["halfway_load"] = _error_of(lambda: fe.load(engine, d, "halfway"))
-    errors["previous_still_loads"] = _error_of(lambda: fe.load(engine, d))
-    errors["ranks_disagree"] = _error_of(lambda: fe.save(state, engine, d, f"tag_of_rank{rank}"))
+    errors["halfway_load"] = error_of(lambda: fe.load(engine, d, "halfway"))
+    errors["previous_still_loads"] = error_of(lambda: fe.load(engine, d))
+    errors["ranks_disagree"] = error_of(lambda: fe.save(state, engine, d, f"tag_of_rank{rank}"))
     errors["disagree_dirs"] = sorted(p.name for p in d.iterdir() if p.name.startswith("tag_of_rank"))
-    errors["not_a_state"] = _error_of(lambda: fe.save(dict(state.ema), engine, d, "bad"))
+    errors["not_a_state"] = error_of(lambda: fe.save(dict(state.ema), engine, d, "bad"))
     return errors
 
 
@@ -572,13 +512,13 @@ def test_consolidate_equals_gather_full(world2_first, ckroot, no_unpickling):
 
     for stage, dtype in CONFIGS:
         d = ckroot / _name(stage, dtype)
-        want = _unflat(load_file(str(d / "ref_full_k.safetensors")))
+        want = unflat(load_file(str(d / "ref_full_k.safetensors")))
         got = [fe.consolidate(d, index=i) for i in range(2)]  # tag from `latest`
-        assert _diff(got, want) == [], _name(stage, dtype)
+        assert diff_emas(got, want) == [], _name(stage, dtype)
         assert list(got[0]) == EXPECTED
         from_tag_folder = fe.consolidate(d / f"global_step{K}", index=1)  # a tag folder works too
-        assert _diff([from_tag_folder], [want[1]]) == []
-        assert _diff([fe.consolidate(d, f"global_step{K}", verify=False)], [want[0]]) == []
+        assert diff_emas([from_tag_folder], [want[1]]) == []
+        assert diff_emas([fe.consolidate(d, f"global_step{K}", verify=False)], [want[0]]) == []
 
 
 def test_cli_consolidate_loads_into_plain_module(world2_first, ckroot, tmp_path):
@@ -588,7 +528,7 @@ def test_cli_consolidate_loads_into_plain_module(world2_first, ckroot, tmp_path)
     from functional_ema.__main__ import main
 
     d = ckroot / _name(3, "bf16")
-    want = _unflat(load_file(str(d / "ref_full_k.safetensors")))
+    want = unflat(load_file(str(d / "ref_full_k.safetensors")))
     out = tmp_path / "ema1.safetensors"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "functional_ema", "consolidate", str(d), str(out), "--index", "1"],
@@ -596,7 +536,7 @@ def test_cli_consolidate_loads_into_plain_module(world2_first, ckroot, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "wrote" in proc.stdout and proc.stderr.count("\r") == 0  # no progress bar when not a terminal
     sd = load_file(str(out))
-    assert _diff([sd], [want[1]]) == []
+    assert diff_emas([sd], [want[1]]) == []
     module = OddNet()
     missing, unexpected = module.load_state_dict(sd, strict=False)
     assert sorted(missing) == ["frozen", "not_optimized"] and unexpected == []  # these have no EMA
@@ -608,7 +548,7 @@ def test_cli_consolidate_loads_into_plain_module(world2_first, ckroot, tmp_path)
     # In-process: other tag / index, the tag folder form; errors leave no output file.
     out0 = tmp_path / "ema0.safetensors"
     assert main(["consolidate", str(d / f"global_step{K}"), str(out0), "--no-progress"]) == 0
-    assert _diff([load_file(str(out0))], [want[0]]) == []
+    assert diff_emas([load_file(str(out0))], [want[0]]) == []
     bad = tmp_path / "bad.safetensors"
     assert main(["consolidate", str(d), str(bad), "--tag", "global_step99"]) == 1
     assert main(["consolidate", str(d), str(bad), "--index", "2"]) == 1
@@ -660,11 +600,12 @@ def test_engine_error_cases(world2_resume):
         name, msg, _ = e["out_not_state"]
         assert name == "TypeError" and "load(out=...) takes an EmaState" in msg and "dict" in msg, msg
         name, msg, _ = e["out_num_emas"]
-        assert name == "CheckpointMismatchError" and "load(out=...) on rank 0" in msg and "holds 2 EMA(s) but out= has 1" in msg, msg
+        assert name == "CheckpointMismatchError" and "load(out=...) on rank 0" in msg and "holds 2 EMA(s) but the state has 1" in msg, msg
         name, msg, _ = e["out_dtype"]
         assert name == "CheckpointMismatchError" and "is bfloat16 but tag" in msg and "float32 EMAs" in msg, msg
         name, msg, _ = e["out_names"]
-        assert name == "CheckpointMismatchError" and "missing: ['table', 'inp.weight'" in msg and "'renamed.inp.weight'" in msg, msg
+        assert name == "CheckpointMismatchError" and "which the state lacks" in msg and "'inp.weight'" in msg, msg
+        assert "'renamed.inp.weight'" in msg and "which this model does not train" in msg, msg
         assert e["out_untouched_after_refusals"]
         name, msg, _ = e["out_corrupt"]  # rank 1's file is corrupt: both ranks raise, each says its out= was written to
         assert name == "CorruptCheckpointError" and "checksum mismatch" in msg, msg
@@ -682,7 +623,7 @@ def test_engine_error_cases(world2_resume):
         name, msg, _ = e["ranks_disagree"]
         assert name == "CheckpointError" and "ranks disagree on tag" in msg, msg
         assert e["disagree_dirs"] == []
-        assert e["not_a_state"][0] == "TypeError" and "save() takes an EmaState" in e["not_a_state"][1], e["not_a_state"]
+        assert e["not_a_state"][0] == "TypeError" and f"save on rank {rank}: expected an EmaState" in e["not_a_state"][1], e["not_a_state"]
 
 
 # ------------------------------------------------------------------------- offline error cases
@@ -875,11 +816,11 @@ def test_format1_checkpoint_consolidates(tmp_path, no_unpickling):
     import functional_ema as fe
     from safetensors.torch import load_file
 
-    want = _unflat(load_file(str(V1 / "reference_full.safetensors")))
+    want = unflat(load_file(str(V1 / "reference_full.safetensors")))
     assert fe.checkpoint.read_manifest(V1)["format_version"] == 1
-    assert _diff([fe.consolidate(V1, index=i) for i in range(2)], want) == []
+    assert diff_emas([fe.consolidate(V1, index=i) for i in range(2)], want) == []
     out = fe.consolidate_to_file(V1, tmp_path / "ema1.safetensors", index=1, progress=False)
-    assert _diff([load_file(str(out))], [want[1]]) == []
+    assert diff_emas([load_file(str(out))], [want[1]]) == []
     # Its CRC-32s are still checked: one flipped byte is reported.
     d = tmp_path / "v1"
     shutil.copytree(V1, d)

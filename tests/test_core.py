@@ -348,6 +348,8 @@ def test_package_keeps_no_module_level_registries():
 
     found = []
     for mod_info in pkgutil.walk_packages(functional_ema.__path__, "functional_ema."):
+        if mod_info.name.startswith("functional_ema._testing"):
+            continue  # the test harness, not the library
         mod = importlib.import_module(mod_info.name)
         for name, value in vars(mod).items():
             if isinstance(value, (dict, list, set, _weakref.WeakKeyDictionary, _weakref.WeakValueDictionary)) and not name.startswith("__"):
@@ -761,7 +763,7 @@ def zero_layout_worker(stages, steps=3):
     """Real flat ZeRO buffers: one fused span per buffer, EMA memory = 4 bytes x local partition."""
     from torch import nn
 
-    from tests._multirank import make_engine, train_step
+    from functional_ema._testing.multirank import make_engine, train_step
 
     class Net(nn.Module):  # ~40k parameters in 8 tensors of uneven sizes, OddNet's interface
         def __init__(self):
@@ -804,7 +806,7 @@ def zero_layout_worker(stages, steps=3):
 
 
 def test_real_zero_buffers_fused_and_memory():
-    from tests._multirank import run_ranks
+    from functional_ema._testing.multirank import run_ranks
 
     reports = run_ranks("tests.test_core:zero_layout_worker", world_size=2, stages=[(3, "bf16"), (2, "fp32")])
     for rank, per_rank in enumerate(reports):
@@ -840,7 +842,7 @@ def test_gpu_check_script_says_so_without_cuda():
     import subprocess
     import sys
 
-    from tests._multirank import ROOT
+    from functional_ema._testing.multirank import ROOT
 
     out = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     if torch.cuda.is_available():

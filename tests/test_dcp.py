@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from tests._multirank import run_ranks
-from tests.test_fsdp2_tensor_parallel import DECAY, TPNet, _batch, _mesh, _tp_model
+from functional_ema._testing.multirank import TP_DECAY as DECAY
+from functional_ema._testing.multirank import TPNet, run_ranks, tp_batch, tp_mesh, tp_model
 
 STEPS = 3
 
@@ -28,18 +28,18 @@ def _layout_mesh(layout: str):
         return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
     if layout == "hsdp":
         return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    return _mesh((2, 2))  # "dp_tp"
+    return tp_mesh((2, 2))  # "dp_tp"
 
 
 def _model(layout: str, seed: int):
-    return _tp_model(seed, _layout_mesh(layout), tp=layout == "dp_tp")
+    return tp_model(seed, _layout_mesh(layout), tp=layout == "dp_tp")
 
 
 def _train(model, opt, state, mesh, steps):
     import functional_ema as fe
 
     for step in steps:
-        model(_batch(step, mesh)).pow(2).mean().backward()
+        model(tp_batch(step, mesh)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
@@ -187,7 +187,7 @@ def test_dcp_reshards_the_ema_bitwise(root):
     import subprocess
     import sys
 
-    from tests._multirank import ROOT
+    from functional_ema._testing.multirank import ROOT
 
     out = root / "dp_tp_ema.safetensors"
     cli = [sys.executable, "-m", "functional_ema", "consolidate", "--dcp", str(root / "dp_tp"), str(out)]
@@ -218,7 +218,7 @@ def test_deepspeed_engine_is_refused_pointing_to_fe_save():
 
 def deepspeed_worker() -> str:
     import functional_ema as fe
-    from tests._multirank import make_engine
+    from functional_ema._testing.multirank import make_engine
 
     engine = make_engine(3, "fp32", seed=0)
     try:

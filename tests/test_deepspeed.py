@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests._multirank import OddNet, count_collectives, full_fp32_reference, make_engine, run_ranks, train_step
+from functional_ema._testing.multirank import OddNet, count_collectives, full_fp32_reference, make_engine, run_ranks, train_step
 
 def equivalence_worker(configs, steps=4):
     import functional_ema as fe

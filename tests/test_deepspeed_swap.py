@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from tests._multirank import OddNet, batch, full_fp32_reference, make_engine, run_ranks, train_step
+from functional_ema._testing.multirank import OddNet, batch, full_fp32_reference, make_engine, run_ranks, train_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -3,7 +3,7 @@
 * A script that exits normally (a real interpreter exit) right after ``AsyncSaver.save``: Python
   joins the writer threads at exit, so the write finishes and the manifest is committed.
 * A rank of the test harness (``run_ranks``), which ends with ``os._exit``: the harness waits for
-  the rank's saves first (``tests._multirank._finish_async_saves``), as a real exit would.
+  the rank's saves first (``functional_ema._testing.multirank._finish_async_saves``), as a real exit would.
 
 Both: 2 ranks, gloo, a DDP model (no DeepSpeed: its native threads sometimes abort at interpreter
 teardown), rank 0's file write held back ``DELAY`` seconds by a test-only hook, so that the write
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests._multirank import run_ranks, spawn_ranks, wait_ranks
+from functional_ema._testing.multirank import run_ranks, spawn_ranks, wait_ranks
 
 DELAY = 1.5
 TAG = "ema"

@@ -93,7 +93,7 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     import torch.distributed as dist
 
     from functional_ema import _io, schedules
-    from tests._multirank import make_engine, train_step
+    from functional_ema._testing.multirank import make_engine, train_step
 
     rank = dist.get_rank()
     root, full_dir, ro_src, ro_dir, marks = map(Path, (root, full_dir, ro_src, ro_dir, marks))
@@ -224,7 +224,7 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     dist.barrier()
 
     # -- class 13 (2 ranks): buffers saved with the EMA, each rank its own file, listed in the manifest
-    from tests._multirank import BNSeq, MPU, pipeline_engine
+    from functional_ema._testing.multirank import BNSeq, MPU, pipeline_engine
 
     bn = make_engine(2, model=BNSeq(), seed=1)
     bstate = fe.init_ema(fe.local_shards(bn))
@@ -337,7 +337,7 @@ def _mount(*args: str) -> bool:
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     """Runs the 2-rank worker once; yields (root, per-rank results)."""
-    from tests._multirank import run_ranks
+    from functional_ema._testing.multirank import run_ranks
 
     base = tmp_path_factory.mktemp("faults")
     root, full, src, ro, marks = (base / n for n in ("root", "full", "ro_src", "ro", "marks"))
@@ -1389,7 +1389,7 @@ def hang_worker():
 
 def test_run_ranks_reports_which_rank_waited_where():
     """Class 11: a hung launch fails at its timeout with every waiting rank's Python stacks."""
-    from tests._multirank import run_ranks
+    from functional_ema._testing.multirank import run_ranks
 
     t0 = time.monotonic()
     with pytest.raises(AssertionError) as info:
@@ -1415,7 +1415,7 @@ def fail_then_hang_worker():
 def test_run_ranks_ends_soon_after_a_rank_fails():
     """Class 11: a rank that fails ends the launch FAILED_RANK_GRACE_S later, not at the timeout, and the
     report carries that rank's error and the waiting rank's stacks."""
-    from tests._multirank import FAILED_RANK_GRACE_S, run_ranks
+    from functional_ema._testing.multirank import FAILED_RANK_GRACE_S, run_ranks
 
     t0 = time.monotonic()
     with pytest.raises(AssertionError) as info:

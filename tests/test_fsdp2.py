@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests._multirank import ROOT, CollectiveSpy, OddNet, make_engine, run_ranks, train_step
+from functional_ema._testing.multirank import ROOT, CollectiveSpy, OddNet, full_tensor_of, make_engine, run_ranks, train_step
 
 DECAY = 0.75  # large steps, so a wrong weight or a missed update shows in every element
 STEPS = 3
@@ -60,7 +60,7 @@ def _world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _mesh(replicas: int = 1):
+def tp_mesh(replicas: int = 1):
     """FSDP2's mesh over every rank: 1-D, or HSDP's 2-D ``(replicate, shard)`` with ``replicas`` rows."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -75,7 +75,7 @@ def _fsdp_model(seed: int, dtype: str, wrap_root: bool, model: nn.Module | None 
 
     torch.manual_seed(seed)
     model = model if model is not None else TiedNet()
-    mesh = _mesh(replicas)
+    mesh = tp_mesh(replicas)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bf16" else MixedPrecisionPolicy()
     if hasattr(model, "block"):
         fully_shard(model.block, mesh=mesh, mp_policy=mp)
@@ -107,15 +107,9 @@ def _train_step(model, opt, step: int) -> float:
     return float(loss)
 
 
-def _full(p) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
-
-
 def _full_trainable(model) -> dict[str, torch.Tensor]:
     """``p.full_tensor()`` of each trainable parameter (a collective): FSDP2's own unsharded view."""
-    return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
+    return {n: full_tensor_of(p) for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _local(p) -> torch.Tensor:
@@ -219,14 +213,14 @@ def _train_check(ckpt_dir, tag, dtype, wrap_root, replicas=1):
         gathered = fe.gather_full(state, model)
     r["gather_collectives_seen"] = [len(positive.api), len(positive.ops)]
     with CollectiveSpy() as positive_dtensor:
-        _full(next(p for p in model.parameters() if hasattr(p, "full_tensor")))
+        full_tensor_of(next(p for p in model.parameters() if hasattr(p, "full_tensor")))
     r["full_tensor_collectives_seen"] = [len(positive_dtensor.api), len(positive_dtensor.ops)]
     r["ema_bitwise"] = sorted(gathered) == sorted(ref) and all(torch.equal(gathered[n], ref[n]) for n in ref)
     r["ema_moved"] = not all(torch.equal(ref[n], full0[n]) for n in ref)
     r["ema_dtype"] = str(gathered["emb.weight"].dtype)
 
     # -- swapped: forward == unsharded twin with the EMA; restored bitwise, also after an error
-    frozen = {n: _full(p) for n, p in model.named_parameters() if not p.requires_grad}
+    frozen = {n: full_tensor_of(p) for n, p in model.named_parameters() if not p.requires_grad}
     twin = _twin(dtype, gathered, frozen)
     x = _tokens(99, 0)  # the same input on every rank
     before = {n: t.clone() for n, t in fe.local_shards(model).items()}
@@ -388,7 +382,7 @@ def _hsdp_buffers_and_async(ckpt_dir, replicas):
     import functional_ema as fe
 
     rank, world = _world()
-    mesh = _mesh(replicas)
+    mesh = tp_mesh(replicas)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, 3))
     fully_shard(model[0], mesh=mesh)

@@ -17,29 +17,14 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 
 import functional_ema as fe
-from tests._multirank import CollectiveSpy, run_ranks
+from functional_ema._testing.multirank import TP_D as D
+from functional_ema._testing.multirank import CollectiveSpy, TPNet, run_ranks, tp_batch, tp_mesh, tp_model
 
 DECAY = 0.75
 STEPS = 3
 POWERS = (fe.schedules.power(gamma=3.0), fe.schedules.power(gamma=6.0))  # post-hoc EMA: power EMAs, snapshots
-D, H, OUT = 6, 14, 3  # H/2 = 7 rows per tensor-parallel slice: FSDP2 pads the second shard of each
-
-
-class TPNet(nn.Module):
-    """``up`` colwise, ``down`` rowwise (tensor parallel), ``norm`` and ``head`` outside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(D, H)  # (14, 6): a 7-row slice per tensor-parallel rank
-        self.down = nn.Linear(H, D)  # (6, 14): a 7-column slice per tensor-parallel rank
-        self.norm = nn.LayerNorm(D)
-        self.head = nn.Linear(D, OUT)  # (3, 6): 2 + 1 rows over the shard group
-
-    def forward(self, x):
-        return self.head(self.norm(x + self.down(torch.tanh(self.up(x)))))
 
 
 TP_PLAN_SPLITS = {"up.weight": 0, "up.bias": 0, "down.weight": 1}  # the rest is replicated over tensor parallelism
@@ -48,43 +33,10 @@ TP_PLAN_SPLITS = {"up.weight": 0, "up.bias": 0, "down.weight": 1}  # the rest is
 # ------------------------------------------------------------------------------------ rank helpers
 
 
-def _mesh(shape: tuple[int, ...]):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    names = {1: ("tp",), 2: ("shard", "tp"), 3: ("replicate", "shard", "tp")}[len(shape)]
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
-def _tp_model(seed: int, mesh, tp: bool = True):
-    """TPNet: tensor parallel over ``mesh["tp"]`` (when ``tp``), then ``fully_shard`` over the rest."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    torch.manual_seed(seed)
-    model = TPNet()
-    names = mesh.mesh_dim_names
-    if tp:
-        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        if names == ("tp",):  # tensor parallelism alone
-            return model, torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
-        dp = mesh["replicate", "shard"] if "replicate" in names else mesh["shard"]
-    else:
-        dp = mesh
-    fully_shard(model, mesh=dp)
-    return model, torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
-
-
-def _batch(step: int, mesh) -> torch.Tensor:
-    """The same input on the ranks of one tensor-parallel group (tensor parallelism needs it)."""
-    coord = [mesh.get_local_rank(d) for d in range(mesh.ndim) if mesh.mesh_dim_names[d] != "tp"]
-    g = torch.Generator().manual_seed(1000 * step + sum(c * 10**i for i, c in enumerate(coord)))
-    return torch.randn(4, D, generator=g)
-
-
 def _full_params(model) -> dict[str, torch.Tensor]:
-    from tests.test_fsdp2 import _full
+    from functional_ema._testing.multirank import full_tensor_of
 
-    return {n: _full(p) for n, p in model.named_parameters()}
+    return {n: full_tensor_of(p) for n, p in model.named_parameters()}
 
 
 def _slice(full: torch.Tensor, name: str, tp: int, tp_size: int) -> torch.Tensor:
@@ -105,8 +57,8 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
     import functional_ema as fe
 
     rank = dist.get_rank()
-    mesh = _mesh(tuple(shape))
-    model, opt = _tp_model(0, mesh)
+    mesh = tp_mesh(tuple(shape))
+    model, opt = tp_model(0, mesh)
     layout = fe.shard_layout(model)
     r = {"layout": [layout.rank, layout.world_size, layout.replica, layout.replicas, layout.part.tp, layout.part.tp_size],
          "tp_dims": layout.tp_dims, "placements": {n: str(tuple(getattr(p, "placements", ()))) for n, p in model.named_parameters()},
@@ -121,7 +73,7 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
     ref = _full_params(model)
     r["update_collectives"] = []
     for step in range(1, STEPS + 1):
-        model(_batch(step, mesh)).pow(2).mean().backward()
+        model(tp_batch(step, mesh)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         with CollectiveSpy() as spy:
@@ -179,7 +131,7 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
         r["files"] = sorted(os.listdir(os.path.join(ckpt_dir, "tp")))
         r["async_files"] = sorted(os.listdir(os.path.join(ckpt_dir, "tp_async")))
     # the same layout, a fresh model (other weights: load reads only the layout)
-    fresh, _ = _tp_model(123, mesh)
+    fresh, _ = tp_model(123, mesh)
     loaded = fe.gather_full(fe.load(fresh, ckpt_dir, tag="tp_async"), fresh)
     r["reload_bitwise"] = all(torch.equal(loaded[n], gathered[n]) for n in gathered)
     r["saved_step"] = int(state.step)
@@ -200,19 +152,19 @@ def load_worker(tp_dir: str, fsdp2_dir: str) -> dict:
 
     ref = load_file(os.path.join(tp_dir, "tp.ref.safetensors"))
     out = {}
-    for kind, build in (("into_fsdp2_4", lambda: _tp_model(5, _mesh_1d(), tp=False)),
-                        ("into_hsdp", lambda: _tp_model(5, _mesh_hsdp(), tp=False))):
+    for kind, build in (("into_fsdp2_4", lambda: tp_model(5, _mesh_1d(), tp=False)),
+                        ("into_hsdp", lambda: tp_model(5, _mesh_hsdp(), tp=False))):
         model, _ = build()
         state = fe.load(model, tp_dir, tag="tp")
         full = fe.gather_full(state, model)
         out[kind] = {"world": fe.shard_layout(model).world_size, "step": int(state.step),
                      "bitwise": sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref)}
     # an FSDP2 checkpoint (saved over 4 ranks without tensor parallelism) cut along the recorded splits
-    model, _ = _tp_model(5, _mesh_1d(), tp=False)
+    model, _ = tp_model(5, _mesh_1d(), tp=False)
     fe.save(fe.load(model, tp_dir, tag="tp"), model, fsdp2_dir, tag="tpnet_fsdp2_4")
-    tp_model, _ = _tp_model(9, _mesh((2, 2)))
-    cut = fe.gather_full(fe.load(tp_model, fsdp2_dir, tag="tpnet_fsdp2_4"), tp_model)
-    part = fe.shard_layout(tp_model).part
+    tp_net, _ = tp_model(9, tp_mesh((2, 2)))
+    cut = fe.gather_full(fe.load(tp_net, fsdp2_dir, tag="tpnet_fsdp2_4"), tp_net)
+    part = fe.shard_layout(tp_net).part
     out["fsdp2_4_into_tp"] = sorted(cut) == sorted(ref) and all(
         torch.equal(cut[n], _slice(ref[n], n, part.tp, part.tp_size)) for n in ref)
     return out

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from tests._multirank import ROOT, run_ranks  # noqa: E402
+from functional_ema._testing.multirank import ROOT, run_ranks  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "accelerate_ema.py")
 
@@ -139,7 +139,7 @@ def test_accelerate_deepspeed_save_load_state_resume(full_run, tmp_path):
     # The interrupted run writes its EMA in the background (async_save) and exits one step after
     # the save: the process waits for the write, and the resumed run ends bitwise as the full one.
     # (The harness ends a rank with os._exit; before it, it waits for the rank's async saves as an
-    # interpreter exit would: tests._multirank._finish_async_saves. tests/test_exit.py checks both.)
+    # interpreter exit would: functional_ema._testing.multirank._finish_async_saves. tests/test_exit.py checks both.)
     run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600,
               argv=["--out", part, "--stop-at", "5", "--async-save"])
     assert not (tmp_path / "part" / "ema.safetensors").exists()  # stopped before the end

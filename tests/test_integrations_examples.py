@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests._multirank import ROOT, run_ranks
+from functional_ema._testing.multirank import ROOT, run_ranks
 
 
 def example_worker(name: str, argv: list[str]) -> dict:

@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from tests._multirank import run_ranks  # noqa: E402
+from functional_ema._testing.multirank import run_ranks  # noqa: E402
 
 START = 2
 EVERY = 2

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests._multirank import ROOT, run_ranks
+from functional_ema._testing.multirank import ROOT, run_ranks
 
 EXAMPLE = str(ROOT / "examples" / "resume_other_world.py")
 

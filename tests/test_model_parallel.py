@@ -1,7 +1,7 @@
 """DeepSpeed tensor and pipeline parallelism: every verb on each model-parallel layout (issue 22).
 
 Real 8-, 4- and 2-rank launches on CPU (gloo): DeepSpeed engines built with ``mpu=`` (a Megatron-style
-tensor-parallel MLP, :class:`tests._multirank.TPMLP`), as a ``PipelineEngine`` (stages x data parallel,
+tensor-parallel MLP, :class:`functional_ema._testing.multirank.TPMLP`), as a ``PipelineEngine`` (stages x data parallel,
 a BatchNorm in the first stage), both at once (tensor 2 x pipeline 2 x data parallel 2), AutoTP training
 of a Hugging Face Llama, and ZeRO++ hpZ. On each layout:
 
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import functional_ema as fe
-from tests._multirank import run_ranks
+from functional_ema._testing.multirank import run_ranks
 
 DECAYS = (fe.schedules.power(gamma=3.0), fe.schedules.power(gamma=6.0))  # power EMAs: snapshots need them
 STEPS, SAVE_AT = 6, 4
@@ -40,7 +40,7 @@ STEPS, SAVE_AT = 6, 4
 
 
 def _reference(engine) -> dict[str, torch.Tensor]:
-    from tests._multirank import full_fp32_reference
+    from functional_ema._testing.multirank import full_fp32_reference
 
     return full_fp32_reference(engine)
 
@@ -108,7 +108,7 @@ def _swap_check(engine, state, forward) -> dict:
 
 
 def _zero_bytes_update(state, engine, step) -> tuple:
-    from tests._multirank import CollectiveSpy
+    from functional_ema._testing.multirank import CollectiveSpy
 
     shards = fe.local_shards(engine)
     with CollectiveSpy() as spy:
@@ -126,7 +126,7 @@ def hpz_worker(out: str) -> dict:
     import deepspeed
 
     from tests._integration_models import quiet
-    from tests._multirank import OddNet, batch, ds_config, make_engine, train_step
+    from functional_ema._testing.multirank import OddNet, batch, ds_config, make_engine, train_step
 
     quiet()
     out = Path(out)
@@ -174,7 +174,7 @@ def test_zero_plus_plus_hpz_and_mics(tmp_path):
 
 
 def _tp_engine(tp_size: int, seed: int, attributes: bool = True, stage: int = 2):
-    from tests._multirank import MPU, TPMLP, make_engine
+    from functional_ema._testing.multirank import MPU, TPMLP, make_engine
 
     mpu = MPU(tp_size)
     model = TPMLP(mpu.get_model_parallel_rank(), tp_size, mpu.get_model_parallel_group(), seed=seed, attributes=attributes)
@@ -257,7 +257,7 @@ def tp_worker(out: str, phase: str, tp_size: int = 2) -> dict:
             _save_tensors(out / f"posthoc_tp{part.tp}.safetensors", local)
         return report
     if phase == "relayout":  # no tensor parallelism now (ZeRO-2, data parallel 2): the saved slices joined
-        from tests._multirank import TPMLP, make_engine
+        from functional_ema._testing.multirank import TPMLP, make_engine
 
         engine = make_engine(2, model=TPMLP(0, 1, None, seed=9), seed=9)
         report["part"] = list(fe.shard_layout(engine).part)
@@ -298,7 +298,7 @@ def tp_runs(tmp_path_factory):
 
 
 def test_tensor_parallel_mpu_every_verb(tp_runs):
-    from tests._multirank import TPMLP
+    from functional_ema._testing.multirank import TPMLP
 
     out, train, resume, reshard, relayout = tp_runs
     for rank, r in enumerate(train):
@@ -322,7 +322,7 @@ def test_tensor_parallel_mpu_every_verb(tp_runs):
 def test_tensor_parallel_consolidation(tp_runs, tmp_path):
     from functional_ema import posthoc
     from functional_ema.__main__ import main
-    from tests._multirank import TPMLP
+    from functional_ema._testing.multirank import TPMLP
 
     out = tp_runs[0]
     slices = [_load_tensors(out / f"gathered{SAVE_AT}_tp{t}.safetensors") for t in (0, 1)]
@@ -355,7 +355,7 @@ def _pipe_engine(stages: int, seed: int, tp: int = 1):
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
     from torch import nn
 
-    from tests._multirank import ColumnParallelLinear, RowParallelLinear, ds_config, tp_full_weights
+    from functional_ema._testing.multirank import ColumnParallelLinear, RowParallelLinear, ds_config, tp_full_weights
 
     world = torch.distributed.get_world_size()
     topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tp, num_dp=world // (stages * tp))
@@ -527,7 +527,7 @@ def _autotp_engine(seed: int):
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tests._multirank import ds_config
+    from functional_ema._testing.multirank import ds_config
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -584,7 +584,7 @@ def autotp_worker(out: str, phase: str) -> dict:
         for step in range(1, 5):
             _autotp_train(engine, step)
             shards = fe.local_shards(engine)
-            from tests._multirank import CollectiveSpy
+            from functional_ema._testing.multirank import CollectiveSpy
 
             with CollectiveSpy() as spy:
                 state = fe.update(state, shards, step, decay=list(AUTOTP_DECAYS))
@@ -649,7 +649,7 @@ def moe_worker() -> dict:
     import deepspeed
 
     from tests._integration_models import quiet
-    from tests._multirank import ds_config
+    from functional_ema._testing.multirank import ds_config
 
     quiet()
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import functional_ema as fe
-from tests._multirank import ROOT, count_collectives, run_ranks
+from functional_ema._testing.multirank import ROOT, count_collectives, run_ranks
 
 DECAYS = (0.9, fe.schedules.power(gamma=3.0))
 
@@ -254,7 +254,7 @@ def test_ddp_two_ranks(tmp_path, flat):
 
 
 def zero3_save_worker(save_dir: str) -> dict:
-    from tests._multirank import OddNet, make_engine, train_step
+    from functional_ema._testing.multirank import OddNet, make_engine, train_step
 
     engine = make_engine(3, "bf16", model=OddNet())
     state = fe.init_ema(fe.local_shards(engine))
@@ -267,7 +267,7 @@ def zero3_save_worker(save_dir: str) -> dict:
 
 
 def test_deepspeed_zero3_checkpoint_loads_into_a_plain_module(tmp_path):
-    from tests._multirank import OddNet
+    from functional_ema._testing.multirank import OddNet
 
     save_dir = str(tmp_path / "ckpt")
     full = run_ranks("tests.test_module:zero3_save_worker", world_size=2, timeout=300, save_dir=save_dir)[0]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._multirank import ROOT, _free_port
+from functional_ema._testing.multirank import ROOT, _free_port
 
 SCRIPT = r'''
 import json, os, sys, torch, torch.distributed as dist
@@ -49,7 +49,7 @@ with open(result, "w") as f:
     json.dump(report, f)
 sys.stdout.flush()
 sys.stderr.flush()
-# Skip interpreter teardown, as tests/_multirank does: gloo's native threads occasionally abort there
+# Skip interpreter teardown, as functional_ema/_testing/multirank.py does: gloo's native threads occasionally abort there
 # ("terminate called without an active exception", SIGABRT) after all the work is done, and torchrun
 # then reports the node as failed while the other node's agent waits for it.
 os._exit(0)

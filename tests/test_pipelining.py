@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests._multirank import CollectiveSpy, run_ranks
+from functional_ema._testing.multirank import CollectiveSpy, run_ranks
 
 DECAY = 0.75
 STEPS = 3
@@ -37,8 +37,8 @@ def _stage_module(index: int) -> nn.Sequential:
     return mod
 
 
-def _full(p) -> torch.Tensor:
-    from tests.test_fsdp2 import _full as full
+def full_tensor_of(p) -> torch.Tensor:
+    from functional_ema._testing.multirank import full_tensor_of as full
 
     return full(p)
 
@@ -68,7 +68,7 @@ def stage_worker(ckpt_dir: str) -> dict:
     layout = fe.shard_layout(stage)
     r = {"layout": [layout.part.pp, layout.part.pp_size, layout.rank, layout.world_size], "names": list(layout.specs)}
     state = fe.init_ema(fe.local_shards(stage))
-    ref = {n: _full(p) for n, p in mod.named_parameters()}
+    ref = {n: full_tensor_of(p) for n, p in mod.named_parameters()}
     r["update_collectives"] = []
     for step in range(1, STEPS + 1):
         g = torch.Generator().manual_seed(100 * step + mesh.get_local_rank(1))
@@ -83,7 +83,7 @@ def stage_worker(ckpt_dir: str) -> dict:
             state = fe.update(state, fe.local_shards(stage), step, decay=DECAY)
         r["update_collectives"].append(spy.total)
         for n, p in mod.named_parameters():
-            ref[n].lerp_(_full(p), 1 - DECAY)
+            ref[n].lerp_(full_tensor_of(p), 1 - DECAY)
     gathered = fe.gather_full(state, stage)
     r["gather_bitwise"] = sorted(gathered) == sorted(ref) and all(torch.equal(gathered[n], ref[n]) for n in ref)
 

@@ -484,7 +484,7 @@ def deepspeed_posthoc_worker(snapshot_root: str, configs):
     directly tracked EMA."""
     import torch.distributed as dist
 
-    from tests._multirank import full_fp32_reference, make_engine, train_step
+    from functional_ema._testing.multirank import full_fp32_reference, make_engine, train_step
 
     out = []
     for stage, every, steps, snap_every in configs:
@@ -530,7 +530,7 @@ def deepspeed_posthoc_worker(snapshot_root: str, configs):
 
 
 def test_two_rank_zero_offline_equals_per_rank_then_gather(tmp_path):
-    from tests._multirank import run_ranks
+    from functional_ema._testing.multirank import run_ranks
 
     # Both stages run 256 steps. (ZeRO-3 used to be cut to 120 steps for a "gloo hang at step 128": that
     # was the harness, not DeepSpeed. ZeRO-3 prints two FutureWarning lines per step; run_ranks read the

@@ -8,14 +8,24 @@ import math
 import os
 import time
 from datetime import timedelta
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from .. import _errors
+from .._tree import TreeMismatchError
 from . import errors
 from .errors import CheckpointError, CheckpointIOError, CheckpointTimeoutError
+
+#: The library's error classes by name: a rank that learns of another rank's failure raises the same one.
+_LIBRARY_ERRORS: Mapping[str, type[Exception]] = MappingProxyType({
+    name: getattr(module, name) for module in (errors, _errors) for name in module.__all__} | {
+    "TreeMismatchError": TreeMismatchError})
+_LIBRARY_BASES = (CheckpointError, _errors.MismatchError, _errors.SwappedTrainingError)
 
 
 def exchange(obj: Any, group, world: int) -> list[Any]:
@@ -42,32 +52,34 @@ def io_error(e: OSError, rank: int, path: Path | str, doing: str = "write") -> C
     return err
 
 
-def agree(what: str, fn, group, world: int, rank: int, results: bool = True):
+def agree(what: str, fn, group, world: int, rank: int, results: bool = True,
+          fallback: type[Exception] = CheckpointError):
     """Run ``fn()`` on every rank; if it fails anywhere, raise on every rank (no rank is left hanging
     in a later collective). Returns every rank's result (``None`` each with ``results=False``: then
-    a success costs one small all-reduce instead of exchanging objects, ~10x cheaper on gloo).
+    a success costs one small all-reduce instead of exchanging objects).
 
-    Every rank raises the same :class:`CheckpointError` subclass, naming the first failing rank: that
-    rank re-raises its own error (an ``OSError`` becomes a :class:`CheckpointIOError`), the others
-    raise the same class with that rank's message. A non-checkpoint error of the caller's own
-    arguments (e.g. ``TypeError``) stays as it is on the rank that raised it.
+    Every rank raises the same library error class (a :class:`CheckpointError` or a
+    :class:`~functional_ema.MismatchError` subclass), naming the first failing rank: that rank
+    re-raises its own error (an ``OSError`` becomes a :class:`CheckpointIOError`), the others raise
+    the same class with that rank's message. Another error (e.g. a ``TypeError`` of the caller's own
+    arguments) stays as it is on the rank that raised it, and the others raise ``fallback``.
     """
     payload, local_exc = run_local(fn, rank)
     if not results and world > 1 and dist.is_initialized():
         if not all_reduce_max([int(local_exc is not None)], group)[0]:
             return [None] * world
-    return settle(what, payload, local_exc, group, world, rank)
+    return settle(what, payload, local_exc, group, world, rank, fallback)
 
 
 def run_local(fn, rank: int) -> tuple[tuple, Exception | None]:
     """``fn()`` on this rank, as the payload :func:`settle` exchanges: ``("ok", result)``, or the
-    error's class, message, whether it is a :class:`CheckpointError`, and its errno."""
+    error's class, message, whether it is one of the library's error classes, and its errno."""
     try:
         return ("ok", fn()), None
     except Exception as e:  # noqa: BLE001 - re-raised by settle, on every rank
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             e = io_error(e, rank, e.filename or "a checkpoint file", "access")
-        return ("error", type(e).__name__, str(e), isinstance(e, CheckpointError), getattr(e, "errno", None)), e
+        return ("error", type(e).__name__, str(e), isinstance(e, _LIBRARY_BASES), getattr(e, "errno", None)), e
 
 
 def all_reduce_max(values: list[int], group) -> list[int]:
@@ -78,17 +90,17 @@ def all_reduce_max(values: list[int], group) -> list[int]:
     return t.tolist()
 
 
-def settle(what: str, payload: tuple, local_exc: Exception | None, group, world: int, rank: int) -> list:
+def settle(what: str, payload: tuple, local_exc: Exception | None, group, world: int, rank: int,
+           fallback: type[Exception] = CheckpointError) -> list:
     """Exchange the ranks' :func:`run_local` payloads; raise on every rank if any failed (see
     :func:`agree`), else return every rank's result."""
     gathered = exchange(payload, group, world)
     failed = [(r, p) for r, p in enumerate(gathered) if p[0] == "error"]
     if failed:
-        r, (_, cls_name, msg, is_ckpt, code) = failed[0]
-        if local_exc is not None and (r == rank or not isinstance(local_exc, CheckpointError)):
+        r, (_, cls_name, msg, is_library, code) = failed[0]
+        if local_exc is not None and (r == rank or not isinstance(local_exc, _LIBRARY_BASES)):
             raise local_exc
-        cls = getattr(errors, cls_name, None) if is_ckpt else None
-        cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
+        cls = _LIBRARY_ERRORS.get(cls_name, CheckpointError) if is_library else fallback
         err = cls(f"{what} failed on rank {r} of {world} ({cls_name}): {msg}")
         if code is not None and isinstance(err, OSError):
             err.errno = code

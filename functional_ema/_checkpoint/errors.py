@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .._errors import MismatchError
+
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -37,8 +39,9 @@ class CheckpointVersionError(CheckpointError):
     """Written by a newer functional_ema (a format version this one cannot read)."""
 
 
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint does not fit the model or the request: parameter names, shapes, dtype, index."""
+class CheckpointMismatchError(CheckpointError, MismatchError):
+    """The checkpoint does not fit the model or the request: parameter names, shapes, dtype, index.
+    Also a :class:`functional_ema.MismatchError`."""
 
 
 class InvalidTagError(CheckpointError):

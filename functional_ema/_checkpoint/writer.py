@@ -12,7 +12,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Sequence
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import xxhash
 
 from .. import _io
+from .._fit import state_problem
 from .._layout import ModelPart, ShardLayout
 from .._state import EmaState
 from ..schedules import as_schedule
@@ -28,7 +28,7 @@ from . import collective
 from .errors import CheckpointError, CheckpointMismatchError
 from .format import (BUFFER_FILE, BUFFERS_FORMAT, FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, LOCK_NAME, MANIFEST_FORMAT,
                      MANIFEST_NAME, MAX_EXTRA_BYTES, RANK_FILE, WHOLE_FORMAT_VERSION, buffer_file_name, dtype_name,
-                     library_version, manifest_parts, rank_file_name, short_list, tensor_key)
+                     library_version, manifest_parts, rank_file_name, tensor_key)
 
 logger = logging.getLogger("functional_ema")
 
@@ -49,28 +49,15 @@ def describe_decays(decay, num_emas: int):
 
 
 def check_state(state: EmaState, layout: ShardLayout) -> torch.dtype:
-    if not isinstance(state, EmaState):
-        raise TypeError(f"save() takes an EmaState (from init_ema / update / load), got {type(state).__name__}")
-    want = list(layout.specs)
-    dtypes = set()
-    for k, ema in enumerate(state.emas):
-        if not isinstance(ema, Mapping) or set(ema) != set(want):
-            have = set(ema) if isinstance(ema, Mapping) else set()
-            raise CheckpointMismatchError(
-                f"state.emas[{k}] does not match this engine's parameters: missing {short_list(sorted(set(want) - have))}, "
-                f"extra {short_list(sorted(have - set(want)))}. Make the state with init_ema(local_shards(engine))"
-            )
-        for n in want:
-            t = ema[n]
-            if t.numel() != layout.specs[n].numel:
-                raise CheckpointMismatchError(
-                    f"state.emas[{k}][{n!r}] has {t.numel()} elements but this rank's piece has {layout.specs[n].numel}: "
-                    "the state was made from another engine, world size or ZeRO stage"
-                )
-            dtypes.add(t.dtype)
-    if len(dtypes) > 1:
-        raise CheckpointMismatchError(f"the EMA tensors mix dtypes {sorted(map(str, dtypes))}; a checkpoint stores one EMA dtype")
-    return dtypes.pop() if dtypes else torch.float32
+    """The EMA dtype of a state to save, once it fits this rank's layout (names, piece lengths, one dtype)."""
+    problem = state_problem(state, layout.specs, layout.rank, one_dtype=True)
+    if problem:
+        raise problem.error(CheckpointMismatchError, f"save on rank {layout.rank}",
+                            "Save the state made for this model: init_ema(local_shards(model)), update or load")
+    for ema in state.emas:
+        for t in ema.values():
+            return t.dtype
+    return torch.float32  # a model with no trainable parameters on this rank
 
 
 def describe_buffers(buffers, state: EmaState) -> dict | None:

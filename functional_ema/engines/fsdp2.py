@@ -60,7 +60,7 @@ from .._layout import ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
 from ._base import Adapter, Reading, any_requires_grad, is_read, swap_by_copy, world_of
 
-__all__ = ["FSDP2Adapter", "is_fsdp2", "fsdp_modules"]
+__all__ = ["FSDP2Adapter", "is_fsdp2", "fsdp_modules", "flatten_local_shards"]
 
 _local_tensor_of = operator.attrgetter("_local_tensor")
 
@@ -366,10 +366,8 @@ class _Token:
     a newer reading replaces it. (FSDP2 never moves a sharded local tensor's memory in place, so
     its data pointer is not compared.)
 
-    Cost, measured on the 516-tensor benchmark model right after a 45 MiB ``lerp_`` (caches
-    cold): 0.12 ms to compare the local tensors, which the replacement count saves. Following each
-    ``FSDPParam.sharded_param`` would add 0.27 ms, and reading every ``requires_grad`` (to see
-    freezing too) 0.26 ms.
+    The replacement count is what keeps a reading's check to one integer comparison per call rather
+    than a pass over every parameter (docs/performance.md has the figures).
     """
 
     __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks", "replacements")
@@ -488,8 +486,7 @@ def flatten_local_shards(model: torch.nn.Module) -> int:
 
     FSDP2 keeps each parameter's shard in its own padded buffer, so ``update`` over FSDP2 shards is
     one ``_foreach_lerp_`` over as many tensors as the model has, which on CPU costs a dispatch per
-    tensor (measured 1.5-1.6x one flat ``lerp_`` over the same bytes for 516 tensors). After this
-    call ``local_shards(model)`` finds one segment and ``update`` is one ``lerp_``.
+    tensor (docs/performance.md has the figures). After this call ``local_shards(model)`` finds one segment and ``update`` is one ``lerp_``.
 
     It copies each padded shard buffer (``FSDPParam._sharded_param_data``, what the all-gather
     reads) into the flat buffer and points that buffer and the ``DTensor``'s local tensor (what the

@@ -2,7 +2,7 @@
 
 World size 2, ZeRO-2, fp32, OddNet, two EMAs (0.8 and power gamma=3), 3 steps; reference_full holds
 fe.gather_full of each EMA at the save (keys "<k>/<name>"). Rerun only with that commit checked out:
-    python -c "from tests._multirank import run_ranks; run_ranks('tests.data.make_ckpt_v1:worker', out='tests/data/ckpt_v1')"
+    python -c "from functional_ema._testing.multirank import run_ranks; run_ranks('tests.data.make_ckpt_v1:worker', out='tests/data/ckpt_v1')"
 """
 import os, shutil
 from pathlib import Path
@@ -12,12 +12,11 @@ def worker(out):
     import functional_ema as fe
     import torch.distributed as dist
     from safetensors.torch import save_file
-    from tests._multirank import make_engine, train_step
-    from tests.test_checkpoint import _advance, _decays
+    from functional_ema._testing.multirank import advance, checkpoint_decays, make_engine
     engine = make_engine(2, "fp32")
-    state = _advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 3)
+    state = advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 3)
     tmp = Path(out) / "tmp"
-    fe.save(state, engine, tmp, "global_step3", decay=_decays())
+    fe.save(state, engine, tmp, "global_step3", decay=checkpoint_decays())
     full = [fe.gather_full(state, engine, index=i) for i in range(2)]
     if dist.get_rank() == 0:
         dst = Path(out) / "global_step3"

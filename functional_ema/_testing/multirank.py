@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the source checkout: tests/ and examples/ live there
 
 
 def _free_port() -> int:
@@ -52,7 +52,7 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
         # Each rank's async EMA saves must end by then (see _finish_async_saves); a little before the
         # parent's deadline, so that the rank reports it rather than being killed.
         deadline = time.time() + max(0.5 * timeout, timeout - 5)
-        procs, log_paths = spawn_ranks([sys.executable, "-c", "from tests._multirank import _child; _child()", str(args_path)],
+        procs, log_paths = spawn_ranks([sys.executable, "-c", "from functional_ema._testing.multirank import _child; _child()", str(args_path)],
                                        world_size, Path(tmp), env={"FE_DEADLINE": repr(deadline), **(env or {})})
         try:
             wait_ranks(procs, log_paths, target, timeout)
@@ -625,3 +625,126 @@ def full_fp32_reference(engine) -> dict[str, torch.Tensor]:
         assert full is not None, n
         out[n] = full.detach().clone().cpu().float()
     return out
+
+
+# ------------------------------------------------------------------ helpers shared by test modules
+# (one place, so that no test file imports another's privates)
+
+
+def checkpoint_decays():
+    from functional_ema import schedules
+
+    return (0.8, schedules.power(gamma=3.0))
+
+
+def current_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def advance(engine, state, n, ref=None):
+    """Train n steps, updating the EMA; with ``ref`` (full EMAs), update that plain-torch reference too."""
+    import functional_ema as fe
+    from functional_ema import schedules
+
+    decays = checkpoint_decays()
+    for _ in range(n):
+        step = int(state.step) + 1
+        train_step(engine, step)
+        state = fe.update(state, fe.local_shards(engine), step, decay=decays)
+        if ref is not None:
+            full = full_fp32_reference(engine)
+            for i, d in enumerate(decays):
+                w = 1.0 - schedules.interval_decay(d, step - 1, step)
+                for n_ in ref[i]:
+                    ref[i][n_].lerp_(full[n_], w)
+    return state
+
+
+def unflat(d: dict, num=2) -> list:
+    return [{k.split("/", 1)[1]: v for k, v in d.items() if k.startswith(f"{i}/")} for i in range(num)]
+
+
+def diff_emas(a: list, b: list) -> list:
+    bad = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if set(x) != set(y):
+            bad.append((i, "names", sorted(set(x) ^ set(y))))
+            continue
+        for n in x:
+            if x[n].dtype != y[n].dtype or x[n].shape != y[n].shape or not torch.equal(x[n].cpu(), y[n].cpu()):
+                bad.append((i, n))
+    return bad
+
+
+def gather_all(state, engine):
+    import functional_ema as fe
+
+    return [fe.gather_full(state, engine, index=i) for i in range(state.num_emas)]
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return [type(e).__name__, str(e), [c.__name__ for c in type(e).__mro__]]
+    return None
+
+
+def full_tensor_of(p) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+
+
+#: TPNet's sizes: TP_H / 2 = 7 rows per tensor-parallel slice, so FSDP2 pads the second shard of each.
+TP_D, TP_H, TP_OUT = 6, 14, 3
+TP_DECAY = 0.75
+
+
+class TPNet(nn.Module):
+    """``up`` colwise, ``down`` rowwise (tensor parallel), ``norm`` and ``head`` outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(TP_D, TP_H)  # (14, 6): a 7-row slice per tensor-parallel rank
+        self.down = nn.Linear(TP_H, TP_D)  # (6, 14): a 7-column slice per tensor-parallel rank
+        self.norm = nn.LayerNorm(TP_D)
+        self.head = nn.Linear(TP_D, TP_OUT)  # (3, 6): 2 + 1 rows over the shard group
+
+    def forward(self, x):
+        return self.head(self.norm(x + self.down(torch.tanh(self.up(x)))))
+
+
+def tp_mesh(shape: tuple[int, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = {1: ("tp",), 2: ("shard", "tp"), 3: ("replicate", "shard", "tp")}[len(shape)]
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def tp_model(seed: int, mesh, tp: bool = True):
+    """TPNet: tensor parallel over ``mesh["tp"]`` (when ``tp``), then ``fully_shard`` over the rest."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    model = TPNet()
+    names = mesh.mesh_dim_names
+    if tp:
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        if names == ("tp",):  # tensor parallelism alone
+            return model, torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
+        dp = mesh["replicate", "shard"] if "replicate" in names else mesh["shard"]
+    else:
+        dp = mesh
+    fully_shard(model, mesh=dp)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
+
+
+def tp_batch(step: int, mesh) -> torch.Tensor:
+    """The same input on the ranks of one tensor-parallel group (tensor parallelism needs it)."""
+    coord = [mesh.get_local_rank(d) for d in range(mesh.ndim) if mesh.mesh_dim_names[d] != "tp"]
+    g = torch.Generator().manual_seed(1000 * step + sum(c * 10**i for i, c in enumerate(coord)))
+    return torch.randn(4, TP_D, generator=g)

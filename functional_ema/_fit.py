@@ -1,0 +1,107 @@
+"""Does an EMA state fit a rank's layout? The one check behind every verb that takes a state.
+
+:func:`state_problem` answers without raising, so the collective verbs can share its answer before
+any rank acts on it (see :func:`functional_ema._checkpoint.collective.agree`); each verb then raises
+the problem as its own error class with its own prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from ._layout import ShardSpec
+from ._shards import Shards
+from ._state import EmaState
+from ._tree import short_list
+
+__all__ = ["FitProblem", "state_problem"]
+
+
+class FitProblem(NamedTuple):
+    """Why a state does not fit: ``wrong_type`` is a programming error (``TypeError``), otherwise a
+    mismatch (the verb's :class:`~functional_ema.MismatchError` subclass)."""
+
+    message: str
+    wrong_type: bool = False
+
+    def error(self, mismatch: type[Exception], prefix: str, hint: str = "") -> Exception:
+        """The exception to raise: ``prefix: message. hint`` as ``TypeError`` or as ``mismatch``."""
+        return (TypeError if self.wrong_type else mismatch)(f"{prefix}: {self.message}" + (f". {hint}" if hint else ""))
+
+
+def state_problem(
+    state: Any,
+    specs: Mapping[str, ShardSpec],
+    rank: int,
+    *,
+    indices: Sequence[int] | None = None,
+    num_emas: int | None = None,
+    dtype: torch.dtype | None = None,
+    dtype_source: str = "",
+    one_dtype: bool = False,
+    contiguous: bool = False,
+    shards: Shards | None = None,
+) -> FitProblem | None:
+    """``None`` if ``state`` fits this rank's pieces ``specs``, else what is wrong, naming the EMA and
+    parameter.
+
+    Args:
+        state: what the caller passed as the state.
+        specs: this rank's layout (``ShardLayout.specs``): the names and each piece's length.
+        rank: this rank's data-parallel rank (for the message).
+        indices: which EMAs must fit (default: all of them); an index that is not one of the state's
+            is a problem.
+        num_emas: the number of EMAs the state must track (e.g. a checkpoint's), or ``None``.
+        dtype: the dtype every EMA tensor must have (``dtype_source`` says whose, for the message).
+        one_dtype: the EMA tensors must share one dtype (a checkpoint stores one).
+        contiguous: every EMA tensor must be contiguous (filled in place).
+        shards: the reading the state came from; a state laid out over the same segments fits at once.
+    """
+    if not isinstance(state, EmaState):
+        return FitProblem(f"expected an EmaState (from init_ema, update or load), got {type(state).__name__}", True)
+    if num_emas is not None and state.num_emas != num_emas:
+        return FitProblem(f"{dtype_source or 'the checkpoint'} holds {num_emas} EMA(s) but the state has {state.num_emas}")
+    if indices is None:
+        indices = range(state.num_emas)
+    dtypes: set[torch.dtype] = set()
+    for k in indices:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < state.num_emas:
+            return FitProblem(f"index={k!r} is not one of the state's {state.num_emas} EMAs")
+        ema = state.emas[k]
+        if shards is not None and isinstance(ema, Shards) and (ema.index is shards.index or ema.index == shards.index):
+            seg_dtypes = {seg.dtype for seg in ema.segments}
+            if dtype is None or seg_dtypes == {dtype}:
+                dtypes |= seg_dtypes
+                continue  # the reading's own segment layout: names and lengths agree by construction
+        if not isinstance(ema, Mapping):
+            return FitProblem(f"state.emas[{k}] is a {type(ema).__name__}, not a name-keyed mapping (make the state with "
+                              "init_ema over a name-keyed tree or local_shards)", True)
+        if set(ema) != set(specs):
+            missing, extra = sorted(set(specs) - set(ema)), sorted(set(ema) - set(specs))
+            parts = ([f"this model trains {short_list(missing)}, which the state lacks"] if missing else []) + (
+                [f"the state has EMAs of {short_list(extra)}, which this model does not train (frozen here, or another model)"]
+                if extra else [])
+            return FitProblem(f"state.emas[{k}] does not match this model's trainable parameters: {'; '.join(parts)}")
+        for n, spec in specs.items():
+            t = ema[n]
+            if not isinstance(t, torch.Tensor):
+                return FitProblem(f"state.emas[{k}][{n!r}] is a {type(t).__name__}, not a tensor", True)
+            if t.numel() != spec.numel:
+                return FitProblem(f"state.emas[{k}][{n!r}] has {t.numel()} elements but rank {rank}'s piece of it has "
+                                  f"{spec.numel}: the state was cut for another world size, sharding or model")
+            if dtype is not None and t.dtype != dtype:
+                return FitProblem(f"state.emas[{k}][{n!r}] is {_dtype_name(t.dtype)} but {dtype_source} holds "
+                                  f"{_dtype_name(dtype)} EMAs")
+            if contiguous and not t.is_contiguous():
+                return FitProblem(f"state.emas[{k}][{n!r}] is not contiguous; it is filled in place", True)
+            dtypes.add(t.dtype)
+    if one_dtype and len(dtypes) > 1:
+        return FitProblem(f"the EMA tensors mix dtypes {sorted(map(str, dtypes))}; a checkpoint stores one EMA dtype")
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # as checkpoint manifests write it
