@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-ROOT = Path(__file__).resolve().parents[2]  # the source checkout: tests/ and examples/ live there
+# The source checkout (tests/ and examples/ live there): where this file sits in an editable install,
+# else the directory the tests were started from.
+ROOT = Path(__file__).resolve().parents[2] if (Path(__file__).resolve().parents[2] / "tests").is_dir() else Path.cwd()
 
 
 def _free_port() -> int:
