@@ -181,12 +181,8 @@ def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values:
     else uninitialised (for :func:`functional_ema.load`, which overwrites every value)."""
     step = check_step(step, "step")
     if isinstance(shards, Shards):
-        for j, seg in enumerate(shards.segments):
-            if not seg.is_floating_point():
-                name = next(n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j)
-                raise TypeError(f"shards[{name!r}] has dtype {seg.dtype}; EMAs need floating-point weights")
-            if seg.is_meta:
-                _refuse_meta_shard(_segment_name(shards, j))
+        for j in range(len(shards.segments)):
+            _check_segment(shards, j)
         emas = tuple(shards.mirror(dtype, device, pin_memory, fill=copy_values) for _ in range(num_emas))
         return EmaState(torch.tensor(step, dtype=torch.int64), emas)
     names, leaves, spec = flatten_named(shards)
@@ -411,13 +407,19 @@ def _plan_for(emas: tuple, shards: Any) -> Plan:
     return _per_tensor_plan(emas, shards)
 
 
+def _check_segment(shards: Shards, j: int) -> None:
+    """Refuse segment ``j`` of ``shards`` unless it holds floating-point values in real memory."""
+    seg = shards.segments[j]
+    if not seg.is_floating_point():
+        name = next(n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j)
+        raise TypeError(f"shards[{name!r}] has dtype {seg.dtype}; EMAs need floating-point weights")
+    if seg.is_meta:
+        _refuse_meta_shard(_segment_name(shards, j))
+
+
 def _fused_plan(emas: tuple, shards: Shards) -> Plan:
     for j, seg in enumerate(shards.segments):
-        if not seg.is_floating_point():
-            name = next(n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j)
-            raise TypeError(f"shards[{name!r}] has dtype {seg.dtype}; EMAs need floating-point weights")
-        if seg.is_meta:
-            _refuse_meta_shard(_segment_name(shards, j))
+        _check_segment(shards, j)
         for k, e in enumerate(emas):
             _check_device(e.segments[j], seg, lambda: _segment_name(shards, j), k)
     plan = Plan()
