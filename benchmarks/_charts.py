@@ -113,7 +113,9 @@ def write_bar_chart(
         ax.set_ylim(-0.6, len(panel.bars) - 0.4)
         ax.set_title(panel.title, fontsize=10, loc="left")
         for yi, b in zip(y, panel.bars):
-            ax.annotate(value_format(b.value), (b.value, yi), xytext=(3, 0), textcoords="offset points",
+            # right of the reference line when the bar ends just short of it: the line would cross the text
+            at = max(b.value, reference[0]) if reference else b.value
+            ax.annotate(value_format(b.value), (at, yi), xytext=(3, 0), textcoords="offset points",
                         va="center", fontsize=8)
         for yi, before, b in zip(y[1:], panel.bars, panel.bars[1:]):
             if b.kind == "ours" and before.kind != "ours":  # our next operation starts a new group
