@@ -30,9 +30,10 @@ docs: $(VENV)/.installed
 	@$(PY) -c "import mkdocstrings_handlers.python, material" 2>/dev/null || $(PY) -m pip install --quiet -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
+# Each benchmark prints its figures and draws them into a dated PNG in benchmarks/results/.
 bench: $(VENV)/.installed
-	$(PY) benchmarks/bench_update.py
-	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_update.py --plot benchmarks/results/bench_update_$$(date +%F).png
+	$(PY) benchmarks/bench_checkpoint.py --plot benchmarks/results/bench_checkpoint_$$(date +%F).png
 
 clean:
 	rm -rf $(VENV) build site *.egg-info

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_checkpoint.py [--world-size 2] [--stage 2] [--mib 192] [--repeat 8]
+    python benchmarks/bench_checkpoint.py [--world-size 2] [--stage 2] [--mib 192] [--repeat 8] [--plot PATH]
 
 Real DeepSpeed engines on CPU ranks (the shared harness ``functional_ema/_testing/multirank.py``). Each operation is
 timed as the slowest rank (the wall time of the collective save / load), best of ``--repeat``,
@@ -27,6 +27,8 @@ readers' huge-page buffers meet it more often than plain safetensors' 4 KiB page
 
 Numbers are with a warm page cache (files just written), so they measure the software path and
 fsync, not the disk's read speed. Ours verifies XXH3-64 checksums of every byte read (``verify=True``).
+``--plot PATH`` also writes the GB/s figures as a PNG chart, stamped with the machine and the commit
+(needs matplotlib, the ``plot`` extra).
 
 For one and for two EMAs: the async save's blocking time (the call, steady state with its buffer
 reused; the first call also allocates it) against one ``copy_`` of this rank's bytes, and its total
@@ -285,6 +287,97 @@ def _all_specs(d: Path, world: int) -> list[dict]:
     return out
 
 
+# The printed table: (operation, bytes counted: "total" = every rank's EMA pieces / "full" = the
+# consolidated model, our timing's key, the plain baseline's key, the baseline).
+ROWS = [
+    ("save, blocking (all ranks)", "total", "save", "plain_save_fsync", "save_file + fsync, per rank"),
+    ("", "total", "save", "plain_save_nofsync", "save_file, no fsync"),
+    ("async save, total to wait()", "total", "async_total", "plain_save_fsync", "save_file + fsync, per rank"),
+    ("load (all ranks, verified)", "total", "load", "plain_load_clone", "load_file + clone (fresh memory, as a new state)"),
+    ("", "total", "load", "plain_load_flat", "load_file + copy into one fresh buffer per EMA (a state's layout)"),
+    ("", "total", "load", "plain_load_flat_huge", "the same into huge-page buffers, as ours (diagnostic)"),
+    ("load into a state (out=)", "total", "load_into", "plain_load_copy", "load_file + copy into existing buffers"),
+    ("consolidate -> file (rank 0)", "full", "consolidate_file", "plain_consolidate_file", "load_file all ranks + assemble + save_file + fsync"),
+    ("consolidate -> memory (rank 0)", "full", "consolidate_mem", "plain_consolidate_mem", "load_file all ranks + assemble"),
+]
+
+
+def _summary(results: list[dict], num_emas: int) -> dict:
+    """One EMA count's figures over the ranks: best times of the slowest rank (``t``), medians (``med``),
+    bytes of every rank's pieces (``total``), of the full model (``full``), of the largest rank (``per_rank``)."""
+    runs = [r["runs"][str(num_emas)] if str(num_emas) in r["runs"] else r["runs"][num_emas] for r in results]
+    return {
+        "t": {k: max(r["times"].get(k, 0.0) for r in runs) for k in runs[0]["times"]},  # slowest rank
+        "med": {k: max(r["medians"].get(k, 0.0) for r in runs) for k in runs[0]["medians"]},
+        "total": sum(r["local_bytes"] for r in runs), "full": runs[0]["full_bytes"],
+        "per_rank": max(r["local_bytes"] for r in runs),
+    }
+
+
+# Chart labels (``--plot``) of our timings and of the baselines, by key.
+CHART_OURS = {
+    "save": "ours: save, blocking (fsynced)",
+    "async_total": "ours: AsyncSaver.save, total to wait()",
+    "load": "ours: load into new memory (verified)",
+    "load_into": "ours: load into a state (out=, verified)",
+    "consolidate_file": "ours: consolidate -> file (rank 0)",
+    "consolidate_mem": "ours: consolidate -> memory (rank 0)",
+}
+CHART_BASELINES = {
+    "plain_save_fsync": "save_file + fsync",
+    "plain_save_nofsync": "save_file, no fsync",
+    "plain_load_clone": "load_file + clone",
+    "plain_load_flat": "load_file + copy into fresh buffers",
+    "plain_load_flat_huge": "the same into huge pages (diagnostic)",
+    "plain_load_copy": "load_file + copy into existing buffers",
+    "plain_consolidate_file": "load_file all + assemble + save_file + fsync",
+    "plain_consolidate_mem": "load_file all + assemble",
+}
+
+
+# The chart's groups: our timings, then the plain baselines they are compared with, and which bytes count.
+CHART_GROUPS = [
+    (["save", "async_total"], ["plain_save_fsync", "plain_save_nofsync"], "total"),
+    (["load"], ["plain_load_clone", "plain_load_flat", "plain_load_flat_huge"], "total"),
+    (["load_into"], ["plain_load_copy"], "total"),
+    (["consolidate_file"], ["plain_consolidate_file"], "full"),
+    (["consolidate_mem"], ["plain_consolidate_mem"], "full"),
+]
+
+
+def chart_panels(results: list[dict]) -> list:
+    """The GB/s of the printed table as chart panels, one per EMA count: each of our operations
+    followed by its plain-safetensors baselines, then the async save's blocking call against one
+    ``copy_`` of the same bytes (its floor)."""
+    from benchmarks._charts import Bar, Panel
+
+    panels = []
+    for num_emas in (1, 2):
+        s = _summary(results, num_emas)
+        t, bars = s["t"], []
+        for ours, bases, which in CHART_GROUPS:
+            bars += [Bar(CHART_OURS[k], s[which] / t[k] / 1e9, "ours") for k in ours]
+            bars += [Bar("plain: " + CHART_BASELINES[k], s[which] / t[k] / 1e9, "peer") for k in bases]
+        bars.append(Bar("ours: AsyncSaver.save, blocking call", s["per_rank"] / t["async_block"] / 1e9, "ours"))
+        bars.append(Bar("one copy_ of this rank's bytes (floor)", s["per_rank"] / t["copy"] / 1e9, "reference"))
+        panels.append(Panel(f"{num_emas} EMA{'s' if num_emas > 1 else ''}: {s['total'] / 2**20:.0f} MiB of EMA pieces in all, "
+                            f"{s['per_rank'] / 2**20:.0f} MiB per rank", bars))
+    return panels
+
+
+def write_chart(path: str, results: list[dict], args: argparse.Namespace):
+    """Write the throughput chart of this run to ``path`` (skipped with one line without matplotlib)."""
+    from benchmarks._charts import write_bar_chart
+
+    return write_bar_chart(
+        path, chart_panels(results),
+        title="EMA checkpoint throughput against plain safetensors on the same tensors, higher is better",
+        note=(f"{args.world_size} ranks, ZeRO-{args.stage}, fp32 EMAs of a {results[0]['params'] / 1e6:.1f}M-parameter "
+              f"model; slowest rank, best of {args.repeat}; warm page cache"),
+        xlabel="GB/s (log scale)", value_format="{:.2f} GB/s".format, log=True,
+    )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world-size", type=int, default=2)
@@ -292,6 +385,8 @@ def main(argv=None) -> None:
     ap.add_argument("--mib", type=int, default=192, help="model size (fp32 MiB); each EMA is this big in total")
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
+    ap.add_argument("--plot", default=None, metavar="PATH",
+                    help="also write a PNG chart of the GB/s figures here (needs matplotlib, the plot extra)")
     args = ap.parse_args(argv)
 
     from functional_ema._testing.multirank import run_ranks
@@ -306,28 +401,14 @@ def main(argv=None) -> None:
         f"{os.cpu_count()} CPU cores. Ours verifies XXH3-64 checksums of every byte read (format 2 and later)."
     )
     for num_emas in (1, 2):
-        runs = [r["runs"][str(num_emas)] if str(num_emas) in r["runs"] else r["runs"][num_emas] for r in results]
-        t = {k: max(r["times"].get(k, 0.0) for r in runs) for k in runs[0]["times"]}  # slowest rank
-        med = {k: max(r["medians"].get(k, 0.0) for r in runs) for k in runs[0]["medians"]}
-        total = sum(r["local_bytes"] for r in runs)
-        full = runs[0]["full_bytes"]
-        per_rank = max(r["local_bytes"] for r in runs)
+        s = _summary(results, num_emas)
+        t, med, total, full, per_rank = s["t"], s["med"], s["total"], s["full"], s["per_rank"]
         if num_emas == 1:
             probe_bytes = per_rank  # the first-touch probe fills one EMA's share of a rank
         print(f"\n== {num_emas} EMA(s): {total / 2**20:.0f} MiB of EMA pieces in all ({per_rank / 2**20:.0f} MiB per rank) ==")
-        rows = [
-            ("save, blocking (all ranks)", total, "save", "plain_save_fsync", "save_file + fsync, per rank"),
-            ("", total, "save", "plain_save_nofsync", "save_file, no fsync"),
-            ("async save, total to wait()", total, "async_total", "plain_save_fsync", "save_file + fsync, per rank"),
-            ("load (all ranks, verified)", total, "load", "plain_load_clone", "load_file + clone (fresh memory, as a new state)"),
-            ("", total, "load", "plain_load_flat", "load_file + copy into one fresh buffer per EMA (a state's layout)"),
-            ("", total, "load", "plain_load_flat_huge", "the same into huge-page buffers, as ours (diagnostic)"),
-            ("load into a state (out=)", total, "load_into", "plain_load_copy", "load_file + copy into existing buffers"),
-            ("consolidate -> file (rank 0)", full, "consolidate_file", "plain_consolidate_file", "load_file all ranks + assemble + save_file + fsync"),
-            ("consolidate -> memory (rank 0)", full, "consolidate_mem", "plain_consolidate_mem", "load_file all ranks + assemble"),
-        ]
         print(f"{'operation':32s} {'ours GB/s':>10s} {'plain GB/s':>11s} {'ours/plain':>11s} {'(medians)':>10s}   baseline")
-        for label, nbytes, ours, base, what in rows:
+        for label, which, ours, base, what in ROWS:
+            nbytes = s[which]
             a, b = gbs(nbytes, t[ours]), gbs(nbytes, t[base])
             print(f"{label:32s} {a:10.2f} {b:11.2f} {a / b:11.2f} {med[base] / med[ours]:10.2f}   {what}")
         print(f"async save, blocking: {t['async_block'] * 1e3:.1f} ms per call (first call, allocating its buffer: "
@@ -350,7 +431,9 @@ def main(argv=None) -> None:
     mib = probe_bytes >> 20
     probe = first_touch_probe(mib)
     print(f"\nfirst touch of a fresh {mib} MiB buffer (one process, one thread, median of 3; copy into it): "
-          + "; ".join(f"{pages} pages {pause} {ms:.0f} ms" for (pages, pause), ms in probe.items()))
+          + "; ".join(f"{pages} pages {pause} {ms:.0f} ms" for (pages, pause), ms in probe.items()), flush=True)
+    if args.plot:
+        write_chart(args.plot, results, args)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ roofline and against ``torch._foreach_lerp_`` over the parameters' local shards,
 FSDP2 over tensor parallelism (4 ranks, ``--engines fsdp2_tp``): the same transformer on a (dp 2, tp 2)
 mesh, each block's MLP tensor parallel (``fc1`` colwise, ``fc2`` rowwise), then ``fully_shard`` over dp.
 
-Options: ``--engines zero fsdp2 fsdp2_tp module`` (all by default), ``--world-sizes 2 4``, ``--rounds 25``, ``--quick`` (small models, for a smoke test).
+Options: ``--engines zero fsdp2 fsdp2_tp module`` (all by default), ``--world-sizes 2 4``, ``--rounds 25``, ``--quick`` (small models, for a smoke test),
+``--json PATH`` (the raw per-rank results), ``--plot PATH`` (a PNG chart of the "x roofline" figures, one panel per
+engine configuration, stamped with the machine and the commit; needs matplotlib, the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -738,13 +740,20 @@ def _mb(b: int) -> str:
     return f"{b / 2**20:.1f}"
 
 
-def report(all_results, command: str, overhead_rows: list[dict], plain: dict | None = None) -> str:
-    lines, checks, groups = [], [], {}
+def _grouped(all_results) -> tuple[dict, dict]:
+    """The per-rank reports by (world size, stage, model): DeepSpeed configs, then FSDP2 configs."""
+    groups: dict = {}
     fsdp2_groups: dict = {}
     for per_world in all_results:
         for rep in (rep for per_rank in per_world for rep in per_rank):
             into = fsdp2_groups if str(rep["stage"]).startswith("fsdp2") else groups
             into.setdefault((rep["world_size"], rep["stage"], rep["model"]), []).append(rep)
+    return groups, fsdp2_groups
+
+
+def report(all_results, command: str, overhead_rows: list[dict], plain: dict | None = None) -> str:
+    lines, checks = [], []
+    groups, fsdp2_groups = _grouped(all_results)
     order = sorted(groups, key=lambda g: (g[0], -g[1], g[2]))
     for w, stage, model in order:
         reps = groups[(w, stage, model)]
@@ -839,12 +848,76 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
     return "\n".join(lines)
 
 
+# Bars of the chart (``--plot``): key, short label, kind (see benchmarks/_charts.py), per engine family.
+CHART_BARS = {
+    "zero": [
+        ("lib", "functional_ema: local_shards + update", "ours"),
+        ("lib_update_only", "functional_ema: update alone", "ours"),
+        ("lib_k2", "functional_ema: K=2 EMAs (vs the K=2 roofline)", "ours"),
+        ("litema", "LitEma formula on local shards", "peer"),
+        ("gather_all", "gather everything (diffusers / DSEma)", "peer"),
+        ("ds_chat", "per-param gather (DeepSpeed-Chat)", "peer"),
+        ("roofline_again", "noise check: the roofline again", "reference"),
+    ],
+    "fsdp2": [
+        ("lib", "functional_ema: local_shards + update", "ours"),
+        ("lib_update_only", "functional_ema: update alone", "ours"),
+        ("lib_one_buffer", "after flatten_local_shards: local_shards + update", "ours"),
+        ("lib_one_buffer_update_only", "after flatten_local_shards: update alone", "ours"),
+        ("foreach", "torch._foreach_lerp_ over the local shards", "peer"),
+        ("roofline_again", "noise check: the roofline again", "reference"),
+    ],
+}
+
+
+def _config_order(item) -> tuple:
+    """The report's order: by world size, ZeRO-3 before ZeRO-2, then FSDP2, then FSDP2 over TP."""
+    (w, stage, model), _ = item
+    return (w, -stage if isinstance(stage, int) else 0, str(stage), model)
+
+
+def chart_panels(all_results, plain: dict | None = None) -> list:
+    """The "x roofline" figures of :func:`report` as chart panels, one per engine configuration."""
+    from benchmarks._charts import Bar, Panel
+
+    groups, fsdp2_groups = _grouped(all_results)
+    panels = []
+    for family, grouped in (("zero", groups), ("fsdp2", fsdp2_groups)):
+        for (w, stage, model), reps in sorted(grouped.items(), key=_config_order):
+            r0 = reps[0]
+            engine = {"fsdp2": "FSDP2", "fsdp2_tp": "FSDP2 over tensor parallel 2"}.get(str(stage), f"DeepSpeed ZeRO-{stage}")
+            bars = [Bar(label, _paired_ratio([r["rounds"][k] for r in reps]), kind) for k, label, kind in CHART_BARS[family]]
+            panels.append(Panel(f"{engine}, {w} ranks, {model} ({r0['tensors']} tensors, {r0['params'] / 1e6:.1f}M params)", bars))
+    if plain is not None:
+        xr = plain["x_roofline"]
+        panels.append(Panel(f"plain module, one process, transformer ({plain['tensors']} tensors, {plain['params'] / 1e6:.1f}M params)", [
+            Bar("functional_ema: local_shards + update", xr["lib"], "ours"),
+            Bar("after flatten_parameters: local_shards + update", xr["lib_flat"], "ours"),
+            Bar("torch._foreach_lerp_ over the parameters", xr["foreach"], "peer"),
+        ]))
+    return panels
+
+
+def write_chart(path: str, all_results, plain: dict | None, rounds: int):
+    """Write the "x roofline" chart of this run to ``path`` (skipped with one line without matplotlib)."""
+    from benchmarks._charts import write_bar_chart
+
+    return write_bar_chart(
+        path, chart_panels(all_results, plain),
+        title="EMA update time / roofline (one flat lerp_ over the same bytes), lower is better",
+        note=f"CPU, gloo, 1 thread per rank; median over {rounds} paired rounds of the slowest rank's ratio",
+        xlabel="x roofline (log scale)", value_format="{:.2f}x".format, log=True, reference=(1.0, "roofline = 1.0"),
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="tiny models, a smoke test of the script")
     parser.add_argument("--json", type=str, default=None, help="also write the raw per-rank results here")
+    parser.add_argument("--plot", type=str, default=None, metavar="PATH",
+                        help="also write a PNG chart of the x-roofline figures here (needs matplotlib)")
     parser.add_argument("--engines", nargs="+", default=["zero", "fsdp2", "fsdp2_tp", "module"],
                         choices=["zero", "fsdp2", "fsdp2_tp", "module"],
                         help="ZeRO-2/3 configs, the FSDP2 config (2 ranks, transformer), FSDP2 over tensor parallel "
@@ -871,7 +944,9 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(all_results, indent=1))
     plain = plain_module_table(args.rounds, quick=args.quick) if "module" in args.engines else None
-    print(report(all_results, command, overhead_table(), plain))
+    print(report(all_results, command, overhead_table(), plain), flush=True)
+    if args.plot:
+        write_chart(args.plot, all_results, plain, args.rounds)
 
 
 if __name__ == "__main__":

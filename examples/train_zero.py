@@ -7,7 +7,8 @@ gloo by default, CUDA and nccl when GPUs are present). Every step it updates the
 rank's local fp32 master partitions (no communication), every ``--eval-every`` steps it prints the
 held-out loss of the raw weights and of the EMA weights (swapped in, no second model), and at the
 end it saves DeepSpeed's checkpoint with the EMA beside it and rebuilds the full EMA weights from
-the files alone.
+the files alone. With matplotlib installed (the ``plot`` extra) it also draws the two held-out loss
+curves into ``val_loss.png`` in the ``--out`` folder.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def main(args) -> None:
             return float(((engine(x_val).float() - y_val) ** 2).mean())
 
     g = torch.Generator().manual_seed(100 + rank)
+    history = []  # (step, raw, EMA) held-out losses, for the plot
     t0 = time.perf_counter()
     update_time = 0.0
     last = engine.global_steps + args.steps
@@ -130,6 +132,7 @@ def main(args) -> None:
             with fe.swapped(engine, state):
                 ema = val_loss()
             engine.train()
+            history.append((step, raw, ema))
             if rank == 0:
                 print(f"{step:>6} {float(loss.detach()):>11.4f} {raw:>9.4f} {ema:>9.4f}")
     if rank == 0:
@@ -138,6 +141,8 @@ def main(args) -> None:
               f"({100 * update_time / elapsed:.2f}% of the loop)")
 
     finish(engine, state, args, schedule, rank)
+    if rank == 0 and history:
+        plot_losses(history, Path(args.out) / "val_loss.png", f"Held-out loss, ZeRO-{args.stage} {args.dtype} on {world} rank(s)")
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -164,6 +169,29 @@ def finish(engine, state, args, schedule, rank) -> None:
         same = all(torch.equal(full[n].cpu(), full_live[n].cpu()) for n in full_live)
         print(f"saved {out / tag}; offline consolidate == online gather_full: {same}")
         print(f"rebuild the EMA weights any time: python -m functional_ema consolidate {out} ema.safetensors")
+
+
+def plot_losses(history: list[tuple[int, float, float]], path: Path, title: str) -> None:
+    """Draw the held-out loss of the raw and of the EMA weights against the step into a PNG at ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # write a file, open no window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("validation loss plot skipped: matplotlib is not installed (pip install 'functional-ema[plot]')")
+        return
+    steps, raw, ema = zip(*history)
+    fig, ax = plt.subplots(figsize=(6, 3.6), layout="constrained")
+    ax.plot(steps, raw, marker="o", label="raw weights")
+    ax.plot(steps, ema, marker="o", label="EMA weights")
+    ax.set(xlabel="step", ylabel="held-out loss (MSE)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"validation loss curves: {path}")
 
 
 def launch(args) -> None:
