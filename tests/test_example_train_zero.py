@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests._multirank import ROOT, extensions_dir
+from functional_ema._testing.multirank import ROOT, extensions_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
