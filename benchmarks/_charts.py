@@ -67,9 +67,13 @@ def git_commit(root: Path = ROOT) -> str:
     return head.stdout.strip() + ("+changes" if dirty.returncode == 1 else "")
 
 
-def stamp() -> str:
-    """The line every chart carries under its title: machine, commit and date."""
-    return f"{machine()} · commit {git_commit()} · {datetime.date.today().isoformat()}"
+def stamp(device: str | None = None) -> str:
+    """The line every chart carries under its title: machine (or ``device``, e.g. a GPU's name), commit
+    and date. ``FE_COMMIT`` names the commit where the checkout has no git history (a copied tree)."""
+    commit = git_commit()
+    if commit == "unknown":
+        commit = os.environ.get("FE_COMMIT", commit)
+    return f"{device or machine()} · commit {commit} · {datetime.date.today().isoformat()}"
 
 
 def write_bar_chart(
@@ -82,13 +86,15 @@ def write_bar_chart(
     log: bool = False,
     reference: tuple[float, str] | None = None,
     note: str = "",
+    device: str | None = None,
 ) -> Path | None:
     """Write ``panels`` as horizontal bar charts stacked in one PNG at ``path`` and print its path.
 
     Every bar is annotated with ``value_format(value)``, and a thin line separates the groups that each
     start with one of our bars (kind "ours") after other bars; ``reference`` = (x, label) draws a dashed
     vertical line across every panel; ``log`` uses a logarithmic x axis shared by the panels; ``note``
-    is a line under the title, and the line after it names the machine and the commit. Returns the path, or
+    is a line under the title, and the line after it names the machine (``device`` when given, e.g. the
+    GPU the figures come from) and the commit. Returns the path, or
     ``None`` after printing one line when matplotlib is not installed.
     """
     path = Path(path)
@@ -146,7 +152,7 @@ def write_bar_chart(
         handles.append(Line2D([], [], color="black", linestyle="--", label=reference[1]))
     fig.legend(handles=handles, loc="outside lower right", fontsize=8, ncol=len(handles), frameon=False)
     # The stamp goes in the title block: a footer beside the legend would collide with long CPU names.
-    fig.suptitle("\n".join([title, *([note] if note else []), stamp()]), fontsize=10, x=0.01, ha="left")
+    fig.suptitle("\n".join([title, *([note] if note else []), stamp(device)]), fontsize=10, x=0.01, ha="left")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:
 import functional_ema as fe  # noqa: E402
 
 RESULTS: list[tuple[str, bool, str]] = []  # (check, passed, figures)  -- filled by main() only
+TIMINGS: list[tuple[str, dict[str, float]]] = []  # (panel title, {approach: x roofline}) -- for the chart
 
 
 def record(name: str, ok: bool, figures: str = "") -> None:
@@ -122,6 +123,9 @@ def time_update_against_peers(n_tensors: int, per: int) -> None:
     t_foreach = cuda_time(lambda: torch._foreach_lerp_(emas, weights, 0.001))
     t_loop = cuda_time(per_tensor_lerp)
     gbs = numel * 12 / (t_lib * 1e-3) / 1e9
+    TIMINGS.append((f"{n_tensors} fp32 tensors, {numel / 1e6:.0f}M elements ({numel * 12 / 1e9:.2f} GB moved per update)",
+                    {"fe.update": t_lib / t_roof, "torch._foreach_lerp_": t_foreach / t_roof,
+                     "per-tensor lerp_ loop": t_loop / t_roof}))
     record(f"CUDA update timing, {n_tensors} tensors, {numel / 1e6:.0f}M elements (fp32, K=1)", True,
            f"fe.update {t_lib:.3f} ms ({gbs:.0f} GB/s) = {t_lib / t_roof:.2f}x one flat lerp_ ({t_roof:.3f} ms); "
            f"_foreach_lerp_ {t_foreach:.3f} ms ({t_foreach / t_roof:.2f}x); per-tensor lerp_ loop {t_loop:.3f} ms ({t_loop / t_roof:.2f}x)")
@@ -275,7 +279,24 @@ def _init_world_of_one() -> None:
     torch.cuda.set_device(0)
 
 
-def main() -> int:
+def write_chart(path: str) -> None:
+    """The update timings as an "x roofline" PNG (skipped with one line without matplotlib)."""
+    from benchmarks._charts import Bar, Panel, write_bar_chart
+
+    panels = [Panel(title, [Bar(k, v, "ours" if k == "fe.update" else "peer") for k, v in figures.items()])
+              for title, figures in TIMINGS]
+    write_bar_chart(path, panels, title="EMA update time / roofline (one flat lerp_ over the same bytes), lower is better",
+                    note=f"CUDA events, median of 20 after warm-up; torch {torch.__version__}",
+                    xlabel="x roofline (log scale)", value_format="{:.2f}x".format, log=True,
+                    reference=(1.0, "roofline = 1.0"), device=f"{torch.cuda.get_device_name(0)} (one GPU)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plot", metavar="PATH", default=None, help="also write the update timings as a PNG chart")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: CUDA is not available here (torch " + torch.__version__ + "); nothing to check. "
               "Run it on a machine with a GPU and a CUDA build of torch.")
@@ -291,6 +312,8 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - report every check, then fail
             traceback.print_exc()
             record(f"{name} raised {type(e).__name__}: {e}", False)
+    if args.plot and TIMINGS:
+        write_chart(args.plot)
     failed = [r for r in RESULTS if not r[1]]
     print(f"\n{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
