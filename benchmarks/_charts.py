@@ -69,10 +69,8 @@ def git_commit(root: Path = ROOT) -> str:
 
 def stamp(device: str | None = None) -> str:
     """The line every chart carries under its title: machine (or ``device``, e.g. a GPU's name), commit
-    and date. ``FE_COMMIT`` names the commit where the checkout has no git history (a copied tree)."""
-    commit = git_commit()
-    if commit == "unknown":
-        commit = os.environ.get("FE_COMMIT", commit)
+    and date. ``FE_COMMIT``, when set, names the commit (a copied tree whose git history is another's)."""
+    commit = os.environ.get("FE_COMMIT") or git_commit()
     return f"{device or machine()} · commit {commit} · {datetime.date.today().isoformat()}"
 
 
