@@ -24,6 +24,7 @@ of a Hugging Face Llama, and ZeRO++ hpZ. On each layout:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -640,32 +641,290 @@ def test_autotp_training_every_verb(tmp_path):
     assert joined["model.layers.0.mlp.down_proj.weight"].shape == (32, 64)
 
 
-# ----------------------------------------------------------------------- expert parallel (refused)
+# ---------------------------------------------------------------------- expert parallel (DeepSpeed MoE)
 
 
-def moe_worker() -> dict:
-    from deepspeed.moe.layer import MoE
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+NUM_EXPERTS = 4
+_EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
+
+
+class MoENet(torch.nn.Module):
+    """A linear layer, a BatchNorm (module buffers), a DeepSpeed MoE layer (``NUM_EXPERTS`` linear experts over
+    ``ep_size`` expert-parallel ranks, top-1, deterministic routing), a linear head. Expert ``g`` (global index)
+    starts from its own seed, so no two experts are alike: an EMA taken for another expert's cannot pass."""
+
+    def __init__(self, ep_size: int, seed: int):
+        import torch.distributed as dist
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(7, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=NUM_EXPERTS, ep_size=ep_size, k=1,
+                       min_capacity=4, use_rts=False)
+        self.out = torch.nn.Linear(8, 5)
+        # DeepSpeed's default expert-parallel groups are consecutive ranks: this rank is expert-parallel rank rank % ep_size
+        ep, local = dist.get_rank() % ep_size, NUM_EXPERTS // ep_size
+        with torch.no_grad():
+            for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                g = torch.Generator().manual_seed(1000 * seed + ep * local + i)
+                for p in expert.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        h, aux, _ = self.moe(torch.tanh(self.norm(self.inp(x))))
+        return self.out(h), aux
+
+
+def _moe_engine(ep_size: int, seed: int, stage: int = 2):
     import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    from tests._integration_models import quiet
     from tests._multirank import ds_config
 
+    model = MoENet(ep_size, seed)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(stage))
+    return engine
+
+
+def _moe_batch(step: int):
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(1234 + 1000 * step + dist.get_rank())
+    return torch.randn(16, 7, generator=g), torch.randn(16, 5, generator=g)
+
+
+def _moe_train(engine, step: int) -> None:
+    x, y = _moe_batch(step)
+    out, aux = engine(x)
+    engine.backward(((out - y) ** 2).mean() + aux)
+    engine.step()
+
+
+def _global_name(name: str, ep: int, local: int) -> str:
+    """The test's own renaming (independent of the library's): local expert i of expert-parallel rank ep is
+    global expert ep * local + i, as DeepSpeed's own MoE checkpoint names it."""
+    if not name.startswith(_EXPERTS):
+        return name
+    i, rest = name[len(_EXPERTS):].split(".", 1)
+    return f"{_EXPERTS}{ep * local + int(i)}.{rest}"
+
+
+def _moe_reference(engine) -> dict[str, torch.Tensor]:
+    """DeepSpeed's full fp32 master (``safe_get_full_fp32_param``: a collective over each parameter's partition
+    group) of every non-expert parameter and of this rank's experts, keyed by GLOBAL expert index; the
+    expert-parallel rank from DeepSpeed's own groups."""
+    from deepspeed.utils import groups, safe_get_full_fp32_param
+
+    ep_size = engine.module.moe.ep_size
+    ep = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
+    out = {}
+    for n, p in engine.module.named_parameters():
+        out[_global_name(n, ep, NUM_EXPERTS // ep_size)] = safe_get_full_fp32_param(p).detach().clone().float()
+    return out
+
+
+def _moe_swap_check(engine, state) -> dict:
+    """``swapped``: the forward equals the same engine with the gathered EMA copied into its module parameters by
+    plain torch (local expert names mapped to global ones by the test); training inside is refused."""
+    from deepspeed.utils import groups
+
+    ep_size = engine.module.moe.ep_size
+    ep = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
+    full = fe.gather_full(state, engine)
+    x, _ = _moe_batch(99)
+    engine.eval()
+    with torch.no_grad(), fe.swapped(engine, state):
+        inside = engine(x)[0]
+        try:
+            engine.backward(torch.zeros(()))
+            refused = False
+        except fe.SwappedTrainingError:
+            refused = True
+    params = dict(engine.module.named_parameters())
+    live = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(full[_global_name(n, ep, NUM_EXPERTS // ep_size)])
+        manual = engine(x)[0]
+        plain = {n: p.detach().clone() for n, p in params.items()}
+        for n, p in params.items():
+            p.copy_(live[n])
+    engine.train()
+    return {"swapped_equal": torch.equal(inside, manual), "training_refused": refused,
+            "swap_changed_weights": any(not torch.equal(plain[n], live[n]) for n in params)}
+
+
+def moe_worker(out: str, phase: str) -> dict:
+    import torch.distributed as dist
+
+    from functional_ema import posthoc
+    from tests._integration_models import quiet
+
     quiet()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 8))
-    model.moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(2))
-    try:
-        fe.local_shards(engine)
-    except NotImplementedError as e:
-        return {"refused": str(e)}
-    return {"refused": None}
+    out = Path(out)
+    rank = dist.get_rank()
+    report: dict = {}
+    if phase == "train":  # 4 ranks, expert parallel 2, ZeRO-2
+        engine = _moe_engine(2, seed=0)
+        layout = fe.shard_layout(engine)
+        report["world"], report["experts"] = layout.world_size, list(layout.experts[:2])
+        report["names"] = list(layout.specs)
+        report["held"] = sorted(n for n, s in layout.specs.items() if s.numel)
+        shards = fe.local_shards(engine)
+        opt = engine.optimizer  # zero-copy: every piece is a view of DeepSpeed's fp32 partitions
+        flats = {t.untyped_storage().data_ptr() for t in opt.single_partition_of_fp32_groups}
+        report["views_of_masters"] = all(shards[n].untyped_storage().data_ptr() in flats for n in report["held"])
+        state = fe.init_ema(shards, num_emas=2)
+        bufs = fe.buffers.init_buffers(engine, num_emas=2)
+        ref = _Ref(_moe_reference(engine), 0)
+        sent = 0
+        for step in range(1, STEPS + 1):
+            _moe_train(engine, step)
+            state, n = _zero_bytes_update(state, engine, step)
+            sent += n
+            bufs = fe.buffers.update_buffers(bufs, engine, step, decay=list(DECAYS))
+            ref.feed(_moe_reference(engine), step)
+            if step % 2 == 0:
+                posthoc.save_snapshot(state, engine, out / "snaps", list(DECAYS))
+            if step == SAVE_AT:
+                fe.save(state, engine, out / "ck", decay=list(DECAYS), buffers=bufs)
+                engine.save_checkpoint(str(out / "ck"))
+                fe.AsyncSaver().save(state, engine, out / "ck_async", "t").wait()
+                gathered = fe.gather_full(state, engine)
+                report["gathered_at_save_equal_ref"] = all(torch.equal(gathered[n], t) for n, t in ref.emas[0].items())
+                _save_tensors(out / f"bufs{rank}.safetensors", bufs.emas[0])
+                if rank == 0:
+                    _save_tensors(out / f"gathered{SAVE_AT}.safetensors", gathered)
+        report["collectives_in_update"] = sent
+        final = fe.gather_full(state, engine)
+        report["ref_names"] = sorted(ref.emas[0])
+        report["final_equal_ref"] = all(torch.equal(final[n], t) for n, t in ref.emas[0].items()) and all(
+            torch.equal(fe.gather_full(state, engine, index=1)[n], t) for n, t in ref.emas[1].items())
+        experts = [final[f"{_EXPERTS}{g}.weight"] for g in range(NUM_EXPERTS)]
+        report["experts_distinct"] = all(not torch.equal(a, b) for i, a in enumerate(experts) for b in experts[i + 1:])
+        if rank == 0:
+            _save_tensors(out / "final.safetensors", final)
+        report.update(_moe_swap_check(engine, state))
+        return report
+    if phase == "resume":  # fresh processes, other initial weights: everything comes from the files
+        engine = _moe_engine(2, seed=9)
+        engine.load_checkpoint(str(out / "ck"))
+        loaded = fe.checkpoint.load_checkpoint(engine, out / "ck", buffers=True)
+        state = loaded.state
+        report["loaded_step"] = int(state.step)
+        saved_bufs = _load_tensors(out / f"bufs{rank}.safetensors")
+        report["buffers_equal"] = _equal(dict(loaded.buffers.emas[0]), saved_bufs)
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            _moe_train(engine, step)
+            state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
+        report["continued_bitwise"] = _equal(fe.gather_full(state, engine), _load_tensors(out / "final.safetensors"))
+        saved = _load_tensors(out / f"gathered{SAVE_AT}.safetensors")
+        report["async_equal"] = _equal(fe.gather_full(fe.load(engine, out / "ck_async", "t"), engine), saved)
+        report["snapshot_equal"] = _equal(
+            fe.gather_full(fe.load(engine, out / "snaps", posthoc.snapshot_tag(SAVE_AT)), engine), saved)
+        pieces = posthoc.posthoc_local(out / "snaps", fe.shard_layout(engine), gamma=3.0)
+        local = fe.gather_full(fe.EmaState(torch.tensor(STEPS - 2), (pieces,)), engine)
+        if rank == 0:
+            _save_tensors(out / "posthoc.safetensors", local)
+        return report
+    if phase == "reshard":  # 2 ranks, the same expert-parallel size 2, ZeRO-1: each expert whole on one rank
+        engine = _moe_engine(2, seed=9, stage=1)
+        layout = fe.shard_layout(engine)
+        report["world"], report["experts"] = layout.world_size, list(layout.experts[:2])
+        state = fe.load(engine, out / "ck")
+        full = fe.gather_full(state, engine)
+        report["resharded_equal"] = _equal(full, _load_tensors(out / f"gathered{SAVE_AT}.safetensors"))
+        # and it goes on at 2 ranks: one more step, against the loaded EMA lerped in plain torch
+        ref = _Ref({}, SAVE_AT)
+        ref.emas = [fe.gather_full(state, engine, index=k) for k in range(2)]
+        _moe_train(engine, SAVE_AT + 1)
+        state, sent = _zero_bytes_update(state, engine, SAVE_AT + 1)
+        mine = _moe_reference(engine)
+        ref.feed({n: mine.get(n, ref.emas[0][n]) for n in ref.emas[0]}, SAVE_AT + 1)
+        after = fe.gather_full(state, engine)
+        report["collectives_in_update"] = sent
+        report["continued_equal_ref"] = all(torch.equal(after[n], ref.emas[0][n]) for n in mine)
+        return report
+    if phase == "ep_changed":  # 2 ranks, expert-parallel size 1 (every rank holds all 4 experts): refused
+        engine = _moe_engine(1, seed=9)
+        report["experts"] = list(fe.shard_layout(engine).experts[:2])
+        try:
+            fe.load(engine, out / "ck")
+        except fe.CheckpointError as e:
+            report["refused"] = [type(e).__name__, str(e)]
+        return report
+    raise ValueError(phase)
 
 
-def test_expert_parallel_refused_naming_it():
-    """DeepSpeed MoE (expert parallel 2): its expert pieces are not placed yet, so reading it is refused at
-    once, naming expert parallelism, rather than mixing one expert's EMA with another's."""
-    for r in run_ranks("tests.test_model_parallel:moe_worker", world_size=2, timeout=300):
-        assert r["refused"] and "expert parallelism" in r["refused"], r
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    runs = [run_ranks("tests.test_model_parallel:moe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
+            for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("ep_changed", 2))]
+    return (out, *runs)
+
+
+def test_expert_parallel_every_verb(moe_runs):
+    """DeepSpeed MoE, 4 ranks, expert parallel 2 x expert-data parallel 2, ZeRO-2: expert parameters are named by
+    their global expert index; every verb is checked against DeepSpeed's own full fp32 weights of each expert,
+    taken on the ranks that own it; resumed in fresh processes, resharded to 2 ranks (ZeRO-1), and a changed
+    expert-parallel size refused."""
+    out, train, resume, reshard, changed = moe_runs
+    experts = [f"{_EXPERTS}{g}.{w}" for g in range(NUM_EXPERTS) for w in ("weight", "bias")]
+    covered: set[str] = set()
+    for rank, r in enumerate(train):
+        assert r["world"] == 4 and r["experts"] == [rank % 2, 2], r["experts"]
+        assert set(experts) <= set(r["names"]) and r["names"] == train[0]["names"], r["names"]  # every expert, same order
+        mine = [n for n in experts if int(n[len(_EXPERTS):].split(".")[0]) // 2 == rank % 2]
+        assert set(n for n in r["held"] if n in experts) <= set(mine), (rank, r["held"])  # only its own experts
+        assert r["views_of_masters"] and r["collectives_in_update"] == 0, r
+        assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"] and r["experts_distinct"], rank
+        assert r["swapped_equal"] and r["training_refused"] and r["swap_changed_weights"], r
+        covered |= set(r["ref_names"])
+    assert covered == set(train[0]["names"])  # the reference covers every parameter and expert, from its owners
+    for r in resume:
+        assert r["loaded_step"] == SAVE_AT and r["buffers_equal"], r
+        assert r["continued_bitwise"] and r["async_equal"] and r["snapshot_equal"], r
+    for rank, r in enumerate(reshard):
+        assert r["world"] == 2 and r["experts"] == [rank, 2] and r["resharded_equal"], r
+        assert r["collectives_in_update"] == 0 and r["continued_equal_ref"], r
+    for r in changed:
+        assert r["experts"] == [0, 1]
+        name, msg = r["refused"]
+        assert name == "CheckpointMismatchError" and "expert-parallel size (ep_size) 2" in msg and "size 1" in msg, msg
+
+
+def test_expert_parallel_consolidation(moe_runs, tmp_path):
+    """Offline, from the files alone: every expert once, under its global index, with the values gathered in
+    training; post-hoc EMA offline equals the ranks' own; a manifest claiming another expert-parallel rank for a
+    file, or giving an expert to another rank, is refused naming the field."""
+    import json
+    import shutil
+
+    from functional_ema import posthoc
+
+    out = moe_runs[0]
+    saved = _load_tensors(out / f"gathered{SAVE_AT}.safetensors")
+    full = fe.consolidate(out / "ck")
+    assert _equal(full, saved)
+    assert sorted(n for n in full if n.startswith(_EXPERTS)) == sorted(
+        f"{_EXPERTS}{g}.{w}" for g in range(NUM_EXPERTS) for w in ("weight", "bias"))
+    assert _equal(fe.consolidate(out / "ck_async", "t"), saved)
+    assert _equal(posthoc.posthoc_offline(out / "snaps", gamma=3.0), _load_tensors(out / "posthoc.safetensors"))
+    manifest = fe.checkpoint.read_manifest(out / "ck")
+    assert manifest["experts"]["ep_size"] == 2 and [f["ep"] for f in manifest["files"]] == [0, 1, 0, 1]
+    tag = manifest["tag"]
+    for i, (edit, field) in enumerate(((lambda m: m["files"][1].update(ep=0), "field 'files[1].ep' says expert-parallel rank 0"),
+                                       (lambda m: m["experts"]["owners"].update({f"{_EXPERTS}0.weight": 1}), "field 'experts'"),
+                                       (lambda m: m["files"][0].update(ep=2), "field 'files[0].ep' must be"))):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(out / "ck", bad)
+        mpath = bad / tag / "ema_manifest.json"
+        m = json.loads(mpath.read_text())
+        edit(m)
+        mpath.write_text(json.dumps(m))
+        with pytest.raises(fe.CheckpointError, match=re.escape(field)):
+            fe.consolidate(bad, tag)
