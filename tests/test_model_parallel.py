@@ -928,3 +928,191 @@ def test_expert_parallel_consolidation(moe_runs, tmp_path):
         mpath.write_text(json.dumps(m))
         with pytest.raises(fe.CheckpointError, match=re.escape(field)):
             fe.consolidate(bad, tag)
+
+
+# ------------------------------------------------------------------- Ulysses sequence parallelism
+
+
+class UlyssesMPU:
+    """Ulysses groups for ``deepspeed.initialize(mpu=...)``: sequence-parallel groups of ``sp`` consecutive ranks,
+    data-parallel groups across them, and the sequence-data-parallel group (every rank) ZeRO partitions over.
+    (With ``mesh_param=(dp, sp)`` instead, DeepSpeed 0.19.8 partitions over the data-parallel group only and, on
+    this CPU/gloo setup, the sequence-parallel ranks' fp32 weights drift apart within two steps.)"""
+
+    def __init__(self, sp: int):
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.sp = sp
+        for i in range(world // sp):
+            ranks = list(range(i * sp, (i + 1) * sp))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._sp = g
+        for j in range(sp):
+            ranks = list(range(j, world, sp))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._dp = g
+        for r in range(world):
+            g = dist.new_group([r])
+            if r == rank:
+                self._mp = g
+        self._sdp = dist.new_group(list(range(world)))
+
+    def _rank(self, g):
+        import torch.distributed as dist
+
+        return dist.get_rank(g)
+
+    def _size(self, g):
+        import torch.distributed as dist
+
+        return dist.get_world_size(g)
+
+    def get_sequence_parallel_world_size(self):
+        return self.sp
+
+    def get_sequence_parallel_rank(self):
+        return self._rank(self._sp)
+
+    def get_sequence_parallel_group(self):
+        return self._sp
+
+    def get_sequence_data_parallel_world_size(self):
+        return self._size(self._sdp)
+
+    def get_sequence_data_parallel_rank(self):
+        return self._rank(self._sdp)
+
+    def get_sequence_data_parallel_group(self):
+        return self._sdp
+
+    def get_data_parallel_world_size(self):
+        return self._size(self._dp)
+
+    def get_data_parallel_rank(self):
+        return self._rank(self._dp)
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_group(self):
+        return self._mp
+
+
+class UlyssesAttention(torch.nn.Module):
+    """One attention block over a sequence split across the sequence-parallel group: DeepSpeed's
+    ``DistributedAttention`` (all-to-all: heads scattered, sequence gathered) around a plain softmax attention."""
+
+    def __init__(self, spg, seed: int, hidden: int = 8, heads: int = 2):
+        from deepspeed.sequence.layer import DistributedAttention
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.heads, self.d = heads, hidden // heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+        def local(q, k, v, *_a, **_k):  # [sequence, batch, heads, head dim]
+            s = torch.einsum("sbhd,tbhd->bhst", q, k) / self.d ** 0.5
+            return torch.einsum("bhst,tbhd->sbhd", s.softmax(-1), v)
+
+        self.attn = DistributedAttention(local, spg)
+
+    def forward(self, x):  # [local sequence, batch, hidden]
+        s, b, _ = x.shape
+        q, k, v = self.qkv(x).view(s, b, 3, self.heads, self.d).unbind(2)
+        return self.proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous(), 1).reshape(s, b, -1))
+
+
+def _ulysses_engine(seed: int):
+    import deepspeed
+
+    from tests._multirank import ds_config
+
+    mpu = UlyssesMPU(2)
+    model = UlyssesAttention(mpu.get_sequence_parallel_group(), seed)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=ds_config(2), mpu=mpu)
+    return engine, mpu
+
+
+def _ulysses_batch(mpu, step: int):
+    """This sequence-parallel rank's half of its data-parallel rank's sequence (and target)."""
+    g = torch.Generator().manual_seed(1234 + 1000 * step + mpu.get_data_parallel_rank())
+    x, y = torch.randn(8, 2, 8, generator=g), torch.randn(8, 2, 8, generator=g)
+    sp = mpu.get_sequence_parallel_rank()
+    return x.chunk(2)[sp], y.chunk(2)[sp]
+
+
+def _ulysses_train(engine, mpu, step: int) -> None:
+    x, y = _ulysses_batch(mpu, step)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+
+
+def ulysses_worker(out: str, phase: str) -> dict:
+    from tests._integration_models import quiet
+
+    quiet()
+    out = Path(out)
+    report: dict = {}
+    if phase == "train":
+        engine, mpu = _ulysses_engine(0)
+        layout = fe.shard_layout(engine)
+        report["sp"] = engine.sequence_parallel_size
+        report["world"], report["part"] = layout.world_size, list(layout.part)
+        report["held"] = sum(s.numel for s in layout.specs.values())
+        state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+        ref = _Ref(_reference(engine), 0)
+        sent = 0
+        for step in range(1, STEPS + 1):
+            _ulysses_train(engine, mpu, step)
+            state, n = _zero_bytes_update(state, engine, step)
+            sent += n
+            ref.feed(_reference(engine), step)
+            if step == SAVE_AT:
+                fe.save(state, engine, out / "ck", decay=list(DECAYS))
+                engine.save_checkpoint(str(out / "ck"))
+        report["collectives_in_update"] = sent
+        final = fe.gather_full(state, engine)
+        report["final_equal_ref"] = _equal(final, ref.emas[0]) and _equal(fe.gather_full(state, engine, index=1), ref.emas[1])
+        if torch.distributed.get_rank() == 0:
+            _save_tensors(out / "final.safetensors", final)
+        x, _ = _ulysses_batch(mpu, 99)
+        engine.eval()
+        report.update(_swap_check(engine, state, lambda: engine(x)))
+        return report
+    if phase == "resume":
+        engine, mpu = _ulysses_engine(9)
+        engine.load_checkpoint(str(out / "ck"))
+        state = fe.load(engine, out / "ck")
+        report["loaded_step"] = int(state.step)
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            _ulysses_train(engine, mpu, step)
+            state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
+        report["continued_bitwise"] = _equal(fe.gather_full(state, engine), _load_tensors(out / "final.safetensors"))
+        return report
+    raise ValueError(phase)
+
+
+def test_ulysses_sequence_parallel(tmp_path):
+    """DeepSpeed Ulysses (DistributedAttention, sequence parallel 2 x data parallel 2, ZeRO-2, groups from an mpu):
+    ZeRO partitions over the sequence-data-parallel group (all 4 ranks), which local_shards reads; the EMA is
+    DeepSpeed's full fp32 weights EMA'd in plain torch, bitwise; swapped; saved, resumed in fresh processes, bitwise."""
+    train = run_ranks("tests.test_model_parallel:ulysses_worker", world_size=4, timeout=600, out=str(tmp_path), phase="train")
+    resume = run_ranks("tests.test_model_parallel:ulysses_worker", world_size=4, timeout=600, out=str(tmp_path), phase="resume")
+    for r in train:
+        assert r["sp"] == 2 and r["world"] == 4 and r["part"] == [0, 1, 0, 1], r
+        assert r["collectives_in_update"] == 0 and r["final_equal_ref"], r
+        assert r["swapped_equal"] and r["training_refused"], r
+    assert sum(r["held"] for r in train) == sum(t.numel() for t in _load_tensors(tmp_path / "final.safetensors").values())
+    for r in resume:
+        assert r["loaded_step"] == SAVE_AT and r["continued_bitwise"], r
