@@ -653,14 +653,14 @@ class MoENet(torch.nn.Module):
     ``ep_size`` expert-parallel ranks, top-1, deterministic routing), a linear head. Expert ``g`` (global index)
     starts from its own seed, so no two experts are alike: an EMA taken for another expert's cannot pass."""
 
-    def __init__(self, ep_size: int, seed: int):
+    def __init__(self, ep_size: int, seed: int, buffers: bool = True):
         import torch.distributed as dist
         from deepspeed.moe.layer import MoE
 
         super().__init__()
         torch.manual_seed(seed)
         self.inp = torch.nn.Linear(7, 8)
-        self.norm = torch.nn.BatchNorm1d(8)
+        self.norm = torch.nn.BatchNorm1d(8) if buffers else torch.nn.LayerNorm(8)  # bf16: DeepSpeed leaves BN stats fp32
         self.moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=NUM_EXPERTS, ep_size=ep_size, k=1,
                        min_capacity=4, use_rts=False)
         self.out = torch.nn.Linear(8, 5)
@@ -677,15 +677,15 @@ class MoENet(torch.nn.Module):
         return self.out(h), aux
 
 
-def _moe_engine(ep_size: int, seed: int, stage: int = 2):
+def _moe_engine(ep_size: int, seed: int, stage: int = 2, dtype: str = "fp32"):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     from tests._multirank import ds_config
 
-    model = MoENet(ep_size, seed)
+    model = MoENet(ep_size, seed, buffers=dtype == "fp32")
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(stage))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(stage, dtype))
     return engine
 
 
@@ -698,8 +698,8 @@ def _moe_batch(step: int):
 
 def _moe_train(engine, step: int) -> None:
     x, y = _moe_batch(step)
-    out, aux = engine(x)
-    engine.backward(((out - y) ** 2).mean() + aux)
+    out, aux = engine(x.to(engine.module.inp.weight.dtype))
+    engine.backward(((out.float() - y) ** 2).mean() + aux.float())
     engine.step()
 
 
@@ -855,6 +855,23 @@ def moe_worker(out: str, phase: str) -> dict:
             fe.load(engine, out / "ck")
         except fe.CheckpointError as e:
             report["refused"] = [type(e).__name__, str(e)]
+        # bf16 ZeRO-2, expert parallel 2: the fp32 masters of 16-bit training, against DeepSpeed's
+        engine = _moe_engine(2, seed=5, dtype="bf16")
+        state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+        ref = _Ref(_moe_reference(engine), 0)
+        for step in (1, 2):
+            _moe_train(engine, step)
+            state, _ = _zero_bytes_update(state, engine, step)
+            ref.feed(_moe_reference(engine), step)
+        full = fe.gather_full(state, engine)
+        report["bf16_equal_ref"] = all(torch.equal(full[n], t) for n, t in ref.emas[0].items())
+        report["bf16_param_dtype"] = str(engine.module.inp.weight.dtype)
+        # ZeRO-0 keeps replicated expert copies, which are not placed: refused, naming the stage
+        engine = _moe_engine(2, seed=5, stage=0)
+        try:
+            fe.local_shards(engine)
+        except NotImplementedError as e:
+            report["stage0_refused"] = str(e)
         return report
     raise ValueError(phase)
 
@@ -895,6 +912,8 @@ def test_expert_parallel_every_verb(moe_runs):
         assert r["experts"] == [0, 1]
         name, msg = r["refused"]
         assert name == "CheckpointMismatchError" and "expert-parallel size (ep_size) 2" in msg and "size 1" in msg, msg
+        assert r["bf16_equal_ref"] and r["bf16_param_dtype"] == "torch.bfloat16", r
+        assert "MoE with ZeRO stage 0" in r["stage0_refused"], r
 
 
 def test_expert_parallel_consolidation(moe_runs, tmp_path):
@@ -928,6 +947,44 @@ def test_expert_parallel_consolidation(moe_runs, tmp_path):
         mpath.write_text(json.dumps(m))
         with pytest.raises(fe.CheckpointError, match=re.escape(field)):
             fe.consolidate(bad, tag)
+    # a forger who rewrites rank 1's header AND the manifest to say expert-parallel rank 0 (checksums updated to
+    # match): rank 1 then holds pieces of experts 2 and 3, which expert-parallel rank 1 owns: refused, naming one
+    bad = tmp_path / "forged"
+    shutil.copytree(out / "ck", bad)
+    _forge_layout(bad / tag, 1, lambda lay: lay["experts"].update(ep=0))
+    m = json.loads((bad / tag / "ema_manifest.json").read_text())
+    m["files"][1]["ep"] = 0
+    (bad / tag / "ema_manifest.json").write_text(json.dumps(m))
+    with pytest.raises(fe.CheckpointError, match=r"ema_rank_00001_of_00004.*holds elements of expert parameter "
+                                                 r"'moe\.deepspeed_moe\.experts\.deepspeed_experts\.[23]\..*expert-parallel rank 1"):
+        fe.consolidate(bad, tag)
+
+
+def _forge_layout(tag_dir: Path, rank: int, edit) -> None:
+    """Rewrite the layout in rank ``rank``'s file header (of 4) and the manifest's size and header checksum to
+    match, as a deliberate forger would: only validation, not a checksum, can catch it."""
+    import json
+    import struct
+
+    from functional_ema import _io
+
+    f = tag_dir / f"ema_rank_{rank:05d}_of_00004.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    lay = json.loads(header["__metadata__"]["layout"])
+    edit(lay)
+    header["__metadata__"]["layout"] = json.dumps(lay)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    new = struct.pack("<Q", len(text)) + text
+    f.write_bytes(new + raw[8 + n :])
+    mpath = tag_dir / "ema_manifest.json"
+    m = json.loads(mpath.read_text())
+    e = next(e for e in m["files"] if e["rank"] == rank)
+    e["bytes"] = len(new) + len(raw) - 8 - n
+    e["header_checksum"] = _io.format_checksum(_io.CHECKSUM, _io.CHECKSUMS[_io.CHECKSUM](new))
+    mpath.write_text(json.dumps(m))
 
 
 # ------------------------------------------------------------------- Ulysses sequence parallelism
