@@ -808,6 +808,18 @@ def moe_worker(out: str, phase: str) -> dict:
         if rank == 0:
             _save_tensors(out / "final.safetensors", final)
         report.update(_moe_swap_check(engine, state))
+        # the integrations' copy_to_model: the EMA into DeepSpeed's fp32 masters and the module's parameters
+        from deepspeed.utils import groups
+
+        from functional_ema.integrations import EMAController
+
+        ctl = EMAController(list(DECAYS))
+        ctl.state = state
+        ctl.copy_to_model(engine)
+        ep = groups._get_expert_parallel_rank("ep_size_2")
+        masters = _moe_reference(engine)
+        report["copied_to_model"] = all(torch.equal(masters[n], final[n]) for n in masters) and all(
+            torch.equal(p, final[_global_name(n, ep, NUM_EXPERTS // 2)]) for n, p in engine.module.named_parameters())
         return report
     if phase == "resume":  # fresh processes, other initial weights: everything comes from the files
         engine = _moe_engine(2, seed=9)
@@ -899,7 +911,7 @@ def test_expert_parallel_every_verb(moe_runs):
         assert set(n for n in r["held"] if n in experts) <= set(mine), (rank, r["held"])  # only its own experts
         assert r["views_of_masters"] and r["collectives_in_update"] == 0, r
         assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"] and r["experts_distinct"], rank
-        assert r["swapped_equal"] and r["training_refused"] and r["swap_changed_weights"], r
+        assert r["swapped_equal"] and r["training_refused"] and r["swap_changed_weights"] and r["copied_to_model"], r
         covered |= set(r["ref_names"])
     assert covered == set(train[0]["names"])  # the reference covers every parameter and expert, from its owners
     for r in resume:
