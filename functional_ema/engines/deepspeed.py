@@ -269,7 +269,8 @@ def _ep_rank(layer) -> int:
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
-def place_experts(engine, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], params: dict[str, torch.nn.Parameter]):
+def place_experts(engine, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], params: dict[str, torch.nn.Parameter]
+                  ) -> tuple[dict[str, tuple[torch.Tensor, ShardSpec]], dict[str, torch.nn.Parameter], ExpertLayout]:
     """Expert parameters renamed from their local to their global expert index, and every other
     expert-parallel rank's experts added with an empty piece (in expert order, where the layer's experts
     are): so one name is one tensor on every rank, and the pieces of each expert tile it over the
