@@ -1,9 +1,10 @@
-"""DeepSpeed tensor and pipeline parallelism: every verb on each model-parallel layout (issue 22).
+"""DeepSpeed tensor, pipeline, expert and sequence parallelism: every verb on each layout (issue 22).
 
 Real 8-, 4- and 2-rank launches on CPU (gloo): DeepSpeed engines built with ``mpu=`` (a Megatron-style
 tensor-parallel MLP, :class:`tests._multirank.TPMLP`), as a ``PipelineEngine`` (stages x data parallel,
 a BatchNorm in the first stage), both at once (tensor 2 x pipeline 2 x data parallel 2), AutoTP training
-of a Hugging Face Llama, and ZeRO++ hpZ. On each layout:
+of a Hugging Face Llama, ZeRO++ hpZ, DeepSpeed MoE (expert parallel 2 x expert-data parallel 2: expert
+parameters named by their global expert index) and Ulysses sequence parallelism. On each layout:
 
 * ``local_shards`` places the rank in its model-parallel part (tensor-parallel rank, pipeline stage);
   ``update`` sends 0 bytes;

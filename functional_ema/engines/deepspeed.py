@@ -39,7 +39,8 @@ def is_deepspeed_engine(x: Any) -> bool:
 
 
 class DeepSpeedAdapter(Adapter):
-    """A ``deepspeed.DeepSpeedEngine``: ZeRO stages 0-3, fp32/bf16/fp16, CPU offload."""
+    """A ``deepspeed.DeepSpeedEngine``: ZeRO stages 0-3, fp32/bf16/fp16, CPU offload, tensor/pipeline parallelism,
+    MoE expert parallelism (ZeRO-1/2), Ulysses sequence parallelism."""
 
     name = "deepspeed"
 
