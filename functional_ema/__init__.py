@@ -13,7 +13,7 @@ from . import buffers, dcp, posthoc, schedules
 from ._api import StateMismatchError, SwappedTrainingError, gather_full, local_shards, process_group, shard_layout, swapped
 from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info
 from ._errors import MismatchError
-from ._layout import ModelPart, ShardLayout, ShardSpec
+from ._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
 from ._tree import TreeMismatchError
@@ -29,8 +29,9 @@ __all__ = [
     "AsyncSaver",
     "CheckpointError",
     "EmaState",
-    "ModelPart",
+    "ExpertLayout",
     "MismatchError",
+    "ModelPart",
     "NonFiniteError",
     "SaveHandle",
     "SegmentIndex",

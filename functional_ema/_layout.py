@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["ShardSpec", "ShardLayout", "ModelPart"]
+__all__ = ["ShardSpec", "ShardLayout", "ModelPart", "ExpertLayout"]
 
 
 class ShardSpec(NamedTuple):
@@ -71,6 +71,30 @@ class ModelPart(NamedTuple):
         return {"tp": self.tp, "tp_size": self.tp_size, "pp": self.pp, "pp_size": self.pp_size}
 
 
+class ExpertLayout(NamedTuple):
+    """Expert parallelism (mixture of experts): which experts this rank holds.
+
+    Expert parameters are named by their *global* expert index (the same name on every rank that holds
+    a piece of that expert, another name for every other expert), and every rank lists every expert:
+    the ones held by another expert-parallel rank with an empty piece. So the pieces of each expert
+    tile it over the data-parallel group like any other parameter's, and ``gather_full``, ``save``,
+    ``consolidate`` need nothing else; this record is what a checkpoint is checked against.
+
+    Attributes:
+        ep: this rank's expert-parallel rank, in ``[0, ep_size)``.
+        ep_size: the expert-parallel degree (every MoE layer's).
+        owners: expert parameter name (global index) -> the expert-parallel rank that holds it; only
+            ranks of that expert-parallel rank may hold (non-empty) pieces of it.
+    """
+
+    ep: int
+    ep_size: int
+    owners: dict[str, int]
+
+    def to_json_dict(self) -> dict:
+        return {"ep": self.ep, "ep_size": self.ep_size, "owners": dict(self.owners)}
+
+
 class ShardLayout(NamedTuple):
     """How a name-keyed tree of local shards maps onto full parameters.
 
@@ -94,6 +118,8 @@ class ShardLayout(NamedTuple):
             Only replica 0 writes checkpoint files; every replica reads them. Not part of the
             checkpoint format: an HSDP checkpoint is the checkpoint of one of its groups.
         replicas: the number of such copies (1: no replication across data-parallel groups).
+        experts: where this rank sits in expert parallelism (:class:`ExpertLayout`), or ``None``
+            without mixture-of-experts layers.
     """
 
     rank: int
@@ -105,6 +131,7 @@ class ShardLayout(NamedTuple):
     tp_dims: dict[str, int | None] | None = None
     replica: int = 0
     replicas: int = 1
+    experts: ExpertLayout | None = None
 
     @property
     def writes_pieces(self) -> bool:
@@ -129,11 +156,15 @@ class ShardLayout(NamedTuple):
             d["part"] = self.part.to_json_dict()
         if self.tp_dims is not None:
             d["tp_dims"] = dict(self.tp_dims)
+        if self.experts is not None:
+            d["experts"] = self.experts.to_json_dict()
         return d
 
     @classmethod
     def from_json_dict(cls, d: dict) -> "ShardLayout":
         specs = {n: ShardSpec(tuple(int(x) for x in v[0]), int(v[1]), int(v[2])) for n, v in d["specs"].items()}
         part = ModelPart(**{k: int(v) for k, v in d["part"].items()}) if d.get("part") else ModelPart()
+        e = d.get("experts")
+        experts = ExpertLayout(int(e["ep"]), int(e["ep_size"]), {n: int(o) for n, o in e["owners"].items()}) if e else None
         return cls(int(d["rank"]), int(d["world_size"]), int(d["stage"]), specs, str(d.get("engine", "deepspeed")), part,
-                   d.get("tp_dims"))
+                   d.get("tp_dims"), experts=experts)

@@ -414,6 +414,7 @@ def load_checkpoint(
 
     def run():
         with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
+            ckpt.check_experts(layout)
             ckpt.check_model(layout.specs)
             if dtype is not None and dtype != ckpt.dtype:
                 raise CheckpointMismatchError(

@@ -1,9 +1,10 @@
-"""DeepSpeed tensor and pipeline parallelism: every verb on each model-parallel layout (issue 22).
+"""DeepSpeed tensor, pipeline, expert and sequence parallelism: every verb on each layout (issue 22).
 
 Real 8-, 4- and 2-rank launches on CPU (gloo): DeepSpeed engines built with ``mpu=`` (a Megatron-style
 tensor-parallel MLP, :class:`functional_ema._testing.multirank.TPMLP`), as a ``PipelineEngine`` (stages x data parallel,
 a BatchNorm in the first stage), both at once (tensor 2 x pipeline 2 x data parallel 2), AutoTP training
-of a Hugging Face Llama, and ZeRO++ hpZ. On each layout:
+of a Hugging Face Llama, ZeRO++ hpZ, DeepSpeed MoE (expert parallel 2 x expert-data parallel 2: expert
+parameters named by their global expert index) and Ulysses sequence parallelism. On each layout:
 
 * ``local_shards`` places the rank in its model-parallel part (tensor-parallel rank, pipeline stage);
   ``update`` sends 0 bytes;
@@ -24,6 +25,7 @@ of a Hugging Face Llama, and ZeRO++ hpZ. On each layout:
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -640,32 +642,547 @@ def test_autotp_training_every_verb(tmp_path):
     assert joined["model.layers.0.mlp.down_proj.weight"].shape == (32, 64)
 
 
-# ----------------------------------------------------------------------- expert parallel (refused)
+# ---------------------------------------------------------------------- expert parallel (DeepSpeed MoE)
 
 
-def moe_worker() -> dict:
-    from deepspeed.moe.layer import MoE
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+NUM_EXPERTS = 4
+_EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
+
+
+class MoENet(torch.nn.Module):
+    """A linear layer, a BatchNorm (module buffers), a DeepSpeed MoE layer (``NUM_EXPERTS`` linear experts over
+    ``ep_size`` expert-parallel ranks, top-1, deterministic routing), a linear head. Expert ``g`` (global index)
+    starts from its own seed, so no two experts are alike: an EMA taken for another expert's cannot pass."""
+
+    def __init__(self, ep_size: int, seed: int, buffers: bool = True):
+        import torch.distributed as dist
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(7, 8)
+        self.norm = torch.nn.BatchNorm1d(8) if buffers else torch.nn.LayerNorm(8)  # bf16: DeepSpeed leaves BN stats fp32
+        self.moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=NUM_EXPERTS, ep_size=ep_size, k=1,
+                       min_capacity=4, use_rts=False)
+        self.out = torch.nn.Linear(8, 5)
+        # DeepSpeed's default expert-parallel groups are consecutive ranks: this rank is expert-parallel rank rank % ep_size
+        ep, local = dist.get_rank() % ep_size, NUM_EXPERTS // ep_size
+        with torch.no_grad():
+            for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                g = torch.Generator().manual_seed(1000 * seed + ep * local + i)
+                for p in expert.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        h, aux, _ = self.moe(torch.tanh(self.norm(self.inp(x))))
+        return self.out(h), aux
+
+
+def _moe_engine(ep_size: int, seed: int, stage: int = 2, dtype: str = "fp32"):
     import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    from tests._integration_models import quiet
     from functional_ema._testing.multirank import ds_config
 
+    model = MoENet(ep_size, seed, buffers=dtype == "fp32")
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(stage, dtype))
+    return engine
+
+
+def _moe_batch(step: int):
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(1234 + 1000 * step + dist.get_rank())
+    return torch.randn(16, 7, generator=g), torch.randn(16, 5, generator=g)
+
+
+def _moe_train(engine, step: int) -> None:
+    x, y = _moe_batch(step)
+    out, aux = engine(x.to(engine.module.inp.weight.dtype))
+    engine.backward(((out.float() - y) ** 2).mean() + aux.float())
+    engine.step()
+
+
+def _global_name(name: str, ep: int, local: int) -> str:
+    """The test's own renaming (independent of the library's): local expert i of expert-parallel rank ep is
+    global expert ep * local + i, as DeepSpeed's own MoE checkpoint names it."""
+    if not name.startswith(_EXPERTS):
+        return name
+    i, rest = name[len(_EXPERTS):].split(".", 1)
+    return f"{_EXPERTS}{ep * local + int(i)}.{rest}"
+
+
+def _moe_reference(engine) -> dict[str, torch.Tensor]:
+    """DeepSpeed's full fp32 master (``safe_get_full_fp32_param``: a collective over each parameter's partition
+    group) of every non-expert parameter and of this rank's experts, keyed by GLOBAL expert index; the
+    expert-parallel rank from DeepSpeed's own groups."""
+    from deepspeed.utils import groups, safe_get_full_fp32_param
+
+    ep_size = engine.module.moe.ep_size
+    ep = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
+    out = {}
+    for n, p in engine.module.named_parameters():
+        out[_global_name(n, ep, NUM_EXPERTS // ep_size)] = safe_get_full_fp32_param(p).detach().clone().float()
+    return out
+
+
+def _moe_swap_check(engine, state) -> dict:
+    """``swapped``: the forward equals the same engine with the gathered EMA copied into its module parameters by
+    plain torch (local expert names mapped to global ones by the test); training inside is refused."""
+    from deepspeed.utils import groups
+
+    ep_size = engine.module.moe.ep_size
+    ep = groups._get_expert_parallel_rank(f"ep_size_{ep_size}")
+    full = fe.gather_full(state, engine)
+    x, _ = _moe_batch(99)
+    engine.eval()
+    with torch.no_grad(), fe.swapped(engine, state):
+        inside = engine(x)[0]
+        try:
+            engine.backward(torch.zeros(()))
+            refused = False
+        except fe.SwappedTrainingError:
+            refused = True
+    params = dict(engine.module.named_parameters())
+    live = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(full[_global_name(n, ep, NUM_EXPERTS // ep_size)])
+        manual = engine(x)[0]
+        plain = {n: p.detach().clone() for n, p in params.items()}
+        for n, p in params.items():
+            p.copy_(live[n])
+    engine.train()
+    return {"swapped_equal": torch.equal(inside, manual), "training_refused": refused,
+            "swap_changed_weights": any(not torch.equal(plain[n], live[n]) for n in params)}
+
+
+def moe_worker(out: str, phase: str) -> dict:
+    import torch.distributed as dist
+
+    from functional_ema import posthoc
+    from tests._integration_models import quiet
+
     quiet()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 8))
-    model.moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(2))
-    try:
-        fe.local_shards(engine)
-    except NotImplementedError as e:
-        return {"refused": str(e)}
-    return {"refused": None}
+    out = Path(out)
+    rank = dist.get_rank()
+    report: dict = {}
+    if phase == "train":  # 4 ranks, expert parallel 2, ZeRO-2
+        engine = _moe_engine(2, seed=0)
+        layout = fe.shard_layout(engine)
+        report["world"], report["experts"] = layout.world_size, list(layout.experts[:2])
+        report["names"] = list(layout.specs)
+        report["held"] = sorted(n for n, s in layout.specs.items() if s.numel)
+        shards = fe.local_shards(engine)
+        opt = engine.optimizer  # zero-copy: every piece is a view of DeepSpeed's fp32 partitions
+        flats = {t.untyped_storage().data_ptr() for t in opt.single_partition_of_fp32_groups}
+        report["views_of_masters"] = all(shards[n].untyped_storage().data_ptr() in flats for n in report["held"])
+        state = fe.init_ema(shards, num_emas=2)
+        bufs = fe.buffers.init_buffers(engine, num_emas=2)
+        ref = _Ref(_moe_reference(engine), 0)
+        sent = 0
+        for step in range(1, STEPS + 1):
+            _moe_train(engine, step)
+            state, n = _zero_bytes_update(state, engine, step)
+            sent += n
+            bufs = fe.buffers.update_buffers(bufs, engine, step, decay=list(DECAYS))
+            ref.feed(_moe_reference(engine), step)
+            if step % 2 == 0:
+                posthoc.save_snapshot(state, engine, out / "snaps", list(DECAYS))
+            if step == SAVE_AT:
+                fe.save(state, engine, out / "ck", decay=list(DECAYS), buffers=bufs)
+                engine.save_checkpoint(str(out / "ck"))
+                fe.AsyncSaver().save(state, engine, out / "ck_async", "t").wait()
+                gathered = fe.gather_full(state, engine)
+                report["gathered_at_save_equal_ref"] = all(torch.equal(gathered[n], t) for n, t in ref.emas[0].items())
+                _save_tensors(out / f"bufs{rank}.safetensors", bufs.emas[0])
+                if rank == 0:
+                    _save_tensors(out / f"gathered{SAVE_AT}.safetensors", gathered)
+        report["collectives_in_update"] = sent
+        final = fe.gather_full(state, engine)
+        report["ref_names"] = sorted(ref.emas[0])
+        report["final_equal_ref"] = all(torch.equal(final[n], t) for n, t in ref.emas[0].items()) and all(
+            torch.equal(fe.gather_full(state, engine, index=1)[n], t) for n, t in ref.emas[1].items())
+        experts = [final[f"{_EXPERTS}{g}.weight"] for g in range(NUM_EXPERTS)]
+        report["experts_distinct"] = all(not torch.equal(a, b) for i, a in enumerate(experts) for b in experts[i + 1:])
+        if rank == 0:
+            _save_tensors(out / "final.safetensors", final)
+        report.update(_moe_swap_check(engine, state))
+        # the integrations' copy_to_model: the EMA into DeepSpeed's fp32 masters and the module's parameters
+        from deepspeed.utils import groups
+
+        from functional_ema.integrations import EMAController
+
+        ctl = EMAController(list(DECAYS))
+        ctl.state = state
+        ctl.copy_to_model(engine)
+        ep = groups._get_expert_parallel_rank("ep_size_2")
+        masters = _moe_reference(engine)
+        report["copied_to_model"] = all(torch.equal(masters[n], final[n]) for n in masters) and all(
+            torch.equal(p, final[_global_name(n, ep, NUM_EXPERTS // 2)]) for n, p in engine.module.named_parameters())
+        return report
+    if phase == "resume":  # fresh processes, other initial weights: everything comes from the files
+        engine = _moe_engine(2, seed=9)
+        engine.load_checkpoint(str(out / "ck"))
+        loaded = fe.checkpoint.load_checkpoint(engine, out / "ck", buffers=True)
+        state = loaded.state
+        report["loaded_step"] = int(state.step)
+        saved_bufs = _load_tensors(out / f"bufs{rank}.safetensors")
+        report["buffers_equal"] = _equal(dict(loaded.buffers.emas[0]), saved_bufs)
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            _moe_train(engine, step)
+            state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
+        report["continued_bitwise"] = _equal(fe.gather_full(state, engine), _load_tensors(out / "final.safetensors"))
+        saved = _load_tensors(out / f"gathered{SAVE_AT}.safetensors")
+        report["async_equal"] = _equal(fe.gather_full(fe.load(engine, out / "ck_async", "t"), engine), saved)
+        report["snapshot_equal"] = _equal(
+            fe.gather_full(fe.load(engine, out / "snaps", posthoc.snapshot_tag(SAVE_AT)), engine), saved)
+        pieces = posthoc.posthoc_local(out / "snaps", fe.shard_layout(engine), gamma=3.0)
+        local = fe.gather_full(fe.EmaState(torch.tensor(STEPS - 2), (pieces,)), engine)
+        if rank == 0:
+            _save_tensors(out / "posthoc.safetensors", local)
+        return report
+    if phase == "reshard":  # 2 ranks, the same expert-parallel size 2, ZeRO-1: each expert whole on one rank
+        engine = _moe_engine(2, seed=9, stage=1)
+        layout = fe.shard_layout(engine)
+        report["world"], report["experts"] = layout.world_size, list(layout.experts[:2])
+        state = fe.load(engine, out / "ck")
+        full = fe.gather_full(state, engine)
+        report["resharded_equal"] = _equal(full, _load_tensors(out / f"gathered{SAVE_AT}.safetensors"))
+        # and it goes on at 2 ranks: one more step, against the loaded EMA lerped in plain torch
+        ref = _Ref({}, SAVE_AT)
+        ref.emas = [fe.gather_full(state, engine, index=k) for k in range(2)]
+        _moe_train(engine, SAVE_AT + 1)
+        state, sent = _zero_bytes_update(state, engine, SAVE_AT + 1)
+        mine = _moe_reference(engine)
+        ref.feed({n: mine.get(n, ref.emas[0][n]) for n in ref.emas[0]}, SAVE_AT + 1)
+        after = fe.gather_full(state, engine)
+        report["collectives_in_update"] = sent
+        report["continued_equal_ref"] = all(torch.equal(after[n], ref.emas[0][n]) for n in mine)
+        return report
+    if phase == "ep_changed":  # 2 ranks, expert-parallel size 1 (every rank holds all 4 experts): refused
+        engine = _moe_engine(1, seed=9)
+        report["experts"] = list(fe.shard_layout(engine).experts[:2])
+        try:
+            fe.load(engine, out / "ck")
+        except fe.CheckpointError as e:
+            report["refused"] = [type(e).__name__, str(e)]
+        # bf16 ZeRO-2, expert parallel 2: the fp32 masters of 16-bit training, against DeepSpeed's
+        engine = _moe_engine(2, seed=5, dtype="bf16")
+        state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+        ref = _Ref(_moe_reference(engine), 0)
+        for step in (1, 2):
+            _moe_train(engine, step)
+            state, _ = _zero_bytes_update(state, engine, step)
+            ref.feed(_moe_reference(engine), step)
+        full = fe.gather_full(state, engine)
+        report["bf16_equal_ref"] = all(torch.equal(full[n], t) for n, t in ref.emas[0].items())
+        report["bf16_param_dtype"] = str(engine.module.inp.weight.dtype)
+        # ZeRO-0 keeps replicated expert copies, which are not placed: refused, naming the stage
+        engine = _moe_engine(2, seed=5, stage=0)
+        try:
+            fe.local_shards(engine)
+        except NotImplementedError as e:
+            report["stage0_refused"] = str(e)
+        return report
+    raise ValueError(phase)
 
 
-def test_expert_parallel_refused_naming_it():
-    """DeepSpeed MoE (expert parallel 2): its expert pieces are not placed yet, so reading it is refused at
-    once, naming expert parallelism, rather than mixing one expert's EMA with another's."""
-    for r in run_ranks("tests.test_model_parallel:moe_worker", world_size=2, timeout=300):
-        assert r["refused"] and "expert parallelism" in r["refused"], r
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    runs = [run_ranks("tests.test_model_parallel:moe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
+            for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("ep_changed", 2))]
+    return (out, *runs)
+
+
+def test_expert_parallel_every_verb(moe_runs):
+    """DeepSpeed MoE, 4 ranks, expert parallel 2 x expert-data parallel 2, ZeRO-2: expert parameters are named by
+    their global expert index; every verb is checked against DeepSpeed's own full fp32 weights of each expert,
+    taken on the ranks that own it; resumed in fresh processes, resharded to 2 ranks (ZeRO-1), and a changed
+    expert-parallel size refused."""
+    out, train, resume, reshard, changed = moe_runs
+    experts = [f"{_EXPERTS}{g}.{w}" for g in range(NUM_EXPERTS) for w in ("weight", "bias")]
+    covered: set[str] = set()
+    for rank, r in enumerate(train):
+        assert r["world"] == 4 and r["experts"] == [rank % 2, 2], r["experts"]
+        assert set(experts) <= set(r["names"]) and r["names"] == train[0]["names"], r["names"]  # every expert, same order
+        mine = [n for n in experts if int(n[len(_EXPERTS):].split(".")[0]) // 2 == rank % 2]
+        assert set(n for n in r["held"] if n in experts) <= set(mine), (rank, r["held"])  # only its own experts
+        assert r["views_of_masters"] and r["collectives_in_update"] == 0, r
+        assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"] and r["experts_distinct"], rank
+        assert r["swapped_equal"] and r["training_refused"] and r["swap_changed_weights"] and r["copied_to_model"], r
+        covered |= set(r["ref_names"])
+    assert covered == set(train[0]["names"])  # the reference covers every parameter and expert, from its owners
+    for r in resume:
+        assert r["loaded_step"] == SAVE_AT and r["buffers_equal"], r
+        assert r["continued_bitwise"] and r["async_equal"] and r["snapshot_equal"], r
+    for rank, r in enumerate(reshard):
+        assert r["world"] == 2 and r["experts"] == [rank, 2] and r["resharded_equal"], r
+        assert r["collectives_in_update"] == 0 and r["continued_equal_ref"], r
+    for r in changed:
+        assert r["experts"] == [0, 1]
+        name, msg = r["refused"]
+        assert name == "CheckpointMismatchError" and "expert-parallel size (ep_size) 2" in msg and "size 1" in msg, msg
+        assert r["bf16_equal_ref"] and r["bf16_param_dtype"] == "torch.bfloat16", r
+        assert "MoE with ZeRO stage 0" in r["stage0_refused"], r
+
+
+def test_expert_parallel_consolidation(moe_runs, tmp_path):
+    """Offline, from the files alone: every expert once, under its global index, with the values gathered in
+    training; post-hoc EMA offline equals the ranks' own; a manifest claiming another expert-parallel rank for a
+    file, or giving an expert to another rank, is refused naming the field."""
+    import json
+    import shutil
+
+    from functional_ema import posthoc
+
+    out = moe_runs[0]
+    saved = _load_tensors(out / f"gathered{SAVE_AT}.safetensors")
+    full = fe.consolidate(out / "ck")
+    assert _equal(full, saved)
+    assert sorted(n for n in full if n.startswith(_EXPERTS)) == sorted(
+        f"{_EXPERTS}{g}.{w}" for g in range(NUM_EXPERTS) for w in ("weight", "bias"))
+    assert _equal(fe.consolidate(out / "ck_async", "t"), saved)
+    assert _equal(posthoc.posthoc_offline(out / "snaps", gamma=3.0), _load_tensors(out / "posthoc.safetensors"))
+    manifest = fe.checkpoint.read_manifest(out / "ck")
+    assert manifest["experts"]["ep_size"] == 2 and [f["ep"] for f in manifest["files"]] == [0, 1, 0, 1]
+    tag = manifest["tag"]
+    for i, (edit, field) in enumerate(((lambda m: m["files"][1].update(ep=0), "field 'files[1].ep' says expert-parallel rank 0"),
+                                       (lambda m: m["experts"]["owners"].update({f"{_EXPERTS}0.weight": 1}), "field 'experts'"),
+                                       (lambda m: m["files"][0].update(ep=2), "field 'files[0].ep' must be"))):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(out / "ck", bad)
+        mpath = bad / tag / "ema_manifest.json"
+        m = json.loads(mpath.read_text())
+        edit(m)
+        mpath.write_text(json.dumps(m))
+        with pytest.raises(fe.CheckpointError, match=re.escape(field)):
+            fe.consolidate(bad, tag)
+    # a forger who rewrites rank 1's header AND the manifest to say expert-parallel rank 0 (checksums updated to
+    # match): rank 1 then holds pieces of experts 2 and 3, which expert-parallel rank 1 owns: refused, naming one
+    bad = tmp_path / "forged"
+    shutil.copytree(out / "ck", bad)
+    _forge_layout(bad / tag, 1, lambda lay: lay["experts"].update(ep=0))
+    m = json.loads((bad / tag / "ema_manifest.json").read_text())
+    m["files"][1]["ep"] = 0
+    (bad / tag / "ema_manifest.json").write_text(json.dumps(m))
+    with pytest.raises(fe.CheckpointError, match=r"ema_rank_00001_of_00004.*holds elements of expert parameter "
+                                                 r"'moe\.deepspeed_moe\.experts\.deepspeed_experts\.[23]\..*expert-parallel rank 1"):
+        fe.consolidate(bad, tag)
+
+
+def _forge_layout(tag_dir: Path, rank: int, edit) -> None:
+    """Rewrite the layout in rank ``rank``'s file header (of 4) and the manifest's size and header checksum to
+    match, as a deliberate forger would: only validation, not a checksum, can catch it."""
+    import json
+    import struct
+
+    from functional_ema import _io
+
+    f = tag_dir / f"ema_rank_{rank:05d}_of_00004.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    lay = json.loads(header["__metadata__"]["layout"])
+    edit(lay)
+    header["__metadata__"]["layout"] = json.dumps(lay)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    new = struct.pack("<Q", len(text)) + text
+    f.write_bytes(new + raw[8 + n :])
+    mpath = tag_dir / "ema_manifest.json"
+    m = json.loads(mpath.read_text())
+    e = next(e for e in m["files"] if e["rank"] == rank)
+    e["bytes"] = len(new) + len(raw) - 8 - n
+    e["header_checksum"] = _io.format_checksum(_io.CHECKSUM, _io.CHECKSUMS[_io.CHECKSUM](new))
+    mpath.write_text(json.dumps(m))
+
+
+# ------------------------------------------------------------------- Ulysses sequence parallelism
+
+
+class UlyssesMPU:
+    """Ulysses groups for ``deepspeed.initialize(mpu=...)``: sequence-parallel groups of ``sp`` consecutive ranks,
+    data-parallel groups across them, and the sequence-data-parallel group (every rank) ZeRO partitions over.
+    (With ``mesh_param=(dp, sp)`` instead, DeepSpeed 0.19.8 partitions over the data-parallel group only and, on
+    this CPU/gloo setup, the sequence-parallel ranks' fp32 weights drift apart within two steps.)"""
+
+    def __init__(self, sp: int):
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.sp = sp
+        for i in range(world // sp):
+            ranks = list(range(i * sp, (i + 1) * sp))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._sp = g
+        for j in range(sp):
+            ranks = list(range(j, world, sp))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._dp = g
+        for r in range(world):
+            g = dist.new_group([r])
+            if r == rank:
+                self._mp = g
+        self._sdp = dist.new_group(list(range(world)))
+
+    def _rank(self, g):
+        import torch.distributed as dist
+
+        return dist.get_rank(g)
+
+    def _size(self, g):
+        import torch.distributed as dist
+
+        return dist.get_world_size(g)
+
+    def get_sequence_parallel_world_size(self):
+        return self.sp
+
+    def get_sequence_parallel_rank(self):
+        return self._rank(self._sp)
+
+    def get_sequence_parallel_group(self):
+        return self._sp
+
+    def get_sequence_data_parallel_world_size(self):
+        return self._size(self._sdp)
+
+    def get_sequence_data_parallel_rank(self):
+        return self._rank(self._sdp)
+
+    def get_sequence_data_parallel_group(self):
+        return self._sdp
+
+    def get_data_parallel_world_size(self):
+        return self._size(self._dp)
+
+    def get_data_parallel_rank(self):
+        return self._rank(self._dp)
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_group(self):
+        return self._mp
+
+
+class UlyssesAttention(torch.nn.Module):
+    """One attention block over a sequence split across the sequence-parallel group: DeepSpeed's
+    ``DistributedAttention`` (all-to-all: heads scattered, sequence gathered) around a plain softmax attention."""
+
+    def __init__(self, spg, seed: int, hidden: int = 8, heads: int = 2):
+        from deepspeed.sequence.layer import DistributedAttention
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.heads, self.d = heads, hidden // heads
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+        def local(q, k, v, *_a, **_k):  # [sequence, batch, heads, head dim]
+            s = torch.einsum("sbhd,tbhd->bhst", q, k) / self.d ** 0.5
+            return torch.einsum("bhst,tbhd->sbhd", s.softmax(-1), v)
+
+        self.attn = DistributedAttention(local, spg)
+
+    def forward(self, x):  # [local sequence, batch, hidden]
+        s, b, _ = x.shape
+        q, k, v = self.qkv(x).view(s, b, 3, self.heads, self.d).unbind(2)
+        return self.proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous(), 1).reshape(s, b, -1))
+
+
+def _ulysses_engine(seed: int):
+    import deepspeed
+
+    from functional_ema._testing.multirank import ds_config
+
+    mpu = UlyssesMPU(2)
+    model = UlyssesAttention(mpu.get_sequence_parallel_group(), seed)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=ds_config(2), mpu=mpu)
+    return engine, mpu
+
+
+def _ulysses_batch(mpu, step: int):
+    """This sequence-parallel rank's half of its data-parallel rank's sequence (and target)."""
+    g = torch.Generator().manual_seed(1234 + 1000 * step + mpu.get_data_parallel_rank())
+    x, y = torch.randn(8, 2, 8, generator=g), torch.randn(8, 2, 8, generator=g)
+    sp = mpu.get_sequence_parallel_rank()
+    return x.chunk(2)[sp], y.chunk(2)[sp]
+
+
+def _ulysses_train(engine, mpu, step: int) -> None:
+    x, y = _ulysses_batch(mpu, step)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    engine.step()
+
+
+def ulysses_worker(out: str, phase: str) -> dict:
+    from tests._integration_models import quiet
+
+    quiet()
+    out = Path(out)
+    report: dict = {}
+    if phase == "train":
+        engine, mpu = _ulysses_engine(0)
+        layout = fe.shard_layout(engine)
+        report["sp"] = engine.sequence_parallel_size
+        report["world"], report["part"] = layout.world_size, list(layout.part)
+        report["held"] = sum(s.numel for s in layout.specs.values())
+        state = fe.init_ema(fe.local_shards(engine), num_emas=2)
+        ref = _Ref(_reference(engine), 0)
+        sent = 0
+        for step in range(1, STEPS + 1):
+            _ulysses_train(engine, mpu, step)
+            state, n = _zero_bytes_update(state, engine, step)
+            sent += n
+            ref.feed(_reference(engine), step)
+            if step == SAVE_AT:
+                fe.save(state, engine, out / "ck", decay=list(DECAYS))
+                engine.save_checkpoint(str(out / "ck"))
+        report["collectives_in_update"] = sent
+        final = fe.gather_full(state, engine)
+        report["final_equal_ref"] = _equal(final, ref.emas[0]) and _equal(fe.gather_full(state, engine, index=1), ref.emas[1])
+        if torch.distributed.get_rank() == 0:
+            _save_tensors(out / "final.safetensors", final)
+        x, _ = _ulysses_batch(mpu, 99)
+        engine.eval()
+        report.update(_swap_check(engine, state, lambda: engine(x)))
+        return report
+    if phase == "resume":
+        engine, mpu = _ulysses_engine(9)
+        engine.load_checkpoint(str(out / "ck"))
+        state = fe.load(engine, out / "ck")
+        report["loaded_step"] = int(state.step)
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            _ulysses_train(engine, mpu, step)
+            state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
+        report["continued_bitwise"] = _equal(fe.gather_full(state, engine), _load_tensors(out / "final.safetensors"))
+        return report
+    raise ValueError(phase)
+
+
+def test_ulysses_sequence_parallel(tmp_path):
+    """DeepSpeed Ulysses (DistributedAttention, sequence parallel 2 x data parallel 2, ZeRO-2, groups from an mpu):
+    ZeRO partitions over the sequence-data-parallel group (all 4 ranks), which local_shards reads; the EMA is
+    DeepSpeed's full fp32 weights EMA'd in plain torch, bitwise; swapped; saved, resumed in fresh processes, bitwise."""
+    train = run_ranks("tests.test_model_parallel:ulysses_worker", world_size=4, timeout=600, out=str(tmp_path), phase="train")
+    resume = run_ranks("tests.test_model_parallel:ulysses_worker", world_size=4, timeout=600, out=str(tmp_path), phase="resume")
+    for r in train:
+        assert r["sp"] == 2 and r["world"] == 4 and r["part"] == [0, 1, 0, 1], r
+        assert r["collectives_in_update"] == 0 and r["final_equal_ref"], r
+        assert r["swapped_equal"] and r["training_refused"], r
+    assert sum(r["held"] for r in train) == sum(t.numel() for t in _load_tensors(tmp_path / "final.safetensors").values())
+    for r in resume:
+        assert r["loaded_step"] == SAVE_AT and r["continued_bitwise"], r

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import _io
-from .._layout import ModelPart, ShardLayout, ShardSpec
+from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._tree import short_list as _tree_short_list
 from .errors import (CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError, IncompleteCheckpointError,
                      InvalidTagError, OutputPathError)
@@ -303,7 +303,7 @@ def _manifest_field_error(mpath: Path, field: str, want: str, got: Any) -> Corru
 
 #: The fields that describe one model-parallel part: at the top level of a manifest of a whole model
 #: (formats 1-3), inside each entry of ``parts`` for a model-parallel one (format 4).
-PART_FIELDS = ("world_size", "zero_stage", "params", "files", "buffers", "buffer_files", "tp_dims")
+PART_FIELDS = ("world_size", "zero_stage", "params", "files", "buffers", "buffer_files", "tp_dims", "experts")
 _REQUIRED_PART_FIELDS = ("world_size", "zero_stage", "params", "files")
 _MAX_PARTS = 1 << 16
 
@@ -395,6 +395,7 @@ def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, 
             d is None or (_is_int(d) and d < max(1, len(p["params"][n]))) for n, d in tp_dims.items())):
         raise _manifest_field_error(mpath, prefix + "tp_dims", "null or {parameter name: a dimension of it, or null} "
                                     "for every parameter of the part", tp_dims)
+    _validate_experts(mpath, p, prefix)
     has_files, has_desc = p.get("buffer_files") is not None, p.get("buffers") is not None
     if has_files != has_desc:
         raise _manifest_field_error(mpath, prefix + ("buffers" if has_files else "buffer_files"),
@@ -405,6 +406,28 @@ def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, 
             raise _manifest_field_error(mpath, prefix + "buffer_files", "a list of 1 to world_size buffer-file entries", p["buffer_files"])
         _validate_file_entries(mpath, m, p, part, prefix, "buffer_files", BUFFER_FILE,
                                "buffers_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
+
+
+def _validate_experts(mpath: Path, p: dict, prefix: str) -> None:
+    """A part's ``experts`` (expert parallelism): ``{"ep_size", "owners": {expert parameter: its expert-parallel
+    rank}}``, and then an ``ep`` in every rank-file entry; absent without expert parallelism."""
+    e = p.get("experts")
+    if e is None:
+        for i, f in enumerate(p["files"]):
+            if "ep" in f:
+                raise _manifest_field_error(mpath, f"{prefix}files[{i}].ep", "absent (the part records no 'experts')", f["ep"])
+        return
+    if not (isinstance(e, dict) and set(e) == {"ep_size", "owners"} and _is_int(e["ep_size"], 1, _MAX_WORLD)
+            and isinstance(e["owners"], dict)):
+        raise _manifest_field_error(mpath, prefix + "experts", "{ep_size: an int >= 1, owners: {parameter: expert-parallel rank}}", e)
+    for name, owner in e["owners"].items():
+        if name not in p["params"] or not _is_int(owner, 0, e["ep_size"] - 1):
+            raise _manifest_field_error(mpath, f"{prefix}experts.owners[{name!r}]",
+                                        f"a parameter of 'params' owned by an expert-parallel rank in [0, {e['ep_size']})", owner)
+    for i, f in enumerate(p["files"]):
+        if not _is_int(f.get("ep"), 0, e["ep_size"] - 1):
+            raise _manifest_field_error(mpath, f"{prefix}files[{i}].ep", f"the file's expert-parallel rank, an int in [0, {e['ep_size']})",
+                                        f.get("ep"))
 
 
 def validate_buffers_descriptor(mpath: Path, p: dict, prefix: str = "") -> None:
@@ -509,10 +532,13 @@ def check_json_metadata(where: str, meta: dict, key: str, manifest: dict) -> Non
         )
 
 
-def parse_layout(where: str, text: Any, manifest: dict, rank: int) -> ShardLayout:
+def parse_layout(where: str, text: Any, manifest: dict, rank: int, ep: int | None = None, entry: str = "files[?]") -> ShardLayout:
     """The rank file's ``layout`` metadata, checked against its part of the manifest (``manifest``: one
     entry of :func:`manifest_parts`): same rank, world size, stage, model-parallel part, tensor-parallel
-    split and parameters (with their full shapes), every piece inside its parameter."""
+    split and parameters (with their full shapes), every piece inside its parameter; under expert
+    parallelism the same experts record, the expert-parallel rank ``ep`` the manifest's entry ``field``
+    gives the file (in the manifest's field ``entry``), and no piece of an expert another expert-parallel
+    rank holds."""
 
     def bad(field: str, want: str, got: Any) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: layout metadata field {field!r} must be {want}, got {brief(got)}; "
@@ -551,7 +577,37 @@ def parse_layout(where: str, text: Any, manifest: dict, rank: int) -> ShardLayou
         if not (_is_int(off) and _is_int(cnt) and off + cnt <= full):
             raise bad(f"specs[{n!r}] offset, numel", f"a piece inside the {full} elements of {tuple(shape)}", [off, cnt])
         out[n] = ShardSpec(tuple(shape), off, cnt)
-    return ShardLayout(rank, manifest["world_size"], manifest["zero_stage"], out, part=part, tp_dims=manifest.get("tp_dims"))
+    experts = _parse_experts(where, d.get("experts"), manifest, ep, entry, out, bad)
+    return ShardLayout(rank, manifest["world_size"], manifest["zero_stage"], out, part=part, tp_dims=manifest.get("tp_dims"),
+                       experts=experts)
+
+
+def _parse_experts(where: str, e: Any, manifest: dict, ep: int | None, field: str, specs: dict[str, ShardSpec], bad):
+    """The file's expert-parallel record against the manifest's (see :func:`parse_layout`)."""
+    want = manifest.get("experts")
+    if want is None:
+        if e is not None:
+            raise bad("experts", "absent, as in the manifest (no expert parallelism)", e)
+        return None
+    if not (isinstance(e, dict) and {"ep_size": e.get("ep_size"), "owners": e.get("owners")} == want):
+        got = e.get("ep_size") if isinstance(e, dict) else e
+        raise CorruptCheckpointError(
+            f"{where}: the manifest's field 'experts' (ep_size {want['ep_size']}, {len(want['owners'])} expert parameters "
+            f"and the expert-parallel rank of each) differs from the record in this file's header (ep_size {brief(got)}): "
+            "the manifest was edited after the save or mixes two saves; restore it or load another tag")
+    if e.get("ep") != ep:
+        raise CorruptCheckpointError(
+            f"{where}: the manifest's field '{field}.ep' says expert-parallel rank {ep}, but the file's header holds the "
+            f"experts of expert-parallel rank {brief(e.get('ep'))}: the manifest was edited or mixes two saves; restore it "
+            "or load another tag")
+    foreign = [n for n, o in want["owners"].items() if o != ep and specs[n].numel]
+    if foreign:
+        n = foreign[0]
+        raise CorruptCheckpointError(
+            f"{where}: it holds elements of expert parameter {n!r}, which the manifest's field 'experts' gives to "
+            f"expert-parallel rank {want['owners'][n]}, but this file is expert-parallel rank {ep}'s: the file or "
+            "manifest is damaged or was edited; restore it or load another tag")
+    return ExpertLayout(int(ep), int(want["ep_size"]), dict(want["owners"]))
 
 
 # ------------------------------------------------------------------------------ outputs of tools

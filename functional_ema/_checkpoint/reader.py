@@ -57,6 +57,7 @@ class CheckpointReader:
         self.world_size = int(entry["world_size"])
         self.stage = int(entry["zero_stage"])
         self.tp_dims = entry.get("tp_dims")
+        self.experts: dict | None = entry.get("experts")  # {"ep_size", "owners"} under expert parallelism
         self.shapes = {n: tuple(int(x) for x in s) for n, s in entry["params"].items()}
         self.pieces: dict[str, list[tuple[int, int, int]]] = {n: [] for n in self.shapes}
         for i, f in enumerate(files):
@@ -283,7 +284,8 @@ class CheckpointReader:
                     )
             check_json_metadata(where, meta, "schedules", manifest)
             check_json_metadata(where, meta, "extra", manifest)
-            layout = parse_layout(where, meta.get("layout"), part, rank)
+            field = f"{part['field']}files[{part['files'].index(e)}]"
+            layout = parse_layout(where, meta.get("layout"), part, rank, e.get("ep"), field)
             dtype = parse_dtype(dtype_name, where)
             extra = sorted(set(st.tensors) - {tensor_key(k, n) for k in range(int(manifest["num_emas"])) for n in layout.specs})
             if extra:
@@ -427,6 +429,19 @@ class CheckpointReader:
             raise CheckpointMismatchError(
                 f"index={index}, but tag {self.tag!r} holds {self.num_emas} EMA(s) (valid: 0..{self.num_emas - 1})"
             )
+
+    def check_experts(self, layout: ShardLayout) -> None:
+        """The run's expert-parallel size must be the saved one: expert parameters are named by their global
+        expert index, but which ranks hold which expert (and so which pieces a rank reads) follows the
+        expert-parallel size. Checked before anything is read."""
+        saved = self.experts["ep_size"] if self.experts else 1
+        mine = layout.experts.ep_size if layout.experts is not None else 1
+        if saved != mine or (self.experts is None) != (layout.experts is None):
+            raise CheckpointMismatchError(
+                f"tag {self.tag!r} in {self.root} was saved with expert-parallel size (ep_size) {saved}"
+                f"{'' if self.experts else ' (no expert parallelism)'}, and this run has expert-parallel size {mine}"
+                f"{'' if layout.experts is not None else ' (no expert parallelism)'}: load it with the saved ep_size (any "
+                "data-parallel size), or rebuild the weights with functional_ema.consolidate and start a new EMA")
 
     def check_model(self, specs: dict[str, ShardSpec]) -> None:
         saved = self.shapes
@@ -718,6 +733,7 @@ class RecutReader:
         self.step, self.num_emas, self.dtype = joined.step, joined.num_emas, joined.dtype
         self.world_size, self.stage = joined.world_size, joined.stage
         self.part = layout.part
+        self.experts = joined.readers[0].experts
         self.shapes = {n: tuple(s.shape) for n, s in layout.specs.items()}
 
     def _dim(self, name: str) -> int | None:
@@ -731,6 +747,8 @@ class RecutReader:
                 f"{name!r} from the full parameter (no AutoTP layout record, no Megatron 'partition_dim'): resume "
                 "with the layout it was saved with")
         return dims[name]
+
+    check_experts = CheckpointReader.check_experts
 
     def check_model(self, specs: dict[str, ShardSpec]) -> None:
         missing = [n for n in specs if n not in self.joined.shapes]

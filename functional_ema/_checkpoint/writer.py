@@ -153,9 +153,11 @@ def save_files(layout: ShardLayout, generation: int, has_buffers: bool, writes_p
 
 def part_record(layout: ShardLayout, plan: dict) -> dict:
     """What the manifest says of this rank's model-parallel part (the same on every rank of the part)."""
+    experts = layout.experts
     return {"part": layout.part.to_json_dict(), "world_size": layout.world_size, "zero_stage": layout.stage,
             "params": {n: list(s.shape) for n, s in layout.specs.items()}, "tp_dims": layout.tp_dims,
-            "buffers": plan["buffers"]}
+            "buffers": plan["buffers"],
+            "experts": None if experts is None else {"ep_size": experts.ep_size, "owners": dict(experts.owners)}}
 
 
 #: The fields of a save's plan every rank must agree on (not the path: mounts may differ between nodes).
@@ -233,11 +235,15 @@ def rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str
     }
 
 
-def _record(w: _io.StreamingWriter, rank: int, path: Path, size: int) -> dict:
-    """A file's manifest record: its rank, name, size and checksums (hex strings: JSON-safe beyond 2**53)."""
+def _record(w: _io.StreamingWriter, rank: int, path: Path, size: int, ep: int | None = None) -> dict:
+    """A file's manifest record: its rank (and expert-parallel rank, under expert parallelism), name, size
+    and checksums (hex strings: JSON-safe beyond 2**53)."""
     hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731
-    return {"rank": rank, "file": path.name, "bytes": size, "header_checksum": hexa(w.header_checksum),
-            "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()}}
+    record = {"rank": rank, "file": path.name, "bytes": size, "header_checksum": hexa(w.header_checksum),
+              "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()}}
+    if ep is not None:
+        record["ep"] = ep
+    return record
 
 
 def write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, torch.Tensor]], dtype: torch.dtype,
@@ -250,7 +256,7 @@ def write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, to
             for n in names:
                 w.write(tensor_key(k, n), ema[n].reshape(-1))
         size = w.commit()
-    return _record(w, layout.rank, path, size)
+    return _record(w, layout.rank, path, size, None if layout.experts is None else layout.experts.ep)
 
 
 def buffer_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
@@ -305,6 +311,8 @@ def build_manifest(plan: dict, records: list[dict], **extra) -> dict:
             entry["buffer_files"].sort(key=lambda e: e["rank"])
         if entry["tp_dims"] is None:
             del entry["tp_dims"]
+        if entry.get("experts", ...) is None:
+            del entry["experts"]
         parts.append(entry)
     whole = len(parts) == 1 and ModelPart(**parts[0]["part"]).whole
     manifest = {

@@ -10,6 +10,11 @@ the package works without it. Internals relied on (DeepSpeed 0.19):
   ``p._hp_mapping.lp_fragment_address`` gives its offset and length in the flattened parameter.
 * ZeRO-0: fp32 training updates the parameters themselves; 16-bit training keeps fp32 copies in
   the wrapper optimizer (``fp32_groups`` per parameter, or ``fp32_groups_flat``).
+* MoE (``deepspeed.moe.layer.MoE``, ZeRO-1/2): the ``num_local_experts`` experts of expert-parallel
+  rank ``ep`` are ``deepspeed_experts.0 .. L-1`` on every rank (global expert ``ep * L + i``, as
+  DeepSpeed's own checkpoint names them); their fp32 masters are cut over the expert-data-parallel
+  group (``opt.real_dp_process_group[g]`` of the ``moe`` param group), still reached through
+  ``_hp_mapping``. The other parameters are cut over the whole data-parallel group.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._layout import ModelPart, ShardLayout, ShardSpec
+from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
 from .._errors import SwappedTrainingError
 from ._base import Adapter, Reading, SwapStats, gather_pieces, world_of
@@ -34,7 +39,8 @@ def is_deepspeed_engine(x: Any) -> bool:
 
 
 class DeepSpeedAdapter(Adapter):
-    """A ``deepspeed.DeepSpeedEngine``: ZeRO stages 0-3, fp32/bf16/fp16, CPU offload."""
+    """A ``deepspeed.DeepSpeedEngine``: ZeRO stages 0-3, fp32/bf16/fp16, CPU offload, tensor/pipeline parallelism,
+    MoE expert parallelism (ZeRO-1/2), Ulysses sequence parallelism."""
 
     name = "deepspeed"
 
@@ -71,11 +77,14 @@ class DeepSpeedAdapter(Adapter):
             pieces = _zero12(engine, named)
         else:
             pieces = _zero0(engine, named)
+        params = {n: p for n, p in named if n in pieces}
+        experts = None
+        if getattr(engine, "has_moe_layers", False):
+            pieces, params, experts = place_experts(engine, pieces, params)
         shards = shards_from_views([(n, v) for n, (v, _) in pieces.items()])
         part = model_part(engine)
         layout = ShardLayout(rank, world, stage, {n: s for n, (_, s) in pieces.items()}, engine="deepspeed", part=part,
-                             tp_dims=tp_dims(engine, [(n, p) for n, p in named if n in pieces], part))
-        params = {n: p for n, p in named if n in pieces}
+                             tp_dims=tp_dims(engine, list(params.items()), part), experts=experts)
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
     def swap(self, reading: Reading, pieces, state, index: int):
@@ -201,9 +210,9 @@ def unsupported_reason(engine) -> str | None:
     """Why :func:`local_shards` cannot read this engine, or ``None`` when it can."""
     opt = engine.optimizer
     if getattr(engine, "has_moe_layers", False):
-        return ("DeepSpeed MoE (expert parallelism): expert parameters are partitioned over expert-data-parallel groups "
-                "and named by their local expert index, which functional_ema does not place yet (the EMA of one expert "
-                "would be taken for another's); a model without deepspeed.moe layers works")
+        reason = _moe_unsupported(engine)
+        if reason:
+            return reason
     if type(opt).__name__.startswith("MiCS"):  # DeepSpeed < 0.19.8 (later versions refuse the option themselves)
         return ("ZeRO-3 MiCS (zero_optimization.mics_shard_size) replicates each partition over shard groups, which "
                 "functional_ema does not place yet; use plain ZeRO-3 (ZeRO++ hpZ, zero_hpz_partition_size, works)")
@@ -212,6 +221,106 @@ def unsupported_reason(engine) -> str | None:
     if engine.zero_optimization_stage() == 3 and any(t.numel() == 0 for t in getattr(opt, "fp32_partitioned_groups_flat", [])):
         return "ZeRO-3 optimizer state is swapped out (NVMe); functional_ema supports CPU offload only"
     return None
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+
+#: Where DeepSpeed's ``MoE`` layer keeps its local experts (``MoE.deepspeed_moe.experts.deepspeed_experts``);
+#: DeepSpeed's own checkpoint renames ``<prefix><local index>`` to ``<prefix><global index>`` the same way.
+_EXPERTS = "deepspeed_moe.experts.deepspeed_experts"
+
+
+def _moe_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, layer)`` of every ``deepspeed.moe.layer.MoE`` in ``module``."""
+    return [(n, m) for n, m in module.named_modules()
+            if type(m).__name__ == "MoE" and type(m).__module__.startswith("deepspeed.moe")]
+
+
+def _moe_unsupported(engine) -> str | None:
+    """Why an engine with MoE layers cannot be read, or ``None``."""
+    layers = _moe_layers(engine.module)
+    autoep = [n for n, m in engine.module.named_modules() if type(m).__name__ == "AutoEPMoELayer"]
+    if autoep or not layers:
+        return (f"DeepSpeed AutoEP expert parallelism (AutoEPMoELayer {short(autoep)}) is not placed by functional_ema (only "
+                "deepspeed.moe.layer.MoE is): the EMA of one expert could be taken for another's")
+    stage = engine.zero_optimization_stage()
+    if stage not in (1, 2):
+        return (f"DeepSpeed MoE with ZeRO stage {stage}: functional_ema places expert parameters on ZeRO stages 1 and 2 "
+                "(stage 0 keeps replicated expert copies it does not place; DeepSpeed refuses native MoE on stage 3)")
+    sizes = sorted({int(m.ep_size) for _, m in layers})
+    if len(sizes) > 1:
+        return (f"DeepSpeed MoE layers with different expert-parallel sizes {sizes} (layers "
+                f"{short([n for n, _ in layers])}): functional_ema places one expert-parallel size per model")
+    tensor = [n for n, m in layers if getattr(m, "enable_expert_tensor_parallelism", False)]
+    if tensor:
+        return f"DeepSpeed MoE with expert tensor parallelism (enable_expert_tensor_parallelism, layers {short(tensor)}) is not placed"
+    if not model_part(engine).whole:
+        return ("DeepSpeed MoE combined with tensor or pipeline parallelism (an mpu) is not placed by functional_ema yet "
+                f"({model_part(engine).describe()})")
+    return None
+
+
+def short(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _ep_rank(layer) -> int:
+    group = layer.deepspeed_moe.ep_group
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def place_experts(engine, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], params: dict[str, torch.nn.Parameter]
+                  ) -> tuple[dict[str, tuple[torch.Tensor, ShardSpec]], dict[str, torch.nn.Parameter], ExpertLayout]:
+    """Expert parameters renamed from their local to their global expert index, and every other
+    expert-parallel rank's experts added with an empty piece (in expert order, where the layer's experts
+    are): so one name is one tensor on every rank, and the pieces of each expert tile it over the
+    data-parallel group. Returns (pieces, params, :class:`ExpertLayout`), the views untouched."""
+    layers = _moe_layers(engine.module)
+    ep_size = int(layers[0][1].ep_size)
+    ep = _ep_rank(layers[0][1])
+    local: dict[str, tuple[str, int, int, str]] = {}  # local name -> (layer prefix, local index, L, rest)
+    for prefix, m in layers:
+        if _ep_rank(m) != ep:
+            raise NotImplementedError(f"DeepSpeed MoE layer {prefix!r}: its expert-parallel rank differs from the other layers'")
+        base = f"{prefix}.{_EXPERTS}." if prefix else f"{_EXPERTS}."
+        n_local = int(m.num_local_experts)
+        for i, expert in enumerate(m.deepspeed_moe.experts.deepspeed_experts):
+            for rest, _ in expert.named_parameters():
+                local[f"{base}{i}.{rest}"] = (base, i, n_local, rest)
+    out: dict[str, tuple[torch.Tensor, ShardSpec]] = {}
+    out_params: dict[str, torch.nn.Parameter] = {}
+    owners: dict[str, int] = {}
+    done: set[str] = set()  # layers (prefixes) whose experts are placed
+    for name, (view, spec) in pieces.items():
+        where = local.get(name)
+        if where is None:
+            out[name] = (view, spec)
+            out_params[name] = params[name]
+            continue
+        base, _, n_local, _ = where
+        if base in done:
+            continue
+        done.add(base)
+        # every expert of the layer, in global order: this rank's from its pieces, the others' empty
+        mine = {n: pieces[n] for n, w in local.items() if w[0] == base and n in pieces}
+        rests = [w[3] for n, w in local.items() if w[0] == base and w[1] == 0 and n in pieces]
+        empty = view.narrow(0, 0, 0)
+        for g in range(ep_size * n_local):
+            owner, i = divmod(g, n_local)
+            for rest in rests:
+                gname = f"{base}{g}.{rest}"
+                owners[gname] = owner
+                if owner == ep:
+                    lname = f"{base}{i}.{rest}"
+                    if lname not in mine:
+                        raise NotImplementedError(f"DeepSpeed MoE: expert parameter {lname!r} is not trained while "
+                                                  f"{base}0.{rest} is; experts must train alike")
+                    out[gname] = mine[lname]
+                    out_params[gname] = params[lname]
+                else:
+                    out[gname] = (empty, ShardSpec(mine[f"{base}0.{rest}"][1].shape, 0, 0))
+    return out, out_params, ExpertLayout(ep, ep_size, owners)
 
 
 def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
