@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
 from .._errors import SwappedTrainingError
+from .._tree import short_list
 from ._base import Adapter, Reading, SwapStats, gather_pieces, world_of
 
 __all__ = ["DeepSpeedAdapter", "is_deepspeed_engine", "data_parallel_group", "unsupported_reason"]
@@ -242,7 +243,7 @@ def _moe_unsupported(engine) -> str | None:
     layers = _moe_layers(engine.module)
     autoep = [n for n, m in engine.module.named_modules() if type(m).__name__ == "AutoEPMoELayer"]
     if autoep or not layers:
-        return (f"DeepSpeed AutoEP expert parallelism (AutoEPMoELayer {short(autoep)}) is not placed by functional_ema (only "
+        return (f"DeepSpeed AutoEP expert parallelism (AutoEPMoELayer {short_list(autoep, 4)}) is not placed by functional_ema (only "
                 "deepspeed.moe.layer.MoE is): the EMA of one expert could be taken for another's")
     stage = engine.zero_optimization_stage()
     if stage not in (1, 2):
@@ -251,18 +252,14 @@ def _moe_unsupported(engine) -> str | None:
     sizes = sorted({int(m.ep_size) for _, m in layers})
     if len(sizes) > 1:
         return (f"DeepSpeed MoE layers with different expert-parallel sizes {sizes} (layers "
-                f"{short([n for n, _ in layers])}): functional_ema places one expert-parallel size per model")
+                f"{short_list([n for n, _ in layers], 4)}): functional_ema places one expert-parallel size per model")
     tensor = [n for n, m in layers if getattr(m, "enable_expert_tensor_parallelism", False)]
     if tensor:
-        return f"DeepSpeed MoE with expert tensor parallelism (enable_expert_tensor_parallelism, layers {short(tensor)}) is not placed"
+        return f"DeepSpeed MoE with expert tensor parallelism (enable_expert_tensor_parallelism, layers {short_list(tensor, 4)}) is not placed"
     if not model_part(engine).whole:
         return ("DeepSpeed MoE combined with tensor or pipeline parallelism (an mpu) is not placed by functional_ema yet "
                 f"({model_part(engine).describe()})")
     return None
-
-
-def short(names: list[str], limit: int = 4) -> str:
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _ep_rank(layer) -> int:
