@@ -1012,18 +1012,11 @@ class UlyssesMPU:
     def __init__(self, sp: int):
         import torch.distributed as dist
 
+        from functional_ema._testing.multirank import block_and_strided_groups
+
         world, rank = dist.get_world_size(), dist.get_rank()
         self.sp = sp
-        for i in range(world // sp):
-            ranks = list(range(i * sp, (i + 1) * sp))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                self._sp = g
-        for j in range(sp):
-            ranks = list(range(j, world, sp))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                self._dp = g
+        self._sp, self._dp = block_and_strided_groups(sp)
         for r in range(world):
             g = dist.new_group([r])
             if r == rank:

@@ -424,25 +424,34 @@ class BNSeq(nn.Sequential):
         super().__init__(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Linear(hidden, d_out))
 
 
+def block_and_strided_groups(size: int) -> tuple:
+    """This rank's group among blocks of ``size`` consecutive ranks, and its group among the ranks
+    ``size`` apart (the model-parallel and data-parallel groups of a Megatron-style layout). A
+    collective to make: every rank makes every group."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    block = strided = None
+    for i in range(world // size):
+        ranks = list(range(i * size, (i + 1) * size))
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            block = g
+    for j in range(size):
+        ranks = list(range(j, world, size))
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            strided = g
+    return block, strided
+
+
 class MPU:
     """A minimal Megatron-style ``mpu`` for ``deepspeed.initialize(..., mpu=...)``: tensor-parallel groups of
     ``tp`` consecutive ranks, data-parallel groups across them. A collective to make (every rank)."""
 
     def __init__(self, tp: int):
-        import torch.distributed as dist
-
-        world, rank = dist.get_world_size(), dist.get_rank()
         self.tp = tp
-        for i in range(world // tp):
-            ranks = list(range(i * tp, (i + 1) * tp))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                self._tp_group = g
-        for j in range(tp):
-            ranks = list(range(j, world, tp))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                self._dp_group = g
+        self._tp_group, self._dp_group = block_and_strided_groups(tp)
 
     def get_model_parallel_rank(self):
         import torch.distributed as dist
