@@ -40,7 +40,7 @@ def state_problem(
     indices: Sequence[int] | None = None,
     num_emas: int | None = None,
     dtype: torch.dtype | None = None,
-    dtype_source: str = "",
+    source: str = "the checkpoint",
     one_dtype: bool = False,
     contiguous: bool = False,
     shards: Shards | None = None,
@@ -55,7 +55,8 @@ def state_problem(
         indices: which EMAs must fit (default: all of them); an index that is not one of the state's
             is a problem.
         num_emas: the number of EMAs the state must track (e.g. a checkpoint's), or ``None``.
-        dtype: the dtype every EMA tensor must have (``dtype_source`` says whose, for the message).
+        dtype: the dtype every EMA tensor must have.
+        source: what ``num_emas`` and ``dtype`` come from, for the message (e.g. ``"tag 'global_step9'"``).
         one_dtype: the EMA tensors must share one dtype (a checkpoint stores one).
         contiguous: every EMA tensor must be contiguous (filled in place).
         shards: the reading the state came from; a state laid out over the same segments fits at once.
@@ -63,7 +64,7 @@ def state_problem(
     if not isinstance(state, EmaState):
         return FitProblem(f"expected an EmaState (from init_ema, update or load), got {type(state).__name__}", True)
     if num_emas is not None and state.num_emas != num_emas:
-        return FitProblem(f"{dtype_source or 'the checkpoint'} holds {num_emas} EMA(s) but the state has {state.num_emas}")
+        return FitProblem(f"{source} holds {num_emas} EMA(s) but the state has {state.num_emas}")
     if indices is None:
         indices = range(state.num_emas)
     dtypes: set[torch.dtype] = set()
@@ -93,7 +94,7 @@ def state_problem(
                 return FitProblem(f"state.emas[{k}][{n!r}] has {t.numel()} elements but rank {rank}'s piece of it has "
                                   f"{spec.numel}: the state was cut for another world size, sharding or model")
             if dtype is not None and t.dtype != dtype:
-                return FitProblem(f"state.emas[{k}][{n!r}] is {_dtype_name(t.dtype)} but {dtype_source} holds "
+                return FitProblem(f"state.emas[{k}][{n!r}] is {_dtype_name(t.dtype)} but {source} holds "
                                   f"{_dtype_name(dtype)} EMAs")
             if contiguous and not t.is_contiguous():
                 return FitProblem(f"state.emas[{k}][{n!r}] is not contiguous; it is filled in place", True)

@@ -455,7 +455,7 @@ def load_checkpoint(
 def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout) -> tuple:
     """``out.emas``, checked as the destination of ``ckpt``'s EMAs for this rank's pieces."""
     problem = state_problem(out, layout.specs, layout.rank, num_emas=ckpt.num_emas, dtype=ckpt.dtype,
-                            dtype_source=f"tag {ckpt.tag!r}", contiguous=True)
+                            source=f"tag {ckpt.tag!r}", contiguous=True)
     if problem:
         raise problem.error(CheckpointMismatchError, f"load(out=...) on rank {layout.rank}",
                             "Pass a state made for this model and checkpoint, or load without out= (restores it as saved)")

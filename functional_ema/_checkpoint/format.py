@@ -535,10 +535,10 @@ def check_json_metadata(where: str, meta: dict, key: str, manifest: dict) -> Non
 def parse_layout(where: str, text: Any, manifest: dict, rank: int, ep: int | None = None, entry: str = "files[?]") -> ShardLayout:
     """The rank file's ``layout`` metadata, checked against its part of the manifest (``manifest``: one
     entry of :func:`manifest_parts`): same rank, world size, stage, model-parallel part, tensor-parallel
-    split and parameters (with their full shapes), every piece inside its parameter; under expert
-    parallelism the same experts record, the expert-parallel rank ``ep`` the manifest's entry ``field``
-    gives the file (in the manifest's field ``entry``), and no piece of an expert another expert-parallel
-    rank holds."""
+    split and parameters (with their full shapes), every piece inside its parameter. Under expert
+    parallelism also: the manifest's ``experts`` record, the expert-parallel rank ``ep`` that the
+    manifest's file entry ``entry`` gives the file, and no piece of an expert another expert-parallel
+    rank owns."""
 
     def bad(field: str, want: str, got: Any) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: layout metadata field {field!r} must be {want}, got {brief(got)}; "
@@ -582,7 +582,7 @@ def parse_layout(where: str, text: Any, manifest: dict, rank: int, ep: int | Non
                        experts=experts)
 
 
-def _parse_experts(where: str, e: Any, manifest: dict, ep: int | None, field: str, specs: dict[str, ShardSpec], bad):
+def _parse_experts(where: str, e: Any, manifest: dict, ep: int | None, entry: str, specs: dict[str, ShardSpec], bad):
     """The file's expert-parallel record against the manifest's (see :func:`parse_layout`)."""
     want = manifest.get("experts")
     if want is None:
@@ -597,7 +597,7 @@ def _parse_experts(where: str, e: Any, manifest: dict, ep: int | None, field: st
             "the manifest was edited after the save or mixes two saves; restore it or load another tag")
     if e.get("ep") != ep:
         raise CorruptCheckpointError(
-            f"{where}: the manifest's field '{field}.ep' says expert-parallel rank {ep}, but the file's header holds the "
+            f"{where}: the manifest's field '{entry}.ep' says expert-parallel rank {ep}, but the file's header holds the "
             f"experts of expert-parallel rank {brief(e.get('ep'))}: the manifest was edited or mixes two saves; restore it "
             "or load another tag")
     foreign = [n for n, o in want["owners"].items() if o != ep and specs[n].numel]

@@ -486,7 +486,8 @@ def flatten_local_shards(model: torch.nn.Module) -> int:
 
     FSDP2 keeps each parameter's shard in its own padded buffer, so ``update`` over FSDP2 shards is
     one ``_foreach_lerp_`` over as many tensors as the model has, which on CPU costs a dispatch per
-    tensor (docs/performance.md has the figures). After this call ``local_shards(model)`` finds one segment and ``update`` is one ``lerp_``.
+    tensor (docs/performance.md has the figures). After this call ``local_shards(model)`` finds one
+    segment and ``update`` is one ``lerp_``.
 
     It copies each padded shard buffer (``FSDPParam._sharded_param_data``, what the all-gather
     reads) into the flat buffer and points that buffer and the ``DTensor``'s local tensor (what the
