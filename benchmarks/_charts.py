@@ -57,8 +57,9 @@ def git_commit(root: Path = ROOT) -> str:
     """The short hash of HEAD in ``root`` ("unknown" outside a git checkout), with "+changes" when
     tracked files differ from it (the figures then come from code no commit holds)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
         if head.returncode != 0:
             return "unknown"
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, capture_output=True, timeout=10)
@@ -107,8 +108,15 @@ def write_bar_chart(
 
     panels = [p for p in panels if p.bars]
     heights = [0.3 * len(p.bars) + 0.6 for p in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights) + 1.6), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": heights}, layout="constrained")
+    fig, axes = plt.subplots(
+        len(panels),
+        1,
+        figsize=(10, sum(heights) + 1.6),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+        layout="constrained",
+    )
     values = [b.value for p in panels for b in p.bars] + ([reference[0]] if reference else [])
     for ax, panel in zip(axes[:, 0], panels):
         y = list(range(len(panel.bars)))[::-1]  # first bar on top
@@ -119,8 +127,9 @@ def write_bar_chart(
         for yi, b in zip(y, panel.bars):
             # right of the reference line when the bar ends just short of it: the line would cross the text
             at = max(b.value, reference[0]) if reference else b.value
-            ax.annotate(value_format(b.value), (at, yi), xytext=(3, 0), textcoords="offset points",
-                        va="center", fontsize=8)
+            ax.annotate(
+                value_format(b.value), (at, yi), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
+            )
         for yi, before, b in zip(y[1:], panel.bars, panel.bars[1:]):
             if b.kind == "ours" and before.kind != "ours":  # our next operation starts a new group
                 ax.axhline(yi + 0.5, color="#cccccc", linewidth=0.8)

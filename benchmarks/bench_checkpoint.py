@@ -72,7 +72,9 @@ def _to_format1(tag_dir: Path) -> None:
         data = memoryview((tag_dir / e["file"]).read_bytes())
         e.pop("header_checksum"), e.pop("tensor_checksums")
         e["header_crc32"] = st.header_checksum("crc32")
-        e["tensor_crc32"] = {k: _io.chunk_crcs(data[st.header_size + t.start : st.header_size + t.end]) for k, t in st.tensors.items()}
+        e["tensor_crc32"] = {
+            k: _io.chunk_crcs(data[st.header_size + t.start : st.header_size + t.end]) for k, t in st.tensors.items()
+        }
     m.pop("checksum")
     m["format_version"] = 1
     mpath.write_text(json.dumps(m))
@@ -169,13 +171,16 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
             times.setdefault("async_total", []).append(time.perf_counter() - t0)
             # The first read after the writes above is often several times slower on this VM (the
             # host still writing back); rotating the order gives each reader that slot equally.
-            loads = [("load", lambda: fe.load(engine, d, tag)),
-                     ("load_noverify", lambda: fe.load(engine, d, tag, verify=False)),
-                     ("plain_load_clone", plain_load_clone), ("plain_load_flat", plain_load_flat),
-                     ("plain_load_flat_huge", lambda: plain_load_flat(lambda n: _memory.empty(n, dtype=torch.float32))),
-                     ("load_into", lambda: fe.load(engine, d, tag, out=dst)),
-                     ("plain_load_copy", plain_load_copy)]
-            for name, fn in loads[i % len(loads):] + loads[: i % len(loads)]:
+            loads = [
+                ("load", lambda: fe.load(engine, d, tag)),
+                ("load_noverify", lambda: fe.load(engine, d, tag, verify=False)),
+                ("plain_load_clone", plain_load_clone),
+                ("plain_load_flat", plain_load_flat),
+                ("plain_load_flat_huge", lambda: plain_load_flat(lambda n: _memory.empty(n, dtype=torch.float32))),
+                ("load_into", lambda: fe.load(engine, d, tag, out=dst)),
+                ("plain_load_copy", plain_load_copy),
+            ]
+            for name, fn in loads[i % len(loads) :] + loads[: i % len(loads)]:
                 timed(name, fn)
             timed("open", lambda: CheckpointReader.open(d, tag, True, own=own).close())  # as load opens it
         if repeat == 1:
@@ -214,23 +219,31 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
 
             for i in range(repeat):
                 tag = f"bench{i}"
-                ops = [("consolidate_file", lambda: fe.consolidate_to_file(d, out, tag, progress=False)),
-                       ("plain_consolidate_file", plain_to_file)]
+                ops = [
+                    ("consolidate_file", lambda: fe.consolidate_to_file(d, out, tag, progress=False)),
+                    ("plain_consolidate_file", plain_to_file),
+                ]
                 for name, fn in ops if i % 2 == 0 else ops[::-1]:
                     timed(name, fn, barrier=False)
                     os.sync()
-                ops = [("consolidate_mem", lambda: fe.consolidate(d, tag)), ("plain_consolidate_mem", plain_assemble),
-                       ("consolidate_mem_v1", lambda: fe.consolidate(d, "v1"))]
-                for name, fn in ops[i % 3:] + ops[: i % 3]:
+                ops = [
+                    ("consolidate_mem", lambda: fe.consolidate(d, tag)),
+                    ("plain_consolidate_mem", plain_assemble),
+                    ("consolidate_mem_v1", lambda: fe.consolidate(d, "v1")),
+                ]
+                for name, fn in ops[i % 3 :] + ops[: i % 3]:
                     timed(name, fn, barrier=False)
             check = fe.consolidate(d, f"bench{repeat - 1}")
             same = all(torch.equal(check[n], t) for n, t in load_file(str(out)).items())
             same = same and all(torch.equal(check[n], t) for n, t in fe.consolidate(d, f"async{repeat - 1}").items())
             times["consolidate_matches"] = [float(same)]
         dist.barrier()
-        result["runs"][num_emas] = {"times": {k: min(v) for k, v in times.items()},
-                                    "medians": {k: statistics.median(v) for k, v in times.items()},
-                                    "local_bytes": local_bytes, "full_bytes": full_bytes}
+        result["runs"][num_emas] = {
+            "times": {k: min(v) for k, v in times.items()},
+            "medians": {k: statistics.median(v) for k, v in times.items()},
+            "local_bytes": local_bytes,
+            "full_bytes": full_bytes,
+        }
         del saver
     return result
 
@@ -293,12 +306,30 @@ ROWS = [
     ("save, blocking (all ranks)", "total", "save", "plain_save_fsync", "save_file + fsync, per rank"),
     ("", "total", "save", "plain_save_nofsync", "save_file, no fsync"),
     ("async save, total to wait()", "total", "async_total", "plain_save_fsync", "save_file + fsync, per rank"),
-    ("load (all ranks, verified)", "total", "load", "plain_load_clone", "load_file + clone (fresh memory, as a new state)"),
+    (
+        "load (all ranks, verified)",
+        "total",
+        "load",
+        "plain_load_clone",
+        "load_file + clone (fresh memory, as a new state)",
+    ),
     ("", "total", "load", "plain_load_flat", "load_file + copy into one fresh buffer per EMA (a state's layout)"),
     ("", "total", "load", "plain_load_flat_huge", "the same into huge-page buffers, as ours (diagnostic)"),
     ("load into a state (out=)", "total", "load_into", "plain_load_copy", "load_file + copy into existing buffers"),
-    ("consolidate -> file (rank 0)", "full", "consolidate_file", "plain_consolidate_file", "load_file all ranks + assemble + save_file + fsync"),
-    ("consolidate -> memory (rank 0)", "full", "consolidate_mem", "plain_consolidate_mem", "load_file all ranks + assemble"),
+    (
+        "consolidate -> file (rank 0)",
+        "full",
+        "consolidate_file",
+        "plain_consolidate_file",
+        "load_file all ranks + assemble + save_file + fsync",
+    ),
+    (
+        "consolidate -> memory (rank 0)",
+        "full",
+        "consolidate_mem",
+        "plain_consolidate_mem",
+        "load_file all ranks + assemble",
+    ),
 ]
 
 
@@ -309,7 +340,8 @@ def _summary(results: list[dict], num_emas: int) -> dict:
     return {
         "t": {k: max(r["times"].get(k, 0.0) for r in runs) for k in runs[0]["times"]},  # slowest rank
         "med": {k: max(r["medians"].get(k, 0.0) for r in runs) for k in runs[0]["medians"]},
-        "total": sum(r["local_bytes"] for r in runs), "full": runs[0]["full_bytes"],
+        "total": sum(r["local_bytes"] for r in runs),
+        "full": runs[0]["full_bytes"],
         "per_rank": max(r["local_bytes"] for r in runs),
     }
 
@@ -360,8 +392,13 @@ def chart_panels(results: list[dict]) -> list:
             bars += [Bar("plain: " + CHART_BASELINES[k], s[which] / t[k] / 1e9, "peer") for k in bases]
         bars.append(Bar("ours: AsyncSaver.save, blocking call", s["per_rank"] / t["async_block"] / 1e9, "ours"))
         bars.append(Bar("one copy_ of this rank's bytes (floor)", s["per_rank"] / t["copy"] / 1e9, "reference"))
-        panels.append(Panel(f"{num_emas} EMA{'s' if num_emas > 1 else ''}: {s['total'] / 2**20:.0f} MiB of EMA pieces in all, "
-                            f"{s['per_rank'] / 2**20:.0f} MiB per rank", bars))
+        panels.append(
+            Panel(
+                f"{num_emas} EMA{'s' if num_emas > 1 else ''}: {s['total'] / 2**20:.0f} MiB of EMA pieces in all, "
+                f"{s['per_rank'] / 2**20:.0f} MiB per rank",
+                bars,
+            )
+        )
     return panels
 
 
@@ -370,11 +407,16 @@ def write_chart(path: str, results: list[dict], args: argparse.Namespace):
     from benchmarks._charts import write_bar_chart
 
     return write_bar_chart(
-        path, chart_panels(results),
+        path,
+        chart_panels(results),
         title="EMA checkpoint throughput against plain safetensors on the same tensors, higher is better",
-        note=(f"{args.world_size} ranks, ZeRO-{args.stage}, fp32 EMAs of a {results[0]['params'] / 1e6:.1f}M-parameter "
-              f"model; slowest rank, best of {args.repeat}; warm page cache"),
-        xlabel="GB/s (log scale)", value_format="{:.2f} GB/s".format, log=True,
+        note=(
+            f"{args.world_size} ranks, ZeRO-{args.stage}, fp32 EMAs of a {results[0]['params'] / 1e6:.1f}M-parameter "
+            f"model; slowest rank, best of {args.repeat}; warm page cache"
+        ),
+        xlabel="GB/s (log scale)",
+        value_format="{:.2f} GB/s".format,
+        log=True,
     )
 
 
@@ -385,15 +427,25 @@ def main(argv=None) -> None:
     ap.add_argument("--mib", type=int, default=192, help="model size (fp32 MiB); each EMA is this big in total")
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
-    ap.add_argument("--plot", default=None, metavar="PATH",
-                    help="also write a PNG chart of the GB/s figures here (needs matplotlib, the plot extra)")
+    ap.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="also write a PNG chart of the GB/s figures here (needs matplotlib, the plot extra)",
+    )
     args = ap.parse_args(argv)
 
     from functional_ema._testing.multirank import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="fe_bench_", dir=args.dir) as tmp:
-        results = run_ranks("benchmarks.bench_checkpoint:worker", world_size=args.world_size,
-                            out_dir=tmp, mib=args.mib, stage=args.stage, repeat=args.repeat)
+        results = run_ranks(
+            "benchmarks.bench_checkpoint:worker",
+            world_size=args.world_size,
+            out_dir=tmp,
+            mib=args.mib,
+            stage=args.stage,
+            repeat=args.repeat,
+        )
     gbs = lambda nbytes, sec: nbytes / sec / 1e9  # noqa: E731
     print(
         f"EMA checkpoint benchmark: world_size={args.world_size}, ZeRO stage {args.stage}, fp32 EMAs, "
@@ -405,33 +457,48 @@ def main(argv=None) -> None:
         t, med, total, full, per_rank = s["t"], s["med"], s["total"], s["full"], s["per_rank"]
         if num_emas == 1:
             probe_bytes = per_rank  # the first-touch probe fills one EMA's share of a rank
-        print(f"\n== {num_emas} EMA(s): {total / 2**20:.0f} MiB of EMA pieces in all ({per_rank / 2**20:.0f} MiB per rank) ==")
-        print(f"{'operation':32s} {'ours GB/s':>10s} {'plain GB/s':>11s} {'ours/plain':>11s} {'(medians)':>10s}   baseline")
+        print(
+            f"\n== {num_emas} EMA(s): {total / 2**20:.0f} MiB of EMA pieces in all ({per_rank / 2**20:.0f} MiB per rank) =="
+        )
+        print(
+            f"{'operation':32s} {'ours GB/s':>10s} {'plain GB/s':>11s} {'ours/plain':>11s} {'(medians)':>10s}   baseline"
+        )
         for label, which, ours, base, what in ROWS:
             nbytes = s[which]
             a, b = gbs(nbytes, t[ours]), gbs(nbytes, t[base])
             print(f"{label:32s} {a:10.2f} {b:11.2f} {a / b:11.2f} {med[base] / med[ours]:10.2f}   {what}")
-        print(f"async save, blocking: {t['async_block'] * 1e3:.1f} ms per call (first call, allocating its buffer: "
-              f"{t['async_block_first'] * 1e3:.1f} ms); one copy_ of this rank's {per_rank / 2**20:.0f} MiB: "
-              f"{t['copy'] * 1e3:.1f} ms; ratio {t['async_block'] / t['copy']:.2f}x (target <= 1.5x)")
+        print(
+            f"async save, blocking: {t['async_block'] * 1e3:.1f} ms per call (first call, allocating its buffer: "
+            f"{t['async_block_first'] * 1e3:.1f} ms); one copy_ of this rank's {per_rank / 2**20:.0f} MiB: "
+            f"{t['copy'] * 1e3:.1f} ms; ratio {t['async_block'] / t['copy']:.2f}x (target <= 1.5x)"
+        )
         # Where the load time goes (slowest rank; the parts are measured separately).
         mine = per_rank
-        print(f"load breakdown per rank ({mine / 2**20:.0f} MiB): open + validate the manifest and this rank's header "
-              f"{t['open'] * 1e3:.1f} ms; read into fresh memory, no checks {t['load_noverify'] * 1e3:.1f} ms; "
-              f"checks on top {max(0.0, t['load'] - t['load_noverify']) * 1e3:.1f} ms "
-              f"(verified load {t['load'] * 1e3:.1f} ms)")
-        print(f"  one thread hashing the same bytes in memory: XXH3-64 {t['hash_xxh3'] * 1e3:.1f} ms "
-              f"({gbs(mine, t['hash_xxh3']):.1f} GB/s), zlib CRC-32 {t['hash_crc32'] * 1e3:.1f} ms "
-              f"({gbs(mine, t['hash_crc32']):.1f} GB/s)")
-        print(f"  previous format (CRC-32) on the same files: load {gbs(total, t['load_v1']):.2f} GB/s "
-              f"({gbs(total, t['load_v1']) / gbs(total, t['plain_load_clone']):.2f}x plain), consolidate -> memory "
-              f"{gbs(full, t['consolidate_mem_v1']):.2f} GB/s "
-              f"({gbs(full, t['consolidate_mem_v1']) / gbs(full, t['plain_consolidate_mem']):.2f}x plain)")
+        print(
+            f"load breakdown per rank ({mine / 2**20:.0f} MiB): open + validate the manifest and this rank's header "
+            f"{t['open'] * 1e3:.1f} ms; read into fresh memory, no checks {t['load_noverify'] * 1e3:.1f} ms; "
+            f"checks on top {max(0.0, t['load'] - t['load_noverify']) * 1e3:.1f} ms "
+            f"(verified load {t['load'] * 1e3:.1f} ms)"
+        )
+        print(
+            f"  one thread hashing the same bytes in memory: XXH3-64 {t['hash_xxh3'] * 1e3:.1f} ms "
+            f"({gbs(mine, t['hash_xxh3']):.1f} GB/s), zlib CRC-32 {t['hash_crc32'] * 1e3:.1f} ms "
+            f"({gbs(mine, t['hash_crc32']):.1f} GB/s)"
+        )
+        print(
+            f"  previous format (CRC-32) on the same files: load {gbs(total, t['load_v1']):.2f} GB/s "
+            f"({gbs(total, t['load_v1']) / gbs(total, t['plain_load_clone']):.2f}x plain), consolidate -> memory "
+            f"{gbs(full, t['consolidate_mem_v1']):.2f} GB/s "
+            f"({gbs(full, t['consolidate_mem_v1']) / gbs(full, t['plain_consolidate_mem']):.2f}x plain)"
+        )
         print(f"consolidated file and async save equal consolidate(): {bool(t['consolidate_matches'])}")
     mib = probe_bytes >> 20
     probe = first_touch_probe(mib)
-    print(f"\nfirst touch of a fresh {mib} MiB buffer (one process, one thread, median of 3; copy into it): "
-          + "; ".join(f"{pages} pages {pause} {ms:.0f} ms" for (pages, pause), ms in probe.items()), flush=True)
+    print(
+        f"\nfirst touch of a fresh {mib} MiB buffer (one process, one thread, median of 3; copy into it): "
+        + "; ".join(f"{pages} pages {pause} {ms:.0f} ms" for (pages, pause), ms in probe.items()),
+        flush=True,
+    )
     if args.plot:
         write_chart(args.plot, results, args)
 

@@ -54,9 +54,19 @@ def worker(root: str, reps: int, quick: bool) -> dict:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    times: dict[str, list[float]] = {k: [] for k in (
-        "fe.save", "fe.load", "AsyncSaver.save (blocking)", "AsyncSaver commit wait",
-        "dcp.save", "dcp.load", "dcp.async_save (blocking)", "dcp.async_save .result()")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "fe.save",
+            "fe.load",
+            "AsyncSaver.save (blocking)",
+            "AsyncSaver commit wait",
+            "dcp.save",
+            "dcp.load",
+            "dcp.async_save (blocking)",
+            "dcp.async_save .result()",
+        )
+    }
     saver = fe.AsyncSaver()
     # DCP's async save runs collectives from its own thread: on a group of its own, as torch advises,
     # or they interleave with the main thread's (the barriers here) and deadlock
@@ -67,18 +77,24 @@ def worker(root: str, reps: int, quick: bool) -> dict:
         times["fe.load"].append(timed(lambda: fe.load(model, d, tag="t")))
         d2 = fresh()
         box = {}
-        times["AsyncSaver.save (blocking)"].append(timed(lambda: box.setdefault("h", saver.save(state, model, d2, tag="t"))))
+        times["AsyncSaver.save (blocking)"].append(
+            timed(lambda: box.setdefault("h", saver.save(state, model, d2, tag="t")))
+        )
         times["AsyncSaver commit wait"].append(timed(lambda: box["h"].wait()))
         d3 = fresh()
         ema = fe.dcp.EMAStateful(model, state)
         times["dcp.save"].append(timed(lambda: dcp.save({"ema": ema}, checkpoint_id=d3)))
         times["dcp.load"].append(timed(lambda: dcp.load({"ema": ema}, checkpoint_id=d3)))
         d4 = fresh()
-        times["dcp.async_save (blocking)"].append(timed(lambda: box.__setitem__("f", dcp.async_save({"ema": ema}, checkpoint_id=d4,
-                                                                                                    process_group=side))))
+        times["dcp.async_save (blocking)"].append(
+            timed(lambda: box.__setitem__("f", dcp.async_save({"ema": ema}, checkpoint_id=d4, process_group=side)))
+        )
         times["dcp.async_save .result()"].append(timed(lambda: box["f"].result()))
-    return {"times": times, "ema_mib": fe.ema_nbytes(state) * dist.get_world_size() / 2**20,
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "times": times,
+        "ema_mib": fe.ema_nbytes(state) * dist.get_world_size() / 2**20,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main(argv=None) -> None:
@@ -90,21 +106,36 @@ def main(argv=None) -> None:
     from functional_ema._testing.multirank import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="bench_dcp_") as root:
-        r = run_ranks("benchmarks.bench_dcp:worker", world_size=args.world_size, timeout=1800,
-                      env={"OMP_NUM_THREADS": "1"}, root=root, reps=args.reps, quick=args.quick)[0]
+        r = run_ranks(
+            "benchmarks.bench_dcp:worker",
+            world_size=args.world_size,
+            timeout=1800,
+            env={"OMP_NUM_THREADS": "1"},
+            root=root,
+            reps=args.reps,
+            quick=args.quick,
+        )[0]
     t = r["times"]
     med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
-    print(f"### EMA through DCP vs fe.save/fe.load: FSDP2, {args.world_size} ranks, {r['params'] / 1e6:.1f}M params, "
-          f"EMA {r['ema_mib']:.1f} MiB in all, {args.reps} reps\n")
+    print(
+        f"### EMA through DCP vs fe.save/fe.load: FSDP2, {args.world_size} ranks, {r['params'] / 1e6:.1f}M params, "
+        f"EMA {r['ema_mib']:.1f} MiB in all, {args.reps} reps\n"
+    )
     print("| approach | ms, median (min) | DCP / functional_ema |")
     print("|---|---|---|")
-    pairs = {"dcp.save": "fe.save", "dcp.load": "fe.load", "dcp.async_save (blocking)": "AsyncSaver.save (blocking)",
-             "dcp.async_save .result()": "AsyncSaver commit wait"}
+    pairs = {
+        "dcp.save": "fe.save",
+        "dcp.load": "fe.load",
+        "dcp.async_save (blocking)": "AsyncSaver.save (blocking)",
+        "dcp.async_save .result()": "AsyncSaver commit wait",
+    }
     for k, v in t.items():
         ratio = f"{med[k] / med[pairs[k]]:.2f}" if k in pairs else "-"
         print(f"| {k} | {med[k]:.1f} ({min(v) * 1e3:.1f}) | {ratio} |")
-    print(f"\nCommand: `python benchmarks/bench_dcp.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
-          f"({os.cpu_count()} CPU cores, 1 thread per rank)")
+    print(
+        f"\nCommand: `python benchmarks/bench_dcp.py {' '.join(argv if argv is not None else sys.argv[1:])}` "
+        f"({os.cpu_count()} CPU cores, 1 thread per rank)"
+    )
 
 
 if __name__ == "__main__":

@@ -146,10 +146,32 @@ def build_model(name: str, quick: bool) -> nn.Module:
 # ------------------------------------------------------------------------------- measuring helpers
 
 _COLLECTIVES = [
-    "all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_base",
-    "all_gather_coalesced", "all_gather_object", "broadcast", "broadcast_object_list", "gather", "gather_object",
-    "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
+    "all_reduce",
+    "inference_all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather_base",
+    "all_gather_coalesced",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
 ]
 
 
@@ -353,7 +375,8 @@ def plain_module_table(rounds: int = 25, inner: int = 5, quick: bool = False) ->
             times[key] += [g for f, g in zip(order, got) if f is fn]
             times["roofline"] += [g for f, g in zip(order, got) if f is roof]
     return {
-        "tensors": len(params), "params": numel,
+        "tensors": len(params),
+        "params": numel,
         "ms_min": {k: min(v) * 1e3 for k, v in times.items()},
         "ms_median": {k: statistics.median(v) * 1e3 for k, v in times.items()},
         "x_roofline": {k: statistics.median(v) for k, v in pairs.items()},
@@ -468,10 +491,16 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
     def lib_one_buffer_update_only():
         fe.update(flat_state, flat_shards, decay=DECAY)
 
-    approaches = {"lib": lib, "lib_update_only": lib_update_only, "local_shards_only": local_shards_only,
-                  "foreach": foreach, "lib_one_buffer": lib_one_buffer,
-                  "lib_one_buffer_update_only": lib_one_buffer_update_only, "roofline": roofline,
-                  "roofline_again": roofline_again}
+    approaches = {
+        "lib": lib,
+        "lib_update_only": lib_update_only,
+        "local_shards_only": local_shards_only,
+        "foreach": foreach,
+        "lib_one_buffer": lib_one_buffer,
+        "lib_one_buffer_update_only": lib_one_buffer_update_only,
+        "roofline": roofline,
+        "roofline_again": roofline_again,
+    }
     for fn in approaches.values():  # warm up
         dist.barrier()
         fn()
@@ -501,13 +530,22 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
             fn()
         comm[name] = [counter.calls, counter.bytes]
     return {
-        "stage": stage, "model": model_name, "world_size": dist.get_world_size(), "rank": rank,
-        "tensors": n_tensors, "params": n_full, "local_numel": n_local,
-        "segments": len(shards.segments), "local_tensors": len(locals_), "one_buffer_segments": len(flat_shards.segments),
+        "stage": stage,
+        "model": model_name,
+        "world_size": dist.get_world_size(),
+        "rank": rank,
+        "tensors": n_tensors,
+        "params": n_full,
+        "local_numel": n_local,
+        "segments": len(shards.segments),
+        "local_tensors": len(locals_),
+        "one_buffer_segments": len(flat_shards.segments),
         "distinct_storages": len({t.untyped_storage().data_ptr() for t in locals_}),
         "min_ms": {k: min(v) * 1e3 for k, v in samples.items()},
         "median_ms": {k: statistics.median(v) * 1e3 for k, v in samples.items()},
-        "comm": comm, "ema_bytes": {"lib": fe.ema_nbytes(state)}, "rounds": rounds_of,
+        "comm": comm,
+        "ema_bytes": {"lib": fe.ema_nbytes(state)},
+        "rounds": rounds_of,
     }
 
 
@@ -602,8 +640,14 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
                 e.lerp_(p.data.float(), 1 - DECAY)
 
     approaches = {
-        "lib": lib, "lib_update_only": lib_update_only, "lib_k2": lib_k2, "roofline": roofline,
-        "roofline_k2": roofline_k2, "roofline_again": roofline_again, "litema": litema, "ds_chat": ds_chat,
+        "lib": lib,
+        "lib_update_only": lib_update_only,
+        "lib_k2": lib_k2,
+        "roofline": roofline,
+        "roofline_k2": roofline_k2,
+        "roofline_again": roofline_again,
+        "litema": litema,
+        "ds_chat": ds_chat,
         "gather_all": gather_all,
     }
     fast = ["lib", "lib_update_only", "lib_k2", "roofline", "roofline_k2", "roofline_again", "litema"]
@@ -666,19 +710,33 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
             noop = bool(torch.equal(before, pe.data))
 
     ema_bytes = {
-        "lib": fe.ema_nbytes(state), "lib_update_only": fe.ema_nbytes(state), "lib_k2": fe.ema_nbytes(state2),
-        "roofline": ema_flat.numel() * 4, "roofline_k2": ema_k2.numel() * 4, "roofline_again": ema_flat2.numel() * 4, "litema": sum(t.numel() * 4 for t in lit.values()),
+        "lib": fe.ema_nbytes(state),
+        "lib_update_only": fe.ema_nbytes(state),
+        "lib_k2": fe.ema_nbytes(state2),
+        "roofline": ema_flat.numel() * 4,
+        "roofline_k2": ema_k2.numel() * 4,
+        "roofline_again": ema_flat2.numel() * 4,
+        "litema": sum(t.numel() * 4 for t in lit.values()),
         "ds_chat": sum((p.ds_tensor.numel() if z3 else p.numel()) * p.element_size() for p in ema_params),
         "gather_all": sum(t.numel() * 4 for t in full_ema),
     }
     return {
-        "stage": stage, "model": model_name, "world_size": dist.get_world_size(), "rank": rank,
-        "tensors": n_tensors, "params": n_full, "local_numel": n_local,
+        "stage": stage,
+        "model": model_name,
+        "world_size": dist.get_world_size(),
+        "rank": rank,
+        "tensors": n_tensors,
+        "params": n_full,
+        "local_numel": n_local,
         "min_ms": {k: min(v) * 1e3 for k, v in samples.items()},
         "median_ms": {k: statistics.median(v) * 1e3 for k, v in samples.items()},
-        "comm": comm, "peak_transient": peak, "ema_bytes": ema_bytes, "ds_chat_without_modifier_is_noop": noop,
+        "comm": comm,
+        "peak_transient": peak,
+        "ema_bytes": ema_bytes,
+        "ds_chat_without_modifier_is_noop": noop,
         "rounds": rounds_of,
     }
+
 
 # ------------------------------------------------------------------------------------------ report
 
@@ -709,8 +767,11 @@ FSDP2_LABELS = {
 
 def report_fsdp2(w: int, model: str, reps: list[dict]) -> list[str]:
     r0 = next(r for r in reps if r["rank"] == 0)
-    how = ("fully_shard per block + root over dp, each block's MLP tensor parallel 2 (fc1 colwise, fc2 rowwise)"
-           if r0["stage"] == "fsdp2_tp" else "fully_shard per block + root")
+    how = (
+        "fully_shard per block + root over dp, each block's MLP tensor parallel 2 (fc1 colwise, fc2 rowwise)"
+        if r0["stage"] == "fsdp2_tp"
+        else "fully_shard per block + root"
+    )
     t_min = {k: max(r["min_ms"][k] for r in reps) for k in FSDP2_LABELS}
     t_med = {k: max(r["median_ms"][k] for r in reps) for k in FSDP2_LABELS}
     ratio = {k: _paired_ratio([r["rounds"][k] for r in reps]) for k in FSDP2_LABELS}
@@ -725,7 +786,9 @@ def report_fsdp2(w: int, model: str, reps: list[dict]) -> list[str]:
         "|---|---|---|---|",
     ]
     for k, label in FSDP2_LABELS.items():
-        lines.append(f"| {label} | {t_min[k]:.3f} ({t_med[k]:.3f}) | {ratio[k]:.2f} | {max(r['comm'][k][1] for r in reps):,} |")
+        lines.append(
+            f"| {label} | {t_min[k]:.3f} ({t_med[k]:.3f}) | {ratio[k]:.2f} | {max(r['comm'][k][1] for r in reps):,} |"
+        )
     return lines
 
 
@@ -767,7 +830,9 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
             f"<= {local / 1e6:.2f}M fp32 elements per rank"
         )
         lines.append("")
-        lines.append("| approach | ms/update, min (median) over rounds | x roofline | speedup vs per-param gather | bytes communicated | EMA MiB/rank | peak transient MiB/rank |")
+        lines.append(
+            "| approach | ms/update, min (median) over rounds | x roofline | speedup vs per-param gather | bytes communicated | EMA MiB/rank | peak transient MiB/rank |"
+        )
         lines.append("|---|---|---|---|---|---|---|")
         ratio = {k: _paired_ratio([r["rounds"][k] for r in reps]) for k in LABELS}
         for k, label in LABELS.items():
@@ -779,28 +844,51 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
             )
         noop = r0["ds_chat_without_modifier_is_noop"]
         if noop is not None:
-            lines.append(f"\nDeepSpeed-Chat's pattern without modifier_rank left the EMA unchanged (silent no-op): {noop}")
-        checks.append(((w, stage, model), [
-            f"{ratio['lib']:.2f} ({ratio['lib_update_only']:.2f})",
-            f"{ratio['lib_k2']:.2f}",
-            f"{t_min['ds_chat'] / t_min['lib']:.0f}x ({t_med['ds_chat'] / t_med['lib']:.0f}x)",
-            f"{max(r['comm']['lib'][1] for r in reps)}",
-            f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
-            f"{ratio['roofline_again']:.2f}",
-        ]))
+            lines.append(
+                f"\nDeepSpeed-Chat's pattern without modifier_rank left the EMA unchanged (silent no-op): {noop}"
+            )
+        checks.append(
+            (
+                (w, stage, model),
+                [
+                    f"{ratio['lib']:.2f} ({ratio['lib_update_only']:.2f})",
+                    f"{ratio['lib_k2']:.2f}",
+                    f"{t_min['ds_chat'] / t_min['lib']:.0f}x ({t_med['ds_chat'] / t_med['lib']:.0f}x)",
+                    f"{max(r['comm']['lib'][1] for r in reps)}",
+                    f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
+                    f"{ratio['roofline_again']:.2f}",
+                ],
+            )
+        )
     for (w, stage, model), reps in sorted(fsdp2_groups.items()):
         lines.extend(report_fsdp2(w, model, reps))
         ratio = {k: _paired_ratio([r["rounds"][k] for r in reps]) for k in FSDP2_LABELS}
-        checks.append(((w, stage, model), [
-            f"{ratio['lib']:.2f} ({ratio['lib_update_only']:.2f})", "-", "-",
-            f"{max(r['comm']['lib'][1] for r in reps)}",
-            f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
-            f"{ratio['roofline_again']:.2f}",
-        ]))
-        checks.append(((w, f"{stage} after flatten_local_shards", model), [
-            f"{ratio['lib_one_buffer']:.2f} ({ratio['lib_one_buffer_update_only']:.2f})", "-", "-",
-            f"{max(r['comm']['lib_one_buffer'][1] for r in reps)}", "-", f"{ratio['roofline_again']:.2f}",
-        ]))
+        checks.append(
+            (
+                (w, stage, model),
+                [
+                    f"{ratio['lib']:.2f} ({ratio['lib_update_only']:.2f})",
+                    "-",
+                    "-",
+                    f"{max(r['comm']['lib'][1] for r in reps)}",
+                    f"{max(r['ema_bytes']['lib'] / max(4 * r['local_numel'], 1) for r in reps):.4f}",
+                    f"{ratio['roofline_again']:.2f}",
+                ],
+            )
+        )
+        checks.append(
+            (
+                (w, f"{stage} after flatten_local_shards", model),
+                [
+                    f"{ratio['lib_one_buffer']:.2f} ({ratio['lib_one_buffer_update_only']:.2f})",
+                    "-",
+                    "-",
+                    f"{max(r['comm']['lib_one_buffer'][1] for r in reps)}",
+                    "-",
+                    f"{ratio['roofline_again']:.2f}",
+                ],
+            )
+        )
     lines.append("\n### Targets")
     lines.append("")
     lines.append(
@@ -810,29 +898,44 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
     )
     lines.append("|---|---|---|---|---|---|---|")
     for (w, stage, model), vals in checks:
-        engine = stage.replace("fsdp2_tp", "FSDP2 over tensor parallel 2").replace("fsdp2", "FSDP2") \
-            if str(stage).startswith("fsdp2") else f"ZeRO-{stage}"
+        engine = (
+            stage.replace("fsdp2_tp", "FSDP2 over tensor parallel 2").replace("fsdp2", "FSDP2")
+            if str(stage).startswith("fsdp2")
+            else f"ZeRO-{stage}"
+        )
         lines.append(f"| {engine}, {w} ranks, {model} | " + " | ".join(vals) + " |")
     if plain is not None:
-        lines.append(f"\n### Plain module (one process; DDP does the same work per rank): {plain['tensors']} tensors, "
-                     f"{plain['params'] / 1e6:.1f}M params")
+        lines.append(
+            f"\n### Plain module (one process; DDP does the same work per rank): {plain['tensors']} tensors, "
+            f"{plain['params'] / 1e6:.1f}M params"
+        )
         lines.append("")
         lines.append("| approach | ms/update, min (median) | x roofline |")
         lines.append("|---|---|---|")
-        rows = (("functional_ema: `local_shards(model)` + `update`", "lib"),
-                ("functional_ema after `flatten_parameters(model)`: `local_shards(model)` + `update`", "lib_flat"),
-                ("`torch._foreach_lerp_` over the parameters (lists prebuilt)", "foreach"))
+        rows = (
+            ("functional_ema: `local_shards(model)` + `update`", "lib"),
+            ("functional_ema after `flatten_parameters(model)`: `local_shards(model)` + `update`", "lib_flat"),
+            ("`torch._foreach_lerp_` over the parameters (lists prebuilt)", "foreach"),
+        )
         for label, k in rows:
-            lines.append(f"| {label} | {plain['ms_min'][k]:.2f} ({plain['ms_median'][k]:.2f}) | {plain['x_roofline'][k]:.2f} |")
-        lines.append(f"| roofline: one flat `lerp_` over as many elements | {plain['ms_min']['roofline']:.2f} ({plain['ms_median']['roofline']:.2f}) | 1.00 |")
+            lines.append(
+                f"| {label} | {plain['ms_min'][k]:.2f} ({plain['ms_median'][k]:.2f}) | {plain['x_roofline'][k]:.2f} |"
+            )
+        lines.append(
+            f"| roofline: one flat `lerp_` over as many elements | {plain['ms_min']['roofline']:.2f} ({plain['ms_median']['roofline']:.2f}) | 1.00 |"
+        )
         xr = plain["x_roofline"]
-        lines.append(f"\nfunctional_ema / `_foreach_lerp_` (target <= 1.00): {xr['lib'] / xr['foreach']:.2f} with each parameter in "
-                     f"its own memory, {xr['lib_flat'] / xr['foreach']:.2f} after `flatten_parameters` "
-                     f"({plain['flat_segments']} segment); EMA bytes / (4 x params) = "
-                     f"{plain['ema_bytes'] / (4 * plain['params']):.4f}; fused: {plain['fused']}")
+        lines.append(
+            f"\nfunctional_ema / `_foreach_lerp_` (target <= 1.00): {xr['lib'] / xr['foreach']:.2f} with each parameter in "
+            f"its own memory, {xr['lib_flat'] / xr['foreach']:.2f} after `flatten_parameters` "
+            f"({plain['flat_segments']} segment); EMA bytes / (4 x params) = "
+            f"{plain['ema_bytes'] / (4 * plain['params']):.4f}; fused: {plain['fused']}"
+        )
     lines.append("\n### Cost of one `update` call beyond the arithmetic (one process, 1-element views)")
     lines.append("")
-    lines.append("| tensors | same `Shards`, warm (cold) us | a plain dict of the same tensors, warm (cold) us | one bare lerp_, warm (cold) us |")
+    lines.append(
+        "| tensors | same `Shards`, warm (cold) us | a plain dict of the same tensors, warm (cold) us | one bare lerp_, warm (cold) us |"
+    )
     lines.append("|---|---|---|---|")
     for row in overhead_rows:
         lines.append(
@@ -885,16 +988,27 @@ def chart_panels(all_results, plain: dict | None = None) -> list:
     for family, grouped in (("zero", groups), ("fsdp2", fsdp2_groups)):
         for (w, stage, model), reps in sorted(grouped.items(), key=_config_order):
             r0 = reps[0]
-            engine = {"fsdp2": "FSDP2", "fsdp2_tp": "FSDP2 over tensor parallel 2"}.get(str(stage), f"DeepSpeed ZeRO-{stage}")
-            bars = [Bar(label, _paired_ratio([r["rounds"][k] for r in reps]), kind) for k, label, kind in CHART_BARS[family]]
-            panels.append(Panel(f"{engine}, {w} ranks, {model} ({r0['tensors']} tensors, {r0['params'] / 1e6:.1f}M params)", bars))
+            engine = {"fsdp2": "FSDP2", "fsdp2_tp": "FSDP2 over tensor parallel 2"}.get(
+                str(stage), f"DeepSpeed ZeRO-{stage}"
+            )
+            bars = [
+                Bar(label, _paired_ratio([r["rounds"][k] for r in reps]), kind) for k, label, kind in CHART_BARS[family]
+            ]
+            panels.append(
+                Panel(f"{engine}, {w} ranks, {model} ({r0['tensors']} tensors, {r0['params'] / 1e6:.1f}M params)", bars)
+            )
     if plain is not None:
         xr = plain["x_roofline"]
-        panels.append(Panel(f"plain module, one process, transformer ({plain['tensors']} tensors, {plain['params'] / 1e6:.1f}M params)", [
-            Bar("functional_ema: local_shards + update", xr["lib"], "ours"),
-            Bar("after flatten_parameters: local_shards + update", xr["lib_flat"], "ours"),
-            Bar("torch._foreach_lerp_ over the parameters", xr["foreach"], "peer"),
-        ]))
+        panels.append(
+            Panel(
+                f"plain module, one process, transformer ({plain['tensors']} tensors, {plain['params'] / 1e6:.1f}M params)",
+                [
+                    Bar("functional_ema: local_shards + update", xr["lib"], "ours"),
+                    Bar("after flatten_parameters: local_shards + update", xr["lib_flat"], "ours"),
+                    Bar("torch._foreach_lerp_ over the parameters", xr["foreach"], "peer"),
+                ],
+            )
+        )
     return panels
 
 
@@ -903,10 +1017,14 @@ def write_chart(path: str, all_results, plain: dict | None, rounds: int):
     from benchmarks._charts import write_bar_chart
 
     return write_bar_chart(
-        path, chart_panels(all_results, plain),
+        path,
+        chart_panels(all_results, plain),
         title="EMA update time / roofline (one flat lerp_ over the same bytes), lower is better",
         note=f"CPU, gloo, 1 thread per rank; median over {rounds} paired rounds of the slowest rank's ratio",
-        xlabel="x roofline (log scale)", value_format="{:.2f}x".format, log=True, reference=(1.0, "roofline = 1.0"),
+        xlabel="x roofline (log scale)",
+        value_format="{:.2f}x".format,
+        log=True,
+        reference=(1.0, "roofline = 1.0"),
     )
 
 
@@ -916,16 +1034,27 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="tiny models, a smoke test of the script")
     parser.add_argument("--json", type=str, default=None, help="also write the raw per-rank results here")
-    parser.add_argument("--plot", type=str, default=None, metavar="PATH",
-                        help="also write a PNG chart of the x-roofline figures here (needs matplotlib)")
-    parser.add_argument("--engines", nargs="+", default=["zero", "fsdp2", "fsdp2_tp", "module"],
-                        choices=["zero", "fsdp2", "fsdp2_tp", "module"],
-                        help="ZeRO-2/3 configs, the FSDP2 config (2 ranks, transformer), FSDP2 over tensor parallel "
-                             "(4 ranks: dp 2 x tp 2, transformer), the plain-module table")
+    parser.add_argument(
+        "--plot",
+        type=str,
+        default=None,
+        metavar="PATH",
+        help="also write a PNG chart of the x-roofline figures here (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        default=["zero", "fsdp2", "fsdp2_tp", "module"],
+        choices=["zero", "fsdp2", "fsdp2_tp", "module"],
+        help="ZeRO-2/3 configs, the FSDP2 config (2 ranks, transformer), FSDP2 over tensor parallel "
+        "(4 ranks: dp 2 x tp 2, transformer), the plain-module table",
+    )
     args = parser.parse_args(argv)
     from functional_ema._testing.multirank import run_ranks
 
-    command = " ".join(["python", "benchmarks/bench_update.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
+    command = " ".join(
+        ["python", "benchmarks/bench_update.py", *map(shlex.quote, argv if argv is not None else sys.argv[1:])]
+    )
     all_results = []
     for w in args.world_sizes:
         # ZeRO-3 at every world size (how the gap to per-parameter gathering grows); ZeRO-2 at 2 ranks.
@@ -938,8 +1067,17 @@ def main(argv=None):
         if not configs:
             continue
         t0 = time.time()
-        all_results.append(run_ranks("benchmarks.bench_update:worker", world_size=w, timeout=1800,
-                                     env={"OMP_NUM_THREADS": "1"}, configs=configs, rounds=args.rounds, quick=args.quick))
+        all_results.append(
+            run_ranks(
+                "benchmarks.bench_update:worker",
+                world_size=w,
+                timeout=1800,
+                env={"OMP_NUM_THREADS": "1"},
+                configs=configs,
+                rounds=args.rounds,
+                quick=args.quick,
+            )
+        )
         print(f"[{w} ranks done in {time.time() - t0:.0f} s]", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(all_results, indent=1))

@@ -100,7 +100,9 @@ def check_core() -> None:
                 for n in ref[j]:
                     ref[j][n].lerp_(shards[n], 1 - d)
             ok &= all(torch.equal(state.emas[j][n], ref[j][n]) for j in range(k) for n in shards)
-        record(f"CUDA update, K={k}, {len(shards)} tensors, {numel / 1e6:.1f}M elements: bitwise vs per-tensor lerp_", ok)
+        record(
+            f"CUDA update, K={k}, {len(shards)} tensors, {numel / 1e6:.1f}M elements: bitwise vs per-tensor lerp_", ok
+        )
     for n_tensors, per in ((400, 60_000), (1000, 500_000)):
         time_update_against_peers(n_tensors, per)
 
@@ -123,12 +125,22 @@ def time_update_against_peers(n_tensors: int, per: int) -> None:
     t_foreach = cuda_time(lambda: torch._foreach_lerp_(emas, weights, 0.001))
     t_loop = cuda_time(per_tensor_lerp)
     gbs = numel * 12 / (t_lib * 1e-3) / 1e9
-    TIMINGS.append((f"{n_tensors} fp32 tensors, {numel / 1e6:.0f}M elements ({numel * 12 / 1e9:.2f} GB moved per update)",
-                    {"fe.update": t_lib / t_roof, "torch._foreach_lerp_": t_foreach / t_roof,
-                     "per-tensor lerp_ loop": t_loop / t_roof}))
-    record(f"CUDA update timing, {n_tensors} tensors, {numel / 1e6:.0f}M elements (fp32, K=1)", True,
-           f"fe.update {t_lib:.3f} ms ({gbs:.0f} GB/s) = {t_lib / t_roof:.2f}x one flat lerp_ ({t_roof:.3f} ms); "
-           f"_foreach_lerp_ {t_foreach:.3f} ms ({t_foreach / t_roof:.2f}x); per-tensor lerp_ loop {t_loop:.3f} ms ({t_loop / t_roof:.2f}x)")
+    TIMINGS.append(
+        (
+            f"{n_tensors} fp32 tensors, {numel / 1e6:.0f}M elements ({numel * 12 / 1e9:.2f} GB moved per update)",
+            {
+                "fe.update": t_lib / t_roof,
+                "torch._foreach_lerp_": t_foreach / t_roof,
+                "per-tensor lerp_ loop": t_loop / t_roof,
+            },
+        )
+    )
+    record(
+        f"CUDA update timing, {n_tensors} tensors, {numel / 1e6:.0f}M elements (fp32, K=1)",
+        True,
+        f"fe.update {t_lib:.3f} ms ({gbs:.0f} GB/s) = {t_lib / t_roof:.2f}x one flat lerp_ ({t_roof:.3f} ms); "
+        f"_foreach_lerp_ {t_foreach:.3f} ms ({t_foreach / t_roof:.2f}x); per-tensor lerp_ loop {t_loop:.3f} ms ({t_loop / t_roof:.2f}x)",
+    )
 
 
 def check_pinned_cpu_ema() -> None:
@@ -156,8 +168,11 @@ def check_pinned_cpu_ema() -> None:
                 naive[j][n].lerp_(host[n], 1 - d)
 
     t_naive = wall_time(copy_then_lerp)
-    record("pinned CPU EMA of CUDA weights (side-stream staging): bitwise vs .cpu() + lerp_", ok and ok_pinned and info.staged_spans > 0,
-           f"{t_lib:.2f} ms vs {t_naive:.2f} ms for copy-then-lerp ({t_naive / t_lib:.2f}x), staged spans {info.staged_spans}, pinned {ok_pinned}")
+    record(
+        "pinned CPU EMA of CUDA weights (side-stream staging): bitwise vs .cpu() + lerp_",
+        ok and ok_pinned and info.staged_spans > 0,
+        f"{t_lib:.2f} ms vs {t_naive:.2f} ms for copy-then-lerp ({t_naive / t_lib:.2f}x), staged spans {info.staged_spans}, pinned {ok_pinned}",
+    )
 
 
 class Net(nn.Module):
@@ -173,7 +188,9 @@ class Net(nn.Module):
 
 def _data(step: int, dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(step)
-    return torch.randn(8, 64, device="cuda", generator=g).to(dtype), torch.randn(8, 16, device="cuda", generator=g).to(dtype)
+    return torch.randn(8, 64, device="cuda", generator=g).to(dtype), torch.randn(8, 16, device="cuda", generator=g).to(
+        dtype
+    )
 
 
 def check_deepspeed(stage: int = 3, offload: bool = False) -> None:
@@ -185,8 +202,14 @@ def check_deepspeed(stage: int = 3, offload: bool = False) -> None:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
-           "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 8,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": True},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     where = "CPU (offload)" if offload else "GPU"
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
     shards = fe.local_shards(engine)
@@ -220,12 +243,19 @@ def check_deepspeed(stage: int = 3, offload: bool = False) -> None:
         saver.save(state, engine, d, tag="async")
         saver.wait()
         back = [fe.load(engine, d, tag=t) for t in ("sync", "async")]
-    same_files = all(b.step == state.step and all(torch.equal(b.emas[0][n], state.emas[0][n]) for n in shards) for b in back)
+    same_files = all(
+        b.step == state.step and all(torch.equal(b.emas[0][n], state.emas[0][n]) for n in shards) for b in back
+    )
     same_device = all(b.emas[0][n].device == state.emas[0][n].device for b in back for n in shards)
-    record(f"DeepSpeed ZeRO-{stage} ({where}): save / AsyncSaver / load round trip bitwise, on the state's device",
-           same_files and same_device)
-    record(f"DeepSpeed ZeRO-{stage} bf16, fp32 masters on {where}: EMA bitwise vs safe_get_full_fp32_param EMA", ok and on_expected,
-           f"local_shards + update {t_upd:.3f} ms for {sum(t.numel() for t in shards.values()):,} elements")
+    record(
+        f"DeepSpeed ZeRO-{stage} ({where}): save / AsyncSaver / load round trip bitwise, on the state's device",
+        same_files and same_device,
+    )
+    record(
+        f"DeepSpeed ZeRO-{stage} bf16, fp32 masters on {where}: EMA bitwise vs safe_get_full_fp32_param EMA",
+        ok and on_expected,
+        f"local_shards + update {t_upd:.3f} ms for {sum(t.numel() for t in shards.values()):,} elements",
+    )
     record(f"DeepSpeed ZeRO-{stage} ({where}) swapped forward == plain bf16 model loaded with the EMA", same)
 
 
@@ -261,8 +291,11 @@ def check_fsdp2() -> None:
         want = twin.to(torch.bfloat16)(x.to(torch.bfloat16))
     t_upd = cuda_time(lambda: fe.update(state, fe.local_shards(model), decay=0.9))
     record("FSDP2 bf16 mixed precision: EMA bitwise vs full_tensor() EMA", ok, f"local_shards + update {t_upd:.3f} ms")
-    record("FSDP2 swapped forward == plain bf16 model loaded with the EMA (max abs diff shown)", torch.allclose(out.float(), want.float(), atol=1e-2),
-           f"max abs diff {(out.float() - want.float()).abs().max().item():.2e}")
+    record(
+        "FSDP2 swapped forward == plain bf16 model loaded with the EMA (max abs diff shown)",
+        torch.allclose(out.float(), want.float(), atol=1e-2),
+        f"max abs diff {(out.float() - want.float()).abs().max().item():.2e}",
+    )
 
 
 def _init_world_of_one() -> None:
@@ -271,8 +304,14 @@ def _init_world_of_one() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+    for k, v in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         os.environ.setdefault(k, v)
     if not dist.is_initialized():
         dist.init_process_group("nccl")
@@ -283,12 +322,21 @@ def write_chart(path: str) -> None:
     """The update timings as an "x roofline" PNG (skipped with one line without matplotlib)."""
     from benchmarks._charts import Bar, Panel, write_bar_chart
 
-    panels = [Panel(title, [Bar(k, v, "ours" if k == "fe.update" else "peer") for k, v in figures.items()])
-              for title, figures in TIMINGS]
-    write_bar_chart(path, panels, title="EMA update time / roofline (one flat lerp_ over the same bytes), lower is better",
-                    note=f"CUDA events, median of 20 after warm-up; torch {torch.__version__}",
-                    xlabel="x roofline (log scale)", value_format="{:.2f}x".format, log=True,
-                    reference=(1.0, "roofline = 1.0"), device=f"{torch.cuda.get_device_name(0)} (one GPU)")
+    panels = [
+        Panel(title, [Bar(k, v, "ours" if k == "fe.update" else "peer") for k, v in figures.items()])
+        for title, figures in TIMINGS
+    ]
+    write_bar_chart(
+        path,
+        panels,
+        title="EMA update time / roofline (one flat lerp_ over the same bytes), lower is better",
+        note=f"CUDA events, median of 20 after warm-up; torch {torch.__version__}",
+        xlabel="x roofline (log scale)",
+        value_format="{:.2f}x".format,
+        log=True,
+        reference=(1.0, "roofline = 1.0"),
+        device=f"{torch.cuda.get_device_name(0)} (one GPU)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,14 +346,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH", default=None, help="also write the update timings as a PNG chart")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("gpu_check: CUDA is not available here (torch " + torch.__version__ + "); nothing to check. "
-              "Run it on a machine with a GPU and a CUDA build of torch.")
+        print(
+            "gpu_check: CUDA is not available here (torch " + torch.__version__ + "); nothing to check. "
+            "Run it on a machine with a GPU and a CUDA build of torch."
+        )
         return 0
     print(f"gpu_check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     _init_world_of_one()
-    checks = [("core", check_core), ("pinned CPU EMA", check_pinned_cpu_ema),
-              ("ZeRO-2", lambda: check_deepspeed(2)), ("ZeRO-2 offload", lambda: check_deepspeed(2, offload=True)),
-              ("ZeRO-3", lambda: check_deepspeed(3)), ("FSDP2", check_fsdp2)]
+    checks = [
+        ("core", check_core),
+        ("pinned CPU EMA", check_pinned_cpu_ema),
+        ("ZeRO-2", lambda: check_deepspeed(2)),
+        ("ZeRO-2 offload", lambda: check_deepspeed(2, offload=True)),
+        ("ZeRO-3", lambda: check_deepspeed(3)),
+        ("FSDP2", check_fsdp2),
+    ]
     for name, check in checks:
         try:
             check()

@@ -45,7 +45,11 @@ def main() -> None:
             if step in every_step[n]:
                 snaps[n].append(posthoc.snapshot(st, tracked))
     gammas = [schedules.sigma_rel_to_gamma(s) for s in TRACKED]
-    head = "| snapshots (x2 EMAs) | expressible sigma_rel (profile error <= 0.02) | " + " | ".join(f"{t:g}" for t in TARGETS) + " |"
+    head = (
+        "| snapshots (x2 EMAs) | expressible sigma_rel (profile error <= 0.02) | "
+        + " | ".join(f"{t:g}" for t in TARGETS)
+        + " |"
+    )
     print(head)
     print("|" + "---|" * (2 + len(TARGETS)))
     for n in COUNTS:

@@ -41,8 +41,9 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
-ema = AcceleratorEMA(accelerator, model, decay=[0.9, fe.schedules.power(sigma_rel=0.1)], buffers="average",
-                     async_save=args.async_save)
+ema = AcceleratorEMA(
+    accelerator, model, decay=[0.9, fe.schedules.power(sigma_rel=0.1)], buffers="average", async_save=args.async_save
+)
 ckpt = f"{args.out}/ckpt"
 if args.resume:
     accelerator.load_state(ckpt)  # DeepSpeed's engine, then the EMA (any world size: it reshards)

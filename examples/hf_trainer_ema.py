@@ -41,7 +41,9 @@ class Data(torch.utils.data.Dataset):
     def __init__(self, n, seed):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 16, generator=g)
-        self.y = self.x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1)) + 0.3 * torch.randn(n, 1, generator=g)
+        self.y = self.x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1)) + 0.3 * torch.randn(
+            n, 1, generator=g
+        )
 
     def __len__(self):
         return len(self.x)
@@ -51,9 +53,20 @@ class Data(torch.utils.data.Dataset):
 
 
 training_args = TrainingArguments(
-    output_dir=args.out, max_steps=16, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-    learning_rate=3e-3, eval_strategy="steps", eval_steps=8, save_steps=8, logging_steps=8,
-    deepspeed=DS_CONFIG, use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True,
+    output_dir=args.out,
+    max_steps=16,
+    per_device_train_batch_size=8,
+    gradient_accumulation_steps=2,
+    learning_rate=3e-3,
+    eval_strategy="steps",
+    eval_steps=8,
+    save_steps=8,
+    logging_steps=8,
+    deepspeed=DS_CONFIG,
+    use_cpu=True,
+    ddp_backend="gloo",
+    report_to=[],
+    disable_tqdm=True,
 )
 torch.manual_seed(0)
 trainer = Trainer(model=Regressor(), args=training_args, train_dataset=Data(512, 0), eval_dataset=Data(128, 2))

@@ -46,15 +46,22 @@ def data(n, seed):
 
 powers = [fe.schedules.power(sigma_rel=0.05), fe.schedules.power(sigma_rel=0.10)]
 ema = EMACallback(
-    decay=powers,                        # two EMAs in one state
-    buffers="average",                   # BatchNorm statistics averaged too
-    posthoc_dir=f"{args.out}/snapshots", posthoc_every=2,   # snapshots for post-hoc EMA
-    export_path=f"{args.out}/ema.safetensors",              # consolidated EMA 0 at the end
+    decay=powers,  # two EMAs in one state
+    buffers="average",  # BatchNorm statistics averaged too
+    posthoc_dir=f"{args.out}/snapshots",
+    posthoc_every=2,  # snapshots for post-hoc EMA
+    export_path=f"{args.out}/ema.safetensors",  # consolidated EMA 0 at the end
 )
 trainer = pl.Trainer(
-    accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs, accumulate_grad_batches=2,
+    accelerator="cpu",
+    devices=2,
+    strategy="ddp",
+    max_epochs=args.epochs,
+    accumulate_grad_batches=2,
     callbacks=[ema, pl.callbacks.ModelCheckpoint(dirpath=f"{args.out}/ckpt", save_top_k=-1)],
-    logger=False, enable_progress_bar=False, enable_model_summary=False,
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
 )
 model = Net()
 trainer.fit(model, data(512, 0), data(256, 2))  # validation runs with EMA 0 swapped in

@@ -1,6 +1,6 @@
 """The README quickstart for a plain PyTorch model (or a DDP one): EMA, eval, save, load, export.
 
-    python examples/quickstart_module.py --out runs/quickstart_module
+python examples/quickstart_module.py --out runs/quickstart_module
 """
 
 import argparse

@@ -38,9 +38,13 @@ TAG = f"global_step{args.steps}"
 
 
 def config(stage: int, universal: bool = False) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
     return cfg
@@ -61,35 +65,48 @@ def train_step(engine, step: int) -> None:
 
 if args.phase == "train":
     model = make_model()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      config=config(args.stage))
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config(args.stage)
+    )
     state = fe.init_ema(fe.local_shards(engine))
     for step in range(1, args.steps + 1):
         train_step(engine, step)
         state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.9)
-    fe.save(state, engine, args.out)            # EMA first ...
-    engine.save_checkpoint(args.out)            # ... then DeepSpeed (writes `latest`)
-    if rank == 0:                               # a universal copy, for a resume at another world size
+    fe.save(state, engine, args.out)  # EMA first ...
+    engine.save_checkpoint(args.out)  # ... then DeepSpeed (writes `latest`)
+    if rank == 0:  # a universal copy, for a resume at another world size
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
-        ds_to_universal(argparse.Namespace(
-            input_folder=f"{args.out}/{TAG}", output_folder=f"{args.out}/{TAG}_universal", num_extract_workers=1,
-            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+        ds_to_universal(
+            argparse.Namespace(
+                input_folder=f"{args.out}/{TAG}",
+                output_folder=f"{args.out}/{TAG}_universal",
+                num_extract_workers=1,
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=True,
+            )
+        )
     dist.barrier()
 else:
     saved_stage = fe.checkpoint.read_manifest(args.out, TAG)["zero_stage"]
     model = make_model()
     if args.stage == saved_stage:  # universal checkpoint: weights, optimizer state and step
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                          config=config(args.stage, universal=True))
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+            config=config(args.stage, universal=True),
+        )
         engine.load_checkpoint(args.out, tag=f"{TAG}_universal")
-        state = fe.load(engine, args.out, TAG)   # the EMA, resharded for this world size
+        state = fe.load(engine, args.out, TAG)  # the EMA, resharded for this world size
     else:  # another stage: fp32 weights, a fresh optimizer, the step from the EMA checkpoint
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(args.out, TAG))
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                          config=config(args.stage))
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config(args.stage)
+        )
         state = fe.load(engine, args.out, TAG)
         engine.global_steps = int(state.step)
     assert engine.global_steps == int(state.step) == args.steps
@@ -97,4 +114,6 @@ else:
         train_step(engine, step)
         state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.9)
     if rank == 0:
-        print(f"resumed at world size {world}, ZeRO-{args.stage} (saved at ZeRO-{saved_stage}); EMA at step {int(state.step)}")
+        print(
+            f"resumed at world size {world}, ZeRO-{args.stage} (saved at ZeRO-{saved_stage}); EMA at step {int(state.step)}"
+        )

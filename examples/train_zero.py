@@ -36,7 +36,11 @@ def parse_args(argv=None):
     p.add_argument("--decay", type=float, default=0.99, help="EMA decay after warm-up")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", default="runs/demo", help="checkpoint folder")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out (weights, optimizer and EMA)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --out (weights, optimizer and EMA)",
+    )
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # deepspeed launcher
     return p.parse_args(argv)
 
@@ -46,7 +50,9 @@ class Mlp(nn.Module):
 
     def __init__(self, d_in=31, hidden=257, d_out=7):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, d_out))
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, d_out)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -103,8 +109,10 @@ def main(args) -> None:
     n_local = sum(t.numel() for t in state.ema.values())
     n_total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
     if rank == 0:
-        print(f"ZeRO-{args.stage} {args.dtype} on {world} rank(s) ({'cuda' if cuda else 'cpu'}): "
-              f"{n_total:,} parameters, rank 0 keeps an EMA of {n_local:,} ({fe.ema_nbytes(state) / 2**20:.2f} MiB fp32)")
+        print(
+            f"ZeRO-{args.stage} {args.dtype} on {world} rank(s) ({'cuda' if cuda else 'cpu'}): "
+            f"{n_total:,} parameters, rank 0 keeps an EMA of {n_local:,} ({fe.ema_nbytes(state) / 2**20:.2f} MiB fp32)"
+        )
         print(f"{'step':>6} {'train loss':>11} {'val raw':>9} {'val EMA':>9}")
 
     def val_loss() -> float:
@@ -137,12 +145,18 @@ def main(args) -> None:
                 print(f"{step:>6} {float(loss.detach()):>11.4f} {raw:>9.4f} {ema:>9.4f}")
     if rank == 0:
         elapsed = time.perf_counter() - t0
-        print(f"{args.steps} steps in {elapsed:.1f}s; EMA update {1e3 * update_time / args.steps:.3f} ms/step "
-              f"({100 * update_time / elapsed:.2f}% of the loop)")
+        print(
+            f"{args.steps} steps in {elapsed:.1f}s; EMA update {1e3 * update_time / args.steps:.3f} ms/step "
+            f"({100 * update_time / elapsed:.2f}% of the loop)"
+        )
 
     finish(engine, state, args, schedule, rank)
     if rank == 0 and history:
-        plot_losses(history, Path(args.out) / "val_loss.png", f"Held-out loss, ZeRO-{args.stage} {args.dtype} on {world} rank(s)")
+        plot_losses(
+            history,
+            Path(args.out) / "val_loss.png",
+            f"Held-out loss, ZeRO-{args.stage} {args.dtype} on {world} rank(s)",
+        )
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

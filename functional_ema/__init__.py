@@ -10,14 +10,31 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from . import buffers, dcp, posthoc, schedules
-from ._api import StateMismatchError, SwappedTrainingError, gather_full, local_shards, process_group, shard_layout, swapped
+from ._api import (
+    StateMismatchError,
+    SwappedTrainingError,
+    gather_full,
+    local_shards,
+    process_group,
+    shard_layout,
+    swapped,
+)
 from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info
 from ._errors import MismatchError
 from ._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
 from ._tree import TreeMismatchError
-from .checkpoint import AsyncSaver, CheckpointError, SaveHandle, client_state_summary, consolidate, consolidate_to_file, load, save
+from .checkpoint import (
+    AsyncSaver,
+    CheckpointError,
+    SaveHandle,
+    client_state_summary,
+    consolidate,
+    consolidate_to_file,
+    load,
+    save,
+)
 from .engines import SwapStats
 
 try:

@@ -33,7 +33,11 @@ def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str)
     p.add_argument(source, help=source_help)
     p.add_argument("out", help="output .safetensors file (written atomically; never inside the checkpoint being read)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically); refused otherwise")
-    p.add_argument("--no-verify", action="store_true", help="skip the checksum checks (XXH3-64; CRC-32 for format-1 checkpoints) of the bytes read")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the checksum checks (XXH3-64; CRC-32 for format-1 checkpoints) of the bytes read",
+    )
 
 
 def _add_consolidate(subparsers) -> None:
@@ -51,17 +55,33 @@ def _add_consolidate(subparsers) -> None:
     p.add_argument("--tag", default=None, help="tag folder to read (default: the one named in CHECKPOINT_DIR/latest)")
     p.add_argument("--index", type=int, default=0, help="which EMA, when several were tracked (default 0)")
     tp = p.add_mutually_exclusive_group()
-    tp.add_argument("--tp-dim", action="append", default=None, metavar="NAME=DIM",
-                    help="tensor-parallel checkpoints whose split the engine did not record (a plain mpu=): join NAME's "
-                         "slices along DIM ('none' for a parameter replicated across the ranks); give one per parameter")
-    tp.add_argument("--tp-rank", type=int, default=None,
-                    help="tensor-parallel checkpoints: write this rank's slices as they are, not joined")
-    p.add_argument("--dcp", action="store_true",
-                   help="CHECKPOINT_DIR is a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful "
-                        "(its metadata is a pickle that DCP unpickles: trusted folders only)")
-    p.add_argument("--key", default="ema", help="with --dcp: the state-dict key the EMAStateful was saved under (default 'ema')")
+    tp.add_argument(
+        "--tp-dim",
+        action="append",
+        default=None,
+        metavar="NAME=DIM",
+        help="tensor-parallel checkpoints whose split the engine did not record (a plain mpu=): join NAME's "
+        "slices along DIM ('none' for a parameter replicated across the ranks); give one per parameter",
+    )
+    tp.add_argument(
+        "--tp-rank",
+        type=int,
+        default=None,
+        help="tensor-parallel checkpoints: write this rank's slices as they are, not joined",
+    )
+    p.add_argument(
+        "--dcp",
+        action="store_true",
+        help="CHECKPOINT_DIR is a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful "
+        "(its metadata is a pickle that DCP unpickles: trusted folders only)",
+    )
+    p.add_argument(
+        "--key", default="ema", help="with --dcp: the state-dict key the EMAStateful was saved under (default 'ema')"
+    )
     bar = p.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
+    bar.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show a progress bar"
+    )
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
     p.set_defaults(run=_run_consolidate)
 
@@ -86,12 +106,21 @@ def _run_consolidate(args) -> int:
         # how the tensor-parallel slices join is unknown: one file per tensor-parallel rank
         ranks = list(range(saved.tp_size))
         outs = [_per_rank_name(Path(args.out), t, saved.tp_size) for t in ranks]
-        print(f"tag saved with tensor-parallel size {saved.tp_size} and no recorded split: writing one file per "
-              "tensor-parallel rank (join them with --tp-dim NAME=DIM ...)")
+        print(
+            f"tag saved with tensor-parallel size {saved.tp_size} and no recorded split: writing one file per "
+            "tensor-parallel rank (join them with --tp-dim NAME=DIM ...)"
+        )
     for rank, path in zip(ranks, outs):
         out = consolidate_to_file(
-            args.checkpoint_dir, path, args.tag, index=args.index, verify=not args.no_verify, progress=args.progress,
-            overwrite=args.overwrite, tp_dims=tp_dims, tp_rank=rank,
+            args.checkpoint_dir,
+            path,
+            args.tag,
+            index=args.index,
+            verify=not args.no_verify,
+            progress=args.progress,
+            overwrite=args.overwrite,
+            tp_dims=tp_dims,
+            tp_rank=rank,
         )
         with safe_open(str(out), framework="pt") as f:
             meta, n = f.metadata() or {}, len(list(f.keys()))
@@ -123,10 +152,17 @@ def _run_consolidate_dcp(args, t0: float) -> int:
         full = consolidate_dcp(src, args.key, index=args.index)
     except KeyError as e:
         raise SystemExit(f"error: {e.args[0]}") from None
-    atomic_write_bytes(out, save({n: t.contiguous() for n, t in full.items()},
-                                 metadata={"format": "functional_ema.export", "source": "dcp", "ema_index": str(args.index)}))
-    print(f"wrote {out}: {len(full)} tensors, {out.stat().st_size / 2**20:.1f} MiB, EMA {args.index} of DCP key "
-          f"{args.key!r} in {time.perf_counter() - t0:.2f} s")
+    atomic_write_bytes(
+        out,
+        save(
+            {n: t.contiguous() for n, t in full.items()},
+            metadata={"format": "functional_ema.export", "source": "dcp", "ema_index": str(args.index)},
+        ),
+    )
+    print(
+        f"wrote {out}: {len(full)} tensors, {out.stat().st_size / 2**20:.1f} MiB, EMA {args.index} of DCP key "
+        f"{args.key!r} in {time.perf_counter() - t0:.2f} s"
+    )
     return 0
 
 
@@ -142,7 +178,9 @@ def _tp_dims(items: list[str]) -> dict[str, int | None]:
 
 def _per_rank_name(out: Path, rank: int, size: int) -> Path:
     """``ema.safetensors`` -> ``ema.tp0of2.safetensors``."""
-    stem, suffix = (out.name[: -len(".safetensors")], ".safetensors") if out.name.endswith(".safetensors") else (out.name, "")
+    stem, suffix = (
+        (out.name[: -len(".safetensors")], ".safetensors") if out.name.endswith(".safetensors") else (out.name, "")
+    )
     return out.with_name(f"{stem}.tp{rank}of{size}{suffix}")
 
 
@@ -163,11 +201,17 @@ def _add_posthoc(subparsers) -> None:
     target.add_argument("--gamma", type=float, help="power-EMA exponent instead of --sigma-rel")
     p.add_argument("--step", type=int, default=None, help="step to reconstruct at (default: the last snapshot)")
     p.add_argument(
-        "--max-profile-error", type=float, default=DEFAULT_MAX_PROFILE_ERROR,
+        "--max-profile-error",
+        type=float,
+        default=DEFAULT_MAX_PROFILE_ERROR,
         help=f"refuse targets whose averaging profile is off by more than this (relative L2, default {DEFAULT_MAX_PROFILE_ERROR})",
     )
-    p.add_argument("--plot", metavar="PNG", default=None, help="also save the synthesised vs requested profile (needs matplotlib)")
-    p.add_argument("--prefix", default=SNAPSHOT_PREFIX, help=f"tag prefix of the snapshot folders (default {SNAPSHOT_PREFIX!r})")
+    p.add_argument(
+        "--plot", metavar="PNG", default=None, help="also save the synthesised vs requested profile (needs matplotlib)"
+    )
+    p.add_argument(
+        "--prefix", default=SNAPSHOT_PREFIX, help=f"tag prefix of the snapshot folders (default {SNAPSHOT_PREFIX!r})"
+    )
     p.set_defaults(run=_run_posthoc)
 
 
@@ -177,8 +221,15 @@ def _run_posthoc(args) -> int:
     from .posthoc import list_snapshots, plot_profile, posthoc_to_file
 
     out = posthoc_to_file(
-        args.snapshot_dir, args.out, sigma_rel=args.sigma_rel, gamma=args.gamma, step=args.step,
-        max_profile_error=args.max_profile_error, verify=not args.no_verify, prefix=args.prefix, overwrite=args.overwrite,
+        args.snapshot_dir,
+        args.out,
+        sigma_rel=args.sigma_rel,
+        gamma=args.gamma,
+        step=args.step,
+        max_profile_error=args.max_profile_error,
+        verify=not args.no_verify,
+        prefix=args.prefix,
+        overwrite=args.overwrite,
     )
     with safe_open(str(out), framework="pt") as f:
         meta = f.metadata() or {}

@@ -83,9 +83,12 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
     def check() -> None:
         problem = state_problem(state, layout.specs, layout.rank, indices=(index,), shards=reading.shards)
         if problem:
-            raise problem.error(StateMismatchError, f"{verb} on rank {layout.rank}",
-                                "Make the state with init_ema(local_shards(model)), or with fe.load(model, dir), which "
-                                "reshards a saved state")
+            raise problem.error(
+                StateMismatchError,
+                f"{verb} on rank {layout.rank}",
+                "Make the state with init_ema(local_shards(model)), or with fe.load(model, dir), which "
+                "reshards a saved state",
+            )
 
     agree(verb, check, reading.group, layout.world_size, layout.rank, results=False, fallback=StateMismatchError)
     return state.emas[index]
@@ -187,9 +190,11 @@ def _refuse_training(adapter, reading: Reading) -> Iterator[None]:
     """Refuse backward and optimizer steps while EMA weights are swapped in."""
     module = adapter.module()
     target = adapter.target
-    why = ("inside fe.swapped(...) the model computes with EMA weights, which are for evaluation; a gradient or "
-           "optimizer step taken there would train the EMA copy (or be thrown away) while the optimizer state and "
-           "step counter advance. Leave the block before training")
+    why = (
+        "inside fe.swapped(...) the model computes with EMA weights, which are for evaluation; a gradient or "
+        "optimizer step taken there would train the EMA copy (or be thrown away) while the optimizer state and "
+        "step counter advance. Leave the block before training"
+    )
 
     def refuse_backward(_grad):
         raise SwappedTrainingError(f"backward through a forward made {why}")

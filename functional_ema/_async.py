@@ -72,7 +72,9 @@ class SaveHandle:
 
     def __init__(self, tag_dir: Path, step: int):
         self.tag_dir, self.step = tag_dir, step
-        self._pid = os.getpid()  # the process whose thread writes it (a forked child inherits the handle, not the thread)
+        self._pid = (
+            os.getpid()
+        )  # the process whose thread writes it (a forked child inherits the handle, not the thread)
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._raised = False  # the error reached the caller on this rank (wait or the next save)
@@ -93,12 +95,14 @@ class SaveHandle:
             return
         parent, self._pid = self._pid, pid
         if not self._event.is_set():
-            self._finish(CheckpointError(
-                f"this process (pid {pid}) was forked from pid {parent} while the async EMA save of step {self.step} into "
-                f"{self.tag_dir} was in flight. That save is written by the parent's thread and completes there (wait for it "
-                "in the parent); this process cannot wait for it or know its outcome. Save again from this process if it "
-                "needs its own checkpoint"
-            ))
+            self._finish(
+                CheckpointError(
+                    f"this process (pid {pid}) was forked from pid {parent} while the async EMA save of step {self.step} into "
+                    f"{self.tag_dir} was in flight. That save is written by the parent's thread and completes there (wait for it "
+                    "in the parent); this process cannot wait for it or know its outcome. Save again from this process if it "
+                    "needs its own checkpoint"
+                )
+            )
 
     def exception(self) -> BaseException | None:
         """The failure, once :meth:`done` (None on success)."""
@@ -210,8 +214,9 @@ class AsyncSaver:
         tag_dir = save_dir / tag
         writes = layout.writes_pieces
         writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
-        collective.check_distinct_writers("AsyncSaver.save", tag_dir, writer.save_files(layout, 0, writes_buffers, writes),
-                                          world, timeout)
+        collective.check_distinct_writers(
+            "AsyncSaver.save", tag_dir, writer.save_files(layout, 0, writes_buffers, writes), world, timeout
+        )
         box: dict[str, Any] = {}
         lock: list[writer.TagLock] = []
 
@@ -226,9 +231,11 @@ class AsyncSaver:
                 box["snapshot"] = self._snapshot(state, fmt.parse_dtype(p["dtype"], "save"))
             if writes_buffers:  # small whole tensors: copied as they are
                 with torch.no_grad():
-                    box["buffers"] = type(buffers)(buffers.step.clone(),
-                                                   tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
-                                                   {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()})
+                    box["buffers"] = type(buffers)(
+                        buffers.step.clone(),
+                        tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
+                        {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
+                    )
             p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
             return p
 
@@ -237,16 +244,23 @@ class AsyncSaver:
                 held.release(remove_empty=True)
 
         try:
-            mine, first = writer.agree_plans("async save (checking the state)", plan, group, world, rank, on_failure=give_up)
+            mine, first = writer.agree_plans(
+                "async save (checking the state)", plan, group, world, rank, on_failure=give_up
+            )
         except BaseException:
             if "snapshot" in box:  # nothing started: keep the buffer for the next call
                 self._free.append(box["snapshot"][1])
             give_up()
             raise
         try:  # every rank must see the folder rank 0 holds, or the background commit could never complete
-            collective.agree("async save (the folder is shared)",
-                             lambda: writer.check_shared(tag_dir, rank, "AsyncSaver.save") if rank else None,
-                             group, world, rank, results=False)
+            collective.agree(
+                "async save (the folder is shared)",
+                lambda: writer.check_shared(tag_dir, rank, "AsyncSaver.save") if rank else None,
+                group,
+                world,
+                rank,
+                results=False,
+            )
         except BaseException:
             if "snapshot" in box:
                 self._free.append(box["snapshot"][1])
@@ -259,10 +273,21 @@ class AsyncSaver:
         # replicated model without buffers). HSDP replicas other than 0 report a record without files.
         all_write = layout.stage != 0 or buffers is not None or not layout.part.whole or layout.replicas > 1
         job = _Job(
-            save_dir=save_dir, tag_dir=tag_dir, layout=layout, rank=rank, first=first, mine=mine, token=first["token"],
-            writers=list(range(world)) if all_write else [0], writes=writes, emas=emas, ready=ready,
-            buffers=box.get("buffers"), lock=lock[0] if lock else None,
-            dtype=fmt.parse_dtype(first["dtype"], "save"), timeout=self.commit_timeout,
+            save_dir=save_dir,
+            tag_dir=tag_dir,
+            layout=layout,
+            rank=rank,
+            first=first,
+            mine=mine,
+            token=first["token"],
+            writers=list(range(world)) if all_write else [0],
+            writes=writes,
+            emas=emas,
+            ready=ready,
+            buffers=box.get("buffers"),
+            lock=lock[0] if lock else None,
+            dtype=fmt.parse_dtype(first["dtype"], "save"),
+            timeout=self.commit_timeout,
         )
         self._writer_threads().submit(_run, job, handle)
         self._handles.append(handle)
@@ -343,7 +368,9 @@ class AsyncSaver:
         total = sum(t.numel() for t in sources)
         on_gpu = any(t.device.type == "cuda" for t in sources)
         pinned = on_gpu and self.pin_memory
-        buffer = next((b for b in self._free if b.numel() == total and b.dtype == dtype and b.is_pinned() == pinned), None)
+        buffer = next(
+            (b for b in self._free if b.numel() == total and b.dtype == dtype and b.is_pinned() == pinned), None
+        )
         if buffer is not None:
             self._free.remove(buffer)
         else:
@@ -388,7 +415,9 @@ def _run(job: _Job, handle: SaveHandle) -> None:
             record["file"] = writer.write_rank_file(job.tag_dir / names[0], job.layout, job.emas, job.dtype, meta)
         if job.buffers is not None:
             meta = writer.buffer_file_meta(job.mine, job.layout, job.first["generation"])
-            record["buffers"] = writer.write_buffer_file(job.tag_dir / names[-1], job.layout.rank, job.buffers, job.mine["buffers"], meta)
+            record["buffers"] = writer.write_buffer_file(
+                job.tag_dir / names[-1], job.layout.rank, job.buffers, job.mine["buffers"], meta
+            )
         deadline = time.monotonic() + job.timeout
         if rank == 0:
             records = {0: record}
@@ -429,13 +458,23 @@ def _run(job: _Job, handle: SaveHandle) -> None:
         error = e
         if not isinstance(e, _RemoteError):
             try:  # tell the other ranks, so they fail now rather than at the timeout
-                payload = {"rank": rank, "type": type(e).__name__, "message": str(e),
-                           "checkpoint_error": isinstance(e, CheckpointError)}
+                payload = {
+                    "rank": rank,
+                    "type": type(e).__name__,
+                    "message": str(e),
+                    "checkpoint_error": isinstance(e, CheckpointError),
+                }
                 _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "error"), json.dumps(payload).encode())
             except Exception as e2:  # noqa: BLE001
                 logger.error("functional_ema: could not record the async save failure for the other ranks: %s", e2)
-        logger.error("functional_ema: async EMA save of step %s into %s failed on rank %d: %s: %s",
-                     job.first["step"], job.tag_dir, rank, type(e).__name__, e)
+        logger.error(
+            "functional_ema: async EMA save of step %s into %s failed on rank %d: %s: %s",
+            job.first["step"],
+            job.tag_dir,
+            rank,
+            type(e).__name__,
+            e,
+        )
         writer.remove_unlisted(job.tag_dir, names)
     finally:
         if job.lock is not None:

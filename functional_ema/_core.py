@@ -88,7 +88,9 @@ def check_step_tensor(
     made = f"(as {maker} makes it)"
     fix = f"make the state with {maker} or {loader} (or use torch.tensor(step, dtype=torch.int64))"
     if not isinstance(counter, torch.Tensor):
-        raise TypeError(f"{what} must be an int64 scalar tensor {made}, got {type(counter).__name__} {counter!r}; {fix}")
+        raise TypeError(
+            f"{what} must be an int64 scalar tensor {made}, got {type(counter).__name__} {counter!r}; {fix}"
+        )
     got = f"a tensor of dtype {counter.dtype} and shape {tuple(counter.shape)} on {counter.device}"
     if counter.dtype is not torch.int64:
         raise TypeError(f"{what} must be an int64 scalar tensor {made}, got {got}; {fix}")
@@ -381,9 +383,12 @@ def update_info(state: EmaState, shards: Any) -> UpdateInfo:
     e0 = state.emas[0] if state.emas else None
     reused = type(e0) is Shards and e0._memo is not None and e0._memo[0] is shards
     plan = _plan_for(state.emas, shards)
-    fused = type(shards) is Shards and type(e0) is Shards and all(type(e) is Shards and e.index == shards.index for e in state.emas)
+    fused = (
+        type(shards) is Shards
+        and type(e0) is Shards
+        and all(type(e) is Shards and e.index == shards.index for e in state.emas)
+    )
     return UpdateInfo(fused, plan.spans, plan.staged_spans, reused)
-
 
 
 def _plan_for(emas: tuple, shards: Any) -> Plan:
@@ -398,7 +403,12 @@ def _plan_for(emas: tuple, shards: Any) -> Plan:
         e0 = emas[0] if emas else None
         if type(e0) is Shards:
             memo = e0._memo
-            if memo is not None and memo[0] is shards and len(memo[1]) == len(emas) and all(map(operator.is_, memo[1], emas)):
+            if (
+                memo is not None
+                and memo[0] is shards
+                and len(memo[1]) == len(emas)
+                and all(map(operator.is_, memo[1], emas))
+            ):
                 return memo[2]
             if all(type(e) is Shards and (e.index is index or e.index == index) for e in emas):
                 plan = _fused_plan(emas, shards)

@@ -78,24 +78,34 @@ def state_problem(
                 dtypes |= seg_dtypes
                 continue  # the reading's own segment layout: names and lengths agree by construction
         if not isinstance(ema, Mapping):
-            return FitProblem(f"state.emas[{k}] is a {type(ema).__name__}, not a name-keyed mapping (make the state with "
-                              "init_ema over a name-keyed tree or local_shards)", True)
+            return FitProblem(
+                f"state.emas[{k}] is a {type(ema).__name__}, not a name-keyed mapping (make the state with "
+                "init_ema over a name-keyed tree or local_shards)",
+                True,
+            )
         if set(ema) != set(specs):
             missing, extra = sorted(set(specs) - set(ema)), sorted(set(ema) - set(specs))
             parts = ([f"this model trains {short_list(missing)}, which the state lacks"] if missing else []) + (
-                [f"the state has EMAs of {short_list(extra)}, which this model does not train (frozen here, or another model)"]
-                if extra else [])
+                [
+                    f"the state has EMAs of {short_list(extra)}, which this model does not train (frozen here, or another model)"
+                ]
+                if extra
+                else []
+            )
             return FitProblem(f"state.emas[{k}] does not match this model's trainable parameters: {'; '.join(parts)}")
         for n, spec in specs.items():
             t = ema[n]
             if not isinstance(t, torch.Tensor):
                 return FitProblem(f"state.emas[{k}][{n!r}] is a {type(t).__name__}, not a tensor", True)
             if t.numel() != spec.numel:
-                return FitProblem(f"state.emas[{k}][{n!r}] has {t.numel()} elements but rank {rank}'s piece of it has "
-                                  f"{spec.numel}: the state was cut for another world size, sharding or model")
+                return FitProblem(
+                    f"state.emas[{k}][{n!r}] has {t.numel()} elements but rank {rank}'s piece of it has "
+                    f"{spec.numel}: the state was cut for another world size, sharding or model"
+                )
             if dtype is not None and t.dtype != dtype:
-                return FitProblem(f"state.emas[{k}][{n!r}] is {_dtype_name(t.dtype)} but {source} holds "
-                                  f"{_dtype_name(dtype)} EMAs")
+                return FitProblem(
+                    f"state.emas[{k}][{n!r}] is {_dtype_name(t.dtype)} but {source} holds {_dtype_name(dtype)} EMAs"
+                )
             if contiguous and not t.is_contiguous():
                 return FitProblem(f"state.emas[{k}][{n!r}] is not contiguous; it is filled in place", True)
             dtypes.add(t.dtype)

@@ -304,7 +304,9 @@ class TensorEntry(NamedTuple):
         return math.prod(self.shape)
 
 
-def _header_bytes(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, TensorEntry]]:
+def _header_bytes(
+    entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: dict[str, str]
+) -> tuple[bytes, dict[str, TensorEntry]]:
     header: dict = {"__metadata__": dict(metadata)}
     table: dict[str, TensorEntry] = {}
     offset = 0
@@ -379,7 +381,9 @@ class StreamingWriter:
         checksums (``algo``; empty with ``checksums=False``)."""
         if self._next >= len(self._order) or self._order[self._next] != key:
             expected = self._order[self._next] if self._next < len(self._order) else "nothing (all written)"
-            raise ValueError(f"{self.path.name}: tensors must be written in declared order; expected {expected!r}, got {key!r}")
+            raise ValueError(
+                f"{self.path.name}: tensors must be written in declared order; expected {expected!r}, got {key!r}"
+            )
         entry = self.table[key]
         if tensor.dtype != entry.dtype or tensor.numel() != entry.numel:
             raise ValueError(
@@ -478,11 +482,17 @@ class SafetensorsFile:
             if not isinstance(header, dict):
                 raise ValueError("header is not a JSON object")
         except RecursionError:
-            raise FormatError(f"{self.path}: the safetensors header is nested too deeply; the file is corrupted") from None
+            raise FormatError(
+                f"{self.path}: the safetensors header is nested too deeply; the file is corrupted"
+            ) from None
         except ValueError as e:
             if looks_like_pickle(head):
-                raise PickleFileError(f"{self.path} is a pickle / torch.save file, not safetensors. {_PICKLE_HINT}") from None
-            raise FormatError(f"{self.path}: the safetensors header is not valid JSON ({e}); the file is corrupted") from None
+                raise PickleFileError(
+                    f"{self.path} is a pickle / torch.save file, not safetensors. {_PICKLE_HINT}"
+                ) from None
+            raise FormatError(
+                f"{self.path}: the safetensors header is not valid JSON ({e}); the file is corrupted"
+            ) from None
         meta = header.pop("__metadata__", None) or {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise FormatError(f"{self.path}: __metadata__ must map strings to strings")
@@ -511,7 +521,9 @@ class SafetensorsFile:
         pos = 0
         for start, end, key in spans:
             if start != pos:
-                raise FormatError(f"{self.path}: tensor {key!r} starts at byte {start} of the data, expected {pos} (gap or overlap)")
+                raise FormatError(
+                    f"{self.path}: tensor {key!r} starts at byte {start} of the data, expected {pos} (gap or overlap)"
+                )
             pos = end
         self.data_size = pos
         self.size = self.header_size + pos
@@ -567,8 +579,9 @@ class SafetensorsFile:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def read_into(self, key: str, dst: torch.Tensor, crcs: Sequence[int] | None = None, context: str = "",
-                  algo: str = CHECKSUM) -> None:
+    def read_into(
+        self, key: str, dst: torch.Tensor, crcs: Sequence[int] | None = None, context: str = "", algo: str = CHECKSUM
+    ) -> None:
         """Read tensor ``key`` whole into ``dst`` (same dtype and numel), verifying ``crcs`` if given.
 
         ``crcs`` are the tensor's chunk checksums computed with ``algo``. The bytes go straight from
@@ -581,11 +594,15 @@ class SafetensorsFile:
         """
         entry = self.tensors[key]
         if dst.dtype != entry.dtype or dst.numel() != entry.numel:
-            raise FormatError(f"{self.path}: tensor {key!r} is {entry.dtype}{list(entry.shape)}; cannot read it into {dst.dtype}{list(dst.shape)}")
+            raise FormatError(
+                f"{self.path}: tensor {key!r} is {entry.dtype}{list(entry.shape)}; cannot read it into {dst.dtype}{list(dst.shape)}"
+            )
         direct = dst.device.type == "cpu" and dst.is_contiguous()
         host = dst if direct else _memory.empty(dst.shape, dtype=dst.dtype)
         buf = _byte_view(host)
-        want = _expected(self.path, key, buf, 0, crcs, context) if crcs is not None else None  # a wrong count fails before any read
+        want = (
+            _expected(self.path, key, buf, 0, crcs, context) if crcs is not None else None
+        )  # a wrong count fails before any read
         fd = self._file().fileno()
         base = self.header_size + entry.start
         for i, lo in enumerate(range(0, len(buf), CHUNK_BYTES)):
@@ -606,8 +623,15 @@ class SafetensorsFile:
         if not direct:
             dst.copy_(host)
 
-    def read_range(self, key: str, start: int, stop: int, crcs: Sequence[int] | None = None, context: str = "",
-                   algo: str = CHECKSUM) -> torch.Tensor:
+    def read_range(
+        self,
+        key: str,
+        start: int,
+        stop: int,
+        crcs: Sequence[int] | None = None,
+        context: str = "",
+        algo: str = CHECKSUM,
+    ) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``key``, via ``safe_open(...).get_slice``.
 
         With ``crcs`` (chunk checksums computed with ``algo``), the read widens to whole CRC chunks (at most one chunk more on each side),
@@ -657,7 +681,9 @@ def _bad_entry_field(info) -> str | None:
     if not (isinstance(shape, list) and len(shape) <= 64 and all(type(s) is int and 0 <= s < 2**62 for s in shape)):
         return "shape"
     offsets = info.get("data_offsets")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int and 0 <= x < 2**62 for x in offsets)):
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int and 0 <= x < 2**62 for x in offsets)
+    ):
         return "data_offsets"
     return None
 
@@ -681,8 +707,9 @@ def _mismatch(path, key: str, lo: int, n: int, got: int, want: int, context: str
     )
 
 
-def _verify_now(path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str = "",
-                algo: str = CHECKSUM) -> None:
+def _verify_now(
+    path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str = "", algo: str = CHECKSUM
+) -> None:
     want = _expected(path, key, buf, first_chunk, crcs, context)
     fn = checksum_fn(algo)
     got = [fn(c) for c in _chunks(buf, CHUNK_BYTES)]  # in this thread: it may be one of the pool's

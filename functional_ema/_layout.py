@@ -165,6 +165,16 @@ class ShardLayout(NamedTuple):
         specs = {n: ShardSpec(tuple(int(x) for x in v[0]), int(v[1]), int(v[2])) for n, v in d["specs"].items()}
         part = ModelPart(**{k: int(v) for k, v in d["part"].items()}) if d.get("part") else ModelPart()
         e = d.get("experts")
-        experts = ExpertLayout(int(e["ep"]), int(e["ep_size"]), {n: int(o) for n, o in e["owners"].items()}) if e else None
-        return cls(int(d["rank"]), int(d["world_size"]), int(d["stage"]), specs, str(d.get("engine", "deepspeed")), part,
-                   d.get("tp_dims"), experts=experts)
+        experts = (
+            ExpertLayout(int(e["ep"]), int(e["ep_size"]), {n: int(o) for n, o in e["owners"].items()}) if e else None
+        )
+        return cls(
+            int(d["rank"]),
+            int(d["world_size"]),
+            int(d["stage"]),
+            specs,
+            str(d.get("engine", "deepspeed")),
+            part,
+            d.get("tp_dims"),
+            experts=experts,
+        )

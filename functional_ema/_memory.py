@@ -57,8 +57,9 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     return hi > lo and fn(lo, hi - lo, _MADV_HUGEPAGE) == 0
 
 
-def empty(shape: int | Sequence[int], dtype: torch.dtype, device: torch.device | str | None = None,
-          pin_memory: bool = False) -> torch.Tensor:
+def empty(
+    shape: int | Sequence[int], dtype: torch.dtype, device: torch.device | str | None = None, pin_memory: bool = False
+) -> torch.Tensor:
     """``torch.empty`` for a buffer about to be filled whole: huge pages when it is large CPU memory."""
     t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     advise_huge_pages(t)

@@ -168,8 +168,9 @@ class Shards(Mapping):
         )
 
     # -- helpers for the package
-    def mirror(self, dtype: torch.dtype, device: torch.device | str | None = None, pin_memory: bool = False,
-               fill: bool = True) -> "Shards":
+    def mirror(
+        self, dtype: torch.dtype, device: torch.device | str | None = None, pin_memory: bool = False, fill: bool = True
+    ) -> "Shards":
         """New contiguous segments shaped like these, with the same index (so update stays fused).
 
         ``fill`` copies the values of every named tensor (gaps between them are zero); otherwise the
@@ -220,7 +221,10 @@ def _unflatten(names: tuple, children) -> dict:
 
 
 optree.register_pytree_node(
-    Shards, _flatten, _unflatten, path_entry_type=optree.MappingEntry,
+    Shards,
+    _flatten,
+    _unflatten,
+    path_entry_type=optree.MappingEntry,
     namespace=optree.registry.__GLOBAL_NAMESPACE,  # the global registry: a Shards is a node for every caller
 )
 
@@ -282,8 +286,10 @@ def shards_from_views(named: Sequence[tuple[str, torch.Tensor]]) -> Shards:
     order = sorted(range(len(segments)), key=first_use.__getitem__)
     renumber = {old: new for new, old in enumerate(order)}
     index = SegmentIndex(
-        [n for n, _ in views], [tuple(t.shape) for _, t in views],
-        [(renumber[j], o, n) for j, o, n in places], [tuple(segments[j].shape) for j in order],
+        [n for n, _ in views],
+        [tuple(t.shape) for _, t in views],
+        [(renumber[j], o, n) for j, o, n in places],
+        [tuple(segments[j].shape) for j in order],
     )
     return Shards([segments[j] for j in order], index)
 
@@ -301,4 +307,3 @@ def segment_count(tree: Any) -> int:
     if isinstance(tree, Shards):
         return len(tree.segments)
     return len(optree.tree_leaves(tree, none_is_leaf=False))
-

@@ -30,7 +30,9 @@ def flatten_named(tree: Any, what: str = "shards") -> tuple[list[str], list[torc
     return names, leaves, spec
 
 
-def check_same_names(expected: list[str], got: list[str], expected_what: str = "the EMA state", got_what: str = "shards") -> None:
+def check_same_names(
+    expected: list[str], got: list[str], expected_what: str = "the EMA state", got_what: str = "shards"
+) -> None:
     """Raise :class:`TreeMismatchError` naming the missing and extra names unless the lists are equal.
 
     Names are optree paths (``flatten_named``), so a ``dict`` and a ``Shards`` with the same keys match.
@@ -61,8 +63,10 @@ def check_same_tree(
     if expected_spec == got_spec:
         return
     check_same_names(expected_names, got_names, expected_what, got_what)
-    raise TreeMismatchError(f"{got_what} do not match {expected_what}; same names, different structure: "
-                            f"expected {expected_spec}, got {got_spec}")
+    raise TreeMismatchError(
+        f"{got_what} do not match {expected_what}; same names, different structure: "
+        f"expected {expected_spec}, got {got_spec}"
+    )
 
 
 def short_list(names: list[str], limit: int = 8) -> str:

@@ -226,7 +226,9 @@ def buffer_file_name(rank: int, world_size: int, generation: int = 0) -> str:
     return name(rank, world_size, generation)
 
 
-def loaded_buffer_state(live_buffers: dict[str, torch.Tensor], layout: ShardLayout, ckpt, verify: bool = True) -> BufferState:
+def loaded_buffer_state(
+    live_buffers: dict[str, torch.Tensor], layout: ShardLayout, ckpt, verify: bool = True
+) -> BufferState:
     """This rank's buffer state from an opened checkpoint, checked against the module's live buffers
     (:func:`persistent_buffers`) and placed on their devices (see :func:`load_buffers`)."""
     from ._checkpoint.errors import CheckpointMismatchError
@@ -245,8 +247,10 @@ def loaded_buffer_state(live_buffers: dict[str, torch.Tensor], layout: ShardLayo
             )
         for n, t in saved.items():
             if tuple(t.shape) != tuple(live[n].shape):
-                raise CheckpointMismatchError(f"{where}: buffer {n!r} has shape {tuple(t.shape)} in the checkpoint but "
-                                              f"{tuple(live[n].shape)} in the model")
+                raise CheckpointMismatchError(
+                    f"{where}: buffer {n!r} has shape {tuple(t.shape)} in the checkpoint but "
+                    f"{tuple(live[n].shape)} in the model"
+                )
     emas = tuple({n: t.to(floats[n].device) for n, t in ema.items()} for ema in emas)
     copied = {n: t.to(others[n].device) for n, t in copied.items()}
     return BufferState(torch.tensor(ckpt.step, dtype=torch.int64), emas, copied)
@@ -285,7 +289,9 @@ def has_buffers(load_dir: str | os.PathLike, tag: str | None = None) -> bool:
     return read_manifest(load_dir, tag).get("buffer_files") is not None
 
 
-def consolidate(checkpoint_dir: str | os.PathLike, tag: str | None = None, *, index: int = 0, verify: bool = True) -> dict[str, torch.Tensor]:
+def consolidate(
+    checkpoint_dir: str | os.PathLike, tag: str | None = None, *, index: int = 0, verify: bool = True
+) -> dict[str, torch.Tensor]:
     """:func:`functional_ema.consolidate` plus rank 0's buffers: a full ``state_dict`` offline.
 
     Floating buffers come from buffer EMA ``index``, integer buffers as copied; both from the same

@@ -60,18 +60,64 @@ import torch
 
 from . import _io, _memory
 from ._async import AsyncSaver, SaveHandle
-from ._checkpoint.collective import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, agree, arrive, check_distinct_writers, io_error,
-                                     job_of, timeout_s)
-from ._checkpoint.errors import (CheckpointError, CheckpointIOError, CheckpointMismatchError, CheckpointNotFoundError,
-                                 CheckpointTimeoutError, CheckpointVersionError, CorruptCheckpointError,
-                                 IncompleteCheckpointError, InvalidTagError, OutputPathError)
-from ._checkpoint.format import (CONSOLIDATED_FORMAT, FORMAT_VERSION, MANIFEST_NAME, check_output, check_tag,
-                                 dtype_name, library_version, manifest_parts, parse_dtype, rank_file_name)
-from ._checkpoint.reader import (CheckpointReader, JoinedReader, fill_all, locate_checkpoint, open_checkpoint,
-                                 open_joined)
-from ._checkpoint.writer import (TagLock, agree_plans, check_shared, buffer_file_meta, build_manifest, commit_manifest, part_record,
-                                 plan_save, rank_file_meta, read_generation, remove_unlisted, save_files,
-                                 write_buffer_file, write_rank_file)
+from ._checkpoint.collective import (
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
+    agree,
+    arrive,
+    check_distinct_writers,
+    io_error,
+    job_of,
+    timeout_s,
+)
+from ._checkpoint.errors import (
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidTagError,
+    OutputPathError,
+)
+from ._checkpoint.format import (
+    CONSOLIDATED_FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    check_output,
+    check_tag,
+    dtype_name,
+    library_version,
+    manifest_parts,
+    parse_dtype,
+    rank_file_name,
+)
+from ._checkpoint.reader import (
+    CheckpointReader,
+    JoinedReader,
+    fill_all,
+    locate_checkpoint,
+    open_checkpoint,
+    open_joined,
+)
+from ._checkpoint.writer import (
+    TagLock,
+    agree_plans,
+    check_shared,
+    buffer_file_meta,
+    build_manifest,
+    commit_manifest,
+    part_record,
+    plan_save,
+    rank_file_meta,
+    read_generation,
+    remove_unlisted,
+    save_files,
+    write_buffer_file,
+    write_rank_file,
+)
 from ._fit import state_problem
 from ._core import _allocate
 from ._layout import ShardLayout
@@ -195,8 +241,9 @@ def save(
     writes = layout.writes_pieces
     writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
     if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
-        check_distinct_writers("save", save_dir / raw_tag, save_files(layout, 0, writes_buffers, writes),
-                               jworld, timeout)
+        check_distinct_writers(
+            "save", save_dir / raw_tag, save_files(layout, 0, writes_buffers, writes), jworld, timeout
+        )
     tag_dir: Path = save_dir
     lock: list[TagLock] = []
 
@@ -234,11 +281,14 @@ def save(
                 records = {"part": part_record(layout, mine)}
                 if writes:
                     path = tag_dir / names[0]
-                    records["file"] = write_rank_file(path, layout, state.emas, dtype, rank_file_meta(mine, layout, generation))
+                    records["file"] = write_rank_file(
+                        path, layout, state.emas, dtype, rank_file_meta(mine, layout, generation)
+                    )
                 if writes_buffers:
                     path = tag_dir / names[-1]
-                    records["buffers"] = write_buffer_file(path, layout.rank, buffers, mine["buffers"],
-                                                           buffer_file_meta(mine, layout, generation))
+                    records["buffers"] = write_buffer_file(
+                        path, layout.rank, buffers, mine["buffers"], buffer_file_meta(mine, layout, generation)
+                    )
                 return records
             except OSError as e:
                 raise io_error(e, jrank, path) from None
@@ -303,7 +353,7 @@ def client_state_summary(state: EmaState, engine=None) -> dict:
         "files": "ema_rank_<rank>_of_<world>.safetensors beside this file (listed in the manifest)",
         "holds_weights": False,
         "note": "EMA weights are not in client_state (DeepSpeed keeps rank 0's only on ZeRO 0-2); "
-                "load them with functional_ema.load(engine, load_dir, tag)",
+        "load them with functional_ema.load(engine, load_dir, tag)",
     }
     if engine is not None:
         layout = adapter_for(engine).read().layout
@@ -423,8 +473,13 @@ def load_checkpoint(
                     "accept the loss"
                 )
             if (ckpt.world_size, ckpt.stage) != (layout.world_size, layout.stage):
-                logger.info("functional_ema: resharding EMA saved at world_size=%d stage=%d for world_size=%d stage=%d",
-                            ckpt.world_size, ckpt.stage, layout.world_size, layout.stage)
+                logger.info(
+                    "functional_ema: resharding EMA saved at world_size=%d stage=%d for world_size=%d stage=%d",
+                    ckpt.world_size,
+                    ckpt.stage,
+                    layout.world_size,
+                    layout.stage,
+                )
             bstate = None
             if buffers:
                 from .buffers import loaded_buffer_state, persistent_buffers
@@ -435,8 +490,11 @@ def load_checkpoint(
                 state = _allocate(reading.shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
             else:
                 state = EmaState(torch.tensor(ckpt.step, dtype=torch.int64), _load_target(out, ckpt, layout))
-            jobs = [(state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
-                    for k in range(ckpt.num_emas) for n, spec in layout.specs.items()]
+            jobs = [
+                (state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
+                for k in range(ckpt.num_emas)
+                for n, spec in layout.specs.items()
+            ]
             box["reading"] = True
             fill_all(ckpt, jobs, verify)
             box["loaded"] = Loaded(state, bstate, dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir)))
@@ -446,19 +504,32 @@ def load_checkpoint(
         agree("load", run, job.group, job.world, job.rank, results=False)
     except Exception as e:
         if out is not None and box.get("reading"):
-            _add_note(e, f"The state passed as out= was partly overwritten on rank {layout.rank} before the failure: "
-                         "discard it (load into a fresh state, or without out=)")
+            _add_note(
+                e,
+                f"The state passed as out= was partly overwritten on rank {layout.rank} before the failure: "
+                "discard it (load into a fresh state, or without out=)",
+            )
         raise
     return box["loaded"]
 
 
 def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout) -> tuple:
     """``out.emas``, checked as the destination of ``ckpt``'s EMAs for this rank's pieces."""
-    problem = state_problem(out, layout.specs, layout.rank, num_emas=ckpt.num_emas, dtype=ckpt.dtype,
-                            source=f"tag {ckpt.tag!r}", contiguous=True)
+    problem = state_problem(
+        out,
+        layout.specs,
+        layout.rank,
+        num_emas=ckpt.num_emas,
+        dtype=ckpt.dtype,
+        source=f"tag {ckpt.tag!r}",
+        contiguous=True,
+    )
     if problem:
-        raise problem.error(CheckpointMismatchError, f"load(out=...) on rank {layout.rank}",
-                            "Pass a state made for this model and checkpoint, or load without out= (restores it as saved)")
+        raise problem.error(
+            CheckpointMismatchError,
+            f"load(out=...) on rank {layout.rank}",
+            "Pass a state made for this model and checkpoint, or load without out= (restores it as saved)",
+        )
     return out.emas
 
 

@@ -63,7 +63,8 @@ class EMAStateful:
                 "functional_ema.dcp.EMAStateful: a DeepSpeed engine's fp32 partitions are flat slices across parameter "
                 "boundaries, which DTensor (and so torch.distributed.checkpoint) cannot describe. Save the EMA with "
                 "functional_ema.save(state, engine, save_dir) beside engine.save_checkpoint(save_dir), and load it "
-                "with functional_ema.load(engine, save_dir)")
+                "with functional_ema.load(engine, save_dir)"
+            )
         self._x = x
         self._state = state if callable(state) else (lambda: state)
 
@@ -84,7 +85,9 @@ class EMAStateful:
         state = self._state()
         missing = [k for k in ("step", "emas") if k not in state_dict]
         if missing:
-            raise KeyError(f"EMAStateful.load_state_dict: no {missing} in the loaded state dict (keys {sorted(state_dict)})")
+            raise KeyError(
+                f"EMAStateful.load_state_dict: no {missing} in the loaded state dict (keys {sorted(state_dict)})"
+            )
         with torch.no_grad():
             for k, ema in state_dict["emas"].items():
                 target = state.emas[int(k)]
@@ -105,8 +108,14 @@ def _as_dtensor(piece: torch.Tensor, param) -> torch.Tensor:
 
     if isinstance(param, DTensor):
         local = piece.view(param._local_tensor.shape)
-        return DTensor.from_local(local, device_mesh=param.device_mesh, placements=param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            local,
+            device_mesh=param.device_mesh,
+            placements=param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     return piece.view(param.shape)
 
 
@@ -124,14 +133,18 @@ def consolidate_dcp(checkpoint_dir: str | os.PathLike, key: str = "ema", *, inde
     reader = dcp.FileSystemReader(os.fspath(checkpoint_dir))
     meta = reader.read_metadata()
     prefix = f"{key}.emas.{index}."
-    template = {fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                for fqn, m in meta.state_dict_metadata.items()
-                if fqn.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    template = {
+        fqn: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for fqn, m in meta.state_dict_metadata.items()
+        if fqn.startswith(prefix) and isinstance(m, TensorStorageMetadata)
+    }
     if not template:
         emas = sorted({f.split(".")[2] for f in meta.state_dict_metadata if f.startswith(f"{key}.emas.")})
-        raise KeyError(f"{checkpoint_dir}: no EMA {index} under key {key!r} (EMAs there: {emas or 'none'}; top-level keys "
-                       f"{sorted({f.split('.')[0] for f in meta.state_dict_metadata})})")
+        raise KeyError(
+            f"{checkpoint_dir}: no EMA {index} under key {key!r} (EMAs there: {emas or 'none'}; top-level keys "
+            f"{sorted({f.split('.')[0] for f in meta.state_dict_metadata})})"
+        )
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(template, storage_reader=reader, no_dist=True)
-    return {fqn[len(prefix):]: t for fqn, t in template.items()}
+    return {fqn[len(prefix) :]: t for fqn, t in template.items()}

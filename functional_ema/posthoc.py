@@ -75,11 +75,28 @@ Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 O
 
 from __future__ import annotations
 
-from ._posthoc.files import (SNAPSHOT_PREFIX, SnapshotInfo, list_snapshots, posthoc_local, posthoc_offline, posthoc_to_file,
-                             save_snapshot, snapshot_tag)
+from ._posthoc.files import (
+    SNAPSHOT_PREFIX,
+    SnapshotInfo,
+    list_snapshots,
+    posthoc_local,
+    posthoc_offline,
+    posthoc_to_file,
+    save_snapshot,
+    snapshot_tag,
+)
 from ._posthoc.plot import plot_profile
-from ._posthoc.profiles import (DEFAULT_MAX_PROFILE_ERROR, ProfileComparison, ReconstructionError, expressible_range,
-                                power_profile, profile_error, profile_inner, reconstruction_profile, solve_coefficients)
+from ._posthoc.profiles import (
+    DEFAULT_MAX_PROFILE_ERROR,
+    ProfileComparison,
+    ReconstructionError,
+    expressible_range,
+    power_profile,
+    profile_error,
+    profile_inner,
+    reconstruction_profile,
+    solve_coefficients,
+)
 from ._posthoc.synthesis import Snapshot, reconstruct, snapshot, snapshot_gammas, synthesize
 from .schedules import SIGMA_REL_MAX
 

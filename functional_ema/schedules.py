@@ -96,8 +96,9 @@ def _checked_decay(value: Any, source: str, where: str) -> float:
     ``where`` (the step or steps it was asked for)."""
     real = _real(value)
     if real is None:
-        raise TypeError(f"{source} gave {_describe(value)} {where}; a decay must be a real number in [0, 1]: "
-                        "make it return a float")
+        raise TypeError(
+            f"{source} gave {_describe(value)} {where}; a decay must be a real number in [0, 1]: make it return a float"
+        )
     if not 0.0 <= real <= 1.0:  # NaN fails too
         raise ValueError(f"{source} gave {real!r} {where}; a decay must be in [0, 1]")
     return real

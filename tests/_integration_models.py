@@ -17,8 +17,17 @@ import functional_ema as fe
 
 def quiet() -> None:
     """Keep rank output small (the harness reads it through pipes) and the logs readable."""
-    for name in ("DeepSpeed", "deepspeed", "transformers", "accelerate", "lightning", "lightning.pytorch",
-                 "lightning.fabric", "pytorch_lightning", "torch.distributed"):
+    for name in (
+        "DeepSpeed",
+        "deepspeed",
+        "transformers",
+        "accelerate",
+        "lightning",
+        "lightning.pytorch",
+        "lightning.fabric",
+        "pytorch_lightning",
+        "torch.distributed",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
         from deepspeed.utils import logger as ds_logger
@@ -165,12 +174,20 @@ def start_rule_report(runs: dict) -> dict:
     return {
         "weights_equal": equal(one["weights"], two["weights"]),  # validates the setup
         "weights_moved": not equal(one["weights"], one["start_weights"]),
-        "refs_equal": {str(k): all(equal(a, b) for a, b in zip(one["refs"][k].emas, two["refs"][k].emas)) for k in starts},
+        "refs_equal": {
+            str(k): all(equal(a, b) for a, b in zip(one["refs"][k].emas, two["refs"][k].emas)) for k in starts
+        },
         "emas_equal": {str(k): all(equal(a, b) for a, b in zip(one["emas"][k], two["emas"][k])) for k in starts},
-        "emas_vs_ref": {f"ga{ga}/start{k}": all(equal(e, r) for e, r in zip(run["emas"][k], run["refs"][k].emas))
-                        for ga, run in runs.items() for k in starts},
-        "max_diff_vs_ref": {f"ga{ga}/start{k}": max(max_diff(e, r) for e, r in zip(run["emas"][k], run["refs"][k].emas))
-                            for ga, run in runs.items() for k in starts},
+        "emas_vs_ref": {
+            f"ga{ga}/start{k}": all(equal(e, r) for e, r in zip(run["emas"][k], run["refs"][k].emas))
+            for ga, run in runs.items()
+            for k in starts
+        },
+        "max_diff_vs_ref": {
+            f"ga{ga}/start{k}": max(max_diff(e, r) for e, r in zip(run["emas"][k], run["refs"][k].emas))
+            for ga, run in runs.items()
+            for k in starts
+        },
         "started_at": {f"ga{ga}/start{k}": run["seen"][k]["started_at"] for ga, run in runs.items() for k in starts},
         "calls_at_0": {f"ga{ga}/start{k}": run["seen"][k]["calls_at_0"] for ga, run in runs.items() for k in starts},
         "ref_steps": {f"ga{ga}/start{k}": run["refs"][k].step for ga, run in runs.items() for k in starts},

@@ -23,8 +23,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from functional_ema._testing.multirank import (ROOT, advance, checkpoint_decays, current_rank, diff_emas, error_of, fork_and_kill, gather_all,
-                                            make_engine, run_ranks, unflat)
+from functional_ema._testing.multirank import (
+    ROOT,
+    advance,
+    checkpoint_decays,
+    current_rank,
+    diff_emas,
+    error_of,
+    fork_and_kill,
+    gather_all,
+    make_engine,
+    run_ranks,
+    unflat,
+)
 
 V1 = ROOT / "tests" / "data" / "ckpt_v1"
 
@@ -101,12 +112,19 @@ def world2_worker(root):
         tag_dir = h.wait()
         dist.barrier()  # rank 0 removes the markers after its manifest; list after every rank is done
         loaded = fe.load(engine, d, tag_dir.name)
-        rep = {"files": sorted(f for f in os.listdir(tag_dir)), "tag": tag_dir.name,
-               "loaded": diff_emas(list(loaded.emas), list(state.emas)), "step": int(loaded.step)}
+        rep = {
+            "files": sorted(f for f in os.listdir(tag_dir)),
+            "tag": tag_dir.name,
+            "loaded": diff_emas(list(loaded.emas), list(state.emas)),
+            "step": int(loaded.step),
+        }
         if rank == 0:
             rep["consolidated"] = diff_emas([fe.consolidate(d, tag_dir.name, index=i) for i in range(2)], want)
-            rep["manifest"] = {k: v for k, v in fe.checkpoint.read_manifest(d, tag_dir.name).items()
-                               if k in ("format_version", "checksum", "save_id", "generation", "schedules")}
+            rep["manifest"] = {
+                k: v
+                for k, v in fe.checkpoint.read_manifest(d, tag_dir.name).items()
+                if k in ("format_version", "checksum", "save_id", "generation", "schedules")
+            }
         out[f"basic_s{stage}"] = rep
         if stage != 2:
             del engine
@@ -120,8 +138,12 @@ def world2_worker(root):
         h2.wait()
         dist.barrier()
         again = fe.load(engine, d, tag_dir.name)
-        out["same_tag"] = {"reused": reused, "files": sorted(os.listdir(tag_dir)),
-                           "loaded": diff_emas(list(again.emas), list(state.emas)), "step": int(again.step)}
+        out["same_tag"] = {
+            "reused": reused,
+            "files": sorted(os.listdir(tag_dir)),
+            "loaded": diff_emas(list(again.emas), list(state.emas)),
+            "step": int(again.step),
+        }
 
         # 3. Updates (with DeepSpeed's collectives) while the write is held: the file has the state at the call.
         at_call = _clone(state)
@@ -138,8 +160,13 @@ def world2_worker(root):
             gate.release()
         h3.wait()
         got = fe.load(engine, d, "t_upd")
-        out["update_during_save"] = {"changed": changed, "pending": pending, "returned_in": returned_in,
-                                     "loaded": diff_emas(list(got.emas), at_call), "step": int(got.step)}
+        out["update_during_save"] = {
+            "changed": changed,
+            "pending": pending,
+            "returned_in": returned_in,
+            "loaded": diff_emas(list(got.emas), at_call),
+            "step": int(got.step),
+        }
 
         # 4. A second call waits for the first (one save in flight by default).
         gate = _Gate()
@@ -163,7 +190,8 @@ def world2_worker(root):
             first, second = error_of(h.wait), error_of(h.wait)
             dist.barrier()
             out[f"error_rank{bad}"] = {
-                "wait": first, "wait_again": second == first,
+                "wait": first,
+                "wait_again": second == first,
                 "files": sorted(os.listdir(d / f"t_err{bad}")),
                 "previous_loads": error_of(lambda: fe.load(engine, d, "t_upd")),
                 "next_call_after_wait": error_of(lambda: s2.save(state, engine, d, f"t_fine{bad}").wait()),
@@ -196,8 +224,12 @@ def world2_worker(root):
         h.wait()
         dist.barrier()
         if rank == 0:
-            rep["resaved"] = diff_emas([fe.consolidate(root / f"v1_resaved_s{stage}", "global_step3", index=i) for i in range(2)], ref)
-            rep["resaved_version"] = fe.checkpoint.read_manifest(root / f"v1_resaved_s{stage}", "global_step3")["format_version"]
+            rep["resaved"] = diff_emas(
+                [fe.consolidate(root / f"v1_resaved_s{stage}", "global_step3", index=i) for i in range(2)], ref
+            )
+            rep["resaved_version"] = fe.checkpoint.read_manifest(root / f"v1_resaved_s{stage}", "global_step3")[
+                "format_version"
+            ]
         out[f"v1_s{stage}"] = rep
         del engine
     return out
@@ -229,8 +261,13 @@ def _fork_async_save(state, engine, save_dir, tag, kill_at: int, count_file: Pat
         os.fsync, os.replace, os.unlink = hook(os.fsync), hook(os.replace), hook(os.unlink)
         _io.StreamingWriter.write = hook(_io.StreamingWriter.write)
 
-    return fork_and_kill(lambda: fe.AsyncSaver().save(state, engine, save_dir, tag).wait(), install, kill_at, count_file,
-                         on_call=only_in_background)
+    return fork_and_kill(
+        lambda: fe.AsyncSaver().save(state, engine, save_dir, tag).wait(),
+        install,
+        kill_at,
+        count_file,
+        on_call=only_in_background,
+    )
 
 
 def world1_kill_worker(root):
@@ -275,8 +312,17 @@ def world1_kill_worker(root):
                 previous_ok = got in ("old", "new")
             leftovers = sorted(os.listdir(d / tag))
             fe.AsyncSaver().save(state, engine, d, tag).wait()  # a later save succeeds and clears the debris
-            outcomes.append({"i": i, "killed": killed, "previous_ok": previous_ok, "state": got, "leftovers": leftovers,
-                             "after": sorted(os.listdir(d / tag)), "after_loads_new": not diff_emas(loaded(tag), new)})
+            outcomes.append(
+                {
+                    "i": i,
+                    "killed": killed,
+                    "previous_ok": previous_ok,
+                    "state": got,
+                    "leftovers": leftovers,
+                    "after": sorted(os.listdir(d / tag)),
+                    "after_loads_new": not diff_emas(loaded(tag), new),
+                }
+            )
         report[scenario] = {"calls": n_calls, "outcomes": outcomes}
     return report
 
@@ -291,7 +337,9 @@ def world2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory):
-    return run_ranks("tests.test_async_save:world1_kill_worker", world_size=1, root=str(tmp_path_factory.mktemp("async1")))[0]
+    return run_ranks(
+        "tests.test_async_save:world1_kill_worker", world_size=1, root=str(tmp_path_factory.mktemp("async1"))
+    )[0]
 
 
 # --------------------------------------------------------------------------------------- tests
@@ -305,7 +353,10 @@ def test_async_save_equals_state_at_call(world2):
             assert r["loaded"] == [] and r["step"] == 2, (where, r["loaded"][:5])
             ours = [f for f in r["files"] if f.startswith("ema_")]
             n_files = 1 if stage == 0 else 2
-            assert ours == ["ema_manifest.json"] + [f"ema_rank_{i:05d}_of_00002.safetensors" for i in range(n_files)], (where, r["files"])
+            assert ours == ["ema_manifest.json"] + [f"ema_rank_{i:05d}_of_00002.safetensors" for i in range(n_files)], (
+                where,
+                r["files"],
+            )
             if rank == 0:
                 assert r["consolidated"] == [], where
                 m = r["manifest"]
@@ -319,8 +370,11 @@ def test_snapshot_buffer_reused_and_same_tag_swaps_generation(world2):
         assert r["reused"], rank
         assert r["loaded"] == [] and r["step"] == 3, r
         ours = [f for f in r["files"] if f.startswith("ema_")]
-        assert ours == ["ema_manifest.json", "ema_rank_00000_of_00002.gen1.safetensors",
-                        "ema_rank_00001_of_00002.gen1.safetensors"], r["files"]  # old generation and markers removed
+        assert ours == [
+            "ema_manifest.json",
+            "ema_rank_00000_of_00002.gen1.safetensors",
+            "ema_rank_00001_of_00002.gen1.safetensors",
+        ], r["files"]  # old generation and markers removed
 
 
 def test_update_during_async_save_does_not_change_what_is_written(world2):

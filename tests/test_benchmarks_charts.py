@@ -57,8 +57,15 @@ def test_bench_update_chart_from_fake_results(tmp_path):
     from benchmarks import bench_update as b
 
     def rep(stage, rank, keys):
-        return {"stage": stage, "model": "transformer", "world_size": 2, "rank": rank, "tensors": 516, "params": 11.2e6,
-                "rounds": {k: [[1.1, 1.0], [1.3, 1.0], [1.2, 1.0]] for k in keys}}
+        return {
+            "stage": stage,
+            "model": "transformer",
+            "world_size": 2,
+            "rank": rank,
+            "tensors": 516,
+            "params": 11.2e6,
+            "rounds": {k: [[1.1, 1.0], [1.3, 1.0], [1.2, 1.0]] for k in keys},
+        }
 
     # one world size: per rank, its reports of the configurations
     results = [[[rep(3, r, b.LABELS), rep(2, r, b.LABELS), rep("fsdp2", r, b.FSDP2_LABELS)] for r in (0, 1)]]
@@ -75,7 +82,12 @@ def test_bench_checkpoint_chart_from_fake_results(tmp_path):
     from benchmarks import bench_checkpoint as b
 
     keys = {k for row in b.ROWS for k in row[2:4]} | {"async_block", "copy"}
-    run = {"times": {k: 0.1 for k in keys}, "medians": {k: 0.2 for k in keys}, "local_bytes": 10**8, "full_bytes": 2 * 10**8}
+    run = {
+        "times": {k: 0.1 for k in keys},
+        "medians": {k: 0.2 for k in keys},
+        "local_bytes": 10**8,
+        "full_bytes": 2 * 10**8,
+    }
     results = [{"params": 5e7, "world": 2, "runs": {"1": run, "2": run}} for _ in range(2)]
     panels = b.chart_panels(results)
     assert len(panels) == 2

@@ -115,7 +115,11 @@ def test_meta_buffers_refused_naming_the_buffer():
 @pytest.mark.parametrize(
     "counter, err, match",
     [
-        (0, TypeError, r"bstate\.step must be an int64 scalar tensor \(as init_buffers makes it\), got int 0.*load_buffers"),
+        (
+            0,
+            TypeError,
+            r"bstate\.step must be an int64 scalar tensor \(as init_buffers makes it\), got int 0.*load_buffers",
+        ),
         (torch.tensor(2**31 - 1, dtype=torch.int32), TypeError, r"bstate\.step must be .*dtype torch.int32"),
         (torch.tensor(0.0), TypeError, r"bstate\.step must be .*dtype torch.float32"),
         (torch.tensor([0, 0]), ValueError, r"bstate\.step must be .*shape \(2,\)"),
@@ -178,8 +182,28 @@ def test_controller_every_n_start_k_save_load_consolidate_strict(tmp_path):
             for n, p in net.named_parameters():
                 ref[n].lerp_(p.detach(), w)
             last = step
-    assert moved == [False, False, True, False, True, False, False, False, False, False, True, False,
-                     False, False, False, False, True, False, False, False]
+    assert moved == [
+        False,
+        False,
+        True,
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
     assert int(c.state.step) == 9
     assert all(torch.equal(c.state.emas[0][n].view(p.shape), ref[n]) for n, p in net.named_parameters())
     c.save(net, tmp_path, 10)
@@ -187,13 +211,18 @@ def test_controller_every_n_start_k_save_load_consolidate_strict(tmp_path):
     assert str(_net().load_state_dict(sd, strict=True)) == "<All keys matched successfully>"
     c2 = EMAController([0.9, 0.5], every_n_steps=3, start_step=2, buffers="average")
     c2.load(net, tmp_path, framework_step=10)
-    assert int(c2.state.step) == 9 and torch.equal(c2.buffer_state.copied["1.num_batches_tracked"], c.buffer_state.copied["1.num_batches_tracked"])
+    assert int(c2.state.step) == 9 and torch.equal(
+        c2.buffer_state.copied["1.num_batches_tracked"], c.buffer_state.copied["1.num_batches_tracked"]
+    )
     with pytest.raises(fe.CheckpointError, match="framework step 10, but the training resumed at step 5"):
         EMAController([0.9, 0.5], every_n_steps=3, start_step=2).load(net, tmp_path, framework_step=5)
     with pytest.raises(fe.CheckpointError, match="tracks 2 EMA"):
         EMAController(0.9).load(net, tmp_path, framework_step=10)
-    with pytest.raises(fe.CheckpointError, match=r"EMA is at step 9, but at framework step 10 the rules \(start_step=0, "
-                                                 r"every_n_steps=1\) put it at step 10"):
+    with pytest.raises(
+        fe.CheckpointError,
+        match=r"EMA is at step 9, but at framework step 10 the rules \(start_step=0, "
+        r"every_n_steps=1\) put it at step 10",
+    ):
         EMAController([0.9, 0.5]).load(net, tmp_path, framework_step=10)
 
 
@@ -246,7 +275,9 @@ def test_controller_copy_to_model_and_export(tmp_path):
             p.add_(1.0)
     net(torch.randn(16, 5))
     c.on_step(net, 2)
-    assert not any(torch.equal(c.state.emas[0][n].view(p.shape), p) for n, p in net.named_parameters())  # a real average
+    assert not any(
+        torch.equal(c.state.emas[0][n].view(p.shape), p) for n, p in net.named_parameters()
+    )  # a real average
     want = {n: t.view(dict(net.named_parameters())[n].shape).clone() for n, t in c.state.emas[0].items()}
     c.export(net, tmp_path / "ema.safetensors")
     exported = load_file(tmp_path / "ema.safetensors")

@@ -29,8 +29,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from functional_ema._testing.multirank import (ROOT, OddNet, advance, checkpoint_decays, current_rank, diff_emas, error_of, fork_and_kill,
-                                            gather_all, make_engine, run_ranks, unflat)
+from functional_ema._testing.multirank import (
+    ROOT,
+    OddNet,
+    advance,
+    checkpoint_decays,
+    current_rank,
+    diff_emas,
+    error_of,
+    fork_and_kill,
+    gather_all,
+    make_engine,
+    run_ranks,
+    unflat,
+)
 
 K = 3  # steps before the save; the reference run continues to 2K
 CONFIGS = [(2, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16"), (0, "fp32")]
@@ -42,7 +54,6 @@ RESHARD_2_TO_1 = [  # saved at world 2 -> loaded at world 1 with this stage / dt
 ]
 RESHARD_1_TO_2 = [((3, "fp32"), (2, "fp32")), ((1, "bf16"), (3, "bf16")), ((2, "fp32"), (0, "fp32"))]
 EXPECTED = [n for n, _ in OddNet().named_parameters() if n not in ("frozen", "not_optimized")]
-
 
 
 def _name(stage, dtype, world=2) -> str:
@@ -194,9 +205,17 @@ def _kill_points(d: Path) -> dict:
             # A later clean save into the same tag succeeds and removes the debris.
             fe.save(state, engine, d, tag)
             clean = sorted(os.listdir(d / tag))
-            outcomes.append({"i": i, "killed": killed, "previous_ok": previous_ok, "state": got,
-                             "leftovers": leftovers, "after_clean_save": clean,
-                             "clean_loads_new": not diff_emas(loaded(tag), new)})
+            outcomes.append(
+                {
+                    "i": i,
+                    "killed": killed,
+                    "previous_ok": previous_ok,
+                    "state": got,
+                    "leftovers": leftovers,
+                    "after_clean_save": clean,
+                    "clean_loads_new": not diff_emas(loaded(tag), new),
+                }
+            )
         report[scenario] = {"calls": n_calls, "outcomes": outcomes}
     return report
 
@@ -308,7 +327,9 @@ def _load_into_errors(engine, d: Path) -> dict:
     errors = {"out_not_state": error_of(lambda: fe.load(engine, d, out={"inp.weight": torch.zeros(1)}))}
     errors.update({label: error_of(lambda st=st: fe.load(engine, d, out=st)) for label, st in refused.items()})
     errors["out_untouched_after_refusals"] = all(
-        torch.equal(a, b) for label, st in refused.items() for a, b in zip(before[label], (t for e in st.emas for t in e.values()))
+        torch.equal(a, b)
+        for label, st in refused.items()
+        for a, b in zip(before[label], (t for e in st.emas for t in e.values()))
     )
     target = fe.init_ema(shards, num_emas=2)
     bad = d.parent / (d.name + "_corrupt")
@@ -356,7 +377,12 @@ def _engine_errors(engine, state, d: Path) -> dict:
     rank = current_rank()
     errors = {}
     before = _snapshot(d)
-    for label, model in (("renamed", RenamedNet), ("missing", MissingNet), ("extra", ExtraNet), ("shape", lambda: OddNet(hidden=14))):
+    for label, model in (
+        ("renamed", RenamedNet),
+        ("missing", MissingNet),
+        ("extra", ExtraNet),
+        ("shape", lambda: OddNet(hidden=14)),
+    ):
         other = make_engine(2, "fp32", model=model())
         errors[label] = error_of(lambda other=other: fe.load(other, d))
         del other
@@ -405,14 +431,24 @@ def world2_first(ckroot):
 def world1(ckroot, world2_first):
     kill_root = ckroot / "kill" / "ckpt"
     kill_root.parent.mkdir()
-    return run_ranks("tests.test_checkpoint:world1_worker", world_size=1, root=str(ckroot),
-                     reshard=RESHARD_2_TO_1, kill_root=str(kill_root))[0]
+    return run_ranks(
+        "tests.test_checkpoint:world1_worker",
+        world_size=1,
+        root=str(ckroot),
+        reshard=RESHARD_2_TO_1,
+        kill_root=str(kill_root),
+    )[0]
 
 
 @pytest.fixture(scope="module")
 def world2_resume(ckroot, world2_first, world1):
-    return run_ranks("tests.test_checkpoint:world2_resume_worker", world_size=2, root=str(ckroot),
-                     configs=CONFIGS, reverse=RESHARD_1_TO_2)
+    return run_ranks(
+        "tests.test_checkpoint:world2_resume_worker",
+        world_size=2,
+        root=str(ckroot),
+        configs=CONFIGS,
+        reverse=RESHARD_1_TO_2,
+    )
 
 
 @pytest.fixture
@@ -441,7 +477,11 @@ def test_files_beside_deepspeeds(world2_first, ckroot):
         if stage == 0:  # replicated: one file
             assert ours == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], files
         else:
-            assert ours == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors", "ema_rank_00001_of_00002.safetensors"]
+            assert ours == [
+                "ema_manifest.json",
+                "ema_rank_00000_of_00002.safetensors",
+                "ema_rank_00001_of_00002.safetensors",
+            ]
         assert any(f.endswith("model_states.pt") for f in files), files  # DeepSpeed's, same folder
         assert rep0["step"] == 2 * K and rep0["global_steps"] == 2 * K
         d = Path(rep0["tag_dir"])
@@ -456,7 +496,12 @@ def test_files_beside_deepspeeds(world2_first, ckroot):
             assert entry["bytes"] == (d / entry["file"]).stat().st_size
             with safe_open(str(d / entry["file"]), framework="pt") as f:
                 meta = f.metadata()
-                assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == ("3", str(K), "2", "2")  # format 3: a whole (not model-parallel) model
+                assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == (
+                    "3",
+                    str(K),
+                    "2",
+                    "2",
+                )  # format 3: a whole (not model-parallel) model
                 assert (meta["rank"], meta["zero_stage"]) == (str(entry["rank"]), str(stage))
                 layout = ShardLayout.from_json_dict(json.loads(meta["layout"]))
                 assert json.loads(meta["schedules"]) == m["schedules"]
@@ -531,8 +576,14 @@ def test_cli_consolidate_loads_into_plain_module(world2_first, ckroot, tmp_path)
     want = unflat(load_file(str(d / "ref_full_k.safetensors")))
     out = tmp_path / "ema1.safetensors"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "functional_ema", "consolidate", str(d), str(out), "--index", "1"],
-                          capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "functional_ema", "consolidate", str(d), str(out), "--index", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "wrote" in proc.stdout and proc.stderr.count("\r") == 0  # no progress bar when not a terminal
     sd = load_file(str(out))
@@ -591,7 +642,9 @@ def test_engine_error_cases(world2_resume):
         name, msg, _ = e["extra"]
         assert name == "CheckpointMismatchError" and "in the model but not in the checkpoint: ['extra']" in msg, msg
         name, msg, _ = e["shape"]
-        assert name == "CheckpointMismatchError" and "shape of 'inp.weight': checkpoint (13, 7), model (14, 7)" in msg, msg
+        assert (
+            name == "CheckpointMismatchError" and "shape of 'inp.weight': checkpoint (13, 7), model (14, 7)" in msg
+        ), msg
         name, msg, _ = e["dtype"]
         assert name == "CheckpointMismatchError" and "holds float32 EMAs but dtype=bfloat16" in msg, msg
         assert e["opened_same_layout"] == [rank], e["opened_same_layout"]  # one header read, not world_size
@@ -600,7 +653,11 @@ def test_engine_error_cases(world2_resume):
         name, msg, _ = e["out_not_state"]
         assert name == "TypeError" and "load(out=...) takes an EmaState" in msg and "dict" in msg, msg
         name, msg, _ = e["out_num_emas"]
-        assert name == "CheckpointMismatchError" and "load(out=...) on rank 0" in msg and "holds 2 EMA(s) but the state has 1" in msg, msg
+        assert (
+            name == "CheckpointMismatchError"
+            and "load(out=...) on rank 0" in msg
+            and "holds 2 EMA(s) but the state has 1" in msg
+        ), msg
         name, msg, _ = e["out_dtype"]
         assert name == "CheckpointMismatchError" and "is bfloat16 but tag" in msg and "float32 EMAs" in msg, msg
         name, msg, _ = e["out_names"]
@@ -623,7 +680,9 @@ def test_engine_error_cases(world2_resume):
         name, msg, _ = e["ranks_disagree"]
         assert name == "CheckpointError" and "ranks disagree on tag" in msg, msg
         assert e["disagree_dirs"] == []
-        assert e["not_a_state"][0] == "TypeError" and f"save on rank {rank}: expected an EmaState" in e["not_a_state"][1], e["not_a_state"]
+        assert (
+            e["not_a_state"][0] == "TypeError" and f"save on rank {rank}: expected an EmaState" in e["not_a_state"][1]
+        ), e["not_a_state"]
 
 
 # ------------------------------------------------------------------------- offline error cases
@@ -667,7 +726,12 @@ def test_offline_error_cases(world2_first, ckroot, tmp_path, no_unpickling):
 
     # 1. missing rank file
     r1.unlink()
-    _expect("IncompleteCheckpointError", ["ema_rank_00001_of_00002.safetensors", "rank 1 of 2", tag], lambda: fe.consolidate(d), d)
+    _expect(
+        "IncompleteCheckpointError",
+        ["ema_rank_00001_of_00002.safetensors", "rank 1 of 2", tag],
+        lambda: fe.consolidate(d),
+        d,
+    )
     cases += 1
     # 2. truncated rank file
     r1.write_bytes(good[:-100])
@@ -680,7 +744,12 @@ def test_offline_error_cases(world2_first, ckroot, tmp_path, no_unpickling):
     raw = bytearray(good)
     raw[st.header_size + st.tensors[key].start + 5] ^= 0x10
     r1.write_bytes(bytes(raw))
-    _expect("CorruptCheckpointError", ["checksum mismatch", key, "rank 1 of 2", f"parameter {key[7:]!r}"], lambda: fe.consolidate(d), d)
+    _expect(
+        "CorruptCheckpointError",
+        ["checksum mismatch", key, "rank 1 of 2", f"parameter {key[7:]!r}"],
+        lambda: fe.consolidate(d),
+        d,
+    )
     cases += 1
     # 4. corrupted header byte (inside a number of the JSON header)
     raw = bytearray(good)
@@ -700,13 +769,21 @@ def test_offline_error_cases(world2_first, ckroot, tmp_path, no_unpickling):
     half = d / "global_step9"
     half.mkdir()
     shutil.copy(r1, half / r1.name)
-    _expect("IncompleteCheckpointError", ["'global_step9'", "no complete EMA", "found 1 EMA rank file", f"[{tag!r}]"],
-            lambda: fe.consolidate(d, "global_step9"), d)
+    _expect(
+        "IncompleteCheckpointError",
+        ["'global_step9'", "no complete EMA", "found 1 EMA rank file", f"[{tag!r}]"],
+        lambda: fe.consolidate(d, "global_step9"),
+        d,
+    )
     cases += 1
     # 8. `latest` names a tag DeepSpeed finished but the EMA did not
     (d / "latest").write_text("global_step9")
-    _expect("IncompleteCheckpointError", ["'latest' names this tag", "functional_ema.save before engine.save_checkpoint"],
-            lambda: fe.consolidate(d), d)
+    _expect(
+        "IncompleteCheckpointError",
+        ["'latest' names this tag", "functional_ema.save before engine.save_checkpoint"],
+        lambda: fe.consolidate(d),
+        d,
+    )
     cases += 1
     (d / "latest").write_text(tag)
     # 9. a pickle handed in: DeepSpeed's own .pt file as the checkpoint path
@@ -722,12 +799,22 @@ def test_offline_error_cases(world2_first, ckroot, tmp_path, no_unpickling):
     mp, m = _manifest(d)
     saved_manifest = mp.read_text()
     mp.write_text(json.dumps(dict(m, format_version=99, library="functional_ema 9.0")))
-    _expect("CheckpointVersionError", ["newer functional_ema", "format version 99", "pip install -U"], lambda: fe.consolidate(d), d)
+    _expect(
+        "CheckpointVersionError",
+        ["newer functional_ema", "format version 99", "pip install -U"],
+        lambda: fe.consolidate(d),
+        d,
+    )
     cases += 1
     mp.write_text(saved_manifest)
     # 12. dtype mismatch: a rank file rewritten in bf16 by another tool (consistent sizes/checksums)
     _rewrite_as_bf16(r1, mp)
-    _expect("CorruptCheckpointError", ["dtype mismatch", "torch.bfloat16", "torch.float32", "rank 1 of 2"], lambda: fe.consolidate(d), d)
+    _expect(
+        "CorruptCheckpointError",
+        ["dtype mismatch", "torch.bfloat16", "torch.float32", "rank 1 of 2"],
+        lambda: fe.consolidate(d),
+        d,
+    )
     cases += 1
     r1.write_bytes(good)
     mp.write_text(saved_manifest)
@@ -785,8 +872,11 @@ def _rewrite_as_bf16(path: Path, manifest_path: Path) -> None:
     for e in m["files"]:
         if e["file"] == path.name:
             hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731
-            e.update(bytes=size, header_checksum=hexa(w.header_checksum),
-                     tensor_checksums={k: [hexa(v) for v in vs] for k, vs in w.crcs.items()})
+            e.update(
+                bytes=size,
+                header_checksum=hexa(w.header_checksum),
+                tensor_checksums={k: [hexa(v) for v in vs] for k, vs in w.crcs.items()},
+            )
     manifest_path.write_text(json.dumps(m))
 
 
@@ -832,7 +922,12 @@ def test_format1_checkpoint_consolidates(tmp_path, no_unpickling):
     raw = bytearray(r1.read_bytes())
     raw[st.header_size + st.tensors[key].start + 3] ^= 0x01
     r1.write_bytes(bytes(raw))
-    _expect("CorruptCheckpointError", ["checksum mismatch", "crc32", key, "rank 1 of 2"], lambda: fe.consolidate(d, index=1), d)
+    _expect(
+        "CorruptCheckpointError",
+        ["checksum mismatch", "crc32", key, "rank 1 of 2"],
+        lambda: fe.consolidate(d, index=1),
+        d,
+    )
 
 
 @pytest.mark.parametrize("algo", ["xxh3_64", "crc32"])
@@ -861,7 +956,9 @@ def test_chunk_checksums_multi_chunk(tmp_path, algo):
     raw[st.header_size + 2 * _io.CHUNK_BYTES + 5] ^= 0x40  # in chunk 2
     path.write_bytes(bytes(raw))
     st = _io.SafetensorsFile(path)
-    with pytest.raises(_io.ChecksumError, match=f"bytes {2 * _io.CHUNK_BYTES}\\.\\.{3 * _io.CHUNK_BYTES} of the tensor: {algo}"):
+    with pytest.raises(
+        _io.ChecksumError, match=f"bytes {2 * _io.CHUNK_BYTES}\\.\\.{3 * _io.CHUNK_BYTES} of the tensor: {algo}"
+    ):
         st.read_into("x", torch.empty_like(t), sums, algo=algo)
     with pytest.raises(_io.ChecksumError):
         st.read_range("x", lo, hi, sums, algo=algo)

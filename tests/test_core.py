@@ -132,7 +132,9 @@ def test_many_trees_exact(decays):
 def test_views_of_2d_buffer_and_shuffled_names():
     # Tensors whose order differs from their order in memory, and 2-D views.
     buf = torch.randn(1000)
-    shards = fe.Shards.from_views({"z": buf[0:100].view(10, 10), "a": buf[110:300].view(19, 10), "m": buf[300:301], "b": buf[400:999]})
+    shards = fe.Shards.from_views(
+        {"z": buf[0:100].view(10, 10), "a": buf[110:300].view(19, 10), "m": buf[300:301], "b": buf[400:999]}
+    )
     state = run_and_compare(shards, (0.9, 0.6))
     assert info(state, shards).lerp_spans == 1 and list(state.ema) == ["z", "a", "m", "b"]
 
@@ -154,7 +156,10 @@ def test_state_from_other_names_same_shapes_is_exact():
     buf, shards = flat_views([10, 10, 10, 10], gap=0)
     state = fe.init_ema(shards)
     names = list(shards)
-    swapped = fe.EmaState(state.step, ({names[0]: state.ema[names[1]], names[1]: state.ema[names[0]], **{n: state.ema[n] for n in names[2:]}},))
+    swapped = fe.EmaState(
+        state.step,
+        ({names[0]: state.ema[names[1]], names[1]: state.ema[names[0]], **{n: state.ema[n] for n in names[2:]}},),
+    )
     ref = {n: t.clone() for n, t in swapped.ema.items()}
     perturb(shards, 1)
     swapped = fe.update(swapped, shards, decay=0.5)
@@ -179,7 +184,10 @@ def test_bf16_ema_of_fp32_shards_warns_and_matches_per_tensor_cast():
 
 
 def test_large_single_tensors_with_several_emas_are_chunked():
-    for shards in ({"big": torch.randn(1000), "small": torch.randn(3)}, fe.Shards.from_views({"big": torch.randn(1000), "small": torch.randn(3)})):
+    for shards in (
+        {"big": torch.randn(1000), "small": torch.randn(3)},
+        fe.Shards.from_views({"big": torch.randn(1000), "small": torch.randn(3)}),
+    ):
         run_and_compare(shards, (0.9, 0.6, 0.0))
 
 
@@ -196,7 +204,9 @@ def test_staged_path_on_cpu_same_dtype(monkeypatch):
     run_and_compare({"a": torch.randn(120), "b": torch.randn(5, 5), "c": torch.randn(0)}, (0.9,), pin_memory=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.py runs it on a GPU machine)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.py runs it on a GPU machine)"
+)
 def test_cuda_weights_pinned_cpu_ema():
     buf = torch.randn(10_000, device="cuda")
     shards = fe.Shards.from_views({f"p{i}": buf[i * 1000 : i * 1000 + 990] for i in range(10)})
@@ -264,7 +274,9 @@ def test_shards_are_read_only_and_views_write_through():
     expect = {n: state.ema[n].clone().lerp_(shards[n], 0.5) for n in shards}
     fe.update(state, shards, decay=0.5)
     assert all(torch.equal(state.ema[n], expect[n]) for n in shards)
-    assert torch.equal(state.ema["layer1.w"], expect["layer1.w"]) and torch.allclose(expect["layer0.w"], 2.0 + 0.5 * shards["layer0.w"])
+    assert torch.equal(state.ema["layer1.w"], expect["layer1.w"]) and torch.allclose(
+        expect["layer0.w"], 2.0 + 0.5 * shards["layer0.w"]
+    )
     # Every access is a fresh view: rebinding .data of one leaves the Shards as it was.
     v = shards["layer0.w"]
     before = v.clone()
@@ -352,12 +364,16 @@ def test_package_keeps_no_module_level_registries():
             continue  # the test harness, not the library
         mod = importlib.import_module(mod_info.name)
         for name, value in vars(mod).items():
-            if isinstance(value, (dict, list, set, _weakref.WeakKeyDictionary, _weakref.WeakValueDictionary)) and not name.startswith("__"):
+            if isinstance(
+                value, (dict, list, set, _weakref.WeakKeyDictionary, _weakref.WeakValueDictionary)
+            ) and not name.startswith("__"):
                 if isinstance(value, types.MappingProxyType):
                     continue
                 found.append(f"{mod_info.name}.{name}")
     constant_tables = {  # filled at import, never written: not state
-        "functional_ema.__main__._COMMANDS", "functional_ema._io.DTYPE_TO_STR", "functional_ema._io.STR_TO_DTYPE",
+        "functional_ema.__main__._COMMANDS",
+        "functional_ema._io.DTYPE_TO_STR",
+        "functional_ema._io.STR_TO_DTYPE",
         "functional_ema._io.CHECKSUMS",
     }
     # Off the update path, each with its reason in the code: gloo side groups for monitored_barrier
@@ -375,7 +391,10 @@ def test_package_keeps_no_module_level_registries():
 def test_tree_mismatch_names_the_parameters():
     for make in (dict, fe.Shards.from_views):
         state = fe.init_ema(make({"enc.w": torch.zeros(3), "dec.w": torch.zeros(2)}))
-        with pytest.raises(fe.TreeMismatchError, match=r"missing from shards: 'dec.w'.*not in the EMA state: 'head.w'|missing from shards: 'dec.w'"):
+        with pytest.raises(
+            fe.TreeMismatchError,
+            match=r"missing from shards: 'dec.w'.*not in the EMA state: 'head.w'|missing from shards: 'dec.w'",
+        ):
             fe.update(state, {"enc.w": torch.zeros(3), "head.w": torch.zeros(2)})
         with pytest.raises(fe.TreeMismatchError, match=r"shards\['dec.w'\] has shape \(4,\) but the EMA .* has \(2,\)"):
             fe.update(state, make({"enc.w": torch.zeros(3), "dec.w": torch.zeros(4)}))
@@ -406,8 +425,17 @@ def test_step_ordering_and_same_step_is_a_no_op():
     assert int(fe.update(state, {"a": torch.ones(2)}, np.int64(26)).step) == 26
 
 
-@pytest.mark.parametrize("bad, err", [(2.7, TypeError), ("5", TypeError), (True, TypeError), (torch.tensor(3.0), TypeError),
-                                      (2**63, ValueError), (-1, ValueError)])
+@pytest.mark.parametrize(
+    "bad, err",
+    [
+        (2.7, TypeError),
+        ("5", TypeError),
+        (True, TypeError),
+        (torch.tensor(3.0), TypeError),
+        (2**63, ValueError),
+        (-1, ValueError),
+    ],
+)
 def test_bad_steps_refused_before_anything_moves(bad, err):
     shards = fe.Shards.from_views({"a": torch.ones(3), "b": torch.ones(2)})
     state = fe.init_ema({"a": torch.zeros(3), "b": torch.zeros(2)})
@@ -463,8 +491,10 @@ def unchanged(state, snap) -> bool:
             same_step = step.dtype == now_step.dtype and torch.equal(step, now_step)
     else:
         same_step = step == now_step
-    return same_step and len(now) == len(tensors) and all(
-        (a.shape == b.shape and a.is_meta) if a.is_meta else torch.equal(a, b) for a, b in zip(now, tensors)
+    return (
+        same_step
+        and len(now) == len(tensors)
+        and all((a.shape == b.shape and a.is_meta) if a.is_meta else torch.equal(a, b) for a, b in zip(now, tensors))
     )
 
 
@@ -793,15 +823,17 @@ def zero_layout_worker(stages, steps=3):
             equal &= all(torch.equal(state.emas[k][n], ref[k][n]) for k in range(2) for n in shards)
         how = fe.update_info(state, shards)
         flat_buffers = {t.untyped_storage().data_ptr() for t in shards.values() if t.numel()}
-        out.append({
-            "stage": stage,
-            "equal": bool(equal),
-            "local_numel": sum(t.numel() for t in shards.values()),
-            "ema_nbytes": fe.ema_nbytes(state),
-            "fused_spans": how.lerp_spans,
-            "flat_buffers": len(flat_buffers),
-            "constant_cost": bool(fe.local_shards(engine) is shards and how.fused and how.reused),
-        })
+        out.append(
+            {
+                "stage": stage,
+                "equal": bool(equal),
+                "local_numel": sum(t.numel() for t in shards.values()),
+                "ema_nbytes": fe.ema_nbytes(state),
+                "fused_spans": how.lerp_spans,
+                "flat_buffers": len(flat_buffers),
+                "constant_cost": bool(fe.local_shards(engine) is shards and how.fused and how.reused),
+            }
+        )
     return out
 
 
@@ -844,7 +876,9 @@ def test_gpu_check_script_says_so_without_cuda():
 
     from functional_ema._testing.multirank import ROOT
 
-    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     if torch.cuda.is_available():
         assert out.returncode == 0, out.stdout + out.stderr
         assert " 0 failed" in out.stdout

@@ -86,9 +86,12 @@ def _load_and_compare(root: str, saved: str, layout: str) -> dict:
     dcp.load({"ema": fe.dcp.EMAStateful(model, state)}, checkpoint_id=os.path.join(root, saved))
     ref = load_file(os.path.join(root, f"{saved}.ref.safetensors"))
     full = fe.gather_full(state, model, join_parts=True)
-    return {"bitwise": sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref),
-            "step": int(state.step), "world": fe.shard_layout(model).world_size,
-            "in_place": [t.data_ptr() for t in state.emas[0].values() if t.numel()] == buffers}
+    return {
+        "bitwise": sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref),
+        "step": int(state.step),
+        "world": fe.shard_layout(model).world_size,
+        "in_place": [t.data_ptr() for t in state.emas[0].values() if t.numel()] == buffers,
+    }
 
 
 def load_worker(root: str, saved: str, layout: str) -> dict:
@@ -136,8 +139,11 @@ def resume_worker(root: str, phase: str) -> dict:
         loaded = fe.init_ema(fe.local_shards(fresh))
         dcp.load({"ema": fe.dcp.EMAStateful(fresh, loaded)}, checkpoint_id=os.path.join(root, "async"))
         got = fe.gather_full(loaded, fresh)
-        return {"async_is_the_call": all(torch.equal(got[n], at_call[n]) for n in at_call) and int(loaded.step) == STEPS + 2,
-                "update_moved_it": moved}
+        return {
+            "async_is_the_call": all(torch.equal(got[n], at_call[n]) for n in at_call)
+            and int(loaded.step) == STEPS + 2,
+            "update_moved_it": moved,
+        }
     dcp.load({"train": Train(model, opt), "ema": fe.dcp.EMAStateful(model, state)}, checkpoint_id=ckpt)
     step_loaded = int(state.step)
     state = _train(model, opt, state, mesh, range(STEPS + 1, STEPS + 3))
@@ -162,10 +168,14 @@ def test_dcp_reshards_the_ema_bitwise(root):
 
     saved2 = run_ranks("tests.test_dcp:save_worker", world_size=2, timeout=400, root=str(root), layouts=["fsdp2"])
     assert saved2[0]["fsdp2"] == STEPS
-    into3 = run_ranks("tests.test_dcp:load_worker", world_size=3, timeout=400, root=str(root), saved="fsdp2", layout="fsdp2")
+    into3 = run_ranks(
+        "tests.test_dcp:load_worker", world_size=3, timeout=400, root=str(root), saved="fsdp2", layout="fsdp2"
+    )
     for rank, r in enumerate(into3):
         assert r == {"bitwise": True, "step": STEPS, "world": 3, "in_place": True}, (rank, r)
-    saved4 = run_ranks("tests.test_dcp:save_worker", world_size=4, timeout=400, root=str(root), layouts=["hsdp", "dp_tp"])
+    saved4 = run_ranks(
+        "tests.test_dcp:save_worker", world_size=4, timeout=400, root=str(root), layouts=["hsdp", "dp_tp"]
+    )
     for rank, r in enumerate(saved4):
         assert r["hsdp_into_fsdp2_4"] == {"bitwise": True, "step": STEPS, "world": 4, "in_place": True}, (rank, r)
     # dp 2 x tp 2 into a plain module, in this process (no process group): DCP joins the slices
@@ -197,8 +207,9 @@ def test_dcp_reshards_the_ema_bitwise(root):
     assert sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
     again = subprocess.run(cli, cwd=str(ROOT), capture_output=True, text=True, timeout=300)  # no --overwrite
     assert again.returncode == 1 and "--overwrite" in again.stderr, again.stderr
-    inside = subprocess.run(cli[:-1] + [str(root / "dp_tp" / "x.safetensors")], cwd=str(ROOT), capture_output=True, text=True,
-                            timeout=300)
+    inside = subprocess.run(
+        cli[:-1] + [str(root / "dp_tp" / "x.safetensors")], cwd=str(ROOT), capture_output=True, text=True, timeout=300
+    )
     assert inside.returncode == 1 and "inside the DCP checkpoint" in inside.stderr, inside.stderr
 
 

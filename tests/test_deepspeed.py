@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from functional_ema._testing.multirank import OddNet, count_collectives, full_fp32_reference, make_engine, run_ranks, train_step
+from functional_ema._testing.multirank import (
+    OddNet,
+    count_collectives,
+    full_fp32_reference,
+    make_engine,
+    run_ranks,
+    train_step,
+)
+
 
 def equivalence_worker(configs, steps=4):
     import functional_ema as fe
@@ -56,23 +64,25 @@ def equivalence_worker(configs, steps=4):
         on_dst = fe.gather_full(state, engine, dst=0)
         same_dict, reread = _local_shards_cache_checks(engine, stage)
         masters_copied, forward_copied = _copy_to_model_checks(engine, state, gathered[0])
-        report.append({
-            "config": [stage, dtype, offload],
-            "keys": list(shards),
-            "numels": {n: spec.numel for n, spec in layout.specs.items()},
-            "offsets": {n: spec.offset for n, spec in layout.specs.items()},
-            "mismatches": mismatches,
-            "local_mismatches": local_mismatches[:5],
-            "collective_calls": collective_calls,
-            "decay0_equals_weights": all(torch.equal(gathered[2][n].cpu(), full[n]) for n in full),
-            "ema_moved": all(not torch.equal(gathered[0][n].cpu(), full[n]) for n in full),
-            "dst_keys": sorted(on_dst),
-            "step": int(state.step),
-            "same_dict": same_dict,
-            "reread_after_move": reread,
-            "copy_to_model_masters": masters_copied,
-            "copy_to_model_forward": forward_copied,
-        })
+        report.append(
+            {
+                "config": [stage, dtype, offload],
+                "keys": list(shards),
+                "numels": {n: spec.numel for n, spec in layout.specs.items()},
+                "offsets": {n: spec.offset for n, spec in layout.specs.items()},
+                "mismatches": mismatches,
+                "local_mismatches": local_mismatches[:5],
+                "collective_calls": collective_calls,
+                "decay0_equals_weights": all(torch.equal(gathered[2][n].cpu(), full[n]) for n in full),
+                "ema_moved": all(not torch.equal(gathered[0][n].cpu(), full[n]) for n in full),
+                "dst_keys": sorted(on_dst),
+                "step": int(state.step),
+                "same_dict": same_dict,
+                "reread_after_move": reread,
+                "copy_to_model_masters": masters_copied,
+                "copy_to_model_forward": forward_copied,
+            }
+        )
         del engine
     return report
 
@@ -99,7 +109,9 @@ def _local_shards_cache_checks(engine, stage):
         reread = moved is not first and (inside or stage in (1, 2))
     finally:
         bufs[0] = old
-    reread = reread and all(a.data_ptr() == b.data_ptr() for a, b in zip(fe.local_shards(engine).values(), first.values()))
+    reread = reread and all(
+        a.data_ptr() == b.data_ptr() for a, b in zip(fe.local_shards(engine).values(), first.values())
+    )
     return same_dict, bool(reread)
 
 
@@ -115,20 +127,32 @@ def _copy_to_model_checks(engine, state, ema_full):
     controller.state = state
     controller.copy_to_model(engine)
     masters = full_fp32_reference(engine)
-    masters_ok = sorted(masters) == sorted(ema_full) and all(torch.equal(masters[n], ema_full[n].cpu()) for n in masters)
+    masters_ok = sorted(masters) == sorted(ema_full) and all(
+        torch.equal(masters[n], ema_full[n].cpu()) for n in masters
+    )
     params = dict(engine.module.named_parameters())
     live = [params[n] for n in masters]
     with deepspeed.zero.GatheredParameters(live, enabled=engine.zero_optimization_stage() == 3):
         forward_ok = all(
-            torch.equal(params[n].detach().cpu(), ema_full[n].cpu().to(params[n].dtype).view(params[n].shape)) for n in masters
+            torch.equal(params[n].detach().cpu(), ema_full[n].cpu().to(params[n].dtype).view(params[n].shape))
+            for n in masters
         )
     return masters_ok, forward_ok
 
 
 CONFIGS_2 = [
-    (0, "fp32", None), (0, "bf16", None), (1, "fp32", None), (1, "bf16", None), (2, "fp32", None),
-    (2, "bf16", None), (3, "fp32", None), (3, "bf16", None), (2, "bf16", "optimizer"),
-    (3, "bf16", "optimizer"), (3, "bf16", "param"), (3, "fp32", "param"),
+    (0, "fp32", None),
+    (0, "bf16", None),
+    (1, "fp32", None),
+    (1, "bf16", None),
+    (2, "fp32", None),
+    (2, "bf16", None),
+    (3, "fp32", None),
+    (3, "bf16", None),
+    (2, "bf16", "optimizer"),
+    (3, "bf16", "optimizer"),
+    (3, "bf16", "param"),
+    (3, "fp32", "param"),
 ]
 CONFIGS_1 = [(3, "bf16", None), (2, "fp32", None)]
 

@@ -51,18 +51,21 @@ def swap_worker(configs, steps=3):
             live_after_raise = engine(x).float().clone()
             want = ref(x).float()
         engine.train()
-        out.append({
-            "config": [stage, dtype, offload],
-            "inside_equals_reference": torch.equal(inside, want),
-            "inside_max_diff": (inside - want).abs().max().item(),
-            "inside_repeat_equal": torch.equal(inside, inside_again),
-            "differs_from_live": not torch.equal(inside, live_before),
-            "restored": torch.equal(live_after, live_before),
-            "restored_after_raise": raised and torch.equal(live_after_raise, live_before),
-            "swapped_params": stats.swapped_params,
-            "extra_bytes": stats.extra_bytes,
-            "local_partition_bytes": sum(t.numel() for t in fe.local_shards(engine).values()) * (2 if dtype == "bf16" else 4),
-        })
+        out.append(
+            {
+                "config": [stage, dtype, offload],
+                "inside_equals_reference": torch.equal(inside, want),
+                "inside_max_diff": (inside - want).abs().max().item(),
+                "inside_repeat_equal": torch.equal(inside, inside_again),
+                "differs_from_live": not torch.equal(inside, live_before),
+                "restored": torch.equal(live_after, live_before),
+                "restored_after_raise": raised and torch.equal(live_after_raise, live_before),
+                "swapped_params": stats.swapped_params,
+                "extra_bytes": stats.extra_bytes,
+                "local_partition_bytes": sum(t.numel() for t in fe.local_shards(engine).values())
+                * (2 if dtype == "bf16" else 4),
+            }
+        )
         del engine
     return out
 
@@ -132,13 +135,17 @@ def test_swapped_forward_matches_plain_model_and_restores():
             assert rep["swapped_params"] == 9, where
             if rep["config"][0] == 3:
                 # ZeRO-3: the temporary copy is this rank's partition in 16/32-bit (+ padding), not the model.
-                print(f"ZeRO-3 swap extra memory {where}: {rep['extra_bytes']} B for a local partition of {rep['local_partition_bytes']} B")
+                print(
+                    f"ZeRO-3 swap extra memory {where}: {rep['extra_bytes']} B for a local partition of {rep['local_partition_bytes']} B"
+                )
                 assert rep["extra_bytes"] <= rep["local_partition_bytes"] + 64 * 9, where
 
 
 def test_training_after_eval_is_bitwise_unchanged():
     configs = [(3, "bf16", None), (2, "bf16", None), (0, "fp32", None)]
-    for rank, per_rank in enumerate(run_ranks("tests.test_deepspeed_swap:training_unchanged_worker", world_size=2, configs=configs)):
+    for rank, per_rank in enumerate(
+        run_ranks("tests.test_deepspeed_swap:training_unchanged_worker", world_size=2, configs=configs)
+    ):
         for r in per_rank:
             assert r["weights_equal"] and r["losses_equal"], (rank, r)
 
@@ -192,9 +199,11 @@ def misuse_worker(configs, steps=2):
                     x, y = batch(engine, 555)
                     with fe.swapped(engine, state):
                         loss = ((engine(x).float() - y.float()) ** 2).mean()
-                        for name, call in (("engine.backward", lambda: engine.backward(loss)),
-                                           ("loss.backward", lambda: loss.backward()),
-                                           ("engine.step", lambda: engine.step())):
+                        for name, call in (
+                            ("engine.backward", lambda: engine.backward(loss)),
+                            ("loss.backward", lambda: loss.backward()),
+                            ("engine.step", lambda: engine.step()),
+                        ):
                             try:
                                 call()
                             except fe.SwappedTrainingError as e:
@@ -210,8 +219,10 @@ def misuse_worker(configs, steps=2):
                 whole = {n: t.reshape(-1).clone() for n, t in full_fp32_reference(engine).items()}
                 wrong = fe.init_ema(whole)
                 errors = []
-                for verb, call in (("gather_full", lambda: fe.gather_full(wrong, engine)),
-                                   ("swapped", lambda: fe.swapped(engine, wrong).__enter__())):
+                for verb, call in (
+                    ("gather_full", lambda: fe.gather_full(wrong, engine)),
+                    ("swapped", lambda: fe.swapped(engine, wrong).__enter__()),
+                ):
                     try:
                         call()
                         errors.append([verb, None])
@@ -227,7 +238,9 @@ def misuse_worker(configs, steps=2):
 
 def test_training_inside_swapped_is_refused_and_wrong_states_too():
     configs = [(0, "fp32"), (2, "bf16"), (3, "bf16")]
-    for rank, per_rank in enumerate(run_ranks("tests.test_deepspeed_swap:misuse_worker", world_size=2, configs=configs)):
+    for rank, per_rank in enumerate(
+        run_ranks("tests.test_deepspeed_swap:misuse_worker", world_size=2, configs=configs)
+    ):
         for r in per_rank:
             where = (rank, r["config"])
             assert r["refused"] == [["engine.backward", True], ["loss.backward", True], ["engine.step", True]], where
@@ -236,4 +249,8 @@ def test_training_inside_swapped_is_refused_and_wrong_states_too():
             if r["config"][0] != 0:
                 assert [v for v, _ in r["wrong_state_errors"]] == ["gather_full", "swapped"], where
                 for verb, msg in r["wrong_state_errors"]:
-                    assert msg is not None and "on rank" in msg and "elements but rank" in msg and "fe.load" in msg, (where, verb, msg)
+                    assert msg is not None and "on rank" in msg and "elements but rank" in msg and "fe.load" in msg, (
+                        where,
+                        verb,
+                        msg,
+                    )

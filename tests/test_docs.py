@@ -14,8 +14,16 @@ import functional_ema as fe
 ROOT = Path(__file__).resolve().parents[1]
 API_PAGE = ROOT / "docs" / "api.md"
 #: The public submodules: each is documented whole (its ``__all__``) on the API page.
-PUBLIC_MODULES = ["checkpoint", "buffers", "dcp", "posthoc", "schedules", "integrations.lightning",
-                  "integrations.transformers", "integrations.accelerate"]
+PUBLIC_MODULES = [
+    "checkpoint",
+    "buffers",
+    "dcp",
+    "posthoc",
+    "schedules",
+    "integrations.lightning",
+    "integrations.transformers",
+    "integrations.accelerate",
+]
 
 
 def documented() -> list[str]:
@@ -72,7 +80,7 @@ QUICKSTARTS = {"deepspeed": "### DeepSpeed", "fsdp2": "### torch FSDP2", "ddp": 
 def readme_block(heading: str) -> str:
     """The first ```python block after ``heading`` in the README."""
     text = (ROOT / "README.md").read_text()
-    after = text[text.index(heading + "\n"):]
+    after = text[text.index(heading + "\n") :]
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)
 
 
@@ -113,19 +121,35 @@ def readme_quickstarts_worker(root: str) -> dict:
         os.chdir(f"{root}/{kind}")
         code = readme_block(heading).replace("% 1000 == 0", "% 3 == 0")
         model = LossNet() if kind == "deepspeed" else Blocks()
-        scope = {"fe": fe, "torch": torch, "model": model, "net": model, "loader": batches, "evaluate": evaluate,
-                 "loss_fn": lambda y: y.pow(2).mean(), "step": 1,
-                 "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2),
-                 "ds_config": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
-                               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}}
+        scope = {
+            "fe": fe,
+            "torch": torch,
+            "model": model,
+            "net": model,
+            "loader": batches,
+            "evaluate": evaluate,
+            "loss_fn": lambda y: y.pow(2).mean(),
+            "step": 1,
+            "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2),
+            "ds_config": {
+                "train_micro_batch_size_per_gpu": 2,
+                "zero_optimization": {"stage": 3},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 10**9,
+            },
+        }
         exec(compile(code, f"README.md ({heading})", "exec"), scope)
         state = scope["state"]
         x = scope.get("engine", scope["model"])
         saved = fe.load(x, "ckpt")
         full = fe.gather_full(state, x)
-        out[kind] = {"step": int(state.step), "loaded_step": int(saved.step), "names": sorted(full),
-                     "params": sorted(n for n, p in model.named_parameters() if p.requires_grad),
-                     "reloaded_equal": all(torch.equal(a, b) for a, b in zip(fe.gather_full(saved, x).values(), full.values()))}
+        out[kind] = {
+            "step": int(state.step),
+            "loaded_step": int(saved.step),
+            "names": sorted(full),
+            "params": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+            "reloaded_equal": all(torch.equal(a, b) for a, b in zip(fe.gather_full(saved, x).values(), full.values())),
+        }
     return out
 
 

@@ -18,9 +18,25 @@ def test_train_zero_demo_runs_and_plots(tmp_path):
     out = tmp_path / "demo"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=extensions_dir())
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_zero.py"), "--nproc", "2", "--stage", "3", "--steps", "20",
-         "--eval-every", "10", "--out", str(out)],
-        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_zero.py"),
+            "--nproc",
+            "2",
+            "--stage",
+            "3",
+            "--steps",
+            "20",
+            "--eval-every",
+            "10",
+            "--out",
+            str(out),
+        ],
+        cwd=str(ROOT),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"{'step':>6} {'train loss':>11} {'val raw':>9} {'val EMA':>9}" in proc.stdout, proc.stdout[-3000:]

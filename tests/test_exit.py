@@ -38,7 +38,9 @@ def save_and_return(out: str, delay: float) -> dict:
 
     rank, out = dist.get_rank(), Path(out)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 3)))
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 3))
+    )
     state = fe.init_ema(fe.local_shards(model))
     with torch.no_grad():
         for p in model.parameters():
@@ -66,9 +68,11 @@ def save_and_return(out: str, delay: float) -> dict:
 # joins the save's writer threads first (threading._shutdown), then runs the atexit handlers; the one
 # registered here then skips only the C++ teardown after them, where gloo's native threads abort now
 # and then on CPU ("terminate called without an active exception"), unrelated to the save.
-SCRIPT = ("import atexit, os, sys, torch.distributed as dist; dist.init_process_group('gloo'); "
-          "atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0))); "
-          "from tests.test_exit import save_and_return; save_and_return(sys.argv[1], float(sys.argv[2]))")
+SCRIPT = (
+    "import atexit, os, sys, torch.distributed as dist; dist.init_process_group('gloo'); "
+    "atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0))); "
+    "from tests.test_exit import save_and_return; save_and_return(sys.argv[1], float(sys.argv[2]))"
+)
 
 
 def _check_complete(out: Path) -> None:
@@ -84,7 +88,9 @@ def _check_complete(out: Path) -> None:
     assert manifest["step"] == 1 and manifest["world_size"] == 2, manifest
     want, got = load_file(str(out / "expected.safetensors")), fe.consolidate(out, TAG)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
-    assert not [p.name for p in (out / TAG).iterdir() if p.name.startswith("ema_async.")]  # the commit's markers removed
+    assert not [
+        p.name for p in (out / TAG).iterdir() if p.name.startswith("ema_async.")
+    ]  # the commit's markers removed
 
 
 def test_normal_exit_waits_for_async_save(tmp_path):
@@ -103,7 +109,13 @@ def test_normal_exit_waits_for_async_save(tmp_path):
 def test_harness_rank_waits_for_async_save(tmp_path):
     out = tmp_path / "ckpt"
     out.mkdir()
-    res = run_ranks("tests.test_exit:save_and_return", world_size=2, timeout=120, env={"FE_DIST_INIT": "torch"},
-                    out=str(out), delay=DELAY)
+    res = run_ranks(
+        "tests.test_exit:save_and_return",
+        world_size=2,
+        timeout=120,
+        env={"FE_DIST_INIT": "torch"},
+        out=str(out),
+        delay=DELAY,
+    )
     assert [r["save_done"] for r in res] == [False, False], res
     _check_complete(out)

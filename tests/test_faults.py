@@ -117,10 +117,35 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
 
     # -- class 9: tags that are refused, on every rank, before anything is written
     before = _hashes(root)
-    bad_tags = ["latest", "LATEST", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py", ck.MANIFEST_NAME,
-                "ema_rank_00000_of_00002.safetensors", "x.tmp-123", "a b", " lead", "trail ", "tab\tx", "nl\nx",
-                "nul\0x", "bell\x07", "zero\u200bwidth", "nbsp\u00a0x", "../escape", "a/b", "/abs", "back\\slash",
-                "..", ".", "", "x" * 256, 3.5, "x/"]
+    bad_tags = [
+        "latest",
+        "LATEST",
+        "latest_universal",
+        "zero_to_fp32.py",
+        "zero_to_torch.py",
+        ck.MANIFEST_NAME,
+        "ema_rank_00000_of_00002.safetensors",
+        "x.tmp-123",
+        "a b",
+        " lead",
+        "trail ",
+        "tab\tx",
+        "nl\nx",
+        "nul\0x",
+        "bell\x07",
+        "zero\u200bwidth",
+        "nbsp\u00a0x",
+        "../escape",
+        "a/b",
+        "/abs",
+        "back\\slash",
+        "..",
+        ".",
+        "",
+        "x" * 256,
+        3.5,
+        "x/",
+    ]
     out["bad_tags"] = [repr(t) for t in bad_tags]
     out["tag_errors"] = [_err(lambda t=t: fe.save(state, engine, ckdir, tag=t)) for t in bad_tags]
     dist.barrier()
@@ -149,7 +174,9 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     dist.barrier()
     out["enospc_all"] = _err(lambda: fe.save(s2, engine, full_dir, tag="t2", decay=scheds))
     dist.barrier()
-    out["enospc_all_leftovers"] = sorted(p.name for p in (full_dir / "t2").iterdir()) if (full_dir / "t2").exists() else []
+    out["enospc_all_leftovers"] = (
+        sorted(p.name for p in (full_dir / "t2").iterdir()) if (full_dir / "t2").exists() else []
+    )
     if rank == 0:
         (full_dir / "filler").unlink()
     dist.barrier()
@@ -172,8 +199,10 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     # -- class 8: EACCES on rank 1 only (root ignores permission bits, so the error is injected)
     real_writer = _io.StreamingWriter
     if rank == 1:
+
         def refuse(path, *a, **k):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
         _io.StreamingWriter = refuse
     before = _hashes(ckdir)
     try:
@@ -186,8 +215,10 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     # -- class 8: the manifest write fails (injected ENOSPC at the last write point, rank 0)
     real_write = _io.atomic_write_bytes
     if rank == 0:
+
         def no_space(path, data):
             raise OSError(errno.ENOSPC, "No space left on device")
+
         _io.atomic_write_bytes = no_space
     try:
         out["manifest_enospc"] = _err(lambda: fe.save(s2, engine, ckdir, decay=scheds))
@@ -201,9 +232,13 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     lt = root / "left" / "t"
     if rank == 0:
         lt.mkdir(parents=True)
-        for name in ("ema_manifest.json.tmp-99999", "ema_rank_00001_of_00002.safetensors.tmp-4242",
-                     "ema_rank_00000_of_00004.safetensors", "ema_rank_00001_of_00002.gen9.safetensors",
-                     "ema_rank_00000_of_00002.safetensors"):
+        for name in (
+            "ema_manifest.json.tmp-99999",
+            "ema_rank_00001_of_00002.safetensors.tmp-4242",
+            "ema_rank_00000_of_00004.safetensors",
+            "ema_rank_00001_of_00002.gen9.safetensors",
+            "ema_rank_00000_of_00002.safetensors",
+        ):
             (lt / name).write_bytes(b"leftover of a crashed save")
     dist.barrier()
     out["leftover_save"] = _err(lambda: fe.save(state, engine, root / "left", tag="t"))
@@ -238,12 +273,18 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     dist.barrier()
 
     def same_buffers(b):
-        return (int(b.step) == int(bufs.step) and all(torch.equal(b.emas[0][n], t) for n, t in bufs.emas[0].items())
-                and all(torch.equal(b.copied[n], t) for n, t in bufs.copied.items()))
+        return (
+            int(b.step) == int(bufs.step)
+            and all(torch.equal(b.emas[0][n], t) for n, t in bufs.emas[0].items())
+            and all(torch.equal(b.copied[n], t) for n, t in bufs.copied.items())
+        )
 
     out["bufs_own"] = same_buffers(fe.buffers.load_buffers(bn, bdir, "t"))
     if rank == 0:  # a leftover of a world-1 save beside the world-2 files: never read
-        shutil.copy(bdir / "t" / "buffers_rank_00001_of_00002.safetensors", bdir / "t" / "buffers_rank_00000_of_00001.safetensors")
+        shutil.copy(
+            bdir / "t" / "buffers_rank_00001_of_00002.safetensors",
+            bdir / "t" / "buffers_rank_00000_of_00001.safetensors",
+        )
     dist.barrier()
     out["bufs_leftover_ignored"] = same_buffers(fe.buffers.load_buffers(bn, bdir, "t"))
     dist.barrier()
@@ -253,22 +294,36 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
         (root / "bufs_gone" / "t" / "buffers_rank_00001_of_00002.safetensors").unlink()
     dist.barrier()
     before = _hashes(root / "bufs_gone")
-    out["bufs_gone"] = [_err(lambda: fe.buffers.load_buffers(bn, root / "bufs_gone", "t")),
-                        _err(lambda: fe.load(bn, root / "bufs_gone", "t"))]
+    out["bufs_gone"] = [
+        _err(lambda: fe.buffers.load_buffers(bn, root / "bufs_gone", "t")),
+        _err(lambda: fe.load(bn, root / "bufs_gone", "t")),
+    ]
     dist.barrier()
     out["bufs_gone_unchanged"] = _hashes(root / "bufs_gone") == before
     # The buffer write fails (ENOSPC on rank 1, after its EMA file was written): the save fails on every rank,
     # the previous checkpoint of the tag is unchanged and loads, EMA and buffers at its step.
-    later_b = fe.buffers.update_buffers(fe.buffers.BufferState(bufs.step.clone(), ({n: t.clone() for n, t in bufs.emas[0].items()},),
-                                                               dict(bufs.copied)), bn, 4, decay=0.5)
-    later_e = fe.update(fe.EmaState(bstate.step.clone(), ({n: t.clone() for n, t in bstate.emas[0].items()},)),
-                        fe.local_shards(bn), 4, decay=0.5)
+    later_b = fe.buffers.update_buffers(
+        fe.buffers.BufferState(
+            bufs.step.clone(), ({n: t.clone() for n, t in bufs.emas[0].items()},), dict(bufs.copied)
+        ),
+        bn,
+        4,
+        decay=0.5,
+    )
+    later_e = fe.update(
+        fe.EmaState(bstate.step.clone(), ({n: t.clone() for n, t in bstate.emas[0].items()},)),
+        fe.local_shards(bn),
+        4,
+        decay=0.5,
+    )
     import functional_ema.checkpoint as ckmod
 
     real_bw = ckmod.write_buffer_file
     if rank == 1:
+
         def full_disk(path, *a, **k):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
         ckmod.write_buffer_file = full_disk
     before = _hashes(bdir)
     try:
@@ -350,8 +405,16 @@ def faults(tmp_path_factory):
         assert _mount("--bind", str(src), str(ro)), "bind mount failed"
         mounted.append(ro)
         assert _mount("-o", "remount,bind,ro", str(ro)), "read-only remount failed"
-        results = run_ranks("tests.test_faults:faults_worker", world_size=2, timeout=400, root=str(root),
-                            full_dir=str(full), ro_src=str(src), ro_dir=str(ro), marks=str(marks))
+        results = run_ranks(
+            "tests.test_faults:faults_worker",
+            world_size=2,
+            timeout=400,
+            root=str(root),
+            full_dir=str(full),
+            ro_src=str(src),
+            ro_dir=str(ro),
+            marks=str(marks),
+        )
     finally:
         for d in reversed(mounted):
             subprocess.run(["umount", str(d)], capture_output=True)
@@ -388,29 +451,46 @@ def _assert_io_error(e, rank_names, errname: str, file_frag: str):
 def test_failed_saves_same_error_on_every_rank_and_no_leftovers(faults):
     """Class 8: full disk, read-only folder, EACCES, failed manifest write; leftovers of crashes."""
     _, (r0, r1) = faults
-    for key, errname, frag in (("enospc", "ENOSPC", "ema_"), ("enospc_all", "ENOSPC", "ema_rank_"),
-                               ("erofs_existing_tag", "EROFS", ".ema_write.lock"), ("erofs_new_tag", "EROFS", "r2"),
-                               ("eacces", "EACCES", "ema_rank_00001_of_00002"),
-                               ("manifest_enospc", "ENOSPC", ck.MANIFEST_NAME)):
+    for key, errname, frag in (
+        ("enospc", "ENOSPC", "ema_"),
+        ("enospc_all", "ENOSPC", "ema_rank_"),
+        ("erofs_existing_tag", "EROFS", ".ema_write.lock"),
+        ("erofs_new_tag", "EROFS", "r2"),
+        ("eacces", "EACCES", "ema_rank_00001_of_00002"),
+        ("manifest_enospc", "ENOSPC", ck.MANIFEST_NAME),
+    ):
         e0, e1 = r0[key], r1[key]
         assert e0 is not None and e1 is not None, key
         assert e0[0] == e1[0] == "CheckpointIOError", (key, e0, e1)
-        first = 1 if key == "eacces" else (0 if key in ("manifest_enospc", "enospc_all", "erofs_existing_tag", "erofs_new_tag") else None)
+        first = (
+            1
+            if key == "eacces"
+            else (0 if key in ("manifest_enospc", "enospc_all", "erofs_existing_tag", "erofs_new_tag") else None)
+        )
         ranks = [first] if first is not None else [0, 1]
         _assert_io_error(e0, ranks, errname, frag)
         _assert_io_error(e1, ranks, errname, frag)
         _count("8 failed saves")
     for r in (r0, r1):
-        assert r["enospc_unchanged"] and r["enospc_previous_loads"], ("the previous checkpoint of the tag changed", r["enospc_files"])
+        assert r["enospc_unchanged"] and r["enospc_previous_loads"], (
+            "the previous checkpoint of the tag changed",
+            r["enospc_files"],
+        )
         assert r["enospc_all_leftovers"] == [], r["enospc_all_leftovers"]
         assert r["enospc_then_saves"] == [True, True]
-        assert r["enospc_final_files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.gen1.safetensors",
-                                           "ema_rank_00001_of_00002.gen1.safetensors"], r["enospc_final_files"]
+        assert r["enospc_final_files"] == [
+            "ema_manifest.json",
+            "ema_rank_00000_of_00002.gen1.safetensors",
+            "ema_rank_00001_of_00002.gen1.safetensors",
+        ], r["enospc_final_files"]
         assert r["erofs_unchanged"] and r["erofs_still_loads"]
         assert r["eacces_unchanged"] and r["manifest_enospc_unchanged"] and r["manifest_enospc_previous_loads"]
         assert r["leftover_save"] is None, r["leftover_save"]
-        assert r["leftover_files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors",
-                                       "ema_rank_00001_of_00002.safetensors"], r["leftover_files"]
+        assert r["leftover_files"] == [
+            "ema_manifest.json",
+            "ema_rank_00000_of_00002.safetensors",
+            "ema_rank_00001_of_00002.safetensors",
+        ], r["leftover_files"]
         assert r["leftover_loads"]
     _count("8 failed saves")  # the leftovers case
 
@@ -493,6 +573,7 @@ def _forge_header(tag_dir: Path, rank: int, edit, kind: str = "ema") -> None:
         e = next(e for e in d["files" if kind == "ema" else "buffer_files"] if e["rank"] == rank)
         e["bytes"] = len(new) + len(raw) - 8 - n
         e["header_checksum"] = _io.format_checksum(_io.CHECKSUM, _io.CHECKSUMS[_io.CHECKSUM](new))
+
     _edit_manifest(tag_dir, fix)
 
 
@@ -504,6 +585,7 @@ def _flip_hex(h: str) -> str:
 def _meta_edit(key, fn):
     def edit(h):
         h["__metadata__"][key] = fn(h["__metadata__"][key])
+
     return edit
 
 
@@ -512,6 +594,7 @@ def _layout_edit(fn):
         lay = json.loads(h["__metadata__"]["layout"])
         fn(lay)
         h["__metadata__"]["layout"] = json.dumps(lay)
+
     return edit
 
 
@@ -532,6 +615,7 @@ def no_big_alloc(monkeypatch):
                 numel *= int(d)
             assert numel <= 4 << 20, f"torch.{_real.__name__}{tuple(dims)}: a large allocation from a forged size"
             return _real(*size, **kw)
+
         monkeypatch.setattr(torch, fname, guarded)
 
 
@@ -577,10 +661,14 @@ def test_cli_never_overwrites_its_inputs(faults, tmp_path, capsys):
     for src, out in refused:
         code, _, err = _cli("consolidate", src, out, capsys=capsys)
         assert code == 1 and err.startswith("error: refusing to write"), (out, code, err)
-        assert str(out) in err and "Traceback" not in err and ("outside the checkpoint" in err or "directory" in err), err
+        assert str(out) in err and "Traceback" not in err and ("outside the checkpoint" in err or "directory" in err), (
+            err
+        )
         _count("3 CLI outputs")
-    for args in (["posthoc", snaps, snaps / snap_tag / "ema_rank_00000_of_00002.safetensors", "--gamma", "6.94"],
-                 ["posthoc", snaps, snaps / snap_tag / "x.safetensors", "--sigma-rel", "0.1"]):
+    for args in (
+        ["posthoc", snaps, snaps / snap_tag / "ema_rank_00000_of_00002.safetensors", "--gamma", "6.94"],
+        ["posthoc", snaps, snaps / snap_tag / "x.safetensors", "--sigma-rel", "0.1"],
+    ):
         code, _, err = _cli(*args, capsys=capsys)
         assert code == 1 and "refusing to write" in err and "Traceback" not in err, err
         _count("3 CLI outputs")
@@ -604,9 +692,15 @@ def test_cli_never_overwrites_its_inputs(faults, tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
     _count("3 CLI outputs")
     # The real command line: exit code 1, one line on stderr, no traceback.
-    proc = subprocess.run([sys.executable, "-m", "functional_ema", "consolidate", str(d), str(d / "latest")],
-                          capture_output=True, text=True, cwd=str(Path(__file__).resolve().parents[1]))
-    assert proc.returncode == 1 and proc.stderr.startswith("error: refusing") and "Traceback" not in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "functional_ema", "consolidate", str(d), str(d / "latest")],
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
+    assert proc.returncode == 1 and proc.stderr.startswith("error: refusing") and "Traceback" not in proc.stderr, (
+        proc.stderr
+    )
     assert (d / "latest").read_text().strip() == TAG
     _count("3 CLI outputs")
 
@@ -626,13 +720,23 @@ def test_paths_never_leave_the_checkpoint(faults, tmp_path, capsys):
     secret.write_text("root:x:0:0:SECRET-CONTENT\n")
     leak = ["SECRET-CONTENT", "root:x", str(struct.unpack("<Q", secret.read_bytes()[:8])[0])]
 
-    names = ["../../decoy/" + TAG + "/ema_rank_00000_of_00002.safetensors", str(secret), "/etc/passwd",
-             str(decoy / TAG / "ema_rank_00000_of_00002.safetensors"),
-             "../" + TAG + "/ema_rank_00000_of_00002.safetensors",
-             "ema_rank_00000_of_00002.safetensors/../ema_rank_00000_of_00002.safetensors",
-             "sub/ema_rank_00000_of_00002.safetensors", "ema_rank_00000_of_00002.safetensors\0.txt",
-             "ema_rank_00001_of_00002.safetensors", "ema_rank_00000_of_00004.safetensors",
-             "ema_rank_00000_of_00002.gen3.safetensors", "secret.txt", "", 7, None]
+    names = [
+        "../../decoy/" + TAG + "/ema_rank_00000_of_00002.safetensors",
+        str(secret),
+        "/etc/passwd",
+        str(decoy / TAG / "ema_rank_00000_of_00002.safetensors"),
+        "../" + TAG + "/ema_rank_00000_of_00002.safetensors",
+        "ema_rank_00000_of_00002.safetensors/../ema_rank_00000_of_00002.safetensors",
+        "sub/ema_rank_00000_of_00002.safetensors",
+        "ema_rank_00000_of_00002.safetensors\0.txt",
+        "ema_rank_00001_of_00002.safetensors",
+        "ema_rank_00000_of_00004.safetensors",
+        "ema_rank_00000_of_00002.gen3.safetensors",
+        "secret.txt",
+        "",
+        7,
+        None,
+    ]
     for name in names:
         mpath.write_text(good_manifest)
         _edit_manifest(tdir, lambda m, name=name: m["files"][0].__setitem__("file", name))
@@ -661,8 +765,18 @@ def test_paths_never_leave_the_checkpoint(faults, tmp_path, capsys):
 
     # `latest` names a tag only inside the checkpoint; its content is never echoed.
     latest = d / "latest"
-    for content in ["../decoy/" + TAG, str(decoy / TAG), "a/b", "/etc", "..", TAG + " x", "tab\tx", "nul\0",
-                    "bell\x07", "x" * 300]:
+    for content in [
+        "../decoy/" + TAG,
+        str(decoy / TAG),
+        "a/b",
+        "/etc",
+        "..",
+        TAG + " x",
+        "tab\tx",
+        "nul\0",
+        "bell\x07",
+        "x" * 300,
+    ]:
         latest.write_bytes(content.encode())
         _expect(ck.InvalidTagError, [str(latest), "does not name a tag folder"], lambda: fe.consolidate(d), d, decoy)
         _count("4 paths")
@@ -726,7 +840,12 @@ def test_manifest_fields_cross_checked(faults, tmp_path, capsys):
     # A changed tensor checksum: caught when the bytes are read.
     mpath.write_text(good)
     key = next(iter(m0["files"][0]["tensor_checksums"]))
-    _edit_manifest(tdir, lambda m: m["files"][0]["tensor_checksums"][key].__setitem__(0, _flip_hex(m["files"][0]["tensor_checksums"][key][0])))
+    _edit_manifest(
+        tdir,
+        lambda m: m["files"][0]["tensor_checksums"][key].__setitem__(
+            0, _flip_hex(m["files"][0]["tensor_checksums"][key][0])
+        ),
+    )
     _expect(ck.CorruptCheckpointError, ["checksum", key], lambda: fe.consolidate(d), d)
     mpath.write_text(good)
     _count("5 manifest fields")
@@ -734,8 +853,12 @@ def test_manifest_fields_cross_checked(faults, tmp_path, capsys):
     # Post-hoc: halving one gamma in one snapshot manifest no longer gives silently wrong weights.
     stag = sorted(p.name for p in snaps.iterdir())[-1]
     _edit_manifest(snaps / stag, gamma_half)
-    msg = _expect(ck.CorruptCheckpointError, ["'schedules'", stag, "edited"],
-                  lambda: posthoc.posthoc_offline(snaps, sigma_rel=0.1), snaps)
+    msg = _expect(
+        ck.CorruptCheckpointError,
+        ["'schedules'", stag, "edited"],
+        lambda: posthoc.posthoc_offline(snaps, sigma_rel=0.1),
+        snaps,
+    )
     code, _, err = _cli("posthoc", snaps, tmp_path / "p.safetensors", "--sigma-rel", "0.1", capsys=capsys)
     assert code == 1 and "'schedules'" in err and not (tmp_path / "p.safetensors").exists(), err
     _count("5 manifest fields", 2)
@@ -760,8 +883,16 @@ def test_malformed_manifests_refused_before_use(faults, tmp_path, no_big_alloc):
         "zero_stage": [7, -1, "2", None],
         "generation": [-1, "0", 0.5],
         "tag": [5, "../x", "a b", ""],
-        "params": [[], "x", {name0: [-3, 4]}, {name0: "ab"}, {name0: [2**40, 2**40, 2**40]}, {name0: [2.5]},
-                   {name0: [[1]]}, {name0: [True]}],
+        "params": [
+            [],
+            "x",
+            {name0: [-3, 4]},
+            {name0: "ab"},
+            {name0: [2**40, 2**40, 2**40]},
+            {name0: [2.5]},
+            {name0: [[1]]},
+            {name0: [True]},
+        ],
         "files": [{}, [], ["x"], "x", [None], [{"rank": 0}]],
         "schedules": ["x", [1, 2], [{}], {}],
         "format_version": [True, "1", 0, 1.0],
@@ -770,17 +901,24 @@ def test_malformed_manifests_refused_before_use(faults, tmp_path, no_big_alloc):
         for v in values:
             mpath.write_text(good)
             _edit_manifest(tdir, lambda m, f=field, v=v: m.__setitem__(f, v))
-            _expect(ck.CorruptCheckpointError, [str(mpath), field],
-                    lambda: fe.consolidate(d), d)
+            _expect(ck.CorruptCheckpointError, [str(mpath), field], lambda: fe.consolidate(d), d)
             _count("6 malformed manifests")
-    file_values = {"bytes": ["12", -1, None, 1.5], "header_checksum": [2**33, -1, "x", "1" * 17], "rank": [-1, 2, "0", None],
-                   "tensor_checksums": [[], "x", {"k": "x"}, {"k": [2**40]}]}
+    file_values = {
+        "bytes": ["12", -1, None, 1.5],
+        "header_checksum": [2**33, -1, "x", "1" * 17],
+        "rank": [-1, 2, "0", None],
+        "tensor_checksums": [[], "x", {"k": "x"}, {"k": [2**40]}],
+    }
     for key, values in file_values.items():
         for v in values:
             mpath.write_text(good)
             _edit_manifest(tdir, lambda m, k=key, v=v: m["files"][1].__setitem__(k, v))
-            _expect(ck.CorruptCheckpointError, [str(mpath), f"files[1].{key}" if key != "rank" else "files[1]"],
-                    lambda: fe.consolidate(d), d)
+            _expect(
+                ck.CorruptCheckpointError,
+                [str(mpath), f"files[1].{key}" if key != "rank" else "files[1]"],
+                lambda: fe.consolidate(d),
+                d,
+            )
             _count("6 malformed manifests")
     for field in ("tag", "generation", "step", "num_emas", "dtype", "world_size", "zero_stage", "params", "files"):
         mpath.write_text(good)
@@ -788,9 +926,14 @@ def test_malformed_manifests_refused_before_use(faults, tmp_path, no_big_alloc):
         _expect(ck.CorruptCheckpointError, [str(mpath), field], lambda: fe.consolidate(d), d)
         _count("6 malformed manifests")
     deep = good.replace('"params": {', '"params": ' + "[" * 200000 + "]" * 200000 + ', "x": {', 1)
-    for text, frag in ((deep, "nested too deeply"), ("[" * 200000 + "]" * 200000, "nested too deeply"),
-                       ("[]", "not a functional_ema manifest"), ("null", "not a functional_ema manifest"),
-                       ("{\"format\": 1", "not valid JSON"), ("", "not valid JSON")):
+    for text, frag in (
+        (deep, "nested too deeply"),
+        ("[" * 200000 + "]" * 200000, "nested too deeply"),
+        ("[]", "not a functional_ema manifest"),
+        ("null", "not a functional_ema manifest"),
+        ('{"format": 1', "not valid JSON"),
+        ("", "not valid JSON"),
+    ):
         mpath.write_text(text)
         _expect(ck.CorruptCheckpointError, [str(mpath), frag], lambda: fe.consolidate(d), d)
         _count("6 malformed manifests")
@@ -820,14 +963,22 @@ def test_forged_headers_refused_before_allocation(faults, tmp_path, no_big_alloc
         "entry type": (lambda h: h.__setitem__(_first_tensor(h), [1, 2]), ["entry"]),
         "deep header": (lambda h: '{"x":' + "[" * 200000 + "]" * 200000 + "}", ["nested too deeply"]),
         "header not object": (lambda h: "[1, 2]", ["not a JSON object"]),
-        "layout negative": (_layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(0, [-65536, -4096])),
-                            ["layout", "shape"]),
-        "layout huge": (_layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(0, [2**31, 2**31])),
-                        ["layout", "shape"]),
-        "layout offset beyond": (_layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(1, 10**9)),
-                                 ["layout", "offset"]),
-        "layout negative numel": (_layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(2, -5)),
-                                  ["layout", "offset, numel"]),
+        "layout negative": (
+            _layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(0, [-65536, -4096])),
+            ["layout", "shape"],
+        ),
+        "layout huge": (
+            _layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(0, [2**31, 2**31])),
+            ["layout", "shape"],
+        ),
+        "layout offset beyond": (
+            _layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(1, 10**9)),
+            ["layout", "offset"],
+        ),
+        "layout negative numel": (
+            _layout_edit(lambda lay: lay["specs"][next(iter(lay["specs"]))].__setitem__(2, -5)),
+            ["layout", "offset, numel"],
+        ),
         "layout rank": (_layout_edit(lambda lay: lay.__setitem__("rank", 0)), ["layout", "'rank'"]),
         "layout stage": (_layout_edit(lambda lay: lay.__setitem__("stage", 3)), ["layout", "'stage'"]),
         "layout specs type": (_layout_edit(lambda lay: lay.__setitem__("specs", [1])), ["layout", "specs"]),
@@ -835,7 +986,7 @@ def test_forged_headers_refused_before_allocation(faults, tmp_path, no_big_alloc
         "layout deep": (_meta_edit("layout", lambda s: "[" * 200000 + "]" * 200000), ["layout"]),
         "layout not json": (_meta_edit("layout", lambda s: s[:-3]), ["layout"]),
         "schedules deep": (_meta_edit("schedules", lambda s: "[" * 200000 + "]" * 200000), ["schedules"]),
-        "schedules forged": (_meta_edit("schedules", lambda s: s.replace("gamma\": ", "gamma\": 1")), ["schedules"]),
+        "schedules forged": (_meta_edit("schedules", lambda s: s.replace('gamma": ', 'gamma": 1')), ["schedules"]),
         "metadata type": (lambda h: h["__metadata__"].__setitem__("step", 6), ["__metadata__"]),
         "step": (_meta_edit("step", lambda s: str(int(s) + 1)), ["step"]),
     }
@@ -856,7 +1007,12 @@ def test_forged_headers_refused_before_allocation(faults, tmp_path, no_big_alloc
     for r in (0, 1):
         _forge_header(d / TAG, r, _layout_edit(lambda lay: lay["specs"][name].__setitem__(0, [2**20, 2**20])))
     _edit_manifest(d / TAG, lambda m: m["params"].__setitem__(name, [2**20, 2**20]))
-    _expect(ck.IncompleteCheckpointError, [str(d / TAG / ck.MANIFEST_NAME), name, "cover only"], lambda: fe.consolidate(d), d)
+    _expect(
+        ck.IncompleteCheckpointError,
+        [str(d / TAG / ck.MANIFEST_NAME), name, "cover only"],
+        lambda: fe.consolidate(d),
+        d,
+    )
     _count("6 forged headers")
 
 
@@ -875,7 +1031,9 @@ def test_buffers_belong_to_the_checkpoint_on_every_rank(faults):
             assert "buffers_rank_00001_of_00002.safetensors" in e[1] and "missing" in e[1], e
         assert r["bufs_gone_unchanged"]
         name, msg, code, _ = r["bufs_enospc"]
-        assert name == "CheckpointIOError" and "rank 1 could not write" in msg and "buffers_rank_00001_of_00002" in msg, msg
+        assert (
+            name == "CheckpointIOError" and "rank 1 could not write" in msg and "buffers_rank_00001_of_00002" in msg
+        ), msg
         assert code == errno.ENOSPC and r["bufs_enospc_unchanged"], r["bufs_enospc"]
         assert r["bufs_enospc_previous"] == [3, 3, True], r["bufs_enospc_previous"]
         name, msg, _, _ = r["bufs_step_mismatch"]
@@ -897,8 +1055,10 @@ def test_damaged_buffer_files_refused(faults, tmp_path, no_big_alloc):
     step's or generation's file in its place, a pickle, a truncated file, a link out of the folder,
     extra and missing tensors, malformed manifest records: all refused naming the file, nothing changed."""
     base = _copy(faults, tmp_path, "bufs")
-    good = {k: [t.clone() for t in (v.values() if isinstance(v, dict) else [])] for k, v in
-            zip(("emas", "copied"), (_buffers_read(base)[1][0], _buffers_read(base)[2]))}
+    good = {
+        k: [t.clone() for t in (v.values() if isinstance(v, dict) else [])]
+        for k, v in zip(("emas", "copied"), (_buffers_read(base)[1][0], _buffers_read(base)[2]))
+    }
     assert good["emas"] and good["copied"]
     f0 = "buffers_rank_00000_of_00002.safetensors"
     f1 = "buffers_rank_00001_of_00002.safetensors"
@@ -935,12 +1095,14 @@ def test_damaged_buffer_files_refused(faults, tmp_path, no_big_alloc):
         (d / "t" / f0).symlink_to(tmp_path / "elsewhere.safetensors")
 
     readers = {"consolidate": lambda d: fe.buffers.consolidate(d, "t"), "rank 1": lambda d: _buffers_read(d, 1)}
-    plain = {"flipped data byte": (flip_data, ["checksum mismatch", f0]),
-             "dtype F32->I32": (header_dtype, ["header does not match the checksum", f0]),
-             "another rank's file": (other_rank, [f0]),
-             "a pickle": (pickled, [f0, "pickle"]),
-             "truncated": (truncated, [f0, "truncated"]),
-             "a link out of the folder": (link_out, [f0, "outside the tag folder"])}
+    plain = {
+        "flipped data byte": (flip_data, ["checksum mismatch", f0]),
+        "dtype F32->I32": (header_dtype, ["header does not match the checksum", f0]),
+        "another rank's file": (other_rank, [f0]),
+        "a pickle": (pickled, [f0, "pickle"]),
+        "truncated": (truncated, [f0, "truncated"]),
+        "a link out of the folder": (link_out, [f0, "outside the tag folder"]),
+    }
     for what, (damage, frags) in plain.items():
         d = case()
         damage(d)
@@ -948,18 +1110,33 @@ def test_damaged_buffer_files_refused(faults, tmp_path, no_big_alloc):
         _count("13 buffers files")
     # Forgers who also fix the manifest's size and header checksum: the fields themselves are checked.
     forged = {
-        "dtype F32->I32, checksums forged": (lambda h: h[_first_tensor(h, lambda v: v["dtype"] == "F32")].__setitem__("dtype", "I32"),
-                                             ["is int32", "manifest's field 'buffers'"]),
+        "dtype F32->I32, checksums forged": (
+            lambda h: h[_first_tensor(h, lambda v: v["dtype"] == "F32")].__setitem__("dtype", "I32"),
+            ["is int32", "manifest's field 'buffers'"],
+        ),
         "step": (_meta_edit("step", lambda v: str(int(v) + 2)), ["step=", "does not belong"]),
         "generation": (_meta_edit("generation", lambda v: "7"), ["generation=", "does not belong"]),
         "rank": (_meta_edit("rank", lambda v: "0"), ["rank=", "does not belong"]),
         "world size": (_meta_edit("world_size", lambda v: "1"), ["world_size=", "does not belong"]),
         "tag": (_meta_edit("tag", lambda v: "other"), ["tag=", "does not belong"]),
-        "extra tensor": (lambda h: h.__setitem__("copied.ghost", dict(h[_first_tensor(h)], data_offsets=[0, 0], shape=[0])),
-                         ["other tensors", "ghost"]),
-        "shape": (lambda h: h[_first_tensor(h, lambda v: v["dtype"] == "F32" and len(v["shape"]) == 1 and v["shape"][0] > 1)]
-                  .__setitem__("shape", [1, h[_first_tensor(h, lambda v: v["dtype"] == "F32" and len(v["shape"]) == 1 and v["shape"][0] > 1)]["shape"][0]]),
-                  ["manifest's field 'buffers'"]),
+        "extra tensor": (
+            lambda h: h.__setitem__("copied.ghost", dict(h[_first_tensor(h)], data_offsets=[0, 0], shape=[0])),
+            ["other tensors", "ghost"],
+        ),
+        "shape": (
+            lambda h: h[
+                _first_tensor(h, lambda v: v["dtype"] == "F32" and len(v["shape"]) == 1 and v["shape"][0] > 1)
+            ].__setitem__(
+                "shape",
+                [
+                    1,
+                    h[_first_tensor(h, lambda v: v["dtype"] == "F32" and len(v["shape"]) == 1 and v["shape"][0] > 1)][
+                        "shape"
+                    ][0],
+                ],
+            ),
+            ["manifest's field 'buffers'"],
+        ),
     }
     for what, (edit, frags) in forged.items():
         d = case()
@@ -968,11 +1145,24 @@ def test_damaged_buffer_files_refused(faults, tmp_path, no_big_alloc):
         _count("13 buffers files")
     # Malformed manifest records of the buffers.
     m0 = json.loads((base / "t" / ck.MANIFEST_NAME).read_text())
-    bad = {"buffers": [None, [], {"num_emas": 0}, dict(m0["buffers"], dtype="int32"),
-                       dict(m0["buffers"], floating={"x": [-1]}), dict(m0["buffers"], copied={"x": ["float8", [1]]})],
-           "buffer_files": [[], "x", [{"rank": 0}], [dict(m0["buffer_files"][0], file="../../etc/passwd")],
-                            [dict(m0["buffer_files"][0], file="buffers_rank_00000_of_00001.safetensors")],
-                            [dict(m0["buffer_files"][0], bytes=-1)]]}
+    bad = {
+        "buffers": [
+            None,
+            [],
+            {"num_emas": 0},
+            dict(m0["buffers"], dtype="int32"),
+            dict(m0["buffers"], floating={"x": [-1]}),
+            dict(m0["buffers"], copied={"x": ["float8", [1]]}),
+        ],
+        "buffer_files": [
+            [],
+            "x",
+            [{"rank": 0}],
+            [dict(m0["buffer_files"][0], file="../../etc/passwd")],
+            [dict(m0["buffer_files"][0], file="buffers_rank_00000_of_00001.safetensors")],
+            [dict(m0["buffer_files"][0], bytes=-1)],
+        ],
+    }
     for field, values in bad.items():
         for v in values:
             d = case()
@@ -1038,58 +1228,109 @@ def test_resume_checks_the_integration_record(tmp_path):
         cases.append(1)
 
     # An EMA from another checkpoint (two steps behind the framework's), through the framework's own step.
-    refused(ck.CheckpointMismatchError, ["framework step 4, but the training resumed at step 6"],
-            lambda: new().load(net, ckpts / "checkpoint-4", framework_step=6), ckpts)
+    refused(
+        ck.CheckpointMismatchError,
+        ["framework step 4, but the training resumed at step 6"],
+        lambda: new().load(net, ckpts / "checkpoint-4", framework_step=6),
+        ckpts,
+    )
     # The record of a not-started EMA: damaged, edited, or contradicted by the rules.
     rec = ckpts / "checkpoint-2" / "ema" / RECORD_NAME
     good = rec.read_bytes()
-    for damage, frags in ((lambda b: b[:-5], ["not a readable JSON record"]), (lambda b: b"[]", ["not a functional_ema record"]),
-                          (lambda b: b.replace(b'"started": false', b'"started": true'), ["checksum does not match"]),
-                          (lambda b: b.replace(b'"framework_step": 2', b'"framework_step": 9'), ["checksum does not match"]),
-                          (lambda b: b"[" * 30000, ["not a readable JSON record", "nested too deeply"]), (lambda b: b"{" * 100000, ["far more than a record"]), (lambda b: b"\xff\xfe" + b, ["not a readable"])):
+    for damage, frags in (
+        (lambda b: b[:-5], ["not a readable JSON record"]),
+        (lambda b: b"[]", ["not a functional_ema record"]),
+        (lambda b: b.replace(b'"started": false', b'"started": true'), ["checksum does not match"]),
+        (lambda b: b.replace(b'"framework_step": 2', b'"framework_step": 9'), ["checksum does not match"]),
+        (lambda b: b"[" * 30000, ["not a readable JSON record", "nested too deeply"]),
+        (lambda b: b"{" * 100000, ["far more than a record"]),
+        (lambda b: b"\xff\xfe" + b, ["not a readable"]),
+    ):
         rec.write_bytes(damage(good))
-        refused(ck.CorruptCheckpointError, [str(rec), *frags], lambda: new().load(net, ckpts / "checkpoint-2", framework_step=2), ckpts)
+        refused(
+            ck.CorruptCheckpointError,
+            [str(rec), *frags],
+            lambda: new().load(net, ckpts / "checkpoint-2", framework_step=2),
+            ckpts,
+        )
     # A forged record (checksum recomputed) that says "not started" at a step where the rules say it must be.
     forged = json.loads(good)
     forged.update(framework_step=5)
     rec.write_bytes(record_bytes(forged))
-    refused(ck.CheckpointMismatchError, ["had not started at framework step 5", "must be at step 5"],
-            lambda: new().load(net, ckpts / "checkpoint-2", framework_step=5), ckpts)
+    refused(
+        ck.CheckpointMismatchError,
+        ["had not started at framework step 5", "must be at step 5"],
+        lambda: new().load(net, ckpts / "checkpoint-2", framework_step=5),
+        ckpts,
+    )
     rec.write_bytes(good)
     # A not-started record dropped beside a complete, verified EMA (older than it): the EMA is kept.
-    (ckpts / "checkpoint-5" / "ema" / RECORD_NAME).write_bytes(record_bytes(dict(forged, framework_step=5, supersedes_generation=-1)))
+    (ckpts / "checkpoint-5" / "ema" / RECORD_NAME).write_bytes(
+        record_bytes(dict(forged, framework_step=5, supersedes_generation=-1))
+    )
     r = new()
     assert r.load(net, ckpts / "checkpoint-5", framework_step=5) == 5 and int(r.state.step) == 5
     cases.append(1)
     # ... and one that claims to be newer: the rules still refuse a not-started EMA at step 5.
-    (ckpts / "checkpoint-5" / "ema" / RECORD_NAME).write_bytes(record_bytes(dict(forged, framework_step=5, supersedes_generation=0)))
-    refused(ck.CheckpointMismatchError, ["had not started at framework step 5"],
-            lambda: new().load(net, ckpts / "checkpoint-5", framework_step=5), ckpts)
+    (ckpts / "checkpoint-5" / "ema" / RECORD_NAME).write_bytes(
+        record_bytes(dict(forged, framework_step=5, supersedes_generation=0))
+    )
+    refused(
+        ck.CheckpointMismatchError,
+        ["had not started at framework step 5"],
+        lambda: new().load(net, ckpts / "checkpoint-5", framework_step=5),
+        ckpts,
+    )
     (ckpts / "checkpoint-5" / "ema" / RECORD_NAME).unlink()
     # The manifest's record (the framework step the EMA was saved at), edited: its copy in the rank file's
     # header (covered by the checksums) disagrees.
     m = ckpts / "checkpoint-6" / "ema" / ck.MANIFEST_NAME
     saved = m.read_text()
     _edit_manifest(m.parent, lambda d: d["extra"].__setitem__("framework_step", 100))
-    refused(ck.CorruptCheckpointError, ["'extra'", "edited"], lambda: new().load(net, ckpts / "checkpoint-6", framework_step=None), ckpts)
+    refused(
+        ck.CorruptCheckpointError,
+        ["'extra'", "edited"],
+        lambda: new().load(net, ckpts / "checkpoint-6", framework_step=None),
+        ckpts,
+    )
     m.write_text(saved)
     # An EMA whose step is behind its own record (saved at framework step 6 with the EMA of step 4).
     e4 = new()
     e4.load(net, ckpts / "checkpoint-4", framework_step=4)
     e4.save(net, tmp_path / "behind", 6)
-    refused(ck.CheckpointMismatchError, ["EMA is at step 4, but at framework step 6", "put it at step 6"],
-            lambda: new().load(net, tmp_path / "behind", framework_step=6), tmp_path / "behind")
-    refused(ck.CheckpointMismatchError, ["EMA is at step 4, but at framework step 6"],
-            lambda: new().load(net, tmp_path / "behind", framework_step=None), tmp_path / "behind")
+    refused(
+        ck.CheckpointMismatchError,
+        ["EMA is at step 4, but at framework step 6", "put it at step 6"],
+        lambda: new().load(net, tmp_path / "behind", framework_step=6),
+        tmp_path / "behind",
+    )
+    refused(
+        ck.CheckpointMismatchError,
+        ["EMA is at step 4, but at framework step 6"],
+        lambda: new().load(net, tmp_path / "behind", framework_step=None),
+        tmp_path / "behind",
+    )
     # Other settings than the run that saved it: named.
-    refused(ck.CheckpointMismatchError, ["saved by a run with start_step=3, every_n_steps=1"],
-            lambda: EMAController(0.9, buffers="average", start_step=3, every_n_steps=4).load(net, ckpts / "checkpoint-6", 6), ckpts)
+    refused(
+        ck.CheckpointMismatchError,
+        ["saved by a run with start_step=3, every_n_steps=1"],
+        lambda: EMAController(0.9, buffers="average", start_step=3, every_n_steps=4).load(
+            net, ckpts / "checkpoint-6", 6
+        ),
+        ckpts,
+    )
     # No EMA at all where the rules say there must be one.
     (tmp_path / "empty" / "ema").mkdir(parents=True)
-    refused(ck.IncompleteCheckpointError, ["no complete EMA checkpoint", "must have started"],
-            lambda: new().load(net, tmp_path / "empty", framework_step=4), tmp_path / "empty")
+    refused(
+        ck.IncompleteCheckpointError,
+        ["no complete EMA checkpoint", "must have started"],
+        lambda: new().load(net, tmp_path / "empty", framework_step=4),
+        tmp_path / "empty",
+    )
     r = new()
-    assert r.load(net, tmp_path / "empty", framework_step=2) == 2 and r.state is None  # before the start: nothing to read
+    assert (
+        r.load(net, tmp_path / "empty", framework_step=2) == 2 and r.state is None
+    )  # before the start: nothing to read
     cases.append(1)
     _count("14 integration state", len(cases))
 
@@ -1117,7 +1358,12 @@ def test_a_failed_save_leaves_no_part_of_the_tag_newer(tmp_path):
 
     ckmod.write_buffer_file = full_disk
     try:
-        _expect(ck.CheckpointIOError, ["ENOSPC", "buffers_rank_00000_of_00001.gen1"], lambda: c.save(net, tmp_path, 3), tmp_path)
+        _expect(
+            ck.CheckpointIOError,
+            ["ENOSPC", "buffers_rank_00000_of_00001.gen1"],
+            lambda: c.save(net, tmp_path, 3),
+            tmp_path,
+        )
     finally:
         ckmod.write_buffer_file = real
     assert _hashes(tmp_path) == before
@@ -1147,11 +1393,21 @@ def test_exports_never_land_on_a_checkpoint(tmp_path):
     (tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"deepspeed")
     (tmp_path / "ds" / "latest").write_text("global_step3")
     (tmp_path / "link").symlink_to(tag / "ema_manifest.json")
-    targets = [tag / "ema_rank_00000_of_00001.safetensors", tag / "buffers_rank_00000_of_00001.safetensors",
-               tag / ck.MANIFEST_NAME, tag / "integration.json", tag / "new.safetensors", tag,
-               tmp_path / "plain" / "ema_latest", tmp_path / "plain" / "global_step3" / "x.safetensors",
-               tmp_path / "ds" / "latest", tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt",
-               tmp_path / "ds" / "global_step3" / "ema.safetensors", tmp_path / "link", tmp_path / "ck" / "ema" / ".." / "ema" / "w"]
+    targets = [
+        tag / "ema_rank_00000_of_00001.safetensors",
+        tag / "buffers_rank_00000_of_00001.safetensors",
+        tag / ck.MANIFEST_NAME,
+        tag / "integration.json",
+        tag / "new.safetensors",
+        tag,
+        tmp_path / "plain" / "ema_latest",
+        tmp_path / "plain" / "global_step3" / "x.safetensors",
+        tmp_path / "ds" / "latest",
+        tmp_path / "ds" / "global_step3" / "mp_rank_00_model_states.pt",
+        tmp_path / "ds" / "global_step3" / "ema.safetensors",
+        tmp_path / "link",
+        tmp_path / "ck" / "ema" / ".." / "ema" / "w",
+    ]
     for t in targets:
         _expect(ck.OutputPathError, ["refusing to write", str(t)], lambda t=t: c.export(net, t), tmp_path)
         _count("15 exports")
@@ -1165,7 +1421,9 @@ def test_exports_never_land_on_a_checkpoint(tmp_path):
     frozen = _bn_net()
     frozen[0].weight.requires_grad_(False)
     before = {n: p.clone() for n, p in frozen.state_dict().items()}
-    with pytest.raises(fe.StateMismatchError, match=r"the state has EMAs of '0.weight', which this model does not train"):
+    with pytest.raises(
+        fe.StateMismatchError, match=r"the state has EMAs of '0.weight', which this model does not train"
+    ):
         c.copy_to_model(frozen)
     assert all(torch.equal(before[n], p) for n, p in frozen.state_dict().items())
     other = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 4))
@@ -1202,19 +1460,24 @@ def test_one_writer_per_tag(tmp_path):
     try:
         h1 = a.save(s1, net, tmp_path, "t")
         h2 = b.save(s2, net, tmp_path, "t")  # waits for h1's commit before taking the tag
-        fe.save(s1, net, tmp_path, "t")      # and this one for h2's
+        fe.save(s1, net, tmp_path, "t")  # and this one for h2's
     finally:
         slow()
     h1.wait(), h2.wait()
     assert _tensors_equal(fe.load(net, tmp_path, "t"), s1)
-    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [ck.MANIFEST_NAME, "ema_rank_00000_of_00001.gen2.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == [
+        ck.MANIFEST_NAME,
+        "ema_rank_00000_of_00001.gen2.safetensors",
+    ]
     _count("16 one writer", 2)
     # Another process writing the tag: this save waits for it.
-    code = ("import sys, time, torch, functional_ema as fe\n"
-            "sys.path.insert(0, %r)\n"
-            "from tests.test_faults import _bn_net, _slow_writes\n"
-            "net = _bn_net(); s = fe.init_ema(fe.local_shards(net)); _slow_writes(1.0)\n"
-            "fe.save(s, net, %r, 't')\n") % (str(Path(__file__).parents[1]), str(tmp_path))
+    code = (
+        "import sys, time, torch, functional_ema as fe\n"
+        "sys.path.insert(0, %r)\n"
+        "from tests.test_faults import _bn_net, _slow_writes\n"
+        "net = _bn_net(); s = fe.init_ema(fe.local_shards(net)); _slow_writes(1.0)\n"
+        "fe.save(s, net, %r, 't')\n"
+    ) % (str(Path(__file__).parents[1]), str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         _wait_for(tmp_path / "t" / ".ema_write.lock", 60)  # the other process holds the tag
@@ -1227,8 +1490,12 @@ def test_one_writer_per_tag(tmp_path):
     lock = ckwriter.TagLock.acquire(tmp_path / "t", 5, "test")
     before = _hashes(tmp_path)
     try:
-        _expect(ck.CheckpointError, ["being written by another save", f"pid {os.getpid()}", "1 s"],
-                lambda: fe.save(s1, net, tmp_path, "t", timeout=1), tmp_path)
+        _expect(
+            ck.CheckpointError,
+            ["being written by another save", f"pid {os.getpid()}", "1 s"],
+            lambda: fe.save(s1, net, tmp_path, "t", timeout=1),
+            tmp_path,
+        )
     finally:
         lock.release()
     assert _hashes(tmp_path) == {k: v for k, v in before.items() if not k.endswith(".ema_write.lock")}
@@ -1269,14 +1536,23 @@ def test_model_parallel_parts_write_their_own_files_and_unreachable_groups_refus
     commit rank 0's file alone)."""
     _, results = faults
     for rank, r in enumerate(results):
-        assert r["mpu_files"] == [ck.MANIFEST_NAME, "ema_tp000of002_pp000of001_rank_00000_of_00001.safetensors",
-                                  "ema_tp001of002_pp000of001_rank_00000_of_00001.safetensors"], r["mpu_files"]
-        assert r["pipe_files"] == [ck.MANIFEST_NAME, "ema_tp000of001_pp000of002_rank_00000_of_00001.safetensors",
-                                   "ema_tp000of001_pp001of002_rank_00000_of_00001.safetensors"], r["pipe_files"]
+        assert r["mpu_files"] == [
+            ck.MANIFEST_NAME,
+            "ema_tp000of002_pp000of001_rank_00000_of_00001.safetensors",
+            "ema_tp001of002_pp000of001_rank_00000_of_00001.safetensors",
+        ], r["mpu_files"]
+        assert r["pipe_files"] == [
+            ck.MANIFEST_NAME,
+            "ema_tp000of001_pp000of002_rank_00000_of_00001.safetensors",
+            "ema_tp000of001_pp001of002_rank_00000_of_00001.safetensors",
+        ], r["pipe_files"]
         assert r["mpu_load"] and r["pipe_load"] and r["pipe_snapshot_load"], rank
         for key in ("destroyed_save", "destroyed_async"):
             name, msg, _, _ = r[key]
-            assert name == "CheckpointError" and "spans 2 ranks but torch.distributed is not initialized" in msg, (key, msg)
+            assert name == "CheckpointError" and "spans 2 ranks but torch.distributed is not initialized" in msg, (
+                key,
+                msg,
+            )
         assert r["destroyed_unchanged"], rank
     _count("16 one writer", 5)
 
@@ -1293,8 +1569,14 @@ def test_manifest_claiming_another_part_refused(faults, tmp_path):
         def swap(m):
             a, b = m["parts"][0]["part"], m["parts"][1]["part"]
             a[key], b[key] = b[key], a[key]
+
         _edit_manifest(tdir, swap)
-        _expect(ck.CorruptCheckpointError, ["parts[0].files[0].file", "rank 0 of world_size 1"], lambda: fe.consolidate(d, "t"), d)
+        _expect(
+            ck.CorruptCheckpointError,
+            ["parts[0].files[0].file", "rank 0 of world_size 1"],
+            lambda: fe.consolidate(d, "t"),
+            d,
+        )
         # the forger also renames the files to the claimed parts
         names = [e["file"] for p in json.loads(good)["parts"] for e in p["files"]]
         for n in names:
@@ -1306,6 +1588,7 @@ def test_manifest_claiming_another_part_refused(faults, tmp_path):
             for p in m["parts"]:
                 for e in p["files"]:
                     e["file"] = names[1 - names.index(e["file"])]
+
         _edit_manifest(tdir, fix)
         _expect(ck.CorruptCheckpointError, ["layout metadata field 'part'"], lambda: fe.consolidate(d, "t"), d)
         (tdir / ck.MANIFEST_NAME).write_text(good)
@@ -1397,7 +1680,7 @@ def test_run_ranks_reports_which_rank_waited_where():
     msg = str(info.value)
     assert time.monotonic() - t0 < 50
     assert "timeout after 30 s" in msg and "rank(s) [0, 1] of 2 still running" in msg, msg[:500]
-    r1 = msg[msg.index("--- rank 1"):]
+    r1 = msg[msg.index("--- rank 1") :]
     assert "in hang_worker" in r1 and "barrier" in r1, r1[-3000:]
     assert "time.sleep" in msg or "in hang_worker" in msg[: msg.index("--- rank 1")]
     _count("11 harness")
@@ -1423,7 +1706,7 @@ def test_run_ranks_ends_soon_after_a_rank_fails():
     msg = str(info.value)
     assert time.monotonic() - t0 < FAILED_RANK_GRACE_S + 30, time.monotonic() - t0
     assert "after rank 0 failed" in msg and "rank(s) [1] of 2 still running" in msg, msg[:500]
-    assert "rank 0 failed early" in msg and "in fail_then_hang_worker" in msg[msg.index("--- rank 1"):], msg[-3000:]
+    assert "rank 0 failed early" in msg and "in fail_then_hang_worker" in msg[msg.index("--- rank 1") :], msg[-3000:]
     _count("11 harness")
 
 
@@ -1451,8 +1734,11 @@ def test_odd_api_values_refused_before_anything_moves():
         state = fe.init_ema(w)
         emas = state.emas
         if meta_ema:
-            emas = (w.mirror(torch.float32, device="meta", fill=False) if fused
-                    else {n: torch.empty(t.shape, device="meta") for n, t in w.items()},)
+            emas = (
+                w.mirror(torch.float32, device="meta", fill=False)
+                if fused
+                else {n: torch.empty(t.shape, device="meta") for n, t in w.items()},
+            )
         state = fe.EmaState(state.step if counter is None else counter, emas)
         with torch.no_grad():
             for t in w.values():
@@ -1479,30 +1765,35 @@ def test_odd_api_values_refused_before_anything_moves():
         def make():
             state, w = state_and_weights(fused, counter, meta_ema)
             return state, lambda: fe.update(state, w, step, **kw)
+
         return make
 
     def init_case(fused=True, meta=False, **kw):
         def make():
             w = meta_weights(fused) if meta else weights(fused)
             return w, lambda: fe.init_ema(w, **kw)
+
         return make
 
     def meta_update_case(fused):
         def make():
             state, _ = state_and_weights(fused)
             return state, lambda: fe.update(state, meta_weights(fused))
+
         return make
 
     def update_buffers_case(counter=None, step=None, **kw):
         def make():
             b, m = buffers_and_net(counter)
             return b, lambda: fe.buffers.update_buffers(b, m, step, **kw)
+
         return make
 
     def init_buffers_case(**kw):
         def make():
             m = net()
             return m, lambda: fe.buffers.init_buffers(m, **kw)
+
         return make
 
     def at_max_step():
@@ -1526,34 +1817,89 @@ def test_odd_api_values_refused_before_anything_moves():
         ("update: step=None past the int64 counter", ValueError, "update(step=None)", at_max_step),
         ("update: step=2**63", ValueError, "update(step=9223372036854775808) does not fit", update_case(step=2**63)),
         ("init_ema: dtype='float32'", TypeError, "dtype must be a torch.dtype", init_case(dtype="float32")),
-        ("init_ema: dtype=float8_e4m3fn", TypeError, f"dtype=torch.float8_e4m3fn {unsupported}", init_case(dtype=torch.float8_e4m3fn)),
-        ("init_ema: dtype=float8_e5m2", TypeError, f"dtype=torch.float8_e5m2 {unsupported}", init_case(dtype=torch.float8_e5m2)),
+        (
+            "init_ema: dtype=float8_e4m3fn",
+            TypeError,
+            f"dtype=torch.float8_e4m3fn {unsupported}",
+            init_case(dtype=torch.float8_e4m3fn),
+        ),
+        (
+            "init_ema: dtype=float8_e5m2",
+            TypeError,
+            f"dtype=torch.float8_e5m2 {unsupported}",
+            init_case(dtype=torch.float8_e5m2),
+        ),
         ("init_ema: dtype=int32", TypeError, f"dtype=torch.int32 {unsupported}", init_case(dtype=torch.int32)),
         ("init_ema: dtype=bool", TypeError, f"dtype=torch.bool {unsupported}", init_case(dtype=torch.bool)),
-        ("init_ema: dtype=complex64", TypeError, f"dtype=torch.complex64 {unsupported}", init_case(dtype=torch.complex64)),
+        (
+            "init_ema: dtype=complex64",
+            TypeError,
+            f"dtype=torch.complex64 {unsupported}",
+            init_case(dtype=torch.complex64),
+        ),
         ("init_ema: num_emas='2'", TypeError, "num_emas must be an int >= 1", init_case(num_emas="2")),
         ("init_ema: num_emas=2.0", TypeError, "num_emas must be an int >= 1", init_case(num_emas=2.0)),
         ("init_ema: num_emas=True", TypeError, "num_emas must be an int >= 1", init_case(num_emas=True)),
-        ("update: decay callable gives None", TypeError, (callable_, "gave None at step 1"), update_case(decay=lambda s: None)),
-        ("update: decay callable gives a str", TypeError, (callable_, "gave '0.5' (a str) at step 1"), update_case(decay=lambda s: "0.5")),
-        ("update: decay callable gives 2 elements", TypeError, (callable_, "shape (2,)", "at step 1"), update_case(decay=lambda s: torch.ones(2))),
-        ("update: decay callable gives complex", TypeError, (callable_, "gave 0.5j (a complex) at step 1"), update_case(fused=False, decay=lambda s: 0.5j)),
+        (
+            "update: decay callable gives None",
+            TypeError,
+            (callable_, "gave None at step 1"),
+            update_case(decay=lambda s: None),
+        ),
+        (
+            "update: decay callable gives a str",
+            TypeError,
+            (callable_, "gave '0.5' (a str) at step 1"),
+            update_case(decay=lambda s: "0.5"),
+        ),
+        (
+            "update: decay callable gives 2 elements",
+            TypeError,
+            (callable_, "shape (2,)", "at step 1"),
+            update_case(decay=lambda s: torch.ones(2)),
+        ),
+        (
+            "update: decay callable gives complex",
+            TypeError,
+            (callable_, "gave 0.5j (a complex) at step 1"),
+            update_case(fused=False, decay=lambda s: 0.5j),
+        ),
         ("init_ema: meta Shards", ValueError, "shards['w.a'] is on the meta device", init_case(meta=True)),
         ("init_ema: meta dict", ValueError, "shards['w.a'] is on the meta device", init_case(fused=False, meta=True)),
         ("init_ema: device='meta'", ValueError, "device='meta'", init_case(device="meta")),
         ("update: meta Shards (fused path)", ValueError, "shards['w.a'] is on the meta device", meta_update_case(True)),
         ("update: meta dict", ValueError, "shards['w.a'] is on the meta device", meta_update_case(False)),
-        ("update: EMA state on meta (Shards)", ValueError, "state.emas[0]['w.a'] is on the meta device", update_case(meta_ema=True)),
-        ("update: EMA state on meta (dict)", ValueError, "state.emas[0]['w.a'] is on the meta device", update_case(fused=False, meta_ema=True)),
+        (
+            "update: EMA state on meta (Shards)",
+            ValueError,
+            "state.emas[0]['w.a'] is on the meta device",
+            update_case(meta_ema=True),
+        ),
+        (
+            "update: EMA state on meta (dict)",
+            ValueError,
+            "state.emas[0]['w.a'] is on the meta device",
+            update_case(fused=False, meta_ema=True),
+        ),
         ("init_buffers: dtype='float32'", TypeError, "dtype must be a torch.dtype", init_buffers_case(dtype="float32")),
-        ("init_buffers: dtype=float8_e4m3fn", TypeError, f"dtype=torch.float8_e4m3fn {unsupported}", init_buffers_case(dtype=torch.float8_e4m3fn)),
+        (
+            "init_buffers: dtype=float8_e4m3fn",
+            TypeError,
+            f"dtype=torch.float8_e4m3fn {unsupported}",
+            init_buffers_case(dtype=torch.float8_e4m3fn),
+        ),
         ("init_buffers: num_emas='2'", TypeError, "num_emas must be an int >= 1", init_buffers_case(num_emas="2")),
         ("init_buffers: num_emas=2.0", TypeError, "num_emas must be an int >= 1", init_buffers_case(num_emas=2.0)),
         ("init_buffers: step='5'", TypeError, "step must be an int", init_buffers_case(step="5")),
         ("update_buffers: bstate.step a Python int", TypeError, "b" + counter, update_buffers_case(0)),
         ("update_buffers: bstate.step int32", TypeError, "b" + counter, update_buffers_case(i32)),
         ("update_buffers: step=2.7", TypeError, "step must be an int", update_buffers_case(step=2.7)),
-        ("update_buffers: decay callable gives None", TypeError, (callable_, "gave None at step 1"), update_buffers_case(decay=lambda s: None)),
+        (
+            "update_buffers: decay callable gives None",
+            TypeError,
+            (callable_, "gave None at step 1"),
+            update_buffers_case(decay=lambda s: None),
+        ),
     ]
 
     def tensors(obj) -> list:
@@ -1575,6 +1921,7 @@ def test_odd_api_values_refused_before_anything_moves():
             if a.is_meta or b.is_meta:
                 return a.is_meta and b.is_meta and a.shape == b.shape
             return a.dtype == b.dtype and torch.equal(a, b)
+
         return len(before) == len(after) and all(eq(a, b) for a, b in zip(before, after))
 
     failures = []

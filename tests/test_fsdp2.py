@@ -18,7 +18,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from functional_ema._testing.multirank import ROOT, CollectiveSpy, OddNet, full_tensor_of, make_engine, run_ranks, train_step
+from functional_ema._testing.multirank import (
+    ROOT,
+    CollectiveSpy,
+    OddNet,
+    full_tensor_of,
+    make_engine,
+    run_ranks,
+    train_step,
+)
 
 DECAY = 0.75  # large steps, so a wrong weight or a missed update shows in every element
 STEPS = 3
@@ -168,7 +176,9 @@ def _train_check(ckpt_dir, tag, dtype, wrap_root, replicas=1):
 
     rank, world = _world()
     model, opt = _fsdp_model(0, dtype, wrap_root, replicas=replicas)
-    control, opt_c = _fsdp_model(0, dtype, wrap_root, replicas=replicas)  # trained the same way, never sees an EMA block
+    control, opt_c = _fsdp_model(
+        0, dtype, wrap_root, replicas=replicas
+    )  # trained the same way, never sees an EMA block
     r = {"tag": tag, "rank": rank, "adapter": type(adapter_for(model)).__name__}
     assert isinstance(adapter_for(model), FSDP2Adapter)
 
@@ -182,11 +192,13 @@ def _train_check(ckpt_dir, tag, dtype, wrap_root, replicas=1):
     r["layout_meta"] = [layout.rank, layout.world_size, layout.stage, layout.engine]
     r["replica"] = [layout.replica, layout.replicas]
     r["pieces_match_full_tensor"] = all(
-        torch.equal(full0[n].reshape(-1)[s.offset : s.offset + s.numel], shards[n].reshape(-1)) for n, s in layout.specs.items()
+        torch.equal(full0[n].reshape(-1)[s.offset : s.offset + s.numel], shards[n].reshape(-1))
+        for n, s in layout.specs.items()
     )
     r["no_copy"] = all(
         shards[n].data_ptr() == _local(params[n]).data_ptr() and shards[n].numel() == _local(params[n]).numel()
-        for n in layout.specs if shards[n].numel()
+        for n in layout.specs
+        if shards[n].numel()
     )
     r["numel_is_to_local"] = all(
         s.numel == (params[n].to_local().numel() if hasattr(params[n], "to_local") else params[n].numel())
@@ -246,7 +258,11 @@ def _train_check(ckpt_dir, tag, dtype, wrap_root, replicas=1):
     r["swap_differs_from_live"] = not torch.equal(inside, live)
     r["swap_restored_output"] = torch.equal(live_after, live) and raised and torch.equal(live_after_raise, live)
     r["swap_restored_weights"] = all(torch.equal(before[n], t) for n, t in fe.local_shards(model).items())
-    r["swap_stats"] = [stats.swapped_params, stats.extra_bytes, sum(t.numel() * t.element_size() for t in before.values() if t.numel())]
+    r["swap_stats"] = [
+        stats.swapped_params,
+        stats.extra_bytes,
+        sum(t.numel() * t.element_size() for t in before.values() if t.numel()),
+    ]
     r["swap_nonempty"] = sum(1 for t in before.values() if t.numel())
 
     # -- training after the block continues bitwise as if it never ran
@@ -329,7 +345,9 @@ def _guards():
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(2 * world, 5), nn.Linear(5, 3))  # weight (5, 2w): Shard(1) divides evenly
-    fully_shard(m[0], mesh=init_device_mesh("cpu", (world,)), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0))
+    fully_shard(
+        m[0], mesh=init_device_mesh("cpu", (world,)), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else Shard(0)
+    )
     fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
     out["shard1"] = error_of(lambda: fe.local_shards(m))
 
@@ -355,19 +373,24 @@ def _guards():
     replaced = fe.local_shards(model)
     p = dict(model.named_parameters())["emb.weight"]
     out["assign_rereads"] = (
-        replaced is not again and replaced["emb.weight"].data_ptr() == p._local_tensor.data_ptr()
+        replaced is not again
+        and replaced["emb.weight"].data_ptr() == p._local_tensor.data_ptr()
         and "norm.weight" in replaced
     )
     model.float()  # module._apply: swap_tensors gives every parameter a new local tensor object
     moved = fe.local_shards(model)
     live = dict(model.named_parameters())
-    out["apply_rereads"] = moved is not replaced and all(t.data_ptr() == live[n]._local_tensor.data_ptr() for n, t in moved.items())
+    out["apply_rereads"] = moved is not replaced and all(
+        t.data_ptr() == live[n]._local_tensor.data_ptr() for n, t in moved.items()
+    )
     # a replaced reading takes its load_state_dict post-hooks with it; a current one adds none
     hooks = len(model.norm._load_state_dict_post_hooks)
     model.load_state_dict(model.state_dict())
     reloaded = fe.local_shards(model)
     out["load_rereads_without_piling_hooks"] = (
-        reloaded is not moved and fe.local_shards(model) is reloaded and len(model.norm._load_state_dict_post_hooks) == hooks
+        reloaded is not moved
+        and fe.local_shards(model) is reloaded
+        and len(model.norm._load_state_dict_post_hooks) == hooks
     )
     return out
 
@@ -404,7 +427,10 @@ def _hsdp_buffers_and_async(ckpt_dir, replicas):
         saver.save(state, model, ckpt_dir, tag="hsdp_async", buffers=bufs)
     layout = fe.shard_layout(model)
     source = int(mesh.mesh[0, layout.rank])  # the replica-0 rank that holds this rank's shard
-    out = {"source": source, "own_buffers_differ": not all(torch.equal(every[rank][n], every[source][n]) for n in every[rank])}
+    out = {
+        "source": source,
+        "own_buffers_differ": not all(torch.equal(every[rank][n], every[source][n]) for n in every[rank]),
+    }
     for tag in ("hsdp_buffers", "hsdp_async"):
         loaded = fe.load(model, ckpt_dir, tag=tag)
         again = fe.gather_full(loaded, model)
@@ -473,7 +499,8 @@ def _check_loaded(fe, load_file, model, ckpt_dir, tag):
             torch.equal(state.emas[0][n].reshape(-1), ref[n].reshape(-1)[s.offset : s.offset + s.numel])
             for n, s in layout.specs.items()
         ),
-        "fused_layout": state.emas[0].index is fe.local_shards(model).index or state.emas[0].index == fe.local_shards(model).index,
+        "fused_layout": state.emas[0].index is fe.local_shards(model).index
+        or state.emas[0].index == fe.local_shards(model).index,
         "world": layout.world_size,
     }
 
@@ -493,8 +520,13 @@ def trained(ckroot):
     for world in (2, 3):
         d = ckroot / f"w{world}"
         d.mkdir()
-        out[world] = run_ranks("tests.test_fsdp2:train_worker", world_size=world, ckpt_dir=str(d), configs=CONFIGS,
-                               with_deepspeed=world == 2)
+        out[world] = run_ranks(
+            "tests.test_fsdp2:train_worker",
+            world_size=world,
+            ckpt_dir=str(d),
+            configs=CONFIGS,
+            with_deepspeed=world == 2,
+        )
     return out
 
 
@@ -505,8 +537,16 @@ def reloaded(trained, ckroot):
 
     shutil.copytree(ckroot / "w2" / DS_TAG, ckroot / "w3" / DS_TAG)
     shutil.copy(ckroot / "w2" / f"{DS_TAG}.ref.safetensors", ckroot / "w3")
-    return {world: run_ranks("tests.test_fsdp2:load_worker", world_size=world, ckpt_dir=str(ckroot / f"w{world}"),
-                             tags=CONFIGS, load_deepspeed=world == 3) for world in (2, 3)}
+    return {
+        world: run_ranks(
+            "tests.test_fsdp2:load_worker",
+            world_size=world,
+            ckpt_dir=str(ckroot / f"w{world}"),
+            tags=CONFIGS,
+            load_deepspeed=world == 3,
+        )
+        for world in (2, 3)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -519,8 +559,14 @@ def hsdp(ckroot):
 
 @pytest.fixture(scope="module")
 def hsdp_reloaded(hsdp, trained, ckroot):
-    return run_ranks("tests.test_fsdp2:hsdp_load_worker", world_size=4, ckpt_dir=str(ckroot / "hsdp"),
-                     fsdp2_dir=str(ckroot / "w2"), tags=HSDP_CONFIGS, fsdp2_tags=CONFIGS)
+    return run_ranks(
+        "tests.test_fsdp2:hsdp_load_worker",
+        world_size=4,
+        ckpt_dir=str(ckroot / "hsdp"),
+        fsdp2_dir=str(ckroot / "w2"),
+        tags=HSDP_CONFIGS,
+        fsdp2_tags=CONFIGS,
+    )
 
 
 def _reports(trained):
@@ -538,8 +584,16 @@ def test_local_shards_are_unpadded_views_of_the_local_tensors(trained):
         where = (world, rank, rep["tag"])
         assert rep["adapter"] == "FSDP2Adapter", where
         # named_parameters() order (the root's own first), frozen left out, the tied head once
-        assert rep["names"] == ["gate", "emb.weight", "block.0.weight", "block.0.bias", "block.2.weight",
-                                "block.2.bias", "norm.weight", "norm.bias"], where
+        assert rep["names"] == [
+            "gate",
+            "emb.weight",
+            "block.0.weight",
+            "block.0.bias",
+            "block.2.weight",
+            "block.2.bias",
+            "norm.weight",
+            "norm.bias",
+        ], where
         assert rep["layout_meta"] == [rank, world, 3, "fsdp2"], where
         assert rep["pieces_match_full_tensor"] and rep["no_copy"] and rep["numel_is_to_local"], where
         assert rep["same_reading_object"] and rep["same_reading_after_training"], where
@@ -566,7 +620,11 @@ def test_local_shards_are_unpadded_views_of_the_local_tensors(trained):
     # the padding case really occurs: 11 rows over 2 ranks -> 6, 5; 7 rows over 3 -> 3, 3, 1
     assert trained[2][1]["configs"][0]["layout"]["emb.weight"] == [[11, 7], 42, 35]
     assert trained[3][2]["configs"][0]["layout"]["block.2.weight"] == [[7, 13], 78, 13]
-    assert [res["configs"][0]["layout"]["gate"] for res in trained[3]] == [[[1, 7], 0, 7], [[1, 7], 0, 0], [[1, 7], 0, 0]]
+    assert [res["configs"][0]["layout"]["gate"] for res in trained[3]] == [
+        [[1, 7], 0, 7],
+        [[1, 7], 0, 0],
+        [[1, 7], 0, 0],
+    ]
 
 
 def test_gathered_ema_is_bitwise_the_reference_ema_of_full_tensor(trained):
@@ -707,7 +765,10 @@ def test_hsdp_save_writes_one_shard_groups_files_and_loads_at_every_layout(hsdp,
     d = ckroot / "hsdp"
     for k, (tag, _, _) in enumerate(HSDP_CONFIGS):
         assert hsdp[0]["configs"][k]["saved_files"] == [
-            "ema_manifest.json", "ema_rank_00000_of_00002.safetensors", "ema_rank_00001_of_00002.safetensors"]
+            "ema_manifest.json",
+            "ema_rank_00000_of_00002.safetensors",
+            "ema_rank_00001_of_00002.safetensors",
+        ]
         manifest = fe.checkpoint.read_manifest(d, tag=tag)
         assert manifest["world_size"] == 2 and manifest["zero_stage"] == 3, manifest
         ref = load_file(d / f"{tag}.ref.safetensors")
@@ -738,9 +799,13 @@ def test_hsdp_buffers_and_async_saves_are_replica_0s_and_every_replica_reads_the
         for tag in ("hsdp_buffers", "hsdp_async"):
             got = b[tag]
             assert got["step"] == STEPS and got["ema_bitwise"] and got["buffers_of_replica_0"], (rank, tag, got)
-            assert got["files"] == ["buffers_rank_00000_of_00002.safetensors", "buffers_rank_00001_of_00002.safetensors",
-                                    "ema_manifest.json", "ema_rank_00000_of_00002.safetensors",
-                                    "ema_rank_00001_of_00002.safetensors"], (rank, tag, got["files"])
+            assert got["files"] == [
+                "buffers_rank_00000_of_00002.safetensors",
+                "buffers_rank_00001_of_00002.safetensors",
+                "ema_manifest.json",
+                "ema_rank_00000_of_00002.safetensors",
+                "ema_rank_00001_of_00002.safetensors",
+            ], (rank, tag, got["files"])
     ref = load_file(ckroot / "hsdp" / "hsdp_buffers.ref.safetensors")  # full EMA + rank 0's buffer EMA
     offline = fe.buffers.consolidate(ckroot / "hsdp", "hsdp_buffers")
     assert all(torch.equal(offline[n], ref[n]) for n in ref) and "1.running_mean" in ref
@@ -748,9 +813,17 @@ def test_hsdp_buffers_and_async_saves_are_replica_0s_and_every_replica_reads_the
 
 def test_quickstart_fsdp2_example_runs(tmp_path):
     """examples/quickstart_fsdp2.py, as a user would run it (it spawns its own 2 gloo ranks)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart_fsdp2.py"), str(tmp_path)], env=env,
-                          cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart_fsdp2.py"), str(tmp_path)],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "quickstart_fsdp2: ok" in proc.stdout, proc.stdout[-3000:]
     assert (tmp_path / "global_step5" / "ema_manifest.json").is_file()
@@ -795,5 +868,7 @@ def test_flatten_local_shards_gives_one_lerp_and_changes_no_number():
         for rank, r in enumerate(run_ranks("tests.test_fsdp2:flatten_worker", world_size=2, timeout=300, dtype=dtype)):
             where = (dtype, rank, r)
             assert r["moved"] >= 5 and r["segments_before"] >= 5, where
-            assert r["lerp_spans"] <= 2 and r["segments_after"] <= 2, where  # the flat buffer (+ a replicated root tensor)
+            assert r["lerp_spans"] <= 2 and r["segments_after"] <= 2, (
+                where
+            )  # the flat buffer (+ a replicated root tensor)
             assert r["losses_equal"] and r["training_equal"] and r["ema_bitwise"], where

@@ -60,13 +60,26 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
     mesh = tp_mesh(tuple(shape))
     model, opt = tp_model(0, mesh)
     layout = fe.shard_layout(model)
-    r = {"layout": [layout.rank, layout.world_size, layout.replica, layout.replicas, layout.part.tp, layout.part.tp_size],
-         "tp_dims": layout.tp_dims, "placements": {n: str(tuple(getattr(p, "placements", ()))) for n, p in model.named_parameters()},
-         "specs": {n: [list(s.shape), s.offset, s.numel] for n, s in layout.specs.items()}}
+    r = {
+        "layout": [
+            layout.rank,
+            layout.world_size,
+            layout.replica,
+            layout.replicas,
+            layout.part.tp,
+            layout.part.tp_size,
+        ],
+        "tp_dims": layout.tp_dims,
+        "placements": {n: str(tuple(getattr(p, "placements", ()))) for n, p in model.named_parameters()},
+        "specs": {n: [list(s.shape), s.offset, s.numel] for n, s in layout.specs.items()},
+    }
     shards = fe.local_shards(model)
     params = dict(model.named_parameters())
-    r["no_copy"] = all(shards[n].data_ptr() == getattr(params[n], "_local_tensor", params[n]).data_ptr()
-                       for n in shards if shards[n].numel())
+    r["no_copy"] = all(
+        shards[n].data_ptr() == getattr(params[n], "_local_tensor", params[n]).data_ptr()
+        for n in shards
+        if shards[n].numel()
+    )
     state = fe.init_ema(shards)
     powers = fe.init_ema(shards, num_emas=len(POWERS))
     snaps = os.path.join(ckpt_dir, "snaps")
@@ -88,18 +101,27 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
     pieces = fe.posthoc.posthoc_local(snaps, layout, gamma=4.0, max_profile_error=None)
     offline = fe.posthoc.posthoc_offline(snaps, gamma=4.0, max_profile_error=None)
     r["posthoc_local_is_the_offline_slice"] = sorted(pieces) == sorted(offline) and all(
-        torch.equal(pieces[n].reshape(-1),
-                    _slice(offline[n], n, layout.part.tp, layout.part.tp_size).reshape(-1)[s.offset: s.offset + s.numel])
-        for n, s in layout.specs.items())
+        torch.equal(
+            pieces[n].reshape(-1),
+            _slice(offline[n], n, layout.part.tp, layout.part.tp_size).reshape(-1)[s.offset : s.offset + s.numel],
+        )
+        for n, s in layout.specs.items()
+    )
     tp, tp_size = layout.part.tp, layout.part.tp_size
     gathered = fe.gather_full(state, model)  # this rank's tensor-parallel slices, whole
     r["gather_is_the_slice_of_the_reference"] = sorted(gathered) == sorted(ref) and all(
-        torch.equal(gathered[n], _slice(ref[n], n, tp, tp_size)) for n in ref)
+        torch.equal(gathered[n], _slice(ref[n], n, tp, tp_size)) for n in ref
+    )
     r["ema_moved"] = not all(torch.equal(ref[n], f) for n, f in _full_params(model).items())
     joined = fe.gather_full(state, model, join_parts=True)  # every part's slices joined: the whole model
     on_0 = fe.gather_full(state, model, join_parts=True, dst=0)
-    r["joined_bitwise"] = sorted(joined) == sorted(ref) and all(torch.equal(joined[n], ref[n]) for n in ref) and (
-        sorted(on_0) == sorted(ref) and all(torch.equal(on_0[n], ref[n]) for n in ref) if rank == 0 else on_0 == {})
+    r["joined_bitwise"] = (
+        sorted(joined) == sorted(ref)
+        and all(torch.equal(joined[n], ref[n]) for n in ref)
+        and (
+            sorted(on_0) == sorted(ref) and all(torch.equal(on_0[n], ref[n]) for n in ref) if rank == 0 else on_0 == {}
+        )
+    )
 
     # swapped: the forward equals a plain module loaded with the full EMA (the tensor-parallel sums are
     # reduced in another order, so to rounding), the live weights come back bitwise, training is refused
@@ -139,7 +161,8 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
         other = load_file(os.path.join(also_load, "tp.ref.safetensors"))
         got = fe.gather_full(fe.load(fresh, also_load, tag="tp"), fresh)
         r["other_layout_bitwise"] = sorted(got) == sorted(other) and all(
-            torch.equal(got[n], _slice(other[n], n, tp, tp_size)) for n in other)
+            torch.equal(got[n], _slice(other[n], n, tp, tp_size)) for n in other
+        )
     return r
 
 
@@ -152,13 +175,18 @@ def load_worker(tp_dir: str, fsdp2_dir: str) -> dict:
 
     ref = load_file(os.path.join(tp_dir, "tp.ref.safetensors"))
     out = {}
-    for kind, build in (("into_fsdp2_4", lambda: tp_model(5, _mesh_1d(), tp=False)),
-                        ("into_hsdp", lambda: tp_model(5, _mesh_hsdp(), tp=False))):
+    for kind, build in (
+        ("into_fsdp2_4", lambda: tp_model(5, _mesh_1d(), tp=False)),
+        ("into_hsdp", lambda: tp_model(5, _mesh_hsdp(), tp=False)),
+    ):
         model, _ = build()
         state = fe.load(model, tp_dir, tag="tp")
         full = fe.gather_full(state, model)
-        out[kind] = {"world": fe.shard_layout(model).world_size, "step": int(state.step),
-                     "bitwise": sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref)}
+        out[kind] = {
+            "world": fe.shard_layout(model).world_size,
+            "step": int(state.step),
+            "bitwise": sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref),
+        }
     # an FSDP2 checkpoint (saved over 4 ranks without tensor parallelism) cut along the recorded splits
     model, _ = tp_model(5, _mesh_1d(), tp=False)
     fe.save(fe.load(model, tp_dir, tag="tp"), model, fsdp2_dir, tag="tpnet_fsdp2_4")
@@ -166,7 +194,8 @@ def load_worker(tp_dir: str, fsdp2_dir: str) -> dict:
     cut = fe.gather_full(fe.load(tp_net, fsdp2_dir, tag="tpnet_fsdp2_4"), tp_net)
     part = fe.shard_layout(tp_net).part
     out["fsdp2_4_into_tp"] = sorted(cut) == sorted(ref) and all(
-        torch.equal(cut[n], _slice(ref[n], n, part.tp, part.tp_size)) for n in ref)
+        torch.equal(cut[n], _slice(ref[n], n, part.tp, part.tp_size)) for n in ref
+    )
     return out
 
 
@@ -195,15 +224,18 @@ def root(tmp_path_factory):
 def dp_tp(root):
     d = root / "dp2_tp2"
     d.mkdir()
-    return run_ranks("tests.test_fsdp2_tensor_parallel:train_worker", world_size=4, timeout=400, ckpt_dir=str(d), shape=[2, 2])
+    return run_ranks(
+        "tests.test_fsdp2_tensor_parallel:train_worker", world_size=4, timeout=400, ckpt_dir=str(d), shape=[2, 2]
+    )
 
 
 @pytest.fixture(scope="module")
 def hsdp_tp(root):
     d = root / "r2_s2_tp2"
     d.mkdir()
-    return run_ranks("tests.test_fsdp2_tensor_parallel:train_worker", world_size=8, timeout=500, ckpt_dir=str(d),
-                     shape=[2, 2, 2])
+    return run_ranks(
+        "tests.test_fsdp2_tensor_parallel:train_worker", world_size=8, timeout=500, ckpt_dir=str(d), shape=[2, 2, 2]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -211,16 +243,27 @@ def tp_only(dp_tp, root):
     """Tensor parallelism alone (2 ranks, no fully_shard); it also loads the dp 2 x tp 2 EMA."""
     d = root / "tp2"
     d.mkdir()
-    return run_ranks("tests.test_fsdp2_tensor_parallel:train_worker", world_size=2, timeout=400, ckpt_dir=str(d), shape=[2],
-                     also_load=str(root / "dp2_tp2"))
+    return run_ranks(
+        "tests.test_fsdp2_tensor_parallel:train_worker",
+        world_size=2,
+        timeout=400,
+        ckpt_dir=str(d),
+        shape=[2],
+        also_load=str(root / "dp2_tp2"),
+    )
 
 
 @pytest.fixture(scope="module")
 def reloaded(dp_tp, root):
     d = root / "fsdp2"
     d.mkdir()
-    return run_ranks("tests.test_fsdp2_tensor_parallel:load_worker", world_size=4, timeout=400,
-                     tp_dir=str(root / "dp2_tp2"), fsdp2_dir=str(d))
+    return run_ranks(
+        "tests.test_fsdp2_tensor_parallel:load_worker",
+        world_size=4,
+        timeout=400,
+        tp_dir=str(root / "dp2_tp2"),
+        fsdp2_dir=str(d),
+    )
 
 
 # ------------------------------------------------------------------------------------------- tests
@@ -231,8 +274,16 @@ def _check_training(results, replicas: int) -> None:
         where = (rank, r)
         shard, tp = (rank // 2) % 2, rank % 2  # row-major meshes: (replicate,) shard, tp
         assert r["layout"] == [shard, 2, rank // 4 if replicas > 1 else 0, replicas, tp, 2], where
-        assert r["tp_dims"] == {"up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None, "norm.weight": None,
-                                "norm.bias": None, "head.weight": None, "head.bias": None}, where
+        assert r["tp_dims"] == {
+            "up.weight": 0,
+            "up.bias": 0,
+            "down.weight": 1,
+            "down.bias": None,
+            "norm.weight": None,
+            "norm.bias": None,
+            "head.weight": None,
+            "head.bias": None,
+        }, where
         assert r["no_copy"] and r["update_collectives"] == [0] * STEPS, where
         assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"] and r["joined_bitwise"], where
         assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
@@ -245,7 +296,12 @@ def _check_training(results, replicas: int) -> None:
     assert placements["down.weight"] == f"({lead}Shard(dim=0), Shard(dim=1))", placements
     assert placements["down.bias"] == f"({lead}Shard(dim=0), Replicate())", placements
     # the up slice's 7 rows over the shard group: 4 + 3 (the pieces tile each slice)
-    assert [r["specs"]["up.weight"] for r in results[:4]] == [[[7, 6], 0, 24], [[7, 6], 0, 24], [[7, 6], 24, 18], [[7, 6], 24, 18]]
+    assert [r["specs"]["up.weight"] for r in results[:4]] == [
+        [[7, 6], 0, 24],
+        [[7, 6], 0, 24],
+        [[7, 6], 24, 18],
+        [[7, 6], 24, 18],
+    ]
     expected = [f"ema_tp{t:03d}of002_pp000of001_rank_{s:05d}_of_00002.safetensors" for t in (0, 1) for s in (0, 1)]
     assert results[0]["files"] == ["ema_manifest.json", *expected] == results[0]["async_files"]
 

@@ -52,8 +52,14 @@ def _start_rule(kind: str) -> dict:
 
     import functional_ema as fe
     from functional_ema.integrations.accelerate import AcceleratorEMA
-    from tests._integration_models import (RULE_START, RULE_STEPS, ReferenceEMA, deepspeed_full_fp32, record_start,
-                                           start_rule_report)
+    from tests._integration_models import (
+        RULE_START,
+        RULE_STEPS,
+        ReferenceEMA,
+        deepspeed_full_fp32,
+        record_start,
+        start_rule_report,
+    )
 
     decays = [0.9, fe.schedules.power(sigma_rel=0.1)]
     runs = {}
@@ -62,9 +68,13 @@ def _start_rule(kind: str) -> dict:
         GradientState._reset_state()
         PartialState(cpu=True)
         if kind == "deepspeed":
-            cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ga, "steps_per_print": 10**9,
-                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-                   "zero_allow_untested_optimizer": True}
+            cfg = {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": ga,
+                "steps_per_print": 10**9,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "zero_allow_untested_optimizer": True,
+            }
             acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=ga)
         else:
             acc = Accelerator(cpu=True, gradient_accumulation_steps=ga)
@@ -98,9 +108,14 @@ def _start_rule(kind: str) -> dict:
                 for ref in refs.values():
                     if ref.due(step):
                         ref.feed(step, weights)
-        runs[ga] = {"weights": full(), "start_weights": start_weights, "refs": refs, "seen": seen,
-                    "emas": {k: [fe.gather_full(e.state, model, index=i) for i in range(2)] for k, e in emas.items()},
-                    "optimizer_step": {k: e.optimizer_step for k, e in emas.items()}}
+        runs[ga] = {
+            "weights": full(),
+            "start_weights": start_weights,
+            "refs": refs,
+            "seen": seen,
+            "emas": {k: [fe.gather_full(e.state, model, index=i) for i in range(2)] for k, e in emas.items()},
+            "optimizer_step": {k: e.optimizer_step for k, e in emas.items()},
+        }
         for e in emas.values():
             e.remove_hooks()
     report = start_rule_report(runs)
@@ -112,8 +127,13 @@ def _start_rule(kind: str) -> dict:
 def full_run(tmp_path_factory):
     """The uninterrupted example run, then the start-rule runs in the same processes."""
     root = tmp_path_factory.mktemp("accelerate")
-    res = run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600,
-                    argv=["--out", str(root / "full")], start_rule=True)
+    res = run_ranks(
+        "tests.test_integrations_accelerate:example_worker",
+        world_size=2,
+        timeout=600,
+        argv=["--out", str(root / "full")],
+        start_rule=True,
+    )
     return root, res
 
 
@@ -140,12 +160,20 @@ def test_accelerate_deepspeed_save_load_state_resume(full_run, tmp_path):
     # the save: the process waits for the write, and the resumed run ends bitwise as the full one.
     # (The harness ends a rank with os._exit; before it, it waits for the rank's async saves as an
     # interpreter exit would: functional_ema._testing.multirank._finish_async_saves. tests/test_exit.py checks both.)
-    run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600,
-              argv=["--out", part, "--stop-at", "5", "--async-save"])
+    run_ranks(
+        "tests.test_integrations_accelerate:example_worker",
+        world_size=2,
+        timeout=600,
+        argv=["--out", part, "--stop-at", "5", "--async-save"],
+    )
     assert not (tmp_path / "part" / "ema.safetensors").exists()  # stopped before the end
     assert read_manifest(tmp_path / "part" / "ckpt", "ema")["step"] == 4
-    run_ranks("tests.test_integrations_accelerate:example_worker", world_size=2, timeout=600,
-              argv=["--out", part, "--resume", "--async-save"])
+    run_ranks(
+        "tests.test_integrations_accelerate:example_worker",
+        world_size=2,
+        timeout=600,
+        argv=["--out", part, "--resume", "--async-save"],
+    )
     a, b = load_file(f"{full}/ema.safetensors"), load_file(f"{part}/ema.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
     # strict load into the plain model (parameters and BatchNorm buffers)
@@ -158,4 +186,11 @@ def test_accelerate_deepspeed_save_load_state_resume(full_run, tmp_path):
     m = read_manifest(ckpt, "ema")
     assert m["step"] == 4 and m["zero_stage"] == 3 and m["world_size"] == 2
     sd = fe.buffers.consolidate(ckpt, "ema")
-    assert str(nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 1)).load_state_dict(sd, strict=True)) == "<All keys matched successfully>"
+    assert (
+        str(
+            nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 1)).load_state_dict(
+                sd, strict=True
+            )
+        )
+        == "<All keys matched successfully>"
+    )

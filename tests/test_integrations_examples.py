@@ -29,7 +29,13 @@ def test_lightning_example(tmp_path):
     import functional_ema as fe
 
     out = str(tmp_path)
-    r = run_ranks("tests.test_integrations_examples:example_worker", world_size=2, timeout=600, name="lightning_ema.py", argv=["--out", out])
+    r = run_ranks(
+        "tests.test_integrations_examples:example_worker",
+        world_size=2,
+        timeout=600,
+        name="lightning_ema.py",
+        argv=["--out", out],
+    )
     snaps = fe.posthoc.list_snapshots(f"{out}/snapshots")
     assert [s.step for s in snaps] == list(range(2, 33, 2))  # 32 optimizer steps, every 2
     assert r[0]["live"] != r[0]["post"]
@@ -37,7 +43,9 @@ def test_lightning_example(tmp_path):
 
     net = nn.Module()  # the example's LightningModule holds this network as `net`
     net.net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Linear(64, 1))
-    assert str(net.load_state_dict(load_file(f"{out}/ema.safetensors"), strict=True)) == "<All keys matched successfully>"
+    assert (
+        str(net.load_state_dict(load_file(f"{out}/ema.safetensors"), strict=True)) == "<All keys matched successfully>"
+    )
     # the post-hoc EMA evaluated in place equals the offline synthesis
     full = fe.posthoc.posthoc_offline(f"{out}/snapshots", sigma_rel=0.08)
     net.load_state_dict(full, strict=False)
@@ -46,8 +54,23 @@ def test_lightning_example(tmp_path):
     import subprocess
 
     pytest.importorskip("matplotlib")
-    subprocess.run([sys.executable, "-m", "functional_ema", "posthoc", f"{out}/snapshots", "--sigma-rel", "0.08",
-                    f"{out}/ema_008.safetensors", "--plot", f"{out}/profile.png"], check=True, cwd=str(ROOT), timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functional_ema",
+            "posthoc",
+            f"{out}/snapshots",
+            "--sigma-rel",
+            "0.08",
+            f"{out}/ema_008.safetensors",
+            "--plot",
+            f"{out}/profile.png",
+        ],
+        check=True,
+        cwd=str(ROOT),
+        timeout=300,
+    )
     assert (tmp_path / "profile.png").stat().st_size > 0
     cli = load_file(f"{out}/ema_008.safetensors")
     assert all(torch.equal(cli[n], full[n]) for n in full)
@@ -56,6 +79,12 @@ def test_lightning_example(tmp_path):
 def test_hf_trainer_example(tmp_path):
     pytest.importorskip("transformers")
     out = str(tmp_path)
-    r = run_ranks("tests.test_integrations_examples:example_worker", world_size=2, timeout=600, name="hf_trainer_ema.py", argv=["--out", out])
+    r = run_ranks(
+        "tests.test_integrations_examples:example_worker",
+        world_size=2,
+        timeout=600,
+        name="hf_trainer_ema.py",
+        argv=["--out", out],
+    )
     m = r[0]["metrics"]
     assert "eval_ema_loss" in m and "eval_loss" in m and m["eval_ema_loss"] != m["eval_loss"]

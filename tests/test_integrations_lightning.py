@@ -51,8 +51,14 @@ def _strategy(kind: str):
     if kind == "fsdp2_tp":
         return pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
     stage = int(kind[-1])
-    return _cpu_deepspeed_strategy()(stage=stage, process_group_backend="gloo", logging_batch_size_per_gpu=4,
-                                     params_buffer_count=0, allgather_bucket_size=1e6, reduce_bucket_size=1e6)
+    return _cpu_deepspeed_strategy()(
+        stage=stage,
+        process_group_backend="gloo",
+        logging_batch_size_per_gpu=4,
+        params_buffer_count=0,
+        allgather_bucket_size=1e6,
+        reduce_bucket_size=1e6,
+    )
 
 
 def _cpu_deepspeed_strategy():
@@ -97,8 +103,11 @@ def _module(kind: str):
                 if kind == "fsdp2_tp":
                     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-                    parallelize_module(self.net, self.device_mesh["tensor_parallel"],
-                                       {"inp": ColwiseParallel(), "mid": RowwiseParallel()})
+                    parallelize_module(
+                        self.net,
+                        self.device_mesh["tensor_parallel"],
+                        {"inp": ColwiseParallel(), "mid": RowwiseParallel()},
+                    )
                 mesh = self.device_mesh["data_parallel"]
                 for m in (self.net.inp, self.net.mid):
                     fully_shard(m, mesh=mesh)
@@ -161,7 +170,11 @@ def _reference_callback(ref, kind: str):
             if ref.due(trainer.global_step):
                 import functional_ema as fe
 
-                bufs = None if kind.startswith("fsdp2") else float_buffers(fe.engines.adapter_for(trainer.strategy.model).module())
+                bufs = (
+                    None
+                    if kind.startswith("fsdp2")
+                    else float_buffers(fe.engines.adapter_for(trainer.strategy.model).module())
+                )
                 ref.feed(trainer.global_step, _full_weights(trainer, kind), bufs)
 
     return Reference()
@@ -176,13 +189,28 @@ def _trainer(kind: str, root: str, callbacks, max_epochs: int = EPOCHS, export: 
 
     from functional_ema.integrations.lightning import EMACallback
 
-    ema = EMACallback(decay=_decays(), start_step=START, every_n_steps=EVERY,
-                      buffers=None if kind.startswith("fsdp2") else "average", export_path=export)
+    ema = EMACallback(
+        decay=_decays(),
+        start_step=START,
+        every_n_steps=EVERY,
+        buffers=None if kind.startswith("fsdp2") else "average",
+        export_path=export,
+    )
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_epochs=1, save_top_k=-1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=_world(kind), num_nodes=1, strategy=_strategy(kind), max_epochs=max_epochs,
-        accumulate_grad_batches=2, callbacks=[ema, ckpt, *callbacks], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root, deterministic=False,
+        accelerator="cpu",
+        devices=_world(kind),
+        num_nodes=1,
+        strategy=_strategy(kind),
+        max_epochs=max_epochs,
+        accumulate_grad_batches=2,
+        callbacks=[ema, ckpt, *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        deterministic=False,
         use_distributed_sampler=True,
     )
     return trainer, ema
@@ -209,8 +237,9 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
                 # runs after the EMA callback's hook (callbacks in order): the logged metric is the EMA's
                 val_losses.append(float(trainer.callback_metrics["val_loss"]))
 
-        trainer, ema = _trainer(kind, root, [_reference_callback(ref, kind), Record()],
-                                export=os.path.join(out, "export.safetensors"))
+        trainer, ema = _trainer(
+            kind, root, [_reference_callback(ref, kind), Record()], export=os.path.join(out, "export.safetensors")
+        )
         module = _module(kind)
         trainer.fit(module)
         target = trainer.strategy.model
@@ -230,7 +259,10 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
             report["buffers_bitwise"] = [equal(ema.ema.buffer_state.emas[k], ref.buffers[k]) for k in range(2)]
         report["ckpts"] = sorted(p.name for p in Path(root, "ckpt").iterdir())
         if rank == 0:
-            save_file({f"{k}.{n}": t.contiguous() for k in range(2) for n, t in full[k].items()}, os.path.join(out, "final.safetensors"))
+            save_file(
+                {f"{k}.{n}": t.contiguous() for k in range(2) for n, t in full[k].items()},
+                os.path.join(out, "final.safetensors"),
+            )
         strip = lambda n: n.removeprefix("_forward_module.")  # noqa: E731 - Lightning's DeepSpeed wrapper
         exported = load_file(os.path.join(out, "export.safetensors"))
         report["export_equal"] = all(torch.equal(exported[strip(n)], ref.emas[0][n]) for n in ref.emas[0])
@@ -242,7 +274,9 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
         # forward (the export holds rank 0's).
         bs = ema.ema.buffer_state
         if bs is not None and kind != "ddp":
-            net.load_state_dict({**exported, **{strip(n): t for n, t in {**bs.emas[0], **bs.copied}.items()}}, strict=True)
+            net.load_state_dict(
+                {**exported, **{strip(n): t for n, t in {**bs.emas[0], **bs.copied}.items()}}, strict=True
+            )
         from tests._integration_models import RegressionData
 
         net.eval()
@@ -256,6 +290,7 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
             report["start_rule"] = _start_rule(rank)
             report["start_rule_seconds"] = time.perf_counter() - t0
     elif phase == "interrupted":
+
         class Kill(pl.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 if trainer.global_step == 5:
@@ -275,7 +310,9 @@ def lightning_worker(kind: str, out: str, phase: str) -> dict:
         target = trainer.strategy.model
         full = [fe.gather_full(ema.state, target, index=k, join_parts=True) for k in range(2)]
         want = load_file(os.path.join(out, "final.safetensors"))
-        report["bitwise_vs_uninterrupted"] = [equal(full[k], {n[2:]: t for n, t in want.items() if n.startswith(f"{k}.")}) for k in range(2)]
+        report["bitwise_vs_uninterrupted"] = [
+            equal(full[k], {n[2:]: t for n, t in want.items() if n.startswith(f"{k}.")}) for k in range(2)
+        ]
         report["ema_step"] = int(ema.state.step)
     return report
 
@@ -287,34 +324,62 @@ def _start_rule(rank: int) -> dict:
 
     import functional_ema as fe
     from functional_ema.integrations.lightning import EMACallback
-    from tests._integration_models import (RULE_START, RULE_STEPS, ReferenceEMA, RegressionData, record_start,
-                                           start_rule_report)
+    from tests._integration_models import (
+        RULE_START,
+        RULE_STEPS,
+        ReferenceEMA,
+        RegressionData,
+        record_start,
+        start_rule_report,
+    )
 
     data = RegressionData(4 * RULE_STEPS, seed=10 + rank)
-    batches = [{"x": data.x[4 * j:4 * j + 4], "labels": data.y[4 * j:4 * j + 4]} for j in range(RULE_STEPS)]
+    batches = [{"x": data.x[4 * j : 4 * j + 4], "labels": data.y[4 * j : 4 * j + 4]} for j in range(RULE_STEPS)]
     runs = {}
     for ga in (1, 2):
         callbacks, emas, refs, seen = [], {}, {}, {}
         for k in (0, RULE_START):
             # two EMA callbacks in one trainer need distinct state keys (Lightning refuses duplicates)
-            cls = type(f"EMACallbackStart{k}", (EMACallback,), {"state_key": property(lambda self, k=k: f"EMA[start={k}]")})
+            cls = type(
+                f"EMACallbackStart{k}", (EMACallback,), {"state_key": property(lambda self, k=k: f"EMA[start={k}]")}
+            )
             emas[k] = cls(decay=_decays(), start_step=k)
             refs[k] = ReferenceEMA(_decays(), start=max(1, k))
             seen[k] = record_start(emas[k].ema)
             callbacks += [emas[k], _reference_callback(refs[k], "ddp")]
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, num_nodes=1, strategy=_strategy("ddp"), max_steps=RULE_STEPS, max_epochs=1,
-            accumulate_grad_batches=ga, callbacks=callbacks, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0, limit_val_batches=0,
-            default_root_dir=None, use_distributed_sampler=False,
+            accelerator="cpu",
+            devices=2,
+            num_nodes=1,
+            strategy=_strategy("ddp"),
+            max_steps=RULE_STEPS,
+            max_epochs=1,
+            accumulate_grad_batches=ga,
+            callbacks=callbacks,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=None,
+            use_distributed_sampler=False,
         )
         module = _module("fsdp2-plain")  # no BatchNorm: its statistics would see each micro-batch twice
         start_weights = {n: p.detach().clone() for n, p in module.named_parameters()}
-        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([b for b in batches for _ in range(ga)], batch_size=None))
+        trainer.fit(
+            module,
+            train_dataloaders=torch.utils.data.DataLoader([b for b in batches for _ in range(ga)], batch_size=None),
+        )
         assert trainer.global_step == RULE_STEPS, trainer.global_step
         target = trainer.strategy.model
-        runs[ga] = {"weights": _full_weights(trainer, "ddp"), "start_weights": start_weights, "refs": refs, "seen": seen,
-                    "emas": {k: [fe.gather_full(e.state, target, index=i) for i in range(2)] for k, e in emas.items()}}
+        runs[ga] = {
+            "weights": _full_weights(trainer, "ddp"),
+            "start_weights": start_weights,
+            "refs": refs,
+            "seen": seen,
+            "emas": {k: [fe.gather_full(e.state, target, index=i) for i in range(2)] for k, e in emas.items()},
+        }
     return start_rule_report(runs)
 
 
@@ -324,8 +389,14 @@ def _world(kind: str) -> int:
 
 def _run(kind: str, tmp_path):
     out = str(tmp_path)
-    full = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=_world(kind), timeout=600, kind=kind, out=out,
-                     phase="full")
+    full = run_ranks(
+        "tests.test_integrations_lightning:lightning_worker",
+        world_size=_world(kind),
+        timeout=600,
+        kind=kind,
+        out=out,
+        phase="full",
+    )
     print(json.dumps(full[0]))
     for r in full:
         assert r["global_step"] == 2 * EPOCHS and r["ema_step"] == 2 * EPOCHS
@@ -340,11 +411,23 @@ def _run(kind: str, tmp_path):
     twin = sum(r["twin_val_loss"] for r in full) / len(full)
     assert abs(full[0]["val_losses"][-1] - twin) < 1e-5, (full[0]["val_losses"], twin)
 
-    killed = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=_world(kind), timeout=600, kind=kind, out=out,
-                       phase="interrupted")
+    killed = run_ranks(
+        "tests.test_integrations_lightning:lightning_worker",
+        world_size=_world(kind),
+        timeout=600,
+        kind=kind,
+        out=out,
+        phase="interrupted",
+    )
     assert all(r["killed"] for r in killed)
-    resumed = run_ranks("tests.test_integrations_lightning:lightning_worker", world_size=_world(kind), timeout=600, kind=kind, out=out,
-                        phase="resume")
+    resumed = run_ranks(
+        "tests.test_integrations_lightning:lightning_worker",
+        world_size=_world(kind),
+        timeout=600,
+        kind=kind,
+        out=out,
+        phase="resume",
+    )
     for r in resumed:
         assert r["ema_step"] == 2 * EPOCHS
         assert r["bitwise_vs_uninterrupted"] == [True, True]
@@ -384,9 +467,17 @@ def _one_process_trainer(root: Path, max_epochs: int, every_n_steps: int = 1):
 
     ema = EMACallback(decay=0.9, every_n_steps=every_n_steps, buffers="average")
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(root / "ckpt"), every_n_epochs=1, save_top_k=-1)
-    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=[ema, ckpt], logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      default_root_dir=str(root))
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        callbacks=[ema, ckpt],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+    )
 
 
 def test_ema_folder_of_another_checkpoint_refused(tmp_path):
@@ -405,15 +496,22 @@ def test_ema_folder_of_another_checkpoint_refused(tmp_path):
     assert (Path(str(first) + ".ema") / "ema" / "ema_manifest.json").is_file()
     shutil.rmtree(str(second) + ".ema")
     shutil.copytree(str(first) + ".ema", str(second) + ".ema")
-    with pytest.raises(fe.CheckpointError, match="saved with the checkpoint of framework step 8, but the training resumed at step 16"):
+    with pytest.raises(
+        fe.CheckpointError, match="saved with the checkpoint of framework step 8, but the training resumed at step 16"
+    ):
         _one_process_trainer(tmp_path / "a", 3).fit(_module("ddp"), ckpt_path=str(second))
     # Another run (updating every 3 steps: its EMA is at step 15 at step 16) beside this run's step-16 checkpoint.
     _one_process_trainer(tmp_path / "b", 2, every_n_steps=3).fit(_module("ddp"))
     _one_process_trainer(tmp_path / "c", 2).fit(_module("ddp"))
-    theirs, ours = tmp_path / "b" / "ckpt" / "epoch=1-step=16.ckpt.ema", tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt.ema"
+    theirs, ours = (
+        tmp_path / "b" / "ckpt" / "epoch=1-step=16.ckpt.ema",
+        tmp_path / "c" / "ckpt" / "epoch=1-step=16.ckpt.ema",
+    )
     shutil.rmtree(ours)
     shutil.copytree(theirs, ours)
     with pytest.raises(fe.CheckpointError, match="own EMACallback state says the EMA was at step 16 .* at step 15"):
-        _one_process_trainer(tmp_path / "c", 3, every_n_steps=3).fit(_module("ddp"), ckpt_path=str(ours)[: -len(".ema")])
+        _one_process_trainer(tmp_path / "c", 3, every_n_steps=3).fit(
+            _module("ddp"), ckpt_path=str(ours)[: -len(".ema")]
+        )
     # Untouched, it resumes.
     _one_process_trainer(tmp_path / "b", 3, every_n_steps=3).fit(_module("ddp"), ckpt_path=str(theirs)[: -len(".ema")])

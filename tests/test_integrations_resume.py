@@ -35,7 +35,9 @@ def resume_worker(argv: list[str], check: bool) -> dict:
     # the engine's weights are the saved fp32 weights
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    report["weights_equal_saved"] = equal(deepspeed_full_fp32(engine), get_fp32_state_dict_from_zero_checkpoint(out, g["TAG"]))
+    report["weights_equal_saved"] = equal(
+        deepspeed_full_fp32(engine), get_fp32_state_dict_from_zero_checkpoint(out, g["TAG"])
+    )
     ref = ReferenceEMA([0.9])
     ref.emas, ref.step = [{n: t.clone() for n, t in saved.items()}], int(state.step)
     for step in range(engine.global_steps + 1, engine.global_steps + 3):
@@ -50,10 +52,20 @@ def resume_worker(argv: list[str], check: bool) -> dict:
 @pytest.mark.parametrize("new_stage", [3, 2])
 def test_resume_other_world_size_and_stage(tmp_path, new_stage):
     out = str(tmp_path)
-    run_ranks("tests.test_integrations_resume:resume_worker", world_size=2, timeout=600,
-              argv=["train", "--out", out, "--stage", "3"], check=False)
-    (r,) = run_ranks("tests.test_integrations_resume:resume_worker", world_size=1, timeout=600,
-                     argv=["resume", "--out", out, "--stage", str(new_stage), "--more", "0"], check=True)
+    run_ranks(
+        "tests.test_integrations_resume:resume_worker",
+        world_size=2,
+        timeout=600,
+        argv=["train", "--out", out, "--stage", "3"],
+        check=False,
+    )
+    (r,) = run_ranks(
+        "tests.test_integrations_resume:resume_worker",
+        world_size=1,
+        timeout=600,
+        argv=["resume", "--out", out, "--stage", str(new_stage), "--more", "0"],
+        check=True,
+    )
     assert r["world"] == 1 and r["stage"] == new_stage and r["global_steps"] == 4
     assert r["loaded_equals_saved"] and r["weights_equal_saved"]
     assert r["continued_bitwise"] and r["ema_step"] == 6

@@ -52,14 +52,32 @@ def _trainer(out: str, max_steps: int, extra_callbacks=(), export: str | None = 
         "steps_per_print": 10**9,
     }
     args = TrainingArguments(
-        output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        per_device_eval_batch_size=8, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch",
-        save_strategy="steps", save_steps=4, eval_strategy="steps", eval_steps=4, logging_steps=4,
-        report_to=[], disable_tqdm=True, seed=0, data_seed=0, deepspeed=ds_config if deepspeed else None, ddp_backend="gloo",
-        dataloader_num_workers=0, use_cpu=True,
+        output_dir=out,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        per_device_eval_batch_size=8,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        save_strategy="steps",
+        save_steps=4,
+        eval_strategy="steps",
+        eval_steps=4,
+        logging_steps=4,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+        deepspeed=ds_config if deepspeed else None,
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
+        use_cpu=True,
     )
     torch.manual_seed(0)
-    trainer = Trainer(model=BNNet(), args=args, train_dataset=RegressionData(96, seed=1), eval_dataset=RegressionData(32, seed=2))
+    trainer = Trainer(
+        model=BNNet(), args=args, train_dataset=RegressionData(96, seed=1), eval_dataset=RegressionData(32, seed=2)
+    )
     ema = EMACallback(decay=_decays(), start_step=START, buffers="average", export_path=export).attach(trainer)
     for cb in extra_callbacks:
         trainer.add_callback(cb)
@@ -91,8 +109,15 @@ def _start_rule(out: str) -> dict:
 
     import functional_ema as fe
     from functional_ema.integrations.transformers import EMACallback
-    from tests._integration_models import (RULE_START, RULE_STEPS, BNNet, ReferenceEMA, RegressionData, record_start,
-                                           start_rule_report)
+    from tests._integration_models import (
+        RULE_START,
+        RULE_STEPS,
+        BNNet,
+        ReferenceEMA,
+        RegressionData,
+        record_start,
+        start_rule_report,
+    )
 
     data = RegressionData(8 * RULE_STEPS, seed=3)  # micro-batch j of rank r: samples 4(2j + r) ..
     runs = {}
@@ -101,10 +126,24 @@ def _start_rule(out: str) -> dict:
         blocks = [b for j in range(RULE_STEPS) for _ in range(ga) for b in (2 * j, 2 * j + 1)]
         train = torch.utils.data.Subset(data, [4 * b + i for b in blocks for i in range(4)])
         args = TrainingArguments(
-            output_dir=os.path.join(out, f"rule_ga{ga}"), max_steps=RULE_STEPS, per_device_train_batch_size=4,
-            gradient_accumulation_steps=ga, learning_rate=1e-2, lr_scheduler_type="constant", optim="adamw_torch",
-            train_sampling_strategy="sequential", save_strategy="no", eval_strategy="no", logging_strategy="no",
-            report_to=[], disable_tqdm=True, seed=0, data_seed=0, ddp_backend="gloo", dataloader_num_workers=0, use_cpu=True,
+            output_dir=os.path.join(out, f"rule_ga{ga}"),
+            max_steps=RULE_STEPS,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=ga,
+            learning_rate=1e-2,
+            lr_scheduler_type="constant",
+            optim="adamw_torch",
+            train_sampling_strategy="sequential",
+            save_strategy="no",
+            eval_strategy="no",
+            logging_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            seed=0,
+            data_seed=0,
+            ddp_backend="gloo",
+            dataloader_num_workers=0,
+            use_cpu=True,
         )
         torch.manual_seed(0)
         model = BNNet()  # buffers=None: BatchNorm sees each micro-batch twice, the weights do not
@@ -119,9 +158,13 @@ def _start_rule(out: str) -> dict:
         trainer.train()
         assert trainer.state.global_step == RULE_STEPS, trainer.state.global_step
         wrapped = trainer.model_wrapped
-        runs[ga] = {"weights": {n: p.detach().clone() for n, p in wrapped.module.named_parameters()},
-                    "start_weights": start_weights, "refs": refs, "seen": seen,
-                    "emas": {k: [fe.gather_full(e.state, wrapped, index=i) for i in range(2)] for k, e in emas.items()}}
+        runs[ga] = {
+            "weights": {n: p.detach().clone() for n, p in wrapped.module.named_parameters()},
+            "start_weights": start_weights,
+            "refs": refs,
+            "seen": seen,
+            "emas": {k: [fe.gather_full(e.state, wrapped, index=i) for i in range(2)] for k, e in emas.items()},
+        }
     return start_rule_report(runs)
 
 
@@ -143,8 +186,12 @@ def hf_worker(out: str, phase: str) -> dict:
     if phase == "full":
         ref = ReferenceEMA(_decays(), start=START)
         box: dict = {}
-        trainer, ema = _trainer(os.path.join(out, "full"), STEPS, [_reference_callback(box, ref)],
-                                export=os.path.join(out, "export.safetensors"))
+        trainer, ema = _trainer(
+            os.path.join(out, "full"),
+            STEPS,
+            [_reference_callback(box, ref)],
+            export=os.path.join(out, "export.safetensors"),
+        )
         box["t"] = trainer
         trainer.train()
         engine = trainer.model_wrapped
@@ -168,17 +215,23 @@ def hf_worker(out: str, phase: str) -> dict:
         ckpt = Path(out, "full", "checkpoint-4")
         report["ckpt4_files"] = sorted(p.name for p in (ckpt / "ema").iterdir())
         if rank == 0:
-            save_file({f"{k}.{n}": t.contiguous() for k in range(2) for n, t in full[k].items()}, os.path.join(out, "final.safetensors"))
+            save_file(
+                {f"{k}.{n}": t.contiguous() for k in range(2) for n, t in full[k].items()},
+                os.path.join(out, "final.safetensors"),
+            )
             exported = load_file(os.path.join(out, "export.safetensors"))
             net = BNNet()
             report["export_strict"] = str(net.load_state_dict(exported, strict=True))
             report["export_equal"] = all(torch.equal(exported[n], ref.emas[0][n]) for n in ref.emas[0]) and all(
-                torch.equal(exported[n], ref.buffers[0][n]) for n in ref.buffers[0])
+                torch.equal(exported[n], ref.buffers[0][n]) for n in ref.buffers[0]
+            )
             # offline consolidate of the step-4 checkpoint, buffers included, loads strictly
             sd = fe.buffers.consolidate(ckpt, "ema")
             report["ckpt4_strict"] = str(BNNet().load_state_dict(sd, strict=True))
-        save_file({f"{k}.{n}": t.contiguous() for k in range(2) for n, t in bs.emas[k].items()},
-                  os.path.join(out, f"buffers_final_{rank}.safetensors"))
+        save_file(
+            {f"{k}.{n}": t.contiguous() for k in range(2) for n, t in bs.emas[k].items()},
+            os.path.join(out, f"buffers_final_{rank}.safetensors"),
+        )
     elif phase == "ddp":
         ref = ReferenceEMA(_decays(), start=START)
         box = {}
@@ -196,6 +249,7 @@ def hf_worker(out: str, phase: str) -> dict:
         report["start_rule"] = _start_rule(out)
         report["start_rule_seconds"] = time.perf_counter() - t0
     elif phase == "interrupted":
+
         class Kill(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 if state.global_step == 6:  # after the step-4 checkpoint, before the step-8 one
@@ -207,17 +261,23 @@ def hf_worker(out: str, phase: str) -> dict:
             report["killed"] = False
         except _Killed:
             report["killed"] = True
-        report["checkpoints"] = sorted(p.name for p in Path(out, "resumed").iterdir() if p.name.startswith("checkpoint-"))
+        report["checkpoints"] = sorted(
+            p.name for p in Path(out, "resumed").iterdir() if p.name.startswith("checkpoint-")
+        )
     elif phase == "resume":
         trainer, ema = _trainer(os.path.join(out, "resumed"), STEPS)
         trainer.train(resume_from_checkpoint=True)
         engine = trainer.model_wrapped
         full = [fe.gather_full(ema.state, engine, index=k) for k in range(2)]
         want = load_file(os.path.join(out, "final.safetensors"))
-        report["bitwise_vs_uninterrupted"] = [equal(full[k], {n[2:]: t for n, t in want.items() if n.startswith(f"{k}.")}) for k in range(2)]
+        report["bitwise_vs_uninterrupted"] = [
+            equal(full[k], {n[2:]: t for n, t in want.items() if n.startswith(f"{k}.")}) for k in range(2)
+        ]
         wb = load_file(os.path.join(out, f"buffers_final_{rank}.safetensors"))
         bs = ema.ema.buffer_state
-        report["buffers_vs_uninterrupted"] = [equal(bs.emas[k], {n[2:]: t for n, t in wb.items() if n.startswith(f"{k}.")}) for k in range(2)]
+        report["buffers_vs_uninterrupted"] = [
+            equal(bs.emas[k], {n[2:]: t for n, t in wb.items() if n.startswith(f"{k}.")}) for k in range(2)
+        ]
         report["ema_step"] = int(ema.state.step)
         report["eval_ema_steps"] = [h["step"] for h in trainer.state.log_history if "eval_ema_loss" in h]
     return report
@@ -240,11 +300,15 @@ def test_trainer_deepspeed_zero3_grad_accum_resume(tmp_path):
     assert full[0]["export_strict"] == "<All keys matched successfully>"
     assert full[0]["ckpt4_strict"] == "<All keys matched successfully>"
 
-    killed = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="interrupted")
+    killed = run_ranks(
+        "tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="interrupted"
+    )
     assert all(r["killed"] for r in killed)
     assert killed[0]["checkpoints"] == ["checkpoint-4"]
 
-    resumed = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="resume")
+    resumed = run_ranks(
+        "tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="resume"
+    )
     print(json.dumps(resumed[0]))
     for r in resumed:
         assert r["ema_step"] == STEPS
@@ -256,7 +320,9 @@ def test_trainer_deepspeed_zero3_grad_accum_resume(tmp_path):
 def test_trainer_ddp(tmp_path):
     from tests._integration_models import check_start_rule
 
-    res = run_ranks("tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=str(tmp_path), phase="ddp")
+    res = run_ranks(
+        "tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=str(tmp_path), phase="ddp"
+    )
     print(f"start-rule runs: {res[0]['start_rule_seconds']:.1f} s")
     for r in res:
         assert r["engine"] == "DistributedDataParallel"

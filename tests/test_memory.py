@@ -53,8 +53,10 @@ def test_empty_matches_torch_empty_and_keeps_values():
     assert torch.equal(again, torch.arange(16 << 20, dtype=torch.uint8))
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
-                    reason="needs Linux with transparent huge pages enabled (madvise or always)")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _thp_mode() not in ("madvise", "always"),
+    reason="needs Linux with transparent huge pages enabled (madvise or always)",
+)
 def test_large_fresh_buffer_is_backed_by_huge_pages():
     t = _memory.empty(64 << 18, dtype=torch.float32)  # 64 MiB, a fresh mapping
     assert _memory.advise_huge_pages(t) is True

@@ -179,12 +179,16 @@ def _tp_engine(tp_size: int, seed: int, attributes: bool = True, stage: int = 2)
     from functional_ema._testing.multirank import MPU, TPMLP, make_engine
 
     mpu = MPU(tp_size)
-    model = TPMLP(mpu.get_model_parallel_rank(), tp_size, mpu.get_model_parallel_group(), seed=seed, attributes=attributes)
+    model = TPMLP(
+        mpu.get_model_parallel_rank(), tp_size, mpu.get_model_parallel_group(), seed=seed, attributes=attributes
+    )
     return make_engine(stage, model=model, mpu=mpu, seed=seed), mpu
 
 
 def _tp_batch(mpu, step: int):
-    g = torch.Generator().manual_seed(1234 + 1000 * step + mpu.get_data_parallel_rank())  # the same on every tensor-parallel rank
+    g = torch.Generator().manual_seed(
+        1234 + 1000 * step + mpu.get_data_parallel_rank()
+    )  # the same on every tensor-parallel rank
     return torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g)
 
 
@@ -229,7 +233,9 @@ def tp_worker(out: str, phase: str, tp_size: int = 2) -> dict:
                     _save_tensors(out / f"gathered{SAVE_AT}_tp{part.tp}.safetensors", gathered)
         report["collectives_in_update"] = sum(bytes_sent)
         final = fe.gather_full(state, engine)
-        report["final_equal_ref"] = _equal(final, ref.emas[0]) and _equal(fe.gather_full(state, engine, index=1), ref.emas[1])
+        report["final_equal_ref"] = _equal(final, ref.emas[0]) and _equal(
+            fe.gather_full(state, engine, index=1), ref.emas[1]
+        )
         if mpu.get_data_parallel_rank() == 0:
             _save_tensors(out / f"final_tp{part.tp}.safetensors", final)
         x, _ = _tp_batch(mpu, 99)
@@ -249,7 +255,9 @@ def tp_worker(out: str, phase: str, tp_size: int = 2) -> dict:
             _tp_train(engine, mpu, step)
             state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
         part = fe.shard_layout(engine).part
-        report["continued_bitwise"] = _equal(fe.gather_full(state, engine), _load_tensors(out / f"final_tp{part.tp}.safetensors"))
+        report["continued_bitwise"] = _equal(
+            fe.gather_full(state, engine), _load_tensors(out / f"final_tp{part.tp}.safetensors")
+        )
         saved = _load_tensors(out / f"gathered{SAVE_AT}_tp{part.tp}.safetensors")
         report["async_equal"] = _equal(fe.gather_full(fe.load(engine, out / "ck_async", "t"), engine), saved)
         # post-hoc EMA of this rank's pieces, gathered, against the offline reconstruction joined (checked in the test)
@@ -278,8 +286,9 @@ def tp_worker(out: str, phase: str, tp_size: int = 2) -> dict:
         state = fe.load(engine, out / "ck")
         part = fe.shard_layout(engine).part
         report["world"] = fe.shard_layout(engine).world_size
-        report["resharded_equal"] = _equal(fe.gather_full(state, engine),
-                                           _load_tensors(out / f"gathered{SAVE_AT}_tp{part.tp}.safetensors"))
+        report["resharded_equal"] = _equal(
+            fe.gather_full(state, engine), _load_tensors(out / f"gathered{SAVE_AT}_tp{part.tp}.safetensors")
+        )
         return report
     raise ValueError(phase)
 
@@ -295,7 +304,9 @@ def tp_runs(tmp_path_factory):
     train = run_ranks("tests.test_model_parallel:tp_worker", world_size=4, timeout=600, out=str(out), phase="train")
     resume = run_ranks("tests.test_model_parallel:tp_worker", world_size=4, timeout=600, out=str(out), phase="resume")
     reshard = run_ranks("tests.test_model_parallel:tp_worker", world_size=2, timeout=600, out=str(out), phase="reshard")
-    relayout = run_ranks("tests.test_model_parallel:tp_worker", world_size=2, timeout=600, out=str(out), phase="relayout")
+    relayout = run_ranks(
+        "tests.test_model_parallel:tp_worker", world_size=2, timeout=600, out=str(out), phase="relayout"
+    )
     return out, train, resume, reshard, relayout
 
 
@@ -370,8 +381,9 @@ def _pipe_engine(stages: int, seed: int, tp: int = 1):
         w = tp_full_weights(seed)
         layers = [ColumnParallelLinear(w["w1"], w["b1"], t, tp), RowParallelLinear(w["w2"], w["b2"], t, tp, group)]
     module = PipelineModule(layers=layers, topology=topo, loss_fn=nn.MSELoss(), partition_method="uniform")
-    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2),
-                                      config=ds_config(1))
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2), config=ds_config(1)
+    )
     return engine
 
 
@@ -412,7 +424,9 @@ def pipe_worker(out: str, phase: str, tp: int = 1) -> dict:
                 gathered = fe.gather_full(state, engine)
                 report["gathered_at_save_equal_ref"] = _equal(gathered, ref.emas[0])
                 if engine.grid.get_data_parallel_rank() == 0:
-                    _save_tensors(out / f"{name}_g{SAVE_AT}_pp{layout.part.pp}_tp{layout.part.tp}.safetensors", gathered)
+                    _save_tensors(
+                        out / f"{name}_g{SAVE_AT}_pp{layout.part.pp}_tp{layout.part.tp}.safetensors", gathered
+                    )
         report["collectives_in_update"] = sent
         final = fe.gather_full(state, engine)
         report["final_equal_ref"] = _equal(final, ref.emas[0])
@@ -431,11 +445,14 @@ def pipe_worker(out: str, phase: str, tp: int = 1) -> dict:
             engine.train_batch(_pipe_data(engine, step))
             state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
         part = fe.shard_layout(engine).part
-        report["continued_bitwise"] = _equal(fe.gather_full(state, engine),
-                                             _load_tensors(out / f"{name}_final_pp{part.pp}_tp{part.tp}.safetensors"))
+        report["continued_bitwise"] = _equal(
+            fe.gather_full(state, engine), _load_tensors(out / f"{name}_final_pp{part.pp}_tp{part.tp}.safetensors")
+        )
         saved = _load_tensors(out / f"{name}_g{SAVE_AT}_pp{part.pp}_tp{part.tp}.safetensors")
         report["async_equal"] = _equal(fe.gather_full(fe.load(engine, out / f"{name}_async", "t"), engine), saved)
-        report["snapshot_equal"] = _equal(fe.gather_full(fe.load(engine, out / f"{name}_snaps", posthoc.snapshot_tag(SAVE_AT)), engine), saved)
+        report["snapshot_equal"] = _equal(
+            fe.gather_full(fe.load(engine, out / f"{name}_snaps", posthoc.snapshot_tag(SAVE_AT)), engine), saved
+        )
         return report
     if phase == "relayout":  # one stage now (data parallel 2): the saved stages' parameters and buffers, by name
         engine = _pipe_engine(1, seed=9, tp=tp)
@@ -451,8 +468,9 @@ def pipe_worker(out: str, phase: str, tp: int = 1) -> dict:
         state = fe.load(engine, out / f"{name}_ck")
         part = fe.shard_layout(engine).part
         report["world"] = fe.shard_layout(engine).world_size
-        report["resharded_equal"] = _equal(fe.gather_full(state, engine),
-                                           _load_tensors(out / f"{name}_g{SAVE_AT}_pp{part.pp}_tp{part.tp}.safetensors"))
+        report["resharded_equal"] = _equal(
+            fe.gather_full(state, engine), _load_tensors(out / f"{name}_g{SAVE_AT}_pp{part.pp}_tp{part.tp}.safetensors")
+        )
         return report
     raise ValueError(phase)
 
@@ -460,8 +478,10 @@ def pipe_worker(out: str, phase: str, tp: int = 1) -> dict:
 @pytest.fixture(scope="module")
 def pipe_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipe")
-    runs = [run_ranks("tests.test_model_parallel:pipe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
-            for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("relayout", 2))]
+    runs = [
+        run_ranks("tests.test_model_parallel:pipe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
+        for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("relayout", 2))
+    ]
     return (out, *runs)
 
 
@@ -469,23 +489,43 @@ def test_pipeline_stages_every_verb(pipe_runs):
     out, train, resume, reshard, relayout = pipe_runs
     for rank, r in enumerate(train):
         assert r["part"] == [0, 1, rank // 2, 2], r["part"]
-        assert r["names"] == (["0.bias", "0.weight", "1.bias", "1.weight"] if rank < 2 else ["3.bias", "3.weight"]), r["names"]
+        assert r["names"] == (["0.bias", "0.weight", "1.bias", "1.weight"] if rank < 2 else ["3.bias", "3.weight"]), r[
+            "names"
+        ]
         assert r["collectives_in_update"] == 0
         assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"], rank
         assert r["swapped_equal"] and r["training_refused"], rank
     for r in resume:
-        assert r["loaded_step"] == [SAVE_AT, SAVE_AT] and r["continued_bitwise"] and r["async_equal"] and r["snapshot_equal"], r
+        assert (
+            r["loaded_step"] == [SAVE_AT, SAVE_AT]
+            and r["continued_bitwise"]
+            and r["async_equal"]
+            and r["snapshot_equal"]
+        ), r
     for r in reshard:
         assert r["world"] == 1 and r["resharded_equal"], r
     # both stages consolidate into one file: every parameter of the model, and stage 0's BatchNorm buffers
     stages = [_load_tensors(out / f"pp_tp1_g{SAVE_AT}_pp{p}_tp0.safetensors") for p in (0, 1)]
     assert _equal(fe.consolidate(out / "pp_tp1_ck"), {**stages[0], **stages[1]})
     sd = fe.buffers.consolidate(out / "pp_tp1_ck")
-    assert sorted(sd) == ["0.bias", "0.weight", "1.bias", "1.num_batches_tracked", "1.running_mean", "1.running_var",
-                          "1.weight", "3.bias", "3.weight"]
+    assert sorted(sd) == [
+        "0.bias",
+        "0.weight",
+        "1.bias",
+        "1.num_batches_tracked",
+        "1.running_mean",
+        "1.running_var",
+        "1.weight",
+        "3.bias",
+        "3.weight",
+    ]
     # loaded by a one-stage pipeline (another layout): every stage's parameters and buffers, by name
     for r in relayout:
-        assert r["part"] == [0, 1, 0, 1] and r["buffers"] == ["1.running_mean", "1.running_var", "1.num_batches_tracked"], r
+        assert r["part"] == [0, 1, 0, 1] and r["buffers"] == [
+            "1.running_mean",
+            "1.running_var",
+            "1.num_batches_tracked",
+        ], r
     assert _equal(_load_tensors(out / "pp_tp1_relayout.safetensors"), {**stages[0], **stages[1]})
 
 
@@ -496,25 +536,33 @@ def test_pipeline_stages_every_verb(pipe_runs):
 def tp_pp_runs(tmp_path_factory):
     """Tensor 2 x pipeline 2 x data parallel 2 (8 ranks), resumed at 8 and resharded to data parallel 1 (4 ranks)."""
     out = tmp_path_factory.mktemp("tppp")
-    runs = [run_ranks("tests.test_model_parallel:pipe_worker", world_size=w, timeout=900, out=str(out), phase=phase, tp=2)
-            for phase, w in (("train", 8), ("resume", 8), ("reshard", 4))]
+    runs = [
+        run_ranks("tests.test_model_parallel:pipe_worker", world_size=w, timeout=900, out=str(out), phase=phase, tp=2)
+        for phase, w in (("train", 8), ("resume", 8), ("reshard", 4))
+    ]
     return (out, *runs)
 
 
 def test_tensor_times_pipeline_parallel(tp_pp_runs):
     out, train, resume, reshard = tp_pp_runs
-    for rank, r in enumerate(train):  # DeepSpeed's topology: rank = stage * 4 + data-parallel rank * 2 + tensor-parallel rank
+    for rank, r in enumerate(
+        train
+    ):  # DeepSpeed's topology: rank = stage * 4 + data-parallel rank * 2 + tensor-parallel rank
         assert r["part"] == [rank % 2, 2, rank // 4, 2], r["part"]
         assert r["collectives_in_update"] == 0
-        assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"] and r["swapped_equal"] and r["training_refused"], rank
+        assert (
+            r["gathered_at_save_equal_ref"] and r["final_equal_ref"] and r["swapped_equal"] and r["training_refused"]
+        ), rank
     for r in resume:
         assert r["continued_bitwise"] and r["async_equal"] and r["snapshot_equal"], r
     for r in reshard:
         assert r["world"] == 1 and r["resharded_equal"], r
     # every stage, each tensor-parallel parameter joined along its recorded split
     g = {(p, t): _load_tensors(out / f"pp_tp2_g{SAVE_AT}_pp{p}_tp{t}.safetensors") for p in (0, 1) for t in (0, 1)}
-    want = {**_join([g[0, 0], g[0, 1]], {"0.weight": 0, "0.bias": 0}),
-            **_join([g[1, 0], g[1, 1]], {"1.weight": 1, "1.bias": None})}
+    want = {
+        **_join([g[0, 0], g[0, 1]], {"0.weight": 0, "0.bias": 0}),
+        **_join([g[1, 0], g[1, 1]], {"1.weight": 1, "1.bias": None}),
+    }
     assert _equal(fe.consolidate(out / "pp_tp2_ck"), want)
     assert fe.checkpoint.saved_parts(out / "pp_tp2_ck") == (2, 2, True)
 
@@ -532,8 +580,15 @@ def _autotp_engine(seed: int):
     from functional_ema._testing.multirank import ds_config
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = LlamaForCausalLM(config)
     cfg = ds_config(1)
     cfg["tensor_parallel"] = {"autotp_size": 2}
@@ -542,7 +597,9 @@ def _autotp_engine(seed: int):
 
 
 def _autotp_ids(step: int) -> torch.Tensor:
-    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(100 + step))  # the same on both TP ranks
+    return torch.randint(
+        0, 64, (2, 8), generator=torch.Generator().manual_seed(100 + step)
+    )  # the same on both TP ranks
 
 
 def _autotp_train(engine, step: int) -> None:
@@ -606,7 +663,9 @@ def autotp_worker(out: str, phase: str) -> dict:
         _save_tensors(out / f"final_tp{layout.part.tp}.safetensors", fe.gather_full(state, engine, index=1))
         engine.eval()
         ids = _autotp_ids(99)
-        report.update(_swap_check(engine, fe.EmaState(state.step, (state.emas[1],)), lambda: engine(input_ids=ids).logits))
+        report.update(
+            _swap_check(engine, fe.EmaState(state.step, (state.emas[1],)), lambda: engine(input_ids=ids).logits)
+        )
         return report
     if phase == "resume":
         engine = _autotp_engine(9)
@@ -615,20 +674,27 @@ def autotp_worker(out: str, phase: str) -> dict:
         _autotp_train(engine, 4)
         state = fe.update(state, fe.local_shards(engine), 4, decay=list(AUTOTP_DECAYS))
         part = fe.shard_layout(engine).part
-        report["continued_bitwise"] = _equal(fe.gather_full(state, engine, index=1),
-                                             _load_tensors(out / f"final_tp{part.tp}.safetensors"))
+        report["continued_bitwise"] = _equal(
+            fe.gather_full(state, engine, index=1), _load_tensors(out / f"final_tp{part.tp}.safetensors")
+        )
         return report
     raise ValueError(phase)
 
 
 def test_autotp_training_every_verb(tmp_path):
     pytest.importorskip("transformers")
-    train = run_ranks("tests.test_model_parallel:autotp_worker", world_size=2, timeout=600, out=str(tmp_path), phase="train")
-    resume = run_ranks("tests.test_model_parallel:autotp_worker", world_size=2, timeout=600, out=str(tmp_path), phase="resume")
+    train = run_ranks(
+        "tests.test_model_parallel:autotp_worker", world_size=2, timeout=600, out=str(tmp_path), phase="train"
+    )
+    resume = run_ranks(
+        "tests.test_model_parallel:autotp_worker", world_size=2, timeout=600, out=str(tmp_path), phase="resume"
+    )
     for rank, r in enumerate(train):
         assert r["part"] == [rank, 2, 0, 1], r["part"]
         dims = r["tp_dims"]
-        assert dims["model.layers.0.self_attn.q_proj.weight"] == 0 and dims["model.layers.0.self_attn.o_proj.weight"] == 1
+        assert (
+            dims["model.layers.0.self_attn.q_proj.weight"] == 0 and dims["model.layers.0.self_attn.o_proj.weight"] == 1
+        )
         assert dims["model.layers.0.mlp.down_proj.weight"] == 1 and dims["model.norm.weight"] is None, dims
         assert r["collectives_in_update"] == 0 and r["equal_ref"], r
         assert r["swapped_equal"] and r["training_refused"], r
@@ -661,9 +727,18 @@ class MoENet(torch.nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.inp = torch.nn.Linear(7, 8)
-        self.norm = torch.nn.BatchNorm1d(8) if buffers else torch.nn.LayerNorm(8)  # bf16: DeepSpeed leaves BN stats fp32
-        self.moe = MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=NUM_EXPERTS, ep_size=ep_size, k=1,
-                       min_capacity=4, use_rts=False)
+        self.norm = (
+            torch.nn.BatchNorm1d(8) if buffers else torch.nn.LayerNorm(8)
+        )  # bf16: DeepSpeed leaves BN stats fp32
+        self.moe = MoE(
+            hidden_size=8,
+            expert=torch.nn.Linear(8, 8),
+            num_experts=NUM_EXPERTS,
+            ep_size=ep_size,
+            k=1,
+            min_capacity=4,
+            use_rts=False,
+        )
         self.out = torch.nn.Linear(8, 5)
         # DeepSpeed's default expert-parallel groups are consecutive ranks: this rank is expert-parallel rank rank % ep_size
         ep, local = dist.get_rank() % ep_size, NUM_EXPERTS // ep_size
@@ -686,7 +761,9 @@ def _moe_engine(ep_size: int, seed: int, stage: int = 2, dtype: str = "fp32"):
 
     model = MoENet(ep_size, seed, buffers=dtype == "fp32")
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(stage, dtype))
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(stage, dtype)
+    )
     return engine
 
 
@@ -709,7 +786,7 @@ def _global_name(name: str, ep: int, local: int) -> str:
     global expert ep * local + i, as DeepSpeed's own MoE checkpoint names it."""
     if not name.startswith(_EXPERTS):
         return name
-    i, rest = name[len(_EXPERTS):].split(".", 1)
+    i, rest = name[len(_EXPERTS) :].split(".", 1)
     return f"{_EXPERTS}{ep * local + int(i)}.{rest}"
 
 
@@ -754,8 +831,11 @@ def _moe_swap_check(engine, state) -> dict:
         for n, p in params.items():
             p.copy_(live[n])
     engine.train()
-    return {"swapped_equal": torch.equal(inside, manual), "training_refused": refused,
-            "swap_changed_weights": any(not torch.equal(plain[n], live[n]) for n in params)}
+    return {
+        "swapped_equal": torch.equal(inside, manual),
+        "training_refused": refused,
+        "swap_changed_weights": any(not torch.equal(plain[n], live[n]) for n in params),
+    }
 
 
 def moe_worker(out: str, phase: str) -> dict:
@@ -803,9 +883,10 @@ def moe_worker(out: str, phase: str) -> dict:
         final = fe.gather_full(state, engine)
         report["ref_names"] = sorted(ref.emas[0])
         report["final_equal_ref"] = all(torch.equal(final[n], t) for n, t in ref.emas[0].items()) and all(
-            torch.equal(fe.gather_full(state, engine, index=1)[n], t) for n, t in ref.emas[1].items())
+            torch.equal(fe.gather_full(state, engine, index=1)[n], t) for n, t in ref.emas[1].items()
+        )
         experts = [final[f"{_EXPERTS}{g}.weight"] for g in range(NUM_EXPERTS)]
-        report["experts_distinct"] = all(not torch.equal(a, b) for i, a in enumerate(experts) for b in experts[i + 1:])
+        report["experts_distinct"] = all(not torch.equal(a, b) for i, a in enumerate(experts) for b in experts[i + 1 :])
         if rank == 0:
             _save_tensors(out / "final.safetensors", final)
         report.update(_moe_swap_check(engine, state))
@@ -820,7 +901,8 @@ def moe_worker(out: str, phase: str) -> dict:
         ep = groups._get_expert_parallel_rank("ep_size_2")
         masters = _moe_reference(engine)
         report["copied_to_model"] = all(torch.equal(masters[n], final[n]) for n in masters) and all(
-            torch.equal(p, final[_global_name(n, ep, NUM_EXPERTS // 2)]) for n, p in engine.module.named_parameters())
+            torch.equal(p, final[_global_name(n, ep, NUM_EXPERTS // 2)]) for n, p in engine.module.named_parameters()
+        )
         return report
     if phase == "resume":  # fresh processes, other initial weights: everything comes from the files
         engine = _moe_engine(2, seed=9)
@@ -837,7 +919,8 @@ def moe_worker(out: str, phase: str) -> dict:
         saved = _load_tensors(out / f"gathered{SAVE_AT}.safetensors")
         report["async_equal"] = _equal(fe.gather_full(fe.load(engine, out / "ck_async", "t"), engine), saved)
         report["snapshot_equal"] = _equal(
-            fe.gather_full(fe.load(engine, out / "snaps", posthoc.snapshot_tag(SAVE_AT)), engine), saved)
+            fe.gather_full(fe.load(engine, out / "snaps", posthoc.snapshot_tag(SAVE_AT)), engine), saved
+        )
         pieces = posthoc.posthoc_local(out / "snaps", fe.shard_layout(engine), gamma=3.0)
         local = fe.gather_full(fe.EmaState(torch.tensor(STEPS - 2), (pieces,)), engine)
         if rank == 0:
@@ -892,8 +975,10 @@ def moe_worker(out: str, phase: str) -> dict:
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe")
-    runs = [run_ranks("tests.test_model_parallel:moe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
-            for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("ep_changed", 2))]
+    runs = [
+        run_ranks("tests.test_model_parallel:moe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
+        for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("ep_changed", 2))
+    ]
     return (out, *runs)
 
 
@@ -907,8 +992,10 @@ def test_expert_parallel_every_verb(moe_runs):
     covered: set[str] = set()
     for rank, r in enumerate(train):
         assert r["world"] == 4 and r["experts"] == [rank % 2, 2], r["experts"]
-        assert set(experts) <= set(r["names"]) and r["names"] == train[0]["names"], r["names"]  # every expert, same order
-        mine = [n for n in experts if int(n[len(_EXPERTS):].split(".")[0]) // 2 == rank % 2]
+        assert set(experts) <= set(r["names"]) and r["names"] == train[0]["names"], r[
+            "names"
+        ]  # every expert, same order
+        mine = [n for n in experts if int(n[len(_EXPERTS) :].split(".")[0]) // 2 == rank % 2]
         assert set(n for n in r["held"] if n in experts) <= set(mine), (rank, r["held"])  # only its own experts
         assert r["views_of_masters"] and r["collectives_in_update"] == 0, r
         assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"] and r["experts_distinct"], rank
@@ -943,15 +1030,20 @@ def test_expert_parallel_consolidation(moe_runs, tmp_path):
     full = fe.consolidate(out / "ck")
     assert _equal(full, saved)
     assert sorted(n for n in full if n.startswith(_EXPERTS)) == sorted(
-        f"{_EXPERTS}{g}.{w}" for g in range(NUM_EXPERTS) for w in ("weight", "bias"))
+        f"{_EXPERTS}{g}.{w}" for g in range(NUM_EXPERTS) for w in ("weight", "bias")
+    )
     assert _equal(fe.consolidate(out / "ck_async", "t"), saved)
     assert _equal(posthoc.posthoc_offline(out / "snaps", gamma=3.0), _load_tensors(out / "posthoc.safetensors"))
     manifest = fe.checkpoint.read_manifest(out / "ck")
     assert manifest["experts"]["ep_size"] == 2 and [f["ep"] for f in manifest["files"]] == [0, 1, 0, 1]
     tag = manifest["tag"]
-    for i, (edit, field) in enumerate(((lambda m: m["files"][1].update(ep=0), "field 'files[1].ep' says expert-parallel rank 0"),
-                                       (lambda m: m["experts"]["owners"].update({f"{_EXPERTS}0.weight": 1}), "field 'experts'"),
-                                       (lambda m: m["files"][0].update(ep=2), "field 'files[0].ep' must be"))):
+    for i, (edit, field) in enumerate(
+        (
+            (lambda m: m["files"][1].update(ep=0), "field 'files[1].ep' says expert-parallel rank 0"),
+            (lambda m: m["experts"]["owners"].update({f"{_EXPERTS}0.weight": 1}), "field 'experts'"),
+            (lambda m: m["files"][0].update(ep=2), "field 'files[0].ep' must be"),
+        )
+    ):
         bad = tmp_path / f"bad{i}"
         shutil.copytree(out / "ck", bad)
         mpath = bad / tag / "ema_manifest.json"
@@ -968,8 +1060,11 @@ def test_expert_parallel_consolidation(moe_runs, tmp_path):
     m = json.loads((bad / tag / "ema_manifest.json").read_text())
     m["files"][1]["ep"] = 0
     (bad / tag / "ema_manifest.json").write_text(json.dumps(m))
-    with pytest.raises(fe.CheckpointError, match=r"ema_rank_00001_of_00004.*holds elements of expert parameter "
-                                                 r"'moe\.deepspeed_moe\.experts\.deepspeed_experts\.[23]\..*expert-parallel rank 1"):
+    with pytest.raises(
+        fe.CheckpointError,
+        match=r"ema_rank_00001_of_00004.*holds elements of expert parameter "
+        r"'moe\.deepspeed_moe\.experts\.deepspeed_experts\.[23]\..*expert-parallel rank 1",
+    ):
         fe.consolidate(bad, tag)
 
 
@@ -1084,7 +1179,7 @@ class UlyssesAttention(torch.nn.Module):
         self.proj = torch.nn.Linear(hidden, hidden)
 
         def local(q, k, v, *_a, **_k):  # [sequence, batch, heads, head dim]
-            s = torch.einsum("sbhd,tbhd->bhst", q, k) / self.d ** 0.5
+            s = torch.einsum("sbhd,tbhd->bhst", q, k) / self.d**0.5
             return torch.einsum("bhst,tbhd->sbhd", s.softmax(-1), v)
 
         self.attn = DistributedAttention(local, spg)
@@ -1102,8 +1197,9 @@ def _ulysses_engine(seed: int):
 
     mpu = UlyssesMPU(2)
     model = UlyssesAttention(mpu.get_sequence_parallel_group(), seed)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      config=ds_config(2), mpu=mpu)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=ds_config(2), mpu=mpu
+    )
     return engine, mpu
 
 
@@ -1146,7 +1242,9 @@ def ulysses_worker(out: str, phase: str) -> dict:
                 engine.save_checkpoint(str(out / "ck"))
         report["collectives_in_update"] = sent
         final = fe.gather_full(state, engine)
-        report["final_equal_ref"] = _equal(final, ref.emas[0]) and _equal(fe.gather_full(state, engine, index=1), ref.emas[1])
+        report["final_equal_ref"] = _equal(final, ref.emas[0]) and _equal(
+            fe.gather_full(state, engine, index=1), ref.emas[1]
+        )
         if torch.distributed.get_rank() == 0:
             _save_tensors(out / "final.safetensors", final)
         x, _ = _ulysses_batch(mpu, 99)
@@ -1170,12 +1268,18 @@ def test_ulysses_sequence_parallel(tmp_path):
     """DeepSpeed Ulysses (DistributedAttention, sequence parallel 2 x data parallel 2, ZeRO-2, groups from an mpu):
     ZeRO partitions over the sequence-data-parallel group (all 4 ranks), which local_shards reads; the EMA is
     DeepSpeed's full fp32 weights EMA'd in plain torch, bitwise; swapped; saved, resumed in fresh processes, bitwise."""
-    train = run_ranks("tests.test_model_parallel:ulysses_worker", world_size=4, timeout=600, out=str(tmp_path), phase="train")
-    resume = run_ranks("tests.test_model_parallel:ulysses_worker", world_size=4, timeout=600, out=str(tmp_path), phase="resume")
+    train = run_ranks(
+        "tests.test_model_parallel:ulysses_worker", world_size=4, timeout=600, out=str(tmp_path), phase="train"
+    )
+    resume = run_ranks(
+        "tests.test_model_parallel:ulysses_worker", world_size=4, timeout=600, out=str(tmp_path), phase="resume"
+    )
     for r in train:
         assert r["sp"] == 2 and r["world"] == 4 and r["part"] == [0, 1, 0, 1], r
         assert r["collectives_in_update"] == 0 and r["final_equal_ref"], r
         assert r["swapped_equal"] and r["training_refused"], r
-    assert sum(r["held"] for r in train) == sum(t.numel() for t in _load_tensors(tmp_path / "final.safetensors").values())
+    assert sum(r["held"] for r in train) == sum(
+        t.numel() for t in _load_tensors(tmp_path / "final.safetensors").values()
+    )
     for r in resume:
         assert r["loaded_step"] == SAVE_AT and r["continued_bitwise"], r

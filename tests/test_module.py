@@ -139,13 +139,21 @@ def run_checks(model, opt, save_dir: str, rank: int, world: int, make_fresh, ste
     report["load_fused"] = fe.update_info(loaded, fe.local_shards(fresh)).fused
     target = fe.init_ema(fe.local_shards(fresh), num_emas=2)  # load(out=): into the buffers of a state held
     into = fe.load(fresh, save_dir, out=target)
-    report["load_into"] = int(into.step) == step and all(
-        torch.equal(into.emas[k][n], state.emas[k][n]) and into.emas[k][n].data_ptr() == target.emas[k][n].data_ptr()
-        for k in range(2) for n in names
-    ) and fe.update_info(into, fe.local_shards(fresh)).fused
+    report["load_into"] = (
+        int(into.step) == step
+        and all(
+            torch.equal(into.emas[k][n], state.emas[k][n])
+            and into.emas[k][n].data_ptr() == target.emas[k][n].data_ptr()
+            for k in range(2)
+            for n in names
+        )
+        and fe.update_info(into, fe.local_shards(fresh)).fused
+    )
     live_full = fe.gather_full(state, model)
     offline = fe.consolidate(save_dir)
-    report["consolidate_equal"] = sorted(offline) == sorted(live_full) and all(torch.equal(offline[n], live_full[n]) for n in live_full)
+    report["consolidate_equal"] = sorted(offline) == sorted(live_full) and all(
+        torch.equal(offline[n], live_full[n]) for n in live_full
+    )
     return report
 
 
@@ -232,8 +240,14 @@ def ddp_worker(save_dir: str, flat: bool = False) -> dict:
             _train_step(twin, twin_opt, step, dist.get_rank())
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
         flat_info = [moved, same, len(fe.local_shards(model).segments)]
-    report = run_checks(model, opt, save_dir, dist.get_rank(), dist.get_world_size(),
-                        make_fresh=lambda: nn.parallel.DistributedDataParallel(TiedNet()))
+    report = run_checks(
+        model,
+        opt,
+        save_dir,
+        dist.get_rank(),
+        dist.get_world_size(),
+        make_fresh=lambda: nn.parallel.DistributedDataParallel(TiedNet()),
+    )
     layout = fe.shard_layout(model)
     report["layout"] = [layout.rank, layout.world_size, layout.stage, layout.engine]
     files = sorted(p.name for p in (Path(save_dir) / report["tag"]).iterdir())
@@ -244,7 +258,9 @@ def ddp_worker(save_dir: str, flat: bool = False) -> dict:
 
 @pytest.mark.parametrize("flat", [False, True], ids=["own-memory", "flatten_parameters"])
 def test_ddp_two_ranks(tmp_path, flat):
-    reports = run_ranks("tests.test_module:ddp_worker", world_size=2, timeout=300, save_dir=str(tmp_path / "ckpt"), flat=flat)
+    reports = run_ranks(
+        "tests.test_module:ddp_worker", world_size=2, timeout=300, save_dir=str(tmp_path / "ckpt"), flat=flat
+    )
     for rank, rep in enumerate(reports):
         _check(rep, world=2)
         assert rep["layout"] == [rank, 2, 0, "module"]  # replicated: whole parameters on every rank
@@ -282,23 +298,36 @@ def test_deepspeed_zero3_checkpoint_loads_into_a_plain_module(tmp_path):
 
 def test_quickstart_module_example_runs(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "examples/quickstart_module.py", "--out", str(tmp_path / "q")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "examples/quickstart_module.py", "--out", str(tmp_path / "q")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "EMA eval loss" in out.stdout and "consolidated == gathered: True" in out.stdout
 
 
 def test_unknown_objects_get_one_clear_error():
     for bad in (object(), {"w": torch.zeros(2)}, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)):
-        with pytest.raises(TypeError, match=r"it accepts a deepspeed.DeepSpeedEngine .*FSDP2.*DistributedDataParallel.*nn.Module"):
+        with pytest.raises(
+            TypeError, match=r"it accepts a deepspeed.DeepSpeedEngine .*FSDP2.*DistributedDataParallel.*nn.Module"
+        ):
             fe.local_shards(bad)
 
 
 def test_state_of_another_model_is_refused_by_every_verb(tmp_path):
     small, big = nn.Linear(3, 2), nn.Linear(3, 4)
     state = fe.init_ema(fe.local_shards(big))
-    for verb in (lambda: fe.gather_full(state, small), lambda: fe.swapped(small, state).__enter__(),
-                 lambda: fe.save(state, small, tmp_path / "x", tag="t")):
-        with pytest.raises((fe.StateMismatchError, fe.CheckpointError), match=r"'weight'\]\[?.*has 12 elements but .*piece.* 6"):
+    for verb in (
+        lambda: fe.gather_full(state, small),
+        lambda: fe.swapped(small, state).__enter__(),
+        lambda: fe.save(state, small, tmp_path / "x", tag="t"),
+    ):
+        with pytest.raises(
+            (fe.StateMismatchError, fe.CheckpointError), match=r"'weight'\]\[?.*has 12 elements but .*piece.* 6"
+        ):
             verb()
     assert not (tmp_path / "x" / "t" / "ema_manifest.json").exists()

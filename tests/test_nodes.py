@@ -22,7 +22,7 @@ import pytest
 
 from functional_ema._testing.multirank import ROOT, _free_port
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys, torch, torch.distributed as dist
 import functional_ema as fe
 
@@ -53,7 +53,7 @@ sys.stderr.flush()
 # ("terminate called without an active exception", SIGABRT) after all the work is done, and torchrun
 # then reports the node as failed while the other node's agent waits for it.
 os._exit(0)
-'''
+"""
 
 
 def _launch(tmp: Path, node_dirs: list[Path] | None, timeout: float = 240) -> list[dict]:
@@ -65,19 +65,23 @@ def _launch(tmp: Path, node_dirs: list[Path] | None, timeout: float = 240) -> li
     mnt.mkdir(exist_ok=True)
     port = _free_port()
     procs = []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+    )
     for node in (0, 1):
-        run = (f"{Path(sys.executable).parent / 'torchrun'} --nnodes 2 --nproc-per-node 1 --node-rank {node} "
-               f"--master-addr 127.0.0.1 --master-port {port} {script} {mnt / 'ckpt'} {tmp / f'result{node}.json'}")
+        run = (
+            f"{Path(sys.executable).parent / 'torchrun'} --nnodes 2 --nproc-per-node 1 --node-rank {node} "
+            f"--master-addr 127.0.0.1 --master-port {port} {script} {mnt / 'ckpt'} {tmp / f'result{node}.json'}"
+        )
         if node_dirs is not None:
             run = f"mount --bind {node_dirs[node]} {mnt} && exec {run}"
             argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", run]
         else:
             argv = ["sh", "-c", f"exec {run}"]
         log = open(tmp / f"node{node}.log", "wb")
-        procs.append(subprocess.Popen(argv, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(argv, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
     try:
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):  # a node that fails ends the launch at once
@@ -87,7 +91,9 @@ def _launch(tmp: Path, node_dirs: list[Path] | None, timeout: float = 240) -> li
         if any(p.poll() is None for p in procs) and not any(p.poll() not in (None, 0) for p in procs):
             raise subprocess.TimeoutExpired("torchrun", timeout)
     except subprocess.TimeoutExpired:
-        pytest.fail("a node launch timed out:\n" + "\n".join((tmp / f"node{n}.log").read_text()[-3000:] for n in (0, 1)))
+        pytest.fail(
+            "a node launch timed out:\n" + "\n".join((tmp / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
+        )
     finally:
         for p in procs:
             if p.poll() is None:

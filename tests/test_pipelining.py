@@ -135,8 +135,11 @@ def stage_worker(ckpt_dir: str) -> dict:
 @pytest.fixture(scope="module", params=[2, 4], ids=["2_plain_stages", "2_stages_x_fsdp2_dp2"])
 def run(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"pp_{request.param}")
-    return request.param, d, run_ranks("tests.test_pipelining:stage_worker", world_size=request.param, timeout=400,
-                                       ckpt_dir=str(d))
+    return (
+        request.param,
+        d,
+        run_ranks("tests.test_pipelining:stage_worker", world_size=request.param, timeout=400, ckpt_dir=str(d)),
+    )
 
 
 def test_pipeline_stages_every_verb(run):

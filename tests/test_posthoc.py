@@ -86,7 +86,9 @@ def reconstruction_errors(every: int, dtype_name: str, sigma_rel: float, step: i
 
 @pytest.mark.parametrize("sigma_rel", TARGETS)
 @pytest.mark.parametrize(
-    "every, dtype_name", [(1, "float32"), (8, "float32"), (1, "float64")], ids=["every1-fp32", "every8-fp32", "every1-fp64"]
+    "every, dtype_name",
+    [(1, "float32"), (8, "float32"), (1, "float64")],
+    ids=["every1-fp32", "every8-fp32", "every1-fp64"],
 )
 def test_reconstruction_matches_direct_ema(every, dtype_name, sigma_rel):
     # Measured (fp32, every 1): 0.075 -> 8e-6 at step 4096 (64 snapshots each), 8e-5 at step 2048
@@ -109,7 +111,9 @@ def test_per_rank_reconstruction_then_gather_equals_gather_then_reconstruction()
     full = posthoc.reconstruct(snaps, sigma_rel=0.15)
 
     def piece(snap, lo, hi):  # a "rank" holding elements [lo, hi) of each flattened parameter
-        return posthoc.Snapshot(snap.step, snap.gammas, tuple({k: v.reshape(-1)[lo:hi] for k, v in e.items()} for e in snap.emas))
+        return posthoc.Snapshot(
+            snap.step, snap.gammas, tuple({k: v.reshape(-1)[lo:hi] for k, v in e.items()} for e in snap.emas)
+        )
 
     r0 = posthoc.reconstruct([piece(s, 0, 150) for s in snaps], sigma_rel=0.15)
     r1 = posthoc.reconstruct([piece(s, 150, 10**9) for s in snaps], sigma_rel=0.15)
@@ -434,7 +438,10 @@ def test_posthoc_to_file_and_cli(tmp_path, one_rank_engine, capsys):
     from functional_ema.__main__ import main
 
     png = tmp_path / "p.png"
-    assert main(["posthoc", str(snap_dir), str(tmp_path / "cli.safetensors"), "--sigma-rel", "0.12", "--plot", str(png)]) == 0
+    assert (
+        main(["posthoc", str(snap_dir), str(tmp_path / "cli.safetensors"), "--sigma-rel", "0.12", "--plot", str(png)])
+        == 0
+    )
     assert all(torch.equal(t, full[n]) for n, t in load_file(str(tmp_path / "cli.safetensors")).items())
     assert png.stat().st_size > 10_000
     assert "profile error" in capsys.readouterr().out
@@ -538,7 +545,11 @@ def test_two_rank_zero_offline_equals_per_rank_then_gather(tmp_path):
     # blocked in a print and rank 0 in the next reduce-scatter. run_ranks now writes output to files.)
     configs = [(2, 1, 256, 4), (3, 2, 256, 4)]
     results = run_ranks(
-        "tests.test_posthoc:deepspeed_posthoc_worker", world_size=2, timeout=300, snapshot_root=str(tmp_path), configs=configs
+        "tests.test_posthoc:deepspeed_posthoc_worker",
+        world_size=2,
+        timeout=300,
+        snapshot_root=str(tmp_path),
+        configs=configs,
     )
     for reports in results:
         for rep in reports:

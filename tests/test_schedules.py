@@ -71,10 +71,17 @@ def _product(s, start, stop):
 
 @pytest.mark.parametrize(
     "sched",
-    [schedules.power(gamma=6.94), schedules.power(sigma_rel=0.05), schedules.constant(0.999), schedules.half_life(37.5)],
+    [
+        schedules.power(gamma=6.94),
+        schedules.power(sigma_rel=0.05),
+        schedules.constant(0.999),
+        schedules.half_life(37.5),
+    ],
     ids=["power_g6.94", "power_s0.05", "constant", "half_life"],
 )
-@pytest.mark.parametrize("start, stop", [(0, 0), (0, 1), (0, 7), (1, 2), (5, 13), (100, 164), (999, 1000), (1000, 3000)])
+@pytest.mark.parametrize(
+    "start, stop", [(0, 0), (0, 1), (0, 7), (1, 2), (5, 13), (100, 164), (999, 1000), (1000, 3000)]
+)
 def test_interval_closed_form_matches_product(sched, start, stop):
     assert sched.interval(start, stop) == pytest.approx(_product(sched, start, stop), rel=1e-11, abs=1e-300)
 
@@ -216,9 +223,12 @@ def test_schedule_interval_values_checked_naming_the_steps():
         def __repr__(self):
             return "Odd()"
 
-    for value, err, match in [(None, TypeError, "gave None"), ("0.25", TypeError, r"gave '0.25' \(a str\)"),
-                              (torch.ones(3), TypeError, r"gave a Tensor of shape \(3,\) and dtype torch.float32"),
-                              (float("nan"), ValueError, r"gave nan")]:
+    for value, err, match in [
+        (None, TypeError, "gave None"),
+        ("0.25", TypeError, r"gave '0.25' \(a str\)"),
+        (torch.ones(3), TypeError, r"gave a Tensor of shape \(3,\) and dtype torch.float32"),
+        (float("nan"), ValueError, r"gave nan"),
+    ]:
         with pytest.raises(err, match=rf"decay schedule Odd\(\) {match} for steps \(2, 5\]"):
             schedules.interval_decay(Odd(value), 2, 5)
     assert schedules.interval_decay(Odd(torch.tensor(0.25)), 2, 5) == 0.25
@@ -226,8 +236,9 @@ def test_schedule_interval_values_checked_naming_the_steps():
     assert schedules.interval_decay(lambda t: torch.tensor([0.5]), 0, 2) == 0.25
 
 
-@pytest.mark.parametrize("make", [lambda v: schedules.constant(v), lambda v: schedules.litema(v),
-                                  lambda v: schedules.warmup(max_decay=v)])
+@pytest.mark.parametrize(
+    "make", [lambda v: schedules.constant(v), lambda v: schedules.litema(v), lambda v: schedules.warmup(max_decay=v)]
+)
 def test_schedule_decay_arguments_must_be_real_numbers(make):
     for bad in ("0.9", None, True, 0.5j, torch.tensor([0.5, 0.5])):
         with pytest.raises(TypeError, match=r"decay must be a real number in \[0, 1\] \(a float\), got"):

@@ -22,9 +22,10 @@ from . import errors
 from .errors import CheckpointError, CheckpointIOError, CheckpointTimeoutError
 
 #: The library's error classes by name: a rank that learns of another rank's failure raises the same one.
-_LIBRARY_ERRORS: Mapping[str, type[Exception]] = MappingProxyType({
-    name: getattr(module, name) for module in (errors, _errors) for name in module.__all__} | {
-    "TreeMismatchError": TreeMismatchError})
+_LIBRARY_ERRORS: Mapping[str, type[Exception]] = MappingProxyType(
+    {name: getattr(module, name) for module in (errors, _errors) for name in module.__all__}
+    | {"TreeMismatchError": TreeMismatchError}
+)
 _LIBRARY_BASES = (CheckpointError, _errors.MismatchError, _errors.SwappedTrainingError)
 
 
@@ -52,8 +53,9 @@ def io_error(e: OSError, rank: int, path: Path | str, doing: str = "write") -> C
     return err
 
 
-def agree(what: str, fn, group, world: int, rank: int, results: bool = True,
-          fallback: type[Exception] = CheckpointError):
+def agree(
+    what: str, fn, group, world: int, rank: int, results: bool = True, fallback: type[Exception] = CheckpointError
+):
     """Run ``fn()`` on every rank; if it fails anywhere, raise on every rank (no rank is left hanging
     in a later collective). Returns every rank's result (``None`` each with ``results=False``: then
     a success costs one small all-reduce instead of exchanging objects).
@@ -86,12 +88,21 @@ def all_reduce_max(values: list[int], group) -> list[int]:
     """The elementwise maximum over the ranks of ``group`` of a few ints (one small all-reduce on the
     gloo side group, cheaper than exchanging objects)."""
     t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=barrier_group(group, DEFAULT_TIMEOUT_S))  # CPU tensor: the gloo group
+    dist.all_reduce(
+        t, op=dist.ReduceOp.MAX, group=barrier_group(group, DEFAULT_TIMEOUT_S)
+    )  # CPU tensor: the gloo group
     return t.tolist()
 
 
-def settle(what: str, payload: tuple, local_exc: Exception | None, group, world: int, rank: int,
-           fallback: type[Exception] = CheckpointError) -> list:
+def settle(
+    what: str,
+    payload: tuple,
+    local_exc: Exception | None,
+    group,
+    world: int,
+    rank: int,
+    fallback: type[Exception] = CheckpointError,
+) -> list:
     """Exchange the ranks' :func:`run_local` payloads; raise on every rank if any failed (see
     :func:`agree`), else return every rank's result."""
     gathered = exchange(payload, group, world)
@@ -131,7 +142,9 @@ def timeout_s(timeout: float | None) -> float:
     return t
 
 
-_SIDE_GROUPS: dict[tuple[int, ...], Any] = {}  # reason: a gloo side group costs a rendezvous to make, so one is kept per group
+_SIDE_GROUPS: dict[
+    tuple[int, ...], Any
+] = {}  # reason: a gloo side group costs a rendezvous to make, so one is kept per group
 
 
 def barrier_group(group, timeout: float):
@@ -141,7 +154,9 @@ def barrier_group(group, timeout: float):
     ranks = tuple(dist.get_process_group_ranks(g))
     side = _SIDE_GROUPS.get(ranks)
     if side is None:
-        side = dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=timeout), use_local_synchronization=True)
+        side = dist.new_group(
+            list(ranks), backend="gloo", timeout=timedelta(seconds=timeout), use_local_synchronization=True
+        )
         _SIDE_GROUPS[ranks] = side
     return side
 
@@ -153,19 +168,26 @@ def check_reachable(what: str, group, world: int) -> None:
     checkpoint without the other ranks' files."""
     if world <= 1:
         return
-    fix = (f"functional_ema.{what} is collective: call it on every rank while the process group that trains the "
-           "model is up (before destroy_process_group)")
+    fix = (
+        f"functional_ema.{what} is collective: call it on every rank while the process group that trains the "
+        "model is up (before destroy_process_group)"
+    )
     if not dist.is_available() or not dist.is_initialized():
-        raise CheckpointError(f"functional_ema.{what}: the model's layout spans {world} ranks but torch.distributed is not "
-                              f"initialized in this process (destroy_process_group called?). {fix}")
+        raise CheckpointError(
+            f"functional_ema.{what}: the model's layout spans {world} ranks but torch.distributed is not "
+            f"initialized in this process (destroy_process_group called?). {fix}"
+        )
     try:
         size = dist.get_world_size(group)
     except (ValueError, RuntimeError) as e:
-        raise CheckpointError(f"functional_ema.{what}: the model's process group of {world} ranks is no longer usable "
-                              f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}). {fix}") from None
+        raise CheckpointError(
+            f"functional_ema.{what}: the model's process group of {world} ranks is no longer usable "
+            f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}). {fix}"
+        ) from None
     if size != world:
-        raise CheckpointError(f"functional_ema.{what}: the model's layout spans {world} ranks but its process group has "
-                              f"{size}. {fix}")
+        raise CheckpointError(
+            f"functional_ema.{what}: the model's layout spans {world} ranks but its process group has {size}. {fix}"
+        )
 
 
 def arrive(what: str, group, world: int, rank: int, timeout: float | None) -> None:
@@ -248,5 +270,6 @@ def job_of(reading) -> Job:
             f"the model's layout (data parallel {layout.world_size} x {layout.replicas} replica(s) x tensor parallel "
             f"{layout.part.tp_size} x {layout.part.pp_size} pipeline stage(s)) spans {layout.job_ranks} ranks, but the "
             f"job has {dist.get_world_size()}; functional_ema saves and loads HSDP and model-parallel layouts whose mesh "
-            "spans every rank of the job")
+            "spans every rank of the job"
+        )
     return Job(None, dist.get_rank(), dist.get_world_size())

@@ -21,8 +21,14 @@ import torch
 from .. import _io
 from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._tree import short_list as _tree_short_list
-from .errors import (CheckpointNotFoundError, CheckpointVersionError, CorruptCheckpointError, IncompleteCheckpointError,
-                     InvalidTagError, OutputPathError)
+from .errors import (
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InvalidTagError,
+    OutputPathError,
+)
 
 # 4: a model split by tensor or pipeline parallelism: the manifest lists its ``parts`` (one per
 #    tensor-parallel rank and pipeline stage, each with its own world_size, zero_stage, params, files,
@@ -55,7 +61,11 @@ LATEST_NAME = "ema_latest"
 
 
 def _file_name(kind: str, rank: int, world_size: int, generation: int, part: ModelPart | None) -> str:
-    where = "" if part is None or part.whole else f"tp{part.tp:03d}of{part.tp_size:03d}_pp{part.pp:03d}of{part.pp_size:03d}_"
+    where = (
+        ""
+        if part is None or part.whole
+        else f"tp{part.tp:03d}of{part.tp_size:03d}_pp{part.pp:03d}of{part.pp_size:03d}_"
+    )
     suffix = f".gen{generation}" if generation else ""
     return f"{kind}_{where}rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
 
@@ -80,8 +90,12 @@ def file_identity(match: re.Match) -> tuple[ModelPart, int, int, int]:
 
 def is_own_file(name: str) -> bool:
     """Whether ``name`` is one of the files a save writes into a tag folder (or their temporaries)."""
-    return bool(RANK_FILE.match(name) or BUFFER_FILE.match(name) or name in (MANIFEST_NAME, LOCK_NAME, RECORD_NAME)
-                or (_io.is_tmp_name(name) and name.startswith(("ema_", "buffers_", MANIFEST_NAME, RECORD_NAME))))
+    return bool(
+        RANK_FILE.match(name)
+        or BUFFER_FILE.match(name)
+        or name in (MANIFEST_NAME, LOCK_NAME, RECORD_NAME)
+        or (_io.is_tmp_name(name) and name.startswith(("ema_", "buffers_", MANIFEST_NAME, RECORD_NAME)))
+    )
 
 
 # ------------------------------------------------------------------------------- checksummed records
@@ -105,7 +119,9 @@ def read_record(path: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot read it ({e.strerror or e}): restore it or resume from another checkpoint") from None
+        raise CorruptCheckpointError(
+            f"{path}: cannot read it ({e.strerror or e}): restore it or resume from another checkpoint"
+        ) from None
     if size > MAX_EXTRA_BYTES:
         raise CorruptCheckpointError(f"{path} holds {size} bytes, far more than a record: it is damaged")
     try:
@@ -113,14 +129,24 @@ def read_record(path: Path) -> dict | None:
         record = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else type(e).__name__
-        raise CorruptCheckpointError(f"{path} is not a readable JSON record ({why}): the file is damaged; restore it or "
-                                     "resume from another checkpoint") from None
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or not isinstance(record.get("checksum"), str):
-        raise CorruptCheckpointError(f"{path} is not a functional_ema record (no format {RECORD_FORMAT!r} and checksum): "
-                                     "the file is damaged or was replaced")
+        raise CorruptCheckpointError(
+            f"{path} is not a readable JSON record ({why}): the file is damaged; restore it or "
+            "resume from another checkpoint"
+        ) from None
+    if (
+        not isinstance(record, dict)
+        or record.get("format") != RECORD_FORMAT
+        or not isinstance(record.get("checksum"), str)
+    ):
+        raise CorruptCheckpointError(
+            f"{path} is not a functional_ema record (no format {RECORD_FORMAT!r} and checksum): "
+            "the file is damaged or was replaced"
+        )
     if record_bytes(record) != json.dumps(record, sort_keys=True, indent=1).encode():
-        raise CorruptCheckpointError(f"{path}: its checksum does not match its content: the file was damaged or edited "
-                                     "by hand; restore it or resume from another checkpoint")
+        raise CorruptCheckpointError(
+            f"{path}: its checksum does not match its content: the file was damaged or edited "
+            "by hand; restore it or resume from another checkpoint"
+        )
     return record
 
 
@@ -175,8 +201,10 @@ def check_tag(tag: Any, *, saving: bool = True) -> str:
     problem = _tag_problem(tag)
     if problem is None and saving:
         if tag.lower() in _RESERVED_TAGS:
-            problem = ("collides with a file DeepSpeed or functional_ema writes beside the tag folders "
-                       f"(reserved: {', '.join(_RESERVED_TAGS)})")
+            problem = (
+                "collides with a file DeepSpeed or functional_ema writes beside the tag folders "
+                f"(reserved: {', '.join(_RESERVED_TAGS)})"
+            )
         elif RANK_FILE.match(tag) or BUFFER_FILE.match(tag) or _io.is_tmp_name(tag):
             problem = "is the name of one of functional_ema's own files"
     if problem is not None:
@@ -203,7 +231,9 @@ def read_latest(root: Path, latest: Path) -> str:
             "Pass tag=... (or --tag) instead"
         )
     if size > _MAX_LATEST_BYTES:
-        raise InvalidTagError(f"{latest} holds {size} bytes, not one tag name (DeepSpeed writes a single tag): pass tag=...")
+        raise InvalidTagError(
+            f"{latest} holds {size} bytes, not one tag name (DeepSpeed writes a single tag): pass tag=..."
+        )
     try:
         tag = latest.read_bytes().decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -260,7 +290,9 @@ def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | 
         parsed = {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
         header = None if header is None else int(header, 16)
     except (TypeError, ValueError, AttributeError) as e:
-        raise CorruptCheckpointError(f"{where}: unreadable checksums in the manifest ({e!r}); the manifest is damaged") from None
+        raise CorruptCheckpointError(
+            f"{where}: unreadable checksums in the manifest ({e!r}); the manifest is damaged"
+        ) from None
     if algo not in _io.CHECKSUMS:
         raise CheckpointVersionError(
             f"{where}: the manifest's checksums use {algo!r}, which this functional_ema ({library_version()}) cannot compute "
@@ -313,8 +345,10 @@ def manifest_parts(m: dict) -> list[dict]:
     zero_stage, params, files, buffers, buffer_files, tp_dims}``: one (the whole model) before format 4."""
     if m.get("parts") is None:
         return [dict({k: m.get(k) for k in PART_FIELDS}, part=ModelPart(), field="")]
-    return [dict({k: p.get(k) for k in PART_FIELDS}, part=ModelPart(**p["part"]), field=f"parts[{i}].")
-            for i, p in enumerate(m["parts"])]
+    return [
+        dict({k: p.get(k) for k in PART_FIELDS}, part=ModelPart(**p["part"]), field=f"parts[{i}].")
+        for i, p in enumerate(m["parts"])
+    ]
 
 
 def validate_manifest(mpath: Path, m: dict) -> None:
@@ -329,14 +363,16 @@ def validate_manifest(mpath: Path, m: dict) -> None:
         if not ok(m[field]):
             raise _manifest_field_error(mpath, field, want, m[field])
     scheds = m.get("schedules")
-    if scheds is not None and not (isinstance(scheds, list) and len(scheds) == m["num_emas"]
-                                   and all(isinstance(d, dict) for d in scheds)):
+    if scheds is not None and not (
+        isinstance(scheds, list) and len(scheds) == m["num_emas"] and all(isinstance(d, dict) for d in scheds)
+    ):
         raise _manifest_field_error(mpath, "schedules", "null or a list of num_emas objects", scheds)
     v1 = _is_int(m.get("format_version")) and m["format_version"] < 2
     if not v1 and m.get("checksum") not in _io.CHECKSUMS:
         raise CheckpointVersionError(
             f"{mpath}: field 'checksum' is {brief(m.get('checksum'))}, not an algorithm this version reads "
-            f"({sorted(_io.CHECKSUMS)}): upgrade functional_ema, or restore the manifest from a copy")
+            f"({sorted(_io.CHECKSUMS)}): upgrade functional_ema, or restore the manifest from a copy"
+        )
     if "extra" in m and m["extra"] is not None and not isinstance(m["extra"], dict):
         raise _manifest_field_error(mpath, "extra", "null or a JSON object", m["extra"])
     if m.get("parts") is None:
@@ -344,7 +380,9 @@ def validate_manifest(mpath: Path, m: dict) -> None:
         return
     parts = m["parts"]
     if not (_is_int(m.get("format_version"), 4) and isinstance(parts, list) and 1 <= len(parts) <= _MAX_PARTS):
-        raise _manifest_field_error(mpath, "parts", f"a list of 1 to {_MAX_PARTS} model-parallel parts (format 4)", parts)
+        raise _manifest_field_error(
+            mpath, "parts", f"a list of 1 to {_MAX_PARTS} model-parallel parts (format 4)", parts
+        )
     stray = [f for f in PART_FIELDS if f in m]
     if stray:
         raise _manifest_field_error(mpath, stray[0], "absent at the top level of a manifest with 'parts'", m[stray[0]])
@@ -355,21 +393,33 @@ def validate_manifest(mpath: Path, m: dict) -> None:
         if not isinstance(p, dict):
             raise _manifest_field_error(mpath, where, "an object", p)
         c = p.get("part")
-        if not (isinstance(c, dict) and set(c) == {"tp", "tp_size", "pp", "pp_size"}
-                and _is_int(c["tp_size"], 1, _MAX_WORLD) and _is_int(c["pp_size"], 1, _MAX_WORLD)
-                and _is_int(c["tp"], 0, c["tp_size"] - 1) and _is_int(c["pp"], 0, c["pp_size"] - 1)):
-            raise _manifest_field_error(mpath, f"{where}.part", "{tp, tp_size, pp, pp_size}: ints, tp < tp_size, pp < pp_size", c)
+        if not (
+            isinstance(c, dict)
+            and set(c) == {"tp", "tp_size", "pp", "pp_size"}
+            and _is_int(c["tp_size"], 1, _MAX_WORLD)
+            and _is_int(c["pp_size"], 1, _MAX_WORLD)
+            and _is_int(c["tp"], 0, c["tp_size"] - 1)
+            and _is_int(c["pp"], 0, c["pp_size"] - 1)
+        ):
+            raise _manifest_field_error(
+                mpath, f"{where}.part", "{tp, tp_size, pp, pp_size}: ints, tp < tp_size, pp < pp_size", c
+            )
         part = ModelPart(**c)
         if part in seen or (sizes is not None and (part.tp_size, part.pp_size) != sizes):
-            raise _manifest_field_error(mpath, f"{where}.part", "a distinct part of the same tensor- and pipeline-parallel sizes "
-                                        "as the other parts", c)
+            raise _manifest_field_error(
+                mpath,
+                f"{where}.part",
+                "a distinct part of the same tensor- and pipeline-parallel sizes as the other parts",
+                c,
+            )
         seen.add(part)
         sizes = (part.tp_size, part.pp_size)
         _validate_part(mpath, m, p, part, f"{where}.", v1)
     if len(seen) != sizes[0] * sizes[1]:
         raise IncompleteCheckpointError(
             f"{mpath}: field 'parts' lists {len(seen)} model-parallel part(s), but tensor-parallel size {sizes[0]} x pipeline "
-            f"size {sizes[1]} makes {sizes[0] * sizes[1]}: the manifest is damaged or was edited")
+            f"size {sizes[1]} makes {sizes[0] * sizes[1]}: the manifest is damaged or was edited"
+        )
 
 
 def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, v1: bool) -> None:
@@ -381,31 +431,66 @@ def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, 
         ("world_size", lambda v: _is_int(v, 1, _MAX_WORLD), f"an int in [1, {_MAX_WORLD}]"),
         ("zero_stage", lambda v: _is_int(v, 0, 3), "0, 1, 2 or 3"),
         ("params", lambda v: isinstance(v, dict), "an object {parameter name: full shape}"),
-        ("files", lambda v: isinstance(v, list) and 1 <= len(v) <= p["world_size"],
-         "a list of 1 to world_size rank-file entries"),
+        (
+            "files",
+            lambda v: isinstance(v, list) and 1 <= len(v) <= p["world_size"],
+            "a list of 1 to world_size rank-file entries",
+        ),
     ):
         if not ok(p[field]):
             raise _manifest_field_error(mpath, prefix + field, want, p[field])
     for name, shape in p["params"].items():
         if not _is_shape(shape):
             raise _manifest_field_error(mpath, f"{prefix}params[{name!r}]", "a full shape: a list of ints >= 0", shape)
-    _validate_file_entries(mpath, m, p, part, prefix, "files", RANK_FILE, "ema_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
+    _validate_file_entries(
+        mpath,
+        m,
+        p,
+        part,
+        prefix,
+        "files",
+        RANK_FILE,
+        "ema_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors",
+        v1,
+    )
     tp_dims = p.get("tp_dims")
-    if tp_dims is not None and not (isinstance(tp_dims, dict) and set(tp_dims) == set(p["params"]) and all(
-            d is None or (_is_int(d) and d < max(1, len(p["params"][n]))) for n, d in tp_dims.items())):
-        raise _manifest_field_error(mpath, prefix + "tp_dims", "null or {parameter name: a dimension of it, or null} "
-                                    "for every parameter of the part", tp_dims)
+    if tp_dims is not None and not (
+        isinstance(tp_dims, dict)
+        and set(tp_dims) == set(p["params"])
+        and all(d is None or (_is_int(d) and d < max(1, len(p["params"][n]))) for n, d in tp_dims.items())
+    ):
+        raise _manifest_field_error(
+            mpath,
+            prefix + "tp_dims",
+            "null or {parameter name: a dimension of it, or null} for every parameter of the part",
+            tp_dims,
+        )
     _validate_experts(mpath, p, prefix)
     has_files, has_desc = p.get("buffer_files") is not None, p.get("buffers") is not None
     if has_files != has_desc:
-        raise _manifest_field_error(mpath, prefix + ("buffers" if has_files else "buffer_files"),
-                                    "present together with 'buffer_files' and 'buffers'", p.get("buffers" if has_files else "buffer_files"))
+        raise _manifest_field_error(
+            mpath,
+            prefix + ("buffers" if has_files else "buffer_files"),
+            "present together with 'buffer_files' and 'buffers'",
+            p.get("buffers" if has_files else "buffer_files"),
+        )
     if has_files:
         validate_buffers_descriptor(mpath, p, prefix)
         if not (isinstance(p["buffer_files"], list) and 1 <= len(p["buffer_files"]) <= p["world_size"]):
-            raise _manifest_field_error(mpath, prefix + "buffer_files", "a list of 1 to world_size buffer-file entries", p["buffer_files"])
-        _validate_file_entries(mpath, m, p, part, prefix, "buffer_files", BUFFER_FILE,
-                               "buffers_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors", v1)
+            raise _manifest_field_error(
+                mpath, prefix + "buffer_files", "a list of 1 to world_size buffer-file entries", p["buffer_files"]
+            )
+        _validate_file_entries(
+            mpath,
+            m,
+            p,
+            part,
+            prefix,
+            "buffer_files",
+            BUFFER_FILE,
+            "buffers_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors",
+            v1,
+        )
 
 
 def _validate_experts(mpath: Path, p: dict, prefix: str) -> None:
@@ -415,19 +500,35 @@ def _validate_experts(mpath: Path, p: dict, prefix: str) -> None:
     if e is None:
         for i, f in enumerate(p["files"]):
             if "ep" in f:
-                raise _manifest_field_error(mpath, f"{prefix}files[{i}].ep", "absent (the part records no 'experts')", f["ep"])
+                raise _manifest_field_error(
+                    mpath, f"{prefix}files[{i}].ep", "absent (the part records no 'experts')", f["ep"]
+                )
         return
-    if not (isinstance(e, dict) and set(e) == {"ep_size", "owners"} and _is_int(e["ep_size"], 1, _MAX_WORLD)
-            and isinstance(e["owners"], dict)):
-        raise _manifest_field_error(mpath, prefix + "experts", "{ep_size: an int >= 1, owners: {parameter: expert-parallel rank}}", e)
+    if not (
+        isinstance(e, dict)
+        and set(e) == {"ep_size", "owners"}
+        and _is_int(e["ep_size"], 1, _MAX_WORLD)
+        and isinstance(e["owners"], dict)
+    ):
+        raise _manifest_field_error(
+            mpath, prefix + "experts", "{ep_size: an int >= 1, owners: {parameter: expert-parallel rank}}", e
+        )
     for name, owner in e["owners"].items():
         if name not in p["params"] or not _is_int(owner, 0, e["ep_size"] - 1):
-            raise _manifest_field_error(mpath, f"{prefix}experts.owners[{name!r}]",
-                                        f"a parameter of 'params' owned by an expert-parallel rank in [0, {e['ep_size']})", owner)
+            raise _manifest_field_error(
+                mpath,
+                f"{prefix}experts.owners[{name!r}]",
+                f"a parameter of 'params' owned by an expert-parallel rank in [0, {e['ep_size']})",
+                owner,
+            )
     for i, f in enumerate(p["files"]):
         if not _is_int(f.get("ep"), 0, e["ep_size"] - 1):
-            raise _manifest_field_error(mpath, f"{prefix}files[{i}].ep", f"the file's expert-parallel rank, an int in [0, {e['ep_size']})",
-                                        f.get("ep"))
+            raise _manifest_field_error(
+                mpath,
+                f"{prefix}files[{i}].ep",
+                f"the file's expert-parallel rank, an int in [0, {e['ep_size']})",
+                f.get("ep"),
+            )
 
 
 def validate_buffers_descriptor(mpath: Path, p: dict, prefix: str = "") -> None:
@@ -445,7 +546,9 @@ def validate_buffers_descriptor(mpath: Path, p: dict, prefix: str = "") -> None:
             raise _manifest_field_error(mpath, f"{prefix}buffers.{field}", want, d.get(field))
     for name, shape in d["floating"].items():
         if not _is_shape(shape):
-            raise _manifest_field_error(mpath, f"{prefix}buffers.floating[{name!r}]", "a shape: a list of ints >= 0", shape)
+            raise _manifest_field_error(
+                mpath, f"{prefix}buffers.floating[{name!r}]", "a shape: a list of ints >= 0", shape
+            )
     for name, v in d["copied"].items():
         if not (isinstance(v, list) and len(v) == 2 and v[0] in _COPIED_DTYPES and _is_shape(v[1])):
             raise _manifest_field_error(mpath, f"{prefix}buffers.copied[{name!r}]", "[dtype name, shape]", v)
@@ -455,12 +558,17 @@ def validate_buffers_descriptor(mpath: Path, p: dict, prefix: str = "") -> None:
 
 
 def _is_shape(shape: Any) -> bool:
-    return (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(x) for x in shape)
-            and math.prod(shape) <= _MAX_NUMEL)
+    return (
+        isinstance(shape, list)
+        and len(shape) <= _MAX_DIMS
+        and all(_is_int(x) for x in shape)
+        and math.prod(shape) <= _MAX_NUMEL
+    )
 
 
-def _validate_file_entries(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, key: str, pattern: re.Pattern,
-                           form: str, v1: bool) -> None:
+def _validate_file_entries(
+    mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, key: str, pattern: re.Pattern, form: str, v1: bool
+) -> None:
     """The records of ``p[key]`` (``files`` or ``buffer_files`` of one part): the library's own file names
     for their part, rank, world size and generation, distinct ranks, sizes and checksums of the right types."""
     world, generation, seen = p["world_size"], m["generation"], set()
@@ -481,12 +589,21 @@ def _validate_file_entries(mpath: Path, m: dict, p: dict, part: ModelPart, prefi
         seen.add(rank)
         if file_identity(match) != (part, rank, world, generation):
             raise _manifest_field_error(
-                mpath, f"{field}.file", f"the file of rank {rank} of world_size {world}, generation {generation}"
-                + ("" if part.whole else f", {part.describe()}"), name)
+                mpath,
+                f"{field}.file",
+                f"the file of rank {rank} of world_size {world}, generation {generation}"
+                + ("" if part.whole else f", {part.describe()}"),
+                name,
+            )
         if v1:  # format 1: CRC-32 integers
-            sums = (("header_crc32", "tensor_crc32", lambda c: _is_int(c, 0, 2**32 - 1), "a CRC-32 (an int in [0, 2**32))"))
+            sums = (
+                "header_crc32",
+                "tensor_crc32",
+                lambda c: _is_int(c, 0, 2**32 - 1),
+                "a CRC-32 (an int in [0, 2**32))",
+            )
         else:  # formats 2-4: hex strings of the manifest's checksum algorithm
-            sums = (("header_checksum", "tensor_checksums", _is_hex64, f"a {m.get('checksum')} checksum (a hex string)"))
+            sums = ("header_checksum", "tensor_checksums", _is_hex64, f"a {m.get('checksum')} checksum (a hex string)")
         header_key, tensors_key, is_sum, want_sum = sums
         for k, ok, want in (
             ("bytes", _is_int(e.get("bytes")), "an int >= 0"),
@@ -532,7 +649,9 @@ def check_json_metadata(where: str, meta: dict, key: str, manifest: dict) -> Non
         )
 
 
-def parse_layout(where: str, text: Any, manifest: dict, rank: int, ep: int | None = None, entry: str = "files[?]") -> ShardLayout:
+def parse_layout(
+    where: str, text: Any, manifest: dict, rank: int, ep: int | None = None, entry: str = "files[?]"
+) -> ShardLayout:
     """The rank file's ``layout`` metadata, checked against its part of the manifest (``manifest``: one
     entry of :func:`manifest_parts`): same rank, world size, stage, model-parallel part, tensor-parallel
     split and parameters (with their full shapes), every piece inside its parameter. Under expert
@@ -541,8 +660,10 @@ def parse_layout(where: str, text: Any, manifest: dict, rank: int, ep: int | Non
     rank owns."""
 
     def bad(field: str, want: str, got: Any) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: layout metadata field {field!r} must be {want}, got {brief(got)}; "
-                                      "the file is damaged: restore it or load another tag")
+        return CorruptCheckpointError(
+            f"{where}: layout metadata field {field!r} must be {want}, got {brief(got)}; "
+            "the file is damaged: restore it or load another tag"
+        )
 
     try:
         d = json.loads(text) if isinstance(text, str) else None
@@ -575,11 +696,20 @@ def parse_layout(where: str, text: Any, manifest: dict, rank: int, ep: int | Non
             raise bad(f"specs[{n!r}] shape", f"{params[n]}, the shape in the manifest's field 'params'", shape)
         full = math.prod(shape)
         if not (_is_int(off) and _is_int(cnt) and off + cnt <= full):
-            raise bad(f"specs[{n!r}] offset, numel", f"a piece inside the {full} elements of {tuple(shape)}", [off, cnt])
+            raise bad(
+                f"specs[{n!r}] offset, numel", f"a piece inside the {full} elements of {tuple(shape)}", [off, cnt]
+            )
         out[n] = ShardSpec(tuple(shape), off, cnt)
     experts = _parse_experts(where, d.get("experts"), manifest, ep, entry, out, bad)
-    return ShardLayout(rank, manifest["world_size"], manifest["zero_stage"], out, part=part, tp_dims=manifest.get("tp_dims"),
-                       experts=experts)
+    return ShardLayout(
+        rank,
+        manifest["world_size"],
+        manifest["zero_stage"],
+        out,
+        part=part,
+        tp_dims=manifest.get("tp_dims"),
+        experts=experts,
+    )
 
 
 def _parse_experts(where: str, e: Any, manifest: dict, ep: int | None, entry: str, specs: dict[str, ShardSpec], bad):
@@ -594,26 +724,34 @@ def _parse_experts(where: str, e: Any, manifest: dict, ep: int | None, entry: st
         raise CorruptCheckpointError(
             f"{where}: the manifest's field 'experts' (ep_size {want['ep_size']}, {len(want['owners'])} expert parameters "
             f"and the expert-parallel rank of each) differs from the record in this file's header (ep_size {brief(got)}): "
-            "the manifest was edited after the save or mixes two saves; restore it or load another tag")
+            "the manifest was edited after the save or mixes two saves; restore it or load another tag"
+        )
     if e.get("ep") != ep:
         raise CorruptCheckpointError(
             f"{where}: the manifest's field '{entry}.ep' says expert-parallel rank {ep}, but the file's header holds the "
             f"experts of expert-parallel rank {brief(e.get('ep'))}: the manifest was edited or mixes two saves; restore it "
-            "or load another tag")
+            "or load another tag"
+        )
     foreign = [n for n, o in want["owners"].items() if o != ep and specs[n].numel]
     if foreign:
         n = foreign[0]
         raise CorruptCheckpointError(
             f"{where}: it holds elements of expert parameter {n!r}, which the manifest's field 'experts' gives to "
             f"expert-parallel rank {want['owners'][n]}, but this file is expert-parallel rank {ep}'s: the file or "
-            "manifest is damaged or was edited; restore it or load another tag")
+            "manifest is damaged or was edited; restore it or load another tag"
+        )
     return ExpertLayout(int(ep), int(want["ep_size"]), dict(want["owners"]))
 
 
 # ------------------------------------------------------------------------------ outputs of tools
 
 
-_POINTER_FILES = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed 0.19 writes the scripts
+_POINTER_FILES = (
+    "latest",
+    "latest_universal",
+    "zero_to_fp32.py",
+    "zero_to_torch.py",
+)  # DeepSpeed 0.19 writes the scripts
 
 
 def _is_checkpoint_file(name: str) -> bool:
@@ -647,15 +785,21 @@ def check_export_path(out_path: str | os.PathLike, what: str = "export") -> Path
     if real.is_dir():
         raise OutputPathError(f"{what}: refusing to write {shown}: it is a directory; give a .safetensors file name")
     if _is_checkpoint_file(real.name):
-        raise OutputPathError(f"{what}: refusing to write {shown}: that name belongs to a checkpoint's own files, which "
-                              f"an export would replace. {fix}")
+        raise OutputPathError(
+            f"{what}: refusing to write {shown}: that name belongs to a checkpoint's own files, which "
+            f"an export would replace. {fix}"
+        )
     if _looks_like_tag(real.parent):
-        raise OutputPathError(f"{what}: refusing to write {shown}: {real.parent} holds a checkpoint's files (a tag "
-                              f"folder), and an export there would mix with them. {fix}")
+        raise OutputPathError(
+            f"{what}: refusing to write {shown}: {real.parent} holds a checkpoint's files (a tag "
+            f"folder), and an export there would mix with them. {fix}"
+        )
     return out
 
 
-def check_output(out_path: str | os.PathLike, root: str | os.PathLike, tag_dirs: Sequence[Path], overwrite: bool) -> Path:
+def check_output(
+    out_path: str | os.PathLike, root: str | os.PathLike, tag_dirs: Sequence[Path], overwrite: bool
+) -> Path:
     """Refuse an output that would land inside the checkpoint being read, or replace a file unasked.
 
     ``root`` is the checkpoint (or snapshot) directory and ``tag_dirs`` the tag folders being read.
@@ -678,8 +822,10 @@ def check_output(out_path: str | os.PathLike, root: str | os.PathLike, tag_dirs:
             f"{inside} being read, and would replace or add to that checkpoint's files. {fix}"
         )
     first = real_root / real.relative_to(real_root).parts[0] if real_root in real.parents else None
-    if real == real_root or first is not None and (
-        real.name.lower() in _POINTER_FILES and first == real or first != real and _looks_like_tag(first)
+    if (
+        real == real_root
+        or first is not None
+        and (real.name.lower() in _POINTER_FILES and first == real or first != real and _looks_like_tag(first))
     ):
         raise OutputPathError(
             f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the checkpoint "

@@ -14,19 +14,60 @@ import torch
 
 from .. import _io
 from .._layout import ModelPart, ShardLayout, ShardSpec
-from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, CheckpointVersionError,
-                     CorruptCheckpointError, IncompleteCheckpointError)
-from .format import (BUFFERS_FORMAT, manifest_parts, FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE,
-                     brief, check_json_metadata, check_tag, complete_tags, file_checksums, parse_dtype, dtype_name,
-                     library_version, parse_layout, read_latest, short_list, tensor_key, validate_manifest)
+from .errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from .format import (
+    BUFFERS_FORMAT,
+    manifest_parts,
+    FILE_FORMAT,
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    RANK_FILE,
+    brief,
+    check_json_metadata,
+    check_tag,
+    complete_tags,
+    file_checksums,
+    parse_dtype,
+    dtype_name,
+    library_version,
+    parse_layout,
+    read_latest,
+    short_list,
+    tensor_key,
+    validate_manifest,
+)
 
-__all__ = ["CheckpointReader", "JoinedReader", "RecutReader", "locate_checkpoint", "open_checkpoint", "open_parts", "open_joined",
-           "fill_all"]
+__all__ = [
+    "CheckpointReader",
+    "JoinedReader",
+    "RecutReader",
+    "locate_checkpoint",
+    "open_checkpoint",
+    "open_parts",
+    "open_joined",
+    "fill_all",
+]
 
 
 class RankFile:
-    def __init__(self, rank: int, st: _io.SafetensorsFile, layout: ShardLayout, crcs: dict[str, list[int]],
-                 algo: str = _io.CHECKSUM):
+    def __init__(
+        self,
+        rank: int,
+        st: _io.SafetensorsFile,
+        layout: ShardLayout,
+        crcs: dict[str, list[int]],
+        algo: str = _io.CHECKSUM,
+    ):
         self.rank, self.st, self.layout, self.crcs, self.algo = rank, st, layout, crcs, algo
 
 
@@ -44,7 +85,9 @@ class CheckpointReader:
     :meth:`check_index`, :meth:`check_model`, :meth:`close` (or a ``with`` block).
     """
 
-    def __init__(self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[RankFile], part: dict | None = None):
+    def __init__(
+        self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[RankFile], part: dict | None = None
+    ):
         self.root, self.tag, self.tag_dir, self.manifest, self.files = root, tag, tag_dir, manifest, files
         self.partial = False  # True when only some rank files were opened (see open's ``own``)
         self.parts = manifest_parts(manifest)
@@ -70,8 +113,14 @@ class CheckpointReader:
     # -- opening
 
     @classmethod
-    def open(cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True,
-             own: tuple[int, int, int] | None = None, part: ModelPart | None = None) -> "CheckpointReader":
+    def open(
+        cls,
+        checkpoint_dir: str | os.PathLike,
+        tag: str | None,
+        verify: bool = True,
+        own: tuple[int, int, int] | None = None,
+        part: ModelPart | None = None,
+    ) -> "CheckpointReader":
         """Open and validate the manifest and the rank files' headers of one part.
 
         ``part``: which model-parallel part to read (``None``: the only one; a checkpoint of several
@@ -85,7 +134,9 @@ class CheckpointReader:
         return cls._for_part(root, tag, tag_dir, manifest, cls._select(tag_dir, manifest, part), verify, own)
 
     @classmethod
-    def open_parts(cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True) -> list["CheckpointReader"]:
+    def open_parts(
+        cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True
+    ) -> list["CheckpointReader"]:
         """One reader per model-parallel part (one for a whole model), from one reading of the manifest."""
         root, tag, tag_dir, manifest = cls._locate(checkpoint_dir, tag)
         readers: list[CheckpointReader] = []
@@ -110,10 +161,12 @@ class CheckpointReader:
         if part is None:
             raise CheckpointMismatchError(
                 f"{tag_dir / MANIFEST_NAME}: this checkpoint holds {len(parts)} model-parallel parts ({saved}); a reader "
-                "of one part must name it (functional_ema.load does, from the engine), the offline tools read them all")
+                "of one part must name it (functional_ema.load does, from the engine), the offline tools read them all"
+            )
         raise CheckpointMismatchError(
             f"{tag_dir / MANIFEST_NAME}: the EMA was saved with {saved if len(parts) > 1 or not parts[0]['part'].whole else 'no model parallelism'}, "
-            f"and holds no part for {part.describe()} of this run: the model-parallel layout changed")
+            f"and holds no part for {part.describe()} of this run: the model-parallel layout changed"
+        )
 
     @classmethod
     def _locate(cls, checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[Path, str, Path, dict]:
@@ -140,8 +193,10 @@ class CheckpointReader:
                     )
                 tag = read_latest(root, latest)
                 if not tag:
-                    raise CheckpointNotFoundError(f"{latest} is empty (a crash while DeepSpeed wrote it?): pass tag=... "
-                                                  f"Tags here with a complete EMA: {complete_tags(root)}")
+                    raise CheckpointNotFoundError(
+                        f"{latest} is empty (a crash while DeepSpeed wrote it?): pass tag=... "
+                        f"Tags here with a complete EMA: {complete_tags(root)}"
+                    )
                 from_latest = True
             tag = check_tag(tag, saving=False)
             tag_dir = root / tag
@@ -153,20 +208,35 @@ class CheckpointReader:
         mpath = tag_dir / MANIFEST_NAME
         if not mpath.is_file():
             found = sorted(p.name for p in tag_dir.iterdir() if RANK_FILE.match(p.name))
-            what = (f"found {len(found)} EMA rank file(s) {short_list(found, 4)} but the manifest, written last, is missing"
-                    if found else "there are no EMA files at all (was functional_ema.save called for this tag?)")
-            hint = (" 'latest' names this tag: DeepSpeed finished its save but the EMA save did not (call "
-                    "functional_ema.save before engine.save_checkpoint to avoid this)." if from_latest else "")
+            what = (
+                f"found {len(found)} EMA rank file(s) {short_list(found, 4)} but the manifest, written last, is missing"
+                if found
+                else "there are no EMA files at all (was functional_ema.save called for this tag?)"
+            )
+            hint = (
+                " 'latest' names this tag: DeepSpeed finished its save but the EMA save did not (call "
+                "functional_ema.save before engine.save_checkpoint to avoid this)."
+                if from_latest
+                else ""
+            )
             raise IncompleteCheckpointError(
                 f"tag {tag!r} in {root} has no complete EMA checkpoint: {what}.{hint} Load another tag; "
                 f"tags here with a complete EMA: {[t for t in complete_tags(root) if t != tag]}"
             )
         manifest = cls._read_manifest(mpath)
-        missing = [(e, p) for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])
-                   if not (tag_dir / e["file"]).is_file()]
+        missing = [
+            (e, p)
+            for p in manifest_parts(manifest)
+            for e in p["files"] + (p.get("buffer_files") or [])
+            if not (tag_dir / e["file"]).is_file()
+        ]
         if missing:
-            listed = ", ".join(f"{e['file']} (rank {e['rank']} of {p['world_size']}"
-                               + ("" if p["part"].whole else f", {p['part'].describe()}") + ")" for e, p in missing[:4])
+            listed = ", ".join(
+                f"{e['file']} (rank {e['rank']} of {p['world_size']}"
+                + ("" if p["part"].whole else f", {p['part'].describe()}")
+                + ")"
+                for e, p in missing[:4]
+            )
             raise IncompleteCheckpointError(
                 f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} file(s) listed in its manifest: {listed}. "
                 "The folder was copied or pruned partially: restore the file(s) or load another tag"
@@ -174,8 +244,16 @@ class CheckpointReader:
         return root, tag, tag_dir, manifest
 
     @classmethod
-    def _for_part(cls, root: Path, tag: str, tag_dir: Path, manifest: dict, entry: dict, verify: bool,
-                  own: tuple[int, int, int] | None) -> "CheckpointReader":
+    def _for_part(
+        cls,
+        root: Path,
+        tag: str,
+        tag_dir: Path,
+        manifest: dict,
+        entry: dict,
+        verify: bool,
+        own: tuple[int, int, int] | None,
+    ) -> "CheckpointReader":
         entries = entry["files"]
         if own is not None and (int(entry["world_size"]), int(entry["zero_stage"])) == own[1:]:
             entries = [e for e in entries if e["rank"] == own[0]] or entries
@@ -196,24 +274,36 @@ class CheckpointReader:
                 "arbitrary code); pass the checkpoint directory (the one holding 'latest' and the tag folders)"
             )
         if path.name == MANIFEST_NAME:
-            raise CheckpointError(f"{path} is a manifest: pass its folder, {path.parent}, or the checkpoint directory with tag=")
-        raise CheckpointError(f"{path} is a file: pass the checkpoint directory (the one holding 'latest' and the tag folders)")
+            raise CheckpointError(
+                f"{path} is a manifest: pass its folder, {path.parent}, or the checkpoint directory with tag="
+            )
+        raise CheckpointError(
+            f"{path} is a file: pass the checkpoint directory (the one holding 'latest' and the tag folders)"
+        )
 
     @staticmethod
     def _read_manifest(mpath: Path) -> dict:
         size = mpath.stat().st_size
         if size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{mpath} holds {size} bytes, far more than any manifest: it is damaged; load another tag")
+            raise CorruptCheckpointError(
+                f"{mpath} holds {size} bytes, far more than any manifest: it is damaged; load another tag"
+            )
         raw = mpath.read_bytes()
         if _io.looks_like_pickle(raw[:8]):
-            raise CorruptCheckpointError(f"{mpath} is a pickle, not JSON; functional_ema never unpickles. The manifest is damaged")
+            raise CorruptCheckpointError(
+                f"{mpath} is a pickle, not JSON; functional_ema never unpickles. The manifest is damaged"
+            )
         try:
             manifest = json.loads(raw)
         except (ValueError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            raise CorruptCheckpointError(f"{mpath} is not valid JSON ({why}): the manifest is damaged; load another tag") from None
+            raise CorruptCheckpointError(
+                f"{mpath} is not valid JSON ({why}): the manifest is damaged; load another tag"
+            ) from None
         if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-            raise CorruptCheckpointError(f"{mpath} is not a functional_ema manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+            raise CorruptCheckpointError(
+                f"{mpath} is not a functional_ema manifest (format {manifest.get('format') if isinstance(manifest, dict) else None!r})"
+            )
         version = manifest.get("format_version")
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise CorruptCheckpointError(f"{mpath}: bad format_version {version!r}")
@@ -224,17 +314,22 @@ class CheckpointReader:
                 "(pip install -U functional-ema)"
             )
         required = ("tag", "generation", "step", "num_emas", "dtype") + (
-            () if manifest.get("parts") is not None else ("world_size", "zero_stage", "params", "files"))
+            () if manifest.get("parts") is not None else ("world_size", "zero_stage", "params", "files")
+        )
         missing = [k for k in required if k not in manifest]
         if missing:
             raise CorruptCheckpointError(f"{mpath} lacks fields {missing}: the manifest is damaged")
         if manifest.get("chunk_bytes", _io.CHUNK_BYTES) != _io.CHUNK_BYTES:
-            raise CheckpointVersionError(f"{mpath} uses checksum chunks of {brief(manifest['chunk_bytes'])} bytes; this version uses {_io.CHUNK_BYTES}")
+            raise CheckpointVersionError(
+                f"{mpath} uses checksum chunks of {brief(manifest['chunk_bytes'])} bytes; this version uses {_io.CHUNK_BYTES}"
+            )
         validate_manifest(mpath, manifest)
         return manifest
 
     @staticmethod
-    def _open_files(tag: str, tag_dir: Path, manifest: dict, part: dict, verify: bool, entries: list[dict]) -> list[RankFile]:
+    def _open_files(
+        tag: str, tag_dir: Path, manifest: dict, part: dict, verify: bool, entries: list[dict]
+    ) -> list[RankFile]:
         """The rank files of ``entries`` (of one part's ``files``), opened and validated."""
         world = int(part["world_size"])
         dtype_name = manifest["dtype"]
@@ -242,7 +337,9 @@ class CheckpointReader:
         real_tag_dir = tag_dir.resolve()
         for e in entries:
             path, rank = tag_dir / e["file"], int(e["rank"])
-            where = f"{path} (rank {rank} of {world}" + ("" if part["part"].whole else f", {part['part'].describe()}") + ")"
+            where = (
+                f"{path} (rank {rank} of {world}" + ("" if part["part"].whole else f", {part['part'].describe()}") + ")"
+            )
             if path.resolve().parent != real_tag_dir:  # a link to a file elsewhere: never followed
                 raise CorruptCheckpointError(
                     f"{where} is a link to a file outside the tag folder {tag_dir}; functional_ema reads only its own "
@@ -261,10 +358,14 @@ class CheckpointReader:
                 raise CorruptCheckpointError(f"{where}: {err}") from None
             algo, header_sum, crcs = file_checksums(manifest, e, where) if verify else (_io.CHECKSUM, None, {})
             if verify and st.header_checksum(algo) != header_sum:
-                raise CorruptCheckpointError(f"{where}: the header does not match the checksum in the manifest; the file is corrupted")
+                raise CorruptCheckpointError(
+                    f"{where}: the header does not match the checksum in the manifest; the file is corrupted"
+                )
             meta = st.metadata
             if meta.get("format") != FILE_FORMAT:
-                raise CorruptCheckpointError(f"{where} is not a functional_ema EMA file (format {meta.get('format')!r})")
+                raise CorruptCheckpointError(
+                    f"{where} is not a functional_ema EMA file (format {meta.get('format')!r})"
+                )
             try:
                 fversion = int(meta.get("format_version", ""))
             except ValueError:
@@ -274,9 +375,16 @@ class CheckpointReader:
                     f"{where} was written by a newer functional_ema (format version {fversion}; this one reads up to "
                     f"{FORMAT_VERSION}). Upgrade functional_ema (pip install -U functional-ema)"
                 )
-            for field, want in (("tag", manifest["tag"]), ("step", manifest["step"]), ("num_emas", manifest["num_emas"]),
-                                ("world_size", world), ("rank", rank), ("zero_stage", part["zero_stage"]),
-                                ("generation", manifest["generation"]), ("dtype", dtype_name)):
+            for field, want in (
+                ("tag", manifest["tag"]),
+                ("step", manifest["step"]),
+                ("num_emas", manifest["num_emas"]),
+                ("world_size", world),
+                ("rank", rank),
+                ("zero_stage", part["zero_stage"]),
+                ("generation", manifest["generation"]),
+                ("dtype", dtype_name),
+            ):
                 if meta.get(field) != str(want):
                     raise CorruptCheckpointError(
                         f"{where}: metadata {field}={meta.get(field)!r} but the manifest says {want!r}: the file does not "
@@ -287,14 +395,20 @@ class CheckpointReader:
             field = f"{part['field']}files[{part['files'].index(e)}]"
             layout = parse_layout(where, meta.get("layout"), part, rank, e.get("ep"), field)
             dtype = parse_dtype(dtype_name, where)
-            extra = sorted(set(st.tensors) - {tensor_key(k, n) for k in range(int(manifest["num_emas"])) for n in layout.specs})
+            extra = sorted(
+                set(st.tensors) - {tensor_key(k, n) for k in range(int(manifest["num_emas"])) for n in layout.specs}
+            )
             if extra:
-                raise CorruptCheckpointError(f"{where} holds tensors that no EMA of this checkpoint has: {short_list(extra, 4)}")
+                raise CorruptCheckpointError(
+                    f"{where} holds tensors that no EMA of this checkpoint has: {short_list(extra, 4)}"
+                )
             for k in range(int(manifest["num_emas"])):
                 for n, spec in layout.specs.items():
                     entry = st.tensors.get(tensor_key(k, n))
                     if entry is None:
-                        raise CorruptCheckpointError(f"{where} lacks tensor {tensor_key(k, n)!r} (parameter {n!r}, EMA {k})")
+                        raise CorruptCheckpointError(
+                            f"{where} lacks tensor {tensor_key(k, n)!r} (parameter {n!r}, EMA {k})"
+                        )
                     if entry.dtype != dtype:
                         raise CorruptCheckpointError(
                             f"{where}: dtype mismatch for parameter {n!r} (EMA {k}): the file stores {entry.dtype}, the "
@@ -306,7 +420,9 @@ class CheckpointReader:
                             f"{spec.shape}, manifest says shape {part['params'].get(n)}"
                         )
             if verify and set(crcs) != set(st.tensors):
-                raise CorruptCheckpointError(f"{where}: the manifest's checksums name other tensors than the file holds")
+                raise CorruptCheckpointError(
+                    f"{where}: the manifest's checksums name other tensors than the file holds"
+                )
             files.append(RankFile(rank, st, layout, crcs, algo))
         return files
 
@@ -316,7 +432,8 @@ class CheckpointReader:
             return False
         saved = self.files[0].layout.specs
         return saved.keys() == specs.keys() and all(
-            (saved[n].offset, saved[n].numel) == (s.offset, s.numel) for n, s in specs.items())
+            (saved[n].offset, saved[n].numel) == (s.offset, s.numel) for n, s in specs.items()
+        )
 
     def _check_coverage(self) -> None:
         for n, shape in self.shapes.items():
@@ -368,10 +485,16 @@ class CheckpointReader:
                 f"{rank if world_size == self.world_size else 0} (saved at world size {self.world_size}); the manifest is damaged"
             )
         path, r = self.tag_dir / entry["file"], entry["rank"]
-        where = f"{path} (buffers of rank {r} of {self.world_size}" + ("" if self.part.whole else f", {self.part.describe()}") + ")"
+        where = (
+            f"{path} (buffers of rank {r} of {self.world_size}"
+            + ("" if self.part.whole else f", {self.part.describe()}")
+            + ")"
+        )
         if path.resolve().parent != self.tag_dir.resolve():
-            raise CorruptCheckpointError(f"{where} is a link to a file outside the tag folder {self.tag_dir}; functional_ema "
-                                         "reads only its own files inside the tag folder")
+            raise CorruptCheckpointError(
+                f"{where} is a link to a file outside the tag folder {self.tag_dir}; functional_ema "
+                "reads only its own files inside the tag folder"
+            )
         try:
             st = _io.SafetensorsFile(path, expected_size=int(entry["bytes"]))
         except FileNotFoundError:
@@ -381,11 +504,20 @@ class CheckpointReader:
         with st:
             algo, header_sum, crcs = file_checksums(self.manifest, entry, where) if verify else (_io.CHECKSUM, None, {})
             if verify and st.header_checksum(algo) != header_sum:
-                raise CorruptCheckpointError(f"{where}: the header does not match the checksum in the manifest; the file is corrupted")
+                raise CorruptCheckpointError(
+                    f"{where}: the header does not match the checksum in the manifest; the file is corrupted"
+                )
             meta = st.metadata
-            expect = {"format": BUFFERS_FORMAT, "tag": self.manifest["tag"], "step": str(self.step),
-                      "generation": str(self.manifest["generation"]), "rank": str(r), "world_size": str(self.world_size),
-                      "num_emas": str(desc["num_emas"]), "dtype": desc["dtype"]}
+            expect = {
+                "format": BUFFERS_FORMAT,
+                "tag": self.manifest["tag"],
+                "step": str(self.step),
+                "generation": str(self.manifest["generation"]),
+                "rank": str(r),
+                "world_size": str(self.world_size),
+                "num_emas": str(desc["num_emas"]),
+                "dtype": desc["dtype"],
+            }
             for field, want in expect.items():
                 if meta.get(field) != want:
                     raise CorruptCheckpointError(
@@ -393,9 +525,14 @@ class CheckpointReader:
                         "belong to this checkpoint (a copy from another save, rank or world size?)"
                     )
             dtype = parse_dtype(desc["dtype"], where)
-            want_tensors = {tensor_key(k, n): (dtype, tuple(shape)) for k in range(desc["num_emas"])
-                            for n, shape in desc["floating"].items()}
-            want_tensors.update({f"copied.{n}": (getattr(torch, dt), tuple(shape)) for n, (dt, shape) in desc["copied"].items()})
+            want_tensors = {
+                tensor_key(k, n): (dtype, tuple(shape))
+                for k in range(desc["num_emas"])
+                for n, shape in desc["floating"].items()
+            }
+            want_tensors.update(
+                {f"copied.{n}": (getattr(torch, dt), tuple(shape)) for n, (dt, shape) in desc["copied"].items()}
+            )
             if set(st.tensors) != set(want_tensors):
                 raise CorruptCheckpointError(
                     f"{where} holds other tensors than the manifest's field 'buffers' describes: only in the file "
@@ -414,7 +551,9 @@ class CheckpointReader:
                     raise CorruptCheckpointError(f"{where}: the manifest has no checksum for tensor {key!r}")
                 t = torch.empty(shape, dtype=dt)
                 try:
-                    st.read_into(key, t, crcs.get(key) if verify else None, f"[buffers of rank {r}, tag {self.tag!r}]", algo)
+                    st.read_into(
+                        key, t, crcs.get(key) if verify else None, f"[buffers of rank {r}, tag {self.tag!r}]", algo
+                    )
                 except _io.FormatError as err:
                     raise CorruptCheckpointError(f"{err}") from None
                 out[key] = t
@@ -441,17 +580,22 @@ class CheckpointReader:
                 f"tag {self.tag!r} in {self.root} was saved with expert-parallel size (ep_size) {saved}"
                 f"{'' if self.experts else ' (no expert parallelism)'}, and this run has expert-parallel size {mine}"
                 f"{'' if layout.experts is not None else ' (no expert parallelism)'}: load it with the saved ep_size (any "
-                "data-parallel size), or rebuild the weights with functional_ema.consolidate and start a new EMA")
+                "data-parallel size), or rebuild the weights with functional_ema.consolidate and start a new EMA"
+            )
 
     def check_model(self, specs: dict[str, ShardSpec]) -> None:
         saved = self.shapes
         in_model_only = [n for n in specs if n not in saved]
         in_ckpt_only = [n for n in saved if n not in specs]
-        bad_shapes = [(n, saved[n], tuple(specs[n].shape)) for n in specs if n in saved and saved[n] != tuple(specs[n].shape)]
+        bad_shapes = [
+            (n, saved[n], tuple(specs[n].shape)) for n in specs if n in saved and saved[n] != tuple(specs[n].shape)
+        ]
         if not (in_model_only or in_ckpt_only or bad_shapes):
             return
-        lines = [f"the EMA checkpoint (tag {self.tag!r} in {self.root}, {len(saved)} parameters) does not match this model "
-                 f"({len(specs)} trained parameters):"]
+        lines = [
+            f"the EMA checkpoint (tag {self.tag!r} in {self.root}, {len(saved)} parameters) does not match this model "
+            f"({len(specs)} trained parameters):"
+        ]
         if in_model_only:
             lines.append(f"  in the model but not in the checkpoint: {short_list(in_model_only)}")
         if in_ckpt_only:
@@ -498,11 +642,17 @@ class CheckpointReader:
                 raise CorruptCheckpointError(msg if context in msg else f"{msg} {context}") from None
             cursor = upto
         if cursor < stop:  # _check_coverage makes this unreachable for well-formed manifests
-            raise IncompleteCheckpointError(f"tag {self.tag!r}: elements [{cursor}, {stop}) of {name!r} are in no saved piece")
+            raise IncompleteCheckpointError(
+                f"tag {self.tag!r}: elements [{cursor}, {stop}) of {name!r} are in no saved piece"
+            )
 
 
-def fill_all(ckpt: CheckpointReader, jobs: list[tuple[torch.Tensor, int, str, int, int]], verify: bool,
-             threads: int | None = None) -> None:
+def fill_all(
+    ckpt: CheckpointReader,
+    jobs: list[tuple[torch.Tensor, int, str, int, int]],
+    verify: bool,
+    threads: int | None = None,
+) -> None:
     """``ckpt.fill(*job, verify)`` for every job, on ``threads`` threads at once.
 
     Each thread reads (positional reads, GIL released) and hashes its own share of the jobs
@@ -544,8 +694,13 @@ def fill_all(ckpt: CheckpointReader, jobs: list[tuple[torch.Tensor, int, str, in
         raise failures[min(failures)]
 
 
-def open_checkpoint(load_dir, tag: str | None = None, verify: bool = True, layout: ShardLayout | None = None,
-                    part: ModelPart | None = None) -> CheckpointReader:
+def open_checkpoint(
+    load_dir,
+    tag: str | None = None,
+    verify: bool = True,
+    layout: ShardLayout | None = None,
+    part: ModelPart | None = None,
+) -> CheckpointReader:
     """Open and validate a saved checkpoint for reading; use it as a context manager.
 
     Args:
@@ -604,8 +759,9 @@ class JoinedReader:
         tag, root, tag_dir, manifest, step, num_emas, dtype: as for :class:`CheckpointReader`.
     """
 
-    def __init__(self, readers: list[CheckpointReader], tp_dims: dict[str, int | None] | None = None,
-                 tp_rank: int | None = None):
+    def __init__(
+        self, readers: list[CheckpointReader], tp_dims: dict[str, int | None] | None = None, tp_rank: int | None = None
+    ):
         self.readers = readers
         first = readers[0]
         self.tag, self.root, self.tag_dir, self.manifest = first.tag, first.root, first.tag_dir, first.manifest
@@ -613,7 +769,9 @@ class JoinedReader:
         self.world_size, self.stage = first.world_size, first.stage
         tp_size = first.part.tp_size
         if tp_rank is not None and not 0 <= int(tp_rank) < tp_size:
-            raise CheckpointMismatchError(f"tp_rank={tp_rank}, but tag {self.tag!r} was saved with tensor-parallel size {tp_size}")
+            raise CheckpointMismatchError(
+                f"tp_rank={tp_rank}, but tag {self.tag!r} was saved with tensor-parallel size {tp_size}"
+            )
         # name -> (list of (reader, local shape), dim or None): the sources of each output tensor
         self.sources: dict[str, tuple[list[tuple[CheckpointReader, tuple[int, ...]]], int | None]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -626,7 +784,8 @@ class JoinedReader:
                 if list(r.shapes) != names:
                     raise CorruptCheckpointError(
                         f"{self.tag_dir / MANIFEST_NAME}: the tensor-parallel ranks of pipeline stage {pp} hold different "
-                        "parameters; the manifest is damaged")
+                        "parameters; the manifest is damaged"
+                    )
             dims = self._dims(stage, names, tp_dims) if len(stage) > 1 else {n: None for n in names}
             for n in names:
                 if n in self.sources:
@@ -636,9 +795,13 @@ class JoinedReader:
                 shapes = [r.shapes[n] for r in group]
                 full = list(shapes[0])
                 if d is not None:
-                    if any(len(s) != len(full) or any(a != b for i, (a, b) in enumerate(zip(s, full)) if i != d) for s in shapes):
+                    if any(
+                        len(s) != len(full) or any(a != b for i, (a, b) in enumerate(zip(s, full)) if i != d)
+                        for s in shapes
+                    ):
                         raise CheckpointMismatchError(
-                            f"parameter {n!r}: its tensor-parallel slices {shapes} do not join along dimension {d}")
+                            f"parameter {n!r}: its tensor-parallel slices {shapes} do not join along dimension {d}"
+                        )
                     full[d] = sum(s[d] for s in shapes)
                 self.sources[n] = ([(r, r.shapes[n]) for r in group], d)
                 self.shapes[n] = tuple(full)
@@ -647,8 +810,10 @@ class JoinedReader:
         if given is not None:
             missing = [n for n in names if n not in given]
             if missing:
-                raise CheckpointMismatchError(f"tp_dims= does not say how {short_list(missing, 4)} join; give a dimension "
-                                              "(or None for a parameter replicated across tensor-parallel ranks) for each")
+                raise CheckpointMismatchError(
+                    f"tp_dims= does not say how {short_list(missing, 4)} join; give a dimension "
+                    "(or None for a parameter replicated across tensor-parallel ranks) for each"
+                )
             return {n: (None if given[n] is None else int(given[n])) for n in names}
         recorded = [r.tp_dims for r in stage]
         if any(d is None for d in recorded) or any(d != recorded[0] for d in recorded):
@@ -656,14 +821,17 @@ class JoinedReader:
                 f"tag {self.tag!r} was saved with tensor parallelism ({len(stage)} ranks), and how its slices join is "
                 "unknown (the parameters carried no split: no AutoTP layout record, no Megatron attributes "
                 "'tensor_model_parallel'/'partition_dim'). Pass tp_dims={name: dim or None, ...}, or tp_rank=r for one "
-                "rank's slices (the CLI writes one file per tensor-parallel rank then)")
+                "rank's slices (the CLI writes one file per tensor-parallel rank then)"
+            )
         return recorded[0]
 
     def fill(self, dst: torch.Tensor, k: int, name: str, start: int, numel: int, verify: bool) -> None:
         """Write the full EMA ``k`` of ``name`` into the flat ``dst`` (``start`` 0, ``numel`` all of it, as
         :func:`fill_all` passes them), checksums verified."""
         if start != 0 or numel != math.prod(self.shapes[name]) or dst.numel() != numel:
-            raise ValueError(f"a joined reader fills whole parameters; got elements [{start}, {start + numel}) of {name!r}")
+            raise ValueError(
+                f"a joined reader fills whole parameters; got elements [{start}, {start + numel}) of {name!r}"
+            )
         group, d = self.sources[name]
         if d is None:
             reader, shape = group[0]
@@ -707,8 +875,9 @@ class JoinedReader:
         self.close()
 
 
-def open_joined(load_dir, tag: str | None = None, verify: bool = True, tp_dims: dict | None = None,
-                tp_rank: int | None = None) -> JoinedReader:
+def open_joined(
+    load_dir, tag: str | None = None, verify: bool = True, tp_dims: dict | None = None, tp_rank: int | None = None
+) -> JoinedReader:
     """Every part of a saved checkpoint, joined into full parameters (see :class:`JoinedReader`)."""
     readers = CheckpointReader.open_parts(load_dir, tag, verify)
     try:
@@ -745,7 +914,8 @@ class RecutReader:
                 f"tag {self.tag!r} was saved with another model-parallel layout than this run's "
                 f"({self.layout.part.describe()}), and this engine records no tensor-parallel split to cut "
                 f"{name!r} from the full parameter (no AutoTP layout record, no Megatron 'partition_dim'): resume "
-                "with the layout it was saved with")
+                "with the layout it was saved with"
+            )
         return dims[name]
 
     check_experts = CheckpointReader.check_experts
@@ -755,7 +925,8 @@ class RecutReader:
         if missing:
             raise CheckpointMismatchError(
                 f"tag {self.tag!r} in {self.root} (saved with another model-parallel layout) has no EMA of "
-                f"{short_list(missing)}, which {self.layout.part.describe()} of this run trains")
+                f"{short_list(missing)}, which {self.layout.part.describe()} of this run trains"
+            )
         size = self.layout.part.tp_size
         for n, spec in specs.items():
             full, local, d = self.joined.shapes[n], tuple(spec.shape), self._dim(n)
@@ -763,7 +934,8 @@ class RecutReader:
             if tuple(full) != want:
                 raise CheckpointMismatchError(
                     f"parameter {n!r}: its full shape in tag {self.tag!r} is {tuple(full)}, but this rank's slice "
-                    f"{local} of {self.layout.part.describe()} (split along {d}) makes {want}")
+                    f"{local} of {self.layout.part.describe()} (split along {d}) makes {want}"
+                )
 
     def check_index(self, index: int) -> None:
         self.joined.check_index(index)

@@ -26,9 +26,25 @@ from .._state import EmaState
 from ..schedules import as_schedule
 from . import collective
 from .errors import CheckpointError, CheckpointMismatchError
-from .format import (BUFFER_FILE, BUFFERS_FORMAT, FILE_FORMAT, FORMAT_VERSION, LATEST_NAME, LOCK_NAME, MANIFEST_FORMAT,
-                     MANIFEST_NAME, MAX_EXTRA_BYTES, RANK_FILE, WHOLE_FORMAT_VERSION, buffer_file_name, dtype_name,
-                     library_version, manifest_parts, rank_file_name, tensor_key)
+from .format import (
+    BUFFER_FILE,
+    BUFFERS_FORMAT,
+    FILE_FORMAT,
+    FORMAT_VERSION,
+    LATEST_NAME,
+    LOCK_NAME,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MAX_EXTRA_BYTES,
+    RANK_FILE,
+    WHOLE_FORMAT_VERSION,
+    buffer_file_name,
+    dtype_name,
+    library_version,
+    manifest_parts,
+    rank_file_name,
+    tensor_key,
+)
 
 logger = logging.getLogger("functional_ema")
 
@@ -52,8 +68,11 @@ def check_state(state: EmaState, layout: ShardLayout) -> torch.dtype:
     """The EMA dtype of a state to save, once it fits this rank's layout (names, piece lengths, one dtype)."""
     problem = state_problem(state, layout.specs, layout.rank, one_dtype=True)
     if problem:
-        raise problem.error(CheckpointMismatchError, f"save on rank {layout.rank}",
-                            "Save the state made for this model: init_ema(local_shards(model)), update or load")
+        raise problem.error(
+            CheckpointMismatchError,
+            f"save on rank {layout.rank}",
+            "Save the state made for this model: init_ema(local_shards(model)), update or load",
+        )
     for ema in state.emas:
         for t in ema.values():
             return t.dtype
@@ -68,16 +87,20 @@ def describe_buffers(buffers, state: EmaState) -> dict | None:
     from ..buffers import BufferState
 
     if not isinstance(buffers, BufferState):
-        raise TypeError(f"save(buffers=...) takes a functional_ema.buffers.BufferState (from init_buffers / update_buffers / "
-                        f"load_buffers), got {type(buffers).__name__}")
+        raise TypeError(
+            f"save(buffers=...) takes a functional_ema.buffers.BufferState (from init_buffers / update_buffers / "
+            f"load_buffers), got {type(buffers).__name__}"
+        )
     if int(buffers.step) != int(state.step):
         raise CheckpointMismatchError(
             f"save(buffers=...): the buffer state is at step {int(buffers.step)} but the EMA state at step {int(state.step)}; "
             "update both at the same steps (update_buffers with the step given to update) so a resume reads one step"
         )
     if buffers.num_emas != state.num_emas:
-        raise CheckpointMismatchError(f"save(buffers=...): the buffer state tracks {buffers.num_emas} EMA(s) but the EMA "
-                                      f"state {state.num_emas}; make both with the same num_emas")
+        raise CheckpointMismatchError(
+            f"save(buffers=...): the buffer state tracks {buffers.num_emas} EMA(s) but the EMA "
+            f"state {state.num_emas}; make both with the same num_emas"
+        )
     floating: dict[str, list[int]] = {}
     dtypes = set()
     for k, ema in enumerate(buffers.emas):
@@ -85,11 +108,14 @@ def describe_buffers(buffers, state: EmaState) -> dict | None:
             raise CheckpointMismatchError(f"save(buffers=...): buffer EMA {k} holds other names than buffer EMA 0")
         for n, t in ema.items():
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise TypeError(f"save(buffers=...): buffers.emas[{k}][{n!r}] must be a floating tensor, got "
-                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+                raise TypeError(
+                    f"save(buffers=...): buffers.emas[{k}][{n!r}] must be a floating tensor, got "
+                    f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
             if n in floating and floating[n] != list(t.shape):
-                raise CheckpointMismatchError(f"save(buffers=...): buffer {n!r} has shape {list(t.shape)} in EMA {k} but "
-                                              f"{floating[n]} in EMA 0")
+                raise CheckpointMismatchError(
+                    f"save(buffers=...): buffer {n!r} has shape {list(t.shape)} in EMA {k} but {floating[n]} in EMA 0"
+                )
             floating[n] = list(t.shape)
             dtypes.add(t.dtype)
     if len(dtypes) > 1:
@@ -97,13 +123,19 @@ def describe_buffers(buffers, state: EmaState) -> dict | None:
     copied = {}
     for n, t in buffers.copied.items():
         if not isinstance(t, torch.Tensor) or t.dtype not in _io.DTYPE_TO_STR:
-            raise TypeError(f"save(buffers=...): buffers.copied[{n!r}] must be a tensor of a storable dtype, got "
-                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            raise TypeError(
+                f"save(buffers=...): buffers.copied[{n!r}] must be a tensor of a storable dtype, got "
+                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
         if n in floating:
             raise CheckpointMismatchError(f"save(buffers=...): buffer {n!r} is both averaged and copied")
         copied[n] = [dtype_name(t.dtype), list(t.shape)]
-    return {"num_emas": buffers.num_emas, "dtype": dtype_name(dtypes.pop() if dtypes else torch.float32),
-            "floating": dict(sorted(floating.items())), "copied": dict(sorted(copied.items()))}
+    return {
+        "num_emas": buffers.num_emas,
+        "dtype": dtype_name(dtypes.pop() if dtypes else torch.float32),
+        "floating": dict(sorted(floating.items())),
+        "copied": dict(sorted(copied.items())),
+    }
 
 
 def check_extra(extra) -> dict | None:
@@ -115,11 +147,15 @@ def check_extra(extra) -> dict | None:
     try:
         text = json.dumps(extra, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"save(extra=...) must hold JSON values only (str keys; numbers, strings, lists, dicts, "
-                        f"true/false/null; no NaN): {e}") from None
+        raise TypeError(
+            f"save(extra=...) must hold JSON values only (str keys; numbers, strings, lists, dicts, "
+            f"true/false/null; no NaN): {e}"
+        ) from None
     if len(text) > MAX_EXTRA_BYTES:
-        raise ValueError(f"save(extra=...) is {len(text)} bytes as JSON; at most {MAX_EXTRA_BYTES} (it is copied into every "
-                         "rank file's header): keep weights and large data out of it")
+        raise ValueError(
+            f"save(extra=...) is {len(text)} bytes as JSON; at most {MAX_EXTRA_BYTES} (it is copied into every "
+            "rank file's header): keep weights and large data out of it"
+        )
     return json.loads(text)  # a plain copy, as it will read back
 
 
@@ -128,9 +164,17 @@ def plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, buffers=Non
     the tag (see :func:`read_generation`)."""
     dtype = check_state(state, layout)
     schedules = describe_decays(decay, state.num_emas)
-    return {"tag": tag, "step": int(state.step), "num_emas": state.num_emas, "dtype": dtype_name(dtype),
-            "schedules": schedules, "buffers": describe_buffers(buffers, state), "extra": check_extra(extra),
-            "model_parallel": not layout.part.whole, "generation": 0}
+    return {
+        "tag": tag,
+        "step": int(state.step),
+        "num_emas": state.num_emas,
+        "dtype": dtype_name(dtype),
+        "schedules": schedules,
+        "buffers": describe_buffers(buffers, state),
+        "extra": check_extra(extra),
+        "model_parallel": not layout.part.whole,
+        "generation": 0,
+    }
 
 
 def read_generation(tag_dir: Path) -> int:
@@ -154,10 +198,15 @@ def save_files(layout: ShardLayout, generation: int, has_buffers: bool, writes_p
 def part_record(layout: ShardLayout, plan: dict) -> dict:
     """What the manifest says of this rank's model-parallel part (the same on every rank of the part)."""
     experts = layout.experts
-    return {"part": layout.part.to_json_dict(), "world_size": layout.world_size, "zero_stage": layout.stage,
-            "params": {n: list(s.shape) for n, s in layout.specs.items()}, "tp_dims": layout.tp_dims,
-            "buffers": plan["buffers"],
-            "experts": None if experts is None else {"ep_size": experts.ep_size, "owners": dict(experts.owners)}}
+    return {
+        "part": layout.part.to_json_dict(),
+        "world_size": layout.world_size,
+        "zero_stage": layout.stage,
+        "params": {n: list(s.shape) for n, s in layout.specs.items()},
+        "tp_dims": layout.tp_dims,
+        "buffers": plan["buffers"],
+        "experts": None if experts is None else {"ep_size": experts.ep_size, "owners": dict(experts.owners)},
+    }
 
 
 #: The fields of a save's plan every rank must agree on (not the path: mounts may differ between nodes).
@@ -174,7 +223,9 @@ def check_plans(plans: list[dict]) -> None:
         values = [json.dumps(p[field], sort_keys=True) for p in plans]
         if len(set(values)) > 1:
             shown = [p[field] if field in ("tag", "step", "num_emas", "dtype") else v for p, v in zip(plans, values)]
-            raise CheckpointError(f"save: ranks disagree on {field}: {shown}; every rank must save the same state with the same tag")
+            raise CheckpointError(
+                f"save: ranks disagree on {field}: {shown}; every rank must save the same state with the same tag"
+            )
 
 
 def agree_plans(what: str, plan, group, world: int, rank: int, on_failure=None) -> tuple[dict, dict]:
@@ -192,13 +243,16 @@ def agree_plans(what: str, plan, group, world: int, rank: int, on_failure=None) 
         mine = payload[1] if local_exc is None else None
         digest, generation, token = -1, -1, -1
         if mine is not None:
-            agreed = json.dumps([mine[f] for f in _agreed(mine)] + [mine["buffers"] is not None], sort_keys=True).encode()
+            agreed = json.dumps(
+                [mine[f] for f in _agreed(mine)] + [mine["buffers"] is not None], sort_keys=True
+            ).encode()
             digest = xxhash.xxh3_64_intdigest(agreed) >> 2  # in [0, 2**62): its negation fits too
             if rank == 0:
                 generation = mine["generation"]
                 token = int(mine["token"], 16) if mine.get("token") else -1  # only async saves carry one
         failed, high, neg_low, generation, token = collective.all_reduce_max(
-            [int(mine is None), digest, -digest, generation, token], group)
+            [int(mine is None), digest, -digest, generation, token], group
+        )
         if not failed and high == -neg_low:
             first = dict(mine, generation=generation, token=f"{token:016x}" if token >= 0 else None)
             return mine, first
@@ -239,15 +293,21 @@ def _record(w: _io.StreamingWriter, rank: int, path: Path, size: int, ep: int | 
     """A file's manifest record: its rank (and expert-parallel rank, under expert parallelism), name, size
     and checksums (hex strings: JSON-safe beyond 2**53)."""
     hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731
-    record = {"rank": rank, "file": path.name, "bytes": size, "header_checksum": hexa(w.header_checksum),
-              "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()}}
+    record = {
+        "rank": rank,
+        "file": path.name,
+        "bytes": size,
+        "header_checksum": hexa(w.header_checksum),
+        "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()},
+    }
     if ep is not None:
         record["ep"] = ep
     return record
 
 
-def write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, torch.Tensor]], dtype: torch.dtype,
-                    meta: dict[str, str]) -> dict:
+def write_rank_file(
+    path: Path, layout: ShardLayout, emas: Sequence[dict[str, torch.Tensor]], dtype: torch.dtype, meta: dict[str, str]
+) -> dict:
     """Write this rank's file (``emas.<k>.<name>``, atomically) and return its manifest record."""
     names = list(layout.specs)
     entries = [(tensor_key(k, n), dtype, (layout.specs[n].numel,)) for k in range(len(emas)) for n in names]
@@ -262,10 +322,18 @@ def write_rank_file(path: Path, layout: ShardLayout, emas: Sequence[dict[str, to
 def buffer_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
     """The string metadata of one buffer file: what it belongs to (tag, step, generation, rank, world)."""
     version = FORMAT_VERSION if not layout.part.whole else WHOLE_FORMAT_VERSION
-    return {"format": BUFFERS_FORMAT, "format_version": str(version), "library": f"functional_ema {library_version()}",
-            "tag": plan["tag"], "step": str(plan["step"]), "generation": str(generation), "rank": str(layout.rank),
-            "world_size": str(layout.world_size), "num_emas": str(plan["buffers"]["num_emas"]),
-            "dtype": plan["buffers"]["dtype"]}
+    return {
+        "format": BUFFERS_FORMAT,
+        "format_version": str(version),
+        "library": f"functional_ema {library_version()}",
+        "tag": plan["tag"],
+        "step": str(plan["step"]),
+        "generation": str(generation),
+        "rank": str(layout.rank),
+        "world_size": str(layout.world_size),
+        "num_emas": str(plan["buffers"]["num_emas"]),
+        "dtype": plan["buffers"]["dtype"],
+    }
 
 
 def buffer_tensors(buffers, desc: dict) -> list[tuple[str, torch.Tensor]]:
@@ -296,8 +364,10 @@ def build_manifest(plan: dict, records: list[dict], **extra) -> dict:
         key = json.dumps(desc["part"], sort_keys=True)
         entry = by_part.setdefault(key, dict(desc, files=[], buffer_files=[]))
         if any(json.dumps(entry[k], sort_keys=True) != json.dumps(desc[k], sort_keys=True) for k in desc):
-            raise CheckpointError(f"save: the ranks of {ModelPart(**desc['part']).describe()} describe it differently "
-                                  "(parameters, shapes, world size or buffers); every rank of a part must hold the same model")
+            raise CheckpointError(
+                f"save: the ranks of {ModelPart(**desc['part']).describe()} describe it differently "
+                "(parameters, shapes, world size or buffers); every rank of a part must hold the same model"
+            )
         if "file" in r:
             entry["files"].append(r["file"])
         if "buffers" in r:
@@ -320,9 +390,9 @@ def build_manifest(plan: dict, records: list[dict], **extra) -> dict:
         "format_version": WHOLE_FORMAT_VERSION if whole else FORMAT_VERSION,
         "library": f"functional_ema {library_version()}",
         "note": "functional_ema EMA checkpoint: complete because this manifest exists (with every file it lists). "
-                "Each rank file holds 'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata "
-                "says where the piece sits in the full parameter"
-                + ("." if whole else ", and which model-parallel part (tensor-parallel rank, pipeline stage) it holds."),
+        "Each rank file holds 'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata "
+        "says where the piece sits in the full parameter"
+        + ("." if whole else ", and which model-parallel part (tensor-parallel rank, pipeline stage) it holds."),
         "tag": plan["tag"],
         "generation": plan["generation"],
         "step": plan["step"],
@@ -359,7 +429,9 @@ def remove_unlisted(tag_dir: Path, fnames: Sequence[str]) -> None:
         return
     try:
         m = json.loads((tag_dir / MANIFEST_NAME).read_bytes())
-        listed = {e.get("file") for p in (m.get("parts") or [m]) for e in p.get("files", []) + (p.get("buffer_files") or [])}
+        listed = {
+            e.get("file") for p in (m.get("parts") or [m]) for e in p.get("files", []) + (p.get("buffer_files") or [])
+        }
     except Exception:  # noqa: BLE001 - no readable manifest: nothing lists the files
         listed = set()
     for fname in fnames:
@@ -427,7 +499,9 @@ class TagLock:
                 delay = min(2 * delay, 0.05)
                 continue
             except OSError as e:  # a filesystem without flock (some network mounts): go on unlocked, say so
-                logger.warning("functional_ema: cannot lock %s (%s); concurrent saves of this tag are not excluded", path, e)
+                logger.warning(
+                    "functional_ema: cannot lock %s (%s); concurrent saves of this tag are not excluded", path, e
+                )
                 os.close(fd)
                 return cls(tag_dir, None, created)
             try:
@@ -439,7 +513,11 @@ class TagLock:
                 continue
             with contextlib.suppress(OSError):  # who holds it, for another waiter's message (best effort: a full disk)
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, thread {threading.current_thread().name}".encode(), 0)
+                os.pwrite(
+                    fd,
+                    f"pid {os.getpid()} on {socket.gethostname()}, thread {threading.current_thread().name}".encode(),
+                    0,
+                )
             return cls(tag_dir, fd, created)
 
     def release(self, remove_empty: bool = False) -> None:

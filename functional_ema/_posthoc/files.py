@@ -22,7 +22,14 @@ from .._layout import ModelPart, ShardLayout
 from .._state import EmaState
 from .._tree import TreeMismatchError
 from ..schedules import Schedule, gamma_to_sigma_rel, power
-from .profiles import DEFAULT_MAX_PROFILE_ERROR, ReconstructionError, profile_error, resolve_step, solve_coefficients, target_gamma
+from .profiles import (
+    DEFAULT_MAX_PROFILE_ERROR,
+    ReconstructionError,
+    profile_error,
+    resolve_step,
+    solve_coefficients,
+    target_gamma,
+)
 from .synthesis import gammas_and_step, scaled_like
 
 # ----------------------------------------------------------------------------------- snapshot files
@@ -93,7 +100,9 @@ class SnapshotInfo(NamedTuple):
     shapes: dict[str, tuple[int, ...]]
 
 
-def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PREFIX, part: ModelPart | None = None) -> list[SnapshotInfo]:
+def list_snapshots(
+    snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PREFIX, part: ModelPart | None = None
+) -> list[SnapshotInfo]:
     """Complete snapshot checkpoints in ``snapshot_dir`` (tags starting with ``prefix``), by step.
 
     Each is validated (manifest, every rank file's header and checksum, coverage of every
@@ -160,7 +169,6 @@ def list_snapshots(snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PR
     return out
 
 
-
 class _FilePlan(NamedTuple):
     root: Path
     terms: list[tuple[str, int, float]]  # (tag, EMA index, coefficient), nonzero only, by step
@@ -221,7 +229,11 @@ def _stream(
     for group in groups:
         acc = {n: torch.zeros(ranges[n][1], dtype=torch.float64) for n in group}
         for tag, ks in by_tag.items():
-            with (open_checkpoint(plan.root, tag, verify, layout) if layout is not None else open_joined(plan.root, tag, verify)) as ckpt:
+            with (
+                open_checkpoint(plan.root, tag, verify, layout)
+                if layout is not None
+                else open_joined(plan.root, tag, verify)
+            ) as ckpt:
                 for k, c in ks:
                     for n in group:
                         start, numel, _ = ranges[n]

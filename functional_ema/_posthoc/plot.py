@@ -8,6 +8,7 @@ import numpy as np
 
 from .profiles import ProfileComparison, reconstruction_profile
 
+
 def plot_profile(
     snapshot_gammas: Sequence[float],
     snapshot_steps: Sequence[float],
@@ -44,9 +45,7 @@ def plot_profile(
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "plot_profile needs matplotlib: pip install matplotlib (or functional-ema[plot])"
-        ) from e
+        raise ImportError("plot_profile needs matplotlib: pip install matplotlib (or functional-ema[plot])") from e
     prof = reconstruction_profile(
         snapshot_gammas, snapshot_steps, sigma_rel=sigma_rel, gamma=gamma, step=step, coeffs=coeffs, num=num
     )
@@ -56,8 +55,20 @@ def plot_profile(
     )
     try:
         scale = prof.step  # density per unit of relative time: profiles of any length look alike
-        ax.plot(prof.tau, prof.requested * scale, "k--", lw=2, label=f"requested: sigma_rel={prof.sigma_rel:.4g} (gamma={prof.gamma:.4g})")
-        ax.plot(prof.tau, prof.synthesized * scale, color="tab:orange", lw=1.3, label=f"synthesised from {int(np.count_nonzero(prof.coeffs))} snapshots")
+        ax.plot(
+            prof.tau,
+            prof.requested * scale,
+            "k--",
+            lw=2,
+            label=f"requested: sigma_rel={prof.sigma_rel:.4g} (gamma={prof.gamma:.4g})",
+        )
+        ax.plot(
+            prof.tau,
+            prof.synthesized * scale,
+            color="tab:orange",
+            lw=1.3,
+            label=f"synthesised from {int(np.count_nonzero(prof.coeffs))} snapshots",
+        )
         used = np.unique(t[prof.coeffs != 0])
         ax.plot(used, np.zeros_like(used), "|", color="tab:blue", ms=8, label="snapshot steps")
         ax.set_ylabel("weight density \u00d7 step")

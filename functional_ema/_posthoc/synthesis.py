@@ -167,10 +167,14 @@ def reconstruct(
     gammas, steps, trees = [], [], []
     for snap in snapshots:
         if len(snap.gammas) != len(snap.emas):
-            raise ReconstructionError(f"snapshot at step {snap.step} has {len(snap.gammas)} gammas for {len(snap.emas)} EMAs")
+            raise ReconstructionError(
+                f"snapshot at step {snap.step} has {len(snap.gammas)} gammas for {len(snap.emas)} EMAs"
+            )
         for g, tree in zip(snap.gammas, snap.emas):
             gammas.append(g)
             steps.append(snap.step)
             trees.append(tree)
-    x = solve_coefficients(gammas, steps, sigma_rel=sigma_rel, gamma=gamma, step=step, max_profile_error=max_profile_error)
+    x = solve_coefficients(
+        gammas, steps, sigma_rel=sigma_rel, gamma=gamma, step=step, max_profile_error=max_profile_error
+    )
     return synthesize(trees, x, dtype=dtype)

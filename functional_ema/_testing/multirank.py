@@ -54,8 +54,12 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
         # Each rank's async EMA saves must end by then (see _finish_async_saves); a little before the
         # parent's deadline, so that the rank reports it rather than being killed.
         deadline = time.time() + max(0.5 * timeout, timeout - 5)
-        procs, log_paths = spawn_ranks([sys.executable, "-c", "from functional_ema._testing.multirank import _child; _child()", str(args_path)],
-                                       world_size, Path(tmp), env={"FE_DEADLINE": repr(deadline), **(env or {})})
+        procs, log_paths = spawn_ranks(
+            [sys.executable, "-c", "from functional_ema._testing.multirank import _child; _child()", str(args_path)],
+            world_size,
+            Path(tmp),
+            env={"FE_DEADLINE": repr(deadline), **(env or {})},
+        )
         try:
             wait_ranks(procs, log_paths, target, timeout)
         except AssertionError as e:  # add the errors the failed ranks reported
@@ -89,10 +93,16 @@ def spawn_ranks(argv: list[str], world_size: int, tmp: Path, env: dict | None = 
     for rank in range(world_size):
         penv = dict(os.environ)
         penv.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=penv.get("OMP_NUM_THREADS", "1"),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS=penv.get("OMP_NUM_THREADS", "1"),
             PYTHONPATH=os.pathsep.join([str(ROOT), penv.get("PYTHONPATH", "")]),
-            FE_RESULT=str(Path(tmp) / f"result_{rank}.json"), TORCH_EXTENSIONS_DIR=extensions_dir(),
+            FE_RESULT=str(Path(tmp) / f"result_{rank}.json"),
+            TORCH_EXTENSIONS_DIR=extensions_dir(),
         )
         penv.update(env or {})
         # Output goes to a file, not a pipe: a pipe that nobody drains while the parent waits for
@@ -102,8 +112,11 @@ def spawn_ranks(argv: list[str], world_size: int, tmp: Path, env: dict | None = 
         log_paths.append(Path(tmp) / f"output_{rank}.txt")
         try:
             with open(log_paths[-1], "wb") as log:
-                procs.append(subprocess.Popen(argv, env=penv, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        argv, env=penv, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                )
         except BaseException:
             kill_ranks(procs)
             raise
@@ -160,8 +173,10 @@ def _timeout_report(procs, log_paths: list[Path], target: str, world_size: int, 
     time.sleep(2.0)  # let faulthandler write the stacks
     done = {r: p.returncode for r, p in enumerate(procs) if r not in waiting}
     limit = f"{timeout:g} s" if isinstance(timeout, (int, float)) else timeout
-    parts = [f"timeout after {limit} in {target}: rank(s) {waiting} of {world_size} still running "
-             f"(exit codes of the others: {done})"]
+    parts = [
+        f"timeout after {limit} in {target}: rank(s) {waiting} of {world_size} still running "
+        f"(exit codes of the others: {done})"
+    ]
     kill_ranks(procs)
     for r, p in enumerate(procs):
         state = "WAITING at the timeout (its stacks are at the end)" if r in waiting else f"exited {p.returncode}"
@@ -244,8 +259,9 @@ def _finish_async_saves(deadline: float) -> str | None:
         pending = [h for h in pending if not h.done()]
     if not pending:
         return None
-    return ("\nasync EMA save(s) still in flight at the launch's deadline: "
-            + ", ".join(f"step {h.step} into {h.tag_dir}" for h in pending))
+    return "\nasync EMA save(s) still in flight at the launch's deadline: " + ", ".join(
+        f"step {h.step} into {h.tag_dir}" for h in pending
+    )
 
 
 # ------------------------------------------------------------------------------------ killed saves
@@ -294,9 +310,26 @@ def fork_and_kill(body, install, kill_at: int, count_file: Path | None = None, o
 # ------------------------------------------------------------------------------ counting collectives
 
 COLLECTIVES = [
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter",
-    "barrier", "send", "recv", "isend", "irecv", "all_to_all", "all_to_all_single", "batch_isend_irecv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "all_to_all",
+    "all_to_all_single",
+    "batch_isend_irecv",
 ]
 
 
@@ -339,10 +372,30 @@ class CollectiveSpy:
     """
 
     NAMES = [
-        "all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
-        "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object", "broadcast", "broadcast_object_list",
-        "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "send", "recv",
-        "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_coalesced",
+        "all_gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "all_to_all",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "barrier",
+        "monitored_barrier",
     ]
 
     def __init__(self):
@@ -489,8 +542,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: int, tp_size: int, attributes: bool = True):
         super().__init__()
         rows = weight.shape[0] // tp_size
-        self.weight = nn.Parameter(weight[tp * rows:(tp + 1) * rows].clone())
-        self.bias = nn.Parameter(bias[tp * rows:(tp + 1) * rows].clone())
+        self.weight = nn.Parameter(weight[tp * rows : (tp + 1) * rows].clone())
+        self.bias = nn.Parameter(bias[tp * rows : (tp + 1) * rows].clone())
         if attributes:  # Megatron's attributes: how the slices join
             for p in (self.weight, self.bias):
                 p.tensor_model_parallel, p.partition_dim = True, 0
@@ -507,7 +560,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         cols = weight.shape[1] // tp_size
         self.group = group
-        self.weight = nn.Parameter(weight[:, tp * cols:(tp + 1) * cols].clone())
+        self.weight = nn.Parameter(weight[:, tp * cols : (tp + 1) * cols].clone())
         self.bias = nn.Parameter(bias.clone())
         if attributes:
             self.weight.tensor_model_parallel, self.weight.partition_dim = True, 1
@@ -522,8 +575,12 @@ class RowParallelLinear(nn.Module):
 def tp_full_weights(seed: int = 0, d_in: int = 7, hidden: int = 12, d_out: int = 5) -> dict[str, torch.Tensor]:
     """The unsplit weights of :class:`TPMLP` (and of the tensor-parallel pipeline's layers)."""
     g = torch.Generator().manual_seed(seed)
-    return {"w1": torch.randn(hidden, d_in, generator=g) * 0.4, "b1": torch.randn(hidden, generator=g) * 0.1,
-            "w2": torch.randn(d_out, hidden, generator=g) * 0.4, "b2": torch.randn(d_out, generator=g) * 0.1}
+    return {
+        "w1": torch.randn(hidden, d_in, generator=g) * 0.4,
+        "b1": torch.randn(hidden, generator=g) * 0.1,
+        "w2": torch.randn(d_out, hidden, generator=g) * 0.4,
+        "b2": torch.randn(d_out, generator=g) * 0.1,
+    }
 
 
 class TPMLP(nn.Module):
@@ -549,9 +606,13 @@ def pipeline_engine(stages: int = 2, seed: int = 0):
     from deepspeed.pipe import PipelineModule
 
     torch.manual_seed(seed)
-    module = PipelineModule(layers=[nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)], num_stages=stages, loss_fn=nn.MSELoss())
+    module = PipelineModule(
+        layers=[nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)], num_stages=stages, loss_fn=nn.MSELoss()
+    )
     cfg = ds_config(1)
-    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2), config=cfg)
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2), config=cfg
+    )
     return engine
 
 
@@ -581,15 +642,25 @@ def ds_config(stage: int, dtype: str = "fp32", offload: str | None = None, micro
     return cfg
 
 
-def make_engine(stage: int, dtype: str = "fp32", offload: str | None = None, seed: int = 0, model=None, lr: float = 1e-2,
-                mpu=None, **zero_extra):
+def make_engine(
+    stage: int,
+    dtype: str = "fp32",
+    offload: str | None = None,
+    seed: int = 0,
+    model=None,
+    lr: float = 1e-2,
+    mpu=None,
+    **zero_extra,
+):
     """A real DeepSpeed engine over ``OddNet`` (or ``model``) with a client AdamW (and ``mpu=``, if given)."""
     import deepspeed
 
     torch.manual_seed(seed)
     model = model if model is not None else OddNet()
     opt = torch.optim.AdamW(optimized_params(model), lr=lr, weight_decay=0.01)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype, offload, **zero_extra), mpu=mpu)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=opt, config=ds_config(stage, dtype, offload, **zero_extra), mpu=mpu
+    )
     return engine
 
 

@@ -43,4 +43,6 @@ def adapter_for(x: Any) -> Adapter:
         hint = " (this looks like a tree of tensors: pass it to init_ema/update directly; local_shards reads a model)"
     elif isinstance(x, torch.optim.Optimizer):
         hint = " (an optimizer: pass the model or engine it trains)"
-    raise TypeError(f"functional_ema cannot read a {type(x).__module__}.{type(x).__qualname__}{hint}; it accepts {ACCEPTED}")
+    raise TypeError(
+        f"functional_ema cannot read a {type(x).__module__}.{type(x).__qualname__}{hint}; it accepts {ACCEPTED}"
+    )

@@ -51,7 +51,9 @@ class Reading:
 
     __slots__ = ("shards", "layout", "params", "group", "token", "_all_specs")
 
-    def __init__(self, shards: Shards, layout: ShardLayout, params: dict[str, torch.nn.Parameter], group: Any, token: Any):
+    def __init__(
+        self, shards: Shards, layout: ShardLayout, params: dict[str, torch.nn.Parameter], group: Any, token: Any
+    ):
         self.shards, self.layout, self.params, self.group, self.token = shards, layout, params, group, token
         self._all_specs: list[dict[str, ShardSpec]] | None = None  # every rank's specs, exchanged once
 
@@ -222,8 +224,14 @@ def swap_by_copy(reading: Reading, pieces: Mapping[str, torch.Tensor]) -> Iterat
                 target.copy_(live)
 
 
-def gather_pieces(reading: Reading, pieces: Mapping[str, torch.Tensor], *, dst: int | None = None,
-                  device: torch.device | str | None = None, bucket_bytes: int = 256 << 20) -> dict[str, torch.Tensor]:
+def gather_pieces(
+    reading: Reading,
+    pieces: Mapping[str, torch.Tensor],
+    *,
+    dst: int | None = None,
+    device: torch.device | str | None = None,
+    bucket_bytes: int = 256 << 20,
+) -> dict[str, torch.Tensor]:
     """:func:`functional_ema.gather_full` over plain data: a reading's layout and group, and checked pieces
     (a collective over the reading's group)."""
     layout = reading.layout
@@ -233,7 +241,10 @@ def gather_pieces(reading: Reading, pieces: Mapping[str, torch.Tensor], *, dst: 
     if layout.stage == 0 or layout.world_size == 1:  # every rank holds everything
         if dst is not None and layout.rank != dst:
             return {}
-        return {n: pieces[n].detach().reshape(layout.specs[n].shape).to(device or pieces[n].device, copy=True) for n in names}
+        return {
+            n: pieces[n].detach().reshape(layout.specs[n].shape).to(device or pieces[n].device, copy=True)
+            for n in names
+        }
     group = reading.group
     all_specs = reading.all_specs()
     out: dict[str, torch.Tensor] = {}
@@ -246,12 +257,19 @@ def gather_pieces(reading: Reading, pieces: Mapping[str, torch.Tensor], *, dst: 
         sizes = [sum(all_specs[r][n].numel for n in bucket) for r in range(layout.world_size)]
         width = max(sizes)
         send = torch.zeros(width, dtype=dtype, device=comm_device)
-        torch.cat([pieces[n].detach().reshape(-1).to(comm_device) for n in bucket] or [send[:0]], out=send[: sizes[layout.rank]])
+        torch.cat(
+            [pieces[n].detach().reshape(-1).to(comm_device) for n in bucket] or [send[:0]],
+            out=send[: sizes[layout.rank]],
+        )
         if dst is None:
             recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)]
             dist.all_gather(recv, send, group=group)
         else:
-            recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)] if layout.rank == dst else None
+            recv = (
+                [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)]
+                if layout.rank == dst
+                else None
+            )
             dist.gather(send, recv, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
             if layout.rank != dst:
                 continue
@@ -281,8 +299,9 @@ def _buckets(names, all_specs, max_elems):
         yield bucket
 
 
-def join_parts(reading: Reading, part: dict[str, torch.Tensor], *, dst: int | None = None,
-               device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+def join_parts(
+    reading: Reading, part: dict[str, torch.Tensor], *, dst: int | None = None, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
     """The whole model's tensors from every model-parallel part's (``part``: this rank's part, whole, as
     :func:`gather_pieces` returns it on every rank of its data-parallel group). A collective over every
     rank of the job: one rank per part (data-parallel rank 0 of replica 0) sends its part; on ``dst``
@@ -300,10 +319,14 @@ def join_parts(reading: Reading, part: dict[str, torch.Tensor], *, dst: int | No
         raise ValueError(
             f"gather_full(join_parts=True): {layout.part.describe()} records no tensor-parallel split for its parameters "
             "(no AutoTP layout record, no Megatron 'partition_dim'): the slices cannot be joined; gather each part "
-            "(join_parts=False) or consolidate the saved checkpoint with tp_dims=")
+            "(join_parts=False) or consolidate the saved checkpoint with tp_dims="
+        )
     sender = layout.rank == 0 and layout.replica == 0
-    payload = (layout.part.tp, layout.part.pp, dict(layout.tp_dims or {}),
-               {n: t.detach().cpu() for n, t in part.items()}) if sender else None
+    payload = (
+        (layout.part.tp, layout.part.pp, dict(layout.tp_dims or {}), {n: t.detach().cpu() for n, t in part.items()})
+        if sender
+        else None
+    )
     world, me = dist.get_world_size(), dist.get_rank()
     if dst is None:
         gathered: list[Any] = [None] * world
@@ -324,7 +347,9 @@ def join_parts(reading: Reading, part: dict[str, torch.Tensor], *, dst: int | No
         dims, first = slices[0]
         for name, t in first.items():
             if name in out:
-                raise RuntimeError(f"gather_full(join_parts=True): parameter {name!r} is held by more than one pipeline stage")
+                raise RuntimeError(
+                    f"gather_full(join_parts=True): parameter {name!r} is held by more than one pipeline stage"
+                )
             d = dims.get(name)
             whole = t if d is None or len(slices) == 1 else torch.cat([s[1][name] for s in slices], dim=d)
             out[name] = whole.to(device if device is not None else t.device)

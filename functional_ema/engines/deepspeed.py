@@ -60,7 +60,9 @@ class DeepSpeedAdapter(Adapter):
         # DeepSpeed does not move its master buffers in normal training; if it ever does (or the
         # optimizer is replaced), everything is read again.
         opt, ptrs = reading.token
-        return self.target.optimizer is opt and tuple(map(_data_ptr, _master_buffers(opt, reading.layout.stage))) == ptrs
+        return (
+            self.target.optimizer is opt and tuple(map(_data_ptr, _master_buffers(opt, reading.layout.stage))) == ptrs
+        )
 
     def _read(self, previous: Reading | None = None) -> Reading:
         engine = self.target
@@ -84,8 +86,16 @@ class DeepSpeedAdapter(Adapter):
             pieces, params, experts = place_experts(engine, pieces, params)
         shards = shards_from_views([(n, v) for n, (v, _) in pieces.items()])
         part = model_part(engine)
-        layout = ShardLayout(rank, world, stage, {n: s for n, (_, s) in pieces.items()}, engine="deepspeed", part=part,
-                             tp_dims=tp_dims(engine, list(params.items()), part), experts=experts)
+        layout = ShardLayout(
+            rank,
+            world,
+            stage,
+            {n: s for n, (_, s) in pieces.items()},
+            engine="deepspeed",
+            part=part,
+            tp_dims=tp_dims(engine, list(params.items()), part),
+            experts=experts,
+        )
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
     def swap(self, reading: Reading, pieces, state, index: int):
@@ -151,9 +161,16 @@ def model_part(engine) -> ModelPart:
     mpu = getattr(engine, "mpu", None)
     if mpu is None:
         return ModelPart()
-    tp_size = _first(mpu, ("get_tensor_model_parallel_world_size", "get_slice_parallel_world_size",
-                           "get_model_parallel_world_size"), 1)
-    tp = _first(mpu, ("get_tensor_model_parallel_rank", "get_slice_parallel_rank", "get_model_parallel_rank"), 0) if tp_size > 1 else 0
+    tp_size = _first(
+        mpu,
+        ("get_tensor_model_parallel_world_size", "get_slice_parallel_world_size", "get_model_parallel_world_size"),
+        1,
+    )
+    tp = (
+        _first(mpu, ("get_tensor_model_parallel_rank", "get_slice_parallel_rank", "get_model_parallel_rank"), 0)
+        if tp_size > 1
+        else 0
+    )
     if any(c.__name__ == "PipelineEngine" for c in type(engine).__mro__):
         pp, pp_size = int(engine.stage_id), int(engine.num_stages)
     else:
@@ -182,8 +199,12 @@ def tp_dims(engine, named, part: ModelPart) -> dict[str, int | None] | None:
         if isinstance(meta, dict):
             if meta.get("replicated"):
                 dims[name] = None
-            elif (meta.get("partition_dim") is None or meta.get("sub_param_shard_widths") or meta.get("sub_param_sizes")
-                  or (meta.get("conversion") or {}).get("unsupported_reason")):
+            elif (
+                meta.get("partition_dim") is None
+                or meta.get("sub_param_shard_widths")
+                or meta.get("sub_param_sizes")
+                or (meta.get("conversion") or {}).get("unsupported_reason")
+            ):
                 return None
             else:
                 dims[name] = int(meta["partition_dim"])
@@ -215,11 +236,15 @@ def unsupported_reason(engine) -> str | None:
         if reason:
             return reason
     if type(opt).__name__.startswith("MiCS"):  # DeepSpeed < 0.19.8 (later versions refuse the option themselves)
-        return ("ZeRO-3 MiCS (zero_optimization.mics_shard_size) replicates each partition over shard groups, which "
-                "functional_ema does not place yet; use plain ZeRO-3 (ZeRO++ hpZ, zero_hpz_partition_size, works)")
+        return (
+            "ZeRO-3 MiCS (zero_optimization.mics_shard_size) replicates each partition over shard groups, which "
+            "functional_ema does not place yet; use plain ZeRO-3 (ZeRO++ hpZ, zero_hpz_partition_size, works)"
+        )
     if engine.zero_optimization_stage() == 3 and getattr(opt, "params_in_nvme_and_cpu", False):
         return "ZeRO-3 with NVMe offload keeps the fp32 master on disk; functional_ema supports CPU offload only"
-    if engine.zero_optimization_stage() == 3 and any(t.numel() == 0 for t in getattr(opt, "fp32_partitioned_groups_flat", [])):
+    if engine.zero_optimization_stage() == 3 and any(
+        t.numel() == 0 for t in getattr(opt, "fp32_partitioned_groups_flat", [])
+    ):
         return "ZeRO-3 optimizer state is swapped out (NVMe); functional_ema supports CPU offload only"
     return None
 
@@ -234,8 +259,11 @@ _EXPERTS = "deepspeed_moe.experts.deepspeed_experts"
 
 def _moe_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``(name, layer)`` of every ``deepspeed.moe.layer.MoE`` in ``module``."""
-    return [(n, m) for n, m in module.named_modules()
-            if type(m).__name__ == "MoE" and type(m).__module__.startswith("deepspeed.moe")]
+    return [
+        (n, m)
+        for n, m in module.named_modules()
+        if type(m).__name__ == "MoE" and type(m).__module__.startswith("deepspeed.moe")
+    ]
 
 
 def _moe_unsupported(engine) -> str | None:
@@ -243,22 +271,30 @@ def _moe_unsupported(engine) -> str | None:
     layers = _moe_layers(engine.module)
     autoep = [n for n, m in engine.module.named_modules() if type(m).__name__ == "AutoEPMoELayer"]
     if autoep or not layers:
-        return (f"DeepSpeed AutoEP expert parallelism (AutoEPMoELayer {short_list(autoep, 4)}) is not placed by functional_ema (only "
-                "deepspeed.moe.layer.MoE is): the EMA of one expert could be taken for another's")
+        return (
+            f"DeepSpeed AutoEP expert parallelism (AutoEPMoELayer {short_list(autoep, 4)}) is not placed by functional_ema (only "
+            "deepspeed.moe.layer.MoE is): the EMA of one expert could be taken for another's"
+        )
     stage = engine.zero_optimization_stage()
     if stage not in (1, 2):
-        return (f"DeepSpeed MoE with ZeRO stage {stage}: functional_ema places expert parameters on ZeRO stages 1 and 2 "
-                "(stage 0 keeps replicated expert copies it does not place; DeepSpeed refuses native MoE on stage 3)")
+        return (
+            f"DeepSpeed MoE with ZeRO stage {stage}: functional_ema places expert parameters on ZeRO stages 1 and 2 "
+            "(stage 0 keeps replicated expert copies it does not place; DeepSpeed refuses native MoE on stage 3)"
+        )
     sizes = sorted({int(m.ep_size) for _, m in layers})
     if len(sizes) > 1:
-        return (f"DeepSpeed MoE layers with different expert-parallel sizes {sizes} (layers "
-                f"{short_list([n for n, _ in layers], 4)}): functional_ema places one expert-parallel size per model")
+        return (
+            f"DeepSpeed MoE layers with different expert-parallel sizes {sizes} (layers "
+            f"{short_list([n for n, _ in layers], 4)}): functional_ema places one expert-parallel size per model"
+        )
     tensor = [n for n, m in layers if getattr(m, "enable_expert_tensor_parallelism", False)]
     if tensor:
         return f"DeepSpeed MoE with expert tensor parallelism (enable_expert_tensor_parallelism, layers {short_list(tensor, 4)}) is not placed"
     if not model_part(engine).whole:
-        return ("DeepSpeed MoE combined with tensor or pipeline parallelism (an mpu) is not placed by functional_ema yet "
-                f"({model_part(engine).describe()})")
+        return (
+            "DeepSpeed MoE combined with tensor or pipeline parallelism (an mpu) is not placed by functional_ema yet "
+            f"({model_part(engine).describe()})"
+        )
     return None
 
 
@@ -267,8 +303,9 @@ def _ep_rank(layer) -> int:
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
-def place_experts(engine, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], params: dict[str, torch.nn.Parameter]
-                  ) -> tuple[dict[str, tuple[torch.Tensor, ShardSpec]], dict[str, torch.nn.Parameter], ExpertLayout]:
+def place_experts(
+    engine, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], params: dict[str, torch.nn.Parameter]
+) -> tuple[dict[str, tuple[torch.Tensor, ShardSpec]], dict[str, torch.nn.Parameter], ExpertLayout]:
     """Expert parameters renamed from their local to their global expert index, and every other
     expert-parallel rank's experts added with an empty piece (in expert order, where the layer's experts
     are): so one name is one tensor on every rank, and the pieces of each expert tile it over the
@@ -279,7 +316,9 @@ def place_experts(engine, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], par
     local: dict[str, tuple[str, int, int, str]] = {}  # local name -> (layer prefix, local index, L, rest)
     for prefix, m in layers:
         if _ep_rank(m) != ep:
-            raise NotImplementedError(f"DeepSpeed MoE layer {prefix!r}: its expert-parallel rank differs from the other layers'")
+            raise NotImplementedError(
+                f"DeepSpeed MoE layer {prefix!r}: its expert-parallel rank differs from the other layers'"
+            )
         base = f"{prefix}.{_EXPERTS}." if prefix else f"{_EXPERTS}."
         n_local = int(m.num_local_experts)
         for i, expert in enumerate(m.deepspeed_moe.experts.deepspeed_experts):
@@ -311,8 +350,10 @@ def place_experts(engine, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], par
                 if owner == ep:
                     lname = f"{base}{i}.{rest}"
                     if lname not in mine:
-                        raise NotImplementedError(f"DeepSpeed MoE: expert parameter {lname!r} is not trained while "
-                                                  f"{base}0.{rest} is; experts must train alike")
+                        raise NotImplementedError(
+                            f"DeepSpeed MoE: expert parameter {lname!r} is not trained while "
+                            f"{base}0.{rest} is; experts must train alike"
+                        )
                     out[gname] = mine[lname]
                     out_params[gname] = params[lname]
                 else:

@@ -73,8 +73,9 @@ def is_fsdp2(x: Any) -> bool:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without FSDP2
         return False
-    return isinstance(x, torch.nn.Module) and (any(isinstance(m, FSDPModule) for m in x.modules())
-                                               or any(isinstance(p, DTensor) for p in x.parameters()))
+    return isinstance(x, torch.nn.Module) and (
+        any(isinstance(m, FSDPModule) for m in x.modules()) or any(isinstance(p, DTensor) for p in x.parameters())
+    )
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -150,11 +151,13 @@ def _placement(name: str, fp) -> _Placement:
     if not isinstance(info, FSDPMeshInfo):
         raise NotImplementedError(
             f"parameter {name!r} is replicated by FSDP2 without sharding ({type(info).__name__}, placed {placements}); "
-            "functional_ema reads parameters that fully_shard shards (1-D mesh, or HSDP's 2-D mesh)")
+            "functional_ema reads parameters that fully_shard shards (1-D mesh, or HSDP's 2-D mesh)"
+        )
     if fp.fsdp_placement.dim != 0:
         raise NotImplementedError(
             f"parameter {name!r} is a DTensor placed {placements}: FSDP2 shards it along dim {fp.fsdp_placement.dim} "
-            "(shard_placement_fn with Shard(dim>0)); functional_ema reads FSDP2 parameters sharded along dim 0")
+            "(shard_placement_fn with Shard(dim>0)); functional_ema reads FSDP2 parameters sharded along dim 0"
+        )
     hsdp = isinstance(info, HSDPMeshInfo)
     replica, replicas = (info.replicate_mesh_rank, info.replicate_mesh_size) if hsdp else (0, 1)
     tp_mesh, tp_dim = None, None
@@ -165,7 +168,8 @@ def _placement(name: str, fp) -> _Placement:
             raise NotImplementedError(
                 f"parameter {name!r} is a DTensor placed {placements} (before fully_shard: {tp}); functional_ema reads "
                 "FSDP2 over a 1-D tensor-parallel mesh whose parameters are Shard(d) or Replicate() there "
-                "(ColwiseParallel, RowwiseParallel, SequenceParallel)")
+                "(ColwiseParallel, RowwiseParallel, SequenceParallel)"
+            )
         tp_mesh = spec.mesh
         tp_dim = tp[0].dim % fp.sharded_param.ndim if type(tp[0]) is Shard else None
     return _Placement(info.mesh, info.shard_process_group, replica, replicas, tp_mesh, tp_dim)
@@ -187,7 +191,8 @@ def _fsdp_piece(name: str, fp, where: _Placement) -> tuple[torch.Tensor, ShardSp
         raise RuntimeError(
             f"parameter {name!r}: FSDP2's local shard has shape {tuple(local.shape)}, but rank {rank} of {size} holds "
             f"rows [{first}, {first + rows}) of {shape}; the torch FSDP2 internals differ from the ones functional_ema "
-            "was written for")
+            "was written for"
+        )
     if not local.is_contiguous():
         raise RuntimeError(f"parameter {name!r}: FSDP2's local shard is not contiguous (stride {local.stride()})")
     numel = local.numel()
@@ -200,7 +205,8 @@ def _check_same(name: str, first: tuple[str, _Placement], where: _Placement) -> 
     if where.dp_mesh != seen.dp_mesh:
         raise NotImplementedError(
             f"parameter {name!r} is sharded over mesh {where.dp_mesh}, {other!r} over {seen.dp_mesh}; functional_ema "
-            "reads FSDP2 models whose parameters share one data-parallel mesh")
+            "reads FSDP2 models whose parameters share one data-parallel mesh"
+        )
 
 
 def _model_part(read: dict[str, _Placement], names: list[str]) -> tuple[ModelPart, dict | None]:
@@ -214,7 +220,8 @@ def _model_part(read: dict[str, _Placement], names: list[str]) -> tuple[ModelPar
         if w.tp_mesh is not None and w.tp_mesh != tp_mesh:
             raise NotImplementedError(
                 f"parameter {n!r} is split over tensor-parallel mesh {w.tp_mesh}, others over {tp_mesh}; functional_ema "
-                "reads models with one tensor-parallel mesh")
+                "reads models with one tensor-parallel mesh"
+            )
     dims = {n: (read[n].tp_dim if n in read else None) for n in names}
     return ModelPart(tp=tp_mesh.get_local_rank(), tp_size=tp_mesh.size()), dims
 
@@ -228,13 +235,17 @@ def _tensor_parallel_only(name: str, param) -> tuple[torch.Tensor, ShardSpec, _P
     if param.device_mesh.ndim != 1 or type(placements[0]) not in (Shard, Replicate):
         raise NotImplementedError(
             f"parameter {name!r} is a DTensor placed {placements} on a {param.device_mesh.ndim}-D mesh; without "
-            "fully_shard, functional_ema reads tensor-parallel DTensors placed Shard(d) or Replicate() on a 1-D mesh")
+            "fully_shard, functional_ema reads tensor-parallel DTensors placed Shard(d) or Replicate() on a 1-D mesh"
+        )
     local = param._local_tensor
     if not local.is_contiguous():
         raise RuntimeError(f"parameter {name!r}: its local tensor is not contiguous (stride {local.stride()})")
     tp_dim = placements[0].dim % param.ndim if type(placements[0]) is Shard else None
-    return (local.detach(), ShardSpec(tuple(local.shape), 0, local.numel()),
-            _Placement(None, None, 0, 1, param.device_mesh, tp_dim))
+    return (
+        local.detach(),
+        ShardSpec(tuple(local.shape), 0, local.numel()),
+        _Placement(None, None, 0, 1, param.device_mesh, tp_dim),
+    )
 
 
 class FSDP2Adapter(Adapter):
@@ -289,8 +300,17 @@ class FSDP2Adapter(Adapter):
             params[name] = param
         shards = shards_from_views(named_views)
         part, tp_dims = _model_part({n: where[n] for n in specs if n in where}, list(specs))
-        layout = ShardLayout(rank, world, 0 if tp_only else 3, specs, engine="dtensor" if tp_only else "fsdp2", part=part,
-                             tp_dims=tp_dims, replica=replica, replicas=replicas)
+        layout = ShardLayout(
+            rank,
+            world,
+            0 if tp_only else 3,
+            specs,
+            engine="dtensor" if tp_only else "fsdp2",
+            part=part,
+            tp_dims=tp_dims,
+            replica=replica,
+            replicas=replicas,
+        )
         _count_replacements()
         token = _Token([p for p in params.values() if isinstance(p, DTensor)], managed, plain, frozen)
         return Reading(shards, layout, params, group if world > 1 else None, token)
@@ -304,7 +324,9 @@ class FSDP2Adapter(Adapter):
 
 # How many times FSDP2 has replaced a sharded parameter or its local tensor in this process (see
 # _count_replacements); None until counting is installed (then readings compare each parameter).
-_REPLACEMENTS: list[int | None] = [None]  # reason: one process-wide count (an int, holds no object) of FSDP2's replacements
+_REPLACEMENTS: list[int | None] = [
+    None
+]  # reason: one process-wide count (an int, holds no object) of FSDP2's replacements
 _SEEN = "_functional_ema_local"  # FSDPParam attribute: the local tensor last seen by a reading or a reset
 
 
@@ -326,6 +348,7 @@ def _count_replacements() -> None:
     if original is None:  # pragma: no cover
         return
     if not getattr(original, "_functional_ema_counts", False):
+
         @functools.wraps(original)
         def reset_sharded_param(self, *args, **kwargs):
             # ``_apply`` swaps local tensors before it calls this, so compare with the local tensor a
@@ -336,7 +359,11 @@ def _count_replacements() -> None:
                 return original(self, *args, **kwargs)
             finally:
                 after = (self.sharded_param, getattr(self.sharded_param, "_local_tensor", None))
-                if after[0] is not before[0] or after[1] is not before[1] or (seen is not None and before[1] is not seen):
+                if (
+                    after[0] is not before[0]
+                    or after[1] is not before[1]
+                    or (seen is not None and before[1] is not seen)
+                ):
                     _REPLACEMENTS[0] = (_REPLACEMENTS[0] or 0) + 1
                 setattr(self, _SEEN, after[1])
 
@@ -392,8 +419,11 @@ class _Token:
     def current(self) -> bool:
         return (
             not self.loaded
-            and (_REPLACEMENTS[0] == self.replacements if self.replacements is not None
-                 else all(map(operator.is_, map(_local_tensor_of, self.read), self.locals)))
+            and (
+                _REPLACEMENTS[0] == self.replacements
+                if self.replacements is not None
+                else all(map(operator.is_, map(_local_tensor_of, self.read), self.locals))
+            )
             and all(mod._parameters.get(attr) is p for mod, attr, p in self.plain)
             and tuple(map(_memory_of, (p for _, _, p in self.plain))) == self.ptrs
             and not any_requires_grad(*self.frozen)
@@ -518,7 +548,9 @@ def flatten_local_shards(model: torch.nn.Module) -> int:
         by_kind.setdefault((data.device, data.dtype, data.is_pinned()), []).append(fp)
     with torch.no_grad():
         for (device, dtype, pinned), group in by_kind.items():
-            flat = torch.empty(sum(fp._sharded_param_data.numel() for fp in group), dtype=dtype, device=device, pin_memory=pinned)
+            flat = torch.empty(
+                sum(fp._sharded_param_data.numel() for fp in group), dtype=dtype, device=device, pin_memory=pinned
+            )
             cursor = 0
             for fp in group:
                 old = fp._sharded_param_data

@@ -48,8 +48,16 @@ class _Check(NamedTuple):
         param_dicts = tuple(m._parameters for m in mods)
         module_dicts = tuple(m._modules for m in mods)
         trained = tuple(params.values())
-        return cls(trained, tuple(map(_data_ptr, trained)), tuple(owners), tuple(names), frozen,
-                   param_dicts, module_dicts, sum(map(len, param_dicts)) + sum(map(len, module_dicts)))
+        return cls(
+            trained,
+            tuple(map(_data_ptr, trained)),
+            tuple(owners),
+            tuple(names),
+            frozen,
+            param_dicts,
+            module_dicts,
+            sum(map(len, param_dicts)) + sum(map(len, module_dicts)),
+        )
 
 
 def is_ddp(x: Any) -> bool:
@@ -96,8 +104,13 @@ class ModuleAdapter(Adapter):
         specs = {n: ShardSpec(tuple(p.shape), 0, p.numel()) for n, p in named}
         shards = shards_from_views([(n, p) for n, p in named])
         params = dict(named)
-        return Reading(shards, ShardLayout(rank, world, 0, specs, engine="module"), params, group if world > 1 else None,
-                       _Check.of(self.module(), params))
+        return Reading(
+            shards,
+            ShardLayout(rank, world, 0, specs, engine="module"),
+            params,
+            group if world > 1 else None,
+            _Check.of(self.module(), params),
+        )
 
 
 def flatten_parameters(model: torch.nn.Module) -> int:

@@ -50,8 +50,10 @@ class PipelineStageAdapter(Adapter):
         reading = inner.read()
         layout = reading.layout
         if layout.part.pp_size != 1:
-            raise NotImplementedError(f"the module of pipeline stage {stage.stage_index} is itself split into pipeline "
-                                      "stages; functional_ema reads one pipeline split")
+            raise NotImplementedError(
+                f"the module of pipeline stage {stage.stage_index} is itself split into pipeline "
+                "stages; functional_ema reads one pipeline split"
+            )
         part = layout.part._replace(pp=int(stage.stage_index), pp_size=int(stage.num_stages))
         staged = layout._replace(part=part)
         if dist.is_initialized():
@@ -61,7 +63,8 @@ class PipelineStageAdapter(Adapter):
                     f"pipeline stage {stage.stage_index} of {stage.num_stages}: its module is read as data parallel "
                     f"{layout.world_size} x {layout.replicas} replica(s) x tensor parallel {part.tp_size}, which with the "
                     f"stages makes {ranks} ranks, but the job has {dist.get_world_size()}; functional_ema reads one stage "
-                    "per rank, each stage's ranks sharding its module (fully_shard) or holding it alone")
+                    "per rank, each stage's ranks sharding its module (fully_shard) or holding it alone"
+                )
         return Reading(reading.shards, staged, reading.params, reading.group, (inner, reading))
 
     def _is_current(self, reading: Reading) -> bool:

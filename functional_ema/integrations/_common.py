@@ -43,8 +43,14 @@ from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
 from functional_ema._core import check_ema_dtype
 from functional_ema._checkpoint.collective import agree, io_error, job_of, timeout_s
-from functional_ema._checkpoint.format import (MANIFEST_NAME, RECORD_NAME, check_export_path, manifest_parts,
-                                               read_record, record_bytes)
+from functional_ema._checkpoint.format import (
+    MANIFEST_NAME,
+    RECORD_NAME,
+    check_export_path,
+    manifest_parts,
+    read_record,
+    record_bytes,
+)
 from functional_ema._checkpoint.reader import locate_checkpoint
 from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
 from functional_ema._io import atomic_write_bytes
@@ -147,8 +153,10 @@ class EMAController:
             # (a bare float would be read as a sigma_rel by posthoc.snapshot_gammas).
             bad = [d for d in self.decays if not isinstance(getattr(d, "gamma", None), (int, float))]
             if bad:
-                raise TypeError(f"post-hoc snapshots need power EMAs (fe.schedules.power(sigma_rel=...)) for every decay; "
-                                f"got {bad!r}")
+                raise TypeError(
+                    f"post-hoc snapshots need power EMAs (fe.schedules.power(sigma_rel=...)) for every decay; "
+                    f"got {bad!r}"
+                )
         self.every_n_steps, self.start_step, self.buffers = every_n_steps, start_step, buffers
         self.eval_index, self.tag = eval_index, tag
         self.dtype = check_ema_dtype(dtype)  # refused here, not at the first optimizer step
@@ -222,10 +230,16 @@ class EMAController:
 
     def _record(self, framework_step: int) -> dict:
         """What a resume checks: the framework's step and the rules that give the EMA's step from it."""
-        return {"integration": 1, "framework_step": int(framework_step), "started": self.state is not None,
-                "ema_step": None if self.state is None else int(self.state.step), "num_emas": self.num_emas,
-                "buffers": self.buffers if self.buffer_state is not None else None,
-                "every_n_steps": self.every_n_steps, "start_step": self.start_step}
+        return {
+            "integration": 1,
+            "framework_step": int(framework_step),
+            "started": self.state is not None,
+            "ema_step": None if self.state is None else int(self.state.step),
+            "num_emas": self.num_emas,
+            "buffers": self.buffers if self.buffer_state is not None else None,
+            "every_n_steps": self.every_n_steps,
+            "start_step": self.start_step,
+        }
 
     def save(self, x: Any, save_dir: str | os.PathLike, framework_step: int) -> Path:
         """Write every rank's pieces (and buffers) into ``save_dir/<tag>/``. Collective: call on every rank.
@@ -242,7 +256,9 @@ class EMAController:
             self._save_unstarted(x, tag_dir, record)
             return tag_dir
         if self._saver is not None:  # manifest last, in the background
-            self._saver.save(self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record)
+            self._saver.save(
+                self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record
+            )
             return tag_dir
         fe.save(self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record)
         if _rank() == 0 and (tag_dir / RECORD_NAME).exists():
@@ -303,14 +319,17 @@ class EMAController:
         def decide():
             record = read_record(tag_dir / RECORD_NAME)
             if record is not None and record.get("started") is not False:
-                raise fe.checkpoint.CorruptCheckpointError(f"{tag_dir / RECORD_NAME}: a record beside an EMA must say "
-                                                           "'started': false; the file is damaged")
+                raise fe.checkpoint.CorruptCheckpointError(
+                    f"{tag_dir / RECORD_NAME}: a record beside an EMA must say 'started': false; the file is damaged"
+                )
             generation, buffers = None, False
             if (tag_dir / MANIFEST_NAME).is_file():  # the manifest alone (validated); the load reads the files
                 *_, manifest = locate_checkpoint(load_dir, self.tag)
                 generation = int(manifest["generation"])
                 buffers = all(p.get("buffer_files") is not None for p in manifest_parts(manifest))
-            if record is not None and (generation is None or _int_field(record, "supersedes_generation", tag_dir) >= generation):
+            if record is not None and (
+                generation is None or _int_field(record, "supersedes_generation", tag_dir) >= generation
+            ):
                 return ("unstarted", record, False)
             return ("ema", None, buffers) if generation is not None else ("nothing", None, False)
 
@@ -321,7 +340,10 @@ class EMAController:
             self.state = self.buffer_state = None
             return saved_step
         if kind == "nothing":
-            if framework_step is not None and expected_ema_step(framework_step, self.start_step, self.every_n_steps) is None:
+            if (
+                framework_step is not None
+                and expected_ema_step(framework_step, self.start_step, self.every_n_steps) is None
+            ):
                 self.state = self.buffer_state = None  # nothing to resume: the EMA starts later, by the rules
                 return int(framework_step)
             raise fe.checkpoint.IncompleteCheckpointError(
@@ -345,46 +367,71 @@ class EMAController:
 
     def _check_unstarted(self, where: Path, saved_step: int, framework_step: int | None) -> None:
         if framework_step is not None and saved_step != int(framework_step):
-            raise _resume_error(where, f"the not-started record was saved at framework step {saved_step}, but the "
-                                       f"training resumed at step {framework_step}")
+            raise _resume_error(
+                where,
+                f"the not-started record was saved at framework step {saved_step}, but the "
+                f"training resumed at step {framework_step}",
+            )
         expected = expected_ema_step(saved_step, self.start_step, self.every_n_steps)
         if expected is not None:
-            raise _resume_error(where, f"the record says the EMA had not started at framework step {saved_step}, but "
-                                       f"with start_step={self.start_step} it starts after optimizer step "
-                                       f"{max(1, self.start_step)} and must be at step {expected}")
+            raise _resume_error(
+                where,
+                f"the record says the EMA had not started at framework step {saved_step}, but "
+                f"with start_step={self.start_step} it starts after optimizer step "
+                f"{max(1, self.start_step)} and must be at step {expected}",
+            )
 
     def _check_loaded(self, tag_dir: Path, loaded, framework_step: int | None) -> int:
         """The loaded EMA against the framework's step and these rules; returns the verified saved step."""
         extra = loaded.manifest.get("extra")
         ema_step = int(loaded.state.step)
         if loaded.state.num_emas != self.num_emas:
-            raise _resume_error(tag_dir, f"the checkpoint tracks {loaded.state.num_emas} EMA(s) but this run's callback has "
-                                         f"{self.num_emas} decay(s)")
+            raise _resume_error(
+                tag_dir,
+                f"the checkpoint tracks {loaded.state.num_emas} EMA(s) but this run's callback has "
+                f"{self.num_emas} decay(s)",
+            )
         saved_step = None
         if isinstance(extra, dict) and extra.get("integration") == 1:
             saved_step = _int_field(extra, "framework_step", tag_dir / MANIFEST_NAME)
             if framework_step is not None and saved_step != int(framework_step):
-                raise _resume_error(tag_dir, f"the EMA was saved with the checkpoint of framework step {saved_step}, but "
-                                             f"the training resumed at step {framework_step}")
+                raise _resume_error(
+                    tag_dir,
+                    f"the EMA was saved with the checkpoint of framework step {saved_step}, but "
+                    f"the training resumed at step {framework_step}",
+                )
         elif framework_step is None:
-            raise _resume_error(tag_dir, "its manifest carries no integration record (saved by functional_ema.save "
-                                         "directly?), so the framework's step cannot be checked")
+            raise _resume_error(
+                tag_dir,
+                "its manifest carries no integration record (saved by functional_ema.save "
+                "directly?), so the framework's step cannot be checked",
+            )
         step = int(framework_step) if framework_step is not None else saved_step
         expected = expected_ema_step(step, self.start_step, self.every_n_steps)
         if expected != ema_step:
             rules = f"start_step={self.start_step}, every_n_steps={self.every_n_steps}"
             changed = ""
-            if isinstance(extra, dict) and (extra.get("start_step"), extra.get("every_n_steps")) != (self.start_step, self.every_n_steps):
-                changed = (f"; it was saved by a run with start_step={extra.get('start_step')}, "
-                           f"every_n_steps={extra.get('every_n_steps')}")
+            if isinstance(extra, dict) and (extra.get("start_step"), extra.get("every_n_steps")) != (
+                self.start_step,
+                self.every_n_steps,
+            ):
+                changed = (
+                    f"; it was saved by a run with start_step={extra.get('start_step')}, "
+                    f"every_n_steps={extra.get('every_n_steps')}"
+                )
             want = "not started" if expected is None else f"at step {expected}"
-            raise _resume_error(tag_dir, f"the EMA is at step {ema_step}, but at framework step {step} the rules "
-                                         f"({rules}) put it {want}{changed}")
+            raise _resume_error(
+                tag_dir,
+                f"the EMA is at step {ema_step}, but at framework step {step} the rules "
+                f"({rules}) put it {want}{changed}",
+            )
         return step
 
     # --------------------------------------------------------------------------------------- end
 
-    def full_state_dict(self, x: Any, index: int | None = None, dst: int | None = 0, strip_prefix: str = "") -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, x: Any, index: int | None = None, dst: int | None = 0, strip_prefix: str = ""
+    ) -> dict[str, torch.Tensor]:
         """Full-shape EMA ``index`` (parameters, their tied aliases, buffers) on rank ``dst``
         (``None``: every rank; others get ``{}``), names as in the engine's module with
         ``strip_prefix`` removed (a framework's wrapper, e.g. Lightning's ``_forward_module.``). Collective."""
@@ -433,8 +480,12 @@ class EMAController:
             # Tied aliases share storage; safetensors wants distinct tensors.
             tensors = {n: t.detach().contiguous().clone() for n, t in full.items()}
             schedule = describe_decays(self.decays[index], 1)
-            meta = {"format": "functional_ema.export", "step": str(int(self.state.step)), "ema_index": str(index),
-                    "schedule": json.dumps(schedule[0] if schedule else None)}
+            meta = {
+                "format": "functional_ema.export",
+                "step": str(int(self.state.step)),
+                "ema_index": str(index),
+                "schedule": json.dumps(schedule[0] if schedule else None),
+            }
             atomic_write_bytes(path, st_save(tensors, metadata=meta))
         _barrier()
         return path if _rank() == 0 else None
@@ -457,11 +508,15 @@ class EMAController:
         if self.buffer_state is not None:
             saved = {**self.buffer_state.emas[index], **self.buffer_state.copied}
             if set(saved) != set(live) or any(tuple(saved[n].shape) != tuple(live[n].shape) for n in saved):
-                raise fe.StateMismatchError(f"copy_to_model: the buffer EMAs {sorted(saved)} do not fit the model's buffers "
-                                            f"{sorted(live)} (names or shapes)")
+                raise fe.StateMismatchError(
+                    f"copy_to_model: the buffer EMAs {sorted(saved)} do not fit the model's buffers "
+                    f"{sorted(live)} (names or shapes)"
+                )
         adapter.write_weights(reading, pieces)
         with torch.no_grad():
-            for n, t in ({**self.buffer_state.emas[index], **self.buffer_state.copied} if self.buffer_state else {}).items():
+            for n, t in (
+                {**self.buffer_state.emas[index], **self.buffer_state.copied} if self.buffer_state else {}
+            ).items():
                 live[n].copy_(t)
         _barrier()
 
@@ -479,5 +534,7 @@ class EMAController:
 def _int_field(record: dict, field: str, where: Path) -> int:
     value = record.get(field)
     if type(value) is not int or value < -1:
-        raise fe.checkpoint.CorruptCheckpointError(f"{where}: field {field!r} must be an int, got {value!r}; the record is damaged")
+        raise fe.checkpoint.CorruptCheckpointError(
+            f"{where}: field {field!r} must be an int, got {value!r}; the record is damaged"
+        )
     return value

@@ -106,8 +106,11 @@ class EMACallback(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # Only small metadata goes into Lightning's checkpoint: the pieces are per-rank files.
-        return {"ema_step": None if self.ema.state is None else int(self.ema.state.step),
-                "num_emas": self.ema.num_emas, "tag": self.ema.tag}
+        return {
+            "ema_step": None if self.ema.state is None else int(self.ema.state.step),
+            "num_emas": self.ema.num_emas,
+            "tag": self.ema.tag,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded_meta = dict(state_dict)

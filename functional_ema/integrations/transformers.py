@@ -53,7 +53,9 @@ class EMACallback(TrainerCallback):
         metric_prefix: prefix of the metrics of the evaluation with EMA weights.
     """
 
-    def __init__(self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any):
+    def __init__(
+        self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any
+    ):
         self.ema = EMAController(decay, **kwargs)
         self.metric_prefix = metric_prefix
         self._trainer: Any = None

@@ -4,15 +4,18 @@ World size 2, ZeRO-2, fp32, OddNet, two EMAs (0.8 and power gamma=3), 3 steps; r
 fe.gather_full of each EMA at the save (keys "<k>/<name>"). Rerun only with that commit checked out:
     python -c "from functional_ema._testing.multirank import run_ranks; run_ranks('tests.data.make_ckpt_v1:worker', out='tests/data/ckpt_v1')"
 """
+
 import os, shutil
 from pathlib import Path
 import torch
+
 
 def worker(out):
     import functional_ema as fe
     import torch.distributed as dist
     from safetensors.torch import save_file
     from functional_ema._testing.multirank import advance, checkpoint_decays, make_engine
+
     engine = make_engine(2, "fp32")
     state = advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 3)
     tmp = Path(out) / "tmp"
@@ -24,6 +27,9 @@ def worker(out):
         for p in (tmp / "global_step3").iterdir():
             shutil.copy(p, dst / p.name)
         (Path(out) / "latest").write_text("global_step3")
-        save_file({f"{i}/{n}": t.contiguous() for i, e in enumerate(full) for n, t in e.items()}, str(Path(out) / "reference_full.safetensors"))
+        save_file(
+            {f"{i}/{n}": t.contiguous() for i, e in enumerate(full) for n, t in e.items()},
+            str(Path(out) / "reference_full.safetensors"),
+        )
         shutil.rmtree(tmp)
     return 0
