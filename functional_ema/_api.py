@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._checkpoint.collective import agree
+from ._checkpoint.collective import agree_on, layout_record
 from ._errors import StateMismatchError, SwappedTrainingError
 from ._fit import state_problem
 from ._layout import ShardLayout
@@ -70,17 +70,24 @@ def process_group(x: Any):
 # ----------------------------------------------------------------------------------- state checks
 
 
+#: What every rank of a verb that takes a state must hold alike (:func:`state_pieces`).
+STATE_FIELDS = ("step", "num_emas", "dtype", "layout")
+
+
 def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Mapping[str, torch.Tensor]:
     """``state.emas[index]`` once checked against this rank's layout, on every rank together.
 
     The check is local (:func:`functional_ema._fit.state_problem`: names, and each piece's length
-    against this rank's), and its outcome is shared (:func:`~functional_ema._checkpoint.collective.agree`),
-    so a state cut for another world size or model fails on every rank instead of leaving some ranks
-    in a collective.
+    against this rank's); its outcome, and this rank's record of what the verb reads (:data:`STATE_FIELDS`:
+    the state's step, number of EMAs, dtype, and the layout's world size, stage, part and parameter
+    shapes), are agreed in one small all-reduce (:func:`~functional_ema._checkpoint.collective.agree_on`).
+    So a state cut for another world size or model, or ranks at different steps (one rank skipped an
+    update), fail on every rank with :class:`StateMismatchError` naming each rank's value, instead of
+    leaving some ranks in a collective or mixing two states.
     """
     layout = reading.layout
 
-    def check() -> None:
+    def check() -> dict[str, Any]:
         problem = state_problem(state, layout.specs, layout.rank, indices=(index,), shards=reading.shards)
         if problem:
             raise problem.error(
@@ -89,9 +96,32 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
                 "Make the state with init_ema(local_shards(model)), or with fe.load(model, dir), which "
                 "reshards a saved state",
             )
+        return state_record(state, index, layout)
 
-    agree(verb, check, reading.group, layout.world_size, layout.rank, results=False, fallback=StateMismatchError)
+    agree_on(
+        verb,
+        check,
+        STATE_FIELDS,
+        reading.group,
+        layout.world_size,
+        layout.rank,
+        fallback=StateMismatchError,
+        mismatch=StateMismatchError,
+        fix="Every rank must hold the same EMA state (the same step: update every rank alike, or load every rank "
+        "from one checkpoint)",
+    )
     return state.emas[index]
+
+
+def state_record(state: EmaState, index: int, layout: ShardLayout) -> dict[str, Any]:
+    """This rank's :data:`STATE_FIELDS`: the same on every rank of one model's group."""
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.emas[index].values()})
+    return {
+        "step": int(state.step),
+        "num_emas": state.num_emas,
+        "dtype": "/".join(dtypes) or "none",
+        "layout": layout_record(layout),
+    }
 
 
 # ------------------------------------------------------------------------------------ gather_full

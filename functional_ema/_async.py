@@ -226,7 +226,6 @@ class AsyncSaver:
             if rank == 0:  # the committing rank holds the tag until its background commit is done
                 lock.append(writer.TagLock.acquire(tag_dir, collective.timeout_s(timeout), "AsyncSaver.save"))
                 p["generation"] = writer.read_generation(tag_dir)
-            tag_dir.mkdir(parents=True, exist_ok=True)
             if writes:
                 box["snapshot"] = self._snapshot(state, fmt.parse_dtype(p["dtype"], "save"))
             if writes_buffers:  # small whole tensors: copied as they are
@@ -252,10 +251,16 @@ class AsyncSaver:
                 self._free.append(box["snapshot"][1])
             give_up()
             raise
+
+        def shared() -> None:  # made once the ranks agree on the tag: a disagreement leaves no folder
+            tag_dir.mkdir(parents=True, exist_ok=True)
+            if rank:
+                writer.check_shared(tag_dir, rank, "AsyncSaver.save")
+
         try:  # every rank must see the folder rank 0 holds, or the background commit could never complete
             collective.agree(
                 "async save (the folder is shared)",
-                lambda: writer.check_shared(tag_dir, rank, "AsyncSaver.save") if rank else None,
+                shared,
                 group,
                 world,
                 rank,

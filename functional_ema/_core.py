@@ -316,17 +316,19 @@ def update(
             )
     elif type(step) is not int:
         step = check_step(step, "step")
-    if step <= last:
-        if step == last:
-            return state  # the optimizer has not stepped since the last update: nothing to average in
-        raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
-    if step > _MAX_STEP:
-        raise ValueError(f"update(step={step}) does not fit the state's int64 step counter (at most 2**63 - 1)")
-    decays = _decays_for(state, decay)
-    weights = [_weight(d, last, step) for d in decays]
-    plan = _plan_for(state.emas, shards)
-    if nonfinite is not None and not _all_finite(state.emas[0], shards, nonfinite):
-        return state
+    group = shards.group if nonfinite is not None and type(shards) is Shards else None
+    if group is not None:  # the ranks decide together (one small all-reduce): all skip or none
+        plan, weights, finite = _check_together(state, shards, step, last, decay, nonfinite, group)
+        if plan is None or not finite:  # nothing to do (step == state.step), or a rank saw a NaN/inf: all skip
+            return state
+    else:
+        if step <= last:
+            if step == last:
+                return state  # the optimizer has not stepped since the last update: nothing to average in
+            raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
+        plan, weights = _checked_plan(state, shards, step, last, decay)
+        if nonfinite is not None and not _all_finite(state.emas[0], shards, nonfinite):
+            return state
     if not inplace:
         state = EmaState(state.step.clone(), _clone_emas(state.emas))
         plan = _plan_for(state.emas, shards)
@@ -337,6 +339,73 @@ def update(
         plan.run(weights)
     state.step.fill_(step)
     return state
+
+
+def _checked_plan(state: EmaState, shards: Any, step: int, last: int, decay) -> tuple[Plan, list[float]]:
+    """The lerps of an update from ``last`` to ``step``, and each EMA's weight; every argument checked."""
+    if step > _MAX_STEP:
+        raise ValueError(f"update(step={step}) does not fit the state's int64 step counter (at most 2**63 - 1)")
+    decays = _decays_for(state, decay)
+    weights = [_weight(d, last, step) for d in decays]
+    return _plan_for(state.emas, shards), weights
+
+
+def _check_together(
+    state: EmaState, shards: Shards, step: int, last: int, decay, mode: str, group: Any
+) -> tuple[Plan | None, list[float], bool]:
+    """:func:`update`'s checks and its non-finite test on this rank, then one all-reduce of four int64 over
+    ``group`` (the shards' training group, on the gloo side group under NCCL): the lowest rank that saw a
+    non-finite weight, the lowest rank whose checks failed, and the state's step (max and -min). Returns
+    the plan, the weights and whether every rank's weights are finite; raises on every rank when any
+    rank's checks failed, the ranks' steps differ, or (``mode="raise"``) any rank saw a non-finite weight.
+    Called on every update of a training group's shards while ``nonfinite`` is on, also when ``step``
+    equals the state's (so the ranks stay in step with each other)."""
+    import torch.distributed as dist
+
+    from ._checkpoint import collective  # the group's plumbing (timeouts, gloo side group); no engine
+    from ._errors import StateMismatchError
+
+    plan, weights, saw, error = None, [], False, None
+    try:
+        if step < last:
+            raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
+        if step > last:
+            plan, weights = _checked_plan(state, shards, step, last, decay)
+            saw = not _all_finite(state.emas[0], shards, mode)
+    except NonFiniteError as e:
+        saw, error = True, e
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
+        error = e
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return plan, weights, not saw
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    failed = error is not None and not saw
+    code = lambda flag: world - rank if flag else 0  # noqa: E731 - the max names the lowest rank
+    bad, broke, high, neg_low = collective.all_reduce_max([code(saw), code(failed), last, -last], group)
+    if broke:
+        if failed:
+            raise error
+        raise StateMismatchError(
+            f"update(nonfinite={mode!r}): the update failed on rank {world - broke} of {world} (see its error); "
+            "every rank left its EMA unchanged"
+        )
+    if high != -neg_low:
+        steps = collective.exchange(last, collective.barrier_group(group, collective.DEFAULT_TIMEOUT_S), world)
+        raise StateMismatchError(
+            collective.disagreement(f"update(nonfinite={mode!r})", ("step",), [{"step": s} for s in steps])
+            + ". Every rank left its EMA unchanged; the ranks must update the same state alike (load every rank "
+            "from one checkpoint)"
+        )
+    if bad and mode == "raise":
+        if error is not None:
+            raise NonFiniteError(f"{error} (on rank {rank} of {world}; every rank left its EMA unchanged)")
+        raise NonFiniteError(
+            f"rank {world - bad} of {world} saw NaN or inf in its shards; every rank left its EMA unchanged "
+            "(nonfinite='raise')"
+        )
+    return plan, weights, not bad
 
 
 def _weight(d: Any, last: int, step: int) -> float:

@@ -82,9 +82,12 @@ class Shards(Mapping):
     Attributes:
         segments: the tensors that hold the values (views of the engine's buffers, or EMA buffers).
         index: the :class:`SegmentIndex` that places each name in ``segments``.
+        group: for the ``Shards`` that ``local_shards`` returns, the process group of the ranks that
+            train the same model together (``None`` on one process, and for EMA buffers): where
+            ``update(..., nonfinite=...)`` makes its decision together.
     """
 
-    __slots__ = ("segments", "index", "_memo", "__weakref__")
+    __slots__ = ("segments", "index", "_memo", "group", "__weakref__")
 
     def __init__(self, segments: Sequence[torch.Tensor], index: SegmentIndex):
         if len(segments) != len(index.segment_shapes):
@@ -97,6 +100,9 @@ class Shards(Mapping):
         # The lerp program of the last update that read this EMA (see _core): a pure function of
         # immutable inputs (these segments and the other side's), so it is kept with them.
         object.__setattr__(self, "_memo", None)
+        # The process group whose ranks hold the other pieces of the same weights, when read from a
+        # training object (set once by its reading); update(nonfinite=...) decides over it.
+        object.__setattr__(self, "group", None)
 
     @classmethod
     def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> "Shards":
@@ -140,7 +146,7 @@ class Shards(Mapping):
 
     # -- read-only, and identity semantics (comparing tensors elementwise has no truth value)
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "_memo":
+        if name in ("_memo", "group"):
             object.__setattr__(self, name, value)
             return
         raise AttributeError("Shards is read-only")

@@ -48,6 +48,7 @@ Resuming::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -64,11 +65,14 @@ from ._checkpoint.collective import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
     agree,
+    agree_on,
     arrive,
     check_distinct_writers,
     io_error,
     job_of,
+    layout_record,
     timeout_s,
+    value_digest,
 )
 from ._checkpoint.errors import (
     CheckpointError,
@@ -461,56 +465,95 @@ def load_checkpoint(
     layout, job = reading.layout, job_of(reading)
     arrive("load", job.group, job.world, job.rank, timeout)
     box: dict[str, Any] = {}
+    opened = contextlib.ExitStack()
+
+    def open_and_check() -> dict[str, Any]:
+        ckpt = box["ckpt"] = opened.enter_context(open_checkpoint(load_dir, tag, verify, layout))
+        ckpt.check_experts(layout)
+        ckpt.check_model(layout.specs)
+        if dtype is not None and dtype != ckpt.dtype:
+            raise CheckpointMismatchError(
+                f"tag {ckpt.tag!r} holds {dtype_name(ckpt.dtype)} EMAs but dtype={dtype_name(dtype)} was requested. "
+                f"Pass dtype=None to restore them as saved ({dtype_name(ckpt.dtype)}); cast afterwards only if you "
+                "accept the loss"
+            )
+        if out is not None:
+            box["target"] = _load_target(out, ckpt, layout)
+        return load_record(ckpt, layout, not layout.part.whole)
 
     def run():
-        with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
-            ckpt.check_experts(layout)
-            ckpt.check_model(layout.specs)
-            if dtype is not None and dtype != ckpt.dtype:
-                raise CheckpointMismatchError(
-                    f"tag {ckpt.tag!r} holds {dtype_name(ckpt.dtype)} EMAs but dtype={dtype_name(dtype)} was requested. "
-                    f"Pass dtype=None to restore them as saved ({dtype_name(ckpt.dtype)}); cast afterwards only if you "
-                    "accept the loss"
-                )
-            if (ckpt.world_size, ckpt.stage) != (layout.world_size, layout.stage):
-                logger.info(
-                    "functional_ema: resharding EMA saved at world_size=%d stage=%d for world_size=%d stage=%d",
-                    ckpt.world_size,
-                    ckpt.stage,
-                    layout.world_size,
-                    layout.stage,
-                )
-            bstate = None
-            if buffers:
-                from .buffers import loaded_buffer_state, persistent_buffers
-
-                bstate = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
-            if out is None:
-                # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
-                state = _allocate(reading.shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
-            else:
-                state = EmaState(torch.tensor(ckpt.step, dtype=torch.int64), _load_target(out, ckpt, layout))
-            jobs = [
-                (state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
-                for k in range(ckpt.num_emas)
-                for n, spec in layout.specs.items()
-            ]
-            box["reading"] = True
-            fill_all(ckpt, jobs, verify)
-            box["loaded"] = Loaded(state, bstate, dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir)))
-        return None
-
-    try:
-        agree("load", run, job.group, job.world, job.rank, results=False)
-    except Exception as e:
-        if out is not None and box.get("reading"):
-            _add_note(
-                e,
-                f"The state passed as out= was partly overwritten on rank {layout.rank} before the failure: "
-                "discard it (load into a fresh state, or without out=)",
+        ckpt = box["ckpt"]
+        if (ckpt.world_size, ckpt.stage) != (layout.world_size, layout.stage):
+            logger.info(
+                "functional_ema: resharding EMA saved at world_size=%d stage=%d for world_size=%d stage=%d",
+                ckpt.world_size,
+                ckpt.stage,
+                layout.world_size,
+                layout.stage,
             )
-        raise
+        bstate = None
+        if buffers:
+            from .buffers import loaded_buffer_state, persistent_buffers
+
+            bstate = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
+        if out is None:
+            # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
+            state = _allocate(reading.shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
+        else:
+            state = EmaState(torch.tensor(ckpt.step, dtype=torch.int64), box["target"])
+        jobs = [
+            (state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
+            for k in range(ckpt.num_emas)
+            for n, spec in layout.specs.items()
+        ]
+        box["reading"] = True
+        fill_all(ckpt, jobs, verify)
+        box["loaded"] = Loaded(state, bstate, dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir)))
+
+    with opened:
+        # Every rank opens its copy of the checkpoint and checks it; then one small all-reduce: any failure,
+        # or ranks that read different saves (a stale node-local copy, another tag), refuse on every rank
+        # before a byte of the EMA is read.
+        agree_on(
+            "load",
+            open_and_check,
+            LOAD_FIELDS,
+            job.group,
+            job.world,
+            job.rank,
+            fix="Every rank must read the same complete save: on node-local disks copy one save of the tag to every "
+            "node (or load from shared storage), and pass the same tag everywhere",
+        )
+        try:
+            agree("load", run, job.group, job.world, job.rank, results=False)
+        except Exception as e:
+            if out is not None and box.get("reading"):
+                _add_note(
+                    e,
+                    f"The state passed as out= was partly overwritten on rank {layout.rank} before the failure: "
+                    "discard it (load into a fresh state, or without out=)",
+                )
+            raise
     return box["loaded"]
+
+
+#: What every rank of a :func:`load` must read alike: the tag, which save of it (its generation and a
+#: digest of its manifest, which lists every file's checksums), and what the save holds.
+LOAD_FIELDS = ("tag", "step", "generation", "save", "num_emas", "dtype", "layout")
+
+
+def load_record(ckpt, layout: ShardLayout, across_parts: bool) -> dict[str, Any]:
+    """This rank's :data:`LOAD_FIELDS` of the opened checkpoint ``ckpt``, read for ``layout``."""
+    manifest = ckpt.manifest
+    return {
+        "tag": ckpt.tag,
+        "step": ckpt.step,
+        "generation": manifest.get("generation"),
+        "save": f"manifest #{value_digest(manifest):016x}",
+        "num_emas": ckpt.num_emas,
+        "dtype": dtype_name(ckpt.dtype),
+        "layout": layout_record(layout, across_parts),
+    }
 
 
 def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout) -> tuple:

@@ -83,6 +83,7 @@ class EMAStateful:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = self._state()
+        state_pieces(state, adapter_for(self._x).read(), 0, "EMAStateful.load_state_dict")  # ranks agree first
         missing = [k for k in ("step", "emas") if k not in state_dict]
         if missing:
             raise KeyError(

@@ -678,7 +678,7 @@ def test_engine_error_cases(world2_resume):
         assert e["halfway_load"][0] in ("IncompleteCheckpointError", "CheckpointNotFoundError"), e["halfway_load"]
         assert e["previous_still_loads"] is None, e["previous_still_loads"]
         name, msg, _ = e["ranks_disagree"]
-        assert name == "CheckpointError" and "ranks disagree on tag" in msg, msg
+        assert name == "CheckpointMismatchError" and "ranks disagree on tag: rank 0: " in msg, msg
         assert e["disagree_dirs"] == []
         assert (
             e["not_a_state"][0] == "TypeError" and f"save on rank {rank}: expected an EmaState" in e["not_a_state"][1]

@@ -435,7 +435,7 @@ def test_bad_tags_refused_on_every_rank(faults):
             assert name == "InvalidTagError" and is_ckpt, (rank, tag, e)
             assert "tag" in msg and ("global_step<N>" in msg or "str" in msg), (rank, tag, msg)
         disagree = r["schedules_disagree"]
-        assert disagree[0] == "CheckpointError" and "ranks disagree on schedules" in disagree[1], disagree
+        assert disagree[0] == "CheckpointMismatchError" and "ranks disagree on schedules" in disagree[1], disagree
     _count("9 tags", len(results[0]["bad_tags"]) + 1)
 
 

@@ -4,22 +4,24 @@ all succeed or all raise the same error (no rank is left hanging in a later coll
 from __future__ import annotations
 
 import errno as _errno
+import json
 import math
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from .. import _errors
 from .._tree import TreeMismatchError
 from . import errors
-from .errors import CheckpointError, CheckpointIOError, CheckpointTimeoutError
+from .errors import CheckpointError, CheckpointIOError, CheckpointMismatchError, CheckpointTimeoutError
 
 #: The library's error classes by name: a rank that learns of another rank's failure raises the same one.
 _LIBRARY_ERRORS: Mapping[str, type[Exception]] = MappingProxyType(
@@ -66,11 +68,97 @@ def agree(
     the same class with that rank's message. Another error (e.g. a ``TypeError`` of the caller's own
     arguments) stays as it is on the rank that raised it, and the others raise ``fallback``.
     """
+    if not results:
+        agree_on(what, lambda: (fn(), {})[1], (), group, world, rank, fallback=fallback)
+        return [None] * world
     payload, local_exc = run_local(fn, rank)
-    if not results and world > 1 and dist.is_initialized():
-        if not all_reduce_max([int(local_exc is not None)], group)[0]:
-            return [None] * world
     return settle(what, payload, local_exc, group, world, rank, fallback)
+
+
+def agree_on(
+    what: str,
+    fn: Callable[[], Mapping[str, Any]],
+    fields: Sequence[str],
+    group,
+    world: int,
+    rank: int,
+    *,
+    fallback: type[Exception] = CheckpointError,
+    mismatch: type[Exception] = CheckpointMismatchError,
+    fix: str = "",
+) -> Mapping[str, Any]:
+    """Run ``fn()`` on every rank (this rank's checks, returning its record ``{field: value}`` of what the
+    verb is about to read: step, tag, save generation, number of EMAs, dtype, layout) and agree on it:
+    raise on every rank when ``fn`` failed on any rank (as :func:`agree`) or when the ranks' records differ.
+
+    Cost: one all-reduce of ``1 + 2 * len(fields)`` int64 on success (a failure flag and, per field, a
+    62-bit digest of the value and its negation: equal on every rank iff ``max == -max(-digest)``), on the
+    gloo side group when the backend is NCCL. Only a failure or a disagreement exchanges the records, to
+    name each rank's value: ``mismatch`` is raised on every rank, e.g. ``"gather_full: ranks disagree on
+    step: rank 0: 6, rank 1: 5"`` (``fix`` appended).
+
+    Args:
+        what: the verb, as the message names it.
+        fn: this rank's check; returns ``{field: value}`` for exactly ``fields`` (JSON-able values, or
+            anything whose ``str`` identifies it, e.g. a dtype).
+        fields: the fields every rank compares, in a fixed order (the same on every rank).
+
+    Returns:
+        This rank's record (the same values on every rank).
+    """
+    payload, local_exc = run_local(fn, rank)
+    record = payload[1] if local_exc is None else None
+    if world <= 1 or not dist.is_initialized():
+        if local_exc is not None:
+            raise local_exc
+        return record
+    if record is not None and sorted(record) != sorted(fields):  # a caller's bug: fail on every rank all the same
+        local_exc = CheckpointError(f"{what}: record fields {sorted(record)} are not {sorted(fields)}")
+        payload, record = ("error", "CheckpointError", str(local_exc), True, None), None
+    digests = [value_digest(record[f]) if record is not None else -1 for f in fields]
+    reduced = all_reduce_max([int(record is None)] + [v for d in digests for v in (d, -d)], group)
+    if not reduced[0] and all(reduced[1 + 2 * i] == -reduced[2 + 2 * i] for i in range(len(fields))):
+        return record
+    records = settle(what, payload, local_exc, group, world, rank, fallback)  # raises when a rank failed
+    raise mismatch(disagreement(what, fields, records) + (f". {fix}" if fix else ""))
+
+
+def layout_record(layout, across_parts: bool = False) -> str:
+    """What every rank of a group reads the model's layout as (a :class:`~functional_ema.ShardLayout`):
+    world size, stage, model-parallel sizes, and a digest of the parameter names and full shapes, for
+    :func:`agree_on`. ``across_parts``: the group spans model-parallel parts (each holds other
+    parameters), so only the sizes are compared."""
+    text = f"world_size={layout.world_size} stage={layout.stage}"
+    if not layout.part.whole:
+        text += f" tp_size={layout.part.tp_size} pp_size={layout.part.pp_size}"
+    if across_parts:
+        return text
+    shapes = [(n, list(s.shape)) for n, s in layout.specs.items()]
+    return f"{text}, {len(shapes)} parameters #{value_digest(shapes):016x}"
+
+
+def value_digest(value: Any) -> int:
+    """A 62-bit digest of ``value`` (its JSON, else its ``str``), whose negation also fits an int64."""
+    try:
+        text = json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError):
+        text = str(value)
+    return xxhash.xxh3_64_intdigest(text.encode()) >> 2
+
+
+def disagreement(what: str, fields: Sequence[str], records: Sequence[Mapping[str, Any]]) -> str:
+    """``"<what>: ranks disagree on step: rank 0: 6, rank 1: 5"`` for each field whose value differs."""
+    parts = []
+    for f in fields:
+        values = [r[f] for r in records]
+        if len({value_digest(v) for v in values}) > 1:
+            parts.append(f"{f}: " + ", ".join(f"rank {r}: {_shown(v)}" for r, v in enumerate(values)))
+    return f"{what}: ranks disagree on " + "; and on ".join(parts or ["nothing (a digest collided)"])
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def run_local(fn, rank: int) -> tuple[tuple, Exception | None]:

@@ -173,6 +173,7 @@ def plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, buffers=Non
         "buffers": describe_buffers(buffers, state),
         "extra": check_extra(extra),
         "model_parallel": not layout.part.whole,
+        "layout": collective.layout_record(layout, across_parts=not layout.part.whole),
         "generation": 0,
     }
 
@@ -211,7 +212,7 @@ def part_record(layout: ShardLayout, plan: dict) -> dict:
 
 #: The fields of a save's plan every rank must agree on (not the path: mounts may differ between nodes).
 #: The buffers' description too, unless the model is split into parts (each part has its own buffers).
-AGREED_FIELDS = ("tag", "step", "num_emas", "dtype", "schedules", "buffers", "extra", "model_parallel")
+AGREED_FIELDS = ("tag", "step", "num_emas", "dtype", "layout", "schedules", "buffers", "extra", "model_parallel")
 
 
 def _agreed(plan: dict) -> tuple[str, ...]:
@@ -219,13 +220,13 @@ def _agreed(plan: dict) -> tuple[str, ...]:
 
 
 def check_plans(plans: list[dict]) -> None:
-    for field in _agreed(plans[0]):
-        values = [json.dumps(p[field], sort_keys=True) for p in plans]
-        if len(set(values)) > 1:
-            shown = [p[field] if field in ("tag", "step", "num_emas", "dtype") else v for p, v in zip(plans, values)]
-            raise CheckpointError(
-                f"save: ranks disagree on {field}: {shown}; every rank must save the same state with the same tag"
-            )
+    """Raise :class:`CheckpointMismatchError` naming each rank's value of every field the plans differ in."""
+    fields = _agreed(plans[0])
+    if any(len({json.dumps(p.get(f), sort_keys=True) for p in plans}) > 1 for f in fields):
+        raise CheckpointMismatchError(
+            collective.disagreement("save", fields, plans)
+            + ". Every rank must save the same state (the same step: update every rank alike) with the same tag"
+        )
 
 
 def agree_plans(what: str, plan, group, world: int, rank: int, on_failure=None) -> tuple[dict, dict]:

@@ -56,6 +56,7 @@ class Reading:
     ):
         self.shards, self.layout, self.params, self.group, self.token = shards, layout, params, group, token
         self._all_specs: list[dict[str, ShardSpec]] | None = None  # every rank's specs, exchanged once
+        shards.group = training_group(layout, group)
 
     def all_specs(self) -> list[dict[str, ShardSpec]]:
         """Every rank's specs (a collective the first time it is asked for, on every rank)."""
@@ -175,6 +176,17 @@ except AttributeError:  # pragma: no cover - older torch
 
     def any_requires_grad(*tensors: torch.Tensor) -> bool:
         return any(t.requires_grad for t in tensors)
+
+
+def training_group(layout: ShardLayout, group: Any) -> Any:
+    """The ranks that train one model together, for ``update(nonfinite=...)``'s joint decision: the
+    data-parallel group of a whole model; every rank of the job under model parallelism or HSDP
+    (``dist.group.WORLD``); ``None`` on one rank."""
+    if not dist.is_initialized() or layout.job_ranks <= 1:
+        return None
+    if layout.part.whole and layout.replicas == 1:
+        return group
+    return dist.group.WORLD
 
 
 def world_of(group: Any) -> tuple[int, int]:
