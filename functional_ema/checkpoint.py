@@ -539,7 +539,7 @@ def load_checkpoint(
 
 #: What every rank of a :func:`load` must read alike: the tag, which save of it (its generation and a
 #: digest of its manifest, which lists every file's checksums), and what the save holds.
-LOAD_FIELDS = ("tag", "step", "generation", "save", "num_emas", "dtype", "layout")
+LOAD_FIELDS = ("tag", "step", "num_emas", "dtype", "layout", "generation", "save")
 
 
 def load_record(ckpt, layout: ShardLayout, across_parts: bool) -> dict[str, Any]:

@@ -1,0 +1,403 @@
+"""The *Ranks* table (issue 29, item 7): every collective verb refuses ranks that disagree on what it reads.
+
+One table, :data:`CELLS`: a row per collective verb, a column per disagreement (step, tag, save
+generation, a stale rank file, EMA count, dtype, layout, a non-finite weight on one rank), and in each
+cell how to provoke it on rank 1 while rank 0 stays as it was. Every cell runs on both ranks of one
+launch per configuration (2 gloo ranks: FSDP2, then a DeepSpeed ZeRO-2 engine), and must end with a
+library error on every rank naming each rank's value (or, for ``update(nonfinite="skip")`` with a NaN on
+one rank, every rank skipping), with every file under the checkpoint folders unchanged (sha256 before
+and after). A cell that returns on some rank is *silent*, one that raises something else or leaves a
+changed file is a *crash*, a launch that times out is a *hang* (the progress files say which cell).
+``consolidate`` is offline (no ranks) and has no row. A new collective verb is a new row: see
+docs/reliability.md, "Ranks table".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+import functional_ema as fe
+from functional_ema._testing.multirank import run_ranks
+
+COUNTS = ("cases", "refused on all ranks", "silent", "crash", "hang")
+T = 30  # the timeout= passed to the verbs that take one, seconds
+
+
+def _hashes(root: Path) -> dict:
+    """Path -> sha256 of every file under root."""
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def _copy(src: Path, dst: Path) -> None:
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+
+
+class Ctx(NamedTuple):
+    """What a cell provokes its disagreement with, on this rank."""
+
+    rank: int
+    model: Any  # the same model on every rank
+    other: Any  # rank 0: ``model``; rank 1: a model of the same names with other shapes (FSDP2 only)
+    states: dict[str, fe.EmaState]  # "6", "7", "2emas", "f64", "other" (over ``other``)
+    root: Path  # the checkpoint folders a cell may touch (hashed before and after)
+
+
+def mine(ctx: Ctx, rank1: str, rank0: str = "6") -> fe.EmaState:
+    """``states[rank0]`` on rank 0, ``states[rank1]`` on rank 1."""
+    return ctx.states[rank1 if ctx.rank == 1 else rank0]
+
+
+def _async(state, x, d, tag) -> None:
+    saver = fe.AsyncSaver()
+    try:
+        saver.save(state, x, d, tag, timeout=T).wait()
+    finally:
+        saver.wait()
+
+
+def _swap(x, state) -> None:
+    with fe.swapped(x, state):
+        pass
+
+
+def _dcp_save(x, state, d: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"ema": fe.dcp.EMAStateful(x, state)}, checkpoint_id=str(d))
+
+
+def _dcp_load(x, state) -> None:
+    fe.dcp.EMAStateful(x, state).load_state_dict({"step": state.step, "emas": {}})
+
+
+def _nan_update(ctx: Ctx, mode: str) -> str:
+    """``update(nonfinite=mode)`` with a NaN in rank 1's shards only; returns every rank's outcome."""
+    shards = fe.local_shards(ctx.model)
+    seg = next(s for s in shards.segments if s.numel())
+    keep = seg.detach().clone()
+    if ctx.rank == 1:
+        with torch.no_grad():
+            seg.view(-1)[0] = float("nan")
+    state = ctx.states["6"]
+    try:
+        new = fe.update(state, shards, 7, nonfinite=mode, inplace=False)
+    finally:
+        with torch.no_grad():
+            seg.copy_(keep)
+    return f"skipped at step {int(new.step)}" if new is state and int(new.step) == 6 else f"updated to {int(new.step)}"
+
+
+# A cell: how to provoke it (the call every rank makes), the error classes allowed, and what its message
+# must name (``{r0}``/``{r1}``: rank 0's and rank 1's value). ``engines``: the configurations it runs in.
+class Cell(NamedTuple):
+    call: Callable[[Ctx], Any]
+    errors: tuple[str, ...]  # the error classes every rank may raise
+    names: tuple[str, ...]  # what every rank's message must contain
+    engines: tuple[str, ...] = ("fsdp2", "deepspeed")
+    returns: str | None = None  # instead of an error: what every rank must return (as str)
+
+
+SAVE_ERR = ("CheckpointMismatchError",)
+STATE_ERR = ("StateMismatchError",)
+LOAD_ERR = ("CheckpointMismatchError",)
+STEP = ("ranks disagree on step", "rank 0: 6", "rank 1: 7")
+EMAS = ("ranks disagree on num_emas", "rank 0: 1", "rank 1: 2")
+DTYPE = ("ranks disagree on dtype", "rank 0: 'float32'", "rank 1: 'float64'")
+LAYOUT = ("ranks disagree on layout", "rank 0: ", "rank 1: ")
+FSDP2 = ("fsdp2",)  # DeepSpeed broadcasts the weights at initialize: ranks of other shapes cannot make an engine
+
+
+def _load(ctx: Ctx, cell: str, tag: str = "t", verify: bool = True):
+    return fe.load(ctx.model, ctx.root / cell / f"node{ctx.rank}", tag, timeout=T, verify=verify)
+
+
+#: verb -> disagreement -> :class:`Cell`. The load cells read node-local copies (``<cell>/node<r>``),
+#: prepared by :func:`_prepare_loads`.
+CELLS: dict[str, dict[str, Cell]] = {
+    "save": {
+        "step": Cell(lambda c: fe.save(mine(c, "7"), c.model, c.root / "ck", "t", timeout=T), SAVE_ERR, STEP),
+        "tag": Cell(
+            lambda c: fe.save(c.states["6"], c.model, c.root / "ck", f"t{c.rank}", timeout=T),
+            SAVE_ERR,
+            ("ranks disagree on tag", "rank 0: 't0'", "rank 1: 't1'"),
+        ),
+        "num_emas": Cell(lambda c: fe.save(mine(c, "2emas"), c.model, c.root / "ck", "t", timeout=T), SAVE_ERR, EMAS),
+        "dtype": Cell(lambda c: fe.save(mine(c, "f64"), c.model, c.root / "ck", "t", timeout=T), SAVE_ERR, DTYPE),
+        "layout": Cell(
+            lambda c: fe.save(mine(c, "other"), c.other, c.root / "ck", "t", timeout=T), SAVE_ERR, LAYOUT, FSDP2
+        ),
+    },
+    "AsyncSaver.save": {
+        "step": Cell(lambda c: _async(mine(c, "7"), c.model, c.root / "ck", "t"), SAVE_ERR, STEP),
+        "tag": Cell(
+            lambda c: _async(c.states["6"], c.model, c.root / "ck", f"t{c.rank}"),
+            SAVE_ERR,
+            ("ranks disagree on tag", "rank 0: 't0'", "rank 1: 't1'"),
+        ),
+        "num_emas": Cell(lambda c: _async(mine(c, "2emas"), c.model, c.root / "ck", "t"), SAVE_ERR, EMAS),
+        "dtype": Cell(lambda c: _async(mine(c, "f64"), c.model, c.root / "ck", "t"), SAVE_ERR, DTYPE),
+        "layout": Cell(lambda c: _async(mine(c, "other"), c.other, c.root / "ck", "t"), SAVE_ERR, LAYOUT, FSDP2),
+    },
+    "load": {
+        "step": Cell(lambda c: _load(c, "load_step"), LOAD_ERR, ("ranks disagree on step", "rank 0: 6", "rank 1: 5")),
+        "tag": Cell(
+            lambda c: fe.load(c.model, c.root / "ck", f"t{c.rank}", timeout=T),
+            LOAD_ERR,
+            ("ranks disagree on tag", "rank 0: 't0'", "rank 1: 't1'"),
+        ),
+        "generation": Cell(
+            lambda c: _load(c, "load_generation"), LOAD_ERR, ("ranks disagree on generation", "rank 0: 1", "rank 1: 0")
+        ),
+        "stale rank file": Cell(
+            lambda c: _load(c, "load_stale_file", verify=False),
+            ("CorruptCheckpointError",),
+            ("rank 1", "generation", "does not belong to this checkpoint"),
+        ),
+        "num_emas": Cell(lambda c: _load(c, "load_num_emas"), LOAD_ERR, EMAS),
+        "dtype": Cell(lambda c: _load(c, "load_dtype"), LOAD_ERR, DTYPE),
+        "layout": Cell(lambda c: fe.load(c.other, c.root / "ck", "t", timeout=T), LOAD_ERR, ("does not match",), FSDP2),
+    },
+    "gather_full": {
+        "step": Cell(lambda c: fe.gather_full(mine(c, "7"), c.model), STATE_ERR, STEP),
+        "num_emas": Cell(lambda c: fe.gather_full(mine(c, "2emas"), c.model), STATE_ERR, EMAS),
+        "dtype": Cell(lambda c: fe.gather_full(mine(c, "f64"), c.model), STATE_ERR, DTYPE),
+        "layout": Cell(lambda c: fe.gather_full(mine(c, "other"), c.other), STATE_ERR, LAYOUT, FSDP2),
+    },
+    "swapped": {
+        "step": Cell(lambda c: _swap(c.model, mine(c, "7")), STATE_ERR, STEP),
+        "num_emas": Cell(lambda c: _swap(c.model, mine(c, "2emas")), STATE_ERR, EMAS),
+        "dtype": Cell(lambda c: _swap(c.model, mine(c, "f64")), STATE_ERR, DTYPE),
+        "layout": Cell(lambda c: _swap(c.other, mine(c, "other")), STATE_ERR, LAYOUT, FSDP2),
+    },
+    'update(nonfinite="skip")': {
+        "non-finite on one rank": Cell(lambda c: _nan_update(c, "skip"), (), (), returns="skipped at step 6"),
+        "step": Cell(
+            lambda c: fe.update(mine(c, "7"), fe.local_shards(c.model), 8, nonfinite="skip", inplace=False),
+            STATE_ERR,
+            STEP,
+        ),
+    },
+    'update(nonfinite="raise")': {
+        "non-finite on one rank": Cell(lambda c: _nan_update(c, "raise"), ("NonFiniteError",), ("rank 1 of 2",)),
+        "step": Cell(
+            lambda c: fe.update(mine(c, "7"), fe.local_shards(c.model), 8, nonfinite="raise", inplace=False),
+            STATE_ERR,
+            STEP,
+        ),
+    },
+    "dcp.save(EMAStateful)": {
+        "step": Cell(lambda c: _dcp_save(c.model, mine(c, "7"), c.root / "dcp"), STATE_ERR, STEP, FSDP2),
+        "num_emas": Cell(lambda c: _dcp_save(c.model, mine(c, "2emas"), c.root / "dcp"), STATE_ERR, EMAS, FSDP2),
+        "dtype": Cell(lambda c: _dcp_save(c.model, mine(c, "f64"), c.root / "dcp"), STATE_ERR, DTYPE, FSDP2),
+        "layout": Cell(lambda c: _dcp_save(c.other, mine(c, "other"), c.root / "dcp"), STATE_ERR, LAYOUT, FSDP2),
+    },
+    "EMAStateful.load_state_dict": {
+        "step": Cell(lambda c: _dcp_load(c.model, mine(c, "7")), STATE_ERR, STEP, FSDP2),
+        "num_emas": Cell(lambda c: _dcp_load(c.model, mine(c, "2emas")), STATE_ERR, EMAS, FSDP2),
+        "dtype": Cell(lambda c: _dcp_load(c.model, mine(c, "f64")), STATE_ERR, DTYPE, FSDP2),
+        "layout": Cell(lambda c: _dcp_load(c.other, mine(c, "other")), STATE_ERR, LAYOUT, FSDP2),
+    },
+    "posthoc.save_snapshot": {
+        "step": Cell(
+            lambda c: fe.posthoc.save_snapshot(mine(c, "7"), c.model, c.root / "snaps", [0.05]),
+            SAVE_ERR,
+            ("ranks disagree on tag", "rank 0: 'snapshot_000000006'", "step", "rank 1: 7"),
+        ),
+    },
+}
+
+
+# ------------------------------------------------------------------------------------------ the worker
+
+
+def _models(engine: str, rank: int):
+    """(model, other): the same model on every rank, and on rank 1 one of the same names, other shapes."""
+    from torch import nn
+
+    if engine == "deepspeed":
+        from functional_ema._testing.multirank import make_engine
+
+        model = make_engine(2)
+        return model, model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def net(hidden: int) -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+        fully_shard(m, mesh=mesh)
+        return m
+
+    model = net(8)
+    return model, net(10 if rank == 1 else 8)
+
+
+def _states(model, other) -> dict[str, fe.EmaState]:
+    shards = fe.local_shards(model)
+
+    def at(step: int, **kw) -> fe.EmaState:
+        s = fe.init_ema(shards, **kw)
+        for k in range(1, step + 1):
+            s = fe.update(s, shards, k, decay=[0.9] * s.num_emas)
+        return s
+
+    s6 = at(6)
+    other_state = fe.init_ema(fe.local_shards(other))
+    return {
+        "5": at(5),
+        "6": s6,
+        "7": fe.update(s6, shards, 7, inplace=False),
+        "2emas": at(6, num_emas=2),
+        "f64": at(6, dtype=torch.float64),
+        "other": fe.update(other_state, fe.local_shards(other), 6),
+    }
+
+
+def _prepare_loads(ctx: Ctx) -> None:
+    """The complete checkpoints the cells read: ``ck/t`` (step 6), ``ck/t0`` and ``ck/t1``, and for each load
+    cell a node-local copy per rank (``<cell>/node<r>/t``): rank 0's of the save at step 6, rank 1's of
+    another save of the same tag (an older step, an older generation, a stale rank file, two EMAs, fp64)."""
+    import torch.distributed as dist
+
+    rank, root, states, model = ctx.rank, ctx.root, ctx.states, ctx.model
+    for tag in ("t", "t0", "t1"):
+        fe.save(states["6"], model, root / "ck", tag, timeout=T)
+    variants = {}
+    for name, key in (("5", "5"), ("2emas", "2emas"), ("f64", "f64")):
+        fe.save(states[key], model, root / f"src_{name}", "t", timeout=T)
+        variants[name] = root / f"src_{name}" / "t"
+    gen = root / "src_gen"
+    fe.save(states["6"], model, gen, "t", timeout=T)
+    dist.barrier()
+    if rank == 0:
+        _copy(gen / "t", root / "gen0")
+    dist.barrier()
+    fe.save(states["6"], model, gen, "t", timeout=T)  # the same tag again: generation 1
+    dist.barrier()
+    if rank == 0:
+        fresh = root / "ck" / "t"
+        for cell, stale in (
+            ("load_step", variants["5"]),
+            ("load_generation", root / "gen0"),
+            ("load_num_emas", variants["2emas"]),
+            ("load_dtype", variants["f64"]),
+        ):
+            _copy(fresh if cell != "load_generation" else gen / "t", root / cell / "node0" / "t")
+            _copy(stale, root / cell / "node1" / "t")
+        # A stale rank file: rank 1's copy holds the generation-1 manifest, but its rank file is generation 0's.
+        _copy(gen / "t", root / "load_stale_file" / "node0" / "t")
+        _copy(gen / "t", root / "load_stale_file" / "node1" / "t")
+        new = json.loads((gen / "t" / fe.checkpoint.MANIFEST_NAME).read_text())
+        old = json.loads((root / "gen0" / fe.checkpoint.MANIFEST_NAME).read_text())
+        new_file = next(f["file"] for f in new["files"] if f["rank"] == 1)
+        old_file = next(f["file"] for f in old["files"] if f["rank"] == 1)
+        shutil.copyfile(root / "gen0" / old_file, root / "load_stale_file" / "node1" / "t" / new_file)
+    dist.barrier()
+
+
+def table_worker(engine: str, root: str, progress: str) -> dict:
+    """Run every cell of :data:`CELLS` for ``engine`` on this rank; return each cell's outcome."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    root_p = Path(root)
+    model, other = _models(engine, rank)
+    ctx = Ctx(rank, model, other, _states(model, other), root_p / "ckpts")
+    _prepare_loads(ctx)
+    out = {}
+    for verb, row in CELLS.items():
+        for what, cell in row.items():
+            if engine not in cell.engines:
+                continue
+            key = f"{verb} x {what}"
+            with open(Path(progress) / f"rank{rank}.txt", "a") as f:
+                f.write(key + "\n")
+            dist.barrier()
+            before = _hashes(ctx.root)
+            dist.barrier()  # no rank starts the cell while another still hashes
+            t0 = time.monotonic()
+            try:
+                outcome: list = ["returned", str(cell.call(ctx))[:200]]
+            except Exception as e:  # noqa: BLE001 - the table classifies it
+                outcome = [type(e).__name__, str(e)]
+            seconds = time.monotonic() - t0
+            dist.barrier()  # both ranks done (an async save's files removed) before the folders are hashed
+            changed = sorted(set(before.items()) ^ set(_hashes(ctx.root).items()))
+            out[key] = {"outcome": outcome, "seconds": seconds, "changed": [p for p, _ in changed][:5]}
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the table
+
+
+def _classify(engine: str, results: list[dict]) -> tuple[dict[str, int], list[str]]:
+    counts = dict.fromkeys(COUNTS, 0)
+    problems = []
+    for verb, row in CELLS.items():
+        for what, cell in row.items():
+            if engine not in cell.engines:
+                continue
+            key = f"{verb} x {what}"
+            counts["cases"] += 1
+            per_rank = [r[key] for r in results]
+            outcomes = [p["outcome"] for p in per_rank]
+            if cell.returns is not None:  # every rank decides alike (all skip), with no error
+                ok = all(o == ["returned", cell.returns] for o in outcomes)
+                kind = "refused on all ranks" if ok else ("silent" if outcomes[0][0] == "returned" else "crash")
+            elif any(o[0] == "returned" for o in outcomes):
+                kind = "silent"
+            elif all(o[0] in cell.errors and all(n in o[1] for n in cell.names) for o in outcomes):
+                kind = "refused on all ranks"
+            else:
+                kind = "crash"
+            if any(p["changed"] for p in per_rank):
+                kind = "crash"
+            if max(p["seconds"] for p in per_rank) > 2 * T:
+                kind = "hang"
+            counts[kind] += 1
+            if kind != "refused on all ranks":
+                problems.append(f"[{engine}] {key}: {kind}: {per_rank}")
+    return counts, problems
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_ranks_table(engine: str, tmp_path: Path) -> None:
+    """Every cell of the Ranks table, in one 2-rank launch per engine."""
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    env = {"FE_DIST_INIT": "torch"} if engine == "fsdp2" else {}
+    t0 = time.monotonic()
+    try:
+        results = run_ranks(
+            "tests.test_hostile_ranks:table_worker",
+            world_size=2,
+            timeout=300,
+            env=env,
+            engine=engine,
+            root=str(tmp_path),
+            progress=str(progress),
+        )
+    except AssertionError as e:
+        last = {p.name: p.read_text().splitlines()[-1:] for p in sorted(progress.iterdir())}
+        if "timed out" in str(e) or "timeout" in str(e).lower():
+            pytest.fail(f"hang: the launch timed out in cell {last}\n{str(e)[-3000:]}")
+        raise
+    counts, problems = _classify(engine, results)
+    print(
+        f"\nRanks table [{engine}] in {time.monotonic() - t0:.1f} s: "
+        + ", ".join(f"{k} {v}" for k, v in counts.items())
+    )
+    assert counts["silent"] == counts["crash"] == counts["hang"] == 0, "\n".join(problems)
+    assert counts["refused on all ranks"] == counts["cases"], "\n".join(problems)
