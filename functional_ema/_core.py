@@ -243,7 +243,8 @@ def update(
     ``d`` is the decay compounded over the steps since the last update,
     ``d = prod_{s = state.step + 1}^{step} beta(s)`` (``beta ** N`` for a constant decay updated
     every N steps; see :mod:`functional_ema.schedules`). ``d = 0`` sets the EMA to the weights
-    exactly (a copy, so it also clears a NaN the EMA held). It never communicates.
+    exactly (a copy, so it also clears a NaN the EMA held). It never communicates, except to decide
+    ``nonfinite`` together with the other ranks (below).
 
     Speed: when ``shards`` is a :class:`Shards` (what ``local_shards`` returns) and the state's
     EMAs were made from one with the same layout (``init_ema``, ``load``), the update is one
@@ -270,13 +271,22 @@ def update(
             weight is NaN or inf, leave the EMAs and the step unchanged and return the state (a
             later update compounds the skipped steps). ``"raise"``: raise :class:`NonFiniteError`
             naming the parameter, state unchanged. The check reads the weights once more (about
-            +33% of the update's memory traffic for one fp32 EMA).
+            +33% of the update's memory traffic for one fp32 EMA). With the ``Shards`` of
+            ``local_shards(x)`` of a model trained on several ranks (``shards.group``), the ranks
+            decide together: one all-reduce of four int64 per call (on the gloo side group under
+            NCCL; none when ``nonfinite`` is ``None``) tells whether any rank saw a NaN or inf, so
+            every rank skips or none does, and with ``"raise"`` every rank raises, naming the lowest
+            rank that saw it. Call it on every rank then; ranks whose states are at different
+            steps are refused on every rank (:class:`~functional_ema.StateMismatchError`).
 
     Returns:
         The new state, with ``step`` set to ``step``.
 
     Raises:
         TreeMismatchError: names or shapes of ``shards`` differ from the state's.
+        NonFiniteError: ``nonfinite="raise"`` and a weight (on any rank of ``shards.group``) is NaN or inf.
+        StateMismatchError: with ``nonfinite`` on over a group, the ranks' states are at different steps,
+            or the update failed on another rank.
         TypeError: a shard is not floating point, ``step`` is not an int, ``state.step`` is not an
             int64 tensor (a state built by hand), or a decay (or a callable's value at some step)
             is not a real number.
