@@ -97,6 +97,15 @@ def _nan_update(ctx: Ctx, mode: str) -> str:
     return f"skipped at step {int(new.step)}" if new is state and int(new.step) == 6 else f"updated to {int(new.step)}"
 
 
+def _controller(state):
+    """An integration's :class:`~functional_ema.integrations.EMAController` holding ``state`` (tag ``t``)."""
+    from functional_ema.integrations import EMAController
+
+    ctl = EMAController(0.9, tag="t")
+    ctl.state = state
+    return ctl
+
+
 # A cell: how to provoke it (the call every rank makes), the error classes allowed, and what its message
 # must name (``{r0}``/``{r1}``: rank 0's and rank 1's value). ``engines``: the configurations it runs in.
 class Cell(NamedTuple):
@@ -206,6 +215,16 @@ CELLS: dict[str, dict[str, Cell]] = {
         "num_emas": Cell(lambda c: _dcp_load(c.model, mine(c, "2emas")), STATE_ERR, EMAS, FSDP2),
         "dtype": Cell(lambda c: _dcp_load(c.model, mine(c, "f64")), STATE_ERR, DTYPE, FSDP2),
         "layout": Cell(lambda c: _dcp_load(c.other, mine(c, "other")), STATE_ERR, LAYOUT, FSDP2),
+    },
+    "integrations EMAController.save": {
+        "step": Cell(lambda c: _controller(mine(c, "7")).save(c.model, c.root / "ck", 7), SAVE_ERR, STEP),
+    },
+    "integrations EMAController.load": {
+        "generation": Cell(
+            lambda c: _controller(None).load(c.model, c.root / "load_generation" / f"node{c.rank}", 6),
+            LOAD_ERR,
+            ("ranks disagree on generation", "rank 0: 1", "rank 1: 0"),
+        ),
     },
     "posthoc.save_snapshot": {
         "step": Cell(
