@@ -628,12 +628,11 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(template, storage_reader=_reader(root, meta), no_dist=True)
-    except CheckpointError:
+    except (CheckpointError, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:  # noqa: BLE001 - whatever DCP raises on these bytes: one line naming the folder
-        why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; one line naming the folder
         raise CorruptCheckpointError(
-            f"{root}: DCP could not read EMA {index} under key {key!r} ({type(e).__name__}: {why})"
+            f"{root}: DCP could not read EMA {index} under key {key!r} ({_first_failure(e)})"
         ) from None
     if int(template[f"{key}.step"]) != record["step"]:
         raise CorruptCheckpointError(
@@ -648,6 +647,16 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
 
             _verify(t, [0] * t.dim(), saved[name]["pieces"], name, str(index), where)
     return full, record["step"]
+
+
+def _first_failure(e: BaseException) -> str:
+    """``Type: message`` of what DCP failed on (the first rank's error inside its ``CheckpointException``)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else e
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
 def _reader(root: Path, meta):
