@@ -173,14 +173,16 @@ class EMAStateful:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = self.state
         world, rank = _world()
-        unverified = agree(
+        every = agree(
             "EMAStateful.load_state_dict",
             lambda: _check_loaded(state_dict, state, self._where),
             None,
             world,
             rank,
             fallback=CorruptCheckpointError,
-        )[rank]
+        )
+        _check_names(every, self._where)  # the same outcome on every rank: it reads the exchanged results
+        unverified = every[rank][0]
         if unverified:
             warnings.warn(
                 f"EMAStateful.load_state_dict on rank {rank}: {unverified} bytes of {self._where} lie in saved rows "
@@ -421,9 +423,12 @@ def _verify(
     return held_bytes - verified
 
 
-def _check_loaded(state_dict: Mapping[str, Any], state: EmaState, where: str) -> int:
+def _check_loaded(
+    state_dict: Mapping[str, Any], state: EmaState, where: str
+) -> tuple[int, dict[str, list[str]], list[str]]:
     """Check what ``dcp.load`` put into the template against the record and the state; return the bytes
-    left unverified on this rank (rows this layout splits)."""
+    left unverified on this rank (rows this layout splits), the record's parameter names per EMA, and the
+    names this rank loaded (for :func:`_check_names`, across the ranks)."""
     missing = [key for key in ("step", "emas", RECORD_KEY) if key not in state_dict]
     if missing:
         raise IncompleteCheckpointError(
@@ -445,10 +450,9 @@ def _check_loaded(state_dict: Mapping[str, Any], state: EmaState, where: str) ->
     unverified = 0
     for k in range(state.num_emas):
         saved, loaded = record["emas"][str(k)], state_dict["emas"].get(str(k), {})
-        if sorted(saved) != sorted(loaded):
-            raise CheckpointMismatchError(
-                f"{where}: EMA {k} holds parameters the model does not (field emas.{k}: only in the checkpoint "
-                f"{sorted(set(saved) - set(loaded))[:5]}, only in the model {sorted(set(loaded) - set(saved))[:5]})"
+        if set(loaded) - set(saved):  # DCP reads only what the checkpoint has: a record that does not list it
+            raise CorruptCheckpointError(
+                f"{where}: field emas.{k} of the EMA's checksum record lacks {sorted(set(loaded) - set(saved))[:5]}"
             )
         for name, t in loaded.items():
             held, offsets = _held(t)
@@ -460,7 +464,19 @@ def _check_loaded(state_dict: Mapping[str, Any], state: EmaState, where: str) ->
                     f"init_ema(..., dtype=torch.{want}) and cast after loading"
                 )
             unverified += _verify(held, offsets, saved[name]["pieces"], name, str(k), lambda _o: where)
-    return unverified
+    return unverified, {k: sorted(ema) for k, ema in record["emas"].items()}, sorted(state_dict["emas"]["0"])
+
+
+def _check_names(every: list[tuple[int, dict[str, list[str]], list[str]]], where: str) -> None:
+    """Every parameter the checkpoint's EMA holds is loaded by some rank (pipeline stages each load their
+    own): a checkpoint of a model with more parameters is refused, on every rank alike."""
+    saved = every[0][1]["0"]
+    loaded = set().union(*(names for _, _, names in every))
+    if set(saved) - loaded:
+        raise CheckpointMismatchError(
+            f"{where}: its EMA holds parameters the model does not (field emas.0: {sorted(set(saved) - loaded)[:5]}); "
+            "load it into the model it was saved from"
+        )
 
 
 # ----------------------------------------------------------------------------------- offline read

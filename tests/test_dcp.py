@@ -191,7 +191,8 @@ def test_dcp_reshards_the_ema_bitwise(root):
         want = {"bitwise": True, "step": STEPS, "world": 4, "in_place": True}
         assert r["hsdp_into_fsdp2_4"] == {**want, "unverified_warned": False}, (rank, r)
         # FSDP2's saved rows of down.weight are 14 wide; tensor parallelism holds 7 columns: said, not silent
-        assert r["fsdp2_into_dp_tp"] == {**want, "unverified_warned": True}, (rank, r)
+        # (world: the layout's data-parallel size, 2 of dp 2 x tp 2)
+        assert r["fsdp2_into_dp_tp"] == {**want, "world": 2, "unverified_warned": True}, (rank, r)
     # dp 2 x tp 2 into a plain module, in this process (no process group): DCP joins the slices
     plain = TPNet()
     state = fe.init_ema(fe.local_shards(plain))
@@ -409,6 +410,19 @@ def test_dcp_refuses_flipped_bytes_other_ema_counts_bad_steps_and_unreadable_fol
         CorruptCheckpointError,
         ["the DCP checkpoint", "up.weight", "XXH3-64"],
         lambda: dcp.load({"ema": ema}, checkpoint_id=str(r / "flip"), no_dist=True),
+        r,
+    )
+
+    # a model without some of the checkpoint's parameters: refused, not a silent partial load
+    from functional_ema._testing.multirank import TP_D, TP_H
+
+    part = torch.nn.Module()
+    part.up, part.down = torch.nn.Linear(TP_D, TP_H), torch.nn.Linear(TP_H, TP_D)
+    ema = fe.dcp.EMAStateful(part, fe.init_ema(fe.local_shards(part)))
+    _refused(
+        CheckpointMismatchError,
+        ["holds parameters the model does not", "head.bias"],
+        lambda: dcp.load({"ema": ema}, checkpoint_id=str(r / "one"), no_dist=True),
         r,
     )
 
