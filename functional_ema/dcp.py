@@ -69,6 +69,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -251,7 +252,11 @@ def _row_checksums(t: torch.Tensor) -> list[int]:
         return []
     rows = t.shape[0] if t.dim() else 1
     buf = _io._byte_view(t)
-    return _io.chunk_checksums(buf, len(buf) // rows)
+    row = len(buf) // rows
+    if row >= _io.CHUNK_BYTES:  # long rows: the library's threaded chunk checksums
+        return _io.chunk_checksums(buf, row)
+    fn = _io.checksum_fn(_io.CHECKSUM)  # short rows: a thread hand-off per row would cost more than the hash
+    return [fn(buf[i : i + row]) for i in range(0, len(buf), row)]
 
 
 def _saved_record(state: EmaState, emas: Mapping[str, Mapping[str, torch.Tensor]]) -> str:
@@ -315,7 +320,19 @@ def _saved_record(state: EmaState, emas: Mapping[str, Mapping[str, torch.Tensor]
 
 def _piece_of(t: torch.Tensor) -> tuple[list[int], list[int], str]:
     local, offsets = _held(t)
-    return offsets, list(local.shape), "".join(f"{c:016x}" for c in _row_checksums(local))
+    return offsets, list(local.shape), _hex(_row_checksums(local))
+
+
+def _hex(checksums: list[int]) -> str:
+    """16 hex digits per checksum, concatenated (what the record stores)."""
+    return np.array(checksums, dtype=">u8").tobytes().hex()
+
+
+def _unhex(hexes: str) -> list[int]:
+    """The checksums of :func:`_hex`; ``ValueError`` for what is not such a string."""
+    if len(hexes) % 16:
+        raise ValueError("not a multiple of 16 hex digits")
+    return np.frombuffer(bytes.fromhex(hexes), dtype=">u8").tolist()
 
 
 def _parse_record(raw: Any, where: str) -> dict[str, Any]:
@@ -397,7 +414,10 @@ def _verify(
                 f"{where(saved_off)}: EMA {k} parameter {name!r}: a saved piece has {len(saved_off)} dimensions, the "
                 f"tensor {held.dim()}"
             )
-        rows = [int(hexes[i : i + 16], 16) for i in range(0, len(hexes), 16)]
+        try:
+            rows = _unhex(hexes)
+        except ValueError:
+            rows = []
         if len(rows) != saved_size[0] or len(hexes) != 16 * len(rows):
             raise CorruptCheckpointError(
                 f"{where(saved_off)}: EMA {k} parameter {name!r}: the record lists {len(hexes) / 16:g} row checksums "
