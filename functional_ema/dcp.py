@@ -354,8 +354,8 @@ def _parse_record(raw: Any, where: str) -> dict[str, Any]:
             f"{where}: the EMA's checksum record has version {record.get('version')!r}; this functional_ema reads "
             f"version {_RECORD_VERSION}"
         )
-    if record.get("checksum") not in _io.CHECKSUMS:
-        raise bad("checksum", f"names {record.get('checksum')!r}, not one of {sorted(_io.CHECKSUMS)}")
+    if record.get("checksum") != _io.CHECKSUM:
+        raise bad("checksum", f"names {record.get('checksum')!r}, not {_io.CHECKSUM!r}")
     n = record.get("num_emas")
     if type(n) is not int or n < 1:
         raise bad("num_emas", f"is {n!r}, not a positive integer")
