@@ -155,8 +155,8 @@ def _run_consolidate_dcp(args, t0: float) -> int:
     ]
     if given:
         print(
-            f"error: {' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --dcp (a DCP checkpoint has no tags, and DCP joins "
-            "tensor-parallel pieces itself)",
+            f"error: {' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --dcp (a DCP "
+            "checkpoint has no tags, and DCP joins tensor-parallel pieces itself)",
             file=sys.stderr,
         )
         return 2

@@ -635,7 +635,8 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
     record = _parse_record(_read_record(root, meta, record_fqn), f"{root}")
     if index >= record["num_emas"]:
         raise CheckpointMismatchError(
-            f"{root}: no EMA {index} under key {key!r} (it holds {record['num_emas']} EMAs, 0..{record['num_emas'] - 1})"
+            f"{root}: no EMA {index} under key {key!r} (it holds {record['num_emas']} EMAs, "
+            f"0..{record['num_emas'] - 1})"
         )
     saved = record["emas"][str(index)]
     prefix = f"{key}.emas.{index}."
@@ -666,7 +667,7 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
             dcp.load(template, storage_reader=_reader(root, meta), no_dist=True)
     except (CheckpointError, KeyboardInterrupt, SystemExit):
         raise
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; one line naming the folder
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException: one line naming it
         raise CorruptCheckpointError(
             f"{root}: DCP could not read EMA {index} under key {key!r} ({_first_failure(e)})"
         ) from None
