@@ -6,8 +6,9 @@ Commands:
         group, streaming: peak memory is about the largest single parameter. Pipeline stages go into
         one file; tensor-parallel slices are joined where the split is known, else written one file
         per tensor-parallel rank (OUT.tp<r>of<T>.safetensors).
-    consolidate --dcp DCP_DIR OUT.safetensors [--key ema] [--index K]
-        The same from a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful.
+    consolidate --dcp DCP_DIR OUT.safetensors [--key ema] [--index K] [--no-verify]
+        The same from a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful, every row's
+        checksum verified (--no-verify skips that; --tag, --tp-dim, --tp-rank are refused).
     posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
 
@@ -72,11 +73,12 @@ def _add_consolidate(subparsers) -> None:
     p.add_argument(
         "--dcp",
         action="store_true",
-        help="CHECKPOINT_DIR is a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful "
-        "(its metadata is a pickle that DCP unpickles: trusted folders only)",
+        help="CHECKPOINT_DIR is a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful (its .metadata "
+        "pickle is read with an allow-list of DCP's classes; every row's XXH3-64 checksum is verified unless "
+        "--no-verify; --tag, --tp-dim and --tp-rank do not apply)",
     )
     p.add_argument(
-        "--key", default="ema", help="with --dcp: the state-dict key the EMAStateful was saved under (default 'ema')"
+        "--key", default=None, help="with --dcp: the state-dict key the EMAStateful was saved under (default 'ema')"
     )
     bar = p.add_mutually_exclusive_group()
     bar.add_argument(
@@ -98,6 +100,9 @@ def _run_consolidate(args) -> int:
     t0 = time.perf_counter()
     if args.dcp:
         return _run_consolidate_dcp(args, t0)
+    if args.key is not None:
+        print("error: --key applies only with --dcp", file=sys.stderr)
+        return 2
     tp_dims = _tp_dims(args.tp_dim) if args.tp_dim else None
     ranks: list[int | None] = [args.tp_rank]
     outs = [Path(args.out)]
@@ -141,27 +146,49 @@ def _run_consolidate_dcp(args, t0: float) -> int:
 
     from ._io import atomic_write_bytes
     from .checkpoint import OutputPathError
-    from .dcp import consolidate_dcp
+    from .dcp import _consolidate
 
+    given = [
+        flag
+        for flag, value in (("--tag", args.tag), ("--tp-dim", args.tp_dim), ("--tp-rank", args.tp_rank))
+        if value is not None
+    ]
+    if given:
+        print(
+            f"error: {' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --dcp (a DCP "
+            "checkpoint has no tags, and DCP joins tensor-parallel pieces itself)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.index < 0:
+        print(f"error: --index is an EMA index (>= 0), got {args.index}", file=sys.stderr)
+        return 2
     out, src = Path(args.out), Path(args.checkpoint_dir)
-    if os.path.realpath(out).startswith(os.path.realpath(src) + os.sep):
+    real_out, real_src = os.path.realpath(out), os.path.realpath(src)
+    if real_out == real_src or real_out.startswith(real_src + os.sep):
         raise OutputPathError(f"{out} is inside the DCP checkpoint {src} being read: write it elsewhere")
+    if out.is_dir():
+        raise OutputPathError(f"{out} is a folder: name the .safetensors file to write")
     if out.exists() and not args.overwrite:
         raise OutputPathError(f"{out} exists: pass --overwrite to replace it")
-    try:
-        full = consolidate_dcp(src, args.key, index=args.index)
-    except KeyError as e:
-        raise SystemExit(f"error: {e.args[0]}") from None
+    key = "ema" if args.key is None else args.key
+    full, step = _consolidate(src, key, args.index, not args.no_verify)
     atomic_write_bytes(
         out,
         save(
             {n: t.contiguous() for n, t in full.items()},
-            metadata={"format": "functional_ema.export", "source": "dcp", "ema_index": str(args.index)},
+            metadata={
+                "format": "functional_ema.export",
+                "source": "dcp",
+                "ema_index": str(args.index),
+                "step": str(step),
+            },
         ),
     )
     print(
         f"wrote {out}: {len(full)} tensors, {out.stat().st_size / 2**20:.1f} MiB, EMA {args.index} of DCP key "
-        f"{args.key!r} in {time.perf_counter() - t0:.2f} s"
+        f"{key!r} (step {step}){'' if not args.no_verify else ', checksums not verified (--no-verify)'} in "
+        f"{time.perf_counter() - t0:.2f} s"
     )
     return 0
 

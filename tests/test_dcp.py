@@ -10,10 +10,12 @@ after it. The reference throughout: ``fe.gather_full(..., join_parts=True)`` bef
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
 
+from functional_ema.checkpoint import CheckpointMismatchError
 from functional_ema._testing.multirank import TP_DECAY as DECAY
 from functional_ema._testing.multirank import TPNet, run_ranks, tp_batch, tp_mesh, tp_model
 
@@ -70,6 +72,8 @@ def save_worker(root: str, layouts: list[str]) -> dict:
         out[layout] = int(state.step)
         if layout == "hsdp":  # into FSDP2 over the same 4 ranks, in this launch
             out["hsdp_into_fsdp2_4"] = _load_and_compare(root, "hsdp", "fsdp2")
+        if layout == "dp_tp" and os.path.isdir(os.path.join(root, "fsdp2")):  # FSDP2's whole rows, cut by TP
+            out["fsdp2_into_dp_tp"] = _load_and_compare(root, "fsdp2", "dp_tp")
     return out
 
 
@@ -83,7 +87,9 @@ def _load_and_compare(root: str, saved: str, layout: str) -> dict:
     model, _ = _model(layout, 123)
     state = fe.init_ema(fe.local_shards(model))
     buffers = [t.data_ptr() for t in state.emas[0].values() if t.numel()]
-    dcp.load({"ema": fe.dcp.EMAStateful(model, state)}, checkpoint_id=os.path.join(root, saved))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load({"ema": fe.dcp.EMAStateful(model, state)}, checkpoint_id=os.path.join(root, saved))
     ref = load_file(os.path.join(root, f"{saved}.ref.safetensors"))
     full = fe.gather_full(state, model, join_parts=True)
     return {
@@ -91,6 +97,8 @@ def _load_and_compare(root: str, saved: str, layout: str) -> dict:
         "step": int(state.step),
         "world": fe.shard_layout(model).world_size,
         "in_place": [t.data_ptr() for t in state.emas[0].values() if t.numel()] == buffers,
+        # rows that the new layout splits across ranks cannot be checksummed at load (said, not silent)
+        "unverified_warned": any("not checksummed at load" in str(w.message) for w in caught),
     }
 
 
@@ -172,12 +180,19 @@ def test_dcp_reshards_the_ema_bitwise(root):
         "tests.test_dcp:load_worker", world_size=3, timeout=400, root=str(root), saved="fsdp2", layout="fsdp2"
     )
     for rank, r in enumerate(into3):
-        assert r == {"bitwise": True, "step": STEPS, "world": 3, "in_place": True}, (rank, r)
+        assert r == {"bitwise": True, "step": STEPS, "world": 3, "in_place": True, "unverified_warned": False}, (
+            rank,
+            r,
+        )
     saved4 = run_ranks(
         "tests.test_dcp:save_worker", world_size=4, timeout=400, root=str(root), layouts=["hsdp", "dp_tp"]
     )
     for rank, r in enumerate(saved4):
-        assert r["hsdp_into_fsdp2_4"] == {"bitwise": True, "step": STEPS, "world": 4, "in_place": True}, (rank, r)
+        want = {"bitwise": True, "step": STEPS, "world": 4, "in_place": True}
+        assert r["hsdp_into_fsdp2_4"] == {**want, "unverified_warned": False}, (rank, r)
+        # FSDP2's saved rows of down.weight are 14 wide; tensor parallelism holds 7 columns: said, not silent
+        # (world: the layout's data-parallel size, 2 of dp 2 x tp 2)
+        assert r["fsdp2_into_dp_tp"] == {**want, "world": 2, "unverified_warned": True}, (rank, r)
     # dp 2 x tp 2 into a plain module, in this process (no process group): DCP joins the slices
     plain = TPNet()
     state = fe.init_ema(fe.local_shards(plain))
@@ -191,7 +206,7 @@ def test_dcp_reshards_the_ema_bitwise(root):
         full = fe.dcp.consolidate_dcp(root / layout)
         ref = load_file(root / f"{layout}.ref.safetensors")
         assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref), layout
-    with pytest.raises(KeyError, match="no EMA 1 under key 'ema'"):
+    with pytest.raises(CheckpointMismatchError, match="no EMA 1 under key 'ema'"):
         fe.dcp.consolidate_dcp(root / "fsdp2", index=1)
     # and the CLI: python -m functional_ema consolidate --dcp DIR OUT.safetensors
     import subprocess
@@ -237,3 +252,272 @@ def deepspeed_worker() -> str:
     except TypeError as e:
         return str(e)
     return "not refused"
+
+
+# ----------------------------------------------------------------------------- what is refused
+
+
+def _attempt(fn) -> str:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the class and message are the result (DCP's are BaseExceptions)
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def refusals_worker(root: str) -> dict:
+    """FSDP2 at 2 ranks: a clean checkpoint, a 2-EMA one, three with a bad step, and a copy of the clean one
+    with one byte of a tensor's data flipped (by rank 0); then the loads and constructions EMAStateful must
+    refuse, on both ranks, and a clean load after them (no rank was left behind)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import functional_ema as fe
+    from functional_ema import _io
+    from functional_ema._testing.multirank import file_hashes
+
+    r = Path(root)
+    model, opt = _model("fsdp2", 0)
+    mesh = _layout_mesh("fsdp2")
+    one = _train(model, opt, fe.init_ema(fe.local_shards(model)), mesh, range(1, STEPS + 1))
+    dcp.save({"ema": fe.dcp.EMAStateful(model, one)}, checkpoint_id=r / "one")
+    _save_ref(fe.gather_full(one, model), str(r / "one.ref.safetensors"))
+    two = fe.init_ema(fe.local_shards(model), num_emas=2)
+    two = fe.update(two, fe.local_shards(model), 1, decay=(DECAY, 0.5))
+    dcp.save({"ema": fe.dcp.EMAStateful(model, two)}, checkpoint_id=r / "two")
+    good = fe.dcp.EMAStateful(model, one).state_dict()
+    for name, tensor_step, record_step in (("neg", -7, -7), ("frac", 2.5, 2.5), ("neg_tensor", -7, STEPS)):
+        record = json.loads(good[fe.dcp.RECORD_KEY])
+        record["step"] = record_step
+        doctored = {**good, "step": torch.tensor(tensor_step), fe.dcp.RECORD_KEY: json.dumps(record)}
+        dcp.save({"ema": doctored}, checkpoint_id=r / name)
+    dist.barrier()
+    if dist.get_rank() == 0:  # one byte in the middle of rank 0's piece of up.weight, in the file's data region
+        shutil.copytree(r / "one", r / "flip")
+        piece = bytes(_io._byte_view(one.emas[0]["up.weight"].contiguous()))
+        for f in sorted((r / "flip").glob("*.distcp")):
+            data = bytearray(f.read_bytes())
+            at = data.find(piece)
+            if at >= 0:
+                data[at + len(piece) // 2] ^= 0x10
+                f.write_bytes(bytes(data))
+                break
+        else:
+            raise AssertionError("rank 0's piece of up.weight is in no .distcp file")
+    dist.barrier()
+    before = file_hashes(r)
+
+    def load(name: str, num_emas: int = 1) -> str:
+        state = fe.init_ema(fe.local_shards(model), num_emas=num_emas)
+        ema = fe.dcp.EMAStateful(model, state, checkpoint_id=r / name)
+        return _attempt(lambda: dcp.load({"ema": ema}, checkpoint_id=r / name))
+
+    out = {
+        "flip": load("flip"),
+        "two_into_one": load("two"),
+        "one_into_two": load("one", num_emas=2),
+        "neg": load("neg"),
+        "frac": load("frac"),
+        "neg_tensor": load("neg_tensor"),
+        "state_none": _attempt(
+            lambda: dcp.save({"ema": fe.dcp.EMAStateful(model, lambda: None)}, checkpoint_id=r / "never")
+        ),
+        "state_int": _attempt(lambda: fe.dcp.EMAStateful(model, 3)),
+        "x_not_a_model": _attempt(lambda: fe.dcp.EMAStateful({"w": torch.zeros(2)}, one)),
+    }
+    out["clean_after"] = _load_and_compare(str(r), "one", "fsdp2")
+    dist.barrier()
+    out["disk_unchanged"] = file_hashes(r) == before
+    return out
+
+
+def _refused(cls: type, fragments: list[str], fn, root) -> str:
+    """fn() raises cls, a CheckpointError whose message holds every fragment; no file under root changes."""
+    from functional_ema._testing.multirank import file_hashes
+    from functional_ema.checkpoint import CheckpointError
+
+    before = file_hashes(root)
+    with pytest.raises(cls) as info:
+        fn()
+    assert isinstance(info.value, CheckpointError), type(info.value)
+    for frag in fragments:
+        assert frag in str(info.value), f"{frag!r} not in: {info.value}"
+    assert file_hashes(root) == before, "an error path modified files"
+    return str(info.value)
+
+
+def test_dcp_refuses_flipped_bytes_other_ema_counts_bad_steps_and_unreadable_folders(root, tmp_path, capsys):
+    import pickle
+    import shutil
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    import functional_ema as fe
+    from functional_ema.__main__ import main
+    from functional_ema._testing.multirank import ROOT, file_hashes
+    from functional_ema.checkpoint import (
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        IncompleteCheckpointError,
+    )
+
+    r = root / "refusals"
+    r.mkdir()
+    got = run_ranks("tests.test_dcp:refusals_worker", world_size=2, timeout=400, root=str(r))
+    for rank, out in enumerate(got):
+        where = f"the DCP checkpoint {r}"
+        assert out["flip"].startswith("CorruptCheckpointError") and "up.weight" in out["flip"], (rank, out["flip"])
+        assert "XXH3-64" in out["flip"] and f"{where}/flip" in out["flip"], (rank, out["flip"])
+        assert out["two_into_one"].startswith("CheckpointMismatchError"), (rank, out)
+        assert f"{where}/two holds 2 EMAs (field num_emas), this state 1" in out["two_into_one"], (rank, out)
+        # the reverse: DCP itself finds no EMA 1 to read, before EMAStateful sees anything
+        assert out["one_into_two"] != "accepted" and "ema.emas.1." in out["one_into_two"], (rank, out)
+        for case, frag in (("neg", "field 'step'"), ("frac", "field 'step'"), ("neg_tensor", "field step is -7")):
+            assert out[case].startswith("CorruptCheckpointError") and frag in out[case], (rank, case, out[case])
+            assert f"{where}/{case}" in out[case], (rank, case, out[case])
+        assert out["state_none"].startswith("TypeError") and "state returned a builtins.NoneType" in out["state_none"]
+        assert out["state_int"].startswith("TypeError") and "state must be an EmaState" in out["state_int"]
+        assert out["x_not_a_model"].startswith("TypeError") and "EMAStateful: x:" in out["x_not_a_model"]
+        assert out["clean_after"] == {
+            "bitwise": True,
+            "step": STEPS,
+            "world": 2,
+            "in_place": True,
+            "unverified_warned": False,
+        }, (rank, out)
+    assert got[0]["disk_unchanged"] and not (r / "never").exists()
+
+    # 2 ranks -> 1 process (a plain module): the resharded load verifies too, clean and flipped
+    from functional_ema._testing.multirank import TPNet
+
+    plain = TPNet()
+    state = fe.init_ema(fe.local_shards(plain))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing left unverified
+        warnings.filterwarnings("ignore", "torch.distributed is disabled|.*uninitialized", UserWarning)
+        dcp.load({"ema": fe.dcp.EMAStateful(plain, state)}, checkpoint_id=str(r / "one"), no_dist=True)
+    ref = load_file(r / "one.ref.safetensors")
+    assert all(torch.equal(state.emas[0][n].view(ref[n].shape), ref[n]) for n in ref) and int(state.step) == STEPS
+    ema = fe.dcp.EMAStateful(plain, fe.init_ema(fe.local_shards(plain)))
+    _refused(
+        CorruptCheckpointError,
+        ["the DCP checkpoint", "up.weight", "XXH3-64"],
+        lambda: dcp.load({"ema": ema}, checkpoint_id=str(r / "flip"), no_dist=True),
+        r,
+    )
+
+    # a model without some of the checkpoint's parameters: refused, not a silent partial load
+    from functional_ema._testing.multirank import TP_D, TP_H
+
+    part = torch.nn.Module()
+    part.up, part.down = torch.nn.Linear(TP_D, TP_H), torch.nn.Linear(TP_H, TP_D)
+    ema = fe.dcp.EMAStateful(part, fe.init_ema(fe.local_shards(part)))
+    _refused(
+        CheckpointMismatchError,
+        ["holds parameters the model does not", "head.bias"],
+        lambda: dcp.load({"ema": ema}, checkpoint_id=str(r / "one"), no_dist=True),
+        r,
+    )
+
+    # offline: consolidate_dcp verifies every row and names the file
+    _refused(CorruptCheckpointError, [".distcp", "up.weight", "XXH3-64"], lambda: fe.dcp.consolidate_dcp(r / "flip"), r)
+    assert sorted(fe.dcp.consolidate_dcp(r / "flip", verify=False)) == sorted(ref)  # --no-verify's meaning
+
+    def damaged(name: str, damage) -> os.PathLike:
+        d = tmp_path / name
+        shutil.copytree(r / "one", d)
+        damage(d)
+        return d
+
+    class Evil:  # a pickle that would run a command when unpickled
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    def truncate(f):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    cases = {
+        "garbage_metadata": (
+            lambda d: (d / ".metadata").write_bytes(b"not a pickle"),
+            CorruptCheckpointError,
+            [".metadata"],
+        ),
+        "truncated_metadata": (lambda d: truncate(d / ".metadata"), CorruptCheckpointError, [".metadata"]),
+        "evil_metadata": (
+            lambda d: (d / ".metadata").write_bytes(pickle.dumps(Evil())),
+            CorruptCheckpointError,
+            [".metadata", "posix.system" if os.name == "posix" else "system", "not part of DCP's metadata"],
+        ),
+        "no_metadata": (lambda d: (d / ".metadata").unlink(), CheckpointNotFoundError, ["not a DCP checkpoint"]),
+        "truncated_distcp": (
+            lambda d: truncate(d / "__1_0.distcp"),
+            CorruptCheckpointError,
+            ["__1_0.distcp", "truncated"],
+        ),
+        "missing_distcp": (
+            lambda d: (d / "__1_0.distcp").unlink(),
+            IncompleteCheckpointError,
+            ["__1_0.distcp", "missing"],
+        ),
+    }
+    for name, (damage, cls, frags) in cases.items():
+        d = damaged(name, damage)
+        _refused(cls, [str(d), *frags], lambda d=d: fe.dcp.consolidate_dcp(d), d)
+    assert not (tmp_path / "ran").exists()
+    (tmp_path / "empty").mkdir()
+    _refused(
+        CheckpointNotFoundError,
+        ["not a DCP checkpoint"],
+        lambda: fe.dcp.consolidate_dcp(tmp_path / "empty"),
+        tmp_path / "empty",
+    )
+    _refused(CheckpointNotFoundError, ["no such folder"], lambda: fe.dcp.consolidate_dcp(tmp_path / "absent"), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": {"w": torch.zeros(3)}}, checkpoint_id=str(tmp_path / "no_ema"), no_dist=True)
+    _refused(
+        CheckpointMismatchError,
+        ["no functional_ema EMA under key 'ema'", "'model'"],
+        lambda: fe.dcp.consolidate_dcp(tmp_path / "no_ema"),
+        tmp_path / "no_ema",
+    )
+
+    # the command line: one "error:" line, exit 1, nothing written; options that do not apply: exit 2
+    out = tmp_path / "out.safetensors"
+    for src in (r / "flip", tmp_path / "garbage_metadata"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "functional_ema", "consolidate", "--dcp", str(src), str(out)],
+            cwd=str(ROOT),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line]
+        assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+        assert "Traceback" not in proc.stderr and not out.exists(), proc.stderr
+    capsys.readouterr()
+    for src in (tmp_path / "missing_distcp", tmp_path / "evil_metadata", tmp_path / "empty", tmp_path / "no_ema"):
+        assert main(["consolidate", "--dcp", str(src), str(out)]) == 1 and not out.exists(), src
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and str(src) in err[0], err
+    for extra, flag in (
+        (["--tag", "t"], "--tag"),
+        (["--tp-rank", "0"], "--tp-rank"),
+        (["--tp-dim", "up.weight=0"], "--tp-dim"),
+    ):
+        before = file_hashes(r)
+        assert main(["consolidate", "--dcp", str(r / "one"), str(out), *extra]) == 2 and not out.exists(), extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"error: {flag} does not apply with --dcp" in err[0], err
+        assert file_hashes(r) == before
+    assert main(["consolidate", str(r / "one"), str(out), "--key", "ema"]) == 2
+    assert "--key applies only with --dcp" in capsys.readouterr().err
+    assert main(["consolidate", "--dcp", str(r / "flip"), str(out), "--no-verify"]) == 0  # skips the checksums
+    assert "checksums not verified" in capsys.readouterr().out and sorted(load_file(out)) == sorted(ref)

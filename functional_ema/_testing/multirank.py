@@ -37,6 +37,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def file_hashes(root: str | os.PathLike) -> dict[str, str]:
+    """Path -> sha256 of every file (and link target) under ``root``: what a refused call must leave unchanged."""
+    import hashlib
+
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_symlink():
+            out[str(p)] = "link:" + os.readlink(p)
+        elif p.is_file():
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
 def extensions_dir() -> str:
     """Where DeepSpeed JIT-builds its CPU ops for this environment.
 
