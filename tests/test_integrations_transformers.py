@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` + DeepSpeed ZeRO-3 at 2 real ranks, gradient accumulation 2, the callback attached.
+"""Hugging Face ``Trainer`` + DeepSpeed ZeRO-3 at 2 real ranks, gradient accumulation 2, the callback passed
+in ``Trainer(..., callbacks=[...])`` (the DDP start-rule runs use ``attach`` and ``add_callback``).
 
 Checked against a reference EMA of DeepSpeed's full fp32 weights (``safe_get_full_fp32_param``)
 taken once per optimizer step by a second, test-only callback: bitwise, for two EMAs (a float decay
@@ -75,12 +76,14 @@ def _trainer(out: str, max_steps: int, extra_callbacks=(), export: str | None = 
         use_cpu=True,
     )
     torch.manual_seed(0)
+    ema = EMACallback(decay=_decays(), start_step=START, buffers="average", export_path=export)
     trainer = Trainer(
-        model=BNNet(), args=args, train_dataset=RegressionData(96, seed=1), eval_dataset=RegressionData(32, seed=2)
+        model=BNNet(),
+        args=args,
+        train_dataset=RegressionData(96, seed=1),
+        eval_dataset=RegressionData(32, seed=2),
+        callbacks=[ema, *extra_callbacks],  # the Trainer's own idiom: the callback finds its Trainer
     )
-    ema = EMACallback(decay=_decays(), start_step=START, buffers="average", export_path=export).attach(trainer)
-    for cb in extra_callbacks:
-        trainer.add_callback(cb)
     return trainer, ema
 
 
@@ -149,7 +152,10 @@ def _start_rule(out: str) -> dict:
         model = BNNet()  # buffers=None: BatchNorm sees each micro-batch twice, the weights do not
         start_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         trainer = Trainer(model=model, args=args, train_dataset=train)
-        emas = {k: EMACallback(decay=_decays(), start_step=k).attach(trainer) for k in (0, RULE_START)}
+        # Both other ways in: attach (names the Trainer) and add_callback after the Trainer is built.
+        emas = {0: EMACallback(decay=_decays(), start_step=0).attach(trainer)}
+        emas[RULE_START] = EMACallback(decay=_decays(), start_step=RULE_START)
+        trainer.add_callback(emas[RULE_START])
         refs = {k: ReferenceEMA(_decays(), start=max(1, k)) for k in emas}
         seen = {k: record_start(e.ema) for k, e in emas.items()}
         box = {"t": trainer}
