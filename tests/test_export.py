@@ -358,7 +358,7 @@ def test_tensor_parallel_checkpoint_exports_the_joined_full_ema(tmp_path):
     assert all(r["tp_size"] == 2 for r in res)
     ref = load_file(tmp_path / "tp_ref.safetensors")
     joined = fe.consolidate(tmp_path / "tp_ckpt", "tp")
-    got_dir = to_hf(tmp_path / "tp_ckpt", tmp_path / "tp_hf", tmp_path / "tp_like", tag="tp", max_shard_size="1KB")
+    got_dir = to_hf(tmp_path / "tp_ckpt", tmp_path / "tp_hf", tmp_path / "tp_like", tag="tp", max_shard_size=200)
     index = json.loads((got_dir / "model.safetensors.index.json").read_text())
     got = {}
     for f in set(index["weight_map"].values()):
