@@ -336,3 +336,14 @@ def test_trainer_ddp(tmp_path):
         assert r["eval_ema_steps"] == [4, 8]
         assert "ema_manifest.json" in r["ema_files"]
         check_start_rule(r["start_rule"], calls_at_0=False)  # the callback runs once per optimizer step
+
+
+def test_callback_events_outside_a_trainer_say_how_to_name_it():
+    from types import SimpleNamespace
+
+    from functional_ema.integrations.transformers import EMACallback
+
+    ema = EMACallback(decay=0.9)
+    ema.on_train_begin(None, SimpleNamespace(global_step=0), None)  # no Trainer on the stack: nothing found
+    with pytest.raises(RuntimeError, match=r"found no Trainer.*callbacks=\[ema\].*attach\(trainer\)"):
+        ema.on_step_end(None, SimpleNamespace(global_step=1), None)
