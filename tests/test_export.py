@@ -457,3 +457,79 @@ def test_diffusers_unet_export_loads_with_from_pretrained(tmp_path):
     assert not missing and not unexpected
     with torch.no_grad():
         assert torch.equal(loaded(x, 1).sample, want(x, 1).sample)
+
+
+def test_hf_names_drop_wrappers_and_the_peft_adapter_name():
+    from functional_ema.export import hf_name
+
+    assert (
+        hf_name("module._orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.weight") == "model.layers.0.mlp.weight"
+    )
+    assert hf_name("_forward_module.model._fsdp_wrapped_module.lm_head.weight") == "model.lm_head.weight"
+    assert hf_name("model.module.weight") == "model.module.weight"  # 'module' inside a name stays
+    lora = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert hf_name(lora, "default") == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert (
+        hf_name("base_model.model.x.lora_magnitude_vector.default", "default")
+        == "base_model.model.x.lora_magnitude_vector"
+    )
+
+
+def test_tied_embeddings_frozen_weights_and_prefixed_names(tmp_path):
+    """One process: a tied-embedding Llama with its embedding frozen, its EMA saved with a wrapper prefix."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    import functional_ema as fe
+    from functional_ema.checkpoint import CheckpointMismatchError
+    from functional_ema.export import to_hf
+
+    cfg = _config()
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "base")
+    assert "lm_head.weight" not in load_file(tmp_path / "base" / "model.safetensors")  # save_pretrained omits it
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen: no EMA; the export copies it from --like
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    x = _tokens(4, seed=3)
+    for step in range(1, STEPS + 1):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                ref[n].lerp_(p.detach(), 1 - DECAY)
+    fe.save(state, model, tmp_path / "ckpt", tag="s")
+    assert "model.embed_tokens.weight" not in fe.consolidate(tmp_path / "ckpt", "s")
+    with pytest.raises(CheckpointMismatchError, match=r"model\.embed_tokens\.weight.*missing=\"like\""):
+        to_hf(tmp_path / "ckpt", tmp_path / "strict", tmp_path / "base", tag="s", missing="error")
+    out = to_hf(tmp_path / "ckpt", tmp_path / "hf", tmp_path / "base", tag="s")
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["copied_from_like"] == ["model.embed_tokens.weight"]
+    written = load_file(out / "model.safetensors")
+    assert sorted(written) == sorted(load_file(tmp_path / "base" / "model.safetensors"))
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    want.load_state_dict(ref, strict=False)
+    got = AutoModelForCausalLM.from_pretrained(out)
+    assert got.lm_head.weight is got.model.embed_tokens.weight
+    assert torch.equal(_logits(got, x), _logits(want.eval(), x))
+
+    # A file holding the tied alias too (what the callbacks' export_path writes), under a wrapper and a
+    # framework's prefix: the alias is left out, the prefixes dropped.
+    full = {f"_forward_module.model.{n}": t for n, t in ref.items()}
+    full["_forward_module.model.lm_head.weight"] = want.model.embed_tokens.weight.detach().clone()
+    full["_forward_module.model.model.embed_tokens.weight"] = full["_forward_module.model.lm_head.weight"].clone()
+    save_file(full, tmp_path / "ema.safetensors")
+    out2 = to_hf(tmp_path / "ema.safetensors", tmp_path / "hf2", tmp_path / "base")
+    record2 = json.loads((out2 / "ema_export.json").read_text())
+    assert record2["tied_left_out"] == ["_forward_module.model.lm_head.weight"] and record2["copied_from_like"] == []
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(out2), x), _logits(want, x))
+    save_file({"encoder.weight": torch.zeros(2)}, tmp_path / "alien.safetensors")
+    with pytest.raises(CheckpointMismatchError, match=r"no place.*encoder\.weight"):
+        to_hf(tmp_path / "alien.safetensors", tmp_path / "hf3", tmp_path / "base")
+    assert not (tmp_path / "hf3").exists() and not (tmp_path / "strict").exists()
