@@ -313,12 +313,15 @@ def _check_out_dir(out: Path, avoid: list[Path], overwrite: bool) -> Path:
     return real
 
 
-def _commit_dir(tmp: Path, final: Path) -> None:
-    """Rename the complete ``tmp`` folder to ``final``; an existing ``final`` is moved aside first, removed after."""
+def _commit_dir(tmp: Path, final: Path, overwrite: bool) -> None:
+    """Rename the complete ``tmp`` folder to ``final``; an existing ``final`` is moved aside first, removed after
+    (refused without ``overwrite``: files that appeared there during the export are never removed)."""
     old = None
     if final.exists():
         if final.is_dir() and not any(final.iterdir()):
             final.rmdir()
+        elif not overwrite:
+            raise OutputPathError(f"out_dir: {final} was filled while the export ran; it is left as it is")
         else:
             old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
@@ -444,7 +447,7 @@ def to_hf(
             "library": f"functional_ema {library_version()}",
             **src.info,
             "dtype": str(cast or "as saved").removeprefix("torch."),
-            "layout": "peft" if info_like.peft else "transformers",
+            "layout": {"adapter_model": "peft", "diffusion_pytorch_model": "diffusers"}.get(stem, "transformers"),
             "like": str(info_like.folder),
             "files": files,
             "tied_left_out": dropped,
@@ -495,7 +498,7 @@ def to_hf(
                 _io.atomic_write_bytes(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode())
             _io.atomic_write_bytes(tmp / EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
             _io.fsync_dir(tmp)
-            _commit_dir(tmp, real_out)
+            _commit_dir(tmp, real_out, overwrite)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

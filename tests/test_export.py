@@ -413,6 +413,7 @@ def test_lora_adapters_ema_and_peft_export(tmp_path, stage):
     written = load_file(exported / "adapter_model.safetensors")
     assert sorted(written) == sorted(load_file(out / "adapter0" / "adapter_model.safetensors"))
     assert not [n for n in written if ".default." in n]
+    assert json.loads((exported / "ema_export.json").read_text())["layout"] == "peft"
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), exported).eval()
     assert torch.equal(_logits(loaded, x), want)
 
@@ -451,6 +452,7 @@ def test_diffusers_unet_export_loads_with_from_pretrained(tmp_path):
     fe.save(state, unet, tmp_path / "ckpt", tag="s4")
     out = to_hf(tmp_path / "ckpt", tmp_path / "unet_ema", tmp_path / "base", tag="s4")
     assert (out / "diffusion_pytorch_model.safetensors").is_file() and (out / "config.json").is_file()
+    assert json.loads((out / "ema_export.json").read_text())["layout"] == "diffusers"
     loaded = UNet2DModel.from_pretrained(out)
     want = UNet2DModel.from_pretrained(tmp_path / "base")
     missing, unexpected = want.load_state_dict(ref, strict=False)

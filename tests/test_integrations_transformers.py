@@ -5,7 +5,8 @@ Checked against a reference EMA of DeepSpeed's full fp32 weights (``safe_get_ful
 taken once per optimizer step by a second, test-only callback: bitwise, for two EMAs (a float decay
 and a power schedule), started after step K, with the BatchNorm buffers averaged too. The EMA
 evaluation is logged (``eval_ema_loss``). A run interrupted after its step-4 checkpoint and resumed
-in fresh processes ends with the uninterrupted run's EMA, bitwise.
+in fresh processes (from that checkpoint moved out of ``output_dir``) ends with the uninterrupted run's
+EMA, bitwise.
 
 The start rule (in the DDP launch, after its run): one trajectory trained at accumulation 1 and 2
 (the same micro-batch twice) gives the same EMA, bitwise, started after optimizer step 1 (or step
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -178,7 +180,7 @@ class _Killed(Exception):
     pass
 
 
-def hf_worker(out: str, phase: str) -> dict:
+def hf_worker(out: str, phase: str, resume: str | None = None) -> dict:
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
     from transformers import TrainerCallback
@@ -272,7 +274,7 @@ def hf_worker(out: str, phase: str) -> dict:
         )
     elif phase == "resume":
         trainer, ema = _trainer(os.path.join(out, "resumed"), STEPS)
-        trainer.train(resume_from_checkpoint=True)
+        trainer.train(resume_from_checkpoint=resume)  # a folder outside output_dir: found on the call stack
         engine = trainer.model_wrapped
         full = [fe.gather_full(ema.state, engine, index=k) for k in range(2)]
         want = load_file(os.path.join(out, "final.safetensors"))
@@ -312,8 +314,17 @@ def test_trainer_deepspeed_zero3_grad_accum_resume(tmp_path):
     assert all(r["killed"] for r in killed)
     assert killed[0]["checkpoints"] == ["checkpoint-4"]
 
+    # Resume from the checkpoint moved out of output_dir: the callback (in callbacks=) must load the EMA
+    # from the folder train() was given, which it reads on the call stack (output_dir has no checkpoint-4).
+    moved = os.path.join(out, "moved", "checkpoint-4")
+    shutil.move(os.path.join(out, "resumed", "checkpoint-4"), moved)
     resumed = run_ranks(
-        "tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="resume"
+        "tests.test_integrations_transformers:hf_worker",
+        world_size=2,
+        timeout=600,
+        out=out,
+        phase="resume",
+        resume=moved,
     )
     print(json.dumps(resumed[0]))
     for r in resumed:
