@@ -69,8 +69,10 @@ training_args = TrainingArguments(
     disable_tqdm=True,
 )
 torch.manual_seed(0)
-trainer = Trainer(model=Regressor(), args=training_args, train_dataset=Data(512, 0), eval_dataset=Data(128, 2))
-ema = EMACallback(decay=0.99, buffers="average", export_path=f"{args.out}/ema.safetensors").attach(trainer)
+ema = EMACallback(decay=0.99, buffers="average", export_path=f"{args.out}/ema.safetensors")
+trainer = Trainer(
+    model=Regressor(), args=training_args, train_dataset=Data(512, 0), eval_dataset=Data(128, 2), callbacks=[ema]
+)
 trainer.train(resume_from_checkpoint=True if args.resume else None)
 metrics = next(h for h in reversed(trainer.state.log_history) if "eval_ema_loss" in h)
 metrics.update(next(h for h in reversed(trainer.state.log_history) if "eval_loss" in h))

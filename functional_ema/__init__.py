@@ -9,7 +9,7 @@ The same verbs for a DeepSpeed engine, a torch FSDP2 model and a plain or DDP mo
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from . import buffers, dcp, posthoc, schedules
+from . import buffers, dcp, export, posthoc, schedules
 from ._api import (
     StateMismatchError,
     SwappedTrainingError,

@@ -9,6 +9,10 @@ Commands:
     consolidate --dcp DCP_DIR OUT.safetensors [--key ema] [--index K] [--no-verify]
         The same from a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful, every row's
         checksum verified (--no-verify skips that; --tag, --tp-dim, --tp-rank are refused).
+    export SOURCE OUT_DIR --like HF_MODEL_DIR [--dtype bf16] [--max-shard-size 5GB] [--index K] [--tag T]
+        Write the EMA as a Hugging Face model folder (sharded safetensors + index, config and tokenizer
+        files copied from --like) that from_pretrained loads; or, when --like is a PEFT adapter folder,
+        as a PEFT adapter folder. SOURCE: a checkpoint, or a consolidated .safetensors file.
     posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
 
@@ -273,7 +277,77 @@ def _run_posthoc(args) -> int:
     return 0
 
 
-_COMMANDS: list[Callable] = [_add_consolidate, _add_posthoc]
+def _add_export(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write the EMA as a Hugging Face model folder (or PEFT adapter folder) that from_pretrained loads",
+        description=(
+            "Stream one EMA of a checkpoint (any layout) or of a consolidated .safetensors file into OUT_DIR as "
+            "safetensors shards named as save_pretrained names them, with model.safetensors.index.json when "
+            "sharded, every non-weight file of --like (config.json, generation_config.json, tokenizer files) "
+            "copied, and ema_export.json recording which EMA it is. Peak memory is about one tensor."
+        ),
+    )
+    p.add_argument("source", help="checkpoint directory (or tag folder), or a consolidated .safetensors file")
+    p.add_argument("out_dir", help="folder to create (built under a temporary name, renamed when complete)")
+    p.add_argument("--like", required=True, help="the model's save_pretrained folder, or a PEFT adapter folder")
+    p.add_argument("--tag", default=None, help="tag folder to read (default: the one named in 'latest')")
+    p.add_argument("--index", type=int, default=0, help="which EMA, when several were tracked (default 0)")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 for floating tensors (default: as saved)")
+    p.add_argument("--max-shard-size", default="5GB", help="most bytes per shard, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument(
+        "--missing",
+        choices=("like", "error"),
+        default="like",
+        help="weights of --like the EMA lacks (frozen ones): copy them from --like (default) or refuse",
+    )
+    p.add_argument("--adapter-name", default="default", help="PEFT adapter name removed from the names")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR as a whole if it exists")
+    p.add_argument("--no-verify", action="store_true", help="skip the checksum checks of the bytes read")
+    bar = p.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a bar")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+    p.set_defaults(run=_run_export)
+
+
+def _run_export(args) -> int:
+    import json
+    import time
+
+    from .checkpoint import CheckpointError
+    from .export import EXPORT_RECORD, to_hf
+
+    t0 = time.perf_counter()
+    try:
+        out = to_hf(
+            args.source,
+            args.out_dir,
+            args.like,
+            tag=args.tag,
+            index=args.index,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            missing=args.missing,
+            adapter_name=args.adapter_name,
+            overwrite=args.overwrite,
+            verify=not args.no_verify,
+            progress=args.progress,
+        )
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # a bad option value (named in the message): a usage error
+        return 2
+    record = json.loads((out / EXPORT_RECORD).read_text())
+    size = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith(".safetensors"))
+    print(
+        f"wrote {out}: {len(record['files'])} file(s), {size / 2**20:.1f} MiB ({record['dtype']}), EMA "
+        f"{record.get('ema_index')} at step {record.get('step')} in {time.perf_counter() - t0:.2f} s"
+    )
+    return 0
+
+
+_COMMANDS: list[Callable] = [_add_consolidate, _add_export, _add_posthoc]
 
 
 def build_parser() -> argparse.ArgumentParser:

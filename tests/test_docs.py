@@ -16,6 +16,7 @@ API_PAGE = ROOT / "docs" / "api.md"
 #: The public submodules: each is documented whole (its ``__all__``) on the API page.
 PUBLIC_MODULES = [
     "checkpoint",
+    "export",
     "buffers",
     "dcp",
     "posthoc",

@@ -1,10 +1,12 @@
-"""Hugging Face ``Trainer`` + DeepSpeed ZeRO-3 at 2 real ranks, gradient accumulation 2, the callback attached.
+"""Hugging Face ``Trainer`` + DeepSpeed ZeRO-3 at 2 real ranks, gradient accumulation 2, the callback passed
+in ``Trainer(..., callbacks=[...])`` (the DDP start-rule runs use ``attach`` and ``add_callback``).
 
 Checked against a reference EMA of DeepSpeed's full fp32 weights (``safe_get_full_fp32_param``)
 taken once per optimizer step by a second, test-only callback: bitwise, for two EMAs (a float decay
 and a power schedule), started after step K, with the BatchNorm buffers averaged too. The EMA
 evaluation is logged (``eval_ema_loss``). A run interrupted after its step-4 checkpoint and resumed
-in fresh processes ends with the uninterrupted run's EMA, bitwise.
+in fresh processes (from that checkpoint moved out of ``output_dir``) ends with the uninterrupted run's
+EMA, bitwise.
 
 The start rule (in the DDP launch, after its run): one trajectory trained at accumulation 1 and 2
 (the same micro-batch twice) gives the same EMA, bitwise, started after optimizer step 1 (or step
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -75,12 +78,14 @@ def _trainer(out: str, max_steps: int, extra_callbacks=(), export: str | None = 
         use_cpu=True,
     )
     torch.manual_seed(0)
+    ema = EMACallback(decay=_decays(), start_step=START, buffers="average", export_path=export)
     trainer = Trainer(
-        model=BNNet(), args=args, train_dataset=RegressionData(96, seed=1), eval_dataset=RegressionData(32, seed=2)
+        model=BNNet(),
+        args=args,
+        train_dataset=RegressionData(96, seed=1),
+        eval_dataset=RegressionData(32, seed=2),
+        callbacks=[ema, *extra_callbacks],  # the Trainer's own idiom: the callback finds its Trainer
     )
-    ema = EMACallback(decay=_decays(), start_step=START, buffers="average", export_path=export).attach(trainer)
-    for cb in extra_callbacks:
-        trainer.add_callback(cb)
     return trainer, ema
 
 
@@ -149,7 +154,10 @@ def _start_rule(out: str) -> dict:
         model = BNNet()  # buffers=None: BatchNorm sees each micro-batch twice, the weights do not
         start_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
         trainer = Trainer(model=model, args=args, train_dataset=train)
-        emas = {k: EMACallback(decay=_decays(), start_step=k).attach(trainer) for k in (0, RULE_START)}
+        # Both other ways in: attach (names the Trainer) and add_callback after the Trainer is built.
+        emas = {0: EMACallback(decay=_decays(), start_step=0).attach(trainer)}
+        emas[RULE_START] = EMACallback(decay=_decays(), start_step=RULE_START)
+        trainer.add_callback(emas[RULE_START])
         refs = {k: ReferenceEMA(_decays(), start=max(1, k)) for k in emas}
         seen = {k: record_start(e.ema) for k, e in emas.items()}
         box = {"t": trainer}
@@ -172,7 +180,7 @@ class _Killed(Exception):
     pass
 
 
-def hf_worker(out: str, phase: str) -> dict:
+def hf_worker(out: str, phase: str, resume: str | None = None) -> dict:
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
     from transformers import TrainerCallback
@@ -266,7 +274,7 @@ def hf_worker(out: str, phase: str) -> dict:
         )
     elif phase == "resume":
         trainer, ema = _trainer(os.path.join(out, "resumed"), STEPS)
-        trainer.train(resume_from_checkpoint=True)
+        trainer.train(resume_from_checkpoint=resume)  # a folder outside output_dir: found on the call stack
         engine = trainer.model_wrapped
         full = [fe.gather_full(ema.state, engine, index=k) for k in range(2)]
         want = load_file(os.path.join(out, "final.safetensors"))
@@ -306,8 +314,17 @@ def test_trainer_deepspeed_zero3_grad_accum_resume(tmp_path):
     assert all(r["killed"] for r in killed)
     assert killed[0]["checkpoints"] == ["checkpoint-4"]
 
+    # Resume from the checkpoint moved out of output_dir: the callback (in callbacks=) must load the EMA
+    # from the folder train() was given, which it reads on the call stack (output_dir has no checkpoint-4).
+    moved = os.path.join(out, "moved", "checkpoint-4")
+    shutil.move(os.path.join(out, "resumed", "checkpoint-4"), moved)
     resumed = run_ranks(
-        "tests.test_integrations_transformers:hf_worker", world_size=2, timeout=600, out=out, phase="resume"
+        "tests.test_integrations_transformers:hf_worker",
+        world_size=2,
+        timeout=600,
+        out=out,
+        phase="resume",
+        resume=moved,
     )
     print(json.dumps(resumed[0]))
     for r in resumed:
@@ -330,3 +347,14 @@ def test_trainer_ddp(tmp_path):
         assert r["eval_ema_steps"] == [4, 8]
         assert "ema_manifest.json" in r["ema_files"]
         check_start_rule(r["start_rule"], calls_at_0=False)  # the callback runs once per optimizer step
+
+
+def test_callback_events_outside_a_trainer_say_how_to_name_it():
+    from types import SimpleNamespace
+
+    from functional_ema.integrations.transformers import EMACallback
+
+    ema = EMACallback(decay=0.9)
+    ema.on_train_begin(None, SimpleNamespace(global_step=0), None)  # no Trainer on the stack: nothing found
+    with pytest.raises(RuntimeError, match=r"found no Trainer.*callbacks=\[ema\].*attach\(trainer\)"):
+        ema.on_step_end(None, SimpleNamespace(global_step=1), None)

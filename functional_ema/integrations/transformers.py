@@ -4,9 +4,11 @@ Example::
 
     from functional_ema.integrations.transformers import EMACallback
 
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val)
-    ema = EMACallback(decay=0.999, export_path="out/ema.safetensors").attach(trainer)
+    ema = EMACallback(decay=0.999, export_path="out/ema.safetensors")
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, callbacks=[ema])
     trainer.train()                                  # or train(resume_from_checkpoint=True)
+
+``trainer.add_callback(ema)`` works the same.
 
 What it does, per ``Trainer`` event:
 
@@ -21,14 +23,22 @@ What it does, per ``Trainer`` event:
   size: it reshards);
 * ``on_train_end``: the optional export (one consolidated safetensors file) or copy into the model.
 
-The callback needs the ``Trainer`` itself (callbacks are handed the unwrapped model, not the
-engine): :meth:`EMACallback.attach` adds it and keeps a reference.
+The callback needs the ``Trainer`` itself: its events are handed the unwrapped model and, under
+DeepSpeed, Accelerate's optimizer wrapper, neither of which leads to the engine (``trainer.model_wrapped``)
+that holds the fp32 weights, nor to ``trainer.evaluate``. Nothing the ``Trainer`` passes names it, so at
+each ``on_train_begin`` (and ``on_init_end``) the callback finds it on the call stack: the innermost caller
+that is a ``transformers.Trainer`` (any subclass) whose callback handler holds this callback. Every
+``Trainer`` raises its events from its own methods, so this holds for ``callbacks=[...]``,
+``add_callback`` and subclasses (TRL's trainers, ...); the resumed checkpoint folder is read from the same
+frames (``resume_from_checkpoint``, as ``train`` resolved it). :meth:`EMACallback.attach` stays for code
+that raises the events outside a ``Trainer`` method: it names the ``Trainer`` explicitly.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -68,8 +78,11 @@ class EMACallback(TrainerCallback):
     def attach(self, trainer) -> "EMACallback":
         """Add this callback to ``trainer`` (if not already there) and keep a reference to it.
 
-        ``trainer.train`` is wrapped (on this instance only) to see ``resume_from_checkpoint``, so
-        the EMA is loaded from the same checkpoint as the weights. Returns ``self``.
+        Not needed with ``Trainer(..., callbacks=[ema])`` or ``trainer.add_callback(ema)``: the callback
+        finds its ``Trainer`` when training begins. ``attach`` names it explicitly, for code that
+        raises the callback events outside the ``Trainer``'s own methods. ``trainer.train`` is wrapped
+        (on this instance only) to see ``resume_from_checkpoint``, so the EMA is loaded from the same
+        checkpoint as the weights. Returns ``self``.
         """
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
@@ -89,9 +102,32 @@ class EMACallback(TrainerCallback):
         """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
         return self.ema.state
 
+    def _find_trainer(self) -> None:
+        """Find the ``Trainer`` raising this event (see the module docstring) and the checkpoint it resumes."""
+        from transformers import Trainer
+
+        frame = sys._getframe(1)
+        found, resumed = None, None
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer) and self in getattr(owner.callback_handler, "callbacks", ()):
+                found = found if found is not None else owner
+                arg = frame.f_locals.get("resume_from_checkpoint")
+                if owner is found and resumed is None and isinstance(arg, (str, os.PathLike)):
+                    resumed = arg  # as train() resolved it (True -> the last checkpoint)
+            frame = frame.f_back
+        if found is not None:
+            self._trainer = weakref.proxy(found)
+        if resumed is not None:
+            self._resume_arg = resumed
+
     def _target(self):
         if self._trainer is None:
-            raise RuntimeError("EMACallback needs the Trainer: create it with EMACallback(...).attach(trainer)")
+            raise RuntimeError(
+                "EMACallback found no Trainer: pass it in Trainer(..., callbacks=[ema]) or trainer.add_callback(ema) "
+                "and train with trainer.train(); if the callback events are raised outside the Trainer's methods, "
+                "name it with EMACallback(...).attach(trainer)"
+            )
         t = self._trainer
         wrapped = getattr(t, "model_wrapped", None)
         return wrapped if wrapped is not None else t.model
@@ -111,7 +147,11 @@ class EMACallback(TrainerCallback):
 
     # -------------------------------------------------------------------------------- events
 
+    def on_init_end(self, args, state, control, **kwargs):
+        self._find_trainer()
+
     def on_train_begin(self, args, state, control, **kwargs):
+        self._find_trainer()
         if state.global_step > 0:  # a resumed run: the weights came from a checkpoint, so does the EMA
             self.ema.load(self._target(), self._resume_dir(args, state), framework_step=state.global_step)
         else:

@@ -1,0 +1,537 @@
+"""``functional_ema.export.to_hf`` and ``python -m functional_ema export``: the EMA as a Hugging Face folder.
+
+A tiny Llama (``LlamaConfig``: hidden 32, 2 layers, vocab 64; no downloads) trained by the Hugging Face
+``Trainer`` under DeepSpeed ZeRO-3 at 2 real ranks, the EMA callback passed in ``callbacks=``; its
+step-4 checkpoint exported offline and loaded with ``AutoModelForCausalLM.from_pretrained``: logits
+bitwise equal to the model holding the consolidated fp32 EMA (itself bitwise equal to a plain-torch EMA
+of DeepSpeed's full fp32 weights); a bf16 export holds exactly the fp32 EMA cast to bf16; a sharded
+export (several files + index) loads the same. A FSDP2 tensor-parallel checkpoint (DTensor TP) exports
+the joined full EMA. LoRA (peft) under DDP, ZeRO-2 and ZeRO-3: the EMA holds the adapters only (element
+count), bitwise equal to a plain-torch EMA of them; ``swapped`` evaluates with them; the export is PEFT's
+layout and ``PeftModel.from_pretrained`` reproduces the reference logits. Hostile outputs and options are
+refused naming the path or option.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from functional_ema._testing.multirank import run_ranks
+
+DECAY = 0.9
+STEPS = 4
+LORA_TARGETS = ["q_proj", "v_proj"]
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0, init_lora_weights="gaussian")
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (n, 8), generator=torch.Generator().manual_seed(seed))
+
+
+class _LMData(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int):
+        self.ids = _tokens(n, seed)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_worker(out: str, stage: int | None, lora: bool) -> dict:
+    """Train the tiny Llama (LoRA-wrapped when ``lora``) with the HF Trainer, the EMA in ``callbacks=``."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    import functional_ema as fe
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import ReferenceEMA, deepspeed_full_fp32, equal, max_diff, quiet
+
+    quiet()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config())
+    if rank == 0:
+        model.save_pretrained(os.path.join(out, "base"))
+    if lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora_config())
+        if rank == 0:
+            model.save_pretrained(os.path.join(out, "adapter0"))
+    dist.barrier()
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    ds_config = None
+    if stage is not None:
+        ds_config = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+    args = TrainingArguments(
+        output_dir=os.path.join(out, "run"),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        save_strategy="steps",
+        save_steps=STEPS,
+        eval_strategy="no",
+        logging_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+        deepspeed=ds_config,
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
+        use_cpu=True,
+    )
+    ref = ReferenceEMA([DECAY])
+    box: dict = {}
+
+    class Reference(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            engine = box["t"].model_wrapped
+            if type(engine).__name__ == "DeepSpeedEngine":
+                full = deepspeed_full_fp32(engine)
+            else:  # DDP: every rank holds the whole parameters
+                full = {n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+            ref.feed(state.global_step, full)
+
+    ema = EMACallback(decay=DECAY)
+    trainer = Trainer(model=model, args=args, train_dataset=_LMData(32, seed=1), callbacks=[ema, Reference()])
+    box["t"] = trainer
+    trainer.train()
+    wrapped = trainer.model_wrapped
+    r: dict = {"engine": type(wrapped).__name__, "ema_step": int(ema.state.step)}
+    if stage is not None:
+        r["stage"] = wrapped.zero_optimization_stage()
+    full = fe.gather_full(ema.state, wrapped)
+    r["bitwise"] = equal(full, ref.emas[0])
+    r["max_diff"] = max_diff(full, ref.emas[0])
+    r["names"] = sorted(full)
+    r["trainable"] = trainable
+    r["local_ema_numel"] = sum(t.numel() for t in ema.state.emas[0].values())
+    x = _tokens(3, seed=7)
+    module = wrapped.module if hasattr(wrapped, "module") else wrapped
+    with torch.no_grad():
+        with ema.ema.swapped(wrapped):
+            swapped_logits = module(input_ids=x).logits
+        live_logits = module(input_ids=x).logits
+    r["swap_restored"] = equal(fe.gather_full(ema.state, wrapped), full)
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in ref.emas[0].items()}, os.path.join(out, "ref.safetensors"))
+        save_file(
+            {"swapped": swapped_logits.contiguous(), "live": live_logits.contiguous()},
+            os.path.join(out, "logits.safetensors"),
+        )
+    return r
+
+
+def tp_worker(out: str) -> dict:
+    """FSDP2 over DTensor tensor parallelism (2 x 2 ranks): an EMA saved, and a plain-torch EMA of the full weights."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    import functional_ema as fe
+    from functional_ema._testing.multirank import TP_DECAY, full_tensor_of, tp_batch, tp_mesh, tp_model
+
+    mesh = tp_mesh((2, 2))
+    model, opt = tp_model(0, mesh)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: full_tensor_of(p) for n, p in model.named_parameters()}
+    if dist.get_rank() == 0:
+        save_file({n: t.contiguous() for n, t in ref.items()}, os.path.join(out, "tp_like", "model.safetensors"))
+    for step in range(1, STEPS + 1):
+        model(tp_batch(step, mesh)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = fe.update(state, fe.local_shards(model), step, decay=TP_DECAY)
+        for n, p in model.named_parameters():
+            ref[n].lerp_(full_tensor_of(p), 1 - TP_DECAY)
+    fe.save(state, model, os.path.join(out, "tp_ckpt"), tag="tp")
+    layout = fe.shard_layout(model)
+    if dist.get_rank() == 0:
+        save_file({n: t.contiguous() for n, t in ref.items()}, os.path.join(out, "tp_ref.safetensors"))
+    return {"tp_size": layout.part.tp_size}
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+
+
+def _launch(root: Path, name: str, stage: int | None, lora: bool) -> tuple[Path, list[dict]]:
+    out = root / name
+    out.mkdir()
+    res = run_ranks("tests.test_export:trainer_worker", world_size=2, timeout=600, out=str(out), stage=stage, lora=lora)
+    return out, res
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("export"), "zero3", 3, False)
+
+
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def _ema_model(base: Path, weights: dict[str, torch.Tensor], dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)  # as from_pretrained builds it in that dtype
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and not missing, (missing, unexpected)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+def test_zero3_trainer_callback_export_loads_with_from_pretrained(zero3):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import functional_ema as fe
+    from functional_ema.__main__ import main
+    from functional_ema.export import to_hf
+
+    out, res = zero3
+    for r in res:
+        assert r["engine"] == "DeepSpeedEngine" and r["stage"] == 3 and r["ema_step"] == STEPS
+        assert r["bitwise"], r["max_diff"]
+    ckpt = out / "run" / f"checkpoint-{STEPS}"
+    ref = load_file(out / "ref.safetensors")
+    consolidated = fe.consolidate(ckpt, "ema")
+    assert sorted(consolidated) == sorted(ref) and all(torch.equal(consolidated[n], ref[n]) for n in ref)
+    x = _tokens(3, seed=7)
+    want = _logits(_ema_model(out / "base", consolidated), x)
+
+    # fp32, one file, through the API
+    fp32 = to_hf(ckpt, out / "hf_fp32", out / "base", tag="ema")
+    files = sorted(p.name for p in fp32.iterdir())
+    assert files == ["config.json", "ema_export.json", "generation_config.json", "model.safetensors"], files
+    got = AutoModelForCausalLM.from_pretrained(fp32)
+    assert torch.equal(_logits(got, x), want)
+    record = json.loads((fp32 / "ema_export.json").read_text())
+    assert record["step"] == STEPS and record["ema_index"] == 0 and record["tag"] == "ema"
+    assert record["schedule"] == {"kind": "constant", "decay": DECAY} and record["copied_from_like"] == []
+    from safetensors import safe_open
+
+    with safe_open(str(fp32 / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "pt" and json.loads(meta["functional_ema"])["step"] == STEPS
+
+    # bf16 and sharded, through the CLI: several shards + index; weights exactly the fp32 EMA cast to bf16
+    rc = main(
+        [
+            "export",
+            str(ckpt),
+            str(out / "hf_bf16"),
+            "--like",
+            str(out / "base"),
+            "--tag",
+            "ema",
+            "--dtype",
+            "bf16",
+            "--max-shard-size",
+            "8KB",
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    shards = sorted(p.name for p in (out / "hf_bf16").glob("model-*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", shards
+    index = json.loads((out / "hf_bf16" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(ref) and set(index["weight_map"].values()) == set(shards)
+    written = {}
+    for s in shards:
+        written.update(load_file(out / "hf_bf16" / s))
+    assert all(written[n].dtype == torch.bfloat16 and torch.equal(written[n], ref[n].bfloat16()) for n in ref)
+    assert json.loads((out / "hf_bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    got16 = AutoModelForCausalLM.from_pretrained(out / "hf_bf16")
+    assert got16.dtype == torch.bfloat16
+    want16 = _logits(_ema_model(out / "base", {n: t.bfloat16() for n, t in ref.items()}, torch.bfloat16), x)
+    assert torch.equal(_logits(got16, x), want16)
+
+    # sharded fp32 through the API: loads the same as one file
+    sharded = to_hf(ckpt, out / "hf_sharded", out / "base", tag="ema", max_shard_size=20_000)
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(sharded), x), want)
+
+    # a consolidated file is a source too (what consolidate, consolidate --dcp and posthoc write)
+    fe.consolidate_to_file(ckpt, out / "ema.safetensors", "ema", progress=False)
+    from_file = to_hf(out / "ema.safetensors", out / "hf_from_file", out / "base")
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(from_file), x), want)
+
+
+def test_export_refuses_hostile_outputs_and_options(zero3, capsys):
+    from functional_ema.__main__ import main
+    from functional_ema.checkpoint import OutputPathError
+    from functional_ema.export import to_hf
+
+    out, _ = zero3
+    ckpt = out / "run" / f"checkpoint-{STEPS}"
+    base = out / "base"
+    for inside in (ckpt / "ema" / "hf", ckpt / "hf", ckpt, out / "run", base / "sub"):
+        with pytest.raises(OutputPathError, match="refusing to write"):
+            to_hf(ckpt, inside, base, tag="ema")
+        assert not inside.exists() or inside in (ckpt, out / "run")
+    before = sorted(p.name for p in (ckpt / "ema").iterdir())
+    existing = out / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(OutputPathError, match="refusing to replace the existing, non-empty folder"):
+        to_hf(ckpt, existing, base, tag="ema")
+    assert (existing / "keep.txt").read_text() == "mine"
+    replaced = to_hf(ckpt, existing, base, tag="ema", overwrite=True)
+    assert not (replaced / "keep.txt").exists() and (replaced / "model.safetensors").is_file()
+    assert sorted(p.name for p in (ckpt / "ema").iterdir()) == before
+    for kwargs, option in (
+        ({"dtype": "int8"}, "dtype"),
+        ({"max_shard_size": "lots"}, "max_shard_size"),
+        ({"max_shard_size": 0}, "max_shard_size"),
+        ({"index": -1}, "index"),
+        ({"missing": "zeros"}, "missing"),
+    ):
+        with pytest.raises(ValueError, match=option):
+            to_hf(ckpt, out / "bad", base, tag="ema", **kwargs)
+        assert not (out / "bad").exists()
+    with pytest.raises(ValueError, match="EMA"):  # index out of range: the checkpoint names how many
+        to_hf(ckpt, out / "bad", base, tag="ema", index=3)
+    rc = main(["export", str(ckpt), str(out / "bad"), "--like", str(base), "--tag", "ema", "--dtype", "fp8"])
+    assert rc == 2 and "--dtype" in capsys.readouterr().err
+    rc = main(["export", str(ckpt), str(out / "bad"), "--like", str(base), "--tag", "ema", "--max-shard-size", "x"])
+    assert rc == 2 and "--max-shard-size" in capsys.readouterr().err
+    rc = main(["export", str(ckpt), str(existing), "--like", str(base), "--tag", "ema"])
+    assert rc == 1 and "refusing to replace" in capsys.readouterr().err
+    rc = main(["export", str(ckpt), str(out / "bad"), "--like", str(out / "nowhere"), "--tag", "ema"])
+    assert rc == 1 and "--like" in capsys.readouterr().err
+    assert not (out / "bad").exists()
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_tensor_parallel_checkpoint_exports_the_joined_full_ema(tmp_path):
+    from safetensors.torch import load_file
+
+    import functional_ema as fe
+    from functional_ema.export import to_hf
+
+    (tmp_path / "tp_like").mkdir()
+    (tmp_path / "tp_like" / "config.json").write_text(json.dumps({"model_type": "tpnet"}))
+    res = run_ranks("tests.test_export:tp_worker", world_size=4, timeout=600, out=str(tmp_path))
+    assert all(r["tp_size"] == 2 for r in res)
+    ref = load_file(tmp_path / "tp_ref.safetensors")
+    joined = fe.consolidate(tmp_path / "tp_ckpt", "tp")
+    got_dir = to_hf(tmp_path / "tp_ckpt", tmp_path / "tp_hf", tmp_path / "tp_like", tag="tp", max_shard_size=200)
+    index = json.loads((got_dir / "model.safetensors.index.json").read_text())
+    got = {}
+    for f in set(index["weight_map"].values()):
+        got.update(load_file(got_dir / f))
+    assert sorted(got) == sorted(ref) == sorted(joined)
+    for n in ref:
+        assert torch.equal(got[n], joined[n]) and torch.allclose(got[n], ref[n], rtol=0, atol=1e-6), n
+
+
+@pytest.mark.parametrize("stage", [None, 2, 3], ids=["ddp", "zero2", "zero3"])
+def test_lora_adapters_ema_and_peft_export(tmp_path, stage):
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from functional_ema.export import to_hf
+
+    out, res = _launch(tmp_path, "lora", stage, True)
+    trainable = res[0]["trainable"]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    adapters = sum(trainable.values())
+    for r in res:
+        assert r["engine"] == ("DistributedDataParallel" if stage is None else "DeepSpeedEngine")
+        assert r["ema_step"] == STEPS and r["bitwise"], r["max_diff"]
+        assert r["names"] == sorted(trainable)  # the adapters only: no frozen base weight has an EMA
+        assert r["swap_restored"]
+    numels = [r["local_ema_numel"] for r in res]
+    if stage is None:
+        assert numels == [adapters, adapters]  # DDP: each rank holds the whole adapters
+    else:
+        assert sum(numels) == adapters  # ZeRO: the adapters split across the ranks, nothing else
+    ref = load_file(out / "ref.safetensors")
+    x = _tokens(3, seed=7)
+
+    def reference():
+        base = AutoModelForCausalLM.from_pretrained(out / "base")
+        model = PeftModel.from_pretrained(base, out / "adapter0")
+        missing, unexpected = model.load_state_dict(ref, strict=False)
+        assert not unexpected and not [m for m in missing if "lora" in m]
+        return model.eval()
+
+    want = _logits(reference(), x)
+    logits = load_file(out / "logits.safetensors")
+    assert torch.equal(logits["swapped"], want)  # swapped: the adapters' EMA, evaluated by the engine
+    assert not torch.equal(logits["live"], want)
+
+    ckpt = out / "run" / f"checkpoint-{STEPS}"
+    exported = to_hf(ckpt, out / "peft_ema", out / "adapter0", tag="ema")
+    names = sorted(p.name for p in exported.iterdir())
+    assert "adapter_model.safetensors" in names and "adapter_config.json" in names
+    written = load_file(exported / "adapter_model.safetensors")
+    assert sorted(written) == sorted(load_file(out / "adapter0" / "adapter_model.safetensors"))
+    assert not [n for n in written if ".default." in n]
+    assert json.loads((exported / "ema_export.json").read_text())["layout"] == "peft"
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "base"), exported).eval()
+    assert torch.equal(_logits(loaded, x), want)
+
+
+def test_diffusers_unet_export_loads_with_from_pretrained(tmp_path):
+    """One process: a tiny ``UNet2DModel``'s EMA saved, exported (diffusers' file name), loaded by diffusers."""
+    pytest.importorskip("diffusers")
+    from diffusers import UNet2DModel
+
+    import functional_ema as fe
+    from functional_ema.export import to_hf
+
+    torch.manual_seed(0)
+    unet = UNet2DModel(
+        sample_size=8,
+        in_channels=1,
+        out_channels=1,
+        block_out_channels=(8, 16),
+        norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        layers_per_block=1,
+    )
+    unet.save_pretrained(tmp_path / "base")
+    opt = torch.optim.AdamW(unet.parameters(), lr=1e-2)
+    state = fe.init_ema(fe.local_shards(unet))
+    ref = {n: p.detach().clone() for n, p in unet.named_parameters()}
+    x = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(1))
+    for step in range(1, STEPS + 1):
+        unet(x, step).sample.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = fe.update(state, fe.local_shards(unet), step, decay=DECAY)
+        for n, p in unet.named_parameters():
+            ref[n].lerp_(p.detach(), 1 - DECAY)
+    fe.save(state, unet, tmp_path / "ckpt", tag="s4")
+    out = to_hf(tmp_path / "ckpt", tmp_path / "unet_ema", tmp_path / "base", tag="s4")
+    assert (out / "diffusion_pytorch_model.safetensors").is_file() and (out / "config.json").is_file()
+    assert json.loads((out / "ema_export.json").read_text())["layout"] == "diffusers"
+    loaded = UNet2DModel.from_pretrained(out)
+    want = UNet2DModel.from_pretrained(tmp_path / "base")
+    missing, unexpected = want.load_state_dict(ref, strict=False)
+    assert not missing and not unexpected
+    with torch.no_grad():
+        assert torch.equal(loaded(x, 1).sample, want(x, 1).sample)
+
+
+def test_hf_names_drop_wrappers_and_the_peft_adapter_name():
+    from functional_ema.export import hf_name
+
+    assert (
+        hf_name("module._orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.weight") == "model.layers.0.mlp.weight"
+    )
+    assert hf_name("_forward_module.model._fsdp_wrapped_module.lm_head.weight") == "model.lm_head.weight"
+    assert hf_name("model.module.weight") == "model.module.weight"  # 'module' inside a name stays
+    lora = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert hf_name(lora, "default") == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert (
+        hf_name("base_model.model.x.lora_magnitude_vector.default", "default")
+        == "base_model.model.x.lora_magnitude_vector"
+    )
+
+
+def test_tied_embeddings_frozen_weights_and_prefixed_names(tmp_path):
+    """One process: a tied-embedding Llama with its embedding frozen, its EMA saved with a wrapper prefix."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    import functional_ema as fe
+    from functional_ema.checkpoint import CheckpointMismatchError
+    from functional_ema.export import to_hf
+
+    cfg = _config()
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "base")
+    assert "lm_head.weight" not in load_file(tmp_path / "base" / "model.safetensors")  # save_pretrained omits it
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen: no EMA; the export copies it from --like
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    x = _tokens(4, seed=3)
+    for step in range(1, STEPS + 1):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                ref[n].lerp_(p.detach(), 1 - DECAY)
+    fe.save(state, model, tmp_path / "ckpt", tag="s")
+    assert "model.embed_tokens.weight" not in fe.consolidate(tmp_path / "ckpt", "s")
+    with pytest.raises(CheckpointMismatchError, match=r"model\.embed_tokens\.weight.*missing=\"like\""):
+        to_hf(tmp_path / "ckpt", tmp_path / "strict", tmp_path / "base", tag="s", missing="error")
+    out = to_hf(tmp_path / "ckpt", tmp_path / "hf", tmp_path / "base", tag="s")
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["copied_from_like"] == ["model.embed_tokens.weight"]
+    written = load_file(out / "model.safetensors")
+    assert sorted(written) == sorted(load_file(tmp_path / "base" / "model.safetensors"))
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    want.load_state_dict(ref, strict=False)
+    got = AutoModelForCausalLM.from_pretrained(out)
+    assert got.lm_head.weight is got.model.embed_tokens.weight
+    assert torch.equal(_logits(got, x), _logits(want.eval(), x))
+
+    # A file holding the tied alias too (what the callbacks' export_path writes), under a wrapper and a
+    # framework's prefix: the alias is left out, the prefixes dropped.
+    full = {f"_forward_module.model.{n}": t for n, t in ref.items()}
+    full["_forward_module.model.lm_head.weight"] = want.model.embed_tokens.weight.detach().clone()
+    full["_forward_module.model.model.embed_tokens.weight"] = full["_forward_module.model.lm_head.weight"].clone()
+    save_file(full, tmp_path / "ema.safetensors")
+    out2 = to_hf(tmp_path / "ema.safetensors", tmp_path / "hf2", tmp_path / "base")
+    record2 = json.loads((out2 / "ema_export.json").read_text())
+    assert record2["tied_left_out"] == ["_forward_module.model.lm_head.weight"] and record2["copied_from_like"] == []
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(out2), x), _logits(want, x))
+    save_file({"encoder.weight": torch.zeros(2)}, tmp_path / "alien.safetensors")
+    with pytest.raises(CheckpointMismatchError, match=r"no place.*encoder\.weight"):
+        to_hf(tmp_path / "alien.safetensors", tmp_path / "hf3", tmp_path / "base")
+    assert not (tmp_path / "hf3").exists() and not (tmp_path / "strict").exists()
