@@ -193,7 +193,8 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     ``nn.Parameter`` set on a module) has the parameters put back on exit (plain, DDP, DeepSpeed: the objects and
     memory they had on entry; FSDP2: its own sharded parameters, cast back to their dtype), the trained values
     copied into them bitwise, and then :class:`SwappedParametersChangedError` names what it had changed (on an
-    exception from the block, that exception, with a note). Buffers are the block's own.
+    exception from the block, that exception, with a note). Re-typed or replaced buffers are put back too; values
+    a forward writes into them in place (BatchNorm statistics in training mode) stay.
 
     Yields:
         :class:`SwapStats` with the number of swapped parameters and the temporary bytes held.
@@ -225,7 +226,7 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
 
 def _changed(changes: list[str]) -> str:
     shown = "; ".join(changes[:20]) + (f"; and {len(changes) - 20} more" if len(changes) > 20 else "")
-    return f"changed {len(changes)} parameter(s): {shown}"
+    return f"made {len(changes)} change(s) to the parameters or buffers: {shown}"
 
 
 @contextlib.contextmanager

@@ -332,34 +332,42 @@ def parameters_put_back(
     form: Callable[[torch.Tensor], tuple] = _form,
     skip: Callable[[torch.nn.Module, str], bool] | None = None,
 ) -> Iterator[None]:
-    """On exit, every parameter registration of ``module`` is the object it was on entry, with the memory (``.data``:
-    dtype, device, storage) it had then; what the block changed is appended to ``changes`` as it is put back.
+    """On exit, every parameter and buffer registration of ``module`` is the object it was on entry, with the memory
+    (``.data``: dtype, device, storage) it had then; what the block changed is appended to ``changes`` as it is put
+    back.
 
     So a ``model.to(dtype)``, ``load_state_dict(..., assign=True)`` or a new ``nn.Parameter`` set inside a
     :func:`functional_ema.swapped` block cannot leave the model with EMA weights, nor detach the parameters the
-    optimizer holds: the enclosing swap then restores the trained values into that memory. ``skip(module, attr)``
-    leaves a registration to the engine (FSDP2's managed parameters, which FSDP2 itself re-registers).
+    optimizer holds: the enclosing swap then restores the trained values into that memory. Buffers are put back
+    the same way (``model.to(dtype)`` re-types them too), though values written into them in place (BatchNorm
+    statistics of a forward in training mode) stay. ``skip(module, attr)`` leaves a parameter registration to the
+    engine (FSDP2's managed parameters, which FSDP2 itself re-registers).
     """
     entry = []
     for prefix, mod in module.named_modules():
-        for attr, p in mod._parameters.items():
-            if p is None or (skip is not None and skip(mod, attr)):
-                continue
-            entry.append((mod._parameters, attr, f"{prefix}.{attr}" if prefix else attr, p, p.data, form(p)))
+        for buffer, registry in ((False, mod._parameters), (True, mod._buffers)):
+            for attr, t in registry.items():
+                if t is None or (not buffer and skip is not None and skip(mod, attr)):
+                    continue
+                shape_of = _form if buffer else form
+                name = ("buffer " if buffer else "") + repr(f"{prefix}.{attr}" if prefix else attr)
+                entry.append((registry, attr, name, t, t.data, shape_of, shape_of(t)))
     try:
         yield
     finally:
         with torch.no_grad():
-            for registry, attr, name, p, data, seen in entry:
+            for registry, attr, name, t, data, shape_of, seen in entry:
                 now = registry.get(attr)
-                if now is not p:
+                if now is not t:
                     what = "removed" if now is None else f"replaced by another {type(now).__name__}"
-                    changes.append(f"{name!r} {what}")
-                    registry[attr] = p
-                now_form = form(p)
+                    if now is not None:
+                        what += f" ({_describe(seen)} -> {_describe(_form(now))})"
+                    changes.append(f"{name} {what}")
+                    registry[attr] = t
+                now_form = shape_of(t)
                 if now_form != seen:
-                    changes.append(f"{name!r} re-typed or moved ({_describe(seen)} -> {_describe(now_form)})")
-                    p.data = data
+                    changes.append(f"{name} re-typed or moved ({_describe(seen)} -> {_describe(now_form)})")
+                    t.data = data
 
 
 def _describe(form: tuple) -> str:

@@ -604,7 +604,9 @@ def _swap(adapter: FSDP2Adapter, reading: Reading, pieces, changes: list[str]):
     _reshard(modules)
     busy_before = _busy(modules)
     managed = _managed(model)
-    entry = {id(fp): (fp.sharded_param, fp.sharded_param._local_tensor.dtype) for fp in managed.values()}
+    # every managed parameter's object and local tensor on entry (references, no copy): a block that re-types or
+    # re-assigns gives FSDP2 new local tensors, and the frozen parameters' values, never swapped, come from these
+    entry = {id(fp): (fp.sharded_param, fp.sharded_param._local_tensor) for fp in managed.values()}
 
     def current():
         return _after_block(adapter, model, modules, managed, entry, changes)
@@ -614,8 +616,30 @@ def _swap(adapter: FSDP2Adapter, reading: Reading, pieces, changes: list[str]):
             with parameters_put_back(model, changes, skip=lambda mod, attr: (id(mod), attr) in managed):
                 yield stats
         finally:
+            _registered_back(model, managed, changes)  # before reshard, which would overwrite them silently
             _recover(modules, busy_before)
             _reshard(modules)
+
+
+def _registered_back(model, managed: dict, changes: list[str]) -> None:
+    """Each managed registration is the tensor FSDP2 expects there now (its sharded parameter, or while
+    gathered its unsharded one); one the block set is put back and named in ``changes``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    for prefix, mod in model.named_modules():
+        for attr, t in list(mod._parameters.items()):
+            fp = managed.get((id(mod), attr))
+            if fp is None:
+                continue
+            expected = {
+                ShardedState.SHARDED: fp.sharded_param,
+                ShardedState.UNSHARDED: getattr(fp, "_unsharded_param", None),
+                ShardedState.SHARDED_POST_FORWARD: getattr(fp, "_sharded_post_forward_param", None),
+            }.get(fp.sharded_state)
+            if expected is not None and t is not expected:
+                name = f"{prefix}.{attr}" if prefix else attr
+                changes.append(f"{name!r} replaced on its module (FSDP2's own parameter set back)")
+                mod._parameters[attr] = expected
 
 
 def _after_block(adapter: FSDP2Adapter, model, modules, managed: dict, entry: dict, changes: list[str]):
@@ -623,20 +647,14 @@ def _after_block(adapter: FSDP2Adapter, model, modules, managed: dict, entry: di
     parameter the block re-typed is cast back to its dtype on entry (as ``module._apply`` does it: the same object,
     ``swap_tensors``, then ``FSDPParam.reset_sharded_param``), and the local shards the model now holds are
     returned by name (a new reading) for the live values to be copied into."""
+    _registered_back(model, managed, changes)
     with torch.no_grad():
-        for prefix, mod in model.named_modules():
-            for attr, t in list(mod._parameters.items()):
-                fp = managed.get((id(mod), attr))
-                if fp is not None and t is not fp.sharded_param:
-                    name = f"{prefix}.{attr}" if prefix else attr
-                    changes.append(f"{name!r} replaced on its module (FSDP2's sharded parameter set back)")
-                    mod._parameters[attr] = fp.sharded_param
         seen: set[int] = set()
         for fp in managed.values():
             if id(fp) in seen:
                 continue
             seen.add(id(fp))
-            param, dtype = entry[id(fp)]
+            param, local = entry[id(fp)]
             name = fp._param_fqn or fp._module_info.param_name
             if fp.sharded_param is not param:
                 changes.append(
@@ -644,10 +662,13 @@ def _after_block(adapter: FSDP2Adapter, model, modules, managed: dict, entry: di
                     "with the trained values, but an optimizer built before still updates the old one"
                 )
             now = fp.sharded_param
-            if now._local_tensor.dtype != dtype:
-                changes.append(f"{name!r} re-typed ({now._local_tensor.dtype} -> back to {dtype})")
-                torch.utils.swap_tensors(now, torch.nn.Parameter(now.to(dtype), requires_grad=now.requires_grad))
+            if now._local_tensor.dtype != local.dtype:
+                changes.append(f"{name!r} re-typed ({now._local_tensor.dtype} -> back to {local.dtype})")
+                torch.utils.swap_tensors(now, torch.nn.Parameter(now.to(local.dtype), requires_grad=now.requires_grad))
                 fp.reset_sharded_param()
+            current = fp.sharded_param._local_tensor
+            if current is not local and current.shape == local.shape:
+                current.copy_(local)  # the values on entry (the EMA for swapped ones, restored by the caller next)
     _reshard(modules)
     return adapter.read().shards
 
