@@ -193,6 +193,10 @@ def _owned_and_changed():
         type_error(lambda: fe.local_shards(model.norm)),
         type_error(lambda: fe.local_shards(model.block[0])),
     ]
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=torch.device("cpu"))
+    out["fsdp1_refused"] = [type_error(lambda: fe.local_shards(x)) for x in (fsdp1, fsdp1.module, fsdp1.module[0])]
     root = fe.local_shards(model)
     own = fe.local_shards(model.block)  # fully_shard was applied to it: its own parameters, names relative to it
     out["fully_shard_submodule_is_its_own_model"] = sorted(own) == sorted(
@@ -774,7 +778,11 @@ def test_modules_fsdp_manages_from_outside_are_refused_and_16_bit_shards_warn_on
         for res in per_rank:
             o = res["owned"]
             for msg in o["inner_refused"]:  # model.norm (root-managed), model.block[0] (managed by model.block)
-                assert msg and "fully_shard was applied to an enclosing module" in msg and "root" in msg, msg
+                assert msg and "was applied to an enclosing module" in msg and "root" in msg, msg
+            wrapper, inner, leaf = o["fsdp1_refused"]  # FSDP1, its wrapped module (FlatParameter), a submodule
+            assert wrapper and "torch FSDP1 (FullyShardedDataParallel)" in wrapper and "fully_shard" in wrapper, wrapper
+            assert inner and "parameter '_flat_param' is a torch FSDP1 FlatParameter" in inner, inner
+            assert leaf and "was applied to an enclosing module" in leaf, leaf
             assert o["fully_shard_submodule_is_its_own_model"], o
             assert o["low_precision"] == [0, 1, True], o["low_precision"]
 

@@ -362,7 +362,7 @@ def test_ddp_two_ranks(tmp_path, flat):
         _check_changed_inside(rep["changed_inside"])
         assert rep["low_precision"] == [
             ["functional_ema: the weights read from a plain module's param", True],
-            ["functional_ema: the weights read from a DistributedDataParall", True],
+            ["functional_ema: the weights read from a DistributedDataParal", True],
         ], rep["low_precision"]
     # Replicated weights: one rank file (rank 0's) and the manifest.
     assert reports[0]["files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]

@@ -122,8 +122,9 @@ def internal_module_reason(module: torch.nn.Module) -> str | None:
             )
     if getattr(module, "_is_fsdp_managed_module", False) and not isinstance(module, FSDPModule):
         return (
-            f"{type(module).__qualname__} is a submodule inside a module that torch FSDP manages (fully_shard was "
-            "applied to an enclosing module, not to this one): its parameters are sharded, gathered and updated "
+            f"{type(module).__qualname__} is a submodule inside a module that torch FSDP manages (fully_shard, or "
+            "FSDP1's FullyShardedDataParallel, was applied to an enclosing module, not to this one): its parameters "
+            "are sharded, gathered and updated "
             "through the enclosing module's FSDP state. Pass the model fully_shard was applied to (the root), or "
             "apply fully_shard to this submodule too"
         )
