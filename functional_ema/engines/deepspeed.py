@@ -29,7 +29,16 @@ from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
 from .._errors import SwappedTrainingError
 from .._tree import short_list
-from ._base import Adapter, Reading, SwapStats, placeholder_form, gather_pieces, parameters_put_back, world_of
+from ._base import (
+    Adapter,
+    Reading,
+    SwapStats,
+    gather_pieces,
+    parameters_put_back,
+    placeholder_form,
+    warn_low_precision,
+    world_of,
+)
 
 __all__ = [
     "DeepSpeedAdapter",
@@ -137,6 +146,12 @@ class DeepSpeedAdapter(Adapter):
         if getattr(engine, "has_moe_layers", False):
             pieces, params, experts = place_experts(engine, pieces, params)
         shards = shards_from_views([(n, v) for n, (v, _) in pieces.items()])
+        warn_low_precision(
+            "a DeepSpeed engine's master weights",
+            {n: v for n, (v, _) in pieces.items()},
+            "DeepSpeed keeps 16-bit masters here (e.g. zero_optimization.bf16_master_weights_and_gradients); train "
+            "with fp32 masters for an EMA of the fp32 weights",
+        )
         part = model_part(engine)
         layout = ShardLayout(
             rank,
