@@ -12,6 +12,7 @@ from importlib.metadata import version as _version
 from . import buffers, dcp, export, posthoc, schedules
 from ._api import (
     StateMismatchError,
+    SwappedParametersChangedError,
     SwappedTrainingError,
     gather_full,
     local_shards,
@@ -20,7 +21,7 @@ from ._api import (
     swapped,
 )
 from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info
-from ._errors import MismatchError
+from ._errors import LowPrecisionWeightsWarning, MismatchError
 from ._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointError",
     "EmaState",
     "ExpertLayout",
+    "LowPrecisionWeightsWarning",
     "MismatchError",
     "ModelPart",
     "NonFiniteError",
@@ -57,6 +59,7 @@ __all__ = [
     "Shards",
     "StateMismatchError",
     "SwapStats",
+    "SwappedParametersChangedError",
     "SwappedTrainingError",
     "TreeMismatchError",
     "UpdateInfo",

@@ -14,7 +14,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._checkpoint.collective import agree_on, layout_record
-from ._errors import StateMismatchError, SwappedTrainingError
+from ._errors import StateMismatchError, SwappedParametersChangedError, SwappedTrainingError
 from ._fit import state_problem
 from ._layout import ShardLayout
 from ._shards import Shards
@@ -23,7 +23,15 @@ from .engines import Reading, SwapStats, adapter_for
 from .engines._base import gather_pieces
 from .engines._base import join_parts as join_parts_of
 
-__all__ = ["local_shards", "shard_layout", "gather_full", "swapped", "StateMismatchError", "SwappedTrainingError"]
+__all__ = [
+    "local_shards",
+    "shard_layout",
+    "gather_full",
+    "swapped",
+    "StateMismatchError",
+    "SwappedTrainingError",
+    "SwappedParametersChangedError",
+]
 
 
 def local_shards(x: Any) -> Shards:
@@ -139,18 +147,24 @@ def gather_full(
 ) -> dict[str, torch.Tensor]:
     """Full-shape EMA weights from every rank's pieces. A collective: call it on all ranks.
 
-    Under model parallelism (tensor-parallel ranks, pipeline stages: ``shard_layout(x).part``) the
-    result is this rank's part, whole over its data-parallel group (its tensor-parallel slices, its
-    stage's parameters), which is what this rank's module loads; ``join_parts=True`` returns the whole
-    model's tensors instead, every part's joined (stages merged, slices concatenated along their
-    recorded split), a collective over every rank of the job.
+    Each tensor has the shape the model's parameter reports. So with DTensor parameters (FSDP2 over
+    tensor parallelism, tensor parallelism alone, HSDP over it) the tensor-parallel slices are joined:
+    the global shape, which ``model.load_state_dict`` takes back (``torch.distributed.checkpoint`` or
+    ``distribute_tensor`` re-cut it). DeepSpeed's model-parallel parameters (tensor parallelism by
+    ``mpu`` or AutoTP, pipeline stages: ``shard_layout(x).part``) are plain per-rank tensors reporting
+    the slice's shape, so there the result is this rank's part, whole over its data-parallel group (its
+    slices, its stage's parameters), which is what this rank's module loads. ``join_parts=True`` returns
+    the whole model's tensors in both cases, every part's joined (stages merged, slices concatenated
+    along their recorded split), a collective over every rank of the job.
 
     Args:
         state: this rank's state (from :func:`functional_ema.init_ema` over ``local_shards(x)``).
         x: the engine or model the shards came from (see :func:`local_shards`).
         index: which tracked EMA (``state.emas[index]``).
-        dst: ``None`` returns the full weights on every rank; a rank number returns them on that
-            rank only (the others get ``{}``), which saves memory on the others.
+        dst: ``None`` returns the full weights on every rank; a rank number (of the data-parallel
+            group) returns them on that rank only (the others get ``{}``), which saves memory on the
+            others. With DTensor tensor parallelism, every tensor-parallel rank at that data-parallel
+            rank gets them (the join is a collective over its tensor-parallel group).
         device: where the result goes (default: the EMA's device).
         bucket_bytes: pieces are exchanged in buckets of about this size per rank, so the
             transient memory is ``world_size * bucket_bytes`` plus the result.
@@ -164,12 +178,16 @@ def gather_full(
     Raises:
         StateMismatchError: on every rank, when the state does not fit ``x`` on some rank.
     """
-    reading = adapter_for(x).read()
+    adapter = adapter_for(x)
+    reading = adapter.read()
     pieces = state_pieces(state, reading, index, "gather_full")
-    if not join_parts or reading.layout.part.whole:
-        return gather_pieces(reading, pieces, dst=dst, device=device, bucket_bytes=bucket_bytes)
-    part = gather_pieces(reading, pieces, device="cpu", bucket_bytes=bucket_bytes)
-    return join_parts_of(reading, part, dst=dst, device=device)
+    if join_parts and not reading.layout.part.whole:
+        part = gather_pieces(reading, pieces, device="cpu", bucket_bytes=bucket_bytes)
+        return join_parts_of(reading, part, dst=dst, device=device)
+    if adapter.joins_slices(reading):  # DTensor parameters: the global shape they report
+        part = gather_pieces(reading, pieces, dst=dst, bucket_bytes=bucket_bytes)
+        return adapter.join_slices(reading, part, device)
+    return gather_pieces(reading, pieces, dst=dst, device=device, bucket_bytes=bucket_bytes)
 
 
 # ----------------------------------------------------------------------------------- eval swap
@@ -200,6 +218,14 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
         * plain / DDP: the EMA is copied into the parameters, the live values kept aside.
     Frozen parameters keep their live weights, which never change: they are their own EMA.
 
+    Whatever the block does to the parameters, the model does not keep the EMA: a block that re-types
+    (``model.to(dtype)``), re-creates or re-assigns them (``load_state_dict(..., assign=True)``, a new
+    ``nn.Parameter`` set on a module) has the parameters put back on exit (plain, DDP, DeepSpeed: the objects and
+    memory they had on entry; FSDP2: its own sharded parameters, cast back to their dtype), the trained values
+    copied into them bitwise, and then :class:`SwappedParametersChangedError` names what it had changed (on an
+    exception from the block, that exception, with a note). Re-typed or replaced buffers are put back too; values
+    a forward writes into them in place (BatchNorm statistics in training mode) stay.
+
     Yields:
         :class:`SwapStats` with the number of swapped parameters and the temporary bytes held.
 
@@ -210,9 +236,27 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     adapter = adapter_for(x)
     reading = adapter.read()
     pieces = state_pieces(state, reading, index, "swapped")
-    with _refuse_training(adapter, reading):
-        with adapter.swap(reading, pieces, state, index) as stats:
-            yield stats
+    changes: list[str] = []  # what the block replaced or re-typed, put back by the adapter on exit
+    try:
+        with _refuse_training(adapter, reading):
+            with adapter.swap(reading, pieces, state, index, changes) as stats:
+                yield stats
+    except BaseException as error:
+        if changes:
+            error.add_note(f"functional_ema.swapped restored the trained weights; the block had {_changed(changes)}")
+        raise
+    if changes:
+        raise SwappedParametersChangedError(
+            f"the block of fe.swapped(...) on rank {reading.layout.rank} {_changed(changes)}; the trained values are "
+            "back in the model's parameters (dtype, device and objects as on entry where the engine allows; see the "
+            "list). Change the model's parameters outside the block (model.to(dtype), load_state_dict(..., "
+            "assign=True), new nn.Parameter objects); inside it, evaluate under torch.no_grad() or torch.autocast"
+        )
+
+
+def _changed(changes: list[str]) -> str:
+    shown = "; ".join(changes[:20]) + (f"; and {len(changes) - 20} more" if len(changes) > 20 else "")
+    return f"made {len(changes)} change(s) to the parameters or buffers: {shown}"
 
 
 @contextlib.contextmanager

@@ -3,7 +3,13 @@ all raise them)."""
 
 from __future__ import annotations
 
-__all__ = ["MismatchError", "StateMismatchError", "SwappedTrainingError"]
+__all__ = [
+    "LowPrecisionWeightsWarning",
+    "MismatchError",
+    "StateMismatchError",
+    "SwappedParametersChangedError",
+    "SwappedTrainingError",
+]
 
 
 class MismatchError(ValueError):
@@ -21,3 +27,14 @@ class StateMismatchError(MismatchError):
 
 class SwappedTrainingError(RuntimeError):
     """``backward`` or an optimizer step was attempted inside :func:`functional_ema.swapped`."""
+
+
+class SwappedParametersChangedError(RuntimeError):
+    """The block of :func:`functional_ema.swapped` replaced or re-typed the model's parameters (``model.to(dtype)``,
+    ``load_state_dict(..., assign=True)``, a new ``nn.Parameter`` set on a module). Raised on exit, after the trained
+    values were put back; the message names the parameters and what was done to them."""
+
+
+class LowPrecisionWeightsWarning(UserWarning):
+    """The weights read are 16-bit with no fp32 master behind them: the EMA averages rounded copies. Issued once per
+    process and reason; filter it with ``warnings.filterwarnings("ignore", category=LowPrecisionWeightsWarning)``."""

@@ -64,6 +64,7 @@ def equivalence_worker(configs, steps=4):
         on_dst = fe.gather_full(state, engine, dst=0)
         same_dict, reread = _local_shards_cache_checks(engine, stage)
         masters_copied, forward_copied = _copy_to_model_checks(engine, state, gathered[0])
+        module_refused = _engine_module_refused(engine, state)
         report.append(
             {
                 "config": [stage, dtype, offload],
@@ -81,10 +82,44 @@ def equivalence_worker(configs, steps=4):
                 "reread_after_move": reread,
                 "copy_to_model_masters": masters_copied,
                 "copy_to_model_forward": forward_copied,
+                "module_refused": module_refused,
             }
         )
         del engine
     return report
+
+
+def _engine_module_refused(engine, state) -> dict:
+    """``engine.module`` passed instead of the engine: {verb: the TypeError's message, or None if accepted}.
+    Only ``local_shards`` is tried when it is accepted (ZeRO-0 fp32: the module's parameters are the weights)."""
+    import tempfile
+
+    import functional_ema as fe
+
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fe.local_shards(engine.module)
+        except TypeError:
+            pass
+    out["warned"] = [w.category.__name__ for w in caught if issubclass(w.category, fe.LowPrecisionWeightsWarning)]
+    for verb, call in (
+        ("local_shards", lambda: fe.local_shards(engine.module)),
+        ("shard_layout", lambda: fe.shard_layout(engine.module)),
+        ("gather_full", lambda: fe.gather_full(state, engine.module)),
+        ("swapped", lambda: fe.swapped(engine.module, state).__enter__()),
+        ("save", lambda: fe.save(state, engine.module, tempfile.mkdtemp(prefix="refused"))),
+    ):
+        try:
+            call()
+            out[verb] = None
+            break
+        except TypeError as e:
+            out[verb] = str(e)
+    return out
 
 
 def _local_shards_cache_checks(engine, stage):
@@ -176,6 +211,20 @@ def _check_report(reports, world_size):
             assert rep["reread_after_move"] in ((None,) if cfg[0] == 0 else (True,)), where
             assert rep["dst_keys"] == (sorted(expected) if rank == 0 else []), where
             assert rep["copy_to_model_masters"] and rep["copy_to_model_forward"], f"{where}: copy_to_model"
+            # engine.module instead of the engine: refused by every verb, naming the engine to pass (ZeRO-0 fp32
+            # is accepted: the module's parameters are the weights the optimizer updates; ZeRO-0 16-bit, whose
+            # masters DeepSpeed marks nowhere on the parameters, is accepted with a LowPrecisionWeightsWarning)
+            refused = rep["module_refused"]
+            warned = refused.pop("warned")
+            if cfg[0] == 0:
+                assert refused == {"local_shards": None}, where
+                assert warned == ([] if cfg[1] == "fp32" else ["LowPrecisionWeightsWarning"]), (where, warned)
+            else:
+                assert list(refused) == ["local_shards", "shard_layout", "gather_full", "swapped", "save"], where
+                kind = "ZeRO-3" if cfg[0] == 3 else "fp32 master partitions"
+                for verb, msg in refused.items():
+                    assert msg and kind in msg and "the object deepspeed.initialize returned" in msg, (where, verb, msg)
+                    assert "parameter 'table'" in msg, (where, verb, msg)
         if cfg[0] == 0:  # replicated: every rank holds whole parameters
             assert all(r["offsets"][n] == 0 and r["numels"][n] > 0 for r in per_rank for n in expected)
             continue

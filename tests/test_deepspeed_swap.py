@@ -50,6 +50,7 @@ def swap_worker(configs, steps=3):
                 raised = True
             live_after_raise = engine(x).float().clone()
             want = ref(x).float()
+        changed = _changed_inside(engine, state, x, live_before)
         engine.train()
         out.append(
             {
@@ -64,9 +65,67 @@ def swap_worker(configs, steps=3):
                 "extra_bytes": stats.extra_bytes,
                 "local_partition_bytes": sum(t.numel() for t in fe.local_shards(engine).values())
                 * (2 if dtype == "bf16" else 4),
+                "changed_inside": changed,
             }
         )
         del engine
+    return out
+
+
+def _module_values(engine) -> dict[str, torch.Tensor]:
+    """What the forward computes from, per parameter: ZeRO-3's local partitions, else the module's tensors."""
+    return {
+        n: (p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().clone() for n, p in engine.module.named_parameters()
+    }
+
+
+def _changed_inside(engine, state, x, live_before) -> dict:
+    """A block that re-types the module (``.to(float16)``), loads with ``assign=True`` or sets a new parameter,
+    normally and raising: the trained weights come back bitwise (fp32 masters, the module's parameter objects,
+    dtype and values, the forward), and the change is named by ``SwappedParametersChangedError`` (or a note)."""
+    import functional_ema as fe
+
+    module = engine.module
+    masters = full_fp32_reference(engine)
+    objects = dict(module.named_parameters())
+    values = _module_values(engine)
+    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in objects.items()}
+
+    def retype():
+        module.to(torch.float16)
+
+    def assign():
+        module.load_state_dict({n: torch.zeros(shapes[n]) for n in objects}, strict=False, assign=True)
+
+    def new_parameter():
+        module.mid.weight = torch.nn.Parameter(torch.zeros(shapes["mid.weight"]))
+
+    out = {}
+    for kind, change in (("retype", retype), ("assign", assign), ("new", new_parameter)):
+        for raising in (False, True):
+            caught = None
+            try:
+                with torch.no_grad(), fe.swapped(engine, state):
+                    engine(x)
+                    change()
+                    if raising:
+                        raise KeyError("boom")
+            except fe.SwappedParametersChangedError as e:
+                caught = ["changed", str(e)]
+            except KeyError as e:
+                caught = ["raised", " ".join(getattr(e, "__notes__", []))]
+            now = dict(module.named_parameters())
+            after = _module_values(engine)
+            with torch.no_grad():
+                forward = engine(x).float()
+            back = full_fp32_reference(engine)
+            out[f"{kind}{'_raising' if raising else ''}"] = {
+                "caught": caught,
+                "objects": list(now) == list(objects) and all(now[n] is objects[n] for n in objects),
+                "values": all(after[n].dtype == values[n].dtype and torch.equal(after[n], values[n]) for n in values),
+                "masters": all(torch.equal(masters[n], back[n]) for n in masters),
+                "forward": torch.equal(forward, live_before),
+            }
     return out
 
 
@@ -133,6 +192,17 @@ def test_swapped_forward_matches_plain_model_and_restores():
             assert rep["restored"], where
             assert rep["restored_after_raise"], where
             assert rep["swapped_params"] == 9, where
+            # the block re-typed / re-assigned / replaced parameters: the trained weights are back bitwise
+            for kind, got in rep["changed_inside"].items():
+                how, message = got["caught"]
+                assert how == ("raised" if kind.endswith("_raising") else "changed"), (where, kind, got)
+                named = "'mid.weight' re-typed" if kind.startswith("retype") else "'mid.weight' replaced"
+                assert named in message and ("restored" in message or "back in the model" in message), (
+                    where,
+                    kind,
+                    got,
+                )
+                assert got["objects"] and got["values"] and got["masters"] and got["forward"], (where, kind, got)
             if rep["config"][0] == 3:
                 # ZeRO-3: the temporary copy is this rank's partition in 16/32-bit (+ padding), not the model.
                 print(

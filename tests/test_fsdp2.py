@@ -166,6 +166,103 @@ def train_worker(ckpt_dir: str, configs, with_deepspeed: bool = False, replicas:
         out["hsdp_buffers"] = _hsdp_buffers_and_async(ckpt_dir, replicas)
     else:
         out["guards"] = _guards()
+        out["owned"] = _owned_and_changed()
+    return out
+
+
+def _owned_and_changed():
+    """A module whose parameters FSDP manages from outside it is refused, naming what to pass, and a
+    fully_shard-ed submodule is read as a model of its own; 16-bit sharded parameters warn once; a swapped
+    block that re-types, re-assigns or replaces parameters leaves the trained shards back bitwise."""
+    import warnings
+
+    import functional_ema as fe
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    model, opt = _fsdp_model(0, "fp32", True)
+
+    def type_error(fn):
+        try:
+            fn()
+        except TypeError as e:
+            return str(e)
+        return None
+
+    out["inner_refused"] = [
+        type_error(lambda: fe.local_shards(model.norm)),
+        type_error(lambda: fe.local_shards(model.block[0])),
+    ]
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=torch.device("cpu"))
+    out["fsdp1_refused"] = [type_error(lambda: fe.local_shards(x)) for x in (fsdp1, fsdp1.module, fsdp1.module[0])]
+    root = fe.local_shards(model)
+    own = fe.local_shards(model.block)  # fully_shard was applied to it: its own parameters, names relative to it
+    out["fully_shard_submodule_is_its_own_model"] = sorted(own) == sorted(
+        n.removeprefix("block.") for n in root if n.startswith("block.")
+    ) and all(own[n].data_ptr() == root["block." + n].data_ptr() for n in own if own[n].numel())
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fe.local_shards(_fsdp_model(1, "bf16", True)[0])  # bf16 compute over fp32 shards: no warning
+        quiet = len([w for w in caught if issubclass(w.category, fe.LowPrecisionWeightsWarning)])
+        for seed in (2, 3):  # bf16 sharded parameters: warned once
+            torch.manual_seed(seed)
+            low = TiedNet().to(torch.bfloat16)
+            fully_shard(low, mesh=tp_mesh())
+            fe.local_shards(low)
+    low_warnings = [w for w in caught if issubclass(w.category, fe.LowPrecisionWeightsWarning)]
+    out["low_precision"] = [
+        quiet,
+        len(low_warnings),
+        all("bfloat16" in str(w.message) and w.filename == __file__ for w in low_warnings),
+    ]
+
+    # swapped: the block re-types, re-assigns or replaces parameters, returning or raising
+    state = fe.init_ema(fe.local_shards(model))
+    _train_step(model, opt, 1)
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5)
+    x = _tokens(99, 0)
+    with torch.no_grad():
+        live = model(x).clone()
+
+    def retype():
+        model.to(torch.bfloat16)
+
+    def assign():
+        model.load_state_dict(model.state_dict(), assign=True)  # FSDP2 installs new sharded parameters
+
+    def new_parameter():
+        model.norm.weight = nn.Parameter(torch.zeros(D))
+
+    for kind, change in (("retype", retype), ("assign", assign), ("new", new_parameter)):
+        for raising in (False, True):
+            model.reshard()
+            objects = dict(model.named_parameters())
+            before = {n: t.clone() for n, t in fe.local_shards(model).items()}
+            caught_as = None
+            try:
+                with torch.no_grad(), fe.swapped(model, state):
+                    model(x)
+                    change()
+                    if raising:
+                        raise KeyError("boom")
+            except fe.SwappedParametersChangedError as e:
+                caught_as = ["changed", str(e)]
+            except KeyError as e:
+                caught_as = ["raised", " ".join(getattr(e, "__notes__", []))]
+            now = dict(model.named_parameters())
+            shards = fe.local_shards(model)
+            with torch.no_grad():
+                forward = model(x)
+            out[f"{kind}{'_raising' if raising else ''}"] = {
+                "caught": caught_as,
+                "same_objects": list(now) == list(objects) and all(now[n] is objects[n] for n in objects),
+                "values": sorted(shards) == sorted(before)
+                and all(shards[n].dtype == before[n].dtype and torch.equal(shards[n], before[n]) for n in before),
+                "forward": torch.equal(forward, live),
+            }
     return out
 
 
@@ -674,6 +771,40 @@ def test_unsupported_placements_are_refused_naming_the_parameter(trained):
             assert g["shard1"] and "'0.weight'" in g["shard1"] and "Shard(dim=1)" in g["shard1"], g["shard1"]
             got = g["unmanaged_dtensor"]
             assert got and "'1.weight'" in got and "Replicate()" in got and "FSDP2 does not manage" in got, got
+
+
+def test_modules_fsdp_manages_from_outside_are_refused_and_16_bit_shards_warn_once(trained):
+    for world, per_rank in trained.items():
+        for res in per_rank:
+            o = res["owned"]
+            for msg in o["inner_refused"]:  # model.norm (root-managed), model.block[0] (managed by model.block)
+                assert msg and "was applied to an enclosing module" in msg and "root" in msg, msg
+            wrapper, inner, leaf = o["fsdp1_refused"]  # FSDP1, its wrapped module (FlatParameter), a submodule
+            assert wrapper and "torch FSDP1 (FullyShardedDataParallel)" in wrapper and "fully_shard" in wrapper, wrapper
+            assert inner and "parameter '_flat_param' is a torch FSDP1 FlatParameter" in inner, inner
+            assert leaf and "was applied to an enclosing module" in leaf, leaf
+            assert o["fully_shard_submodule_is_its_own_model"], o
+            assert o["low_precision"] == [0, 1, True], o["low_precision"]
+
+
+def test_swapped_block_that_changes_fsdp2_parameters_leaves_the_trained_shards(trained):
+    expected = {
+        "retype": "'block.0.weight' re-typed",
+        "assign": "replaced by a new parameter object",
+        "new": "'norm.weight' replaced",
+    }
+    for world, per_rank in trained.items():
+        for res in per_rank:
+            o = res["owned"]
+            for kind, want in expected.items():
+                for raising in (False, True):
+                    got = o[f"{kind}{'_raising' if raising else ''}"]
+                    where = (world, kind, raising, got)
+                    how, message = got["caught"]
+                    assert how == ("raised" if raising else "changed") and want in message, where
+                    assert got["values"] and got["forward"], where
+                    # FSDP2 keeps its parameter objects through .to() and a set attribute; assign=True makes new ones
+                    assert got["same_objects"] == (kind != "assign"), where
 
 
 def test_reading_is_remade_when_fsdp2_replaces_or_unfreezes_parameters(trained):

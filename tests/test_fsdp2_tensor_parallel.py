@@ -107,10 +107,16 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
         )
         for n, s in layout.specs.items()
     )
-    tp, tp_size = layout.part.tp, layout.part.tp_size
-    gathered = fe.gather_full(state, model)  # this rank's tensor-parallel slices, whole
-    r["gather_is_the_slice_of_the_reference"] = sorted(gathered) == sorted(ref) and all(
-        torch.equal(gathered[n], _slice(ref[n], n, tp, tp_size)) for n in ref
+    # DTensor parameters report the global shape, and gather_full returns it: the slices joined
+    gathered = fe.gather_full(state, model)
+    r["gather_is_the_global_reference"] = sorted(gathered) == sorted(ref) and all(
+        torch.equal(gathered[n], ref[n]) and tuple(gathered[n].shape) == tuple(params[n].shape) for n in ref
+    )
+    at_0 = fe.gather_full(state, model, dst=0)  # data-parallel rank 0 of each tensor-parallel group
+    r["gather_dst_is_global"] = (
+        sorted(at_0) == sorted(ref) and all(torch.equal(at_0[n], ref[n]) for n in ref)
+        if layout.rank == 0
+        else at_0 == {}
     )
     r["ema_moved"] = not all(torch.equal(ref[n], f) for n, f in _full_params(model).items())
     joined = fe.gather_full(state, model, join_parts=True)  # every part's slices joined: the whole model
@@ -160,9 +166,7 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
     if also_load is not None:  # another layout's tensor-parallel EMA, re-cut for this one
         other = load_file(os.path.join(also_load, "tp.ref.safetensors"))
         got = fe.gather_full(fe.load(fresh, also_load, tag="tp"), fresh)
-        r["other_layout_bitwise"] = sorted(got) == sorted(other) and all(
-            torch.equal(got[n], _slice(other[n], n, tp, tp_size)) for n in other
-        )
+        r["other_layout_bitwise"] = sorted(got) == sorted(other) and all(torch.equal(got[n], other[n]) for n in other)
     return r
 
 
@@ -192,10 +196,7 @@ def load_worker(tp_dir: str, fsdp2_dir: str) -> dict:
     fe.save(fe.load(model, tp_dir, tag="tp"), model, fsdp2_dir, tag="tpnet_fsdp2_4")
     tp_net, _ = tp_model(9, tp_mesh((2, 2)))
     cut = fe.gather_full(fe.load(tp_net, fsdp2_dir, tag="tpnet_fsdp2_4"), tp_net)
-    part = fe.shard_layout(tp_net).part
-    out["fsdp2_4_into_tp"] = sorted(cut) == sorted(ref) and all(
-        torch.equal(cut[n], _slice(ref[n], n, part.tp, part.tp_size)) for n in ref
-    )
+    out["fsdp2_4_into_tp"] = sorted(cut) == sorted(ref) and all(torch.equal(cut[n], ref[n]) for n in ref)
     return out
 
 
@@ -285,7 +286,8 @@ def _check_training(results, replicas: int) -> None:
             "head.bias": None,
         }, where
         assert r["no_copy"] and r["update_collectives"] == [0] * STEPS, where
-        assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"] and r["joined_bitwise"], where
+        assert r["gather_is_the_global_reference"] and r["gather_dst_is_global"], where
+        assert r["ema_moved"] and r["joined_bitwise"], where
         assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
         assert r["training_refused"] and r["grads_untouched"], where
         assert r["reload_bitwise"] and r["saved_step"] == STEPS and r["posthoc_local_is_the_offline_slice"], where
@@ -340,7 +342,8 @@ def test_tensor_parallel_alone_every_verb(tp_only, root):
         assert r["specs"]["up.weight"] == [[7, 6], 0, 42] and r["specs"]["head.weight"] == [[3, 6], 0, 18], where
         assert r["placements"]["up.weight"] == "(Shard(dim=0),)" and r["placements"]["down.weight"] == "(Shard(dim=1),)"
         assert r["no_copy"] and r["update_collectives"] == [0] * STEPS, where
-        assert r["gather_is_the_slice_of_the_reference"] and r["ema_moved"] and r["joined_bitwise"], where
+        assert r["gather_is_the_global_reference"] and r["gather_dst_is_global"], where
+        assert r["ema_moved"] and r["joined_bitwise"], where
         assert r["swap_max_diff"] < 1e-5 and r["swap_differs_from_live"] and r["swap_restored"], where
         assert r["training_refused"] and r["grads_untouched"], where
         assert r["reload_bitwise"] and r["other_layout_bitwise"] and r["posthoc_local_is_the_offline_slice"], where

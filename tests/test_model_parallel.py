@@ -459,6 +459,11 @@ def pipe_worker(out: str, phase: str, tp: int = 1) -> dict:
         loaded = fe.checkpoint.load_checkpoint(engine, out / f"{name}_ck", buffers=True)
         report["part"] = list(fe.shard_layout(engine).part)
         report["buffers"] = sorted(loaded.buffers.emas[0]) + sorted(loaded.buffers.copied)
+        try:  # the PipelineModule instead of the engine: refused, naming the engine
+            fe.local_shards(engine.module)
+            report["module_refused"] = None
+        except TypeError as e:
+            report["module_refused"] = str(e)
         full = fe.gather_full(loaded.state, engine, dst=0)
         if torch.distributed.get_rank() == 0:
             _save_tensors(out / f"{name}_relayout.safetensors", full)
@@ -526,6 +531,8 @@ def test_pipeline_stages_every_verb(pipe_runs):
             "1.running_var",
             "1.num_batches_tracked",
         ], r
+        msg = r["module_refused"]
+        assert msg and "DeepSpeed PipelineModule" in msg and "the object deepspeed.initialize returned" in msg, msg
     assert _equal(_load_tensors(out / "pp_tp1_relayout.safetensors"), {**stages[0], **stages[1]})
 
 

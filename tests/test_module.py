@@ -222,6 +222,83 @@ def test_flatten_parameters_moves_trainable_contiguous_parameters_only():
     assert not torch.equal(model.emb.weight, before["emb.weight"])
 
 
+def _changed_inside(model, state) -> dict:
+    """``swapped`` blocks that re-type the model (``.to(bfloat16)``), load with ``assign=True`` or set a new
+    parameter, returning normally and raising: per case, how it ended (``SwappedParametersChangedError`` or the
+    block's error with a note) and whether the parameters and buffers are back bitwise (objects, dtype, values)
+    and the forward is the trained model's."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    x = _batch(77)[0]
+    model.eval()
+    with torch.no_grad():
+        live = model(x)
+    objects = {**dict(inner.named_parameters()), **dict(inner.named_buffers())}
+    values = {n: t.detach().clone() for n, t in objects.items()}
+
+    def retype():
+        model.to(torch.bfloat16)
+
+    def assign():
+        inner.load_state_dict({n: torch.zeros_like(t) for n, t in inner.state_dict().items()}, assign=True)
+
+    def new_parameter():
+        inner.mid.weight = nn.Parameter(torch.zeros(13, 13))
+
+    out = {}
+    for kind, change in (("retype", retype), ("assign", assign), ("new", new_parameter)):
+        for raising in (False, True):
+            caught = None
+            try:
+                with torch.no_grad(), fe.swapped(model, state):
+                    model(x)
+                    change()
+                    if raising:
+                        raise KeyError("boom")
+            except fe.SwappedParametersChangedError as e:
+                caught = ["changed", str(e)]
+            except KeyError as e:
+                caught = ["raised", " ".join(getattr(e, "__notes__", []))]
+            now = {**dict(inner.named_parameters()), **dict(inner.named_buffers())}
+            with torch.no_grad():
+                forward = model(x)
+            out[f"{kind}{'_raising' if raising else ''}"] = {
+                "caught": caught,
+                "objects": list(now) == list(objects) and all(now[n] is objects[n] for n in objects),
+                "values": all(now[n].dtype == values[n].dtype and torch.equal(now[n], values[n]) for n in values),
+                "forward": torch.equal(forward, live),
+            }
+    model.train()
+    return out
+
+
+def _check_changed_inside(report: dict) -> None:
+    named = {"retype": "'mid.weight' re-typed", "assign": "'mid.weight' replaced", "new": "'mid.weight' replaced"}
+    assert sorted(report) == sorted(f"{k}{r}" for k in named for r in ("", "_raising")), report
+    for case, got in report.items():
+        how, message = got["caught"]
+        assert how == ("raised" if case.endswith("_raising") else "changed"), (case, got)
+        assert named[case.split("_")[0]] in message, (case, got)
+        assert got["objects"] and got["values"] and got["forward"], (case, got)
+
+
+def test_swapped_block_that_changes_parameters_puts_the_trained_ones_back():
+    torch.manual_seed(0)
+    model = TiedNet()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    state = fe.init_ema(fe.local_shards(model))
+    for step in (1, 2):
+        _train_step(model, opt, step)
+        state = fe.update(state, fe.local_shards(model), step, decay=0.5)
+    _check_changed_inside(_changed_inside(model, state))
+    # training goes on with the optimizer's parameters, which are the model's
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own moments (load_state_dict aliases them)
+    _train_step(model, opt, 3)
+    _train_step(twin, twin_opt, 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
 def ddp_worker(save_dir: str, flat: bool = False) -> dict:
     import torch.distributed as dist
 
@@ -253,6 +330,23 @@ def ddp_worker(save_dir: str, flat: bool = False) -> dict:
     files = sorted(p.name for p in (Path(save_dir) / report["tag"]).iterdir())
     report["files"] = files
     report["flat"] = flat_info
+    state = fe.init_ema(fe.local_shards(model))
+    _train_step(model, opt, 300, dist.get_rank())
+    report["changed_inside"] = _changed_inside(model, fe.update(state, fe.local_shards(model), 1, decay=0.5))
+    # 16-bit parameters with no fp32 master: warned once per process and reason, none for fp32 ones
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fe.local_shards(nn.Linear(3, 3))
+        for _ in range(2):
+            fe.local_shards(nn.Linear(3, 3).to(torch.bfloat16))
+            fe.local_shards(nn.parallel.DistributedDataParallel(nn.Linear(3, 3).to(torch.bfloat16)))
+    report["low_precision"] = [
+        [str(w.message)[:60], w.filename == __file__]
+        for w in caught
+        if issubclass(w.category, fe.LowPrecisionWeightsWarning)
+    ]
     return report
 
 
@@ -265,6 +359,11 @@ def test_ddp_two_ranks(tmp_path, flat):
         _check(rep, world=2)
         assert rep["layout"] == [rank, 2, 0, "module"]  # replicated: whole parameters on every rank
         assert rep["flat"] == ([6, True, 1] if flat else None), rep["flat"]
+        _check_changed_inside(rep["changed_inside"])
+        assert rep["low_precision"] == [
+            ["functional_ema: the weights read from a plain module's param", True],
+            ["functional_ema: the weights read from a DistributedDataParal", True],
+        ], rep["low_precision"]
     # Replicated weights: one rank file (rank 0's) and the manifest.
     assert reports[0]["files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
 

@@ -14,7 +14,7 @@ import torch
 
 from ._base import Adapter, Reading, SwapStats, known_adapter
 
-__all__ = ["Adapter", "Reading", "SwapStats", "adapter_for", "ACCEPTED"]
+__all__ = ["Adapter", "Reading", "SwapStats", "adapter_for", "ACCEPTED", "refuse_engine_internals"]
 
 ACCEPTED = (
     "a deepspeed.DeepSpeedEngine (ZeRO stages 0-3), a torch.nn.Module with FSDP2 (fully_shard) applied or with "
@@ -46,3 +46,19 @@ def adapter_for(x: Any) -> Adapter:
     raise TypeError(
         f"functional_ema cannot read a {type(x).__module__}.{type(x).__qualname__}{hint}; it accepts {ACCEPTED}"
     )
+
+
+def refuse_engine_internals(module: torch.nn.Module) -> None:
+    """Refuse (``TypeError``, naming the object to pass instead) a module whose parameters an engine manages
+    from outside it: a DeepSpeed engine's ``engine.module`` (ZeRO-1/2/3, pipeline), torch FSDP1, or a submodule
+    inside a ``fully_shard``-ed model. Called by the module and FSDP2 adapters whenever they read a module, so
+    every verb refuses it (also a module read before ``deepspeed.initialize`` took it over).
+
+    The library never looks for the owner itself: neither DeepSpeed nor FSDP keeps a reference from the module
+    back to the engine or the enclosing module, and a search of the heap would be slow and could pick another
+    engine holding the same module."""
+    from . import deepspeed, fsdp2
+
+    reason = deepspeed.engine_module_reason(module) or fsdp2.internal_module_reason(module)
+    if reason:
+        raise TypeError(f"functional_ema cannot read this module: {reason}")

@@ -16,7 +16,10 @@ adapter sees that the buffers moved; there is no module-level registry.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -25,7 +28,16 @@ import torch.distributed as dist
 from .._layout import ShardLayout, ShardSpec
 from .._shards import Shards
 
-__all__ = ["Adapter", "Reading", "SwapStats", "swap_by_copy", "known_adapter", "gather_pieces"]
+__all__ = [
+    "Adapter",
+    "Reading",
+    "SwapStats",
+    "swap_by_copy",
+    "known_adapter",
+    "gather_pieces",
+    "warn_low_precision",
+    "parameters_put_back",
+]
 
 # Attribute of the training object under which its reading is kept (see Adapter.read).
 _SLOT = "_functional_ema_reading"
@@ -134,9 +146,15 @@ class Adapter:
         """The tag :func:`functional_ema.save` uses when none is given."""
         return f"global_step{int(state.step)}"
 
-    def swap(self, reading: Reading, pieces: Mapping[str, torch.Tensor], state, index: int):
-        """Context manager: the forward computes with ``pieces`` (this rank's EMA pieces)."""
-        return swap_by_copy(reading, pieces)
+    @contextlib.contextmanager
+    def swap(
+        self, reading: Reading, pieces: Mapping[str, torch.Tensor], state, index: int, changes: list[str]
+    ) -> Iterator[SwapStats]:
+        """Context manager: the forward computes with ``pieces`` (this rank's EMA pieces); on exit the trained values
+        are back in the parameters the model holds, whatever the block did to them, and ``changes`` names what the
+        block had replaced or re-typed (put back)."""
+        with swap_by_copy(reading, pieces) as stats, parameters_put_back(self.module(), changes):
+            yield stats
 
     def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the trained weights with ``pieces`` (this rank's pieces, already checked against the
@@ -146,6 +164,19 @@ class Adapter:
             for name, target in reading.shards.items():
                 if target.numel():
                     target.copy_(pieces[name].reshape(target.shape))
+
+    def joins_slices(self, reading: Reading) -> bool:
+        """Whether :func:`functional_ema.gather_full` joins this rank's tensor-parallel slices by default: where the
+        parameters report the global shape (DTensors), so the result has the shape they report. Engines whose
+        model-parallel parameters are plain per-rank tensors (DeepSpeed TP, pipeline stages) keep parts."""
+        return False
+
+    def join_slices(
+        self, reading: Reading, part: dict[str, torch.Tensor], device: torch.device | str | None
+    ) -> dict[str, torch.Tensor]:
+        """``part`` (this rank's part, whole over its data-parallel group) with its tensor-parallel slices joined
+        along each parameter's split; a collective over the tensor-parallel group (see :meth:`joins_slices`)."""
+        return part
 
     def optimizer_steps(self) -> int | None:
         """The optimizer steps the engine counts itself (DeepSpeed's ``global_steps``), or ``None`` when it
@@ -189,6 +220,50 @@ def training_group(layout: ShardLayout, group: Any) -> Any:
     return dist.group.WORLD
 
 
+# reason: each low-precision warning once per process (the warnings module's own "once" is per call site and is
+# reset by every warnings.simplefilter / catch_warnings, so a training loop would see it again and again)
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_low_precision(source: str, named: Mapping[str, torch.Tensor], fix: str) -> None:
+    """Warn once per process (per ``source`` and dtype) that the pieces read are 16-bit with no fp32 master behind
+    them: the EMA then averages rounded copies, and an update smaller than the dtype's resolution is lost.
+
+    Args:
+        source: what was read (e.g. ``"a plain module"``, ``"FSDP2 shards"``), part of the once-key.
+        named: ``{name: piece}``; floating pieces narrower than 32 bits are the ones warned about.
+        fix: what to do instead, appended to the message.
+    """
+    low = [(n, t.dtype) for n, t in named.items() if t.is_floating_point() and t.element_size() < 4]
+    if not low:
+        return
+    dtypes = sorted({str(d) for _, d in low})
+    key = (source, ",".join(dtypes))
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    from .._errors import LowPrecisionWeightsWarning
+    from .._tree import short_list
+
+    warnings.warn(
+        f"functional_ema: the weights read from {source} are {'/'.join(dtypes)} with no fp32 master behind them "
+        f"({len(low)} parameters: {short_list([n for n, _ in low], 4)}): the EMA averages these rounded copies, so "
+        f"decay-sized steps below the dtype's resolution are lost. {fix}. (Issued once per process; category "
+        "functional_ema.LowPrecisionWeightsWarning.)",
+        LowPrecisionWeightsWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside functional_ema (the user's call)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def world_of(group: Any) -> tuple[int, int]:
     """(rank, world size) in ``group``; (0, 1) without a process group."""
     if not dist.is_available() or not dist.is_initialized():
@@ -212,28 +287,103 @@ def exchange_specs(layout: ShardLayout, group: Any) -> list[dict[str, ShardSpec]
 
 
 @contextlib.contextmanager
-def swap_by_copy(reading: Reading, pieces: Mapping[str, torch.Tensor]) -> Iterator[SwapStats]:
+def swap_by_copy(
+    reading: Reading,
+    pieces: Mapping[str, torch.Tensor],
+    current: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+) -> Iterator[SwapStats]:
     """Copy ``pieces`` into the parameters' storage, keep the live values aside, copy them back.
 
     In place, so every alias of the parameters (the optimizer's references, hooks, DDP's buckets)
     sees the swapped values, and the live values come back bitwise. Extra memory: one copy of this
     rank's pieces.
+
+    Args:
+        reading: the reading the pieces fit.
+        pieces: ``{name: EMA piece}``.
+        current: on exit, returns ``{name: this rank's piece}`` of the parameters the model holds *then*, which
+            the live values are copied into by name (an engine whose parameters the block may have re-made
+            passes it); ``None``: back into the views of ``reading``.
     """
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    saved: dict[str, torch.Tensor] = {}
     extra = 0
     try:
         with torch.no_grad():
             for name, target in reading.shards.items():
                 if target.numel() == 0:
                     continue
-                saved.append((target, target.clone()))
+                saved[name] = target.clone()
                 extra += target.numel() * target.element_size()
                 target.copy_(pieces[name].reshape(target.shape))
         yield SwapStats(len(saved), extra)
     finally:
+        targets = reading.shards if current is None else current()
         with torch.no_grad():
-            for target, live in saved:
-                target.copy_(live)
+            for name, live in saved.items():
+                target = targets.get(name)
+                if target is not None:
+                    target.copy_(live.reshape(target.shape))
+
+
+def _form(p: torch.Tensor) -> tuple:
+    """What ``swapped`` compares to see a parameter re-typed, moved or re-made in place: dtype, device, shape and
+    where its values are (``.to(dtype)`` gives the same object new memory)."""
+    return (p.dtype, p.device, tuple(p.shape), p.data_ptr())
+
+
+def placeholder_form(p: torch.Tensor) -> tuple:
+    """The form of a parameter whose memory comes and goes by design (a ZeRO-3 placeholder, gathered and released)."""
+    return (p.dtype, p.device)
+
+
+@contextlib.contextmanager
+def parameters_put_back(
+    module: torch.nn.Module,
+    changes: list[str],
+    *,
+    form: Callable[[torch.Tensor], tuple] = _form,
+    skip: Callable[[torch.nn.Module, str], bool] | None = None,
+) -> Iterator[None]:
+    """On exit, every parameter and buffer registration of ``module`` is the object it was on entry, with the memory
+    (``.data``: dtype, device, storage) it had then; what the block changed is appended to ``changes`` as it is put
+    back.
+
+    So a ``model.to(dtype)``, ``load_state_dict(..., assign=True)`` or a new ``nn.Parameter`` set inside a
+    :func:`functional_ema.swapped` block cannot leave the model with EMA weights, nor detach the parameters the
+    optimizer holds: the enclosing swap then restores the trained values into that memory. Buffers are put back
+    the same way (``model.to(dtype)`` re-types them too), though values written into them in place (BatchNorm
+    statistics of a forward in training mode) stay. ``skip(module, attr)`` leaves a parameter registration to the
+    engine (FSDP2's managed parameters, which FSDP2 itself re-registers).
+    """
+    entry = []
+    for prefix, mod in module.named_modules():
+        for buffer, registry in ((False, mod._parameters), (True, mod._buffers)):
+            for attr, t in registry.items():
+                if t is None or (not buffer and skip is not None and skip(mod, attr)):
+                    continue
+                shape_of = _form if buffer else form
+                name = ("buffer " if buffer else "") + repr(f"{prefix}.{attr}" if prefix else attr)
+                entry.append((registry, attr, name, t, t.data, shape_of, shape_of(t)))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for registry, attr, name, t, data, shape_of, seen in entry:
+                now = registry.get(attr)
+                if now is not t:
+                    what = "removed" if now is None else f"replaced by another {type(now).__name__}"
+                    if now is not None:
+                        what += f" ({_describe(seen)} -> {_describe(_form(now))})"
+                    changes.append(f"{name} {what}")
+                    registry[attr] = t
+                now_form = shape_of(t)
+                if now_form != seen:
+                    changes.append(f"{name} re-typed or moved ({_describe(seen)} -> {_describe(now_form)})")
+                    t.data = data
+
+
+def _describe(form: tuple) -> str:
+    return " ".join(str(x) for x in form[:3])
 
 
 def gather_pieces(

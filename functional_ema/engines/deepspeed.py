@@ -29,14 +29,75 @@ from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
 from .._errors import SwappedTrainingError
 from .._tree import short_list
-from ._base import Adapter, Reading, SwapStats, gather_pieces, world_of
+from ._base import (
+    Adapter,
+    Reading,
+    SwapStats,
+    gather_pieces,
+    parameters_put_back,
+    placeholder_form,
+    warn_low_precision,
+    world_of,
+)
 
-__all__ = ["DeepSpeedAdapter", "is_deepspeed_engine", "data_parallel_group", "unsupported_reason"]
+__all__ = [
+    "DeepSpeedAdapter",
+    "is_deepspeed_engine",
+    "data_parallel_group",
+    "unsupported_reason",
+    "engine_module_reason",
+]
 
 
 def is_deepspeed_engine(x: Any) -> bool:
     """Whether ``x`` is a ``deepspeed.DeepSpeedEngine`` (without importing DeepSpeed)."""
     return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed") for c in type(x).__mro__)
+
+
+_PASS_ENGINE = (
+    "pass the engine (the object deepspeed.initialize returned) to functional_ema instead (local_shards, init_ema, "
+    "save, load, swapped, gather_full all take it)"
+)
+
+
+def engine_module_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module`` must not be read as a plain model because DeepSpeed manages its parameters, or ``None``.
+
+    The markers (DeepSpeed 0.19.8) are the ones DeepSpeed itself sets on the parameters, never guessed from dtypes:
+
+    * ``ds_id`` / ``ds_tensor``: a ZeRO-3 partitioned placeholder (``deepspeed.zero.Init`` or a ZeRO-3 engine);
+      the parameter holds no values (0 elements) outside a gather;
+    * ``_hp_mapping`` (set on every trained parameter by ``link_hp_params``, also ``None`` on a rank that owns
+      none of it): a ZeRO-1/2 (or ``BF16_Optimizer``) parameter, a training copy of an fp32 master partition the
+      optimizer owns, also in fp32 training (the masters are a separate flat partition);
+    * a ``deepspeed.pipe.PipelineModule``: one pipeline stage's layers, placed by the ``PipelineEngine``.
+
+    The module does not know its engine (DeepSpeed keeps no reference back), so the library cannot find the
+    engine itself; the message says what to pass.
+    """
+    for name, m in module.named_modules():
+        if any(c.__name__ == "PipelineModule" and c.__module__.startswith("deepspeed") for c in type(m).__mro__):
+            where = f"its submodule {name!r} is" if name else "it is"
+            return (
+                f"{type(module).__qualname__} cannot be read as a plain model: {where} a DeepSpeed PipelineModule, one "
+                f"pipeline stage's layers whose training weights the PipelineEngine's optimizer holds; {_PASS_ENGINE}"
+            )
+    for name, p in module.named_parameters():
+        if hasattr(p, "ds_id") or hasattr(p, "ds_tensor"):
+            return (
+                f"{type(module).__qualname__} is the module of a DeepSpeed ZeRO-3 engine (or built under "
+                f"deepspeed.zero.Init): parameter {name!r} is a partitioned placeholder (ds_id {getattr(p, 'ds_id', '?')}, "
+                f"{p.numel()} elements here, full shape {tuple(getattr(p, 'ds_shape', p.shape))}), and its fp32 master "
+                f"pieces live in the engine's optimizer; {_PASS_ENGINE}"
+            )
+        if hasattr(p, "_hp_mapping"):
+            return (
+                f"{type(module).__qualname__} is the module of a DeepSpeed engine whose optimizer keeps fp32 master "
+                f"partitions (ZeRO-1/2, or BF16_Optimizer): parameter {name!r} "
+                f"({p.dtype}) is the training copy of an fp32 master partition the engine's optimizer updates "
+                f"(_hp_mapping), so averaging it would average {p.dtype} copies instead of the fp32 masters; {_PASS_ENGINE}"
+            )
+    return None
 
 
 class DeepSpeedAdapter(Adapter):
@@ -85,6 +146,12 @@ class DeepSpeedAdapter(Adapter):
         if getattr(engine, "has_moe_layers", False):
             pieces, params, experts = place_experts(engine, pieces, params)
         shards = shards_from_views([(n, v) for n, (v, _) in pieces.items()])
+        warn_low_precision(
+            "a DeepSpeed engine's master weights",
+            {n: v for n, (v, _) in pieces.items()},
+            "DeepSpeed keeps 16-bit masters here (e.g. zero_optimization.bf16_master_weights_and_gradients); train "
+            "with fp32 masters for an EMA of the fp32 weights",
+        )
         part = model_part(engine)
         layout = ShardLayout(
             rank,
@@ -98,10 +165,21 @@ class DeepSpeedAdapter(Adapter):
         )
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
-    def swap(self, reading: Reading, pieces, state, index: int):
+    @contextlib.contextmanager
+    def swap(self, reading: Reading, pieces, state, index: int, changes: list[str]):
+        """The EMA in the forward (see the two swaps below). Innermost, the module's parameter registrations and
+        memory are put back as they were on entry (``parameters_put_back``), before DeepSpeed's own structures
+        (ZeRO-3's partition cache, ZeRO-1/2's flat buffers) are touched again; ZeRO-3 placeholders are compared by
+        dtype and device only (their memory comes and goes with every gather)."""
         if reading.layout.stage == 3:
-            return _swap_zero3(self.target, reading, pieces)
-        return _swap_data(reading, pieces)
+            with (
+                _swap_zero3(self.target, reading, pieces) as stats,
+                parameters_put_back(self.module(), changes, form=placeholder_form),
+            ):
+                yield stats
+        else:
+            with _swap_data(reading, pieces) as stats, parameters_put_back(self.module(), changes):
+                yield stats
 
     def optimizer_steps(self) -> int:
         return int(self.target.global_steps)

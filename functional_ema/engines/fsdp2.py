@@ -58,9 +58,18 @@ import torch.distributed as dist
 
 from .._layout import ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
-from ._base import Adapter, Reading, any_requires_grad, is_read, swap_by_copy, world_of
+from ._base import (
+    Adapter,
+    Reading,
+    any_requires_grad,
+    is_read,
+    parameters_put_back,
+    swap_by_copy,
+    warn_low_precision,
+    world_of,
+)
 
-__all__ = ["FSDP2Adapter", "is_fsdp2", "fsdp_modules", "flatten_local_shards"]
+__all__ = ["FSDP2Adapter", "is_fsdp2", "fsdp_modules", "flatten_local_shards", "internal_module_reason"]
 
 _local_tensor_of = operator.attrgetter("_local_tensor")
 
@@ -76,6 +85,58 @@ def is_fsdp2(x: Any) -> bool:
     return isinstance(x, torch.nn.Module) and (
         any(isinstance(m, FSDPModule) for m in x.modules()) or any(isinstance(p, DTensor) for p in x.parameters())
     )
+
+
+def internal_module_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module`` must not be read because torch FSDP manages its parameters from outside it, or ``None``.
+
+    * torch FSDP1 (``FullyShardedDataParallel``, its ``FlatParameter``): not read (its flat, padded shards are not
+      the parameters' layout); use FSDP2 (``fully_shard``).
+    * a submodule inside a ``fully_shard``-ed module that ``fully_shard`` was not applied to itself (FSDP2 marks
+      every module it manages ``_is_fsdp_managed_module``; those that are not ``FSDPModule`` are managed by an
+      enclosing one): its parameters are sharded DTensors (or, after a forward, gathered copies) whose state
+      lives in the enclosing module, so read alone they would be taken for tensor-parallel slices or for whole
+      weights. A module ``fully_shard`` was applied to is read as a model of its own (its parameters, names
+      relative to it), also when it sits inside a larger ``fully_shard``-ed model.
+
+    The enclosing module cannot be found from the submodule (no reference back), so the message says what to pass.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    fsdp1 = _fsdp1_class()
+    for name, m in module.named_modules():
+        if fsdp1 is not None and isinstance(m, fsdp1):
+            where = f"its submodule {name!r} is" if name else "it is"
+            return (
+                f"{type(module).__qualname__}: {where} torch FSDP1 (FullyShardedDataParallel), whose flat sharded "
+                "parameters functional_ema does not read; apply FSDP2 (torch.distributed.fsdp.fully_shard) instead"
+            )
+    for name, p in module.named_parameters():
+        if getattr(p, "_is_flat_param", False):
+            return (
+                f"{type(module).__qualname__}: parameter {name!r} is a torch FSDP1 FlatParameter (this is the module "
+                "inside a FullyShardedDataParallel wrapper); functional_ema does not read FSDP1: apply FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) and pass that model"
+            )
+    if getattr(module, "_is_fsdp_managed_module", False) and not isinstance(module, FSDPModule):
+        return (
+            f"{type(module).__qualname__} is a submodule inside a module that torch FSDP manages (fully_shard, or "
+            "FSDP1's FullyShardedDataParallel, was applied to an enclosing module, not to this one): its parameters "
+            "are sharded, gathered and updated "
+            "through the enclosing module's FSDP state. Pass the model fully_shard was applied to (the root), or "
+            "apply fully_shard to this submodule too"
+        )
+    return None
+
+
+def _fsdp1_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return None
+    return FullyShardedDataParallel
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -254,7 +315,10 @@ class FSDP2Adapter(Adapter):
     name = "fsdp2"
 
     def _read(self, previous: Reading | None = None) -> Reading:
+        from . import refuse_engine_internals
+
         model = self.target
+        refuse_engine_internals(model)
         entries = list(_walk(model))
         where = {name: _placement(name, fp) for name, _, fp, _, _ in entries if fp is not None}
         first = next(iter(where.items()), None)
@@ -299,6 +363,12 @@ class FSDP2Adapter(Adapter):
             specs[name] = spec
             params[name] = param
         shards = shards_from_views(named_views)
+        warn_low_precision(
+            "FSDP2 sharded parameters" if first is not None else "tensor-parallel DTensor parameters",
+            dict(named_views),
+            "Keep the sharded parameters in fp32 and gather them in 16 bits with fully_shard(..., "
+            "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))",
+        )
         part, tp_dims = _model_part({n: where[n] for n in specs if n in where}, list(specs))
         layout = ShardLayout(
             rank,
@@ -313,13 +383,36 @@ class FSDP2Adapter(Adapter):
         )
         _count_replacements()
         token = _Token([p for p in params.values() if isinstance(p, DTensor)], managed, plain, frozen)
+        token.tp_mesh = next((w.tp_mesh for n, w in where.items() if n in specs and w.tp_mesh is not None), None)
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
     def _is_current(self, reading: Reading) -> bool:
         return reading.token.current()
 
-    def swap(self, reading: Reading, pieces, state, index: int):
-        return _swap(fsdp_modules(self.target), reading, pieces)
+    def joins_slices(self, reading: Reading) -> bool:
+        """DTensor parameters report their global shape, so ``gather_full`` returns that shape: joined."""
+        return reading.token.tp_mesh is not None and reading.layout.part.tp_size > 1
+
+    def join_slices(self, reading: Reading, part, device):
+        """Each ``Shard(d)`` parameter's slices all-gathered over the tensor-parallel mesh (DTensor's own
+        ``full_tensor``, which also joins uneven ``torch.chunk`` splits) into the shape the parameter reports;
+        ``Replicate()`` ones are whole already. One collective per split parameter, in name order, over the
+        tensor-parallel group only; ``part`` is ``{}`` on every rank of a group, or on none (``dst``)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh, dims = reading.token.tp_mesh, reading.layout.tp_dims or {}
+        out = {}
+        for name, t in part.items():
+            d = dims.get(name)
+            if d is not None:
+                shape = tuple(reading.params[name].shape)  # a DTensor parameter: the global shape
+                stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+                t = DTensor.from_local(t, mesh, [Shard(d)], run_check=False, shape=shape, stride=stride).full_tensor()
+            out[name] = t if device is None else t.to(device)
+        return out
+
+    def swap(self, reading: Reading, pieces, state, index: int, changes: list[str]):
+        return _swap(self, reading, pieces, changes)
 
 
 # How many times FSDP2 has replaced a sharded parameter or its local tensor in this process (see
@@ -397,7 +490,7 @@ class _Token:
     than a pass over every parameter (docs/performance.md has the figures).
     """
 
-    __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks", "replacements")
+    __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks", "replacements", "tp_mesh")
 
     def __init__(self, read: list, managed: list, plain: list, frozen: list):
         """``read``: the DTensor parameters read; ``managed``: every ``FSDPParam`` (frozen ones too);
@@ -409,6 +502,7 @@ class _Token:
         self.frozen = tuple(frozen)
         self.loaded = False  # set by the load_state_dict post-hooks below
         self.replacements = _REPLACEMENTS[0]  # None: compare each parameter's local tensor instead
+        self.tp_mesh: Any = None  # the tensor-parallel mesh (gather_full joins the slices over it), if any
         owners: dict[int, torch.nn.Module] = {}
         for fp in managed:
             info = fp._module_info
@@ -492,7 +586,7 @@ def _recover(modules, busy_before: list[bool]) -> None:
 
 
 @contextlib.contextmanager
-def _swap(modules, reading: Reading, pieces):
+def _swap(adapter: FSDP2Adapter, reading: Reading, pieces, changes: list[str]):
     """Copy the EMA pieces into the local shards between two reshards of every FSDP module.
 
     A forward leaves the root module's parameters unsharded (gathered live weights) until
@@ -500,15 +594,84 @@ def _swap(modules, reading: Reading, pieces):
     resharding on exit drops the gathered EMA weights before the live shards come back. With a
     ``MixedPrecisionPolicy`` the all-gather casts the fp32 EMA shards to ``param_dtype``, as it
     casts the live ones. Extra memory: one copy of the local shards (``swap_by_copy``).
+
+    On exit the live values go, by name, into the local shards the model holds *then*
+    (``_after_block``): a block that re-typed the model (``model.to(dtype)``: FSDP2 gives the same
+    parameter objects new local tensors) or loaded with ``assign=True`` (new parameter objects) does
+    not keep the EMA. Parameters outside FSDP2 are put back as on entry (``parameters_put_back``).
     """
+    model = adapter.target
+    modules = fsdp_modules(model)
     _reshard(modules)
     busy_before = _busy(modules)
-    with swap_by_copy(reading, pieces) as stats:
+    managed = _managed(model)
+    # every managed parameter's object and local tensor on entry (references, no copy): a block that re-types or
+    # re-assigns gives FSDP2 new local tensors, and the frozen parameters' values, never swapped, come from these
+    entry = {id(fp): (fp.sharded_param, fp.sharded_param._local_tensor) for fp in managed.values()}
+
+    def current():
+        return _after_block(adapter, model, modules, managed, entry, changes)
+
+    with swap_by_copy(reading, pieces, current=current) as stats:
         try:
-            yield stats
+            with parameters_put_back(model, changes, skip=lambda mod, attr: (id(mod), attr) in managed):
+                yield stats
         finally:
+            _registered_back(model, managed, changes)  # before reshard, which would overwrite them silently
             _recover(modules, busy_before)
             _reshard(modules)
+
+
+def _registered_back(model, managed: dict, changes: list[str]) -> None:
+    """Each managed registration is the tensor FSDP2 expects there now (its sharded parameter, or while
+    gathered its unsharded one); one the block set is put back and named in ``changes``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    for prefix, mod in model.named_modules():
+        for attr, t in list(mod._parameters.items()):
+            fp = managed.get((id(mod), attr))
+            if fp is None:
+                continue
+            expected = {
+                ShardedState.SHARDED: fp.sharded_param,
+                ShardedState.UNSHARDED: getattr(fp, "_unsharded_param", None),
+                ShardedState.SHARDED_POST_FORWARD: getattr(fp, "_sharded_post_forward_param", None),
+            }.get(fp.sharded_state)
+            if expected is not None and t is not expected:
+                name = f"{prefix}.{attr}" if prefix else attr
+                changes.append(f"{name!r} replaced on its module (FSDP2's own parameter set back)")
+                mod._parameters[attr] = expected
+
+
+def _after_block(adapter: FSDP2Adapter, model, modules, managed: dict, entry: dict, changes: list[str]):
+    """After a ``swapped`` block, resharded: the managed registrations are FSDP2's sharded parameters again, a
+    parameter the block re-typed is cast back to its dtype on entry (as ``module._apply`` does it: the same object,
+    ``swap_tensors``, then ``FSDPParam.reset_sharded_param``), and the local shards the model now holds are
+    returned by name (a new reading) for the live values to be copied into."""
+    _registered_back(model, managed, changes)
+    with torch.no_grad():
+        seen: set[int] = set()
+        for fp in managed.values():
+            if id(fp) in seen:
+                continue
+            seen.add(id(fp))
+            param, local = entry[id(fp)]
+            name = fp._param_fqn or fp._module_info.param_name
+            if fp.sharded_param is not param:
+                changes.append(
+                    f"{name!r} replaced by a new parameter object (load_state_dict(assign=True)?): the model holds it, "
+                    "with the trained values, but an optimizer built before still updates the old one"
+                )
+            now = fp.sharded_param
+            if now._local_tensor.dtype != local.dtype:
+                changes.append(f"{name!r} re-typed ({now._local_tensor.dtype} -> back to {local.dtype})")
+                torch.utils.swap_tensors(now, torch.nn.Parameter(now.to(local.dtype), requires_grad=now.requires_grad))
+                fp.reset_sharded_param()
+            current = fp.sharded_param._local_tensor
+            if current is not local and current.shape == local.shape:
+                current.copy_(local)  # the values on entry (the EMA for swapped ones, restored by the caller next)
+    _reshard(modules)
+    return adapter.read().shards
 
 
 def flatten_local_shards(model: torch.nn.Module) -> int:

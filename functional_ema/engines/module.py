@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .._layout import ShardLayout, ShardSpec
 from .._shards import shards_from_views
-from ._base import Adapter, Reading, any_requires_grad, is_read, world_of
+from ._base import Adapter, Reading, any_requires_grad, is_read, warn_low_precision, world_of
 
 __all__ = ["ModuleAdapter", "is_ddp", "flatten_parameters"]
 
@@ -96,6 +96,9 @@ class ModuleAdapter(Adapter):
         )
 
     def _read(self, previous: Reading | None = None) -> Reading:
+        from . import refuse_engine_internals
+
+        refuse_engine_internals(self.module())
         named = self._params(previous)
         group = getattr(self.target, "process_group", None) if is_ddp(self.target) else None
         if is_ddp(self.target) and group is None and dist.is_initialized():
@@ -104,6 +107,12 @@ class ModuleAdapter(Adapter):
         specs = {n: ShardSpec(tuple(p.shape), 0, p.numel()) for n, p in named}
         shards = shards_from_views([(n, p) for n, p in named])
         params = dict(named)
+        warn_low_precision(
+            f"a {'DistributedDataParallel' if is_ddp(self.target) else 'plain'} module's parameters",
+            params,
+            "Keep the parameters in fp32 and compute in 16 bits with torch.autocast, or pass the engine that holds "
+            "fp32 masters (a DeepSpeed engine, not engine.module)",
+        )
         return Reading(
             shards,
             ShardLayout(rank, world, 0, specs, engine="module"),

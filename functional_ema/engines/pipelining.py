@@ -74,9 +74,17 @@ class PipelineStageAdapter(Adapter):
     def module(self):
         return self.target.submod
 
-    def swap(self, reading: Reading, pieces, state, index: int):
+    def swap(self, reading: Reading, pieces, state, index: int, changes: list[str]):
         inner, seen = reading.token
-        return inner.swap(seen, pieces, state, index)
+        return inner.swap(seen, pieces, state, index, changes)
+
+    def joins_slices(self, reading: Reading) -> bool:
+        inner, seen = reading.token
+        return inner.joins_slices(seen)
+
+    def join_slices(self, reading: Reading, part, device):
+        inner, seen = reading.token
+        return inner.join_slices(seen, part, device)
 
     def write_weights(self, reading: Reading, pieces) -> None:
         inner, seen = reading.token
