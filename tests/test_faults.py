@@ -11,7 +11,6 @@ the error type, that the message names the thing (file, field, rank, errno) and 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ import functional_ema as fe
 from functional_ema import _io
 from functional_ema import checkpoint as ck
 from functional_ema import posthoc
+from functional_ema._testing.files import hashes as _hashes
 
 STEPS = 6
 TAG = f"global_step{STEPS}"
@@ -38,17 +38,6 @@ CASES: dict[str, int] = {}
 
 def _count(cls: str, n: int = 1) -> None:
     CASES[cls] = CASES.get(cls, 0) + n
-
-
-def _hashes(root: Path) -> dict:
-    """Path -> sha256 of every file (and link target) under root."""
-    out = {}
-    for p in sorted(Path(root).rglob("*")):
-        if p.is_symlink():
-            out[str(p)] = "link:" + os.readlink(p)
-        elif p.is_file():
-            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
 
 
 # --------------------------------------------------------------------------------- 2-rank worker
