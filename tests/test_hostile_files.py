@@ -99,7 +99,7 @@ def _save_twice(
 class _Run:
     """One layout's training state in a builder: the step, the EMA state and the buffers' state."""
 
-    def __init__(self, state, bstate=None):
+    def __init__(self, state: fe.EmaState, bstate: fe.buffers.BufferState | None = None):
         self.state, self.bstate, self.step = state, bstate, int(state.step)
 
 
@@ -111,7 +111,7 @@ def _build_plain(root: Path, online: Path | None) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = _Run(fe.init_ema(fe.local_shards(model), num_emas=2), fe.buffers.init_buffers(model, num_emas=2))
 
-    def advance():
+    def advance() -> None:
         run.step += 1
         g = torch.Generator().manual_seed(run.step)  # the same batch on every rank: a replicated plain module
         model(torch.randn(8, 7, generator=g)).pow(2).mean().backward()
@@ -132,7 +132,7 @@ def _build_plain(root: Path, online: Path | None) -> dict:
 
 def _build_engine(
     root: Path,
-    engine,
+    engine: Any,
     train: Callable[[int], None],
     online: Path | None,
     buffers: bool = False,
@@ -147,7 +147,7 @@ def _build_engine(
     tracked = [schedules.power(sigma_rel=s) for s in (0.05, 0.10)]
     snap = fe.init_ema(fe.local_shards(engine), num_emas=2) if snapshots else None
 
-    def advance():
+    def advance() -> None:
         nonlocal snap
         run.step += 1
         train(run.step)
@@ -168,7 +168,7 @@ def _build_engine(
     )
 
 
-def _ds_train(engine, forward) -> Callable[[int], None]:
+def _ds_train(engine: Any, forward: Callable[[int], torch.Tensor]) -> Callable[[int], None]:
     def train(step: int) -> None:
         engine.backward(forward(step))
         engine.step()
@@ -213,7 +213,7 @@ def deepspeed_builder(root: str, online: str | None = None) -> dict:
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
     moe, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(2))
 
-    def moe_loss(step: int):
+    def moe_loss(step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1234 + 1000 * step + dist.get_rank())
         out, aux = moe(torch.randn(16, 7, generator=g))
         return ((out - torch.randn(16, 5, generator=g)) ** 2).mean() + aux
@@ -246,7 +246,7 @@ def deepspeed_builder(root: str, online: str | None = None) -> dict:
     mpu = MPU(2)
     tp = make_engine(2, model=TPMLP(mpu.get_model_parallel_rank(), 2, mpu.get_model_parallel_group()), mpu=mpu)
 
-    def tp_loss(step: int):
+    def tp_loss(step: int) -> torch.Tensor:
         x, y = batch(tp, step, seed=99)  # the same batch on both tensor-parallel ranks (data parallel 1)
         return ((tp(x) - y) ** 2).mean()
 
@@ -317,12 +317,12 @@ def build_controller(root: Path) -> None:
 # ------------------------------------------------------------------------------- the readers
 
 
-def _controller(step: int):
+def _controller(step: int) -> Callable[[Path], tuple]:
     """The record's reader: a fresh controller with the saving run's rules resumes at the framework's step."""
     from functional_ema._testing.multirank import BNSeq
     from functional_ema.integrations import EMAController
 
-    def read(d: Path):
+    def read(d: Path) -> tuple:
         torch.manual_seed(0)
         c = EMAController(0.9, buffers="average", start_step=3)
         got = c.load(BNSeq(), d / "ck" / ("started" if step >= 3 else "unstarted"), framework_step=step)
@@ -473,7 +473,7 @@ class Case:
         return f"{self.layout}|{self.kind}|{self.mutation}|{self.file}|{self.arg!r}"
 
 
-def _flip(span: str):
+def _flip(span: str) -> tuple[Callable, Callable]:
     def plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list:
         raw = (d / rel).read_bytes()
         lo, hi = _spans(d / rel, raw).get(span, (0, 0))
@@ -487,7 +487,7 @@ def _flip(span: str):
     return plan, apply
 
 
-def _truncate_plan(rng, d, rel, siblings):
+def _truncate_plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list[int]:
     size = (d / rel).stat().st_size
     return sorted({0, *(rng.randrange(size) for _ in range(2 * BUDGET))}) if size else []
 
@@ -524,7 +524,7 @@ def _json_paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
-def _json_plan(rng, d, rel, siblings):
+def _json_plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list[tuple]:
     """3 x budget fields, each a distinct field of the document (list positions alike: ``files[i].bytes`` is one
     field, at a seeded position), each set to every odd value."""
     by_field: dict[tuple, list[tuple]] = {}
@@ -548,7 +548,7 @@ def _json_apply(d: Path, rel: str, arg: tuple) -> None:
         FILE_KINDS[kind].forge(d / rel)
 
 
-def _siblings_plan(rng, d, rel, siblings):
+def _siblings_plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list[str]:
     return rng.sample(siblings, min(len(siblings), BUDGET))
 
 
@@ -631,7 +631,7 @@ class _Hang(Exception):
     pass
 
 
-def _alarm(signum, frame):
+def _alarm(signum: int, frame: Any) -> None:
     raise _Hang()
 
 
@@ -739,7 +739,7 @@ def _online_pass(base: Path, cases: list[Case], tmp: Path) -> list[tuple[Case, s
     return results
 
 
-def test_every_file_written_has_a_row(built):
+def test_every_file_written_has_a_row(built: tuple[Path, dict]) -> None:
     """A file the library writes into a built checkpoint that no kind claims is a surface nobody attacks."""
     base, _ = built
     unclaimed, seen = [], set()
@@ -754,7 +754,7 @@ def test_every_file_written_has_a_row(built):
     assert seen == set(FILE_KINDS), f"rows no built checkpoint has a file of: {set(FILE_KINDS) - seen}"
 
 
-def test_hostile_files_table(built, tmp_path):
+def test_hostile_files_table(built: tuple[Path, dict], tmp_path: Path) -> None:
     base, build_times = built
     t0 = time.monotonic()
     clean = {}
@@ -786,7 +786,7 @@ def test_hostile_files_table(built, tmp_path):
         counts.setdefault((case.kind, case.mutation), Counter())["cases"] += 1
         counts[case.kind, case.mutation][worst] += 1
         if worst in ("silent", "crash", "hang"):
-            failures[case.id] = f"{worst}: {why[:300]}"
+            failures[case.id] = f"{worst}: {' '.join(why.split())[:300]}"
             if case.kind.startswith("dcp "):
                 dcp_gaps.add((case.layout, case.kind, case.mutation, worst))
         shutil.rmtree(d)
@@ -797,7 +797,7 @@ def test_hostile_files_table(built, tmp_path):
             counts.setdefault((case.kind, case.mutation + " [load]"), Counter())["cases"] += 1
             counts[case.kind, case.mutation + " [load]"][worst] += 1
             if worst in ("silent", "crash", "hang"):
-                failures[case.id + " [load]"] = f"{worst}: {why[:300]}"
+                failures[case.id + " [load]"] = f"{worst}: {' '.join(why.split())[:300]}"
     elapsed = time.monotonic() - t0
     print(f"\nFiles table: budget {BUDGET}, seed {SEED}, {len(cases)} cases in {elapsed:.1f} s; built in", build_times)
     cols = ("cases", "correct", "refused", "silent", "crash", "hang")
