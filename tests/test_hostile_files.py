@@ -19,10 +19,14 @@ Every case must end in the clean checkpoint's exact result (bitwise) or a librar
 anything else is a *crash* (a raw exception or a changed file), a *silent* wrong result, or a *hang*.
 A file the library writes into a built checkpoint that no kind claims fails the table.
 
+Above budget 1 (or with ``FE_FUZZ_ONLINE=1``) a sample of the cases is also loaded with ``fe.load`` into the
+layout that saved them, on its ranks (two more launches).
+
 ``FE_FUZZ_BUDGET`` (default 1) multiplies the seeds per class, ``FE_FUZZ_SEED`` (default 0) moves them;
 ``make fuzz`` runs a larger budget. ``FE_FUZZ_CACHE``, a folder, keeps the built checkpoints across runs;
-``FE_FUZZ_ONLY``, a regular expression, runs the cases whose id (layout|kind|mutation|file|argument) matches. Cases that fail only because DCP has no checksums or library errors
-yet are listed in ``KNOWN_DCP_GAPS`` (asserted to be exactly the failing set).
+``FE_FUZZ_ONLY``, a regular expression, runs the cases whose id (layout|kind|mutation|file|argument)
+matches. Cases that fail only because DCP has no checksums or library errors yet are listed in
+``KNOWN_DCP_GAPS`` (asserted to be exactly the failing set at the CI budget and seed).
 """
 
 from __future__ import annotations
