@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # pulling a multi-GB CUDA build for the package's `torch` range. Override with TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test bench docs venv clean
+.PHONY: demo test fuzz bench docs venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The hostile tables (docs/reliability.md) at a larger seed budget than CI's: FUZZ_BUDGET seeds per class
+# (default 8), starting at FUZZ_SEED. Minutes, not seconds.
+FUZZ_BUDGET ?= 8
+FUZZ_SEED ?= 0
+fuzz: $(VENV)/.installed
+	FE_FUZZ_BUDGET=$(FUZZ_BUDGET) FE_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q -s tests/test_hostile_*.py tests/test_faults.py
 
 # The documentation site into site/ (the docs extra installed on first use); warnings are errors.
 docs: $(VENV)/.installed

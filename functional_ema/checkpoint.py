@@ -94,7 +94,6 @@ from ._checkpoint.format import (
     check_tag,
     dtype_name,
     library_version,
-    manifest_parts,
     parse_dtype,
     rank_file_name,
 )
@@ -102,9 +101,9 @@ from ._checkpoint.reader import (
     CheckpointReader,
     JoinedReader,
     fill_all,
-    locate_checkpoint,
     open_checkpoint,
     open_joined,
+    open_parts,
 )
 from ._checkpoint.writer import (
     TagLock,
@@ -747,10 +746,15 @@ class SavedParts(NamedTuple):
 
 
 def saved_parts(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> SavedParts:
-    """The model-parallel layout a checkpoint was saved with, from its validated manifest (no file
-    headers read): e.g. to decide whether a consolidation can join tensor-parallel slices."""
-    *_, manifest = locate_checkpoint(checkpoint_dir, tag)
-    parts = manifest_parts(manifest)
-    first = parts[0]["part"]
-    known = first.tp_size == 1 or all(p.get("tp_dims") is not None for p in parts)
-    return SavedParts(first.tp_size, first.pp_size, known)
+    """The model-parallel layout a checkpoint was saved with, from its validated manifest and the rank
+    files' headers (no tensor data read; the headers' checksummed layout records are what a manifest
+    edited to hide a recorded split is caught by): e.g. to decide whether a consolidation can join
+    tensor-parallel slices."""
+    readers = open_parts(checkpoint_dir, tag)
+    try:
+        first = readers[0].part
+        known = first.tp_size == 1 or all(r.tp_dims is not None for r in readers)
+        return SavedParts(first.tp_size, first.pp_size, known)
+    finally:
+        for r in readers:
+            r.close()

@@ -278,7 +278,7 @@ def refusals_worker(root: str) -> dict:
 
     import functional_ema as fe
     from functional_ema import _io
-    from functional_ema._testing.multirank import file_hashes
+    from functional_ema._testing.files import hashes as file_hashes
 
     r = Path(root)
     model, opt = _model("fsdp2", 0)
@@ -337,7 +337,7 @@ def refusals_worker(root: str) -> dict:
 
 def _refused(cls: type, fragments: list[str], fn, root) -> str:
     """fn() raises cls, a CheckpointError whose message holds every fragment; no file under root changes."""
-    from functional_ema._testing.multirank import file_hashes
+    from functional_ema._testing.files import hashes as file_hashes
     from functional_ema.checkpoint import CheckpointError
 
     before = file_hashes(root)
@@ -361,7 +361,8 @@ def test_dcp_refuses_flipped_bytes_other_ema_counts_bad_steps_and_unreadable_fol
 
     import functional_ema as fe
     from functional_ema.__main__ import main
-    from functional_ema._testing.multirank import ROOT, file_hashes
+    from functional_ema._testing.files import hashes as file_hashes
+    from functional_ema._testing.multirank import ROOT
     from functional_ema.checkpoint import (
         CheckpointNotFoundError,
         CorruptCheckpointError,

@@ -28,7 +28,7 @@ import functional_ema as fe
 from functional_ema import _io
 from functional_ema import checkpoint as ck
 from functional_ema import posthoc
-from functional_ema._testing.multirank import file_hashes as _hashes
+from functional_ema._testing.files import hashes as _hashes
 
 STEPS = 6
 TAG = f"global_step{STEPS}"

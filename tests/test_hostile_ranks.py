@@ -14,7 +14,6 @@ docs/reliability.md, "Ranks table".
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -26,15 +25,11 @@ import pytest
 import torch
 
 import functional_ema as fe
+from functional_ema._testing.files import hashes as _hashes
 from functional_ema._testing.multirank import run_ranks
 
 COUNTS = ("cases", "refused on all ranks", "silent", "crash", "hang")
 T = 30  # the timeout= passed to the verbs that take one, seconds
-
-
-def _hashes(root: Path) -> dict:
-    """Path -> sha256 of every file under root."""
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
 def _copy(src: Path, dst: Path) -> None:

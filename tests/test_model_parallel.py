@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import functional_ema as fe
-from functional_ema._testing.multirank import run_ranks
+from functional_ema._testing.multirank import NUM_EXPERTS, MoENet, run_ranks
 
 DECAYS = (fe.schedules.power(gamma=3.0), fe.schedules.power(gamma=6.0))  # power EMAs: snapshots need them
 STEPS, SAVE_AT = 6, 4
@@ -718,46 +718,7 @@ def test_autotp_training_every_verb(tmp_path):
 # ---------------------------------------------------------------------- expert parallel (DeepSpeed MoE)
 
 
-NUM_EXPERTS = 4
 _EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
-
-
-class MoENet(torch.nn.Module):
-    """A linear layer, a BatchNorm (module buffers), a DeepSpeed MoE layer (``NUM_EXPERTS`` linear experts over
-    ``ep_size`` expert-parallel ranks, top-1, deterministic routing), a linear head. Expert ``g`` (global index)
-    starts from its own seed, so no two experts are alike: an EMA taken for another expert's cannot pass."""
-
-    def __init__(self, ep_size: int, seed: int, buffers: bool = True):
-        import torch.distributed as dist
-        from deepspeed.moe.layer import MoE
-
-        super().__init__()
-        torch.manual_seed(seed)
-        self.inp = torch.nn.Linear(7, 8)
-        self.norm = (
-            torch.nn.BatchNorm1d(8) if buffers else torch.nn.LayerNorm(8)
-        )  # bf16: DeepSpeed leaves BN stats fp32
-        self.moe = MoE(
-            hidden_size=8,
-            expert=torch.nn.Linear(8, 8),
-            num_experts=NUM_EXPERTS,
-            ep_size=ep_size,
-            k=1,
-            min_capacity=4,
-            use_rts=False,
-        )
-        self.out = torch.nn.Linear(8, 5)
-        # DeepSpeed's default expert-parallel groups are consecutive ranks: this rank is expert-parallel rank rank % ep_size
-        ep, local = dist.get_rank() % ep_size, NUM_EXPERTS // ep_size
-        with torch.no_grad():
-            for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
-                g = torch.Generator().manual_seed(1000 * seed + ep * local + i)
-                for p in expert.parameters():
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-    def forward(self, x):
-        h, aux, _ = self.moe(torch.tanh(self.norm(self.inp(x))))
-        return self.out(h), aux
 
 
 def _moe_engine(ep_size: int, seed: int, stage: int = 2, dtype: str = "fp32"):

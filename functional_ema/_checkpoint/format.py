@@ -293,7 +293,7 @@ def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | 
         raise CorruptCheckpointError(
             f"{where}: unreadable checksums in the manifest ({e!r}); the manifest is damaged"
         ) from None
-    if algo not in _io.CHECKSUMS:
+    if not isinstance(algo, str) or algo not in _io.CHECKSUMS:
         raise CheckpointVersionError(
             f"{where}: the manifest's checksums use {algo!r}, which this functional_ema ({library_version()}) cannot compute "
             f"(it knows {sorted(_io.CHECKSUMS)}). Upgrade functional_ema, or load with verify=False"
@@ -368,7 +368,9 @@ def validate_manifest(mpath: Path, m: dict) -> None:
     ):
         raise _manifest_field_error(mpath, "schedules", "null or a list of num_emas objects", scheds)
     v1 = _is_int(m.get("format_version")) and m["format_version"] < 2
-    if not v1 and m.get("checksum") not in _io.CHECKSUMS:
+    if not v1 and not isinstance(m.get("checksum"), str):  # a list or dict is no algorithm's name (nor hashable)
+        raise _manifest_field_error(mpath, "checksum", "the name of a checksum algorithm", m.get("checksum"))
+    if not v1 and m["checksum"] not in _io.CHECKSUMS:
         raise CheckpointVersionError(
             f"{mpath}: field 'checksum' is {brief(m.get('checksum'))}, not an algorithm this version reads "
             f"({sorted(_io.CHECKSUMS)}): upgrade functional_ema, or restore the manifest from a copy"

@@ -37,19 +37,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def file_hashes(root: str | os.PathLike) -> dict[str, str]:
-    """Path -> sha256 of every file (and link target) under ``root``: what a refused call must leave unchanged."""
-    import hashlib
-
-    out = {}
-    for p in sorted(Path(root).rglob("*")):
-        if p.is_symlink():
-            out[str(p)] = "link:" + os.readlink(p)
-        elif p.is_file():
-            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
 def extensions_dir() -> str:
     """Where DeepSpeed JIT-builds its CPU ops for this environment.
 
@@ -843,3 +830,47 @@ def tp_batch(step: int, mesh) -> torch.Tensor:
     coord = [mesh.get_local_rank(d) for d in range(mesh.ndim) if mesh.mesh_dim_names[d] != "tp"]
     g = torch.Generator().manual_seed(1000 * step + sum(c * 10**i for i, c in enumerate(coord)))
     return torch.randn(4, TP_D, generator=g)
+
+
+# ---------------------------------------------------------------------- expert parallel (DeepSpeed MoE)
+
+
+NUM_EXPERTS = 4
+
+
+class MoENet(torch.nn.Module):
+    """A linear layer, a BatchNorm (module buffers), a DeepSpeed MoE layer (``NUM_EXPERTS`` linear experts over
+    ``ep_size`` expert-parallel ranks, top-1, deterministic routing), a linear head. Expert ``g`` (global index)
+    starts from its own seed, so no two experts are alike: an EMA taken for another expert's cannot pass."""
+
+    def __init__(self, ep_size: int, seed: int, buffers: bool = True):
+        import torch.distributed as dist
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = torch.nn.Linear(7, 8)
+        self.norm = (
+            torch.nn.BatchNorm1d(8) if buffers else torch.nn.LayerNorm(8)
+        )  # bf16: DeepSpeed leaves BN stats fp32
+        self.moe = MoE(
+            hidden_size=8,
+            expert=torch.nn.Linear(8, 8),
+            num_experts=NUM_EXPERTS,
+            ep_size=ep_size,
+            k=1,
+            min_capacity=4,
+            use_rts=False,
+        )
+        self.out = torch.nn.Linear(8, 5)
+        # DeepSpeed's default expert-parallel groups are consecutive ranks: this rank is expert-parallel rank rank % ep_size
+        ep, local = dist.get_rank() % ep_size, NUM_EXPERTS // ep_size
+        with torch.no_grad():
+            for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                g = torch.Generator().manual_seed(1000 * seed + ep * local + i)
+                for p in expert.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        h, aux, _ = self.moe(torch.tanh(self.norm(self.inp(x))))
+        return self.out(h), aux

@@ -1,0 +1,816 @@
+"""The *Files* table: every kind of file the library reads, from a checkpoint of every layout, attacked.
+
+A self-attack built as three registries, so that a new surface joins by adding one row:
+
+- ``LAYOUTS``: how a checkpoint of that layout is built (plain module, DeepSpeed ZeRO-3, DeepSpeed
+  tensor parallel (``mpu=``), pipeline and MoE, FSDP2, HSDP, FSDP2 x DTensor tensor parallel, the
+  integration controller), each written twice into the same tag (the older save is kept as a source of
+  stale files) by real engines in two multi-rank launches, once per session.
+- ``FILE_KINDS``: which files of a built checkpoint are of that kind (rank files, buffers files,
+  manifests, ``ema_latest``, the integration record, post-hoc snapshot files, DCP ``.metadata`` and
+  ``.distcp``) and which offline readers read it.
+- ``MUTATIONS``: seeded bit flips in the header and in the data, truncation, deletion, another rank's
+  file copied over this one (duplicate), two ranks' files exchanged (swap), the older save's file, and
+  every JSON field set to a type-confused value (``None``, a string, a list, a dict, negative, a float,
+  huge, a bool; the integration record's checksum recomputed, as a forger would).
+
+Every case must end in the clean checkpoint's exact result (bitwise) or a library error
+(``CheckpointError`` / ``MismatchError`` family) with every file unchanged (hashed before and after);
+anything else is a *crash* (a raw exception or a changed file), a *silent* wrong result, or a *hang*.
+A file the library writes into a built checkpoint that no kind claims fails the table.
+
+Above budget 1 (or with ``FE_FUZZ_ONLINE=1``) a sample of the cases is also loaded with ``fe.load`` into the
+layout that saved them, on its ranks (two more launches).
+
+``FE_FUZZ_BUDGET`` (default 1) multiplies the seeds per class, ``FE_FUZZ_SEED`` (default 0) moves them;
+``make fuzz`` runs a larger budget. ``FE_FUZZ_CACHE``, a folder, keeps the built checkpoints across runs;
+``FE_FUZZ_ONLY``, a regular expression, runs the cases whose id (layout|kind|mutation|file|argument)
+matches. Cases that fail only because DCP has no checksums or library errors yet are listed in
+``KNOWN_DCP_GAPS`` (asserted to be exactly the failing set at the CI budget and seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ema as fe
+from functional_ema._testing.files import hashes
+from functional_ema._testing.multirank import run_ranks
+
+BUDGET = int(os.environ.get("FE_FUZZ_BUDGET", "1"))
+SEED = int(os.environ.get("FE_FUZZ_SEED", "0"))
+TAG = "t"
+CASE_TIMEOUT_S = 60
+
+
+# ----------------------------------------------------------------------------------- the builders
+
+
+def _online_loads(x: Any, cases: Path) -> dict[str, str]:
+    """``fe.load`` into the saving layout of every mutated copy under ``cases`` (``cases/c*/ck``), against the
+    clean copy's load (``cases/clean/ck``): this rank's outcome per case."""
+    clean = fe.load(x, cases / "clean" / "ck", TAG)
+    out = {}
+    for d in sorted(p for p in cases.iterdir() if p.name != "clean"):
+        try:
+            got = fe.load(x, d / "ck", TAG)
+            same = int(got.step) == int(clean.step) and all(
+                a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(got.emas, clean.emas)
+            )
+            out[d.name] = "correct" if same and len(got.emas) == len(clean.emas) else "silent"
+        except (fe.CheckpointError, fe.MismatchError) as e:
+            out[d.name] = f"refused: {type(e).__name__}"
+        except Exception as e:  # noqa: BLE001 - the finding
+            out[d.name] = f"crash: {type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def _save_twice(
+    root: Path, save: Callable[[Path], Any], advance: Callable[[], None], x: Any = None, online: Path | None = None
+) -> dict[str, str]:
+    """``save(dir)`` into ``root/ck``; copied to ``root/older`` (and a DCP folder beside it to ``root/older_dcp``)
+    by rank 0; ``advance()``; saved again. With ``online``: then the online loads of ``online/<layout>``."""
+    import torch.distributed as dist
+
+    save(root / "ck")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "ck", root / "older")
+        if (root / "dcp").exists():
+            shutil.copytree(root / "dcp", root / "older_dcp")
+    dist.barrier()
+    advance()
+    save(root / "ck")
+    dist.barrier()
+    return _online_loads(x, online / root.name) if online is not None and (online / root.name).is_dir() else {}
+
+
+class _Run:
+    """One layout's training state in a builder: the step, the EMA state and the buffers' state."""
+
+    def __init__(self, state: fe.EmaState, bstate: fe.buffers.BufferState | None = None):
+        self.state, self.bstate, self.step = state, bstate, int(state.step)
+
+
+def _build_plain(root: Path, online: Path | None) -> dict:
+    from functional_ema._testing.multirank import BNSeq, checkpoint_decays
+
+    torch.manual_seed(0)
+    model = BNSeq()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = _Run(fe.init_ema(fe.local_shards(model), num_emas=2), fe.buffers.init_buffers(model, num_emas=2))
+
+    def advance() -> None:
+        run.step += 1
+        g = torch.Generator().manual_seed(run.step)  # the same batch on every rank: a replicated plain module
+        model(torch.randn(8, 7, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        run.state = fe.update(run.state, fe.local_shards(model), run.step, decay=checkpoint_decays())
+        run.bstate = fe.buffers.update_buffers(run.bstate, model, run.step, decay=checkpoint_decays())
+
+    advance()
+    return _save_twice(
+        root,
+        lambda d: fe.save(run.state, model, d, TAG, decay=checkpoint_decays(), buffers=run.bstate),
+        advance,
+        model,
+        online,
+    )
+
+
+def _build_engine(
+    root: Path,
+    engine: Any,
+    train: Callable[[int], None],
+    online: Path | None,
+    buffers: bool = False,
+    snapshots: bool = False,
+) -> dict:
+    from functional_ema import posthoc, schedules
+    from functional_ema._testing.multirank import checkpoint_decays
+
+    run = _Run(fe.init_ema(fe.local_shards(engine), num_emas=2))
+    if buffers:
+        run.bstate = fe.buffers.init_buffers(engine, num_emas=2)
+    tracked = [schedules.power(sigma_rel=s) for s in (0.05, 0.10)]
+    snap = fe.init_ema(fe.local_shards(engine), num_emas=2) if snapshots else None
+
+    def advance() -> None:
+        nonlocal snap
+        run.step += 1
+        train(run.step)
+        run.state = fe.update(run.state, fe.local_shards(engine), run.step, decay=checkpoint_decays())
+        if buffers:
+            run.bstate = fe.buffers.update_buffers(run.bstate, engine, run.step, decay=checkpoint_decays())
+        if snapshots:
+            snap = fe.update(snap, fe.local_shards(engine), run.step, decay=tracked)
+            posthoc.save_snapshot(snap, engine, root / "snaps", tracked)
+
+    advance()
+    return _save_twice(
+        root,
+        lambda d: fe.save(run.state, engine, d, TAG, decay=checkpoint_decays(), buffers=run.bstate),
+        advance,
+        engine,
+        online,
+    )
+
+
+def _ds_train(engine: Any, forward: Callable[[int], torch.Tensor]) -> Callable[[int], None]:
+    def train(step: int) -> None:
+        engine.backward(forward(step))
+        engine.step()
+
+    return train
+
+
+def deepspeed_builder(root: str, online: str | None = None) -> dict:
+    """2 ranks: plain module, ZeRO-3 (with post-hoc snapshots), MoE (expert parallel 2, with buffers), pipeline
+    (2 stages, BatchNorm buffers), tensor parallel through ``mpu=`` (2). MoE first: DeepSpeed keeps the
+    pipeline's topology in its global groups, which MoE's expert groups are then cut from."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from torch import nn
+
+    from functional_ema._testing.multirank import (
+        MPU,
+        TPMLP,
+        MoENet,
+        batch,
+        ds_config,
+        make_engine,
+        train_step,
+    )
+
+    base, times, loads = Path(root), {}, {}
+    online = Path(online) if online else None
+    t0 = time.monotonic()
+    loads["plain"] = _build_plain(base / "plain", online)
+    times["plain"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    engine = make_engine(3)
+    loads["zero3"] = _build_engine(
+        base / "zero3", engine, lambda step: train_step(engine, step), online, snapshots=True
+    )
+    times["zero3"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    model = MoENet(2, seed=0)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+    moe, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), config=ds_config(2))
+
+    def moe_loss(step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1234 + 1000 * step + dist.get_rank())
+        out, aux = moe(torch.randn(16, 7, generator=g))
+        return ((out - torch.randn(16, 5, generator=g)) ** 2).mean() + aux
+
+    loads["moe"] = _build_engine(base / "moe", moe, _ds_train(moe, moe_loss), online, buffers=True)
+    times["moe"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    module = PipelineModule(
+        layers=[nn.Linear(7, 13), nn.BatchNorm1d(13), nn.Tanh(), nn.Linear(13, 5)],
+        num_stages=2,
+        loss_fn=nn.MSELoss(),
+        partition_method="uniform",
+    )
+    pipe, *_ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2), config=ds_config(1)
+    )
+
+    def pipe_train(step: int) -> None:
+        g = torch.Generator().manual_seed(step)
+        pipe.train_batch(iter([(torch.randn(4, 7, generator=g), torch.randn(4, 5, generator=g))]))
+
+    loads["pp"] = _build_engine(base / "pp", pipe, pipe_train, online, buffers=True)
+    times["pp"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    mpu = MPU(2)
+    tp = make_engine(2, model=TPMLP(mpu.get_model_parallel_rank(), 2, mpu.get_model_parallel_group()), mpu=mpu)
+
+    def tp_loss(step: int) -> torch.Tensor:
+        x, y = batch(tp, step, seed=99)  # the same batch on both tensor-parallel ranks (data parallel 1)
+        return ((tp(x) - y) ** 2).mean()
+
+    loads["ds_tp"] = _build_engine(base / "ds_tp", tp, _ds_train(tp, tp_loss), online)
+    times["ds_tp"] = time.monotonic() - t0
+    return {"times": times, "loads": loads}
+
+
+def fsdp_builder(root: str, online: str | None = None) -> dict:
+    """4 ranks: FSDP2 (4), HSDP (2 x 2), FSDP2 x DTensor tensor parallel (2 x 2); FSDP2 and HSDP also into DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from functional_ema._testing.multirank import TP_DECAY, tp_batch, tp_mesh, tp_model
+
+    base, times, loads = Path(root), {}, {}
+    for layout in ("fsdp2", "hsdp", "tp"):
+        t0 = time.monotonic()
+        if layout == "fsdp2":
+            mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+        elif layout == "hsdp":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = tp_mesh((2, 2))
+        model, opt = tp_model(0, mesh, tp=layout == "tp")
+        run = _Run(fe.init_ema(fe.local_shards(model), num_emas=2))
+
+        def advance(model=model, opt=opt, mesh=mesh, run=run):
+            run.step += 1
+            model(tp_batch(run.step, mesh)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            run.state = fe.update(run.state, fe.local_shards(model), run.step, decay=(TP_DECAY, 0.9))
+
+        def save(d, model=model, run=run, layout=layout):
+            fe.save(run.state, model, d, TAG, decay=(TP_DECAY, 0.9))
+            if layout != "tp":  # the same EMA through DCP, into the layout's DCP folder
+                dcp.save({"ema": fe.dcp.EMAStateful(model, run.state)}, checkpoint_id=str(d.parent / "dcp" / d.name))
+
+        advance()
+        loads[layout] = _save_twice(base / layout, save, advance, model, Path(online) if online else None)
+        times[layout] = time.monotonic() - t0
+    return {"times": times, "loads": loads}
+
+
+def build_controller(root: Path) -> None:
+    """The integration controller (one process): a not-started record (step 2, over an older one at step 1)
+    and a started EMA with its record in the manifest (step 4, over an older save at step 3)."""
+    from functional_ema._testing.multirank import BNSeq
+    from functional_ema.integrations import EMAController
+
+    torch.manual_seed(0)
+    net = BNSeq()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    c = EMAController(0.9, buffers="average", start_step=3)
+    for step in range(1, 5):
+        g = torch.Generator().manual_seed(step)
+        net(torch.randn(8, 7, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        c.on_step(net, step)
+        where = "ck/unstarted" if step < 3 else "ck/started"
+        c.save(net, root / where, step)
+        if step in (1, 3):
+            shutil.copytree(root / where, root / where.replace("ck/", "older/"))
+
+
+# ------------------------------------------------------------------------------- the readers
+
+
+def _controller(step: int) -> Callable[[Path], tuple]:
+    """The record's reader: a fresh controller with the saving run's rules resumes at the framework's step."""
+    from functional_ema._testing.multirank import BNSeq
+    from functional_ema.integrations import EMAController
+
+    def read(d: Path) -> tuple:
+        torch.manual_seed(0)
+        c = EMAController(0.9, buffers="average", start_step=3)
+        got = c.load(BNSeq(), d / "ck" / ("started" if step >= 3 else "unstarted"), framework_step=step)
+        b = c.buffer_state
+        emas = [dict(e) for e in c.state.emas] if c.state is not None else None
+        return got, emas, b and ([dict(e) for e in b.emas], dict(b.copied), int(b.step))
+
+    return read
+
+
+def _consolidated(d: Path) -> list:
+    """Both EMAs joined offline, through ``ema_latest`` (no tag given)."""
+    return [fe.consolidate(d / "ck", index=i) for i in range(2)]
+
+
+def _to_file(d: Path) -> dict:
+    out = d.parent / f"{d.name}.out.safetensors"  # beside the layout's folder, not in it
+    fe.checkpoint.consolidate_to_file(d / "ck", out, TAG, index=1, progress=False)
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(out)
+    finally:
+        out.unlink()
+
+
+def _manifest(d: Path) -> tuple:
+    """How the model was split; a checkpoint of one part: its manifest's fields (``read_manifest`` reads one part)."""
+    parts = fe.checkpoint.saved_parts(d / "ck", TAG)
+    if parts.tp_size * parts.pp_size > 1:
+        return tuple(parts)
+    m = fe.checkpoint.read_manifest(d / "ck", TAG)
+    return tuple(parts), {k: m.get(k) for k in ("step", "num_emas", "dtype", "tag", "generation", "extra", "schedules")}
+
+
+READERS: dict[str, Callable[[Path], Any]] = {
+    "consolidate": _consolidated,
+    "consolidate_to_file": _to_file,
+    "saved_parts/read_manifest": _manifest,
+    "buffers.consolidate": lambda d: [fe.buffers.consolidate(d / "ck", TAG, index=i) for i in range(2)],
+    "posthoc_offline": lambda d: fe.posthoc.posthoc_offline(d / "snaps", sigma_rel=0.08, max_profile_error=None),
+    "consolidate_dcp": lambda d: fe.dcp.consolidate_dcp(d / "dcp" / "ck"),
+    "controller.load(2)": _controller(2),
+    "controller.load(4)": _controller(4),
+}
+
+
+# ------------------------------------------------------------------------------- the registries
+
+
+@dataclass(frozen=True)
+class Layout:
+    builder: str  # which launch (or in-process build) writes it
+    readers: tuple[str, ...]
+
+
+_CK = ("consolidate", "consolidate_to_file", "saved_parts/read_manifest")
+LAYOUTS: dict[str, Layout] = {
+    "plain": Layout("deepspeed", (*_CK, "buffers.consolidate")),
+    "zero3": Layout("deepspeed", (*_CK, "posthoc_offline")),
+    "pp": Layout("deepspeed", (*_CK, "buffers.consolidate")),
+    "moe": Layout("deepspeed", (*_CK, "buffers.consolidate")),
+    "ds_tp": Layout("deepspeed", _CK),
+    "fsdp2": Layout("fsdp", (*_CK, "consolidate_dcp")),
+    "hsdp": Layout("fsdp", (*_CK, "consolidate_dcp")),
+    "tp": Layout("fsdp", _CK),
+    "controller": Layout("controller", ("controller.load(2)", "controller.load(4)")),
+}
+
+
+@dataclass(frozen=True)
+class FileKind:
+    pattern: str  # a regular expression over the path relative to the layout's folder
+    readers: tuple[str, ...]  # the READERS that read it (those of them a layout has run on each case)
+    json: bool = False  # its JSON fields are attacked one by one
+    forge: Callable[[Path], None] | None = None  # after a JSON edit: what a forger recomputes (a checksum)
+
+
+def _forge_record(path: Path) -> None:
+    from functional_ema._checkpoint.format import record_bytes
+
+    path.write_bytes(record_bytes(json.loads(path.read_bytes())))
+
+
+_RANK = r"ema_(?:tp\d+of\d+_pp\d+of\d+_)?rank_\d+_of_\d+(?:\.gen\d+)?\.safetensors"
+_CKPT = (*_CK, "buffers.consolidate", "controller.load(4)")
+FILE_KINDS: dict[str, FileKind] = {
+    "rank file": FileKind(rf"^ck/({TAG}|started/ema)/{_RANK}$", _CKPT),
+    "buffers file": FileKind(
+        rf"^ck/({TAG}|started/ema)/buffers_(?:tp\d+of\d+_pp\d+of\d+_)?rank_\d+_of_\d+(?:\.gen\d+)?\.safetensors$", _CKPT
+    ),
+    "manifest": FileKind(rf"^ck/({TAG}|started/ema)/ema_manifest\.json$", _CKPT, json=True),
+    "ema_latest": FileKind(r"^(ck/(started/)?|snaps/)ema_latest$", (*_CKPT, "posthoc_offline")),
+    "integration record": FileKind(
+        r"^ck/unstarted/ema/integration\.json$", ("controller.load(2)",), json=True, forge=_forge_record
+    ),
+    "snapshot rank file": FileKind(rf"^snaps/snapshot_\d+/{_RANK}$", ("posthoc_offline",)),
+    "snapshot manifest": FileKind(r"^snaps/snapshot_\d+/ema_manifest\.json$", ("posthoc_offline",), json=True),
+    "dcp metadata": FileKind(r"^dcp/ck/\.metadata$", ("consolidate_dcp",)),
+    "dcp data": FileKind(r"^dcp/ck/[^/]+\.distcp$", ("consolidate_dcp",)),
+}
+# Written, never read as data: the write lock of a tag (an empty file, only ``flock``-ed); the older saves are
+# this test's own copies.
+NOT_READ = (r"(^|/)\.ema_write\.lock$", r"^older(_dcp)?/")
+
+
+def _spans(path: Path, raw: bytes) -> dict[str, tuple[int, int]]:
+    """Where a bit flip lands: ``header`` (safetensors: the length and the JSON header; a JSON or text
+    file, DCP's metadata: all of it) and ``data`` (the tensor bytes)."""
+    if path.suffix == ".safetensors" and len(raw) >= 8:
+        n = min(struct.unpack("<Q", raw[:8])[0] + 8, len(raw))
+        return {"header": (0, n), "data": (n, len(raw))}
+    if path.suffix == ".distcp":
+        return {"data": (0, len(raw))}
+    return {"header": (0, len(raw))}
+
+
+def _older(d: Path, rel: str) -> Path | None:
+    """The same file (same rank, any generation) in the save before, if there is one: the tag's older save, or
+    the snapshot before (the same rank's file of an earlier snapshot)."""
+    if rel.startswith("snaps/snapshot_"):
+        snaps = sorted(p.name for p in (d / "snaps").glob("snapshot_*"))
+        i = snaps.index(rel.split("/")[1])
+        src = d / "snaps" / snaps[i - 1] / rel.split("/", 2)[2] if i else None
+        return src if src is not None and src.exists() else None
+    if not rel.startswith(("ck/", "dcp/")):
+        return None
+    src = d / re.sub(r"^ck/", "older/", re.sub(r"^dcp/", "older_dcp/", rel))
+    if src.exists():
+        return src
+    plain = re.sub(r"\.gen\d+(\.safetensors)$", r"\1", src.name)
+    for cand in src.parent.glob("*") if src.parent.is_dir() else ():
+        if re.sub(r"\.gen\d+(\.safetensors)$", r"\1", cand.name) == plain:
+            return cand
+    return None
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str
+    kind: str
+    mutation: str
+    file: str  # relative to the layout's folder
+    arg: Any  # the seed, the other file, or (JSON path, value)
+
+    @property
+    def id(self) -> str:
+        return f"{self.layout}|{self.kind}|{self.mutation}|{self.file}|{self.arg!r}"
+
+
+def _flip(span: str) -> tuple[Callable, Callable]:
+    def plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list:
+        raw = (d / rel).read_bytes()
+        lo, hi = _spans(d / rel, raw).get(span, (0, 0))
+        return [rng.randrange(lo * 8, hi * 8) for _ in range(2 * BUDGET)] if hi > lo else []
+
+    def apply(d: Path, rel: str, bit: int) -> None:
+        raw = bytearray((d / rel).read_bytes())
+        raw[bit // 8] ^= 1 << (bit % 8)
+        (d / rel).write_bytes(bytes(raw))
+
+    return plan, apply
+
+
+def _truncate_plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list[int]:
+    size = (d / rel).stat().st_size
+    return sorted({0, *(rng.randrange(size) for _ in range(2 * BUDGET))}) if size else []
+
+
+def _truncate(d: Path, rel: str, size: int) -> None:
+    with open(d / rel, "r+b") as f:
+        f.truncate(size)
+
+
+def _duplicate(d: Path, rel: str, other: str) -> None:
+    shutil.copyfile(d / other, d / rel)
+
+
+def _swap(d: Path, rel: str, other: str) -> None:
+    a, b = (d / rel).read_bytes(), (d / other).read_bytes()
+    (d / rel).write_bytes(b)
+    (d / other).write_bytes(a)
+
+
+def _older_apply(d: Path, rel: str, older: str) -> None:
+    shutil.copyfile(older, d / rel)
+
+
+_ODD_VALUES = (None, "x", [], {}, -1, 0.5, 2**70, True)
+
+
+def _json_paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every field's path (objects and lists, down to the leaves), the top level excluded."""
+    out = []
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for k, v in items:
+        out.append((*prefix, k))
+        out.extend(_json_paths(v, (*prefix, k)))
+    return out
+
+
+def _json_plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list[tuple]:
+    """3 x budget fields, each a distinct field of the document (list positions alike: ``files[i].bytes`` is one
+    field, at a seeded position), each set to every odd value."""
+    by_field: dict[tuple, list[tuple]] = {}
+    for path in _json_paths(json.loads((d / rel).read_bytes())):
+        by_field.setdefault(tuple("[]" if isinstance(k, int) else k for k in path), []).append(path)
+    fields = sorted(by_field, key=repr)
+    chosen = [rng.choice(by_field[f]) for f in rng.sample(fields, min(len(fields), 3 * BUDGET))]
+    return [(p, v) for p in chosen for v in _ODD_VALUES]
+
+
+def _json_apply(d: Path, rel: str, arg: tuple) -> None:
+    path, value = arg
+    doc = json.loads((d / rel).read_bytes())
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    (d / rel).write_text(json.dumps(doc))
+    kind = _kind_of(rel)
+    if kind and FILE_KINDS[kind].forge:
+        FILE_KINDS[kind].forge(d / rel)
+
+
+def _siblings_plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list[str]:
+    return rng.sample(siblings, min(len(siblings), BUDGET))
+
+
+@dataclass(frozen=True)
+class Mutation:
+    plan: Callable  # (rng, layout folder, file, same-kind files beside it) -> one argument per case
+    apply: Callable[[Path, str, Any], None]
+    json_only: bool = False
+
+
+MUTATIONS: dict[str, Mutation] = {
+    "flip header": Mutation(*_flip("header")),
+    "flip data": Mutation(*_flip("data")),
+    "truncate": Mutation(_truncate_plan, _truncate),
+    "delete": Mutation(lambda rng, d, rel, s: [None], lambda d, rel, _: (d / rel).unlink()),
+    "duplicate": Mutation(_siblings_plan, _duplicate),
+    "swap": Mutation(_siblings_plan, _swap),
+    "older save": Mutation(lambda rng, d, rel, s: [str(o)] if (o := _older(d, rel)) else [], _older_apply),
+    "json fields": Mutation(_json_plan, _json_apply, json_only=True),
+}
+
+
+def _kind_of(rel: str) -> str | None:
+    kinds = [k for k, fk in FILE_KINDS.items() if re.search(fk.pattern, rel)]
+    assert len(kinds) <= 1, (rel, kinds)
+    return kinds[0] if kinds else None
+
+
+# DCP keeps no checksums and raises torch's errors (the `dcp` branch adds both): the classes (layout, kind,
+# mutation, outcome) that fail for that reason alone. Asserted equal to what fails at the CI budget and seed
+# (FE_FUZZ_BUDGET=1, FE_FUZZ_SEED=0); at others, the DCP failures are printed and not asserted. Remove a class
+# when DCP refuses it (that assertion then names it).
+KNOWN_DCP_GAPS: set[tuple[str, str, str, str]] = {
+    *(
+        (layout, "dcp data", m, "crash")
+        for layout in ("fsdp2", "hsdp")
+        for m in ("delete", "duplicate", "swap", "truncate")
+    ),
+    *((layout, "dcp data", "older save", "silent") for layout in ("fsdp2", "hsdp")),
+    ("hsdp", "dcp data", "flip data", "crash"),
+    *(
+        (layout, "dcp metadata", m, "crash")
+        for layout in ("fsdp2", "hsdp")
+        for m in ("delete", "flip header", "truncate")
+    ),
+}
+
+
+# ----------------------------------------------------------------------------------- the run
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict]:
+    """Every layout's checkpoint, built once: two launches (2 and 4 ranks) and the controller in-process."""
+    cache = os.environ.get("FE_FUZZ_CACHE")  # a folder to keep the built checkpoints in, across runs
+    base = Path(cache) if cache else tmp_path_factory.mktemp("hostile_files")
+    if (base / "built.json").exists():
+        return base, json.loads((base / "built.json").read_text())
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    times = {}
+    t0 = time.monotonic()
+    times.update(
+        run_ranks("tests.test_hostile_files:deepspeed_builder", world_size=2, timeout=600, root=str(base))[0]["times"]
+    )
+    times["deepspeed launch"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    times.update(
+        run_ranks("tests.test_hostile_files:fsdp_builder", world_size=4, timeout=600, root=str(base))[0]["times"]
+    )
+    times["fsdp launch"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    build_controller(base / "controller")
+    times["controller"] = time.monotonic() - t0
+    (base / "built.json").write_text(json.dumps(times))
+    return base, times
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _Hang()
+
+
+def _read(reader: str, d: Path) -> tuple[str, Any]:
+    """("ok", result) or (outcome, error text)."""
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(CASE_TIMEOUT_S)
+    try:
+        return "ok", READERS[reader](d)
+    except _Hang:
+        return "hang", f"no answer after {CASE_TIMEOUT_S} s"
+    except (fe.CheckpointError, fe.MismatchError, fe.posthoc.ReconstructionError) as e:
+        return "refused", f"{type(e).__name__}: {e}"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - anything else is the finding (DCP's CheckpointException is a BaseException)
+        return "crash", f"{type(e).__name__}: {e}"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "_asdict") and hasattr(b, "_asdict"):
+        return _same(a._asdict(), b._asdict())
+    return type(a) is type(b) and a == b
+
+
+def _files(d: Path) -> list[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+
+
+def _cases(base: Path) -> list[Case]:
+    cases = []
+    for layout in LAYOUTS:
+        d = base / layout
+        by_kind: dict[str, list[str]] = {}
+        for rel in _files(d):
+            kind = _kind_of(rel)
+            if kind:
+                by_kind.setdefault(kind, []).append(rel)
+        for kind, rels in by_kind.items():
+            for mname, m in MUTATIONS.items():
+                if m.json_only and not FILE_KINDS[kind].json:
+                    continue
+                rng = random.Random(f"{SEED}|{layout}|{kind}|{mname}")
+                for rel in rng.sample(rels, min(len(rels), 2 * BUDGET)):
+                    siblings = [r for r in rels if r != rel and Path(r).parent == Path(rel).parent]
+                    for arg in m.plan(rng, d, rel, siblings):
+                        cases.append(Case(layout, kind, mname, rel, arg))
+    return cases
+
+
+# The online pass: ``fe.load`` of a sample of cases into the layout that saved them, on its ranks (rebuilt by the
+# same builders in two more launches). In ``make fuzz`` (a budget above 1) or with FE_FUZZ_ONLINE=1.
+ONLINE = os.environ.get("FE_FUZZ_ONLINE", "1" if BUDGET > 1 else "0") == "1"
+ONLINE_KINDS = ("rank file", "buffers file", "manifest")  # what ``fe.load`` reads (by tag)
+
+
+def _online_pass(base: Path, cases: list[Case], tmp: Path) -> list[tuple[Case, str, str]]:
+    """Per layout, up to 8 x budget cases of the kinds ``fe.load`` reads, loaded on the saving layout's ranks:
+    (worst outcome over the ranks, why). Ranks that disagree (one refuses, another loads) count as a crash."""
+    root, picked = tmp / "online", {}
+    for layout, spec in LAYOUTS.items():
+        if spec.builder == "controller":
+            continue
+        pool = [c for c in cases if c.layout == layout and c.kind in ONLINE_KINDS]
+        rng = random.Random(f"{SEED}|online|{layout}")
+        shutil.copytree(base / layout / "ck", root / layout / "clean" / "ck")
+        for j, case in enumerate(rng.sample(pool, min(len(pool), 8 * BUDGET))):
+            d = root / layout / f"c{j:04d}"
+            shutil.copytree(base / layout, d, symlinks=True, ignore=shutil.ignore_patterns("older", "older_dcp"))
+            MUTATIONS[case.mutation].apply(d, case.file, case.arg)
+            picked[layout, d.name] = case, hashes(d)
+    results = []
+    for builder, world in (("deepspeed_builder", 2), ("fsdp_builder", 4)):
+        ranks = run_ranks(
+            f"tests.test_hostile_files:{builder}",
+            world_size=world,
+            timeout=900,
+            root=str(tmp / builder),
+            online=str(root),
+        )
+        for layout, per_case in ranks[0]["loads"].items():
+            for name in per_case:
+                outs = sorted({r["loads"][layout][name].split(":")[0] for r in ranks})
+                case, before = picked[layout, name]
+                worst = "crash" if len(outs) > 1 else "correct" if outs == ["correct"] else outs[0]
+                why = "; ".join(f"rank {i}: {r['loads'][layout][name]}" for i, r in enumerate(ranks))
+                if hashes(root / layout / name) != before:
+                    worst, why = "crash", "fe.load changed files"
+                results.append((case, worst, why))
+    return results
+
+
+def test_every_file_written_has_a_row(built: tuple[Path, dict]) -> None:
+    """A file the library writes into a built checkpoint that no kind claims is a surface nobody attacks."""
+    base, _ = built
+    unclaimed, seen = [], set()
+    for layout in LAYOUTS:
+        for rel in _files(base / layout):
+            kind = _kind_of(rel)
+            if kind:
+                seen.add(kind)
+            elif not any(re.search(p, rel) for p in NOT_READ):
+                unclaimed.append(f"{layout}/{rel}")
+    assert not unclaimed, f"files of no FILE_KINDS row (add one): {unclaimed}"
+    assert seen == set(FILE_KINDS), f"rows no built checkpoint has a file of: {set(FILE_KINDS) - seen}"
+
+
+def test_hostile_files_table(built: tuple[Path, dict], tmp_path: Path) -> None:
+    base, build_times = built
+    t0 = time.monotonic()
+    clean = {}
+    for layout, spec in LAYOUTS.items():
+        for reader in spec.readers:
+            outcome, value = _read(reader, base / layout)
+            assert outcome == "ok", (layout, reader, value)
+            clean[layout, reader] = value
+    counts: dict[tuple[str, str], Counter] = {}
+    failures: dict[str, str] = {}
+    dcp_gaps: set[tuple[str, str, str, str]] = set()
+    only = re.compile(os.environ.get("FE_FUZZ_ONLY", ""))  # a focused run: the cases whose id matches
+    cases = [c for c in _cases(base) if only.search(c.id)]
+    for i, case in enumerate(cases):
+        d = tmp_path / f"c{i}"
+        shutil.copytree(base / case.layout, d, symlinks=True, ignore=shutil.ignore_patterns("older", "older_dcp"))
+        MUTATIONS[case.mutation].apply(d, case.file, case.arg)
+        before = hashes(d)
+        worst, why = "correct", ""
+        for reader in (r for r in LAYOUTS[case.layout].readers if r in FILE_KINDS[case.kind].readers):
+            outcome, value = _read(reader, d)
+            if outcome == "ok":
+                outcome, value = ("correct", "") if _same(value, clean[case.layout, reader]) else ("silent", reader)
+            rank = ("correct", "refused", "silent", "crash", "hang")
+            if rank.index(outcome) > rank.index(worst):
+                worst, why = outcome, f"{reader}: {value}"
+        if hashes(d) != before:
+            worst, why = "crash", "a reader changed files"
+        counts.setdefault((case.kind, case.mutation), Counter())["cases"] += 1
+        counts[case.kind, case.mutation][worst] += 1
+        if worst in ("silent", "crash", "hang"):
+            failures[case.id] = f"{worst}: {' '.join(why.split())[:300]}"
+            if case.kind.startswith("dcp "):
+                dcp_gaps.add((case.layout, case.kind, case.mutation, worst))
+        shutil.rmtree(d)
+        if i % 500 == 499:
+            print(f"{i + 1}/{len(cases)} cases, {time.monotonic() - t0:.0f} s", flush=True)
+    if ONLINE:
+        for case, worst, why in _online_pass(base, cases, tmp_path):
+            counts.setdefault((case.kind, case.mutation + " [load]"), Counter())["cases"] += 1
+            counts[case.kind, case.mutation + " [load]"][worst] += 1
+            if worst in ("silent", "crash", "hang"):
+                failures[case.id + " [load]"] = f"{worst}: {' '.join(why.split())[:300]}"
+    elapsed = time.monotonic() - t0
+    print(f"\nFiles table: budget {BUDGET}, seed {SEED}, {len(cases)} cases in {elapsed:.1f} s; built in", build_times)
+    cols = ("cases", "correct", "refused", "silent", "crash", "hang")
+    print(f"{'kind':<20} {'mutation':<12} " + " ".join(f"{c:>7}" for c in cols))
+    for (kind, mname), c in sorted(counts.items()):
+        print(f"{kind:<20} {mname:<12} " + " ".join(f"{c[k]:>7}" for k in cols))
+    for cid, why in sorted(failures.items()):
+        print("FAIL", cid, why)
+    if BUDGET == 1 and SEED == 0 and not only.pattern:  # elsewhere the DCP cases are printed only
+        assert dcp_gaps == KNOWN_DCP_GAPS, sorted(dcp_gaps ^ KNOWN_DCP_GAPS)
+    others = {cid: why for cid, why in failures.items() if "|dcp " not in cid}
+    assert not others, "\n".join(f"{k} -> {v}" for k, v in sorted(others.items())[:30])
