@@ -1,4 +1,8 @@
-"""The EMA state: a typed, optree-registered NamedTuple of tensors."""
+"""The state types: the EMA state and the module-buffer state, typed NamedTuples of tensors.
+
+A leaf (it imports only ``_shards``): the checkpoint writer checks a ``BufferState`` from here, so
+nothing under ``_checkpoint`` imports the public :mod:`functional_ema.buffers` above it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import torch
 
 from ._shards import Shards, clone_tree
 
-__all__ = ["EmaState"]
+__all__ = ["BufferState", "EmaState"]
 
 
 class EmaState(NamedTuple):
@@ -58,3 +62,23 @@ class EmaState(NamedTuple):
 
     def __deepcopy__(self, memo) -> "EmaState":
         return EmaState(self.step.clone(), tuple(map(clone_tree, self.emas)))
+
+
+class BufferState(NamedTuple):
+    """EMAs (or copies) of a module's buffers; whole tensors, the same tree on every rank.
+
+    Attributes:
+        step: int64 scalar tensor, the training step of the last update.
+        emas: one ``{buffer name: tensor}`` per tracked EMA, floating buffers only, dtype ``float32``
+            (or the ``dtype`` given to :func:`functional_ema.buffers.init_buffers`), the buffers' shapes.
+        copied: ``{buffer name: tensor}`` for the integer and bool buffers: the live values at the
+            last update (never averaged).
+    """
+
+    step: torch.Tensor
+    emas: tuple[dict[str, torch.Tensor], ...]
+    copied: dict[str, torch.Tensor]
+
+    @property
+    def num_emas(self) -> int:
+        return len(self.emas)

@@ -482,7 +482,7 @@ def load_checkpoint(
                 )
             bstate = None
             if buffers:
-                from .buffers import loaded_buffer_state, persistent_buffers
+                from ._buffers import loaded_buffer_state, persistent_buffers
 
                 bstate = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
             if out is None:

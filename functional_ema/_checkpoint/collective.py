@@ -7,8 +7,8 @@ import errno as _errno
 import math
 import os
 import time
-from datetime import timedelta
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple

@@ -24,7 +24,6 @@ from .errors import (
 )
 from .format import (
     BUFFERS_FORMAT,
-    manifest_parts,
     FILE_FORMAT,
     FORMAT_VERSION,
     LATEST_NAME,
@@ -36,10 +35,11 @@ from .format import (
     check_json_metadata,
     check_tag,
     complete_tags,
-    file_checksums,
-    parse_dtype,
     dtype_name,
+    file_checksums,
     library_version,
+    manifest_parts,
+    parse_dtype,
     parse_layout,
     read_latest,
     short_list,
