@@ -22,7 +22,7 @@ from ._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
 from ._tree import TreeMismatchError
-from ._version import __version__
+from ._version import __version__ as __version__
 from .checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -34,7 +34,6 @@ from .checkpoint import (
     save,
 )
 from .engines import SwapStats
-
 
 __all__ = [
     "AsyncSaver",

@@ -180,9 +180,8 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     adapter = adapter_for(x)
     reading = adapter.read()
     pieces = state_pieces(state, reading, index, "swapped")
-    with _refuse_training(adapter, reading):
-        with adapter.swap(reading, pieces, state, index) as stats:
-            yield stats
+    with _refuse_training(adapter, reading), adapter.swap(reading, pieces, state, index) as stats:
+        yield stats
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ def loaded_buffer_state(
 ) -> BufferState:
     """This rank's buffer state from an opened checkpoint, checked against the module's live buffers
     (:func:`persistent_buffers`) and placed on their devices (see :func:`functional_ema.buffers.load_buffers`)."""
-    num_emas, emas, copied = ckpt.read_buffers(layout.rank, layout.world_size, verify)
+    _num_emas, emas, copied = ckpt.read_buffers(layout.rank, layout.world_size, verify)
     floats, others = split_floating(live_buffers)
     where = f"buffers of tag {ckpt.tag!r} in {ckpt.root}"
     if getattr(ckpt, "recut", False):  # saved with another model-parallel layout: this part's buffers, by name

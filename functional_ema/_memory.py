@@ -28,7 +28,7 @@ _HUGE = 2 << 20
 _MIN_BYTES = 4 << 20
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _madvise():
     """libc's ``madvise``, or None where there is none."""
     if not sys.platform.startswith("linux"):

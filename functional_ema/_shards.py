@@ -47,7 +47,7 @@ class SegmentIndex:
 
     __slots__ = ("names", "shapes", "places", "segment_shapes", "_position", "_hash")
 
-    def __init__(self, names, shapes, places, segment_shapes):
+    def __init__(self, names, shapes, places, segment_shapes) -> None:
         self.names: tuple[str, ...] = tuple(names)
         self.shapes: tuple[tuple[int, ...], ...] = tuple(tuple(int(d) for d in s) for s in shapes)
         self.places: tuple[tuple[int, int, int], ...] = tuple((int(j), int(o), int(n)) for j, o, n in places)
@@ -86,7 +86,7 @@ class Shards(Mapping):
 
     __slots__ = ("segments", "index", "_memo", "__weakref__")
 
-    def __init__(self, segments: Sequence[torch.Tensor], index: SegmentIndex):
+    def __init__(self, segments: Sequence[torch.Tensor], index: SegmentIndex) -> None:
         if len(segments) != len(index.segment_shapes):
             raise ValueError(f"{len(segments)} segments for an index of {len(index.segment_shapes)}")
         for j, (seg, shape) in enumerate(zip(segments, index.segment_shapes)):
@@ -99,7 +99,7 @@ class Shards(Mapping):
         object.__setattr__(self, "_memo", None)
 
     @classmethod
-    def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> "Shards":
+    def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> Shards:
         """A ``Shards`` over existing tensors, e.g. views of one flat buffer (no copy).
 
         Views that are contiguous pieces of one storage, close together, become one segment
@@ -145,14 +145,14 @@ class Shards(Mapping):
             return
         raise AttributeError("Shards is read-only")
 
-    def __setitem__(self, name, value):
+    def __setitem__(self, name, value) -> None:
         raise TypeError(
             f"Shards is read-only (tried to set {name!r}). Its tensors are views of fused segments, so a replaced "
             "tensor would be ignored by the fused update. Write into the tensor (shards[name].copy_(x)), or build a "
             "new tree (dict(shards) gives a plain dict, which update handles per tensor)."
         )
 
-    def __delitem__(self, name):
+    def __delitem__(self, name) -> None:
         raise TypeError(f"Shards is read-only (tried to delete {name!r}); dict(shards) gives an editable copy")
 
     __eq__ = object.__eq__
@@ -170,7 +170,7 @@ class Shards(Mapping):
     # -- helpers for the package
     def mirror(
         self, dtype: torch.dtype, device: torch.device | str | None = None, pin_memory: bool = False, fill: bool = True
-    ) -> "Shards":
+    ) -> Shards:
         """New contiguous segments shaped like these, with the same index (so update stays fused).
 
         ``fill`` copies the values of every named tensor (gaps between them are zero); otherwise the
@@ -195,7 +195,7 @@ class Shards(Mapping):
                         out[name].copy_(self[name])
         return out
 
-    def clone(self) -> "Shards":
+    def clone(self) -> Shards:
         """Copies of the segments (same dtype, device, pinning), same index."""
         segs = []
         for seg in self.segments:

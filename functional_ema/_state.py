@@ -57,10 +57,10 @@ class EmaState(NamedTuple):
     def __reduce_ex__(self, protocol):
         return self.__reduce__()
 
-    def __copy__(self) -> "EmaState":
+    def __copy__(self) -> EmaState:
         return EmaState(self.step, tuple(e if isinstance(e, Shards) else dict(e) for e in self.emas))
 
-    def __deepcopy__(self, memo) -> "EmaState":
+    def __deepcopy__(self, memo) -> EmaState:
         return EmaState(self.step.clone(), tuple(map(clone_tree, self.emas)))
 
 

@@ -205,7 +205,7 @@ def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
     arrive("load_buffers", job.group, job.world, job.rank, None)
     box = {}
 
-    def run():
+    def run() -> None:
         with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
             box["state"] = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
 

@@ -53,8 +53,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -105,9 +106,9 @@ from ._checkpoint.reader import (
 from ._checkpoint.writer import (
     TagLock,
     agree_plans,
-    check_shared,
     buffer_file_meta,
     build_manifest,
+    check_shared,
     commit_manifest,
     part_record,
     plan_save,
@@ -118,8 +119,8 @@ from ._checkpoint.writer import (
     write_buffer_file,
     write_rank_file,
 )
-from ._fit import state_problem
 from ._core import _allocate
+from ._fit import state_problem
 from ._layout import ShardLayout
 from ._state import EmaState
 from .engines import adapter_for
@@ -257,7 +258,7 @@ def save(
             p["generation"] = read_generation(tag_dir)
         return p
 
-    def give_up():
+    def give_up() -> None:
         for held in lock:
             held.release(remove_empty=True)
 
@@ -610,10 +611,10 @@ def _progress(total: int, enabled: bool | None, desc: str):
             pass
 
     class _Null:
-        def update(self, n):
+        def update(self, n) -> None:
             pass
 
-        def close(self):
+        def close(self) -> None:
             pass
 
     return _Null()

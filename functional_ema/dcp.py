@@ -55,7 +55,7 @@ class EMAStateful:
     EMA of the state is saved; the step is restored with the values, so decays continue exactly.
     """
 
-    def __init__(self, x: Any, state: EmaState | Callable[[], EmaState]):
+    def __init__(self, x: Any, state: EmaState | Callable[[], EmaState]) -> None:
         from .engines.deepspeed import is_deepspeed_engine
 
         if is_deepspeed_engine(x):

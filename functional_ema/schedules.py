@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, ClassVar, Protocol, Union, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
     "Schedule",
@@ -58,7 +59,7 @@ class Schedule(Protocol):
     def describe(self) -> dict: ...
 
 
-DecayLike = Union[float, Schedule, Callable[[int], float]]
+DecayLike = float | Schedule | Callable[[int], float]
 
 
 def _real(value: Any) -> float | None:
@@ -67,7 +68,7 @@ def _real(value: Any) -> float | None:
     complex numbers, tensors of several elements)."""
     if type(value) is float:
         return value
-    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+    if isinstance(value, (bool, str, bytes)):
         return None
     if isinstance(value, numbers.Real):
         return float(value)

@@ -67,9 +67,13 @@ def agree(
     arguments) stays as it is on the rank that raised it, and the others raise ``fallback``.
     """
     payload, local_exc = run_local(fn, rank)
-    if not results and world > 1 and dist.is_initialized():
-        if not all_reduce_max([int(local_exc is not None)], group)[0]:
-            return [None] * world
+    if (
+        not results
+        and world > 1
+        and dist.is_initialized()
+        and not all_reduce_max([int(local_exc is not None)], group)[0]
+    ):
+        return [None] * world
     return settle(what, payload, local_exc, group, world, rank, fallback)
 
 

@@ -13,16 +13,17 @@ import math
 import os
 import re
 import unicodedata
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from .. import _io
 from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._state import BufferState, EmaState
-from .._version import __version__
 from .._tree import short_list as _tree_short_list
+from .._version import __version__
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -821,10 +822,9 @@ def check_output(
             f"{inside} being read, and would replace or add to that checkpoint's files. {fix}"
         )
     first = real_root / real.relative_to(real_root).parts[0] if real_root in real.parents else None
-    if (
-        real == real_root
-        or first is not None
-        and (real.name.lower() in _POINTER_FILES and first == real or first != real and _looks_like_tag(first))
+    if real == real_root or (
+        first is not None
+        and ((real.name.lower() in _POINTER_FILES and first == real) or (first != real and _looks_like_tag(first)))
     ):
         raise OutputPathError(
             f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the checkpoint "

@@ -12,8 +12,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -412,11 +412,11 @@ class TagLock:
     The holder removes the file before releasing it; a waiter that then holds a removed file tries again.
     """
 
-    def __init__(self, tag_dir: Path, fd: int | None, created: bool):
+    def __init__(self, tag_dir: Path, fd: int | None, created: bool) -> None:
         self.tag_dir, self._fd, self.created = tag_dir, fd, created
 
     @classmethod
-    def acquire(cls, tag_dir: Path, timeout: float, what: str) -> "TagLock":
+    def acquire(cls, tag_dir: Path, timeout: float, what: str) -> TagLock:
         """Create ``tag_dir`` if needed and take its lock, waiting at most ``timeout`` seconds for another
         save of the same tag to finish; else :class:`CheckpointError` naming the tag and the holder."""
         created = not tag_dir.is_dir()

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from .._layout import ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
 from ._base import Adapter, Reading, any_requires_grad, is_read, swap_by_copy, world_of
+from ._torch_compat import check_fsdp2_internals, is_known_torch
 
 __all__ = ["FSDP2Adapter", "is_fsdp2", "fsdp_modules", "flatten_local_shards"]
 
@@ -254,6 +255,7 @@ class FSDP2Adapter(Adapter):
     name = "fsdp2"
 
     def _read(self, previous: Reading | None = None) -> Reading:
+        check_fsdp2_internals()  # the torch internals read below are there (see _torch_compat)
         model = self.target
         entries = list(_walk(model))
         where = {name: _placement(name, fp) for name, _, fp, _, _ in entries if fp is not None}
@@ -338,7 +340,7 @@ def _count_replacements() -> None:
     something lets a reading check one integer instead of every parameter's local tensor, which on a
     model of hundreds of parameters is most of what ``local_shards`` costs right after an update has
     flushed the caches. Left as it is (each parameter compared) if the method is not there."""
-    if _REPLACEMENTS[0] is not None:
+    if _REPLACEMENTS[0] is not None or not is_known_torch():  # another torch: compare each parameter
         return
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
@@ -399,7 +401,7 @@ class _Token:
 
     __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks", "replacements")
 
-    def __init__(self, read: list, managed: list, plain: list, frozen: list):
+    def __init__(self, read: list, managed: list, plain: list, frozen: list) -> None:
         """``read``: the DTensor parameters read; ``managed``: every ``FSDPParam`` (frozen ones too);
         ``plain``: ``(module, attribute, parameter)`` outside FSDP2; ``frozen``: the ones left out."""
         self.read = tuple(read)
@@ -447,14 +449,14 @@ class _LoadSeen:
 
     __slots__ = ("token",)
 
-    def __init__(self, token: _Token | None):
+    def __init__(self, token: _Token | None) -> None:
         self.token = token
 
     def __call__(self, module, incompatible_keys) -> None:
         if self.token is not None:
             self.token.loaded = True
 
-    def __deepcopy__(self, memo) -> "_LoadSeen":
+    def __deepcopy__(self, memo) -> _LoadSeen:
         return _LoadSeen(None)
 
     def __reduce__(self):

@@ -36,7 +36,7 @@ class _Check(NamedTuple):
     count: int  # total entries of those dicts
 
     @classmethod
-    def of(cls, module: torch.nn.Module, params: dict) -> "_Check":
+    def of(cls, module: torch.nn.Module, params: dict) -> _Check:
         owners, names = [], []
         for full in params:
             owner_name, _, leaf = full.rpartition(".")

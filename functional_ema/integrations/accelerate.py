@@ -52,7 +52,7 @@ class AcceleratorEMA:
             for ``functional_ema.integrations._common.EMAController``.
     """
 
-    def __init__(self, accelerator, model, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any):
+    def __init__(self, accelerator, model, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any) -> None:
         self.accelerator, self.model = accelerator, model
         self.ema = EMAController(decay, **kwargs)
         self._steps = 0

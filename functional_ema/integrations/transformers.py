@@ -55,7 +55,7 @@ class EMACallback(TrainerCallback):
 
     def __init__(
         self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any
-    ):
+    ) -> None:
         self.ema = EMAController(decay, **kwargs)
         self.metric_prefix = metric_prefix
         self._trainer: Any = None
@@ -65,7 +65,7 @@ class EMACallback(TrainerCallback):
 
     # -------------------------------------------------------------------------------- wiring
 
-    def attach(self, trainer) -> "EMACallback":
+    def attach(self, trainer) -> EMACallback:
         """Add this callback to ``trainer`` (if not already there) and keep a reference to it.
 
         ``trainer.train`` is wrapped (on this instance only) to see ``resume_from_checkpoint``, so
@@ -111,20 +111,20 @@ class EMACallback(TrainerCallback):
 
     # -------------------------------------------------------------------------------- events
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
         if state.global_step > 0:  # a resumed run: the weights came from a checkpoint, so does the EMA
             self.ema.load(self._target(), self._resume_dir(args, state), framework_step=state.global_step)
         else:
             self.ema.state = self.ema.buffer_state = None
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, **kwargs) -> None:
         self.ema.on_step(self._target(), state.global_step)
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args, state, control, **kwargs) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         self.ema.save(self._target(), folder, state.global_step)
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs) -> None:
         if self._in_ema_eval or not self.ema.started or self.ema.eval_index is None:
             return
         if self._evaluated_at == state.global_step:  # several eval datasets: one EMA pass covers them all
@@ -143,5 +143,5 @@ class EMACallback(TrainerCallback):
         finally:
             self._in_ema_eval = False
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args, state, control, **kwargs) -> None:
         self.ema.on_train_end(self._target())
