@@ -5,6 +5,8 @@ these; keeping them here keeps ``checkpoint`` from importing ``buffers`` (which 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ._checkpoint.errors import CheckpointMismatchError
@@ -20,7 +22,7 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for mod_name, mod in module.named_modules(remove_duplicate=False):
-        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
         for b_name, b in mod.named_buffers(recurse=False):
             if b is None or b_name in skip or id(b) in seen:
                 continue
@@ -37,7 +39,7 @@ def split_floating(bufs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 
 def loaded_buffer_state(
-    live_buffers: dict[str, torch.Tensor], layout: ShardLayout, ckpt, verify: bool = True
+    live_buffers: dict[str, torch.Tensor], layout: ShardLayout, ckpt: Any, verify: bool = True
 ) -> BufferState:
     """This rank's buffer state from an opened checkpoint, checked against the module's live buffers
     (:func:`persistent_buffers`) and placed on their devices (see :func:`functional_ema.buffers.load_buffers`)."""

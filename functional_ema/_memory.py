@@ -18,6 +18,7 @@ import ctypes
 import functools
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ _MIN_BYTES = 4 << 20
 
 
 @functools.cache
-def _madvise():
+def _madvise() -> Any:
     """libc's ``madvise``, or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None

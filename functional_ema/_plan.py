@@ -230,10 +230,10 @@ class Plan:
             self.groups[key].add(emas, src, _chunk_elements())
         elif flat:
             self.staged_spans += 1
-            key = (src.device, e0.device, e0.dtype)
-            if key not in self.staged:
-                self.staged[key] = _Staged()
-            self.staged[key].add(emas, src, _STAGE_CHUNK_ELEMENTS)
+            staged_key = (src.device, e0.device, e0.dtype)
+            if staged_key not in self.staged:
+                self.staged[staged_key] = _Staged()
+            self.staged[staged_key].add(emas, src, _STAGE_CHUNK_ELEMENTS)
         else:
             self.converted.extend((e, src, k) for k, e in enumerate(emas))
 

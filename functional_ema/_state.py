@@ -6,7 +6,7 @@ nothing under ``_checkpoint`` imports the public :mod:`functional_ema.buffers` a
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, NoReturn, SupportsIndex
 
 import torch
 
@@ -47,20 +47,20 @@ class EmaState(NamedTuple):
     def num_emas(self) -> int:
         return len(self.emas)
 
-    def __reduce__(self):  # pickle, torch.save, client_state
+    def __reduce__(self) -> NoReturn:  # pickle, torch.save, client_state
         raise TypeError(
             "EmaState holds only this rank's shard of the EMA and is not picklable: DeepSpeed keeps "
             "client_state from rank 0 only on ZeRO stages 0-2, so the other ranks' EMA would be lost. "
             "Save it with functional_ema.save(state, engine, save_dir, tag) beside engine.save_checkpoint."
         )
 
-    def __reduce_ex__(self, protocol):
-        return self.__reduce__()
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        self.__reduce__()
 
     def __copy__(self) -> EmaState:
         return EmaState(self.step, tuple(e if isinstance(e, Shards) else dict(e) for e in self.emas))
 
-    def __deepcopy__(self, memo) -> EmaState:
+    def __deepcopy__(self, memo: dict[int, Any]) -> EmaState:
         return EmaState(self.step.clone(), tuple(map(clone_tree, self.emas)))
 
 

@@ -101,7 +101,7 @@ class EMAStateful:
                 state.step.copy_(torch.as_tensor(step, dtype=state.step.dtype))
 
 
-def _as_dtensor(piece: torch.Tensor, param) -> torch.Tensor:
+def _as_dtensor(piece: torch.Tensor, param: Any) -> torch.Tensor:
     """This rank's EMA piece of ``param`` as the parameter holds it: a ``DTensor`` of the same mesh,
     placements, shape and stride (a view of the piece), or the piece in the parameter's shape."""
     from torch.distributed.tensor import DTensor

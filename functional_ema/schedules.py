@@ -29,7 +29,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 __all__ = [
     "Schedule",
@@ -330,7 +330,7 @@ def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Sche
     """
     if (gamma is None) == (sigma_rel is None):
         raise ValueError("power() takes exactly one of gamma= or sigma_rel=")
-    g = sigma_rel_to_gamma(sigma_rel) if gamma is None else float(gamma)
+    g = sigma_rel_to_gamma(float(sigma_rel)) if gamma is None else float(gamma)  # type: ignore[arg-type]  # exactly one of the two is None (checked above)
     if not g > 0:
         raise ValueError(f"the power EMA needs gamma > 0, got {g!r}")
     return _Power(g)
@@ -358,7 +358,7 @@ def as_schedule(decay: DecayLike) -> Schedule:
     if isinstance(decay, (int, float)) and not isinstance(decay, bool):
         return constant(float(decay))
     if callable(decay) and hasattr(decay, "interval"):
-        return decay  # a user schedule following the protocol
+        return cast(Schedule, decay)  # a user schedule following the protocol (callable with .interval)
     if callable(decay):
         return _Callable(decay)
     raise TypeError(f"decay must be a float, a schedule or a callable step -> decay, got {type(decay).__name__}")
