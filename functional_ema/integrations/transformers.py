@@ -35,6 +35,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
 from ._common import EMAController
@@ -65,7 +66,7 @@ class EMACallback(TrainerCallback):
 
     # -------------------------------------------------------------------------------- wiring
 
-    def attach(self, trainer) -> EMACallback:
+    def attach(self, trainer: Any) -> EMACallback:
         """Add this callback to ``trainer`` (if not already there) and keep a reference to it.
 
         ``trainer.train`` is wrapped (on this instance only) to see ``resume_from_checkpoint``, so
@@ -77,7 +78,7 @@ class EMACallback(TrainerCallback):
         train = trainer.train
 
         @functools.wraps(train)
-        def train_and_remember(*args, **kwargs):
+        def train_and_remember(*args: Any, **kwargs: Any) -> Any:
             self._resume_arg = kwargs.get("resume_from_checkpoint", args[0] if args else None)
             return train(*args, **kwargs)
 
@@ -85,18 +86,18 @@ class EMACallback(TrainerCallback):
         return self
 
     @property
-    def state(self):
+    def state(self) -> EmaState | None:
         """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
         return self.ema.state
 
-    def _target(self):
+    def _target(self) -> Any:
         if self._trainer is None:
             raise RuntimeError("EMACallback needs the Trainer: create it with EMACallback(...).attach(trainer)")
         t = self._trainer
         wrapped = getattr(t, "model_wrapped", None)
         return wrapped if wrapped is not None else t.model
 
-    def _resume_dir(self, args, state) -> str:
+    def _resume_dir(self, args: Any, state: Any) -> str:
         arg = self._resume_arg
         if isinstance(arg, (str, os.PathLike)) and os.path.isdir(arg):
             return os.fspath(arg)
@@ -111,20 +112,22 @@ class EMACallback(TrainerCallback):
 
     # -------------------------------------------------------------------------------- events
 
-    def on_train_begin(self, args, state, control, **kwargs) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step > 0:  # a resumed run: the weights came from a checkpoint, so does the EMA
             self.ema.load(self._target(), self._resume_dir(args, state), framework_step=state.global_step)
         else:
             self.ema.state = self.ema.buffer_state = None
 
-    def on_step_end(self, args, state, control, **kwargs) -> None:
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ema.on_step(self._target(), state.global_step)
 
-    def on_save(self, args, state, control, **kwargs) -> None:
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         self.ema.save(self._target(), folder, state.global_step)
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs) -> None:
+    def on_evaluate(
+        self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None, **kwargs: Any
+    ) -> None:
         if self._in_ema_eval or not self.ema.started or self.ema.eval_index is None:
             return
         if self._evaluated_at == state.global_step:  # several eval datasets: one EMA pass covers them all
@@ -143,5 +146,5 @@ class EMACallback(TrainerCallback):
         finally:
             self._in_ema_eval = False
 
-    def on_train_end(self, args, state, control, **kwargs) -> None:
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ema.on_train_end(self._target())
