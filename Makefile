@@ -1,4 +1,6 @@
 # Two commands: `make demo` and `make test`. Each creates .venv on first use.
+# Also: `make lint` (ruff, mypy), `make test-oldest` (the oldest DeepSpeed in range), `make test-wheel`
+# (the built wheel installed in a fresh venv), `make docs`; `.ci/run` runs them all.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +8,7 @@ PY := $(VENV)/bin/python
 # pulling a multi-GB CUDA build for the package's `torch` range. Override with TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test fuzz bench docs venv clean
+.PHONY: demo test fuzz lint test-oldest test-wheel bench docs venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +34,21 @@ FUZZ_SEED ?= 0
 fuzz: $(VENV)/.installed
 	FE_FUZZ_BUDGET=$(FUZZ_BUDGET) FE_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q -s tests/test_hostile_*.py tests/test_faults.py
 
+# ruff (lint and format) over the tree, mypy over the package; the pinned versions of the lint extra.
+lint: $(VENV)/.installed
+	@$(PY) -c "import importlib.metadata as m, sys; sys.exit(m.version('ruff') != '0.17.6' or m.version('mypy') != '2.4.1')" 2>/dev/null || $(PY) -m pip install --quiet -e ".[lint]"
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy functional_ema
+
+# The smoke subset (.ci/smoke-tests.txt) on the oldest DeepSpeed in pyproject's range, in .venv-oldest.
+test-oldest:
+	bash .ci/oldest.sh
+
+# sdist and wheel built, the wheel's files checked, installed into a fresh venv and run from outside the checkout.
+test-wheel:
+	bash .ci/wheel.sh
+
 # The documentation site into site/ (the docs extra installed on first use); warnings are errors.
 docs: $(VENV)/.installed
 	@$(PY) -c "import mkdocstrings_handlers.python, material" 2>/dev/null || $(PY) -m pip install --quiet -e ".[docs]"
@@ -43,4 +60,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_checkpoint.py --plot benchmarks/results/bench_checkpoint_$$(date +%F).png
 
 clean:
-	rm -rf $(VENV) build site *.egg-info
+	rm -rf $(VENV) .venv-oldest .venv-build .venv-wheel build dist site *.egg-info

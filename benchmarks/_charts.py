@@ -10,9 +10,9 @@ import datetime
 import os
 import platform
 import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,11 +58,13 @@ def git_commit(root: Path = ROOT) -> str:
     tracked files differ from it (the figures then come from code no commit holds)."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
         )
         if head.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, capture_output=True, timeout=10)
+        dirty = subprocess.run(  # exit code 1: tracked files differ
+            ["git", "diff", "--quiet", "HEAD", "--"], cwd=root, capture_output=True, timeout=10, check=False
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head.stdout.strip() + ("+changes" if dirty.returncode == 1 else "")

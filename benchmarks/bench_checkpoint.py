@@ -81,11 +81,11 @@ def _to_format1(tag_dir: Path) -> None:
 
 
 def worker(out_dir: str, mib: int, stage: int, repeat: int):
-    import xxhash
     import zlib
 
     import torch
     import torch.distributed as dist
+    import xxhash
     from safetensors.torch import load_file, save_file
 
     import functional_ema as fe

@@ -80,7 +80,7 @@ def worker(root: str, reps: int, quick: bool) -> dict:
         times["AsyncSaver.save (blocking)"].append(
             timed(lambda: box.setdefault("h", saver.save(state, model, d2, tag="t")))
         )
-        times["AsyncSaver commit wait"].append(timed(lambda: box["h"].wait()))
+        times["AsyncSaver commit wait"].append(timed(box["h"].wait))
         d3 = fresh()
         ema = fe.dcp.EMAStateful(model, state)
         times["dcp.save"].append(timed(lambda: dcp.save({"ema": ema}, checkpoint_id=d3)))
@@ -89,7 +89,7 @@ def worker(root: str, reps: int, quick: bool) -> dict:
         times["dcp.async_save (blocking)"].append(
             timed(lambda: box.__setitem__("f", dcp.async_save({"ema": ema}, checkpoint_id=d4, process_group=side)))
         )
-        times["dcp.async_save .result()"].append(timed(lambda: box["f"].result()))
+        times["dcp.async_save .result()"].append(timed(box["f"].result))
     return {
         "times": times,
         "ema_mib": fe.ema_nbytes(state) * dist.get_world_size() / 2**20,

@@ -703,9 +703,8 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
         pe = ema_params[0]
         with deepspeed.zero.GatheredParameters([pe]):
             before = pe.data.clone()
-        with torch.no_grad():
-            with deepspeed.zero.GatheredParameters([params[0], pe], enabled=True):
-                pe.data.copy_(torch.lerp(params[0].data, pe.data, 0.5))
+        with torch.no_grad(), deepspeed.zero.GatheredParameters([params[0], pe], enabled=True):
+            pe.data.copy_(torch.lerp(params[0].data, pe.data, 0.5))
         with deepspeed.zero.GatheredParameters([pe]):
             noop = bool(torch.equal(before, pe.data))
 

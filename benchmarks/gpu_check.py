@@ -109,7 +109,7 @@ def check_core() -> None:
 
 def time_update_against_peers(n_tensors: int, per: int) -> None:
     """K = 1 update against the peers over the same tensors, and against one flat ``lerp_`` of the same bytes."""
-    buf, shards = flat_shards(n_tensors, per)
+    _buf, shards = flat_shards(n_tensors, per)
     numel = sum(t.numel() for t in shards.values())
     state = fe.init_ema(shards)
     names = list(shards)

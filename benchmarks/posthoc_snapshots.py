@@ -14,8 +14,6 @@ default profile-error limit (0.02) for each N.
     python benchmarks/posthoc_snapshots.py
 """
 
-import math
-
 import torch
 
 import functional_ema as fe

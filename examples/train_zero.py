@@ -79,7 +79,7 @@ def main(args) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.manual_seed(0)
     model = Mlp()
     config = {

@@ -6,9 +6,6 @@ The same verbs for a DeepSpeed engine, a torch FSDP2 model and a plain or DDP mo
     state = fe.update(state, fe.local_shards(model), step, decay=0.9999)
 """
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
-
 from . import buffers, dcp, export, posthoc, schedules
 from ._api import (
     StateMismatchError,
@@ -26,6 +23,7 @@ from ._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
 from ._tree import TreeMismatchError
+from ._version import __version__ as __version__
 from .checkpoint import (
     AsyncSaver,
     CheckpointError,
@@ -37,11 +35,6 @@ from .checkpoint import (
     save,
 )
 from .engines import SwapStats
-
-try:
-    __version__ = _version("functional-ema")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "AsyncSaver",

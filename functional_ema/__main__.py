@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from .posthoc import DEFAULT_MAX_PROFILE_ERROR, SNAPSHOT_PREFIX
 
@@ -97,9 +97,7 @@ def _run_consolidate(args) -> int:
 
     from safetensors import safe_open
 
-    from .checkpoint import consolidate_to_file
-
-    from .checkpoint import saved_parts
+    from .checkpoint import consolidate_to_file, saved_parts
 
     t0 = time.perf_counter()
     if args.dcp:

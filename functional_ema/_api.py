@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -20,7 +20,7 @@ from ._layout import ShardLayout
 from ._shards import Shards
 from ._state import EmaState
 from .engines import Reading, SwapStats, adapter_for
-from .engines._base import gather_pieces
+from .engines._base import Adapter, gather_pieces
 from .engines._base import join_parts as join_parts_of
 
 __all__ = [
@@ -70,7 +70,7 @@ def shard_layout(x: Any) -> ShardLayout:
     return adapter_for(x).read().layout
 
 
-def process_group(x: Any):
+def process_group(x: Any) -> Any:  # a torch ProcessGroup, or None
     """The process group ``x``'s pieces are spread over (``None`` when there is none)."""
     return adapter_for(x).read().group
 
@@ -260,7 +260,7 @@ def _changed(changes: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def _refuse_training(adapter, reading: Reading) -> Iterator[None]:
+def _refuse_training(adapter: Adapter, reading: Reading) -> Iterator[None]:
     """Refuse backward and optimizer steps while EMA weights are swapped in."""
     module = adapter.module()
     target = adapter.target
@@ -270,10 +270,10 @@ def _refuse_training(adapter, reading: Reading) -> Iterator[None]:
         "step counter advance. Leave the block before training"
     )
 
-    def refuse_backward(_grad):
+    def refuse_backward(_grad: torch.Tensor) -> NoReturn:
         raise SwappedTrainingError(f"backward through a forward made {why}")
 
-    def on_output(_mod, _inputs, output):
+    def on_output(_mod: torch.nn.Module, _inputs: Any, output: Any) -> Any:
         # The output's gradient hook runs before any parameter gradient in the backward, so a
         # refused backward leaves every .grad as it was.
         if torch.is_grad_enabled():
@@ -284,7 +284,7 @@ def _refuse_training(adapter, reading: Reading) -> Iterator[None]:
 
     params = {id(p) for p in reading.params.values()}
 
-    def on_step(optimizer, _args, _kwargs):
+    def on_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
             raise SwappedTrainingError(f"optimizer.step() {why}")
 

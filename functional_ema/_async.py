@@ -37,18 +37,21 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from types import TracebackType
+from typing import Any
 
 import torch
 
 from . import _io, _memory
-from ._checkpoint import collective, format as fmt, writer
+from ._checkpoint import collective, writer
+from ._checkpoint import format as fmt
 from ._checkpoint.errors import CheckpointError
-from .engines import adapter_for
 from ._shards import Shards
 from ._state import EmaState
+from .engines import adapter_for
 from .schedules import DecayLike
 
 __all__ = ["AsyncSaver", "SaveHandle"]
@@ -70,7 +73,7 @@ class SaveHandle:
         step: the EMA step that was snapshotted.
     """
 
-    def __init__(self, tag_dir: Path, step: int):
+    def __init__(self, tag_dir: Path, step: int) -> None:
         self.tag_dir, self.step = tag_dir, step
         self._pid = (
             os.getpid()
@@ -158,7 +161,7 @@ class AsyncSaver:
         >>> saver.wait()                                              # doctest: +SKIP
     """
 
-    def __init__(self, max_in_flight: int = 1, *, commit_timeout: float = 1800.0, pin_memory: bool = True):
+    def __init__(self, max_in_flight: int = 1, *, commit_timeout: float = 1800.0, pin_memory: bool = True) -> None:
         if int(max_in_flight) < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.max_in_flight = int(max_in_flight)
@@ -238,7 +241,7 @@ class AsyncSaver:
             p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
             return p
 
-        def give_up():
+        def give_up() -> None:
             for held in lock:
                 held.release(remove_empty=True)
 
@@ -316,10 +319,12 @@ class AsyncSaver:
 
     close = wait
 
-    def __enter__(self) -> "AsyncSaver":
+    def __enter__(self) -> AsyncSaver:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.wait()
         else:  # already failing: finish the writes, report (not raise) their errors
@@ -402,7 +407,7 @@ class AsyncSaver:
 
 
 class _Job:
-    def __init__(self, **kw):
+    def __init__(self, **kw) -> None:
         self.__dict__.update(kw)
 
 

@@ -510,7 +510,7 @@ def _fused_plan(emas: tuple, shards: Shards) -> Plan:
     for j, seg in enumerate(shards.segments):
         _check_segment(shards, j)
         for k, e in enumerate(emas):
-            _check_device(e.segments[j], seg, lambda: _segment_name(shards, j), k)
+            _check_device(e.segments[j], seg, lambda j=j: _segment_name(shards, j), k)
     plan = Plan()
     for j, seg in enumerate(shards.segments):
         plan.add([e.segments[j] for e in emas], seg)
@@ -566,7 +566,7 @@ def _per_tensor_plan(emas: tuple, shards: Any) -> Plan:
         for i, (name, s) in enumerate(zip(src_names, src)):
             es = [leaves[i] for leaves in ema_lists]
             for k, e in enumerate(es):
-                _check_device(e, s, lambda: name, k)
+                _check_device(e, s, lambda name=name: name, k)
             plan.add([e.detach() for e in es], s.detach())
     plan.finish()
     return plan

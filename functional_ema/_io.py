@@ -28,9 +28,11 @@ import struct
 import sys
 import threading
 import zlib
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Iterator, NamedTuple, Sequence
+from types import TracebackType
+from typing import IO, NamedTuple
 
 import torch
 import xxhash
@@ -148,7 +150,7 @@ def atomic_open(final: str | os.PathLike) -> Iterator[IO[bytes]]:
     """
     final = Path(final)
     tmp = tmp_name(final)
-    f = open(tmp, "wb")
+    f = open(tmp, "wb")  # noqa: SIM115 - closed below on success and failure alike (this is the context manager)
     try:
         yield f
         f.flush()
@@ -254,7 +256,7 @@ class _Incremental:
 
     __slots__ = ("_h", "_crc")
 
-    def __init__(self, algo: str):
+    def __init__(self, algo: str) -> None:
         checksum_fn(algo)  # unknown names fail here
         self._h = xxhash.xxh3_64() if algo == "xxh3_64" else None
         self._crc = 0
@@ -315,10 +317,10 @@ def _header_bytes(
             raise ValueError(f"duplicate or reserved tensor name {key!r}")
         if dtype not in DTYPE_TO_STR:
             raise TypeError(f"tensor {key!r}: dtype {dtype} cannot be stored in safetensors here")
-        shape = tuple(int(s) for s in shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": DTYPE_TO_STR[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        table[key] = TensorEntry(dtype, shape, offset, offset + nbytes)
+        dims = tuple(int(s) for s in shape)
+        nbytes = math.prod(dims) * dtype.itemsize
+        header[key] = {"dtype": DTYPE_TO_STR[dtype], "shape": list(dims), "data_offsets": [offset, offset + nbytes]}
+        table[key] = TensorEntry(dtype, dims, offset, offset + nbytes)
         offset += nbytes
     for k, v in header["__metadata__"].items():
         if not isinstance(k, str) or not isinstance(v, str):
@@ -356,7 +358,7 @@ class StreamingWriter:
         *,
         checksums: bool = True,
         algo: str = CHECKSUM,
-    ):
+    ) -> None:
         self.path = Path(path)
         self.checksums = checksums
         self.algo = algo
@@ -398,10 +400,7 @@ class StreamingWriter:
         pending = _pool().map(self._hash, chunks) if self.checksums and len(chunks) > 1 else None  # overlaps the writes
         for piece in chunks:
             self._f.write(piece)
-        if not self.checksums:
-            crcs = []
-        else:
-            crcs = list(pending) if pending is not None else [self._hash(c) for c in chunks]
+        crcs = (list(pending) if pending is not None else [self._hash(c) for c in chunks]) if self.checksums else []
         self.crcs[key] = crcs
         self._next += 1
         return crcs
@@ -420,10 +419,12 @@ class StreamingWriter:
             with contextlib.suppress(Exception):
                 self._cm.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
-    def __enter__(self) -> "StreamingWriter":
+    def __enter__(self) -> StreamingWriter:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is not None or not self._done:
             self.abort()
 
@@ -457,7 +458,7 @@ class SafetensorsFile:
         FormatError: anything else that makes it not a safetensors file.
     """
 
-    def __init__(self, path: str | os.PathLike, expected_size: int | None = None):
+    def __init__(self, path: str | os.PathLike, expected_size: int | None = None) -> None:
         self.path = Path(path)
         try:
             size = self.path.stat().st_size
@@ -556,7 +557,7 @@ class SafetensorsFile:
     def _file(self) -> IO[bytes]:
         with self._lock:
             if self._fh is None:
-                self._fh = open(self.path, "rb", buffering=0)
+                self._fh = open(self.path, "rb", buffering=0)  # noqa: SIM115 - kept for later reads; close() closes it
             return self._fh
 
     def _safe_open(self):
@@ -573,7 +574,7 @@ class SafetensorsFile:
             self._fh = None
         self._st = None
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -161,7 +161,7 @@ class ShardLayout(NamedTuple):
         return d
 
     @classmethod
-    def from_json_dict(cls, d: dict) -> "ShardLayout":
+    def from_json_dict(cls, d: dict) -> ShardLayout:
         specs = {n: ShardSpec(tuple(int(x) for x in v[0]), int(v[1]), int(v[2])) for n, v in d["specs"].items()}
         part = ModelPart(**{k: int(v) for k, v in d["part"].items()}) if d.get("part") else ModelPart()
         e = d.get("experts")

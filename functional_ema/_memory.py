@@ -18,6 +18,7 @@ import ctypes
 import functools
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,8 +29,8 @@ _HUGE = 2 << 20
 _MIN_BYTES = 4 << 20
 
 
-@functools.lru_cache(maxsize=None)
-def _madvise():
+@functools.cache
+def _madvise() -> Any:
     """libc's ``madvise``, or None where there is none."""
     if not sys.platform.startswith("linux"):
         return None

@@ -68,7 +68,7 @@ def _chunk_elements() -> int:
 class _Group:
     """Lerps on one (device, dtype): ``emas[j].lerp_(srcs[j], weights[ks[j]])`` for all j, in order."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         self.foreach = device.type in _FOREACH_DEVICES
         self.emas: list[torch.Tensor] = []
         self.srcs: list[torch.Tensor] = []
@@ -121,7 +121,7 @@ class _CopyStager:
     same chunk and double-buffer bookkeeping, so tests on CPU run the same pipeline.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool = False):
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool = False) -> None:
         self.bufs = [torch.empty(numel, dtype=dtype, device=device, pin_memory=pin) for _ in range(2)]
 
     def begin(self) -> None:
@@ -139,7 +139,7 @@ class _CudaToHost(_CopyStager):
     """Device-to-host staging on a side stream into pinned buffers, so the copy of chunk i+1 runs
     while the CPU lerps chunk i. Constructed only when the weights are on a CUDA device."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, src_device: torch.device):
+    def __init__(self, numel: int, dtype: torch.dtype, src_device: torch.device) -> None:
         super().__init__(numel, dtype, torch.device("cpu"), pin=True)
         self.src_device = src_device
         self.stream = torch.cuda.Stream(src_device)
@@ -230,10 +230,10 @@ class Plan:
             self.groups[key].add(emas, src, _chunk_elements())
         elif flat:
             self.staged_spans += 1
-            key = (src.device, e0.device, e0.dtype)
-            if key not in self.staged:
-                self.staged[key] = _Staged()
-            self.staged[key].add(emas, src, _STAGE_CHUNK_ELEMENTS)
+            staged_key = (src.device, e0.device, e0.dtype)
+            if staged_key not in self.staged:
+                self.staged[staged_key] = _Staged()
+            self.staged[staged_key].add(emas, src, _STAGE_CHUNK_ELEMENTS)
         else:
             self.converted.extend((e, src, k) for k, e in enumerate(emas))
 

@@ -47,7 +47,13 @@ class SegmentIndex:
 
     __slots__ = ("names", "shapes", "places", "segment_shapes", "_position", "_hash")
 
-    def __init__(self, names, shapes, places, segment_shapes):
+    def __init__(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        places: Sequence[tuple[int, int, int]],
+        segment_shapes: Sequence[Sequence[int]],
+    ) -> None:
         self.names: tuple[str, ...] = tuple(names)
         self.shapes: tuple[tuple[int, ...], ...] = tuple(tuple(int(d) for d in s) for s in shapes)
         self.places: tuple[tuple[int, int, int], ...] = tuple((int(j), int(o), int(n)) for j, o, n in places)
@@ -88,8 +94,12 @@ class Shards(Mapping):
     """
 
     __slots__ = ("segments", "index", "_memo", "group", "__weakref__")
+    segments: tuple[torch.Tensor, ...]
+    index: SegmentIndex
+    _memo: Any  # the last update's lerp program (see _core), or None
+    group: Any  # the training group's process group (torch.distributed.ProcessGroup), or None
 
-    def __init__(self, segments: Sequence[torch.Tensor], index: SegmentIndex):
+    def __init__(self, segments: Sequence[torch.Tensor], index: SegmentIndex) -> None:
         if len(segments) != len(index.segment_shapes):
             raise ValueError(f"{len(segments)} segments for an index of {len(index.segment_shapes)}")
         for j, (seg, shape) in enumerate(zip(segments, index.segment_shapes)):
@@ -105,7 +115,7 @@ class Shards(Mapping):
         object.__setattr__(self, "group", None)
 
     @classmethod
-    def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> "Shards":
+    def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> Shards:
         """A ``Shards`` over existing tensors, e.g. views of one flat buffer (no copy).
 
         Views that are contiguous pieces of one storage, close together, become one segment
@@ -151,14 +161,14 @@ class Shards(Mapping):
             return
         raise AttributeError("Shards is read-only")
 
-    def __setitem__(self, name, value):
+    def __setitem__(self, name: str, value: object) -> None:
         raise TypeError(
             f"Shards is read-only (tried to set {name!r}). Its tensors are views of fused segments, so a replaced "
             "tensor would be ignored by the fused update. Write into the tensor (shards[name].copy_(x)), or build a "
             "new tree (dict(shards) gives a plain dict, which update handles per tensor)."
         )
 
-    def __delitem__(self, name):
+    def __delitem__(self, name: str) -> None:
         raise TypeError(f"Shards is read-only (tried to delete {name!r}); dict(shards) gives an editable copy")
 
     __eq__ = object.__eq__
@@ -168,7 +178,7 @@ class Shards(Mapping):
         kinds = sorted({f"{s.dtype}@{s.device}" for s in self.segments})
         return f"Shards({len(self)} tensors in {len(self.segments)} segments, {', '.join(kinds) or 'empty'})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> Any:
         raise TypeError(
             "Shards holds views of this rank's buffers and is not picklable; save an EMA with functional_ema.save"
         )
@@ -176,7 +186,7 @@ class Shards(Mapping):
     # -- helpers for the package
     def mirror(
         self, dtype: torch.dtype, device: torch.device | str | None = None, pin_memory: bool = False, fill: bool = True
-    ) -> "Shards":
+    ) -> Shards:
         """New contiguous segments shaped like these, with the same index (so update stays fused).
 
         ``fill`` copies the values of every named tensor (gaps between them are zero); otherwise the
@@ -201,7 +211,7 @@ class Shards(Mapping):
                         out[name].copy_(self[name])
         return out
 
-    def clone(self) -> "Shards":
+    def clone(self) -> Shards:
         """Copies of the segments (same dtype, device, pinning), same index."""
         segs = []
         for seg in self.segments:
@@ -217,19 +227,19 @@ class Shards(Mapping):
         return all(c == s.numel() for c, s in zip(covered, self.segments))
 
 
-def _flatten(s: Shards):
+def _flatten(s: Shards) -> tuple[list[torch.Tensor], tuple[str, ...], tuple[str, ...]]:
     names = sorted(s.index.names)
     return [s[n] for n in names], tuple(names), tuple(names)
 
 
-def _unflatten(names: tuple, children) -> dict:
+def _unflatten(names: tuple[str, ...], children: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(names, children))
 
 
 optree.register_pytree_node(
     Shards,
-    _flatten,
-    _unflatten,
+    _flatten,  # type: ignore[arg-type]  # optree's stub types the flatten of a Collection, not of this Mapping
+    _unflatten,  # type: ignore[arg-type]  # ... and an unflatten of (metadata, children); ours are (names, tensors)
     path_entry_type=optree.MappingEntry,
     namespace=optree.registry.__GLOBAL_NAMESPACE,  # the global registry: a Shards is a node for every caller
 )
@@ -260,7 +270,7 @@ def shards_from_views(named: Sequence[tuple[str, torch.Tensor]]) -> Shards:
         current: list[int] = []
         end = 0
         for i in members:
-            off, n = views[i][1].storage_offset(), views[i][1].numel()
+            off, n = int(views[i][1].storage_offset()), views[i][1].numel()
             if current and (off < end or off - end > MAX_GAP):  # overlap or a large gap: a new segment
                 runs.append(current)
                 current = []
@@ -275,18 +285,18 @@ def shards_from_views(named: Sequence[tuple[str, torch.Tensor]]) -> Shards:
         if len(members) == 1:
             alone.append(members[0])
             continue
-        start = first.storage_offset()
+        start = int(first.storage_offset())
         stop = max(views[i][1].storage_offset() + views[i][1].numel() for i in members)
         j = len(segments)
         segments.append(first.as_strided((stop - start,), (1,), start))
         for i in members:
-            places[i] = (j, views[i][1].storage_offset() - start, views[i][1].numel())
+            places[i] = (j, int(views[i][1].storage_offset()) - start, views[i][1].numel())
     for i in sorted(alone):
         t = views[i][1]
         places[i] = (len(segments), 0, t.numel())
         segments.append(t)
     # Segments in the order of their first tensor, so the layout reads like the parameter list.
-    first_use = {}
+    first_use: dict[int, int] = {}
     for i, (j, _, _) in enumerate(places):
         first_use.setdefault(j, i)
     order = sorted(range(len(segments)), key=first_use.__getitem__)

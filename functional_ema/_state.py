@@ -1,14 +1,18 @@
-"""The EMA state: a typed, optree-registered NamedTuple of tensors."""
+"""The state types: the EMA state and the module-buffer state, typed NamedTuples of tensors.
+
+A leaf (it imports only ``_shards``): the checkpoint writer checks a ``BufferState`` from here, so
+nothing under ``_checkpoint`` imports the public :mod:`functional_ema.buffers` above it.
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, NoReturn, SupportsIndex
 
 import torch
 
 from ._shards import Shards, clone_tree
 
-__all__ = ["EmaState"]
+__all__ = ["BufferState", "EmaState"]
 
 
 class EmaState(NamedTuple):
@@ -43,18 +47,38 @@ class EmaState(NamedTuple):
     def num_emas(self) -> int:
         return len(self.emas)
 
-    def __reduce__(self):  # pickle, torch.save, client_state
+    def __reduce__(self) -> NoReturn:  # pickle, torch.save, client_state
         raise TypeError(
             "EmaState holds only this rank's shard of the EMA and is not picklable: DeepSpeed keeps "
             "client_state from rank 0 only on ZeRO stages 0-2, so the other ranks' EMA would be lost. "
             "Save it with functional_ema.save(state, engine, save_dir, tag) beside engine.save_checkpoint."
         )
 
-    def __reduce_ex__(self, protocol):
-        return self.__reduce__()
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        self.__reduce__()
 
-    def __copy__(self) -> "EmaState":
+    def __copy__(self) -> EmaState:
         return EmaState(self.step, tuple(e if isinstance(e, Shards) else dict(e) for e in self.emas))
 
-    def __deepcopy__(self, memo) -> "EmaState":
+    def __deepcopy__(self, memo: dict[int, Any]) -> EmaState:
         return EmaState(self.step.clone(), tuple(map(clone_tree, self.emas)))
+
+
+class BufferState(NamedTuple):
+    """EMAs (or copies) of a module's buffers; whole tensors, the same tree on every rank.
+
+    Attributes:
+        step: int64 scalar tensor, the training step of the last update.
+        emas: one ``{buffer name: tensor}`` per tracked EMA, floating buffers only, dtype ``float32``
+            (or the ``dtype`` given to :func:`functional_ema.buffers.init_buffers`), the buffers' shapes.
+        copied: ``{buffer name: tensor}`` for the integer and bool buffers: the live values at the
+            last update (never averaged).
+    """
+
+    step: torch.Tensor
+    emas: tuple[dict[str, torch.Tensor], ...]
+    copied: dict[str, torch.Tensor]
+
+    @property
+    def num_emas(self) -> int:
+        return len(self.emas)

@@ -33,13 +33,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 
+from ._buffers import loaded_buffer_state, persistent_buffers, split_floating
 from ._core import check_ema_dtype, check_num_emas, check_step, check_step_tensor
 from ._core import update as _update
-from ._layout import ShardLayout
+from ._state import BufferState
 from .schedules import DecayLike
 
 __all__ = [
@@ -55,26 +56,6 @@ __all__ = [
 ]
 
 Mode = Literal["average", "copy"]
-
-
-class BufferState(NamedTuple):
-    """EMAs (or copies) of a module's buffers; whole tensors, the same tree on every rank.
-
-    Attributes:
-        step: int64 scalar tensor, the training step of the last update.
-        emas: one ``{buffer name: tensor}`` per tracked EMA, floating buffers only, dtype ``float32``
-            (or the ``dtype`` given to :func:`init_buffers`), the buffers' shapes.
-        copied: ``{buffer name: tensor}`` for the integer and bool buffers: the live values at the
-            last update (never averaged).
-    """
-
-    step: torch.Tensor
-    emas: tuple[dict[str, torch.Tensor], ...]
-    copied: dict[str, torch.Tensor]
-
-    @property
-    def num_emas(self) -> int:
-        return len(self.emas)
 
 
 def _module(x: Any) -> torch.nn.Module:
@@ -93,26 +74,6 @@ def module_buffers(x: Any) -> dict[str, torch.Tensor]:
     return persistent_buffers(_module(x))
 
 
-def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """:func:`module_buffers` of a module already in hand (the verbs read the training object once)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        skip = getattr(mod, "_non_persistent_buffers_set", set())
-        for b_name, b in mod.named_buffers(recurse=False):
-            if b is None or b_name in skip or id(b) in seen:
-                continue
-            seen.add(id(b))
-            out[f"{mod_name}.{b_name}" if mod_name else b_name] = b
-    return out
-
-
-def _split(bufs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    floats = {n: b for n, b in bufs.items() if b.is_floating_point()}
-    others = {n: b for n, b in bufs.items() if not b.is_floating_point()}
-    return floats, others
-
-
 def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype = torch.float32) -> BufferState:
     """Start the buffer EMAs equal to ``x``'s buffers (copies; integer buffers copied as they are).
 
@@ -123,7 +84,7 @@ def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype
     num_emas = check_num_emas(num_emas)
     dtype = check_ema_dtype(dtype)
     step = check_step(step, "step")
-    floats, others = _split(module_buffers(x))
+    floats, others = split_floating(module_buffers(x))
     for n, b in {**floats, **others}.items():
         if b.is_meta:
             raise ValueError(
@@ -170,7 +131,7 @@ def update_buffers(
     if mode not in ("average", "copy"):
         raise ValueError(f'mode must be "average" or "copy", got {mode!r}')
     check_step_tensor(bstate.step, "bstate.step", "init_buffers", "load_buffers")
-    floats, others = _split(module_buffers(x))
+    floats, others = split_floating(module_buffers(x))
     _check_names(bstate, floats, others, "update_buffers")
     last = int(bstate.step)
     step = last + 1 if step is None else check_step(step, "step")
@@ -193,7 +154,7 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
     copied integer buffers; the live values come back on exit, also on error. Nest it with
     :func:`functional_ema.swapped` to evaluate with EMA parameters and buffers. Yields the number of
     buffers swapped."""
-    floats, others = _split(module_buffers(x))
+    floats, others = split_floating(module_buffers(x))
     _check_names(bstate, floats, others, "swapped_buffers")
     if not 0 <= index < bstate.num_emas:
         raise IndexError(f"index={index} is not one of the buffer state's {bstate.num_emas} EMAs")
@@ -226,36 +187,6 @@ def buffer_file_name(rank: int, world_size: int, generation: int = 0) -> str:
     return name(rank, world_size, generation)
 
 
-def loaded_buffer_state(
-    live_buffers: dict[str, torch.Tensor], layout: ShardLayout, ckpt, verify: bool = True
-) -> BufferState:
-    """This rank's buffer state from an opened checkpoint, checked against the module's live buffers
-    (:func:`persistent_buffers`) and placed on their devices (see :func:`load_buffers`)."""
-    from ._checkpoint.errors import CheckpointMismatchError
-
-    num_emas, emas, copied = ckpt.read_buffers(layout.rank, layout.world_size, verify)
-    floats, others = _split(live_buffers)
-    where = f"buffers of tag {ckpt.tag!r} in {ckpt.root}"
-    if getattr(ckpt, "recut", False):  # saved with another model-parallel layout: this part's buffers, by name
-        emas = tuple({n: t for n, t in ema.items() if n in floats} for ema in emas)
-        copied = {n: t for n, t in copied.items() if n in others}
-    for what, saved, live in (("floating", emas[0] if emas else {}, floats), ("integer", copied, others)):
-        if set(saved) != set(live):
-            raise CheckpointMismatchError(
-                f"{where}: the saved {what} buffers {sorted(saved)} are not this model's {sorted(live)}: the checkpoint "
-                "was saved from another model"
-            )
-        for n, t in saved.items():
-            if tuple(t.shape) != tuple(live[n].shape):
-                raise CheckpointMismatchError(
-                    f"{where}: buffer {n!r} has shape {tuple(t.shape)} in the checkpoint but "
-                    f"{tuple(live[n].shape)} in the model"
-                )
-    emas = tuple({n: t.to(floats[n].device) for n, t in ema.items()} for ema in emas)
-    copied = {n: t.to(others[n].device) for n, t in copied.items()}
-    return BufferState(torch.tensor(ckpt.step, dtype=torch.int64), emas, copied)
-
-
 def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *, verify: bool = True) -> BufferState:
     """This rank's buffer state saved with the EMA (``fe.save(..., buffers=...)``). Collective.
 
@@ -274,7 +205,7 @@ def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
     arrive("load_buffers", job.group, job.world, job.rank, None)
     box = {}
 
-    def run():
+    def run() -> None:
         with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
             box["state"] = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
 

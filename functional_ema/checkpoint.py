@@ -54,8 +54,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -108,9 +109,9 @@ from ._checkpoint.reader import (
 from ._checkpoint.writer import (
     TagLock,
     agree_plans,
-    check_shared,
     buffer_file_meta,
     build_manifest,
+    check_shared,
     commit_manifest,
     part_record,
     plan_save,
@@ -121,8 +122,8 @@ from ._checkpoint.writer import (
     write_buffer_file,
     write_rank_file,
 )
-from ._fit import state_problem
 from ._core import _allocate
+from ._fit import state_problem
 from ._layout import ShardLayout
 from ._state import EmaState
 from .engines import adapter_for
@@ -260,7 +261,7 @@ def save(
             p["generation"] = read_generation(tag_dir)
         return p
 
-    def give_up():
+    def give_up() -> None:
         for held in lock:
             held.release(remove_empty=True)
 
@@ -492,7 +493,7 @@ def load_checkpoint(
             )
         bstate = None
         if buffers:
-            from .buffers import loaded_buffer_state, persistent_buffers
+            from ._buffers import loaded_buffer_state, persistent_buffers
 
             bstate = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
         if out is None:
@@ -652,10 +653,10 @@ def _progress(total: int, enabled: bool | None, desc: str):
             pass
 
     class _Null:
-        def update(self, n):
+        def update(self, n) -> None:
             pass
 
-        def close(self):
+        def close(self) -> None:
             pass
 
     return _Null()

@@ -120,7 +120,7 @@ class EMAStateful:
 
     def __init__(
         self, x: Any, state: EmaState | Callable[[], EmaState], *, checkpoint_id: str | os.PathLike | None = None
-    ):
+    ) -> None:
         from .engines.deepspeed import is_deepspeed_engine
 
         if is_deepspeed_engine(x):
@@ -210,7 +210,7 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
-def _as_dtensor(piece: torch.Tensor, param) -> torch.Tensor:
+def _as_dtensor(piece: torch.Tensor, param: Any) -> torch.Tensor:
     """This rank's EMA piece of ``param`` as the parameter holds it: a ``DTensor`` of the same mesh,
     placements, shape and stride (a view of the piece), or the piece in the parameter's shape."""
     from torch.distributed.tensor import DTensor

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, ClassVar, Protocol, Union, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 __all__ = [
     "Schedule",
@@ -58,7 +59,7 @@ class Schedule(Protocol):
     def describe(self) -> dict: ...
 
 
-DecayLike = Union[float, Schedule, Callable[[int], float]]
+DecayLike = float | Schedule | Callable[[int], float]
 
 
 def _real(value: Any) -> float | None:
@@ -67,7 +68,7 @@ def _real(value: Any) -> float | None:
     complex numbers, tensors of several elements)."""
     if type(value) is float:
         return value
-    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+    if isinstance(value, (bool, str, bytes)):
         return None
     if isinstance(value, numbers.Real):
         return float(value)
@@ -329,7 +330,7 @@ def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Sche
     """
     if (gamma is None) == (sigma_rel is None):
         raise ValueError("power() takes exactly one of gamma= or sigma_rel=")
-    g = sigma_rel_to_gamma(sigma_rel) if gamma is None else float(gamma)
+    g = sigma_rel_to_gamma(float(sigma_rel)) if gamma is None else float(gamma)  # type: ignore[arg-type]  # exactly one of the two is None (checked above)
     if not g > 0:
         raise ValueError(f"the power EMA needs gamma > 0, got {g!r}")
     return _Power(g)
@@ -357,7 +358,7 @@ def as_schedule(decay: DecayLike) -> Schedule:
     if isinstance(decay, (int, float)) and not isinstance(decay, bool):
         return constant(float(decay))
     if callable(decay) and hasattr(decay, "interval"):
-        return decay  # a user schedule following the protocol
+        return cast(Schedule, decay)  # a user schedule following the protocol (callable with .interval)
     if callable(decay):
         return _Callable(decay)
     raise TypeError(f"decay must be a float, a schedule or a callable step -> decay, got {type(decay).__name__}")

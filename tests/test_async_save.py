@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from functional_ema._testing.multirank import (
     ROOT,
@@ -127,7 +126,7 @@ def world2_worker(root):
             }
         out[f"basic_s{stage}"] = rep
         if stage != 2:
-            del engine
+            engine = None  # drop this configuration's engine before the next one is built
             continue
 
         # 2. The snapshot buffer is reused; saving into the same tag again swaps generations.
@@ -212,7 +211,7 @@ def world2_worker(root):
             "wait_raises": error_of(h.wait) is not None,
         }
         s3.wait()
-        del engine
+        engine = None  # drop this configuration's engine before the next one is built
 
     # 7. The format-1 checkpoint (CRC-32, written by the previous code) loads, resharded too, and re-saves.
     ref = unflat(torch_load_ref())
@@ -231,7 +230,7 @@ def world2_worker(root):
                 "format_version"
             ]
         out[f"v1_s{stage}"] = rep
-        del engine
+        engine = None  # drop this configuration's engine before the next one is built
     return out
 
 
@@ -409,9 +408,9 @@ def test_background_error_reaches_every_rank(world2):
 
 
 def test_background_error_raised_by_next_call_when_nobody_waited(world2):
-    for rank, rep in enumerate(world2):
+    for _rank, rep in enumerate(world2):
         r = rep["error_next_call"]
-        name, msg, mro = r["next"]
+        _name, msg, mro = r["next"]
         assert "CheckpointError" in mro and "No space left on device" in msg, r["next"]
         assert "previous async EMA save" in msg or "failed on rank" in msg, msg
         assert r["after"] is None and r["loads"] == [] and r["wait_raises"], r

@@ -15,7 +15,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _is_png(path) -> bool:
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     return len(data) > len(PNG_MAGIC) and data.startswith(PNG_MAGIC)
 
 

@@ -84,8 +84,9 @@ def _snapshot(root) -> dict:
 
 def world2_first_worker(root, configs):
     """The reference runs: K steps, save (EMA, then DeepSpeed), continue to 2K."""
-    import functional_ema as fe
     from safetensors.torch import save_file
+
+    import functional_ema as fe
 
     rank, out = current_rank(), {}
     for stage, dtype in configs:
@@ -114,8 +115,9 @@ def world2_first_worker(root, configs):
 
 
 def world1_worker(root, reshard, kill_root):
-    import functional_ema as fe
     from safetensors.torch import load_file, save_file
+
+    import functional_ema as fe
 
     out = {"reshard": {}, "saved": []}
     # 2 -> 1, also changing the ZeRO stage and the training dtype.
@@ -253,8 +255,9 @@ class ReorderedNet(OddNet):
 
 
 def world2_resume_worker(root, configs, reverse):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     rank, out = current_rank(), {"resume": {}, "reverse": {}, "errors": {}}
     for stage, dtype in configs:
@@ -471,7 +474,7 @@ def test_files_beside_deepspeeds(world2_first, ckroot):
     from functional_ema import ShardLayout
 
     for stage, dtype in CONFIGS:
-        rep0, rep1 = (r[_name(stage, dtype)] for r in world2_first)
+        rep0, _rep1 = (r[_name(stage, dtype)] for r in world2_first)
         files = rep0["files"]
         ours = [f for f in files if f.startswith("ema_")]
         if stage == 0:  # replicated: one file
@@ -552,8 +555,9 @@ def test_reshard_world1_to_world2(world2_resume):
 
 
 def test_consolidate_equals_gather_full(world2_first, ckroot, no_unpickling):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     for stage, dtype in CONFIGS:
         d = ckroot / _name(stage, dtype)
@@ -859,7 +863,7 @@ def _rewrite_as_bf16(path: Path, manifest_path: Path) -> None:
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f}
     st = _io.SafetensorsFile(path)
     order = sorted(st.tensors, key=lambda k: st.tensors[k].start)
     tmp = path.with_name("rewritten.safetensors")
@@ -903,8 +907,9 @@ V1 = ROOT / "tests" / "data" / "ckpt_v1"  # written by the pre-format-2 code: se
 
 
 def test_format1_checkpoint_consolidates(tmp_path, no_unpickling):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     want = unflat(load_file(str(V1 / "reference_full.safetensors")))
     assert fe.checkpoint.read_manifest(V1)["format_version"] == 1

@@ -23,8 +23,8 @@ STEPS = 3
 
 
 def _layout_mesh(layout: str):
-    from torch.distributed.device_mesh import init_device_mesh
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     if layout == "fsdp2":
         return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
@@ -171,8 +171,9 @@ def root(tmp_path_factory):
 
 
 def test_dcp_reshards_the_ema_bitwise(root):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     saved2 = run_ranks("tests.test_dcp:save_worker", world_size=2, timeout=400, root=str(root), layouts=["fsdp2"])
     assert saved2[0]["fsdp2"] == STEPS
@@ -223,7 +224,7 @@ def test_dcp_reshards_the_ema_bitwise(root):
     again = subprocess.run(cli, cwd=str(ROOT), capture_output=True, text=True, timeout=300)  # no --overwrite
     assert again.returncode == 1 and "--overwrite" in again.stderr, again.stderr
     inside = subprocess.run(
-        cli[:-1] + [str(root / "dp_tp" / "x.safetensors")], cwd=str(ROOT), capture_output=True, text=True, timeout=300
+        [*cli[:-1], str(root / "dp_tp" / "x.safetensors")], cwd=str(ROOT), capture_output=True, text=True, timeout=300
     )
     assert inside.returncode == 1 and "inside the DCP checkpoint" in inside.stderr, inside.stderr
 

@@ -68,7 +68,7 @@ def swap_worker(configs, steps=3):
                 "changed_inside": changed,
             }
         )
-        del engine
+        engine = None  # drop this configuration's engine before the next one is built
     return out
 
 
@@ -152,7 +152,7 @@ def _training_unchanged(stage, dtype, offload, steps):
                 engine.train()
         finals.append(full_fp32_reference(engine))
         losses.append(run_losses)
-        del engine
+        engine = None  # drop this configuration's engine before the next one is built
     return {
         "config": [stage, dtype, offload],
         "weights_equal": all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0]),
@@ -271,8 +271,8 @@ def misuse_worker(configs, steps=2):
                         loss = ((engine(x).float() - y.float()) ** 2).mean()
                         for name, call in (
                             ("engine.backward", lambda: engine.backward(loss)),
-                            ("loss.backward", lambda: loss.backward()),
-                            ("engine.step", lambda: engine.step()),
+                            ("loss.backward", loss.backward),
+                            ("engine.step", engine.step),
                         ):
                             try:
                                 call()
@@ -300,7 +300,7 @@ def misuse_worker(configs, steps=2):
                         errors.append([verb, str(e)])
                 report["wrong_state_errors"] = errors
                 dist.barrier()
-            del engine
+            engine = None  # drop this configuration's engine before the next one is built
         report["weights_equal_to_clean_run"] = all(torch.equal(finals[0][n], finals[1][n]) for n in finals[0])
         out.append(report)
     return out

@@ -18,16 +18,14 @@ import struct
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 import functional_ema as fe
-from functional_ema import _io
+from functional_ema import _io, posthoc
 from functional_ema import checkpoint as ck
-from functional_ema import posthoc
 from functional_ema._testing.files import hashes as _hashes
 
 STEPS = 6
@@ -248,7 +246,7 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     dist.barrier()
 
     # -- class 13 (2 ranks): buffers saved with the EMA, each rank its own file, listed in the manifest
-    from functional_ema._testing.multirank import BNSeq, MPU, pipeline_engine
+    from functional_ema._testing.multirank import MPU, BNSeq, pipeline_engine
 
     bn = make_engine(2, model=BNSeq(), seed=1)
     bstate = fe.init_ema(fe.local_shards(bn))
@@ -939,7 +937,10 @@ def test_forged_headers_refused_before_allocation(faults, tmp_path, no_big_alloc
     """Rank-file headers rewritten with the manifest's size and CRC updated to match (a forger):
     negative, huge or fractional shapes, pieces outside their parameter, unknown dtypes, deep nesting."""
     base = _copy(faults, tmp_path)
-    big = lambda info: info["shape"][0] > 1
+
+    def big(info):
+        return info["shape"][0] > 1
+
     forgeries = {
         "negative shape": (lambda h: h[_first_tensor(h, big)].__setitem__("shape", [-65536, -4096]), ["shape"]),
         "fractional shape": (lambda h: h[_first_tensor(h, big)].__setitem__("shape", [2.5]), ["shape"]),
@@ -979,7 +980,7 @@ def test_forged_headers_refused_before_allocation(faults, tmp_path, no_big_alloc
         "metadata type": (lambda h: h["__metadata__"].__setitem__("step", 6), ["__metadata__"]),
         "step": (_meta_edit("step", lambda s: str(int(s) + 1)), ["step"]),
     }
-    for what, (edit, frags) in forgeries.items():
+    for _what, (edit, frags) in forgeries.items():
         d = tmp_path / "case"
         shutil.rmtree(d, ignore_errors=True)
         shutil.copytree(base, d)
@@ -1092,7 +1093,7 @@ def test_damaged_buffer_files_refused(faults, tmp_path, no_big_alloc):
         "truncated": (truncated, [f0, "truncated"]),
         "a link out of the folder": (link_out, [f0, "outside the tag folder"]),
     }
-    for what, (damage, frags) in plain.items():
+    for _what, (damage, frags) in plain.items():
         d = case()
         damage(d)
         _expect(ck.CorruptCheckpointError, frags, lambda: readers["consolidate"](d), d)
@@ -1127,7 +1128,7 @@ def test_damaged_buffer_files_refused(faults, tmp_path, no_big_alloc):
             ["manifest's field 'buffers'"],
         ),
     }
-    for what, (edit, frags) in forged.items():
+    for _what, (edit, frags) in forged.items():
         d = case()
         _forge_header(d / "t", 1, edit, kind="buffers")
         _expect(ck.CorruptCheckpointError, [f1, *frags], lambda: readers["rank 1"](d), d)
@@ -1192,8 +1193,8 @@ def _train_controller(c, net, steps, save=None):
 def test_resume_checks_the_integration_record(tmp_path):
     """The framework's step and the EMA's step must agree by the controller's rules; the record beside a
     not-started EMA is checksummed; nothing unchecked discards or restarts a verified EMA."""
-    from functional_ema.integrations import EMAController
     from functional_ema._checkpoint.format import RECORD_NAME, record_bytes
+    from functional_ema.integrations import EMAController
 
     net = _bn_net()
     c = EMAController(0.9, buffers="average", start_step=3)
@@ -1416,7 +1417,7 @@ def test_exports_never_land_on_a_checkpoint(tmp_path):
         c.copy_to_model(frozen)
     assert all(torch.equal(before[n], p) for n, p in frozen.state_dict().items())
     other = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 4))
-    with pytest.raises(fe.StateMismatchError, match="2.weight"):
+    with pytest.raises(fe.StateMismatchError, match=r"2\.weight"):
         c.copy_to_model(other)
     with pytest.raises(ValueError, match="index=2 is not one of the 2"):
         c.export(net, tmp_path / "x.safetensors", index=2)
@@ -1462,11 +1463,11 @@ def test_one_writer_per_tag(tmp_path):
     # Another process writing the tag: this save waits for it.
     code = (
         "import sys, time, torch, functional_ema as fe\n"
-        "sys.path.insert(0, %r)\n"
+        f"sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
         "from tests.test_faults import _bn_net, _slow_writes\n"
         "net = _bn_net(); s = fe.init_ema(fe.local_shards(net)); _slow_writes(1.0)\n"
-        "fe.save(s, net, %r, 't')\n"
-    ) % (str(Path(__file__).parents[1]), str(tmp_path))
+        f"fe.save(s, net, {str(tmp_path)!r}, 't')\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         _wait_for(tmp_path / "t" / ".ema_write.lock", 60)  # the other process holds the tag

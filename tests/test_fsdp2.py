@@ -268,10 +268,10 @@ def _owned_and_changed():
 
 def _train_check(ckpt_dir, tag, dtype, wrap_root, replicas=1):
     import functional_ema as fe
-    from functional_ema.engines.fsdp2 import FSDP2Adapter
     from functional_ema.engines import adapter_for
+    from functional_ema.engines.fsdp2 import FSDP2Adapter
 
-    rank, world = _world()
+    rank, _world_size = _world()
     model, opt = _fsdp_model(0, dtype, wrap_root, replicas=replicas)
     control, opt_c = _fsdp_model(
         0, dtype, wrap_root, replicas=replicas
@@ -425,12 +425,13 @@ def _deepspeed_save(ckpt_dir):
 
 def _guards():
     """Unsupported placements are refused naming the parameter; the reading is re-made when stale."""
-    import functional_ema as fe
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    rank, world = _world()
+    import functional_ema as fe
+
+    _rank, world = _world()
     out = {}
 
     def error_of(fn):
@@ -458,7 +459,7 @@ def _guards():
 
     # the reading is kept while current and re-made when FSDP2 replaces a parameter or one is unfrozen;
     # a parameter frozen after the first reading keeps its place, also in readings re-made later
-    model, opt = _fsdp_model(0, "fp32", True)
+    model, _opt = _fsdp_model(0, "fp32", True)
     first = fe.local_shards(model)
     model.norm.weight.requires_grad_(False)
     out["freeze_keeps_reading"] = fe.local_shards(model) is first and "norm.weight" in first and "frozen" not in first
@@ -547,8 +548,9 @@ def _hsdp_buffers_and_async(ckpt_dir, replicas):
 def hsdp_load_worker(ckpt_dir: str, fsdp2_dir: str, tags, fsdp2_tags):
     """A fresh 4-rank job: HSDP checkpoints into HSDP 2x2 and into FSDP2 over 4 ranks; FSDP2 world-2
     and DeepSpeed ZeRO-3 checkpoints into HSDP 2x2."""
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     out = {"hsdp_into_hsdp": [], "hsdp_into_fsdp2_4": [], "fsdp2_2_into_hsdp": []}
     for tag, dtype, wrap_root in tags:
@@ -568,8 +570,9 @@ def hsdp_load_worker(ckpt_dir: str, fsdp2_dir: str, tags, fsdp2_tags):
 
 def load_worker(ckpt_dir: str, tags, load_deepspeed: bool = False):
     """A fresh process group: load each saved EMA into a new FSDP2 model, gather, compare."""
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     out = []
     for tag, dtype, wrap_root in tags:
@@ -765,7 +768,7 @@ def test_training_inside_swapped_is_refused_and_changes_nothing(trained):
 
 
 def test_unsupported_placements_are_refused_naming_the_parameter(trained):
-    for world, per_rank in trained.items():
+    for _world, per_rank in trained.items():
         for res in per_rank:
             g = res["guards"]
             assert g["shard1"] and "'0.weight'" in g["shard1"] and "Shard(dim=1)" in g["shard1"], g["shard1"]
@@ -808,7 +811,7 @@ def test_swapped_block_that_changes_fsdp2_parameters_leaves_the_trained_shards(t
 
 
 def test_reading_is_remade_when_fsdp2_replaces_or_unfreezes_parameters(trained):
-    for world, per_rank in trained.items():
+    for _world, per_rank in trained.items():
         for res in per_rank:
             g = res["guards"]
             assert g["freeze_keeps_reading"] and g["unfreeze_rereads"] and g["assign_rereads"], g
@@ -825,8 +828,9 @@ def test_save_then_load_in_a_fresh_process_group_is_bitwise(trained, reloaded):
 
 
 def test_offline_consolidate_equals_the_live_gather(trained, ckroot):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     for world in trained:
         for tag, _, _ in CONFIGS:
@@ -839,8 +843,9 @@ def test_offline_consolidate_equals_the_live_gather(trained, ckroot):
 
 
 def test_zero3_checkpoint_loads_into_fsdp2_at_3_ranks_and_into_a_plain_module(trained, reloaded, ckroot):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     ds = trained[2][0]["deepspeed"]
     assert ds["layout_stage"] == 3
@@ -890,8 +895,9 @@ def test_hsdp_ema_is_bitwise_with_no_collectives_and_swapped_as_on_one_mesh(hsdp
 
 
 def test_hsdp_save_writes_one_shard_groups_files_and_loads_at_every_layout(hsdp, hsdp_reloaded, ckroot):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     d = ckroot / "hsdp"
     for k, (tag, _, _) in enumerate(HSDP_CONFIGS):
@@ -920,8 +926,9 @@ def test_hsdp_save_writes_one_shard_groups_files_and_loads_at_every_layout(hsdp,
 
 
 def test_hsdp_buffers_and_async_saves_are_replica_0s_and_every_replica_reads_them(hsdp, ckroot):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     for rank, res in enumerate(hsdp):
         b = res["hsdp_buffers"]

@@ -50,9 +50,7 @@ def _slice(full: torch.Tensor, name: str, tp: int, tp_size: int) -> torch.Tensor
 def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) -> dict:
     """Layout, update (no collectives), gathered slices vs reference, swapped, refusals, save and reload."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     import functional_ema as fe
 
@@ -309,8 +307,9 @@ def _check_training(results, replicas: int) -> None:
 
 
 def test_fsdp2_over_tensor_parallel_every_verb(dp_tp, root):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     _check_training(dp_tp, replicas=1)
     ref = load_file(root / "dp2_tp2" / "tp.ref.safetensors")
@@ -323,8 +322,9 @@ def test_fsdp2_over_tensor_parallel_every_verb(dp_tp, root):
 
 
 def test_hsdp_over_tensor_parallel_at_8_ranks(hsdp_tp, root):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     _check_training(hsdp_tp, replicas=2)
     ref = load_file(root / "r2_s2_tp2" / "tp.ref.safetensors")
@@ -333,8 +333,9 @@ def test_hsdp_over_tensor_parallel_at_8_ranks(hsdp_tp, root):
 
 
 def test_tensor_parallel_alone_every_verb(tp_only, root):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     for rank, r in enumerate(tp_only):
         where = (rank, r)

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("accelerate")
 
-from functional_ema._testing.multirank import ROOT, run_ranks  # noqa: E402
+from functional_ema._testing.multirank import ROOT, run_ranks
 
 EXAMPLE = str(ROOT / "examples" / "accelerate_ema.py")
 

@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from functional_ema._testing.multirank import run_ranks  # noqa: E402
+from functional_ema._testing.multirank import run_ranks
 
 START = 2
 EVERY = 2
@@ -217,11 +217,11 @@ def _trainer(kind: str, root: str, callbacks, max_epochs: int = EPOCHS, export: 
 
 
 def lightning_worker(kind: str, out: str, phase: str) -> dict:
+    import lightning.pytorch as pl
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
     import functional_ema as fe
-    import lightning.pytorch as pl
     from tests._integration_models import ReferenceEMA, equal, max_diff, quiet
 
     quiet()
@@ -509,7 +509,7 @@ def test_ema_folder_of_another_checkpoint_refused(tmp_path):
     )
     shutil.rmtree(ours)
     shutil.copytree(theirs, ours)
-    with pytest.raises(fe.CheckpointError, match="own EMACallback state says the EMA was at step 16 .* at step 15"):
+    with pytest.raises(fe.CheckpointError, match=r"own EMACallback state says the EMA was at step 16 .* at step 15"):
         _one_process_trainer(tmp_path / "c", 3, every_n_steps=3).fit(
             _module("ddp"), ckpt_path=str(ours)[: -len(".ema")]
         )

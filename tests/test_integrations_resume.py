@@ -11,7 +11,6 @@ import runpy
 import sys
 
 import pytest
-import torch
 
 from functional_ema._testing.multirank import ROOT, run_ranks
 
@@ -19,9 +18,8 @@ EXAMPLE = str(ROOT / "examples" / "resume_other_world.py")
 
 
 def resume_worker(argv: list[str], check: bool) -> dict:
-    from tests._integration_models import ReferenceEMA, deepspeed_full_fp32, equal, quiet
-
     import functional_ema as fe
+    from tests._integration_models import ReferenceEMA, deepspeed_full_fp32, equal, quiet
 
     quiet()
     sys.argv = [EXAMPLE, *argv]

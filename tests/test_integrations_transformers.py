@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from functional_ema._testing.multirank import run_ranks  # noqa: E402
+from functional_ema._testing.multirank import run_ranks
 
 DECAYS = (0.9, "power3")  # the power schedule is built in the worker (JSON-able arguments)
 START = 2

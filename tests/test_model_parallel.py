@@ -127,8 +127,8 @@ def hpz_worker(out: str) -> dict:
     MiCS (mics_shard_size) is refused, naming the option (by DeepSpeed 0.19.8 itself, which removed it)."""
     import deepspeed
 
-    from tests._integration_models import quiet
     from functional_ema._testing.multirank import OddNet, batch, ds_config, make_engine, train_step
+    from tests._integration_models import quiet
 
     quiet()
     out = Path(out)
@@ -349,7 +349,7 @@ def test_tensor_parallel_consolidation(tp_runs, tmp_path):
     local = _join([_load_tensors(out / f"posthoc_tp{t}.safetensors") for t in (0, 1)], TPMLP.SPLIT)
     assert _equal(posthoc.posthoc_offline(out / "snaps", gamma=3.0), local)
     # without the attributes the split is unknown: refused with the fix, joined with tp_dims, or one file per rank
-    with pytest.raises(fe.CheckpointError, match="how its slices join is unknown.*tp_dims="):
+    with pytest.raises(fe.CheckpointError, match=r"how its slices join is unknown.*tp_dims="):
         fe.consolidate(out / "noattr", "t")
     assert fe.checkpoint.saved_parts(out / "noattr", "t") == (2, 1, False)
     joined = fe.consolidate(out / "noattr", "t", tp_dims=TPMLP.SPLIT)
@@ -365,7 +365,7 @@ def test_tensor_parallel_consolidation(tp_runs, tmp_path):
 def _pipe_engine(stages: int, seed: int, tp: int = 1):
     import deepspeed
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
     from torch import nn
 
     from functional_ema._testing.multirank import ColumnParallelLinear, RowParallelLinear, ds_config, tp_full_weights
@@ -955,7 +955,7 @@ def test_expert_parallel_every_verb(moe_runs):
     their global expert index; every verb is checked against DeepSpeed's own full fp32 weights of each expert,
     taken on the ranks that own it; resumed in fresh processes, resharded to 2 ranks (ZeRO-1), and a changed
     expert-parallel size refused."""
-    out, train, resume, reshard, changed = moe_runs
+    _out, train, resume, reshard, changed = moe_runs
     experts = [f"{_EXPERTS}{g}.{w}" for g in range(NUM_EXPERTS) for w in ("weight", "bias")]
     covered: set[str] = set()
     for rank, r in enumerate(train):

@@ -78,10 +78,12 @@ def _launch(tmp: Path, node_dirs: list[Path] | None, timeout: float = 240) -> li
             argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", run]
         else:
             argv = ["sh", "-c", f"exec {run}"]
-        log = open(tmp / f"node{node}.log", "wb")
-        procs.append(
-            subprocess.Popen(argv, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        )
+        with open(tmp / f"node{node}.log", "wb") as log:  # the child keeps its own copy of the descriptor
+            procs.append(
+                subprocess.Popen(
+                    argv, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
     try:
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):  # a node that fails ends the launch at once

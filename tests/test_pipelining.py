@@ -143,8 +143,9 @@ def run(request, tmp_path_factory):
 
 
 def test_pipeline_stages_every_verb(run):
-    import functional_ema as fe
     from safetensors.torch import load_file
+
+    import functional_ema as fe
 
     world, d, results = run
     dp = world // 2

@@ -15,6 +15,7 @@ would make arbitrarily small. Both are asserted below 1e-3 (the issue's bound).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 
@@ -167,7 +168,7 @@ def test_inner_product_matches_numeric_integration(ga, ta, gb, tb):
     edges = np.concatenate([[0.0], m * np.geomspace(1e-3, 1.0, 40)])
     num = sum(
         _quad(lambda x: posthoc.power_profile(ga, ta, x) * posthoc.power_profile(gb, tb, x), lo, hi)
-        for lo, hi in zip(edges[:-1], edges[1:])
+        for lo, hi in itertools.pairwise(edges)
     )
     assert float(posthoc.profile_inner(ga, ta, gb, tb)) == pytest.approx(num, rel=1e-10)
     assert float(posthoc.profile_inner(gb, tb, ga, ta)) == float(posthoc.profile_inner(ga, ta, gb, tb))
@@ -210,7 +211,7 @@ def test_coefficients_match_numerically_integrated_system():
     edges = np.linspace(0.0, 1000.0, 41)
 
     def ip(fa, fb):
-        return sum(_quad(lambda x: fa(x) * fb(x), lo, hi) for lo, hi in zip(edges[:-1], edges[1:]))
+        return sum(_quad(lambda x: fa(x) * fb(x), lo, hi) for lo, hi in itertools.pairwise(edges))
 
     prof = [functools.partial(posthoc.power_profile, g, t) for g, t in zip(gammas, steps)]
     tgt = functools.partial(posthoc.power_profile, target, 1000.0)
@@ -235,7 +236,7 @@ def test_profile_error_matches_numeric_integration(sigma_rel, step):
         return out
 
     edges = np.arange(0, step + 1, SNAP_EVERY, dtype=np.float64)  # the synthesised profile kinks at snapshots
-    r2 = sum(_quad(lambda s: resid(s) ** 2, lo, hi, 60) for lo, hi in zip(edges[:-1], edges[1:]))
+    r2 = sum(_quad(lambda s: resid(s) ** 2, lo, hi, 60) for lo, hi in itertools.pairwise(edges))
     p2 = float(posthoc.profile_inner(g_t, step, g_t, step))
     numeric = math.sqrt(r2 / p2)
     closed = posthoc.profile_error(SNAP_GAMMAS, SNAP_STEPS, x, sigma_rel=sigma_rel, step=step)
@@ -525,7 +526,10 @@ def deepspeed_posthoc_worker(snapshot_root: str, configs):
             assert list(offline) == list(gathered)
             assert all(torch.equal(offline[n], gathered[n]) for n in gathered), "offline != per-rank then gather"
             d = fe.gather_full(ref, engine, index=j)
-            flat = lambda t: torch.cat([t[n].reshape(-1).double() for n in sorted(t)])
+
+            def flat(t):
+                return torch.cat([t[n].reshape(-1).double() for n in sorted(t)])
+
             diff = (flat(gathered) - flat(d)).norm()
             report[str(sigma_rel)] = {
                 "vs_live": float(diff / (flat(d) - flat(x_t)).norm()),

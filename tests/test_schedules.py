@@ -152,7 +152,7 @@ def test_as_schedule_and_interval_decay():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: schedules.power(), "exactly one"),
+        (schedules.power, "exactly one"),
         (lambda: schedules.power(1.0, sigma_rel=0.1), "exactly one"),
         (lambda: schedules.power(gamma=0.0), "gamma > 0"),
         (lambda: schedules.power(gamma=-0.5), "gamma > 0"),
@@ -236,9 +236,7 @@ def test_schedule_interval_values_checked_naming_the_steps():
     assert schedules.interval_decay(lambda t: torch.tensor([0.5]), 0, 2) == 0.25
 
 
-@pytest.mark.parametrize(
-    "make", [lambda v: schedules.constant(v), lambda v: schedules.litema(v), lambda v: schedules.warmup(max_decay=v)]
-)
+@pytest.mark.parametrize("make", [schedules.constant, schedules.litema, lambda v: schedules.warmup(max_decay=v)])
 def test_schedule_decay_arguments_must_be_real_numbers(make):
     for bad in ("0.9", None, True, 0.5j, torch.tensor([0.5, 0.5])):
         with pytest.raises(TypeError, match=r"decay must be a real number in \[0, 1\] \(a float\), got"):

@@ -13,15 +13,19 @@ import math
 import os
 import re
 import unicodedata
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from .. import _io
 from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
+from .._state import BufferState, EmaState
 from .._tree import short_list as _tree_short_list
+from .._version import __version__
 from .errors import (
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointVersionError,
     CorruptCheckpointError,
@@ -267,12 +271,8 @@ def short_list(names: Sequence[str], limit: int = 8) -> str:
 
 
 def library_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("functional-ema")
-    except PackageNotFoundError:  # a source tree that was not installed
-        return "unknown"
+    """This library's version, as recorded in the manifests it writes."""
+    return __version__
 
 
 def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | None, dict[str, list[int]]]:
@@ -824,10 +824,9 @@ def check_output(
             f"{inside} being read, and would replace or add to that checkpoint's files. {fix}"
         )
     first = real_root / real.relative_to(real_root).parts[0] if real_root in real.parents else None
-    if (
-        real == real_root
-        or first is not None
-        and (real.name.lower() in _POINTER_FILES and first == real or first != real and _looks_like_tag(first))
+    if real == real_root or (
+        first is not None
+        and ((real.name.lower() in _POINTER_FILES and first == real) or (first != real and _looks_like_tag(first)))
     ):
         raise OutputPathError(
             f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the checkpoint "
@@ -841,3 +840,60 @@ def check_output(
             "(atomically), or choose another name"
         )
     return out
+
+
+def describe_buffers(buffers: object, state: EmaState) -> dict | None:
+    """The manifest's ``buffers`` record of a :class:`functional_ema.buffers.BufferState` saved with
+    ``state`` (checked: same step and number of EMAs, one floating dtype, names and shapes), or None."""
+    if buffers is None:
+        return None
+    if not isinstance(buffers, BufferState):
+        raise TypeError(
+            f"save(buffers=...) takes a functional_ema.buffers.BufferState (from init_buffers / update_buffers / "
+            f"load_buffers), got {type(buffers).__name__}"
+        )
+    if int(buffers.step) != int(state.step):
+        raise CheckpointMismatchError(
+            f"save(buffers=...): the buffer state is at step {int(buffers.step)} but the EMA state at step {int(state.step)}; "
+            "update both at the same steps (update_buffers with the step given to update) so a resume reads one step"
+        )
+    if buffers.num_emas != state.num_emas:
+        raise CheckpointMismatchError(
+            f"save(buffers=...): the buffer state tracks {buffers.num_emas} EMA(s) but the EMA "
+            f"state {state.num_emas}; make both with the same num_emas"
+        )
+    floating: dict[str, list[int]] = {}
+    dtypes = set()
+    for k, ema in enumerate(buffers.emas):
+        if k and sorted(ema) != sorted(buffers.emas[0]):
+            raise CheckpointMismatchError(f"save(buffers=...): buffer EMA {k} holds other names than buffer EMA 0")
+        for n, t in ema.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(
+                    f"save(buffers=...): buffers.emas[{k}][{n!r}] must be a floating tensor, got "
+                    f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
+            if n in floating and floating[n] != list(t.shape):
+                raise CheckpointMismatchError(
+                    f"save(buffers=...): buffer {n!r} has shape {list(t.shape)} in EMA {k} but {floating[n]} in EMA 0"
+                )
+            floating[n] = list(t.shape)
+            dtypes.add(t.dtype)
+    if len(dtypes) > 1:
+        raise CheckpointMismatchError(f"save(buffers=...): the buffer EMAs mix dtypes {sorted(map(str, dtypes))}")
+    copied = {}
+    for n, t in buffers.copied.items():
+        if not isinstance(t, torch.Tensor) or t.dtype not in _io.DTYPE_TO_STR:
+            raise TypeError(
+                f"save(buffers=...): buffers.copied[{n!r}] must be a tensor of a storable dtype, got "
+                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
+        if n in floating:
+            raise CheckpointMismatchError(f"save(buffers=...): buffer {n!r} is both averaged and copied")
+        copied[n] = [dtype_name(t.dtype), list(t.shape)]
+    return {
+        "num_emas": buffers.num_emas,
+        "dtype": dtype_name(dtypes.pop() if dtypes else torch.float32),
+        "floating": dict(sorted(floating.items())),
+        "copied": dict(sorted(copied.items())),
+    }

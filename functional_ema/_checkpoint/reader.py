@@ -24,7 +24,6 @@ from .errors import (
 )
 from .format import (
     BUFFERS_FORMAT,
-    manifest_parts,
     FILE_FORMAT,
     FORMAT_VERSION,
     LATEST_NAME,
@@ -36,10 +35,11 @@ from .format import (
     check_json_metadata,
     check_tag,
     complete_tags,
-    file_checksums,
-    parse_dtype,
     dtype_name,
+    file_checksums,
     library_version,
+    manifest_parts,
+    parse_dtype,
     parse_layout,
     read_latest,
     short_list,
@@ -67,7 +67,7 @@ class RankFile:
         layout: ShardLayout,
         crcs: dict[str, list[int]],
         algo: str = _io.CHECKSUM,
-    ):
+    ) -> None:
         self.rank, self.st, self.layout, self.crcs, self.algo = rank, st, layout, crcs, algo
 
 
@@ -87,7 +87,7 @@ class CheckpointReader:
 
     def __init__(
         self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[RankFile], part: dict | None = None
-    ):
+    ) -> None:
         self.root, self.tag, self.tag_dir, self.manifest, self.files = root, tag, tag_dir, manifest, files
         self.partial = False  # True when only some rank files were opened (see open's ``own``)
         self.parts = manifest_parts(manifest)
@@ -120,7 +120,7 @@ class CheckpointReader:
         verify: bool = True,
         own: tuple[int, int, int] | None = None,
         part: ModelPart | None = None,
-    ) -> "CheckpointReader":
+    ) -> CheckpointReader:
         """Open and validate the manifest and the rank files' headers of one part.
 
         ``part``: which model-parallel part to read (``None``: the only one; a checkpoint of several
@@ -136,7 +136,7 @@ class CheckpointReader:
     @classmethod
     def open_parts(
         cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True
-    ) -> list["CheckpointReader"]:
+    ) -> list[CheckpointReader]:
         """One reader per model-parallel part (one for a whole model), from one reading of the manifest."""
         root, tag, tag_dir, manifest = cls._locate(checkpoint_dir, tag)
         readers: list[CheckpointReader] = []
@@ -253,7 +253,7 @@ class CheckpointReader:
         entry: dict,
         verify: bool,
         own: tuple[int, int, int] | None,
-    ) -> "CheckpointReader":
+    ) -> CheckpointReader:
         entries = entry["files"]
         if own is not None and (int(entry["world_size"]), int(entry["zero_stage"])) == own[1:]:
             entries = [e for e in entries if e["rank"] == own[0]] or entries
@@ -453,7 +453,7 @@ class CheckpointReader:
         for f in self.files:
             f.st.close()
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -663,7 +663,7 @@ def fill_all(
     """
     threads = _io.io_threads() if threads is None else threads
 
-    def run(job):
+    def run(job) -> None:
         with torch.no_grad():
             ckpt.fill(*job, verify)
 
@@ -761,7 +761,7 @@ class JoinedReader:
 
     def __init__(
         self, readers: list[CheckpointReader], tp_dims: dict[str, int | None] | None = None, tp_rank: int | None = None
-    ):
+    ) -> None:
         self.readers = readers
         first = readers[0]
         self.tag, self.root, self.tag_dir, self.manifest = first.tag, first.root, first.tag_dir, first.manifest
@@ -868,7 +868,7 @@ class JoinedReader:
         for r in self.readers:
             r.close()
 
-    def __enter__(self) -> "JoinedReader":
+    def __enter__(self) -> JoinedReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -896,7 +896,7 @@ class RecutReader:
 
     recut = True
 
-    def __init__(self, joined: JoinedReader, layout: ShardLayout):
+    def __init__(self, joined: JoinedReader, layout: ShardLayout) -> None:
         self.joined, self.layout = joined, layout
         self.tag, self.root, self.tag_dir, self.manifest = joined.tag, joined.root, joined.tag_dir, joined.manifest
         self.step, self.num_emas, self.dtype = joined.step, joined.num_emas, joined.dtype
@@ -960,7 +960,7 @@ class RecutReader:
     def close(self) -> None:
         self.joined.close()
 
-    def __enter__(self) -> "RecutReader":
+    def __enter__(self) -> RecutReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,8 +12,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from .format import (
     RANK_FILE,
     WHOLE_FORMAT_VERSION,
     buffer_file_name,
+    describe_buffers,
     dtype_name,
     library_version,
     manifest_parts,
@@ -77,65 +78,6 @@ def check_state(state: EmaState, layout: ShardLayout) -> torch.dtype:
         for t in ema.values():
             return t.dtype
     return torch.float32  # a model with no trainable parameters on this rank
-
-
-def describe_buffers(buffers, state: EmaState) -> dict | None:
-    """The manifest's ``buffers`` record of a :class:`functional_ema.buffers.BufferState` saved with
-    ``state`` (checked: same step and number of EMAs, one floating dtype, names and shapes), or None."""
-    if buffers is None:
-        return None
-    from ..buffers import BufferState
-
-    if not isinstance(buffers, BufferState):
-        raise TypeError(
-            f"save(buffers=...) takes a functional_ema.buffers.BufferState (from init_buffers / update_buffers / "
-            f"load_buffers), got {type(buffers).__name__}"
-        )
-    if int(buffers.step) != int(state.step):
-        raise CheckpointMismatchError(
-            f"save(buffers=...): the buffer state is at step {int(buffers.step)} but the EMA state at step {int(state.step)}; "
-            "update both at the same steps (update_buffers with the step given to update) so a resume reads one step"
-        )
-    if buffers.num_emas != state.num_emas:
-        raise CheckpointMismatchError(
-            f"save(buffers=...): the buffer state tracks {buffers.num_emas} EMA(s) but the EMA "
-            f"state {state.num_emas}; make both with the same num_emas"
-        )
-    floating: dict[str, list[int]] = {}
-    dtypes = set()
-    for k, ema in enumerate(buffers.emas):
-        if k and sorted(ema) != sorted(buffers.emas[0]):
-            raise CheckpointMismatchError(f"save(buffers=...): buffer EMA {k} holds other names than buffer EMA 0")
-        for n, t in ema.items():
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise TypeError(
-                    f"save(buffers=...): buffers.emas[{k}][{n!r}] must be a floating tensor, got "
-                    f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
-                )
-            if n in floating and floating[n] != list(t.shape):
-                raise CheckpointMismatchError(
-                    f"save(buffers=...): buffer {n!r} has shape {list(t.shape)} in EMA {k} but {floating[n]} in EMA 0"
-                )
-            floating[n] = list(t.shape)
-            dtypes.add(t.dtype)
-    if len(dtypes) > 1:
-        raise CheckpointMismatchError(f"save(buffers=...): the buffer EMAs mix dtypes {sorted(map(str, dtypes))}")
-    copied = {}
-    for n, t in buffers.copied.items():
-        if not isinstance(t, torch.Tensor) or t.dtype not in _io.DTYPE_TO_STR:
-            raise TypeError(
-                f"save(buffers=...): buffers.copied[{n!r}] must be a tensor of a storable dtype, got "
-                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}"
-            )
-        if n in floating:
-            raise CheckpointMismatchError(f"save(buffers=...): buffer {n!r} is both averaged and copied")
-        copied[n] = [dtype_name(t.dtype), list(t.shape)]
-    return {
-        "num_emas": buffers.num_emas,
-        "dtype": dtype_name(dtypes.pop() if dtypes else torch.float32),
-        "floating": dict(sorted(floating.items())),
-        "copied": dict(sorted(copied.items())),
-    }
 
 
 def check_extra(extra) -> dict | None:
@@ -471,11 +413,11 @@ class TagLock:
     The holder removes the file before releasing it; a waiter that then holds a removed file tries again.
     """
 
-    def __init__(self, tag_dir: Path, fd: int | None, created: bool):
+    def __init__(self, tag_dir: Path, fd: int | None, created: bool) -> None:
         self.tag_dir, self._fd, self.created = tag_dir, fd, created
 
     @classmethod
-    def acquire(cls, tag_dir: Path, timeout: float, what: str) -> "TagLock":
+    def acquire(cls, tag_dir: Path, timeout: float, what: str) -> TagLock:
         """Create ``tag_dir`` if needed and take its lock, waiting at most ``timeout`` seconds for another
         save of the same tag to finish; else :class:`CheckpointError` naming the tag and the holder."""
         created = not tag_dir.is_dir()

@@ -22,6 +22,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -117,7 +118,7 @@ def spawn_ranks(argv: list[str], world_size: int, tmp: Path, env: dict | None = 
                         argv, env=penv, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                     )
                 )
-        except BaseException:
+        except BaseException:  # re-raised after the ranks are killed
             kill_ranks(procs)
             raise
     return procs, log_paths
@@ -299,7 +300,7 @@ def fork_and_kill(body, install, kill_at: int, count_file: Path | None = None, o
             if count_file is not None:
                 count_file.write_text(str(calls[0]))
             code = 0
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - the forked child prints it and exits with code 1
             traceback.print_exc()
         finally:
             os._exit(code)
@@ -371,7 +372,7 @@ class CollectiveSpy:
       ``full_tensor()`` and redistributions use only these: the ``api`` count misses them.
     """
 
-    NAMES = [
+    NAMES: ClassVar[list[str]] = [
         "all_reduce",
         "all_reduce_coalesced",
         "reduce",
@@ -398,7 +399,7 @@ class CollectiveSpy:
         "monitored_barrier",
     ]
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.api: list[str] = []
         self.ops: list[str] = []
 
@@ -435,7 +436,7 @@ class CollectiveSpy:
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> bool:
         self._mode.__exit__(*exc)
         for mod, name, fn in self._saved:
             setattr(mod, name, fn)
@@ -449,7 +450,7 @@ class OddNet(nn.Module):
     """Parameters of odd, uneven sizes (so ZeRO pads partitions and ZeRO-1/2 split parameters
     across ranks), plus a frozen parameter and a trainable one that the optimizer is not given."""
 
-    def __init__(self, d_in: int = 7, hidden: int = 13, d_out: int = 5, extras: bool = True):
+    def __init__(self, d_in: int = 7, hidden: int = 13, d_out: int = 5, extras: bool = True) -> None:
         super().__init__()
         self.inp = nn.Linear(d_in, hidden)
         self.mid = nn.Linear(hidden, 11)
@@ -473,7 +474,7 @@ class BNSeq(nn.Sequential):
     """A small model with module buffers (BatchNorm: floating running statistics and an integer count),
     taking ``batch()``'s inputs."""
 
-    def __init__(self, d_in: int = 7, hidden: int = 13, d_out: int = 5):
+    def __init__(self, d_in: int = 7, hidden: int = 13, d_out: int = 5) -> None:
         super().__init__(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Linear(hidden, d_out))
 
 
@@ -502,7 +503,7 @@ class MPU:
     """A minimal Megatron-style ``mpu`` for ``deepspeed.initialize(..., mpu=...)``: tensor-parallel groups of
     ``tp`` consecutive ranks, data-parallel groups across them. A collective to make (every rank)."""
 
-    def __init__(self, tp: int):
+    def __init__(self, tp: int) -> None:
         self.tp = tp
         self._tp_group, self._dp_group = block_and_strided_groups(tp)
 
@@ -539,7 +540,9 @@ class ColumnParallelLinear(nn.Module):
     """Megatron's column-parallel linear: this tensor-parallel rank's rows of ``weight`` and ``bias``
     (from the full ones, the same on every rank); the output stays split."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: int, tp_size: int, attributes: bool = True):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor, tp: int, tp_size: int, attributes: bool = True
+    ) -> None:
         super().__init__()
         rows = weight.shape[0] // tp_size
         self.weight = nn.Parameter(weight[tp * rows : (tp + 1) * rows].clone())
@@ -556,7 +559,9 @@ class RowParallelLinear(nn.Module):
     """Megatron's row-parallel linear: this rank's columns of ``weight``, the outputs summed over the
     tensor-parallel group (a differentiable all-reduce), then a replicated bias."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, tp: int, tp_size: int, group, attributes: bool = True):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor, tp: int, tp_size: int, group, attributes: bool = True
+    ) -> None:
         super().__init__()
         cols = weight.shape[1] // tp_size
         self.group = group
@@ -588,9 +593,9 @@ class TPMLP(nn.Module):
     ``attributes`` its parameters carry Megatron's ``tensor_model_parallel`` / ``partition_dim``, so
     the split is known; :data:`SPLIT` says it in ``tp_dims`` form."""
 
-    SPLIT = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
+    SPLIT: ClassVar[dict[str, int | None]] = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
 
-    def __init__(self, tp: int, tp_size: int, group, seed: int = 0, attributes: bool = True):
+    def __init__(self, tp: int, tp_size: int, group, seed: int = 0, attributes: bool = True) -> None:
         super().__init__()
         w = tp_full_weights(seed)
         self.fc1 = ColumnParallelLinear(w["w1"], w["b1"], tp, tp_size, attributes)
@@ -788,7 +793,7 @@ TP_DECAY = 0.75
 class TPNet(nn.Module):
     """``up`` colwise, ``down`` rowwise (tensor parallel), ``norm`` and ``head`` outside it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.up = nn.Linear(TP_D, TP_H)  # (14, 6): a 7-row slice per tensor-parallel rank
         self.down = nn.Linear(TP_H, TP_D)  # (6, 14): a 7-column slice per tensor-parallel rank

@@ -65,7 +65,7 @@ class Reading:
 
     def __init__(
         self, shards: Shards, layout: ShardLayout, params: dict[str, torch.nn.Parameter], group: Any, token: Any
-    ):
+    ) -> None:
         self.shards, self.layout, self.params, self.group, self.token = shards, layout, params, group, token
         self._all_specs: list[dict[str, ShardSpec]] | None = None  # every rank's specs, exchanged once
         shards.group = training_group(layout, group)
@@ -83,14 +83,14 @@ class _Slot:
 
     __slots__ = ("reading", "adapter")
 
-    def __init__(self, reading: Reading | None = None, adapter: type | None = None):
+    def __init__(self, reading: Reading | None = None, adapter: type | None = None) -> None:
         self.reading = reading
         self.adapter = adapter  # the adapter class, so the next call skips the type checks
 
-    def __deepcopy__(self, memo) -> "_Slot":
+    def __deepcopy__(self, memo) -> _Slot:
         return _Slot()
 
-    def __copy__(self) -> "_Slot":
+    def __copy__(self) -> _Slot:
         return _Slot()
 
     def __reduce__(self):
@@ -110,7 +110,7 @@ class Adapter:
 
     name = "?"
 
-    def __init__(self, target: Any):
+    def __init__(self, target: Any) -> None:
         self.target = target
 
     # -- reading
@@ -273,7 +273,7 @@ def world_of(group: Any) -> tuple[int, int]:
 
 def exchange_specs(layout: ShardLayout, group: Any) -> list[dict[str, ShardSpec]]:
     """Every rank's specs (a collective over ``group``); just this rank's without a group."""
-    if layout.world_size == 1 or group is None and not dist.is_initialized():
+    if layout.world_size == 1 or (group is None and not dist.is_initialized()):
         return [layout.specs]
     gathered: list[Any] = [None] * layout.world_size
     dist.all_gather_object(gathered, [(n, s.offset, s.numel) for n, s in layout.specs.items()], group=group)

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._errors import SwappedTrainingError
 from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
-from .._errors import SwappedTrainingError
 from .._tree import short_list
 from ._base import (
     Adapter,

@@ -68,6 +68,7 @@ from ._base import (
     warn_low_precision,
     world_of,
 )
+from ._torch_compat import check_fsdp2_internals, is_known_torch
 
 __all__ = ["FSDP2Adapter", "is_fsdp2", "fsdp_modules", "flatten_local_shards", "internal_module_reason"]
 
@@ -317,6 +318,7 @@ class FSDP2Adapter(Adapter):
     def _read(self, previous: Reading | None = None) -> Reading:
         from . import refuse_engine_internals
 
+        check_fsdp2_internals()  # the torch internals read below are there (see _torch_compat)
         model = self.target
         refuse_engine_internals(model)
         entries = list(_walk(model))
@@ -431,7 +433,7 @@ def _count_replacements() -> None:
     something lets a reading check one integer instead of every parameter's local tensor, which on a
     model of hundreds of parameters is most of what ``local_shards`` costs right after an update has
     flushed the caches. Left as it is (each parameter compared) if the method is not there."""
-    if _REPLACEMENTS[0] is not None:
+    if _REPLACEMENTS[0] is not None or not is_known_torch():  # another torch: compare each parameter
         return
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
@@ -492,7 +494,7 @@ class _Token:
 
     __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks", "replacements", "tp_mesh")
 
-    def __init__(self, read: list, managed: list, plain: list, frozen: list):
+    def __init__(self, read: list, managed: list, plain: list, frozen: list) -> None:
         """``read``: the DTensor parameters read; ``managed``: every ``FSDPParam`` (frozen ones too);
         ``plain``: ``(module, attribute, parameter)`` outside FSDP2; ``frozen``: the ones left out."""
         self.read = tuple(read)
@@ -541,14 +543,14 @@ class _LoadSeen:
 
     __slots__ = ("token",)
 
-    def __init__(self, token: _Token | None):
+    def __init__(self, token: _Token | None) -> None:
         self.token = token
 
     def __call__(self, module, incompatible_keys) -> None:
         if self.token is not None:
             self.token.loaded = True
 
-    def __deepcopy__(self, memo) -> "_LoadSeen":
+    def __deepcopy__(self, memo) -> _LoadSeen:
         return _LoadSeen(None)
 
     def __reduce__(self):

@@ -33,10 +33,10 @@ class _Check(NamedTuple):
     frozen: tuple  # the parameters left out as frozen (unfreezing one is seen)
     param_dicts: tuple  # every module's `_parameters` ...
     module_dicts: tuple  # ... and `_modules` dict
-    count: int  # total entries of those dicts
+    count: int  # type: ignore[assignment]  # total entries of those dicts (shadows tuple.count, never called here)
 
     @classmethod
-    def of(cls, module: torch.nn.Module, params: dict) -> "_Check":
+    def of(cls, module: torch.nn.Module, params: dict) -> _Check:
         owners, names = [], []
         for full in params:
             owner_name, _, leaf = full.rpartition(".")
@@ -146,7 +146,7 @@ def flatten_parameters(model: torch.nn.Module) -> int:
         >>> len(fe.local_shards(model).segments)
         1
     """
-    inner = model.module if is_ddp(model) else model
+    inner: torch.nn.Module = model.module if is_ddp(model) else model  # type: ignore[assignment]  # DDP's .module is the wrapped Module
     groups: dict[tuple, list[torch.nn.Parameter]] = {}
     for p in inner.parameters():  # tied parameters are listed once
         if p.requires_grad and p.is_contiguous():

@@ -16,8 +16,10 @@ job with the stage module's data-parallel and tensor-parallel ranks (checked, el
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ._base import Adapter, Reading
@@ -71,10 +73,12 @@ class PipelineStageAdapter(Adapter):
         inner, seen = reading.token
         return inner.read() is seen
 
-    def module(self):
+    def module(self) -> torch.nn.Module:
         return self.target.submod
 
-    def swap(self, reading: Reading, pieces, state, index: int, changes: list[str]):
+    def swap(
+        self, reading: Reading, pieces: Mapping[str, torch.Tensor], state: Any, index: int, changes: list[str]
+    ) -> Any:
         inner, seen = reading.token
         return inner.swap(seen, pieces, state, index, changes)
 
@@ -86,9 +90,9 @@ class PipelineStageAdapter(Adapter):
         inner, seen = reading.token
         return inner.join_slices(seen, part, device)
 
-    def write_weights(self, reading: Reading, pieces) -> None:
+    def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
         inner, seen = reading.token
         inner.write_weights(seen, pieces)
 
-    def refuse_training(self, why: str):
+    def refuse_training(self, why: str) -> Any:  # the inner adapter's context manager
         return self._inner().refuse_training(why)

@@ -41,7 +41,6 @@ import torch.distributed as dist
 import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
-from functional_ema._core import check_ema_dtype
 from functional_ema._checkpoint.collective import agree, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (
     MANIFEST_NAME,
@@ -53,6 +52,7 @@ from functional_ema._checkpoint.format import (
 )
 from functional_ema._checkpoint.reader import locate_checkpoint
 from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
+from functional_ema._core import check_ema_dtype
 from functional_ema._io import atomic_write_bytes
 from functional_ema.schedules import DecayLike
 
@@ -132,7 +132,7 @@ class EMAController:
         tag: str = "ema",
         dtype: torch.dtype = torch.float32,
         async_save: bool = False,
-    ):
+    ) -> None:
         self.decays = list(decay) if isinstance(decay, (list, tuple)) else [decay]
         if not self.decays:
             raise ValueError("decay: give at least one decay")

@@ -26,11 +26,15 @@ the EMA inside the folder ``save_state``/``load_state`` uses. The optimizer step
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import accelerate  # noqa: F401 - the framework this module glues to
 
+from functional_ema._state import EmaState
 from functional_ema.engines import adapter_for
 from functional_ema.schedules import DecayLike
 
@@ -52,7 +56,9 @@ class AcceleratorEMA:
             for ``functional_ema.integrations._common.EMAController``.
     """
 
-    def __init__(self, accelerator, model, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any):
+    def __init__(
+        self, accelerator: Any, model: Any, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any
+    ) -> None:
         self.accelerator, self.model = accelerator, model
         self.ema = EMAController(decay, **kwargs)
         self._steps = 0
@@ -62,7 +68,7 @@ class AcceleratorEMA:
         ]
 
     @property
-    def state(self):
+    def state(self) -> EmaState | None:
         """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
         return self.ema.state
 
@@ -82,14 +88,14 @@ class AcceleratorEMA:
             self._steps += 1
         return self.ema.on_step(self.model, self.optimizer_step)
 
-    def swapped(self, index: int | None = None):
+    def swapped(self, index: int | None = None) -> AbstractContextManager[bool]:
         """Context manager: the model computes with EMA ``index`` (default ``eval_index``)."""
         return self.ema.swapped(self.model, index)
 
-    def _on_save(self, models, weights, output_dir) -> None:
+    def _on_save(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
         self.ema.save(self.model, output_dir, self.optimizer_step)
 
-    def _on_load(self, models, input_dir) -> None:
+    def _on_load(self, models: list[Any], input_dir: str) -> None:
         # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest. Without
         # DeepSpeed the optimizer-step counter is this helper's own: it comes back from the EMA
         # checkpoint's checksummed record, checked against the EMA's step.
@@ -98,7 +104,7 @@ class AcceleratorEMA:
         else:
             self._steps = self.ema.load(self.model, input_dir, framework_step=None)
 
-    def export(self, path, index: int | None = None):
+    def export(self, path: str | os.PathLike, index: int | None = None) -> Path | None:
         """Consolidated EMA ``index`` into one safetensors file (rank 0 writes). Collective."""
         return self.ema.export(self.model, path, index)
 

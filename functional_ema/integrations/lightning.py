@@ -65,7 +65,7 @@ class EMACallback(pl.Callback):
             for ``functional_ema.integrations._common.EMAController``.
     """
 
-    def __init__(self, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any):
+    def __init__(self, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any) -> None:
         self.ema = EMAController(decay, **kwargs)
         self._swap: contextlib.ExitStack | None = None
         self._last_saved: str | None = None
@@ -76,25 +76,25 @@ class EMACallback(pl.Callback):
         return self.ema.state
 
     @staticmethod
-    def _target(trainer: "pl.Trainer"):
+    def _target(trainer: pl.Trainer):
         model = trainer.strategy.model
         return model if model is not None else trainer.lightning_module
 
     # ----------------------------------------------------------------------------------- wiring
 
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if getattr(trainer, "_functional_ema_wrapped", None) is self:
             return
         save, strategy = trainer.save_checkpoint, trainer.strategy
         remove = strategy.remove_checkpoint
 
-        def save_checkpoint(filepath, *args, **kwargs):
+        def save_checkpoint(filepath, *args, **kwargs) -> None:
             path = os.fspath(trainer.strategy.broadcast(filepath))
             save(filepath, *args, **kwargs)
             self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
             self._last_saved = path
 
-        def remove_checkpoint(filepath):
+        def remove_checkpoint(filepath) -> None:
             remove(filepath)
             sibling = Path(os.fspath(filepath) + ".ema")
             if trainer.is_global_zero and sibling.is_dir():
@@ -117,7 +117,7 @@ class EMACallback(pl.Callback):
 
     # ----------------------------------------------------------------------------------- events
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.ckpt_path:
             where = ema_dir_for(trainer.ckpt_path)
             self.ema.load(self._target(trainer), where, framework_step=trainer.global_step)

@@ -45,6 +45,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
 from ._common import EMAController
@@ -65,7 +66,7 @@ class EMACallback(TrainerCallback):
 
     def __init__(
         self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any
-    ):
+    ) -> None:
         self.ema = EMAController(decay, **kwargs)
         self.metric_prefix = metric_prefix
         self._trainer: Any = None
@@ -75,7 +76,7 @@ class EMACallback(TrainerCallback):
 
     # -------------------------------------------------------------------------------- wiring
 
-    def attach(self, trainer) -> "EMACallback":
+    def attach(self, trainer: Any) -> EMACallback:
         """Add this callback to ``trainer`` (if not already there) and keep a reference to it.
 
         Not needed with ``Trainer(..., callbacks=[ema])`` or ``trainer.add_callback(ema)``: the callback
@@ -90,7 +91,7 @@ class EMACallback(TrainerCallback):
         train = trainer.train
 
         @functools.wraps(train)
-        def train_and_remember(*args, **kwargs):
+        def train_and_remember(*args: Any, **kwargs: Any) -> Any:
             self._resume_arg = kwargs.get("resume_from_checkpoint", args[0] if args else None)
             return train(*args, **kwargs)
 
@@ -98,7 +99,7 @@ class EMACallback(TrainerCallback):
         return self
 
     @property
-    def state(self):
+    def state(self) -> EmaState | None:
         """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
         return self.ema.state
 
@@ -121,7 +122,7 @@ class EMACallback(TrainerCallback):
         if resumed is not None:
             self._resume_arg = resumed
 
-    def _target(self):
+    def _target(self) -> Any:
         if self._trainer is None:
             raise RuntimeError(
                 "EMACallback found no Trainer: pass it in Trainer(..., callbacks=[ema]) or trainer.add_callback(ema) "
@@ -132,7 +133,7 @@ class EMACallback(TrainerCallback):
         wrapped = getattr(t, "model_wrapped", None)
         return wrapped if wrapped is not None else t.model
 
-    def _resume_dir(self, args, state) -> str:
+    def _resume_dir(self, args: Any, state: Any) -> str:
         arg = self._resume_arg
         if isinstance(arg, (str, os.PathLike)) and os.path.isdir(arg):
             return os.fspath(arg)
@@ -147,24 +148,26 @@ class EMACallback(TrainerCallback):
 
     # -------------------------------------------------------------------------------- events
 
-    def on_init_end(self, args, state, control, **kwargs):
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._find_trainer()
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._find_trainer()
         if state.global_step > 0:  # a resumed run: the weights came from a checkpoint, so does the EMA
             self.ema.load(self._target(), self._resume_dir(args, state), framework_step=state.global_step)
         else:
             self.ema.state = self.ema.buffer_state = None
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ema.on_step(self._target(), state.global_step)
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         self.ema.save(self._target(), folder, state.global_step)
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(
+        self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None, **kwargs: Any
+    ) -> None:
         if self._in_ema_eval or not self.ema.started or self.ema.eval_index is None:
             return
         if self._evaluated_at == state.global_step:  # several eval datasets: one EMA pass covers them all
@@ -183,5 +186,5 @@ class EMACallback(TrainerCallback):
         finally:
             self._in_ema_eval = False
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ema.on_train_end(self._target())

@@ -5,15 +5,15 @@ fe.gather_full of each EMA at the save (keys "<k>/<name>"). Rerun only with that
     python -c "from functional_ema._testing.multirank import run_ranks; run_ranks('tests.data.make_ckpt_v1:worker', out='tests/data/ckpt_v1')"
 """
 
-import os, shutil
+import shutil
 from pathlib import Path
-import torch
 
 
 def worker(out):
-    import functional_ema as fe
     import torch.distributed as dist
     from safetensors.torch import save_file
+
+    import functional_ema as fe
     from functional_ema._testing.multirank import advance, checkpoint_decays, make_engine
 
     engine = make_engine(2, "fp32")
