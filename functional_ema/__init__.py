@@ -61,6 +61,7 @@ __all__ = [
     "consolidate",
     "consolidate_to_file",
     "dcp",
+    "export",
     "ema_nbytes",
     "gather_full",
     "init_ema",

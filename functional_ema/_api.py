@@ -238,9 +238,8 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     pieces = state_pieces(state, reading, index, "swapped")
     changes: list[str] = []  # what the block replaced or re-typed, put back by the adapter on exit
     try:
-        with _refuse_training(adapter, reading):
-            with adapter.swap(reading, pieces, state, index, changes) as stats:
-                yield stats
+        with _refuse_training(adapter, reading), adapter.swap(reading, pieces, state, index, changes) as stats:
+            yield stats
     except BaseException as error:
         if changes:
             error.add_note(f"functional_ema.swapped restored the trained weights; the block had {_changed(changes)}")

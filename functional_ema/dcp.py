@@ -407,9 +407,9 @@ def _verify(
     sizes = list(held.shape)
     item = held.element_size()
     held_bytes, verified = held.numel() * item, 0
-    for saved_off, saved_size, hexes in pieces:
-        if held.dim() == 1 and not saved_off:  # a 0-d parameter: one row
-            saved_off, saved_size = [0], [1]
+    for piece_off, piece_size, hexes in pieces:
+        # a 0-d parameter: one row
+        saved_off, saved_size = ([0], [1]) if held.dim() == 1 and not piece_off else (piece_off, piece_size)
         if len(saved_off) != held.dim():
             raise CorruptCheckpointError(
                 f"{where(saved_off)}: EMA {k} parameter {name!r}: a saved piece has {len(saved_off)} dimensions, the "

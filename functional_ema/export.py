@@ -79,7 +79,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     Raises:
         ValueError: another value, naming the ``dtype`` option.
     """
-    if dtype is None or isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in _DTYPES.values()):
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]

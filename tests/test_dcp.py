@@ -15,9 +15,9 @@ import warnings
 import pytest
 import torch
 
-from functional_ema.checkpoint import CheckpointMismatchError
 from functional_ema._testing.multirank import TP_DECAY as DECAY
 from functional_ema._testing.multirank import TPNet, run_ranks, tp_batch, tp_mesh, tp_model
+from functional_ema.checkpoint import CheckpointMismatchError
 
 STEPS = 3
 

@@ -3,6 +3,8 @@ EMA of DeepSpeed's own full fp32 weights computed in plain torch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from functional_ema._testing.multirank import (
@@ -93,18 +95,15 @@ def _engine_module_refused(engine, state) -> dict:
     """``engine.module`` passed instead of the engine: {verb: the TypeError's message, or None if accepted}.
     Only ``local_shards`` is tried when it is accepted (ZeRO-0 fp32: the module's parameters are the weights)."""
     import tempfile
+    import warnings
 
     import functional_ema as fe
-
-    import warnings
 
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        try:
+        with contextlib.suppress(TypeError):
             fe.local_shards(engine.module)
-        except TypeError:
-            pass
     out["warned"] = [w.category.__name__ for w in caught if issubclass(w.category, fe.LowPrecisionWeightsWarning)]
     for verb, call in (
         ("local_shards", lambda: fe.local_shards(engine.module)),

@@ -176,8 +176,9 @@ def _owned_and_changed():
     block that re-types, re-assigns or replaces parameters leaves the trained shards back bitwise."""
     import warnings
 
-    import functional_ema as fe
     from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
 
     out = {}
     model, opt = _fsdp_model(0, "fp32", True)
@@ -777,7 +778,7 @@ def test_unsupported_placements_are_refused_naming_the_parameter(trained):
 
 
 def test_modules_fsdp_manages_from_outside_are_refused_and_16_bit_shards_warn_once(trained):
-    for world, per_rank in trained.items():
+    for per_rank in trained.values():
         for res in per_rank:
             o = res["owned"]
             for msg in o["inner_refused"]:  # model.norm (root-managed), model.block[0] (managed by model.block)

@@ -404,12 +404,14 @@ class FSDP2Adapter(Adapter):
 
         mesh, dims = reading.token.tp_mesh, reading.layout.tp_dims or {}
         out = {}
-        for name, t in part.items():
+        for name, piece in part.items():
             d = dims.get(name)
+            t = piece
             if d is not None:
                 shape = tuple(reading.params[name].shape)  # a DTensor parameter: the global shape
                 stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-                t = DTensor.from_local(t, mesh, [Shard(d)], run_check=False, shape=shape, stride=stride).full_tensor()
+                t = DTensor.from_local(piece, mesh, [Shard(d)], run_check=False, shape=shape, stride=stride)
+                t = t.full_tensor()
             out[name] = t if device is None else t.to(device)
         return out
 
