@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._args import check_bool, check_rank
 from ._checkpoint.collective import agree
 from ._errors import StateMismatchError, SwappedTrainingError
 from ._fit import state_problem
@@ -133,8 +134,15 @@ def gather_full(
 
     Raises:
         StateMismatchError: on every rank, when the state does not fit ``x`` on some rank.
+        TypeError, ValueError: ``dst`` not ``None`` or a rank of the group (of the job when joining parts),
+            ``join_parts`` not a bool; raised on every rank before any collective.
     """
+    join_parts = check_bool(join_parts, "join_parts")  # checked on every rank before any collective
     reading = adapter_for(x).read()
+    joining = join_parts and not reading.layout.part.whole
+    if dst is not None:  # a rank of the job when joining parts, else of the data-parallel group
+        job = torch.distributed.get_world_size() if joining and torch.distributed.is_initialized() else None
+        dst = check_rank(dst, "dst", reading.layout.world_size if job is None else job)
     pieces = state_pieces(state, reading, index, "gather_full")
     if not join_parts or reading.layout.part.whole:
         return gather_pieces(reading, pieces, dst=dst, device=device, bucket_bytes=bucket_bytes)

@@ -42,6 +42,7 @@ __all__ = [
     "gamma_to_sigma_rel",
     "interval_decay",
     "as_schedule",
+    "check_decay",
 ]
 
 
@@ -350,17 +351,32 @@ class _Callable(_BuiltinSchedule):
         return {"kind": "callable", "name": getattr(self.fn, "__qualname__", repr(self.fn))}
 
 
+def check_decay(decay: Any, what: str = "decay") -> DecayLike:
+    """``decay`` if :func:`update <functional_ema.update>` can use it: a real number in [0, 1] (an int
+    or float), a schedule, or a callable ``step -> decay`` (whose values are checked at each update);
+    else a ``TypeError``/``ValueError`` naming ``what`` and the value. The check of :func:`as_schedule`,
+    for callers that take a decay now and update later (the integrations, at construction)."""
+    if isinstance(decay, _BuiltinSchedule) or (callable(decay) and not isinstance(decay, type)):
+        return decay
+    if isinstance(decay, (int, float)) and not isinstance(decay, bool):
+        _check_decay(what, decay)
+        return decay
+    raise TypeError(
+        f"{what} must be a float in [0, 1], a schedule (functional_ema.schedules) or a callable step -> decay, "
+        f"got {_describe(decay)}"
+    )
+
+
 def as_schedule(decay: DecayLike) -> Schedule:
     """Turn a float (constant decay), a schedule, or a callable ``step -> decay`` into a schedule."""
     if isinstance(decay, _BuiltinSchedule):
         return decay
-    if isinstance(decay, (int, float)) and not isinstance(decay, bool):
+    check_decay(decay)
+    if isinstance(decay, (int, float)):
         return constant(float(decay))
-    if callable(decay) and hasattr(decay, "interval"):
+    if hasattr(decay, "interval"):
         return decay  # a user schedule following the protocol
-    if callable(decay):
-        return _Callable(decay)
-    raise TypeError(f"decay must be a float, a schedule or a callable step -> decay, got {type(decay).__name__}")
+    return _Callable(decay)
 
 
 def interval_decay(decay: DecayLike, start: int, stop: int) -> float:

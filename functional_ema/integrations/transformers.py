@@ -35,6 +35,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from functional_ema._args import check_str
 from functional_ema.schedules import DecayLike
 
 from ._common import EMAController
@@ -57,7 +58,7 @@ class EMACallback(TrainerCallback):
         self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any
     ):
         self.ema = EMAController(decay, **kwargs)
-        self.metric_prefix = metric_prefix
+        self.metric_prefix = check_str(metric_prefix, "metric_prefix")
         self._trainer: Any = None
         self._resume_arg: Any = None
         self._in_ema_eval = False
