@@ -10,16 +10,22 @@ name instead of hours later at the first update or save. The step and decay chec
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ._core import check_step
-from .schedules import DecayLike, check_decay
+from .schedules import DecayLike, _real, check_decay
 
 __all__ = [
     "check_bool",
     "check_decays",
+    "check_device",
+    "check_real",
+    "check_state",
     "check_int",
     "check_optional_int",
     "check_path",
@@ -91,3 +97,48 @@ def check_decays(decay: Any, what: str = "decay") -> list[DecayLike]:
             raise ValueError(f"{what}: give at least one decay (got an empty {type(decay).__name__})")
         return [check_decay(d, f"{what}[{i}]") for i, d in enumerate(decay)]
     return [check_decay(decay, what)]
+
+
+def check_state(state: Any, what: str = "state") -> Any:
+    """``state`` if it is an :class:`functional_ema.EmaState` (from ``init_ema`` or ``load``); else a ``TypeError``."""
+    from ._state import EmaState
+
+    if not isinstance(state, EmaState):
+        raise TypeError(
+            f"{what} must be an EmaState (from functional_ema.init_ema or functional_ema.load), got "
+            f"{type(state).__name__}"
+        )
+    return state
+
+
+def check_device(device: Any, what: str = "device") -> torch.device | None:
+    """``None``, or ``device`` (a ``torch.device`` or its name, e.g. ``"cpu"``, ``"cuda:0"``) as a ``torch.device``."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(
+            f"{what} must be a torch.device, a device name such as 'cpu', or None; got {type(device).__name__} {device!r}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{what}={device!r} is not a device: {str(e).splitlines()[0][:120]}") from None
+
+
+def check_real(
+    value: Any, what: str, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False
+) -> float:
+    """``value`` as a finite float in ``[low, high]`` (``(low, high]`` when ``low_open``): ints, floats, numpy
+    scalars and one-element real tensors accepted; bools, strings, ``None``, containers and NaN refused."""
+    real = None if isinstance(value, bool) else _real(value)
+    if real is None:
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r:.60}")
+    if (
+        not (math.isfinite(real) or (real == high == math.inf))
+        or real > high
+        or real < low
+        or (low_open and real == low)
+    ):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ValueError(f"{what} must be a number in {bounds}, got {real!r}")
+    return real

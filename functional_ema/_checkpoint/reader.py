@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import _io
-from .._args import check_bool, check_optional_int
+from .._args import check_bool, check_int, check_optional_int, check_path
 from .._layout import ModelPart, ShardLayout, ShardSpec
 from .errors import (
     CheckpointError,
@@ -133,6 +133,7 @@ class CheckpointReader:
         :meth:`holds`). A rank then reads one header instead of all ``world_size`` of them; the other
         ranks open their own files, and a bad one is reported on every rank by the collective's agreement.
         """
+        check_bool(verify, "verify")
         root, tag, tag_dir, manifest = cls._locate(checkpoint_dir, tag)
         return cls._for_part(root, tag, tag_dir, manifest, cls._select(tag_dir, manifest, part), verify, own)
 
@@ -141,6 +142,7 @@ class CheckpointReader:
         cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True
     ) -> list["CheckpointReader"]:
         """One reader per model-parallel part (one for a whole model), from one reading of the manifest."""
+        check_bool(verify, "verify")
         root, tag, tag_dir, manifest = cls._locate(checkpoint_dir, tag)
         readers: list[CheckpointReader] = []
         try:
@@ -175,7 +177,7 @@ class CheckpointReader:
     def _locate(cls, checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[Path, str, Path, dict]:
         """(root, tag, tag folder, validated manifest), following ``latest`` / ``ema_latest`` for ``tag=None``;
         every file the manifest lists must exist."""
-        root = Path(checkpoint_dir)
+        root = check_path(checkpoint_dir, "checkpoint_dir")
         if root.is_file():
             cls._not_a_directory(root)
         if not root.is_dir():
@@ -567,7 +569,8 @@ class CheckpointReader:
     # -- checks
 
     def check_index(self, index: int) -> None:
-        if not 0 <= int(index) < self.num_emas:
+        index = check_int(index, "index")
+        if not index < self.num_emas:
             raise CheckpointMismatchError(
                 f"index={index}, but tag {self.tag!r} holds {self.num_emas} EMA(s) (valid: 0..{self.num_emas - 1})"
             )

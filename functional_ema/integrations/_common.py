@@ -543,6 +543,7 @@ class EMAController:
     def on_train_end(self, x: Any, strip_prefix: str = "") -> None:
         """Wait for the EMA writes in flight, then the configured final export and/or copy into the model."""
         strip_prefix = check_str(strip_prefix, "strip_prefix")
+        fe.engines.adapter_for(x)  # a model the verbs can read, also when there is nothing to do
         self.wait()
         if self.state is None:
             return

@@ -72,6 +72,8 @@ class EMACallback(TrainerCallback):
         ``trainer.train`` is wrapped (on this instance only) to see ``resume_from_checkpoint``, so
         the EMA is loaded from the same checkpoint as the weights. Returns ``self``.
         """
+        if not (callable(getattr(trainer, "add_callback", None)) and hasattr(trainer, "callback_handler")):
+            raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         self._trainer = weakref.proxy(trainer)
