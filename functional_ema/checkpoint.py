@@ -578,7 +578,9 @@ def consolidate(
         verify: check the checksums of every byte read.
         tp_dims: ``{name: dim}`` (``None`` for a parameter replicated across tensor-parallel ranks):
             how the slices of a tensor-parallel checkpoint join, where the engine recorded no split
-            (a plain ``mpu=``). Overrides the recorded split.
+            (a plain ``mpu=``). Where a split was recorded, an entry must agree with it (a contradicting
+            dim, a dim the parameter lacks or an unknown name: :class:`CheckpointMismatchError` naming the
+            parameter, the recorded dim and the given one).
         tp_rank: instead of joining, return this tensor-parallel rank's slices as they are.
 
     Returns:
