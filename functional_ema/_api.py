@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._args import check_bool, check_device, check_int, check_rank, check_state
+from ._args import check_bool, check_device, check_int, check_rank
 from ._checkpoint.collective import agree
 from ._errors import StateMismatchError, SwappedTrainingError
 from ._fit import state_problem
@@ -140,7 +140,7 @@ def gather_full(
     join_parts = check_bool(join_parts, "join_parts")  # checked on every rank before any collective
     bucket_bytes = check_int(bucket_bytes, "bucket_bytes", minimum=1)
     device = check_device(device, "device")
-    index = check_int(check_state(state) and index, "index")
+    index = check_int(index, "index")  # the state is checked by state_pieces, on every rank together
     reading = adapter_for(x).read()
     joining = join_parts and not reading.layout.part.whole
     if dst is not None:  # a rank of the job when joining parts, else of the data-parallel group

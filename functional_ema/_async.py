@@ -45,7 +45,7 @@ from typing import Any, Sequence
 import torch
 
 from . import _io, _memory
-from ._args import check_bool, check_int, check_path, check_real, check_state
+from ._args import check_bool, check_int, check_path, check_real
 from ._checkpoint import collective, format as fmt, writer
 from ._checkpoint.errors import CheckpointError
 from .engines import adapter_for
@@ -204,8 +204,7 @@ class AsyncSaver:
                 this saver failed and its ``wait()`` has not raised that on this rank, the process
                 group is gone, or two ranks of the job would write the same file.
         """
-        check_state(state)
-        save_dir = check_path(save_dir, "save_dir")
+        save_dir = check_path(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
         collective.timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
         adapter = adapter_for(engine)
         reading = adapter.read()  # read once; the rest takes plain data

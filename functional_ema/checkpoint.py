@@ -234,8 +234,7 @@ def save(
         >>> fe.save(state, engine, "ckpt", decay=0.999)          # doctest: +SKIP
         >>> engine.save_checkpoint("ckpt")                       # doctest: +SKIP
     """
-    check_state(state)
-    save_dir = check_path(save_dir, "save_dir")
+    save_dir = check_path(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
     timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
     adapter = adapter_for(engine)
     reading = adapter.read()  # the training object is read once; everything below takes plain data

@@ -1125,7 +1125,7 @@ rows("posthoc.synthesize", snapshots=SEQ, coeffs=SEQ, dtype=EMA_DTYPE, accumulat
 # are counted apart ("open"); an entry whose cases all pass now fails the test (remove it: the table
 # only shrinks).
 OWNED = "# owned by dcp/engines branch"  # functional_ema/dcp.py belongs to another helper
-POSTHOC_MATH = "posthoc profile math: numbers and arrays go through numpy unchecked (not fixed yet)"
+POSTHOC_MATH = "post-hoc: not fixed yet (numbers and arrays of the profile math go through numpy unchecked)"
 OPEN: dict[tuple[str, str], str] = {
     ("dcp.EMAStateful", "x"): OWNED,
     ("dcp.EMAStateful", "state"): OWNED,
@@ -1136,10 +1136,141 @@ OPEN: dict[tuple[str, str], str] = {
 }
 
 
-def _open_posthoc(params: dict[tuple[str, str], inspect.Parameter]) -> None:
-    for qual, param in params:
-        if qual.startswith("posthoc."):
-            OPEN.setdefault((qual, param), POSTHOC_MATH)
+# The post-hoc parameters still open (numbers and arrays of the profile math go to numpy unchecked; a few
+# file arguments: schedules, snapshot_dir of save_snapshot, prefix, layout). Not fixed yet.
+for _qual, _params in [
+    (
+        "posthoc.expressible_range",
+        (
+            "max_profile_error",
+            "rcond",
+            "snapshot_gammas",
+            "snapshot_steps",
+            "step",
+        ),
+    ),
+    ("posthoc.list_snapshots", ("prefix",)),
+    (
+        "posthoc.plot_profile",
+        (
+            "coeffs",
+            "dpi",
+            "gamma",
+            "num",
+            "snapshot_gammas",
+            "snapshot_steps",
+            "step",
+        ),
+    ),
+    (
+        "posthoc.posthoc_local",
+        (
+            "gamma",
+            "layout",
+            "max_profile_error",
+            "prefix",
+            "step",
+        ),
+    ),
+    (
+        "posthoc.posthoc_offline",
+        (
+            "gamma",
+            "max_profile_error",
+            "prefix",
+            "step",
+        ),
+    ),
+    (
+        "posthoc.posthoc_to_file",
+        (
+            "gamma",
+            "max_profile_error",
+            "prefix",
+            "step",
+        ),
+    ),
+    (
+        "posthoc.power_profile",
+        (
+            "gamma",
+            "step",
+            "tau",
+        ),
+    ),
+    (
+        "posthoc.profile_error",
+        (
+            "coeffs",
+            "gamma",
+            "snapshot_gammas",
+            "snapshot_steps",
+            "step",
+        ),
+    ),
+    (
+        "posthoc.profile_inner",
+        (
+            "gamma_a",
+            "gamma_b",
+            "step_a",
+            "step_b",
+        ),
+    ),
+    (
+        "posthoc.reconstruct",
+        (
+            "dtype",
+            "gamma",
+            "max_profile_error",
+            "snapshots",
+            "step",
+        ),
+    ),
+    (
+        "posthoc.reconstruction_profile",
+        (
+            "coeffs",
+            "gamma",
+            "max_profile_error",
+            "num",
+            "snapshot_gammas",
+            "snapshot_steps",
+            "step",
+        ),
+    ),
+    (
+        "posthoc.save_snapshot",
+        (
+            "schedules",
+            "snapshot_dir",
+        ),
+    ),
+    ("posthoc.snapshot", ("schedules",)),
+    ("posthoc.snapshot_gammas", ("schedules",)),
+    (
+        "posthoc.solve_coefficients",
+        (
+            "gamma",
+            "max_profile_error",
+            "rcond",
+            "snapshot_gammas",
+            "snapshot_steps",
+            "step",
+        ),
+    ),
+    (
+        "posthoc.synthesize",
+        (
+            "accumulate_dtype",
+            "coeffs",
+            "dtype",
+            "snapshots",
+        ),
+    ),
+]:
+    for _param in _params:
+        OPEN[(_qual, _param)] = POSTHOC_MATH
 
 
 # ----------------------------------------------------------------------------------------- the tests
@@ -1165,7 +1296,6 @@ def test_values_table(tmp_path, monkeypatch, capsys):
     """Every hostile value of every row: refused naming the parameter before anything moved, or documented."""
     monkeypatch.chdir(tmp_path)
     params = public_parameters()
-    _open_posthoc(params)
     outcomes = run_table(tmp_path)
     by_class: dict[str, Counter] = {}
     failures, still_open = [], set()
@@ -1192,6 +1322,6 @@ def test_values_table(tmp_path, monkeypatch, capsys):
         print(
             f"  {'total':14s} {total['cases']:5d} {total['refused']:5d} {total['documented']:5d} {total['silent']:3d} {total['crash']:3d}  open {total['open']}"
         )
-    fixed = sorted(f"{q}({p})" for (q, p), why in OPEN.items() if why != POSTHOC_MATH and (q, p) not in still_open)
+    fixed = sorted(f"{q}({p})" for q, p in OPEN if (q, p) not in still_open)
     assert not failures, f"{len(failures)} silent/crash case(s):\n" + "\n".join(failures[:60])
     assert not fixed, f"OPEN entries whose cases all pass now (remove them): {fixed}"
