@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._args import check_bool, check_device, check_int, check_rank
 from ._checkpoint.collective import agree_on, layout_record
 from ._errors import StateMismatchError, SwappedParametersChangedError, SwappedTrainingError
 from ._fit import state_problem
@@ -177,9 +178,19 @@ def gather_full(
 
     Raises:
         StateMismatchError: on every rank, when the state does not fit ``x`` on some rank.
+        TypeError, ValueError: ``dst`` not ``None`` or a rank of the group (of the job when joining parts),
+            ``join_parts`` not a bool; raised on every rank before any collective.
     """
+    join_parts = check_bool(join_parts, "join_parts")  # checked on every rank before any collective
+    bucket_bytes = check_int(bucket_bytes, "bucket_bytes", minimum=1)
+    device = check_device(device, "device")
+    index = check_int(index, "index")  # the state is checked by state_pieces, on every rank together
     adapter = adapter_for(x)
     reading = adapter.read()
+    joining = join_parts and not reading.layout.part.whole
+    if dst is not None:  # a rank of the job when joining parts, else of the data-parallel group
+        job = torch.distributed.get_world_size() if joining and torch.distributed.is_initialized() else None
+        dst = check_rank(dst, "dst", reading.layout.world_size if job is None else job)
     pieces = state_pieces(state, reading, index, "gather_full")
     if join_parts and not reading.layout.part.whole:
         part = gather_pieces(reading, pieces, device="cpu", bucket_bytes=bucket_bytes)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from . import _io, _memory
+from ._args import check_bool, check_int, check_path, check_real
 from ._checkpoint import collective, writer
 from ._checkpoint import format as fmt
 from ._checkpoint.errors import CheckpointError
@@ -162,11 +164,9 @@ class AsyncSaver:
     """
 
     def __init__(self, max_in_flight: int = 1, *, commit_timeout: float = 1800.0, pin_memory: bool = True) -> None:
-        if int(max_in_flight) < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.max_in_flight = int(max_in_flight)
-        self.commit_timeout = float(commit_timeout)
-        self.pin_memory = pin_memory
+        self.max_in_flight = check_int(max_in_flight, "max_in_flight", minimum=1)
+        self.commit_timeout = check_real(commit_timeout, "commit_timeout", low=0.0, high=math.inf, low_open=True)
+        self.pin_memory = check_bool(pin_memory, "pin_memory")
         self._handles: list[SaveHandle] = []  # in start order; finished ones are dropped at the next save
         self._free: list[torch.Tensor] = []  # snapshot buffers of finished saves, for reuse
         self._writers: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started them, threads)
@@ -207,12 +207,13 @@ class AsyncSaver:
                 this saver failed and its ``wait()`` has not raised that on this rank, the process
                 group is gone, or two ranks of the job would write the same file.
         """
+        save_dir = check_path(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
+        collective.timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
         adapter = adapter_for(engine)
         reading = adapter.read()  # read once; the rest takes plain data
         layout = reading.layout
         group, rank, world = collective.job_of(reading)  # the ranks that save this model together
         collective.check_reachable("AsyncSaver.save", group, world)
-        save_dir = Path(save_dir)
         tag = fmt.check_tag(adapter.default_tag(state) if tag is None else tag)
         tag_dir = save_dir / tag
         writes = layout.writes_pieces

@@ -32,6 +32,9 @@ _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 EMA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # A step is an int64 counter: refuse what cannot be stored before anything moves.
 _MAX_STEP = 2**63 - 1
+# More EMAs than this in one state is a mistake (each is a full copy of the weights), and a huge count
+# would otherwise allocate until memory runs out.
+MAX_EMAS = 1024
 _TENSOR, _INT64 = torch.Tensor, torch.int64  # read on every update: no module attribute lookups
 
 
@@ -55,8 +58,8 @@ def check_num_emas(num_emas: Any, what: str = "num_emas") -> int:
             f"{what} must be an int >= 1 (how many EMAs to track), got {type(num_emas).__name__} {num_emas!r}; "
             f"pass e.g. {what}=2"
         ) from None
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}")
+    if not 1 <= value <= MAX_EMAS:
+        raise ValueError(f"{what} must be in [1, {MAX_EMAS}] (how many EMAs to track), got {value}")
     return value
 
 
@@ -162,9 +165,12 @@ def init_ema(
         >>> state.ema["w"]
         tensor([0.5000, 0.5000, 0.5000])
     """
+    from ._args import check_bool, check_device
+
     num_emas = check_num_emas(num_emas)
     dtype = check_ema_dtype(dtype)
-    if device is not None and torch.device(device).type == "meta":
+    pin_memory = check_bool(pin_memory, "pin_memory")
+    if device is not None and check_device(device, "device").type == "meta":
         raise ValueError(
             f"device={device!r}: an EMA on the meta device holds no values; pass a real device (or None for "
             "each shard's own)"
@@ -182,6 +188,8 @@ def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values:
     """The state's tensors laid out like ``shards``; filled with their values when ``copy_values``,
     else uninitialised (for :func:`functional_ema.load`, which overwrites every value)."""
     step = check_step(step, "step")
+    if shards is None:
+        raise TypeError("shards must be a tree of floating tensors (e.g. functional_ema.local_shards(model)), got None")
     if isinstance(shards, Shards):
         for j in range(len(shards.segments)):
             _check_segment(shards, j)
@@ -219,6 +227,9 @@ def _check_floating(names: list[str], leaves: list[torch.Tensor], what: str) -> 
 
 def ema_nbytes(state: EmaState) -> int:
     """Bytes held by the state's EMA tensors (mirrored gaps between fused tensors included)."""
+    from ._args import check_state
+
+    check_state(state)
     total = 0
     for ema in state.emas:
         tensors = ema.segments if isinstance(ema, Shards) else optree.tree_leaves(ema, none_is_leaf=False)
@@ -304,7 +315,7 @@ def update(
         (tensor([0.5000, 0.5000]), tensor([0.7500, 0.7500]))
     """
     if type(state) is not EmaState:
-        raise TypeError(f"update() takes an EmaState (from init_ema or load), got {type(state).__name__}")
+        raise TypeError(f"update(): state must be an EmaState (from init_ema or load), got {type(state).__name__}")
     counter = state.step
     # Two attribute reads, no sync: what init_ema makes passes; int() fails on a meta or multi-element
     # counter. Anything odd is refused by check_step_tensor with the reason, before anything moves.
@@ -326,6 +337,12 @@ def update(
             )
     elif type(step) is not int:
         step = check_step(step, "step")
+    if inplace is not True and inplace is not False:
+        from ._args import check_bool
+
+        check_bool(inplace, "inplace")
+    if nonfinite is not None and not (isinstance(nonfinite, str) and nonfinite in ("skip", "raise")):
+        raise ValueError(f'nonfinite must be None, "skip" or "raise", got {nonfinite!r}')
     group = shards.group if nonfinite is not None and type(shards) is Shards else None
     if group is not None:  # the ranks decide together (one small all-reduce): all skip or none
         plan, weights, finite = _check_together(state, shards, step, last, decay, nonfinite, group)
@@ -459,6 +476,9 @@ def update_info(state: EmaState, shards: Any) -> UpdateInfo:
         >>> fe.update_info(state, fe.local_shards(model)).fused
         True
     """
+    from ._args import check_state
+
+    check_state(state)
     e0 = state.emas[0] if state.emas else None
     reused = type(e0) is Shards and e0._memo is not None and e0._memo[0] is shards
     plan = _plan_for(state.emas, shards)

@@ -97,6 +97,13 @@ def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype
     return BufferState(torch.tensor(step, dtype=torch.int64), emas, copied)
 
 
+def _check_bstate(bstate: Any) -> None:
+    if not isinstance(bstate, BufferState):
+        raise TypeError(
+            f"bstate must be a BufferState (from init_buffers or load_buffers), got {type(bstate).__name__}"
+        )
+
+
 def _check_names(bstate: BufferState, floats: dict, others: dict, verb: str) -> None:
     want_f, want_o = set(floats), set(others)
     for k, ema in enumerate(bstate.emas):
@@ -128,8 +135,9 @@ def update_buffers(
     ``bstate.step``, ``step`` and ``decay`` are checked as :func:`functional_ema.update` checks them,
     before any buffer value changes.
     """
-    if mode not in ("average", "copy"):
+    if not (isinstance(mode, str) and mode in ("average", "copy")):
         raise ValueError(f'mode must be "average" or "copy", got {mode!r}')
+    _check_bstate(bstate)
     check_step_tensor(bstate.step, "bstate.step", "init_buffers", "load_buffers")
     floats, others = split_floating(module_buffers(x))
     _check_names(bstate, floats, others, "update_buffers")
@@ -154,10 +162,14 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
     copied integer buffers; the live values come back on exit, also on error. Nest it with
     :func:`functional_ema.swapped` to evaluate with EMA parameters and buffers. Yields the number of
     buffers swapped."""
+    from ._args import check_int
+
+    _check_bstate(bstate)
+    index = check_int(index, "index")
     floats, others = split_floating(module_buffers(x))
     _check_names(bstate, floats, others, "swapped_buffers")
-    if not 0 <= index < bstate.num_emas:
-        raise IndexError(f"index={index} is not one of the buffer state's {bstate.num_emas} EMAs")
+    if not index < bstate.num_emas:
+        raise ValueError(f"index={index} is not one of the buffer state's {bstate.num_emas} EMAs")
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         with torch.no_grad():
@@ -195,8 +207,11 @@ def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
     byte by byte, on the devices of ``x``'s buffers and against ``x``'s buffer names and shapes.
     ``tag=None`` follows ``latest`` / ``ema_latest`` as :func:`functional_ema.load` does.
     """
+    from ._args import check_bool, check_path
     from ._checkpoint.collective import agree, arrive, job_of
     from ._checkpoint.reader import open_checkpoint
+
+    load_dir, verify = check_path(load_dir, "load_dir"), check_bool(verify, "verify")
     from .engines import adapter_for
 
     adapter = adapter_for(x)
@@ -215,6 +230,9 @@ def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
 
 def has_buffers(load_dir: str | os.PathLike, tag: str | None = None) -> bool:
     """Whether the complete checkpoint ``load_dir/tag`` carries buffers (its manifest lists buffer files)."""
+    from ._args import check_path
+
+    load_dir = check_path(load_dir, "load_dir")
     from .checkpoint import read_manifest
 
     return read_manifest(load_dir, tag).get("buffer_files") is not None

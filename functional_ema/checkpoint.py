@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _io, _memory
+from ._args import check_bool, check_path, check_state
 from ._async import AsyncSaver, SaveHandle
 from ._checkpoint.collective import (
     DEFAULT_TIMEOUT_S,
@@ -122,7 +123,7 @@ from ._checkpoint.writer import (
     write_buffer_file,
     write_rank_file,
 )
-from ._core import _allocate
+from ._core import _allocate, check_ema_dtype
 from ._fit import state_problem
 from ._layout import ShardLayout
 from ._state import EmaState
@@ -169,6 +170,8 @@ def default_tag(x, state: EmaState | None = None) -> str:
     """The tag :func:`save` uses when none is given: DeepSpeed's own default,
     ``f"global_step{engine.global_steps}"``, for a DeepSpeed engine; ``f"global_step{state.step}"``
     for other models."""
+    if state is not None:
+        check_state(state)
     return adapter_for(x).default_tag(state)
 
 
@@ -235,11 +238,12 @@ def save(
         >>> fe.save(state, engine, "ckpt", decay=0.999)          # doctest: +SKIP
         >>> engine.save_checkpoint("ckpt")                       # doctest: +SKIP
     """
+    save_dir = check_path(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
+    timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
     adapter = adapter_for(engine)
     reading = adapter.read()  # the training object is read once; everything below takes plain data
     layout = reading.layout
     jgroup, jrank, jworld = job_of(reading)
-    save_dir = Path(save_dir)
     raw_tag = adapter.default_tag(state) if tag is None else tag
     arrive("save", jgroup, jworld, jrank, timeout)
     writes = layout.writes_pieces
@@ -351,7 +355,7 @@ def client_state_summary(state: EmaState, engine=None) -> dict:
     """
     info: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
-        "step": int(state.step),
+        "step": int(check_state(state).step),
         "num_emas": state.num_emas,
         "manifest": MANIFEST_NAME,
         "files": "ema_rank_<rank>_of_<world>.safetensors beside this file (listed in the manifest)",
@@ -460,6 +464,12 @@ def load_checkpoint(
     validated manifest (its ``extra`` record), all from one opening of the checkpoint. Collective."""
     if out is not None and not isinstance(out, EmaState):
         raise TypeError(f"load(out=...) takes an EmaState (from fe.init_ema or fe.load), got {type(out).__name__}")
+    if dtype is not None:
+        check_ema_dtype(dtype)
+    verify = check_bool(verify, "verify")
+    buffers = check_bool(buffers, "buffers")
+    load_dir = check_path(load_dir, "load_dir")
+    timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
     adapter = adapter_for(engine)
     reading = adapter.read()
     layout, job = reading.layout, job_of(reading)
@@ -610,7 +620,9 @@ def consolidate(
         verify: check the checksums of every byte read.
         tp_dims: ``{name: dim}`` (``None`` for a parameter replicated across tensor-parallel ranks):
             how the slices of a tensor-parallel checkpoint join, where the engine recorded no split
-            (a plain ``mpu=``). Overrides the recorded split.
+            (a plain ``mpu=``). Where a split was recorded, an entry must agree with it (a contradicting
+            dim, a dim the parameter lacks or an unknown name: :class:`CheckpointMismatchError` naming the
+            parameter, the recorded dim and the given one).
         tp_rank: instead of joining, return this tensor-parallel rank's slices as they are.
 
     Returns:
@@ -701,7 +713,10 @@ def consolidate_to_file(
 
     Command line: ``python -m functional_ema consolidate ckpt ema.safetensors [--tag T] [--index K]``.
     """
-    out_path = Path(out_path)
+    out_path = check_path(out_path, "out_path")
+    overwrite = check_bool(overwrite, "overwrite")
+    if progress is not None:
+        check_bool(progress, "progress")
     with open_joined(checkpoint_dir, tag, verify, tp_dims, tp_rank) as ckpt:
         ckpt.check_index(index)
         check_output(out_path, ckpt.root, [ckpt.tag_dir], overwrite)

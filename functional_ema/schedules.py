@@ -114,6 +114,25 @@ def _check_decay(name: str, value: float) -> float:
     return real
 
 
+def _positive(name: str, value: Any, low: float = 0.0) -> float:
+    """``value`` as a finite real number ``> low``; else a ``TypeError``/``ValueError`` naming ``name``."""
+    real = _real(value)
+    if real is None:
+        raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+    if not (real > low and math.isfinite(real)):
+        raise ValueError(
+            f"{name} must be a finite number > {low:g} (the schedule needs {name} > {low:g}), got {real!r}"
+        )
+    return real
+
+
+def _step_arg(name: str, value: Any) -> int:
+    """``value`` as an int step (the check of :func:`functional_ema.update`'s ``step``)."""
+    from ._core import check_step  # _core imports this module
+
+    return check_step(value, name)
+
+
 def _check_steps(start: int, stop: int) -> None:
     if stop < start or start < 0:
         raise ValueError(f"interval needs 0 <= start <= stop, got start={start}, stop={stop}")
@@ -232,8 +251,8 @@ def warmup(
     ``s = t - start_step - 1``, and ``beta(t) = 0`` (EMA = weights) while ``s <= 0``.
     ``power=2/3`` reaches 0.999 at ~31.6k steps, ``power=3/4`` reaches 0.9999 at ~215k steps.
     """
-    if inv_gamma <= 0 or power <= 0:
-        raise ValueError(f"warmup needs inv_gamma > 0 and power > 0, got inv_gamma={inv_gamma}, power={power}")
+    inv_gamma, power = _positive("inv_gamma", inv_gamma), _positive("power", power)
+    start_step = _step_arg("start_step", start_step)
     lo, hi = _check_decay("min_decay", min_decay), _check_decay("max_decay", max_decay)
     if lo > hi:
         raise ValueError(f"min_decay={lo} is larger than max_decay={hi}")
@@ -254,16 +273,12 @@ class _HalfLife(_BuiltinSchedule):
 
 def half_life(steps: float) -> Schedule:
     """Constant decay whose weight on past weights halves every ``steps`` steps: ``0.5**(1/steps)``."""
-    if not steps > 0:
-        raise ValueError(f"half_life needs steps > 0, got {steps!r}")
-    return _HalfLife(float(steps))
+    return _HalfLife(_positive("steps", steps))
 
 
 def gamma_to_sigma_rel(gamma: float) -> float:
     """Relative standard deviation of the power profile ``t**gamma`` (Karras et al. 2024, eq. 3)."""
-    g = float(gamma)
-    if not g > -1:
-        raise ValueError(f"gamma must be > -1, got {gamma!r}")
+    g = _positive("gamma", gamma, low=-1.0)
     return math.sqrt((g + 1.0) / ((g + 2.0) ** 2 * (g + 3.0)))
 
 
@@ -278,7 +293,9 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
 
     Example: ``sigma_rel_to_gamma(0.05) == 16.972198602303447`` (to float precision).
     """
-    s = float(sigma_rel)
+    s = _real(sigma_rel)
+    if s is None:
+        raise TypeError(f"sigma_rel must be a real number, got {_describe(sigma_rel)}")
     # For gamma > 0 sigma_rel falls monotonically from 1/sqrt(12) (gamma = 0, a uniform average) to 0.
     if not 0.0 < s < SIGMA_REL_MAX:
         raise ValueError(f"sigma_rel must be in (0, {SIGMA_REL_MAX:.6f}) (gamma > 0), got {sigma_rel!r}")
@@ -329,11 +346,10 @@ def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Sche
     Updating every N steps compounds exactly to ``((t - N) / t) ** (gamma + 1)``.
     """
     if (gamma is None) == (sigma_rel is None):
-        raise ValueError("power() takes exactly one of gamma= or sigma_rel=")
-    g = sigma_rel_to_gamma(float(sigma_rel)) if gamma is None else float(gamma)  # type: ignore[arg-type]  # exactly one of the two is None (checked above)
-    if not g > 0:
-        raise ValueError(f"the power EMA needs gamma > 0, got {g!r}")
-    return _Power(g)
+        raise ValueError(
+            f"power() takes exactly one of gamma= or sigma_rel=, got gamma={gamma!r}, sigma_rel={sigma_rel!r}"
+        )
+    return _Power(sigma_rel_to_gamma(sigma_rel) if gamma is None else _positive("gamma", gamma))
 
 
 @dataclass(frozen=True)
@@ -351,22 +367,38 @@ class _Callable(_BuiltinSchedule):
         return {"kind": "callable", "name": getattr(self.fn, "__qualname__", repr(self.fn))}
 
 
+def check_decay(decay: Any, what: str = "decay") -> DecayLike:
+    """``decay`` if :func:`update <functional_ema.update>` can use it: a real number in [0, 1] (an int
+    or float), a schedule, or a callable ``step -> decay`` (whose values are checked at each update);
+    else a ``TypeError``/``ValueError`` naming ``what`` and the value. The check of :func:`as_schedule`,
+    for callers that take a decay now and update later (the integrations, at construction)."""
+    if isinstance(decay, _BuiltinSchedule) or (callable(decay) and not isinstance(decay, type)):
+        return decay
+    if isinstance(decay, (int, float)) and not isinstance(decay, bool):
+        _check_decay(what, decay)
+        return decay
+    raise TypeError(
+        f"{what} must be a float, a schedule or a callable step -> decay (a float in [0, 1], a schedule from "
+        f"functional_ema.schedules), got {_describe(decay)}"
+    )
+
+
 def as_schedule(decay: DecayLike) -> Schedule:
     """Turn a float (constant decay), a schedule, or a callable ``step -> decay`` into a schedule."""
     if isinstance(decay, _BuiltinSchedule):
         return decay
-    if isinstance(decay, (int, float)) and not isinstance(decay, bool):
+    check_decay(decay)
+    if isinstance(decay, (int, float)):
         return constant(float(decay))
-    if callable(decay) and hasattr(decay, "interval"):
+    if hasattr(decay, "interval"):
         return cast(Schedule, decay)  # a user schedule following the protocol (callable with .interval)
-    if callable(decay):
-        return _Callable(decay)
-    raise TypeError(f"decay must be a float, a schedule or a callable step -> decay, got {type(decay).__name__}")
+    return _Callable(decay)
 
 
 def interval_decay(decay: DecayLike, start: int, stop: int) -> float:
     """Compounded decay for moving an EMA from step ``start`` to step ``stop``; checked in [0, 1]."""
-    value = as_schedule(decay).interval(int(start), int(stop))
+    start, stop = _step_arg("start", start), _step_arg("stop", stop)
+    value = as_schedule(decay).interval(start, stop)
     if type(value) is float and 0.0 <= value <= 1.0:
         return value
     return _checked_decay(value, f"decay schedule {decay!r}", f"for steps ({start}, {stop}]")

@@ -89,7 +89,7 @@ def _same(a: list, b: list) -> bool:
         ({"num_emas": "2"}, TypeError, r"num_emas must be an int >= 1 .*got str '2'"),
         ({"num_emas": 2.0}, TypeError, r"num_emas must be an int >= 1 .*got float 2.0"),
         ({"num_emas": True}, TypeError, r"num_emas must be an int >= 1 .*got a bool"),
-        ({"num_emas": 0}, ValueError, r"num_emas must be >= 1"),
+        ({"num_emas": 0}, ValueError, r"num_emas must be in \[1, 1024\]"),
         ({"step": 2.7}, TypeError, r"step must be an int, got float 2.7"),
         ({"step": "5"}, TypeError, r"step must be an int, got str '5'"),
         ({"step": True}, TypeError, r"step must be an int, got a bool"),

@@ -572,7 +572,7 @@ def test_steps_past_the_counter_refused_before_anything_moves(fused):
         ({"num_emas": 2.0}, TypeError, r"num_emas must be an int >= 1 .*got float 2.0"),
         ({"num_emas": True}, TypeError, r"num_emas must be an int >= 1 .*got a bool"),
         ({"num_emas": None}, TypeError, r"num_emas must be an int >= 1 .*got NoneType"),
-        ({"num_emas": 0}, ValueError, r"num_emas must be >= 1, got 0"),
+        ({"num_emas": 0}, ValueError, r"num_emas must be in \[1, 1024\] \(how many EMAs to track\), got 0"),
         ({"device": "meta"}, ValueError, r"device='meta': an EMA on the meta device holds no values"),
     ],
     ids=str,

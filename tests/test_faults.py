@@ -1287,7 +1287,11 @@ def test_resume_checks_the_integration_record(tmp_path):
     # An EMA whose step is behind its own record (saved at framework step 6 with the EMA of step 4).
     e4 = new()
     e4.load(net, ckpts / "checkpoint-4", framework_step=4)
-    e4.save(net, tmp_path / "behind", 6)
+    with pytest.raises(ValueError, match=r"framework_step=6: .* put the EMA at step 6 .* but it is at step 4"):
+        e4.save(net, tmp_path / "behind", 6)  # refused at the save now, before anything is written
+    assert not (tmp_path / "behind").exists()
+    # ... so the mismatched checkpoint is forged with fe.save and the controller's record, as an older save wrote it
+    fe.save(e4.state, net, tmp_path / "behind", e4.tag, decay=e4.decay, buffers=e4.buffer_state, extra=e4._record(6))
     refused(
         ck.CheckpointMismatchError,
         ["EMA is at step 4, but at framework step 6", "put it at step 6"],

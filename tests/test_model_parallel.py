@@ -345,6 +345,28 @@ def test_tensor_parallel_consolidation(tp_runs, tmp_path):
     assert fe.checkpoint.saved_parts(out / "ck") == (2, 1, True)
     fe.consolidate_to_file(out / "ck", tmp_path / "ema.safetensors")
     assert _equal(_load_tensors(tmp_path / "ema.safetensors"), want)
+    # tp_dims must agree with the recorded split: a replicated bias joined twice, a split weight kept whole, a
+    # dim the parameter lacks, a name it lacks: refused naming the parameter and both dims (API, file, CLI)
+    assert _equal(fe.consolidate(out / "ck", tp_dims={"fc1.weight": 0}), want)  # agreeing: the same result
+    for bad, words in [
+        ({"fc2.bias": 0}, ["'fc2.bias'", "=0 contradicts", "dimension None"]),
+        ({"fc1.weight": None}, ["'fc1.weight'", "=None contradicts", "dimension 0"]),
+        ({"fc1.weight": 1}, ["'fc1.weight'", "=1 contradicts", "dimension 0"]),
+        ({"fc1.bias": 1}, ["tp_dims['fc1.bias']=1", "1 dimension(s)"]),
+        ({"nope": 0}, ["tp_dims names 'nope'"]),
+    ]:
+        for verb in (
+            lambda: fe.consolidate(out / "ck", tp_dims=bad),
+            lambda: fe.consolidate_to_file(out / "ck", tmp_path / "x.safetensors", tp_dims=bad),
+        ):
+            with pytest.raises(fe.checkpoint.CheckpointMismatchError) as e:
+                verb()
+            assert all(w in str(e.value) for w in words), (bad, str(e.value))
+    assert not (tmp_path / "x.safetensors").exists()
+    cli = tmp_path / "cli.safetensors"
+    assert main(["consolidate", str(out / "ck"), str(cli), "--tp-dim", "fc2.bias=0"]) == 1 and not cli.exists()
+    with pytest.raises(TypeError, match="tp_dims must be a dict"):
+        fe.consolidate(out / "ck", tp_dims=[("fc1.weight", 0)])
     # post-hoc EMA: offline (joined) equals the ranks' own reconstructions, gathered and joined
     local = _join([_load_tensors(out / f"posthoc_tp{t}.safetensors") for t in (0, 1)], TPMLP.SPLIT)
     assert _equal(posthoc.posthoc_offline(out / "snaps", gamma=3.0), local)

@@ -430,3 +430,22 @@ def test_state_of_another_model_is_refused_by_every_verb(tmp_path):
         ):
             verb()
     assert not (tmp_path / "x" / "t" / "ema_manifest.json").exists()
+
+
+def test_gather_full_checks_dst_and_join_parts_at_the_call():
+    """``dst`` must be a rank of the group (bools refused) and ``join_parts`` a bool, refused naming the argument
+    before any collective (torch's "Group rank 9 is not part of group" never shows); a valid ``dst`` still works."""
+    model = nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(model))
+    for kw, err, words in [
+        ({"dst": 9}, ValueError, "dst=9 is not a rank of the group: it has 1 rank(s)"),
+        ({"dst": -1}, ValueError, "dst=-1"),
+        ({"dst": True}, TypeError, "dst must be an int, got a bool"),
+        ({"dst": 0.0}, TypeError, "dst must be an int"),
+        ({"join_parts": "yes"}, TypeError, "join_parts must be True or False"),
+        ({"join_parts": 1}, TypeError, "join_parts must be True or False"),
+    ]:
+        with pytest.raises(err, match=words.replace("(", r"\(").replace(")", r"\)")):
+            fe.gather_full(state, model, **kw)
+    full = fe.gather_full(state, model, dst=0)
+    assert torch.equal(full["weight"], model.weight.detach())

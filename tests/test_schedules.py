@@ -159,7 +159,7 @@ def test_as_schedule_and_interval_decay():
         (lambda: schedules.power(sigma_rel=0.0), "sigma_rel must be in"),
         (lambda: schedules.power(sigma_rel=0.29), "sigma_rel must be in"),
         (lambda: schedules.sigma_rel_to_gamma(-0.1), "sigma_rel must be in"),
-        (lambda: schedules.gamma_to_sigma_rel(-1.0), "gamma must be > -1"),
+        (lambda: schedules.gamma_to_sigma_rel(-1.0), "gamma must be a finite number > -1"),
         (lambda: schedules.constant(1.5), "decay must be in"),
         (lambda: schedules.constant(-0.1), "decay must be in"),
         (lambda: schedules.litema(2.0), "decay must be in"),

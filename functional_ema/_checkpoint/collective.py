@@ -222,8 +222,8 @@ def timeout_s(timeout: float | None) -> float:
             return DEFAULT_TIMEOUT_S
         timeout, where = env, f"environment variable {TIMEOUT_ENV}"
     try:
-        t = float(timeout)
-    except (TypeError, ValueError):
+        t = math.nan if isinstance(timeout, bool) else float(timeout)
+    except (TypeError, ValueError, RuntimeError):
         t = math.nan
     if not (math.isfinite(t) and t > 0):
         raise ValueError(f"{where} must be a positive number of seconds, got {timeout!r}")

@@ -74,15 +74,27 @@ def _file_name(kind: str, rank: int, world_size: int, generation: int, part: Mod
     return f"{kind}_{where}rank_{rank:05d}_of_{world_size:05d}{suffix}.safetensors"
 
 
+def _checked_name_args(rank: Any, world_size: Any, generation: Any, part: Any) -> tuple[int, int, int, Any]:
+    """The arguments of the public file-name functions, checked (names of files are built from them)."""
+    from .._args import check_int, check_rank
+
+    world_size = check_int(world_size, "world_size", minimum=1)
+    rank = check_rank(rank, "rank", world_size)
+    generation = check_int(generation, "generation")
+    if part is not None and not isinstance(part, ModelPart):
+        raise TypeError(f"part must be a ModelPart (or None for a whole model), got {type(part).__name__}")
+    return rank, world_size, generation, part
+
+
 def rank_file_name(rank: int, world_size: int, generation: int = 0, part: ModelPart | None = None) -> str:
     """``ema_rank_00000_of_00002.safetensors``; later saves into the same tag add ``.gen<N>``; a
     model-parallel part adds its coordinates (``ema_tp001of002_pp000of001_rank_...``)."""
-    return _file_name("ema", rank, world_size, generation, part)
+    return _file_name("ema", *_checked_name_args(rank, world_size, generation, part))
 
 
 def buffer_file_name(rank: int, world_size: int, generation: int = 0, part: ModelPart | None = None) -> str:
     """``buffers_rank_00000_of_00002.safetensors``: one rank's module buffers, saved with its EMA pieces."""
-    return _file_name("buffers", rank, world_size, generation, part)
+    return _file_name("buffers", *_checked_name_args(rank, world_size, generation, part))
 
 
 def file_identity(match: re.Match) -> tuple[ModelPart, int, int, int]:

@@ -8,11 +8,14 @@ import concurrent.futures
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .. import _io
+from .._args import check_bool, check_int, check_optional_int, check_path
 from .._layout import ModelPart, ShardLayout, ShardSpec
 from .errors import (
     CheckpointError,
@@ -130,6 +133,7 @@ class CheckpointReader:
         :meth:`holds`). A rank then reads one header instead of all ``world_size`` of them; the other
         ranks open their own files, and a bad one is reported on every rank by the collective's agreement.
         """
+        check_bool(verify, "verify")
         root, tag, tag_dir, manifest = cls._locate(checkpoint_dir, tag)
         return cls._for_part(root, tag, tag_dir, manifest, cls._select(tag_dir, manifest, part), verify, own)
 
@@ -138,6 +142,7 @@ class CheckpointReader:
         cls, checkpoint_dir: str | os.PathLike, tag: str | None, verify: bool = True
     ) -> list[CheckpointReader]:
         """One reader per model-parallel part (one for a whole model), from one reading of the manifest."""
+        check_bool(verify, "verify")
         root, tag, tag_dir, manifest = cls._locate(checkpoint_dir, tag)
         readers: list[CheckpointReader] = []
         try:
@@ -172,7 +177,7 @@ class CheckpointReader:
     def _locate(cls, checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[Path, str, Path, dict]:
         """(root, tag, tag folder, validated manifest), following ``latest`` / ``ema_latest`` for ``tag=None``;
         every file the manifest lists must exist."""
-        root = Path(checkpoint_dir)
+        root = check_path(checkpoint_dir, "checkpoint_dir")
         if root.is_file():
             cls._not_a_directory(root)
         if not root.is_dir():
@@ -564,7 +569,8 @@ class CheckpointReader:
     # -- checks
 
     def check_index(self, index: int) -> None:
-        if not 0 <= int(index) < self.num_emas:
+        index = check_int(index, "index")
+        if not index < self.num_emas:
             raise CheckpointMismatchError(
                 f"index={index}, but tag {self.tag!r} holds {self.num_emas} EMA(s) (valid: 0..{self.num_emas - 1})"
             )
@@ -744,6 +750,25 @@ def open_parts(load_dir, tag: str | None = None, verify: bool = True) -> list[Ch
     return CheckpointReader.open_parts(load_dir, tag, verify)
 
 
+def check_tp_dims(tp_dims: Any) -> dict[str, int | None] | None:
+    """``tp_dims`` as ``{parameter name: dim (an int >= 0) or None}``, or ``None``; else a
+    ``TypeError``/``ValueError`` naming ``tp_dims`` (the names and dims are checked against the
+    checkpoint by :class:`JoinedReader`)."""
+    if tp_dims is None:
+        return None
+    if not isinstance(tp_dims, Mapping):
+        raise TypeError(
+            f"tp_dims must be a dict {{parameter name: split dimension or None}}, got {type(tp_dims).__name__} "
+            f"{tp_dims!r:.80}"
+        )
+    out: dict[str, int | None] = {}
+    for name, dim in tp_dims.items():
+        if not isinstance(name, str):
+            raise TypeError(f"tp_dims: keys must be parameter names (str), got {type(name).__name__} {name!r}")
+        out[name] = check_optional_int(dim, f"tp_dims[{name!r}]")
+    return out
+
+
 class JoinedReader:
     """The full parameters of a whole checkpoint, every model-parallel part joined: what the offline
     tools (``consolidate``, post-hoc EMA from files, buffers' ``consolidate``) read.
@@ -768,6 +793,7 @@ class JoinedReader:
         self.step, self.num_emas, self.dtype = first.step, first.num_emas, first.dtype
         self.world_size, self.stage = first.world_size, first.stage
         tp_size = first.part.tp_size
+        self._check_given_dims(readers, tp_dims)
         if tp_rank is not None and not 0 <= int(tp_rank) < tp_size:
             raise CheckpointMismatchError(
                 f"tp_rank={tp_rank}, but tag {self.tag!r} was saved with tensor-parallel size {tp_size}"
@@ -806,17 +832,47 @@ class JoinedReader:
                 self.sources[n] = ([(r, r.shapes[n]) for r in group], d)
                 self.shapes[n] = tuple(full)
 
+    def _check_given_dims(self, readers: list[CheckpointReader], given: dict | None) -> None:
+        """``tp_dims`` against the checkpoint: every name a saved parameter, every dim one of its dimensions,
+        and equal to the split the engine recorded where one was recorded (a contradicting dim would join a
+        replicated tensor twice, or keep one rank's half). Refused naming the parameter and both dims."""
+        if given is None:
+            return
+        shapes = {n: s for r in readers for n, s in r.shapes.items()}
+        for name, dim in given.items():
+            if name not in shapes:
+                raise CheckpointMismatchError(
+                    f"tp_dims names {name!r}, which is not a parameter of tag {self.tag!r} (it has "
+                    f"{short_list(sorted(shapes), 4)})"
+                )
+            ndim = len(shapes[name])
+            if dim is not None and not 0 <= dim < ndim:
+                raise CheckpointMismatchError(
+                    f"tp_dims[{name!r}]={dim}: parameter {name!r} has {ndim} dimension(s) (shape {shapes[name]}), "
+                    f"so its split dimension is one of 0..{ndim - 1} (or None: replicated)"
+                )
+        for r in readers:
+            if r.part.tp_size > 1 and r.tp_dims is not None:
+                for name, dim in given.items():
+                    if name in r.tp_dims and r.tp_dims[name] != dim:
+                        raise CheckpointMismatchError(
+                            f"tp_dims[{name!r}]={dim} contradicts the split recorded at save time for parameter "
+                            f"{name!r}: dimension {r.tp_dims[name]} (None: replicated across tensor-parallel ranks). "
+                            "Leave it out of tp_dims (the recorded split is used), or give the recorded one"
+                        )
+
     def _dims(self, stage: list[CheckpointReader], names: list[str], given) -> dict[str, int | None]:
+        recorded = [r.tp_dims for r in stage]
+        known = all(d is not None for d in recorded) and all(d == recorded[0] for d in recorded)
         if given is not None:
-            missing = [n for n in names if n not in given]
+            missing = [n for n in names if n not in given and not (known and n in recorded[0])]
             if missing:
                 raise CheckpointMismatchError(
                     f"tp_dims= does not say how {short_list(missing, 4)} join; give a dimension "
                     "(or None for a parameter replicated across tensor-parallel ranks) for each"
                 )
-            return {n: (None if given[n] is None else int(given[n])) for n in names}
-        recorded = [r.tp_dims for r in stage]
-        if any(d is None for d in recorded) or any(d != recorded[0] for d in recorded):
+            return {n: (given[n] if n in given else recorded[0][n]) for n in names}
+        if not known:
             raise CheckpointMismatchError(
                 f"tag {self.tag!r} was saved with tensor parallelism ({len(stage)} ranks), and how its slices join is "
                 "unknown (the parameters carried no split: no AutoTP layout record, no Megatron attributes "
@@ -878,7 +934,11 @@ class JoinedReader:
 def open_joined(
     load_dir, tag: str | None = None, verify: bool = True, tp_dims: dict | None = None, tp_rank: int | None = None
 ) -> JoinedReader:
-    """Every part of a saved checkpoint, joined into full parameters (see :class:`JoinedReader`)."""
+    """Every part of a saved checkpoint, joined into full parameters (see :class:`JoinedReader`).
+    The arguments are checked before any file is opened."""
+    verify = check_bool(verify, "verify")
+    tp_dims = check_tp_dims(tp_dims)
+    tp_rank = check_optional_int(tp_rank, "tp_rank")
     readers = CheckpointReader.open_parts(load_dir, tag, verify)
     try:
         return JoinedReader(readers, tp_dims, tp_rank)

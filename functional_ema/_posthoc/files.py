@@ -15,9 +15,11 @@ import torch
 
 from .. import _io, checkpoint
 from .._api import shard_layout
+from .._args import check_bool, check_int, check_path, check_state, check_str
 from .._checkpoint.errors import CheckpointNotFoundError
 from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
 from .._checkpoint.reader import open_checkpoint, open_joined
+from .._core import check_ema_dtype
 from .._layout import ModelPart, ShardLayout
 from .._state import EmaState
 from .._tree import TreeMismatchError
@@ -40,7 +42,7 @@ SNAPSHOT_PREFIX = "snapshot_"
 
 def snapshot_tag(step: int) -> str:
     """``f"snapshot_{step:09d}"``: sorts by step as text up to a billion steps."""
-    return f"{SNAPSHOT_PREFIX}{int(step):09d}"
+    return f"{SNAPSHOT_PREFIX}{check_int(step, 'step'):09d}"
 
 
 def save_snapshot(
@@ -78,6 +80,7 @@ def save_snapshot(
         >>> if step % 1000 == 0:                                                 # doctest: +SKIP
         ...     posthoc.save_snapshot(state, engine, "snapshots", scheds)
     """
+    check_state(state)
     gammas, step = gammas_and_step(state, schedules)
     return checkpoint.save(
         state, engine, snapshot_dir, snapshot_tag(step) if tag is None else tag, decay=[power(gamma=g) for g in gammas]
@@ -115,7 +118,10 @@ def list_snapshots(
             different models.
         functional_ema.CheckpointError: a damaged snapshot.
     """
-    root = Path(snapshot_dir)
+    root = check_path(snapshot_dir, "snapshot_dir")
+    check_str(prefix, "prefix")
+    if part is not None and not isinstance(part, ModelPart):
+        raise TypeError(f"part must be a ModelPart (or None: the whole model), got {type(part).__name__}")
     if not root.is_dir():
         raise CheckpointNotFoundError(f"snapshot directory {root} does not exist")
     tags = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.startswith(prefix))
@@ -177,6 +183,13 @@ class _FilePlan(NamedTuple):
     gamma: float
     profile_error: float
     num_snapshots: int
+
+
+def _check_reading(verify: Any, dtype: Any, buffer_bytes: Any) -> None:
+    """The reading arguments of the post-hoc verbs, checked before any snapshot is opened."""
+    check_bool(verify, "verify")
+    check_ema_dtype(dtype)
+    check_int(buffer_bytes, "buffer_bytes", minimum=1)
 
 
 def _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, part=None) -> _FilePlan:
@@ -281,6 +294,7 @@ def posthoc_offline(
         >>> weights = posthoc.posthoc_offline("snapshots", sigma_rel=0.15)   # doctest: +SKIP
         >>> model.load_state_dict(weights, strict=False)                     # doctest: +SKIP
     """
+    _check_reading(verify, dtype, buffer_bytes)
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
     ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
     return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes))
@@ -315,6 +329,7 @@ def posthoc_local(
     """
     if not isinstance(layout, ShardLayout):
         layout = shard_layout(layout)
+    _check_reading(verify, dtype, buffer_bytes)
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, layout.part)
     missing = [n for n in layout.specs if n not in plan.shapes]
     bad = [n for n, s in layout.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
@@ -352,6 +367,9 @@ def posthoc_to_file(
 
     Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
     """
+    _check_reading(verify, dtype, buffer_bytes)
+    out_path = check_path(out_path, "out_path")
+    overwrite = check_bool(overwrite, "overwrite")
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
     check_output(out_path, plan.root, [plan.root / tag for tag, _, _ in plan.terms], overwrite)
     meta = {

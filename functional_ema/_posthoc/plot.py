@@ -39,6 +39,10 @@ def plot_profile(
     Example:
         >>> plot_profile(gammas, steps, "profile.png", sigma_rel=0.15)   # doctest: +SKIP
     """
+    from .._args import check_int, check_path
+
+    path = check_path(path, "path")
+    dpi = check_int(dpi, "dpi", minimum=1)
     try:
         import matplotlib
 

@@ -133,6 +133,11 @@ def snapshot(
     Returns:
         A :class:`Snapshot` (copies, never views of the state's buffers).
     """
+    from .._args import check_device, check_state
+    from .._core import check_ema_dtype
+
+    check_state(state)
+    dtype, device = check_ema_dtype(dtype), check_device(device, "device")
     gammas, step = gammas_and_step(state, schedules)
     with torch.no_grad():
         emas = tuple(

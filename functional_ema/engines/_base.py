@@ -144,6 +144,11 @@ class Adapter:
 
     def default_tag(self, state) -> str:
         """The tag :func:`functional_ema.save` uses when none is given."""
+        if state is None:
+            raise TypeError(
+                "state: the default tag of a model that counts no steps (not a DeepSpeed engine) is "
+                "'global_step<state.step>': pass the state (or a tag)"
+            )
         return f"global_step{int(state.step)}"
 
     @contextlib.contextmanager

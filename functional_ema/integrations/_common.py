@@ -41,11 +41,13 @@ import torch.distributed as dist
 import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
+from functional_ema._args import check_bool, check_decays, check_int, check_optional_int, check_path, check_str
 from functional_ema._checkpoint.collective import agree, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (
     MANIFEST_NAME,
     RECORD_NAME,
     check_export_path,
+    check_tag,
     manifest_parts,
     read_record,
     record_bytes,
@@ -133,22 +135,21 @@ class EMAController:
         dtype: torch.dtype = torch.float32,
         async_save: bool = False,
     ) -> None:
-        self.decays = list(decay) if isinstance(decay, (list, tuple)) else [decay]
-        if not self.decays:
-            raise ValueError("decay: give at least one decay")
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
-        if buffers not in (None, "average", "copy"):
+        # Every argument is checked here, before training starts (not at the first update, hours in).
+        self.decays = check_decays(decay, "decay")
+        self.every_n_steps = check_int(every_n_steps, "every_n_steps", minimum=1)
+        self.start_step = check_int(start_step, "start_step")
+        if not (buffers is None or (isinstance(buffers, str) and buffers in ("average", "copy"))):
             raise ValueError(f'buffers must be None, "average" or "copy", got {buffers!r}')
-        if eval_index is not None and not 0 <= eval_index < len(self.decays):
-            raise ValueError(f"eval_index={eval_index} is not one of the {len(self.decays)} EMAs")
-        if (posthoc_dir is None) != (posthoc_every is None):
+        self.buffers = buffers
+        self.eval_index = check_optional_int(eval_index, "eval_index")
+        if self.eval_index is not None and self.eval_index >= len(self.decays):
+            raise ValueError(f"eval_index={self.eval_index} is not one of the {len(self.decays)} EMAs")
+        posthoc_path = None if posthoc_dir is None else check_path(posthoc_dir, "posthoc_dir")
+        self.posthoc_every = check_optional_int(posthoc_every, "posthoc_every", minimum=1)
+        if (posthoc_path is None) != (self.posthoc_every is None):
             raise ValueError("posthoc_dir and posthoc_every go together: give both or neither")
-        if posthoc_every is not None:
-            if posthoc_every < 1:
-                raise ValueError(f"posthoc_every must be >= 1, got {posthoc_every}")
+        if self.posthoc_every is not None:
             # Post-hoc synthesis needs power EMAs; refuse anything else now, not at the first snapshot
             # (a bare float would be read as a sigma_rel by posthoc.snapshot_gammas).
             bad = [d for d in self.decays if not isinstance(getattr(d, "gamma", None), (int, float))]
@@ -157,13 +158,12 @@ class EMAController:
                     f"post-hoc snapshots need power EMAs (fe.schedules.power(sigma_rel=...)) for every decay; "
                     f"got {bad!r}"
                 )
-        self.every_n_steps, self.start_step, self.buffers = every_n_steps, start_step, buffers
-        self.eval_index, self.tag = eval_index, tag
+        self.tag = check_tag(check_str(tag, "tag"))  # a folder name save() accepts, refused now rather than at a save
+        self.copy_to_model_at_end = check_bool(copy_to_model, "copy_to_model")
+        async_save = check_bool(async_save, "async_save")
         self.dtype = check_ema_dtype(dtype)  # refused here, not at the first optimizer step
-        self.posthoc_dir = None if posthoc_dir is None else Path(posthoc_dir)
-        self.posthoc_every = posthoc_every
-        self.export_path = None if export_path is None else Path(export_path)
-        self.copy_to_model_at_end = copy_to_model
+        self.posthoc_dir = posthoc_path
+        self.export_path = None if export_path is None else check_path(export_path, "export_path")
         self.state: fe.EmaState | None = None
         self.buffer_state: fb.BufferState | None = None
         self._saver = fe.AsyncSaver() if async_save else None
@@ -193,7 +193,7 @@ class EMAController:
         The EMA starts equal to the weights at the first step ``>= max(1, start_step)`` seen: a call
         at step 0 (a micro-batch before the first optimizer step) never starts it, so the same
         trajectory gives the same EMA with or without gradient accumulation."""
-        step = int(step)
+        step = check_int(step, "step")
         if step < max(1, self.start_step):
             return False
         if self.state is None:
@@ -216,7 +216,7 @@ class EMAController:
     def swapped(self, x: Any, index: int | None = None) -> Iterator[bool]:
         """Evaluate with EMA ``index`` (default ``eval_index``), buffers too when they are carried.
         Yields whether EMA weights are in (``False`` before the EMA started, or ``eval_index=None``)."""
-        index = self.eval_index if index is None else index
+        index = self.eval_index if index is None else self._checked_index(index)
         if self.state is None or index is None:
             yield False
             return
@@ -249,7 +249,19 @@ class EMAController:
         and checksummed in one manifest: a failed save leaves no part of the tag at a newer step than
         the rest. Before the EMA started only a checksummed ``integration.json`` record is written.
         """
-        save_dir = Path(save_dir)
+        save_dir = check_path(save_dir, "save_dir")
+        framework_step = check_int(framework_step, "framework_step")
+        expected = expected_ema_step(framework_step, self.start_step, self.every_n_steps)
+        have = None if self.state is None else int(self.state.step)
+        if expected != have:
+            # What load() would refuse: refused now, before anything is written.
+            rules = f"start_step={self.start_step}, every_n_steps={self.every_n_steps}"
+            want = "not started" if expected is None else f"at step {expected}"
+            now = "not started" if have is None else f"at step {have}"
+            raise ValueError(
+                f"framework_step={framework_step}: the rules ({rules}) put the EMA {want} at that optimizer step, but "
+                f"it is {now}; pass the step of the optimizer step the EMA last saw (on_step)"
+            )
         tag_dir = save_dir / self.tag
         record = self._record(framework_step)
         if self.state is None:
@@ -311,8 +323,9 @@ class EMAController:
         when the rules say the EMA had not started, and only if it is newer than any EMA beside it.
         A mismatch is refused (:class:`functional_ema.CheckpointError`) naming both steps.
         """
+        load_dir = check_path(load_dir, "load_dir")
+        framework_step = check_optional_int(framework_step, "framework_step")
         self.wait()  # a write of this process in flight finishes first
-        load_dir = Path(load_dir)
         tag_dir = load_dir / self.tag
         job = job_of(fe.engines.adapter_for(x).read())
 
@@ -436,6 +449,7 @@ class EMAController:
         (``None``: every rank; others get ``{}``), names as in the engine's module with
         ``strip_prefix`` removed (a framework's wrapper, e.g. Lightning's ``_forward_module.``). Collective."""
         index = self._index(index)
+        strip_prefix = check_str(strip_prefix, "strip_prefix")
         full = fe.gather_full(self.state, x, index=index, dst=dst, join_parts=True)  # model-parallel parts joined
         if dst is not None and _rank() != dst:
             return {}
@@ -453,12 +467,17 @@ class EMAController:
             full = {n.removeprefix(strip_prefix): t for n, t in full.items()}
         return full
 
+    def _checked_index(self, index: Any) -> int:
+        """``index`` as one of the EMAs' indices (an int in ``[0, num_emas)``), else an error naming it."""
+        index = check_int(index, "index")
+        if index >= self.num_emas:
+            raise ValueError(f"index={index!r} is not one of the {self.num_emas} EMA(s)")
+        return index
+
     def _index(self, index: int | None) -> int:
         """EMA ``index`` (default ``eval_index``, else 0), checked; the EMA must have started."""
         index = self.eval_index if index is None else index
-        index = 0 if index is None else index
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_emas:
-            raise ValueError(f"index={index!r} is not one of the {self.num_emas} EMA(s)")
+        index = self._checked_index(0 if index is None else index)
         if self.state is None:
             raise RuntimeError(f"the EMA has not started (start_step={self.start_step}): nothing to export or copy")
         return index
@@ -473,7 +492,8 @@ class EMAController:
         from safetensors.torch import save as st_save
 
         index = self._index(index)
-        path = check_export_path(path, "EMA export")
+        strip_prefix = check_str(strip_prefix, "strip_prefix")
+        path = check_export_path(check_path(path, "path"), "EMA export")
         full = self.full_state_dict(x, index=index, dst=0, strip_prefix=strip_prefix)
         if _rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -522,6 +542,8 @@ class EMAController:
 
     def on_train_end(self, x: Any, strip_prefix: str = "") -> None:
         """Wait for the EMA writes in flight, then the configured final export and/or copy into the model."""
+        strip_prefix = check_str(strip_prefix, "strip_prefix")
+        fe.engines.adapter_for(x)  # a model the verbs can read, also when there is nothing to do
         self.wait()
         if self.state is None:
             return

@@ -59,8 +59,14 @@ class AcceleratorEMA:
     def __init__(
         self, accelerator: Any, model: Any, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any
     ) -> None:
+        if not callable(getattr(accelerator, "register_save_state_pre_hook", None)):
+            raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+        try:
+            adapter_for(model)  # a model the verbs can read, refused now rather than at the first step
+        except TypeError as e:
+            raise TypeError(f"model: {e}") from None
+        self.ema = EMAController(decay, **kwargs)  # every other argument checked there, before the hooks
         self.accelerator, self.model = accelerator, model
-        self.ema = EMAController(decay, **kwargs)
         self._steps = 0
         self._handles = [
             accelerator.register_save_state_pre_hook(self._on_save),

@@ -45,6 +45,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from functional_ema._args import check_str
 from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
@@ -68,7 +69,7 @@ class EMACallback(TrainerCallback):
         self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any
     ) -> None:
         self.ema = EMAController(decay, **kwargs)
-        self.metric_prefix = metric_prefix
+        self.metric_prefix = check_str(metric_prefix, "metric_prefix")
         self._trainer: Any = None
         self._resume_arg: Any = None
         self._in_ema_eval = False
@@ -85,6 +86,8 @@ class EMACallback(TrainerCallback):
         (on this instance only) to see ``resume_from_checkpoint``, so the EMA is loaded from the same
         checkpoint as the weights. Returns ``self``.
         """
+        if not (callable(getattr(trainer, "add_callback", None)) and hasattr(trainer, "callback_handler")):
+            raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         self._trainer = weakref.proxy(trainer)

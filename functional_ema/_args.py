@@ -1,0 +1,144 @@
+"""Argument checks at the door: one wording for each odd value, raised where the argument enters.
+
+The verbs and the framework integrations (:class:`functional_ema.integrations._common.EMAController`,
+the Lightning, Transformers and Accelerate callbacks) call these at construction or at the call,
+before anything is allocated, gathered or written, so a bad value is refused with its parameter's
+name instead of hours later at the first update or save. The step and decay checks are the ones
+:func:`functional_ema.update` applies (:func:`functional_ema._core.check_step`,
+:func:`functional_ema.schedules.check_decay`); nothing here re-implements them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._core import check_step
+from .schedules import DecayLike, _real, check_decay
+
+__all__ = [
+    "check_bool",
+    "check_decays",
+    "check_device",
+    "check_real",
+    "check_state",
+    "check_int",
+    "check_optional_int",
+    "check_path",
+    "check_rank",
+    "check_str",
+]
+
+
+def check_int(value: Any, what: str, *, minimum: int = 0) -> int:
+    """``value`` as an int in ``[minimum, 2**63 - 1]``: Python, numpy and torch integer scalars (0-d or
+    one-element integer tensors) accepted; bools, floats, strings, ``None`` and containers refused
+    (``TypeError``), out-of-range values too (``ValueError``), each naming ``what`` and the value."""
+    if isinstance(value, int) and not isinstance(value, bool) and minimum <= value < 2**63:
+        return value  # the usual case, without the general parsing
+    number = check_step(value, what)  # the int64 step rule of update(): integer scalars only, in [0, 2**63 - 1]
+    if number < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {number}")
+    return number
+
+
+def check_optional_int(value: Any, what: str, *, minimum: int = 0) -> int | None:
+    """``None``, or :func:`check_int` of ``value``."""
+    return None if value is None else check_int(value, what, minimum=minimum)
+
+
+def check_rank(value: Any, what: str, world_size: int) -> int:
+    """``value`` as a rank in ``[0, world_size)`` (an int; bools refused), naming ``what`` and the world."""
+    rank = check_int(value, what)
+    if rank >= world_size:
+        raise ValueError(
+            f"{what}={rank} is not a rank of the group: it has {world_size} rank(s), 0 to {world_size - 1}"
+        )
+    return rank
+
+
+def check_bool(value: Any, what: str) -> bool:
+    """``value`` if it is a ``bool`` (numpy bools too); ``TypeError`` for anything else (``1``, ``"no"``, ``None``):
+    a truthy string would otherwise switch a behaviour on silently."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        return bool(value)
+    raise TypeError(f"{what} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def check_str(value: Any, what: str) -> str:
+    """``value`` if it is a ``str``; ``TypeError`` naming ``what`` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_path(value: Any, what: str) -> Path:
+    """``value`` (a ``str`` or ``os.PathLike``, not empty) as a ``Path``; ``TypeError``/``ValueError`` naming ``what``."""
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if isinstance(text, str) and text and "\x00" not in text:
+            return Path(text)
+        raise ValueError(f"{what} must name a file or folder, got {value!r}")
+    raise TypeError(f"{what} must be a path (a str or os.PathLike), got {type(value).__name__} {value!r}")
+
+
+def check_decays(decay: Any, what: str = "decay") -> list[DecayLike]:
+    """One decay, or a non-empty list/tuple of them (one per EMA), each checked by
+    :func:`functional_ema.schedules.check_decay` (the check :func:`functional_ema.update` applies):
+    a real number in [0, 1], a schedule, or a callable ``step -> decay``."""
+    if isinstance(decay, (list, tuple)):
+        if not decay:
+            raise ValueError(f"{what}: give at least one decay (got an empty {type(decay).__name__})")
+        return [check_decay(d, f"{what}[{i}]") for i, d in enumerate(decay)]
+    return [check_decay(decay, what)]
+
+
+def check_state(state: Any, what: str = "state") -> Any:
+    """``state`` if it is an :class:`functional_ema.EmaState` (from ``init_ema`` or ``load``); else a ``TypeError``."""
+    from ._state import EmaState
+
+    if not isinstance(state, EmaState):
+        raise TypeError(
+            f"{what} must be an EmaState (from functional_ema.init_ema or functional_ema.load), got "
+            f"{type(state).__name__}"
+        )
+    return state
+
+
+def check_device(device: Any, what: str = "device") -> torch.device | None:
+    """``None``, or ``device`` (a ``torch.device`` or its name, e.g. ``"cpu"``, ``"cuda:0"``) as a ``torch.device``."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(
+            f"{what} must be a torch.device, a device name such as 'cpu', or None; got {type(device).__name__} {device!r}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{what}={device!r} is not a device: {str(e).splitlines()[0][:120]}") from None
+
+
+def check_real(
+    value: Any, what: str, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False
+) -> float:
+    """``value`` as a finite float in ``[low, high]`` (``(low, high]`` when ``low_open``): ints, floats, numpy
+    scalars and one-element real tensors accepted; bools, strings, ``None``, containers and NaN refused."""
+    real = None if isinstance(value, bool) else _real(value)
+    if real is None:
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r:.60}")
+    if (
+        not (math.isfinite(real) or (real == high == math.inf))
+        or real > high
+        or real < low
+        or (low_open and real == low)
+    ):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ValueError(f"{what} must be a number in {bounds}, got {real!r}")
+    return real
