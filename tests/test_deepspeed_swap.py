@@ -79,6 +79,18 @@ def _module_values(engine) -> dict[str, torch.Tensor]:
     }
 
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bit pattern. Not ``torch.equal``: a ZeRO-3 partition's padding tail is uninitialized
+    memory and can hold NaN bit patterns, which ``torch.equal`` calls unequal to themselves."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = _SAME_WIDTH_INT[a.element_size()]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
 def _changed_inside(engine, state, x, live_before) -> dict:
     """A block that re-types the module (``.to(float16)``), loads with ``assign=True`` or sets a new parameter,
     normally and raising: the trained weights come back bitwise (fp32 masters, the module's parameter objects,
@@ -122,7 +134,7 @@ def _changed_inside(engine, state, x, live_before) -> dict:
             out[f"{kind}{'_raising' if raising else ''}"] = {
                 "caught": caught,
                 "objects": list(now) == list(objects) and all(now[n] is objects[n] for n in objects),
-                "values": all(after[n].dtype == values[n].dtype and torch.equal(after[n], values[n]) for n in values),
+                "values": all(_same_bits(after[n], values[n]) for n in values),
                 "masters": all(torch.equal(masters[n], back[n]) for n in masters),
                 "forward": torch.equal(forward, live_before),
             }
