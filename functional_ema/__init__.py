@@ -19,8 +19,9 @@ from ._api import (
     shard_layout,
     swapped,
 )
-from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info
+from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info, wait_update
 from ._errors import MismatchError
+from ._offload import AsyncUpdateError
 from ._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
@@ -44,6 +45,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 __all__ = [
     "AsyncSaver",
+    "AsyncUpdateError",
     "CheckpointError",
     "EmaState",
     "ExpertLayout",
@@ -78,4 +80,5 @@ __all__ = [
     "swapped",
     "update",
     "update_info",
+    "wait_update",
 ]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ._api import state_pieces
-from ._state import EmaState
+from ._state import EmaState, wait_pending
 from .engines import adapter_for
 
 __all__ = ["EMAStateful", "consolidate_dcp"]
@@ -83,6 +83,7 @@ class EMAStateful:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = self._state()
+        wait_pending(state)  # an update queued with blocking=False must not write over what is loaded
         missing = [k for k in ("step", "emas") if k not in state_dict]
         if missing:
             raise KeyError(
