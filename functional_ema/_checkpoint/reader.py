@@ -9,6 +9,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -655,7 +656,7 @@ def _whole_chunks(lo: int, hi: int, numel: int, itemsize: int) -> bool:
     return lo % per_chunk == 0 and (hi % per_chunk == 0 or hi == numel)
 
 
-def _split_jobs(ckpt: CheckpointReader, jobs: list, threads: int) -> list:
+def _split_jobs(ckpt: Any, jobs: list, threads: int) -> list:
     """``jobs`` with the large ones cut into parts of whole checksum chunks, so ``threads`` threads get
     equal shares even when one tensor holds most of the bytes (an embedding, a flat FSDP shard).
 
@@ -663,13 +664,16 @@ def _split_jobs(ckpt: CheckpointReader, jobs: list, threads: int) -> list:
     world size): every part is then read straight into its place and verified chunk by chunk, as
     whole. Resharded ranges are left as they are (a cut there would re-read the chunk it falls in).
     """
+    pieces = getattr(ckpt, "pieces", None)  # a reader of saved pieces; a re-cut of joined parts is left as is
+    if pieces is None:
+        return jobs
     total = sum(job[4] for job in jobs)
     out = []
     for job in jobs:
         dst, k, name, start, numel = job
         per_chunk = _io.CHUNK_BYTES // dst.element_size()
         step = max(per_chunk, -(-total // (threads * 4)) // per_chunk * per_chunk)
-        if numel <= step or not any(off == start and start + numel <= off + cnt for off, cnt, _ in ckpt.pieces[name]):
+        if numel <= step or not any(off == start and start + numel <= off + cnt for off, cnt, _ in pieces[name]):
             out.append(job)
             continue
         for lo in range(0, numel, step):
