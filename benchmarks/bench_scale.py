@@ -9,7 +9,7 @@ Every file is written through the library's own code (``writer.plan_save``, ``wr
 each of the N ranks would have. The parameter list is Llama-3-70B's (723 tensors, their names and
 row counts: 80 layers of q/k/v/o, gate/up/down and two norms, the embedding, the head, the final
 norm), with one element per row instead of the row's width (two for row-parallel weights under
-tensor parallelism, which split their columns): 9.4M elements (38 MB) in all whatever N, so the
+tensor parallelism, which split their columns): 8.3M elements (33 MB) in all whatever N, so the
 pieces, specs, checksums, headers and manifest entries are the real ones while the data stays small.
 
 Layouts: ``zero3`` (DeepSpeed ZeRO-3: every parameter flattened and cut into N equal pieces, the last
