@@ -1,6 +1,6 @@
 """The CUDA paths, checked against the same references as the CPU tests, with figures. One GPU.
 
-    python benchmarks/gpu_check.py            # under a minute on one GPU; exits at once without CUDA
+    python benchmarks/gpu_check.py            # about 2-3 minutes on one GPU; exits at once without CUDA
 
 Checks (each PASS/FAIL, exit status 1 if any fails):
 
@@ -15,6 +15,13 @@ Checks (each PASS/FAIL, exit status 1 if any fails):
    the EMA.
 4. FSDP2 (``fully_shard``, bf16 ``MixedPrecisionPolicy``, world 1): the same two checks against
    ``full_tensor()``.
+
+5. ``update(..., blocking=False)`` of a pinned CPU EMA (24M and 500M fp32 elements): bitwise equal
+   to the blocking update, the weights zeroed in place right after the call; blocking time of the
+   call against the blocking update, and when the current stream and the worker are done.
+6. Checkpoint figures (``bench_checkpoint.py --device cuda``, 1 GiB EMA on the GPU): save, load and
+   ``load(out=)`` GB/s against safetensors, round trip bitwise.
+7. The CUDA tests of ``tests/test_offload.py`` and ``tests/test_core.py`` (pytest ``-k cuda``).
 
 Timings: ``update`` over 400 and 1000 CUDA tensors against ``torch._foreach_lerp_`` and a
 per-tensor ``lerp_`` loop over the same tensors, each as a ratio of one flat ``lerp_`` over the
@@ -175,6 +182,84 @@ def check_pinned_cpu_ema() -> None:
     )
 
 
+def check_offloaded_update(sizes: tuple[int, ...] = (24_000_000, 500_000_000), reps: int = 5) -> None:
+    """``update(..., blocking=False)`` of a pinned CPU EMA of CUDA weights, against the blocking update.
+
+    Bitwise: after each queued update (and ``wait_update``) the EMA equals the blocking path's, with the
+    weights zeroed in place on the current stream right after the queued call (the copy must have read
+    them first: the current stream waits for it). Timings (median of ``reps``, wall clock): the
+    blocking update; the queued call alone (what the training loop waits for); the call until the
+    current stream is free again (the GPU's wait for the copy); the call until the worker is done.
+    """
+    for numel in sizes:
+        pieces = 8
+        per = numel // pieces
+        buf = torch.randn(per * pieces, device="cuda")
+        shards = fe.Shards.from_views({f"p{i}": buf.narrow(0, i * per, per - 3) for i in range(pieces)})
+        queued = fe.init_ema(shards, device="cpu", pin_memory=True)
+        blocking = fe.init_ema(shards, device="cpu", pin_memory=True)
+        ok = True
+        for step in range(1, 4):
+            buf.add_(torch.randn_like(buf), alpha=0.01)
+            keep = buf.clone()
+            fe.update(queued, shards, step, decay=0.99, blocking=False)
+            buf.zero_()  # in place, on the current stream, right after the call: must not leak into the EMA
+            fe.wait_update(queued)
+            buf.copy_(keep)
+            fe.update(blocking, shards, step, decay=0.99)
+            ok &= all(torch.equal(a, b) for a, b in zip(queued.ema.segments, blocking.ema.segments))
+            del keep
+        ok &= getattr(queued.step, "_fe_pending", None) is None and int(queued.step) == 3
+        step = 3
+        t_block, t_call, t_free, t_done = [], [], [], []
+        for _ in range(reps):
+            step += 1
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fe.update(blocking, shards, step, decay=0.99)
+            t_block.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fe.update(queued, shards, step, decay=0.99, blocking=False)
+            t1 = time.perf_counter()
+            torch.cuda.current_stream().synchronize()
+            t2 = time.perf_counter()
+            fe.wait_update(queued)
+            t3 = time.perf_counter()
+            t_call.append(t1 - t0), t_free.append(t2 - t0), t_done.append(t3 - t0)
+        ok &= all(torch.equal(a, b) for a, b in zip(queued.ema.segments, blocking.ema.segments))
+        gb = numel * 4 / 1e9
+        record(
+            f"queued update (blocking=False) of a pinned CPU EMA, {numel / 1e6:.0f}M fp32 elements: bitwise vs blocking, "
+            "in-place change after the call not leaking",
+            ok,
+            f"blocking update {med(t_block):.1f} ms ({gb / med(t_block) * 1e3:.1f} GB/s of weights); queued call "
+            f"{med(t_call):.2f} ms ({med(t_block) / med(t_call):.0f}x less); current stream free after "
+            f"{med(t_free):.1f} ms; worker done after {med(t_done):.1f} ms",
+        )
+        del queued, blocking, shards, buf
+        torch.cuda.empty_cache()
+
+
+def med(xs: list[float]) -> float:
+    """Median of seconds, in milliseconds."""
+    return sorted(xs)[len(xs) // 2] * 1e3
+
+
+def check_checkpoint_figures(mib: int = 1024, repeat: int = 3) -> None:
+    """Save / load / load(out=) of an EMA held on the GPU against safetensors (``bench_checkpoint --device cuda``)."""
+    from benchmarks.bench_checkpoint import print_device_checkpoint
+
+    r = print_device_checkpoint("cuda", mib, repeat)
+    record(
+        "checkpoint of an EMA on the GPU (save / load / load(out=) round trip bitwise)",
+        bool(r["bitwise"]),
+        f"save {r['save']:.2f} GB/s ({r['save'] / r['plain_save']:.2f}x safetensors), load {r['load']:.2f} GB/s "
+        f"({r['load'] / r['plain_load']:.2f}x), load into held buffers {r['load_into']:.2f} GB/s "
+        f"({r['load_into'] / r['plain_load_into']:.2f}x)",
+    )
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -298,6 +383,30 @@ def check_fsdp2() -> None:
     )
 
 
+def run_cuda_tests() -> None:
+    """The test files' CUDA-only tests (skipped on CPU machines), here where CUDA is."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("pytest") is None:
+        print("[SKIP] pytest -k cuda: pytest is not installed here (pip install pytest to run the CUDA tests)")
+        return
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_offload.py", "tests/test_core.py", "-k", "cuda"]
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    tail = done.stdout.strip().splitlines()[-1:] or [done.stderr.strip()[-300:]]
+    if done.returncode:
+        print(done.stdout[-3000:], done.stderr[-2000:])
+    record("pytest -k cuda (tests/test_offload.py, tests/test_core.py)", done.returncode == 0, tail[0])
+
+
 def _init_world_of_one() -> None:
     import torch.distributed as dist
 
@@ -356,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     checks = [
         ("core", check_core),
         ("pinned CPU EMA", check_pinned_cpu_ema),
+        ("queued update", check_offloaded_update),
+        ("checkpoint figures", check_checkpoint_figures),
+        ("CPU tests of the queued update on CUDA", run_cuda_tests),
         ("ZeRO-2", lambda: check_deepspeed(2)),
         ("ZeRO-2 offload", lambda: check_deepspeed(2, offload=True)),
         ("ZeRO-3", lambda: check_deepspeed(3)),

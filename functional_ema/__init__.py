@@ -17,9 +17,10 @@ from ._api import (
     shard_layout,
     swapped,
 )
-from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info
+from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info, wait_update
 from ._errors import LowPrecisionWeightsWarning, MismatchError
 from ._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
+from ._offload import AsyncUpdateError
 from ._shards import SegmentIndex, Shards
 from ._state import EmaState
 from ._tree import TreeMismatchError
@@ -38,6 +39,7 @@ from .engines import SwapStats
 
 __all__ = [
     "AsyncSaver",
+    "AsyncUpdateError",
     "CheckpointError",
     "EmaState",
     "ExpertLayout",
@@ -75,4 +77,5 @@ __all__ = [
     "swapped",
     "update",
     "update_info",
+    "wait_update",
 ]

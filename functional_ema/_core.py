@@ -18,13 +18,14 @@ from typing import Any, Literal, NamedTuple
 import optree
 import torch
 
+from ._offload import queue_update
 from ._plan import Plan
 from ._shards import Shards, clone_tree
-from ._state import EmaState
+from ._state import PENDING_ATTR, EmaState, wait_pending
 from ._tree import TreeMismatchError, check_same_names, flatten_named
 from .schedules import DecayLike, interval_decay
 
-__all__ = ["ema_nbytes", "init_ema", "update", "update_info", "NonFiniteError", "UpdateInfo"]
+__all__ = ["ema_nbytes", "init_ema", "update", "update_info", "wait_update", "NonFiniteError", "UpdateInfo"]
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # The dtypes an EMA may have (the first is the default). float8 has no lerp_ kernel and 2-3 mantissa
@@ -248,6 +249,7 @@ def update(
     decay: DecayLike | Sequence[DecayLike] = 0.9999,
     inplace: bool = True,
     nonfinite: Literal["skip", "raise"] | None = None,
+    blocking: bool = True,
 ) -> EmaState:
     """Move the EMAs towards ``shards``: ``ema = d * ema + (1 - d) * shards`` for each tracked EMA.
 
@@ -289,6 +291,16 @@ def update(
             every rank skips or none does, and with ``"raise"`` every rank raises, naming the lowest
             rank that saw it. Call it on every rank then; ranks whose states are at different
             steps are refused on every rank (:class:`~functional_ema.StateMismatchError`).
+        blocking: ``False`` queues the update of a CPU EMA of CUDA weights
+            (``init_ema(..., device="cpu", pin_memory=True)``) and returns at once: the weights are
+            copied to a pinned host snapshot on a side stream (the current stream waits for that
+            copy, so the next optimizer step cannot change what is averaged) and the CPU ``lerp_``
+            runs on a worker thread. The result is bitwise the blocking update's. The next
+            ``update``, ``save``, ``AsyncSaver.save``, ``swapped``, ``gather_full``,
+            ``load(out=...)`` or :func:`wait_update` waits for it and raises its failure
+            (:class:`AsyncUpdateError`); read ``state.emas`` yourself only after
+            :func:`wait_update`. Costs one pinned host copy of the weights. Anything else (weights
+            on the CPU, an EMA on the GPU) runs at the call, as with ``True``.
 
     Returns:
         The new state, with ``step`` set to ``step``.
@@ -316,7 +328,11 @@ def update(
     """
     if type(state) is not EmaState:
         raise TypeError(f"update(): state must be an EmaState (from init_ema or load), got {type(state).__name__}")
+    if blocking is not True and blocking is not False:
+        raise TypeError(f"update(blocking=...) must be a bool, got {type(blocking).__name__} {blocking!r}")
     counter = state.step
+    if getattr(counter, PENDING_ATTR, None) is not None:  # one attribute read when nothing is queued
+        wait_pending(state)
     # Two attribute reads, no sync: what init_ema makes passes; int() fails on a meta or multi-element
     # counter. Anything odd is refused by check_step_tensor with the reason, before anything moves.
     if type(counter) is not _TENSOR or counter.dtype is not _INT64:
@@ -359,6 +375,9 @@ def update(
     if not inplace:
         state = EmaState(state.step.clone(), _clone_emas(state.emas))
         plan = _plan_for(state.emas, shards)
+    if not blocking and queue_update(plan, weights, state.step, last, step):
+        state.step.fill_(step)
+        return state
     if plan.no_grad:
         with torch.no_grad():
             plan.run(weights)
@@ -433,6 +452,22 @@ def _check_together(
             "(nonfinite='raise')"
         )
     return plan, weights, not bad
+
+
+def wait_update(state: EmaState) -> EmaState:
+    """Wait for the update queued by ``update(state, ..., blocking=False)``; return ``state``.
+
+    Every verb that reads a state already waits; call this before reading ``state.emas`` yourself.
+    Returns at once when nothing is queued.
+
+    Raises:
+        AsyncUpdateError: the queued update failed on its worker thread (raised once; ``state.step``
+            is set back to the step before it).
+    """
+    if type(state) is not EmaState:
+        raise TypeError(f"wait_update() takes an EmaState (from init_ema or load), got {type(state).__name__}")
+    wait_pending(state)
+    return state
 
 
 def _weight(d: Any, last: int, step: int) -> float:

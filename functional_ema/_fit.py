@@ -14,7 +14,7 @@ import torch
 
 from ._layout import ShardSpec
 from ._shards import Shards
-from ._state import EmaState
+from ._state import EmaState, wait_pending
 from ._tree import short_list
 
 __all__ = ["FitProblem", "state_problem"]
@@ -63,6 +63,9 @@ def state_problem(
     """
     if not isinstance(state, EmaState):
         return FitProblem(f"expected an EmaState (from init_ema, update or load), got {type(state).__name__}", True)
+    # Every verb that reads or fills a state checks it here first: the update queued by
+    # update(..., blocking=False) is finished (or its failure raised) before anything reads the EMA.
+    wait_pending(state)
     if num_emas is not None and state.num_emas != num_emas:
         return FitProblem(f"{source} holds {num_emas} EMA(s) but the state has {state.num_emas}")
     if indices is None:

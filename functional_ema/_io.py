@@ -581,11 +581,21 @@ class SafetensorsFile:
         self.close()
 
     def read_into(
-        self, key: str, dst: torch.Tensor, crcs: Sequence[int] | None = None, context: str = "", algo: str = CHECKSUM
+        self,
+        key: str,
+        dst: torch.Tensor,
+        crcs: Sequence[int] | None = None,
+        context: str = "",
+        algo: str = CHECKSUM,
+        start: int = 0,
     ) -> None:
-        """Read tensor ``key`` whole into ``dst`` (same dtype and numel), verifying ``crcs`` if given.
+        """Read tensor ``key`` into ``dst`` (same dtype), verifying ``crcs`` if given: the whole tensor, or
+        with ``start`` its flattened elements ``[start, start + dst.numel())``.
 
-        ``crcs`` are the tensor's chunk checksums computed with ``algo``. The bytes go straight from
+        ``crcs`` are the tensor's chunk checksums computed with ``algo``; a part read with them must
+        cover whole checksum chunks (start and end on a :data:`CHUNK_BYTES` boundary, or the end at
+        the tensor's end), so every byte read is verified, each chunk by the thread that reads it
+        (several threads read one large tensor's parts at once). The bytes go straight from
         the file into ``dst``'s memory when it is a contiguous CPU tensor (no intermediate copy);
         otherwise through one host buffer. Each checksum chunk is read in :data:`_READ_BYTES` pieces,
         each hashed by the reading thread right after it is read, while it is still in the CPU cache
@@ -594,18 +604,26 @@ class SafetensorsFile:
         read one file at once. On a mismatch ``dst`` holds unchecked bytes.
         """
         entry = self.tensors[key]
-        if dst.dtype != entry.dtype or dst.numel() != entry.numel:
+        whole = start == 0 and dst.numel() == entry.numel
+        if dst.dtype != entry.dtype or not (whole or 0 <= start <= start + dst.numel() <= entry.numel):
+            part = "" if whole else f" elements [{start}, {start + dst.numel()})"
             raise FormatError(
-                f"{self.path}: tensor {key!r} is {entry.dtype}{list(entry.shape)}; cannot read it into {dst.dtype}{list(dst.shape)}"
+                f"{self.path}: tensor {key!r} is {entry.dtype}{list(entry.shape)}; cannot read it{part} into "
+                f"{dst.dtype}{list(dst.shape)}"
             )
+        skip = start * entry.dtype.itemsize  # bytes of the tensor before the part read
+        if crcs is not None and not whole:
+            end = skip + dst.numel() * entry.dtype.itemsize
+            if skip % CHUNK_BYTES or (end % CHUNK_BYTES and end != entry.end - entry.start):
+                raise ValueError(f"read_into: bytes [{skip}, {end}) of {key!r} are not whole checksum chunks")
         direct = dst.device.type == "cpu" and dst.is_contiguous()
         host = dst if direct else _memory.empty(dst.shape, dtype=dst.dtype)
         buf = _byte_view(host)
         want = (
-            _expected(self.path, key, buf, 0, crcs, context) if crcs is not None else None
+            _expected(self.path, key, buf, skip // CHUNK_BYTES, crcs, context) if crcs is not None else None
         )  # a wrong count fails before any read
         fd = self._file().fileno()
-        base = self.header_size + entry.start
+        base = self.header_size + entry.start + skip
         for i, lo in enumerate(range(0, len(buf), CHUNK_BYTES)):
             chunk = buf[lo : lo + CHUNK_BYTES]
             hasher = _Incremental(algo) if want is not None else None
@@ -620,7 +638,7 @@ class SafetensorsFile:
                 if hasher is not None:
                     hasher.update(piece)
             if hasher is not None and hasher.value() != want[i]:
-                raise _mismatch(self.path, key, lo, len(chunk), hasher.value(), want[i], context, algo)
+                raise _mismatch(self.path, key, skip + lo, len(chunk), hasher.value(), want[i], context, algo)
         if not direct:
             dst.copy_(host)
 

@@ -171,8 +171,10 @@ class _Staged:
     def __init__(self) -> None:
         self.stager: _CopyStager | None = None  # made at the first run, sized to the largest chunk
         self.chunks: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (weights chunk, EMA k chunks)
+        self.spans: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # the same, uncut (queued updates)
 
     def add(self, emas: list[torch.Tensor], src: torch.Tensor, chunk: int) -> None:
+        self.spans.append((src, emas))
         n = src.numel()
         for lo in range(0, n, chunk):
             m = min(chunk, n - lo)
@@ -213,6 +215,7 @@ class Plan:
         self.spans = 0  # tensors or fused spans scheduled (non-empty)
         self.staged_spans = 0  # of those, staged through a copy (another device or dtype)
         self.single: tuple | None = None  # (bound lerp_ of the EMA span, weights span), see finish()
+        self.offload: Any = None  # the engine and snapshot of queued updates (_offload), made at the first one
 
     def add(self, emas: list[torch.Tensor], src: torch.Tensor) -> None:
         """Schedule ``emas[k].lerp_(src, w_k)`` for each k (one leaf or one fused span)."""

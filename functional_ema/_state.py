@@ -12,7 +12,27 @@ import torch
 
 from ._shards import Shards, clone_tree
 
-__all__ = ["BufferState", "EmaState"]
+__all__ = ["BufferState", "EmaState", "wait_pending"]
+
+# The attribute of ``state.step`` that holds the update queued by ``update(..., blocking=False)``
+# (a :class:`functional_ema._offload.PendingUpdate`). On the step tensor because an EmaState is an
+# immutable NamedTuple and every state sharing these EMA buffers (``inplace=True`` returns the same
+# objects) shares its step tensor: whoever reads the state finds the work in flight there.
+PENDING_ATTR = "_fe_pending"
+
+
+def wait_pending(state: object) -> None:
+    """Wait for the update queued on ``state`` (if any), raising its failure once.
+
+    The one place every reader of a state passes through: :func:`functional_ema.update`, and
+    ``_fit.state_problem`` (which ``save``, ``AsyncSaver.save``, ``swapped``, ``gather_full``,
+    ``load(out=)`` and the integrations call before they touch the EMA).
+    """
+    counter = getattr(state, "step", None)
+    pending = getattr(counter, PENDING_ATTR, None)
+    if pending is not None:
+        setattr(counter, PENDING_ATTR, None)  # cleared first: a failure is raised once
+        pending.wait()
 
 
 class EmaState(NamedTuple):
@@ -58,9 +78,11 @@ class EmaState(NamedTuple):
         self.__reduce__()
 
     def __copy__(self) -> EmaState:
+        wait_pending(self)
         return EmaState(self.step, tuple(e if isinstance(e, Shards) else dict(e) for e in self.emas))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EmaState:
+        wait_pending(self)
         return EmaState(self.step.clone(), tuple(map(clone_tree, self.emas)))
 
 

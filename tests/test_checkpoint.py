@@ -991,3 +991,40 @@ def test_io_threads_share_the_node(monkeypatch):
         monkeypatch.setenv(_io.IO_THREADS_ENV, bad)
         with pytest.raises(ValueError, match=f"{_io.IO_THREADS_ENV} must be a positive integer, got '{bad}'"):
             _io.io_threads()
+
+
+def test_one_large_tensor_read_by_several_threads_in_verified_parts(tmp_path, monkeypatch):
+    """A tensor of 3.5 checksum chunks, loaded by 2 threads: cut into parts of whole chunks, each read in
+    place and verified. New memory and out= give the saved values bitwise; a flipped byte in the third
+    chunk fails the load naming that chunk's bytes; a load without verification reads it as it is."""
+    import functional_ema as fe
+    from functional_ema import _io
+    from functional_ema._checkpoint import reader
+
+    monkeypatch.setenv(_io.IO_THREADS_ENV, "2")
+    cut = []
+    split = reader._split_jobs
+    monkeypatch.setattr(reader, "_split_jobs", lambda *a: cut.append(split(*a)) or cut[-1])
+    per_chunk = _io.CHUNK_BYTES // 4
+    model = torch.nn.Linear(per_chunk // 2, 7, bias=False)  # 3.5 chunks of fp32
+    state = fe.init_ema(fe.local_shards(model))
+    fe.save(state, model, tmp_path, "t")
+    assert torch.equal(fe.load(model, tmp_path, "t").ema["weight"], state.ema["weight"])
+    assert [job[4] for job in cut[-1]] == [per_chunk] * 3 + [per_chunk // 2]
+    held = fe.load(model, tmp_path, "t", out=fe.init_ema(fe.local_shards(model)))
+    assert torch.equal(held.ema["weight"], state.ema["weight"])
+    (rank_file,) = [p for p in (tmp_path / "t").iterdir() if p.suffix == ".safetensors"]
+    st = _io.SafetensorsFile(rank_file)
+    at = st.header_size + st.tensors["emas.0.weight"].start + 2 * _io.CHUNK_BYTES + 123
+    st.close()
+    data = bytearray(rank_file.read_bytes())
+    data[at] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    lo = 2 * _io.CHUNK_BYTES
+    with pytest.raises(
+        fe.CheckpointError, match=rf"checksum mismatch in tensor 'emas.0.weight', bytes {lo}..{lo + _io.CHUNK_BYTES} "
+    ):
+        fe.load(model, tmp_path, "t")
+    flat = fe.load(model, tmp_path, "t", verify=False).ema["weight"].view(-1)
+    want = state.ema["weight"].view(-1)
+    assert torch.equal(flat[: 2 * per_chunk], want[: 2 * per_chunk]) and not torch.equal(flat, want)

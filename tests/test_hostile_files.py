@@ -580,8 +580,6 @@ def _kind_of(rel: str) -> str | None:
     return kinds[0] if kinds else None
 
 
-
-
 # ----------------------------------------------------------------------------------- the run
 
 

@@ -641,6 +641,8 @@ class CheckpointReader:
             try:
                 if cursor == off and upto == end:
                     f.st.read_into(key, out, crcs, context, f.algo)
+                elif crcs is None or _whole_chunks(cursor - off, upto - off, cnt, dst.element_size()):
+                    f.st.read_into(key, out, crcs, context, f.algo, start=cursor - off)  # a part of fill_all's
                 else:
                     out.copy_(f.st.read_range(key, cursor - off, upto - off, crcs, context, f.algo))
             except _io.FormatError as err:
@@ -651,6 +653,38 @@ class CheckpointReader:
             raise IncompleteCheckpointError(
                 f"tag {self.tag!r}: elements [{cursor}, {stop}) of {name!r} are in no saved piece"
             )
+
+
+def _whole_chunks(lo: int, hi: int, numel: int, itemsize: int) -> bool:
+    """Whether elements ``[lo, hi)`` of a tensor of ``numel`` elements are whole checksum chunks."""
+    per_chunk = _io.CHUNK_BYTES // itemsize
+    return lo % per_chunk == 0 and (hi % per_chunk == 0 or hi == numel)
+
+
+def _split_jobs(ckpt: Any, jobs: list, threads: int) -> list:
+    """``jobs`` with the large ones cut into parts of whole checksum chunks, so ``threads`` threads get
+    equal shares even when one tensor holds most of the bytes (an embedding, a flat FSDP shard).
+
+    Only a job that lies inside one saved piece starting where it starts is cut (the usual load, same
+    world size): every part is then read straight into its place and verified chunk by chunk, as
+    whole. Resharded ranges are left as they are (a cut there would re-read the chunk it falls in).
+    """
+    pieces = getattr(ckpt, "pieces", None)  # a reader of saved pieces; a re-cut of joined parts is left as is
+    if pieces is None:
+        return jobs
+    total = sum(job[4] for job in jobs)
+    out = []
+    for job in jobs:
+        dst, k, name, start, numel = job
+        per_chunk = _io.CHUNK_BYTES // dst.element_size()
+        step = max(per_chunk, -(-total // (threads * 4)) // per_chunk * per_chunk)
+        if numel <= step or not any(off == start and start + numel <= off + cnt for off, cnt, _ in pieces[name]):
+            out.append(job)
+            continue
+        for lo in range(0, numel, step):
+            m = min(step, numel - lo)
+            out.append((dst[lo : lo + m], k, name, start + lo, m))
+    return out
 
 
 def fill_all(
@@ -673,6 +707,8 @@ def fill_all(
         with torch.no_grad():
             ckpt.fill(*job, verify)
 
+    if threads >= 2:
+        jobs = _split_jobs(ckpt, jobs, threads)
     if len(jobs) < 2 or threads < 2:
         for job in jobs:
             run(job)

@@ -9,7 +9,7 @@ import numpy as np
 import optree
 import torch
 
-from .._state import EmaState
+from .._state import EmaState, wait_pending
 from .._tree import TreeMismatchError, check_same_tree, flatten_named
 from ..schedules import Schedule, sigma_rel_to_gamma
 from .profiles import DEFAULT_MAX_PROFILE_ERROR, ReconstructionError, solve_coefficients
@@ -104,6 +104,7 @@ def snapshot_gammas(schedules: Sequence[Schedule | float]) -> tuple[float, ...]:
 
 def gammas_and_step(state: EmaState, schedules: Sequence[Schedule | float]) -> tuple[tuple[float, ...], int]:
     """The exponents of ``state``'s power EMAs (one schedule per EMA) and its step (at least 1)."""
+    wait_pending(state)  # an update queued with blocking=False finishes before its step and EMAs are read
     gammas = snapshot_gammas(schedules)
     if len(gammas) != state.num_emas:
         raise ValueError(f"got {len(gammas)} schedules for a state tracking {state.num_emas} EMAs")

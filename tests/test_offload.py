@@ -1,0 +1,290 @@
+"""``update(..., blocking=False)``: the queued update of a CPU EMA, its ordering, waits and errors.
+
+On a machine without a GPU nothing is queued by default (CPU weights need no transfer), so these
+tests swap in :class:`functional_ema._offload.ThreadCopyEngine` (copies at the call, lerps on a
+worker thread) through ``_offload.engine_for``, and send fp32 CPU runs through the staged path
+(``_plan._needs_staging``), exactly as the CUDA case runs them. A *gated* engine holds the worker
+until something waits for it, so every check is deterministic: a verb that did not wait would read
+(or be overwritten by) the update still held on the worker. Every EMA is compared bitwise with the
+blocking path and with a per-tensor ``lerp_`` in plain torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import pytest
+import torch
+from torch import nn
+
+import functional_ema as fe
+from functional_ema import _offload, _plan
+
+DECAYS = (0.9, fe.schedules.power(gamma=3.0))
+
+
+class GatedEngine(_offload.ThreadCopyEngine):
+    """The CPU engine, with its worker held at the first chunk until ``gate`` opens (or failing there)."""
+
+    def __init__(self, fail: BaseException | None = None):
+        super().__init__()
+        self.gate = threading.Event()
+        self.fail = fail
+        self.copies = 0
+        self.submitted: list[Future] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        self.copies += 1
+        return super().copy(dst, src)
+
+    def ready(self, token) -> None:
+        assert self.gate.wait(60), "nothing waited for the queued update"
+        if self.fail is not None:
+            raise self.fail
+
+    def submit(self, fn: Callable[[], None]) -> Future:
+        future = super().submit(fn)
+        self.submitted.append(future)
+        return future
+
+
+@pytest.fixture
+def engine(monkeypatch) -> GatedEngine:
+    """Queued updates on CPU through a gated engine whose gate a wait opens; small chunks, so a model
+    of a few hundred elements is copied and lerped in many pieces."""
+    eng = GatedEngine()
+    monkeypatch.setattr(_offload, "engine_for", lambda src, ema: eng)
+    monkeypatch.setattr(_plan, "_needs_staging", lambda src, ema: True)
+    monkeypatch.setattr(_plan, "_STAGE_CHUNK_ELEMENTS", 23)
+    monkeypatch.setattr(_offload, "_STAGE_CHUNK_ELEMENTS", 23)
+    monkeypatch.setattr(_offload, "_COPY_CHUNK_ELEMENTS", 61)
+    waits = []
+    original = _offload.PendingUpdate.wait
+
+    def wait(self):
+        waits.append(self.step)
+        eng.gate.set()
+        original(self)
+
+    monkeypatch.setattr(_offload.PendingUpdate, "wait", wait)
+    eng.waits = waits  # type: ignore[attr-defined]
+    return eng
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+
+
+def _train(model: nn.Module, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g))
+
+
+def _reference(history: list[dict[str, torch.Tensor]], steps: list[int], decays) -> list[dict[str, torch.Tensor]]:
+    """Plain torch: per tensor, ``ema.lerp_(w, 1 - d)`` with ``d`` the decay compounded over the skipped steps."""
+    emas = [{n: t.clone() for n, t in history[0].items()} for _ in decays]
+    for (last, step), weights in zip(itertools.pairwise(steps), history[1:]):
+        for ema, decay in zip(emas, decays):
+            d = 1.0
+            for s in range(last + 1, step + 1):
+                d *= decay if isinstance(decay, float) else float(decay(s))
+            for n, e in ema.items():
+                e.copy_(weights[n]) if d == 0.0 else e.lerp_(weights[n], 1.0 - d)
+    return emas
+
+
+def _same(a, b) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[n].cpu(), b[n].cpu()) for n in a)
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_queued_update_is_bitwise_the_blocking_one(engine):
+    """Fused Shards (two EMAs, a skipped step, decay 0 once) and a dict tree with a float64 EMA; in place
+    and not: after each queued update the EMA equals the blocking path's and plain torch's bitwise."""
+    model = _model()
+    decays = [0.9, DECAYS[1]]
+    queued = fe.init_ema(fe.local_shards(model), num_emas=2)
+    blocking = fe.init_ema(fe.local_shards(model), num_emas=2)
+    history, steps = [_weights(model)], [0]
+    for step in (1, 3, 4, 5):
+        _train(model, step)
+        d = [0.0, decays[1]] if step == 4 else decays
+        queued = fe.update(queued, fe.local_shards(model), step, decay=d, blocking=False, inplace=step != 3)
+        assert engine.submitted[-1].done() is False  # held: the call returned before any lerp
+        assert int(queued.step) == step
+        blocking = fe.update(blocking, fe.local_shards(model), step, decay=d)
+        fe.wait_update(queued)
+        assert all(_same(a, b) for a, b in zip(queued.emas, blocking.emas)), step
+        engine.gate.clear()
+        history.append(_weights(model))
+        steps.append(step)
+    # The plain-torch reference (decay 0 at step 4 for EMA 0).
+    ref0 = _reference(history[:3], steps[:3], [0.9])[0]
+    ref0 = {n: history[3][n].clone() for n in ref0}  # decay 0 at step 4: the EMA is the weights
+    ref0 = {n: e.lerp_(history[4][n], 1 - 0.9) for n, e in ref0.items()}
+    assert _same(dict(queued.emas[0]), ref0)
+    assert _same(dict(queued.emas[1]), _reference(history, steps, [decays[1]])[0])
+    assert engine.copies > 2 * 5  # chunks: the model has 7*13+13+13*5+5 = 174 elements, copied 61 at a time
+
+    tree = {n: t.clone() for n, t in _weights(model).items()}
+    q64 = fe.init_ema(tree, dtype=torch.float64)
+    b64 = fe.init_ema(tree, dtype=torch.float64)
+    engine.gate.clear()
+    moved = {n: t + 1 for n, t in tree.items()}
+    q64 = fe.update(q64, moved, decay=0.75, blocking=False)
+    b64 = fe.update(b64, moved, decay=0.75)
+    assert _same(dict(fe.wait_update(q64).ema), dict(b64.ema))
+    assert _same(dict(q64.ema), {n: t.double().lerp_(moved[n].double(), 0.25) for n, t in tree.items()})
+
+
+def test_inplace_change_after_the_call_does_not_leak(engine):
+    """The weights are copied at the call: zeroing them right after, while the lerps are still held on the
+    worker, changes nothing in the EMA."""
+    model = _model()
+    state = fe.init_ema(fe.local_shards(model))
+    before = _weights(model)
+    _train(model, 1)
+    at_call = _weights(model)
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5, blocking=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert not engine.submitted[-1].done()
+    fe.wait_update(state)
+    assert _same(dict(state.ema), {n: before[n].lerp_(at_call[n], 0.5) for n in before})
+
+
+def _queue(state, model, step: int, engine: GatedEngine):
+    engine.gate.clear()
+    _train(model, step)
+    state = fe.update(state, fe.local_shards(model), step, decay=0.5, blocking=False)
+    assert not engine.submitted[-1].done()
+    return state
+
+
+def test_every_verb_waits_for_the_queued_update(engine, tmp_path):
+    """update, save, AsyncSaver.save, swapped, gather_full, load(out=) and deepcopy each wait (once) for the
+    update in flight before they read or fill the state: each sees (or keeps) the updated EMA, never the
+    update landing afterwards."""
+    model = _model()
+    state = fe.init_ema(fe.local_shards(model))
+    twin = fe.init_ema(fe.local_shards(model))  # the blocking path, step for step
+
+    def follow(step: int) -> None:
+        fe.update(twin, fe.local_shards(model), step, decay=0.5)
+
+    step = 0
+    checks: dict[str, bool] = {}
+
+    def run(label: str, verb: Callable[[], object], check: Callable[[object], bool]) -> None:
+        nonlocal state, step
+        step += 1
+        state = _queue(state, model, step, engine)
+        follow(step)
+        n = len(engine.waits)
+        out = verb()
+        checks[label] = engine.submitted[-1].done() and engine.waits[n:] == [step] and check(out)
+
+    run("update", lambda: fe.update(state, fe.local_shards(model), step, decay=0.5), lambda _: True)
+    checks["update_values"] = _same(dict(state.ema), dict(twin.ema))
+
+    run(
+        "save",
+        lambda: fe.save(state, model, tmp_path, "s"),
+        lambda _: _same(fe.load(model, tmp_path, "s").ema, twin.ema),
+    )
+    with fe.AsyncSaver() as saver:
+        run("AsyncSaver.save", lambda: saver.save(state, model, tmp_path, "a").wait(), lambda _: True)
+    checks["AsyncSaver.values"] = _same(fe.load(model, tmp_path, "a").ema, twin.ema)
+
+    def in_swap() -> dict[str, torch.Tensor]:
+        with fe.swapped(model, state):
+            return _weights(model)
+
+    run("swapped", in_swap, lambda seen: _same(seen, dict(twin.ema)))
+    run("gather_full", lambda: fe.gather_full(state, model), lambda full: _same(full, dict(twin.ema)))
+    run("deepcopy", lambda: copy.deepcopy(state), lambda c: _same(dict(c.ema), dict(twin.ema)))
+
+    saved = fe.load(model, tmp_path, "s")  # an older EMA: load(out=) must leave exactly it in the state
+    run("load_out", lambda: fe.load(model, tmp_path, "s", out=state), lambda loaded: loaded.ema is state.ema)
+    fe.wait_update(state)  # nothing left in flight: the buffers hold what was loaded
+    checks["load_out_values"] = _same(dict(state.ema), dict(saved.ema))
+    assert [k for k, ok in checks.items() if not ok] == []
+
+
+def test_worker_failure_surfaces_at_the_next_call(engine, tmp_path):
+    """A failure on the worker is raised once, by the next call that reads the state (update, or save),
+    as AsyncUpdateError with the original as its cause; the step goes back; the state is usable again."""
+    model = _model()
+    state = fe.init_ema(fe.local_shards(model))
+    engine.fail = OSError("the copy engine lost the device")
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5, blocking=False)
+    with pytest.raises(
+        fe.AsyncUpdateError, match=r"step 1 .*OSError: the copy engine lost the device.*set back to 0"
+    ) as e:
+        fe.update(state, fe.local_shards(model), 2, decay=0.5)
+    assert isinstance(e.value.__cause__, OSError)
+    assert int(state.step) == 0
+    engine.fail = None
+    state = fe.update(state, fe.local_shards(model), 2, decay=0.5, blocking=False)
+    assert int(fe.wait_update(state).step) == 2
+
+    engine.fail = RuntimeError("lerp failed")
+    state = fe.update(state, fe.local_shards(model), 3, decay=0.5, blocking=False)
+    with pytest.raises(fe.AsyncUpdateError, match="step 3.*lerp failed"):
+        fe.save(state, model, tmp_path, "t")
+    assert not (tmp_path / "t" / "ema_manifest.json").exists()
+    engine.fail = None
+    fe.save(state, model, tmp_path, "t")  # raised once: the state saves now
+    assert int(fe.load(model, tmp_path, "t").step) == 2
+
+
+def test_without_cuda_weights_blocking_false_runs_at_the_call():
+    """No engine queues CPU weights: blocking=False is the blocking update (nothing in flight)."""
+    model = _model()
+    state = fe.init_ema(fe.local_shards(model))
+    twin = fe.init_ema(fe.local_shards(model))
+    _train(model, 1)
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5, blocking=False)
+    assert getattr(state.step, "_fe_pending", None) is None
+    assert _same(dict(state.ema), dict(fe.update(twin, fe.local_shards(model), 1, decay=0.5).ema))
+    with pytest.raises(TypeError, match=r"blocking=\.\.\.\) must be a bool, got str"):
+        fe.update(state, fe.local_shards(model), 2, blocking="no")
+    with pytest.raises(TypeError, match="wait_update"):
+        fe.wait_update(dict(state.ema))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu_check.py runs it on a GPU machine)"
+)
+def test_cuda_queued_update_orders_streams():
+    """The real engine: the copy waits for the work queued before the call (a long kernel, then the write
+    of the weights), the current stream waits for the copy (zeroing right after the call does not leak),
+    and the EMAs (two, bf16 and fp32 targets) are bitwise the blocking update's."""
+    buf = torch.randn(3_000_000, device="cuda")
+    shards = fe.Shards.from_views({f"p{i}": buf.narrow(0, i * 1_000_000, 999_000) for i in range(3)})
+    for dtype in (torch.float32, torch.bfloat16):
+        queued = fe.init_ema(shards, num_emas=2, dtype=dtype, device="cpu", pin_memory=True)
+        blocking = fe.init_ema(shards, num_emas=2, dtype=dtype, device="cpu", pin_memory=True)
+        for step in range(1, 4):
+            torch.cuda._sleep(50_000_000)  # the copy must wait for this, then for the write below
+            buf.add_(1.0 / step)
+            fe.update(queued, shards, step, decay=(0.9, 0.0 if step == 2 else 0.99), blocking=False)
+            assert getattr(queued.step, "_fe_pending", None) is not None
+            keep = buf.clone()
+            buf.zero_()
+            fe.wait_update(queued)
+            buf.copy_(keep)
+            fe.update(blocking, shards, step, decay=(0.9, 0.0 if step == 2 else 0.99))
+            for k in range(2):
+                assert all(torch.equal(a, b) for a, b in zip(queued.emas[k].segments, blocking.emas[k].segments))
