@@ -241,7 +241,7 @@ def test_worker_failure_surfaces_at_the_next_call(engine, tmp_path):
 
     engine.fail = RuntimeError("lerp failed")
     state = fe.update(state, fe.local_shards(model), 3, decay=0.5, blocking=False)
-    with pytest.raises(fe.AsyncUpdateError, match="step 3.*lerp failed"):
+    with pytest.raises(fe.AsyncUpdateError, match=r"step 3.*lerp failed"):
         fe.save(state, model, tmp_path, "t")
     assert not (tmp_path / "t" / "ema_manifest.json").exists()
     engine.fail = None
