@@ -7,6 +7,7 @@ what it returns (shards, layout, process group); nothing here knows an engine's 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
@@ -252,7 +253,7 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
         with _refuse_training(adapter, reading), adapter.swap(reading, pieces, state, index, changes) as stats:
             yield stats
     except BaseException as error:
-        if changes:
+        if changes and sys.version_info >= (3, 11):  # BaseException.add_note is 3.11+ (3.10: the error unchanged)
             error.add_note(f"functional_ema.swapped restored the trained weights; the block had {_changed(changes)}")
         raise
     if changes:

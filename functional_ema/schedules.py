@@ -345,11 +345,11 @@ def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Sche
     ``0 < s <= t``. Give either ``gamma`` or ``sigma_rel`` (the profile's width relative to ``t``).
     Updating every N steps compounds exactly to ``((t - N) / t) ** (gamma + 1)``.
     """
-    if (gamma is None) == (sigma_rel is None):
-        raise ValueError(
-            f"power() takes exactly one of gamma= or sigma_rel=, got gamma={gamma!r}, sigma_rel={sigma_rel!r}"
-        )
-    return _Power(sigma_rel_to_gamma(sigma_rel) if gamma is None else _positive("gamma", gamma))
+    if gamma is None and sigma_rel is not None:
+        return _Power(sigma_rel_to_gamma(sigma_rel))
+    if gamma is not None and sigma_rel is None:
+        return _Power(_positive("gamma", gamma))
+    raise ValueError(f"power() takes exactly one of gamma= or sigma_rel=, got gamma={gamma!r}, sigma_rel={sigma_rel!r}")
 
 
 @dataclass(frozen=True)

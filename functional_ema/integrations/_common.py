@@ -33,7 +33,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,8 @@ from functional_ema._checkpoint.reader import locate_checkpoint
 from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
 from functional_ema._core import check_ema_dtype
 from functional_ema._io import atomic_write_bytes
-from functional_ema.schedules import DecayLike
+from functional_ema.checkpoint import Loaded
+from functional_ema.schedules import DecayLike, Schedule
 
 __all__ = ["EMAController", "expected_ema_step", "RECORD_NAME"]
 
@@ -125,7 +126,7 @@ class EMAController:
         *,
         every_n_steps: int = 1,
         start_step: int = 0,
-        buffers: str | None = None,
+        buffers: fb.Mode | None = None,
         eval_index: int | None = 0,
         posthoc_dir: str | os.PathLike | None = None,
         posthoc_every: int | None = None,
@@ -171,7 +172,7 @@ class EMAController:
     # ------------------------------------------------------------------------------------ helpers
 
     @property
-    def decay(self):
+    def decay(self) -> DecayLike | list[DecayLike]:
         """The ``decay`` argument for :func:`functional_ema.update` (one, or one per EMA)."""
         return self.decays[0] if len(self.decays) == 1 else self.decays
 
@@ -182,6 +183,15 @@ class EMAController:
     @property
     def started(self) -> bool:
         return self.state is not None
+
+    def _buffer_state(self) -> fb.BufferState:
+        """The buffer EMAs, which exist whenever the EMA has started with ``buffers`` set."""
+        if self.buffer_state is None:
+            raise RuntimeError(
+                f"buffers={self.buffers!r} is set but the buffer EMAs were never started (buffer_state is None); "
+                "set state and buffer_state together (both None: the EMA restarts)"
+            )
+        return self.buffer_state
 
     # ---------------------------------------------------------------------------------- training
 
@@ -206,10 +216,13 @@ class EMAController:
         else:
             self.state = fe.update(self.state, fe.local_shards(x), step, decay=self.decay)
             if self.buffers:
-                self.buffer_state = fb.update_buffers(self.buffer_state, x, step, decay=self.decay, mode=self.buffers)
+                self.buffer_state = fb.update_buffers(
+                    self._buffer_state(), x, step, decay=self.decay, mode=self.buffers
+                )
             moved = True
-        if self.posthoc_every and step % self.posthoc_every == 0 and step >= 1:
-            fe.posthoc.save_snapshot(self.state, x, self.posthoc_dir, self.decays)
+        if self.posthoc_dir is not None and self.posthoc_every and step % self.posthoc_every == 0 and step >= 1:
+            # Every decay is a power schedule (a numeric gamma), checked in __init__.
+            fe.posthoc.save_snapshot(self.state, x, self.posthoc_dir, cast(list[Schedule], self.decays))
         return moved
 
     @contextlib.contextmanager
@@ -291,7 +304,7 @@ class EMAController:
         generation of the EMA saved in that folder before (if any), which it supersedes."""
         job = job_of(fe.engines.adapter_for(x).read())  # every rank that saves this model (all parts)
 
-        def write():
+        def write() -> None:
             if job.rank != 0:
                 return None
             lock = TagLock.acquire(tag_dir, timeout_s(None), "EMA save")
@@ -329,7 +342,7 @@ class EMAController:
         tag_dir = load_dir / self.tag
         job = job_of(fe.engines.adapter_for(x).read())
 
-        def decide():
+        def decide() -> tuple[str, dict[str, Any] | None, bool]:
             record = read_record(tag_dir / RECORD_NAME)
             if record is not None and record.get("started") is not False:
                 raise fe.checkpoint.CorruptCheckpointError(
@@ -394,7 +407,7 @@ class EMAController:
                 f"{max(1, self.start_step)} and must be at step {expected}",
             )
 
-    def _check_loaded(self, tag_dir: Path, loaded, framework_step: int | None) -> int:
+    def _check_loaded(self, tag_dir: Path, loaded: Loaded, framework_step: int | None) -> int:
         """The loaded EMA against the framework's step and these rules; returns the verified saved step."""
         extra = loaded.manifest.get("extra")
         ema_step = int(loaded.state.step)
@@ -404,7 +417,7 @@ class EMAController:
                 f"the checkpoint tracks {loaded.state.num_emas} EMA(s) but this run's callback has "
                 f"{self.num_emas} decay(s)",
             )
-        saved_step = None
+        saved_step: int | None = None
         if isinstance(extra, dict) and extra.get("integration") == 1:
             saved_step = _int_field(extra, "framework_step", tag_dir / MANIFEST_NAME)
             if framework_step is not None and saved_step != int(framework_step):
@@ -413,13 +426,13 @@ class EMAController:
                     f"the EMA was saved with the checkpoint of framework step {saved_step}, but "
                     f"the training resumed at step {framework_step}",
                 )
-        elif framework_step is None:
+        step = int(framework_step) if framework_step is not None else saved_step
+        if step is None:  # no step given and no integration record to read it from
             raise _resume_error(
                 tag_dir,
                 "its manifest carries no integration record (saved by functional_ema.save "
                 "directly?), so the framework's step cannot be checked",
             )
-        step = int(framework_step) if framework_step is not None else saved_step
         expected = expected_ema_step(step, self.start_step, self.every_n_steps)
         if expected != ema_step:
             rules = f"start_step={self.start_step}, every_n_steps={self.every_n_steps}"
@@ -448,13 +461,13 @@ class EMAController:
         """Full-shape EMA ``index`` (parameters, their tied aliases, buffers) on rank ``dst``
         (``None``: every rank; others get ``{}``), names as in the engine's module with
         ``strip_prefix`` removed (a framework's wrapper, e.g. Lightning's ``_forward_module.``). Collective."""
-        index = self._index(index)
+        index, state = self._index(index)
         strip_prefix = check_str(strip_prefix, "strip_prefix")
-        full = fe.gather_full(self.state, x, index=index, dst=dst, join_parts=True)  # model-parallel parts joined
+        full = fe.gather_full(state, x, index=index, dst=dst, join_parts=True)  # model-parallel parts joined
         if dst is not None and _rank() != dst:
             return {}
         module = fe.engines.adapter_for(x).module()
-        first = {}
+        first: dict[int, str] = {}
         for n, p in module.named_parameters(remove_duplicate=False):
             first.setdefault(id(p), n)
         for n, p in module.named_parameters(remove_duplicate=False):
@@ -474,13 +487,13 @@ class EMAController:
             raise ValueError(f"index={index!r} is not one of the {self.num_emas} EMA(s)")
         return index
 
-    def _index(self, index: int | None) -> int:
-        """EMA ``index`` (default ``eval_index``, else 0), checked; the EMA must have started."""
+    def _index(self, index: int | None) -> tuple[int, fe.EmaState]:
+        """EMA ``index`` (default ``eval_index``, else 0), checked, and the state; the EMA must have started."""
         index = self.eval_index if index is None else index
         index = self._checked_index(0 if index is None else index)
         if self.state is None:
             raise RuntimeError(f"the EMA has not started (start_step={self.start_step}): nothing to export or copy")
-        return index
+        return index, self.state
 
     def export(self, x: Any, path: str | os.PathLike, index: int | None = None, strip_prefix: str = "") -> Path | None:
         """Write :meth:`full_state_dict` to one safetensors file from rank 0 (atomic). Collective.
@@ -491,7 +504,7 @@ class EMAController:
         """
         from safetensors.torch import save as st_save
 
-        index = self._index(index)
+        index, state = self._index(index)
         strip_prefix = check_str(strip_prefix, "strip_prefix")
         path = check_export_path(check_path(path, "path"), "EMA export")
         full = self.full_state_dict(x, index=index, dst=0, strip_prefix=strip_prefix)
@@ -502,7 +515,7 @@ class EMAController:
             schedule = describe_decays(self.decays[index], 1)
             meta = {
                 "format": "functional_ema.export",
-                "step": str(int(self.state.step)),
+                "step": str(int(state.step)),
                 "ema_index": str(index),
                 "schedule": json.dumps(schedule[0] if schedule else None),
             }
@@ -520,10 +533,10 @@ class EMAController:
         exactly (every EMA'd parameter trainable in it, same pieces), else
         :class:`functional_ema.StateMismatchError` on every rank, before anything is written.
         """
-        index = self._index(index)
+        index, state = self._index(index)
         adapter = fe.engines.adapter_for(x)
         reading = adapter.read()
-        pieces = state_pieces(self.state, reading, index, "copy_to_model")  # all ranks agree before any write
+        pieces = state_pieces(state, reading, index, "copy_to_model")  # all ranks agree before any write
         live = fb.module_buffers(x) if self.buffer_state is not None else {}
         if self.buffer_state is not None:
             saved = {**self.buffer_state.emas[index], **self.buffer_state.copied}

@@ -42,11 +42,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
 from ._common import EMAController
 
 __all__ = ["EMACallback", "ema_dir_for"]
+
+# Set on a trainer whose save_checkpoint/remove_checkpoint this callback wrapped (setup() runs once per stage).
+_WRAPPED_ATTR = "_functional_ema_wrapped"
 
 
 def ema_dir_for(ckpt_path: str | os.PathLike) -> Path:
@@ -71,38 +75,39 @@ class EMACallback(pl.Callback):
         self._last_saved: str | None = None
 
     @property
-    def state(self):
+    def state(self) -> EmaState | None:
         """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
         return self.ema.state
 
     @staticmethod
-    def _target(trainer: pl.Trainer):
+    def _target(trainer: pl.Trainer) -> Any:
         model = trainer.strategy.model
         return model if model is not None else trainer.lightning_module
 
     # ----------------------------------------------------------------------------------- wiring
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if getattr(trainer, "_functional_ema_wrapped", None) is self:
+        if getattr(trainer, _WRAPPED_ATTR, None) is self:
             return
         save, strategy = trainer.save_checkpoint, trainer.strategy
         remove = strategy.remove_checkpoint
 
-        def save_checkpoint(filepath, *args, **kwargs) -> None:
+        def save_checkpoint(filepath: str | Path, *args: Any, **kwargs: Any) -> None:
             path = os.fspath(trainer.strategy.broadcast(filepath))
             save(filepath, *args, **kwargs)
             self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
             self._last_saved = path
 
-        def remove_checkpoint(filepath) -> None:
+        def remove_checkpoint(filepath: str | Path) -> None:
             remove(filepath)
             sibling = Path(os.fspath(filepath) + ".ema")
             if trainer.is_global_zero and sibling.is_dir():
                 shutil.rmtree(sibling, ignore_errors=True)
 
-        trainer.save_checkpoint = save_checkpoint
-        strategy.remove_checkpoint = remove_checkpoint
-        trainer._functional_ema_wrapped = self
+        # Instance attributes shadowing the methods, on purpose: the hooks are not told the checkpoint path.
+        trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]  # wrapped per trainer instance
+        strategy.remove_checkpoint = remove_checkpoint  # type: ignore[method-assign]  # wrapped per strategy instance
+        setattr(trainer, _WRAPPED_ATTR, self)
 
     def state_dict(self) -> dict[str, Any]:
         # Only small metadata goes into Lightning's checkpoint: the pieces are per-rank files.
@@ -141,10 +146,12 @@ class EMACallback(pl.Callback):
                 "another checkpoint. Restore the EMA folder saved with this checkpoint, or resume from another one"
             )
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.ema.on_step(self._target(trainer), trainer.global_step)
 
-    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self._swap is not None:
             return
         stack = contextlib.ExitStack()
@@ -156,13 +163,13 @@ class EMACallback(pl.Callback):
         if stack is not None:
             stack.close()
 
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._unswap()
 
-    def on_exception(self, trainer, pl_module, exception) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._unswap()
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._unswap()
         # Lightning's DeepSpeed strategy wraps the LightningModule: export with its own names.
         self.ema.on_train_end(self._target(trainer), strip_prefix="_forward_module.")

@@ -41,6 +41,7 @@ import os
 import sys
 import weakref
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 from transformers import TrainerCallback
@@ -110,7 +111,7 @@ class EMACallback(TrainerCallback):
         """Find the ``Trainer`` raising this event (see the module docstring) and the checkpoint it resumes."""
         from transformers import Trainer
 
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         found, resumed = None, None
         while frame is not None:
             owner = frame.f_locals.get("self")
