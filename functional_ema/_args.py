@@ -4,25 +4,27 @@ The verbs and the framework integrations (:class:`functional_ema.integrations._c
 the Lightning, Transformers and Accelerate callbacks) call these at construction or at the call,
 before anything is allocated, gathered or written, so a bad value is refused with its parameter's
 name instead of hours later at the first update or save. The step and decay checks are the ones
-:func:`functional_ema.update` applies (:func:`functional_ema._core.check_step`,
-:func:`functional_ema.schedules.check_decay`); nothing here re-implements them.
+:func:`functional_ema.update` applies (:func:`check_step` here, :func:`functional_ema.schedules.check_decay`
+and :func:`~functional_ema.schedules.check_decays` beside the schedules); nothing re-implements them.
+This module is a leaf: it imports nothing else of the package at import time.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._core import check_step
-from .schedules import DecayLike, _real, check_decay
-
 __all__ = [
+    "MAX_STEP",
+    "check_step",
+    "real_number",
     "check_bool",
-    "check_decays",
     "check_device",
     "check_real",
     "check_state",
@@ -32,6 +34,45 @@ __all__ = [
     "check_rank",
     "check_str",
 ]
+
+#: The largest step the int64 step counter holds.
+MAX_STEP = 2**63 - 1
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    """An int step (numpy / torch integer scalars accepted); bools, floats and strings refused."""
+    if isinstance(step, bool):
+        raise TypeError(f"{what} must be an int, got a bool ({step!r})")
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.dtype.is_floating_point or step.dtype == torch.bool or step.is_complex():
+            raise TypeError(f"{what} must be an int, got a tensor of dtype {step.dtype} and shape {tuple(step.shape)}")
+        step = step.item()
+    try:
+        value = operator.index(step)  # ints and integer scalars only: 2.7 and "5" fail here
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(step).__name__} {step!r}") from None
+    if not 0 <= value <= MAX_STEP:
+        raise ValueError(f"{what}={value} is outside [0, 2**63 - 1]")
+    return value
+
+
+def real_number(value: Any) -> float | None:
+    """``value`` as a float when it is one real number (an int or float, a numpy scalar, a
+    one-element real tensor or array); ``None`` for anything else (``None``, strings, bools,
+    complex numbers, tensors of several elements)."""
+    if type(value) is float:
+        return value
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or math.prod(shape) != 1 or "complex" in str(dtype) or "bool" in str(dtype):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def check_int(value: Any, what: str, *, minimum: int = 0) -> int:
@@ -88,17 +129,6 @@ def check_path(value: Any, what: str) -> Path:
     raise TypeError(f"{what} must be a path (a str or os.PathLike), got {type(value).__name__} {value!r}")
 
 
-def check_decays(decay: Any, what: str = "decay") -> list[DecayLike]:
-    """One decay, or a non-empty list/tuple of them (one per EMA), each checked by
-    :func:`functional_ema.schedules.check_decay` (the check :func:`functional_ema.update` applies):
-    a real number in [0, 1], a schedule, or a callable ``step -> decay``."""
-    if isinstance(decay, (list, tuple)):
-        if not decay:
-            raise ValueError(f"{what}: give at least one decay (got an empty {type(decay).__name__})")
-        return [check_decay(d, f"{what}[{i}]") for i, d in enumerate(decay)]
-    return [check_decay(decay, what)]
-
-
 def check_state(state: Any, what: str = "state") -> Any:
     """``state`` if it is an :class:`functional_ema.EmaState` (from ``init_ema`` or ``load``); else a ``TypeError``."""
     from ._state import EmaState
@@ -130,7 +160,7 @@ def check_real(
 ) -> float:
     """``value`` as a finite float in ``[low, high]`` (``(low, high]`` when ``low_open``): ints, floats, numpy
     scalars and one-element real tensors accepted; bools, strings, ``None``, containers and NaN refused."""
-    real = None if isinstance(value, bool) else _real(value)
+    real = None if isinstance(value, bool) else real_number(value)
     if real is None:
         raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r:.60}")
     if (

@@ -18,6 +18,8 @@ from typing import Any, Literal, NamedTuple
 import optree
 import torch
 
+from ._args import MAX_STEP as _MAX_STEP
+from ._args import check_step
 from ._offload import queue_update
 from ._plan import Plan
 from ._shards import Shards, clone_tree
@@ -32,7 +34,6 @@ _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # bits; an integer, bool or complex EMA is not an average of real weights.
 EMA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # A step is an int64 counter: refuse what cannot be stored before anything moves.
-_MAX_STEP = 2**63 - 1
 # More EMAs than this in one state is a mistake (each is a full copy of the weights), and a huge count
 # would otherwise allocate until memory runs out.
 MAX_EMAS = 1024
@@ -104,23 +105,6 @@ def check_step_tensor(
         )
     if int(counter) < 0:
         raise ValueError(f"{what} must be >= 0 (a training step), got {int(counter)}; {fix}")
-
-
-def check_step(step: Any, what: str = "step") -> int:
-    """An int step (numpy / torch integer scalars accepted); bools, floats and strings refused."""
-    if isinstance(step, bool):
-        raise TypeError(f"{what} must be an int, got a bool ({step!r})")
-    if isinstance(step, torch.Tensor):
-        if step.numel() != 1 or step.dtype.is_floating_point or step.dtype == torch.bool or step.is_complex():
-            raise TypeError(f"{what} must be an int, got a tensor of dtype {step.dtype} and shape {tuple(step.shape)}")
-        step = step.item()
-    try:
-        value = operator.index(step)  # ints and integer scalars only: 2.7 and "5" fail here
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {type(step).__name__} {step!r}") from None
-    if not 0 <= value <= _MAX_STEP:
-        raise ValueError(f"{what}={value} is outside [0, 2**63 - 1]")
-    return value
 
 
 # --------------------------------------------------------------------------------------------- init

@@ -26,10 +26,11 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol, cast, runtime_checkable
+
+from ._args import real_number as _real
 
 __all__ = [
     "Schedule",
@@ -60,25 +61,6 @@ class Schedule(Protocol):
 
 
 DecayLike = float | Schedule | Callable[[int], float]
-
-
-def _real(value: Any) -> float | None:
-    """``value`` as a float when it is one real number (an int or float, a numpy scalar, a
-    one-element real tensor or array); ``None`` for anything else (``None``, strings, bools,
-    complex numbers, tensors of several elements)."""
-    if type(value) is float:
-        return value
-    if isinstance(value, (bool, str, bytes)):
-        return None
-    if isinstance(value, numbers.Real):
-        return float(value)
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape is None or dtype is None or math.prod(shape) != 1 or "complex" in str(dtype) or "bool" in str(dtype):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        return None
 
 
 def _describe(value: Any) -> str:
@@ -128,7 +110,7 @@ def _positive(name: str, value: Any, low: float = 0.0) -> float:
 
 def _step_arg(name: str, value: Any) -> int:
     """``value`` as an int step (the check of :func:`functional_ema.update`'s ``step``)."""
-    from ._core import check_step  # _core imports this module
+    from ._args import check_step
 
     return check_step(value, name)
 
@@ -402,3 +384,14 @@ def interval_decay(decay: DecayLike, start: int, stop: int) -> float:
     if type(value) is float and 0.0 <= value <= 1.0:
         return value
     return _checked_decay(value, f"decay schedule {decay!r}", f"for steps ({start}, {stop}]")
+
+
+def check_decays(decay: Any, what: str = "decay") -> list[DecayLike]:
+    """One decay, or a non-empty list/tuple of them (one per EMA), each checked by
+    :func:`functional_ema.schedules.check_decay` (the check :func:`functional_ema.update` applies):
+    a real number in [0, 1], a schedule, or a callable ``step -> decay``."""
+    if isinstance(decay, (list, tuple)):
+        if not decay:
+            raise ValueError(f"{what}: give at least one decay (got an empty {type(decay).__name__})")
+        return [check_decay(d, f"{what}[{i}]") for i, d in enumerate(decay)]
+    return [check_decay(decay, what)]

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
-from functional_ema._args import check_bool, check_decays, check_int, check_optional_int, check_path, check_str
+from functional_ema._args import check_bool, check_int, check_optional_int, check_path, check_str
 from functional_ema._checkpoint.collective import agree, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (
     MANIFEST_NAME,
@@ -57,7 +57,7 @@ from functional_ema._checkpoint.writer import TagLock, describe_decays, read_gen
 from functional_ema._core import check_ema_dtype
 from functional_ema._io import atomic_write_bytes
 from functional_ema.checkpoint import Loaded
-from functional_ema.schedules import DecayLike, Schedule
+from functional_ema.schedules import DecayLike, Schedule, check_decays
 
 __all__ = ["EMAController", "expected_ema_step", "RECORD_NAME"]
 
