@@ -56,7 +56,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -126,7 +126,7 @@ from ._checkpoint.writer import (
 from ._core import _allocate, check_ema_dtype
 from ._fit import state_problem
 from ._layout import ShardLayout
-from ._state import EmaState
+from ._state import BufferState, EmaState
 from .engines import adapter_for
 from .schedules import DecayLike
 
@@ -166,7 +166,7 @@ logger = logging.getLogger("functional_ema")
 # ---------------------------------------------------------------------------------------- naming
 
 
-def default_tag(x, state: EmaState | None = None) -> str:
+def default_tag(x: Any, state: EmaState | None = None) -> str:
     """The tag :func:`save` uses when none is given: DeepSpeed's own default,
     ``f"global_step{engine.global_steps}"``, for a DeepSpeed engine; ``f"global_step{state.step}"``
     for other models."""
@@ -180,13 +180,13 @@ def default_tag(x, state: EmaState | None = None) -> str:
 
 def save(
     state: EmaState,
-    engine,
+    engine: Any,
     save_dir: str | os.PathLike,
     tag: str | None = None,
     *,
     decay: DecayLike | Sequence[DecayLike] | None = None,
-    buffers=None,
-    extra: dict | None = None,
+    buffers: BufferState | None = None,
+    extra: dict[str, Any] | None = None,
     timeout: float | None = None,
 ) -> Path:
     """Write every rank's EMA pieces into ``save_dir/tag/``, beside the training checkpoint. Collective.
@@ -255,7 +255,7 @@ def save(
     tag_dir: Path = save_dir
     lock: list[TagLock] = []
 
-    def plan():
+    def plan() -> dict[str, Any]:
         nonlocal tag, tag_dir
         tag = check_tag(raw_tag)  # inside the agreement: a bad tag raises on every rank
         tag_dir = save_dir / tag
@@ -280,19 +280,19 @@ def save(
         names = save_files(layout, generation, writes_buffers, writes)
         dtype = parse_dtype(mine["dtype"], "save")
 
-        def write():
+        def write() -> dict[str, Any]:
             path = tag_dir
             if jrank != 0:
                 check_shared(tag_dir, jrank, "save")
             try:
                 tag_dir.mkdir(parents=True, exist_ok=True)
-                records = {"part": part_record(layout, mine)}
+                records: dict[str, Any] = {"part": part_record(layout, mine)}
                 if writes:
                     path = tag_dir / names[0]
                     records["file"] = write_rank_file(
                         path, layout, state.emas, dtype, rank_file_meta(mine, layout, generation)
                     )
-                if writes_buffers:
+                if writes_buffers and buffers is not None:
                     path = tag_dir / names[-1]
                     records["buffers"] = write_buffer_file(
                         path, layout.rank, buffers, mine["buffers"], buffer_file_meta(mine, layout, generation)
@@ -307,7 +307,7 @@ def save(
             remove_unlisted(tag_dir, names)
             raise
 
-        def commit():
+        def commit() -> None:
             if jrank != 0:
                 return None
             manifest = build_manifest(first, written)
@@ -339,7 +339,7 @@ def _tag_ok(tag: str) -> bool:
     return True
 
 
-def client_state_summary(state: EmaState, engine=None) -> dict:
+def client_state_summary(state: EmaState, engine: Any = None) -> dict[str, Any]:
     """A small JSON-able record of the EMA, safe to pass in DeepSpeed's ``client_state``.
 
     It holds **no weights**: on ZeRO stages 0-2 DeepSpeed keeps rank 0's ``client_state`` only, so
@@ -384,7 +384,7 @@ def read_manifest(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> 
 
 
 def load(
-    engine,
+    engine: Any,
     load_dir: str | os.PathLike,
     tag: str | None = None,
     *,
@@ -450,7 +450,7 @@ class Loaded(NamedTuple):
 
 
 def load_checkpoint(
-    engine,
+    engine: Any,
     load_dir: str | os.PathLike,
     tag: str | None = None,
     *,
@@ -491,7 +491,7 @@ def load_checkpoint(
             box["target"] = _load_target(out, ckpt, layout)
         return load_record(ckpt, layout, not layout.part.whole)
 
-    def run():
+    def run() -> None:
         ckpt = box["ckpt"]
         if (ckpt.world_size, ckpt.stage) != (layout.world_size, layout.stage):
             logger.info(
@@ -552,7 +552,7 @@ def load_checkpoint(
 LOAD_FIELDS = ("tag", "step", "num_emas", "dtype", "layout", "generation", "save")
 
 
-def load_record(ckpt, layout: ShardLayout, across_parts: bool) -> dict[str, Any]:
+def load_record(ckpt: CheckpointReader, layout: ShardLayout, across_parts: bool) -> dict[str, Any]:
     """This rank's :data:`LOAD_FIELDS` of the opened checkpoint ``ckpt``, read for ``layout``."""
     manifest = ckpt.manifest
     return {
@@ -653,7 +653,15 @@ def consolidate_opened(ckpt: JoinedReader, index: int, verify: bool) -> dict[str
     return out
 
 
-def _progress(total: int, enabled: bool | None, desc: str):
+class _Progress(Protocol):
+    """What a progress bar is used for (a ``tqdm`` bar, or :func:`_progress`'s silent stand-in)."""
+
+    def update(self, n: int) -> object: ...
+
+    def close(self) -> None: ...
+
+
+def _progress(total: int, enabled: bool | None, desc: str) -> _Progress:
     if enabled is None:
         enabled = sys.stderr.isatty()
     if enabled:
@@ -665,7 +673,7 @@ def _progress(total: int, enabled: bool | None, desc: str):
             pass
 
     class _Null:
-        def update(self, n) -> None:
+        def update(self, n: int) -> None:
             pass
 
         def close(self) -> None:

@@ -67,7 +67,7 @@ import pickle
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -86,6 +86,10 @@ from ._checkpoint.errors import (
 )
 from ._state import EmaState
 from .engines import adapter_for
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["RECORD_KEY", "EMAStateful", "consolidate_dcp"]
 
@@ -430,9 +434,8 @@ def _verify(
         r0, r1 = max(saved_off[0], offsets[0]), min(saved_off[0] + saved_size[0], offsets[0] + sizes[0])
         if r1 <= r0:
             continue
-        block = held[
-            (slice(r0 - offsets[0], r1 - offsets[0]), *(slice(so - ho, so - ho + ss) for so, ss, ho, _ in inner))
-        ]
+        cut = (slice(r0 - offsets[0], r1 - offsets[0]), *(slice(so - ho, so - ho + ss) for so, ss, ho, _ in inner))
+        block = held[cut]
         for i, (got, want) in enumerate(zip(_row_checksums(block), rows[r0 - saved_off[0] : r1 - saved_off[0]])):
             if got != want:
                 raise CorruptCheckpointError(
@@ -535,7 +538,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of DCP's metadata")
 
 
-def _read_metadata(path: Path):
+def _read_metadata(path: Path) -> Metadata:
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
@@ -550,7 +553,7 @@ def _read_metadata(path: Path):
     return meta
 
 
-def _storage(root: Path, meta, fqn: str, offsets: list[int] | None):
+def _storage(root: Path, meta: Metadata, fqn: str, offsets: list[int] | None) -> tuple[Path, Any]:
     """The ``.distcp`` file, offset and length of one entry (a tensor piece at ``offsets``, or an object)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -572,7 +575,7 @@ def _storage(root: Path, meta, fqn: str, offsets: list[int] | None):
     return path, info
 
 
-def _read_record(root: Path, meta, fqn: str) -> Any:
+def _read_record(root: Path, meta: Metadata, fqn: str) -> Any:
     """The record entry, read from its file with ``torch.load(weights_only=True)`` (no code runs)."""
     path, info = _storage(root, meta, fqn, None)
     if getattr(info, "transform_descriptors", None):
@@ -697,16 +700,17 @@ def _first_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
-def _reader(root: Path, meta):
+def _reader(root: Path, meta: Metadata) -> FileSystemReader:
     """DCP's file reader, handed ``meta`` (read by the allow-list unpickler) instead of running ``pickle.load``."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            if getattr(meta, "storage_meta", None) is None:
-                meta.storage_meta = StorageMeta()
-            meta.storage_meta.load_id = self.load_id
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            storage = getattr(meta, "storage_meta", None)
+            if storage is None:
+                storage = meta.storage_meta = StorageMeta()
+            storage.load_id = self.load_id
             return meta
 
     return Reader(os.fspath(root))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,10 @@ from .._tree import TreeMismatchError
 from . import errors
 from .errors import CheckpointError, CheckpointIOError, CheckpointMismatchError, CheckpointTimeoutError
 
+if TYPE_CHECKING:
+    from .._layout import ShardLayout
+    from ..engines._base import Reading
+
 #: The library's error classes by name: a rank that learns of another rank's failure raises the same one.
 _LIBRARY_ERRORS: Mapping[str, type[Exception]] = MappingProxyType(
     {name: getattr(module, name) for module in (errors, _errors) for name in module.__all__}
@@ -31,7 +35,7 @@ _LIBRARY_ERRORS: Mapping[str, type[Exception]] = MappingProxyType(
 _LIBRARY_BASES = (CheckpointError, _errors.MismatchError, _errors.SwappedTrainingError)
 
 
-def exchange(obj: Any, group, world: int) -> list[Any]:
+def exchange(obj: Any, group: dist.ProcessGroup | None, world: int) -> list[Any]:
     if world <= 1 or not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * world
@@ -43,21 +47,28 @@ def io_error(e: OSError, rank: int, path: Path | str, doing: str = "write") -> C
     """An OSError as a :class:`CheckpointIOError` naming the rank, the file and the errno."""
     code = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "no errno"
     why = e.strerror or str(e)
-    hint = {
+    hints = {
         _errno.ENOSPC: "free space on that filesystem (or save elsewhere) and save again",
         _errno.EDQUOT: "free quota on that filesystem (or save elsewhere) and save again",
         _errno.EROFS: "the filesystem is mounted read-only: save to a writable directory",
         _errno.EACCES: "this process may not write there: fix the folder's permissions or save elsewhere",
         _errno.EPERM: "this process may not write there: fix the folder's permissions or save elsewhere",
-    }.get(e.errno, "see the error above")
+    }
+    hint = hints.get(e.errno, "see the error above") if e.errno is not None else "see the error above"
     err = CheckpointIOError(f"rank {rank} could not {doing} {path}: {why} (errno {e.errno}, {code}); {hint}")
     err.errno = e.errno  # only errno: with strerror/filename set, OSError.__str__ would drop the message
     return err
 
 
 def agree(
-    what: str, fn, group, world: int, rank: int, results: bool = True, fallback: type[Exception] = CheckpointError
-):
+    what: str,
+    fn: Callable[[], Any],
+    group: dist.ProcessGroup | None,
+    world: int,
+    rank: int,
+    results: bool = True,
+    fallback: type[Exception] = CheckpointError,
+) -> list[Any]:
     """Run ``fn()`` on every rank; if it fails anywhere, raise on every rank (no rank is left hanging
     in a later collective). Returns every rank's result (``None`` each with ``results=False``: then
     a success costs one small all-reduce instead of exchanging objects).
@@ -79,7 +90,7 @@ def agree_on(
     what: str,
     fn: Callable[[], Mapping[str, Any]],
     fields: Sequence[str],
-    group,
+    group: dist.ProcessGroup | None,
     world: int,
     rank: int,
     *,
@@ -111,19 +122,23 @@ def agree_on(
     if world <= 1 or not dist.is_initialized():
         if local_exc is not None:
             raise local_exc
-        return record
+        return payload[1]  # this rank's record: fn succeeded
     if record is not None and sorted(record) != sorted(fields):  # a caller's bug: fail on every rank all the same
         local_exc = CheckpointError(f"{what}: record fields {sorted(record)} are not {sorted(fields)}")
         payload, record = ("error", "CheckpointError", str(local_exc), True, None), None
     digests = [value_digest(record[f]) if record is not None else -1 for f in fields]
     reduced = all_reduce_max([int(record is None)] + [v for d in digests for v in (d, -d)], group)
-    if not reduced[0] and all(reduced[1 + 2 * i] == -reduced[2 + 2 * i] for i in range(len(fields))):
+    if (
+        record is not None
+        and not reduced[0]
+        and all(reduced[1 + 2 * i] == -reduced[2 + 2 * i] for i in range(len(fields)))
+    ):
         return record
     records = settle(what, payload, local_exc, group, world, rank, fallback)  # raises when a rank failed
     raise mismatch(disagreement(what, fields, records) + (f". {fix}" if fix else ""))
 
 
-def layout_record(layout, across_parts: bool = False) -> str:
+def layout_record(layout: ShardLayout, across_parts: bool = False) -> str:
     """What every rank of a group reads the model's layout as (a :class:`~functional_ema.ShardLayout`):
     world size, stage, model-parallel sizes, and a digest of the parameter names and full shapes, for
     :func:`agree_on`. ``across_parts``: the group spans model-parallel parts (each holds other
@@ -161,7 +176,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def run_local(fn, rank: int) -> tuple[tuple, Exception | None]:
+def run_local(fn: Callable[[], Any], rank: int) -> tuple[tuple[Any, ...], Exception | None]:
     """``fn()`` on this rank, as the payload :func:`settle` exchanges: ``("ok", result)``, or the
     error's class, message, whether it is one of the library's error classes, and its errno."""
     try:
@@ -172,7 +187,7 @@ def run_local(fn, rank: int) -> tuple[tuple, Exception | None]:
         return ("error", type(e).__name__, str(e), isinstance(e, _LIBRARY_BASES), getattr(e, "errno", None)), e
 
 
-def all_reduce_max(values: list[int], group) -> list[int]:
+def all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     """The elementwise maximum over the ranks of ``group`` of a few ints (one small all-reduce on the
     gloo side group, cheaper than exchanging objects)."""
     t = torch.tensor(values, dtype=torch.int64)
@@ -184,13 +199,13 @@ def all_reduce_max(values: list[int], group) -> list[int]:
 
 def settle(
     what: str,
-    payload: tuple,
+    payload: tuple[Any, ...],
     local_exc: Exception | None,
-    group,
+    group: dist.ProcessGroup | None,
     world: int,
     rank: int,
     fallback: type[Exception] = CheckpointError,
-) -> list:
+) -> list[Any]:
     """Exchange the ranks' :func:`run_local` payloads; raise on every rank if any failed (see
     :func:`agree`), else return every rank's result."""
     gathered = exchange(payload, group, world)
@@ -216,26 +231,27 @@ TIMEOUT_ENV = "FUNCTIONAL_EMA_TIMEOUT"
 
 def timeout_s(timeout: float | None) -> float:
     where = "timeout="
+    given: float | str = timeout if timeout is not None else ""
     if timeout is None:
         env = os.environ.get(TIMEOUT_ENV)
         if not env:
             return DEFAULT_TIMEOUT_S
-        timeout, where = env, f"environment variable {TIMEOUT_ENV}"
+        given, where = env, f"environment variable {TIMEOUT_ENV}"
     try:
-        t = math.nan if isinstance(timeout, bool) else float(timeout)
+        t = math.nan if isinstance(given, bool) else float(given)
     except (TypeError, ValueError, RuntimeError):
         t = math.nan
     if not (math.isfinite(t) and t > 0):
-        raise ValueError(f"{where} must be a positive number of seconds, got {timeout!r}")
+        raise ValueError(f"{where} must be a positive number of seconds, got {given!r}")
     return t
 
 
 _SIDE_GROUPS: dict[
-    tuple[int, ...], Any
+    tuple[int, ...], dist.ProcessGroup
 ] = {}  # reason: a gloo side group costs a rendezvous to make, so one is kept per group
 
 
-def barrier_group(group, timeout: float):
+def barrier_group(group: dist.ProcessGroup | None, timeout: float) -> dist.ProcessGroup | None:
     g = group if group is not None else dist.group.WORLD
     if dist.get_backend(g) == "gloo":
         return g
@@ -249,7 +265,7 @@ def barrier_group(group, timeout: float):
     return side
 
 
-def check_reachable(what: str, group, world: int) -> None:
+def check_reachable(what: str, group: dist.ProcessGroup | None, world: int) -> None:
     """Refuse a collective verb whose group cannot be reached, before any file is touched: a layout of
     several ranks with no process group (destroyed, or never made in this process), or a group that is
     gone or has another size. Otherwise the verb would run on this rank alone, e.g. rank 0 committing a
@@ -278,7 +294,7 @@ def check_reachable(what: str, group, world: int) -> None:
         )
 
 
-def arrive(what: str, group, world: int, rank: int, timeout: float | None) -> None:
+def arrive(what: str, group: dist.ProcessGroup | None, world: int, rank: int, timeout: float | None) -> None:
     """Wait, at most the timeout, until every rank of ``group`` has called ``what``; else raise
     :class:`CheckpointTimeoutError` (a verb called on one rank only fails instead of hanging). A group
     that cannot be reached at all is refused at once (:func:`check_reachable`)."""
@@ -342,12 +358,12 @@ class Job(NamedTuple):
     rank of the job (its default group) when the model is split into model-parallel parts, or held by
     several replicas of one data-parallel group (HSDP: replica 0 writes, every replica agrees)."""
 
-    group: Any  # a process group, or None for the default group / no process group
+    group: dist.ProcessGroup | None  # None for the default group / no process group
     rank: int
     world: int
 
 
-def job_of(reading) -> Job:
+def job_of(reading: Reading) -> Job:
     """The :class:`Job` of a training object's reading (plain data: its layout and group)."""
     layout = reading.layout
     if (layout.part.whole and layout.replicas == 1) or not dist.is_initialized():

@@ -13,7 +13,7 @@ import math
 import os
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,8 +295,12 @@ def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | 
     """
     try:
         if int(manifest["format_version"]) < 2:
-            header, tensors, algo = entry.get("header_crc32"), entry.get("tensor_crc32", {}), "crc32"
-            return algo, None if header is None else int(header), {k: [int(v) for v in vs] for k, vs in tensors.items()}
+            header, tensors = entry.get("header_crc32"), entry.get("tensor_crc32", {})
+            return (
+                "crc32",
+                None if header is None else int(header),
+                {k: [int(v) for v in vs] for k, vs in tensors.items()},
+            )
         algo = manifest.get("checksum")
         header, tensors = entry.get("header_checksum"), entry.get("tensor_checksums", {})
         parsed = {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
@@ -401,7 +405,7 @@ def validate_manifest(mpath: Path, m: dict) -> None:
     if stray:
         raise _manifest_field_error(mpath, stray[0], "absent at the top level of a manifest with 'parts'", m[stray[0]])
     seen: set[ModelPart] = set()
-    sizes = None
+    sizes: tuple[int, int] | None = None
     for i, p in enumerate(parts):
         where = f"parts[{i}]"
         if not isinstance(p, dict):
@@ -429,6 +433,7 @@ def validate_manifest(mpath: Path, m: dict) -> None:
         seen.add(part)
         sizes = (part.tp_size, part.pp_size)
         _validate_part(mpath, m, p, part, f"{where}.", v1)
+    assert sizes is not None  # parts holds at least one part (checked above)
     if len(seen) != sizes[0] * sizes[1]:
         raise IncompleteCheckpointError(
             f"{mpath}: field 'parts' lists {len(seen)} model-parallel part(s), but tensor-parallel size {sizes[0]} x pipeline "
@@ -726,7 +731,15 @@ def parse_layout(
     )
 
 
-def _parse_experts(where: str, e: Any, manifest: dict, ep: int | None, entry: str, specs: dict[str, ShardSpec], bad):
+def _parse_experts(
+    where: str,
+    e: Any,
+    manifest: dict[str, Any],
+    ep: int | None,
+    entry: str,
+    specs: dict[str, ShardSpec],
+    bad: Callable[[str, str, Any], CorruptCheckpointError],
+) -> ExpertLayout | None:
     """The file's expert-parallel record against the manifest's (see :func:`parse_layout`)."""
     want = manifest.get("experts")
     if want is None:
@@ -740,7 +753,7 @@ def _parse_experts(where: str, e: Any, manifest: dict, ep: int | None, entry: st
             f"and the expert-parallel rank of each) differs from the record in this file's header (ep_size {brief(got)}): "
             "the manifest was edited after the save or mixes two saves; restore it or load another tag"
         )
-    if e.get("ep") != ep:
+    if ep is None or e.get("ep") != ep:  # None: the manifest's file entry names no expert-parallel rank
         raise CorruptCheckpointError(
             f"{where}: the manifest's field '{entry}.ep' says expert-parallel rank {ep}, but the file's header holds the "
             f"experts of expert-parallel rank {brief(e.get('ep'))}: the manifest was edited or mixes two saves; restore it "

@@ -12,8 +12,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,8 @@ import xxhash
 from .. import _io
 from .._fit import state_problem
 from .._layout import ModelPart, ShardLayout
-from .._state import EmaState
-from ..schedules import as_schedule
+from .._state import BufferState, EmaState
+from ..schedules import DecayLike, as_schedule
 from . import collective
 from .errors import CheckpointError, CheckpointMismatchError
 from .format import (
@@ -50,10 +51,10 @@ from .format import (
 logger = logging.getLogger("functional_ema")
 
 
-def describe_decays(decay, num_emas: int):
+def describe_decays(decay: DecayLike | Sequence[DecayLike] | None, num_emas: int) -> list[dict[str, Any]] | None:
     if decay is None:
         return None
-    decays = list(decay) if isinstance(decay, (list, tuple)) else [decay]
+    decays: list[Any] = list(decay) if isinstance(decay, (list, tuple)) else [decay]  # each checked by as_schedule
     if len(decays) != num_emas:
         raise ValueError(f"got {len(decays)} decays for a state tracking {num_emas} EMAs")
     out = []
@@ -80,7 +81,7 @@ def check_state(state: EmaState, layout: ShardLayout) -> torch.dtype:
     return torch.float32  # a model with no trainable parameters on this rank
 
 
-def check_extra(extra) -> dict | None:
+def check_extra(extra: object) -> dict[str, Any] | None:
     """A save's ``extra`` record: a JSON object (strict JSON: no NaN), at most :data:`MAX_EXTRA_BYTES`."""
     if extra is None:
         return None
@@ -101,7 +102,14 @@ def check_extra(extra) -> dict | None:
     return json.loads(text)  # a plain copy, as it will read back
 
 
-def plan_save(state: EmaState, decay, layout: ShardLayout, tag: str, buffers=None, extra=None) -> dict:
+def plan_save(
+    state: EmaState,
+    decay: DecayLike | Sequence[DecayLike] | None,
+    layout: ShardLayout,
+    tag: str,
+    buffers: BufferState | None = None,
+    extra: object = None,
+) -> dict[str, Any]:
     """This rank's part of a save's plan, everything checked; rank 0 adds the generation once it holds
     the tag (see :func:`read_generation`)."""
     dtype = check_state(state, layout)
@@ -171,7 +179,14 @@ def check_plans(plans: list[dict]) -> None:
         )
 
 
-def agree_plans(what: str, plan, group, world: int, rank: int, on_failure=None) -> tuple[dict, dict]:
+def agree_plans(
+    what: str,
+    plan: Callable[[], dict[str, Any]],
+    group: dist.ProcessGroup | None,
+    world: int,
+    rank: int,
+    on_failure: Callable[[], object] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``plan()`` (this rank's :func:`plan_save`, plus a hex ``token`` on rank 0 for an async save)
     on every rank and agree on it: returns (this rank's plan, rank 0's). Collective.
 
@@ -196,7 +211,7 @@ def agree_plans(what: str, plan, group, world: int, rank: int, on_failure=None) 
         failed, high, neg_low, generation, token = collective.all_reduce_max(
             [int(mine is None), digest, -digest, generation, token], group
         )
-        if not failed and high == -neg_low:
+        if mine is not None and not failed and high == -neg_low:
             first = dict(mine, generation=generation, token=f"{token:016x}" if token >= 0 else None)
             return mine, first
     try:
@@ -279,13 +294,13 @@ def buffer_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[s
     }
 
 
-def buffer_tensors(buffers, desc: dict) -> list[tuple[str, torch.Tensor]]:
+def buffer_tensors(buffers: BufferState, desc: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` of a buffer state in file order: ``emas.<k>.<name>`` then ``copied.<name>``."""
     out = [(tensor_key(k, n), buffers.emas[k][n]) for k in range(desc["num_emas"]) for n in desc["floating"]]
     return out + [(f"copied.{n}", buffers.copied[n]) for n in desc["copied"]]
 
 
-def write_buffer_file(path: Path, rank: int, buffers, desc: dict, meta: dict[str, str]) -> dict:
+def write_buffer_file(path: Path, rank: int, buffers: BufferState, desc: dict[str, Any], meta: dict[str, str]) -> dict:
     """Write this rank's buffers (atomically) and return the file's manifest record."""
     tensors = buffer_tensors(buffers, desc)
     entries = [(key, t.dtype, tuple(t.shape)) for key, t in tensors]
@@ -296,7 +311,7 @@ def write_buffer_file(path: Path, rank: int, buffers, desc: dict, meta: dict[str
     return _record(w, rank, path, size)
 
 
-def build_manifest(plan: dict, records: list[dict], **extra) -> dict:
+def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     """The manifest of a save from every rank's record of what it wrote (``{"part": part_record(...),
     "file": ..., "buffers": ...}``; ``plan`` as agreed by the ranks). One model-parallel part (a whole
     model) is written at the top level (format 3); several as ``parts`` (format 4). The ranks of one

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -192,9 +192,19 @@ def _check_reading(verify: Any, dtype: Any, buffer_bytes: Any) -> None:
     check_int(buffer_bytes, "buffer_bytes", minimum=1)
 
 
-def _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, part=None) -> _FilePlan:
+def _plan_files(
+    snapshot_dir: str | os.PathLike,
+    sigma_rel: float | None,
+    gamma: float | None,
+    step: int | None,
+    max_profile_error: float | None,
+    prefix: str,
+    part: ModelPart | None = None,
+) -> _FilePlan:
     infos = list_snapshots(snapshot_dir, prefix=prefix, part=part)
-    gammas, steps, refs = [], [], []
+    gammas: list[float] = []
+    steps: list[int] = []
+    refs: list[tuple[str, int]] = []
     for info in infos:
         for k, g in enumerate(info.gammas):
             gammas.append(g)
@@ -217,8 +227,8 @@ def _stream(
     verify: bool,
     dtype: torch.dtype,
     buffer_bytes: int,
-    layout=None,
-):
+    layout: ShardLayout | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for each name of ``ranges`` (``name -> (start, numel, out shape)``
     of the flattened parameter): ``sum_terms c * piece`` accumulated in float64.
 
@@ -327,19 +337,20 @@ def posthoc_local(
         ``EmaState(torch.tensor(step), (pieces,))`` for :func:`functional_ema.gather_full` or
         :func:`functional_ema.swapped`.
     """
-    if not isinstance(layout, ShardLayout):
-        layout = shard_layout(layout)
+    mine = layout if isinstance(layout, ShardLayout) else shard_layout(layout)
     _check_reading(verify, dtype, buffer_bytes)
-    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, layout.part)
-    missing = [n for n in layout.specs if n not in plan.shapes]
-    bad = [n for n, s in layout.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
+    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, mine.part)
+    missing = [n for n in mine.specs if n not in plan.shapes]
+    bad = [n for n, s in mine.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
     if missing or bad:
         raise TreeMismatchError(
             f"the snapshots in {plan.root} do not fit this layout: not in the snapshots {short_list(missing)}; "
             f"other shapes {short_list(bad)}"
         )
-    ranges = {n: (s.offset, s.numel, (s.numel,)) for n, s in layout.specs.items()}
-    return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes, layout=layout))
+    ranges: dict[str, tuple[int, int, tuple[int, ...]]] = {
+        n: (s.offset, s.numel, (s.numel,)) for n, s in mine.specs.items()
+    }
+    return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes, layout=mine))
 
 
 def posthoc_to_file(

@@ -79,6 +79,7 @@ def target_gamma(sigma_rel: float | None, gamma: float | None) -> float:
                 f"gamma must be a finite number > -1/2 (so that the profile tau**gamma is square-integrable), got {gamma!r}"
             )
         return g
+    assert sigma_rel is not None  # exactly one of the two is given (checked above)
     s = float(sigma_rel)
     if not 0.0 < s < SIGMA_REL_MAX:
         raise ReconstructionError(
@@ -137,7 +138,9 @@ def _used(t: np.ndarray, step: float) -> np.ndarray:
     return used
 
 
-def _fit(g: np.ndarray, t: np.ndarray, targets: np.ndarray, step: float, rcond: float | None):
+def _fit(
+    g: np.ndarray, t: np.ndarray, targets: np.ndarray, step: float, rcond: float | None
+) -> tuple[np.ndarray, np.ndarray]:
     """Least-squares coefficients for each target gamma; returns (coeffs[n, m], rel_errors[m])."""
     # Times in units of `step` keep A and b of order 1 (the solution does not depend on the unit).
     tn = t / step
@@ -153,8 +156,8 @@ def _fit(g: np.ndarray, t: np.ndarray, targets: np.ndarray, step: float, rcond: 
 
 
 def solve_coefficients(
-    snapshot_gammas: Sequence[float],
-    snapshot_steps: Sequence[float],
+    snapshot_gammas: Sequence[float] | np.ndarray,
+    snapshot_steps: Sequence[float] | np.ndarray,
     *,
     sigma_rel: float | None = None,
     gamma: float | None = None,
@@ -201,15 +204,15 @@ def solve_coefficients(
     target = target_gamma(sigma_rel, gamma)
     s = resolve_step(t, step)
     used = _used(t, s)
-    x_used, err = _fit(g[used], t[used], np.array([target]), s, rcond)
-    err = float(err[0])
+    x_used, errs = _fit(g[used], t[used], np.array([target]), s, rcond)
+    err = float(errs[0])
     if max_profile_error is not None and not err <= max_profile_error:
-        lo, hi = _range(g[used], t[used], s, max_profile_error, rcond)
+        span = _range(g[used], t[used], s, max_profile_error, rcond)
         what = f"sigma_rel={sigma_rel!r}" if sigma_rel is not None else f"gamma={gamma!r} (sigma_rel {_sr(target)})"
         tracked = ", ".join(f"{_sr(v)}" for v in sorted(set(g[used].tolist()), reverse=True))
         can = (
-            f"these snapshots express sigma_rel ~{lo:.3g} to ~{hi:.3g} at step {s:g}"
-            if lo is not None
+            f"these snapshots express sigma_rel ~{span[0]:.3g} to ~{span[1]:.3g} at step {s:g}"
+            if span is not None
             else f"these snapshots express no sigma_rel within that error at step {s:g}"
         )
         raise ReconstructionError(
@@ -227,9 +230,9 @@ def _sr(gamma: float) -> str:
 
 
 def profile_error(
-    snapshot_gammas: Sequence[float],
-    snapshot_steps: Sequence[float],
-    coeffs: Sequence[float],
+    snapshot_gammas: Sequence[float] | np.ndarray,
+    snapshot_steps: Sequence[float] | np.ndarray,
+    coeffs: Sequence[float] | np.ndarray,
     *,
     sigma_rel: float | None = None,
     gamma: float | None = None,
@@ -253,16 +256,18 @@ def profile_error(
     return math.sqrt(max(float(x @ A @ x - 2.0 * x @ b + pp), 0.0) / pp)
 
 
-def _range(g, t, step, max_err, rcond) -> tuple[float | None, float | None]:
+def _range(
+    g: np.ndarray, t: np.ndarray, step: float, max_err: float, rcond: float | None
+) -> tuple[float, float] | None:
     grid = np.geomspace(1e-3, SIGMA_REL_MAX * 0.999, 400)
     _, errs = _fit(g, t, np.array([sigma_rel_to_gamma(v) for v in grid]), step, rcond)
     ok = grid[errs <= max_err]
-    return (float(ok.min()), float(ok.max())) if ok.size else (None, None)
+    return (float(ok.min()), float(ok.max())) if ok.size else None
 
 
 def expressible_range(
-    snapshot_gammas: Sequence[float],
-    snapshot_steps: Sequence[float],
+    snapshot_gammas: Sequence[float] | np.ndarray,
+    snapshot_steps: Sequence[float] | np.ndarray,
     *,
     step: float | None = None,
     max_profile_error: float = DEFAULT_MAX_PROFILE_ERROR,
@@ -281,8 +286,7 @@ def expressible_range(
     g, t = _check_snapshots(snapshot_gammas, snapshot_steps)
     s = resolve_step(t, step)
     used = _used(t, s)
-    lo, hi = _range(g[used], t[used], s, max_profile_error, rcond)
-    return None if lo is None else (lo, hi)
+    return _range(g[used], t[used], s, max_profile_error, rcond)
 
 
 # ----------------------------------------------------------------------------------------- profiles
@@ -313,13 +317,13 @@ class ProfileComparison(NamedTuple):
 
 
 def reconstruction_profile(
-    snapshot_gammas: Sequence[float],
-    snapshot_steps: Sequence[float],
+    snapshot_gammas: Sequence[float] | np.ndarray,
+    snapshot_steps: Sequence[float] | np.ndarray,
     *,
     sigma_rel: float | None = None,
     gamma: float | None = None,
     step: float | None = None,
-    coeffs: Sequence[float] | None = None,
+    coeffs: Sequence[float] | np.ndarray | None = None,
     num: int = 2000,
     max_profile_error: float | None = None,
 ) -> ProfileComparison:

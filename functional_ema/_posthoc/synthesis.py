@@ -19,7 +19,7 @@ from .profiles import DEFAULT_MAX_PROFILE_ERROR, ReconstructionError, solve_coef
 
 def synthesize(
     snapshots: Sequence[Any],
-    coeffs: Sequence[float],
+    coeffs: Sequence[float] | np.ndarray,
     *,
     dtype: torch.dtype = torch.float32,
     accumulate_dtype: torch.dtype = torch.float64,
@@ -93,8 +93,8 @@ def snapshot_gammas(schedules: Sequence[Schedule | float]) -> tuple[float, ...]:
     for s in schedules:
         if isinstance(s, (int, float)) and not isinstance(s, bool):
             out.append(sigma_rel_to_gamma(float(s)))
-        elif isinstance(getattr(s, "gamma", None), (int, float)):
-            out.append(float(s.gamma))
+        elif isinstance(gamma := getattr(s, "gamma", None), (int, float)):
+            out.append(float(gamma))
         else:
             raise TypeError(
                 f"post-hoc EMA needs power EMAs (schedules.power(sigma_rel=...)) or sigma_rel floats, got {s!r}"
@@ -141,15 +141,18 @@ def snapshot(
     dtype, device = check_ema_dtype(dtype), check_device(device, "device")
     gammas, step = gammas_and_step(state, schedules)
     with torch.no_grad():
-        emas = tuple(
-            optree.tree_map(
-                lambda e: e.detach().to(device=e.device if device is None else device, dtype=dtype, copy=True),
-                ema,
-                none_is_leaf=False,
-            )
-            for ema in state.emas
-        )
+        emas = tuple(_copied(ema, device, dtype) for ema in state.emas)
     return Snapshot(step, gammas, emas)
+
+
+def _copied(tree: Any, device: torch.device | str | None, dtype: torch.dtype) -> Any:
+    """A detached copy of one EMA tree, of the same structure (``Any``: optree types a tree as its own
+    ``PyTree`` class, which a ``dict`` is not to a type checker)."""
+    return optree.tree_map(
+        lambda e: e.detach().to(device=e.device if device is None else device, dtype=dtype, copy=True),
+        tree,
+        none_is_leaf=False,
+    )
 
 
 def reconstruct(

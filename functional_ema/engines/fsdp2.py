@@ -51,7 +51,8 @@ import contextlib
 import functools
 import math
 import operator
-from typing import Any, NamedTuple
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,13 @@ from ._base import (
     world_of,
 )
 from ._torch_compat import check_fsdp2_internals, is_known_torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from ._base import SwapStats
 
 __all__ = ["FSDP2Adapter", "is_fsdp2", "fsdp_modules", "flatten_local_shards", "internal_module_reason"]
 
@@ -140,14 +148,14 @@ def _fsdp1_class() -> type | None:
     return FullyShardedDataParallel
 
 
-def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     """Every module of ``model`` that ``fully_shard`` was applied to, in ``modules()`` order."""
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def _param_groups(module) -> list:
+def _param_groups(module: FSDPModule) -> list[Any]:
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch < 2.11: at most one group per module
@@ -169,7 +177,7 @@ def _managed(model: torch.nn.Module) -> dict[tuple[int, str], Any]:
     return out
 
 
-def _walk(model: torch.nn.Module):
+def _walk(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, Any, torch.nn.Module, str]]:
     """``(name, param, fsdp_param or None, module, attr)`` per parameter, each once (first name).
 
     Like ``named_parameters()``, but a managed parameter is its sharded ``DTensor`` even while the
@@ -193,15 +201,15 @@ class _Placement(NamedTuple):
     """Where one FSDP2 parameter's pieces live: its data-parallel mesh (shard group and HSDP replicas)
     and, under tensor parallelism, its tensor-parallel mesh and split dimension."""
 
-    dp_mesh: Any
-    shard_group: Any
+    dp_mesh: DeviceMesh | None
+    shard_group: dist.ProcessGroup | None
     replica: int
     replicas: int
-    tp_mesh: Any  # None: not a tensor-parallel DTensor
+    tp_mesh: DeviceMesh | None  # None: not a tensor-parallel DTensor
     tp_dim: int | None  # Shard(d) over the tensor-parallel mesh; None: replicated there (or no TP)
 
 
-def _placement(name: str, fp) -> _Placement:
+def _placement(name: str, fp: Any) -> _Placement:
     """Read from FSDP2's own record of the parameter (``FSDPParam.mesh_info``, ``fsdp_placement`` and,
     for a tensor-parallel DTensor, ``_unsharded_dtensor_spec``); refuse, naming the parameter, what the
     layout cannot place."""
@@ -220,8 +228,9 @@ def _placement(name: str, fp) -> _Placement:
             f"parameter {name!r} is a DTensor placed {placements}: FSDP2 shards it along dim {fp.fsdp_placement.dim} "
             "(shard_placement_fn with Shard(dim>0)); functional_ema reads FSDP2 parameters sharded along dim 0"
         )
-    hsdp = isinstance(info, HSDPMeshInfo)
-    replica, replicas = (info.replicate_mesh_rank, info.replicate_mesh_size) if hsdp else (0, 1)
+    replica, replicas = (
+        (info.replicate_mesh_rank, info.replicate_mesh_size) if isinstance(info, HSDPMeshInfo) else (0, 1)
+    )
     tp_mesh, tp_dim = None, None
     spec = getattr(fp, "_unsharded_dtensor_spec", None) if fp.is_dtensor else None
     if fp.is_dtensor:
@@ -237,7 +246,7 @@ def _placement(name: str, fp) -> _Placement:
     return _Placement(info.mesh, info.shard_process_group, replica, replicas, tp_mesh, tp_dim)
 
 
-def _fsdp_piece(name: str, fp, where: _Placement) -> tuple[torch.Tensor, ShardSpec]:
+def _fsdp_piece(name: str, fp: Any, where: _Placement) -> tuple[torch.Tensor, ShardSpec]:
     """The local piece of a managed parameter and where it sits in the parameter FSDP2 shards: the whole
     parameter, or under tensor parallelism this rank's tensor-parallel slice (``FSDPParam._orig_size``).
 
@@ -288,7 +297,7 @@ def _model_part(read: dict[str, _Placement], names: list[str]) -> tuple[ModelPar
     return ModelPart(tp=tp_mesh.get_local_rank(), tp_size=tp_mesh.size()), dims
 
 
-def _tensor_parallel_only(name: str, param) -> tuple[torch.Tensor, ShardSpec, _Placement]:
+def _tensor_parallel_only(name: str, param: DTensor) -> tuple[torch.Tensor, ShardSpec, _Placement]:
     """A tensor-parallel DTensor of a model without ``fully_shard``: the whole local slice is this rank's
     piece (no data-parallel sharding), its split read from the placement."""
     from torch.distributed.tensor import Replicate, Shard
@@ -324,8 +333,9 @@ class FSDP2Adapter(Adapter):
         entries = list(_walk(model))
         where = {name: _placement(name, fp) for name, _, fp, _, _ in entries if fp is not None}
         first = next(iter(where.items()), None)
-        for name, w in where.items():
-            _check_same(name, first, w)
+        if first is not None:
+            for name, w in where.items():
+                _check_same(name, first, w)
         from torch.distributed.tensor import DTensor
 
         tp_only = first is None and any(isinstance(p, DTensor) for _, p, _, _, _ in entries)
@@ -395,7 +405,9 @@ class FSDP2Adapter(Adapter):
         """DTensor parameters report their global shape, so ``gather_full`` returns that shape: joined."""
         return reading.token.tp_mesh is not None and reading.layout.part.tp_size > 1
 
-    def join_slices(self, reading: Reading, part, device):
+    def join_slices(
+        self, reading: Reading, part: dict[str, torch.Tensor], device: torch.device | str | None
+    ) -> dict[str, torch.Tensor]:
         """Each ``Shard(d)`` parameter's slices all-gathered over the tensor-parallel mesh (DTensor's own
         ``full_tensor``, which also joins uneven ``torch.chunk`` splits) into the shape the parameter reports;
         ``Replicate()`` ones are whole already. One collective per split parameter, in name order, over the
@@ -408,15 +420,19 @@ class FSDP2Adapter(Adapter):
             d = dims.get(name)
             t = piece
             if d is not None:
-                shape = tuple(reading.params[name].shape)  # a DTensor parameter: the global shape
+                shape = reading.params[name].shape  # a DTensor parameter: the global shape
                 stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
                 t = DTensor.from_local(piece, mesh, [Shard(d)], run_check=False, shape=shape, stride=stride)
                 t = t.full_tensor()
             out[name] = t if device is None else t.to(device)
         return out
 
-    def swap(self, reading: Reading, pieces, state, index: int, changes: list[str]):
-        return _swap(self, reading, pieces, changes)
+    @contextlib.contextmanager
+    def swap(
+        self, reading: Reading, pieces: Mapping[str, torch.Tensor], state: Any, index: int, changes: list[str]
+    ) -> Iterator[SwapStats]:
+        with _swap(self, reading, pieces, changes) as stats:
+            yield stats
 
 
 # How many times FSDP2 has replaced a sharded parameter or its local tensor in this process (see
@@ -447,7 +463,7 @@ def _count_replacements() -> None:
     if not getattr(original, "_functional_ema_counts", False):
 
         @functools.wraps(original)
-        def reset_sharded_param(self, *args, **kwargs):
+        def reset_sharded_param(self: FSDPParam, *args: Any, **kwargs: Any) -> Any:
             # ``_apply`` swaps local tensors before it calls this, so compare with the local tensor a
             # reading (or the last call) saw, as well as across the call itself
             seen = getattr(self, _SEEN, None)
@@ -464,8 +480,8 @@ def _count_replacements() -> None:
                     _REPLACEMENTS[0] = (_REPLACEMENTS[0] or 0) + 1
                 setattr(self, _SEEN, after[1])
 
-        reset_sharded_param._functional_ema_counts = True
-        FSDPParam.reset_sharded_param = reset_sharded_param
+        reset_sharded_param._functional_ema_counts = True  # type: ignore[attr-defined]  # reason: the wrapper's own marker, read back above
+        FSDPParam.reset_sharded_param = reset_sharded_param  # type: ignore[method-assign]  # reason: the counting patch (see docstring)
     _REPLACEMENTS[0] = 0
 
 
@@ -496,7 +512,13 @@ class _Token:
 
     __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks", "replacements", "tp_mesh")
 
-    def __init__(self, read: list, managed: list, plain: list, frozen: list) -> None:
+    def __init__(
+        self,
+        read: Sequence[DTensor],
+        managed: Sequence[Any],
+        plain: Sequence[tuple[torch.nn.Module, str, torch.Tensor]],
+        frozen: Sequence[torch.Tensor],
+    ) -> None:
         """``read``: the DTensor parameters read; ``managed``: every ``FSDPParam`` (frozen ones too);
         ``plain``: ``(module, attribute, parameter)`` outside FSDP2; ``frozen``: the ones left out."""
         self.read = tuple(read)
@@ -534,7 +556,7 @@ class _Token:
         self.hooks = []
 
 
-def _memory_of(p) -> int:
+def _memory_of(p: torch.Tensor) -> int:
     """Where a parameter outside FSDP2 keeps its values (a tensor-parallel DTensor: its local tensor)."""
     return getattr(p, "_local_tensor", p).data_ptr()
 
@@ -548,30 +570,30 @@ class _LoadSeen:
     def __init__(self, token: _Token | None) -> None:
         self.token = token
 
-    def __call__(self, module, incompatible_keys) -> None:
+    def __call__(self, module: torch.nn.Module, incompatible_keys: Any) -> None:
         if self.token is not None:
             self.token.loaded = True
 
-    def __deepcopy__(self, memo) -> _LoadSeen:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _LoadSeen:
         return _LoadSeen(None)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[_LoadSeen], tuple[None]]:
         return (_LoadSeen, (None,))
 
 
-def _reshard(modules) -> None:
+def _reshard(modules: list[FSDPModule]) -> None:
     for m in modules:
         m.reshard()
 
 
-def _busy(modules) -> list[bool]:
+def _busy(modules: list[FSDPModule]) -> list[bool]:
     """Per module: whether FSDP2 is inside a forward or backward (its state is not IDLE)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     return [m._get_fsdp_state()._training_state != TrainingState.IDLE for m in modules]
 
 
-def _recover(modules, busy_before: list[bool]) -> None:
+def _recover(modules: list[FSDPModule], busy_before: list[bool]) -> None:
     """Reset FSDP2's iteration state when a backward was aborted inside the block.
 
     ``swapped`` refuses a backward from a gradient hook on the model's output, which runs after
@@ -590,7 +612,9 @@ def _recover(modules, busy_before: list[bool]) -> None:
 
 
 @contextlib.contextmanager
-def _swap(adapter: FSDP2Adapter, reading: Reading, pieces, changes: list[str]):
+def _swap(
+    adapter: FSDP2Adapter, reading: Reading, pieces: Mapping[str, torch.Tensor], changes: list[str]
+) -> Iterator[SwapStats]:
     """Copy the EMA pieces into the local shards between two reshards of every FSDP module.
 
     A forward leaves the root module's parameters unsharded (gathered live weights) until
@@ -613,7 +637,7 @@ def _swap(adapter: FSDP2Adapter, reading: Reading, pieces, changes: list[str]):
     # re-assigns gives FSDP2 new local tensors, and the frozen parameters' values, never swapped, come from these
     entry = {id(fp): (fp.sharded_param, fp.sharded_param._local_tensor) for fp in managed.values()}
 
-    def current():
+    def current() -> Mapping[str, torch.Tensor]:
         return _after_block(adapter, model, modules, managed, entry, changes)
 
     with swap_by_copy(reading, pieces, current=current) as stats:
@@ -626,7 +650,7 @@ def _swap(adapter: FSDP2Adapter, reading: Reading, pieces, changes: list[str]):
             _reshard(modules)
 
 
-def _registered_back(model, managed: dict, changes: list[str]) -> None:
+def _registered_back(model: torch.nn.Module, managed: dict[tuple[int, str], Any], changes: list[str]) -> None:
     """Each managed registration is the tensor FSDP2 expects there now (its sharded parameter, or while
     gathered its unsharded one); one the block set is put back and named in ``changes``."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
@@ -647,7 +671,14 @@ def _registered_back(model, managed: dict, changes: list[str]) -> None:
                 mod._parameters[attr] = expected
 
 
-def _after_block(adapter: FSDP2Adapter, model, modules, managed: dict, entry: dict, changes: list[str]):
+def _after_block(
+    adapter: FSDP2Adapter,
+    model: torch.nn.Module,
+    modules: list[FSDPModule],
+    managed: dict[tuple[int, str], Any],
+    entry: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    changes: list[str],
+) -> Mapping[str, torch.Tensor]:
     """After a ``swapped`` block, resharded: the managed registrations are FSDP2's sharded parameters again, a
     parameter the block re-typed is cast back to its dtype on entry (as ``module._apply`` does it: the same object,
     ``swap_tensors``, then ``FSDPParam.reset_sharded_param``), and the local shards the model now holds are
