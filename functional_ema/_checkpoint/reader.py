@@ -688,7 +688,7 @@ def _split_jobs(ckpt: Any, jobs: list, threads: int) -> list:
 
 
 def fill_all(
-    ckpt: CheckpointReader,
+    ckpt: CheckpointReader | JoinedReader,
     jobs: list[tuple[torch.Tensor, int, str, int, int]],
     verify: bool,
     threads: int | None = None,

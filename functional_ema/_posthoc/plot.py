@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ from .profiles import ProfileComparison, reconstruction_profile
 def plot_profile(
     snapshot_gammas: Sequence[float],
     snapshot_steps: Sequence[float],
-    path: str,
+    path: str | os.PathLike,
     *,
     sigma_rel: float | None = None,
     gamma: float | None = None,
@@ -41,7 +42,7 @@ def plot_profile(
     """
     from .._args import check_int, check_path
 
-    path = check_path(path, "path")
+    out = check_path(path, "path")
     dpi = check_int(dpi, "dpi", minimum=1)
     try:
         import matplotlib
@@ -87,7 +88,7 @@ def plot_profile(
         ax_d.set_ylabel("difference")
         ax_d.set_xlabel("training step")
         ax_d.grid(alpha=0.3)
-        fig.savefig(path, dpi=dpi)
+        fig.savefig(out, dpi=dpi)
     finally:
         plt.close(fig)
     return prof
