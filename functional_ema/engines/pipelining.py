@@ -86,7 +86,9 @@ class PipelineStageAdapter(Adapter):
         inner, seen = reading.token
         return inner.joins_slices(seen)
 
-    def join_slices(self, reading: Reading, part, device):
+    def join_slices(
+        self, reading: Reading, part: dict[str, torch.Tensor], device: torch.device | str | None
+    ) -> dict[str, torch.Tensor]:
         inner, seen = reading.token
         return inner.join_slices(seen, part, device)
 
