@@ -29,8 +29,13 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .posthoc import DEFAULT_MAX_PROFILE_ERROR, SNAPSHOT_PREFIX
+
+if TYPE_CHECKING:
+    # what add_subparsers returns (argparse's own, private, name for it)
+    _Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str) -> None:
@@ -45,7 +50,7 @@ def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str)
     )
 
 
-def _add_consolidate(subparsers) -> None:
+def _add_consolidate(subparsers: _Subparsers) -> None:
     p = subparsers.add_parser(
         "consolidate",
         help="write full EMA weights of a checkpoint into one .safetensors file",
@@ -92,7 +97,7 @@ def _add_consolidate(subparsers) -> None:
     p.set_defaults(run=_run_consolidate)
 
 
-def _run_consolidate(args) -> int:
+def _run_consolidate(args: argparse.Namespace) -> int:
     import time
 
     from safetensors import safe_open
@@ -112,7 +117,7 @@ def _run_consolidate(args) -> int:
     if tp_dims is None and args.tp_rank is None and saved.tp_size > 1 and not saved.tp_split_known:
         # how the tensor-parallel slices join is unknown: one file per tensor-parallel rank
         ranks = list(range(saved.tp_size))
-        outs = [_per_rank_name(Path(args.out), t, saved.tp_size) for t in ranks]
+        outs = [_per_rank_name(Path(args.out), t, saved.tp_size) for t in range(saved.tp_size)]
         print(
             f"tag saved with tensor-parallel size {saved.tp_size} and no recorded split: writing one file per "
             "tensor-parallel rank (join them with --tp-dim NAME=DIM ...)"
@@ -140,7 +145,7 @@ def _run_consolidate(args) -> int:
     return 0
 
 
-def _run_consolidate_dcp(args, t0: float) -> int:
+def _run_consolidate_dcp(args: argparse.Namespace, t0: float) -> int:
     import os
     import time
 
@@ -213,7 +218,7 @@ def _per_rank_name(out: Path, rank: int, size: int) -> Path:
     return out.with_name(f"{stem}.tp{rank}of{size}{suffix}")
 
 
-def _add_posthoc(subparsers) -> None:
+def _add_posthoc(subparsers: _Subparsers) -> None:
     p = subparsers.add_parser(
         "posthoc",
         help="synthesise the EMA of any sigma_rel from power-EMA snapshots into one .safetensors file",
@@ -244,7 +249,7 @@ def _add_posthoc(subparsers) -> None:
     p.set_defaults(run=_run_posthoc)
 
 
-def _run_posthoc(args) -> int:
+def _run_posthoc(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
     from .posthoc import list_snapshots, plot_profile, posthoc_to_file
@@ -275,7 +280,7 @@ def _run_posthoc(args) -> int:
     return 0
 
 
-def _add_export(subparsers) -> None:
+def _add_export(subparsers: _Subparsers) -> None:
     p = subparsers.add_parser(
         "export",
         help="write the EMA as a Hugging Face model folder (or PEFT adapter folder) that from_pretrained loads",
@@ -308,7 +313,7 @@ def _add_export(subparsers) -> None:
     p.set_defaults(run=_run_export)
 
 
-def _run_export(args) -> int:
+def _run_export(args: argparse.Namespace) -> int:
     import json
     import time
 
@@ -345,7 +350,7 @@ def _run_export(args) -> int:
     return 0
 
 
-_COMMANDS: list[Callable] = [_add_consolidate, _add_export, _add_posthoc]
+_COMMANDS: list[Callable[[_Subparsers], None]] = [_add_consolidate, _add_export, _add_posthoc]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,11 +21,22 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import ClassVar
+from types import ModuleType, TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from functional_ema._state import EmaState
+    from functional_ema.schedules import DecayLike
+
+#: A rank's process (output to a file: bytes).
+RankProcess = subprocess.Popen[bytes]
 
 # The source checkout (tests/ and examples/ live there): where this file sits in an editable install,
 # else the directory the tests were started from.
@@ -47,7 +58,9 @@ def extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
 
 
-def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict | None = None, **kwargs):
+def run_ranks(
+    target: str, world_size: int = 2, timeout: float = 600, env: dict[str, str] | None = None, **kwargs: Any
+) -> list[Any]:
     """Run ``target`` ("module:function") on ``world_size`` ranks; return the list of results."""
     with tempfile.TemporaryDirectory(prefix="fe_ranks_") as tmp:
         args_path = Path(tmp) / "args.json"
@@ -85,12 +98,15 @@ def run_ranks(target: str, world_size: int = 2, timeout: float = 600, env: dict 
         return results
 
 
-def spawn_ranks(argv: list[str], world_size: int, tmp: Path, env: dict | None = None) -> tuple[list, list[Path]]:
+def spawn_ranks(
+    argv: list[str], world_size: int, tmp: Path, env: dict[str, str] | None = None
+) -> tuple[list[RankProcess], list[Path]]:
     """Start ``argv`` once per rank, wired like ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
     each in its own process group (so :func:`kill_ranks` ends whatever a rank started too), its
     output in ``tmp/output_<rank>.txt``. ``env`` is added last. Returns the processes and log paths."""
     port = _free_port()
-    procs, log_paths = [], []
+    procs: list[RankProcess] = []
+    log_paths: list[Path] = []
     for rank in range(world_size):
         penv = dict(os.environ)
         penv.update(
@@ -129,10 +145,11 @@ def spawn_ranks(argv: list[str], world_size: int, tmp: Path, env: dict | None = 
 FAILED_RANK_GRACE_S = 30.0
 
 
-def wait_ranks(procs: list, log_paths: list[Path], what: str, timeout: float) -> None:
+def wait_ranks(procs: list[RankProcess], log_paths: list[Path], what: str, timeout: float) -> None:
     """Wait up to ``timeout`` seconds for every rank to exit, or :data:`FAILED_RANK_GRACE_S` after one
     rank exited with an error. Then raise ``AssertionError`` with every waiting rank's Python stacks
     and output; either way no rank is left running."""
+    limit: float | str = timeout  # as the report says it
     try:
         deadline = time.monotonic() + timeout
         failed = None
@@ -142,15 +159,15 @@ def wait_ranks(procs: list, log_paths: list[Path], what: str, timeout: float) ->
                 failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
                 if failed is not None and now + FAILED_RANK_GRACE_S < deadline:
                     deadline = now + FAILED_RANK_GRACE_S
-                    timeout = f"{timeout:g} s (ended {FAILED_RANK_GRACE_S:g} s after rank {failed} failed)"
+                    limit = f"{timeout:g} s (ended {FAILED_RANK_GRACE_S:g} s after rank {failed} failed)"
             if now > deadline:
-                raise AssertionError(_timeout_report(procs, log_paths, what, len(procs), timeout))
+                raise AssertionError(_timeout_report(procs, log_paths, what, len(procs), limit))
             time.sleep(0.05)
     finally:
         kill_ranks(procs)
 
 
-def kill_ranks(procs: list) -> None:
+def kill_ranks(procs: list[RankProcess]) -> None:
     """SIGKILL each rank's process group (the rank and anything it started), where still running."""
     for p in procs:
         if p.poll() is None:
@@ -164,7 +181,9 @@ def _tail(path: Path, limit: int = 8000) -> str:
     return data[-limit:].decode(errors="replace")
 
 
-def _timeout_report(procs, log_paths: list[Path], target: str, world_size: int, timeout: float | str) -> str:
+def _timeout_report(
+    procs: list[RankProcess], log_paths: list[Path], target: str, world_size: int, timeout: float | str
+) -> str:
     """Which ranks were still running at the timeout, and where: every thread's Python stack of each
     (SIGUSR1 makes the child's faulthandler print them), then that rank's last output."""
     waiting = [r for r, p in enumerate(procs) if p.poll() is None]
@@ -268,7 +287,13 @@ def _finish_async_saves(deadline: float) -> str | None:
 # ------------------------------------------------------------------------------------ killed saves
 
 
-def fork_and_kill(body, install, kill_at: int, count_file: Path | None = None, on_call=None) -> int:
+def fork_and_kill(
+    body: Callable[[], object],
+    install: Callable[[Callable[[Callable[..., Any]], Callable[..., Any]]], object],
+    kill_at: int,
+    count_file: Path | None = None,
+    on_call: Callable[[], object] | None = None,
+) -> int:
     """Run ``body()`` in a forked child that SIGKILLs itself at the ``kill_at``-th hooked call.
 
     ``install(hook)`` replaces the functions to count (e.g. ``os.fsync``) with ``hook(original)``;
@@ -284,8 +309,8 @@ def fork_and_kill(body, install, kill_at: int, count_file: Path | None = None, o
         try:
             calls = [0]
 
-            def hook(orig):
-                def hooked(*a, **k):
+            def hook(orig: Callable[..., Any]) -> Callable[..., Any]:
+                def hooked(*a: Any, **k: Any) -> Any:
                     calls[0] += 1
                     if on_call is not None:
                         on_call()
@@ -335,20 +360,20 @@ COLLECTIVES = [
 
 
 @contextlib.contextmanager
-def count_collectives():
+def count_collectives() -> Iterator[dict[str, int]]:
     """Count calls into torch.distributed collectives (deepspeed.comm and DTensor go through them too)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     counts = {"calls": 0}
-    saved = []
+    saved: list[tuple[ModuleType, str, Callable[..., Any]]] = []
     for mod in (dist, c10d):
         for name in COLLECTIVES:
             fn = getattr(mod, name, None)
             if fn is None:
                 continue
 
-            def wrapped(*a, __fn=fn, **k):
+            def wrapped(*a: Any, __fn: Callable[..., Any] = fn, **k: Any) -> Any:
                 counts["calls"] += 1
                 return __fn(*a, **k)
 
@@ -407,27 +432,33 @@ class CollectiveSpy:
     def total(self) -> int:
         return len(self.api) + len(self.ops)
 
-    def __enter__(self):
+    def __enter__(self) -> CollectiveSpy:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
         from torch.utils._python_dispatch import TorchDispatchMode
 
         spy = self
-        self._saved = []
+        self._saved: list[tuple[ModuleType, str, Callable[..., Any]]] = []
         for mod in (dist, c10d):
             for name in self.NAMES:
                 fn = mod.__dict__.get(name)
                 if callable(fn):
                     self._saved.append((mod, name, fn))
 
-                    def wrapped(*a, _fn=fn, _name=name, **k):
+                    def wrapped(*a: Any, _fn: Callable[..., Any] = fn, _name: str = name, **k: Any) -> Any:
                         spy.api.append(_name)
                         return _fn(*a, **k)
 
                     setattr(mod, name, wrapped)
 
         class _Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            def __torch_dispatch__(
+                self,
+                func: torch._ops.OpOverload,
+                types: tuple[type, ...],
+                args: tuple[Any, ...] = (),
+                kwargs: dict[str, Any] | None = None,
+            ) -> Any:
                 if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_dtensor"):
                     spy.ops.append(str(func))
                 return func(*args, **(kwargs or {}))
@@ -436,11 +467,12 @@ class CollectiveSpy:
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self._mode.__exit__(*exc)
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._mode.__exit__(exc_type, exc, tb)
         for mod, name, fn in self._saved:
             setattr(mod, name, fn)
-        return False
 
 
 # ------------------------------------------------------------------------------------ test models
@@ -461,7 +493,7 @@ class OddNet(nn.Module):
             self.frozen = nn.Parameter(torch.randn(9), requires_grad=False)
             self.not_optimized = nn.Parameter(torch.randn(5))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         h = self.norm(self.mid(h) + self.table.sum())
         y = self.out(h)
@@ -478,7 +510,9 @@ class BNSeq(nn.Sequential):
         super().__init__(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Linear(hidden, d_out))
 
 
-def block_and_strided_groups(size: int) -> tuple:
+def block_and_strided_groups(
+    size: int,
+) -> tuple[torch.distributed.ProcessGroup | None, torch.distributed.ProcessGroup | None]:
     """This rank's group among blocks of ``size`` consecutive ranks, and its group among the ranks
     ``size`` apart (the model-parallel and data-parallel groups of a Megatron-style layout). A
     collective to make: every rank makes every group."""
@@ -507,33 +541,42 @@ class MPU:
         self.tp = tp
         self._tp_group, self._dp_group = block_and_strided_groups(tp)
 
-    def get_model_parallel_rank(self):
+    def get_model_parallel_rank(self) -> int:
         import torch.distributed as dist
 
         return dist.get_rank(self._tp_group)
 
-    def get_model_parallel_world_size(self):
+    def get_model_parallel_world_size(self) -> int:
         return self.tp
 
-    def get_model_parallel_group(self):
+    def get_model_parallel_group(self) -> torch.distributed.ProcessGroup | None:
         return self._tp_group
 
-    def get_data_parallel_rank(self):
+    def get_data_parallel_rank(self) -> int:
         import torch.distributed as dist
 
         return dist.get_rank(self._dp_group)
 
-    def get_data_parallel_world_size(self):
+    def get_data_parallel_world_size(self) -> int:
         import torch.distributed as dist
 
         return dist.get_world_size(self._dp_group)
 
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> torch.distributed.ProcessGroup | None:
         return self._dp_group
 
     get_tensor_model_parallel_rank = get_model_parallel_rank
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_group = get_model_parallel_group
+
+
+def _megatron_split(p: nn.Parameter, dim: int | None) -> None:
+    """Megatron's attributes on a parameter, saying how its tensor-parallel slices join:
+    ``tensor_model_parallel`` (split or replicated) and, when split, ``partition_dim``."""
+    marked: Any = p  # set on the instance, as Megatron does (torch's Parameter type declares neither)
+    marked.tensor_model_parallel = dim is not None
+    if dim is not None:
+        marked.partition_dim = dim
 
 
 class ColumnParallelLinear(nn.Module):
@@ -549,9 +592,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias[tp * rows : (tp + 1) * rows].clone())
         if attributes:  # Megatron's attributes: how the slices join
             for p in (self.weight, self.bias):
-                p.tensor_model_parallel, p.partition_dim = True, 0
+                _megatron_split(p, 0)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ self.weight.t() + self.bias)
 
 
@@ -560,7 +603,13 @@ class RowParallelLinear(nn.Module):
     tensor-parallel group (a differentiable all-reduce), then a replicated bias."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor, tp: int, tp_size: int, group, attributes: bool = True
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        tp: int,
+        tp_size: int,
+        group: torch.distributed.ProcessGroup | None,
+        attributes: bool = True,
     ) -> None:
         super().__init__()
         cols = weight.shape[1] // tp_size
@@ -568,10 +617,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight[:, tp * cols : (tp + 1) * cols].clone())
         self.bias = nn.Parameter(bias.clone())
         if attributes:
-            self.weight.tensor_model_parallel, self.weight.partition_dim = True, 1
-            self.bias.tensor_model_parallel = False
+            _megatron_split(self.weight, 1)
+            _megatron_split(self.bias, None)
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         from torch.distributed.nn.functional import all_reduce
 
         return all_reduce(h @ self.weight.t(), group=self.group) + self.bias
@@ -595,17 +644,24 @@ class TPMLP(nn.Module):
 
     SPLIT: ClassVar[dict[str, int | None]] = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
 
-    def __init__(self, tp: int, tp_size: int, group, seed: int = 0, attributes: bool = True) -> None:
+    def __init__(
+        self,
+        tp: int,
+        tp_size: int,
+        group: torch.distributed.ProcessGroup | None,
+        seed: int = 0,
+        attributes: bool = True,
+    ) -> None:
         super().__init__()
         w = tp_full_weights(seed)
         self.fc1 = ColumnParallelLinear(w["w1"], w["b1"], tp, tp_size, attributes)
         self.fc2 = RowParallelLinear(w["w2"], w["b2"], tp, tp_size, group, attributes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.fc1(x))
 
 
-def pipeline_engine(stages: int = 2, seed: int = 0):
+def pipeline_engine(stages: int = 2, seed: int = 0) -> Any:
     """A real DeepSpeed ``PipelineEngine`` (ZeRO-1) over a small MLP cut into ``stages`` stages."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
@@ -621,13 +677,15 @@ def pipeline_engine(stages: int = 2, seed: int = 0):
     return engine
 
 
-def optimized_params(model: nn.Module):
+def optimized_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in model.named_parameters() if p.requires_grad and n != "not_optimized"]
 
 
-def ds_config(stage: int, dtype: str = "fp32", offload: str | None = None, micro_batch: int = 4, **zero_extra) -> dict:
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, **zero_extra}
-    cfg = {
+def ds_config(
+    stage: int, dtype: str = "fp32", offload: str | None = None, micro_batch: int = 4, **zero_extra: Any
+) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0, **zero_extra}
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
@@ -652,11 +710,11 @@ def make_engine(
     dtype: str = "fp32",
     offload: str | None = None,
     seed: int = 0,
-    model=None,
+    model: nn.Module | None = None,
     lr: float = 1e-2,
-    mpu=None,
-    **zero_extra,
-):
+    mpu: Any = None,
+    **zero_extra: Any,
+) -> Any:
     """A real DeepSpeed engine over ``OddNet`` (or ``model``) with a client AdamW (and ``mpu=``, if given)."""
     import deepspeed
 
@@ -669,7 +727,9 @@ def make_engine(
     return engine
 
 
-def batch(engine, step: int, seed: int = 1234, n: int = 4, d_in: int = 7, d_out: int = 5):
+def batch(
+    engine: Any, step: int, seed: int = 1234, n: int = 4, d_in: int = 7, d_out: int = 5
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic per-(step, rank) data so every run with the same seeds sees the same batches."""
     import torch.distributed as dist
 
@@ -681,7 +741,7 @@ def batch(engine, step: int, seed: int = 1234, n: int = 4, d_in: int = 7, d_out:
     return x.to(engine.device, dtype), y.to(engine.device, dtype)
 
 
-def train_step(engine, step: int, seed: int = 1234) -> float:
+def train_step(engine: Any, step: int, seed: int = 1234) -> float:
     x, y = batch(engine, step, seed)
     loss = ((engine(x).float() - y.float()) ** 2).mean()
     engine.backward(loss)
@@ -689,7 +749,7 @@ def train_step(engine, step: int, seed: int = 1234) -> float:
     return float(loss.detach())
 
 
-def full_fp32_reference(engine) -> dict[str, torch.Tensor]:
+def full_fp32_reference(engine: Any) -> dict[str, torch.Tensor]:
     """Independent full fp32 master weights via DeepSpeed's own API (a collective on stages 1-3).
 
     Stage 0 has no such API: fp32 training updates the parameters themselves, and 16-bit training
@@ -700,7 +760,7 @@ def full_fp32_reference(engine) -> dict[str, torch.Tensor]:
     stage = engine.zero_optimization_stage()
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad and n != "not_optimized"]
     params = dict(engine.module.named_parameters())
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     if stage == 0:
         opt = engine.optimizer
         if hasattr(opt, "fp32_groups"):
@@ -718,7 +778,7 @@ def full_fp32_reference(engine) -> dict[str, torch.Tensor]:
 # (one place, so that no test file imports another's privates)
 
 
-def checkpoint_decays():
+def checkpoint_decays() -> tuple[DecayLike, DecayLike]:
     from functional_ema import schedules
 
     return (0.8, schedules.power(gamma=3.0))
@@ -730,7 +790,7 @@ def current_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def advance(engine, state, n, ref=None):
+def advance(engine: Any, state: EmaState, n: int, ref: list[dict[str, torch.Tensor]] | None = None) -> EmaState:
     """Train n steps, updating the EMA; with ``ref`` (full EMAs), update that plain-torch reference too."""
     import functional_ema as fe
     from functional_ema import schedules
@@ -749,12 +809,14 @@ def advance(engine, state, n, ref=None):
     return state
 
 
-def unflat(d: dict, num=2) -> list:
+def unflat(d: Mapping[str, Any], num: int = 2) -> list[dict[str, Any]]:
     return [{k.split("/", 1)[1]: v for k, v in d.items() if k.startswith(f"{i}/")} for i in range(num)]
 
 
-def diff_emas(a: list, b: list) -> list:
-    bad = []
+def diff_emas(
+    a: list[Mapping[str, torch.Tensor]], b: list[Mapping[str, torch.Tensor]]
+) -> list[tuple[int, str] | tuple[int, str, list[str]]]:
+    bad: list[tuple[int, str] | tuple[int, str, list[str]]] = []
     for i, (x, y) in enumerate(zip(a, b)):
         if set(x) != set(y):
             bad.append((i, "names", sorted(set(x) ^ set(y))))
@@ -765,13 +827,13 @@ def diff_emas(a: list, b: list) -> list:
     return bad
 
 
-def gather_all(state, engine):
+def gather_all(state: EmaState, engine: Any) -> list[dict[str, torch.Tensor]]:
     import functional_ema as fe
 
     return [fe.gather_full(state, engine, index=i) for i in range(state.num_emas)]
 
 
-def error_of(fn):
+def error_of(fn: Callable[[], object]) -> list[Any] | None:
     try:
         fn()
     except Exception as e:  # noqa: BLE001
@@ -779,7 +841,7 @@ def error_of(fn):
     return None
 
 
-def full_tensor_of(p) -> torch.Tensor:
+def full_tensor_of(p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
@@ -800,25 +862,32 @@ class TPNet(nn.Module):
         self.norm = nn.LayerNorm(TP_D)
         self.head = nn.Linear(TP_D, TP_OUT)  # (3, 6): 2 + 1 rows over the shard group
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x + self.down(torch.tanh(self.up(x)))))
 
 
-def tp_mesh(shape: tuple[int, ...]):
+def tp_mesh(shape: tuple[int, ...]) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     names = {1: ("tp",), 2: ("shard", "tp"), 3: ("replicate", "shard", "tp")}[len(shape)]
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
-def tp_model(seed: int, mesh, tp: bool = True):
+def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of ``mesh``'s dimensions (``tp_mesh`` names them; the TP helpers find the ``"tp"`` one by name)."""
+    if mesh.mesh_dim_names is None:
+        raise ValueError(f"the device mesh {mesh} has no mesh_dim_names: make it with tp_mesh (or name its dimensions)")
+    return mesh.mesh_dim_names
+
+
+def tp_model(seed: int, mesh: DeviceMesh, tp: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     """TPNet: tensor parallel over ``mesh["tp"]`` (when ``tp``), then ``fully_shard`` over the rest."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(seed)
     model = TPNet()
-    names = mesh.mesh_dim_names
+    names = _dim_names(mesh)
     if tp:
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         if names == ("tp",):  # tensor parallelism alone
@@ -830,9 +899,10 @@ def tp_model(seed: int, mesh, tp: bool = True):
     return model, torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
 
 
-def tp_batch(step: int, mesh) -> torch.Tensor:
+def tp_batch(step: int, mesh: DeviceMesh) -> torch.Tensor:
     """The same input on the ranks of one tensor-parallel group (tensor parallelism needs it)."""
-    coord = [mesh.get_local_rank(d) for d in range(mesh.ndim) if mesh.mesh_dim_names[d] != "tp"]
+    names = _dim_names(mesh)
+    coord = [mesh.get_local_rank(d) for d in range(mesh.ndim) if names[d] != "tp"]
     g = torch.Generator().manual_seed(1000 * step + sum(c * 10**i for i, c in enumerate(coord)))
     return torch.randn(4, TP_D, generator=g)
 
@@ -848,7 +918,7 @@ class MoENet(torch.nn.Module):
     ``ep_size`` expert-parallel ranks, top-1, deterministic routing), a linear head. Expert ``g`` (global index)
     starts from its own seed, so no two experts are alike: an EMA taken for another expert's cannot pass."""
 
-    def __init__(self, ep_size: int, seed: int, buffers: bool = True):
+    def __init__(self, ep_size: int, seed: int, buffers: bool = True) -> None:
         import torch.distributed as dist
         from deepspeed.moe.layer import MoE
 
@@ -876,6 +946,6 @@ class MoENet(torch.nn.Module):
                 for p in expert.parameters():
                     p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, aux, _ = self.moe(torch.tanh(self.norm(self.inp(x))))
         return self.out(h), aux

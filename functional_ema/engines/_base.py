@@ -20,13 +20,17 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .._layout import ShardLayout, ShardSpec
 from .._shards import Shards
+
+if TYPE_CHECKING:
+    from .._state import EmaState
 
 __all__ = [
     "Adapter",
@@ -87,13 +91,13 @@ class _Slot:
         self.reading = reading
         self.adapter = adapter  # the adapter class, so the next call skips the type checks
 
-    def __deepcopy__(self, memo) -> _Slot:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Slot:
         return _Slot()
 
     def __copy__(self) -> _Slot:
         return _Slot()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[None], tuple[()]]:
         # Unpickles as None: a pickled model must not need functional_ema to be loaded.
         return (type(None), ())
 
@@ -142,7 +146,7 @@ class Adapter:
         """The ``nn.Module`` whose forward computes with the parameters."""
         return self.target
 
-    def default_tag(self, state) -> str:
+    def default_tag(self, state: EmaState | None) -> str:
         """The tag :func:`functional_ema.save` uses when none is given."""
         if state is None:
             raise TypeError(
@@ -153,7 +157,7 @@ class Adapter:
 
     @contextlib.contextmanager
     def swap(
-        self, reading: Reading, pieces: Mapping[str, torch.Tensor], state, index: int, changes: list[str]
+        self, reading: Reading, pieces: Mapping[str, torch.Tensor], state: EmaState, index: int, changes: list[str]
     ) -> Iterator[SwapStats]:
         """Context manager: the forward computes with ``pieces`` (this rank's EMA pieces); on exit the trained values
         are back in the parameters the model holds, whatever the block did to them, and ``changes`` names what the
@@ -263,7 +267,8 @@ def warn_low_precision(source: str, named: Mapping[str, torch.Tensor], fix: str)
 def _caller_level() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside functional_ema (the user's call)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
         frame, level = frame.f_back, level + 1
     return level
@@ -420,6 +425,7 @@ def gather_pieces(
     device = torch.device(device) if device is not None else src_device
     # The collective runs on the backend's device: gloo takes CPU tensors, nccl CUDA ones.
     comm_device = src_device
+    dst_global = dist.get_global_rank(group, dst) if dst is not None and group is not None else dst  # gather's dst
     for bucket in _buckets(names, all_specs, max(1, bucket_bytes // ref.element_size())):
         sizes = [sum(all_specs[r][n].numel for n in bucket) for r in range(layout.world_size)]
         width = max(sizes)
@@ -428,18 +434,14 @@ def gather_pieces(
             [pieces[n].detach().reshape(-1).to(comm_device) for n in bucket] or [send[:0]],
             out=send[: sizes[layout.rank]],
         )
+        if dst is not None and layout.rank != dst:  # a sender only: no receive buffers off the destination
+            dist.gather(send, None, dst=dst_global, group=group)
+            continue
+        recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)]
         if dst is None:
-            recv = [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)]
             dist.all_gather(recv, send, group=group)
         else:
-            recv = (
-                [torch.empty(width, dtype=dtype, device=comm_device) for _ in range(layout.world_size)]
-                if layout.rank == dst
-                else None
-            )
-            dist.gather(send, recv, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group)
-            if layout.rank != dst:
-                continue
+            dist.gather(send, recv, dst=dst_global, group=group)
         cursor = [0] * layout.world_size
         for n in bucket:
             spec = layout.specs[n]
@@ -453,8 +455,11 @@ def gather_pieces(
     return out
 
 
-def _buckets(names, all_specs, max_elems):
-    bucket, size = [], 0
+def _buckets(names: list[str], all_specs: list[dict[str, ShardSpec]], max_elems: int) -> Iterator[list[str]]:
+    """``names`` cut into consecutive buckets of at most ``max_elems`` elements on the widest rank (one name alone
+    may exceed it)."""
+    bucket: list[str] = []
+    size = 0
     for n in names:
         n_el = max(specs[n].numel for specs in all_specs)
         if bucket and size + n_el > max_elems:
@@ -495,14 +500,14 @@ def join_parts(
         else None
     )
     world, me = dist.get_world_size(), dist.get_rank()
+    if dst is not None and me != dst:  # a sender only: no receive list off the destination
+        dist.gather_object(payload, None, dst=dst)
+        return {}
+    gathered: list[Any] = [None] * world
     if dst is None:
-        gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, payload)
     else:
-        gathered = [None] * world if me == dst else None
         dist.gather_object(payload, gathered, dst=dst)
-        if me != dst:
-            return {}
     by_stage: dict[int, dict[int, tuple[dict, dict]]] = {}
     for entry in gathered:
         if entry is not None:

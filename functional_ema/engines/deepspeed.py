@@ -20,7 +20,8 @@ the package works without it. Internals relied on (DeepSpeed 0.19):
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from ._base import (
     warn_low_precision,
     world_of,
 )
+
+if TYPE_CHECKING:
+    from .._state import EmaState
 
 __all__ = [
     "DeepSpeedAdapter",
@@ -109,7 +113,7 @@ class DeepSpeedAdapter(Adapter):
     def module(self) -> torch.nn.Module:
         return self.target.module
 
-    def default_tag(self, state) -> str:
+    def default_tag(self, state: EmaState | None) -> str:
         """DeepSpeed's own default tag, ``f"global_step{engine.global_steps}"``."""
         return f"global_step{self.target.global_steps}"
 
@@ -166,7 +170,9 @@ class DeepSpeedAdapter(Adapter):
         return Reading(shards, layout, params, group if world > 1 else None, token)
 
     @contextlib.contextmanager
-    def swap(self, reading: Reading, pieces, state, index: int, changes: list[str]):
+    def swap(
+        self, reading: Reading, pieces: Mapping[str, torch.Tensor], state: EmaState, index: int, changes: list[str]
+    ) -> Iterator[SwapStats]:
         """The EMA in the forward (see the two swaps below). Innermost, the module's parameter registrations and
         memory are put back as they were on entry (``parameters_put_back``), before DeepSpeed's own structures
         (ZeRO-3's partition cache, ZeRO-1/2's flat buffers) are touched again; ZeRO-3 placeholders are compared by
@@ -185,7 +191,7 @@ class DeepSpeedAdapter(Adapter):
         return int(self.target.global_steps)
 
     @contextlib.contextmanager
-    def refuse_training(self, why: str):
+    def refuse_training(self, why: str) -> Iterator[None]:
         """``engine.backward`` / ``engine.step`` refused (instance attributes shadowing the methods)."""
         engine = self.target
         patched = []
@@ -193,7 +199,7 @@ class DeepSpeedAdapter(Adapter):
             if not callable(getattr(engine, verb, None)):
                 continue
 
-            def refuse(*_a, _verb=verb, **_k):
+            def refuse(*_a: Any, _verb: str = verb, **_k: Any) -> NoReturn:
                 raise SwappedTrainingError(f"engine.{_verb}() {why}")
 
             engine.__dict__[verb] = refuse
@@ -204,19 +210,20 @@ class DeepSpeedAdapter(Adapter):
             for verb in patched:
                 engine.__dict__.pop(verb, None)
 
-    def write_weights(self, reading: Reading, pieces) -> None:
+    def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
         """The fp32 masters, and the 16-bit copies the forward uses: ZeRO-3's partitions (the gathered
         cache emptied first), or ZeRO-0/1/2's module parameters (rebuilt from every rank's pieces: a
         collective, done before any rank writes)."""
         engine, stage = self.target, reading.layout.stage
-        full = gather_pieces(reading, pieces) if stage != 3 else None
+        full = gather_pieces(reading, pieces) if stage != 3 else {}
         with torch.no_grad():
             for n, t in reading.shards.items():
                 if t.numel():
                     t.copy_(pieces[n].reshape(t.shape))
             if stage == 3:
                 engine.empty_partition_cache()
-                for n, p in reading.params.items():
+                placeholders: dict[str, Any] = dict(reading.params)  # with DeepSpeed's ds_* attributes
+                for n, p in placeholders.items():
                     numel = reading.layout.specs[n].numel
                     if numel:
                         p.ds_tensor.data.view(-1)[:numel].copy_(pieces[n].reshape(-1))
@@ -225,7 +232,7 @@ class DeepSpeedAdapter(Adapter):
                     p.data.copy_(full[n].to(p.dtype))
 
 
-def _first(obj, names: tuple[str, ...], default: int) -> int:
+def _first(obj: Any, names: tuple[str, ...], default: int) -> int:
     for name in names:
         fn = getattr(obj, name, None)
         if callable(fn):
@@ -233,7 +240,7 @@ def _first(obj, names: tuple[str, ...], default: int) -> int:
     return default
 
 
-def model_part(engine) -> ModelPart:
+def model_part(engine: Any) -> ModelPart:
     """The tensor-parallel rank and pipeline stage an engine's rank holds, from its ``mpu`` (an ``mpu=``
     object, a PipelineEngine's grid, or DeepSpeed's own groups under AutoTP) and its pipeline stage."""
     mpu = getattr(engine, "mpu", None)
@@ -261,7 +268,7 @@ def model_part(engine) -> ModelPart:
 _AUTOTP_META = "ds_autotp_universal_checkpoint_meta"
 
 
-def tp_dims(engine, named, part: ModelPart) -> dict[str, int | None] | None:
+def tp_dims(engine: Any, named: list[tuple[str, torch.nn.Parameter]], part: ModelPart) -> dict[str, int | None] | None:
     """How this engine's tensor-parallel slices join, per parameter (see ``ShardLayout.tp_dims``), when
     every parameter says so: AutoTP's layout record (``partition_dim``, or ``replicated``; parameters AutoTP
     left whole are replicated), or Megatron's attributes (``tensor_model_parallel``, ``partition_dim``).
@@ -297,7 +304,7 @@ def tp_dims(engine, named, part: ModelPart) -> dict[str, int | None] | None:
     return dims
 
 
-def data_parallel_group(engine):
+def data_parallel_group(engine: Any) -> dist.ProcessGroup | None:
     """The process group ZeRO partitions over."""
     opt = engine.optimizer
     group = getattr(opt, "dp_process_group", None)
@@ -306,7 +313,7 @@ def data_parallel_group(engine):
     return group if group is not None else dist.group.WORLD
 
 
-def unsupported_reason(engine) -> str | None:
+def unsupported_reason(engine: Any) -> str | None:
     """Why :func:`local_shards` cannot read this engine, or ``None`` when it can."""
     opt = engine.optimizer
     if getattr(engine, "has_moe_layers", False):
@@ -335,8 +342,8 @@ def unsupported_reason(engine) -> str | None:
 _EXPERTS = "deepspeed_moe.experts.deepspeed_experts"
 
 
-def _moe_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``(name, layer)`` of every ``deepspeed.moe.layer.MoE`` in ``module``."""
+def _moe_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """``(name, layer)`` of every ``deepspeed.moe.layer.MoE`` in ``module`` (DeepSpeed's class, typed ``Any``)."""
     return [
         (n, m)
         for n, m in module.named_modules()
@@ -344,7 +351,7 @@ def _moe_layers(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     ]
 
 
-def _moe_unsupported(engine) -> str | None:
+def _moe_unsupported(engine: Any) -> str | None:
     """Why an engine with MoE layers cannot be read, or ``None``."""
     layers = _moe_layers(engine.module)
     autoep = [n for n, m in engine.module.named_modules() if type(m).__name__ == "AutoEPMoELayer"]
@@ -376,13 +383,13 @@ def _moe_unsupported(engine) -> str | None:
     return None
 
 
-def _ep_rank(layer) -> int:
+def _ep_rank(layer: Any) -> int:
     group = layer.deepspeed_moe.ep_group
     return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
 
 
 def place_experts(
-    engine, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], params: dict[str, torch.nn.Parameter]
+    engine: Any, pieces: dict[str, tuple[torch.Tensor, ShardSpec]], params: dict[str, torch.nn.Parameter]
 ) -> tuple[dict[str, tuple[torch.Tensor, ShardSpec]], dict[str, torch.nn.Parameter], ExpertLayout]:
     """Expert parameters renamed from their local to their global expert index, and every other
     expert-parallel rank's experts added with an empty piece (in expert order, where the layer's experts
@@ -439,9 +446,9 @@ def place_experts(
     return out, out_params, ExpertLayout(ep, ep_size, owners)
 
 
-def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
+def _named_params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
     seen: set[int] = set()
-    out = []
+    out: list[tuple[str, torch.nn.Parameter]] = []
     for name, p in engine.module.named_parameters():
         if id(p) not in seen:  # tied weights: one entry, under the first name
             seen.add(id(p))
@@ -449,7 +456,7 @@ def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def _master_buffers(opt, stage: int) -> list[torch.Tensor]:
+def _master_buffers(opt: Any, stage: int) -> list[torch.Tensor]:
     """The tensors holding the fp32 master weights (a few flat buffers, per parameter at stage 0)."""
     if stage == 3:
         return opt.fp32_partitioned_groups_flat
@@ -469,11 +476,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(-1)
 
 
-def _zero3(engine, named, rank) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+def _zero3(
+    engine: Any, named: list[tuple[str, torch.nn.Parameter]], rank: int
+) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
     opt = engine.optimizer
     trained = {id(p) for group in opt.fp16_groups for p in group}
-    out = {}
-    for name, p in named:
+    out: dict[str, tuple[torch.Tensor, ShardSpec]] = {}
+    placeholders: list[tuple[str, Any]] = list(named)  # with DeepSpeed's ds_* attributes and partition_numel()
+    for name, p in placeholders:
         if id(p) not in trained:
             continue
         group_idx, offset, _ = opt.grad_position[opt.get_param_id(p)]
@@ -486,14 +496,14 @@ def _zero3(engine, named, rank) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
     return out
 
 
-def _zero12(engine, named) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+def _zero12(engine: Any, named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
     opt = engine.optimizer
     groups = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)
     if groups is None:
         raise NotImplementedError(f"unknown ZeRO-1/2 optimizer {type(opt).__name__}: no bit16_groups/bf16_groups")
     flat_parts = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
     trained = {id(p) for group in groups for p in group}
-    out = {}
+    out: dict[str, tuple[torch.Tensor, ShardSpec]] = {}
     for name, p in named:
         if id(p) not in trained:
             continue
@@ -509,7 +519,7 @@ def _zero12(engine, named) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
     return out
 
 
-def _zero0(engine, named) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+def _zero0(engine: Any, named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
     opt = engine.optimizer
     pairs: dict[int, torch.Tensor] = {}  # id(module param) -> fp32 master
     if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):  # FP16_UnfusedOptimizer
@@ -526,7 +536,7 @@ def _zero0(engine, named) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
         for group in opt.param_groups:
             for p in group["params"]:
                 pairs[id(p)] = p
-    out = {}
+    out: dict[str, tuple[torch.Tensor, ShardSpec]] = {}
     for name, p in named:
         hp = pairs.get(id(p))
         if hp is None or not p.requires_grad:
@@ -539,16 +549,17 @@ def _zero0(engine, named) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
 
 
 @contextlib.contextmanager
-def _swap_zero3(engine, reading: Reading, ema):
+def _swap_zero3(engine: Any, reading: Reading, ema: Mapping[str, torch.Tensor]) -> Iterator[SwapStats]:
     """ZeRO-3: the EMA piece, cast to the partition dtype, replaces each parameter's local partition
     (``ds_tensor``); DeepSpeed's gathered-parameter cache is emptied on entry and on exit (a
     ``no_grad`` forward leaves parameters gathered, and replacing the partition alone would then be
     silently ignored). Extra memory: one 16-bit copy of this rank's partition."""
     engine.empty_partition_cache()  # drop gathered live weights (persistent ones included)
-    saved: list[tuple[torch.nn.Parameter, torch.Tensor, Any]] = []
+    placeholders: dict[str, Any] = dict(reading.params)  # with DeepSpeed's ds_* attributes
+    saved: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
     extra = 0
     try:
-        for name, p in reading.params.items():
+        for name, p in placeholders.items():
             part = p.ds_tensor
             piece = ema[name]
             swap = torch.empty_like(part.data)
@@ -571,7 +582,7 @@ def _swap_zero3(engine, reading: Reading, ema):
 
 
 @contextlib.contextmanager
-def _swap_data(reading: Reading, pieces):
+def _swap_data(reading: Reading, pieces: Mapping[str, torch.Tensor]) -> Iterator[SwapStats]:
     """ZeRO-0/1/2 with 16-bit parameters: the parameters' ``.data`` point at the full EMA (gathered
     once on ZeRO-1/2; the memory the forward needs anyway)."""
     full = gather_pieces(reading, pieces)
