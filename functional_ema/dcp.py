@@ -67,6 +67,7 @@ import pickle
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -507,28 +508,30 @@ def _check_names(every: list[tuple[int, dict[str, list[str]], list[str]]], where
 
 #: The globals a DCP ``.metadata`` pickle may name (DCP's metadata dataclasses and the torch values in
 #: them); anything else is refused, so that consolidate_dcp runs no code from the file.
-_METADATA_GLOBALS: Mapping[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset(
-        {
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
-        }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset(
-        {"Size", "strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format"}
-        | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
-    ),
-    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
-    "collections": frozenset({"OrderedDict"}),
-}
+_METADATA_GLOBALS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {
+        "torch.distributed.checkpoint.metadata": frozenset(
+            {
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            }
+        ),
+        "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+        "torch.serialization": frozenset({"_get_layout"}),
+        "torch": frozenset(
+            {"Size", "strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format"}
+            | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+        ),
+        "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+        "collections": frozenset({"OrderedDict"}),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -383,6 +383,9 @@ def test_package_keeps_no_module_level_registries():
     # One int, no object held: how many times FSDP2 replaced a sharded parameter or its local tensor in
     # this process, so that a reading checks one number instead of every parameter (engines/fsdp2.py).
     constant_tables |= {"functional_ema.engines.fsdp2._REPLACEMENTS"}
+    # Which low-precision warnings this process has given (keys, no tensors): each once per process, which the
+    # warnings module's own "once" does not keep across catch_warnings/simplefilter (engines/_base.py).
+    constant_tables |= {"functional_ema.engines._base._WARNED"}
     assert sorted(set(found) - constant_tables) == []
 
 
