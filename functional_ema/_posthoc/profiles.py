@@ -188,14 +188,18 @@ def solve_coefficients(
             snapshots' steps. Between two snapshot steps the weights since the previous snapshot
             are unknown and show up as profile error.
         max_profile_error: refuse targets whose synthesised profile has a relative L2 error
-            (:func:`profile_error`) above this; ``None`` disables the check.
-        rcond: cut-off for small singular values of ``A`` (``numpy.linalg.lstsq``; default machine
-            precision times the number of snapshots).
+            (:func:`profile_error`) above this (a number ``>= 0``); ``None`` disables the check.
+        rcond: cut-off for small singular values of ``A``, relative to the largest, in ``[0, 1]``
+            (``numpy.linalg.lstsq``; default machine precision times the number of snapshots).
 
     Returns:
         float64 array of ``len(snapshot_steps)`` coefficients.
 
     Raises:
+        TypeError: an argument that is not a number (a bool, a string, ``None`` where one is needed) or
+            a sequence of snapshot gammas/steps that is not a list, tuple, array or tensor of numbers.
+        ValueError: a NaN or infinite number, or one out of its range (``rcond`` outside ``[0, 1]``,
+            ``max_profile_error < 0``, a step past int64); the message names the argument.
         ReconstructionError: mismatched lengths, no or too few snapshots (< 2 different steps up
             to ``step``), ``step`` outside the snapshots, ``sigma_rel`` outside ``(0, 0.2887)``, or
             a target the snapshots cannot express within ``max_profile_error``.
