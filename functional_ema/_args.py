@@ -15,9 +15,11 @@ import math
 import numbers
 import operator
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -29,8 +31,12 @@ __all__ = [
     "check_real",
     "check_state",
     "check_int",
+    "check_mapping",
     "check_optional_int",
+    "check_optional_real",
     "check_path",
+    "check_reals",
+    "check_sequence",
     "check_rank",
     "check_str",
 ]
@@ -172,3 +178,72 @@ def check_real(
         bounds = f"{'(' if low_open else '['}{low}, {high}]"
         raise ValueError(f"{what} must be a number in {bounds}, got {real!r}")
     return real
+
+
+def check_optional_real(
+    value: Any, what: str, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False
+) -> float | None:
+    """``None``, or :func:`check_real` of ``value``."""
+    return None if value is None else check_real(value, what, low=low, high=high, low_open=low_open)
+
+
+def check_reals(
+    value: Any,
+    what: str,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    scalar: bool = False,
+) -> np.ndarray:
+    """``value`` (a list or tuple of real numbers, a real numpy array or tensor; one real number too when
+    ``scalar``) as a float64 numpy array of its shape, every entry finite and in ``[low, high]``
+    (``(low, high]`` when ``low_open``). ``TypeError`` for ``None``, strings, bools, dicts, a lone number
+    where a sequence is expected and non-numeric entries; ``ValueError`` for NaN, infinities and entries out
+    of range; each names ``what`` (and the entry)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{what} must hold real numbers, got a {value.dtype} tensor")
+        array = value.detach().cpu().to(torch.float64).numpy()
+    elif isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iuf":
+            raise TypeError(f"{what} must hold real numbers, got a numpy array of dtype {value.dtype}")
+        array = value.astype(np.float64)
+    elif isinstance(value, (list, tuple)):
+        entries = []
+        for i, v in enumerate(value):
+            real = None if isinstance(v, bool) else real_number(v)
+            if real is None:
+                raise TypeError(f"{what}[{i}] must be a real number, got {type(v).__name__} {v!r:.60}")
+            entries.append(real)
+        array = np.asarray(entries, dtype=np.float64)
+    elif scalar and not isinstance(value, bool) and real_number(value) is not None:
+        array = np.asarray(real_number(value), dtype=np.float64)
+    else:
+        kinds = "a real number or " if scalar else ""
+        raise TypeError(
+            f"{what} must be {kinds}a sequence of real numbers (a list, tuple, numpy array or tensor), got "
+            f"{type(value).__name__} {value!r:.60}"
+        )
+    bad = ~np.isfinite(array) | (array < low) | (array > high) | ((array == low) if low_open else False)
+    if np.any(bad):
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ValueError(f"{what} must hold finite numbers in {bounds}, got {array[bad].reshape(-1)[:4].tolist()}")
+    return array
+
+
+def check_sequence(value: Any, what: str, *, nonempty: bool = True) -> list[Any]:
+    """``value`` (a list or tuple) as a list; ``TypeError`` for anything else (a lone item, a string, a dict,
+    ``None``), ``ValueError`` when empty and ``nonempty``; each names ``what``."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a list or tuple, got {type(value).__name__} {value!r:.60}")
+    if nonempty and not value:
+        raise ValueError(f"{what} is empty: give at least one")
+    return list(value)
+
+
+def check_mapping(value: Any, what: str) -> Mapping[str, Any]:
+    """``value`` if it is a mapping (a ``dict``, a state dict); ``TypeError`` naming ``what`` otherwise."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{what} must be a mapping (a dict), got {type(value).__name__} {value!r:.60}")
+    return value

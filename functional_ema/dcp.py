@@ -126,8 +126,10 @@ class EMAStateful:
     def __init__(
         self, x: Any, state: EmaState | Callable[[], EmaState], *, checkpoint_id: str | os.PathLike | None = None
     ) -> None:
+        from ._args import check_path
         from .engines.deepspeed import is_deepspeed_engine
 
+        where = None if checkpoint_id is None else check_path(checkpoint_id, "checkpoint_id")
         if is_deepspeed_engine(x):
             raise TypeError(
                 "functional_ema.dcp.EMAStateful: a DeepSpeed engine's fp32 partitions are flat slices across parameter "
@@ -152,7 +154,7 @@ class EMAStateful:
                 f"lambda: state), got a {type(state).__module__}.{type(state).__qualname__}"
             )
         self._x = x
-        self._where = "the DCP checkpoint" + ("" if checkpoint_id is None else f" {os.fspath(checkpoint_id)}")
+        self._where = "the DCP checkpoint" + ("" if where is None else f" {where}")
 
     @property
     def state(self) -> EmaState:
@@ -177,6 +179,9 @@ class EMAStateful:
         return {"step": state.step.detach().clone(), "emas": emas, RECORD_KEY: _saved_record(state, emas)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from ._args import check_mapping
+
+        check_mapping(state_dict, "state_dict")
         state = self.state
         state_pieces(state, adapter_for(self._x).read(), 0, "EMAStateful.load_state_dict")  # ranks agree first
         world, rank = _world()
@@ -617,7 +622,11 @@ def consolidate_dcp(
         CorruptCheckpointError: a file is garbage or truncated, the record is malformed, or a checksum fails;
             the message names the file.
     """
-    return _consolidate(Path(checkpoint_dir), key, index, verify)[0]
+    from ._args import check_bool, check_int, check_path, check_str
+
+    root = check_path(checkpoint_dir, "checkpoint_dir")
+    key, index, verify = check_str(key, "key"), check_int(index, "index"), check_bool(verify, "verify")
+    return _consolidate(root, key, index, verify)[0]
 
 
 def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[str, torch.Tensor], int]:
@@ -628,7 +637,9 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
     if type(index) is not int or index < 0:
         raise ValueError(f"consolidate_dcp: index must be an integer >= 0, got {index!r}")
     if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root}: no such folder (a DCP checkpoint is a folder holding .metadata)")
+        raise CheckpointNotFoundError(
+            f"checkpoint_dir {root}: no such folder (a DCP checkpoint is a folder holding .metadata)"
+        )
     if not (root / ".metadata").is_file():
         raise CheckpointNotFoundError(f"{root} is not a DCP checkpoint: it has no .metadata file")
     meta = _read_metadata(root / ".metadata")
@@ -642,7 +653,7 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
     record = _parse_record(_read_record(root, meta, record_fqn), f"{root}")
     if index >= record["num_emas"]:
         raise CheckpointMismatchError(
-            f"{root}: no EMA {index} under key {key!r} (it holds {record['num_emas']} EMAs, "
+            f"{root}: no EMA {index} under key {key!r} (index={index}; it holds {record['num_emas']} EMAs, "
             f"0..{record['num_emas'] - 1})"
         )
     saved = record["emas"][str(index)]

@@ -208,7 +208,7 @@ NOT_ATTACKED: dict[str, str] = {
     },
     **{
         f"integrations.transformers.EMACallback.{m}": HOOK
-        for m in ("on_train_begin", "on_step_end", "on_save", "on_evaluate", "on_train_end")
+        for m in ("on_init_end", "on_train_begin", "on_step_end", "on_save", "on_evaluate", "on_train_end")
     },
 }
 
@@ -621,13 +621,16 @@ CALLS: dict[str, Call] = {
     ),
     "buffers.buffer_file_name": lambda w: (fb.buffer_file_name, dict(rank=0, world_size=1, generation=0)),
     # dcp
-    "dcp.EMAStateful": lambda w: (fdcp.EMAStateful, dict(x=w.model, state=w.state)),
+    "dcp.EMAStateful": lambda w: (fdcp.EMAStateful, dict(x=w.model, state=w.state, checkpoint_id=None)),
     "dcp.EMAStateful.state_dict": lambda w: (fdcp.EMAStateful(w.model, w.state).state_dict, {}),
     "dcp.EMAStateful.load_state_dict": lambda w: (
         fdcp.EMAStateful(w.model, fe.init_ema(fe.local_shards(w.model))).load_state_dict,
         dict(state_dict=fdcp.EMAStateful(w.model, w.state).state_dict()),
     ),
-    "dcp.consolidate_dcp": lambda w: (fdcp.consolidate_dcp, dict(checkpoint_dir=w.root / "dcp", key="ema", index=0)),
+    "dcp.consolidate_dcp": lambda w: (
+        fdcp.consolidate_dcp,
+        dict(checkpoint_dir=w.root / "dcp", key="ema", index=0, verify=True),
+    ),
     # integrations
     "integrations.EMAController": lambda w: (
         EMAController,
@@ -964,10 +967,10 @@ rows("buffers.swapped_buffers", x=MODEL, bstate=R(names=("bstate",)), index=INDE
 rows("buffers.load_buffers", x=MODEL, load_dir=DIR_LOAD, tag=TAG_READ, verify=BOOL)
 rows("buffers.has_buffers", load_dir=DIR_LOAD, tag=TAG_READ)
 rows("buffers.consolidate", checkpoint_dir=DIR_IN, tag=TAG_READ, index=INDEX, verify=BOOL)
-# dcp: owned by dcp/engines branch (functional_ema/dcp.py); the crashes found are listed in OWNED_ELSEWHERE
-rows("dcp.EMAStateful", x=MODEL, state=STATE)
+# dcp
+rows("dcp.EMAStateful", x=MODEL, state=STATE, checkpoint_id=R(NONE_DEFAULT, STR_PATH, names=("checkpoint_id",)))
 rows("dcp.EMAStateful.load_state_dict", state_dict=R(names=("state_dict",)))
-rows("dcp.consolidate_dcp", checkpoint_dir=DIR_IN, key=R(names=("key",)), index=INDEX)
+rows("dcp.consolidate_dcp", checkpoint_dir=DIR_IN, key=R(names=("key",)), index=INDEX, verify=BOOL)
 # integrations
 rows(
     "integrations.EMAController",
@@ -1038,9 +1041,13 @@ rows("integrations.accelerate.AcceleratorEMA.export", path=DIR_OUT, index=R(NONE
 rows("integrations.accelerate.AcceleratorEMA.copy_to_model", index=R(NONE_DEFAULT))
 
 # post-hoc EMA (the profile math takes numbers and numpy arrays; its files take a snapshot folder)
-SIGMA_OR_GAMMA = R(NONE_DEFAULT, REAL, names=("sigma_rel", "gamma"))
+GAMMA_HUGE = {"huge": "a finite exponent > -1/2: the profile of the last steps alone (schedules.power takes it too)"}
+ARRAY_LIKE = {"list": "array-like: broadcasts (numpy)", "tuple": "array-like: broadcasts (numpy)"}
+SIGMA_OR_GAMMA = R(NONE_DEFAULT, REAL, GAMMA_HUGE, names=("sigma_rel", "gamma"))
 PH_STEP = R(NONE_DEFAULT, REAL, names=("step",))
-PH_ERR = R(NONE_DEFAULT, REAL, names=("max_profile_error",))
+PH_ERR = R(
+    NONE_DEFAULT, REAL, huge="a bound on the profile error: a huge one admits any fit", names=("max_profile_error",)
+)
 SEQ = R(names=("snapshot_gammas", "snapshot_steps", "coeffs", "snapshots"))
 SNAP_DIR = R(names=("snapshot_dir", "snapshot directory"))
 PREFIX = R(names=("prefix",))
@@ -1093,9 +1100,19 @@ rows(
     step=PH_STEP,
 )
 rows(
-    "posthoc.power_profile", gamma=R(REAL, names=("gamma",)), step=R(REAL, names=("step",)), tau=R(REAL, names=("tau",))
+    "posthoc.power_profile",
+    gamma=R(REAL, GAMMA_HUGE, names=("gamma",)),
+    step=R(REAL, names=("step",)),
+    tau=R(
+        REAL,
+        ARRAY_LIKE,
+        negative="a time outside (0, step]: the profile is 0 there",
+        huge="a time outside (0, step]: the profile is 0 there",
+        names=("tau",),
+    ),
 )
-rows("posthoc.profile_inner", **{n: R(REAL, names=(n,)) for n in ("gamma_a", "step_a", "gamma_b", "step_b")})
+rows("posthoc.profile_inner", **{n: R(REAL, ARRAY_LIKE, GAMMA_HUGE, names=(n,)) for n in ("gamma_a", "gamma_b")})
+rows("posthoc.profile_inner", **{n: R(REAL, ARRAY_LIKE, names=(n,)) for n in ("step_a", "step_b")})
 rows(
     "posthoc.reconstruct",
     snapshots=SEQ,
@@ -1123,153 +1140,7 @@ rows("posthoc.synthesize", snapshots=SEQ, coeffs=SEQ, dtype=EMA_DTYPE, accumulat
 # Parameters whose silent/crash cases are known and not yet fixed, with who owns the fix. Their cases
 # are counted apart ("open"); an entry whose cases all pass now fails the test (remove it: the table
 # only shrinks).
-OWNED = "# owned by dcp/engines branch"  # functional_ema/dcp.py belongs to another helper
-POSTHOC_MATH = "post-hoc: not fixed yet (numbers and arrays of the profile math go through numpy unchecked)"
-OPEN: dict[tuple[str, str], str] = {
-    ("dcp.EMAStateful", "x"): OWNED,
-    ("dcp.EMAStateful", "state"): OWNED,
-    ("dcp.EMAStateful.load_state_dict", "state_dict"): OWNED,
-    ("dcp.consolidate_dcp", "checkpoint_dir"): OWNED,
-    ("dcp.consolidate_dcp", "key"): OWNED,
-    ("dcp.consolidate_dcp", "index"): OWNED,
-}
-
-
-# The post-hoc parameters still open (numbers and arrays of the profile math go to numpy unchecked; a few
-# file arguments: schedules, snapshot_dir of save_snapshot, prefix, layout). Not fixed yet.
-for _qual, _params in [
-    (
-        "posthoc.expressible_range",
-        (
-            "max_profile_error",
-            "rcond",
-            "snapshot_gammas",
-            "snapshot_steps",
-            "step",
-        ),
-    ),
-    ("posthoc.list_snapshots", ("prefix",)),
-    (
-        "posthoc.plot_profile",
-        (
-            "coeffs",
-            "dpi",
-            "gamma",
-            "num",
-            "snapshot_gammas",
-            "snapshot_steps",
-            "step",
-        ),
-    ),
-    (
-        "posthoc.posthoc_local",
-        (
-            "gamma",
-            "layout",
-            "max_profile_error",
-            "prefix",
-            "step",
-        ),
-    ),
-    (
-        "posthoc.posthoc_offline",
-        (
-            "gamma",
-            "max_profile_error",
-            "prefix",
-            "step",
-        ),
-    ),
-    (
-        "posthoc.posthoc_to_file",
-        (
-            "gamma",
-            "max_profile_error",
-            "prefix",
-            "step",
-        ),
-    ),
-    (
-        "posthoc.power_profile",
-        (
-            "gamma",
-            "step",
-            "tau",
-        ),
-    ),
-    (
-        "posthoc.profile_error",
-        (
-            "coeffs",
-            "gamma",
-            "snapshot_gammas",
-            "snapshot_steps",
-            "step",
-        ),
-    ),
-    (
-        "posthoc.profile_inner",
-        (
-            "gamma_a",
-            "gamma_b",
-            "step_a",
-            "step_b",
-        ),
-    ),
-    (
-        "posthoc.reconstruct",
-        (
-            "dtype",
-            "gamma",
-            "max_profile_error",
-            "snapshots",
-            "step",
-        ),
-    ),
-    (
-        "posthoc.reconstruction_profile",
-        (
-            "coeffs",
-            "gamma",
-            "max_profile_error",
-            "num",
-            "snapshot_gammas",
-            "snapshot_steps",
-            "step",
-        ),
-    ),
-    (
-        "posthoc.save_snapshot",
-        (
-            "schedules",
-            "snapshot_dir",
-        ),
-    ),
-    ("posthoc.snapshot", ("schedules",)),
-    ("posthoc.snapshot_gammas", ("schedules",)),
-    (
-        "posthoc.solve_coefficients",
-        (
-            "gamma",
-            "max_profile_error",
-            "rcond",
-            "snapshot_gammas",
-            "snapshot_steps",
-            "step",
-        ),
-    ),
-    (
-        "posthoc.synthesize",
-        (
-            "accumulate_dtype",
-            "coeffs",
-            "dtype",
-            "snapshots",
-        ),
-    ),
-]:
-    for _param in _params:
-        OPEN[(_qual, _param)] = POSTHOC_MATH
+OPEN: dict[tuple[str, str], str] = {}
 
 
 # ----------------------------------------------------------------------------------------- the tests

@@ -15,7 +15,15 @@ import torch
 
 from .. import _io, checkpoint
 from .._api import shard_layout
-from .._args import check_bool, check_int, check_path, check_state, check_str
+from .._args import (
+    check_bool,
+    check_int,
+    check_optional_int,
+    check_optional_real,
+    check_path,
+    check_state,
+    check_str,
+)
 from .._checkpoint.errors import CheckpointNotFoundError
 from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
 from .._checkpoint.reader import open_checkpoint, open_joined
@@ -81,6 +89,7 @@ def save_snapshot(
         ...     posthoc.save_snapshot(state, engine, "snapshots", scheds)
     """
     check_state(state)
+    check_path(snapshot_dir, "snapshot_dir")
     gammas, step = gammas_and_step(state, schedules)
     return checkpoint.save(
         state, engine, snapshot_dir, snapshot_tag(step) if tag is None else tag, decay=[power(gamma=g) for g in gammas]
@@ -159,7 +168,7 @@ def list_snapshots(
         out.append(SnapshotInfo(tag, int(m["step"]), tuple(gammas), shapes))
     if not out:
         raise ReconstructionError(
-            f"no complete snapshot (tags {prefix}*) in {root}; write them with posthoc.save_snapshot during training"
+            f"no complete snapshot (tags prefix={prefix!r}*) in {root}; write them with posthoc.save_snapshot during training"
         )
     out.sort(key=lambda s: (s.step, s.tag))
     first = out[0]
@@ -185,8 +194,21 @@ class _FilePlan(NamedTuple):
     num_snapshots: int
 
 
-def _check_reading(verify: Any, dtype: Any, buffer_bytes: Any) -> None:
-    """The reading arguments of the post-hoc verbs, checked before any snapshot is opened."""
+def _check_reading(
+    verify: Any,
+    dtype: Any,
+    buffer_bytes: Any,
+    sigma_rel: Any = None,
+    gamma: Any = None,
+    step: Any = None,
+    max_profile_error: Any = None,
+    prefix: Any = SNAPSHOT_PREFIX,
+) -> None:
+    """The arguments of the post-hoc verbs that read snapshot files, checked before any snapshot is opened."""
+    target_gamma(sigma_rel, gamma)
+    check_optional_int(step, "step", minimum=1)
+    check_optional_real(max_profile_error, "max_profile_error", low=0.0)
+    check_str(prefix, "prefix")
     check_bool(verify, "verify")
     check_ema_dtype(dtype)
     check_int(buffer_bytes, "buffer_bytes", minimum=1)
@@ -304,7 +326,7 @@ def posthoc_offline(
         >>> weights = posthoc.posthoc_offline("snapshots", sigma_rel=0.15)   # doctest: +SKIP
         >>> model.load_state_dict(weights, strict=False)                     # doctest: +SKIP
     """
-    _check_reading(verify, dtype, buffer_bytes)
+    _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
     ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
     return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes))
@@ -337,8 +359,14 @@ def posthoc_local(
         ``EmaState(torch.tensor(step), (pieces,))`` for :func:`functional_ema.gather_full` or
         :func:`functional_ema.swapped`.
     """
-    mine = layout if isinstance(layout, ShardLayout) else shard_layout(layout)
-    _check_reading(verify, dtype, buffer_bytes)
+    if isinstance(layout, ShardLayout):
+        mine = layout
+    else:
+        try:
+            mine = shard_layout(layout)
+        except TypeError as e:
+            raise TypeError(f"layout: not a ShardLayout, and {e}") from None
+    _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, mine.part)
     missing = [n for n in mine.specs if n not in plan.shapes]
     bad = [n for n, s in mine.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
@@ -378,7 +406,7 @@ def posthoc_to_file(
 
     Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
     """
-    _check_reading(verify, dtype, buffer_bytes)
+    _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
     out_path = check_path(out_path, "out_path")
     overwrite = check_bool(overwrite, "overwrite")
     plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)

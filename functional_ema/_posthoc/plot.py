@@ -9,6 +9,9 @@ import numpy as np
 
 from .profiles import ProfileComparison, reconstruction_profile
 
+#: Fewer dots per inch leave the labels' fonts no pixel to draw in (FreeType refuses them).
+MIN_DPI = 20
+
 
 def plot_profile(
     snapshot_gammas: Sequence[float],
@@ -31,6 +34,7 @@ def plot_profile(
 
     Args:
         path: where to write the PNG.
+        dpi: resolution of the PNG, ``>= 20``.
         others: as in :func:`reconstruction_profile` (no ``max_profile_error``: a poor fit is drawn,
             not refused).
 
@@ -43,7 +47,7 @@ def plot_profile(
     from .._args import check_int, check_path
 
     out = check_path(path, "path")
-    dpi = check_int(dpi, "dpi", minimum=1)
+    dpi = check_int(dpi, "dpi", minimum=MIN_DPI)
     try:
         import matplotlib
 

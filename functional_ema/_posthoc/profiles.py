@@ -8,11 +8,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._args import check_int, check_optional_real, check_real, check_reals
 from ..schedules import SIGMA_REL_MAX, gamma_to_sigma_rel, sigma_rel_to_gamma
 
 #: Default limit on the relative L2 error of the synthesised averaging profile. With 64 snapshots
 #: of sigma_rel 0.05 and 0.10 it admits sigma_rel ~0.016 to ~0.254 (0.075: 2.3e-4, 0.15: 5.8e-4).
 DEFAULT_MAX_PROFILE_ERROR = 0.02
+
+#: Largest time a profile is read at: training steps are int64 counters.
+MAX_STEP = float(2**63 - 1)
 
 
 class ReconstructionError(ValueError):
@@ -40,8 +44,9 @@ def power_profile(gamma: float, step: float, tau: Any) -> np.ndarray:
         >>> float(power_profile(1.0, 2.0, 1.0))   # 2 * 1 / 2**2
         0.5
     """
-    g, t = float(gamma), float(step)
-    tau = np.asarray(tau, dtype=np.float64)
+    g = check_real(gamma, "gamma", low=-1.0, low_open=True)
+    t = check_real(step, "step", low=0.0, high=MAX_STEP, low_open=True)
+    tau = check_reals(tau, "tau", scalar=True)
     inside = (tau > 0) & (tau <= t)
     ratio = np.where(inside, tau, t) / t
     return np.where(inside, (g + 1.0) / t * ratio**g, 0.0)
@@ -58,7 +63,12 @@ def profile_inner(gamma_a: Any, step_a: Any, gamma_b: Any, step_b: Any) -> np.nd
         >>> float(profile_inner(0.0, 1.0, 0.0, 1.0))   # uniform on (0, 1]
         1.0
     """
-    ga, ta, gb, tb = np.broadcast_arrays(*(np.asarray(v, dtype=np.float64) for v in (gamma_a, step_a, gamma_b, step_b)))
+    ga, ta, gb, tb = np.broadcast_arrays(
+        check_reals(gamma_a, "gamma_a", low=-0.5, low_open=True, scalar=True),
+        check_reals(step_a, "step_a", low=0.0, high=MAX_STEP, low_open=True, scalar=True),
+        check_reals(gamma_b, "gamma_b", low=-0.5, low_open=True, scalar=True),
+        check_reals(step_b, "step_b", low=0.0, high=MAX_STEP, low_open=True, scalar=True),
+    )
     a_first = ta <= tb
     t_max = np.where(a_first, tb, ta)
     t_min = np.where(a_first, ta, tb)
@@ -73,14 +83,13 @@ def target_gamma(sigma_rel: float | None, gamma: float | None) -> float:
     if (sigma_rel is None) == (gamma is None):
         raise ReconstructionError("give exactly one of sigma_rel= or gamma= for the EMA to reconstruct")
     if gamma is not None:
-        g = float(gamma)
-        if not (g > -0.5 and math.isfinite(g)):
+        g = check_real(gamma, "gamma")
+        if not g > -0.5:
             raise ReconstructionError(
                 f"gamma must be a finite number > -1/2 (so that the profile tau**gamma is square-integrable), got {gamma!r}"
             )
         return g
-    assert sigma_rel is not None  # exactly one of the two is given (checked above)
-    s = float(sigma_rel)
+    s = check_real(sigma_rel, "sigma_rel")
     if not 0.0 < s < SIGMA_REL_MAX:
         raise ReconstructionError(
             f"sigma_rel={sigma_rel!r} is outside (0, {SIGMA_REL_MAX:.4f}): sigma_rel 1/sqrt(12) ~ 0.2887 is "
@@ -90,22 +99,22 @@ def target_gamma(sigma_rel: float | None, gamma: float | None) -> float:
 
 
 def _check_snapshots(snapshot_gammas: Any, snapshot_steps: Any) -> tuple[np.ndarray, np.ndarray]:
-    g = np.asarray(snapshot_gammas, dtype=np.float64).reshape(-1)
-    t = np.asarray(snapshot_steps, dtype=np.float64).reshape(-1)
+    g = check_reals(snapshot_gammas, "snapshot_gammas").reshape(-1)
+    t = check_reals(snapshot_steps, "snapshot_steps", high=MAX_STEP).reshape(-1)
     if g.shape != t.shape:
         raise ReconstructionError(
             f"snapshot_gammas has {g.size} entries but snapshot_steps has {t.size}; give one (gamma, step) per snapshot"
         )
     if g.size == 0:
         raise ReconstructionError("no snapshots given: post-hoc EMA needs snapshots at >= 2 different steps")
-    if not np.all(np.isfinite(g)) or np.any(g <= -0.5):
+    if np.any(g <= -0.5):
         raise ReconstructionError(
-            f"snapshot gammas must be finite and > -1/2 (square-integrable profiles), got {sorted(set(g.tolist()))[:8]}"
+            f"snapshot_gammas must be finite and > -1/2 (square-integrable profiles), got {sorted(set(g.tolist()))[:8]}"
         )
-    if not np.all(np.isfinite(t)) or np.any(t <= 0):
-        bad = t[~(np.isfinite(t) & (t > 0))][:4].tolist()
+    if np.any(t <= 0):
+        bad = t[~(t > 0)][:4].tolist()
         raise ReconstructionError(
-            f"snapshot steps must be > 0 (a power EMA has no profile before its first update), got {bad}"
+            f"snapshot_steps must be > 0 (a power EMA has no profile before its first update), got {bad}"
         )
     return g, t
 
@@ -114,7 +123,7 @@ def resolve_step(t: np.ndarray, step: float | None) -> float:
     first, last = float(t.min()), float(t.max())
     if step is None:
         return last
-    s = float(step)
+    s = check_real(step, "step")
     if s > last:
         raise ReconstructionError(
             f"step {step} is after the last snapshot (step {last:g}); the snapshots cover steps "
@@ -181,14 +190,18 @@ def solve_coefficients(
             snapshots' steps. Between two snapshot steps the weights since the previous snapshot
             are unknown and show up as profile error.
         max_profile_error: refuse targets whose synthesised profile has a relative L2 error
-            (:func:`profile_error`) above this; ``None`` disables the check.
-        rcond: cut-off for small singular values of ``A`` (``numpy.linalg.lstsq``; default machine
-            precision times the number of snapshots).
+            (:func:`profile_error`) above this (a number ``>= 0``); ``None`` disables the check.
+        rcond: cut-off for small singular values of ``A``, relative to the largest, in ``[0, 1]``
+            (``numpy.linalg.lstsq``; default machine precision times the number of snapshots).
 
     Returns:
         float64 array of ``len(snapshot_steps)`` coefficients.
 
     Raises:
+        TypeError: an argument that is not a number (a bool, a string, ``None`` where one is needed) or
+            a sequence of snapshot gammas/steps that is not a list, tuple, array or tensor of numbers.
+        ValueError: a NaN or infinite number, or one out of its range (``rcond`` outside ``[0, 1]``,
+            ``max_profile_error < 0``, a step past int64); the message names the argument.
         ReconstructionError: mismatched lengths, no or too few snapshots (< 2 different steps up
             to ``step``), ``step`` outside the snapshots, ``sigma_rel`` outside ``(0, 0.2887)``, or
             a target the snapshots cannot express within ``max_profile_error``.
@@ -203,6 +216,8 @@ def solve_coefficients(
     g, t = _check_snapshots(snapshot_gammas, snapshot_steps)
     target = target_gamma(sigma_rel, gamma)
     s = resolve_step(t, step)
+    max_profile_error = check_optional_real(max_profile_error, "max_profile_error", low=0.0)
+    rcond = check_optional_real(rcond, "rcond", low=0.0, high=1.0)
     used = _used(t, s)
     x_used, errs = _fit(g[used], t[used], np.array([target]), s, rcond)
     err = float(errs[0])
@@ -244,16 +259,22 @@ def profile_error(
     clamped at 0 before the square root.
     """
     g, t = _check_snapshots(snapshot_gammas, snapshot_steps)
-    x = np.asarray(coeffs, dtype=np.float64).reshape(-1)
-    if x.shape != g.shape:
-        raise ReconstructionError(f"got {x.size} coefficients for {g.size} snapshots")
+    x = _check_coeffs(coeffs, g.size)
     target = target_gamma(sigma_rel, gamma)
-    s = float(step)
+    s = check_real(step, "step", low=0.0, high=MAX_STEP, low_open=True)
     tn = t / s
     A = profile_inner(g[:, None], tn[:, None], g[None, :], tn[None, :])
     b = profile_inner(g, tn, target, 1.0)
     pp = float(profile_inner(target, 1.0, target, 1.0))
     return math.sqrt(max(float(x @ A @ x - 2.0 * x @ b + pp), 0.0) / pp)
+
+
+def _check_coeffs(coeffs: Any, num_snapshots: int) -> np.ndarray:
+    """``coeffs`` as a float64 vector of one finite number per snapshot."""
+    x = check_reals(coeffs, "coeffs").reshape(-1)
+    if x.size != num_snapshots:
+        raise ReconstructionError(f"coeffs: got {x.size} coefficients for {num_snapshots} snapshots")
+    return x
 
 
 def _range(
@@ -285,6 +306,8 @@ def expressible_range(
     """
     g, t = _check_snapshots(snapshot_gammas, snapshot_steps)
     s = resolve_step(t, step)
+    max_profile_error = check_real(max_profile_error, "max_profile_error", low=0.0)
+    rcond = check_optional_real(rcond, "rcond", low=0.0, high=1.0)
     used = _used(t, s)
     return _range(g[used], t[used], s, max_profile_error, rcond)
 
@@ -338,12 +361,12 @@ def reconstruction_profile(
     g, t = _check_snapshots(snapshot_gammas, snapshot_steps)
     target = target_gamma(sigma_rel, gamma)
     s = resolve_step(t, step)
+    num = check_int(num, "num", minimum=1)
+    max_profile_error = check_optional_real(max_profile_error, "max_profile_error", low=0.0)
     if coeffs is None:
         x = solve_coefficients(g, t, gamma=target, step=s, max_profile_error=max_profile_error)
     else:
-        x = np.asarray(coeffs, dtype=np.float64).reshape(-1)
-        if x.shape != g.shape:
-            raise ReconstructionError(f"got {x.size} coefficients for {g.size} snapshots")
+        x = _check_coeffs(coeffs, g.size)
     tau = s * (np.arange(num, dtype=np.float64) + 0.5) / num
     synth = np.zeros_like(tau)
     for xi, gi, ti in zip(x, g, t):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -9,6 +10,8 @@ import numpy as np
 import optree
 import torch
 
+from .._args import check_optional_int, check_real, check_reals, check_sequence
+from .._core import check_ema_dtype
 from .._state import EmaState, wait_pending
 from .._tree import TreeMismatchError, check_same_tree, flatten_named
 from ..schedules import Schedule, sigma_rel_to_gamma
@@ -41,9 +44,12 @@ def synthesize(
         >>> synthesize([{"w": torch.ones(2)}, {"w": torch.full((2,), 3.0)}], [0.5, 0.5])
         {'w': tensor([2., 2.])}
     """
-    x = [float(c) for c in np.asarray(coeffs, dtype=np.float64).reshape(-1)]
+    snapshots = check_sequence(snapshots, "snapshots", nonempty=False)
+    x = [float(c) for c in check_reals(coeffs, "coeffs").reshape(-1)]
+    dtype = check_ema_dtype(dtype)
+    accumulate_dtype = check_ema_dtype(accumulate_dtype, "accumulate_dtype")
     if len(x) != len(snapshots):
-        raise ReconstructionError(f"got {len(x)} coefficients for {len(snapshots)} snapshots")
+        raise ReconstructionError(f"coeffs: got {len(x)} coefficients for {len(snapshots)} snapshots")
     if not snapshots:
         raise ReconstructionError("no snapshots to synthesise from")
     names0, leaves0, spec0 = flatten_named(snapshots[0], "snapshots[0]")
@@ -90,14 +96,18 @@ def snapshot_gammas(schedules: Sequence[Schedule | float]) -> tuple[float, ...]:
     """Exponents of power EMAs given as :func:`functional_ema.schedules.power` schedules or as
     ``sigma_rel`` floats (a float is always read as a ``sigma_rel``)."""
     out = []
-    for s in schedules:
-        if isinstance(s, (int, float)) and not isinstance(s, bool):
-            out.append(sigma_rel_to_gamma(float(s)))
-        elif isinstance(gamma := getattr(s, "gamma", None), (int, float)):
-            out.append(float(gamma))
+    for i, s in enumerate(check_sequence(schedules, "schedules")):
+        if isinstance(s, numbers.Real) and not isinstance(s, bool):
+            try:
+                out.append(sigma_rel_to_gamma(check_real(s, f"schedules[{i}]")))
+            except ValueError as e:
+                raise ValueError(f"schedules[{i}]: {e}") from None
+        elif isinstance(getattr(s, "gamma", None), (int, float)):
+            out.append(float(s.gamma))
         else:
             raise TypeError(
-                f"post-hoc EMA needs power EMAs (schedules.power(sigma_rel=...)) or sigma_rel floats, got {s!r}"
+                f"schedules[{i}]: post-hoc EMA needs power EMAs (schedules.power(sigma_rel=...)) or sigma_rel floats, "
+                f"got {s!r:.80}"
             )
     return tuple(out)
 
@@ -173,6 +183,14 @@ def reconstruct(
     Example:
         >>> ema = reconstruct(snaps, sigma_rel=0.15)   # doctest: +SKIP
     """
+    snapshots = check_sequence(snapshots, "snapshots", nonempty=False)
+    for i, snap in enumerate(snapshots):
+        if not isinstance(snap, Snapshot):
+            raise TypeError(
+                f"snapshots[{i}] must be a posthoc.Snapshot (from posthoc.snapshot), got {type(snap).__name__} {snap!r:.60}"
+            )
+    step = check_optional_int(step, "step", minimum=1)
+    dtype = check_ema_dtype(dtype)
     gammas, steps, trees = [], [], []
     for snap in snapshots:
         if len(snap.gammas) != len(snap.emas):
