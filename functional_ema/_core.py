@@ -449,7 +449,7 @@ def wait_update(state: EmaState) -> EmaState:
             is set back to the step before it).
     """
     if type(state) is not EmaState:
-        raise TypeError(f"wait_update() takes an EmaState (from init_ema or load), got {type(state).__name__}")
+        raise TypeError(f"wait_update(): state must be an EmaState (from init_ema or load), got {type(state).__name__}")
     wait_pending(state)
     return state
 

@@ -394,8 +394,17 @@ CALLS: dict[str, Call] = {
     ),
     "update": lambda w: (
         fe.update,
-        dict(state=w.state, shards=fe.local_shards(w.model), step=7, decay=0.9, inplace=False, nonfinite=None),
+        dict(
+            state=w.state,
+            shards=fe.local_shards(w.model),
+            step=7,
+            decay=0.9,
+            inplace=False,
+            nonfinite=None,
+            blocking=True,
+        ),
     ),
+    "wait_update": lambda w: (fe.wait_update, dict(state=w.state)),
     "update_info": lambda w: (fe.update_info, dict(state=w.state, shards=fe.local_shards(w.model))),
     "ema_nbytes": lambda w: (fe.ema_nbytes, dict(state=w.state)),
     "local_shards": lambda w: (fe.local_shards, dict(x=w.model)),
@@ -864,7 +873,9 @@ rows(
     decay=DECAY,
     inplace=BOOL,
     nonfinite=R(NONE_DEFAULT),
+    blocking=BOOL,
 )
+rows("wait_update", state=STATE)
 rows("update_info", state=STATE, shards=R(names=("shards",)))
 rows("ema_nbytes", state=STATE)
 rows("local_shards", x=MODEL)
