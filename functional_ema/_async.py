@@ -223,7 +223,9 @@ class AsyncSaver:
         collective.check_distinct_writers(
             "AsyncSaver.save", tag_dir, writer.save_files(layout, 0, writes_buffers, writes), world, timeout
         )
-        box: dict[str, Any] = {}
+        # Set by plan() (a cell each, as ``lock``): the EMA snapshot and the host copy of the buffers.
+        snapshot: list[tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]] = []
+        copied: list[BufferState] = []
         lock: list[writer.TagLock] = []
 
         def plan() -> dict[str, Any]:
@@ -233,13 +235,15 @@ class AsyncSaver:
                 lock.append(writer.TagLock.acquire(tag_dir, collective.timeout_s(timeout), "AsyncSaver.save"))
                 p["generation"] = writer.read_generation(tag_dir)
             if writes:
-                box["snapshot"] = self._snapshot(state, fmt.parse_dtype(p["dtype"], "save"))
+                snapshot.append(self._snapshot(state, fmt.parse_dtype(p["dtype"], "save")))
             if writes_buffers and buffers is not None:  # small whole tensors: copied as they are
                 with torch.no_grad():
-                    box["buffers"] = type(buffers)(
-                        buffers.step.clone(),
-                        tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
-                        {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
+                    copied.append(
+                        type(buffers)(
+                            buffers.step.clone(),
+                            tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
+                            {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
+                        )
                     )
             p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
             return p
@@ -253,8 +257,8 @@ class AsyncSaver:
                 "async save (checking the state)", plan, group, world, rank, on_failure=give_up
             )
         except BaseException:
-            if "snapshot" in box:  # nothing started: keep the buffer for the next call
-                self._free.append(box["snapshot"][1])
+            if snapshot:  # nothing started: keep the buffer for the next call
+                self._free.append(snapshot[0][1])
             give_up()
             raise
 
@@ -273,12 +277,12 @@ class AsyncSaver:
                 results=False,
             )
         except BaseException:
-            if "snapshot" in box:
-                self._free.append(box["snapshot"][1])
+            if snapshot:
+                self._free.append(snapshot[0][1])
             give_up()
             raise
         handle = SaveHandle(tag_dir, first["step"])
-        emas, buffer, ready = box.get("snapshot", (None, None, None))
+        emas, buffer, ready = snapshot[0] if snapshot else (None, None, None)
         handle._buffer = buffer
         # Ranks whose record rank 0 waits for: all of them, except where only rank 0 writes (a whole,
         # replicated model without buffers). HSDP replicas other than 0 report a record without files.
@@ -295,7 +299,7 @@ class AsyncSaver:
             writes=writes,
             emas=emas,
             ready=ready,
-            buffers=box.get("buffers"),
+            buffers=copied[0] if copied else None,
             lock=lock[0] if lock else None,
             dtype=fmt.parse_dtype(first["dtype"], "save"),
             timeout=self.commit_timeout,
