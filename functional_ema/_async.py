@@ -38,11 +38,12 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -51,8 +52,9 @@ from ._args import check_bool, check_int, check_path, check_real
 from ._checkpoint import collective, writer
 from ._checkpoint import format as fmt
 from ._checkpoint.errors import CheckpointError
+from ._layout import ShardLayout
 from ._shards import Shards
-from ._state import EmaState
+from ._state import BufferState, EmaState
 from .engines import adapter_for
 from .schedules import DecayLike
 
@@ -184,13 +186,13 @@ class AsyncSaver:
     def save(
         self,
         state: EmaState,
-        engine,
+        engine: Any,
         save_dir: str | os.PathLike,
         tag: str | None = None,
         *,
         decay: DecayLike | Sequence[DecayLike] | None = None,
-        buffers=None,
-        extra: dict | None = None,
+        buffers: BufferState | None = None,
+        extra: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> SaveHandle:
         """Snapshot this rank's EMA and write the checkpoint in the background. Collective.
@@ -221,23 +223,27 @@ class AsyncSaver:
         collective.check_distinct_writers(
             "AsyncSaver.save", tag_dir, writer.save_files(layout, 0, writes_buffers, writes), world, timeout
         )
-        box: dict[str, Any] = {}
+        # Set by plan() (a cell each, as ``lock``): the EMA snapshot and the host copy of the buffers.
+        snapshot: list[tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]] = []
+        copied: list[BufferState] = []
         lock: list[writer.TagLock] = []
 
-        def plan():
+        def plan() -> dict[str, Any]:
             self._settle(tag_dir)  # raises a previous failure; inside agree_plans, so on every rank
             p = writer.plan_save(state, decay, layout, tag, buffers, extra)
             if rank == 0:  # the committing rank holds the tag until its background commit is done
                 lock.append(writer.TagLock.acquire(tag_dir, collective.timeout_s(timeout), "AsyncSaver.save"))
                 p["generation"] = writer.read_generation(tag_dir)
             if writes:
-                box["snapshot"] = self._snapshot(state, fmt.parse_dtype(p["dtype"], "save"))
-            if writes_buffers:  # small whole tensors: copied as they are
+                snapshot.append(self._snapshot(state, fmt.parse_dtype(p["dtype"], "save")))
+            if writes_buffers and buffers is not None:  # small whole tensors: copied as they are
                 with torch.no_grad():
-                    box["buffers"] = type(buffers)(
-                        buffers.step.clone(),
-                        tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
-                        {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
+                    copied.append(
+                        type(buffers)(
+                            buffers.step.clone(),
+                            tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
+                            {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
+                        )
                     )
             p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
             return p
@@ -251,8 +257,8 @@ class AsyncSaver:
                 "async save (checking the state)", plan, group, world, rank, on_failure=give_up
             )
         except BaseException:
-            if "snapshot" in box:  # nothing started: keep the buffer for the next call
-                self._free.append(box["snapshot"][1])
+            if snapshot:  # nothing started: keep the buffer for the next call
+                self._free.append(snapshot[0][1])
             give_up()
             raise
 
@@ -271,12 +277,12 @@ class AsyncSaver:
                 results=False,
             )
         except BaseException:
-            if "snapshot" in box:
-                self._free.append(box["snapshot"][1])
+            if snapshot:
+                self._free.append(snapshot[0][1])
             give_up()
             raise
         handle = SaveHandle(tag_dir, first["step"])
-        emas, buffer, ready = box.get("snapshot", (None, None, None))
+        emas, buffer, ready = snapshot[0] if snapshot else (None, None, None)
         handle._buffer = buffer
         # Ranks whose record rank 0 waits for: all of them, except where only rank 0 writes (a whole,
         # replicated model without buffers). HSDP replicas other than 0 report a record without files.
@@ -293,7 +299,7 @@ class AsyncSaver:
             writes=writes,
             emas=emas,
             ready=ready,
-            buffers=box.get("buffers"),
+            buffers=copied[0] if copied else None,
             lock=lock[0] if lock else None,
             dtype=fmt.parse_dtype(first["dtype"], "save"),
             timeout=self.commit_timeout,
@@ -365,17 +371,23 @@ class AsyncSaver:
                 ) from h._error
         self._reap()
 
-    def _snapshot(self, state: EmaState, dtype: torch.dtype):
+    def _snapshot(
+        self, state: EmaState, dtype: torch.dtype
+    ) -> tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]:
         """Copy every EMA tensor into one host buffer; return the EMAs as views of it, the buffer
         and a CUDA event marking the end of the copies (None on CPU).
 
         The EMAs of ``init_ema(local_shards(x))`` are ``Shards``: their segments are copied as they
         are (one ``copy_`` per segment, the layout they already carry); other trees one tensor at a
         time."""
-        if all(isinstance(e, Shards) for e in state.emas):
-            sources = [seg.detach() for e in state.emas for seg in e.segments]
+        # EmaState.emas is annotated as dicts, but holds a Shards each for ``init_ema(local_shards(x))``.
+        trees: Sequence[Mapping[str, torch.Tensor]] = state.emas
+        shards = [e for e in trees if isinstance(e, Shards)]
+        as_shards = len(shards) == len(trees)
+        if as_shards:
+            sources = [seg.detach() for e in shards for seg in e.segments]
         else:
-            sources = [t.detach() for e in state.emas for t in e.values()]
+            sources = [t.detach() for e in trees for t in e.values()]
         total = sum(t.numel() for t in sources)
         on_gpu = any(t.device.type == "cuda" for t in sources)
         pinned = on_gpu and self.pin_memory
@@ -387,7 +399,8 @@ class AsyncSaver:
         else:
             self._free.clear()  # another layout: the old buffers will not fit again
             buffer = _memory.empty(total, dtype=dtype, pin_memory=pinned)
-        copies, pos = [], 0
+        copies: list[torch.Tensor] = []
+        pos = 0
         with torch.no_grad():
             for src in sources:
                 n = src.numel()
@@ -395,21 +408,38 @@ class AsyncSaver:
                 dst.copy_(src, non_blocking=pinned)
                 copies.append(dst)
                 pos += n
-        ready = None
+        ready: torch.cuda.Event | None = None
         if on_gpu:
             ready = torch.cuda.Event()
             ready.record()  # the copies are queued on the current stream; the writer waits for this
         it = iter(copies)
-        if all(isinstance(e, Shards) for e in state.emas):
-            emas = [Shards([next(it) for _ in e.segments], e.index) for e in state.emas]
+        emas: list[Mapping[str, torch.Tensor]]
+        if as_shards:
+            emas = [Shards([next(it) for _ in e.segments], e.index) for e in shards]
         else:
-            emas = [{n: next(it) for n in ema} for ema in state.emas]
+            emas = [{n: next(it) for n in ema} for ema in trees]
         return emas, buffer, ready
 
 
+@dataclass(frozen=True)
 class _Job:
-    def __init__(self, **kw) -> None:
-        self.__dict__.update(kw)
+    """What the background part of one rank's save needs: plain data, fixed at the call."""
+
+    save_dir: Path
+    tag_dir: Path
+    layout: ShardLayout
+    rank: int  # in the ranks that save together
+    first: dict[str, Any]  # rank 0's plan (agreed)
+    mine: dict[str, Any]  # this rank's plan
+    token: str  # this save's id (rank 0's), in marker names and the manifest
+    writers: list[int]  # ranks whose record rank 0 waits for
+    writes: bool  # this rank writes EMA pieces
+    emas: list[Mapping[str, torch.Tensor]] | None  # the snapshot (None: no EMA file on this rank)
+    ready: torch.cuda.Event | None  # end of the snapshot's device-to-host copies (None on CPU)
+    buffers: BufferState | None  # host copy of the buffers (None: no buffer file on this rank)
+    lock: writer.TagLock | None  # rank 0's hold on the tag, released once the commit is done
+    dtype: torch.dtype
+    timeout: float  # commit_timeout
 
 
 def _run(job: _Job, handle: SaveHandle) -> None:
@@ -420,10 +450,12 @@ def _run(job: _Job, handle: SaveHandle) -> None:
     try:
         if job.ready is not None:
             job.ready.synchronize()
-        record: dict = {"part": writer.part_record(job.layout, job.mine)}
+        record: dict[str, Any] = {"part": writer.part_record(job.layout, job.mine)}
         if job.emas is not None:
             meta = writer.rank_file_meta(job.mine, job.layout, job.first["generation"])
-            record["file"] = writer.write_rank_file(job.tag_dir / names[0], job.layout, job.emas, job.dtype, meta)
+            # write_rank_file only indexes ``ema[name]``; its ``dict`` annotation is narrower than the Shards it gets.
+            emas = cast("list[dict[str, torch.Tensor]]", job.emas)
+            record["file"] = writer.write_rank_file(job.tag_dir / names[0], job.layout, emas, job.dtype, meta)
         if job.buffers is not None:
             meta = writer.buffer_file_meta(job.mine, job.layout, job.first["generation"])
             record["buffers"] = writer.write_buffer_file(
@@ -431,10 +463,10 @@ def _run(job: _Job, handle: SaveHandle) -> None:
             )
         deadline = time.monotonic() + job.timeout
         if rank == 0:
-            records = {0: record}
+            records: dict[int, dict[str, Any]] = {0: record}
             others = [r for r in job.writers if r != 0]
 
-            def collect():
+            def collect() -> bool | None:
                 found = set(os.listdir(job.tag_dir))
                 _raise_remote_error(job, found)
                 for r in others:
@@ -449,9 +481,9 @@ def _run(job: _Job, handle: SaveHandle) -> None:
         else:
             if rank in job.writers:
                 _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "done"), json.dumps(record).encode())
-            seen: list[Any] = [None]
+            seen: list[tuple[int, int] | None] = [None]  # the manifest's (mtime, size) at the last parse
 
-            def committed():
+            def committed() -> bool | None:
                 mpath = job.tag_dir / fmt.MANIFEST_NAME
                 try:
                     st = mpath.stat()
@@ -511,7 +543,7 @@ def _raise_remote_error(job: _Job, names: set[str]) -> None:
             )
 
 
-def _poll(check, deadline: float, job: _Job, what: str) -> None:
+def _poll(check: Callable[[], bool | None], deadline: float, job: _Job, what: str) -> None:
     delay = 0.001
     while check() is None:
         if time.monotonic() > deadline:
