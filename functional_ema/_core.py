@@ -155,8 +155,8 @@ def init_ema(
     num_emas = check_num_emas(num_emas)
     dtype = check_ema_dtype(dtype)
     pin_memory = check_bool(pin_memory, "pin_memory")
-    device = check_device(device, "device")
-    if device is not None and device.type == "meta":
+    checked = check_device(device, "device")
+    if checked is not None and checked.type == "meta":
         raise ValueError(
             f"device={device!r}: an EMA on the meta device holds no values; pass a real device (or None for "
             "each shard's own)"
