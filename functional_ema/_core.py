@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, cast
 
 import optree
 import torch
@@ -155,7 +155,8 @@ def init_ema(
     num_emas = check_num_emas(num_emas)
     dtype = check_ema_dtype(dtype)
     pin_memory = check_bool(pin_memory, "pin_memory")
-    if device is not None and check_device(device, "device").type == "meta":
+    checked = check_device(device, "device")
+    if checked is not None and checked.type == "meta":
         raise ValueError(
             f"device={device!r}: an EMA on the meta device holds no values; pass a real device (or None for "
             "each shard's own)"
@@ -169,7 +170,16 @@ def init_ema(
     return _allocate(shards, num_emas, dtype, device, pin_memory, step, copy_values=True)
 
 
-def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values: bool) -> EmaState:
+def _allocate(
+    shards: Any,
+    num_emas: int,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    pin_memory: bool,
+    step: Any,
+    *,
+    copy_values: bool,
+) -> EmaState:
     """The state's tensors laid out like ``shards``; filled with their values when ``copy_values``,
     else uninitialised (for :func:`functional_ema.load`, which overwrites every value)."""
     step = check_step(step, "step")
@@ -178,8 +188,8 @@ def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values:
     if isinstance(shards, Shards):
         for j in range(len(shards.segments)):
             _check_segment(shards, j)
-        emas = tuple(shards.mirror(dtype, device, pin_memory, fill=copy_values) for _ in range(num_emas))
-        return EmaState(torch.tensor(step, dtype=torch.int64), emas)
+        mirrors = tuple(shards.mirror(dtype, device, pin_memory, fill=copy_values) for _ in range(num_emas))
+        return EmaState(torch.tensor(step, dtype=torch.int64), _as_emas(mirrors))
     names, leaves, spec = flatten_named(shards)
     _check_floating(names, leaves, "shards")
     for name, leaf in zip(names, leaves):
@@ -193,8 +203,14 @@ def _allocate(shards, num_emas, dtype, device, pin_memory, step, *, copy_values:
         return out.copy_(leaf.detach()) if copy_values else out
 
     with torch.no_grad():
-        emas = tuple(optree.tree_unflatten(spec, [alloc(t) for t in leaves]) for _ in range(num_emas))
-    return EmaState(torch.tensor(step, dtype=torch.int64), emas)
+        trees = tuple(optree.tree_unflatten(spec, [alloc(t) for t in leaves]) for _ in range(num_emas))
+    return EmaState(torch.tensor(step, dtype=torch.int64), _as_emas(trees))
+
+
+def _as_emas(trees: tuple[Any, ...]) -> tuple[dict[str, torch.Tensor], ...]:
+    """``trees`` typed as :attr:`EmaState.emas`: that field is annotated as dicts, and holds read-only
+    :class:`Shards` (a ``Mapping`` of the same names) or trees of the shards' own type just as well."""
+    return cast("tuple[dict[str, torch.Tensor], ...]", trees)
 
 
 def _refuse_meta_shard(name: str) -> None:
@@ -216,8 +232,11 @@ def ema_nbytes(state: EmaState) -> int:
 
     check_state(state)
     total = 0
-    for ema in state.emas:
-        tensors = ema.segments if isinstance(ema, Shards) else optree.tree_leaves(ema, none_is_leaf=False)
+    emas: tuple[Any, ...] = state.emas  # Shards or trees of the shards' own type (see EmaState)
+    for ema in emas:
+        tensors: Sequence[torch.Tensor] = (
+            ema.segments if isinstance(ema, Shards) else optree.tree_leaves(ema, none_is_leaf=False)
+        )
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 
@@ -371,7 +390,9 @@ def update(
     return state
 
 
-def _checked_plan(state: EmaState, shards: Any, step: int, last: int, decay) -> tuple[Plan, list[float]]:
+def _checked_plan(
+    state: EmaState, shards: Any, step: int, last: int, decay: DecayLike | Sequence[DecayLike]
+) -> tuple[Plan, list[float]]:
     """The lerps of an update from ``last`` to ``step``, and each EMA's weight; every argument checked."""
     if step > _MAX_STEP:
         raise ValueError(f"update(step={step}) does not fit the state's int64 step counter (at most 2**63 - 1)")
@@ -381,7 +402,13 @@ def _checked_plan(state: EmaState, shards: Any, step: int, last: int, decay) -> 
 
 
 def _check_together(
-    state: EmaState, shards: Shards, step: int, last: int, decay, mode: str, group: Any
+    state: EmaState,
+    shards: Shards,
+    step: int,
+    last: int,
+    decay: DecayLike | Sequence[DecayLike],
+    mode: Literal["skip", "raise"] | None,
+    group: Any,
 ) -> tuple[Plan | None, list[float], bool]:
     """:func:`update`'s checks and its non-finite test on this rank, then one all-reduce of four int64 over
     ``group`` (the shards' training group, on the gloo side group under NCCL): the lowest rank that saw a
@@ -395,7 +422,10 @@ def _check_together(
     from ._checkpoint import collective  # the group's plumbing (timeouts, gloo side group); no engine
     from ._errors import StateMismatchError
 
-    plan, weights, saw, error = None, [], False, None
+    plan: Plan | None = None
+    weights: list[float] = []
+    saw = False
+    error: Exception | None = None
     try:
         if step < last:
             raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
@@ -415,7 +445,7 @@ def _check_together(
     code = lambda flag: world - rank if flag else 0  # noqa: E731 - the max names the lowest rank
     bad, broke, high, neg_low = collective.all_reduce_max([code(saw), code(failed), last, -last], group)
     if broke:
-        if failed:
+        if failed and error is not None:  # failed implies an error; the test narrows it for the type checker
             raise error
         raise StateMismatchError(
             f"update(nonfinite={mode!r}): the update failed on rank {world - broke} of {world} (see its error); "
@@ -460,7 +490,9 @@ def _weight(d: Any, last: int, step: int) -> float:
     return 1.0 - interval_decay(d, last, step)
 
 
-def _decays_for(state: EmaState, decay) -> list:
+def _decays_for(state: EmaState, decay: Any) -> list[Any]:
+    """One decay per EMA, as passed (``update``'s ``decay``, unchecked until here): the count is checked here,
+    each value by :func:`_weight` (``interval_decay``)."""
     k = state.num_emas
     if isinstance(decay, (list, tuple)):
         if len(decay) != k:
@@ -498,13 +530,14 @@ def update_info(state: EmaState, shards: Any) -> UpdateInfo:
     from ._args import check_state
 
     check_state(state)
-    e0 = state.emas[0] if state.emas else None
+    emas: tuple[Mapping[str, torch.Tensor], ...] = state.emas  # Shards or trees (see EmaState)
+    e0 = emas[0] if emas else None
     reused = type(e0) is Shards and e0._memo is not None and e0._memo[0] is shards
-    plan = _plan_for(state.emas, shards)
+    plan = _plan_for(emas, shards)
     fused = (
         type(shards) is Shards
         and type(e0) is Shards
-        and all(type(e) is Shards and e.index == shards.index for e in state.emas)
+        and all(type(e) is Shards and e.index == shards.index for e in emas)
     )
     return UpdateInfo(fused, plan.spans, plan.staged_spans, reused)
 
@@ -561,7 +594,8 @@ def _segment_name(shards: Shards, j: int) -> str:
     return next((n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j), f"<segment {j}>")
 
 
-def _check_device(e: torch.Tensor, s: torch.Tensor, name, k: int) -> None:
+def _check_device(e: torch.Tensor, s: torch.Tensor, name: Callable[..., str], k: int) -> None:
+    """``name()`` gives the tensor's name, built only when it is refused (the callers' lambdas bind it by default arg)."""
     if e.is_meta:
         raise ValueError(
             f"state.emas[{k}][{name()!r}] is on the meta device and holds no values (shards[{name()!r}] is on "
@@ -618,7 +652,7 @@ def _KIND(t: torch.Tensor) -> tuple:
     return (t.device, t.dtype)
 
 
-def _all_finite(ema0: Any, shards: Any, mode: str) -> bool:
+def _all_finite(ema0: Any, shards: Any, mode: str | None) -> bool:
     """Whether every weight is finite; ``mode="raise"`` raises naming the first that is not."""
     if mode not in ("skip", "raise"):
         raise ValueError(f'nonfinite must be None, "skip" or "raise", got {mode!r}')

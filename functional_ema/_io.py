@@ -28,16 +28,19 @@ import struct
 import sys
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import IO, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import xxhash
 
 from . import _memory
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 __all__ = [
     "CHUNK_BYTES",
@@ -63,7 +66,7 @@ __all__ = [
 CHUNK_BYTES = 4 << 20  # checksum granularity; a multiple of every dtype's size
 _READ_BYTES = 1 << 20  # read (and hash) granularity: a piece stays in a core's L2 cache until hashed
 # Checksum algorithms by the name recorded in manifests: each maps a buffer to an int.
-CHECKSUMS = {"xxh3_64": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}
+CHECKSUMS: dict[str, Callable[[memoryview | bytes], int]] = {"xxh3_64": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}
 CHECKSUM = "xxh3_64"  # what new files use; "crc32" is for reading checkpoint format 1
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 _TMP_MARK = ".tmp-"
@@ -179,7 +182,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data  # the array's own buffer, as memoryview(array)
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -243,7 +246,7 @@ def _chunks(buf: memoryview, chunk_bytes: int) -> list[memoryview]:
     return [buf[i : i + chunk_bytes] for i in range(0, len(buf), chunk_bytes)]
 
 
-def checksum_fn(algo: str):
+def checksum_fn(algo: str) -> Callable[[memoryview | bytes], int]:
     """The function computing checksum ``algo`` ("xxh3_64" or "crc32") of a buffer, as an int."""
     try:
         return CHECKSUMS[algo]
@@ -538,7 +541,7 @@ class SafetensorsFile:
                 "it was modified after it was written"
             )
         self._fh: IO[bytes] | None = None
-        self._st = None
+        self._st: safe_open | None = None
         self._lock = threading.Lock()  # read_into and read_range may be called from several threads
 
     def header_checksum(self, algo: str = CHECKSUM) -> int:
@@ -560,7 +563,7 @@ class SafetensorsFile:
                 self._fh = open(self.path, "rb", buffering=0)  # noqa: SIM115 - kept for later reads; close() closes it
             return self._fh
 
-    def _safe_open(self):
+    def _safe_open(self) -> safe_open:
         with self._lock:
             if self._st is None:
                 from safetensors import safe_open
@@ -577,7 +580,7 @@ class SafetensorsFile:
     def __enter__(self) -> SafetensorsFile:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def read_into(
@@ -637,7 +640,7 @@ class SafetensorsFile:
                     got += n
                 if hasher is not None:
                     hasher.update(piece)
-            if hasher is not None and hasher.value() != want[i]:
+            if hasher is not None and want is not None and hasher.value() != want[i]:
                 raise _mismatch(self.path, key, skip + lo, len(chunk), hasher.value(), want[i], context, algo)
         if not direct:
             dst.copy_(host)
@@ -689,7 +692,7 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
     return len(data)
 
 
-def _bad_entry_field(info) -> str | None:
+def _bad_entry_field(info: Any) -> str | None:
     """The first invalid field of a safetensors header entry (None if valid): a known dtype, a shape
     of ints >= 0, two byte offsets (ints >= 0). Checked before any size is computed from them."""
     if not isinstance(info, dict):
@@ -707,7 +710,9 @@ def _bad_entry_field(info) -> str | None:
     return None
 
 
-def _expected(path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str) -> list[int]:
+def _expected(
+    path: str | os.PathLike[str], key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str
+) -> list[int]:
     n = -(-len(buf) // CHUNK_BYTES)
     want = list(crcs[first_chunk : first_chunk + n])
     if len(want) != n:
@@ -718,7 +723,9 @@ def _expected(path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[
     return want
 
 
-def _mismatch(path, key: str, lo: int, n: int, got: int, want: int, context: str, algo: str) -> ChecksumError:
+def _mismatch(
+    path: str | os.PathLike[str], key: str, lo: int, n: int, got: int, want: int, context: str, algo: str
+) -> ChecksumError:
     return ChecksumError(
         f"{path}: checksum mismatch in tensor {key!r}, bytes {lo}..{lo + n} of the tensor: {algo} "
         f"{format_checksum(algo, got)}, recorded {format_checksum(algo, want)}. The file is corrupted: restore it from "
@@ -727,7 +734,13 @@ def _mismatch(path, key: str, lo: int, n: int, got: int, want: int, context: str
 
 
 def _verify_now(
-    path, key: str, buf: memoryview, first_chunk: int, crcs: Sequence[int], context: str = "", algo: str = CHECKSUM
+    path: str | os.PathLike[str],
+    key: str,
+    buf: memoryview,
+    first_chunk: int,
+    crcs: Sequence[int],
+    context: str = "",
+    algo: str = CHECKSUM,
 ) -> None:
     want = _expected(path, key, buf, first_chunk, crcs, context)
     fn = checksum_fn(algo)

@@ -61,6 +61,10 @@ __all__ = [
     "fill_all",
 ]
 
+#: A save's module buffers as read back: ``(num_emas, emas, copied)``; ``emas[k]`` maps a floating buffer's
+#: name to EMA ``k`` of it, ``copied`` each non-floating buffer's name to its value.
+BufferTensors = tuple[int, tuple[dict[str, torch.Tensor], ...], dict[str, torch.Tensor]]
+
 
 class RankFile:
     def __init__(
@@ -461,7 +465,7 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- buffers
@@ -471,7 +475,7 @@ class CheckpointReader:
         """Whether the save carried module buffers (format 3: ``buffers`` / ``buffer_files`` in the manifest)."""
         return self.part_manifest.get("buffer_files") is not None
 
-    def read_buffers(self, rank: int, world_size: int, verify: bool = True):
+    def read_buffers(self, rank: int, world_size: int, verify: bool = True) -> BufferTensors:
         """This rank's buffers: ``(num_emas, emas, copied)`` read from its own buffer file when the save had
         ``world_size`` ranks, else from rank 0's (buffers are whole tensors; at another world size the
         first rank's stand for all, as DeepSpeed restores module state). Every field of the file is
@@ -703,7 +707,7 @@ def fill_all(
     """
     threads = _io.io_threads() if threads is None else threads
 
-    def run(job) -> None:
+    def run(job: tuple[torch.Tensor, int, str, int, int]) -> None:
         with torch.no_grad():
             ckpt.fill(*job, verify)
 
@@ -737,7 +741,7 @@ def fill_all(
 
 
 def open_checkpoint(
-    load_dir,
+    load_dir: str | os.PathLike[str],
     tag: str | None = None,
     verify: bool = True,
     layout: ShardLayout | None = None,
@@ -766,7 +770,9 @@ def open_checkpoint(
     root, tag, tag_dir, manifest = locate_checkpoint(load_dir, tag)  # one reading of the manifest, the tag as resolved
     entry = next((p for p in manifest_parts(manifest) if p["part"] == layout.part), None)
     if entry is None:  # another model-parallel layout: join the saved parts, then cut this rank's part out of them
-        return RecutReader(open_joined(root, tag, verify), layout)
+        # A RecutReader is not a CheckpointReader: it duck-types what load reads (tag, dtype, check_experts,
+        # check_model, check_index, fill, read_buffers, close); typing it honestly needs load's callers typed alike.
+        return RecutReader(open_joined(root, tag, verify), layout)  # type: ignore[return-value]  # see above
     own = (layout.rank, layout.world_size, layout.stage)
     ckpt = CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, own)
     if not ckpt.partial or ckpt.holds(layout.specs):
@@ -775,13 +781,13 @@ def open_checkpoint(
     return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None)
 
 
-def locate_checkpoint(load_dir, tag: str | None = None) -> tuple[Path, str, Path, dict]:
+def locate_checkpoint(load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, str, Path, dict]:
     """(root, tag, tag folder, validated manifest) of a saved checkpoint, following ``latest`` /
     ``ema_latest`` for ``tag=None``; every file the manifest lists must exist. Reads no rank file."""
     return CheckpointReader._locate(load_dir, tag)
 
 
-def open_parts(load_dir, tag: str | None = None, verify: bool = True) -> list[CheckpointReader]:
+def open_parts(load_dir: str | os.PathLike[str], tag: str | None = None, verify: bool = True) -> list[CheckpointReader]:
     """Every model-parallel part of a saved checkpoint, opened (one reader for a whole model); close each."""
     return CheckpointReader.open_parts(load_dir, tag, verify)
 
@@ -897,17 +903,20 @@ class JoinedReader:
                             "Leave it out of tp_dims (the recorded split is used), or give the recorded one"
                         )
 
-    def _dims(self, stage: list[CheckpointReader], names: list[str], given) -> dict[str, int | None]:
+    def _dims(
+        self, stage: list[CheckpointReader], names: list[str], given: dict[str, int | None] | None
+    ) -> dict[str, int | None]:
         recorded = [r.tp_dims for r in stage]
         known = all(d is not None for d in recorded) and all(d == recorded[0] for d in recorded)
+        first: dict[str, int | None] = recorded[0] or {}  # recorded[0] itself whenever known
         if given is not None:
-            missing = [n for n in names if n not in given and not (known and n in recorded[0])]
+            missing = [n for n in names if n not in given and not (known and n in first)]
             if missing:
                 raise CheckpointMismatchError(
                     f"tp_dims= does not say how {short_list(missing, 4)} join; give a dimension "
                     "(or None for a parameter replicated across tensor-parallel ranks) for each"
                 )
-            return {n: (given[n] if n in given else recorded[0][n]) for n in names}
+            return {n: (given[n] if n in given else first[n]) for n in names}
         if not known:
             raise CheckpointMismatchError(
                 f"tag {self.tag!r} was saved with tensor parallelism ({len(stage)} ranks), and how its slices join is "
@@ -915,7 +924,7 @@ class JoinedReader:
                 "'tensor_model_parallel'/'partition_dim'). Pass tp_dims={name: dim or None, ...}, or tp_rank=r for one "
                 "rank's slices (the CLI writes one file per tensor-parallel rank then)"
             )
-        return recorded[0]
+        return first
 
     def fill(self, dst: torch.Tensor, k: int, name: str, start: int, numel: int, verify: bool) -> None:
         """Write the full EMA ``k`` of ``name`` into the flat ``dst`` (``start`` 0, ``numel`` all of it, as
@@ -940,9 +949,11 @@ class JoinedReader:
     def check_index(self, index: int) -> None:
         self.readers[0].check_index(index)
 
-    def read_buffers(self, verify: bool = True):
+    def read_buffers(self, verify: bool = True) -> BufferTensors:
         """Rank 0's buffers of every pipeline stage (of tensor-parallel rank 0), merged: ``(num_emas, emas, copied)``."""
-        num, emas, copied = None, None, {}
+        num = 0
+        emas: tuple[dict[str, torch.Tensor], ...] | None = None
+        copied: dict[str, torch.Tensor] = {}
         for r in sorted(self.readers, key=lambda r: (r.part.pp, r.part.tp)):
             if r.part.tp != 0:
                 continue
@@ -954,6 +965,10 @@ class JoinedReader:
                     emas[k].setdefault(name, t)
             for name, t in c.items():
                 copied.setdefault(name, t)
+        if emas is None:  # a validated manifest always has tensor-parallel rank 0
+            raise CorruptCheckpointError(
+                f"{self.tag_dir / MANIFEST_NAME}: no part of tensor-parallel rank 0 holds buffers; the manifest is damaged"
+            )
         return num, emas, copied
 
     def close(self) -> None:
@@ -963,12 +978,16 @@ class JoinedReader:
     def __enter__(self) -> JoinedReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 def open_joined(
-    load_dir, tag: str | None = None, verify: bool = True, tp_dims: dict | None = None, tp_rank: int | None = None
+    load_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    verify: bool = True,
+    tp_dims: Mapping[str, int | None] | None = None,
+    tp_rank: int | None = None,
 ) -> JoinedReader:
     """Every part of a saved checkpoint, joined into full parameters (see :class:`JoinedReader`).
     The arguments are checked before any file is opened."""
@@ -1050,7 +1069,7 @@ class RecutReader:
     def has_buffers(self) -> bool:
         return all(r.has_buffers for r in self.joined.readers)
 
-    def read_buffers(self, rank: int, world_size: int, verify: bool = True):
+    def read_buffers(self, rank: int, world_size: int, verify: bool = True) -> BufferTensors:
         return self.joined.read_buffers(verify)
 
     def close(self) -> None:
@@ -1059,5 +1078,5 @@ class RecutReader:
     def __enter__(self) -> RecutReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
