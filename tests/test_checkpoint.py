@@ -863,7 +863,7 @@ def _rewrite_as_bf16(path: Path, manifest_path: Path) -> None:
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - a safe_open handle has keys() but is not iterable
     st = _io.SafetensorsFile(path)
     order = sorted(st.tensors, key=lambda k: st.tensors[k].start)
     tmp = path.with_name("rewritten.safetensors")
