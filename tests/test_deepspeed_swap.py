@@ -6,7 +6,15 @@ import copy
 
 import torch
 
-from functional_ema._testing.multirank import OddNet, batch, full_fp32_reference, make_engine, run_ranks, train_step
+from functional_ema._testing.multirank import (
+    OddNet,
+    batch,
+    change_inside_swapped,
+    full_fp32_reference,
+    make_engine,
+    run_ranks,
+    train_step,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -95,7 +103,6 @@ def _changed_inside(engine, state, x, live_before) -> dict:
     """A block that re-types the module (``.to(float16)``), loads with ``assign=True`` or sets a new parameter,
     normally and raising: the trained weights come back bitwise (fp32 masters, the module's parameter objects,
     dtype and values, the forward), and the change is named by ``SwappedParametersChangedError`` (or a note)."""
-    import functional_ema as fe
 
     module = engine.module
     masters = full_fp32_reference(engine)
@@ -115,17 +122,7 @@ def _changed_inside(engine, state, x, live_before) -> dict:
     out = {}
     for kind, change in (("retype", retype), ("assign", assign), ("new", new_parameter)):
         for raising in (False, True):
-            caught = None
-            try:
-                with torch.no_grad(), fe.swapped(engine, state):
-                    engine(x)
-                    change()
-                    if raising:
-                        raise KeyError("boom")
-            except fe.SwappedParametersChangedError as e:
-                caught = ["changed", str(e)]
-            except KeyError as e:
-                caught = ["raised", " ".join(getattr(e, "__notes__", []))]
+            caught = change_inside_swapped(engine, state, lambda: engine(x), change, raising)
             now = dict(module.named_parameters())
             after = _module_values(engine)
             with torch.no_grad():

@@ -22,6 +22,7 @@ from functional_ema._testing.multirank import (
     ROOT,
     CollectiveSpy,
     OddNet,
+    change_inside_swapped,
     full_tensor_of,
     make_engine,
     run_ranks,
@@ -242,17 +243,7 @@ def _owned_and_changed():
             model.reshard()
             objects = dict(model.named_parameters())
             before = {n: t.clone() for n, t in fe.local_shards(model).items()}
-            caught_as = None
-            try:
-                with torch.no_grad(), fe.swapped(model, state):
-                    model(x)
-                    change()
-                    if raising:
-                        raise KeyError("boom")
-            except fe.SwappedParametersChangedError as e:
-                caught_as = ["changed", str(e)]
-            except KeyError as e:
-                caught_as = ["raised", " ".join(getattr(e, "__notes__", []))]
+            caught_as = change_inside_swapped(model, state, lambda: model(x), change, raising)
             now = dict(model.named_parameters())
             shards = fe.local_shards(model)
             with torch.no_grad():

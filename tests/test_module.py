@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import functional_ema as fe
-from functional_ema._testing.multirank import ROOT, count_collectives, run_ranks
+from functional_ema._testing.multirank import ROOT, change_inside_swapped, count_collectives, run_ranks
 
 DECAYS = (0.9, fe.schedules.power(gamma=3.0))
 
@@ -247,17 +247,7 @@ def _changed_inside(model, state) -> dict:
     out = {}
     for kind, change in (("retype", retype), ("assign", assign), ("new", new_parameter)):
         for raising in (False, True):
-            caught = None
-            try:
-                with torch.no_grad(), fe.swapped(model, state):
-                    model(x)
-                    change()
-                    if raising:
-                        raise KeyError("boom")
-            except fe.SwappedParametersChangedError as e:
-                caught = ["changed", str(e)]
-            except KeyError as e:
-                caught = ["raised", " ".join(getattr(e, "__notes__", []))]
+            caught = change_inside_swapped(model, state, lambda: model(x), change, raising)
             now = {**dict(inner.named_parameters()), **dict(inner.named_buffers())}
             with torch.no_grad():
                 forward = model(x)

@@ -677,6 +677,30 @@ def pipeline_engine(stages: int = 2, seed: int = 0) -> Any:
     return engine
 
 
+def change_inside_swapped(
+    x: Any, state: Any, forward: Callable[[], Any], change: Callable[[], None], raising: bool
+) -> list[str] | None:
+    """Run ``forward()`` then ``change()`` (a block that re-types, re-assigns or replaces parameters) inside
+    ``fe.swapped(x, state)`` under ``torch.no_grad()``, raising ``KeyError`` at the end when ``raising``.
+
+    Returns ``["changed", message]`` for the ``SwappedParametersChangedError`` the exit raises,
+    ``["raised", notes]`` for the block's own ``KeyError`` (with the notes ``swapped`` added), or ``None``.
+    """
+    import functional_ema as fe
+
+    try:
+        with torch.no_grad(), fe.swapped(x, state):
+            forward()
+            change()
+            if raising:
+                raise KeyError("boom")
+    except fe.SwappedParametersChangedError as e:
+        return ["changed", str(e)]
+    except KeyError as e:
+        return ["raised", " ".join(getattr(e, "__notes__", []))]
+    return None
+
+
 def optimized_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in model.named_parameters() if p.requires_grad and n != "not_optimized"]
 
