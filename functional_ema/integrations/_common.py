@@ -42,7 +42,7 @@ import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
 from functional_ema._args import check_bool, check_int, check_optional_int, check_path, check_str
-from functional_ema._checkpoint.collective import agree, io_error, job_of, timeout_s
+from functional_ema._checkpoint.collective import agree, agree_on, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (
     MANIFEST_NAME,
     RECORD_NAME,
@@ -266,9 +266,21 @@ class EMAController:
         framework_step = check_int(framework_step, "framework_step")
         expected = expected_ema_step(framework_step, self.start_step, self.every_n_steps)
         have = None if self.state is None else int(self.state.step)
+        # The ranks agree on what they save first (one small all-reduce): the check below, alone, would refuse on
+        # the ranks whose EMA is elsewhere while the others wait in the save's collectives.
+        job = job_of(fe.engines.adapter_for(x).read())
+        rules = f"start_step={self.start_step}, every_n_steps={self.every_n_steps}"
+        agree_on(
+            "EMA save",
+            lambda: {"step": have, "framework_step": framework_step, "rules": rules},
+            ("step", "framework_step", "rules"),
+            job.group,
+            job.world,
+            job.rank,
+            fix="Every rank must save the same EMA at the same framework step",
+        )
         if expected != have:
-            # What load() would refuse: refused now, before anything is written.
-            rules = f"start_step={self.start_step}, every_n_steps={self.every_n_steps}"
+            # What load() would refuse: refused now, on every rank alike, before anything is written.
             want = "not started" if expected is None else f"at step {expected}"
             now = "not started" if have is None else f"at step {have}"
             raise ValueError(
