@@ -898,10 +898,9 @@ def tp_mesh(shape: tuple[int, ...]) -> DeviceMesh:
 
 
 def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The names of ``mesh``'s dimensions (``tp_mesh`` names them; the TP helpers find the ``"tp"`` one by name)."""
-    if mesh.mesh_dim_names is None:
-        raise ValueError(f"the device mesh {mesh} has no mesh_dim_names: make it with tp_mesh (or name its dimensions)")
-    return mesh.mesh_dim_names
+    """The names of ``mesh``'s dimensions (``tp_mesh`` names them; the TP helpers find the ``"tp"`` one by name);
+    ``""`` for each dimension of an unnamed mesh (a plain data-parallel mesh has no ``"tp"`` dimension)."""
+    return mesh.mesh_dim_names or ("",) * mesh.ndim
 
 
 def tp_model(seed: int, mesh: DeviceMesh, tp: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
