@@ -64,6 +64,12 @@ def worker(rank: int, port: int, work: str) -> None:
     if rank == 0:
         torch.save(gathered, Path(work) / "gathered.pt")
     dist.destroy_process_group()
+    # gloo's native threads can abort the interpreter's teardown ("terminate called without an active
+    # exception", torch issue 179291); everything is written and flushed, so leave without it, as the
+    # examples do.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:
