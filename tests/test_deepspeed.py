@@ -10,6 +10,7 @@ import torch
 from functional_ema._testing.multirank import (
     OddNet,
     count_collectives,
+    forward_weights,
     full_fp32_reference,
     make_engine,
     run_ranks,
@@ -153,8 +154,6 @@ def _copy_to_model_checks(engine, state, ema_full):
     """The integrations' end-of-training copy (``EMAController.copy_to_model``), last in a config
     since it overwrites the weights: DeepSpeed's fp32 masters become the EMA bitwise, and the
     weights the forward uses become the EMA cast to their dtype (gathered under ZeRO-3)."""
-    import deepspeed
-
     from functional_ema.integrations._common import EMAController
 
     controller = EMAController(0.7)
@@ -164,13 +163,8 @@ def _copy_to_model_checks(engine, state, ema_full):
     masters_ok = sorted(masters) == sorted(ema_full) and all(
         torch.equal(masters[n], ema_full[n].cpu()) for n in masters
     )
-    params = dict(engine.module.named_parameters())
-    live = [params[n] for n in masters]
-    with deepspeed.zero.GatheredParameters(live, enabled=engine.zero_optimization_stage() == 3):
-        forward_ok = all(
-            torch.equal(params[n].detach().cpu(), ema_full[n].cpu().to(params[n].dtype).view(params[n].shape))
-            for n in masters
-        )
+    live = forward_weights(engine, list(masters))
+    forward_ok = all(torch.equal(live[n], ema_full[n].cpu().to(live[n].dtype).view(live[n].shape)) for n in masters)
     return masters_ok, forward_ok
 
 

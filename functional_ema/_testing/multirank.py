@@ -798,6 +798,24 @@ def full_fp32_reference(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def forward_weights(engine: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """The full weights the forward uses (ZeRO-3: gathered from the partitions), cloned to CPU.
+
+    One ``GatheredParameters`` per parameter: DeepSpeed 0.17.6 gathers a list of parameters
+    with one gloo all-gather each but waits only for the last one (``_allgather_params_coalesced``),
+    so on CPU the other parameters can be read before their data arrives. A single parameter takes
+    the blocking path. (Fixed in later DeepSpeed, which waits for every handle.)
+    """
+    import deepspeed
+
+    params = dict(engine.module.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        with deepspeed.zero.GatheredParameters([params[n]], enabled=engine.zero_optimization_stage() == 3):
+            out[n] = params[n].detach().cpu().clone()
+    return out
+
+
 # ------------------------------------------------------------------ helpers shared by test modules
 # (one place, so that no test file imports another's privates)
 
