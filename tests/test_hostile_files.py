@@ -107,30 +107,19 @@ class _Run:
 
 
 def _build_plain(root: Path, online: Path | None) -> dict:
-    from functional_ema._testing.multirank import BNSeq, checkpoint_decays
+    from functional_ema._testing.multirank import BNSeq
 
     torch.manual_seed(0)
     model = BNSeq()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = _Run(fe.init_ema(fe.local_shards(model), num_emas=2), fe.buffers.init_buffers(model, num_emas=2))
 
-    def advance() -> None:
-        run.step += 1
-        g = torch.Generator().manual_seed(run.step)  # the same batch on every rank: a replicated plain module
+    def train(step: int) -> None:
+        g = torch.Generator().manual_seed(step)  # the same batch on every rank: a replicated plain module
         model(torch.randn(8, 7, generator=g)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        run.state = fe.update(run.state, fe.local_shards(model), run.step, decay=checkpoint_decays())
-        run.bstate = fe.buffers.update_buffers(run.bstate, model, run.step, decay=checkpoint_decays())
 
-    advance()
-    return _save_twice(
-        root,
-        lambda d: fe.save(run.state, model, d, TAG, decay=checkpoint_decays(), buffers=run.bstate),
-        advance,
-        model,
-        online,
-    )
+    return _build_engine(root, model, train, online, buffers=True)
 
 
 def _build_engine(

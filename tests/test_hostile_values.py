@@ -374,6 +374,22 @@ class _Accelerator:
         return contextlib.nullcontext()
 
 
+def _posthoc_args(w: World, **more: Any) -> dict[str, Any]:
+    """Valid arguments of the post-hoc verbs that read snapshot files (``more``: a verb's own)."""
+    return dict(
+        snapshot_dir=w.root / "snaps",
+        **more,
+        sigma_rel=None,
+        gamma=7.0,
+        step=None,
+        max_profile_error=None,
+        dtype=torch.float32,
+        verify=True,
+        prefix="snapshot_",
+        buffer_bytes=1 << 20,
+    )
+
+
 def _acc_ema(w: World):
     ema = _accelerate(accelerator=_Accelerator(), model=w.model, decay=0.9)
     ema.ema.on_step(w.model, 1)
@@ -495,50 +511,11 @@ CALLS: dict[str, Call] = {
         dict(snapshot_dir=w.root / "snaps", prefix="snapshot_", part=None),
     ),
     "posthoc.plot_profile": None,  # filled below (needs matplotlib)
-    "posthoc.posthoc_local": lambda w: (
-        ph.posthoc_local,
-        dict(
-            snapshot_dir=w.root / "snaps",
-            layout=fe.shard_layout(w.model),
-            sigma_rel=None,
-            gamma=7.0,
-            step=None,
-            max_profile_error=None,
-            dtype=torch.float32,
-            verify=True,
-            prefix="snapshot_",
-            buffer_bytes=1 << 20,
-        ),
-    ),
-    "posthoc.posthoc_offline": lambda w: (
-        ph.posthoc_offline,
-        dict(
-            snapshot_dir=w.root / "snaps",
-            sigma_rel=None,
-            gamma=7.0,
-            step=None,
-            max_profile_error=None,
-            dtype=torch.float32,
-            verify=True,
-            prefix="snapshot_",
-            buffer_bytes=1 << 20,
-        ),
-    ),
+    "posthoc.posthoc_local": lambda w: (ph.posthoc_local, _posthoc_args(w, layout=fe.shard_layout(w.model))),
+    "posthoc.posthoc_offline": lambda w: (ph.posthoc_offline, _posthoc_args(w)),
     "posthoc.posthoc_to_file": lambda w: (
         ph.posthoc_to_file,
-        dict(
-            snapshot_dir=w.root / "snaps",
-            out_path=w.root / "out" / "p.safetensors",
-            sigma_rel=None,
-            gamma=7.0,
-            step=None,
-            max_profile_error=None,
-            dtype=torch.float32,
-            verify=True,
-            prefix="snapshot_",
-            buffer_bytes=1 << 20,
-            overwrite=True,
-        ),
+        _posthoc_args(w, out_path=w.root / "out" / "p.safetensors", overwrite=True),
     ),
     "posthoc.power_profile": lambda w: (ph.power_profile, dict(gamma=5.0, step=6.0, tau=np.arange(7.0))),
     "posthoc.profile_error": lambda w: (
