@@ -72,7 +72,7 @@ def _to_format1(tag_dir: Path) -> None:
     for e in m["files"]:
         st = _io.SafetensorsFile(tag_dir / e["file"])
         data = memoryview((tag_dir / e["file"]).read_bytes())
-        e.pop("header_checksum"), e.pop("tensor_checksums")
+        e.pop("header_checksum"), e.pop("chunk_checksums")
         e["header_crc32"] = st.header_checksum("crc32")
         e["tensor_crc32"] = {
             k: _io.chunk_crcs(data[st.header_size + t.start : st.header_size + t.end]) for k, t in st.tensors.items()

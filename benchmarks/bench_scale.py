@@ -135,34 +135,22 @@ def rank_layout(layout: str, n: int, rank: int):
 def step_save(layout: str, n: int, d: Path) -> dict:
     import torch
 
-    from functional_ema import EmaState
-    from functional_ema._checkpoint import writer
-    from functional_ema._checkpoint.format import parse_dtype
+    from functional_ema._testing.files import write_simulated
 
+    def pieces(lay) -> tuple:  # tiny values that differ per rank and parameter
+        return (
+            {
+                name: torch.full((s.numel,), float(lay.rank % 7) + i * 1e-3)
+                for i, (name, s) in enumerate(lay.specs.items())
+            },
+        )
+
+    # A real rank holds only its own record until rank 0 gathers them; here they pile up in one process,
+    # and the cyclic GC's full passes over the pile made the loop quadratic (22 s against 43 s at
+    # N = 256): each rank's record is taken out of the collector's reach (gc.freeze).
+    layouts = (rank_layout(layout, n, rank) for rank in range(n))
+    write_simulated(d, "t", layouts, pieces, after_rank=gc.freeze)
     tag_dir = d / "t"
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    records, first = [], None
-    for rank in range(n):
-        lay = rank_layout(layout, n, rank)
-        # This rank's pieces: tiny values that differ per rank and parameter.
-        emas = (
-            {name: torch.full((s.numel,), float(rank % 7) + i * 1e-3) for i, (name, s) in enumerate(lay.specs.items())},
-        )
-        state = EmaState(torch.tensor(10, dtype=torch.int64), emas)
-        plan = writer.plan_save(state, 0.999, lay, "t")
-        first = first or plan
-        rec = {"part": writer.part_record(lay, plan)}
-        name = writer.save_files(lay, 0, False, True)[0]
-        rec["file"] = writer.write_rank_file(
-            tag_dir / name, lay, emas, parse_dtype(plan["dtype"], "save"), writer.rank_file_meta(plan, lay, 0)
-        )
-        records.append(rec)
-        # A real rank holds only its own record until rank 0 gathers them; here they pile up in one
-        # process, and the cyclic GC's full passes over the pile made the loop quadratic (22 s
-        # against 43 s at N = 256): take each record out of the collector's reach.
-        gc.freeze()
-    manifest = writer.build_manifest(first, records)
-    writer.commit_manifest(d, tag_dir, manifest)
     files = [f for f in os.listdir(tag_dir) if f.endswith(".safetensors")]
     return {
         "files": len(files),

@@ -359,7 +359,7 @@ def test_async_save_equals_state_at_call(world2):
             if rank == 0:
                 assert r["consolidated"] == [], where
                 m = r["manifest"]
-                assert m["format_version"] == 3 and m["checksum"] == "xxh3_64" and len(m["save_id"]) == 16, m
+                assert m["format_version"] == 5 and m["checksum"] == "xxh3_64" and len(m["save_id"]) == 16, m
                 assert m["schedules"][0] == {"kind": "constant", "decay": 0.8}
 
 
@@ -422,7 +422,7 @@ def test_format1_checkpoint_loads_and_resaves(world2):
             r = rep[f"v1_s{stage}"]
             assert r["loaded"] == [] and r["step"] == 3, (rank, stage, r["loaded"][:5])
             if rank == 0:
-                assert r["resaved"] == [] and r["resaved_version"] == 3, r  # format 3: a whole model
+                assert r["resaved"] == [] and r["resaved_version"] == 5, r  # every save writes format 5
 
 
 def test_sigkill_during_background_write_keeps_previous(world1):

@@ -500,11 +500,11 @@ def test_files_beside_deepspeeds(world2_first, ckroot):
             with safe_open(str(d / entry["file"]), framework="pt") as f:
                 meta = f.metadata()
                 assert (meta["format_version"], meta["step"], meta["num_emas"], meta["world_size"]) == (
-                    "3",
+                    "5",
                     str(K),
                     "2",
                     "2",
-                )  # format 3: a whole (not model-parallel) model
+                )  # format 5 (a whole model was written as format 3 before it)
                 assert (meta["rank"], meta["zero_stage"]) == (str(entry["rank"]), str(stage))
                 layout = ShardLayout.from_json_dict(json.loads(meta["layout"]))
                 assert json.loads(meta["schedules"]) == m["schedules"]
@@ -860,6 +860,7 @@ def _rewrite_as_bf16(path: Path, manifest_path: Path) -> None:
     from safetensors import safe_open
 
     from functional_ema import _io
+    from functional_ema._checkpoint.format import join_chunk_checksums
 
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
@@ -879,7 +880,7 @@ def _rewrite_as_bf16(path: Path, manifest_path: Path) -> None:
             e.update(
                 bytes=size,
                 header_checksum=hexa(w.header_checksum),
-                tensor_checksums={k: [hexa(v) for v in vs] for k, vs in w.crcs.items()},
+                chunk_checksums=join_chunk_checksums(w.algo, w.crcs),
             )
     manifest_path.write_text(json.dumps(m))
 

@@ -826,14 +826,16 @@ def test_manifest_fields_cross_checked(faults, tmp_path, capsys):
         _count("5 manifest fields")
     # A changed tensor checksum: caught when the bytes are read.
     mpath.write_text(good)
-    key = next(iter(m0["files"][0]["tensor_checksums"]))
+    st0 = _io.SafetensorsFile(tdir / m0["files"][0]["file"])
+    key = min(st0.tensors, key=lambda k: st0.tensors[k].start)  # the first 16 digits: its first chunk's checksum
+    st0.close()
     _edit_manifest(
         tdir,
-        lambda m: m["files"][0]["tensor_checksums"][key].__setitem__(
-            0, _flip_hex(m["files"][0]["tensor_checksums"][key][0])
+        lambda m: m["files"][0].__setitem__(
+            "chunk_checksums", _flip_hex(m["files"][0]["chunk_checksums"][:16]) + m["files"][0]["chunk_checksums"][16:]
         ),
     )
-    _expect(ck.CorruptCheckpointError, ["checksum", key], lambda: fe.consolidate(d), d)
+    _expect(ck.CorruptCheckpointError, ["checksum", key], lambda: fe.consolidate(d, index=int(key.split(".")[1])), d)
     mpath.write_text(good)
     _count("5 manifest fields")
 
@@ -883,6 +885,12 @@ def test_malformed_manifests_refused_before_use(faults, tmp_path, no_big_alloc):
         "files": [{}, [], ["x"], "x", [None], [{"rank": 0}]],
         "schedules": ["x", [1, 2], [{}], {}],
         "format_version": [True, "1", 0, 1.0],
+        # The piece index (which rank holds which elements): type-confused, not covering, a rank without a file.
+        "piece_index": ["x", [], {}]
+        + [
+            {**m0["piece_index"], name0: bad}
+            for bad in (0, -1, 2.5, True, None, "1", [0, 0], [0, 0, 0], [len(m0["files"]), 0, 1], [[0], 0, 1])
+        ],
     }
     for field, values in bad_values.items():
         for v in values:
@@ -894,7 +902,7 @@ def test_malformed_manifests_refused_before_use(faults, tmp_path, no_big_alloc):
         "bytes": ["12", -1, None, 1.5],
         "header_checksum": [2**33, -1, "x", "1" * 17],
         "rank": [-1, 2, "0", None],
-        "tensor_checksums": [[], "x", {"k": "x"}, {"k": [2**40]}],
+        "chunk_checksums": [[], None, 5, {"k": "x"}, "x" * 16, "0" * 15, "0" * 16, "0" * 160000],
     }
     for key, values in file_values.items():
         for v in values:
@@ -997,6 +1005,16 @@ def test_forged_headers_refused_before_allocation(faults, tmp_path, no_big_alloc
     for r in (0, 1):
         _forge_header(d / TAG, r, _layout_edit(lambda lay: lay["specs"][name].__setitem__(0, [2**20, 2**20])))
     _edit_manifest(d / TAG, lambda m: m["params"].__setitem__(name, [2**20, 2**20]))
+    # The manifest's piece index no longer covers the parameter: refused when the manifest is read.
+    _expect(
+        ck.CorruptCheckpointError,
+        [str(d / TAG / ck.MANIFEST_NAME), f"piece_index['{name}']"],
+        lambda: fe.consolidate(d),
+        d,
+    )
+    _count("6 forged headers")
+    # Without the index (as an older manifest): the pieces read from the headers cover too little.
+    _edit_manifest(d / TAG, lambda m: m.pop("piece_index"))
     _expect(
         ck.IncompleteCheckpointError,
         [str(d / TAG / ck.MANIFEST_NAME), name, "cover only"],

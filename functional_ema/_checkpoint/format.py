@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import struct
 import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,7 @@ from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._state import BufferState, EmaState
 from .._tree import short_list as _tree_short_list
 from .._version import __version__
+from . import index
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -34,6 +36,10 @@ from .errors import (
     OutputPathError,
 )
 
+# 5: a rank file's chunk checksums are one hex string (``chunk_checksums``: every tensor's chunks in the
+#    file's order, fixed width) instead of a list per tensor name (a fifth of the bytes: a manifest of
+#    4096 ZeRO-3 ranks would pass 256 MB), and each part may carry a ``piece_index`` (see
+#    :mod:`.index`). Every save writes format 5; older formats are still read.
 # 4: a model split by tensor or pipeline parallelism: the manifest lists its ``parts`` (one per
 #    tensor-parallel rank and pipeline stage, each with its own world_size, zero_stage, params, files,
 #    buffers), and file names carry the part (``ema_tp000of002_pp001of002_rank_...``). A whole model
@@ -41,8 +47,9 @@ from .errors import (
 # 3: the manifest may list buffer files (``buffer_files``, ``buffers``) and carry a JSON object ``extra``
 #    (mirrored in every rank file's header); a checkpoint is complete only with every listed file.
 # 2: xxh3_64 checksums as hex strings (header_checksum / tensor_checksums); 1: CRC-32 integers. Both still read.
-FORMAT_VERSION = 4
-WHOLE_FORMAT_VERSION = 3  # what a save of a whole (not model-parallel) model writes
+FORMAT_VERSION = 5
+WHOLE_FORMAT_VERSION = FORMAT_VERSION  # a save of a whole model wrote format 3 before format 5
+COMPACT_CHECKSUMS_VERSION = 5  # from this format on, rank-file records hold ``chunk_checksums``
 MANIFEST_NAME = "ema_manifest.json"
 FILE_FORMAT = "functional_ema.ema_shards"
 BUFFERS_FORMAT = "functional_ema.buffers"
@@ -287,6 +294,37 @@ def library_version() -> str:
     return __version__
 
 
+def uses_compact_checksums(manifest: dict, key: str = "files") -> bool:
+    """Whether the records of ``manifest``'s ``key`` (``files``: rank files) hold ``chunk_checksums``."""
+    return key == "files" and _is_int(manifest.get("format_version"), COMPACT_CHECKSUMS_VERSION)
+
+
+def join_chunk_checksums(algo: str, crcs: dict[str, list[int]]) -> str:
+    """A rank file's ``chunk_checksums``: every tensor's chunk checksums (``crcs``, in file order) as one
+    fixed-width hex string."""
+    return "".join(_io.format_checksum(algo, v) for sums in crcs.values() for v in sums)
+
+
+def split_chunk_checksums(
+    mpath: Path, field: str, text: str, algo: str, tensors: dict[str, _io.TensorEntry], where: str
+) -> dict[str, list[int]]:
+    """``chunk_checksums`` (validated hex, see :func:`check_tensor_checksums`) cut into each tensor's chunk
+    checksums, in the order of the tensors' bytes in the file (whose header the caller has verified)."""
+    width = 8 if algo == "crc32" else 16
+    order = sorted(tensors, key=lambda k: tensors[k].start)
+    counts = [-(-(tensors[k].end - tensors[k].start) // _io.CHUNK_BYTES) for k in order]
+    if len(text) != width * sum(counts):
+        raise CorruptCheckpointError(
+            f"{mpath}: field '{field}.chunk_checksums' holds {len(text) // width} checksums, but {where} has "
+            f"{sum(counts)} chunks of {_io.CHUNK_BYTES} bytes: the manifest is damaged or belongs to another save"
+        )
+    values = struct.unpack(f">{sum(counts)}{'I' if width == 8 else 'Q'}", bytes.fromhex(text))
+    out, at = {}, 0
+    for k, n in zip(order, counts, strict=True):
+        out[k], at = list(values[at : at + n]), at + n
+    return out
+
+
 def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | None, dict[str, list[int]]]:
     """(algorithm, header checksum, chunk checksums per tensor) of one manifest file record.
 
@@ -303,7 +341,8 @@ def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | 
             )
         algo = manifest.get("checksum")
         header, tensors = entry.get("header_checksum"), entry.get("tensor_checksums", {})
-        parsed = {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
+        # Compact records (format 5): the caller cuts ``chunk_checksums`` once the file's header is verified.
+        parsed = {} if "chunk_checksums" in entry else {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
         header = None if header is None else int(header, 16)
     except (TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(
@@ -351,7 +390,17 @@ def _manifest_field_error(mpath: Path, field: str, want: str, got: Any) -> Corru
 
 #: The fields that describe one model-parallel part: at the top level of a manifest of a whole model
 #: (formats 1-3), inside each entry of ``parts`` for a model-parallel one (format 4).
-PART_FIELDS = ("world_size", "zero_stage", "params", "files", "buffers", "buffer_files", "tp_dims", "experts")
+PART_FIELDS = (
+    "world_size",
+    "zero_stage",
+    "params",
+    "files",
+    "buffers",
+    "buffer_files",
+    "tp_dims",
+    "experts",
+    index.FIELD,
+)
 _REQUIRED_PART_FIELDS = ("world_size", "zero_stage", "params", "files")
 _MAX_PARTS = 1 << 16
 
@@ -485,6 +534,7 @@ def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, 
             tp_dims,
         )
     _validate_experts(mpath, p, prefix)
+    _validate_index(mpath, p, prefix)
     has_files, has_desc = p.get("buffer_files") is not None, p.get("buffers") is not None
     if has_files != has_desc:
         raise _manifest_field_error(
@@ -510,6 +560,24 @@ def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, 
             "buffers_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors",
             v1,
         )
+
+
+def _validate_index(mpath: Path, p: dict, prefix: str) -> None:
+    """A part's ``piece_index`` (see :mod:`.index`): absent or null (older saves, expert parallelism), else one
+    entry per parameter whose pieces, in the files listed, cover the parameter."""
+    cuts = p.get(index.FIELD)
+    if cuts is None:
+        return
+    field = prefix + index.FIELD
+    if not (isinstance(cuts, dict) and set(cuts) == set(p["params"])):
+        raise _manifest_field_error(mpath, field, "null or {parameter name: its cut} for every parameter", cuts)
+    if p.get("experts") is not None:
+        raise _manifest_field_error(mpath, field, "absent under expert parallelism", cuts)
+    ranks = {e["rank"] for e in p["files"]}
+    for name, cut in cuts.items():
+        why = index.problem(math.prod(p["params"][name]), cut, ranks, _MAX_NUMEL)
+        if why is not None:
+            raise _manifest_field_error(mpath, f"{field}[{name!r}]", why, cut)
 
 
 def _validate_experts(mpath: Path, p: dict, prefix: str) -> None:
@@ -614,26 +682,53 @@ def _validate_file_entries(
                 + ("" if part.whole else f", {part.describe()}"),
                 name,
             )
-        if v1:  # format 1: CRC-32 integers
-            sums = (
-                "header_crc32",
-                "tensor_crc32",
-                lambda c: _is_int(c, 0, 2**32 - 1),
-                "a CRC-32 (an int in [0, 2**32))",
+        header_key, tensors_key, is_sum, want_sum = _checksum_form(m, key)
+        if tensors_key == "chunk_checksums":  # format 5: one string per rank file
+            sums_ok, want_sums = isinstance(e.get(tensors_key), str), "a string of hex checksums"
+        else:
+            sums_ok, want_sums = (
+                isinstance(e.get(tensors_key, {}), dict),
+                f"an object {{tensor name: [{want_sum}, ...]}}",
             )
-        else:  # formats 2-4: hex strings of the manifest's checksum algorithm
-            sums = ("header_checksum", "tensor_checksums", _is_hex64, f"a {m.get('checksum')} checksum (a hex string)")
-        header_key, tensors_key, is_sum, want_sum = sums
         for k, ok, want in (
             ("bytes", _is_int(e.get("bytes")), "an int >= 0"),
             (header_key, is_sum(e.get(header_key)), want_sum),
-            (tensors_key, isinstance(e.get(tensors_key, {}), dict), f"an object {{tensor name: [{want_sum}, ...]}}"),
+            (tensors_key, sums_ok, want_sums),
         ):
             if not ok:
                 raise _manifest_field_error(mpath, f"{field}.{k}", want, e.get(k))
-        for k, crcs in e.get(tensors_key, {}).items():
-            if not (isinstance(crcs, list) and all(is_sum(c) for c in crcs)):
-                raise _manifest_field_error(mpath, f"{field}.{tensors_key}[{k!r}]", f"a list of {want_sum}s", crcs)
+        if key != "files":  # a rank file's chunk checksums: checked when a reader opens it (check_tensor_checksums)
+            check_tensor_checksums(mpath, m, e, field, key)
+
+
+def _checksum_form(m: dict, key: str = "files") -> tuple[str, str, Callable[[Any], bool], str]:
+    """(the keys of a file record's header and chunk checksums, the test of one checksum, what one must be)."""
+    if _is_int(m.get("format_version")) and m["format_version"] < 2:  # format 1: CRC-32 integers
+        return "header_crc32", "tensor_crc32", lambda c: _is_int(c, 0, 2**32 - 1), "a CRC-32 (an int in [0, 2**32))"
+    sums = "chunk_checksums" if uses_compact_checksums(m, key) else "tensor_checksums"  # formats 5 / 2-4
+    return "header_checksum", sums, _is_hex64, f"a {m.get('checksum')} checksum (a hex string)"
+
+
+def check_tensor_checksums(mpath: Path, m: dict, e: dict, field: str, key: str = "files") -> None:
+    """The chunk checksums of one file record ``e`` (at ``field``, of ``m[key]``), named in the error.
+
+    A rank file's are checked when a reader opens that file, not with the manifest: a rank loading at
+    another world size opens a few of the files, and checking every rank's would cost it O(world size x
+    parameters)."""
+    _, tensors_key, is_sum, want_sum = _checksum_form(m, key)
+    if tensors_key == "chunk_checksums":
+        text, width = e[tensors_key], 8 if m.get("checksum") == "crc32" else 16
+        if not (len(text) % width == 0 and _HEX.fullmatch(text)):
+            raise _manifest_field_error(
+                mpath, f"{field}.{tensors_key}", f"{width}-digit {m.get('checksum')} checksums in one hex string", text
+            )
+        return
+    for k, crcs in e.get(tensors_key, {}).items():
+        if not (isinstance(crcs, list) and all(is_sum(c) for c in crcs)):
+            raise _manifest_field_error(mpath, f"{field}.{tensors_key}[{k!r}]", f"a list of {want_sum}s", crcs)
+
+
+_HEX = re.compile(r"[0-9a-fA-F]*")
 
 
 def _is_hex64(v: Any) -> bool:

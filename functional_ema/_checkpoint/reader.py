@@ -17,6 +17,7 @@ import torch
 from .. import _io
 from .._args import check_bool, check_int, check_optional_int, check_path
 from .._layout import ModelPart, ShardLayout, ShardSpec
+from . import index
 from .errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -37,6 +38,7 @@ from .format import (
     brief,
     check_json_metadata,
     check_tag,
+    check_tensor_checksums,
     complete_tags,
     dtype_name,
     file_checksums,
@@ -46,6 +48,7 @@ from .format import (
     parse_layout,
     read_latest,
     short_list,
+    split_chunk_checksums,
     tensor_key,
     validate_manifest,
 )
@@ -262,10 +265,19 @@ class CheckpointReader:
         entry: dict,
         verify: bool,
         own: tuple[int, int, int] | None,
+        need: dict[str, ShardSpec] | None = None,
     ) -> CheckpointReader:
+        """A reader of one part: of its file of rank ``own[0]`` alone when it was saved at that world size and
+        stage (``own``), else of the files holding ``need``'s pieces when the manifest has a piece index, else
+        of every file."""
         entries = entry["files"]
+        cuts = entry.get(index.FIELD)
         if own is not None and (int(entry["world_size"]), int(entry["zero_stage"])) == own[1:]:
             entries = [e for e in entries if e["rank"] == own[0]] or entries
+        elif need is not None and cuts is not None:
+            ranks = index.ranks_needed(cuts, entry["params"], ((n, s.offset, s.numel) for n, s in need.items()))
+            if ranks is not None:  # one file at least: its header is checked even when this rank reads nothing
+                entries = [e for e in entries if e["rank"] in ranks] or entries[:1]
         files = cls._open_files(tag, tag_dir, manifest, entry, verify, entries)
         ckpt = cls(root, tag, tag_dir, manifest, files, entry)
         ckpt.partial = len(entries) < len(entry["files"])
@@ -344,11 +356,17 @@ class CheckpointReader:
         dtype_name = manifest["dtype"]
         files = []
         real_tag_dir = tag_dir.resolve()
+        cuts = part.get(index.FIELD)
+        lookup = None if cuts is None else index.Lookup(cuts, part["params"])
+        position = {id(e): i for i, e in enumerate(part["files"])}
         for e in entries:
             path, rank = tag_dir / e["file"], int(e["rank"])
+            record = f"{part['field']}files[{position[id(e)]}]"  # the file's record in the manifest
             where = (
                 f"{path} (rank {rank} of {world}" + ("" if part["part"].whole else f", {part['part'].describe()}") + ")"
             )
+            if verify:  # the checksum lists of the files a reader opens (of the others: never read)
+                check_tensor_checksums(tag_dir / MANIFEST_NAME, manifest, e, record)
             if path.resolve().parent != real_tag_dir:  # a link to a file elsewhere: never followed
                 raise CorruptCheckpointError(
                     f"{where} is a link to a file outside the tag folder {tag_dir}; functional_ema reads only its own "
@@ -369,6 +387,10 @@ class CheckpointReader:
             if verify and st.header_checksum(algo) != header_sum:
                 raise CorruptCheckpointError(
                     f"{where}: the header does not match the checksum in the manifest; the file is corrupted"
+                )
+            if verify and "chunk_checksums" in e:  # format 5: cut by the tensors of the header just verified
+                crcs = split_chunk_checksums(
+                    tag_dir / MANIFEST_NAME, record, e["chunk_checksums"], algo, st.tensors, where
                 )
             meta = st.metadata
             if meta.get("format") != FILE_FORMAT:
@@ -401,8 +423,17 @@ class CheckpointReader:
                     )
             check_json_metadata(where, meta, "schedules", manifest)
             check_json_metadata(where, meta, "extra", manifest)
-            field = f"{part['field']}files[{part['files'].index(e)}]"
-            layout = parse_layout(where, meta.get("layout"), part, rank, e.get("ep"), field)
+            layout = parse_layout(where, meta.get("layout"), part, rank, e.get("ep"), record)
+            differs = (
+                None
+                if lookup is None
+                else lookup.mismatch(rank, {n: (sp.offset, sp.numel) for n, sp in layout.specs.items()})
+            )
+            if differs is not None:
+                raise CorruptCheckpointError(
+                    f"{where}: {differs}: the manifest was edited or belongs to another save; restore it from a copy "
+                    "or load another tag"
+                )
             dtype = parse_dtype(dtype_name, where)
             extra = sorted(
                 set(st.tensors) - {tensor_key(k, n) for k in range(int(manifest["num_emas"])) for n in layout.specs}
@@ -773,12 +804,13 @@ def open_checkpoint(
         # A RecutReader is not a CheckpointReader: it duck-types what load reads (tag, dtype, check_experts,
         # check_model, check_index, fill, read_buffers, close); typing it honestly needs load's callers typed alike.
         return RecutReader(open_joined(root, tag, verify), layout)  # type: ignore[return-value]  # see above
-    own = (layout.rank, layout.world_size, layout.stage)
-    ckpt = CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, own)
-    if not ckpt.partial or ckpt.holds(layout.specs):
-        return ckpt
-    ckpt.close()
-    return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None)
+    if (int(entry["world_size"]), int(entry["zero_stage"])) == (layout.world_size, layout.stage):
+        own = (layout.rank, layout.world_size, layout.stage)
+        ckpt = CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, own)
+        if not ckpt.partial or ckpt.holds(layout.specs):
+            return ckpt
+        ckpt.close()  # the same world size, cut otherwise: read the pieces from the files that hold them
+    return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None, layout.specs)
 
 
 def locate_checkpoint(load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, str, Path, dict]:

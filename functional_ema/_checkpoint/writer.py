@@ -25,7 +25,7 @@ from .._fit import state_problem
 from .._layout import ModelPart, ShardLayout
 from .._state import BufferState, EmaState
 from ..schedules import DecayLike, as_schedule
-from . import collective
+from . import collective, index
 from .errors import CheckpointError, CheckpointMismatchError
 from .format import (
     BUFFER_FILE,
@@ -42,6 +42,7 @@ from .format import (
     buffer_file_name,
     describe_buffers,
     dtype_name,
+    join_chunk_checksums,
     library_version,
     manifest_parts,
     rank_file_name,
@@ -49,6 +50,9 @@ from .format import (
 )
 
 logger = logging.getLogger("functional_ema")
+
+#: The key of a rank's pieces (``{name: [offset, numel]}``) in its file record, until the manifest is built.
+PIECES = "pieces"
 
 
 def describe_decays(decay: DecayLike | Sequence[DecayLike] | None, num_emas: int) -> list[dict[str, Any]] | None:
@@ -247,17 +251,23 @@ def rank_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str
     }
 
 
-def _record(w: _io.StreamingWriter, rank: int, path: Path, size: int, ep: int | None = None) -> dict:
+def _record(
+    w: _io.StreamingWriter, rank: int, path: Path, size: int, ep: int | None = None, compact: bool = False
+) -> dict:
     """A file's manifest record: its rank (and expert-parallel rank, under expert parallelism), name, size
-    and checksums (hex strings: JSON-safe beyond 2**53)."""
+    and checksums (hex strings: JSON-safe beyond 2**53); ``compact`` (rank files): every chunk checksum in
+    one string, in file order (``chunk_checksums``), else a list per tensor (``tensor_checksums``)."""
     hexa = lambda v: _io.format_checksum(w.algo, v)  # noqa: E731
-    record = {
+    record: dict[str, Any] = {
         "rank": rank,
         "file": path.name,
         "bytes": size,
         "header_checksum": hexa(w.header_checksum),
-        "tensor_checksums": {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()},
     }
+    if compact:
+        record["chunk_checksums"] = join_chunk_checksums(w.algo, w.crcs)
+    else:
+        record["tensor_checksums"] = {key: [hexa(v) for v in vals] for key, vals in w.crcs.items()}
     if ep is not None:
         record["ep"] = ep
     return record
@@ -274,7 +284,10 @@ def write_rank_file(
             for n in names:
                 w.write(tensor_key(k, n), ema[n].reshape(-1))
         size = w.commit()
-    return _record(w, layout.rank, path, size, None if layout.experts is None else layout.experts.ep)
+    record = _record(w, layout.rank, path, size, None if layout.experts is None else layout.experts.ep, compact=True)
+    # Where this rank's pieces sit, for the manifest's piece index (build_manifest takes it out of the record).
+    record[PIECES] = {n: [s.offset, s.numel] for n, s in layout.specs.items()}
+    return record
 
 
 def buffer_file_meta(plan: dict, layout: ShardLayout, generation: int) -> dict[str, str]:
@@ -327,12 +340,17 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]], **extra:
                 "(parameters, shapes, world size or buffers); every rank of a part must hold the same model"
             )
         if "file" in r:
-            entry["files"].append(r["file"])
+            entry["files"].append(dict(r["file"]))
         if "buffers" in r:
             entry["buffer_files"].append(r["buffers"])
     parts = []
     for entry in sorted(by_part.values(), key=lambda e: (e["part"]["pp"], e["part"]["tp"])):
         entry["files"].sort(key=lambda e: e["rank"])
+        pieces = {f["rank"]: f.pop(PIECES, None) for f in entry["files"]}
+        if entry.get("experts") is None and None not in pieces.values():  # experts: each file holds its own ones
+            cuts = index.build(entry["params"], pieces)
+            if cuts is not None:
+                entry[index.FIELD] = cuts
         if entry["buffers"] is None:
             del entry["buffers"], entry["buffer_files"]
         else:

@@ -1,10 +1,16 @@
-"""File helpers the hostile-file tests share (``tests/test_faults.py``, ``tests/test_hostile_files.py``)."""
+"""File helpers the tests share (``tests/test_faults.py``, ``tests/test_hostile_files.py``,
+``tests/test_checkpoint_index.py``) and ``benchmarks/bench_scale.py``."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import torch
+
+from functional_ema._layout import ShardLayout
 
 
 def hashes(root: str | os.PathLike) -> dict[str, str]:
@@ -17,3 +23,40 @@ def hashes(root: str | os.PathLike) -> dict[str, str]:
         elif p.is_file():
             out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
+
+
+def write_simulated(
+    save_dir: str | os.PathLike,
+    tag: str,
+    layouts: Iterable[ShardLayout],
+    pieces: Callable[[ShardLayout], tuple[dict[str, torch.Tensor], ...]],
+    after_rank: Callable[[], None] | None = None,
+) -> dict:
+    """Write the checkpoint that ranks of ``layouts`` would write (one process plays every rank), through
+    the library's own writer: each rank's file from ``pieces(layout)`` (its EMAs' 1-D pieces), then the
+    manifest. For tests and ``benchmarks/bench_scale.py``; returns the manifest."""
+    from functional_ema import EmaState
+    from functional_ema._checkpoint import writer
+    from functional_ema._checkpoint.format import parse_dtype
+
+    tag_dir = Path(save_dir) / tag
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    records, first = [], None
+    for lay in layouts:
+        emas = pieces(lay)
+        plan = writer.plan_save(EmaState(torch.tensor(10, dtype=torch.int64), emas), [0.999] * len(emas), lay, tag)
+        first = first or plan
+        record: dict = {"part": writer.part_record(lay, plan)}
+        names = writer.save_files(lay, 0, False, lay.writes_pieces)
+        if names:
+            meta = writer.rank_file_meta(plan, lay, 0)
+            record["file"] = writer.write_rank_file(
+                tag_dir / names[0], lay, emas, parse_dtype(plan["dtype"], tag), meta
+            )
+        records.append(record)
+        if after_rank is not None:
+            after_rank()
+    assert first is not None, "no layouts"
+    manifest = writer.build_manifest(first, records)
+    writer.commit_manifest(Path(save_dir), tag_dir, manifest)
+    return manifest
