@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -442,6 +443,22 @@ class _Job:
     timeout: float  # commit_timeout
 
 
+#: How far into a manifest its ``save_id`` is written: after the format, library, note and tag
+#: (writer.build_manifest), before the schedules, the ``extra`` record and any parameter or file record.
+_SAVE_ID_WITHIN = 64 << 10
+
+
+def _is_save(mpath: Path, token: str) -> bool:
+    """Whether the manifest at ``mpath`` (written whole, by a rename) is the one of the save ``token``.
+
+    Reads its head only: every rank asks, and a manifest grows with world size x parameters (tens of
+    MB at thousands of ranks), while ``save_id`` comes before the parameter and file records. ``token``
+    is this save's random id, so no other field's text can match it."""
+    with open(mpath, "rb") as f:
+        head = f.read(_SAVE_ID_WITHIN)
+    return re.search(rb'"save_id"\s*:\s*"' + re.escape(token.encode()) + rb'"', head) is not None
+
+
 def _run(job: _Job, handle: SaveHandle) -> None:
     """The background part of one rank's save. No collectives (see the module docstring)."""
     rank = job.rank  # in the ranks that save together (markers and messages use it)
@@ -487,9 +504,9 @@ def _run(job: _Job, handle: SaveHandle) -> None:
                 mpath = job.tag_dir / fmt.MANIFEST_NAME
                 try:
                     st = mpath.stat()
-                    if (st.st_mtime_ns, st.st_size) != seen[0]:  # parse only a changed manifest
+                    if (st.st_mtime_ns, st.st_size) != seen[0]:  # read only a changed manifest
                         seen[0] = (st.st_mtime_ns, st.st_size)
-                        if json.loads(mpath.read_bytes()).get("save_id") == job.token:
+                        if _is_save(mpath, job.token):
                             return True
                 except (OSError, ValueError):
                     pass  # not there yet, or being replaced

@@ -70,6 +70,7 @@ from ._checkpoint.collective import (
     agree_on,
     arrive,
     check_distinct_writers,
+    gather_to_first,
     io_error,
     job_of,
     layout_record,
@@ -301,14 +302,23 @@ def save(
             except OSError as e:
                 raise io_error(e, jrank, path) from None
 
+        mine_written: list[dict[str, Any]] = []
         try:
-            written = agree("save (writing the rank files)", write, jgroup, jworld, jrank)
+            agree(
+                "save (writing the rank files)",
+                lambda: mine_written.append(write()),
+                jgroup,
+                jworld,
+                jrank,
+                results=False,
+            )
         except CheckpointError:
             remove_unlisted(tag_dir, names)
             raise
+        written = gather_to_first(mine_written[0], jgroup, jworld)  # rank 0 alone writes the manifest
 
         def commit() -> None:
-            if jrank != 0:
+            if written is None:  # not rank 0
                 return None
             manifest = build_manifest(first, written)
             try:

@@ -440,3 +440,28 @@ def test_sigkill_during_background_write_keeps_previous(world1):
             assert not any(".tmp-" in f or f.startswith("ema_async.") for f in o["after"]), o["after"]
             assert sum(f.startswith("ema_rank_") for f in o["after"]) == 1, o["after"]
         assert seen == ({"incomplete", "new"} if scenario == "new_tag" else {"old", "new"}), (scenario, seen)
+
+
+def test_ranks_find_their_save_id_in_the_manifest_head(tmp_path):
+    """The ranks other than 0 learn that rank 0 committed their async save from the manifest's head: its
+    ``save_id`` is written before the parameter and file records, which grow with world size x parameters."""
+    import torch
+
+    from functional_ema import ShardLayout, ShardSpec, _async
+    from functional_ema._testing.files import write_simulated
+
+    shapes = {f"layer{i}.weight": (64,) for i in range(300)}
+    world = 32
+
+    def layout(rank: int) -> ShardLayout:
+        return ShardLayout(rank, world, 3, {n: ShardSpec(s, rank * 2, 2) for n, s in shapes.items()})
+
+    def pieces(lay: ShardLayout) -> tuple:
+        return ({n: torch.full((s.numel,), float(lay.rank)) for n, s in lay.specs.items()},)
+
+    token = "0123456789abcdef"
+    write_simulated(tmp_path, "t", [layout(r) for r in range(world)], pieces, save_id=token)
+    mpath = tmp_path / "t" / "ema_manifest.json"
+    raw = mpath.read_bytes()
+    assert len(raw) > 2 * _async._SAVE_ID_WITHIN and raw.index(b'"save_id"') < 4096, len(raw)
+    assert _async._is_save(mpath, token) and not _async._is_save(mpath, "fedcba9876543210")

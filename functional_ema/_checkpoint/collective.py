@@ -187,6 +187,18 @@ def run_local(fn: Callable[[], Any], rank: int) -> tuple[tuple[Any, ...], Except
         return ("error", type(e).__name__, str(e), isinstance(e, _LIBRARY_BASES), getattr(e, "errno", None)), e
 
 
+def gather_to_first(obj: Any, group: dist.ProcessGroup | None, world: int) -> list[Any] | None:
+    """``obj`` of every rank of ``group`` (in rank order) on its first rank, None on the others: for what
+    only rank 0 reads, such as the save's file records (O(parameters) each), which an all-gather would
+    send to every rank (O(world size x parameters) each). On the gloo side group, like the agreements."""
+    if world <= 1 or not dist.is_initialized():
+        return [obj]
+    g = barrier_group(group, DEFAULT_TIMEOUT_S)
+    out: list[Any] | None = [None] * world if dist.get_rank(g) == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(g, 0) if g is not None else 0, group=g)
+    return out
+
+
 def all_reduce_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     """The elementwise maximum over the ranks of ``group`` of a few ints (one small all-reduce on the
     gloo side group, cheaper than exchanging objects)."""

@@ -370,6 +370,7 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]], **extra:
         "says where the piece sits in the full parameter"
         + ("." if whole else ", and which model-parallel part (tensor-parallel rank, pipeline stage) it holds."),
         "tag": plan["tag"],
+        **extra,  # before anything long: an async save's ranks look for their save_id in the file's head
         "generation": plan["generation"],
         "step": plan["step"],
         "num_emas": plan["num_emas"],
@@ -378,7 +379,6 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]], **extra:
         "extra": plan["extra"],
         "chunk_bytes": _io.CHUNK_BYTES,
         "checksum": _io.CHECKSUM,
-        **extra,
     }
     if whole:
         manifest.update({k: v for k, v in parts[0].items() if k != "part"})

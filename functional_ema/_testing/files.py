@@ -31,10 +31,12 @@ def write_simulated(
     layouts: Iterable[ShardLayout],
     pieces: Callable[[ShardLayout], tuple[dict[str, torch.Tensor], ...]],
     after_rank: Callable[[], None] | None = None,
+    **extra: object,
 ) -> dict:
     """Write the checkpoint that ranks of ``layouts`` would write (one process plays every rank), through
     the library's own writer: each rank's file from ``pieces(layout)`` (its EMAs' 1-D pieces), then the
-    manifest. For tests and ``benchmarks/bench_scale.py``; returns the manifest."""
+    manifest (with ``extra``'s fields, e.g. an async save's ``save_id``). For tests and
+    ``benchmarks/bench_scale.py``; returns the manifest."""
     from functional_ema import EmaState
     from functional_ema._checkpoint import writer
     from functional_ema._checkpoint.format import parse_dtype
@@ -57,6 +59,6 @@ def write_simulated(
         if after_rank is not None:
             after_rank()
     assert first is not None, "no layouts"
-    manifest = writer.build_manifest(first, records)
+    manifest = writer.build_manifest(first, records, **extra)
     writer.commit_manifest(Path(save_dir), tag_dir, manifest)
     return manifest
