@@ -236,3 +236,31 @@ def test_index_unit():
     look = index.Lookup({"w": [0, 0, 3, 1, 3, 7]}, params)
     assert look.piece("w", 1) == (3, 7) and look.piece("w", 2) == (0, 0)
     assert look.mismatch(1, {"w": (3, 7)}) is None and "[3, 10)" in str(look.mismatch(0, {"w": (3, 7)}))
+
+
+def test_format3_manifest_still_read(tmp_path):
+    """A manifest as 0.3.0 wrote it (format 3: a list of hex checksums per tensor name, no piece index)
+    loads at another world size (every file opened) and consolidates; its checksums are still checked."""
+    from functional_ema import _io
+    from functional_ema._checkpoint.format import split_chunk_checksums
+
+    _save(tmp_path, "zero3", 4)
+    mpath = tmp_path / "t" / "ema_manifest.json"
+    m = json.loads(mpath.read_text())
+    for e in m["files"]:
+        st = _io.SafetensorsFile(tmp_path / "t" / e["file"])
+        sums = split_chunk_checksums(mpath, "files[?]", e.pop("chunk_checksums"), m["checksum"], st.tensors, "")
+        st.close()
+        e["tensor_checksums"] = {k: [_io.format_checksum(m["checksum"], v) for v in vs] for k, vs in sums.items()}
+    m.pop(index.FIELD)
+    m["format_version"] = 3
+    mpath.write_text(json.dumps(m))
+    lay = CUTS["zero3"](1, 3)
+    opened, got = _load(tmp_path, lay)
+    assert opened == [0, 1, 2, 3] and all(torch.equal(got[n], w) for n, w in _want(lay).items())
+    full = fe.consolidate(tmp_path, "t", index=1)
+    assert all(torch.equal(full[n].reshape(-1), REF[n] + 1) for n in SHAPES)
+    key = next(k for k, v in m["files"][2]["tensor_checksums"].items() if v and k.startswith("emas.1."))
+    m["files"][2]["tensor_checksums"][key][0] = "0" * 16
+    mpath.write_text(json.dumps(m))
+    _refused(tmp_path, ["checksum mismatch", key, "rank 2 of 4"], lambda: fe.consolidate(tmp_path, "t", index=1))
