@@ -325,7 +325,9 @@ def split_chunk_checksums(
     return out
 
 
-def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | None, dict[str, list[int]]]:
+def file_checksums(
+    manifest: dict, entry: dict, where: str, key: str = "files"
+) -> tuple[str, int | None, dict[str, list[int]]]:
     """(algorithm, header checksum, chunk checksums per tensor) of one manifest file record.
 
     Format 2 records ``header_checksum`` / ``tensor_checksums`` as hex strings of ``manifest["checksum"]``;
@@ -342,7 +344,9 @@ def file_checksums(manifest: dict, entry: dict, where: str) -> tuple[str, int | 
         algo = manifest.get("checksum")
         header, tensors = entry.get("header_checksum"), entry.get("tensor_checksums", {})
         # Compact records (format 5): the caller cuts ``chunk_checksums`` once the file's header is verified.
-        parsed = {} if "chunk_checksums" in entry else {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
+        parsed = (
+            {} if uses_compact_checksums(manifest, key) else {k: [int(v, 16) for v in vs] for k, vs in tensors.items()}
+        )
         header = None if header is None else int(header, 16)
     except (TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(
@@ -443,7 +447,7 @@ def validate_manifest(mpath: Path, m: dict) -> None:
     if "extra" in m and m["extra"] is not None and not isinstance(m["extra"], dict):
         raise _manifest_field_error(mpath, "extra", "null or a JSON object", m["extra"])
     if m.get("parts") is None:
-        _validate_part(mpath, m, m, ModelPart(), "", v1)
+        _validate_part(mpath, m, m, ModelPart(), "")
         return
     parts = m["parts"]
     if not (_is_int(m.get("format_version"), 4) and isinstance(parts, list) and 1 <= len(parts) <= _MAX_PARTS):
@@ -481,7 +485,7 @@ def validate_manifest(mpath: Path, m: dict) -> None:
             )
         seen.add(part)
         sizes = (part.tp_size, part.pp_size)
-        _validate_part(mpath, m, p, part, f"{where}.", v1)
+        _validate_part(mpath, m, p, part, f"{where}.")
     assert sizes is not None  # parts holds at least one part (checked above)
     if len(seen) != sizes[0] * sizes[1]:
         raise IncompleteCheckpointError(
@@ -490,7 +494,7 @@ def validate_manifest(mpath: Path, m: dict) -> None:
         )
 
 
-def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, v1: bool) -> None:
+def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str) -> None:
     """One part's fields (``p`` is the manifest itself for a whole model), each named with ``prefix``."""
     missing = [f for f in _REQUIRED_PART_FIELDS if f not in p]
     if missing:
@@ -519,7 +523,6 @@ def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, 
         "files",
         RANK_FILE,
         "ema_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors",
-        v1,
     )
     tp_dims = p.get("tp_dims")
     if tp_dims is not None and not (
@@ -558,7 +561,6 @@ def _validate_part(mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, 
             "buffer_files",
             BUFFER_FILE,
             "buffers_[tp<t>of<T>_pp<p>of<P>_]rank_<rank>_of_<world>[.gen<N>].safetensors",
-            v1,
         )
 
 
@@ -654,7 +656,7 @@ def _is_shape(shape: Any) -> bool:
 
 
 def _validate_file_entries(
-    mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, key: str, pattern: re.Pattern, form: str, v1: bool
+    mpath: Path, m: dict, p: dict, part: ModelPart, prefix: str, key: str, pattern: re.Pattern, form: str
 ) -> None:
     """The records of ``p[key]`` (``files`` or ``buffer_files`` of one part): the library's own file names
     for their part, rank, world size and generation, distinct ranks, sizes and checksums of the right types."""

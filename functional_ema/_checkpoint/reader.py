@@ -50,6 +50,7 @@ from .format import (
     short_list,
     split_chunk_checksums,
     tensor_key,
+    uses_compact_checksums,
     validate_manifest,
 )
 
@@ -388,7 +389,7 @@ class CheckpointReader:
                 raise CorruptCheckpointError(
                     f"{where}: the header does not match the checksum in the manifest; the file is corrupted"
                 )
-            if verify and "chunk_checksums" in e:  # format 5: cut by the tensors of the header just verified
+            if verify and uses_compact_checksums(manifest):  # format 5: cut by the tensors of the header just verified
                 crcs = split_chunk_checksums(
                     tag_dir / MANIFEST_NAME, record, e["chunk_checksums"], algo, st.tensors, where
                 )
@@ -542,7 +543,9 @@ class CheckpointReader:
         except _io.FormatError as err:
             raise CorruptCheckpointError(f"{where}: {err}") from None
         with st:
-            algo, header_sum, crcs = file_checksums(self.manifest, entry, where) if verify else (_io.CHECKSUM, None, {})
+            algo, header_sum, crcs = (
+                file_checksums(self.manifest, entry, where, "buffer_files") if verify else (_io.CHECKSUM, None, {})
+            )
             if verify and st.header_checksum(algo) != header_sum:
                 raise CorruptCheckpointError(
                     f"{where}: the header does not match the checksum in the manifest; the file is corrupted"
