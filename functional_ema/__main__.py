@@ -12,7 +12,9 @@ Commands:
     export SOURCE OUT_DIR --like HF_MODEL_DIR [--dtype bf16] [--max-shard-size 5GB] [--index K] [--tag T]
         Write the EMA as a Hugging Face model folder (sharded safetensors + index, config and tokenizer
         files copied from --like) that from_pretrained loads; or, when --like is a PEFT adapter folder,
-        as a PEFT adapter folder. SOURCE: a checkpoint, or a consolidated .safetensors file.
+        as a PEFT adapter folder. SOURCE: a checkpoint, or a consolidated .safetensors file this library
+        wrote. The export checks itself (docs/shipping.md) and refuses rather than ship anything but the EMA;
+        --overwrite replaces only a previous export or an empty folder.
     posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
 
@@ -291,8 +293,13 @@ def _add_export(subparsers: _Subparsers) -> None:
             "copied, and ema_export.json recording which EMA it is. Peak memory is about one tensor."
         ),
     )
-    p.add_argument("source", help="checkpoint directory (or tag folder), or a consolidated .safetensors file")
-    p.add_argument("out_dir", help="folder to create (built under a temporary name, renamed when complete)")
+    p.add_argument(
+        "source", help="checkpoint directory (or tag folder), or a consolidated .safetensors file this library wrote"
+    )
+    p.add_argument(
+        "out_dir",
+        help="folder to create (built under a temporary name, renamed when complete); never the current folder or above",
+    )
     p.add_argument("--like", required=True, help="the model's save_pretrained folder, or a PEFT adapter folder")
     p.add_argument("--tag", default=None, help="tag folder to read (default: the one named in 'latest')")
     p.add_argument("--index", type=int, default=0, help="which EMA, when several were tracked (default 0)")
@@ -304,8 +311,16 @@ def _add_export(subparsers: _Subparsers) -> None:
         default="like",
         help="weights of --like the EMA lacks (frozen ones): copy them from --like (default) or refuse",
     )
-    p.add_argument("--adapter-name", default="default", help="PEFT adapter name removed from the names")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR as a whole if it exists")
+    p.add_argument(
+        "--adapter-name",
+        default="default",
+        help="PEFT: the adapter the EMA was trained as (a non-default one is read from LIKE/<name>/, as PEFT saves it)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR as a whole when it is a previous export (never a folder this tool did not write)",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the checksum checks of the bytes read")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a bar")

@@ -85,6 +85,7 @@ from ._checkpoint.errors import (
     CheckpointTimeoutError,
     CheckpointVersionError,
     CorruptCheckpointError,
+    ForeignFileError,
     IncompleteCheckpointError,
     InvalidTagError,
     OutputPathError,
@@ -158,6 +159,7 @@ __all__ = [
     "CheckpointIOError",
     "CheckpointTimeoutError",
     "OutputPathError",
+    "ForeignFileError",
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_ENV",
 ]

@@ -1,39 +1,32 @@
-"""Ship the EMA as a Hugging Face model folder: ``from_pretrained`` loads it, nothing else needed.
+"""Ship the EMA as a Hugging Face model folder: ``from_pretrained`` loads it, exactly the EMA, or the export refuses.
 
 :func:`to_hf` reads one EMA from a checkpoint that :func:`functional_ema.save` (or an integration)
 wrote, in any layout (every rank's pieces, pipeline stages and tensor-parallel slices joined, as
-:func:`functional_ema.consolidate` does), or from a consolidated ``.safetensors`` file (the output of
-``consolidate``, ``consolidate --dcp`` or ``posthoc``), and writes, next to the files of a reference
-folder ``like`` (the model's own ``save_pretrained`` folder, or a PEFT adapter's)::
+:func:`functional_ema.consolidate` does), or from a consolidated ``.safetensors`` file that this library
+wrote (``consolidate``, ``consolidate --dcp``, ``posthoc``, a callback's ``export_path``), and writes, next
+to the files of a reference folder ``like`` (the model's own ``save_pretrained`` folder, or a PEFT adapter's)::
 
     out_dir/model.safetensors                   one file when the weights fit one shard, else
     out_dir/model-00001-of-00003.safetensors    shards of at most max_shard_size bytes each, and
     out_dir/model.safetensors.index.json        which shard holds each tensor
     out_dir/config.json, tokenizer files, ...   every other file of ``like``, copied
-    out_dir/ema_export.json                     which EMA this is: source, tag, step, index, schedule
+    out_dir/ema_export.json                     which EMA this is, and what the export checked and did
 
-or, when ``like`` is a PEFT adapter folder (it holds ``adapter_config.json``)::
+(``diffusion_pytorch_model*`` for a diffusers folder, ``adapter_model.safetensors`` for a PEFT adapter).
 
-    out_dir/adapter_model.safetensors           the adapters' EMA, names as PEFT saves them
-    out_dir/adapter_config.json, ...            copied from ``like``
-    out_dir/ema_export.json
+The export runs in stages, each refusing with one error that names the file, tensor or option:
 
-Names: the module's parameter names as the checkpoint recorded them, with wrapper prefixes removed
-(a leading ``module.``; ``_orig_mod.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, Lightning's ``_forward_module.``
-anywhere), then fitted to the names in ``like``'s weight files when it has any: leading components
-are dropped until the name is one of them (a framework's own prefix, e.g. a LightningModule's
-attribute ``model.``); PEFT's adapter name is removed (``lora_A.default.weight`` ->
-``lora_A.weight``). A tied duplicate (``lm_head.weight`` with ``tie_word_embeddings``) that ``like``
-does not store is left out, as ``save_pretrained`` does. Weights that ``like`` stores and the EMA
-lacks (frozen parameters, persistent buffers of a checkpoint saved without buffers) are copied from
-``like`` (``missing="like"``, the default, listed in ``ema_export.json``) or refused
-(``missing="error"``). An EMA name with no place in ``like`` is refused, naming it.
-
-Memory: one tensor at a time (read, cast to ``dtype``, written; the shard's header is written first),
-never a whole shard or model. Writes: the folder is built under a temporary name beside ``out_dir``
-and renamed into place when complete; an existing ``out_dir`` is refused unless ``overwrite=True``
-(then it is replaced, as a whole, after the new one is complete). An ``out_dir`` inside or above the
-checkpoint or ``like`` is refused.
+1. **read** ``like`` with one validating reader (:mod:`functional_ema._export.like`: the folder kind
+   and weight file names by the loaders' own rules, every JSON and safetensors file checked);
+2. **view** what the real loader expects (:mod:`functional_ema._export.loader`: the config's class built on
+   the meta device; names, shapes, tied groups and renamings as ``save_pretrained`` writes them);
+3. **plan** every tensor written (:mod:`functional_ema._export.plan`: names fitted, shapes checked, tied
+   aliases left out only when their EMA value equals the tensor they are tied to, missing weights
+   copied from ``like`` only when the EMA lacks them);
+4. **write** under a temporary folder beside ``out_dir`` (one tensor in memory at a time; ``fp16`` values
+   that do not fit are refused), read back and checked against the checksums computed while writing,
+   then renamed into place (:mod:`functional_ema._export.outdir`: ``overwrite`` replaces only a previous
+   export or an empty folder, never the current folder, a parent, home or ``/``).
 """
 
 from __future__ import annotations
@@ -44,7 +37,6 @@ import math
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
@@ -53,16 +45,21 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _io, _memory
-from ._checkpoint.errors import CheckpointMismatchError, OutputPathError
-from ._checkpoint.format import library_version, short_list
+from ._checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, ForeignFileError
+from ._checkpoint.format import CONSOLIDATED_FORMAT, library_version, short_list
 from ._checkpoint.reader import JoinedReader, open_joined
+from ._export.like import EXPORT_RECORD, LikeFolder, read_like
+from ._export.loader import loader_view
+from ._export.names import WRAPPER_PREFIXES, peft_name, strip_wrappers
+from ._export.outdir import EXPORT_FORMAT, check_out_dir, commit_dir, new_tmp_dir
+from ._export.plan import Plan, make_plan
 
 __all__ = ["EXPORT_RECORD", "WRAPPER_PREFIXES", "hf_name", "parse_dtype", "parse_size", "to_hf"]
 
-EXPORT_RECORD = "ema_export.json"
-#: Module-path components that wrappers insert: removed from every name (``module`` only in front).
-WRAPPER_PREFIXES = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json")
+#: ``ema_export.json``'s version: 2 adds ``written``, ``loader_check``, ``ignored_in_like`` and ``source_metadata``.
+RECORD_VERSION = 2
+#: The ``format`` metadata of the files this library writes with full EMA weights: the sources a file export takes.
+SOURCE_FORMATS = (CONSOLIDATED_FORMAT, "functional_ema.export", "functional_ema.posthoc")
 _DTYPES = MappingProxyType(
     {
         "fp32": torch.float32,
@@ -110,17 +107,11 @@ def parse_size(size: int | str) -> int:
 
 def hf_name(name: str, adapter_name: str | None = None) -> str:
     """A checkpoint's parameter name as ``save_pretrained`` writes it: wrapper components removed
-    (:data:`WRAPPER_PREFIXES` anywhere, a leading ``module.``), and with ``adapter_name`` PEFT's adapter
-    component (``q_proj.lora_A.default.weight`` -> ``q_proj.lora_A.weight``)."""
-    parts = [p for p in name.split(".") if p not in WRAPPER_PREFIXES]
-    while len(parts) > 1 and parts[0] == "module":
-        parts.pop(0)
-    if adapter_name is not None and len(parts) > 1:
-        if parts[-1] == adapter_name:
-            parts.pop()
-        elif len(parts) > 2 and parts[-2] == adapter_name:
-            parts.pop(-2)
-    return ".".join(parts)
+    (:data:`WRAPPER_PREFIXES` anywhere, a leading ``module.``), and with ``adapter_name`` PEFT's rule
+    (``q_proj.lora_A.default.weight`` -> ``q_proj.lora_A.weight``; ``x.modules_to_save.default.weight`` ->
+    ``x.weight``; DoRA's ``x.lora_magnitude_vector.default.weight`` -> ``x.lora_magnitude_vector``)."""
+    stripped = strip_wrappers(name)
+    return stripped if adapter_name is None else peft_name(stripped, adapter_name)
 
 
 # ------------------------------------------------------------------------------------------- sources
@@ -141,25 +132,9 @@ def _open_source(
     source: str | os.PathLike, tag: str | None, index: int, verify: bool, tp_dims: dict | None
 ) -> Iterator[_Source]:
     path = Path(source)
-    if path.is_file():  # a consolidated / post-hoc / DCP-consolidated safetensors file
-        with _io.SafetensorsFile(path) as f:
-            pass  # validated: a real safetensors file, no pickle
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            shapes, dtypes = {}, {}
-            keys = f.keys()  # a safetensors handle, not a dict
-            for name in keys:
-                sl = f.get_slice(name)
-                shapes[name] = tuple(sl.get_shape())
-                dtypes[name] = _st_dtype(sl.get_dtype(), path, name)
-
-            def fill_file(dst: torch.Tensor, name: str) -> None:
-                dst.copy_(f.get_tensor(name).reshape(-1))
-
-            info = {"source": str(path), "source_kind": "file", **{k: meta[k] for k in sorted(meta) if k != "format"}}
-            yield _Source(shapes, dtypes, fill_file, info, [path])
+    if path.is_file():
+        with _open_file_source(path) as src:
+            yield src
         return
     ckpt: JoinedReader
     with open_joined(path, tag, verify, tp_dims) as ckpt:
@@ -194,146 +169,38 @@ def _open_source(
         yield _Source(shapes, dtypes, fill_ckpt, info, [Path(ckpt.root), Path(ckpt.tag_dir)])
 
 
-def _st_dtype(name: str, path: Path, key: str) -> torch.dtype:
-    table = {v: k for k, v in _io.DTYPE_TO_STR.items()}
-    if name not in table:
-        raise CheckpointMismatchError(f"{path}: tensor {key!r} has dtype {name}, which this export cannot read")
-    return table[name]
-
-
-# ------------------------------------------------------------------------------------------ the `like`
-
-
-class _Like(NamedTuple):
-    folder: Path
-    peft: bool
-    config: dict
-    weights: dict[str, Path]  # name -> the safetensors file of `like` holding it (empty: no weights)
-
-
-def _read_like(like: str | os.PathLike) -> _Like:
-    folder = Path(like)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"like (--like): {folder} is not a folder (give the model's save_pretrained folder)")
-    peft = (folder / "adapter_config.json").is_file()
-    cfg_file = folder / ("adapter_config.json" if peft else "config.json")
-    if not cfg_file.is_file():
-        raise FileNotFoundError(
-            f"like (--like): {folder} holds no config.json (a Hugging Face model folder) and no adapter_config.json "
-            "(a PEFT adapter folder)"
-        )
+@contextlib.contextmanager
+def _open_file_source(path: Path) -> Iterator[_Source]:
+    """A consolidated file this library wrote (its ``format`` metadata says which), validated, read per tensor."""
     try:
-        config = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"like (--like): cannot read {cfg_file}: {e}") from None
-    weights: dict[str, Path] = {}
-    from safetensors import safe_open
-
-    for index_file in sorted(folder.glob("*.safetensors.index.json")):
-        try:
-            wmap = json.loads(index_file.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"like (--like): cannot read the weight map of {index_file}: {e}") from None
-        weights.update({n: folder / f for n, f in wmap.items()})
-    if not weights:
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as sf:
-                keys = sf.keys()  # a safetensors handle, not a dict
-                weights.update({n: f for n in keys})
-    return _Like(folder, peft, config, weights)
-
-
-def _stem(like: _Like) -> str:
-    """The weight files' name in ``like``: ``model`` (transformers), ``adapter_model`` (PEFT),
-    ``diffusion_pytorch_model`` (diffusers), as its own files are named (``model`` when it has none)."""
-    if like.peft:
-        return "adapter_model"
-    for f in sorted({p.name for p in like.weights.values()}):
-        m = re.fullmatch(r"(.+?)(?:-\d{5}-of-\d{5})?\.safetensors", f)
-        if m:
-            return m.group(1)
-    return "model"
-
-
-def _fit_names(source_names: list[str], like: _Like, adapter_name: str) -> tuple[dict[str, str], list[str]]:
-    """``{source name: exported name}`` and the tied duplicates left out (see the module docstring)."""
-    expected = set(like.weights)
-    out: dict[str, str] = {}
-    dropped: list[str] = []
-    unplaced: list[str] = []
-    tied = bool(like.config.get("tie_word_embeddings", False)) or bool(
-        like.config.get("text_config", {}).get("tie_word_embeddings", False)
-    )
-    for name in source_names:
-        hf = hf_name(name, adapter_name if like.peft else None)
-        if expected and hf not in expected:
-            parts = hf.split(".")
-            fits = [".".join(parts[i:]) for i in range(1, len(parts)) if ".".join(parts[i:]) in expected]
-            if fits:
-                hf = fits[0]
-            elif tied and hf.split(".")[-2:] == ["lm_head", "weight"]:
-                dropped.append(name)  # the output embedding tied to the input one: save_pretrained omits it
-                continue
-            else:
-                unplaced.append(name)
-                continue
-        out[name] = hf
-    if unplaced:
-        raise CheckpointMismatchError(
-            f"{len(unplaced)} EMA tensor(s) have no place in {like.folder}'s weights: {short_list(unplaced, 6)} "
-            f"(its weights are named like {short_list(sorted(expected), 3)}); is --like the model this EMA was "
-            "trained from?"
-        )
-    seen: dict[str, str] = {}
-    for name, hf in out.items():
-        if hf in seen:
-            raise CheckpointMismatchError(f"EMA tensors {seen[hf]!r} and {name!r} both export as {hf!r}")
-        seen[hf] = name
-    return out, dropped
-
-
-# ---------------------------------------------------------------------------------------------- paths
-
-
-def _check_out_dir(out: Path, avoid: list[Path], overwrite: bool) -> Path:
-    try:
-        real = out.resolve()
-        avoid_real = [p.resolve() for p in avoid]
-    except (OSError, RuntimeError) as e:
-        raise OutputPathError(f"out_dir: cannot resolve {out}: {e}") from None
-    for a in avoid_real:
-        inside = a.is_dir() and a in real.parents
-        if real == a or inside or real in a.parents:
-            raise OutputPathError(
-                f"out_dir: refusing to write {out} (-> {real}): it is {'inside' if inside else 'equal to or above'} "
-                f"{a}, which this export reads. Write it elsewhere, e.g. {a.parent.parent / (out.name or 'ema_hf')}"
+        opened = _io.SafetensorsFile(path)
+    except _io.FormatError as e:
+        raise CorruptCheckpointError(f"source: {e}") from None
+    with opened as f:
+        fmt = f.metadata.get("format")
+        if fmt not in SOURCE_FORMATS:
+            raise CheckpointMismatchError(
+                f"{path}: not a file of full EMA weights written by functional_ema (its safetensors metadata 'format' "
+                f"is {fmt!r}, expected one of {list(SOURCE_FORMATS)}); export a checkpoint folder, or the output of "
+                "consolidate, consolidate --dcp or posthoc"
             )
-    if real.exists() and not real.is_dir():
-        raise OutputPathError(f"out_dir: {out} exists and is not a folder; choose another name")
-    if real.is_dir() and any(real.iterdir()) and not overwrite:
-        raise OutputPathError(
-            f"out_dir: refusing to replace the existing, non-empty folder {out}: pass overwrite=True (--overwrite) "
-            "to replace it as a whole once the new one is complete, or choose another name"
-        )
-    return real
+        shapes = {n: e.shape for n, e in f.tensors.items()}
+        dtypes = {n: e.dtype for n, e in f.tensors.items()}
 
+        def fill_file(dst: torch.Tensor, name: str) -> None:
+            f.read_into(name, dst)
 
-def _commit_dir(tmp: Path, final: Path, overwrite: bool) -> None:
-    """Rename the complete ``tmp`` folder to ``final``; an existing ``final`` is moved aside first, removed after
-    (refused without ``overwrite``: files that appeared there during the export are never removed)."""
-    old = None
-    if final.exists():
-        if final.is_dir() and not any(final.iterdir()):
-            final.rmdir()
-        elif not overwrite:
-            raise OutputPathError(f"out_dir: {final} was filled while the export ran; it is left as it is")
-        else:
-            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(final, old)
-    os.rename(tmp, final)
-    _io.fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        step = f.metadata.get("step", "")
+        index = f.metadata.get("ema_index", "")
+        info = {
+            "source": str(path),
+            "source_kind": "file",
+            "source_format": fmt,
+            "step": int(step) if step.isdigit() else None,
+            "ema_index": int(index) if index.isdigit() else None,
+            "source_metadata": {k: f.metadata[k] for k in sorted(f.metadata)},
+        }
+        yield _Source(shapes, dtypes, fill_file, info, [path])
 
 
 # --------------------------------------------------------------------------------------------- export
@@ -350,6 +217,145 @@ def _shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[s
         groups[-1].append(n)
         size += nbytes[n]
     return [g for g in groups if g]
+
+
+def _check_options(dtype: Any, max_shard_size: Any, missing: Any, index: Any, adapter_name: Any) -> tuple:
+    cast = parse_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    if missing not in ("like", "error"):
+        raise ValueError(f'missing (--missing) must be "like" or "error", got {missing!r}')
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"index (--index) must be an int >= 0, got {index!r}")
+    if not isinstance(adapter_name, str) or not adapter_name or any(c in adapter_name for c in "./\\\x00 \t\n"):
+        raise ValueError(
+            f"adapter_name (--adapter-name) must be a PEFT adapter name (no dots or separators), got {adapter_name!r}"
+        )
+    return cast, limit
+
+
+class _Like:
+    """``--like``'s weights read one tensor at a time (for the weights the EMA lacks, and the tie checks)."""
+
+    def __init__(self, like: LikeFolder) -> None:
+        self.like = like
+
+    def read(self, name: str) -> torch.Tensor:
+        file, entry = self.like.weights[name]
+        out = torch.empty(entry.numel, dtype=entry.dtype)
+        try:
+            with _io.SafetensorsFile(file) as f:
+                f.read_into(name, out)
+        except (_io.FormatError, OSError) as e:
+            raise ForeignFileError(f"like (--like): {file}: {e}") from None
+        return out
+
+
+def _check_ties(plan: Plan, src: _Source, like: _Like) -> list[str]:
+    """Each tied alias left out must hold, in the EMA, exactly the value the loader gives it. Its names."""
+    by_name = {it.name: it for it in plan.items}
+    for alias, holder in plan.ties:
+        mine = torch.empty(math.prod(src.shapes[alias]), dtype=src.dtypes[alias])
+        src.fill(mine, alias)
+        it = by_name[holder]
+        theirs = torch.empty(math.prod(it.shape), dtype=src.dtypes[it.key]) if it.origin == "ema" else None
+        if theirs is not None:
+            src.fill(theirs, it.key)
+        else:
+            theirs = like.read(holder)
+        if not torch.equal(mine.to(it.dtype), theirs.to(it.dtype)):
+            raise CheckpointMismatchError(
+                f"EMA tensor {alias!r} is tied to {holder!r} by --like's config ({like.like.config_file}), but their "
+                "values differ: the loaded model would hold one value for both, not this EMA. If the model was trained "
+                "untied, set tie_word_embeddings to false in --like's config.json and save the output embedding there"
+            )
+    return [a for a, _ in plan.ties]
+
+
+def _record(
+    src: _Source, like: LikeFolder, plan: Plan, cast: torch.dtype | None, files: list[str], extra: dict
+) -> dict:
+    """``ema_export.json``: the export's own fields always win over anything the source's metadata says."""
+    layout = {"peft": "peft", "diffusers": "diffusers"}.get(like.kind, "transformers")
+    own = {
+        "format": EXPORT_FORMAT,
+        "format_version": RECORD_VERSION,
+        "library": f"functional_ema {library_version()}",
+        "dtype": str(cast or "as saved").removeprefix("torch."),
+        "layout": layout,
+        "like": str(like.given),
+        "like_folder": str(like.folder),
+        "files": files,
+        "prefix_dropped": plan.prefix,
+        "copied_from_like": [it.name for it in plan.items if it.origin == "like"],
+        "ignored_in_like": like.ignored,
+        **extra,
+    }
+    return {**{k: v for k, v in src.info.items() if k not in own}, **own}
+
+
+_META_KEYS = ("format", "source", "tag", "step", "ema_index", "schedule", "dtype", "layout")
+
+
+def _write(
+    tmp: Path, plan: Plan, groups: list[list[str]], files: list[str], src: _Source, like: _Like, meta: dict, bar: Any
+) -> dict[str, dict[str, list[int]]]:
+    """Every planned tensor into its file, one in memory at a time. Returns file -> name -> chunk checksums."""
+    by_name = {it.name: it for it in plan.items}
+    largest = max(
+        (math.prod(it.shape) * src.dtypes[it.key].itemsize for it in plan.items if it.origin == "ema"), default=0
+    )
+    buffer = _memory.empty(largest // 4 + 1, dtype=torch.float32).view(torch.uint8)  # reused for every EMA tensor
+    sums: dict[str, dict[str, list[int]]] = {}
+    for group, fname in zip(groups, files):
+        entries = [(n, by_name[n].dtype, by_name[n].shape) for n in group]
+        with _io.StreamingWriter(tmp / fname, entries, meta, checksums=True) as w:
+            for n in group:
+                it = by_name[n]
+                if it.origin == "ema":
+                    sdt = src.dtypes[it.key]
+                    flat = buffer[: math.prod(it.shape) * sdt.itemsize].view(sdt)
+                    src.fill(flat, it.key)  # checked before it is written
+                else:
+                    flat = like.read(it.key)
+                out = flat.to(it.dtype) if flat.dtype != it.dtype else flat
+                if out.dtype != flat.dtype and flat.is_floating_point():
+                    _check_cast(flat, out, n)
+                w.write(n, out)
+                bar.update(out.numel() * out.element_size())
+            w.commit()
+            sums[fname] = dict(w.crcs)
+    return sums
+
+
+def _check_cast(before: torch.Tensor, after: torch.Tensor, name: str) -> None:
+    overflow = torch.isfinite(before) & ~torch.isfinite(after)
+    if bool(overflow.any()):
+        peak = float(before[overflow].abs().max())
+        raise CheckpointMismatchError(
+            f"tensor {name!r}: {int(overflow.sum())} value(s) (up to {peak:.4g} in magnitude) do not fit {after.dtype} "
+            "and would become inf; export in bf16 or fp32 (--dtype)"
+        )
+
+
+def _read_back(tmp: Path, plan: Plan, files: list[str], sums: dict[str, dict[str, list[int]]]) -> None:
+    """The export checks itself: each file re-opened, its tensors as planned, its bytes as written."""
+    want = {it.name: it for it in plan.items}
+    seen: set[str] = set()
+    for fname in files:
+        with _io.SafetensorsFile(tmp / fname) as f:
+            for n, e in f.tensors.items():
+                it = want.get(n)
+                if it is None or e.dtype != it.dtype or tuple(e.shape) != tuple(it.shape) or n in seen:
+                    raise CheckpointMismatchError(
+                        f"export self-check: {fname} holds {n!r} {e.dtype}{list(e.shape)}, not as planned"
+                    )
+                buf = torch.empty(e.numel, dtype=e.dtype)
+                f.read_into(n, buf, crcs=sums[fname][n], context="export self-check")
+                seen.add(n)
+    if seen != set(want):
+        raise CheckpointMismatchError(
+            f"export self-check: tensors never written: {short_list(sorted(set(want) - seen))}"
+        )
 
 
 def to_hf(
@@ -372,28 +378,32 @@ def to_hf(
 
     Args:
         source: a checkpoint directory (or tag folder) written by :func:`functional_ema.save`, any
-            layout; or a consolidated ``.safetensors`` file (``consolidate``, ``consolidate --dcp``,
-            ``posthoc`` outputs).
-        out_dir: the folder to create (must not exist, or be empty, unless ``overwrite``).
+            layout; or a consolidated ``.safetensors`` file this library wrote (``consolidate``,
+            ``consolidate --dcp``, ``posthoc``, a callback's ``export_path``).
+        out_dir: the folder to create (must not exist, or be empty, or with ``overwrite`` be a previous export).
         like: the model's ``save_pretrained`` folder (``config.json``; its weights, when present, fix
             the names and supply what the EMA lacks), or a PEFT adapter folder (``adapter_config.json``).
         tag, index, verify, tp_dims: as for :func:`functional_ema.consolidate` (ignored for a file source,
-            which holds one EMA).
+            which holds one EMA). ``verify`` also reads the written files back against their checksums.
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or the torch dtype) for floating tensors; ``None``: as saved.
+            Integer tensors keep their dtype. Values that do not fit ``fp16`` are refused.
         max_shard_size: the most bytes per ``model-*.safetensors`` shard (``"5GB"`` as Hugging Face
             counts, ``"500MiB"``, or an int). One shard is written as ``model.safetensors``. PEFT: one file.
         missing: ``"like"`` copies weights the EMA lacks from ``like``; ``"error"`` refuses them.
-        adapter_name: the PEFT adapter whose name is removed from the names (PEFT folders only).
-        overwrite: replace an existing ``out_dir`` (as a whole, once the new folder is complete).
+        adapter_name: PEFT: the adapter the EMA was trained as (its name is removed from the names, and
+            a non-default adapter's folder is ``like/<adapter_name>/``, where PEFT saves it).
+        overwrite: replace ``out_dir`` when it holds a previous export (as a whole, once the new folder is complete).
         progress: show a progress bar (``None``: when stderr is a terminal).
 
     Returns:
         ``out_dir``.
 
     Raises:
-        ValueError: a bad ``dtype``, ``max_shard_size``, ``missing`` or ``index``, naming it.
-        OutputPathError: ``out_dir`` inside or above the source or ``like``, or existing (without ``overwrite``).
-        CheckpointMismatchError: an EMA tensor with no place in ``like``, or a missing one with ``missing="error"``.
+        ValueError: a bad ``dtype``, ``max_shard_size``, ``missing``, ``index`` or ``adapter_name``, naming it.
+        OutputPathError: ``out_dir`` empty, the current folder or above it, inside or above what is read, under a
+            file, or existing and not a previous export (or without ``overwrite``).
+        ForeignFileError: a malformed, ambiguous or inconsistent ``like`` folder, naming the file and field.
+        CheckpointMismatchError: the EMA does not fit ``like`` (names, shapes, ties, adapters), naming the tensors.
 
     Example:
         >>> fe.export.to_hf("out/checkpoint-800", "ema_hf", like="base_model")   # doctest: +SKIP
@@ -401,115 +411,69 @@ def to_hf(
     """
     from .checkpoint import _progress
 
-    cast = parse_dtype(dtype)
-    limit = parse_size(max_shard_size)
-    if missing not in ("like", "error"):
-        raise ValueError(f'missing must be "like" or "error", got {missing!r}')
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ValueError(f"index (--index) must be an int >= 0, got {index!r}")
-    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:
-        raise ValueError(f"adapter_name must be a non-empty name without dots, got {adapter_name!r}")
-    out = Path(out_dir)
-    info_like = _read_like(like)
+    cast, limit = _check_options(dtype, max_shard_size, missing, index, adapter_name)
+    like_folder = read_like(like, adapter_name)
+    view, why_not = loader_view(like_folder.kind, like_folder.config, like_folder.config_file)
     with _open_source(source, tag, index, verify, tp_dims) as src:
-        real_out = _check_out_dir(out, [*src.paths, info_like.folder], overwrite)
-        names, dropped = _fit_names(list(src.shapes), info_like, adapter_name)
-        exported = set(names.values())
-        lacking = [n for n in info_like.weights if n not in exported]
-        if lacking and missing == "error":
-            raise CheckpointMismatchError(
-                f"{len(lacking)} weight(s) of {info_like.folder} have no EMA: {short_list(lacking, 6)} (frozen "
-                'parameters or buffers); pass missing="like" (the default) to copy them from there'
-            )
-        # (exported name, dtype out, shape, reader) in the source's order, then the weights copied from `like`
-        plan: list[tuple[str, torch.dtype, tuple[int, ...], Any]] = []
-
-        def out_dtype(d: torch.dtype) -> torch.dtype:
-            return cast if cast is not None and d.is_floating_point else d
-
-        for name, hf in names.items():
-            plan.append((hf, out_dtype(src.dtypes[name]), src.shapes[name], ("ema", name)))
-        if lacking:
-            from safetensors import safe_open
-
-            for n in lacking:
-                with safe_open(str(info_like.weights[n]), framework="pt") as f:
-                    sl = f.get_slice(n)
-                    d = _st_dtype(sl.get_dtype(), info_like.weights[n], n)
-                    plan.append((n, out_dtype(d), tuple(sl.get_shape()), ("like", n)))
-        nbytes = {hf: math.prod(shape) * d.itemsize for hf, d, shape, _ in plan}
-        by_name = {p[0]: p for p in plan}
-        stem = _stem(info_like)
-        groups = [list(by_name)] if info_like.peft else _shards(list(by_name), nbytes, limit)
+        real_out = check_out_dir(out_dir, [*src.paths, like_folder.given], overwrite)
+        plan = make_plan(src.shapes, src.dtypes, like_folder, view, adapter_name, cast, missing)
+        reader = _Like(like_folder)
+        tied = _check_ties(plan, src, reader)
+        nbytes = {it.name: math.prod(it.shape) * it.dtype.itemsize for it in plan.items}
+        stem = like_folder.stem
+        groups = [list(nbytes)] if like_folder.kind == "peft" else _shards(list(nbytes), nbytes, limit)
         files = (
             [f"{stem}.safetensors"]
             if len(groups) == 1
             else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         )
-        record = {
-            "format": "functional_ema.hf_export",
-            "format_version": 1,
-            "library": f"functional_ema {library_version()}",
-            **src.info,
-            "dtype": str(cast or "as saved").removeprefix("torch."),
-            "layout": {"adapter_model": "peft", "diffusion_pytorch_model": "diffusers"}.get(stem, "transformers"),
-            "like": str(info_like.folder),
-            "files": files,
-            "tied_left_out": dropped,
-            "copied_from_like": lacking,
-        }
-        meta = {"format": "pt", "functional_ema": json.dumps({k: record[k] for k in record if k in _META_KEYS})}
-        tmp = real_out.parent / f".{real_out.name}.tmp-{uuid.uuid4().hex[:8]}"
-        real_out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+        index_name = [f"{stem}.safetensors.index.json"] if len(groups) > 1 else []
+        copied = [p.name for p in like_folder.copied]
+        written = sorted(
+            {*files, *index_name, *copied, "config.json" if cast is not None else "", EXPORT_RECORD} - {""}
+        )
+        check = (
+            {"class": view.cls, "result": "names, shapes and ties as save_pretrained writes them"}
+            if view
+            else {"class": None, "result": f"not run: {why_not}"}
+        )
+        record = _record(
+            src, like_folder, plan, cast, files, {"tied_left_out": tied, "written": written, "loader_check": check}
+        )
+        meta = {"format": "pt", "functional_ema": json.dumps({k: record.get(k) for k in _META_KEYS})}
+        tmp = new_tmp_dir(real_out)
         bar = _progress(sum(nbytes.values()), progress, f"export {real_out.name}")
         try:
-            largest = max((math.prod(s) for n, (_, _, s, r) in by_name.items() if r[0] == "ema"), default=0)
-            fp = max((d.itemsize for d in src.dtypes.values()), default=4)
-            buffer = _memory.empty(largest * fp // 4 + 1, dtype=torch.float32).view(torch.uint8)  # reused
-            for group, fname in zip(groups, files):
-                entries = [(n, by_name[n][1], by_name[n][2]) for n in group]
-                with _io.StreamingWriter(tmp / fname, entries, meta, checksums=False) as w:
-                    for n in group:
-                        _, d, shape, (kind, key) = by_name[n]
-                        if kind == "ema":
-                            sdt = src.dtypes[key]
-                            flat = buffer[: math.prod(shape) * sdt.itemsize].view(sdt)
-                            src.fill(flat, key)  # checked before it is written
-                        else:
-                            from safetensors import safe_open
-
-                            with safe_open(str(info_like.weights[key]), framework="pt") as f:
-                                flat = f.get_tensor(key).reshape(-1)
-                        w.write(n, flat.to(d) if flat.dtype != d else flat)
-                        bar.update(nbytes[n])
-                    w.commit()
-            if len(groups) > 1:
-                index_json = {
+            sums = _write(tmp, plan, groups, files, src, reader, meta, bar)
+            if verify:
+                _read_back(tmp, plan, files, sums)
+            if index_name:
+                weight_map = {n: f for g, f in zip(groups, files) for n in g}
+                body = {
                     "metadata": {"total_size": sum(nbytes.values()), "functional_ema": meta["functional_ema"]},
-                    "weight_map": {n: f for g, f in zip(groups, files) for n in g},
+                    "weight_map": weight_map,
                 }
-                _io.atomic_write_bytes(
-                    tmp / f"{stem}.safetensors.index.json", json.dumps(index_json, indent=2).encode()
-                )
-            for f in sorted(info_like.folder.iterdir()):
-                if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != EXPORT_RECORD:
-                    shutil.copy2(f, tmp / f.name)
-            if cast is not None and not info_like.peft:  # from_pretrained(dtype="auto") reads the dtype here
-                config = dict(info_like.config)
-                for key in ("dtype", "torch_dtype"):
-                    if key in config or key == "dtype":
-                        config[key] = str(cast).removeprefix("torch.")
-                _io.atomic_write_bytes(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+                _io.atomic_write_bytes(tmp / index_name[0], json.dumps(body, indent=2).encode())
+            for f in like_folder.copied:
+                shutil.copyfile(f, tmp / f.name)
+            _write_config(tmp, like_folder, cast)
             _io.atomic_write_bytes(tmp / EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
             _io.fsync_dir(tmp)
-            _commit_dir(tmp, real_out, overwrite)
+            commit_dir(tmp, real_out, Path(out_dir), overwrite)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         finally:
             bar.close()
-    return out
+    return Path(out_dir)
 
 
-_META_KEYS = ("format", "source", "tag", "step", "ema_index", "schedule", "dtype", "layout")
+def _write_config(tmp: Path, like: LikeFolder, cast: torch.dtype | None) -> None:
+    """With ``dtype``, a transformers config says it (``from_pretrained(dtype="auto")`` reads it there)."""
+    if cast is None or like.kind != "transformers":
+        return
+    config = dict(like.config)
+    for key in ("dtype", "torch_dtype"):
+        if key in config or key == "dtype":
+            config[key] = str(cast).removeprefix("torch.")
+    _io.atomic_write_bytes(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode())

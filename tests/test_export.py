@@ -319,8 +319,17 @@ def test_export_refuses_hostile_outputs_and_options(zero3, capsys):
     with pytest.raises(OutputPathError, match="refusing to replace the existing, non-empty folder"):
         to_hf(ckpt, existing, base, tag="ema")
     assert (existing / "keep.txt").read_text() == "mine"
-    replaced = to_hf(ckpt, existing, base, tag="ema", overwrite=True)
-    assert not (replaced / "keep.txt").exists() and (replaced / "model.safetensors").is_file()
+    with pytest.raises(OutputPathError, match="not a previous export of this tool"):  # never what it did not write
+        to_hf(ckpt, existing, base, tag="ema", overwrite=True)
+    assert sorted(p.name for p in existing.iterdir()) == ["keep.txt"]
+    previous = to_hf(ckpt, out / "previous", base, tag="ema")
+    first_inode = (previous / "model.safetensors").stat().st_ino
+    replaced = to_hf(ckpt, previous, base, tag="ema", overwrite=True)  # a previous export: replaced as a whole
+    assert (replaced / "model.safetensors").stat().st_ino != first_inode
+    (replaced / "notes.md").write_text("mine")  # a file its export did not write: the folder is no longer replaced
+    with pytest.raises(OutputPathError, match=r"files its export did not write \(notes\.md\)"):
+        to_hf(ckpt, replaced, base, tag="ema", overwrite=True)
+    assert (replaced / "notes.md").read_text() == "mine"
     assert sorted(p.name for p in (ckpt / "ema").iterdir()) == before
     for kwargs, option in (
         ({"dtype": "int8"}, "dtype"),
@@ -526,12 +535,84 @@ def test_tied_embeddings_frozen_weights_and_prefixed_names(tmp_path):
     full = {f"_forward_module.model.{n}": t for n, t in ref.items()}
     full["_forward_module.model.lm_head.weight"] = want.model.embed_tokens.weight.detach().clone()
     full["_forward_module.model.model.embed_tokens.weight"] = full["_forward_module.model.lm_head.weight"].clone()
-    save_file(full, tmp_path / "ema.safetensors")
+    save_file(full, tmp_path / "ema.safetensors", metadata={"format": "functional_ema.export", "step": str(STEPS)})
     out2 = to_hf(tmp_path / "ema.safetensors", tmp_path / "hf2", tmp_path / "base")
     record2 = json.loads((out2 / "ema_export.json").read_text())
     assert record2["tied_left_out"] == ["_forward_module.model.lm_head.weight"] and record2["copied_from_like"] == []
     assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(out2), x), _logits(want, x))
-    save_file({"encoder.weight": torch.zeros(2)}, tmp_path / "alien.safetensors")
+    ours = {"format": "functional_ema.export"}
+    save_file({"encoder.weight": torch.zeros(2)}, tmp_path / "alien.safetensors", metadata=ours)
     with pytest.raises(CheckpointMismatchError, match=r"no place.*encoder\.weight"):
         to_hf(tmp_path / "alien.safetensors", tmp_path / "hf3", tmp_path / "base")
+    save_file({}, tmp_path / "empty.safetensors", metadata=ours)  # no EMA tensor: never the base model shipped
+    with pytest.raises(CheckpointMismatchError, match="holds no EMA tensor"):
+        to_hf(tmp_path / "empty.safetensors", tmp_path / "hf3", tmp_path / "base")
+    save_file(dict(ref), tmp_path / "foreign.safetensors")  # right names, but not a file this library wrote
+    with pytest.raises(CheckpointMismatchError, match="not a file of full EMA weights written by functional_ema"):
+        to_hf(tmp_path / "foreign.safetensors", tmp_path / "hf3", tmp_path / "base")
     assert not (tmp_path / "hf3").exists() and not (tmp_path / "strict").exists()
+
+
+def _tiny_llama_checkpoint(root: Path) -> dict[str, torch.Tensor]:
+    """One process: a tiny untied Llama saved as ``root/base``, its one-step EMA saved as ``root/ckpt`` (tag ``s``)."""
+    from transformers import LlamaForCausalLM
+
+    import functional_ema as fe
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config())
+    model.save_pretrained(root / "base")
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    state = fe.update(state, fe.local_shards(model), 1, decay=DECAY)
+    fe.save(state, model, root / "ckpt", tag="s")
+    return fe.consolidate(root / "ckpt", "s")
+
+
+def test_a_killed_export_leaves_no_folder_a_later_export_keeps(tmp_path):
+    """``kill -9`` mid-export: the hidden temporary folder is removed by the next export of the same out_dir;
+    temporary folders of live writers, of other hosts and without the marker are left alone."""
+    import signal
+    import subprocess
+    import sys
+
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    script = (
+        "import sys, time\n"
+        "import functional_ema.export as e\n"
+        "def stall(tmp, *a, **k):\n"
+        "    print('writing', flush=True)\n"
+        "    (tmp / 'model.safetensors').write_bytes(b'0' * 4096)\n"
+        "    time.sleep(120)\n"
+        "e._write = stall\n"
+        "e.to_hf(sys.argv[1], sys.argv[2], sys.argv[3], tag='s')\n"
+    )
+    out = tmp_path / "ema_hf"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "ckpt"), str(out), str(tmp_path / "base")],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"writing"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".ema_hf.tmp-")]
+    assert len(left) == 1 and (left[0] / "model.safetensors").is_file()
+    foreign = [tmp_path / ".ema_hf.tmp-nomarker", tmp_path / ".ema_hf.tmp-otherhost", tmp_path / ".ema_hf.tmp-alive"]
+    for d in foreign:
+        d.mkdir()
+    (foreign[1] / ".functional_ema_export_in_progress").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    (foreign[2] / ".functional_ema_export_in_progress").write_text(
+        json.dumps({"host": __import__("socket").gethostname(), "pid": os.getpid()})
+    )
+    to_hf(tmp_path / "ckpt", out, tmp_path / "base", tag="s")
+    assert not left[0].exists() and all(d.is_dir() for d in foreign)
+    assert (out / "model.safetensors").is_file() and not [p for p in out.iterdir() if "progress" in p.name]

@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointIOError",
     "CheckpointTimeoutError",
     "OutputPathError",
+    "ForeignFileError",
 ]
 
 
@@ -61,3 +62,9 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
 class OutputPathError(CheckpointError):
     """An output path inside the checkpoint being read, or an existing file without ``overwrite``."""
+
+
+class ForeignFileError(CheckpointError):
+    """A file another tool wrote, read as input (a ``--like`` model folder's ``config.json``, weight index,
+    weight files or ``adapter_config.json``), is malformed, unreadable or inconsistent with the rest of its
+    folder. The message names the file and the field."""

@@ -1,0 +1,182 @@
+"""The ``--like`` folder: which kind of folder it is, its config, its weights' names and shapes, what is copied.
+
+The folder kind and the weight file names follow the loaders' own rules, never a directory listing:
+
+=============  ==========================  =============================================================
+kind           recognised by               weights read (``save_pretrained``'s names)
+=============  ==========================  =============================================================
+transformers   ``config.json``             ``model.safetensors``, else ``model.safetensors.index.json``
+diffusers      ``config.json`` with        ``diffusion_pytorch_model.safetensors``, else its index
+               ``_class_name``
+peft           ``adapter_config.json``     ``adapter_model.safetensors``; a non-default adapter in
+                                           ``<like>/<adapter_name>/`` (where PEFT saves it)
+=============  ==========================  =============================================================
+
+Other ``*.safetensors`` files (``consolidated.safetensors``, a stray ``adapter_model.safetensors`` in a
+model folder) are ignored: not read, not copied, listed in the record. A folder with both a model's
+weights and ``adapter_config.json`` is refused as ambiguous; so is one whose weights exist only as
+pickles (``pytorch_model.bin``: this library never unpickles).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from .. import _io
+from .._checkpoint.errors import ForeignFileError
+from .foreign import read_index, read_json_object, read_weights_header
+
+__all__ = ["LikeFolder", "read_like", "EXPORT_RECORD", "WEIGHT_SUFFIXES"]
+
+EXPORT_RECORD = "ema_export.json"
+#: Files never copied from ``--like``: weights of any format (the export writes its own) and the record.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json", ".gguf")
+_STEMS = {"transformers": "model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
+_PICKLES = {"transformers": "pytorch_model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
+
+
+class LikeFolder(NamedTuple):
+    """What the export takes from ``--like``.
+
+    Attributes:
+        given: the folder named by ``like``.
+        folder: the folder whose files are copied (``given``, or ``given/<adapter>`` for a non-default PEFT adapter).
+        kind: ``"transformers"``, ``"diffusers"`` or ``"peft"``.
+        config: ``config.json`` (or ``adapter_config.json``) as a JSON object.
+        config_file: its path.
+        weights: saved name -> (file, header entry); empty when the folder holds no weights.
+        copied: the files copied into the export (every regular file that is not a weight file).
+        ignored: weight-like files present that the loader of this kind does not read.
+    """
+
+    given: Path
+    folder: Path
+    kind: str
+    config: dict[str, Any]
+    config_file: Path
+    weights: dict[str, tuple[Path, _io.TensorEntry]]
+    copied: list[Path]
+    ignored: list[str]
+
+    @property
+    def stem(self) -> str:
+        """The weight files' name: ``model``, ``diffusion_pytorch_model`` or ``adapter_model``."""
+        return _STEMS[self.kind]
+
+
+def read_like(like: Any, adapter_name: str) -> LikeFolder:
+    """Read and validate ``like`` (see the module docstring).
+
+    Raises:
+        ForeignFileError: not a folder, no config, an ambiguous or pickle-only folder, or any malformed file.
+    """
+    if not isinstance(like, (str, os.PathLike)) or not os.fspath(like) or "\x00" in os.fspath(like):
+        raise ForeignFileError(f"like (--like) must name the model's save_pretrained folder, got {like!r}")
+    given = Path(like)
+    if not given.is_dir():
+        raise ForeignFileError(f"like (--like): {given} is not a folder (give the model's save_pretrained folder)")
+    folder, kind = _kind(given, adapter_name)
+    config_file = folder / ("adapter_config.json" if kind == "peft" else "config.json")
+    config = read_json_object(config_file, "like (--like)")
+    if kind != "peft" and isinstance(config.get("_class_name"), str):
+        kind = "diffusers"
+    _check_config(config, config_file, kind)
+    weights, used = _weights(folder, kind)
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    copied = [p for p in files if not p.name.endswith(WEIGHT_SUFFIXES) and p.name != EXPORT_RECORD]
+    ignored = [p.name for p in files if p.name.endswith(WEIGHT_SUFFIXES) and p.name not in used]
+    return LikeFolder(given, folder, kind, config, config_file, weights, copied, ignored)
+
+
+def _kind(given: Path, adapter_name: str) -> tuple[Path, str]:
+    """(folder, kind) by the loaders' rules; PEFT saves a non-default adapter in ``<folder>/<adapter_name>/``."""
+    if adapter_name != "default" and (given / adapter_name / "adapter_config.json").is_file():
+        return given / adapter_name, "peft"
+    has_adapter = (given / "adapter_config.json").is_file()
+    has_model_weights = any(
+        (given / f"{stem}{suffix}").exists()
+        for stem in ("model", "diffusion_pytorch_model", "pytorch_model")
+        for suffix in (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+    )
+    if has_adapter and has_model_weights:
+        raise ForeignFileError(
+            f"like (--like): {given} holds both a model's weights and adapter_config.json (a PEFT adapter): give the "
+            "base model's folder to export full weights, or the adapter's folder to export a PEFT adapter"
+        )
+    if has_adapter:
+        if adapter_name != "default":
+            raise ForeignFileError(
+                f"like (--like): adapter_name (--adapter-name) is {adapter_name!r}, but PEFT saves a non-default "
+                f"adapter in {given / adapter_name}/, which does not exist; {given}/adapter_config.json is the "
+                "'default' adapter's"
+            )
+        return given, "peft"
+    if (given / "config.json").is_file():
+        return given, "transformers"
+    raise ForeignFileError(
+        f"like (--like): {given} holds no config.json (a Hugging Face model folder) and no adapter_config.json "
+        "(a PEFT adapter folder)"
+    )
+
+
+def _check_config(config: dict[str, Any], path: Path, kind: str) -> None:
+    """The fields the export reads, typed; anything else in the config is copied as it is."""
+
+    def bad(field: str, want: str) -> ForeignFileError:
+        return ForeignFileError(f"like (--like): {path}: field {field!r} must be {want}, got {config.get(field)!r}")
+
+    if kind == "peft":
+        mts = config.get("modules_to_save")
+        if mts is not None and not (isinstance(mts, list) and all(isinstance(m, str) for m in mts)):
+            raise bad("modules_to_save", "null or a list of module names")
+        if not isinstance(config.get("peft_type", ""), str):
+            raise bad("peft_type", "a string")
+        return
+    arch = config.get("architectures")
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise bad("architectures", "a list of class names")
+    if "tie_word_embeddings" in config and not isinstance(config["tie_word_embeddings"], bool):
+        raise bad("tie_word_embeddings", "true or false")
+    for sub in ("text_config", "vision_config", "audio_config"):
+        if sub in config and config[sub] is not None and not isinstance(config[sub], dict):
+            raise bad(sub, "an object")
+    for key in ("dtype", "torch_dtype"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise bad(key, "a dtype name")
+
+
+def _weights(folder: Path, kind: str) -> tuple[dict[str, tuple[Path, _io.TensorEntry]], set[str]]:
+    """(saved name -> (file, entry), the names of the files read)."""
+    stem = _STEMS[kind]
+    single, index = folder / f"{stem}.safetensors", folder / f"{stem}.safetensors.index.json"
+    what = "like (--like)"
+    if single.exists():  # the loaders read the single file first
+        return {n: (single, e) for n, e in read_weights_header(single, what).items()}, {single.name}
+    if index.exists():
+        wmap = read_index(index, what)
+        out: dict[str, tuple[Path, _io.TensorEntry]] = {}
+        for file in sorted(set(wmap.values())):
+            path = folder / file
+            if not path.is_file():
+                raise ForeignFileError(f"{what}: {index} names {file!r}, which is not a file in {folder}")
+            header = read_weights_header(path, what)
+            listed = {n for n, f in wmap.items() if f == file}
+            if listed != set(header):
+                odd = sorted(listed ^ set(header))[:3]
+                raise ForeignFileError(
+                    f"{what}: {index}: field 'weight_map' and the tensors of {file} disagree (e.g. {odd}): the index "
+                    "does not describe this folder's files"
+                )
+            out.update({n: (path, header[n]) for n in listed})
+        return out, {index.name, *wmap.values()}
+    pickles = [
+        f"{_PICKLES[kind]}{s}" for s in (".bin", ".bin.index.json") if (folder / f"{_PICKLES[kind]}{s}").exists()
+    ]
+    if pickles:
+        raise ForeignFileError(
+            f"{what}: {folder} holds its weights only as pickles ({', '.join(pickles)}), which this library never "
+            "loads: save the model with save_pretrained(..., safe_serialization=True) and give that folder"
+        )
+    return {}, set()

@@ -1,0 +1,151 @@
+"""What the real loader expects of a folder: names, shapes and tied groups from a meta-device model.
+
+The model class named by ``--like``'s config (``architectures[0]`` in ``transformers``, ``_class_name`` in
+``diffusers``; never remote code) is built on the ``meta`` device from that config (no memory, no weights),
+and ``save_pretrained``'s own steps are applied to its state dict (transformers: drop
+``_keys_to_ignore_on_save``, drop tied aliases, revert the weight renamings). That gives:
+
+* ``saved``: every name and shape ``save_pretrained`` writes, so ``from_pretrained`` loads them all;
+* ``rename``: a module parameter name -> the name it is saved under (``model.language_model.x`` ->
+  ``language_model.model.x`` for Llava in transformers 5);
+* ``aliases``: a tied name that is not saved -> the saved name it shares its tensor with.
+
+Without the library, an unknown class, or remote code (``auto_map``), there is no view: the export then
+follows ``--like``'s weight files alone and records why the check was not run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from .._checkpoint.errors import ForeignFileError
+
+__all__ = ["LoaderView", "loader_view", "MAX_LAYERS"]
+
+#: A layer count above this in a config is refused before any model is built (a forged ``num_hidden_layers``
+#: of 2**40 would otherwise build layers for hours, even on the meta device).
+MAX_LAYERS = 4096
+
+
+class LoaderView(NamedTuple):
+    cls: str  # the class built, e.g. "transformers.LlamaForCausalLM"
+    saved: dict[str, tuple[int, ...]]  # saved name -> shape
+    rename: dict[str, str]  # module name -> saved name, where they differ
+    aliases: dict[str, str]  # saved-form name of a tied alias -> the saved name holding the tensor
+
+
+def loader_view(kind: str, config: dict[str, Any], config_file: Path) -> tuple[LoaderView | None, str]:
+    """(the view, "") or (None, why no view was built). ``kind``: ``transformers`` or ``diffusers``.
+
+    Raises:
+        ForeignFileError: the config names a known class that cannot be built from it (the message names
+            ``config_file`` and the class's own error), or an implausible layer count.
+    """
+    if kind == "transformers":
+        arch = config.get("architectures")
+        name, lib = (arch[0] if arch else None), "transformers"
+    elif kind == "diffusers":
+        name, lib = config.get("_class_name"), "diffusers"
+    else:
+        return None, "a PEFT adapter: the base model is not given"
+    if "auto_map" in config:
+        return None, "the config names remote code (auto_map), which the export never runs"
+    if not isinstance(name, str) or not name.isidentifier():
+        return None, f"the config names no {lib} model class"
+    if importlib.util.find_spec(lib) is None:
+        return None, f"{lib} is not installed"
+    _check_layers(config, config_file)
+    with _quiet():
+        module = importlib.import_module(lib)
+        cls = getattr(module, name, None)
+        base = getattr(module, "PreTrainedModel" if lib == "transformers" else "ModelMixin", None)
+        if not (isinstance(cls, type) and base is not None and issubclass(cls, base)):
+            return None, f"{lib} has no model class {name!r}"
+        try:
+            view = _transformers_view(cls, config) if lib == "transformers" else _diffusers_view(cls, config)
+        except Exception as e:  # noqa: BLE001 - any failure of a third-party class on a foreign config is refused
+            raise ForeignFileError(
+                f"like (--like): {config_file}: {lib}.{name} cannot be built from this config "
+                f"({type(e).__name__}: {str(e)[:300]})"
+            ) from None
+    return view, ""
+
+
+def _check_layers(config: Any, config_file: Path, depth: int = 0) -> None:
+    if depth > 4 or not isinstance(config, dict):
+        return
+    for key, value in config.items():
+        if isinstance(value, dict):
+            _check_layers(value, config_file, depth + 1)
+        elif (
+            ("layers" in key or key in ("n_layer", "n_layers"))
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value > MAX_LAYERS
+        ):
+            raise ForeignFileError(
+                f"like (--like): {config_file}: field {key!r} is {value}, more than {MAX_LAYERS} layers: not a "
+                "model this export builds"
+            )
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Third-party warnings and logs about the foreign config are not the export's output."""
+    loggers = [logging.getLogger(n) for n in ("transformers", "diffusers")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _transformers_view(cls: Any, config: dict[str, Any]) -> LoaderView:
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    cfg = cls.config_class.from_dict(dict(config))
+    with torch.device("meta"):
+        model = cls(cfg)
+    state = model.state_dict()
+    for key in model._keys_to_ignore_on_save or ():
+        state.pop(key, None)
+    kept = remove_tied_weights_from_state_dict(dict(state), model)
+    saved = {n: tuple(t.shape) for n, t in revert_weight_conversion(model, dict(kept)).items()}
+    rename = {}
+    for n in state:
+        out = list(revert_weight_conversion(model, {n: state[n]}))
+        if len(out) != 1:
+            raise ValueError(f"save_pretrained converts {n!r} into {len(out)} tensors, which the export cannot write")
+        if out[0] != n:
+            rename[n] = out[0]
+    groups: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+    aliases = {}
+    for names in groups.values():
+        held = [rename.get(n, n) for n in names if rename.get(n, n) in saved]
+        for n in names:
+            if held and rename.get(n, n) not in saved:
+                aliases[rename.get(n, n)] = held[0]
+    return LoaderView(f"transformers.{cls.__name__}", saved, rename, aliases)
+
+
+def _diffusers_view(cls: Any, config: dict[str, Any]) -> LoaderView:
+    with torch.device("meta"):
+        model = cls.from_config(dict(config))
+    saved = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    return LoaderView(f"diffusers.{cls.__name__}", saved, {}, {})

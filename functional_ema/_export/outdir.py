@@ -1,0 +1,150 @@
+"""Where an export is written, and what it may replace: never what the library did not write.
+
+* ``out_dir`` must name a folder that does not exist, is empty, or (with ``overwrite``) holds a
+  previous export: its ``ema_export.json`` says so and the folder holds no file that export did not
+  write. Never the current folder, one of its parents, the home folder or ``/``; never inside or
+  above what the export reads.
+* The export is built in ``.<name>.tmp-<id>`` beside ``out_dir``, marked with the writer's host and pid,
+  and renamed into place when complete. A later export of the same ``out_dir`` removes the temporary
+  folders of writers that died (same host, pid gone): only folders carrying that marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .. import _io
+from .._checkpoint.errors import OutputPathError
+from .like import EXPORT_RECORD
+
+__all__ = ["EXPORT_FORMAT", "check_out_dir", "new_tmp_dir", "commit_dir"]
+
+EXPORT_FORMAT = "functional_ema.hf_export"
+_IN_PROGRESS = ".functional_ema_export_in_progress"
+
+
+def check_out_dir(out_dir: Any, avoid: list[Path], overwrite: bool) -> Path:
+    """``out_dir`` resolved, after the checks of the module docstring.
+
+    Raises:
+        OutputPathError: naming ``out_dir`` and why.
+    """
+    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir) or "\x00" in os.fspath(out_dir):
+        raise OutputPathError(f"out_dir (OUT_DIR) must name a new folder, got {out_dir!r}")
+    out = Path(out_dir)
+    try:
+        real = out.resolve()
+        avoid_real = [p.resolve() for p in avoid]
+        cwd = Path.cwd().resolve()
+    except (OSError, RuntimeError) as e:
+        raise OutputPathError(f"out_dir: cannot resolve {out}: {e}") from None
+    home = Path(os.path.expanduser("~")).resolve()
+    if real in (cwd, home) or real in cwd.parents or real in home.parents or real.parent == real:
+        raise OutputPathError(
+            f"out_dir: refusing to write {out_dir!r} (-> {real}): it is the current folder, one of its parents, the "
+            "home folder or '/'; name a new folder for the export"
+        )
+    for a in avoid_real:
+        inside = a.is_dir() and a in real.parents
+        if real == a or inside or real in a.parents:
+            raise OutputPathError(
+                f"out_dir: refusing to write {out} (-> {real}): it is {'inside' if inside else 'equal to or above'} "
+                f"{a}, which this export reads. Write it elsewhere, e.g. {a.parent.parent / (out.name or 'ema_hf')}"
+            )
+    for parent in real.parents:
+        if parent.exists() and not parent.is_dir():
+            raise OutputPathError(f"out_dir: {out} is under {parent}, which is a file, not a folder")
+    if real.exists() and not real.is_dir():
+        raise OutputPathError(f"out_dir: {out} exists and is not a folder; choose another name")
+    if real.is_dir() and any(real.iterdir()):
+        if not overwrite:
+            raise OutputPathError(
+                f"out_dir: refusing to replace the existing, non-empty folder {out}: pass overwrite=True (--overwrite) "
+                "to replace a previous export as a whole once the new one is complete, or choose another name"
+            )
+        _check_previous_export(real, out)
+    return real
+
+
+def _check_previous_export(real: Path, out: Path) -> None:
+    """``overwrite`` replaces only a previous export holding nothing but what it wrote."""
+    record_file = real / EXPORT_RECORD
+    record: Any = None
+    with contextlib.suppress(OSError, ValueError, RecursionError):
+        record = json.loads(record_file.read_bytes()) if record_file.is_file() else None
+    if not isinstance(record, dict) or record.get("format") != EXPORT_FORMAT:
+        raise OutputPathError(
+            f"out_dir: refusing to replace {out}: it is not a previous export of this tool (no {EXPORT_RECORD} "
+            "written by functional_ema in it); --overwrite replaces only a previous export or an empty folder. "
+            "Remove it yourself or choose another name"
+        )
+    written = record.get("written")
+    if isinstance(written, list):  # format_version >= 2: every file the export wrote is listed
+        extra = sorted(p.name for p in real.iterdir() if p.name not in written)
+        if extra:
+            raise OutputPathError(
+                f"out_dir: refusing to replace {out}: it holds files its export did not write ({', '.join(extra[:5])}); "
+                "move them out first, or choose another name"
+            )
+
+
+def new_tmp_dir(real_out: Path) -> Path:
+    """A new temporary folder beside ``real_out``, marked as this process's; dead writers' folders removed first."""
+    real_out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_tmp_dirs(real_out)
+    tmp = real_out.parent / f".{real_out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    marker = {"host": socket.gethostname(), "pid": os.getpid()}
+    (tmp / _IN_PROGRESS).write_text(json.dumps(marker))
+    return tmp
+
+
+def _remove_dead_tmp_dirs(real_out: Path) -> None:
+    for d in real_out.parent.glob(f".{real_out.name}.tmp-*"):
+        marker: Any = None
+        with contextlib.suppress(OSError, ValueError, RecursionError):
+            marker = json.loads((d / _IN_PROGRESS).read_bytes())
+        if not (isinstance(marker, dict) and marker.get("host") == socket.gethostname()):
+            continue  # not ours, or another machine's writer: left alone
+        pid = marker.get("pid")
+        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and not _alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists
+        return True
+    return True
+
+
+def commit_dir(tmp: Path, final: Path, out: Path, overwrite: bool) -> None:
+    """Rename the complete ``tmp`` to ``final``; a previous export there is moved aside, then removed.
+
+    The ownership check runs again here: files that appeared in ``final`` while the export ran are kept.
+    """
+    (tmp / _IN_PROGRESS).unlink()
+    old = None
+    if final.exists():
+        if final.is_dir() and not any(final.iterdir()):
+            final.rmdir()
+        elif not overwrite:
+            raise OutputPathError(f"out_dir: {out} was filled while the export ran; it is left as it is")
+        else:
+            _check_previous_export(final, out)
+            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(final, old)
+    os.rename(tmp, final)
+    _io.fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,207 @@
+"""The export's plan: which tensor goes under which name, from where, in which dtype; checked before writing.
+
+Inputs: the source's names, shapes and dtypes; the ``--like`` folder (:class:`LikeFolder`); the loader's
+view (:class:`LoaderView`, or ``None``). The plan is refused (one error naming the tensors) when:
+
+* an EMA tensor has no place among the names the loader reads, or the names fit only by dropping
+  different prefixes (an accident, not a framework's prefix);
+* a shape differs from ``--like``'s (or the loader's), or ``--like`` holds an integer tensor where the EMA
+  holds a floating one;
+* two EMA tensors land on one name; no EMA tensor is placed at all;
+* PEFT: the EMA's adapter name is not ``adapter_name``, or it holds a tensor PEFT does not save;
+* a weight the loader needs has no EMA and ``--like`` has none to copy (or ``missing="error"``).
+
+A tied alias (``lm_head.weight`` tied to the input embedding) is not written, as ``save_pretrained``
+does; the caller checks that its EMA value equals the tensor it is tied to (:attr:`Plan.ties`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+
+from .._checkpoint.errors import CheckpointMismatchError, ForeignFileError
+from .._checkpoint.format import short_list
+from .like import LikeFolder
+from .loader import LoaderView
+from .names import adapters_in, peft_name, strip_wrappers
+
+__all__ = ["Item", "Plan", "make_plan"]
+
+
+class Item(NamedTuple):
+    name: str  # the name written
+    dtype: torch.dtype  # the dtype written
+    shape: tuple[int, ...]
+    origin: str  # "ema" (read from the source) or "like" (copied from --like's weights)
+    key: str  # the source's name, or --like's
+
+
+class Plan(NamedTuple):
+    items: list[Item]
+    ties: list[tuple[str, str]]  # (source name of a tied alias left out, the name written that holds its value)
+    prefix: str  # the prefix dropped from every EMA name to fit --like's ("" when none)
+
+
+def make_plan(
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, torch.dtype],
+    like: LikeFolder,
+    view: LoaderView | None,
+    adapter_name: str,
+    cast: torch.dtype | None,
+    missing: str,
+) -> Plan:
+    """The plan (see the module docstring)."""
+    names = _own_names(list(shapes), like, adapter_name)
+    expected = _expected(like, view)
+    aliases = view.aliases if view is not None else {}
+    placed, ties, prefix = _place(names, expected, aliases, view, like)
+    _check_shapes(placed, ties, shapes, dtypes, expected, like)
+
+    def out_dtype(d: torch.dtype) -> torch.dtype:
+        return cast if cast is not None and d.is_floating_point else d
+
+    items = [Item(hf, out_dtype(dtypes[src]), shapes[src], "ema", src) for src, hf in placed.items()]
+    if not items:
+        raise CheckpointMismatchError("the source holds no EMA tensor to export (an empty or foreign file?)")
+    lacking = [n for n in (expected or {}) if n not in set(placed.values())]
+    if lacking and (missing == "error" or not like.weights):
+        why = (
+            'pass missing="like" (--missing like) to copy them from there'
+            if like.weights
+            else "and --like has no weights to copy them from: the loader would leave them randomly initialised"
+        )
+        raise CheckpointMismatchError(
+            f"{len(lacking)} weight(s) the loader reads have no EMA: {short_list(lacking, 6)} (frozen parameters or "
+            f"buffers); {why}"
+        )
+    for n in lacking:
+        _file, entry = like.weights[n]
+        items.append(Item(n, out_dtype(entry.dtype), entry.shape, "like", n))
+    return Plan(items, ties, prefix)
+
+
+def _own_names(sources: list[str], like: LikeFolder, adapter_name: str) -> dict[str, str]:
+    """source name -> the name it is saved under before fitting (wrappers removed; PEFT's adapter rule)."""
+    stripped = {s: strip_wrappers(s) for s in sources}
+    if like.kind != "peft":
+        return stripped
+    found = adapters_in(list(stripped.values()))
+    if set(found) != {adapter_name}:
+        got = ", ".join(f"{a!r} ({len(v)} tensors, e.g. {v[0]!r})" for a, v in sorted(found.items())) or "none"
+        raise CheckpointMismatchError(
+            f"--like {like.given} is a PEFT adapter folder and adapter_name (--adapter-name) is {adapter_name!r}, but "
+            f"the EMA's adapter names are: {got}. Pass the adapter name the EMA was trained with"
+        )
+    marked = {n for v in found.values() for n in v}
+    other = [s for s, n in stripped.items() if n not in marked]
+    if other:
+        raise CheckpointMismatchError(
+            f"--like {like.given} is a PEFT adapter folder, but {len(other)} EMA tensor(s) are neither adapter weights "
+            f"nor modules_to_save: {short_list(other, 4)}; PEFT saves only those. To ship these too, export with "
+            "--like the base model's folder after merging, or train them as modules_to_save"
+        )
+    return {s: peft_name(n, adapter_name) for s, n in stripped.items()}
+
+
+def _expected(like: LikeFolder, view: LoaderView | None) -> dict[str, tuple[int, ...]] | None:
+    """The names and shapes the loader reads: ``--like``'s weights (checked against the loader's view), else
+    the view's, else ``None`` (no constraint: a weightless folder without a view)."""
+    have = {n: e.shape for n, (_, e) in like.weights.items()}
+    if view is None:
+        return have or None
+    if have and have != view.saved:
+        odd = sorted(set(have) ^ set(view.saved)) or sorted(n for n in have if have[n] != view.saved[n])
+        shown = [
+            f"{n} {list(have[n]) if n in have else 'absent'} vs {list(view.saved.get(n, ())) or 'absent'}"
+            for n in odd[:4]
+        ]
+        raise ForeignFileError(
+            f"like (--like): the weights in {like.folder} are not what {view.cls} built from {like.config_file.name} "
+            f"saves ({len(odd)} name(s) differ, weights vs config: {'; '.join(shown)}): the folder's config and "
+            "weights disagree (a flag such as tie_word_embeddings, or a size, was edited)"
+        )
+    return dict(view.saved)
+
+
+def _place(
+    names: dict[str, str],
+    expected: dict[str, tuple[int, ...]] | None,
+    aliases: dict[str, str],
+    view: LoaderView | None,
+    like: LikeFolder,
+) -> tuple[dict[str, str], list[tuple[str, str]], str]:
+    """(source -> name written, ties, prefix): one prefix dropped from every EMA name, the same for all."""
+    rename = view.rename if view is not None else {}
+    if expected is None:
+        as_named = {s: rename.get(n, n) for s, n in names.items()}
+        _no_collisions(as_named)
+        return as_named, [], ""
+    viable: dict[str, list[tuple[str, str, bool]]] = {}
+    for src, n in names.items():
+        parts = n.split(".")
+        for k in range(len(parts)):
+            cand = ".".join(parts[k:])
+            for c in dict.fromkeys((cand, rename.get(cand, cand))):
+                if c in expected or c in aliases:
+                    viable.setdefault(src, []).append((".".join(parts[:k]), c, c in aliases))
+    counts = Counter(p for opts in viable.values() for p in {o[0] for o in opts})
+    prefix = min(counts, key=lambda p: (-counts[p], len(p))) if counts else ""
+    out: dict[str, str] = {}
+    ties: list[tuple[str, str]] = []
+    unplaced = []
+    for src in names:
+        fit = [o for o in viable.get(src, []) if o[0] == prefix]
+        if not fit:
+            unplaced.append(src)
+        elif fit[0][2]:
+            ties.append((src, aliases[fit[0][1]]))
+        else:
+            out[src] = fit[0][1]
+    if unplaced:
+        others = [p for p in counts if p != prefix]
+        hint = (
+            f" (they fit only after dropping other prefixes than {prefix!r}: {short_list(others, 3)})" if others else ""
+        )
+        peft = " PEFT saves only the adapters and modules_to_save." if like.kind == "peft" else ""
+        raise CheckpointMismatchError(
+            f"{len(unplaced)} EMA tensor(s) have no place in {like.folder}'s weights: {short_list(unplaced, 6)}{hint} "
+            f"(its weights are named like {short_list(sorted(expected), 3)}).{peft} Is --like the model this EMA was "
+            "trained from?"
+        )
+    _no_collisions(out)
+    return out, ties, prefix
+
+
+def _no_collisions(out: dict[str, str]) -> None:
+    seen: dict[str, str] = {}
+    for src, hf in out.items():
+        if hf in seen:
+            raise CheckpointMismatchError(f"EMA tensors {seen[hf]!r} and {src!r} both export as {hf!r}")
+        seen[hf] = src
+
+
+def _check_shapes(
+    placed: dict[str, str],
+    ties: list[tuple[str, str]],
+    shapes: dict[str, tuple[int, ...]],
+    dtypes: dict[str, torch.dtype],
+    expected: dict[str, tuple[int, ...]] | None,
+    like: LikeFolder,
+) -> None:
+    if expected is None:
+        return
+    bad = []
+    for src, hf in [*placed.items(), *ties]:
+        if tuple(shapes[src]) != tuple(expected[hf]):
+            bad.append(f"{src} {list(shapes[src])} -> {hf} {list(expected[hf])}")
+        elif hf in like.weights and dtypes[src].is_floating_point and not like.weights[hf][1].dtype.is_floating_point:
+            bad.append(f"{src} ({dtypes[src]}) -> {hf}, an integer tensor ({like.weights[hf][1].dtype}) in --like")
+    if bad:
+        raise CheckpointMismatchError(
+            f"{len(bad)} EMA tensor(s) do not fit what the loader expects (EMA shape -> --like's): "
+            f"{short_list(bad, 4)}; is --like the model this EMA was trained from, at the same size?"
+        )
