@@ -8,7 +8,9 @@ and ``save_pretrained``'s own steps are applied to its state dict (transformers:
 * ``saved``: every name and shape ``save_pretrained`` writes, so ``from_pretrained`` loads them all;
 * ``rename``: a module parameter name -> the name it is saved under (``model.language_model.x`` ->
   ``language_model.model.x`` for Llava in transformers 5);
-* ``aliases``: a tied name that is not saved -> the saved name it shares its tensor with.
+* ``aliases``: a tied name that is not saved -> the saved name it shares its tensor with;
+* ``converted``: a module parameter that ``save_pretrained`` converts into several tensors (transformers 5
+  fuses MoE experts in the module and saves them one per expert): the export refuses such an EMA tensor.
 
 Without the library, an unknown class, or remote code (``auto_map``), there is no view: the export then
 follows ``--like``'s weight files alone and records why the check was not run.
@@ -40,6 +42,7 @@ class LoaderView(NamedTuple):
     saved: dict[str, tuple[int, ...]]  # saved name -> shape
     rename: dict[str, str]  # module name -> saved name, where they differ
     aliases: dict[str, str]  # saved-form name of a tied alias -> the saved name holding the tensor
+    converted: dict[str, list[str]]  # module name -> the saved names its tensor is converted into (fused MoE experts)
 
 
 def loader_view(kind: str, config: dict[str, Any], config_file: Path) -> tuple[LoaderView | None, str]:
@@ -86,7 +89,8 @@ def _check_layers(config: Any, config_file: Path, depth: int = 0) -> None:
         if isinstance(value, dict):
             _check_layers(value, config_file, depth + 1)
         elif (
-            ("layers" in key or key in ("n_layer", "n_layers"))
+            isinstance(key, str)
+            and ("layers" in key or key in ("n_layer", "n_layers"))
             and isinstance(value, int)
             and not isinstance(value, bool)
             and value > MAX_LAYERS
@@ -125,12 +129,12 @@ def _transformers_view(cls: Any, config: dict[str, Any]) -> LoaderView:
         state.pop(key, None)
     kept = remove_tied_weights_from_state_dict(dict(state), model)
     saved = {n: tuple(t.shape) for n, t in revert_weight_conversion(model, dict(kept)).items()}
-    rename = {}
+    rename, converted = {}, {}
     for n in state:
         out = list(revert_weight_conversion(model, {n: state[n]}))
         if len(out) != 1:
-            raise ValueError(f"save_pretrained converts {n!r} into {len(out)} tensors, which the export cannot write")
-        if out[0] != n:
+            converted[n] = out
+        elif out[0] != n:
             rename[n] = out[0]
     groups: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -141,11 +145,11 @@ def _transformers_view(cls: Any, config: dict[str, Any]) -> LoaderView:
         for n in names:
             if held and rename.get(n, n) not in saved:
                 aliases[rename.get(n, n)] = held[0]
-    return LoaderView(f"transformers.{cls.__name__}", saved, rename, aliases)
+    return LoaderView(f"transformers.{cls.__name__}", saved, rename, aliases, converted)
 
 
 def _diffusers_view(cls: Any, config: dict[str, Any]) -> LoaderView:
     with torch.device("meta"):
         model = cls.from_config(dict(config))
     saved = {n: tuple(t.shape) for n, t in model.state_dict().items()}
-    return LoaderView(f"diffusers.{cls.__name__}", saved, {}, {})
+    return LoaderView(f"diffusers.{cls.__name__}", saved, {}, {}, {})

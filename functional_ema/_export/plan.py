@@ -161,6 +161,15 @@ def _place(
             ties.append((src, aliases[fit[0][1]]))
         else:
             out[src] = fit[0][1]
+    converted = [s for s in unplaced if view is not None and names[s] in view.converted]
+    if converted:
+        c = names[converted[0]]
+        raise CheckpointMismatchError(
+            f"{len(converted)} EMA tensor(s) are saved by {view.cls if view else ''}.save_pretrained as several "
+            f"tensors each (e.g. {c!r} -> {short_list(view.converted[c] if view else [], 3)}: fused MoE experts), "
+            "which this export does not convert: load the EMA into the model (fe.swapped, or copy_to_model) and call "
+            "save_pretrained"
+        )
     if unplaced:
         others = [p for p in counts if p != prefix]
         hint = (
