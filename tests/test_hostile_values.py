@@ -7,7 +7,8 @@ Transformers and Accelerate callbacks). Every parameter found must have a row in
 reason in :data:`NOT_ATTACKED`): a new public function or argument fails this test until someone
 decides what its hostile values do. Each row's parameter receives every value of :data:`HOSTILE`
 (``None``, a string, a bool, a float, a negative and a huge int, NaN, a numpy scalar, a 0-d tensor, a
-list, a dict, a tuple), the other arguments valid, and each outcome is one of:
+list, a dict, a tuple) and the row's own odd values (``R(values=...)``: ``metric_prefix=""``, ...),
+the other arguments valid, and each outcome is one of:
 
 * refused: a library error (``TypeError``/``ValueError``, the ``CheckpointError``/``MismatchError``
   families, ``ReconstructionError``) whose message names the parameter (or what the row says it
@@ -92,14 +93,20 @@ class Row:
 
     allow: dict[str, str] = field(default_factory=dict)
     names: tuple[str, ...] = ()  # fragments of which one must appear in the message (default: the name)
+    values: dict[str, Callable[[], Any]] = field(default_factory=dict)  # this parameter's own, beside HOSTILE
 
 
-def R(*allowances: dict[str, str], names: tuple[str, ...] = (), **more: str) -> Row:
+def R(
+    *allowances: dict[str, str],
+    names: tuple[str, ...] = (),
+    values: dict[str, Callable[[], Any]] | None = None,
+    **more: str,
+) -> Row:
     allow: dict[str, str] = {}
     for a in allowances:
         allow.update(a)
     allow.update(more)
-    return Row(allow, names)
+    return Row(allow, names, dict(values or {}))
 
 
 MODEL_ARG = ("functional_ema cannot read",)  # adapter_for's TypeError, naming what it accepts
@@ -765,7 +772,7 @@ class Outcome:
 
 def _run_one(world: World, qual: str, param: str, label: str, row: Row) -> Outcome:
     fn, kwargs = CALLS[qual](world)
-    kwargs = {**kwargs, param: HOSTILE[label]()}
+    kwargs = {**kwargs, param: (row.values.get(label) or HOSTILE[label])()}
     try:
         with warnings.catch_warnings(), _deadline(CASE_TIMEOUT_S):
             warnings.simplefilter("ignore")
@@ -803,7 +810,7 @@ def run_table(root: Path, only: Callable[[str, str], bool] = lambda q, p: True) 
         if _not_attacked(qual) or p.kind is inspect.Parameter.VAR_KEYWORD or not only(qual, param):
             continue
         row = ROWS.get((qual, param), Row())
-        for label in HOSTILE:
+        for label in (*HOSTILE, *(v for v in row.values if v not in HOSTILE)):
             world.dirty = False
             outcomes.append(_run_one(world, qual, param, label, row))
             if TRACE:
@@ -1016,7 +1023,14 @@ rows(
 rows("integrations.EMAController.copy_to_model", x=MODEL, index=R(NONE_DEFAULT))
 rows("integrations.EMAController.on_train_end", x=MODEL, strip_prefix=R(str="a prefix to strip"))
 rows("integrations.lightning.EMACallback", decay=DECAY)
-rows("integrations.transformers.EMACallback", decay=DECAY, metric_prefix=R(str="a metric prefix"))
+# metric_prefix's own odd values: the EMA metrics would have no prefix or the live metrics' ("eval": they
+# would overwrite eval_loss); a name with surrounding spaces.
+METRIC_PREFIX_ODD = {"empty": lambda: "", "blank": lambda: "  ", "live eval": lambda: "eval", "spaced": lambda: " ema"}
+rows(
+    "integrations.transformers.EMACallback",
+    decay=DECAY,
+    metric_prefix=R(str="a metric prefix", values=METRIC_PREFIX_ODD),
+)
 rows("integrations.transformers.EMACallback.attach", trainer=R(names=("trainer",)))
 rows(
     "integrations.accelerate.AcceleratorEMA",

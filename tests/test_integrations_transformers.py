@@ -11,6 +11,11 @@ EMA, bitwise.
 The start rule (in the DDP launch, after its run): one trajectory trained at accumulation 1 and 2
 (the same micro-batch twice) gives the same EMA, bitwise, started after optimizer step 1 (or step
 K) as a reference EMA.
+
+In one process (real Trainers, a few seconds): every ``evaluate`` call (the evaluation in training on a
+dict of datasets, a second call at the same step, a dataset given to ``evaluate``, a dict given to it,
+``metric_key_prefix="test"``) logs and returns the EMA loss of its own dataset, equal to that of a copy of
+the model holding the EMA weights and unlike the other datasets'; one callback serves one Trainer.
 """
 
 from __future__ import annotations
@@ -358,3 +363,171 @@ def test_callback_events_outside_a_trainer_say_how_to_name_it():
     ema.on_train_begin(None, SimpleNamespace(global_step=0), None)  # no Trainer on the stack: nothing found
     with pytest.raises(RuntimeError, match=r"found no Trainer.*callbacks=\[ema\].*attach\(trainer\)"):
         ema.on_step_end(None, SimpleNamespace(global_step=1), None)
+
+
+# ------------------------------------------------------------------------ one process: what evaluate answers
+# Real Trainers in this process (no ranks): 4 optimizer steps, each evaluation one batch (eval batch 64 >
+# 32 samples), so eval_loss is the mean squared error of the whole dataset in one forward pass.
+
+
+def _one_process_trainer(out: Path, callbacks, eval_dataset, seed: int = 0, best: str | None = None):
+    from transformers import Trainer, TrainingArguments
+
+    from tests._integration_models import BNNet, RegressionData, quiet
+
+    quiet()
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=64,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        save_strategy="no",
+        eval_strategy="steps",
+        eval_steps=4,  # the last step: the evaluation in training sees the final EMA
+        logging_strategy="no",
+        metric_for_best_model=best,
+        report_to=[],
+        disable_tqdm=True,
+        seed=seed,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    torch.manual_seed(seed)
+    return Trainer(
+        model=BNNet(),
+        args=args,
+        train_dataset=RegressionData(64, seed=1),
+        eval_dataset=eval_dataset,
+        callbacks=list(callbacks),
+    )
+
+
+def _ema_loss(trainer, ema, dataset) -> float:
+    """The loss of a copy of the trained model holding the EMA weights (the live BatchNorm statistics:
+    ``buffers=None``), on all of ``dataset`` in one forward pass: the reference for ``*_ema_*_loss``."""
+    import copy
+
+    import functional_ema as fe
+
+    full = fe.gather_full(ema.state, trainer.model_wrapped, index=0)
+    net = copy.deepcopy(trainer.model)
+    keys = net.load_state_dict(full, strict=False)
+    buffers = {n for n, _ in net.named_buffers()}
+    assert not keys.unexpected_keys and set(keys.missing_keys) <= buffers, keys
+    assert not torch.equal(full["inp.weight"], trainer.model.inp.weight.detach())  # the EMA is not the live model
+    return _loss(net, dataset)
+
+
+def _loss(net, dataset) -> float:
+    net.eval()
+    with torch.no_grad():
+        return net(x=dataset.x, labels=dataset.y)["loss"].item()
+
+
+def _logged(trainer, key: str) -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def close(got, want) -> bool:
+    """The Trainer's loss of one batch against the copy's: the same forward pass, up to float rounding."""
+    return got == pytest.approx(want, rel=1e-6, abs=0)
+
+
+def test_every_evaluate_call_gets_the_ema_metric_of_its_own_dataset(tmp_path):
+    """trainer.evaluate(D), a second evaluate at the same step, a dict of datasets (the Trainer's and one
+    given to evaluate), metric_key_prefix="test": each call logs and returns the EMA loss of the dataset
+    it was given (a copy of the model with the EMA weights, evaluated here), not of trainer.eval_dataset;
+    a second EMACallback (metric_prefix="ema") answers the same calls with its own EMA."""
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import RegressionData
+
+    d1, d2, d3 = (RegressionData(32, seed=s) for s in (2, 3, 4))
+    ema = EMACallback(decay=0.5, start_step=0)
+    other = EMACallback(decay=0.9, start_step=0, metric_prefix="ema")
+    trainer = _one_process_trainer(tmp_path, [ema, other], {"a": d1, "b": d2}, best="eval_ema_a_loss")
+    trainer.train()
+    ref = {name: _ema_loss(trainer, ema, d) for name, d in (("d1", d1), ("d2", d2), ("d3", d3))}
+    ref_other = {name: _ema_loss(trainer, other, d) for name, d in (("d1", d1), ("d3", d3))}
+    assert min(abs(ref["d1"] - ref["d2"]), abs(ref["d2"] - ref["d3"]), abs(ref["d1"] - ref["d3"])) > 1e-3
+    assert abs(ref["d3"] - ref_other["d3"]) > 1e-3
+
+    # The evaluation in training (the Trainer's dict, datasets named): one EMA metric per dataset, its own.
+    assert close(_logged(trainer, "eval_ema_a_loss"), [ref["d1"]])
+    assert close(_logged(trainer, "eval_ema_b_loss"), [ref["d2"]])
+    assert close(_logged(trainer, "ema_a_loss"), [ref_other["d1"]])
+    assert trainer.state.best_metric == _logged(trainer, "eval_ema_a_loss")[0]  # returned to the Trainer too
+
+    again = trainer.evaluate()  # the same global step as the one in training: answered again
+    assert trainer.state.global_step == 4
+    assert close([again["eval_ema_a_loss"], again["eval_ema_b_loss"]], [ref["d1"], ref["d2"]])
+    assert close(_logged(trainer, "eval_ema_a_loss"), [ref["d1"], ref["d1"]])
+
+    for _ in range(2):  # an override dataset, twice at one step
+        m = trainer.evaluate(eval_dataset=d3)
+        assert close(m["eval_ema_loss"], ref["d3"]) and close(m["ema_loss"], ref_other["d3"])
+        assert close(m["eval_loss"], _loss(trainer.model, d3))  # the live metric kept, beside it
+    assert close(_logged(trainer, "eval_ema_loss"), [ref["d3"], ref["d3"]])
+
+    m = trainer.evaluate(d3, metric_key_prefix="test")
+    assert close(m["eval_ema_test_loss"], ref["d3"]) and close(m["ema_test_loss"], ref_other["d3"])
+    assert close(m["test_loss"], _loss(trainer.model, d3))
+    m = trainer.evaluate({"x": d2, "y": d3}, metric_key_prefix="test")  # a dict given to evaluate
+    assert close([m["eval_ema_test_x_loss"], m["eval_ema_test_y_loss"]], [ref["d2"], ref["d3"]])
+    assert close(_logged(trainer, "eval_ema_test_y_loss"), [ref["d3"]])
+    assert not any(
+        k.startswith("ema_ema") or k.startswith("eval_ema_ema") for h in trainer.state.log_history for k in h
+    )
+
+
+def test_one_callback_serves_one_trainer(tmp_path):
+    """A second Trainer given the callback while the first is alive is refused (in Trainer(callbacks=),
+    at train or evaluate after add_callback, in attach), naming both, before anything changed: the
+    first Trainer keeps its EMA and its EMA metric. Once the first one is garbage collected, a new
+    Trainer is accepted and gets its own EMA (from a fresh start)."""
+    import gc
+    import re
+    import weakref
+
+    import functional_ema as fe
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import RegressionData, equal
+
+    d1, d2 = RegressionData(32, seed=2), RegressionData(32, seed=3)
+    ema = EMACallback(decay=0.5, start_step=0)
+    first = _one_process_trainer(tmp_path / "first", [ema], d1)
+    first.train()
+    kept = fe.gather_full(ema.state, first.model_wrapped, index=0)
+    named = re.escape(f"{type(first).__name__} at 0x{id(first):x} (output_dir='{tmp_path / 'first'}')")
+    refusal = named + ".*Trainer at 0x.*create one EMACallback per Trainer"  # the first, then the second
+
+    with pytest.raises(RuntimeError, match=refusal):
+        _one_process_trainer(tmp_path / "second", [ema], d2, seed=1)
+    second = _one_process_trainer(tmp_path / "second", [], d2, seed=1)
+    second.add_callback(ema)
+    with pytest.raises(RuntimeError, match=refusal):
+        second.evaluate()
+    with pytest.raises(RuntimeError, match=refusal):
+        second.train()
+    third = _one_process_trainer(tmp_path / "third", [], d2, seed=1)
+    train = third.train
+    with pytest.raises(RuntimeError, match=refusal):
+        ema.attach(third)
+    assert ema not in third.callback_handler.callbacks and third.train == train  # attach changed nothing
+    assert second.state.global_step == 0 and not _logged(second, "eval_ema_loss")
+
+    assert int(ema.state.step) == 4 and equal(fe.gather_full(ema.state, first.model_wrapped, index=0), kept)
+    assert close(first.evaluate()["eval_ema_loss"], _ema_loss(first, ema, d1))  # the first one still works
+
+    gone = weakref.ref(first)
+    del first, second, third, train
+    gc.collect()
+    assert gone() is None
+    fourth = _one_process_trainer(tmp_path / "fourth", [ema], d2, seed=3)  # accepted
+    assert ema.state is None  # the collected Trainer's EMA is not swapped into this one's model
+    fourth.train()
+    assert int(ema.state.step) == 4
+    assert not equal(fe.gather_full(ema.state, fourth.model_wrapped, index=0), kept)
+    assert close(_logged(fourth, "eval_ema_loss"), [_ema_loss(fourth, ema, d2)])

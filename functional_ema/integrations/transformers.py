@@ -15,8 +15,11 @@ What it does, per ``Trainer`` event:
 * ``on_step_end`` (once per optimizer step, after gradient accumulation): update the EMA of the
   fp32 weights the optimizer holds (``trainer.model_wrapped``: the DeepSpeed engine, the FSDP2 or
   DDP model), at ``state.global_step``;
-* ``on_evaluate``: evaluate again with the EMA weights swapped in; the metrics are logged with the
-  prefix ``eval_ema`` (``eval_ema_loss``, ...) beside the live ones;
+* ``on_evaluate`` (once per ``evaluate`` call, once per dataset of a dict): evaluate the same dataset
+  again with the EMA weights swapped in; the metrics are logged, and added to the dict ``evaluate``
+  returns, with the prefix ``metric_prefix`` (``eval_ema``) in place of the live prefix's leading
+  ``eval`` (``eval_ema_loss``, ``eval_ema_<name>_loss`` for a dict of datasets; another
+  ``metric_key_prefix``, e.g. ``"test"``, follows it: ``eval_ema_test_loss``);
 * ``on_save``: every rank writes its EMA pieces into the checkpoint folder
   (``output_dir/checkpoint-<step>/ema/``), so checkpoint rotation removes them together;
 * ``on_train_begin`` of a resumed run: load the EMA from the checkpoint being resumed (any world
@@ -30,8 +33,14 @@ each ``on_train_begin`` (and ``on_init_end``) the callback finds it on the call 
 that is a ``transformers.Trainer`` (any subclass) whose callback handler holds this callback. Every
 ``Trainer`` raises its events from its own methods, so this holds for ``callbacks=[...]``,
 ``add_callback`` and subclasses (TRL's trainers, ...); the resumed checkpoint folder is read from the same
-frames (``resume_from_checkpoint``, as ``train`` resolved it). :meth:`EMACallback.attach` stays for code
-that raises the events outside a ``Trainer`` method: it names the ``Trainer`` explicitly.
+frames (``resume_from_checkpoint``, as ``train`` resolved it), and so is the dataset of the ``evaluate``
+call being answered (its ``eval_dataset`` and ``metric_key_prefix``). :meth:`EMACallback.attach` stays for
+code that raises the events outside a ``Trainer`` method: it names the ``Trainer`` explicitly.
+
+One callback serves one ``Trainer``: its EMA is that ``Trainer``'s weights. A second ``Trainer`` that
+raises its events (or is given to ``attach``) while the first is alive is refused with a
+``RuntimeError`` naming both; once the first was garbage collected a new one is accepted, with a fresh
+EMA.
 """
 
 from __future__ import annotations
@@ -54,6 +63,41 @@ from ._common import EMAController
 
 __all__ = ["EMACallback"]
 
+_LIVE_PREFIX = "eval"  # the Trainer's default metric_key_prefix, which metric_prefix stands in for
+
+# Trainers evaluating with EMA weights swapped in now: the events of that evaluation are not answered,
+# by this callback (no recursion) nor by another EMACallback on the same Trainer (its EMA is not in).
+_EMA_EVALUATING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _check_metric_prefix(value: Any) -> str:
+    """``metric_prefix``: a name that keeps the EMA metrics apart from the live ones."""
+    prefix = check_str(value, "metric_prefix")
+    if not prefix.strip() or prefix != prefix.strip():
+        raise ValueError(f"metric_prefix must be a non-empty name without surrounding spaces, got {prefix!r}")
+    if prefix == _LIVE_PREFIX:
+        raise ValueError(
+            f"metric_prefix={prefix!r} is the Trainer's own prefix: the EMA metrics would overwrite the live ones "
+            "(eval_loss); use another, e.g. the default 'eval_ema'"
+        )
+    return prefix
+
+
+def _describe(trainer: Any) -> str:
+    """A ``Trainer``'s identity for an error message: its class, address and output folder."""
+    out = getattr(getattr(trainer, "args", None), "output_dir", None)
+    return f"{type(trainer).__name__} at 0x{id(trainer):x} (output_dir={out!r})"
+
+
+def _method_self(frame: FrameType) -> Any:
+    """The ``self`` of a method's frame; ``None`` for other frames, whose locals are not read: before
+    Python 3.13 reading ``f_locals`` keeps a copy of them in the frame, and a plain function (the
+    user's script) would keep a deleted ``Trainer`` alive through it."""
+    code = frame.f_code
+    if code.co_argcount and code.co_varnames[0] == "self":
+        return frame.f_locals.get("self")
+    return None
+
 
 class EMACallback(TrainerCallback):
     """EMA of the weights for a ``transformers.Trainer``; see the module docstring.
@@ -63,18 +107,19 @@ class EMACallback(TrainerCallback):
         **kwargs: ``every_n_steps``, ``start_step``, ``buffers``, ``eval_index``, ``posthoc_dir``,
             ``posthoc_every``, ``export_path``, ``copy_to_model``, ``tag``, ``async_save``, ``dtype``: as
             for ``functional_ema.integrations._common.EMAController``.
-        metric_prefix: prefix of the metrics of the evaluation with EMA weights.
+        metric_prefix: prefix of the metrics of the evaluation with EMA weights; it replaces the leading
+            ``eval`` of the live prefix (``eval_loss`` -> ``eval_ema_loss``, ``eval_<name>_loss`` ->
+            ``eval_ema_<name>_loss``) and comes before any other (``metric_key_prefix="test"``:
+            ``eval_ema_test_loss``). Not empty, and not ``"eval"`` (the live metrics' own).
     """
 
     def __init__(
         self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any
     ) -> None:
         self.ema = EMAController(decay, **kwargs)
-        self.metric_prefix = check_str(metric_prefix, "metric_prefix")
-        self._trainer: Any = None
+        self.metric_prefix = _check_metric_prefix(metric_prefix)
+        self._trainer_ref: weakref.ReferenceType[Any] | None = None  # weak: the Trainer holds this callback
         self._resume_arg: Any = None
-        self._in_ema_eval = False
-        self._evaluated_at: int | None = None
 
     # -------------------------------------------------------------------------------- wiring
 
@@ -85,13 +130,14 @@ class EMACallback(TrainerCallback):
         finds its ``Trainer`` when training begins. ``attach`` names it explicitly, for code that
         raises the callback events outside the ``Trainer``'s own methods. ``trainer.train`` is wrapped
         (on this instance only) to see ``resume_from_checkpoint``, so the EMA is loaded from the same
-        checkpoint as the weights. Returns ``self``.
+        checkpoint as the weights. A callback serves one ``Trainer``: a second one, while the first is
+        alive, is refused (``RuntimeError``). Returns ``self``.
         """
         if not (callable(getattr(trainer, "add_callback", None)) and hasattr(trainer, "callback_handler")):
             raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
+        self._adopt(trainer)  # before anything changes on the trainer
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        self._trainer = weakref.proxy(trainer)
         train = trainer.train
 
         @functools.wraps(train)
@@ -107,6 +153,33 @@ class EMACallback(TrainerCallback):
         """This rank's :class:`functional_ema.EmaState` (``None`` before the EMA starts)."""
         return self.ema.state
 
+    def _trainer(self) -> Any:
+        """The ``Trainer`` this callback serves (``None``: none yet, or it was garbage collected)."""
+        return None if self._trainer_ref is None else self._trainer_ref()
+
+    def _adopt(self, trainer: Any) -> None:
+        """Serve ``trainer``; a second ``Trainer`` while the first is alive is refused: the EMA is the
+        first one's weights, and would be swapped into the second one's model."""
+        current = self._trainer()
+        if current is trainer:
+            return
+        if current is not None:
+            import gc
+
+            del current
+            gc.collect()  # a deleted Trainer kept only by its own reference cycles is gone, not in the way
+            current = self._trainer()
+        if current is not None:
+            why = (
+                f"this EMACallback already serves {_describe(current)}, whose weights its EMA holds; "
+                f"{_describe(trainer)} cannot use it too: create one EMACallback per Trainer"
+            )
+            del current  # the traceback of the error must not keep the first Trainer alive
+            raise RuntimeError(why)
+        if self._trainer_ref is not None:  # the previous Trainer was garbage collected: its EMA goes with it
+            self.ema.state = self.ema.buffer_state = None
+        self._trainer_ref, self._resume_arg = weakref.ref(trainer), None
+
     def _find_trainer(self) -> None:
         """Find the ``Trainer`` raising this event (see the module docstring) and the checkpoint it resumes."""
         from transformers import Trainer
@@ -114,7 +187,7 @@ class EMACallback(TrainerCallback):
         frame: FrameType | None = sys._getframe(1)
         found, resumed = None, None
         while frame is not None:
-            owner = frame.f_locals.get("self")
+            owner = _method_self(frame)
             if isinstance(owner, Trainer) and self in getattr(owner.callback_handler, "callbacks", ()):
                 found = found if found is not None else owner
                 arg = frame.f_locals.get("resume_from_checkpoint")
@@ -122,18 +195,47 @@ class EMACallback(TrainerCallback):
                     resumed = arg  # as train() resolved it (True -> the last checkpoint)
             frame = frame.f_back
         if found is not None:
-            self._trainer = weakref.proxy(found)
+            self._adopt(found)
         if resumed is not None:
             self._resume_arg = resumed
 
+    def _evaluate_call(self) -> tuple[Any, Any, Any, str]:
+        """The ``Trainer`` whose ``evaluate`` raised this ``on_evaluate``, and what that call evaluates:
+        ``(trainer, eval_dataset, ignore_keys, metric_key_prefix)``, read from the innermost ``evaluate``
+        frame on the stack (the one that raised the event, after it resolved ``eval_dataset``: a
+        dataset, the name of one of ``trainer.eval_dataset``'s, or ``None`` for the default)."""
+        from transformers import Trainer
+
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            owner = _method_self(frame) if frame.f_code.co_name == "evaluate" else None
+            if isinstance(owner, Trainer) and self in getattr(owner.callback_handler, "callbacks", ()):
+                found = frame.f_locals
+                prefix = found.get("metric_key_prefix")
+                if "eval_dataset" in found and isinstance(prefix, str):
+                    return owner, found["eval_dataset"], found.get("ignore_keys"), prefix
+                break
+            frame = frame.f_back
+        raise RuntimeError(
+            "EMACallback.on_evaluate found no Trainer.evaluate call (with eval_dataset and metric_key_prefix) on "
+            "the call stack, so it cannot tell which dataset to evaluate the EMA on; raise on_evaluate from "
+            "trainer.evaluate(...), or set eval_index=None to evaluate no EMA"
+        )
+
+    def _ema_prefix(self, live: str) -> str:
+        """The EMA metrics' prefix for an evaluation whose live metrics have prefix ``live``."""
+        if live == _LIVE_PREFIX or live.startswith(_LIVE_PREFIX + "_"):
+            return self.metric_prefix + live[len(_LIVE_PREFIX) :]
+        return f"{self.metric_prefix}_{live}"
+
     def _target(self) -> Any:
-        if self._trainer is None:
+        t = self._trainer()
+        if t is None:
             raise RuntimeError(
                 "EMACallback found no Trainer: pass it in Trainer(..., callbacks=[ema]) or trainer.add_callback(ema) "
                 "and train with trainer.train(); if the callback events are raised outside the Trainer's methods, "
                 "name it with EMACallback(...).attach(trainer)"
             )
-        t = self._trainer
         wrapped = getattr(t, "model_wrapped", None)
         return wrapped if wrapped is not None else t.model
 
@@ -172,23 +274,39 @@ class EMACallback(TrainerCallback):
     def on_evaluate(
         self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None, **kwargs: Any
     ) -> None:
-        if self._in_ema_eval or not self.ema.started or self.ema.eval_index is None:
+        """Evaluate what this ``evaluate`` call evaluated (one dataset: the Trainer raises one event per
+        dataset of a dict), with the EMA weights; log the metrics and add them to ``metrics``."""
+        if not self.ema.started or self.ema.eval_index is None:
+            return  # nothing to evaluate
+        if self._trainer() in _EMA_EVALUATING:
+            return  # the event of an EMA evaluation (this callback's or another EMACallback's)
+        trainer, dataset, ignore_keys, live = self._evaluate_call()
+        if trainer in _EMA_EVALUATING:
             return
-        if self._evaluated_at == state.global_step:  # several eval datasets: one EMA pass covers them all
+        self._adopt(trainer)  # a second Trainer is refused here too (or, the first one gone, starts afresh)
+        if not self.ema.started:
             return
-        self._evaluated_at = state.global_step
-        trainer = self._trainer
-        self._in_ema_eval = True
+        if metrics and not any(k.startswith(live + "_") for k in metrics):
+            raise RuntimeError(
+                f"EMACallback read metric_key_prefix={live!r} from the evaluate call on the stack, but the metrics "
+                f"of this evaluation are {sorted(metrics)}: it cannot tell which evaluation it answers"
+            )
+        prefix = self._ema_prefix(live)
+        _EMA_EVALUATING.add(trainer)
         try:
             with self.ema.swapped(self._target()):
-                datasets = trainer.eval_dataset
-                if isinstance(datasets, dict):
-                    for name, ds in datasets.items():
-                        trainer.evaluate(ds, metric_key_prefix=f"{self.metric_prefix}_{name}")
-                else:
-                    trainer.evaluate(metric_key_prefix=self.metric_prefix)
+                ema_metrics = trainer.evaluate(eval_dataset=dataset, ignore_keys=ignore_keys, metric_key_prefix=prefix)
         finally:
-            self._in_ema_eval = False
+            _EMA_EVALUATING.discard(trainer)
+        if metrics is not None:
+            ours = {k: v for k, v in ema_metrics.items() if k.startswith(prefix + "_")}
+            clash = sorted(set(ours) & set(metrics))
+            if clash:
+                raise ValueError(
+                    f"metric_prefix={self.metric_prefix!r} names EMA metrics {clash} that the live evaluation "
+                    "already has; choose another metric_prefix"
+                )
+            metrics.update(ours)  # the dict evaluate() returns: metric_for_best_model can name an EMA metric
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ema.on_train_end(self._target())
