@@ -7,7 +7,9 @@ Usage::
 One process: a Llama built from a ``LlamaConfig`` (no download; the defaults give about 134M parameters)
 is saved with ``save_pretrained`` (the ``--like`` folder) and its EMA with ``fe.save``. Then each
 operation runs in a fresh child process, so its peak resident memory is its own: ``consolidate_to_file``
-(one fp32 file), ``to_hf`` fp32 in one shard, fp32 in ``--shard``-sized shards, and bf16. Printed: the
+(one fp32 file), ``to_hf`` fp32 in one shard (with and without ``verify``: the source's checksums, the
+read-back of what was written), fp32 in ``--shard``-sized shards, and bf16. Every ``to_hf`` also builds the
+loader's meta-device view of the config (``_export.loader``). Printed: the
 time, GB/s (bytes written / time; checksums of every byte read verified), the child's peak anonymous
 RSS (sampled every 5 ms; file pages the readers map are the page cache's, not counted) above its value
 before the operation, and beside it the largest tensor and one shard's size (the bounds the
@@ -74,7 +76,12 @@ def _child(op: str, root: Path, shard: str) -> dict:
         out = fe.consolidate_to_file(root / "ckpt", root / "one.safetensors", "ema", progress=False)
         written = out.stat().st_size
     else:
-        kwargs = {"fp32": {}, "fp32_sharded": {"max_shard_size": shard}, "bf16": {"dtype": "bf16"}}[op]
+        kwargs = {
+            "fp32": {},
+            "fp32_unverified": {"verify": False},
+            "fp32_sharded": {"max_shard_size": shard},
+            "bf16": {"dtype": "bf16"},
+        }[op]
         out = to_hf(root / "ckpt", root / op, root / "like", tag="ema", progress=False, **kwargs)
         written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     seconds = time.perf_counter() - t0
@@ -129,7 +136,7 @@ def main() -> None:
             f"({parse_size(a.shard) / 2**20:.0f} MiB)"
         )
         print(f"{'operation':<22}{'files':>6}{'seconds':>9}{'GB/s':>7}{'peak anon RSS above start':>27}")
-        for op in ("consolidate_to_file", "fp32", "fp32_sharded", "bf16"):
+        for op in ("consolidate_to_file", "fp32", "fp32_unverified", "fp32_sharded", "bf16"):
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
             res = subprocess.run(
                 [sys.executable, __file__, "--shard", a.shard, "--child", op, str(root)],
@@ -139,7 +146,12 @@ def main() -> None:
                 check=True,
             )
             r = json.loads(res.stdout.strip().splitlines()[-1])
-            name = {"fp32": "to_hf fp32", "fp32_sharded": "to_hf fp32 sharded", "bf16": "to_hf bf16"}.get(op, op)
+            name = {
+                "fp32": "to_hf fp32",
+                "fp32_unverified": "to_hf fp32 no-verify",
+                "fp32_sharded": "to_hf fp32 sharded",
+                "bf16": "to_hf bf16",
+            }.get(op, op)
             print(
                 f"{name:<22}{r['files']:>6}{r['seconds']:>9.2f}{r['bytes'] / r['seconds'] / 1e9:>7.2f}"
                 f"{r['peak_above'] / 2**20:>22.0f} MiB"

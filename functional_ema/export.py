@@ -296,15 +296,28 @@ def _record(
 _META_KEYS = ("format", "source", "tag", "step", "ema_index", "schedule", "dtype", "layout")
 
 
+def _scratch(plan: Plan, src: _Source) -> torch.Tensor:
+    """One byte buffer, reused for every tensor read from the source and read back: the largest of them."""
+    largest = max(
+        (math.prod(it.shape) * max(it.dtype.itemsize, src.dtypes.get(it.key, it.dtype).itemsize) for it in plan.items),
+        default=0,
+    )
+    return _memory.empty(largest // 4 + 1, dtype=torch.float32).view(torch.uint8)
+
+
 def _write(
-    tmp: Path, plan: Plan, groups: list[list[str]], files: list[str], src: _Source, like: _Like, meta: dict, bar: Any
+    tmp: Path,
+    plan: Plan,
+    groups: list[list[str]],
+    files: list[str],
+    src: _Source,
+    like: _Like,
+    meta: dict,
+    bar: Any,
+    buffer: torch.Tensor,
 ) -> dict[str, dict[str, list[int]]]:
     """Every planned tensor into its file, one in memory at a time. Returns file -> name -> chunk checksums."""
     by_name = {it.name: it for it in plan.items}
-    largest = max(
-        (math.prod(it.shape) * src.dtypes[it.key].itemsize for it in plan.items if it.origin == "ema"), default=0
-    )
-    buffer = _memory.empty(largest // 4 + 1, dtype=torch.float32).view(torch.uint8)  # reused for every EMA tensor
     sums: dict[str, dict[str, list[int]]] = {}
     for group, fname in zip(groups, files):
         entries = [(n, by_name[n].dtype, by_name[n].shape) for n in group]
@@ -328,6 +341,8 @@ def _write(
 
 
 def _check_cast(before: torch.Tensor, after: torch.Tensor, name: str) -> None:
+    if bool(torch.isfinite(after).all()):  # the common case: one pass, no mask kept
+        return
     overflow = torch.isfinite(before) & ~torch.isfinite(after)
     if bool(overflow.any()):
         peak = float(before[overflow].abs().max())
@@ -337,7 +352,9 @@ def _check_cast(before: torch.Tensor, after: torch.Tensor, name: str) -> None:
         )
 
 
-def _read_back(tmp: Path, plan: Plan, files: list[str], sums: dict[str, dict[str, list[int]]]) -> None:
+def _read_back(
+    tmp: Path, plan: Plan, files: list[str], sums: dict[str, dict[str, list[int]]], buffer: torch.Tensor
+) -> None:
     """The export checks itself: each file re-opened, its tensors as planned, its bytes as written."""
     want = {it.name: it for it in plan.items}
     seen: set[str] = set()
@@ -349,7 +366,7 @@ def _read_back(tmp: Path, plan: Plan, files: list[str], sums: dict[str, dict[str
                     raise CheckpointMismatchError(
                         f"export self-check: {fname} holds {n!r} {e.dtype}{list(e.shape)}, not as planned"
                     )
-                buf = torch.empty(e.numel, dtype=e.dtype)
+                buf = buffer[: e.numel * e.dtype.itemsize].view(e.dtype)
                 f.read_into(n, buf, crcs=sums[fname][n], context="export self-check")
                 seen.add(n)
     if seen != set(want):
@@ -444,9 +461,10 @@ def to_hf(
         tmp = new_tmp_dir(real_out)
         bar = _progress(sum(nbytes.values()), progress, f"export {real_out.name}")
         try:
-            sums = _write(tmp, plan, groups, files, src, reader, meta, bar)
+            buffer = _scratch(plan, src)
+            sums = _write(tmp, plan, groups, files, src, reader, meta, bar, buffer)
             if verify:
-                _read_back(tmp, plan, files, sums)
+                _read_back(tmp, plan, files, sums, buffer)
             if index_name:
                 weight_map = {n: f for g, f in zip(groups, files) for n in g}
                 body = {
