@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _io, _memory
+from ._args import check_bool, check_path, check_str
 from ._checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, ForeignFileError
 from ._checkpoint.format import CONSOLIDATED_FORMAT, library_version, short_list
 from ._checkpoint.reader import JoinedReader, open_joined
@@ -110,8 +111,8 @@ def hf_name(name: str, adapter_name: str | None = None) -> str:
     (:data:`WRAPPER_PREFIXES` anywhere, a leading ``module.``), and with ``adapter_name`` PEFT's rule
     (``q_proj.lora_A.default.weight`` -> ``q_proj.lora_A.weight``; ``x.modules_to_save.default.weight`` ->
     ``x.weight``; DoRA's ``x.lora_magnitude_vector.default.weight`` -> ``x.lora_magnitude_vector``)."""
-    stripped = strip_wrappers(name)
-    return stripped if adapter_name is None else peft_name(stripped, adapter_name)
+    stripped = strip_wrappers(check_str(name, "name"))
+    return stripped if adapter_name is None else peft_name(stripped, check_str(adapter_name, "adapter_name"))
 
 
 # ------------------------------------------------------------------------------------------- sources
@@ -219,7 +220,12 @@ def _shards(names: list[str], nbytes: dict[str, int], limit: int) -> list[list[s
     return [g for g in groups if g]
 
 
-def _check_options(dtype: Any, max_shard_size: Any, missing: Any, index: Any, adapter_name: Any) -> tuple:
+def _check_options(
+    dtype: Any, max_shard_size: Any, missing: Any, index: Any, adapter_name: Any, flags: dict[str, Any]
+) -> tuple:
+    for what, value in flags.items():
+        if not (what == "progress" and value is None):
+            check_bool(value, what)
     cast = parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     if missing not in ("like", "error"):
@@ -428,7 +434,9 @@ def to_hf(
     """
     from .checkpoint import _progress
 
-    cast, limit = _check_options(dtype, max_shard_size, missing, index, adapter_name)
+    check_path(source, "source (SOURCE)")
+    flags = {"overwrite": overwrite, "verify": verify, "progress": progress}
+    cast, limit = _check_options(dtype, max_shard_size, missing, index, adapter_name, flags)
     like_folder = read_like(like, adapter_name)
     view, why_not = loader_view(like_folder.kind, like_folder.config, like_folder.config_file)
     with _open_source(source, tag, index, verify, tp_dims) as src:

@@ -45,6 +45,7 @@ import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema import checkpoint as ck
 from functional_ema import dcp as fdcp
+from functional_ema import export as fx
 from functional_ema import posthoc as ph
 from functional_ema import schedules as sch
 from functional_ema.integrations._common import EMAController
@@ -135,7 +136,7 @@ def public_parameters() -> dict[tuple[str, str], inspect.Parameter]:
 
     found: dict[str, Any] = {}
     found.update(_public_of(fe, fe.__all__))
-    for module in (ck, ph, sch, fb, fdcp):
+    for module in (ck, ph, sch, fb, fdcp, fx):
         found.update(_public_of(module, module.__all__))
     found.update(
         {
@@ -262,6 +263,8 @@ class World:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.save({"ema": fdcp.EMAStateful(self.model, self.state)}, checkpoint_id=str(root / "dcp"))
+        (root / "like").mkdir()  # the export's --like: a weightless folder (no class: no loader view)
+        (root / "like" / "config.json").write_text('{"model_type": "values-table"}')
         self.ctrl = EMAController(0.9, tag="ema")
         self.ctrl.on_step(self.model, 1)
         self.ctrl.save(self.model, root / "ctl", 1)
@@ -460,6 +463,27 @@ CALLS: dict[str, Call] = {
         fe.consolidate,
         dict(checkpoint_dir=w.root / "ck", tag="t", index=0, verify=True, tp_dims=None, tp_rank=None),
     ),
+    "export.to_hf": lambda w: (
+        fx.to_hf,
+        dict(
+            source=w.root / "ck",
+            out_dir=w.root / "out" / "hf",
+            like=w.root / "like",
+            tag="t",
+            index=0,
+            dtype=None,
+            max_shard_size="5GB",
+            missing="like",
+            adapter_name="default",
+            overwrite=True,
+            verify=True,
+            progress=False,
+            tp_dims=None,
+        ),
+    ),
+    "export.parse_dtype": lambda w: (fx.parse_dtype, dict(dtype="bf16")),
+    "export.parse_size": lambda w: (fx.parse_size, dict(size="5GB")),
+    "export.hf_name": lambda w: (fx.hf_name, dict(name="module.lora_A.default.weight", adapter_name="default")),
     "consolidate_to_file": lambda w: (
         fe.consolidate_to_file,
         dict(
@@ -913,6 +937,30 @@ for q in ("consolidate", "consolidate_to_file"):
     rows(q, checkpoint_dir=DIR_IN, tag=TAG_READ, index=INDEX, verify=BOOL, tp_dims=R(NONE_DEFAULT), tp_rank=R(OPT_INT))
 rows("consolidate_to_file", out_path=DIR_OUT, progress=OPT_BOOL, overwrite=BOOL)
 rows("client_state_summary", state=STATE, engine=R(NONE_DEFAULT, names=MODEL_ARG))
+SHARD_SIZE = R(names=("max_shard_size",), huge="a limit above the model's size: one shard")
+rows(
+    "export.to_hf",
+    source=R(names=("source", "checkpoint directory")),
+    out_dir=R(STR_PATH, names=("out_dir",)),
+    like=R(names=("like",)),
+    tag=TAG_READ,
+    index=INDEX,
+    dtype=R(NONE_DEFAULT, names=("dtype",)),
+    max_shard_size=SHARD_SIZE,
+    missing=R(names=("missing",)),
+    adapter_name=R(names=("adapter_name",), values={"dotted": lambda: "a.b", "empty": lambda: ""}),
+    overwrite=BOOL,
+    verify=BOOL,
+    progress=OPT_BOOL,
+    tp_dims=R(NONE_DEFAULT),
+)
+rows("export.parse_dtype", dtype=R(NONE_DEFAULT, names=("dtype",)))
+rows("export.parse_size", size=SHARD_SIZE)
+rows(
+    "export.hf_name",
+    name=R(names=("name",), str="a parameter name"),
+    adapter_name=R(NONE_DEFAULT, names=("adapter_name",), str="an adapter name"),
+)
 rows(
     "AsyncSaver",
     max_in_flight=R(INT_SCALARS, huge="a bound on writes in flight"),

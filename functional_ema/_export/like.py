@@ -114,6 +114,11 @@ def _kind(given: Path, adapter_name: str) -> tuple[Path, str]:
             )
         return given, "peft"
     if (given / "config.json").is_file():
+        if adapter_name != "default":
+            raise ForeignFileError(
+                f"adapter_name (--adapter-name) is {adapter_name!r}, but like (--like) {given} is a model folder, not a "
+                "PEFT adapter folder (no adapter_config.json): the adapter name applies to a PEFT export only"
+            )
         return given, "transformers"
     raise ForeignFileError(
         f"like (--like): {given} holds no config.json (a Hugging Face model folder) and no adapter_config.json "
