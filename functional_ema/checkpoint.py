@@ -101,6 +101,7 @@ from ._checkpoint.format import (
     parse_dtype,
     rank_file_name,
 )
+from ._checkpoint.private import save_private
 from ._checkpoint.reader import (
     CheckpointReader,
     JoinedReader,
@@ -191,6 +192,7 @@ def save(
     buffers: BufferState | None = None,
     extra: dict[str, Any] | None = None,
     timeout: float | None = None,
+    shared: bool = True,
 ) -> Path:
     """Write every rank's EMA pieces into ``save_dir/tag/``, beside the training checkpoint. Collective.
 
@@ -222,6 +224,11 @@ def save(
         timeout: seconds to wait for every rank to call ``save`` (and for another save of the same tag
             to finish) before raising :class:`CheckpointTimeoutError`; ``None`` reads
             :data:`TIMEOUT_ENV` (``FUNCTIONAL_EMA_TIMEOUT``), else :data:`DEFAULT_TIMEOUT_S` (600 s).
+        shared: ``True`` (the default): ``save_dir`` is one folder every rank sees, and a rank that does not
+            see the committing rank's files is refused. ``False``: each rank's ``save_dir`` is its own, or its
+            node's (node-local disks, Ray Train's per-worker folder): each folder gets the files of the ranks
+            that write there and the same manifest, so the union of the folders, however merged, is one
+            complete checkpoint (docs/many-nodes.md). Load it with ``load(..., shared=False)``.
 
     Returns:
         The tag folder, ``save_dir/tag``.
@@ -248,7 +255,11 @@ def save(
     layout = reading.layout
     jgroup, jrank, jworld = job_of(reading)
     raw_tag = adapter.default_tag(state) if tag is None else tag
+    shared = check_bool(shared, "shared")
     arrive("save", jgroup, jworld, jrank, timeout)
+    if not shared:
+        job = (jgroup, jworld, jrank)
+        return save_private(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout_s(timeout))
     writes = layout.writes_pieces
     writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
     if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
@@ -404,6 +415,7 @@ def load(
     verify: bool = True,
     timeout: float | None = None,
     out: EmaState | None = None,
+    shared: bool = True,
 ) -> EmaState:
     """Rebuild this rank's EMA state from a checkpoint written by :func:`save`. Collective.
 
@@ -430,6 +442,11 @@ def load(
             pieces (same names and sizes); that is checked on every rank before any byte is read. If
             the load fails after reading began (a checksum mismatch), ``out``'s values are partly
             overwritten (the error says so): discard it. Its ``step`` tensor is left as it was.
+        shared: ``False`` for a save made with ``save(..., shared=False)`` and read from each rank's own
+            folder: this rank's folder may lack the other ranks' files; those it reads must be there (at
+            the world size and layout of the save, its own). At another world size merge the folders
+            first and load the merged one (``shared=True``). The ranks agree on the manifest they read,
+            so a node's stale folder is refused.
 
     Returns:
         ``EmaState`` with ``step`` and ``num_emas`` as saved and this rank's pieces (``out``'s
@@ -450,7 +467,9 @@ def load(
         >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.999)  # doctest: +SKIP
         >>> state = fe.load(engine, "ckpt", out=state)            # doctest: +SKIP  (into its own buffers)
     """
-    return load_checkpoint(engine, load_dir, tag, dtype=dtype, verify=verify, timeout=timeout, out=out).state
+    return load_checkpoint(
+        engine, load_dir, tag, dtype=dtype, verify=verify, timeout=timeout, out=out, shared=shared
+    ).state
 
 
 class Loaded(NamedTuple):
@@ -471,6 +490,7 @@ def load_checkpoint(
     timeout: float | None = None,
     out: EmaState | None = None,
     buffers: bool = False,
+    shared: bool = True,
 ) -> Loaded:
     """:func:`load`, and with ``buffers=True`` this rank's module buffers saved with it, plus the
     validated manifest (its ``extra`` record), all from one opening of the checkpoint. Collective."""
@@ -480,6 +500,7 @@ def load_checkpoint(
         check_ema_dtype(dtype)
     verify = check_bool(verify, "verify")
     buffers = check_bool(buffers, "buffers")
+    local = not check_bool(shared, "shared")
     load_dir = check_path(load_dir, "load_dir")
     timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
     adapter = adapter_for(engine)
@@ -490,7 +511,7 @@ def load_checkpoint(
     opened = contextlib.ExitStack()
 
     def open_and_check() -> dict[str, Any]:
-        ckpt = box["ckpt"] = opened.enter_context(open_checkpoint(load_dir, tag, verify, layout))
+        ckpt = box["ckpt"] = opened.enter_context(open_checkpoint(load_dir, tag, verify, layout, local=local))
         ckpt.check_experts(layout)
         ckpt.check_model(layout.specs)
         if dtype is not None and dtype != ckpt.dtype:

@@ -121,8 +121,13 @@ LAYOUT = ("ranks disagree on layout", "rank 0: ", "rank 1: ")
 FSDP2 = ("fsdp2",)  # DeepSpeed broadcasts the weights at initialize: ranks of other shapes cannot make an engine
 
 
-def _load(ctx: Ctx, cell: str, tag: str = "t", verify: bool = True):
-    return fe.load(ctx.model, ctx.root / cell / f"node{ctx.rank}", tag, timeout=T, verify=verify)
+def _load(ctx: Ctx, cell: str, tag: str = "t", verify: bool = True, shared: bool = True):
+    return fe.load(ctx.model, ctx.root / cell / f"node{ctx.rank}", tag, timeout=T, verify=verify, shared=shared)
+
+
+def _private(ctx: Ctx, state: fe.EmaState, x: Any = None, tag: str = "t") -> None:
+    """``save(..., shared=False)`` into this rank's own folder (``own<rank>``)."""
+    fe.save(state, ctx.model if x is None else x, ctx.root / f"own{ctx.rank}", tag, timeout=T, shared=False)
 
 
 #: verb -> disagreement -> :class:`Cell`. The load cells read node-local copies (``<cell>/node<r>``),
@@ -170,6 +175,36 @@ CELLS: dict[str, dict[str, Cell]] = {
         "num_emas": Cell(lambda c: _load(c, "load_num_emas"), LOAD_ERR, EMAS),
         "dtype": Cell(lambda c: _load(c, "load_dtype"), LOAD_ERR, DTYPE),
         "layout": Cell(lambda c: fe.load(c.other, c.root / "ck", "t", timeout=T), LOAD_ERR, ("does not match",), FSDP2),
+    },
+    "save(shared=False)": {
+        "step": Cell(lambda c: _private(c, mine(c, "7")), SAVE_ERR, STEP),
+        "tag": Cell(
+            lambda c: _private(c, c.states["6"], tag=f"t{c.rank}"),
+            SAVE_ERR,
+            ("ranks disagree on tag", "rank 0: 't0'", "rank 1: 't1'"),
+        ),
+        "num_emas": Cell(lambda c: _private(c, mine(c, "2emas")), SAVE_ERR, EMAS),
+        "dtype": Cell(lambda c: _private(c, mine(c, "f64")), SAVE_ERR, DTYPE),
+        "layout": Cell(lambda c: _private(c, mine(c, "other"), c.other), SAVE_ERR, LAYOUT, FSDP2),
+    },
+    "load(shared=False)": {
+        "step": Cell(
+            lambda c: _load(c, "load_step", shared=False),
+            LOAD_ERR,
+            ("ranks disagree on step", "rank 0: 6", "rank 1: 5"),
+        ),
+        "generation": Cell(
+            lambda c: _load(c, "load_generation", shared=False),
+            LOAD_ERR,
+            ("ranks disagree on generation", "rank 0: 1", "rank 1: 0"),
+        ),
+        "stale rank file": Cell(
+            lambda c: _load(c, "load_stale_file", verify=False, shared=False),
+            ("CorruptCheckpointError",),
+            ("rank 1", "generation", "does not belong to this checkpoint"),
+        ),
+        "num_emas": Cell(lambda c: _load(c, "load_num_emas", shared=False), LOAD_ERR, EMAS),
+        "dtype": Cell(lambda c: _load(c, "load_dtype", shared=False), LOAD_ERR, DTYPE),
     },
     "gather_full": {
         "step": Cell(lambda c: fe.gather_full(mine(c, "7"), c.model), STATE_ERR, STEP),

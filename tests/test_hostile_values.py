@@ -912,6 +912,7 @@ for q in ("save", "AsyncSaver.save"):
         extra=R(NONE_DEFAULT, names=("extra",), dict="a small JSON object, as documented"),
         timeout=TIMEOUT,
     )
+rows("save", shared=BOOL)
 rows(
     "load",
     engine=MODEL,
@@ -921,6 +922,7 @@ rows(
     verify=BOOL,
     timeout=TIMEOUT,
     out=R(NONE_DEFAULT, names=("out",)),
+    shared=BOOL,
 )
 rows(
     "checkpoint.load_checkpoint",
@@ -932,6 +934,7 @@ rows(
     timeout=TIMEOUT,
     out=R(NONE_DEFAULT, names=("out",)),
     buffers=BOOL,
+    shared=BOOL,
 )
 for q in ("consolidate", "consolidate_to_file"):
     rows(q, checkpoint_dir=DIR_IN, tag=TAG_READ, index=INDEX, verify=BOOL, tp_dims=R(NONE_DEFAULT), tp_rank=R(OPT_INT))

@@ -182,9 +182,12 @@ class CheckpointReader:
         )
 
     @classmethod
-    def _locate(cls, checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[Path, str, Path, dict]:
+    def _locate(
+        cls, checkpoint_dir: str | os.PathLike, tag: str | None, local: bool = False
+    ) -> tuple[Path, str, Path, dict]:
         """(root, tag, tag folder, validated manifest), following ``latest`` / ``ema_latest`` for ``tag=None``;
-        every file the manifest lists must exist."""
+        every file the manifest lists must exist, unless ``local`` (a private save's folder: the files this
+        rank reads are checked when it opens them, :func:`check_local`)."""
         root = check_path(checkpoint_dir, "checkpoint_dir")
         if root.is_file():
             cls._not_a_directory(root)
@@ -237,6 +240,8 @@ class CheckpointReader:
                 f"tags here with a complete EMA: {[t for t in complete_tags(root) if t != tag]}"
             )
         manifest = cls._read_manifest(mpath)
+        if local:
+            return root, tag, tag_dir, manifest
         missing = [
             (e, p)
             for p in manifest_parts(manifest)
@@ -252,7 +257,8 @@ class CheckpointReader:
             )
             raise IncompleteCheckpointError(
                 f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} file(s) listed in its manifest: {listed}. "
-                "The folder was copied or pruned partially: restore the file(s) or load another tag"
+                "The folder was copied or pruned partially: restore the file(s) or load another tag (a save with "
+                "shared=False into each rank's own folder: load it with shared=False, or merge the folders first)"
             )
         return root, tag, tag_dir, manifest
 
@@ -267,6 +273,7 @@ class CheckpointReader:
         verify: bool,
         own: tuple[int, int, int] | None,
         need: dict[str, ShardSpec] | None = None,
+        local: bool = False,
     ) -> CheckpointReader:
         """A reader of one part: of its file of rank ``own[0]`` alone when it was saved at that world size and
         stage (``own``), else of the files holding ``need``'s pieces when the manifest has a piece index, else
@@ -279,6 +286,8 @@ class CheckpointReader:
             ranks = index.ranks_needed(cuts, entry["params"], ((n, s.offset, s.numel) for n, s in need.items()))
             if ranks is not None:  # one file at least: its header is checked even when this rank reads nothing
                 entries = [e for e in entries if e["rank"] in ranks] or entries[:1]
+        if local:
+            check_local(tag_dir, entry, entries)
         files = cls._open_files(tag, tag_dir, manifest, entry, verify, entries)
         ckpt = cls(root, tag, tag_dir, manifest, files, entry)
         ckpt.partial = len(entries) < len(entry["files"])
@@ -774,12 +783,27 @@ def fill_all(
         raise failures[min(failures)]
 
 
+def check_local(tag_dir: Path, part: dict, entries: list[dict]) -> None:
+    """A private save's folder (``load(..., shared=False)``) must hold the files this rank reads: else refused,
+    naming them and how to merge the folders."""
+    missing = [e for e in entries if not (tag_dir / e["file"]).is_file()]
+    if missing:
+        listed = ", ".join(f"{e['file']} (saved by rank {e['rank']} of {part['world_size']})" for e in missing[:4])
+        raise IncompleteCheckpointError(
+            f"{tag_dir} lacks {len(missing)} file(s) this rank reads: {listed}{' ...' if len(missing) > 4 else ''}. A "
+            "save with shared=False loads from each rank's own folder at the world size and layout it was saved at; "
+            "to load it at another, merge the folders into one first (e.g. rsync -a each node's checkpoint folder "
+            "into one, or Ray Train's merged checkpoint) and load from that folder"
+        )
+
+
 def open_checkpoint(
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     verify: bool = True,
     layout: ShardLayout | None = None,
     part: ModelPart | None = None,
+    local: bool = False,
 ) -> CheckpointReader:
     """Open and validate a saved checkpoint for reading; use it as a context manager.
 
@@ -793,6 +817,8 @@ def open_checkpoint(
             ``None``, for the offline tools) every rank file is, so any range can be re-cut.
         part: without ``layout``, which model-parallel part to read (``None``: the only one; use
             :func:`open_joined` for all of them).
+        local: a private save's folder (``shared=False``): it may lack other ranks' files; those this rank
+            reads must be there (:func:`check_local`).
 
     Example:
         >>> with open_checkpoint("ckpt") as reader:                      # doctest: +SKIP
@@ -801,19 +827,24 @@ def open_checkpoint(
     """
     if layout is None:
         return CheckpointReader.open(load_dir, tag, verify, part=part)
-    root, tag, tag_dir, manifest = locate_checkpoint(load_dir, tag)  # one reading of the manifest, the tag as resolved
+    # one reading of the manifest, the tag as resolved
+    root, tag, tag_dir, manifest = CheckpointReader._locate(load_dir, tag, local)
     entry = next((p for p in manifest_parts(manifest) if p["part"] == layout.part), None)
+    if entry is None and local:
+        every = [(p, e) for p in manifest_parts(manifest) for e in p["files"]]
+        for p, e in every:
+            check_local(tag_dir, p, [e])
     if entry is None:  # another model-parallel layout: join the saved parts, then cut this rank's part out of them
         # A RecutReader is not a CheckpointReader: it duck-types what load reads (tag, dtype, check_experts,
         # check_model, check_index, fill, read_buffers, close); typing it honestly needs load's callers typed alike.
         return RecutReader(open_joined(root, tag, verify), layout)  # type: ignore[return-value]  # see above
     if (int(entry["world_size"]), int(entry["zero_stage"])) == (layout.world_size, layout.stage):
         own = (layout.rank, layout.world_size, layout.stage)
-        ckpt = CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, own)
+        ckpt = CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, own, local=local)
         if not ckpt.partial or ckpt.holds(layout.specs):
             return ckpt
         ckpt.close()  # the same world size, cut otherwise: read the pieces from the files that hold them
-    return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None, layout.specs)
+    return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None, layout.specs, local)
 
 
 def locate_checkpoint(load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, str, Path, dict]:

@@ -1,0 +1,238 @@
+"""Saves into folders the ranks do not share: ``functional_ema.save(..., shared=False)``.
+
+Node-local disks (DeepSpeed's ``use_node_local_storage``, the HF Trainer's ``save_on_each_node``) and Ray
+Train (every worker reports its own temporary folder) give each rank, or each node, a folder the others do
+not see. A shared-folder save refuses them (a manifest would list files that a resume cannot read). This
+mode writes a checkpoint whose **union of folders** is one complete, verifiable checkpoint of the usual
+format, however it is later merged (Ray's upload, ``rsync``, a bucket):
+
+1. The plan is agreed as for a shared save, with a token from rank 0 naming this save.
+2. Which ranks share each folder is found from the folders themselves: each rank leaves a marker
+   ``.ema_present.<token>.<rank>`` in its tag folder, and after a barrier lists the markers it sees.
+   Ranks that see each other's markers share a folder; its lowest rank is the folder's committer.
+3. Each committer takes its tag folder's write lock and reads its generation; every folder uses the
+   largest (agreed over the process group, not through the filesystem).
+4. Every rank holding EMA pieces writes its file into its own folder. A replica (a later rank of a
+   replicated ZeRO-0 / DDP / plain model, an HSDP replica) writes the same file as the rank it
+   replicates: same name, same bytes, which the records' checksums must show, or the save is refused.
+5. Every rank's file records go to every rank; each committer writes the same manifest (the same bytes)
+   and ``ema_latest`` into its folder, once every rank's files are durable. A folder holding only some
+   ranks' files is therefore never complete on its own: its manifest lists files it lacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .._layout import ShardLayout
+from .._state import BufferState, EmaState
+from ..schedules import DecayLike
+from . import collective
+from .collective import agree, all_reduce_max, exchange, io_error
+from .errors import CheckpointError, CheckpointMismatchError
+from .format import MANIFEST_NAME, check_tag, parse_dtype
+from .writer import (
+    TagLock,
+    agree_plans,
+    buffer_file_meta,
+    build_manifest,
+    commit_manifest,
+    part_record,
+    plan_save,
+    rank_file_meta,
+    read_generation,
+    remove_unlisted,
+    save_files,
+    write_buffer_file,
+    write_rank_file,
+)
+
+__all__ = ["save_private", "MARKER_PREFIX"]
+
+#: Markers a private save leaves for a moment in each tag folder, to find which ranks share it.
+MARKER_PREFIX = ".ema_present."
+
+
+def holder_layout(layout: ShardLayout) -> ShardLayout:
+    """The layout of the rank whose file this rank's pieces replicate (itself when it holds its own)."""
+    if layout.writes_pieces:
+        return layout
+    return layout._replace(rank=0 if layout.stage == 0 else layout.rank, replica=0)
+
+
+def folder_group(tag_dir: Path, token: str, rank: int, job: tuple[Any, int, int], timeout: float) -> list[int]:
+    """The ranks that share ``tag_dir`` with this one (itself included), found by markers (see module docstring)."""
+    group, world, _ = job
+    marker = tag_dir / f"{MARKER_PREFIX}{token}.{rank:06d}"
+    try:
+        touch = lambda: _touch(tag_dir, marker, rank)  # noqa: E731
+        agree("save (finding which ranks share a folder)", touch, group, world, rank, results=False)
+        seen = sorted(int(p.name.rsplit(".", 1)[1]) for p in tag_dir.glob(f"{MARKER_PREFIX}{token}.*"))
+        groups = exchange(seen, collective.barrier_group(group, timeout), world)  # every rank listed: then unlink
+    finally:
+        with contextlib.suppress(OSError):
+            marker.unlink()
+    for r, g in enumerate(groups):
+        if r not in g or any(groups[q] != g for q in g if 0 <= q < world):
+            raise CheckpointError(
+                f"save(shared=False): the ranks see each other's folders inconsistently (rank {r} sees the markers of "
+                f"ranks {g}; they see {[groups[q] for q in g if 0 <= q < world]}): a network filesystem whose listings "
+                "lag? Save to folders that are either shared or private. Nothing was written"
+            )
+    return groups[rank]
+
+
+def _touch(tag_dir: Path, marker: Path, rank: int) -> None:
+    try:
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_bytes(b"")
+    except OSError as e:
+        raise io_error(e, rank, marker) from None
+
+
+def save_private(
+    state: EmaState,
+    layout: ShardLayout,
+    job: tuple[Any, int, int],
+    save_dir: Path,
+    raw_tag: Any,
+    decay: DecayLike | Any,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float,
+) -> Path:
+    """The private-folder save (see the module docstring); ``job`` is (group, world, rank). Collective."""
+    group, world, rank = job
+    writes_buffers = buffers is not None and layout.replica == 0
+    holder = holder_layout(layout)
+    box: dict[str, Any] = {}
+
+    def plan() -> dict[str, Any]:
+        tag = check_tag(raw_tag)
+        box["tag_dir"] = save_dir / tag
+        p = plan_save(state, decay, layout, tag, buffers, extra)
+        p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None
+        return p
+
+    mine, first = agree_plans("save (checking the state)", plan, group, world, rank)
+    tag_dir: Path = box["tag_dir"]
+    token = first["token"] if first.get("token") else f"{secrets.randbits(62):016x}"  # world 1: no agreement ran
+    sharers = folder_group(tag_dir, token, rank, job, timeout)
+    lock: list[TagLock] = []
+    done = False
+    names: list[str] = []
+    try:
+        generation = _agree_generation(tag_dir, sharers[0] == rank, lock, job, timeout)
+        piece_file = save_files(holder, generation, False, True)[0]
+        others = exchange(piece_file, collective.barrier_group(group, timeout), world)
+        writes_pieces = not any(others[q] == piece_file for q in sharers if q < rank)  # a folder gets one copy
+        names = ([piece_file] if writes_pieces else []) + (
+            save_files(layout, generation, True, False) if writes_buffers else []
+        )
+        written = _write_files(
+            state, layout, holder, mine, generation, tag_dir, names, buffers if writes_buffers else None, job
+        )
+        records = exchange(written, collective.barrier_group(group, timeout), world)
+
+        def commit() -> None:
+            manifest = build_manifest(first, _one_record_per_file(records))
+            if sharers[0] == rank:
+                try:
+                    commit_manifest(save_dir, tag_dir, manifest)
+                except OSError as e:
+                    raise io_error(e, rank, tag_dir / MANIFEST_NAME) from None
+
+        agree("save (writing the manifests)", commit, group, world, rank, results=False)
+        done = True
+    except CheckpointError:
+        remove_unlisted(tag_dir, names)
+        raise
+    finally:
+        for held in lock:
+            held.release(remove_empty=not done)
+    return tag_dir
+
+
+def _agree_generation(
+    tag_dir: Path, committer: bool, lock: list[TagLock], job: tuple[Any, int, int], timeout: float
+) -> int:
+    """Each folder's committer locks it and reads its generation; every folder takes the largest."""
+    group, world, rank = job
+    found: list[int] = [-1]
+
+    def take() -> None:
+        if committer:
+            lock.append(TagLock.acquire(tag_dir, timeout, "save"))
+            found[0] = read_generation(tag_dir)
+
+    agree("save (locking each folder)", take, group, world, rank, results=False)
+    return all_reduce_max(found, group)[0] if world > 1 and dist.is_initialized() else found[0]
+
+
+def _write_files(
+    state: EmaState,
+    layout: ShardLayout,
+    holder: ShardLayout,
+    plan: dict[str, Any],
+    generation: int,
+    tag_dir: Path,
+    names: list[str],
+    buffers: BufferState | None,
+    job: tuple[Any, int, int],
+) -> dict[str, Any]:
+    """This rank's files (its pieces, as their holder writes them, unless a rank of its folder does; its
+    buffers) and their records. Collective."""
+    group, world, rank = job
+    out: list[dict[str, Any]] = []
+
+    def write() -> None:
+        records: dict[str, Any] = {"part": part_record(layout, plan)}
+        path = tag_dir
+        try:
+            dtype = parse_dtype(plan["dtype"], "save")
+            if names and names[0].startswith("ema_"):
+                path = tag_dir / names[0]
+                meta = rank_file_meta(plan, holder, generation)
+                records["file"] = write_rank_file(path, holder, state.emas, dtype, meta)
+            if buffers is not None:
+                path = tag_dir / names[-1]
+                meta = buffer_file_meta(plan, layout, generation)
+                records["buffers"] = write_buffer_file(path, layout.rank, buffers, plan["buffers"], meta)
+        except OSError as e:
+            raise io_error(e, rank, path) from None
+        out.append(records)
+
+    agree("save (writing the rank files)", write, group, world, rank, results=False)
+    return out[0]
+
+
+def _one_record_per_file(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records as a shared save's: one record per file; replicas in other folders wrote the same file,
+    whose bytes must be exactly the holder's (else the replicas' EMAs diverged: refused)."""
+    by_file: dict[str, int] = {}
+    out = []
+    for r, rec in enumerate(records):
+        kept = dict(rec)
+        f = rec.get("file")
+        if f is not None:
+            first = by_file.setdefault(f["file"], r)
+            if first != r:
+                if _digest(records[first]["file"]) != _digest(f):
+                    raise CheckpointMismatchError(
+                        f"save(shared=False): ranks {first} and {r} hold the same replicated EMA pieces ({f['file']}) "
+                        "with different values (their checksums differ): the replicas' EMAs diverged (updated at other "
+                        "steps, or from other weights). Nothing was committed"
+                    )
+                del kept["file"]
+        out.append(kept)
+    return out
+
+
+def _digest(record: dict[str, Any]) -> str:
+    return json.dumps({k: record.get(k) for k in ("bytes", "header_checksum", "chunk_checksums")}, sort_keys=True)

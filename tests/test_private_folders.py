@@ -1,0 +1,172 @@
+"""``save(..., shared=False)`` / ``load(..., shared=False)``: folders the ranks do not share (issue 37).
+
+Each rank (or each simulated node) saves into its own folder, as Ray Train's workers and node-local disks
+do. Real engines, real ranks (gloo): DeepSpeed ZeRO-3 and a DDP model at 2 ranks, one folder per rank;
+DeepSpeed ZeRO-2 at 4 ranks as two "nodes" (ranks 0-1 share one folder, 2-3 another). Checked:
+
+* each folder holds its ranks' files and the same manifest (byte for byte); one folder alone is never
+  complete where it lacks files (``consolidate`` and a shared ``load`` refuse it, naming the missing files);
+* ``load(..., shared=False)`` from the private folders restores every rank's state bitwise, at the saved
+  layout; the folders merged into one (a plain copy) consolidate to the full EMA of an independent
+  plain-torch reference (DeepSpeed's ``safe_get_full_fp32_param``), and load at another world size;
+* refusals on every rank, with nothing committed: a stale folder on one rank (another save of the tag),
+  replicas whose EMAs diverged, another world size from private folders (naming the files and the merge).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from functional_ema._testing.multirank import run_ranks
+
+DECAY = 0.9
+
+
+def _folder(root: Path, rank: int, ranks_per_node: int) -> Path:
+    return root / f"node{rank // ranks_per_node}"
+
+
+def private_worker(root: str, kind: str, ranks_per_node: int) -> dict:
+    import torch.distributed as dist
+
+    import functional_ema as fe
+    from functional_ema._testing.multirank import full_fp32_reference, make_engine, train_step
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    here = _folder(Path(root), rank, ranks_per_node) / "ckpt"
+    out: dict = {"rank": rank}
+    if kind == "ddp":
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def train(step: int) -> None:
+            g = torch.Generator().manual_seed(step * 10 + rank)
+            model(torch.randn(4, 7, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        def full() -> dict[str, torch.Tensor]:
+            return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+        x = model
+    else:
+        engine = make_engine(int(kind[-1]))
+        x = engine
+
+        def train(step: int) -> None:
+            train_step(engine, step)
+
+        def full() -> dict[str, torch.Tensor]:
+            return full_fp32_reference(engine)
+
+    state = fe.init_ema(fe.local_shards(x))
+    ref = {n: t.clone() for n, t in full().items()}
+    for step in range(1, 4):
+        train(step)
+        state = fe.update(state, fe.local_shards(x), step, decay=DECAY)
+        for n, t in full().items():
+            ref[n].lerp_(t, 1 - DECAY)
+    if rank == 0:
+        torch.save({n: t for n, t in ref.items()}, Path(root) / "ref.pt")
+    fe.save(state, x, here, "t", decay=DECAY, shared=False)
+    dist.barrier()
+    mine = [t.clone() for t in state.emas[0].values()]
+
+    loaded = fe.load(x, here, "t", shared=False)
+    out["bitwise"] = all(torch.equal(a, b) for a, b in zip(mine, loaded.emas[0].values())) and int(loaded.step) == 3
+    out["shared_load"] = _error(lambda: fe.load(x, here, "t"))
+
+    # a stale folder on the last rank: another save of the tag (one step later)
+    state = fe.update(state, fe.local_shards(x), 4, decay=DECAY)
+    later = Path(root) / f"later{rank // ranks_per_node}"
+    fe.save(state, x, later, "t", decay=DECAY, shared=False)
+    dist.barrier()  # the last rank reads the later save's folder, the others the first save's
+    out["stale"] = _error(lambda: fe.load(x, later if rank == world - 1 else here, "t", shared=False))
+    if kind == "ddp":  # replicas whose EMAs differ: the save is refused on every rank, nothing committed
+        if rank == 1:
+            with torch.no_grad():
+                next(iter(state.emas[0].values())).add_(1.0)
+        out["diverged"] = _error(lambda: fe.save(state, x, Path(root) / f"div{rank}", "t", shared=False))
+        out["diverged_files"] = sorted(p.name for p in (Path(root) / f"div{rank}").rglob("*") if p.is_file())
+    dist.barrier()
+    return out
+
+
+def _error(fn) -> list | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts the class and message
+        return [type(e).__name__, str(e)]
+    return None
+
+
+def _consolidated_equals(folder: Path, ref: dict[str, torch.Tensor]) -> bool:
+    import functional_ema as fe
+
+    got = fe.consolidate(folder, "t")
+    return sorted(got) == sorted(ref) and all(torch.allclose(got[n], ref[n], rtol=0, atol=1e-6) for n in ref)
+
+
+@pytest.mark.parametrize(
+    ("kind", "world", "per_node"), [("zero3", 2, 1), ("ddp", 2, 1), ("zero2", 4, 2)], ids=["zero3", "ddp", "2nodes"]
+)
+def test_private_folders_save_load_and_merge(tmp_path, kind, world, per_node):
+    import functional_ema as fe
+    from functional_ema.checkpoint import IncompleteCheckpointError
+
+    res = run_ranks(
+        "tests.test_private_folders:private_worker",
+        world_size=world,
+        timeout=600,
+        root=str(tmp_path),
+        kind=kind,
+        ranks_per_node=per_node,
+    )
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    nodes = sorted({_folder(tmp_path, r, per_node) for r in range(world)})
+    manifests = {(n / "ckpt" / "t" / "ema_manifest.json").read_bytes() for n in nodes}
+    assert len(manifests) == 1  # the same manifest in every folder, byte for byte
+    manifest = json.loads(manifests.pop())
+    listed = {e["file"] for e in manifest["files"]}
+    for r in res:
+        assert r["bitwise"], r
+    for node in nodes:
+        held = {p.name for p in (node / "ckpt" / "t").iterdir() if p.name.startswith("ema_rank_")}
+        assert held <= listed and (node / "ckpt" / "ema_latest").read_text().strip() == "t"
+        if held != listed:  # a folder with only some ranks' files is never complete on its own
+            with pytest.raises(IncompleteCheckpointError, match="missing"):
+                fe.consolidate(node / "ckpt", "t")
+    if kind == "ddp":
+        assert all(r["shared_load"] is None for r in res)  # every folder holds the replicated file
+    else:
+        for r in res:
+            name, msg = r["shared_load"]
+            assert name == "IncompleteCheckpointError" and "load it with shared=False" in msg, msg
+    merged = tmp_path / "merged"
+    for node in nodes:
+        shutil.copytree(node / "ckpt", merged, dirs_exist_ok=True)
+    assert _consolidated_equals(merged, ref)
+    for r in res:
+        name, msg = r["stale"]
+        assert name == "CheckpointMismatchError" and "ranks disagree" in msg and "save" in msg, msg
+    if kind == "zero3":  # at 1 rank: the private folder refused naming the missing file; the merged one loads
+        from functional_ema._testing.multirank import OddNet
+
+        model = OddNet()
+        model.not_optimized.requires_grad_(False)  # the engine's optimizer leaves it out: it has no EMA
+        with pytest.raises(IncompleteCheckpointError, match=r"lacks 1 file.*saved by rank 1 of 2.*merge the folders"):
+            fe.load(model, nodes[0] / "ckpt", "t", shared=False)
+        state = fe.load(model, merged, "t")
+        assert all(torch.allclose(state.emas[0][n].view(ref[n].shape), ref[n], rtol=0, atol=1e-6) for n in ref)
+    if kind == "ddp":
+        for r in res:
+            name, msg = r["diverged"]
+            assert name == "CheckpointMismatchError" and "diverged" in msg, msg
+            assert not any("manifest" in f for f in r["diverged_files"]), r["diverged_files"]
