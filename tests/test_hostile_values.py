@@ -1032,6 +1032,7 @@ rows(
     tag=R(names=("tag",), str="a plain folder name"),
     dtype=EMA_DTYPE,
     async_save=BOOL,
+    shared=BOOL,
 )
 rows(
     "integrations.EMAController.on_step",

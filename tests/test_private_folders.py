@@ -170,3 +170,50 @@ def test_private_folders_save_load_and_merge(tmp_path, kind, world, per_node):
             name, msg = r["diverged"]
             assert name == "CheckpointMismatchError" and "diverged" in msg, msg
             assert not any("manifest" in f for f in r["diverged_files"]), r["diverged_files"]
+
+
+def controller_worker(root: str) -> dict:
+    """The integrations' controller with ``shared=False``: a not-started record and a started EMA saved into each
+    rank's own folder, resumed by a fresh controller; a rank whose folder holds nothing is refused on every rank."""
+    import torch.distributed as dist
+
+    from functional_ema.integrations import EMAController
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    here = Path(root) / f"node{rank}" / "run"
+    ctl = EMAController(DECAY, start_step=3, shared=False)
+    out: dict = {}
+    for step in range(1, 6):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        model(torch.randn(4, 7, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ctl.on_step(model, step)
+        ctl.save(model, here / f"checkpoint-{step}", step)
+    fresh = EMAController(DECAY, start_step=3, shared=False)
+    out["unstarted"] = fresh.load(model, here / "checkpoint-2", 2) == 2 and fresh.state is None
+    fresh.load(model, here / "checkpoint-5", 5)
+    assert fresh.state is not None and ctl.state is not None
+    out["bitwise"] = all(torch.equal(fresh.state.emas[0][n], t) for n, t in ctl.state.emas[0].items())
+    empty = Path(root) / f"empty{rank}"
+    (empty / "ema").mkdir(parents=True)
+    out["one_empty"] = _error(lambda: fresh.load(model, here / "checkpoint-5" if rank == 0 else empty, 5))
+    out["async"] = _error(lambda: EMAController(DECAY, shared=False, async_save=True))
+    return out
+
+
+def test_controller_with_private_folders(tmp_path):
+    res = run_ranks("tests.test_private_folders:controller_worker", world_size=2, timeout=300, root=str(tmp_path))
+    for r in res:
+        assert r["unstarted"] and r["bitwise"], r
+        name, msg = r["one_empty"]
+        assert name == "CheckpointMismatchError" and "folders disagree" in msg, msg
+        name, msg = r["async"]
+        assert name == "ValueError" and "not supported yet" in msg, msg
+    for node in ("node0", "node1"):  # each folder: its own copy of the record and the manifest
+        assert (tmp_path / node / "run" / "checkpoint-2" / "ema" / "integration.json").is_file()
+        assert (tmp_path / node / "run" / "checkpoint-5" / "ema" / "ema_manifest.json").is_file()

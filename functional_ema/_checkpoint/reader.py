@@ -847,10 +847,13 @@ def open_checkpoint(
     return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None, layout.specs, local)
 
 
-def locate_checkpoint(load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, str, Path, dict]:
+def locate_checkpoint(
+    load_dir: str | os.PathLike[str], tag: str | None = None, local: bool = False
+) -> tuple[Path, str, Path, dict]:
     """(root, tag, tag folder, validated manifest) of a saved checkpoint, following ``latest`` /
-    ``ema_latest`` for ``tag=None``; every file the manifest lists must exist. Reads no rank file."""
-    return CheckpointReader._locate(load_dir, tag)
+    ``ema_latest`` for ``tag=None``; every file the manifest lists must exist (``local``: a private save's
+    folder, which may lack other ranks' files). Reads no rank file."""
+    return CheckpointReader._locate(load_dir, tag, local)
 
 
 def open_parts(load_dir: str | os.PathLike[str], tag: str | None = None, verify: bool = True) -> list[CheckpointReader]:

@@ -118,6 +118,10 @@ class EMAController:
             training that follows, and a failure is raised at the next :meth:`save`, at
             :meth:`wait`, :meth:`load` or at the end of training. A process that exits waits for
             the write to finish.
+        shared: ``False`` when the checkpoint folders are each rank's (or each node's) own: node-local disks,
+            the HF Trainer's ``save_on_each_node``, Ray Train's per-worker folders. Saves and resumes then use
+            ``save(..., shared=False)`` / ``load(..., shared=False)`` (docs/many-nodes.md); every rank writes
+            the not-started record into its own folder. Not with ``async_save`` yet.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class EMAController:
         tag: str = "ema",
         dtype: torch.dtype = torch.float32,
         async_save: bool = False,
+        shared: bool = True,
     ) -> None:
         # Every argument is checked here, before training starts (not at the first update, hours in).
         self.decays = check_decays(decay, "decay")
@@ -162,6 +167,12 @@ class EMAController:
         self.tag = check_tag(check_str(tag, "tag"))  # a folder name save() accepts, refused now rather than at a save
         self.copy_to_model_at_end = check_bool(copy_to_model, "copy_to_model")
         async_save = check_bool(async_save, "async_save")
+        self.shared = check_bool(shared, "shared")
+        if async_save and not self.shared:
+            raise ValueError(
+                "async_save=True with shared=False is not supported yet: the background save commits through a "
+                "folder every rank shares; use async_save=False for private folders"
+            )
         self.dtype = check_ema_dtype(dtype)  # refused here, not at the first optimizer step
         self.posthoc_dir = posthoc_path
         self.export_path = None if export_path is None else check_path(export_path, "export_path")
@@ -297,8 +308,17 @@ class EMAController:
                 self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record
             )
             return tag_dir
-        fe.save(self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record)
-        if _rank() == 0 and (tag_dir / RECORD_NAME).exists():
+        fe.save(
+            self.state,
+            x,
+            save_dir,
+            self.tag,
+            decay=self.decay,
+            buffers=self.buffer_state,
+            extra=record,
+            shared=self.shared,
+        )
+        if (_rank() == 0 or not self.shared) and (tag_dir / RECORD_NAME).exists():
             # An older not-started record is superseded by the manifest just written: remove it, holding the tag
             # (a record another save wrote meanwhile, newer than this manifest, stays).
             lock = TagLock.acquire(tag_dir, timeout_s(None), "EMA save")
@@ -317,8 +337,9 @@ class EMAController:
         job = job_of(fe.engines.adapter_for(x).read())  # every rank that saves this model (all parts)
 
         def write() -> None:
-            if job.rank != 0:
+            if job.rank != 0 and self.shared:  # private folders: every rank writes its folder's (identical) record
                 return None
+            tag_dir.mkdir(parents=True, exist_ok=True)
             lock = TagLock.acquire(tag_dir, timeout_s(None), "EMA save")
             try:
                 record["supersedes_generation"] = read_generation(tag_dir) - 1
@@ -362,7 +383,7 @@ class EMAController:
                 )
             generation, buffers = None, False
             if (tag_dir / MANIFEST_NAME).is_file():  # the manifest alone (validated); the load reads the files
-                *_, manifest = locate_checkpoint(load_dir, self.tag)
+                *_, manifest = locate_checkpoint(load_dir, self.tag, local=not self.shared)
                 generation = int(manifest["generation"])
                 buffers = all(p.get("buffer_files") is not None for p in manifest_parts(manifest))
             if record is not None and (
@@ -371,7 +392,14 @@ class EMAController:
                 return ("unstarted", record, False)
             return ("ema", None, buffers) if generation is not None else ("nothing", None, False)
 
-        kind, record, saved_buffers = agree("EMA resume", decide, job.group, job.world, job.rank)[0]
+        decisions = agree("EMA resume", decide, job.group, job.world, job.rank)
+        if any(d[0] != decisions[0][0] for d in decisions):  # private folders: each rank decided from its own
+            seen = ", ".join(f"rank {r}: {d[0]}" for r, d in enumerate(decisions))
+            raise fe.checkpoint.CheckpointMismatchError(
+                f"resuming the EMA from {tag_dir}: the ranks' folders disagree on what they hold ({seen}); every "
+                "rank's folder must hold the same save"
+            )
+        kind, record, saved_buffers = decisions[0]
         if kind == "unstarted":
             saved_step = _int_field(record, "framework_step", tag_dir / RECORD_NAME)
             self._check_unstarted(tag_dir / RECORD_NAME, saved_step, framework_step)
@@ -390,7 +418,9 @@ class EMAController:
                 "started. Was the EMA callback attached when this checkpoint was written, and did its save finish?"
             )
         try:
-            loaded = fe.checkpoint.load_checkpoint(x, load_dir, self.tag, buffers=bool(self.buffers) and saved_buffers)
+            loaded = fe.checkpoint.load_checkpoint(
+                x, load_dir, self.tag, buffers=bool(self.buffers) and saved_buffers, shared=self.shared
+            )
         except fe.CheckpointError as e:
             raise type(e)(f"resuming the EMA from {tag_dir}: {e}") from e
         saved_step = self._check_loaded(tag_dir, loaded, framework_step)
