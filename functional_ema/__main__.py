@@ -151,9 +151,7 @@ def _run_consolidate_dcp(args: argparse.Namespace, t0: float) -> int:
     import os
     import time
 
-    from safetensors.torch import save
-
-    from ._io import atomic_write_bytes
+    from ._io import write_tensors
     from .checkpoint import OutputPathError
     from .dcp import _consolidate
 
@@ -182,18 +180,8 @@ def _run_consolidate_dcp(args: argparse.Namespace, t0: float) -> int:
         raise OutputPathError(f"{out} exists: pass --overwrite to replace it")
     key = "ema" if args.key is None else args.key
     full, step = _consolidate(src, key, args.index, not args.no_verify)
-    atomic_write_bytes(
-        out,
-        save(
-            {n: t.contiguous() for n, t in full.items()},
-            metadata={
-                "format": "functional_ema.export",
-                "source": "dcp",
-                "ema_index": str(args.index),
-                "step": str(step),
-            },
-        ),
-    )
+    meta = {"format": "functional_ema.export", "source": "dcp", "ema_index": str(args.index), "step": str(step)}
+    write_tensors(out, full, meta)
     print(
         f"wrote {out}: {len(full)} tensors, {out.stat().st_size / 2**20:.1f} MiB, EMA {args.index} of DCP key "
         f"{key!r} (step {step}){'' if not args.no_verify else ', checksums not verified (--no-verify)'} in "

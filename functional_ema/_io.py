@@ -333,6 +333,44 @@ def _header_bytes(
     return struct.pack("<Q", len(raw)) + raw, table
 
 
+#: Metadata of a file that carries its own checksums (the consolidated outputs: ``consolidate_to_file``,
+#: ``posthoc_to_file``, ``consolidate --dcp``, a callback's ``export_path``): every tensor's chunk
+#: checksums, in the file's tensor order, as one hex string; and ``<algo>/<chunk bytes>``.
+SELF_CHECKSUMS = "content_checksums"
+SELF_CHECKSUMS_ALGO = "content_checksum_algo"
+
+
+def _chunk_count(nbytes: int) -> int:
+    return -(-nbytes // CHUNK_BYTES)
+
+
+def self_checksums(st: SafetensorsFile) -> dict[str, list[int]] | None:
+    """The checksums a file carries in its own metadata (:data:`SELF_CHECKSUMS`): tensor -> chunk checksums, for
+    :meth:`SafetensorsFile.read_into`; ``None`` for a file written without them.
+
+    Raises:
+        FormatError: the fields are malformed (another algorithm or chunk size, a wrong length, not hex).
+    """
+    value = st.metadata.get(SELF_CHECKSUMS)
+    if value is None:
+        return None
+    algo = st.metadata.get(SELF_CHECKSUMS_ALGO)
+    if algo != f"{CHECKSUM}/{CHUNK_BYTES}":
+        raise FormatError(f"{st.path}: metadata {SELF_CHECKSUMS_ALGO!r} is {algo!r}, expected {CHECKSUM}/{CHUNK_BYTES}")
+    order = sorted(st.tensors, key=lambda n: st.tensors[n].start)
+    counts = [_chunk_count(st.tensors[n].end - st.tensors[n].start) for n in order]
+    if len(value) != 16 * sum(counts) or not all(c in "0123456789abcdef" for c in value):
+        raise FormatError(
+            f"{st.path}: metadata {SELF_CHECKSUMS!r} is not {sum(counts)} hex checksums of 16 digits (one per "
+            f"{CHUNK_BYTES >> 20} MiB of each tensor): the file is corrupted"
+        )
+    out, pos = {}, 0
+    for name, count in zip(order, counts):
+        out[name] = [int(value[pos + 16 * i : pos + 16 * (i + 1)], 16) for i in range(count)]
+        pos += 16 * count
+    return out
+
+
 class StreamingWriter:
     """Write a safetensors file header first, then one tensor at a time, atomically.
 
@@ -361,12 +399,23 @@ class StreamingWriter:
         *,
         checksums: bool = True,
         algo: str = CHECKSUM,
+        self_checksums: bool = False,
     ) -> None:
         self.path = Path(path)
-        self.checksums = checksums
+        self.checksums = checksums or self_checksums
         self.algo = algo
         self._hash = checksum_fn(algo)
-        self._header, self.table = _header_bytes(entries, metadata or {})
+        metadata = dict(metadata or {})
+        self._self_at = -1
+        if self_checksums:  # a placeholder of the exact length, overwritten at commit (the header comes first)
+            if algo != CHECKSUM:
+                raise ValueError(f"self_checksums are {CHECKSUM}, not {algo}")
+            chunks = sum(_chunk_count(math.prod(int(d) for d in shape) * dt.itemsize) for _, dt, shape in entries)
+            metadata[SELF_CHECKSUMS] = "x" * (16 * chunks)
+            metadata[SELF_CHECKSUMS_ALGO] = f"{CHECKSUM}/{CHUNK_BYTES}"
+        self._header, self.table = _header_bytes(entries, metadata)
+        if self_checksums:
+            self._self_at = self._header.index(f'"{SELF_CHECKSUMS}":"'.encode()) + len(SELF_CHECKSUMS) + 4
         self._order = list(self.table)
         self._next = 0
         self._cm = atomic_open(self.path)
@@ -412,6 +461,10 @@ class StreamingWriter:
         """Finish: fsync, rename over the target, fsync the directory. Returns the file size."""
         if self._next != len(self._order):
             raise ValueError(f"{self.path.name}: {len(self._order) - self._next} declared tensors were never written")
+        if self._self_at >= 0:
+            value = "".join(format_checksum(self.algo, v) for key in self._order for v in self.crcs[key])
+            self._f.flush()
+            os.pwrite(self._f.fileno(), value.encode(), self._self_at)
         self._done = True
         self._cm.__exit__(None, None, None)
         return self.size
@@ -430,6 +483,16 @@ class StreamingWriter:
     ) -> None:
         if exc_type is not None or not self._done:
             self.abort()
+
+
+def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+    """``tensors`` (whole, in memory) into the safetensors file ``path``, atomically, carrying its own checksums
+    (:data:`SELF_CHECKSUMS`); the size written. Tied aliases are written as separate tensors."""
+    entries = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    with StreamingWriter(path, entries, metadata, self_checksums=True) as w:
+        for n, t in tensors.items():
+            w.write(n, t.detach().reshape(-1))
+        return w.commit()
 
 
 # ------------------------------------------------------------------------------------------ reader

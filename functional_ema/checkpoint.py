@@ -782,7 +782,7 @@ def consolidate_to_file(
         try:
             # One buffer, the size of the largest parameter, reused for each (faulted in once).
             buffer = _memory.empty(max((math.prod(s) for s in ckpt.shapes.values()), default=0), dtype=ckpt.dtype)
-            with _io.StreamingWriter(out_path, entries, meta, checksums=False) as w:
+            with _io.StreamingWriter(out_path, entries, meta, self_checksums=True) as w:  # the file checks itself
                 for name, shape in ckpt.shapes.items():
                     full = buffer[: math.prod(shape)]
                     ckpt.fill(full, index, name, 0, full.numel(), verify)  # checked before it is written

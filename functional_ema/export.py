@@ -134,7 +134,7 @@ def _open_source(
 ) -> Iterator[_Source]:
     path = Path(source)
     if path.is_file():
-        with _open_file_source(path) as src:
+        with _open_file_source(path, verify) as src:
             yield src
         return
     ckpt: JoinedReader
@@ -171,7 +171,7 @@ def _open_source(
 
 
 @contextlib.contextmanager
-def _open_file_source(path: Path) -> Iterator[_Source]:
+def _open_file_source(path: Path, verify: bool) -> Iterator[_Source]:
     """A consolidated file this library wrote (its ``format`` metadata says which), validated, read per tensor."""
     try:
         opened = _io.SafetensorsFile(path)
@@ -187,9 +187,16 @@ def _open_file_source(path: Path) -> Iterator[_Source]:
             )
         shapes = {n: e.shape for n, e in f.tensors.items()}
         dtypes = {n: e.dtype for n, e in f.tensors.items()}
+        try:
+            sums = _io.self_checksums(f) if verify else None  # files this library wrote carry their own
+        except _io.FormatError as e:
+            raise CorruptCheckpointError(f"source: {e}") from None
 
         def fill_file(dst: torch.Tensor, name: str) -> None:
-            f.read_into(name, dst)
+            try:
+                f.read_into(name, dst, crcs=None if sums is None else sums[name], context="source")
+            except _io.FormatError as e:
+                raise CorruptCheckpointError(f"source: {e}") from None
 
         step = f.metadata.get("step", "")
         index = f.metadata.get("ema_index", "")
@@ -199,6 +206,7 @@ def _open_file_source(path: Path) -> Iterator[_Source]:
             "source_format": fmt,
             "step": int(step) if step.isdigit() else None,
             "ema_index": int(index) if index.isdigit() else None,
+            "source_verified": sums is not None,  # older consolidated files carry no checksums of their own
             "source_metadata": {k: f.metadata[k] for k in sorted(f.metadata)},
         }
         yield _Source(shapes, dtypes, fill_file, info, [path])
@@ -294,6 +302,7 @@ def _record(
         "prefix_dropped": plan.prefix,
         "copied_from_like": [it.name for it in plan.items if it.origin == "like"],
         "ignored_in_like": like.ignored,
+        "other_adapters_left_out": plan.other_adapters,
         **extra,
     }
     return {**{k: v for k, v in src.info.items() if k not in own}, **own}

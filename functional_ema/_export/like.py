@@ -136,9 +136,18 @@ def _check_config(config: dict[str, Any], path: Path, kind: str) -> None:
         mts = config.get("modules_to_save")
         if mts is not None and not (isinstance(mts, list) and all(isinstance(m, str) for m in mts)):
             raise bad("modules_to_save", "null or a list of module names")
-        if not isinstance(config.get("peft_type", ""), str):
-            raise bad("peft_type", "a string")
+        if not isinstance(config.get("peft_type"), str):
+            raise bad("peft_type", "a PEFT method name")
+        tti = config.get("trainable_token_indices")
+        if tti is not None and not isinstance(tti, (list, dict)):
+            raise bad("trainable_token_indices", "null, a list or an object")
+        _peft_parses(path)
         return
+    if not any(config.get(k) for k in _NAMING_KEYS):
+        raise ForeignFileError(
+            f"like (--like): {path} names no model (none of {list(_NAMING_KEYS)}): no loader could build a model from "
+            "it; give the model's save_pretrained folder"
+        )
     arch = config.get("architectures")
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
         raise bad("architectures", "a list of class names")
@@ -150,6 +159,31 @@ def _check_config(config: dict[str, Any], path: Path, kind: str) -> None:
     for key in ("dtype", "torch_dtype"):
         if config.get(key) is not None and not isinstance(config[key], str):
             raise bad(key, "a dtype name")
+
+
+#: Fields by which a config names its model: transformers, diffusers, timm and other libraries' folders.
+_NAMING_KEYS = ("architectures", "model_type", "_class_name", "architecture")
+
+
+def _peft_parses(path: Path) -> None:
+    """PEFT's own reading of ``adapter_config.json`` (``PeftConfig.from_pretrained``, local, no remote code), when
+    PEFT is installed: what ``PeftModel.from_pretrained`` does first, so a config it refuses is refused here."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return
+    import warnings
+
+    from peft import PeftConfig
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            PeftConfig.from_pretrained(str(path.parent))
+    except Exception as e:  # noqa: BLE001 - any refusal of PEFT's own parser is the finding, named
+        raise ForeignFileError(
+            f"like (--like): {path}: PEFT cannot read this adapter config ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
 
 
 def _weights(folder: Path, kind: str) -> tuple[dict[str, tuple[Path, _io.TensorEntry]], set[str]]:

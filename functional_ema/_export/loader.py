@@ -73,7 +73,7 @@ def loader_view(kind: str, config: dict[str, Any], config_file: Path) -> tuple[L
         if not (isinstance(cls, type) and base is not None and issubclass(cls, base)):
             return None, f"{lib} has no model class {name!r}"
         try:
-            view = _transformers_view(cls, config) if lib == "transformers" else _diffusers_view(cls, config)
+            view = _transformers_view(cls, config_file) if lib == "transformers" else _diffusers_view(cls, config)
         except Exception as e:  # noqa: BLE001 - any failure of a third-party class on a foreign config is refused
             raise ForeignFileError(
                 f"like (--like): {config_file}: {lib}.{name} cannot be built from this config "
@@ -117,11 +117,13 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _transformers_view(cls: Any, config: dict[str, Any]) -> LoaderView:
+def _transformers_view(cls: Any, config_file: Path) -> LoaderView:
+    from transformers import AutoConfig
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    cfg = cls.config_class.from_dict(dict(config))
+    # The loader's own reading of config.json (model_type -> config class, sub-configs, checks), local only.
+    cfg = AutoConfig.from_pretrained(str(config_file.parent), local_files_only=True, trust_remote_code=False)
     with torch.device("meta"):
         model = cls(cfg)
     state = model.state_dict()

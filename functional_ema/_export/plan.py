@@ -8,7 +8,8 @@ view (:class:`LoaderView`, or ``None``). The plan is refused (one error naming t
 * a shape differs from ``--like``'s (or the loader's), or ``--like`` holds an integer tensor where the EMA
   holds a floating one;
 * two EMA tensors land on one name; no EMA tensor is placed at all;
-* PEFT: the EMA's adapter name is not ``adapter_name``, or it holds a tensor PEFT does not save;
+* PEFT: no EMA tensor of adapter ``adapter_name``, or a tensor PEFT does not save (the tensors of the EMA's
+  other adapters are left out, as PEFT saves each adapter on its own);
 * a weight the loader needs has no EMA and ``--like`` has none to copy (or ``missing="error"``).
 
 A tied alias (``lm_head.weight`` tied to the input embedding) is not written, as ``save_pretrained``
@@ -43,6 +44,7 @@ class Plan(NamedTuple):
     items: list[Item]
     ties: list[tuple[str, str]]  # (source name of a tied alias left out, the name written that holds its value)
     prefix: str  # the prefix dropped from every EMA name to fit --like's ("" when none)
+    other_adapters: list[str]  # PEFT: the EMA tensors of adapters other than the one exported (not written)
 
 
 def make_plan(
@@ -56,6 +58,7 @@ def make_plan(
 ) -> Plan:
     """The plan (see the module docstring)."""
     names = _own_names(list(shapes), like, adapter_name)
+    other_adapters = [s for s in shapes if s not in names]
     expected = _expected(like, view)
     aliases = view.aliases if view is not None else {}
     placed, ties, prefix = _place(names, expected, aliases, view, like)
@@ -81,7 +84,7 @@ def make_plan(
     for n in lacking:
         _file, entry = like.weights[n]
         items.append(Item(n, out_dtype(entry.dtype), entry.shape, "like", n))
-    return Plan(items, ties, prefix)
+    return Plan(items, ties, prefix, other_adapters)
 
 
 def _own_names(sources: list[str], like: LikeFolder, adapter_name: str) -> dict[str, str]:
@@ -90,13 +93,15 @@ def _own_names(sources: list[str], like: LikeFolder, adapter_name: str) -> dict[
     if like.kind != "peft":
         return stripped
     found = adapters_in(list(stripped.values()))
-    if set(found) != {adapter_name}:
+    if adapter_name not in found:
         got = ", ".join(f"{a!r} ({len(v)} tensors, e.g. {v[0]!r})" for a, v in sorted(found.items())) or "none"
         raise CheckpointMismatchError(
             f"--like {like.given} is a PEFT adapter folder and adapter_name (--adapter-name) is {adapter_name!r}, but "
             f"the EMA's adapter names are: {got}. Pass the adapter name the EMA was trained with"
         )
     marked = {n for v in found.values() for n in v}
+    others = {n for a, v in found.items() if a != adapter_name for n in v}  # PEFT saves each adapter on its own
+    stripped = {s: n for s, n in stripped.items() if n not in others}
     other = [s for s, n in stripped.items() if n not in marked]
     if other:
         raise CheckpointMismatchError(

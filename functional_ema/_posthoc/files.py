@@ -423,7 +423,7 @@ def posthoc_to_file(
     ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
     entries = [(n, dtype, s) for n, s in plan.shapes.items()]
     out_path = Path(out_path)
-    with _io.StreamingWriter(out_path, entries, meta) as w:
+    with _io.StreamingWriter(out_path, entries, meta, self_checksums=True) as w:  # the file checks itself
         for name, t in _stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes):
             w.write(name, t)
         w.commit()

@@ -55,7 +55,7 @@ from functional_ema._checkpoint.format import (
 from functional_ema._checkpoint.reader import locate_checkpoint
 from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
 from functional_ema._core import check_ema_dtype
-from functional_ema._io import atomic_write_bytes
+from functional_ema._io import atomic_write_bytes, write_tensors
 from functional_ema.checkpoint import Loaded
 from functional_ema.schedules import DecayLike, Schedule, check_decays
 
@@ -544,7 +544,6 @@ class EMAController:
         anything is gathered) when it would land on a checkpoint's files: a tag folder, a rank, buffer or
         manifest file, ``latest``. Its metadata records the EMA written (``ema_index``), its step and schedule.
         """
-        from safetensors.torch import save as st_save
 
         index, state = self._index(index)
         strip_prefix = check_str(strip_prefix, "strip_prefix")
@@ -552,8 +551,7 @@ class EMAController:
         full = self.full_state_dict(x, index=index, dst=0, strip_prefix=strip_prefix)
         if _rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # Tied aliases share storage; safetensors wants distinct tensors.
-            tensors = {n: t.detach().contiguous().clone() for n, t in full.items()}
+            tensors = {n: t.detach().contiguous() for n, t in full.items()}  # aliases are written separately
             schedule = describe_decays(self.decays[index], 1)
             meta = {
                 "format": "functional_ema.export",
@@ -561,7 +559,7 @@ class EMAController:
                 "ema_index": str(index),
                 "schedule": json.dumps(schedule[0] if schedule else None),
             }
-            atomic_write_bytes(path, st_save(tensors, metadata=meta))
+            write_tensors(path, tensors, meta)  # atomically, with the file's own checksums
         _barrier()
         return path if _rank() == 0 else None
 
