@@ -99,6 +99,13 @@ def _own_names(sources: list[str], like: LikeFolder, adapter_name: str) -> dict[
             f"--like {like.given} is a PEFT adapter folder and adapter_name (--adapter-name) is {adapter_name!r}, but "
             f"the EMA's adapter names are: {got}. Pass the adapter name the EMA was trained with"
         )
+    if like.config.get("trainable_token_indices") is not None and not any(
+        "trainable_tokens_delta" in n for n in stripped.values()
+    ):
+        raise CheckpointMismatchError(
+            f"{like.config_file}: field 'trainable_token_indices' asks PEFT for trainable token embeddings, but the EMA "
+            "holds none (no trainable_tokens_delta): PEFT could not load the export. Give the adapter's own config"
+        )
     marked = {n for v in found.values() for n in v}
     others = {n for a, v in found.items() if a != adapter_name for n in v}  # PEFT saves each adapter on its own
     stripped = {s: n for s, n in stripped.items() if n not in others}
