@@ -50,7 +50,7 @@ from ._checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError,
 from ._checkpoint.format import CONSOLIDATED_FORMAT, library_version, short_list
 from ._checkpoint.reader import JoinedReader, open_joined
 from ._export.like import EXPORT_RECORD, LikeFolder, read_like
-from ._export.loader import loader_view
+from ._export.loader import loader_view, peft_expected
 from ._export.names import WRAPPER_PREFIXES, peft_name, strip_wrappers
 from ._export.outdir import EXPORT_FORMAT, check_out_dir, commit_dir, new_tmp_dir
 from ._export.plan import Plan, make_plan
@@ -285,6 +285,24 @@ def _check_ties(plan: Plan, src: _Source, like: _Like) -> list[str]:
     return [a for a, _ in plan.ties]
 
 
+def _check_peft(like: LikeFolder, plan: Plan) -> str:
+    """The adapter written is what PEFT's loader reads for ``like``'s config (names and shapes); "" when checked,
+    else why not (the record's ``loader_check``)."""
+    planned = {it.name: tuple(it.shape) for it in plan.items}
+    expected, why = peft_expected(like.config_file, planned)
+    if expected is not None and expected != planned:
+        odd = sorted(set(expected) ^ set(planned)) or sorted(n for n in planned if planned[n] != expected[n])
+        shown = [
+            f"{n} {list(planned.get(n, ())) or 'not written'} vs {list(expected.get(n, ())) or 'not read'}"
+            for n in odd[:4]
+        ]
+        raise CheckpointMismatchError(
+            f"{like.config_file} and the EMA disagree: PEFT, reading this config, expects other adapter weights than "
+            f"the EMA's ({len(odd)} name(s), written vs read: {'; '.join(shown)}). Give the adapter's own config"
+        )
+    return why
+
+
 def _record(
     src: _Source, like: LikeFolder, plan: Plan, cast: torch.dtype | None, files: list[str], extra: dict
 ) -> dict:
@@ -451,6 +469,8 @@ def to_hf(
     with _open_source(source, tag, index, verify, tp_dims) as src:
         real_out = check_out_dir(out_dir, [*src.paths, like_folder.given], overwrite)
         plan = make_plan(src.shapes, src.dtypes, like_folder, view, adapter_name, cast, missing)
+        if like_folder.kind == "peft":
+            why_not = _check_peft(like_folder, plan)
         reader = _Like(like_folder)
         tied = _check_ties(plan, src, reader)
         nbytes = {it.name: math.prod(it.shape) * it.dtype.itemsize for it in plan.items}
@@ -466,11 +486,13 @@ def to_hf(
         written = sorted(
             {*files, *index_name, *copied, "config.json" if cast is not None else "", EXPORT_RECORD} - {""}
         )
-        check = (
-            {"class": view.cls, "result": "names, shapes and ties as save_pretrained writes them"}
-            if view
-            else {"class": None, "result": f"not run: {why_not}"}
-        )
+        check: dict[str, str | None]
+        if view is not None:
+            check = {"class": view.cls, "result": "names, shapes and ties as save_pretrained writes them"}
+        elif like_folder.kind == "peft" and not why_not:
+            check = {"class": "peft", "result": "names and shapes as PEFT reads them for this adapter_config.json"}
+        else:
+            check = {"class": None, "result": f"not run: {why_not}"}
         record = _record(
             src, like_folder, plan, cast, files, {"tied_left_out": tied, "written": written, "loader_check": check}
         )

@@ -141,6 +141,9 @@ def _check_config(config: dict[str, Any], path: Path, kind: str) -> None:
         tti = config.get("trainable_token_indices")
         if tti is not None and not isinstance(tti, (list, dict)):
             raise bad("trainable_token_indices", "null, a list or an object")
+        for field, ok, want in _PEFT_FIELDS:
+            if field in config and not ok(config[field]):
+                raise bad(field, want)
         _peft_parses(path)
         return
     if not any(config.get(k) for k in _NAMING_KEYS):
@@ -161,6 +164,35 @@ def _check_config(config: dict[str, Any], path: Path, kind: str) -> None:
             raise bad(key, "a dtype name")
 
 
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+#: The fields PEFT computes with when it builds the adapter's layers at load (a LoRA scale ``lora_alpha / r``,
+#: ``nn.Dropout(lora_dropout)``), which its config parser takes as they are: checked here, so a config the
+#: loader would fail on is refused rather than copied into the export.
+_PEFT_FIELDS: tuple[tuple[str, Any, str], ...] = (
+    ("r", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "an int > 0"),
+    ("lora_alpha", _real, "a number"),
+    ("lora_dropout", lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    (
+        "rank_pattern",
+        lambda v: isinstance(v, dict) and all(isinstance(x, int) and x > 0 for x in v.values()),
+        "an object of ints > 0",
+    ),
+    ("alpha_pattern", lambda v: isinstance(v, dict) and all(_real(x) for x in v.values()), "an object of numbers"),
+    (
+        "target_modules",
+        lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+        "null, a name or a list of names",
+    ),
+    ("bias", lambda v: v in ("none", "all", "lora_only"), "'none', 'all' or 'lora_only'"),
+    *(
+        (f, lambda v: isinstance(v, bool), "true or false")
+        for f in ("use_dora", "use_rslora", "fan_in_fan_out", "inference_mode")
+    ),
+)
+
 #: Fields by which a config names its model: transformers, diffusers, timm and other libraries' folders.
 _NAMING_KEYS = ("architectures", "model_type", "_class_name", "architecture")
 
@@ -179,11 +211,61 @@ def _peft_parses(path: Path) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            PeftConfig.from_pretrained(str(path.parent))
+            parsed = PeftConfig.from_pretrained(str(path.parent))
     except Exception as e:  # noqa: BLE001 - any refusal of PEFT's own parser is the finding, named
         raise ForeignFileError(
             f"like (--like): {path}: PEFT cannot read this adapter config ({type(e).__name__}: {str(e)[:200]})"
         ) from None
+    _check_declared_types(path, read_json_object(path, "like (--like)"), type(parsed))
+
+
+def _check_declared_types(path: Path, config: dict[str, Any], cls: type) -> None:
+    """Each field of ``config`` that ``cls`` (PEFT's config dataclass) declares has a value of the declared type:
+    PEFT's parser takes them as they are, and its loader computes with them."""
+    import dataclasses
+    import typing
+
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - a class whose annotations cannot be resolved: no declared types to check
+        return
+    for f in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
+        if f.name in config and f.name in hints and not _conforms(config[f.name], hints[f.name]):
+            shown = repr(config[f.name])
+            raise ForeignFileError(
+                f"like (--like): {path}: field {f.name!r} is {shown[:60]}, not of the type PEFT declares for it "
+                f"({hints[f.name]}): PEFT could not load the export"
+            )
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """``value`` (parsed JSON) fits the annotation ``hint``; types this does not model are accepted."""
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return any(_conforms(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin is list:
+        return isinstance(value, list) and (not args or all(_conforms(v, args[0]) for v in value))
+    if origin is tuple:  # JSON has no tuples: a list of the tuple's length (any length for tuple[X, ...])
+        if not isinstance(value, list):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_conforms(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
+    if origin is dict or hint is dict:
+        return isinstance(value, dict) and (not args or all(_conforms(v, args[1]) for v in value.values()))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):
+        return _real(value)
+    if hint is str:
+        return isinstance(value, str)
+    return True
 
 
 def _weights(folder: Path, kind: str) -> tuple[dict[str, tuple[Path, _io.TensorEntry]], set[str]]:

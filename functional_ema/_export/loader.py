@@ -155,3 +155,73 @@ def _diffusers_view(cls: Any, config: dict[str, Any]) -> LoaderView:
         model = cls.from_config(dict(config))
     saved = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     return LoaderView(f"diffusers.{cls.__name__}", saved, {}, {}, {})
+
+
+def peft_expected(
+    config_file: Path, planned: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, tuple[int, ...]] | None, str]:
+    """What PEFT's loader reads for the adapter folder whose ``adapter_config.json`` is ``config_file``, when
+    the adapter written holds ``planned`` (saved name -> shape): (the names and shapes of
+    ``get_peft_model_state_dict`` of a stub base model built on the meta device with a ``Linear`` at every
+    module the adapter names, wrapped by PEFT from this config), or (None, why not built).
+
+    So a config that asks for more or other weights than the export writes (another ``target_modules``,
+    ``layers_to_transform``, ``use_dora``, extra parameters such as KaSA's) is seen before it is shipped.
+
+    Raises:
+        ForeignFileError: PEFT cannot wrap the stub from this config (the message names the file).
+    """
+    if importlib.util.find_spec("peft") is None:
+        return None, "peft is not installed"
+    modules = _stub_modules(planned)
+    if modules is None:
+        return None, "the adapter has weights other than Linear LoRA, DoRA and modules_to_save"
+    with _quiet():
+        from peft import PeftConfig, get_peft_model
+        from peft.utils import get_peft_model_state_dict
+
+        try:
+            config = PeftConfig.from_pretrained(str(config_file.parent))
+            with torch.device("meta"):
+                wrapped = get_peft_model(_stub(modules), config)
+            return {n: tuple(t.shape) for n, t in get_peft_model_state_dict(wrapped).items()}, ""
+        except Exception as e:  # noqa: BLE001 - any failure of PEFT on this config is the finding, named
+            raise ForeignFileError(
+                f"like (--like): {config_file}: PEFT cannot build this adapter over the modules the EMA names "
+                f"({type(e).__name__}: {str(e)[:300]})"
+            ) from None
+
+
+def _stub_modules(planned: dict[str, tuple[int, ...]]) -> dict[str, dict[str, Any]] | None:
+    """Module path -> ``{"in", "out", "bias"}`` of a ``Linear``, from the adapter's saved names and shapes."""
+    modules: dict[str, dict[str, Any]] = {}
+    for name, shape in planned.items():
+        parts = name.split(".")
+        parts = parts[2:] if parts[:2] == ["base_model", "model"] else parts
+        for marker, key, dim in (("lora_A", "in", 1), ("lora_B", "out", 0)):
+            if marker in parts and len(shape) == 2:
+                modules.setdefault(".".join(parts[: parts.index(marker)]), {})[key] = shape[dim]
+                break
+        else:
+            if parts[-1] == "lora_magnitude_vector":
+                continue
+            if parts[-1] == "weight" and len(shape) == 2:  # a modules_to_save copy of a Linear
+                modules.setdefault(".".join(parts[:-1]), {}).update(out=shape[0], **{"in": shape[1]})
+            elif parts[-1] == "bias" and len(shape) == 1:
+                modules.setdefault(".".join(parts[:-1]), {})["bias"] = True
+            else:
+                return None
+    return modules if all({"in", "out"} <= set(d) for d in modules.values()) else None
+
+
+def _stub(modules: dict[str, dict[str, Any]]) -> torch.nn.Module:
+    root = torch.nn.Module()
+    for path, d in modules.items():
+        node = root
+        *parents, leaf = path.split(".")
+        for p in parents:
+            if not hasattr(node, p):
+                node.add_module(p, torch.nn.Module())
+            node = getattr(node, p)
+        node.add_module(leaf, torch.nn.Linear(d["in"], d["out"], bias=bool(d.get("bias"))))
+    return root

@@ -71,6 +71,11 @@ def make_plan(
     if not items:
         raise CheckpointMismatchError("the source holds no EMA tensor to export (an empty or foreign file?)")
     lacking = [n for n in (expected or {}) if n not in set(placed.values())]
+    if lacking and like.kind == "peft":  # an adapter has no frozen weights: every one comes from the EMA
+        raise CheckpointMismatchError(
+            f"{len(lacking)} weight(s) of the adapter in {like.folder} have no EMA: {short_list(lacking, 6)}; the "
+            "exported adapter would hold their initial values. Is the EMA of this adapter (its names, --adapter-name)?"
+        )
     if lacking and (missing == "error" or not like.weights):
         why = (
             'pass missing="like" (--missing like) to copy them from there'
@@ -105,6 +110,13 @@ def _own_names(sources: list[str], like: LikeFolder, adapter_name: str) -> dict[
         raise CheckpointMismatchError(
             f"{like.config_file}: field 'trainable_token_indices' asks PEFT for trainable token embeddings, but the EMA "
             "holds none (no trainable_tokens_delta): PEFT could not load the export. Give the adapter's own config"
+        )
+    dora = any("lora_magnitude_vector" in n.split(".") for n in found[adapter_name])
+    if bool(like.config.get("use_dora", False)) != dora:
+        raise CheckpointMismatchError(
+            f"{like.config_file}: field 'use_dora' is {like.config.get('use_dora', False)!r}, but the EMA "
+            f"{'holds' if dora else 'holds no'} DoRA magnitudes (lora_magnitude_vector): PEFT would "
+            f"{'ignore them' if dora else 'initialise them from the base weights'}. Give the adapter's own config"
         )
     marked = {n for v in found.values() for n in v}
     others = {n for a, v in found.items() if a != adapter_name for n in v}  # PEFT saves each adapter on its own
