@@ -80,7 +80,12 @@ def read_like(like: Any, adapter_name: str) -> LikeFolder:
     folder, kind = _kind(given, adapter_name)
     config_file = folder / ("adapter_config.json" if kind == "peft" else "config.json")
     config = read_json_object(config_file, "like (--like)")
-    if kind != "peft" and isinstance(config.get("_class_name"), str):
+    if kind != "peft" and ("_class_name" in config or "_diffusers_version" in config):  # diffusers writes both
+        if not isinstance(config.get("_class_name"), str):
+            raise ForeignFileError(
+                f"like (--like): {config_file}: field '_class_name' must be a diffusers class name, got "
+                f"{config.get('_class_name')!r}"
+            )
         kind = "diffusers"
     _check_config(config, config_file, kind)
     weights, used = _weights(folder, kind)
