@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" || $(PY) -m pip install --quiet torch
-	$(PY) -m pip install --quiet -e ".[test,plot,integrations]"
+	$(PY) -m pip install --quiet -e ".[test,plot,integrations,s3-test]"
 	@# transformers imports torchvision whenever it is installed, and none matches torch 2.13 CPU.
 	@$(PY) -c "import importlib.util, sys; sys.exit('torchvision is installed: uninstall it (the integrations do not need it)' if importlib.util.find_spec('torchvision') else 0)"
 	touch $@
