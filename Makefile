@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # pulling a multi-GB CUDA build for the package's `torch` range. Override with TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test fuzz lint test-oldest test-wheel bench docs venv clean
+.PHONY: demo test fuzz mutate lint test-oldest test-wheel bench docs venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,21 @@ FUZZ_BUDGET ?= 8
 FUZZ_SEED ?= 0
 fuzz: $(VENV)/.installed
 	FE_FUZZ_BUDGET=$(FUZZ_BUDGET) FE_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q -s tests/test_hostile_*.py tests/test_faults.py
+
+# Mutation testing (docs/reliability.md, "Mutation testing"), not run by CI: mutmut in its own venv
+# (.venv-mutate, which reads the project venv's packages), each module against its fast test selection
+# (.ci/mutate.py). MUTATE_MODULES="schedules _core" picks modules; nice -n 10: it keeps the cores busy.
+MUTATE_VENV := .venv-mutate
+MUTMUT_SPEC ?= mutmut==3.8.1
+MUTATE_MODULES ?=
+$(MUTATE_VENV)/.installed: $(VENV)/.installed
+	$(PY) -m venv $(MUTATE_VENV)
+	$(MUTATE_VENV)/bin/python -m pip install --quiet "$(MUTMUT_SPEC)"
+	$(MUTATE_VENV)/bin/python -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], 'zz_project_venv.pth').write_text('$(abspath $(VENV))/lib/python' + sysconfig.get_python_version() + '/site-packages\\n')"
+	touch $@
+
+mutate: $(MUTATE_VENV)/.installed
+	nice -n 10 $(MUTATE_VENV)/bin/python .ci/mutate.py $(MUTATE_MODULES)
 
 # ruff (lint and format) over the tree, mypy over the package; the pinned versions of the lint extra.
 lint: $(VENV)/.installed
@@ -60,4 +75,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_checkpoint.py --plot benchmarks/results/bench_checkpoint_$$(date +%F).png
 
 clean:
-	rm -rf $(VENV) .venv-oldest .venv-build .venv-wheel build dist site *.egg-info
+	rm -rf $(VENV) .venv-oldest .venv-build .venv-wheel .venv-mutate .mutate build dist site *.egg-info

@@ -113,7 +113,7 @@ def check_bool(value: Any, what: str) -> bool:
     a truthy string would otherwise switch a behaviour on silently."""
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+    if isinstance(value, np.bool_):  # not by name: numpy 2 names the type "bool", numpy 1 "bool_"
         return bool(value)
     raise TypeError(f"{what} must be True or False, got {type(value).__name__} {value!r}")
 

@@ -1029,3 +1029,36 @@ def test_one_large_tensor_read_by_several_threads_in_verified_parts(tmp_path, mo
     flat = fe.load(model, tmp_path, "t", verify=False).ema["weight"].view(-1)
     want = state.ema["weight"].view(-1)
     assert torch.equal(flat[: 2 * per_chunk], want[: 2 * per_chunk]) and not torch.equal(flat, want)
+
+
+def test_save_commits_in_order_and_durably(tmp_path, monkeypatch):
+    """One process, a plain module: every rank file is fsynced and renamed into place before the manifest,
+    which is fsynced and renamed before ``ema_latest`` points at the tag; each rename is preceded by its
+    file's fsync and followed by its folder's (a crash at any point leaves the previous checkpoint whole)."""
+    import stat
+
+    import functional_ema as fe
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    state = fe.init_ema(fe.local_shards(model))
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file", ""))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        calls.append(("replace", Path(dst).name))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    fe.save(state, model, tmp_path, "t")
+    renamed = [name for kind, name in calls if kind == "replace"]
+    assert renamed == ["ema_rank_00000_of_00001.safetensors", "ema_manifest.json", "ema_latest"], renamed
+    for i, (kind, _) in enumerate(calls):
+        if kind == "replace":
+            assert calls[i - 1][0] == "fsync file" and calls[i + 1][0] == "fsync dir", calls
+    assert (tmp_path / "ema_latest").read_text() == "t\n"
+    assert torch.equal(fe.load(model, tmp_path).ema["0.weight"], state.ema["0.weight"])

@@ -269,3 +269,54 @@ def test_format3_manifest_still_read(tmp_path):
     m["files"][2]["tensor_checksums"][key][0] = "0" * 16
     mpath.write_text(json.dumps(m))
     _refused(tmp_path, ["checksum mismatch", key, "rank 2 of 4"], lambda: fe.consolidate(tmp_path, "t", index=1))
+
+
+def test_index_exact_boundaries():
+    """Each bound of the index checks, on both sides: a piece ending at its parameter's last element is
+    inside and one element past is not; element 0 must be covered; a piece starting exactly where a
+    range stops is not needed; two equal-length pieces at swapped offsets are told apart."""
+    lists = "an int >= 1 (the even cut) or a list [rank, offset, numel, ...]"
+    assert index.problem(10, 0, {0}) == lists
+    assert index.problem(10, 2**62, {0}) is None and index.problem(10, 2**62 + 1, {0}) == lists
+    assert index.problem(10, True, {0}) == f"{lists} of at most one piece per rank file"
+    assert index.problem(10, [0, 0, 5, 0, 5, 5], {0}) == f"{lists} of at most one piece per rank file"
+    four = [0, 0, 3, 1, 3, 3, 2, 6, 3, 0, 9, 1]  # four pieces, three rank files
+    assert index.problem(10, four, {0, 1, 2}) == f"{lists} of at most one piece per rank file"
+    assert index.problem(10, [0, 0, 5, 1, 5, 5], {0, 1}) is None
+    inside = "pieces [rank, offset, numel] of distinct ranks with files, inside the 10 elements"
+    assert index.problem(10, [0, 0, 5, 1, 5, 6], {0, 1}) == inside  # one element past the parameter
+    assert index.problem(10, [0, 0, 5, 1, 10, 1], {0, 1}) == inside
+    assert index.problem(10, [0, 0, 5, 2, 5, 5], {0, 1}) == inside  # rank 2 has no file
+    assert index.problem(10, [0, 0, 5, 0, 5, 5], {0, 1}) == inside  # rank 0 twice
+    assert index.problem(10, [0, 1, 9], {0}) == "pieces that cover all 10 elements (elements from 0 are in none)"
+    assert (
+        index.problem(10, [0, 0, 4, 1, 5, 5], {0, 1})
+        == "pieces that cover all 10 elements (elements from 4 are in none)"
+    )
+    assert index.problem(10, 3, {0, 1, 2}) == "a cut whose pieces are all in rank files; rank 3 has none"
+    assert index.problem(10, 5, {0, 1, 2, 3}) is None  # more files than pieces
+    params = {"w": (10,), "v": (2, 3)}
+    cut = [0, 0, 5, 1, 5, 5]
+    assert index.ranks_needed({"w": cut}, params, [("w", 0, 5)]) == {0}  # rank 1's piece starts where this stops
+    assert index.ranks_needed({"w": cut}, params, [("w", 0, 6)]) == {0, 1}
+    assert index.ranks_needed({"w": cut}, params, [("w", 5, 5)]) == {1}
+    assert index.ranks_needed({"w": 5}, params, [("w", 0, 5)]) == {0}
+    assert index.ranks_needed({"w": 5}, params, [("w", 4, 2)]) == {0, 1}
+    assert index.ranks_needed({"w": 5, "v": 3}, params, [("v", 0, 6)]) == {0, 1}
+    assert index.ranks_needed({"w": 5}, params, [("v", 0, 1)]) is None  # in the model, not in the index
+    assert index.ranks_needed({"w": 5, "x": 1}, params, [("x", 0, 1)]) is None  # in the index, not in the model
+    assert index.ranks_needed({"w": 5}, params, [("w", -1, 2)]) is None
+    assert (
+        index.ranks_needed({"w": 5}, params, [("w", 5, 5)]) == {1}
+        and index.ranks_needed({"w": 5}, params, [("w", 5, 6)]) is None
+    )
+    look = index.Lookup({"w": cut}, params)
+    assert look.piece("w", 0) == (0, 5) and look.piece("w", 1) == (5, 5) and look.piece("w", 0) == (0, 5)
+    assert look.mismatch(0, {"w": (0, 5)}) is None and look.mismatch(1, {"w": (5, 5)}) is None
+    assert look.mismatch(0, {"w": (5, 5)}) == (
+        "its layout holds elements [5, 10) of 'w', the manifest's piece_index says [0, 5)"
+    )
+    assert look.mismatch(1, {"w": (0, 5)}) == (
+        "its layout holds elements [0, 5) of 'w', the manifest's piece_index says [5, 10)"
+    )
+    assert look.mismatch(2, {"w": (0, 0)}) is None  # an empty piece: its offset does not matter

@@ -723,6 +723,57 @@ def test_nonfinite_guard_skip_and_raise():
         fe.update(state, shards, decay=0.5, nonfinite="warn")
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of one rank in this process (a file store), destroyed after the test: the
+    group-wide nonfinite decision runs its all-reduce for real, without launching ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nonfinite_decided_over_the_shards_group(one_rank_group):
+    """Shards read from a training object carry its group; update(nonfinite=...) then decides over it
+    (one all-reduce): skip leaves the state as it was, raise names the rank, a failed check raises its
+    own error, a step that goes back is refused, the same step is a no-op, and a clean update lands."""
+    _, shards = flat_views([5, 6])
+    object.__setattr__(shards, "group", one_rank_group)  # what a reading of a DDP/ZeRO/FSDP2 model sets
+    state = fe.init_ema(shards)
+    before = copy.deepcopy(state)
+    with torch.no_grad():
+        shards["layer1.w"][3] = float("nan")
+    assert fe.update(state, shards, 1, decay=0.5, nonfinite="skip") is state
+    assert int(state.step) == 0 and torch.equal(state.ema["layer1.w"], before.ema["layer1.w"])
+    with pytest.raises(fe.NonFiniteError) as e:
+        fe.update(state, shards, 1, decay=0.5, nonfinite="raise")
+    assert str(e.value) == (
+        "shards['layer1.w'] holds NaN or inf; the EMA was left unchanged (nonfinite='raise') (on rank 0 of 1; "
+        "every rank left its EMA unchanged)"
+    )
+    assert int(state.step) == 0 and torch.equal(state.ema["layer1.w"], before.ema["layer1.w"])
+    shards["layer1.w"].copy_(torch.arange(6.0))
+    with pytest.raises(ValueError, match=r"^decay must be in \[0, 1\], got 1\.5$"):
+        fe.update(state, shards, 1, decay=1.5, nonfinite="skip")
+    out = fe.update(state, shards, 2, decay=0.5, nonfinite="raise")  # clean: compounds the two steps
+    assert out is state and int(state.step) == 2
+    for n in shards:
+        assert torch.equal(state.ema[n], before.ema[n].lerp(shards[n], 1 - 0.25)), n
+    after = copy.deepcopy(state)
+    assert fe.update(state, shards, 2, decay=0.5, nonfinite="skip") is state  # same step: nothing to do
+    assert fe.update(state, shards, 2, decay=1.5, nonfinite="skip") is state  # nothing to do, nothing checked
+    assert all(torch.equal(state.ema[n], after.ema[n]) for n in shards)
+    with pytest.raises(
+        ValueError, match=r"^update\(step=1\) comes before the state's step 2; steps must not decrease$"
+    ):
+        fe.update(state, shards, 1, decay=0.5, nonfinite="skip")
+    lone = fe.init_ema({"w": torch.ones(2)})  # a plain dict carries no group: decided alone
+    assert int(fe.update(lone, {"w": torch.zeros(2)}, 1, decay=0.5, nonfinite="raise").step) == 1
+
+
 def test_decay_count_errors():
     state = fe.init_ema({"a": torch.zeros(2)}, num_emas=2)
     with pytest.raises(ValueError, match="tracks 2 EMAs: pass decay as a sequence of 2"):
@@ -888,3 +939,155 @@ def test_gpu_check_script_says_so_without_cuda():
         assert " 0 failed" in out.stdout
     else:
         assert out.returncode == 0 and "CUDA is not available here" in out.stdout, out.stdout + out.stderr
+
+
+# ------------------------------------------------------------- trees, names and edges (make mutate)
+
+
+def test_ema_nbytes_counts_every_tensor_of_every_ema():
+    state = fe.init_ema({"a": torch.zeros(3), "skip": None, "b": torch.zeros(2, 2, dtype=torch.float64)}, num_emas=2)
+    assert fe.ema_nbytes(state) == 2 * (3 + 4) * 4  # fp32 EMAs; None is no tensor
+    _, shards = flat_views([5, 6], gap=3)
+    assert fe.ema_nbytes(fe.init_ema(shards)) == 4 * sum(seg.numel() for seg in shards.segments)
+
+
+def test_update_info_fused_only_for_shards_of_one_layout():
+    _, shards = flat_views([5, 6], gap=3)
+    state = fe.init_ema(shards)
+    assert fe.update_info(state, shards) == (True, 1, 0, False)
+    fe.update(state, shards, 1, decay=0.5)
+    assert fe.update_info(state, shards).reused is True
+    _, other = flat_views([5, 6], gap=0)  # the same names and shapes, another segment layout
+    assert fe.update_info(fe.init_ema(shards), other) == (False, 2, 0, False)
+    assert fe.update_info(fe.init_ema(dict(shards)), shards).fused is False
+
+
+def test_meta_shard_named_by_its_own_segment():
+    shards = fe.Shards.from_views({"a": torch.zeros(3), "b": torch.empty(4, device="meta")})
+    state = fe.init_ema(fe.Shards.from_views({"a": torch.zeros(3), "b": torch.zeros(4)}))
+    with pytest.raises(ValueError) as e:
+        fe.update(state, shards, decay=0.5)
+    assert str(e.value) == (
+        "shards['b'] is on the meta device: it has a shape but no values to average. Pass the materialised "
+        "weights (e.g. after model.to_empty(device=...) and loading or initialising them)"
+    )
+
+
+def test_per_tensor_refusals_name_both_sides():
+    state = fe.init_ema({"a": torch.zeros(3), "b": torch.zeros(2)})
+    with pytest.raises(fe.TreeMismatchError) as e:
+        fe.update(state, {"a": torch.ones(3), "c": torch.ones(2)}, decay=0.5)
+    assert "state.emas[0]" in str(e.value) and "shards" in str(e.value) and "'c'" in str(e.value), str(e.value)
+    with pytest.raises(fe.TreeMismatchError) as e:
+        fe.update(state, {"a": torch.ones(3), "b": torch.ones(3)}, decay=0.5)
+    assert str(e.value) == (
+        "shards['b'] has shape (3,) but the EMA (emas[0]) has (2,); was the state made from another model or "
+        "world size? (functional_ema.load reshards)"
+    )
+    with pytest.raises(TypeError, match=r"^shards\['a\.0'\] is a float, expected a torch\.Tensor$"):
+        fe.update(state, {"a": [1.0, 2.0, 3.0], "b": torch.ones(2)}, decay=0.5)
+
+
+def test_per_tensor_update_of_parameters_builds_no_graph_and_mixes_dtypes():
+    """Leaves that require grad (parameters) are averaged without autograd; a tree of two dtypes (one
+    converted to the fp32 EMA) is averaged like plain torch, for each EMA."""
+    p = torch.nn.Parameter(torch.arange(3.0))
+    q = torch.nn.Parameter(torch.arange(2.0, dtype=torch.float64))
+    state = fe.init_ema({"p": torch.zeros(3), "q": torch.zeros(2)}, num_emas=2)
+    fe.update(state, {"p": p, "q": q}, 1, decay=[0.5, 0.75])
+    for k, w in enumerate((0.5, 0.25)):
+        e = state.emas[k]
+        assert not e["p"].requires_grad and e["p"].grad_fn is None and not e["q"].requires_grad
+        assert torch.equal(e["p"], torch.zeros(3).lerp_(torch.arange(3.0), w))
+        assert torch.equal(e["q"], torch.zeros(2).lerp_(q.detach().float(), w))
+    one = fe.init_ema({"p": torch.zeros(3)})
+    fe.update(one, {"p": p}, 1, decay=0.5)
+    assert not one.ema["p"].requires_grad and torch.equal(one.ema["p"], torch.arange(3.0) * 0.5)
+
+
+def test_nonfinite_on_plain_trees():
+    """nonfinite= on a dict (None leaves and empty tensors included): a NaN is found and named, an
+    all-empty tree is finite, and NaN only in the padding between fused tensors does not stop the update."""
+    state = fe.init_ema({"a": torch.zeros(2), "none": None, "b": torch.zeros(3)})
+    bad = {"a": torch.ones(2), "none": None, "b": torch.tensor([0.0, float("nan"), 1.0])}
+    assert fe.update(state, bad, 1, decay=0.5, nonfinite="skip") is state and int(state.step) == 0
+    with pytest.raises(
+        fe.NonFiniteError, match=r"^shards\['b'\] holds NaN or inf; the EMA was left unchanged \(nonfinite='raise'\)$"
+    ):
+        fe.update(state, bad, 1, decay=0.5, nonfinite="raise")
+    good = {"a": torch.ones(2), "none": None, "b": torch.ones(3)}
+    assert int(fe.update(state, good, 1, decay=0.5, nonfinite="raise").step) == 1
+    assert torch.equal(state.ema["b"], torch.full((3,), 0.5))
+    empty = fe.init_ema({"e": torch.zeros(0)})
+    assert int(fe.update(empty, {"e": torch.zeros(0)}, 1, decay=0.5, nonfinite="skip").step) == 1
+    buf, shards = flat_views([5, 6], gap=3)
+    buf[2 + 5] = float("nan")  # inside the gap
+    for mode in ("skip", "raise"):
+        state = fe.init_ema(shards)
+        assert int(fe.update(state, shards, 1, decay=0.0, nonfinite=mode).step) == 1, mode
+        assert all(torch.equal(state.ema[n], shards[n]) for n in shards)
+
+
+def test_update_bounds_step_and_decay():
+    """The last step the int64 counter holds is accepted, the next refused; decay 1.0 is a decay (the EMA
+    stays); a decay above 1 in a list is refused like a lone one."""
+    state = fe.init_ema({"w": torch.zeros(2)})
+    fe.update(state, {"w": torch.ones(2)}, 2**63 - 1, decay=0.5)
+    assert int(state.step) == 2**63 - 1 and torch.equal(state.ema["w"], torch.ones(2))  # 0.5**huge == 0
+    with pytest.raises(ValueError, match=r"^update\(step=9223372036854775808\) does not fit"):
+        fe.update(fe.init_ema({"w": torch.zeros(2)}), {"w": torch.ones(2)}, 2**63, decay=0.5)
+    state = fe.init_ema({"w": torch.zeros(2)})
+    fe.update(state, {"w": torch.ones(2)}, 3, decay=1.0)
+    assert int(state.step) == 3 and torch.equal(state.ema["w"], torch.zeros(2))
+    two = fe.init_ema({"w": torch.zeros(2)}, num_emas=2)
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\], got 1\.5"):
+        fe.update(two, {"w": torch.ones(2)}, 1, decay=[0.5, 1.5])
+    assert int(two.step) == 0 and torch.equal(two.emas[1]["w"], torch.zeros(2))
+
+
+def test_fused_plan_kept_and_used_for_an_equal_layout():
+    """Shards of an equal layout (a new but equal index) update fused; the plan of the very same objects is
+    reused, and not for another Shards or another number of EMAs."""
+    _, shards = flat_views([5, 6], gap=3)
+    state = fe.init_ema(shards)
+    _, again = flat_views([5, 6], gap=3)  # another buffer, an equal index
+    assert again.index is not shards.index and again.index == shards.index
+    assert fe.update_info(state, again) == (True, 1, 0, False)
+    fe.update(state, again, 1, decay=0.5)
+    assert fe.update_info(state, again).reused is True and fe.update_info(state, shards).reused is False
+    assert all(torch.equal(state.ema[n], shards[n].lerp(again[n], 0.5)) for n in shards)
+
+
+def test_meta_segment_without_a_name_is_named_by_its_number():
+    index = fe.SegmentIndex(["a"], [(3,)], [(0, 0, 3)], [(3,), (4,)])  # segment 1 holds no named tensor
+    shards = fe.Shards([torch.zeros(3), torch.empty(4, device="meta")], index)
+    state = fe.init_ema(fe.Shards([torch.zeros(3), torch.zeros(4)], index))
+    with pytest.raises(ValueError, match=r"^shards\['<segment 1>'\] is on the meta device"):
+        fe.update(state, shards, decay=0.5)
+
+
+def test_refusals_name_the_ema_side_and_wait_update_argument():
+    state = fe.EmaState(torch.tensor(0), ({"a": [1.0]},))  # a hand-made state holding no tensor
+    with pytest.raises(TypeError, match=r"^state\.emas\[0\]\['a\.0'\] is a float, expected a torch\.Tensor$"):
+        fe.update(state, {"a": torch.ones(1)}, decay=0.5)
+    with pytest.raises(TypeError) as e:
+        fe.wait_update({"a": torch.ones(1)})
+    assert str(e.value) == "wait_update(): state must be an EmaState (from init_ema or load), got dict"
+
+
+def test_nonfinite_with_a_group_but_no_process_group():
+    """Shards that carry a group while torch.distributed is not initialized (destroyed): decided alone,
+    a NaN skipped (the EMA untouched) or raised, a clean update landing."""
+    _, shards = flat_views([5, 6])
+    object.__setattr__(shards, "group", object())  # the group of a process group that is gone
+    state = fe.init_ema(shards)
+    before = copy.deepcopy(state)
+    with torch.no_grad():
+        shards["layer0.w"][0] = float("inf")
+    assert fe.update(state, shards, 1, decay=0.5, nonfinite="skip") is state
+    assert int(state.step) == 0 and all(torch.equal(state.ema[n], before.ema[n]) for n in shards)
+    with pytest.raises(fe.NonFiniteError, match=r"^shards\['layer0\.w'\] holds NaN or inf"):
+        fe.update(state, shards, 1, decay=0.5, nonfinite="raise")
+    shards["layer0.w"].copy_(torch.zeros(5))
+    assert int(fe.update(state, shards, 1, decay=0.5, nonfinite="skip").step) == 1
+    assert torch.equal(state.ema["layer0.w"], before.ema["layer0.w"] * 0.5)

@@ -344,6 +344,22 @@ def faults_worker(root: str, full_dir: str, ro_src: str, ro_dir: str, marks: str
     out["pipe_snapshot_load"] = _tensors_equal(fe.load(pipe, mp_root / "snaps"), pstate)
     dist.barrier()
 
+    # -- class 10: a rank other than 0 alone in the barrier while rank 0 is alive elsewhere (waiting on a
+    # file, its connections open) still stops at its own timeout. (torch's monitored_barrier bounded only
+    # rank 0's wait: rank 1 waited for rank 0's reply up to the group's 30 min timeout, and the lone load
+    # below ended early only when rank 0's own timeout had closed the connections first, a race that
+    # load could lose.) On a side group, so that this timeout leaves the model's group usable.
+    from functional_ema._checkpoint import collective
+
+    side = dist.new_group([0, 1], backend="gloo")
+    if rank == 1:
+        t0 = time.monotonic()
+        out["lonely_arrive"] = _err(lambda: collective.arrive("load", side, 2, 1, 3))
+        out["lonely_arrive_s"] = time.monotonic() - t0
+        (marks / "arrive_done").write_text("1")
+    else:
+        _wait_for(marks / "arrive_done", limit=60)
+
     # -- class 10 (last: a timed-out barrier leaves the process group unusable): a save called on rank
     # 0 only and a load called on rank 1 only fail after the timeout instead of hanging. The ranks
     # wait for each other through files, not collectives.
@@ -492,9 +508,10 @@ def test_tampered_manifest_fails_load_on_every_rank(faults):
 
 def test_collective_called_on_one_rank_times_out(faults):
     """Class 10: a save on rank 0 only fails after the timeout (3 s here) instead of hanging; then a
-    load on rank 1 only fails too. (Gloo closes the connection when a monitored barrier times out, so
-    that second verb fails at once with "Connection closed by peer": the group is unusable after a
-    timeout, as the message says.)"""
+    load on rank 1 only fails too. (Gloo closes the connection when a barrier times out, so that second
+    verb fails at once with "Connection closed by peer", or at its own timeout if it is first to wait:
+    the group is unusable after a timeout, as the message says.) Before them, rank 1 alone in the
+    barrier on a side group while rank 0 waits on a file stops at its own 3 s."""
     _, (r0, r1) = faults
     name, msg, _, _ = r0["lonely_save"]
     assert name == "CheckpointTimeoutError", r0["lonely_save"]
@@ -505,7 +522,13 @@ def test_collective_called_on_one_rank_times_out(faults):
     name, msg, _, _ = r1["lonely_load"]
     assert name == "CheckpointTimeoutError" and "functional_ema.load: rank 1 waited" in msg, r1["lonely_load"]
     assert r1["lonely_load_s"] < 30, (r1["lonely_load_s"], msg)
-    _count("10 one-rank collectives", 2)
+    # Rank 1 alone while rank 0 waits elsewhere: its own 3 s bound ends the wait (it used to wait for rank 0).
+    name, msg, _, _ = r1["lonely_arrive"]
+    assert name == "CheckpointTimeoutError", r1["lonely_arrive"]
+    for frag in ("functional_ema.load: rank 1 waited", "(limit 3 s)", "no release from rank 0"):
+        assert frag in msg, msg
+    assert 2.5 < r1["lonely_arrive_s"] < 30, (r1["lonely_arrive_s"], msg)
+    _count("10 one-rank collectives", 3)
 
 
 # ------------------------------------------------------------------------------ offline helpers

@@ -288,3 +288,204 @@ def test_cuda_queued_update_orders_streams():
             fe.update(blocking, shards, step, decay=(0.9, 0.0 if step == 2 else 0.99))
             for k in range(2):
                 assert all(torch.equal(a, b) for a, b in zip(queued.emas[k].segments, blocking.emas[k].segments))
+
+
+# ------------------------------------------------------------ what is queued, and on what (make mutate)
+
+
+class RecordingEngine(_offload.ThreadCopyEngine):
+    """The CPU engine, recording the tokens it hands out and waits on, and the snapshots it allocates."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens: list[int] = []
+        self.readied: list[int] = []
+        self.snapshots: list[tuple[int, torch.dtype]] = []
+
+    def snapshot_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.snapshots.append((numel, dtype))
+        return super().snapshot_buffer(numel, dtype)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        super().copy(dst, src)
+        self.tokens.append(len(self.tokens) + 100)
+        return self.tokens[-1]
+
+    def ready(self, token) -> None:
+        self.readied.append(token)
+
+
+@pytest.fixture
+def recording(monkeypatch) -> tuple[RecordingEngine, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Queued updates through a RecordingEngine; ``engine_for``'s arguments are recorded too."""
+    eng, asked = RecordingEngine(), []
+
+    def engine_for(src, ema):
+        asked.append((src, ema))
+        return eng
+
+    monkeypatch.setattr(_offload, "engine_for", engine_for)
+    monkeypatch.setattr(_plan, "_needs_staging", lambda src, ema: True)
+    monkeypatch.setattr(_offload, "_COPY_CHUNK_ELEMENTS", 61)
+    return eng, asked
+
+
+def test_engine_chosen_from_the_first_span_and_tokens_waited_in_order(recording):
+    """A dict tree (a plan per call): the engine is chosen from the first staged leaf's weights and its
+    first EMA; the snapshot holds every staged element in the EMA's dtype; the worker waits on each
+    chunk's own token, in order; the EMA is plain torch's."""
+    eng, asked = recording
+    tree = {"a": torch.arange(150, dtype=torch.float32), "b": torch.ones(7, dtype=torch.float32)}
+    state = fe.init_ema(tree, dtype=torch.float64)
+    for step in (1, 2):
+        moved = {n: t + step for n, t in tree.items()}
+        state = fe.wait_update(fe.update(state, moved, step, decay=0.5, blocking=False))
+        src, ema = asked[-1]
+        assert src.dtype == torch.float32 and torch.equal(src, tree["a"] + step)
+        assert ema.dtype == torch.float64 and ema.shape == (150,)
+    assert eng.snapshots == [(157, torch.float64)] * 2
+    assert eng.readied == eng.tokens and len(eng.tokens) == 2 * 4  # 150 in chunks of 61 (3), then 7 (1)
+    ref = {n: t.double() for n, t in tree.items()}
+    for step in (1, 2):
+        ref = {n: e.lerp_(tree[n].double() + step, 0.5) for n, e in ref.items()}
+    assert _same(dict(state.ema), ref)
+
+
+def test_engine_and_snapshot_made_once_per_plan(recording):
+    """Fused Shards keep their plan: three queued updates ask for the engine once and allocate the
+    snapshot once (the model's 174 elements), each bitwise the blocking update."""
+    eng, asked = recording
+    model = _model()
+    state, twin = fe.init_ema(fe.local_shards(model)), fe.init_ema(fe.local_shards(model))
+    for step in (1, 2, 3):
+        _train(model, step)
+        state = fe.wait_update(fe.update(state, fe.local_shards(model), step, decay=0.5, blocking=False))
+        fe.update(twin, fe.local_shards(model), step, decay=0.5)
+        assert _same(dict(state.ema), dict(twin.ema)), step
+    assert len(asked) == 1 and eng.snapshots == [(174, torch.float32)]
+
+
+def test_one_leaf_plan_queues(recording):
+    """A plan of one staged span (one leaf) is queued and lands like plain torch."""
+    eng, asked = recording
+    w = torch.linspace(-1, 1, 10)
+    state = fe.init_ema({"w": w}, dtype=torch.float64)
+    state = fe.wait_update(fe.update(state, {"w": w * 3}, 1, decay=0.25, blocking=False))
+    assert len(asked) == 1 and eng.snapshots == [(10, torch.float64)]
+    assert torch.equal(state.ema["w"], w.double().lerp_((w * 3).double(), 0.75))
+
+
+def test_plans_with_unstaged_lerps_run_at_the_call(recording, monkeypatch):
+    """Only a plan whose every lerp is staged is queued: one with same-device lerps (groups) or with
+    leaves converted one by one (not contiguous) runs at the call, nothing in flight, same values."""
+    _, asked = recording
+    model = _model()
+    monkeypatch.setattr(_plan, "_needs_staging", lambda src, ema: src.numel() != 13)  # the 13 biases: a group
+    state, twin = fe.init_ema(fe.local_shards(model)), fe.init_ema(fe.local_shards(model))
+    _train(model, 1)
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5, blocking=False)
+    assert getattr(state.step, "_fe_pending", None) is None and asked == []
+    assert _same(dict(state.ema), dict(fe.update(twin, fe.local_shards(model), 1, decay=0.5).ema))
+
+    monkeypatch.setattr(_plan, "_needs_staging", lambda src, ema: True)
+    tree = {"t": torch.arange(12.0).view(3, 4).t()}  # not contiguous: converted, not staged
+    state = fe.init_ema(tree)
+    state = fe.update(state, {"t": tree["t"] * 2}, 1, decay=0.5, blocking=False)
+    assert getattr(state.step, "_fe_pending", None) is None and asked == []
+    assert torch.equal(state.ema["t"], tree["t"].clone().lerp_(tree["t"] * 2, 0.5))
+
+
+def test_staged_plan_with_converted_leaves_runs_at_the_call(recording):
+    """A plan with staged spans and converted leaves is not queued (the worker lerps staged spans only)."""
+    _, asked = recording
+    t = torch.arange(12.0).view(3, 4).t()  # not contiguous: converted
+    tree = {"t": t, "u": torch.arange(5.0)}
+    state = fe.init_ema(tree, dtype=torch.float64)
+    state = fe.update(state, {n: x * 2 for n, x in tree.items()}, 1, decay=0.5, blocking=False)
+    assert getattr(state.step, "_fe_pending", None) is None and asked == []
+    for n, x in tree.items():
+        assert torch.equal(state.ema[n], x.double().lerp_((x * 2).double(), 0.5)), n
+
+
+def test_staged_plan_without_an_engine_runs_at_the_call(monkeypatch):
+    """On this machine no engine queues (CPU weights): a staged plan then runs at the call, same values."""
+    monkeypatch.setattr(_plan, "_needs_staging", lambda src, ema: True)
+    w = torch.arange(6.0)
+    state = fe.init_ema({"w": w}, dtype=torch.float64)
+    state = fe.update(state, {"w": w + 1}, 1, decay=0.25, blocking=False)
+    assert getattr(state.step, "_fe_pending", None) is None and int(state.step) == 1
+    assert torch.equal(state.ema["w"], w.double().lerp_((w + 1).double(), 0.75))
+
+
+def test_queued_decay_zero_copies_the_weights(recording):
+    """A weight of 1 (decay 0) copies the weights as the blocking path does: an EMA holding NaN or inf
+    becomes exactly the weights (a lerp by 1 would keep the NaN: w - (w - nan) * 0)."""
+    eng, _ = recording
+    w = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    state = fe.init_ema({"w": w}, dtype=torch.float64)
+    state.ema["w"].copy_(torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0]))
+    state = fe.wait_update(fe.update(state, {"w": w}, 1, decay=0.0, blocking=False))
+    assert eng.tokens and torch.equal(state.ema["w"], w.double())
+
+
+def test_engine_for_queues_only_cpu_emas_of_cuda_weights(monkeypatch):
+    """The real choice, with CUDA faked: a CudaCopyEngine on the weights' device exactly when the weights
+    are on CUDA, the EMA on the CPU and CUDA is available; otherwise None (the update runs at the call)."""
+    from types import SimpleNamespace
+
+    made: list[object] = []
+    monkeypatch.setattr(_offload, "CudaCopyEngine", lambda device: made.append(device) or ("engine", device))
+
+    def on(kind: str) -> SimpleNamespace:
+        return SimpleNamespace(device=SimpleNamespace(type=kind, name=f"{kind}:1"))
+
+    for available in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda a=available: a)
+        for src, ema in itertools.product(("cuda", "cpu", "meta"), ("cpu", "cuda", "meta")):
+            got = _offload.engine_for(on(src), on(ema))
+            want = available and src == "cuda" and ema == "cpu"
+            assert (got is not None) == want, (available, src, ema)
+            if want:
+                assert got == ("engine", made[-1]) and made[-1].name == "cuda:1"
+
+
+def test_one_worker_thread_runs_the_updates_in_order():
+    """The worker is one named thread: a second update waits for the first; a forked child (another
+    pid) starts its own."""
+    worker = _offload._Worker()
+    release, seen = threading.Event(), []
+    first = worker.submit(lambda: (release.wait(30), seen.append(threading.current_thread())))
+    second = worker.submit(lambda: seen.append(threading.current_thread()))
+    assert not second.done() and not first.done()
+    try:
+        second.result(timeout=0.3)
+        raise AssertionError("the second update ran beside the first")
+    except TimeoutError:
+        pass
+    release.set()
+    second.result(timeout=30)
+    assert seen[0] is seen[1] and seen[0].name.startswith("fe_offload_update_")
+    pool = worker._pool
+    assert worker.submit(lambda: None).result(timeout=30) is None and worker._pool is pool  # kept
+    import os
+
+    real = os.getpid()
+    try:
+        _offload.os.getpid = lambda: real + 1  # as in a forked child
+        worker.submit(lambda: None).result(timeout=30)
+        assert worker._pool is not pool and worker._pool[0] == real + 1
+    finally:
+        _offload.os.getpid = os.getpid
+
+
+def test_worker_failure_message_says_what_to_do(engine):
+    model = _model()
+    state = fe.init_ema(fe.local_shards(model))
+    engine.fail = ValueError("boom")
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5, blocking=False)
+    with pytest.raises(fe.AsyncUpdateError) as e:
+        fe.wait_update(state)
+    assert str(e.value) == (
+        "the EMA update of step 1 queued by update(..., blocking=False) failed on its worker thread: ValueError: "
+        "boom. state.step was set back to 0; the EMA values may be partly updated: load them from the last checkpoint"
+    )

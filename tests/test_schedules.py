@@ -242,3 +242,131 @@ def test_schedule_decay_arguments_must_be_real_numbers(make):
         with pytest.raises(TypeError, match=r"decay must be a real number in \[0, 1\] \(a float\), got"):
             make(bad)
     assert make(np.float32(0.5)).describe() == make(0.5).describe()
+
+
+# ---------------------------------------------------------------- exact bounds and messages (make mutate)
+
+
+def _cubic_root(sigma_rel: float) -> float:
+    """The largest root of the cubic of :func:`schedules.sigma_rel_to_gamma`, by Newton's method in
+    60-digit decimal arithmetic (an independent reference), rounded to a float."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as ctx:
+        ctx.prec = 60
+        t = 1 / (Decimal(sigma_rel) ** 2)
+        g = max(t.sqrt(), Decimal(1))
+        for _ in range(500):
+            step = (((g + 7) * g + (16 - t)) * g + (12 - t)) / ((3 * g + 14) * g + (16 - t))
+            g -= step
+            if abs(step) < Decimal(10) ** -50:
+                break
+        return float(g)
+
+
+@pytest.mark.parametrize(
+    "sigma_rel", [1e-6, 1e-4, 0.001, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.075, 0.08, 0.1, 0.12, 0.15, 0.18, 0.2, 0.25]
+)
+def test_sigma_rel_to_gamma_within_one_ulp_of_the_exact_root(sigma_rel):
+    """Newton's iteration lands within one unit in the last place of the exact root, from 1e-6 to 0.25
+    (closer to 1/sqrt(12) the root goes to 0 and the cubic's cancellation costs more digits)."""
+    exact = _cubic_root(sigma_rel)
+    assert abs(schedules.sigma_rel_to_gamma(sigma_rel) - exact) <= math.ulp(exact), (sigma_rel, exact)
+
+
+def test_sigma_rel_bound_is_excluded():
+    """``sigma_rel`` exactly 1/sqrt(12) would need gamma = 0: refused; a hair below is accepted (gamma > 0)."""
+    assert schedules.SIGMA_REL_MAX == 12.0**-0.5
+    with pytest.raises(
+        ValueError, match=r"sigma_rel must be in \(0, 0\.288675\) \(gamma > 0\), got 0\.28867513459481287$"
+    ):
+        schedules.sigma_rel_to_gamma(schedules.SIGMA_REL_MAX)
+    below = math.nextafter(schedules.SIGMA_REL_MAX, 0.0)
+    assert 0.0 < schedules.sigma_rel_to_gamma(below) < 1e-6
+    with pytest.raises(ValueError, match=r"got 0\.0$"):
+        schedules.sigma_rel_to_gamma(0.0)
+    with pytest.raises(TypeError, match=r"sigma_rel must be a real number, got '0\.1' \(a str\)"):
+        schedules.sigma_rel_to_gamma("0.1")
+
+
+def test_decay_bounds_are_inclusive_and_messages_name_the_value():
+    """0 and 1 are decays (1 freezes the EMA, 0 copies the weights); the messages show the refused value."""
+    for make in (schedules.constant, schedules.litema):
+        assert make(1.0).describe()["decay"] == 1.0 and make(0.0).describe()["decay"] == 0.0
+    assert schedules.constant(1.0).interval(0, 7) == 1.0
+    assert schedules.litema(1.0)(10**9) == (1.0 + 10**9) / (10.0 + 10**9)
+    assert schedules.litema(0.0)(5) == 0.0
+    with pytest.raises(TypeError, match=r"^decay must be a real number in \[0, 1\] \(a float\), got 'x' \(a str\)$"):
+        schedules.constant("x")
+    with pytest.raises(ValueError, match=r"^decay must be in \[0, 1\], got 1\.5$"):
+        schedules.constant(1.5)
+    with pytest.raises(TypeError, match=r"^steps must be a real number, got \[10\] \(a list\)$"):
+        schedules.half_life([10])
+    with pytest.raises(
+        ValueError, match=r"^steps must be a finite number > 0 \(the schedule needs steps > 0\), got inf$"
+    ):
+        schedules.half_life(math.inf)
+    assert schedules.half_life(1e-300).describe() == {"kind": "half_life", "steps": 1e-300}
+
+
+def test_litema_default_decay():
+    s = schedules.litema()
+    assert s.describe() == {"kind": "litema", "decay": 0.9999}
+    assert s(10**6) == 0.9999
+
+
+def test_warmup_bounds_and_names():
+    """min_decay == max_decay is allowed (a constant decay after the warm-up); each refusal names its argument."""
+    w = schedules.warmup(min_decay=0.5, max_decay=0.5)
+    assert (w(1), w(2), w(10**6)) == (0.0, 0.5, 0.5)
+    for kwargs, err, match in [
+        ({"start_step": -1}, ValueError, r"^start_step=-1 is outside \[0, 2\*\*63 - 1\]$"),
+        ({"start_step": 1.5}, TypeError, r"^start_step must be an int, got float 1\.5$"),
+        ({"min_decay": 1.5}, ValueError, r"^min_decay must be in \[0, 1\], got 1\.5$"),
+        ({"min_decay": "0"}, TypeError, r"^min_decay must be a real number in \[0, 1\]"),
+        ({"max_decay": -0.5}, ValueError, r"^max_decay must be in \[0, 1\], got -0\.5$"),
+        ({"min_decay": 0.6, "max_decay": 0.5}, ValueError, r"^min_decay=0\.6 is larger than max_decay=0\.5$"),
+    ]:
+        with pytest.raises(err, match=match):
+            schedules.warmup(**kwargs)
+
+
+def test_check_decays_one_or_a_list():
+    """One decay becomes a list of one; a list or tuple is checked entry by entry, naming the entry."""
+    p = schedules.power(gamma=1.0)
+    assert schedules.check_decays(0.5) == [0.5]
+    assert schedules.check_decays([0.5, p]) == [0.5, p]
+    assert schedules.check_decays((0.25,)) == [0.25]
+    with pytest.raises(ValueError, match=r"^decay: give at least one decay \(got an empty list\)$"):
+        schedules.check_decays([])
+    with pytest.raises(ValueError, match=r"^decays: give at least one decay \(got an empty tuple\)$"):
+        schedules.check_decays((), "decays")
+    with pytest.raises(ValueError, match=r"^decay\[1\] must be in \[0, 1\], got 2\.0$"):
+        schedules.check_decays([0.5, 2.0])
+    with pytest.raises(ValueError, match=r"^ema_decay\[0\] must be in \[0, 1\], got -1\.0$"):
+        schedules.check_decays([-1.0], "ema_decay")
+    with pytest.raises(ValueError, match=r"^decay must be in \[0, 1\], got 1\.5$"):
+        schedules.check_decays(1.5)
+    with pytest.raises(TypeError, match=r"^ema_decay must be a float, a schedule or a callable"):
+        schedules.check_decays("0.5", "ema_decay")
+
+
+def test_callable_schedule_calls_and_describes():
+    """A plain callable becomes a schedule: its values as floats at the step asked, named by its qualname
+    (or its repr when it has none, e.g. an instance with __call__)."""
+
+    def tenth(step):
+        return step // 10
+
+    s = schedules.as_schedule(tenth)
+    assert s(25) == 2.0 and type(s(25)) is float
+    assert s.describe() == {"kind": "callable", "name": "test_callable_schedule_calls_and_describes.<locals>.tenth"}
+
+    class Halver:
+        def __call__(self, step):
+            return 0.5
+
+        def __repr__(self):
+            return "Halver()"
+
+    assert schedules.as_schedule(Halver()).describe() == {"kind": "callable", "name": "Halver()"}

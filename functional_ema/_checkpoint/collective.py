@@ -306,18 +306,63 @@ def check_reachable(what: str, group: dist.ProcessGroup | None, world: int) -> N
         )
 
 
+#: Point-to-point tags of :func:`bounded_barrier` (distinctive: a caller's own sends on the group use others).
+ARRIVE_TAG, RELEASE_TAG = 0x454D4101, 0x454D4102
+
+
+def _finished(work: dist.Work | None, deadline: float) -> bool:
+    """Whether ``work`` completes before ``deadline`` (``time.monotonic()``), waiting at most until then.
+    At least 1 ms: a zero timedelta would mean the group's own timeout to gloo."""
+    try:
+        return work is None or bool(work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3))))
+    except RuntimeError:  # gloo reports a timeout, or a peer gone, as RuntimeError (DistError)
+        return False
+
+
+def bounded_barrier(g: dist.ProcessGroup | None, t: float) -> None:
+    """Return once every rank of ``g`` (a gloo group) has called this; raise ``RuntimeError`` on any
+    rank whose own wait reaches ``t`` seconds first.
+
+    Why not ``dist.monitored_barrier``: it bounds only rank 0's wait. The other ranks wait for rank 0's
+    reply with the group's own timeout (30 min by default), so a rank other than 0 called alone waited
+    until rank 0 exited or broke the group, not ``t`` seconds. Here each rank sends rank 0 a token and
+    waits, on its own clock, for rank 0's release, which rank 0 sends once every token has come.
+    A timeout leaves the group unusable (gloo closes its connections), as with monitored_barrier."""
+    deadline = time.monotonic() + t
+    world, me = dist.get_world_size(g), dist.get_rank(g)
+    token = torch.zeros(1, dtype=torch.int64)
+    if me != 0:
+        sent = dist.isend(token, group=g, group_dst=0, tag=ARRIVE_TAG)
+        release = torch.zeros(1, dtype=torch.int64)
+        if not (
+            _finished(dist.irecv(release, group=g, group_src=0, tag=RELEASE_TAG), deadline)
+            and _finished(sent, deadline)
+        ):
+            raise RuntimeError(f"no release from rank 0 of the group within {t:g} s")
+        return
+    tokens = [torch.zeros(1, dtype=torch.int64) for _ in range(world - 1)]
+    arrivals = [dist.irecv(x, group=g, group_src=r, tag=ARRIVE_TAG) for r, x in enumerate(tokens, 1)]
+    missing = [r for r, w in enumerate(arrivals, 1) if not _finished(w, deadline)]
+    if missing:
+        raise RuntimeError(f"rank(s) {missing} of the group did not arrive within {t:g} s")
+    releases = [dist.isend(token, group=g, group_dst=r, tag=RELEASE_TAG) for r in range(1, world)]
+    late = [r for r, w in enumerate(releases, 1) if not _finished(w, deadline)]
+    if late:
+        raise RuntimeError(f"rank(s) {late} of the group took no release within {t:g} s")
+
+
 def arrive(what: str, group: dist.ProcessGroup | None, world: int, rank: int, timeout: float | None) -> None:
     """Wait, at most the timeout, until every rank of ``group`` has called ``what``; else raise
-    :class:`CheckpointTimeoutError` (a verb called on one rank only fails instead of hanging). A group
-    that cannot be reached at all is refused at once (:func:`check_reachable`)."""
+    :class:`CheckpointTimeoutError` (a verb called on one rank only fails instead of hanging), on every
+    rank by its own clock (:func:`bounded_barrier`). A group that cannot be reached at all is refused
+    at once (:func:`check_reachable`)."""
     check_reachable(what, group, world)
     if world <= 1:
         return
     t = timeout_s(timeout)
     t0 = time.monotonic()
     try:
-        g = barrier_group(group, t)
-        dist.monitored_barrier(group=g, timeout=timedelta(seconds=t), wait_all_ranks=True)
+        bounded_barrier(barrier_group(group, t), t)
     except RuntimeError as e:  # gloo reports a timeout or a vanished peer as RuntimeError (DistError)
         detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise CheckpointTimeoutError(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from .. import _io
@@ -33,8 +34,10 @@ __all__ = ["LikeFolder", "read_like", "EXPORT_RECORD", "WEIGHT_SUFFIXES"]
 EXPORT_RECORD = "ema_export.json"
 #: Files never copied from ``--like``: weights of any format (the export writes its own) and the record.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json", ".gguf")
-_STEMS = {"transformers": "model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
-_PICKLES = {"transformers": "pytorch_model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
+_STEMS = MappingProxyType({"transformers": "model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"})
+_PICKLES = MappingProxyType(
+    {"transformers": "pytorch_model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
+)
 
 
 class LikeFolder(NamedTuple):
