@@ -217,3 +217,24 @@ def test_controller_with_private_folders(tmp_path):
     for node in ("node0", "node1"):  # each folder: its own copy of the record and the manifest
         assert (tmp_path / node / "run" / "checkpoint-2" / "ema" / "integration.json").is_file()
         assert (tmp_path / node / "run" / "checkpoint-5" / "ema" / "ema_manifest.json").is_file()
+
+
+def test_one_process_private_save_and_load(tmp_path):
+    """A model saved by one process (no process group) with shared=False: its folder is complete on its own."""
+    import functional_ema as fe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state = fe.update(state, fe.local_shards(model), 1, decay=DECAY)
+    fe.save(state, model, tmp_path / "ck", "t", shared=False)
+    assert sorted(p.name for p in (tmp_path / "ck" / "t").iterdir()) == [
+        "ema_manifest.json",
+        "ema_rank_00000_of_00001.safetensors",
+    ]
+    for shared in (False, True):
+        loaded = fe.load(model, tmp_path / "ck", "t", shared=shared)
+        assert all(torch.equal(loaded.emas[0][n], t) for n, t in state.emas[0].items())

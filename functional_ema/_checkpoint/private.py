@@ -74,7 +74,7 @@ def folder_group(tag_dir: Path, token: str, rank: int, job: tuple[Any, int, int]
         touch = lambda: _touch(tag_dir, marker, rank)  # noqa: E731
         agree("save (finding which ranks share a folder)", touch, group, world, rank, results=False)
         seen = sorted(int(p.name.rsplit(".", 1)[1]) for p in tag_dir.glob(f"{MARKER_PREFIX}{token}.*"))
-        groups = exchange(seen, collective.barrier_group(group, timeout), world)  # every rank listed: then unlink
+        groups = _everyone(seen, group, world, timeout)  # every rank listed: then unlink
     finally:
         with contextlib.suppress(OSError):
             marker.unlink()
@@ -86,6 +86,13 @@ def folder_group(tag_dir: Path, token: str, rank: int, job: tuple[Any, int, int]
                 "lag? Save to folders that are either shared or private. Nothing was written"
             )
     return groups[rank]
+
+
+def _everyone(obj: Any, group: Any, world: int, timeout: float) -> list[Any]:
+    """``obj`` of every rank (on the gloo side group); a one-rank save has no process group to ask."""
+    if world <= 1 or not dist.is_initialized():
+        return [obj]
+    return exchange(obj, collective.barrier_group(group, timeout), world)
 
 
 def _touch(tag_dir: Path, marker: Path, rank: int) -> None:
@@ -130,7 +137,7 @@ def save_private(
     try:
         generation = _agree_generation(tag_dir, sharers[0] == rank, lock, job, timeout)
         piece_file = save_files(holder, generation, False, True)[0]
-        others = exchange(piece_file, collective.barrier_group(group, timeout), world)
+        others = _everyone(piece_file, group, world, timeout)
         writes_pieces = not any(others[q] == piece_file for q in sharers if q < rank)  # a folder gets one copy
         names = ([piece_file] if writes_pieces else []) + (
             save_files(layout, generation, True, False) if writes_buffers else []
@@ -138,7 +145,7 @@ def save_private(
         written = _write_files(
             state, layout, holder, mine, generation, tag_dir, names, buffers if writes_buffers else None, job
         )
-        records = exchange(written, collective.barrier_group(group, timeout), world)
+        records = _everyone(written, group, world, timeout)
 
         def commit() -> None:
             manifest = build_manifest(first, _one_record_per_file(records))
