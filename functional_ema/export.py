@@ -72,7 +72,8 @@ _DTYPES = MappingProxyType(
     }
 )
 _UNITS = MappingProxyType(
-    {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    | {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # every unit parse_size's pattern accepts
 )
 
 
@@ -483,9 +484,8 @@ def to_hf(
         )
         index_name = [f"{stem}.safetensors.index.json"] if len(groups) > 1 else []
         copied = [p.name for p in like_folder.copied]
-        written = sorted(
-            {*files, *index_name, *copied, "config.json" if cast is not None else "", EXPORT_RECORD} - {""}
-        )
+        # config.json is --like's (copied; rewritten with a dtype): a PEFT export writes none, so lists none.
+        written = sorted({*files, *index_name, *copied, EXPORT_RECORD})
         check: dict[str, str | None]
         if view is not None:
             check = {"class": view.cls, "result": "names, shapes and ties as save_pretrained writes them"}

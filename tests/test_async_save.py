@@ -9,11 +9,21 @@ Two launches, many checks each (assertions run here, in the parent):
   format-1 checkpoint in tests/data/ckpt_v1 loads (same layout and resharded) and re-saves.
 * ``world1``: a forked process SIGKILLed at every fsync / rename / unlink / tensor write of the
   background part leaves the previous checkpoint loadable.
+
+Without a process group (a plain module is a world of one; fast, and what ``make mutate`` reruns per
+mutant): the written state is the state at the call, bitwise; argument checks and their messages; the
+handle's states; errors and their messages (next call, ``wait``, the context manager, a forked child);
+the in-flight limit, the tag lock and generations; markers and temporary files cleaned up; and the
+commit between ranks (marker files, polling, timeouts) with ``_run`` of two simulated ranks in threads.
+
+``test_async_ranks_*`` (plain torch.distributed, DDP models): the rank-dependent checks, batched into
+one launch of 2 ranks and one of 4 (two groups of one job).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import threading
@@ -465,3 +475,1044 @@ def test_ranks_find_their_save_id_in_the_manifest_head(tmp_path):
     raw = mpath.read_bytes()
     assert len(raw) > 2 * _async._SAVE_ID_WITHIN and raw.index(b'"save_id"') < 4096, len(raw)
     assert _async._is_save(mpath, token) and not _async._is_save(mpath, "fedcba9876543210")
+
+
+# ------------------------------------------------------------------ single process (no process group)
+#
+# A plain module is a world of one: AsyncSaver.save runs its whole protocol in this process (rank 0
+# takes the tag lock, snapshots, writes and commits in the background thread). The commit between
+# ranks (marker files, polling) is exercised by running ``_run`` for two simulated ranks in threads.
+
+ENOSPC = "[Errno 28] No space left on device (simulated)"
+
+
+def _model(seed: int = 0, width: int = 3):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.BatchNorm1d(width))
+
+
+def _state(model, dtype=None, num_emas: int = 2, step: int = 3, shards: bool = True):
+    """An EMA state of ``model`` whose EMAs differ from the weights and from each other."""
+    import torch
+
+    import functional_ema as fe
+
+    tree = fe.local_shards(model) if shards else {n: p.detach() for n, p in model.named_parameters()}
+    state = fe.init_ema(tree, num_emas=num_emas, dtype=dtype or torch.float32, step=step)
+    with torch.no_grad():
+        for e in state.emas:
+            for t in e.values():
+                t.copy_(torch.randn_like(t))
+    return state
+
+
+def _buffers(model, step: int = 3):
+    import torch
+
+    from functional_ema.buffers import init_buffers
+
+    b = init_buffers(model, num_emas=2, step=step)
+    with torch.no_grad():
+        for e in b.emas:
+            for t in e.values():
+                t.copy_(torch.randn_like(t))
+        for t in b.copied.values():
+            t.fill_(7)
+    return b
+
+
+def _bump(tensors) -> None:
+    """Change every tensor in place (the caller's state after the call)."""
+    import torch
+
+    with torch.no_grad():
+        for t in tensors:
+            t.add_(1)
+
+
+def _same_trees(got, want) -> bool:
+    import torch
+
+    return len(got) == len(want) and all(
+        sorted(g) == sorted(w) and all(g[n].dtype == w[n].dtype and torch.equal(g[n], w[n]) for n in w)
+        for g, w in zip(got, want)
+    )
+
+
+def _wait_done(h, limit: float = 20.0) -> None:
+    """Wait for a handle through done() only (its failure stays unraised on this rank)."""
+    deadline = time.monotonic() + limit
+    while not h.done():
+        assert time.monotonic() < deadline, "the save did not finish"
+        time.sleep(0.005)
+
+
+class _Hold:
+    """Holds every background rank-file write until released (at most ``limit`` s), recording the
+    writing threads' names: the training thread goes on while the save is in flight."""
+
+    def __init__(self, monkeypatch, limit: float = 5.0):
+        from functional_ema._checkpoint import writer
+
+        self.entered, self.open, self.threads = threading.Event(), threading.Event(), []
+        orig = writer.write_rank_file
+
+        def write(*args, **kwargs):
+            self.threads.append(threading.current_thread().name)
+            self.entered.set()
+            self.open.wait(limit)
+            return orig(*args, **kwargs)
+
+        monkeypatch.setattr(writer, "write_rank_file", write)
+
+    def release(self, after: float = 0.0) -> None:
+        if after:
+            threading.Timer(after, self.open.set).start()
+        else:
+            self.open.set()
+
+
+def _fail_writes(monkeypatch, message: str = "No space left on device (simulated)", where: str = "write_rank_file"):
+    from functional_ema._checkpoint import writer
+
+    def fail(*args, **kwargs):
+        raise OSError(28, message)
+
+    monkeypatch.setattr(writer, where, fail)
+
+
+def _token_of(name: str) -> str:
+    m = re.fullmatch(r"ema_async\.([0-9a-f]{16})\.rank(\d{5})\.(done|error)", name)
+    assert m, name
+    return m.group(1)
+
+
+def test_async_saver_arguments_and_defaults(tmp_path):
+    import math
+
+    import functional_ema as fe
+
+    s = fe.AsyncSaver()
+    assert (s.max_in_flight, s.commit_timeout, s.pin_memory) == (1, 1800.0, True)
+    s = fe.AsyncSaver(3, commit_timeout=0.5, pin_memory=False)
+    assert (s.max_in_flight, s.commit_timeout, s.pin_memory) == (3, 0.5, False)
+    assert fe.AsyncSaver(commit_timeout=math.inf).commit_timeout == math.inf
+    refused = [
+        (dict(max_in_flight=0), ValueError, "max_in_flight must be >= 1, got 0"),
+        (dict(max_in_flight=True), TypeError, "max_in_flight must be an int, got a bool (True)"),
+        (dict(commit_timeout=0), ValueError, "commit_timeout must be a number in (0.0, inf], got 0.0"),
+        (dict(commit_timeout=-1), ValueError, "commit_timeout must be a number in (0.0, inf], got -1.0"),
+        (dict(commit_timeout="x"), TypeError, "commit_timeout must be a real number, got str 'x'"),
+        (dict(pin_memory=1), TypeError, "pin_memory must be True or False, got int 1"),
+    ]
+    for kwargs, cls, msg in refused:
+        with pytest.raises(cls) as e:
+            fe.AsyncSaver(**kwargs)
+        assert str(e.value) == msg, (kwargs, str(e.value))
+
+    model = _model()
+    state = _state(model)
+    saver = fe.AsyncSaver()
+    assert saver._writer_threads() is saver._writer_threads()  # started once per process
+    with pytest.raises(TypeError) as e:
+        saver.save(state, model, 3)
+    assert str(e.value) == "save_dir must be a path (a str or os.PathLike), got int 3"
+    h = saver.save(state, model, tmp_path, decay=[0.5, 0.25])  # no tag: the adapter's default
+    assert h.wait() == tmp_path / "global_step3" and h.step == 3 and h.tag_dir == tmp_path / "global_step3"
+    assert fe.checkpoint.read_manifest(tmp_path, "global_step3")["schedules"] == [
+        {"kind": "constant", "decay": 0.5},
+        {"kind": "constant", "decay": 0.25},
+    ]
+    assert (tmp_path / "ema_latest").read_text() == "global_step3\n"
+
+
+def test_bad_timeout_is_refused_before_waiting_for_a_save_in_flight(tmp_path, monkeypatch):
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+    saver = fe.AsyncSaver()
+    hold = _Hold(monkeypatch)
+    h = saver.save(state, model, tmp_path, "t")
+    hold.entered.wait(10)
+    hold.release(after=1.0)  # a saver that waited first would return after this
+    with pytest.raises(ValueError) as e:
+        saver.save(state, model, tmp_path, "t", timeout=-1)
+    refused_in_flight = not h.done()
+    assert str(e.value) == "timeout= must be a positive number of seconds, got -1"
+    assert refused_in_flight, "the bad timeout was refused only after the save in flight finished"
+    h.wait()
+
+
+def test_async_save_writes_the_state_at_the_call(tmp_path, monkeypatch):
+    """What is written is the state (EMAs and buffers) at the call, bitwise, however it changes while the
+    write is in flight; the handle's states; the files left (no lock, marker or temporary file)."""
+    import torch
+
+    import functional_ema as fe
+    from functional_ema.buffers import load_buffers
+
+    model = _model()
+    state, bufs = _state(model, dtype=torch.float64), _buffers(model)
+    want = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    want_bufs = (
+        [{n: t.clone() for n, t in e.items()} for e in bufs.emas],
+        {n: t.clone() for n, t in bufs.copied.items()},
+    )
+    saver = fe.AsyncSaver()
+    hold = _Hold(monkeypatch)
+    h = saver.save(state, model, tmp_path, "t", decay=[0.9, 0.99], buffers=bufs, extra={"run": "a"})
+    hold.entered.wait(10)
+    _bump([t for e in state.emas for t in e.values()])
+    _bump([t for e in bufs.emas for t in e.values()] + list(bufs.copied.values()))
+    in_flight = {
+        "done": h.done(),
+        "exception": h.exception(),
+        "files": sorted(os.listdir(tmp_path / "t")),
+        "thread": hold.threads,
+    }
+    with pytest.raises(TimeoutError) as e:
+        h.wait(0.05)
+    hold.release()
+    assert str(e.value) == f"async EMA save into {tmp_path / 't'} still running after 0.05 s"
+    assert in_flight == {"done": False, "exception": None, "files": [".ema_write.lock"], "thread": ["fe_async_save_0"]}
+    assert h.wait() == tmp_path / "t" and h.done() and h.exception() is None and h.step == 3
+    assert sorted(os.listdir(tmp_path / "t")) == [
+        "buffers_rank_00000_of_00001.safetensors",
+        "ema_manifest.json",
+        "ema_rank_00000_of_00001.safetensors",
+    ]
+    loaded = fe.load(model, tmp_path, "t")
+    assert int(loaded.step) == 3 and _same_trees(list(loaded.emas), want)
+    lb = load_buffers(model, tmp_path, "t")
+    assert int(lb.step) == 3 and _same_trees(list(lb.emas), want_bufs[0]) and _same_trees([lb.copied], [want_bufs[1]])
+    m = fe.checkpoint.read_manifest(tmp_path, "t")
+    assert re.fullmatch(r"[0-9a-f]{16}", m["save_id"]), m["save_id"]
+    assert (m["generation"], m["step"], m["dtype"], m["extra"]) == (0, 3, "float64", {"run": "a"})
+    assert m["schedules"] == [{"kind": "constant", "decay": 0.9}, {"kind": "constant", "decay": 0.99}]
+    assert [(f["rank"], f["file"]) for f in m["buffer_files"]] == [(0, "buffers_rank_00000_of_00001.safetensors")]
+
+
+def test_snapshot_buffers_are_reused_only_when_they_fit(tmp_path):
+    """Dict-tree EMAs as well as Shards; the host buffer of a finished save is taken by the next save
+    of the same size, dtype and pinning, never by another (each file holds its own state, bitwise)."""
+    import torch
+
+    import functional_ema as fe
+
+    model, big = _model(), _model(seed=1, width=5)
+    saver = fe.AsyncSaver()
+    runs = [
+        ("dict", model, _state(model, shards=False)),
+        ("dict_again", model, _state(model, shards=False)),
+        ("f64", model, _state(model, dtype=torch.float64)),  # the same size, another dtype
+        ("big", big, _state(big, dtype=torch.float64)),  # another size
+        ("big_again", big, _state(big, dtype=torch.float64)),
+    ]
+    handles, ptrs = [], []
+    for tag, m, st in runs:
+        h = saver.save(st, m, tmp_path, tag)
+        h.wait()
+        handles.append(h)
+        ptrs.append(h._buffer.data_ptr())
+        assert all(p._buffer is None for p in handles[:-1]), tag  # given back to the saver by this save
+    assert [ptrs[1] == ptrs[0], ptrs[2] == ptrs[1], ptrs[4] == ptrs[3]] == [True, False, True]
+    assert [handles[i]._buffer is None for i in range(5)] == [True] * 4 + [False]
+    for tag, m, st in runs:
+        assert _same_trees(list(fe.load(m, tmp_path, tag).emas), [dict(e.items()) for e in st.emas]), tag
+
+
+def test_saves_in_flight_are_limited_and_a_tag_waits_for_its_own_save(tmp_path, monkeypatch):
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+
+    # One in flight (the default): a second call, of another tag, returns once the first is done.
+    saver = fe.AsyncSaver()
+    hold = _Hold(monkeypatch)
+    ha = saver.save(state, model, tmp_path, "a")
+    hold.entered.wait(10)
+    hold.release(after=0.5)
+    t0 = time.perf_counter()
+    hb = saver.save(state, model, tmp_path, "b")
+    waited, first_done = time.perf_counter() - t0, ha.done()
+    assert first_done and waited >= 0.4, (first_done, waited)
+    saver.wait()
+
+    # Two in flight: the second (another tag) goes at once, and the snapshot of the first is its own
+    # while both are in flight, although the state changed in between.
+    saver = fe.AsyncSaver(2)
+    hold = _Hold(monkeypatch)
+    at_a = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    ha = saver.save(state, model, tmp_path, "c")
+    hold.entered.wait(10)
+    _bump([t for e in state.emas for t in e.values()])
+    at_b = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    hb = saver.save(state, model, tmp_path, "d")
+    both_pending = not ha.done() and not hb.done()
+    hold.release()
+    saver.wait()
+    assert both_pending and ha.done() and hb.done()
+    assert _same_trees(list(fe.load(model, tmp_path, "c").emas), at_a)
+    assert _same_trees(list(fe.load(model, tmp_path, "d").emas), at_b)
+
+    # Two in flight, the same tag: the second call waits for the first save of it (not for the tag's
+    # lock, which it would give up after its timeout).
+    hold = _Hold(monkeypatch)
+    ha = saver.save(state, model, tmp_path, "e")
+    hold.entered.wait(10)
+    hold.release(after=1.0)
+    hb = saver.save(state, model, tmp_path, "e", timeout=0.3)
+    first_done = ha.done()
+    hb.wait()
+    assert first_done
+    assert sorted(os.listdir(tmp_path / "e")) == ["ema_manifest.json", "ema_rank_00000_of_00001.gen1.safetensors"]
+
+
+def test_as_many_saves_write_at_once_as_max_in_flight(tmp_path, monkeypatch):
+    """One writer thread per save allowed in flight: more than a default thread pool's (min(32, CPUs + 4))."""
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+    n = min(32, (os.cpu_count() or 1) + 4) + 1
+    saver = fe.AsyncSaver(n)
+    hold = _Hold(monkeypatch)
+    handles = [saver.save(state, model, tmp_path, f"t{i}") for i in range(n)]
+    deadline = time.monotonic() + 10
+    while len(hold.threads) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writing = sorted(hold.threads)
+    hold.release()
+    saver.wait()
+    assert writing == sorted(f"fe_async_save_{i}" for i in range(n)), writing
+    assert all(h.exception() is None for h in handles)
+
+
+def test_tag_lock_excludes_another_saver_and_the_next_save_swaps_generation(tmp_path, monkeypatch):
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+    first, second = fe.AsyncSaver(), fe.AsyncSaver()
+    hold = _Hold(monkeypatch)
+    h = first.save(state, model, tmp_path, "t")
+    hold.entered.wait(10)
+    with pytest.raises(fe.checkpoint.CheckpointError) as e:
+        second.save(state, model, tmp_path, "t", timeout=0.3)
+    hold.release()
+    pattern = (
+        rf"AsyncSaver\.save: tag 't' in {re.escape(str(tmp_path))} is being written by another save \(pid {os.getpid()} "
+        r"on .+, thread MainThread\) and it did not finish within 0\.3 s\. One save writes a tag at a time: wait for "
+        r"the other one \(AsyncSaver\.wait\(\)\), or save under another tag"
+    )
+    assert re.fullmatch(pattern, str(e.value)), str(e.value)
+    h.wait()
+    _bump([t for e in state.emas for t in e.values()])
+    second.save(state, model, tmp_path, "t").wait()  # the complete checkpoint there stays until this one is
+    assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00001.gen1.safetensors"]
+    assert fe.checkpoint.read_manifest(tmp_path, "t")["generation"] == 1
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), [dict(e.items()) for e in state.emas])
+
+
+def test_refused_save_leaves_no_folder(tmp_path):
+    import functional_ema as fe
+
+    model, other = _model(), _model(width=5)
+    saver = fe.AsyncSaver()
+    with pytest.raises(fe.checkpoint.CheckpointMismatchError):
+        saver.save(_state(other), model, tmp_path, "n")
+    assert os.listdir(tmp_path) == []  # the folder its lock made is removed
+    saver.save(_state(model), model, tmp_path, "n").wait()
+    assert sorted(os.listdir(tmp_path / "n")) == ["ema_manifest.json", "ema_rank_00000_of_00001.safetensors"]
+
+
+def test_background_failure_reaches_wait_and_leaves_only_its_marker(tmp_path, monkeypatch, caplog):
+    import json
+
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+    saver = fe.AsyncSaver()
+    with monkeypatch.context() as mp:
+        _fail_writes(mp)
+        h = saver.save(state, model, tmp_path, "f")
+        _wait_done(h)
+    err = h.exception()
+    assert type(err) is OSError and str(err) == ENOSPC
+    for _ in range(2):  # every wait raises it
+        with pytest.raises(OSError) as e:
+            h.wait()
+        assert e.value is err
+    (marker,) = os.listdir(tmp_path / "f")
+    assert marker == f"ema_async.{_token_of(marker)}.rank00000.error"
+    assert json.loads((tmp_path / "f" / marker).read_text()) == {
+        "rank": 0,
+        "type": "OSError",
+        "message": ENOSPC,
+        "checkpoint_error": False,
+    }
+    assert f"functional_ema: async EMA save of step 3 into {tmp_path / 'f'} failed on rank 0: OSError: {ENOSPC}" in [
+        r.getMessage() for r in caplog.records
+    ]
+    saver.wait()  # raised already by the handle's wait
+    saver.save(state, model, tmp_path, "f").wait()  # its commit removes the failed save's marker
+    assert sorted(os.listdir(tmp_path / "f")) == ["ema_manifest.json", "ema_rank_00000_of_00001.safetensors"]
+
+
+def test_unwaited_failure_is_raised_by_the_next_call_once(tmp_path, monkeypatch):
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+    saver = fe.AsyncSaver()
+    with monkeypatch.context() as mp:
+        _fail_writes(mp)
+        h = saver.save(state, model, tmp_path, "u")
+        _wait_done(h)
+    with pytest.raises(fe.checkpoint.CheckpointError) as e:
+        saver.save(state, model, tmp_path, "v")
+    assert str(e.value) == (
+        f"the previous async EMA save (step 3, {tmp_path / 'u'}) failed: OSError: {ENOSPC}. Nothing of it is "
+        "marked complete; the checkpoint before it is intact"
+    )
+    assert e.value.__cause__ is h.exception() and not (tmp_path / "v").exists()
+    assert saver.save(state, model, tmp_path, "v").wait() == tmp_path / "v"  # raised once: the next save goes on
+    saver.wait()
+    with pytest.raises(OSError):
+        h.wait()  # the handle still raises it
+
+
+def test_saver_wait_raises_each_failure_once_in_order(tmp_path, monkeypatch):
+    import functional_ema as fe
+    from functional_ema._checkpoint import writer
+
+    model = _model()
+    state = _state(model)
+    saver = fe.AsyncSaver(2)
+
+    def fail(path, *args, **kwargs):
+        raise OSError(28, f"no space for {path.parent.name}")
+
+    monkeypatch.setattr(writer, "write_rank_file", fail)
+    h1 = saver.save(state, model, tmp_path, "x1")
+    h2 = saver.save(state, model, tmp_path, "x2")
+    _wait_done(h1)
+    _wait_done(h2)
+    raised = [error_of(saver.wait) for _ in range(3)]
+    assert raised[0][:2] == ["OSError", "[Errno 28] no space for x1"], raised
+    assert raised[1][:2] == ["OSError", "[Errno 28] no space for x2"], raised
+    assert raised[2] is None
+
+
+def test_failed_commit_removes_the_new_files_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog):
+    import functional_ema as fe
+    from functional_ema import _io
+    from functional_ema._checkpoint import writer
+
+    model = _model()
+    old = _state(model)
+    saver = fe.AsyncSaver()
+    saver.save(old, model, tmp_path, "t").wait()
+
+    def fail(*args, **kwargs):
+        raise OSError(5, "manifest write failed (simulated)")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(writer, "commit_manifest", fail)
+        h = saver.save(_state(model, step=4), model, tmp_path, "t")
+        _wait_done(h)
+    (marker,) = [f for f in os.listdir(tmp_path / "t") if f.startswith("ema_async.")]
+    assert sorted(os.listdir(tmp_path / "t")) == sorted(
+        ["ema_manifest.json", "ema_rank_00000_of_00001.safetensors", marker]
+    )  # the new generation's file is gone, the previous checkpoint intact
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), [dict(e.items()) for e in old.emas])
+    assert error_of(h.wait)[:2] == ["OSError", "[Errno 5] manifest write failed (simulated)"]
+
+    # The failure cannot even be recorded for the other ranks: said in the log.
+    atomic = _io.atomic_write_bytes
+
+    def no_markers(path, data):
+        if path.name.endswith(".error"):
+            raise OSError(30, "read-only (simulated)")
+        return atomic(path, data)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(_io, "atomic_write_bytes", no_markers)
+        _fail_writes(mp)
+        h = saver.save(old, model, tmp_path, "r")
+        _wait_done(h)
+    assert os.listdir(tmp_path / "r") == []
+    assert (
+        "functional_ema: could not record the async save failure for the other ranks: [Errno 30] read-only (simulated)"
+        in [r.getMessage() for r in caplog.records]
+    )
+
+
+def test_saver_as_context_manager(tmp_path, monkeypatch, caplog):
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+    hold = _Hold(monkeypatch)
+    hold.release(after=0.3)
+    with fe.AsyncSaver() as saver:
+        assert isinstance(saver, fe.AsyncSaver)
+        h = saver.save(state, model, tmp_path, "ok")
+    assert h.done() and h.exception() is None  # the exit waited
+
+    with monkeypatch.context() as mp:
+        _fail_writes(mp)
+        with pytest.raises(OSError) as e, fe.AsyncSaver() as saver:  # a clean exit raises the save's failure
+            saver.save(state, model, tmp_path, "bad")
+        assert str(e.value) == ENOSPC
+        caplog.clear()
+        with pytest.raises(KeyError), fe.AsyncSaver() as saver:  # already failing: the save's failure is logged
+            h = saver.save(state, model, tmp_path, "bad2")
+            raise KeyError("body")
+    assert h.done() and str(h.exception()) == ENOSPC
+    assert f"functional_ema: async EMA save failed: {ENOSPC}" in [r.getMessage() for r in caplog.records]
+
+
+def test_forked_child_fails_the_parents_save_in_flight(tmp_path, monkeypatch):
+    """In a child forked while a save is in flight, that save fails (with a message saying why) instead of
+    blocking; the child's own saves get writer threads of their own. The parent's save completes."""
+    import json
+
+    import functional_ema as fe
+    from functional_ema._checkpoint import writer
+
+    model = _model()
+    state = _state(model)
+    saver = fe.AsyncSaver()
+    orig = writer.write_rank_file
+    hold = _Hold(monkeypatch)
+    h = saver.save(state, model, tmp_path, "t")
+    hold.entered.wait(10)
+    parent = os.getpid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without returning into pytest
+        code = 1
+        try:
+            signal.alarm(30)  # a wait that blocks ends the child (the parent then reads no report)
+            writer.write_rank_file = orig  # this process's own saves are not held
+            done, exc = h.done(), h.exception()
+            out = {"pid": os.getpid(), "done": done, "exception": exc and [type(exc).__name__, str(exc)]}
+            out["wait"] = error_of(h.wait)
+            out["saver_wait"] = error_of(saver.wait)
+            out["own"] = str(saver.save(state, model, tmp_path, "child").wait(10))
+            os.write(w, json.dumps(out).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    hold.release()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and text, status
+    out = json.loads(text)
+    msg = (
+        f"this process (pid {out['pid']}) was forked from pid {parent} while the async EMA save of step 3 into "
+        f"{tmp_path / 't'} was in flight. That save is written by the parent's thread and completes there (wait for "
+        "it in the parent); this process cannot wait for it or know its outcome. Save again from this process if it "
+        "needs its own checkpoint"
+    )
+    assert out["done"] is True and out["exception"][:2] == ["CheckpointError", msg], out
+    assert out["wait"][:2] == ["CheckpointError", msg] and out["saver_wait"] is None, out
+    assert out["own"] == str(tmp_path / "child")
+    assert h.wait() == tmp_path / "t" and h.done() and h.exception() is None
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), [dict(e.items()) for e in state.emas])
+
+
+# ----------------------------------------------------- the commit between ranks, two ranks in threads
+
+
+def _sim(save_dir: Path, tag: str, token: str, *, stage: int = 3, generation: int = 0, writers=(0, 1), timeout=10.0):
+    """The background jobs (``_async._Job``) of the two ranks of one save, as ``AsyncSaver.save`` makes
+    them: ZeRO-3-like (each rank holds half of every parameter) or replicated (``stage=0``: rank 0 writes
+    alone). Returns the jobs and the full EMA they write."""
+    import torch
+
+    from functional_ema import EmaState, ShardLayout, ShardSpec, _async
+    from functional_ema._checkpoint import writer
+
+    full = {"a": torch.randn(4), "b": torch.randn(2, 2)}
+    jobs = []
+    for r in range(2):
+        specs = {
+            n: ShardSpec(tuple(t.shape), r * 2 if stage else 0, 2 if stage else t.numel()) for n, t in full.items()
+        }
+        lay = ShardLayout(r, 2, stage, specs)
+        piece = {
+            n: t.reshape(-1)[s.offset : s.offset + s.numel].clone() for (n, t), s in zip(full.items(), specs.values())
+        }
+        mine = writer.plan_save(EmaState(torch.tensor(5), (piece,)), [0.9], lay, tag)
+        first = dict(jobs[0].mine if jobs else mine, token=token, generation=generation)
+        jobs.append(
+            _async._Job(
+                save_dir=save_dir,
+                tag_dir=save_dir / tag,
+                layout=lay,
+                rank=r,
+                first=first,
+                mine=mine,
+                token=token,
+                writers=list(writers),
+                writes=lay.writes_pieces,
+                emas=[piece] if lay.writes_pieces else None,
+                ready=None,
+                buffers=None,
+                lock=None,
+                dtype=torch.float32,
+                timeout=timeout,
+            )
+        )
+    (save_dir / tag).mkdir(parents=True, exist_ok=True)
+    return jobs, full
+
+
+def _run_ranks_in_threads(jobs, ranks=(0, 1), stagger: float = 0.2) -> list:
+    """``_run`` of each job in its own thread, ``stagger`` s apart (rank 0 first: it polls for the others)."""
+    from functional_ema import _async
+
+    handles = {r: _async.SaveHandle(jobs[r].tag_dir, 5) for r in ranks}
+    threads = []
+    for i, r in enumerate(ranks):
+        if i:
+            time.sleep(stagger)
+        threads.append(threading.Thread(target=_async._run, args=(jobs[r], handles[r])))
+        threads[-1].start()
+    for t in threads:
+        t.join(30)
+    return [handles[r] for r in ranks]
+
+
+def test_ranks_commit_through_marker_files(tmp_path, monkeypatch):
+    """Rank 0 waits for rank 1's record, writes the manifest carrying this save's id, removes the markers;
+    rank 1 returns once that manifest (not the previous one of the tag) is there, reading each version of
+    it once. The checkpoint equals the ranks' pieces joined."""
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+    from functional_ema._testing.files import write_simulated
+
+    old, _ = _sim(tmp_path, "t", "1" * 16)
+    write_simulated(tmp_path, "t", [j.layout for j in old], lambda lay: tuple(old[lay.rank].emas), save_id="1" * 16)
+    token = "0123456789abcdef"
+    jobs, full = _sim(tmp_path, "t", token, generation=1)
+    reads, commit = [], writer.commit_manifest
+    is_save = _async._is_save
+
+    def counted(mpath, tok):
+        reads.append(tok)
+        return is_save(mpath, tok)
+
+    def late_commit(*args):
+        time.sleep(0.5)  # rank 1 polls meanwhile, seeing the previous manifest unchanged
+        commit(*args)
+
+    monkeypatch.setattr(_async, "_is_save", counted)
+    monkeypatch.setattr(writer, "commit_manifest", late_commit)
+    h0, h1 = _run_ranks_in_threads(jobs)
+    assert (h0.done(), h0.exception(), h1.done(), h1.exception()) == (True, None, True, None)
+    assert reads in ([token], [token, token]), (
+        reads
+    )  # the previous manifest (unless it was replaced already), the new one
+    assert sorted(os.listdir(tmp_path / "t")) == [
+        "ema_manifest.json",
+        "ema_rank_00000_of_00002.gen1.safetensors",
+        "ema_rank_00001_of_00002.gen1.safetensors",
+    ]
+    m = fe.checkpoint.read_manifest(tmp_path, "t")
+    assert (m["save_id"], m["generation"], m["step"]) == (token, 1, 5)
+    got = fe.consolidate(tmp_path, "t")
+    assert sorted(got) == ["a", "b"] and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_a_rank_failure_reaches_the_other_rank(tmp_path, monkeypatch):
+    import json
+
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+
+    write = writer.write_rank_file
+    for bad in (1, 0):
+
+        def fail_on(path, layout, *args, bad=bad):
+            if layout.rank == bad:
+                raise OSError(28, "No space left on device (simulated)")
+            return write(path, layout, *args)
+
+        monkeypatch.setattr(writer, "write_rank_file", fail_on)
+        token = f"{bad}" * 16
+        jobs, _ = _sim(tmp_path, f"t{bad}", token)
+        handles = _run_ranks_in_threads(jobs)
+        errors = [[type(h.exception()).__name__, str(h.exception())] for h in handles]
+        remote = f"async save of tag 't{bad}' failed on rank {bad} (OSError): {ENOSPC}"
+        assert errors[bad] == ["OSError", ENOSPC] and errors[1 - bad] == ["_RemoteError", remote], errors
+        assert isinstance(handles[1 - bad].exception(), _async.CheckpointError)
+        files = sorted(os.listdir(tmp_path / f"t{bad}"))  # no rank file is left, nor a marker of rank 0's
+        assert files == (
+            [f"ema_async.{token}.rank00001.error"]
+            if bad
+            else [f"ema_async.{token}.rank00000.error", f"ema_async.{token}.rank00001.done"]
+        ), files
+        payload = json.loads((tmp_path / f"t{bad}" / f"ema_async.{token}.rank{bad:05d}.error").read_text())
+        assert payload == {"rank": bad, "type": "OSError", "message": ENOSPC, "checkpoint_error": False}
+
+
+def test_a_rank_alone_times_out_naming_what_it_waited_for(tmp_path):
+    import json
+
+    for rank, what in ((0, "the files of ranks [1]"), (1, "rank 0's manifest")):
+        token = "abcdef012345678" + str(rank)
+        jobs, _ = _sim(tmp_path, f"t{rank}", token, timeout=0.2)
+        (h,) = _run_ranks_in_threads(jobs, ranks=(rank,))
+        tag_dir = tmp_path / f"t{rank}"
+        msg = (
+            f"async save of tag 't{rank}' (rank {rank}): timed out after 0 s waiting for {what} in {tag_dir}. Is the "
+            "directory shared by all ranks, and are they all alive? The checkpoint is not marked complete"
+        )
+        assert [type(h.exception()).__name__, str(h.exception())] == ["CheckpointError", msg]
+        error = f"ema_async.{token}.rank{rank:05d}.error"
+        assert sorted(os.listdir(tag_dir)) == sorted([error] + ([f"ema_async.{token}.rank00001.done"] if rank else []))
+        assert json.loads((tag_dir / error).read_text()) == {
+            "rank": rank,
+            "type": "CheckpointError",
+            "message": msg,
+            "checkpoint_error": True,
+        }
+
+
+def test_only_rank_0_writes_a_replicated_model(tmp_path):
+    """A whole, replicated model without buffers: rank 0 commits without waiting; rank 1 writes nothing."""
+    import torch
+
+    import functional_ema as fe
+
+    jobs, full = _sim(tmp_path, "t", "fedcba9876543210", stage=0, writers=(0,), timeout=5.0)
+    (h0,) = _run_ranks_in_threads(jobs, ranks=(0,))
+    (h1,) = _run_ranks_in_threads(jobs, ranks=(1,))
+    assert (h0.exception(), h1.exception(), h1.done()) == (None, None, True)
+    assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
+    got = fe.consolidate(tmp_path, "t")
+    assert all(torch.equal(got[n], full[n]) for n in full)
+
+
+# ------------------------------------------------------------------------- the helpers, one by one
+
+
+def test_poll_backs_off_to_50_ms_and_times_out_after_the_deadline(tmp_path, monkeypatch):
+    from functional_ema import _async
+    from functional_ema.checkpoint import CheckpointError
+
+    class Clock:  # stands in for the module's ``time``: each sleep advances it, nothing waits
+        def __init__(self):
+            self.now, self.slept = 100.0, []
+
+        def monotonic(self):
+            return self.now
+
+        def sleep(self, s):
+            self.slept.append(s)
+            self.now += s
+
+    clock = Clock()
+    monkeypatch.setattr(_async, "time", clock)
+    answers = iter([None] * 9 + [True])
+    jobs, _ = _sim(tmp_path, "t", "0" * 16, timeout=2.6)
+    _async._poll(lambda: next(answers), 200.0, jobs[1], "x")
+    assert clock.slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05]
+
+    clock.slept = []
+    with pytest.raises(CheckpointError) as e:
+        _async._poll(lambda: None, clock.now, jobs[1], "rank 0's manifest")  # at the deadline: one more look
+    assert clock.slept == [0.001]
+    assert str(e.value) == (
+        f"async save of tag 't' (rank 1): timed out after 3 s waiting for rank 0's manifest in {tmp_path / 't'}. Is "
+        "the directory shared by all ranks, and are they all alive? The checkpoint is not marked complete"
+    )
+
+
+def test_remote_error_is_read_from_this_saves_error_marker(tmp_path):
+    import json
+
+    from functional_ema import _async
+
+    token, other = "00000000000000aa", "00000000000000bb"
+    jobs, _ = _sim(tmp_path, "t", token)
+    d = tmp_path / "t"
+    (d / f"ema_async.{token}.rank00001.done").write_text(json.dumps({"part": {}}))
+    (d / f"ema_async.{other}.rank00002.error").write_text(json.dumps({"rank": 2, "type": "X", "message": "old"}))
+    (d / f"ema_async.{token}.rank00003.error").write_text("{")  # being written: read at the next poll
+    _async._raise_remote_error(jobs[0], set(os.listdir(d)))  # nothing of this save failed (yet)
+    (d / f"ema_async.{token}.rank00004.error").write_text(
+        json.dumps({"rank": 4, "type": "OSError", "message": "disk full", "checkpoint_error": False})
+    )
+    with pytest.raises(_async.CheckpointError) as e:
+        _async._raise_remote_error(jobs[0], set(os.listdir(d)))
+    assert type(e.value).__name__ == "_RemoteError"
+    assert str(e.value) == "async save of tag 't' failed on rank 4 (OSError): disk full"
+
+
+def test_remove_markers_removes_every_saves_markers_and_syncs_the_folder(tmp_path, monkeypatch):
+    from functional_ema import _async, _io
+
+    synced = []
+    monkeypatch.setattr(_io, "fsync_dir", synced.append)
+    names = ["ema_async.aa.rank00001.done", "ema_async.bb.rank00000.error", "ema_manifest.json", "x.safetensors"]
+    for n in names:
+        (tmp_path / n).write_text("{}")
+    _async._remove_markers(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["ema_manifest.json", "x.safetensors"] and synced == [tmp_path]
+    _async._remove_markers(tmp_path)  # nothing to remove: no sync
+    assert synced == [tmp_path]
+
+
+def test_is_save_reads_the_manifest_head_only(tmp_path):
+    import json
+
+    from functional_ema import _async
+
+    token = "0123456789abcdef"
+    early, late = tmp_path / "early.json", tmp_path / "late.json"
+    early.write_text(json.dumps({"save_id": token, "pad": "x" * (_async._SAVE_ID_WITHIN + 10)}))
+    late.write_text(json.dumps({"pad": "x" * (_async._SAVE_ID_WITHIN + 10), "save_id": token}))
+    assert _async._is_save(early, token) and not _async._is_save(late, token)
+
+
+# ------------------------------------------- two real ranks (plain torch.distributed, a DDP model)
+
+
+def ranks_worker(root: str) -> dict:
+    """Every rank-dependent check of AsyncSaver.save in one launch; returns JSON-able results."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import functional_ema as fe
+    from functional_ema._checkpoint import writer
+    from functional_ema.buffers import load_buffers
+
+    rank, out, base = dist.get_rank(), {}, Path(root)
+    d = base / "ck"
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    state, bufs = _state(model), _buffers(model)
+    commits, commit = [], writer.commit_manifest
+
+    def counted(save_dir, tag_dir, manifest):
+        commits.append(tag_dir.name)
+        return commit(save_dir, tag_dir, manifest)
+
+    writer.commit_manifest = counted
+
+    def files(tag: str) -> list:
+        dist.barrier()  # every rank's background part is done: list what they left
+        return sorted(os.listdir(d / tag)) if (d / tag).exists() else None
+
+    # 1. Every rank writes (buffers): rank 0 commits once, for both; the same tag again: generation 1 on both.
+    saver = fe.AsyncSaver()
+    at_call = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    h = saver.save(state, model, d, "t", decay=[0.9, 0.99], buffers=bufs)
+    _bump([t for e in state.emas for t in e.values()])
+    out["wait"] = [str(h.wait()), h.step]
+    out["files"] = files("t")
+    out["save_id"] = fe.checkpoint.read_manifest(d, "t")["save_id"]
+    out["loaded"] = _same_trees(list(fe.load(model, d, "t").emas), at_call)
+    lb = load_buffers(model, d, "t")
+    out["buffers"] = _same_trees(list(lb.emas), [dict(e) for e in bufs.emas]) and _same_trees(
+        [lb.copied], [bufs.copied]
+    )
+    h = saver.save(state, model, d, "t", decay=[0.9, 0.99], buffers=bufs)
+    h.wait()
+    out["again"] = files("t")
+    out["again_id"] = fe.checkpoint.read_manifest(d, "t")["save_id"]
+    out["commits"] = list(commits)
+
+    # 2. No buffers: only rank 0 writes, and it commits without waiting for rank 1 (held here until then).
+    part_record, seen = writer.part_record, {}
+
+    def late(layout, plan):
+        deadline = time.monotonic() + 10
+        while not (d / "solo" / "ema_manifest.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen["manifest_first"] = (d / "solo" / "ema_manifest.json").exists()
+        return part_record(layout, plan)
+
+    if rank == 1:
+        writer.part_record = late
+    saver.save(state, model, d, "solo", decay=[0.9, 0.99]).wait()
+    writer.part_record = part_record
+    out["solo"] = [files("solo"), seen]
+
+    # 3. A background failure on one rank reaches wait() on every rank; a later save of the tag clears it.
+    for bad, where in ((1, "write_buffer_file"), (0, "write_rank_file")):
+        orig = getattr(writer, where)
+        if rank == bad:
+            setattr(
+                writer, where, lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device (simulated)"))
+            )
+        h = saver.save(state, model, d, f"e{bad}", decay=[0.9, 0.99], buffers=bufs)
+        _wait_done(h)
+        setattr(writer, where, orig)
+        out[f"error{bad}"] = [error_of(h.wait), files(f"e{bad}")]
+    h = saver.save(state, model, d, "e1", decay=[0.9, 0.99], buffers=bufs)
+    h.wait()
+    out["cleared"] = files("e1")
+
+    # 4. A rank refuses its state: every rank raises, the tag folder rank 0 locked is gone, rank 0's
+    #    snapshot buffer is kept for the next save.
+    ptr = h._buffer.data_ptr() if h._buffer is not None else None
+    release = writer.TagLock.release
+
+    def slow_release(lock, remove_empty=False):  # rank 0's: gone before any rank raises, however late
+        time.sleep(0.3)
+        release(lock, remove_empty)
+
+    if rank == 0:
+        writer.TagLock.release = slow_release
+    out["refused"] = error_of(lambda: saver.save(state, model, d, "r", decay=[0.9, 0.99] if rank == 0 else [0.9]))
+    writer.TagLock.release = release
+    out["refused_folder"] = (d / "r").exists()
+    h = saver.save(state, model, d, "r2", decay=[0.9, 0.99])
+    out["refused_reuse"] = (h._buffer.data_ptr() if h._buffer is not None else None) == ptr
+    h.wait()
+
+    # 5. A folder rank 1 does not share (its grace period for a lagging filesystem cut to 0.2 s):
+    #    refused on every rank, nothing left in rank 0's.
+    check_shared = writer.check_shared
+    writer.check_shared = lambda tag_dir, r, what: check_shared(tag_dir, r, what, wait=0.2)
+    where = d if rank == 0 else base / "elsewhere" / "deeper"
+    out["unshared"] = error_of(lambda: saver.save(state, model, where, "u", decay=[0.9, 0.99]))
+    out["unshared_folder"] = os.listdir(where / "u") if (where / "u").exists() else None
+    writer.check_shared = check_shared
+    h = saver.save(state, model, d, "u2", decay=[0.9, 0.99])
+    out["unshared_reuse"] = (h._buffer.data_ptr() if h._buffer is not None else None) == ptr
+    h.wait()
+    out["commits_total"] = len(commits)
+    writer.commit_manifest = commit
+
+    # 6. The process group destroyed: refused before anything is written.
+    dist.barrier()
+    dist.destroy_process_group()
+    out["gone"] = error_of(lambda: fe.AsyncSaver().save(state, model, d, "g"))
+    out["gone_folder"] = (d / "g").exists()
+    return json.loads(json.dumps(out))
+
+
+def test_async_ranks_commit_through_files(tmp_path):
+    """Two ranks, one launch: what the ranks agree on (the save's id and generation), who commits (rank 0,
+    once), failures on one rank raised on both with the failing rank's message, refusals on every rank."""
+    res = run_ranks(
+        "tests.test_async_save:ranks_worker",
+        world_size=2,
+        timeout=120,
+        env={"FE_DIST_INIT": "torch"},
+        root=str(tmp_path),
+    )
+    d = tmp_path / "ck"
+    full = ["buffers_rank_00000_of_00002.safetensors", "buffers_rank_00001_of_00002.safetensors", "ema_manifest.json"]
+    assert [r["wait"] for r in res] == [[str(d / "t"), 3]] * 2
+    assert [r["files"] for r in res] == [[*full, "ema_rank_00000_of_00002.safetensors"]] * 2
+    assert [(r["loaded"], r["buffers"]) for r in res] == [(True, True)] * 2
+    assert re.fullmatch("[0-9a-f]{16}", res[0]["save_id"]) and res[1]["save_id"] == res[0]["save_id"]
+    assert res[1]["again_id"] == res[0]["again_id"] != res[0]["save_id"]
+    gen1 = [f.replace(".safetensors", ".gen1.safetensors") if f.endswith("safetensors") else f for f in full]
+    assert [r["again"] for r in res] == [sorted([*gen1, "ema_rank_00000_of_00002.gen1.safetensors"])] * 2
+    assert [(r["commits"], r["commits_total"]) for r in res] == [(["t", "t"], 6), ([], 0)]  # rank 0 commits, once
+    assert [r["solo"] for r in res] == [
+        [["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], {}],
+        [["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], {"manifest_first": True}],
+    ]
+
+    for bad in (1, 0):
+        errors, files = [r[f"error{bad}"][0][:2] for r in res], [r[f"error{bad}"][1] for r in res]
+        assert errors[bad] == ["OSError", ENOSPC], errors
+        assert errors[1 - bad] == [
+            "_RemoteError",
+            f"async save of tag 'e{bad}' failed on rank {bad} (OSError): {ENOSPC}",
+        ]
+        assert files[0] == files[1] and len({_token_of(f) for f in files[0]}) == 1, files  # one save id on both ranks
+        token = _token_of(files[0][0])
+        want = (
+            [f"ema_async.{token}.rank00001.error"]
+            if bad
+            else [f"ema_async.{token}.rank00000.error", f"ema_async.{token}.rank00001.done"]
+        )
+        assert files[0] == want, files
+    assert [r["cleared"] for r in res] == [[*full, "ema_rank_00000_of_00002.safetensors"]] * 2
+
+    decays = "got 1 decays for a state tracking 2 EMAs"
+    assert [r["refused"][:2] for r in res] == [
+        ["CheckpointError", f"async save (checking the state) failed on rank 1 of 2 (ValueError): {decays}"],
+        ["ValueError", decays],
+    ]
+    assert [(r["refused_folder"], r["refused_reuse"]) for r in res] == [(False, True)] * 2
+    unshared = (
+        f"AsyncSaver.save: rank 1 does not see the tag folder {tmp_path / 'elsewhere' / 'deeper' / 'u'} that rank 0 is "
+        "writing (its lock file .ema_write.lock is missing here): the checkpoint directory is not shared by every rank "
+        "(node-local storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares. "
+        "Nothing was committed"
+    )
+    assert [r["unshared"][:2] for r in res] == [
+        ["CheckpointError", f"async save (the folder is shared) failed on rank 1 of 2 (CheckpointError): {unshared}"],
+        ["CheckpointError", unshared],
+    ]
+    assert [(r["unshared_folder"], r["unshared_reuse"]) for r in res] == [(None, True), ([], True)]
+    gone = (
+        "functional_ema.AsyncSaver.save: the model's layout spans 2 ranks but torch.distributed is not initialized in "
+        "this process (destroy_process_group called?). functional_ema.AsyncSaver.save is collective: call it on every "
+        "rank while the process group that trains the model is up (before destroy_process_group)"
+    )
+    assert [(r["gone"][:2], r["gone_folder"]) for r in res] == [(["CheckpointError", gone], False)] * 2
+
+
+def groups_worker(root: str) -> dict:
+    """Four ranks, two DDP groups ({0, 1} and {2, 3}) of one job."""
+    import torch
+    import torch.distributed as dist
+
+    import functional_ema as fe
+
+    rank, d, out = dist.get_rank(), Path(root) / "ck", {}
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = torch.nn.parallel.DistributedDataParallel(_model(), process_group=groups[rank // 2])
+    state, bufs = _state(model), _buffers(model)
+    saver = fe.AsyncSaver()
+    # Each group into its own tag, at the same time: each agrees within its group, not across the job.
+    out["own"] = str(saver.save(state, model, d, f"g{rank // 2}", decay=[0.9, 0.99]).wait())
+    # Both groups into one tag: every rank of the job refuses, before writing anything.
+    out["clash"] = error_of(lambda: saver.save(state, model, d, "same", decay=[0.9, 0.99], buffers=bufs))
+    out["clash_folder"] = (d / "same").exists()
+    dist.barrier()
+    return out
+
+
+def test_async_ranks_two_groups_of_one_job(tmp_path):
+    """Each data-parallel group agrees within itself (its process group, not the job's); two groups saving
+    into one folder are refused on every rank of the job, naming the file they would share."""
+    res = run_ranks(
+        "tests.test_async_save:groups_worker",
+        world_size=4,
+        timeout=120,
+        env={"FE_DIST_INIT": "torch"},
+        root=str(tmp_path),
+    )
+    d = tmp_path / "ck"
+    assert [r["own"] for r in res] == [str(d / "g0")] * 2 + [str(d / "g1")] * 2
+    clash = (
+        f"functional_ema.AsyncSaver.save: ranks [0, 2] of the job (world size 4) would all write "
+        f"{os.path.realpath(d / 'same' / 'ema_rank_00000_of_00002.safetensors')} (2 more files likewise): each would "
+        "overwrite the others' EMA. The model's pieces are spread over data-parallel groups of 2 rank(s), and 2 such "
+        "groups save into one folder: save each group's EMA into its own folder (or tag). Nothing was written"
+    )
+    assert [(r["clash"][:2], r["clash_folder"]) for r in res] == [(["CheckpointError", clash], False)] * 4

@@ -24,6 +24,7 @@ PUBLIC_MODULES = [
     "integrations.lightning",
     "integrations.transformers",
     "integrations.accelerate",
+    "integrations.diffusers",
 ]
 
 

@@ -585,8 +585,8 @@ def test_a_killed_export_leaves_no_folder_a_later_export_keeps(tmp_path):
         "import sys, time\n"
         "import functional_ema.export as e\n"
         "def stall(tmp, *a, **k):\n"
-        "    print('writing', flush=True)\n"
         "    (tmp / 'model.safetensors').write_bytes(b'0' * 4096)\n"
+        "    print('writing', flush=True)\n"  # after the write: killed at once, the partial file is there
         "    time.sleep(120)\n"
         "e._write = stall\n"
         "e.to_hf(sys.argv[1], sys.argv[2], sys.argv[3], tag='s')\n"

@@ -131,6 +131,7 @@ def _public_of(module, names) -> dict[str, Any]:
 def public_parameters() -> dict[tuple[str, str], inspect.Parameter]:
     """(qualified name, parameter) of every public callable: functions, class constructors, public methods."""
     from functional_ema.integrations.accelerate import AcceleratorEMA
+    from functional_ema.integrations.diffusers import EMAModel as DiffusersEMA
     from functional_ema.integrations.lightning import EMACallback as LightningEMA
     from functional_ema.integrations.transformers import EMACallback as HFEMA
 
@@ -144,6 +145,7 @@ def public_parameters() -> dict[tuple[str, str], inspect.Parameter]:
             "integrations.lightning.EMACallback": LightningEMA,
             "integrations.transformers.EMACallback": HFEMA,
             "integrations.accelerate.AcceleratorEMA": AcceleratorEMA,
+            "integrations.diffusers.EMAModel": DiffusersEMA,
         }
     )
     params: dict[tuple[str, str], inspect.Parameter] = {}
@@ -404,6 +406,48 @@ def _acc_ema(w: World):
     ema = _accelerate(accelerator=_Accelerator(), model=w.model, decay=0.9)
     ema.ema.on_step(w.model, 1)
     return ema
+
+
+_DIFFUSERS_NET: list[type] = []  # the class below, made once (diffusers imported only when the table runs)
+
+
+def _diffusers_net() -> type:
+    """A diffusers model class with the world model's parameters (Linear(3, 4), BatchNorm1d(4)): ``model_cls``."""
+    if not _DIFFUSERS_NET:
+        from diffusers import ConfigMixin, ModelMixin
+        from diffusers.configuration_utils import register_to_config
+
+        class ValuesNet(ModelMixin, ConfigMixin):
+            @register_to_config
+            def __init__(self, width: int = 4):
+                super().__init__()
+                self.lin = torch.nn.Linear(3, width)
+                self.bn = torch.nn.BatchNorm1d(width)
+
+        _DIFFUSERS_NET.append(ValuesNet)
+    return _DIFFUSERS_NET[0]
+
+
+def _twin() -> torch.nn.Module:
+    """A model shaped like the world's, outside the world (a separate copy, or another model to copy into)."""
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+
+
+def _dema(w: World, stepped: bool = True):
+    """diffusers' EMAModel API over the world's model: started from a twin, stepped once with the model."""
+    from functional_ema.integrations.diffusers import EMAModel
+
+    net = _diffusers_net()
+    ema = EMAModel(_twin().parameters(), model_cls=net, model_config=net().config)
+    if stepped:
+        ema.step(w.model.parameters())
+    return ema
+
+
+def _dema_stored(w: World):
+    ema, other = _dema(w), _twin()
+    ema.store(other.parameters())
+    return ema.restore, dict(parameters=other.parameters())
 
 
 def _ctrl_fresh(w: World) -> EMAController:
@@ -704,7 +748,48 @@ CALLS: dict[str, Call] = {
         dict(path=w.root / "out" / "a.safetensors", index=0),
     ),
     "integrations.accelerate.AcceleratorEMA.copy_to_model": lambda w: (_acc_ema(w).copy_to_model, dict(index=0)),
+    "integrations.diffusers.EMAModel": lambda w: (
+        _dema_class(),
+        dict(
+            parameters=_twin().parameters(),
+            decay=0.9,
+            min_decay=0.0,
+            update_after_step=0,
+            use_ema_warmup=False,
+            inv_gamma=1.0,
+            power=0.75,
+            foreach=False,
+            model_cls=_diffusers_net(),
+            model_config=_diffusers_net()().config,
+        ),
+    ),
+    "integrations.diffusers.EMAModel.get_decay": lambda w: (
+        _dema(w, stepped=False).get_decay,
+        dict(optimization_step=3),
+    ),
+    "integrations.diffusers.EMAModel.step": lambda w: (_dema(w).step, dict(parameters=w.model.parameters())),
+    "integrations.diffusers.EMAModel.store": lambda w: (_dema(w).store, dict(parameters=_twin().parameters())),
+    "integrations.diffusers.EMAModel.copy_to": lambda w: (_dema(w).copy_to, dict(parameters=_twin().parameters())),
+    "integrations.diffusers.EMAModel.restore": _dema_stored,
+    "integrations.diffusers.EMAModel.save_pretrained": lambda w: (
+        _dema(w).save_pretrained,
+        dict(path=w.root / "out" / "dm"),
+    ),
+    "integrations.diffusers.EMAModel.load_state_dict": lambda w: (
+        _dema(w).load_state_dict,
+        dict(state_dict=_dema(w).state_dict()),
+    ),
+    "integrations.diffusers.EMAModel.to": lambda w: (
+        _dema(w).to,
+        dict(device="cpu", dtype=torch.float32, non_blocking=False),
+    ),
 }
+
+
+def _dema_class() -> type:
+    from functional_ema.integrations.diffusers import EMAModel
+
+    return EMAModel
 
 
 class _HFTrainer:
@@ -1093,6 +1178,31 @@ rows(
 rows("integrations.accelerate.AcceleratorEMA.swapped", index=R(NONE_DEFAULT))
 rows("integrations.accelerate.AcceleratorEMA.export", path=DIR_OUT, index=R(NONE_DEFAULT))
 rows("integrations.accelerate.AcceleratorEMA.copy_to_model", index=R(NONE_DEFAULT))
+POSITIVE = R(REAL, huge="a finite real number")
+rows(
+    "integrations.diffusers.EMAModel",
+    parameters=R(names=("parameters",)),
+    decay=DECAY_VALUE,
+    min_decay=R(names=("min_decay",)),  # 1 (numpy, tensor) is above decay=0.9: refused too
+    update_after_step=R(INT_SCALARS),
+    use_ema_warmup=BOOL,
+    inv_gamma=POSITIVE,
+    power=POSITIVE,
+    foreach=BOOL,
+    model_cls=R(NONE_DEFAULT, names=("model_cls",)),
+    model_config=R(NONE_DEFAULT, names=("model_config",), dict="a config mapping, read when save_pretrained builds"),
+)
+rows("integrations.diffusers.EMAModel.get_decay", optimization_step=R(INT_SCALARS))
+for q in ("step", "store", "copy_to", "restore"):
+    rows(f"integrations.diffusers.EMAModel.{q}", parameters=R(names=("parameters",)))
+rows("integrations.diffusers.EMAModel.save_pretrained", path=DIR_OUT)
+rows("integrations.diffusers.EMAModel.load_state_dict", state_dict=R(names=("state_dict",)))
+rows(
+    "integrations.diffusers.EMAModel.to",
+    device=DEVICE,
+    dtype=R(NONE_DEFAULT, names=("dtype",)),
+    non_blocking=BOOL,
+)
 
 # post-hoc EMA (the profile math takes numbers and numpy arrays; its files take a snapshot folder)
 GAMMA_HUGE = {"huge": "a finite exponent > -1/2: the profile of the last steps alone (schedules.power takes it too)"}

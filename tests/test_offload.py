@@ -469,13 +469,13 @@ def test_one_worker_thread_runs_the_updates_in_order():
     assert worker.submit(lambda: None).result(timeout=30) is None and worker._pool is pool  # kept
     import os
 
-    real = os.getpid()
+    real, getpid = os.getpid(), os.getpid
     try:
         _offload.os.getpid = lambda: real + 1  # as in a forked child
         worker.submit(lambda: None).result(timeout=30)
         assert worker._pool is not pool and worker._pool[0] == real + 1
     finally:
-        _offload.os.getpid = os.getpid
+        _offload.os.getpid = getpid  # (``_offload.os`` is ``os``: restoring ``os.getpid`` would keep the lambda)
 
 
 def test_worker_failure_message_says_what_to_do(engine):

@@ -176,6 +176,9 @@ def _agreed(plan: dict) -> tuple[str, ...]:
 def check_plans(plans: list[dict]) -> None:
     """Raise :class:`CheckpointMismatchError` naming each rank's value of every field the plans differ in."""
     fields = _agreed(plans[0])
+    if "buffers" not in fields:  # model-parallel parts: each its own buffers, but all of them save some or none
+        fields += ("buffers",)  # (as agree_plans's digest has it: a part without buffers would fail to resume)
+        plans = [dict(p, buffers=p.get("buffers") is not None) for p in plans]
     if any(len({json.dumps(p.get(f), sort_keys=True) for p in plans}) > 1 for f in fields):
         raise CheckpointMismatchError(
             collective.disagreement("save", fields, plans)

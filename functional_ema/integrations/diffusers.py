@@ -1,0 +1,753 @@
+"""diffusers: ``EMAModel`` with the API of ``diffusers.training_utils.EMAModel`` (diffusers 0.42), over
+this library's fp32 EMA of each rank's own shards.
+
+A diffusers training script (``train_text_to_image.py --use_ema`` and its siblings) switches by
+changing one import::
+
+    from functional_ema.integrations.diffusers import EMAModel   # was: from diffusers.training_utils import EMAModel
+
+    ema_unet = EMAModel(ema_unet.parameters(), model_cls=UNet2DConditionModel, model_config=ema_unet.config)
+    unet, optimizer, ... = accelerator.prepare(unet, optimizer, ...)
+    ...
+    if accelerator.sync_gradients:
+        ema_unet.step(unet.parameters())        # unet: a DeepSpeed engine, an FSDP2 or DDP model, or the module
+
+What differs from diffusers' class, and why:
+
+* The EMA is :func:`functional_ema.update` over :func:`functional_ema.local_shards` of the model that
+  is trained (found at the first :meth:`EMAModel.step` from the parameters it is given): fp32, taken from
+  the fp32 masters (DeepSpeed's partitions, FSDP2's local shards, the parameters of a DDP or plain
+  model), ``1 / world_size`` of the model per rank under ZeRO or FSDP2, and no communication per step.
+  diffusers keeps a full copy on every rank and gathers every ZeRO-3 parameter at every step.
+* The parameters given to the constructor (a separate copy of the model) are the EMA's starting
+  values, as in diffusers. They are kept, not copied, until the first step, where this rank's slice of
+  each is taken and the rest released. (The first step's decay is 0 for every ``update_after_step >= 0``,
+  so the EMA then equals the trained weights whatever they were.)
+* Under ZeRO-1/2/3 and FSDP2 the methods that need the whole EMA are collective: ``save_pretrained``
+  (rank 0 writes), ``state_dict`` (a full fp32 copy on every rank), ``store`` / ``copy_to`` / ``restore``
+  on the trained model (the EMA is swapped in with :func:`functional_ema.swapped`: under ZeRO-3 the
+  forward gathers the EMA, and the trained weights, the fp32 masters and the optimizer state are
+  untouched, so training after ``restore`` continues bitwise). Call them on every rank; a call on one
+  rank alone fails after the library's timeout (``FUNCTIONAL_EMA_TIMEOUT``) naming this.
+* ``shadow_params`` under sharding is refused (each rank holds only its pieces): ``state_dict()``
+  gathers them, ``save_pretrained`` writes them, :attr:`EMAModel.state` is this rank's state.
+* Arguments are checked where they enter (``TypeError`` / ``ValueError`` naming the argument);
+  unknown keyword arguments are refused instead of ignored; ``update_after_step < 0`` is refused; the
+  EMA stays fp32 (``to(dtype=...)`` with another dtype is refused).
+
+The decay is diffusers' rule, bitwise (:meth:`EMAModel.get_decay`); the average differs from diffusers'
+``s -= (1 - d) * (s - p)`` by fp32 rounding only (one ``lerp_``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import diffusers  # noqa: F401 - the framework this module glues to
+import torch
+import torch.distributed as dist
+
+import functional_ema as fe
+from functional_ema._api import state_pieces
+from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
+from functional_ema._checkpoint.collective import Job, arrive, job_of
+from functional_ema.engines import adapter_for, refuse_engine_internals
+from functional_ema.engines.deepspeed import is_deepspeed_engine
+from functional_ema.engines.module import is_ddp
+
+__all__ = ["EMAModel"]
+
+#: The EMA's settings, in the order diffusers' ``state_dict`` lists them (also the config fields
+#: ``save_pretrained`` writes).
+FIELDS = ("decay", "min_decay", "optimization_step", "update_after_step", "use_ema_warmup", "inv_gamma", "power")
+_DEPRECATED = ("max_value", "min_value", "device")
+_PARAMETERS_CODE = torch.nn.Module.parameters.__code__
+
+
+# ------------------------------------------------------------------------------------------ argument checks
+
+
+def _check_fields(values: Mapping[str, Any], name: Any) -> dict[str, Any]:
+    """The EMA settings, each checked (``name(field)`` is how a message names it): decays in [0, 1] with
+    ``min_decay <= decay``, steps ints >= 0, ``inv_gamma`` and ``power`` finite and > 0 (as
+    :func:`functional_ema.schedules.warmup` takes them), ``use_ema_warmup`` a bool."""
+    out: dict[str, Any] = {}
+    for f in ("decay", "min_decay"):
+        out[f] = check_real(values[f], name(f), low=0.0, high=1.0)
+    if out["min_decay"] > out["decay"]:
+        raise ValueError(
+            f"{name('min_decay')}={out['min_decay']} is larger than {name('decay')}={out['decay']}: the decay is "
+            "clamped to [min_decay, decay]"
+        )
+    for f in ("optimization_step", "update_after_step"):
+        out[f] = check_int(values[f], name(f))
+    out["use_ema_warmup"] = check_bool(values["use_ema_warmup"], name("use_ema_warmup"))
+    for f in ("inv_gamma", "power"):
+        out[f] = check_real(values[f], name(f), low=0.0, low_open=True)
+    return out
+
+
+def _constructor_settings(parameters: Any, kwargs: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """The constructor's settings with diffusers' deprecated spellings applied (``max_value`` for ``decay``,
+    ``min_value`` for ``min_decay``, each with its warning; a module as ``parameters`` turns the warm-up on),
+    checked; any keyword diffusers does not know is refused rather than ignored."""
+    unknown = sorted(set(kwargs) - set(_DEPRECATED))
+    if unknown:
+        raise TypeError(
+            f"EMAModel got unexpected keyword argument(s) {unknown}; besides diffusers' arguments it accepts the "
+            f"deprecated {list(_DEPRECATED)}"
+        )
+    if isinstance(parameters, torch.nn.Module):
+        values["use_ema_warmup"] = True  # diffusers: a module passed turns the warm-up on (backwards compatibility)
+    names = {"decay": "decay", "min_decay": "min_decay"}
+    for old, new in (("max_value", "decay"), ("min_value", "min_decay")):
+        if kwargs.get(old) is not None:
+            warnings.warn(
+                f"The `{old}` argument is deprecated. Please use `{new}` instead.", FutureWarning, stacklevel=3
+            )
+            values[new], names[new] = kwargs[old], old
+    return _check_fields(values, lambda f: names.get(f, f))
+
+
+def _check_model_cls(model_cls: Any, what: str, needs: tuple[str, ...]) -> Any:
+    if model_cls is None:
+        return None
+    missing = [m for m in needs if not callable(getattr(model_cls, m, None))]
+    if not inspect.isclass(model_cls) or missing:
+        raise TypeError(
+            f"{what} must be a diffusers model class (e.g. UNet2DConditionModel, with {', '.join(needs)}), got "
+            f"{type(model_cls).__name__} {model_cls!r:.60}"
+        )
+    return model_cls
+
+
+def _check_dtype(dtype: Any) -> None:
+    """The EMA is fp32: ``None`` or ``torch.float32`` only."""
+    if dtype is None or dtype is torch.float32:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r:.60}")
+    raise ValueError(
+        f"dtype={dtype}: this EMA stays fp32 (a 16-bit EMA stalls: the update falls below its resolution); cast "
+        "when loading the saved folder instead, e.g. model_cls.from_pretrained(path, torch_dtype=...)"
+    )
+
+
+def _take(parameters: Any, what: str) -> tuple[list[torch.Tensor], Any]:
+    """``parameters`` (an iterable of parameters, e.g. ``model.parameters()``; a module, deprecated in
+    diffusers) as a list of floating tensors, and the module it came from when that is known without a
+    search: the module itself, or the ``self`` of an unstarted ``module.parameters()`` generator."""
+    hint: Any = None
+    if isinstance(parameters, torch.nn.Module):
+        warnings.warn(
+            f"passing a torch.nn.Module as {what} is deprecated in diffusers: pass model.parameters()",
+            FutureWarning,
+            stacklevel=3,
+        )
+        hint, parameters = parameters, parameters.parameters()
+    elif (
+        inspect.isgenerator(parameters)
+        and parameters.gi_code is _PARAMETERS_CODE
+        and inspect.getgeneratorstate(parameters) == inspect.GEN_CREATED
+        and parameters.gi_frame is not None
+    ):
+        local = parameters.gi_frame.f_locals  # the unstarted generator's arguments: (self, recurse)
+        hint = local.get("self") if local.get("recurse", True) is True else None
+    if isinstance(parameters, (torch.Tensor, str, bytes, Mapping)) or not isinstance(parameters, Iterable):
+        raise TypeError(
+            f"{what} must be an iterable of parameters (e.g. model.parameters()), got {type(parameters).__name__} "
+            f"{parameters!r:.60}"
+        )
+    items = list(parameters)
+    if not items:
+        raise ValueError(f"{what} is empty: pass the model's parameters (model.parameters())")
+    for i, p in enumerate(items):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{what}[{i}] must be a tensor (a parameter), got {type(p).__name__} {p!r:.60}")
+        if not p.is_floating_point():
+            raise TypeError(f"{what}[{i}] has dtype {p.dtype}; an EMA averages floating-point weights")
+        if p.is_meta:
+            raise ValueError(f"{what}[{i}] is on the meta device: it holds no values to start the EMA from")
+    return items, hint
+
+
+def _sharded(p: torch.Tensor) -> bool:
+    """A parameter whose values another engine partitions: ZeRO-3 (``ds_id``), ZeRO-1/2 (``_hp_mapping``),
+    a DTensor (FSDP2, tensor parallelism)."""
+    if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------- the owner
+
+
+def _training_object(m: Any) -> Any:
+    """What the library's verbs take for module ``m``: a DeepSpeed engine as it is, the module inside DDP
+    (its EMA is replicated: every rank averages its own copy, with no collective, as diffusers does), an
+    FSDP2 root or plain module; ``None`` for a module an engine manages from outside (ZeRO's
+    ``engine.module``, a submodule of an FSDP2 model)."""
+    if is_deepspeed_engine(m):
+        return m
+    if is_ddp(m):
+        m = m.module
+    if not isinstance(m, torch.nn.Module):
+        return None
+    try:
+        refuse_engine_internals(m)
+    except TypeError:
+        return None
+    return m
+
+
+def _search_heap(params: list[torch.Tensor], verb: str) -> Any:
+    """The training object whose module's ``parameters()`` are ``params`` (identity, in order), found among
+    the modules alive in this process: the lowest module whose ``parameters()`` they are, then its
+    DeepSpeed engine if one holds it. One pass over the heap (a fraction of a second), once per EMA."""
+    mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    parents: dict[int, list[torch.nn.Module]] = {}
+    queue: list[torch.nn.Module] = []
+    for m in mods:
+        for c in m._modules.values():
+            if c is not None:
+                parents.setdefault(id(c), []).append(m)
+        if any(v is params[0] for v in m._parameters.values()):
+            queue.append(m)
+    matches: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    while queue:  # upward, breadth first: the lowest module holding exactly these parameters
+        m = queue.pop(0)
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if _same(list(m.parameters()), params):
+            matches.append(m)
+        else:
+            queue.extend(parents.get(id(m), []))
+    fix = (
+        "pass model.parameters() (the generator itself) or the model, where model is what accelerator.prepare returned"
+    )
+    if len(matches) != 1:
+        found = (
+            "no module" if not matches else f"{len(matches)} modules ({', '.join(type(m).__name__ for m in matches)})"
+        )
+        raise TypeError(f"EMAModel.{verb}: {found} in this process has exactly these parameters; {fix}")
+    engines = [e for e in parents.get(id(matches[0]), []) if is_deepspeed_engine(e) and e.module is matches[0]]
+    x = engines[0] if len(engines) == 1 else _training_object(matches[0])
+    if x is None:
+        raise TypeError(
+            f"EMAModel.{verb}: the parameters belong to a {type(matches[0]).__name__} that an engine manages; {fix}"
+        )
+    return x
+
+
+def _owner(params: list[torch.Tensor], hint: Any, verb: str) -> Any:
+    """The training object (engine, FSDP2 root, module) whose parameters ``params`` are."""
+    x = _training_object(hint) if hint is not None else None
+    if x is None:
+        x = _search_heap(params, verb)
+    opt = getattr(params[0], "_z3_optimizer", None)  # ZeRO-3 marks its parameters with their optimizer
+    if opt is not None and getattr(x, "optimizer", None) is not opt:
+        raise TypeError(
+            f"EMAModel.{verb}: the parameters are ZeRO-3 parameters of another engine's optimizer than "
+            f"{type(x).__name__}'s; pass the parameters of the engine accelerator.prepare returned"
+        )
+    return x
+
+
+def _live_full(p: torch.Tensor) -> torch.Tensor:
+    """The full value of a parameter outside the EMA (frozen: it is its own EMA). Collective for a ZeRO-3
+    placeholder (gathered) and a DTensor (``full_tensor``); call it on every rank."""
+    if hasattr(p, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            return p.detach().clone()
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return p.full_tensor().detach().clone()
+    return p.detach().clone()
+
+
+def _check_values(values: list[torch.Tensor], shapes: list[tuple[int, ...]], where: str, what: str) -> None:
+    """``values`` (full tensors, one per position) against the model's full shapes, before anything is written."""
+    if len(values) != len(shapes):
+        raise ValueError(f"{where}: {what} hold {len(values)} tensors, the model has {len(shapes)} parameters")
+    for i, (v, shape) in enumerate(zip(values, shapes)):
+        if tuple(v.shape) != tuple(shape):
+            raise ValueError(
+                f"{where}: {what}[{i}] has shape {tuple(v.shape)}, the model's parameter {i} {tuple(shape)}"
+            )
+
+
+def _copy_into(targets: list[torch.Tensor], values: list[torch.Tensor], where: str, what: str) -> None:
+    """Copy ``values`` (``what``) into the full tensors ``targets`` by position (as diffusers does), all checked
+    first."""
+    _check_values(values, [tuple(t.shape) for t in targets], where, what)
+    if any(_sharded(t) for t in targets):
+        raise ValueError(f"{where}: the parameters given are partitioned by an engine, and not those this EMA averages")
+    with torch.no_grad():
+        for t, v in zip(targets, values):
+            t.data.copy_(v.to(t.device))
+
+
+def _fill(state: fe.EmaState, layout: fe.ShardLayout, names: list[str | None], values: list[torch.Tensor]) -> None:
+    """This rank's slice of each full value (by position) into the EMA; frozen positions (no name) are their
+    own EMA and are skipped. Local: no communication."""
+    ema = state.emas[0]
+    with torch.no_grad():
+        for n, v in zip(names, values):
+            if n is None:
+                continue
+            spec, dst = layout.specs[n], ema[n]
+            if dst.numel():
+                dst.copy_(v.detach().reshape(-1)[spec.offset : spec.offset + spec.numel].reshape(dst.shape))
+
+
+def _moved(state: fe.EmaState, x: Any, device: torch.device, pin: bool, non_blocking: bool) -> fe.EmaState:
+    """``state`` on ``device`` (pinned when ``pin`` and CUDA is there): the same values, a new state."""
+    segments = state.emas[0].segments if isinstance(state.emas[0], fe.Shards) else list(state.emas[0].values())
+    here = segments[0].device if segments else None
+    same = here is not None and here.type == device.type and device.index in (None, here.index)  # "cuda" = "cuda:0"
+    if same and (not pin or segments[0].is_pinned()):
+        return state
+    new = fe.init_ema(fe.local_shards(x), device=device, pin_memory=pin, step=int(state.step))
+    with torch.no_grad():
+        for n, t in state.emas[0].items():
+            new.emas[0][n].copy_(t, non_blocking=non_blocking)
+    return new
+
+
+# ------------------------------------------------------------------------------------------- the class
+
+
+class EMAModel:
+    """diffusers' ``EMAModel`` (0.42) over :func:`functional_ema.update`: an fp32 EMA of the fp32 weights
+    of the model being trained, each rank keeping its own pieces (see the module's docstring).
+
+    Args:
+        parameters: the parameters whose values the EMA starts from, positionally: usually those of a
+            separate copy of the model (``ema_unet.parameters()``), or of the trained model itself. A
+            ``torch.nn.Module`` is accepted with diffusers' deprecation (and, as there, turns
+            ``use_ema_warmup`` on).
+        decay: the largest decay, in [0, 1].
+        min_decay: the smallest decay, in [0, decay].
+        update_after_step: the decay is 0 (the EMA is set to the weights) up to optimizer step
+            ``update_after_step + 1``; an int >= 0.
+        use_ema_warmup: ``1 - (1 + s / inv_gamma) ** -power`` (:func:`functional_ema.schedules.warmup`)
+            instead of ``(1 + s) / (10 + s)``, ``s = optimization_step - update_after_step - 1``.
+        inv_gamma: the warm-up's step scale, finite and > 0.
+        power: the warm-up's exponent, finite and > 0.
+        foreach: accepted for diffusers' signature (a bool); the update is always fused here.
+        model_cls: the diffusers model class ``save_pretrained`` builds (``UNet2DConditionModel``).
+        model_config: its config (``model.config``).
+        **kwargs: diffusers' deprecated ``max_value`` (for ``decay``), ``min_value`` (for ``min_decay``),
+            ``device`` (for :meth:`to`), with its warning; any other keyword is refused.
+
+    Attributes:
+        optimization_step: the number of :meth:`step` calls (restored by :meth:`load_state_dict`).
+        cur_decay_value: the decay of the last :meth:`step` (``None`` before the first).
+
+    The arguments are kept as attributes of the same names (``decay``, ``min_decay``, ... ``model_config``;
+    decays and warm-up constants as floats), as diffusers keeps them.
+    """
+
+    _pending: list[torch.Tensor] | None
+    _x: Any
+    _positions: list[torch.Tensor]
+    _names: list[str | None]
+    _state: fe.EmaState | None
+    _device: torch.device | None
+    _pin: bool
+    _stored: bool
+    _swap: contextlib.ExitStack | None
+    _warmup: tuple[tuple[float, float, float, float, int], fe.schedules.Schedule] | None
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        decay: float = 0.9999,
+        min_decay: float = 0.0,
+        update_after_step: int = 0,
+        use_ema_warmup: bool = False,
+        inv_gamma: float | int = 1.0,
+        power: float | int = 2 / 3,
+        foreach: bool = False,
+        model_cls: Any | None = None,
+        model_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        fields = _constructor_settings(
+            parameters,
+            kwargs,
+            decay=decay,
+            min_decay=min_decay,
+            optimization_step=0,
+            update_after_step=update_after_step,
+            use_ema_warmup=use_ema_warmup,
+            inv_gamma=inv_gamma,
+            power=power,
+        )
+        self.foreach = check_bool(foreach, "foreach")
+        self.model_cls = _check_model_cls(model_cls, "model_cls", ("from_config",))
+        if model_config is not None and not isinstance(model_config, Mapping):
+            raise TypeError(f"model_config must be a mapping (model.config) or None, got {type(model_config).__name__}")
+        device = check_device(kwargs.get("device"), "device")
+        if device is not None:
+            warnings.warn("The `device` argument is deprecated. Please use `to` instead.", FutureWarning, stacklevel=2)
+        params, hint = _take(parameters, "parameters")
+        self.model_config = model_config
+        self.decay, self.min_decay = fields["decay"], fields["min_decay"]
+        self.update_after_step, self.use_ema_warmup = fields["update_after_step"], fields["use_ema_warmup"]
+        self.inv_gamma, self.power = fields["inv_gamma"], fields["power"]
+        self.optimization_step = 0
+        self.cur_decay_value: float | None = None
+        self.temp_stored_params: list[torch.Tensor] | None = None
+        self._init_private(device)
+        if any(_sharded(p) for p in params):  # the trained model's own parameters: bind now, no full copy
+            self._bind(params, hint, "EMAModel")
+        else:
+            self._pending = [p.detach() for p in params]
+
+    def _init_private(self, device: torch.device | None) -> None:
+        # Before the first step: the full starting values (references, one per position). After it:
+        # the training object, its parameters by position, each position's name in the EMA (None: not
+        # averaged, frozen) and this rank's state.
+        self._pending = None
+        self._x = None
+        self._positions = []
+        self._names = []
+        self._state = None
+        self._device, self._pin = device, False
+        self._stored = False  # store() was given the trained model: restore() leaves the swap
+        self._swap = None  # copy_to() after store(): the EMA swapped in
+        self._warmup = None  # (settings, fe.schedules.warmup of them)
+
+    # ------------------------------------------------------------------------------- binding
+
+    def _bind(self, params: list[torch.Tensor], hint: Any, verb: str) -> None:
+        """Find the training object of ``params``, map positions to names, and start this rank's state from
+        the starting values (this rank's slice of each), at ``optimization_step``."""
+        x = _owner(params, hint, verb)
+        adapter = adapter_for(x)
+        reading = adapter.read()
+        if not reading.layout.part.whole:
+            raise NotImplementedError(
+                f"EMAModel.{verb}: the model is split into model-parallel parts ({reading.layout.part.describe()}); "
+                "EMAModel maps diffusers' whole-model positions, use functional_ema.integrations.accelerate instead"
+            )
+        module = adapter.module()
+        positions: list[torch.Tensor] = list(module.parameters())
+        if not _same(params, positions):
+            raise ValueError(
+                f"EMAModel.{verb}: the {len(params)} parameters given are not {type(module).__name__}.parameters() "
+                f"({len(positions)}) in order; pass model.parameters()"
+            )
+        by_id = {id(p): n for n, p in reading.params.items()}
+        names = [by_id.get(id(p)) for p in positions]
+        if self._pending is not None:
+            shapes = [reading.layout.specs[n].shape if n else _full_shape(p) for n, p in zip(names, positions)]
+            _check_values(self._pending, shapes, f"EMAModel.{verb}", "the parameters given to EMAModel")
+        step = check_int(self.optimization_step, "optimization_step")
+        state = fe.init_ema(fe.local_shards(x), device=self._device, pin_memory=self._pin, step=step)
+        if self._pending is not None:
+            _fill(state, reading.layout, names, self._pending)
+        self._x, self._positions, self._names, self._state, self._pending = x, positions, names, state, None
+
+    def _job(self, verb: str) -> Job:
+        """The ranks that hold this EMA together, once every one of them has called ``verb`` (a bounded wait:
+        a verb called on one rank alone fails naming itself instead of hanging)."""
+        job = job_of(adapter_for(self._x).read())
+        if job.world > 1:
+            arrive(f"EMAModel.{verb}", job.group, job.world, job.rank, None)
+        return job
+
+    def _full_values(self, dst: int | None, verb: str) -> list[torch.Tensor] | None:
+        """The whole EMA by position (frozen positions: their live value), on rank ``dst`` of the EMA's group
+        (``None``: every rank); ``None`` on the others. Collective when the EMA is sharded."""
+        if self._x is None or self._state is None:
+            return list(self._pending or [])  # the starting values, whole on every rank
+        job = self._job(verb)
+        full = fe.gather_full(self._state, self._x, dst=dst)
+        frozen = {i: _live_full(p) for i, (n, p) in enumerate(zip(self._names, self._positions)) if n is None}
+        if dst is not None and job.rank != dst:
+            return None
+        return [full[n] if n is not None else frozen[i] for i, n in enumerate(self._names)]
+
+    def _is_model(self, params: list[torch.Tensor]) -> bool:
+        """Whether ``params`` are the bound model's parameters: those of the first step, or the ones registered
+        now (FSDP2 registers unsharded parameter objects while a forward's gathered weights stay, e.g. the root's
+        after a ``no_grad`` forward)."""
+        return _same(params, self._positions) or _same(params, list(adapter_for(self._x).module().parameters()))
+
+    def _trained(self, params: list[torch.Tensor], hint: Any, verb: str) -> bool:
+        """Whether ``params`` are the trained model's (binding to it first when they are partitioned)."""
+        if self._x is not None:
+            if self._is_model(params):
+                return True
+            if any(_sharded(p) for p in params):
+                raise ValueError(
+                    f"EMAModel.{verb}: the parameters are partitioned by an engine but are not those this EMA averages "
+                    f"({type(self._x).__name__}'s); pass the trained model's parameters()"
+                )
+            return False
+        if any(_sharded(p) for p in params):
+            self._bind(params, hint, verb)
+            return True
+        return False
+
+    def _no_swap(self, verb: str) -> None:
+        if self._swap is not None:
+            raise RuntimeError(
+                f"EMAModel.{verb}: the EMA weights are in the model (copy_to after store); call restore(parameters) first"
+            )
+
+    # ------------------------------------------------------------------------------ training
+
+    def get_decay(self, optimization_step: int) -> float:
+        """diffusers' decay at ``optimization_step`` (bitwise): 0 while ``s = optimization_step -
+        update_after_step - 1 <= 0``, else the warm-up or ``(1 + s) / (10 + s)``, clamped to [min_decay, decay]."""
+        optimization_step = check_int(optimization_step, "optimization_step")
+        step = max(0, optimization_step - self.update_after_step - 1)
+        if step <= 0:
+            return 0.0
+        if self.use_ema_warmup:  # the same formula and clamps (schedules.warmup is diffusers' warm-up)
+            key = (self.inv_gamma, self.power, self.min_decay, self.decay, self.update_after_step)
+            if self._warmup is None or self._warmup[0] != key:  # made (and checked) again when a setting changes
+                self._warmup = (key, fe.schedules.warmup(*key))
+            return self._warmup[1](optimization_step)
+        value = (1 + step) / (10 + step)
+        return max(min(value, self.decay), self.min_decay)
+
+    @torch.no_grad()
+    def step(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """One EMA update with ``get_decay(optimization_step + 1)``, after an optimizer step; ``parameters``:
+        the trained model's ``parameters()`` (an engine's, an FSDP2 or DDP model's, or the module's), the same
+        every time. A parameter frozen since the first step is copied (diffusers' rule), one frozen from the
+        start is its own EMA. No communication."""
+        params, hint = _take(parameters, "parameters")
+        self._no_swap("step")
+        if self._x is None:
+            self._bind(params, hint, "step")
+        elif not self._is_model(params):
+            raise ValueError(
+                f"EMAModel.step: these {len(params)} parameters are not the ones this EMA averages "
+                f"({type(self._x).__name__}'s {len(self._positions)}); pass the same model's parameters() every step"
+            )
+        assert self._state is not None
+        step = check_int(self.optimization_step, "optimization_step") + 1
+        decay = self.get_decay(step)
+        shards = fe.local_shards(self._x)
+        state = fe.update(self._state, shards, step, decay=float(decay))
+        for n, p in zip(self._names, self._positions):
+            if n is not None and not p.requires_grad:  # frozen since: diffusers copies it
+                state.emas[0][n].copy_(shards[n])
+        self._state, self.optimization_step, self.cur_decay_value = state, step, decay
+
+    # ------------------------------------------------------------------------ evaluation swap
+
+    def store(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Before :meth:`copy_to`: remember the weights to bring back. For the trained model nothing is copied
+        (the swap keeps them); for another model, a CPU copy (as diffusers)."""
+        params, hint = _take(parameters, "parameters")
+        self._no_swap("store")
+        if self._trained(params, hint, "store"):
+            self._stored, self.temp_stored_params = True, None
+        else:
+            self._stored, self.temp_stored_params = False, [p.detach().cpu().clone() for p in params]
+
+    def copy_to(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Put the EMA into ``parameters``.
+
+        * The trained model after :meth:`store`: the EMA is swapped in (:func:`functional_ema.swapped`) until
+          :meth:`restore`; training in between is refused. Collective when the EMA is sharded.
+        * The trained model without :meth:`store` (end of training): its weights, fp32 masters included,
+          become the EMA for good. Collective when sharded.
+        * Another model's full parameters: the whole EMA is copied in (sharded: gathered on every rank,
+          a collective holding a full fp32 copy of the model per rank while it runs).
+        """
+        params, hint = _take(parameters, "parameters")
+        if self._trained(params, hint, "copy_to"):
+            if self._swap is not None:
+                return  # already in
+            assert self._state is not None
+            job = self._job("copy_to")
+            if self._stored:
+                stack = contextlib.ExitStack()
+                stack.enter_context(fe.swapped(self._x, self._state))
+                self._swap = stack
+                return
+            adapter = adapter_for(self._x)
+            reading = adapter.read()
+            adapter.write_weights(reading, state_pieces(self._state, reading, 0, "EMAModel.copy_to"))
+            if job.world > 1:
+                dist.barrier(group=job.group)
+            return
+        values = self._full_values(None, "copy_to")
+        assert values is not None
+        _copy_into(params, values, "EMAModel.copy_to", "the EMA's values")
+
+    def restore(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Bring back the weights :meth:`store` kept: leave the swap (the trained model; bitwise as before), or
+        copy the stored CPU copy back (another model)."""
+        params, _ = _take(parameters, "parameters")
+        if self._stored or self._swap is not None:
+            if not self._is_model(params):
+                raise ValueError("EMAModel.restore: pass the parameters given to store() (the trained model's)")
+            stack, self._swap, self._stored = self._swap, None, False
+            if stack is not None:
+                stack.close()
+            return
+        if self.temp_stored_params is None:
+            raise RuntimeError("This ExponentialMovingAverage has no `store()`ed weights to `restore()`")
+        _copy_into(params, self.temp_stored_params, "EMAModel.restore", "the values store() kept")
+        self.temp_stored_params = None
+
+    # --------------------------------------------------------------------------------- saving
+
+    def _fields(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in FIELDS}
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``model_cls.from_config(model_config)`` holding the EMA (fp32, bitwise) and the EMA's settings
+        in its config, with the model's ``save_pretrained``: a folder ``model_cls.from_pretrained`` loads and
+        :meth:`from_pretrained` resumes from. Sharded: collective, rank 0 of the EMA's group writes."""
+        if self.model_cls is None:
+            raise ValueError("`save_pretrained` can only be used if `model_cls` was defined at __init__.")
+        if self.model_config is None:
+            raise ValueError("`save_pretrained` can only be used if `model_config` was defined at __init__.")
+        path = check_path(path, "path")
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"path={str(path)!r} is a file: save_pretrained writes a folder")
+        values = self._full_values(0, "save_pretrained")
+        if values is not None:
+            model = self.model_cls.from_config(self.model_config)
+            model.register_to_config(**self._fields())
+            _copy_into(list(model.parameters()), values, "EMAModel.save_pretrained", "the EMA's values")
+            model.save_pretrained(str(path))
+        if self._x is not None:
+            job = job_of(adapter_for(self._x).read())
+            if job.world > 1:
+                dist.barrier(group=job.group)  # the folder is complete when every rank returns
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, model_cls: Any, foreach: bool = False) -> EMAModel:
+        """An EMA starting from a folder :meth:`save_pretrained` wrote (its weights and settings), whole on
+        this rank until its first :meth:`step` or :meth:`load_state_dict` into another EMA (the resume hook:
+        ``ema_unet.load_state_dict(EMAModel.from_pretrained(dir, UNet2DConditionModel).state_dict())``)."""
+        path = check_path(path, "path")
+        model_cls = _check_model_cls(model_cls, "model_cls", ("from_pretrained", "load_config", "from_config"))
+        if model_cls is None:
+            raise TypeError("model_cls must be a diffusers model class (e.g. UNet2DConditionModel), got None")
+        foreach = check_bool(foreach, "foreach")
+        config = model_cls.load_config(str(path))
+        fields = {f: config[f] for f in FIELDS if f in config}  # what diffusers reads back (unused config kwargs)
+        model = model_cls.from_pretrained(str(path))
+        ema = cls(model.parameters(), model_cls=model_cls, model_config=model.config, foreach=foreach)
+        ema.load_state_dict(fields)
+        return ema
+
+    def state_dict(self) -> dict[str, Any]:
+        """diffusers' dict: the settings and ``shadow_params``, the whole EMA by position. Sharded: a
+        collective that gathers a full fp32 copy of the model onto every rank."""
+        return {**self._fields(), "shadow_params": self._full_values(None, "state_dict")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take the settings and (if present) ``shadow_params`` (whole tensors by position, e.g. from
+        :meth:`from_pretrained`'s EMA): each rank keeps its slice. Everything is checked before anything
+        changes; unknown keys are refused. Positions the EMA does not average (frozen parameters) keep
+        their live value. No communication."""
+        sd = check_mapping(state_dict, "state_dict")
+        unknown = sorted(str(k) for k in sd if k not in (*FIELDS, "shadow_params"))
+        if unknown:
+            raise ValueError(f"state_dict has unknown key(s) {unknown}; EMAModel's hold {[*FIELDS, 'shadow_params']}")
+        fields = _check_fields({f: sd.get(f, getattr(self, f)) for f in FIELDS}, lambda f: f"state_dict[{f!r}]")
+        self._no_swap("load_state_dict")
+        values = self._checked_shadow(sd.get("shadow_params"))
+        if values is not None and self._state is not None:
+            _fill(self._state, adapter_for(self._x).read().layout, self._names, values)
+        elif values is not None:
+            self._pending = [t.detach() for t in values]
+        for f, v in fields.items():
+            setattr(self, f, v)
+        if self._state is not None:
+            self._state.step.fill_(fields["optimization_step"])
+
+    def _checked_shadow(self, shadow: Any) -> list[torch.Tensor] | None:
+        if shadow is None:
+            return None
+        what = "state_dict['shadow_params']"
+        if not isinstance(shadow, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in shadow):
+            raise TypeError(f"{what} must be a list of tensors (one per parameter), got {type(shadow).__name__}")
+        values = list(shadow)
+        if any(not t.is_floating_point() for t in values):
+            raise TypeError(f"{what} must hold floating-point tensors")
+        if self._x is not None:
+            layout = adapter_for(self._x).read().layout
+            shapes = [layout.specs[n].shape if n else _full_shape(p) for n, p in zip(self._names, self._positions)]
+        else:
+            shapes = [tuple(t.shape) for t in self._pending or []]
+        _check_values(values, shapes, "EMAModel.load_state_dict", what)
+        return values
+
+    # ------------------------------------------------------------------------------ placement
+
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None, non_blocking: bool = False
+    ) -> None:
+        """Keep this rank's EMA on ``device`` (before the first step: where it will be made). The EMA stays
+        fp32: ``dtype`` may be ``None`` or ``torch.float32``."""
+        device = check_device(device, "device")
+        _check_dtype(dtype)
+        non_blocking = check_bool(non_blocking, "non_blocking")
+        self._no_swap("to")
+        if device is None:
+            return
+        self._device = device
+        if self._state is not None:
+            self._state = _moved(self._state, self._x, device, self._pin, non_blocking)
+
+    def pin_memory(self) -> None:
+        """Keep this rank's EMA in pinned CPU memory (where CUDA is; plain CPU memory otherwise)."""
+        self._no_swap("pin_memory")
+        self._device, self._pin = torch.device("cpu"), True
+        if self._state is not None:
+            self._state = _moved(self._state, self._x, torch.device("cpu"), True, False)
+
+    # ------------------------------------------------------------------------------- reading
+
+    @property
+    def state(self) -> fe.EmaState | None:
+        """This rank's :class:`functional_ema.EmaState` (``None`` before the first step)."""
+        return self._state
+
+    @property
+    def shadow_params(self) -> list[torch.Tensor]:
+        """The EMA by position, whole: the starting values before the first step; the EMA's own tensors of a
+        model every rank holds whole (DDP, one process). Refused when sharded (each rank holds its pieces)."""
+        if self._x is None or self._state is None:
+            return list(self._pending or [])
+        if adapter_for(self._x).read().layout.world_size > 1:
+            raise RuntimeError(
+                "EMAModel.shadow_params: the EMA is sharded over the ranks (each holds its pieces); use state_dict() "
+                "(gathers it: collective, a full fp32 copy per rank), save_pretrained(path), or .state (this rank's)"
+            )
+        ema = self._state.emas[0]
+        return [ema[n] if n is not None else p.detach() for n, p in zip(self._names, self._positions)]

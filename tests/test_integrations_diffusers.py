@@ -1,0 +1,618 @@
+"""``functional_ema.integrations.diffusers.EMAModel`` against diffusers' own ``EMAModel`` (0.42).
+
+One process: both EMAs follow the same 1,000 optimizer steps of a small diffusers model (a frozen
+parameter, one frozen half-way) under three settings: ``get_decay`` bitwise at every step, the EMA
+bitwise equal to a plain-torch ``lerp_`` reference with those decays and within fp32 rounding of
+diffusers' ``s -= (1 - d) * (s - p)`` (the maximum difference is printed), and every method
+(store / copy_to / restore on the trained model and on another one, save_pretrained / from_pretrained
+both ways between the two classes, state_dict / load_state_dict, to, pin_memory).
+
+Two ranks: Accelerate + DeepSpeed ZeRO-3 (CPU, gloo, ``torch.optim.AdamW``) running the loop of
+diffusers' ``train_text_to_image.py --use_ema`` on a tiny ``UNet2DConditionModel``: the EMA bitwise
+equal to a reference EMA of ``safe_get_full_fp32_param`` in plain torch; a validation forward between
+store / copy_to / restore equal to a plain model holding that EMA, the live forward after it equal to
+the full live weights, and the run with validation ending bitwise as the run without; save_pretrained
+loading into ``UNet2DConditionModel.from_pretrained`` as the EMA bitwise; ``save_state`` /
+``load_state`` through the script's hooks resuming bitwise. Then FSDP2 at 2 ranks (``fully_shard``):
+the same EMA checks against ``full_tensor()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("diffusers")
+
+from functional_ema._testing.multirank import run_ranks
+
+SETTINGS = {  # name -> EMAModel keyword arguments (diffusers' and ours alike)
+    "defaults": {},
+    "warmup": {"use_ema_warmup": True, "power": 3 / 4, "inv_gamma": 2, "decay": 0.999, "update_after_step": 7},
+    "clamped": {"decay": 0.95, "min_decay": 0.5, "update_after_step": 3},
+}
+STEPS = 1000
+FREEZE_AT = 500
+
+TINY_UNET = {
+    "block_out_channels": (4, 8),
+    "layers_per_block": 1,
+    "sample_size": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+    "cross_attention_dim": 8,
+    "norm_num_groups": 4,
+    "attention_head_dim": 2,
+}
+
+
+def tiny_net_class() -> type:
+    """A small diffusers model (``ModelMixin`` + ``ConfigMixin``): what ``model_cls`` names."""
+    from diffusers import ConfigMixin, ModelMixin
+    from diffusers.configuration_utils import register_to_config
+
+    class TinyNet(ModelMixin, ConfigMixin):
+        @register_to_config
+        def __init__(self, d_in: int = 6, hidden: int = 10, d_out: int = 3):
+            super().__init__()
+            self.inp = nn.Linear(d_in, hidden)
+            self.norm = nn.LayerNorm(hidden)
+            self.frozen = nn.Linear(hidden, hidden)
+            self.out = nn.Linear(hidden, d_out)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.frozen(torch.tanh(self.norm(self.inp(x)))))
+
+    return TinyNet
+
+
+# ------------------------------------------------------------------------------------ one process
+
+
+def _train_both(kwargs: dict, net_cls: type) -> dict:
+    """Train a TinyNet 1,000 steps with diffusers' EMA and ours side by side (and a plain-torch lerp
+    reference with diffusers' decays): the decays, the EMAs and the reference, compared at every step."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    torch.manual_seed(0)
+    model = net_cls()
+    model.frozen.bias.requires_grad_(False)  # frozen from the start: diffusers copies it, ours reads it live
+    start = copy.deepcopy(model)
+    theirs = DiffusersEMA(copy.deepcopy(start).parameters(), model_cls=net_cls, model_config=start.config, **kwargs)
+    ours = EMAModel(copy.deepcopy(start).parameters(), model_cls=net_cls, model_config=start.config, **kwargs)
+    ref = [p.detach().clone() for p in start.parameters()]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    decays_equal, max_diff, t_ours = True, 0.0, 0.0
+    for step in range(1, STEPS + 1):
+        if step == FREEZE_AT:
+            model.frozen.weight.requires_grad_(False)  # frozen half-way: both copy it from now on
+        x = torch.randn(16, 6, generator=g)
+        (model(x) - x[:, :3].sin()).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        theirs.step(model.parameters())
+        t0 = time.perf_counter()
+        ours.step(model.parameters())
+        t_ours += time.perf_counter() - t0
+        d = theirs.cur_decay_value
+        decays_equal &= type(ours.cur_decay_value) is float and ours.cur_decay_value == d
+        for r, p in zip(ref, model.parameters()):  # the reference: one lerp_ per tensor, weight 1 - d
+            if p.requires_grad:
+                r.lerp_(p.detach(), 1.0 - d)
+            else:
+                r.copy_(p.detach())
+        diff = max((a - b).abs().max().item() for a, b in zip(theirs.shadow_params, ours.shadow_params))
+        max_diff = max(max_diff, diff)
+    return {
+        "model": model,
+        "theirs": theirs,
+        "ours": ours,
+        "ref": ref,
+        "decays_equal": decays_equal,
+        "max_diff": max_diff,
+        "ours_ms_per_step": 1e3 * t_ours / STEPS,
+        "scale": max(p.abs().max().item() for p in model.parameters()),
+    }
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch.set_num_threads(1)
+    net_cls = tiny_net_class()
+    return net_cls, {name: _train_both(kw, net_cls) for name, kw in SETTINGS.items()}
+
+
+def test_get_decay_bitwise_with_diffusers():
+    """get_decay equals diffusers' at every step 0..1100, under many settings (int and float arguments)."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    p = [nn.Parameter(torch.zeros(2))]
+    grid = [
+        {},
+        {"use_ema_warmup": True},
+        {"use_ema_warmup": True, "power": 1, "inv_gamma": 1},
+        {"use_ema_warmup": True, "power": 0.75, "inv_gamma": 3.5, "min_decay": 0.3, "decay": 0.99},
+        {"update_after_step": 100, "decay": 0.9},
+        {"update_after_step": 10, "min_decay": 0.8, "decay": 0.8},
+        {"decay": 1.0},
+        {"decay": 0.0},
+    ]
+    for kw in grid:
+        theirs, ours = DiffusersEMA(p, **kw), EMAModel(p, **kw)
+        for s in range(0, 1101):
+            a, b = theirs.get_decay(s), ours.get_decay(s)
+            assert type(b) is float and a == b, (kw, s, a, b)
+
+
+def test_ema_against_diffusers_1000_steps(trained):
+    """The decays at every step bitwise; the EMA bitwise equal to the lerp reference, within fp32 rounding of
+    diffusers' EMA (the frozen parameters copied as diffusers does)."""
+    _, runs = trained
+    for name, run in runs.items():
+        ours, theirs, ref = run["ours"], run["theirs"], run["ref"]
+        assert run["decays_equal"], name
+        assert ours.optimization_step == theirs.optimization_step == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(ours.shadow_params, ref)), name
+        frozen = [i for i, p in enumerate(run["model"].parameters()) if not p.requires_grad]
+        assert frozen and all(torch.equal(ours.shadow_params[i], theirs.shadow_params[i]) for i in frozen), name
+        # diffusers' subtraction and our lerp round differently: a few fp32 ulps of the weights' scale
+        assert run["max_diff"] <= 8 * torch.finfo(torch.float32).eps * run["scale"], (name, run["max_diff"])
+        print(
+            f"{name}: max |ours - diffusers| over {STEPS} steps = {run['max_diff']:.3g} (weights up to "
+            f"{run['scale']:.3g}); ours {run['ours_ms_per_step']:.3f} ms/step"
+        )
+
+
+def test_store_copy_to_restore(trained):
+    """The trained model: the EMA swapped in (its forward equals a copy loaded with the EMA), training refused
+    inside, the trained weights back bitwise after restore. Another model: copied in and back, as diffusers."""
+    import functional_ema as fe
+
+    net_cls, runs = trained
+    run = runs["defaults"]
+    model, ours, theirs = run["model"], run["ours"], run["theirs"]
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(7))
+    live = [p.detach().clone() for p in model.parameters()]
+    twin = net_cls()
+    with torch.no_grad():
+        for p, v in zip(twin.parameters(), ours.shadow_params):
+            p.copy_(v)
+    ours.store(model.parameters())
+    ours.copy_to(model.parameters())
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), ours.shadow_params))
+    assert torch.equal(model(x), twin(x))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(fe.SwappedTrainingError):
+        opt.step()
+    with pytest.raises(RuntimeError, match="restore"):
+        ours.step(model.parameters())
+    ours.restore(model.parameters())
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), live))
+    # another model (full tensors): diffusers' semantics, compared with diffusers itself
+    other_a, other_b = net_cls(), net_cls()
+    other_b.load_state_dict(other_a.state_dict())
+    before = [p.detach().clone() for p in other_a.parameters()]
+    ours.store(other_a.parameters())
+    theirs.store(other_b.parameters())
+    ours.copy_to(other_a.parameters())
+    theirs.copy_to(other_b.parameters())
+    assert all(torch.equal(p, v) for p, v in zip(other_a.parameters(), ours.shadow_params))
+    assert max((a - b).abs().max().item() for a, b in zip(other_a.parameters(), other_b.parameters())) < 1e-5
+    ours.restore(other_a.parameters())
+    assert all(torch.equal(p, v) for p, v in zip(other_a.parameters(), before))
+    with pytest.raises(RuntimeError, match="no `store\\(\\)`ed weights"):
+        ours.restore(other_a.parameters())
+
+
+def test_save_pretrained_from_pretrained_both_ways(trained, tmp_path):
+    """save_pretrained writes a folder model_cls.from_pretrained loads as the EMA (bitwise) with the EMA's
+    settings in its config; EMAModel.from_pretrained resumes it (ours and diffusers' read each other's)."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import FIELDS, EMAModel
+
+    net_cls, runs = trained
+    run = runs["warmup"]
+    ours, theirs = run["ours"], run["theirs"]
+    ours.save_pretrained(tmp_path / "ours")
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    loaded = net_cls.from_pretrained(tmp_path / "ours")
+    assert all(torch.equal(p, v) for p, v in zip(loaded.parameters(), ours.shadow_params))
+    for f in FIELDS:
+        assert loaded.config[f] == getattr(theirs, f) == getattr(ours, f), f
+    for cls in (EMAModel, DiffusersEMA):
+        for folder, src in (("ours", ours), ("theirs", theirs)):
+            back = cls.from_pretrained(str(tmp_path / folder), net_cls)
+            sd, want = back.state_dict(), src.state_dict()
+            assert {k: sd[k] for k in FIELDS} == {k: want[k] for k in FIELDS}, (cls, folder)
+            assert all(torch.equal(a, b) for a, b in zip(sd["shadow_params"], want["shadow_params"])), (cls, folder)
+
+
+def test_state_dict_load_state_dict_resume(trained):
+    """load_state_dict(state_dict()) into a fresh EMA (before its first step, as the resume hook does) and
+    into a bound one: both continue bitwise with the original; diffusers' state_dict loads into ours."""
+    from functional_ema.integrations.diffusers import EMAModel
+
+    net_cls, runs = trained
+    run = runs["clamped"]
+    model, ours = run["model"], run["ours"]
+    kw = SETTINGS["clamped"]
+    fresh = EMAModel(net_cls().parameters(), **kw)
+    fresh.load_state_dict(ours.state_dict())
+    bound = EMAModel(net_cls().parameters(), **kw)
+    bound.step(model.parameters())  # bound to the model, at another step, with other values
+    bound.load_state_dict(ours.state_dict())
+    interop = EMAModel(net_cls().parameters(), **kw)
+    interop.load_state_dict(run["theirs"].state_dict())
+    assert interop.optimization_step == STEPS and interop.decay == kw["decay"]
+    assert all(torch.equal(a, b) for a, b in zip(interop.shadow_params, run["theirs"].shadow_params))
+    for ema in (ours, fresh, bound):
+        ema.step(model.parameters())
+    assert fresh.optimization_step == bound.optimization_step == STEPS + 1
+    for ema in (fresh, bound):
+        assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, ours.shadow_params))
+    with pytest.raises(ValueError, match="unknown key"):
+        fresh.load_state_dict({"decay": 0.9, "max_value": 0.9})
+    with pytest.raises(ValueError, match="shape"):
+        fresh.load_state_dict({"shadow_params": [torch.zeros(3)] * len(ours.shadow_params)})
+    assert fresh.decay == kw["decay"]  # nothing changed by the refused loads
+    # to / pin_memory: the same values afterwards (CPU here: a move to the same device, pinning needs CUDA)
+    before = [t.clone() for t in fresh.shadow_params]
+    fresh.to("cpu")
+    fresh.to(torch.device("cpu"), dtype=torch.float32, non_blocking=True)
+    fresh.pin_memory()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.shadow_params, before))
+    with pytest.raises(ValueError, match="fp32"):
+        fresh.to(dtype=torch.bfloat16)
+
+
+def test_arguments_refused_where_they_enter():
+    """diffusers' constructor accepts anything; ours names the argument. Deprecated kwargs work as there."""
+    from functional_ema.integrations.diffusers import EMAModel
+
+    params = list(nn.Linear(2, 2).parameters())
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        EMAModel(params, decya=0.9)
+    with pytest.raises(ValueError, match="update_after_step"):
+        EMAModel(params, update_after_step=-1)
+    with pytest.raises(ValueError, match="min_decay"):
+        EMAModel(params, decay=0.9, min_decay=0.95)
+    with pytest.raises(TypeError, match=r"parameters\[0\]"):
+        EMAModel([1.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ema = EMAModel(params, max_value=0.5, min_value=0.25)
+        module_ema = EMAModel(nn.Linear(2, 2))
+    assert (ema.decay, ema.min_decay) == (0.5, 0.25) and module_ema.use_ema_warmup is True
+    assert sum(issubclass(w.category, FutureWarning) for w in caught) == 3
+    with pytest.raises(ValueError, match="max_value"):
+        EMAModel(params, max_value=2.0)
+    other = nn.Linear(2, 2)
+    ema.step(other.parameters())
+    with pytest.raises(ValueError, match="not the ones this EMA averages"):
+        ema.step(nn.Linear(2, 2).parameters())
+    with pytest.raises(ValueError, match="model_cls"):
+        ema.save_pretrained("x")
+    # a list (not the generator): the module is found among the live ones; loose tensors belong to none
+    net = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    by_list = EMAModel(copy.deepcopy(net).parameters())
+    by_list.step(list(net.parameters()))
+    assert by_list._x is net and all(torch.equal(a, b) for a, b in zip(by_list.shadow_params, net.parameters()))
+    loose = EMAModel([torch.zeros(2)])
+    with pytest.raises(TypeError, match="no module in this process has exactly these parameters"):
+        loose.step([torch.ones(2)])
+
+
+# ------------------------------------------------------------------------------------------ ranks
+
+
+def _reset_accelerate(ga: int, deepspeed: bool):
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a new Accelerator in the same process
+    GradientState._reset_state()
+    PartialState(cpu=True)
+    if not deepspeed:
+        return Accelerator(cpu=True, gradient_accumulation_steps=ga)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": ga,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+    }
+    return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=ga)
+
+
+def _batch(micro: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """The script's inputs for one micro-batch (latents, noise, timesteps, text states), seeded by step and rank."""
+    g = torch.Generator().manual_seed(1000 * micro + rank)
+    latents, noise = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    t = torch.randint(0, 1000, (2,), generator=g)
+    enc = torch.randn(2, 3, 8, generator=g)
+    noisy = latents + 0.5 * noise  # the noise scheduler's add_noise, reduced to what the test needs
+    return noisy, t, enc, noise
+
+
+def _plain_unet(weights: dict[str, torch.Tensor]) -> nn.Module:
+    from diffusers import UNet2DConditionModel
+
+    with torch.random.fork_rng(devices=[]):  # its initialisation must not move the training's random state
+        net = UNet2DConditionModel(**TINY_UNET)
+    net.load_state_dict(weights, strict=True)
+    return net.eval()
+
+
+def _script_run(
+    out: Path, steps: int, ga: int, save_at: int | None, val_at: int | None, resume: Path | None, list_ema: bool = False
+) -> dict:
+    """diffusers' train_text_to_image.py --use_ema, its loop and hooks, under Accelerate + DeepSpeed ZeRO-3.
+
+    Departures from the script, each forced by DeepSpeed rather than by this EMA, except the first:
+    ``ema_unet.save_pretrained`` runs on every rank (sharded, it gathers the EMA: rank 0 writes); the
+    unet itself is saved and loaded by DeepSpeed's own checkpoint (``models`` is empty in the load hook
+    under DeepSpeed); validation runs on every rank (a ZeRO-3 forward is collective)."""
+    import torch.nn.functional as F
+    from diffusers import UNet2DConditionModel
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+    from tests._integration_models import deepspeed_full_fp32
+
+    accelerator = _reset_accelerate(ga, deepspeed=True)
+    rank = accelerator.process_index
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**TINY_UNET)
+    ema_unet = UNet2DConditionModel(**TINY_UNET)  # the script: from_pretrained of the same weights
+    ema_unet.load_state_dict(unet.state_dict())
+    # a second EMA stepped with a list of the unwrapped module's parameters: found by the heap search
+    by_list = EMAModel(copy.deepcopy(ema_unet).parameters()) if list_ema else None
+    ema_unet = EMAModel(ema_unet.parameters(), model_cls=UNet2DConditionModel, model_config=ema_unet.config)
+
+    def save_model_hook(models, weights, output_dir):
+        ema_unet.save_pretrained(os.path.join(output_dir, "unet_ema"))  # every rank (was: main process only)
+
+    def load_model_hook(models, input_dir):
+        load_model = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DConditionModel)
+        ema_unet.load_state_dict(load_model.state_dict())
+        ema_unet.to(accelerator.device)
+        del load_model
+
+    accelerator.register_save_state_pre_hook(save_model_hook)
+    accelerator.register_load_state_pre_hook(load_model_hook)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-2)
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    ema_unet.to(accelerator.device)
+    global_step = 0
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        global_step = int(resume.name.split("-")[1])
+    decays = DiffusersEMA([nn.Parameter(torch.zeros(1))])  # diffusers' rule, for the reference
+    ref: dict[str, torch.Tensor] | None = None
+    report: dict = {"validated": False}
+    for micro in range(global_step * ga, steps * ga):
+        noisy, t, enc, target = _batch(micro, rank)
+        with accelerator.accumulate(unet):
+            model_pred = unet(noisy, t, enc).sample
+            loss = F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            ema_unet.step(unet.parameters())
+            if by_list is not None:
+                by_list.step(list(accelerator.unwrap_model(unet).parameters()))
+            global_step += 1
+            full = deepspeed_full_fp32(unet)
+            d = decays.get_decay(global_step)
+            if ref is None:
+                ref = {n: v.clone() for n, v in full.items()} if global_step == 1 else None
+            else:
+                for n, v in full.items():
+                    ref[n].lerp_(v, 1.0 - d)
+            if global_step == save_at:
+                accelerator.save_state(str(out / f"checkpoint-{global_step}"))
+                report["saved_ref"] = None if ref is None else {n: v.clone() for n, v in ref.items()}
+            if global_step == val_at:
+                report.update(_validate(accelerator, unet, ema_unet, ref, full))
+    report.update(ref=ref, weights=deepspeed_full_fp32(unet), ema=_ema_by_name(ema_unet, unet))
+    if by_list is not None:
+        report["list_ema"] = _ema_by_name(by_list, unet)
+        report["list_ema_bound_to_engine"] = by_list._x is unet
+    report["unet"], report["ema_unet"], report["accelerator"] = unet, ema_unet, accelerator
+    return report
+
+
+def _ema_by_name(ema_unet, engine) -> dict[str, torch.Tensor]:
+    """The gathered EMA (state_dict: collective) by parameter name."""
+    shadow = ema_unet.state_dict()["shadow_params"]
+    return {n: v.clone() for (n, _), v in zip(engine.module.named_parameters(), shadow)}
+
+
+def _validate(accelerator, unet, ema_unet, ref, full) -> dict:
+    """The script's validation (store, copy_to, a forward of the unwrapped unet as log_validation's pipeline
+    runs it, restore), on every rank; the outputs against plain models holding the reference EMA and the
+    full live weights."""
+    from tests._integration_models import deepspeed_full_fp32
+
+    noisy, t, enc, _ = _batch(10**6, 0)
+    net = accelerator.unwrap_model(unet)
+    ema_unet.store(unet.parameters())
+    ema_unet.copy_to(unet.parameters())
+    with torch.no_grad():
+        out_ema = net(noisy, t, enc).sample
+    ema_unet.restore(unet.parameters())
+    with torch.no_grad():
+        out_live = net(noisy, t, enc).sample
+        want_ema = _plain_unet(ref)(noisy, t, enc).sample
+        want_live = _plain_unet(deepspeed_full_fp32(unet))(noisy, t, enc).sample
+    return {
+        "validated": True,
+        "val_ema_equal": torch.equal(out_ema, want_ema),
+        "val_live_equal": torch.equal(out_live, want_live),
+        "val_ema_differs": not torch.equal(out_ema, out_live),
+        "val_full_unchanged": all(torch.equal(full[n], v) for n, v in deepspeed_full_fp32(unet).items()),
+    }
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def zero3_worker(root: str, steps: int, ga: int, save_at: int, val_at: int) -> dict:
+    """Runs A (checkpoint at ``save_at``, validation at ``val_at``), B (neither), C (resumed from A's
+    checkpoint), in these processes, then save_pretrained and the end-of-training copy_to on A."""
+    from diffusers import UNet2DConditionModel
+
+    from tests._integration_models import deepspeed_full_fp32, quiet
+
+    quiet()
+    torch.set_num_threads(1)
+    out = Path(root)
+    t0 = time.perf_counter()
+    a = _script_run(out / "a", steps, ga, save_at, val_at, None)
+    b = _script_run(out / "b", steps, ga, None, None, None, list_ema=True)
+    c = _script_run(out / "c", steps, ga, None, None, out / "a" / f"checkpoint-{save_at}")
+    res = {k: a[k] for k in ("validated", "val_ema_equal", "val_live_equal", "val_ema_differs", "val_full_unchanged")}
+    res["a_ema_is_ref"] = _equal(a["ema"], a["ref"])
+    res["b_ema_is_ref"] = _equal(b["ema"], b["ref"])
+    res["list_ema_is_ref"] = _equal(b["list_ema"], b["ref"]) and b["list_ema_bound_to_engine"]
+    res["a_is_b"] = _equal(a["ema"], b["ema"]) and _equal(a["weights"], b["weights"])
+    res["c_is_b"] = _equal(c["ema"], b["ema"]) and _equal(c["weights"], b["weights"])
+    unet, ema_unet, accelerator = a["unet"], a["ema_unet"], a["accelerator"]
+    ema_unet.save_pretrained(out / "final_ema")  # every rank: rank 0 writes
+    rank = accelerator.process_index
+    if rank == 0:
+        saved = UNet2DConditionModel.from_pretrained(out / "a" / f"checkpoint-{save_at}" / "unet_ema")
+        res["checkpoint_ema_is_ref"] = _equal(dict(saved.named_parameters()), a["saved_ref"])
+        res["checkpoint_step"] = saved.config["optimization_step"]
+        final = UNet2DConditionModel.from_pretrained(out / "final_ema")
+        res["final_ema_is_ref"] = _equal({n: p.detach() for n, p in final.named_parameters()}, a["ref"])
+    ema_unet.copy_to(unet.parameters())  # end of training, every rank: the weights become the EMA for good
+    res["copied_is_ref"] = _equal(deepspeed_full_fp32(unet), a["ref"])
+    res["ema_pieces_numel"] = sum(t.numel() for t in ema_unet.state.emas[0].values())
+    res["model_numel"] = sum(v.numel() for v in a["ref"].values())
+    res["model_tensors"] = len(a["ref"])
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def test_accelerate_deepspeed_zero3_train_text_to_image_loop(tmp_path):
+    t0 = time.perf_counter()
+    results = run_ranks(
+        "tests.test_integrations_diffusers:zero3_worker",
+        world_size=2,
+        timeout=840,
+        root=str(tmp_path),
+        steps=5,
+        ga=2,
+        save_at=2,
+        val_at=3,
+    )
+    print(f"ZeRO-3 runs: {results[0]['seconds']:.1f} s in the ranks, {time.perf_counter() - t0:.1f} s in all")
+    for rank, res in enumerate(results):
+        flags = {k: v for k, v in res.items() if isinstance(v, bool)}
+        assert all(flags.values()), (rank, flags)
+        # this rank's pieces: about half of the model (ceil or floor of each parameter's half)
+        assert abs(2 * res["ema_pieces_numel"] - res["model_numel"]) <= res["model_tensors"], res
+    assert results[0]["checkpoint_step"] == 2
+    assert {"checkpoint_ema_is_ref", "final_ema_is_ref"} <= set(results[0])
+
+
+def fsdp2_worker(root: str, steps: int) -> dict:
+    """The same loop on a tiny UNet with FSDP2 (``fully_shard`` on each block and the root; one parameter
+    frozen from the start), no Accelerate: the EMA against a reference of ``full_tensor()``, the swapped and
+    live forwards against plain models, save_pretrained, and shadow_params refused (each rank holds pieces)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from diffusers import UNet2DConditionModel
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    torch.set_num_threads(1)
+    rank, t0 = dist.get_rank(), time.perf_counter()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**TINY_UNET)
+    unet.conv_out.bias.requires_grad_(False)  # frozen: its own EMA, gathered live when the EMA is written
+    start = copy.deepcopy(unet)
+    for block in [*unet.down_blocks, *unet.up_blocks]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(unet, mesh=mesh)
+    ema_unet = EMAModel(start.parameters(), model_cls=UNet2DConditionModel, model_config=start.config)
+    del start
+    optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-2)
+    decays = DiffusersEMA([nn.Parameter(torch.zeros(1))])
+    ref: dict[str, torch.Tensor] = {}
+    for step in range(1, steps + 1):
+        noisy, t, enc, target = _batch(step, rank)
+        F.mse_loss(unet(noisy, t, enc).sample, target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ema_unet.step(unet.parameters())
+        full = {n: p.full_tensor().detach().clone() for n, p in unet.named_parameters()}
+        trained = {n for n, p in unet.named_parameters() if p.requires_grad}
+        for n, v in full.items():
+            if step == 1 or n not in trained:  # decay 0 at step 1; a frozen parameter is its own EMA
+                ref[n] = v.clone()
+            else:
+                ref[n].lerp_(v, 1.0 - decays.get_decay(step))
+    names = [n for n, _ in unet.named_parameters()]
+    res = {"ema_is_ref": _equal(dict(zip(names, ema_unet.state_dict()["shadow_params"])), ref)}
+    noisy, t, enc, _ = _batch(10**6, 0)
+    ema_unet.store(unet.parameters())
+    ema_unet.copy_to(unet.parameters())
+    with torch.no_grad():
+        out_ema = unet(noisy, t, enc).sample
+    ema_unet.restore(unet.parameters())
+    with torch.no_grad():
+        out_live = unet(noisy, t, enc).sample
+        res["val_ema_equal"] = torch.equal(out_ema, _plain_unet(ref)(noisy, t, enc).sample)
+        res["val_live_equal"] = torch.equal(out_live, _plain_unet(full)(noisy, t, enc).sample)
+    res["val_ema_differs"] = not torch.equal(out_ema, out_live)
+    ema_unet.save_pretrained(Path(root) / "fsdp2_ema")
+    if rank == 0:
+        saved = UNet2DConditionModel.from_pretrained(Path(root) / "fsdp2_ema")
+        res["saved_is_ref"] = _equal({n: p.detach() for n, p in saved.named_parameters()}, ref)
+    try:
+        _ = ema_unet.shadow_params
+        res["shadow_params_refused"] = False
+    except RuntimeError as e:
+        res["shadow_params_refused"] = "state_dict()" in str(e)
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def test_fsdp2_train_text_to_image_loop(tmp_path):
+    t0 = time.perf_counter()
+    results = run_ranks(
+        "tests.test_integrations_diffusers:fsdp2_worker",
+        world_size=2,
+        timeout=600,
+        env={"FE_DIST_INIT": "torch"},
+        root=str(tmp_path),
+        steps=4,
+    )
+    print(f"FSDP2 run: {results[0]['seconds']:.1f} s in the ranks, {time.perf_counter() - t0:.1f} s in all")
+    for rank, res in enumerate(results):
+        flags = {k: v for k, v in res.items() if isinstance(v, bool)}
+        assert all(flags.values()), (rank, flags)
+    assert "saved_is_ref" in results[0]

@@ -1,0 +1,1090 @@
+"""The checkpoint writer (``functional_ema/_checkpoint/writer.py``) function by function: the plan a rank
+saves under, the metadata and manifest records of its files, the manifest of a save, the cleanup after
+it, the tag lock, and the agreement of the ranks on the plan.
+
+Single-process tests call the writer's functions directly with real states (``fe.init_ema`` over a
+small module's ``local_shards``, or over the pieces of a sharded layout) and compare what they return
+or write with values computed here (the files parsed as raw safetensors, checksums with ``xxhash``).
+One 2-rank launch (plain torch.distributed, no DeepSpeed) batches the ranks' agreements: agreeing plans,
+plans that differ in tag, dtype or layout, a rank whose plan fails, a rank that does not see the
+folder the committing rank writes; every rank's error is asserted exactly, with what it cost in
+collectives and what is left on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import socket
+import struct
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+import functional_ema as fe
+from functional_ema import buffers as fb
+from functional_ema._checkpoint import writer
+from functional_ema._checkpoint.errors import CheckpointError, CheckpointIOError, CheckpointMismatchError
+from functional_ema._checkpoint.format import FORMAT_VERSION, LATEST_NAME, LOCK_NAME, MANIFEST_NAME, MAX_EXTRA_BYTES
+from functional_ema._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
+from functional_ema._state import EmaState
+from functional_ema._testing.multirank import run_ranks
+
+VERSION = f"functional_ema {fe.__version__}"
+NOTE = (
+    "functional_ema EMA checkpoint: complete because this manifest exists (with every file it lists). "
+    "Each rank file holds 'emas.<k>.<parameter>' = that rank's 1-D piece of EMA k; its 'layout' metadata "
+    "says where the piece sits in the full parameter"
+)
+FIX = ". Every rank must save the same state (the same step: update every rank alike) with the same tag"
+
+
+def _model(seed: int = 0, width: int = 2) -> torch.nn.Module:
+    """A small plain module with trainable parameters and buffers (BatchNorm's running stats and counter)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.BatchNorm1d(width))
+
+
+def _digest(value: Any) -> int:
+    """The 62-bit xxh3 digest of a value's sorted JSON (how the plan's layout record names the shapes)."""
+    return xxhash.xxh3_64_intdigest(json.dumps(value, sort_keys=True).encode()) >> 2
+
+
+def _zero3(rank: int, world: int = 2, **kw: Any) -> ShardLayout:
+    """ZeRO-3's even cut of parameters a (2x3) and b (3): ceil(numel / world) elements per rank."""
+    specs = {}
+    for name, shape in {"a": (2, 3), "b": (3,)}.items():
+        numel = math.prod(shape)
+        per = -(-numel // world)
+        lo = min(rank * per, numel)
+        specs[name] = ShardSpec(shape, lo, min(lo + per, numel) - lo)
+    return ShardLayout(rank, world, 3, specs, **kw)
+
+
+def _pieces(layout: ShardLayout, num_emas: int = 2) -> EmaState:
+    """A state over ``layout``'s pieces, EMA k of parameter n filled with distinct values."""
+    emas = tuple(
+        {n: torch.arange(s.numel, dtype=torch.float32) + 10 * k + s.offset for n, s in layout.specs.items()}
+        for k in range(num_emas)
+    )
+    return EmaState(torch.tensor(7, dtype=torch.int64), emas)
+
+
+def _parse(path: Path) -> tuple[dict, bytes, bytes]:
+    """A safetensors file as (header JSON, header bytes with the 8-byte prefix, data), read here."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8 : 8 + n]), raw[: 8 + n], raw[8 + n :]
+
+
+def _checksums(path: Path) -> tuple[str, dict[str, list[str]]]:
+    """The file's header checksum and each tensor's chunk checksums (xxh3_64, hex; one chunk per
+    non-empty tensor of these small files, none for an empty one), in file order."""
+    header, head, data = _parse(path)
+    sums = {}
+    for key, entry in header.items():
+        if key != "__metadata__":
+            lo, hi = entry["data_offsets"]
+            sums[key] = [f"{xxhash.xxh3_64_intdigest(data[lo:hi]):016x}"] if hi > lo else []
+    return f"{xxhash.xxh3_64_intdigest(head):016x}", sums
+
+
+def _plan(model: torch.nn.Module, tag: str = "t", **kw: Any) -> tuple[EmaState, ShardLayout, dict]:
+    state = fe.init_ema(fe.local_shards(model), num_emas=2, step=7)
+    layout = fe.shard_layout(model)
+    return state, layout, writer.plan_save(state, [0.9, 0.99], layout, tag, **kw)
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+
+def test_plan_save_records_what_the_ranks_agree_on() -> None:
+    """A plan holds the tag, step, EMAs, dtype, schedules, buffers, extra and layout, exactly; a
+    model-parallel part records only the sizes of its layout (each part holds other parameters)."""
+    model = _model()
+    buffers = fb.init_buffers(model, num_emas=2, step=7)
+    _, layout, plan = _plan(model, buffers=buffers, extra={"b": 1, "a": [1.5]})
+    shapes = [["0.weight", [2, 3]], ["0.bias", [2]], ["1.weight", [2]], ["1.bias", [2]]]
+    assert plan == {
+        "tag": "t",
+        "step": 7,
+        "num_emas": 2,
+        "dtype": "float32",
+        "schedules": [{"kind": "constant", "decay": 0.9}, {"kind": "constant", "decay": 0.99}],
+        "buffers": {
+            "num_emas": 2,
+            "dtype": "float32",
+            "floating": {"1.running_mean": [2], "1.running_var": [2]},
+            "copied": {"1.num_batches_tracked": ["int64", []]},
+        },
+        "extra": {"a": [1.5], "b": 1},
+        "model_parallel": False,
+        "layout": f"world_size=1 stage=0, 4 parameters #{_digest(shapes):016x}",
+        "generation": 0,
+    }
+    state, replicated = _replicated(model, 1)  # the stand-ins of the 2-rank test: as read from the model
+    assert replicated == layout._replace(rank=1, world_size=2)
+    assert writer.plan_save(state, [0.9, 0.99], layout, "t", _buffers(model))["buffers"] == plan["buffers"]
+    part = _zero3(1, part=ModelPart(tp=1, tp_size=2))
+    plan = writer.plan_save(_pieces(part), None, part, "u")
+    assert (plan["model_parallel"], plan["layout"], plan["schedules"]) == (
+        True,
+        "world_size=2 stage=3 tp_size=2 pp_size=1",
+        None,
+    )
+    with pytest.warns(UserWarning, match="16-bit EMA stalls"):
+        bf16 = fe.init_ema(fe.local_shards(model), dtype=torch.bfloat16)
+    assert writer.plan_save(bf16, 0.5, layout, "t")["dtype"] == "bfloat16"
+    nothing = ShardLayout(1, 2, 3, {})  # a rank holding no trainable parameter
+    assert writer.plan_save(EmaState(torch.tensor(0), ({},)), None, nothing, "t")["dtype"] == "float32"
+
+
+class _NoDescribe:
+    """A user schedule following the protocol (callable, ``interval``) without ``describe``."""
+
+    def __call__(self, step: int) -> float:
+        return 0.5
+
+    def interval(self, start: int, stop: int) -> float:
+        return 0.5 ** (stop - start)
+
+    def __repr__(self) -> str:
+        return "NoDescribe()"
+
+
+class _OddDescribe(_NoDescribe):
+    def describe(self) -> dict:
+        return {"kind": "odd", "value": {1, 2}}  # a set: not JSON
+
+
+def test_describe_decays() -> None:
+    """One description per EMA; a schedule without ``describe`` is named by its repr; a wrong count or a
+    description that is not JSON is refused."""
+    assert writer.describe_decays(None, 3) is None
+    assert writer.describe_decays(0.5, 1) == [{"kind": "constant", "decay": 0.5}]
+    assert writer.describe_decays((0.5, _NoDescribe()), 2) == [
+        {"kind": "constant", "decay": 0.5},
+        {"kind": "callable", "name": "NoDescribe()"},
+    ]
+    with pytest.raises(ValueError) as info:
+        writer.describe_decays([0.5], 2)
+    assert str(info.value) == "got 1 decays for a state tracking 2 EMAs"
+    with pytest.raises(TypeError, match="Object of type set is not JSON serializable"):
+        writer.describe_decays(_OddDescribe(), 1)
+
+
+def test_check_state_names_the_rank_and_the_problem() -> None:
+    """A state that does not fit the rank's pieces, or mixes dtypes, is refused naming the rank."""
+    layout = _zero3(1)
+    assert writer.check_state(_pieces(layout), layout) == torch.float32
+    short = EmaState(torch.tensor(7), ({"a": torch.zeros(3), "b": torch.zeros(2)},))
+    with pytest.raises(CheckpointMismatchError) as info:
+        writer.check_state(short, layout)
+    assert str(info.value) == (
+        "save on rank 1: state.emas[0]['b'] has 2 elements but rank 1's piece of it has 1: the state was cut "
+        "for another world size, sharding or model. Save the state made for this model: "
+        "init_ema(local_shards(model)), update or load"
+    )
+    mixed = EmaState(
+        torch.tensor(7),
+        ({"a": torch.zeros(3), "b": torch.zeros(1)}, {"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(1)}),
+    )
+    with pytest.raises(CheckpointMismatchError) as info:
+        writer.check_state(mixed, layout)
+    assert str(info.value) == (
+        "save on rank 1: the EMA tensors mix dtypes ['torch.bfloat16', 'torch.float32']; a checkpoint stores one "
+        "EMA dtype. Save the state made for this model: init_ema(local_shards(model)), update or load"
+    )
+
+
+def test_check_extra() -> None:
+    """``extra``: a JSON object (keys sorted, as the manifest reads back), at most MAX_EXTRA_BYTES as JSON."""
+    assert writer.check_extra(None) is None
+    out = writer.check_extra({"b": {"y": 1, "x": [True, None]}, "a": "s"})
+    assert out == {"a": "s", "b": {"x": [True, None], "y": 1}}
+    assert list(out) == ["a", "b"] and list(out["b"]) == ["x", "y"]
+    with pytest.raises(TypeError) as info:
+        writer.check_extra([1])
+    assert str(info.value) == "save(extra=...) takes a dict of JSON values (or None), got list"
+    prefix = "save(extra=...) must hold JSON values only (str keys; numbers, strings, lists, dicts, true/false/null; no NaN): "
+    for bad, why in [
+        ({"x": float("nan")}, "Out of range float values are not JSON compliant"),
+        ({"x": torch.zeros(1)}, "Object of type Tensor is not JSON serializable"),
+    ]:
+        with pytest.raises(TypeError) as info:
+            writer.check_extra(bad)
+        assert str(info.value).startswith(prefix) and why in str(info.value), str(info.value)
+    fits = {"k": "x" * (MAX_EXTRA_BYTES - len('{"k": ""}'))}
+    assert writer.check_extra(fits) == fits
+    with pytest.raises(ValueError) as info:
+        writer.check_extra({"k": fits["k"] + "x"})
+    assert str(info.value) == (
+        f"save(extra=...) is {MAX_EXTRA_BYTES + 1} bytes as JSON; at most {MAX_EXTRA_BYTES} (it is copied into every "
+        "rank file's header): keep weights and large data out of it"
+    )
+
+
+def test_read_generation(tmp_path: Path) -> None:
+    """The next generation: one more than the complete checkpoint's, else 0 (no or an unreadable manifest)."""
+    assert writer.read_generation(tmp_path) == 0
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"generation": 4}))
+    assert writer.read_generation(tmp_path) == 5
+    (tmp_path / MANIFEST_NAME).write_text("{not json")
+    assert writer.read_generation(tmp_path) == 0
+
+
+# ------------------------------------------------------------------------- a rank's files
+
+
+def _experts(rank: int = 1) -> ShardLayout:
+    """ZeRO-1 over 2 ranks with expert parallelism: rank ``rank`` holds half of w and expert ``rank`` whole
+    (an empty piece of the other expert)."""
+    specs = {"w": ShardSpec((4,), 2 * rank, 2)} | {f"e.{i}": ShardSpec((3,), 0, 3 if i == rank else 0) for i in (0, 1)}
+    return ShardLayout(rank, 2, 1, specs, tp_dims={"w": 0}, experts=ExpertLayout(rank, 2, {"e.0": 0, "e.1": 1}))
+
+
+def test_file_names_and_metadata() -> None:
+    """The names a rank writes (its part, rank, world and generation), each file's string metadata and
+    the manifest's record of the rank's part, field by field."""
+    model = _model()
+    buffers = fb.init_buffers(model, num_emas=2, step=7)
+    _, layout, plan = _plan(model, buffers=buffers, extra={"b": 1, "a": 2})
+    assert writer.save_files(layout, 0, True, True) == [
+        "ema_rank_00000_of_00001.safetensors",
+        "buffers_rank_00000_of_00001.safetensors",
+    ]
+    assert writer.save_files(layout, 2, False, True) == ["ema_rank_00000_of_00001.gen2.safetensors"]
+    assert writer.save_files(layout, 0, True, False) == ["buffers_rank_00000_of_00001.safetensors"]
+    assert writer.save_files(layout, 0, False, False) == []
+    part = _zero3(1, part=ModelPart(tp=1, tp_size=2))
+    assert writer.save_files(part, 3, True, True) == [
+        "ema_tp001of002_pp000of001_rank_00001_of_00002.gen3.safetensors",
+        "buffers_tp001of002_pp000of001_rank_00001_of_00002.gen3.safetensors",
+    ]
+    unsorted = dict(plan, extra={"b": 1, "a": 2})  # the file's header is the same whatever the dict's order
+    assert writer.rank_file_meta(unsorted, layout, 3) == {
+        "format": "functional_ema.ema_shards",
+        "format_version": str(FORMAT_VERSION),
+        "library": VERSION,
+        "tag": "t",
+        "step": "7",
+        "num_emas": "2",
+        "dtype": "float32",
+        "schedules": '[{"kind": "constant", "decay": 0.9}, {"kind": "constant", "decay": 0.99}]',
+        "extra": '{"a": 2, "b": 1}',
+        "world_size": "1",
+        "rank": "0",
+        "zero_stage": "0",
+        "generation": "3",
+        "layout": '{"rank":0,"world_size":1,"stage":0,"engine":"module","specs":{"0.weight":[[2,3],0,6],'
+        '"0.bias":[[2],0,2],"1.weight":[[2],0,2],"1.bias":[[2],0,2]}}',
+    }
+    assert writer.buffer_file_meta(plan, layout, 3) == {
+        "format": "functional_ema.buffers",
+        "format_version": str(FORMAT_VERSION),
+        "library": VERSION,
+        "tag": "t",
+        "step": "7",
+        "generation": "3",
+        "rank": "0",
+        "world_size": "1",
+        "num_emas": "2",
+        "dtype": "float32",
+    }
+    assert writer.part_record(layout, plan) == {
+        "part": {"tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1},
+        "world_size": 1,
+        "zero_stage": 0,
+        "params": {"0.weight": [2, 3], "0.bias": [2], "1.weight": [2], "1.bias": [2]},
+        "tp_dims": None,
+        "buffers": plan["buffers"],
+        "experts": None,
+    }
+    experts = _experts()
+    assert writer.part_record(experts, dict(plan, buffers=None)) == {
+        "part": {"tp": 0, "tp_size": 1, "pp": 0, "pp_size": 1},
+        "world_size": 2,
+        "zero_stage": 1,
+        "params": {"w": [4], "e.0": [3], "e.1": [3]},
+        "tp_dims": {"w": 0},
+        "buffers": None,
+        "experts": {"ep_size": 2, "owners": {"e.0": 0, "e.1": 1}},
+    }
+
+
+def test_rank_and_buffer_files_and_their_records(tmp_path: Path) -> None:
+    """A rank file holds ``emas.<k>.<name>`` (this rank's pieces, in the layout's order) and its record names
+    the rank (and expert-parallel rank), the file, its size, the header checksum and every tensor's
+    checksum in file order, and where the pieces sit; a buffer file's record lists checksums per tensor."""
+    model = _model()
+    buffers = fb.init_buffers(model, num_emas=2, step=7)
+    state, layout, plan = _plan(model, buffers=buffers)
+    for ema in state.emas:  # distinct values per EMA and parameter
+        for i, t in enumerate(ema.values()):
+            t.copy_(torch.arange(t.numel()).reshape(t.shape) + 100.0 * i)
+    path = tmp_path / "ema_rank_00000_of_00001.safetensors"
+    record = writer.write_rank_file(path, layout, state.emas, torch.float32, writer.rank_file_meta(plan, layout, 0))
+    header, _, data = _parse(path)
+    keys = [f"emas.{k}.{n}" for k in range(2) for n in ("0.weight", "0.bias", "1.weight", "1.bias")]
+    assert [k for k in header if k != "__metadata__"] == keys
+    for key in keys:
+        k, name = key.split(".", 2)[1:]
+        lo, hi = header[key]["data_offsets"]
+        assert torch.equal(
+            torch.frombuffer(bytearray(data[lo:hi]), dtype=torch.float32), state.emas[int(k)][name].reshape(-1)
+        )
+    head_sum, sums = _checksums(path)
+    assert record == {
+        "rank": 0,
+        "file": path.name,
+        "bytes": path.stat().st_size,
+        "header_checksum": head_sum,
+        "chunk_checksums": "".join(sums[k][0] for k in keys),
+        "pieces": {"0.weight": [0, 6], "0.bias": [0, 2], "1.weight": [0, 2], "1.bias": [0, 2]},
+    }
+    bpath = tmp_path / "buffers_rank_00000_of_00001.safetensors"
+    brecord = writer.write_buffer_file(bpath, 0, buffers, plan["buffers"], writer.buffer_file_meta(plan, layout, 0))
+    head_sum, sums = _checksums(bpath)
+    assert list(sums) == [
+        "emas.0.1.running_mean",
+        "emas.0.1.running_var",
+        "emas.1.1.running_mean",
+        "emas.1.1.running_var",
+        "copied.1.num_batches_tracked",
+    ]
+    assert brecord == {
+        "rank": 0,
+        "file": bpath.name,
+        "bytes": bpath.stat().st_size,
+        "header_checksum": head_sum,
+        "tensor_checksums": sums,
+    }
+    experts = _experts()
+    epath = tmp_path / "ema_rank_00001_of_00002.safetensors"
+    record = writer.write_rank_file(epath, experts, _pieces(experts).emas, torch.float32, {"x": "y"})
+    head_sum, sums = _checksums(epath)
+    assert record == {
+        "rank": 1,
+        "file": epath.name,
+        "bytes": epath.stat().st_size,
+        "header_checksum": head_sum,
+        "chunk_checksums": "".join(v for vs in sums.values() for v in vs),
+        "ep": 1,
+        "pieces": {"w": [2, 2], "e.0": [0, 0], "e.1": [0, 3]},
+    }
+
+
+# ------------------------------------------------------------------------------- the manifest
+
+
+def _write(tag_dir: Path, layout: ShardLayout, generation: int = 0, buffers: Any = None, **plan_kw: Any) -> dict:
+    """What one rank writes into ``tag_dir`` and its record (``{"part", "file", "buffers"}``), as a save does."""
+    state = _pieces(layout)
+    plan = writer.plan_save(state, [0.9, 0.99], layout, "t", buffers, **plan_kw)
+    names = writer.save_files(layout, generation, buffers is not None, layout.writes_pieces)
+    record: dict[str, Any] = {"part": writer.part_record(layout, plan)}
+    meta = writer.rank_file_meta(plan, layout, generation)
+    record["file"] = writer.write_rank_file(tag_dir / names[0], layout, state.emas, torch.float32, meta)
+    if buffers is not None:
+        meta = writer.buffer_file_meta(plan, layout, generation)
+        record["buffers"] = writer.write_buffer_file(tag_dir / names[-1], layout.rank, buffers, plan["buffers"], meta)
+    return record
+
+
+def _listed(record: dict) -> dict:
+    """A rank file's record as the manifest lists it (without the pieces, which the piece index replaces)."""
+    return {k: v for k, v in record.items() if k != writer.PIECES}
+
+
+def _top(plan: dict, note: str, **extra: Any) -> dict:
+    """The fields every manifest starts with, in order."""
+    return {
+        "format": "functional_ema.manifest",
+        "format_version": FORMAT_VERSION,
+        "library": VERSION,
+        "note": NOTE + note,
+        "tag": "t",
+        **extra,
+        "generation": plan["generation"],
+        "step": 7,
+        "num_emas": 2,
+        "dtype": "float32",
+        "schedules": [{"kind": "constant", "decay": 0.9}, {"kind": "constant", "decay": 0.99}],
+        "extra": plan["extra"],
+        "chunk_bytes": 4 << 20,
+        "checksum": "xxh3_64",
+    }
+
+
+def test_build_manifest_of_a_whole_model(tmp_path: Path) -> None:
+    """One part: its fields at the top level after the save's, the files and buffer files sorted by rank,
+    the piece index of ZeRO-3's even cut, no model-parallel fields, the caller's fields after the tag."""
+    buffers = fb.init_buffers(_model(), num_emas=2, step=7)
+    records = [_write(tmp_path, _zero3(r), 2, buffers, extra={"z": 1}) for r in (1, 0)]  # rank 1's first
+    plan = dict(writer.plan_save(_pieces(_zero3(0)), [0.9, 0.99], _zero3(0), "t", buffers, {"z": 1}), generation=2)
+    manifest = writer.build_manifest(plan, records, save_id="abc")
+    expected = _top(plan, ".", save_id="abc") | {
+        "world_size": 2,
+        "zero_stage": 3,
+        "params": {"a": [2, 3], "b": [3]},
+        "buffers": plan["buffers"],
+        "files": [_listed(records[1]["file"]), _listed(records[0]["file"])],
+        "buffer_files": [records[1]["buffers"], records[0]["buffers"]],
+        "piece_index": {"a": 3, "b": 2},  # rank r holds elements [r*c, (r+1)*c)
+    }
+    assert manifest == expected
+    assert list(manifest) == list(expected)
+    assert [f["file"] for f in manifest["files"]] == [
+        "ema_rank_00000_of_00002.gen2.safetensors",
+        "ema_rank_00001_of_00002.gen2.safetensors",
+    ]
+
+
+def test_build_manifest_of_model_parallel_parts(tmp_path: Path) -> None:
+    """Several parts: ``parts`` sorted by (pipeline stage, tensor-parallel rank) whatever the records'
+    order (or the key order of their part), each with its sorted files and tensor-parallel dims; no piece
+    index for a part whose files' pieces are unknown; one part that is not the whole model is a part too."""
+    tp_dims = {"a": 0, "b": None}
+    layouts = {(t, r): _zero3(r, part=ModelPart(tp=t, tp_size=2), tp_dims=tp_dims) for t in (0, 1) for r in (0, 1)}
+    records = {key: _write(tmp_path, lay) for key, lay in layouts.items()}
+    for r in (0, 1):
+        records[1, r]["file"].pop(writer.PIECES)  # e.g. a writer that did not say
+    records[0, 1]["part"]["part"] = dict(reversed(list(records[0, 1]["part"]["part"].items())))
+    plan = writer.plan_save(_pieces(layouts[0, 0]), [0.9, 0.99], layouts[0, 0], "t")
+    order = [(1, 1), (0, 0), (1, 0), (0, 1)]
+    manifest = writer.build_manifest(plan, [records[k] for k in order])
+
+    def part(t: int) -> dict:
+        return {
+            "part": {"tp": t, "tp_size": 2, "pp": 0, "pp_size": 1},
+            "world_size": 2,
+            "zero_stage": 3,
+            "params": {"a": [2, 3], "b": [3]},
+            "tp_dims": tp_dims,
+            "files": [_listed(records[t, r]["file"]) for r in (0, 1)],
+        }
+
+    mp = ", and which model-parallel part (tensor-parallel rank, pipeline stage) it holds."
+    expected = _top(plan, mp) | {"parts": [part(0) | {"piece_index": {"a": 3, "b": 2}}, part(1)]}
+    assert manifest == expected
+    assert list(manifest) == list(expected) and [list(p) for p in manifest["parts"]] == [
+        list(p) for p in expected["parts"]
+    ]
+    one = writer.build_manifest(plan, [records[0, 1], records[0, 0]])
+    assert one == _top(plan, mp) | {"parts": [part(0) | {"piece_index": {"a": 3, "b": 2}}]}
+
+
+def test_build_manifest_with_experts_and_older_records(tmp_path: Path) -> None:
+    """Expert parallelism: the experts' owners are kept and no piece index is made (each file holds its own
+    experts); a part record without an ``experts`` field (an older writer) is taken as none."""
+    records = [_write(tmp_path, _experts(r)) for r in (0, 1)]
+    plan = writer.plan_save(_pieces(_experts(0)), [0.9, 0.99], _experts(0), "t")
+    manifest = writer.build_manifest(plan, records)
+    assert manifest == _top(plan, ".") | {
+        "world_size": 2,
+        "zero_stage": 1,
+        "params": {"w": [4], "e.0": [3], "e.1": [3]},
+        "tp_dims": {"w": 0},
+        "experts": {"ep_size": 2, "owners": {"e.0": 0, "e.1": 1}},
+        "files": [_listed(r["file"]) for r in records],
+    }
+    assert [f["ep"] for f in manifest["files"]] == [0, 1]
+    older = [_write(tmp_path, _zero3(r)) for r in (0, 1)]
+    for r in older:
+        del r["part"]["experts"]
+    manifest = writer.build_manifest(plan, older)
+    assert "experts" not in manifest and manifest["piece_index"] == {"a": 3, "b": 2}
+
+
+def test_build_manifest_refuses_ranks_that_describe_a_part_differently(tmp_path: Path) -> None:
+    """Two ranks of one part with other parameters: refused, naming the part."""
+    for part, named in [(ModelPart(), "the whole model"), (ModelPart(tp=1, tp_size=2), "tensor-parallel rank 1 of 2")]:
+        lay = _zero3(0, part=part)
+        other = lay._replace(rank=1, specs=dict(lay.specs, c=ShardSpec((1,), 0, 1)))
+        records = [_write(tmp_path, lay), _write(tmp_path, other)]
+        with pytest.raises(CheckpointError) as info:
+            writer.build_manifest(writer.plan_save(_pieces(lay), None, lay, "t"), records)
+        assert str(info.value) == (
+            f"save: the ranks of {named} describe it differently (parameters, shapes, world size or buffers); "
+            "every rank of a part must hold the same model"
+        )
+
+
+# ------------------------------------------------------------------------- commit and cleanup
+
+
+def test_commit_manifest_then_cleanup(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The commit writes the manifest (indented JSON) and the ``ema_latest`` pointer, then removes the older
+    generations' files and the temporary files of crashed saves, and nothing else (another library's files,
+    files named almost like its own, the lock); a stale entry it cannot remove is logged."""
+    tag_dir = tmp_path / "t"
+    tag_dir.mkdir()
+    stale = [
+        "ema_rank_00000_of_00002.safetensors",  # generation 0, replaced by generation 1
+        "buffers_rank_00001_of_00002.safetensors",
+        "ema_rank_00003_of_00004.gen5.safetensors",  # another world size
+        "ema_rank_00000_of_00002.gen1.safetensors.tmp-123-abcdef",  # crashed saves' temporary files
+        "buffers_rank_00000_of_00002.safetensors.tmp-1-aa",
+        f"{MANIFEST_NAME}.tmp-9-ff",
+    ]
+    kept = [
+        "mp_rank_00_model_states.pt",
+        "mp_rank_00_model_states.pt.tmp-5-aa",  # DeepSpeed's own temporary file
+        "ema_rank_notes.txt",
+        "zero_to_fp32.py",
+        LOCK_NAME,
+    ]
+    for name in stale + kept:
+        (tag_dir / name).write_bytes(b"x")
+    (tag_dir / "ema_rank_00009_of_00010.safetensors").mkdir()  # named like a rank file: unlink fails
+    buffers = fb.init_buffers(_model(), num_emas=2, step=7)
+    records = [_write(tag_dir, _zero3(r), 1, buffers) for r in (0, 1)]
+    plan = dict(writer.plan_save(_pieces(_zero3(0)), None, _zero3(0), "t", buffers), generation=1)
+    manifest = writer.build_manifest(plan, records)
+    with caplog.at_level(logging.WARNING, logger="functional_ema"):
+        writer.commit_manifest(tmp_path, tag_dir, manifest)
+    assert (tag_dir / MANIFEST_NAME).read_bytes() == json.dumps(manifest, indent=1).encode()
+    assert (tmp_path / LATEST_NAME).read_bytes() == b"t\n"
+    written = [e["file"] for e in manifest["files"] + manifest["buffer_files"]]
+    assert sorted(os.listdir(tag_dir)) == sorted(
+        [*kept, *written, MANIFEST_NAME, "ema_rank_00009_of_00010.safetensors"]
+    )
+    bad = tag_dir / "ema_rank_00009_of_00010.safetensors"
+    assert caplog.messages == [f"functional_ema: could not remove stale {bad}: [Errno 21] Is a directory: '{bad}'"]
+
+
+def test_remove_unlisted_keeps_what_the_manifest_lists(tmp_path: Path) -> None:
+    """After a failed save a rank removes its new files, except those the complete manifest lists (rank
+    and buffer files, whole-model or part manifests); without a readable manifest, all of them; never
+    another file, and a file already gone is no error."""
+    mine = ["ema_rank_00000_of_00002.safetensors", "buffers_rank_00000_of_00002.safetensors"]
+    new = ["ema_rank_00000_of_00002.gen1.safetensors", "buffers_rank_00000_of_00002.gen1.safetensors"]
+    whole = {"files": [{"file": mine[0]}], "buffer_files": [{"file": mine[1]}]}
+    parts = {"parts": [{"buffer_files": None}, whole]}  # a damaged part without files hides no other part's
+    for manifest, left in [(whole, mine), (parts, mine), (None, []), ("{broken", [])]:
+        tag_dir = tmp_path / f"case{len(os.listdir(tmp_path))}"
+        tag_dir.mkdir()
+        for name in [*mine, *new, "keep.bin"]:
+            (tag_dir / name).write_bytes(b"x")
+        if manifest is not None:
+            (tag_dir / MANIFEST_NAME).write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+        writer.remove_unlisted(tag_dir, [])
+        assert len(os.listdir(tag_dir)) == 5 + (manifest is not None)
+        writer.remove_unlisted(tag_dir, [*mine, *new, "ema_rank_00001_of_00002.gen1.safetensors"])
+        assert sorted(os.listdir(tag_dir)) == sorted([*left, "keep.bin"] + ([MANIFEST_NAME] if manifest else [])), (
+            manifest
+        )
+
+
+# ------------------------------------------------------------------------------- the tag lock
+
+
+def _holder(thread: str = "MainThread", pid: int | None = None) -> str:
+    return f"pid {os.getpid() if pid is None else pid} on {socket.gethostname()}, thread {thread}"
+
+
+def _busy(tag_dir: Path, holder: str, timeout: str = "0.05") -> str:
+    return (
+        f"save: tag {tag_dir.name!r} in {tag_dir.parent} is being written by another save ({holder}) and it did not "
+        f"finish within {timeout} s. One save writes a tag at a time: wait for the other one (AsyncSaver.wait()), "
+        "or save under another tag"
+    )
+
+
+def test_tag_lock_creates_records_and_releases(tmp_path: Path) -> None:
+    """Taking a tag creates its folder (and says so) and a lock file (mode 0644 less the umask) naming the
+    holder, overwriting what a dead holder left; releasing removes the file, and the folder only when asked,
+    if the lock created it and it is empty."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tag_dir = tmp_path / "new" / "t"
+    lock = writer.TagLock.acquire(tag_dir, 1, "save")
+    assert (lock.tag_dir, lock.created) == (tag_dir, True)
+    path = tag_dir / LOCK_NAME
+    assert path.read_text() == _holder() and path.stat().st_mode & 0o777 == 0o644 & ~umask
+    lock.release()
+    lock.release()  # idempotent
+    assert os.listdir(tag_dir) == []  # the folder stays unless asked
+    lock = writer.TagLock.acquire(tag_dir, 1, "save")
+    assert lock.created is False
+    lock.release(remove_empty=True)
+    assert tag_dir.is_dir()  # not made by this lock
+    os.rmdir(tag_dir)
+    lock = writer.TagLock.acquire(tag_dir, 1, "save")
+    path.unlink()  # someone removed the lock file: releasing is still no error
+    lock.release(remove_empty=True)
+    assert not tag_dir.exists()
+    lock = writer.TagLock.acquire(tag_dir, 1, "save")
+    (tag_dir / "written").write_bytes(b"x")
+    lock.release(remove_empty=True)
+    assert os.listdir(tag_dir) == ["written"]
+
+
+def test_tag_lock_of_a_dead_holder_is_taken_at_once(tmp_path: Path) -> None:
+    """A holder that died without releasing leaves its lock file (naming its pid), but the kernel dropped
+    its lock: the next save takes the tag at once and records itself instead."""
+    tag_dir = tmp_path / "t"
+    dead = "holder-that-died-" + "x" * 60
+    pid = os.fork()
+    if pid == 0:  # the dead holder: takes the tag on a thread and exits without releasing it
+        try:
+            t = threading.Thread(target=writer.TagLock.acquire, args=(tag_dir, 5, "save"), name=dead)
+            t.start()
+            t.join()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert (tag_dir / LOCK_NAME).read_text() == _holder(dead, pid)
+    t0 = time.monotonic()
+    lock = writer.TagLock.acquire(tag_dir, 5, "save")
+    assert time.monotonic() - t0 < 1.0
+    assert (tag_dir / LOCK_NAME).read_text() == _holder() and lock.created is False
+    lock.release()
+
+
+def test_tag_lock_held_by_another_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second save of a held tag waits, then names the tag, its folder and the holder (its record's first
+    200 characters, or "holder unknown" when there is none, it is not text or cannot be read)."""
+    tag_dir = tmp_path / "t"
+    held = writer.TagLock.acquire(tag_dir, 1, "save")
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError) as info:
+        writer.TagLock.acquire(tag_dir, 0.05, "save")
+    assert time.monotonic() - t0 >= 0.05
+    assert str(info.value) == _busy(tag_dir, _holder())
+    path = tag_dir / LOCK_NAME
+    long = "thread " + "y" * 300
+    for content, holder in [(long.encode(), long[:200]), (b"", "holder unknown"), (b"\xff\xfe", "holder unknown")]:
+        with open(path, "r+b") as f:  # the same file, another record
+            f.truncate(0)
+            f.write(content)
+        with pytest.raises(CheckpointError) as info:
+            writer.TagLock.acquire(tag_dir, 0.05, "save")
+        assert str(info.value) == _busy(tag_dir, holder)
+    path.write_text("pid 1 on h, thread T")
+
+    def unreadable(fd: int, n: int, offset: int) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pread", unreadable)
+    with pytest.raises(CheckpointError) as info:
+        writer.TagLock.acquire(tag_dir, 0.05, "save")
+    assert str(info.value) == _busy(tag_dir, "holder unknown")
+    monkeypatch.undo()
+    held.release()
+
+
+def test_tag_lock_waits_for_the_holder(tmp_path: Path) -> None:
+    """A waiter takes the tag soon after the holder releases it (polling every 2 to 50 ms), on the new lock
+    file the holder's release left room for, and records itself there."""
+    tag_dir = tmp_path / "t"
+    for hold in (0.05, 1.2):
+        held = writer.TagLock.acquire(tag_dir, 1, "save")
+        released: list[float] = []
+        timer = threading.Timer(hold, lambda h=held: (h.release(), released.append(time.monotonic())))
+        timer.start()
+        lock = writer.TagLock.acquire(tag_dir, 10, "save")
+        taken = time.monotonic()
+        timer.join()
+        assert taken - released[0] < 0.5, (hold, taken - released[0])
+        assert (tag_dir / LOCK_NAME).read_text() == _holder()
+        lock.release()
+
+
+def test_tag_lock_taken_while_the_holder_removes_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder gives the tag up (removing its lock file) between a waiter's open and its lock: the
+    waiter then holds a removed file, so it takes the tag again, on the lock file now at the path."""
+    tag_dir = tmp_path / "t"
+    held = writer.TagLock.acquire(tag_dir, 1, "save")
+    real, locked = fcntl.flock, []
+
+    def flock(fd: int, op: int) -> None:
+        locked.append(fd)
+        if len(locked) == 1:
+            held.release()  # now: after this waiter opened the file, before it locks it
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    lock = writer.TagLock.acquire(tag_dir, 1, "save")
+    monkeypatch.undo()
+    assert len(locked) == 2 and (tag_dir / LOCK_NAME).read_text() == _holder()
+    with pytest.raises(CheckpointError, match="being written by another save"):  # it holds that file's lock
+        writer.TagLock.acquire(tag_dir, 0.05, "save")
+    lock.release()
+
+
+def test_tag_lock_without_flock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A filesystem without ``flock`` (some network mounts): the save goes on unlocked and says so; a full
+    disk that cannot take the holder's record does not stop it either."""
+
+    def no_lock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    tag_dir = tmp_path / "t"
+    monkeypatch.setattr(writer.fcntl, "flock", no_lock)
+    with caplog.at_level(logging.WARNING, logger="functional_ema"):
+        lock = writer.TagLock.acquire(tag_dir, 1, "save")
+    assert (lock.tag_dir, lock.created) == (tag_dir, True)
+    assert caplog.messages == [
+        f"functional_ema: cannot lock {tag_dir / LOCK_NAME} ([Errno 37] No locks available); concurrent saves of "
+        "this tag are not excluded"
+    ]
+    lock.release()
+    monkeypatch.undo()
+
+    def full(fd: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tag_dir / LOCK_NAME).unlink()
+    monkeypatch.setattr(os, "ftruncate", full)
+    lock = writer.TagLock.acquire(tag_dir, 1, "save")
+    monkeypatch.undo()
+    assert (tag_dir / LOCK_NAME).read_bytes() == b""
+    with pytest.raises(CheckpointError, match="holder unknown"):  # it holds the tag all the same
+        writer.TagLock.acquire(tag_dir, 0.05, "save")
+    lock.release()
+
+
+# ---------------------------------------------------------------------- the folder is shared
+
+
+def test_check_shared(tmp_path: Path) -> None:
+    """A rank sees the committing rank's lock file (at once, or once it appears within ``wait`` s, 2 s by
+    default); otherwise it refuses the save, naming itself, the folder and the lock file."""
+    tag_dir = tmp_path / "t"
+    tag_dir.mkdir()
+    (tag_dir / LOCK_NAME).write_bytes(b"")
+    assert writer.check_shared(tag_dir, 1, "save", wait=0) is None
+    (tag_dir / LOCK_NAME).unlink()
+    timer = threading.Timer(0.1, (tag_dir / LOCK_NAME).write_bytes, args=(b"",))
+    timer.start()
+    t0 = time.monotonic()
+    writer.check_shared(tag_dir, 1, "save", wait=5)
+    assert time.monotonic() - t0 < 1.0
+    timer.join()
+    missing = tmp_path / "elsewhere" / "t"  # not even the folder: another node's disk
+    for wait, low, high in [(0.3, 0.3, 0.9), (None, 2.0, 2.9)]:
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError) as info:
+            writer.check_shared(missing, 3, "AsyncSaver.save", *([] if wait is None else [wait]))
+        assert low <= time.monotonic() - t0 < high
+        assert str(info.value) == (
+            f"AsyncSaver.save: rank 3 does not see the tag folder {missing} that rank 0 is writing (its lock file "
+            f"{LOCK_NAME} is missing here): the checkpoint directory is not shared by every rank (node-local "
+            "storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares. "
+            "Nothing was committed"
+        )
+
+
+# ---------------------------------------------------------------------- the ranks' agreement
+
+
+def test_check_plans_names_each_rank_and_field() -> None:
+    """Plans that differ in an agreed field (not the generation) are refused naming every rank's value of
+    each such field; model-parallel parts each describe their own buffers."""
+    model = _model()
+    _, _, plan = _plan(model, buffers=fb.init_buffers(model, num_emas=2, step=7), extra={"x": 1})
+    writer.check_plans([plan, dict(plan, generation=4), dict(plan)])
+    other = dict(plan, tag="u", dtype="bfloat16", buffers=None, extra={"x": 2})
+    with pytest.raises(CheckpointMismatchError) as info:
+        writer.check_plans([plan, plan, other])
+    shown = str(plan["buffers"])[:77] + "..."
+    assert str(info.value) == (
+        "save: ranks disagree on tag: rank 0: 't', rank 1: 't', rank 2: 'u'; and on dtype: rank 0: 'float32', "
+        "rank 1: 'float32', rank 2: 'bfloat16'; and on buffers: rank 0: "
+        f"{shown}, rank 1: {shown}, rank 2: None; and on extra: rank 0: {{'x': 1}}, rank 1: {{'x': 1}}, "
+        "rank 2: {'x': 2}" + FIX
+    )
+    with pytest.raises(CheckpointMismatchError) as info:
+        writer.check_plans([plan, dict(plan, step=8)])
+    assert str(info.value) == "save: ranks disagree on step: rank 0: 7, rank 1: 8" + FIX
+    parts = [_zero3(0, part=ModelPart(tp=t, tp_size=2)) for t in (0, 1)]
+    mp = [
+        writer.plan_save(_pieces(p), None, p, "t", fb.init_buffers(_model(width=2 + t), num_emas=2, step=7))
+        for t, p in enumerate(parts)
+    ]
+    assert mp[0]["buffers"] != mp[1]["buffers"] and mp[0]["layout"] == mp[1]["layout"]
+    writer.check_plans(mp)
+    with pytest.raises(CheckpointMismatchError) as info:
+        writer.check_plans([mp[0], dict(mp[1], tag="u")])
+    assert str(info.value) == "save: ranks disagree on tag: rank 0: 't', rank 1: 'u'" + FIX
+    with pytest.raises(CheckpointMismatchError) as info:  # but every part saves buffers, or none does
+        writer.check_plans([mp[0], dict(mp[1], buffers=None)])
+    assert str(info.value) == "save: ranks disagree on buffers: rank 0: True, rank 1: False" + FIX
+
+
+def test_agree_plans_on_one_rank() -> None:
+    """A job of one rank: its plan is both plans; a failing plan raises its own error (an OSError as a
+    CheckpointIOError naming the rank and file) once ``on_failure`` has run."""
+    model = _model()
+    _, _, plan = _plan(model)
+    failures: list[str] = []
+    mine, first = writer.agree_plans("save", lambda: plan, None, 1, 0, on_failure=lambda: failures.append("x"))
+    assert mine is plan and first is plan and failures == []
+    err = CheckpointMismatchError("this rank's plan failed")
+
+    def fail() -> dict:
+        raise err
+
+    with pytest.raises(CheckpointMismatchError) as info:
+        writer.agree_plans("save", fail, None, 1, 0, on_failure=lambda: failures.append("x"))
+    assert info.value is err and failures == ["x"]
+
+    def full() -> dict:
+        raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/t/f")
+
+    with pytest.raises(CheckpointIOError) as info:
+        writer.agree_plans("save", full, None, 1, 0)
+    assert str(info.value) == (
+        "rank 0 could not access /ckpt/t/f: No space left on device (errno 28, ENOSPC); free space on that "
+        "filesystem (or save elsewhere) and save again"
+    )
+
+
+#: The agreed plans of the 2-rank test: name, rank 0's generation and (async saves) token.
+AGREED = [("agree", 3, "00000000deadbeef"), ("agree_no_token", 0, None), ("agree_zero_token", 1, "0" * 16)]
+
+
+def _spy_collectives() -> dict[str, int]:
+    """Count this rank's all-reduces and object exchanges (each still runs): what an agreement cost."""
+    import torch.distributed as dist
+
+    calls = {"all_reduce": 0, "all_gather_object": 0}
+
+    def counted(name: str) -> Any:
+        real = getattr(dist, name)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return spy
+
+    for name in calls:
+        setattr(dist, name, counted(name))
+    return calls
+
+
+def _agree(calls: dict[str, int], rank: int, plan: Any, world: int = 2, on_failure: Any = None) -> dict[str, Any]:
+    """One agreement on this rank: ``{"mine", "first"}`` or ``{"error": [class, message]}``, with
+    ``"cost"``: the all-reduces and object exchanges it made."""
+    before = dict(calls)
+    try:
+        mine, first = writer.agree_plans("save (checking the state)", plan, None, world, rank, on_failure)
+        out: dict[str, Any] = {"mine": mine, "first": first}
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out = {"error": [type(e).__name__, str(e)]}
+    out["cost"] = [calls[n] - before[n] for n in calls]
+    return out
+
+
+def _replicated(model: torch.nn.Module, rank: int, dtype: torch.dtype = torch.float32) -> tuple[EmaState, ShardLayout]:
+    """A state of ``model`` and its layout as a plain (DDP) model replicated on 2 ranks reports it: whole
+    parameters, stage 0 (made here rather than read, so that the ranks skip the engines' imports)."""
+    params = dict(model.named_parameters())
+    specs = {n: ShardSpec(tuple(p.shape), 0, p.numel()) for n, p in params.items()}
+    state = fe.init_ema({n: p.detach() for n, p in params.items()}, num_emas=2, step=7, dtype=dtype)
+    return state, ShardLayout(rank, 2, 0, specs, "module")
+
+
+def _buffers(model: torch.nn.Module) -> fb.BufferState:
+    """Buffer EMAs of ``model`` at step 7, as ``init_buffers`` makes them (floating ones averaged, others copied)."""
+    named = dict(model.named_buffers())
+    floating = {n: b.detach().float().clone() for n, b in named.items() if b.is_floating_point()}
+    copied = {n: b.detach().clone() for n, b in named.items() if not b.is_floating_point()}
+    return fb.BufferState(torch.tensor(7), (floating, {n: b.clone() for n, b in floating.items()}), copied)
+
+
+def _plan_of(rank: int, tag: str = "t", width: int = 2, dtype: torch.dtype = torch.float32, **kw: Any) -> dict:
+    """This rank's plan for a plain model of ``width`` replicated on 2 ranks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a bfloat16 EMA's warning
+        state, layout = _replicated(_model(width=width), rank, dtype)
+    return writer.plan_save(state, [0.9, 0.99], layout, tag, **kw)
+
+
+def _agreements(calls: dict[str, int], rank: int) -> dict[str, Any]:
+    """Agreed plans: rank 0 adds the generation (and an async save's token); key order inside a field is no
+    difference. Then each rank as its own job of one rank (a plain module, rank 0 of it): nothing exchanged."""
+    out = {}
+    for name, generation, token in AGREED:
+        p = _plan_of(rank, extra={"b": 1, "a": 2})
+        if rank == 0:
+            p.update(generation=generation, **({"token": token} if token else {}))
+        else:
+            p["schedules"] = [dict(reversed(list(d.items()))) for d in p["schedules"]]
+        result = _agree(calls, rank, lambda p=p: p)
+        out[name] = dict(result, mine=result["mine"] is p, plan=p)
+    p = _plan_of(rank, tag=f"t{rank}")
+    result = _agree(calls, 0, lambda: p, world=1)
+    out["own_job"] = dict(result, mine=result["mine"] is p, first=result["first"] is p)
+    failures: list[int] = []
+    out["own_job_fails"] = _agree(calls, 0, lambda: _fails(f"rank {rank}'s own plan"), 1, lambda: failures.append(1))
+    out["own_job_fails"]["on_failure"] = len(failures)
+    return out
+
+
+def _fails(message: str) -> dict:
+    raise CheckpointMismatchError(message)
+
+
+def _failures(calls: dict[str, int], rank: int, root: Path) -> dict[str, Any]:
+    """Ranks that plan another tag, dtype and model (layout); rank 1's state that does not fit while rank 0
+    took the tag (its folder and lock file) and gives it up slowly (no rank raises before that is done);
+    every rank's plan failing."""
+    out, failures = {}, []
+    other = {"tag": "u", "width": 3, "dtype": torch.bfloat16} if rank == 1 else {}
+    out["disagree"] = _agree(calls, rank, lambda: _plan_of(rank, **other), on_failure=lambda: failures.append(2))
+    out["disagree"]["on_failure"] = failures.count(2)
+    tag_dir = root / "t"
+
+    def take() -> dict:
+        tag_dir.mkdir()
+        (tag_dir / LOCK_NAME).write_bytes(b"")
+        return _plan_of(rank)
+
+    def give_up() -> None:
+        time.sleep(0.3)
+        (tag_dir / LOCK_NAME).unlink()
+        tag_dir.rmdir()
+
+    unfit, layout = _replicated(_model(width=3), rank)[0], _replicated(_model(), rank)[1]
+    mine = take if rank == 0 else (lambda: writer.plan_save(unfit, None, layout, "t"))
+    out["one_fails"] = _agree(calls, rank, mine, on_failure=give_up if rank == 0 else lambda: failures.append(3))
+    out["one_fails"].update(on_failure=failures.count(3), left=tag_dir.exists())
+    out["all_fail"] = _agree(calls, rank, lambda: _fails(f"bad plan on rank {rank}"))
+    return out
+
+
+def _parts(calls: dict[str, int], rank: int) -> dict[str, Any]:
+    """Model-parallel parts (tensor-parallel rank = rank): each part's own buffers, but all or none."""
+    part = _zero3(0, part=ModelPart(tp=rank, tp_size=2))
+    bufs = _buffers(_model(width=2 + rank))
+    p = writer.plan_save(_pieces(part), None, part, "t", bufs)
+    result = _agree(calls, rank, lambda: p)
+    some = writer.plan_save(_pieces(part), None, part, "t", bufs if rank == 0 else None)
+    return {
+        "parts": dict(result, mine=result["mine"] is p, plan=p),
+        "parts_some_buffers": _agree(calls, rank, lambda: some),
+    }
+
+
+def _shared(rank: int, root: Path) -> dict[str, Any]:
+    """Writing: rank 1 must see rank 0's lock file (a shared folder), or every rank refuses the save."""
+    from functional_ema._checkpoint import collective
+
+    out: dict[str, Any] = {}
+    shared, own = root / "r0" / "t", root / f"r{rank}" / "t"
+    if rank == 0:
+        shared.mkdir(parents=True)
+        (shared / LOCK_NAME).write_bytes(b"")
+
+    def check(folder: Path) -> None:  # rank 0 holds the tag; the others check they see it
+        if rank:
+            writer.check_shared(folder, rank, "save", wait=0.3)
+
+    for name, folder in [("shared", shared), ("not_shared", own)]:
+        try:
+            collective.agree("save (writing the rank files)", lambda f=folder: check(f), None, 2, rank)
+            out[name] = None
+        except CheckpointError as e:
+            out[name] = [type(e).__name__, str(e)]
+    out["left"] = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    return out
+
+
+def agree_worker(root: str) -> dict[str, Any]:
+    """Each rank of test_agree_plans_on_two_ranks: every scenario's result or error and its cost."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    calls = _spy_collectives()
+    out = _agreements(calls, rank) | _failures(calls, rank, Path(root)) | _parts(calls, rank)
+    return out | _shared(rank, Path(root))
+
+
+def test_agree_plans_on_two_ranks(tmp_path: Path) -> None:
+    """Two ranks (plain torch.distributed): agreement costs one all-reduce and returns rank 0's generation
+    and token to every rank; a disagreement or a failed plan costs an exchange and a last all-reduce, and
+    every rank raises the same error (the failing rank its own) after every rank's ``on_failure``."""
+    res = run_ranks(
+        f"{__name__}:agree_worker", world_size=2, timeout=180, env={"FE_DIST_INIT": "torch"}, root=str(tmp_path)
+    )
+    fast, slow = [1, 0], [2, 1]
+    for name, generation, token in AGREED:
+        for r in (0, 1):
+            got = res[r][name]
+            assert got["mine"] is True and got["cost"] == fast, (name, r, got)
+            assert got["first"] == dict(got["plan"], generation=generation, token=token), (name, r)
+    for r in (0, 1):
+        assert res[r]["own_job"] == {"mine": True, "first": True, "cost": [0, 0]}
+        assert res[r]["own_job_fails"] == {
+            "error": ["CheckpointMismatchError", f"rank {r}'s own plan"],
+            "cost": [0, 0],
+            "on_failure": 1,
+        }
+    shapes = {w: [["0.weight", [w, 3]], ["0.bias", [w]], ["1.weight", [w]], ["1.bias", [w]]] for w in (2, 3)}
+    layouts = [f"'world_size=2 stage=0, 4 parameters #{_digest(shapes[w]):016x}'" for w in (2, 3)]
+    disagree = (
+        "save: ranks disagree on tag: rank 0: 't', rank 1: 'u'; and on dtype: rank 0: 'float32', rank 1: "
+        f"'bfloat16'; and on layout: rank 0: {layouts[0]}, rank 1: {layouts[1]}" + FIX
+    )
+    unfit = (
+        "save on rank 1: state.emas[0]['0.weight'] has 9 elements but rank 1's piece of it has 6: the state was cut "
+        "for another world size, sharding or model. Save the state made for this model: "
+        "init_ema(local_shards(model)), update or load"
+    )
+    failed = "save (checking the state) failed on rank {} of 2 (CheckpointMismatchError): {}"
+    for r in (0, 1):
+        assert res[r]["disagree"] == {"error": ["CheckpointMismatchError", disagree], "cost": slow, "on_failure": 1}
+        assert res[r]["all_fail"] == {
+            "error": [
+                "CheckpointMismatchError",
+                "bad plan on rank 0" if r == 0 else failed.format(0, "bad plan on rank 0"),
+            ],
+            "cost": slow,
+        }
+    assert res[1]["one_fails"] == {
+        "error": ["CheckpointMismatchError", unfit],
+        "cost": slow,
+        "on_failure": 1,
+        "left": False,
+    }
+    assert res[0]["one_fails"] == {
+        "error": ["CheckpointMismatchError", failed.format(1, unfit)],
+        "cost": slow,
+        "on_failure": 0,
+        "left": False,
+    }
+    for r in (0, 1):
+        got = res[r]["parts"]
+        assert got["mine"] is True and got["first"] == dict(got["plan"], token=None) and got["cost"] == fast
+        assert got["plan"]["buffers"]["floating"] == {"1.running_mean": [2 + r], "1.running_var": [2 + r]}
+        assert res[r]["parts_some_buffers"] == {
+            "error": ["CheckpointMismatchError", "save: ranks disagree on buffers: rank 0: True, rank 1: False" + FIX],
+            "cost": slow,
+        }
+    missing = (
+        f"save: rank 1 does not see the tag folder {tmp_path / 'r1' / 't'} that rank 0 is writing (its lock file "
+        f"{LOCK_NAME} is missing here): the checkpoint directory is not shared by every rank (node-local storage?). "
+        "A checkpoint saved so could not be loaded: save to a directory every rank shares. Nothing was committed"
+    )
+    assert res[1]["not_shared"] == ["CheckpointError", missing]
+    assert res[0]["not_shared"] == [
+        "CheckpointError",
+        f"save (writing the rank files) failed on rank 1 of 2 (CheckpointError): {missing}",
+    ]
+    assert res[0]["shared"] is None and res[1]["shared"] is None
+    assert res[0]["left"] == ["r0", "r0/t", f"r0/t/{LOCK_NAME}"]
