@@ -1,8 +1,9 @@
 """functional_ema/_checkpoint/collective.py: how the ranks of a collective verb agree.
 
-Two real launches (plain torch.distributed, gloo) call every function of the module directly and
-return what happened, scenario by scenario: the value, or the error's class, message and errno, the
-collectives each call made (a spy records the group, peer and tag of each), and the seconds it took.
+One real launch of 4 ranks (plain torch.distributed, gloo: two groups of two side by side, then the
+whole job) calls every function of the module directly and returns what happened, scenario by
+scenario: the value, or the error's class, message and errno; the collectives each call made (a spy
+records the group, peer, tag and message of each); and the seconds it took.
 The parent asserts them exactly: which rank raised what, naming which rank, field, expected and got.
 Waits that must time out use 0.5 s bounds on their own groups (a timeout closes its group's
 connections), and a rank that must be absent stays alive in the next scenario meanwhile (a rank that
@@ -385,7 +386,15 @@ def _job_wide_cases(rank: int, tag: str, link: str, run: Callable[..., None]) ->
     one = ["ema_rank0.safetensors", "ema_rank1.safetensors", "ema_rank0.safetensors", "ema_rank3.safetensors"]
     run("clash1", lambda: check([one[rank]], link if rank == 2 else tag))
     run("clash2", lambda: check([f"ema_rank{rank % 2}.safetensors"]))
-    run("distinct", lambda: check([f"ema_rank{rank}.safetensors"]))
+
+    def distinct() -> None:
+        os.environ[c.TIMEOUT_ENV] = "soon"  # a bad default wait: the explicit timeout= must be the one read
+        try:
+            check([f"ema_rank{rank}.safetensors"])
+        finally:
+            os.environ[c.TIMEOUT_ENV] = ENV[c.TIMEOUT_ENV]
+
+    run("distinct", distinct)
     if rank != 3:  # rank 3 never calls: the others time out (last: it leaves the default group unusable)
         run("absent", lambda: check([f"ema_rank{rank}.safetensors"], timeout=0.5))
 

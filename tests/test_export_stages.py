@@ -658,6 +658,14 @@ def test_plan_drops_the_one_prefix_most_names_need(tmp_path):
     # No prefix needed: '' is the shortest of the prefixes every name fits with.
     got = _plan({"model.a": (1,), "model.b": (2,)}, like)
     assert got.prefix == "" and [it.name for it in got.items] == ["model.a", "model.b", "b"]
+    # The most names win over the shortest (''), and a prefix of several components is dropped whole.
+    like3 = _like(tmp_path, {"model.a": _entry((1,)), "model.b": _entry((2,)), "z.y.model.a": _entry((1,))})
+    got = _plan({"z.y.model.a": (1,), "z.y.model.b": (2,)}, like3)
+    assert got.prefix == "z.y" and [(it.name, it.origin) for it in got.items] == [
+        ("model.a", "ema"),
+        ("model.b", "ema"),
+        ("z.y.model.a", "like"),
+    ]
 
 
 def test_plan_refuses_names_that_fit_only_under_different_prefixes(tmp_path):

@@ -2,11 +2,12 @@
 
 The manifests and rank-file layouts are real ones: ``tests/data/format/<layout>.json`` hold the manifest
 and the rank files' ``layout`` / ``schedules`` / ``extra`` metadata of real multi-rank saves of every layout
-(plain module, ZeRO-3, MoE, pipeline, DeepSpeed and FSDP2 tensor parallelism, FSDP2, HSDP: see
-``make_format.py`` there), ``tests/data/ckpt_v1`` a format-1 checkpoint, and a module fixture saves one in
-this process. Each case mutates one field of one of them and checks the refusal: the library's error class
+(plain module, ZeRO-3, MoE, pipeline, DeepSpeed and FSDP2 tensor parallelism, FSDP2, HSDP) and of a save in
+one process (``single``), written by ``make_format.py`` there; ``tests/data/ckpt_v1`` holds a format-1
+checkpoint. Each case mutates one field of one of them and checks the refusal: the library's error class
 and its whole message (the field's path, what it must be, what it holds); the clean ones must be accepted
-with the exact parsed result. One process, no ranks, about a second: ``make mutate`` reruns it per mutant.
+with the exact parsed result. One process, no ranks, no save (its engine detection imports
+torch.distributed.pipelining: seconds): ``make mutate`` reruns these tests per mutant.
 """
 
 from __future__ import annotations

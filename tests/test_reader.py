@@ -381,7 +381,11 @@ def test_format1_manifest_is_read(tmp_path: Path) -> None:
 
 
 def _rewrite(
-    tag_dir: Path, i: int, edit: Callable[[dict[str, torch.Tensor], dict[str, str]], None], key: str = "files"
+    tag_dir: Path,
+    i: int,
+    edit: Callable[[dict[str, torch.Tensor], dict[str, str]], None],
+    key: str = "files",
+    algo: str = _io.CHECKSUM,
 ) -> Path:
     """Rewrite the file of record ``i`` of the manifest's ``key`` with ``edit`` applied to its tensors (in file
     order) and metadata, and record its new size and checksums in the manifest, as a save of that file would."""
@@ -397,7 +401,7 @@ def _rewrite(
             st.read_into(k, tensors[k])
     edit(tensors, meta)
     entries = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-    with _io.StreamingWriter(path, entries, meta) as w:
+    with _io.StreamingWriter(path, entries, meta, algo=algo) as w:
         for k, t in tensors.items():
             w.write(k, t)
         size = w.commit()
@@ -1239,14 +1243,17 @@ def test_buffer_file_checks(tmp_path: Path) -> None:
     fresh()
     extra = [f"copied.z{i}" for i in range(5)]
 
+    gone = ["copied.bn.count", "copied.mask", "emas.0.bn.mean", "emas.0.bn.var", "emas.1.bn.var"]
+
     def tensors(t: dict, meta: dict) -> None:
-        t.pop("emas.0.bn.var")
+        for k in gone:
+            t.pop(k)
         t.update({k: torch.zeros(1) for k in extra})
 
     _rewrite(tag_dir, 1, tensors, "buffer_files")
     assert refused(CorruptCheckpointError) == (
         f"{where} holds other tensors than the manifest's field 'buffers' describes: only in the file "
-        f"{short_list(extra, 4)}, missing ['emas.0.bn.var']"
+        f"{short_list(extra, 4)}, missing {short_list(gone, 4)}"
     )
     for key, value, shown in (
         ("copied.bn.count", torch.tensor(6, dtype=torch.int32), "int32[] in the file but int64[]"),
@@ -1378,6 +1385,13 @@ def test_select_a_part(tmp_path: Path) -> None:
     assert [r.part for r in readers] == [ModelPart(0, 2), ModelPart(1, 2)]
     for r in readers:
         r.close()
+    _write(root, _tp(2), tag="u", values=_tp_values)  # now ema_latest names 'u'
+    path = root / "t" / "ema_tp001of002_pp000of001_rank_00000_of_00002.safetensors"
+    _flip(path, path.read_bytes().index(b"functional_ema ", 8))  # in the header
+    assert "the header does not match the checksum" in _msg(CorruptCheckpointError, lambda: open_parts(root, "t"))
+    readers = open_parts(root, "t", verify=False)
+    assert [(r.tag, r.part) for r in readers] == [("t", ModelPart(0, 2)), ("t", ModelPart(1, 2))]
+    assert torch.equal(_read(readers[1], "w", 0, 12, verify=False), _full("w", 0)[3:].reshape(-1))
     whole = tmp_path / "whole"
     _write(whole, _zero3(2))
     for part in (None, ModelPart()):
@@ -1861,6 +1875,9 @@ def test_joined_reader_edge_cases(tmp_path: Path) -> None:
             assert torch.equal(_joined(joined, "w"), _full("w", 0)[:3])
     with open_joined(mixed, "t", tp_dims=TP_DIMS) as joined:  # the split given: as tensor-parallel rank 0 records
         assert all(torch.equal(_joined(joined, n), _full(n, 0)) for n in TP_FULL)
+    assert _msg(CheckpointMismatchError, lambda: open_joined(mixed, "t", tp_dims={"w": 0})).startswith(
+        "tp_dims= does not say how ['v', 'b'] join"  # one rank's record is no record of the split
+    )
     half = tmp_path / "half"  # buffers saved by tensor-parallel rank 0 only
     _write(half, _tp(1), values=_tp_values, buffers=lambda lay: None if lay.part.tp else _bufs(lay))  # type: ignore[arg-type, return-value]
     with open_checkpoint(half, "t", True, ShardLayout(0, 1, 3, _even(0, 1, TP_FULL))) as ckpt:
@@ -1884,4 +1901,134 @@ def test_part_coverage_and_buffers_are_named_with_their_part(tmp_path: Path) -> 
         path.unlink()
         assert _msg(IncompleteCheckpointError, lambda: ckpt.read_buffers(1, 2)) == (
             f"{path} (buffers of rank 1 of 2, tensor-parallel rank 1 of 2) is missing: restore it or load another tag"
+        )
+
+
+def test_recut_of_experts_bf16_and_verified_buffers(tmp_path: Path) -> None:
+    moe = tmp_path / "moe"  # expert parallelism inside each tensor-parallel part
+    dims = {"b": None, "e0": None, "e1": None}
+    _write(moe, [lay._replace(part=ModelPart(t, 2), tp_dims=dims) for t in (0, 1) for lay in _moe()])
+    plain = ShardLayout(
+        0, 1, 3, {n: ShardSpec(s, 0, math.prod(s)) for n, s in (("b", (7,)), ("e0", (2, 3)), ("e1", (2, 3)))}
+    )
+    with open_checkpoint(moe, "t", True, plain) as ckpt:
+        assert isinstance(ckpt, RecutReader) and ckpt.experts == {"ep_size": 2, "owners": {"e0": 0, "e1": 1}}
+        assert "saved with expert-parallel size (ep_size) 2" in _msg(
+            CheckpointMismatchError, lambda: ckpt.check_experts(plain)
+        )
+    bf16 = tmp_path / "bf16"
+    _write(bf16, _tp(1), values=lambda lay, n, k: _tp_values(lay, n, k).to(torch.bfloat16), buffers=_bufs)
+    with open_checkpoint(bf16, "t", True, ShardLayout(0, 1, 3, _even(0, 1, TP_FULL))) as ckpt:
+        assert ckpt.dtype == torch.bfloat16
+        out = torch.empty(24, dtype=torch.bfloat16)
+        ckpt.fill(out, 1, "w", 0, 24, True)
+        assert torch.equal(out, _full("w", 1).reshape(-1).to(torch.bfloat16))
+        path = bf16 / "t" / "buffers_tp000of002_pp000of001_rank_00000_of_00001.safetensors"
+        with _io.SafetensorsFile(path) as st:
+            at = st.header_size + st.tensors["emas.0.bn.mean"].start
+        _flip(path, at)
+        assert "checksum mismatch in tensor 'emas.0.bn.mean'" in _msg(
+            CorruptCheckpointError, lambda: ckpt.read_buffers(0, 1)
+        )
+        _, emas, _ = ckpt.read_buffers(0, 1, verify=False)
+        assert not torch.equal(emas[0]["bn.mean"], _bufs(_tp(1)[0]).emas[0]["bn.mean"])
+
+
+def test_joined_buffers_of_tensor_and_pipeline_parts(tmp_path: Path) -> None:
+    """Buffers of a save split both ways: tensor-parallel rank 0's part of each pipeline stage, merged; checked
+    by default, read as they are without verification."""
+    from functional_ema._checkpoint.reader import JoinedReader
+
+    root = tmp_path / "ck"
+    layouts = []
+    for pp, names in ((0, ("w", "b")), (1, ("v",))):
+        for t in (0, 1):
+            part = ModelPart(t, 2, pp, 2)
+            local = {n: _tp_shapes(2)[n] for n in names}
+            dims = {n: TP_DIMS[n] for n in names}
+            layouts += [ShardLayout(r, 2, 3, _even(r, 2, local), part=part, tp_dims=dims) for r in range(2)]
+
+    def bufs(lay: ShardLayout) -> BufferState:
+        b = _bufs(lay._replace(rank=lay.rank + 3 * lay.part.tp))  # tensor-parallel rank 1's differ
+        if lay.part.pp == 1:
+            b.emas[0]["head.mean"] = torch.ones(2) * (lay.part.tp + 1)
+            b.emas[1]["head.mean"] = torch.zeros(2)
+        return b
+
+    _write(root, layouts, values=_tp_values, buffers=bufs)
+    with open_joined(root, "t") as joined:
+        assert joined.shapes == TP_FULL
+        assert all(torch.equal(_joined(joined, n, 1), _full(n, 1)) for n in TP_FULL)
+        num, emas, copied = joined.read_buffers()
+        assert num == 2 and torch.equal(emas[0]["head.mean"], torch.ones(2))  # stage 1, tensor-parallel rank 0
+        assert torch.equal(emas[1]["bn.var"], _bufs(layouts[0]).emas[1]["bn.var"])  # stage 0 first
+        assert torch.equal(copied["mask"], _bufs(layouts[0]).copied["mask"])
+        path = root / "t" / "buffers_tp000of002_pp001of002_rank_00000_of_00002.safetensors"
+        with _io.SafetensorsFile(path) as st:
+            at = st.header_size + st.tensors["emas.0.head.mean"].start
+        _flip(path, at)
+        assert "checksum mismatch in tensor 'emas.0.head.mean'" in _msg(CorruptCheckpointError, joined.read_buffers)
+        assert not torch.equal(joined.read_buffers(verify=False)[1][0]["head.mean"], torch.ones(2))
+    tp = tmp_path / "tp"
+    _write(tp, _tp(1), values=_tp_values, buffers=_bufs)
+    with JoinedReader([r for r in open_parts(tp, "t") if r.part.tp == 1]) as one:  # tensor-parallel rank 0 left out
+        assert torch.equal(_joined(one, "w"), _full("w", 0)[3:])
+        assert _msg(CorruptCheckpointError, one.read_buffers) == (
+            f"{tp / 't' / MANIFEST_NAME}: no part of tensor-parallel rank 0 holds buffers; the manifest is damaged"
+        )
+
+
+def test_buffer_file_size_is_the_manifests(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    _write(root, _zero3(2), buffers=_bufs)
+    tag_dir = root / "t"
+    m = _manifest(tag_dir)
+    size = m["buffer_files"][1]["bytes"]
+    m["buffer_files"][1]["bytes"] = size + 1
+    _set_manifest(tag_dir, m)
+    path = tag_dir / "buffers_rank_00001_of_00002.safetensors"
+    with CheckpointReader.open(root, "t") as ckpt:
+        assert _msg(CorruptCheckpointError, lambda: ckpt.read_buffers(1, 2, verify=False)) == (
+            f"{path} (buffers of rank 1 of 2): {path} is truncated: {size} bytes, expected {size + 1}"
+        )
+
+
+def test_tp_dims_missing_are_listed_briefly(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    shapes = {f"p{i}": (2, 2) for i in range(6)}
+    layouts = [ShardLayout(0, 1, 3, _even(0, 1, shapes), part=ModelPart(t, 2)) for t in (0, 1)]
+    _write(root, layouts)
+    assert _msg(CheckpointMismatchError, lambda: open_joined(root, "t", tp_dims={})) == (
+        "tp_dims= does not say how ['p0', 'p1', 'p2', 'p3' and 2 more] join; give a dimension (or None for a "
+        "parameter replicated across tensor-parallel ranks) for each"
+    )
+
+
+def test_the_manifests_checksum_algorithm_is_used(tmp_path: Path) -> None:
+    """Every file of a save recorded with CRC-32 checksums (the manifest names its algorithm): verified with it."""
+    import re
+
+    root = tmp_path / "ck"
+    _write(root, _zero3(2), buffers=_bufs)
+    tag_dir = root / "t"
+    m = _manifest(tag_dir)
+    m["checksum"] = "crc32"
+    _set_manifest(tag_dir, m)
+    for key in ("files", "buffer_files"):
+        for i in (0, 1):
+            _rewrite(tag_dir, i, lambda t, meta: None, key, algo="crc32")
+    assert len(_manifest(tag_dir)["files"][0]["header_checksum"]) == 8
+    with CheckpointReader.open(root, "t") as ckpt:
+        assert [f.algo for f in ckpt.files] == ["crc32", "crc32"]
+        assert torch.equal(_read(ckpt, "w", 0, 30, k=1), _ref("w", k=1))
+        assert _same_buffers(ckpt.read_buffers(1, 2), _bufs(_zero3(2)[1]))
+        path = tag_dir / "buffers_rank_00001_of_00002.safetensors"
+        with _io.SafetensorsFile(path) as st:
+            at = st.header_size + st.tensors["emas.1.bn.mean"].start
+        _flip(path, at)
+        assert re.fullmatch(
+            rf"{path}: checksum mismatch in tensor 'emas\.1\.bn\.mean', bytes 0\.\.16 of the tensor: crc32 "
+            r"[0-9a-f]{8}, recorded [0-9a-f]{8}\. The file is corrupted: restore it from a copy or load an earlier tag "
+            r"\[buffers of rank 1, tag 't'\]",
+            _msg(CorruptCheckpointError, lambda: ckpt.read_buffers(1, 2)),
         )

@@ -760,14 +760,22 @@ def test_tag_lock_without_flock(
 # ---------------------------------------------------------------------- the folder is shared
 
 
-def test_check_shared(tmp_path: Path) -> None:
+def test_check_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank sees the committing rank's lock file (at once, or once it appears within ``wait`` s, 2 s by
-    default); otherwise it refuses the save, naming itself, the folder and the lock file."""
+    default, listing the folder meanwhile: on NFS that refreshes a cached "no such file"); otherwise it
+    refuses the save, naming itself, the folder and the lock file."""
     tag_dir = tmp_path / "t"
     tag_dir.mkdir()
     (tag_dir / LOCK_NAME).write_bytes(b"")
     assert writer.check_shared(tag_dir, 1, "save", wait=0) is None
     (tag_dir / LOCK_NAME).unlink()
+    listed: list[object] = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: (listed.append(p), real_listdir(p))[1])
+    with pytest.raises(CheckpointError, match="does not see the tag folder"):
+        writer.check_shared(tag_dir, 1, "save", wait=0.1)
+    monkeypatch.undo()
+    assert listed and all(p == tag_dir for p in listed), listed
     timer = threading.Timer(0.1, (tag_dir / LOCK_NAME).write_bytes, args=(b"",))
     timer.start()
     t0 = time.monotonic()
