@@ -984,6 +984,13 @@ def test_read_like_transformers_folder_weights_copied_and_ignored_files(tmp_path
     assert like_mod.read_like(bare, "default") == LikeFolder(
         bare, bare, "transformers", {"model_type": "tiny"}, bare / "config.json", {}, [bare / "config.json"], []
     )
+    # The files are read by the foreign readers, each refusal naming --like, the file and the field.
+    single.write_bytes(single.read_bytes()[:-2])
+    msg = _raises(ForeignFileError, like_mod.read_like, like, "default")
+    assert msg.startswith(f"{WHAT}: {single}: {single} is truncated: ")
+    _write(bare / "config.json", [1])
+    msg = _raises(ForeignFileError, like_mod.read_like, bare, "default")
+    assert msg == f"{WHAT}: {bare / 'config.json'} must hold a JSON object, got list"
 
 
 def test_read_like_sharded_weights_by_their_index(tmp_path):
@@ -1014,7 +1021,14 @@ def test_read_like_sharded_weights_by_their_index(tmp_path):
             "not describe this folder's files"
         )
     _write(index, {"weight_map": {"a": "../model.safetensors"}})
-    assert "is not a file name in the index's folder" in _raises(ForeignFileError, like_mod.read_like, like, "default")
+    assert _raises(ForeignFileError, like_mod.read_like, like, "default") == (
+        f"{WHAT}: {index}: field 'weight_map' entry 'a': '../model.safetensors' is not a file name in the index's "
+        "folder (no paths: the export reads nothing outside --like)"
+    )
+    two.write_bytes(two.read_bytes()[:-1])  # a shard the index names, truncated
+    _write(index, {"weight_map": {"c": two.name}})
+    msg = _raises(ForeignFileError, like_mod.read_like, like, "default")
+    assert msg.startswith(f"{WHAT}: {two}: {two} is truncated: ")
     # The single file is what the loader reads first: the index beside it is ignored, not read.
     _weights_file(like / "model.safetensors", {"s": (5,)})
     got = like_mod.read_like(like, "default")
@@ -1256,6 +1270,18 @@ def test_peft_own_parser_and_declared_types(tmp_path, monkeypatch):
     path = folder / "adapter_config.json"
     _write(path, {"peft_type": "LORA", "layers_to_transform": [0, 1], "init_lora_weights": "gaussian"})
     assert like_mod._check_config(json.loads(path.read_text()), path, "peft") is None
+
+    # The config changed while PEFT read it: the second reading (for the declared types) refuses it, named.
+    def read_then_replace(folder_: str, **kwargs: object) -> object:
+        parsed = real_from_pretrained(folder_, **kwargs)
+        path.write_text("[1]")
+        return parsed
+
+    real_from_pretrained = PeftConfig.from_pretrained
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PeftConfig, "from_pretrained", read_then_replace)
+        msg = _raises(ForeignFileError, like_mod._check_config, {"peft_type": "LORA"}, path, "peft")
+    assert msg == f"{WHAT}: {path} must hold a JSON object, got list"
     for config in ({"peft_type": "NOPE"}, {"peft_type": "LORA", "task_type": "NOPE" * 80}):
         _write(path, config)
         try:
@@ -1298,6 +1324,7 @@ def test_declared_types_and_conforms():
         ([], list[int]),
         ([1, "x"], list),
         ([1, "x"], tuple[int, str]),
+        (["x", 1], tuple[str, int]),
         ([1, 2, 3], tuple[int, ...]),
         ({"a": 1}, dict[str, int]),
         ({"a": "x"}, dict),
@@ -1320,6 +1347,7 @@ def test_declared_types_and_conforms():
         ("ab", list[str]),
         ((1, "x"), tuple[int, str]),
         ([1], tuple[int, str]),
+        (["x", 1], tuple[int, str]),
         ([1, "x", 2], tuple[int, str]),
         (["x"], tuple[int, ...]),
         ("ab", tuple[str, ...]),

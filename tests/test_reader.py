@@ -197,6 +197,8 @@ def test_locate_follows_latest_and_the_tag_folder(tmp_path: Path) -> None:
     assert got[:3] == (root, "b", root / "b") and got[3] == _manifest(root / "b")
     with CheckpointReader.open(root / "a", None) as ckpt:
         assert (ckpt.root, ckpt.tag, ckpt.tag_dir) == (root, "a", root / "a")
+    with CheckpointReader.open(root, "b") as ckpt:  # the tag given, not the one 'latest' names
+        assert ckpt.tag == "b"
     assert _msg(TypeError, lambda: locate_checkpoint(3)) == (  # type: ignore[arg-type]
         "checkpoint_dir must be a path (a str or os.PathLike), got int 3"
     )
@@ -1388,7 +1390,16 @@ def test_select_a_part(tmp_path: Path) -> None:
     _write(root, _tp(2), tag="u", values=_tp_values)  # now ema_latest names 'u'
     path = root / "t" / "ema_tp001of002_pp000of001_rank_00000_of_00002.safetensors"
     _flip(path, path.read_bytes().index(b"functional_ema ", 8))  # in the header
-    assert "the header does not match the checksum" in _msg(CorruptCheckpointError, lambda: open_parts(root, "t"))
+    for opened in (
+        lambda: open_parts(root, "t"),
+        lambda: CheckpointReader.open_parts(root, "t"),
+        lambda: open_joined(root, "t"),
+    ):
+        assert "the header does not match the checksum" in _msg(CorruptCheckpointError, opened)
+    with open_joined(root, "t", verify=False) as joined:
+        got = torch.full((24,), float("nan"))
+        joined.fill(got, 0, "w", 0, 24, False)
+        assert torch.equal(got, _full("w", 0).reshape(-1))
     readers = open_parts(root, "t", verify=False)
     assert [(r.tag, r.part) for r in readers] == [("t", ModelPart(0, 2)), ("t", ModelPart(1, 2))]
     assert torch.equal(_read(readers[1], "w", 0, 12, verify=False), _full("w", 0)[3:].reshape(-1))
@@ -1537,7 +1548,7 @@ def test_joined_reader_refuses_slices_that_do_not_join(tmp_path: Path) -> None:
 def _pp(world: int) -> list[ShardLayout]:
     """Two pipeline stages: 'w' on stage 0, 'v' on stage 1, and 'b' (a tied layer) on both."""
     out = []
-    for pp, names in ((0, ("w", "b")), (1, ("v", "b"))):
+    for pp, names in ((0, ("w", "b")), (1, ("b", "v"))):  # the tied layer first on stage 1
         shapes = {n: TP_FULL[n] for n in names}
         out += [
             ShardLayout(r, world, 3, _even(r, world, shapes), part=ModelPart(pp=pp, pp_size=2)) for r in range(world)
@@ -2002,6 +2013,9 @@ def test_tp_dims_missing_are_listed_briefly(tmp_path: Path) -> None:
         "tp_dims= does not say how ['p0', 'p1', 'p2', 'p3' and 2 more] join; give a dimension (or None for a "
         "parameter replicated across tensor-parallel ranks) for each"
     )
+    assert _msg(CheckpointMismatchError, lambda: open_joined(root, "t", tp_dims={"zz": 0})) == (
+        "tp_dims names 'zz', which is not a parameter of tag 't' (it has ['p0', 'p1', 'p2', 'p3' and 2 more])"
+    )
 
 
 def test_the_manifests_checksum_algorithm_is_used(tmp_path: Path) -> None:
@@ -2032,3 +2046,17 @@ def test_the_manifests_checksum_algorithm_is_used(tmp_path: Path) -> None:
             r"\[buffers of rank 1, tag 't'\]",
             _msg(CorruptCheckpointError, lambda: ckpt.read_buffers(1, 2)),
         )
+
+
+def test_joined_reader_of_three_tensor_parallel_ranks(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    _write(root, _tp(2, tp_size=3), values=_tp_values)
+    with open_joined(root, "t") as joined:
+        assert joined.shapes == TP_FULL
+        assert all(torch.equal(_joined(joined, n, 1), _full(n, 1)) for n in TP_FULL)
+        path = root / "t" / "ema_tp002of003_pp000of001_rank_00001_of_00002.safetensors"
+        _flip(path, _data_at(path, "emas.0.v", 1))  # a slice of a split parameter: verified as it is joined
+        assert "checksum mismatch in tensor 'emas.0.v'" in _msg(CorruptCheckpointError, lambda: _joined(joined, "v"))
+        got = torch.full((24,), float("nan"))
+        joined.fill(got, 0, "v", 0, 24, False)
+        assert (got != _full("v", 0).reshape(-1)).sum() == 1
