@@ -1482,6 +1482,7 @@ def groups_worker(root: str) -> dict:
     import torch.distributed as dist
 
     import functional_ema as fe
+    from functional_ema._checkpoint import writer
 
     rank, d, out = dist.get_rank(), Path(root) / "ck", {}
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -1493,6 +1494,13 @@ def groups_worker(root: str) -> dict:
     # Both groups into one tag: every rank of the job refuses, before writing anything.
     out["clash"] = error_of(lambda: saver.save(state, model, d, "same", decay=[0.9, 0.99], buffers=bufs))
     out["clash_folder"] = (d / "same").exists()
+    # Rank 3 does not share group 1's folder (grace period cut to 0.2 s): group 1 refuses its save; group 0,
+    # saving beside it at the same time, is not affected.
+    check_shared = writer.check_shared
+    writer.check_shared = lambda tag_dir, r, what: check_shared(tag_dir, r, what, wait=0.2)
+    where = Path(root) / "elsewhere" if rank == 3 else d
+    out["beside"] = error_of(lambda: saver.save(state, model, where, f"b{rank // 2}", decay=[0.9, 0.99]).wait())
+    writer.check_shared = check_shared
     dist.barrier()
     return out
 
@@ -1516,3 +1524,15 @@ def test_async_ranks_two_groups_of_one_job(tmp_path):
         "groups save into one folder: save each group's EMA into its own folder (or tag). Nothing was written"
     )
     assert [(r["clash"][:2], r["clash_folder"]) for r in res] == [(["CheckpointError", clash], False)] * 4
+    unshared = (
+        f"AsyncSaver.save: rank 1 does not see the tag folder {tmp_path / 'elsewhere' / 'b1'} that rank 0 is writing "
+        "(its lock file .ema_write.lock is missing here): the checkpoint directory is not shared by every rank "
+        "(node-local storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares. "
+        "Nothing was committed"
+    )
+    assert [r["beside"] and r["beside"][:2] for r in res] == [
+        None,
+        None,
+        ["CheckpointError", f"async save (the folder is shared) failed on rank 1 of 2 (CheckpointError): {unshared}"],
+        ["CheckpointError", unshared],
+    ]

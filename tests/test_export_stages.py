@@ -1567,12 +1567,49 @@ def test_transformers_view_is_what_save_pretrained_writes(tmp_path, monkeypatch)
     assert msg == f"{head}ValueError: {str(refused.value)[:300]})"
 
     # Keys the class never saves (_keys_to_ignore_on_save) are not in the view either.
-    monkeypatch.setattr(LlamaForCausalLM, "_keys_to_ignore_on_save", ["model.norm.weight", "lm_head.weight"])
+    ignored = ["model.norm.weight", "lm_head.weight", "no.such.key"]
+    monkeypatch.setattr(LlamaForCausalLM, "_keys_to_ignore_on_save", ignored)
     LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path / "ignoring")
     config = json.loads((tmp_path / "ignoring" / "config.json").read_text())
     view, _ = loader.loader_view("transformers", config, tmp_path / "ignoring" / "config.json")
     assert view is not None and view.saved == _saved_header(tmp_path / "ignoring")
     assert "model.norm.weight" not in view.saved and "lm_head.weight" not in view.saved
+
+
+def test_transformers_view_reads_the_config_locally_and_follows_renamed_ties(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from tests._integration_models import quiet_hf, tiny_llama_config
+
+    quiet_hf()
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16, patch_size=8
+    )
+    text = tiny_llama_config(tie=True)
+    cfg = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=63, vocab_size=64, tie_word_embeddings=True
+    )
+    LlavaForConditionalGeneration(cfg).save_pretrained(tmp_path / "llava")
+    config = json.loads((tmp_path / "llava" / "config.json").read_text())
+    calls = []
+    real = AutoConfig.from_pretrained
+
+    def spy(folder: str, **kwargs: object) -> object:
+        calls.append((folder, kwargs))
+        return real(folder, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", spy)
+    view, why = loader.loader_view("transformers", config, tmp_path / "llava" / "config.json")
+    # The loader's own reading of config.json: from the folder only, never running code it names.
+    assert calls == [(str(tmp_path / "llava"), {"local_files_only": True, "trust_remote_code": False})]
+    saved = _saved_header(tmp_path / "llava")
+    assert why == "" and view is not None and view.saved == saved
+    # Both the tied pair's names are renamed when saved (transformers 5): the alias and its holder, as saved.
+    assert view.rename["lm_head.weight"] == "language_model.lm_head.weight"
+    assert view.rename["model.language_model.embed_tokens.weight"] == "language_model.model.embed_tokens.weight"
+    assert view.aliases == {"language_model.lm_head.weight": "language_model.model.embed_tokens.weight"}
+    assert all(new in saved for old, new in view.rename.items() if old != "lm_head.weight")
 
 
 def test_diffusers_view_is_what_save_pretrained_writes(tmp_path):
@@ -1614,12 +1651,15 @@ def test_stub_modules_from_adapter_names_and_shapes():
             "x.base_model.model.k.lora_B.weight": (7, 2),
             "v.lora_B.weight": (9, 2),
             "v.lora_A.default.weight": (2, 1),
+            "base_model.model.x.y.head.weight": (2, 4),
+            "base_model.model.x.y.head.bias": (2,),
         }
     ) == {
         "m.q": {"in": 8, "out": 6},
         "head": {"out": 3, "in": 6, "bias": True},
         "x.base_model.model.k": {"in": 5, "out": 7},
         "v": {"out": 9, "in": 1},
+        "x.y.head": {"out": 2, "in": 4, "bias": True},
     }
     for planned in (
         {"m.q.lora_A.weight": (4, 8)},  # no lora_B: no output size
@@ -1631,6 +1671,7 @@ def test_stub_modules_from_adapter_names_and_shapes():
         {"m.head.bias": (3, 1)},
         {"m.head.bias": (3,)},
         {"m.ia3_l": (3,)},
+        {"m.q.lora_A.weight": (4, 8), "m.q.lora_B.weight": (6, 4), "m.q.scale": (6,)},  # 1-D, not a bias
     ):
         assert stub(planned) is None, planned
 
@@ -1921,6 +1962,7 @@ def test_to_hf_writes_the_ema_its_record_and_like_files(tmp_path):
         "weight_map": {n: f for f, g in zip(files, groups) for n in g},
     }
     assert list(index["weight_map"]) == [n for g in groups for n in g]
+    assert (sharded / "model.safetensors.index.json").read_text() == json.dumps(index, indent=2)
     assert json.loads(index["metadata"]["functional_ema"])["dtype"] == "bfloat16"
     with safe_open(str(sharded / files[0]), framework="pt") as f:
         assert f.metadata() == {"format": "pt", "functional_ema": index["metadata"]["functional_ema"]}
@@ -2471,3 +2513,24 @@ def test_to_hf_with_a_loader_view_records_the_class_and_leaves_tied_aliases_out(
     msg = _raises(CheckpointMismatchError, to_hf, tmp_path / "untied.safetensors", tmp_path / "hf2", tmp_path / "base")
     assert msg.startswith("EMA tensor '_orig_mod.lm_head.weight' is tied to 'model.embed_tokens.weight' by --like's")
     assert not (tmp_path / "hf2").exists()
+
+
+def test_to_hf_verifies_the_checkpoint_it_reads(tmp_path):
+    from functional_ema._checkpoint.errors import CorruptCheckpointError
+    from functional_ema.export import to_hf
+
+    run = _tiny_run(tmp_path)
+    ckpt, like, want = run["ckpt"], run["like"], run["want"]
+    for name in ("ema_rank_00000_of_00001.safetensors", "buffers_rank_00000_of_00001.safetensors"):
+        path = ckpt / "t" / name
+        good = path.read_bytes()
+        raw = bytearray(good)
+        raw[-1] ^= 0x40  # the last tensor's last byte: the size and header stay right
+        path.write_bytes(bytes(raw))
+        msg = _raises(CorruptCheckpointError, to_hf, ckpt, tmp_path / "bad", like, tag="t", index=1)
+        assert str(path) in msg and "checksum" in msg, msg
+        assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+        out = to_hf(ckpt, tmp_path / f"unverified_{name}", like, tag="t", index=1, verify=False)
+        got = _read_all(out)
+        assert sorted(got) == sorted(want) and sum(not torch.equal(got[n], want[n]) for n in want) == 1
+        path.write_bytes(good)

@@ -836,7 +836,8 @@ def test_check_model_and_index(tmp_path: Path) -> None:
 # ------------------------------------------------------------------- reads at another world size, verified
 
 PC = _io.CHUNK_BYTES // 4  # fp32 elements per checksum chunk
-BIG = {"big": (5 * PC,)}  # two and a half chunks on each of 2 ranks
+H = 5 * PC // 2 + 1  # where rank 1's piece starts: two and a half chunks and an element on each of 2 ranks
+BIG = {"big": (2 * H,)}
 
 
 @pytest.fixture(scope="module")
@@ -870,10 +871,9 @@ class _Spy:
         return out
 
 
-H = 5 * PC // 2  # where rank 1's piece starts
 # (start, stop) of a read at another world size -> the reads of the saved pieces, verified and not
 READS = {
-    (0, 5 * PC): ([(0, "into", 0, H), (1, "into", 0, H)], None),
+    (0, 2 * H): ([(0, "into", 0, H), (1, "into", 0, H)], None),
     (PC, H): ([(0, "into", PC, H - PC)], None),  # whole chunks to the piece's end: read in place
     (H + PC, H + 2 * PC): ([(1, "into", PC, PC)], None),  # whole chunks inside rank 1's piece
     (H, H + PC): ([(1, "into", 0, PC)], None),  # from where rank 0's piece ends: rank 1's alone
@@ -912,7 +912,7 @@ def test_a_flipped_byte_inside_the_part_read_is_refused(big: Path) -> None:
     the read does not touch is not read (and not reported); without verification the read returns it as is."""
     import re
 
-    half = _io.CHUNK_BYTES // 2
+    half = _io.CHUNK_BYTES // 2 + 4  # the pieces' last chunk: half a chunk and an element
     cases = [  # (rank, element flipped, start, stop, chunk reported or None, its bytes)
         (0, PC + 5, PC, H, 1, _io.CHUNK_BYTES),
         (0, H - 1, PC, H, 2, half),  # the piece's last element: its short last chunk
@@ -1115,6 +1115,9 @@ def test_fill_all_balances_threads_and_reports_the_first_failure(monkeypatch: py
     pool.shares.clear()
     fill_all(ckpt, jobs([1, 2, 3, 4]), True)
     assert pool.shares == [[3], [2], [1, 0]]
+    pool.shares.clear()
+    fill_all(ckpt, jobs([10, 9, 8, 3]), True, threads=2)  # the loads add up: 10 against 9 + 8
+    assert pool.shares == [[0, 3], [1, 2]]
     for threads, sizes in ((1, [5, 6, 7]), (4, [5])):  # one thread or one job: a plain loop
         pool.shares.clear()
         ckpt = _Jobs()
@@ -1140,13 +1143,13 @@ def test_fill_all_reads_a_checkpoint_on_threads(big: Path, monkeypatch: pytest.M
     spy = _Spy(monkeypatch)
     want = _ref("big", BIG["big"])
     with CheckpointReader.open(big, "t") as ckpt:
-        out = torch.full((5 * PC,), float("nan"), requires_grad=True)
+        out = torch.full((2 * H,), float("nan"), requires_grad=True)
         with torch.no_grad():
             halves = [out[:H], out[H:]]
         fill_all(ckpt, [(halves[0], 0, "big", 0, H), (halves[1], 0, "big", H, H)], True, threads=2)
         assert torch.equal(out.detach(), want)
         assert sorted(spy.take()) == [
-            (r, "into", s, n) for r in (0, 1) for s, n in ((0, PC), (PC, PC), (2 * PC, PC // 2))
+            (r, "into", s, n) for r in (0, 1) for s, n in ((0, PC), (PC, PC), (2 * PC, H - 2 * PC))
         ]
 
 
@@ -2023,7 +2026,8 @@ def test_the_manifests_checksum_algorithm_is_used(tmp_path: Path) -> None:
     import re
 
     root = tmp_path / "ck"
-    _write(root, _zero3(2), buffers=_bufs)
+    shapes = dict(SHAPES, x=(2 * PC + 6,))  # a piece of a chunk and 3 elements on each rank
+    _write(root, _zero3(2, shapes), buffers=_bufs)
     tag_dir = root / "t"
     m = _manifest(tag_dir)
     m["checksum"] = "crc32"
@@ -2036,6 +2040,9 @@ def test_the_manifests_checksum_algorithm_is_used(tmp_path: Path) -> None:
         assert [f.algo for f in ckpt.files] == ["crc32", "crc32"]
         assert torch.equal(_read(ckpt, "w", 0, 30, k=1), _ref("w", k=1))
         assert _same_buffers(ckpt.read_buffers(1, 2), _bufs(_zero3(2)[1]))
+        x = _ref("x", shapes["x"], 1)
+        assert torch.equal(_read(ckpt, "x", PC + 3, PC, k=1), x[PC + 3 : 2 * PC + 3])  # whole chunks of rank 1's
+        assert torch.equal(_read(ckpt, "x", 0, 2 * PC + 6, k=1), x)
         path = tag_dir / "buffers_rank_00001_of_00002.safetensors"
         with _io.SafetensorsFile(path) as st:
             at = st.header_size + st.tensors["emas.1.bn.mean"].start
