@@ -1309,8 +1309,7 @@ def test_peft_own_parser_and_declared_types(tmp_path, monkeypatch):
     assert like_mod._check_config(config, path, "peft") is None
 
 
-def test_declared_types_and_conforms():
-    import dataclasses
+def test_conforms_to_peft_annotations():
     import typing
 
     conforms = like_mod._conforms
@@ -1372,6 +1371,10 @@ def test_declared_types_and_conforms():
         False,
         False,
     ]
+
+
+def test_declared_types_of_peft_config_fields():
+    import dataclasses
 
     @dataclasses.dataclass
     class Declared:
@@ -1790,6 +1793,7 @@ def test_check_options_names_each_bad_option():
     flags = {"overwrite": False, "verify": True, "progress": None}
     assert _check_options("bf16", "1KiB", "like", 0, "default", flags) == (BF16, 1024)
     assert _check_options(None, 5, "error", 3, "my_adapter-2", {**flags, "progress": True}) == (None, 5)
+    assert _check_options(None, 5, "like", 0, "XL", flags) == (None, 5)
     for what, value in (("overwrite", 1), ("verify", "yes"), ("progress", 0), ("overwrite", None)):
         msg = _raises(TypeError, _check_options, None, 5, "like", 0, "default", {**flags, what: value})
         assert msg == f"{what} must be True or False, got {type(value).__name__} {value!r}"
@@ -1938,6 +1942,15 @@ def test_to_hf_writes_the_ema_its_record_and_like_files(tmp_path):
     assert meta == {"format": "pt", "functional_ema": json.dumps({k: record[k] for k in keys})}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "like"]
 
+
+def test_to_hf_bf16_shards_their_index_and_overwrite(tmp_path):
+    from safetensors import safe_open
+
+    from functional_ema.export import to_hf
+
+    run = _tiny_run(tmp_path)
+    ckpt, like, want = run["ckpt"], run["like"], run["want"]
+    keys = ("format", "source", "tag", "step", "ema_index", "schedule", "dtype", "layout")
     # bf16, sharded: the index, the shards, config.json saying the dtype; floats cast, the int buffer kept.
     sharded = to_hf(ckpt, tmp_path / "hf16", like, tag="t", index=1, dtype="bf16", max_shard_size=10, progress=False)
     files = [f"model-0000{i}-of-00005.safetensors" for i in range(1, 6)]
@@ -1993,9 +2006,8 @@ def _read_all_names(path: Path) -> list[str]:
     return [n for n in _header(path) if n != "__metadata__"]
 
 
-def test_to_hf_from_files_this_library_wrote_and_refusals(tmp_path):
+def test_to_hf_from_files_this_library_wrote(tmp_path):
     import functional_ema as fe
-    from functional_ema._checkpoint.errors import CorruptCheckpointError
     from functional_ema.export import to_hf
 
     run = _tiny_run(tmp_path)
@@ -2035,6 +2047,17 @@ def test_to_hf_from_files_this_library_wrote_and_refusals(tmp_path):
     assert "tag" not in record2 and record2["source_metadata"]["tag"] == "t"
     assert record2["format"] == FORMAT and record2["source_metadata"]["format"] == "functional_ema.export"
 
+
+def test_to_hf_refuses_foreign_or_corrupt_files_and_fp16_overflow(tmp_path):
+    import functional_ema as fe
+    from functional_ema._checkpoint.errors import CorruptCheckpointError
+    from functional_ema.export import to_hf
+
+    run = _tiny_run(tmp_path)
+    ckpt, like, want = run["ckpt"], run["like"], run["want"]
+    src = fe.consolidate_to_file(ckpt, tmp_path / "ema.safetensors", "t", index=1, progress=False)
+    with _io.SafetensorsFile(src) as f:
+        meta = dict(f.metadata)
     refusals = []
     foreign_fmt = tmp_path / "foreign.safetensors"
     save_file(dict(want), foreign_fmt, metadata={"format": "pt"})
@@ -2159,6 +2182,9 @@ def test_check_ties_compares_the_alias_with_what_it_is_tied_to(tmp_path):
                 "was trained untied, set tie_word_embeddings to false in --like's config.json and save the output "
                 "embedding there"
             )
+    # Compared in the dtype written: the holder's EMA differs from the alias's only below bf16's precision.
+    swapped = Plan([Item("emb", BF16, (2, 2), "ema", "emb")], [("lm_head.weight", "emb")], "", [])
+    assert _check_ties(swapped, _fake_source({"lm_head.weight": emb, "emb": close}), reader) == ["lm_head.weight"]
     same = _fake_source({"lm_head.weight": emb, "emb": emb, "x": torch.zeros(1)})
     assert _check_ties(Plan([Item("emb", F32, (2, 2), "ema", "emb")], [], "", []), same, reader) == []
     assert _check_ties(
@@ -2183,109 +2209,101 @@ class _Bar:
         self.seen.append(n)
 
 
-def test_write_and_read_back_check_every_tensor(tmp_path):
-    import xxhash
+def _like_reader(like_file: Path) -> object:
+    from functional_ema.export import _Like
 
-    from functional_ema.export import _Like, _read_back, _scratch, _write
+    folder = like_file.parent
+    entries = _entries_any(like_file)
+    return _Like(LikeFolder(folder, folder, "transformers", {}, folder / "config.json", entries, [], []))
+
+
+A = torch.tensor([[1.0, 2.5, -3.0], [4.0, 1e-3, 6.0]])
+N = torch.tensor([7, 8])
+FROZEN = torch.tensor([1.5, -2.0, 3.25, 0.0])
+PLAN = Plan(
+    [
+        Item("a", BF16, (2, 3), "ema", "a"),
+        Item("n", torch.int64, (2,), "ema", "n"),
+        Item("frozen", torch.float16, (4,), "like", "frozen"),
+    ],
+    [],
+    "",
+    [],
+)
+FILES = ["one.safetensors", "two.safetensors"]
+
+
+def _written(tmp_path: Path) -> tuple[Path, dict, torch.Tensor, _Bar, object]:
+    """``PLAN`` written by ``_write`` into ``tmp_path/out``: (folder, checksums, scratch buffer, bar, --like reader)."""
+    from functional_ema.export import _scratch, _write
 
     like_file = tmp_path / "like" / "model.safetensors"
     like_file.parent.mkdir()
-    frozen = torch.tensor([1.5, -2.0, 3.25, 0.0])
-    save_file({"frozen": frozen}, like_file)
-    like = _Like(
-        LikeFolder(
-            like_file.parent,
-            like_file.parent,
-            "transformers",
-            {},
-            like_file.parent / "config.json",
-            _entries_any(like_file),
-            [],
-            [],
-        )
-    )
-    a = torch.tensor([[1.0, 2.5, -3.0], [4.0, 1e-3, 6.0]])
-    n = torch.tensor([7, 8])
-    src = _fake_source({"a": a, "n": n})
-    plan_ = Plan(
-        [
-            Item("a", BF16, (2, 3), "ema", "a"),
-            Item("n", torch.int64, (2,), "ema", "n"),
-            Item("frozen", torch.float16, (4,), "like", "frozen"),
-        ],
-        [],
-        "",
-        [],
-    )
-    buffer = _scratch(plan_, src)
-    assert buffer.dtype == torch.uint8 and buffer.numel() == (2 * 3 * 4) // 4 * 4 + 4  # fp32 source: the larger
+    save_file({"frozen": FROZEN}, like_file)
+    like = _like_reader(like_file)
+    src = _fake_source({"a": A, "n": N})
+    buffer = _scratch(PLAN, src)
     out = tmp_path / "out"
     out.mkdir()
     bar = _Bar()
-    meta = {"format": "pt", "functional_ema": "{}"}
-    sums = _write(
-        out, plan_, [["a", "n"], ["frozen"]], ["one.safetensors", "two.safetensors"], src, like, meta, bar, buffer
-    )
+    sums = _write(out, PLAN, [["a", "n"], ["frozen"]], FILES, src, like, {"format": "pt", "x": "{}"}, bar, buffer)
+    return out, sums, buffer, bar, like
+
+
+def test_write_casts_and_checksums_every_tensor_as_planned(tmp_path):
+    import xxhash
+
+    from functional_ema.export import _scratch, _write
+
+    out, sums, buffer, bar, like = _written(tmp_path)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == (2 * 3 * 4) // 4 * 4 + 4  # fp32 source: the larger
     assert bar.seen == [12, 16, 8]
-    written = {**_read_all(out)}
-    assert _same(written, {"a": a.to(BF16), "n": n, "frozen": frozen.half()})
-    assert _header(out / "one.safetensors")["__metadata__"] == meta
-    want_sums = {
-        "one.safetensors": {
-            "a": [xxhash.xxh3_64_intdigest(a.to(BF16).view(torch.int16).numpy().tobytes())],
-            "n": [xxhash.xxh3_64_intdigest(n.numpy().tobytes())],
-        },
-        "two.safetensors": {"frozen": [xxhash.xxh3_64_intdigest(frozen.half().view(torch.int16).numpy().tobytes())]},
+    assert _same(_read_all(out), {"a": A.to(BF16), "n": N, "frozen": FROZEN.half()})
+    assert [_read_all_names(out / f) for f in FILES] == [["a", "n"], ["frozen"]]
+    assert _header(out / "one.safetensors")["__metadata__"] == {"format": "pt", "x": "{}"}
+
+    def xxh(t: torch.Tensor) -> list[int]:
+        raw = t.view(torch.int16) if t.dtype in (BF16, torch.float16) else t
+        return [xxhash.xxh3_64_intdigest(raw.numpy().tobytes())]
+
+    assert sums == {
+        "one.safetensors": {"a": xxh(A.to(BF16)), "n": xxh(N)},
+        "two.safetensors": {"frozen": xxh(FROZEN.half())},
     }
-    assert sums == want_sums
-    files = ["one.safetensors", "two.safetensors"]
-    assert _read_back(out, plan_, files, sums, buffer) is None
+
+    # fp16 out of range is refused while writing, before the file is complete.
+    big = _fake_source({"a": torch.full((2, 3), 7e4), "n": N})
+    plan16 = Plan([Item("a", torch.float16, (2, 3), "ema", "a")], [], "", [])
+    args = (out, plan16, [["a"]], ["three.safetensors"], big, like, {}, _Bar(), _scratch(plan16, big))
+    msg = _raises(CheckpointMismatchError, _write, *args)
+    assert msg.startswith("tensor 'a': 6 value(s) (up to 7e+04 in magnitude) do not fit torch.float16")
+
+
+def test_read_back_refuses_anything_not_as_planned(tmp_path):
+    from functional_ema.export import _read_back
+
+    out, sums, buffer, _, _ = _written(tmp_path)
+    assert _read_back(out, PLAN, FILES, sums, buffer) is None
 
     def refused(plan_x: Plan, files_x: list[str]) -> str:
         return _raises(CheckpointMismatchError, _read_back, out, plan_x, files_x, sums, buffer)
 
-    assert refused(
-        plan_._replace(items=[*plan_.items, Item("x", F32, (1,), "ema", "x"), Item("y", F32, (1,), "ema", "y")]), files
-    ) == ("export self-check: tensors never written: ['x', 'y']")
-    assert refused(plan_, ["one.safetensors"]) == "export self-check: tensors never written: ['frozen']"
-    assert refused(plan_._replace(items=plan_.items[1:]), files) == (
-        "export self-check: one.safetensors holds 'a' torch.bfloat16[2, 3], not as planned"
-    )
-    wrong_dtype = [Item("a", F32, (2, 3), "ema", "a"), *plan_.items[1:]]
-    assert refused(plan_._replace(items=wrong_dtype), files) == (
-        "export self-check: one.safetensors holds 'a' torch.bfloat16[2, 3], not as planned"
-    )
-    wrong_shape = [Item("a", BF16, (3, 2), "ema", "a"), *plan_.items[1:]]
-    assert refused(plan_._replace(items=wrong_shape), files).startswith("export self-check: one.safetensors holds 'a'")
-    sums["one.safetensors ".strip() + "x"] = {}
-    assert refused(plan_, [*files, "two.safetensors"]) == (
-        "export self-check: two.safetensors holds 'frozen' torch.float16[4], not as planned"
-    )
+    extra = PLAN._replace(items=[*PLAN.items, Item("x", F32, (1,), "ema", "x"), Item("y", F32, (1,), "ema", "y")])
+    assert refused(extra, FILES) == "export self-check: tensors never written: ['x', 'y']"
+    assert refused(PLAN, FILES[:1]) == "export self-check: tensors never written: ['frozen']"
+    unplanned = "export self-check: one.safetensors holds 'a' torch.bfloat16[2, 3], not as planned"
+    assert refused(PLAN._replace(items=PLAN.items[1:]), FILES) == unplanned
+    assert refused(PLAN._replace(items=[Item("a", F32, (2, 3), "ema", "a"), *PLAN.items[1:]]), FILES) == unplanned
+    assert refused(PLAN._replace(items=[Item("a", BF16, (3, 2), "ema", "a"), *PLAN.items[1:]]), FILES) == unplanned
+    twice = "export self-check: two.safetensors holds 'frozen' torch.float16[4], not as planned"
+    assert refused(PLAN, [*FILES, "two.safetensors"]) == twice
     raw = bytearray((out / "two.safetensors").read_bytes())
     raw[-1] ^= 0x01
     (out / "two.safetensors").write_bytes(bytes(raw))
     with pytest.raises(_io.FormatError) as info:
-        _read_back(out, plan_, files, sums, buffer)
+        _read_back(out, PLAN, FILES, sums, buffer)
     assert str(info.value).startswith(f"{out / 'two.safetensors'}: checksum mismatch in tensor 'frozen', bytes 0..8")
     assert str(info.value).endswith("export self-check")
-
-    # fp16 out of range is refused while writing, before the file is complete.
-    big = _fake_source({"a": torch.full((2, 3), 7e4), "n": n})
-    plan16 = Plan([Item("a", torch.float16, (2, 3), "ema", "a")], [], "", [])
-    msg = _raises(
-        CheckpointMismatchError,
-        _write,
-        out,
-        plan16,
-        [["a"]],
-        ["three.safetensors"],
-        big,
-        like,
-        meta,
-        _Bar(),
-        _scratch(plan16, big),
-    )
-    assert msg.startswith("tensor 'a': 6 value(s) (up to 7e+04 in magnitude) do not fit torch.float16")
 
 
 def test_scratch_fits_the_largest_tensor_read_or_written():
@@ -2302,6 +2320,12 @@ def test_scratch_fits_the_largest_tensor_read_or_written():
     for items, nbytes in cases:
         buf = _scratch(Plan(items, [], "", []), src)
         assert (buf.dtype, buf.numel()) == (torch.uint8, nbytes), items
+    default = torch.get_default_dtype()
+    try:  # the size in bytes, whatever the default dtype
+        torch.set_default_dtype(torch.float64)
+        assert _scratch(Plan([Item("a", F32, (3,), "ema", "a")], [], "", []), src).numel() == 16
+    finally:
+        torch.set_default_dtype(default)
 
 
 def test_record_and_config_of_each_layout(tmp_path):
@@ -2448,14 +2472,9 @@ def test_to_hf_peft_adapter_of_a_plain_module(tmp_path):
     import functional_ema as fe
     from functional_ema.export import to_hf
 
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.m = torch.nn.ModuleDict({"q": torch.nn.Linear(8, 6), "k": torch.nn.Linear(8, 6)})
-
     torch.manual_seed(0)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q"], init_lora_weights="gaussian")
-    model = get_peft_model(Net(), config)
+    model = get_peft_model(_PeftNet(), config)
     model.save_pretrained(tmp_path / "adapter")
     state = fe.init_ema(fe.local_shards(model))
     with torch.no_grad():
@@ -2508,6 +2527,10 @@ def test_to_hf_with_a_loader_view_records_the_class_and_leaves_tied_aliases_out(
     }
     assert record["tied_left_out"] == ["_orig_mod.lm_head.weight"] and record["prefix_dropped"] == ""
     assert _same(_read_all(out), {n.removeprefix("_orig_mod."): t for n, t in full.items() if "lm_head" not in n})
+    halves = {n: t.to(BF16) for n, t in full.items()}  # a bf16 source: each tensor read in its own dtype
+    save_file(halves, tmp_path / "bf16.safetensors", metadata={"format": "functional_ema.export"})
+    out16 = to_hf(tmp_path / "bf16.safetensors", tmp_path / "hf16", tmp_path / "base", progress=False)
+    assert _same(_read_all(out16), {n.removeprefix("_orig_mod."): t for n, t in halves.items() if "lm_head" not in n})
     full["_orig_mod.lm_head.weight"] += 1.0
     save_file(full, tmp_path / "untied.safetensors", metadata={"format": "functional_ema.export"})
     msg = _raises(CheckpointMismatchError, to_hf, tmp_path / "untied.safetensors", tmp_path / "hf2", tmp_path / "base")
@@ -2534,3 +2557,75 @@ def test_to_hf_verifies_the_checkpoint_it_reads(tmp_path):
         got = _read_all(out)
         assert sorted(got) == sorted(want) and sum(not torch.equal(got[n], want[n]) for n in want) == 1
         path.write_bytes(good)
+
+
+def test_to_hf_two_shards_tp_dims_and_failures_while_writing(tmp_path, monkeypatch):
+    from functional_ema import export
+    from functional_ema.export import to_hf
+
+    run = _tiny_run(tmp_path)
+    ckpt, like, want = run["ckpt"], run["like"], run["want"]
+    # 72 bytes in fp32, at most 40 a shard: 24 + 8 + 8, then 4 x 8. Two shards: an index too.
+    out = to_hf(ckpt, tmp_path / "two", like, tag="t", index=1, max_shard_size=40, progress=False)
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(p.name for p in out.glob("model*")) == [*files, "model.safetensors.index.json"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 72 and sorted(set(index["weight_map"].values())) == files
+    assert _same(_read_all(out), want)
+    for tp_dims, msg in (
+        ({"nope": 0}, "tp_dims names 'nope', which is not a parameter of tag 't'"),
+        ({"lin.weight": 5}, "tp_dims['lin.weight']=5: parameter 'lin.weight' has 2 dimension(s)"),
+    ):
+        got = _raises(CheckpointMismatchError, to_hf, ckpt, tmp_path / "bad", like, tag="t", tp_dims=tp_dims)
+        assert got.startswith(msg), got
+
+    # out_dir filled by someone else while the export ran: refused naming it, theirs kept, ours removed.
+    real_new_tmp_dir = export.new_tmp_dir
+
+    def racing(real_out: Path) -> Path:
+        tmp = real_new_tmp_dir(real_out)
+        real_out.mkdir()
+        (real_out / "theirs.txt").write_text("theirs")
+        return tmp
+
+    monkeypatch.setattr(export, "new_tmp_dir", racing)
+    given = tmp_path / "raced"
+    msg = _raises(OutputPathError, to_hf, ckpt, given, like, tag="t", progress=False)
+    assert msg == f"out_dir: {given} was filled while the export ran; it is left as it is"
+    assert _listing(given) == {"theirs.txt": b"theirs"} and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    monkeypatch.setattr(export, "new_tmp_dir", real_new_tmp_dir)
+
+    # A temporary folder that cannot be removed after a failure does not hide the failure.
+    huge = tmp_path / "huge.safetensors"
+    save_file({**want, "lin.weight": torch.full((2, 3), 1e5)}, huge, metadata={"format": "functional_ema.posthoc"})
+    monkeypatch.setattr(shutil, "rmtree", _failing_rmtree)
+    msg = _raises(CheckpointMismatchError, to_hf, huge, tmp_path / "fp16", like, dtype="fp16", progress=False)
+    assert msg.startswith("tensor 'lin.weight': 6 value(s)")
+
+
+def test_to_hf_peft_loader_check_and_refusal(tmp_path, monkeypatch):
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    import functional_ema as fe
+    from functional_ema.export import to_hf
+
+    torch.manual_seed(0)
+    model = get_peft_model(_PeftNet(), LoraConfig(r=4, lora_alpha=8, target_modules=["q"]))
+    model.save_pretrained(tmp_path / "adapter")
+    fe.save(fe.init_ema(fe.local_shards(model)), model, tmp_path / "ckpt", "p")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    _write(tmp_path / "adapter" / "adapter_config.json", {**config, "use_dora": False, "r": 2})  # not the EMA's rank
+    msg = _raises(CheckpointMismatchError, to_hf, tmp_path / "ckpt", tmp_path / "hf", tmp_path / "adapter")
+    assert msg.startswith(f"{tmp_path / 'adapter' / 'adapter_config.json'} and the EMA disagree: PEFT, reading this")
+    assert not (tmp_path / "hf").exists()
+    _without(monkeypatch, "peft")  # no PEFT to check with: the export says so in its record
+    out = to_hf(tmp_path / "ckpt", tmp_path / "hf", tmp_path / "adapter", progress=False)
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["loader_check"] == {"class": None, "result": "not run: peft is not installed"}
+
+
+class _PeftNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = torch.nn.ModuleDict({"q": torch.nn.Linear(8, 6), "k": torch.nn.Linear(8, 6)})

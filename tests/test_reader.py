@@ -40,6 +40,7 @@ from functional_ema._checkpoint.format import (
     library_version,
     parse_dtype,
     short_list,
+    split_chunk_checksums,
 )
 from functional_ema._checkpoint.reader import (
     CheckpointReader,
@@ -1713,6 +1714,12 @@ def test_private_folder_holds_what_this_rank_reads(tmp_path: Path) -> None:
         "load it at another, merge the folders into one first (e.g. rsync -a each node's checkpoint folder into one, "
         "or Ray Train's merged checkpoint) and load from that folder"
     )
+    own = tag_dir / _rank_file(2, 4)
+    own.rename(tmp_path / "away")  # the file this rank saved is gone too: named, not a bare FileNotFoundError
+    assert _msg(IncompleteCheckpointError, lambda: open_checkpoint(root, "t", True, _zero3(4)[2], local=True)) == (
+        f"{tag_dir} lacks 1 file(s) this rank reads: {_rank_file(2, 4)} (saved by rank 2 of 4). {tail}"
+    )
+    (tmp_path / "away").rename(own)
     assert _msg(IncompleteCheckpointError, lambda: open_checkpoint(root, "t", True, _zero3(2)[1], local=True)) == (
         f"{tag_dir} lacks 2 file(s) this rank reads: {_rank_file(1, 4)} (saved by rank 1 of 4), {_rank_file(3, 4)} "
         f"(saved by rank 3 of 4). {tail}"
@@ -2042,6 +2049,7 @@ def test_the_manifests_checksum_algorithm_is_used(tmp_path: Path) -> None:
         assert _same_buffers(ckpt.read_buffers(1, 2), _bufs(_zero3(2)[1]))
         x = _ref("x", shapes["x"], 1)
         assert torch.equal(_read(ckpt, "x", PC + 3, PC, k=1), x[PC + 3 : 2 * PC + 3])  # whole chunks of rank 1's
+        assert torch.equal(_read(ckpt, "x", 5, 95, k=1), x[5:100])  # a part of a chunk, read through its chunk
         assert torch.equal(_read(ckpt, "x", 0, 2 * PC + 6, k=1), x)
         path = tag_dir / "buffers_rank_00001_of_00002.safetensors"
         with _io.SafetensorsFile(path) as st:
@@ -2067,3 +2075,77 @@ def test_joined_reader_of_three_tensor_parallel_ranks(tmp_path: Path) -> None:
         got = torch.full((24,), float("nan"))
         joined.fill(got, 0, "v", 0, 24, False)
         assert (got != _full("v", 0).reshape(-1)).sum() == 1
+
+
+def test_open_checkpoint_passes_its_arguments_on_every_path(tmp_path: Path) -> None:
+    """The tag, verify and part given reach every way a reader is opened: 'a' is read though 'ema_latest' names
+    'b', and a damaged header of 'a' is refused unless verify=False."""
+    root, mp = tmp_path / "ck", tmp_path / "mp"
+    for tag in ("a", "b"):
+        _write(root, _zero3(2), tag=tag)
+        _write(mp, _tp(2), tag=tag, values=_tp_values)
+    for path in (root / "a" / _rank_file(1, 2), mp / "a" / "ema_tp001of002_pp000of001_rank_00000_of_00002.safetensors"):
+        _flip(path, path.read_bytes().index(b"functional_ema ", 8))
+    damaged = "the header does not match the checksum in the manifest"
+    whole = ShardLayout(0, 1, 3, _even(0, 1, TP_FULL))
+    for opened in (
+        lambda verify: open_checkpoint(root, "a", verify),
+        lambda verify: open_checkpoint(root, "a", verify, _zero3(2)[1]),  # its own file
+        lambda verify: open_checkpoint(root, "a", verify, _zero3(3)[2]),  # the files its pieces are in
+        lambda verify: open_checkpoint(mp, "a", verify, part=ModelPart(1, 2)),
+        lambda verify: open_checkpoint(mp, "a", verify, whole),  # re-cut from the joined parts
+    ):
+        assert damaged in _msg(CorruptCheckpointError, lambda: opened(True))
+        with opened(False) as ckpt:
+            assert ckpt.tag == "a"
+    assert damaged in _msg(CorruptCheckpointError, lambda: open_checkpoint(root, "a"))  # verified by default
+    assert damaged in _msg(CorruptCheckpointError, lambda: open_checkpoint(root, "a", layout=_zero3(2)[1]))
+    with open_checkpoint(mp, "a", False, part=ModelPart(1, 2)) as ckpt:
+        assert ckpt.part == ModelPart(1, 2)
+        assert torch.equal(_read(ckpt, "w", 0, 12, verify=False), _full("w", 0)[3:].reshape(-1))
+
+
+def test_reader_attributes(tmp_path: Path) -> None:
+    from functional_ema._checkpoint.format import manifest_parts
+
+    root = tmp_path / "ck"
+    _write(root, _tp(2), values=_tp_values)
+    m = _manifest(root / "t")
+    with CheckpointReader.open(root, "t", part=ModelPart(1, 2)) as ckpt:
+        assert ckpt.parts == manifest_parts(m) and ckpt.part_manifest == ckpt.parts[1]
+        assert (ckpt.step, ckpt.num_emas, ckpt.dtype, ckpt.world_size, ckpt.stage) == (STEP, 2, torch.float32, 2, 3)
+    bare = CheckpointReader(root, "t", root / "t", m, [])  # no part named: the manifest's first
+    assert bare.part == ModelPart(0, 2) and bare.part_manifest == manifest_parts(m)[0] and bare.pieces["w"] == []
+    assert bare.partial is False  # set by whoever opens files for it
+
+
+def test_format4_checksum_lists(tmp_path: Path) -> None:
+    """A manifest of format 4 lists each rank file's checksums per tensor: read and verified as such; a list
+    that names other tensors than the file holds is refused; a reader opened unverified holds none."""
+    root = tmp_path / "ck"
+    _write(root, _zero3(2))
+    tag_dir = root / "t"
+    m = _manifest(tag_dir)
+    m["format_version"] = 4
+    for e in m["files"]:
+        with _io.SafetensorsFile(tag_dir / e["file"]) as st:
+            sums = split_chunk_checksums(
+                tag_dir / MANIFEST_NAME, "", e.pop("chunk_checksums"), "xxh3_64", st.tensors, ""
+            )
+        e["tensor_checksums"] = {k: [_io.format_checksum("xxh3_64", v) for v in vs] for k, vs in sums.items()}
+    _set_manifest(tag_dir, m)
+    with CheckpointReader.open(root, "t") as ckpt:
+        assert sorted(ckpt.files[1].crcs) == ["emas.0.b", "emas.0.w", "emas.1.b", "emas.1.w"]
+        assert torch.equal(_read(ckpt, "w", 0, 30, k=1), _ref("w", k=1))
+    with CheckpointReader.open(root, "t", verify=False) as ckpt:
+        assert [f.crcs for f in ckpt.files] == [{}, {}]
+        assert "the manifest has no checksum for tensor 'emas.0.w'" in _msg(
+            CorruptCheckpointError, lambda: _read(ckpt, "w", 0, 3)
+        )
+    del m["files"][1]["tensor_checksums"]["emas.1.b"]
+    _set_manifest(tag_dir, m)
+    assert _msg(CorruptCheckpointError, lambda: CheckpointReader.open(root, "t")) == (
+        f"{_where(tag_dir, 1, 2)}: the manifest's checksums name other tensors than the file holds"
+    )
+    with CheckpointReader.open(root, "t", verify=False) as ckpt:
+        assert torch.equal(_read(ckpt, "b", 0, 7, k=1, verify=False), _ref("b", k=1))
