@@ -48,7 +48,7 @@ from typing import Any, cast
 
 import torch
 
-from . import _io, _memory
+from . import _async_private, _io, _memory
 from ._args import check_bool, check_int, check_path, check_real
 from ._checkpoint import collective, writer
 from ._checkpoint import format as fmt
@@ -87,6 +87,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._raised = False  # the error reached the caller on this rank (wait or the next save)
         self._buffer: torch.Tensor | None = None  # the snapshot, reused by the next save once this one is done
+        self._commit: Callable[[], None] | None = None  # a private save's commit (collective), run by wait()
 
     def done(self) -> bool:
         """True once the checkpoint is complete (manifest written) or the save has failed (in a forked
@@ -119,6 +120,9 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> Path:
         """Block until the save is complete; return ``tag_dir``.
 
+        For a save with ``shared=False`` this is collective (call it on every rank): it commits the
+        save over the process group (and the saver's earlier ones), as :meth:`AsyncSaver.wait` does.
+
         Raises:
             Exception: the background failure: on the rank where it happened, the original exception
                 (e.g. ``OSError``); on the other ranks, :class:`~functional_ema.checkpoint.CheckpointError`
@@ -126,6 +130,8 @@ class SaveHandle:
             TimeoutError: ``timeout`` seconds passed first (the save goes on).
         """
         self._adopt_after_fork()
+        if self._commit is not None and not self._event.is_set():
+            self._commit()
         if not self._event.wait(timeout):
             raise TimeoutError(f"async EMA save into {self.tag_dir} still running after {timeout} s")
         if self._error is not None:
@@ -173,6 +179,7 @@ class AsyncSaver:
         self._handles: list[SaveHandle] = []  # in start order; finished ones are dropped at the next save
         self._free: list[torch.Tensor] = []  # snapshot buffers of finished saves, for reuse
         self._writers: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started them, threads)
+        self._pending: list[_async_private.PendingCommit] = []  # private saves written, not yet committed
 
     def _writer_threads(self) -> ThreadPoolExecutor:
         """The background writers, started once (again in a forked child, which inherits no threads):
@@ -195,14 +202,21 @@ class AsyncSaver:
         buffers: BufferState | None = None,
         extra: dict[str, Any] | None = None,
         timeout: float | None = None,
+        shared: bool = True,
     ) -> SaveHandle:
         """Snapshot this rank's EMA and write the checkpoint in the background. Collective.
 
-        Arguments and the files written are those of :func:`functional_ema.save` (``buffers`` and
-        ``extra`` included). Returns once the snapshot is taken: ``state`` (and ``buffers``) may be
-        updated, even in place, right away. The checkpoint is complete when the returned handle's
-        :meth:`SaveHandle.wait` returns (on every rank). A save of a tag that another save (of this
-        saver, another saver, or another process) is writing first waits for it (``timeout``).
+        Arguments and the files written are those of :func:`functional_ema.save` (``buffers``,
+        ``extra`` and ``shared`` included). Returns once the snapshot is taken: ``state`` (and
+        ``buffers``) may be updated, even in place, right away. The checkpoint is complete when the
+        returned handle's :meth:`SaveHandle.wait` returns (on every rank). A save of a tag that another
+        save (of this saver, another saver, or another process) is writing first waits for it (``timeout``).
+
+        ``shared=False`` (folders the ranks do not share, docs/many-nodes.md): the files are written in
+        the background, and the save is committed over the process group at the saver's next collective
+        call on every rank: the next :meth:`save`, :meth:`wait` (or ``close``, leaving a ``with`` block),
+        or the handle's :meth:`SaveHandle.wait`. Until then each folder's previous checkpoint is the
+        complete one; wait before handing the folders on (``ray.train.report``).
 
         Raises:
             CheckpointError (or the original exception on the rank where it happened): on every
@@ -212,11 +226,31 @@ class AsyncSaver:
         """
         save_dir = check_path(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
         collective.timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
+        shared = check_bool(shared, "shared")
         adapter = adapter_for(engine)
         reading = adapter.read()  # read once; the rest takes plain data
         layout = reading.layout
         group, rank, world = collective.job_of(reading)  # the ranks that save this model together
         collective.check_reachable("AsyncSaver.save", group, world)
+        self._commit_private()  # earlier private saves first (collective); their failures raise in the plan
+        if not shared:
+            raw_tag = adapter.default_tag(state) if tag is None else tag
+            args = (
+                state,
+                layout,
+                (group, world, rank),
+                save_dir,
+                raw_tag,
+                decay,
+                buffers,
+                extra,
+                collective.timeout_s(timeout),
+            )
+            pending = _async_private.start(self, *args)
+            pending.handle._commit = self._commit_private
+            self._pending.append(pending)
+            self._handles.append(pending.handle)
+            return pending.handle
         tag = fmt.check_tag(adapter.default_tag(state) if tag is None else tag)
         tag_dir = save_dir / tag
         writes = layout.writes_pieces
@@ -231,7 +265,7 @@ class AsyncSaver:
 
         def plan() -> dict[str, Any]:
             self._settle(tag_dir)  # raises a previous failure; inside agree_plans, so on every rank
-            p = writer.plan_save(state, decay, layout, tag, buffers, extra)
+            p = dict(writer.plan_save(state, decay, layout, tag, buffers, extra), shared=True)
             if rank == 0:  # the committing rank holds the tag until its background commit is done
                 lock.append(writer.TagLock.acquire(tag_dir, collective.timeout_s(timeout), "AsyncSaver.save"))
                 p["generation"] = writer.read_generation(tag_dir)
@@ -263,7 +297,7 @@ class AsyncSaver:
             give_up()
             raise
 
-        def shared() -> None:  # made once the ranks agree on the tag: a disagreement leaves no folder
+        def see_folder() -> None:  # made once the ranks agree on the tag: a disagreement leaves no folder
             tag_dir.mkdir(parents=True, exist_ok=True)
             if rank:
                 writer.check_shared(tag_dir, rank, "AsyncSaver.save")
@@ -271,7 +305,7 @@ class AsyncSaver:
         try:  # every rank must see the folder rank 0 holds, or the background commit could never complete
             collective.agree(
                 "async save (the folder is shared)",
-                shared,
+                see_folder,
                 group,
                 world,
                 rank,
@@ -312,8 +346,11 @@ class AsyncSaver:
     def wait(self) -> None:
         """Wait for every save in flight; raise the first failure not yet raised on this rank.
 
+        Collective while a ``shared=False`` save is in flight (it is committed here, on every rank).
+
         In a process forked while a save was in flight, that save is the parent's: it is reported here
         (once) as failed in this process, with an error that says so, instead of blocking forever."""
+        self._commit_private()
         first_error = None
         for h in self._handles:
             h.done()  # a save of the parent, in a forked child, fails here
@@ -354,7 +391,15 @@ class AsyncSaver:
                 keep.append(h)
         self._handles = keep
 
-    def _settle(self, tag_dir: Path) -> None:
+    def _commit_private(self) -> None:
+        """Commit the private saves written in the background (collective; ``_async_private``). A failed
+        one fails its handle, raised by ``wait`` or the next ``save``'s plan on every rank."""
+        pending, self._pending = self._pending, []
+        for p in pending:
+            if not p.handle.done():  # done already: a forked child's copy of its parent's save (failed there)
+                _async_private.commit(p)
+
+    def _settle(self, tag_dir: Path | None) -> None:
         """Before a new save: wait while the in-flight limit is reached or the same tag is being
         written, and raise any failure not yet raised on this rank."""
         while True:

@@ -273,7 +273,7 @@ def save(
         nonlocal tag, tag_dir
         tag = check_tag(raw_tag)  # inside the agreement: a bad tag raises on every rank
         tag_dir = save_dir / tag
-        p = plan_save(state, decay, layout, tag, buffers, extra)
+        p = dict(plan_save(state, decay, layout, tag, buffers, extra), shared=True)
         if jrank == 0:  # the committing rank holds the tag for the whole save, then picks the generation
             lock.append(TagLock.acquire(tag_dir, timeout_s(timeout), "save"))
             p["generation"] = read_generation(tag_dir)

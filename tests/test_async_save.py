@@ -1536,3 +1536,210 @@ def test_async_ranks_two_groups_of_one_job(tmp_path):
         ["CheckpointError", f"async save (the folder is shared) failed on rank 1 of 2 (CheckpointError): {unshared}"],
         ["CheckpointError", unshared],
     ]
+
+
+def private_worker(root: str) -> dict:
+    """AsyncSaver.save(..., shared=False) on FSDP2 (each rank holds half of every parameter), one folder per
+    rank: written in the background, committed over the process group at the saver's next collective call."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
+
+    rank, base, out = dist.get_rank(), Path(root), {}
+    own = base / f"own{rank}"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    full = lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # noqa: E731
+    state, ref = fe.init_ema(fe.local_shards(model)), full()
+    saver = fe.AsyncSaver()
+
+    def train(step: int) -> None:
+        g = torch.Generator().manual_seed(10 * step + rank)
+        model(torch.randn(3, 6, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        nonlocal state
+        state = fe.update(state, fe.local_shards(model), step, decay=0.9)
+        for n, t in full().items():
+            ref[n].lerp_(t, 0.1)
+
+    def local(s) -> list:
+        return [t.clone() for t in s.emas[0].values()]
+
+    def listing(tag: str) -> list:
+        return sorted(p.name for p in (own / tag).iterdir()) if (own / tag).is_dir() else []
+
+    for step in (1, 2, 3):
+        train(step)
+    at_call = local(state)
+    if rank == 0:
+        torch.save(ref, base / "ref3.pt")
+    h = saver.save(state, model, own, "t", decay=0.9, shared=False)
+    train(4)  # the training goes on; the write in the background holds the snapshot
+    saver._pending[0].write.result(timeout=60)  # the background write is done; the commit is not
+    out["before_commit"] = [listing("t"), h.done(), (own / "ema_latest").exists()]
+    out["wait"] = [str(h.wait()), h.step, h.done()]
+    out["after_commit"] = listing("t")
+    out["t_loads"] = all(torch.equal(a, b) for a, b in zip(at_call, local(fe.load(model, own, "t", shared=False))))
+
+    # The next save commits the one before it: "u" is complete once "v" is started, "v" at saver.wait().
+    at_u = local(state)
+    saver.save(state, model, own, "u", decay=0.9, shared=False)
+    train(5)
+    saver.save(state, model, own, "v", decay=0.9, shared=False)
+    out["u_committed_by_next_save"] = (own / "u" / "ema_manifest.json").exists()
+    out["v_before_wait"] = (own / "v" / "ema_manifest.json").exists()
+    saver.wait()
+    out["u_v"] = [
+        all(torch.equal(a, b) for a, b in zip(want, local(fe.load(model, own, tag, shared=False))))
+        for want, tag in ((at_u, "u"), (local(state), "v"))
+    ]
+    out["latest"] = (own / "ema_latest").read_text()
+
+    # Rank 1's background write fails (a folder where its file goes): both ranks fail at the commit, no
+    # manifest anywhere, rank 1's blocker left as it was, and every folder's "t" still loads.
+    if rank == 1:
+        (own / "f" / "ema_rank_00001_of_00002.safetensors").mkdir(parents=True)
+    dist.barrier()
+    hf = saver.save(state, model, own, "f", decay=0.9, shared=False)
+    out["failed"] = error_of(hf.wait)
+    out["failed_again"] = error_of(hf.wait)
+    out["failed_files"] = listing("f")
+    out["t_still_loads"] = all(
+        torch.equal(a, b) for a, b in zip(at_call, local(fe.load(model, own, "t", shared=False)))
+    )
+    # The same failure nobody waited for: the next save raises it on every rank, before writing.
+    saver.save(state, model, own, "f", decay=0.9, shared=False)
+    out["next_raises"] = error_of(lambda: saver.save(state, model, own, "g", decay=0.9, shared=False))
+    out["g_exists"] = (own / "g").exists()
+    saver.wait()
+    dist.barrier()
+    return json.loads(json.dumps(out))
+
+
+def test_async_ranks_private_folders(tmp_path):
+    """``shared=False``: FSDP2 at 2 ranks, one folder each; the manifest appears only at the commit, in both
+    folders, byte for byte; each rank loads the state at the call; the merged folders consolidate to the
+    plain-torch EMA of the full tensors, bitwise; a failure on one rank fails both, at wait or the next save."""
+    import torch
+
+    import functional_ema as fe
+
+    res = run_ranks(
+        "tests.test_async_save:private_worker",
+        world_size=2,
+        timeout=180,
+        env={"FE_DIST_INIT": "torch"},
+        root=str(tmp_path),
+    )
+    files = ["ema_rank_00000_of_00002.safetensors", "ema_rank_00001_of_00002.safetensors"]
+    for r, f in enumerate(files):
+        assert res[r]["before_commit"] == [[".ema_write.lock", f], False, False]
+        assert res[r]["after_commit"] == ["ema_manifest.json", f]
+    assert [r["wait"] for r in res] == [[str(tmp_path / f"own{r}" / "t"), 3, True] for r in range(2)]
+    assert all(r["t_loads"] and r["u_v"] == [True, True] for r in res)
+    assert [(r["u_committed_by_next_save"], r["v_before_wait"], r["latest"]) for r in res] == [(True, False, "v\n")] * 2
+    for tag in ("t", "u", "v"):
+        assert len({(tmp_path / f"own{r}" / tag / "ema_manifest.json").read_bytes() for r in range(2)}) == 1
+    merged = tmp_path / "merged"
+    for r in range(2):
+        shutil.copytree(tmp_path / f"own{r}", merged, dirs_exist_ok=True)
+    got, want = fe.consolidate(merged, "t"), torch.load(tmp_path / "ref3.pt", weights_only=True)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+    blocked = str(tmp_path / "own1" / "f" / files[1])
+    assert res[1]["failed"][0] == "CheckpointIOError" and blocked in res[1]["failed"][1], res[1]["failed"]
+    assert res[0]["failed"][:1] == ["CheckpointIOError"], res[0]["failed"]
+    assert res[0]["failed"][1].startswith("async save (the background writes) failed on rank 1 of 2"), res[0]["failed"]
+    assert all(r["failed_again"] == r["failed"] for r in res)
+    assert [r["failed_files"] for r in res] == [[], [files[1]]]  # rank 0's new file removed; rank 1's blocker kept
+    assert all(r["t_still_loads"] for r in res)
+    for r in res:
+        name, msg = r["next_raises"][:2]
+        assert name == "CheckpointError" and "the previous async EMA save (step 5" in msg, msg
+    assert [r["g_exists"] for r in res] == [False, False]
+
+
+def test_private_save_of_one_process_commits_at_wait(tmp_path):
+    """``shared=False`` without a process group: the file is written in the background, the manifest only at the
+    commit (the handle's ``wait``, or the saver's next save or ``wait``); what loads is the state at the call."""
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+    at_call = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    saver = fe.AsyncSaver()
+    h = saver.save(state, model, tmp_path, "t", decay=[0.9, 0.99], shared=False)
+    _bump([t for e in state.emas for t in e.values()])
+    saver._pending[0].write.result(timeout=60)
+    assert sorted(os.listdir(tmp_path / "t")) == [".ema_write.lock", "ema_rank_00000_of_00001.safetensors"]
+    assert not h.done() and h.exception() is None and not (tmp_path / "ema_latest").exists()
+    assert h.wait() == tmp_path / "t" and h.done() and saver._pending == []
+    assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00001.safetensors"]
+    assert _same_trees(list(fe.load(model, tmp_path, "t", shared=False).emas), at_call)
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), at_call)  # one process: its folder is complete
+
+    # committed by the next save (of either kind), and by the saver's wait
+    at_u = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    hu = saver.save(state, model, tmp_path, "u", decay=[0.9, 0.99], shared=False)
+    hv = saver.save(state, model, tmp_path, "v", decay=[0.9, 0.99])
+    assert hu.done() and hu.exception() is None and (tmp_path / "u" / "ema_manifest.json").exists()
+    hv.wait()
+    hw = saver.save(state, model, tmp_path, "w", decay=[0.9, 0.99], shared=False)
+    saver.wait()
+    assert hw.done() and (tmp_path / "ema_latest").read_text() == "w\n"
+    for tag in ("u", "v", "w"):
+        assert _same_trees(list(fe.load(model, tmp_path, tag).emas), at_u), tag
+
+    # refused at the call: a bad value for shared, before anything is written
+    with pytest.raises(TypeError) as e:
+        saver.save(state, model, tmp_path, "x", shared="no")
+    assert str(e.value) == "shared must be True or False, got str 'no'" and not (tmp_path / "x").exists()
+
+
+def test_private_save_background_failure_and_commit_timeout(tmp_path, monkeypatch):
+    """A failed background write fails the save at its commit (nothing committed, the new file removed, the
+    tag's previous checkpoint intact); a write that outlives commit_timeout fails it too, naming the limit."""
+    import functional_ema as fe
+    from functional_ema._checkpoint import private
+
+    model = _model()
+    state = _state(model)
+    saver = fe.AsyncSaver()
+    saver.save(state, model, tmp_path, "t", decay=[0.9, 0.99], shared=False).wait()
+    before = (tmp_path / "t" / "ema_manifest.json").read_bytes()
+    _bump([t for e in state.emas for t in e.values()])
+    monkeypatch.setattr(private, "write_rank_file", lambda *a: (_ for _ in ()).throw(OSError(28, "No space (sim)")))
+    h = saver.save(state, model, tmp_path, "t", decay=[0.9, 0.99], shared=False)
+    with pytest.raises(fe.checkpoint.CheckpointIOError) as e:
+        h.wait()
+    assert str(e.value) == (
+        f"rank 0 could not write {tmp_path / 't' / 'ema_rank_00000_of_00001.gen1.safetensors'}: No space (sim) "
+        "(errno 28, ENOSPC); free space on that filesystem (or save elsewhere) and save again"
+    )
+    assert (tmp_path / "t" / "ema_manifest.json").read_bytes() == before
+    assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00001.safetensors"]
+    monkeypatch.undo()
+
+    from functional_ema import _async_private
+
+    release = threading.Event()
+    write = _async_private.write_private
+    monkeypatch.setattr(_async_private, "write_private", lambda *a: (release.wait(30), write(*a))[1])
+    slow = fe.AsyncSaver(commit_timeout=0.2)
+    hs = slow.save(state, model, tmp_path, "s", decay=[0.9, 0.99], shared=False)
+    with pytest.raises(fe.checkpoint.CheckpointError) as e:
+        hs.wait()
+    assert str(e.value) == (
+        f"async save of tag 's' (rank 0): its background write into {tmp_path / 's'} did not finish within "
+        "commit_timeout=0.2 s. Nothing of it is committed; each folder's previous checkpoint is intact"
+    )
+    release.set()
+    slow.wait()
+    assert not (tmp_path / "s" / "ema_manifest.json").exists()

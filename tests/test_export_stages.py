@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -65,6 +66,17 @@ def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+@contextlib.contextmanager
+def _hangups():
+    """The SIGHUPs this process gets meanwhile, recorded instead of ending it: a liveness probe sends no signal."""
+    got: list[int] = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: got.append(signum))
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 # ------------------------------------------------------------------------------------------ foreign
@@ -422,6 +434,12 @@ def test_overwrite_replaces_only_a_previous_export_of_its_own_files(tmp_path):
 
 
 def test_new_tmp_dir_marks_its_folder_and_removes_only_dead_writers_folders(tmp_path, monkeypatch):
+    with _hangups() as got:
+        _new_tmp_dir_cases(tmp_path, monkeypatch)
+    assert got == []  # this process's own folder was probed, never signalled
+
+
+def _new_tmp_dir_cases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "a" / "deep" / "ema_hf"
     tmp = outdir.new_tmp_dir(out)  # its parents made
     assert tmp.parent == out.parent and not out.exists()
@@ -486,7 +504,18 @@ def _failing_rmtree(path: object, ignore_errors: bool = False, **kwargs: object)
 
 
 def test_alive_reads_the_kill_probe(monkeypatch):
-    assert outdir._alive(os.getpid()) is True
+    with _hangups() as got:
+        assert outdir._alive(os.getpid()) is True
+    assert got == []
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert outdir._alive(child.pid) is True
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=0.5)  # a signal sent by the probe would have ended it by now
+        assert child.returncode is None  # probed, not signalled
+    finally:
+        child.kill()
+        child.wait()
     assert outdir._alive(_dead_pid()) is False
     probes = []
 
@@ -2185,6 +2214,16 @@ def test_check_ties_compares_the_alias_with_what_it_is_tied_to(tmp_path):
     # Compared in the dtype written: the holder's EMA differs from the alias's only below bf16's precision.
     swapped = Plan([Item("emb", BF16, (2, 2), "ema", "emb")], [("lm_head.weight", "emb")], "", [])
     assert _check_ties(swapped, _fake_source({"lm_head.weight": emb, "emb": close}), reader) == ["lm_head.weight"]
+    # Each side read in its own saved dtype: fp64 values that differ only below fp32's precision still differ.
+    emb64 = emb.to(torch.float64)
+    fine = emb64 + 1e-12
+    assert torch.equal(fine.float(), emb.float()) and not torch.equal(fine, emb64)
+    f64 = Plan([Item("emb", torch.float64, (2, 2), "ema", "emb")], [("lm_head.weight", "emb")], "", [])
+    for alias, holder in ((fine, emb64), (emb64, fine)):
+        src = _fake_source({"lm_head.weight": alias, "emb": holder})
+        msg = _raises(CheckpointMismatchError, _check_ties, f64, src, reader)
+        assert msg.startswith("EMA tensor 'lm_head.weight' is tied to 'emb' by --like's config")
+    assert _check_ties(f64, _fake_source({"lm_head.weight": fine, "emb": fine.clone()}), reader) == ["lm_head.weight"]
     same = _fake_source({"lm_head.weight": emb, "emb": emb, "x": torch.zeros(1)})
     assert _check_ties(Plan([Item("emb", F32, (2, 2), "ema", "emb")], [], "", []), same, reader) == []
     assert _check_ties(

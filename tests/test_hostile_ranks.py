@@ -52,10 +52,10 @@ def mine(ctx: Ctx, rank1: str, rank0: str = "6") -> fe.EmaState:
     return ctx.states[rank1 if ctx.rank == 1 else rank0]
 
 
-def _async(state, x, d, tag) -> None:
+def _async(state, x, d, tag, shared: bool = True) -> None:
     saver = fe.AsyncSaver()
     try:
-        saver.save(state, x, d, tag, timeout=T).wait()
+        saver.save(state, x, d, tag, timeout=T, shared=shared).wait()
     finally:
         saver.wait()
 
@@ -125,9 +125,17 @@ def _load(ctx: Ctx, cell: str, tag: str = "t", verify: bool = True, shared: bool
     return fe.load(ctx.model, ctx.root / cell / f"node{ctx.rank}", tag, timeout=T, verify=verify, shared=shared)
 
 
-def _private(ctx: Ctx, state: fe.EmaState, x: Any = None, tag: str = "t") -> None:
-    """``save(..., shared=False)`` into this rank's own folder (``own<rank>``)."""
-    fe.save(state, ctx.model if x is None else x, ctx.root / f"own{ctx.rank}", tag, timeout=T, shared=False)
+def _private(ctx: Ctx, state: fe.EmaState, x: Any = None, tag: str = "t", asynchronous: bool = False) -> None:
+    """``save(..., shared=False)`` (or ``AsyncSaver.save``'s) into this rank's own folder (``own<rank>``)."""
+    x, d = ctx.model if x is None else x, ctx.root / f"own{ctx.rank}"
+    if asynchronous:
+        _async(state, x, d, tag, shared=False)
+    else:
+        fe.save(state, x, d, tag, timeout=T, shared=False)
+
+
+#: One rank saves into a shared folder, the other into a private one: refused before anything is written.
+SHARED = ("ranks disagree on shared", "rank 0: True", "rank 1: False")
 
 
 #: verb -> disagreement -> :class:`Cell`. The load cells read node-local copies (``<cell>/node<r>``),
@@ -145,6 +153,11 @@ CELLS: dict[str, dict[str, Cell]] = {
         "layout": Cell(
             lambda c: fe.save(mine(c, "other"), c.other, c.root / "ck", "t", timeout=T), SAVE_ERR, LAYOUT, FSDP2
         ),
+        "shared": Cell(
+            lambda c: fe.save(c.states["6"], c.model, c.root / f"sh{c.rank}", "t", timeout=T, shared=c.rank == 0),
+            SAVE_ERR,
+            SHARED,
+        ),
     },
     "AsyncSaver.save": {
         "step": Cell(lambda c: _async(mine(c, "7"), c.model, c.root / "ck", "t"), SAVE_ERR, STEP),
@@ -156,6 +169,9 @@ CELLS: dict[str, dict[str, Cell]] = {
         "num_emas": Cell(lambda c: _async(mine(c, "2emas"), c.model, c.root / "ck", "t"), SAVE_ERR, EMAS),
         "dtype": Cell(lambda c: _async(mine(c, "f64"), c.model, c.root / "ck", "t"), SAVE_ERR, DTYPE),
         "layout": Cell(lambda c: _async(mine(c, "other"), c.other, c.root / "ck", "t"), SAVE_ERR, LAYOUT, FSDP2),
+        "shared": Cell(
+            lambda c: _async(c.states["6"], c.model, c.root / f"ash{c.rank}", "t", shared=c.rank == 0), SAVE_ERR, SHARED
+        ),
     },
     "load": {
         "step": Cell(lambda c: _load(c, "load_step"), LOAD_ERR, ("ranks disagree on step", "rank 0: 6", "rank 1: 5")),
@@ -186,6 +202,17 @@ CELLS: dict[str, dict[str, Cell]] = {
         "num_emas": Cell(lambda c: _private(c, mine(c, "2emas")), SAVE_ERR, EMAS),
         "dtype": Cell(lambda c: _private(c, mine(c, "f64")), SAVE_ERR, DTYPE),
         "layout": Cell(lambda c: _private(c, mine(c, "other"), c.other), SAVE_ERR, LAYOUT, FSDP2),
+    },
+    "AsyncSaver.save(shared=False)": {
+        "step": Cell(lambda c: _private(c, mine(c, "7"), asynchronous=True), SAVE_ERR, STEP),
+        "tag": Cell(
+            lambda c: _private(c, c.states["6"], tag=f"t{c.rank}", asynchronous=True),
+            SAVE_ERR,
+            ("ranks disagree on tag", "rank 0: 't0'", "rank 1: 't1'"),
+        ),
+        "num_emas": Cell(lambda c: _private(c, mine(c, "2emas"), asynchronous=True), SAVE_ERR, EMAS),
+        "dtype": Cell(lambda c: _private(c, mine(c, "f64"), asynchronous=True), SAVE_ERR, DTYPE),
+        "layout": Cell(lambda c: _private(c, mine(c, "other"), c.other, asynchronous=True), SAVE_ERR, LAYOUT, FSDP2),
     },
     "load(shared=False)": {
         "step": Cell(

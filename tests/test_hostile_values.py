@@ -555,6 +555,7 @@ CALLS: dict[str, Call] = {
             buffers=w.bstate,
             extra=None,
             timeout=30.0,
+            shared=True,
         ),
     ),
     "AsyncSaver.wait": lambda w: (fe.AsyncSaver(pin_memory=False).wait, {}),
@@ -997,7 +998,8 @@ for q in ("save", "AsyncSaver.save"):
         extra=R(NONE_DEFAULT, names=("extra",), dict="a small JSON object, as documented"),
         timeout=TIMEOUT,
     )
-rows("save", shared=BOOL)
+for q in ("save", "AsyncSaver.save"):
+    rows(q, shared=BOOL)
 rows(
     "load",
     engine=MODEL,

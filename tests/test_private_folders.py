@@ -172,9 +172,10 @@ def test_private_folders_save_load_and_merge(tmp_path, kind, world, per_node):
             assert not any("manifest" in f for f in r["diverged_files"]), r["diverged_files"]
 
 
-def controller_worker(root: str) -> dict:
+def controller_worker(root: str, async_save: bool) -> dict:
     """The integrations' controller with ``shared=False``: a not-started record and a started EMA saved into each
-    rank's own folder, resumed by a fresh controller; a rank whose folder holds nothing is refused on every rank."""
+    rank's own folder, resumed by a fresh controller; a rank whose folder holds nothing is refused on every rank.
+    With ``async_save``, each save is committed at the next one (and the last at ``wait``)."""
     import torch.distributed as dist
 
     from functional_ema.integrations import EMAController
@@ -185,8 +186,8 @@ def controller_worker(root: str) -> dict:
     model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     here = Path(root) / f"node{rank}" / "run"
-    ctl = EMAController(DECAY, start_step=3, shared=False)
-    out: dict = {}
+    ctl = EMAController(DECAY, start_step=3, shared=False, async_save=async_save)
+    out: dict = {"committed": []}
     for step in range(1, 6):
         g = torch.Generator().manual_seed(step * 10 + rank)
         model(torch.randn(4, 7, generator=g)).pow(2).mean().backward()
@@ -194,6 +195,9 @@ def controller_worker(root: str) -> dict:
         opt.zero_grad()
         ctl.on_step(model, step)
         ctl.save(model, here / f"checkpoint-{step}", step)
+        out["committed"].append([(here / f"checkpoint-{s}" / "ema" / "ema_manifest.json").exists() for s in (3, 4, 5)])
+    ctl.wait()
+    out["committed_at_wait"] = (here / "checkpoint-5" / "ema" / "ema_manifest.json").exists()
     fresh = EMAController(DECAY, start_step=3, shared=False)
     out["unstarted"] = fresh.load(model, here / "checkpoint-2", 2) == 2 and fresh.state is None
     fresh.load(model, here / "checkpoint-5", 5)
@@ -202,18 +206,28 @@ def controller_worker(root: str) -> dict:
     empty = Path(root) / f"empty{rank}"
     (empty / "ema").mkdir(parents=True)
     out["one_empty"] = _error(lambda: fresh.load(model, here / "checkpoint-5" if rank == 0 else empty, 5))
-    out["async"] = _error(lambda: EMAController(DECAY, shared=False, async_save=True))
     return out
 
 
-def test_controller_with_private_folders(tmp_path):
-    res = run_ranks("tests.test_private_folders:controller_worker", world_size=2, timeout=300, root=str(tmp_path))
+@pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "async"])
+def test_controller_with_private_folders(tmp_path, async_save):
+    res = run_ranks(
+        "tests.test_private_folders:controller_worker",
+        world_size=2,
+        timeout=300,
+        root=str(tmp_path),
+        async_save=async_save,
+    )
+    # which of checkpoint-3..5 hold their manifest after the saves of steps 1..5
+    if async_save:  # each committed by the save after it
+        want = [[False] * 3, [False] * 3, [False] * 3, [True, False, False], [True, True, False]]
+    else:
+        want = [[False] * 3, [False] * 3, [True, False, False], [True, True, False], [True, True, True]]
     for r in res:
+        assert r["committed"] == want and r["committed_at_wait"], r
         assert r["unstarted"] and r["bitwise"], r
         name, msg = r["one_empty"]
         assert name == "CheckpointMismatchError" and "folders disagree" in msg, msg
-        name, msg = r["async"]
-        assert name == "ValueError" and "not supported yet" in msg, msg
     for node in ("node0", "node1"):  # each folder: its own copy of the record and the manifest
         assert (tmp_path / node / "run" / "checkpoint-2" / "ema" / "integration.json").is_file()
         assert (tmp_path / node / "run" / "checkpoint-5" / "ema" / "ema_manifest.json").is_file()

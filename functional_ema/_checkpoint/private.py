@@ -25,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, cast
 
+import torch
 import torch.distributed as dist
 
 from .._layout import ShardLayout
@@ -53,7 +55,15 @@ from .writer import (
     write_rank_file,
 )
 
-__all__ = ["save_private", "MARKER_PREFIX"]
+__all__ = [
+    "MARKER_PREFIX",
+    "PrivateSave",
+    "abandon_private",
+    "commit_private",
+    "prepare_private",
+    "save_private",
+    "write_private",
+]
 
 #: Markers a private save leaves for a moment in each tag folder, to find which ranks share it.
 MARKER_PREFIX = ".ema_present."
@@ -103,6 +113,22 @@ def _touch(tag_dir: Path, marker: Path, rank: int) -> None:
         raise io_error(e, rank, marker) from None
 
 
+class PrivateSave(NamedTuple):
+    """One private save, once its ranks agreed on it (:func:`prepare_private`): what every later stage needs."""
+
+    job: tuple[Any, int, int]  # (group, world, rank)
+    save_dir: Path
+    tag_dir: Path
+    mine: dict[str, Any]  # this rank's plan
+    first: dict[str, Any]  # rank 0's plan (agreed)
+    sharers: list[int]  # the ranks that share this rank's folder (its lowest commits it)
+    layout: ShardLayout  # this rank's
+    holder: ShardLayout  # whose pieces this rank's EMA file holds
+    generation: int
+    names: list[str]  # the files this rank writes (its pieces unless a rank of its folder does; its buffers)
+    lock: list[TagLock]  # the folder's write lock, held by its committer until the commit or the failure
+
+
 def save_private(
     state: EmaState,
     layout: ShardLayout,
@@ -115,55 +141,127 @@ def save_private(
     timeout: float,
 ) -> Path:
     """The private-folder save (see the module docstring); ``job`` is (group, world, rank). Collective."""
+    prep = prepare_private(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, "save")
     group, world, rank = job
-    writes_buffers = buffers is not None and layout.replica == 0
-    holder = holder_layout(layout)
+    written: list[dict[str, Any]] = []
+    try:
+        write = lambda: written.append(write_private(prep, state.emas, buffers))  # noqa: E731
+        agree("save (writing the rank files)", write, group, world, rank, results=False)
+    except BaseException:
+        abandon_private(prep)
+        raise
+    commit_private(prep, written[0], timeout, "save")
+    return prep.tag_dir
+
+
+def prepare_private(
+    state: EmaState,
+    layout: ShardLayout,
+    job: tuple[Any, int, int],
+    save_dir: Path,
+    raw_tag: Any,
+    decay: DecayLike | Any,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float,
+    what: str,
+    before: Callable[[], None] | None = None,
+) -> PrivateSave:
+    """Steps 1-3 (module docstring) and the names each rank writes. Collective; ``before()`` runs first on
+    every rank inside the plan's agreement (a failure there raises on every rank). On a failure the folders'
+    locks are released and nothing is left behind."""
+    group, world, rank = job
     box: dict[str, Any] = {}
 
     def plan() -> dict[str, Any]:
+        if before is not None:
+            before()
         tag = check_tag(raw_tag)
         box["tag_dir"] = save_dir / tag
-        p = plan_save(state, decay, layout, tag, buffers, extra)
+        p = dict(plan_save(state, decay, layout, tag, buffers, extra), shared=False)
         p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None
         return p
 
-    mine, first = agree_plans("save (checking the state)", plan, group, world, rank)
+    mine, first = agree_plans(f"{what} (checking the state)", plan, group, world, rank)
     tag_dir: Path = box["tag_dir"]
     token = first["token"] if first.get("token") else f"{secrets.randbits(62):016x}"  # world 1: no agreement ran
     sharers = folder_group(tag_dir, token, rank, job, timeout)
     lock: list[TagLock] = []
-    done = False
-    names: list[str] = []
+    holder = holder_layout(layout)
     try:
         generation = _agree_generation(tag_dir, sharers[0] == rank, lock, job, timeout)
         piece_file = save_files(holder, generation, False, True)[0]
         others = _everyone(piece_file, group, world, timeout)
         writes_pieces = not any(others[q] == piece_file for q in sharers if q < rank)  # a folder gets one copy
+        writes_buffers = buffers is not None and layout.replica == 0
         names = ([piece_file] if writes_pieces else []) + (
             save_files(layout, generation, True, False) if writes_buffers else []
         )
-        written = _write_files(
-            state, layout, holder, mine, generation, tag_dir, names, buffers if writes_buffers else None, job
-        )
-        records = _everyone(written, group, world, timeout)
+    except BaseException:
+        for held in lock:
+            held.release(remove_empty=True)
+        raise
+    return PrivateSave(job, save_dir, tag_dir, mine, first, sharers, layout, holder, generation, names, lock)
+
+
+def write_private(
+    prep: PrivateSave, emas: Sequence[Mapping[str, torch.Tensor]], buffers: BufferState | None
+) -> dict[str, Any]:
+    """This rank's files (``prep.names``: its pieces as their holder writes them, its buffers) and their
+    record. Not collective: the async save runs it in its background thread. ``buffers`` is ignored
+    unless this rank writes a buffer file."""
+    names, tag_dir, rank = prep.names, prep.tag_dir, prep.job[2]
+    records: dict[str, Any] = {"part": part_record(prep.layout, prep.mine)}
+    path = tag_dir
+    try:
+        dtype = parse_dtype(prep.mine["dtype"], "save")
+        if names and names[0].startswith("ema_"):  # the pieces' file (buffer files start "buffers_")
+            path = tag_dir / names[0]
+            meta = rank_file_meta(prep.mine, prep.holder, prep.generation)
+            # write_rank_file only indexes ``ema[name]``; its ``dict`` annotation is narrower than a Shards.
+            pieces = cast("list[dict[str, torch.Tensor]]", emas)
+            records["file"] = write_rank_file(path, prep.holder, pieces, dtype, meta)
+        if buffers is not None and names and names[-1].startswith("buffers_"):
+            path = tag_dir / names[-1]
+            meta = buffer_file_meta(prep.mine, prep.layout, prep.generation)
+            records["buffers"] = write_buffer_file(path, prep.layout.rank, buffers, prep.mine["buffers"], meta)
+    except OSError as e:
+        raise io_error(e, rank, path) from None
+    return records
+
+
+def commit_private(prep: PrivateSave, record: dict[str, Any], timeout: float, what: str) -> None:
+    """Step 5: every rank's records to every rank, then each folder's committer writes the same manifest
+    and ``ema_latest``; the locks are released. Collective. On a failure, this rank's new files are
+    removed (the folders' previous checkpoints stay loadable)."""
+    group, world, rank = prep.job
+    done = False
+    try:
+        records = _everyone(record, group, world, timeout)
 
         def commit() -> None:
-            manifest = build_manifest(first, _one_record_per_file(records))
-            if sharers[0] == rank:
+            manifest = build_manifest(prep.first, _one_record_per_file(records))
+            if prep.sharers[0] == rank:
                 try:
-                    commit_manifest(save_dir, tag_dir, manifest)
+                    commit_manifest(prep.save_dir, prep.tag_dir, manifest)
                 except OSError as e:
-                    raise io_error(e, rank, tag_dir / MANIFEST_NAME) from None
+                    raise io_error(e, rank, prep.tag_dir / MANIFEST_NAME) from None
 
-        agree("save (writing the manifests)", commit, group, world, rank, results=False)
+        agree(f"{what} (writing the manifests)", commit, group, world, rank, results=False)
         done = True
-    except CheckpointError:
-        remove_unlisted(tag_dir, names)
+    except BaseException:
+        remove_unlisted(prep.tag_dir, prep.names)
         raise
     finally:
-        for held in lock:
+        for held in prep.lock:
             held.release(remove_empty=not done)
-    return tag_dir
+
+
+def abandon_private(prep: PrivateSave) -> None:
+    """A failed private save: remove this rank's new files and release its folder's lock."""
+    remove_unlisted(prep.tag_dir, prep.names)
+    for held in prep.lock:
+        held.release(remove_empty=True)
 
 
 def _agree_generation(
@@ -180,43 +278,6 @@ def _agree_generation(
 
     agree("save (locking each folder)", take, group, world, rank, results=False)
     return all_reduce_max(found, group)[0] if world > 1 and dist.is_initialized() else found[0]
-
-
-def _write_files(
-    state: EmaState,
-    layout: ShardLayout,
-    holder: ShardLayout,
-    plan: dict[str, Any],
-    generation: int,
-    tag_dir: Path,
-    names: list[str],
-    buffers: BufferState | None,
-    job: tuple[Any, int, int],
-) -> dict[str, Any]:
-    """This rank's files (its pieces, as their holder writes them, unless a rank of its folder does; its
-    buffers) and their records. Collective."""
-    group, world, rank = job
-    out: list[dict[str, Any]] = []
-
-    def write() -> None:
-        records: dict[str, Any] = {"part": part_record(layout, plan)}
-        path = tag_dir
-        try:
-            dtype = parse_dtype(plan["dtype"], "save")
-            if names and names[0].startswith("ema_"):
-                path = tag_dir / names[0]
-                meta = rank_file_meta(plan, holder, generation)
-                records["file"] = write_rank_file(path, holder, state.emas, dtype, meta)
-            if buffers is not None:
-                path = tag_dir / names[-1]
-                meta = buffer_file_meta(plan, layout, generation)
-                records["buffers"] = write_buffer_file(path, layout.rank, buffers, plan["buffers"], meta)
-        except OSError as e:
-            raise io_error(e, rank, path) from None
-        out.append(records)
-
-    agree("save (writing the rank files)", write, group, world, rank, results=False)
-    return out[0]
 
 
 def _one_record_per_file(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -166,11 +166,24 @@ def part_record(layout: ShardLayout, plan: dict) -> dict:
 
 #: The fields of a save's plan every rank must agree on (not the path: mounts may differ between nodes).
 #: The buffers' description too, unless the model is split into parts (each part has its own buffers).
-AGREED_FIELDS = ("tag", "step", "num_emas", "dtype", "layout", "schedules", "buffers", "extra", "model_parallel")
+AGREED_FIELDS = (
+    "tag",
+    "step",
+    "num_emas",
+    "dtype",
+    "layout",
+    "schedules",
+    "buffers",
+    "extra",
+    "model_parallel",
+    "shared",  # set by the verbs (save's ``shared=``): a rank saving privately beside shared ones is refused
+)
 
 
 def _agreed(plan: dict) -> tuple[str, ...]:
-    return tuple(f for f in AGREED_FIELDS if not (f == "buffers" and plan.get("model_parallel")))
+    return tuple(
+        f for f in AGREED_FIELDS if not (f == "buffers" and plan.get("model_parallel")) and (f != "shared" or f in plan)
+    )
 
 
 def check_plans(plans: list[dict]) -> None:

@@ -121,7 +121,9 @@ class EMAController:
         shared: ``False`` when the checkpoint folders are each rank's (or each node's) own: node-local disks,
             the HF Trainer's ``save_on_each_node``, Ray Train's per-worker folders. Saves and resumes then use
             ``save(..., shared=False)`` / ``load(..., shared=False)`` (docs/many-nodes.md); every rank writes
-            the not-started record into its own folder. Not with ``async_save`` yet.
+            the not-started record into its own folder. With ``async_save``, a save's files are written in the
+            background and committed over the process group at the next :meth:`save`, :meth:`wait`,
+            :meth:`load` or the end of training (``AsyncSaver.save(..., shared=False)``).
     """
 
     def __init__(
@@ -168,11 +170,6 @@ class EMAController:
         self.copy_to_model_at_end = check_bool(copy_to_model, "copy_to_model")
         async_save = check_bool(async_save, "async_save")
         self.shared = check_bool(shared, "shared")
-        if async_save and not self.shared:
-            raise ValueError(
-                "async_save=True with shared=False is not supported yet: the background save commits through a "
-                "folder every rank shares; use async_save=False for private folders"
-            )
         self.dtype = check_ema_dtype(dtype)  # refused here, not at the first optimizer step
         self.posthoc_dir = posthoc_path
         self.export_path = None if export_path is None else check_path(export_path, "export_path")
@@ -305,7 +302,14 @@ class EMAController:
             return tag_dir
         if self._saver is not None:  # manifest last, in the background
             self._saver.save(
-                self.state, x, save_dir, self.tag, decay=self.decay, buffers=self.buffer_state, extra=record
+                self.state,
+                x,
+                save_dir,
+                self.tag,
+                decay=self.decay,
+                buffers=self.buffer_state,
+                extra=record,
+                shared=self.shared,
             )
             return tag_dir
         fe.save(

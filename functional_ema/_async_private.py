@@ -1,0 +1,147 @@
+"""``AsyncSaver.save(..., shared=False)``: a private-folder save written in the background.
+
+A private save (``_checkpoint/private.py``, folders the ranks do not share) commits over the process
+group: every rank's file records go to every rank, then each folder's committer writes the same
+manifest. A shared-folder async save commits through marker files in the one folder; private folders
+share nothing, and collectives cannot run in the background thread (``_async``'s module docstring). So
+the save is split in three:
+
+* **At the call** (training thread, collective): the plan, which ranks share a folder, the folders'
+  locks and generation (as the blocking private save), and the snapshot of this rank's EMA.
+* **In the background** (no collectives): this rank's files, written as the blocking save writes them.
+* **At the saver's next collective call** (training thread): the next ``save`` (of either kind),
+  ``AsyncSaver.wait``/``close``, or this save's ``SaveHandle.wait``, every rank: wait for the background
+  write (at most ``commit_timeout``), agree that every rank's write succeeded, exchange the records,
+  write the manifests, release the locks. A failure anywhere fails the save on every rank and removes
+  its new files.
+
+Until the commit, the folders hold the new files but not their manifest: each folder's previous
+checkpoint stays the complete, loadable one, as after a crash mid-save.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._checkpoint import collective
+from ._checkpoint.errors import CheckpointError
+from ._checkpoint.format import parse_dtype
+from ._checkpoint.private import PrivateSave, abandon_private, commit_private, prepare_private, write_private
+from ._layout import ShardLayout
+from ._state import BufferState, EmaState
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ._async import AsyncSaver, SaveHandle
+
+__all__ = ["PendingCommit", "commit", "start"]
+
+
+@dataclass(frozen=True)
+class PendingCommit:
+    """A private async save whose files are being written, to be committed at the next collective call."""
+
+    prep: PrivateSave
+    handle: SaveHandle
+    write: concurrent.futures.Future[dict[str, Any]]  # the background write: this rank's record
+    commit_timeout: float  # how long the commit waits for the background write
+    timeout: float  # the collectives' bound (the save's ``timeout``)
+
+
+def start(
+    saver: AsyncSaver,
+    state: EmaState,
+    layout: ShardLayout,
+    job: tuple[Any, int, int],
+    save_dir: Path,
+    raw_tag: Any,
+    decay: Any,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float,
+) -> PendingCommit:
+    """The call's part (module docstring). Collective; on a failure every rank raises and nothing is left."""
+    from ._async import SaveHandle
+
+    group, world, rank = job
+    before = lambda: saver._settle(None)  # noqa: E731 - raises a previous failure, inside the agreement
+    prep = prepare_private(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, "async save", before)
+    snapshot: list[tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]] = []
+    copied: list[BufferState] = []
+
+    def take() -> None:
+        if prep.names and prep.names[0].startswith("ema_"):  # this rank writes its folder's copy of the pieces
+            snapshot.append(saver._snapshot(state, parse_dtype(prep.mine["dtype"], "save")))
+        if buffers is not None and prep.names and prep.names[-1].startswith("buffers_"):
+            copied.append(_host_copy(buffers))
+
+    try:
+        collective.agree("async save (the snapshot)", take, group, world, rank, results=False)
+    except BaseException:
+        if snapshot:
+            saver._free.append(snapshot[0][1])
+        abandon_private(prep)
+        raise
+    emas, buffer, ready = snapshot[0] if snapshot else ([], None, None)
+    handle = SaveHandle(prep.tag_dir, prep.first["step"])
+    handle._buffer = buffer
+    write = saver._writer_threads().submit(_write, prep, emas, ready, copied[0] if copied else None)
+    return PendingCommit(prep, handle, write, saver.commit_timeout, timeout)
+
+
+def _host_copy(buffers: BufferState) -> BufferState:
+    """The buffers on the host, copied: small whole tensors the training may change right after the call."""
+    with torch.no_grad():
+        return type(buffers)(
+            buffers.step.clone(),
+            tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
+            {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
+        )
+
+
+def _write(
+    prep: PrivateSave,
+    emas: list[Mapping[str, torch.Tensor]],
+    ready: torch.cuda.Event | None,
+    buffers: BufferState | None,
+) -> dict[str, Any]:
+    """The background part: this rank's files and their record. No collectives."""
+    if ready is not None:
+        ready.synchronize()  # the snapshot's device-to-host copies
+    return write_private(prep, emas, buffers)
+
+
+def commit(pending: PendingCommit) -> None:
+    """The commit (module docstring). Collective. Never raises a failure of the save itself: that is the
+    handle's error, raised by ``wait`` or the saver's next ``save`` on every rank."""
+    prep = pending.prep
+    group, world, rank = prep.job
+    record: list[dict[str, Any]] = []
+
+    def outcome() -> None:
+        try:
+            record.append(pending.write.result(timeout=pending.commit_timeout))
+        except concurrent.futures.TimeoutError:
+            raise CheckpointError(
+                f"async save of tag {prep.first['tag']!r} (rank {rank}): its background write into {prep.tag_dir} did "
+                f"not finish within commit_timeout={pending.commit_timeout:g} s. Nothing of it is committed; each "
+                "folder's previous checkpoint is intact"
+            ) from None
+
+    error: BaseException | None = None
+    try:
+        try:
+            collective.agree("async save (the background writes)", outcome, group, world, rank, results=False)
+        except BaseException:
+            abandon_private(prep)
+            raise
+        commit_private(prep, record[0], pending.timeout, "async save")
+    except Exception as e:  # noqa: BLE001 - the save's failure, handed to the caller through the handle
+        error = e
+    pending.handle._finish(error)
