@@ -1,0 +1,299 @@
+"""Where checkpoint files live: one small interface, a local folder or an fsspec filesystem behind it.
+
+A :class:`Storage` is rooted at one location (a folder, or a URL such as ``s3://bucket/prefix``) and
+takes paths relative to it (``"tag/ema_manifest.json"``). The guarantees, stated once here and checked
+for each implementation by ``tests/test_storage.py`` (a local folder, ``memory://``, and a real S3
+server started by the test):
+
+* **Atomic publish.** :meth:`Storage.writer` streams a file; the file appears under its name only when
+  the block exits cleanly, whole. A failure inside the block (or a crash, or a server killed mid-upload)
+  publishes nothing: a reader sees the previous file of that name, or none. Local: a temporary sibling,
+  fsynced, renamed over the name, the folder fsynced. fsspec: ``open(..., autocommit=False)`` then
+  ``commit()`` (S3: a multipart upload completed at the end, or aborted), ``discard()`` on failure.
+* **Durable on return.** Local: fsynced file and folder. Object stores: the upload's completion was
+  acknowledged by the server.
+* **Confinement.** Every relative path is checked before use: no empty, ``.`` or ``..`` component, no
+  leading ``/``, no backslash; a local path whose real location (symlinks resolved) leaves the root is
+  refused. Nothing is read or written outside the root.
+* **Exact reads.** :meth:`Storage.read_range` returns exactly the bytes asked for, or raises naming the
+  file and how many bytes it holds (a truncated or replaced file is never read short).
+* **Listing.** :meth:`Storage.listdir` names the entries directly under a folder (none for a missing
+  folder), read from the storage at the call (no listing cache carried between calls).
+
+Not provided: a lock between processes on object stores (they have none that every server honours).
+The checkpoint protocol does not need one there: one rank per folder commits, agreed over the process
+group.
+
+fsspec and its filesystem packages (``s3fs``, ``gcsfs``, ``adlfs``) are optional: imported only when a
+URL is used (``pip install 'functional-ema[s3]'``).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import io
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import IO, Any
+
+from . import _io
+
+__all__ = ["FsspecStorage", "LocalStorage", "Storage", "is_url", "storage_for"]
+
+#: ``scheme://...`` with a scheme other than ``file`` names an fsspec filesystem.
+_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` is an fsspec URL (``s3://``, ``gs://``, ``az://``, ``memory://``, ...), not a path."""
+    if not isinstance(location, str):
+        return False
+    m = _URL.match(location)
+    return m is not None and m.group(1).lower() != "file"
+
+
+def check_relative(rel: str) -> str:
+    """``rel`` if it is a plain relative path inside the root (see Confinement), else ``ValueError`` naming it."""
+    if not isinstance(rel, str):
+        raise TypeError(f"storage path must be a str, got {type(rel).__name__} {rel!r}")
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(
+            f"storage path {rel!r} is not a plain relative path (no empty, '.' or '..' parts, no leading '/', "
+            "no backslash): nothing outside the checkpoint's root is read or written"
+        )
+    return rel
+
+
+class Storage(abc.ABC):
+    """A tree of files under one root: see the module docstring for what every implementation guarantees.
+
+    Attributes:
+        location: the root as given (a path or a URL), for messages.
+    """
+
+    location: str
+
+    def describe(self, rel: str) -> str:
+        """``rel`` as the user would name it (the full path or URL), for error messages."""
+        return f"{self.location.rstrip('/')}/{check_relative(rel)}"
+
+    @abc.abstractmethod
+    def writer(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A binary file to stream into; published atomically at ``rel`` when the block exits cleanly."""
+
+    def publish_bytes(self, rel: str, data: bytes) -> None:
+        """Publish ``data`` at ``rel`` atomically (see :meth:`writer`)."""
+        with self.writer(rel) as f:
+            f.write(data)
+
+    @abc.abstractmethod
+    def read_bytes(self, rel: str) -> bytes:
+        """The whole file (``FileNotFoundError`` naming it when absent)."""
+
+    @abc.abstractmethod
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes from ``offset``; ``EOFError`` naming the file when it holds fewer."""
+
+    @abc.abstractmethod
+    def size(self, rel: str) -> int:
+        """The file's size in bytes (``FileNotFoundError`` naming it when absent)."""
+
+    @abc.abstractmethod
+    def exists(self, rel: str) -> bool:
+        """Whether a file (or folder) is at ``rel``, asked of the storage now."""
+
+    @abc.abstractmethod
+    def listdir(self, rel: str = "") -> list[str]:
+        """The names directly under folder ``rel`` (``""``: the root), sorted; ``[]`` for a missing folder."""
+
+    @abc.abstractmethod
+    def remove(self, rel: str) -> None:
+        """Remove the file at ``rel``; nothing when it is already gone."""
+
+    def _short(self, rel: str, offset: int, length: int, got: int) -> EOFError:
+        return EOFError(
+            f"{self.describe(rel)}: asked for {length} bytes at offset {offset}, the file holds {got} there "
+            "(truncated, or replaced by another file)"
+        )
+
+
+class LocalStorage(Storage):
+    """A local (or network-mounted) folder."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.location = os.fspath(root)
+
+    def _path(self, rel: str, must_exist: bool = False) -> Path:
+        path = self.root / check_relative(rel)
+        real_root = os.path.realpath(self.root)
+        real = os.path.realpath(path)
+        if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+            raise ValueError(f"storage path {rel!r} leads to {real}, outside the root {real_root} (a symlink?)")
+        if must_exist and not path.exists():
+            raise FileNotFoundError(f"{path}: no such file")
+        return path
+
+    @contextlib.contextmanager
+    def writer(self, rel: str) -> Iterator[IO[bytes]]:
+        path = self._path(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _io.atomic_open(path) as f:
+            yield f
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._path(rel, must_exist=True).read_bytes()
+
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        path = self._path(rel, must_exist=True)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            data = os.pread(fd, length, offset)
+            while len(data) < length:  # pread may return short before the end on some filesystems
+                more = os.pread(fd, length - len(data), offset + len(data))
+                if not more:
+                    raise self._short(rel, offset, length, len(data))
+                data += more
+            return data
+        finally:
+            os.close(fd)
+
+    def size(self, rel: str) -> int:
+        return self._path(rel, must_exist=True).stat().st_size
+
+    def exists(self, rel: str) -> bool:
+        return self._path(rel).exists()
+
+    def listdir(self, rel: str = "") -> list[str]:
+        path = self._path(rel) if rel else self.root
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(rel).unlink()
+
+
+class FsspecStorage(Storage):
+    """A prefix of an fsspec filesystem (``s3://bucket/prefix``, ``memory://x``, ...).
+
+    Args:
+        url: the root URL.
+        fs: the filesystem to use (default: the one fsspec builds for ``url`` with ``storage_options``).
+        storage_options: passed to fsspec (``key``, ``secret``, ``endpoint_url``, ...).
+    """
+
+    def __init__(self, url: str, fs: Any = None, **storage_options: Any) -> None:
+        try:
+            import fsspec
+        except ImportError:
+            raise ImportError(
+                f"{url!r} is a URL: reading and writing it needs fsspec and its filesystem package "
+                "(pip install 'functional-ema[s3]' for s3://)"
+            ) from None
+        if fs is None:
+            fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        else:
+            root = fs._strip_protocol(url)
+        self.fs, self.root, self.location = fs, str(root).rstrip("/"), url
+
+    def _full(self, rel: str) -> str:
+        return str(PurePosixPath(self.root) / check_relative(rel)) if self.root else check_relative(rel)
+
+    def _fresh(self) -> None:
+        """Drop fsspec's listing cache: every question goes to the storage (a lagging listing is the storage's)."""
+        self.fs.invalidate_cache()
+
+    @contextlib.contextmanager
+    def writer(self, rel: str) -> Iterator[IO[bytes]]:
+        full = self._full(rel)
+        if _commits_at_open(self.fs):  # memory://: a file is live from open: stage the bytes, publish them at once
+            staged = io.BytesIO()
+            try:
+                yield staged
+                self.fs.pipe_file(full, staged.getvalue())
+            finally:
+                self._fresh()
+            return
+        f = self.fs.open(full, "wb", autocommit=False)
+        try:
+            yield f
+            f.close()
+            f.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # aborts an open multipart upload: nothing is published
+            f.closed = True  # discarded: its finaliser must not flush (and upload) what is left
+            raise
+        finally:
+            self._fresh()
+
+    def read_bytes(self, rel: str) -> bytes:
+        self._fresh()
+        try:
+            data: bytes = self.fs.cat_file(self._full(rel))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.describe(rel)}: no such file") from None
+        return data
+
+    def read_range(self, rel: str, offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        try:
+            data: bytes = self.fs.cat_file(self._full(rel), start=offset, end=offset + length)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.describe(rel)}: no such file") from None
+        if len(data) != length:
+            raise self._short(rel, offset, length, len(data))
+        return data
+
+    def size(self, rel: str) -> int:
+        self._fresh()
+        try:
+            return int(self.fs.size(self._full(rel)))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.describe(rel)}: no such file") from None
+
+    def exists(self, rel: str) -> bool:
+        self._fresh()
+        return bool(self.fs.exists(self._full(rel)))
+
+    def listdir(self, rel: str = "") -> list[str]:
+        self._fresh()
+        where = self._full(rel) if rel else self.root
+        try:
+            entries = self.fs.ls(where, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        names = {PurePosixPath(str(e).rstrip("/")).name for e in entries}
+        return sorted(n for n in names if n)
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._full(rel))
+        self._fresh()
+
+
+def _commits_at_open(fs: Any) -> bool:
+    """Whether ``fs`` ignores ``autocommit=False`` (fsspec's in-memory filesystem publishes a file when it
+    is opened); the buffered remote filesystems (s3fs, gcsfs, adlfs) honour it."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    return isinstance(fs, MemoryFileSystem)
+
+
+def storage_for(location: str | os.PathLike[str], **storage_options: Any) -> Storage:
+    """The :class:`Storage` for a folder path or an fsspec URL (``storage_options`` go to fsspec)."""
+    if is_url(location):
+        return FsspecStorage(os.fspath(location), **storage_options)
+    if storage_options:
+        raise TypeError(f"storage_options are for URLs; {os.fspath(location)!r} is a local path")
+    if isinstance(location, str) and location.lower().startswith("file://"):
+        return LocalStorage(location[len("file://") :])
+    return LocalStorage(location)
