@@ -610,9 +610,16 @@ def test_a_killed_export_leaves_no_folder_a_later_export_keeps(tmp_path):
     for d in foreign:
         d.mkdir()
     (foreign[1] / ".functional_ema_export_in_progress").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
-    (foreign[2] / ".functional_ema_export_in_progress").write_text(
-        json.dumps({"host": __import__("socket").gethostname(), "pid": os.getpid()})
-    )
-    to_hf(tmp_path / "ckpt", out, tmp_path / "base", tag="s")
+    # A live writer's folder: a sleeping child's pid (probing it must neither remove the folder nor signal the child).
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (foreign[2] / ".functional_ema_export_in_progress").write_text(
+            json.dumps({"host": __import__("socket").gethostname(), "pid": sleeper.pid})
+        )
+        to_hf(tmp_path / "ckpt", out, tmp_path / "base", tag="s")
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
     assert not left[0].exists() and all(d.is_dir() for d in foreign)
     assert (out / "model.safetensors").is_file() and not [p for p in out.iterdir() if "progress" in p.name]
