@@ -213,7 +213,13 @@ class EMACallback(TrainerCallback):
                 found = frame.f_locals
                 prefix = found.get("metric_key_prefix")
                 if "eval_dataset" in found and isinstance(prefix, str):
-                    return owner, found["eval_dataset"], found.get("ignore_keys"), prefix
+                    dataset = found["eval_dataset"]
+                    # The Trainer's own dataset (what evaluate() resolved None to) is passed on as None, as the
+                    # call was made: a subclass's evaluate treats a dataset given to it as a new one (TRL's
+                    # DPOTrainer with precompute_ref_log_probs refuses one after step 0).
+                    if dataset is getattr(owner, "eval_dataset", None):
+                        dataset = None
+                    return owner, dataset, found.get("ignore_keys"), prefix
                 break
             frame = frame.f_back
         raise RuntimeError(
