@@ -111,9 +111,12 @@ def world2_worker(root):
     root = Path(root)
 
     # 1. Async saves at ZeRO 0 / 2 / 3 equal the state at the call.
+    kept = {}  # the ZeRO-2 and ZeRO-3 engines, reused by 7 (a load needs only their layout)
     for stage in (0, 2, 3):
         d = root / f"basic_s{stage}"
         engine = make_engine(stage, "fp32")
+        if stage:
+            kept[stage] = engine
         state = advance(engine, fe.init_ema(fe.local_shards(engine), num_emas=2), 2)
         want = gather_all(state, engine)
         saver = fe.AsyncSaver()
@@ -226,7 +229,7 @@ def world2_worker(root):
     # 7. The format-1 checkpoint (CRC-32, written by the previous code) loads, resharded too, and re-saves.
     ref = unflat(torch_load_ref())
     for stage in (2, 3):
-        engine = make_engine(stage, "fp32", seed=5)
+        engine = kept.pop(stage)
         st = fe.load(engine, V1)
         rep = {"loaded": diff_emas(gather_all(st, engine), ref), "step": int(st.step)}
         h = fe.AsyncSaver().save(st, engine, root / f"v1_resaved_s{stage}", "global_step3")
