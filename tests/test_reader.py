@@ -2149,3 +2149,97 @@ def test_format4_checksum_lists(tmp_path: Path) -> None:
     )
     with CheckpointReader.open(root, "t", verify=False) as ckpt:
         assert torch.equal(_read(ckpt, "b", 0, 7, k=1, verify=False), _ref("b", k=1))
+
+
+def test_checks_behind_the_manifest_schema_name_what_they_refuse(tmp_path: Path) -> None:
+    """The dtype and checksum algorithm that validate_manifest vouches for are checked again where they are used,
+    and still name what they refuse when a manifest edited in memory gets past it: a reader built from it, a part
+    opened from it, the buffers of a reader holding it, a parts list cut short. Unverified reads never look at
+    the checksums, whatever their algorithm."""
+    from functional_ema._checkpoint.format import manifest_parts
+
+    root = tmp_path / "ck"
+    layouts = _zero3(2)
+    _write(root, layouts, buffers=_bufs)
+    tag_dir = root / "t"
+    m = _manifest(tag_dir)
+    m["dtype"] = "int8"
+    assert _msg(CorruptCheckpointError, lambda: CheckpointReader(root, "t", tag_dir, m, [])) == (
+        f"{tag_dir / MANIFEST_NAME}: unknown EMA dtype 'int8'"
+    )
+
+    def open_part(root: Path, m: dict, verify: bool) -> CheckpointReader:  # as open_checkpoint opens a part
+        return CheckpointReader._for_part(root, "t", root / "t", m, manifest_parts(m)[0], verify, None)
+
+    m = locate_checkpoint(root, "t")[3]
+    m["checksum"] = "md5"
+    unknown = (
+        f": the manifest's checksums use 'md5', which this functional_ema ({library_version()}) cannot compute (it "
+        "knows ['crc32', 'xxh3_64']). Upgrade functional_ema, or load with verify=False"
+    )
+    assert _msg(CheckpointVersionError, lambda: open_part(root, m, True)) == _where(tag_dir, 0, 2) + unknown
+    bpath = tag_dir / "buffers_rank_00001_of_00002.safetensors"
+    with open_part(root, m, False) as ckpt:
+        assert torch.equal(_read(ckpt, "w", 0, 30, k=1, verify=False), _ref("w", k=1))
+        assert _msg(CheckpointVersionError, lambda: ckpt.read_buffers(1, 2)) == (
+            f"{bpath} (buffers of rank 1 of 2)" + unknown
+        )
+        assert _same_buffers(ckpt.read_buffers(1, 2, verify=False), _bufs(layouts[1]))
+    _rewrite(tag_dir, 1, lambda t, meta: meta.update(dtype="int8"), "buffer_files")
+    with CheckpointReader.open(root, "t") as ckpt:
+        ckpt.part_manifest["buffers"]["dtype"] = "int8"  # as the file says now
+        assert _msg(CorruptCheckpointError, lambda: ckpt.read_buffers(1, 2)) == (
+            f"{bpath} (buffers of rank 1 of 2): unknown EMA dtype 'int8'"
+        )
+    odd = tmp_path / "int8"  # a rank file and a manifest that agree on a dtype no EMA has
+    _write(odd, _zero3(1), meta=lambda lay, meta: meta.update(dtype="int8"))
+    m = locate_checkpoint(odd, "t")[3]
+    m["dtype"] = "int8"
+    assert _msg(CorruptCheckpointError, lambda: open_part(odd, m, True)) == (
+        f"{_where(odd / 't', 0, 1)}: unknown EMA dtype 'int8'"
+    )
+    mp = tmp_path / "mp"
+    _write(mp, _tp(1), values=_tp_values)
+    m = _manifest(mp / "t")
+    m["parts"] = m["parts"][:1]  # one part left of two: still described as saved with tensor parallelism
+    assert _msg(CheckpointMismatchError, lambda: CheckpointReader._select(mp / "t", m, ModelPart(0, 3))) == (
+        f"{mp / 't' / MANIFEST_NAME}: the EMA was saved with tensor-parallel size 2 x pipeline size 1, and holds no "
+        "part for tensor-parallel rank 0 of 3 of this run: the model-parallel layout changed"
+    )
+
+
+def test_only_private_folders_are_checked_for_this_ranks_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_local (a private save's folder must hold the files this rank reads) runs for local=True only, on the
+    files that rank opens; the shared folder's files were all checked when the manifest was read."""
+    root = tmp_path / "ck"
+    layouts = _zero3(2)
+    _write(root, layouts)
+    calls: list[list[int]] = []
+    real = reader.check_local
+
+    def spy(tag_dir: Path, part: dict, entries: list[dict]) -> None:
+        calls.append([e["rank"] for e in entries])
+        real(tag_dir, part, entries)
+
+    monkeypatch.setattr(reader, "check_local", spy)
+    CheckpointReader.open(root, "t").close()
+    for r in open_parts(root, "t"):
+        r.close()
+    open_checkpoint(root, "t", True, layouts[1]).close()
+    assert calls == []
+    open_checkpoint(root, "t", True, layouts[1], local=True).close()
+    assert calls == [[1]]
+
+
+def test_joined_reader_sources(tmp_path: Path) -> None:
+    """Each output tensor's sources: every tensor-parallel rank's slice of a split parameter, along its dimension;
+    tensor-parallel rank 0's copy alone of a replicated one."""
+    root = tmp_path / "ck"
+    _write(root, _tp(1), values=_tp_values)
+    with open_joined(root, "t") as joined:
+        r0, r1 = sorted(joined.readers, key=lambda r: r.part.tp)
+        assert joined.sources == {
+            "w": ([(r0, (3, 4)), (r1, (3, 4))], 0),
+            "v": ([(r0, (4, 3)), (r1, (4, 3))], 1),
+            "b": ([(r0, (7,))], None),
+        }
