@@ -1699,6 +1699,13 @@ def test_private_save_of_one_process_commits_at_wait(tmp_path):
     assert hw.done() and (tmp_path / "ema_latest").read_text() == "w\n"
     for tag in ("u", "v", "w"):
         assert _same_trees(list(fe.load(model, tmp_path, tag).emas), at_u), tag
+    # The same tag again: generation 1 in the file names and in the manifest that lists them.
+    _bump([t for e in state.emas for t in e.values()])
+    at_again = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    saver.save(state, model, tmp_path, "w", decay=[0.9, 0.99], shared=False).wait()
+    assert sorted(os.listdir(tmp_path / "w")) == ["ema_manifest.json", "ema_rank_00000_of_00001.gen1.safetensors"]
+    assert fe.checkpoint.read_manifest(tmp_path, "w")["generation"] == 1
+    assert _same_trees(list(fe.load(model, tmp_path, "w", shared=False).emas), at_again)
 
     # refused at the call: a bad value for shared, before anything is written
     with pytest.raises(TypeError) as e:

@@ -254,17 +254,32 @@ def deepspeed_builder(root: str, online: str | None = None) -> dict:
     return {"times": times, "loads": loads}
 
 
+def _merge_private(d: Path, private: Path) -> None:
+    """Rank 0 merges every rank's private folder (``private/own<r>/<d.name>``) into ``d``, as Ray's upload or
+    an ``rsync`` of the node-local folders would: the union of the files (the manifests are the same bytes)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(d, ignore_errors=True)  # a fresh merge each save, as Ray uploads each report anew
+        for own in sorted(private.glob(f"own*/{d.name}")):
+            shutil.copytree(own, d, dirs_exist_ok=True)
+    dist.barrier()
+
+
 def fsdp_builder(root: str, online: str | None = None) -> dict:
-    """4 ranks: FSDP2 (4), HSDP (2 x 2), FSDP2 x DTensor tensor parallel (2 x 2); FSDP2 and HSDP also into DCP."""
+    """4 ranks: FSDP2 (4), HSDP (2 x 2), FSDP2 x DTensor tensor parallel (2 x 2); FSDP2 and HSDP also into DCP;
+    FSDP2 saved with ``shared=False`` into a folder per rank, then merged (``private``)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
     from functional_ema._testing.multirank import TP_DECAY, tp_batch, tp_mesh, tp_model
 
     base, times, loads = Path(root), {}, {}
-    for layout in ("fsdp2", "hsdp", "tp"):
+    for layout in ("fsdp2", "hsdp", "tp", "private"):
         t0 = time.monotonic()
-        if layout == "fsdp2":
+        if layout in ("fsdp2", "private"):
             mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
         elif layout == "hsdp":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -281,6 +296,12 @@ def fsdp_builder(root: str, online: str | None = None) -> dict:
             run.state = fe.update(run.state, fe.local_shards(model), run.step, decay=(TP_DECAY, 0.9))
 
         def save(d, model=model, run=run, layout=layout):
+            if layout == "private":  # each rank's own folder, outside the layout's (no row claims them)
+                private = base.parent / f"{base.name}.private"
+                own = private / f"own{dist.get_rank()}" / d.name
+                fe.save(run.state, model, own, TAG, decay=(TP_DECAY, 0.9), shared=False)
+                _merge_private(d, private)
+                return
             fe.save(run.state, model, d, TAG, decay=(TP_DECAY, 0.9))
             if layout != "tp":  # the same EMA through DCP, into the layout's DCP folder
                 dcp.save({"ema": fe.dcp.EMAStateful(model, run.state)}, checkpoint_id=str(d.parent / "dcp" / d.name))
@@ -549,6 +570,7 @@ LAYOUTS: dict[str, Layout] = {
     "fsdp2": Layout("fsdp", (*_CK, "consolidate_dcp")),
     "hsdp": Layout("fsdp", (*_CK, "consolidate_dcp")),
     "tp": Layout("fsdp", _CK),
+    "private": Layout("fsdp", _CK),  # saved with shared=False into a folder per rank, merged
     "controller": Layout("controller", ("controller.load(2)", "controller.load(4)")),
     "hf": Layout("hf", tuple(HF_EXPORTS)),
 }

@@ -252,3 +252,13 @@ def test_one_process_private_save_and_load(tmp_path):
     for shared in (False, True):
         loaded = fe.load(model, tmp_path / "ck", "t", shared=shared)
         assert all(torch.equal(loaded.emas[0][n], t) for n, t in state.emas[0].items())
+    # The same tag again: generation 1, named by its manifest too (it once said 0: the folder did not load).
+    state = fe.update(state, fe.local_shards(model), 2, decay=DECAY)
+    fe.save(state, model, tmp_path / "ck", "t", shared=False)
+    assert sorted(p.name for p in (tmp_path / "ck" / "t").iterdir()) == [
+        "ema_manifest.json",
+        "ema_rank_00000_of_00001.gen1.safetensors",
+    ]
+    assert fe.checkpoint.read_manifest(tmp_path / "ck", "t")["generation"] == 1
+    loaded = fe.load(model, tmp_path / "ck", "t", shared=False)
+    assert int(loaded.step) == 2 and all(torch.equal(loaded.emas[0][n], t) for n, t in state.emas[0].items())

@@ -201,6 +201,9 @@ def prepare_private(
         for held in lock:
             held.release(remove_empty=True)
         raise
+    # The agreed plan names the generation the folders agreed on (the plan's own is a shared save's, from
+    # rank 0's lock): the manifest must name the generation of the files it lists.
+    first = dict(first, generation=generation)
     return PrivateSave(job, save_dir, tag_dir, mine, first, sharers, layout, holder, generation, names, lock)
 
 
