@@ -13,7 +13,7 @@ Commands:
         Write the EMA as a Hugging Face model folder (sharded safetensors + index, config and tokenizer
         files copied from --like) that from_pretrained loads; or, when --like is a PEFT adapter folder,
         as a PEFT adapter folder. SOURCE: a checkpoint, or a consolidated .safetensors file this library
-        wrote. The export checks itself (docs/shipping.md) and refuses rather than ship anything but the EMA;
+        wrote, or either at an fsspec URL (s3://...). The export checks itself (docs/shipping.md) and refuses rather than ship anything but the EMA;
         --overwrite replaces only a previous export or an empty folder.
     posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).

@@ -49,11 +49,13 @@ from ._args import check_bool, check_path, check_str
 from ._checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, ForeignFileError
 from ._checkpoint.format import CONSOLIDATED_FORMAT, library_version, short_list
 from ._checkpoint.reader import JoinedReader, open_joined
+from ._checkpoint.remote import fetched_file
 from ._export.like import EXPORT_RECORD, LikeFolder, read_like
 from ._export.loader import loader_view, peft_expected
 from ._export.names import WRAPPER_PREFIXES, peft_name, strip_wrappers
 from ._export.outdir import EXPORT_FORMAT, check_out_dir, commit_dir, new_tmp_dir
 from ._export.plan import Plan, make_plan
+from ._storage import is_url
 
 __all__ = ["EXPORT_RECORD", "WRAPPER_PREFIXES", "hf_name", "parse_dtype", "parse_size", "to_hf"]
 
@@ -133,13 +135,19 @@ class _Source(NamedTuple):
 def _open_source(
     source: str | os.PathLike, tag: str | None, index: int, verify: bool, tp_dims: dict | None
 ) -> Iterator[_Source]:
+    url = is_url(source)
     path = Path(source)
-    if path.is_file():
+    if url and str(source).endswith(".safetensors"):  # a consolidated file at a URL: copied, then read
+        with fetched_file(str(source)) as local, _open_file_source(local, verify) as src:
+            src.info["source"] = str(source)
+            yield src
+        return
+    if not url and path.is_file():
         with _open_file_source(path, verify) as src:
             yield src
         return
     ckpt: JoinedReader
-    with open_joined(path, tag, verify, tp_dims) as ckpt:
+    with open_joined(source if url else path, tag, verify, tp_dims) as ckpt:
         ckpt.check_index(index)
         shapes = dict(ckpt.shapes)
         dtypes = {n: ckpt.dtype for n in shapes}
@@ -159,7 +167,7 @@ def _open_source(
 
         schedules = ckpt.manifest.get("schedules")
         info = {
-            "source": str(path),
+            "source": str(source) if url else str(path),
             "source_kind": "checkpoint",
             "tag": ckpt.tag,
             "step": int(ckpt.step),

@@ -933,7 +933,8 @@ def run_table(root: Path, only: Callable[[str, str], bool] = lambda q, p: True) 
 
 MODEL = R(names=MODEL_ARG)
 STATE = R(names=("state",))
-DIR_IN = R(names=("checkpoint_dir", "checkpoint directory"))
+# A URL the offline tools read through fsspec: memory:// only (a test sends no traffic off this machine).
+DIR_IN = R(names=("checkpoint_dir", "checkpoint directory"), values={"url": lambda: "memory://fe-values/missing"})
 DIR_LOAD = R(names=("load_dir", "checkpoint directory"))
 DIR_OUT = R(STR_PATH)
 TAG_SAVE = R(NONE_DEFAULT, INT_TAG, str="a plain folder name")

@@ -155,3 +155,115 @@ def test_s3_server_killed_mid_upload_publishes_nothing(tmp_path: Path) -> None:
     with s3_server(data_dir) as again:
         store = FsspecStorage("s3://fe-kill/ck", fs=again.fs(retries=1))
         assert store.read_bytes("t/a.bin") == b"previous" and store.listdir("t") == ["a.bin"]
+
+
+# ------------------------------------------------------------------ the offline tools over a checkpoint at a URL
+
+
+def _llama_checkpoint(root: Path) -> tuple[Path, Path, dict]:
+    """A tiny Llama's EMA saved twice into ``root/ck`` (generation 1, with ``ema_latest``), its ``--like`` folder
+    (``save_pretrained``) and the EMA expected in the export: the state in memory, reshaped."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import functional_ema as fe
+    from tests._integration_models import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    model.save_pretrained(root / "like")
+    state = fe.init_ema(fe.local_shards(model))
+    for step in (1, 2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5).add_(step)
+        state = fe.update(state, fe.local_shards(model), step, decay=0.75)
+        fe.save(state, model, root / "ck", "t", decay=0.75)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    return root / "ck", root / "like", {n: state.emas[0][n].reshape(shapes[n]).clone() for n in shapes}
+
+
+def _fetch_dirs() -> set[str]:
+    import tempfile
+
+    return {p.name for p in Path(tempfile.gettempdir()).glob("fe_fetch_*")}
+
+
+def test_offline_tools_read_a_checkpoint_at_a_url(s3, tmp_path: Path, monkeypatch) -> None:
+    """consolidate, consolidate_to_file and the export (API and ``python -m functional_ema export s3://...``)
+    read a checkpoint uploaded to the S3 server exactly as its local folder; damaged or missing objects in
+    the bucket are refused naming the URL; the local copy is removed either way."""
+    import json
+    import subprocess
+    import sys
+
+    import fsspec
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    import functional_ema as fe
+    from functional_ema.export import to_hf
+
+    ck, like, want = _llama_checkpoint(tmp_path)
+    fs = s3.fs()
+    fs.put(str(ck), "fe-storage/run/ck", recursive=True)
+    conf = {
+        "key": s3.key,
+        "secret": s3.secret,
+        "endpoint_url": s3.endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+    monkeypatch.setitem(fsspec.config.conf, "s3", conf)
+    before = _fetch_dirs()
+    url = "s3://fe-storage/run/ck"
+    local = fe.consolidate(ck, "t")
+    for got in (
+        fe.consolidate(url, "t"),
+        fe.consolidate(url),
+        fe.consolidate(f"{url}/t"),
+    ):  # tag, ema_latest, tag folder
+        assert sorted(got) == sorted(local) and all(torch.equal(got[n], local[n]) for n in local)
+    fe.consolidate_to_file(url, tmp_path / "ema.safetensors", "t", progress=False)
+    got = load_file(tmp_path / "ema.safetensors")
+    assert all(torch.equal(got[n], local[n]) for n in local)
+
+    to_hf(url, tmp_path / "hf", like, progress=False)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(loaded[n], want[n]) for n in want), [n for n in want if not torch.equal(loaded[n], want[n])]
+    assert json.loads((tmp_path / "hf" / "ema_export.json").read_text())["source"] == url
+
+    env = {**os.environ, "FSSPEC_S3_KEY": s3.key, "FSSPEC_S3_SECRET": s3.secret, "FSSPEC_S3_ENDPOINT_URL": s3.endpoint}
+    cli = subprocess.run(
+        [sys.executable, "-m", "functional_ema", "export", url, str(tmp_path / "cli"), "--like", str(like)],
+        env={**env, "AWS_DEFAULT_REGION": "us-east-1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "cli").state_dict()
+    assert all(torch.equal(loaded[n], want[n]) for n in want)
+
+    # Damaged or missing objects: refused naming the URL (not the temporary copy).
+    rank_file = "fe-storage/run/ck/t/ema_rank_00000_of_00001.gen1.safetensors"
+    raw = bytearray(fs.cat_file(rank_file))
+    raw[-1] ^= 0x01
+    fs.pipe_file(rank_file, bytes(raw))
+    with pytest.raises(fe.checkpoint.CorruptCheckpointError) as e:
+        fe.consolidate(url, "t")
+    assert f"{url}/t/ema_rank_00000_of_00001.gen1.safetensors" in str(e.value) and "checksum" in str(e.value)
+    fs.rm_file(rank_file)
+    with pytest.raises(fe.checkpoint.IncompleteCheckpointError) as e:
+        fe.consolidate(url, "t")
+    assert url in str(e.value) and "ema_rank_00000_of_00001.gen1.safetensors" in str(e.value), str(e.value)
+    with pytest.raises(fe.checkpoint.CheckpointNotFoundError) as e:
+        fe.consolidate(url, "nope")
+    assert str(e.value) == (
+        f"checkpoint directory {url}: no complete EMA checkpoint of tag 'nope' there ({url}/nope/ema_manifest.json "
+        "does not exist; the manifest is written last)"
+    )
+    with pytest.raises(fe.checkpoint.CheckpointNotFoundError) as e:
+        fe.consolidate("s3://fe-storage/run")
+    assert str(e.value).startswith("checkpoint directory s3://fe-storage/run has no 'latest' file"), str(e.value)
+    assert _fetch_dirs() == before

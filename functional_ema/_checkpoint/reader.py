@@ -5,6 +5,7 @@ checksums. ``load``, ``consolidate`` and post-hoc EMA all read through it (:func
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import torch
 from .. import _io
 from .._args import check_bool, check_int, check_optional_int, check_path
 from .._layout import ModelPart, ShardLayout, ShardSpec
+from .._storage import is_url
 from . import index
 from .errors import (
     CheckpointError,
@@ -899,6 +901,7 @@ class JoinedReader:
         self, readers: list[CheckpointReader], tp_dims: dict[str, int | None] | None = None, tp_rank: int | None = None
     ) -> None:
         self.readers = readers
+        self._fetched = contextlib.ExitStack()  # open_joined's local copy of a checkpoint at a URL, if any
         first = readers[0]
         self.tag, self.root, self.tag_dir, self.manifest = first.tag, first.root, first.tag_dir, first.manifest
         self.step, self.num_emas, self.dtype = first.step, first.num_emas, first.dtype
@@ -1043,12 +1046,16 @@ class JoinedReader:
     def close(self) -> None:
         for r in self.readers:
             r.close()
+        self._fetched.close()  # a checkpoint read from a URL: its local copy is removed
 
     def __enter__(self) -> JoinedReader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, *exc: Any) -> None:
+        for r in self.readers:
+            r.close()
+        # A checkpoint read from a URL: its copy is removed, and an error of the block names the URL (remote.py).
+        self._fetched.__exit__(*exc)
 
 
 def open_joined(
@@ -1063,13 +1070,22 @@ def open_joined(
     verify = check_bool(verify, "verify")
     tp_dims = check_tp_dims(tp_dims)
     tp_rank = check_optional_int(tp_rank, "tp_rank")
-    readers = CheckpointReader.open_parts(load_dir, tag, verify)
+    fetch = contextlib.ExitStack()
+    if is_url(load_dir):  # an fsspec URL: what is read is copied into a local folder first (remote.py)
+        from .remote import fetched
+
+        load_dir = fetch.enter_context(fetched(os.fspath(load_dir), tag))
+    readers: list[CheckpointReader] = []
     try:
-        return JoinedReader(readers, tp_dims, tp_rank)
-    except BaseException:
+        readers = CheckpointReader.open_parts(load_dir, tag, verify)
+        joined = JoinedReader(readers, tp_dims, tp_rank)
+    except BaseException as e:
         for r in readers:
             r.close()
+        fetch.__exit__(type(e), e, e.__traceback__)  # from a URL: the copy removed, a CheckpointError renamed
         raise
+    joined._fetched = fetch
+    return joined
 
 
 class RecutReader:
