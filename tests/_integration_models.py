@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -528,3 +529,23 @@ def shard_weights(folder: Path) -> None:
     index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, g in halves.items() for n in g}}
     (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
     path.unlink()
+
+
+def hf_reference_callback(trainer_box: dict, ref: Any, buffers: bool = True) -> Any:
+    """A ``transformers.TrainerCallback`` that feeds ``ref`` (``ref.due(step)``, ``ref.feed(step, full[, buffers])``)
+    the full fp32 weights at each optimizer step: DeepSpeed's masters, or a DDP model's whole parameters; with
+    ``buffers``, its floating buffers too. ``trainer_box["t"]`` is the Trainer, set once it exists."""
+    from transformers import TrainerCallback
+
+    class Reference(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if ref.due(state.global_step):
+                engine = trainer_box["t"].model_wrapped
+                if type(engine).__name__ == "DeepSpeedEngine":
+                    full = deepspeed_full_fp32(engine)
+                else:  # DDP: every rank holds the whole parameters
+                    full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+                extra = (float_buffers(engine.module),) if buffers else ()
+                ref.feed(state.global_step, full, *extra)
+
+    return Reference()

@@ -33,6 +33,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from functional_ema._testing.multirank import run_ranks
+from tests._integration_models import hf_reference_callback
 
 DECAYS = (0.9, "power3")  # the power schedule is built in the worker (JSON-able arguments)
 START = 2
@@ -94,24 +95,6 @@ def _trainer(out: str, max_steps: int, extra_callbacks=(), export: str | None = 
     return trainer, ema
 
 
-def _reference_callback(trainer_box: dict, ref):
-    from transformers import TrainerCallback
-
-    from tests._integration_models import deepspeed_full_fp32, float_buffers
-
-    class Reference(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if ref.due(state.global_step):
-                engine = trainer_box["t"].model_wrapped
-                if type(engine).__name__ == "DeepSpeedEngine":
-                    full = deepspeed_full_fp32(engine)
-                else:  # DDP: every rank holds the whole parameters
-                    full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-                ref.feed(state.global_step, full, float_buffers(engine.module))
-
-    return Reference()
-
-
 def _start_rule(out: str) -> dict:
     """DDP, RULE_STEPS optimizer steps at accumulation 1 and 2 (each micro-batch twice), EMAs
     started at step 0 and at RULE_START; compared by tests._integration_models.start_rule_report."""
@@ -167,7 +150,7 @@ def _start_rule(out: str) -> dict:
         seen = {k: record_start(e.ema) for k, e in emas.items()}
         box = {"t": trainer}
         for ref in refs.values():
-            trainer.add_callback(_reference_callback(box, ref))
+            trainer.add_callback(hf_reference_callback(box, ref))
         trainer.train()
         assert trainer.state.global_step == RULE_STEPS, trainer.state.global_step
         wrapped = trainer.model_wrapped
@@ -202,7 +185,7 @@ def hf_worker(out: str, phase: str, resume: str | None = None) -> dict:
         trainer, ema = _trainer(
             os.path.join(out, "full"),
             STEPS,
-            [_reference_callback(box, ref)],
+            [hf_reference_callback(box, ref)],
             export=os.path.join(out, "export.safetensors"),
         )
         box["t"] = trainer
@@ -248,7 +231,7 @@ def hf_worker(out: str, phase: str, resume: str | None = None) -> dict:
     elif phase == "ddp":
         ref = ReferenceEMA(_decays(), start=START)
         box = {}
-        trainer, ema = _trainer(os.path.join(out, "ddp"), STEPS, [_reference_callback(box, ref)], deepspeed=False)
+        trainer, ema = _trainer(os.path.join(out, "ddp"), STEPS, [hf_reference_callback(box, ref)], deepspeed=False)
         box["t"] = trainer
         trainer.train()
         wrapped = trainer.model_wrapped

@@ -35,6 +35,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("trl")
 
 from functional_ema._testing.multirank import run_ranks
+from tests._integration_models import hf_reference_callback
 
 START = 2
 STEPS = 8
@@ -156,25 +157,6 @@ def _common(out: str, max_steps: int, deepspeed: bool) -> dict:
     }
 
 
-def _reference_callback(trainer_box: dict, ref: Any) -> Any:
-    """Feeds ``ref`` the full fp32 weights at each optimizer step (DeepSpeed: its masters)."""
-    from transformers import TrainerCallback
-
-    from tests._integration_models import deepspeed_full_fp32
-
-    class Reference(TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if ref.due(state.global_step):
-                engine = trainer_box["t"].model_wrapped
-                if type(engine).__name__ == "DeepSpeedEngine":
-                    full = deepspeed_full_fp32(engine)
-                else:  # DDP: every rank holds the whole parameters
-                    full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-                ref.feed(state.global_step, full)
-
-    return Reference()
-
-
 def _sft(root: str, name: str, max_steps: int, callbacks: tuple | list = (), export: str | None = None) -> tuple:
     from trl import SFTConfig, SFTTrainer
 
@@ -247,7 +229,11 @@ def _sft_phase(out: str) -> dict:
     # 1. Uninterrupted, with the reference and the export.
     ref, box = ReferenceEMA(_decays(), start=START), {}
     trainer, ema = _sft(
-        out, "full", STEPS, [_reference_callback(box, ref)], export=os.path.join(out, "ema.safetensors")
+        out,
+        "full",
+        STEPS,
+        [hf_reference_callback(box, ref, buffers=False)],
+        export=os.path.join(out, "ema.safetensors"),
     )
     box["t"] = trainer
     trainer.train()
@@ -304,7 +290,7 @@ def _dpo_phase(out: str) -> dict:
         train_dataset=_dpo_data(out, "train", 64, seed=3),
         eval_dataset=_dpo_data(out, "eval", 16, seed=4),
         processing_class=tok,
-        callbacks=[ema, _reference_callback(box, ref)],
+        callbacks=[ema, hf_reference_callback(box, ref, buffers=False)],
     )
     box["t"] = trainer
     trainer.train()

@@ -300,19 +300,8 @@ class EMAController:
         if self.state is None:
             self._save_unstarted(x, tag_dir, record)
             return tag_dir
-        if self._saver is not None:  # manifest last, in the background
-            self._saver.save(
-                self.state,
-                x,
-                save_dir,
-                self.tag,
-                decay=self.decay,
-                buffers=self.buffer_state,
-                extra=record,
-                shared=self.shared,
-            )
-            return tag_dir
-        fe.save(
+        save = fe.save if self._saver is None else self._saver.save  # async: manifest last, in the background
+        save(
             self.state,
             x,
             save_dir,
@@ -322,6 +311,8 @@ class EMAController:
             extra=record,
             shared=self.shared,
         )
+        if self._saver is not None:
+            return tag_dir
         if (_rank() == 0 or not self.shared) and (tag_dir / RECORD_NAME).exists():
             # An older not-started record is superseded by the manifest just written: remove it, holding the tag
             # (a record another save wrote meanwhile, newer than this manifest, stays).
