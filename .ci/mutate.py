@@ -234,7 +234,11 @@ _EXPORT_TESTS = ("tests/test_export_stages.py", "tests/test_export.py")
 MODULES: dict[str, Module] = {
     "schedules": Module("functional_ema/schedules.py", ("tests/test_schedules.py",)),
     "_args": Module("functional_ema/_args.py", ("tests/test_args.py",)),
-    "_core": Module("functional_ema/_core.py", ("tests/test_core.py", "tests/test_offload.py", "-k", _SLOW)),
+    "_core": Module(
+        "functional_ema/_core.py",
+        ("tests/test_core.py", "tests/test_offload.py", "-k", _SLOW),
+        rank_tests="test_core.py::test_core_ranks_decide_nonfinite_together",
+    ),
     "_checkpoint/index": Module("functional_ema/_checkpoint/index.py", ("tests/test_checkpoint_index.py",)),
     "_offload": Module("functional_ema/_offload.py", ("tests/test_offload.py",)),
     "_io": Module(

@@ -7,9 +7,12 @@ that small trees cross many chunk boundaries and vector tails.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import optree
@@ -797,8 +800,16 @@ def test_ema_on_other_accelerator_refused():
     from functional_ema import _core
 
     ema = SimpleNamespace(is_meta=False, device=torch.device("cuda", 1))
-    with pytest.raises(ValueError, match=r"shards\['a'\] is on cpu but its EMA \(emas\[0\]\) is on cuda:1"):
+    with pytest.raises(ValueError) as e:
         _core._check_device(ema, torch.ones(2), lambda: "a", 0)
+    assert str(e.value) == (
+        "shards['a'] is on cpu but its EMA (emas[0]) is on cuda:1; keep the EMA on the weights' device or on the "
+        "CPU (init_ema(..., device='cpu', pin_memory=True))"
+    )
+    # Accepted: a CPU EMA of accelerator weights (the offloaded EMA), and an EMA on the weights' own device.
+    weights = SimpleNamespace(device=torch.device("cuda", 0))
+    for device in ("cpu", "cuda:0"):
+        _core._check_device(SimpleNamespace(is_meta=False, device=torch.device(device)), weights, lambda: "a", 0)
 
 
 # ------------------------------------------------------------------------------ copies and pickle
@@ -1005,6 +1016,18 @@ def test_per_tensor_update_of_parameters_builds_no_graph_and_mixes_dtypes():
     assert not one.ema["p"].requires_grad and torch.equal(one.ema["p"], torch.arange(3.0) * 0.5)
 
 
+def test_per_tensor_ema_dtypes_paired_leaf_by_leaf():
+    """A state whose EMA leaves hold the shards' two dtypes, but crosswise (the f64 EMA for the f32 weight and
+    the other way round): the same set of (device, dtype) on both sides is no licence for one foreach
+    call, each leaf is converted to its own EMA's dtype, as plain torch would."""
+    a, b = torch.arange(4.0), torch.arange(3.0, dtype=torch.float64) / 7
+    state = fe.EmaState(torch.tensor(0), ({"a": torch.ones(4, dtype=torch.float64), "b": torch.ones(3)},))
+    fe.update(state, {"a": a, "b": b}, 1, decay=0.25)
+    assert state.ema["a"].dtype == torch.float64 and state.ema["b"].dtype == torch.float32
+    assert torch.equal(state.ema["a"], torch.ones(4, dtype=torch.float64).lerp_(a.double(), 0.75))
+    assert torch.equal(state.ema["b"], torch.ones(3).lerp_(b.float(), 0.75))
+
+
 def test_nonfinite_on_plain_trees():
     """nonfinite= on a dict (None leaves and empty tensors included): a NaN is found and named, an
     all-empty tree is finite, and NaN only in the padding between fused tensors does not stop the update."""
@@ -1091,3 +1114,178 @@ def test_nonfinite_with_a_group_but_no_process_group():
     shards["layer0.w"].copy_(torch.zeros(5))
     assert int(fe.update(state, shards, 1, decay=0.5, nonfinite="skip").step) == 1
     assert torch.equal(state.ema["layer0.w"], before.ema["layer0.w"] * 0.5)
+
+
+# --------------------------------------------------- the group-wide nonfinite decision on real ranks
+
+
+@contextlib.contextmanager
+def _poisoned(model: Any, ranks: dict[int, str]) -> Iterator[None]:
+    """NaN in parameter ``ranks[rank]`` of ``model`` (a DDP module) on the ranks listed, put back after."""
+    import torch.distributed as dist
+
+    name = ranks.get(dist.get_rank())
+    if name is None:
+        yield
+        return
+    p = dict(model.module.named_parameters())[name]
+    kept = p.detach().clone()
+    with torch.no_grad():
+        p.view(-1)[-1] = float("nan")
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            p.copy_(kept)
+
+
+def _did(state: fe.EmaState, shards: fe.Shards, call: Callable[[], fe.EmaState], weight: float) -> dict[str, Any]:
+    """What ``call()`` (an update of ``state`` towards ``shards``) did on this rank: the error's class and
+    message, or whether it returned ``state`` itself; the state's step after; and its EMA, bitwise
+    "unchanged", "updated" (``ema.lerp(shard, weight)`` per tensor) or "other"."""
+    before = {n: t.clone() for n, t in state.ema.items()}
+    with torch.no_grad():
+        moved = {n: before[n].lerp(shards[n], weight) for n in before}
+    out: dict[str, Any] = {"raised": None, "message": None, "returned_state": None}
+    try:
+        out["returned_state"] = call() is state
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts it
+        out["raised"], out["message"] = type(e).__name__, str(e)
+    out["step"] = int(state.step)
+    for verdict, values in (("unchanged", before), ("updated", moved)):
+        if all(torch.equal(state.ema[n], values[n]) for n in before):
+            out["ema"] = verdict
+            break
+    else:
+        out["ema"] = "other"
+    return out
+
+
+def nonfinite_together_worker() -> dict[str, Any]:
+    """4 ranks: ``update(nonfinite=...)`` of a DDP model over the whole job, then of two DDP models side by
+    side, one per pair of ranks ({0, 1} and {2, 3}), each pair deciding alone; every rank calls every
+    update. Returns each scenario's outcome on this rank (see :func:`_did`)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(0)
+    whole = DDP(torch.nn.Linear(3, 2))
+    pair = DDP(torch.nn.Linear(3, 2), process_group=pairs[rank // 2])
+    shards, mine = fe.local_shards(whole), fe.local_shards(pair)
+    out: dict[str, Any] = {
+        "groups": [dist.get_process_group_ranks(s.group) for s in (shards, mine)],
+    }
+
+    def update(state: fe.EmaState, on: fe.Shards, step: int, mode: str, decay: float = 0.5) -> fe.EmaState:
+        return fe.update(state, on, step, decay=decay, nonfinite=mode)  # type: ignore[arg-type]
+
+    def fresh(on: fe.Shards, step: int = 0) -> fe.EmaState:
+        """A state of ``on`` at ``step``, then the weights moved away from it (an update must show)."""
+        made = fe.init_ema(on, step=step)
+        with torch.no_grad():
+            for t in on.values():
+                t.add_(1.0)
+        return made
+
+    state = fresh(shards)
+    with _poisoned(whole, {2: "weight"}):
+        out["skip"] = _did(state, shards, lambda: update(state, shards, 1, "skip"), 0.5)
+    out["skip_then_clean"] = _did(state, shards, lambda: update(state, shards, 2, "skip"), 0.75)
+    state = fresh(shards, 5)
+    with _poisoned(whole, {1: "weight", 3: "bias"}):
+        out["raise"] = _did(state, shards, lambda: update(state, shards, 6, "raise"), 0.5)
+    state = fresh(shards, (3, 3, 5, 3)[rank])
+    out["steps_differ"] = _did(state, shards, lambda: update(state, shards, 6, "skip"), 0.5)
+    state = fresh(shards)
+    with _poisoned(whole, {0: "bias"}):
+        decay = (0.5, 0.5, 1.5, 2.0)[rank]  # ranks 2 and 3 fail their own checks
+        out["failed_elsewhere"] = _did(state, shards, lambda: update(state, shards, 1, "raise", decay), 0.5)
+    # The pairs decide side by side, each over its own group: rank r of the job is rank r % 2 of its pair.
+    state = fresh(mine, (4, 2, 7, 9)[rank])
+    out["pair_steps_differ"] = _did(state, mine, lambda: update(state, mine, 10, "skip"), 0.5)
+    state = fresh(mine, (0, 0, 10, 10)[rank])
+    with _poisoned(pair, {3: "weight"}):
+        step = int(state.step) + 1
+        out["pair_raise"] = _did(state, mine, lambda: update(state, mine, step, "raise"), 0.5)
+    state = fresh(mine, 3)
+    decay = (0.5, 1.5, 0.5, 0.5)[rank]
+    out["pair_failed"] = _did(state, mine, lambda: update(state, mine, 4, "skip", decay), 0.5)
+    return out
+
+
+def test_core_ranks_decide_nonfinite_together():
+    """update(nonfinite=...) over a group decides on every rank alike: a NaN on some ranks skips or raises
+    everywhere (naming the lowest rank that saw it; a rank that saw one names its own parameter), states
+    at different steps or a check failing on another rank are refused everywhere, and two groups side
+    by side decide each alone, numbering their ranks within the group."""
+    from functional_ema._testing.multirank import run_ranks
+
+    results = run_ranks(
+        "tests.test_core:nonfinite_together_worker", world_size=4, timeout=120, env={"FE_DIST_INIT": "torch"}
+    )
+
+    def done(step: int, ema: str = "updated") -> dict[str, Any]:
+        return {"raised": None, "message": None, "returned_state": True, "step": step, "ema": ema}
+
+    def refused(cls: str, message: str, step: int) -> dict[str, Any]:
+        return {"raised": cls, "message": message, "returned_state": None, "step": step, "ema": "unchanged"}
+
+    unchanged = "every rank left its EMA unchanged"
+    own = (
+        "shards[{!r}] holds NaN or inf; the EMA was left unchanged (nonfinite='raise') (on rank {} of {}; "
+        + unchanged
+        + ")"
+    )
+    seen = "rank {} of {} saw NaN or inf in its shards; " + unchanged + " (nonfinite='raise')"
+    differ = (
+        "update(nonfinite='skip'): ranks disagree on step: {}. Every rank left its EMA unchanged; the ranks must "
+        "update the same state alike (load every rank from one checkpoint)"
+    )
+    failed = "update(nonfinite={!r}): the update failed on rank {} of {} (see its error); " + unchanged
+    world_steps = differ.format("rank 0: 3, rank 1: 3, rank 2: 5, rank 3: 3")
+    pair_steps = [differ.format("rank 0: 4, rank 1: 2"), differ.format("rank 0: 7, rank 1: 9")]
+    expected = [
+        {
+            "groups": [[0, 1, 2, 3], [0, 1] if rank < 2 else [2, 3]],
+            "skip": done(0, "unchanged"),
+            "skip_then_clean": done(2),
+            "raise": refused(
+                "NonFiniteError",
+                {1: own.format("weight", 1, 4), 3: own.format("bias", 3, 4)}.get(rank, seen.format(1, 4)),
+                5,
+            ),
+            "steps_differ": refused("StateMismatchError", world_steps, (3, 3, 5, 3)[rank]),
+            "failed_elsewhere": refused(
+                *{
+                    2: ("ValueError", "decay must be in [0, 1], got 1.5"),
+                    3: ("ValueError", "decay must be in [0, 1], got 2.0"),
+                }.get(rank, ("StateMismatchError", failed.format("raise", 2, 4))),
+                0,
+            ),
+            "pair_steps_differ": refused("StateMismatchError", pair_steps[rank // 2], (4, 2, 7, 9)[rank]),
+            "pair_raise": (
+                done(1)
+                if rank < 2
+                else refused("NonFiniteError", own.format("weight", 1, 2) if rank == 3 else seen.format(1, 2), 10)
+            ),
+            "pair_failed": (
+                done(4)
+                if rank >= 2
+                else refused(
+                    *(
+                        ("ValueError", "decay must be in [0, 1], got 1.5")
+                        if rank == 1
+                        else ("StateMismatchError", failed.format("skip", 1, 2))
+                    ),
+                    3,
+                )
+            ),
+        }
+        for rank in range(4)
+    ]
+    for rank, (got, want) in enumerate(zip(results, expected)):
+        assert got.keys() == want.keys(), rank
+        for scenario in want:
+            assert got[scenario] == want[scenario], (rank, scenario)
