@@ -246,11 +246,16 @@ class AsyncSaver:
                 extra,
                 collective.timeout_s(timeout),
             )
-            pending = _async_private.start(self, *args)
-            pending.handle._commit = self._commit_private
-            self._pending.append(pending)
-            self._handles.append(pending.handle)
-            return pending.handle
+            made: list[SaveHandle] = []
+
+            def make(tag_dir: Path, step: int) -> SaveHandle:
+                made.append(SaveHandle(tag_dir, step))
+                return made[0]
+
+            self._pending.append(_async_private.start(self, make, *args))
+            made[0]._commit = self._commit_private  # its wait() commits (collective)
+            self._handles.append(made[0])
+            return made[0]
         tag = fmt.check_tag(adapter.default_tag(state) if tag is None else tag)
         tag_dir = save_dir / tag
         writes = layout.writes_pieces

@@ -22,9 +22,10 @@ checkpoint stays the complete, loadable one, as after a crash mid-save.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -35,12 +36,33 @@ from ._checkpoint.private import PrivateSave, abandon_private, commit_private, p
 from ._layout import ShardLayout
 from ._state import BufferState, EmaState
 
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from ._async import AsyncSaver, SaveHandle
-
 __all__ = ["PendingCommit", "commit", "start"]
+
+#: An EMA snapshot: its tensors (views of one host buffer), the buffer, and the end of its device copies.
+Snapshot = tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, "torch.cuda.Event | None"]
+
+
+class Handle(Protocol):
+    """What this module needs of ``_async.SaveHandle`` (``_async`` imports this module, not the reverse)."""
+
+    _buffer: torch.Tensor | None
+
+    def done(self) -> bool: ...
+
+    def _finish(self, error: BaseException | None) -> None: ...
+
+
+class Saver(Protocol):
+    """What this module needs of ``_async.AsyncSaver``."""
+
+    commit_timeout: float
+    _free: list[torch.Tensor]
+
+    def _settle(self, tag_dir: Path | None) -> None: ...
+
+    def _snapshot(self, state: EmaState, dtype: torch.dtype) -> Snapshot: ...
+
+    def _writer_threads(self) -> concurrent.futures.ThreadPoolExecutor: ...
 
 
 @dataclass(frozen=True)
@@ -48,14 +70,15 @@ class PendingCommit:
     """A private async save whose files are being written, to be committed at the next collective call."""
 
     prep: PrivateSave
-    handle: SaveHandle
+    handle: Handle
     write: concurrent.futures.Future[dict[str, Any]]  # the background write: this rank's record
     commit_timeout: float  # how long the commit waits for the background write
     timeout: float  # the collectives' bound (the save's ``timeout``)
 
 
 def start(
-    saver: AsyncSaver,
+    saver: Saver,
+    make_handle: Callable[[Path, int], Handle],
     state: EmaState,
     layout: ShardLayout,
     job: tuple[Any, int, int],
@@ -66,13 +89,12 @@ def start(
     extra: dict[str, Any] | None,
     timeout: float,
 ) -> PendingCommit:
-    """The call's part (module docstring). Collective; on a failure every rank raises and nothing is left."""
-    from ._async import SaveHandle
-
+    """The call's part (module docstring). Collective; on a failure every rank raises and nothing is left.
+    ``make_handle(tag_dir, step)`` makes the caller's handle of the save."""
     group, world, rank = job
     before = lambda: saver._settle(None)  # noqa: E731 - raises a previous failure, inside the agreement
     prep = prepare_private(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, "async save", before)
-    snapshot: list[tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]] = []
+    snapshot: list[Snapshot] = []
     copied: list[BufferState] = []
 
     def take() -> None:
@@ -89,7 +111,7 @@ def start(
         abandon_private(prep)
         raise
     emas, buffer, ready = snapshot[0] if snapshot else ([], None, None)
-    handle = SaveHandle(prep.tag_dir, prep.first["step"])
+    handle = make_handle(prep.tag_dir, prep.first["step"])
     handle._buffer = buffer
     write = saver._writer_threads().submit(_write, prep, emas, ready, copied[0] if copied else None)
     return PendingCommit(prep, handle, write, saver.commit_timeout, timeout)
