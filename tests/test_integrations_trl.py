@@ -322,16 +322,22 @@ def _close(got: float, want: float) -> bool:
     return got == pytest.approx(want, rel=1e-6, abs=0)
 
 
-def test_sft_trainer_zero2_ema_resume_export(tmp_path: Path) -> None:
+def _launch(tmp_path: Path, phase: str) -> list[dict]:
+    """One 2-rank launch of ``trl_worker`` for ``phase``; rank 0's report printed."""
     res = run_ranks(
         "tests.test_integrations_trl:trl_worker",
         world_size=2,
         timeout=LAUNCH_TIMEOUT,
         env=ENV,
         out=str(tmp_path),
-        phase="sft",
+        phase=phase,
     )
     print(json.dumps(res[0]))
+    return res
+
+
+def test_sft_trainer_zero2_ema_resume_export(tmp_path: Path) -> None:
+    res = _launch(tmp_path, "sft")
     for r in res:
         assert r["engine"] == ["DeepSpeedEngine", 2, True]
         assert r["global_steps"] == STEPS and r["ema_step"] == STEPS
@@ -352,15 +358,7 @@ def test_sft_trainer_zero2_ema_resume_export(tmp_path: Path) -> None:
 
 
 def test_dpo_trainer_ddp_ema_precomputed_reference(tmp_path: Path) -> None:
-    res = run_ranks(
-        "tests.test_integrations_trl:trl_worker",
-        world_size=2,
-        timeout=LAUNCH_TIMEOUT,
-        env=ENV,
-        out=str(tmp_path),
-        phase="dpo",
-    )
-    print(json.dumps(res[0]))
+    res = _launch(tmp_path, "dpo")
     for r in res:
         assert r["engine"] == ["DistributedDataParallel", True, True]
         assert r["ema_step"] == STEPS

@@ -116,14 +116,8 @@ def test_local_symlink_out_of_the_root_is_refused(tmp_path: Path) -> None:
 
 
 def test_locations_and_arguments() -> None:
-    assert [is_url(x) for x in ("s3://b/p", "memory://x", "gs://b", "file:///tmp/x", "/tmp/x", "rel/x")] == [
-        True,
-        True,
-        True,
-        False,
-        False,
-        False,
-    ]
+    urls, paths = ("s3://b/p", "memory://x", "gs://b"), ("file:///tmp/x", "/tmp/x", "rel/x")
+    assert all(is_url(x) for x in urls) and not any(is_url(x) for x in paths)
     assert is_url(Path("s3:/x")) is False
     assert isinstance(storage_for("/tmp/x"), LocalStorage) and storage_for("file:///tmp/x").location == "/tmp/x"
     assert isinstance(storage_for("memory://fe-test/x"), FsspecStorage)
