@@ -65,8 +65,8 @@ __all__ = ["EMACallback"]
 
 _LIVE_PREFIX = "eval"  # the Trainer's default metric_key_prefix, which metric_prefix stands in for
 
-# Trainers evaluating with EMA weights swapped in now: the events of that evaluation are not answered,
-# by this callback (no recursion) nor by another EMACallback on the same Trainer (its EMA is not in).
+# reason: Trainers evaluating with EMA weights swapped in now (weak: none is kept alive): the events of that
+# evaluation are not answered, by this callback (no recursion) nor by another EMACallback on the same Trainer.
 _EMA_EVALUATING: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
