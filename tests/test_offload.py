@@ -11,11 +11,13 @@ blocking path and with a per-tensor ``lerp_`` in plain torch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -447,6 +449,73 @@ def test_engine_for_queues_only_cpu_emas_of_cuda_weights(monkeypatch):
             assert (got is not None) == want, (available, src, ema)
             if want:
                 assert got == ("engine", made[-1]) and made[-1].name == "cuda:1"
+
+
+def test_cuda_engine_call_order_without_a_gpu(monkeypatch):
+    """CudaCopyEngine's ordering contract (its docstring), call by call, through ``engine_for``, with a recording
+    stand-in for the torch.cuda names it uses. The real CUDA behaviour is checked by the CUDA-only
+    test_cuda_queued_update_orders_streams and by benchmarks/gpu_check.py on a GPU machine; this test pins the
+    call order on machines without one."""
+    log: list[tuple] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other) -> None:
+            log.append((self.name, "waits for", getattr(other, "name", other)))
+
+    class Event:
+        def __init__(self) -> None:
+            log.append(("new event",))
+
+        def record(self, stream) -> None:
+            log.append(("record", self, "on", getattr(stream, "name", stream)))
+
+        def synchronize(self) -> None:
+            log.append(("synchronize", self))
+
+    @contextlib.contextmanager
+    def in_stream(stream):
+        log.append(("enter", getattr(stream, "name", stream)))
+        yield
+        log.append(("exit", getattr(stream, "name", stream)))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: log.append(("new stream on", device)) or Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream(f"current of {device}"))
+    monkeypatch.setattr(torch.cuda, "stream", in_stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    cuda1, cpu = torch.device("cuda", 1), torch.device("cpu")
+    engine = _offload.engine_for(SimpleNamespace(device=cuda1), SimpleNamespace(device=cpu))
+    assert type(engine) is _offload.CudaCopyEngine and engine.device == cuda1  # (the other cases: test above)
+
+    src, dst = torch.arange(5.0), torch.zeros(5)
+    dst.copy_ = lambda s, non_blocking=False: log.append(("copy", non_blocking)) or torch.Tensor.copy_(dst, s)
+    engine.begin()
+    token = engine.copy(dst, src)
+    engine.release()
+    engine.ready(token)
+    assert log == [
+        ("new stream on", cuda1),
+        ("side", "waits for", "current of cuda:1"),  # begin: after the optimizer step queued on the current stream
+        ("enter", "side"),
+        ("copy", True),
+        ("new event",),
+        ("record", token, "on", "side"),
+        ("exit", "side"),
+        ("current of cuda:1", "waits for", "side"),  # release: the next step writes the weights after the copy
+        ("synchronize", token),  # ready: that chunk's event alone
+    ]
+    assert type(token) is Event and torch.equal(dst, src)
+
+    asked = []
+    with monkeypatch.context() as m:  # pinned memory needs an accelerator: check the request only
+        m.setattr(torch, "empty", lambda *a, **k: asked.append((a, k)) or "pinned")
+        assert engine.snapshot_buffer(7, torch.float64) == "pinned"
+    assert asked == [((7,), {"dtype": torch.float64, "pin_memory": True})]
+    assert engine.submit(lambda: threading.current_thread().name).result(30).startswith("fe_offload_update_")
 
 
 def test_one_worker_thread_runs_the_updates_in_order():
