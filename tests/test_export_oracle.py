@@ -480,6 +480,7 @@ def _row_source(src: Sources, row: Row) -> tuple[Path, dict[str, Any], dict[str,
     return path, opts, src.dist["fsdp2"][1][0] if row.source == "fsdp2_dcp" else run.emas[0]
 
 
+@pytest.mark.table
 def test_oracle_table(sources: Sources, tmp_path: Path) -> None:
     """Every valid row loads, with the real loader, as exactly the EMA; the fp16 overflow is refused, naming it."""
     t0 = time.monotonic()
@@ -763,6 +764,7 @@ def _foreign_sources(src: Sources, case: Path) -> dict[str, Path]:
     }
 
 
+@pytest.mark.table
 def test_perturbed_like_table(sources: Sources, tmp_path: Path) -> None:
     """Each perturbed --like (or foreign source) is refused, folders unchanged, or loads as exactly the EMA."""
     t0 = time.monotonic()
@@ -874,6 +876,7 @@ OUT_CASES = (
 )
 
 
+@pytest.mark.table
 def test_out_dir_table(sources: Sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each out_dir is refused (nothing anywhere changed; its files byte-identical) or written, replacing only
     itself; through to_hf and through the CLI."""

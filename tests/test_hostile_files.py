@@ -941,6 +941,7 @@ def test_every_file_written_has_a_row(built: tuple[Path, dict]) -> None:
     assert seen == set(FILE_KINDS), f"rows no built checkpoint has a file of: {set(FILE_KINDS) - seen}"
 
 
+@pytest.mark.table
 def test_hostile_files_table(built: tuple[Path, dict], tmp_path: Path) -> None:
     base, build_times = built
     t0 = time.monotonic()

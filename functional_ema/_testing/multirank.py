@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn as nn
 
+from functional_ema._testing import rank_pool
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from functional_ema.schedules import DecayLike
 
 #: A rank's process (output to a file: bytes).
-RankProcess = subprocess.Popen[bytes]
+RankProcess = subprocess.Popen[bytes] | rank_pool.PooledRank
 
 # The source checkout (tests/ and examples/ live there): where this file sits in an editable install,
 # else the directory the tests were started from.
@@ -73,6 +75,7 @@ def run_ranks(
             world_size,
             Path(tmp),
             env={"FE_DEADLINE": repr(deadline), **(env or {})},
+            pooled=str(args_path),
         )
         try:
             wait_ranks(procs, log_paths, target, timeout)
@@ -99,11 +102,19 @@ def run_ranks(
 
 
 def spawn_ranks(
-    argv: list[str], world_size: int, tmp: Path, env: dict[str, str] | None = None
+    argv: list[str],
+    world_size: int,
+    tmp: Path,
+    env: dict[str, str] | None = None,
+    pooled: str | None = None,
 ) -> tuple[list[RankProcess], list[Path]]:
     """Start ``argv`` once per rank, wired like ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
     each in its own process group (so :func:`kill_ranks` ends whatever a rank started too), its
-    output in ``tmp/output_<rank>.txt``. ``env`` is added last. Returns the processes and log paths."""
+    output in ``tmp/output_<rank>.txt``. ``env`` is added last. Returns the processes and log paths.
+
+    ``pooled``: ``argv`` is :func:`_child` of the JSON file ``pooled``; the ranks are then forked from the
+    warm :mod:`~functional_ema._testing.rank_pool` where it may serve them (the same run, without each rank
+    importing torch and DeepSpeed again)."""
     port = _free_port()
     procs: list[RankProcess] = []
     log_paths: list[Path] = []
@@ -128,6 +139,9 @@ def spawn_ranks(
         # DeepSpeed's ZeRO-3 prints ~0.5 KB of warnings per step).
         log_paths.append(Path(tmp) / f"output_{rank}.txt")
         try:
+            if pooled is not None and rank_pool.enabled(penv):
+                procs.append(rank_pool.start(f"{__name__}:_child", pooled, penv, log_paths[-1], str(ROOT)))
+                continue
             with open(log_paths[-1], "wb") as log:
                 procs.append(
                     subprocess.Popen(
@@ -171,8 +185,11 @@ def kill_ranks(procs: list[RankProcess]) -> None:
     """SIGKILL each rank's process group (the rank and anything it started), where still running."""
     for p in procs:
         if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
+            if isinstance(p, rank_pool.PooledRank):
+                p.kill_group()
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
 
@@ -204,11 +221,12 @@ def _timeout_report(
     return "\n".join(parts)
 
 
-def _child() -> None:
+def _child(args_path: str | None = None) -> None:
+    """One rank of :func:`run_ranks`: the target of the JSON file ``args_path`` (default ``sys.argv[1]``)."""
     # On SIGUSR1 (sent by run_ranks at a timeout) print every thread's stack: a hung test then says
     # which rank waited where.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    args = json.loads(Path(sys.argv[1]).read_text())
+    args = json.loads(Path(args_path or sys.argv[1]).read_text())
     result_path = Path(os.environ["FE_RESULT"])
     code = 0
     try:

@@ -1,0 +1,209 @@
+"""Rank processes forked from a warm server that has imported torch, DeepSpeed and the library once.
+
+The test suite starts a few hundred rank processes; each fresh interpreter spends 2-3 CPU seconds importing
+torch and DeepSpeed before its first line of test code, on a machine with 2 cores. Here the ranks of
+:func:`functional_ema._testing.multirank.run_ranks` are forked instead from one server process per test
+process, whose interpreter imported them once (and is single-threaded then, so the fork is safe).
+
+A pooled rank behaves like the fresh interpreter it replaces: its own session (so ``killpg`` ends whatever it
+started), its environment replaced by the one the launch computed, its output in the launch's log file, its
+working directory and ``sys.path`` from that environment. Its exit status is written by the server, which
+reaps it, to a file beside the log. What a fresh interpreter would do at start-up from the environment
+(``PYTHONPATH``'s ``sitecustomize``, e.g. ``make mutate``'s hit recorder) does not happen, so such launches,
+and any with ``FE_RANK_POOL=0``, start fresh interpreters as before.
+
+The server reads one JSON request a line on its stdin, forks, answers the rank's pid on its stdout, and
+exits when its stdin closes (the test process ended).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+#: What the server imports before it forks any rank: the costly imports every DeepSpeed rank makes.
+PRELOAD = ("torch", "torch.distributed", "deepspeed", "functional_ema", "functional_ema._testing.multirank")
+
+#: The server of this process, started on first use: ``[Popen]``, or empty (tests/ rebuild none).
+_SERVER: list[subprocess.Popen[bytes]] = []
+
+
+def enabled(env: dict[str, str]) -> bool:
+    """Whether a launch with environment ``env`` (the ranks' whole environment) may use the pool."""
+    return env.get("FE_RANK_POOL", "1") != "0" and "FE_MUTATE_HITS" not in env
+
+
+class PooledRank:
+    """A forked rank with the part of :class:`subprocess.Popen`'s interface the launcher uses."""
+
+    def __init__(self, pid: int, exit_path: Path) -> None:
+        self.pid = pid
+        self._exit_path = exit_path
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._exit_path.exists():
+            self.returncode = int(self._exit_path.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None and (deadline is None or time.monotonic() < deadline):
+            if not _exists(self.pid):  # the server is gone and init reaped it: no status will come
+                self.returncode = -signal.SIGKILL
+                break
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill_group(self) -> None:
+        """SIGKILL the rank's session, or the rank alone if it has not made its session yet."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def start(child: str, args_path: str, env: dict[str, str], log_path: Path, cwd: str) -> PooledRank:
+    """Fork one rank that runs ``child`` ("module:function") of ``args_path`` from this process's server
+    (started on first use). The function ends the process itself."""
+    server = _server(env)
+    exit_path = log_path.with_suffix(".exit")
+    request = {"child": child, "args": args_path, "env": env, "log": str(log_path), "cwd": cwd, "exit": str(exit_path)}
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(json.dumps(request).encode() + b"\n")
+    server.stdin.flush()
+    answer = server.stdout.readline()
+    if not answer:
+        raise RuntimeError(f"the rank pool's server (pid {server.pid}) exited {server.wait()}; see {_log_path()}")
+    return PooledRank(int(answer), exit_path)
+
+
+def _server(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    if _SERVER and _SERVER[0].poll() is None:
+        return _SERVER[0]
+    _SERVER.clear()
+    server_env = {**os.environ, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": env["PYTHONPATH"]}
+    with open(_log_path(), "ab") as log:
+        atexit.register(_stop_server)  # once per server started: rare (one, unless one died)
+        _SERVER.append(
+            subprocess.Popen(
+                [sys.executable, "-c", "from functional_ema._testing.rank_pool import serve; serve()"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=server_env,
+                start_new_session=True,
+            )
+        )
+    return _SERVER[0]
+
+
+def _stop_server() -> None:
+    """At exit: close the server's stdin (it then exits) and reap it."""
+    for server in _SERVER:
+        for pipe in (server.stdin, server.stdout):
+            if pipe is not None:
+                pipe.close()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    _SERVER.clear()
+
+
+def _log_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"fe_rank_pool_{os.getpid()}.log"
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def serve() -> None:
+    """The server's loop: preload, then fork a rank per request and record each one's exit status."""
+    # The answers get a descriptor of their own: whatever the imports print to stdout goes to the log.
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    requests = sys.stdin.buffer
+    exits: dict[int, str] = {}
+    while True:
+        readable, _, _ = select.select([requests], [], [], 0.05)
+        _reap(exits)
+        if not readable:
+            continue
+        line = requests.readline()
+        if not line:  # the test process is gone
+            return
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            answers.close()
+            _become_rank(request)
+        exits[pid] = request["exit"]
+        answers.write(f"{pid}\n".encode())
+        answers.flush()
+
+
+def _reap(exits: dict[int, str]) -> None:
+    for pid in list(exits):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            path = Path(exits.pop(pid))
+            path.with_suffix(".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
+            path.with_suffix(".tmp").replace(path)
+
+
+def _become_rank(request: dict[str, Any]) -> None:
+    """In the forked child: become what ``Popen(..., start_new_session=True)`` of a fresh rank would be."""
+    code = 1
+    try:
+        os.setsid()
+        fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        env: dict[str, str] = request["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(request["cwd"])
+        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.argv = ["-c", request["args"]]
+        import torch
+
+        # The server imported torch under its own environment; the launch's thread count is the rank's.
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        module, function = request["child"].split(":")
+        getattr(importlib.import_module(module), function)(request["args"])  # ends the process itself
+    except BaseException:  # noqa: BLE001 - the rank's log is where its parent looks
+        traceback.print_exc()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

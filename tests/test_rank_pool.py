@@ -1,0 +1,126 @@
+"""The warm rank pool (``functional_ema._testing.rank_pool``): a rank forked from it is the rank a fresh
+interpreter would be (environment, session, working directory, import path, threads, output, exit status),
+and the launcher's failure paths (a raising rank, a killed rank, a rank's children) work on it as before.
+
+Each check runs the same launch pooled and with ``FE_RANK_POOL=0`` (fresh interpreters) and compares.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from functional_ema._testing import rank_pool
+from functional_ema._testing.multirank import ROOT, run_ranks
+
+FAST = {"FE_DIST_INIT": "torch"}  # plain gloo, no DeepSpeed init: the harness, not an engine
+
+
+def describe_worker(extra: str) -> dict:
+    import torch.distributed as dist
+
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "FE_EXTRA", "OMP_NUM_THREADS", "FE_RANK_POOL")},
+        "extra": extra,
+        "own_session": os.getsid(0) == os.getpid(),
+        "cwd": os.getcwd(),
+        "root_on_path": str(ROOT) in sys.path,
+        "threads": torch.get_num_threads(),
+        "all_reduce": _all_reduce(dist),
+    }
+
+
+def _all_reduce(dist) -> float:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def failing_worker(how: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        if how == "raise":
+            raise ValueError("rank 1 was told to fail")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def grandchild_worker(pid_file: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(pid_file, "w") as f:
+            f.write(str(child.pid))
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("pool", ["1", "0"])
+def test_pooled_rank_is_the_fresh_rank(pool: str, monkeypatch) -> None:
+    monkeypatch.setenv("FE_RANK_POOL", pool)
+    results = run_ranks(
+        "tests.test_rank_pool:describe_worker", world_size=3, timeout=120, env={**FAST, "FE_EXTRA": "x"}, extra="kw"
+    )
+    for rank, r in enumerate(results):
+        assert r == {
+            "rank": rank,
+            "world": 3,
+            "env": {
+                "RANK": str(rank),
+                "WORLD_SIZE": "3",
+                "FE_EXTRA": "x",
+                "OMP_NUM_THREADS": "1",
+                "FE_RANK_POOL": pool,
+            },
+            "extra": "kw",
+            "own_session": True,
+            "cwd": str(ROOT),
+            "root_on_path": True,
+            "threads": 1,
+            "all_reduce": 6.0,
+        }, (rank, r)
+
+
+@pytest.mark.parametrize("pool", ["1", "0"])
+def test_failed_and_killed_ranks_are_reported(pool: str, monkeypatch) -> None:
+    monkeypatch.setenv("FE_RANK_POOL", pool)
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed \(exit 1\).*ValueError: rank 1 was told to fail"):
+        run_ranks("tests.test_rank_pool:failing_worker", world_size=2, timeout=60, env=FAST, how="raise")
+    # Killed: rank 0 may finish or wait in teardown; either way rank 1's SIGKILL is what is reported.
+    with pytest.raises(AssertionError, match=r"rank 1 of 2 failed \(exit -9\)|exit codes of the others: \{1: -9\}"):
+        run_ranks("tests.test_rank_pool:failing_worker", world_size=2, timeout=60, env=FAST, how="kill")
+
+
+def test_a_rank_s_children_die_with_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FE_RANK_POOL", "1")
+    pid_file = tmp_path / "grandchild.pid"
+    with pytest.raises(AssertionError, match="timeout after 4 s"):
+        run_ranks("tests.test_rank_pool:grandchild_worker", world_size=2, timeout=4, env=FAST, pid_file=str(pid_file))
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild), f"the rank's child {grandchild} outlived the killed rank"
+
+
+def test_pool_is_off_where_a_fresh_interpreter_is_needed() -> None:
+    assert rank_pool.enabled({})
+    assert not rank_pool.enabled({"FE_RANK_POOL": "0"})
+    # make mutate's ranks record their hits from a sitecustomize that only a fresh interpreter runs
+    assert not rank_pool.enabled({"FE_MUTATE_HITS": "/tmp/hits"})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead, awaiting its reaper
+    except FileNotFoundError:
+        return False
