@@ -291,8 +291,8 @@ def update(
             ``local_shards(x)`` of a model trained on several ranks (``shards.group``), the ranks
             decide together: one all-reduce of four int64 per call (on the gloo side group under
             NCCL; none when ``nonfinite`` is ``None``) tells whether any rank saw a NaN or inf, so
-            every rank skips or none does, and with ``"raise"`` every rank raises, naming the lowest
-            rank that saw it. Call it on every rank then; ranks whose states are at different
+            every rank skips or none does, and with ``"raise"`` every rank raises: a rank that saw
+            it names its own parameter, the others the lowest rank that saw it. Call it on every rank then; ranks whose states are at different
             steps are refused on every rank (:class:`~functional_ema.StateMismatchError`).
         blocking: ``False`` queues the update of a CPU EMA of CUDA weights
             (``init_ema(..., device="cpu", pin_memory=True)``) and returns at once: the weights are

@@ -1463,7 +1463,7 @@ def test_async_ranks_commit_through_files(tmp_path):
     unshared = (
         f"AsyncSaver.save: rank 1 does not see the tag folder {tmp_path / 'elsewhere' / 'deeper' / 'u'} that rank 0 is "
         "writing (its lock file .ema_write.lock is missing here): the checkpoint directory is not shared by every rank "
-        "(node-local storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares. "
+        "(node-local storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares, or with shared=False (each rank writes only its own files: docs/many-nodes.md). "
         "Nothing was committed"
     )
     assert [r["unshared"][:2] for r in res] == [
@@ -1530,7 +1530,7 @@ def test_async_ranks_two_groups_of_one_job(tmp_path):
     unshared = (
         f"AsyncSaver.save: rank 1 does not see the tag folder {tmp_path / 'elsewhere' / 'b1'} that rank 0 is writing "
         "(its lock file .ema_write.lock is missing here): the checkpoint directory is not shared by every rank "
-        "(node-local storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares. "
+        "(node-local storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares, or with shared=False (each rank writes only its own files: docs/many-nodes.md). "
         "Nothing was committed"
     )
     assert [r["beside"] and r["beside"][:2] for r in res] == [

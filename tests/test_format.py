@@ -826,14 +826,14 @@ REFUSED: list[tuple[str, str, Edit | tuple[Edit, ...], Any, type[CheckpointError
         "buffer checksums",
         "plain",
         put(("buffer_files", 0, "tensor_checksums", "emas.0.1.running_mean"), ["zz"]),
-        ("buffer_files[0].tensor_checksums['emas.0.1.running_mean']", f"a list of {W_HEX}s", ["zz"]),
+        ("buffer_files[0].tensor_checksums['emas.0.1.running_mean']", f"a list, each {W_HEX}", ["zz"]),
         CE,
     ),
     (
         "part buffer checksums",
         "pp",
         put(("parts", 1, "buffer_files", 0, "tensor_checksums", "emas.0.x"), "ab"),
-        ("parts[1].buffer_files[0].tensor_checksums['emas.0.x']", f"a list of {W_HEX}s", "ab"),
+        ("parts[1].buffer_files[0].tensor_checksums['emas.0.x']", f"a list, each {W_HEX}", "ab"),
         CE,
     ),
     # rank-file records
@@ -1179,7 +1179,7 @@ def test_check_tensor_checksums():
     ):
         entry = {entry_key: {"ok": [], "emas.0.x": sums}}
         assert refusal(lambda m=m, k=key, e=entry: fmt.check_tensor_checksums(MPATH, m, e, "rec[2]", k), CE) == (
-            field_error(f"rec[2].{entry_key}['emas.0.x']", f"a list of {want}s", sums)
+            field_error(f"rec[2].{entry_key}['emas.0.x']", f"a list, each {want}", sums)
         )
 
 

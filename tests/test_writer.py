@@ -791,7 +791,7 @@ def test_check_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert str(info.value) == (
             f"AsyncSaver.save: rank 3 does not see the tag folder {missing} that rank 0 is writing (its lock file "
             f"{LOCK_NAME} is missing here): the checkpoint directory is not shared by every rank (node-local "
-            "storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares. "
+            "storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares, or with shared=False (each rank writes only its own files: docs/many-nodes.md). "
             "Nothing was committed"
         )
 
@@ -1087,7 +1087,7 @@ def test_agree_plans_on_two_ranks(tmp_path: Path) -> None:
     missing = (
         f"save: rank 1 does not see the tag folder {tmp_path / 'r1' / 't'} that rank 0 is writing (its lock file "
         f"{LOCK_NAME} is missing here): the checkpoint directory is not shared by every rank (node-local storage?). "
-        "A checkpoint saved so could not be loaded: save to a directory every rank shares. Nothing was committed"
+        "A checkpoint saved so could not be loaded: save to a directory every rank shares, or with shared=False (each rank writes only its own files: docs/many-nodes.md). Nothing was committed"
     )
     assert res[1]["not_shared"] == ["CheckpointError", missing]
     assert res[0]["not_shared"] == [

@@ -727,7 +727,7 @@ def check_tensor_checksums(mpath: Path, m: dict, e: dict, field: str, key: str =
         return
     for k, crcs in e.get(tensors_key, {}).items():
         if not (isinstance(crcs, list) and all(is_sum(c) for c in crcs)):
-            raise _manifest_field_error(mpath, f"{field}.{tensors_key}[{k!r}]", f"a list of {want_sum}s", crcs)
+            raise _manifest_field_error(mpath, f"{field}.{tensors_key}[{k!r}]", f"a list, each {want_sum}", crcs)
 
 
 _HEX = re.compile(r"[0-9a-fA-F]*")

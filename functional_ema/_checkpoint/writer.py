@@ -542,7 +542,7 @@ def check_shared(tag_dir: Path, rank: int, what: str, wait: float = 2.0) -> None
             raise CheckpointError(
                 f"{what}: rank {rank} does not see the tag folder {tag_dir} that rank 0 is writing (its lock file "
                 f"{LOCK_NAME} is missing here): the checkpoint directory is not shared by every rank (node-local "
-                "storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares. "
+                "storage?). A checkpoint saved so could not be loaded: save to a directory every rank shares, or with shared=False (each rank writes only its own files: docs/many-nodes.md). "
                 "Nothing was committed"
             )
         time.sleep(0.05)
