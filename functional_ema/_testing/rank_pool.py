@@ -9,8 +9,8 @@ A pooled rank behaves like the fresh interpreter it replaces: its own session (s
 started), its environment replaced by the one the launch computed, its output in the launch's log file, its
 working directory and ``sys.path`` from that environment. Its exit status is written by the server, which
 reaps it, to a file beside the log. What a fresh interpreter would do at start-up from the environment
-(``PYTHONPATH``'s ``sitecustomize``, e.g. ``make mutate``'s hit recorder) does not happen, so such launches,
-and any with ``FE_RANK_POOL=0``, start fresh interpreters as before.
+(``PYTHONPATH``'s ``sitecustomize``, e.g. ``make mutate``'s hit recorder) happens once, in the server, which
+is started under the first launch's environment; ``FE_RANK_POOL=0`` starts fresh interpreters as before.
 
 The server reads one JSON request a line on its stdin, forks, answers the rank's pid on its stdout, and
 exits when its stdin closes (the test process ended).
@@ -36,13 +36,14 @@ from typing import Any
 #: What the server imports before it forks any rank: the costly imports every DeepSpeed rank makes.
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "functional_ema", "functional_ema._testing.multirank")
 
-#: The server of this process, started on first use: ``[Popen]``, or empty (tests/ rebuild none).
-_SERVER: list[subprocess.Popen[bytes]] = []
+#: Each process's server, by the pid of the process that started it: a forked process (``make mutate``
+#: runs each mutant in a fork of its main process) starts its own, under its own environment.
+_SERVERS: dict[int, subprocess.Popen[bytes]] = {}
 
 
 def enabled(env: dict[str, str]) -> bool:
     """Whether a launch with environment ``env`` (the ranks' whole environment) may use the pool."""
-    return env.get("FE_RANK_POOL", "1") != "0" and "FE_MUTATE_HITS" not in env
+    return env.get("FE_RANK_POOL", "1") != "0"
 
 
 class PooledRank:
@@ -95,37 +96,38 @@ def start(child: str, args_path: str, env: dict[str, str], log_path: Path, cwd: 
 
 
 def _server(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    if _SERVER and _SERVER[0].poll() is None:
-        return _SERVER[0]
-    _SERVER.clear()
+    server = _SERVERS.get(os.getpid())
+    if server is not None and server.poll() is None:
+        return server
+    # A fresh interpreter under the launch's PYTHONPATH: a sitecustomize there (make mutate's hit recorder)
+    # runs in the server, and its forked ranks inherit what it installed.
     server_env = {**os.environ, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": env["PYTHONPATH"]}
     with open(_log_path(), "ab") as log:
-        atexit.register(_stop_server)  # once per server started: rare (one, unless one died)
-        _SERVER.append(
-            subprocess.Popen(
-                [sys.executable, "-c", "from functional_ema._testing.rank_pool import serve; serve()"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=server_env,
-                start_new_session=True,
-            )
+        server = _SERVERS[os.getpid()] = subprocess.Popen(
+            [sys.executable, "-c", "from functional_ema._testing.rank_pool import serve; serve()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=server_env,
+            start_new_session=True,
         )
-    return _SERVER[0]
+    atexit.register(_stop_server)  # once per server started: rare (one, unless one died)
+    return server
 
 
 def _stop_server() -> None:
-    """At exit: close the server's stdin (it then exits) and reap it."""
-    for server in _SERVER:
-        for pipe in (server.stdin, server.stdout):
-            if pipe is not None:
-                pipe.close()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    _SERVER.clear()
+    """At exit: close this process's server's stdin (it then exits) and reap it."""
+    server = _SERVERS.pop(os.getpid(), None)
+    if server is None:
+        return
+    for pipe in (server.stdin, server.stdout):
+        if pipe is not None:
+            pipe.close()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
 def _log_path() -> Path:
