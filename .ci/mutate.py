@@ -281,6 +281,7 @@ class Result:
     counts: dict[str, int] = field(default_factory=dict)
     equivalent: int = 0
     survivors: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)  # listed as equivalent, but not a survivor
     minutes: float = 0.0
     failed: str = ""
 
@@ -374,9 +375,11 @@ def run_module(name: str, module: Module, jobs: int, keep: bool, known: dict[str
         return result
     for mutant, found in sorted(statuses(work, module).items()):
         status = found
-        if mutant in known:
+        if mutant in known and found == "survived":
             result.equivalent += 1
-            status = "equivalent" if found == "survived" else f"listed as equivalent but {found}"
+            status = "equivalent"
+        elif mutant in known:  # counted as what it is: a stale entry (its function changed: mutants renumbered)
+            result.stale.append(f"{mutant} ({found})")
         result.counts[status] = result.counts.get(status, 0) + 1
         if status in ("survived", "no tests"):
             result.survivors.append(mutant)
@@ -419,6 +422,8 @@ def main(argv: list[str]) -> int:
             print(f"   {r.failed}")
             continue
         print(f"   {r.killed}/{r.total} killed, {r.equivalent} equivalent, score {r.score}, {r.minutes:.1f} min")
+        for entry in r.stale:
+            print(f"   STALE in {EQUIVALENT_FILE.name}: {entry}; check its number against the survivors' diffs")
         for s in r.survivors:
             print(f"   left: {s}")
     table = report(results)

@@ -1707,6 +1707,12 @@ def test_private_save_of_one_process_commits_at_wait(tmp_path):
     assert fe.checkpoint.read_manifest(tmp_path, "w")["generation"] == 1
     assert _same_trees(list(fe.load(model, tmp_path, "w", shared=False).emas), at_again)
 
+    # no tag: the default of a model that counts no steps, global_step<state.step>, as fe.save's
+    assert saver.save(state, model, tmp_path, decay=[0.9, 0.99], shared=False).wait() == (
+        tmp_path / f"global_step{int(state.step)}"
+    )
+    assert _same_trees(list(fe.load(model, tmp_path, f"global_step{int(state.step)}").emas), at_again)
+
     # refused at the call: a bad value for shared, before anything is written
     with pytest.raises(TypeError) as e:
         saver.save(state, model, tmp_path, "x", shared="no")
