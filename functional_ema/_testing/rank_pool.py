@@ -36,8 +36,8 @@ from typing import Any
 #: What the server imports before it forks any rank: the costly imports every DeepSpeed rank makes.
 PRELOAD = ("torch", "torch.distributed", "deepspeed", "functional_ema", "functional_ema._testing.multirank")
 
-#: Each process's server, by the pid of the process that started it: a forked process (``make mutate``
-#: runs each mutant in a fork of its main process) starts its own, under its own environment.
+# reason: test harness only (the library never imports it): each process's server, by the pid that started it,
+# so a forked process (make mutate runs each mutant in a fork) starts its own, under its own environment.
 _SERVERS: dict[int, subprocess.Popen[bytes]] = {}
 
 
@@ -61,8 +61,13 @@ class PooledRank:
 
     def wait(self, timeout: float | None = None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        gone_since = None
         while self.poll() is None and (deadline is None or time.monotonic() < deadline):
-            if not _exists(self.pid):  # the server is gone and init reaped it: no status will come
+            if _exists(self.pid):
+                gone_since = None
+            elif gone_since is None:  # reaped: the server writes its status next, unless the server is gone
+                gone_since = time.monotonic()
+            elif time.monotonic() - gone_since > 2.0:  # no server wrote it (init reaped the rank)
                 self.returncode = -signal.SIGKILL
                 break
             time.sleep(0.02)
@@ -176,13 +181,13 @@ def _reap(exits: dict[int, str]) -> None:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             path = Path(exits.pop(pid))
-            path.with_suffix(".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
-            path.with_suffix(".tmp").replace(path)
+            with contextlib.suppress(OSError):  # the launch's folder may be gone (its launcher ended)
+                path.with_suffix(".tmp").write_text(str(os.waitstatus_to_exitcode(status)))
+                path.with_suffix(".tmp").replace(path)
 
 
 def _become_rank(request: dict[str, Any]) -> None:
     """In the forked child: become what ``Popen(..., start_new_session=True)`` of a fresh rank would be."""
-    code = 1
     try:
         os.setsid()
         fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -208,4 +213,4 @@ def _become_rank(request: dict[str, Any]) -> None:
         traceback.print_exc()
         sys.stderr.flush()
     finally:
-        os._exit(code)
+        os._exit(1)  # the child function ends the process itself; here it raised
