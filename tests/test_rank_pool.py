@@ -7,6 +7,7 @@ Each check runs the same launch pooled and with ``FE_RANK_POOL=0`` (fresh interp
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -35,7 +36,17 @@ def describe_worker(extra: str) -> dict:
         "root_on_path": str(ROOT) in sys.path,
         "threads": torch.get_num_threads(),
         "all_reduce": _all_reduce(dist),
+        "hub_offline": _hub_offline(),
     }
+
+
+def _hub_offline() -> bool | None:
+    """What huggingface_hub read at import (the pool's server imported it before the launch's environment)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    return constants.HF_HUB_OFFLINE
 
 
 def _all_reduce(dist) -> float:
@@ -67,7 +78,11 @@ def grandchild_worker(pid_file: str) -> None:
 def test_pooled_rank_is_the_fresh_rank(pool: str, monkeypatch) -> None:
     monkeypatch.setenv("FE_RANK_POOL", pool)
     results = run_ranks(
-        "tests.test_rank_pool:describe_worker", world_size=3, timeout=120, env={**FAST, "FE_EXTRA": "x"}, extra="kw"
+        "tests.test_rank_pool:describe_worker",
+        world_size=3,
+        timeout=120,
+        env={**FAST, "FE_EXTRA": "x", "OMP_NUM_THREADS": "2"},  # the server itself runs one
+        extra="kw",
     )
     for rank, r in enumerate(results):
         assert r == {
@@ -77,15 +92,16 @@ def test_pooled_rank_is_the_fresh_rank(pool: str, monkeypatch) -> None:
                 "RANK": str(rank),
                 "WORLD_SIZE": "3",
                 "FE_EXTRA": "x",
-                "OMP_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": "2",
                 "FE_RANK_POOL": pool,
             },
             "extra": "kw",
             "own_session": True,
             "cwd": str(ROOT),
             "root_on_path": True,
-            "threads": 1,
+            "threads": 2,
             "all_reduce": 6.0,
+            "hub_offline": True if importlib.util.find_spec("huggingface_hub") else None,
         }, (rank, r)
 
 
@@ -122,3 +138,51 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead, awaiting its reaper
     except FileNotFoundError:
         return False
+
+
+def test_a_launch_with_other_hub_settings_is_refused_when_pooled(monkeypatch) -> None:
+    """The server imported huggingface_hub under the launches' HF_HUB_OFFLINE; a launch with another value
+    would see the server's, so its pooled ranks refuse, naming the variable; fresh ranks run."""
+    monkeypatch.setenv("FE_RANK_POOL", "1")
+    run_ranks("tests.test_rank_pool:describe_worker", world_size=2, timeout=120, env=FAST, extra="")  # a server up
+    with pytest.raises(AssertionError, match=r"this launch sets HF_HUB_OFFLINE='0'.*FE_RANK_POOL=0"):
+        run_ranks(
+            "tests.test_rank_pool:describe_worker",
+            world_size=2,
+            timeout=120,
+            env={**FAST, "HF_HUB_OFFLINE": "0"},
+            extra="",
+        )
+    monkeypatch.setenv("FE_RANK_POOL", "0")
+    fresh = run_ranks(
+        "tests.test_rank_pool:describe_worker", world_size=2, timeout=120, env={**FAST, "HF_HUB_OFFLINE": "0"}, extra=""
+    )
+    assert [r["hub_offline"] for r in fresh] == [False, False] or not importlib.util.find_spec("huggingface_hub")
+
+
+def test_preload_refuses_a_module_that_starts_a_thread(tmp_path) -> None:
+    """The server forks single-threaded or not at all; an optional package that is missing is skipped,
+    a required one is not."""
+    (tmp_path / "fe_starts_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    script = (
+        "from functional_ema._testing import rank_pool as p\n"
+        "p.PRELOAD_OPTIONAL = ('fe_not_installed',)\n"
+        "p._preload(('json', 'fe_not_installed'))\n"
+        "try:\n"
+        "    p._preload(('fe_not_installed_required',))\n"
+        "except ImportError as e:\n"
+        "    print('required:', e.name)\n"
+        "p._preload(('json', 'fe_starts_thread'))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    assert "required: fe_not_installed_required" in run.stdout, run.stdout
+    assert "has 2 threads after importing fe_starts_thread; it forks ranks single-threaded" in run.stderr, run.stderr

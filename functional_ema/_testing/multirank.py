@@ -45,6 +45,11 @@ RankProcess = subprocess.Popen[bytes] | rank_pool.PooledRank
 ROOT = Path(__file__).resolve().parents[2] if (Path(__file__).resolve().parents[2] / "tests").is_dir() else Path.cwd()
 
 
+#: Set for every rank unless the environment says otherwise: ranks never reach the hub (tests send traffic to
+#: loopback only) and print no progress bars.
+RANK_ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,6 +137,8 @@ def spawn_ranks(
             FE_RESULT=str(Path(tmp) / f"result_{rank}.json"),
             TORCH_EXTENSIONS_DIR=extensions_dir(),
         )
+        for key, value in RANK_ENV_DEFAULTS.items():
+            penv.setdefault(key, value)
         penv.update(env or {})
         # Output goes to a file, not a pipe: a pipe that nobody drains while the parent waits for
         # another rank fills at 64 KiB and blocks its writer inside a print, and the other rank

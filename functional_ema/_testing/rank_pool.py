@@ -1,7 +1,8 @@
 """Rank processes forked from a warm server that has imported torch, DeepSpeed and the library once.
 
 The test suite starts a few hundred rank processes; each fresh interpreter spends 2-3 CPU seconds importing
-torch and DeepSpeed before its first line of test code, on a machine with 2 cores. Here the ranks of
+torch and DeepSpeed before its first line of test code, and as much again importing torch._dynamo and inductor
+(its first optimizer, DeepSpeed's engine) and transformers, on a machine with 2 cores. Here the ranks of
 :func:`functional_ema._testing.multirank.run_ranks` are forked instead from one server process per test
 process, whose interpreter imported them once (and is single-threaded then, so the fork is safe).
 
@@ -33,8 +34,25 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-#: What the server imports before it forks any rank: the costly imports every DeepSpeed rank makes.
-PRELOAD = ("torch", "torch.distributed", "deepspeed", "functional_ema", "functional_ema._testing.multirank")
+#: What the server imports before it forks any rank: the costly imports every DeepSpeed rank makes. A
+#: rank's first torch optimizer imports torch._dynamo, and DeepSpeed's engine (its Muon check calls
+#: ``torch.compile``) inductor's compile_fx: 2-3 CPU seconds a rank, as much as torch itself.
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "deepspeed",
+    "functional_ema",
+    "functional_ema._testing.multirank",
+)
+#: Imported where installed (the optional extras), for the integrations' ranks. Not ``transformers.trainer``:
+#: importing it starts a thread, and the server must be single-threaded when it forks.
+PRELOAD_OPTIONAL = ("transformers", "diffusers", "peft", "lightning.pytorch")
+#: What those packages read from the environment once, at import. The server imports them under the first
+#: launch's values (``multirank.spawn_ranks`` sets them for every rank); a later launch with other values is
+#: refused, since its ranks would see the server's.
+PRELOAD_ENV = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")
 
 # reason: test harness only (the library never imports it): each process's server, by the pid that started it,
 # so a forked process (make mutate runs each mutant in a fork) starts its own, under its own environment.
@@ -106,7 +124,13 @@ def _server(env: dict[str, str]) -> subprocess.Popen[bytes]:
         return server
     # A fresh interpreter under the launch's PYTHONPATH: a sitecustomize there (make mutate's hit recorder)
     # runs in the server, and its forked ranks inherit what it installed.
-    server_env = {**os.environ, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": env["PYTHONPATH"]}
+    # One OpenMP thread: torch starts a second thread at import otherwise, and the server must fork single-threaded
+    # (each rank then sets its launch's thread count).
+    server_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": env["PYTHONPATH"]}
+    for key in PRELOAD_ENV:
+        server_env.pop(key, None)
+        if key in env:
+            server_env[key] = env[key]
     with open(_log_path(), "ab") as log:
         server = _SERVERS[os.getpid()] = subprocess.Popen(
             [sys.executable, "-c", "from functional_ema._testing.rank_pool import serve; serve()"],
@@ -154,8 +178,7 @@ def serve() -> None:
     # The answers get a descriptor of their own: whatever the imports print to stdout goes to the log.
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    for name in PRELOAD:
-        importlib.import_module(name)
+    _preload()
     requests = sys.stdin.buffer
     exits: dict[int, str] = {}
     while True:
@@ -174,6 +197,29 @@ def serve() -> None:
         exits[pid] = request["exit"]
         answers.write(f"{pid}\n".encode())
         answers.flush()
+
+
+def _preload(names: tuple[str, ...] = PRELOAD + PRELOAD_OPTIONAL) -> None:
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            if name not in PRELOAD_OPTIONAL:
+                raise
+        threads = _threads()
+        if threads > 1:  # a fork would copy a lock some thread holds: refuse to serve
+            raise RuntimeError(
+                f"the rank pool's server has {threads} threads after importing {name}; it forks ranks single-threaded"
+            )
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: Python's own threads only
+        import threading
+
+        return threading.active_count()
 
 
 def _reap(exits: dict[int, str]) -> None:
@@ -198,6 +244,12 @@ def _become_rank(request: dict[str, Any]) -> None:
         os.dup2(null, 0)
         os.close(null)
         env: dict[str, str] = request["env"]
+        for key in PRELOAD_ENV:
+            if env.get(key) != os.environ.get(key):
+                raise RuntimeError(
+                    f"this launch sets {key}={env.get(key)!r}, but the rank pool's server imported the packages that "
+                    f"read it under {key}={os.environ.get(key)!r}; launch with FE_RANK_POOL=0 for fresh ranks"
+                )
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
