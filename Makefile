@@ -1,5 +1,5 @@
 # Two commands: `make demo` and `make test`. Each creates .venv on first use.
-# Also: `make lint` (ruff, mypy), `make test-oldest` (the oldest DeepSpeed in range), `make test-wheel`
+# Also: `make lint` (ruff, mypy), `make test-ray` (Ray Train), `make test-oldest` (the oldest DeepSpeed in range), `make test-wheel`
 # (the built wheel installed in a fresh venv), `make docs`; `.ci/run` runs them all.
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # pulling a multi-GB CUDA build for the package's `torch` range. Override with TORCH_SPEC=torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test fuzz mutate lint test-oldest test-wheel bench docs venv clean
+.PHONY: demo test fuzz mutate lint test-ray test-oldest test-wheel bench docs venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy functional_ema
+
+# Ray Train on a local Ray (loopback) and the local S3 server: the ray extra added to .venv on first use.
+test-ray: $(VENV)/.installed
+	@$(PY) -c "import ray.train.torch" 2>/dev/null || $(PY) -m pip install --quiet -e ".[ray]"
+	$(PY) -m pytest -q tests/test_ray_train.py
 
 # The smoke subset (.ci/smoke-tests.txt) on the oldest DeepSpeed in pyproject's range, in .venv-oldest.
 test-oldest:
