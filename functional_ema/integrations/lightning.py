@@ -18,7 +18,9 @@ Per Lightning event:
 * saving: every ``trainer.save_checkpoint`` (``ModelCheckpoint`` included) also writes every rank's
   EMA pieces: inside the checkpoint folder when the checkpoint is a folder (DeepSpeed,
   distributed FSDP2 checkpoints: ``<ckpt>/ema/``), else beside the file (``<ckpt>.ema/ema/``),
-  removed with it when ``ModelCheckpoint`` rotates checkpoints. Lightning's callback hooks are not
+  removed with it when ``ModelCheckpoint`` rotates checkpoints. With ``shared=False`` (folders the ranks
+  do not share: Ray Train's ``RayTrainReportCallback`` saves into each worker's own folder) each rank writes
+  beside its own path, not rank 0's. Lightning's callback hooks are not
   told the checkpoint path, so the callback wraps this trainer's ``save_checkpoint`` and its
   strategy's ``remove_checkpoint`` (instance attributes, set up in ``setup``);
 * ``on_train_start`` of ``fit(ckpt_path=...)``: load the EMA saved with that checkpoint (any world
@@ -93,7 +95,9 @@ class EMACallback(pl.Callback):
         remove = strategy.remove_checkpoint
 
         def save_checkpoint(filepath: str | Path, *args: Any, **kwargs: Any) -> None:
-            path = os.fspath(trainer.strategy.broadcast(filepath))
+            # Shared folders: rank 0's path, where Lightning writes the checkpoint. Private ones (shared=False):
+            # each rank's own path, the folder that rank hands on (Ray's RayTrainReportCallback: one per worker).
+            path = os.fspath(trainer.strategy.broadcast(filepath) if self.ema.shared else filepath)
             save(filepath, *args, **kwargs)
             self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
             self._last_saved = path
