@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +188,26 @@ def test_preload_refuses_a_module_that_starts_a_thread(tmp_path) -> None:
     assert run.returncode == 1, (run.stdout, run.stderr)
     assert "required: fe_not_installed_required" in run.stdout, run.stdout
     assert "has 2 threads after importing fe_starts_thread; it forks ranks single-threaded" in run.stderr, run.stderr
+
+
+def test_a_clean_server_leaves_no_log() -> None:
+    """A test process whose server ended cleanly leaves no ``fe_rank_pool_<pid>.log`` behind."""
+    script = (
+        "from functional_ema._testing import rank_pool\n"
+        "from functional_ema._testing.multirank import run_ranks\n"
+        "r = run_ranks('tests.test_rank_pool:describe_worker', world_size=2, timeout=120, "
+        "env={'FE_DIST_INIT': 'torch'}, extra='')\n"
+        "assert [x['rank'] for x in r] == [0, 1], r\n"
+        "print('log while running:', rank_pool._log_path().exists())\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**os.environ, "FE_RANK_POOL": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
+    assert "log while running: True" in out.decode(), out
+    assert not (Path(tempfile.gettempdir()) / f"fe_rank_pool_{proc.pid}.log").exists()

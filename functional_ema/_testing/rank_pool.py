@@ -145,7 +145,8 @@ def _server(env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def _stop_server() -> None:
-    """At exit: close this process's server's stdin (it then exits) and reap it."""
+    """At exit: close this process's server's stdin (it then exits) and reap it. Its log is removed when it
+    ended cleanly and holds no traceback (of it, or of a server of this process that died before it)."""
     server = _SERVERS.pop(os.getpid(), None)
     if server is None:
         return
@@ -157,6 +158,10 @@ def _stop_server() -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+    log = _log_path()
+    with contextlib.suppress(OSError):
+        if server.returncode == 0 and b"Traceback" not in log.read_bytes():
+            log.unlink()
 
 
 def _log_path() -> Path:
