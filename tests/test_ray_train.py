@@ -58,6 +58,30 @@ KILL_AT = 5  # rank 1 dies after step 4's report: Ray resumes from step 2's or s
 KINDS = ("ddp", "fsdp2", "zero3")
 
 
+def _record(cfg: dict[str, Any], **event: Any) -> None:
+    """Append one event (this process's) to the run's ``events_<label>.jsonl``."""
+    with open(Path(cfg["out"]) / f"events_{cfg['label']}.jsonl", "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), **event}) + "\n")
+
+
+def _kill_once(cfg: dict[str, Any], step: int, rank: int) -> None:
+    """Rank 1 SIGKILLs itself at step ``KILL_AT`` of a run with ``cfg["kill"]``, the first time only."""
+    marker = Path(cfg["out"]) / f"killed_{cfg['label']}"
+    if cfg.get("kill") and step == KILL_AT and rank == 1 and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_final(cfg: dict[str, Any], kind: str, full: dict[str, torch.Tensor], plain: dict[str, torch.Tensor]) -> None:
+    """Rank 0's files: the run's final EMA of ``kind`` and, in the reference run, the plain-torch EMA."""
+    import safetensors.torch
+
+    out = Path(cfg["out"])
+    safetensors.torch.save_file(full, out / f"{cfg['label']}_{kind}.safetensors")
+    if cfg.get("reference"):
+        safetensors.torch.save_file(plain, out / f"plain_{kind}.safetensors")
+
+
 # ------------------------------------------------------------------------------------------ the models
 
 
@@ -169,12 +193,11 @@ def train_loop(
     ``cfg["reference"]``, a plain-torch EMA of the full weights) into ``cfg["out"]``."""
     import tempfile
 
-    import safetensors.torch
     import torch.distributed as dist
 
     import functional_ema as fe
 
-    rank, out, label = dist.get_rank(), Path(cfg["out"]), cfg["label"]
+    rank = dist.get_rank()
     models = {kind: _Trained(kind) for kind in KINDS}
     states = {kind: fe.init_ema(fe.local_shards(m.x)) for kind, m in models.items()}
     start = 0
@@ -184,8 +207,7 @@ def train_loop(
                 m.load_training(Path(folder))
                 states[kind] = fe.load(m.x, Path(folder) / f"ema_{kind}")
             start = int(states["ddp"].step)
-    with open(out / f"events_{label}.jsonl", "a") as f:
-        f.write(json.dumps({"rank": rank, "pid": os.getpid(), "start": start}) + "\n")
+    _record(cfg, rank=rank, start=start)
     refs = {kind: {n: t.clone() for n, t in m.full().items()} for kind, m in models.items()} if start == 0 else {}
     for step in range(start + 1, STEPS + 1):
         for kind, m in models.items():
@@ -194,10 +216,7 @@ def train_loop(
             if cfg.get("reference"):
                 for n, t in m.full().items():
                     refs[kind][n].lerp_(t, 1 - DECAY)
-        marker = out / f"killed_{label}"
-        if cfg.get("kill") and step == KILL_AT and rank == 1 and not marker.exists():
-            marker.touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+        _kill_once(cfg, step, rank)
         if report is not None and step % REPORT_EVERY == 0:
             folder = Path(tempfile.mkdtemp(prefix=f"fe_ray_r{rank}_"))
             for kind, m in models.items():
@@ -207,9 +226,7 @@ def train_loop(
     for kind, m in models.items():
         full = fe.gather_full(states[kind], m.x)
         if rank == 0:
-            safetensors.torch.save_file(full, out / f"{label}_{kind}.safetensors")
-            if cfg.get("reference"):
-                safetensors.torch.save_file(refs[kind], out / f"plain_{kind}.safetensors")
+            _write_final(cfg, kind, full, refs.get(kind, {}))
 
 
 def reference_worker(out: str) -> None:
@@ -240,7 +257,6 @@ def hf_loop(cfg: dict[str, Any], ray_mode: bool) -> None:
     with ``save_on_each_node=True``, as on nodes that share no folder. Under Ray, ``RayTrainReportCallback``
     (after ours: the EMA is in the folder it reports) and a resume from ``get_checkpoint()``. Rank 0 writes the
     final EMA (and, with ``cfg["reference"]``, a plain-torch EMA of DeepSpeed's full fp32 weights)."""
-    import safetensors.torch
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -253,10 +269,7 @@ def hf_loop(cfg: dict[str, Any], ray_mode: bool) -> None:
 
     class KillOnce(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            marker = out / f"killed_{label}"
-            if cfg.get("kill") and state.global_step == KILL_AT and rank == 1 and not marker.exists():
-                marker.touch()
-                os.kill(os.getpid(), signal.SIGKILL)
+            _kill_once(cfg, state.global_step, rank)
 
     args = TrainingArguments(
         output_dir=str(out / f"{label}_worker{rank}"),  # this worker's own folder
@@ -302,22 +315,17 @@ def hf_loop(cfg: dict[str, Any], ray_mode: bool) -> None:
         import ray.train
 
         checkpoint = ray.train.get_checkpoint()
-    start = 0
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:  # RayTrainReportCallback reports <folder>/checkpoint
-            start = json.loads((Path(folder) / "checkpoint" / "trainer_state.json").read_text())["global_step"]
-            with open(out / f"events_{label}.jsonl", "a") as f:
-                f.write(json.dumps({"rank": rank, "pid": os.getpid(), "start": start}) + "\n")
-            trainer.train(resume_from_checkpoint=str(Path(folder) / "checkpoint"))
+            resume = Path(folder) / "checkpoint"
+            _record(cfg, rank=rank, start=json.loads((resume / "trainer_state.json").read_text())["global_step"])
+            trainer.train(resume_from_checkpoint=str(resume))
     else:
-        with open(out / f"events_{label}.jsonl", "a") as f:
-            f.write(json.dumps({"rank": rank, "pid": os.getpid(), "start": start}) + "\n")
+        _record(cfg, rank=rank, start=0)
         trainer.train()
     full = fe.gather_full(ema.state, trainer.model_wrapped)
     if rank == 0:
-        safetensors.torch.save_file(full, out / f"{label}_hf.safetensors")
-        if cfg.get("reference"):
-            safetensors.torch.save_file(ref.emas[0], out / "plain_hf.safetensors")
+        _write_final(cfg, "hf", full, ref.emas[0] if ref.emas else {})
 
 
 def hf_reference_worker(out: str) -> None:
@@ -336,7 +344,6 @@ def lightning_loop(cfg: dict[str, Any], ray_mode: bool) -> None:
     ``RayDDPStrategy``, ``RayLightningEnvironment`` and Ray's ``RayTrainReportCallback``, which saves a checkpoint
     into each worker's own folder at every epoch's end and reports it; a resume from ``get_checkpoint()``."""
     import lightning.pytorch as pl
-    import safetensors.torch
     import torch.distributed as dist
 
     import functional_ema as fe
@@ -344,7 +351,7 @@ def lightning_loop(cfg: dict[str, Any], ray_mode: bool) -> None:
     from tests._integration_models import BNNet, ReferenceEMA, RegressionData, quiet
 
     quiet()
-    rank, out, label = dist.get_rank(), Path(cfg["out"]), cfg["label"]
+    rank = dist.get_rank()
     ref = ReferenceEMA([DECAY])
 
     class Lit(pl.LightningModule):
@@ -364,17 +371,13 @@ def lightning_loop(cfg: dict[str, Any], ray_mode: bool) -> None:
 
     class Watch(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            with open(out / f"events_{label}.jsonl", "a") as f:
-                f.write(json.dumps({"rank": rank, "pid": os.getpid(), "start": trainer.global_step}) + "\n")
+            _record(cfg, rank=rank, start=trainer.global_step)
 
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             step = trainer.global_step
             if cfg.get("reference") and ref.due(step):
                 ref.feed(step, {n: p.detach().clone() for n, p in trainer.lightning_module.named_parameters()})
-            marker = out / f"killed_{label}"
-            if cfg.get("kill") and step == KILL_AT and rank == 1 and not marker.exists():
-                marker.touch()
-                os.kill(os.getpid(), signal.SIGKILL)
+            _kill_once(cfg, step, rank)
 
     ema = EMACallback(decay=DECAY, shared=False)
     callbacks: list[Any] = [ema, Watch()]
@@ -413,8 +416,7 @@ def lightning_loop(cfg: dict[str, Any], ray_mode: bool) -> None:
                 files = sorted(
                     str(f.relative_to(checkpoint.path)) for f in Path(checkpoint.path).rglob("*") if f.is_file()
                 )
-                with open(out / f"events_{label}.jsonl", "a") as f:
-                    f.write(json.dumps({"rank": rank, "reported": files}) + "\n")
+                _record(cfg, rank=rank, reported=files)
             report(*args, checkpoint=checkpoint, **kwargs)
 
         ray.train.report = recording_report  # Ray's RayTrainReportCallback calls ray.train.report at each epoch
@@ -425,9 +427,7 @@ def lightning_loop(cfg: dict[str, Any], ray_mode: bool) -> None:
         trainer.fit(Lit())
     full = fe.gather_full(ema.state, trainer.strategy.model)
     if rank == 0:
-        safetensors.torch.save_file(full, out / f"{label}_lightning.safetensors")
-        if cfg.get("reference"):
-            safetensors.torch.save_file(ref.emas[0], out / "plain_lightning.safetensors")
+        _write_final(cfg, "lightning", full, ref.emas[0] if ref.emas else {})
 
 
 def lightning_reference_worker(out: str) -> None:
