@@ -97,7 +97,9 @@ class EMACallback(pl.Callback):
         def save_checkpoint(filepath: str | Path, *args: Any, **kwargs: Any) -> None:
             # Shared folders: rank 0's path, where Lightning writes the checkpoint. Private ones (shared=False):
             # each rank's own path, the folder that rank hands on (Ray's RayTrainReportCallback: one per worker).
-            path = os.fspath(trainer.strategy.broadcast(filepath) if self.ema.shared else filepath)
+            # Every rank broadcasts either way, so ranks configured apart reach the save, which refuses them.
+            rank0_path = os.fspath(trainer.strategy.broadcast(filepath))
+            path = rank0_path if self.ema.shared else os.fspath(filepath)
             save(filepath, *args, **kwargs)
             self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
             self._last_saved = path
