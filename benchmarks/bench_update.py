@@ -41,6 +41,13 @@ FSDP2 (2 ranks, the 516-tensor transformer, ``fully_shard`` per block and on the
 ``MixedPrecisionPolicy``): ``local_shards + update`` and ``update`` alone against the same flat
 roofline and against ``torch._foreach_lerp_`` over the parameters' local shards, timed the same way.
 
+The default path against the simplest alternative (issue 38): for FSDP2 and the plain module, ``local_shards +
+update`` and ``update`` alone are also timed directly against ``torch._foreach_lerp_`` over prebuilt lists of the
+same tensors (the state's EMA tensors and the weights, so both sides touch the very same memory), interleaved
+(foreach, X, X, foreach, reversed every other round, twice the rounds); the report gives the median of the
+per-round ratios, the ratio of the minima, the spread, and the load average before and after (the CI machine is
+shared: run it twice before trusting a ratio).
+
 FSDP2 over tensor parallelism (4 ranks, ``--engines fsdp2_tp``): the same transformer on a (dp 2, tp 2)
 mesh, each block's MLP tensor parallel (``fc1`` colwise, ``fc2`` rowwise), then ``fully_shard`` over dp.
 
@@ -357,12 +364,15 @@ def plain_module_table(rounds: int = 25, inner: int = 5, quick: bool = False) ->
     flatten_parameters(flat_model)
     flat_state = fe.init_ema(fe.local_shards(flat_model))
 
+    shards = fe.local_shards(model)
     lib = lambda: fe.update(state, fe.local_shards(model), decay=DECAY)  # noqa: E731
+    lib_update_only = lambda: fe.update(state, shards, decay=DECAY)  # noqa: E731
     lib_flat = lambda: fe.update(flat_state, fe.local_shards(flat_model), decay=DECAY)  # noqa: E731
     foreach = lambda: torch._foreach_lerp_(ema_list, src_list, w)  # noqa: E731
     roof = lambda: flat_ema.lerp_(flat_src, w)  # noqa: E731
-    for fn in (lib, lib_flat, foreach, roof):
+    for fn in (lib, lib_update_only, lib_flat, foreach, roof):
         batch(fn)  # warm up
+    load_before = os.getloadavg()
     pairs = {"lib": [], "lib_flat": [], "foreach": []}
     times = {"lib": [], "lib_flat": [], "foreach": [], "roofline": []}
     for r in range(rounds):
@@ -374,7 +384,14 @@ def plain_module_table(rounds: int = 25, inner: int = 5, quick: bool = False) ->
             pairs[key].append(t_fn / t_roof)
             times[key] += [g for f, g in zip(order, got) if f is fn]
             times["roofline"] += [g for f, g in zip(order, got) if f is roof]
+    # The direct comparison runs the foreach over the state's own EMA tensors, so both sides touch the very
+    # same memory: equal-sized buffer sets placed differently by the allocator ran up to 15% apart here.
+    same_emas = list(state.ema.segments)
+    foreach_same = lambda: torch._foreach_lerp_(same_emas, src_list, w)  # noqa: E731
+    direct = _direct_pairs({"lib": lib, "lib_update_only": lib_update_only}, foreach_same, 2 * rounds, batch)
     return {
+        "direct": direct,
+        "load": [load_before, os.getloadavg()],
         "tensors": len(params),
         "params": numel,
         "ms_min": {k: min(v) * 1e3 for k, v in times.items()},
@@ -384,6 +401,30 @@ def plain_module_table(rounds: int = 25, inner: int = 5, quick: bool = False) ->
         "fused": fe.update_info(state, fe.local_shards(model)).fused,
         "flat_segments": len(fe.local_shards(flat_model).segments),
     }
+
+
+def _direct_pairs(approaches: dict, foreach, rounds: int, batch) -> dict:
+    """Each approach timed next to ``torch._foreach_lerp_`` over prebuilt lists, interleaved: per round
+    foreach, X, X, foreach (reversed every other round), one batch each. Returns per approach the rounds'
+    ``[time of X's two batches, time of foreach's two]`` (the report takes ratios, medians and minima)."""
+    out: dict = {k: [] for k in approaches}
+    for r in range(rounds):
+        for key, fn in approaches.items():
+            order = (foreach, fn, fn, foreach) if r % 2 == 0 else (fn, foreach, foreach, fn)
+            got = [batch(f) for f in order]
+            out[key].append(
+                [sum(g for f, g in zip(order, got) if f is fn), sum(g for f, g in zip(order, got) if f is foreach)]
+            )
+    return out
+
+
+def _direct_summary(rounds_of: list[list[float]]) -> tuple[float, float, float]:
+    """(median over rounds of X / foreach, the same ratio of the minima of X's and foreach's rounds, its
+    25th-75th percentile spread)."""
+    ratios = sorted(x / f for x, f in rounds_of)
+    n = len(ratios)
+    mins = min(x for x, _ in rounds_of) / min(f for _, f in rounds_of)
+    return statistics.median(ratios), mins, ratios[(3 * n) // 4] - ratios[n // 4]
 
 
 def worker(configs, rounds=25, inner=5, quick=False):
@@ -484,6 +525,12 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
     flat_opt.step()
     flat_shards = fe.local_shards(flat_model)
     flat_state = fe.init_ema(flat_shards)
+    # FSDP2 replaced the second model's local tensors above (flatten_local_shards, lazy init), which makes every
+    # FSDP2 reading of this process stale once: read `model` again, so "update alone" passes the Shards that
+    # local_shards returns from now on (passing the first one would make each update alternate between two
+    # Shards objects and rebuild its plan, as it did in the figures before 2026-12-06).
+    shards = fe.local_shards(model)
+    assert fe.local_shards(model) is shards
 
     def lib_one_buffer():
         fe.update(flat_state, fe.local_shards(flat_model), decay=DECAY)
@@ -506,6 +553,7 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
         fn()
 
     batch = timed_batch
+    load_before = os.getloadavg()
 
     # The same paired method as _bench_config: per round roofline, X, X, roofline (or reversed).
     samples = {k: [] for k in approaches}
@@ -523,6 +571,19 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
                 t[k] += dt
             rounds_of[name].append([t[name], t["roofline"]])
     rounds_of["roofline"] = [[1.0, 1.0]]
+    # The default path against the simplest alternative, interleaved directly (issue 38): foreach, X, X,
+    # foreach, every rank at once (each batch after a barrier).
+    # Over the state's own EMA tensors (one per local shard, in the same order), so both sides touch the very
+    # same memory (see plain_module_table).
+    same_emas = list(state.ema.segments)
+    assert [t.shape for t in same_emas] == [t.shape for t in locals_]
+
+    def foreach_same():
+        torch._foreach_lerp_(same_emas, locals_, 1 - DECAY)
+
+    direct = _direct_pairs(
+        {"lib": lib, "lib_update_only": lib_update_only}, foreach_same, 2 * rounds, lambda f: batch(f, inner)
+    )
     comm = {}
     for name, fn in approaches.items():
         dist.barrier()
@@ -546,6 +607,8 @@ def _bench_fsdp2(stage, model_name, rounds, inner, quick, counter):
         "comm": comm,
         "ema_bytes": {"lib": fe.ema_nbytes(state)},
         "rounds": rounds_of,
+        "direct": direct,
+        "load": [load_before, os.getloadavg()],
     }
 
 
@@ -788,6 +851,38 @@ def report_fsdp2(w: int, model: str, reps: list[dict]) -> list[str]:
         lines.append(
             f"| {label} | {t_min[k]:.3f} ({t_med[k]:.3f}) | {ratio[k]:.2f} | {max(r['comm'][k][1] for r in reps):,} |"
         )
+    if "direct" in r0:
+        # Per round the slowest rank's time for each side (a step waits for the slowest rank).
+        direct = {
+            k: [[max(r["direct"][k][i][0] for r in reps), max(r["direct"][k][i][1] for r in reps)] for i in range(n)]
+            for k in r0["direct"]
+            for n in [len(r0["direct"][k])]
+        }
+        lines += _direct_lines(
+            direct,
+            "`torch._foreach_lerp_` over the local shards (`p._local_tensor`) and the state's EMA tensors, prebuilt",
+        )
+        lines.append(f"\nLoad average (1, 5, 15 min) before / after, rank 0: {_loads(r0['load'])}")
+    return lines
+
+
+def _loads(load: list) -> str:
+    return " / ".join(", ".join(f"{x:.2f}" for x in one) for one in load)
+
+
+def _direct_lines(direct: dict, what: str) -> list[str]:
+    """The report's table of approaches timed against ``what`` directly (see :func:`_direct_pairs`)."""
+    labels = {"lib": "`local_shards` + `update` (the default path)", "lib_update_only": "`update` alone"}
+    lines = [
+        f"\nAgainst {what}, interleaved (foreach, X, X, foreach per round, {len(next(iter(direct.values())))} "
+        "rounds; target <= 1.05 for the default path):",
+        "",
+        "| functional_ema | X / foreach, median over rounds | ratio of the minima | spread (25th-75th percentile) |",
+        "|---|---|---|---|",
+    ]
+    for k, rounds_of in direct.items():
+        med, mins, spread = _direct_summary(rounds_of)
+        lines.append(f"| {labels.get(k, k)} | {med:.3f} | {mins:.3f} | {spread:.3f} |")
     return lines
 
 
@@ -925,11 +1020,17 @@ def report(all_results, command: str, overhead_rows: list[dict], plain: dict | N
         )
         xr = plain["x_roofline"]
         lines.append(
-            f"\nfunctional_ema / `_foreach_lerp_` (target <= 1.00): {xr['lib'] / xr['foreach']:.2f} with each parameter in "
-            f"its own memory, {xr['lib_flat'] / xr['foreach']:.2f} after `flatten_parameters` "
+            f"\nfunctional_ema / `_foreach_lerp_` from the roofline pairs above: {xr['lib'] / xr['foreach']:.2f} with each "
+            f"parameter in its own memory, {xr['lib_flat'] / xr['foreach']:.2f} after `flatten_parameters` "
             f"({plain['flat_segments']} segment); EMA bytes / (4 x params) = "
             f"{plain['ema_bytes'] / (4 * plain['params']):.4f}; fused: {plain['fused']}"
         )
+        if "direct" in plain:
+            lines += _direct_lines(
+                plain["direct"],
+                "`torch._foreach_lerp_` over the parameters and the state's EMA tensors (lists prebuilt)",
+            )
+            lines.append(f"\nLoad average (1, 5, 15 min) before / after: {_loads(plain['load'])}")
     lines.append("\n### Cost of one `update` call beyond the arithmetic (one process, 1-element views)")
     lines.append("")
     lines.append(

@@ -381,7 +381,10 @@ def update(
     if not blocking and queue_update(plan, weights, state.step, last, step):
         state.step.fill_(step)
         return state
-    if plan.no_grad:
+    if plan.inference:  # plain tensors, in place: no autograd bookkeeping (see Plan.finish)
+        with torch.inference_mode():
+            plan.run(weights)
+    elif plan.no_grad:
         with torch.no_grad():
             plan.run(weights)
     else:

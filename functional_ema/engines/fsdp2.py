@@ -510,7 +510,19 @@ class _Token:
     than a pass over every parameter (docs/performance.md has the figures).
     """
 
-    __slots__ = ("read", "locals", "plain", "ptrs", "frozen", "loaded", "hooks", "replacements", "tp_mesh")
+    __slots__ = (
+        "read",
+        "locals",
+        "plain_mods",
+        "plain_attrs",
+        "plain_params",
+        "ptrs",
+        "frozen",
+        "loaded",
+        "hooks",
+        "replacements",
+        "tp_mesh",
+    )
 
     def __init__(
         self,
@@ -523,8 +535,11 @@ class _Token:
         ``plain``: ``(module, attribute, parameter)`` outside FSDP2; ``frozen``: the ones left out."""
         self.read = tuple(read)
         self.locals = tuple(map(_local_tensor_of, self.read))
-        self.plain = tuple(plain)
-        self.ptrs = tuple(map(_memory_of, (p for _, _, p in plain)))
+        # Kept as three tuples so current() compares them in C-level passes (no Python loop per parameter).
+        self.plain_mods = tuple(mod for mod, _, _ in plain)
+        self.plain_attrs = tuple(attr for _, attr, _ in plain)
+        self.plain_params = tuple(p for _, _, p in plain)
+        self.ptrs = tuple(map(_memory_of, self.plain_params))
         self.frozen = tuple(frozen)
         self.loaded = False  # set by the load_state_dict post-hooks below
         self.replacements = _REPLACEMENTS[0]  # None: compare each parameter's local tensor instead
@@ -544,8 +559,10 @@ class _Token:
                 if self.replacements is not None
                 else all(map(operator.is_, map(_local_tensor_of, self.read), self.locals))
             )
-            and all(mod._parameters.get(attr) is p for mod, attr, p in self.plain)
-            and tuple(map(_memory_of, (p for _, _, p in self.plain))) == self.ptrs
+            and all(
+                map(operator.is_, map(dict.get, map(_PARAMETERS, self.plain_mods), self.plain_attrs), self.plain_params)
+            )
+            and tuple(map(_memory_of, self.plain_params)) == self.ptrs
             and not any_requires_grad(*self.frozen)
         )
 
@@ -554,6 +571,9 @@ class _Token:
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
+
+
+_PARAMETERS = operator.attrgetter("_parameters")  # a module's registry, read at each check (it may be replaced)
 
 
 def _memory_of(p: torch.Tensor) -> int:

@@ -29,10 +29,9 @@ class _Check(NamedTuple):
     trained: tuple  # the parameters read
     pointers: tuple  # their data pointers
     owners: tuple  # the `_parameters` dict of the module owning each (first name)
-    names: tuple  # each one's name in that dict
+    names: tuple  # each one's name there: the dict's own key object, so a lookup compares no characters
     frozen: tuple  # the parameters left out as frozen (unfreezing one is seen)
-    param_dicts: tuple  # every module's `_parameters` ...
-    module_dicts: tuple  # ... and `_modules` dict
+    dicts: tuple  # every module's `_parameters` and `_modules` dict
     count: int  # type: ignore[assignment]  # total entries of those dicts (shadows tuple.count, never called here)
 
     @classmethod
@@ -40,23 +39,25 @@ class _Check(NamedTuple):
         owners, names = [], []
         for full in params:
             owner_name, _, leaf = full.rpartition(".")
-            owners.append(module.get_submodule(owner_name)._parameters)
-            names.append(leaf)
+            owner = module.get_submodule(owner_name)._parameters
+            owners.append(owner)
+            names.append(next(k for k in owner if k == leaf))
         read = {id(p) for p in params.values()}
         frozen = tuple(p for p in module.parameters() if id(p) not in read)
         mods = list(module.modules())
-        param_dicts = tuple(m._parameters for m in mods)
-        module_dicts = tuple(m._modules for m in mods)
+        dicts: tuple[dict, ...] = (*(m._parameters for m in mods), *(m._modules for m in mods))
         trained = tuple(params.values())
         return cls(
-            trained,
-            tuple(map(_data_ptr, trained)),
-            tuple(owners),
-            tuple(names),
-            frozen,
-            param_dicts,
-            module_dicts,
-            sum(map(len, param_dicts)) + sum(map(len, module_dicts)),
+            trained, tuple(map(_data_ptr, trained)), tuple(owners), tuple(names), frozen, dicts, sum(map(len, dicts))
+        )
+
+    def current(self) -> bool:
+        """Whether nothing the reading depends on changed; a few C-level passes over tuples, no tree walk."""
+        return (
+            tuple(map(_data_ptr, self.trained)) == self.pointers
+            and all(map(operator.is_, map(dict.get, self.owners, self.names), self.trained))
+            and not any_requires_grad(*self.frozen)
+            and sum(map(len, self.dicts)) == self.count
         )
 
 
@@ -87,13 +88,7 @@ class ModuleAdapter(Adapter):
         # (module.to(...), load_state_dict(assign=True)); a parameter object was replaced; one
         # left out as frozen was unfrozen; a parameter or submodule was added or removed anywhere.
         # (Freezing a parameter read changes nothing: see _base.is_read.)
-        check = reading.token
-        return (
-            tuple(map(_data_ptr, check.trained)) == check.pointers
-            and all(map(operator.is_, map(dict.get, check.owners, check.names), check.trained))
-            and not any_requires_grad(*check.frozen)
-            and sum(map(len, check.param_dicts)) + sum(map(len, check.module_dicts)) == check.count
-        )
+        return reading.token.current()
 
     def _read(self, previous: Reading | None = None) -> Reading:
         from . import refuse_engine_internals

@@ -1,0 +1,152 @@
+"""The per-step path ``update(state, local_shards(model))`` (issue 38, part 4): what it runs and what it re-checks.
+
+The fused plan lerps the tensors themselves (no ``.view`` aliases, which cost every in-place lerp_ its view
+bookkeeping) under inference mode where that is safe, bitwise equal to a per-tensor ``lerp_``; a plain module's
+reading is re-made whenever a parameter is moved, replaced, renamed, added or removed, and kept otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import functional_ema as fe
+from functional_ema import _plan
+
+
+def _trees() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w2d": torch.randn(5, 7, generator=g),
+        "b": torch.randn(7, generator=g),
+        "t": torch.randn(6, 4, generator=g).t(),  # non-contiguous: a segment of its own, lerped as it is
+        "big": torch.randn(300, generator=g),
+    }
+
+
+def _reference(emas: dict[str, torch.Tensor], src: dict[str, torch.Tensor], w: float) -> dict[str, torch.Tensor]:
+    return {n: e.clone().lerp_(src[n], w) for n, e in emas.items()}
+
+
+def test_fused_plan_lerps_the_segments_themselves_bitwise_under_inference_mode():
+    src = _trees()
+    shards = fe.Shards.from_views(src)
+    state = fe.init_ema(shards)
+    for step in range(1, 4):
+        for t in src.values():
+            t.mul_(1.5).add_(0.25)
+        expect = _reference(dict(state.ema), src, 1 - 0.9)
+        versions = [e._version for e in state.ema.segments]
+        fe.update(state, shards, step, decay=0.9)
+        assert all(torch.equal(state.ema[n], expect[n]) for n in src), step
+        # version counters still move (an EMA saved for backward elsewhere is still caught by autograd)
+        assert [e._version for e in state.ema.segments] == [v + 1 for v in versions]
+    plan = state.ema._memo[2]
+    (group,) = plan.groups.values()
+    assert plan.inference and not plan.no_grad
+    # the very segment tensors (no aliases): same objects as the state's and the shards' segments
+    assert all(a is b for a, b in zip(group.emas, state.ema.segments))
+    assert all(a is b for a, b in zip(group.srcs, shards.segments))
+    assert not any(t._is_view() for t in (*group.emas, *group.srcs))
+    assert not state.ema.segments[0].is_inference()
+
+
+def test_two_emas_are_chunked_and_staged_runs_keep_autograd_mode(monkeypatch):
+    monkeypatch.setattr(_plan, "_CHUNK_ELEMENTS", 16)  # "big" (300 elements) is cut into chunks
+    src = _trees()
+    shards = fe.Shards.from_views(src)
+    state = fe.init_ema(shards, num_emas=2)
+    for t in src.values():
+        t.add_(1.0)
+    expect = [_reference(dict(e), src, w) for e, w in zip(state.emas, (1 - 0.9, 1 - 0.5))]
+    fe.update(state, shards, 1, decay=(0.9, 0.5))
+    assert all(torch.equal(e[n], x[n]) for e, x in zip(state.emas, expect) for n in src)
+    (group,) = state.emas[0]._memo[2].groups.values()
+    assert len(group.emas) > 2 * len(src)  # chunked: the weights of a chunk are read once for both EMAs
+
+    # Staged through a copy (another device or dtype in real use): not under inference mode, whose
+    # staging buffers would become inference tensors.
+    monkeypatch.setattr(_plan, "_needs_staging", lambda s, e: True)
+    staged_src = {"a": torch.randn(40), "b": torch.randn(3, 5)}
+    staged_shards = fe.Shards.from_views(staged_src)
+    staged = fe.init_ema(staged_shards)
+    for t in staged_src.values():
+        t.add_(2.0)
+    expect_staged = _reference(dict(staged.ema), staged_src, 1 - 0.75)
+    fe.update(staged, staged_shards, 1, decay=0.75)
+    assert not staged.ema._memo[2].inference
+    assert all(torch.equal(staged.ema[n], expect_staged[n]) for n in staged_src)
+
+
+def test_per_tensor_plan_of_parameters_records_no_graph():
+    params = {"w": nn.Parameter(torch.randn(4, 3)), "b": nn.Parameter(torch.randn(3))}
+    state = fe.init_ema({n: p.detach().clone() for n, p in params.items()})
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(1.0)
+    expect = _reference(dict(state.ema), {n: p.detach() for n, p in params.items()}, 1 - 0.8)
+    fe.update(state, params, 1, decay=0.8)
+    assert all(torch.equal(state.ema[n], expect[n]) for n in params)
+    assert all(not e.requires_grad and e.grad_fn is None for e in state.ema.values())
+
+
+def _names(model: nn.Module) -> list[str]:
+    return list(fe.local_shards(model))
+
+
+def test_plain_module_reading_is_kept_until_a_parameter_or_module_changes():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    first = fe.local_shards(model)
+    assert fe.local_shards(model) is first
+
+    # The same object back under an equal name (another string object): nothing changed.
+    registry = model[1]._parameters
+    w = registry.pop("weight")
+    registry["".join(["wei", "ght"])] = w
+    bias = registry.pop("bias")
+    registry["bias"] = bias
+    assert fe.local_shards(model) is first
+
+    # Renamed (same object, same count): re-read under the new name.
+    registry["renamed"] = registry.pop("bias")
+    renamed = fe.local_shards(model)
+    assert renamed is not first and list(renamed) == ["0.weight", "0.bias", "1.weight", "1.renamed"]
+    assert renamed["1.renamed"].data_ptr() == bias.data_ptr()
+
+    # Replaced by a new Parameter over the same memory: re-read, holding the new object.
+    old = model[0].weight
+    model[0].weight = nn.Parameter(old.detach())
+    replaced = fe.local_shards(model)
+    assert replaced is not renamed and replaced["0.weight"].data_ptr() == old.data_ptr()
+    assert fe.engines.adapter_for(model).read().params["0.weight"] is model[0].weight
+
+    # A submodule added to a leaf, and a module inserted into a container by editing its registry.
+    model[0].extra = nn.Linear(2, 2)
+    assert _names(model) == ["0.weight", "0.bias", "0.extra.weight", "0.extra.bias", "1.weight", "1.renamed"]
+    stack = nn.ModuleList([nn.Linear(2, 2)])
+    before = fe.local_shards(stack)
+    stack.insert(0, nn.Linear(2, 3))  # ModuleList.insert writes its _modules dict directly
+    after = fe.local_shards(stack)
+    assert after is not before and [tuple(after[n].shape) for n in after] == [(3, 2), (3,), (2, 2), (2,)]
+
+    # Removed: a parameter deleted from its module, and a submodule deleted.
+    del model[0].extra
+    del model[1].renamed
+    assert _names(model) == ["0.weight", "0.bias", "1.weight"]
+
+
+@pytest.mark.parametrize("how", ["data", "to"])
+def test_plain_module_memory_moved_is_read_again(how):
+    model = nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(model))
+    first = fe.local_shards(model)
+    if how == "data":
+        model.weight.data = torch.full((2, 3), 2.0)
+    else:
+        model.to(torch.float64).to(torch.float32)  # same values, new memory for every parameter
+    now = fe.local_shards(model)
+    assert now is not first and now["weight"].data_ptr() == model.weight.data_ptr()
+    expect = state.ema["weight"].clone().lerp_(model.weight.detach(), 0.5)
+    fe.update(state, now, 1, decay=0.5)
+    assert torch.equal(state.ema["weight"], expect)
