@@ -19,10 +19,11 @@ from ._checkpoint.collective import agree_on, layout_record
 from ._errors import StateMismatchError, SwappedParametersChangedError, SwappedTrainingError
 from ._fit import state_problem
 from ._layout import ShardLayout
+from ._selection import SelectionLike, make_selection, selection_record
 from ._shards import Shards
 from ._state import EmaState
 from .engines import Reading, SwapStats, adapter_for
-from .engines._base import Adapter, gather_pieces
+from .engines._base import Adapter, gather_pieces, read_for, select
 from .engines._base import join_parts as join_parts_of
 
 __all__ = [
@@ -36,13 +37,22 @@ __all__ = [
 ]
 
 
-def local_shards(x: Any) -> Shards:
+def local_shards(x: Any, *, include: SelectionLike = None, exclude: SelectionLike = None) -> Shards:
     """This rank's pieces of the fp32 weights the optimizer updates, keyed by parameter name.
 
     Args:
         x: a DeepSpeed engine (ZeRO stages 0-3, fp32/bf16/fp16, CPU offload), a model with torch
             FSDP2 (``fully_shard``) applied, a ``DistributedDataParallel`` model, or a plain
             ``nn.Module``.
+        include: which parameters to average: ``None`` (the default) every one read; a shell-style
+            pattern (``"unet.*"``), a list of patterns, or a predicate ``(name) -> bool``.
+        exclude: parameters to leave out, in the same forms; it wins over ``include``.
+            The selection is carried by the returned ``Shards`` into ``init_ema``'s state, its checkpoints
+            and exports; unselected parameters stay live under :func:`swapped` and ``copy_to_model``. A
+            pattern that matches no name, a predicate that raises or returns a non-``bool``, and a
+            selection of nothing are refused here (``TypeError``/``ValueError`` naming the argument). Pass
+            the same predicate every step (a function, or a bound method of one object): the selection is
+            cached by it (patterns by value), so the same ``Shards`` comes back and ``update`` stays fused.
 
     Returns:
         A read-only :class:`Shards` ``{name: view}``, no copy, in ``named_parameters()`` order, the
@@ -64,7 +74,9 @@ def local_shards(x: Any) -> Shards:
         >>> state = fe.init_ema(fe.local_shards(engine))            # doctest: +SKIP
         >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps)  # doctest: +SKIP
     """
-    return adapter_for(x).read().shards
+    if include is None and exclude is None:  # every parameter: the reading's own Shards, no extra step
+        return adapter_for(x).read().shards
+    return select(adapter_for(x).read(), make_selection(include, exclude)).shards
 
 
 def shard_layout(x: Any) -> ShardLayout:
@@ -81,7 +93,7 @@ def process_group(x: Any) -> Any:  # a torch ProcessGroup, or None
 
 
 #: What every rank of a verb that takes a state must hold alike (:func:`state_pieces`).
-STATE_FIELDS = ("step", "num_emas", "dtype", "layout")
+STATE_FIELDS = ("step", "num_emas", "dtype", "selection", "layout")
 
 
 def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Mapping[str, torch.Tensor]:
@@ -89,8 +101,9 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
 
     The check is local (:func:`functional_ema._fit.state_problem`: names, and each piece's length
     against this rank's); its outcome, and this rank's record of what the verb reads (:data:`STATE_FIELDS`:
-    the state's step, number of EMAs, dtype, and the layout's world size, stage, part and parameter
-    shapes), are agreed in one small all-reduce (:func:`~functional_ema._checkpoint.collective.agree_on`).
+    the state's step, number of EMAs, dtype, include/exclude selection, and the layout's world size,
+    stage, part and parameter shapes), are agreed in one small all-reduce
+    (:func:`~functional_ema._checkpoint.collective.agree_on`).
     So a state cut for another world size or model, or ranks at different steps (one rank skipped an
     update), fail on every rank with :class:`StateMismatchError` naming each rank's value, instead of
     leaving some ranks in a collective or mixing two states.
@@ -130,6 +143,8 @@ def state_record(state: EmaState, index: int, layout: ShardLayout) -> dict[str, 
         "step": int(state.step),
         "num_emas": state.num_emas,
         "dtype": "/".join(dtypes) or "none",
+        # the include/exclude it averages (None: every parameter): named when the ranks' selections differ
+        "selection": selection_record(state.emas[index]),
         "layout": layout_record(layout),
     }
 
@@ -187,7 +202,7 @@ def gather_full(
     device = check_device(device, "device")
     index = check_int(index, "index")  # the state is checked by state_pieces, on every rank together
     adapter = adapter_for(x)
-    reading = adapter.read()
+    reading = read_for(adapter, state)  # the state's selection: the parameters it averages
     joining = join_parts and not reading.layout.part.whole
     if dst is not None:  # a rank of the job when joining parts, else of the data-parallel group
         job = torch.distributed.get_world_size() if joining and torch.distributed.is_initialized() else None
@@ -228,7 +243,8 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
           model is resharded on entry and exit, so the forward all-gathers the EMA and no EMA
           weights stay unsharded afterwards. Extra memory: one copy of the local shards.
         * plain / DDP: the EMA is copied into the parameters, the live values kept aside.
-    Frozen parameters keep their live weights, which never change: they are their own EMA.
+    Frozen parameters keep their live weights, which never change: they are their own EMA; so do the
+    parameters a selection left out (``local_shards(x, include=..., exclude=...)``), which are trained.
 
     Whatever the block does to the parameters, the model does not keep the EMA: a block that re-types
     (``model.to(dtype)``), re-creates or re-assigns them (``load_state_dict(..., assign=True)``, a new
@@ -246,7 +262,7 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
         ...     val_loss = loss_fn(engine(x_val), y_val)
     """
     adapter = adapter_for(x)
-    reading = adapter.read()
+    reading = read_for(adapter, state)  # a selection's state swaps its parameters; the others stay live
     pieces = state_pieces(state, reading, index, "swapped")
     changes: list[str] = []  # what the block replaced or re-typed, put back by the adapter on exit
     try:

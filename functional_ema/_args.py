@@ -135,6 +135,32 @@ def check_path(value: Any, what: str) -> Path:
     raise TypeError(f"{what} must be a path (a str or os.PathLike), got {type(value).__name__} {value!r}")
 
 
+def check_location(value: Any, what: str) -> Path | str:
+    """A folder (``check_path``: a ``Path``) or an fsspec URL such as ``s3://bucket/run`` (returned as the
+    ``str`` it is: a ``Path`` would fold its ``//`` and name a local folder ``s3:``)."""
+    from ._storage import is_url
+
+    if isinstance(value, str) and is_url(value):
+        if "\x00" in value:
+            raise ValueError(f"{what} must name a folder or a URL, got {value!r}")
+        return value
+    return check_path(value, what)
+
+
+def check_storage_options(value: Any, location: Path | str, what: str) -> dict[str, Any]:
+    """``storage_options`` (fsspec's arguments for a URL: ``key``, ``secret``, ``endpoint_url``, ...) as a
+    dict; ``None`` is ``{}``. Refused for a local folder, where nothing would read them."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(
+            f"{what} must be a dict of fsspec arguments with str keys (or None), got {type(value).__name__}"
+        )
+    if value and not isinstance(location, str):
+        raise TypeError(f"{what} are for fsspec URLs (s3://...); {os.fspath(location)!r} is a local folder")
+    return dict(value)
+
+
 def check_state(state: Any, what: str = "state") -> Any:
     """``state`` if it is an :class:`functional_ema.EmaState` (from ``init_ema`` or ``load``); else a ``TypeError``."""
     from ._state import EmaState

@@ -49,14 +49,16 @@ from typing import Any, cast
 import torch
 
 from . import _async_private, _io, _memory
-from ._args import check_bool, check_int, check_path, check_real
-from ._checkpoint import collective, writer
+from ._args import check_bool, check_int, check_location, check_real, check_storage_options
+from ._checkpoint import bucket, collective, writer
 from ._checkpoint import format as fmt
 from ._checkpoint.errors import CheckpointError
 from ._layout import ShardLayout
 from ._shards import Shards
 from ._state import BufferState, EmaState
+from ._storage import Storage
 from .engines import adapter_for
+from .engines._base import read_for
 from .schedules import DecayLike
 
 __all__ = ["AsyncSaver", "SaveHandle"]
@@ -74,11 +76,11 @@ class SaveHandle:
     """One asynchronous save in flight: :meth:`wait` for it, :meth:`done` to poll it.
 
     Attributes:
-        tag_dir: the tag folder being written, ``save_dir/tag``.
+        tag_dir: the tag folder being written, ``save_dir/tag`` (for a URL, the tag's URL, a ``str``).
         step: the EMA step that was snapshotted.
     """
 
-    def __init__(self, tag_dir: Path, step: int) -> None:
+    def __init__(self, tag_dir: Path | str, step: int) -> None:
         self.tag_dir, self.step = tag_dir, step
         self._pid = (
             os.getpid()
@@ -117,11 +119,11 @@ class SaveHandle:
         """The failure, once :meth:`done` (None on success)."""
         return self._error if self._event.is_set() else None
 
-    def wait(self, timeout: float | None = None) -> Path:
+    def wait(self, timeout: float | None = None) -> Path | str:
         """Block until the save is complete; return ``tag_dir``.
 
-        For a save with ``shared=False`` this is collective (call it on every rank): it commits the
-        save over the process group (and the saver's earlier ones), as :meth:`AsyncSaver.wait` does.
+        For a save with ``shared=False`` or to a URL this is collective (call it on every rank): it commits
+        the save over the process group (and the saver's earlier ones), as :meth:`AsyncSaver.wait` does.
 
         Raises:
             Exception: the background failure: on the rank where it happened, the original exception
@@ -203,6 +205,7 @@ class AsyncSaver:
         extra: dict[str, Any] | None = None,
         timeout: float | None = None,
         shared: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Snapshot this rank's EMA and write the checkpoint in the background. Collective.
 
@@ -218,28 +221,35 @@ class AsyncSaver:
         or the handle's :meth:`SaveHandle.wait`. Until then each folder's previous checkpoint is the
         complete one; wait before handing the folders on (``ray.train.report``).
 
+        A URL ``save_dir`` (``s3://...``, ``storage_options`` as :func:`functional_ema.save`'s) is written in the
+        background, streamed to the store, and committed over the process group as ``shared=False`` is (at
+        the saver's next collective call): an object store has no folder to commit through.
+
         Raises:
             CheckpointError (or the original exception on the rank where it happened): on every
                 rank, when the state does not fit the engine, the ranks disagree, a previous save of
                 this saver failed and its ``wait()`` has not raised that on this rank, the process
                 group is gone, or two ranks of the job would write the same file.
         """
-        save_dir = check_path(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
+        location = check_location(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
+        options = check_storage_options(storage_options, location, "AsyncSaver.save(storage_options=...)")
         collective.timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
         shared = check_bool(shared, "shared")
+        store = None if isinstance(location, Path) else bucket.url_storage(location, shared, options, "AsyncSaver.save")
         adapter = adapter_for(engine)
-        reading = adapter.read()  # read once; the rest takes plain data
+        reading = read_for(adapter, state)  # read once (the state's selection); the rest takes plain data
         layout = reading.layout
         group, rank, world = collective.job_of(reading)  # the ranks that save this model together
         collective.check_reachable("AsyncSaver.save", group, world)
         self._commit_private()  # earlier private saves first (collective); their failures raise in the plan
-        if not shared:
+        if not shared or store is not None:  # both commit over the process group (_async_private)
             raw_tag = adapter.default_tag(state) if tag is None else tag
+            target: Path | Storage = location if isinstance(location, Path) else cast("Storage", store)
             args = (
                 state,
                 layout,
                 (group, world, rank),
-                save_dir,
+                target,
                 raw_tag,
                 decay,
                 buffers,
@@ -248,14 +258,16 @@ class AsyncSaver:
             )
             made: list[SaveHandle] = []
 
-            def make(tag_dir: Path, step: int) -> SaveHandle:
+            def make(tag_dir: Path | str, step: int) -> SaveHandle:
                 made.append(SaveHandle(tag_dir, step))
                 return made[0]
 
-            self._pending.append(_async_private.start(self, make, *args))
+            ops = _async_private.PRIVATE if store is None else _async_private.BUCKET
+            self._pending.append(_async_private.start(self, make, *args, ops=ops))
             made[0]._commit = self._commit_private  # its wait() commits (collective)
             self._handles.append(made[0])
             return made[0]
+        save_dir = cast("Path", location)
         tag = fmt.check_tag(adapter.default_tag(state) if tag is None else tag)
         tag_dir = save_dir / tag
         writes = layout.writes_pieces
@@ -404,7 +416,7 @@ class AsyncSaver:
             if not p.handle.done():  # done already: a forked child's copy of its parent's save (failed there)
                 _async_private.commit(p)
 
-    def _settle(self, tag_dir: Path | None) -> None:
+    def _settle(self, tag_dir: Path | str | None) -> None:
         """Before a new save: wait while the in-flight limit is reached or the same tag is being
         written, and raise any failure not yet raised on this rank."""
         while True:

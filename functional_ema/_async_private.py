@@ -1,4 +1,5 @@
-"""``AsyncSaver.save(..., shared=False)``: a private-folder save written in the background.
+"""``AsyncSaver.save(..., shared=False)``: a private-folder save written in the background; and, the same
+way, ``AsyncSaver.save`` to a URL (an object store: no folder to commit through, ``_checkpoint/bucket.py``).
 
 A private save (``_checkpoint/private.py``, folders the ranks do not share) commits over the process
 group: every rank's file records go to every rank, then each folder's committer writes the same
@@ -30,13 +31,15 @@ from typing import Any, Protocol
 import torch
 
 from ._checkpoint import collective
+from ._checkpoint.bucket import abandon_bucket, commit_bucket, prepare_bucket, write_bucket
 from ._checkpoint.errors import CheckpointError
 from ._checkpoint.format import parse_dtype
-from ._checkpoint.private import PrivateSave, abandon_private, commit_private, prepare_private, write_private
+from ._checkpoint.private import abandon_private, commit_private, prepare_private, write_private
 from ._layout import ShardLayout
 from ._state import BufferState, EmaState
+from ._storage import Storage
 
-__all__ = ["PendingCommit", "commit", "start"]
+__all__ = ["BUCKET", "PRIVATE", "Ops", "PendingCommit", "commit", "start"]
 
 #: An EMA snapshot: its tensors (views of one host buffer), the buffer, and the end of its device copies.
 Snapshot = tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, "torch.cuda.Event | None"]
@@ -66,14 +69,42 @@ class Saver(Protocol):
 
 
 @dataclass(frozen=True)
+class Ops:
+    """One kind of save that commits over the process group: how it is prepared (collective), written
+    (not collective: the background thread), committed and abandoned. ``PRIVATE``: folders the ranks do
+    not share (``_checkpoint/private.py``); ``BUCKET``: an object store at a URL (``_checkpoint/bucket.py``)."""
+
+    prepare: Callable[..., Any]
+    write: Callable[[Any, list[Mapping[str, torch.Tensor]], BufferState | None], dict[str, Any]]
+    commit: Callable[[Any, dict[str, Any], float], None]
+    abandon: Callable[[Any], None]
+
+
+# The module's functions are looked up at each call (tests replace them, e.g. a background write that fails).
+PRIVATE = Ops(
+    lambda *args: prepare_private(*args),  # noqa: PLW0108
+    lambda prep, emas, buffers: write_private(prep, emas, buffers),  # noqa: PLW0108
+    lambda prep, record, timeout: commit_private(prep, record, timeout, "async save"),
+    lambda prep: abandon_private(prep),  # noqa: PLW0108
+)
+BUCKET = Ops(
+    lambda *args: prepare_bucket(*args),  # noqa: PLW0108
+    lambda prep, emas, buffers: write_bucket(prep, emas, buffers),  # noqa: PLW0108
+    lambda prep, record, timeout: commit_bucket(prep, record, "async save"),
+    lambda prep: abandon_bucket(prep),  # noqa: PLW0108
+)
+
+
+@dataclass(frozen=True)
 class PendingCommit:
     """A private async save whose files are being written, to be committed at the next collective call."""
 
-    prep: PrivateSave
+    prep: Any  # a PrivateSave or a BucketSave (``ops``): its job, tag_dir, names, plans
     handle: Handle
     write: concurrent.futures.Future[dict[str, Any]]  # the background write: this rank's record
     commit_timeout: float  # how long the commit waits for the background write
     timeout: float  # the collectives' bound (the save's ``timeout``)
+    ops: Ops = PRIVATE
 
 
 def start(
@@ -82,18 +113,20 @@ def start(
     state: EmaState,
     layout: ShardLayout,
     job: tuple[Any, int, int],
-    save_dir: Path,
+    save_dir: Path | Storage,
     raw_tag: Any,
     decay: Any,
     buffers: BufferState | None,
     extra: dict[str, Any] | None,
     timeout: float,
+    ops: Ops = PRIVATE,
 ) -> PendingCommit:
     """The call's part (module docstring). Collective; on a failure every rank raises and nothing is left.
-    ``make_handle(tag_dir, step)`` makes the caller's handle of the save."""
+    ``make_handle(tag_dir, step)`` makes the caller's handle of the save; ``save_dir``: a folder
+    (``PRIVATE``) or the URL's storage (``BUCKET``)."""
     group, world, rank = job
     before = lambda: saver._settle(None)  # noqa: E731 - raises a previous failure, inside the agreement
-    prep = prepare_private(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, "async save", before)
+    prep = ops.prepare(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, "async save", before)
     snapshot: list[Snapshot] = []
     copied: list[BufferState] = []
 
@@ -108,13 +141,13 @@ def start(
     except BaseException:
         if snapshot:
             saver._free.append(snapshot[0][1])
-        abandon_private(prep)
+        ops.abandon(prep)
         raise
     emas, buffer, ready = snapshot[0] if snapshot else ([], None, None)
     handle = make_handle(prep.tag_dir, prep.first["step"])
     handle._buffer = buffer
-    write = saver._writer_threads().submit(_write, prep, emas, ready, copied[0] if copied else None)
-    return PendingCommit(prep, handle, write, saver.commit_timeout, timeout)
+    write = saver._writer_threads().submit(_write, ops, prep, emas, ready, copied[0] if copied else None)
+    return PendingCommit(prep, handle, write, saver.commit_timeout, timeout, ops)
 
 
 def _host_copy(buffers: BufferState) -> BufferState:
@@ -128,7 +161,8 @@ def _host_copy(buffers: BufferState) -> BufferState:
 
 
 def _write(
-    prep: PrivateSave,
+    ops: Ops,
+    prep: Any,
     emas: list[Mapping[str, torch.Tensor]],
     ready: torch.cuda.Event | None,
     buffers: BufferState | None,
@@ -136,7 +170,7 @@ def _write(
     """The background part: this rank's files and their record. No collectives."""
     if ready is not None:
         ready.synchronize()  # the snapshot's device-to-host copies
-    return write_private(prep, emas, buffers)
+    return ops.write(prep, emas, buffers)
 
 
 def commit(pending: PendingCommit) -> None:
@@ -161,9 +195,9 @@ def commit(pending: PendingCommit) -> None:
         try:
             collective.agree("async save (the background writes)", outcome, group, world, rank, results=False)
         except BaseException:
-            abandon_private(prep)
+            pending.ops.abandon(prep)
             raise
-        commit_private(prep, record[0], pending.timeout, "async save")
+        pending.ops.commit(prep, record[0], pending.timeout)
     except Exception as e:  # noqa: BLE001 - the save's failure, handed to the caller through the handle
         error = e
     pending.handle._finish(error)

@@ -4,7 +4,9 @@ Nothing here unpickles. Files are safetensors (an 8-byte little-endian header le
 then the raw tensor bytes), written by :class:`StreamingWriter` one tensor at a time, so a file of
 any size is written with no more extra memory than one tensor's host copy, and read back either
 whole-tensor straight into a destination buffer (:meth:`SafetensorsFile.read_into`) or slice by slice
-through ``safetensors.safe_open(...).get_slice`` (:meth:`SafetensorsFile.read_range`).
+through ``safetensors.safe_open(...).get_slice`` (:meth:`SafetensorsFile.read_range`). A file of a
+:class:`functional_ema._storage.Storage` (an object store) is read the same way with ranged reads of exactly
+the bytes needed (:meth:`Storage.read_range <functional_ema._storage.Storage.read_range>`), every check alike.
 
 Integrity: every tensor's bytes are covered by checksums over fixed :data:`CHUNK_BYTES` chunks, so a
 slice can be verified by reading only the chunks it touches. The writer returns them; the caller
@@ -32,7 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import xxhash
@@ -41,6 +43,19 @@ from . import _memory
 
 if TYPE_CHECKING:
     from safetensors import safe_open
+
+
+class Storage(Protocol):
+    """What a :class:`SafetensorsFile` reads an object-store file through: the part of
+    :class:`functional_ema._storage.Storage` it uses (named here so that ``_storage``, which writes
+    through this module, is not imported by it)."""
+
+    def describe(self, rel: str) -> str: ...
+
+    def size(self, rel: str) -> int: ...
+
+    def read_range(self, rel: str, offset: int, length: int) -> bytes: ...
+
 
 __all__ = [
     "CHUNK_BYTES",
@@ -65,6 +80,9 @@ __all__ = [
 
 CHUNK_BYTES = 4 << 20  # checksum granularity; a multiple of every dtype's size
 _READ_BYTES = 1 << 20  # read (and hash) granularity: a piece stays in a core's L2 cache until hashed
+#: Bytes one ranged request reads from a Storage (an object store): whole checksum chunks, so each request
+#: is verified on its own; large enough that the request's latency is small beside its transfer.
+_REMOTE_READ_BYTES = 4 * CHUNK_BYTES
 # Checksum algorithms by the name recorded in manifests: each maps a buffer to an int.
 CHECKSUMS: dict[str, Callable[[memoryview | bytes], int]] = {"xxh3_64": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}
 CHECKSUM = "xxh3_64"  # what new files use; "crc32" is for reading checkpoint format 1
@@ -378,6 +396,9 @@ class StreamingWriter:
     before any data; :meth:`write` then appends the tensors in the declared order. Peak extra memory
     is one tensor's host copy (none for contiguous CPU tensors). :meth:`commit` fsyncs and renames
     the temporary file over ``path``; leaving the ``with`` block through an exception removes it.
+    ``sink``: another atomic destination instead (a ``Storage.writer(rel)``, e.g. an S3 multipart upload),
+    entered here, exited cleanly by :meth:`commit` (which publishes it) or with an error by :meth:`abort`
+    (which publishes nothing); ``path`` then only names the file in messages and records.
 
     Example:
         >>> import tempfile, os, torch
@@ -400,7 +421,10 @@ class StreamingWriter:
         checksums: bool = True,
         algo: str = CHECKSUM,
         self_checksums: bool = False,
+        sink: contextlib.AbstractContextManager[IO[bytes]] | None = None,
     ) -> None:
+        if sink is not None and self_checksums:  # they are written over the header's placeholder: a seek
+            raise ValueError("StreamingWriter: self_checksums need a local file, not a stream (sink=)")
         self.path = Path(path)
         self.checksums = checksums or self_checksums
         self.algo = algo
@@ -418,7 +442,7 @@ class StreamingWriter:
             self._self_at = self._header.index(f'"{SELF_CHECKSUMS}":"'.encode()) + len(SELF_CHECKSUMS) + 4
         self._order = list(self.table)
         self._next = 0
-        self._cm = atomic_open(self.path)
+        self._cm = atomic_open(self.path) if sink is None else sink
         self._f = self._cm.__enter__()
         self._f.write(self._header)
         self.header_checksum = self._hash(self._header)  # ``algo`` of the 8-byte prefix + JSON header
@@ -514,7 +538,10 @@ class SafetensorsFile:
     """A validated safetensors file: header parsed and checked against the file size, nothing loaded.
 
     Args:
-        path: the file.
+        path: the file: a local path, or ``(storage, rel)``, a file of a
+            :class:`functional_ema._storage.Storage` (an object store), read with ranged reads of exactly
+            the bytes needed (the prefix, the header, then only the tensor bytes asked for). The checks
+            are the same for both.
         expected_size: the size recorded elsewhere (a manifest); a shorter file is reported as
             truncated, a different one as modified.
 
@@ -524,20 +551,23 @@ class SafetensorsFile:
         FormatError: anything else that makes it not a safetensors file.
     """
 
-    def __init__(self, path: str | os.PathLike, expected_size: int | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike | tuple[Storage, str], expected_size: int | None = None) -> None:
+        # The byte source: a local file (read with positional reads on one descriptor), or a file of a
+        # Storage (an object store: every read is one ranged request of exactly the bytes asked for).
+        self._store: Storage | None = None
+        self._rel = ""
+        self.path: Path | str
+        if isinstance(path, tuple):
+            self._store, self._rel = path
+            self.path = self._store.describe(self._rel)
+        else:
+            self.path = Path(path)
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise self._bad_head(head, size, "it is shorter than the 8-byte safetensors prefix")
-                (n,) = struct.unpack("<Q", head)
-                if n > _MAX_HEADER or n < 2:  # the value is not quoted: these are the file's first bytes
-                    raise self._bad_head(head, size, "its 8-byte header length field is out of range")
-                raw = f.read(n)
+            size, head, raw, n = self._read_header()
         except FileNotFoundError:
             raise
+        except EOFError as e:  # an object replaced by a shorter one between its size and its read
+            raise TruncatedFileError(f"{self.path} is truncated: {e}") from None
         except OSError as e:
             raise FormatError(f"{self.path}: cannot read ({e})") from e
         if len(raw) < n:
@@ -606,6 +636,27 @@ class SafetensorsFile:
         self._fh: IO[bytes] | None = None
         self._st: safe_open | None = None
         self._lock = threading.Lock()  # read_into and read_range may be called from several threads
+
+    def _read_header(self) -> tuple[int, bytes, bytes, int]:
+        """(file size, its first 8 bytes, the JSON header as far as the file holds it, the header's length);
+        the header is read only once its length field is checked (an out-of-range one is never fetched)."""
+        if self._store is None:
+            size = Path(self.path).stat().st_size
+            with open(self.path, "rb") as f:
+                return self._header_from(lambda off, n: f.read(n), size)
+        store, rel = self._store, self._rel
+        size = store.size(rel)
+        return self._header_from(lambda off, n: store.read_range(rel, off, max(0, min(n, size - off))), size)
+
+    def _header_from(self, read: Callable[[int, int], bytes], size: int) -> tuple[int, bytes, bytes, int]:
+        """The prefix and header through ``read(offset, at_most)``, the prefix checked as a safetensors file's."""
+        head = read(0, 8)
+        if len(head) < 8:
+            raise self._bad_head(head, size, "it is shorter than the 8-byte safetensors prefix")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or n < 2:  # the value is not quoted: these are the file's first bytes
+            raise self._bad_head(head, size, "its 8-byte header length field is out of range")
+        return size, head, read(8, n), n
 
     def header_checksum(self, algo: str = CHECKSUM) -> int:
         """Checksum ``algo`` of the 8-byte prefix and the JSON header, as :class:`StreamingWriter` records it."""
@@ -688,8 +739,13 @@ class SafetensorsFile:
         want = (
             _expected(self.path, key, buf, skip // CHUNK_BYTES, crcs, context) if crcs is not None else None
         )  # a wrong count fails before any read
-        fd = self._file().fileno()
         base = self.header_size + entry.start + skip
+        if self._store is not None:
+            self._fill_from_store(key, buf, base, skip, want, context, algo)
+            if not direct:
+                dst.copy_(host)
+            return
+        fd = self._file().fileno()
         for i, lo in enumerate(range(0, len(buf), CHUNK_BYTES)):
             chunk = buf[lo : lo + CHUNK_BYTES]
             hasher = _Incremental(algo) if want is not None else None
@@ -733,17 +789,54 @@ class SafetensorsFile:
         if crcs is not None:
             lo = (start // per_chunk) * per_chunk
             hi = min(-(-stop // per_chunk) * per_chunk, entry.numel)
-        sl = self._safe_open().get_slice(key)
-        if len(entry.shape) == 1:
-            t = sl[lo:hi]
-        else:  # get_slice indexes dimensions; take whole rows and flatten
-            row = math.prod(entry.shape[1:]) or 1
-            r0, r1 = lo // row, -(-hi // row)
-            t = sl[r0:r1].reshape(-1)[lo - r0 * row : hi - r0 * row]
-        t = t.contiguous()
+        if self._store is not None:  # exactly the bytes of elements [lo, hi), one ranged read
+            t = torch.empty(hi - lo, dtype=entry.dtype)
+            self._fill_from_store(key, _byte_view(t), self.header_size + entry.start + lo * itemsize, lo * itemsize)
+        else:
+            sl = self._safe_open().get_slice(key)
+            if len(entry.shape) == 1:
+                t = sl[lo:hi]
+            else:  # get_slice indexes dimensions; take whole rows and flatten
+                row = math.prod(entry.shape[1:]) or 1
+                r0, r1 = lo // row, -(-hi // row)
+                t = sl[r0:r1].reshape(-1)[lo - r0 * row : hi - r0 * row]
+            t = t.contiguous()
         if crcs is not None:
             _verify_now(self.path, key, _byte_view(t), lo // per_chunk, crcs, context, algo)
         return t[start - lo : stop - lo]
+
+    def _fill_from_store(
+        self,
+        key: str,
+        buf: memoryview,
+        base: int,
+        skip: int,
+        want: list[int] | None = None,
+        context: str = "",
+        algo: str = CHECKSUM,
+    ) -> None:
+        """``buf`` from the Storage file's bytes at ``base`` (byte ``skip`` of tensor ``key``), in ranged reads
+        of :data:`_REMOTE_READ_BYTES`, each checksum chunk verified against ``want`` as soon as it is read."""
+        if self._store is None:  # pragma: no cover - only called for a Storage source
+            raise AssertionError("not a Storage file")
+        fn = checksum_fn(algo) if want is not None else None
+        for glo in range(0, len(buf), _REMOTE_READ_BYTES):
+            group = buf[glo : glo + _REMOTE_READ_BYTES]
+            try:
+                group[:] = self._store.read_range(self._rel, base + glo, len(group))
+            except EOFError as e:
+                raise TruncatedFileError(f"{self.path} is truncated: tensor {key!r} ends early ({e})") from None
+            except FileNotFoundError:
+                raise TruncatedFileError(
+                    f"{self.path} is gone: it was removed while tensor {key!r} was read from it"
+                ) from None
+            if fn is None or want is None:
+                continue
+            for lo in range(0, len(group), CHUNK_BYTES):
+                got, i = fn(group[lo : lo + CHUNK_BYTES]), (glo + lo) // CHUNK_BYTES
+                if got != want[i]:
+                    n = min(CHUNK_BYTES, len(group) - lo)
+                    raise _mismatch(self.path, key, skip + glo + lo, n, got, want[i], context, algo)
 
 
 def _pread_into(fd: int, buf: memoryview, offset: int) -> int:

@@ -91,13 +91,17 @@ class Shards(Mapping):
         group: for the ``Shards`` that ``local_shards`` returns, the process group of the ranks that
             train the same model together (``None`` on one process, and for EMA buffers): where
             ``update(..., nonfinite=...)`` makes its decision together.
+        selection: the include/exclude selection (``local_shards(x, include=..., exclude=...)``) these
+            tensors were chosen by, ``None`` for all of them; ``init_ema`` (``mirror``) and ``clone`` carry
+            it into the EMA, so the verbs that take a state (``save``, ``swapped``, ...) read the same names.
     """
 
-    __slots__ = ("segments", "index", "_memo", "group", "__weakref__")
+    __slots__ = ("segments", "index", "_memo", "group", "selection", "__weakref__")
     segments: tuple[torch.Tensor, ...]
     index: SegmentIndex
     _memo: Any  # the last update's lerp program (see _core), or None
     group: Any  # the training group's process group (torch.distributed.ProcessGroup), or None
+    selection: Any  # the include/exclude it was read with (functional_ema._selection.Selection), or None
 
     def __init__(self, segments: Sequence[torch.Tensor], index: SegmentIndex) -> None:
         if len(segments) != len(index.segment_shapes):
@@ -113,6 +117,8 @@ class Shards(Mapping):
         # The process group whose ranks hold the other pieces of the same weights, when read from a
         # training object (set once by its reading); update(nonfinite=...) decides over it.
         object.__setattr__(self, "group", None)
+        # The selection the tensors were chosen by (set once by the reading that chose them; see _selection).
+        object.__setattr__(self, "selection", None)
 
     @classmethod
     def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> Shards:
@@ -156,7 +162,7 @@ class Shards(Mapping):
 
     # -- read-only, and identity semantics (comparing tensors elementwise has no truth value)
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("_memo", "group"):
+        if name in ("_memo", "group", "selection"):
             object.__setattr__(self, name, value)
             return
         raise AttributeError("Shards is read-only")
@@ -201,6 +207,7 @@ class Shards(Mapping):
             new = _memory.empty(seg.shape, dtype=dtype, device=target, pin_memory=pin)
             segs.append(new.zero_() if fill and not gapless else new)
         out = Shards(segs, self.index)
+        out.selection = self.selection  # the EMA of a selection is saved and swapped as that selection
         if fill:
             with torch.no_grad():
                 if gapless:
@@ -217,7 +224,9 @@ class Shards(Mapping):
         for seg in self.segments:
             new = _memory.empty(seg.shape, dtype=seg.dtype, device=seg.device, pin_memory=seg.is_pinned())
             segs.append(new.copy_(seg))
-        return Shards(segs, self.index)
+        out = Shards(segs, self.index)
+        out.selection = self.selection
+        return out
 
     def _gapless(self) -> bool:
         covered = [0] * len(self.segments)

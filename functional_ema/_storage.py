@@ -102,6 +102,14 @@ class Storage(abc.ABC):
     def size(self, rel: str) -> int:
         """The file's size in bytes (``FileNotFoundError`` naming it when absent)."""
 
+    def file_size(self, rel: str) -> int | None:
+        """The size of the *file* at ``rel``, asked of the storage now; ``None`` when no file is there (a
+        folder, or an object store's prefix, is not one). What a reader probes names with, by exact name."""
+        try:
+            return self.size(rel)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
     @abc.abstractmethod
     def exists(self, rel: str) -> bool:
         """Whether a file (or folder) is at ``rel``, asked of the storage now."""
@@ -165,6 +173,10 @@ class LocalStorage(Storage):
     def size(self, rel: str) -> int:
         return self._path(rel, must_exist=True).stat().st_size
 
+    def file_size(self, rel: str) -> int | None:
+        path = self._path(rel)
+        return path.stat().st_size if path.is_file() else None
+
     def exists(self, rel: str) -> bool:
         return self._path(rel).exists()
 
@@ -198,7 +210,13 @@ class FsspecStorage(Storage):
                 "(pip install 'functional-ema[s3]' for s3://)"
             ) from None
         if fs is None:
-            fs, root = fsspec.core.url_to_fs(url, **storage_options)
+            try:
+                fs, root = fsspec.core.url_to_fs(url, **storage_options)
+            except ImportError as e:  # fsspec is there, the scheme's package (s3fs, gcsfs, adlfs) is not
+                raise ImportError(
+                    f"{url!r} is a URL whose filesystem package is not installed ({e}); for s3:// "
+                    "pip install 'functional-ema[s3]'"
+                ) from None
         else:
             root = fs._strip_protocol(url)
         self.fs, self.root, self.location = fs, str(root).rstrip("/"), url
@@ -259,6 +277,14 @@ class FsspecStorage(Storage):
             return int(self.fs.size(self._full(rel)))
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.describe(rel)}: no such file") from None
+
+    def file_size(self, rel: str) -> int | None:
+        self._fresh()  # a HEAD of the exact name; a filesystem that answers "a folder" from a listing: not a file
+        try:
+            info = self.fs.info(self._full(rel))
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
 
     def exists(self, rel: str) -> bool:
         self._fresh()

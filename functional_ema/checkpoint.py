@@ -61,8 +61,9 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from . import _io, _memory
-from ._args import check_bool, check_path, check_state
+from ._args import check_bool, check_location, check_path, check_state, check_storage_options
 from ._async import AsyncSaver, SaveHandle
+from ._checkpoint.bucket import save_bucket, url_storage
 from ._checkpoint.collective import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
@@ -105,6 +106,7 @@ from ._checkpoint.private import save_private
 from ._checkpoint.reader import (
     CheckpointReader,
     JoinedReader,
+    StoragePath,
     fill_all,
     open_checkpoint,
     open_joined,
@@ -129,8 +131,11 @@ from ._checkpoint.writer import (
 from ._core import _allocate, check_ema_dtype
 from ._fit import state_problem
 from ._layout import ShardLayout
+from ._selection import SelectionLike, check_loaded_selection, make_selection
 from ._state import BufferState, EmaState
+from ._storage import storage_for
 from .engines import adapter_for
+from .engines._base import read_for, select, selection_of
 from .schedules import DecayLike
 
 __all__ = [
@@ -193,7 +198,8 @@ def save(
     extra: dict[str, Any] | None = None,
     timeout: float | None = None,
     shared: bool = True,
-) -> Path:
+    storage_options: dict[str, Any] | None = None,
+) -> Path | str:
     """Write every rank's EMA pieces into ``save_dir/tag/``, beside the training checkpoint. Collective.
 
     Call it on every rank, with the same ``tag`` the training checkpoint uses (the default is
@@ -228,10 +234,22 @@ def save(
             see the committing rank's files is refused. ``False``: each rank's ``save_dir`` is its own, or its
             node's (node-local disks, Ray Train's per-worker folder): each folder gets the files of the ranks
             that write there and the same manifest, so the union of the folders, however merged, is one
-            complete checkpoint (docs/many-nodes.md). Load it with ``load(..., shared=False)``.
+            complete checkpoint (docs/many-nodes.md). Load it with ``load(..., shared=False)``. Refused
+            for a URL (every rank reaches the one bucket).
+        storage_options: for a URL ``save_dir``, fsspec's arguments (``key``, ``secret``,
+            ``endpoint_url``, ...); ``None`` uses fsspec's configuration (``FSSPEC_S3_*`` variables, the
+            filesystem's own, e.g. ``AWS_*``). Refused for a local folder.
+
+    ``save_dir`` may be an fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``; needs
+    ``pip install 'functional-ema[s3]'`` for ``s3://``): the same objects are written under that prefix,
+    each rank's file streamed as a multipart upload (nothing staged on local disk). Object stores have no
+    lock: every rank checks that it reaches the store rank 0 writes (a marker object), the ranks agree that
+    every upload completed, then rank 0 writes the manifest (last), then ``ema_latest``. A new save of a
+    tag never overwrites what its manifest lists; a failed one removes only the objects it wrote. Do not
+    save one tag of one prefix from two jobs at once. See docs/many-nodes.md.
 
     Returns:
-        The tag folder, ``save_dir/tag``.
+        The tag folder, ``save_dir/tag`` (for a URL, the tag's URL, a ``str``).
 
     Raises:
         CheckpointError: on every rank when any rank fails, the same subclass on every rank
@@ -248,14 +266,21 @@ def save(
         >>> fe.save(state, engine, "ckpt", decay=0.999)          # doctest: +SKIP
         >>> engine.save_checkpoint("ckpt")                       # doctest: +SKIP
     """
-    save_dir = check_path(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
+    location = check_location(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
+    options = check_storage_options(storage_options, location, "save(storage_options=...)")
     timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
     adapter = adapter_for(engine)
-    reading = adapter.read()  # the training object is read once; everything below takes plain data
+    reading = read_for(adapter, state)  # read once (the state's selection); everything below takes plain data
     layout = reading.layout
     jgroup, jrank, jworld = job_of(reading)
     raw_tag = adapter.default_tag(state) if tag is None else tag
     shared = check_bool(shared, "shared")
+    if isinstance(location, str):  # a URL
+        store = url_storage(location, shared, options, "save")
+        arrive("save", jgroup, jworld, jrank, timeout)
+        job = (jgroup, jworld, jrank)
+        return save_bucket(state, layout, job, store, raw_tag, decay, buffers, extra, timeout_s(timeout))
+    save_dir = location
     arrive("save", jgroup, jworld, jrank, timeout)
     if not shared:
         job = (jgroup, jworld, jrank)
@@ -416,6 +441,9 @@ def load(
     timeout: float | None = None,
     out: EmaState | None = None,
     shared: bool = True,
+    include: SelectionLike = None,
+    exclude: SelectionLike = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> EmaState:
     """Rebuild this rank's EMA state from a checkpoint written by :func:`save`. Collective.
 
@@ -428,7 +456,11 @@ def load(
 
     Args:
         engine: the training object to load for (a DeepSpeed engine, an FSDP2, DDP or plain model).
-        load_dir: the checkpoint directory (as for ``engine.load_checkpoint``), or a tag folder.
+        load_dir: the checkpoint directory (as for ``engine.load_checkpoint``), or a tag folder; or an
+            fsspec URL of one (``s3://bucket/run``, ``gs://...``; ``pip install 'functional-ema[s3]'`` for
+            ``s3://``), read in place with ranged reads: each rank fetches the pointer file, the manifest
+            (validated first) and only the byte ranges of the pieces it loads, every byte checked against
+            the manifest's checksums; nothing is listed or copied to local disk (docs/many-nodes.md).
         tag: the tag; ``None`` reads ``load_dir/latest`` like DeepSpeed, or, where DeepSpeed wrote no
             ``latest`` (FSDP2, plain and DDP models), ``load_dir/ema_latest``, which :func:`save` writes.
         dtype: the EMA dtype you expect; ``None`` accepts the saved one. A different value raises
@@ -447,6 +479,12 @@ def load(
             the world size and layout of the save, its own). At another world size merge the folders
             first and load the merged one (``shared=True``). The ranks agree on the manifest they read,
             so a node's stale folder is refused.
+        include, exclude: the selection the EMA was saved with (as for :func:`functional_ema.local_shards`;
+            default: ``out``'s, else every parameter). Other selected names than the saved ones are refused
+            (``CheckpointMismatchError`` naming them and both selections).
+        storage_options: for a URL ``load_dir``, fsspec's arguments (``key``, ``secret``,
+            ``endpoint_url``, ...); ``None`` uses fsspec's configuration (``FSSPEC_S3_*`` variables, the
+            filesystem's own, e.g. ``AWS_*``). Refused for a local folder.
 
     Returns:
         ``EmaState`` with ``step`` and ``num_emas`` as saved and this rank's pieces (``out``'s
@@ -466,10 +504,31 @@ def load(
         >>> state = fe.load(engine, "ckpt")                       # doctest: +SKIP
         >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.999)  # doctest: +SKIP
         >>> state = fe.load(engine, "ckpt", out=state)            # doctest: +SKIP  (into its own buffers)
+        >>> state = fe.load(engine, "s3://bucket/run")            # doctest: +SKIP  (ranged reads, in place)
     """
     return load_checkpoint(
-        engine, load_dir, tag, dtype=dtype, verify=verify, timeout=timeout, out=out, shared=shared
+        engine,
+        load_dir,
+        tag,
+        dtype=dtype,
+        verify=verify,
+        timeout=timeout,
+        out=out,
+        shared=shared,
+        include=include,
+        exclude=exclude,
+        storage_options=storage_options,
     ).state
+
+
+def _load_location(load_dir: Any, storage_options: Any, verb: str) -> Path | StoragePath:
+    """``load_dir`` checked: a local folder, or a URL read in place through the storage seam (with
+    ``storage_options``; fsspec and the filesystem's package imported now, else an error naming the extra)."""
+    location = check_location(load_dir, "load_dir")
+    options = check_storage_options(storage_options, location, f"{verb}(storage_options=...)")
+    if isinstance(location, str):
+        return StoragePath(storage_for(location, **options))
+    return location
 
 
 class Loaded(NamedTuple):
@@ -491,6 +550,9 @@ def load_checkpoint(
     out: EmaState | None = None,
     buffers: bool = False,
     shared: bool = True,
+    include: SelectionLike = None,
+    exclude: SelectionLike = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Loaded:
     """:func:`load`, and with ``buffers=True`` this rank's module buffers saved with it, plus the
     validated manifest (its ``extra`` record), all from one opening of the checkpoint. Collective."""
@@ -501,10 +563,11 @@ def load_checkpoint(
     verify = check_bool(verify, "verify")
     buffers = check_bool(buffers, "buffers")
     local = not check_bool(shared, "shared")
-    load_dir = check_path(load_dir, "load_dir")
+    load_dir = _load_location(load_dir, storage_options, "load")
     timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
     adapter = adapter_for(engine)
-    reading = adapter.read()
+    selection = make_selection(include, exclude) or selection_of(out)  # checked before any collective
+    reading = select(adapter.read(), selection)
     layout, job = reading.layout, job_of(reading)
     arrive("load", job.group, job.world, job.rank, timeout)
     box: dict[str, Any] = {}
@@ -513,6 +576,9 @@ def load_checkpoint(
     def open_and_check() -> dict[str, Any]:
         ckpt = box["ckpt"] = opened.enter_context(open_checkpoint(load_dir, tag, verify, layout, local=local))
         ckpt.check_experts(layout)
+        if hasattr(ckpt, "shapes"):  # this part's names as saved (a re-cut of other parts checks its own)
+            check_loaded_selection(f"tag {ckpt.tag!r} in {ckpt.root}", ckpt.manifest.get("selection"), selection,
+                                   list(layout.specs), list(ckpt.shapes))  # fmt: skip
         ckpt.check_model(layout.specs)
         if dtype is not None and dtype != ckpt.dtype:
             raise CheckpointMismatchError(
@@ -760,7 +826,8 @@ def consolidate_to_file(
         check_bool(progress, "progress")
     with open_joined(checkpoint_dir, tag, verify, tp_dims, tp_rank) as ckpt:
         ckpt.check_index(index)
-        check_output(out_path, ckpt.root, [ckpt.tag_dir], overwrite)
+        # a checkpoint at a URL: nothing local to keep the output out of (the output is a local file)
+        check_output(out_path, ckpt.root, [ckpt.tag_dir] if isinstance(ckpt.tag_dir, Path) else [], overwrite)
         schedules = ckpt.manifest.get("schedules")
         meta = {
             "format": CONSOLIDATED_FORMAT,

@@ -87,6 +87,7 @@ from ._checkpoint.errors import (
 )
 from ._state import EmaState
 from .engines import adapter_for
+from .engines._base import read_for
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import FileSystemReader
@@ -170,7 +171,7 @@ class EMAStateful:
 
     def state_dict(self) -> dict[str, Any]:
         state = self.state
-        reading = adapter_for(self._x).read()
+        reading = read_for(adapter_for(self._x), state)  # the state's selection, if any
         emas = {}
         for k in range(state.num_emas):
             pieces = state_pieces(state, reading, k, "EMAStateful.state_dict")
@@ -183,7 +184,8 @@ class EMAStateful:
 
         check_mapping(state_dict, "state_dict")
         state = self.state
-        state_pieces(state, adapter_for(self._x).read(), 0, "EMAStateful.load_state_dict")  # ranks agree first
+        reading = read_for(adapter_for(self._x), state)  # the state's selection, if any
+        state_pieces(state, reading, 0, "EMAStateful.load_state_dict")  # ranks agree first
         world, rank = _world()
         every = agree(
             "EMAStateful.load_state_dict",

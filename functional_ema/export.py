@@ -46,16 +46,20 @@ import torch
 
 from . import _io, _memory
 from ._args import check_bool, check_path, check_str
-from ._checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError, ForeignFileError
+from ._checkpoint.errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignFileError,
+)
 from ._checkpoint.format import CONSOLIDATED_FORMAT, library_version, short_list
-from ._checkpoint.reader import JoinedReader, open_joined
-from ._checkpoint.remote import fetched_file
+from ._checkpoint.reader import JoinedReader, StoragePath, open_joined
 from ._export.like import EXPORT_RECORD, LikeFolder, read_like
 from ._export.loader import loader_view, peft_expected
 from ._export.names import WRAPPER_PREFIXES, peft_name, strip_wrappers
 from ._export.outdir import EXPORT_FORMAT, check_out_dir, commit_dir, new_tmp_dir
 from ._export.plan import Plan, make_plan
-from ._storage import is_url
+from ._storage import is_url, storage_for
 
 __all__ = ["EXPORT_RECORD", "WRAPPER_PREFIXES", "hf_name", "parse_dtype", "parse_size", "to_hf"]
 
@@ -137,9 +141,9 @@ def _open_source(
 ) -> Iterator[_Source]:
     url = is_url(source)
     path = Path(source)
-    if url and str(source).endswith(".safetensors"):  # a consolidated file at a URL: copied, then read
-        with fetched_file(str(source)) as local, _open_file_source(local, verify) as src:
-            src.info["source"] = str(source)
+    if url and str(source).endswith(".safetensors"):  # a consolidated file at a URL: ranged reads, in place
+        folder, _, name = str(source).rstrip("/").rpartition("/")
+        with _open_file_source(StoragePath(storage_for(folder)) / name, verify) as src:
             yield src
         return
     if not url and path.is_file():
@@ -176,14 +180,19 @@ def _open_source(
             "saved_world_size": ckpt.world_size,
             "buffers": sorted(buffers),
         }
+        if ckpt.manifest.get("selection") is not None:  # the include/exclude the EMA averages (absent: every
+            info["selection"] = ckpt.manifest["selection"]  # parameter); the others come from --like (copied_from_like)
         yield _Source(shapes, dtypes, fill_ckpt, info, [Path(ckpt.root), Path(ckpt.tag_dir)])
 
 
 @contextlib.contextmanager
-def _open_file_source(path: Path, verify: bool) -> Iterator[_Source]:
-    """A consolidated file this library wrote (its ``format`` metadata says which), validated, read per tensor."""
+def _open_file_source(path: Path | StoragePath, verify: bool) -> Iterator[_Source]:
+    """A consolidated file this library wrote (its ``format`` metadata says which), validated, read per tensor
+    (a file at a URL: with ranged reads of the storage, as a checkpoint's)."""
     try:
-        opened = _io.SafetensorsFile(path)
+        opened = _io.SafetensorsFile(path.source() if isinstance(path, StoragePath) else path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path} does not exist") from None
     except _io.FormatError as e:
         raise CorruptCheckpointError(f"source: {e}") from None
     with opened as f:
@@ -218,7 +227,7 @@ def _open_file_source(path: Path, verify: bool) -> Iterator[_Source]:
             "source_verified": sums is not None,  # older consolidated files carry no checksums of their own
             "source_metadata": {k: f.metadata[k] for k in sorted(f.metadata)},
         }
-        yield _Source(shapes, dtypes, fill_file, info, [path])
+        yield _Source(shapes, dtypes, fill_file, info, [path] if isinstance(path, Path) else [])
 
 
 # --------------------------------------------------------------------------------------------- export

@@ -5,7 +5,9 @@ A self-attack built as three registries, so that a new surface joins by adding o
 - ``LAYOUTS``: how a checkpoint of that layout is built (plain module, DeepSpeed ZeRO-3, DeepSpeed
   tensor parallel (``mpu=``), pipeline and MoE, FSDP2, HSDP, FSDP2 x DTensor tensor parallel, the
   integration controller), each written twice into the same tag (the older save is kept as a source of
-  stale files) by real engines in two multi-rank launches, once per session; and ``hf``, the export's
+  stale files) by real engines in two multi-rank launches, once per session; ``bucket``, a plain module
+  saved twice to a ``memory://`` URL by the object-store writer in this process, its objects downloaded
+  (and read back by URL too: the ``consolidate url`` reader); and ``hf``, the export's
   inputs built in this process (``build_hf``: tiny Llama, LoRA and UNet ``--like`` folders, a checkpoint,
   consolidated files and a post-hoc output).
 - ``FILE_KINDS``: which files of a built checkpoint are of that kind (rank files, buffers files,
@@ -334,6 +336,53 @@ def build_controller(root: Path) -> None:
             shutil.copytree(root / where, root / where.replace("ck/", "older/"))
 
 
+def build_bucket(root: Path) -> None:
+    """A plain module (one process, two EMAs, buffers) saved twice into one tag at a ``memory://`` URL, through
+    the object-store writer (``_checkpoint/bucket.py``: streamed objects, a marker, the manifest last); what each
+    save left in the store downloaded as it is (``older/`` after the first, ``ck/`` after the second)."""
+    import secrets
+
+    import fsspec
+
+    from functional_ema._testing.multirank import BNSeq, checkpoint_decays
+
+    torch.manual_seed(0)
+    net = BNSeq()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    run = _Run(fe.init_ema(fe.local_shards(net), num_emas=2), fe.buffers.init_buffers(net, num_emas=2))
+    url = f"memory://fe-hostile-{secrets.token_hex(4)}/ck"
+    fs = fsspec.filesystem("memory")
+    try:
+        for step, where in ((1, "older"), (2, "ck")):
+            g = torch.Generator().manual_seed(step)
+            net(torch.randn(8, 7, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            run.state = fe.update(run.state, fe.local_shards(net), step, decay=checkpoint_decays())
+            assert run.bstate is not None
+            run.bstate = fe.buffers.update_buffers(run.bstate, net, step, decay=checkpoint_decays())
+            fe.save(run.state, net, url, TAG, decay=checkpoint_decays(), buffers=run.bstate)
+            fs.get(url, str(root / where), recursive=True)
+    finally:
+        fs.rm(url, recursive=True)
+
+
+def _consolidated_url(d: Path) -> list:
+    """``consolidate`` by URL (the object-store reader): the layout's ``ck`` uploaded as it is to a new
+    ``memory://`` prefix, both EMAs joined through ``ema_latest``; the prefix removed after."""
+    import secrets
+
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = f"memory://fe-hostile-read-{secrets.token_hex(4)}/ck"
+    fs.put(str(d / "ck"), url, recursive=True)
+    try:
+        return [fe.consolidate(url, index=i) for i in range(2)]
+    finally:
+        fs.rm(url, recursive=True)
+
+
 def build_hf(root: Path, work: Path) -> None:
     """The export's inputs (one process, tiny models of ``tests/_integration_models.py``): a Llama's
     ``save_pretrained`` folder (``like/``, one parameter frozen: the export copies it from there), the same
@@ -513,6 +562,7 @@ def _hf_export(reader: str) -> Callable[[Path], str]:
 
 READERS: dict[str, Callable[[Path], Any]] = {
     "consolidate": _consolidated,
+    "consolidate url": _consolidated_url,
     "consolidate_to_file": _to_file,
     "saved_parts/read_manifest": _manifest,
     "buffers.consolidate": lambda d: [fe.buffers.consolidate(d / "ck", TAG, index=i) for i in range(2)],
@@ -563,14 +613,16 @@ class Layout:
 _CK = ("consolidate", "consolidate_to_file", "saved_parts/read_manifest", "export")
 LAYOUTS: dict[str, Layout] = {
     "plain": Layout("deepspeed", (*_CK, "buffers.consolidate")),
-    "zero3": Layout("deepspeed", (*_CK, "posthoc_offline")),
+    "zero3": Layout("deepspeed", (*_CK, "posthoc_offline", "consolidate url")),  # by URL: ranged reads, 2 files
     "pp": Layout("deepspeed", (*_CK, "buffers.consolidate")),
     "moe": Layout("deepspeed", (*_CK, "buffers.consolidate")),
     "ds_tp": Layout("deepspeed", _CK),
     "fsdp2": Layout("fsdp", (*_CK, "consolidate_dcp")),
     "hsdp": Layout("fsdp", (*_CK, "consolidate_dcp")),
-    "tp": Layout("fsdp", _CK),
+    "tp": Layout("fsdp", (*_CK, "consolidate url")),  # by URL: model-parallel parts joined from ranged reads
     "private": Layout("fsdp", _CK),  # saved with shared=False into a folder per rank, merged
+    # saved to a URL (memory://), the objects downloaded; also read back by URL
+    "bucket": Layout("bucket", (*_CK, "buffers.consolidate", "consolidate url")),
     "controller": Layout("controller", ("controller.load(2)", "controller.load(4)")),
     "hf": Layout("hf", tuple(HF_EXPORTS)),
 }
@@ -591,7 +643,7 @@ def _forge_record(path: Path) -> None:
 
 
 _RANK = r"ema_(?:tp\d+of\d+_pp\d+of\d+_)?rank_\d+_of_\d+(?:\.gen\d+)?\.safetensors"
-_CKPT = (*_CK, "buffers.consolidate", "controller.load(4)", "export ck>like")
+_CKPT = (*_CK, "buffers.consolidate", "controller.load(4)", "export ck>like", "consolidate url")
 _HF_LIKE = ("export ck>like", "export file>like_sharded", "export posthoc>like")
 FILE_KINDS: dict[str, FileKind] = {
     "rank file": FileKind(rf"^ck/({TAG}|started/ema)/{_RANK}$", _CKPT),
@@ -784,6 +836,8 @@ def built(tmp_path_factory) -> tuple[Path, dict]:
         times = json.loads((base / "built.json").read_text())
         if "hf" not in times:  # a cache from before the hf layout
             _build_hf_timed(base, times)
+        if "bucket" not in times:  # a cache from before the bucket layout
+            _build_bucket_timed(base, times)
         return base, times
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -802,7 +856,16 @@ def built(tmp_path_factory) -> tuple[Path, dict]:
     build_controller(base / "controller")
     times["controller"] = time.monotonic() - t0
     _build_hf_timed(base, times)
+    _build_bucket_timed(base, times)
     return base, times
+
+
+def _build_bucket_timed(base: Path, times: dict) -> None:
+    t0 = time.monotonic()
+    shutil.rmtree(base / "bucket", ignore_errors=True)
+    build_bucket(base / "bucket")
+    times["bucket"] = time.monotonic() - t0
+    (base / "built.json").write_text(json.dumps(times))
 
 
 def _build_hf_timed(base: Path, times: dict) -> None:
@@ -895,7 +958,7 @@ def _online_pass(base: Path, cases: list[Case], tmp: Path) -> list[tuple[Case, s
     (worst outcome over the ranks, why). Ranks that disagree (one refuses, another loads) count as a crash."""
     root, picked = tmp / "online", {}
     for layout, spec in LAYOUTS.items():
-        if spec.builder in ("controller", "hf"):  # built in this process: no ranks to load on
+        if spec.builder in ("controller", "hf", "bucket"):  # built in this process: no ranks to load on
             continue
         pool = [c for c in cases if c.layout == layout and c.kind in ONLINE_KINDS]
         rng = random.Random(f"{SEED}|online|{layout}")

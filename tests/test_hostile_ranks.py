@@ -1,23 +1,32 @@
-"""The *Ranks* table (issue 29, item 7): every collective verb refuses ranks that disagree on what it reads.
+"""The *Ranks* table (issue 29, item 7; issue 37, item 6): every collective verb refuses ranks that disagree on
+what it reads.
 
 One table, :data:`CELLS`: a row per collective verb, a column per disagreement (step, tag, save
-generation, a stale rank file, EMA count, dtype, layout, a non-finite weight on one rank), and in each
-cell how to provoke it on rank 1 while rank 0 stays as it was. Every cell runs on both ranks of one
-launch per configuration (2 gloo ranks: FSDP2, then a DeepSpeed ZeRO-2 engine), and must end with a
-library error on every rank naming each rank's value (or, for ``update(nonfinite="skip")`` with a NaN on
-one rank, every rank skipping), with every file under the checkpoint folders unchanged (sha256 before
-and after). A cell that returns on some rank is *silent*, one that raises something else or leaves a
-changed file is a *crash*, a launch that times out is a *hang* (the progress files say which cell).
+generation, a stale rank file, EMA count, dtype, layout, the include/exclude selection, a non-finite weight
+on one rank; for the saves and loads by URL also a local folder on rank 1 while rank 0 uses the URL, and
+another prefix of the bucket), and in each cell how to provoke it on rank 1 while rank 0 stays as it was.
+Every cell runs on both ranks of one launch per configuration (2 gloo ranks: FSDP2, then a DeepSpeed ZeRO-2
+engine), and must end with a library error on every rank naming each rank's value (or, for
+``update(nonfinite="skip")`` with a NaN on one rank, every rank skipping), with every file under the
+checkpoint folders unchanged (sha256 before and after), and for the URL rows (the only cells given the bucket)
+every object of the bucket too (its bytes read back through s3fs by rank 0; no object added, such as a save's
+marker). A cell that returns on some rank is
+*silent*, one that raises something else or leaves a changed file is a *crash*, a launch that times out is a
+*hang* (the progress files say which cell). The URL rows (``save(url)``, ``AsyncSaver.save(url)``,
+``load(url)``) write to a real S3 server (SeaweedFS on loopback, :mod:`functional_ema._testing.s3`), started
+once for the module by the test and killed at its end, a bucket per launch, its endpoint and keys passed to
+the ranks in the launch's arguments; without s3fs or ``weed`` they are left out (the test says so).
 ``consolidate`` is offline (no ranks) and has no row. A new collective verb is a new row: see
 docs/reliability.md, "Ranks table".
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,8 +52,14 @@ class Ctx(NamedTuple):
     rank: int
     model: Any  # the same model on every rank
     other: Any  # rank 0: ``model``; rank 1: a model of the same names with other shapes (FSDP2 only)
-    states: dict[str, fe.EmaState]  # "6", "7", "2emas", "f64", "other" (over ``other``)
+    states: dict[str, fe.EmaState]  # "6", "7", "2emas", "f64", "other" (over ``other``), "sel" (of SELECTED)
     root: Path  # the checkpoint folders a cell may touch (hashed before and after)
+    url: str  # ``s3://<bucket>`` on the test's S3 server (every object hashed before and after), or "" without one
+    opts: dict[str, Any]  # the storage_options that reach it
+
+
+#: The selection of the "selection" column: rank 1's state (or load) averages the weights only.
+SELECTED = "*weight"
 
 
 def mine(ctx: Ctx, rank1: str, rank0: str = "6") -> fe.EmaState:
@@ -52,10 +67,10 @@ def mine(ctx: Ctx, rank1: str, rank0: str = "6") -> fe.EmaState:
     return ctx.states[rank1 if ctx.rank == 1 else rank0]
 
 
-def _async(state, x, d, tag, shared: bool = True) -> None:
+def _async(state, x, d, tag, shared: bool = True, **kw: Any) -> None:
     saver = fe.AsyncSaver()
     try:
-        saver.save(state, x, d, tag, timeout=T, shared=shared).wait()
+        saver.save(state, x, d, tag, timeout=T, shared=shared, **kw).wait()
     finally:
         saver.wait()
 
@@ -137,6 +152,54 @@ def _private(ctx: Ctx, state: fe.EmaState, x: Any = None, tag: str = "t", asynch
 #: One rank saves into a shared folder, the other into a private one: refused before anything is written.
 SHARED = ("ranks disagree on shared", "rank 0: True", "rank 1: False")
 
+#: Rank 1's state averages SELECTED only, rank 0's every parameter: refused naming both selections.
+SELECTION = ("ranks disagree on selection", "rank 0: None", f"rank 1: {{'include': ['{SELECTED}'], 'exclude': None}}")
+STATE_SELECTION = (*SELECTION, "Every rank must hold the same EMA state")
+#: A load of the checkpoint ``sel`` (saved with SELECTED) by rank 0 with SELECTED, by rank 1 with "*bias".
+LOAD_SELECTION = (
+    "was saved with the selection include='*weight', exclude=None, and this load selects include='*bias'",
+    "saved but not selected by this load",
+)
+#: One rank saves to the bucket, the other into a local folder (rank 1): refused before anything is written.
+URL_LOCAL = ("ranks disagree on shared", "rank 0: 'url'", "rank 1: True")
+#: Rank 1 saves to another prefix of the bucket: it cannot see rank 0's marker (the ranks' URLs are not
+#: compared: nodes may reach one store by other endpoints); refused on every rank naming where each rank looked.
+OTHER_PREFIX = (
+    "save: rank 0 wrote its marker at s3://",
+    "/ck/t/.ema_store.",
+    "; rank 1 does not see it at s3://",
+    "/other/t/.ema_store.",
+    "(missing)",
+    "do not reach the same store",
+    "Nothing was committed",
+)
+
+
+def _to_url(c: Ctx, state: fe.EmaState, x: Any = None, tag: str = "t", where: str | Path | None = None,
+            asynchronous: bool = False) -> None:  # fmt: skip
+    """``save`` (or ``AsyncSaver.save``) to ``<bucket>/ck``; on rank 1 to ``where`` instead, when given (a local
+    folder: without storage_options)."""
+    x, d = c.model if x is None else x, where if where is not None and c.rank == 1 else f"{c.url}/ck"
+    opts = c.opts if str(d).startswith("s3://") else None
+    if asynchronous:
+        _async(state, x, d, tag, storage_options=opts)
+    else:
+        fe.save(state, x, d, tag, timeout=T, storage_options=opts)
+
+
+def _from_url(c: Ctx, cell: str, tag: str = "t", verify: bool = True, x: Any = None) -> fe.EmaState:
+    """``load`` of ``<bucket>/<cell>`` (``{r}`` in it: this rank's number), the uploaded twin of a local folder."""
+    where = f"{c.url}/{cell.format(r=c.rank)}"
+    return fe.load(c.model if x is None else x, where, tag, timeout=T, verify=verify, storage_options=c.opts)
+
+
+def _load_selected(c: Ctx, where: Path | str) -> fe.EmaState:
+    """Rank 0 loads ``sel`` (saved from states["sel"]) with its selection, rank 1 with another one."""
+    include = SELECTED if c.rank == 0 else "*bias"
+    if isinstance(where, Path):
+        return fe.load(c.model, where, "t", timeout=T, include=include)
+    return fe.load(c.model, where, "t", timeout=T, include=include, storage_options=c.opts)
+
 
 #: verb -> disagreement -> :class:`Cell`. The load cells read node-local copies (``<cell>/node<r>``),
 #: prepared by :func:`_prepare_loads`.
@@ -158,6 +221,9 @@ CELLS: dict[str, dict[str, Cell]] = {
             SAVE_ERR,
             SHARED,
         ),
+        "selection": Cell(
+            lambda c: fe.save(mine(c, "sel"), c.model, c.root / "ck", "t", timeout=T), SAVE_ERR, SELECTION
+        ),
     },
     "AsyncSaver.save": {
         "step": Cell(lambda c: _async(mine(c, "7"), c.model, c.root / "ck", "t"), SAVE_ERR, STEP),
@@ -172,6 +238,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         "shared": Cell(
             lambda c: _async(c.states["6"], c.model, c.root / f"ash{c.rank}", "t", shared=c.rank == 0), SAVE_ERR, SHARED
         ),
+        "selection": Cell(lambda c: _async(mine(c, "sel"), c.model, c.root / "ck", "t"), SAVE_ERR, SELECTION),
     },
     "load": {
         "step": Cell(lambda c: _load(c, "load_step"), LOAD_ERR, ("ranks disagree on step", "rank 0: 6", "rank 1: 5")),
@@ -191,6 +258,79 @@ CELLS: dict[str, dict[str, Cell]] = {
         "num_emas": Cell(lambda c: _load(c, "load_num_emas"), LOAD_ERR, EMAS),
         "dtype": Cell(lambda c: _load(c, "load_dtype"), LOAD_ERR, DTYPE),
         "layout": Cell(lambda c: fe.load(c.other, c.root / "ck", "t", timeout=T), LOAD_ERR, ("does not match",), FSDP2),
+        "selection": Cell(lambda c: _load_selected(c, c.root / "sel"), LOAD_ERR, LOAD_SELECTION),
+    },
+    "save(url)": {
+        "step": Cell(lambda c: _to_url(c, mine(c, "7")), SAVE_ERR, STEP),
+        "tag": Cell(
+            lambda c: _to_url(c, c.states["6"], tag=f"t{c.rank}"),
+            SAVE_ERR,
+            ("ranks disagree on tag", "rank 0: 't0'", "rank 1: 't1'"),
+        ),
+        "num_emas": Cell(lambda c: _to_url(c, mine(c, "2emas")), SAVE_ERR, EMAS),
+        "dtype": Cell(lambda c: _to_url(c, mine(c, "f64")), SAVE_ERR, DTYPE),
+        "layout": Cell(lambda c: _to_url(c, mine(c, "other"), c.other), SAVE_ERR, LAYOUT, FSDP2),
+        "url": Cell(lambda c: _to_url(c, c.states["6"], where=c.root / "ck"), SAVE_ERR, URL_LOCAL),
+        "prefix": Cell(lambda c: _to_url(c, c.states["6"], where=f"{c.url}/other"), ("CheckpointError",), OTHER_PREFIX),
+        "selection": Cell(lambda c: _to_url(c, mine(c, "sel")), SAVE_ERR, SELECTION),
+    },
+    "AsyncSaver.save(url)": {
+        "step": Cell(lambda c: _to_url(c, mine(c, "7"), asynchronous=True), SAVE_ERR, STEP),
+        "tag": Cell(
+            lambda c: _to_url(c, c.states["6"], tag=f"t{c.rank}", asynchronous=True),
+            SAVE_ERR,
+            ("ranks disagree on tag", "rank 0: 't0'", "rank 1: 't1'"),
+        ),
+        "num_emas": Cell(lambda c: _to_url(c, mine(c, "2emas"), asynchronous=True), SAVE_ERR, EMAS),
+        "dtype": Cell(lambda c: _to_url(c, mine(c, "f64"), asynchronous=True), SAVE_ERR, DTYPE),
+        "layout": Cell(lambda c: _to_url(c, mine(c, "other"), c.other, asynchronous=True), SAVE_ERR, LAYOUT, FSDP2),
+        "url": Cell(lambda c: _to_url(c, c.states["6"], where=c.root / "ck", asynchronous=True), SAVE_ERR, URL_LOCAL),
+        "prefix": Cell(
+            lambda c: _to_url(c, c.states["6"], where=f"{c.url}/other", asynchronous=True),
+            ("CheckpointError",),
+            OTHER_PREFIX,
+        ),
+        "selection": Cell(lambda c: _to_url(c, mine(c, "sel"), asynchronous=True), SAVE_ERR, SELECTION),
+    },
+    "load(url)": {
+        "step": Cell(
+            lambda c: _from_url(c, "load_step/node{r}"), LOAD_ERR, ("ranks disagree on step", "rank 0: 6", "rank 1: 5")
+        ),
+        "tag": Cell(
+            lambda c: _from_url(c, "ck", f"t{c.rank}"),
+            LOAD_ERR,
+            ("ranks disagree on tag", "rank 0: 't0'", "rank 1: 't1'"),
+        ),
+        "generation": Cell(
+            lambda c: _from_url(c, "load_generation/node{r}"),
+            LOAD_ERR,
+            ("ranks disagree on generation", "rank 0: 1", "rank 1: 0"),
+        ),
+        "stale rank file": Cell(
+            lambda c: _from_url(c, "load_stale_file/node{r}", verify=False),
+            ("CorruptCheckpointError",),
+            ("rank 1", "generation", "does not belong to this checkpoint"),
+        ),
+        "num_emas": Cell(lambda c: _from_url(c, "load_num_emas/node{r}"), LOAD_ERR, EMAS),
+        "dtype": Cell(lambda c: _from_url(c, "load_dtype/node{r}"), LOAD_ERR, DTYPE),
+        "layout": Cell(lambda c: _from_url(c, "ck", x=c.other), LOAD_ERR, ("does not match",), FSDP2),
+        # rank 1 reads a local copy of an older save of the tag (a local copy of the same save is allowed, as
+        # node-local copies are: the ranks compare what they read, not where)
+        "url": Cell(
+            lambda c: (
+                _from_url(c, "load_generation/node0")
+                if c.rank == 0
+                else fe.load(c.model, c.root / "load_generation" / "node1", "t", timeout=T)
+            ),
+            LOAD_ERR,
+            ("ranks disagree on generation", "rank 0: 1", "rank 1: 0"),
+        ),
+        "prefix": Cell(  # rank 1 reads another prefix of the bucket, holding a newer save of the tag
+            lambda c: _from_url(c, "ck" if c.rank == 0 else "gen"),
+            LOAD_ERR,
+            ("ranks disagree on generation", "rank 0: 0", "rank 1: 1"),
+        ),
+        "selection": Cell(lambda c: _load_selected(c, f"{c.url}/sel"), LOAD_ERR, LOAD_SELECTION),
     },
     "save(shared=False)": {
         "step": Cell(lambda c: _private(c, mine(c, "7")), SAVE_ERR, STEP),
@@ -238,12 +378,14 @@ CELLS: dict[str, dict[str, Cell]] = {
         "num_emas": Cell(lambda c: fe.gather_full(mine(c, "2emas"), c.model), STATE_ERR, EMAS),
         "dtype": Cell(lambda c: fe.gather_full(mine(c, "f64"), c.model), STATE_ERR, DTYPE),
         "layout": Cell(lambda c: fe.gather_full(mine(c, "other"), c.other), STATE_ERR, LAYOUT, FSDP2),
+        "selection": Cell(lambda c: fe.gather_full(mine(c, "sel"), c.model), STATE_ERR, STATE_SELECTION),
     },
     "swapped": {
         "step": Cell(lambda c: _swap(c.model, mine(c, "7")), STATE_ERR, STEP),
         "num_emas": Cell(lambda c: _swap(c.model, mine(c, "2emas")), STATE_ERR, EMAS),
         "dtype": Cell(lambda c: _swap(c.model, mine(c, "f64")), STATE_ERR, DTYPE),
         "layout": Cell(lambda c: _swap(c.other, mine(c, "other")), STATE_ERR, LAYOUT, FSDP2),
+        "selection": Cell(lambda c: _swap(c.model, mine(c, "sel")), STATE_ERR, STATE_SELECTION),
     },
     'update(nonfinite="skip")': {
         "non-finite on one rank": Cell(lambda c: _nan_update(c, "skip"), (), (), returns="skipped at step 6"),
@@ -323,10 +465,10 @@ def _models(engine: str, rank: int):
 def _states(model, other) -> dict[str, fe.EmaState]:
     shards = fe.local_shards(model)
 
-    def at(step: int, **kw) -> fe.EmaState:
-        s = fe.init_ema(shards, **kw)
+    def at(step: int, of: Any = shards, **kw) -> fe.EmaState:
+        s = fe.init_ema(of, **kw)
         for k in range(1, step + 1):
-            s = fe.update(s, shards, k, decay=[0.9] * s.num_emas)
+            s = fe.update(s, of, k, decay=[0.9] * s.num_emas)
         return s
 
     s6 = at(6)
@@ -338,13 +480,16 @@ def _states(model, other) -> dict[str, fe.EmaState]:
         "2emas": at(6, num_emas=2),
         "f64": at(6, dtype=torch.float64),
         "other": fe.update(other_state, fe.local_shards(other), 6),
+        "sel": at(6, fe.local_shards(model, include=SELECTED)),
     }
 
 
 def _prepare_loads(ctx: Ctx) -> None:
     """The complete checkpoints the cells read: ``ck/t`` (step 6), ``ck/t0`` and ``ck/t1``, and for each load
     cell a node-local copy per rank (``<cell>/node<r>/t``): rank 0's of the save at step 6, rank 1's of
-    another save of the same tag (an older step, an older generation, a stale rank file, two EMAs, fp64)."""
+    another save of the same tag (an older step, an older generation, a stale rank file, two EMAs, fp64); ``sel``
+    (saved with SELECTED). With a bucket, rank 0 uploads them (s3fs's own ``put``): ``<bucket>/ck``, ``/<cell>/node<r>``,
+    ``/gen`` (generation 1 of a tag), ``/sel``."""
     import torch.distributed as dist
 
     rank, root, states, model = ctx.rank, ctx.root, ctx.states, ctx.model
@@ -361,6 +506,7 @@ def _prepare_loads(ctx: Ctx) -> None:
         _copy(gen / "t", root / "gen0")
     dist.barrier()
     fe.save(states["6"], model, gen, "t", timeout=T)  # the same tag again: generation 1
+    fe.save(states["sel"], model, root / "sel", "t", timeout=T)
     dist.barrier()
     if rank == 0:
         fresh = root / "ck" / "t"
@@ -380,28 +526,77 @@ def _prepare_loads(ctx: Ctx) -> None:
         new_file = next(f["file"] for f in new["files"] if f["rank"] == 1)
         old_file = next(f["file"] for f in old["files"] if f["rank"] == 1)
         shutil.copyfile(root / "gen0" / old_file, root / "load_stale_file" / "node1" / "t" / new_file)
+        if ctx.url:
+            _upload(ctx, root)
     dist.barrier()
 
 
-def table_worker(engine: str, root: str, progress: str) -> dict:
-    """Run every cell of :data:`CELLS` for ``engine`` on this rank; return each cell's outcome."""
+def _upload(ctx: Ctx, root: Path) -> None:
+    """The local checkpoints the URL cells read, in the bucket (trailing slashes: the folders' contents)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **ctx.opts)
+    pairs = [("ck", "ck"), ("src_gen", "gen"), ("sel", "sel")]
+    pairs += [(f"{c}/node{r}", f"{c}/node{r}") for c in LOAD_CELLS for r in (0, 1)]
+    for local, remote in pairs:
+        fs.put(f"{root / local}/", f"{ctx.url}/{remote}/", recursive=True)
+    uploaded = sum(p.is_file() for local, _ in pairs for p in (root / local).rglob("*"))
+    (root / "uploaded.txt").write_text(str(uploaded))  # checked against the bucket's objects by the test
+
+
+#: The node-local copies :func:`_prepare_loads` makes (``<cell>/node<r>/t``).
+LOAD_CELLS = ("load_step", "load_generation", "load_num_emas", "load_dtype", "load_stale_file")
+
+
+def _bucket_hashes(fs: Any, url: str) -> dict[str, str]:
+    """``s3://`` key -> sha256 of every object under ``url`` (read back through s3fs); {} without a bucket."""
+    if fs is None:
+        return {}
+    fs.invalidate_cache()
+    keys = sorted(fs.find(url.removeprefix("s3://")))
+    blobs = fs.cat(keys) if keys else {}
+    return {f"s3://{k}": hashlib.sha256(blobs[k]).hexdigest() for k in keys}
+
+
+def _runs(engine: str, verb: str, cell: Cell, with_s3: bool) -> bool:
+    """Whether the cell runs in this configuration (the URL rows need the S3 server)."""
+    return engine in cell.engines and (with_s3 or "(url)" not in verb)
+
+
+def table_worker(engine: str, root: str, progress: str, s3: dict[str, str] | None = None) -> dict:
+    """Run every cell of :data:`CELLS` for ``engine`` on this rank; return each cell's outcome. ``s3``: the
+    server the driver started (``endpoint``, ``key``, ``secret``, ``bucket``); without it the URL rows are left out.
+    Rank 0 also hashes every object of the bucket around each cell of a URL row (one store: one rank reads it)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     root_p = Path(root)
     model, other = _models(engine, rank)
-    ctx = Ctx(rank, model, other, _states(model, other), root_p / "ckpts")
+    opts: dict[str, Any] = {}
+    if s3:
+        opts = {"key": s3["key"], "secret": s3["secret"], "endpoint_url": s3["endpoint"]}
+        opts["client_kwargs"] = {"region_name": "us-east-1"}
+    url = f"s3://{s3['bucket']}" if s3 else ""
+    ctx = Ctx(rank, model, other, _states(model, other), root_p / "ckpts", url, opts)
     _prepare_loads(ctx)
-    out = {}
+    fs = None
+    if s3 and rank == 0:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    out: dict[str, Any] = {}
+    if fs is not None:  # what the "unchanged" check of the bucket hashes: every uploaded file, as an object
+        out["objects"] = [len(_bucket_hashes(fs, url)), int((ctx.root / "uploaded.txt").read_text())]
     for verb, row in CELLS.items():
         for what, cell in row.items():
-            if engine not in cell.engines:
+            if not _runs(engine, verb, cell, bool(s3)):
                 continue
             key = f"{verb} x {what}"
             with open(Path(progress) / f"rank{rank}.txt", "a") as f:
                 f.write(key + "\n")
             dist.barrier()
-            before = _hashes(ctx.root)
+            bucket = fs if "(url)" in verb else None  # only the URL rows are given the bucket's URL and keys
+            before = {**_hashes(ctx.root), **_bucket_hashes(bucket, url)}
             dist.barrier()  # no rank starts the cell while another still hashes
             t0 = time.monotonic()
             try:
@@ -410,7 +605,8 @@ def table_worker(engine: str, root: str, progress: str) -> dict:
                 outcome = [type(e).__name__, str(e)]
             seconds = time.monotonic() - t0
             dist.barrier()  # both ranks done (an async save's files removed) before the folders are hashed
-            changed = sorted(set(before.items()) ^ set(_hashes(ctx.root).items()))
+            after = {**_hashes(ctx.root), **_bucket_hashes(bucket, url)}
+            changed = sorted(set(before.items()) ^ set(after.items()))
             out[key] = {"outcome": outcome, "seconds": seconds, "changed": [p for p, _ in changed][:5]}
     return out
 
@@ -418,12 +614,12 @@ def table_worker(engine: str, root: str, progress: str) -> dict:
 # ------------------------------------------------------------------------------------------- the table
 
 
-def _classify(engine: str, results: list[dict]) -> tuple[dict[str, int], list[str]]:
+def _classify(engine: str, results: list[dict], with_s3: bool) -> tuple[dict[str, int], list[str]]:
     counts = dict.fromkeys(COUNTS, 0)
     problems = []
     for verb, row in CELLS.items():
         for what, cell in row.items():
-            if engine not in cell.engines:
+            if not _runs(engine, verb, cell, with_s3):
                 continue
             key = f"{verb} x {what}"
             counts["cases"] += 1
@@ -448,12 +644,35 @@ def _classify(engine: str, results: list[dict]) -> tuple[dict[str, int], list[st
     return counts, problems
 
 
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The S3 server the URL rows write to (one for the module, a bucket per launch; killed, by its process
+    group, at the module's end); None without s3fs or SeaweedFS's ``weed`` (the URL rows are then left out)."""
+    try:
+        import s3fs  # noqa: F401
+
+        from functional_ema._testing.s3 import s3_server as start
+        from functional_ema._testing.s3 import weed_binary
+    except ImportError:
+        yield None
+        return
+    if weed_binary() is None:
+        yield None
+        return
+    with start(tmp_path_factory.mktemp("s3")) as srv:
+        yield srv
+
+
 @pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
-def test_ranks_table(engine: str, tmp_path: Path) -> None:
+def test_ranks_table(engine: str, tmp_path: Path, s3_server: Any) -> None:
     """Every cell of the Ranks table, in one 2-rank launch per engine."""
     progress = tmp_path / "progress"
     progress.mkdir()
     env = {"FE_DIST_INIT": "torch"} if engine == "fsdp2" else {}
+    s3 = None
+    if s3_server is not None:
+        s3 = {"endpoint": s3_server.endpoint, "key": s3_server.key, "secret": s3_server.secret}
+        s3["bucket"] = s3_server.make_bucket(f"ranks-{engine}")
     t0 = time.monotonic()
     try:
         results = run_ranks(
@@ -464,16 +683,22 @@ def test_ranks_table(engine: str, tmp_path: Path) -> None:
             engine=engine,
             root=str(tmp_path),
             progress=str(progress),
+            s3=s3,
         )
     except AssertionError as e:
         last = {p.name: p.read_text().splitlines()[-1:] for p in sorted(progress.iterdir())}
         if "timed out" in str(e) or "timeout" in str(e).lower():
             pytest.fail(f"hang: the launch timed out in cell {last}\n{str(e)[-3000:]}")
         raise
-    counts, problems = _classify(engine, results)
+    (tmp_path / "results.json").write_text(json.dumps(results, indent=1))  # every rank's outcome, to read after
+    if s3:
+        objects, uploaded = results[0]["objects"]
+        assert objects == uploaded > 0, f"{objects} objects in the bucket for {uploaded} files uploaded"
+    counts, problems = _classify(engine, results, s3 is not None)
     print(
         f"\nRanks table [{engine}] in {time.monotonic() - t0:.1f} s: "
         + ", ".join(f"{k} {v}" for k, v in counts.items())
+        + ("" if s3 else " (no S3 server: the URL rows left out)")
     )
     assert counts["silent"] == counts["crash"] == counts["hang"] == 0, "\n".join(problems)
     assert counts["refused on all ranks"] == counts["cases"], "\n".join(problems)

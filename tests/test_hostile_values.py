@@ -949,6 +949,40 @@ DEVICE = R(NONE_DEFAULT, names=("device",))
 STEP = R(INT_SCALARS)
 OPT_STEP = R(OPT_INT)
 DECAY = R(names=("decay",), list="[1]: one decay (1.0) per EMA", tuple="(1,): one decay (1.0) per EMA")
+
+
+def _raising(name: str) -> bool:
+    raise KeyError(name)
+
+
+# A selection (include/exclude): odd patterns, patterns of no name, predicates that raise or answer a non-bool.
+SELECTION_TYPES: dict[str, Callable[[], Any]] = {
+    "empty_pattern": lambda: "",
+    "empty_in_list": lambda: ["0.*", ""],
+    "bytes": lambda: b"0.*",
+    "nested_list": lambda: [["0.*"]],
+}
+SELECTION_VALUES: dict[str, Callable[[], Any]] = {
+    **SELECTION_TYPES,
+    "regex": lambda: r"^0\.weight$",
+    "no_such_name": lambda: "decoder.*",
+    "one_of_two_missing": lambda: ["0.*", "decoder.*"],
+    "raises": lambda: _raising,
+    "non_bool": lambda: lambda name: 1,
+    "tensor_bool": lambda: lambda name: torch.tensor(True),
+}
+INCLUDE = R(
+    NONE_DEFAULT,
+    names=("include",),
+    values={**SELECTION_VALUES, "empty_list": lambda: [], "selects_nothing": lambda: lambda name: False},
+)
+EXCLUDE = R(
+    NONE_DEFAULT,
+    names=("exclude",),
+    values={**SELECTION_VALUES, "everything": lambda: "*", "everything_by_predicate": lambda: lambda name: True},
+)
+# A load's selection also differs from the saved one (every parameter): refused naming the names and selections.
+LOAD_INCLUDE = R(INCLUDE.allow, names=("include",), values={**INCLUDE.values, "other_than_saved": lambda: "0.*"})
 DECAY_VALUE = R(names=("decay",), numpy="a real number (1)", tensor="a one-element real tensor is a number (1)")
 
 rows(
@@ -973,7 +1007,7 @@ rows(
 rows("wait_update", state=STATE)
 rows("update_info", state=STATE, shards=R(names=("shards",)))
 rows("ema_nbytes", state=STATE)
-rows("local_shards", x=MODEL)
+rows("local_shards", x=MODEL, include=INCLUDE, exclude=EXCLUDE)
 rows("shard_layout", x=MODEL)
 rows("process_group", x=MODEL)
 rows(
@@ -1000,7 +1034,13 @@ for q in ("save", "AsyncSaver.save"):
         timeout=TIMEOUT,
     )
 for q in ("save", "AsyncSaver.save"):
-    rows(q, shared=BOOL)
+    rows(q, shared=BOOL, storage_options=R(NONE_DEFAULT, names=("storage_options",)))
+rows(  # a URL is a location too (fsspec; memory:// here, per process): the save goes there
+    "save",
+    save_dir=R(
+        STR_PATH, url="an fsspec URL: the checkpoint is written there", values={"url": lambda: "memory://fe-values/s"}
+    ),
+)
 rows(
     "load",
     engine=MODEL,
@@ -1011,6 +1051,8 @@ rows(
     timeout=TIMEOUT,
     out=R(NONE_DEFAULT, names=("out",)),
     shared=BOOL,
+    include=LOAD_INCLUDE,
+    exclude=EXCLUDE,
 )
 rows(
     "checkpoint.load_checkpoint",
@@ -1023,7 +1065,15 @@ rows(
     out=R(NONE_DEFAULT, names=("out",)),
     buffers=BOOL,
     shared=BOOL,
+    include=LOAD_INCLUDE,
+    exclude=EXCLUDE,
 )
+for q in ("load", "checkpoint.load_checkpoint"):  # a URL is read in place (memory:// here): one holding nothing
+    rows(
+        q,
+        storage_options=R(NONE_DEFAULT, names=("storage_options",)),
+        load_dir=R(names=DIR_LOAD.names, values=DIR_IN.values),
+    )
 for q in ("consolidate", "consolidate_to_file"):
     rows(q, checkpoint_dir=DIR_IN, tag=TAG_READ, index=INDEX, verify=BOOL, tp_dims=R(NONE_DEFAULT), tp_rank=R(OPT_INT))
 rows("consolidate_to_file", out_path=DIR_OUT, progress=OPT_BOOL, overwrite=BOOL)
@@ -1121,6 +1171,10 @@ rows(
     dtype=EMA_DTYPE,
     async_save=BOOL,
     shared=BOOL,
+    # The controller has no model yet: it checks the types; the names are checked at the first update
+    # (tests/test_selection.py), where the model enters.
+    include=R(NONE_DEFAULT, names=("include",), values=SELECTION_TYPES, str="a pattern, matched at the first update"),
+    exclude=R(NONE_DEFAULT, names=("exclude",), values=SELECTION_TYPES, str="a pattern, matched at the first update"),
 )
 rows(
     "integrations.EMAController.on_step",
@@ -1194,6 +1248,9 @@ rows(
     foreach=BOOL,
     model_cls=R(NONE_DEFAULT, names=("model_cls",)),
     model_config=R(NONE_DEFAULT, names=("model_config",), dict="a config mapping, read when save_pretrained builds"),
+    # As the controller's: the types here, the names at the first step (tests/test_selection.py).
+    include=R(NONE_DEFAULT, names=("include",), values=SELECTION_TYPES, str="a pattern, matched at the first step"),
+    exclude=R(NONE_DEFAULT, names=("exclude",), values=SELECTION_TYPES, str="a pattern, matched at the first step"),
 )
 rows("integrations.diffusers.EMAModel.get_decay", optimization_step=R(INT_SCALARS))
 for q in ("step", "store", "copy_to", "restore"):

@@ -177,19 +177,15 @@ def _llama_checkpoint(root: Path) -> tuple[Path, Path, dict]:
     return root / "ck", root / "like", {n: state.emas[0][n].reshape(shapes[n]).clone() for n in shapes}
 
 
-def _fetch_dirs() -> set[str]:
-    import tempfile
-
-    return {p.name for p in Path(tempfile.gettempdir()).glob("fe_fetch_*")}
-
-
 def test_offline_tools_read_a_checkpoint_at_a_url(s3, tmp_path: Path, monkeypatch) -> None:
     """consolidate, consolidate_to_file and the export (API and ``python -m functional_ema export s3://...``)
     read a checkpoint uploaded to the S3 server exactly as its local folder; damaged or missing objects in
-    the bucket are refused naming the URL; the local copy is removed either way."""
+    the bucket are refused naming the URL. The checkpoint is read in place (ranged reads): nothing is
+    written into the temporary folder."""
     import json
     import subprocess
     import sys
+    import tempfile
 
     import fsspec
     import torch
@@ -209,7 +205,9 @@ def test_offline_tools_read_a_checkpoint_at_a_url(s3, tmp_path: Path, monkeypatc
         "client_kwargs": {"region_name": "us-east-1"},
     }
     monkeypatch.setitem(fsspec.config.conf, "s3", conf)
-    before = _fetch_dirs()
+    scratch = tmp_path / "scratch"  # the temporary folder of this process and of the CLI below
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     url = "s3://fe-storage/run/ck"
     local = fe.consolidate(ck, "t")
     for got in (
@@ -230,7 +228,7 @@ def test_offline_tools_read_a_checkpoint_at_a_url(s3, tmp_path: Path, monkeypatc
     env = {**os.environ, "FSSPEC_S3_KEY": s3.key, "FSSPEC_S3_SECRET": s3.secret, "FSSPEC_S3_ENDPOINT_URL": s3.endpoint}
     cli = subprocess.run(
         [sys.executable, "-m", "functional_ema", "export", url, str(tmp_path / "cli"), "--like", str(like)],
-        env={**env, "AWS_DEFAULT_REGION": "us-east-1"},
+        env={**env, "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(scratch)},
         capture_output=True,
         text=True,
         timeout=300,
@@ -260,4 +258,4 @@ def test_offline_tools_read_a_checkpoint_at_a_url(s3, tmp_path: Path, monkeypatc
     with pytest.raises(fe.checkpoint.CheckpointNotFoundError) as e:
         fe.consolidate("s3://fe-storage/run")
     assert str(e.value).startswith("checkpoint directory s3://fe-storage/run has no 'latest' file"), str(e.value)
-    assert _fetch_dirs() == before
+    assert list(scratch.iterdir()) == []

@@ -374,10 +374,12 @@ def arrive(what: str, group: dist.ProcessGroup | None, world: int, rank: int, ti
         ) from None
 
 
-def check_distinct_writers(what: str, tag_dir: Path, names: list[str], group_world: int, timeout: float | None) -> None:
+def check_distinct_writers(
+    what: str, tag_dir: Path | str, names: list[str], group_world: int, timeout: float | None
+) -> None:
     """Refuse, on every rank of the job, a save in which two ranks would write the same file.
 
-    Decided from what each rank would write (the real paths of its files), so any layout where the
+    Decided from what each rank would write (the real paths of its files; a URL's tag as named), so any layout where the
     ranks that save are not one data-parallel group is covered: model-parallel ranks with the same
     data-parallel coordinate, several groups saving into one folder. Free when the data-parallel group
     is the whole job (its file names differ by rank, and by model-parallel part); otherwise one exchange
@@ -392,7 +394,8 @@ def check_distinct_writers(what: str, tag_dir: Path, names: list[str], group_wor
         return
     me = dist.get_rank()
     arrive(f"{what} (every rank of the job: {job} ranks)", None, job, me, timeout)
-    paths = [os.path.realpath(tag_dir / n) for n in names]
+    # a local folder by its real path (two mounts of one disk are one folder); a URL (str) as it is named
+    paths = [os.path.realpath(tag_dir / n) if isinstance(tag_dir, Path) else f"{tag_dir}/{n}" for n in names]
     gathered = exchange(paths, barrier_group(None, timeout_s(timeout)), job)
     owners: dict[str, list[int]] = {}
     for r, ps in enumerate(gathered):

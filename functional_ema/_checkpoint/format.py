@@ -420,6 +420,14 @@ def manifest_parts(m: dict) -> list[dict]:
     ]
 
 
+def _selection_ok(v: Any) -> bool:
+    """A manifest's ``selection`` record (functional_ema._selection.Selection.record) is well-formed."""
+    parts = (v.get("include"), v.get("exclude")) if isinstance(v, dict) else ((),)
+    return all(
+        p is None or isinstance(p, str) or (isinstance(p, list) and all(isinstance(x, str) for x in p)) for p in parts
+    )
+
+
 def validate_manifest(mpath: Path, m: dict) -> None:
     """Types and ranges of every manifest field, and the file names; before anything else is read."""
     for field, ok, want in (  # in order, each check may rely on the ones before it
@@ -446,6 +454,9 @@ def validate_manifest(mpath: Path, m: dict) -> None:
         )
     if "extra" in m and m["extra"] is not None and not isinstance(m["extra"], dict):
         raise _manifest_field_error(mpath, "extra", "null or a JSON object", m["extra"])
+    if m.get("selection") is not None and not _selection_ok(m["selection"]):
+        want = "absent, or an object whose include and exclude are each null, a list of patterns or a predicate's name"
+        raise _manifest_field_error(mpath, "selection", want, m["selection"])
     if m.get("parts") is None:
         _validate_part(mpath, m, m, ModelPart(), "")
         return

@@ -1,24 +1,33 @@
 """Reading a saved EMA checkpoint: :class:`CheckpointReader` validates the manifest and the rank
 files' headers, then fills any range of any parameter of any EMA from the saved pieces, verifying
-checksums. ``load``, ``consolidate`` and post-hoc EMA all read through it (:func:`open_checkpoint`)."""
+checksums. ``load``, ``consolidate`` and post-hoc EMA all read through it (:func:`open_checkpoint`).
+
+A checkpoint is a local folder or an fsspec URL (``s3://bucket/run/ckpt``). At a URL it is read through the
+storage seam (``functional_ema._storage``) with ranged reads, nothing copied: the pointer file (``latest``,
+then ``ema_latest``) and the manifest by their exact names, the manifest validated before anything else;
+then, of each rank file a reader opens, its size, prefix and header, and later exactly the byte ranges of
+the pieces filled (each verified against the manifest's checksums). Nothing is listed, so a listing that
+lags a write changes nothing. Where a local folder is named by a ``Path``, a URL's files are named by a
+:class:`StoragePath` (a ``str``, the URL, carrying its storage and relative path).
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .. import _io
 from .._args import check_bool, check_int, check_optional_int, check_path
 from .._layout import ModelPart, ShardLayout, ShardSpec
-from .._storage import is_url
+from .._storage import FsspecStorage, Storage, is_url, storage_for
 from . import index
 from .errors import (
     CheckpointError,
@@ -27,8 +36,10 @@ from .errors import (
     CheckpointVersionError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InvalidTagError,
 )
 from .format import (
+    _MAX_LATEST_BYTES,
     BUFFERS_FORMAT,
     FILE_FORMAT,
     FORMAT_VERSION,
@@ -37,6 +48,7 @@ from .format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     RANK_FILE,
+    _tag_problem,
     brief,
     check_json_metadata,
     check_tag,
@@ -65,11 +77,131 @@ __all__ = [
     "open_parts",
     "open_joined",
     "fill_all",
+    "StoragePath",
 ]
 
 #: A save's module buffers as read back: ``(num_emas, emas, copied)``; ``emas[k]`` maps a floating buffer's
 #: name to EMA ``k`` of it, ``copied`` each non-floating buffer's name to its value.
 BufferTensors = tuple[int, tuple[dict[str, torch.Tensor], ...], dict[str, torch.Tensor]]
+
+
+class StoragePath(str):
+    """A file or folder of a :class:`~functional_ema._storage.Storage`, as a ``str``: its URL (what messages
+    show). ``store`` and ``rel`` (relative to the store's root; ``""``: the root) are what reads use;
+    ``/``, ``name`` and ``parent`` work as a ``Path``'s do."""
+
+    store: Storage
+    rel: str
+
+    def __new__(cls, store: Storage, rel: str = "") -> StoragePath:
+        self = super().__new__(cls, store.describe(rel) if rel else store.location.rstrip("/"))
+        self.store, self.rel = store, rel
+        return self
+
+    def __truediv__(self, name: str) -> StoragePath:
+        return StoragePath(self.store, f"{self.rel}/{name}" if self.rel else name)
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rpartition("/")[2]
+
+    @property
+    def parent(self) -> StoragePath:
+        if self.rel:
+            return StoragePath(self.store, self.rel.rpartition("/")[0])
+        up = self.rstrip("/").rpartition("/")[0]
+        if up.endswith(":/"):  # the bucket itself: the checkpoint folder is the bucket's root
+            return self
+        store = self.store
+        return StoragePath(FsspecStorage(up, fs=store.fs) if isinstance(store, FsspecStorage) else storage_for(up))
+
+    def source(self) -> tuple[Storage, str]:
+        """The byte source :class:`functional_ema._io.SafetensorsFile` reads."""
+        return self.store, self.rel
+
+    def size(self) -> int | None:
+        """The file's size, asked of the storage now by its exact name (a HEAD); None when no file is there."""
+        return self.store.file_size(self.rel)
+
+
+#: Where a checkpoint's files are: a local folder (``Path``) or a folder of a storage (``StoragePath``).
+Location = Path | StoragePath
+
+
+def _as_path(p: Location) -> Path:
+    """``p`` where a helper of ``format`` takes a ``Path``: those only name the file in their messages."""
+    return cast(Path, p)
+
+
+def _file_source(p: Location) -> Path | tuple[Storage, str]:
+    return p.source() if isinstance(p, StoragePath) else p
+
+
+def _file_size(p: Location) -> int | None:
+    """The size of the file at ``p``; None when no file is there (a folder is not one)."""
+    if isinstance(p, StoragePath):
+        return p.size()
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _pointed_tag(root: StoragePath) -> str:
+    """The tag the pointer file at ``root`` names (``latest`` first, as DeepSpeed's wins), read by its exact
+    name with the local reader's rules: one plain tag name, at most a few KiB, never echoed."""
+    for name in ("latest", LATEST_NAME):
+        pointer = root / name
+        size = pointer.size()
+        if size is None:
+            continue
+        if size > _MAX_LATEST_BYTES:
+            raise InvalidTagError(f"{pointer} holds {size} bytes, not one tag name: pass tag=...")
+        try:
+            tag = pointer.store.read_range(pointer.rel, 0, size).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise InvalidTagError(f"{pointer} is not UTF-8 text, so it names no tag: pass tag=...") from None
+        except EOFError:
+            raise CheckpointNotFoundError(f"{pointer} changed while it was read: load again, or pass tag=...") from None
+        if not tag:
+            raise CheckpointNotFoundError(f"{pointer} is empty (a crash while it was written?): pass tag=...")
+        problem = _tag_problem(tag)
+        if problem is not None:
+            raise InvalidTagError(
+                f"{pointer} does not name a tag folder of {root}: its content {problem}. Tags are looked up only "
+                "inside the checkpoint directory; pass tag=... (or --tag)"
+            )
+        return tag
+    raise CheckpointNotFoundError(
+        f"checkpoint directory {root} has no 'latest' file (DeepSpeed writes it in save_checkpoint) nor "
+        f"{LATEST_NAME!r} (functional_ema.save writes it), nor is it a tag folder (no ema_manifest.json): pass tag=..."
+    )
+
+
+def _missing_files(tag: str, tag_dir: Location, missing: list[tuple[dict, dict]]) -> IncompleteCheckpointError:
+    """The refusal of a tag whose manifest lists files (``(file record, part)``) that are not there."""
+    listed = ", ".join(
+        f"{e['file']} (rank {e['rank']} of {p['world_size']}"
+        + ("" if p["part"].whole else f", {p['part'].describe()}")
+        + ")"
+        for e, p in missing[:4]
+    )
+    return IncompleteCheckpointError(
+        f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} file(s) listed in its manifest: {listed}. "
+        "The folder was copied or pruned partially: restore the file(s) or load another tag (a save with "
+        "shared=False into each rank's own folder: load it with shared=False, or merge the folders first)"
+    )
+
+
+def _check_inside(path: Location, tag_dir: Location, where: str, fix: str = "") -> None:
+    """A local file that is a link to a file outside its tag folder is never followed (a storage's relative paths
+    are confined by the storage itself)."""
+    if isinstance(path, Path) and isinstance(tag_dir, Path) and path.resolve().parent != tag_dir.resolve():
+        raise CorruptCheckpointError(
+            f"{where} is a link to a file outside the tag folder {tag_dir}; functional_ema reads only its own "
+            f"files inside the tag folder{fix}"
+        )
 
 
 class RankFile:
@@ -99,7 +231,13 @@ class CheckpointReader:
     """
 
     def __init__(
-        self, root: Path, tag: str, tag_dir: Path, manifest: dict, files: list[RankFile], part: dict | None = None
+        self,
+        root: Location,
+        tag: str,
+        tag_dir: Location,
+        manifest: dict,
+        files: list[RankFile],
+        part: dict | None = None,
     ) -> None:
         self.root, self.tag, self.tag_dir, self.manifest, self.files = root, tag, tag_dir, manifest, files
         self.partial = False  # True when only some rank files were opened (see open's ``own``)
@@ -165,7 +303,7 @@ class CheckpointReader:
         return readers
 
     @classmethod
-    def _select(cls, tag_dir: Path, manifest: dict, part: ModelPart | None) -> dict:
+    def _select(cls, tag_dir: Location, manifest: dict, part: ModelPart | None) -> dict:
         parts = manifest_parts(manifest)
         if part is None and len(parts) == 1:
             return parts[0]
@@ -186,10 +324,12 @@ class CheckpointReader:
     @classmethod
     def _locate(
         cls, checkpoint_dir: str | os.PathLike, tag: str | None, local: bool = False
-    ) -> tuple[Path, str, Path, dict]:
+    ) -> tuple[Location, str, Location, dict]:
         """(root, tag, tag folder, validated manifest), following ``latest`` / ``ema_latest`` for ``tag=None``;
         every file the manifest lists must exist, unless ``local`` (a private save's folder: the files this
         rank reads are checked when it opens them, :func:`check_local`)."""
+        if isinstance(checkpoint_dir, str) and is_url(checkpoint_dir):  # a StoragePath is one too
+            return cls._locate_url(checkpoint_dir, tag)
         root = check_path(checkpoint_dir, "checkpoint_dir")
         if root.is_file():
             cls._not_a_directory(root)
@@ -244,32 +384,50 @@ class CheckpointReader:
         manifest = cls._read_manifest(mpath)
         if local:
             return root, tag, tag_dir, manifest
+        cls._check_present(tag, tag_dir, manifest)
+        return root, tag, tag_dir, manifest
+
+    @classmethod
+    def _check_present(cls, tag: str, tag_dir: Location, manifest: dict) -> None:
         missing = [
             (e, p)
             for p in manifest_parts(manifest)
             for e in p["files"] + (p.get("buffer_files") or [])
-            if not (tag_dir / e["file"]).is_file()
+            if _file_size(tag_dir / e["file"]) is None
         ]
         if missing:
-            listed = ", ".join(
-                f"{e['file']} (rank {e['rank']} of {p['world_size']}"
-                + ("" if p["part"].whole else f", {p['part'].describe()}")
-                + ")"
-                for e, p in missing[:4]
+            raise _missing_files(tag, tag_dir, missing)
+
+    @classmethod
+    def _locate_url(cls, location: str | StoragePath, tag: str | None) -> tuple[Location, str, Location, dict]:
+        """:meth:`_locate` of a checkpoint at a URL: the pointer files and the manifest read by their exact names
+        (nothing listed); the files the manifest lists are checked when a reader opens them (one request each for
+        the files it reads, not one per file of the save on every rank)."""
+        root = location if isinstance(location, StoragePath) else StoragePath(storage_for(location))
+        from_latest = False
+        if tag is None and (root / MANIFEST_NAME).size() is not None:  # handed the tag folder itself
+            tag, root = root.name, root.parent
+        elif tag is None:
+            tag, from_latest = _pointed_tag(root), True
+        tag = check_tag(tag, saving=False)
+        tag_dir = root / tag
+        mpath = tag_dir / MANIFEST_NAME
+        size = mpath.size()
+        if size is None:  # without a listing, a tag never saved and one whose save did not finish look alike
+            hint = " 'latest' names this tag: its EMA save did not finish; load another tag" if from_latest else ""
+            raise CheckpointNotFoundError(
+                f"checkpoint directory {root}: no complete EMA checkpoint of tag {tag!r} there ({mpath} does not "
+                f"exist; the manifest is written last){hint}"
             )
-            raise IncompleteCheckpointError(
-                f"tag {tag!r} in {tag_dir.parent} is missing {len(missing)} file(s) listed in its manifest: {listed}. "
-                "The folder was copied or pruned partially: restore the file(s) or load another tag (a save with "
-                "shared=False into each rank's own folder: load it with shared=False, or merge the folders first)"
-            )
+        manifest = cls._parse_manifest(mpath, size, lambda: mpath.store.read_range(mpath.rel, 0, size))
         return root, tag, tag_dir, manifest
 
     @classmethod
     def _for_part(
         cls,
-        root: Path,
+        root: Location,
         tag: str,
-        tag_dir: Path,
+        tag_dir: Location,
         manifest: dict,
         entry: dict,
         verify: bool,
@@ -314,14 +472,21 @@ class CheckpointReader:
             f"{path} is a file: pass the checkpoint directory (the one holding 'latest' and the tag folders)"
         )
 
+    @classmethod
+    def _read_manifest(cls, mpath: Path) -> dict:
+        return cls._parse_manifest(mpath, mpath.stat().st_size, mpath.read_bytes)
+
     @staticmethod
-    def _read_manifest(mpath: Path) -> dict:
-        size = mpath.stat().st_size
+    def _parse_manifest(mpath: Location, size: int, read: Callable[[], bytes]) -> dict:
+        """The manifest of ``size`` bytes that ``read()`` returns, validated (its size checked before the read)."""
         if size > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(
                 f"{mpath} holds {size} bytes, far more than any manifest: it is damaged; load another tag"
             )
-        raw = mpath.read_bytes()
+        try:
+            raw = read()
+        except EOFError:  # replaced by a shorter object between its size and its read
+            raise CorruptCheckpointError(f"{mpath} changed while it was read: load again, or another tag") from None
         if _io.looks_like_pickle(raw[:8]):
             raise CorruptCheckpointError(
                 f"{mpath} is a pickle, not JSON; functional_ema never unpickles. The manifest is damaged"
@@ -356,18 +521,17 @@ class CheckpointReader:
             raise CheckpointVersionError(
                 f"{mpath} uses checksum chunks of {brief(manifest['chunk_bytes'])} bytes; this version uses {_io.CHUNK_BYTES}"
             )
-        validate_manifest(mpath, manifest)
+        validate_manifest(_as_path(mpath), manifest)
         return manifest
 
     @staticmethod
     def _open_files(
-        tag: str, tag_dir: Path, manifest: dict, part: dict, verify: bool, entries: list[dict]
+        tag: str, tag_dir: Location, manifest: dict, part: dict, verify: bool, entries: list[dict]
     ) -> list[RankFile]:
         """The rank files of ``entries`` (of one part's ``files``), opened and validated."""
         world = int(part["world_size"])
         dtype_name = manifest["dtype"]
         files = []
-        real_tag_dir = tag_dir.resolve()
         cuts = part.get(index.FIELD)
         lookup = None if cuts is None else index.Lookup(cuts, part["params"])
         position = {id(e): i for i, e in enumerate(part["files"])}
@@ -378,19 +542,19 @@ class CheckpointReader:
                 f"{path} (rank {rank} of {world}" + ("" if part["part"].whole else f", {part['part'].describe()}") + ")"
             )
             if verify:  # the checksum lists of the files a reader opens (of the others: never read)
-                check_tensor_checksums(tag_dir / MANIFEST_NAME, manifest, e, record)
-            if path.resolve().parent != real_tag_dir:  # a link to a file elsewhere: never followed
-                raise CorruptCheckpointError(
-                    f"{where} is a link to a file outside the tag folder {tag_dir}; functional_ema reads only its own "
-                    "files inside the tag folder. Replace the link by the file itself"
-                )
+                check_tensor_checksums(_as_path(tag_dir / MANIFEST_NAME), manifest, e, record)
+            _check_inside(path, tag_dir, where, ". Replace the link by the file itself")
             try:
-                st = _io.SafetensorsFile(path, expected_size=int(e["bytes"]))
+                st = _io.SafetensorsFile(_file_source(path), expected_size=int(e["bytes"]))
+            except FileNotFoundError:
+                if not isinstance(path, StoragePath):  # a local folder's files were all found by _locate
+                    raise
+                raise _missing_files(tag, tag_dir, [(e, part)]) from None
             except _io.PickleFileError as err:
                 raise CorruptCheckpointError(f"{err} [rank {rank} of {world}]") from None
             except _io.TruncatedFileError as err:
                 raise CorruptCheckpointError(
-                    f"{where} is truncated: {path.stat().st_size} bytes, the manifest records {e['bytes']}. The write or "
+                    f"{where} is truncated: {_file_size(path)} bytes, the manifest records {e['bytes']}. The write or "
                     f"copy was cut short: restore the file or load another tag ({err})"
                 ) from None
             except _io.FormatError as err:
@@ -402,7 +566,7 @@ class CheckpointReader:
                 )
             if verify and uses_compact_checksums(manifest):  # format 5: cut by the tensors of the header just verified
                 crcs = split_chunk_checksums(
-                    tag_dir / MANIFEST_NAME, record, e["chunk_checksums"], algo, st.tensors, where
+                    _as_path(tag_dir / MANIFEST_NAME), record, e["chunk_checksums"], algo, st.tensors, where
                 )
             meta = st.metadata
             if meta.get("format") != FILE_FORMAT:
@@ -542,13 +706,9 @@ class CheckpointReader:
             + ("" if self.part.whole else f", {self.part.describe()}")
             + ")"
         )
-        if path.resolve().parent != self.tag_dir.resolve():
-            raise CorruptCheckpointError(
-                f"{where} is a link to a file outside the tag folder {self.tag_dir}; functional_ema "
-                "reads only its own files inside the tag folder"
-            )
+        _check_inside(path, self.tag_dir, where)
         try:
-            st = _io.SafetensorsFile(path, expected_size=int(entry["bytes"]))
+            st = _io.SafetensorsFile(_file_source(path), expected_size=int(entry["bytes"]))
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where} is missing: restore it or load another tag") from None
         except _io.FormatError as err:
@@ -785,10 +945,10 @@ def fill_all(
         raise failures[min(failures)]
 
 
-def check_local(tag_dir: Path, part: dict, entries: list[dict]) -> None:
+def check_local(tag_dir: Location, part: dict, entries: list[dict]) -> None:
     """A private save's folder (``load(..., shared=False)``) must hold the files this rank reads: else refused,
     naming them and how to merge the folders."""
-    missing = [e for e in entries if not (tag_dir / e["file"]).is_file()]
+    missing = [e for e in entries if _file_size(tag_dir / e["file"]) is None]
     if missing:
         listed = ", ".join(f"{e['file']} (saved by rank {e['rank']} of {part['world_size']})" for e in missing[:4])
         raise IncompleteCheckpointError(
@@ -851,7 +1011,7 @@ def open_checkpoint(
 
 def locate_checkpoint(
     load_dir: str | os.PathLike[str], tag: str | None = None, local: bool = False
-) -> tuple[Path, str, Path, dict]:
+) -> tuple[Location, str, Location, dict]:
     """(root, tag, tag folder, validated manifest) of a saved checkpoint, following ``latest`` /
     ``ema_latest`` for ``tag=None``; every file the manifest lists must exist (``local``: a private save's
     folder, which may lack other ranks' files). Reads no rank file."""
@@ -901,7 +1061,6 @@ class JoinedReader:
         self, readers: list[CheckpointReader], tp_dims: dict[str, int | None] | None = None, tp_rank: int | None = None
     ) -> None:
         self.readers = readers
-        self._fetched = contextlib.ExitStack()  # open_joined's local copy of a checkpoint at a URL, if any
         first = readers[0]
         self.tag, self.root, self.tag_dir, self.manifest = first.tag, first.root, first.tag_dir, first.manifest
         self.step, self.num_emas, self.dtype = first.step, first.num_emas, first.dtype
@@ -1046,16 +1205,12 @@ class JoinedReader:
     def close(self) -> None:
         for r in self.readers:
             r.close()
-        self._fetched.close()  # a checkpoint read from a URL: its local copy is removed
 
     def __enter__(self) -> JoinedReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for r in self.readers:
-            r.close()
-        # A checkpoint read from a URL: its copy is removed, and an error of the block names the URL (remote.py).
-        self._fetched.__exit__(*exc)
+        self.close()
 
 
 def open_joined(
@@ -1070,22 +1225,14 @@ def open_joined(
     verify = check_bool(verify, "verify")
     tp_dims = check_tp_dims(tp_dims)
     tp_rank = check_optional_int(tp_rank, "tp_rank")
-    fetch = contextlib.ExitStack()
-    if is_url(load_dir):  # an fsspec URL: what is read is copied into a local folder first (remote.py)
-        from .remote import fetched
-
-        load_dir = fetch.enter_context(fetched(os.fspath(load_dir), tag))
     readers: list[CheckpointReader] = []
-    try:
+    try:  # a URL is read in place, with ranged reads (see the module docstring)
         readers = CheckpointReader.open_parts(load_dir, tag, verify)
-        joined = JoinedReader(readers, tp_dims, tp_rank)
-    except BaseException as e:
+        return JoinedReader(readers, tp_dims, tp_rank)
+    except BaseException:
         for r in readers:
             r.close()
-        fetch.__exit__(type(e), e, e.__traceback__)  # from a URL: the copy removed, a CheckpointError renamed
         raise
-    joined._fetched = fetch
-    return joined
 
 
 class RecutReader:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ import xxhash
 from .. import _io
 from .._fit import state_problem
 from .._layout import ModelPart, ShardLayout
+from .._selection import selection_record
 from .._state import BufferState, EmaState
 from ..schedules import DecayLike, as_schedule
 from . import collective, index
@@ -118,7 +119,9 @@ def plan_save(
     the tag (see :func:`read_generation`)."""
     dtype = check_state(state, layout)
     schedules = describe_decays(decay, state.num_emas)
+    selection = selection_record(state.emas[0])  # the include/exclude the EMA averages (None: every parameter)
     return {
+        **({"selection": selection} if selection is not None else {}),
         "tag": tag,
         "step": int(state.step),
         "num_emas": state.num_emas,
@@ -171,6 +174,7 @@ AGREED_FIELDS = (
     "step",
     "num_emas",
     "dtype",
+    "selection",  # the include/exclude the EMA averages (absent from a plan: every parameter), named when it differs
     "layout",
     "schedules",
     "buffers",
@@ -189,6 +193,7 @@ def _agreed(plan: dict) -> tuple[str, ...]:
 def check_plans(plans: list[dict]) -> None:
     """Raise :class:`CheckpointMismatchError` naming each rank's value of every field the plans differ in."""
     fields = _agreed(plans[0])
+    plans = [dict(p, selection=p.get("selection")) for p in plans]  # absent: every parameter (as agree_plans)
     if "buffers" not in fields:  # model-parallel parts: each its own buffers, but all of them save some or none
         fields += ("buffers",)  # (as agree_plans's digest has it: a part without buffers would fail to resume)
         plans = [dict(p, buffers=p.get("buffers") is not None) for p in plans]
@@ -222,7 +227,7 @@ def agree_plans(
         digest, generation, token = -1, -1, -1
         if mine is not None:
             agreed = json.dumps(
-                [mine[f] for f in _agreed(mine)] + [mine["buffers"] is not None], sort_keys=True
+                [mine.get(f) for f in _agreed(mine)] + [mine["buffers"] is not None], sort_keys=True
             ).encode()
             digest = xxhash.xxh3_64_intdigest(agreed) >> 2  # in [0, 2**62): its negation fits too
             if rank == 0:
@@ -290,12 +295,18 @@ def _record(
 
 
 def write_rank_file(
-    path: Path, layout: ShardLayout, emas: Sequence[dict[str, torch.Tensor]], dtype: torch.dtype, meta: dict[str, str]
+    path: Path,
+    layout: ShardLayout,
+    emas: Sequence[dict[str, torch.Tensor]],
+    dtype: torch.dtype,
+    meta: dict[str, str],
+    sink: contextlib.AbstractContextManager[IO[bytes]] | None = None,
 ) -> dict:
-    """Write this rank's file (``emas.<k>.<name>``, atomically) and return its manifest record."""
+    """Write this rank's file (``emas.<k>.<name>``, atomically) and return its manifest record. ``sink``:
+    stream it there instead of ``path`` (a ``Storage.writer``; ``path`` then only names it)."""
     names = list(layout.specs)
     entries = [(tensor_key(k, n), dtype, (layout.specs[n].numel,)) for k in range(len(emas)) for n in names]
-    with _io.StreamingWriter(path, entries, meta, algo=_io.CHECKSUM) as w:
+    with _io.StreamingWriter(path, entries, meta, algo=_io.CHECKSUM, sink=sink) as w:
         for k, ema in enumerate(emas):
             for n in names:
                 w.write(tensor_key(k, n), ema[n].reshape(-1))
@@ -329,11 +340,19 @@ def buffer_tensors(buffers: BufferState, desc: dict[str, Any]) -> list[tuple[str
     return out + [(f"copied.{n}", buffers.copied[n]) for n in desc["copied"]]
 
 
-def write_buffer_file(path: Path, rank: int, buffers: BufferState, desc: dict[str, Any], meta: dict[str, str]) -> dict:
-    """Write this rank's buffers (atomically) and return the file's manifest record."""
+def write_buffer_file(
+    path: Path,
+    rank: int,
+    buffers: BufferState,
+    desc: dict[str, Any],
+    meta: dict[str, str],
+    sink: contextlib.AbstractContextManager[IO[bytes]] | None = None,
+) -> dict:
+    """Write this rank's buffers (atomically) and return the file's manifest record (``sink``: as
+    :func:`write_rank_file`'s)."""
     tensors = buffer_tensors(buffers, desc)
     entries = [(key, t.dtype, tuple(t.shape)) for key, t in tensors]
-    with _io.StreamingWriter(path, entries, meta, algo=_io.CHECKSUM) as w:
+    with _io.StreamingWriter(path, entries, meta, algo=_io.CHECKSUM, sink=sink) as w:
         for key, t in tensors:
             w.write(key, t.detach())
         size = w.commit()
@@ -393,6 +412,7 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]], **extra:
         "dtype": plan["dtype"],
         "schedules": plan["schedules"],
         "extra": plan["extra"],
+        **({"selection": plan["selection"]} if plan.get("selection") is not None else {}),  # absent: every parameter
         "chunk_bytes": _io.CHUNK_BYTES,
         "checksum": _io.CHECKSUM,
     }

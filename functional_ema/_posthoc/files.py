@@ -60,7 +60,7 @@ def save_snapshot(
     schedules: Sequence[Schedule | float],
     *,
     tag: str | None = None,
-) -> Path:
+) -> Path | str:
     """Write this rank's pieces of every tracked power EMA as a snapshot checkpoint. Collective.
 
     Call it on every rank every N steps (e.g. ``if step % 1000 == 0``). It is
@@ -80,7 +80,7 @@ def save_snapshot(
         tag: folder name; default :func:`snapshot_tag` of ``state.step``.
 
     Returns:
-        The snapshot folder.
+        The snapshot folder (its URL, a ``str``, for a URL ``snapshot_dir``: see :func:`functional_ema.save`).
 
     Example:
         >>> scheds = [schedules.power(sigma_rel=s) for s in (0.05, 0.10)]       # doctest: +SKIP

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from .._layout import ShardLayout, ShardSpec
-from .._shards import Shards
+from .._selection import Selection
+from .._shards import Shards, shards_from_views
 
 if TYPE_CHECKING:
     from .._state import EmaState
@@ -36,6 +37,9 @@ __all__ = [
     "Adapter",
     "Reading",
     "SwapStats",
+    "select",
+    "selection_of",
+    "read_for",
     "swap_by_copy",
     "known_adapter",
     "gather_pieces",
@@ -65,13 +69,14 @@ class Reading:
         token: what the adapter compares to decide whether the reading is still current.
     """
 
-    __slots__ = ("shards", "layout", "params", "group", "token", "_all_specs")
+    __slots__ = ("shards", "layout", "params", "group", "token", "_all_specs", "_selected")
 
     def __init__(
         self, shards: Shards, layout: ShardLayout, params: dict[str, torch.nn.Parameter], group: Any, token: Any
     ) -> None:
         self.shards, self.layout, self.params, self.group, self.token = shards, layout, params, group, token
         self._all_specs: list[dict[str, ShardSpec]] | None = None  # every rank's specs, exchanged once
+        self._selected: dict[tuple, Reading] = {}  # readings of a selection of these names (see select)
         shards.group = training_group(layout, group)
 
     def all_specs(self) -> list[dict[str, ShardSpec]]:
@@ -79,6 +84,57 @@ class Reading:
         if self._all_specs is None:
             self._all_specs = exchange_specs(self.layout, self.group)
         return self._all_specs
+
+
+# How many selections of one reading are kept (see select): a loop that passes a new predicate object at
+# every call would otherwise keep every one alive; the usual one or two selections stay cached.
+_MAX_SELECTIONS = 4
+
+
+def select(reading: Reading, selection: Selection | None) -> Reading:
+    """The reading of the parameters ``selection`` picks (``reading`` itself for ``None``): the one place every
+    engine's pieces are filtered by name (:mod:`functional_ema._selection`).
+
+    Its ``Shards`` holds views of the selected pieces only, grouped into segments as ``local_shards`` groups any
+    views (neighbours in one flat buffer share a segment), and carries the selection; its layout, parameters and
+    group are the reading's for those names, so every verb (``save``, ``swapped``, ``gather_full``, copies into
+    the model) touches the selected parameters only and leaves the others live. Kept on ``reading`` (made once
+    per selection while the reading is current), so ``local_shards(x, include=...)`` returns the same object
+    every step and ``update`` keeps its fused plan."""
+    if selection is None:
+        return reading
+    cache = reading._selected
+    hit = cache.get(selection.key)
+    if hit is not None:
+        return hit
+    layout = reading.layout
+    names = selection.apply(list(layout.specs))  # raises, naming the pattern or predicate, on a bad selection
+    shards = shards_from_views([(n, reading.shards[n]) for n in names])
+    tp_dims = None if layout.tp_dims is None else {n: d for n, d in layout.tp_dims.items() if n in names}
+    sub = Reading(
+        shards,
+        layout._replace(specs={n: layout.specs[n] for n in names}, tp_dims=tp_dims),
+        {n: reading.params[n] for n in names},
+        reading.group,
+        reading.token,
+    )
+    shards.selection = selection
+    if len(cache) >= _MAX_SELECTIONS:
+        cache.pop(next(iter(cache)))
+    cache[selection.key] = sub
+    return sub
+
+
+def selection_of(state: Any) -> Selection | None:
+    """The selection a state's EMAs were made with (``None`` for all parameters, or a state of plain trees)."""
+    emas = getattr(state, "emas", None)
+    first = emas[0] if isinstance(emas, tuple) and emas else None
+    return first.selection if isinstance(first, Shards) else None
+
+
+def read_for(adapter: Adapter, state: Any) -> Reading:
+    """The adapter's reading, of the parameters ``state`` averages (its selection, if any)."""
+    return select(adapter.read(), selection_of(state))
 
 
 class _Slot:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._base import Adapter, Reading
+from ._base import Adapter, Reading, select
 
 __all__ = ["PipelineStageAdapter", "is_pipeline_stage"]
 
@@ -80,7 +80,7 @@ class PipelineStageAdapter(Adapter):
         self, reading: Reading, pieces: Mapping[str, torch.Tensor], state: Any, index: int, changes: list[str]
     ) -> Any:
         inner, seen = reading.token
-        return inner.swap(seen, pieces, state, index, changes)
+        return inner.swap(select(seen, reading.shards.selection), pieces, state, index, changes)
 
     def joins_slices(self, reading: Reading) -> bool:
         inner, seen = reading.token
@@ -94,7 +94,7 @@ class PipelineStageAdapter(Adapter):
 
     def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
         inner, seen = reading.token
-        inner.write_weights(seen, pieces)
+        inner.write_weights(select(seen, reading.shards.selection), pieces)  # the selection's parameters only
 
     def refuse_training(self, why: str) -> Any:  # the inner adapter's context manager
         return self._inner().refuse_training(why)

@@ -56,7 +56,9 @@ from functional_ema._checkpoint.reader import locate_checkpoint
 from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
 from functional_ema._core import check_ema_dtype
 from functional_ema._io import atomic_write_bytes, write_tensors
+from functional_ema._selection import SelectionLike, make_selection, selection_record
 from functional_ema.checkpoint import Loaded
+from functional_ema.engines._base import read_for
 from functional_ema.schedules import DecayLike, Schedule, check_decays
 
 __all__ = ["EMAController", "expected_ema_step", "RECORD_NAME"]
@@ -124,6 +126,11 @@ class EMAController:
             the not-started record into its own folder. With ``async_save``, a save's files are written in the
             background and committed over the process group at the next :meth:`save`, :meth:`wait`,
             :meth:`load` or the end of training (``AsyncSaver.save(..., shared=False)``).
+        include, exclude: which parameters are averaged, by name (as for :func:`functional_ema.local_shards`:
+            shell-style patterns or a predicate ``(name) -> bool``; ``exclude`` wins). The others are trained and
+            left live by the EMA evaluation, the checkpoint, :meth:`copy_to_model` and the export (which holds
+            the selected parameters only: ``fe.export.to_hf`` copies the others from ``--like``). A resume must
+            pass the same selection. Patterns are checked against the model's names at the first update.
     """
 
     def __init__(
@@ -142,6 +149,8 @@ class EMAController:
         dtype: torch.dtype = torch.float32,
         async_save: bool = False,
         shared: bool = True,
+        include: SelectionLike = None,
+        exclude: SelectionLike = None,
     ) -> None:
         # Every argument is checked here, before training starts (not at the first update, hours in).
         self.decays = check_decays(decay, "decay")
@@ -171,6 +180,8 @@ class EMAController:
         async_save = check_bool(async_save, "async_save")
         self.shared = check_bool(shared, "shared")
         self.dtype = check_ema_dtype(dtype)  # refused here, not at the first optimizer step
+        make_selection(include, exclude)  # the types now; the names at the first local_shards
+        self.include, self.exclude = include, exclude
         self.posthoc_dir = posthoc_path
         self.export_path = None if export_path is None else check_path(export_path, "export_path")
         self.state: fe.EmaState | None = None
@@ -215,14 +226,16 @@ class EMAController:
         if step < max(1, self.start_step):
             return False
         if self.state is None:
-            self.state = fe.init_ema(fe.local_shards(x), num_emas=self.num_emas, dtype=self.dtype, step=step)
+            shards = fe.local_shards(x, include=self.include, exclude=self.exclude)
+            self.state = fe.init_ema(shards, num_emas=self.num_emas, dtype=self.dtype, step=step)
             if self.buffers:
                 self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=step)
             moved = True
         elif step % self.every_n_steps or step == int(self.state.step):
             return False
         else:
-            self.state = fe.update(self.state, fe.local_shards(x), step, decay=self.decay)
+            shards = fe.local_shards(x, include=self.include, exclude=self.exclude)
+            self.state = fe.update(self.state, shards, step, decay=self.decay)
             if self.buffers:
                 self.buffer_state = fb.update_buffers(
                     self._buffer_state(), x, step, decay=self.decay, mode=self.buffers
@@ -414,7 +427,13 @@ class EMAController:
             )
         try:
             loaded = fe.checkpoint.load_checkpoint(
-                x, load_dir, self.tag, buffers=bool(self.buffers) and saved_buffers, shared=self.shared
+                x,
+                load_dir,
+                self.tag,
+                buffers=bool(self.buffers) and saved_buffers,
+                shared=self.shared,
+                include=self.include,
+                exclude=self.exclude,
             )
         except fe.CheckpointError as e:
             raise type(e)(f"resuming the EMA from {tag_dir}: {e}") from e
@@ -554,6 +573,8 @@ class EMAController:
                 "ema_index": str(index),
                 "schedule": json.dumps(schedule[0] if schedule else None),
             }
+            if selection_record(state.emas[0]) is not None:  # the file holds the selected parameters only
+                meta["selection"] = json.dumps(selection_record(state.emas[0]))
             write_tensors(path, tensors, meta)  # atomically, with the file's own checksums
         _barrier()
         return path if _rank() == 0 else None
@@ -570,7 +591,7 @@ class EMAController:
         """
         index, state = self._index(index)
         adapter = fe.engines.adapter_for(x)
-        reading = adapter.read()
+        reading = read_for(adapter, state)  # a selection's parameters; the others keep their trained values
         pieces = state_pieces(state, reading, index, "copy_to_model")  # all ranks agree before any write
         live = fb.module_buffers(x) if self.buffer_state is not None else {}
         if self.buffer_state is not None:

@@ -57,7 +57,9 @@ import functional_ema as fe
 from functional_ema._api import state_pieces
 from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
 from functional_ema._checkpoint.collective import Job, arrive, job_of
+from functional_ema._selection import SelectionLike, make_selection
 from functional_ema.engines import adapter_for, refuse_engine_internals
+from functional_ema.engines._base import read_for, select
 from functional_ema.engines.deepspeed import is_deepspeed_engine
 from functional_ema.engines.module import is_ddp
 
@@ -328,7 +330,8 @@ def _moved(state: fe.EmaState, x: Any, device: torch.device, pin: bool, non_bloc
     same = here is not None and here.type == device.type and device.index in (None, here.index)  # "cuda" = "cuda:0"
     if same and (not pin or segments[0].is_pinned()):
         return state
-    new = fe.init_ema(fe.local_shards(x), device=device, pin_memory=pin, step=int(state.step))
+    shards = read_for(adapter_for(x), state).shards  # the state's selection, if any
+    new = fe.init_ema(shards, device=device, pin_memory=pin, step=int(state.step))
     with torch.no_grad():
         for n, t in state.emas[0].items():
             new.emas[0][n].copy_(t, non_blocking=non_blocking)
@@ -358,6 +361,10 @@ class EMAModel:
         foreach: accepted for diffusers' signature (a bool); the update is always fused here.
         model_cls: the diffusers model class ``save_pretrained`` builds (``UNet2DConditionModel``).
         model_config: its config (``model.config``).
+        include, exclude: not diffusers': which parameters are averaged, by name (as for
+            :func:`functional_ema.local_shards`); the others are treated as frozen ones are: not averaged,
+            their live values in ``state_dict``, ``save_pretrained`` and ``shadow_params``, left live by
+            ``copy_to``. The names are checked at the first :meth:`step`.
         **kwargs: diffusers' deprecated ``max_value`` (for ``decay``), ``min_value`` (for ``min_decay``),
             ``device`` (for :meth:`to`), with its warning; any other keyword is refused.
 
@@ -392,6 +399,9 @@ class EMAModel:
         foreach: bool = False,
         model_cls: Any | None = None,
         model_config: dict[str, Any] | None = None,
+        *,
+        include: SelectionLike = None,
+        exclude: SelectionLike = None,
         **kwargs: Any,
     ) -> None:
         fields = _constructor_settings(
@@ -421,6 +431,7 @@ class EMAModel:
         self.cur_decay_value: float | None = None
         self.temp_stored_params: list[torch.Tensor] | None = None
         self._init_private(device)
+        self._selection = make_selection(include, exclude)  # the types now; the names at the first step
         if any(_sharded(p) for p in params):  # the trained model's own parameters: bind now, no full copy
             self._bind(params, hint, "EMAModel")
         else:
@@ -447,7 +458,7 @@ class EMAModel:
         the starting values (this rank's slice of each), at ``optimization_step``."""
         x = _owner(params, hint, verb)
         adapter = adapter_for(x)
-        reading = adapter.read()
+        reading = select(adapter.read(), self._selection)  # positions left out are not averaged, as frozen ones
         if not reading.layout.part.whole:
             raise NotImplementedError(
                 f"EMAModel.{verb}: the model is split into model-parallel parts ({reading.layout.part.describe()}); "
@@ -466,7 +477,7 @@ class EMAModel:
             shapes = [reading.layout.specs[n].shape if n else _full_shape(p) for n, p in zip(names, positions)]
             _check_values(self._pending, shapes, f"EMAModel.{verb}", "the parameters given to EMAModel")
         step = check_int(self.optimization_step, "optimization_step")
-        state = fe.init_ema(fe.local_shards(x), device=self._device, pin_memory=self._pin, step=step)
+        state = fe.init_ema(reading.shards, device=self._device, pin_memory=self._pin, step=step)
         if self._pending is not None:
             _fill(state, reading.layout, names, self._pending)
         self._x, self._positions, self._names, self._state, self._pending = x, positions, names, state, None
@@ -554,7 +565,7 @@ class EMAModel:
         assert self._state is not None
         step = check_int(self.optimization_step, "optimization_step") + 1
         decay = self.get_decay(step)
-        shards = fe.local_shards(self._x)
+        shards = select(adapter_for(self._x).read(), self._selection).shards
         state = fe.update(self._state, shards, step, decay=float(decay))
         for n, p in zip(self._names, self._positions):
             if n is not None and not p.requires_grad:  # frozen since: diffusers copies it
@@ -595,7 +606,7 @@ class EMAModel:
                 self._swap = stack
                 return
             adapter = adapter_for(self._x)
-            reading = adapter.read()
+            reading = read_for(adapter, self._state)  # the selected parameters; the others keep their values
             adapter.write_weights(reading, state_pieces(self._state, reading, 0, "EMAModel.copy_to"))
             if job.world > 1:
                 dist.barrier(group=job.group)

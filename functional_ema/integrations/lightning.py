@@ -67,8 +67,9 @@ class EMACallback(pl.Callback):
     Args:
         decay: one decay (float, schedule or callable) or a sequence, one per EMA.
         **kwargs: ``every_n_steps``, ``start_step``, ``buffers``, ``eval_index``, ``posthoc_dir``,
-            ``posthoc_every``, ``export_path``, ``copy_to_model``, ``tag``, ``async_save``, ``dtype``: as
-            for ``functional_ema.integrations._common.EMAController``.
+            ``posthoc_every``, ``export_path``, ``copy_to_model``, ``tag``, ``async_save``, ``dtype``,
+            ``include``, ``exclude`` (which parameters are averaged, by name): as for
+            ``functional_ema.integrations._common.EMAController``.
     """
 
     def __init__(self, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any) -> None:

@@ -105,8 +105,9 @@ class EMACallback(TrainerCallback):
     Args:
         decay: one decay (float, schedule or callable) or a sequence, one per EMA.
         **kwargs: ``every_n_steps``, ``start_step``, ``buffers``, ``eval_index``, ``posthoc_dir``,
-            ``posthoc_every``, ``export_path``, ``copy_to_model``, ``tag``, ``async_save``, ``dtype``: as
-            for ``functional_ema.integrations._common.EMAController``.
+            ``posthoc_every``, ``export_path``, ``copy_to_model``, ``tag``, ``async_save``, ``dtype``,
+            ``include``, ``exclude`` (which parameters are averaged, by name): as for
+            ``functional_ema.integrations._common.EMAController``.
         metric_prefix: prefix of the metrics of the evaluation with EMA weights; it replaces the leading
             ``eval`` of the live prefix (``eval_loss`` -> ``eval_ema_loss``, ``eval_<name>_loss`` ->
             ``eval_ema_<name>_loss``) and comes before any other (``metric_key_prefix="test"``:

@@ -1,0 +1,350 @@
+"""Saves to an object store: ``functional_ema.save(state, engine, "s3://bucket/run")`` (any fsspec URL).
+
+The checkpoint is the local format, object for object (``<prefix>/<tag>/ema_rank_*.safetensors``, the
+buffer files, ``<prefix>/<tag>/ema_manifest.json``, ``<prefix>/ema_latest``), written through the storage
+seam (:mod:`functional_ema._storage`): each file streamed by :class:`~functional_ema._io.StreamingWriter`
+into ``Storage.writer`` (S3: a multipart upload, completed only when the file is whole, aborted on a
+failure), nothing staged on local disk. Object stores have no lock and no rename, so the commit is agreed
+over the process group instead of through the folder:
+
+1. The plan is agreed as for a local save. Rank 0 (the committing rank) picks the generation: one more
+   than the tag's manifest names and than any rank or buffer file already under the tag, so no object a
+   complete checkpoint lists (nor a leftover of a failed save) is ever overwritten; and it publishes a
+   marker object ``<tag>/.ema_store.<token>`` holding this save's random token.
+2. Every other rank reads the marker and must find the token: else it reaches another store (another
+   endpoint, bucket, prefix or credentials) and the save is refused on every rank before any file is written,
+   naming where rank 0 wrote the marker and where the ranks that missed it looked (one small all-gather of
+   each rank's answer: the URLs are not compared, as nodes may reach one store by other endpoints).
+3. Every rank streams its files; all ranks agree that every upload completed.
+4. Rank 0 publishes the manifest (the checkpoint is complete from here), then ``ema_latest`` (its own
+   object), then removes the marker and the files of older generations (best effort).
+
+A failure anywhere raises on every rank, and each rank removes only the objects it wrote that no manifest
+lists (none at all when the manifest cannot be read: an unreachable server leaves orphans, which the next
+commit of the tag removes, rather than risking a listed file). The previous checkpoint stays loadable.
+
+Not excluded: two jobs saving the same tag of the same prefix at once (there is no lock); within one
+process, an ``AsyncSaver`` waits for its own save of a tag. Everything stays under the URL's prefix (the
+tag is one plain name, every path is checked by the seam).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, cast
+
+import torch
+
+from .._layout import ShardLayout
+from .._state import BufferState, EmaState
+from .._storage import Storage, storage_for
+from ..schedules import DecayLike
+from .collective import agree, check_distinct_writers, gather_to_first
+from .errors import CheckpointError, CheckpointIOError
+from .format import BUFFER_FILE, LATEST_NAME, MANIFEST_NAME, RANK_FILE, check_tag, manifest_parts, parse_dtype
+from .writer import (
+    agree_plans,
+    buffer_file_meta,
+    build_manifest,
+    part_record,
+    plan_save,
+    rank_file_meta,
+    save_files,
+    write_buffer_file,
+    write_rank_file,
+)
+
+__all__ = [
+    "MARKER_PREFIX",
+    "BucketSave",
+    "abandon_bucket",
+    "commit_bucket",
+    "prepare_bucket",
+    "save_bucket",
+    "url_storage",
+    "write_bucket",
+]
+
+#: Rank 0's marker object in the tag's prefix (step 2 of the module docstring), removed at the commit.
+MARKER_PREFIX = ".ema_store."
+#: How long a rank waits for rank 0's marker to become visible (stores whose listings or reads lag).
+MARKER_WAIT_S = 5.0
+
+
+class BucketSave(NamedTuple):
+    """One save to a URL, once its ranks agreed on it (:func:`prepare_bucket`)."""
+
+    job: tuple[Any, int, int]  # (group, world, rank)
+    store: Storage
+    tag: str
+    tag_dir: str  # the tag's URL, for messages and the caller's return value
+    mine: dict[str, Any]  # this rank's plan
+    first: dict[str, Any]  # rank 0's plan (agreed): its generation and token
+    layout: ShardLayout
+    names: list[str]  # the files this rank writes (its pieces' file first, its buffers' last)
+
+    @property
+    def marker(self) -> str:
+        return f"{self.tag}/{MARKER_PREFIX}{self.first['token']}"
+
+
+def url_storage(url: str, shared: bool, options: dict[str, Any], what: str) -> Storage:
+    """The storage of a save's URL; ``ImportError`` naming the extra when fsspec or the scheme's package is
+    missing. ``shared=False`` is refused: it is for folders the ranks do not share, and a URL names one
+    store every rank reaches (a per-rank prefix would only scatter one checkpoint over several)."""
+    if not shared:
+        raise ValueError(
+            f"{what}(shared=False) is for folders the ranks do not share (node-local disks, Ray Train's per-worker "
+            f"folders); {url!r} is a URL, one store every rank reaches: save to it with shared=True (the default), "
+            "or save shared=False into local folders and upload them"
+        )
+    return storage_for(url, **options)
+
+
+def store_error(e: BaseException, rank: int, url: str, doing: str = "write") -> CheckpointError:
+    """A storage failure (an ``OSError``, or a client library's own error: botocore's connection errors are
+    not ``OSError``) as a :class:`CheckpointIOError` naming the rank, the object and the cause."""
+    if isinstance(e, CheckpointError):
+        return e
+    err = CheckpointIOError(f"rank {rank} could not {doing} {url}: {type(e).__name__}: {e}")
+    err.errno = getattr(e, "errno", None)
+    return err
+
+
+def next_generation(store: Storage, tag: str) -> int:
+    """The generation of a new save of ``tag`` (module docstring, step 1). A store that cannot be asked
+    raises: guessing 0 could overwrite the files of the complete checkpoint there."""
+    gens = [-1]
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, or unreadable: the
+        gens.append(int(json.loads(store.read_bytes(f"{tag}/{MANIFEST_NAME}"))["generation"]))  # names count
+    for name in store.listdir(tag):
+        m = RANK_FILE.match(name) or BUFFER_FILE.match(name)
+        if m:
+            gens.append(int(m.groups()[-1] or 0))
+    return max(gens) + 1
+
+
+def prepare_bucket(
+    state: EmaState,
+    layout: ShardLayout,
+    job: tuple[Any, int, int],
+    store: Storage,
+    raw_tag: Any,
+    decay: DecayLike | Any,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float,
+    what: str,
+    before: Callable[[], None] | None = None,
+) -> BucketSave:
+    """Steps 1-2 (module docstring). Collective; ``before()`` runs first on every rank inside the plan's
+    agreement. On a failure every rank raises and the marker is removed."""
+    group, world, rank = job
+    writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
+    if _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
+        mine_files = save_files(layout, 0, writes_buffers, layout.writes_pieces)
+        check_distinct_writers(what, store.describe(check_tag(raw_tag)), mine_files, world, timeout)
+    published: list[str] = []
+
+    def plan() -> dict[str, Any]:
+        if before is not None:
+            before()
+        tag = check_tag(raw_tag)  # inside the agreement: a bad tag raises on every rank
+        p = dict(plan_save(state, decay, layout, tag, buffers, extra), shared="url")
+        if rank == 0:
+            p["token"] = f"{secrets.randbits(62):016x}"
+            try:
+                p["generation"] = next_generation(store, tag)
+                marker = f"{tag}/{MARKER_PREFIX}{p['token']}"
+                store.publish_bytes(marker, p["token"].encode())
+            except Exception as e:  # noqa: BLE001 - the store's own errors are not OSError
+                raise store_error(e, rank, store.describe(tag), "write the tag") from None
+            published.append(marker)
+        return p
+
+    def give_up() -> None:
+        for marker in published:
+            _quietly(functools.partial(store.remove, marker))
+
+    mine, first = agree_plans(f"{what} (checking the state)", plan, group, world, rank, on_failure=give_up)
+    tag = cast("str", mine["tag"])
+    names = save_files(layout, first["generation"], writes_buffers, layout.writes_pieces)
+    prep = BucketSave(job, store, tag, store.describe(tag), mine, first, layout, names)
+    try:
+        seen = agree(f"{what} (every rank reaches the store)", lambda: _see_marker(prep), group, world, rank)
+        _check_markers(seen)
+    except BaseException:
+        give_up()
+        raise
+    return prep
+
+
+def _tag_ok(tag: Any) -> bool:
+    try:
+        check_tag(tag)
+    except (CheckpointError, TypeError):
+        return False
+    return True
+
+
+def _see_marker(prep: BucketSave) -> tuple[str, str | None]:
+    """Where this rank reads rank 0's marker (module docstring, step 2), and what it found there if not this
+    save's token (``None``: the token). Every rank's answer is exchanged: the ranks' URLs are not compared (nodes
+    may reach one store by other endpoints), so where each looked is what names a disagreement."""
+    rank, where = prep.job[2], prep.store.describe(prep.marker)
+    if rank == 0:
+        return where, None
+    deadline = time.monotonic() + MARKER_WAIT_S
+    while True:
+        try:
+            got = prep.store.read_bytes(prep.marker)
+        except FileNotFoundError:
+            got = None
+        except Exception as e:  # noqa: BLE001
+            raise store_error(e, rank, where, "read") from None
+        if got is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if got != prep.first["token"].encode():
+        return where, "missing" if got is None else "other bytes"
+    return where, None
+
+
+def _check_markers(seen: Sequence[tuple[str, str | None]]) -> None:
+    """Refuse, on every rank alike (``seen``: every rank's :func:`_see_marker`), a save where a rank did not find
+    rank 0's marker, naming where rank 0 wrote it and where the first such ranks looked."""
+    missed = [(r, where, how) for r, (where, how) in enumerate(seen) if how is not None]
+    if not missed:
+        return
+    looked = "; ".join(f"rank {r} does not see it at {where} ({how})" for r, where, how in missed[:4])
+    more = f" (and {len(missed) - 4} more ranks)" if len(missed) > 4 else ""
+    raise CheckpointError(
+        f"save: rank 0 wrote its marker at {seen[0][0]}; {looked}{more}: the ranks do not reach the same store "
+        "(another endpoint, bucket, prefix or credentials: check storage_options and the FSSPEC_*/AWS_* variables on "
+        "every rank). A checkpoint saved so could not be loaded. Nothing was committed"
+    )
+
+
+def write_bucket(
+    prep: BucketSave, emas: Sequence[Mapping[str, torch.Tensor]], buffers: BufferState | None
+) -> dict[str, Any]:
+    """This rank's files (step 3), streamed into the store, and their record. Not collective (an async save
+    runs it in its background thread)."""
+    rank, store, mine, layout = prep.job[2], prep.store, prep.mine, prep.layout
+    generation = prep.first["generation"]
+    records: dict[str, Any] = {"part": part_record(layout, mine)}
+    rel = prep.tag
+    try:
+        dtype = parse_dtype(mine["dtype"], "save")
+        if prep.names and prep.names[0].startswith("ema_"):  # the pieces' file (buffer files start "buffers_")
+            rel = f"{prep.tag}/{prep.names[0]}"
+            meta = rank_file_meta(mine, layout, generation)
+            pieces = cast("list[dict[str, torch.Tensor]]", emas)  # write_rank_file only indexes ``ema[name]``
+            records["file"] = write_rank_file(Path(prep.names[0]), layout, pieces, dtype, meta, sink=store.writer(rel))
+        if buffers is not None and prep.names and prep.names[-1].startswith("buffers_"):
+            rel = f"{prep.tag}/{prep.names[-1]}"
+            meta = buffer_file_meta(mine, layout, generation)
+            sink = store.writer(rel)
+            records["buffers"] = write_buffer_file(
+                Path(prep.names[-1]), layout.rank, buffers, mine["buffers"], meta, sink
+            )
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's own errors are not OSError
+        raise store_error(e, rank, store.describe(rel)) from None
+    return records
+
+
+def commit_bucket(prep: BucketSave, record: dict[str, Any], what: str) -> None:
+    """Step 4: every rank's records to rank 0, which publishes the manifest, then ``ema_latest``, then
+    cleans up. Collective. On a failure every rank raises and removes its unlisted objects."""
+    group, world, rank = prep.job
+    written = gather_to_first(record, group, world)
+
+    def commit() -> None:
+        if written is None:  # not rank 0
+            return
+        manifest = build_manifest(prep.first, written)
+        store, rel = prep.store, f"{prep.tag}/{MANIFEST_NAME}"
+        try:
+            store.publish_bytes(rel, json.dumps(manifest, indent=1).encode())
+            rel = LATEST_NAME
+            store.publish_bytes(rel, (prep.tag + "\n").encode())
+        except Exception as e:  # noqa: BLE001
+            raise store_error(e, rank, store.describe(rel)) from None
+        keep = {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])}
+        _cleanup(prep, keep)
+
+    try:
+        agree(f"{what} (writing the manifest)", commit, group, world, rank, results=False)
+    except BaseException:
+        abandon_bucket(prep)
+        raise
+
+
+def abandon_bucket(prep: BucketSave) -> None:
+    """A failed save: remove this rank's new objects unless the manifest lists them, and (rank 0) the
+    marker. Best effort; nothing is removed when the manifest cannot be read (module docstring)."""
+    store = prep.store
+    try:
+        m = json.loads(store.read_bytes(f"{prep.tag}/{MANIFEST_NAME}"))
+        listed = {
+            e.get("file") for p in (m.get("parts") or [m]) for e in p.get("files", []) + (p.get("buffer_files") or [])
+        }
+    except FileNotFoundError:
+        listed = set()
+    except Exception:  # noqa: BLE001 - unreachable or unreadable: the files might be listed, keep them
+        return
+    for name in prep.names:
+        if name not in listed:
+            _quietly(functools.partial(store.remove, f"{prep.tag}/{name}"))
+    if prep.job[2] == 0:
+        _quietly(lambda: store.remove(prep.marker))
+
+
+def _cleanup(prep: BucketSave, keep: set[str]) -> None:
+    """After the commit (rank 0): the marker, older generations' files and markers of failed saves."""
+
+    def run() -> None:
+        for name in prep.store.listdir(prep.tag):
+            stale_file = (RANK_FILE.match(name) or BUFFER_FILE.match(name)) and name not in keep
+            if stale_file or name.startswith(MARKER_PREFIX):
+                _quietly(functools.partial(prep.store.remove, f"{prep.tag}/{name}"))
+
+    _quietly(run)
+
+
+def _quietly(fn: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):  # best effort: a failure path, or cleanup after the commit
+        fn()
+
+
+def save_bucket(
+    state: EmaState,
+    layout: ShardLayout,
+    job: tuple[Any, int, int],
+    store: Storage,
+    raw_tag: Any,
+    decay: DecayLike | Any,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float,
+) -> str:
+    """The blocking save to a URL (module docstring); returns the tag's URL. Collective."""
+    prep = prepare_bucket(state, layout, job, store, raw_tag, decay, buffers, extra, timeout, "save")
+    group, world, rank = job
+    written: list[dict[str, Any]] = []
+    try:
+        write = lambda: written.append(write_bucket(prep, state.emas, buffers))  # noqa: E731
+        agree("save (writing the rank files)", write, group, world, rank, results=False)
+    except BaseException:
+        abandon_bucket(prep)
+        raise
+    commit_bucket(prep, written[0], "save")
+    return prep.tag_dir

@@ -1,0 +1,242 @@
+"""Choosing what is averaged: an include/exclude selection of parameters by name.
+
+``local_shards(x, include=..., exclude=...)`` (and the integrations, which pass the same two arguments on)
+keeps the parameters whose names the selection picks:
+
+* ``include``: ``None`` (the default) selects every parameter ``local_shards`` reads; a pattern, a list of
+  patterns, or a predicate ``(name) -> bool`` selects the names that match one pattern, or for which the
+  predicate returns ``True``.
+* ``exclude``: ``None`` (the default) leaves nothing out; otherwise the same forms, and a name it matches is
+  left out even when ``include`` matches it too (**exclude wins**).
+
+Patterns are shell-style, matched by :func:`fnmatch.fnmatchcase` against the whole dotted name as
+``named_parameters()`` gives it (case-sensitive; ``*`` also crosses dots, so ``"unet.*"`` is everything under
+``unet``; ``?`` one character; ``[seq]`` one of a set). They are not regular expressions.
+
+Checked where the argument enters (``local_shards``, the integrations' constructors for the types), each with
+one error naming the argument: a pattern that is not a ``str``, an empty pattern, an empty ``include`` list, a
+pattern that matches none of the names read (a typo, or a regular expression), a predicate that raises or
+returns anything but a ``bool``, and a selection that leaves no parameter.
+
+This module is a leaf: it imports nothing from the package at import time.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["Selection", "SelectionLike", "make_selection", "selection_record", "check_loaded_selection"]
+
+#: What ``include`` / ``exclude`` take: a pattern, patterns, or a predicate on the parameter name.
+SelectionLike = str | Sequence[str] | Callable[[str], bool] | None
+
+_Part = tuple[str, ...] | Callable[[str], bool] | None
+
+
+class Selection:
+    """An include/exclude selection, checked for its types; immutable. See the module docstring.
+
+    Attributes:
+        include: the patterns (a tuple), the predicate, or ``None`` (every name).
+        exclude: the patterns (a tuple), the predicate, or ``None`` (no name).
+        key: what two selections are compared by (patterns by value, predicates by their own equality: identity
+            for a function, ``(self, function)`` for a bound method).
+    """
+
+    __slots__ = ("include", "exclude", "key")
+    include: _Part
+    exclude: _Part
+    key: tuple
+
+    def __init__(self, include: _Part, exclude: _Part) -> None:
+        object.__setattr__(self, "include", include)
+        object.__setattr__(self, "exclude", exclude)
+        object.__setattr__(self, "key", (_key(include), _key(exclude)))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Selection is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Selection) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"Selection({self.describe()})"
+
+    def describe(self) -> str:
+        """``include=..., exclude=...`` as the user would write it (predicates by their qualified name)."""
+        return f"include={_shown(self.include)}, exclude={_shown(self.exclude)}"
+
+    def record(self) -> dict[str, Any]:
+        """JSON for a checkpoint's manifest: patterns as lists, a predicate as ``"<predicate module.name>"``."""
+        return {"include": _recorded(self.include), "exclude": _recorded(self.exclude)}
+
+    def apply(self, names: Sequence[str]) -> list[str]:
+        """The selected ``names``, in their order; every pattern and predicate checked (see the module docstring)."""
+        for part, what in ((self.include, "include"), (self.exclude, "exclude")):
+            if isinstance(part, tuple):
+                for pattern in part:
+                    if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                        raise ValueError(_no_match(what, pattern, names))
+        chosen = [n for n in names if _matches(self.include, n, "include", True) and not self._excluded(n)]
+        if not chosen:
+            raise ValueError(
+                f"the selection ({self.describe()}) leaves none of the {len(names)} parameters read "
+                f"(e.g. {', '.join(map(repr, names[:4]))}): nothing would be averaged. Widen include or narrow exclude"
+            )
+        return chosen
+
+    def _excluded(self, name: str) -> bool:
+        return _matches(self.exclude, name, "exclude", False)
+
+
+def make_selection(include: Any, exclude: Any) -> Selection | None:
+    """``include`` / ``exclude`` checked for their types; ``None`` when both select everything (no selection)."""
+    inc = _part(include, "include")
+    exc = _part(exclude, "exclude")
+    if isinstance(inc, tuple) and not inc:
+        raise ValueError(
+            "include=[] selects no parameter: nothing would be averaged. Pass include=None (the default) for every "
+            "parameter, or the patterns to keep"
+        )
+    if isinstance(exc, tuple) and not exc:
+        exc = None  # nothing to leave out
+    if inc is None and exc is None:
+        return None
+    return Selection(inc, exc)
+
+
+def selection_record(tree: Any) -> dict[str, Any] | None:
+    """The record of the selection a state's EMA (or a ``Shards``) was made with; ``None`` without one."""
+    selection = getattr(tree, "selection", None)
+    return selection.record() if isinstance(selection, Selection) else None
+
+
+def check_loaded_selection(
+    where: str, saved: Any, selection: Selection | None, mine: Sequence[str], theirs: Sequence[str]
+) -> None:
+    """Refuse a load whose selected names (``mine``) differ from the checkpoint's (``theirs``) when either side
+    was made with a selection (``saved``: the manifest's record), naming the names that differ and both
+    selections. Without a selection on either side the checkpoint's own name check speaks."""
+    from ._checkpoint.errors import CheckpointMismatchError
+    from ._tree import short_list
+
+    mine_set, theirs_set = set(mine), set(theirs)
+    if mine_set == theirs_set or (saved is None and selection is None):
+        return
+    only_saved = [n for n in theirs if n not in mine_set]
+    only_mine = [n for n in mine if n not in theirs_set]
+    lines = [
+        f"{where} was saved with the selection {_describe_record(saved)}, and this load selects "
+        f"{'every parameter (no include/exclude)' if selection is None else selection.describe()}: the names differ:"
+    ]
+    if only_saved:
+        lines.append(f"  saved but not selected by this load: {short_list(only_saved)}")
+    if only_mine:
+        lines.append(f"  selected by this load but not in the checkpoint: {short_list(only_mine)}")
+    lines.append(
+        "Load with the include/exclude the EMA was saved with (fe.load(x, dir, include=..., exclude=...), or the "
+        "integration's include=/exclude=); to average another selection, start a new EMA with init_ema"
+    )
+    raise CheckpointMismatchError("\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _part(value: Any, what: str) -> _Part:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (_pattern(value, what),)
+    if callable(value):
+        return value  # a predicate; what it returns is checked per call
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value, key=repr)  # no order of its own: a stable one for the record
+    if isinstance(value, (list, tuple)):
+        return tuple(_pattern(p, f"{what}[{i}]") for i, p in enumerate(value))
+    raise TypeError(
+        f"{what} must be None, a name pattern (str), a list of patterns, or a predicate (name) -> bool; got "
+        f"{type(value).__name__} {value!r:.80}"
+    )
+
+
+def _pattern(p: Any, what: str) -> str:
+    if not isinstance(p, str):
+        raise TypeError(f"{what} must be a name pattern (str), got {type(p).__name__} {p!r:.80}")
+    if not p:
+        raise ValueError(f"{what} is an empty pattern, which matches no parameter name; give a pattern like 'unet.*'")
+    return p
+
+
+def _matches(part: _Part, name: str, what: str, default: bool) -> bool:
+    if part is None:
+        return default
+    if isinstance(part, tuple):
+        return any(fnmatch.fnmatchcase(name, p) for p in part)
+    try:
+        got = part(name)
+    except Exception as e:
+        raise ValueError(
+            f"{what}: the predicate {_qualname(part)} raised {type(e).__name__} on parameter {name!r}: {e}"
+        ) from e
+    if type(got) is not bool:  # a truthy tensor or string would select by accident
+        raise TypeError(
+            f"{what}: the predicate {_qualname(part)} returned {type(got).__name__} {got!r:.60} for parameter "
+            f"{name!r}; it must return a bool"
+        )
+    return got
+
+
+def _no_match(what: str, pattern: str, names: Sequence[str]) -> str:
+    regex = any(c in pattern for c in "^$+\\(|")
+    hint = " It looks like a regular expression: patterns are shell-style (fnmatch: * ? [seq])." if regex else ""
+    return (
+        f"{what} pattern {pattern!r} matches none of the {len(names)} parameters read (e.g. "
+        f"{', '.join(map(repr, names[:4]))}; frozen parameters are not read).{hint} Check the names with "
+        "[n for n, _ in model.named_parameters()]"
+    )
+
+
+def _key(part: _Part) -> Any:
+    if not callable(part):
+        return part
+    try:  # by the callable's own equality: ``obj.method`` is a new bound method at every access, equal to the last
+        hash(part)
+    except TypeError:
+        return ("predicate", id(part))
+    return ("predicate", part)
+
+
+def _qualname(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _shown(part: _Part) -> str:
+    if part is None:
+        return "None"
+    if callable(part):
+        return f"<predicate {_qualname(part)}>"
+    return repr(part[0]) if len(part) == 1 else repr(list(part))
+
+
+def _recorded(part: _Part) -> Any:
+    if part is None:
+        return None
+    if callable(part):
+        return f"<predicate {_qualname(part)}>"
+    return list(part)
+
+
+def _describe_record(saved: Any) -> str:
+    if not isinstance(saved, dict):
+        return "of every parameter (no include/exclude)"
+
+    def one(v: Any) -> str:
+        return "None" if v is None else (repr(v[0]) if isinstance(v, list) and len(v) == 1 else repr(v))
+
+    return f"include={one(saved.get('include'))}, exclude={one(saved.get('exclude'))}"

@@ -1,0 +1,281 @@
+"""``functional_ema.save`` and ``AsyncSaver`` to an fsspec URL (issue 37, item 3: the write side), against a real
+S3 server (SeaweedFS on loopback, ``functional_ema._testing.s3``) at 2 ranks (gloo), for a DDP model and a
+DeepSpeed ZeRO-3 engine: one launch per configuration, every check batched into it, the server killed by rank 0
+at its end. Checked:
+
+* what was saved equals the state bitwise: ``consolidate("s3://...")`` equals ``consolidate`` of the same state
+  saved into a local folder (and the full fp32 EMA of an independent plain-torch reference, to 1e-6); the prefix
+  downloaded with s3fs (``get(recursive=True)``) loads with ``fe.load`` on every rank exactly as the state;
+* the layout: the local format's objects and nothing else (no marker left), ``ema_latest`` naming the last tag,
+  a second save of a tag writing generation 1 beside generation 0 (never over it) and removing generation 0 only
+  after its manifest; nothing written outside the prefix;
+* ``AsyncSaver`` to a URL: no manifest until the commit at ``wait`` (collective), then complete and bitwise;
+* refusals on every rank with nothing committed: a rank that reaches another store (another prefix), and
+  ``shared=False`` with a URL;
+* the server SIGKILLed while rank 0 writes its file: every rank raises a ``CheckpointError``; on a server
+  restarted on the same data the previous tags still consolidate bitwise, and the new tag is refused as
+  incomplete.
+
+Also, in one process: a URL without fsspec or s3fs installed is refused naming the extra, and ``save_dir``
+``"s3://..."`` never makes a local folder ``s3:``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from functional_ema._testing.multirank import run_ranks
+
+pytest.importorskip("s3fs")
+DECAY = 0.9
+BUCKET = "fe-save"
+PREFIX = f"{BUCKET}/run/ck"
+URL = f"s3://{PREFIX}"
+
+
+def _options(endpoint: str, key: str, secret: str) -> dict[str, Any]:
+    return {"key": key, "secret": secret, "endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+
+
+def _model(kind: str, rank: int) -> tuple[Any, Any, Any]:
+    """(the training object, train(step), full fp32 weights ()) for a DDP model or a DeepSpeed ZeRO-3 engine."""
+    from functional_ema._testing.multirank import full_fp32_reference, make_engine, train_step
+
+    if kind == "zero3":
+        engine = make_engine(3)
+        return engine, lambda step: train_step(engine, step), lambda: full_fp32_reference(engine)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(step: int) -> None:
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        model(torch.randn(4, 7, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, train, lambda: {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def _error(fn: Any) -> list | None:
+    """[class name, message, whether a CheckpointError] of what ``fn()`` raises; None if nothing."""
+    from functional_ema.checkpoint import CheckpointError
+
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts the class and message
+        return [type(e).__name__, str(e), isinstance(e, CheckpointError)]
+    return None
+
+
+def url_worker(root: str, kind: str, endpoint: str, key: str, secret: str, server_pid: int) -> dict:
+    import signal
+
+    import s3fs
+    import torch.distributed as dist
+
+    import functional_ema as fe
+
+    rank = dist.get_rank()
+    opts = _options(endpoint, key, secret)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    x, train, full = _model(kind, rank)
+    state = fe.init_ema(fe.local_shards(x))
+    ref = {n: t.clone() for n, t in full().items()}
+    out: dict[str, Any] = {"listing": {}, "load": {}}
+    here = Path(root)
+
+    def advance(step: int) -> None:
+        nonlocal state
+        train(step)
+        state = fe.update(state, fe.local_shards(x), step, decay=DECAY)
+        for n, t in full().items():
+            ref[n].lerp_(t, 1 - DECAY)
+
+    def snapshot(label: str) -> None:  # the bucket's objects under the prefix, and the local twin of the save
+        dist.barrier()
+        fs.invalidate_cache()
+        out["listing"][label] = sorted(p.removeprefix(PREFIX + "/") for p in fs.find(PREFIX))
+        if rank == 0:
+            torch.save(ref, here / f"ref_{label}.pt")
+
+    def loads_back(tag: str, label: str) -> bool:  # the prefix downloaded, loaded as a local checkpoint: bitwise
+        local = here / f"get{rank}_{label}"  # a new folder: get() into an existing one would nest the copy
+        fs.invalidate_cache()
+        fs.get(PREFIX, str(local), recursive=True)
+        got = fe.load(x, local, tag)
+        return int(got.step) == int(state.step) and all(
+            torch.equal(a, b) for a, b in zip(got.emas[0].values(), state.emas[0].values())
+        )
+
+    for step in (1, 2, 3):
+        advance(step)
+    out["returned"] = fe.save(state, x, URL, "a", decay=DECAY, storage_options=opts)
+    fe.save(state, x, here / "local", "a", decay=DECAY)
+    snapshot("a0")
+    out["load"]["a0"] = loads_back("a", "a0")
+
+    advance(4)  # the same tag again: generation 1 beside generation 0, which goes only after the new manifest
+    fe.save(state, x, URL, "a", decay=DECAY, storage_options=opts)
+    fe.save(state, x, here / "local1", "a", decay=DECAY)
+    snapshot("a1")
+    out["load"]["a1"] = loads_back("a", "a1")
+
+    advance(5)  # AsyncSaver: written in the background, committed over the process group at wait()
+    saver = fe.AsyncSaver()
+    handle = saver.save(state, x, URL, "b", decay=DECAY, storage_options=opts)
+    out["manifest_before_wait"] = fs.exists(f"{PREFIX}/b/ema_manifest.json")
+    fe.save(state, x, here / "local2", "b", decay=DECAY)  # (a blocking save's collectives meanwhile)
+    out["waited"] = str(handle.wait())
+    saver.wait()
+    snapshot("b")
+    out["load"]["b"] = loads_back("b", "b")
+
+    # refusals, nothing committed: a rank that reaches another store; shared=False with a URL
+    elsewhere = URL if rank == 0 else f"s3://{BUCKET}/other/ck"
+    out["other_store"] = _error(lambda: fe.save(state, x, elsewhere, "r", storage_options=opts))
+    out["private"] = _error(lambda: fe.save(state, x, URL, "r", shared=False, storage_options=opts))
+    mixed = URL if rank == 0 else here / "mixed"  # one rank to the bucket, the other to a local folder
+    out["mixed"] = _error(lambda: fe.save(state, x, mixed, "r", storage_options=opts if rank == 0 else None))
+    out["mixed_files"] = sorted(str(p.relative_to(here)) for p in (here / "mixed").rglob("*") if p.is_file())
+    snapshot("refused")
+
+    # the server killed while rank 0 writes its file of tag "c": every rank raises
+    advance(6)
+    if rank == 0:
+        real_write = fe._io.StreamingWriter.write
+
+        def write(self: Any, key: str, tensor: torch.Tensor) -> list[int]:
+            if self._next == 1:  # the first tensor is in the upload's buffer
+                os.killpg(server_pid, signal.SIGKILL)
+            return real_write(self, key, tensor)
+
+        fe._io.StreamingWriter.write = write  # type: ignore[method-assign]
+    fast = dict(opts, config_kwargs={"retries": {"max_attempts": 1}}, skip_instance_cache=True)
+    s3fs.S3FileSystem.retries = 1  # s3fs's own attempts (a class attribute): fail at once, not after back-offs
+    out["killed"] = _error(lambda: fe.save(state, x, URL, "c", decay=DECAY, storage_options=fast))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ddp", "zero3"])
+def test_save_to_s3(tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsspec
+
+    import functional_ema as fe
+    from functional_ema._testing.s3 import s3_server
+
+    data = tmp_path / "srv"
+    with s3_server(data) as srv:
+        srv.make_bucket(BUCKET)
+        res = run_ranks(
+            "tests.test_save_url:url_worker",
+            world_size=2,
+            timeout=600,
+            root=str(tmp_path),
+            kind=kind,
+            endpoint=srv.endpoint,
+            key=srv.key,
+            secret=srv.secret,
+            server_pid=srv.pid,
+        )
+        assert not srv.alive()  # rank 0 killed it mid-save
+    r0 = res[0]
+    assert all(r["returned"] == f"{URL}/a" and r["waited"] == f"{URL}/b" for r in res), res
+    assert all(all(r["load"].values()) for r in res), [r["load"] for r in res]
+    assert not any(r["manifest_before_wait"] for r in res)
+
+    files0 = {f"a/{p.name}" for p in (tmp_path / "local" / "a").iterdir() if p.name.startswith("ema_")}
+    files_b = {f"b/{n.name}" for n in (tmp_path / "local2" / "b").iterdir() if n.name.startswith("ema_")}
+    gen1 = {f.replace(".safetensors", ".gen1.safetensors") for f in files0 if f.endswith(".safetensors")}
+    files1 = gen1 | {"a/ema_manifest.json"}
+    assert gen1 and not gen1 & files0
+    listing = r0["listing"]
+    assert set(listing["a0"]) == files0 | {"ema_latest"}  # the local format's objects, no marker left
+    assert set(listing["a1"]) == files1 | {"ema_latest"}  # generation 0 removed once generation 1 is complete
+    assert set(listing["b"]) == files1 | files_b | {"ema_latest"}
+    assert listing["refused"] == listing["b"]  # the refused saves left nothing
+    assert all(r["listing"] == r0["listing"] for r in res)
+
+    for r in res:
+        name, msg, lib = r["other_store"]
+        assert lib and "do not reach the same store" in msg and "Nothing was committed" in msg, msg
+        name, msg, lib = r["mixed"]
+        assert name == "CheckpointMismatchError" and "shared" in msg, msg
+        assert r["mixed_files"] == [], r["mixed_files"]
+        name, msg, lib = r["private"]
+        assert name == "ValueError" and "shared=False" in msg and URL in msg, msg
+        name, msg, lib = r["killed"]
+        assert lib, (name, msg)  # a CheckpointError on every rank
+    name, msg, _ = r0["killed"]  # rank 0's own: the object it was uploading
+    assert name == "CheckpointIOError" and f"rank 0 could not write {URL}/c/ema_rank_00000_of_00002" in msg, msg
+
+    with s3_server(data) as again:  # the same data, a new server: what the killed one kept
+        conf = {**_options(again.endpoint, again.key, again.secret)}
+        monkeypatch.setitem(fsspec.config.conf, "s3", conf)
+        for tag, local, label in (("a", "local1", "a1"), ("b", "local2", "b")):
+            got = fe.consolidate(URL, tag)
+            want = fe.consolidate(tmp_path / local, tag)
+            assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want), tag
+            ref = torch.load(tmp_path / f"ref_{label}.pt", weights_only=True)
+            assert all(torch.allclose(got[n], ref[n].view(got[n].shape), rtol=0, atol=1e-6) for n in ref), tag
+        latest = fe.consolidate(URL)  # ema_latest names the last complete tag
+        assert all(torch.equal(latest[n], got[n]) for n in got)
+        refused = (fe.checkpoint.IncompleteCheckpointError, fe.checkpoint.CheckpointNotFoundError)  # the reader's words
+        with pytest.raises(refused, match="no complete EMA checkpoint of tag 'c'"):
+            fe.consolidate(URL, "c")
+        keys = again.fs().find(BUCKET)
+        assert all(k.startswith(PREFIX + "/") for k in keys), keys  # nothing outside the prefix
+
+
+_NO_PACKAGE = """
+import sys, torch
+sys.modules[{blocked!r}] = None  # as if not installed
+import functional_ema as fe
+m = torch.nn.Linear(3, 2)
+state = fe.init_ema(fe.local_shards(m))
+try:
+    fe.save(state, m, "s3://bucket/run", "t")
+except ImportError as e:
+    print("ImportError:", e)
+"""
+
+
+@pytest.mark.parametrize("blocked", ["fsspec", "s3fs"])
+def test_url_without_the_extra_is_refused_naming_it(tmp_path: Path, blocked: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_PACKAGE.format(blocked=blocked)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ImportError:") and "pip install 'functional-ema[s3]'" in out.stdout, out.stdout
+    assert "s3://bucket/run" in out.stdout
+    assert not (tmp_path / "s3:").exists()  # never the old silent local folder named "s3:"
+
+
+def test_url_arguments_are_checked(tmp_path: Path) -> None:
+    import functional_ema as fe
+
+    m = torch.nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(m))
+    with pytest.raises(TypeError, match=r"storage_options.*local folder"):
+        fe.save(state, m, tmp_path / "ck", "t", storage_options={"key": "k"})
+    with pytest.raises(TypeError, match=r"storage_options.*dict"):
+        fe.save(state, m, "memory://fe-args/ck", "t", storage_options=["key"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"shared=False.*URL"):
+        fe.AsyncSaver().save(state, m, "memory://fe-args/ck", "t", shared=False)
+    assert fe.save(state, m, "memory://fe-args/ck", "t") == "memory://fe-args/ck/t"
+    got = fe.consolidate("memory://fe-args/ck", "t")
+    assert torch.equal(got["weight"], m.weight.detach()) and torch.equal(got["bias"], m.bias.detach())
+    assert not any(p.name.startswith(("s3:", "memory:")) for p in Path.cwd().iterdir())

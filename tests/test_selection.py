@@ -1,0 +1,451 @@
+"""Choosing what is averaged: ``local_shards(x, include=..., exclude=...)`` and where the selection travels.
+
+Single process (a plain module): the EMA of the selected names against a plain-torch EMA of those names
+(``ref.lerp_(w, 1 - decay)``), the unselected parameters never read nor written (``swapped``, the
+controller's ``copy_to_model``), the selection carried by ``init_ema``/``update``/``save``/``load`` and
+refused, naming the names, by a load with another selection. Multi-rank (2 ranks, gloo, one launch per
+engine): DeepSpeed ZeRO-3 and FSDP2 over a tiny Llama, the EMA of the selection bitwise equal to a plain-torch
+EMA of the full fp32 weights, ``swapped`` with the unselected weights live, save/load bitwise, another
+selection refused naming the names, and an export with ``--like`` that ``from_pretrained`` loads with the
+selected weights the EMA and the others ``--like``'s (bitwise).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import functional_ema as fe
+from functional_ema._testing.multirank import run_ranks
+from functional_ema.integrations._common import EMAController
+
+DECAY = 0.75  # large steps: a missed or wrong update shows in every element
+STEPS = 3
+
+
+# ------------------------------------------------------------------------------------ one process
+
+
+class EncDec(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6))
+        self.dec = nn.Linear(6, 3)
+        self.frozen = nn.Parameter(torch.randn(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.enc(x)) + self.frozen.sum()
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    loss = model(torch.randn(8, 5, generator=g)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _live(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+SELECTED = ["enc.0.weight", "enc.2.weight"]  # include="enc.*", exclude="*.bias"
+
+
+def test_plain_module_selection_is_a_plain_ema_of_those_names(tmp_path):
+    torch.manual_seed(0)
+    model = EncDec()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.3)
+    shards = fe.local_shards(model, include="enc.*", exclude="*.bias")
+    assert list(shards) == SELECTED and shards.selection is not None
+    assert fe.local_shards(model, include="enc.*", exclude="*.bias") is shards  # cached: one object every step
+    pred = lambda n: n.startswith("enc.") and n.endswith("weight")  # noqa: E731 - the same object every call
+    by_pred = fe.local_shards(model, include=pred)
+    assert list(by_pred) == SELECTED and fe.local_shards(model, include=pred) is by_pred
+
+    class Rule:
+        def keep(self, name: str) -> bool:
+            return name in SELECTED
+
+    rule = Rule()  # rule.keep is a new bound method at every access, equal to the last: the cache still hits
+    assert fe.local_shards(model, include=rule.keep) is fe.local_shards(model, include=rule.keep)
+    state = fe.init_ema(shards)
+    ref = {n: p.detach().clone() for n, p in model.named_parameters() if n in SELECTED}
+    for step in range(1, STEPS + 1):
+        _train(model, opt, step)
+        state = fe.update(state, fe.local_shards(model, include="enc.*", exclude="*.bias"), step, decay=DECAY)
+        for n in SELECTED:
+            ref[n].lerp_(dict(model.named_parameters())[n].detach(), 1 - DECAY)
+    info = fe.update_info(state, fe.local_shards(model, include="enc.*", exclude="*.bias"))
+    assert info.fused and info.reused
+    assert list(state.ema) == SELECTED and state.ema.selection == shards.selection
+    assert all(torch.equal(state.ema[n], ref[n]) for n in SELECTED)  # bitwise: the same lerp_ per element
+    assert sorted(fe.gather_full(state, model)) == sorted(SELECTED)
+
+    # swapped: the selected parameters compute with the EMA, every other one stays live; all back on exit
+    live = _live(model)
+    with fe.swapped(model, state) as stats, torch.no_grad():
+        inside = _live(model)
+    assert stats.swapped_params == len(SELECTED)
+    for n, t in inside.items():
+        assert torch.equal(t, ref[n] if n in SELECTED else live[n]), n
+    assert all(torch.equal(p, live[n]) for n, p in model.named_parameters())
+
+    # save / load: the selection is recorded, the same selection loads bitwise, another is refused naming names
+    fe.save(state, model, tmp_path / "ck", "t")
+    manifest = json.loads((tmp_path / "ck" / "t" / "ema_manifest.json").read_text())
+    assert manifest["selection"] == {"include": ["enc.*"], "exclude": ["*.bias"]}
+    assert list(manifest["params"]) == SELECTED
+    back = fe.load(model, tmp_path / "ck", "t", include="enc.*", exclude="*.bias")
+    assert all(torch.equal(back.ema[n], state.ema[n]) for n in SELECTED)
+    assert back.ema.selection == shards.selection
+    assert fe.update_info(back, fe.local_shards(model, include="enc.*", exclude="*.bias")).fused
+    into = fe.load(model, tmp_path / "ck", "t", out=fe.init_ema(shards))  # the selection of out=
+    assert all(torch.equal(into.ema[n], state.ema[n]) for n in SELECTED)
+    with pytest.raises(fe.CheckpointError) as e:
+        fe.load(model, tmp_path / "ck", "t")  # every parameter: the biases and the decoder are not saved
+    assert "include='enc.*', exclude='*.bias'" in str(e.value) and "'dec.weight'" in str(e.value)
+    assert "selected by this load but not in the checkpoint" in str(e.value)
+    with pytest.raises(fe.CheckpointError) as e:
+        fe.load(model, tmp_path / "ck", "t", include="enc.0.*", exclude="*.bias")
+    assert "saved but not selected by this load: 'enc.2.weight'" in str(e.value)
+    sd = fe.dcp.EMAStateful(model, state).state_dict()  # torch.distributed.checkpoint: the selection's names
+    assert sorted(sd["emas"]["0"]) == sorted(SELECTED)
+    fresh = fe.init_ema(shards)
+    fe.dcp.EMAStateful(model, fresh).load_state_dict(sd)
+    assert all(torch.equal(fresh.ema[n], state.ema[n]) for n in SELECTED)
+    saver = fe.AsyncSaver()  # the background save records the selection too
+    saver.save(state, model, tmp_path / "ck", "async")
+    saver.wait()
+    saver.close()
+    assert (
+        json.loads((tmp_path / "ck" / "async" / "ema_manifest.json").read_text())["selection"] == manifest["selection"]
+    )
+    again = fe.load(model, tmp_path / "ck", "async", include="enc.*", exclude="*.bias")
+    assert all(torch.equal(again.ema[n], state.ema[n]) for n in SELECTED)
+    full = fe.save(fe.init_ema(fe.local_shards(model)), model, tmp_path / "ck", "all")
+    with pytest.raises(fe.CheckpointError) as e:  # a full checkpoint loaded as a selection
+        fe.load(model, full.parent, "all", include="enc.*", exclude="*.bias")
+    assert "of every parameter" in str(e.value) and "'enc.0.bias'" in str(e.value)
+
+
+def test_unselected_parameters_are_never_touched():
+    """The selection's EMA holds no view of the others, and the controller's copy into the model leaves them
+    with their trained values while the selected ones get the EMA (bitwise)."""
+    torch.manual_seed(1)
+    model = EncDec()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.3)
+    ctrl = EMAController(DECAY, include=["enc.*"], exclude=lambda n: n.endswith("bias"))
+    ref: dict[str, torch.Tensor] = {}
+    for step in range(1, STEPS + 1):
+        _train(model, opt, step)
+        assert ctrl.on_step(model, step)
+        for n, p in model.named_parameters():
+            if n in SELECTED:
+                ref[n] = p.detach().clone() if n not in ref else ref[n].lerp_(p.detach(), 1 - DECAY)
+    assert ctrl.state is not None and list(ctrl.state.ema) == SELECTED
+    others = {n: p.data_ptr() for n, p in model.named_parameters() if n not in SELECTED}
+    views = {
+        t.untyped_storage().data_ptr() for t in fe.local_shards(model, include=["enc.*"], exclude="*.bias").values()
+    }
+    assert not views & set(others.values())  # no view of an unselected parameter's memory
+    trained = _live(model)
+    ctrl.copy_to_model(model)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref[n] if n in SELECTED else trained[n]), n
+
+
+def test_diffusers_drop_in_averages_the_selection_only():
+    """``EMAModel(..., include=, exclude=)``: the selected positions are diffusers' EMA (its decay rule, one lerp_
+    per step), the others are live values everywhere (``state_dict``, ``copy_to`` after ``store``)."""
+    from functional_ema.integrations.diffusers import EMAModel
+
+    torch.manual_seed(2)
+    model = EncDec()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.3)
+    ema = EMAModel(model.parameters(), decay=0.9, include="enc.*", exclude="*.bias")
+    names = [n for n, _ in model.named_parameters()]
+    ref = {n: p.detach().clone() for n, p in model.named_parameters() if n in SELECTED}
+    for step in range(1, STEPS + 2):
+        _train(model, opt, step)
+        ema.step(model.parameters())
+        d = ema.get_decay(step)
+        for n, p in model.named_parameters():
+            if n in SELECTED:
+                ref[n].lerp_(p.detach(), 1 - d)
+    assert ema.state is not None and list(ema.state.ema) == SELECTED
+    live = _live(model)
+    shadow = dict(zip(names, ema.state_dict()["shadow_params"]))
+    for n in names:
+        assert torch.equal(shadow[n], ref[n] if n in SELECTED else live[n]), n
+    ema.store(model.parameters())
+    ema.copy_to(model.parameters())
+    inside = _live(model)
+    ema.restore(model.parameters())
+    for n in names:
+        assert torch.equal(inside[n], ref[n] if n in SELECTED else live[n]), n
+    assert all(torch.equal(p, live[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match=r"include pattern 'unet\.\*' matches none"):
+        EMAModel(model.parameters(), include="unet.*").step(model.parameters())
+
+
+def test_hf_trainer_callback_with_a_selection(tmp_path):
+    """``EMACallback(include=, exclude=)`` in a one-process Trainer: the EMA holds the selection only (equal to a
+    plain EMA of the weights after each step), the Trainer's EMA evaluation computes with the selected weights
+    averaged and the others live (a copy loaded so, evaluated here), and the export file holds the selection."""
+    from safetensors import safe_open
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import BNNet, RegressionData, quiet
+
+    quiet()
+    picked = ["inp.weight", "mid.weight"]
+    ref: dict[str, torch.Tensor] = {}
+
+    class Reference(TrainerCallback):  # after the EMA callback's own on_step_end: the weights of that step
+        def on_step_end(self, args, state, control, model=None, **kw):
+            for n, p in model.named_parameters():
+                if n in picked:
+                    ref[n] = p.detach().clone() if n not in ref else ref[n].lerp_(p.detach(), 0.5)
+
+    ema = EMACallback(decay=0.5, include=["inp.*", "mid.*"], exclude="*.bias", export_path=tmp_path / "ema.safetensors")
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=8,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        save_strategy="no",
+        logging_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    torch.manual_seed(0)
+    data = RegressionData(32, seed=2)
+    trainer = Trainer(model=BNNet(), args=args, train_dataset=RegressionData(64, seed=1), callbacks=[ema, Reference()])
+    trainer.train()
+    state = ema.ema.state
+    assert state is not None and list(state.ema) == picked
+    assert all(torch.equal(state.ema[n], ref[n]) for n in picked)
+    got = trainer.evaluate(data)["eval_ema_loss"]
+    net = copy.deepcopy(trainer.model)
+    net.load_state_dict({n: ref[n] for n in picked}, strict=False)  # the others: the live weights
+    net.eval()
+    with torch.no_grad():
+        want = net(x=data.x, labels=data.y)["loss"].item()
+    assert got == pytest.approx(want, rel=1e-6, abs=0)
+    with safe_open(str(tmp_path / "ema.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(picked)
+        assert json.loads(f.metadata()["selection"]) == {"include": ["inp.*", "mid.*"], "exclude": ["*.bias"]}
+
+
+def test_controller_refuses_a_selection_of_no_name_at_the_first_update():
+    model = EncDec()
+    ctrl = EMAController(DECAY, include="encoder.*")  # the types are checked here; the names with the model
+    with pytest.raises(ValueError, match=r"include pattern 'encoder\.\*' matches none of the 6 parameters read"):
+        ctrl.on_step(model, 1)
+    assert ctrl.state is None
+    with pytest.raises(TypeError, match="exclude must be"):
+        EMAController(DECAY, exclude=3)
+
+
+def test_selection_record_is_validated(tmp_path):
+    model = EncDec()
+    fe.save(fe.init_ema(fe.local_shards(model, include="dec.*")), model, tmp_path, "t")
+    path = tmp_path / "t" / "ema_manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest["selection"] == {"include": ["dec.*"], "exclude": None}
+    path.write_text(json.dumps(dict(manifest, selection={"include": [3], "exclude": None})))
+    with pytest.raises(fe.CheckpointError, match="selection"):
+        fe.checkpoint.read_manifest(tmp_path, "t")
+
+
+# ------------------------------------------------------------------------------------- multi-rank
+
+INCLUDE = ["model.layers.*", "lm_head.weight"]
+EXCLUDE = "*.mlp.*"  # wins over include: the MLPs of the layers are left out
+
+
+def _selected(names: list[str]) -> list[str]:
+    inc = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in INCLUDE)]
+    return [n for n in inc if not fnmatch.fnmatchcase(n, EXCLUDE)]
+
+
+def _tokens(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def selection_worker(engine: str, root: str) -> dict:
+    """One engine at 2 ranks: train, EMA a selection, check it against a full-weight reference, swap, save,
+    load, refuse another selection; rank 0 writes the reference EMA and the ``--like`` folder for the parent."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from tests._integration_models import quiet_hf, tiny_llama_config
+
+    quiet_hf()
+    rank = dist.get_rank()
+    out = Path(root)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    if rank == 0:
+        model.save_pretrained(out / "like")  # the --like folder: the initial weights
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    x, step_fn, full_fp32, forward_weights = _engine(engine, model)
+    sel = _selected(names)
+    shards = fe.local_shards(x, include=INCLUDE, exclude=EXCLUDE)
+    res: dict = {
+        "names_ok": list(shards) == sel,
+        "same_object": fe.local_shards(x, include=INCLUDE, exclude=EXCLUDE) is shards,
+    }
+    state = fe.init_ema(shards)
+    ref = {n: t.clone() for n, t in full_fp32().items() if n in sel}
+    for step in range(1, STEPS + 1):
+        step_fn(step)
+        state = fe.update(state, fe.local_shards(x, include=INCLUDE, exclude=EXCLUDE), step, decay=DECAY)
+        full = full_fp32()
+        for n in sel:
+            ref[n].lerp_(full[n], 1 - DECAY)
+    info = fe.update_info(state, fe.local_shards(x, include=INCLUDE, exclude=EXCLUDE))
+    res["fused_reused"] = info.fused and info.reused
+    gathered = fe.gather_full(state, x)
+    res["ema_bitwise"] = sorted(gathered) == sorted(sel) and all(torch.equal(gathered[n], ref[n]) for n in sel)
+
+    live = forward_weights(names)
+    with fe.swapped(x, state), torch.no_grad():
+        inside = forward_weights(names)
+    after = forward_weights(names)
+    res["swap_selected_ema"] = all(torch.equal(inside[n].float(), ref[n].to(inside[n].dtype).float()) for n in sel)
+    res["swap_others_live"] = all(torch.equal(inside[n], live[n]) for n in names if n not in sel)
+    res["swap_restored"] = all(torch.equal(after[n], live[n]) for n in names)
+
+    fe.save(state, x, out / "ck", "sel")
+    back = fe.load(x, out / "ck", "sel", include=INCLUDE, exclude=EXCLUDE)
+    res["load_bitwise"] = all(torch.equal(back.ema[n], state.ema[n]) for n in sel)
+    res["load_fused"] = fe.update_info(back, fe.local_shards(x, include=INCLUDE, exclude=EXCLUDE)).fused
+    res["refusals"] = []
+    for kw in ({}, {"include": INCLUDE}):  # every parameter; the MLPs not excluded
+        try:
+            fe.load(x, out / "ck", "sel", **kw)
+            res["refusals"].append(None)
+        except fe.CheckpointError as e:
+            res["refusals"].append(str(e))
+    if engine == "fsdp2":  # in the same launch: a pipeline stage per rank (its adapter wraps the module's)
+        res["pipeline_stage"] = _pipeline_stage_check(rank)
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in ref.items()}, str(out / "ref.safetensors"))
+    dist.barrier()
+    return res
+
+
+def _pipeline_stage_check(rank: int) -> bool:
+    """A ``torch.distributed.pipelining`` stage (stage ``rank`` of 2, a plain module): the selection's EMA swaps
+    in and copies into the stage's module for the selected parameters only."""
+    from torch.distributed.pipelining import PipelineStage
+
+    torch.manual_seed(rank)
+    mod = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
+    stage = PipelineStage(mod, rank, 2, torch.device("cpu"))
+    sel = {"exclude": "*.bias"}
+    state = fe.init_ema(fe.local_shards(stage, **sel))
+    before = _live(mod)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.add_(1.0)
+    state = fe.update(state, fe.local_shards(stage, **sel), 1, decay=DECAY)
+    want = {n: before[n].lerp(p.detach(), 1 - DECAY) for n, p in mod.named_parameters() if "weight" in n}
+    live = _live(mod)
+    with fe.swapped(stage, state), torch.no_grad():
+        inside = _live(mod)
+    ctrl = EMAController(DECAY)
+    ctrl.state = state
+    ctrl.copy_to_model(stage)
+    return (
+        list(state.ema) == ["0.weight", "2.weight"]
+        and all(torch.equal(inside[n], want[n] if n in want else live[n]) for n in live)
+        and all(torch.equal(p.detach(), want[n] if n in want else live[n]) for n, p in mod.named_parameters())
+    )
+
+
+def _engine(engine: str, model: nn.Module):
+    """(the object the verbs take, a training step, the full fp32 weights, the forward's full weights)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def loss_of(m, step: int) -> torch.Tensor:
+        ids = _tokens(step, rank)
+        return m(input_ids=ids, labels=ids).loss
+
+    if engine == "zero3":
+        import deepspeed
+
+        from functional_ema._testing.multirank import ds_config
+        from functional_ema._testing.multirank import forward_weights as ds_forward
+        from tests._integration_models import deepspeed_full_fp32
+
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(3, micro_batch=2))
+
+        def ds_step(step: int) -> None:
+            eng.backward(loss_of(eng, step))
+            eng.step()
+
+        return eng, ds_step, lambda: deepspeed_full_fp32(eng), lambda names: ds_forward(eng, names)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+
+    def fsdp_step(step: int) -> None:
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def full() -> dict[str, torch.Tensor]:
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+    return model, fsdp_step, full, lambda names: {n: t for n, t in full().items() if n in names}
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_selection_multirank(engine, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    results = run_ranks(
+        "tests.test_selection:selection_worker", world_size=2, timeout=600, engine=engine, root=str(tmp_path)
+    )
+    for rank, r in enumerate(results):
+        checks = {k: v for k, v in r.items() if k != "refusals"}
+        assert all(checks.values()), (rank, checks)
+        every, no_exclude = r["refusals"]
+        assert every is not None and "exclude='*.mlp.*'" in every and "'model.embed_tokens.weight'" in every, every
+        assert no_exclude is not None and "'model.layers.0.mlp.gate_proj.weight'" in no_exclude, no_exclude
+
+    # The export: the selected weights are the EMA, the others --like's (the initial weights), bitwise.
+    out = fe.export.to_hf(tmp_path / "ck", tmp_path / "hf", like=tmp_path / "like", tag="sel")
+    ref = load_file(str(tmp_path / "ref.safetensors"))
+    like = LlamaForCausalLM.from_pretrained(tmp_path / "like").state_dict()
+    got = LlamaForCausalLM.from_pretrained(out).state_dict()
+    assert sorted(ref) == sorted(_selected(list(like)))
+    for n, t in got.items():
+        assert torch.equal(t, ref[n] if n in ref else like[n]), n
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["selection"] == {"include": INCLUDE, "exclude": [EXCLUDE]}
+    assert sorted(record["copied_from_like"]) == sorted(n for n in like if n not in ref)
