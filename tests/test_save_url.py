@@ -46,23 +46,12 @@ def _options(endpoint: str, key: str, secret: str) -> dict[str, Any]:
 
 def _model(kind: str, rank: int) -> tuple[Any, Any, Any]:
     """(the training object, train(step), full fp32 weights ()) for a DDP model or a DeepSpeed ZeRO-3 engine."""
-    from functional_ema._testing.multirank import full_fp32_reference, make_engine, train_step
+    from functional_ema._testing.multirank import ddp_trained, full_fp32_reference, make_engine, train_step
 
     if kind == "zero3":
         engine = make_engine(3)
         return engine, lambda step: train_step(engine, step), lambda: full_fp32_reference(engine)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
-    model = torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def train(step: int) -> None:
-        g = torch.Generator().manual_seed(step * 10 + rank)
-        model(torch.randn(4, 7, generator=g)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    return model, train, lambda: {n: p.detach().clone() for n, p in net.named_parameters()}
+    return ddp_trained(rank)
 
 
 def _error(fn: Any) -> list | None:

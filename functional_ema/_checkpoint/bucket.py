@@ -66,7 +66,6 @@ __all__ = [
     "abandon_bucket",
     "commit_bucket",
     "prepare_bucket",
-    "save_bucket",
     "url_storage",
     "write_bucket",
 ]
@@ -323,28 +322,3 @@ def _cleanup(prep: BucketSave, keep: set[str]) -> None:
 def _quietly(fn: Callable[[], object]) -> None:
     with contextlib.suppress(Exception):  # best effort: a failure path, or cleanup after the commit
         fn()
-
-
-def save_bucket(
-    state: EmaState,
-    layout: ShardLayout,
-    job: tuple[Any, int, int],
-    store: Storage,
-    raw_tag: Any,
-    decay: DecayLike | Any,
-    buffers: BufferState | None,
-    extra: dict[str, Any] | None,
-    timeout: float,
-) -> str:
-    """The blocking save to a URL (module docstring); returns the tag's URL. Collective."""
-    prep = prepare_bucket(state, layout, job, store, raw_tag, decay, buffers, extra, timeout, "save")
-    group, world, rank = job
-    written: list[dict[str, Any]] = []
-    try:
-        write = lambda: written.append(write_bucket(prep, state.emas, buffers))  # noqa: E731
-        agree("save (writing the rank files)", write, group, world, rank, results=False)
-    except BaseException:
-        abandon_bucket(prep)
-        raise
-    commit_bucket(prep, written[0], "save")
-    return prep.tag_dir

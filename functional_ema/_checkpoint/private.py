@@ -61,7 +61,6 @@ __all__ = [
     "abandon_private",
     "commit_private",
     "prepare_private",
-    "save_private",
     "write_private",
 ]
 
@@ -127,31 +126,6 @@ class PrivateSave(NamedTuple):
     generation: int
     names: list[str]  # the files this rank writes (its pieces unless a rank of its folder does; its buffers)
     lock: list[TagLock]  # the folder's write lock, held by its committer until the commit or the failure
-
-
-def save_private(
-    state: EmaState,
-    layout: ShardLayout,
-    job: tuple[Any, int, int],
-    save_dir: Path,
-    raw_tag: Any,
-    decay: DecayLike | Any,
-    buffers: BufferState | None,
-    extra: dict[str, Any] | None,
-    timeout: float,
-) -> Path:
-    """The private-folder save (see the module docstring); ``job`` is (group, world, rank). Collective."""
-    prep = prepare_private(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, "save")
-    group, world, rank = job
-    written: list[dict[str, Any]] = []
-    try:
-        write = lambda: written.append(write_private(prep, state.emas, buffers))  # noqa: E731
-        agree("save (writing the rank files)", write, group, world, rank, results=False)
-    except BaseException:
-        abandon_private(prep)
-        raise
-    commit_private(prep, written[0], timeout, "save")
-    return prep.tag_dir
 
 
 def prepare_private(

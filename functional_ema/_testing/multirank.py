@@ -823,6 +823,25 @@ def full_fp32_reference(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def ddp_trained(
+    rank: int, d_in: int = 7, hidden: int = 12, d_out: int = 5
+) -> tuple[nn.Module, Callable[[int], None], Callable[[], dict[str, torch.Tensor]]]:
+    """(a seeded DDP MLP, ``train(step)``: one SGD step on this rank's own batch, its full weights as copies),
+    inside an initialised process group."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, d_out))
+    model = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(step: int) -> None:
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        model(torch.randn(4, d_in, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, train, lambda: {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
 def forward_weights(engine: Any, names: list[str]) -> dict[str, torch.Tensor]:
     """The full weights the forward uses (ZeRO-3: gathered from the partitions), cloned to CPU.
 
