@@ -41,7 +41,7 @@ from typing import IO, Any
 
 from . import _io
 
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "is_url", "storage_for"]
+__all__ = ["FsspecStorage", "LocalStorage", "Storage", "is_url", "remove_tree", "storage_for"]
 
 #: ``scheme://...`` with a scheme other than ``file`` names an fsspec filesystem.
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -323,3 +323,15 @@ def storage_for(location: str | os.PathLike[str], **storage_options: Any) -> Sto
     if isinstance(location, str) and location.lower().startswith("file://"):
         return LocalStorage(location[len("file://") :])
     return LocalStorage(location)
+
+
+def remove_tree(store: Storage, rel: str = "") -> None:
+    """Remove every file under folder ``rel`` of ``store`` (``""``: everything under its root), each by its exact
+    name, walking the listing: nothing outside that folder is touched (every path is confined as any other), and
+    nothing is removed by a prefix match (``run/a.ema`` never reaches ``run/a.ema2``)."""
+    for name in store.listdir(rel):
+        child = f"{rel}/{name}" if rel else name
+        if store.file_size(child) is not None:
+            store.remove(child)
+        else:
+            remove_tree(store, child)

@@ -39,7 +39,17 @@ def describe_worker(extra: str) -> dict:
         "threads": torch.get_num_threads(),
         "all_reduce": _all_reduce(dist),
         "hub_offline": _hub_offline(),
+        "fsspec_s3": _fsspec_s3(),
     }
+
+
+def _fsspec_s3() -> dict | None:
+    """fsspec's configuration for s3, read from ``FSSPEC_S3_*`` (the pool's server imported fsspec before)."""
+    try:
+        import fsspec
+    except ImportError:
+        return None
+    return fsspec.config.conf.get("s3")
 
 
 def _hub_offline() -> bool | None:
@@ -83,7 +93,8 @@ def test_pooled_rank_is_the_fresh_rank(pool: str, monkeypatch) -> None:
         "tests.test_rank_pool:describe_worker",
         world_size=3,
         timeout=120,
-        env={**FAST, "FE_EXTRA": "x", "OMP_NUM_THREADS": "2"},  # the server itself runs one
+        # the server itself runs one thread, and read fsspec's configuration without these variables
+        env={**FAST, "FE_EXTRA": "x", "OMP_NUM_THREADS": "2", "FSSPEC_S3_KEY": "k", "FSSPEC_S3_ENDPOINT_URL": "e"},
         extra="kw",
     )
     for rank, r in enumerate(results):
@@ -104,6 +115,7 @@ def test_pooled_rank_is_the_fresh_rank(pool: str, monkeypatch) -> None:
             "threads": 2,
             "all_reduce": 6.0,
             "hub_offline": True if importlib.util.find_spec("huggingface_hub") else None,
+            "fsspec_s3": {"key": "k", "endpoint_url": "e"} if importlib.util.find_spec("fsspec") else None,
         }, (rank, r)
 
 

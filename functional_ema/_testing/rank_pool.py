@@ -237,6 +237,17 @@ def _reap(exits: dict[int, str]) -> None:
                 path.with_suffix(".tmp").replace(path)
 
 
+def _reread_fsspec_config() -> None:
+    """fsspec reads its configuration (``FSSPEC_*`` variables, its config folder) once, at import, and the server
+    imported it (under Lightning) in its own environment: read it again in the launch's, in place (modules hold
+    the ``conf`` dict itself), as a fresh interpreter would have."""
+    config = sys.modules.get("fsspec.config")
+    if config is not None:
+        config.conf.clear()
+        config.set_conf_files(os.environ.get("FSSPEC_CONFIG_DIR", config.default_conf_dir), config.conf)
+        config.set_conf_env(config.conf, os.environ)
+
+
 def _become_rank(request: dict[str, Any]) -> None:
     """In the forked child: become what ``Popen(..., start_new_session=True)`` of a fresh rank would be."""
     try:
@@ -264,6 +275,7 @@ def _become_rank(request: dict[str, Any]) -> None:
 
         # The server imported torch under its own environment; the launch's thread count is the rank's.
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        _reread_fsspec_config()
         module, function = request["child"].split(":")
         getattr(importlib.import_module(module), function)(request["args"])  # ends the process itself
     except BaseException:  # noqa: BLE001 - the rank's log is where its parent looks

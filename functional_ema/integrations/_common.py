@@ -21,6 +21,14 @@ Before the EMA has started (``start_step``) there is no EMA to save: rank 0 writ
 record, ``integration.json``, instead (the framework's step, and the generation of any EMA in that
 folder it supersedes).
 
+``save_dir`` / ``load_dir`` may be an fsspec URL (``s3://bucket/run/ckpt``): the same objects under that
+prefix, written by :func:`functional_ema.save` (which handles URLs) and read by
+:func:`functional_ema.load`; the record goes through the storage seam (:mod:`functional_ema._storage`:
+published atomically, read by its exact name). fsspec's own configuration gives the credentials
+(``FSSPEC_S3_KEY``, ``FSSPEC_S3_SECRET``, ``FSSPEC_S3_ENDPOINT_URL``, or the filesystem's, e.g. ``AWS_*``),
+as it does for the frameworks that write their checkpoints there (Lightning). A URL names one store every
+rank reaches: ``shared=False`` with a URL is refused.
+
 Resuming checks, and never guesses: the EMA's step must be the one these rules give for the
 framework's step (:func:`expected_ema_step`), the record must belong to the framework's checkpoint,
 and nothing unchecked can discard or restart a verified EMA.
@@ -33,6 +41,7 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -41,7 +50,8 @@ import torch.distributed as dist
 import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
-from functional_ema._args import check_bool, check_int, check_optional_int, check_path, check_str
+from functional_ema._args import check_bool, check_int, check_location, check_optional_int, check_path, check_str
+from functional_ema._checkpoint.bucket import next_generation, store_error, url_storage
 from functional_ema._checkpoint.collective import agree, agree_on, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (
     MANIFEST_NAME,
@@ -52,11 +62,12 @@ from functional_ema._checkpoint.format import (
     read_record,
     record_bytes,
 )
-from functional_ema._checkpoint.reader import locate_checkpoint
+from functional_ema._checkpoint.reader import StoragePath, locate_checkpoint
 from functional_ema._checkpoint.writer import TagLock, describe_decays, read_generation
 from functional_ema._core import check_ema_dtype
 from functional_ema._io import atomic_write_bytes, write_tensors
 from functional_ema._selection import SelectionLike, make_selection, selection_record
+from functional_ema._storage import Storage, is_url
 from functional_ema.checkpoint import Loaded
 from functional_ema.engines._base import read_for
 from functional_ema.schedules import DecayLike, Schedule, check_decays
@@ -83,7 +94,52 @@ def expected_ema_step(framework_step: int, start_step: int, every_n_steps: int) 
     return max(first, (int(framework_step) // int(every_n_steps)) * int(every_n_steps))
 
 
-def _resume_error(where: Path, why: str) -> fe.CheckpointError:
+#: A checkpoint folder: a local one, or a prefix of a storage (a URL, ``str`` as its messages show it).
+Where = Path | StoragePath
+
+
+class _StoredRecord(StoragePath):
+    """A record object at a URL, read by :func:`read_record` as it reads a local file (``stat``, ``read_bytes``):
+    its size asked by the exact name (``FileNotFoundError`` when absent), then the object itself."""
+
+    def stat(self) -> SimpleNamespace:
+        size = self.size()
+        if size is None:
+            raise FileNotFoundError(f"{self}: no such file")
+        return SimpleNamespace(st_size=size)
+
+    def read_bytes(self) -> bytes:
+        return self.store.read_bytes(self.rel)
+
+
+def _read_record_at(path: Where) -> dict | None:
+    """:func:`read_record` of a local file or of an object at a URL (checksum verified alike)."""
+    if isinstance(path, StoragePath):
+        return read_record(cast(Path, _StoredRecord(path.store, path.rel)))
+    return read_record(path)
+
+
+def _is_file(path: Where) -> bool:
+    return path.size() is not None if isinstance(path, StoragePath) else path.is_file()
+
+
+def _url_store(location: str, shared: bool, what: str) -> Storage:
+    """The storage of a URL folder, with fsspec's configuration; ``shared=False`` refused naming the URL."""
+    return url_storage(location, shared, {}, f"EMAController(shared={shared}).{what}")
+
+
+def local_folder(value: Any, what: str, framework: str) -> Path:
+    """``value`` as a local folder (``check_path``); a URL is refused naming ``what``: ``framework`` writes its
+    own checkpoint there with local file I/O, so an EMA in a bucket would not sit beside it."""
+    if isinstance(value, str) and is_url(value):
+        raise ValueError(
+            f"{what}={value!r} is a URL, but {framework} writes its checkpoints into local folders only: the EMA "
+            "would not be beside them. Give a local (or mounted) folder, and copy it to the bucket after the save"
+        )
+    return check_path(value, what)
+
+
+def _resume_error(where: Where, why: str) -> fe.CheckpointError:
     return fe.checkpoint.CheckpointMismatchError(
         f"resuming the EMA from {where}: {why}. The EMA files do not belong to the checkpoint being resumed (or the "
         "EMA settings changed); resume from the checkpoint they were saved with, or start a new EMA"
@@ -275,16 +331,19 @@ class EMAController:
             "start_step": self.start_step,
         }
 
-    def save(self, x: Any, save_dir: str | os.PathLike, framework_step: int) -> Path:
+    def save(self, x: Any, save_dir: str | os.PathLike, framework_step: int) -> Path | str:
         """Write every rank's pieces (and buffers) into ``save_dir/<tag>/``. Collective: call on every rank.
+
+        ``save_dir`` may be an fsspec URL (module docstring); the tag's URL (a ``str``) is returned then.
 
         One :func:`functional_ema.save` (or :class:`functional_ema.AsyncSaver` save) writes the EMA, the
         buffers and this controller's record (``extra``: the framework's step and the rules), all listed
         and checksummed in one manifest: a failed save leaves no part of the tag at a newer step than
         the rest. Before the EMA started only a checksummed ``integration.json`` record is written.
         """
-        save_dir = check_path(save_dir, "save_dir")
+        location = check_location(save_dir, "save_dir")  # a URL stays a str: a Path would name a local "s3:"
         framework_step = check_int(framework_step, "framework_step")
+        root: Where = location if isinstance(location, Path) else StoragePath(_url_store(location, self.shared, "save"))
         expected = expected_ema_step(framework_step, self.start_step, self.every_n_steps)
         have = None if self.state is None else int(self.state.step)
         # The ranks agree on what they save first (one small all-reduce): the check below, alone, would refuse on
@@ -308,22 +367,26 @@ class EMAController:
                 f"framework_step={framework_step}: the rules ({rules}) put the EMA {want} at that optimizer step, but "
                 f"it is {now}; pass the step of the optimizer step the EMA last saw (on_step)"
             )
-        tag_dir = save_dir / self.tag
+        tag_dir = root / self.tag
         record = self._record(framework_step)
         if self.state is None:
             self._save_unstarted(x, tag_dir, record)
-            return tag_dir
+            return tag_dir if isinstance(tag_dir, Path) else str(tag_dir)
         save = fe.save if self._saver is None else self._saver.save  # async: manifest last, in the background
         save(
             self.state,
             x,
-            save_dir,
+            location,
             self.tag,
             decay=self.decay,
             buffers=self.buffer_state,
             extra=record,
             shared=self.shared,
         )
+        if isinstance(tag_dir, StoragePath):
+            if self._saver is None and _rank() == 0:
+                _drop_superseded_url_record(tag_dir)
+            return str(tag_dir)
         if self._saver is not None:
             return tag_dir
         if (_rank() == 0 or not self.shared) and (tag_dir / RECORD_NAME).exists():
@@ -339,13 +402,17 @@ class EMAController:
                 lock.release()
         return tag_dir
 
-    def _save_unstarted(self, x: Any, tag_dir: Path, record: dict) -> None:
+    def _save_unstarted(self, x: Any, tag_dir: Where, record: dict) -> None:
         """Rank 0 writes the not-started record, atomically, holding the tag's write lock; it names the
-        generation of the EMA saved in that folder before (if any), which it supersedes."""
+        generation of the EMA saved in that folder before (if any), which it supersedes. At a URL (no lock
+        there): published through the storage seam, superseding every generation present under the tag."""
         job = job_of(fe.engines.adapter_for(x).read())  # every rank that saves this model (all parts)
 
         def write() -> None:
             if job.rank != 0 and self.shared:  # private folders: every rank writes its folder's (identical) record
+                return None
+            if isinstance(tag_dir, StoragePath):
+                _publish_url_record(tag_dir, record, job.rank)
                 return None
             tag_dir.mkdir(parents=True, exist_ok=True)
             lock = TagLock.acquire(tag_dir, timeout_s(None), "EMA save")
@@ -377,21 +444,22 @@ class EMAController:
         when the rules say the EMA had not started, and only if it is newer than any EMA beside it.
         A mismatch is refused (:class:`functional_ema.CheckpointError`) naming both steps.
         """
-        load_dir = check_path(load_dir, "load_dir")
+        location = check_location(load_dir, "load_dir")  # a URL stays a str: a Path would name a local "s3:"
         framework_step = check_optional_int(framework_step, "framework_step")
+        root: Where = location if isinstance(location, Path) else StoragePath(_url_store(location, self.shared, "load"))
         self.wait()  # a write of this process in flight finishes first
-        tag_dir = load_dir / self.tag
+        tag_dir = root / self.tag
         job = job_of(fe.engines.adapter_for(x).read())
 
         def decide() -> tuple[str, dict[str, Any] | None, bool]:
-            record = read_record(tag_dir / RECORD_NAME)
+            record = _read_record_at(tag_dir / RECORD_NAME)
             if record is not None and record.get("started") is not False:
                 raise fe.checkpoint.CorruptCheckpointError(
                     f"{tag_dir / RECORD_NAME}: a record beside an EMA must say 'started': false; the file is damaged"
                 )
             generation, buffers = None, False
-            if (tag_dir / MANIFEST_NAME).is_file():  # the manifest alone (validated); the load reads the files
-                *_, manifest = locate_checkpoint(load_dir, self.tag, local=not self.shared)
+            if _is_file(tag_dir / MANIFEST_NAME):  # the manifest alone (validated); the load reads the files
+                *_, manifest = locate_checkpoint(root, self.tag, local=not self.shared)
                 generation = int(manifest["generation"])
                 buffers = all(p.get("buffer_files") is not None for p in manifest_parts(manifest))
             if record is not None and (
@@ -428,7 +496,7 @@ class EMAController:
         try:
             loaded = fe.checkpoint.load_checkpoint(
                 x,
-                load_dir,
+                location,
                 self.tag,
                 buffers=bool(self.buffers) and saved_buffers,
                 shared=self.shared,
@@ -447,7 +515,7 @@ class EMAController:
             self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=int(loaded.state.step))
         return saved_step
 
-    def _check_unstarted(self, where: Path, saved_step: int, framework_step: int | None) -> None:
+    def _check_unstarted(self, where: Where, saved_step: int, framework_step: int | None) -> None:
         if framework_step is not None and saved_step != int(framework_step):
             raise _resume_error(
                 where,
@@ -463,7 +531,7 @@ class EMAController:
                 f"{max(1, self.start_step)} and must be at step {expected}",
             )
 
-    def _check_loaded(self, tag_dir: Path, loaded: Loaded, framework_step: int | None) -> int:
+    def _check_loaded(self, tag_dir: Where, loaded: Loaded, framework_step: int | None) -> int:
         """The loaded EMA against the framework's step and these rules; returns the verified saved step."""
         extra = loaded.manifest.get("extra")
         ema_step = int(loaded.state.step)
@@ -622,7 +690,31 @@ class EMAController:
             self.copy_to_model(x)
 
 
-def _int_field(record: dict, field: str, where: Path) -> int:
+def _publish_url_record(tag_dir: StoragePath, record: dict, rank: int) -> None:
+    """The not-started record at a URL, published atomically; it supersedes every generation under the tag
+    (one below the next save's: a complete manifest's, and any failed save's leftovers)."""
+    rel = f"{tag_dir.rel}/{RECORD_NAME}"
+    try:
+        record["supersedes_generation"] = next_generation(tag_dir.store, tag_dir.rel) - 1
+        tag_dir.store.publish_bytes(rel, record_bytes(record))
+    except Exception as e:  # noqa: BLE001 - the store's client raises its own errors, not only OSError
+        raise store_error(e, rank, tag_dir.store.describe(rel)) from None
+
+
+def _drop_superseded_url_record(tag_dir: StoragePath) -> None:
+    """After a complete save to a URL (rank 0): an older not-started record beside it is superseded, so it is
+    removed (best effort: one that names this manifest's generation or a newer one stays, and a leftover is
+    ignored at load as long as it is older than the manifest)."""
+    with contextlib.suppress(Exception):  # best effort: load() decides by the generations anyway
+        old = _read_record_at(tag_dir / RECORD_NAME)
+        if old is None:
+            return
+        generation = int(json.loads(tag_dir.store.read_bytes(f"{tag_dir.rel}/{MANIFEST_NAME}"))["generation"])
+        if old.get("supersedes_generation", -1) < generation:
+            tag_dir.store.remove(f"{tag_dir.rel}/{RECORD_NAME}")
+
+
+def _int_field(record: dict, field: str, where: Where) -> int:
     value = record.get(field)
     if type(value) is not int or value < -1:
         raise fe.checkpoint.CorruptCheckpointError(

@@ -38,7 +38,7 @@ from functional_ema._state import EmaState
 from functional_ema.engines import adapter_for
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController
+from ._common import EMAController, local_folder
 
 __all__ = ["AcceleratorEMA"]
 
@@ -100,16 +100,18 @@ class AcceleratorEMA:
         return self.ema.swapped(self.model, index)
 
     def _on_save(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
-        self.ema.save(self.model, output_dir, self.optimizer_step)
+        folder = local_folder(output_dir, "accelerator.save_state(output_dir)", "Accelerate")
+        self.ema.save(self.model, folder, self.optimizer_step)
 
     def _on_load(self, models: list[Any], input_dir: str) -> None:
         # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest. Without
         # DeepSpeed the optimizer-step counter is this helper's own: it comes back from the EMA
         # checkpoint's checksummed record, checked against the EMA's step.
+        folder = local_folder(input_dir, "accelerator.load_state(input_dir)", "Accelerate")
         if self._engine_steps() is not None:
-            self.ema.load(self.model, input_dir, framework_step=self.optimizer_step)
+            self.ema.load(self.model, folder, framework_step=self.optimizer_step)
         else:
-            self._steps = self.ema.load(self.model, input_dir, framework_step=None)
+            self._steps = self.ema.load(self.model, folder, framework_step=None)
 
     def export(self, path: str | os.PathLike, index: int | None = None) -> Path | None:
         """Consolidated EMA ``index`` into one safetensors file (rank 0 writes). Collective."""

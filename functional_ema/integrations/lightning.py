@@ -27,6 +27,13 @@ Per Lightning event:
   size: it reshards);
 * ``on_train_end``: optional export to one safetensors file, or copy into the model.
 
+Checkpoints in a bucket: with ``ModelCheckpoint(dirpath="s3://bucket/run")`` (any fsspec URL; Lightning writes
+there through fsspec) the EMA is saved at ``<ckpt>.ema/ema/`` under the same prefix, read back from there by
+``fit(ckpt_path="s3://...")``, and removed with the checkpoint when ``ModelCheckpoint`` rotates it (the objects
+under ``<ckpt>.ema/`` only, through :mod:`functional_ema._storage`). The credentials come from fsspec's
+configuration, which Lightning reads too (``FSSPEC_S3_KEY``, ``FSSPEC_S3_SECRET``, ``FSSPEC_S3_ENDPOINT_URL``, or
+s3fs's own, e.g. ``AWS_*``).
+
 The training object is ``trainer.strategy.model``: the ``DeepSpeedEngine``, the DDP wrapper, or
 the LightningModule with ``fully_shard`` applied. Lightning's ``DeepSpeedStrategy`` runs only on CUDA
 (it refuses CPU in ``setup_environment``); this callback's DeepSpeed path is tested on CPU with a
@@ -45,6 +52,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from functional_ema._state import EmaState
+from functional_ema._storage import is_url, remove_tree, storage_for
 from functional_ema.schedules import DecayLike
 
 from ._common import EMAController
@@ -55,10 +63,28 @@ __all__ = ["EMACallback", "ema_dir_for"]
 _WRAPPED_ATTR = "_functional_ema_wrapped"
 
 
-def ema_dir_for(ckpt_path: str | os.PathLike) -> Path:
-    """Where the EMA of a Lightning checkpoint lives: inside it when it is a folder, else beside it."""
+def ema_dir_for(ckpt_path: str | os.PathLike) -> Path | str:
+    """Where the EMA of a Lightning checkpoint lives: inside it when it is a folder, else beside it. For a
+    checkpoint at a URL (``s3://bucket/run/epoch=0-step=8.ckpt``), the URL of that place (a ``str``): the
+    storage is asked whether the checkpoint is a folder (a prefix) or an object."""
+    if isinstance(ckpt_path, str) and is_url(ckpt_path):
+        url = ckpt_path.rstrip("/")
+        return url if _url_is_folder(url) else url + ".ema"
     p = Path(ckpt_path)
     return p if p.is_dir() else p.with_name(p.name + ".ema")
+
+
+def _url_is_folder(url: str) -> bool:
+    """Whether the checkpoint at ``url`` is a folder (a prefix holding objects), asked of the storage now."""
+    parent, _, name = url.rpartition("/")
+    store = storage_for(parent)
+    return store.file_size(name) is None and bool(store.listdir(name))
+
+
+def _remove_url_ema(ckpt_url: str) -> None:
+    """The EMA objects this callback wrote beside the checkpoint ``ckpt_url`` (under ``<ckpt>.ema/``), and
+    nothing else: the prefix is walked through the storage seam, each object removed by its exact name."""
+    remove_tree(storage_for(ckpt_url.rstrip("/") + ".ema"))
 
 
 class EMACallback(pl.Callback):
@@ -107,6 +133,10 @@ class EMACallback(pl.Callback):
 
         def remove_checkpoint(filepath: str | Path) -> None:
             remove(filepath)
+            if isinstance(filepath, str) and is_url(filepath):
+                if trainer.is_global_zero:
+                    _remove_url_ema(filepath)
+                return
             sibling = Path(os.fspath(filepath) + ".ema")
             if trainer.is_global_zero and sibling.is_dir():
                 shutil.rmtree(sibling, ignore_errors=True)
@@ -137,7 +167,7 @@ class EMACallback(pl.Callback):
         elif trainer.global_step == 0:
             self.ema.state = self.ema.buffer_state = None
 
-    def _check_own_record(self, where: Path) -> None:
+    def _check_own_record(self, where: Path | str) -> None:
         """The EMA read from beside the checkpoint must be the one this callback's state in the checkpoint
         itself names (its step): an ``.ema`` folder from another checkpoint is refused, not used."""
         meta = getattr(self, "_loaded_meta", None)

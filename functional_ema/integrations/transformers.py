@@ -59,9 +59,11 @@ from functional_ema._args import check_str
 from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController
+from ._common import EMAController, local_folder
 
 __all__ = ["EMACallback"]
+
+_HF = "the Hugging Face Trainer"  # named when a URL reaches a folder only the Trainer's local I/O writes
 
 _LIVE_PREFIX = "eval"  # the Trainer's default metric_key_prefix, which metric_prefix stands in for
 
@@ -267,7 +269,8 @@ class EMACallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._find_trainer()
         if state.global_step > 0:  # a resumed run: the weights came from a checkpoint, so does the EMA
-            self.ema.load(self._target(), self._resume_dir(args, state), framework_step=state.global_step)
+            folder = local_folder(self._resume_dir(args, state), "resume_from_checkpoint", _HF)
+            self.ema.load(self._target(), folder, framework_step=state.global_step)
         else:
             self.ema.state = self.ema.buffer_state = None
 
@@ -275,8 +278,8 @@ class EMACallback(TrainerCallback):
         self.ema.on_step(self._target(), state.global_step)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        self.ema.save(self._target(), folder, state.global_step)
+        output_dir = local_folder(args.output_dir, "TrainingArguments.output_dir", _HF)
+        self.ema.save(self._target(), output_dir / f"checkpoint-{state.global_step}", state.global_step)
 
     def on_evaluate(
         self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None, **kwargs: Any
