@@ -104,9 +104,17 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 
     from safetensors import safe_open
 
+    from ._args import refuse_url
     from .checkpoint import consolidate_to_file, saved_parts
 
     t0 = time.perf_counter()
+    try:  # before any Path() of them: Path("s3://b/x") is the local folder s3:/b/x
+        refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
+        if args.dcp:
+            refuse_url(args.checkpoint_dir, "CHECKPOINT_DIR", "--dcp reads a local folder")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.dcp:
         return _run_consolidate_dcp(args, t0)
     if args.key is not None:

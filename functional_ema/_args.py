@@ -35,6 +35,7 @@ __all__ = [
     "check_optional_int",
     "check_optional_real",
     "check_path",
+    "refuse_url",
     "check_reals",
     "check_sequence",
     "check_rank",
@@ -125,14 +126,26 @@ def check_str(value: Any, what: str) -> str:
     return value
 
 
-def check_path(value: Any, what: str) -> Path:
-    """``value`` (a ``str`` or ``os.PathLike``, not empty) as a ``Path``; ``TypeError``/``ValueError`` naming ``what``."""
+def check_path(value: Any, what: str, *, url_hint: str = "") -> Path:
+    """``value`` (a ``str`` or ``os.PathLike``, not empty) as a ``Path``; ``TypeError``/``ValueError`` naming ``what``.
+    An fsspec URL is refused (:func:`refuse_url`, with ``url_hint``): ``Path("s3://b/x")`` is the local ``s3:/b/x``."""
     if isinstance(value, (str, os.PathLike)):
         text = os.fspath(value)
         if isinstance(text, str) and text and "\x00" not in text:
+            refuse_url(text, what, url_hint)
             return Path(text)
         raise ValueError(f"{what} must name a file or folder, got {value!r}")
     raise TypeError(f"{what} must be a path (a str or os.PathLike), got {type(value).__name__} {value!r}")
+
+
+def refuse_url(value: Any, what: str, url_hint: str = "") -> None:
+    """``ValueError`` naming ``what`` and the URL when ``value`` is an fsspec URL (``s3://bucket/x``) where only a
+    local path is taken; ``url_hint`` says what takes one instead (default: write or read locally, then copy)."""
+    from ._storage import is_url
+
+    if isinstance(value, str) and is_url(value):
+        instead = url_hint or "use a local path, and copy the files to or from the URL with fsspec"
+        raise ValueError(f"{what} takes a local path, got the fsspec URL {value!r}: {instead}")
 
 
 def check_location(value: Any, what: str) -> Path | str:

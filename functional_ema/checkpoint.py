@@ -54,7 +54,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -420,14 +420,21 @@ def client_state_summary(state: EmaState, engine: Any = None) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- load
 
 
-def read_manifest(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> dict:
+def read_manifest(
+    checkpoint_dir: str | os.PathLike, tag: str | None = None, *, storage_options: dict[str, Any] | None = None
+) -> dict:
     """The validated manifest of a checkpoint (step, num_emas, dtype, schedules, world size, ...).
 
     Checks that the tag is complete and every rank file is present and well-formed; reads no
     tensor data. ``tag=None`` follows ``latest`` (or takes ``checkpoint_dir`` as the tag folder
-    when it holds a manifest).
+    when it holds a manifest). ``checkpoint_dir`` may be an fsspec URL, with ``storage_options``
+    as for :func:`load`.
     """
-    with open_checkpoint(checkpoint_dir, tag, verify=True) as ckpt:
+    checkpoint_dir = _load_location(checkpoint_dir, storage_options, "read_manifest", "checkpoint_dir")
+    with (
+        url_access(_url_of(checkpoint_dir), "read_manifest"),
+        open_checkpoint(checkpoint_dir, tag, verify=True) as ckpt,
+    ):
         return dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir))
 
 
@@ -521,14 +528,36 @@ def load(
     ).state
 
 
-def _load_location(load_dir: Any, storage_options: Any, verb: str) -> Path | StoragePath:
-    """``load_dir`` checked: a local folder, or a URL read in place through the storage seam (with
-    ``storage_options``; fsspec and the filesystem's package imported now, else an error naming the extra)."""
-    location = check_location(load_dir, "load_dir")
+def _load_location(load_dir: Any, storage_options: Any, verb: str, what: str = "load_dir") -> Path | StoragePath:
+    """``load_dir`` (the argument ``what`` of ``verb``) checked: a local folder, or a URL read in place through the
+    storage seam (with ``storage_options``; fsspec and the filesystem's package imported now, else an error naming
+    the extra). ``storage_options`` with a local folder are refused."""
+    location = check_location(load_dir, what)
     options = check_storage_options(storage_options, location, f"{verb}(storage_options=...)")
+    if isinstance(location, StoragePath) and not options:
+        return location  # already opened (with its own filesystem and options)
     if isinstance(location, str):
         return StoragePath(storage_for(location, **options))
     return location
+
+
+@contextlib.contextmanager
+def url_access(url: str | None, verb: str) -> Iterator[None]:
+    """The storage at ``url`` refusing access (a wrong key or secret: s3fs's bare ``PermissionError('Forbidden')``)
+    re-raised naming the URL and ``verb``'s ``storage_options``; a local file's error (it has a filename) as is."""
+    try:
+        yield
+    except PermissionError as e:
+        if url is None or e.filename is not None:
+            raise
+        raise PermissionError(
+            f"{url}: the storage refused access ({e}): check {verb}(storage_options=...) (key, secret, endpoint_url) "
+            "or fsspec's configuration"
+        ) from e
+
+
+def _url_of(location: Path | StoragePath) -> str | None:
+    return location if isinstance(location, StoragePath) else None
 
 
 class Loaded(NamedTuple):
@@ -704,6 +733,7 @@ def consolidate(
     verify: bool = True,
     tp_dims: dict[str, int | None] | None = None,
     tp_rank: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full EMA weights from a checkpoint, offline: no process group, no GPU, no DeepSpeed engine.
 
@@ -712,7 +742,8 @@ def consolidate(
     engine recorded (DeepSpeed AutoTP, Megatron's ``partition_dim``) or ``tp_dims`` gives.
 
     Args:
-        checkpoint_dir: the checkpoint directory (holding ``latest`` and tag folders), or a tag folder.
+        checkpoint_dir: the checkpoint directory (holding ``latest`` and tag folders), or a tag folder;
+            or an fsspec URL of one (``s3://bucket/run``), read in place with ranged reads.
         tag: the tag; ``None`` reads ``checkpoint_dir/latest`` like DeepSpeed's ``zero_to_fp32.py``,
             else ``checkpoint_dir/ema_latest`` (written by :func:`save` once a tag is complete).
         index: which EMA (``state.emas[index]`` at save time).
@@ -723,6 +754,9 @@ def consolidate(
             dim, a dim the parameter lacks or an unknown name: :class:`CheckpointMismatchError` naming the
             parameter, the recorded dim and the given one).
         tp_rank: instead of joining, return this tensor-parallel rank's slices as they are.
+        storage_options: for a URL ``checkpoint_dir``, fsspec's arguments (``key``, ``secret``,
+            ``endpoint_url``, ...) as for :func:`load`; ``None``: fsspec's configuration. Refused with a
+            local folder.
 
     Returns:
         ``{parameter name: tensor of its full shape}`` in the EMA dtype, names as in
@@ -739,7 +773,11 @@ def consolidate(
         >>> weights = fe.consolidate("ckpt")                      # doctest: +SKIP
         >>> missing, unexpected = model.load_state_dict(weights, strict=False)  # doctest: +SKIP
     """
-    with open_joined(checkpoint_dir, tag, verify, tp_dims, tp_rank) as ckpt:
+    checkpoint_dir = _load_location(checkpoint_dir, storage_options, "consolidate", "checkpoint_dir")
+    with (
+        url_access(_url_of(checkpoint_dir), "consolidate"),
+        open_joined(checkpoint_dir, tag, verify, tp_dims, tp_rank) as ckpt,
+    ):
         return consolidate_opened(ckpt, index, verify)
 
 
@@ -781,6 +819,13 @@ def _progress(total: int, enabled: bool | None, desc: str) -> _Progress:
     return _Null()
 
 
+#: What to do instead of writing a consolidated file to a URL.
+_LOCAL_OUTPUT = (
+    "the file is written locally (atomically); upload it afterwards (functional_ema.export.to_hf reads a "
+    "consolidated .safetensors file at a URL)"
+)
+
+
 def consolidate_to_file(
     checkpoint_dir: str | os.PathLike,
     out_path: str | os.PathLike,
@@ -792,6 +837,7 @@ def consolidate_to_file(
     overwrite: bool = True,
     tp_dims: dict[str, int | None] | None = None,
     tp_rank: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Path:
     """Stream full EMA weights into one safetensors file, holding about one tensor in memory.
 
@@ -803,10 +849,12 @@ def consolidate_to_file(
     (temporary file, fsync, rename).
 
     Args:
-        checkpoint_dir, tag, index, verify, tp_dims, tp_rank: as for :func:`consolidate`.
-        out_path: the ``.safetensors`` file to write (replaced atomically if it exists and
+        checkpoint_dir, tag, index, verify, tp_dims, tp_rank, storage_options: as for :func:`consolidate`
+            (``checkpoint_dir`` may be a URL).
+        out_path: the local ``.safetensors`` file to write (replaced atomically if it exists and
             ``overwrite``). A path inside the checkpoint being read (its tag folders, ``latest``)
-            is refused with :class:`OutputPathError`, symlinks resolved.
+            is refused with :class:`OutputPathError`, symlinks resolved; a URL is refused (write
+            locally, then upload: the export reads a consolidated file at a URL).
         progress: show a progress bar; ``None`` shows one when stderr is a terminal.
         overwrite: replace an existing ``out_path``; ``False`` refuses (the CLI's default).
 
@@ -820,11 +868,15 @@ def consolidate_to_file(
 
     Command line: ``python -m functional_ema consolidate ckpt ema.safetensors [--tag T] [--index K]``.
     """
-    out_path = check_path(out_path, "out_path")
+    out_path = check_path(out_path, "out_path", url_hint=_LOCAL_OUTPUT)
     overwrite = check_bool(overwrite, "overwrite")
     if progress is not None:
         check_bool(progress, "progress")
-    with open_joined(checkpoint_dir, tag, verify, tp_dims, tp_rank) as ckpt:
+    checkpoint_dir = _load_location(checkpoint_dir, storage_options, "consolidate_to_file", "checkpoint_dir")
+    with (
+        url_access(_url_of(checkpoint_dir), "consolidate_to_file"),
+        open_joined(checkpoint_dir, tag, verify, tp_dims, tp_rank) as ckpt,
+    ):
         ckpt.check_index(index)
         # a checkpoint at a URL: nothing local to keep the output out of (the output is a local file)
         check_output(out_path, ckpt.root, [ckpt.tag_dir] if isinstance(ckpt.tag_dir, Path) else [], overwrite)
@@ -869,12 +921,16 @@ class SavedParts(NamedTuple):
     tp_split_known: bool  # every tensor-parallel parameter's split dimension was recorded
 
 
-def saved_parts(checkpoint_dir: str | os.PathLike, tag: str | None = None) -> SavedParts:
+def saved_parts(
+    checkpoint_dir: str | os.PathLike, tag: str | None = None, *, storage_options: dict[str, Any] | None = None
+) -> SavedParts:
     """The model-parallel layout a checkpoint was saved with, from its validated manifest and the rank
     files' headers (no tensor data read; the headers' checksummed layout records are what a manifest
     edited to hide a recorded split is caught by): e.g. to decide whether a consolidation can join
-    tensor-parallel slices."""
-    readers = open_parts(checkpoint_dir, tag)
+    tensor-parallel slices. ``checkpoint_dir`` may be an fsspec URL, with ``storage_options`` as for :func:`load`."""
+    where = _load_location(checkpoint_dir, storage_options, "saved_parts", "checkpoint_dir")
+    with url_access(_url_of(where), "saved_parts"):
+        readers = open_parts(where, tag)
     try:
         first = readers[0].part
         known = first.tp_size == 1 or all(r.tp_dims is not None for r in readers)

@@ -127,10 +127,11 @@ class EMAStateful:
     def __init__(
         self, x: Any, state: EmaState | Callable[[], EmaState], *, checkpoint_id: str | os.PathLike | None = None
     ) -> None:
-        from ._args import check_path
+        from ._args import check_location
         from .engines.deepspeed import is_deepspeed_engine
 
-        where = None if checkpoint_id is None else check_path(checkpoint_id, "checkpoint_id")
+        # DCP takes an fsspec URL as its checkpoint_id too: named as given
+        where = None if checkpoint_id is None else check_location(checkpoint_id, "checkpoint_id")
         if is_deepspeed_engine(x):
             raise TypeError(
                 "functional_ema.dcp.EMAStateful: a DeepSpeed engine's fp32 partitions are flat slices across parameter "

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _io, _memory
-from ._args import check_bool, check_path, check_str
+from ._args import check_bool, check_location, check_storage_options, check_str, refuse_url
 from ._checkpoint.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -137,13 +137,37 @@ class _Source(NamedTuple):
 
 @contextlib.contextmanager
 def _open_source(
-    source: str | os.PathLike, tag: str | None, index: int, verify: bool, tp_dims: dict | None
+    source: str | os.PathLike,
+    tag: str | None,
+    index: int,
+    verify: bool,
+    tp_dims: dict | None,
+    options: dict[str, Any],
+) -> Iterator[_Source]:
+    """``source`` opened; a URL's storage refusing access names ``to_hf``'s ``storage_options``."""
+    from .checkpoint import url_access
+
+    with (
+        url_access(str(source) if is_url(source) else None, "to_hf"),
+        _open_any_source(source, tag, index, verify, tp_dims, options) as src,
+    ):
+        yield src
+
+
+@contextlib.contextmanager
+def _open_any_source(
+    source: str | os.PathLike,
+    tag: str | None,
+    index: int,
+    verify: bool,
+    tp_dims: dict | None,
+    options: dict[str, Any],
 ) -> Iterator[_Source]:
     url = is_url(source)
     path = Path(source)
     if url and str(source).endswith(".safetensors"):  # a consolidated file at a URL: ranged reads, in place
         folder, _, name = str(source).rstrip("/").rpartition("/")
-        with _open_file_source(StoragePath(storage_for(folder)) / name, verify) as src:
+        with _open_file_source(StoragePath(storage_for(folder, **options)) / name, verify) as src:
             yield src
         return
     if not url and path.is_file():
@@ -151,7 +175,8 @@ def _open_source(
             yield src
         return
     ckpt: JoinedReader
-    with open_joined(source if url else path, tag, verify, tp_dims) as ckpt:
+    where = StoragePath(storage_for(str(source), **options)) if url else path
+    with open_joined(where, tag, verify, tp_dims) as ckpt:
         ckpt.check_index(index)
         shapes = dict(ckpt.shapes)
         dtypes = {n: ckpt.dtype for n in shapes}
@@ -441,14 +466,16 @@ def to_hf(
     verify: bool = True,
     progress: bool | None = None,
     tp_dims: dict[str, int | None] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Path:
     """Write EMA ``index`` of ``source`` as a Hugging Face model folder (or PEFT adapter folder); see the module docstring.
 
     Args:
         source: a checkpoint directory (or tag folder) written by :func:`functional_ema.save`, any
             layout; or a consolidated ``.safetensors`` file this library wrote (``consolidate``,
-            ``consolidate --dcp``, ``posthoc``, a callback's ``export_path``).
-        out_dir: the folder to create (must not exist, or be empty, or with ``overwrite`` be a previous export).
+            ``consolidate --dcp``, ``posthoc``, a callback's ``export_path``). Either may be an fsspec URL
+            (``s3://bucket/run``), read in place.
+        out_dir: the local folder to create (must not exist, or be empty, or with ``overwrite`` be a previous export).
         like: the model's ``save_pretrained`` folder (``config.json``; its weights, when present, fix
             the names and supply what the EMA lacks), or a PEFT adapter folder (``adapter_config.json``).
         tag, index, verify, tp_dims: as for :func:`functional_ema.consolidate` (ignored for a file source,
@@ -462,6 +489,8 @@ def to_hf(
             a non-default adapter's folder is ``like/<adapter_name>/``, where PEFT saves it).
         overwrite: replace ``out_dir`` when it holds a previous export (as a whole, once the new folder is complete).
         progress: show a progress bar (``None``: when stderr is a terminal).
+        storage_options: for a URL ``source``, fsspec's arguments (``key``, ``secret``, ``endpoint_url``, ...)
+            as for :func:`functional_ema.load`; ``None``: fsspec's configuration. Refused with a local source.
 
     Returns:
         ``out_dir``.
@@ -479,12 +508,15 @@ def to_hf(
     """
     from .checkpoint import _progress
 
-    check_path(source, "source (SOURCE)")
+    source = check_location(source, "source (SOURCE)")
+    options = check_storage_options(storage_options, source, "to_hf(storage_options=...)")
+    refuse_url(out_dir, "out_dir (OUT_DIR)", "the export builds a local folder; upload it once it is written")
+    refuse_url(like, "like (--like)", "give the model's save_pretrained folder on a local disk")
     flags = {"overwrite": overwrite, "verify": verify, "progress": progress}
     cast, limit = _check_options(dtype, max_shard_size, missing, index, adapter_name, flags)
     like_folder = read_like(like, adapter_name)
     view, why_not = loader_view(like_folder.kind, like_folder.config, like_folder.config_file)
-    with _open_source(source, tag, index, verify, tp_dims) as src:
+    with _open_source(source, tag, index, verify, tp_dims, options) as src:
         real_out = check_out_dir(out_dir, [*src.paths, like_folder.given], overwrite)
         plan = make_plan(src.shapes, src.dtypes, like_folder, view, adapter_name, cast, missing)
         if like_folder.kind == "peft":

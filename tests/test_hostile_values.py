@@ -937,6 +937,11 @@ STATE = R(names=("state",))
 DIR_IN = R(names=("checkpoint_dir", "checkpoint directory"), values={"url": lambda: "memory://fe-values/missing"})
 DIR_LOAD = R(names=("load_dir", "checkpoint directory"))
 DIR_OUT = R(STR_PATH)
+# A URL where only a local path is taken: refused naming the argument (Path() would make it the local folder
+# "memory:/..."). memory:// only: nothing is sent anywhere, should it be accepted.
+URL_VALUE = {"url": lambda: "memory://fe-values/local-only"}
+DIR_OUT_LOCAL = R(STR_PATH, values=URL_VALUE)
+OPTIONS = R(NONE_DEFAULT, names=("storage_options",))  # str keys, a dict, and only for a URL
 TAG_SAVE = R(NONE_DEFAULT, INT_TAG, str="a plain folder name")
 TAG_READ = R(NONE_DEFAULT, names=("tag",))
 BOOL = R(bool="a bool")
@@ -1076,14 +1081,16 @@ for q in ("load", "checkpoint.load_checkpoint"):  # a URL is read in place (memo
     )
 for q in ("consolidate", "consolidate_to_file"):
     rows(q, checkpoint_dir=DIR_IN, tag=TAG_READ, index=INDEX, verify=BOOL, tp_dims=R(NONE_DEFAULT), tp_rank=R(OPT_INT))
-rows("consolidate_to_file", out_path=DIR_OUT, progress=OPT_BOOL, overwrite=BOOL)
+rows("consolidate_to_file", out_path=DIR_OUT_LOCAL, progress=OPT_BOOL, overwrite=BOOL)
+for q in ("consolidate", "consolidate_to_file", "checkpoint.read_manifest", "checkpoint.saved_parts", "export.to_hf"):
+    rows(q, storage_options=OPTIONS)
 rows("client_state_summary", state=STATE, engine=R(NONE_DEFAULT, names=MODEL_ARG))
 SHARD_SIZE = R(names=("max_shard_size",), huge="a limit above the model's size: one shard")
 rows(
     "export.to_hf",
-    source=R(names=("source", "checkpoint directory")),
-    out_dir=R(STR_PATH, names=("out_dir",)),
-    like=R(names=("like",)),
+    source=R(names=("source", "checkpoint directory"), values=DIR_IN.values),  # a URL is read in place
+    out_dir=R(STR_PATH, names=("out_dir",), values=URL_VALUE),
+    like=R(names=("like",), values=URL_VALUE),
     tag=TAG_READ,
     index=INDEX,
     dtype=R(NONE_DEFAULT, names=("dtype",)),
@@ -1148,11 +1155,22 @@ rows(
     "buffers.update_buffers", bstate=R(names=("bstate",)), x=MODEL, step=OPT_STEP, decay=DECAY, mode=R(names=("mode",))
 )
 rows("buffers.swapped_buffers", x=MODEL, bstate=R(names=("bstate",)), index=INDEX)
-rows("buffers.load_buffers", x=MODEL, load_dir=DIR_LOAD, tag=TAG_READ, verify=BOOL)
-rows("buffers.has_buffers", load_dir=DIR_LOAD, tag=TAG_READ)
+rows("buffers.load_buffers", x=MODEL, load_dir=R(names=DIR_LOAD.names, values=URL_VALUE), tag=TAG_READ, verify=BOOL)
+rows("buffers.has_buffers", load_dir=R(names=DIR_LOAD.names, values=URL_VALUE), tag=TAG_READ)
 rows("buffers.consolidate", checkpoint_dir=DIR_IN, tag=TAG_READ, index=INDEX, verify=BOOL)
 # dcp
-rows("dcp.EMAStateful", x=MODEL, state=STATE, checkpoint_id=R(NONE_DEFAULT, STR_PATH, names=("checkpoint_id",)))
+rows(
+    "dcp.EMAStateful",
+    x=MODEL,
+    state=STATE,
+    checkpoint_id=R(
+        NONE_DEFAULT,
+        STR_PATH,
+        names=("checkpoint_id",),
+        values=URL_VALUE,
+        url="DCP takes an fsspec URL as checkpoint_id; here it is only named in messages",
+    ),
+)
 rows("dcp.EMAStateful.load_state_dict", state_dict=R(names=("state_dict",)))
 rows("dcp.consolidate_dcp", checkpoint_dir=DIR_IN, key=R(names=("key",)), index=INDEX, verify=BOOL)
 # integrations
@@ -1273,7 +1291,7 @@ PH_ERR = R(
     NONE_DEFAULT, REAL, huge="a bound on the profile error: a huge one admits any fit", names=("max_profile_error",)
 )
 SEQ = R(names=("snapshot_gammas", "snapshot_steps", "coeffs", "snapshots"))
-SNAP_DIR = R(names=("snapshot_dir", "snapshot directory"))
+SNAP_DIR = R(names=("snapshot_dir", "snapshot directory"), values=URL_VALUE)  # snapshots are read locally
 PREFIX = R(names=("prefix",))
 BYTES = R(INT_SCALARS, huge="a memory bound, not an allocation", names=("buffer_bytes",))
 for q in ("posthoc.posthoc_local", "posthoc.posthoc_offline", "posthoc.posthoc_to_file"):
@@ -1290,7 +1308,7 @@ for q in ("posthoc.posthoc_local", "posthoc.posthoc_offline", "posthoc.posthoc_t
         buffer_bytes=BYTES,
     )
 rows("posthoc.posthoc_local", layout=R(names=("layout",)))
-rows("posthoc.posthoc_to_file", out_path=DIR_OUT, overwrite=BOOL)
+rows("posthoc.posthoc_to_file", out_path=DIR_OUT_LOCAL, overwrite=BOOL)
 for q in ("posthoc.expressible_range", "posthoc.solve_coefficients"):
     rows(
         q,
@@ -1313,7 +1331,7 @@ for q in ("posthoc.reconstruction_profile", "posthoc.plot_profile"):
         num=R(INT_SCALARS, names=("num",)),
     )
 rows("posthoc.reconstruction_profile", max_profile_error=PH_ERR)
-rows("posthoc.plot_profile", path=DIR_OUT, dpi=R(INT_SCALARS, names=("dpi",)))
+rows("posthoc.plot_profile", path=DIR_OUT_LOCAL, dpi=R(INT_SCALARS, names=("dpi",)))
 rows(
     "posthoc.profile_error",
     snapshot_gammas=SEQ,
@@ -1351,7 +1369,9 @@ rows(
     "posthoc.save_snapshot",
     state=STATE,
     engine=MODEL,
-    snapshot_dir=DIR_OUT,
+    snapshot_dir=R(  # as save's save_dir: a URL is a location
+        STR_PATH, url="an fsspec URL: the snapshot is saved there", values={"url": lambda: "memory://fe-values/snaps"}
+    ),
     schedules=R(names=("schedules",)),
     tag=TAG_SAVE,
 )

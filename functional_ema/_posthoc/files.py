@@ -18,6 +18,7 @@ from .._api import shard_layout
 from .._args import (
     check_bool,
     check_int,
+    check_location,
     check_optional_int,
     check_optional_real,
     check_path,
@@ -89,7 +90,7 @@ def save_snapshot(
         ...     posthoc.save_snapshot(state, engine, "snapshots", scheds)
     """
     check_state(state)
-    check_path(snapshot_dir, "snapshot_dir")
+    check_location(snapshot_dir, "snapshot_dir")  # a URL too: fe.save writes there
     gammas, step = gammas_and_step(state, schedules)
     return checkpoint.save(
         state, engine, snapshot_dir, snapshot_tag(step) if tag is None else tag, decay=[power(gamma=g) for g in gammas]

