@@ -2,12 +2,14 @@
 
 One command (from the repository root; about a minute on 2 cores):
 
-    .venv/bin/python benchmarks/bench_selection.py [--engines zero3 fsdp2] [--rounds 20]
+    .venv/bin/python benchmarks/bench_selection.py [--engines zero3 fsdp2 fsdp2_flat] [--rounds 20]
 
 Launched like ``bench_update.py``: ``functional_ema._testing.multirank.run_ranks``, 2 ranks on CPU (gloo),
 ``OMP_NUM_THREADS=1``. The model is ``bench_update``'s 516-tensor transformer shape (32 blocks of 16 tensors,
 an embedding, a final norm and a head), trained one bf16 step under DeepSpeed ZeRO-3 (fp32 masters) or FSDP2
-(``fully_shard`` per block and on the root, bf16 ``MixedPrecisionPolicy``). Two selections of about half the
+(``fully_shard`` per block and on the root, bf16 ``MixedPrecisionPolicy``; ``fsdp2_flat``: then
+``flatten_local_shards``, the opt-in one-buffer layout, where a selection's neighbours share segments as in
+ZeRO-3's partitions). Two selections of about half the
 parameters' bytes:
 
 * ``first half``: ``include="blocks.*"``, ``exclude=["blocks.1[6-9].*", "blocks.2?.*", "blocks.3?.*"]``
@@ -30,7 +32,9 @@ cost per step whatever the bytes (its ``x roofline`` is only its time over the r
 without a selection.
 
 ``x roofline``: per round the slowest rank's time for X over the slowest rank's for its roofline, median over
-rounds (paired timings cancel the machine's drift).
+rounds (paired timings cancel the machine's drift). A smaller roofline is itself faster per byte (more of it
+stays in cache), so ``x roofline`` alone overstates a selection's cost; ``per element / full`` compares the
+update's own time per fp32 element with the full EMA's, in the same round: 1.00 is the full EMA's speed per byte.
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ class Transformer(nn.Module):
 
 
 def _trained(engine: str):
-    """The object the verbs take, after one bf16 training step."""
+    """The object the verbs take, after one bf16 training step (``fsdp2_flat``: FSDP2, then
+    ``flatten_local_shards``, the opt-in one-buffer layout)."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -126,6 +131,10 @@ def _trained(engine: str):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.loss(model, 1).backward()
     opt.step()
+    if engine == "fsdp2_flat":
+        from functional_ema.engines.fsdp2 import flatten_local_shards
+
+        flatten_local_shards(model)
     return model
 
 
@@ -198,17 +207,37 @@ def worker(engine: str, rounds: int, inner: int) -> dict:
     return {"engine": engine, "info": info, "pairs": pairs}
 
 
+def _slowest(per_rank: list[dict], name: str) -> list[float]:
+    """Per round, the slowest rank's time for approach ``name`` (two batches)."""
+    return [max(x for x, _ in rnd) for rnd in zip(*(r["pairs"][name] for r in per_rank))]
+
+
 def report(per_rank: list[dict]) -> str:
-    engine = per_rank[0]["engine"]
+    """The table: per approach its ``x roofline``, its fastest time, and for the selections' updates the time per
+    fp32 element over the full EMA's (``per element / full``: per round the selection's update time over its
+    elements, divided by the full EMA's over all the elements, median over rounds)."""
+    engine, info = per_rank[0]["engine"], per_rank[0]["info"]
     lines = [f"{engine}, 2 ranks (local pieces of rank 0: tensors / segments / fp32 elements)"]
-    for label, i in per_rank[0]["info"].items():
+    for label, i in info.items():
         lines.append(f"  {label:18s} {i['tensors']:4d} tensors {i['segments']:4d} segments {i['numel']:>10,d} elements")
-    lines.append(f"  {'approach':38s} {'x roofline (median)':>20s} {'ms/update':>10s}")
+    lines.append(
+        f"  {'approach':38s} {'x roofline (median)':>20s} {'ms/update':>10s} {'ns/element':>11s} {'per element / full':>19s}"
+    )
+    full = [t / info["full EMA"]["numel"] for t in _slowest(per_rank, "full EMA")]
     for name in per_rank[0]["pairs"]:
         rounds = zip(*(r["pairs"][name] for r in per_rank))
         ratios = [max(x for x, _ in rnd) / max(f for _, f in rnd) for rnd in rounds]
-        ms = max(min(x for x, _ in r["pairs"][name]) for r in per_rank) / 2 * 1e3  # two batches per round
-        lines.append(f"  {name:38s} {statistics.median(ratios):20.2f} {ms:10.2f}")
+        fastest = max(min(x for x, _ in r["pairs"][name]) for r in per_rank) / 2  # two batches per round
+        label = name.split(":")[0]
+        per_el, vs_full = "", ""
+        if label in info and (name == label or name.endswith(": update")):
+            numel = info[label]["numel"]
+            per_el = f"{fastest / numel * 1e9:.3f}"
+            mine = [t / numel for t in _slowest(per_rank, name)]
+            vs_full = f"{statistics.median(m / f for m, f in zip(mine, full)):.2f}"
+        lines.append(
+            f"  {name:38s} {statistics.median(ratios):20.2f} {fastest * 1e3:10.2f} {per_el:>11s} {vs_full:>19s}"
+        )
     return "\n".join(lines)
 
 
@@ -216,7 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     from functional_ema._testing.multirank import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engines", nargs="+", default=["zero3", "fsdp2"], choices=["zero3", "fsdp2"])
+    ap.add_argument(
+        "--engines", nargs="+", default=["zero3", "fsdp2", "fsdp2_flat"], choices=["zero3", "fsdp2", "fsdp2_flat"]
+    )
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--inner", type=int, default=5)
     args = ap.parse_args(argv)

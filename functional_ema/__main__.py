@@ -2,21 +2,30 @@
 
 Commands:
     consolidate CHECKPOINT_DIR OUT.safetensors [--tag T] [--index K] [--tp-dim NAME=DIM ... | --tp-rank R]
+            [--storage-options JSON]
         Rebuild full EMA weights from the per-rank files of a checkpoint, with no GPU and no process
         group, streaming: peak memory is about the largest single parameter. Pipeline stages go into
         one file; tensor-parallel slices are joined where the split is known, else written one file
-        per tensor-parallel rank (OUT.tp<r>of<T>.safetensors).
+        per tensor-parallel rank (OUT.tp<r>of<T>.safetensors). CHECKPOINT_DIR may be an fsspec URL
+        (s3://...), read in place with --storage-options (else fsspec's configuration).
     consolidate --dcp DCP_DIR OUT.safetensors [--key ema] [--index K] [--no-verify]
         The same from a torch.distributed.checkpoint folder holding an fe.dcp.EMAStateful, every row's
         checksum verified (--no-verify skips that; --tag, --tp-dim, --tp-rank are refused).
     export SOURCE OUT_DIR --like HF_MODEL_DIR [--dtype bf16] [--max-shard-size 5GB] [--index K] [--tag T]
+            [--storage-options JSON]
         Write the EMA as a Hugging Face model folder (sharded safetensors + index, config and tokenizer
         files copied from --like) that from_pretrained loads; or, when --like is a PEFT adapter folder,
         as a PEFT adapter folder. SOURCE: a checkpoint, or a consolidated .safetensors file this library
-        wrote, or either at an fsspec URL (s3://...). The export checks itself (docs/shipping.md) and refuses rather than ship anything but the EMA;
+        wrote, or either at an fsspec URL (s3://..., with --storage-options). The export checks itself (docs/shipping.md) and refuses rather than ship anything but the EMA;
         --overwrite replaces only a previous export or an empty folder.
-    posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG]
+    posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG] [--storage-options JSON]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
+        SNAPSHOT_DIR may be an fsspec URL (s3://...).
+
+--storage-options JSON: a JSON object of fsspec arguments for a URL source ({"endpoint_url": ..., "key": ...,
+"secret": ...}), passed to the verb's storage_options=; refused with a local source. Without it, fsspec's
+configuration (FSSPEC_S3_* variables, the filesystem's own, e.g. AWS_*) is used; prefer that for secrets, which
+on a command line are visible to other users of the machine.
 
 Adding a command: write ``_add_<name>(subparsers)`` that registers a parser with
 ``set_defaults(run=<function taking the parsed args, returning an exit code>)`` and append it to
@@ -28,10 +37,11 @@ Exit codes: 0 success, 1 checkpoint or reconstruction error (message on stderr),
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .posthoc import DEFAULT_MAX_PROFILE_ERROR, SNAPSHOT_PREFIX
 
@@ -50,6 +60,44 @@ def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str)
         action="store_true",
         help="skip the checksum checks (XXH3-64; CRC-32 for format-1 checkpoints) of the bytes read",
     )
+
+
+def _storage_options(text: str) -> dict[str, Any]:
+    """``--storage-options``'s value: a JSON object (fsspec's arguments), checked where it enters; argparse names
+    the flag in the error. The text is never echoed (it may hold a secret)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({e.msg} at character {e.pos}): give a JSON object of fsspec arguments, e.g. "
+            '\'{"endpoint_url": "http://127.0.0.1:8333"}\''
+        ) from None
+    if not isinstance(value, dict):
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object of fsspec arguments ({{"key": ..., "secret": ...}}), got a JSON {kind}'
+        )
+    return value
+
+
+def _add_storage_options(p: argparse.ArgumentParser, source: str) -> None:
+    p.add_argument(
+        "--storage-options",
+        type=_storage_options,
+        default=None,
+        metavar="JSON",
+        help=f"for a URL {source} (s3://...): fsspec's arguments as a JSON object, e.g. "
+        '\'{"endpoint_url": "http://...", "key": "...", "secret": "..."}\' (default: fsspec\'s configuration, e.g. '
+        "FSSPEC_S3_* variables, which keep secrets out of the process list); refused with a local path",
+    )
+
+
+def _refuse_local_options(args: argparse.Namespace, source: str, what: str) -> None:
+    """``ValueError`` when ``--storage-options`` is given with a local ``source`` (named ``what``): nothing reads them."""
+    from ._storage import is_url
+
+    if args.storage_options is not None and not is_url(source):
+        raise ValueError(f"--storage-options are for a URL {what} (s3://...); {source!r} is a local path")
 
 
 def _add_consolidate(subparsers: _Subparsers) -> None:
@@ -81,6 +129,7 @@ def _add_consolidate(subparsers: _Subparsers) -> None:
         default=None,
         help="tensor-parallel checkpoints: write this rank's slices as they are, not joined",
     )
+    _add_storage_options(p, "CHECKPOINT_DIR")
     p.add_argument(
         "--dcp",
         action="store_true",
@@ -112,6 +161,7 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
         if args.dcp:
             refuse_url(args.checkpoint_dir, "CHECKPOINT_DIR", "--dcp reads a local folder")
+        _refuse_local_options(args, args.checkpoint_dir, "CHECKPOINT_DIR")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -123,7 +173,7 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     tp_dims = _tp_dims(args.tp_dim) if args.tp_dim else None
     ranks: list[int | None] = [args.tp_rank]
     outs = [Path(args.out)]
-    saved = saved_parts(args.checkpoint_dir, args.tag)
+    saved = saved_parts(args.checkpoint_dir, args.tag, storage_options=args.storage_options)
     if tp_dims is None and args.tp_rank is None and saved.tp_size > 1 and not saved.tp_split_known:
         # how the tensor-parallel slices join is unknown: one file per tensor-parallel rank
         ranks = list(range(saved.tp_size))
@@ -143,6 +193,7 @@ def _run_consolidate(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             tp_dims=tp_dims,
             tp_rank=rank,
+            storage_options=args.storage_options,
         )
         with safe_open(str(out), framework="pt") as f:
             meta, n = f.metadata() or {}, len(list(f.keys()))
@@ -227,7 +278,7 @@ def _add_posthoc(subparsers: _Subparsers) -> None:
             "and no process group."
         ),
     )
-    _add_input_output(p, "snapshot_dir", "directory holding the snapshot_<step> folders")
+    _add_input_output(p, "snapshot_dir", "directory holding the snapshot_<step> folders, or its URL (s3://...)")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--sigma-rel", type=float, help="EMA width relative to the step, e.g. 0.15")
     target.add_argument("--gamma", type=float, help="power-EMA exponent instead of --sigma-rel")
@@ -244,14 +295,23 @@ def _add_posthoc(subparsers: _Subparsers) -> None:
     p.add_argument(
         "--prefix", default=SNAPSHOT_PREFIX, help=f"tag prefix of the snapshot folders (default {SNAPSHOT_PREFIX!r})"
     )
+    _add_storage_options(p, "SNAPSHOT_DIR")
     p.set_defaults(run=_run_posthoc)
 
 
 def _run_posthoc(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
+    from ._args import refuse_url
     from .posthoc import list_snapshots, plot_profile, posthoc_to_file
 
+    try:  # before any snapshot is read: Path("s3://b/x") is the local folder s3:/b/x
+        refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
+        refuse_url(args.plot, "--plot", "the picture is written locally")
+        _refuse_local_options(args, args.snapshot_dir, "SNAPSHOT_DIR")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = posthoc_to_file(
         args.snapshot_dir,
         args.out,
@@ -262,6 +322,7 @@ def _run_posthoc(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         prefix=args.prefix,
         overwrite=args.overwrite,
+        storage_options=args.storage_options,
     )
     with safe_open(str(out), framework="pt") as f:
         meta = f.metadata() or {}
@@ -270,7 +331,7 @@ def _run_posthoc(args: argparse.Namespace) -> int:
         f"{meta['step']} from {meta['num_snapshots']} snapshots; profile error {float(meta['profile_error']):.2e}"
     )
     if args.plot:
-        infos = list_snapshots(args.snapshot_dir, prefix=args.prefix)
+        infos = list_snapshots(args.snapshot_dir, prefix=args.prefix, storage_options=args.storage_options)
         gammas = [g for i in infos for g in i.gammas]
         steps = [i.step for i in infos for _ in i.gammas]
         plot_profile(gammas, steps, args.plot, gamma=float(meta["gamma"]), step=int(meta["step"]))
@@ -318,6 +379,7 @@ def _add_export(subparsers: _Subparsers) -> None:
         help="replace OUT_DIR as a whole when it is a previous export (never a folder this tool did not write)",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the checksum checks of the bytes read")
+    _add_storage_options(p, "SOURCE")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a bar")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
@@ -325,7 +387,6 @@ def _add_export(subparsers: _Subparsers) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    import json
     import time
 
     from .checkpoint import CheckpointError
@@ -333,6 +394,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
+        _refuse_local_options(args, args.source, "SOURCE")
         out = to_hf(
             args.source,
             args.out_dir,
@@ -346,6 +408,7 @@ def _run_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             verify=not args.no_verify,
             progress=args.progress,
+            storage_options=args.storage_options,
         )
     except ValueError as e:
         if isinstance(e, CheckpointError):
@@ -383,6 +446,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, ReconstructionError, OSError) as e:  # OSError: e.g. a full disk while writing OUT
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        if not _storage_client_error(e):
+            raise
+        print(
+            f"error: the storage client for a URL argument failed: {type(e).__name__}: {e}. Pass --storage-options "
+            '\'{"key": ..., "secret": ..., "endpoint_url": ...}\' or set fsspec\'s configuration (FSSPEC_S3_KEY, ...)',
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _storage_client_error(e: Exception) -> bool:
+    """An error of an object store's client library (botocore's ``NoCredentialsError``, ``EndpointConnectionError``):
+    not an ``OSError``, yet a setup for the user to fix, not a fault of this tool. Only a client that was imported
+    can have raised it."""
+    boto = sys.modules.get("botocore.exceptions")
+    return boto is not None and isinstance(e, boto.BotoCoreError)
 
 
 if __name__ == "__main__":

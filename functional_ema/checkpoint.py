@@ -49,6 +49,7 @@ Resuming::
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -64,7 +65,7 @@ from . import _io, _memory
 from ._args import check_bool, check_location, check_path, check_state, check_storage_options
 from ._async import AsyncSaver, SaveHandle
 from ._async_private import BUCKET, PRIVATE, save_now
-from ._checkpoint.bucket import url_storage
+from ._checkpoint.bucket import access_refused, url_storage
 from ._checkpoint.collective import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
@@ -238,7 +239,9 @@ def save(
             for a URL (every rank reaches the one bucket).
         storage_options: for a URL ``save_dir``, fsspec's arguments (``key``, ``secret``,
             ``endpoint_url``, ...); ``None`` uses fsspec's configuration (``FSSPEC_S3_*`` variables, the
-            filesystem's own, e.g. ``AWS_*``). Refused for a local folder.
+            filesystem's own, e.g. ``AWS_*``). Refused for a local folder. A store refusing them (a wrong
+            key or secret) fails the save on every rank with :class:`CheckpointIOError` naming the rank, the
+            URL and ``save(storage_options=...)``.
 
     ``save_dir`` may be an fsspec URL (``s3://bucket/run``, ``gs://...``, ``memory://...``; needs
     ``pip install 'functional-ema[s3]'`` for ``s3://``): the same objects are written under that prefix,
@@ -491,7 +494,9 @@ def load(
             (``CheckpointMismatchError`` naming them and both selections).
         storage_options: for a URL ``load_dir``, fsspec's arguments (``key``, ``secret``,
             ``endpoint_url``, ...); ``None`` uses fsspec's configuration (``FSSPEC_S3_*`` variables, the
-            filesystem's own, e.g. ``AWS_*``). Refused for a local folder.
+            filesystem's own, e.g. ``AWS_*``). Refused for a local folder. A store refusing them (a wrong
+            key or secret) fails the load on every rank with :class:`CheckpointIOError` naming the rank, the
+            URL and ``load(storage_options=...)``.
 
     Returns:
         ``EmaState`` with ``step`` and ``num_emas`` as saved and this rank's pieces (``out``'s
@@ -542,18 +547,23 @@ def _load_location(load_dir: Any, storage_options: Any, verb: str, what: str = "
 
 
 @contextlib.contextmanager
-def url_access(url: str | None, verb: str) -> Iterator[None]:
+def url_access(url: str | None, verb: str, rank: int | None = None) -> Iterator[None]:
     """The storage at ``url`` refusing access (a wrong key or secret: s3fs's bare ``PermissionError('Forbidden')``)
-    re-raised naming the URL and ``verb``'s ``storage_options``; a local file's error (it has a filename) as is."""
+    re-raised naming the URL and ``verb``'s ``storage_options``; a local file's error (it has a filename) as is.
+
+    ``rank``: for a collective verb, a :class:`CheckpointIOError` naming the rank instead, which the verb's
+    agreement raises on every rank (a bare ``OSError`` there would only say "could not access a checkpoint file")."""
     try:
         yield
     except PermissionError as e:
-        if url is None or e.filename is not None:
+        why = access_refused(e, verb) if url is not None else None
+        if why is None:
             raise
-        raise PermissionError(
-            f"{url}: the storage refused access ({e}): check {verb}(storage_options=...) (key, secret, endpoint_url) "
-            "or fsspec's configuration"
-        ) from e
+        if rank is None:
+            raise PermissionError(f"{url}: {why}") from e
+        err = CheckpointIOError(f"rank {rank} could not read {url}: {why}")
+        err.errno = e.errno  # only errno, as io_error: OSError.__str__ would drop the message otherwise
+        raise err from e
 
 
 def _url_of(location: Path | StoragePath) -> str | None:
@@ -602,12 +612,18 @@ def load_checkpoint(
     box: dict[str, Any] = {}
     opened = contextlib.ExitStack()
 
+    # A storage refusing this rank's credentials: named (the URL, load's storage_options) on every rank.
+    access = functools.partial(url_access, _url_of(load_dir), "load", job.rank)
+
+    @access()
     def open_and_check() -> dict[str, Any]:
         ckpt = box["ckpt"] = opened.enter_context(open_checkpoint(load_dir, tag, verify, layout, local=local))
-        ckpt.check_experts(layout)
+        # The selection first: another selection of an MoE model also differs in its experts, and the names
+        # that differ say why where an expert-parallel size mismatch would not.
         if hasattr(ckpt, "shapes"):  # this part's names as saved (a re-cut of other parts checks its own)
             check_loaded_selection(f"tag {ckpt.tag!r} in {ckpt.root}", ckpt.manifest.get("selection"), selection,
                                    list(layout.specs), list(ckpt.shapes))  # fmt: skip
+        ckpt.check_experts(layout)
         ckpt.check_model(layout.specs)
         if dtype is not None and dtype != ckpt.dtype:
             raise CheckpointMismatchError(
@@ -619,6 +635,7 @@ def load_checkpoint(
             box["target"] = _load_target(out, ckpt, layout)
         return load_record(ckpt, layout, not layout.part.whole)
 
+    @access()
     def run() -> None:
         ckpt = box["ckpt"]
         if (ckpt.world_size, ckpt.stage) != (layout.world_size, layout.stage):
@@ -676,8 +693,10 @@ def load_checkpoint(
 
 
 #: What every rank of a :func:`load` must read alike: the tag, which save of it (its generation and a
-#: digest of its manifest, which lists every file's checksums), and what the save holds.
-LOAD_FIELDS = ("tag", "step", "num_emas", "dtype", "layout", "generation", "save")
+#: digest of its manifest, which lists every file's checksums), and what the save holds: the selection
+#: (the include/exclude it averages, as its manifest records it; None: every parameter) named apart from
+#: the layout its parameter count changes, so ranks reading saves of other selections are told so.
+LOAD_FIELDS = ("tag", "step", "num_emas", "dtype", "selection", "layout", "generation", "save")
 
 
 def load_record(ckpt: CheckpointReader, layout: ShardLayout, across_parts: bool) -> dict[str, Any]:
@@ -690,6 +709,7 @@ def load_record(ckpt: CheckpointReader, layout: ShardLayout, across_parts: bool)
         "save": f"manifest #{value_digest(manifest):016x}",
         "num_emas": ckpt.num_emas,
         "dtype": dtype_name(ckpt.dtype),
+        "selection": manifest.get("selection"),  # absent: every parameter
         "layout": layout_record(layout, across_parts),
     }
 

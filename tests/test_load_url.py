@@ -13,7 +13,10 @@ uploaded with s3fs's own ``put``; the save to a URL is built and tested elsewher
   the previous save) changes nothing: the manifest's files are read by their exact names;
 * faults, each refused on every rank with the exact error: a rank's object deleted, replaced by another of the
   same size (a checksum error naming the file), truncated, grown, and a stale object (the older generation's
-  file) under the newer manifest.
+  file) under the newer manifest;
+* a wrong secret in ``storage_options`` (the server refuses access, s3fs's bare ``PermissionError('Forbidden')``):
+  on every rank, or on rank 1 only, refused on every rank (no rank left waiting) with a ``CheckpointIOError`` naming
+  the failing rank, the URL and ``load(storage_options=...)``.
 
 Then, in this process (another world size: 1 rank), the load by URL, ``consolidate``, ``consolidate_to_file``,
 ``read_manifest`` and ``saved_parts`` from the URL are bitwise the full EMA the ranks gathered in memory
@@ -211,6 +214,11 @@ def url_worker(root: str, kind: str, endpoint: str, key: str, secret: str) -> di
             admin.pipe(obj, raw)
         dist.barrier()
     out["restored"] = same(fe.load(x, f"s3://{prefix}", TAG, storage_options=opts))
+    # the store refusing a rank's credentials (every rank's, then rank 1's only): named on every rank, no hang
+    wrong = dict(opts, secret="not-" + secret, config_kwargs={"retries": {"max_attempts": 1}}, skip_instance_cache=True)
+    out["forbidden"] = _error(lambda: fe.load(x, f"s3://{prefix}", TAG, storage_options=wrong))
+    mixed = wrong if rank == 1 else opts
+    out["forbidden_rank1"] = _error(lambda: fe.load(x, f"s3://{prefix}", TAG, storage_options=mixed))
     out["victim"], out["sizes"] = victim, {e["file"]: e["bytes"] for e in manifest["files"]}
     out["manifest_bytes"] = (here / "ck" / TAG / "ema_manifest.json").stat().st_size
     out["latest_bytes"] = (here / "ck" / "ema_latest").stat().st_size
@@ -296,6 +304,15 @@ def test_load_from_a_bucket(tmp_path: Path, s3: Any, kind: str) -> None:
             assert name == cls, (fault, r["rank"], r[fault])
             said = text if r["rank"] == first else f"load failed on rank {first} of 2 ({cls}): {text}"
             assert msg.startswith(said), (fault, r["rank"], msg, said)
+    # a refused access: the failing rank's own CheckpointIOError, the other rank the same class naming it
+    for fault, failing in (("forbidden", 0), ("forbidden_rank1", 1)):
+        own = (
+            f"rank {failing} could not read {url}: the storage refused access (Forbidden): check "
+            "load(storage_options=...) (key, secret, endpoint_url) or fsspec's configuration"
+        )
+        for r in res:
+            said = own if r["rank"] == failing else f"load failed on rank {failing} of 2 (CheckpointIOError): {own}"
+            assert r[fault] == ["CheckpointIOError", said], (fault, r["rank"], r[fault])
     # another world size: one process, every saved piece re-cut from the ranges of both files
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     gathered, ref = full["gathered"], full["ref"]

@@ -10,8 +10,9 @@ at its end. Checked:
   a second save of a tag writing generation 1 beside generation 0 (never over it) and removing generation 0 only
   after its manifest; nothing written outside the prefix;
 * ``AsyncSaver`` to a URL: no manifest until the commit at ``wait`` (collective), then complete and bitwise;
-* refusals on every rank with nothing committed: a rank that reaches another store (another prefix), and
-  ``shared=False`` with a URL;
+* refusals on every rank with nothing committed: a rank that reaches another store (another prefix),
+  ``shared=False`` with a URL, and a wrong secret in ``storage_options`` (on every rank, on rank 1 only, and to
+  ``AsyncSaver``): a ``CheckpointIOError`` naming the failing rank, the URL and the verb's ``storage_options``;
 * the server SIGKILLed while rank 0 writes its file: every rank raises a ``CheckpointError``; on a server
   restarted on the same data the previous tags still consolidate bitwise, and the new tag is refused as
   incomplete.
@@ -23,6 +24,7 @@ Also, in one process: a URL without fsspec or s3fs installed is refused naming t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,6 +137,15 @@ def url_worker(root: str, kind: str, endpoint: str, key: str, secret: str, serve
     mixed = URL if rank == 0 else here / "mixed"  # one rank to the bucket, the other to a local folder
     out["mixed"] = _error(lambda: fe.save(state, x, mixed, "r", storage_options=opts if rank == 0 else None))
     out["mixed_files"] = sorted(str(p.relative_to(here)) for p in (here / "mixed").rglob("*") if p.is_file())
+    # the store refusing a rank's credentials: every rank's (rank 0 fails choosing the generation), rank 1's only
+    # (it fails reading rank 0's marker, which rank 0 then removes), and to an AsyncSaver
+    wrong = dict(opts, secret="not-" + secret, config_kwargs={"retries": {"max_attempts": 1}}, skip_instance_cache=True)
+    out["forbidden"] = _error(lambda: fe.save(state, x, URL, "r", storage_options=wrong))
+    mine = wrong if rank == 1 else opts
+    out["forbidden_rank1"] = _error(lambda: fe.save(state, x, URL, "r", storage_options=mine))
+    refused = fe.AsyncSaver()
+    out["forbidden_async"] = _error(lambda: refused.save(state, x, URL, "r", storage_options=wrong))
+    refused.wait()
     snapshot("refused")
 
     # the server killed while rank 0 writes its file of tag "c": every rank raises
@@ -201,6 +212,26 @@ def test_save_to_s3(tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) 
         assert r["mixed_files"] == [], r["mixed_files"]
         name, msg, lib = r["private"]
         assert name == "ValueError" and "shared=False" in msg and URL in msg, msg
+    refused = "the storage refused access (Forbidden): check {}(storage_options=...) (key, secret, endpoint_url) or "
+    refused += "fsspec's configuration"
+    for fault, verb, what in (("forbidden", "save", "save"), ("forbidden_async", "AsyncSaver.save", "async save")):
+        own = f"rank 0 could not write the tag {URL}/r: {refused.format(verb)}"
+        assert res[0][fault] == ["CheckpointIOError", own, True], res[0][fault]
+        other = f"{what} (checking the state) failed on rank 0 of 2 (CheckpointIOError): {own}"
+        assert res[1][fault] == ["CheckpointIOError", other, True], res[1][fault]
+    # rank 1 could not read rank 0's marker (its name holds the save's random token)
+    own = (
+        re.escape(f"rank 1 could not read {URL}/r/.ema_store.")
+        + "[0-9a-f]{16}"
+        + re.escape(f": {refused.format('save')}")
+    )
+    name, msg, lib = res[1]["forbidden_rank1"]
+    assert name == "CheckpointIOError" and re.fullmatch(own, msg), msg
+    name, msg, lib = res[0]["forbidden_rank1"]
+    assert name == "CheckpointIOError" and re.fullmatch(
+        re.escape("save (every rank reaches the store) failed on rank 1 of 2 (CheckpointIOError): ") + own, msg
+    ), msg
+    for r in res:
         name, msg, lib = r["killed"]
         assert lib, (name, msg)  # a CheckpointError on every rank
     name, msg, _ = r0["killed"]  # rank 0's own: the object it was uploading

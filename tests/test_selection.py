@@ -7,7 +7,10 @@ refused, naming the names, by a load with another selection. Multi-rank (2 ranks
 engine): DeepSpeed ZeRO-3 and FSDP2 over a tiny Llama, the EMA of the selection bitwise equal to a plain-torch
 EMA of the full fp32 weights, ``swapped`` with the unselected weights live, save/load bitwise, another
 selection refused naming the names, and an export with ``--like`` that ``from_pretrained`` loads with the
-selected weights the EMA and the others ``--like``'s (bitwise).
+selected weights the EMA and the others ``--like``'s (bitwise). DeepSpeed MoE (2 ranks, expert parallel 2,
+ZeRO-2, one launch): the experts left out, and the experts alone, each bitwise a plain-torch EMA of DeepSpeed's
+own full fp32 weights (``safe_get_full_fp32_param``), through ``gather_full``, ``swapped``, save/load and an
+offline ``consolidate``, the checkpoint's expert record holding the selected experts only.
 """
 
 from __future__ import annotations
@@ -449,3 +452,154 @@ def test_selection_multirank(engine, tmp_path):
     record = json.loads((out / "ema_export.json").read_text())
     assert record["selection"] == {"include": INCLUDE, "exclude": [EXCLUDE]}
     assert sorted(record["copied_from_like"]) == sorted(n for n in like if n not in ref)
+
+
+# ------------------------------------------------------------------ DeepSpeed MoE (expert parallelism)
+
+#: The two selections of the MoE case: the experts left out, and the experts alone.
+MOE_SELECTIONS: dict[str, dict[str, str]] = {
+    "no_experts": {"exclude": "*experts*"},
+    "experts": {"include": "*experts*"},
+}
+
+
+def _moe_picked(selection: str, name: str) -> bool:
+    """The test's own reading of :data:`MOE_SELECTIONS` (independent of the library's)."""
+    expert = fnmatch.fnmatchcase(name, "*experts*")
+    return expert if selection == "experts" else not expert
+
+
+def moe_selection_worker(root: str) -> dict:
+    """2 ranks, DeepSpeed MoE with expert parallel 2 on ZeRO-2 (each expert whole on its owner, the other
+    parameters cut over both ranks): both selections averaged side by side over the same training, each checked
+    against DeepSpeed's own full fp32 weights (global expert names, the test's renaming), swapped, saved,
+    loaded; each rank writes its reference EMAs for the parent's offline ``consolidate``."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+    from safetensors.torch import save_file
+
+    from tests._integration_models import quiet
+    from tests.test_model_parallel import NUM_EXPERTS, _global_name, _moe_engine, _moe_reference, _moe_train
+
+    quiet()
+    rank, out = dist.get_rank(), Path(root)
+    engine = _moe_engine(2, seed=3)
+    ep = groups._get_expert_parallel_rank("ep_size_2")
+    glob = {n: _global_name(n, ep, NUM_EXPERTS // 2) for n, _ in engine.module.named_parameters()}
+    states = {k: fe.init_ema(fe.local_shards(engine, **sel)) for k, sel in MOE_SELECTIONS.items()}
+    full = _moe_reference(engine)  # this rank's experts and every other parameter, by global name
+    refs = {k: {n: t.clone() for n, t in full.items() if _moe_picked(k, n)} for k in MOE_SELECTIONS}
+    for step in range(1, STEPS + 1):
+        _moe_train(engine, step)
+        for k, sel in MOE_SELECTIONS.items():
+            states[k] = fe.update(states[k], fe.local_shards(engine, **sel), step, decay=DECAY)
+        full = _moe_reference(engine)
+        for ref in refs.values():
+            for n, t in ref.items():
+                t.lerp_(full[n], 1 - DECAY)
+    res: dict = {"ep": ep, "names": sorted(full)}
+    for k, sel in MOE_SELECTIONS.items():
+        res[k] = _moe_selection_checks(engine, k, sel, states[k], refs[k], glob, out)
+        save_file({n: t.contiguous() for n, t in refs[k].items()}, str(out / f"{k}_ref{rank}.safetensors"))
+    for k in MOE_SELECTIONS:  # last: it changes the weights. The EMA into the masters and module, the others kept
+        live = _moe_reference(engine)
+        ctrl = EMAController(DECAY)
+        ctrl.state = states[k]
+        ctrl.copy_to_model(engine)
+        masters = _moe_reference(engine)
+        module = {glob[n]: p.detach() for n, p in engine.module.named_parameters()}
+        res[f"{k}_copied"] = all(
+            torch.equal(masters[n], refs[k][n] if _moe_picked(k, n) else live[n]) and torch.equal(module[n], masters[n])
+            for n in live
+        )
+    # expert-parallel size 1 (every rank holds all 4 experts): the EMA without experts loads as saved (its pieces
+    # do not depend on how experts are placed); the experts' is refused, naming the expert-parallel sizes
+    other = _moe_engine(1, seed=5)
+    back = fe.gather_full(fe.load(other, out / "no_experts", "t", **MOE_SELECTIONS["no_experts"]), other)
+    res["ep1_no_experts"] = sorted(back) == sorted(refs["no_experts"]) and all(
+        torch.equal(back[n], t) for n, t in refs["no_experts"].items()
+    )
+    try:
+        fe.load(other, out / "experts", "t", **MOE_SELECTIONS["experts"])
+        res["ep1_experts_refused"] = None
+    except fe.CheckpointError as e:
+        res["ep1_experts_refused"] = str(e)
+    dist.barrier()
+    return res
+
+
+def _moe_selection_checks(engine, key: str, sel: dict, state, ref: dict, glob: dict, out: Path) -> dict:
+    """One selection's verbs on the MoE engine, each against ``ref`` (this rank's plain-torch EMAs by global
+    name: the other parameters, and the experts this rank owns) and the live weights."""
+    shards = fe.local_shards(engine, **sel)
+    res: dict = {"shards": list(shards), "fused": fe.update_info(state, shards).fused}
+    gathered = fe.gather_full(state, engine)
+    res["gathered"] = sorted(gathered)
+    res["gather_bitwise"] = all(torch.equal(gathered[n], t) for n, t in ref.items())
+    live = {glob[n]: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with fe.swapped(engine, state), torch.no_grad():
+        inside = {glob[n]: p.detach().clone() for n, p in engine.module.named_parameters()}
+    after = {glob[n]: p.detach().clone() for n, p in engine.module.named_parameters()}
+    res["swap_selected_ema"] = all(torch.equal(inside[n], ref[n]) for n in ref)
+    res["swap_others_live"] = all(torch.equal(inside[n], live[n]) for n in live if not _moe_picked(key, n))
+    res["swap_restored"] = all(torch.equal(after[n], live[n]) for n in live)
+    res["ema_not_live"] = all(not torch.equal(ref[n], live[n]) for n in ref)  # so the swap checks tell them apart
+    fe.save(state, engine, out / key, "t")
+    fresh = fe.init_ema(shards)  # the current weights, overwritten by the load
+    for kind, back in (
+        ("load", fe.load(engine, out / key, "t", **sel)),
+        ("load_out", fe.load(engine, out / key, "t", out=fresh)),
+    ):
+        res[kind] = list(back.ema) == list(state.ema) and all(torch.equal(back.ema[n], state.ema[n]) for n in state.ema)
+    other = next(s for k, s in MOE_SELECTIONS.items() if k != key)
+    try:
+        fe.load(engine, out / key, "t", **other)
+        res["other_refused"] = None
+    except fe.CheckpointError as e:
+        res["other_refused"] = [type(e).__name__, str(e)]
+    return res
+
+
+def test_selection_deepspeed_moe(tmp_path):
+    """DeepSpeed MoE with a selection: the experts left out, or the experts alone. Every verb bitwise against a
+    plain-torch EMA of DeepSpeed's full fp32 weights (each expert checked on the rank that owns it, the union
+    covering every selected name); the manifest's expert record lists the selected experts only; offline
+    ``consolidate`` of each checkpoint is the selected EMA."""
+    from safetensors.torch import load_file
+
+    from tests.test_model_parallel import _EXPERTS, NUM_EXPERTS
+
+    results = run_ranks("tests.test_selection:moe_selection_worker", world_size=2, timeout=600, root=str(tmp_path))
+    experts = sorted(f"{_EXPERTS}{g}.{w}" for g in range(NUM_EXPERTS) for w in ("weight", "bias"))
+    every = sorted(set(results[0]["names"]) | set(results[1]["names"]))
+    assert set(experts) <= set(every) and sorted(r["ep"] for r in results) == [0, 1]
+    for r in results:
+        assert r["ep1_no_experts"] and r["no_experts_copied"] and r["experts_copied"], r
+        refused = r["ep1_experts_refused"]
+        assert refused is not None and "expert-parallel size (ep_size) 2" in refused and "size 1" in refused, refused
+    for key, sel in MOE_SELECTIONS.items():
+        want = [n for n in every if _moe_picked(key, n)]
+        assert want and (want == experts) == (key == "experts"), want
+        for rank, r in enumerate(results):
+            got = r[key]
+            assert sorted(got["shards"]) == want and got["gathered"] == want, (key, rank, got)
+            checks = {c: v for c, v in got.items() if c not in ("shards", "gathered", "other_refused")}
+            assert all(checks.values()), (key, rank, checks)
+            # refused before a byte is read, by the names that differ (checked before the expert record)
+            assert got["other_refused"] is not None and got["other_refused"][0] == "CheckpointMismatchError", got
+            assert "was saved with the selection" in got["other_refused"][1], got["other_refused"]
+            assert "the names differ" in got["other_refused"][1], got["other_refused"]
+        ref = {
+            **load_file(str(tmp_path / f"{key}_ref0.safetensors")),
+            **load_file(str(tmp_path / f"{key}_ref1.safetensors")),
+        }
+        assert sorted(ref) == want  # the owners' references cover every selected name
+        full = fe.consolidate(tmp_path / key, "t")
+        assert sorted(full) == want and all(torch.equal(full[n], ref[n]) for n in want), key
+        manifest = fe.checkpoint.read_manifest(tmp_path / key, "t")
+        assert manifest["selection"] == {w: [sel[w]] if w in sel else None for w in ("include", "exclude")}
+        owners = (manifest.get("experts") or {}).get("owners", {})
+        assert sorted(owners) == (experts if key == "experts" else []), owners
+        assert ("experts" in manifest) == (key == "experts")  # no expert selected: no expert parallelism
+        if key == "experts":  # expert g of 4 belongs to expert-parallel rank g // 2
+            assert all(o == int(n[len(_EXPERTS) :].split(".")[0]) // 2 for n, o in owners.items()), owners

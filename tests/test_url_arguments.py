@@ -2,19 +2,26 @@
 where a URL is.
 
 Without a server: every public argument that takes only a local path (``consolidate_to_file``'s output, the
-export's ``out_dir`` and ``like``, the post-hoc folders and files, ``has_buffers``, ``consolidate_dcp``, the
-``consolidate`` command's ``OUT``) refuses ``s3://bucket/x`` with one error naming the argument and the URL, and
-no local folder ``s3:`` appears (``Path("s3://bucket/x")`` is ``s3:/bucket/x``). ``storage_options`` of the offline
-readers are checked where they enter: not a dict, a non-str key, or given for a local folder, each refused naming
-the verb's ``storage_options``.
+export's ``out_dir`` and ``like``, the post-hoc output files, ``has_buffers``, ``consolidate_dcp``, the
+``consolidate`` and ``posthoc`` commands' ``OUT``) refuses ``s3://bucket/x`` with one error naming the argument and
+the URL, and no local folder ``s3:`` appears (``Path("s3://bucket/x")`` is ``s3:/bucket/x``). ``storage_options`` of
+the offline readers (the post-hoc readers and ``save_snapshot`` too) are checked where they enter: not a dict, a
+non-str key, or given for a local folder, each refused naming the verb's ``storage_options``. The commands'
+``--storage-options JSON``: not JSON, or not an object, is an argparse error naming the flag; with a local source, a
+usage error.
 
 With a real S3 server (SeaweedFS on 127.0.0.1, one for the module, stopped at its end): a checkpoint saved
 locally and uploaded with s3fs is read by ``consolidate``, ``consolidate_to_file``, ``read_manifest``,
 ``saved_parts`` and ``export.to_hf`` from its URL with the credentials and endpoint in ``storage_options`` only
 (fsspec's configuration emptied, no ``FSSPEC_*`` / ``AWS_*`` variables): each result is bitwise the one read from
-the local folder, and the consolidated weights match an EMA computed here in plain torch. A wrong secret in
-``storage_options`` is refused by the server on the first read, each verb naming the URL and its
-``storage_options``, and nothing is written.
+the local folder, and the consolidated weights match an EMA computed here in plain torch. The ``consolidate``,
+``export`` and ``posthoc`` commands with ``--storage-options`` write files byte-identical to the Python verbs'.
+Post-hoc snapshots saved by ``save_snapshot`` to the bucket (one process, as the other file tests of
+``test_posthoc.py``) and the same snapshots saved to a local folder: ``list_snapshots`` by URL equals the local
+listing, an incomplete snapshot (rank file, no manifest) is left out with the same warning, and the synthesised
+EMA (``posthoc_offline``, ``posthoc_local``, ``posthoc_to_file``) is bitwise the local one and the in-memory
+``posthoc.reconstruct``. A wrong secret in ``storage_options`` is refused by the server on the first read, each
+verb naming the URL and its ``storage_options``, and nothing is written.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch
 import functional_ema as fe
 from functional_ema import export as fx
 from functional_ema import posthoc as ph
-from functional_ema.checkpoint import read_manifest, saved_parts
+from functional_ema.checkpoint import CheckpointNotFoundError, read_manifest, saved_parts
 
 URL = "s3://fe-url-args/run"
 BUCKET = "fe-url-args"
@@ -78,6 +85,42 @@ def _checkpoint(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return root / "ck", expected
 
 
+TRACKED = (0.05, 0.10)  # the power EMAs the post-hoc snapshots track
+
+
+def _snapshot_state() -> tuple[Any, torch.nn.Module, list[Any]]:
+    """(a state of two power EMAs updated once, its model, their schedules): a valid snapshot to save."""
+    model = torch.nn.Linear(4, 3)
+    scheds = [fe.schedules.power(sigma_rel=s) for s in TRACKED]
+    state = fe.init_ema(fe.local_shards(model), num_emas=2)
+    return fe.update(state, fe.local_shards(model), 1, decay=scheds), model, scheds
+
+
+def _snapshot_run(
+    local: Path, url: str | None = None, opts: dict[str, Any] | None = None, steps: int = 256, every: int = 16
+) -> tuple[torch.nn.Module, list[Any]]:
+    """A short training (a random walk of a small model) whose power EMAs are snapshotted every ``every`` steps by
+    ``save_snapshot`` into ``local`` and, the same states, into ``url`` (with ``opts``); also kept in memory."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    scheds = [fe.schedules.power(sigma_rel=s) for s in TRACKED]
+    state = fe.init_ema(fe.local_shards(model), num_emas=2)
+    snaps = []
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.01)
+        state = fe.update(state, fe.local_shards(model), step, decay=scheds)
+        if step % every == 0:
+            snaps.append(ph.snapshot(state, scheds))
+            ph.save_snapshot(state, model, local, scheds)
+            if url is not None:
+                assert ph.save_snapshot(state, model, url, scheds, storage_options=opts) == (
+                    f"{url}/{ph.snapshot_tag(step)}"
+                )
+    return model, snaps
+
+
 def _like(root: Path) -> Path:
     like = root / "like"
     like.mkdir()
@@ -98,7 +141,6 @@ def test_local_only_arguments_refuse_a_url(tmp_path: Path, monkeypatch: pytest.M
         "out_path": lambda: fe.consolidate_to_file(ck, "s3://b/ema.safetensors"),
         "out_dir (OUT_DIR)": lambda: fx.to_hf(ck, "s3://b/hf", like),
         "like (--like)": lambda: fx.to_hf(ck, tmp_path / "hf", "s3://b/like"),
-        "snapshot_dir": lambda: ph.list_snapshots("s3://b/snaps"),
         "load_dir": lambda: fb.has_buffers("s3://b/ck"),
         "checkpoint_dir": lambda: fdcp.consolidate_dcp("s3://b/dcp"),
         "path": lambda: ph.plot_profile([5.0], [1.0], "s3://b/p.png", gamma=5.0, step=1.0),
@@ -115,10 +157,14 @@ def test_local_only_arguments_refuse_a_url(tmp_path: Path, monkeypatch: pytest.M
     assert main(["consolidate", str(ck), "s3://b/ema.safetensors"]) == 2
     assert main(["consolidate", "--dcp", "s3://b/dcp", str(tmp_path / "d.safetensors")]) == 2
     assert main(["export", str(ck), "s3://b/hf", "--like", str(like)]) == 2
+    assert main(["posthoc", "s3://b/snaps", "s3://b/p.safetensors", "--sigma-rel", "0.1"]) == 2
+    assert main(["posthoc", "s3://b/snaps", "p.safetensors", "--sigma-rel", "0.1", "--plot", "s3://b/p.png"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("error: OUT takes a local path, got the fsspec URL 's3://b/ema.safetensors'"), err
     assert err[1].startswith("error: CHECKPOINT_DIR takes a local path, got the fsspec URL 's3://b/dcp'"), err
     assert err[2].startswith("error: " + _local_only("out_dir (OUT_DIR)") + "'s3://b/hf'"), err
+    assert err[3].startswith("error: OUT takes a local path, got the fsspec URL 's3://b/p.safetensors'"), err
+    assert err[4].startswith("error: --plot takes a local path, got the fsspec URL 's3://b/p.png'"), err
     _no_s3_folder(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "like"]  # nothing written
 
@@ -131,21 +177,75 @@ def _error(call: Any) -> BaseException:
     raise AssertionError("no error")
 
 
+def test_storage_options_flag_is_checked_where_it_enters(tmp_path: Path, capsys: Any) -> None:
+    from functional_ema.__main__ import main
+
+    ck, _ = _checkpoint(tmp_path)
+    like = _like(tmp_path)
+    out = str(tmp_path / "o.safetensors")
+    commands = {
+        "consolidate": (["consolidate", "s3://b/ck", out], "CHECKPOINT_DIR", ["consolidate", str(ck), out]),
+        "export": (
+            ["export", "s3://b/ck", str(tmp_path / "hf"), "--like", str(like)],
+            "SOURCE",
+            ["export", str(ck), str(tmp_path / "hf"), "--like", str(like)],
+        ),
+        "posthoc": (
+            ["posthoc", "s3://b/snaps", out, "--sigma-rel", "0.1"],
+            "SNAPSHOT_DIR",
+            ["posthoc", str(tmp_path / "snaps"), out, "--sigma-rel", "0.1"],
+        ),
+    }
+    bad = {
+        '{"key": "k"': "not JSON (Expecting ',' delimiter at character 11): give a JSON object of fsspec arguments",
+        '["key"]': "expected a JSON object of fsspec arguments",
+        '"key=k"': "expected a JSON object of fsspec arguments",
+    }
+    for cmd, (url_argv, what, local_argv) in commands.items():
+        for text, message in bad.items():  # argparse's usage error, naming the flag
+            err = _stderr(capsys, main, [*url_argv, "--storage-options", text], 2)
+            assert f"error: argument --storage-options: {message}" in err, (cmd, err)
+            assert text not in err  # never echoed: it may hold a secret
+        assert "got a JSON array" in _stderr(capsys, main, [*url_argv, "--storage-options", "[1]"], 2)
+        # a JSON object with a local source: nothing would read it, a usage error
+        err = _stderr(capsys, main, [*local_argv, "--storage-options", '{"key": "k"}'], 2)
+        assert err == f"error: --storage-options are for a URL {what} (s3://...); {local_argv[1]!r} is a local path\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "like"]  # nothing written
+
+
+def _stderr(capsys: Any, main: Any, argv: list[str], code: int) -> str:
+    """``main(argv)``'s stderr, its exit code (returned, or argparse's ``SystemExit``) checked to be ``code``."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc == code, argv
+    return str(capsys.readouterr().err)
+
+
 def test_storage_options_are_checked_where_they_enter(tmp_path: Path) -> None:
     ck, _ = _checkpoint(tmp_path)
     like = _like(tmp_path)
+    snaps = tmp_path / "snaps"
+    snapshot_state, model, scheds = _snapshot_state()
     verbs = {
-        "consolidate": lambda **o: fe.consolidate(ck, **o),
-        "consolidate_to_file": lambda **o: fe.consolidate_to_file(ck, tmp_path / "c.safetensors", **o),
-        "read_manifest": lambda **o: read_manifest(ck, **o),
-        "saved_parts": lambda **o: saved_parts(ck, **o),
-        "to_hf": lambda **o: fx.to_hf(ck, tmp_path / "hf", like, **o),
+        "consolidate": (ck, lambda **o: fe.consolidate(ck, **o)),
+        "consolidate_to_file": (ck, lambda **o: fe.consolidate_to_file(ck, tmp_path / "c.safetensors", **o)),
+        "read_manifest": (ck, lambda **o: read_manifest(ck, **o)),
+        "saved_parts": (ck, lambda **o: saved_parts(ck, **o)),
+        "to_hf": (ck, lambda **o: fx.to_hf(ck, tmp_path / "hf", like, **o)),
+        "save_snapshot": (snaps, lambda **o: ph.save_snapshot(snapshot_state, model, snaps, scheds, **o)),
+        "list_snapshots": (snaps, lambda **o: ph.list_snapshots(snaps, **o)),
+        "posthoc_offline": (snaps, lambda **o: ph.posthoc_offline(snaps, sigma_rel=0.1, **o)),
+        "posthoc_local": (snaps, lambda **o: ph.posthoc_local(snaps, fe.shard_layout(model), sigma_rel=0.1, **o)),
+        "posthoc_to_file": (snaps, lambda **o: ph.posthoc_to_file(snaps, tmp_path / "p.safetensors", gamma=5.0, **o)),
     }
-    for verb, call in verbs.items():
+    for verb, (where, call) in verbs.items():
         with pytest.raises(TypeError) as e:
             call(storage_options={"key": "k"})
         assert (
-            str(e.value) == f"{verb}(storage_options=...) are for fsspec URLs (s3://...); {str(ck)!r} is a local folder"
+            str(e.value)
+            == f"{verb}(storage_options=...) are for fsspec URLs (s3://...); {str(where)!r} is a local folder"
         )
         for bad in (["key"], {1: "k"}, "key=k"):
             with pytest.raises(TypeError) as e:
@@ -266,6 +366,24 @@ def test_a_wrong_secret_in_storage_options_is_refused(tmp_path: Path, s3: Any, n
         "saved_parts": lambda: saved_parts(url, storage_options=opts),
         "to_hf": lambda: fx.to_hf(url, tmp_path / "hf", like, storage_options=opts),
     }
+    model, _ = _snapshot_run(tmp_path / "snaps", steps=32, every=16)
+    s3.fs().put(str(tmp_path / "snaps"), f"{BUCKET}/wrong-snaps", recursive=True)
+    snaps = f"s3://{BUCKET}/wrong-snaps"
+    posthoc_calls = {
+        "list_snapshots": lambda: ph.list_snapshots(snaps, storage_options=opts),
+        "posthoc_offline": lambda: ph.posthoc_offline(snaps, sigma_rel=0.1, storage_options=opts),
+        "posthoc_local": lambda: ph.posthoc_local(snaps, fe.shard_layout(model), sigma_rel=0.1, storage_options=opts),
+        "posthoc_to_file": lambda: ph.posthoc_to_file(
+            snaps, tmp_path / "p.safetensors", sigma_rel=0.1, storage_options=opts
+        ),
+    }
+    for verb, call in posthoc_calls.items():
+        with pytest.raises(PermissionError) as e:  # the listing is refused first: the server's reason, named
+            call()
+        assert str(e.value).startswith(f"{snaps}: the storage refused access ("), verb
+        assert str(e.value).endswith(
+            f"): check {verb}(storage_options=...) (key, secret, endpoint_url) or fsspec's configuration"
+        ), verb
     for verb, call in calls.items():
         with pytest.raises(PermissionError) as e:  # s3fs's bare PermissionError("Forbidden"), named
             call()
@@ -273,4 +391,113 @@ def test_a_wrong_secret_in_storage_options_is_refused(tmp_path: Path, s3: Any, n
             f"{url}: the storage refused access (Forbidden): check {verb}(storage_options=...) (key, secret, "
             "endpoint_url) or fsspec's configuration"
         )
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "like"]  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "like", "snaps"]  # nothing written
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_commands_take_storage_options(tmp_path: Path, s3: Any, no_fsspec_config: None, capsys: Any) -> None:
+    """The consolidate and export commands read a URL with --storage-options only: their files are byte for byte
+    the Python verbs' (and the consolidated file the one of the local folder)."""
+    from functional_ema.__main__ import main
+
+    ck, _ = _checkpoint(tmp_path)
+    like = _like(tmp_path)
+    s3.fs().put(str(ck), f"{BUCKET}/cli", recursive=True)
+    opts = _options(s3)
+    url, flag = f"s3://{BUCKET}/cli", ["--storage-options", json.dumps(opts)]
+
+    assert main(["consolidate", url, str(tmp_path / "cli.safetensors"), *flag]) == 0
+    verb = fe.consolidate_to_file(url, tmp_path / "verb.safetensors", storage_options=opts, progress=False)
+    local = fe.consolidate_to_file(ck, tmp_path / "local.safetensors", progress=False)
+    assert (tmp_path / "cli.safetensors").read_bytes() == verb.read_bytes() == local.read_bytes()
+
+    assert main(["export", url, str(tmp_path / "hf_cli"), "--like", str(like), "--no-progress", *flag]) == 0
+    fx.to_hf(url, tmp_path / "hf_verb", like, storage_options=opts, progress=False)
+    assert _files(tmp_path / "hf_cli") == _files(tmp_path / "hf_verb")
+    assert "wrote" in capsys.readouterr().out
+    _no_s3_folder(tmp_path)
+
+
+def test_commands_name_missing_credentials(
+    tmp_path: Path, s3: Any, no_fsspec_config: None, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A URL with no credentials anywhere: each command exits 1 with one line naming the client's error and how to
+    give credentials (botocore's NoCredentialsError is no OSError: it was a traceback), and writes nothing."""
+    from functional_ema.__main__ import main
+
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # botocore must not ask a non-loopback address
+    ck, _ = _checkpoint(tmp_path)
+    s3.fs().put(str(ck), f"{BUCKET}/nocreds", recursive=True)
+    opts = {"endpoint_url": s3.endpoint, "client_kwargs": {"region_name": "us-east-1"}, "skip_instance_cache": True}
+    url, flag = f"s3://{BUCKET}/nocreds", ["--storage-options", json.dumps(opts)]
+    like = _like(tmp_path)
+    for argv in (
+        ["consolidate", url, str(tmp_path / "out.safetensors"), *flag],
+        ["export", url, str(tmp_path / "hf"), "--like", str(like), "--no-progress", *flag],
+        ["posthoc", url, str(tmp_path / "post.safetensors"), "--sigma-rel", "0.1", *flag],
+    ):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: the storage client for a URL argument failed: NoCredentialsError"), (argv, err)
+        assert "--storage-options" in err and "FSSPEC_S3_KEY" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "hf").exists()
+    assert not (tmp_path / "post.safetensors").exists()
+    _no_s3_folder(tmp_path)
+
+
+def test_posthoc_snapshots_in_a_bucket(tmp_path: Path, s3: Any, no_fsspec_config: None, capsys: Any) -> None:
+    """Snapshots saved to the bucket read back as the same snapshots saved to a local folder: the listing, the
+    incomplete tag left out, the synthesised EMA bitwise (and bitwise the in-memory reconstruction)."""
+    from functional_ema.__main__ import main
+
+    opts = _options(s3)
+    url, local = f"s3://{BUCKET}/snaps", tmp_path / "snaps"
+    model, snaps = _snapshot_run(local, url, opts, steps=128)  # 8 snapshots (a save to a URL: ~0.5 s)
+    # an interrupted save at both: a rank file, no manifest
+    torn = ph.snapshot_tag(300)
+    rank_file = next((local / ph.snapshot_tag(128)).glob("ema_rank_*"))
+    (local / torn).mkdir()
+    (local / torn / rank_file.name).write_bytes(rank_file.read_bytes())
+    s3.fs().put(str(rank_file), f"{BUCKET}/snaps/{torn}/{rank_file.name}")
+    assert s3.fs().exists(f"{BUCKET}/snaps/{ph.snapshot_tag(128)}/ema_manifest.json")
+
+    with pytest.warns(UserWarning) as w_local:
+        infos_local = ph.list_snapshots(local)
+    with pytest.warns(UserWarning) as w_url:
+        infos_url = ph.list_snapshots(url, storage_options=opts)
+    assert infos_url == infos_local and [i.step for i in infos_url] == list(range(16, 129, 16))
+    assert [str(w.message) for w in w_url] == [str(w.message) for w in w_local]
+    assert "skipping 1 incomplete snapshot tag(s) without a manifest" in str(w_url[0].message), str(w_url[0].message)
+    assert torn in str(w_url[0].message)
+
+    layout = fe.shard_layout(model)
+    for kw in ({"sigma_rel": 0.075}, {"gamma": 10.0, "step": 112}):
+        with pytest.warns(UserWarning, match="incomplete snapshot"):
+            got = ph.posthoc_offline(url, storage_options=opts, buffer_bytes=1024, **kw)
+        with pytest.warns(UserWarning, match="incomplete snapshot"):
+            want = ph.posthoc_offline(local, **kw)
+        memory = ph.reconstruct(snaps, **kw)  # from the in-memory snapshots: no file read
+        assert list(got) == list(want) and sorted(want) == sorted(memory)
+        assert all(torch.equal(got[n], want[n]) and torch.equal(got[n], memory[n]) for n in want), kw
+        with pytest.warns(UserWarning, match="incomplete snapshot"):
+            pieces = ph.posthoc_local(url, layout, storage_options=opts, **kw)
+        assert all(torch.equal(pieces[n], want[n].reshape(-1)) for n in want), kw
+
+    with pytest.warns(UserWarning, match="incomplete snapshot"):
+        a = ph.posthoc_to_file(url, tmp_path / "url.safetensors", sigma_rel=0.1, storage_options=opts)
+    with pytest.warns(UserWarning, match="incomplete snapshot"):
+        b = ph.posthoc_to_file(local, tmp_path / "local.safetensors", sigma_rel=0.1)
+    assert a.read_bytes() == b.read_bytes()
+    with pytest.warns(UserWarning, match="incomplete snapshot"):
+        rc = main(["posthoc", url, str(tmp_path / "cli.safetensors"), "--sigma-rel", "0.1", "--storage-options",
+                   json.dumps(opts)])  # fmt: skip
+    assert rc == 0 and (tmp_path / "cli.safetensors").read_bytes() == b.read_bytes()
+    assert "from 8 snapshots" in capsys.readouterr().out
+    # a folder with nothing under it: not found, as a missing local folder
+    with pytest.raises(CheckpointNotFoundError) as e:
+        ph.list_snapshots(f"s3://{BUCKET}/no-snaps", storage_options=opts)
+    assert str(e.value) == f"snapshot directory s3://{BUCKET}/no-snaps does not exist (nothing is stored under it)"
+    _no_s3_folder(tmp_path)

@@ -62,6 +62,7 @@ from .writer import (
 
 __all__ = [
     "MARKER_PREFIX",
+    "access_refused",
     "BucketSave",
     "abandon_bucket",
     "commit_bucket",
@@ -87,6 +88,7 @@ class BucketSave(NamedTuple):
     first: dict[str, Any]  # rank 0's plan (agreed): its generation and token
     layout: ShardLayout
     names: list[str]  # the files this rank writes (its pieces' file first, its buffers' last)
+    verb: str = "save"  # the public verb, as a refused access names its storage_options ("AsyncSaver.save")
 
     @property
     def marker(self) -> str:
@@ -106,14 +108,34 @@ def url_storage(url: str, shared: bool, options: dict[str, Any], what: str) -> S
     return storage_for(url, **options)
 
 
-def store_error(e: BaseException, rank: int, url: str, doing: str = "write") -> CheckpointError:
+def access_refused(e: BaseException, verb: str) -> str | None:
+    """What to say of the storage refusing access (a wrong key or secret: s3fs's bare ``PermissionError('Forbidden')``,
+    which has no filename, unlike a local file's): the cause and ``verb``'s ``storage_options`` to check; ``None``
+    for any other error."""
+    if not isinstance(e, PermissionError) or e.filename is not None:
+        return None
+    return (
+        f"the storage refused access ({e}): check {verb}(storage_options=...) (key, secret, endpoint_url) or fsspec's "
+        "configuration"
+    )
+
+
+def store_error(
+    e: BaseException, rank: int, url: str, doing: str = "write", verb: str | None = None
+) -> CheckpointError:
     """A storage failure (an ``OSError``, or a client library's own error: botocore's connection errors are
-    not ``OSError``) as a :class:`CheckpointIOError` naming the rank, the object and the cause."""
+    not ``OSError``) as a :class:`CheckpointIOError` naming the rank, the object and the cause; a refused access
+    also names ``verb``'s ``storage_options`` (:func:`access_refused`)."""
     if isinstance(e, CheckpointError):
         return e
-    err = CheckpointIOError(f"rank {rank} could not {doing} {url}: {type(e).__name__}: {e}")
+    refused = access_refused(e, verb) if verb is not None else None
+    err = CheckpointIOError(f"rank {rank} could not {doing} {url}: {refused or f'{type(e).__name__}: {e}'}")
     err.errno = getattr(e, "errno", None)
     return err
+
+
+#: The public verb of each ``what`` the bucket's steps are called with, as a refused access names it.
+_VERBS = {"async save": "AsyncSaver.save"}
 
 
 def next_generation(store: Storage, tag: str) -> int:
@@ -145,6 +167,7 @@ def prepare_bucket(
     """Steps 1-2 (module docstring). Collective; ``before()`` runs first on every rank inside the plan's
     agreement. On a failure every rank raises and the marker is removed."""
     group, world, rank = job
+    verb = _VERBS.get(what, what)
     writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
     if _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
         mine_files = save_files(layout, 0, writes_buffers, layout.writes_pieces)
@@ -163,7 +186,7 @@ def prepare_bucket(
                 marker = f"{tag}/{MARKER_PREFIX}{p['token']}"
                 store.publish_bytes(marker, p["token"].encode())
             except Exception as e:  # noqa: BLE001 - the store's own errors are not OSError
-                raise store_error(e, rank, store.describe(tag), "write the tag") from None
+                raise store_error(e, rank, store.describe(tag), "write the tag", verb) from None
             published.append(marker)
         return p
 
@@ -174,7 +197,7 @@ def prepare_bucket(
     mine, first = agree_plans(f"{what} (checking the state)", plan, group, world, rank, on_failure=give_up)
     tag = cast("str", mine["tag"])
     names = save_files(layout, first["generation"], writes_buffers, layout.writes_pieces)
-    prep = BucketSave(job, store, tag, store.describe(tag), mine, first, layout, names)
+    prep = BucketSave(job, store, tag, store.describe(tag), mine, first, layout, names, verb)
     try:
         seen = agree(f"{what} (every rank reaches the store)", lambda: _see_marker(prep), group, world, rank)
         _check_markers(seen)
@@ -206,7 +229,7 @@ def _see_marker(prep: BucketSave) -> tuple[str, str | None]:
         except FileNotFoundError:
             got = None
         except Exception as e:  # noqa: BLE001
-            raise store_error(e, rank, where, "read") from None
+            raise store_error(e, rank, where, "read", prep.verb) from None
         if got is not None or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -256,7 +279,7 @@ def write_bucket(
     except (ValueError, TypeError):
         raise
     except Exception as e:  # noqa: BLE001 - the store's own errors are not OSError
-        raise store_error(e, rank, store.describe(rel)) from None
+        raise store_error(e, rank, store.describe(rel), verb=prep.verb) from None
     return records
 
 
@@ -276,7 +299,7 @@ def commit_bucket(prep: BucketSave, record: dict[str, Any], what: str) -> None:
             rel = LATEST_NAME
             store.publish_bytes(rel, (prep.tag + "\n").encode())
         except Exception as e:  # noqa: BLE001
-            raise store_error(e, rank, store.describe(rel)) from None
+            raise store_error(e, rank, store.describe(rel), verb=prep.verb) from None
         keep = {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])}
         _cleanup(prep, keep)
 

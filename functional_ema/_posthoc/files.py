@@ -3,6 +3,7 @@ streamed from them, a few parameters at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -23,14 +24,16 @@ from .._args import (
     check_optional_real,
     check_path,
     check_state,
+    check_storage_options,
     check_str,
 )
 from .._checkpoint.errors import CheckpointNotFoundError
 from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
-from .._checkpoint.reader import open_checkpoint, open_joined
+from .._checkpoint.reader import Location, StoragePath, open_checkpoint, open_joined
 from .._core import check_ema_dtype
 from .._layout import ModelPart, ShardLayout
 from .._state import EmaState
+from .._storage import storage_for
 from .._tree import TreeMismatchError
 from ..schedules import Schedule, gamma_to_sigma_rel, power
 from .profiles import (
@@ -61,6 +64,7 @@ def save_snapshot(
     schedules: Sequence[Schedule | float],
     *,
     tag: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Path | str:
     """Write this rank's pieces of every tracked power EMA as a snapshot checkpoint. Collective.
 
@@ -79,6 +83,10 @@ def save_snapshot(
         schedules: the ``K`` schedules passed to :func:`functional_ema.update` (``schedules.power``)
             or their ``sigma_rel`` floats, in the state's order.
         tag: folder name; default :func:`snapshot_tag` of ``state.step``.
+        storage_options: for a URL ``snapshot_dir`` (``s3://bucket/run/snapshots``), fsspec's arguments
+            (``key``, ``secret``, ``endpoint_url``, ...) as for :func:`functional_ema.save`; ``None``: fsspec's
+            configuration. Refused with a local folder. The readers (:func:`list_snapshots`,
+            :func:`posthoc_offline`, ...) take the URL and the same options.
 
     Returns:
         The snapshot folder (its URL, a ``str``, for a URL ``snapshot_dir``: see :func:`functional_ema.save`).
@@ -90,10 +98,16 @@ def save_snapshot(
         ...     posthoc.save_snapshot(state, engine, "snapshots", scheds)
     """
     check_state(state)
-    check_location(snapshot_dir, "snapshot_dir")  # a URL too: fe.save writes there
+    location = check_location(snapshot_dir, "snapshot_dir")  # a URL too: fe.save writes there
+    check_storage_options(storage_options, location, "save_snapshot(storage_options=...)")
     gammas, step = gammas_and_step(state, schedules)
     return checkpoint.save(
-        state, engine, snapshot_dir, snapshot_tag(step) if tag is None else tag, decay=[power(gamma=g) for g in gammas]
+        state,
+        engine,
+        snapshot_dir,
+        snapshot_tag(step) if tag is None else tag,
+        decay=[power(gamma=g) for g in gammas],
+        storage_options=storage_options,
     )
 
 
@@ -113,8 +127,46 @@ class SnapshotInfo(NamedTuple):
     shapes: dict[str, tuple[int, ...]]
 
 
+def _snapshot_root(snapshot_dir: Any, storage_options: Any, verb: str) -> Location:
+    """``snapshot_dir`` (of ``verb``) checked where it enters: a local folder (a ``Path``), or a URL opened through
+    the storage seam with ``storage_options`` (fsspec and the filesystem's package imported now); options with a
+    local folder are refused naming ``verb``'s ``storage_options``."""
+    location = check_location(snapshot_dir, "snapshot_dir")
+    options = check_storage_options(storage_options, location, f"{verb}(storage_options=...)")
+    if isinstance(location, StoragePath) and not options:
+        return location  # already opened (with its own filesystem and options)
+    return StoragePath(storage_for(location, **options)) if isinstance(location, str) else location
+
+
+def _url_access(root: Location, verb: str) -> contextlib.AbstractContextManager[None]:
+    """A storage refusing access (a wrong secret) re-raised naming the URL and ``verb``'s ``storage_options``."""
+    return checkpoint.url_access(root if isinstance(root, StoragePath) else None, verb)
+
+
+def _snapshot_tags(root: Location, prefix: str) -> tuple[list[str], list[str]]:
+    """(every snapshot tag folder in ``root`` whose name starts with ``prefix``, sorted; those without a manifest).
+
+    A URL is listed once (its folder's names); each name is then asked by its exact name whether it is a file
+    (not a tag folder) and whether its manifest is there, as :func:`functional_ema.load` reads a tag."""
+    if isinstance(root, StoragePath):
+        every = root.store.listdir(root.rel)
+        if not every:  # an object store has no empty folders: nothing under the prefix is no folder
+            raise CheckpointNotFoundError(f"snapshot directory {root} does not exist (nothing is stored under it)")
+        names = [n for n in every if n.startswith(prefix)]
+        tags = [n for n in names if (root / n).size() is None]  # a file of that name is no tag folder
+        return tags, [t for t in tags if (root / t / MANIFEST_NAME).size() is None]
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"snapshot directory {root} does not exist")
+    tags = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.startswith(prefix))
+    return tags, [t for t in tags if not (root / t / MANIFEST_NAME).is_file()]
+
+
 def list_snapshots(
-    snapshot_dir: str | os.PathLike, *, prefix: str = SNAPSHOT_PREFIX, part: ModelPart | None = None
+    snapshot_dir: str | os.PathLike,
+    *,
+    prefix: str = SNAPSHOT_PREFIX,
+    part: ModelPart | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[SnapshotInfo]:
     """Complete snapshot checkpoints in ``snapshot_dir`` (tags starting with ``prefix``), by step.
 
@@ -123,24 +175,33 @@ def list_snapshots(
     skipped with a warning. ``shapes`` are the full shapes of the whole model (every model-parallel
     part joined), or of one ``part``'s parameters.
 
+    ``snapshot_dir`` may be an fsspec URL (``s3://bucket/run/snapshots``), read in place (one listing
+    of the folder, then each tag's manifest and rank files' headers by their exact names), with
+    ``storage_options`` as for :func:`functional_ema.load` (``None``: fsspec's configuration; refused
+    with a local folder).
+
     Raises:
         ReconstructionError: no complete snapshot, an EMA that is not a power EMA, or snapshots of
             different models.
         functional_ema.CheckpointError: a damaged snapshot.
+        PermissionError: the storage at the URL refused access, naming the URL and ``storage_options``.
     """
-    root = check_path(snapshot_dir, "snapshot_dir")
     check_str(prefix, "prefix")
     if part is not None and not isinstance(part, ModelPart):
         raise TypeError(f"part must be a ModelPart (or None: the whole model), got {type(part).__name__}")
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"snapshot directory {root} does not exist")
-    tags = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.startswith(prefix))
-    incomplete = [t for t in tags if not (root / t / MANIFEST_NAME).is_file()]
+    root = _snapshot_root(snapshot_dir, storage_options, "list_snapshots")
+    with _url_access(root, "list_snapshots"):
+        return _list(root, prefix, part)
+
+
+def _list(root: Location, prefix: str, part: ModelPart | None) -> list[SnapshotInfo]:
+    """:func:`list_snapshots` of an opened ``root`` (a local folder or a storage's)."""
+    tags, incomplete = _snapshot_tags(root, prefix)
     if incomplete:
         warnings.warn(
             f"skipping {len(incomplete)} incomplete snapshot tag(s) without a manifest (interrupted saves?): "
             f"{incomplete[:4]}{' ...' if len(incomplete) > 4 else ''}",
-            stacklevel=2,
+            stacklevel=3,
         )
     out: list[SnapshotInfo] = []
     for tag in tags:
@@ -186,7 +247,7 @@ def list_snapshots(
 
 
 class _FilePlan(NamedTuple):
-    root: Path
+    root: Location  # a local folder, or a storage's (a URL)
     terms: list[tuple[str, int, float]]  # (tag, EMA index, coefficient), nonzero only, by step
     shapes: dict[str, tuple[int, ...]]
     step: int
@@ -216,7 +277,7 @@ def _check_reading(
 
 
 def _plan_files(
-    snapshot_dir: str | os.PathLike,
+    root: Location,
     sigma_rel: float | None,
     gamma: float | None,
     step: int | None,
@@ -224,7 +285,7 @@ def _plan_files(
     prefix: str,
     part: ModelPart | None = None,
 ) -> _FilePlan:
-    infos = list_snapshots(snapshot_dir, prefix=prefix, part=part)
+    infos = _list(root, prefix, part)
     gammas: list[float] = []
     steps: list[int] = []
     refs: list[tuple[str, int]] = []
@@ -240,7 +301,7 @@ def _plan_files(
     s = int(resolve_step(np.asarray(steps, dtype=np.float64), step))
     err = profile_error(gammas, steps, x, gamma=target, step=s)
     terms = [(tag, k, float(c)) for (tag, k), c in zip(refs, x) if c != 0.0]
-    return _FilePlan(Path(snapshot_dir), terms, infos[0].shapes, s, target, err, len(infos))
+    return _FilePlan(root, terms, infos[0].shapes, s, target, err, len(infos))
 
 
 def _stream(
@@ -301,6 +362,7 @@ def posthoc_offline(
     verify: bool = True,
     prefix: str = SNAPSHOT_PREFIX,
     buffer_bytes: int = 1 << 30,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full post-hoc EMA weights from the per-rank snapshot files: no process group, no GPU.
 
@@ -311,13 +373,18 @@ def posthoc_offline(
     only the snapshots with a nonzero coefficient.
 
     Args:
-        snapshot_dir: the directory :func:`save_snapshot` wrote into.
+        snapshot_dir: the directory :func:`save_snapshot` wrote into, or its fsspec URL
+            (``s3://bucket/run/snapshots``): read in place, with ranged reads of the pieces needed.
         sigma_rel, gamma, step, max_profile_error: as in :func:`solve_coefficients` (``step``
             defaults to the last snapshot).
         dtype: result dtype.
         verify: check the checksums of every byte read.
         prefix: tag prefix of the snapshot folders.
         buffer_bytes: memory for float64 accumulators; smaller streams in more passes.
+        storage_options: for a URL ``snapshot_dir``, fsspec's arguments (``key``, ``secret``,
+            ``endpoint_url``, ...) as for :func:`functional_ema.load`; ``None``: fsspec's configuration.
+            Refused with a local folder. A storage refusing access raises ``PermissionError`` naming the
+            URL and this verb's ``storage_options``.
 
     Returns:
         ``{parameter name: tensor of its full shape}``; equal (bitwise) to reconstructing each
@@ -328,9 +395,11 @@ def posthoc_offline(
         >>> model.load_state_dict(weights, strict=False)                     # doctest: +SKIP
     """
     _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
-    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
-    ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
-    return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes))
+    root = _snapshot_root(snapshot_dir, storage_options, "posthoc_offline")
+    with _url_access(root, "posthoc_offline"):
+        plan = _plan_files(root, sigma_rel, gamma, step, max_profile_error, prefix)
+        ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
+        return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes))
 
 
 def posthoc_local(
@@ -345,15 +414,16 @@ def posthoc_local(
     verify: bool = True,
     prefix: str = SNAPSHOT_PREFIX,
     buffer_bytes: int = 1 << 30,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's pieces of the post-hoc EMA, from the snapshot files; never communicates.
 
     Args:
-        snapshot_dir: the directory :func:`save_snapshot` wrote into.
+        snapshot_dir: the directory :func:`save_snapshot` wrote into, or its fsspec URL.
         layout: a :class:`functional_ema.ShardLayout` (e.g. ``fe.shard_layout(engine)``), or a
             DeepSpeed engine. Any world size and ZeRO stage: each piece is read from the saved
             pieces that overlap it.
-        others: as in :func:`posthoc_offline`.
+        others: as in :func:`posthoc_offline` (``storage_options`` for a URL ``snapshot_dir``).
 
     Returns:
         ``{name: 1-D tensor}`` shaped like ``local_shards(engine)``; e.g. wrap it as
@@ -368,7 +438,25 @@ def posthoc_local(
         except TypeError as e:
             raise TypeError(f"layout: not a ShardLayout, and {e}") from None
     _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
-    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix, mine.part)
+    root = _snapshot_root(snapshot_dir, storage_options, "posthoc_local")
+    with _url_access(root, "posthoc_local"):
+        return _local(root, mine, sigma_rel, gamma, step, max_profile_error, dtype, verify, prefix, buffer_bytes)
+
+
+def _local(
+    root: Location,
+    mine: ShardLayout,
+    sigma_rel: float | None,
+    gamma: float | None,
+    step: int | None,
+    max_profile_error: float | None,
+    dtype: torch.dtype,
+    verify: bool,
+    prefix: str,
+    buffer_bytes: int,
+) -> dict[str, torch.Tensor]:
+    """:func:`posthoc_local` of an opened snapshot folder, its arguments checked."""
+    plan = _plan_files(root, sigma_rel, gamma, step, max_profile_error, prefix, mine.part)
     missing = [n for n in mine.specs if n not in plan.shapes]
     bad = [n for n, s in mine.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
     if missing or bad:
@@ -395,6 +483,7 @@ def posthoc_to_file(
     prefix: str = SNAPSHOT_PREFIX,
     buffer_bytes: int = 1 << 30,
     overwrite: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> Path:
     """Stream the post-hoc EMA (as :func:`posthoc_offline`) into one safetensors file, atomically.
 
@@ -403,15 +492,39 @@ def posthoc_to_file(
     one group (``buffer_bytes``) plus one parameter.
 
     ``out_path`` inside the snapshot directory's folders is refused (``checkpoint.OutputPathError``),
-    and so is an existing file unless ``overwrite``.
+    and so is an existing file unless ``overwrite``. ``snapshot_dir`` may be an fsspec URL, with
+    ``storage_options`` (see :func:`posthoc_offline`); ``out_path`` is a local file (a URL is refused).
 
     Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
     """
     _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
     out_path = check_path(out_path, "out_path")
     overwrite = check_bool(overwrite, "overwrite")
-    plan = _plan_files(snapshot_dir, sigma_rel, gamma, step, max_profile_error, prefix)
-    check_output(out_path, plan.root, [plan.root / tag for tag, _, _ in plan.terms], overwrite)
+    root = _snapshot_root(snapshot_dir, storage_options, "posthoc_to_file")
+    with _url_access(root, "posthoc_to_file"):
+        return _to_file(
+            root, out_path, sigma_rel, gamma, step, max_profile_error, dtype, verify, prefix, buffer_bytes, overwrite
+        )
+
+
+def _to_file(
+    root: Location,
+    out_path: Path,
+    sigma_rel: float | None,
+    gamma: float | None,
+    step: int | None,
+    max_profile_error: float | None,
+    dtype: torch.dtype,
+    verify: bool,
+    prefix: str,
+    buffer_bytes: int,
+    overwrite: bool,
+) -> Path:
+    """:func:`posthoc_to_file` from an opened snapshot folder, its arguments checked."""
+    plan = _plan_files(root, sigma_rel, gamma, step, max_profile_error, prefix)
+    # snapshots at a URL: nothing local to keep the output out of (the output is a local file)
+    local = [plan.root / tag for tag, _, _ in plan.terms] if isinstance(plan.root, Path) else []
+    check_output(out_path, plan.root, local, overwrite)
     meta = {
         "format": "functional_ema.posthoc",
         "format_version": str(FORMAT_VERSION),
@@ -423,7 +536,6 @@ def posthoc_to_file(
     }
     ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
     entries = [(n, dtype, s) for n, s in plan.shapes.items()]
-    out_path = Path(out_path)
     with _io.StreamingWriter(out_path, entries, meta, self_checksums=True) as w:  # the file checks itself
         for name, t in _stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes):
             w.write(name, t)

@@ -110,11 +110,11 @@ def select(reading: Reading, selection: Selection | None) -> Reading:
     layout = reading.layout
     names = selection.apply(list(layout.specs))  # raises, naming the pattern or predicate, on a bad selection
     shards = shards_from_views([(n, reading.shards[n]) for n in names])
-    tp_dims = None if layout.tp_dims is None else {n: d for n, d in layout.tp_dims.items() if n in names}
     sub = Reading(
         shards,
-        layout._replace(specs={n: layout.specs[n] for n in names}, tp_dims=tp_dims),
-        {n: reading.params[n] for n in names},
+        _select_layout(layout, names),
+        # not every name has a live parameter here: another expert-parallel rank's experts are listed, empty
+        {n: reading.params[n] for n in names if n in reading.params},
         reading.group,
         reading.token,
     )
@@ -123,6 +123,20 @@ def select(reading: Reading, selection: Selection | None) -> Reading:
         cache.pop(next(iter(cache)))
     cache[selection.key] = sub
     return sub
+
+
+def _select_layout(layout: ShardLayout, names: list[str]) -> ShardLayout:
+    """``layout`` of ``names`` only: the specs, the tensor-parallel split and the expert owners of the others
+    dropped, since a checkpoint's records must list the parameters it holds, no more (an owner outside them
+    makes the manifest invalid). A selection of no expert has no expert parallelism: its pieces are cut over
+    the data-parallel group like any model's, so its checkpoint loads at any expert-parallel size."""
+    keep = set(names)
+    tp_dims = None if layout.tp_dims is None else {n: d for n, d in layout.tp_dims.items() if n in keep}
+    experts = layout.experts
+    if experts is not None:
+        owners = {n: o for n, o in experts.owners.items() if n in keep}
+        experts = experts._replace(owners=owners) if owners else None
+    return layout._replace(specs={n: layout.specs[n] for n in names}, tp_dims=tp_dims, experts=experts)
 
 
 def selection_of(state: Any) -> Selection | None:
