@@ -256,6 +256,32 @@ class _FilePlan(NamedTuple):
     num_snapshots: int
 
 
+class _Reading(NamedTuple):
+    """The checked arguments of a post-hoc verb that reads snapshot files."""
+
+    sigma_rel: float | None
+    gamma: float | None
+    step: int | None
+    max_profile_error: float | None
+    dtype: torch.dtype
+    verify: bool
+    prefix: str
+    buffer_bytes: int
+
+    def plan(self, root: Location, part: ModelPart | None = None) -> _FilePlan:
+        return _plan_files(root, self.sigma_rel, self.gamma, self.step, self.max_profile_error, self.prefix, part)
+
+    def stream(
+        self,
+        plan: _FilePlan,
+        ranges: dict[str, tuple[int, int, tuple[int, ...]]],
+        layout: ShardLayout | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return _stream(
+            plan, ranges, verify=self.verify, dtype=self.dtype, buffer_bytes=self.buffer_bytes, layout=layout
+        )
+
+
 def _check_reading(
     verify: Any,
     dtype: Any,
@@ -265,7 +291,7 @@ def _check_reading(
     step: Any = None,
     max_profile_error: Any = None,
     prefix: Any = SNAPSHOT_PREFIX,
-) -> None:
+) -> _Reading:
     """The arguments of the post-hoc verbs that read snapshot files, checked before any snapshot is opened."""
     target_gamma(sigma_rel, gamma)
     check_optional_int(step, "step", minimum=1)
@@ -274,6 +300,7 @@ def _check_reading(
     check_bool(verify, "verify")
     check_ema_dtype(dtype)
     check_int(buffer_bytes, "buffer_bytes", minimum=1)
+    return _Reading(sigma_rel, gamma, step, max_profile_error, dtype, verify, prefix, buffer_bytes)
 
 
 def _plan_files(
@@ -394,12 +421,11 @@ def posthoc_offline(
         >>> weights = posthoc.posthoc_offline("snapshots", sigma_rel=0.15)   # doctest: +SKIP
         >>> model.load_state_dict(weights, strict=False)                     # doctest: +SKIP
     """
-    _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
+    reading = _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
     root = _snapshot_root(snapshot_dir, storage_options, "posthoc_offline")
     with _url_access(root, "posthoc_offline"):
-        plan = _plan_files(root, sigma_rel, gamma, step, max_profile_error, prefix)
-        ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
-        return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes))
+        plan = reading.plan(root)
+        return dict(reading.stream(plan, {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}))
 
 
 def posthoc_local(
@@ -437,26 +463,15 @@ def posthoc_local(
             mine = shard_layout(layout)
         except TypeError as e:
             raise TypeError(f"layout: not a ShardLayout, and {e}") from None
-    _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
+    reading = _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
     root = _snapshot_root(snapshot_dir, storage_options, "posthoc_local")
     with _url_access(root, "posthoc_local"):
-        return _local(root, mine, sigma_rel, gamma, step, max_profile_error, dtype, verify, prefix, buffer_bytes)
+        return _local(root, mine, reading)
 
 
-def _local(
-    root: Location,
-    mine: ShardLayout,
-    sigma_rel: float | None,
-    gamma: float | None,
-    step: int | None,
-    max_profile_error: float | None,
-    dtype: torch.dtype,
-    verify: bool,
-    prefix: str,
-    buffer_bytes: int,
-) -> dict[str, torch.Tensor]:
+def _local(root: Location, mine: ShardLayout, reading: _Reading) -> dict[str, torch.Tensor]:
     """:func:`posthoc_local` of an opened snapshot folder, its arguments checked."""
-    plan = _plan_files(root, sigma_rel, gamma, step, max_profile_error, prefix, mine.part)
+    plan = reading.plan(root, mine.part)
     missing = [n for n in mine.specs if n not in plan.shapes]
     bad = [n for n, s in mine.specs.items() if n in plan.shapes and tuple(s.shape) != plan.shapes[n]]
     if missing or bad:
@@ -467,7 +482,7 @@ def _local(
     ranges: dict[str, tuple[int, int, tuple[int, ...]]] = {
         n: (s.offset, s.numel, (s.numel,)) for n, s in mine.specs.items()
     }
-    return dict(_stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes, layout=mine))
+    return dict(reading.stream(plan, ranges, layout=mine))
 
 
 def posthoc_to_file(
@@ -497,31 +512,17 @@ def posthoc_to_file(
 
     Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
     """
-    _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
+    reading = _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
     out_path = check_path(out_path, "out_path")
     overwrite = check_bool(overwrite, "overwrite")
     root = _snapshot_root(snapshot_dir, storage_options, "posthoc_to_file")
     with _url_access(root, "posthoc_to_file"):
-        return _to_file(
-            root, out_path, sigma_rel, gamma, step, max_profile_error, dtype, verify, prefix, buffer_bytes, overwrite
-        )
+        return _to_file(root, out_path, reading, overwrite)
 
 
-def _to_file(
-    root: Location,
-    out_path: Path,
-    sigma_rel: float | None,
-    gamma: float | None,
-    step: int | None,
-    max_profile_error: float | None,
-    dtype: torch.dtype,
-    verify: bool,
-    prefix: str,
-    buffer_bytes: int,
-    overwrite: bool,
-) -> Path:
+def _to_file(root: Location, out_path: Path, reading: _Reading, overwrite: bool) -> Path:
     """:func:`posthoc_to_file` from an opened snapshot folder, its arguments checked."""
-    plan = _plan_files(root, sigma_rel, gamma, step, max_profile_error, prefix)
+    plan = reading.plan(root)
     # snapshots at a URL: nothing local to keep the output out of (the output is a local file)
     local = [plan.root / tag for tag, _, _ in plan.terms] if isinstance(plan.root, Path) else []
     check_output(out_path, plan.root, local, overwrite)
@@ -535,9 +536,9 @@ def _to_file(
         "num_snapshots": str(plan.num_snapshots),
     }
     ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
-    entries = [(n, dtype, s) for n, s in plan.shapes.items()]
+    entries = [(n, reading.dtype, s) for n, s in plan.shapes.items()]
     with _io.StreamingWriter(out_path, entries, meta, self_checksums=True) as w:  # the file checks itself
-        for name, t in _stream(plan, ranges, verify=verify, dtype=dtype, buffer_bytes=buffer_bytes):
+        for name, t in reading.stream(plan, ranges):
             w.write(name, t)
         w.commit()
     return out_path
