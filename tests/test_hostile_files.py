@@ -367,20 +367,30 @@ def build_bucket(root: Path) -> None:
         fs.rm(url, recursive=True)
 
 
-def _consolidated_url(d: Path) -> list:
-    """``consolidate`` by URL (the object-store reader): the layout's ``ck`` uploaded as it is to a new
-    ``memory://`` prefix, both EMAs joined through ``ema_latest``; the prefix removed after."""
+def _at_url(d: Path, folder: str, read: Callable[[str], Any]) -> Any:
+    """``read(url)`` of the layout's ``folder`` uploaded as it is to a new ``memory://`` prefix (the
+    object-store reader: ranged reads, nothing listed but what a URL reader lists); the prefix removed after."""
     import secrets
 
     import fsspec
 
     fs = fsspec.filesystem("memory")
-    url = f"memory://fe-hostile-read-{secrets.token_hex(4)}/ck"
-    fs.put(str(d / "ck"), url, recursive=True)
+    url = f"memory://fe-hostile-read-{secrets.token_hex(4)}/{folder}"
+    fs.put(str(d / folder), url, recursive=True)
     try:
-        return [fe.consolidate(url, index=i) for i in range(2)]
+        return read(url)
     finally:
         fs.rm(url, recursive=True)
+
+
+def _consolidated_url(d: Path) -> list:
+    """``consolidate`` by URL: both EMAs joined through ``ema_latest``."""
+    return _at_url(d, "ck", lambda url: [fe.consolidate(url, index=i) for i in range(2)])
+
+
+def _posthoc_url(d: Path) -> dict:
+    """``posthoc_offline`` of the snapshots by URL: the same synthesis as the local reader's."""
+    return _at_url(d, "snaps", lambda url: fe.posthoc.posthoc_offline(url, sigma_rel=0.08, max_profile_error=None))
 
 
 def build_hf(root: Path, work: Path) -> None:
@@ -567,6 +577,7 @@ READERS: dict[str, Callable[[Path], Any]] = {
     "saved_parts/read_manifest": _manifest,
     "buffers.consolidate": lambda d: [fe.buffers.consolidate(d / "ck", TAG, index=i) for i in range(2)],
     "posthoc_offline": lambda d: fe.posthoc.posthoc_offline(d / "snaps", sigma_rel=0.08, max_profile_error=None),
+    "posthoc url": _posthoc_url,
     "consolidate_dcp": lambda d: fe.dcp.consolidate_dcp(d / "dcp" / "ck"),
     "controller.load(2)": _controller(2),
     "controller.load(4)": _controller(4),
@@ -613,7 +624,8 @@ class Layout:
 _CK = ("consolidate", "consolidate_to_file", "saved_parts/read_manifest", "export")
 LAYOUTS: dict[str, Layout] = {
     "plain": Layout("deepspeed", (*_CK, "buffers.consolidate")),
-    "zero3": Layout("deepspeed", (*_CK, "posthoc_offline", "consolidate url")),  # by URL: ranged reads, 2 files
+    # by URL: ranged reads, 2 files; the snapshots too
+    "zero3": Layout("deepspeed", (*_CK, "posthoc_offline", "posthoc url", "consolidate url")),
     "pp": Layout("deepspeed", (*_CK, "buffers.consolidate")),
     "moe": Layout("deepspeed", (*_CK, "buffers.consolidate")),
     "ds_tp": Layout("deepspeed", _CK),
@@ -651,12 +663,14 @@ FILE_KINDS: dict[str, FileKind] = {
         rf"^ck/({TAG}|started/ema)/buffers_(?:tp\d+of\d+_pp\d+of\d+_)?rank_\d+_of_\d+(?:\.gen\d+)?\.safetensors$", _CKPT
     ),
     "manifest": FileKind(rf"^ck/({TAG}|started/ema)/ema_manifest\.json$", _CKPT, json=True),
-    "ema_latest": FileKind(r"^(ck/(started/)?|snaps/)ema_latest$", (*_CKPT, "posthoc_offline")),
+    "ema_latest": FileKind(r"^(ck/(started/)?|snaps/)ema_latest$", (*_CKPT, "posthoc_offline", "posthoc url")),
     "integration record": FileKind(
         r"^ck/unstarted/ema/integration\.json$", ("controller.load(2)",), json=True, forge=_forge_record
     ),
-    "snapshot rank file": FileKind(rf"^snaps/snapshot_\d+/{_RANK}$", ("posthoc_offline",)),
-    "snapshot manifest": FileKind(r"^snaps/snapshot_\d+/ema_manifest\.json$", ("posthoc_offline",), json=True),
+    "snapshot rank file": FileKind(rf"^snaps/snapshot_\d+/{_RANK}$", ("posthoc_offline", "posthoc url")),
+    "snapshot manifest": FileKind(
+        r"^snaps/snapshot_\d+/ema_manifest\.json$", ("posthoc_offline", "posthoc url"), json=True
+    ),
     "dcp metadata": FileKind(r"^dcp/ck/\.metadata$", ("consolidate_dcp",)),
     "dcp data": FileKind(r"^dcp/ck/[^/]+\.distcp$", ("consolidate_dcp",)),
     # The export's --like folders (another tool's files) and its file sources, in the hf layout.
