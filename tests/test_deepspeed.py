@@ -106,19 +106,20 @@ def _engine_module_refused(engine, state) -> dict:
         with contextlib.suppress(TypeError):
             fe.local_shards(engine.module)
     out["warned"] = [w.category.__name__ for w in caught if issubclass(w.category, fe.LowPrecisionWeightsWarning)]
-    for verb, call in (
-        ("local_shards", lambda: fe.local_shards(engine.module)),
-        ("shard_layout", lambda: fe.shard_layout(engine.module)),
-        ("gather_full", lambda: fe.gather_full(state, engine.module)),
-        ("swapped", lambda: fe.swapped(engine.module, state).__enter__()),
-        ("save", lambda: fe.save(state, engine.module, tempfile.mkdtemp(prefix="refused"))),
-    ):
-        try:
-            call()
-            out[verb] = None
-            break
-        except TypeError as e:
-            out[verb] = str(e)
+    with tempfile.TemporaryDirectory(prefix="refused") as folder:  # removed after, refused or not
+        for verb, call in (
+            ("local_shards", lambda: fe.local_shards(engine.module)),
+            ("shard_layout", lambda: fe.shard_layout(engine.module)),
+            ("gather_full", lambda: fe.gather_full(state, engine.module)),
+            ("swapped", lambda: fe.swapped(engine.module, state).__enter__()),
+            ("save", lambda: fe.save(state, engine.module, folder)),
+        ):
+            try:
+                call()
+                out[verb] = None
+                break
+            except TypeError as e:
+                out[verb] = str(e)
     return out
 
 
