@@ -134,8 +134,9 @@ def store_error(
     return err
 
 
-#: The public verb of each ``what`` the bucket's steps are called with, as a refused access names it.
-_VERBS = {"async save": "AsyncSaver.save"}
+def _verb(what: str) -> str:
+    """The public verb of the ``what`` the bucket's steps are called with, as a refused access names it."""
+    return "AsyncSaver.save" if what == "async save" else what
 
 
 def next_generation(store: Storage, tag: str) -> int:
@@ -167,7 +168,7 @@ def prepare_bucket(
     """Steps 1-2 (module docstring). Collective; ``before()`` runs first on every rank inside the plan's
     agreement. On a failure every rank raises and the marker is removed."""
     group, world, rank = job
-    verb = _VERBS.get(what, what)
+    verb = _verb(what)
     writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
     if _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
         mine_files = save_files(layout, 0, writes_buffers, layout.writes_pieces)
