@@ -16,7 +16,13 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_train_zero_demo_runs_and_plots(tmp_path):
     out = tmp_path / "demo"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=extensions_dir())
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        TORCH_EXTENSIONS_DIR=extensions_dir(),
+        TMPDIR=str(tmp_path),  # torchrun's agent leaves its (empty) torchelastic_* log folders there, not in /tmp
+    )
     proc = subprocess.run(
         [
             sys.executable,

@@ -66,7 +66,10 @@ def _launch(tmp: Path, node_dirs: list[Path] | None, timeout: float = 240) -> li
     port = _free_port()
     procs = []
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        TMPDIR=str(tmp),  # torchrun's agent leaves its (empty) torchelastic_* log folders there, not in /tmp
     )
     for node in (0, 1):
         run = (
