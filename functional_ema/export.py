@@ -144,25 +144,6 @@ def _open_source(
     tp_dims: dict | None,
     options: dict[str, Any],
 ) -> Iterator[_Source]:
-    """``source`` opened; a URL's storage refusing access names ``to_hf``'s ``storage_options``."""
-    from .checkpoint import url_access
-
-    with (
-        url_access(str(source) if is_url(source) else None, "to_hf"),
-        _open_any_source(source, tag, index, verify, tp_dims, options) as src,
-    ):
-        yield src
-
-
-@contextlib.contextmanager
-def _open_any_source(
-    source: str | os.PathLike,
-    tag: str | None,
-    index: int,
-    verify: bool,
-    tp_dims: dict | None,
-    options: dict[str, Any],
-) -> Iterator[_Source]:
     url = is_url(source)
     path = Path(source)
     if url and str(source).endswith(".safetensors"):  # a consolidated file at a URL: ranged reads, in place
@@ -506,7 +487,7 @@ def to_hf(
         >>> fe.export.to_hf("out/checkpoint-800", "ema_hf", like="base_model")   # doctest: +SKIP
         >>> AutoModelForCausalLM.from_pretrained("ema_hf")                         # doctest: +SKIP
     """
-    from .checkpoint import _progress
+    from .checkpoint import _progress, url_access
 
     source = check_location(source, "source (SOURCE)")
     options = check_storage_options(storage_options, source, "to_hf(storage_options=...)")
@@ -516,7 +497,11 @@ def to_hf(
     cast, limit = _check_options(dtype, max_shard_size, missing, index, adapter_name, flags)
     like_folder = read_like(like, adapter_name)
     view, why_not = loader_view(like_folder.kind, like_folder.config, like_folder.config_file)
-    with _open_source(source, tag, index, verify, tp_dims, options) as src:
+    # a URL's storage refusing access names to_hf's storage_options
+    with (
+        url_access(str(source) if is_url(source) else None, "to_hf"),
+        _open_source(source, tag, index, verify, tp_dims, options) as src,
+    ):
         real_out = check_out_dir(out_dir, [*src.paths, like_folder.given], overwrite)
         plan = make_plan(src.shapes, src.dtypes, like_folder, view, adapter_name, cast, missing)
         if like_folder.kind == "peft":

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from functional_ema._testing.multirank import run_ranks
+from functional_ema._testing.multirank import raised, run_ranks
 
 pytest.importorskip("s3fs")
 
@@ -41,15 +41,6 @@ def _env(srv: Any) -> dict[str, str]:
         "FSSPEC_S3_ENDPOINT_URL": srv.endpoint,
         "AWS_DEFAULT_REGION": "us-east-1",
     }
-
-
-def _error(fn: Any) -> list | None:
-    """[class name, message] of what ``fn()`` raises; None if nothing."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test asserts the class and message
-        return [type(e).__name__, str(e)]
-    return None
 
 
 def _listing(prefix: str) -> list[str]:
@@ -86,7 +77,7 @@ def controller_worker(root: str) -> dict:
     out["unstarted_listing"] = _listing(f"{BUCKET}/ctl/ckpt")
     fresh = EMAController(list(DECAYS), start_step=3)
     out["unstarted_load"] = [fresh.load(x, url, 1), fresh.state is None]
-    out["unstarted_other_step"] = _error(lambda: EMAController(list(DECAYS), start_step=3).load(x, url, 2))
+    out["unstarted_other_step"] = raised(lambda: EMAController(list(DECAYS), start_step=3).load(x, url, 2))
     for step in (2, 3, 4, 5):
         train(step)
         ema.on_step(x, step)
@@ -106,8 +97,8 @@ def controller_worker(root: str) -> dict:
     fresh = EMAController(list(DECAYS), start_step=3)
     out["async_loaded_step"] = fresh.load(x, url + "-async", 6)
     out["async_bitwise"] = fresh.state is not None and ema.state is not None and _same(fresh.state, ema.state)
-    out["empty"] = _error(lambda: EMAController(list(DECAYS), start_step=3).load(x, f"s3://{BUCKET}/ctl/none", 6))
-    out["private"] = _error(lambda: EMAController(list(DECAYS), shared=False).save(x, url, 6))
+    out["empty"] = raised(lambda: EMAController(list(DECAYS), start_step=3).load(x, f"s3://{BUCKET}/ctl/none", 6))
+    out["private"] = raised(lambda: EMAController(list(DECAYS), shared=False).save(x, url, 6))
     out["local_s3_folder"] = Path(root, "s3:").exists()
     return out
 

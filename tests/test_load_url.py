@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from functional_ema._testing.multirank import run_ranks
+from functional_ema._testing.multirank import raised, run_ranks
 
 pytest.importorskip("s3fs")
 
@@ -108,14 +108,6 @@ def _register() -> None:
 
     fsspec.register_implementation("s3count", CountingS3, clobber=True)
     fsspec.register_implementation("s3lag", LaggingS3, clobber=True)
-
-
-def _error(fn: Any) -> list | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test asserts the class and message
-        return [type(e).__name__, str(e)]
-    return None
 
 
 def _build(kind: str) -> tuple[Any, Any, Any]:
@@ -208,7 +200,7 @@ def url_worker(root: str, kind: str, endpoint: str, key: str, secret: str) -> di
         if rank == 0:
             admin.rm(obj) if data is None else admin.pipe(obj, data)
         dist.barrier()
-        out[name] = _error(lambda: fe.load(x, f"s3://{prefix}", TAG, storage_options=opts))
+        out[name] = raised(lambda: fe.load(x, f"s3://{prefix}", TAG, storage_options=opts))
         dist.barrier()
         if rank == 0:
             admin.pipe(obj, raw)
@@ -216,9 +208,9 @@ def url_worker(root: str, kind: str, endpoint: str, key: str, secret: str) -> di
     out["restored"] = same(fe.load(x, f"s3://{prefix}", TAG, storage_options=opts))
     # the store refusing a rank's credentials (every rank's, then rank 1's only): named on every rank, no hang
     wrong = dict(opts, secret="not-" + secret, config_kwargs={"retries": {"max_attempts": 1}}, skip_instance_cache=True)
-    out["forbidden"] = _error(lambda: fe.load(x, f"s3://{prefix}", TAG, storage_options=wrong))
+    out["forbidden"] = raised(lambda: fe.load(x, f"s3://{prefix}", TAG, storage_options=wrong))
     mixed = wrong if rank == 1 else opts
-    out["forbidden_rank1"] = _error(lambda: fe.load(x, f"s3://{prefix}", TAG, storage_options=mixed))
+    out["forbidden_rank1"] = raised(lambda: fe.load(x, f"s3://{prefix}", TAG, storage_options=mixed))
     out["victim"], out["sizes"] = victim, {e["file"]: e["bytes"] for e in manifest["files"]}
     out["manifest_bytes"] = (here / "ck" / TAG / "ema_manifest.json").stat().st_size
     out["latest_bytes"] = (here / "ck" / "ema_latest").stat().st_size

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from functional_ema._testing.multirank import run_ranks
+from functional_ema._testing.multirank import raised, run_ranks
 
 DECAY = 0.9
 
@@ -61,30 +61,22 @@ def private_worker(root: str, kind: str, ranks_per_node: int) -> dict:
 
     loaded = fe.load(x, here, "t", shared=False)
     out["bitwise"] = all(torch.equal(a, b) for a, b in zip(mine, loaded.emas[0].values())) and int(loaded.step) == 3
-    out["shared_load"] = _error(lambda: fe.load(x, here, "t"))
+    out["shared_load"] = raised(lambda: fe.load(x, here, "t"))
 
     # a stale folder on the last rank: another save of the tag (one step later)
     state = fe.update(state, fe.local_shards(x), 4, decay=DECAY)
     later = Path(root) / f"later{rank // ranks_per_node}"
     fe.save(state, x, later, "t", decay=DECAY, shared=False)
     dist.barrier()  # the last rank reads the later save's folder, the others the first save's
-    out["stale"] = _error(lambda: fe.load(x, later if rank == world - 1 else here, "t", shared=False))
+    out["stale"] = raised(lambda: fe.load(x, later if rank == world - 1 else here, "t", shared=False))
     if kind == "ddp":  # replicas whose EMAs differ: the save is refused on every rank, nothing committed
         if rank == 1:
             with torch.no_grad():
                 next(iter(state.emas[0].values())).add_(1.0)
-        out["diverged"] = _error(lambda: fe.save(state, x, Path(root) / f"div{rank}", "t", shared=False))
+        out["diverged"] = raised(lambda: fe.save(state, x, Path(root) / f"div{rank}", "t", shared=False))
         out["diverged_files"] = sorted(p.name for p in (Path(root) / f"div{rank}").rglob("*") if p.is_file())
     dist.barrier()
     return out
-
-
-def _error(fn) -> list | None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test asserts the class and message
-        return [type(e).__name__, str(e)]
-    return None
 
 
 def _consolidated_equals(folder: Path, ref: dict[str, torch.Tensor]) -> bool:
@@ -185,7 +177,7 @@ def controller_worker(root: str, async_save: bool) -> dict:
     out["bitwise"] = all(torch.equal(fresh.state.emas[0][n], t) for n, t in ctl.state.emas[0].items())
     empty = Path(root) / f"empty{rank}"
     (empty / "ema").mkdir(parents=True)
-    out["one_empty"] = _error(lambda: fresh.load(model, here / "checkpoint-5" if rank == 0 else empty, 5))
+    out["one_empty"] = raised(lambda: fresh.load(model, here / "checkpoint-5" if rank == 0 else empty, 5))
     return out
 
 

@@ -927,6 +927,16 @@ def error_of(fn: Callable[[], object]) -> list[Any] | None:
     return None
 
 
+def raised(fn: Callable[[], object]) -> list[str] | None:
+    """``[class name, message]`` of what ``fn()`` raises, ``None`` if nothing: what a rank reports for a test to
+    compare exactly (``error_of`` adds the class's bases)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts the class and message
+        return [type(e).__name__, str(e)]
+    return None
+
+
 def full_tensor_of(p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
