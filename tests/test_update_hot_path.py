@@ -2,7 +2,8 @@
 
 The fused plan lerps the tensors themselves (no ``.view`` aliases, which cost every in-place lerp_ its view
 bookkeeping) under inference mode where that is safe, bitwise equal to a per-tensor ``lerp_``; a plain module's
-reading is re-made whenever a parameter is moved, replaced, renamed, added or removed, and kept otherwise.
+reading is re-made whenever a parameter or submodule is moved, replaced, renamed, added or removed, and kept
+otherwise.
 """
 
 from __future__ import annotations
@@ -134,6 +135,25 @@ def test_plain_module_reading_is_kept_until_a_parameter_or_module_changes():
     del model[0].extra
     del model[1].renamed
     assert _names(model) == ["0.weight", "0.bias", "1.weight"]
+
+
+def test_plain_module_submodule_replaced_or_renamed_is_read_again():
+    # Both keep every registry's entry count and every old parameter in its old owner: only the
+    # submodules' registries show them.
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 2)))
+    state = fe.init_ema(fe.local_shards(model))
+    first = fe.local_shards(model)
+    model[1][0] = nn.Linear(4, 2)  # replaced under its name, e.g. a new head or a PEFT wrapper
+    with torch.no_grad():
+        model[1][0].weight.fill_(7.0)
+    replaced = fe.local_shards(model)
+    assert replaced is not first and replaced["1.0.weight"].data_ptr() == model[1][0].weight.data_ptr()
+    fe.update(state, replaced, 1, decay=0.0)  # d = 0: the EMA becomes the weights now trained
+    assert torch.equal(state.ema["1.0.weight"], torch.full((2, 4), 7.0))
+
+    registry = model[1]._modules
+    registry["head"] = registry.pop("0")  # renamed: the same module under a new key
+    assert _names(model) == ["0.weight", "0.bias", "1.head.weight", "1.head.bias"]
 
 
 @pytest.mark.parametrize("how", ["data", "to"])

@@ -33,6 +33,9 @@ class _Check(NamedTuple):
     frozen: tuple  # the parameters left out as frozen (unfreezing one is seen)
     dicts: tuple  # every module's `_parameters` and `_modules` dict
     count: int  # type: ignore[assignment]  # total entries of those dicts (shadows tuple.count, never called here)
+    parents: tuple  # every non-empty `_modules` dict: a submodule replaced or renamed keeps the counts
+    children: list  # their values (compared by identity), one list per dict
+    child_names: list  # their keys
 
     @classmethod
     def of(cls, module: torch.nn.Module, params: dict) -> _Check:
@@ -47,8 +50,18 @@ class _Check(NamedTuple):
         mods = list(module.modules())
         dicts: tuple[dict, ...] = (*(m._parameters for m in mods), *(m._modules for m in mods))
         trained = tuple(params.values())
+        parents = tuple(m._modules for m in mods if m._modules)
         return cls(
-            trained, tuple(map(_data_ptr, trained)), tuple(owners), tuple(names), frozen, dicts, sum(map(len, dicts))
+            trained,
+            tuple(map(_data_ptr, trained)),
+            tuple(owners),
+            tuple(names),
+            frozen,
+            dicts,
+            sum(map(len, dicts)),
+            parents,
+            list(map(list, map(dict.values, parents))),
+            list(map(list, parents)),
         )
 
     def current(self) -> bool:
@@ -58,6 +71,8 @@ class _Check(NamedTuple):
             and all(map(operator.is_, map(dict.get, self.owners, self.names), self.trained))
             and not any_requires_grad(*self.frozen)
             and sum(map(len, self.dicts)) == self.count
+            and list(map(list, map(dict.values, self.parents))) == self.children
+            and list(map(list, self.parents)) == self.child_names
         )
 
 
@@ -86,7 +101,8 @@ class ModuleAdapter(Adapter):
         # What could make the reading stale, each checked without walking the module tree (a
         # walk costs milliseconds for a few hundred parameters): a parameter's memory moved
         # (module.to(...), load_state_dict(assign=True)); a parameter object was replaced; one
-        # left out as frozen was unfrozen; a parameter or submodule was added or removed anywhere.
+        # left out as frozen was unfrozen; a parameter or submodule was added, removed, replaced
+        # (model.head = new_head, or PEFT wrapping a layer) or renamed anywhere.
         # (Freezing a parameter read changes nothing: see _base.is_read.)
         return reading.token.current()
 
