@@ -18,6 +18,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -222,7 +223,11 @@ def launch(args) -> None:
     # machine: one build folder per virtual environment avoids rebuilding it when switching between them.
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    raise SystemExit(subprocess.call(cmd, env=env))
+    # torchrun's agent makes a log folder in the temp directory and leaves it there: the job gets a temp
+    # directory of its own, removed when the run ends.
+    with tempfile.TemporaryDirectory(prefix="train_zero_") as tmp:
+        code = subprocess.call(cmd, env=dict(env, TMPDIR=tmp))
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
