@@ -67,8 +67,8 @@ def local_shards(x: Any, *, include: SelectionLike = None, exclude: SelectionLik
         the full parameter.
 
     The reading is kept on ``x`` and re-made only when the weights' memory moves or parameters
-    are replaced, added or unfrozen (for a plain or DDP module also when a submodule is replaced or
-    renamed), so calling it every step costs microseconds and returns the
+    are replaced, added or unfrozen, or a submodule is replaced, renamed or added (docs/core.md, "What is
+    averaged"), so calling it every step costs microseconds and returns the
     same object, which :func:`update` recognises with one identity check.
 
     Example:

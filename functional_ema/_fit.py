@@ -7,6 +7,7 @@ the problem as its own error class with its own prefix.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -15,7 +16,7 @@ import torch
 from ._layout import ShardSpec
 from ._shards import Shards
 from ._state import EmaState, wait_pending
-from ._tree import short_list
+from ._tree import compile_hint, short_list
 
 __all__ = ["FitProblem", "state_problem"]
 
@@ -95,7 +96,10 @@ def state_problem(
                 if extra
                 else []
             )
-            return FitProblem(f"state.emas[{k}] does not match this model's trainable parameters: {'; '.join(parts)}")
+            return FitProblem(
+                f"state.emas[{k}] does not match this model's trainable parameters: {'; '.join(parts)}"
+                + compile_hint(missing, extra)
+            )
         for n, spec in specs.items():
             t = ema[n]
             if not isinstance(t, torch.Tensor):
@@ -104,6 +108,13 @@ def state_problem(
                 return FitProblem(
                     f"state.emas[{k}][{n!r}] has {t.numel()} elements but rank {rank}'s piece of it has "
                     f"{spec.numel}: the state was cut for another world size, sharding or model"
+                )
+            if t.dim() > 1 and t.numel() == math.prod(spec.shape) and tuple(t.shape) != tuple(spec.shape):
+                # A whole parameter's EMA in another shape (a transposed or re-shaped weight): the same count,
+                # but copying it in would scramble the values. (Pieces of a sharded one are 1-D, or dim-0 rows.)
+                return FitProblem(
+                    f"state.emas[{k}][{n!r}] has shape {tuple(t.shape)} but the parameter has "
+                    f"{tuple(spec.shape)}: the state was made for another model"
                 )
             if dtype is not None and t.dtype != dtype:
                 return FitProblem(

@@ -48,7 +48,21 @@ def check_same_names(
         parts.append(f"not in {expected_what}: {short_list(extra)}")
     if not parts:
         parts.append("same names, different nesting or order")
-    raise TreeMismatchError(f"{got_what} do not match {expected_what}; " + "; ".join(parts))
+    raise TreeMismatchError(
+        f"{got_what} do not match {expected_what}; " + "; ".join(parts) + compile_hint(missing, extra)
+    )
+
+
+def compile_hint(missing: list[str], extra: list[str]) -> str:
+    """A note for a name mismatch that is only ``torch.compile``'s ``_orig_mod.`` prefix (a compiled model read
+    on one side, the model it wraps on the other); ``""`` for any other."""
+    unwrap = lambda names: {n.replace("_orig_mod.", "") for n in names}  # noqa: E731
+    if not missing or not extra or unwrap(missing) != unwrap(extra):
+        return ""
+    return (
+        " (the names differ only by torch.compile's '_orig_mod.' prefix: pass the same object every time, the "
+        "compiled model or the model it wraps)"
+    )
 
 
 def check_same_tree(

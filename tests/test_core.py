@@ -386,6 +386,10 @@ def test_package_keeps_no_module_level_registries():
     # One int, no object held: how many times FSDP2 replaced a sharded parameter or its local tensor in
     # this process, so that a reading checks one number instead of every parameter (engines/fsdp2.py).
     constant_tables |= {"functional_ema.engines.fsdp2._REPLACEMENTS"}
+    # One int, no object held: how many parameters or submodules were registered on modules of FSDP2 models read
+    # in this process (torch's global registration hooks), so a reading sees a submodule replaced or added with
+    # one more integer compare (engines/fsdp2.py, _watch_registrations; the modules are marked, not listed).
+    constant_tables |= {"functional_ema.engines.fsdp2._REGISTRATIONS"}
     # Which low-precision warnings this process has given (keys, no tensors): each once per process, which the
     # warnings module's own "once" does not keep across catch_warnings/simplefilter (engines/_base.py).
     constant_tables |= {"functional_ema.engines._base._WARNED"}

@@ -40,6 +40,11 @@ Decisions:
   every rank's piece is the whole parameter (offset 0), as for DDP. FSDP2 does not reduce its
   gradients; keeping the copies equal across ranks is the training loop's job (``gather_full``
   takes the last rank's copy, ``consolidate`` rank 0's).
+* A submodule or parameter added, replaced or renamed after a reading was made is seen (torch's global
+  registration hooks count it, see ``_watch_registrations``) and the model is read again: ``update`` then
+  averages the new weights under the same names, or refuses a state that no longer fits, naming the parameter.
+  A tensor set over a parameter ``fully_shard`` manages is refused, naming it: FSDP2 would put its own back at
+  the next forward. A submodule removed (``del``) is not seen.
 * Parameters frozen (``requires_grad=False``) when the model is first read are left out; one frozen
   later keeps its place (``_base.is_read``). Tied parameters appear once, under the first name
   ``named_parameters()`` gives them.
@@ -129,7 +134,9 @@ def internal_module_reason(module: torch.nn.Module) -> str | None:
                 "inside a FullyShardedDataParallel wrapper); functional_ema does not read FSDP1: apply FSDP2 "
                 "(torch.distributed.fsdp.fully_shard) and pass that model"
             )
-    if getattr(module, "_is_fsdp_managed_module", False) and not isinstance(module, FSDPModule):
+    # the module's own attribute: a torch.compile wrapper (OptimizedModule) forwards attribute reads to the model it
+    # wraps, so getattr would take the wrapper of a fully_shard-ed root for a submodule inside it
+    if vars(module).get("_is_fsdp_managed_module", False) and not isinstance(module, FSDPModule):
         return (
             f"{type(module).__qualname__} is a submodule inside a module that torch FSDP manages (fully_shard, or "
             "FSDP1's FullyShardedDataParallel, was applied to an enclosing module, not to this one): its parameters "
@@ -352,6 +359,7 @@ class FSDP2Adapter(Adapter):
         managed, plain, frozen = [], [], []  # what _is_current compares (see _Token)
         for name, param, fp, mod, attr in entries:
             if fp is not None:
+                _check_registered(name, fp, mod._parameters[attr])
                 managed.append(fp)
             elif tp_only or not isinstance(param, DTensor):
                 plain.append((mod, attr, param))
@@ -394,6 +402,7 @@ class FSDP2Adapter(Adapter):
             replicas=replicas,
         )
         _count_replacements()
+        _watch_registrations(model)
         token = _Token([p for p in params.values() if isinstance(p, DTensor)], managed, plain, frozen)
         token.tp_mesh = next((w.tp_mesh for n, w in where.items() if n in specs and w.tp_mesh is not None), None)
         return Reading(shards, layout, params, group if world > 1 else None, token)
@@ -443,6 +452,47 @@ _REPLACEMENTS: list[int | None] = [
 _SEEN = "_functional_ema_local"  # FSDPParam attribute: the local tensor last seen by a reading or a reset
 
 
+# How many parameters and submodules were registered (added, replaced, renamed) on modules of FSDP2 models read in
+# this process; None until the hooks counting them are installed (see _watch_registrations).
+_REGISTRATIONS: list[int | None] = [None]  # reason: one process-wide count (an int, holds no object) of registrations
+_WATCHED = "_functional_ema_watched"  # module attribute: a module of an FSDP2 model read here (its registrations count)
+
+
+def _watch_registrations(model: torch.nn.Module) -> None:
+    """Count every parameter or submodule registered on a module of ``model`` from now on.
+
+    A submodule replaced under its name (``model.norm = nn.LayerNorm(d)``, ``model.block = fully_shard(new)``,
+    ``model.block[2] = nn.Linear(...)``), renamed, or a parameter or module added, after a reading was made changes
+    no local tensor FSDP2 holds: the old FSDP2 parameters live on in the FSDP state (and the old plain ones in the
+    detached module), so without this count the reading stayed current and ``update`` silently went on averaging
+    the dead weights (or left the new ones out). torch's global registration hooks (``nn.Module.__setattr__``,
+    ``register_parameter``, ``add_module``), installed once per process, see each such change; they count it, one
+    integer, only when the module registered on carries the mark set here, so modules built elsewhere in the process
+    (an eval model, compiled graphs) do not make readings stale. The mark is a flag in the module's own ``__dict__``
+    (no registry of modules is kept). FSDP2's own swaps of sharded and unsharded parameters set ``_parameters``
+    directly and are not counted. Removing a submodule (``del model.head``) registers nothing and is not seen: its
+    parameters keep their EMA, under names the model no longer has.
+    """
+    if _REGISTRATIONS[0] is None:
+        from torch.nn.modules.module import (
+            register_module_module_registration_hook,
+            register_module_parameter_registration_hook,
+        )
+
+        register_module_module_registration_hook(_registered)  # the handles are dropped: hooks for the process
+        register_module_parameter_registration_hook(_registered)
+        _REGISTRATIONS[0] = 0
+    for m in model.modules():
+        m.__dict__[_WATCHED] = True  # not setattr: nn.Module.__setattr__ would be a registration itself
+
+
+def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
+    """Global registration hook (see ``_watch_registrations``): returns ``None``, so the value is registered as is."""
+    count = _REGISTRATIONS[0]
+    if count is not None and module.__dict__.get(_WATCHED, False):
+        _REGISTRATIONS[0] = count + 1
+
+
 def _count_replacements() -> None:
     """Count, once per process, FSDP2's replacements of sharded parameters and local tensors.
 
@@ -489,8 +539,10 @@ class _Token:
     """Cheap re-validation of a reading, no module walk.
 
     Current when no ``load_state_dict`` ran on a module that owns a managed parameter since the
-    reading was made, FSDP2 replaced no sharded parameter or local tensor since (one integer,
-    counted by ``_count_replacements``; where counting could not be installed, each managed
+    reading was made, no parameter or submodule was registered on a module of a model read since
+    (one integer, counted by ``_watch_registrations``: a submodule or parameter added, replaced or
+    renamed, in a ``fully_shard``-ed block or outside every one), FSDP2 replaced no sharded
+    parameter or local tensor since (one integer, counted by ``_count_replacements``; where counting could not be installed, each managed
     parameter read must still hold the local tensor object the reading's views were made from),
     each parameter outside FSDP2 (tensor-parallel DTensors without ``fully_shard`` too) is still the module attribute
     with the same memory, and no parameter left out as frozen requires grad now (unfreezing one
@@ -521,6 +573,7 @@ class _Token:
         "loaded",
         "hooks",
         "replacements",
+        "registrations",
         "tp_mesh",
     )
 
@@ -543,6 +596,7 @@ class _Token:
         self.frozen = tuple(frozen)
         self.loaded = False  # set by the load_state_dict post-hooks below
         self.replacements = _REPLACEMENTS[0]  # None: compare each parameter's local tensor instead
+        self.registrations = _REGISTRATIONS[0]
         self.tp_mesh: Any = None  # the tensor-parallel mesh (gather_full joins the slices over it), if any
         owners: dict[int, torch.nn.Module] = {}
         for fp in managed:
@@ -554,6 +608,7 @@ class _Token:
     def current(self) -> bool:
         return (
             not self.loaded
+            and _REGISTRATIONS[0] == self.registrations
             and (
                 _REPLACEMENTS[0] == self.replacements
                 if self.replacements is not None
@@ -670,21 +725,46 @@ def _swap(
             _reshard(modules)
 
 
+def _expected_registration(fp: Any) -> torch.Tensor | None:
+    """The tensor FSDP2 keeps registered for ``fp`` in its present state: the sharded parameter, or while gathered
+    the unsharded one (``None``: a state not known here, nothing to compare)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    return {
+        ShardedState.SHARDED: fp.sharded_param,
+        ShardedState.UNSHARDED: getattr(fp, "_unsharded_param", None),
+        ShardedState.SHARDED_POST_FORWARD: getattr(fp, "_sharded_post_forward_param", None),
+    }.get(fp.sharded_state)
+
+
+def _check_registered(name: str, fp: Any, registered: torch.Tensor | None) -> None:
+    """Refuse, naming it, a parameter set on its module after ``fully_shard`` managed that attribute.
+
+    FSDP2 does not manage the new tensor: its next forward registers FSDP2's own (gathered, then sharded) parameter
+    there again, silently, so the new values are never used and an optimizer built over the new tensor trains nothing.
+    Reading FSDP2's parameter would average weights the user meant to replace; reading the new tensor would average
+    weights the model never computes with. Neither is the EMA the user wants, so say what happened."""
+    expected = _expected_registration(fp)
+    if expected is not None and registered is not None and registered is not expected:
+        raise RuntimeError(
+            f"parameter {name!r}: a new tensor ({type(registered).__name__} of shape {tuple(registered.shape)}) was "
+            "set on its module after fully_shard, which manages that attribute; FSDP2 does not manage the new tensor "
+            "and puts its own sharded parameter back at the next forward, so the new values would never be used. "
+            "Load values into FSDP2's parameter instead (model.load_state_dict, "
+            "torch.distributed.checkpoint.state_dict.set_model_state_dict, or copy_ under torch.no_grad()), or set "
+            "a new submodule and apply fully_shard to it"
+        )
+
+
 def _registered_back(model: torch.nn.Module, managed: dict[tuple[int, str], Any], changes: list[str]) -> None:
     """Each managed registration is the tensor FSDP2 expects there now (its sharded parameter, or while
     gathered its unsharded one); one the block set is put back and named in ``changes``."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
     for prefix, mod in model.named_modules():
         for attr, t in list(mod._parameters.items()):
             fp = managed.get((id(mod), attr))
             if fp is None:
                 continue
-            expected = {
-                ShardedState.SHARDED: fp.sharded_param,
-                ShardedState.UNSHARDED: getattr(fp, "_unsharded_param", None),
-                ShardedState.SHARDED_POST_FORWARD: getattr(fp, "_sharded_post_forward_param", None),
-            }.get(fp.sharded_state)
+            expected = _expected_registration(fp)
             if expected is not None and t is not expected:
                 name = f"{prefix}.{attr}" if prefix else attr
                 changes.append(f"{name!r} replaced on its module (FSDP2's own parameter set back)")

@@ -21,6 +21,7 @@ from ._base import Adapter, Reading, any_requires_grad, is_read, warn_low_precis
 __all__ = ["ModuleAdapter", "is_ddp", "flatten_parameters"]
 
 _data_ptr = torch.Tensor.data_ptr
+_size = torch.Tensor.size
 
 
 class _Check(NamedTuple):
@@ -28,8 +29,17 @@ class _Check(NamedTuple):
 
     trained: tuple  # the parameters read
     pointers: tuple  # their data pointers
-    owners: tuple  # the `_parameters` dict of the module owning each (first name)
-    names: tuple  # each one's name there: the dict's own key object, so a lookup compares no characters
+    # Their shapes: `p.data = p.data[:k]` or `.reshape(...)` keeps the data pointer, and the reading's views would
+    # go on averaging the old extent (dead rows) or reporting the old shape. (Strides are not compared, to keep the
+    # check cheap: only a square `p.data = p.data.t()` keeps pointer and shape.)
+    sizes: tuple
+    # Every parameter registration of every module (`_parameters` dict, its own key object, the value held):
+    # the trained ones, but also tied aliases, frozen ones and `None` entries, since replacing any of those
+    # under its name keeps every count (untying `b.weight` from `a.weight`, a bias set where `bias=False` left
+    # `None`, a frozen parameter replaced by a trainable one) and must be read again.
+    registries: tuple
+    keys: tuple
+    values: tuple  # compared by identity (a tensor's `==` is elementwise)
     frozen: tuple  # the parameters left out as frozen (unfreezing one is seen)
     dicts: tuple  # every module's `_parameters` and `_modules` dict
     count: int  # type: ignore[assignment]  # total entries of those dicts (shadows tuple.count, never called here)
@@ -39,23 +49,25 @@ class _Check(NamedTuple):
 
     @classmethod
     def of(cls, module: torch.nn.Module, params: dict) -> _Check:
-        owners, names = [], []
-        for full in params:
-            owner_name, _, leaf = full.rpartition(".")
-            owner = module.get_submodule(owner_name)._parameters
-            owners.append(owner)
-            names.append(next(k for k in owner if k == leaf))
+        mods = list(module.modules())
+        registries, keys, values = [], [], []
+        for m in mods:
+            for key, value in m._parameters.items():
+                registries.append(m._parameters)
+                keys.append(key)
+                values.append(value)
         read = {id(p) for p in params.values()}
         frozen = tuple(p for p in module.parameters() if id(p) not in read)
-        mods = list(module.modules())
         dicts: tuple[dict, ...] = (*(m._parameters for m in mods), *(m._modules for m in mods))
         trained = tuple(params.values())
         parents = tuple(m._modules for m in mods if m._modules)
         return cls(
             trained,
             tuple(map(_data_ptr, trained)),
-            tuple(owners),
-            tuple(names),
+            tuple(map(_size, trained)),
+            tuple(registries),
+            tuple(keys),
+            tuple(values),
             frozen,
             dicts,
             sum(map(len, dicts)),
@@ -68,7 +80,8 @@ class _Check(NamedTuple):
         """Whether nothing the reading depends on changed; a few C-level passes over tuples, no tree walk."""
         return (
             tuple(map(_data_ptr, self.trained)) == self.pointers
-            and all(map(operator.is_, map(dict.get, self.owners, self.names), self.trained))
+            and tuple(map(_size, self.trained)) == self.sizes
+            and all(map(operator.is_, map(dict.get, self.registries, self.keys), self.values))
             and not any_requires_grad(*self.frozen)
             and sum(map(len, self.dicts)) == self.count
             and list(map(list, map(dict.values, self.parents))) == self.children
@@ -100,9 +113,11 @@ class ModuleAdapter(Adapter):
     def _is_current(self, reading: Reading) -> bool:
         # What could make the reading stale, each checked without walking the module tree (a
         # walk costs milliseconds for a few hundred parameters): a parameter's memory moved
-        # (module.to(...), load_state_dict(assign=True)); a parameter object was replaced; one
-        # left out as frozen was unfrozen; a parameter or submodule was added, removed, replaced
-        # (model.head = new_head, or PEFT wrapping a layer) or renamed anywhere.
+        # (module.to(...), load_state_dict(assign=True)) or its shape changed over the same memory
+        # (p.data = p.data[:k]); any parameter registration was replaced (a trained one, a tied
+        # alias untied, a frozen one, a None bias set); one left out as frozen was unfrozen; a
+        # parameter or submodule was added, removed, replaced (model.head = new_head, or PEFT
+        # wrapping a layer) or renamed anywhere.
         # (Freezing a parameter read changes nothing: see _base.is_read.)
         return reading.token.current()
 
