@@ -542,8 +542,9 @@ class _Token:
     reading was made, no parameter or submodule was registered on a module of a model read since
     (one integer, counted by ``_watch_registrations``: a submodule or parameter added, replaced or
     renamed, in a ``fully_shard``-ed block or outside every one), FSDP2 replaced no sharded
-    parameter or local tensor since (one integer, counted by ``_count_replacements``; where counting could not be installed, each managed
-    parameter read must still hold the local tensor object the reading's views were made from),
+    parameter or local tensor since (one integer, counted by ``_count_replacements``; where counting
+    could not be installed, each managed parameter read must still hold the local tensor object the
+    reading's views were made from),
     each parameter outside FSDP2 (tensor-parallel DTensors without ``fully_shard`` too) is still the module attribute
     with the same memory, and no parameter left out as frozen requires grad now (unfreezing one
     is seen; freezing a parameter read changes nothing, see ``_base.is_read``).

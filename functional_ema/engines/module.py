@@ -43,7 +43,10 @@ class _Check(NamedTuple):
     frozen: tuple  # the parameters left out as frozen (unfreezing one is seen)
     dicts: tuple  # every module's `_parameters` and `_modules` dict
     count: int  # type: ignore[assignment]  # total entries of those dicts (shadows tuple.count, never called here)
-    parents: tuple  # every non-empty `_modules` dict: a submodule replaced or renamed keeps the counts
+    # Every non-empty `_modules` dict: a submodule replaced or renamed keeps the counts. Compared as one list of
+    # values and one of keys per dict, not entry by entry as above: a few dicts of many entries, where the lists
+    # measured cheaper (the many small `_parameters` dicts measured the other way; docs/performance.md).
+    parents: tuple
     children: list  # their values (compared by identity), one list per dict
     child_names: list  # their keys
 
