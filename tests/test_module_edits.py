@@ -217,6 +217,9 @@ EDITS: dict[str, Row] = {
         lambda m: setattr(m.c.weight, "data", m.c.weight.data.t()),
         _shape("c.weight", (4, 3), (3, 4)),
     ),
+    ".data = .data.t() (same memory, square)": Row(  # fixed: same pointer and shape, other strides
+        lambda m: setattr(m.a.weight, "data", m.a.weight.data.t())
+    ),
 }
 
 
@@ -268,7 +271,8 @@ def test_module_edited_after_the_first_reading(row: Row) -> None:
 
     # swapped: the forward computes with the EMA (in the parameters' dtype); the trained values come back bitwise
     x = torch.randn(5, 4).to(next(target.parameters()).dtype)
-    ema_weights = {n: e.to(now[n].dtype) for n, e in state.ema.items()}
+    # in the parameter's dtype and strides (a transposed weight takes another matmul path, rounding otherwise)
+    ema_weights = {n: torch.empty_like(now[n]).copy_(e) for n, e in state.ema.items()}
     weights = {n.removeprefix("_orig_mod."): t for n, t in {**now, **ema_weights}.items()}  # the compiled one's
     expect_out = torch.func.functional_call(_inner(target), weights, (x,))
     with torch.no_grad(), fe.swapped(target, state):

@@ -20,19 +20,20 @@ from ._base import Adapter, Reading, any_requires_grad, is_read, warn_low_precis
 
 __all__ = ["ModuleAdapter", "is_ddp", "flatten_parameters"]
 
-_data_ptr = torch.Tensor.data_ptr
-_size = torch.Tensor.size
+# One C call per parameter: the same storage, offset, sizes and strides as the view taken at the reading.
+_is_set_to = torch.Tensor.is_set_to
 
 
 class _Check(NamedTuple):
     """What a plain module's reading depends on, gathered once so re-checking needs no tree walk."""
 
     trained: tuple  # the parameters read
-    pointers: tuple  # their data pointers
-    # Their shapes: `p.data = p.data[:k]` or `.reshape(...)` keeps the data pointer, and the reading's views would
-    # go on averaging the old extent (dead rows) or reporting the old shape. (Strides are not compared, to keep the
-    # check cheap: only a square `p.data = p.data.t()` keeps pointer and shape.)
-    sizes: tuple
+    # A view of each, taken at the reading (``p.detach()``: same storage, offset, sizes, strides), compared with
+    # ``is_set_to``: the memory moved (``module.to(...)``, ``p.data = new``), or was re-shaped or re-strided over
+    # the same memory (``p.data = p.data[:k]``, ``.reshape(...)``, a square ``.t()``), and the reading's views
+    # would go on averaging the old extent or layout. One call that compares pointers (no deeper read of the
+    # storage) measured cheaper cold than the data pointer and ``size()`` passes it replaced (docs/performance.md).
+    views: tuple
     # Every parameter registration of every module (`_parameters` dict, its own key object, the value held):
     # the trained ones, but also tied aliases, frozen ones and `None` entries, since replacing any of those
     # under its name keeps every count (untying `b.weight` from `a.weight`, a bias set where `bias=False` left
@@ -66,8 +67,7 @@ class _Check(NamedTuple):
         parents = tuple(m._modules for m in mods if m._modules)
         return cls(
             trained,
-            tuple(map(_data_ptr, trained)),
-            tuple(map(_size, trained)),
+            tuple(p.detach() for p in trained),
             tuple(registries),
             tuple(keys),
             tuple(values),
@@ -82,8 +82,7 @@ class _Check(NamedTuple):
     def current(self) -> bool:
         """Whether nothing the reading depends on changed; a few C-level passes over tuples, no tree walk."""
         return (
-            tuple(map(_data_ptr, self.trained)) == self.pointers
-            and tuple(map(_size, self.trained)) == self.sizes
+            all(map(_is_set_to, self.trained, self.views))
             and all(map(operator.is_, map(dict.get, self.registries, self.keys), self.values))
             and not any_requires_grad(*self.frozen)
             and sum(map(len, self.dicts)) == self.count
@@ -116,8 +115,8 @@ class ModuleAdapter(Adapter):
     def _is_current(self, reading: Reading) -> bool:
         # What could make the reading stale, each checked without walking the module tree (a
         # walk costs milliseconds for a few hundred parameters): a parameter's memory moved
-        # (module.to(...), load_state_dict(assign=True)) or its shape changed over the same memory
-        # (p.data = p.data[:k]); any parameter registration was replaced (a trained one, a tied
+        # (module.to(...), load_state_dict(assign=True)) or its shape or strides changed over the same
+        # memory (p.data = p.data[:k], a square p.data.t()); any parameter registration was replaced (a trained one, a tied
         # alias untied, a frozen one, a None bias set); one left out as frozen was unfrozen; a
         # parameter or submodule was added, removed, replaced (model.head = new_head, or PEFT
         # wrapping a layer) or renamed anywhere.
