@@ -38,8 +38,10 @@ from functional_ema._checkpoint.errors import (
     InvalidTagError,
     OutputPathError,
 )
+from functional_ema._checkpoint.reader import StoragePath
 from functional_ema._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from functional_ema._state import BufferState, EmaState
+from functional_ema._storage import storage_for
 
 DATA = Path(__file__).parent / "data" / "format"
 V1_MANIFEST = Path(__file__).parent / "data" / "ckpt_v1" / "global_step3" / "ema_manifest.json"
@@ -1607,6 +1609,23 @@ def test_check_output(ck):
             "(atomically), or choose another name"
         )
         assert fmt.check_output(path, ck, tags, True) == path
+    # A checkpoint at a URL has no local folder: a local output is only checked for a folder or an existing file,
+    # never against Path(url) (./s3:/bucket/run, an unrelated local folder that was refused before).
+    (ck.parent / "s3:" / "bucket" / "run").mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ck.parent)
+        relative = Path("s3:/bucket/run/latest")  # was refused as the URL checkpoint's pointer file
+        assert fmt.check_output(relative, "s3://bucket/run", [], False) == relative
+        memory = Path("memory:/bucket/run")  # the readers' root is a StoragePath; this was refused as that root
+        memory.parent.mkdir(parents=True)
+        assert fmt.check_output(memory, StoragePath(storage_for("memory://bucket/run")), [], False) == memory
+        assert refusal(lambda: fmt.check_output(ck.parent, "s3://bucket/run", [], True), OutputPathError) == (
+            f"refusing to write {ck.parent}: it is a directory; give a .safetensors file name"
+        )
+        assert refusal(lambda: fmt.check_output(existing, "s3://bucket/run", [], False), OutputPathError) == (
+            f"refusing to replace the existing file {existing}: pass --overwrite (overwrite=True) to replace it "
+            "(atomically), or choose another name"
+        )
     loop = ck.parent / "loop"
     loop.symlink_to(loop)
     msg = refusal(lambda: fmt.check_output(loop, ck, tags, True), OutputPathError)

@@ -23,6 +23,7 @@ import torch
 from .. import _io
 from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._state import BufferState, EmaState
+from .._storage import is_url
 from .._tree import short_list as _tree_short_list
 from .._version import __version__
 from . import index
@@ -940,11 +941,29 @@ def check_output(
     ``root`` is the checkpoint (or snapshot) directory and ``tag_dirs`` the tag folders being read.
     Refused, after resolving symlinks: anything inside a tag folder being read or inside any other
     folder of ``root`` (DeepSpeed's and functional_ema's tag folders), the pointer files beside them
-    (``latest``, ...), ``root`` itself, any directory; an existing file unless ``overwrite``.
+    (``latest``, ...), ``root`` itself, any directory; an existing file unless ``overwrite``. A ``root`` that is a
+    URL (a checkpoint in a bucket) has no local folder to keep the output out of: only the last two apply.
     """
     out = Path(out_path)
     try:
         real = out.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise OutputPathError(f"cannot resolve the output path {out}: {e}") from None
+    if not is_url(root):  # Path("s3://b/run") would be ./s3:/b/run, and refuse an unrelated local path
+        _check_outside(out, real, root, tag_dirs)
+    if real.is_dir():
+        raise OutputPathError(f"refusing to write {out}: it is a directory; give a .safetensors file name")
+    if not overwrite and (out.exists() or out.is_symlink()):
+        raise OutputPathError(
+            f"refusing to replace the existing file {out}: pass --overwrite (overwrite=True) to replace it "
+            "(atomically), or choose another name"
+        )
+    return out
+
+
+def _check_outside(out: Path, real: Path, root: str | os.PathLike, tag_dirs: Sequence[Path]) -> None:
+    """:func:`check_output`'s refusal of an output (``real``: resolved) inside the local checkpoint ``root``."""
+    try:
         real_root = Path(root).resolve()
         real_tags = [Path(t).resolve() for t in tag_dirs]
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
@@ -965,14 +984,6 @@ def check_output(
             f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the checkpoint "
             f"directory {real_root} being read (a tag folder or a pointer file such as 'latest'). {fix}"
         )
-    if real.is_dir():
-        raise OutputPathError(f"refusing to write {out}: it is a directory; give a .safetensors file name")
-    if not overwrite and (out.exists() or out.is_symlink()):
-        raise OutputPathError(
-            f"refusing to replace the existing file {out}: pass --overwrite (overwrite=True) to replace it "
-            "(atomically), or choose another name"
-        )
-    return out
 
 
 def describe_buffers(buffers: object, state: EmaState) -> dict | None:
