@@ -441,10 +441,32 @@ def lightning_ray_train_func(cfg: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ Ray on loopback
 
 
+@contextlib.contextmanager
+def _ray_temp() -> Iterator[dict[str, str]]:
+    """A temp folder of this test's own for everything Ray and its workers write there (Ray's session folders,
+    its lock files, Ray Train's ``lightning_checkpoints-*``), removed at the end: nothing is left in the system's
+    temp folder. Yields the environment that points there (short: Ray's socket paths must fit 107 bytes)."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="fe_ray_")
+    try:
+        yield {"RAY_TMPDIR": folder, "TMPDIR": folder}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    """A local Ray on loopback, 2 CPUs, no dashboard; its processes stopped at the end, by pid."""
+    """A local Ray on loopback, 2 CPUs, no dashboard; its processes stopped at the end, by pid, and its temp
+    folder removed (:func:`_ray_temp`)."""
+    with _ray_temp() as temp:
+        yield from _local_ray(temp)
+
+
+def _local_ray(temp: dict[str, str]) -> Iterator[None]:
     env = {
+        **temp,  # the workers' temp folder (their tempfile, Ray Train's Lightning checkpoints)
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "TORCH_EXTENSIONS_DIR": extensions_dir(),
         "OMP_NUM_THREADS": "1",
@@ -457,11 +479,12 @@ def local_ray() -> Iterator[None]:
         # A worker group starts in 10-25 s here (facts 3.5), against Ray's 60 s limit: a busy CI machine may need more.
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
     }
-    driver_keys = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S")
+    driver_keys = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "RAY_TMPDIR")
     saved = {key: os.environ.get(key) for key in driver_keys}
     os.environ.update({key: env[key] for key in driver_keys})  # the controller reads them from the driver too
     ray.init(
         _node_ip_address="127.0.0.1",
+        _temp_dir=os.path.join(temp["RAY_TMPDIR"], "ray"),
         include_dashboard=False,
         num_cpus=2,
         object_store_memory=100 * 2**20,
@@ -732,20 +755,22 @@ def test_example_runs_and_its_checkpoint_consolidates(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.update(TORCH_EXTENSIONS_DIR=extensions_dir(), OMP_NUM_THREADS="1")
     argv = [sys.executable, str(ROOT / "examples" / "ray_train_ema.py"), "--local", "--steps", "2", "--every", "2"]
-    proc = subprocess.Popen(
-        [*argv, "--storage", str(tmp_path / "storage")],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=600)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    with _ray_temp() as temp:
+        proc = subprocess.Popen(
+            [*argv, "--storage", str(tmp_path / "storage")],
+            env={**env, **temp},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        assert any((Path(temp["RAY_TMPDIR"]) / "ray").glob("session_*"))  # Ray's session folder: here, not /tmp
     text = output.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
     line = next((x for x in text.splitlines() if x.startswith("EMA of step 2 in ")), None)
