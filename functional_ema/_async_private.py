@@ -106,20 +106,21 @@ def save_now(
     buffers: BufferState | None,
     extra: dict[str, Any] | None,
     timeout: float,
+    what: str = "save",
 ) -> Any:
     """The blocking save of one of these kinds (a private folder, a bucket): prepared, every rank's files
     written, committed; returns the tag's folder (or URL). On a failure every rank raises and this rank's
-    new files are removed. ``job`` is (group, world, rank). Collective."""
-    prep = ops.prepare(state, layout, job, location, raw_tag, decay, buffers, extra, timeout, "save")
+    new files are removed. ``job`` is (group, world, rank); ``what`` is the public verb errors name. Collective."""
+    prep = ops.prepare(state, layout, job, location, raw_tag, decay, buffers, extra, timeout, what)
     group, world, rank = job
     written: list[dict[str, Any]] = []
     try:
         write = lambda: written.append(ops.write(prep, state.emas, buffers))  # noqa: E731
-        collective.agree("save (writing the rank files)", write, group, world, rank, results=False)
+        collective.agree(f"{what} (writing the rank files)", write, group, world, rank, results=False)
     except BaseException:
         ops.abandon(prep)
         raise
-    ops.commit(prep, written[0], timeout, "save")
+    ops.commit(prep, written[0], timeout, what)
     return prep.tag_dir
 
 

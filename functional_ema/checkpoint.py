@@ -269,8 +269,25 @@ def save(
         >>> fe.save(state, engine, "ckpt", decay=0.999)          # doctest: +SKIP
         >>> engine.save_checkpoint("ckpt")                       # doctest: +SKIP
     """
+    return _save(state, engine, save_dir, tag, decay, buffers, extra, timeout, shared, storage_options, "save")
+
+
+def _save(
+    state: EmaState,
+    engine: Any,
+    save_dir: str | os.PathLike,
+    tag: str | None,
+    decay: DecayLike | Sequence[DecayLike] | None,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float | None,
+    shared: bool,
+    storage_options: dict[str, Any] | None,
+    what: str,
+) -> Path | str:
+    """:func:`save`, its errors naming ``what``: the public verb called (``save``, ``save_snapshot``)."""
     location = check_location(save_dir, "save_dir")  # the state is checked in the plan, on every rank together
-    options = check_storage_options(storage_options, location, "save(storage_options=...)")
+    options = check_storage_options(storage_options, location, f"{what}(storage_options=...)")
     timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
     adapter = adapter_for(engine)
     reading = read_for(adapter, state)  # read once (the state's selection); everything below takes plain data
@@ -279,21 +296,19 @@ def save(
     raw_tag = adapter.default_tag(state) if tag is None else tag
     shared = check_bool(shared, "shared")
     if isinstance(location, str):  # a URL
-        store = url_storage(location, shared, options, "save")
-        arrive("save", jgroup, jworld, jrank, timeout)
+        store = url_storage(location, shared, options, what)
+        arrive(what, jgroup, jworld, jrank, timeout)
         job = (jgroup, jworld, jrank)
-        return save_now(BUCKET, state, layout, job, store, raw_tag, decay, buffers, extra, timeout_s(timeout))
+        return save_now(BUCKET, state, layout, job, store, raw_tag, decay, buffers, extra, timeout_s(timeout), what)
     save_dir = location
-    arrive("save", jgroup, jworld, jrank, timeout)
+    arrive(what, jgroup, jworld, jrank, timeout)
     if not shared:
         job = (jgroup, jworld, jrank)
-        return save_now(PRIVATE, state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout_s(timeout))
+        return save_now(PRIVATE, state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout_s(timeout), what)
     writes = layout.writes_pieces
     writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
     if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
-        check_distinct_writers(
-            "save", save_dir / raw_tag, save_files(layout, 0, writes_buffers, writes), jworld, timeout
-        )
+        check_distinct_writers(what, save_dir / raw_tag, save_files(layout, 0, writes_buffers, writes), jworld, timeout)
     tag_dir: Path = save_dir
     lock: list[TagLock] = []
 
@@ -303,7 +318,7 @@ def save(
         tag_dir = save_dir / tag
         p = dict(plan_save(state, decay, layout, tag, buffers, extra), shared=True)
         if jrank == 0:  # the committing rank holds the tag for the whole save, then picks the generation
-            lock.append(TagLock.acquire(tag_dir, timeout_s(timeout), "save"))
+            lock.append(TagLock.acquire(tag_dir, timeout_s(timeout), what))
             p["generation"] = read_generation(tag_dir)
         return p
 
@@ -312,7 +327,7 @@ def save(
             held.release(remove_empty=True)
 
     try:
-        mine, first = agree_plans("save (checking the state)", plan, jgroup, jworld, jrank, on_failure=give_up)
+        mine, first = agree_plans(f"{what} (checking the state)", plan, jgroup, jworld, jrank, on_failure=give_up)
     except BaseException:
         give_up()  # a failure of this rank's own plan (the others' raise after the agreement)
         raise
@@ -320,12 +335,12 @@ def save(
     try:
         generation = first["generation"]
         names = save_files(layout, generation, writes_buffers, writes)
-        dtype = parse_dtype(mine["dtype"], "save")
+        dtype = parse_dtype(mine["dtype"], what)
 
         def write() -> dict[str, Any]:
             path = tag_dir
             if jrank != 0:
-                check_shared(tag_dir, jrank, "save")
+                check_shared(tag_dir, jrank, what)
             try:
                 tag_dir.mkdir(parents=True, exist_ok=True)
                 records: dict[str, Any] = {"part": part_record(layout, mine)}
@@ -346,7 +361,7 @@ def save(
         mine_written: list[dict[str, Any]] = []
         try:
             agree(
-                "save (writing the rank files)",
+                f"{what} (writing the rank files)",
                 lambda: mine_written.append(write()),
                 jgroup,
                 jworld,
@@ -371,7 +386,7 @@ def save(
             return None
 
         try:
-            agree("save (writing the manifest)", commit, jgroup, jworld, jrank, results=False)
+            agree(f"{what} (writing the manifest)", commit, jgroup, jworld, jrank, results=False)
         except CheckpointError:
             remove_unlisted(tag_dir, names)
             raise

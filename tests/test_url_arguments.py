@@ -38,7 +38,7 @@ import torch
 import functional_ema as fe
 from functional_ema import export as fx
 from functional_ema import posthoc as ph
-from functional_ema.checkpoint import CheckpointNotFoundError, read_manifest, saved_parts
+from functional_ema.checkpoint import CheckpointIOError, CheckpointNotFoundError, read_manifest, saved_parts
 
 URL = "s3://fe-url-args/run"
 BUCKET = "fe-url-args"
@@ -391,6 +391,17 @@ def test_a_wrong_secret_in_storage_options_is_refused(tmp_path: Path, s3: Any, n
             f"{url}: the storage refused access (Forbidden): check {verb}(storage_options=...) (key, secret, "
             "endpoint_url) or fsspec's configuration"
         )
+    # the writer: save_snapshot's error names its own storage_options (it saves through save)
+    scheds = [fe.schedules.power(sigma_rel=s) for s in TRACKED]
+    state = fe.init_ema(fe.local_shards(model), num_emas=2)
+    state = fe.update(state, fe.local_shards(model), 1, decay=scheds)
+    with pytest.raises(CheckpointIOError) as e:
+        ph.save_snapshot(state, model, f"s3://{BUCKET}/wrong-save", scheds, storage_options=opts)
+    assert str(e.value) == (
+        f"rank 0 could not write the tag s3://{BUCKET}/wrong-save/{ph.snapshot_tag(1)}: the storage refused access "
+        "(Forbidden): check save_snapshot(storage_options=...) (key, secret, endpoint_url) or fsspec's configuration"
+    )
+    assert not s3.fs().exists(f"{BUCKET}/wrong-save")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "like", "snaps"]  # nothing written
 
 

@@ -101,13 +101,10 @@ def save_snapshot(
     location = check_location(snapshot_dir, "snapshot_dir")  # a URL too: fe.save writes there
     check_storage_options(storage_options, location, "save_snapshot(storage_options=...)")
     gammas, step = gammas_and_step(state, schedules)
-    return checkpoint.save(
-        state,
-        engine,
-        snapshot_dir,
-        snapshot_tag(step) if tag is None else tag,
-        decay=[power(gamma=g) for g in gammas],
-        storage_options=storage_options,
+    tag = snapshot_tag(step) if tag is None else tag
+    decays = [power(gamma=g) for g in gammas]
+    return checkpoint._save(  # errors name save_snapshot (and its storage_options), not save
+        state, engine, snapshot_dir, tag, decays, None, None, None, True, storage_options, "save_snapshot"
     )
 
 
