@@ -395,16 +395,22 @@ def test_submodule_replaced_or_renamed_after_the_first_read_is_read_again(outcom
             for old, new in (("block.0.weight", "trunk.0.weight"), ("norm.weight", "norm2.weight")):
                 name = "block renamed" if old.startswith("block") else "root submodule renamed"
                 _refused(per_rank[f"{name}/{wrap}"], (rank, name), "TreeMismatchError", f"'{old}'", f"'{new}'")
-            # a plain Linear set inside the fully_shard-ed block is not FSDP2's: read whole, it no longer fits
+            # a plain Linear set inside the fully_shard-ed block is not FSDP2's (not sharded, not reduced): refused,
+            # with that cause (it was refused as a shape mismatch, as if the state came from another world size)
             out = per_rank[f"Linear replaced inside the fully_shard-ed block/{wrap}"]
-            _refused(out, rank, "TreeMismatchError", "shards['block.2.bias'] has shape (5,)")
+            _refused(out, rank, "RuntimeError", _UNSHARDED.format("block.2.weight"))
         # the root's own part: plain parameters when only the block is sharded (the new values averaged), FSDP2's
-        # when the root is wrapped too (a new LayerNorm there is not FSDP2's: read whole, it no longer fits)
+        # when the root is wrapped too (a new LayerNorm there is not FSDP2's: refused, as above)
         _right(per_rank["root submodule replaced/False"], rank)
         _right(per_rank["root parameter replaced/False"], rank)
-        _refused(
-            per_rank["root submodule replaced/True"], rank, "TreeMismatchError", "shards['norm.bias'] has shape (5,)"
-        )
+        _refused(per_rank["root submodule replaced/True"], rank, "RuntimeError", _UNSHARDED.format("norm.weight"))
+
+
+_UNSHARDED = (
+    "parameter '{}' was sharded by fully_shard when the model was last read and is now a plain tensor: its module "
+    "was replaced after fully_shard, and FSDP2 neither shards the new one nor reduces its gradients over the ranks. "
+    "Call fully_shard on the new module before training it (or replace the module before fully_shard)"
+)
 
 
 def test_a_tensor_set_over_an_fsdp2_parameter_is_refused_naming_it(outcomes):

@@ -44,7 +44,8 @@ Decisions:
   registration hooks count it, see ``_watch_registrations``) and the model is read again: ``update`` then
   averages the new weights under the same names, or refuses a state that no longer fits, naming the parameter.
   A tensor set over a parameter ``fully_shard`` manages is refused, naming it: FSDP2 would put its own back at
-  the next forward. A submodule removed (``del``) is not seen.
+  the next forward. So is a plain tensor where the last reading had a managed parameter (its module replaced
+  after ``fully_shard``: FSDP2 neither shards nor reduces the new one). A submodule removed (``del``) is not seen.
 * Parameters frozen (``requires_grad=False``) when the model is first read are left out; one frozen
   later keeps its place (``_base.is_read``). Tied parameters appear once, under the first name
   ``named_parameters()`` gives them.
@@ -216,6 +217,20 @@ class _Placement(NamedTuple):
     tp_dim: int | None  # Shard(d) over the tensor-parallel mesh; None: replicated there (or no TP)
 
 
+def _refuse_unsharded_replacement(name: str, previous: Reading | None) -> None:
+    """Refuse plain parameter ``name`` where the last reading had one that ``fully_shard`` manages: its module was
+    replaced after ``fully_shard`` (FSDP2 leaves the new one alone: not sharded, its gradients not reduced)."""
+    from torch.distributed.tensor import DTensor
+
+    if previous is not None and previous.layout.engine == "fsdp2" and isinstance(previous.params.get(name), DTensor):
+        raise RuntimeError(
+            f"parameter {name!r} was sharded by fully_shard when the model was last read and is now a plain tensor: "
+            "its module was replaced after fully_shard, and FSDP2 neither shards the new one nor reduces its "
+            "gradients over the ranks. Call fully_shard on the new module before training it (or replace the "
+            "module before fully_shard)"
+        )
+
+
 def _placement(name: str, fp: Any) -> _Placement:
     """Read from FSDP2's own record of the parameter (``FSDPParam.mesh_info``, ``fsdp_placement`` and,
     for a tensor-parallel DTensor, ``_unsharded_dtensor_spec``); refuse, naming the parameter, what the
@@ -378,6 +393,7 @@ class FSDP2Adapter(Adapter):
                     "manages (tensor-parallel DTensors too) and plain tensors"
                 )
             else:  # outside every fully_shard-ed module: replicated, the whole tensor on every rank
+                _refuse_unsharded_replacement(name, previous)
                 view, spec = param.detach(), ShardSpec(tuple(param.shape), 0, param.numel())
             named_views.append((name, view))
             specs[name] = spec
