@@ -91,6 +91,18 @@ def _to_on_swap(dtype: torch.dtype) -> Callable[[Net], None]:
     return edit
 
 
+def _to_on_overwrite(dtype: torch.dtype) -> Callable[[Net], None]:
+    def edit(m: Net) -> None:
+        before = torch.__future__.get_overwrite_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(True)  # new Parameters, set into _parameters
+        try:  # directly: no registration hook runs, only the identity comparison of the registries sees them
+            m.to(dtype)
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(before)
+
+    return edit
+
+
 def _to_empty(m: Net) -> None:
     m.to_empty(device="cpu")
     with torch.no_grad():
@@ -194,6 +206,7 @@ EDITS: dict[str, Row] = {
     "to(float64)": Row(lambda m: m.to(torch.float64)),
     "to(float64), swap_module_params_on_conversion": Row(_to_on_swap(torch.float64)),
     "to(bfloat16), swap_module_params_on_conversion": Row(_to_on_swap(torch.bfloat16)),
+    "to(float64), overwrite_module_params_on_conversion": Row(_to_on_overwrite(torch.float64)),
     "share_memory()": Row(lambda m: m.share_memory()),
     "flatten_parameters": Row(lambda m: _none(flatten_parameters(m))),
     "load_state_dict": Row(_loaded(assign=False)),
