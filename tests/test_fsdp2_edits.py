@@ -321,6 +321,10 @@ def _fully_shard_root(m: nn.Module) -> None:
     fully_shard(m, mesh=_mesh())
 
 
+def _reshape_gate(m: nn.Module) -> None:
+    m.gate.data = m.gate.data[:2]  # the same data pointer, another shape
+
+
 def edits_worker() -> dict[str, dict[str, Any]]:
     """``{"<edit>/<root wrapped>": outcome}`` for every edit, both ways of wrapping."""
     out: dict[str, dict[str, Any]] = {}
@@ -341,6 +345,8 @@ def edits_worker() -> dict[str, dict[str, Any]]:
         )
         out[f"state of the model, then its torch.compile wrapper/{wrap}"] = mixed
     out["fully_shard on the root after the first read/False"] = _scenario(False, _fully_shard_root)
+    # the root's own parameter (plain: only the block is fully_shard-ed) re-shaped over the same memory
+    out["root parameter re-shaped over its memory/False"] = _scenario(False, _reshape_gate)
     return out
 
 
@@ -433,6 +439,17 @@ def test_unfreezing_or_sharding_after_the_first_read_is_refused_naming_the_param
                 )
         out = per_rank["fully_shard on the root after the first read/False"]
         _refused(out, rank, "TreeMismatchError", "shards['gate'] has shape", "but the EMA (emas[0]) has (3, 5)")
+
+
+def test_a_plain_parameter_re_shaped_over_its_memory_is_read_again(outcomes):
+    """A parameter outside every fully_shard-ed module, re-shaped over the same memory: the reading compared its data
+    pointer only, stayed current, and the EMA went on averaging the old extent; now read again, and the state (of
+    the old shape) refused, naming it."""
+    for rank, per_rank in enumerate(outcomes):
+        out = per_rank["root parameter re-shaped over its memory/False"]
+        _refused(
+            out, rank, "TreeMismatchError", f"shards['gate'] has shape (2, {D}) but the EMA (emas[0]) has (3, {D})"
+        )
 
 
 def test_a_torch_compile_wrapper_is_read_like_the_model(outcomes):

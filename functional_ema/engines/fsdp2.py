@@ -585,7 +585,7 @@ class _Token:
         "plain_mods",
         "plain_attrs",
         "plain_params",
-        "ptrs",
+        "views",
         "frozen",
         "loaded",
         "hooks",
@@ -609,7 +609,7 @@ class _Token:
         self.plain_mods = tuple(mod for mod, _, _ in plain)
         self.plain_attrs = tuple(attr for _, attr, _ in plain)
         self.plain_params = tuple(p for _, _, p in plain)
-        self.ptrs = tuple(map(_memory_of, self.plain_params))
+        self.views = tuple(map(_view_of, self.plain_params))
         self.frozen = tuple(frozen)
         self.loaded = False  # set by the load_state_dict post-hooks below
         self.replacements = _REPLACEMENTS[0]  # None: compare each parameter's local tensor instead
@@ -634,7 +634,7 @@ class _Token:
             and all(
                 map(operator.is_, map(dict.get, map(_PARAMETERS, self.plain_mods), self.plain_attrs), self.plain_params)
             )
-            and tuple(map(_memory_of, self.plain_params)) == self.ptrs
+            and all(map(_IS_SET_TO, map(_local_of, self.plain_params), self.views))
             and not any_requires_grad(*self.frozen)
         )
 
@@ -648,9 +648,18 @@ class _Token:
 _PARAMETERS = operator.attrgetter("_parameters")  # a module's registry, read at each check (it may be replaced)
 
 
-def _memory_of(p: torch.Tensor) -> int:
-    """Where a parameter outside FSDP2 keeps its values (a tensor-parallel DTensor: its local tensor)."""
-    return getattr(p, "_local_tensor", p).data_ptr()
+def _local_of(p: torch.Tensor) -> torch.Tensor:
+    """What a parameter outside FSDP2 holds its values in (a tensor-parallel DTensor: its local tensor)."""
+    return getattr(p, "_local_tensor", p)
+
+
+def _view_of(p: torch.Tensor) -> torch.Tensor:
+    """A view of :func:`_local_of` taken at the reading: ``is_set_to`` against it sees the memory moved, or re-shaped
+    or re-strided over the same memory (``p.data = p.data[:k]``), which a data pointer alone does not."""
+    return _local_of(p).detach()
+
+
+_IS_SET_TO = torch.Tensor.is_set_to  # same storage, offset, sizes and strides: one C call
 
 
 class _LoadSeen:
