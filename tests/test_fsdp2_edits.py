@@ -292,6 +292,8 @@ PLAIN_ROOT = {
 REFUSED: dict[str, Callable[[nn.Module], Any]] = {
     **PLAIN_ROOT,
     "parameter added to the root": lambda m: setattr(m, "extra", nn.Parameter(torch.ones(2))),
+    "root submodule deleted": lambda m: delattr(m, "norm"),
+    "Linear deleted from the fully_shard-ed block": lambda m: m.block.__delitem__(2),
     "module added outside every fully_shard": lambda m: setattr(m, "head", nn.Linear(D, 2)),
     "parameter added inside the fully_shard-ed block": lambda m: setattr(
         m.block[0], "extra", nn.Parameter(torch.ones(2))
@@ -396,6 +398,12 @@ def test_submodule_replaced_or_renamed_after_the_first_read_is_read_again(outcom
             for name in ("parameter added to the root", "parameter added inside the fully_shard-ed block"):
                 extra = "'extra'" if "root" in name else "'block.0.extra'"
                 _refused(per_rank[f"{name}/{wrap}"], (rank, name), "TreeMismatchError", "not in state.emas[0]", extra)
+            # a submodule removed registers nothing; its parent's submodule count shows it (it was not seen: the EMA
+            # kept averaging the removed weights, under names the model no longer has)
+            out = per_rank[f"root submodule deleted/{wrap}"]
+            _refused(out, rank, "TreeMismatchError", "missing from shards: 'norm.bias', 'norm.weight'")
+            out = per_rank[f"Linear deleted from the fully_shard-ed block/{wrap}"]
+            _refused(out, rank, "TreeMismatchError", "missing from shards: 'block.2.bias', 'block.2.weight'")
             out = per_rank[f"module added outside every fully_shard/{wrap}"]
             _refused(out, rank, "TreeMismatchError", "not in state.emas[0]", "'head.bias', 'head.weight'")
             for old, new in (("block.0.weight", "trunk.0.weight"), ("norm.weight", "norm2.weight")):
