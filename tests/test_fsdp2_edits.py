@@ -388,6 +388,13 @@ def test_loads_retypes_freezes_and_gathered_states_keep_the_reference_ema(outcom
                 _right(per_rank[f"inside a forward, first read {where}/{wrap}"], (rank, where, wrap))
 
 
+_UNSHARDED = (
+    "parameter '{}' was sharded by fully_shard when the model was last read and is now a plain tensor: its module "
+    "was replaced after fully_shard, and FSDP2 neither shards the new one nor reduces its gradients over the ranks. "
+    "Call fully_shard on the new module before training it (or replace the module before fully_shard)"
+)
+
+
 def test_submodule_replaced_or_renamed_after_the_first_read_is_read_again(outcomes):
     """The reading stayed current after these edits (no local tensor of FSDP2's changed), and the EMA silently
     went on averaging the replaced module's weights, or kept the old names; now each is read again."""
@@ -418,13 +425,6 @@ def test_submodule_replaced_or_renamed_after_the_first_read_is_read_again(outcom
         _right(per_rank["root submodule replaced/False"], rank)
         _right(per_rank["root parameter replaced/False"], rank)
         _refused(per_rank["root submodule replaced/True"], rank, "RuntimeError", _UNSHARDED.format("norm.weight"))
-
-
-_UNSHARDED = (
-    "parameter '{}' was sharded by fully_shard when the model was last read and is now a plain tensor: its module "
-    "was replaced after fully_shard, and FSDP2 neither shards the new one nor reduces its gradients over the ranks. "
-    "Call fully_shard on the new module before training it (or replace the module before fully_shard)"
-)
 
 
 def test_a_tensor_set_over_an_fsdp2_parameter_is_refused_naming_it(outcomes):

@@ -104,7 +104,17 @@ def save_snapshot(
     tag = snapshot_tag(step) if tag is None else tag
     decays = [power(gamma=g) for g in gammas]
     return checkpoint._save(  # errors name save_snapshot (and its storage_options), not save
-        state, engine, snapshot_dir, tag, decays, None, None, None, True, storage_options, "save_snapshot"
+        state,
+        engine,
+        snapshot_dir,
+        tag,
+        decay=decays,
+        buffers=None,
+        extra=None,
+        timeout=None,
+        shared=True,
+        storage_options=storage_options,
+        what="save_snapshot",
     )
 
 

@@ -19,7 +19,7 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -278,6 +278,14 @@ def is_read(name: str, param: torch.Tensor, previous: Reading | None) -> bool:
     the reading is re-made for another reason; one frozen from the start is left out.
     """
     return param.requires_grad or (previous is not None and name in previous.params)
+
+
+def unmoved(tensors: Iterable[torch.Tensor], views: Iterable[torch.Tensor]) -> bool:
+    """Whether each tensor still has the storage, offset, sizes and strides of its view taken at a reading
+    (``t.detach()``): one ``Tensor.is_set_to`` C call each, which compares the storage's address without reading it.
+    Sees memory moved (``.to(...)``, ``p.data = new``) and memory re-shaped or re-strided in place (``p.data =
+    p.data[:k]``, a square ``p.data.t()``), which a data pointer alone does not."""
+    return all(map(torch.Tensor.is_set_to, tensors, views))
 
 
 try:  # one C loop over the tensors, stopping at the first that requires grad

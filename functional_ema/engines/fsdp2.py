@@ -73,6 +73,7 @@ from ._base import (
     is_read,
     parameters_put_back,
     swap_by_copy,
+    unmoved,
     warn_low_precision,
     world_of,
 )
@@ -643,7 +644,7 @@ class _Token:
             and all(
                 map(operator.is_, map(dict.get, map(_PARAMETERS, self.plain_mods), self.plain_attrs), self.plain_params)
             )
-            and all(map(_IS_SET_TO, map(_local_of, self.plain_params), self.views))
+            and unmoved(map(_local_of, self.plain_params), self.views)
             and not any_requires_grad(*self.frozen)
             and tuple(map(len, self.parents)) == self.child_counts
         )
@@ -664,12 +665,8 @@ def _local_of(p: torch.Tensor) -> torch.Tensor:
 
 
 def _view_of(p: torch.Tensor) -> torch.Tensor:
-    """A view of :func:`_local_of` taken at the reading: ``is_set_to`` against it sees the memory moved, or re-shaped
-    or re-strided over the same memory (``p.data = p.data[:k]``), which a data pointer alone does not."""
+    """A view of :func:`_local_of` taken at the reading, for ``_base.unmoved``."""
     return _local_of(p).detach()
-
-
-_IS_SET_TO = torch.Tensor.is_set_to  # same storage, offset, sizes and strides: one C call
 
 
 class _LoadSeen:

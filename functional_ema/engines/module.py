@@ -16,23 +16,19 @@ import torch.distributed as dist
 
 from .._layout import ShardLayout, ShardSpec
 from .._shards import shards_from_views
-from ._base import Adapter, Reading, any_requires_grad, is_read, warn_low_precision, world_of
+from ._base import Adapter, Reading, any_requires_grad, is_read, unmoved, warn_low_precision, world_of
 
 __all__ = ["ModuleAdapter", "is_ddp", "flatten_parameters"]
-
-# One C call per parameter: the same storage, offset, sizes and strides as the view taken at the reading.
-_is_set_to = torch.Tensor.is_set_to
 
 
 class _Check(NamedTuple):
     """What a plain module's reading depends on, gathered once so re-checking needs no tree walk."""
 
     trained: tuple  # the parameters read
-    # A view of each, taken at the reading (``p.detach()``: same storage, offset, sizes, strides), compared with
-    # ``is_set_to``: the memory moved (``module.to(...)``, ``p.data = new``), or was re-shaped or re-strided over
-    # the same memory (``p.data = p.data[:k]``, ``.reshape(...)``, a square ``.t()``), and the reading's views
-    # would go on averaging the old extent or layout. One call that compares pointers (no deeper read of the
-    # storage) measured cheaper cold than the data pointer and ``size()`` passes it replaced (docs/performance.md).
+    # A view of each, taken at the reading (``p.detach()``), for ``_base.unmoved``: the memory moved or was re-shaped
+    # or re-strided in place, and the reading's views would go on averaging the old extent or layout. (One
+    # ``is_set_to`` a parameter measured cheaper cold than the data pointer and ``size()`` passes it replaced;
+    # docs/performance.md.)
     views: tuple
     # Every parameter registration of every module (`_parameters` dict, its own key object, the value held):
     # the trained ones, but also tied aliases, frozen ones and `None` entries, since replacing any of those
@@ -82,7 +78,7 @@ class _Check(NamedTuple):
     def current(self) -> bool:
         """Whether nothing the reading depends on changed; a few C-level passes over tuples, no tree walk."""
         return (
-            all(map(_is_set_to, self.trained, self.views))
+            unmoved(self.trained, self.views)
             and all(map(operator.is_, map(dict.get, self.registries, self.keys), self.values))
             and not any_requires_grad(*self.frozen)
             and sum(map(len, self.dicts)) == self.count
@@ -113,13 +109,12 @@ class ModuleAdapter(Adapter):
         return out
 
     def _is_current(self, reading: Reading) -> bool:
-        # What could make the reading stale, each checked without walking the module tree (a
-        # walk costs milliseconds for a few hundred parameters): a parameter's memory moved
-        # (module.to(...), load_state_dict(assign=True)) or its shape or strides changed over the same
-        # memory (p.data = p.data[:k], a square p.data.t()); any parameter registration was replaced (a trained one, a tied
-        # alias untied, a frozen one, a None bias set); one left out as frozen was unfrozen; a
-        # parameter or submodule was added, removed, replaced (model.head = new_head, or PEFT
-        # wrapping a layer) or renamed anywhere.
+        # What could make the reading stale, each checked without walking the module tree (a walk costs
+        # milliseconds for a few hundred parameters): a parameter's memory moved (module.to(...),
+        # load_state_dict(assign=True)) or its shape or strides changed over the same memory (p.data =
+        # p.data[:k], a square p.data.t()); any parameter registration was replaced (a trained one, a tied
+        # alias untied, a frozen one, a None bias set); one left out as frozen was unfrozen; a parameter or
+        # submodule was added, removed, replaced (model.head = new_head, or PEFT wrapping a layer) or renamed.
         # (Freezing a parameter read changes nothing: see _base.is_read.)
         return reading.token.current()
 
