@@ -287,16 +287,19 @@ def _changed(changes: list[str]) -> str:
     return f"made {len(changes)} change(s) to the parameters or buffers: {shown}"
 
 
+_SWAPPED_WHY = (
+    "inside fe.swapped(...) the model computes with EMA weights, which are for evaluation; a gradient or "
+    "optimizer step taken there would train the EMA copy (or be thrown away) while the optimizer state and "
+    "step counter advance. Leave the block before training"
+)
+
+
 @contextlib.contextmanager
-def _refuse_training(adapter: Adapter, reading: Reading) -> Iterator[None]:
-    """Refuse backward and optimizer steps while EMA weights are swapped in."""
+def _refuse_training(adapter: Adapter, reading: Reading, why: str = _SWAPPED_WHY) -> Iterator[None]:
+    """Refuse backward and optimizer steps (:class:`SwappedTrainingError`, the message ending with ``why``) while
+    EMA weights are swapped in, or while the model must not train for another reason."""
     module = adapter.module()
     target = adapter.target
-    why = (
-        "inside fe.swapped(...) the model computes with EMA weights, which are for evaluation; a gradient or "
-        "optimizer step taken there would train the EMA copy (or be thrown away) while the optimizer state and "
-        "step counter advance. Leave the block before training"
-    )
 
     def refuse_backward(_grad: torch.Tensor) -> NoReturn:
         raise SwappedTrainingError(f"backward through a forward made {why}")

@@ -317,6 +317,189 @@ def test_arguments_refused_where_they_enter():
         loose.step([torch.ones(2)])
 
 
+def _scripted_pair(seed: int, kwargs: dict) -> tuple:
+    """A small model, a twin trained identically, and an EMA of each: ours over the model, diffusers' over
+    the twin, both started from one copy (the script's ``ema_unet``)."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+    if seed % 3 == 0:
+        model[1].weight.requires_grad_(False)  # frozen from the start
+    twin, start = copy.deepcopy(model), copy.deepcopy(model)
+    ours = EMAModel(copy.deepcopy(start).parameters(), **kwargs)
+    return model, twin, ours, DiffusersEMA(start.parameters(), **kwargs)
+
+
+def _agree(what: str, model, twin, ours, theirs) -> None:
+    """Ours and diffusers' EMA agree: the shadows within fp32 rounding, the decays and steps exactly, and the
+    models bitwise (within rounding while each holds its EMA)."""
+    for i, (a, b) in enumerate(zip(ours.shadow_params, theirs.shadow_params, strict=True)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (what, i, (a - b).abs().max().item())
+    assert (ours.optimization_step, ours.cur_decay_value) == (theirs.optimization_step, theirs.cur_decay_value), what
+    same = torch.equal if what != "inside the swap" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert all(same(p, q) for p, q in zip(model.parameters(), twin.parameters())), what
+
+
+def _scripted_run(seed: int) -> list[str]:
+    """One seeded sequence of 25 calls as diffusers scripts and their forks make them, on both EMAs, compared
+    after each call. Returns the calls made."""
+    import random
+
+    rng = random.Random(seed)
+    kwargs = {
+        "decay": rng.choice([0.9, 0.5, 0.999]),
+        "update_after_step": rng.choice([0, 2]),
+        "use_ema_warmup": rng.random() < 0.5,
+        "power": rng.choice([2 / 3, 0.75]),
+        "inv_gamma": rng.choice([1.0, 2.0]),
+        "min_decay": rng.choice([0.0, 0.1]),
+    }
+    model, twin, ours, theirs = _scripted_pair(seed, kwargs)
+    start = copy.deepcopy(model)
+    still: set[int] = set()  # unfrozen just now: kept still until the next step (see the unfreezing test)
+    calls: list[str] = []
+
+    def train() -> None:
+        with torch.no_grad():
+            for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
+                if p.requires_grad and i not in still:
+                    d = torch.randn_like(p)
+                    p.add_(d), q.add_(d)
+        still.clear()
+
+    for _ in range(25):
+        call = rng.choice(["step"] * 6 + ["validate", "copy_other", "resume", "set_step", "freeze", "to", "decay"])
+        calls.append(call)
+        if call == "step":
+            train()
+            ours.step(model.parameters()), theirs.step(twin.parameters())
+        elif call == "validate":  # store, copy_to, (validation), restore on the trained model
+            ours.store(model.parameters()), theirs.store(twin.parameters())
+            ours.copy_to(model.parameters()), theirs.copy_to(twin.parameters())
+            _agree("inside the swap", model, twin, ours, theirs)
+            ours.restore(model.parameters()), theirs.restore(twin.parameters())
+        elif call == "copy_other":
+            a, b = copy.deepcopy(start), copy.deepcopy(start)
+            ours.copy_to(a.parameters()), theirs.copy_to(b.parameters())
+            assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(a.parameters(), b.parameters()))
+        elif call == "resume":  # the script's hooks: state_dict saved, loaded back
+            mine, want = ours.state_dict(), theirs.state_dict()
+            assert {k: v for k, v in mine.items() if k != "shadow_params"} == {
+                k: v for k, v in want.items() if k != "shadow_params"
+            }
+            ours.load_state_dict(mine), theirs.load_state_dict(want)
+        elif call == "set_step":  # train_unconditional.py on resume; forks after every step (also backwards)
+            ours.optimization_step = theirs.optimization_step = rng.choice(
+                [0, 3, 10, ours.optimization_step + 5, max(0, ours.optimization_step - 2)]
+            )
+        elif call == "freeze":
+            i, flag = rng.randrange(len(list(model.parameters()))), rng.random() < 0.5
+            p, q = list(model.parameters())[i], list(twin.parameters())[i]
+            if flag and not p.requires_grad:
+                still.add(i)
+            p.requires_grad_(flag), q.requires_grad_(flag)
+        elif call == "to":
+            ours.to("cpu"), theirs.to("cpu")
+        else:
+            ours.decay = theirs.decay = rng.choice([0.9, 0.99])
+            s = rng.randrange(50)
+            assert ours.get_decay(s) == theirs.get_decay(s), s
+        _agree(call, model, twin, ours, theirs)
+    return calls
+
+
+def test_call_sequences_agree_with_diffusers():
+    """40 seeded sequences of 25 calls (steps, validation swaps, copies into another model, resumes through
+    state_dict, optimization_step set by hand, freezing and unfreezing, moves, settings changed between
+    steps): after every call, ours agrees with diffusers' EMAModel fed the same calls (the shadows within
+    fp32 rounding, decays and steps exactly, the models bitwise)."""
+    kinds: set[str] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' deprecations and ours for unfreezing (tested below)
+        for seed in range(40):
+            kinds.update(_scripted_run(seed))
+    assert kinds == {"step", "validate", "copy_other", "resume", "set_step", "freeze", "to", "decay"}
+
+
+def test_optimization_step_set_by_hand_applies_one_decay():
+    """diffusers' train_unconditional.py sets ``ema_model.optimization_step = global_step`` when it resumes, and
+    forks set it after every step: the next step applies ``get_decay(optimization_step + 1)`` once, as
+    diffusers does (before, the decay was compounded over the skipped steps, and a step set backwards was
+    refused naming an update() the script never called)."""
+    for kwargs in ({"decay": 0.9}, {"decay": 0.999, "use_ema_warmup": True}):
+        model, twin, ours, theirs = _scripted_pair(1, kwargs)
+        for set_to in (None, 50, 52, 2, 0):
+            if set_to is not None:
+                ours.optimization_step = theirs.optimization_step = set_to
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), twin.parameters()):
+                    d = torch.randn_like(p)
+                    p.add_(d), q.add_(d)
+            ours.step(model.parameters()), theirs.step(twin.parameters())
+            assert ours.cur_decay_value == theirs.get_decay(ours.optimization_step)
+            _agree(f"after setting {set_to}", model, twin, ours, theirs)
+        assert ours.state is not None and int(ours.state.step) == ours.optimization_step == 1
+
+
+def test_training_between_store_and_restore_is_refused():
+    """diffusers' restore() undoes the training done since store(); ours keeps no copy (the EMA is swapped in,
+    not copied), so training between them is refused, naming restore(), before anything changes: an optimizer
+    step, a backward, EMAModel.step. After restore() training goes on as if store() had not been called."""
+    import functional_ema as fe
+
+    model, _, ours, _ = _scripted_pair(2, {"decay": 0.9})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    ours.step(model.parameters())
+    ema, live = [t.clone() for t in ours.shadow_params], [p.detach().clone() for p in model.parameters()]
+    ours.store(model.parameters())
+    with pytest.raises(fe.SwappedTrainingError, match=r"store\(parameters\) and restore\(parameters\)"):
+        model(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(fe.SwappedTrainingError, match=r"Call restore\(parameters\) first"):
+        opt.step()
+    with pytest.raises(RuntimeError, match=r"EMAModel.step: training between EMAModel.store"):
+        ours.step(model.parameters())
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), live))
+    assert all(torch.equal(a, b) for a, b in zip(ours.shadow_params, ema)) and ours.optimization_step == 1
+    ours.store(model.parameters())  # twice: still one guard, left by one restore
+    ours.restore(model.parameters())
+    opt.step()
+    ours.step(model.parameters())
+    assert ours.optimization_step == 2
+    other = copy.deepcopy(model)
+    ours.store(other.parameters())  # another model: diffusers' copy, training is not refused
+    opt.step()
+    ours.restore(other.parameters())
+
+
+def test_parameter_unfrozen_after_the_first_step_joins_the_ema():
+    """A parameter frozen at the first step (its own EMA here, copied at every step by diffusers) and trained
+    later joins the EMA, from its current value, with a warning naming it; every method sees it (before,
+    step refused the state with a TreeMismatchError and the others with a StateMismatchError). Unfrozen and
+    stepped before it moves, the EMA is diffusers'; moved first, it differs by that move (the warning says so)."""
+    model, twin, ours, theirs = _scripted_pair(3, {"decay": 0.9})  # seed % 3 == 0: model[1].weight frozen
+    assert not model[1].weight.requires_grad
+    ours.step(model.parameters()), theirs.step(twin.parameters())
+    for m in (model, twin):
+        m[1].weight.requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"\['1.weight'\] were frozen when the EMA started"):
+        _agree("shadow_params after unfreezing", model, twin, ours, theirs)
+    for _ in range(3):
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), twin.parameters()):
+                d = torch.randn_like(p)
+                p.add_(d), q.add_(d)
+        ours.step(model.parameters()), theirs.step(twin.parameters())
+        _agree("steps after unfreezing", model, twin, ours, theirs)
+    assert "1.weight" in ours.state.emas[0]
+
+
 # ------------------------------------------------------------------------------------------ ranks
 
 

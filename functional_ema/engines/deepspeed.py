@@ -192,9 +192,10 @@ class DeepSpeedAdapter(Adapter):
 
     @contextlib.contextmanager
     def refuse_training(self, why: str) -> Iterator[None]:
-        """``engine.backward`` / ``engine.step`` refused (instance attributes shadowing the methods)."""
+        """``engine.backward`` / ``engine.step`` refused (instance attributes shadowing the methods). Nested
+        refusals (``EMAModel.store`` around a swap) each put back what they found."""
         engine = self.target
-        patched = []
+        found: dict[str, Any] = {}  # verb -> the instance attribute it had (None: none)
         for verb in ("backward", "step", "train_batch"):  # train_batch: a PipelineEngine's whole step
             if not callable(getattr(engine, verb, None)):
                 continue
@@ -202,13 +203,16 @@ class DeepSpeedAdapter(Adapter):
             def refuse(*_a: Any, _verb: str = verb, **_k: Any) -> NoReturn:
                 raise SwappedTrainingError(f"engine.{_verb}() {why}")
 
+            found[verb] = engine.__dict__.get(verb)
             engine.__dict__[verb] = refuse
-            patched.append(verb)
         try:
             yield
         finally:
-            for verb in patched:
-                engine.__dict__.pop(verb, None)
+            for verb, before in found.items():
+                if before is None:
+                    engine.__dict__.pop(verb, None)
+                else:
+                    engine.__dict__[verb] = before
 
     def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
         """The fp32 masters, and the 16-bit copies the forward uses: ZeRO-3's partitions (the gathered

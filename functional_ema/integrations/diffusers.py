@@ -31,6 +31,9 @@ What differs from diffusers' class, and why:
   rank alone fails after the library's timeout (``FUNCTIONAL_EMA_TIMEOUT``) naming this.
 * ``shadow_params`` under sharding is refused (each rank holds only its pieces): ``state_dict()``
   gathers them, ``save_pretrained`` writes them, :attr:`EMAModel.state` is this rank's state.
+* Training between ``store`` and ``restore`` of the trained model is refused: diffusers' ``restore`` undoes
+  it, and this one keeps no copy to undo it with. A parameter frozen at the first step and trained later
+  joins the EMA from its current value (diffusers: from its value at the step before), with a warning.
 * Arguments are checked where they enter (``TypeError`` / ``ValueError`` naming the argument);
   unknown keyword arguments are refused instead of ignored; ``update_after_step < 0`` is refused; the
   EMA stays fp32 (``to(dtype=...)`` with another dtype is refused).
@@ -54,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 import functional_ema as fe
-from functional_ema._api import state_pieces
+from functional_ema._api import _refuse_training, state_pieces
 from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
 from functional_ema._checkpoint.collective import Job, arrive, job_of
 from functional_ema._selection import SelectionLike, make_selection
@@ -70,6 +73,11 @@ __all__ = ["EMAModel"]
 FIELDS = ("decay", "min_decay", "optimization_step", "update_after_step", "use_ema_warmup", "inv_gamma", "power")
 _DEPRECATED = ("max_value", "min_value", "device")
 _PARAMETERS_CODE = torch.nn.Module.parameters.__code__
+_STORED_WHY = (
+    "between EMAModel.store(parameters) and restore(parameters) of the trained model: store() keeps no copy "
+    "of its weights (restore() leaves them as they are then), so training there would not be undone by "
+    "restore() as diffusers' EMAModel undoes it. Call restore(parameters) first"
+)
 
 
 # ------------------------------------------------------------------------------------------ argument checks
@@ -383,7 +391,8 @@ class EMAModel:
     _state: fe.EmaState | None
     _device: torch.device | None
     _pin: bool
-    _stored: bool
+    _counted: int
+    _stored: contextlib.ExitStack | None
     _swap: contextlib.ExitStack | None
     _warmup: tuple[tuple[float, float, float, float, int], fe.schedules.Schedule] | None
 
@@ -447,7 +456,8 @@ class EMAModel:
         self._names = []
         self._state = None
         self._device, self._pin = device, False
-        self._stored = False  # store() was given the trained model: restore() leaves the swap
+        self._counted = 0  # the state's step counter, as last set here (see step)
+        self._stored = None  # store() was given the trained model: training refused until restore()
         self._swap = None  # copy_to() after store(): the EMA swapped in
         self._warmup = None  # (settings, fe.schedules.warmup of them)
 
@@ -481,6 +491,38 @@ class EMAModel:
         if self._pending is not None:
             _fill(state, reading.layout, names, self._pending)
         self._x, self._positions, self._names, self._state, self._pending = x, positions, names, state, None
+        self._counted = step
+
+    def _grow(self) -> None:
+        """Add to the state the parameters that were frozen at the first step and are trained now, each starting
+        from its current value (diffusers averages every position, frozen or not); leave it as it is when the
+        model differs from it otherwise (the verbs then refuse it, naming the parameter). Before any method reads
+        the state against the model."""
+        if self._state is None:
+            return
+        reading = select(adapter_for(self._x).read(), self._selection)
+        shards, have = reading.shards, self._state.emas[0]
+        if not isinstance(have, fe.Shards) or have.index == shards.index:
+            return
+        old, new = set(have.index.names), shards.index.names
+        added = [n for n in new if n not in old]
+        by_id = {id(p): n for n, p in reading.params.items()}
+        names = [by_id.get(id(p)) for p in self._positions]
+        was_frozen = {n for n, m in zip(names, self._names) if m is None and n is not None}
+        if not added or not old <= set(new) or not set(added) <= was_frozen:
+            return
+        grown = fe.init_ema(shards, device=self._device, pin_memory=self._pin, step=self._counted)
+        with torch.no_grad():
+            for n, t in have.items():
+                grown.emas[0][n].copy_(t)
+        warnings.warn(
+            f"EMAModel.step: {added} were frozen when the EMA started and are trained now; their EMA starts from "
+            "their current values (diffusers' EMAModel, which copies frozen parameters at every step, from their "
+            "values at the step before)",
+            UserWarning,
+            stacklevel=3,
+        )
+        self._names, self._state = names, grown
 
     def _job(self, verb: str) -> Job:
         """The ranks that hold this EMA together, once every one of them has called ``verb`` (a bounded wait:
@@ -495,6 +537,7 @@ class EMAModel:
         (``None``: every rank); ``None`` on the others. Collective when the EMA is sharded."""
         if self._x is None or self._state is None:
             return list(self._pending or [])  # the starting values, whole on every rank
+        self._grow()
         job = self._job(verb)
         full = fe.gather_full(self._state, self._x, dst=dst)
         frozen = {i: _live_full(p) for i, (n, p) in enumerate(zip(self._names, self._positions)) if n is None}
@@ -512,6 +555,7 @@ class EMAModel:
         """Whether ``params`` are the trained model's (binding to it first when they are partitioned)."""
         if self._x is not None:
             if self._is_model(params):
+                self._grow()
                 return True
             if any(_sharded(p) for p in params):
                 raise ValueError(
@@ -555,6 +599,8 @@ class EMAModel:
         start is its own EMA. No communication."""
         params, hint = _take(parameters, "parameters")
         self._no_swap("step")
+        if self._stored is not None:
+            raise RuntimeError(f"EMAModel.step: training {_STORED_WHY}")
         if self._x is None:
             self._bind(params, hint, "step")
         elif not self._is_model(params):
@@ -565,12 +611,16 @@ class EMAModel:
         assert self._state is not None
         step = check_int(self.optimization_step, "optimization_step") + 1
         decay = self.get_decay(step)
+        self._grow()
+        state = self._state
         shards = select(adapter_for(self._x).read(), self._selection).shards
-        state = fe.update(self._state, shards, step, decay=float(decay))
+        if self._counted != step - 1:  # optimization_step set by hand (scripts do, on resume): one decay, as diffusers
+            state.step.fill_(step - 1)
+        state = fe.update(state, shards, step, decay=float(decay))
         for n, p in zip(self._names, self._positions):
             if n is not None and not p.requires_grad:  # frozen since: diffusers copies it
                 state.emas[0][n].copy_(shards[n])
-        self._state, self.optimization_step, self.cur_decay_value = state, step, decay
+        self._state, self.optimization_step, self.cur_decay_value, self._counted = state, step, decay, step
 
     # ------------------------------------------------------------------------ evaluation swap
 
@@ -580,9 +630,21 @@ class EMAModel:
         params, hint = _take(parameters, "parameters")
         self._no_swap("store")
         if self._trained(params, hint, "store"):
-            self._stored, self.temp_stored_params = True, None
+            if self._stored is None:  # training refused until restore(), which does not undo it here
+                assert self._state is not None
+                adapter = adapter_for(self._x)
+                stored = contextlib.ExitStack()
+                stored.enter_context(_refuse_training(adapter, read_for(adapter, self._state), _STORED_WHY))
+                self._stored = stored
+            self.temp_stored_params = None
         else:
-            self._stored, self.temp_stored_params = False, [p.detach().cpu().clone() for p in params]
+            self._leave_stored()
+            self.temp_stored_params = [p.detach().cpu().clone() for p in params]
+
+    def _leave_stored(self) -> None:
+        stored, self._stored = self._stored, None
+        if stored is not None:
+            stored.close()
 
     def copy_to(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Put the EMA into ``parameters``.
@@ -600,7 +662,7 @@ class EMAModel:
                 return  # already in
             assert self._state is not None
             job = self._job("copy_to")
-            if self._stored:
+            if self._stored is not None:
                 stack = contextlib.ExitStack()
                 stack.enter_context(fe.swapped(self._x, self._state))
                 self._swap = stack
@@ -619,12 +681,13 @@ class EMAModel:
         """Bring back the weights :meth:`store` kept: leave the swap (the trained model; bitwise as before), or
         copy the stored CPU copy back (another model)."""
         params, _ = _take(parameters, "parameters")
-        if self._stored or self._swap is not None:
+        if self._stored is not None or self._swap is not None:
             if not self._is_model(params):
                 raise ValueError("EMAModel.restore: pass the parameters given to store() (the trained model's)")
-            stack, self._swap, self._stored = self._swap, None, False
+            stack, self._swap = self._swap, None
             if stack is not None:
                 stack.close()
+            self._leave_stored()
             return
         if self.temp_stored_params is None:
             raise RuntimeError("This ExponentialMovingAverage has no `store()`ed weights to `restore()`")
@@ -691,6 +754,7 @@ class EMAModel:
             raise ValueError(f"state_dict has unknown key(s) {unknown}; EMAModel's hold {[*FIELDS, 'shadow_params']}")
         fields = _check_fields({f: sd.get(f, getattr(self, f)) for f in FIELDS}, lambda f: f"state_dict[{f!r}]")
         self._no_swap("load_state_dict")
+        self._grow()
         values = self._checked_shadow(sd.get("shadow_params"))
         if values is not None and self._state is not None:
             _fill(self._state, adapter_for(self._x).read().layout, self._names, values)
@@ -700,6 +764,7 @@ class EMAModel:
             setattr(self, f, v)
         if self._state is not None:
             self._state.step.fill_(fields["optimization_step"])
+            self._counted = fields["optimization_step"]
 
     def _checked_shadow(self, shadow: Any) -> list[torch.Tensor] | None:
         if shadow is None:
@@ -732,6 +797,7 @@ class EMAModel:
         if device is None:
             return
         self._device = device
+        self._grow()
         if self._state is not None:
             self._state = _moved(self._state, self._x, device, self._pin, non_blocking)
 
@@ -739,6 +805,7 @@ class EMAModel:
         """Keep this rank's EMA in pinned CPU memory (where CUDA is; plain CPU memory otherwise)."""
         self._no_swap("pin_memory")
         self._device, self._pin = torch.device("cpu"), True
+        self._grow()
         if self._state is not None:
             self._state = _moved(self._state, self._x, torch.device("cpu"), True, False)
 
@@ -755,6 +822,7 @@ class EMAModel:
         model every rank holds whole (DDP, one process). Refused when sharded (each rank holds its pieces)."""
         if self._x is None or self._state is None:
             return list(self._pending or [])
+        self._grow()
         if adapter_for(self._x).read().layout.world_size > 1:
             raise RuntimeError(
                 "EMAModel.shadow_params: the EMA is sharded over the ranks (each holds its pieces); use state_dict() "
