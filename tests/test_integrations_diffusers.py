@@ -318,32 +318,104 @@ def test_arguments_refused_where_they_enter():
 
 
 def _scripted_pair(seed: int, kwargs: dict) -> tuple:
-    """A small model, a twin trained identically, and an EMA of each: ours over the model, diffusers' over
-    the twin, both started from one copy (the script's ``ema_unet``)."""
+    """A small diffusers model, a twin trained identically, and an EMA of each: ours over the model, diffusers'
+    over the twin, both started from one copy (the script's ``ema_unet``)."""
     from diffusers.training_utils import EMAModel as DiffusersEMA
 
     from functional_ema.integrations.diffusers import EMAModel
 
+    net_cls = tiny_net_class()
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+    model = net_cls()
     if seed % 3 == 0:
-        model[1].weight.requires_grad_(False)  # frozen from the start
+        model.frozen.bias.requires_grad_(False)  # frozen from the start
     twin, start = copy.deepcopy(model), copy.deepcopy(model)
+    kwargs = {"model_cls": net_cls, "model_config": start.config, **kwargs}
     ours = EMAModel(copy.deepcopy(start).parameters(), **kwargs)
     return model, twin, ours, DiffusersEMA(start.parameters(), **kwargs)
 
 
-def _agree(what: str, model, twin, ours, theirs) -> None:
-    """Ours and diffusers' EMA agree: the shadows within fp32 rounding, the decays and steps exactly, and the
-    models bitwise (within rounding while each holds its EMA)."""
+def _agree(what: str, model, twin, ours, theirs, exact: bool = True) -> None:
+    """Ours and diffusers' EMA agree: the shadows within fp32 rounding, the settings, decays and steps exactly,
+    and the models bitwise (within rounding while each holds its EMA, or once each copied its EMA in)."""
+    from functional_ema.integrations.diffusers import FIELDS
+
     for i, (a, b) in enumerate(zip(ours.shadow_params, theirs.shadow_params, strict=True)):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (what, i, (a - b).abs().max().item())
-    assert (ours.optimization_step, ours.cur_decay_value) == (theirs.optimization_step, theirs.cur_decay_value), what
-    same = torch.equal if what != "inside the swap" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (what, i, (a - b).abs().max().item())
+    for f in ("optimization_step", "cur_decay_value", *FIELDS):
+        assert getattr(ours, f) == getattr(theirs, f), (what, f)
+    same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     assert all(same(p, q) for p, q in zip(model.parameters(), twin.parameters())), what
 
 
-def _scripted_run(seed: int) -> list[str]:
+SCRIPT_CALLS = ("step",) * 6 + (  # the calls of the sequences, steps the most frequent
+    "module_step",
+    "freeze",
+    "validate",
+    "copy_other",
+    "resume",
+    "save_load",
+    "set_step",
+    "set_setting",
+    "to",
+    "final_copy",
+)
+SETTINGS_BY_HAND = {  # what scripts set between steps, and the values tried
+    "decay": (0.9, 0.99),
+    "update_after_step": (0, 3),
+    "use_ema_warmup": (False, True),
+    "min_decay": (0.0, 0.2),
+    "power": (0.5, 0.75),
+    "inv_gamma": (1.0, 3.0),
+}
+
+
+def _scripted_call(call: str, rng, both: tuple, start, folder: Path) -> bool:
+    """Make ``call`` on both EMAs (``both``: model, twin, ours, theirs); returns whether the models now hold
+    values that differ by rounding (each copied its own EMA in for good)."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    model, twin, ours, theirs = both
+    if call == "validate":  # store, copy_to, (validation), restore on the trained model
+        ours.store(model.parameters()), theirs.store(twin.parameters())
+        ours.copy_to(model.parameters()), theirs.copy_to(twin.parameters())
+        _agree("inside the swap", *both, exact=False)
+        ours.restore(model.parameters()), theirs.restore(twin.parameters())
+    elif call == "copy_other":
+        a, b = copy.deepcopy(start), copy.deepcopy(start)
+        ours.copy_to(a.parameters()), theirs.copy_to(b.parameters())
+        assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-5) for p, q in zip(a.parameters(), b.parameters()))
+    elif call == "resume":  # the script's hooks through state_dict (each its own, or each the other's)
+        mine, want = ours.state_dict(), theirs.state_dict()
+        assert {k: v for k, v in mine.items() if k != "shadow_params"} == {
+            k: v for k, v in want.items() if k != "shadow_params"
+        }
+        crossed = rng.random() < 0.5
+        ours.load_state_dict(want if crossed else mine), theirs.load_state_dict(mine if crossed else want)
+    elif call == "save_load":  # the script's hooks through save_pretrained / from_pretrained
+        ours.save_pretrained(folder / "ours"), theirs.save_pretrained(str(folder / "theirs"))
+        ours.load_state_dict(EMAModel.from_pretrained(folder / "ours", type(start)).state_dict())
+        theirs.load_state_dict(DiffusersEMA.from_pretrained(str(folder / "theirs"), type(start)).state_dict())
+    elif call == "set_step":  # train_unconditional.py on resume; forks after every step (also backwards)
+        ours.optimization_step = theirs.optimization_step = rng.choice(
+            [0, 3, 10, ours.optimization_step + 5, max(0, ours.optimization_step - 2)]
+        )
+    elif call == "set_setting":
+        field = rng.choice(sorted(SETTINGS_BY_HAND))
+        value = rng.choice(SETTINGS_BY_HAND[field])
+        setattr(ours, field, value), setattr(theirs, field, value)
+    elif call == "to":
+        ours.to("cpu"), theirs.to("cpu")
+        ours.pin_memory()  # diffusers' needs an accelerator
+    elif call == "final_copy":  # end of training: the EMA into the trained model for good
+        ours.copy_to(model.parameters()), theirs.copy_to(twin.parameters())
+        return True
+    return False
+
+
+def _scripted_run(seed: int, folder: Path) -> list[str]:
     """One seeded sequence of 25 calls as diffusers scripts and their forks make them, on both EMAs, compared
     after each call. Returns the calls made."""
     import random
@@ -356,72 +428,58 @@ def _scripted_run(seed: int) -> list[str]:
         "power": rng.choice([2 / 3, 0.75]),
         "inv_gamma": rng.choice([1.0, 2.0]),
         "min_decay": rng.choice([0.0, 0.1]),
+        "foreach": rng.random() < 0.5,
     }
-    model, twin, ours, theirs = _scripted_pair(seed, kwargs)
-    start = copy.deepcopy(model)
+    both = _scripted_pair(seed, kwargs)
+    model, twin, ours, theirs = both
+    start, exact = copy.deepcopy(model), True
     still: set[int] = set()  # unfrozen just now: kept still until the next step (see the unfreezing test)
     calls: list[str] = []
-
-    def train() -> None:
-        with torch.no_grad():
-            for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
-                if p.requires_grad and i not in still:
-                    d = torch.randn_like(p)
-                    p.add_(d), q.add_(d)
-        still.clear()
-
     for _ in range(25):
-        call = rng.choice(["step"] * 6 + ["validate", "copy_other", "resume", "set_step", "freeze", "to", "decay"])
+        call = rng.choice(SCRIPT_CALLS)
         calls.append(call)
-        if call == "step":
-            train()
-            ours.step(model.parameters()), theirs.step(twin.parameters())
-        elif call == "validate":  # store, copy_to, (validation), restore on the trained model
-            ours.store(model.parameters()), theirs.store(twin.parameters())
-            ours.copy_to(model.parameters()), theirs.copy_to(twin.parameters())
-            _agree("inside the swap", model, twin, ours, theirs)
-            ours.restore(model.parameters()), theirs.restore(twin.parameters())
-        elif call == "copy_other":
-            a, b = copy.deepcopy(start), copy.deepcopy(start)
-            ours.copy_to(a.parameters()), theirs.copy_to(b.parameters())
-            assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(a.parameters(), b.parameters()))
-        elif call == "resume":  # the script's hooks: state_dict saved, loaded back
-            mine, want = ours.state_dict(), theirs.state_dict()
-            assert {k: v for k, v in mine.items() if k != "shadow_params"} == {
-                k: v for k, v in want.items() if k != "shadow_params"
-            }
-            ours.load_state_dict(mine), theirs.load_state_dict(want)
-        elif call == "set_step":  # train_unconditional.py on resume; forks after every step (also backwards)
-            ours.optimization_step = theirs.optimization_step = rng.choice(
-                [0, 3, 10, ours.optimization_step + 5, max(0, ours.optimization_step - 2)]
-            )
+        if call in ("step", "module_step"):
+            with torch.no_grad():
+                for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
+                    if p.requires_grad and i not in still:
+                        d = torch.randn_like(p)
+                        p.add_(d), q.add_(d)
+            still.clear()
+            if call == "step":
+                ours.step(model.parameters()), theirs.step(twin.parameters())
+            else:  # a module, deprecated in diffusers
+                ours.step(model), theirs.step(twin)
         elif call == "freeze":
             i, flag = rng.randrange(len(list(model.parameters()))), rng.random() < 0.5
             p, q = list(model.parameters())[i], list(twin.parameters())[i]
             if flag and not p.requires_grad:
                 still.add(i)
             p.requires_grad_(flag), q.requires_grad_(flag)
-        elif call == "to":
-            ours.to("cpu"), theirs.to("cpu")
         else:
-            ours.decay = theirs.decay = rng.choice([0.9, 0.99])
-            s = rng.randrange(50)
-            assert ours.get_decay(s) == theirs.get_decay(s), s
-        _agree(call, model, twin, ours, theirs)
+            exact &= not _scripted_call(call, rng, both, start, folder)
+        _agree(call, *both, exact=exact)
     return calls
 
 
-def test_call_sequences_agree_with_diffusers():
-    """40 seeded sequences of 25 calls (steps, validation swaps, copies into another model, resumes through
-    state_dict, optimization_step set by hand, freezing and unfreezing, moves, settings changed between
-    steps): after every call, ours agrees with diffusers' EMAModel fed the same calls (the shadows within
-    fp32 rounding, decays and steps exactly, the models bitwise)."""
+def test_call_sequences_agree_with_diffusers(tmp_path):
+    """40 seeded sequences of 25 calls (steps, with parameters or the module; validation swaps; copies into
+    another model; resumes through state_dict, each its own or the other's, and through save_pretrained /
+    from_pretrained; optimization_step and the settings set by hand; freezing and unfreezing; moves; the
+    end-of-training copy_to): after every call, ours agrees with diffusers' EMAModel fed the same calls (the
+    shadows within fp32 rounding, settings, decays and steps exactly, the models bitwise)."""
+    from diffusers.utils import logging as diffusers_logging
+
     kinds: set[str] = set()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # diffusers' deprecations and ours for unfreezing (tested below)
-        for seed in range(40):
-            kinds.update(_scripted_run(seed))
-    assert kinds == {"step", "validate", "copy_other", "resume", "set_step", "freeze", "to", "decay"}
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # from_pretrained names the EMA's settings in the config, each time
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # diffusers' deprecations and ours for unfreezing (tested below)
+            for seed in range(40):
+                kinds.update(_scripted_run(seed, tmp_path / str(seed)))
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    assert kinds == set(SCRIPT_CALLS), sorted(kinds)
 
 
 def test_optimization_step_set_by_hand_applies_one_decay():
@@ -452,7 +510,7 @@ def test_training_between_store_and_restore_is_refused():
 
     model, _, ours, _ = _scripted_pair(2, {"decay": 0.9})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(4, 3)
+    x = torch.randn(4, 6)
     ours.step(model.parameters())
     ema, live = [t.clone() for t in ours.shadow_params], [p.detach().clone() for p in model.parameters()]
     ours.store(model.parameters())
@@ -483,12 +541,12 @@ def test_parameter_unfrozen_after_the_first_step_joins_the_ema():
     later joins the EMA, from its current value, with a warning naming it; every method sees it (before,
     step refused the state with a TreeMismatchError and the others with a StateMismatchError). Unfrozen and
     stepped before it moves, the EMA is diffusers'; moved first, it differs by that move (the warning says so)."""
-    model, twin, ours, theirs = _scripted_pair(3, {"decay": 0.9})  # seed % 3 == 0: model[1].weight frozen
-    assert not model[1].weight.requires_grad
+    model, twin, ours, theirs = _scripted_pair(3, {"decay": 0.9})  # seed % 3 == 0: frozen.bias frozen
+    assert not model.frozen.bias.requires_grad
     ours.step(model.parameters()), theirs.step(twin.parameters())
     for m in (model, twin):
-        m[1].weight.requires_grad_(True)
-    with pytest.warns(UserWarning, match=r"\['1.weight'\] were frozen when the EMA started"):
+        m.frozen.bias.requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"\['frozen.bias'\] were frozen when the EMA started"):
         _agree("shadow_params after unfreezing", model, twin, ours, theirs)
     for _ in range(3):
         with torch.no_grad():
@@ -497,7 +555,7 @@ def test_parameter_unfrozen_after_the_first_step_joins_the_ema():
                 p.add_(d), q.add_(d)
         ours.step(model.parameters()), theirs.step(twin.parameters())
         _agree("steps after unfreezing", model, twin, ours, theirs)
-    assert "1.weight" in ours.state.emas[0]
+    assert "frozen.bias" in ours.state.emas[0]
 
 
 # ------------------------------------------------------------------------------------------ ranks
