@@ -48,8 +48,16 @@ def check_same_names(
         parts.append(f"not in {expected_what}: {short_list(extra)}")
     if not parts:
         parts.append("same names, different nesting or order")
-    raise TreeMismatchError(
-        f"{got_what} do not match {expected_what}; " + "; ".join(parts) + compile_hint(missing, extra)
+    hint = compile_hint(missing, extra) or (_new_names_hint(expected_what) if extra and got_what == "shards" else "")
+    raise TreeMismatchError(f"{got_what} do not match {expected_what}; " + "; ".join(parts) + hint)
+
+
+def _new_names_hint(state: str) -> str:
+    """Why shards hold names a state lacks, the usual way: a parameter unfrozen (or added) since the state was made."""
+    return (
+        f" ({state} holds the parameters read when it was made: a name it lacks was frozen then and is trained now, or "
+        "was added to the model since. For progressive unfreezing, make the state from the model read before anything "
+        'is frozen: docs/core.md, "What is averaged")'
     )
 
 

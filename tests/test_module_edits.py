@@ -150,6 +150,10 @@ def _none(_result: object) -> None:
 
 PLAIN = "'a.bias', 'a.weight', 'b.bias', 'b.weight', 'c.weight'"
 _COMPILE_HINT = ".*" + re.escape("(the names differ only by torch.compile's '_orig_mod.' prefix")
+# update's note for names the state lacks, with the way out for progressive unfreezing
+_NEW_HINT = " " + re.escape(
+    "(state.emas[0] holds the parameters read when it was made: a name it lacks was frozen then"
+)
 COMPILED = "'_orig_mod.a.bias', '_orig_mod.a.weight', '_orig_mod.b.bias', '_orig_mod.b.weight', '_orig_mod.c.weight'"
 
 
@@ -166,7 +170,7 @@ EDITS: dict[str, Row] = {
     # --- trainable or not
     "requires_grad off then on": Row(_freeze_and_unfreeze),
     "freeze a read parameter": Row(lambda m: _freeze(m.a.weight)),  # still averaged
-    "unfreeze a frozen parameter": Row(lambda m: _unfreeze(m.frozen.weight), _names(new="'frozen.weight'")),
+    "unfreeze a frozen parameter": Row(lambda m: _unfreeze(m.frozen.weight), _names(new="'frozen.weight'") + _NEW_HINT),
     "frozen replaced by a trainable one": Row(  # fixed
         lambda m: setattr(m.frozen, "weight", nn.Parameter(torch.zeros(3, 3))), _names(new="'frozen.weight'")
     ),
