@@ -493,24 +493,24 @@ class EMAModel:
         self._x, self._positions, self._names, self._state, self._pending = x, positions, names, state, None
         self._counted = step
 
-    def _grow(self) -> None:
+    def _grow(self) -> fe.Shards | None:
         """Add to the state the parameters that were frozen at the first step and are trained now, each starting
         from its current value (diffusers averages every position, frozen or not); leave it as it is when the
         model differs from it otherwise (the verbs then refuse it, naming the parameter). Before any method reads
-        the state against the model."""
+        the state against the model. Returns the model's selected shards (``None`` before the first step)."""
         if self._state is None:
-            return
+            return None
         reading = select(adapter_for(self._x).read(), self._selection)
         shards, have = reading.shards, self._state.emas[0]
         if not isinstance(have, fe.Shards) or have.index == shards.index:
-            return
+            return shards
         old, new = set(have.index.names), shards.index.names
         added = [n for n in new if n not in old]
         by_id = {id(p): n for n, p in reading.params.items()}
         names = [by_id.get(id(p)) for p in self._positions]
         was_frozen = {n for n, m in zip(names, self._names) if m is None and n is not None}
         if not added or not old <= set(new) or not set(added) <= was_frozen:
-            return
+            return shards
         grown = fe.init_ema(shards, device=self._device, pin_memory=self._pin, step=self._counted)
         with torch.no_grad():
             for n, t in have.items():
@@ -523,6 +523,7 @@ class EMAModel:
             stacklevel=3,
         )
         self._names, self._state = names, grown
+        return shards
 
     def _job(self, verb: str) -> Job:
         """The ranks that hold this EMA together, once every one of them has called ``verb`` (a bounded wait:
@@ -608,12 +609,11 @@ class EMAModel:
                 f"EMAModel.step: these {len(params)} parameters are not the ones this EMA averages "
                 f"({type(self._x).__name__}'s {len(self._positions)}); pass the same model's parameters() every step"
             )
-        assert self._state is not None
         step = check_int(self.optimization_step, "optimization_step") + 1
         decay = self.get_decay(step)
-        self._grow()
+        shards = self._grow()
         state = self._state
-        shards = select(adapter_for(self._x).read(), self._selection).shards
+        assert shards is not None and state is not None
         if self._counted != step - 1:  # optimization_step set by hand (scripts do, on resume): one decay, as diffusers
             state.step.fill_(step - 1)
         state = fe.update(state, shards, step, decay=float(decay))
