@@ -5,7 +5,8 @@ parameter, one frozen half-way) under three settings: ``get_decay`` bitwise at e
 bitwise equal to a plain-torch ``lerp_`` reference with those decays and within fp32 rounding of
 diffusers' ``s -= (1 - d) * (s - p)`` (the maximum difference is printed), and every method
 (store / copy_to / restore on the trained model and on another one, save_pretrained / from_pretrained
-both ways between the two classes, state_dict / load_state_dict, to, pin_memory).
+both ways between the two classes, state_dict / load_state_dict, to, pin_memory); 40 seeded sequences
+of the calls scripts make, compared with diffusers after every call.
 
 Two ranks: Accelerate + DeepSpeed ZeRO-3 (CPU, gloo, ``torch.optim.AdamW``) running the loop of
 diffusers' ``train_text_to_image.py --use_ema`` on a tiny ``UNet2DConditionModel``: the EMA bitwise
@@ -14,7 +15,8 @@ store / copy_to / restore equal to a plain model holding that EMA, the live forw
 the full live weights, and the run with validation ending bitwise as the run without; save_pretrained
 loading into ``UNet2DConditionModel.from_pretrained`` as the EMA bitwise; ``save_state`` /
 ``load_state`` through the script's hooks resuming bitwise. Then FSDP2 at 2 ranks (``fully_shard``):
-the same EMA checks against ``full_tensor()``.
+the same EMA checks against ``full_tensor()``. Accelerate's DDP at 2 ranks: the script as written (its
+main-process blocks on rank 0 alone), the same checks against the DDP model's own weights.
 """
 
 from __future__ import annotations
@@ -773,6 +775,149 @@ def test_accelerate_deepspeed_zero3_train_text_to_image_loop(tmp_path):
         assert abs(2 * res["ema_pieces_numel"] - res["model_numel"]) <= res["model_tensors"], res
     assert results[0]["checkpoint_step"] == 2
     assert {"checkpoint_ema_is_ref", "final_ema_is_ref"} <= set(results[0])
+
+
+def _ddp_script_run(out: Path, steps: int, save_at: int | None, val_at: int | None, resume: Path | None) -> dict:
+    """diffusers' train_text_to_image.py --use_ema under Accelerate's DDP (CPU: ``MULTI_CPU``) as written: the
+    EMA's ``save_pretrained`` in the save hook, ``save_state``, the validation and the end-of-training ``copy_to``
+    on the main process only; the load hook and the rest on every rank."""
+    import torch.nn.functional as F
+    from diffusers import UNet2DConditionModel
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    accelerator = _reset_accelerate(1, deepspeed=False)
+    rank = accelerator.process_index
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**TINY_UNET)
+    ema_unet = UNet2DConditionModel(**TINY_UNET)
+    ema_unet.load_state_dict(unet.state_dict())
+    ema_unet = EMAModel(ema_unet.parameters(), model_cls=UNet2DConditionModel, model_config=ema_unet.config)
+
+    def save_model_hook(models, weights, output_dir):
+        if accelerator.is_main_process:
+            ema_unet.save_pretrained(os.path.join(output_dir, "unet_ema"))
+            for model in models:
+                model.save_pretrained(os.path.join(output_dir, "unet"))
+                weights.pop()
+
+    def load_model_hook(models, input_dir):
+        load_model = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DConditionModel)
+        ema_unet.load_state_dict(load_model.state_dict())
+        ema_unet.to(accelerator.device)
+        del load_model
+        for _ in range(len(models)):
+            model = models.pop()
+            load_model = UNet2DConditionModel.from_pretrained(input_dir, subfolder="unet")
+            model.register_to_config(**load_model.config)
+            model.load_state_dict(load_model.state_dict())
+            del load_model
+
+    accelerator.register_save_state_pre_hook(save_model_hook)
+    accelerator.register_load_state_pre_hook(load_model_hook)
+    unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters(), lr=1e-2))
+    assert accelerator.distributed_type == "MULTI_CPU", accelerator.distributed_type
+    ema_unet.to(accelerator.device)
+    net = accelerator.unwrap_model(unet)
+    global_step = 0
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        global_step = int(resume.name.split("-")[1])
+    decays = DiffusersEMA([nn.Parameter(torch.zeros(1))])  # diffusers' rule, for the reference
+    ref: dict[str, torch.Tensor] | None = None
+    report: dict = {}
+    for step in range(global_step, steps):
+        noisy, t, enc, target = _batch(step, rank)
+        with accelerator.accumulate(unet):
+            accelerator.backward(F.mse_loss(unet(noisy, t, enc).sample.float(), target.float()))
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            ema_unet.step(unet.parameters())
+            global_step += 1
+            full = {n: p.detach().clone() for n, p in net.named_parameters()}
+            if global_step == 1:
+                ref = full
+            elif ref is not None:
+                for n, v in full.items():
+                    ref[n].lerp_(v, 1.0 - decays.get_decay(global_step))
+            if global_step == save_at and accelerator.is_main_process:
+                accelerator.save_state(str(out / f"checkpoint-{global_step}"))
+                report["saved_ref"] = None if ref is None else {n: v.clone() for n, v in ref.items()}
+            if global_step == val_at and accelerator.is_main_process:
+                noisy, t, enc, _ = _batch(10**6, 0)
+                ema_unet.store(unet.parameters())
+                ema_unet.copy_to(unet.parameters())
+                with torch.no_grad():
+                    out_ema = net(noisy, t, enc).sample
+                ema_unet.restore(unet.parameters())
+                with torch.no_grad():
+                    report["val_ema_equal"] = torch.equal(out_ema, _plain_unet(ref)(noisy, t, enc).sample)
+                    report["val_live_equal"] = torch.equal(
+                        net(noisy, t, enc).sample, _plain_unet(full)(noisy, t, enc).sample
+                    )
+                report["val_ema_differs"] = not torch.equal(out_ema, _plain_unet(full)(noisy, t, enc).sample)
+    shadow = ema_unet.shadow_params  # every rank holds the whole EMA: no collective, as with diffusers
+    report.update(ref=ref, weights={n: p.detach().clone() for n, p in net.named_parameters()})
+    report["ema"] = {n: v.clone() for (n, _), v in zip(net.named_parameters(), shadow)}
+    report["unet"], report["ema_unet"], report["accelerator"] = net, ema_unet, accelerator
+    return report
+
+
+def ddp_worker(root: str, steps: int, save_at: int, val_at: int) -> dict:
+    """Runs A (checkpoint at ``save_at`` and validation at ``val_at``, on the main process), B (neither), C
+    (resumed from A's checkpoint on every rank), then the end of training on the main process of A."""
+    import torch.distributed as dist
+    from diffusers import UNet2DConditionModel
+
+    from tests._integration_models import quiet
+
+    quiet()
+    torch.set_num_threads(1)
+    out, t0 = Path(root), time.perf_counter()
+    a = _ddp_script_run(out / "a", steps, save_at, val_at, None)
+    b = _ddp_script_run(out / "b", steps, None, None, None)
+    c = _ddp_script_run(out / "c", steps, None, None, out / "a" / f"checkpoint-{save_at}")
+    res = {k: a[k] for k in ("val_ema_equal", "val_live_equal", "val_ema_differs") if k in a}
+    res["a_ema_is_ref"], res["b_ema_is_ref"] = _equal(a["ema"], a["ref"]), _equal(b["ema"], b["ref"])
+    res["a_is_b"] = _equal(a["ema"], b["ema"]) and _equal(a["weights"], b["weights"])
+    res["c_is_b"] = _equal(c["ema"], b["ema"]) and _equal(c["weights"], b["weights"])
+    mine = torch.cat([v.reshape(-1) for v in a["ema"].values()])
+    theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(theirs, mine)
+    res["ranks_hold_one_ema"] = all(torch.equal(mine, x) for x in theirs)
+    accelerator, unet, ema_unet = a["accelerator"], a["unet"], a["ema_unet"]
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:  # the script's end of training
+        saved = UNet2DConditionModel.from_pretrained(out / "a" / f"checkpoint-{save_at}" / "unet_ema")
+        res["checkpoint_ema_is_ref"] = _equal({n: p.detach() for n, p in saved.named_parameters()}, a["saved_ref"])
+        res["checkpoint_step"] = saved.config["optimization_step"]
+        ema_unet.copy_to(unet.parameters())
+        res["copied_is_ref"] = _equal({n: p.detach() for n, p in unet.named_parameters()}, a["ref"])
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def test_accelerate_ddp_train_text_to_image_loop_as_written(tmp_path):
+    """Under DDP every rank holds its whole EMA, as with diffusers, so the script runs unchanged: its main-process
+    blocks (validation, the EMA's save_pretrained, save_state, the final copy_to) call on rank 0 alone."""
+    results = run_ranks(
+        "tests.test_integrations_diffusers:ddp_worker",
+        world_size=2,
+        timeout=600,
+        root=str(tmp_path),
+        steps=5,
+        save_at=2,
+        val_at=3,
+    )
+    print(f"DDP runs: {results[0]['seconds']:.1f} s in the ranks")
+    for rank, res in enumerate(results):
+        flags = {k: v for k, v in res.items() if isinstance(v, bool)}
+        assert all(flags.values()), (rank, flags)
+    assert results[0]["checkpoint_step"] == 2
+    assert {"val_ema_equal", "checkpoint_ema_is_ref", "copied_is_ref"} <= set(results[0])
+    assert "val_ema_equal" not in results[1]  # the main process only
 
 
 def fsdp2_worker(root: str, steps: int) -> dict:
