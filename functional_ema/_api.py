@@ -267,7 +267,7 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     pieces = state_pieces(state, reading, index, "swapped")
     changes: list[str] = []  # what the block replaced or re-typed, put back by the adapter on exit
     try:
-        with _refuse_training(adapter, reading), adapter.swap(reading, pieces, state, index, changes) as stats:
+        with training_refused(adapter, reading), adapter.swap(reading, pieces, state, index, changes) as stats:
             yield stats
     except BaseException as error:
         if changes and sys.version_info >= (3, 11):  # BaseException.add_note is 3.11+ (3.10: the error unchanged)
@@ -295,7 +295,7 @@ _SWAPPED_WHY = (
 
 
 @contextlib.contextmanager
-def _refuse_training(adapter: Adapter, reading: Reading, why: str = _SWAPPED_WHY) -> Iterator[None]:
+def training_refused(adapter: Adapter, reading: Reading, why: str = _SWAPPED_WHY) -> Iterator[None]:
     """Refuse backward and optimizer steps (:class:`SwappedTrainingError`, the message ending with ``why``) while
     EMA weights are swapped in, or while the model must not train for another reason."""
     module = adapter.module()

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 import functional_ema as fe
-from functional_ema._api import _refuse_training, state_pieces
+from functional_ema._api import state_pieces, training_refused
 from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
 from functional_ema._checkpoint.collective import Job, arrive, job_of
 from functional_ema._selection import SelectionLike, make_selection
@@ -516,7 +516,7 @@ class EMAModel:
             for n, t in have.items():
                 grown.emas[0][n].copy_(t)
         warnings.warn(
-            f"EMAModel.step: {added} were frozen when the EMA started and are trained now; their EMA starts from "
+            f"EMAModel: {added} were frozen when the EMA started and are trained now; their EMA starts from "
             "their current values (diffusers' EMAModel, which copies frozen parameters at every step, from their "
             "values at the step before)",
             UserWarning,
@@ -634,7 +634,7 @@ class EMAModel:
                 assert self._state is not None
                 adapter = adapter_for(self._x)
                 stored = contextlib.ExitStack()
-                stored.enter_context(_refuse_training(adapter, read_for(adapter, self._state), _STORED_WHY))
+                stored.enter_context(training_refused(adapter, read_for(adapter, self._state), _STORED_WHY))
                 self._stored = stored
             self.temp_stored_params = None
         else:
