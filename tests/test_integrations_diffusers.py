@@ -601,6 +601,20 @@ def _plain_unet(weights: dict[str, torch.Tensor]) -> nn.Module:
     return net.eval()
 
 
+def _prepare(accelerator, unet, ema_unet, hooks: tuple, resume: Path | None) -> tuple:
+    """The script's setup after the EMA is made: its save and load hooks registered, the unet and its AdamW
+    prepared, the EMA moved to the device, and the state loaded from ``resume`` (a ``checkpoint-<step>``
+    folder). Returns the prepared unet and optimizer and the step to go on from."""
+    accelerator.register_save_state_pre_hook(hooks[0])
+    accelerator.register_load_state_pre_hook(hooks[1])
+    unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters(), lr=1e-2))
+    ema_unet.to(accelerator.device)
+    if resume is None:
+        return unet, optimizer, 0
+    accelerator.load_state(str(resume))
+    return unet, optimizer, int(resume.name.split("-")[1])
+
+
 def _script_run(
     out: Path, steps: int, ga: int, save_at: int | None, val_at: int | None, resume: Path | None, list_ema: bool = False
 ) -> dict:
@@ -636,15 +650,7 @@ def _script_run(
         ema_unet.to(accelerator.device)
         del load_model
 
-    accelerator.register_save_state_pre_hook(save_model_hook)
-    accelerator.register_load_state_pre_hook(load_model_hook)
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-2)
-    unet, optimizer = accelerator.prepare(unet, optimizer)
-    ema_unet.to(accelerator.device)
-    global_step = 0
-    if resume is not None:
-        accelerator.load_state(str(resume))
-        global_step = int(resume.name.split("-")[1])
+    unet, optimizer, global_step = _prepare(accelerator, unet, ema_unet, (save_model_hook, load_model_hook), resume)
     decays = DiffusersEMA([nn.Parameter(torch.zeros(1))])  # diffusers' rule, for the reference
     ref: dict[str, torch.Tensor] | None = None
     report: dict = {"validated": False}
@@ -687,14 +693,11 @@ def _ema_by_name(ema_unet, engine) -> dict[str, torch.Tensor]:
     return {n: v.clone() for (n, _), v in zip(engine.module.named_parameters(), shadow)}
 
 
-def _validate(accelerator, unet, ema_unet, ref, full) -> dict:
-    """The script's validation (store, copy_to, a forward of the unwrapped unet as log_validation's pipeline
-    runs it, restore), on every rank; the outputs against plain models holding the reference EMA and the
-    full live weights."""
-    from tests._integration_models import deepspeed_full_fp32
-
+def _validation(ema_unet, unet, net, ref: dict, live: dict) -> dict:
+    """The script's validation: ``store``, ``copy_to``, a forward of ``net`` (the model as log_validation's
+    pipeline runs it), ``restore``, a forward again; the outputs against plain models holding the reference
+    EMA (``ref``) and the live weights (``live``)."""
     noisy, t, enc, _ = _batch(10**6, 0)
-    net = accelerator.unwrap_model(unet)
     ema_unet.store(unet.parameters())
     ema_unet.copy_to(unet.parameters())
     with torch.no_grad():
@@ -702,15 +705,21 @@ def _validate(accelerator, unet, ema_unet, ref, full) -> dict:
     ema_unet.restore(unet.parameters())
     with torch.no_grad():
         out_live = net(noisy, t, enc).sample
-        want_ema = _plain_unet(ref)(noisy, t, enc).sample
-        want_live = _plain_unet(deepspeed_full_fp32(unet))(noisy, t, enc).sample
-    return {
-        "validated": True,
-        "val_ema_equal": torch.equal(out_ema, want_ema),
-        "val_live_equal": torch.equal(out_live, want_live),
-        "val_ema_differs": not torch.equal(out_ema, out_live),
-        "val_full_unchanged": all(torch.equal(full[n], v) for n, v in deepspeed_full_fp32(unet).items()),
-    }
+        return {
+            "val_ema_equal": torch.equal(out_ema, _plain_unet(ref)(noisy, t, enc).sample),
+            "val_live_equal": torch.equal(out_live, _plain_unet(live)(noisy, t, enc).sample),
+            "val_ema_differs": not torch.equal(out_ema, out_live),
+        }
+
+
+def _validate(accelerator, unet, ema_unet, ref, full) -> dict:
+    """The script's validation under ZeRO-3, on every rank (a ZeRO-3 forward is collective); the full weights
+    unchanged by it."""
+    from tests._integration_models import deepspeed_full_fp32
+
+    res = _validation(ema_unet, unet, accelerator.unwrap_model(unet), ref, full)
+    after = deepspeed_full_fp32(unet)
+    return {**res, "validated": True, "val_full_unchanged": all(torch.equal(full[n], v) for n, v in after.items())}
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -755,22 +764,20 @@ def zero3_worker(root: str, steps: int, ga: int, save_at: int, val_at: int) -> d
     return res
 
 
-def test_accelerate_deepspeed_zero3_train_text_to_image_loop(tmp_path):
+def _ranks_agree(what: str, worker: str, timeout: float, **kwargs) -> list[dict]:
+    """``worker`` of this module at 2 ranks; every flag it returns (a bool) must hold on every rank."""
     t0 = time.perf_counter()
-    results = run_ranks(
-        "tests.test_integrations_diffusers:zero3_worker",
-        world_size=2,
-        timeout=840,
-        root=str(tmp_path),
-        steps=5,
-        ga=2,
-        save_at=2,
-        val_at=3,
-    )
-    print(f"ZeRO-3 runs: {results[0]['seconds']:.1f} s in the ranks, {time.perf_counter() - t0:.1f} s in all")
+    results = run_ranks(f"tests.test_integrations_diffusers:{worker}", world_size=2, timeout=timeout, **kwargs)
+    print(f"{what}: {results[0]['seconds']:.1f} s in the ranks, {time.perf_counter() - t0:.1f} s in all")
     for rank, res in enumerate(results):
         flags = {k: v for k, v in res.items() if isinstance(v, bool)}
         assert all(flags.values()), (rank, flags)
+    return results
+
+
+def test_accelerate_deepspeed_zero3_train_text_to_image_loop(tmp_path):
+    results = _ranks_agree("ZeRO-3 runs", "zero3_worker", 840, root=str(tmp_path), steps=5, ga=2, save_at=2, val_at=3)
+    for res in results:
         # this rank's pieces: about half of the model (ceil or floor of each parameter's half)
         assert abs(2 * res["ema_pieces_numel"] - res["model_numel"]) <= res["model_tensors"], res
     assert results[0]["checkpoint_step"] == 2
@@ -814,16 +821,9 @@ def _ddp_script_run(out: Path, steps: int, save_at: int | None, val_at: int | No
             model.load_state_dict(load_model.state_dict())
             del load_model
 
-    accelerator.register_save_state_pre_hook(save_model_hook)
-    accelerator.register_load_state_pre_hook(load_model_hook)
-    unet, optimizer = accelerator.prepare(unet, torch.optim.AdamW(unet.parameters(), lr=1e-2))
+    unet, optimizer, global_step = _prepare(accelerator, unet, ema_unet, (save_model_hook, load_model_hook), resume)
     assert accelerator.distributed_type == "MULTI_CPU", accelerator.distributed_type
-    ema_unet.to(accelerator.device)
     net = accelerator.unwrap_model(unet)
-    global_step = 0
-    if resume is not None:
-        accelerator.load_state(str(resume))
-        global_step = int(resume.name.split("-")[1])
     decays = DiffusersEMA([nn.Parameter(torch.zeros(1))])  # diffusers' rule, for the reference
     ref: dict[str, torch.Tensor] | None = None
     report: dict = {}
@@ -846,18 +846,7 @@ def _ddp_script_run(out: Path, steps: int, save_at: int | None, val_at: int | No
                 accelerator.save_state(str(out / f"checkpoint-{global_step}"))
                 report["saved_ref"] = None if ref is None else {n: v.clone() for n, v in ref.items()}
             if global_step == val_at and accelerator.is_main_process:
-                noisy, t, enc, _ = _batch(10**6, 0)
-                ema_unet.store(unet.parameters())
-                ema_unet.copy_to(unet.parameters())
-                with torch.no_grad():
-                    out_ema = net(noisy, t, enc).sample
-                ema_unet.restore(unet.parameters())
-                with torch.no_grad():
-                    report["val_ema_equal"] = torch.equal(out_ema, _plain_unet(ref)(noisy, t, enc).sample)
-                    report["val_live_equal"] = torch.equal(
-                        net(noisy, t, enc).sample, _plain_unet(full)(noisy, t, enc).sample
-                    )
-                report["val_ema_differs"] = not torch.equal(out_ema, _plain_unet(full)(noisy, t, enc).sample)
+                report.update(_validation(ema_unet, unet, net, ref, full))
     shadow = ema_unet.shadow_params  # every rank holds the whole EMA: no collective, as with diffusers
     report.update(ref=ref, weights={n: p.detach().clone() for n, p in net.named_parameters()})
     report["ema"] = {n: v.clone() for (n, _), v in zip(net.named_parameters(), shadow)}
@@ -902,19 +891,7 @@ def ddp_worker(root: str, steps: int, save_at: int, val_at: int) -> dict:
 def test_accelerate_ddp_train_text_to_image_loop_as_written(tmp_path):
     """Under DDP every rank holds its whole EMA, as with diffusers, so the script runs unchanged: its main-process
     blocks (validation, the EMA's save_pretrained, save_state, the final copy_to) call on rank 0 alone."""
-    results = run_ranks(
-        "tests.test_integrations_diffusers:ddp_worker",
-        world_size=2,
-        timeout=600,
-        root=str(tmp_path),
-        steps=5,
-        save_at=2,
-        val_at=3,
-    )
-    print(f"DDP runs: {results[0]['seconds']:.1f} s in the ranks")
-    for rank, res in enumerate(results):
-        flags = {k: v for k, v in res.items() if isinstance(v, bool)}
-        assert all(flags.values()), (rank, flags)
+    results = _ranks_agree("DDP runs", "ddp_worker", 600, root=str(tmp_path), steps=5, save_at=2, val_at=3)
     assert results[0]["checkpoint_step"] == 2
     assert {"val_ema_equal", "checkpoint_ema_is_ref", "copied_is_ref"} <= set(results[0])
     assert "val_ema_equal" not in results[1]  # the main process only
@@ -963,17 +940,7 @@ def fsdp2_worker(root: str, steps: int) -> dict:
                 ref[n].lerp_(v, 1.0 - decays.get_decay(step))
     names = [n for n, _ in unet.named_parameters()]
     res = {"ema_is_ref": _equal(dict(zip(names, ema_unet.state_dict()["shadow_params"])), ref)}
-    noisy, t, enc, _ = _batch(10**6, 0)
-    ema_unet.store(unet.parameters())
-    ema_unet.copy_to(unet.parameters())
-    with torch.no_grad():
-        out_ema = unet(noisy, t, enc).sample
-    ema_unet.restore(unet.parameters())
-    with torch.no_grad():
-        out_live = unet(noisy, t, enc).sample
-        res["val_ema_equal"] = torch.equal(out_ema, _plain_unet(ref)(noisy, t, enc).sample)
-        res["val_live_equal"] = torch.equal(out_live, _plain_unet(full)(noisy, t, enc).sample)
-    res["val_ema_differs"] = not torch.equal(out_ema, out_live)
+    res.update(_validation(ema_unet, unet, unet, ref, full))
     ema_unet.save_pretrained(Path(root) / "fsdp2_ema")
     if rank == 0:
         saved = UNet2DConditionModel.from_pretrained(Path(root) / "fsdp2_ema")
@@ -988,17 +955,6 @@ def fsdp2_worker(root: str, steps: int) -> dict:
 
 
 def test_fsdp2_train_text_to_image_loop(tmp_path):
-    t0 = time.perf_counter()
-    results = run_ranks(
-        "tests.test_integrations_diffusers:fsdp2_worker",
-        world_size=2,
-        timeout=600,
-        env={"FE_DIST_INIT": "torch"},
-        root=str(tmp_path),
-        steps=4,
-    )
-    print(f"FSDP2 run: {results[0]['seconds']:.1f} s in the ranks, {time.perf_counter() - t0:.1f} s in all")
-    for rank, res in enumerate(results):
-        flags = {k: v for k, v in res.items() if isinstance(v, bool)}
-        assert all(flags.values()), (rank, flags)
+    env = {"FE_DIST_INIT": "torch"}
+    results = _ranks_agree("FSDP2 run", "fsdp2_worker", 600, env=env, root=str(tmp_path), steps=4)
     assert "saved_is_ref" in results[0]
