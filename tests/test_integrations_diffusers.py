@@ -381,13 +381,17 @@ def _scripted_call(call: str, rng, both: tuple, start, folder: Path) -> bool:
 
     model, twin, ours, theirs = both
     if call == "validate":  # store, copy_to, (validation), restore on the trained model
-        ours.store(model.parameters()), theirs.store(twin.parameters())
-        ours.copy_to(model.parameters()), theirs.copy_to(twin.parameters())
+        ours.store(model.parameters())
+        theirs.store(twin.parameters())
+        ours.copy_to(model.parameters())
+        theirs.copy_to(twin.parameters())
         _agree("inside the swap", *both, exact=False)
-        ours.restore(model.parameters()), theirs.restore(twin.parameters())
+        ours.restore(model.parameters())
+        theirs.restore(twin.parameters())
     elif call == "copy_other":
         a, b = copy.deepcopy(start), copy.deepcopy(start)
-        ours.copy_to(a.parameters()), theirs.copy_to(b.parameters())
+        ours.copy_to(a.parameters())
+        theirs.copy_to(b.parameters())
         assert all(torch.allclose(p, q, rtol=1e-5, atol=1e-5) for p, q in zip(a.parameters(), b.parameters()))
     elif call == "resume":  # the script's hooks through state_dict (each its own, or each the other's)
         mine, want = ours.state_dict(), theirs.state_dict()
@@ -395,9 +399,11 @@ def _scripted_call(call: str, rng, both: tuple, start, folder: Path) -> bool:
             k: v for k, v in want.items() if k != "shadow_params"
         }
         crossed = rng.random() < 0.5
-        ours.load_state_dict(want if crossed else mine), theirs.load_state_dict(mine if crossed else want)
+        ours.load_state_dict(want if crossed else mine)
+        theirs.load_state_dict(mine if crossed else want)
     elif call == "save_load":  # the script's hooks through save_pretrained / from_pretrained
-        ours.save_pretrained(folder / "ours"), theirs.save_pretrained(str(folder / "theirs"))
+        ours.save_pretrained(folder / "ours")
+        theirs.save_pretrained(str(folder / "theirs"))
         ours.load_state_dict(EMAModel.from_pretrained(folder / "ours", type(start)).state_dict())
         theirs.load_state_dict(DiffusersEMA.from_pretrained(str(folder / "theirs"), type(start)).state_dict())
     elif call == "set_step":  # train_unconditional.py on resume; forks after every step (also backwards)
@@ -407,12 +413,15 @@ def _scripted_call(call: str, rng, both: tuple, start, folder: Path) -> bool:
     elif call == "set_setting":
         field = rng.choice(sorted(SETTINGS_BY_HAND))
         value = rng.choice(SETTINGS_BY_HAND[field])
-        setattr(ours, field, value), setattr(theirs, field, value)
+        setattr(ours, field, value)
+        setattr(theirs, field, value)
     elif call == "to":
-        ours.to("cpu"), theirs.to("cpu")
+        ours.to("cpu")
+        theirs.to("cpu")
         ours.pin_memory()  # diffusers' needs an accelerator
     elif call == "final_copy":  # end of training: the EMA into the trained model for good
-        ours.copy_to(model.parameters()), theirs.copy_to(twin.parameters())
+        ours.copy_to(model.parameters())
+        theirs.copy_to(twin.parameters())
         return True
     return False
 
@@ -445,18 +454,22 @@ def _scripted_run(seed: int, folder: Path) -> list[str]:
                 for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
                     if p.requires_grad and i not in still:
                         d = torch.randn_like(p)
-                        p.add_(d), q.add_(d)
+                        p.add_(d)
+                        q.add_(d)
             still.clear()
             if call == "step":
-                ours.step(model.parameters()), theirs.step(twin.parameters())
+                ours.step(model.parameters())
+                theirs.step(twin.parameters())
             else:  # a module, deprecated in diffusers
-                ours.step(model), theirs.step(twin)
+                ours.step(model)
+                theirs.step(twin)
         elif call == "freeze":
             i, flag = rng.randrange(len(list(model.parameters()))), rng.random() < 0.5
             p, q = list(model.parameters())[i], list(twin.parameters())[i]
             if flag and not p.requires_grad:
                 still.add(i)
-            p.requires_grad_(flag), q.requires_grad_(flag)
+            p.requires_grad_(flag)
+            q.requires_grad_(flag)
         else:
             exact &= not _scripted_call(call, rng, both, start, folder)
         _agree(call, *both, exact=exact)
@@ -497,8 +510,10 @@ def test_optimization_step_set_by_hand_applies_one_decay():
             with torch.no_grad():
                 for p, q in zip(model.parameters(), twin.parameters()):
                     d = torch.randn_like(p)
-                    p.add_(d), q.add_(d)
-            ours.step(model.parameters()), theirs.step(twin.parameters())
+                    p.add_(d)
+                    q.add_(d)
+            ours.step(model.parameters())
+            theirs.step(twin.parameters())
             assert ours.cur_decay_value == theirs.get_decay(ours.optimization_step)
             _agree(f"after setting {set_to}", model, twin, ours, theirs)
         assert ours.state is not None and int(ours.state.step) == ours.optimization_step == 1
@@ -545,7 +560,8 @@ def test_parameter_unfrozen_after_the_first_step_joins_the_ema():
     stepped before it moves, the EMA is diffusers'; moved first, it differs by that move (the warning says so)."""
     model, twin, ours, theirs = _scripted_pair(3, {"decay": 0.9})  # seed % 3 == 0: frozen.bias frozen
     assert not model.frozen.bias.requires_grad
-    ours.step(model.parameters()), theirs.step(twin.parameters())
+    ours.step(model.parameters())
+    theirs.step(twin.parameters())
     for m in (model, twin):
         m.frozen.bias.requires_grad_(True)
     with pytest.warns(UserWarning, match=r"\['frozen.bias'\] were frozen when the EMA started"):
@@ -554,8 +570,10 @@ def test_parameter_unfrozen_after_the_first_step_joins_the_ema():
         with torch.no_grad():
             for p, q in zip(model.parameters(), twin.parameters()):
                 d = torch.randn_like(p)
-                p.add_(d), q.add_(d)
-        ours.step(model.parameters()), theirs.step(twin.parameters())
+                p.add_(d)
+                q.add_(d)
+        ours.step(model.parameters())
+        theirs.step(twin.parameters())
         _agree("steps after unfreezing", model, twin, ours, theirs)
     assert "frozen.bias" in ours.state.emas[0]
 

@@ -56,7 +56,7 @@ PRELOAD_ENV = ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS")
 
 # reason: test harness only (the library never imports it): each process's server, by the pid that started it,
 # so a forked process (make mutate runs each mutant in a fork) starts its own, under its own environment.
-_SERVERS: dict[int, subprocess.Popen[bytes]] = {}
+_SERVERS: dict[int, subprocess.Popen[bytes]] = {}  # reason: test harness only; each process's own server
 
 
 def enabled(env: dict[str, str]) -> bool:

@@ -309,7 +309,7 @@ def training_group(layout: ShardLayout, group: Any) -> Any:
 
 # reason: each low-precision warning once per process (the warnings module's own "once" is per call site and is
 # reset by every warnings.simplefilter / catch_warnings, so a training loop would see it again and again)
-_WARNED: set[tuple[str, str]] = set()
+_WARNED: set[tuple[str, str]] = set()  # reason: each low-precision warning once per process (above)
 
 
 def warn_low_precision(source: str, named: Mapping[str, torch.Tensor], fix: str) -> None:

@@ -69,7 +69,7 @@ _LIVE_PREFIX = "eval"  # the Trainer's default metric_key_prefix, which metric_p
 
 # reason: Trainers evaluating with EMA weights swapped in now (weak: none is kept alive): the events of that
 # evaluation are not answered, by this callback (no recursion) nor by another EMACallback on the same Trainer.
-_EMA_EVALUATING: weakref.WeakSet[Any] = weakref.WeakSet()
+_EMA_EVALUATING: weakref.WeakSet[Any] = weakref.WeakSet()  # reason: Trainers in an EMA evaluation (weak)
 
 
 def _check_metric_prefix(value: Any) -> str:
