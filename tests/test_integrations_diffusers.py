@@ -337,6 +337,17 @@ def _scripted_pair(seed: int, kwargs: dict) -> tuple:
     return model, twin, ours, DiffusersEMA(start.parameters(), **kwargs)
 
 
+def _move_both(model, twin, still: set[int] | None = None) -> None:
+    """An optimizer step's stand-in: the same random move of every trainable parameter of the model and its twin
+    (``still``: positions left where they are)."""
+    with torch.no_grad():
+        for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
+            if p.requires_grad and i not in (still or ()):
+                d = torch.randn_like(p)
+                p.add_(d)
+                q.add_(d)
+
+
 def _agree(what: str, model, twin, ours, theirs, exact: bool = True) -> None:
     """Ours and diffusers' EMA agree: the shadows within fp32 rounding, the settings, decays and steps exactly,
     and the models bitwise (within rounding while each holds its EMA, or once each copied its EMA in)."""
@@ -450,12 +461,7 @@ def _scripted_run(seed: int, folder: Path) -> list[str]:
         call = rng.choice(SCRIPT_CALLS)
         calls.append(call)
         if call in ("step", "module_step"):
-            with torch.no_grad():
-                for i, (p, q) in enumerate(zip(model.parameters(), twin.parameters())):
-                    if p.requires_grad and i not in still:
-                        d = torch.randn_like(p)
-                        p.add_(d)
-                        q.add_(d)
+            _move_both(model, twin, still)
             still.clear()
             if call == "step":
                 ours.step(model.parameters())
@@ -507,11 +513,7 @@ def test_optimization_step_set_by_hand_applies_one_decay():
         for set_to in (None, 50, 52, 2, 0):
             if set_to is not None:
                 ours.optimization_step = theirs.optimization_step = set_to
-            with torch.no_grad():
-                for p, q in zip(model.parameters(), twin.parameters()):
-                    d = torch.randn_like(p)
-                    p.add_(d)
-                    q.add_(d)
+            _move_both(model, twin)
             ours.step(model.parameters())
             theirs.step(twin.parameters())
             assert ours.cur_decay_value == theirs.get_decay(ours.optimization_step)
@@ -567,11 +569,7 @@ def test_parameter_unfrozen_after_the_first_step_joins_the_ema():
     with pytest.warns(UserWarning, match=r"\['frozen.bias'\] were frozen when the EMA started"):
         _agree("shadow_params after unfreezing", model, twin, ours, theirs)
     for _ in range(3):
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), twin.parameters()):
-                d = torch.randn_like(p)
-                p.add_(d)
-                q.add_(d)
+        _move_both(model, twin)
         ours.step(model.parameters())
         theirs.step(twin.parameters())
         _agree("steps after unfreezing", model, twin, ours, theirs)
