@@ -63,6 +63,22 @@ class BNNet(nn.Module):
         return {"loss": ((y.float() - labels.float()) ** 2).mean(), "logits": y}
 
 
+class Backboned(nn.Module):
+    """A backbone that a fine-tuning schedule freezes at first (``frozen``) and a head: progressive unfreezing.
+    ``forward(x)`` gives the output; with ``labels``, ``{"loss"}`` (the Trainer's)."""
+
+    def __init__(self, frozen: bool = True, d_in: int = 7, hidden: int = 9, d_out: int = 5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Linear(d_in, hidden)
+        self.head = nn.Linear(hidden, d_out)
+        self.backbone.requires_grad_(not frozen)
+
+    def forward(self, x, labels=None):
+        y = self.head(torch.tanh(self.backbone(x)))
+        return y if labels is None else {"loss": ((y - labels) ** 2).mean()}
+
+
 class RegressionData(torch.utils.data.Dataset):
     """Deterministic regression pairs ``{"x", "labels"}``."""
 

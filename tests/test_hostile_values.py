@@ -209,6 +209,7 @@ NOT_ATTACKED: dict[str, str] = {
             "state_dict",
             "load_state_dict",
             "on_train_start",
+            "on_before_optimizer_step",
             "on_train_batch_end",
             "on_validation_epoch_start",
             "on_validation_epoch_end",
@@ -218,7 +219,15 @@ NOT_ATTACKED: dict[str, str] = {
     },
     **{
         f"integrations.transformers.EMACallback.{m}": HOOK
-        for m in ("on_init_end", "on_train_begin", "on_step_end", "on_save", "on_evaluate", "on_train_end")
+        for m in (
+            "on_init_end",
+            "on_train_begin",
+            "on_pre_optimizer_step",
+            "on_step_end",
+            "on_save",
+            "on_evaluate",
+            "on_train_end",
+        )
     },
 }
 
@@ -712,6 +721,7 @@ CALLS: dict[str, Call] = {
         ),
     ),
     "integrations.EMAController.on_step": lambda w: (_ctrl_fresh(w).on_step, dict(x=w.model, step=2)),
+    "integrations.EMAController.before_optimizer_step": lambda w: (w.ctrl.before_optimizer_step, dict(x=w.model)),
     "integrations.EMAController.swapped": lambda w: (_ctx(w.ctrl.swapped), dict(x=w.model, index=0)),
     "integrations.EMAController.save": lambda w: (
         _ctrl_fresh(w).save,
@@ -1203,6 +1213,7 @@ rows(
         huge="a step past the last one of the int64 counter is refused",
     ),
 )
+rows("integrations.EMAController.before_optimizer_step", x=MODEL)
 rows("integrations.EMAController.swapped", x=MODEL, index=R(NONE_DEFAULT))
 rows(
     "integrations.EMAController.save",

@@ -194,3 +194,51 @@ def test_accelerate_deepspeed_save_load_state_resume(full_run, tmp_path):
         )
         == "<All keys matched successfully>"
     )
+
+
+def unfreezing_worker() -> dict:
+    """One process, accumulation 2: a first layer frozen when the EMA starts and unfrozen before optimizer step 3,
+    ``before_step()`` before each ``optimizer.step()``; the EMAs against a reference of every parameter."""
+    import warnings
+
+    from accelerate import Accelerator
+    from torch import nn
+
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+    from tests._integration_models import ReferenceEMA
+
+    decays = [0.9, fe.schedules.power(sigma_rel=0.1)]
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    model[0].requires_grad_(False)
+    model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    ema, ref, net = AcceleratorEMA(acc, model, decay=decays), ReferenceEMA(decays), acc.unwrap_model(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for micro in range(12):
+            if micro == 4:  # the first micro-batch of optimizer step 3
+                net[0].requires_grad_(True)
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(micro // 2))
+            with acc.accumulate(model):
+                acc.backward(nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
+                ema.before_step()
+                optimizer.step()
+                optimizer.zero_grad()
+            if ema.step():
+                ref.feed(ema.optimizer_step, {n: p.detach() for n, p in net.named_parameters()})
+    got = [fe.gather_full(ema.state, model, index=k) for k in range(2)]
+    return {
+        "steps": ema.optimizer_step,
+        "names": sorted(got[0]) == sorted(ref.emas[0]),
+        "exact": all(torch.equal(got[k][n], t) for k in range(2) for n, t in ref.emas[k].items()),
+        "warnings": [str(w.message) for w in caught if "EMA" in str(w.message)],
+    }
+
+
+def test_accelerate_unfreezing_joins_before_the_step():
+    """``AcceleratorEMA.before_step()``: a layer unfrozen mid-run joins both EMAs before the step that first trains
+    it, bitwise equal to a reference of every parameter averaged from step 1, with no warning (one process)."""
+    (got,) = run_ranks("tests.test_integrations_accelerate:unfreezing_worker", world_size=1, timeout=300)
+    assert got == {"steps": 6, "names": True, "exact": True, "warnings": []}

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import functional_ema as fe
+from functional_ema._testing.multirank import full_tensor_of, run_ranks
 from functional_ema.integrations import EMAController
+from tests._integration_models import Backboned
 
 BAD_CONSTRUCTION = [
     # (keyword arguments, error class, words of the message)
@@ -161,3 +163,183 @@ def test_calls_check_their_arguments():
         c.full_state_dict(model, dst=9)
     with pytest.raises(TypeError, match="framework_step must be an int"):
         c.load(model, "nowhere", framework_step=2.5)
+
+
+# ---------------------------------------------------------------------------------- progressive unfreezing
+
+
+def _fresh(frozen: bool) -> tuple[Backboned, torch.optim.Optimizer]:
+    model = Backboned(frozen)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)  # AdamW skips a parameter without a gradient
+
+
+def _train(c, model, opt, ref, steps, unfreeze_at=None, pre=True, full=torch.Tensor.detach):
+    """Optimizer steps ``steps`` (numbered), the backbone unfrozen before step ``unfreeze_at``, as a callback-driven
+    loop runs them: ``before_optimizer_step`` (unless ``pre=False``), the step, ``on_step``; the reference EMA fed
+    every parameter, frozen or not (``full``: its whole value), at the controller's steps."""
+    for step in steps:
+        if step == unfreeze_at:
+            model.backbone.requires_grad_(True)
+        model(torch.randn(4, 7, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        if pre:
+            c.before_optimizer_step(model)
+        opt.step()
+        opt.zero_grad()
+        c.on_step(model, step)
+        if ref.due(step):
+            ref.feed(step, {n: full(p) for n, p in model.named_parameters()})
+
+
+def _matches(c, ref) -> bool:
+    return all(
+        set(c.state.emas[k]) == set(want) and all(torch.equal(c.state.emas[k][n], t) for n, t in want.items())
+        for k, want in enumerate(ref.emas)
+    )
+
+
+def _resumed(saved: tuple) -> tuple[Backboned, torch.optim.Optimizer]:
+    """A fresh process's model and optimizer (the backbone frozen at setup) from a save's ``(_, optimizer, model)``
+    states; copies: ``Optimizer.load_state_dict`` keeps the tensors it is given, and another resume reuses them."""
+    import copy
+
+    model, opt = _fresh(frozen=True)
+    model.load_state_dict(saved[2])
+    opt.load_state_dict(copy.deepcopy(saved[1]))
+    return model, opt
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_parameters_unfrozen_mid_run_join_the_ema_as_if_averaged_all_along(tmp_path, every, recwarn):
+    """A backbone frozen at the EMA's start and unfrozen before step 4 joins the EMA at that step's
+    ``before_optimizer_step``: both EMAs equal, bitwise, a reference that averaged every parameter from step 1
+    (a frozen parameter's EMA is its constant value), with nothing to warn about. Resumes equal the uninterrupted
+    run, bitwise: from a save before the unfreezing (it joins after the resume), and from one after it into a model
+    frozen again at setup (the checkpoint's parameters are read although frozen; unfrozen again, the run goes on as
+    if never stopped); kept frozen after such a resume, it stays in the EMA, averaged at its constant value."""
+    import copy
+
+    from tests._integration_models import ReferenceEMA
+
+    decays = [0.8, fe.schedules.power(gamma=3.0)]
+    model, opt = _fresh(frozen=True)
+    c, ref = EMAController(decays, every_n_steps=every), ReferenceEMA(decays, every=every)
+    _train(c, model, opt, ref, range(1, 3), unfreeze_at=4)
+    assert set(c.state.ema) == {"head.weight", "head.bias"}
+    early = (c.save(model, tmp_path / "s2", 2), copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict()))
+    ref_early = copy.deepcopy(ref)
+    _train(c, model, opt, ref, range(3, 7), unfreeze_at=4)
+    assert _matches(c, ref) and "backbone.weight" in c.state.ema
+    late = (c.save(model, tmp_path / "s6", 6), copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict()))
+    ref_late = copy.deepcopy(ref)
+    with c.swapped(model):
+        assert torch.equal(model.backbone.weight, c.state.ema["backbone.weight"])
+    _train(c, model, opt, ref, range(7, 9))
+    assert _matches(c, ref)
+    assert not [w for w in recwarn if "EMA" in str(w.message)]
+
+    # From step 2 (no backbone in the EMA), frozen at the resume as it was then: it joins at step 4.
+    m2, o2 = _resumed(early)
+    c2, r2 = EMAController(decays, every_n_steps=every), ref_early
+    assert c2.load(m2, tmp_path / "s2", framework_step=2) == 2
+    _train(c2, m2, o2, r2, range(3, 9), unfreeze_at=4)
+    assert _matches(c2, ref) and _matches(c2, r2)
+    # From step 6 (backbone in the EMA) into a model frozen again, as Lightning's BackboneFinetuning does at setup.
+    m3, o3 = _resumed(late)
+    c3 = EMAController(decays, every_n_steps=every)
+    assert c3.load(m3, tmp_path / "s6", framework_step=6) == 6
+    assert "backbone.weight" in c3.state.ema
+    r3 = copy.deepcopy(ref_late)
+    _train(c3, m3, o3, r3, range(7, 9))  # kept frozen: its EMA averages its constant value
+    assert _matches(c3, r3) and not m3.backbone.weight.requires_grad
+    m4, o4 = _resumed(late)
+    c4 = EMAController(decays, every_n_steps=every)
+    c4.load(m4, tmp_path / "s6", framework_step=6)
+    _train(c4, m4, o4, copy.deepcopy(ref_late), range(7, 9), unfreeze_at=7)  # unfrozen again: as never stopped
+    assert _matches(c4, ref)
+
+
+def test_an_unfreezing_seen_only_after_the_optimizer_step_warns_and_starts_from_there(recwarn):
+    """Without ``before_optimizer_step`` (a hand-written loop calling ``on_step`` alone), the backbone joins at
+    ``on_step``, after the step that first trained it: a warning says so and names it, the head's EMA is exact and the
+    backbone's starts from its value after that step."""
+    from tests._integration_models import ReferenceEMA
+
+    model, opt = _fresh(frozen=True)
+    c, ref = EMAController(0.8), ReferenceEMA([0.8])
+    _train(c, model, opt, ref, range(1, 4), unfreeze_at=3, pre=False)
+    (w,) = [w for w in recwarn if "EMA" in str(w.message)]
+    assert "'backbone.weight', 'backbone.bias', frozen when the EMA started or resumed, are trained now" in str(
+        w.message
+    ) and "one step later" in str(w.message)
+    for n in ("head.weight", "head.bias"):
+        assert torch.equal(c.state.ema[n], ref.emas[0][n])
+    for n in ("backbone.weight", "backbone.bias"):
+        assert torch.equal(c.state.ema[n], model.get_parameter(n).detach())
+        assert not torch.equal(c.state.ema[n], ref.emas[0][n])
+
+
+def test_only_parameters_frozen_at_the_start_join(tmp_path):
+    """What is not a parameter frozen when the EMA started is refused as before, naming it: a module added since
+    (``update``'s refusal), and at a resume, parameters trained now that the checkpoint lacks (with how to resume a
+    run that unfroze them after that save)."""
+    model, _ = _fresh(frozen=True)
+    c = EMAController(0.8)
+    c.on_step(model, 1)
+    c.save(model, tmp_path, 1)
+    model.extra = torch.nn.Linear(2, 2)
+    c.before_optimizer_step(model)  # nothing frozen was unfrozen: nothing joins
+    with pytest.raises(fe.TreeMismatchError, match=r"not in state.emas\[0\]: 'extra.bias', 'extra.weight'"):
+        c.on_step(model, 2)
+    trained, _ = _fresh(frozen=False)
+    with pytest.raises(
+        fe.CheckpointError,
+        match=r"(?s)in the model but not in the checkpoint: \['backbone.weight', 'backbone.bias'\].*"
+        r"if they were frozen when it was saved, resume with them frozen",
+    ):
+        EMAController(0.8).load(trained, tmp_path, framework_step=1)
+
+
+def fsdp2_unfreezing_worker(out: str) -> dict:
+    """On each of 2 ranks: the backbone and the root ``fully_shard``-ed (odd sizes: padded shards), the backbone frozen
+    at the start and unfrozen before step 4; then a save at step 6 resumed into a model frozen again, kept frozen."""
+    import copy
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests._integration_models import ReferenceEMA
+
+    def build(state=None):
+        model, _ = _fresh(frozen=True)
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        fully_shard(model.backbone, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if state is not None:
+            model.load_state_dict(state)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    def agrees(c, model, ref) -> bool:
+        full = c.full_state_dict(model, dst=None)
+        return set(full) == set(ref.emas[0]) and all(torch.equal(full[n], t) for n, t in ref.emas[0].items())
+
+    model, opt = build()
+    c, ref = EMAController(0.8), ReferenceEMA([0.8])
+    _train(c, model, opt, ref, range(1, 7), unfreeze_at=4, full=full_tensor_of)
+    grown = agrees(c, model, ref)
+    c.save(model, Path(out), 6)
+    ref6, weights = copy.deepcopy(ref), copy.deepcopy(model.state_dict())
+    again, opt2 = build(weights)
+    c2 = EMAController(0.8)
+    c2.load(again, Path(out), framework_step=6)
+    _train(c2, again, opt2, ref6, range(7, 9), full=full_tensor_of)
+    return {"grown": grown, "resumed": agrees(c2, again, ref6), "frozen": not again.backbone.weight.requires_grad}
+
+
+def test_fsdp2_unfreezing_and_resume(tmp_path):
+    """The same under FSDP2 at 2 ranks, against the full parameters (``full_tensor()``) averaged in plain torch: the
+    backbone joins at ``before_optimizer_step``, bitwise; resumed into a model frozen again it stays in the EMA."""
+    got = run_ranks(
+        "tests.test_integrations_common:fsdp2_unfreezing_worker", world_size=2, timeout=300, out=str(tmp_path)
+    )
+    assert got == [{"grown": True, "resumed": True, "frozen": True}] * 2

@@ -519,3 +519,95 @@ def test_ema_folder_of_another_checkpoint_refused(tmp_path):
         )
     # Untouched, it resumes.
     _one_process_trainer(tmp_path / "b", 3, every_n_steps=3).fit(_module("ddp"), ckpt_path=str(theirs)[: -len(".ema")])
+
+
+def _finetuned_module():
+    """A ``backbone`` that Lightning's ``BackboneFinetuning`` freezes at setup and unfreezes at epoch 1, and a head."""
+    import lightning.pytorch as pl
+
+    from tests._integration_models import RegressionData
+
+    class Finetuned(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone = torch.nn.Linear(7, 9)
+            self.head = torch.nn.Linear(9, 5)
+
+        def training_step(self, batch, batch_idx):
+            return ((self.head(torch.tanh(self.backbone(batch["x"]))) - batch["labels"]) ** 2).mean()
+
+        def configure_optimizers(self):  # the trainable ones, as BackboneFinetuning's docs say
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(RegressionData(16, seed=1), batch_size=4, shuffle=False)
+
+    return Finetuned()
+
+
+def _finetuning_trainer(root: Path, max_epochs: int, ref, start=None):
+    """One process: the EMA callback, ``BackboneFinetuning``, a checkpoint every epoch, and a reference EMA of every
+    parameter (frozen or not) fed after each optimizer step; ``start``: the reference snapshot a resume continues."""
+    import copy
+
+    import lightning.pytorch as pl
+
+    from functional_ema.integrations.lightning import EMACallback
+
+    class Reference(pl.Callback):
+        def __init__(self):
+            self.ref, self.at = (copy.deepcopy(start) if start is not None else ref), {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.ref.feed(trainer.global_step, {n: p.detach() for n, p in pl_module.named_parameters()})
+            self.at[trainer.global_step] = copy.deepcopy(self.ref)
+
+    reference = Reference()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        callbacks=[
+            EMACallback(decay=0.9),
+            pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1),
+            pl.callbacks.ModelCheckpoint(dirpath=str(root / "ckpt"), every_n_epochs=1, save_top_k=-1),
+            reference,
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+    )
+    return trainer, reference
+
+
+def test_backbone_finetuning_unfreezes_into_the_ema(tmp_path, recwarn):
+    """Lightning's own ``BackboneFinetuning``: the backbone, frozen at setup, joins the EMA when the callback
+    unfreezes it (epoch 1, before its first optimizer step), and the EMA equals, bitwise, a reference of every
+    parameter averaged from step 1 (frozen ones are constant); no warning. Resumed from the epoch-0 checkpoint (no
+    backbone in its EMA), the run equals the uninterrupted one. Resumed from the epoch-1 checkpoint, Lightning leaves the
+    backbone frozen (its setup freezes it and only epoch 1 unfreezes it): the EMA keeps it, read although frozen, and
+    equals the reference continued over that run."""
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import ReferenceEMA, quiet
+
+    quiet()
+    trainer, reference = _finetuning_trainer(tmp_path, 3, ReferenceEMA([0.9]))
+    trainer.fit(_finetuned_module())
+    ema = next(c for c in trainer.callbacks if isinstance(c, EMACallback)).ema
+    assert int(ema.state.step) == 12 and set(ema.state.ema) == set(reference.ref.emas[0])
+    assert all(torch.equal(ema.state.ema[n], t) for n, t in reference.ref.emas[0].items())
+    assert trainer.lightning_module.backbone.weight.requires_grad
+    assert not [w for w in recwarn if "EMA" in str(w.message)]
+    ck = tmp_path / "ckpt"
+    for epoch, step, trained in ((0, 4, True), (1, 8, False)):
+        again, ref_again = _finetuning_trainer(tmp_path / f"from{step}", 3, None, start=reference.at[step])
+        again.fit(_finetuned_module(), ckpt_path=str(ck / f"epoch={epoch}-step={step}.ckpt"))
+        got = next(c for c in again.callbacks if isinstance(c, EMACallback)).ema.state
+        assert again.lightning_module.backbone.weight.requires_grad is trained
+        assert all(torch.equal(got.ema[n], t) for n, t in ref_again.ref.emas[0].items()), step
+        assert set(got.ema) == set(ref_again.ref.emas[0])
+        if trained:  # the same trajectory as the uninterrupted run
+            assert all(torch.equal(got.ema[n], t) for n, t in ema.state.ema.items())

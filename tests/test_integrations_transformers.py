@@ -514,3 +514,81 @@ def test_one_callback_serves_one_trainer(tmp_path):
     assert int(ema.state.step) == 4
     assert not equal(fe.gather_full(ema.state, fourth.model_wrapped, index=0), kept)
     assert close(_logged(fourth, "eval_ema_loss"), [_ema_loss(fourth, ema, d2)])
+
+
+def _unfreezing_trainer(out: Path, ref, start=None):
+    """One process, 6 optimizer steps, a checkpoint every 2; a user's callback unfreezes the backbone before step 3
+    (``global_step == 2`` at ``on_step_begin``: once, so not again after a later resume) into an optimizer built over
+    every parameter; a reference EMA of every parameter (``start``: the snapshot a resume continues)."""
+    import copy
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import Backboned, RegressionData, quiet
+
+    quiet()
+
+    class Unfreeze(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2:
+                model.backbone.requires_grad_(True)
+
+    class Reference(TrainerCallback):
+        def __init__(self):
+            self.ref, self.at = (copy.deepcopy(start) if start is not None else ref), {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.ref.feed(state.global_step, {n: p.detach() for n, p in model.named_parameters()})
+            self.at[state.global_step] = copy.deepcopy(self.ref)
+
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        lr_scheduler_type="constant",
+        save_strategy="steps",
+        save_steps=2,
+        logging_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    model = Backboned(frozen=True)
+    reference = Reference()
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=RegressionData(24, seed=1),
+        callbacks=[EMACallback(decay=0.9), Unfreeze(), reference],
+        optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-2), None),
+    )
+    return trainer, reference
+
+
+def test_a_backbone_unfrozen_by_a_callback_joins_the_ema(tmp_path, recwarn):
+    """Progressive unfreezing under the Trainer: a backbone frozen when the EMA starts and unfrozen by a user's
+    callback before step 3 joins the EMA at ``on_pre_optimizer_step``; the EMA equals, bitwise, a reference of every
+    parameter averaged from step 1, with no warning. Resumed from checkpoint-2 (no backbone in its EMA) the run equals
+    the uninterrupted one; resumed from checkpoint-4 into the model frozen as built (the callback unfreezes at step 2
+    only), the EMA keeps the backbone, read although frozen, and equals the reference continued over that run."""
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import ReferenceEMA
+
+    trainer, reference = _unfreezing_trainer(tmp_path / "run", ReferenceEMA([0.9]))
+    trainer.train()
+    ema = next(c for c in trainer.callback_handler.callbacks if isinstance(c, EMACallback)).ema
+    assert int(ema.state.step) == 6 and set(ema.state.ema) == set(reference.ref.emas[0])
+    assert all(torch.equal(ema.state.ema[n], t) for n, t in reference.ref.emas[0].items())
+    assert not [w for w in recwarn if "EMA" in str(w.message)]
+    for step, trained in ((2, True), (4, False)):
+        again, ref_again = _unfreezing_trainer(tmp_path / f"from{step}", None, start=reference.at[step])
+        again.train(resume_from_checkpoint=str(tmp_path / "run" / f"checkpoint-{step}"))
+        got = next(c for c in again.callback_handler.callbacks if isinstance(c, EMACallback)).ema.state
+        assert again.model.backbone.weight.requires_grad is trained
+        assert set(got.ema) == set(ref_again.ref.emas[0])
+        assert all(torch.equal(got.ema[n], t) for n, t in ref_again.ref.emas[0].items()), step
+        if trained:  # the same trajectory as the uninterrupted run
+            assert all(torch.equal(got.ema[n], t) for n, t in ema.state.ema.items())

@@ -183,18 +183,27 @@ class Adapter:
     """Base class: subclasses implement ``_read`` and ``_is_current`` and may override ``swap``."""
 
     name = "?"
+    #: Whether ``read(keep=...)`` reads the frozen parameters it names (a module's and FSDP2's readings choose
+    #: parameters by ``requires_grad``, see :func:`is_read`; DeepSpeed's by its optimizer's groups).
+    keeps_frozen = False
 
     def __init__(self, target: Any) -> None:
         self.target = target
+        self.keep: frozenset[str] = frozenset()  # frozen parameters read all the same (see read)
 
     # -- reading
-    def read(self) -> Reading:
+    def read(self, keep: Iterable[str] = ()) -> Reading:
         """The current reading, made once and re-made only when ``_is_current`` says the one kept
-        on the training object is stale (the buffers moved, the optimizer was replaced)."""
+        on the training object is stale (the buffers moved, the optimizer was replaced).
+
+        ``keep``: names of parameters to read even though they are frozen (an EMA resumed from a checkpoint
+        that holds them: they were trained, and stay in the EMA, as one frozen after a reading does, see
+        :func:`is_read`). A name that is no frozen parameter of a module or FSDP2 model changes nothing."""
         slot = self.target.__dict__.get(_SLOT)
         previous = None
+        self.keep = frozenset(keep)
         if isinstance(slot, _Slot) and slot.reading is not None:
-            if self._is_current(slot.reading):
+            if self._is_current(slot.reading) and self.keep <= slot.reading.params.keys():
                 return slot.reading
             previous = slot.reading
             close = getattr(previous.token, "close", None)
@@ -270,14 +279,15 @@ class Adapter:
         yield
 
 
-def is_read(name: str, param: torch.Tensor, previous: Reading | None) -> bool:
-    """Whether a parameter belongs in a reading: trainable now, or in the reading this one replaces.
+def is_read(name: str, param: torch.Tensor, previous: Reading | None, keep: frozenset[str] = frozenset()) -> bool:
+    """Whether a parameter belongs in a reading: trainable now, in the reading this one replaces, or kept
+    (``Adapter.read(keep=...)``: an EMA resumed with it).
 
     So a parameter frozen after the model was first read keeps its place (its EMA goes on averaging
     its now-constant value, as DeepSpeed's fp32 master copy, fixed at engine init, does), also when
     the reading is re-made for another reason; one frozen from the start is left out.
     """
-    return param.requires_grad or (previous is not None and name in previous.params)
+    return param.requires_grad or name in keep or (previous is not None and name in previous.params)
 
 
 def unmoved(tensors: Iterable[torch.Tensor], views: Iterable[torch.Tensor]) -> bool:

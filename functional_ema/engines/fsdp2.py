@@ -347,6 +347,7 @@ class FSDP2Adapter(Adapter):
     """A model with torch FSDP2 (``fully_shard``) applied to it or to some of its submodules."""
 
     name = "fsdp2"
+    keeps_frozen = True
 
     def _read(self, previous: Reading | None = None) -> Reading:
         from . import refuse_engine_internals
@@ -380,7 +381,7 @@ class FSDP2Adapter(Adapter):
                 managed.append(fp)
             elif tp_only or not isinstance(param, DTensor):
                 plain.append((mod, attr, param))
-            if not is_read(name, param, previous):
+            if not is_read(name, param, previous, self.keep):
                 frozen.append(param)
                 continue
             if fp is not None:

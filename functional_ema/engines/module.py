@@ -95,6 +95,7 @@ class ModuleAdapter(Adapter):
     """A plain ``nn.Module`` (world of one) or a DDP-wrapped one (replicated over its group)."""
 
     name = "module"
+    keeps_frozen = True
 
     def module(self) -> torch.nn.Module:
         return self.target.module if is_ddp(self.target) else self.target
@@ -103,7 +104,7 @@ class ModuleAdapter(Adapter):
         seen: set[int] = set()
         out = []
         for name, p in self.module().named_parameters():  # tied weights: once, under the first name
-            if is_read(name, p, previous) and id(p) not in seen:
+            if is_read(name, p, previous, self.keep) and id(p) not in seen:
                 seen.add(id(p))
                 out.append((name, p))
         return out

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,11 +70,14 @@ from functional_ema._core import check_ema_dtype
 from functional_ema._io import atomic_write_bytes, write_tensors
 from functional_ema._selection import SelectionLike, make_selection, selection_record
 from functional_ema._storage import Storage, is_url
+from functional_ema._tree import short_list
 from functional_ema.checkpoint import Loaded
-from functional_ema.engines._base import read_for
+from functional_ema.engines._base import any_requires_grad, read_for
 from functional_ema.schedules import DecayLike, Schedule, check_decays
 
 __all__ = ["EMAController", "expected_ema_step", "RECORD_NAME"]
+
+logger = logging.getLogger("functional_ema")
 
 
 def _rank() -> int:
@@ -243,6 +248,7 @@ class EMAController:
         self.state: fe.EmaState | None = None
         self.buffer_state: fb.BufferState | None = None
         self._saver = fe.AsyncSaver() if async_save else None
+        self._frozen: dict[str, torch.Tensor] = {}  # the model's frozen parameters the state lacks (see _grown)
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -268,6 +274,51 @@ class EMAController:
             )
         return self.buffer_state
 
+    def _grown(self, shards: Any, late: bool = False) -> fe.EmaState | None:
+        """The state with the parameters added that were frozen when it began (or was resumed) and are trained
+        in ``shards`` now, each EMA of them starting from its current value: what an EMA that had averaged them
+        from the start holds, if they did not change while frozen (the EMA of a constant is that constant), and
+        unless ``late``: an optimizer step has trained them since (:meth:`on_step` noticing them, which warns).
+        ``None`` when ``shards`` differ from the state otherwise (the verbs then refuse it, naming the parameter)."""
+        have = None if self.state is None else self.state.emas[0]
+        if not isinstance(have, fe.Shards) or not isinstance(shards, fe.Shards):
+            return None
+        names = shards.index.names
+        if len(names) <= len(have):  # nothing added (the usual case, at every pre-step check)
+            return None
+        added = [n for n in names if n not in have]
+        if not added or not set(added) <= self._frozen.keys() or len(names) - len(added) != len(have):
+            return None
+        state = cast(fe.EmaState, self.state)
+        grown = fe.init_ema(shards, num_emas=self.num_emas, dtype=have[next(iter(have))].dtype, step=int(state.step))
+        with torch.no_grad():
+            for old, new in zip(state.emas, grown.emas):
+                for n, t in old.items():
+                    new[n].copy_(t)
+        what = f"EMA: {short_list(added)}, frozen when the EMA started or resumed, are trained now"
+        if late:
+            warnings.warn(
+                f"{what}; their EMA starts from their values after the optimizer step that first trained them, one "
+                "step later than an EMA that had averaged them all along. To add them before that step, call the "
+                "EMA's hook before each optimizer step, as the Lightning and Transformers callbacks do: "
+                "AcceleratorEMA.before_step(), EMAController.before_optimizer_step(model)",
+                UserWarning,
+                stacklevel=4,
+            )
+        else:
+            logger.info("%s: they join the EMA from their current values", what)
+        self._frozen = {n: p for n, p in self._frozen.items() if n not in added}
+        return grown
+
+    def _fit(self, x: Any) -> None:
+        """Before a verb that reads the state against the model: add the parameters unfrozen since the last
+        update (:meth:`_grown`). Nothing to read when the model had no frozen parameter outside the state."""
+        # One C loop over the frozen parameters' flags: nothing read at each step while none is unfrozen.
+        if self.state is not None and self._frozen and any_requires_grad(*self._frozen.values()):
+            grown = self._grown(fe.local_shards(x, include=self.include, exclude=self.exclude))
+            if grown is not None:
+                self.state = grown
+
     # ---------------------------------------------------------------------------------- training
 
     def on_step(self, x: Any, step: int) -> bool:
@@ -284,6 +335,7 @@ class EMAController:
         if self.state is None:
             shards = fe.local_shards(x, include=self.include, exclude=self.exclude)
             self.state = fe.init_ema(shards, num_emas=self.num_emas, dtype=self.dtype, step=step)
+            self._frozen = _frozen_params(x, self.state)
             if self.buffers:
                 self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=step)
             moved = True
@@ -291,7 +343,13 @@ class EMAController:
             return False
         else:
             shards = fe.local_shards(x, include=self.include, exclude=self.exclude)
-            self.state = fe.update(self.state, shards, step, decay=self.decay)
+            try:
+                self.state = fe.update(self.state, shards, step, decay=self.decay)
+            except fe.TreeMismatchError:  # checked before anything is written
+                grown = self._grown(shards, late=True)
+                if grown is None:
+                    raise
+                self.state = fe.update(grown, shards, step, decay=self.decay)
             if self.buffers:
                 self.buffer_state = fb.update_buffers(
                     self._buffer_state(), x, step, decay=self.decay, mode=self.buffers
@@ -302,6 +360,15 @@ class EMAController:
             fe.posthoc.save_snapshot(self.state, x, self.posthoc_dir, cast(list[Schedule], self.decays))
         return moved
 
+    def before_optimizer_step(self, x: Any) -> None:
+        """Before an optimizer step (the frameworks' pre-optimizer-step event): parameters frozen when the EMA
+        started (or resumed) and trained from this step on join the EMA now, from the values they held while
+        frozen, so the EMA is the one that had averaged them all along. (Seen only at the next :meth:`on_step`,
+        they join from their values after this step: one step of theirs later, with a warning.) Nothing read
+        when the model has no frozen parameter outside the EMA."""
+        fe.engines.adapter_for(x)  # a model the verbs can read, also when there is nothing to do
+        self._fit(x)
+
     @contextlib.contextmanager
     def swapped(self, x: Any, index: int | None = None) -> Iterator[bool]:
         """Evaluate with EMA ``index`` (default ``eval_index``), buffers too when they are carried.
@@ -310,6 +377,7 @@ class EMAController:
         if self.state is None or index is None:
             yield False
             return
+        self._fit(x)
         with contextlib.ExitStack() as stack:
             stack.enter_context(fe.swapped(x, self.state, index=index))
             if self.buffer_state is not None:
@@ -348,6 +416,7 @@ class EMAController:
         have = None if self.state is None else int(self.state.step)
         # The ranks agree on what they save first (one small all-reduce): the check below, alone, would refuse on
         # the ranks whose EMA is elsewhere while the others wait in the save's collectives.
+        self._fit(x)
         job = job_of(fe.engines.adapter_for(x).read())
         rules = f"start_step={self.start_step}, every_n_steps={self.every_n_steps}"
         agree_on(
@@ -451,6 +520,8 @@ class EMAController:
         tag_dir = root / self.tag
         job = job_of(fe.engines.adapter_for(x).read())
 
+        saved_names: set[str] = set()  # the parameters the EMA checkpoint holds (this rank's reading of it)
+
         def decide() -> tuple[str, dict[str, Any] | None, bool]:
             record = _read_record_at(tag_dir / RECORD_NAME)
             if record is not None and record.get("started") is not False:
@@ -462,6 +533,7 @@ class EMAController:
                 *_, manifest = locate_checkpoint(root, self.tag, local=not self.shared)
                 generation = int(manifest["generation"])
                 buffers = all(p.get("buffer_files") is not None for p in manifest_parts(manifest))
+                saved_names.update(n for p in manifest_parts(manifest) for n in p["params"])
             if record is not None and (
                 generation is None or _int_field(record, "supersedes_generation", tag_dir) >= generation
             ):
@@ -493,6 +565,7 @@ class EMAController:
                 f"record, but at framework step {framework_step} the EMA (start_step={self.start_step}) must have "
                 "started. Was the EMA callback attached when this checkpoint was written, and did its save finish?"
             )
+        _read_frozen(x, saved_names)
         try:
             loaded = fe.checkpoint.load_checkpoint(
                 x,
@@ -504,9 +577,10 @@ class EMAController:
                 exclude=self.exclude,
             )
         except fe.CheckpointError as e:
-            raise type(e)(f"resuming the EMA from {tag_dir}: {e}") from e
+            raise type(e)(f"resuming the EMA from {tag_dir}: {e}{self._unfrozen_hint(x, saved_names)}") from e
         saved_step = self._check_loaded(tag_dir, loaded, framework_step)
         self.state = loaded.state
+        self._frozen = _frozen_params(x, loaded.state)
         if not self.buffers:
             self.buffer_state = None
         elif loaded.buffers is not None:
@@ -514,6 +588,20 @@ class EMAController:
         else:  # saved without buffers: start them from the live ones at the EMA's step (as a new run would)
             self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=int(loaded.state.step))
         return saved_step
+
+    def _unfrozen_hint(self, x: Any, saved: set[str]) -> str:
+        """For a resume refused because the model trains parameters the checkpoint lacks, and only that: how a
+        run that unfroze them after the save resumes."""
+        with contextlib.suppress(Exception):  # a hint only: the refusal stands whatever happens here
+            names = fe.local_shards(x, include=self.include, exclude=self.exclude).index.names
+            added = [n for n in names if n not in saved]
+            if saved and added and saved <= set(names):
+                return (
+                    f" ({short_list(added)} are trained now and not in the checkpoint: if they were frozen when it was "
+                    "saved, resume with them frozen, as they were then, and unfreeze them afterwards; the EMA adds "
+                    "them then)"
+                )
+        return ""
 
     def _check_unstarted(self, where: Where, saved_step: int, framework_step: int | None) -> None:
         if framework_step is not None and saved_step != int(framework_step):
@@ -585,7 +673,7 @@ class EMAController:
         """Full-shape EMA ``index`` (parameters, their tied aliases, buffers) on rank ``dst``
         (``None``: every rank; others get ``{}``), names as in the engine's module with
         ``strip_prefix`` removed (a framework's wrapper, e.g. Lightning's ``_forward_module.``). Collective."""
-        index, state = self._index(index)
+        index, state = self._index(index, x)
         strip_prefix = check_str(strip_prefix, "strip_prefix")
         full = fe.gather_full(state, x, index=index, dst=dst, join_parts=True)  # model-parallel parts joined
         if dst is not None and _rank() != dst:
@@ -611,12 +699,14 @@ class EMAController:
             raise ValueError(f"index={index!r} is not one of the {self.num_emas} EMA(s)")
         return index
 
-    def _index(self, index: int | None) -> tuple[int, fe.EmaState]:
-        """EMA ``index`` (default ``eval_index``, else 0), checked, and the state; the EMA must have started."""
+    def _index(self, index: int | None, x: Any) -> tuple[int, fe.EmaState]:
+        """EMA ``index`` (default ``eval_index``, else 0), checked, and the state, fitted to the model ``x``
+        (:meth:`_fit`); the EMA must have started."""
         index = self.eval_index if index is None else index
         index = self._checked_index(0 if index is None else index)
         if self.state is None:
             raise RuntimeError(f"the EMA has not started (start_step={self.start_step}): nothing to export or copy")
+        self._fit(x)
         return index, self.state
 
     def export(self, x: Any, path: str | os.PathLike, index: int | None = None, strip_prefix: str = "") -> Path | None:
@@ -627,7 +717,7 @@ class EMAController:
         manifest file, ``latest``. Its metadata records the EMA written (``ema_index``), its step and schedule.
         """
 
-        index, state = self._index(index)
+        index, state = self._index(index, x)
         strip_prefix = check_str(strip_prefix, "strip_prefix")
         path = check_export_path(check_path(path, "path"), "EMA export")
         full = self.full_state_dict(x, index=index, dst=0, strip_prefix=strip_prefix)
@@ -657,7 +747,7 @@ class EMAController:
         exactly (every EMA'd parameter trainable in it, same pieces), else
         :class:`functional_ema.StateMismatchError` on every rank, before anything is written.
         """
-        index, state = self._index(index)
+        index, state = self._index(index, x)
         adapter = fe.engines.adapter_for(x)
         reading = read_for(adapter, state)  # a selection's parameters; the others keep their trained values
         pieces = state_pieces(state, reading, index, "copy_to_model")  # all ranks agree before any write
@@ -688,6 +778,27 @@ class EMAController:
             self.export(x, self.export_path, strip_prefix=strip_prefix)
         if self.copy_to_model_at_end:
             self.copy_to_model(x)
+
+
+def _frozen_params(x: Any, state: fe.EmaState) -> dict[str, torch.Tensor]:
+    """The model's frozen parameters that ``state`` lacks, by name: the ones that may join it once trained
+    (``EMAController._grown``)."""
+    adapter = fe.engines.adapter_for(x)
+    if not adapter.keeps_frozen:  # DeepSpeed reads its optimizer's groups: unfreezing adds nothing to them
+        return {}
+    have = state.emas[0]
+    return {n: p for n, p in adapter.module().named_parameters() if not p.requires_grad and n not in have}
+
+
+def _read_frozen(x: Any, saved: set[str]) -> None:
+    """Read the model with its frozen parameters that the EMA checkpoint holds (trained before the save, frozen
+    again at the resume, e.g. by a fine-tuning schedule that freezes at setup): they stay in the EMA, as a
+    parameter frozen during a run does. A module's and FSDP2's readings; DeepSpeed reads its optimizer's groups."""
+    adapter = fe.engines.adapter_for(x)
+    if adapter.keeps_frozen and saved:
+        keep = {n for n, p in adapter.module().named_parameters() if n in saved and not p.requires_grad}
+        if keep:
+            adapter.read(keep=keep)
 
 
 def _publish_url_record(tag_dir: StoragePath, record: dict, rank: int) -> None:

@@ -88,6 +88,13 @@ class AcceleratorEMA:
         counted = self._engine_steps()
         return self._steps if counted is None else counted
 
+    def before_step(self) -> None:
+        """Optional, before ``optimizer.step()`` (every micro-batch is fine): parameters frozen when the EMA started
+        and unfrozen since (progressive unfreezing) join the EMA before that step trains them, as if averaged all
+        along. Without it they join at :meth:`step`, from their values one optimizer step later, with a warning.
+        Nothing to do, and nothing read, when the model has no frozen parameter outside the EMA."""
+        self.ema.before_optimizer_step(self.model)
+
     def step(self) -> bool:
         """Call once per loop iteration, after ``optimizer.step()``. Returns whether the EMA moved."""
         acc = self.accelerator

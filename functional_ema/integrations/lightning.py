@@ -183,6 +183,9 @@ class EMACallback(pl.Callback):
                 "another checkpoint. Restore the EMA folder saved with this checkpoint, or resume from another one"
             )
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.ema.before_optimizer_step(self._target(trainer))  # parameters unfrozen since the last step join the EMA
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

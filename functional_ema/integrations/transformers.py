@@ -274,6 +274,9 @@ class EMACallback(TrainerCallback):
         else:
             self.ema.state = self.ema.buffer_state = None
 
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.ema.before_optimizer_step(self._target())  # parameters unfrozen since the last step join the EMA
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ema.on_step(self._target(), state.global_step)
 
