@@ -482,6 +482,19 @@ def _scripted_run(seed: int, folder: Path) -> list[str]:
     return calls
 
 
+def test_finding_the_model_on_the_heap_warns_nothing():
+    """The drop-in finds the trained model among the objects alive in the process; reading them must not set off
+    their own warnings (``torch.distributed.reduce_op``'s FutureWarning showed in users' logs at the first step)."""
+    import torch.distributed  # its deprecated reduce_op object on the heap
+
+    from functional_ema.integrations.diffusers import _search_heap
+
+    net = torch.nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _search_heap(list(net.parameters()), "step") is net
+
+
 def test_call_sequences_agree_with_diffusers(tmp_path):
     """40 seeded sequences of 25 calls (steps, with parameters or the module; validation swaps; copies into
     another model; resumes through state_dict, each its own or the other's, and through save_pretrained /

@@ -230,7 +230,9 @@ def _search_heap(params: list[torch.Tensor], verb: str) -> Any:
     """The training object whose module's ``parameters()`` are ``params`` (identity, in order), found among
     the modules alive in this process: the lowest module whose ``parameters()`` they are, then its
     DeepSpeed engine if one holds it. One pass over the heap (a fraction of a second), once per EMA."""
-    mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+    # type(), not isinstance(): isinstance reads an object's __class__, and some objects on the heap warn when read
+    # (torch.distributed.reduce_op: a FutureWarning in the user's training log).
+    mods = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
     parents: dict[int, list[torch.nn.Module]] = {}
     queue: list[torch.nn.Module] = []
     for m in mods:
