@@ -18,7 +18,7 @@ import torch
 import functional_ema as fe
 from functional_ema._testing.multirank import full_tensor_of, run_ranks
 from functional_ema.integrations import EMAController
-from tests._integration_models import Backboned
+from tests._integration_models import Backboned, ReferenceEMA
 
 BAD_CONSTRUCTION = [
     # (keyword arguments, error class, words of the message)
@@ -218,8 +218,6 @@ def test_parameters_unfrozen_mid_run_join_the_ema_as_if_averaged_all_along(tmp_p
     if never stopped); kept frozen after such a resume, it stays in the EMA, averaged at its constant value."""
     import copy
 
-    from tests._integration_models import ReferenceEMA
-
     decays = [0.8, fe.schedules.power(gamma=3.0)]
     model, opt = _fresh(frozen=True)
     c, ref = EMAController(decays, every_n_steps=every), ReferenceEMA(decays, every=every)
@@ -262,7 +260,6 @@ def test_an_unfreezing_seen_only_after_the_optimizer_step_warns_and_starts_from_
     """Without ``before_optimizer_step`` (a hand-written loop calling ``on_step`` alone), the backbone joins at
     ``on_step``, after the step that first trained it: a warning says so and names it, the head's EMA is exact and the
     backbone's starts from its value after that step."""
-    from tests._integration_models import ReferenceEMA
 
     model, opt = _fresh(frozen=True)
     c, ref = EMAController(0.8), ReferenceEMA([0.8])
@@ -299,6 +296,25 @@ def test_only_parameters_frozen_at_the_start_join(tmp_path):
         EMAController(0.8).load(trained, tmp_path, framework_step=1)
 
 
+def test_posthoc_snapshots_across_an_unfreezing_say_so(tmp_path):
+    """Post-hoc snapshots written before a parameter joined the EMA lack it: synthesis refuses to mix them with the
+    later ones, naming the parameters and why (not "different models"); the later ones alone synthesise."""
+    import shutil
+
+    decays = [fe.schedules.power(sigma_rel=0.05), fe.schedules.power(sigma_rel=0.2)]
+    model, opt = _fresh(frozen=True)
+    c = EMAController(decays, posthoc_dir=tmp_path / "snaps", posthoc_every=2)
+    _train(c, model, opt, ReferenceEMA(decays), range(1, 9), unfreeze_at=4)
+    with pytest.raises(
+        fe.posthoc.ReconstructionError,
+        match=r"'snapshot_000000002' and 'snapshot_000000004' hold different parameters \(\['backbone.bias', "
+        r"'backbone.weight'\]\): parameters that joined the EMA at a step after 2 \(unfrozen mid-run",
+    ):
+        fe.posthoc.posthoc_offline(tmp_path / "snaps", sigma_rel=0.1)
+    shutil.move(tmp_path / "snaps" / "snapshot_000000002", tmp_path / "snapshot_000000002")
+    assert "backbone.weight" in fe.posthoc.posthoc_offline(tmp_path / "snaps", sigma_rel=0.1, max_profile_error=None)
+
+
 def fsdp2_unfreezing_worker(out: str) -> dict:
     """On each of 2 ranks: the backbone and the root ``fully_shard``-ed (odd sizes: padded shards), the backbone frozen
     at the start and unfrozen before step 4; then a save at step 6 resumed into a model frozen again, kept frozen."""
@@ -307,8 +323,6 @@ def fsdp2_unfreezing_worker(out: str) -> dict:
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from tests._integration_models import ReferenceEMA
 
     def build(state=None):
         model, _ = _fresh(frozen=True)

@@ -246,9 +246,16 @@ def _list(root: Location, prefix: str, part: ModelPart | None) -> list[SnapshotI
             diff = sorted(set(s.shapes).symmetric_difference(first.shapes)) or sorted(
                 n for n in s.shapes if s.shapes[n] != first.shapes.get(n)
             )
+            grew = set(first.shapes) < set(s.shapes) and all(s.shapes[n] == t for n, t in first.shapes.items())
+            why = (
+                f"parameters that joined the EMA at a step after {first.step} (unfrozen mid-run: docs/integrations.md, "
+                "'Progressive unfreezing'); the snapshots before they joined lack them, so synthesise from the ones "
+                "after: move the earlier ones to another directory"
+                if grew
+                else "they come from different models; keep one run's snapshots per directory"
+            )
             raise ReconstructionError(
-                f"snapshots {first.tag!r} and {s.tag!r} hold different parameters ({short_list(diff)}): "
-                "they come from different models; keep one run's snapshots per directory"
+                f"snapshots {first.tag!r} and {s.tag!r} hold different parameters ({short_list(diff)}): {why}"
             )
     return out
 
