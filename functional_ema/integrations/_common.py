@@ -565,7 +565,20 @@ class EMAController:
                 f"record, but at framework step {framework_step} the EMA (start_step={self.start_step}) must have "
                 "started. Was the EMA callback attached when this checkpoint was written, and did its save finish?"
             )
-        _read_frozen(x, saved_names)
+        return self._load_saved(x, location, tag_dir, saved_names, saved_buffers, framework_step)
+
+    def _load_saved(
+        self,
+        x: Any,
+        location: Path | str,
+        tag_dir: Where,
+        saved: set[str],
+        saved_buffers: bool,
+        framework_step: int | None,
+    ) -> int:
+        """:meth:`load` of an EMA checkpoint (``saved``: the parameters it holds), checked against the framework's
+        step; the frozen parameters it holds are read in (:func:`_read_frozen`). Returns the verified saved step."""
+        _read_frozen(x, saved)
         try:
             loaded = fe.checkpoint.load_checkpoint(
                 x,
@@ -577,7 +590,7 @@ class EMAController:
                 exclude=self.exclude,
             )
         except fe.CheckpointError as e:
-            raise type(e)(f"resuming the EMA from {tag_dir}: {e}{self._unfrozen_hint(x, saved_names)}") from e
+            raise type(e)(f"resuming the EMA from {tag_dir}: {e}{self._unfrozen_hint(x, saved)}") from e
         saved_step = self._check_loaded(tag_dir, loaded, framework_step)
         self.state = loaded.state
         self._frozen = _frozen_params(x, loaded.state)
