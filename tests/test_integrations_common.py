@@ -296,6 +296,26 @@ def test_only_parameters_frozen_at_the_start_join(tmp_path):
         EMAController(0.8).load(trained, tmp_path, framework_step=1)
 
 
+def test_a_frozen_module_replaced_is_let_go_and_its_successor_watched():
+    """A frozen module replaced after the EMA started (same names): the update after it takes the frozen parameters
+    again, so the old ones are not kept alive by the EMA, and the new one joins exactly when unfrozen."""
+    import gc
+    import weakref
+
+    model = Backboned(frozen=True)
+    c = EMAController(0.8)
+    c.on_step(model, 1)
+    old = weakref.ref(model.backbone.weight)
+    model.backbone = torch.nn.Linear(7, 9).requires_grad_(False)
+    c.on_step(model, 2)
+    gc.collect()
+    assert old() is None
+    model.backbone.requires_grad_(True)
+    c.before_optimizer_step(model)
+    assert torch.equal(c.state.ema["backbone.weight"], model.backbone.weight.detach())
+    assert torch.equal(c.state.ema["head.weight"], model.head.weight.detach())  # nothing trained: the weights
+
+
 def test_posthoc_snapshots_across_an_unfreezing_say_so(tmp_path):
     """Post-hoc snapshots written before a parameter joined the EMA lack it: synthesis refuses to mix them with the
     later ones, naming the parameters and why (not "different models"); the later ones alone synthesise."""

@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -249,6 +250,7 @@ class EMAController:
         self.buffer_state: fb.BufferState | None = None
         self._saver = fe.AsyncSaver() if async_save else None
         self._frozen: dict[str, torch.Tensor] = {}  # the model's frozen parameters the state lacks (see _grown)
+        self._frozen_of: weakref.ref | None = None  # the reading's shards they were taken with (see _watch_frozen)
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -310,6 +312,12 @@ class EMAController:
         self._frozen = {n: p for n, p in self._frozen.items() if n not in added}
         return grown
 
+    def _watch_frozen(self, x: Any, shards: Any) -> None:
+        """After an update: when the model was read anew since the frozen parameters were taken (a module replaced,
+        say), take them again, so a replaced one is neither kept alive nor watched instead of its successor."""
+        if self._frozen and (self._frozen_of is None or self._frozen_of() is not shards):
+            self._frozen, self._frozen_of = _frozen_params(x, cast(fe.EmaState, self.state)), weakref.ref(shards)
+
     def _fit(self, x: Any) -> None:
         """Before a verb that reads the state against the model: add the parameters unfrozen since the last
         update (:meth:`_grown`). Nothing to read when the model had no frozen parameter outside the state."""
@@ -335,7 +343,7 @@ class EMAController:
         if self.state is None:
             shards = fe.local_shards(x, include=self.include, exclude=self.exclude)
             self.state = fe.init_ema(shards, num_emas=self.num_emas, dtype=self.dtype, step=step)
-            self._frozen = _frozen_params(x, self.state)
+            self._frozen, self._frozen_of = _frozen_params(x, self.state), weakref.ref(shards)
             if self.buffers:
                 self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=step)
             moved = True
@@ -350,6 +358,7 @@ class EMAController:
                 if grown is None:
                     raise
                 self.state = fe.update(grown, shards, step, decay=self.decay)
+            self._watch_frozen(x, shards)
             if self.buffers:
                 self.buffer_state = fb.update_buffers(
                     self._buffer_state(), x, step, decay=self.decay, mode=self.buffers
@@ -593,7 +602,7 @@ class EMAController:
             raise type(e)(f"resuming the EMA from {tag_dir}: {e}{self._unfrozen_hint(x, saved)}") from e
         saved_step = self._check_loaded(tag_dir, loaded, framework_step)
         self.state = loaded.state
-        self._frozen = _frozen_params(x, loaded.state)
+        self._frozen, self._frozen_of = _frozen_params(x, loaded.state), None
         if not self.buffers:
             self.buffer_state = None
         elif loaded.buffers is not None:
