@@ -76,7 +76,7 @@ from functional_ema.checkpoint import Loaded
 from functional_ema.engines._base import any_requires_grad, read_for
 from functional_ema.schedules import DecayLike, Schedule, check_decays
 
-__all__ = ["EMAController", "expected_ema_step", "RECORD_NAME"]
+__all__ = ["EMAController", "expected_ema_step", "grown_state", "RECORD_NAME"]
 
 logger = logging.getLogger("functional_ema")
 
@@ -292,11 +292,7 @@ class EMAController:
         if not added or not set(added) <= self._frozen.keys() or len(names) - len(added) != len(have):
             return None
         state = cast(fe.EmaState, self.state)
-        grown = fe.init_ema(shards, num_emas=self.num_emas, dtype=have[next(iter(have))].dtype, step=int(state.step))
-        with torch.no_grad():
-            for old, new in zip(state.emas, grown.emas):
-                for n, t in old.items():
-                    new[n].copy_(t)
+        grown = grown_state(state, shards, int(state.step), dtype=have[next(iter(have))].dtype)
         what = f"EMA: {short_list(added)}, frozen when the EMA started or resumed, are trained now"
         if late:
             warnings.warn(
@@ -800,6 +796,18 @@ class EMAController:
             self.export(x, self.export_path, strip_prefix=strip_prefix)
         if self.copy_to_model_at_end:
             self.copy_to_model(x)
+
+
+def grown_state(state: fe.EmaState, shards: fe.Shards, step: int, **init: Any) -> fe.EmaState:
+    """A state over ``shards``, which hold every name of ``state`` and more (parameters that joined the EMA): at
+    ``step``, each EMA with ``state``'s values for its names and the parameters' current values for the others
+    (``init_ema(shards, **init)``'s starting values)."""
+    grown = fe.init_ema(shards, num_emas=state.num_emas, step=step, **init)
+    with torch.no_grad():
+        for old, new in zip(state.emas, grown.emas):
+            for n, t in old.items():
+                new[n].copy_(t)
+    return grown
 
 
 def _frozen_params(x: Any, state: fe.EmaState) -> dict[str, torch.Tensor]:

@@ -66,6 +66,8 @@ from functional_ema.engines._base import read_for, select
 from functional_ema.engines.deepspeed import is_deepspeed_engine
 from functional_ema.engines.module import is_ddp
 
+from ._common import grown_state
+
 __all__ = ["EMAModel"]
 
 #: The EMA's settings, in the order diffusers' ``state_dict`` lists them (also the config fields
@@ -513,10 +515,7 @@ class EMAModel:
         was_frozen = {n for n, m in zip(names, self._names) if m is None and n is not None}
         if not added or not old <= set(new) or not set(added) <= was_frozen:
             return shards
-        grown = fe.init_ema(shards, device=self._device, pin_memory=self._pin, step=self._counted)
-        with torch.no_grad():
-            for n, t in have.items():
-                grown.emas[0][n].copy_(t)
+        grown = grown_state(self._state, shards, self._counted, device=self._device, pin_memory=self._pin)
         warnings.warn(
             f"EMAModel: {added} were frozen when the EMA started and are trained now; their EMA starts from "
             "their current values (diffusers' EMAModel, which copies frozen parameters at every step, from their "
