@@ -18,7 +18,7 @@ from ._api import (
     swapped,
 )
 from ._core import NonFiniteError, UpdateInfo, ema_nbytes, init_ema, update, update_info, wait_update
-from ._errors import LowPrecisionWeightsWarning, MismatchError
+from ._errors import LowPrecisionWeightsWarning, MismatchError, UnsyncedReplicasWarning
 from ._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from ._offload import AsyncUpdateError
 from ._shards import SegmentIndex, Shards
@@ -57,6 +57,7 @@ __all__ = [
     "SwappedParametersChangedError",
     "SwappedTrainingError",
     "TreeMismatchError",
+    "UnsyncedReplicasWarning",
     "UpdateInfo",
     "buffers",
     "client_state_summary",

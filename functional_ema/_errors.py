@@ -9,6 +9,7 @@ __all__ = [
     "StateMismatchError",
     "SwappedParametersChangedError",
     "SwappedTrainingError",
+    "UnsyncedReplicasWarning",
 ]
 
 
@@ -38,3 +39,10 @@ class SwappedParametersChangedError(RuntimeError):
 class LowPrecisionWeightsWarning(UserWarning):
     """The weights read are 16-bit with no fp32 master behind them: the EMA averages rounded copies. Issued once per
     process and reason; filter it with ``warnings.filterwarnings("ignore", category=LowPrecisionWeightsWarning)``."""
+
+
+class UnsyncedReplicasWarning(UserWarning):
+    """A ``DistributedDataParallel`` model trains parameters whose gradients it does not all-reduce: DDP chose the
+    parameters to reduce when it was built (those with ``requires_grad`` then), so one unfrozen or added since is
+    trained apart on each rank, and the ranks' weights and EMAs drift apart (the EMA saved is rank 0's). Issued when
+    ``local_shards`` reads such a model; the message names the parameters and the fixes."""

@@ -611,3 +611,62 @@ def test_backbone_finetuning_unfreezes_into_the_ema(tmp_path, recwarn):
         assert set(got.ema) == set(ref_again.ref.emas[0])
         if trained:  # the same trajectory as the uninterrupted run
             assert all(torch.equal(got.ema[n], t) for n, t in ema.state.ema.items())
+
+
+def backbone_ddp_worker(root: str) -> dict:
+    """``BackboneFinetuning`` under ``strategy="ddp"`` (Lightning issue #20340): the backbone is frozen when Lightning
+    wraps the model, so DDP never all-reduces it. Returns the ``UnsyncedReplicasWarning`` texts seen and whether the
+    ranks agree, at the end, on the backbone and on the head."""
+    import warnings
+
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=_strategy("ddp"),
+        max_epochs=2,
+        callbacks=[EMACallback(decay=0.9), pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        use_distributed_sampler=True,
+    )
+    module = _finetuned_module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+
+    def agree(t: torch.Tensor) -> bool:
+        seen = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(seen, t.detach().contiguous())
+        return torch.equal(seen[0], seen[1])
+
+    return {
+        "warnings": [str(w.message) for w in caught if w.category is fe.UnsyncedReplicasWarning],
+        "agree": [agree(module.backbone.weight), agree(module.head.weight)],
+        "trains_backbone": module.backbone.weight.requires_grad,
+    }
+
+
+def test_backbone_finetuning_under_ddp_warns_that_the_ranks_drift(tmp_path):
+    """The warning reaches a Lightning user in the flow that needs it, and its claim holds: after the unfreezing the
+    ranks' backbones differ (DDP does not reduce it) while their heads agree."""
+    reports = run_ranks(
+        "tests.test_integrations_lightning:backbone_ddp_worker", world_size=2, timeout=300, root=str(tmp_path)
+    )
+    for r in reports:
+        assert r["trains_backbone"] and r["agree"] == [False, True], r
+        assert len(r["warnings"]) == 1, r["warnings"]
+        text = r["warnings"][0]
+        assert "trains 4 parameters but all-reduces the gradients of 2" in text, text
+        assert "(new in this reading: 'backbone.weight', 'backbone.bias')" in text, text

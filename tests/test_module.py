@@ -337,7 +337,61 @@ def ddp_worker(save_dir: str, flat: bool = False) -> dict:
         for w in caught
         if issubclass(w.category, fe.LowPrecisionWeightsWarning)
     ]
+    if not flat:
+        report["unreduced"] = _unreduced_rows(dist.get_rank())
     return report
+
+
+def _ranks_agree(t: torch.Tensor) -> bool:
+    import torch.distributed as dist
+
+    seen = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(seen, t.detach().contiguous())
+    return all(torch.equal(seen[0], x) for x in seen[1:])
+
+
+def _unreduced_rows(rank: int) -> dict:
+    """DDP reduces the parameters trainable when it was built: one unfrozen or added later is trained apart on each
+    rank. Each row: the UnsyncedReplicasWarning texts ``local_shards`` gave (and whether they point at this file),
+    then the oracle of the claim, whether the ranks still agree on those weights after a step on per-rank data."""
+    import warnings
+
+    def seen(x) -> list:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fe.local_shards(x)
+        return [[str(w.message), w.filename == __file__] for w in caught if w.category is fe.UnsyncedReplicasWarning]
+
+    def step(ddp, seed: int) -> None:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + rank))
+        opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
+        ddp(x).square().sum().backward()
+        opt.step()
+
+    out: dict = {}
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    net[0].requires_grad_(False)  # a backbone frozen when DDP is built (BackboneFinetuning's setup)
+    ddp = nn.parallel.DistributedDataParallel(net)
+    out["frozen at build, read"] = seen(ddp)
+    net[0].requires_grad_(True)
+    out["unfrozen, read again"] = seen(ddp)
+    out["unfrozen, read a third time"] = seen(ddp)  # the same reading: warned once
+    step(ddp, 10)
+    out["agree after a step"] = [_ranks_agree(net[0].weight), _ranks_agree(net[1].weight)]
+    # The fix the warning names: wrap again after unfreezing (from agreeing weights)
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 3))
+    ddp = nn.parallel.DistributedDataParallel(net)
+    out["built after unfreezing"] = seen(ddp)
+    step(ddp, 20)
+    out["rewrapped agree"] = [_ranks_agree(net[0].weight), _ranks_agree(net[1].weight)]
+    # A layer added after DDP was built is no better off than an unfrozen one
+    net.add_module("extra", nn.Linear(3, 3))
+    out["added after build"] = seen(ddp)
+    step(ddp, 30)
+    out["added agree"] = [_ranks_agree(net.extra.weight), _ranks_agree(net[0].weight)]
+    return out
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["own-memory", "flatten_parameters"])
@@ -354,8 +408,29 @@ def test_ddp_two_ranks(tmp_path, flat):
             ["functional_ema: the weights read from a plain module's param", True],
             ["functional_ema: the weights read from a DistributedDataParal", True],
         ], rep["low_precision"]
+        if not flat:
+            _check_unreduced(rep["unreduced"])
     # Replicated weights: one rank file (rank 0's) and the manifest.
     assert reports[0]["files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
+
+
+def _check_unreduced(rows: dict) -> None:
+    unfrozen = rows["unfrozen, read again"]
+    assert len(unfrozen) == 1 and unfrozen[0][1], rows  # pointed at the caller
+    for words in (
+        "trains 4 parameters but all-reduces the gradients of 2",
+        "(new in this reading: '0.weight', '0.bias')",
+        "Build the DistributedDataParallel wrapper after unfreezing",
+        "Lightning issue #20340",
+    ):
+        assert words in unfrozen[0][0], unfrozen[0][0]
+    assert rows["frozen at build, read"] == rows["unfrozen, read a third time"] == [], rows
+    assert rows["agree after a step"] == [False, True], rows  # the warning's claim: the unfrozen layer drifts
+    assert rows["built after unfreezing"] == [] and rows["rewrapped agree"] == [True, True], rows
+    added = rows["added after build"]
+    assert len(added) == 1 and "trains 6 parameters but all-reduces the gradients of 4" in added[0][0], rows
+    assert "(new in this reading: 'extra.weight', 'extra.bias')" in added[0][0], rows
+    assert rows["added agree"] == [False, True], rows
 
 
 def zero3_save_worker(save_dir: str) -> dict:

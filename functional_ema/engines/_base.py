@@ -348,11 +348,11 @@ def warn_low_precision(source: str, named: Mapping[str, torch.Tensor], fix: str)
         f"decay-sized steps below the dtype's resolution are lost. {fix}. (Issued once per process; category "
         "functional_ema.LowPrecisionWeightsWarning.)",
         LowPrecisionWeightsWarning,
-        stacklevel=_caller_level(),
+        stacklevel=caller_level(),
     )
 
 
-def _caller_level() -> int:
+def caller_level() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside functional_ema (the user's call)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frame: FrameType | None = sys._getframe(1)

@@ -9,6 +9,7 @@ The pieces are the trainable parameters themselves (``requires_grad`` when first
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -16,7 +17,16 @@ import torch.distributed as dist
 
 from .._layout import ShardLayout, ShardSpec
 from .._shards import shards_from_views
-from ._base import Adapter, Reading, any_requires_grad, is_read, unmoved, warn_low_precision, world_of
+from ._base import (
+    Adapter,
+    Reading,
+    any_requires_grad,
+    caller_level,
+    is_read,
+    unmoved,
+    warn_low_precision,
+    world_of,
+)
 
 __all__ = ["ModuleAdapter", "is_ddp", "flatten_parameters"]
 
@@ -128,6 +138,8 @@ class ModuleAdapter(Adapter):
         if is_ddp(self.target) and group is None and dist.is_initialized():
             group = dist.group.WORLD
         rank, world = world_of(group) if group is not None else (0, 1)
+        if world > 1:  # one rank has no replica to drift from
+            warn_unreduced(self.target, [n for n, _ in named if previous is not None and n not in previous.params])
         specs = {n: ShardSpec(tuple(p.shape), 0, p.numel()) for n, p in named}
         shards = shards_from_views([(n, p) for n, p in named])
         params = dict(named)
@@ -144,6 +156,40 @@ class ModuleAdapter(Adapter):
             group if world > 1 else None,
             _Check.of(self.module(), params),
         )
+
+
+def warn_unreduced(ddp: torch.nn.parallel.DistributedDataParallel, joined: list[str]) -> None:
+    """Warn (``UnsyncedReplicasWarning``) when ``ddp`` trains more parameters than it all-reduces.
+
+    DDP picks the parameters to reduce once, when built (``requires_grad`` then), and never again: a parameter
+    unfrozen later (Lightning's ``BackboneFinetuning``, Lightning issue #20340) or added later gets its gradient
+    from this rank's batch alone, so every rank trains its own copy. The replicated EMA assumes the ranks agree and
+    saves rank 0's. No per-parameter test exists (the reducer does not list its parameters); more trainable
+    parameters than it reduces proves at least one is left out. ``joined``: the names this reading adds to the
+    previous one (the likely ones), may be empty."""
+    try:  # private, but present since torch 1.9; without it there is nothing to compare
+        reduced = int(ddp._get_ddp_logging_data()["num_parameter_tensors"])
+    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):
+        return
+    ignored: set[str] = getattr(ddp, "parameters_to_ignore", set())
+    trainable = [n for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+    if len(trainable) <= reduced:
+        return
+    from .._errors import UnsyncedReplicasWarning
+    from .._tree import short_list
+
+    among = f" (new in this reading: {short_list(joined, 4)})" if joined else ""
+    warnings.warn(
+        f"functional_ema: this DistributedDataParallel model trains {len(trainable)} parameters but all-reduces "
+        f"the gradients of {reduced}: DDP chose them when it was built, by requires_grad, so the parameters "
+        f"unfrozen or added since{among} are trained on each rank's batch alone and the ranks' weights drift "
+        "apart; the EMA follows each rank's weights and saves rank 0's. Build the DistributedDataParallel wrapper "
+        "after unfreezing (or freeze by learning rate: keep requires_grad=True and set the group's lr to 0 until "
+        "it trains; see Lightning issue #20340 for BackboneFinetuning). (Category "
+        "functional_ema.UnsyncedReplicasWarning.)",
+        UnsyncedReplicasWarning,
+        stacklevel=caller_level(),
+    )
 
 
 def flatten_parameters(model: torch.nn.Module) -> int:
