@@ -632,8 +632,9 @@ def _per_tensor_plan(emas: tuple, shards: Any) -> Plan:
             i = next(i for i, (e, s) in enumerate(zip(leaves, src)) if e.shape != s.shape)
             raise TreeMismatchError(
                 f"shards[{src_names[i]!r}] has shape {tuple(src[i].shape)} but the EMA (emas[{k}]) has "
-                f"{tuple(ema_lists[k][i].shape)}; was the state made from another model or world size? "
-                "(functional_ema.load reshards)"
+                f"{tuple(ema_lists[k][i].shape)}; was the state made from another model, at another world size, "
+                "or before the model was sharded (fully_shard applied after init_ema)? Make the state from the "
+                "model as it trains (functional_ema.load reshards a saved one)"
             )
     kinds = set(map(_KIND, src))
     if not all(dtype.is_floating_point for _, dtype in kinds):

@@ -996,8 +996,9 @@ def test_per_tensor_refusals_name_both_sides():
     with pytest.raises(fe.TreeMismatchError) as e:
         fe.update(state, {"a": torch.ones(3), "b": torch.ones(3)}, decay=0.5)
     assert str(e.value) == (
-        "shards['b'] has shape (3,) but the EMA (emas[0]) has (2,); was the state made from another model or "
-        "world size? (functional_ema.load reshards)"
+        "shards['b'] has shape (3,) but the EMA (emas[0]) has (2,); was the state made from another model, at "
+        "another world size, or before the model was sharded (fully_shard applied after init_ema)? Make the state "
+        "from the model as it trains (functional_ema.load reshards a saved one)"
     )
     with pytest.raises(TypeError, match=r"^shards\['a\.0'\] is a float, expected a torch\.Tensor$"):
         fe.update(state, {"a": [1.0, 2.0, 3.0], "b": torch.ones(2)}, decay=0.5)

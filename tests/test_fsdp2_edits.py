@@ -327,6 +327,51 @@ def _reshape_gate(m: nn.Module) -> None:
     m.gate.data = m.gate.data[:2]  # the same data pointer, another shape
 
 
+def _shard(m: nn.Module, how: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    if how == "tensor parallel":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(m.block, _mesh(), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return
+    fully_shard(m.block, mesh=_mesh())
+    if how == "fully_shard, block and root":
+        fully_shard(m, mesh=_mesh())
+
+
+def _sharded_after_a_plain_read(how: str) -> dict[str, Any]:
+    """A model read (and its EMA made) as a plain module, then sharded (``how``). Every ``local_shards`` until one
+    succeeds: each error (the root's class kept: a refusal naming the cause; the reading it leaves behind was a
+    crash in torch, "invalid python storage"), then the old state refused by ``update``, then a state made anew
+    stepped once against the full weights averaged in plain torch."""
+    import functional_ema as fe
+
+    torch.manual_seed(0)
+    model = Net()
+    old = fe.init_ema(fe.local_shards(model))
+    _shard(model, how)
+    out: dict[str, Any] = {"reads": []}
+    for _ in range(3):
+        error = raised(lambda: out.update(shards=fe.local_shards(model)))
+        out["reads"].append(error)
+        if error is None:
+            break
+    out["old state"] = raised(lambda: fe.update(old, out["shards"], 1, decay=DECAY))
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: t for n, t in _full(model).items() if n != "frozen"}
+    _train(model, 1.0)
+    state = fe.update(state, fe.local_shards(model), 1, decay=DECAY)
+    live = _full(model)
+    ref = {n: r.lerp(live[n].to(r.dtype), 1 - DECAY) for n, r in ref.items()}
+    out["gather"] = _compare(fe.gather_full(state, model), ref)
+    del out["shards"]
+    return out
+
+
+SHARDED_AFTER = ("fully_shard, block and root", "fully_shard, block only", "tensor parallel")
+
+
 def edits_worker() -> dict[str, dict[str, Any]]:
     """``{"<edit>/<root wrapped>": outcome}`` for every edit, both ways of wrapping."""
     out: dict[str, dict[str, Any]] = {}
@@ -349,6 +394,8 @@ def edits_worker() -> dict[str, dict[str, Any]]:
     out["fully_shard on the root after the first read/False"] = _scenario(False, _fully_shard_root)
     # the root's own parameter (plain: only the block is fully_shard-ed) re-shaped over the same memory
     out["root parameter re-shaped over its memory/False"] = _scenario(False, _reshape_gate)
+    for how in SHARDED_AFTER:
+        out[f"plain read, then {how}"] = _sharded_after_a_plain_read(how)
     return out
 
 
@@ -469,3 +516,23 @@ def test_a_torch_compile_wrapper_is_read_like_the_model(outcomes):
             _right(per_rank[f"torch.compile wrapper/{wrap}"], (rank, wrap), prefix="_orig_mod.")
             out = per_rank[f"state of the model, then its torch.compile wrapper/{wrap}"]
             _refused(out, (rank, wrap), "TreeMismatchError", "'block.0.bias'", "'_orig_mod.block.0.bias'")
+
+
+def test_a_model_sharded_after_a_plain_read_is_read_as_sharded(outcomes):
+    """A model first read as a plain module and sharded since: ``local_shards`` crashed inside torch ("invalid python
+    storage") reading the DTensors as plain tensors, on every call. Now the model is read as FSDP2 (at once when
+    ``fully_shard`` swapped the root's class; after one refusal naming the cause when the root's class stays), the
+    state made before is refused naming the cause, and a state made anew equals the reference."""
+    for rank, per_rank in enumerate(outcomes):
+        for how in SHARDED_AFTER:
+            out = per_rank[f"plain read, then {how}"]
+            reads = out["reads"]
+            if how == "fully_shard, block and root":
+                assert reads == [None], (rank, how, reads)
+            else:
+                assert len(reads) == 2 and reads[1] is None and reads[0][0] == "TypeError", (rank, how, reads)
+                assert "first read as a plain module, and FSDP2 (fully_shard) or tensor parallelism" in reads[0][1]
+                assert "fe.init_ema(fe.local_shards(model)) now reads the model as FSDP2" in reads[0][1]
+            kind, message = out["old state"]
+            assert kind == "TreeMismatchError" and "before the model was sharded (fully_shard" in message, out
+            assert out["gather"]["max"] == 0.0, (rank, how, out["gather"])

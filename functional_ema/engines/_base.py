@@ -155,11 +155,14 @@ class _Slot:
     """Holds a reading on the training object; copies and pickles of the object get an empty slot
     (a reading holds views of this process's buffers)."""
 
-    __slots__ = ("reading", "adapter")
+    __slots__ = ("reading", "adapter", "kind")
 
-    def __init__(self, reading: Reading | None = None, adapter: type | None = None) -> None:
+    def __init__(self, reading: Reading | None = None, adapter: type | None = None, kind: type | None = None) -> None:
         self.reading = reading
         self.adapter = adapter  # the adapter class, so the next call skips the type checks
+        # The object's class at the reading: fully_shard swaps a module's class (to FSDP<name>), and the adapter
+        # chosen for the plain module no longer applies.
+        self.kind = kind
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Slot:
         return _Slot()
@@ -176,7 +179,7 @@ def known_adapter(x: Any) -> type | None:
     """The adapter class that read ``x`` last, if any (kept with its reading on ``x``)."""
     d = getattr(x, "__dict__", None)
     slot = d.get(_SLOT) if d is not None else None
-    return slot.adapter if isinstance(slot, _Slot) else None
+    return slot.adapter if isinstance(slot, _Slot) and slot.kind is type(x) else None
 
 
 class Adapter:
@@ -203,15 +206,20 @@ class Adapter:
         previous = None
         self.keep = frozenset(keep)
         if isinstance(slot, _Slot) and slot.reading is not None:
-            if self._is_current(slot.reading) and self.keep <= slot.reading.params.keys():
+            mine = slot.adapter is type(self)
+            if mine and self._is_current(slot.reading) and self.keep <= slot.reading.params.keys():
                 return slot.reading
-            previous = slot.reading
-            close = getattr(previous.token, "close", None)
+            close = getattr(slot.reading.token, "close", None)
             if close is not None:  # e.g. hooks the stale reading registered on the model
                 close()
+            previous = slot.reading if mine else None  # another adapter's reading says nothing about this one's
         reading = self._read(previous)
-        self.target.__dict__[_SLOT] = _Slot(reading, type(self))
+        self.target.__dict__[_SLOT] = _Slot(reading, type(self), type(self.target))
         return reading
+
+    def forget(self) -> None:
+        """Drop the reading kept on the training object: the next call chooses the adapter anew."""
+        self.target.__dict__.pop(_SLOT, None)
 
     def _read(self, previous: Reading | None) -> Reading:  # pragma: no cover - abstract
         """A new reading; ``previous`` is the stale one it replaces (``None`` the first time)."""

@@ -133,6 +133,15 @@ class ModuleAdapter(Adapter):
         from . import refuse_engine_internals
 
         refuse_engine_internals(self.module())
+        if previous is not None and _sharded_since(self.module()):
+            self.forget()  # the next call reads it as FSDP2
+            raise TypeError(
+                "functional_ema: this model was first read as a plain module, and FSDP2 (fully_shard) or tensor "
+                "parallelism (DTensor parameters) was applied to it since: an EMA state made from that first reading "
+                "holds whole parameters and does not fit this rank's shards. Make the state after sharding: "
+                "fe.init_ema(fe.local_shards(model)) now reads the model as FSDP2 (to carry an EMA made before, save "
+                "it from the plain model with fe.save and fe.load it into the sharded one)."
+            )
         named = self._params(previous)
         group = getattr(self.target, "process_group", None) if is_ddp(self.target) else None
         if is_ddp(self.target) and group is None and dist.is_initialized():
@@ -156,6 +165,14 @@ class ModuleAdapter(Adapter):
             group if world > 1 else None,
             _Check.of(self.module(), params),
         )
+
+
+def _sharded_since(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` (on submodules only: the root's class stays, see ``_base._Slot.kind``) or
+    ``parallelize_module`` turned a module read as plain into an FSDP2 / DTensor one."""
+    from . import fsdp2
+
+    return fsdp2.is_fsdp2(module)
 
 
 def warn_unreduced(ddp: torch.nn.parallel.DistributedDataParallel, joined: list[str]) -> None:
