@@ -77,7 +77,8 @@ def local_shards(x: Any, *, include: SelectionLike = None, exclude: SelectionLik
     """
     if include is None and exclude is None:  # every parameter: the reading's own Shards, no extra step
         return adapter_for(x).read().shards
-    return select(adapter_for(x).read(), make_selection(include, exclude)).shards
+    adapter = adapter_for(x)
+    return select(adapter.read(), make_selection(include, exclude), adapter.module()).shards
 
 
 def shard_layout(x: Any) -> ShardLayout:

@@ -15,8 +15,9 @@ Patterns are shell-style, matched by :func:`fnmatch.fnmatchcase` against the who
 
 Checked where the argument enters (``local_shards``, the integrations' constructors for the types), each with
 one error naming the argument: a pattern that is not a ``str``, an empty pattern, an empty ``include`` list, a
-pattern that matches none of the names read (a typo, or a regular expression), a predicate that raises or
-returns anything but a ``bool``, and a selection that leaves no parameter.
+pattern that matches none of the model's parameter names (a typo, or a regular expression; a frozen parameter's
+name counts) or only tied aliases, a predicate that raises or returns anything but a ``bool``, and a selection
+that leaves no parameter.
 
 This module is a leaf: it imports nothing from the package at import time.
 """
@@ -24,7 +25,7 @@ This module is a leaf: it imports nothing from the package at import time.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["Selection", "SelectionLike", "make_selection", "selection_record", "check_loaded_selection"]
@@ -75,13 +76,18 @@ class Selection:
         """JSON for a checkpoint's manifest: patterns as lists, a predicate as ``"<predicate module.name>"``."""
         return {"include": _recorded(self.include), "exclude": _recorded(self.exclude)}
 
-    def apply(self, names: Sequence[str]) -> list[str]:
-        """The selected ``names``, in their order; every pattern and predicate checked (see the module docstring)."""
+    def apply(self, names: Sequence[str], unread: Callable[[], Mapping[str, str | None]] | None = None) -> list[str]:
+        """The selected ``names``, in their order; every pattern and predicate checked (see the module docstring).
+
+        ``unread``: gives the model's other parameter names, each mapped to the read name it is a tied alias of, or
+        to ``None`` (a parameter not read: frozen). Asked only for a pattern that matches no name read: one that
+        names a frozen parameter is no typo (frozen later, or unfrozen later, it selects it then), and one that names
+        only tied aliases is refused naming the name they are read under."""
         for part, what in ((self.include, "include"), (self.exclude, "exclude")):
             if isinstance(part, tuple):
                 for pattern in part:
                     if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                        raise ValueError(_no_match(what, pattern, names))
+                        _check_unread(what, pattern, names, unread() if unread is not None else None)
         chosen = [n for n in names if _matches(self.include, n, "include", True) and not self._excluded(n)]
         if not chosen:
             raise ValueError(
@@ -186,19 +192,42 @@ def _matches(part: _Part, name: str, what: str, default: bool) -> bool:
         ) from e
     if type(got) is not bool:  # a truthy tensor or string would select by accident
         raise TypeError(
-            f"{what}: the predicate {_qualname(part)} returned {type(got).__name__} {got!r:.60} for parameter "
-            f"{name!r}; it must return a bool"
+            f"{what}: the predicate {_qualname(part)} returned {_type_name(got)} {got!r:.60} for parameter "
+            f"{name!r}; it must return a Python bool (True or False)"
         )
     return got
 
 
-def _no_match(what: str, pattern: str, names: Sequence[str]) -> str:
+def _check_unread(what: str, pattern: str, names: Sequence[str], unread: Mapping[str, str | None] | None) -> None:
+    """Refuse ``pattern`` (which matches no name read) unless it names a parameter that is not read (frozen)."""
+    hits = [n for n in unread or () if fnmatch.fnmatchcase(n, pattern)]
+    if not hits:
+        raise ValueError(_no_match(what, pattern, names, None if unread is None else len(names) + len(unread)))
+    aliases = {n: unread[n] for n in hits if unread is not None and unread[n] is not None}
+    if len(aliases) == len(hits):
+        shown = ", ".join(f"{n!r} of {of!r}" for n, of in list(aliases.items())[:4])
+        raise ValueError(
+            f"{what} pattern {pattern!r} matches only tied aliases ({shown}): a tied parameter is read once, under "
+            "the first name named_parameters() gives it, so the pattern would select nothing. Name it by that name"
+        )
+
+
+def _type_name(value: Any) -> str:
+    """``int``, or ``numpy.bool`` where a builtin's name would mislead (numpy's bool is named ``bool`` too)."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _no_match(what: str, pattern: str, names: Sequence[str], total: int | None = None) -> str:
+    """``total``: the number of the model's parameter names, frozen ones and tied aliases included, where they were
+    searched too (``None``: only the ``names`` read)."""
     regex = any(c in pattern for c in "^$+\\(|")
     hint = " It looks like a regular expression: patterns are shell-style (fnmatch: * ? [seq])." if regex else ""
+    among = f"{len(names)} parameters read" if total is None else f"{total} parameter names of the model"
+    unread = "; frozen parameters are not read" if total is None else ""
     return (
-        f"{what} pattern {pattern!r} matches none of the {len(names)} parameters read (e.g. "
-        f"{', '.join(map(repr, names[:4]))}; frozen parameters are not read).{hint} Check the names with "
-        "[n for n, _ in model.named_parameters()]"
+        f"{what} pattern {pattern!r} matches none of the {among} (e.g. {', '.join(map(repr, names[:4]))}{unread})."
+        f"{hint} Check the names with [n for n, _ in model.named_parameters()]"
     )
 
 

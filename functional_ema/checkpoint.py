@@ -621,7 +621,7 @@ def load_checkpoint(
     timeout_s(timeout)  # checked now: a bad timeout is refused before any wait
     adapter = adapter_for(engine)
     selection = make_selection(include, exclude) or selection_of(out)  # checked before any collective
-    reading = select(adapter.read(), selection)
+    reading = select(adapter.read(), selection, adapter.module())
     layout, job = reading.layout, job_of(reading)
     arrive("load", job.group, job.world, job.rank, timeout)
     box: dict[str, Any] = {}

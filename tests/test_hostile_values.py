@@ -985,6 +985,7 @@ SELECTION_VALUES: dict[str, Callable[[], Any]] = {
     "raises": lambda: _raising,
     "non_bool": lambda: lambda name: 1,
     "tensor_bool": lambda: lambda name: torch.tensor(True),
+    "numpy_bool": lambda: lambda name: __import__("numpy").bool_(True),
 }
 INCLUDE = R(
     NONE_DEFAULT,

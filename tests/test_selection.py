@@ -255,11 +255,74 @@ def test_hf_trainer_callback_with_a_selection(tmp_path):
 def test_controller_refuses_a_selection_of_no_name_at_the_first_update():
     model = EncDec()
     ctrl = EMAController(DECAY, include="encoder.*")  # the types are checked here; the names with the model
-    with pytest.raises(ValueError, match=r"include pattern 'encoder\.\*' matches none of the 6 parameters read"):
+    with pytest.raises(
+        ValueError, match=r"include pattern 'encoder\.\*' matches none of the 7 parameter names of the model"
+    ):
         ctrl.on_step(model, 1)
     assert ctrl.state is None
     with pytest.raises(TypeError, match="exclude must be"):
         EMAController(DECAY, exclude=3)
+
+
+def test_patterns_that_name_frozen_parameters_or_tied_aliases(tmp_path):
+    """A pattern is checked against every parameter name of the model, not only those read. One that names a
+    parameter frozen later (``exclude="enc.*"``, the encoder frozen at step 2) was refused as a typo by the resume
+    ("matches none of the parameters read"), so a run that followed docs/core.md ("freezing a parameter later ... the
+    run goes on") could not be resumed; now the resume is accepted and equals the uninterrupted run (and the
+    plain-torch EMA of the selected names). One that names only a tied alias selects nothing and is refused, naming
+    the name the tensor is read under."""
+    torch.manual_seed(0)
+    model = EncDec()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.3)
+    ctrl, ref = EMAController(DECAY, exclude="enc.*"), None
+    for step in range(1, 6):
+        if step == 2:
+            model.enc.requires_grad_(False)  # frozen later: its EMA would go on at its constant value, were it in
+        if step == 4:  # resume here, into a model frozen as it was at the save
+            ctrl.save(model, tmp_path / "ck", 3)
+            fresh = EncDec()
+            fresh.enc.requires_grad_(False)
+            fresh.load_state_dict(model.state_dict())
+            resumed = EMAController(DECAY, exclude="enc.*")
+            resumed.load(fresh, tmp_path / "ck", framework_step=3)
+            fresh_opt = torch.optim.SGD([p for n, p in fresh.named_parameters() if n != "frozen"], lr=0.3)
+            fresh_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        _train(model, opt, step)
+        ctrl.on_step(model, step)
+        live = _live(model)
+        ref = (
+            {"dec.weight": live["dec.weight"], "dec.bias": live["dec.bias"]}
+            if ref is None
+            else {n: r.lerp(live[n], 1 - DECAY) for n, r in ref.items()}
+        )
+        if step >= 4:
+            _train(fresh, fresh_opt, step)
+            resumed.on_step(fresh, step)
+    assert sorted(ctrl.state.ema) == sorted(ref) == sorted(resumed.state.ema)
+    assert all(torch.equal(ctrl.state.ema[n], t) and torch.equal(resumed.state.ema[n], t) for n, t in ref.items())
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+            self.out.weight = self.emb.weight
+            self.head = nn.Linear(3, 2)
+
+    tied = Tied()
+    for kw in ({"exclude": "out.weight"}, {"include": ["head.*", "out.*"]}):
+        with pytest.raises(
+            ValueError,
+            match=r"pattern 'out\.(weight|\*)' matches only tied aliases \('out\.weight' "
+            r"of 'emb\.weight'\).*Name it by that name",
+        ):
+            fe.local_shards(tied, **kw)
+    assert list(fe.local_shards(tied, exclude="emb.weight")) == ["head.weight", "head.bias"]  # its first name
+    # a pattern that names a frozen parameter selects it once it trains: no typo
+    tied = Tied()
+    tied.head.requires_grad_(False)  # before the first read: not read
+    assert list(fe.local_shards(tied, include=["emb.*", "head.*"])) == ["emb.weight"]
+    with pytest.raises(ValueError, match=r"'nope\.\*' matches none of the 4 parameter names of the model"):
+        fe.local_shards(tied, include="nope.*")
 
 
 def test_selection_record_is_validated(tmp_path):

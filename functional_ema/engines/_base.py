@@ -91,7 +91,7 @@ class Reading:
 _MAX_SELECTIONS = 4
 
 
-def select(reading: Reading, selection: Selection | None) -> Reading:
+def select(reading: Reading, selection: Selection | None, module: torch.nn.Module | None = None) -> Reading:
     """The reading of the parameters ``selection`` picks (``reading`` itself for ``None``): the one place every
     engine's pieces are filtered by name (:mod:`functional_ema._selection`).
 
@@ -100,7 +100,8 @@ def select(reading: Reading, selection: Selection | None) -> Reading:
     group are the reading's for those names, so every verb (``save``, ``swapped``, ``gather_full``, copies into
     the model) touches the selected parameters only and leaves the others live. Kept on ``reading`` (made once
     per selection while the reading is current), so ``local_shards(x, include=...)`` returns the same object
-    every step and ``update`` keeps its fused plan."""
+    every step and ``update`` keeps its fused plan. ``module``: the model whose parameter names a pattern that
+    matches no name read is looked up in (frozen ones, tied aliases; see ``Selection.apply``)."""
     if selection is None:
         return reading
     cache = reading._selected
@@ -108,7 +109,8 @@ def select(reading: Reading, selection: Selection | None) -> Reading:
     if hit is not None:
         return hit
     layout = reading.layout
-    names = selection.apply(list(layout.specs))  # raises, naming the pattern or predicate, on a bad selection
+    unread = None if module is None else lambda: unread_names(module, layout.specs)
+    names = selection.apply(list(layout.specs), unread)  # raises, naming the pattern or predicate, on a bad selection
     shards = shards_from_views([(n, reading.shards[n]) for n in names])
     sub = Reading(
         shards,
@@ -123,6 +125,18 @@ def select(reading: Reading, selection: Selection | None) -> Reading:
         cache.pop(next(iter(cache)))
     cache[selection.key] = sub
     return sub
+
+
+def unread_names(module: torch.nn.Module, read: Mapping[str, Any]) -> dict[str, str | None]:
+    """``module``'s parameter names that are not in ``read``, each mapped to the read name it is a tied alias of
+    (the first name of the same parameter), or to ``None`` (a parameter not read, e.g. frozen)."""
+    first: dict[int, str] = {}
+    out: dict[str, str | None] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        if name not in read:
+            out[name] = first[id(p)] if first[id(p)] in read else None
+    return out
 
 
 def _select_layout(layout: ShardLayout, names: list[str]) -> ShardLayout:
@@ -148,7 +162,7 @@ def selection_of(state: Any) -> Selection | None:
 
 def read_for(adapter: Adapter, state: Any) -> Reading:
     """The adapter's reading, of the parameters ``state`` averages (its selection, if any)."""
-    return select(adapter.read(), selection_of(state))
+    return select(adapter.read(), selection_of(state), adapter.module())
 
 
 class _Slot:

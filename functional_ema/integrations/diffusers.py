@@ -472,7 +472,7 @@ class EMAModel:
         the starting values (this rank's slice of each), at ``optimization_step``."""
         x = _owner(params, hint, verb)
         adapter = adapter_for(x)
-        reading = select(adapter.read(), self._selection)  # positions left out are not averaged, as frozen ones
+        reading = select(adapter.read(), self._selection, adapter.module())  # positions left out: not averaged
         if not reading.layout.part.whole:
             raise NotImplementedError(
                 f"EMAModel.{verb}: the model is split into model-parallel parts ({reading.layout.part.describe()}); "
