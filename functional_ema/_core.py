@@ -22,7 +22,7 @@ from ._args import MAX_STEP as _MAX_STEP
 from ._args import check_step
 from ._offload import queue_update
 from ._plan import Plan
-from ._shards import Shards, clone_tree
+from ._shards import Shards, clone_tree, selection_note
 from ._state import PENDING_ATTR, EmaState, wait_pending
 from ._tree import TreeMismatchError, check_same_names, flatten_named
 from .schedules import DecayLike, interval_decay
@@ -624,7 +624,7 @@ def _per_tensor_plan(emas: tuple, shards: Any) -> Plan:
     ema_lists = []
     for k, ema in enumerate(emas):
         names, leaves, _ = flatten_named(ema, f"state.emas[{k}]")
-        check_same_names(names, src_names, f"state.emas[{k}]", "shards")
+        check_same_names(names, src_names, f"state.emas[{k}]", "shards", selection_note(ema, shards))
         ema_lists.append(leaves)
     src_shapes = list(map(_SHAPE, src))
     for k, leaves in enumerate(ema_lists):

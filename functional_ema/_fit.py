@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._layout import ShardSpec
-from ._shards import Shards
+from ._shards import Shards, selection_note
 from ._state import EmaState, wait_pending
 from ._tree import compile_hint, short_list
 
@@ -31,6 +31,25 @@ class FitProblem(NamedTuple):
     def error(self, mismatch: type[Exception], prefix: str, hint: str = "") -> Exception:
         """The exception to raise: ``prefix: message. hint`` as ``TypeError`` or as ``mismatch``."""
         return (TypeError if self.wrong_type else mismatch)(f"{prefix}: {self.message}" + (f". {hint}" if hint else ""))
+
+
+def _names_problem(k: int, ema: Mapping, specs: Mapping[str, ShardSpec], shards: Shards | None) -> FitProblem:
+    """The names of ``state.emas[k]`` differ from the reading's: which, and the likely cause (two selections, a
+    ``torch.compile`` prefix, or a parameter this model does not train)."""
+    missing, extra = sorted(set(specs) - set(ema)), sorted(set(ema) - set(specs))
+    note = selection_note(ema, shards)
+    not_here = (
+        "which this reading does not hold"
+        if note
+        else "which this model does not train (frozen here, or another model)"
+    )
+    parts = ([f"this model trains {short_list(missing)}, which the state lacks"] if missing else []) + (
+        [f"the state has EMAs of {short_list(extra)}, {not_here}"] if extra else []
+    )
+    return FitProblem(
+        f"state.emas[{k}] does not match this model's trainable parameters: {'; '.join(parts)}"
+        + (note or compile_hint(missing, extra))
+    )
 
 
 def state_problem(
@@ -88,18 +107,7 @@ def state_problem(
                 True,
             )
         if set(ema) != set(specs):
-            missing, extra = sorted(set(specs) - set(ema)), sorted(set(ema) - set(specs))
-            parts = ([f"this model trains {short_list(missing)}, which the state lacks"] if missing else []) + (
-                [
-                    f"the state has EMAs of {short_list(extra)}, which this model does not train (frozen here, or another model)"
-                ]
-                if extra
-                else []
-            )
-            return FitProblem(
-                f"state.emas[{k}] does not match this model's trainable parameters: {'; '.join(parts)}"
-                + compile_hint(missing, extra)
-            )
+            return _names_problem(k, ema, specs, shards)
         for n, spec in specs.items():
             t = ema[n]
             if not isinstance(t, torch.Tensor):

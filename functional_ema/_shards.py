@@ -26,7 +26,7 @@ import torch
 
 from . import _memory
 
-__all__ = ["SegmentIndex", "Shards", "clone_tree", "shards_from_views"]
+__all__ = ["SegmentIndex", "Shards", "clone_tree", "selection_note", "shards_from_views"]
 
 # Two views of one source buffer stay in one segment while the gap between them is at most this
 # many elements (ZeRO-3 pads each partition to ceil(numel / world_size); ZeRO-1/2 align groups).
@@ -332,3 +332,19 @@ def segment_count(tree: Any) -> int:
     if isinstance(tree, Shards):
         return len(tree.segments)
     return len(optree.tree_leaves(tree, none_is_leaf=False))
+
+
+def selection_note(ema: Any, shards: Any) -> str:
+    """Why an EMA and the shards it is used with name different parameters, when the reason is that they were read
+    with different include/exclude selections: ``" (the state was made from ...)"``; ``""`` otherwise (not two
+    ``Shards``, or the same selection), where the caller's own explanation stands."""
+    if not (isinstance(ema, Shards) and isinstance(shards, Shards)) or ema.selection == shards.selection:
+        return ""
+
+    def shown(selection: Any) -> str:
+        return "every parameter (no include/exclude)" if selection is None else f"the selection {selection.describe()}"
+
+    return (
+        f" (the state was made from {shown(ema.selection)}, and these shards are of {shown(shards.selection)}: pass "
+        "the same include/exclude at every call, or make a new state with init_ema)"
+    )

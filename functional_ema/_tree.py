@@ -31,11 +31,16 @@ def flatten_named(tree: Any, what: str = "shards") -> tuple[list[str], list[torc
 
 
 def check_same_names(
-    expected: list[str], got: list[str], expected_what: str = "the EMA state", got_what: str = "shards"
+    expected: list[str],
+    got: list[str],
+    expected_what: str = "the EMA state",
+    got_what: str = "shards",
+    why: str = "",
 ) -> None:
     """Raise :class:`TreeMismatchError` naming the missing and extra names unless the lists are equal.
 
-    Names are optree paths (``flatten_named``), so a ``dict`` and a ``Shards`` with the same keys match.
+    Names are optree paths (``flatten_named``), so a ``dict`` and a ``Shards`` with the same keys match. ``why``:
+    the caller's explanation of a mismatch (e.g. two selections), given instead of the usual one.
     """
     if expected == got:
         return
@@ -48,7 +53,11 @@ def check_same_names(
         parts.append(f"not in {expected_what}: {short_list(extra)}")
     if not parts:
         parts.append("same names, different nesting or order")
-    hint = compile_hint(missing, extra) or (_new_names_hint(expected_what) if extra and got_what == "shards" else "")
+    hint = (
+        why
+        or compile_hint(missing, extra)
+        or (_new_names_hint(expected_what) if extra and got_what == "shards" else "")
+    )
     raise TreeMismatchError(f"{got_what} do not match {expected_what}; " + "; ".join(parts) + hint)
 
 

@@ -133,6 +133,7 @@ from ._core import _allocate, check_ema_dtype
 from ._fit import state_problem
 from ._layout import ShardLayout
 from ._selection import SelectionLike, check_loaded_selection, make_selection
+from ._shards import Shards
 from ._state import BufferState, EmaState
 from ._storage import storage_for
 from .engines import adapter_for
@@ -647,7 +648,7 @@ def load_checkpoint(
                 "accept the loss"
             )
         if out is not None:
-            box["target"] = _load_target(out, ckpt, layout)
+            box["target"] = _load_target(out, ckpt, layout, reading.shards)
         return load_record(ckpt, layout, not layout.part.whole)
 
     @access()
@@ -729,8 +730,9 @@ def load_record(ckpt: CheckpointReader, layout: ShardLayout, across_parts: bool)
     }
 
 
-def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout) -> tuple:
-    """``out.emas``, checked as the destination of ``ckpt``'s EMAs for this rank's pieces."""
+def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout, shards: Shards) -> tuple:
+    """``out.emas``, checked as the destination of ``ckpt``'s EMAs for this rank's pieces (``shards``: the
+    reading loaded into)."""
     problem = state_problem(
         out,
         layout.specs,
@@ -739,6 +741,7 @@ def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout) -> 
         dtype=ckpt.dtype,
         source=f"tag {ckpt.tag!r}",
         contiguous=True,
+        shards=shards,
     )
     if problem:
         raise problem.error(

@@ -237,7 +237,7 @@ def test_parameters_unfrozen_mid_run_join_the_ema_as_if_averaged_all_along(tmp_p
 
     # From step 2 (no backbone in the EMA), frozen at the resume as it was then: it joins at step 4.
     m2, o2 = _resumed(early)
-    c2, r2 = EMAController(decays, every_n_steps=every), ref_early
+    c2, r2 = EMAController(decays, every_n_steps=every), copy.deepcopy(ref_early)
     assert c2.load(m2, tmp_path / "s2", framework_step=2) == 2
     _train(c2, m2, o2, r2, range(3, 9), unfreeze_at=4)
     assert _matches(c2, ref) and _matches(c2, r2)
@@ -254,6 +254,16 @@ def test_parameters_unfrozen_mid_run_join_the_ema_as_if_averaged_all_along(tmp_p
     c4.load(m4, tmp_path / "s6", framework_step=6)
     _train(c4, m4, o4, copy.deepcopy(ref_late), range(7, 9), unfreeze_at=7)  # unfrozen again: as never stopped
     assert _matches(c4, ref)
+    # The first model object itself rolled back to step 2 (a rollback, a second fit in the same process), frozen as
+    # it was then: the reading kept on it holds the backbone, trained since, and the resume was refused ("trained
+    # now"); the resume reads the model afresh and goes on as the uninterrupted run.
+    model.backbone.requires_grad_(False)
+    model.load_state_dict(early[2])
+    opt.load_state_dict(copy.deepcopy(early[1]))
+    c5 = EMAController(decays, every_n_steps=every)
+    assert c5.load(model, tmp_path / "s2", framework_step=2) == 2
+    _train(c5, model, opt, copy.deepcopy(ref_early), range(3, 9), unfreeze_at=4)
+    assert _matches(c5, ref)
 
 
 def test_an_unfreezing_seen_only_after_the_optimizer_step_warns_and_starts_from_there(recwarn):
@@ -314,6 +324,26 @@ def test_a_frozen_module_replaced_is_let_go_and_its_successor_watched():
     c.before_optimizer_step(model)
     assert torch.equal(c.state.ema["backbone.weight"], model.backbone.weight.detach())
     assert torch.equal(c.state.ema["head.weight"], model.head.weight.detach())  # nothing trained: the weights
+
+
+def test_a_frozen_module_replaced_by_a_trainable_one_is_named_as_new(recwarn):
+    """A frozen module replaced by a trainable one between updates (a head swap): no hook watched the new parameters,
+    so they join at the update after the step that trained them. The warning said to call the pre-step hook, which the
+    loop did; it now says they are new parameters under names frozen when the EMA started."""
+    model, opt = _fresh(frozen=True)
+    c = EMAController(0.8)
+    _train(c, model, opt, ReferenceEMA([0.8]), range(1, 3))
+    model.backbone = torch.nn.Linear(7, 9)  # trainable
+    opt.add_param_group({"params": list(model.backbone.parameters())})
+    _train(c, model, opt, ReferenceEMA([0.8]), range(3, 4))
+    (w,) = [w for w in recwarn if "EMA" in str(w.message)]
+    assert (
+        "'backbone.weight', 'backbone.bias' are new parameters, set since the EMA started under names that were "
+        "frozen then (their module replaced)"
+        in str(w.message)
+        and "before_optimizer_step" not in str(w.message)
+    )
+    assert torch.equal(c.state.ema["backbone.weight"], model.backbone.weight.detach())  # from its value after step 3
 
 
 def test_posthoc_snapshots_across_an_unfreezing_say_so(tmp_path):

@@ -325,6 +325,39 @@ def test_patterns_that_name_frozen_parameters_or_tied_aliases(tmp_path):
         fe.local_shards(tied, include="nope.*")
 
 
+def test_another_selection_is_named_as_the_cause(tmp_path):
+    """A state, checkpoint or ``out=`` of one selection used with another: each refusal names both selections; none
+    blames freezing or unfreezing (they did, though nothing here is frozen), and the controller's resume hint about
+    unfreezing is not added."""
+    model = EncDec()
+    model.frozen.requires_grad_(True)  # nothing frozen
+    state = fe.init_ema(fe.local_shards(model, include="dec.*"))
+    with pytest.raises(fe.TreeMismatchError) as e:
+        fe.update(state, fe.local_shards(model), 1, decay=DECAY)
+    assert (
+        "the state was made from the selection include='dec.*', exclude=None, and these shards are of every "
+        "parameter (no include/exclude)"
+        in str(e.value)
+        and "frozen then" not in str(e.value)
+    ), str(e.value)
+    c = EMAController(DECAY, include="dec.*")
+    c.on_step(model, 1)
+    c.save(model, tmp_path / "c", 1)
+    with pytest.raises(fe.CheckpointError) as e:
+        EMAController(DECAY).load(model, tmp_path / "c", framework_step=1)
+    assert "was saved with the selection include='dec.*'" in str(e.value)
+    assert "resume with them frozen" not in str(e.value), str(e.value)
+    fe.save(c.state, model, tmp_path / "f", "t")
+    with pytest.raises(fe.CheckpointError) as e:
+        fe.load(model, tmp_path / "f", "t", out=fe.init_ema(fe.local_shards(model)), include="dec.*")
+    assert (
+        "which this reading does not hold (the state was made from every parameter (no include/exclude), and "
+        "these shards are of the selection include='dec.*'"
+        in str(e.value)
+        and "(frozen here" not in str(e.value)
+    )
+
+
 def test_selection_record_is_validated(tmp_path):
     model = EncDec()
     fe.save(fe.init_ema(fe.local_shards(model, include="dec.*")), model, tmp_path, "t")

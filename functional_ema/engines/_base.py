@@ -232,8 +232,12 @@ class Adapter:
         return reading
 
     def forget(self) -> None:
-        """Drop the reading kept on the training object: the next call chooses the adapter anew."""
-        self.target.__dict__.pop(_SLOT, None)
+        """Drop the reading kept on the training object (and what it registered on the model): the next call
+        chooses the adapter and reads the model anew, with no memory of parameters read before."""
+        slot = self.target.__dict__.pop(_SLOT, None)
+        close = getattr(getattr(getattr(slot, "reading", None), "token", None), "close", None)
+        if close is not None:
+            close()
 
     def _read(self, previous: Reading | None) -> Reading:  # pragma: no cover - abstract
         """A new reading; ``previous`` is the stale one it replaces (``None`` the first time)."""

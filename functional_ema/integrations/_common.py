@@ -276,12 +276,13 @@ class EMAController:
             )
         return self.buffer_state
 
-    def _grown(self, shards: Any, late: bool = False) -> fe.EmaState | None:
+    def _grown(self, shards: Any, late_model: Any = None) -> fe.EmaState | None:
         """The state with the parameters added that were frozen when it began (or was resumed) and are trained
         in ``shards`` now, each EMA of them starting from its current value: what an EMA that had averaged them
         from the start holds, if they did not change while frozen (the EMA of a constant is that constant), and
-        unless ``late``: an optimizer step has trained them since (:meth:`on_step` noticing them, which warns).
-        ``None`` when ``shards`` differ from the state otherwise (the verbs then refuse it, naming the parameter)."""
+        unless ``late_model`` (the model) is given: an optimizer step has trained them since (:meth:`on_step` noticing them, which
+        warns). ``None`` when ``shards`` differ from the state otherwise (the verbs then refuse it, naming the
+        parameter)."""
         have = None if self.state is None else self.state.emas[0]
         if not isinstance(have, fe.Shards) or not isinstance(shards, fe.Shards):
             return None
@@ -294,19 +295,30 @@ class EMAController:
         state = cast(fe.EmaState, self.state)
         grown = grown_state(state, shards, int(state.step), dtype=have[next(iter(have))].dtype)
         what = f"EMA: {short_list(added)}, frozen when the EMA started or resumed, are trained now"
-        if late:
-            warnings.warn(
-                f"{what}; their EMA starts from their values after the optimizer step that first trained them, one "
-                "step later than an EMA that had averaged them all along. To add them before that step, call the "
-                "EMA's hook before each optimizer step, as the Lightning and Transformers callbacks do: "
-                "AcceleratorEMA.before_step(), EMAController.before_optimizer_step(model)",
-                UserWarning,
-                stacklevel=4,
-            )
+        if late_model is not None:
+            warnings.warn(self._late_join_message(late_model, added, what), UserWarning, stacklevel=4)
         else:
             logger.info("%s: they join the EMA from their current values", what)
         self._frozen = {n: p for n, p in self._frozen.items() if n not in added}
         return grown
+
+    def _late_join_message(self, x: Any, added: list[str], what: str) -> str:
+        """Why parameters join only after the step that trained them: unfrozen with no pre-step hook called, or new
+        parameters (their module replaced since the EMA started, under names frozen then), which no hook watched."""
+        live = fe.engines.adapter_for(x).read().params
+        replaced = [n for n in added if live.get(n) is not self._frozen.get(n)]
+        if replaced:
+            return (
+                f"EMA: {short_list(replaced)} are new parameters, set since the EMA started under names that were "
+                "frozen then (their module replaced), and are trained now: their EMA starts from their values after "
+                "the optimizer step that first trained them (nothing watched them before it)"
+            )
+        return (
+            f"{what}; their EMA starts from their values after the optimizer step that first trained them, one "
+            "step later than an EMA that had averaged them all along. To add them before that step, call the "
+            "EMA's hook before each optimizer step, as the Lightning and Transformers callbacks do: "
+            "AcceleratorEMA.before_step(), EMAController.before_optimizer_step(model)"
+        )
 
     def _watch_frozen(self, x: Any, shards: Any) -> None:
         """After an update: when the model was read anew since the frozen parameters were taken (a module replaced,
@@ -350,7 +362,7 @@ class EMAController:
             try:
                 self.state = fe.update(self.state, shards, step, decay=self.decay)
             except fe.TreeMismatchError:  # checked before anything is written
-                grown = self._grown(shards, late=True)
+                grown = self._grown(shards, late_model=x)
                 if grown is None:
                     raise
                 self.state = fe.update(grown, shards, step, decay=self.decay)
@@ -526,6 +538,7 @@ class EMAController:
         job = job_of(fe.engines.adapter_for(x).read())
 
         saved_names: set[str] = set()  # the parameters the EMA checkpoint holds (this rank's reading of it)
+        saved_selection: list[Any] = [None]  # the manifest's selection record (None: every parameter)
 
         def decide() -> tuple[str, dict[str, Any] | None, bool]:
             record = _read_record_at(tag_dir / RECORD_NAME)
@@ -539,6 +552,7 @@ class EMAController:
                 generation = int(manifest["generation"])
                 buffers = all(p.get("buffer_files") is not None for p in manifest_parts(manifest))
                 saved_names.update(n for p in manifest_parts(manifest) for n in p["params"])
+                saved_selection[0] = manifest.get("selection")
             if record is not None and (
                 generation is None or _int_field(record, "supersedes_generation", tag_dir) >= generation
             ):
@@ -570,7 +584,7 @@ class EMAController:
                 f"record, but at framework step {framework_step} the EMA (start_step={self.start_step}) must have "
                 "started. Was the EMA callback attached when this checkpoint was written, and did its save finish?"
             )
-        return self._load_saved(x, location, tag_dir, saved_names, saved_buffers, framework_step)
+        return self._load_saved(x, location, tag_dir, saved_names, saved_buffers, framework_step, saved_selection[0])
 
     def _load_saved(
         self,
@@ -580,6 +594,7 @@ class EMAController:
         saved: set[str],
         saved_buffers: bool,
         framework_step: int | None,
+        saved_selection: dict[str, Any] | None = None,
     ) -> int:
         """:meth:`load` of an EMA checkpoint (``saved``: the parameters it holds), checked against the framework's
         step; the frozen parameters it holds are read in (:func:`_read_frozen`). Returns the verified saved step."""
@@ -595,7 +610,8 @@ class EMAController:
                 exclude=self.exclude,
             )
         except fe.CheckpointError as e:
-            raise type(e)(f"resuming the EMA from {tag_dir}: {e}{self._unfrozen_hint(x, saved)}") from e
+            hint = self._unfrozen_hint(x, saved, saved_selection)
+            raise type(e)(f"resuming the EMA from {tag_dir}: {e}{hint}") from e
         saved_step = self._check_loaded(tag_dir, loaded, framework_step)
         self.state = loaded.state
         self._frozen, self._frozen_of = _frozen_params(x, loaded.state), None
@@ -607,10 +623,13 @@ class EMAController:
             self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=int(loaded.state.step))
         return saved_step
 
-    def _unfrozen_hint(self, x: Any, saved: set[str]) -> str:
+    def _unfrozen_hint(self, x: Any, saved: set[str], saved_selection: dict[str, Any] | None) -> str:
         """For a resume refused because the model trains parameters the checkpoint lacks, and only that: how a
-        run that unfroze them after the save resumes."""
+        run that unfroze them after the save resumes. ``saved_selection``: the checkpoint's selection record."""
         with contextlib.suppress(Exception):  # a hint only: the refusal stands whatever happens here
+            mine = make_selection(self.include, self.exclude)
+            if saved_selection != (None if mine is None else mine.record()):
+                return ""  # another selection than the checkpoint's: that refusal names both, unfreezing is not it
             names = fe.local_shards(x, include=self.include, exclude=self.exclude).index.names
             added = [n for n in names if n not in saved]
             if saved and added and saved <= set(names):
@@ -821,14 +840,17 @@ def _frozen_params(x: Any, state: fe.EmaState) -> dict[str, torch.Tensor]:
 
 
 def _read_frozen(x: Any, saved: set[str]) -> None:
-    """Read the model with its frozen parameters that the EMA checkpoint holds (trained before the save, frozen
-    again at the resume, e.g. by a fine-tuning schedule that freezes at setup): they stay in the EMA, as a
-    parameter frozen during a run does. A module's and FSDP2's readings; DeepSpeed reads its optimizer's groups."""
+    """Read the model afresh, with its frozen parameters that the EMA checkpoint holds (trained before the save,
+    frozen again at the resume, e.g. by a fine-tuning schedule that freezes at setup): they stay in the EMA, as a
+    parameter frozen during a run does. Afresh: a reading kept from earlier in this process holds every parameter
+    trained since it was made (see ``engines._base.is_read``), and a resume into the same model object (a rollback,
+    a second ``fit``) starts from the checkpoint and the model as they are now, as a new process would. A module's
+    and FSDP2's readings; DeepSpeed reads its optimizer's groups."""
     adapter = fe.engines.adapter_for(x)
-    if adapter.keeps_frozen and saved:
+    if adapter.keeps_frozen:
         keep = {n for n, p in adapter.module().named_parameters() if n in saved and not p.requires_grad}
-        if keep:
-            adapter.read(keep=keep)
+        adapter.forget()
+        adapter.read(keep=keep)
 
 
 def _publish_url_record(tag_dir: StoragePath, record: dict, rank: int) -> None:
