@@ -88,13 +88,17 @@ class Selection:
                 for pattern in part:
                     if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
                         _check_unread(what, pattern, names, unread() if unread is not None else None)
-        chosen = [n for n in names if _matches(self.include, n, "include", True) and not self._excluded(n)]
+        chosen = [n for n in names if self.picks(n)]
         if not chosen:
             raise ValueError(
                 f"the selection ({self.describe()}) leaves none of the {len(names)} parameters read "
                 f"(e.g. {', '.join(map(repr, names[:4]))}): nothing would be averaged. Widen include or narrow exclude"
             )
         return chosen
+
+    def picks(self, name: str) -> bool:
+        """Whether the selection picks ``name`` (``include`` matches it and ``exclude`` does not)."""
+        return _matches(self.include, name, "include", True) and not self._excluded(name)
 
     def _excluded(self, name: str) -> bool:
         return _matches(self.exclude, name, "exclude", False)

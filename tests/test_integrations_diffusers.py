@@ -315,7 +315,7 @@ def test_arguments_refused_where_they_enter():
     by_list.step(list(net.parameters()))
     assert by_list._x is net and all(torch.equal(a, b) for a, b in zip(by_list.shadow_params, net.parameters()))
     loose = EMAModel([torch.zeros(2)])
-    with pytest.raises(TypeError, match="no module in this process has exactly these parameters"):
+    with pytest.raises(TypeError, match=r"parameters\[0\] belongs to no module in this process"):
         loose.step([torch.ones(2)])
 
 
@@ -587,6 +587,289 @@ def test_parameter_unfrozen_after_the_first_step_joins_the_ema():
         theirs.step(twin.parameters())
         _agree("steps after unfreezing", model, twin, ours, theirs)
     assert "frozen.bias" in ours.state.emas[0]
+
+
+def _seq_pair(frozen: bool = False) -> tuple:
+    """A small model and its twin (identical values), optionally with a frozen LayerNorm."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.LayerNorm(10), nn.Linear(10, 3))
+    if frozen:
+        model[1].requires_grad_(False)
+    return model, copy.deepcopy(model)
+
+
+def _train(*models: nn.Module, steps: int = 1) -> None:
+    """The same AdamW steps on each of ``models`` (twins stay bitwise equal)."""
+    for m in models:
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.1)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(steps):
+            m(torch.randn(8, 6, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def _close(ours, theirs, what: str) -> None:
+    a, b = ours.shadow_params, theirs.shadow_params
+    assert len(a) == len(b), what
+    assert all(torch.allclose(x, y, rtol=1e-6, atol=1e-6) for x, y in zip(a, b)), what
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_starting_values_kept_where_they_count():
+    """The constructor's parameters are the EMA's starting values, as diffusers' copies, though held by reference
+    (no full copy) until they count: copied when optimization_step is set by hand (train_unconditional.py forks, on
+    resume) or when read. Changed in place before that (training before the first EMA step, a hand edit), they are
+    refused where the values count, and the fix the message names gives diffusers' values."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    kw = {"inv_gamma": 1.0, "power": 3 / 4, "max_value": 0.9999}
+    model, twin = _seq_pair()
+    ours, theirs = EMAModel(model, **kw), DiffusersEMA(twin, **kw)  # the fork's call: the trained model itself
+    assert ours._pending[0].data_ptr() == model[0].weight.data_ptr()  # no copy at construction
+    ours.optimization_step = theirs.optimization_step = 1000  # the resume, before training
+    _train(model, twin)
+    ours.step(model.parameters())
+    theirs.step(twin.parameters())
+    assert ours.cur_decay_value == theirs.cur_decay_value > 0.99
+    _close(ours, theirs, "first step after optimization_step set by hand")
+    # read before any change: the values given, copied then (training after it leaves them as they were)
+    model, twin = _seq_pair()
+    ours, theirs = EMAModel(model.parameters()), DiffusersEMA(twin.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(ours.shadow_params, theirs.shadow_params))
+    _train(model, twin, steps=2)
+    mine, want = ours.state_dict()["shadow_params"], theirs.state_dict()["shadow_params"]
+    assert all(torch.equal(a, b) for a, b in zip(mine, want))
+    ours.update_after_step = theirs.update_after_step = -1  # by hand: the first decay is not 0
+    ours.step(model.parameters())
+    theirs.step(twin.parameters())
+    _close(ours, theirs, "first step with a nonzero decay after training")
+    # trained (or changed by hand) before the first step, unread: refused where the values count; the fix works
+    model, twin = _seq_pair()
+    ours, theirs = EMAModel(model.parameters()), DiffusersEMA(twin.parameters())
+    _train(model, twin)
+    with pytest.raises(RuntimeError, match=r"pass copies: EMAModel\(\[p.detach\(\).clone\(\)"):
+        ours.state_dict()
+    model, twin = _seq_pair()
+    ours, theirs = EMAModel(model.parameters()), DiffusersEMA(twin.parameters())
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.add_(1.0)
+            q.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"pass copies: EMAModel\(\[p.detach\(\).clone\(\)"):
+        ours.state_dict()
+    fixed = EMAModel([p.detach().clone() for p in _seq_pair()[0].parameters()])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(fixed.shadow_params, theirs.shadow_params))
+    ours.step(model.parameters())  # optimization_step 0: decay 0, the starting values do not count
+    theirs.step(twin.parameters())
+    assert ours.cur_decay_value == theirs.cur_decay_value == 0.0
+    assert all(torch.equal(a, p) for a, p in zip(ours.shadow_params, model.parameters()))
+
+
+def test_load_state_dict_copies_the_values():
+    """load_state_dict before the first step copies shadow_params (diffusers deep-copies): a source EMA stepping
+    on leaves the loaded one as it was, and both classes continue alike."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    model, _ = _seq_pair()
+    src = DiffusersEMA(copy.deepcopy(model).parameters(), decay=0.9)
+    src.step(model.parameters())
+    sd = src.state_dict()
+    loaded = [t.clone() for t in sd["shadow_params"]]
+    ours, theirs = EMAModel(copy.deepcopy(model).parameters(), decay=0.9), DiffusersEMA(model.parameters(), decay=0.9)
+    ours.load_state_dict(sd)
+    theirs.load_state_dict(sd)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    src.step(model.parameters())  # changes sd["shadow_params"] in place
+    assert all(torch.equal(a, b) for a, b in zip(ours.shadow_params, loaded))
+    twin = copy.deepcopy(model)
+    ours.step(model.parameters())
+    theirs.step(twin.parameters())
+    _close(ours, theirs, "after loading")
+
+
+def test_shadow_params_assigned_and_frozen_ones_copied():
+    """``ema.shadow_params = [...]`` (public scripts) loads the values, checked as load_state_dict; the shadow of a
+    frozen parameter is a copy, so editing the EMA in place leaves the model as diffusers does."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    model, twin = _seq_pair(frozen=True)
+    ours, theirs = EMAModel(copy.deepcopy(model).parameters(), decay=0.9), DiffusersEMA(twin.parameters(), decay=0.9)
+    ours.step(model.parameters())
+    theirs.step(twin.parameters())
+    ours.shadow_params = [p.detach().clone() + 1 for p in model.parameters()]
+    theirs.shadow_params = [p.detach().clone() + 1 for p in twin.parameters()]
+    frozen = [i for i, p in enumerate(model.parameters()) if not p.requires_grad]
+    assert all(
+        torch.equal(a, b) for i, (a, b) in enumerate(zip(ours.shadow_params, theirs.shadow_params)) if i not in frozen
+    )
+    with pytest.raises(ValueError, match=r"EMAModel.shadow_params: EMAModel.shadow_params hold 1 tensors"):
+        ours.shadow_params = [torch.zeros(2)]
+    live = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for a, b in zip(ours.shadow_params, theirs.shadow_params):
+            a.zero_()
+            b.zero_()
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), live))
+    assert all(torch.equal(p, v) for p, v in zip(twin.parameters(), live))
+    _train(model, twin)
+    ours.step(model.parameters())
+    theirs.step(twin.parameters())
+    _close(ours, theirs, "after assigning and editing")
+
+
+def test_some_parameters_of_one_model():
+    """``EMAModel([p for p in model.parameters() if p.requires_grad])`` averages those (the lowest module holding
+    them all is the model), by position as diffusers, through every method; parameters of two models are refused
+    naming one EMAModel per model, and that works."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    model, twin = _seq_pair()
+    model[0].requires_grad_(False)
+    twin[0].requires_grad_(False)
+    mine = [p for p in model.parameters() if p.requires_grad][::-1]  # any order: positions are the list's
+    theirs_p = [p for p in twin.parameters() if p.requires_grad][::-1]
+    ours, theirs = EMAModel(mine, decay=0.9), DiffusersEMA(theirs_p, decay=0.9)
+    for _ in range(3):
+        _train(model, twin)
+        ours.step(mine)
+        theirs.step(theirs_p)
+        assert ours.cur_decay_value == theirs.cur_decay_value
+        _close(ours, theirs, "subset")
+    assert ours._x is model and len(ours.state_dict()["shadow_params"]) == 4
+    live = [p.detach().clone() for p in model.parameters()]
+    ours.store(mine)
+    ours.copy_to(mine)
+    theirs.copy_to(theirs_p)
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(model.parameters(), twin.parameters()))
+    ours.restore(mine)
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), live))
+    with pytest.raises(ValueError, match="pass the same ones every step"):
+        ours.step(model.parameters())
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"different models .* one EMAModel per model"):
+        EMAModel(list(a.parameters()) + list(b.parameters())).step(list(a.parameters()) + list(b.parameters()))
+    for m in (a, b):  # the fix the message names
+        EMAModel(copy.deepcopy(m).parameters()).step(m.parameters())
+
+
+def test_refused_restore_leaves_the_ema_unstored():
+    """restore() refusing a model re-typed inside the swap (fe.swapped puts the trained values back) leaves the
+    EMA un-stored: the next step runs (diffusers' too) instead of asking for restore() again."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    import functional_ema as fe
+    from functional_ema.integrations.diffusers import EMAModel
+
+    model, twin = _seq_pair()
+    ours, theirs = EMAModel(copy.deepcopy(model).parameters(), decay=0.9), DiffusersEMA(twin.parameters(), decay=0.9)
+    for ema, m in ((ours, model), (theirs, twin)):
+        ema.step(m.parameters())
+        ema.store(m.parameters())
+        ema.copy_to(m.parameters())
+        m.half()
+    with pytest.raises(fe.SwappedParametersChangedError):
+        ours.restore(model.parameters())
+    theirs.restore(twin.parameters())
+    model.float()
+    twin.float()
+    ours.step(model.parameters())
+    theirs.step(twin.parameters())
+    assert ours.optimization_step == theirs.optimization_step == 2
+    assert all(torch.allclose(a, b, atol=1e-2) for a, b in zip(ours.shadow_params, theirs.shadow_params))
+
+
+def test_load_state_dict_refuses_meta_tensors():
+    """shadow_params on the meta device are refused at the load, naming the key and index (before, a bare torch
+    error at the next step); nothing changes."""
+    from functional_ema.integrations.diffusers import EMAModel
+
+    model, _ = _seq_pair()
+    meta = [t.to("meta") for t in model.parameters()]
+    fresh, bound = EMAModel(copy.deepcopy(model).parameters()), EMAModel(copy.deepcopy(model).parameters())
+    bound.step(model.parameters())
+    for ema in (fresh, bound):
+        before = [t.clone() for t in ema.shadow_params]
+        with pytest.raises(ValueError, match=r"state_dict\['shadow_params'\]\[0\] is on the meta device"):
+            ema.load_state_dict({"shadow_params": meta, "optimization_step": 5})
+        assert ema.optimization_step == bound.optimization_step * (ema is bound)
+        assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, before))
+
+
+def test_deepcopy_and_pickling_of_a_bound_ema():
+    """copy.deepcopy of a stepped EMA copies its values and averages the same trained model (diffusers' too);
+    torch.save of one is refused naming state_dict() and save_pretrained, and the named way works."""
+    import io
+
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    model, twin = _seq_pair()
+    ours, theirs = EMAModel(copy.deepcopy(model).parameters(), decay=0.9), DiffusersEMA(twin.parameters(), decay=0.9)
+    ours.step(model.parameters())
+    theirs.step(twin.parameters())
+    best, best_theirs = copy.deepcopy(ours), copy.deepcopy(theirs)
+    assert best._x is model
+    _train(model, twin)
+    for ema, m in ((best, model), (best_theirs, twin), (ours, model), (theirs, twin)):
+        ema.step(m.parameters())
+    _close(best, best_theirs, "the copy")
+    _close(ours, theirs, "the original")
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(best.shadow_params, ours.shadow_params))
+    with pytest.raises(TypeError, match=r"ema.state_dict\(\).*save_pretrained"):
+        torch.save(ours, io.BytesIO())
+    buf = io.BytesIO()
+    torch.save(ours.state_dict(), buf)
+    buf.seek(0)
+    back = EMAModel(copy.deepcopy(model).parameters())
+    back.load_state_dict(torch.load(buf))
+    assert all(torch.equal(a, b) for a, b in zip(back.shadow_params, ours.shadow_params))
+    fresh = EMAModel(copy.deepcopy(model).parameters())  # before the first step: pickles, as diffusers'
+    buf = io.BytesIO()
+    torch.save(fresh, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(again.shadow_params, fresh.shadow_params))
+
+
+def test_warmup_settings_set_by_hand_are_named():
+    """With the warm-up on, settings set by hand out of range are refused naming the attribute set (before:
+    the schedule's max_decay / start_step); in range they give diffusers' decay."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    p = [nn.Parameter(torch.zeros(2))]
+    for attr, value, name in (
+        ("min_decay", 0.7, "EMAModel.min_decay"),
+        ("decay", 1.5, "EMAModel.decay"),
+        ("update_after_step", -1, "EMAModel.update_after_step"),
+        ("power", 0.0, "EMAModel.power"),
+    ):
+        ema = EMAModel(p, decay=0.5, use_ema_warmup=True)
+        setattr(ema, attr, value)
+        with pytest.raises(ValueError, match=rf"^{name}\b") as e:
+            ema.get_decay(10)
+        assert "max_decay" not in str(e.value) and "start_step" not in str(e.value)
+    ours, theirs = EMAModel(p, use_ema_warmup=True), DiffusersEMA(p, use_ema_warmup=True)
+    for f, v in (("decay", 0.9), ("min_decay", 0.3), ("update_after_step", 4), ("inv_gamma", 2.0)):
+        setattr(ours, f, v)
+        setattr(theirs, f, v)
+        assert all(ours.get_decay(s) == theirs.get_decay(s) for s in range(30)), f
 
 
 # ------------------------------------------------------------------------------------------ ranks

@@ -20,9 +20,12 @@ What differs from diffusers' class, and why:
   model), ``1 / world_size`` of the model per rank under ZeRO or FSDP2, and no communication per step.
   diffusers keeps a full copy on every rank and gathers every ZeRO-3 parameter at every step.
 * The parameters given to the constructor (a separate copy of the model) are the EMA's starting
-  values, as in diffusers. They are kept, not copied, until the first step, where this rank's slice of
-  each is taken and the rest released. (The first step's decay is 0 for every ``update_after_step >= 0``,
-  so the EMA then equals the trained weights whatever they were.)
+  values, as in diffusers. They are held by reference until they count (the first step's decay is 0 with
+  ``optimization_step`` 0, so usually never: no full copy), and copied while still the values given:
+  when ``optimization_step`` is set by hand, when read. Changed in place before that (an optimizer step, a
+  load), they are refused where they count, naming the fix (see ``EMAModel._starting_values``).
+* Some of one model's parameters (``[p for p in model.parameters() if p.requires_grad]``) are averaged
+  by position as in diffusers; parameters of two models in one list are refused (one EMAModel per model).
 * Under ZeRO-1/2/3 and FSDP2 the methods that need the whole EMA are collective: ``save_pretrained``
   (rank 0 writes), ``state_dict`` (a full fp32 copy on every rank), ``store`` / ``copy_to`` / ``restore``
   on the trained model (the EMA is swapped in with :func:`functional_ema.swapped`: under ZeRO-3 the
@@ -45,6 +48,7 @@ The decay is diffusers' rule, bitwise (:meth:`EMAModel.get_decay`); the average 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import inspect
 import warnings
@@ -60,7 +64,7 @@ import functional_ema as fe
 from functional_ema._api import state_pieces, training_refused
 from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
 from functional_ema._checkpoint.collective import Job, arrive, job_of
-from functional_ema._selection import SelectionLike, make_selection
+from functional_ema._selection import Selection, SelectionLike, make_selection
 from functional_ema.engines import adapter_for, refuse_engine_internals
 from functional_ema.engines._base import read_for, select
 from functional_ema.engines.deepspeed import is_deepspeed_engine
@@ -207,6 +211,26 @@ def _same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+class _Among:
+    """The selection predicate of an EMA over some of a model's parameters (diffusers' ``EMAModel(list)``): the
+    names given (by position), and of those what the user's ``include=`` / ``exclude=`` pick. Compared by value,
+    so the library's per-selection cache hits at every step."""
+
+    def __init__(self, names: Iterable[str], user: Selection | None) -> None:
+        self.names, self.user = frozenset(names), user
+
+    def __call__(self, name: str) -> bool:
+        if name not in self.names:
+            return False
+        return self.user is None or self.user.picks(name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Among) and (self.names, self.user) == (other.names, other.user)
+
+    def __hash__(self) -> int:
+        return hash((self.names, self.user))
+
+
 # ------------------------------------------------------------------------------------------- the owner
 
 
@@ -229,46 +253,77 @@ def _training_object(m: Any) -> Any:
 
 
 def _search_heap(params: list[torch.Tensor], verb: str) -> Any:
-    """The training object whose module's ``parameters()`` are ``params`` (identity, in order), found among
-    the modules alive in this process: the lowest module whose ``parameters()`` they are, then its
-    DeepSpeed engine if one holds it. One pass over the heap (a fraction of a second), once per EMA."""
+    """The training object whose module holds ``params`` (identity): the lowest module whose ``parameters()``
+    include them all (all of its parameters, or some: diffusers' ``EMAModel([p for p in model.parameters() if
+    p.requires_grad])``), found among the modules alive in this process, then lifted to what trains it (see
+    ``_lift``). One pass over the heap (a fraction of a second), once per EMA."""
     # type(), not isinstance(): isinstance reads an object's __class__, and some objects on the heap warn when read
     # (torch.distributed.reduce_op: a FutureWarning in the user's training log).
     mods = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+    ids = {id(p) for p in params}
     parents: dict[int, list[torch.nn.Module]] = {}
-    queue: list[torch.nn.Module] = []
+    holders: dict[int, list[torch.nn.Module]] = {}
     for m in mods:
         for c in m._modules.values():
             if c is not None:
                 parents.setdefault(id(c), []).append(m)
-        if any(v is params[0] for v in m._parameters.values()):
-            queue.append(m)
-    matches: list[torch.nn.Module] = []
-    seen: set[int] = set()
-    while queue:  # upward, breadth first: the lowest module holding exactly these parameters
-        m = queue.pop(0)
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        if _same(list(m.parameters()), params):
-            matches.append(m)
-        else:
-            queue.extend(parents.get(id(m), []))
+        for v in m._parameters.values():
+            if v is not None and id(v) in ids:
+                holders.setdefault(id(v), []).append(m)
     fix = (
         "pass model.parameters() (the generator itself) or the model, where model is what accelerator.prepare returned"
     )
-    if len(matches) != 1:
-        found = (
-            "no module" if not matches else f"{len(matches)} modules ({', '.join(type(m).__name__ for m in matches)})"
+    loose = [i for i, p in enumerate(params) if id(p) not in holders]
+    if loose:
+        raise TypeError(f"EMAModel.{verb}: parameters[{loose[0]}] belongs to no module in this process; {fix}")
+    matches = _lowest_holding(holders[id(params[0])], parents, ids)
+    if not matches:
+        raise TypeError(
+            f"EMAModel.{verb}: the parameters belong to different models (no module in this process holds them "
+            "all); an EMAModel averages one model's parameters: make one EMAModel per model, e.g. "
+            "EMAModel(unet.parameters()) and EMAModel(text_encoder.parameters()), each stepped with its own"
         )
-        raise TypeError(f"EMAModel.{verb}: {found} in this process has exactly these parameters; {fix}")
-    engines = [e for e in parents.get(id(matches[0]), []) if is_deepspeed_engine(e) and e.module is matches[0]]
-    x = engines[0] if len(engines) == 1 else _training_object(matches[0])
+    if len(matches) != 1:
+        found = ", ".join(type(m).__name__ for m in matches)
+        raise TypeError(
+            f"EMAModel.{verb}: {len(matches)} modules ({found}) in this process hold these parameters; {fix}"
+        )
+    x = _lift(matches[0], parents)
     if x is None:
         raise TypeError(
             f"EMAModel.{verb}: the parameters belong to a {type(matches[0]).__name__} that an engine manages; {fix}"
         )
     return x
+
+
+def _lowest_holding(start: list[torch.nn.Module], parents: dict[int, list[torch.nn.Module]], ids: set[int]) -> list:
+    """Upward from ``start``, breadth first: the lowest modules whose ``parameters()`` include every id in ``ids``."""
+    queue, matches, seen = list(start), [], set()
+    while queue:
+        m = queue.pop(0)
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if ids <= {id(p) for p in m.parameters()}:
+            matches.append(m)
+        else:
+            queue.extend(parents.get(id(m), []))
+    return matches
+
+
+def _lift(m: torch.nn.Module, parents: dict[int, list[torch.nn.Module]]) -> Any:
+    """The training object of module ``m``: its DeepSpeed engine if one holds it, else ``m`` (see
+    ``_training_object``); for a submodule an engine manages (some parameters of a ZeRO or FSDP2 model), the
+    same for its parent, upward. ``None`` when the way up is not one parent."""
+    while True:
+        engines = [e for e in parents.get(id(m), []) if is_deepspeed_engine(e) and e.module is m]
+        x = engines[0] if len(engines) == 1 else _training_object(m)
+        if x is not None:
+            return x
+        ups = parents.get(id(m), [])
+        if len(ups) != 1:
+            return None
+        m = ups[0]
 
 
 def _owner(params: list[torch.Tensor], hint: Any, verb: str) -> Any:
@@ -359,7 +414,8 @@ class EMAModel:
 
     Args:
         parameters: the parameters whose values the EMA starts from, positionally: usually those of a
-            separate copy of the model (``ema_unet.parameters()``), or of the trained model itself. A
+            separate copy of the model (``ema_unet.parameters()``), or of the trained model itself (all of
+            them, or some, as ``step`` will be given them). A
             ``torch.nn.Module`` is accepted with diffusers' deprecation (and, as there, turns
             ``use_ema_warmup`` on).
         decay: the largest decay, in [0, 1].
@@ -389,6 +445,9 @@ class EMAModel:
     """
 
     _pending: list[torch.Tensor] | None
+    _owned: bool
+    _versions: list[int]
+    _subset: list[str] | None
     _x: Any
     _positions: list[torch.Tensor]
     _names: list[str | None]
@@ -440,21 +499,24 @@ class EMAModel:
         self.decay, self.min_decay = fields["decay"], fields["min_decay"]
         self.update_after_step, self.use_ema_warmup = fields["update_after_step"], fields["use_ema_warmup"]
         self.inv_gamma, self.power = fields["inv_gamma"], fields["power"]
+        self._init_private(device)
         self.optimization_step = 0
         self.cur_decay_value: float | None = None
         self.temp_stored_params: list[torch.Tensor] | None = None
-        self._init_private(device)
-        self._selection = make_selection(include, exclude)  # the types now; the names at the first step
+        self._selection: Selection | None = make_selection(include, exclude)  # the types now; names at the first step
         if any(_sharded(p) for p in params):  # the trained model's own parameters: bind now, no full copy
             self._bind(params, hint, "EMAModel")
-        else:
+        else:  # references, copied only when they can matter (see _keep_start)
             self._pending = [p.detach() for p in params]
+            self._versions = [p._version for p in params]
 
     def _init_private(self, device: torch.device | None) -> None:
-        # Before the first step: the full starting values (references, one per position). After it:
-        # the training object, its parameters by position, each position's name in the EMA (None: not
-        # averaged, frozen) and this rank's state.
-        self._pending = None
+        # Before the first step: the full starting values, one per position: references to the tensors given
+        # (their versions then, and their ids for the optimizer hook), or our own copies (_owned). After it:
+        # the training object, its parameters by position (the names of the positions when they are some of
+        # its parameters), each position's name in the EMA (None: not averaged, frozen) and this rank's state.
+        self._pending, self._owned, self._versions = None, False, []
+        self._subset = None
         self._x = None
         self._positions = []
         self._names = []
@@ -465,37 +527,138 @@ class EMAModel:
         self._swap = None  # copy_to() after store(): the EMA swapped in
         self._warmup = None  # (settings, fe.schedules.warmup of them)
 
+    # ------------------------------------------------------------------------------- copies
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EMAModel:
+        """An independent EMA with copies of this one's values, averaging the same trained model (diffusers'
+        deepcopy copies its own tensors; the trained model is no part of the EMA, so it is not copied)."""
+        if self._stored is not None or self._swap is not None:
+            raise RuntimeError(
+                "EMAModel: copy.deepcopy between store(parameters) and restore(parameters) of the trained model; "
+                "call restore(parameters) first"
+            )
+        pending = None if self._pending is None else self._starting_values("__deepcopy__")
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        shared = ("_x", "_selection", "model_cls", "_warmup", "_pending")  # the model; immutable ones
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = v if k in shared else copy.deepcopy(v, memo)
+        new._positions = list(self._positions)
+        if pending is not None:  # copies: the new EMA owns them
+            new._pending, new._owned = [t.clone() for t in pending], True
+        return new
+
+    def __copy__(self) -> EMAModel:
+        """A shallow copy sharing everything (as ``copy.copy`` of diffusers' class); pickling's refusal is not it."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling (``torch.save(ema)``): before the first step, the settings and copies of the starting values;
+        after it the EMA is bound to the trained model (and under sharding holds this rank's pieces): refused,
+        naming the ways to save it."""
+        if self._x is not None:
+            raise TypeError(
+                "EMAModel after its first step is bound to the trained model (its parameters, this rank's pieces of "
+                "the EMA) and is not picklable: save ema.state_dict() (torch.save(ema.state_dict(), path); resume "
+                "with ema.load_state_dict(torch.load(path))) or ema.save_pretrained(path) (resume with "
+                "EMAModel.from_pretrained(path, model_cls))"
+            )
+        state = dict(self.__dict__)
+        state["_warmup"], state["_owned"] = None, True  # unpickled: its own copies
+        if self._pending is not None:
+            state["_pending"] = self._starting_values("__getstate__")
+        return state
+
+    # ------------------------------------------------------------------------------- starting values
+
+    @property
+    def optimization_step(self) -> int:
+        return self._optimization_step
+
+    @optimization_step.setter
+    def optimization_step(self, value: int) -> None:
+        # Set by hand before the first step (a resume), the first decay is not 0: the starting values count.
+        if self._pending is not None and not (isinstance(value, int) and value == 0):
+            self._keep_start()
+        self._optimization_step = value
+
+    def _changed(self) -> bool:
+        """Whether the tensors given as the starting values were changed in place since (not when we own copies)."""
+        return not self._owned and any(t._version != v for t, v in zip(self._pending or [], self._versions))
+
+    def _keep_start(self) -> None:
+        """Copy the starting values while they are still the values given: when ``optimization_step`` is set by
+        hand, when they are read. Until then they are references: with ``optimization_step`` 0 the first step's
+        decay is 0 and they never count, and no full copy is made (the tensors' version counters tell whether they
+        changed since; a change through ``.data`` is not seen)."""
+        if self._pending is None or self._owned or self._changed():
+            return  # changed already: _starting_values refuses them where they count
+        self._pending, self._owned = [t.clone() for t in self._pending], True
+
+    def _starting_values(self, verb: str) -> list[torch.Tensor]:
+        """The starting values, where they count; refused when the tensors given were changed in place before a
+        copy was taken (diffusers would use the values of the constructor's time, which are gone)."""
+        if self._changed():
+            raise RuntimeError(
+                f"EMAModel.{verb}: the parameters given to EMAModel(...) were changed in place after it was made "
+                "(an optimizer step or a load before the EMA's first step), and it holds them by reference, not "
+                "copied, until its starting values count. To start from the values at construction, pass copies: "
+                "EMAModel([p.detach().clone() for p in model.parameters()], ...), or load_state_dict(...) the "
+                "EMA to start from"
+            )
+        return list(self._pending or [])
+
     # ------------------------------------------------------------------------------- binding
 
-    def _bind(self, params: list[torch.Tensor], hint: Any, verb: str) -> None:
+    def _bind(self, params: list[torch.Tensor], hint: Any, verb: str, start_counts: bool = True) -> None:
         """Find the training object of ``params``, map positions to names, and start this rank's state from
-        the starting values (this rank's slice of each), at ``optimization_step``."""
+        the starting values (this rank's slice of each), at ``optimization_step``. ``start_counts``: whether
+        they do (not for a first step with decay 0, where the EMA becomes the weights)."""
         x = _owner(params, hint, verb)
         adapter = adapter_for(x)
-        reading = select(adapter.read(), self._selection, adapter.module())  # positions left out: not averaged
+        module = adapter.module()
+        subset = self._subset_of(module, params, verb)
+        selection = self._selection if subset is None else Selection(_Among(subset, self._selection), None)
+        reading = select(adapter.read(), selection, module)  # positions left out: not averaged
         if not reading.layout.part.whole:
             raise NotImplementedError(
                 f"EMAModel.{verb}: the model is split into model-parallel parts ({reading.layout.part.describe()}); "
                 "EMAModel maps diffusers' whole-model positions, use functional_ema.integrations.accelerate instead"
             )
-        module = adapter.module()
-        positions: list[torch.Tensor] = list(module.parameters())
-        if not _same(params, positions):
-            raise ValueError(
-                f"EMAModel.{verb}: the {len(params)} parameters given are not {type(module).__name__}.parameters() "
-                f"({len(positions)}) in order; pass model.parameters()"
-            )
         by_id = {id(p): n for n, p in reading.params.items()}
-        names = [by_id.get(id(p)) for p in positions]
-        if self._pending is not None:
-            shapes = [reading.layout.specs[n].shape if n else _full_shape(p) for n, p in zip(names, positions)]
-            _check_values(self._pending, shapes, f"EMAModel.{verb}", "the parameters given to EMAModel")
+        names = [by_id.get(id(p)) for p in params]
+        pending = self._starting_values(verb) if start_counts else self._pending
+        if pending is not None:
+            shapes = [reading.layout.specs[n].shape if n else _full_shape(p) for n, p in zip(names, params)]
+            _check_values(pending, shapes, f"EMAModel.{verb}", "the parameters given to EMAModel")
         step = check_int(self.optimization_step, "optimization_step")
         state = fe.init_ema(reading.shards, device=self._device, pin_memory=self._pin, step=step)
-        if self._pending is not None:
-            _fill(state, reading.layout, names, self._pending)
-        self._x, self._positions, self._names, self._state, self._pending = x, positions, names, state, None
-        self._counted = step
+        if pending is not None:
+            _fill(state, reading.layout, names, pending)
+        self._x, self._positions, self._names, self._state, self._pending = x, list(params), names, state, None
+        self._selection, self._subset, self._counted = selection, subset, step
+
+    @staticmethod
+    def _subset_of(module: torch.nn.Module, params: list[torch.Tensor], verb: str) -> list[str] | None:
+        """``None`` when ``params`` are ``module.parameters()``; else the names of the positions, when they are
+        some of its parameters (diffusers' ``EMAModel([p for p in model.parameters() if p.requires_grad])``)."""
+        all_params = list(module.parameters())
+        if _same(params, all_params):
+            return None
+        named = {id(p): n for n, p in module.named_parameters()}
+        first: dict[int, int] = {}
+        for i, p in enumerate(params):
+            if id(p) not in named:
+                raise ValueError(
+                    f"EMAModel.{verb}: parameters[{i}] is not a parameter of the {type(module).__name__} the others "
+                    "belong to; pass that model's parameters() (or some of them)"
+                )
+            j = first.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(f"EMAModel.{verb}: parameters[{i}] is parameters[{j}] again; pass each parameter once")
+        return [named[id(p)] for p in params]
 
     def _grow(self) -> fe.Shards | None:
         """Add to the state the parameters that were frozen at the first step and are trained now, each starting
@@ -537,8 +700,9 @@ class EMAModel:
     def _full_values(self, dst: int | None, verb: str) -> list[torch.Tensor] | None:
         """The whole EMA by position (frozen positions: their live value), on rank ``dst`` of the EMA's group
         (``None``: every rank); ``None`` on the others. Collective when the EMA is sharded."""
-        if self._x is None or self._state is None:
-            return list(self._pending or [])  # the starting values, whole on every rank
+        if self._x is None or self._state is None:  # the starting values, whole on every rank (ours from now)
+            self._keep_start()
+            return self._starting_values(verb)
         self._grow()
         job = self._job(verb)
         full = fe.gather_full(self._state, self._x, dst=dst)
@@ -551,7 +715,11 @@ class EMAModel:
         """Whether ``params`` are the bound model's parameters: those of the first step, or the ones registered
         now (FSDP2 registers unsharded parameter objects while a forward's gathered weights stay, e.g. the root's
         after a ``no_grad`` forward)."""
-        return _same(params, self._positions) or _same(params, list(adapter_for(self._x).module().parameters()))
+        module = adapter_for(self._x).module()
+        if self._subset is None:
+            return _same(params, self._positions) or _same(params, list(module.parameters()))
+        named = dict(module.named_parameters())
+        return _same(params, self._positions) or _same(params, [named[n] for n in self._subset if n in named])
 
     def _trained(self, params: list[torch.Tensor], hint: Any, verb: str) -> bool:
         """Whether ``params`` are the trained model's (binding to it first when they are partitioned)."""
@@ -588,10 +756,20 @@ class EMAModel:
         if self.use_ema_warmup:  # the same formula and clamps (schedules.warmup is diffusers' warm-up)
             key = (self.inv_gamma, self.power, self.min_decay, self.decay, self.update_after_step)
             if self._warmup is None or self._warmup[0] != key:  # made (and checked) again when a setting changes
-                self._warmup = (key, fe.schedules.warmup(*key))
+                self._warmup = (key, self._made_warmup(key))
             return self._warmup[1](optimization_step)
         value = (1 + step) / (10 + step)
         return max(min(value, self.decay), self.min_decay)
+
+    def _made_warmup(self, key: tuple[float, float, float, float, int]) -> fe.schedules.Schedule:
+        """The warm-up of settings ``key``, each checked first under the attribute's name (scripts set them by
+        hand; the schedule's own messages would name its arguments, ``max_decay``, ``start_step``)."""
+        values = {**{f: getattr(self, f) for f in FIELDS}, "optimization_step": 0, "use_ema_warmup": True}
+        try:
+            _check_fields(values, lambda f: f"EMAModel.{f}")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{e}; the warm-up (EMAModel.use_ema_warmup=True) needs it so") from None
+        return fe.schedules.warmup(*key)
 
     @torch.no_grad()
     def step(self, parameters: Iterable[torch.nn.Parameter]) -> None:
@@ -603,15 +781,15 @@ class EMAModel:
         self._no_swap("step")
         if self._stored is not None:
             raise RuntimeError(f"EMAModel.step: training {_STORED_WHY}")
-        if self._x is None:
-            self._bind(params, hint, "step")
+        step = check_int(self.optimization_step, "optimization_step") + 1
+        decay = self.get_decay(step)
+        if self._x is None:  # with decay 0 the EMA becomes the weights: the starting values do not count
+            self._bind(params, hint, "step", start_counts=decay != 0.0)
         elif not self._is_model(params):
             raise ValueError(
                 f"EMAModel.step: these {len(params)} parameters are not the ones this EMA averages "
-                f"({type(self._x).__name__}'s {len(self._positions)}); pass the same model's parameters() every step"
+                f"({type(self._x).__name__}'s {len(self._positions)}); pass the same ones every step"
             )
-        step = check_int(self.optimization_step, "optimization_step") + 1
-        decay = self.get_decay(step)
         shards = self._grow()
         state = self._state
         assert shards is not None and state is not None
@@ -686,9 +864,11 @@ class EMAModel:
             if not self._is_model(params):
                 raise ValueError("EMAModel.restore: pass the parameters given to store() (the trained model's)")
             stack, self._swap = self._swap, None
-            if stack is not None:
-                stack.close()
-            self._leave_stored()
+            try:
+                if stack is not None:
+                    stack.close()  # may refuse (the model changed inside), with the trained values put back
+            finally:
+                self._leave_stored()
             return
         if self.temp_stored_params is None:
             raise RuntimeError("This ExponentialMovingAverage has no `store()`ed weights to `restore()`")
@@ -736,6 +916,7 @@ class EMAModel:
         fields = {f: config[f] for f in FIELDS if f in config}  # what diffusers reads back (unused config kwargs)
         model = model_cls.from_pretrained(str(path))
         ema = cls(model.parameters(), model_cls=model_cls, model_config=model.config, foreach=foreach)
+        ema._owned = True  # no one else holds this model: its tensors are the EMA's own values
         ema.load_state_dict(fields)
         return ema
 
@@ -746,42 +927,48 @@ class EMAModel:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the settings and (if present) ``shadow_params`` (whole tensors by position, e.g. from
-        :meth:`from_pretrained`'s EMA): each rank keeps its slice. Everything is checked before anything
-        changes; unknown keys are refused. Positions the EMA does not average (frozen parameters) keep
-        their live value. No communication."""
-        sd = check_mapping(state_dict, "state_dict")
+        :meth:`from_pretrained`'s EMA), copied as diffusers copies them: each rank keeps its slice. Everything
+        is checked before anything changes; unknown keys are refused. Positions the EMA does not average
+        (frozen parameters) keep their live value. No communication."""
+        self._load(check_mapping(state_dict, "state_dict"), "state_dict['shadow_params']")
+
+    def _load(self, sd: Mapping[str, Any], shadow_name: str) -> None:
+        """:meth:`load_state_dict` of ``sd``; ``shadow_name``: how messages name its ``shadow_params``."""
         unknown = sorted(str(k) for k in sd if k not in (*FIELDS, "shadow_params"))
         if unknown:
             raise ValueError(f"state_dict has unknown key(s) {unknown}; EMAModel's hold {[*FIELDS, 'shadow_params']}")
         fields = _check_fields({f: sd.get(f, getattr(self, f)) for f in FIELDS}, lambda f: f"state_dict[{f!r}]")
-        self._no_swap("load_state_dict")
+        where = "EMAModel.load_state_dict" if shadow_name.startswith("state_dict") else "EMAModel.shadow_params"
+        self._no_swap(where.removeprefix("EMAModel."))
         self._grow()
-        values = self._checked_shadow(sd.get("shadow_params"))
+        values = self._checked_shadow(sd.get("shadow_params"), shadow_name, where)
         if values is not None and self._state is not None:
             _fill(self._state, adapter_for(self._x).read().layout, self._names, values)
-        elif values is not None:
-            self._pending = [t.detach() for t in values]
+        elif values is not None:  # copies: diffusers deep-copies the state_dict (the source may change on)
+            self._pending, self._owned = [t.detach().clone() for t in values], True
         for f, v in fields.items():
             setattr(self, f, v)
         if self._state is not None:
             self._state.step.fill_(fields["optimization_step"])
             self._counted = fields["optimization_step"]
 
-    def _checked_shadow(self, shadow: Any) -> list[torch.Tensor] | None:
+    def _checked_shadow(self, shadow: Any, what: str, where: str) -> list[torch.Tensor] | None:
         if shadow is None:
             return None
-        what = "state_dict['shadow_params']"
         if not isinstance(shadow, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in shadow):
             raise TypeError(f"{what} must be a list of tensors (one per parameter), got {type(shadow).__name__}")
         values = list(shadow)
-        if any(not t.is_floating_point() for t in values):
-            raise TypeError(f"{what} must hold floating-point tensors")
+        for i, t in enumerate(values):
+            if not t.is_floating_point():
+                raise TypeError(f"{what}[{i}] has dtype {t.dtype}: {what} must hold floating-point tensors")
+            if t.is_meta:
+                raise ValueError(f"{what}[{i}] is on the meta device: it holds no values; load tensors with values")
         if self._x is not None:
             layout = adapter_for(self._x).read().layout
             shapes = [layout.specs[n].shape if n else _full_shape(p) for n, p in zip(self._names, self._positions)]
         else:
             shapes = [tuple(t.shape) for t in self._pending or []]
-        _check_values(values, shapes, "EMAModel.load_state_dict", what)
+        _check_values(values, shapes, where, what)
         return values
 
     # ------------------------------------------------------------------------------ placement
@@ -820,9 +1007,12 @@ class EMAModel:
     @property
     def shadow_params(self) -> list[torch.Tensor]:
         """The EMA by position, whole: the starting values before the first step; the EMA's own tensors of a
-        model every rank holds whole (DDP, one process). Refused when sharded (each rank holds its pieces)."""
+        model every rank holds whole (DDP, one process), a copy of the live value for a position not averaged
+        (frozen; as diffusers' copy, editing it leaves the model as it is). Refused when sharded (each rank holds
+        its pieces)."""
         if self._x is None or self._state is None:
-            return list(self._pending or [])
+            self._keep_start()  # ours from now: an edit in place edits the EMA, as in diffusers
+            return self._starting_values("shadow_params")
         self._grow()
         if adapter_for(self._x).read().layout.world_size > 1:
             raise RuntimeError(
@@ -830,4 +1020,10 @@ class EMAModel:
                 "(gathers it: collective, a full fp32 copy per rank), save_pretrained(path), or .state (this rank's)"
             )
         ema = self._state.emas[0]
-        return [ema[n] if n is not None else p.detach() for n, p in zip(self._names, self._positions)]
+        return [ema[n] if n is not None else _live_full(p) for n, p in zip(self._names, self._positions)]
+
+    @shadow_params.setter
+    def shadow_params(self, values: list[torch.Tensor]) -> None:
+        """Scripts assign it (``ema.shadow_params = [p.clone().detach() for p in model.parameters()]``): the values
+        are copied in, checked, as ``load_state_dict({"shadow_params": values})`` (diffusers keeps the list)."""
+        self._load({"shadow_params": values}, "EMAModel.shadow_params")
