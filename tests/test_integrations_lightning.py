@@ -184,6 +184,10 @@ class _Killed(Exception):
     pass
 
 
+# A Trainer that prints nothing and runs no sanity validation (every Trainer here).
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0}
+
+
 def _trainer(kind: str, root: str, callbacks, max_epochs: int = EPOCHS, export: str | None = None):
     import lightning.pytorch as pl
 
@@ -205,10 +209,7 @@ def _trainer(kind: str, root: str, callbacks, max_epochs: int = EPOCHS, export: 
         max_epochs=max_epochs,
         accumulate_grad_batches=2,
         callbacks=[ema, ckpt, *callbacks],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         default_root_dir=root,
         deterministic=False,
         use_distributed_sampler=True,
@@ -633,11 +634,8 @@ def backbone_ddp_worker(root: str) -> dict:
         strategy=_strategy("ddp"),
         max_epochs=2,
         callbacks=[EMACallback(decay=0.9), pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
-        logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
         default_root_dir=root,
         use_distributed_sampler=True,
     )
