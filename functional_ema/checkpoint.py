@@ -932,6 +932,8 @@ def consolidate_to_file(
         }
         if tp_rank is not None:
             meta["tp_rank"] = str(tp_rank)
+        if ckpt.manifest.get("selection") is not None:  # the include/exclude the EMA averages (absent: every parameter)
+            meta["selection"] = json.dumps(ckpt.manifest["selection"])
         entries = [(name, ckpt.dtype, shape) for name, shape in ckpt.shapes.items()]
         itemsize = ckpt.dtype.itemsize
         total = sum(math.prod(s) for s in ckpt.shapes.values()) * itemsize

@@ -52,13 +52,13 @@ from ._checkpoint.errors import (
     CorruptCheckpointError,
     ForeignFileError,
 )
-from ._checkpoint.format import CONSOLIDATED_FORMAT, library_version, short_list
+from ._checkpoint.format import CONSOLIDATED_FORMAT, _selection_ok, library_version, short_list
 from ._checkpoint.reader import JoinedReader, StoragePath, open_joined
 from ._export.like import EXPORT_RECORD, LikeFolder, read_like
 from ._export.loader import loader_view, peft_expected
 from ._export.names import WRAPPER_PREFIXES, peft_name, strip_wrappers
 from ._export.outdir import EXPORT_FORMAT, check_out_dir, commit_dir, new_tmp_dir
-from ._export.plan import Plan, make_plan
+from ._export.plan import Item, Plan, make_plan
 from ._storage import is_url, storage_for
 
 __all__ = ["EXPORT_RECORD", "WRAPPER_PREFIXES", "hf_name", "parse_dtype", "parse_size", "to_hf"]
@@ -224,7 +224,7 @@ def _open_file_source(path: Path | StoragePath, verify: bool) -> Iterator[_Sourc
 
         step = f.metadata.get("step", "")
         index = f.metadata.get("ema_index", "")
-        info = {
+        info: dict[str, Any] = {
             "source": str(path),
             "source_kind": "file",
             "source_format": fmt,
@@ -233,7 +233,23 @@ def _open_file_source(path: Path | StoragePath, verify: bool) -> Iterator[_Sourc
             "source_verified": sums is not None,  # older consolidated files carry no checksums of their own
             "source_metadata": {k: f.metadata[k] for k in sorted(f.metadata)},
         }
+        if "selection" in f.metadata:  # consolidate_to_file of an EMA of an include/exclude selection
+            info["selection"] = _file_selection(path, f.metadata["selection"])
         yield _Source(shapes, dtypes, fill_file, info, [path] if isinstance(path, Path) else [])
+
+
+def _file_selection(path: Path | StoragePath, text: str) -> dict[str, Any]:
+    """A consolidated file's ``selection`` metadata (the checkpoint manifest's record, as JSON), checked."""
+    try:
+        selection = json.loads(text)
+    except ValueError:
+        selection = None
+    if not isinstance(selection, dict) or not _selection_ok(selection):
+        raise CorruptCheckpointError(
+            f"source: {path}: safetensors metadata 'selection' must be an include/exclude record as JSON, got "
+            f"{text[:80]!r}"
+        )
+    return selection
 
 
 # --------------------------------------------------------------------------------------------- export
@@ -503,11 +519,14 @@ def to_hf(
         _open_source(source, tag, index, verify, tp_dims, options) as src,
     ):
         real_out = check_out_dir(out_dir, [*src.paths, like_folder.given], overwrite)
-        plan = make_plan(src.shapes, src.dtypes, like_folder, view, adapter_name, cast, missing)
+        selection = src.info.get("selection")
+        plan = make_plan(src.shapes, src.dtypes, like_folder, view, adapter_name, cast, missing, selection)
         if like_folder.kind == "peft":
             why_not = _check_peft(like_folder, plan)
         reader = _Like(like_folder)
         tied = _check_ties(plan, src, reader)
+        plan, from_ema = (plan, {}) if view is not None else _stale_aliases(plan, like_folder, reader)
+        config_dtype = _config_dtype(like_folder, plan, cast)
         nbytes = {it.name: math.prod(it.shape) * it.dtype.itemsize for it in plan.items}
         stem = like_folder.stem
         groups = [list(nbytes)] if like_folder.kind == "peft" else _shards(list(nbytes), nbytes, limit)
@@ -526,10 +545,15 @@ def to_hf(
         elif like_folder.kind == "peft" and not why_not:
             check = {"class": "peft", "result": "names and shapes as PEFT reads them for this adapter_config.json"}
         else:
-            check = {"class": None, "result": f"not run: {why_not}"}
-        record = _record(
-            src, like_folder, plan, cast, files, {"tied_left_out": tied, "written": written, "loader_check": check}
-        )
+            check = {"class": None, "result": f"not run: {why_not}{_UNSEEN if like_folder.kind != 'peft' else ''}"}
+        extra: dict[str, Any] = {
+            "tied_left_out": tied,
+            "aliases_from_ema": from_ema,
+            "written": written,
+            "loader_check": check,
+        }
+        extra["config_dtype"] = None if config_dtype is None else str(config_dtype).removeprefix("torch.")
+        record = _record(src, like_folder, plan, cast, files, extra)
         meta = {"format": "pt", "functional_ema": json.dumps({k: record.get(k) for k in _META_KEYS})}
         tmp = new_tmp_dir(real_out)
         bar = _progress(sum(nbytes.values()), progress, f"export {real_out.name}")
@@ -547,7 +571,7 @@ def to_hf(
                 _io.atomic_write_bytes(tmp / index_name[0], json.dumps(body, indent=2).encode())
             for f in like_folder.copied:
                 shutil.copyfile(f, tmp / f.name)
-            _write_config(tmp, like_folder, cast)
+            _write_config(tmp, like_folder, config_dtype)
             _io.atomic_write_bytes(tmp / EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
             _io.fsync_dir(tmp)
             commit_dir(tmp, real_out, Path(out_dir), overwrite)
@@ -559,12 +583,59 @@ def to_hf(
     return Path(out_dir)
 
 
-def _write_config(tmp: Path, like: LikeFolder, cast: torch.dtype | None) -> None:
-    """With ``dtype``, a transformers config says it (``from_pretrained(dtype="auto")`` reads it there)."""
-    if cast is None or like.kind != "transformers":
+#: ``loader_check``'s note without a view: what the export then cannot see.
+_UNSEEN = (
+    "; without it, a weight the loader reads that neither the EMA nor --like's weights hold cannot be seen (the "
+    "loader would leave it initialised)"
+)
+_SUBCONFIGS = ("text_config", "vision_config", "audio_config")
+
+
+def _stale_aliases(plan: Plan, like: LikeFolder, reader: _Like) -> tuple[Plan, dict[str, str]]:
+    """Without a loader view: a weight the EMA lacks that ``--like`` holds with exactly the values of a weight the EMA
+    holds, of the word embeddings' shape under a config that ties them, is that weight's tied alias (a folder saved
+    with it, as many are): written from the EMA of its pair, never copied stale from ``--like``. (plan, alias -> pair)"""
+    configs = [like.config, *(c for c in map(like.config.get, _SUBCONFIGS) if isinstance(c, dict))]
+    if like.kind != "transformers" or not any(c.get("tie_word_embeddings", True) is True for c in configs):
+        return plan, {}
+    vocab = {c.get("vocab_size") for c in configs}
+    held = [it for it in plan.items if it.origin == "ema" and it.name in like.weights]
+    items, found = [], {}
+    for it in plan.items:
+        pairs = [h for h in held if h.shape == it.shape] if it.origin == "like" and len(it.shape) == 2 else []
+        pair = next(
+            (h for h in pairs if it.shape[0] in vocab and torch.equal(reader.read(it.key), reader.read(h.name))), None
+        )
+        items.append(it if pair is None else Item(it.name, pair.dtype, pair.shape, "ema", pair.key))
+        if pair is not None:
+            found[it.name] = pair.name
+    return plan._replace(items=items), found
+
+
+def _config_dtype(like: LikeFolder, plan: Plan, cast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a transformers ``config.json`` must state: the floating weights written (``from_pretrained``'s
+    default ``dtype="auto"`` loads the model in it; mixed, float32 holds each exactly). ``None``: ``--like``'s
+    config is copied as it is (no ``dtype`` given, and the dtype it states, if any, is this one)."""
+    if like.kind != "transformers":
+        return None
+    floats = {it.dtype for it in plan.items if it.dtype.is_floating_point}
+    written = cast or (floats.pop() if len(floats) == 1 else max(floats | {torch.float32}, key=lambda d: d.itemsize))
+    configs = [like.config, *(c for c in map(like.config.get, _SUBCONFIGS) if isinstance(c, dict))]
+    stated = [c[k] for c in configs for k in ("dtype", "torch_dtype") if c.get(k) is not None]
+    return written if cast is not None or any(v != str(written).removeprefix("torch.") for v in stated) else None
+
+
+def _write_config(tmp: Path, like: LikeFolder, dtype: torch.dtype | None) -> None:
+    """A transformers config states ``dtype`` (``from_pretrained(dtype="auto")`` reads it there; sub-configs that
+    state one too), when given (:func:`_config_dtype`)."""
+    if dtype is None or like.kind != "transformers":
         return
+    name = str(dtype).removeprefix("torch.")
     config = dict(like.config)
     for key in ("dtype", "torch_dtype"):
         if key in config or key == "dtype":
-            config[key] = str(cast).removeprefix("torch.")
+            config[key] = name
+    for sub in _SUBCONFIGS:
+        if isinstance(config.get(sub), dict):
+            config[sub] = {**config[sub], **{k: name for k in ("dtype", "torch_dtype") if k in config[sub]}}
     _io.atomic_write_bytes(tmp / "config.json", (json.dumps(config, indent=2) + "\n").encode())

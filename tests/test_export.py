@@ -623,3 +623,57 @@ def test_a_killed_export_leaves_no_folder_a_later_export_keeps(tmp_path):
         sleeper.wait(timeout=30)
     assert not left[0].exists() and all(d.is_dir() for d in foreign)
     assert (out / "model.safetensors").is_file() and not [p for p in out.iterdir() if "progress" in p.name]
+
+
+def _selection_llama(root: Path, selection: dict, peft: bool = False):
+    """One process: a tiny untied Llama (PEFT: its LoRA) saved as ``root/like``, an EMA of ``selection`` of it saved
+    as ``root/ckpt`` (tag ``s``) and consolidated to ``root/ema.safetensors``. Returns (the EMA, --like's weights)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    import functional_ema as fe
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config())
+    if peft:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora_config())
+    model.save_pretrained(root / "like")
+    state = fe.init_ema(fe.local_shards(model, **selection))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    state = fe.update(state, fe.local_shards(model, **selection), 1, decay=DECAY)
+    fe.save(state, model, root / "ckpt", tag="s")
+    fe.consolidate_to_file(root / "ckpt", root / "ema.safetensors", "s", progress=False)
+    weights = {} if peft else load_file(root / "like" / "model.safetensors")
+    return fe.gather_full(state, model), weights
+
+
+def test_a_selection_ema_exports_from_its_checkpoint_or_file_and_refusals_name_it(tmp_path):
+    """An EMA of ``exclude="*mlp*"``: exported from its checkpoint and from ``consolidate_to_file``'s file, it loads as
+    the EMA with the MLPs of --like, and both records name the selection; ``missing="error"`` and a PEFT adapter
+    refuse naming it (nothing is frozen)."""
+    from transformers import AutoModelForCausalLM
+
+    from functional_ema.checkpoint import CheckpointMismatchError
+    from functional_ema.export import to_hf
+
+    selection = {"include": None, "exclude": ["*mlp*"]}
+    ema, like = _selection_llama(tmp_path, {"exclude": "*mlp*"})
+    for source, opts in ((tmp_path / "ckpt", {"tag": "s"}), (tmp_path / "ema.safetensors", {})):
+        out = to_hf(source, tmp_path / f"out_{source.name}", tmp_path / "like", progress=False, **opts)
+        record = json.loads((out / "ema_export.json").read_text())
+        assert record["selection"] == selection and len(record["copied_from_like"]) == 6
+        loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+        bad = [n for n, t in loaded.state_dict().items() if not torch.equal(t, ema[n] if n in ema else like[n])]
+        assert not bad, bad
+    with pytest.raises(CheckpointMismatchError, match=r"left out by the checkpoint's selection \(include=None, exclu"):
+        to_hf(tmp_path / "ckpt", tmp_path / "strict", tmp_path / "like", tag="s", missing="error", progress=False)
+    pytest.importorskip("peft")
+    _selection_llama(tmp_path / "peft", {"include": "*layers.0*"}, peft=True)
+    with pytest.raises(CheckpointMismatchError, match=r"selection \(include=\['\*layers.0\*'\], exclude=None\) left"):
+        to_hf(tmp_path / "peft" / "ckpt", tmp_path / "adapter", tmp_path / "peft" / "like", tag="s", progress=False)
+    assert not (tmp_path / "strict").exists() and not (tmp_path / "adapter").exists()

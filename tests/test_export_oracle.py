@@ -577,6 +577,19 @@ def _tie(value: bool | None) -> Callable[[Path, Ctx], None]:
     return apply
 
 
+def _custom_class_with_alias(like: Path, ctx: Ctx) -> None:
+    """No loader view (``architectures`` names the user's own class) and the tied aliases saved beside what they are
+    tied to, equal (as many hub folders are)."""
+    from safetensors.torch import load, save_file
+
+    _edit_config(like, lambda d: d.update(architectures=[f"My{d['architectures'][0]}"]))
+    path = _weights(like)
+    tensors = load(path.read_bytes())  # not a memory map: replaced
+    for alias, holder in ctx.src.runs[ctx.family].aliases.items():
+        tensors[alias] = tensors[holder].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def _config_text(text: str) -> Callable[[Path, Ctx], None]:
     return lambda like, ctx: (like / _cfg_name(like)).write_text(text)
 
@@ -702,6 +715,13 @@ PERTURBATIONS = (
     Perturbation("tie_word_embeddings true", _TIED, _tie(True)),
     Perturbation("tie_word_embeddings false", _TIED, _tie(False)),
     Perturbation("tie_word_embeddings removed", _TIED, _tie(None)),
+    Perturbation(  # trained tied: lm_head's EMA is the embedding's, never --like's own lm_head
+        "the untied model's folder", ("llama_tied",), _replace_with(lambda ctx: ctx.src.runs["llama_untied"].like)
+    ),
+    Perturbation("no loader view, tied alias saved", ("llama_tied", "gpt2"), _custom_class_with_alias),
+    Perturbation(  # a bf16 base: the config must state the dtype written, or from_pretrained loads bf16
+        "config dtype bfloat16", _TIED, lambda like, ctx: _edit_config(like, lambda d: d.update(dtype="bfloat16"))
+    ),
     Perturbation("config []", _ALL, _config_text("[]")),
     Perturbation("config null", _FEW, _config_text("null")),
     Perturbation('config "x"', _FEW, _config_text('"x"')),

@@ -822,6 +822,28 @@ def test_plan_copies_or_refuses_what_the_ema_lacks(tmp_path):
     assert [it.origin for it in full.items] == ["ema", "ema", "ema"]
 
 
+def test_plan_refuses_an_untied_weight_whose_pair_the_ema_holds(tmp_path):
+    """--like untied, the EMA lacking lm_head but holding the embedding it would be tied to: trained tied (its EMA is
+    the embedding's) or frozen, a checkpoint cannot say; refused naming both and the flag, unless the selection
+    left it out."""
+    saved = {"emb": (3, 2), "lm_head.weight": (3, 2)}
+    like = _like(tmp_path, {n: _entry(s) for n, s in saved.items()})
+    view = _view(saved)._replace(untied={"lm_head.weight": "emb"})
+    msg = _raises(CheckpointMismatchError, _plan, {"emb": (3, 2)}, like, view)
+    assert msg.startswith(
+        "the EMA has no 'lm_head.weight' but has 'emb', which transformers.TinyForCausalLM ties it to when "
+        f"tie_word_embeddings is true; --like's config ({tmp_path / 'like' / 'config.json'}) sets tie_word_embeddings"
+    )
+    both = _plan(saved, like, view)
+    assert [it.origin for it in both.items] == ["ema", "ema"]
+    for selection in ({"include": ["emb"], "exclude": None}, {"include": None, "exclude": ["lm_*"]}):
+        got = make_plan({"emb": (3, 2)}, {"emb": F32}, like, view, "default", None, "like", selection)
+        assert [(it.name, it.origin) for it in got.items] == [("emb", "ema"), ("lm_head.weight", "like")]
+    kept = {"include": None, "exclude": ["x*"]}
+    with pytest.raises(CheckpointMismatchError, match="tie_word_embeddings"):
+        make_plan({"emb": (3, 2)}, {"emb": F32}, like, view, "default", None, "like", kept)
+
+
 def test_plan_checks_like_weights_against_the_loader_view(tmp_path):
     like = _like(tmp_path, {"a": _entry((2,)), "b": _entry((1,)), "s": _entry(())})
     assert _plan({"a": (2,), "b": (1,), "s": ()}, like, _view({"a": (2,), "b": (1,), "s": ()})).prefix == ""
@@ -1556,6 +1578,7 @@ def test_transformers_view_is_what_save_pretrained_writes(tmp_path, monkeypatch)
         assert view.saved == _saved_header(folder) and next(iter(view.saved)) == "model.embed_tokens.weight"
         assert (view.cls, view.rename, view.converted) == ("transformers.LlamaForCausalLM", {}, {})
         assert view.aliases == ({"lm_head.weight": "model.embed_tokens.weight"} if tie else {})
+        assert view.untied == ({} if tie else {"lm_head.weight": "model.embed_tokens.weight"})  # tied when flagged
         assert ("lm_head.weight" in view.saved) is not tie
 
     # An MoE model: its fused experts are saved one tensor per expert, the router under its saved name.
@@ -1961,8 +1984,14 @@ def test_to_hf_writes_the_ema_its_record_and_like_files(tmp_path):
         "ignored_in_like": [],
         "other_adapters_left_out": [],
         "tied_left_out": [],
+        "aliases_from_ema": {},
         "written": ["config.json", "ema_export.json", "model.safetensors", "tokenizer.json"],
-        "loader_check": {"class": None, "result": "not run: the config names no transformers model class"},
+        "loader_check": {
+            "class": None,
+            "result": "not run: the config names no transformers model class; without it, a weight the loader reads "
+            "that neither the EMA nor --like's weights hold cannot be seen (the loader would leave it initialised)",
+        },
+        "config_dtype": None,
     }
     assert (out / "ema_export.json").read_text() == json.dumps(record, indent=2) + "\n"
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:

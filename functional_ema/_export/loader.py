@@ -9,6 +9,8 @@ and ``save_pretrained``'s own steps are applied to its state dict (transformers:
 * ``rename``: a module parameter name -> the name it is saved under (``model.language_model.x`` ->
   ``language_model.model.x`` for Llava in transformers 5);
 * ``aliases``: a tied name that is not saved -> the saved name it shares its tensor with;
+* ``untied``: a saved name the class ties to another when ``tie_word_embeddings`` is true, where the config
+  sets it false (the export refuses an EMA that lacks it but holds its pair: trained tied, or frozen, it cannot tell);
 * ``converted``: a module parameter that ``save_pretrained`` converts into several tensors (transformers 5
   fuses MoE experts in the module and saves them one per expert): the export refuses such an EMA tensor.
 
@@ -22,8 +24,9 @@ import contextlib
 import importlib.util
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -43,6 +46,9 @@ class LoaderView(NamedTuple):
     rename: dict[str, str]  # module name -> saved name, where they differ
     aliases: dict[str, str]  # saved-form name of a tied alias -> the saved name holding the tensor
     converted: dict[str, list[str]]  # module name -> the saved names its tensor is converted into (fused MoE experts)
+    #: saved name -> the saved name the class ties it to when ``tie_word_embeddings`` is true, where the config sets
+    #: it false (both saved: an EMA of a model trained tied lacks the first, which is the second's EMA)
+    untied: Mapping[str, str] = MappingProxyType({})
 
 
 def loader_view(kind: str, config: dict[str, Any], config_file: Path) -> tuple[LoaderView | None, str]:
@@ -147,7 +153,31 @@ def _transformers_view(cls: Any, config_file: Path) -> LoaderView:
         for n in names:
             if held and rename.get(n, n) not in saved:
                 aliases[rename.get(n, n)] = held[0]
-    return LoaderView(f"transformers.{cls.__name__}", saved, rename, aliases, converted)
+    untied = _flag_ties(model, rename, saved)
+    return LoaderView(f"transformers.{cls.__name__}", saved, rename, aliases, converted, untied)
+
+
+def _flag_ties(model: Any, rename: dict[str, str], saved: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """The ties the class makes when ``tie_word_embeddings`` is true, for the (sub)models whose config sets it
+    false: saved name -> the saved name it would share its tensor with (:attr:`LoaderView.untied`)."""
+    from transformers import PreTrainedModel
+
+    out: dict[str, str] = {}
+    for prefix, sub in model.named_modules(remove_duplicate=False):
+        if not isinstance(sub, PreTrainedModel) or getattr(sub.config, "tie_word_embeddings", None) is not False:
+            continue
+        try:
+            sub.config.tie_word_embeddings = True  # this view's own meta model: restored at once
+            keys = sub.get_expanded_tied_weights_keys()
+        except Exception:  # noqa: BLE001 - a class whose ties cannot be listed: none known
+            keys = {}
+        finally:
+            sub.config.tie_word_embeddings = False
+        for alias, holder in keys.items():
+            a, h = (f"{prefix}.{n}" if prefix else n for n in (alias, holder))
+            if rename.get(a, a) in saved and rename.get(h, h) in saved:
+                out[rename.get(a, a)] = rename.get(h, h)
+    return out
 
 
 def _diffusers_view(cls: Any, config: dict[str, Any]) -> LoaderView:

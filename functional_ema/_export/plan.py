@@ -10,7 +10,10 @@ view (:class:`LoaderView`, or ``None``). The plan is refused (one error naming t
 * two EMA tensors land on one name; no EMA tensor is placed at all;
 * PEFT: no EMA tensor of adapter ``adapter_name``, or a tensor PEFT does not save (the tensors of the EMA's
   other adapters are left out, as PEFT saves each adapter on its own);
-* a weight the loader needs has no EMA and ``--like`` has none to copy (or ``missing="error"``).
+* a weight the loader needs has no EMA and ``--like`` has none to copy (or ``missing="error"``); the message names
+  the checkpoint's include/exclude selection when it records one;
+* a weight the class ties to another when ``tie_word_embeddings`` is true, under a config that sets it false, has no
+  EMA while its pair has one (trained tied or frozen: a checkpoint does not say), unless the selection left it out.
 
 A tied alias (``lm_head.weight`` tied to the input embedding) is not written, as ``save_pretrained``
 does; the caller checks that its EMA value equals the tensor it is tied to (:attr:`Plan.ties`).
@@ -18,8 +21,9 @@ does; the caller checks that its EMA value equals the tensor it is tied to (:att
 
 from __future__ import annotations
 
+import fnmatch
 from collections import Counter
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,8 +59,9 @@ def make_plan(
     adapter_name: str,
     cast: torch.dtype | None,
     missing: str,
+    selection: dict[str, Any] | None = None,
 ) -> Plan:
-    """The plan (see the module docstring)."""
+    """The plan (see the module docstring). ``selection``: the checkpoint's include/exclude record, if any."""
     names = _own_names(list(shapes), like, adapter_name)
     other_adapters = [s for s in shapes if s not in names]
     expected = _expected(like, view)
@@ -71,10 +76,35 @@ def make_plan(
     if not items:
         raise CheckpointMismatchError("the source holds no EMA tensor to export (an empty or foreign file?)")
     lacking = [n for n in (expected or {}) if n not in set(placed.values())]
+    _check_lacking(lacking, like, missing, selection)
+    _check_untied(lacking, set(placed.values()), view, like, prefix, selection)
+    for n in lacking:
+        _file, entry = like.weights[n]
+        items.append(Item(n, out_dtype(entry.dtype), entry.shape, "like", n))
+    return Plan(items, ties, prefix, other_adapters)
+
+
+def _selected_by(selection: dict[str, Any] | None) -> str:
+    """The selection as the user wrote it, for a message ("" when the EMA averages every parameter)."""
+    if selection is None:
+        return ""
+    return f"include={selection.get('include')!r}, exclude={selection.get('exclude')!r}"
+
+
+def _check_lacking(lacking: list[str], like: LikeFolder, missing: str, selection: dict[str, Any] | None) -> None:
+    """Weights the loader reads that the EMA lacks: refused for an adapter, with ``missing="error"``, or when
+    ``--like`` has no weights to copy them from."""
+    chosen = _selected_by(selection)
     if lacking and like.kind == "peft":  # an adapter has no frozen weights: every one comes from the EMA
+        why = (
+            f" The checkpoint's selection ({chosen}) left them out of the EMA: export an EMA of every adapter weight "
+            "(no include/exclude)."
+            if chosen
+            else " Is the EMA of this adapter (its names, --adapter-name)?"
+        )
         raise CheckpointMismatchError(
             f"{len(lacking)} weight(s) of the adapter in {like.folder} have no EMA: {short_list(lacking, 6)}; the "
-            "exported adapter would hold their initial values. Is the EMA of this adapter (its names, --adapter-name)?"
+            f"exported adapter would hold their initial values.{why}"
         )
     if lacking and (missing == "error" or not like.weights):
         why = (
@@ -82,14 +112,45 @@ def make_plan(
             if like.weights
             else "and --like has no weights to copy them from: the loader would leave them randomly initialised"
         )
+        what = f"left out by the checkpoint's selection ({chosen}), or frozen" if chosen else "frozen"
         raise CheckpointMismatchError(
-            f"{len(lacking)} weight(s) the loader reads have no EMA: {short_list(lacking, 6)} (frozen parameters or "
+            f"{len(lacking)} weight(s) the loader reads have no EMA: {short_list(lacking, 6)} ({what} parameters or "
             f"buffers); {why}"
         )
-    for n in lacking:
-        _file, entry = like.weights[n]
-        items.append(Item(n, out_dtype(entry.dtype), entry.shape, "like", n))
-    return Plan(items, ties, prefix, other_adapters)
+
+
+def _left_out(name: str, prefix: str, selection: dict[str, Any] | None) -> bool:
+    """The checkpoint's selection may have left ``name`` out (a predicate: it may have)."""
+    if selection is None:
+        return False
+    inc, exc = selection.get("include"), selection.get("exclude")
+    if isinstance(inc, str) or isinstance(exc, str):  # "<predicate ...>": not known here
+        return True
+    names = [name, f"{prefix}.{name}"] if prefix else [name]
+    hit = [any(fnmatch.fnmatchcase(n, p) for n in names for p in pats or ()) for pats in (inc, exc)]
+    return (inc is not None and not hit[0]) or hit[1]
+
+
+def _check_untied(
+    lacking: list[str],
+    placed: set[str],
+    view: LoaderView | None,
+    like: LikeFolder,
+    prefix: str,
+    selection: dict[str, Any] | None,
+) -> None:
+    """A weight the class ties when ``tie_word_embeddings`` is true, which --like's config sets false, lacking in an
+    EMA that holds its pair: trained tied, its EMA is the pair's; frozen, --like's. A checkpoint does not say which."""
+    for alias, holder in (view.untied if view is not None else {}).items():
+        if alias in lacking and holder in placed and not _left_out(alias, prefix, selection):
+            raise CheckpointMismatchError(
+                f"the EMA has no {alias!r} but has {holder!r}, which {view.cls if view else ''} ties it to when "
+                f"tie_word_embeddings is true; --like's config ({like.config_file}) sets tie_word_embeddings to false, "
+                f"so the export would ship --like's own {alias!r}. If the model was trained with tied embeddings, "
+                f"{alias!r}'s EMA is {holder!r}'s: give --like the tied model's folder (tie_word_embeddings true). A "
+                f"frozen {alias!r} of an untied model cannot be told from a tie (a checkpoint does not record ties): "
+                "load the EMA into the model (fe.swapped) and call save_pretrained"
+            )
 
 
 def _own_names(sources: list[str], like: LikeFolder, adapter_name: str) -> dict[str, str]:
