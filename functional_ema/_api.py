@@ -113,6 +113,7 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
     layout = reading.layout
 
     def check() -> dict[str, Any]:
+        checked_index(index, state, in_range=True)  # ValueError here; StateMismatchError on the other ranks
         problem = state_problem(state, layout.specs, layout.rank, indices=(index,), shards=reading.shards)
         if problem:
             raise problem.error(
@@ -136,6 +137,22 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
         "from one checkpoint)",
     )
     return state.emas[index]
+
+
+def checked_index(index: Any, state: Any, *, in_range: bool = False, of: str = "the state") -> int:
+    """``index`` as an int (``TypeError``/``ValueError`` naming it and how many EMAs ``of`` holds), and with
+    ``in_range`` one of them (``ValueError``). ``swapped``/``gather_full`` check the type at the call and the range in
+    :func:`state_pieces`, whose outcome every rank agrees on (a state with fewer EMAs on one rank fails every rank)."""
+    emas = getattr(state, "emas", None)
+    count = len(emas) if isinstance(emas, tuple) else None
+    held = f"{of} holds {count} EMA(s), index 0 to {count - 1}" if count else f"it picks {of}'s EMA (state.emas[index])"
+    try:
+        index = check_int(index, "index")
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{error}: {held}") from None
+    if in_range and count is not None and index >= count:
+        raise ValueError(f"index={index} is not one of the EMAs: {held}")
+    return index
 
 
 def state_record(state: EmaState, index: int, layout: ShardLayout) -> dict[str, Any]:
@@ -196,13 +213,13 @@ def gather_full(
 
     Raises:
         StateMismatchError: on every rank, when the state does not fit ``x`` on some rank.
-        TypeError, ValueError: ``dst`` not ``None`` or a rank of the group (of the job when joining parts),
+        TypeError, ValueError: ``index`` not one of the state's EMAs (naming it and their number), ``dst`` not ``None`` or a rank of the group (of the job when joining parts),
             ``join_parts`` not a bool; raised on every rank before any collective.
     """
     join_parts = check_bool(join_parts, "join_parts")  # checked on every rank before any collective
     bucket_bytes = check_int(bucket_bytes, "bucket_bytes", minimum=1)
     device = check_device(device, "device")
-    index = check_int(index, "index")  # the state is checked by state_pieces, on every rank together
+    index = checked_index(index, state)  # its range is checked by state_pieces, on every rank together
     adapter = adapter_for(x)
     reading = read_for(adapter, state)  # the state's selection: the parameters it averages
     joining = join_parts and not reading.layout.part.whole
@@ -232,9 +249,11 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     the block continues bitwise as if it never ran. Call it on every rank.
 
     Training inside the block is refused (:class:`SwappedTrainingError`, before anything changes):
-    a backward through a forward made inside it, ``engine.backward``/``engine.step`` of a
-    DeepSpeed engine, and ``step()`` of any ``torch.optim`` optimizer over these parameters. Use
-    the block for evaluation and sampling, under ``torch.no_grad()``.
+    a backward through a forward made inside it (the model's, or any submodule's: also a loss the
+    forward stored on a module), ``engine.backward``/``engine.step`` of a DeepSpeed engine, and
+    ``step()`` of any ``torch.optim`` optimizer over these parameters. A backward through a loss
+    built from the parameters without any forward (``model.weight.sum()``) is not refused, though
+    the step that would apply it is. Use the block for evaluation and sampling, under ``torch.no_grad()``.
 
     How, per engine:
         * DeepSpeed ZeRO-3: each parameter's local partition (``ds_tensor``) is replaced by the EMA
@@ -250,11 +269,16 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
 
     Whatever the block does to the parameters, the model does not keep the EMA: a block that re-types
     (``model.to(dtype)``), re-creates or re-assigns them (``load_state_dict(..., assign=True)``, a new
-    ``nn.Parameter`` set on a module) has the parameters put back on exit (plain, DDP, DeepSpeed: the objects and
-    memory they had on entry; FSDP2: its own sharded parameters, cast back to their dtype), the trained values
-    copied into them bitwise, and then :class:`SwappedParametersChangedError` names what it had changed (on an
+    ``nn.Parameter`` set on a module), or replaces a submodule holding them (``model[2] = copy.deepcopy(model[2])``),
+    has them put back on exit (plain, DDP, DeepSpeed: the objects, submodules and memory they had on entry; FSDP2:
+    its own sharded parameters, cast back to their dtype), the trained values copied into them bitwise, and then :class:`SwappedParametersChangedError` names what it had changed (on an
     exception from the block, that exception, with a note). Re-typed or replaced buffers are put back too; values
     a forward writes into them in place (BatchNorm statistics in training mode) stay.
+
+    Raises:
+        TypeError, ValueError: ``index`` not one of the state's EMAs (naming it and their number), before anything
+            changes (the range agreed on every rank, as the state).
+        StateMismatchError: on every rank, when the state does not fit ``x`` on some rank.
 
     Yields:
         :class:`SwapStats` with the number of swapped parameters and the temporary bytes held.
@@ -263,29 +287,42 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
         >>> with fe.swapped(engine, state), torch.no_grad():   # doctest: +SKIP
         ...     val_loss = loss_fn(engine(x_val), y_val)
     """
+    index = checked_index(index, state)  # its range is checked by state_pieces, on every rank together
     adapter = adapter_for(x)
     reading = read_for(adapter, state)  # a selection's state swaps its parameters; the others stay live
     pieces = state_pieces(state, reading, index, "swapped")
-    changes: list[str] = []  # what the block replaced or re-typed, put back by the adapter on exit
+    where = f"fe.swapped(...) on rank {reading.layout.rank}"
+    with (
+        changes_reported(where) as changes,  # what the block replaced or re-typed, put back by the adapter on exit
+        training_refused(adapter, reading),
+        adapter.swap(reading, pieces, state, index, changes) as stats,
+    ):
+        yield stats
+
+
+@contextlib.contextmanager
+def changes_reported(where: str) -> Iterator[list[str]]:
+    """Yield a list that the block's put-back (``parameters_put_back``) fills with what it put back; on exit raise
+    :class:`SwappedParametersChangedError` naming each (after an exception from the block: that one, with a note)."""
+    changes: list[str] = []
     try:
-        with training_refused(adapter, reading), adapter.swap(reading, pieces, state, index, changes) as stats:
-            yield stats
+        yield changes
     except BaseException as error:
         if changes and sys.version_info >= (3, 11):  # BaseException.add_note is 3.11+ (3.10: the error unchanged)
-            error.add_note(f"functional_ema.swapped restored the trained weights; the block had {_changed(changes)}")
+            error.add_note(f"{where} put back what the block had changed; the block {_changed(changes)}")
         raise
     if changes:
         raise SwappedParametersChangedError(
-            f"the block of fe.swapped(...) on rank {reading.layout.rank} {_changed(changes)}; the trained values are "
-            "back in the model's parameters (dtype, device and objects as on entry where the engine allows; see the "
-            "list). Change the model's parameters outside the block (model.to(dtype), load_state_dict(..., "
-            "assign=True), new nn.Parameter objects); inside it, evaluate under torch.no_grad() or torch.autocast"
+            f"the block of {where} {_changed(changes)}; the live (trained) values are back in the model's parameters and "
+            "buffers (dtype, device and objects as on entry where the engine allows; see the list). Change the "
+            "model outside the block (model.to(dtype), load_state_dict(..., assign=True), new nn.Parameter objects, "
+            "replaced submodules); inside it, evaluate under torch.no_grad() or torch.autocast"
         )
 
 
 def _changed(changes: list[str]) -> str:
     shown = "; ".join(changes[:20]) + (f"; and {len(changes) - 20} more" if len(changes) > 20 else "")
-    return f"made {len(changes)} change(s) to the parameters or buffers: {shown}"
+    return f"made {len(changes)} change(s) to the submodules, parameters or buffers: {shown}"
 
 
 _SWAPPED_WHY = (
@@ -298,37 +335,62 @@ _SWAPPED_WHY = (
 @contextlib.contextmanager
 def training_refused(adapter: Adapter, reading: Reading, why: str = _SWAPPED_WHY) -> Iterator[None]:
     """Refuse backward and optimizer steps (:class:`SwappedTrainingError`, the message ending with ``why``) while
-    EMA weights are swapped in, or while the model must not train for another reason."""
-    module = adapter.module()
-    target = adapter.target
+    EMA weights are swapped in, or while the model must not train for another reason.
 
-    def refuse_backward(_grad: torch.Tensor) -> NoReturn:
-        raise SwappedTrainingError(f"backward through a forward made {why}")
-
-    def on_output(_mod: torch.nn.Module, _inputs: Any, output: Any) -> Any:
-        # The output's gradient hook runs before any parameter gradient in the backward, so a
-        # refused backward leaves every .grad as it was.
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(refuse_backward)
-        return output
-
+    A backward is refused through the output of any forward made meanwhile by the model or any of its submodules
+    (forward hooks on each for the block's duration): so also a submodule called alone, or a loss the forward
+    stored on the module (``self.aux = ...``), as long as it was computed from some submodule's output. A loss
+    built from parameters without any forward (``model.weight.sum()``) is not refused here; the optimizer step
+    that would apply its gradient is."""
     params = {id(p) for p in reading.params.values()}
 
     def on_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
             raise SwappedTrainingError(f"optimizer.step() {why}")
 
-    handles = [module.register_forward_hook(on_output)]
+    with _backward_refused(adapter, why):
+        handle = register_optimizer_step_pre_hook(on_step)
+        try:
+            with adapter.refuse_training(why):
+                yield
+        finally:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _backward_refused(adapter: Adapter, why: str) -> Iterator[None]:
+    """Forward hooks on the adapter's module, each of its submodules and the engine wrapping them, for the block's
+    duration: each output that requires grad gets a gradient hook refusing the backward. A hook set on a leaf
+    tensor (a forward returning a parameter) would outlive the graph: it is set once and removed on exit."""
+    module = adapter.module()
+    target = adapter.target
+    leaves: dict[int, Any] = {}
+
+    def refuse_backward(_grad: torch.Tensor) -> NoReturn:
+        raise SwappedTrainingError(f"backward through a forward made {why}")
+
+    def on_output(_mod: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        # The output's gradient hook runs before any parameter gradient of that forward in the backward, so a
+        # refused backward leaves every .grad as it was. An input passed through as it is (Dropout in eval mode,
+        # Identity) is no product of the forward: it may come from outside the block, and keeps no hook.
+        if torch.is_grad_enabled():
+            made = [t for t in _tensors(output) if t.requires_grad and id(t) not in leaves]
+            passed = {id(t) for t in _tensors(inputs)} if made else set()
+            for t in made:
+                if id(t) not in passed:
+                    handle = t.register_hook(refuse_backward)
+                    if t.grad_fn is None:
+                        leaves[id(t)] = handle
+        return output
+
+    modules = list(module.modules())
     if target is not module and isinstance(target, torch.nn.Module):  # an engine wrapping the module
-        handles.append(target.register_forward_hook(on_output))
-    handles.append(register_optimizer_step_pre_hook(on_step))
+        modules.append(target)
+    handles = [m.register_forward_hook(on_output) for m in modules]
     try:
-        with adapter.refuse_training(why):
-            yield
+        yield
     finally:
-        for h in handles:
+        for h in handles + list(leaves.values()):
             h.remove()
 
 

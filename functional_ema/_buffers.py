@@ -42,7 +42,15 @@ def loaded_buffer_state(
     live_buffers: dict[str, torch.Tensor], layout: ShardLayout, ckpt: Any, verify: bool = True
 ) -> BufferState:
     """This rank's buffer state from an opened checkpoint, checked against the module's live buffers
-    (:func:`persistent_buffers`) and placed on their devices (see :func:`functional_ema.buffers.load_buffers`)."""
+    (:func:`persistent_buffers`) and placed on their devices (see :func:`functional_ema.buffers.load_buffers`).
+    Normal tensors also under ``torch.inference_mode()``, so that ``update_buffers`` can write them outside it."""
+    with torch.inference_mode(False):
+        return _read_buffer_state(live_buffers, layout, ckpt, verify)
+
+
+def _read_buffer_state(
+    live_buffers: dict[str, torch.Tensor], layout: ShardLayout, ckpt: Any, verify: bool
+) -> BufferState:
     _num_emas, emas, copied = ckpt.read_buffers(layout.rank, layout.world_size, verify)
     floats, others = split_floating(live_buffers)
     where = f"buffers of tag {ckpt.tag!r} in {ckpt.root}"

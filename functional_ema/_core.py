@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, NoReturn, cast
 
 import optree
 import torch
@@ -107,6 +107,15 @@ def check_step_tensor(
         raise ValueError(f"{what} must be >= 0 (a training step), got {int(counter)}; {fix}")
 
 
+def refuse_inference(what: str, maker: str = "init_ema") -> NoReturn:
+    """Refuse ``what``, an inference tensor: torch lets nothing write it in place outside inference mode."""
+    raise ValueError(
+        f"{what} is an inference tensor (made under torch.inference_mode()), which torch lets no update write "
+        f"outside inference mode; make the state outside torch.inference_mode() ({maker} does so even when "
+        "called inside it), or clone its tensors outside inference mode"
+    )
+
+
 # --------------------------------------------------------------------------------------------- init
 
 
@@ -141,7 +150,8 @@ def init_ema(
 
     Returns:
         ``EmaState(step=tensor(step), emas=(ema_0, ..., ema_{K-1}))``; each ``ema_k`` has the
-        tree structure and shapes of ``shards`` and dtype ``dtype``.
+        tree structure and shapes of ``shards`` and dtype ``dtype``. Normal tensors, also when
+        called under ``torch.inference_mode()`` (so that :func:`update` can write them outside it).
 
     Example:
         >>> import torch, functional_ema as fe
@@ -170,6 +180,7 @@ def init_ema(
     return _allocate(shards, num_emas, dtype, device, pin_memory, step, copy_values=True)
 
 
+@torch.inference_mode(False)  # normal tensors also under torch.inference_mode() (an evaluation): see the docstring
 def _allocate(
     shards: Any,
     num_emas: int,
@@ -181,7 +192,9 @@ def _allocate(
     copy_values: bool,
 ) -> EmaState:
     """The state's tensors laid out like ``shards``; filled with their values when ``copy_values``,
-    else uninitialised (for :func:`functional_ema.load`, which overwrites every value)."""
+    else uninitialised (for :func:`functional_ema.load`, which overwrites every value). Normal tensors
+    also when called under ``torch.inference_mode()`` (e.g. at the first evaluation): an inference
+    tensor could never be updated outside it."""
     step = check_step(step, "step")
     if shards is None:
         raise TypeError("shards must be a tree of floating tensors (e.g. functional_ema.local_shards(model)), got None")
@@ -276,16 +289,17 @@ def update(
         shards: the same tree (names, shapes) the state was made from, current values.
         step: the training step the shards belong to, e.g. ``engine.global_steps``; an ``int``.
             ``None`` means ``state.step + 1``. Equal to ``state.step``: nothing to do, the state is
-            returned unchanged (e.g. a micro-batch within gradient accumulation, where the
-            optimizer has not stepped). Smaller: an error.
+            returned unchanged, or a copy of it with ``inplace=False`` (e.g. a micro-batch within
+            gradient accumulation, where the optimizer has not stepped). Smaller: an error.
         decay: a float (per-step decay), a schedule, or a callable ``step -> decay``; a sequence of
             ``state.num_emas`` of them when the state tracks several EMAs.
         inplace: ``True`` (default) writes into the state's buffers and returns a state sharing
             them (the old state is updated too, as in torchopt); ``False`` leaves ``state``
-            untouched and returns new buffers with the same layout (so they update fused too).
+            untouched and returns new buffers with the same layout (so they update fused too), also
+            when nothing is averaged in (same step, or a skip).
         nonfinite: ``None`` (default) averages whatever the weights hold. ``"skip"``: when any
-            weight is NaN or inf, leave the EMAs and the step unchanged and return the state (a
-            later update compounds the skipped steps). ``"raise"``: raise :class:`NonFiniteError`
+            weight is NaN or inf, leave the EMAs and the step unchanged and return the state (a copy
+            with ``inplace=False``; a later update compounds the skipped steps). ``"raise"``: raise :class:`NonFiniteError`
             naming the parameter, state unchanged. The check reads the weights once more (about
             +33% of the update's memory traffic for one fp32 EMA). With the ``Shards`` of
             ``local_shards(x)`` of a model trained on several ranks (``shards.group``), the ranks
@@ -318,7 +332,9 @@ def update(
             is not a real number.
         ValueError: ``step`` is before ``state.step`` or does not fit its int64 counter,
             ``state.step`` is not one element >= 0 on a real device, a decay is outside [0, 1], the
-            number of decays is wrong, or a shard or EMA tensor is on the meta device. Everything
+            number of decays is wrong, a shard or EMA tensor is on the meta device, or the state holds
+            inference tensors it could not write (built under ``torch.inference_mode()`` by hand;
+            ``init_ema`` and ``load`` make normal tensors even there). Everything
             is checked before any EMA value (or the step) changes.
 
     Examples:
@@ -340,6 +356,8 @@ def update(
     # counter. Anything odd is refused by check_step_tensor with the reason, before anything moves.
     if type(counter) is not _TENSOR or counter.dtype is not _INT64:
         check_step_tensor(counter, "state.step")
+    if counter.is_inference():  # one cheap test; the EMAs are checked where the plan is built
+        refuse_inference("state.step")
     try:
         last = int(counter)
     except (RuntimeError, ValueError):
@@ -366,17 +384,17 @@ def update(
     if group is not None:  # the ranks decide together (one small all-reduce): all skip or none
         plan, weights, finite = _check_together(state, shards, step, last, decay, nonfinite, group)
         if plan is None or not finite:  # nothing to do (step == state.step), or a rank saw a NaN/inf: all skip
-            return state
+            return state if inplace else _copied(state)
     else:
         if step <= last:
             if step == last:
-                return state  # the optimizer has not stepped since the last update: nothing to average in
+                return state if inplace else _copied(state)  # the optimizer has not stepped: nothing to average
             raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
         plan, weights = _checked_plan(state, shards, step, last, decay)
         if nonfinite is not None and not _all_finite(state.emas[0], shards, nonfinite):
-            return state
+            return state if inplace else _copied(state)
     if not inplace:
-        state = EmaState(state.step.clone(), _clone_emas(state.emas))
+        state = _copied(state)
         plan = _plan_for(state.emas, shards)
     if not blocking and queue_update(plan, weights, state.step, last, step):
         state.step.fill_(step)
@@ -405,9 +423,14 @@ def _checked_plan(
     """The lerps of an update from ``last`` to ``step``, and each EMA's weight; every argument checked."""
     if step > _MAX_STEP:
         raise ValueError(f"update(step={step}) does not fit the state's int64 step counter (at most 2**63 - 1)")
-    decays = _decays_for(state, decay)
-    weights = [_weight(d, last, step) for d in decays]
+    weights = decay_weights(state.num_emas, decay, last, step)
     return _plan_for(state.emas, shards), weights
+
+
+def decay_weights(num_emas: int, decay: Any, last: int, step: int) -> list[float]:
+    """Each EMA's lerp weight for an update from ``last`` to ``step``: ``decay`` checked as :func:`update`
+    checks it (one per EMA, each a real number in [0, 1] at every step), before anything moves."""
+    return [_weight(d, last, step) for d in _decays_for(num_emas, decay)]
 
 
 def _check_together(
@@ -499,10 +522,9 @@ def _weight(d: Any, last: int, step: int) -> float:
     return 1.0 - interval_decay(d, last, step)
 
 
-def _decays_for(state: EmaState, decay: Any) -> list[Any]:
-    """One decay per EMA, as passed (``update``'s ``decay``, unchecked until here): the count is checked here,
-    each value by :func:`_weight` (``interval_decay``)."""
-    k = state.num_emas
+def _decays_for(k: int, decay: Any) -> list[Any]:
+    """One decay per EMA (``k`` of them), as passed (``update``'s ``decay``, unchecked until here): the count is
+    checked here, each value by :func:`_weight` (``interval_decay``)."""
     if isinstance(decay, (list, tuple)):
         if len(decay) != k:
             raise ValueError(f"got {len(decay)} decays for a state tracking {k} EMAs")
@@ -592,6 +614,8 @@ def _fused_plan(emas: tuple, shards: Shards) -> Plan:
         _check_segment(shards, j)
         for k, e in enumerate(emas):
             _check_device(e.segments[j], seg, lambda j=j: _segment_name(shards, j), k)
+            if e.segments[j].is_inference():
+                refuse_inference(f"state.emas[{k}][{_segment_name(shards, j)!r}]")
     plan = Plan()
     for j, seg in enumerate(shards.segments):
         plan.add([e.segments[j] for e in emas], seg)
@@ -650,6 +674,8 @@ def _per_tensor_plan(emas: tuple, shards: Any) -> Plan:
             es = [leaves[i] for leaves in ema_lists]
             for k, e in enumerate(es):
                 _check_device(e, s, lambda name=name: name, k)
+                if e.is_inference():
+                    refuse_inference(f"state.emas[{k}][{name!r}]")
             plan.add([e.detach() for e in es], s.detach())
     plan.finish()
     return plan
@@ -686,5 +712,8 @@ def _all_finite(ema0: Any, shards: Any, mode: str | None) -> bool:
     return False
 
 
-def _clone_emas(emas: tuple) -> tuple:
-    return tuple(map(clone_tree, emas))
+def _copied(state: EmaState) -> EmaState:
+    """``update(..., inplace=False)``'s new state: copies of the step and the EMAs (same layout), normal
+    tensors also under ``torch.inference_mode()``, so that later updates can write them."""
+    with torch.inference_mode(False):
+        return EmaState(state.step.clone(), tuple(map(clone_tree, state.emas)))

@@ -38,7 +38,7 @@ from typing import Any, Literal
 import torch
 
 from ._buffers import loaded_buffer_state, persistent_buffers, split_floating
-from ._core import check_ema_dtype, check_num_emas, check_step, check_step_tensor
+from ._core import check_ema_dtype, check_num_emas, check_step, check_step_tensor, decay_weights, refuse_inference
 from ._core import update as _update
 from ._state import BufferState
 from .schedules import DecayLike
@@ -79,7 +79,8 @@ def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype
 
     ``num_emas``, ``step`` and ``dtype`` are checked as :func:`functional_ema.init_ema` checks them
     (an int >= 1, an int step, a float32/float64/float16/bfloat16 ``torch.dtype``), and buffers on
-    the meta device are refused, before anything is copied.
+    the meta device are refused, before anything is copied. The copies are normal tensors also under
+    ``torch.inference_mode()`` (so that :func:`update_buffers` can write them outside it).
     """
     num_emas = check_num_emas(num_emas)
     dtype = check_ema_dtype(dtype)
@@ -91,10 +92,10 @@ def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype
                 f"buffer {n!r} is on the meta device: it has a shape but no values to keep. Materialise the model "
                 "(e.g. model.to_empty(device=...) and load or initialise its buffers) before init_buffers"
             )
-    with torch.no_grad():
+    with torch.no_grad(), torch.inference_mode(False):
         emas = tuple({n: b.detach().to(dtype=dtype, copy=True) for n, b in floats.items()} for _ in range(num_emas))
         copied = {n: b.detach().clone() for n, b in others.items()}
-    return BufferState(torch.tensor(step, dtype=torch.int64), emas, copied)
+        return BufferState(torch.tensor(step, dtype=torch.int64), emas, copied)
 
 
 def _check_bstate(bstate: Any) -> None:
@@ -118,6 +119,16 @@ def _check_names(bstate: BufferState, floats: dict, others: dict, verb: str) -> 
         )
 
 
+def _check_writable(bstate: BufferState) -> None:
+    """Refuse a buffer state holding inference tensors (built under ``torch.inference_mode()`` by hand), which
+    :func:`update_buffers` could not write outside inference mode, before anything is written."""
+    named = [("bstate.step", bstate.step), *((f"bstate.copied[{n!r}]", t) for n, t in bstate.copied.items())]
+    named += [(f"bstate.emas[{k}][{n!r}]", t) for k, ema in enumerate(bstate.emas) for n, t in ema.items()]
+    for what, t in named:
+        if t.is_inference():
+            refuse_inference(what, "init_buffers")
+
+
 def update_buffers(
     bstate: BufferState,
     x: Any,
@@ -132,8 +143,9 @@ def update_buffers(
     ``step`` and ``decay`` as the parameters' EMA (so the two stay in step, compounded alike);
     ``"copy"`` sets every EMA to the live values. Integer buffers are copied in both modes. An
     update at the state's own step is a no-op, as for :func:`functional_ema.update`. In place.
-    ``bstate.step``, ``step`` and ``decay`` are checked as :func:`functional_ema.update` checks them,
-    before any buffer value changes.
+    ``bstate.step``, ``step`` and ``decay`` (also with ``"copy"``, which does not use it) are checked as
+    :func:`functional_ema.update` checks them, and a state holding inference tensors is refused, before
+    any buffer value changes.
     """
     if not (isinstance(mode, str) and mode in ("average", "copy")):
         raise ValueError(f'mode must be "average" or "copy", got {mode!r}')
@@ -141,11 +153,16 @@ def update_buffers(
     check_step_tensor(bstate.step, "bstate.step", "init_buffers", "load_buffers")
     floats, others = split_floating(module_buffers(x))
     _check_names(bstate, floats, others, "update_buffers")
+    _check_writable(bstate)
     last = int(bstate.step)
     step = last + 1 if step is None else check_step(step, "step")
     if step == last:
         return bstate
     if mode == "copy":
+        if step > last:  # an earlier step is refused by update below, as in "average"
+            # Checked as in "average", then unused; a single decay stands for every EMA here (nothing to compound),
+            # so a state of several EMAs copies with the default decay too.
+            decay_weights(bstate.num_emas if isinstance(decay, (list, tuple)) else 1, decay, last, step)
         decay = [0.0] * bstate.num_emas if bstate.num_emas > 1 else 0.0
     from ._state import EmaState
 
@@ -161,26 +178,57 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
     """Within the block ``x``'s buffers hold EMA ``index`` (cast to each buffer's dtype) and the
     copied integer buffers; the live values come back on exit, also on error. Nest it with
     :func:`functional_ema.swapped` to evaluate with EMA parameters and buffers. Yields the number of
-    buffers swapped."""
-    from ._args import check_int
+    buffers swapped.
+
+    Refused before anything changes: an ``index`` that is not one of the EMAs (``TypeError``/``ValueError``),
+    a state of other buffer names or shapes (``ValueError``). A block that re-types (``model.double()``) or
+    re-assigns (``load_state_dict(..., assign=True)``) the buffers, or replaces a submodule, has them put back
+    on exit (the objects and memory they had on entry, the live values in them), and then
+    :class:`~functional_ema.SwappedParametersChangedError` names each (on an exception from the block: that
+    exception, with a note). The parameters are left as the block left them."""
+    from ._api import changes_reported, checked_index
+    from .engines._base import parameters_put_back
 
     _check_bstate(bstate)
-    index = check_int(index, "index")
-    floats, others = split_floating(module_buffers(x))
+    index = checked_index(index, bstate, in_range=True, of="the buffer state")
+    module = _module(x)
+    floats, others = split_floating(persistent_buffers(module))
     _check_names(bstate, floats, others, "swapped_buffers")
-    if not index < bstate.num_emas:
-        raise ValueError(f"index={index} is not one of the buffer state's {bstate.num_emas} EMAs")
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-    try:
+    sources = ((bstate.emas[index], floats), (bstate.copied, others))
+    pairs = [(b, src[n]) for src, live in sources for n, b in live.items()]
+    _check_swap_shapes(pairs, [*floats, *others])
+    with (
+        changes_reported("functional_ema.buffers.swapped_buffers(...)") as changes,
+        _live_values_back([b for b, _ in pairs]),
+        parameters_put_back(module, changes, skip=lambda _mod, _attr: True),  # buffers and submodules only
+    ):
         with torch.no_grad():
-            for src, live in [(bstate.emas[index], floats), (bstate.copied, others)]:
-                for n, b in live.items():
-                    saved.append((b, b.detach().clone()))
-                    b.copy_(src[n])
-        yield len(saved)
+            for b, src in pairs:
+                b.copy_(src)
+        yield len(pairs)
+
+
+def _check_swap_shapes(pairs: list[tuple[torch.Tensor, torch.Tensor]], names: list[str]) -> None:
+    """``ValueError`` naming the first buffer whose EMA (or copy) has another shape than the buffer's: ``copy_``
+    would broadcast it (a ``(1,)`` EMA into a ``(4,)`` buffer) or fail half-way."""
+    for name, (b, src) in zip(names, pairs):
+        if src.shape != b.shape:
+            raise ValueError(
+                f"swapped_buffers: buffer {name!r} has shape {tuple(b.shape)} in the model but {tuple(src.shape)} in "
+                "the buffer state: the buffer state was made for another model"
+            )
+
+
+@contextlib.contextmanager
+def _live_values_back(buffers: list[torch.Tensor]) -> Iterator[None]:
+    """Copies of ``buffers`` kept aside, copied back into them on exit (also on error)."""
+    with torch.no_grad():
+        saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
     finally:
         with torch.no_grad():
-            for b, keep in saved:
+            for b, keep in zip(buffers, saved):
                 b.copy_(keep)
 
 

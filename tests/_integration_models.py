@@ -272,6 +272,26 @@ def quiet_hf() -> None:
         pass
 
 
+def cpu_training_args(out: Path | str, **overrides: Any) -> Any:
+    """``transformers.TrainingArguments`` for a short, quiet, deterministic CPU run of the tests' tiny models (batch 8,
+    constant lr 1e-2, AdamW, no saving, logging, reporting or worker processes); ``overrides`` win."""
+    from transformers import TrainingArguments
+
+    base: dict[str, Any] = {
+        "per_device_train_batch_size": 8,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",
+        "optim": "adamw_torch",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "report_to": [],
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "dataloader_num_workers": 0,
+    }
+    return TrainingArguments(output_dir=str(out), **{**base, **overrides})
+
+
 def tiny_llama_config(tie: bool = False, width: int = 1):
     from transformers import LlamaConfig
 

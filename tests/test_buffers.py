@@ -5,6 +5,9 @@ References are plain ``lerp_`` per tensor; integer buffers must be copied, never
 
 from __future__ import annotations
 
+import copy
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -55,6 +58,81 @@ def test_swapped_buffers_restores_and_evaluates_with_ema():
     assert all(torch.equal(t, live[n]) for n, t in net.named_buffers())
     with pytest.raises(RuntimeError, match="boom"), fe.buffers.swapped_buffers(net, b):
         raise RuntimeError("boom")
+    assert all(torch.equal(t, live[n]) for n, t in net.named_buffers())
+
+
+def _buffers_changed_inside(net, b, change, raising: bool) -> tuple[str, str]:
+    """``change()`` inside ``swapped_buffers`` (raising ``KeyError`` at the end when ``raising``): how it ended."""
+    try:
+        with torch.no_grad(), fe.buffers.swapped_buffers(net, b):
+            change()
+            if raising:
+                raise KeyError("boom")
+    except fe.SwappedParametersChangedError as e:
+        return "changed", str(e)
+    except KeyError as e:
+        return "raised", " ".join(getattr(e, "__notes__", []))
+    return "none", ""
+
+
+def test_swapped_buffers_puts_back_buffers_the_block_retyped_or_replaced():
+    """A block that re-types (``net.double()``), re-assigns (``load_state_dict(assign=True)``) the buffers or replaces
+    their submodule does not leave the buffer EMA in the model: the buffers are the objects they were, with their
+    dtype and live values, and ``SwappedParametersChangedError`` (or a note on the block's error) names them."""
+    net = _net()
+    b = fe.buffers.init_buffers(net)
+    for step in (1, 2):
+        net(torch.randn(16, 5))
+        b = fe.buffers.update_buffers(b, net, step, decay=0.5)
+    net(torch.randn(16, 5))  # the live statistics move away from the EMA
+    net.eval()
+    objects = dict(net.named_buffers())
+    live = {n: t.clone() for n, t in objects.items()}
+    assert not torch.equal(live["1.running_mean"], b.emas[0]["1.running_mean"])
+    x = torch.randn(4, 5, dtype=torch.float64)
+    twin = copy.deepcopy(net).double()
+    twin.load_state_dict({**twin.state_dict(), **b.emas[0], **b.copied})
+    inside = {}
+
+    def retype():
+        net.double()
+        inside["forward"] = net(x)
+
+    def assign():
+        net.load_state_dict({n: t.clone() for n, t in net.state_dict().items()}, assign=True)
+
+    def submodule():
+        net[1] = copy.deepcopy(net[1])
+
+    named = {retype: "buffer '1.running_mean' replaced", assign: "buffer '1.running_mean' replaced"}
+    named[submodule] = "submodule '1' replaced by another BatchNorm1d"
+    for change, words in named.items():
+        for raising in (False, True):
+            how, message = _buffers_changed_inside(net, b, change, raising)
+            assert how == ("raised" if raising else "changed") and words in message, (change, how, message)
+            now = dict(net.named_buffers())
+            assert all(now[n] is objects[n] and torch.equal(now[n], live[n]) for n in live), (change, raising)
+            assert all(now[n].dtype == live[n].dtype for n in live)
+            net.float()  # the parameters stay as the block left them
+    with torch.no_grad():
+        assert torch.equal(inside["forward"], twin(x))  # the forward inside had the buffer EMA, in float64
+
+
+def test_swapped_buffers_refuses_buffers_of_other_shapes_before_anything_changes():
+    """A buffer state of a model with the same buffer names but other shapes is refused naming the buffer (``copy_``
+    would broadcast a (1,) EMA into a (4,) buffer), as ``update_buffers`` refuses it; nothing changes."""
+
+    def make(n):
+        net = nn.Sequential(nn.Linear(4, n), nn.BatchNorm1d(n))
+        net(torch.randn(8, 4))
+        return net
+
+    b = fe.buffers.init_buffers(make(1))
+    net = make(4)
+    live = {n: t.clone() for n, t in net.named_buffers()}
+    shapes = r"buffer '1.running_mean' has shape \(4,\) in the model but \(1,\)"
+    with pytest.raises(ValueError, match=shapes), fe.buffers.swapped_buffers(net, b):
+        pass
     assert all(torch.equal(t, live[n]) for n, t in net.named_buffers())
 
 
@@ -297,3 +375,53 @@ def test_controller_rejects_bad_config():
         EMAController(0.9, posthoc_dir="x", posthoc_every=10)
     with pytest.raises(TypeError, match=r"pass dtype=torch\.bfloat16"):
         EMAController(0.9, dtype="bfloat16")
+
+
+def test_buffers_made_under_inference_mode_update_outside_it():
+    # e.g. started lazily at the first evaluation: init_buffers makes normal tensors there, so the next
+    # update_buffers averages and copies as plain torch does, instead of failing after the EMAs moved.
+    net = _net()
+    with torch.inference_mode():
+        b = fe.buffers.init_buffers(net, num_emas=2)
+    net(torch.randn(16, 5))
+    live = dict(net.named_buffers())
+    expect = [{n: e[n].clone().lerp_(live[n], 1 - d) for n in e} for e, d in zip(b.emas, (0.5, 0.9))]
+    b = fe.buffers.update_buffers(b, net, 1, decay=[0.5, 0.9])
+    assert int(b.step) == 1 and torch.equal(b.copied["1.num_batches_tracked"], live["1.num_batches_tracked"])
+    assert all(torch.equal(e[n], x[n]) for e, x in zip(b.emas, expect) for n in x)
+
+
+@pytest.mark.parametrize("which", ["step", "copied", "emas"])
+def test_buffer_state_holding_inference_tensors_refused_before_anything_moves(which):
+    net = _net()
+    good = fe.buffers.init_buffers(net)
+    with torch.inference_mode():  # built by hand there: inference tensors
+        inf = fe.buffers.BufferState(good.step.clone(), copy.deepcopy(good.emas), copy.deepcopy(good.copied))
+    bad = good._replace(**{which: getattr(inf, which)})  # only this part is made of inference tensors
+    net(torch.randn(16, 5))
+    snap = _buffer_snapshot(bad)
+    for mode in ("average", "copy"):
+        with pytest.raises(ValueError, match=rf"bstate\.{which}.*inference tensor.*init_buffers"):
+            fe.buffers.update_buffers(bad, net, None, decay=0.5, mode=mode)
+        assert _same(_buffer_snapshot(bad), snap)
+
+
+@pytest.mark.parametrize("decay", [1.5, [0.9], "not a decay", [0.5, float("nan")]], ids=str)
+def test_update_buffers_copy_checks_decay_as_average_does(decay):
+    net = _net()
+    b = fe.buffers.init_buffers(net, num_emas=2)
+    net(torch.randn(16, 5))
+    snap = _buffer_snapshot(b)
+    with pytest.raises((TypeError, ValueError)) as average:
+        fe.buffers.update_buffers(b, net, None, decay=decay, mode="average")
+    if isinstance(decay, list):  # the same refusal
+        with pytest.raises(type(average.value), match=re.escape(str(average.value))):
+            fe.buffers.update_buffers(b, net, None, decay=decay, mode="copy")
+    else:  # one decay stands for every EMA in "copy" (nothing to compound): refused for its value only
+        with pytest.raises((TypeError, ValueError), match="decay"):
+            fe.buffers.update_buffers(b, net, None, decay=decay, mode="copy")
+    assert _same(_buffer_snapshot(b), snap)
+    fe.buffers.update_buffers(b, net, None, mode="copy")  # the default decay copies a state of 2 EMAs
+    b = fe.buffers.update_buffers(b, net, None, decay=[0.5, 0.9], mode="copy")  # a good decay: copied
+    live = dict(net.named_buffers())
+    assert all(torch.equal(e[n], live[n]) for e in b.emas for n in e)

@@ -242,3 +242,36 @@ def test_accelerate_unfreezing_joins_before_the_step():
     it, bitwise equal to a reference of every parameter averaged from step 1, with no warning (one process)."""
     (got,) = run_ranks("tests.test_integrations_accelerate:unfreezing_worker", world_size=1, timeout=300)
     assert got == {"steps": 6, "names": True, "exact": True, "warnings": []}
+
+
+def test_a_loop_that_accumulates_by_hand_counts_its_real_optimizer_steps():
+    """``optimizer.step()`` every 2nd micro-batch, no ``accelerator.accumulate``, ``ema.step()`` every iteration, and
+    beside it a second prepared optimizer (of another model) stepping at every micro-batch: the EMA counts the 4 steps
+    of its own model's optimizer and equals, bitwise, a reference EMA fed after each of them (one process)."""
+    from accelerate import Accelerator
+    from torch import nn
+
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+    from tests._integration_models import ReferenceEMA
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=1)
+    torch.manual_seed(0)
+    model, other = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1)), nn.Linear(16, 1)
+    model, optimizer, other, other_optimizer = acc.prepare(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-3), other, torch.optim.SGD(other.parameters(), lr=1e-2)
+    )
+    ema, ref = AcceleratorEMA(acc, model, decay=0.9), ReferenceEMA([0.9])
+    for micro in range(8):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(micro))
+        acc.backward(nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)) / 2)
+        acc.backward(other(x).pow(2).mean())
+        other_optimizer.step()
+        other_optimizer.zero_grad()
+        if micro % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+            ref.feed(micro // 2 + 1, {n: p.detach() for n, p in model.named_parameters()})
+        ema.step()
+    ema.remove_hooks()
+    assert ema.optimizer_step == 4 and int(ema.state.step) == 4
+    assert all(torch.equal(ema.state.ema[n], t) for n, t in ref.emas[0].items())

@@ -522,6 +522,79 @@ def test_ema_folder_of_another_checkpoint_refused(tmp_path):
     _one_process_trainer(tmp_path / "b", 3, every_n_steps=3).fit(_module("ddp"), ckpt_path=str(theirs)[: -len(".ema")])
 
 
+def test_resume_from_a_save_last_link_equals_the_uninterrupted_run(tmp_path):
+    """``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a symbolic link to the newest checkpoint without
+    saving it; ``fit(ckpt_path="last")`` reads the EMA saved beside the link's target, and the resumed run ends with
+    the uninterrupted run's EMA, bitwise."""
+    import lightning.pytorch as pl
+
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+
+    def fit(root: Path, max_epochs: int, ckpt_path: str | None = None) -> EMACallback:
+        ema = EMACallback(decay=0.9, buffers="average")
+        ckpt = pl.callbacks.ModelCheckpoint(
+            dirpath=str(root / "ckpt"), every_n_epochs=1, save_top_k=-1, save_last="link"
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=max_epochs,
+            callbacks=[ema, ckpt],
+            default_root_dir=str(root),
+            **QUIET,
+        )
+        trainer.fit(_module("ddp"), ckpt_path=ckpt_path)
+        return ema
+
+    whole = fit(tmp_path / "whole", 3)
+    fit(tmp_path / "cut", 2)
+    last = tmp_path / "cut" / "ckpt" / "last.ckpt"
+    assert last.is_symlink() and not Path(str(last) + ".ema").exists()
+    resumed = fit(tmp_path / "cut", 3, ckpt_path="last")
+    assert resumed.state is not None and whole.state is not None
+    assert int(resumed.state.step) == int(whole.state.step) == 24
+    assert all(torch.equal(resumed.state.ema[n], t) for n, t in whole.state.ema.items())
+    got, want = resumed.ema.buffer_state, whole.ema.buffer_state
+    assert got is not None and want is not None
+    assert all(torch.equal(got.emas[0][n], t) for n, t in want.emas[0].items())
+
+
+def test_a_validation_before_the_ema_starts_warns_once(tmp_path):
+    """A validation before the EMA starts evaluates the live weights under the metric names the EMA's validations use
+    later: one ``UserWarning`` names start_step and the step of that validation (8 optimizer steps per epoch: the
+    validations at steps 8 and 16, the EMA started after step 10); none when the EMA has started by the first one."""
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    for start, expected in ((10, 1), (8, 0)):
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=2,
+            callbacks=[EMACallback(decay=0.9, start_step=start)],
+            enable_checkpointing=False,
+            default_root_dir=str(tmp_path),
+            **QUIET,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_module("ddp"))
+        seen = [
+            str(w.message) for w in caught if w.category is UserWarning and "before the EMA starts" in str(w.message)
+        ]
+        assert len(seen) == expected, seen
+        if expected:
+            assert "the validation at step 8 runs before the EMA starts (start_step=10" in seen[0], seen[0]
+
+
 def _finetuned_module():
     """A ``backbone`` that Lightning's ``BackboneFinetuning`` freezes at setup and unfreezes at epoch 1, and a head."""
     import lightning.pytorch as pl

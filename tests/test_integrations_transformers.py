@@ -354,29 +354,19 @@ def test_callback_events_outside_a_trainer_say_how_to_name_it():
 
 
 def _one_process_trainer(out: Path, callbacks, eval_dataset, seed: int = 0, best: str | None = None):
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
-    from tests._integration_models import BNNet, RegressionData, quiet
+    from tests._integration_models import BNNet, RegressionData, cpu_training_args, quiet
 
     quiet()
-    args = TrainingArguments(
-        output_dir=str(out),
+    args = cpu_training_args(
+        out,
         max_steps=4,
-        per_device_train_batch_size=8,
         per_device_eval_batch_size=64,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",
-        optim="adamw_torch",
-        save_strategy="no",
         eval_strategy="steps",
         eval_steps=4,  # the last step: the evaluation in training sees the final EMA
-        logging_strategy="no",
         metric_for_best_model=best,
-        report_to=[],
-        disable_tqdm=True,
         seed=seed,
-        use_cpu=True,
-        dataloader_num_workers=0,
     )
     torch.manual_seed(seed)
     return Trainer(
@@ -463,6 +453,62 @@ def test_every_evaluate_call_gets_the_ema_metric_of_its_own_dataset(tmp_path):
     assert not any(
         k.startswith("ema_ema") or k.startswith("eval_ema_ema") for h in trainer.state.log_history for k in h
     )
+
+
+def _best_metric_trainer(out: Path, start_step: int, best: str, **evaluation):
+    """One process, 8 optimizer steps per epoch, an EMA started after ``start_step``, ``metric_for_best_model=best``
+    and the evaluation settings ``evaluation``; a reference EMA of every parameter fed after each optimizer step."""
+    from transformers import Trainer, TrainerCallback
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import BNNet, ReferenceEMA, RegressionData, cpu_training_args, quiet
+
+    quiet()
+    ref = ReferenceEMA([0.9], start=start_step)
+
+    class Reference(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if ref.due(state.global_step):
+                ref.feed(state.global_step, {n: p.detach() for n, p in model.named_parameters()})
+
+    args = cpu_training_args(out, metric_for_best_model=best, greater_is_better=False, seed=0, **evaluation)
+    torch.manual_seed(0)
+    ema = EMACallback(decay=0.9, start_step=start_step)
+    trainer = Trainer(
+        model=BNNet(),
+        args=args,
+        train_dataset=RegressionData(64, seed=1),
+        eval_dataset=RegressionData(16, seed=2),
+        callbacks=[ema, Reference()],
+    )
+    return trainer, ema, ref
+
+
+def test_an_ema_best_metric_evaluated_before_the_ema_starts_is_refused_at_train_begin(tmp_path):
+    """``metric_for_best_model`` naming an EMA metric, with a first evaluation (by steps, or at an epoch's end) before
+    the EMA starts, is refused at ``on_train_begin``, before any step, naming the settings and the fix; delayed
+    evaluations (``eval_on_start`` picks no best model) train, and the best metric is the EMA's, whose weights equal
+    a reference EMA, bitwise."""
+    steps = {"max_steps": 6, "eval_strategy": "steps", "eval_steps": 2}
+    epochs = {"num_train_epochs": 2, "eval_strategy": "epoch"}
+    for kind, start, best, evaluation, named in (
+        ("steps", 3, "eval_ema_loss", steps, "after optimizer step 2 (eval_strategy='steps', eval_steps=2"),
+        ("epoch", 9, "ema_loss", epochs, "after optimizer step 8 (eval_strategy='epoch', 8 optimizer steps per epoch"),
+    ):
+        trainer, _, _ = _best_metric_trainer(tmp_path / kind, start, best, **evaluation)
+        with pytest.raises(ValueError, match=f"metric_for_best_model='{best}' is an EMA metric") as refused:
+            trainer.train()
+        fix = "eval_delay=3" if kind == "steps" else "eval_delay=2 epochs"
+        for part in (f"first evaluation comes {named}", f"(start_step={start})", f"({fix})", "lower start_step to"):
+            assert part in str(refused.value), (part, str(refused.value))
+        assert trainer.state.global_step == 0 and not trainer.state.log_history
+    trainer, ema, ref = _best_metric_trainer(
+        tmp_path / "ok", 3, "eval_ema_loss", eval_delay=3, eval_on_start=True, **steps
+    )
+    trainer.train()
+    assert trainer.state.best_metric == min(_logged(trainer, "eval_ema_loss"))
+    assert len(_logged(trainer, "eval_ema_loss")) == 2  # steps 4 and 6
+    assert int(ema.state.step) == 6 and all(torch.equal(ema.state.ema[n], t) for n, t in ref.emas[0].items())
 
 
 def test_one_callback_serves_one_trainer(tmp_path):

@@ -244,8 +244,11 @@ def _changed_inside(model, state) -> dict:
     def new_parameter():
         inner.mid.weight = nn.Parameter(torch.zeros(13, 13))
 
+    def submodule():  # a copy holding the EMA, registered in its place (e.g. wrapped or fused for evaluation)
+        inner.head = copy.deepcopy(inner.head)
+
     out = {}
-    for kind, change in (("retype", retype), ("assign", assign), ("new", new_parameter)):
+    for kind, change in (("retype", retype), ("assign", assign), ("new", new_parameter), ("submodule", submodule)):
         for raising in (False, True):
             caught = change_inside_swapped(model, state, lambda: model(x), change, raising)
             now = {**dict(inner.named_parameters()), **dict(inner.named_buffers())}
@@ -262,7 +265,12 @@ def _changed_inside(model, state) -> dict:
 
 
 def _check_changed_inside(report: dict) -> None:
-    named = {"retype": "'mid.weight' re-typed", "assign": "'mid.weight' replaced", "new": "'mid.weight' replaced"}
+    named = {
+        "retype": "'mid.weight' re-typed",
+        "assign": "'mid.weight' replaced",
+        "new": "'mid.weight' replaced",
+        "submodule": "submodule 'head' replaced by another Linear",
+    }
     assert sorted(report) == sorted(f"{k}{r}" for k in named for r in ("", "_raising")), report
     for case, got in report.items():
         how, message = got["caught"]
@@ -286,6 +294,81 @@ def test_swapped_block_that_changes_parameters_puts_the_trained_ones_back():
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own moments (load_state_dict aliases them)
     _train_step(model, opt, 3)
     _train_step(twin, twin_opt, 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+class Scale(nn.Module):
+    """A forward that returns the parameter itself (a leaf tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.ones(2))
+
+    def forward(self):
+        return self.s
+
+
+class AuxNet(nn.Module):
+    """A forward that stores an auxiliary loss on the module, an in-place activation, and a parameter returned by
+    a submodule's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+        self.head = nn.Linear(4, 2)
+        self.scale = Scale()
+        self.keep = nn.Identity()
+
+    def forward(self, x):
+        h = self.keep(self.enc(x))
+        self.aux = h.pow(2).mean()
+        return self.head(h) * self.scale()
+
+
+def test_swapped_refuses_backward_through_any_submodule_forward():
+    """Backward through a submodule's own forward, or through a loss the forward stored on the module, is refused
+    inside ``swapped`` before any ``.grad`` is written; on exit no hook stays (training goes on as an untouched
+    twin's, the EMA as a plain-torch reference)."""
+    torch.manual_seed(0)
+    model = AuxNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    (model(x).sum() + model.aux).backward()
+    opt.step()
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5)
+    for n, p in model.named_parameters():
+        ref[n].lerp_(p.detach(), 0.5)
+    assert all(torch.equal(state.ema[n], ref[n]) for n in ref)
+    del model.aux  # a non-leaf tensor: deepcopy refuses it
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    live = copy.deepcopy(model.state_dict())
+    opt.zero_grad(set_to_none=True)
+    backwards = {
+        "submodule": lambda: model.enc(x).sum().backward(),
+        "inner submodule": lambda: model.enc[0](x).sum().backward(),
+        "parameter returned": lambda: model.scale().sum().backward(),
+        "stored loss": lambda: (model(x), model.aux.backward()),
+    }
+    for what, backward in backwards.items():
+        refused = pytest.raises(fe.SwappedTrainingError, match="backward through a forward made inside")
+        with fe.swapped(model, state), refused:
+            backward()
+        assert all(p.grad is None for p in model.parameters()), what
+        sd = model.state_dict()
+        assert all(torch.equal(sd[n], live[n]) for n in live), what
+    assert all(not m._forward_hooks for m in model.modules())  # every hook removed on exit
+    outside = model.enc(x)  # made before the block: passed through a forward inside, it keeps no hook
+    with fe.swapped(model, state):
+        model.keep(outside)
+    outside.sum().backward()
+    for step_model, step_opt in ((model, opt), (twin, twin_opt)):
+        step_opt.zero_grad(set_to_none=True)
+        (step_model(x).sum() + step_model.aux).backward()
+        step_opt.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
 
 
@@ -514,3 +597,30 @@ def test_gather_full_checks_dst_and_join_parts_at_the_call():
             fe.gather_full(state, model, **kw)
     full = fe.gather_full(state, model, dst=0)
     assert torch.equal(full["weight"], model.weight.detach())
+
+
+def test_bad_index_is_refused_at_the_call_naming_the_emas():
+    """``index`` not one of the state's EMAs (2 of 2, -1, a float, a bool) is refused by ``swapped``, ``gather_full``
+    and ``buffers.swapped_buffers`` alike (``ValueError``/``TypeError`` naming ``index`` and how many EMAs there
+    are), before anything changes; a valid index still works."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    state = fe.init_ema(fe.local_shards(model), num_emas=2)
+    bstate = fe.buffers.init_buffers(model, num_emas=2)
+    live = copy.deepcopy(model.state_dict())
+    verbs = {
+        "swapped": lambda i: fe.swapped(model, state, index=i).__enter__(),
+        "gather_full": lambda i: fe.gather_full(state, model, index=i),
+        "swapped_buffers": lambda i: fe.buffers.swapped_buffers(model, bstate, index=i).__enter__(),
+    }
+    for verb, call in verbs.items():
+        for index, err, words in [
+            (2, ValueError, "index=2 is not one of the EMAs: "),
+            (-1, ValueError, "index=-1"),
+            (1.0, TypeError, "index must be an int, got float"),
+            (True, TypeError, "index must be an int, got a bool"),
+        ]:
+            with pytest.raises(err, match=words) as caught:
+                call(index)
+            assert "holds 2 EMA(s), index 0 to 1" in str(caught.value), (verb, index, str(caught.value))
+            assert all(torch.equal(t, live[n]) for n, t in model.state_dict().items()), (verb, index)
+    assert torch.equal(fe.gather_full(state, model, index=1)["0.weight"], model[0].weight.detach())

@@ -203,10 +203,10 @@ def test_hf_trainer_callback_with_a_selection(tmp_path):
     plain EMA of the weights after each step), the Trainer's EMA evaluation computes with the selected weights
     averaged and the others live (a copy loaded so, evaluated here), and the export file holds the selection."""
     from safetensors import safe_open
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from functional_ema.integrations.transformers import EMACallback
-    from tests._integration_models import BNNet, RegressionData, quiet
+    from tests._integration_models import BNNet, RegressionData, cpu_training_args, quiet
 
     quiet()
     picked = ["inp.weight", "mid.weight"]
@@ -219,20 +219,7 @@ def test_hf_trainer_callback_with_a_selection(tmp_path):
                     ref[n] = p.detach().clone() if n not in ref else ref[n].lerp_(p.detach(), 0.5)
 
     ema = EMACallback(decay=0.5, include=["inp.*", "mid.*"], exclude="*.bias", export_path=tmp_path / "ema.safetensors")
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=4,
-        per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",
-        optim="adamw_torch",
-        save_strategy="no",
-        logging_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
+    args = cpu_training_args(tmp_path / "out", max_steps=4)
     torch.manual_seed(0)
     data = RegressionData(32, seed=2)
     trainer = Trainer(model=BNNet(), args=args, train_dataset=RegressionData(64, seed=1), callbacks=[ema, Reference()])

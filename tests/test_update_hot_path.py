@@ -8,6 +8,8 @@ otherwise.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -170,3 +172,78 @@ def test_plain_module_memory_moved_is_read_again(how):
     expect = state.ema["weight"].clone().lerp_(model.weight.detach(), 0.5)
     fe.update(state, now, 1, decay=0.5)
     assert torch.equal(state.ema["weight"], expect)
+
+
+# ------------------------------------------------------------------------------- inference mode, inplace=False
+
+
+def _moved(src: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t in src.values():
+            t.mul_(1.5).add_(0.25)
+
+
+@pytest.mark.parametrize("tree", ["shards", "dict"])
+def test_state_made_under_inference_mode_updates_outside_it(tree):
+    # e.g. an EMA started lazily at the first evaluation: init_ema makes normal tensors there, so the next
+    # update (outside inference mode) moves them as plain lerp_ does, instead of failing halfway.
+    src = _trees()
+    shards = fe.Shards.from_views(src) if tree == "shards" else src
+    with torch.inference_mode():
+        state = fe.init_ema(shards, num_emas=2)
+    assert not state.step.is_inference() and not any(t.is_inference() for e in state.emas for t in e.values())
+    _moved(src)
+    expect = [_reference(dict(e), src, w) for e, w in zip(state.emas, (1 - 0.9, 1 - 0.5))]
+    fe.update(state, shards, 1, decay=(0.9, 0.5))
+    assert int(state.step) == 1
+    assert all(torch.equal(e[n], x[n]) for e, x in zip(state.emas, expect) for n in src)
+    with torch.inference_mode():  # a copy made under inference mode (inplace=False) is normal too
+        copy = fe.update(state, shards, 2, decay=(0.9, 0.5), inplace=False)
+    fe.update(copy, shards, 3, decay=(0.9, 0.5))
+    assert int(copy.step) == 3 and int(state.step) == 1
+
+
+def _inference_copy(t: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return t.clone()
+
+
+def test_state_holding_inference_tensors_is_refused_before_anything_changes():
+    src = _trees()
+    shards = fe.Shards.from_views(src)
+    made = fe.init_ema(shards)
+    with torch.inference_mode():
+        inf_emas = made.ema.clone()  # a Shards over inference segments, same layout
+    by_hand = [
+        (fe.EmaState(_inference_copy(made.step), (made.ema,)), "state.step"),
+        (fe.EmaState(made.step, (inf_emas,)), "state.emas[0]"),
+    ]
+    _moved(src)
+    for state, culprit in by_hand:
+        before = {n: t.clone() for n, t in state.ema.items()}
+        with pytest.raises(
+            ValueError, match=re.escape(culprit) + r".*inference tensor.*outside torch\.inference_mode\(\)"
+        ):
+            fe.update(state, shards, 1, decay=0.5)
+        assert int(state.step) == 0 and all(torch.equal(state.ema[n], before[n]) for n in src)
+
+
+@pytest.mark.parametrize("skip", ["same step", "nonfinite"])
+def test_inplace_false_returns_new_buffers_also_when_nothing_is_averaged(skip):
+    model = nn.Linear(4, 3)
+    old = fe.init_ema(fe.local_shards(model))
+    kept = {n: t.clone() for n, t in old.ema.items()}
+    if skip == "nonfinite":
+        with torch.no_grad():
+            model.weight[0, 0] = float("nan")
+    step = 0 if skip == "same step" else 1
+    new = fe.update(old, fe.local_shards(model), step, decay=0.5, inplace=False, nonfinite="skip")
+    assert new is not old and new.step is not old.step and int(new.step) == 0
+    assert all(torch.equal(new.ema[n], kept[n]) for n in kept)  # the same values, in new memory
+    assert not any(a.data_ptr() == b.data_ptr() for a, b in zip(new.ema.segments, old.ema.segments))
+    with torch.no_grad():
+        model.weight[0, 0] = 5.0
+    expect = {n: kept[n].clone().lerp_(p.detach(), 1 - 0.5**2) for n, p in model.named_parameters()}
+    fe.update(new, fe.local_shards(model), 2, decay=0.5)  # in place on the new state only (steps 1 and 2)
+    assert all(torch.equal(new.ema[n], expect[n]) for n in kept)
+    assert int(old.step) == 0 and all(torch.equal(old.ema[n], kept[n]) for n in kept)

@@ -468,19 +468,25 @@ def parameters_put_back(
     form: Callable[[torch.Tensor], tuple] = _form,
     skip: Callable[[torch.nn.Module, str], bool] | None = None,
 ) -> Iterator[None]:
-    """On exit, every parameter and buffer registration of ``module`` is the object it was on entry, with the memory
-    (``.data``: dtype, device, storage) it had then; what the block changed is appended to ``changes`` as it is put
-    back.
+    """On exit, every submodule, parameter and buffer registration of ``module`` is the object it was on entry, the
+    tensors with the memory (``.data``: dtype, device, storage) they had then; what the block changed is appended
+    to ``changes`` as it is put back (submodules first, so their own registrations are then checked too).
 
-    So a ``model.to(dtype)``, ``load_state_dict(..., assign=True)`` or a new ``nn.Parameter`` set inside a
-    :func:`functional_ema.swapped` block cannot leave the model with EMA weights, nor detach the parameters the
-    optimizer holds: the enclosing swap then restores the trained values into that memory. Buffers are put back
-    the same way (``model.to(dtype)`` re-types them too), though values written into them in place (BatchNorm
-    statistics of a forward in training mode) stay. ``skip(module, attr)`` leaves a parameter registration to the
-    engine (FSDP2's managed parameters, which FSDP2 itself re-registers).
+    So a ``model.to(dtype)``, ``load_state_dict(..., assign=True)``, a new ``nn.Parameter`` or a replaced submodule
+    (``model[2] = copy.deepcopy(model[2])``) inside a :func:`functional_ema.swapped` block cannot leave the model
+    with EMA weights, nor detach the parameters the optimizer holds: the enclosing swap then restores the trained
+    values into that memory. Buffers are put back the same way (``model.to(dtype)`` re-types them too), though
+    values written into them in place (BatchNorm statistics of a forward in training mode) stay. ``skip(module,
+    attr)`` leaves a parameter registration to the engine (FSDP2's managed parameters, which FSDP2 itself
+    re-registers; ``buffers.swapped_buffers`` skips every parameter). Submodules added by the block stay. Cost: one
+    pass over the modules on entry, one over what it recorded on exit.
     """
+    children: list[tuple[dict[str, Any], str, str, torch.nn.Module]] = []
     entry = []
     for prefix, mod in module.named_modules():
+        for attr, child in mod._modules.items():
+            if child is not None:
+                children.append((mod._modules, attr, repr(f"{prefix}.{attr}" if prefix else attr), child))
         for buffer, registry in ((False, mod._parameters), (True, mod._buffers)):
             for attr, t in registry.items():
                 if t is None or (not buffer and skip is not None and skip(mod, attr)):
@@ -491,19 +497,35 @@ def parameters_put_back(
     try:
         yield
     finally:
-        with torch.no_grad():
-            for registry, attr, name, t, data, shape_of, seen in entry:
-                now = registry.get(attr)
-                if now is not t:
-                    what = "removed" if now is None else f"replaced by another {type(now).__name__}"
-                    if now is not None:
-                        what += f" ({_describe(seen)} -> {_describe(_form(now))})"
-                    changes.append(f"{name} {what}")
-                    registry[attr] = t
-                now_form = shape_of(t)
-                if now_form != seen:
-                    changes.append(f"{name} re-typed or moved ({_describe(seen)} -> {_describe(now_form)})")
-                    t.data = data
+        _submodules_back(children, changes)
+        _tensors_back(entry, changes)
+
+
+def _submodules_back(children: list[tuple[dict[str, Any], str, str, torch.nn.Module]], changes: list[str]) -> None:
+    """Register each recorded submodule again where the block replaced or removed it (``parameters_put_back``)."""
+    for registry, attr, name, child in children:
+        now = registry.get(attr)
+        if now is not child:
+            what = "removed" if now is None else f"replaced by another {type(now).__name__}"
+            changes.append(f"submodule {name} {what}")
+            registry[attr] = child
+
+
+def _tensors_back(entry: list[tuple], changes: list[str]) -> None:
+    """Register each recorded parameter or buffer again, with the memory it had (``parameters_put_back``)."""
+    with torch.no_grad():
+        for registry, attr, name, t, data, shape_of, seen in entry:
+            now = registry.get(attr)
+            if now is not t:
+                what = "removed" if now is None else f"replaced by another {type(now).__name__}"
+                if now is not None:
+                    what += f" ({_describe(seen)} -> {_describe(_form(now))})"
+                changes.append(f"{name} {what}")
+                registry[attr] = t
+            now_form = shape_of(t)
+            if now_form != seen:
+                changes.append(f"{name} re-typed or moved ({_describe(seen)} -> {_describe(now_form)})")
+                t.data = data
 
 
 def _describe(form: tuple) -> str:

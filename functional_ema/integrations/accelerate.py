@@ -20,12 +20,18 @@ Example (the gradient-accumulation loop; DeepSpeed, FSDP2, DDP or one process al
 
 The helper registers a save-state and a load-state pre-hook on the accelerator; each writes or reads
 the EMA inside the folder ``save_state``/``load_state`` uses. The optimizer step is DeepSpeed's
-``engine.global_steps`` under DeepSpeed, else a count of the steps the accelerator really took
-(``sync_gradients`` and not ``optimizer_step_was_skipped``), kept in the checkpoint.
+``engine.global_steps`` under DeepSpeed, else a count of the steps really taken, kept in the checkpoint: the
+steps of the optimizers the accelerator had prepared when the helper was made (those holding the model's
+parameters), counted by a step post-hook on each of them (per instance), so a loop that accumulates by hand
+(``optimizer.step()`` every N-th micro-batch, ``ema.step()`` every iteration) counts its real steps too, and
+none is counted inside ``accelerator.accumulate`` or when the fp16 scaler skips one. With no such optimizer
+(prepared after the helper), one step per :meth:`~AcceleratorEMA.step` call where the accelerator stepped
+(``sync_gradients`` and not ``optimizer_step_was_skipped``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -49,7 +55,8 @@ class AcceleratorEMA:
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: what ``accelerator.prepare`` returned for the model (a DeepSpeed engine, a DDP or
-            FSDP2 model, or the module).
+            FSDP2 model, or the module). Make the helper after the optimizer is prepared too: the steps
+            of the prepared optimizers that hold the model's parameters are counted from then on.
         decay: one decay (float, schedule or callable) or a sequence, one per EMA.
         **kwargs: ``every_n_steps``, ``start_step``, ``buffers``, ``eval_index``, ``posthoc_dir``,
             ``posthoc_every``, ``export_path``, ``copy_to_model``, ``tag``, ``async_save``, ``dtype``,
@@ -69,10 +76,31 @@ class AcceleratorEMA:
         self.ema = EMAController(decay, **kwargs)  # every other argument checked there, before the hooks
         self.accelerator, self.model = accelerator, model
         self._steps = 0
+        self._pending: list[int] = []  # per hooked optimizer: the steps it took since the last step() call
         self._handles = [
             accelerator.register_save_state_pre_hook(self._on_save),
             accelerator.register_load_state_pre_hook(self._on_load),
+            *self._hook_optimizers(),
         ]
+
+    def _hook_optimizers(self) -> list[Any]:
+        """A step post-hook on each optimizer the accelerator prepared that holds this model's parameters (on that
+        instance: no global hook), counting the steps it really takes. None under DeepSpeed (the engine counts)."""
+        if self._engine_steps() is not None:
+            return []
+        mine = {id(p) for p in self.model.parameters()}
+        handles = []
+        for prepared in getattr(self.accelerator, "_optimizers", ()):
+            inner = getattr(prepared, "optimizer", prepared)  # AcceleratedOptimizer wraps the torch optimizer
+            if not callable(getattr(inner, "register_step_post_hook", None)):
+                continue
+            if any(id(p) in mine for group in inner.param_groups for p in group["params"]):
+                self._pending.append(0)
+                handles.append(inner.register_step_post_hook(functools.partial(self._stepped, len(self._pending) - 1)))
+        return handles
+
+    def _stepped(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._pending[k] += 1
 
     @property
     def state(self) -> EmaState | None:
@@ -96,9 +124,14 @@ class AcceleratorEMA:
         self.ema.before_optimizer_step(self.model)
 
     def step(self) -> bool:
-        """Call once per loop iteration, after ``optimizer.step()``. Returns whether the EMA moved."""
+        """Call once per loop iteration, after ``optimizer.step()``. Returns whether the EMA moved. The steps the
+        hooked optimizers took since the last call are counted (the most any of them took), however the loop
+        accumulates."""
         acc = self.accelerator
-        if self._engine_steps() is None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
+        if self._pending:
+            self._steps += max(self._pending)
+            self._pending = [0] * len(self._pending)
+        elif self._engine_steps() is None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
             self._steps += 1
         return self.ema.on_step(self.model, self.optimizer_step)
 
@@ -115,6 +148,7 @@ class AcceleratorEMA:
         # DeepSpeed the optimizer-step counter is this helper's own: it comes back from the EMA
         # checkpoint's checksummed record, checked against the EMA's step.
         folder = local_folder(input_dir, "accelerator.load_state(input_dir)", "Accelerate")
+        self._pending = [0] * len(self._pending)  # the count restarts from the checkpoint's
         if self._engine_steps() is not None:
             self.ema.load(self.model, folder, framework_step=self.optimizer_step)
         else:
@@ -139,4 +173,4 @@ class AcceleratorEMA:
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles, self._pending = [], []

@@ -14,7 +14,9 @@ Per Lightning event:
 * ``on_train_batch_end``: after each batch, ``update`` at ``trainer.global_step``: it moves only
   when the optimizer stepped (within gradient accumulation the step is unchanged: a no-op);
 * validation: ``on_validation_epoch_start`` swaps the EMA weights in (the model's own validation
-  metrics are then the EMA's), ``on_validation_epoch_end`` swaps them out (also on an exception);
+  metrics are then the EMA's), ``on_validation_epoch_end`` swaps them out (also on an exception); a
+  validation before the EMA starts (``start_step``) runs with the live weights, under the same metric names:
+  warned once (``UserWarning``);
 * saving: every ``trainer.save_checkpoint`` (``ModelCheckpoint`` included) also writes every rank's
   EMA pieces: inside the checkpoint folder when the checkpoint is a folder (DeepSpeed,
   distributed FSDP2 checkpoints: ``<ckpt>/ema/``), else beside the file (``<ckpt>.ema/ema/``),
@@ -45,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,11 +69,15 @@ _WRAPPED_ATTR = "_functional_ema_wrapped"
 def ema_dir_for(ckpt_path: str | os.PathLike) -> Path | str:
     """Where the EMA of a Lightning checkpoint lives: inside it when it is a folder, else beside it. For a
     checkpoint at a URL (``s3://bucket/run/epoch=0-step=8.ckpt``), the URL of that place (a ``str``): the
-    storage is asked whether the checkpoint is a folder (a prefix) or an object."""
+    storage is asked whether the checkpoint is a folder (a prefix) or an object. A local symbolic link (``last.ckpt``
+    of ``ModelCheckpoint(save_last="link")``, which Lightning links to a checkpoint without saving it) is resolved to
+    its target: the EMA was saved beside the checkpoint it points to."""
     if isinstance(ckpt_path, str) and is_url(ckpt_path):
         url = ckpt_path.rstrip("/")
         return url if _url_is_folder(url) else url + ".ema"
     p = Path(ckpt_path)
+    if p.is_symlink():
+        p = p.resolve()
     return p if p.is_dir() else p.with_name(p.name + ".ema")
 
 
@@ -102,6 +109,7 @@ class EMACallback(pl.Callback):
         self.ema = EMAController(decay, **kwargs)
         self._swap: contextlib.ExitStack | None = None
         self._last_saved: str | None = None
+        self._warned_live = False  # a validation before the EMA started was warned about (once)
 
     @property
     def state(self) -> EmaState | None:
@@ -194,9 +202,25 @@ class EMACallback(pl.Callback):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self._swap is not None:
             return
+        self._warn_live_validation(trainer.global_step)
         stack = contextlib.ExitStack()
         stack.enter_context(self.ema.swapped(self._target(trainer)))
         self._swap = stack
+
+    def _warn_live_validation(self, step: int) -> None:
+        """Once: a validation before the EMA started evaluates the live weights, under the names the EMA's take."""
+        if self.ema.started or self.ema.eval_index is None or self._warned_live:
+            return
+        self._warned_live = True
+        warnings.warn(
+            f"EMACallback: the validation at step {step} runs before the EMA starts (start_step={self.ema.start_step}: "
+            f"after optimizer step {max(1, self.ema.start_step)}), so it evaluates the live weights, and its metrics "
+            "are logged under the same names as the EMA's in the later validations: a ModelCheckpoint(monitor=...) or "
+            "EarlyStopping compares the two. Validate only once the EMA has started (e.g. "
+            "Trainer(check_val_every_n_epoch=...)), or lower start_step. Warned once",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _unswap(self) -> None:
         stack, self._swap = self._swap, None

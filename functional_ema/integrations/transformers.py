@@ -46,6 +46,7 @@ EMA.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import weakref
@@ -101,6 +102,38 @@ def _method_self(frame: FrameType) -> Any:
     return None
 
 
+def _strategy(args: Any) -> str:
+    """``args.eval_strategy`` as its string value (``"steps"``, ``"epoch"``, ``"no"``)."""
+    value = getattr(args, "eval_strategy", "no")
+    return str(getattr(value, "value", value))
+
+
+def _first_evaluation(args: Any, state: Any, per_epoch: int | None) -> tuple[int | None, str]:
+    """The optimizer step after which the Trainer's first evaluation of this run comes (``None``: none, or not
+    known: an epoch strategy whose steps per epoch were not read), by its own rules (``DefaultFlowCallback``), from
+    ``state.global_step`` (a resume's), and the settings that put it there, for a message."""
+    done, last, delay = int(state.global_step), int(state.max_steps), args.eval_delay or 0
+    if _strategy(args) == "steps":
+        every = int(state.eval_steps)
+        start = max(done + 1, math.ceil(delay))
+        due = [e for e in (math.ceil(start / every) * every, last) if done < e <= last and e >= delay]
+        return (min(due) if due else None), f"eval_strategy='steps', eval_steps={every}, eval_delay={delay}"
+    if _strategy(args) == "epoch" and per_epoch:
+        epoch = max(done // per_epoch + 1, math.ceil(delay))  # the first epoch whose end is evaluated
+        first: int | None = epoch * per_epoch
+        if epoch * per_epoch > last:  # training stops before that epoch ends: at the end of the one running then
+            first = last if epoch == done // per_epoch + 1 else None
+        return first, f"eval_strategy='epoch', {per_epoch} optimizer steps per epoch, eval_delay={delay}"
+    return None, ""
+
+
+def _delay_fix(args: Any, begins: int, per_epoch: int | None) -> str:
+    """The ``eval_delay`` that puts the first evaluation at or after optimizer step ``begins``."""
+    if _strategy(args) == "epoch" and per_epoch:
+        return f"eval_delay={math.ceil(begins / per_epoch)} epochs"
+    return f"eval_delay={begins}"
+
+
 class EMACallback(TrainerCallback):
     """EMA of the weights for a ``transformers.Trainer``; see the module docstring.
 
@@ -123,6 +156,7 @@ class EMACallback(TrainerCallback):
         self.metric_prefix = _check_metric_prefix(metric_prefix)
         self._trainer_ref: weakref.ReferenceType[Any] | None = None  # weak: the Trainer holds this callback
         self._resume_arg: Any = None
+        self._steps_per_epoch: int | None = None  # the Trainer's optimizer steps per epoch, read at on_train_begin
 
     # -------------------------------------------------------------------------------- wiring
 
@@ -188,7 +222,7 @@ class EMACallback(TrainerCallback):
         from transformers import Trainer
 
         frame: FrameType | None = sys._getframe(1)
-        found, resumed = None, None
+        found, resumed, per_epoch = None, None, None
         while frame is not None:
             owner = _method_self(frame)
             if isinstance(owner, Trainer) and self in getattr(owner.callback_handler, "callbacks", ()):
@@ -196,7 +230,11 @@ class EMACallback(TrainerCallback):
                 arg = frame.f_locals.get("resume_from_checkpoint")
                 if owner is found and resumed is None and isinstance(arg, (str, os.PathLike)):
                     resumed = arg  # as train() resolved it (True -> the last checkpoint)
+                steps = frame.f_locals.get("num_update_steps_per_epoch")  # the training loop's own count
+                if owner is found and per_epoch is None and type(steps) is int and steps > 0:
+                    per_epoch = steps
             frame = frame.f_back
+        self._steps_per_epoch = per_epoch
         if found is not None:
             self._adopt(found)
         if resumed is not None:
@@ -273,6 +311,29 @@ class EMACallback(TrainerCallback):
             self.ema.load(self._target(), folder, framework_step=state.global_step)
         else:
             self.ema.state = self.ema.buffer_state = None
+        self._check_best_metric(args, state)
+
+    def _check_best_metric(self, args: Any, state: Any) -> None:
+        """Refuse, before any step, a ``metric_for_best_model`` naming an EMA metric when the first evaluation of
+        this run comes before the EMA starts: that evaluation has no EMA metric, and the Trainer would stop there
+        with a ``KeyError`` (``eval_on_start``'s evaluation picks no best model: it is not counted)."""
+        best = getattr(args, "metric_for_best_model", None)
+        if not isinstance(best, str) or self.ema.eval_index is None:
+            return
+        key = best if best.startswith("eval_") else f"eval_{best}"  # as the Trainer looks it up
+        if not any(k.startswith(self.metric_prefix + "_") for k in (best, key)):
+            return  # a live metric
+        first, setting = _first_evaluation(args, state, self._steps_per_epoch)
+        begins = max(1, self.ema.start_step)
+        if first is None or first >= begins:
+            return
+        raise ValueError(
+            f"metric_for_best_model={best!r} is an EMA metric, but the first evaluation comes after optimizer step "
+            f"{first} ({setting}) and the EMA starts after step {begins} (start_step={self.ema.start_step}): "
+            f"that evaluation has no {key!r} and the Trainer would stop there with a KeyError. Delay the "
+            f"evaluations ({_delay_fix(args, begins, self._steps_per_epoch)}), lower start_step to {first} or less, "
+            "or choose a live metric (eval_loss) for metric_for_best_model"
+        )
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ema.before_optimizer_step(self._target())  # parameters unfrozen since the last step join the EMA
