@@ -272,6 +272,18 @@ def test_a_loop_that_accumulates_by_hand_counts_its_real_optimizer_steps():
             optimizer.zero_grad()
             ref.feed(micro // 2 + 1, {n: p.detach() for n, p in model.named_parameters()})
         ema.step()
-    ema.remove_hooks()
     assert ema.optimizer_step == 4 and int(ema.state.step) == 4
+    assert all(torch.equal(ema.state.ema[n], t) for n, t in ref.emas[0].items())
+    # A second stage with an optimizer prepared after the helper (one rebuilt after unfreezing, say): its steps
+    # count from its first one on, also the one it took before the helper saw it (the EMA stood still).
+    second = acc.prepare(torch.optim.SGD(model.parameters(), lr=1e-2))
+    for step in range(5, 8):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 + step))
+        acc.backward(nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
+        second.step()
+        second.zero_grad()
+        ref.feed(step, {n: p.detach() for n, p in model.named_parameters()})
+        ema.step()
+    ema.remove_hooks()
+    assert ema.optimizer_step == 7 and int(ema.state.step) == 7
     assert all(torch.equal(ema.state.ema[n], t) for n, t in ref.emas[0].items())

@@ -1234,6 +1234,7 @@ def fsdp2_worker(root: str, steps: int) -> dict:
     fully_shard(unet, mesh=mesh)
     ema_unet = EMAModel(start.parameters(), model_cls=UNet2DConditionModel, model_config=start.config)
     del start
+    own = EMAModel(unet.parameters())  # the trained model's own (sharded) parameters: bound at once, no full copy
     optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-2)
     decays = DiffusersEMA([nn.Parameter(torch.zeros(1))])
     ref: dict[str, torch.Tensor] = {}
@@ -1243,6 +1244,7 @@ def fsdp2_worker(root: str, steps: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         ema_unet.step(unet.parameters())
+        own.step(unet.parameters())
         full = {n: p.full_tensor().detach().clone() for n, p in unet.named_parameters()}
         trained = {n for n, p in unet.named_parameters() if p.requires_grad}
         for n, v in full.items():
@@ -1252,6 +1254,7 @@ def fsdp2_worker(root: str, steps: int) -> dict:
                 ref[n].lerp_(v, 1.0 - decays.get_decay(step))
     names = [n for n, _ in unet.named_parameters()]
     res = {"ema_is_ref": _equal(dict(zip(names, ema_unet.state_dict()["shadow_params"])), ref)}
+    res["own_is_ref"] = _equal(dict(zip(names, own.state_dict()["shadow_params"])), ref)
     res.update(_validation(ema_unet, unet, unet, ref, full))
     ema_unet.save_pretrained(Path(root) / "fsdp2_ema")
     if rank == 0:

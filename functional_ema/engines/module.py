@@ -134,14 +134,15 @@ class ModuleAdapter(Adapter):
 
         refuse_engine_internals(self.module())
         if previous is not None and _sharded_since(self.module()):
-            self.forget()  # the next call reads it as FSDP2
-            raise TypeError(
-                "functional_ema: this model was first read as a plain module, and FSDP2 (fully_shard) or tensor "
-                "parallelism (DTensor parameters) was applied to it since: an EMA state made from that first reading "
-                "holds whole parameters and does not fit this rank's shards. Make the state after sharding: "
-                "fe.init_ema(fe.local_shards(model)) now reads the model as FSDP2 (to carry an EMA made before, save "
-                "it from the plain model with fe.save and fe.load it into the sharded one)."
-            )
+            # FSDP2 or tensor parallelism applied since the plain read, the root's class kept (fully_shard on
+            # submodules only, parallelize_module), so adapter_for chose this adapter again: this object becomes the
+            # FSDP2 adapter (no state of its own beyond Adapter's), for the verb holding it and, through the slot
+            # Adapter.read keeps, every later call. A state made from the plain reading is refused by update's shape
+            # check, which names sharding after init_ema.
+            from .fsdp2 import FSDP2Adapter
+
+            self.__class__ = FSDP2Adapter  # type: ignore[assignment]  # the adapter this object becomes (above)
+            return self._read(None)
         named = self._params(previous)
         group = getattr(self.target, "process_group", None) if is_ddp(self.target) else None
         if is_ddp(self.target) and group is None and dist.is_initialized():
@@ -169,7 +170,7 @@ class ModuleAdapter(Adapter):
 
 def _sharded_since(module: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` (on submodules only: the root's class stays, see ``_base._Slot.kind``) or
-    ``parallelize_module`` turned a module read as plain into an FSDP2 / DTensor one."""
+    ``parallelize_module`` turned a module read as plain into an FSDP2 / DTensor one (read by the FSDP2 adapter)."""
     from . import fsdp2
 
     return fsdp2.is_fsdp2(module)

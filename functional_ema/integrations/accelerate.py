@@ -77,27 +77,32 @@ class AcceleratorEMA:
         self.accelerator, self.model = accelerator, model
         self._steps = 0
         self._pending: list[int] = []  # per hooked optimizer: the steps it took since the last step() call
+        self._seen = 0  # how many prepared optimizers were looked at (one prepared later is hooked at step())
         self._handles = [
             accelerator.register_save_state_pre_hook(self._on_save),
             accelerator.register_load_state_pre_hook(self._on_load),
-            *self._hook_optimizers(),
         ]
+        self._hook_optimizers()
 
-    def _hook_optimizers(self) -> list[Any]:
-        """A step post-hook on each optimizer the accelerator prepared that holds this model's parameters (on that
-        instance: no global hook), counting the steps it really takes. None under DeepSpeed (the engine counts)."""
-        if self._engine_steps() is not None:
-            return []
+    def _hook_optimizers(self) -> int:
+        """A step post-hook on each optimizer the accelerator prepared since the last look that holds this model's
+        parameters (on that instance: no global hook), counting the steps it really takes; an optimizer prepared
+        later (a second stage, one rebuilt after unfreezing) is hooked at the next :meth:`step`, one length compare
+        per call until then. None under DeepSpeed (the engine counts)."""
+        prepared = getattr(self.accelerator, "_optimizers", ())
+        if len(prepared) == self._seen or self._engine_steps() is not None:
+            return 0
+        new, self._seen, before = list(prepared)[self._seen :], len(prepared), len(self._pending)
         mine = {id(p) for p in self.model.parameters()}
-        handles = []
-        for prepared in getattr(self.accelerator, "_optimizers", ()):
-            inner = getattr(prepared, "optimizer", prepared)  # AcceleratedOptimizer wraps the torch optimizer
+        for wrapped in new:
+            inner = getattr(wrapped, "optimizer", wrapped)  # AcceleratedOptimizer wraps the torch optimizer
             if not callable(getattr(inner, "register_step_post_hook", None)):
                 continue
             if any(id(p) in mine for group in inner.param_groups for p in group["params"]):
                 self._pending.append(0)
-                handles.append(inner.register_step_post_hook(functools.partial(self._stepped, len(self._pending) - 1)))
-        return handles
+                hook = functools.partial(self._stepped, len(self._pending) - 1)
+                self._handles.append(inner.register_step_post_hook(hook))
+        return len(self._pending) - before
 
     def _stepped(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._pending[k] += 1
@@ -128,11 +133,15 @@ class AcceleratorEMA:
         hooked optimizers took since the last call are counted (the most any of them took), however the loop
         accumulates."""
         acc = self.accelerator
-        if self._pending:
-            self._steps += max(self._pending)
-            self._pending = [0] * len(self._pending)
-        elif self._engine_steps() is None and acc.sync_gradients and not acc.optimizer_step_was_skipped:
-            self._steps += 1
+        # An optimizer hooked only now stepped unseen in this iteration: then this call counts as the loop's step,
+        # as every call does while no optimizer is hooked (the helper made before prepare).
+        unseen = self._hook_optimizers() > 0
+        taken = max(self._pending, default=0)
+        self._pending = [0] * len(self._pending)
+        if taken:
+            self._steps += taken
+        elif (unseen or not self._pending) and self._engine_steps() is None:
+            self._steps += int(acc.sync_gradients and not acc.optimizer_step_was_skipped)
         return self.ema.on_step(self.model, self.optimizer_step)
 
     def swapped(self, index: int | None = None) -> AbstractContextManager[bool]:

@@ -629,7 +629,8 @@ class EMAModel:
             )
         by_id = {id(p): n for n, p in reading.params.items()}
         names = [by_id.get(id(p)) for p in params]
-        pending = self._starting_values(verb) if start_counts else self._pending
+        # Bound at construction (a sharded model's own parameters) there are no starting values: the weights are.
+        pending = self._starting_values(verb) if start_counts and self._pending is not None else self._pending
         if pending is not None:
             shapes = [reading.layout.specs[n].shape if n else _full_shape(p) for n, p in zip(names, params)]
             _check_values(pending, shapes, f"EMAModel.{verb}", "the parameters given to EMAModel")
@@ -715,11 +716,13 @@ class EMAModel:
         """Whether ``params`` are the bound model's parameters: those of the first step, or the ones registered
         now (FSDP2 registers unsharded parameter objects while a forward's gathered weights stay, e.g. the root's
         after a ``no_grad`` forward)."""
+        if _same(params, self._positions):  # the usual case: one identity pass, nothing walked
+            return True
         module = adapter_for(self._x).module()
         if self._subset is None:
-            return _same(params, self._positions) or _same(params, list(module.parameters()))
+            return _same(params, list(module.parameters()))
         named = dict(module.named_parameters())
-        return _same(params, self._positions) or _same(params, [named[n] for n in self._subset if n in named])
+        return _same(params, [named[n] for n in self._subset if n in named])
 
     def _trained(self, params: list[torch.Tensor], hint: Any, verb: str) -> bool:
         """Whether ``params`` are the trained model's (binding to it first when they are partitioned)."""
