@@ -309,7 +309,9 @@ def changes_reported(where: str) -> Iterator[list[str]]:
         yield changes
     except BaseException as error:
         if changes and sys.version_info >= (3, 11):  # BaseException.add_note is 3.11+ (3.10: the error unchanged)
-            error.add_note(f"{where} put back what the block had changed; the block {_changed(changes)}")
+            error.add_note(
+                f"{where} restored the trained values and put back what the block had changed; the block {_changed(changes)}"
+            )
         raise
     if changes:
         raise SwappedParametersChangedError(

@@ -107,7 +107,10 @@ def _nan_update(ctx: Ctx, mode: str) -> str:
     finally:
         with torch.no_grad():
             seg.copy_(keep)
-    return f"skipped at step {int(new.step)}" if new is state and int(new.step) == 6 else f"updated to {int(new.step)}"
+    # inplace=False: a copy in every case, also a skip (the state as it was, step 6)
+    return (
+        f"skipped at step {int(new.step)}" if new is not state and int(new.step) == 6 else f"updated to {int(new.step)}"
+    )
 
 
 def _controller(state):
