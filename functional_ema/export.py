@@ -591,11 +591,16 @@ _UNSEEN = (
 _SUBCONFIGS = ("text_config", "vision_config", "audio_config")
 
 
+def _configs(like: LikeFolder) -> list[dict[str, Any]]:
+    """``--like``'s config and the sub-configs (text, vision, audio) that composite models nest in it."""
+    return [like.config, *(c for c in map(like.config.get, _SUBCONFIGS) if isinstance(c, dict))]
+
+
 def _stale_aliases(plan: Plan, like: LikeFolder, reader: _Like) -> tuple[Plan, dict[str, str]]:
     """Without a loader view: a weight the EMA lacks that ``--like`` holds with exactly the values of a weight the EMA
     holds, of the word embeddings' shape under a config that ties them, is that weight's tied alias (a folder saved
     with it, as many are): written from the EMA of its pair, never copied stale from ``--like``. (plan, alias -> pair)"""
-    configs = [like.config, *(c for c in map(like.config.get, _SUBCONFIGS) if isinstance(c, dict))]
+    configs = _configs(like)
     if like.kind != "transformers" or not any(c.get("tie_word_embeddings", True) is True for c in configs):
         return plan, {}
     vocab = {c.get("vocab_size") for c in configs}
@@ -620,7 +625,7 @@ def _config_dtype(like: LikeFolder, plan: Plan, cast: torch.dtype | None) -> tor
         return None
     floats = {it.dtype for it in plan.items if it.dtype.is_floating_point}
     written = cast or (floats.pop() if len(floats) == 1 else max(floats | {torch.float32}, key=lambda d: d.itemsize))
-    configs = [like.config, *(c for c in map(like.config.get, _SUBCONFIGS) if isinstance(c, dict))]
+    configs = _configs(like)
     stated = [c[k] for c in configs for k in ("dtype", "torch_dtype") if c.get(k) is not None]
     return written if cast is not None or any(v != str(written).removeprefix("torch.") for v in stated) else None
 
