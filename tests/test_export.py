@@ -677,3 +677,18 @@ def test_a_selection_ema_exports_from_its_checkpoint_or_file_and_refusals_name_i
     with pytest.raises(CheckpointMismatchError, match=r"selection \(include=\['\*layers.0\*'\], exclude=None\) left"):
         to_hf(tmp_path / "peft" / "ckpt", tmp_path / "adapter", tmp_path / "peft" / "like", tag="s", progress=False)
     assert not (tmp_path / "strict").exists() and not (tmp_path / "adapter").exists()
+    # The file's 'selection' metadata is another tool's input once it leaves us: forged, it is refused naming the
+    # file and the field, before anything is written.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from functional_ema.checkpoint import CorruptCheckpointError
+
+    with safe_open(str(tmp_path / "ema.safetensors"), framework="pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - a safe_open handle has keys() but is not iterable
+    for i, forged in enumerate(["not json", "[1, 2]", '{"include": 3}', '{"include": null, "exclude": [7]}']):
+        save_file(tensors, str(tmp_path / f"forged{i}.safetensors"), metadata={**meta, "selection": forged})
+        with pytest.raises(CorruptCheckpointError, match=rf"forged{i}\.safetensors: safetensors metadata 'selection'"):
+            to_hf(tmp_path / f"forged{i}.safetensors", tmp_path / f"o{i}", tmp_path / "like", progress=False)
+        assert not (tmp_path / f"o{i}").exists()
