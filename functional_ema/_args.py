@@ -28,6 +28,7 @@ __all__ = [
     "real_number",
     "check_bool",
     "check_device",
+    "check_present_device",
     "check_real",
     "check_state",
     "check_int",
@@ -128,35 +129,52 @@ def check_str(value: Any, what: str) -> str:
 
 def check_path(value: Any, what: str, *, url_hint: str = "") -> Path:
     """``value`` (a ``str`` or ``os.PathLike``, not empty) as a ``Path``; ``TypeError``/``ValueError`` naming ``what``.
-    An fsspec URL is refused (:func:`refuse_url`, with ``url_hint``): ``Path("s3://b/x")`` is the local ``s3:/b/x``."""
+    An fsspec URL is refused (:func:`refuse_url`, with ``url_hint``): ``Path("s3://b/x")`` is the local ``s3:/b/x``.
+    A ``file:///abs/dir`` URL is the local path it names (``Path`` would make it the relative folder ``file:``)."""
     if isinstance(value, (str, os.PathLike)):
         text = os.fspath(value)
         if isinstance(text, str) and text and "\x00" not in text:
             refuse_url(text, what, url_hint)
-            return Path(text)
+            return Path(_file_url_path(text, what))
         raise ValueError(f"{what} must name a file or folder, got {value!r}")
     raise TypeError(f"{what} must be a path (a str or os.PathLike), got {type(value).__name__} {value!r}")
+
+
+def _file_url_path(text: str, what: str) -> str:
+    """``text``, or the local path it names when it is a ``file://`` URL (``ValueError`` naming ``what`` when that
+    URL names no local path)."""
+    from ._storage import file_url_path
+
+    try:
+        local = file_url_path(text)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    return text if local is None else local
 
 
 def refuse_url(value: Any, what: str, url_hint: str = "") -> None:
     """``ValueError`` naming ``what`` and the URL when ``value`` is an fsspec URL (``s3://bucket/x``) where only a
     local path is taken; ``url_hint`` says what takes one instead (default: write or read locally, then copy)."""
-    from ._storage import is_url
+    from ._storage import is_url, redact_url
 
     if isinstance(value, str) and is_url(value):
         instead = url_hint or "use a local path, and copy the files to or from the URL with fsspec"
-        raise ValueError(f"{what} takes a local path, got the fsspec URL {value!r}: {instead}")
+        raise ValueError(f"{what} takes a local path, got the fsspec URL {redact_url(value)!r}: {instead}")
 
 
 def check_location(value: Any, what: str) -> Path | str:
-    """A folder (``check_path``: a ``Path``) or an fsspec URL such as ``s3://bucket/run`` (returned as the
-    ``str`` it is: a ``Path`` would fold its ``//`` and name a local folder ``s3:``)."""
-    from ._storage import is_url
+    """A folder (``check_path``: a ``Path``; a ``file:///abs/dir`` URL is that folder) or an fsspec URL such as
+    ``s3://bucket/run`` (returned as a ``str``, its scheme in lower case: a ``Path`` would fold its ``//`` and
+    name a local folder ``s3:``; one with ``.`` or ``..`` parts is refused, see ``_storage.normalize_url``)."""
+    from ._storage import is_url, normalize_url, redact_url
 
     if isinstance(value, str) and is_url(value):
         if "\x00" in value:
-            raise ValueError(f"{what} must name a folder or a URL, got {value!r}")
-        return value
+            raise ValueError(f"{what} must name a folder or a URL, got {redact_url(value)!r}")
+        try:
+            return normalize_url(value)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
     return check_path(value, what)
 
 
@@ -198,6 +216,29 @@ def check_device(device: Any, what: str = "device") -> torch.device | None:
         return torch.device(device)
     except RuntimeError as e:
         raise ValueError(f"{what}={device!r} is not a device: {str(e).splitlines()[0][:120]}") from None
+
+
+def check_present_device(device: Any, what: str = "device") -> torch.device | None:
+    """:func:`check_device`, and a device this machine has: a ``ValueError`` naming ``what`` for ``"cuda"`` without
+    CUDA or ``"cuda:3"`` with 2 GPUs, where memory is about to be allocated on it (before torch's own error, an
+    ``AssertionError`` for CUDA on a CPU build, escapes from an allocation that names no argument)."""
+    checked = check_device(device, what)
+    kind = checked.type if checked is not None else "cpu"
+    backend = getattr(torch, kind, None) if kind not in ("cpu", "meta") else None  # torch.cuda, torch.xpu, ...
+    available = getattr(backend, "is_available", None)
+    if checked is None or available is None:
+        return checked  # no runtime module to ask: the allocation says what it says
+    if not available():
+        raise ValueError(
+            f"{what}={device!r}: no {kind} device is available here (torch.{kind}.is_available() is False); "
+            "pass 'cpu', or None for each tensor's own device"
+        )
+    count = getattr(backend, "device_count", None)
+    if checked.index is not None and count is not None and checked.index >= count():
+        raise ValueError(
+            f"{what}={device!r} is not available: this machine has {count()} {kind} device(s), 0 to {count() - 1}"
+        )
+    return checked
 
 
 def check_real(

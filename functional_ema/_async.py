@@ -89,7 +89,8 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._raised = False  # the error reached the caller on this rank (wait or the next save)
         self._buffer: torch.Tensor | None = None  # the snapshot, reused by the next save once this one is done
-        self._commit: Callable[[], None] | None = None  # a private save's commit (collective), run by wait()
+        # A private or URL save's commit (collective), run by wait() with its timeout.
+        self._commit: Callable[[float | None], None] | None = None
 
     def done(self) -> bool:
         """True once the checkpoint is complete (manifest written) or the save has failed (in a forked
@@ -123,7 +124,9 @@ class SaveHandle:
         """Block until the save is complete; return ``tag_dir``.
 
         For a save with ``shared=False`` or to a URL this is collective (call it on every rank): it commits
-        the save over the process group (and the saver's earlier ones), as :meth:`AsyncSaver.wait` does.
+        the save over the process group (and the saver's earlier ones), as :meth:`AsyncSaver.wait` does. With
+        a ``timeout``, the ranks agree whether every rank's background write finished in time: if one did
+        not, every rank raises ``TimeoutError`` and the save stays pending (committed by a later wait).
 
         Raises:
             Exception: the background failure: on the rank where it happened, the original exception
@@ -133,7 +136,7 @@ class SaveHandle:
         """
         self._adopt_after_fork()
         if self._commit is not None and not self._event.is_set():
-            self._commit()
+            self._commit(timeout)
         if not self._event.wait(timeout):
             raise TimeoutError(f"async EMA save into {self.tag_dir} still running after {timeout} s")
         if self._error is not None:
@@ -214,12 +217,14 @@ class AsyncSaver:
         ``buffers``) may be updated, even in place, right away. The checkpoint is complete when the
         returned handle's :meth:`SaveHandle.wait` returns (on every rank). A save of a tag that another
         save (of this saver, another saver, or another process) is writing first waits for it (``timeout``).
+        Saves in flight commit in the order they were started, so ``ema_latest`` names the last one.
 
         ``shared=False`` (folders the ranks do not share, docs/many-nodes.md): the files are written in
         the background, and the save is committed over the process group at the saver's next collective
         call on every rank: the next :meth:`save`, :meth:`wait` (or ``close``, leaving a ``with`` block),
         or the handle's :meth:`SaveHandle.wait`. Until then each folder's previous checkpoint is the
-        complete one; wait before handing the folders on (``ray.train.report``).
+        complete one; wait before handing the folders on (``ray.train.report``). Until then a blocking
+        :func:`functional_ema.save` of the tag from this thread is refused at once (it would wait for itself).
 
         A URL ``save_dir`` (``s3://...``, ``storage_options`` as :func:`functional_ema.save`'s) is written in the
         background, streamed to the store, and committed over the process group as ``shared=False`` is (at
@@ -264,7 +269,7 @@ class AsyncSaver:
 
             ops = _async_private.PRIVATE if store is None else _async_private.BUCKET
             self._pending.append(_async_private.start(self, make, *args, ops=ops))
-            made[0]._commit = self._commit_private  # its wait() commits (collective)
+            made[0]._commit = self._commit_private  # its wait(timeout) commits (collective)
             self._handles.append(made[0])
             return made[0]
         save_dir = cast("Path", location)
@@ -355,6 +360,7 @@ class AsyncSaver:
             lock=lock[0] if lock else None,
             dtype=fmt.parse_dtype(first["dtype"], "save"),
             timeout=self.commit_timeout,
+            after=self._last_shared(),
         )
         self._writer_threads().submit(_run, job, handle)
         self._handles.append(handle)
@@ -408,13 +414,29 @@ class AsyncSaver:
                 keep.append(h)
         self._handles = keep
 
-    def _commit_private(self) -> None:
-        """Commit the private saves written in the background (collective; ``_async_private``). A failed
-        one fails its handle, raised by ``wait`` or the next ``save``'s plan on every rank."""
-        pending, self._pending = self._pending, []
-        for p in pending:
-            if not p.handle.done():  # done already: a forked child's copy of its parent's save (failed there)
-                _async_private.commit(p)
+    def _commit_private(self, timeout: float | None = None) -> None:
+        """Commit the private and URL saves written in the background, in start order (collective;
+        ``_async_private``). A failed one fails its handle, raised by ``wait`` or the next ``save``'s plan on
+        every rank. ``timeout``: a save whose background write is not done on every rank by then stays
+        pending (with the later ones), and every rank raises ``TimeoutError``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending:
+            p = self._pending[0]
+            if p.handle.done():  # done already: a forked child's copy of its parent's save (failed there)
+                self._pending.pop(0)
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not _async_private.written(p, left):
+                raise TimeoutError(f"async EMA save into {p.prep.tag_dir} still running after {timeout} s")
+            self._pending.pop(0)
+            _async_private.commit(p)
+
+    def _last_shared(self) -> threading.Event | None:
+        """The completion of this saver's latest shared-folder save still in flight: a new one commits after
+        it, so saves commit (and ``ema_latest`` moves) in the order they were started, not the order their
+        writes finish. (Private and URL saves are committed by the training thread, in start order.)"""
+        busy = [h for h in self._handles if h._commit is None and not h._event.is_set()]
+        return busy[-1]._event if busy else None
 
     def _settle(self, tag_dir: Path | str | None) -> None:
         """Before a new save: wait while the in-flight limit is reached or the same tag is being
@@ -503,6 +525,7 @@ class _Job:
     lock: writer.TagLock | None  # rank 0's hold on the tag, released once the commit is done
     dtype: torch.dtype
     timeout: float  # commit_timeout
+    after: threading.Event | None = None  # the saver's previous save still in flight: committed before this one
 
 
 #: How far into a manifest its ``save_id`` is written: after the format, library, note and tag
@@ -554,6 +577,8 @@ def _run(job: _Job, handle: SaveHandle) -> None:
                 return True if len(records) == len(job.writers) else None
 
             _poll(collect, deadline, job, f"the files of ranks {others}")
+            if job.after is not None:  # start order (AsyncSaver._last_shared); that save ends within its timeout
+                job.after.wait()
             manifest = writer.build_manifest(job.first, [records[r] for r in sorted(records)], save_id=job.token)
             writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
             _remove_markers(job.tag_dir)

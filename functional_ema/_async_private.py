@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from ._checkpoint import collective
 from ._checkpoint.bucket import abandon_bucket, commit_bucket, prepare_bucket, write_bucket
@@ -39,7 +40,7 @@ from ._layout import ShardLayout
 from ._state import BufferState, EmaState
 from ._storage import Storage
 
-__all__ = ["BUCKET", "PRIVATE", "Ops", "PendingCommit", "commit", "save_now", "start"]
+__all__ = ["BUCKET", "PRIVATE", "Ops", "PendingCommit", "commit", "save_now", "start", "written"]
 
 #: An EMA snapshot: its tensors (views of one host buffer), the buffer, and the end of its device copies.
 Snapshot = tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, "torch.cuda.Event | None"]
@@ -156,6 +157,8 @@ def start(
     group, world, rank = job
     before = lambda: saver._settle(None)  # noqa: E731 - raises a previous failure, inside the agreement
     prep = ops.prepare(state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, "async save", before)
+    for held in getattr(prep, "lock", ()):  # a private save's folder lock (a bucket has none): held past this call
+        held.hold_for_commit()
     snapshot: list[Snapshot] = []
     copied: list[BufferState] = []
 
@@ -202,16 +205,31 @@ def _write(
     return ops.write(prep, emas, buffers)
 
 
+def written(pending: PendingCommit, timeout: float | None) -> bool:
+    """Whether to :func:`commit` ``pending`` now. Every rank waits for its background write, at most ``timeout``
+    (``None``: no bound but ``commit_timeout``, past which the commit fails the save), then the ranks agree in
+    one small all-reduce, so all of them commit or none: ``False`` when a write was not done on some rank as
+    its ``timeout`` passed (the save goes on, still pending). Collective."""
+    bound = pending.commit_timeout if timeout is None else min(timeout, pending.commit_timeout)
+    concurrent.futures.wait([pending.write], timeout=bound)
+    late = int(not pending.write.done() and bound < pending.commit_timeout)
+    group, world, _ = pending.prep.job
+    if world > 1 and dist.is_initialized():
+        late = collective.all_reduce_max([late], group)[0]
+    return not late
+
+
 def commit(pending: PendingCommit) -> None:
-    """The commit (module docstring). Collective. Never raises a failure of the save itself: that is the
-    handle's error, raised by ``wait`` or the saver's next ``save`` on every rank."""
+    """The commit (module docstring), once :func:`written` said so (the background writes had their time
+    there). Collective. Never raises a failure of the save itself: that is the handle's error, raised by
+    ``wait`` or the saver's next ``save`` on every rank."""
     prep = pending.prep
     group, world, rank = prep.job
     record: list[dict[str, Any]] = []
 
     def outcome() -> None:
         try:
-            record.append(pending.write.result(timeout=pending.commit_timeout))
+            record.append(pending.write.result(timeout=0))  # written() waited up to commit_timeout
         except concurrent.futures.TimeoutError:
             raise CheckpointError(
                 f"async save of tag {prep.first['tag']!r} (rank {rank}): its background write into {prep.tag_dir} did "

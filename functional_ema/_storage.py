@@ -35,13 +35,24 @@ import contextlib
 import io
 import os
 import re
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 from . import _io
 
-__all__ = ["FsspecStorage", "LocalStorage", "Storage", "is_url", "remove_tree", "storage_for"]
+__all__ = [
+    "FsspecStorage",
+    "LocalStorage",
+    "Storage",
+    "file_url_path",
+    "is_url",
+    "normalize_url",
+    "redact_url",
+    "remove_tree",
+    "storage_for",
+]
 
 #: ``scheme://...`` with a scheme other than ``file`` names an fsspec filesystem.
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -53,6 +64,52 @@ def is_url(location: str | os.PathLike[str]) -> bool:
         return False
     m = _URL.match(location)
     return m is not None and m.group(1).lower() != "file"
+
+
+def file_url_path(location: str) -> str | None:
+    """The local path a ``file://`` URL names (``file:///abs/dir`` or ``file://localhost/abs/dir``: ``/abs/dir``,
+    percent-escapes decoded); ``None`` when ``location`` is not a ``file://`` URL. ``ValueError`` for one that
+    names another host (``file://dir/x``: two slashes) or carries a query or fragment: nothing local to use."""
+    if location[:7].lower() != "file://":
+        return None
+    parts = urllib.parse.urlsplit(location)
+    if parts.netloc not in ("", "localhost") or parts.query or parts.fragment or not parts.path.startswith("/"):
+        raise ValueError(
+            f"{location!r} is not a local file URL: write file:///absolute/path (three slashes), or the path itself"
+        )
+    return urllib.parse.unquote(parts.path)
+
+
+def normalize_url(url: str) -> str:
+    """An fsspec URL with its scheme in lower case (schemes are case-insensitive; fsspec knows ``s3``, not
+    ``S3``). ``ValueError`` when its path has a ``.`` or ``..`` part (the store folds them: ``s3://b/./k`` is
+    written at ``b/k``, so the paths this library names and returns would not be where the files are), or when
+    it carries a password or secret (``s3://KEY:SECRET@bucket``: those go in ``storage_options``)."""
+    m = _URL.match(url)
+    if m is None:
+        raise ValueError(f"{redact_url(url)!r} is not a URL")
+    rest = url[m.end() :]
+    creds = _CREDENTIALS.match(url)
+    if creds is not None and ":" in creds.group(2):
+        raise ValueError(
+            f"the URL {redact_url(url)!r} carries a secret: pass it in storage_options (e.g. key= and secret= for "
+            "s3://), never in the URL (s3fs reads it as part of the bucket name, and it would show in messages)"
+        )
+    if any(part in (".", "..") for part in rest.split("/")):
+        raise ValueError(
+            f"the URL {redact_url(url)!r} has a '.' or '..' part: name the prefix plainly (the store would fold it)"
+        )
+    return f"{m.group(1).lower()}://{rest}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with credentials written into it (``s3://KEY:SECRET@bucket/run``) replaced by ``***``, for
+    messages and the paths this library names: a secret never reaches a log."""
+    return _CREDENTIALS.sub(r"\1***@", url)
+
+
+#: The user-info part of a URL (``scheme://user:secret@``).
+_CREDENTIALS = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)([^/@]*)@")
 
 
 def check_relative(rel: str) -> str:
@@ -206,7 +263,7 @@ class FsspecStorage(Storage):
             import fsspec
         except ImportError:
             raise ImportError(
-                f"{url!r} is a URL: reading and writing it needs fsspec and its filesystem package "
+                f"{redact_url(url)!r} is a URL: reading and writing it needs fsspec and its filesystem package "
                 "(pip install 'functional-ema[s3]' for s3://)"
             ) from None
         if fs is None:
@@ -214,12 +271,12 @@ class FsspecStorage(Storage):
                 fs, root = fsspec.core.url_to_fs(url, **storage_options)
             except ImportError as e:  # fsspec is there, the scheme's package (s3fs, gcsfs, adlfs) is not
                 raise ImportError(
-                    f"{url!r} is a URL whose filesystem package is not installed ({e}); for s3:// "
+                    f"{redact_url(url)!r} is a URL whose filesystem package is not installed ({e}); for s3:// "
                     "pip install 'functional-ema[s3]'"
                 ) from None
         else:
             root = fs._strip_protocol(url)
-        self.fs, self.root, self.location = fs, str(root).rstrip("/"), url
+        self.fs, self.root, self.location = fs, str(root).rstrip("/"), redact_url(url)
 
     def _full(self, rel: str) -> str:
         return str(PurePosixPath(self.root) / check_relative(rel)) if self.root else check_relative(rel)
@@ -317,12 +374,11 @@ def _commits_at_open(fs: Any) -> bool:
 def storage_for(location: str | os.PathLike[str], **storage_options: Any) -> Storage:
     """The :class:`Storage` for a folder path or an fsspec URL (``storage_options`` go to fsspec)."""
     if is_url(location):
-        return FsspecStorage(os.fspath(location), **storage_options)
+        return FsspecStorage(normalize_url(os.fspath(location)), **storage_options)
     if storage_options:
         raise TypeError(f"storage_options are for URLs; {os.fspath(location)!r} is a local path")
-    if isinstance(location, str) and location.lower().startswith("file://"):
-        return LocalStorage(location[len("file://") :])
-    return LocalStorage(location)
+    local = file_url_path(location) if isinstance(location, str) else None
+    return LocalStorage(location if local is None else local)
 
 
 def remove_tree(store: Storage, rel: str = "") -> None:

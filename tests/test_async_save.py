@@ -1759,3 +1759,83 @@ def test_private_save_background_failure_and_commit_timeout(tmp_path, monkeypatc
     release.set()
     slow.wait()
     assert not (tmp_path / "s" / "ema_manifest.json").exists()
+
+
+def test_saves_in_flight_commit_in_start_order(tmp_path, monkeypatch):
+    """Two saves in flight whose writes finish in the other order: the later one commits after the earlier, so
+    ``ema_latest`` names the later save and ``load(tag=None)`` resumes it (it resumed the older step once)."""
+    import torch
+
+    import functional_ema as fe
+    from functional_ema._checkpoint import writer
+
+    real = writer.write_rank_file
+
+    def slow_for_s4(path, *a, **k):
+        if path.parent.name == "s4":
+            time.sleep(1.0)  # the first save's write ends after the second's
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(writer, "write_rank_file", slow_for_s4)
+    model = _model()
+    state = fe.init_ema(fe.local_shards(model))
+    saver = fe.AsyncSaver(max_in_flight=2)
+    for step in (4, 5):
+        _bump(list(model.parameters()))
+        state = fe.update(state, fe.local_shards(model), step, decay=0.5)
+        saver.save(state, model, tmp_path, f"s{step}")
+    at_s5 = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    saver.wait()
+    assert (tmp_path / "ema_latest").read_text() == "s5\n"
+    loaded = fe.load(model, tmp_path)
+    assert int(loaded.step) == 5 and _same_trees(list(loaded.emas), at_s5)
+    assert torch.equal(fe.load(model, tmp_path, "s4").step, torch.tensor(4))
+
+
+def test_save_of_a_tag_pending_in_a_private_async_save_is_refused_at_once(tmp_path):
+    """A blocking save (private or shared) of a tag whose private async save awaits its commit in this thread
+    would wait for itself: refused at once naming ``saver.wait()`` (it waited its whole timeout); after the
+    commit the same save goes through, and the tag holds it."""
+    import functional_ema as fe
+
+    model = _model()
+    state = _state(model)
+    at_call = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    saver = fe.AsyncSaver()
+    h = saver.save(state, model, tmp_path, "t", shared=False)
+    saver._pending[0].write.result(timeout=60)
+    for shared in (False, True):
+        t0 = time.monotonic()
+        with pytest.raises(fe.checkpoint.CheckpointError) as e:
+            fe.save(state, model, tmp_path, "t", shared=shared, timeout=30)
+        assert time.monotonic() - t0 < 10 and "held by an AsyncSaver.save(shared=False) of this thread" in str(e.value)
+        assert "Call saver.wait()" in str(e.value) and not h.done()
+    h.wait()
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), at_call)
+    _bump([t for e in state.emas for t in e.values()])
+    at_again = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    fe.save(state, model, tmp_path, "t", shared=False, timeout=30)
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), at_again)
+
+
+def test_handle_wait_of_a_private_save_honours_its_timeout(tmp_path, monkeypatch):
+    """``SaveHandle.wait(timeout)`` of a private save whose write is still running raises ``TimeoutError`` after
+    ``timeout`` (it waited for the write, up to commit_timeout); the save stays pending, committed later."""
+    import functional_ema as fe
+    from functional_ema import _async_private
+
+    release = threading.Event()
+    write = _async_private.write_private
+    monkeypatch.setattr(_async_private, "write_private", lambda *a: (release.wait(30), write(*a))[1])
+    model = _model()
+    state = _state(model)
+    at_call = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    saver = fe.AsyncSaver()
+    h = saver.save(state, model, tmp_path, "t", shared=False)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"still running after 0\.3 s"):
+        h.wait(timeout=0.3)
+    assert time.monotonic() - t0 < 5 and not h.done() and len(saver._pending) == 1
+    release.set()
+    assert h.wait(timeout=30) == tmp_path / "t" and h.done() and saver._pending == []
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), at_call)

@@ -18,7 +18,8 @@ A self-attack built as three registries, so that a new surface joins by adding o
 - ``MUTATIONS``: seeded bit flips in the header and in the data, truncation, deletion, another rank's
   file copied over this one (duplicate), two ranks' files exchanged (swap), the older save's file, and
   every JSON field set to a type-confused value (``None``, a string, a list, a dict, negative, a float,
-  huge, a bool; the integration record's checksum recomputed, as a forger would).
+  huge, a bool; the integration record's checksum recomputed, as a forger would); for DCP's files, a tensor's
+  global size in ``.metadata`` grown, negative or huge, and a file replaced by a folder.
 
 Every case must end in the clean checkpoint's exact result (bitwise), or, for the readers in ``ORACLES``
 (the export ``to_hf``), in what their oracle accepts: an export of a checkpoint holds the consolidated EMA,
@@ -813,11 +814,38 @@ def _siblings_plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -
     return rng.sample(siblings, min(len(siblings), BUDGET))
 
 
+def _dcp_sizes_plan(rng: random.Random, d: Path, rel: str, siblings: list[str]) -> list[tuple[str, str]]:
+    """``budget`` tensors of EMA 0 (the one ``consolidate_dcp`` reads) in a DCP ``.metadata``, each given a grown, a
+    negative and a huge global size."""
+    import pickle
+
+    meta = pickle.loads((d / rel).read_bytes())  # the test's own build
+    fqns = sorted(f for f, m in meta.state_dict_metadata.items() if ".emas.0." in f and hasattr(m, "chunks"))
+    return [(f, v) for f in rng.sample(fqns, min(len(fqns), BUDGET)) for v in ("grown", "negative", "huge")]
+
+
+def _dcp_sizes(d: Path, rel: str, arg: tuple[str, str]) -> None:
+    import pickle
+
+    fqn, variant = arg
+    meta = pickle.loads((d / rel).read_bytes())
+    size = list(meta.state_dict_metadata[fqn].size) or [1]
+    size[0] = {"grown": size[0] + 3, "negative": -1, "huge": 2**62}[variant]
+    meta.state_dict_metadata[fqn].size = torch.Size(size)
+    (d / rel).write_bytes(pickle.dumps(meta))
+
+
+def _as_folder(d: Path, rel: str, _: Any) -> None:
+    (d / rel).unlink()
+    (d / rel).mkdir()
+
+
 @dataclass(frozen=True)
 class Mutation:
     plan: Callable  # (rng, layout folder, file, same-kind files beside it) -> one argument per case
     apply: Callable[[Path, str, Any], None]
     json_only: bool = False
+    kinds: tuple[str, ...] = ()  # the FILE_KINDS it applies to, when not all
 
 
 MUTATIONS: dict[str, Mutation] = {
@@ -829,6 +857,10 @@ MUTATIONS: dict[str, Mutation] = {
     "swap": Mutation(_siblings_plan, _swap),
     "older save": Mutation(lambda rng, d, rel, s: [str(o)] if (o := _older(d, rel)) else [], _older_apply),
     "json fields": Mutation(_json_plan, _json_apply, json_only=True),
+    # DCP's .metadata gives each tensor its global size, which the reader allocates: grown past its pieces
+    # (uninitialised memory was returned), negative, too large to allocate
+    "dcp sizes": Mutation(_dcp_sizes_plan, _dcp_sizes, kinds=("dcp metadata",)),
+    "as folder": Mutation(lambda rng, d, rel, s: [None], _as_folder, kinds=("dcp metadata", "dcp data")),
 }
 
 
@@ -951,7 +983,7 @@ def _cases(base: Path) -> list[Case]:
                 by_kind.setdefault(kind, []).append(rel)
         for kind, rels in by_kind.items():
             for mname, m in MUTATIONS.items():
-                if m.json_only and not FILE_KINDS[kind].json:
+                if (m.json_only and not FILE_KINDS[kind].json) or (m.kinds and kind not in m.kinds):
                     continue
                 rng = random.Random(f"{SEED}|{layout}|{kind}|{mname}")
                 for rel in rng.sample(rels, min(len(rels), 2 * BUDGET)):

@@ -234,3 +234,63 @@ def test_one_process_private_save_and_load(tmp_path):
     assert fe.checkpoint.read_manifest(tmp_path / "ck", "t")["generation"] == 1
     loaded = fe.load(model, tmp_path / "ck", "t", shared=False)
     assert int(loaded.step) == 2 and all(torch.equal(loaded.emas[0][n], t) for n, t in state.emas[0].items())
+
+
+def failed_commit_worker(root: str) -> dict:
+    """Each rank its own folder: tag ``t`` saved at step 2, then re-saved at step 3 and a new tag ``u`` saved,
+    both with rank 1's manifest write failing (ENOSPC) after rank 0's folder wrote its manifest."""
+    import errno
+
+    import torch.distributed as dist
+
+    import functional_ema as fe
+    from functional_ema._checkpoint import private
+    from functional_ema._testing.multirank import ddp_trained
+
+    rank = dist.get_rank()
+    here = Path(root) / f"node{rank}"
+    x, train, _ = ddp_trained(rank)
+    state = fe.init_ema(fe.local_shards(x))
+    for step in (1, 2):
+        train(step)
+        state = fe.update(state, fe.local_shards(x), step, decay=DECAY)
+    fe.save(state, x, here, "t", shared=False)
+    saved = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    train(3)
+    state = fe.update(state, fe.local_shards(x), 3, decay=DECAY)
+    real = private.commit_manifest
+
+    def full_on_rank_1(save_dir: Path, tag_dir: Path, manifest: dict, **kw: object) -> None:
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tag_dir / "ema_manifest.json"))
+        real(save_dir, tag_dir, manifest, **kw)
+
+    private.commit_manifest = full_on_rank_1
+    try:
+        out: dict = {"resave": raised(lambda: fe.save(state, x, here, "t", shared=False))}
+        out["new_tag"] = raised(lambda: fe.save(state, x, here, "u", shared=False))
+    finally:
+        private.commit_manifest = real
+    dist.barrier()
+    out["files"] = sorted(p.name for p in (here / "t").iterdir())
+    out["latest"] = (here / "ema_latest").read_text().strip()
+    for tag in ("t", None):  # the previous save, by its tag and by ema_latest
+        loaded = fe.load(x, here, tag, shared=False)
+        out[f"bitwise_{tag}"] = int(loaded.step) == 2 and all(
+            torch.equal(a[n], b[n]) for a, b in zip(saved, loaded.emas) for n in a
+        )
+    return out
+
+
+def test_failed_private_commit_keeps_every_folders_previous_checkpoint(tmp_path):
+    """A private save whose manifest cannot be written in one folder fails on every rank, and every folder keeps
+    its previous manifest, files and ema_latest: no folder gets ahead of another (rank 0's used to commit and
+    delete the previous generation, leaving step 3 in one folder and step 2 in the other: refused everywhere)."""
+    res = run_ranks("tests.test_private_folders:failed_commit_worker", world_size=2, timeout=300, root=str(tmp_path))
+    for r, out in enumerate(res):
+        for key in ("resave", "new_tag"):
+            name, msg = out[key]
+            assert name == "CheckpointIOError" and "rank 1 could not write" in msg and "ENOSPC" in msg, msg
+        assert out["files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], out["files"]
+        assert out["latest"] == "t" and out["bitwise_t"] and out["bitwise_None"], out
+        assert not (tmp_path / f"node{r}" / "u" / "ema_manifest.json").exists()

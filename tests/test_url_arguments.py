@@ -512,3 +512,34 @@ def test_posthoc_snapshots_in_a_bucket(tmp_path: Path, s3: Any, no_fsspec_config
         ph.list_snapshots(f"s3://{BUCKET}/no-snaps", storage_options=opts)
     assert str(e.value) == f"snapshot directory s3://{BUCKET}/no-snaps does not exist (nothing is stored under it)"
     _no_s3_folder(tmp_path)
+
+
+def test_a_file_url_is_the_local_folder_it_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``file:///abs/dir`` is the folder ``/abs/dir`` for every verb taking a location or a path (it was the relative
+    folder ``file:/abs/dir`` under the current directory: saved there, and the real folder never read); a file URL
+    naming no local path is refused naming the argument."""
+    import functional_ema as fe
+    from functional_ema._args import check_path
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "my ckpt"
+    url = "file://" + str(folder).replace(" ", "%20")
+    m = torch.nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(m))
+    assert fe.save(state, m, url, "t") == folder / "t" and (folder / "t" / "ema_manifest.json").is_file()
+    assert fe.save(state, m, f"file://localhost{folder}", "u", shared=False) == folder / "u"
+    fe.AsyncSaver().save(state, m, url, "v").wait()
+    for tag in ("t", "u", "v"):
+        loaded = fe.load(m, url, tag)
+        assert all(torch.equal(loaded.emas[0][n], t) for n, t in state.emas[0].items())
+        assert torch.equal(fe.consolidate(url, tag)["weight"], m.weight.detach())
+    out = tmp_path / "full.safetensors"
+    fe.consolidate_to_file(url, "file://" + str(out), "t")
+    assert out.is_file() and check_path("FILE:///x/y", "p") == Path("/x/y")
+    assert not any(p.name.lower().startswith("file:") for p in tmp_path.iterdir())
+    for bad in ("file://host/x", "file://rel/x", "file:///x?q=1"):
+        with pytest.raises(ValueError) as e:
+            fe.save(state, m, bad, "t")
+        assert str(e.value) == (
+            f"save_dir: {bad!r} is not a local file URL: write file:///absolute/path (three slashes), or the path itself"
+        )

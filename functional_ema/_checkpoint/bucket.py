@@ -24,8 +24,11 @@ lists (none at all when the manifest cannot be read: an unreachable server leave
 commit of the tag removes, rather than risking a listed file). The previous checkpoint stays loadable.
 
 Not excluded: two jobs saving the same tag of the same prefix at once (there is no lock); within one
-process, an ``AsyncSaver`` waits for its own save of a tag. Everything stays under the URL's prefix (the
-tag is one plain name, every path is checked by the seam).
+process, an ``AsyncSaver`` waits for its own save of a tag. What is guarded (a blocking ``save`` of a tag
+whose ``AsyncSaver`` save awaits its commit): rank 0 publishes a manifest only if no later generation of the
+tag was committed meanwhile and every file it lists is there, else the save fails on every rank, and a commit
+removes only older generations' files: the tag keeps the later save, complete. Everything stays under the
+URL's prefix (the tag is one plain name, every path is checked by the seam).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +47,7 @@ import torch
 
 from .._layout import ShardLayout
 from .._state import BufferState, EmaState
-from .._storage import Storage, storage_for
+from .._storage import Storage, redact_url, storage_for
 from ..schedules import DecayLike
 from .collective import agree, check_distinct_writers, gather_to_first
 from .errors import CheckpointError, CheckpointIOError
@@ -102,7 +106,7 @@ def url_storage(url: str, shared: bool, options: dict[str, Any], what: str) -> S
     if not shared:
         raise ValueError(
             f"{what}(shared=False) is for folders the ranks do not share (node-local disks, Ray Train's per-worker "
-            f"folders); {url!r} is a URL, one store every rank reaches: save to it with shared=True (the default), "
+            f"folders); {redact_url(url)!r} is a URL, one store every rank reaches: save to it with shared=True (the default), "
             "or save shared=False into local folders and upload them"
         )
     return storage_for(url, **options)
@@ -296,19 +300,49 @@ def commit_bucket(prep: BucketSave, record: dict[str, Any], what: str) -> None:
         manifest = build_manifest(prep.first, written)
         store, rel = prep.store, f"{prep.tag}/{MANIFEST_NAME}"
         try:
+            _check_still_newest(prep, manifest)
             store.publish_bytes(rel, json.dumps(manifest, indent=1).encode())
             rel = LATEST_NAME
             store.publish_bytes(rel, (prep.tag + "\n").encode())
         except Exception as e:  # noqa: BLE001
             raise store_error(e, rank, store.describe(rel), verb=prep.verb) from None
-        keep = {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])}
-        _cleanup(prep, keep)
+        _cleanup(prep, _listed(manifest))
 
     try:
         agree(f"{what} (writing the manifest)", commit, group, world, rank, results=False)
     except BaseException:
         abandon_bucket(prep)
         raise
+
+
+def _listed(manifest: dict[str, Any]) -> set[str]:
+    return {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])}
+
+
+def _check_still_newest(prep: BucketSave, manifest: dict[str, Any]) -> None:
+    """Before publishing (rank 0): no later save of the tag committed meanwhile, and every file the manifest
+    lists is in the store. Object stores have no lock: another save of the tag (a blocking ``save`` while an
+    ``AsyncSaver`` save of it awaits its commit, another job) may have committed a newer generation and removed
+    this one's files as an older generation's; publishing would then replace a complete checkpoint by one
+    whose files are gone."""
+    store, tag, generation = prep.store, prep.tag, prep.first["generation"]
+    there = -1
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, or unreadable: no newer
+        there = int(json.loads(store.read_bytes(f"{tag}/{MANIFEST_NAME}"))["generation"])
+    if there > generation:
+        raise CheckpointError(
+            f"{prep.verb}: tag {tag!r} at {prep.tag_dir} was committed by a later save (generation {there}) while "
+            f"this one (generation {generation}, step {prep.first['step']}) was being written: this save is dropped "
+            "and the tag keeps the later one. One save of a tag at a time: wait for an AsyncSaver's save of it "
+            "(AsyncSaver.wait()) before saving the tag again"
+        )
+    missing = sorted(_listed(manifest) - set(store.listdir(tag)))
+    if missing:
+        raise CheckpointError(
+            f"{prep.verb}: {len(missing)} file(s) of this save are gone from {prep.tag_dir} before its commit "
+            f"({', '.join(missing[:4])}): removed by another save of the tag? Nothing was committed; the tag keeps "
+            "what it held. One save of a tag at a time: AsyncSaver.wait() before saving the tag again"
+        )
 
 
 def abandon_bucket(prep: BucketSave) -> None:
@@ -332,11 +366,16 @@ def abandon_bucket(prep: BucketSave) -> None:
 
 
 def _cleanup(prep: BucketSave, keep: set[str]) -> None:
-    """After the commit (rank 0): the marker, older generations' files and markers of failed saves."""
+    """After the commit (rank 0): the marker, older generations' files and markers of failed saves. Never a
+    file of a newer generation than this save's: another save of the tag may be writing it (no lock here)."""
+    generation = prep.first["generation"]
+
+    def older(m: re.Match | None) -> bool:
+        return m is not None and int(m.groups()[-1] or 0) < generation
 
     def run() -> None:
         for name in prep.store.listdir(prep.tag):
-            stale_file = (RANK_FILE.match(name) or BUFFER_FILE.match(name)) and name not in keep
+            stale_file = older(RANK_FILE.match(name) or BUFFER_FILE.match(name)) and name not in keep
             if stale_file or name.startswith(MARKER_PREFIX):
                 _quietly(functools.partial(prep.store.remove, f"{prep.tag}/{name}"))
 

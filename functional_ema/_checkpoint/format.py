@@ -52,6 +52,8 @@ FORMAT_VERSION = 5
 WHOLE_FORMAT_VERSION = FORMAT_VERSION  # a save of a whole model wrote format 3 before format 5
 COMPACT_CHECKSUMS_VERSION = 5  # from this format on, rank-file records hold ``chunk_checksums``
 MANIFEST_NAME = "ema_manifest.json"
+#: A private save's manifest until every folder holds its own (``private.py``): never read as data.
+PENDING_MANIFEST_NAME = MANIFEST_NAME + ".pending"
 FILE_FORMAT = "functional_ema.ema_shards"
 BUFFERS_FORMAT = "functional_ema.buffers"
 MANIFEST_FORMAT = "functional_ema.manifest"
@@ -117,7 +119,7 @@ def is_own_file(name: str) -> bool:
     return bool(
         RANK_FILE.match(name)
         or BUFFER_FILE.match(name)
-        or name in (MANIFEST_NAME, LOCK_NAME, RECORD_NAME)
+        or name in (MANIFEST_NAME, PENDING_MANIFEST_NAME, LOCK_NAME, RECORD_NAME)
         or (_io.is_tmp_name(name) and name.startswith(("ema_", "buffers_", MANIFEST_NAME, RECORD_NAME)))
     )
 
@@ -882,12 +884,16 @@ def _parse_experts(
 # ------------------------------------------------------------------------------ outputs of tools
 
 
+#: Files beside the tag folders in a checkpoint's root: DeepSpeed's pointer files and recovery scripts
+#: (0.19 writes the scripts), and the pointer functional_ema.save writes (the only one an FSDP2 / DDP /
+#: plain checkpoint has). Compared lower-cased (case-insensitive filesystems).
 _POINTER_FILES = (
     "latest",
     "latest_universal",
     "zero_to_fp32.py",
     "zero_to_torch.py",
-)  # DeepSpeed 0.19 writes the scripts
+    LATEST_NAME,
+)
 
 
 def _is_checkpoint_file(name: str) -> bool:
@@ -968,7 +974,10 @@ def _check_outside(out: Path, real: Path, root: str | os.PathLike, tag_dirs: Seq
         real_tags = [Path(t).resolve() for t in tag_dirs]
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
         raise OutputPathError(f"cannot resolve the output path {out}: {e}") from None
-    fix = f"Write it outside the checkpoint, e.g. {real_root.parent / out.name}"
+    # the same name beside the checkpoint, unless that is the checkpoint itself (OUT given as the checkpoint folder)
+    beside = real_root.parent / out.name
+    beside = beside if beside != real_root else beside.with_name(f"{beside.name}.safetensors")
+    fix = f"Write it outside the checkpoint, e.g. {beside}"
     inside = next((t for t in real_tags if real == t or t in real.parents), None)
     if inside is not None:
         raise OutputPathError(
@@ -976,10 +985,10 @@ def _check_outside(out: Path, real: Path, root: str | os.PathLike, tag_dirs: Seq
             f"{inside} being read, and would replace or add to that checkpoint's files. {fix}"
         )
     first = real_root / real.relative_to(real_root).parts[0] if real_root in real.parents else None
-    if real == real_root or (
-        first is not None
-        and ((real.name.lower() in _POINTER_FILES and first == real) or (first != real and _looks_like_tag(first)))
-    ):
+    # in the root: any name of a file DeepSpeed or functional_ema writes there or in a tag (a root read as
+    # its own tag folder holds those), whichever case the filesystem folds it to
+    own = first == real and (_is_checkpoint_file(real.name) or _is_checkpoint_file(real.name.lower()))
+    if real == real_root or (first is not None and (own or (first != real and _looks_like_tag(first)))):
         raise OutputPathError(
             f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the checkpoint "
             f"directory {real_root} being read (a tag folder or a pointer file such as 'latest'). {fix}"

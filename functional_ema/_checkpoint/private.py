@@ -16,8 +16,10 @@ format, however it is later merged (Ray's upload, ``rsync``, a bucket):
    replicated ZeRO-0 / DDP / plain model, an HSDP replica) writes the same file as the rank it
    replicates: same name, same bytes, which the records' checksums must show, or the save is refused.
 5. Every rank's file records go to every rank; each committer writes the same manifest (the same bytes)
-   and ``ema_latest`` into its folder, once every rank's files are durable. A folder holding only some
-   ranks' files is therefore never complete on its own: its manifest lists files it lacks.
+   into its folder under a pending name, once every rank's files are durable; once every folder holds it
+   (agreed), each renames it into place and writes ``ema_latest``. A failure or a crash before that leaves
+   every folder's previous manifest in place (never one folder ahead of another). A folder holding only
+   some ranks' files is never complete on its own: its manifest lists files it lacks.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ from .writer import (
     buffer_file_meta,
     build_manifest,
     commit_manifest,
+    drop_pending,
     part_record,
     plan_save,
+    publish_pending,
     rank_file_meta,
     read_generation,
     remove_unlisted,
@@ -208,30 +212,53 @@ def write_private(
 
 
 def commit_private(prep: PrivateSave, record: dict[str, Any], timeout: float, what: str) -> None:
-    """Step 5: every rank's records to every rank, then each folder's committer writes the same manifest
-    and ``ema_latest``; the locks are released. Collective. On a failure, this rank's new files are
-    removed (the folders' previous checkpoints stay loadable)."""
+    """Step 5: every rank's records to every rank, then the commit in two phases, each agreed over the
+    process group: each folder's committer writes the manifest under a pending name; once every folder holds
+    it, each renames it into place and writes ``ema_latest`` and removes older generations. A failure before
+    the second phase (a full disk, a rank dying) removes the pending manifests and this rank's new files:
+    every folder keeps its previous checkpoint and ``ema_latest``, a folder never gets ahead of the others.
+    The locks are released. Collective."""
     group, world, rank = prep.job
-    done = False
+    manifest: list[dict[str, Any]] = []
     try:
         records = _everyone(record, group, world, timeout)
-
-        def commit() -> None:
-            manifest = build_manifest(prep.first, _one_record_per_file(records))
-            if prep.sharers[0] == rank:
-                try:
-                    commit_manifest(prep.save_dir, prep.tag_dir, manifest)
-                except OSError as e:
-                    raise io_error(e, rank, prep.tag_dir / MANIFEST_NAME) from None
-
-        agree(f"{what} (writing the manifests)", commit, group, world, rank, results=False)
-        done = True
+        stage = lambda: manifest.append(_stage_manifest(prep, records))  # noqa: E731
+        agree(f"{what} (writing the manifests)", stage, group, world, rank, results=False)
     except BaseException:
-        remove_unlisted(prep.tag_dir, prep.names)
+        if prep.sharers[0] == rank:
+            drop_pending(prep.tag_dir)
+        remove_unlisted(prep.tag_dir, prep.names)  # after the pending manifest: the live one lists none of them
+        for held in prep.lock:
+            held.release(remove_empty=True)
         raise
+    try:  # every folder holds the pending manifest: publishing it is one rename per folder
+        publish = lambda: _publish_manifest(prep, manifest[0])  # noqa: E731
+        agree(f"{what} (publishing the manifests)", publish, group, world, rank, results=False)
     finally:
         for held in prep.lock:
-            held.release(remove_empty=not done)
+            held.release()
+
+
+def _stage_manifest(prep: PrivateSave, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest of the save; this folder's committer writes it under the pending name (first phase)."""
+    rank = prep.job[2]
+    manifest = build_manifest(prep.first, _one_record_per_file(records))
+    if prep.sharers[0] == rank:
+        try:
+            commit_manifest(prep.save_dir, prep.tag_dir, manifest, pending=True)
+        except OSError as e:
+            raise io_error(e, rank, prep.tag_dir / MANIFEST_NAME) from None
+    return manifest
+
+
+def _publish_manifest(prep: PrivateSave, manifest: dict[str, Any]) -> None:
+    """Second phase: this folder's committer publishes its pending manifest, then ``ema_latest``."""
+    rank = prep.job[2]
+    if prep.sharers[0] == rank:
+        try:
+            publish_pending(prep.save_dir, prep.tag_dir, manifest)
+        except OSError as e:
+            raise io_error(e, rank, prep.tag_dir / MANIFEST_NAME) from None
 
 
 def abandon_private(prep: PrivateSave) -> None:

@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 
 from .. import _io
-from .._args import check_bool, check_int, check_optional_int, check_path
+from .._args import check_bool, check_int, check_location, check_optional_int, check_path
 from .._layout import ModelPart, ShardLayout, ShardSpec
 from .._storage import FsspecStorage, Storage, is_url, storage_for
 from . import index
@@ -329,6 +329,8 @@ class CheckpointReader:
         every file the manifest lists must exist, unless ``local`` (a private save's folder: the files this
         rank reads are checked when it opens them, :func:`check_local`)."""
         if isinstance(checkpoint_dir, str) and is_url(checkpoint_dir):  # a StoragePath is one too
+            if not isinstance(checkpoint_dir, StoragePath):  # a plain URL, checked here too: not every verb does
+                checkpoint_dir = cast("str", check_location(checkpoint_dir, "checkpoint_dir"))
             return cls._locate_url(checkpoint_dir, tag)
         root = check_path(checkpoint_dir, "checkpoint_dir")
         if root.is_file():

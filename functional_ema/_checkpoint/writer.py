@@ -38,6 +38,7 @@ from .format import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     MAX_EXTRA_BYTES,
+    PENDING_MANIFEST_NAME,
     RANK_FILE,
     WHOLE_FORMAT_VERSION,
     buffer_file_name,
@@ -423,11 +424,35 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]], **extra:
     return manifest
 
 
-def commit_manifest(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
+def commit_manifest(save_dir: Path, tag_dir: Path, manifest: dict, pending: bool = False) -> None:
     """Rank 0, once every file of the save is durable: write the manifest (which completes the checkpoint),
-    then remove what older generations and crashed saves left."""
+    then ``ema_latest`` and remove what older generations and crashed saves left. ``pending``: the first
+    phase of a private save's commit (``private.py``): the manifest goes to :data:`PENDING_MANIFEST_NAME`
+    only, where no reader looks, until :func:`publish_pending` once every folder holds its own."""
     _io.fsync_dir(save_dir)  # the tag folder's own entry
-    _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
+    data = json.dumps(manifest, indent=1).encode()
+    if pending:
+        _io.atomic_write_bytes(tag_dir / PENDING_MANIFEST_NAME, data)
+        return
+    _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, data)
+    _finish_commit(save_dir, tag_dir, manifest)
+
+
+def publish_pending(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
+    """The second phase of a private save's commit: the pending manifest (the bytes of ``manifest``) becomes
+    the tag's manifest by one rename, then as :func:`commit_manifest`."""
+    os.replace(tag_dir / PENDING_MANIFEST_NAME, tag_dir / MANIFEST_NAME)
+    _io.fsync_dir(tag_dir)
+    _finish_commit(save_dir, tag_dir, manifest)
+
+
+def drop_pending(tag_dir: Path) -> None:
+    """A private save failed before its manifests were published: its pending manifest goes (best effort)."""
+    with contextlib.suppress(OSError):
+        os.unlink(tag_dir / PENDING_MANIFEST_NAME)
+
+
+def _finish_commit(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
     # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
     # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
     _io.atomic_write_bytes(save_dir / LATEST_NAME, (manifest["tag"] + "\n").encode())
@@ -458,6 +483,7 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
     removed = False
     for p in tag_dir.iterdir():
         stale_file = (RANK_FILE.match(p.name) or BUFFER_FILE.match(p.name)) and p.name not in keep
+        stale_file = stale_file or p.name == PENDING_MANIFEST_NAME  # a crashed private save's
         stale_tmp = _io.is_tmp_name(p.name) and p.name.startswith(("ema_", "buffers_", MANIFEST_NAME))
         if stale_file or stale_tmp:
             try:
@@ -501,6 +527,13 @@ class TagLock:
             except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
+                if holder == _holder_text(awaits_commit=True):
+                    raise CheckpointError(
+                        f"{what}: tag {tag_dir.name!r} in {tag_dir.parent} is held by an AsyncSaver.save(shared=False) "
+                        "of this thread, whose commit runs at that saver's next save or wait: waiting here would wait "
+                        "for ourselves. Call saver.wait() (or the handle's wait()) on every rank before saving this "
+                        "tag again, or save under another tag. Nothing was written"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise CheckpointError(
                         f"{what}: tag {tag_dir.name!r} in {tag_dir.parent} is being written by another save ({holder}) and "
@@ -523,14 +556,23 @@ class TagLock:
             if not same:  # the previous holder removed the file we locked: take the new one
                 os.close(fd)
                 continue
-            with contextlib.suppress(OSError):  # who holds it, for another waiter's message (best effort: a full disk)
-                os.ftruncate(fd, 0)
-                os.pwrite(
-                    fd,
-                    f"pid {os.getpid()} on {socket.gethostname()}, thread {threading.current_thread().name}".encode(),
-                    0,
-                )
-            return cls(tag_dir, fd, created)
+            lock = cls(tag_dir, fd, created)
+            lock._note_holder(awaits_commit=False)
+            return lock
+
+    def hold_for_commit(self) -> None:
+        """Say that the lock stays held after the call that took it returns, until a later call of this
+        thread commits the save (an ``AsyncSaver.save(shared=False)``): a save of the tag from this thread
+        would wait for itself, so :meth:`acquire` refuses it at once instead of waiting its timeout."""
+        self._note_holder(awaits_commit=True)
+
+    def _note_holder(self, awaits_commit: bool) -> None:
+        """Who holds the lock, in the lock file, for another waiter's message (best effort: a full disk)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, _holder_text(awaits_commit).encode(), 0)
 
     def release(self, remove_empty: bool = False) -> None:
         """Give the tag up (idempotent); ``remove_empty`` also removes the folder if this lock created it
@@ -566,6 +608,14 @@ def check_shared(tag_dir: Path, rank: int, what: str, wait: float = 2.0) -> None
                 "Nothing was committed"
             )
         time.sleep(0.05)
+
+
+def _holder_text(awaits_commit: bool) -> str:
+    """What a :class:`TagLock` file says of its holder: this process and thread (and, for a lock held until a
+    later call of this thread commits, the thread's id: exactly this thread then finds its own text there)."""
+    me = threading.current_thread()
+    text = f"pid {os.getpid()} on {socket.gethostname()}, thread {me.name}"
+    return text + f" (thread id {me.ident}), awaiting an AsyncSaver commit" if awaits_commit else text
 
 
 def _read_holder(fd: int) -> str:
