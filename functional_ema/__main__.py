@@ -20,7 +20,8 @@ Commands:
         --overwrite replaces only a previous export or an empty folder.
     posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG] [--storage-options JSON]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
-        SNAPSHOT_DIR may be an fsspec URL (s3://...).
+        SNAPSHOT_DIR may be an fsspec URL (s3://...). --plot follows OUT's rules (never inside the snapshots, an
+        existing file only with --overwrite), checked with every other option before anything is read.
 
 --storage-options JSON: a JSON object of fsspec arguments for a URL source ({"endpoint_url": ..., "key": ...,
 "secret": ...}), passed to the verb's storage_options=; refused with a local source. Without it, fsspec's
@@ -170,6 +171,10 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     if args.key is not None:
         print("error: --key applies only with --dcp", file=sys.stderr)
         return 2
+    for flag, value, what in (("--index", args.index, "an EMA index"), ("--tp-rank", args.tp_rank, "a rank")):
+        if value is not None and not 0 <= value < 2**63:  # a usage error: one line, exit 2, no traceback
+            print(f"error: {flag} is {what} (0 to 2**63 - 1), got {value}", file=sys.stderr)
+            return 2
     tp_dims = _tp_dims(args.tp_dim) if args.tp_dim else None
     ranks: list[int | None] = [args.tp_rank]
     outs = [Path(args.out)]
@@ -290,7 +295,11 @@ def _add_posthoc(subparsers: _Subparsers) -> None:
         help=f"refuse targets whose averaging profile is off by more than this (relative L2, default {DEFAULT_MAX_PROFILE_ERROR})",
     )
     p.add_argument(
-        "--plot", metavar="PNG", default=None, help="also save the synthesised vs requested profile (needs matplotlib)"
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="also save the synthesised vs requested profile (needs matplotlib; the format is the extension, .png "
+        "appended to a name without one; an existing file only with --overwrite)",
     )
     p.add_argument(
         "--prefix", default=SNAPSHOT_PREFIX, help=f"tag prefix of the snapshot folders (default {SNAPSHOT_PREFIX!r})"
@@ -302,16 +311,16 @@ def _add_posthoc(subparsers: _Subparsers) -> None:
 def _run_posthoc(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
-    from ._args import refuse_url
+    from ._checkpoint.format import check_output
     from .posthoc import list_snapshots, plot_profile, posthoc_to_file
 
-    try:  # before any snapshot is read: Path("s3://b/x") is the local folder s3:/b/x
-        refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
-        refuse_url(args.plot, "--plot", "the picture is written locally")
-        _refuse_local_options(args, args.snapshot_dir, "SNAPSHOT_DIR")
-    except ValueError as e:
+    try:  # every option checked before any snapshot is read: a usage error is one line and exit 2
+        plot = _posthoc_usage(args)
+    except (ValueError, TypeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if plot is not None:  # the output rules of OUT (inside the snapshots, an existing file): refused before any write
+        check_output(plot, args.snapshot_dir, [], args.overwrite)
     out = posthoc_to_file(
         args.snapshot_dir,
         args.out,
@@ -330,13 +339,43 @@ def _run_posthoc(args: argparse.Namespace) -> int:
         f"wrote {out}: post-hoc EMA sigma_rel={float(meta['sigma_rel']):.4g} (gamma={float(meta['gamma']):.4g}) at step "
         f"{meta['step']} from {meta['num_snapshots']} snapshots; profile error {float(meta['profile_error']):.2e}"
     )
-    if args.plot:
+    if plot is not None:
         infos = list_snapshots(args.snapshot_dir, prefix=args.prefix, storage_options=args.storage_options)
         gammas = [g for i in infos for g in i.gammas]
         steps = [i.step for i in infos for _ in i.gammas]
-        plot_profile(gammas, steps, args.plot, gamma=float(meta["gamma"]), step=int(meta["step"]))
-        print(f"wrote {args.plot}")
+        plot_profile(gammas, steps, plot, gamma=float(meta["gamma"]), step=int(meta["step"]))
+        print(f"wrote {plot}")
     return 0
+
+
+def _posthoc_usage(args: argparse.Namespace) -> Path | None:
+    """``posthoc``'s options checked (``ValueError``/``TypeError`` naming the option; ``ImportError`` for ``--plot``
+    without matplotlib); returns the file ``--plot`` will write (a name without extension gets ``.png``), or None."""
+    from ._args import check_path, check_real, refuse_url
+    from ._posthoc.plot import plot_file
+    from ._posthoc.profiles import target_gamma
+
+    # before any Path() of them: Path("s3://b/x") is the local folder s3:/b/x
+    refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
+    refuse_url(args.plot, "--plot", "the picture is written locally")
+    _refuse_local_options(args, args.snapshot_dir, "SNAPSHOT_DIR")
+    out = check_path(args.out, "OUT")
+    try:
+        target_gamma(args.sigma_rel, args.gamma)
+    except ValueError as e:
+        raise ValueError(f"{'--sigma-rel' if args.gamma is None else '--gamma'}: {e}") from None
+    if args.step is not None and args.step < 1:  # a power EMA has no profile before step 1
+        raise ValueError(f"--step must be >= 1 (a training step with snapshots at or before it), got {args.step}")
+    check_real(args.max_profile_error, "--max-profile-error", low=0.0)
+    if args.plot is None:
+        return None
+    plot, _ = plot_file(args.plot, "--plot")
+    parent = plot.parent if str(plot.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"--plot: the folder {parent} of {plot} does not exist")
+    if plot.resolve() == out.resolve():
+        raise ValueError(f"--plot {plot} is OUT: the picture and the weights need two files")
+    return plot
 
 
 def _add_export(subparsers: _Subparsers) -> None:

@@ -28,7 +28,7 @@ row).
 What is verified, and when:
 
 - Saving: every rank checksums its own pieces (no data moves); one small exchange of these records over
-  the default process group makes one record, the same on every rank, which DCP writes once. HSDP
+  DCP's process group makes one record, the same on every rank, which DCP writes once. HSDP
   replicas of a piece must agree, or the save is refused on every rank.
 - ``dcp.load`` into an :class:`EMAStateful` (``load_state_dict``, after DCP has read): the number of
   EMAs, the dtype, the parameter names and the step (an integer >= 0, equal to ``ema.step``) are checked,
@@ -42,7 +42,18 @@ What is verified, and when:
   offline. A refusal is raised on every rank (a library error naming the checkpoint and the field);
   ``dcp.load`` has then already written into the state's buffers, so load again from a good checkpoint.
 - :func:`consolidate_dcp` reads full tensors, so it verifies every row of every piece, and checks that
-  the record's pieces are exactly the pieces in DCP's metadata (no byte read goes unchecked).
+  the record's pieces are exactly the pieces in DCP's metadata and tile each tensor's size there exactly
+  (in bounds, no overlap, every element; the size equals the record's ``shape``, when it has one): no
+  byte read goes unchecked, and no element is returned unread.
+- Older entries: a record without ``shape`` (0.4.0) is read. An entry written by 0.3.0 (``step`` and
+  ``emas``, no record) is read by :func:`consolidate_dcp` unverified, with a ``UserWarning``; ``dcp.load``
+  refuses it (DCP's "Missing key", or with ``allow_partial_load=True`` a ``CheckpointVersionError``).
+
+How DCP calls it: ``state_dict()`` for a save and for the load's template, with neither its ``no_dist``
+nor its ``process_group``; :class:`EMAStateful` reads them, and which call it is, from DCP's entry point
+(its frame's arguments). The load's template holds placeholders (nothing checksummed, replicas not compared:
+the load overwrites them; one left in place means DCP loaded nothing under the key, refused). The
+collectives run over DCP's ``process_group``; with ``no_dist=True`` none runs.
 
 Errors that DCP raises while it reads (a garbage ``.metadata``, a missing or truncated ``.distcp``, a
 1-EMA checkpoint loaded into a 2-EMA state: "Missing key ... ema.emas.1...") are DCP's own exceptions;
@@ -64,11 +75,14 @@ import json
 import math
 import os
 import pickle
+import stat
+import sys
 import warnings
+from bisect import bisect_left
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from types import FrameType, MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -85,6 +99,8 @@ from ._checkpoint.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from ._errors import StateMismatchError
+from ._fit import state_problem
 from ._state import EmaState
 from .engines import adapter_for
 from .engines._base import read_for
@@ -99,6 +115,11 @@ __all__ = ["RECORD_KEY", "EMAStateful", "consolidate_dcp"]
 RECORD_KEY = "checksums"
 _RECORD_FORMAT = "functional_ema.dcp"
 _RECORD_VERSION = 1
+#: What ``state_dict()`` puts into DCP's load template in place of the record and the step: values no
+#: saved entry has (a record is a JSON object, a saved step is >= 0), so that ``load_state_dict`` sees
+#: what DCP did not load (``allow_partial_load=True`` skips an entry the checkpoint lacks).
+_UNLOADED = "functional_ema.dcp: nothing was loaded into this template entry"
+_UNLOADED_STEP = -1
 
 
 class EMAStateful:
@@ -171,27 +192,33 @@ class EMAStateful:
         return state
 
     def state_dict(self) -> dict[str, Any]:
+        call = _dcp_call(self)
         state = self.state
         reading = read_for(adapter_for(self._x), state)  # the state's selection, if any
         emas = {}
         for k in range(state.num_emas):
-            pieces = state_pieces(state, reading, k, "EMAStateful.state_dict")
+            pieces = _pieces(state, reading, k, "EMAStateful.state_dict", call.single)
             emas[str(k)] = {name: _as_dtensor(pieces[name], reading.params[name]) for name in reading.layout.specs}
+        if call.kind == "load":
+            # DCP's load template: the load overwrites every value, so nothing is checksummed or compared
+            # across replicas here (a fresh model's replicas may differ); placeholders mark what is not loaded
+            return {"step": torch.full_like(state.step, _UNLOADED_STEP), "emas": emas, RECORD_KEY: _UNLOADED}
         # the step is a copy: dcp.load writes into the template, and the state's step moves only once checked
-        return {"step": state.step.detach().clone(), "emas": emas, RECORD_KEY: _saved_record(state, emas)}
+        return {"step": state.step.detach().clone(), "emas": emas, RECORD_KEY: _saved_record(state, emas, call)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from ._args import check_mapping
 
         check_mapping(state_dict, "state_dict")
+        call = _dcp_call(self)
         state = self.state
         reading = read_for(adapter_for(self._x), state)  # the state's selection, if any
-        state_pieces(state, reading, 0, "EMAStateful.load_state_dict")  # ranks agree first
-        world, rank = _world()
+        _pieces(state, reading, 0, "EMAStateful.load_state_dict", call.single)  # ranks agree first
+        group, world, rank = _world(call)
         every = agree(
             "EMAStateful.load_state_dict",
-            lambda: _check_loaded(state_dict, state, self._where),
-            None,
+            lambda: _check_loaded(state_dict, state, self._where, call.key),
+            group,
             world,
             rank,
             fallback=CorruptCheckpointError,
@@ -216,11 +243,69 @@ class EMAStateful:
             state.step.copy_(torch.as_tensor(int(state_dict["step"]), dtype=state.step.dtype))
 
 
-def _world() -> tuple[int, int]:
-    """World size and rank of the default process group DCP uses (1, 0 without one)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
+class _Call(NamedTuple):
+    """How torch DCP called an :class:`EMAStateful` method (:func:`_dcp_call`)."""
+
+    kind: str  # "save" (dcp.save / dcp.async_save), "load" (dcp.load), "" (not called by DCP: as a save)
+    single: bool  # one process: DCP's no_dist=True, or no process group; no collective runs
+    group: Any  # DCP's process_group (None: the default group)
+    key: str | None  # the key of the EMAStateful in the state dict given to DCP, when found
+
+
+#: DCP's entry points, by module and function name, and what each does with a ``Stateful``.
+_DCP_ENTRIES: Mapping[str, Mapping[str, str]] = MappingProxyType(
+    {
+        "torch.distributed.checkpoint.state_dict_saver": MappingProxyType({"save": "save", "async_save": "save"}),
+        "torch.distributed.checkpoint.state_dict_loader": MappingProxyType({"load": "load"}),
+    }
+)
+_DCP_FRAMES = 12  # save: state_dict <- DCP's logging wrappers <- _stateful_to_state_dict <- save
+
+
+def _dcp_call(stateful: object) -> _Call:
+    """Whether ``dcp.save``/``dcp.async_save`` or ``dcp.load`` is calling, with which ``no_dist`` and
+    ``process_group``, read from the caller's frames: DCP calls ``state_dict()`` both for a save and for the
+    load's template, and hands a ``Stateful`` neither argument, so its entry point's locals are the one place
+    they are (``tests/test_dcp.py`` checks they are found on the torch versions ``pyproject.toml`` allows)."""
+    alone = not (dist.is_available() and dist.is_initialized())
+    frame: FrameType | None = sys._getframe(1)
+    try:
+        for _ in range(_DCP_FRAMES):
+            if frame is None:
+                break
+            kind = _DCP_ENTRIES.get(frame.f_globals.get("__name__", ""), {}).get(frame.f_code.co_name)
+            if kind is not None:
+                where = frame.f_locals
+                given = where.get("state_dict")
+                key = next((k for k, v in given.items() if v is stateful), None) if isinstance(given, dict) else None
+                single = alone or where.get("no_dist") is True
+                return _Call(kind, single, where.get("process_group"), key if isinstance(key, str) else None)
+            frame = frame.f_back
+    finally:
+        del frame  # a frame held in a local keeps every frame above it alive
+    return _Call("", alone, None, None)
+
+
+def _world(call: _Call) -> tuple[Any, int, int]:
+    """The process group DCP runs over, its size and this rank in it (None, 1, 0 for one process)."""
+    if call.single:
+        return None, 1, 0
+    return call.group, dist.get_world_size(call.group), dist.get_rank(call.group)
+
+
+def _pieces(state: EmaState, reading: Any, index: int, verb: str, single: bool) -> Mapping[str, torch.Tensor]:
+    """``state.emas[index]`` checked against this rank's layout: with the other ranks
+    (:func:`~functional_ema._api.state_pieces`), or, for one process (DCP's ``no_dist``), alone: the other
+    ranks are not in this call, and a collective would wait for them until the process group times out."""
+    if not single:
+        return state_pieces(state, reading, index, verb)
+    layout = reading.layout
+    problem = state_problem(state, layout.specs, layout.rank, indices=(index,), shards=reading.shards)
+    if problem:
+        raise problem.error(
+            StateMismatchError, f"{verb} on rank {layout.rank}", "Make the state with init_ema(local_shards(model))"
+        )
+    return state.emas[index]
 
 
 def _as_dtensor(piece: torch.Tensor, param: Any) -> torch.Tensor:
@@ -273,9 +358,10 @@ def _row_checksums(t: torch.Tensor) -> list[int]:
     return [fn(buf[i : i + row]) for i in range(0, len(buf), row)]
 
 
-def _saved_record(state: EmaState, emas: Mapping[str, Mapping[str, torch.Tensor]]) -> str:
+def _saved_record(state: EmaState, emas: Mapping[str, Mapping[str, torch.Tensor]], call: _Call) -> str:
     """The record every rank saves under ``RECORD_KEY``: this rank's pieces, exchanged with the other ranks
-    and merged, so that it is the same string on every rank (DCP writes one copy of a non-tensor entry)."""
+    (of DCP's process group) and merged, so that it is the same string on every rank (DCP writes one copy
+    of a non-tensor entry)."""
     mine = {
         "num_emas": state.num_emas,
         "step": int(state.step),
@@ -283,6 +369,7 @@ def _saved_record(state: EmaState, emas: Mapping[str, Mapping[str, torch.Tensor]
             k: {
                 name: {
                     "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),  # the global shape (a DTensor's), which consolidate_dcp checks
                     "piece": [*_piece_of(t)],
                 }
                 for name, t in ema.items()
@@ -290,19 +377,39 @@ def _saved_record(state: EmaState, emas: Mapping[str, Mapping[str, torch.Tensor]
             for k, ema in emas.items()
         },
     }
-    world, rank = _world()
-    every = exchange(mine, None, world)
+    group, world, rank = _world(call)
+    every = exchange(mine, group, world)
     for r, other in enumerate(every):
         if (other["num_emas"], other["step"]) != (mine["num_emas"], mine["step"]):
             raise CheckpointError(
                 f"EMAStateful.state_dict: rank {r} saves {other['num_emas']} EMAs at step {other['step']}, rank "
                 f"{rank} {mine['num_emas']} at step {mine['step']}: every rank must save the same state"
             )
+    record = {
+        "format": _RECORD_FORMAT,
+        "version": _RECORD_VERSION,
+        "checksum": _io.CHECKSUM,
+        "num_emas": mine["num_emas"],
+        "step": mine["step"],
+        "emas": _merged(every),
+    }
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+
+def _merged(every: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The ranks' pieces, one entry per distinct piece (HSDP replicas of a piece must agree)."""
     merged: dict[str, dict[str, dict[str, Any]]] = {}
     for other in every:
         for k, ema in other["emas"].items():
             for name, entry in ema.items():
-                slot = merged.setdefault(k, {}).setdefault(name, {"dtype": entry["dtype"], "pieces": {}})
+                slot = merged.setdefault(k, {}).setdefault(
+                    name, {"dtype": entry["dtype"], "shape": entry["shape"], "pieces": {}}
+                )
+                if slot["shape"] != entry["shape"]:
+                    raise CheckpointError(
+                        f"EMAStateful.state_dict: EMA {k} parameter {name!r} has the global shape {slot['shape']} on "
+                        f"one rank and {entry['shape']} on another: every rank must save the same model"
+                    )
                 offsets, sizes, rows = entry["piece"]
                 if math.prod(sizes) == 0:
                     continue
@@ -312,24 +419,17 @@ def _saved_record(state: EmaState, emas: Mapping[str, Mapping[str, torch.Tensor]
                         f"EMAStateful.state_dict: EMA {k} parameter {name!r}: replicas of the piece at offsets "
                         f"{offsets} (sizes {sizes}) differ between ranks; their EMAs diverged"
                     )
-    record = {
-        "format": _RECORD_FORMAT,
-        "version": _RECORD_VERSION,
-        "checksum": _io.CHECKSUM,
-        "num_emas": mine["num_emas"],
-        "step": mine["step"],
-        "emas": {
-            k: {
-                name: {
-                    "dtype": slot["dtype"],
-                    "pieces": [[list(o), list(s), rows] for (o, s), rows in slot["pieces"].items()],
-                }
-                for name, slot in sorted(ema.items())
+    return {
+        k: {
+            name: {
+                "dtype": slot["dtype"],
+                "shape": slot["shape"],
+                "pieces": [[list(o), list(s), rows] for (o, s), rows in slot["pieces"].items()],
             }
-            for k, ema in merged.items()
-        },
+            for name, slot in sorted(ema.items())
+        }
+        for k, ema in merged.items()
     }
-    return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
 
 def _piece_of(t: torch.Tensor) -> tuple[list[int], list[int], str]:
@@ -386,8 +486,9 @@ def _parse_record(raw: Any, where: str) -> dict[str, Any]:
                 and isinstance(slot.get("dtype"), str)
                 and isinstance(slot.get("pieces"), list)
                 and all(_is_piece(p) for p in slot["pieces"])
+                and ("shape" not in slot or _is_sizes(slot["shape"]))  # records before the shape have none
             ):
-                raise bad(f"emas.{k}.{name}", "is not a dtype and a list of [offsets, sizes, row checksums]")
+                raise bad(f"emas.{k}.{name}", "is not a dtype, a shape and a list of [offsets, sizes, row checksums]")
     return record
 
 
@@ -395,10 +496,16 @@ def _is_piece(p: Any) -> bool:
     return (
         isinstance(p, list)
         and len(p) == 3
-        and all(isinstance(v, list) and all(type(i) is int and i >= 0 for i in v) for v in p[:2])
+        and _is_sizes(p[0])
+        and _is_sizes(p[1])
         and len(p[0]) == len(p[1])
         and isinstance(p[2], str)
     )
+
+
+def _is_sizes(v: Any) -> bool:
+    """A list of integers >= 0 (offsets, sizes, a shape)."""
+    return isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)
 
 
 def _verify(
@@ -457,16 +564,18 @@ def _verify(
 
 
 def _check_loaded(
-    state_dict: Mapping[str, Any], state: EmaState, where: str
+    state_dict: Mapping[str, Any], state: EmaState, where: str, key: str | None
 ) -> tuple[int, dict[str, list[str]], list[str]]:
     """Check what ``dcp.load`` put into the template against the record and the state; return the bytes
     left unverified on this rank (rows this layout splits), the record's parameter names per EMA, and the
     names this rank loaded (for :func:`_check_names`, across the ranks)."""
-    missing = [key for key in ("step", "emas", RECORD_KEY) if key not in state_dict]
+    missing = [entry for entry in ("step", "emas", RECORD_KEY) if entry not in state_dict]
     if missing:
         raise IncompleteCheckpointError(
             f"EMAStateful.load_state_dict: {where}: no {missing} in the loaded entry (keys {sorted(state_dict)})"
         )
+    if isinstance(state_dict[RECORD_KEY], str) and state_dict[RECORD_KEY] == _UNLOADED:
+        raise _not_loaded(state_dict["step"], where, key)
     record = _parse_record(state_dict[RECORD_KEY], where)
     if record["num_emas"] != state.num_emas:
         raise CheckpointMismatchError(
@@ -483,9 +592,11 @@ def _check_loaded(
     unverified = 0
     for k in range(state.num_emas):
         saved, loaded = record["emas"][str(k)], state_dict["emas"].get(str(k), {})
-        if set(loaded) - set(saved):  # DCP reads only what the checkpoint has: a record that does not list it
-            raise CorruptCheckpointError(
-                f"{where}: field emas.{k} of the EMA's checksum record lacks {sorted(set(loaded) - set(saved))[:5]}"
+        if set(loaded) - set(saved):  # DCP skips what the checkpoint lacks only with allow_partial_load=True
+            raise CheckpointMismatchError(
+                f"{where}: this model has parameters its EMA does not hold (field emas.{k} of the checksum record: "
+                f"{sorted(set(loaded) - set(saved))[:5]}); dcp.load with allow_partial_load=True left them as they "
+                "were. Load it into the model it was saved from"
             )
         for name, t in loaded.items():
             held, offsets = _held(t)
@@ -498,6 +609,26 @@ def _check_loaded(
                 )
             unverified += _verify(held, offsets, saved[name]["pieces"], name, str(k), lambda _o: where)
     return unverified, {k: sorted(ema) for k, ema in record["emas"].items()}, sorted(state_dict["emas"]["0"])
+
+
+def _not_loaded(step: Any, where: str, key: str | None) -> CheckpointError:
+    """The refusal of a load that left the template's record in place: DCP found no ``<key>.checksums``
+    (``allow_partial_load=True`` skips it), so nothing can be checked; ``step``: what DCP left as the step."""
+    named = f"key {key!r}" if key is not None else "this EMAStateful's key"
+    entry = f"{key}.{RECORD_KEY}" if key is not None else f"<key>.{RECORD_KEY}"
+    unloaded = isinstance(step, torch.Tensor) and step.numel() == 1 and int(step) == _UNLOADED_STEP
+    if unloaded:
+        return CheckpointMismatchError(
+            f"EMAStateful.load_state_dict: {where} holds no functional_ema EMA under {named} (no entry {entry}); "
+            "dcp.load with allow_partial_load=True skipped it and the EMA was not loaded. Load from a checkpoint "
+            "saved with an EMAStateful under that key, or leave the EMA out of the load"
+        )
+    return CheckpointVersionError(
+        f"EMAStateful.load_state_dict: {where}: the EMA under {named} has a step and values but no checksum "
+        f"record (no entry {entry}): it was written by functional_ema 0.3.0, before the record, and cannot be "
+        "verified; dcp.load has already written its values into the state's buffers. Read it offline with "
+        "functional_ema.dcp.consolidate_dcp (unverified, with a warning)"
+    )
 
 
 def _check_names(every: list[tuple[int, dict[str, list[str]], list[str]]], where: str) -> None:
@@ -573,11 +704,14 @@ def _storage(root: Path, meta: Metadata, fqn: str, offsets: list[int] | None) ->
         raise CorruptCheckpointError(f"{root / '.metadata'}: no storage entry for {fqn} at offsets {offsets}")
     path = root / info.relative_path
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: missing (DCP's metadata places {fqn} in it)") from None
     except OSError as e:
         raise CheckpointNotFoundError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):  # a folder, a fifo: reading it would raise or block
+        raise CorruptCheckpointError(f"{path}: not a file (DCP's metadata places {fqn} in it)")
+    size = st.st_size
     if size < info.offset + info.length:
         raise CorruptCheckpointError(
             f"{path}: truncated ({size} bytes; DCP's metadata places {fqn} at bytes {info.offset}.."
@@ -591,9 +725,12 @@ def _read_record(root: Path, meta: Metadata, fqn: str) -> Any:
     path, info = _storage(root, meta, fqn, None)
     if getattr(info, "transform_descriptors", None):
         raise CorruptCheckpointError(f"{path}: {fqn} is stored transformed ({info.transform_descriptors}); not read")
-    with open(path, "rb") as f:
-        f.seek(info.offset)
-        raw = f.read(info.length)
+    try:
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+    except OSError as e:
+        raise CheckpointNotFoundError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
         return torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch.load raises on these bytes: a corrupt entry
@@ -634,9 +771,6 @@ def consolidate_dcp(
 
 def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[str, torch.Tensor], int]:
     """:func:`consolidate_dcp`, and the step the record holds."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     if type(index) is not int or index < 0:
         raise ValueError(f"consolidate_dcp: index must be an integer >= 0, got {index!r}")
     if not root.is_dir():
@@ -646,14 +780,7 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
     if not (root / ".metadata").is_file():
         raise CheckpointNotFoundError(f"{root} is not a DCP checkpoint: it has no .metadata file")
     meta = _read_metadata(root / ".metadata")
-    entries = meta.state_dict_metadata
-    record_fqn = f"{key}.{RECORD_KEY}"
-    if record_fqn not in entries:
-        raise CheckpointMismatchError(
-            f"{root}: no functional_ema EMA under key {key!r} (no entry {record_fqn}; top-level keys "
-            f"{sorted({f.split('.')[0] for f in entries})})"
-        )
-    record = _parse_record(_read_record(root, meta, record_fqn), f"{root}")
+    record, checked = _entry_record(root, meta, key)
     if index >= record["num_emas"]:
         raise CheckpointMismatchError(
             f"{root}: no EMA {index} under key {key!r} (index={index}; it holds {record['num_emas']} EMAs, "
@@ -663,25 +790,30 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
     prefix = f"{key}.emas.{index}."
     template: dict[str, torch.Tensor] = {f"{key}.step": torch.zeros((), dtype=torch.int64)}
     for name, slot in saved.items():
-        m = entries.get(prefix + name)
-        if not isinstance(m, TensorStorageMetadata):
-            raise CorruptCheckpointError(
-                f"{root / '.metadata'}: no tensor {prefix + name}, which the EMA's record lists"
-            )
-        if str(m.properties.dtype).removeprefix("torch.") != slot["dtype"]:
-            raise CorruptCheckpointError(
-                f"{root / '.metadata'}: {prefix + name} is {m.properties.dtype}, the EMA's record says {slot['dtype']}"
-            )
-        chunks = sorted((list(c.offsets), list(c.sizes)) for c in m.chunks if math.prod(c.sizes))
-        if chunks != sorted((p[0], p[1]) for p in slot["pieces"]):
-            raise CorruptCheckpointError(
-                f"{root}: {prefix + name}: the pieces in DCP's metadata are not the pieces the EMA's checksum record "
-                "lists"
-            )
-        for offsets, _ in chunks:
-            _storage(root, meta, prefix + name, offsets)
-        template[prefix + name] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        template[prefix + name] = _full_tensor(root, meta, prefix + name, slot)
     _storage(root, meta, f"{key}.step", [])  # the step: a 0-d tensor, one piece
+    _read_into(root, meta, template, f"EMA {index} under key {key!r}")
+    step = int(template[f"{key}.step"])
+    if (step != record["step"]) if checked else (step < 0):  # without a record: only its range
+        raise CorruptCheckpointError(
+            f"{root}: field step is {step}, "
+            + (f"the EMA's checksum record says {record['step']}" if checked else "not an integer >= 0")
+        )
+    full = {fqn[len(prefix) :]: t for fqn, t in template.items() if fqn.startswith(prefix)}
+    if verify and checked:
+        for name, t in full.items():
+
+            def where(offsets: list[int], fqn: str = prefix + name) -> str:
+                return str(_storage(root, meta, fqn, offsets)[0])
+
+            _verify(t, [0] * t.dim(), saved[name]["pieces"], name, str(index), where)
+    return full, step
+
+
+def _read_into(root: Path, meta: Metadata, template: dict[str, torch.Tensor], what: str) -> None:
+    """DCP's reader fills ``template`` (one process); what it raises becomes a :class:`CorruptCheckpointError`."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
             warnings.simplefilter("ignore", UserWarning)
@@ -689,22 +821,108 @@ def _consolidate(root: Path, key: str, index: int, verify: bool) -> tuple[dict[s
     except (CheckpointError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException: one line naming it
-        raise CorruptCheckpointError(
-            f"{root}: DCP could not read EMA {index} under key {key!r} ({_first_failure(e)})"
-        ) from None
-    if int(template[f"{key}.step"]) != record["step"]:
-        raise CorruptCheckpointError(
-            f"{root}: field step is {int(template[f'{key}.step'])}, the EMA's checksum record says {record['step']}"
+        raise CorruptCheckpointError(f"{root}: DCP could not read {what} ({_first_failure(e)})") from None
+
+
+def _entry_record(root: Path, meta: Metadata, key: str) -> tuple[dict[str, Any], bool]:
+    """The checksum record of the EMA under ``key``, and whether it is one (True), or, for an entry that
+    0.3.0 wrote (``step`` and ``emas``, no record), one made from DCP's metadata, with no checksums (False)."""
+    entries = meta.state_dict_metadata
+    record_fqn = f"{key}.{RECORD_KEY}"
+    if record_fqn in entries:
+        return _parse_record(_read_record(root, meta, record_fqn), f"{root}"), True
+    if f"{key}.step" not in entries or not any(f.startswith(f"{key}.emas.") for f in entries):
+        raise CheckpointMismatchError(
+            f"{root}: no functional_ema EMA under key {key!r} (no entry {record_fqn}; top-level keys "
+            f"{sorted({f.split('.')[0] for f in entries})})"
         )
-    full = {fqn[len(prefix) :]: t for fqn, t in template.items() if fqn.startswith(prefix)}
-    if verify:
-        for name, t in full.items():
+    warnings.warn(
+        f"{root}: the EMA under key {key!r} has no checksum record (no entry {record_fqn}): it was written by "
+        "functional_ema 0.3.0, before the record; its values are read unverified (as with verify=False)",
+        UserWarning,
+        stacklevel=4,
+    )
+    return _legacy_record(root, entries, key), False
 
-            def where(offsets: list[int], fqn: str = prefix + name) -> str:
-                return str(_storage(root, meta, fqn, offsets)[0])
 
-            _verify(t, [0] * t.dim(), saved[name]["pieces"], name, str(index), where)
-    return full, record["step"]
+def _legacy_record(root: Path, entries: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """A record of a 0.3.0 entry from DCP's metadata: EMAs ``<key>.emas.<k>.<name>``, their chunks as pieces."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    emas: dict[str, dict[str, Any]] = {}
+    for fqn, m in entries.items():
+        k, dot, name = fqn.removeprefix(f"{key}.emas.").partition(".")
+        if fqn.startswith(f"{key}.emas.") and dot and name and isinstance(m, TensorStorageMetadata):
+            # the pieces are the metadata's own chunks (what _full_tensor checks for tiling), with no checksums
+            pieces = [[list(c.offsets), list(c.sizes), None] for c in m.chunks if math.prod(c.sizes)]
+            dtype = str(getattr(m.properties, "dtype", "?")).removeprefix("torch.")
+            emas.setdefault(k, {})[name] = {"dtype": dtype, "pieces": pieces}
+    n = len(emas)
+    if sorted(emas) != sorted(str(k) for k in range(n)):
+        raise CorruptCheckpointError(
+            f"{root / '.metadata'}: the EMAs under key {key!r} are {sorted(emas)}, not 0..{n - 1}"
+        )
+    return {"num_emas": n, "step": None, "emas": emas}
+
+
+def _full_tensor(root: Path, meta: Metadata, fqn: str, slot: Mapping[str, Any]) -> torch.Tensor:
+    """An empty tensor for ``fqn`` at its full size, once the metadata's entry is checked against the record
+    (dtype, shape, pieces), its pieces tile the size exactly, and the files hold their bytes (so no element
+    is left as allocated, and no size from a damaged file is allocated)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    m = meta.state_dict_metadata.get(fqn)
+    at = root / ".metadata"
+    if not isinstance(m, TensorStorageMetadata):
+        raise CorruptCheckpointError(f"{at}: no tensor {fqn}, which the EMA's record lists")
+    dtype = getattr(m.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype) or str(dtype).removeprefix("torch.") != slot["dtype"]:
+        raise CorruptCheckpointError(f"{at}: {fqn} is {dtype}, the EMA's record says {slot['dtype']}")
+    size = list(m.size) if isinstance(m.size, (tuple, list)) else m.size
+    if not _is_sizes(size):
+        raise CorruptCheckpointError(f"{at}: {fqn} has the size {m.size!r}, not a list of integers >= 0")
+    if "shape" in slot and slot["shape"] != size:
+        raise CorruptCheckpointError(f"{at}: {fqn} has the size {size}, the EMA's checksum record says {slot['shape']}")
+    chunks = sorted((list(c.offsets), list(c.sizes)) for c in m.chunks if math.prod(c.sizes))
+    if chunks != sorted((p[0], p[1]) for p in slot["pieces"]):
+        raise CorruptCheckpointError(
+            f"{root}: {fqn}: the pieces in DCP's metadata are not the pieces the EMA's checksum record lists"
+        )
+    _check_tiling(at, fqn, size, chunks)
+    item = torch.empty((), dtype=dtype).element_size()
+    for offsets, sizes in chunks:
+        path, info = _storage(root, meta, fqn, offsets)
+        if not getattr(info, "transform_descriptors", None) and info.length < math.prod(sizes) * item:
+            raise CorruptCheckpointError(
+                f"{path}: DCP's metadata gives the piece of {fqn} at offsets {offsets} {info.length} bytes, fewer than "
+                f"its sizes {sizes} of {dtype} need ({math.prod(sizes) * item})"
+            )
+    return torch.empty(tuple(size), dtype=dtype)
+
+
+def _check_tiling(at: Path, fqn: str, size: list[int], chunks: list[tuple[list[int], list[int]]]) -> None:
+    """The pieces lie inside ``size``, do not overlap and cover it: each element is read exactly once."""
+    for offsets, sizes in chunks:
+        if len(offsets) != len(size) or any(o + n > s for o, n, s in zip(offsets, sizes, size)):
+            raise CorruptCheckpointError(
+                f"{at}: {fqn}: the piece at offsets {offsets} (sizes {sizes}) lies outside its size {size}"
+            )
+    covered, total = sum(math.prod(n) for _, n in chunks), math.prod(size)
+    if covered != total:
+        raise CorruptCheckpointError(
+            f"{at}: {fqn}: its pieces hold {covered} elements, its size {size} {total}: "
+            + ("some are read twice" if covered > total else "some were never saved")
+        )
+    # on the grid of the pieces' own boundaries, every cell lies in exactly one piece
+    cuts = [sorted({0, s, *(o[d] for o, _ in chunks), *(o[d] + n[d] for o, n in chunks)}) for d, s in enumerate(size)]
+    seen = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
+    for offsets, sizes in chunks:
+        box = tuple(slice(bisect_left(c, o), bisect_left(c, o + n)) for c, o, n in zip(cuts, offsets, sizes))
+        if seen[box].any():
+            raise CorruptCheckpointError(
+                f"{at}: {fqn}: the piece at offsets {offsets} (sizes {sizes}) overlaps another"
+            )
+        seen[box] = True
 
 
 def _first_failure(e: BaseException) -> str:

@@ -1062,3 +1062,53 @@ def test_save_commits_in_order_and_durably(tmp_path, monkeypatch):
             assert calls[i - 1][0] == "fsync file" and calls[i + 1][0] == "fsync dir", calls
     assert (tmp_path / "ema_latest").read_text() == "t\n"
     assert torch.equal(fe.load(model, tmp_path).ema["0.weight"], state.ema["0.weight"])
+
+
+def test_outputs_never_replace_a_checkpoint_root_file_and_cli_ranges_are_usage_errors(tmp_path, capsys):
+    """consolidate_to_file (overwrite=True by default) and ``consolidate --overwrite`` refuse ``ema_latest`` and the
+    other names of files a save writes (manifest, lock, record, rank files), in any case, in the checkpoint's root:
+    the checkpoint still loads, its EMA equal to a plain-torch EMA. ``--index`` and ``--tp-rank`` outside
+    [0, 2**63) are usage errors (exit 2, one ``error:`` line), like the --dcp path's."""
+    import functional_ema as fe
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import OutputPathError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    want = {n: p.detach().lerp(p.detach() + 1.0, 0.5) for n, p in model.named_parameters()}
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5)
+    ck = tmp_path / "ck"
+    fe.save(state, model, ck)
+    before = hashes(ck)
+    names = ["ema_latest", "EMA_LATEST", "ema_manifest.json", ".ema_write.lock", "integration.json"]
+    names.append("ema_rank_00000_of_00001.safetensors")
+    for name in names:
+        with pytest.raises(OutputPathError, match="inside the checkpoint directory"):
+            fe.consolidate_to_file(ck, ck / name)
+        assert main(["consolidate", str(ck), str(ck / name), "--overwrite"]) == 1, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: refusing to write"), (name, err)
+    assert hashes(ck) == before
+    full = fe.consolidate(ck)  # follows ema_latest
+    assert sorted(full) == sorted(want) and all(torch.equal(full[n], want[n]) for n in want)
+    out = tmp_path / "o.safetensors"
+    for flag, value in (("--index", "-1"), ("--tp-rank", "-1"), ("--index", str(2**63)), ("--tp-rank", str(2**70))):
+        assert main(["consolidate", str(ck), str(out), flag, value]) == 2, (flag, value)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"error: {flag} is {'an EMA index' if flag == '--index' else 'a rank'} (0 to 2**63 - 1), got {value}"
+        ]
+        assert not out.exists()
+    proc = subprocess.run(  # the real command line: no traceback
+        [sys.executable, "-m", "functional_ema", "consolidate", str(ck), str(out), "--tp-rank", "-1"],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --tp-rank") and "Traceback" not in proc.stderr

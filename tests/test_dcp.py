@@ -523,3 +523,233 @@ def test_dcp_refuses_flipped_bytes_other_ema_counts_bad_steps_and_unreadable_fol
     assert "--key applies only with --dcp" in capsys.readouterr().err
     assert main(["consolidate", "--dcp", str(r / "flip"), str(out), "--no-verify"]) == 0  # skips the checksums
     assert "checksums not verified" in capsys.readouterr().out and sorted(load_file(out)) == sorted(ref)
+
+
+# ------------------------------------------------- loads of fresh replicas, no_dist, partial loads
+
+
+def _moved_ema(make, seed: int):
+    """A model from ``make(seed)`` and its EMA moved half-way (decay 0.5) to the weights + 1, and the same EMA
+    computed in plain torch from an unsharded ``torch.nn.Linear(6, 4)`` of that seed."""
+    import functional_ema as fe
+
+    torch.manual_seed(seed)
+    ref_model = torch.nn.Linear(6, 4)
+    ref = {n: p.detach().lerp(p.detach() + 1.0, 0.5) for n, p in ref_model.named_parameters()}
+    torch.manual_seed(seed)
+    model = make(seed)
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    return model, fe.update(state, fe.local_shards(model), 1, decay=0.5), ref
+
+
+def _equals(state, model, ref: dict) -> bool:
+    import functional_ema as fe
+
+    full = fe.gather_full(state, model)
+    return int(state.step) == 1 and all(torch.equal(full[n].view(ref[n].shape), ref[n]) for n in ref)
+
+
+def load_fixes_worker(root: str) -> dict:
+    """2 ranks. An HSDP save (2 replicas) loaded into fresh HSDP and plain models whose replicas differ; rank 0
+    alone saving and loading with DCP's no_dist=True while the process group is up; and a load with
+    allow_partial_load=True from a checkpoint without the EMA."""
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))  # HSDP: 2 replicas of one shard
+
+    def hsdp(seed: int):
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(6, 4)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    def plain(seed: int):
+        torch.manual_seed(seed)
+        return torch.nn.Linear(6, 4)
+
+    model, state, ref = _moved_ema(hsdp, 0)
+    dcp.save({"ema": fe.dcp.EMAStateful(model, state)}, checkpoint_id=os.path.join(root, "hsdp"))
+    out: dict = {"saved": _equals(state, model, ref)}
+    for kind, make in (("hsdp", hsdp), ("plain", plain)):  # per-rank seeds: the fresh replicas differ
+        fresh = make(1 + rank)
+        loaded = fe.init_ema(fe.local_shards(fresh))
+        out[f"fresh_{kind}"] = _attempt(
+            lambda f=fresh, s=loaded: dcp.load(
+                {"ema": fe.dcp.EMAStateful(f, s)}, checkpoint_id=os.path.join(root, "hsdp")
+            )
+        )
+        out[f"fresh_{kind}_bitwise"] = _equals(loaded, fresh, ref)
+    dist.barrier()
+    if rank == 0:  # rank 1 waits in the barrier below: no collective of the EMA may reach it
+        t0 = time.monotonic()
+        alone, alone_state, alone_ref = _moved_ema(plain, 3)
+        dcp.save(
+            {"ema": fe.dcp.EMAStateful(alone, alone_state)}, checkpoint_id=os.path.join(root, "alone"), no_dist=True
+        )
+        fresh = plain(4)
+        loaded = fe.init_ema(fe.local_shards(fresh))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to load in a single process"
+            dcp.load(
+                {"ema": fe.dcp.EMAStateful(fresh, loaded)}, checkpoint_id=os.path.join(root, "alone"), no_dist=True
+            )
+        out["no_dist_bitwise"] = all(torch.equal(loaded.emas[0][n].view(t.shape), t) for n, t in alone_ref.items())
+        out["no_dist_step"], out["no_dist_fast"] = int(loaded.step), time.monotonic() - t0 < 60
+    dist.barrier()
+    dcp.save({"model": plain(0).state_dict()}, checkpoint_id=os.path.join(root, "model_only"))
+    fresh = plain(5)
+    loaded = fe.init_ema(fe.local_shards(fresh))
+    before = {n: t.clone() for n, t in loaded.emas[0].items()}
+    out["partial"] = _attempt(
+        lambda: dcp.load(
+            {"ema": fe.dcp.EMAStateful(fresh, loaded)},
+            checkpoint_id=os.path.join(root, "model_only"),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+        )
+    )
+    out["partial_untouched"] = int(loaded.step) == 0 and all(
+        torch.equal(loaded.emas[0][n], t) for n, t in before.items()
+    )
+    return out
+
+
+def test_dcp_loads_fresh_replicas_runs_alone_with_no_dist_and_refuses_a_partial_load(tmp_path):
+    got = run_ranks("tests.test_dcp:load_fixes_worker", world_size=2, timeout=240, root=str(tmp_path))
+    for rank, out in enumerate(got):
+        assert out["saved"] and out["fresh_hsdp"] == out["fresh_plain"] == "accepted", (rank, out)
+        assert out["fresh_hsdp_bitwise"] and out["fresh_plain_bitwise"], (rank, out)
+        assert out["partial"].startswith("CheckpointMismatchError"), (rank, out["partial"])
+        assert "no functional_ema EMA under key 'ema'" in out["partial"] and "allow_partial_load" in out["partial"]
+        assert out["partial_untouched"], (rank, out)
+    assert got[0]["no_dist_bitwise"] and got[0]["no_dist_step"] == 1 and got[0]["no_dist_fast"], got[0]
+
+
+# ------------------------------------------------------- offline: sizes, folders, older entries
+
+
+def _plain_dcp(path, *, shape: bool = True):
+    """A plain Linear(6, 4)'s moved EMA saved with DCP in this process (its record without the global shapes, as
+    records were before them, with ``shape=False``), and its plain-torch reference."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    import functional_ema as fe
+
+    model, state, ref = _moved_ema(lambda seed: torch.nn.Linear(6, 4), 0)
+    entry = fe.dcp.EMAStateful(model, state).state_dict()  # called outside DCP: the saved entry
+    if not shape:
+        record = json.loads(entry[fe.dcp.RECORD_KEY])
+        for ema in record["emas"].values():
+            for slot in ema.values():
+                del slot["shape"]
+        entry[fe.dcp.RECORD_KEY] = json.dumps(record)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"ema": entry}, checkpoint_id=str(path), no_dist=True)
+    return model, ref
+
+
+def _set_size(path, fqn: str, size) -> None:
+    import pickle
+
+    meta = pickle.loads((path / ".metadata").read_bytes())  # the test's own file
+    meta.state_dict_metadata[fqn].size = torch.Size(size)
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def test_consolidate_dcp_checks_sizes_files_and_reads_older_entries(tmp_path, capsys):
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    import functional_ema as fe
+    from functional_ema.__main__ import main
+    from functional_ema.checkpoint import CheckpointVersionError, CorruptCheckpointError
+
+    _, ref = _plain_dcp(tmp_path / "new")
+    _plain_dcp(tmp_path / "old", shape=False)  # a record without the shapes is still read
+    for name in ("new", "old"):
+        full = fe.dcp.consolidate_dcp(tmp_path / name)
+        assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref), name
+    cases = {  # a damaged .metadata: refused, naming it, before anything is allocated
+        "grown": ("new", [8, 6], "the EMA's checksum record says [4, 6]"),
+        "grown_old": ("old", [8, 6], "some were never saved"),
+        "negative": ("old", [-1, 6], "not a list of integers >= 0"),
+        "huge": ("old", [2**40, 2**20], "some were never saved"),
+        "shrunk": ("old", [2, 6], "lies outside its size"),
+    }
+    for case, (src, size, frag) in cases.items():
+        d = tmp_path / case
+        shutil.copytree(tmp_path / src, d)
+        _set_size(d, "ema.emas.0.weight", size)
+        _refused(
+            CorruptCheckpointError,
+            [str(d / ".metadata"), "ema.emas.0.weight", frag],
+            lambda d=d: fe.dcp.consolidate_dcp(d),
+            d,
+        )
+        assert main(["consolidate", "--dcp", str(d), str(tmp_path / "o.safetensors")]) == 1, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and frag in err[0], (case, err)
+    d = tmp_path / "folder"
+    shutil.copytree(tmp_path / "new", d)
+    data = next(d.glob("*.distcp"))
+    data.unlink()
+    data.mkdir()
+    _refused(CorruptCheckpointError, [str(data), "not a file"], lambda: fe.dcp.consolidate_dcp(d), d)
+    from functional_ema.dcp import _check_tiling
+
+    with pytest.raises(CorruptCheckpointError, match="overlaps another"):
+        _check_tiling(d, "w", [4, 6], [([0, 0], [2, 6]), ([1, 0], [2, 6])])  # 24 elements, row 1 twice, row 3 never
+
+    # an entry 0.3.0 wrote (step and EMAs, no checksum record): read unverified, with a warning
+    model = torch.nn.Linear(6, 4)
+    entry = {"step": torch.tensor(1), "emas": {"0": {n: t.clone() for n, t in ref.items()}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"ema": entry}, checkpoint_id=str(tmp_path / "v030"), no_dist=True)
+    with pytest.warns(UserWarning, match="written by functional_ema 0.3.0.*unverified"):
+        full = fe.dcp.consolidate_dcp(tmp_path / "v030")
+    assert sorted(full) == sorted(ref) and all(torch.equal(full[n], ref[n]) for n in ref)
+    assert main(["consolidate", "--dcp", str(tmp_path / "v030"), str(tmp_path / "v030.safetensors")]) == 0
+    got = load_file(tmp_path / "v030.safetensors")
+    assert all(torch.equal(got[n], ref[n]) for n in ref)
+    partial = DefaultLoadPlanner(allow_partial_load=True)
+    ema = fe.dcp.EMAStateful(model, fe.init_ema(fe.local_shards(model)))
+    _refused(
+        CheckpointVersionError,
+        ["under key 'ema'", "no entry ema.checksums", "0.3.0"],
+        lambda: dcp.load({"ema": ema}, checkpoint_id=str(tmp_path / "v030"), planner=partial, no_dist=True),
+        tmp_path / "v030",
+    )
+
+    # a model with one parameter more than the checkpoint's EMA, loaded with allow_partial_load: a mismatch
+    class Bigger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.zeros(4, 6)), torch.nn.Parameter(torch.zeros(4))
+            self.extra = torch.nn.Parameter(torch.zeros(3))
+
+    bigger = Bigger()
+    ema = fe.dcp.EMAStateful(bigger, fe.init_ema(fe.local_shards(bigger)))
+    _refused(
+        CheckpointMismatchError,
+        ["this model has parameters its EMA does not hold", "'extra'"],
+        lambda: dcp.load({"ema": ema}, checkpoint_id=str(tmp_path / "new"), planner=partial, no_dist=True),
+        tmp_path / "new",
+    )
