@@ -305,7 +305,7 @@ def test_solve_errors(kwargs, match):
         ([], [], "no snapshots"),
         ([3.0, 7.0], [100, 100], "too few snapshots"),
         ([3.0, 3.0], [0, 100], "steps must be > 0"),
-        ([3.0, -0.5], [50, 100], "gammas must be finite and > -1/2"),
+        ([3.0, -0.5], [50, 100], r"gammas must be finite and in \(-0.5, "),
     ],
 )
 def test_bad_snapshot_lists(gammas, steps, match):
@@ -480,6 +480,293 @@ def test_snapshot_file_errors(tmp_path, one_rank_engine):
     checkpoint.save(one, engine, tmp_path, posthoc.snapshot_tag(40), decay=0.999)
     with pytest.raises(ReconstructionError, match="not a power EMA"):
         posthoc.list_snapshots(tmp_path)
+
+
+# ------------------------------------------------------------------- refusals found by the probe
+
+
+def _walk(snap_dir, engine_for, seed, steps=128, every=32, dtype=torch.float32, save=True):
+    """A short random walk of {"a": 40} tracking TRACKED; its trajectory (float64, index = step) and the
+    in-memory snapshots; saved to ``snap_dir`` every ``every`` steps."""
+    gen = torch.Generator().manual_seed(seed)
+    w = {"a": torch.randn(40, generator=gen, dtype=torch.float64)}
+    engine = engine_for({"a": w["a"].to(dtype)})
+    sched = [schedules.power(sigma_rel=s) for s in TRACKED]
+    state = fe.init_ema({"a": w["a"].to(dtype)}, num_emas=2, dtype=dtype)
+    traj, snaps = [None], []
+    for step in range(1, steps + 1):
+        w["a"].add_(torch.randn(40, generator=gen, dtype=torch.float64), alpha=0.01)
+        traj.append(w["a"].clone())
+        state = fe.update(state, {"a": w["a"].to(dtype)}, step, decay=sched)
+        if step % every == 0:
+            snaps.append(posthoc.snapshot(state, sched))
+            if save:
+                posthoc.save_snapshot(state, engine, snap_dir, sched)
+    return traj, snaps, state, engine, sched
+
+
+def _power_ema_oracle(traj, gamma: float, t: int) -> torch.Tensor:
+    """The power EMA updated every step, from the trajectory alone: step u weighs (u**(g+1) - (u-1)**(g+1)) / t**(g+1)."""
+    u = np.arange(1, t + 1, dtype=np.float64)
+    w = np.exp((gamma + 1) * np.log(u / t)) - np.exp((gamma + 1) * np.log(np.maximum(u - 1, 1e-300) / t))
+    return sum(float(w[i]) * traj[i + 1] for i in range(t))
+
+
+def test_another_runs_snapshot_of_the_same_step_is_refused(tmp_path, one_rank_engine):
+    import shutil
+
+    a_dir, b_dir = tmp_path / "runA", tmp_path / "runB"
+    traj, snaps_a, *_ = _walk(a_dir, one_rank_engine, seed=1)
+    _, _, state_b, engine_b, sched = _walk(b_dir, one_rank_engine, seed=2, steps=96)
+    tag = posthoc.snapshot_tag(96)
+    # A copied folder (its manifest still names the tag it was saved as): refused naming both names.
+    shutil.copytree(b_dir / tag, a_dir / f"{tag}_from_runB")
+    for read in (posthoc.list_snapshots, lambda d: posthoc.posthoc_offline(d, sigma_rel=0.10, step=96)):
+        with pytest.raises(ReconstructionError, match=f"'{tag}_from_runB'.*saved as '{tag}'"):
+            read(a_dir)
+    shutil.rmtree(a_dir / f"{tag}_from_runB")
+    # Another run's state saved under a second name of the prefix: two folders with (step 96, gamma), refused.
+    posthoc.save_snapshot(state_b, engine_b, a_dir, sched, tag=f"{tag}_b")
+    with pytest.raises(ReconstructionError, match=f"'{tag}' and '{tag}_b'.*at step 96"):
+        posthoc.posthoc_offline(a_dir, sigma_rel=0.10, step=96)
+    shutil.rmtree(a_dir / f"{tag}_b")
+    # Alone again: the tracked sigma_rel at that step is run A's EMA (its snapshot, and the power EMA of A's walk).
+    got = posthoc.posthoc_offline(a_dir, sigma_rel=0.10, step=96)["a"]
+    torch.testing.assert_close(got, snaps_a[2].emas[1]["a"], rtol=0, atol=1e-6)
+    oracle = _power_ema_oracle(traj, G_TRACKED[1], 96)
+    torch.testing.assert_close(got.double(), oracle, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--sigma-rel", "nan"], "--sigma-rel"),
+        (["--gamma", "nan"], "--gamma"),
+        (["--gamma", "1e300"], "--gamma"),
+        (["--sigma-rel", "1e-300"], "--sigma-rel"),
+        (["--sigma-rel", "0.29"], "--sigma-rel"),
+        (["--sigma-rel", "0.1", "--step", "0"], "--step"),
+        (["--sigma-rel", "0.1", "--step", "-5"], "--step"),
+        (["--sigma-rel", "0.1", "--max-profile-error", "-1"], "--max-profile-error"),
+        (["--sigma-rel", "0.1", "--max-profile-error", "nan"], "--max-profile-error"),
+        (["--sigma-rel", "0.1", "--plot", ""], "--plot"),
+        (["--sigma-rel", "0.1", "OUT="], "OUT"),
+    ],
+)
+def test_cli_bad_numbers_are_usage_errors(tmp_path, capsys, extra, flag):
+    from functional_ema.__main__ import main
+
+    out = str(tmp_path / "o.safetensors")
+    if extra[-1] == "OUT=":
+        extra, out = extra[:-1], ""
+    # The snapshot folder does not exist: checked before anything is read, the option is the error (exit 2).
+    assert main(["posthoc", str(tmp_path / "no-snaps"), out, *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and flag in err, err
+    assert "[-inf, inf]" not in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_plot_path_is_checked_before_anything_is_written(tmp_path, one_rank_engine, capsys, monkeypatch):
+    from functional_ema.__main__ import main
+
+    pytest.importorskip("matplotlib")
+    snaps = tmp_path / "snaps"
+    _walk(snaps, one_rank_engine, seed=3)
+
+    def cli(plot, *more):
+        rc = main(
+            ["posthoc", str(snaps), str(tmp_path / "o.safetensors"), "--sigma-rel", "0.1", "--plot", str(plot), *more]
+        )
+        return rc, capsys.readouterr()
+
+    mine = tmp_path / "figure.png"
+    mine.write_text("my own figure")
+    rc, cap = cli(mine)  # an existing file, as OUT: only with --overwrite
+    assert rc == 1 and "--overwrite" in cap.err and mine.read_text() == "my own figure"
+    inside = snaps / posthoc.snapshot_tag(128) / "profile.png"
+    rc, cap = cli(inside)  # inside a snapshot folder, as OUT: refused
+    assert rc == 1 and "inside" in cap.err and not inside.exists()
+    for bad in (tmp_path / "p.svgx", tmp_path / "o.safetensors", tmp_path / "nowhere" / "p.png"):
+        rc, cap = cli(bad)
+        assert rc == 2 and cap.err.startswith("error: --plot") and "Traceback" not in cap.err, cap.err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, cap = cli(tmp_path / "p.png")
+    assert rc == 2 and "pip install matplotlib" in cap.err
+    monkeypatch.undo()
+    assert not (tmp_path / "o.safetensors").exists() and not (tmp_path / "p.png").exists()
+    rc, cap = cli(tmp_path / "profile_plot")  # no extension: written as .png, and reported by that name
+    assert rc == 0 and f"wrote {tmp_path / 'profile_plot.png'}" in cap.out
+    assert (tmp_path / "profile_plot.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "profile_plot").exists()
+    rc, cap = cli(mine, "--overwrite")
+    assert rc == 0 and mine.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure.png", "o.safetensors", "profile_plot.png", "snaps"]
+
+
+def test_huge_gamma_and_tiny_sigma_rel_are_refused_naming_the_range(tmp_path, capfd):
+    from functional_ema._posthoc.profiles import GAMMA_MAX
+
+    for kw, name in (
+        (dict(gamma=1e200), "gamma"),
+        (dict(sigma_rel=1e-300), "sigma_rel"),
+        (dict(gamma=math.nan), "gamma"),
+    ):
+        for call in (
+            lambda: posthoc.solve_coefficients(SNAP_GAMMAS, SNAP_STEPS, **kw),
+            lambda: posthoc.reconstruction_profile(SNAP_GAMMAS, SNAP_STEPS, **kw),
+            lambda: posthoc.profile_error(SNAP_GAMMAS, SNAP_STEPS, np.zeros(len(SNAP_STEPS)), step=T, **kw),
+            lambda: posthoc.posthoc_offline(tmp_path / "none", **kw),  # before the folder is looked at
+            lambda: posthoc.posthoc_to_file(
+                tmp_path / "none", tmp_path / "o.safetensors", max_profile_error=None, **kw
+            ),
+        ):
+            with pytest.raises(ReconstructionError, match=f"{name}.*1e-12|{name}.*1e\\+12"):
+                call()
+    with pytest.raises(ReconstructionError, match=r"snapshot_gammas must be finite and in \(-0.5, 1e\+12\]"):
+        posthoc.solve_coefficients([3.0, 1e300], [50, 100], gamma=3.0)
+    with pytest.raises(ReconstructionError, match="not finite"):  # coefficients overflowing the error: no NaN
+        posthoc.profile_error([3.0, 3.0], [50, 100], [1e200, -1e200], gamma=3.0, step=100)
+    assert capfd.readouterr().out == ""  # LAPACK printed nothing (DLASCL)
+    # The bound itself is usable: the snapshot of that exponent at that step, alone (exact reference [0, 1]).
+    x = posthoc.solve_coefficients([GAMMA_MAX, GAMMA_MAX], [50, 100], gamma=GAMMA_MAX)
+    np.testing.assert_allclose(x, [0.0, 1.0], atol=1e-12)
+    assert posthoc.solve_coefficients([GAMMA_MAX, GAMMA_MAX], [50, 100], sigma_rel=1e-12)[1] == pytest.approx(1.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _oracle_error(gammas, steps, sigma_rel, step, n=20000):
+    """Relative L2 error of the best fit of the target profile, by midpoint integration (independent of the library)."""
+    tau = (np.arange(n) + 0.5) / n * step
+    prof = lambda g, t: np.where(tau <= t, (g + 1) / t * (np.minimum(tau, t) / t) ** g, 0.0)  # noqa: E731
+    P = np.stack([prof(g, t) for g, t in zip(gammas, steps)], 1)
+    p = prof(schedules.sigma_rel_to_gamma(sigma_rel), step)
+    x, *_ = np.linalg.lstsq(P, p, rcond=None)
+    return float(np.linalg.norm(P @ x - p) / np.linalg.norm(p))
+
+
+def test_refusal_names_each_separate_expressible_range():
+    import re
+
+    steps = [s for s in (2048, 4096) for _ in G_TRACKED]  # 2 snapshots of each: two islands, a gap at 0.08
+    with pytest.raises(ReconstructionError) as e:
+        posthoc.solve_coefficients(G_TRACKED * 2, steps, sigma_rel=0.08)
+    spans = [(float(a), float(b)) for a, b in re.findall(r"~([\d.e-]+) to ~([\d.e-]+)", str(e.value))]
+    assert len(spans) == 2 and "one of those ranges" in str(e.value), str(e.value)
+    assert not any(lo <= 0.08 <= hi for lo, hi in spans)
+    assert spans[0][0] <= 0.05 <= spans[0][1] and spans[1][0] <= 0.10 <= spans[1][1]
+    for lo, hi in spans:  # inside each range the fit is within 2% by an independent integration; the gap is not
+        assert _oracle_error(G_TRACKED * 2, steps, math.sqrt(lo * hi), 4096) <= 0.02
+    assert _oracle_error(G_TRACKED * 2, steps, 0.08, 4096) > 0.02
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_save_snapshot_writes_fp32_files_of_a_16bit_state(tmp_path, one_rank_engine):
+    import json
+
+    from safetensors.torch import load_file
+
+    for dtype in (torch.bfloat16, torch.float16):
+        d = tmp_path / str(dtype)
+        _, snaps, state, _, sched = _walk(d, one_rank_engine, seed=4, steps=64, dtype=dtype)
+        for tag in (posthoc.snapshot_tag(32), posthoc.snapshot_tag(64)):
+            assert json.loads((d / tag / "ema_manifest.json").read_text())["dtype"] == "float32"
+        assert state.emas[0]["a"].dtype == dtype  # the state itself is untouched
+        got = posthoc.posthoc_offline(d, sigma_rel=0.07, max_profile_error=None)
+        want = posthoc.reconstruct(snaps, sigma_rel=0.07, max_profile_error=None)  # fp32 in-memory snapshots
+        assert torch.equal(got["a"], want["a"])
+    # A Shards state (the fused layout of local_shards) is cast keeping its layout; dtype=float64 writes float64.
+    model = one_rank_engine({"a": torch.randn(6), "b": torch.randn(2, 3)})
+    state = fe.init_ema(fe.local_shards(model), num_emas=2, dtype=torch.bfloat16)
+    state = fe.update(state, fe.local_shards(model), 3, decay=sched)
+    for dtype, name in ((torch.float32, "float32"), (torch.float64, "float64")):
+        tag = posthoc.save_snapshot(state, model, tmp_path / name, sched, dtype=dtype)
+        assert json.loads((tag / "ema_manifest.json").read_text())["dtype"] == name
+        mem = posthoc.snapshot(state, sched, dtype=dtype)  # the in-memory snapshot of the same dtype
+        saved = load_file(str(next(tag.glob("ema_rank_*.safetensors"))))
+        for k, n in itertools.product(range(2), ("a", "b")):
+            assert torch.equal(saved[f"emas.{k}.{n}"].view(mem.emas[k][n].shape), mem.emas[k][n]), (k, n)
+
+
+def test_save_snapshot_refuses_a_tag_the_readers_never_list(tmp_path, one_rank_engine):
+    _, _, state, engine, sched = _walk(tmp_path / "s", one_rank_engine, seed=5, steps=64)
+    with pytest.raises(ValueError, match=r"start with 'snapshot_'.*'snapshot_final'"):
+        posthoc.save_snapshot(state, engine, tmp_path / "s", sched, tag="final")
+    with pytest.raises(TypeError, match=r"tag=.*must be a str starting with 'snapshot_'"):
+        posthoc.save_snapshot(state, engine, tmp_path / "s", sched, tag=5)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir() if p.is_dir()) == [
+        posthoc.snapshot_tag(32),
+        posthoc.snapshot_tag(64),
+    ]
+    state = fe.update(state, {"a": torch.zeros(40)}, 80, decay=sched)
+    posthoc.save_snapshot(state, engine, tmp_path / "s", sched, tag="snapshot_final")
+    assert [i.step for i in posthoc.list_snapshots(tmp_path / "s")] == [32, 64, 80]
+
+
+def test_num_snapshots_counts_the_snapshots_combined(tmp_path, one_rank_engine, capsys):
+    from safetensors import safe_open
+
+    from functional_ema.__main__ import main
+
+    _walk(tmp_path / "s", one_rank_engine, seed=6, steps=256)  # 8 snapshots; 2 of them at or before step 64
+    out = posthoc.posthoc_to_file(tmp_path / "s", tmp_path / "o.safetensors", sigma_rel=0.1, step=64)
+    with safe_open(str(out), framework="pt") as f:
+        assert f.metadata()["num_snapshots"] == "2"
+    assert (
+        main(["posthoc", str(tmp_path / "s"), str(tmp_path / "c.safetensors"), "--sigma-rel", "0.1", "--step", "64"])
+        == 0
+    )
+    assert "from 2 snapshots" in capsys.readouterr().out
+
+
+def test_a_step0_checkpoint_among_the_snapshots_is_refused_by_name(tmp_path, one_rank_engine):
+    from functional_ema import checkpoint
+
+    _, _, _, engine, sched = _walk(tmp_path, one_rank_engine, seed=7, steps=64)
+    checkpoint.save(fe.init_ema({"a": torch.zeros(40)}, num_emas=2), engine, tmp_path, "snapshot_initial", decay=sched)
+    for read in (posthoc.list_snapshots, lambda d: posthoc.posthoc_offline(d, sigma_rel=0.1)):
+        with pytest.raises(ReconstructionError, match=r"'snapshot_initial'.*step 0.*move it out"):
+            read(tmp_path)
+
+
+def test_a_snapshot_of_an_exponent_out_of_range_is_refused_by_name(tmp_path, one_rank_engine, monkeypatch):
+    from functional_ema import checkpoint
+
+    _, _, state, engine, sched = _walk(tmp_path, one_rank_engine, seed=8, steps=64)
+    # Written as a release before schedules.GAMMA_MAX (1e12) could: power(gamma=1e30) was taken then.
+    monkeypatch.setattr(schedules, "GAMMA_MAX", 1e40)
+    huge = [schedules.power(gamma=1e30), sched[1]]
+    state = fe.update(state, {"a": torch.zeros(40)}, 70, decay=huge)
+    checkpoint.save(state, engine, tmp_path, "snapshot_huge", decay=huge)
+    monkeypatch.undo()
+    with pytest.raises(ReconstructionError, match=r"'snapshot_huge'.*gamma 1e\+30.*\(-0.5, 1e\+12\]"):
+        posthoc.list_snapshots(tmp_path)
+
+
+def test_hand_built_snapshot_fields_are_named():
+    g = G_TRACKED[1]
+    a, b = {"w": torch.ones(3)}, {"w": torch.full((3,), 2.0)}
+    S = posthoc.Snapshot
+    with pytest.raises(TypeError, match=r"snapshots\[0\]\.gammas must be a tuple"):
+        posthoc.reconstruct([S(10, g, (a,)), S(20, g, (b,))], sigma_rel=0.1)
+    with pytest.raises(TypeError, match=r"snapshots\[0\]\.emas must be a tuple of name-keyed dicts"):
+        posthoc.reconstruct([S(10, (g,), a), S(20, (g,), b)], sigma_rel=0.1)
+    with pytest.raises(TypeError, match=r"snapshots\[1\]\.step"):
+        posthoc.reconstruct([S(10, (g,), (a,)), S("20", (g,), (b,))], sigma_rel=0.1)
+    with pytest.raises(ReconstructionError, match=r"snapshots\[1\] \(step 20\) has 2 gammas for 1 EMAs"):
+        posthoc.reconstruct([S(10, (g,), (a,)), S(20, (g, g), (b,))], sigma_rel=0.1)
+    # Well-formed, the tracked width at the last step is that snapshot (exact reference).
+    assert torch.equal(posthoc.reconstruct([S(10, (g,), (a,)), S(20, [g], [b])], sigma_rel=0.1)["w"], b["w"])
+
+
+def test_out_as_the_snapshot_folder_suggests_another_path(tmp_path, one_rank_engine):
+    from functional_ema import checkpoint
+
+    snaps = tmp_path / "snaps"
+    _walk(snaps, one_rank_engine, seed=9, steps=64)
+    with pytest.raises(checkpoint.OutputPathError) as e:
+        posthoc.posthoc_to_file(snaps, snaps, sigma_rel=0.1)
+    hint = str(e.value).rsplit("e.g. ", 1)[1]
+    assert hint == str(tmp_path / "snaps.safetensors"), str(e.value)
 
 
 # --------------------------------------------------------------------------- real 2-rank ZeRO run

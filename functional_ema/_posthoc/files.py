@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+import optree
 import torch
 
 from .. import _io, checkpoint
@@ -32,19 +33,21 @@ from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, sh
 from .._checkpoint.reader import Location, StoragePath, open_checkpoint, open_joined
 from .._core import check_ema_dtype
 from .._layout import ModelPart, ShardLayout
+from .._shards import Shards
 from .._state import EmaState
 from .._storage import storage_for
 from .._tree import TreeMismatchError
 from ..schedules import Schedule, gamma_to_sigma_rel, power
 from .profiles import (
     DEFAULT_MAX_PROFILE_ERROR,
+    GAMMA_MAX,
     ReconstructionError,
     profile_error,
     resolve_step,
     solve_coefficients,
     target_gamma,
 )
-from .synthesis import gammas_and_step, scaled_like
+from .synthesis import copied, gammas_and_step, scaled_like
 
 # ----------------------------------------------------------------------------------- snapshot files
 
@@ -64,6 +67,7 @@ def save_snapshot(
     schedules: Sequence[Schedule | float],
     *,
     tag: str | None = None,
+    dtype: torch.dtype = torch.float32,
     storage_options: dict[str, Any] | None = None,
 ) -> Path | str:
     """Write this rank's pieces of every tracked power EMA as a snapshot checkpoint. Collective.
@@ -71,10 +75,10 @@ def save_snapshot(
     Call it on every rank every N steps (e.g. ``if step % 1000 == 0``). It is
     :func:`functional_ema.save` into ``snapshot_dir/snapshot_<step:09d>/``, with the power schedules
     recorded (so the files carry each EMA's ``gamma`` and the step, all that reconstruction needs).
-    Each snapshot is one safetensors file per rank in the EMA dtype (keep fp32; 16-bit snapshots
-    cost accuracy, see :func:`snapshot`) plus a manifest written last, so an interrupted save leaves
-    an incomplete tag that the readers skip. Use a directory of its own or
-    DeepSpeed's checkpoint directory: the tags never collide with ``global_step<N>``.
+    Each snapshot is one safetensors file per rank in ``dtype`` (fp32 by default, as :func:`snapshot`:
+    a bf16 or fp16 EMA is written as fp32, since 16-bit snapshots cost accuracy) plus a manifest
+    written last, so an interrupted save leaves an incomplete tag that the readers skip. Use a
+    directory of its own or DeepSpeed's checkpoint directory: the tags never collide with ``global_step<N>``.
 
     Args:
         state: this rank's state tracking ``K`` power EMAs over ``local_shards(engine)``.
@@ -82,7 +86,12 @@ def save_snapshot(
         snapshot_dir: directory shared by all ranks.
         schedules: the ``K`` schedules passed to :func:`functional_ema.update` (``schedules.power``)
             or their ``sigma_rel`` floats, in the state's order.
-        tag: folder name; default :func:`snapshot_tag` of ``state.step``.
+        tag: folder name; default :func:`snapshot_tag` of ``state.step``. A ``str`` starting with
+            :data:`SNAPSHOT_PREFIX` (``"snapshot_"``, e.g. ``"snapshot_final"``): the readers list only such
+            folders, so any other name is refused here rather than never read.
+        dtype: dtype of the snapshot files (``torch.float32``; ``torch.float64`` keeps more, the 16-bit
+            ones cost accuracy, see :func:`snapshot`). An EMA of another dtype is cast on a copy first
+            (memory: one copy of this rank's EMAs in ``dtype``); the state is not changed.
         storage_options: for a URL ``snapshot_dir`` (``s3://bucket/run/snapshots``), fsspec's arguments
             (``key``, ``secret``, ``endpoint_url``, ...) as for :func:`functional_ema.save`; ``None``: fsspec's
             configuration. Refused with a local folder. The readers (:func:`list_snapshots`,
@@ -100,11 +109,13 @@ def save_snapshot(
     check_state(state)
     location = check_location(snapshot_dir, "snapshot_dir")  # a URL too: fe.save writes there
     check_storage_options(storage_options, location, "save_snapshot(storage_options=...)")
+    dtype = check_ema_dtype(dtype)
+    tag = _check_snapshot_tag(tag)
     gammas, step = gammas_and_step(state, schedules)
     tag = snapshot_tag(step) if tag is None else tag
     decays = [power(gamma=g) for g in gammas]
     return checkpoint._save(  # errors name save_snapshot (and its storage_options), not save
-        state,
+        _cast(state, dtype),
         engine,
         snapshot_dir,
         tag,
@@ -116,6 +127,37 @@ def save_snapshot(
         storage_options=storage_options,
         what="save_snapshot",
     )
+
+
+def _check_snapshot_tag(tag: Any) -> str | None:
+    """``tag`` if the readers would list it (``None``, or a ``str`` starting with :data:`SNAPSHOT_PREFIX`)."""
+    if tag is None:
+        return None
+    if not isinstance(tag, str):
+        raise TypeError(
+            f"save_snapshot(tag=...) must be a str starting with {SNAPSHOT_PREFIX!r} (or None: snapshot_tag(step)), "
+            f"got {type(tag).__name__} {tag!r:.60}"
+        )
+    if not tag.startswith(SNAPSHOT_PREFIX):
+        raise ValueError(
+            f"save_snapshot(tag={tag!r:.80}): the readers (list_snapshots, posthoc_offline, ...) list only folders "
+            f"whose names start with {SNAPSHOT_PREFIX!r}, so this snapshot would never be used; name it "
+            f"{SNAPSHOT_PREFIX + tag!r:.80} or leave tag=None (snapshot_tag(step))"
+        )
+    return tag
+
+
+def _cast(state: EmaState, dtype: torch.dtype) -> EmaState:
+    """``state`` with its EMAs in ``dtype``: itself when they are, else copies (a ``Shards`` keeps its layout
+    and selection, which the save reads)."""
+    trees: Any = state.emas  # optree types a tree as its own PyTree class, which a tuple of dicts is not to mypy
+    if all(t.dtype == dtype for t in optree.tree_leaves(trees, none_is_leaf=False)):
+        return state
+    with torch.no_grad():
+        emas = tuple(
+            ema.mirror(dtype, fill=True) if isinstance(ema, Shards) else copied(ema, None, dtype) for ema in state.emas
+        )
+    return EmaState(state.step, emas)
 
 
 class SnapshotInfo(NamedTuple):
@@ -220,26 +262,13 @@ def _list(root: Location, prefix: str, part: ModelPart | None) -> list[SnapshotI
         else:
             with open_checkpoint(root, tag, verify=True, layout=None, part=part) as ckpt:
                 m, shapes = ckpt.manifest, dict(ckpt.shapes)
-        scheds = m.get("schedules") or []
-        if len(scheds) != int(m["num_emas"]):
-            raise ReconstructionError(
-                f"snapshot {tag!r} in {root} does not record its EMAs' schedules (was it written by functional_ema.save "
-                "without decay=?). Post-hoc EMA needs power EMAs: write snapshots with posthoc.save_snapshot"
-            )
-        gammas = []
-        for k, d in enumerate(scheds):
-            if not isinstance(d, dict) or d.get("kind") != "power" or not isinstance(d.get("gamma"), (int, float)):
-                raise ReconstructionError(
-                    f"snapshot {tag!r}: EMA {k} has schedule {d!r}, not a power EMA; post-hoc EMA synthesises only from "
-                    "power EMAs (schedules.power(sigma_rel=...))"
-                )
-            gammas.append(float(d["gamma"]))
-        out.append(SnapshotInfo(tag, int(m["step"]), tuple(gammas), shapes))
+        out.append(_info(root, tag, m, shapes))
     if not out:
         raise ReconstructionError(
             f"no complete snapshot (tags prefix={prefix!r}*) in {root}; write them with posthoc.save_snapshot during training"
         )
     out.sort(key=lambda s: (s.step, s.tag))
+    _check_distinct(root, out)
     first = out[0]
     for s in out[1:]:
         if s.shapes != first.shapes:
@@ -260,6 +289,58 @@ def _list(root: Location, prefix: str, part: ModelPart | None) -> list[SnapshotI
     return out
 
 
+def _info(root: Location, tag: str, m: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> SnapshotInfo:
+    """The :class:`SnapshotInfo` of the tag folder ``tag`` from its manifest ``m``: a snapshot that no reconstruction
+    can use (not power EMAs, step 0, a gamma out of range) or that is another folder's copy is refused, naming it."""
+    if m.get("tag") != tag:  # a folder copied or renamed: it may be another run's snapshot of the same step
+        raise ReconstructionError(
+            f"snapshot folder {tag!r} in {root} holds the snapshot saved as {m.get('tag')!r} (its manifest's tag): a copied "
+            "or renamed folder, perhaps from another run. Keep one run's snapshots per directory, under the names "
+            "save_snapshot gave them; move this folder out"
+        )
+    scheds = m.get("schedules") or []
+    if len(scheds) != int(m["num_emas"]):
+        raise ReconstructionError(
+            f"snapshot {tag!r} in {root} does not record its EMAs' schedules (was it written by functional_ema.save "
+            "without decay=?). Post-hoc EMA needs power EMAs: write snapshots with posthoc.save_snapshot"
+        )
+    gammas = []
+    for k, d in enumerate(scheds):
+        if not isinstance(d, dict) or d.get("kind") != "power" or not isinstance(d.get("gamma"), (int, float)):
+            raise ReconstructionError(
+                f"snapshot {tag!r}: EMA {k} has schedule {d!r}, not a power EMA; post-hoc EMA synthesises only from "
+                "power EMAs (schedules.power(sigma_rel=...))"
+            )
+        if not -0.5 < float(d["gamma"]) <= GAMMA_MAX:
+            raise ReconstructionError(
+                f"snapshot {tag!r} in {root}: EMA {k} has gamma {d['gamma']!r}, outside (-0.5, {GAMMA_MAX:g}] where "
+                "post-hoc EMA synthesises; move this folder out of the snapshot directory"
+            )
+        gammas.append(float(d["gamma"]))
+    if int(m["step"]) < 1:  # refused, not skipped: save_snapshot never writes one, so it is no snapshot of this run
+        raise ReconstructionError(
+            f"snapshot {tag!r} in {root} is at step {m['step']}: a power EMA has no profile before its first update, "
+            "and posthoc.save_snapshot refuses such a state. It was written by another tool (functional_ema.save of a "
+            "fresh state?); move it out of the snapshot directory"
+        )
+    return SnapshotInfo(tag, int(m["step"]), tuple(gammas), shapes)
+
+
+def _check_distinct(root: Location, infos: list[SnapshotInfo]) -> None:
+    """Refuse two snapshot folders holding an EMA of the same exponent at the same step (``infos`` sorted by step):
+    the least-squares fit would average them (another run's copy, silently half the result)."""
+    seen: dict[tuple[int, float], str] = {}
+    for info in infos:
+        for g in info.gammas:
+            other = seen.setdefault((info.step, g), info.tag)
+            if other != info.tag:
+                raise ReconstructionError(
+                    f"snapshot folders {other!r} and {info.tag!r} in {root} both hold an EMA of gamma {g:.6g} at step "
+                    f"{info.step}: one step is snapshotted once per run, so one of them is a copy or another run's. "
+                    "Keep one run's snapshots per directory: move one out"
+                )
+
+
 class _FilePlan(NamedTuple):
     root: Location  # a local folder, or a storage's (a URL)
     terms: list[tuple[str, int, float]]  # (tag, EMA index, coefficient), nonzero only, by step
@@ -267,7 +348,7 @@ class _FilePlan(NamedTuple):
     step: int
     gamma: float
     profile_error: float
-    num_snapshots: int
+    num_snapshots: int  # snapshot folders the fit combined (those at or before step)
 
 
 class _Reading(NamedTuple):
@@ -342,7 +423,8 @@ def _plan_files(
     s = int(resolve_step(np.asarray(steps, dtype=np.float64), step))
     err = profile_error(gammas, steps, x, gamma=target, step=s)
     terms = [(tag, k, float(c)) for (tag, k), c in zip(refs, x) if c != 0.0]
-    return _FilePlan(root, terms, infos[0].shapes, s, target, err, len(infos))
+    used = sum(1 for info in infos if info.step <= s)  # later snapshots take no part in the fit
+    return _FilePlan(root, terms, infos[0].shapes, s, target, err, used)
 
 
 def _stream(
@@ -517,8 +599,9 @@ def posthoc_to_file(
     """Stream the post-hoc EMA (as :func:`posthoc_offline`) into one safetensors file, atomically.
 
     The file's names are the module's parameter names; its metadata records ``sigma_rel``,
-    ``gamma``, ``step``, the profile error and the number of snapshots. Memory: the accumulators of
-    one group (``buffer_bytes``) plus one parameter.
+    ``gamma``, ``step``, the profile error and ``num_snapshots``, the number of snapshot folders the fit
+    combined (those at or before ``step``). Memory: the accumulators of one group (``buffer_bytes``)
+    plus one parameter.
 
     ``out_path`` inside the snapshot directory's folders is refused (``checkpoint.OutputPathError``),
     and so is an existing file unless ``overwrite``. ``snapshot_dir`` may be an fsspec URL, with

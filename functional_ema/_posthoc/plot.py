@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .. import _io
 from .profiles import ProfileComparison, reconstruction_profile
 
 #: Fewer dots per inch leave the labels' fonts no pixel to draw in (FreeType refuses them).
@@ -25,7 +28,7 @@ def plot_profile(
     num: int = 2000,
     dpi: int = 120,
 ) -> ProfileComparison:
-    """Save a PNG of the synthesised averaging profile against the requested one.
+    """Save a picture (PNG) of the synthesised averaging profile against the requested one.
 
     Top panel: weight given to each training step by the requested EMA (dashed) and by the
     combination of snapshots (solid), with the snapshot steps marked; the title carries the
@@ -33,7 +36,9 @@ def plot_profile(
     functional-ema[plot]``); it is imported here only.
 
     Args:
-        path: where to write the PNG.
+        path: where to write it, atomically (a temporary sibling renamed over it): the file format is
+            its extension (``.png``, ``.pdf``, ``.svg``, any matplotlib writes; another is refused before
+            anything is drawn), and a name without one gets ``.png`` appended, as matplotlib names it.
         dpi: resolution of the PNG, ``>= 20``.
         others: as in :func:`reconstruction_profile` (no ``max_profile_error``: a poor fit is drawn,
             not refused).
@@ -44,17 +49,11 @@ def plot_profile(
     Example:
         >>> plot_profile(gammas, steps, "profile.png", sigma_rel=0.15)   # doctest: +SKIP
     """
-    from .._args import check_int, check_path
+    from .._args import check_int
 
-    out = check_path(path, "path")
+    out, fmt = plot_file(path)
     dpi = check_int(dpi, "dpi", minimum=MIN_DPI)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("plot_profile needs matplotlib: pip install matplotlib (or functional-ema[plot])") from e
+    plt = _pyplot()
     prof = reconstruction_profile(
         snapshot_gammas, snapshot_steps, sigma_rel=sigma_rel, gamma=gamma, step=step, coeffs=coeffs, num=num
     )
@@ -92,7 +91,45 @@ def plot_profile(
         ax_d.set_ylabel("difference")
         ax_d.set_xlabel("training step")
         ax_d.grid(alpha=0.3)
-        fig.savefig(out, dpi=dpi)
+        with _io.atomic_open(out) as f:  # a failed drawing leaves an existing picture as it was
+            fig.savefig(f, format=fmt, dpi=dpi)
     finally:
         plt.close(fig)
     return prof
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed), or ``ImportError`` with the install line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("plot_profile needs matplotlib: pip install matplotlib (or functional-ema[plot])") from e
+    return plt
+
+
+def plot_file(path: str | os.PathLike, what: str = "path") -> tuple[Path, str]:
+    """The file :func:`plot_profile` writes for ``path``, and its format, checked before anything is drawn.
+
+    ``path`` itself when its extension names a format matplotlib writes (``png``, ``pdf``, ``svg``, ...), or
+    ``path`` with ``.png`` appended when it has no extension (as matplotlib would name it). ``ValueError``
+    naming ``what`` for an extension matplotlib cannot write; ``ImportError`` without matplotlib.
+    """
+    from .._args import check_path
+
+    out = check_path(path, what)
+    _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    ext = out.suffix[1:].lower()
+    if not ext:
+        return out.with_name(out.name + ".png"), "png"
+    if ext not in formats:
+        raise ValueError(
+            f"{what}={os.fspath(path)!r}: matplotlib writes no {ext!r} files; end the name with one of "
+            f"{', '.join('.' + f for f in sorted(formats))}"
+        )
+    return out, ext

@@ -8,8 +8,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._args import check_int, check_optional_real, check_real, check_reals
-from ..schedules import SIGMA_REL_MAX, gamma_to_sigma_rel, sigma_rel_to_gamma
+from .._args import check_int, check_optional_real, check_real, check_reals, real_number
+from ..schedules import GAMMA_MAX, SIGMA_REL_MAX, SIGMA_REL_MIN, gamma_to_sigma_rel, sigma_rel_to_gamma
+
+# Post-hoc EMA takes the bounds schedules.power takes (GAMMA_MAX 1e12, SIGMA_REL_MIN 1e-12): a request is refused
+# with the range where the float64 inner products, (g_a + 1)(g_b + 1), and the cubic stay finite.
 
 #: Default limit on the relative L2 error of the synthesised averaging profile. With 64 snapshots
 #: of sigma_rel 0.05 and 0.10 it admits sigma_rel ~0.016 to ~0.254 (0.075: 2.3e-4, 0.15: 5.8e-4).
@@ -80,22 +83,39 @@ def profile_inner(gamma_a: Any, step_a: Any, gamma_b: Any, step_b: Any) -> np.nd
 
 
 def target_gamma(sigma_rel: float | None, gamma: float | None) -> float:
+    """The exponent of the requested EMA: ``gamma`` in ``(-1/2, GAMMA_MAX]``, or ``sigma_rel`` in
+    ``[SIGMA_REL_MIN, 1/sqrt(12))`` converted; NaN, infinities and numbers outside are refused naming the argument."""
     if (sigma_rel is None) == (gamma is None):
         raise ReconstructionError("give exactly one of sigma_rel= or gamma= for the EMA to reconstruct")
     if gamma is not None:
-        g = check_real(gamma, "gamma")
-        if not g > -0.5:
+        g = _number(gamma, "gamma")
+        if not -0.5 < g <= GAMMA_MAX:
             raise ReconstructionError(
-                f"gamma must be a finite number > -1/2 (so that the profile tau**gamma is square-integrable), got {gamma!r}"
+                f"gamma must be a finite number in (-0.5, {GAMMA_MAX:g}], got {gamma!r}: above -1/2 so that the profile "
+                f"tau**gamma is square-integrable, at most {GAMMA_MAX:g} (sigma_rel {SIGMA_REL_MIN:g}, as "
+                "schedules.power takes it)"
             )
         return g
-    s = check_real(sigma_rel, "sigma_rel")
-    if not 0.0 < s < SIGMA_REL_MAX:
+    s = _number(sigma_rel, "sigma_rel")
+    if not SIGMA_REL_MIN <= s < SIGMA_REL_MAX:
         raise ReconstructionError(
-            f"sigma_rel={sigma_rel!r} is outside (0, {SIGMA_REL_MAX:.4f}): sigma_rel 1/sqrt(12) ~ 0.2887 is "
-            "gamma = 0, a uniform average over the whole run, and no power EMA is wider. Ask for a smaller sigma_rel."
+            f"sigma_rel={sigma_rel!r} is outside [{SIGMA_REL_MIN:g}, {SIGMA_REL_MAX:.4f}): sigma_rel 1/sqrt(12) ~ 0.2887 is "
+            f"gamma = 0, a uniform average over the whole run, and no power EMA is wider; {SIGMA_REL_MIN:g} is the "
+            "narrowest schedules.power takes. Ask for a sigma_rel in that range."
         )
     return sigma_rel_to_gamma(s)
+
+
+def _number(value: Any, what: str) -> float:
+    """``value`` as a float, NaN and infinities included (the caller refuses them with its range: ``check_real``
+    would say "a number in [-inf, inf]"); ``TypeError`` naming ``what`` for anything that is not one number."""
+    try:
+        real = None if isinstance(value, bool) else real_number(value)
+    except OverflowError:  # an int past float's range: out of every range below
+        real = math.inf
+    if real is None:
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r:.60}")
+    return real
 
 
 def _check_snapshots(snapshot_gammas: Any, snapshot_steps: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -107,9 +127,11 @@ def _check_snapshots(snapshot_gammas: Any, snapshot_steps: Any) -> tuple[np.ndar
         )
     if g.size == 0:
         raise ReconstructionError("no snapshots given: post-hoc EMA needs snapshots at >= 2 different steps")
-    if np.any(g <= -0.5):
+    bad_g = g[(g <= -0.5) | (g > GAMMA_MAX)]
+    if bad_g.size:  # a huge gamma would overflow the inner products (LAPACK then prints and raises)
         raise ReconstructionError(
-            f"snapshot_gammas must be finite and > -1/2 (square-integrable profiles), got {sorted(set(g.tolist()))[:8]}"
+            f"snapshot_gammas must be finite and in (-0.5, {GAMMA_MAX:g}] (square-integrable profiles, at most "
+            f"sigma_rel {SIGMA_REL_MIN:g}), got {sorted(set(bad_g.tolist()))[:8]}"
         )
     if np.any(t <= 0):
         bad = t[~(t > 0)][:4].tolist()
@@ -158,7 +180,17 @@ def _fit(
     x, *_ = np.linalg.lstsq(A, b, rcond=rcond)
     pp = profile_inner(targets, 1.0, targets, 1.0)
     err2 = np.einsum("im,ij,jm->m", x, A, x) - 2.0 * np.einsum("im,im->m", x, b) + pp
-    return x, np.sqrt(np.maximum(err2, 0.0) / pp)
+    errs = np.sqrt(np.maximum(err2, 0.0) / pp)
+    if not np.all(np.isfinite(x)) or not np.all(np.isfinite(errs)):  # a NaN error would pass any error bound
+        raise ReconstructionError(
+            f"the least-squares fit at step {step:g} is not finite (snapshot gammas {_shown(g)}, target gammas "
+            f"{_shown(targets)}): the profiles are too far apart in width for float64; ask for a gamma nearer the tracked ones"
+        )
+    return x, errs
+
+
+def _shown(values: np.ndarray) -> str:
+    return str(sorted(set(values.tolist()))[:6])
 
 
 # ------------------------------------------------------------------------------------ coefficients
@@ -184,8 +216,9 @@ def solve_coefficients(
         snapshot_gammas: exponent of each snapshot's EMA (``schedules.sigma_rel_to_gamma(0.05)``...).
         snapshot_steps: training step of each snapshot (same length). Two EMAs snapshotted at the
             same step are two entries with the same step.
-        sigma_rel: target EMA width relative to the step, in ``(0, 1/sqrt(12))``; or
-        gamma: target exponent (``> -1/2``, so that the profile is square-integrable). Exactly one of the two.
+        sigma_rel: target EMA width relative to the step, in ``[1e-12, 1/sqrt(12))``; or
+        gamma: target exponent in ``(-1/2, 1e12]`` (above -1/2 so that the profile is square-integrable;
+            at most ``schedules.GAMMA_MAX``, as ``schedules.power``). Exactly one of the two.
         step: when the target EMA is read; default the last snapshot step. Must lie within the
             snapshots' steps. Between two snapshot steps the weights since the previous snapshot
             are unknown and show up as profile error.
@@ -203,8 +236,9 @@ def solve_coefficients(
         ValueError: a NaN or infinite number, or one out of its range (``rcond`` outside ``[0, 1]``,
             ``max_profile_error < 0``, a step past int64); the message names the argument.
         ReconstructionError: mismatched lengths, no or too few snapshots (< 2 different steps up
-            to ``step``), ``step`` outside the snapshots, ``sigma_rel`` outside ``(0, 0.2887)``, or
-            a target the snapshots cannot express within ``max_profile_error``.
+            to ``step``), ``step`` outside the snapshots, ``sigma_rel`` outside ``[1e-12, 0.2887)`` or ``gamma``
+            outside ``(-0.5, 1e12]`` (NaN included; snapshot gammas too), a fit that is not finite, or a target the
+            snapshots cannot express within ``max_profile_error`` (the message names each separate range they can).
 
     Example:
         >>> from functional_ema import schedules
@@ -222,18 +256,20 @@ def solve_coefficients(
     x_used, errs = _fit(g[used], t[used], np.array([target]), s, rcond)
     err = float(errs[0])
     if max_profile_error is not None and not err <= max_profile_error:
-        span = _range(g[used], t[used], s, max_profile_error, rcond)
+        spans = _range(g[used], t[used], s, max_profile_error, rcond, gamma_to_sigma_rel(target))
         what = f"sigma_rel={sigma_rel!r}" if sigma_rel is not None else f"gamma={gamma!r} (sigma_rel {_sr(target)})"
         tracked = ", ".join(f"{_sr(v)}" for v in sorted(set(g[used].tolist()), reverse=True))
+        # Few snapshots express separate ranges around the tracked widths, with gaps between them: name each.
         can = (
-            f"these snapshots express sigma_rel ~{span[0]:.3g} to ~{span[1]:.3g} at step {s:g}"
-            if span is not None
+            f"these snapshots express sigma_rel {' and '.join(f'~{lo:.3g} to ~{hi:.3g}' for lo, hi in spans)} at step {s:g}"
+            if spans
             else f"these snapshots express no sigma_rel within that error at step {s:g}"
         )
         raise ReconstructionError(
             f"{what} cannot be synthesised from the snapshots at step {s:g}: the averaging profile would be off by "
             f"{err:.2%} (relative L2) > max_profile_error={max_profile_error:g}. Tracked sigma_rels: {tracked}; "
-            f"{can}. Ask for a sigma_rel in that range, track a wider/narrower EMA, or raise max_profile_error."
+            f"{can}. Ask for a sigma_rel in {'that range' if len(spans) < 2 else 'one of those ranges'}, track a "
+            "wider/narrower EMA, or raise max_profile_error."
         )
     out = np.zeros(t.shape, dtype=np.float64)
     out[used] = x_used[:, 0]
@@ -266,7 +302,13 @@ def profile_error(
     A = profile_inner(g[:, None], tn[:, None], g[None, :], tn[None, :])
     b = profile_inner(g, tn, target, 1.0)
     pp = float(profile_inner(target, 1.0, target, 1.0))
-    return math.sqrt(max(float(x @ A @ x - 2.0 * x @ b + pp), 0.0) / pp)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, not warned about
+        err2 = float(x @ A @ x - 2.0 * x @ b + pp)
+    if math.isnan(err2) or math.isinf(err2):  # NaN would pass as "no error" where it is compared
+        raise ReconstructionError(
+            f"profile_error: the error of coeffs (largest |coeff| {float(np.abs(x).max()):g}) is not finite in float64"
+        )
+    return math.sqrt(max(err2, 0.0) / pp)
 
 
 def _check_coeffs(coeffs: Any, num_snapshots: int) -> np.ndarray:
@@ -278,12 +320,23 @@ def _check_coeffs(coeffs: Any, num_snapshots: int) -> np.ndarray:
 
 
 def _range(
-    g: np.ndarray, t: np.ndarray, step: float, max_err: float, rcond: float | None
-) -> tuple[float, float] | None:
+    g: np.ndarray, t: np.ndarray, step: float, max_err: float, rcond: float | None, refused: float | None = None
+) -> list[tuple[float, float]]:
+    """The separate ranges ``[(lo, hi), ...]`` of ``sigma_rel`` (on a log grid of 400 in ``[1e-3, 0.2887)``) whose
+    profile error is within ``max_err``, in increasing order. ``refused`` (a refused ``sigma_rel``) joins the
+    grid: it then splits whatever range the grid alone would have drawn across it."""
     grid = np.geomspace(1e-3, SIGMA_REL_MAX * 0.999, 400)
+    if refused is not None and grid[0] < refused < grid[-1]:
+        grid = np.unique(np.append(grid, refused))
     _, errs = _fit(g, t, np.array([sigma_rel_to_gamma(v) for v in grid]), step, rcond)
-    ok = grid[errs <= max_err]
-    return (float(ok.min()), float(ok.max())) if ok.size else None
+    ok = errs <= max_err
+    spans: list[tuple[float, float]] = []
+    for i in np.flatnonzero(ok):
+        if i > 0 and ok[i - 1]:
+            spans[-1] = (spans[-1][0], float(grid[i]))
+        else:
+            spans.append((float(grid[i]), float(grid[i])))
+    return spans
 
 
 def expressible_range(
@@ -297,6 +350,11 @@ def expressible_range(
     """Smallest and largest ``sigma_rel`` (on a log grid of 400 in ``[1e-3, 0.2887)``) whose profile
     error at ``step`` is within ``max_profile_error``; ``None`` when none is.
 
+    The bounds, not a promise about what lies between them: with few snapshots (fewer than ~8 of each
+    tracked EMA) only widths near the tracked ones are expressible, with a gap between (2 snapshots of
+    sigma_rel 0.05 and 0.10: ~0.046-0.055 and ~0.093-0.107). A refusal of :func:`solve_coefficients`
+    names each separate range.
+
     Example:
         >>> from functional_ema import schedules
         >>> g = [schedules.sigma_rel_to_gamma(s) for s in (0.05, 0.10)]
@@ -309,7 +367,8 @@ def expressible_range(
     max_profile_error = check_real(max_profile_error, "max_profile_error", low=0.0)
     rcond = check_optional_real(rcond, "rcond", low=0.0, high=1.0)
     used = _used(t, s)
-    return _range(g[used], t[used], s, max_profile_error, rcond)
+    spans = _range(g[used], t[used], s, max_profile_error, rcond)
+    return (spans[0][0], spans[-1][1]) if spans else None
 
 
 # ----------------------------------------------------------------------------------------- profiles

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import optree
 import torch
 
-from .._args import check_optional_int, check_real, check_reals, check_sequence
+from .._args import check_int, check_optional_int, check_real, check_reals, check_sequence
 from .._core import check_ema_dtype
 from .._state import EmaState, wait_pending
 from .._tree import TreeMismatchError, check_same_tree, flatten_named
@@ -151,11 +151,11 @@ def snapshot(
     dtype, device = check_ema_dtype(dtype), check_device(device, "device")
     gammas, step = gammas_and_step(state, schedules)
     with torch.no_grad():
-        emas = tuple(_copied(ema, device, dtype) for ema in state.emas)
+        emas = tuple(copied(ema, device, dtype) for ema in state.emas)
     return Snapshot(step, gammas, emas)
 
 
-def _copied(tree: Any, device: torch.device | str | None, dtype: torch.dtype) -> Any:
+def copied(tree: Any, device: torch.device | str | None, dtype: torch.dtype) -> Any:
     """A detached copy of one EMA tree, of the same structure (``Any``: optree types a tree as its own
     ``PyTree`` class, which a ``dict`` is not to a type checker)."""
     return optree.tree_map(
@@ -163,6 +163,31 @@ def _copied(tree: Any, device: torch.device | str | None, dtype: torch.dtype) ->
         tree,
         none_is_leaf=False,
     )
+
+
+def _snapshot_fields(snap: Snapshot, i: int) -> tuple[int, list[float], tuple[Any, ...]]:
+    """The fields of ``snapshots[i]`` checked (a hand-built :class:`Snapshot` may hold anything), each error
+    naming ``snapshots[i].<field>``."""
+    at = check_int(snap.step, f"snapshots[{i}].step", minimum=1)
+    if not isinstance(snap.gammas, (tuple, list)):
+        raise TypeError(
+            f"snapshots[{i}].gammas must be a tuple of exponents, one per EMA, got {type(snap.gammas).__name__} "
+            f"{snap.gammas!r:.60} (for one EMA: gammas=(g,))"
+        )
+    gammas = check_reals(snap.gammas, f"snapshots[{i}].gammas").tolist()
+    if not isinstance(snap.emas, (tuple, list)) or any(not isinstance(e, Mapping) for e in snap.emas):
+        got = (
+            type(snap.emas).__name__ if not isinstance(snap.emas, (tuple, list)) else "a tuple holding other than dicts"
+        )
+        raise TypeError(
+            f"snapshots[{i}].emas must be a tuple of name-keyed dicts of tensors, one per EMA, got {got} "
+            "(for one EMA: emas=(tree,))"
+        )
+    if len(gammas) != len(snap.emas):
+        raise ReconstructionError(
+            f"snapshots[{i}] (step {at}) has {len(gammas)} gammas for {len(snap.emas)} EMAs: give one gamma per EMA"
+        )
+    return at, gammas, tuple(snap.emas)
 
 
 def reconstruct(
@@ -191,15 +216,14 @@ def reconstruct(
             )
     step = check_optional_int(step, "step", minimum=1)
     dtype = check_ema_dtype(dtype)
-    gammas, steps, trees = [], [], []
-    for snap in snapshots:
-        if len(snap.gammas) != len(snap.emas):
-            raise ReconstructionError(
-                f"snapshot at step {snap.step} has {len(snap.gammas)} gammas for {len(snap.emas)} EMAs"
-            )
-        for g, tree in zip(snap.gammas, snap.emas):
+    gammas: list[float] = []
+    steps: list[int] = []
+    trees: list[Any] = []
+    for i, snap in enumerate(snapshots):
+        at, gs, emas = _snapshot_fields(snap, i)
+        for g, tree in zip(gs, emas):
             gammas.append(g)
-            steps.append(snap.step)
+            steps.append(at)
             trees.append(tree)
     x = solve_coefficients(
         gammas, steps, sigma_rel=sigma_rel, gamma=gamma, step=step, max_profile_error=max_profile_error
