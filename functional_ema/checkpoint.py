@@ -212,14 +212,16 @@ def save(
     checkpoint complete. See the module docstring for the layout, the crash guarantees and the
     recommended order with ``engine.save_checkpoint`` (EMA first). The directory must be shared by all
     ranks. One save writes a tag at a time: a second save of the same tag (another saver, thread or
-    process) waits until the first is done.
+    process) waits until the first is done; a tag whose ``AsyncSaver.save(shared=False)`` awaits its commit
+    in this thread (at that saver's next call) is refused at once, naming ``saver.wait()``.
 
     Args:
         state: this rank's state (from :func:`functional_ema.init_ema` over ``local_shards(engine)``,
             :func:`functional_ema.update` or :func:`load`).
         engine: the training object the state's pieces come from (a DeepSpeed engine, an FSDP2, DDP
             or plain model).
-        save_dir: the checkpoint directory (the one given to ``engine.save_checkpoint``).
+        save_dir: the checkpoint directory (the one given to ``engine.save_checkpoint``); a
+            ``file:///absolute/path`` URL is that folder.
         tag: the tag folder; ``None`` means the default above.
         decay: optional, metadata only: the decay(s) or schedule(s) the EMAs use (one per EMA), so
             offline tools know what each EMA is. Not needed by :func:`load`.
@@ -249,8 +251,11 @@ def save(
     each rank's file streamed as a multipart upload (nothing staged on local disk). Object stores have no
     lock: every rank checks that it reaches the store rank 0 writes (a marker object), the ranks agree that
     every upload completed, then rank 0 writes the manifest (last), then ``ema_latest``. A new save of a
-    tag never overwrites what its manifest lists; a failed one removes only the objects it wrote. Do not
-    save one tag of one prefix from two jobs at once. See docs/many-nodes.md.
+    tag never overwrites what its manifest lists; a failed one removes only the objects it wrote; a commit
+    removes only older generations, and is refused when a later save of the tag committed meanwhile (an
+    ``AsyncSaver`` save of it awaiting its commit: ``saver.wait()`` first). Do not save one tag of one prefix
+    from two jobs at once. A URL's scheme is case-insensitive; one with ``.``/``..`` parts or a secret in it
+    (``s3://KEY:SECRET@...``: use ``storage_options``) is refused. See docs/many-nodes.md.
 
     Returns:
         The tag folder, ``save_dir/tag`` (for a URL, the tag's URL, a ``str``).
@@ -682,9 +687,9 @@ def load_checkpoint(
         box["loaded"] = Loaded(state, bstate, dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir)))
 
     with opened:
-        # Every rank opens its copy of the checkpoint and checks it; then one small all-reduce: any failure,
-        # or ranks that read different saves (a stale node-local copy, another tag), refuse on every rank
-        # before a byte of the EMA is read.
+        # Every rank opens its copy of the checkpoint and checks it; then one small agreement (bounded by
+        # timeout=): any failure, or ranks that read different saves (a stale node-local copy, another tag),
+        # refuse on every rank before a byte of the EMA is read.
         agree_on(
             "load",
             open_and_check,
@@ -692,6 +697,7 @@ def load_checkpoint(
             job.group,
             job.world,
             job.rank,
+            timeout=timeout,
             fix="Every rank must read the same complete save: on node-local disks copy one save of the tag to every "
             "node (or load from shared storage), and pass the same tag everywhere",
         )

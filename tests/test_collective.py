@@ -54,6 +54,8 @@ from functional_ema._tree import TreeMismatchError
 ENV = {"FE_DIST_INIT": "torch", c.TIMEOUT_ENV: "0.6"}
 ARRIVE, RELEASE = 0x454D4101, 0x454D4102  # bounded_barrier's tags, written out
 TOKEN = "torch.int64[1]"  # each of its messages: one int64
+AGREE, AGREED = 0x454D4103, 0x454D4104  # agree_on's tags, written out
+WORDS = "torch.int64[64]"  # each of agree_on's messages: 64 int64
 FIX = (
     "is collective: call it on every rank while the process group that trains the model is up "
     "(before destroy_process_group)"
@@ -372,6 +374,18 @@ def _pair_cases(r: int, g: dict[str, Any], fake: dict[str, Any], run: Callable[.
     _agree_on_cases(r, pair, solo, run)
     _side_cases(r, fake["pair"], fake["solo"], pair, fake["backend"], run)
     _barrier_cases(r, g, run)
+    _agree_on_bounded_cases(r, g, run)
+
+
+def _agree_on_bounded_cases(r: int, g: dict[str, Any], run: Callable[..., None]) -> None:
+    """agree_on as an arrival: two ranks in two verbs learn it at once; a rank alone waits the environment's 0.6 s."""
+    record = {"step": 6, "tag": "t", "dtype": "f32"}
+    dist.barrier(group=g["pair"])  # both start together (rank 1 may still be in the last scenario's sleep)
+    run("on_verbs", lambda: c.agree_on(["swapped", "gather_full"][r], lambda: record, FIELDS, g["pair"], 2, r))
+    dist.barrier(group=g["pair"])
+    if r == 0:  # rank 1 never calls; it waits, alive, at the barrier below meanwhile
+        run("on_absent", lambda: c.agree_on("swapped", lambda: record, FIELDS, g["on_absent"], 2, 0, timeout=None))
+    dist.barrier(group=g["pair"])
 
 
 def _job_wide_cases(rank: int, tag: str, link: str, run: Callable[..., None]) -> None:
@@ -415,7 +429,10 @@ def four_ranks(tag: str, link: str) -> dict[str, Any]:
         return mine
 
     two, one = [[0, 1], [2, 3]], [[0], [1], [2], [3]]
-    g = {k: groups(k, two) for k in ("pair", "late1", "late0", "absent1", "absent0", "norel", "fin_ok", "fin_late")}
+    g = {
+        k: groups(k, two)
+        for k in ("pair", "late1", "late0", "absent1", "absent0", "norel", "fin_ok", "fin_late", "on_absent")
+    }
     g["solo"] = groups("solo", one)
     fake = {"pair": groups("fake_pair", two), "solo": groups("fake_solo", one), "backend": dist.get_backend}
     other = dist.new_group([(rank + 1) % 4])  # a group this rank is not in
@@ -463,8 +480,22 @@ def _p2p(label: str, rank: int, others: list[int] | None = None) -> list[list[An
     return [["irecv", label, r, ARRIVE, TOKEN] for r in peers] + [["isend", label, r, RELEASE, TOKEN] for r in peers]
 
 
+def _agreed(label: str, rank: int) -> list[list[Any]]:
+    """The point-to-point calls of agree_on's bounded exchange that completes, on ``rank`` of a group of two."""
+    if rank != 0:
+        return [["isend", label, 0, AGREE, WORDS], ["irecv", label, 0, AGREED, WORDS]]
+    return [["irecv", label, 1, AGREE, WORDS], ["isend", label, 1, AGREED, WORDS]]
+
+
 def _timed_out(
-    got: dict[str, Any], what: str, rank: int, world: int, limit: str, detail: str, waits: bool = True
+    got: dict[str, Any],
+    what: str,
+    rank: int,
+    world: int,
+    limit: str,
+    detail: str,
+    waits: bool = True,
+    set_by: str = "timeout= or the environment variable",
 ) -> None:
     """arrive's CheckpointTimeoutError on ``rank``: the exact message, and the wait it reports and took
     (about ``limit`` when ``waits``, else none: the failure came at once)."""
@@ -476,7 +507,7 @@ def _timed_out(
     assert got["msg"] == (
         f"functional_ema.{what}: rank {rank} waited {waited.group(1)} s (limit {limit} s) for the other ranks of the "
         f"data-parallel group (world size {world}) to call it too, and they did not ({detail}). {what}() is collective: "
-        "call it on every rank, with the same arguments. The wait is set by timeout= or the environment variable "
+        f"call it on every rank, with the same arguments. The wait is set by {set_by} "
         "FUNCTIONAL_EMA_TIMEOUT (default 600 s). The process group may be unusable after this"
     )
 
@@ -523,10 +554,10 @@ def _assert_agree(res: list[dict[str, Any]]) -> None:
 
 
 def _assert_agree_on(res: list[dict[str, Any]]) -> None:
-    one = [["all_reduce", "pair"]]
-    both = [["all_reduce", "pair"], ["all_gather_object", "pair"]]
     fields = "['dtype', 'step', 'tag']"
     for r in (0, 1):
+        one = _agreed("pair", r)
+        both = [*one, ["all_gather_object", "pair"]]
         _check(res[r], "on_equal", _ok({"step": 6, "tag": "global_step6", "dtype": "torch.float32"}), one)
         msg = "load: ranks disagree on tag: rank 0: 'global_step6', rank 1: 'global_step5'"
         _check(res[r], "on_tag", _err("CheckpointMismatchError", msg), both)
@@ -538,18 +569,42 @@ def _assert_agree_on(res: list[dict[str, Any]]) -> None:
         _check(res[r], "on_dtype", _err("CheckpointMismatchError", msg))
         _check(res[r], "on_solo", _ok({"step": r}), [])
         _check(res[r], "agree_solo", _ok([[r], [None]]), [])
+    both = {r: [*_agreed("pair", r), ["all_gather_object", "pair"]] for r in (0, 1)}
     newer = "format 9 is newer than this functional_ema"
-    _check(res[1], "on_fail", _err("CheckpointVersionError", newer), both)
+    _check(res[1], "on_fail", _err("CheckpointVersionError", newer), both[1])
     _check(
         res[0],
         "on_fail",
         _err("CheckpointVersionError", f"load failed on rank 1 of 2 (CheckpointVersionError): {newer}"),
     )
     wrong = f"load: record fields ['step', 'tag', 'x'] are not {fields}"
-    _check(res[0], "on_fields", _err("CheckpointError", wrong), both)
-    _check(res[1], "on_fields", _err("CheckpointError", f"load failed on rank 0 of 2 (CheckpointError): {wrong}"), both)
+    _check(res[0], "on_fields", _err("CheckpointError", wrong), both[0])
+    _check(
+        res[1], "on_fields", _err("CheckpointError", f"load failed on rank 0 of 2 (CheckpointError): {wrong}"), both[1]
+    )
     _check(res[1], "on_type", _err("TypeError", "tag must be a str"))
     _check(res[0], "on_type", _err("RuntimeError", "load failed on rank 1 of 2 (TypeError): tag must be a str"))
+
+
+def _assert_agree_on_bounded(res: list[dict[str, Any]], rank: int) -> None:
+    """Two verbs: both ranks raise at once naming each rank's verb. One rank alone: it waits the environment's 0.6 s
+    in its irecv (not an all-reduce, which would wait for gloo's own timeout) and raises, naming verb, rank, limit."""
+    r = rank % 2
+    verbs = "the ranks called different collective verbs (rank 0: 'swapped', rank 1: 'gather_full'); call each on "
+    msg = f"{['swapped', 'gather_full'][r]}: {verbs}every rank, in the same order"
+    _check(
+        res[rank],
+        "on_verbs",
+        _err("CheckpointMismatchError", msg),
+        [*_agreed("pair", r), ["all_gather_object", "pair"]],
+    )
+    if r == 0:
+        got = res[rank]["on_absent"]
+        assert got["calls"] == [["irecv", "on_absent", 1, AGREE, WORDS]], got
+        detail = "rank(s) [1] of the group did not arrive within 0.6 s"
+        _timed_out(got, "swapped", 0, 2, "0.6", detail, set_by="the environment variable")
+    else:
+        assert "on_absent" not in res[rank], res[rank]
 
 
 def _assert_sides(res: list[dict[str, Any]], rank: int) -> None:
@@ -673,6 +728,7 @@ def test_collective_ranks(tmp_path: Path) -> None:
         _assert_sides(res, rank)
         _assert_reach_and_job(res, rank)
         _assert_barriers(res, rank)
+        _assert_agree_on_bounded(res, rank)
     _assert_job_wide(res, tag)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -333,3 +334,121 @@ def test_training_inside_swapped_is_refused_and_wrong_states_too():
                         verb,
                         msg,
                     )
+
+
+# --------------------------------------------- DeepSpeed's optimizers stepped directly inside swapped
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers: equal iff bitwise equal (NaN payloads and -0.0 included)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().clone().contiguous().view(ints[t.element_size()])
+
+
+def _training_state(engine: Any) -> dict[str, torch.Tensor]:
+    """Bits of what an optimizer step moves: the fp32 masters (a collective on ZeRO-1/2/3), the 16-bit (or fp32)
+    weights the forward uses (ZeRO-3: the local partitions), and every tensor of the stepped optimizer's state."""
+    out = {f"master {n}": _bits(t) for n, t in full_fp32_reference(engine).items()}
+    for n, p in engine.module.named_parameters():
+        weight = p
+        if hasattr(p, "ds_tensor"):  # ZeRO-3: the partition without its padding (uninitialised memory)
+            start = p.ds_tensor.numel() * engine.global_rank
+            weight = p.ds_tensor.reshape(-1)[: max(0, min(p.ds_tensor.numel(), p.ds_numel - start))]
+        out[f"weight {n}"] = _bits(weight)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for i, st in enumerate(inner.state.values()):
+        for k, v in sorted(st.items()):
+            if torch.is_tensor(v):
+                out[f"optimizer state {i} {k}"] = _bits(v)
+    return out
+
+
+def _optimizer_paths(engine: Any) -> dict[str, Any]:
+    """Each distinct optimizer object a user can reach on the engine, by the first name reaching it."""
+    found: dict[str, Any] = {}
+    for path, opt in (
+        ("engine.optimizer", engine.optimizer),
+        ("engine.optimizer.optimizer", getattr(engine.optimizer, "optimizer", None)),
+        ("engine.basic_optimizer", getattr(engine, "basic_optimizer", None)),
+    ):
+        if opt is not None and all(opt is not o for o in found.values()):
+            found[path] = opt
+    return found
+
+
+def _step_inside_swapped(engine: Any, state: Any) -> dict[str, Any]:
+    """Call each optimizer's ``step()`` inside the block: what each raised, whether the training state moved, and
+    whether every ``step`` attribute is the one it was on entry after a clean exit and after an exception."""
+    import functional_ema as fe
+
+    opts = _optimizer_paths(engine)
+    had = {path: opt.__dict__.get("step") for path, opt in opts.items()}
+    before = _training_state(engine)
+    raised: dict[str, str] = {}
+    with fe.swapped(engine, state):
+        for path, opt in opts.items():
+            try:
+                opt.step()
+                raised[path] = "not refused"
+            except Exception as e:  # noqa: BLE001 - the parent asserts which error
+                raised[path] = f"{type(e).__name__}: {e}"
+    after = _training_state(engine)
+    restored = [opt.__dict__.get("step") is had[p] for p, opt in opts.items()]
+    try:
+        with fe.swapped(engine, state):
+            raise KeyError("boom")
+    except KeyError:
+        restored += [opt.__dict__.get("step") is had[p] for p, opt in opts.items()]
+    return {
+        "raised": raised,
+        "moved": [k for k in before if not torch.equal(before[k], after[k])],
+        "attributes_restored": all(restored),
+    }
+
+
+def optimizer_step_worker(configs, steps=2):
+    """Per configuration, two runs: one calls every DeepSpeed optimizer's ``step()`` inside ``swapped`` after
+    ``steps`` training steps, one does not; both then train ``steps`` more."""
+    import functional_ema as fe
+
+    out = []
+    for stage, dtype in configs:
+        report: dict[str, Any] = {"config": [stage, dtype]}
+        runs = []
+        for misuse in (True, False):
+            engine = make_engine(stage, dtype, seed=0)
+            state = fe.init_ema(fe.local_shards(engine))
+            losses = []
+            for i in range(2 * steps):
+                losses.append(train_step(engine, i))
+                state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.5)
+                if misuse and i == steps - 1:
+                    report.update(_step_inside_swapped(engine, state))
+            runs.append((losses, _training_state(engine)))
+            engine = None  # drop this configuration's engine before the next one is built
+        report["losses_equal"] = runs[0][0] == runs[1][0]
+        report["final_differs"] = [k for k in runs[1][1] if not torch.equal(runs[0][1][k], runs[1][1][k])]
+        out.append(report)
+    return out
+
+
+def test_optimizer_step_inside_swapped_is_refused_on_every_stage():
+    """``engine.optimizer.step()`` (DeepSpeed's wrapper: FP16_UnfusedOptimizer at ZeRO-0 bf16, the ZeRO optimizers)
+    and the step of the optimizer it wraps are refused inside ``swapped`` with SwappedTrainingError naming the call,
+    before anything changes: the fp32 masters, the 16-bit weights and the optimizer state stay bitwise, each ``step``
+    attribute is put back (also after an exception), and training goes on bitwise as in a run without the block.
+    Unfixed, ZeRO-0 bf16 moved the masters (the 16-bit weights did not follow) and ZeRO-1/2/3 raised TypeError."""
+    configs = [(s, d) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")]
+    reports = run_ranks("tests.test_deepspeed_swap:optimizer_step_worker", world_size=2, timeout=400, configs=configs)
+    for rank, per_rank in enumerate(reports):
+        assert [r["config"] for r in per_rank] == [list(c) for c in configs]
+        for r in per_rank:
+            where = (rank, r["config"])
+            stage, dtype = r["config"]
+            wrapped = dtype == "bf16" or stage > 0  # fp32 ZeRO-0 steps the client optimizer itself
+            assert ("engine.optimizer.optimizer" in r["raised"]) == wrapped, (where, r["raised"])
+            for path, got in r["raised"].items():
+                assert got.startswith(f"SwappedTrainingError: {path}.step() inside fe.swapped(...)"), (where, got)
+            assert r["moved"] == [], where
+            assert r["attributes_restored"], where
+            assert r["losses_equal"] and r["final_differs"] == [], where

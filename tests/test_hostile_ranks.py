@@ -759,3 +759,109 @@ def test_ranks_table(engine: str, tmp_path: Path, s3_server: Any) -> None:
     )
     assert counts["silent"] == counts["crash"] == counts["hang"] == 0, "\n".join(problems)
     assert counts["refused on all ranks"] == counts["cases"], "\n".join(problems)
+
+
+# ------------------------------------------------------------------------- a verb called on one rank only
+
+#: FUNCTIONAL_EMA_TIMEOUT of the one-rank launches, seconds: the bound on each rank's wait for the others.
+ALONE_S = 2.0
+
+
+def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    """``fn()``'s error (class and message; None when it returned) and the seconds it took."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        out: dict[str, Any] = {"error": None}
+    except Exception as e:  # noqa: BLE001 - the parent asserts which error
+        out = {"error": type(e).__name__, "msg": str(e)}
+    out["s"] = time.monotonic() - t0
+    return out
+
+
+def _verbs(x: Any, state: fe.EmaState) -> dict[str, Callable[[], Any]]:
+    return {"swapped": lambda: _swap(x, state), "gather_full": lambda: fe.gather_full(state, x)}
+
+
+def one_rank_worker(config: str) -> dict[str, Any]:
+    """DeepSpeed ZeRO-2/3 bf16: ``swapped`` on rank 0 while rank 1 calls ``gather_full`` (each must learn the other's
+    verb at once); then ``swapped`` on rank 0 alone while rank 1 trains (ZeRO-2: its collectives meet rank 0's wait,
+    which made gloo abort rank 0) or calls ``swapped`` only after rank 0 gave up (ZeRO-3)."""
+    import torch.distributed as dist
+
+    from functional_ema._testing.multirank import make_engine, train_step
+
+    rank = dist.get_rank()
+    if config == "ddp":
+        return _one_rank_ddp(rank)
+    engine = make_engine(2 if config == "zero2" else 3, "bf16")
+    state = fe.init_ema(fe.local_shards(engine))
+    train_step(engine, 0)
+    state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.5)
+    verbs = _verbs(engine, state)
+    out = {"mixed": _attempt(verbs[("swapped", "gather_full")[rank]])}
+    out["after_mixed"] = _attempt(verbs["gather_full"])  # the group is still usable
+    if rank == 0:
+        out["alone"] = _attempt(verbs["swapped"])
+    elif config == "zero2":
+        out["alone"] = _attempt(lambda: train_step(engine, 1))
+    else:
+        time.sleep(ALONE_S + 1)
+        out["alone"] = _attempt(verbs["swapped"])
+    return out
+
+
+def _one_rank_ddp(rank: int) -> dict[str, Any]:
+    """Each verb on a DDP model over a group of its own (a timeout leaves its group unusable): rank 0 calls it, rank
+    1 only after rank 0 gave up; the whole job's group keeps them in step between verbs."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from functional_ema._testing.multirank import OddNet
+
+    out = {}
+    for verb in ("swapped", "gather_full"):
+        group = dist.new_group([0, 1])
+        torch.manual_seed(0)
+        model = DistributedDataParallel(OddNet(), process_group=group)
+        state = fe.init_ema(fe.local_shards(model))
+        dist.barrier()
+        if rank == 1:
+            time.sleep(ALONE_S + 1)
+        out[verb] = _attempt(_verbs(model, state)[verb])
+        dist.barrier()
+    return out
+
+
+def _named_timeout(got: dict[str, Any], verb: str, rank: int) -> None:
+    """The bounded wait's error: the verb, the rank, the limit and the environment variable, within the bound."""
+    assert got["error"] == "CheckpointTimeoutError", got
+    msg = got["msg"]
+    assert msg.startswith(f"functional_ema.{verb}: rank {rank} waited "), msg
+    assert f"(limit {ALONE_S:g} s)" in msg and "environment variable FUNCTIONAL_EMA_TIMEOUT" in msg, msg
+    assert got["s"] <= ALONE_S + 3, got
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3", "ddp"])
+def test_verb_on_one_rank_fails_within_the_timeout(config: str) -> None:
+    """A collective verb called on one rank only fails on each rank within FUNCTIONAL_EMA_TIMEOUT, naming the verb,
+    the rank and the limit, instead of blocking for gloo's 30 minutes (or aborting the process in gloo); ranks in
+    two different verbs both fail at once naming each rank's verb. One launch per configuration, killed at 150 s."""
+    env = {"FUNCTIONAL_EMA_TIMEOUT": f"{ALONE_S:g}", **({"FE_DIST_INIT": "torch"} if config == "ddp" else {})}
+    res = run_ranks("tests.test_hostile_ranks:one_rank_worker", world_size=2, timeout=150, env=env, config=config)
+    if config == "ddp":
+        for rank in (0, 1):
+            for verb in ("swapped", "gather_full"):
+                _named_timeout(res[rank][verb], verb, rank)
+        return
+    called = "the ranks called different collective verbs (rank 0: 'swapped', rank 1: 'gather_full')"
+    for rank, verb in enumerate(("swapped", "gather_full")):
+        got = res[rank]["mixed"]
+        assert got["error"] == "StateMismatchError" and got["msg"].startswith(f"{verb}: {called}"), got
+        assert got["s"] < ALONE_S, got
+        assert res[rank]["after_mixed"]["error"] is None, res[rank]["after_mixed"]
+    _named_timeout(res[0]["alone"], "swapped", 0)
+    if config == "zero3":
+        _named_timeout(res[1]["alone"], "swapped", 1)
+    else:  # rank 1 is in DeepSpeed's collective, not a verb: gloo's error once rank 0 gave up, not an abort
+        assert res[1]["alone"]["error"] == "RuntimeError" and res[1]["alone"]["s"] <= ALONE_S + 3, res[1]["alone"]

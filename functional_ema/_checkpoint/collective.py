@@ -80,7 +80,8 @@ def agree(
     arguments) stays as it is on the rank that raised it, and the others raise ``fallback``.
     """
     if not results:
-        agree_on(what, lambda: (fn(), {})[1], (), group, world, rank, fallback=fallback)
+        # Unbounded: fn may be long work (a save's writes), however long one rank takes more than another
+        agree_on(what, lambda: (fn(), {})[1], (), group, world, rank, fallback=fallback, bounded=False)
         return [None] * world
     payload, local_exc = run_local(fn, rank)
     return settle(what, payload, local_exc, group, world, rank, fallback)
@@ -97,26 +98,41 @@ def agree_on(
     fallback: type[Exception] = CheckpointError,
     mismatch: type[Exception] = CheckpointMismatchError,
     fix: str = "",
+    timeout: float | None = None,
+    bounded: bool = True,
 ) -> Mapping[str, Any]:
     """Run ``fn()`` on every rank (this rank's checks, returning its record ``{field: value}`` of what the
     verb is about to read: step, tag, save generation, number of EMAs, dtype, layout) and agree on it:
     raise on every rank when ``fn`` failed on any rank (as :func:`agree`) or when the ranks' records differ.
 
-    Cost: one all-reduce of ``1 + 2 * len(fields)`` int64 on success (a failure flag and, per field, a
-    62-bit digest of the value and its negation: equal on every rank iff ``max == -max(-digest)``), on the
-    gloo side group when the backend is NCCL. Only a failure or a disagreement exchanges the records, to
-    name each rank's value: ``mismatch`` is raised on every rank, e.g. ``"gather_full: ranks disagree on
-    step: rank 0: 6, rank 1: 5"`` (``fix`` appended).
+    It is also the verb's arrival, bounded like :func:`arrive`: the few ints are exchanged point to point
+    through the group's first rank (:func:`bounded_max`, its own tags, one fixed-size message each way), so a
+    verb called on some ranks only fails on each of them with :class:`CheckpointTimeoutError` after the
+    timeout (``timeout``, else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_TIMEOUT_S`) instead of blocking in
+    an all-reduce, or crashing gloo when another rank's collective meets it. A digest of ``what`` travels too:
+    ranks in two different verbs (``swapped`` on one, ``gather_full`` on another) raise ``mismatch`` naming each.
+    ``bounded=False`` (:func:`agree` after a long ``fn``) all-reduces the same ints instead, with no bound.
+
+    Cost: one round trip of :data:`AGREE_WORDS` int64 between each rank and the first (a verb digest, a failure
+    flag and, per field, a 62-bit digest of the value and its negation: equal on every rank iff
+    ``max == -max(-digest)``), on the gloo side group when the backend is NCCL. Only a failure or a disagreement
+    exchanges the records, to name each rank's value: ``mismatch`` is raised on every rank, e.g. ``"gather_full:
+    ranks disagree on step: rank 0: 6, rank 1: 5"`` (``fix`` appended).
 
     Args:
         what: the verb, as the message names it.
         fn: this rank's check; returns ``{field: value}`` for exactly ``fields`` (JSON-able values, or
             anything whose ``str`` identifies it, e.g. a dtype).
         fields: the fields every rank compares, in a fixed order (the same on every rank).
+        timeout: the bound on the wait for the other ranks, in seconds (see above).
+        bounded: whether the wait is bounded (see above).
 
     Returns:
         This rank's record (the same values on every rank).
     """
+    if 3 + 2 * len(fields) > AGREE_WORDS:  # a caller's bug, the same on every rank of one call site
+        raise ValueError(f"{what}: agree_on compares at most {(AGREE_WORDS - 3) // 2} fields, got {len(fields)}")
+    t = timeout_s(timeout)  # a bad FUNCTIONAL_EMA_TIMEOUT is refused before fn runs
     payload, local_exc = run_local(fn, rank)
     record = payload[1] if local_exc is None else None
     if world <= 1 or not dist.is_initialized():
@@ -127,11 +143,20 @@ def agree_on(
         local_exc = CheckpointError(f"{what}: record fields {sorted(record)} are not {sorted(fields)}")
         payload, record = ("error", "CheckpointError", str(local_exc), True, None), None
     digests = [value_digest(record[f]) if record is not None else -1 for f in fields]
-    reduced = all_reduce_max([int(record is None)] + [v for d in digests for v in (d, -d)], group)
+    verb = value_digest(what)
+    words = [verb, -verb, int(record is None)] + [v for d in digests for v in (d, -d)]
+    set_by = "the environment variable" if timeout is None else "timeout= or the environment variable"
+    reduced = _agreement(what, words, (group, world, rank), t, set_by) if bounded else all_reduce_max(words, group)
+    if reduced[0] != -reduced[1]:  # every rank sees it: each names the verb the others called, then raises
+        called = exchange(what, barrier_group(group, t), world)
+        shown = ", ".join(f"rank {r}: {_shown(v)}" for r, v in enumerate(called))
+        raise mismatch(
+            f"{what}: the ranks called different collective verbs ({shown}); call each on every rank, in the same order"
+        )
     if (
         record is not None
-        and not reduced[0]
-        and all(reduced[1 + 2 * i] == -reduced[2 + 2 * i] for i in range(len(fields)))
+        and not reduced[2]
+        and all(reduced[3 + 2 * i] == -reduced[4 + 2 * i] for i in range(len(fields)))
     ):
         return record
     records = settle(what, payload, local_exc, group, world, rank, fallback)  # raises when a rank failed
@@ -308,6 +333,12 @@ def check_reachable(what: str, group: dist.ProcessGroup | None, world: int) -> N
 
 #: Point-to-point tags of :func:`bounded_barrier` (distinctive: a caller's own sends on the group use others).
 ARRIVE_TAG, RELEASE_TAG = 0x454D4101, 0x454D4102
+#: Those of :func:`agree_on`'s exchange: other tags than :func:`arrive`'s, so that a rank in one never takes the
+#: other's message (gloo aborts the process when a message of another size meets a receive).
+AGREE_TAG, AGREE_RELEASE_TAG = 0x454D4103, 0x454D4104
+#: Length, in int64, of every message of :func:`agree_on` (padded with zeros): one size for every verb, so ranks
+#: in two verbs exchange messages that fit and learn that the verbs differ.
+AGREE_WORDS = 64
 
 
 def _finished(work: dist.Work | None, deadline: float) -> bool:
@@ -328,27 +359,60 @@ def bounded_barrier(g: dist.ProcessGroup | None, t: float) -> None:
     until rank 0 exited or broke the group, not ``t`` seconds. Here each rank sends rank 0 a token and
     waits, on its own clock, for rank 0's release, which rank 0 sends once every token has come.
     A timeout leaves the group unusable (gloo closes its connections), as with monitored_barrier."""
+    bounded_max(g, t, torch.zeros(1, dtype=torch.int64), (ARRIVE_TAG, RELEASE_TAG))
+
+
+def bounded_max(g: dist.ProcessGroup | None, t: float, mine: torch.Tensor, tags: tuple[int, int]) -> torch.Tensor:
+    """The elementwise maximum of ``mine`` (a CPU int64 tensor of one size on every rank) over the ranks of ``g``
+    (a gloo group), as :func:`bounded_barrier` exchanges its tokens: each rank sends its tensor to rank 0 with
+    ``tags[0]``; rank 0, once all have come, sends the maximum back with ``tags[1]``. Raises ``RuntimeError`` on a
+    rank whose own wait reaches ``t`` seconds first (a point-to-point wait can be bounded; a collective's cannot)."""
     deadline = time.monotonic() + t
     world, me = dist.get_world_size(g), dist.get_rank(g)
-    token = torch.zeros(1, dtype=torch.int64)
     if me != 0:
-        sent = dist.isend(token, group=g, group_dst=0, tag=ARRIVE_TAG)
-        release = torch.zeros(1, dtype=torch.int64)
-        if not (
-            _finished(dist.irecv(release, group=g, group_src=0, tag=RELEASE_TAG), deadline)
-            and _finished(sent, deadline)
-        ):
+        sent = dist.isend(mine, group=g, group_dst=0, tag=tags[0])
+        out = torch.zeros_like(mine)
+        if not (_finished(dist.irecv(out, group=g, group_src=0, tag=tags[1]), deadline) and _finished(sent, deadline)):
             raise RuntimeError(f"no release from rank 0 of the group within {t:g} s")
-        return
-    tokens = [torch.zeros(1, dtype=torch.int64) for _ in range(world - 1)]
-    arrivals = [dist.irecv(x, group=g, group_src=r, tag=ARRIVE_TAG) for r, x in enumerate(tokens, 1)]
+        return out
+    got = [torch.zeros_like(mine) for _ in range(world - 1)]
+    arrivals = [dist.irecv(x, group=g, group_src=r, tag=tags[0]) for r, x in enumerate(got, 1)]
     missing = [r for r, w in enumerate(arrivals, 1) if not _finished(w, deadline)]
     if missing:
         raise RuntimeError(f"rank(s) {missing} of the group did not arrive within {t:g} s")
-    releases = [dist.isend(token, group=g, group_dst=r, tag=RELEASE_TAG) for r in range(1, world)]
+    out = torch.stack([mine, *got]).amax(dim=0) if got else mine
+    releases = [dist.isend(out, group=g, group_dst=r, tag=tags[1]) for r in range(1, world)]
     late = [r for r, w in enumerate(releases, 1) if not _finished(w, deadline)]
     if late:
         raise RuntimeError(f"rank(s) {late} of the group took no release within {t:g} s")
+    return out
+
+
+def _agreement(
+    what: str, words: list[int], where: tuple[dist.ProcessGroup | None, int, int], t: float, set_by: str
+) -> list[int]:
+    """:func:`agree_on`'s exchange: the elementwise maximum of ``words`` over the group (:func:`bounded_max`, padded
+    to :data:`AGREE_WORDS`), or :class:`CheckpointTimeoutError` naming ``what`` when a rank waits ``t`` seconds."""
+    group, world, rank = where
+    mine = torch.zeros(AGREE_WORDS, dtype=torch.int64)
+    mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
+    t0 = time.monotonic()
+    try:
+        out = bounded_max(barrier_group(group, t), t, mine, (AGREE_TAG, AGREE_RELEASE_TAG))
+    except RuntimeError as e:  # gloo reports a timeout or a vanished peer as RuntimeError (DistError)
+        raise _timed_out(what, rank, world, t, time.monotonic() - t0, e, set_by) from None
+    return out[: len(words)].tolist()
+
+
+def _timed_out(what: str, rank: int, world: int, t: float, waited: float, e: Exception, set_by: str) -> Exception:
+    """The :class:`CheckpointTimeoutError` of a verb whose other ranks did not come within ``t`` seconds."""
+    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return CheckpointTimeoutError(
+        f"functional_ema.{what}: rank {rank} waited {waited:.1f} s (limit {t:g} s) for the other ranks "
+        f"of the data-parallel group (world size {world}) to call it too, and they did not ({detail}). {what}() is "
+        f"collective: call it on every rank, with the same arguments. The wait is set by {set_by} "
+        f"{TIMEOUT_ENV} (default {DEFAULT_TIMEOUT_S:g} s). The process group may be unusable after this"
+    )
 
 
 def arrive(what: str, group: dist.ProcessGroup | None, world: int, rank: int, timeout: float | None) -> None:
@@ -364,13 +428,8 @@ def arrive(what: str, group: dist.ProcessGroup | None, world: int, rank: int, ti
     try:
         bounded_barrier(barrier_group(group, t), t)
     except RuntimeError as e:  # gloo reports a timeout or a vanished peer as RuntimeError (DistError)
-        detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise CheckpointTimeoutError(
-            f"functional_ema.{what}: rank {rank} waited {time.monotonic() - t0:.1f} s (limit {t:g} s) for the other ranks "
-            f"of the data-parallel group (world size {world}) to call it too, and they did not ({detail}). {what}() is "
-            f"collective: call it on "
-            f"every rank, with the same arguments. The wait is set by timeout= or the environment variable "
-            f"{TIMEOUT_ENV} (default {DEFAULT_TIMEOUT_S:g} s). The process group may be unusable after this"
+        raise _timed_out(
+            what, rank, world, t, time.monotonic() - t0, e, "timeout= or the environment variable"
         ) from None
 
 

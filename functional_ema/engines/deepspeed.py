@@ -192,27 +192,29 @@ class DeepSpeedAdapter(Adapter):
 
     @contextlib.contextmanager
     def refuse_training(self, why: str) -> Iterator[None]:
-        """``engine.backward`` / ``engine.step`` refused (instance attributes shadowing the methods). Nested
-        refusals (``EMAModel.store`` around a swap) each put back what they found."""
+        """``engine.backward`` / ``engine.step`` refused, and ``step()`` of every optimizer DeepSpeed steps for the
+        engine (:func:`_engine_optimizers`): instance attributes shadowing the methods, so the call is refused before
+        its body runs. DeepSpeed's wrapper (``FP16_UnfusedOptimizer``, ``BF16_Optimizer``, the ZeRO optimizers) is
+        no ``torch.optim.Optimizer``, and the client optimizer it wraps holds fp32 copies, not the module's
+        parameters: the torch step hook of ``training_refused`` sees neither. Each attribute is put back exactly as
+        found (also on an exception); nested refusals (``EMAModel.store`` around a swap) each put back theirs."""
         engine = self.target
-        found: dict[str, Any] = {}  # verb -> the instance attribute it had (None: none)
-        for verb in ("backward", "step", "train_batch"):  # train_batch: a PipelineEngine's whole step
-            if not callable(getattr(engine, verb, None)):
-                continue
-
-            def refuse(*_a: Any, _verb: str = verb, **_k: Any) -> NoReturn:
-                raise SwappedTrainingError(f"engine.{_verb}() {why}")
-
-            found[verb] = engine.__dict__.get(verb)
-            engine.__dict__[verb] = refuse
+        # train_batch: a PipelineEngine's whole step
+        targets = [(engine, verb, f"engine.{verb}()") for verb in ("backward", "step", "train_batch")]
+        targets += [(opt, "step", f"{path}.step()") for path, opt in _engine_optimizers(engine)]
+        found: list[tuple[Any, str, Any]] = []  # (object, attribute, the instance attribute it had: None if none)
         try:
+            for obj, attr, call in targets:
+                if callable(getattr(obj, attr, None)):
+                    found.append((obj, attr, obj.__dict__.get(attr)))
+                    obj.__dict__[attr] = _refuser(f"{call} {why}")
             yield
         finally:
-            for verb, before in found.items():
+            for obj, attr, before in reversed(found):
                 if before is None:
-                    engine.__dict__.pop(verb, None)
+                    obj.__dict__.pop(attr, None)
                 else:
-                    engine.__dict__[verb] = before
+                    obj.__dict__[attr] = before
 
     def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
         """The fp32 masters, and the 16-bit copies the forward uses: ZeRO-3's partitions (the gathered
@@ -234,6 +236,36 @@ class DeepSpeedAdapter(Adapter):
             else:
                 for n, p in reading.params.items():
                     p.data.copy_(full[n].to(p.dtype))
+
+
+def _refuser(message: str) -> Any:
+    def refuse(*_a: Any, **_k: Any) -> NoReturn:
+        raise SwappedTrainingError(message)
+
+    return refuse
+
+
+def _engine_optimizers(engine: Any) -> list[tuple[str, Any]]:
+    """Every optimizer object whose ``step()`` moves the engine's weights, once each (by identity), under the first
+    name that reaches it: DeepSpeed's wrapper (``engine.optimizer``), the optimizer it steps over the fp32 masters
+    (``engine.optimizer.optimizer``: the client's, or DeepSpeed's own), and the client's as DeepSpeed keeps it
+    (``engine.basic_optimizer``, ``engine.client_optimizer``; a factory callable there has no ``step``)."""
+    wrapper = getattr(engine, "optimizer", None)
+    candidates = (
+        ("engine.optimizer", wrapper),
+        ("engine.optimizer.optimizer", getattr(wrapper, "optimizer", None)),
+        ("engine.basic_optimizer", getattr(engine, "basic_optimizer", None)),
+        ("engine.client_optimizer", getattr(engine, "client_optimizer", None)),
+    )
+    seen: set[int] = set()
+    out = []
+    for path, opt in candidates:
+        if opt is None or isinstance(opt, type) or id(opt) in seen or not hasattr(opt, "__dict__"):
+            continue
+        if callable(getattr(opt, "step", None)):
+            seen.add(id(opt))
+            out.append((path, opt))
+    return out
 
 
 def _first(obj: Any, names: tuple[str, ...], default: int) -> int:

@@ -55,7 +55,7 @@ from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
 from functional_ema._args import check_bool, check_int, check_location, check_optional_int, check_path, check_str
 from functional_ema._checkpoint.bucket import next_generation, store_error, url_storage
-from functional_ema._checkpoint.collective import agree, agree_on, io_error, job_of, timeout_s
+from functional_ema._checkpoint.collective import agree, agree_on, arrive, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (
     MANIFEST_NAME,
     RECORD_NAME,
@@ -559,6 +559,9 @@ class EMAController:
                 return ("unstarted", record, False)
             return ("ema", None, buffers) if generation is not None else ("nothing", None, False)
 
+        # Bounded, as fe.load's entry: a rank resuming alone fails after FUNCTIONAL_EMA_TIMEOUT, naming the verb,
+        # instead of waiting in the exchange below for the group's own timeout
+        arrive("EMA resume", job.group, job.world, job.rank, None)
         decisions = agree("EMA resume", decide, job.group, job.world, job.rank)
         if any(d[0] != decisions[0][0] for d in decisions):  # private folders: each rank decided from its own
             seen = ", ".join(f"rank {r}: {d[0]}" for r, d in enumerate(decisions))
