@@ -23,7 +23,7 @@ from ._selection import SelectionLike, make_selection, selection_record
 from ._shards import Shards
 from ._state import EmaState
 from .engines import Reading, SwapStats, adapter_for
-from .engines._base import Adapter, gather_pieces, read_for, select
+from .engines._base import Adapter, gather_pieces, read_for, refuse_sparse, select
 from .engines._base import join_parts as join_parts_of
 
 __all__ = [
@@ -75,10 +75,17 @@ def local_shards(x: Any, *, include: SelectionLike = None, exclude: SelectionLik
         >>> state = fe.init_ema(fe.local_shards(engine))            # doctest: +SKIP
         >>> state = fe.update(state, fe.local_shards(engine), engine.global_steps)  # doctest: +SKIP
     """
-    if include is None and exclude is None:  # every parameter: the reading's own Shards, no extra step
-        return adapter_for(x).read().shards
     adapter = adapter_for(x)
-    return select(adapter.read(), make_selection(include, exclude), adapter.module()).shards
+    reading = adapter.read()
+    if not reading.params:  # nothing read: refused where that cannot be legitimate (a plain/DDP module)
+        adapter.refuse_empty_reading()
+    if include is None and exclude is None:  # every parameter: the reading's own Shards, no extra step
+        shards = reading.shards
+    else:
+        shards = select(reading, make_selection(include, exclude), adapter.module()).shards
+    if reading.sparse:  # only where the model has a sparse parameter
+        refuse_sparse(reading, shards)
+    return shards
 
 
 def shard_layout(x: Any) -> ShardLayout:

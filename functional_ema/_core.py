@@ -25,7 +25,7 @@ from ._plan import Plan
 from ._shards import Shards, clone_tree, selection_note
 from ._state import PENDING_ATTR, EmaState, wait_pending
 from ._tree import TreeMismatchError, check_same_names, flatten_named
-from .schedules import DecayLike, interval_decay
+from .schedules import DecayLike, check_decay, interval_decay
 
 __all__ = ["ema_nbytes", "init_ema", "update", "update_info", "wait_update", "NonFiniteError", "UpdateInfo"]
 
@@ -141,7 +141,8 @@ def init_ema(
             because at decay 0.9999 the update ``(1 - decay) * (x - ema)`` is below bf16 resolution
             and the EMA stops moving.
         device: where the EMA lives; defaults to each shard's device (with ZeRO-Offload that is
-            already the CPU). Not ``"meta"``; shards on the meta device are refused too.
+            already the CPU). Not ``"meta"``, nor a device this machine lacks (``"cuda"`` without CUDA);
+            shards on the meta device, and sparse ones, are refused too.
         pin_memory: allocate CPU EMAs in pinned memory. For GPU training with ``device="cpu"``:
             :func:`update` then copies the weights to the host chunk by chunk on a side CUDA stream,
             overlapped with the CPU update of the previous chunk. Ignored when CUDA is not
@@ -160,12 +161,12 @@ def init_ema(
         >>> state.ema["w"]
         tensor([0.5000, 0.5000, 0.5000])
     """
-    from ._args import check_bool, check_device
+    from ._args import check_bool, check_present_device
 
     num_emas = check_num_emas(num_emas)
     dtype = check_ema_dtype(dtype)
     pin_memory = check_bool(pin_memory, "pin_memory")
-    checked = check_device(device, "device")
+    checked = check_present_device(device, "device")
     if checked is not None and checked.type == "meta":
         raise ValueError(
             f"device={device!r}: an EMA on the meta device holds no values; pass a real device (or None for "
@@ -208,6 +209,8 @@ def _allocate(
     for name, leaf in zip(names, leaves):
         if leaf.is_meta:
             _refuse_meta_shard(name)
+        if leaf.layout is not torch.strided:
+            _refuse_sparse_shard(name, leaf.layout)
 
     def alloc(leaf: torch.Tensor) -> torch.Tensor:
         target = torch.device(device) if device is not None else leaf.device
@@ -233,10 +236,24 @@ def _refuse_meta_shard(name: str) -> None:
     )
 
 
+def _refuse_sparse_shard(name: str, layout: torch.layout) -> NoReturn:
+    raise TypeError(
+        f"shards[{name!r}] is a sparse tensor ({layout}); an EMA averages dense weights: leave it out "
+        f"(local_shards(model, exclude=[{name!r}]), or drop it from the tree)"
+    )
+
+
 def _check_floating(names: list[str], leaves: list[torch.Tensor], what: str) -> None:
     for name, leaf in zip(names, leaves):
         if not leaf.is_floating_point():
-            raise TypeError(f"{what}[{name!r}] has dtype {leaf.dtype}; EMAs need floating-point weights")
+            _refuse_not_floating(f"{what}[{name!r}]", leaf.dtype, name)
+
+
+def _refuse_not_floating(what: str, dtype: torch.dtype, name: str) -> NoReturn:
+    raise TypeError(
+        f"{what} has dtype {dtype}; EMAs need floating-point weights: leave the parameter out "
+        f"(local_shards(model, exclude=[{name!r}]), or drop it from the tree)"
+    )
 
 
 def ema_nbytes(state: EmaState) -> int:
@@ -288,18 +305,23 @@ def update(
         state: from :func:`init_ema` (or :func:`functional_ema.load`).
         shards: the same tree (names, shapes) the state was made from, current values.
         step: the training step the shards belong to, e.g. ``engine.global_steps``; an ``int``.
-            ``None`` means ``state.step + 1``. Equal to ``state.step``: nothing to do, the state is
-            returned unchanged, or a copy of it with ``inplace=False`` (e.g. a micro-batch within
-            gradient accumulation, where the optimizer has not stepped). Smaller: an error.
-        decay: a float (per-step decay), a schedule, or a callable ``step -> decay``; a sequence of
-            ``state.num_emas`` of them when the state tracks several EMAs.
+            ``None`` means ``state.step + 1`` (refused with ``nonfinite="skip"``, below). Equal to
+            ``state.step``: nothing to average, the state is returned unchanged, or a copy of it with
+            ``inplace=False`` (e.g. a micro-batch within gradient accumulation, where the optimizer has
+            not stepped); the arguments are checked all the same (the shards' names against the state's,
+            the decays), at about 1 us for the ``Shards`` of the last update. Smaller: an error.
+        decay: a real number (per-step decay: a float, a numpy scalar or a one-element tensor), a
+            schedule, or a callable ``step -> decay``; a sequence of ``state.num_emas`` of them when the
+            state tracks several EMAs (a bad one is named by its place, ``decay[k]``).
         inplace: ``True`` (default) writes into the state's buffers and returns a state sharing
             them (the old state is updated too, as in torchopt); ``False`` leaves ``state``
             untouched and returns new buffers with the same layout (so they update fused too), also
             when nothing is averaged in (same step, or a skip).
         nonfinite: ``None`` (default) averages whatever the weights hold. ``"skip"``: when any
             weight is NaN or inf, leave the EMAs and the step unchanged and return the state (a copy
-            with ``inplace=False``; a later update compounds the skipped steps). ``"raise"``: raise :class:`NonFiniteError`
+            with ``inplace=False``; a later update, given the training step, compounds the skipped
+            steps, so ``"skip"`` needs ``step=``: with ``step=None`` it is refused, since the skipped
+            steps would be lost). ``"raise"``: raise :class:`NonFiniteError`
             naming the parameter, state unchanged. The check reads the weights once more (about
             +33% of the update's memory traffic for one fp32 EMA). With the ``Shards`` of
             ``local_shards(x)`` of a model trained on several ranks (``shards.group``), the ranks
@@ -332,9 +354,10 @@ def update(
             is not a real number.
         ValueError: ``step`` is before ``state.step`` or does not fit its int64 counter,
             ``state.step`` is not one element >= 0 on a real device, a decay is outside [0, 1], the
-            number of decays is wrong, a shard or EMA tensor is on the meta device, or the state holds
-            inference tensors it could not write (built under ``torch.inference_mode()`` by hand;
-            ``init_ema`` and ``load`` make normal tensors even there). Everything
+            number of decays is wrong, a shard or EMA tensor is on the meta device, the state's EMAs of
+            one tensor differ in dtype or device, ``nonfinite="skip"`` comes with ``step=None``, or the
+            state holds inference tensors it could not write (built under ``torch.inference_mode()`` by
+            hand; ``init_ema`` and ``load`` make normal tensors even there). Everything
             is checked before any EMA value (or the step) changes.
 
     Examples:
@@ -366,6 +389,8 @@ def update(
     if last < 0:
         check_step_tensor(counter, "state.step")
     if step is None:
+        if nonfinite == "skip":
+            _refuse_skip_without_step()
         step = last + 1
         if step > _MAX_STEP:
             raise ValueError(
@@ -387,8 +412,9 @@ def update(
             return state if inplace else _copied(state)
     else:
         if step <= last:
-            if step == last:
-                return state if inplace else _copied(state)  # the optimizer has not stepped: nothing to average
+            if step == last:  # the optimizer has not stepped: nothing to average, the arguments checked all the same
+                _check_same_step(state, shards, decay)
+                return state if inplace else _copied(state)
             raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
         plan, weights = _checked_plan(state, shards, step, last, decay)
         if nonfinite is not None and not _all_finite(state.emas[0], shards, nonfinite):
@@ -430,7 +456,49 @@ def _checked_plan(
 def decay_weights(num_emas: int, decay: Any, last: int, step: int) -> list[float]:
     """Each EMA's lerp weight for an update from ``last`` to ``step``: ``decay`` checked as :func:`update`
     checks it (one per EMA, each a real number in [0, 1] at every step), before anything moves."""
-    return [_weight(d, last, step) for d in _decays_for(num_emas, decay)]
+    decays = _decays_for(num_emas, decay)
+    if type(decay) is not float and isinstance(decay, (list, tuple)):
+        decays = _named_decays(decays)  # one decay alone is checked by _weight, under the name "decay"
+    return [_weight(d, last, step) for d in decays]
+
+
+def _named_decays(decays: list[Any]) -> list[Any]:
+    """A sequence's decays, each a float in [0, 1], a real number, a schedule or a callable (whose values are
+    checked where it is compounded), else refused naming its place: ``decay[k]``."""
+    return [d if type(d) is float and 0.0 <= d <= 1.0 else check_decay(d, f"decay[{k}]") for k, d in enumerate(decays)]
+
+
+def _check_same_step(state: EmaState, shards: Any, decay: Any) -> None:
+    """:func:`update`'s checks of an update at the state's own step, which averages nothing: the shards' names
+    and tree against the state's and every decay (count, type, range), so a bad argument is refused where it
+    enters, not at the next real step. Cheap, as every micro-batch of gradient accumulation calls it: for the
+    ``Shards`` of the last update one identity check (the plan kept on the EMA, which checked its layout), for a
+    flat dict its names and that it holds tensors (about 20 us for 516 tensors; their shapes are checked by the
+    next real update); any other tree is planned in full, which names what differs."""
+    emas: tuple[Any, ...] = state.emas
+    if not _same_flat_dict(emas[0] if emas else None, shards):
+        _plan_for(emas, shards)
+    decays = _decays_for(state.num_emas, decay)
+    if isinstance(decay, (list, tuple)):
+        _named_decays(decays)
+    elif type(decay) is not float:  # a float's range was checked by _decays_for
+        check_decay(decay, "decay")
+
+
+def _same_flat_dict(ema: Any, shards: Any) -> bool:
+    """Whether ``shards`` and ``ema`` are flat dicts with the same names, ``shards`` holding tensors only."""
+    if type(shards) is not dict or type(ema) is not dict or shards.keys() != ema.keys():
+        return False
+    return all(issubclass(kind, _TENSOR) for kind in set(map(type, shards.values())))
+
+
+def _refuse_skip_without_step() -> NoReturn:
+    raise ValueError(
+        "update(step=None, nonfinite='skip'): nonfinite='skip' needs the training step. A skipped update leaves "
+        "state.step where it was, so with step=None (state.step + 1) every skip would be lost for good: state.step "
+        "falls behind the training step and the schedule is evaluated at the wrong step. Pass step= (e.g. "
+        "engine.global_steps or your optimizer step counter): a later update then compounds the skipped steps"
+    )
 
 
 def _check_together(
@@ -464,6 +532,8 @@ def _check_together(
         if step > last:
             plan, weights = _checked_plan(state, shards, step, last, decay)
             saw = not _all_finite(state.emas[0], shards, mode)
+        else:  # step == last: nothing to average, the arguments checked all the same (on every rank)
+            _check_same_step(state, shards, decay)
     except NonFiniteError as e:
         saw, error = True, e
     except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
@@ -603,10 +673,12 @@ def _check_segment(shards: Shards, j: int) -> None:
     """Refuse segment ``j`` of ``shards`` unless it holds floating-point values in real memory."""
     seg = shards.segments[j]
     if not seg.is_floating_point():
-        name = next(n for n, p in zip(shards.index.names, shards.index.places) if p[0] == j)
-        raise TypeError(f"shards[{name!r}] has dtype {seg.dtype}; EMAs need floating-point weights")
+        name = _segment_name(shards, j)
+        _refuse_not_floating(f"shards[{name!r}]", seg.dtype, name)
     if seg.is_meta:
         _refuse_meta_shard(_segment_name(shards, j))
+    if seg.layout is not torch.strided:
+        _refuse_sparse_shard(_segment_name(shards, j), seg.layout)
 
 
 def _fused_plan(emas: tuple, shards: Shards) -> Plan:
@@ -614,6 +686,7 @@ def _fused_plan(emas: tuple, shards: Shards) -> Plan:
         _check_segment(shards, j)
         for k, e in enumerate(emas):
             _check_device(e.segments[j], seg, lambda j=j: _segment_name(shards, j), k)
+            _check_like_first(e.segments[j], emas[0].segments[j], lambda j=j: _segment_name(shards, j), k)
             if e.segments[j].is_inference():
                 refuse_inference(f"state.emas[{k}][{_segment_name(shards, j)!r}]")
     plan = Plan()
@@ -669,16 +742,36 @@ def _per_tensor_plan(emas: tuple, shards: Any) -> Plan:
     plan.no_grad = True  # the leaves may be parameters that require grad
     if len(kinds) == 1 and all(set(map(_KIND, leaves)) == kinds for leaves in ema_lists) and len(ema_lists) == 1:
         plan.add_same_kind(ema_lists, src)  # the usual case: one foreach call, no per-tensor planning
-    else:
-        for i, (name, s) in enumerate(zip(src_names, src)):
-            es = [leaves[i] for leaves in ema_lists]
-            for k, e in enumerate(es):
-                _check_device(e, s, lambda name=name: name, k)
-                if e.is_inference():
-                    refuse_inference(f"state.emas[{k}][{name!r}]")
-            plan.add([e.detach() for e in es], s.detach())
+        plan.finish()
+        if not plan.inference and any(map(_IS_INFERENCE, ema_lists[0])):  # only written in inference mode
+            name = next(n for n, e in zip(src_names, ema_lists[0]) if e.is_inference())
+            refuse_inference(f"state.emas[0][{name!r}]")
+        return plan
+    for i, (name, s) in enumerate(zip(src_names, src)):
+        es = [leaves[i] for leaves in ema_lists]
+        for k, e in enumerate(es):
+            _check_device(e, s, lambda name=name: name, k)
+            _check_like_first(e, es[0], lambda name=name: name, k)
+            if e.is_inference():
+                refuse_inference(f"state.emas[{k}][{name!r}]")
+        plan.add([e.detach() for e in es], s.detach())
     plan.finish()
     return plan
+
+
+_IS_INFERENCE = torch.Tensor.is_inference
+
+
+def _check_like_first(e: torch.Tensor, first: torch.Tensor, name: Callable[..., str], k: int) -> None:
+    """Refuse EMA ``k`` of a tensor unless it has EMA 0's dtype and device: the EMAs of one tensor are lerped
+    together, towards one copy of the weights (a state mapped to another dtype for some EMAs only)."""
+    if e.dtype != first.dtype or e.device != first.device:
+        raise ValueError(
+            f"state.emas[{k}][{name()!r}] has dtype {e.dtype} on {e.device} but state.emas[0][{name()!r}] has "
+            f"{first.dtype} on {first.device}: the EMAs of one state must have one dtype and device per tensor. "
+            "Map every EMA alike (EmaState(state.step, tuple(optree.tree_map(f, e) for e in state.emas))), or "
+            "keep EMAs of different dtypes in separate states"
+        )
 
 
 _SHAPE = operator.attrgetter("shape")

@@ -49,6 +49,10 @@ _STAGE_CHUNK_ELEMENTS = 1 << 20
 _FOREACH_DEVICES = frozenset({"cpu", "cuda"})
 
 
+# The tensor types a plan may lerp under inference mode (see Plan.finish): exactly these, no other subclass.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _needs_staging(src: torch.Tensor, ema: torch.Tensor) -> bool:
     """Whether the weights must be copied (and converted) before ``ema`` can lerp towards them.
 
@@ -268,12 +272,13 @@ class Plan:
         self.single = (groups[0].emas[0].lerp_, groups[0].srcs[0]) if single else None
         # In-place lerps of plain tensors, nothing allocated: under inference mode each lerp_ of a
         # _foreach_lerp_ skips autograd's dispatch (about 35 ns a tensor on CPU, same kernel, same
-        # bits; version counters still move). Not for subclasses (DTensor...) nor staged copies,
-        # whose buffers would become inference tensors.
+        # bits; version counters still move). An nn.Parameter is a plain tensor to it (a dict of a model's
+        # parameters; an EMA made under inference mode can only be written there). Not for other subclasses
+        # (DTensor...) nor staged copies, whose buffers would become inference tensors.
         self.inference = (
             not self.staged
             and not self.converted
-            and all(type(t) is torch.Tensor for g in groups for t in (*g.emas, *g.srcs))
+            and all(type(t) in _PLAIN for g in groups for t in (*g.emas, *g.srcs))
         )
 
     def run(self, weights: Sequence[float]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import optree
 import optree.registry
 import torch
+import torch.utils._pytree
 
 from . import _memory
 
@@ -251,6 +252,31 @@ optree.register_pytree_node(
     _unflatten,  # type: ignore[arg-type]  # ... and an unflatten of (metadata, children); ours are (names, tensors)
     path_entry_type=optree.MappingEntry,
     namespace=optree.registry.__GLOBAL_NAMESPACE,  # the global registry: a Shards is a node for every caller
+)
+
+
+def _torch_flatten(s: Shards) -> tuple[list[torch.Tensor], list[str]]:
+    children, names, _ = _flatten(s)
+    return children, list(names)
+
+
+def _torch_flatten_with_keys(s: Shards) -> tuple[list[tuple[Any, torch.Tensor]], list[str]]:
+    children, names = _torch_flatten(s)
+    return [(torch.utils._pytree.MappingKey(n), t) for n, t in zip(names, children)], names
+
+
+def _torch_unflatten(children: Any, names: list[str]) -> dict[str, Any]:
+    return dict(zip(names, children))
+
+
+# torch's pytree too (torch.utils._pytree.tree_map over a state, torch.compile, torch.export), as optree above:
+# a node of its tensors in sorted name order, rebuilt as a dict, so both libraries see the same tree.
+torch.utils._pytree.register_pytree_node(
+    Shards,
+    _torch_flatten,
+    _torch_unflatten,
+    serialized_type_name="functional_ema.Shards",
+    flatten_with_keys_fn=_torch_flatten_with_keys,
 )
 
 

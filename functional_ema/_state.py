@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, NoReturn, SupportsIndex
 
+import optree
 import torch
 
 from ._shards import Shards, clone_tree
@@ -35,11 +36,18 @@ def wait_pending(state: object) -> None:
         pending.wait()
 
 
+def _shallow(tree: Any) -> Any:
+    """``tree`` with new containers over the same leaves (``None`` stays ``None``)."""
+    return optree.tree_map(lambda t: t, tree, none_is_leaf=False)
+
+
 class EmaState(NamedTuple):
     """State of one or more EMAs over a name-keyed tree of (local) shards.
 
-    A NamedTuple, hence a pytree node for optree (and ``torch.utils._pytree``): ``optree.tree_map``
-    over a state maps over ``step`` and every EMA tensor.
+    A NamedTuple, hence a pytree node for optree and ``torch.utils._pytree``, and so are its ``Shards``
+    EMAs (nodes of their tensors, rebuilt as dicts): ``optree.tree_map`` or ``torch.utils._pytree.tree_map``
+    over a state maps over ``step`` and every EMA tensor. Keep ``step`` an int64 tensor and one dtype and
+    device for all EMAs of a tensor (map every EMA alike), which :func:`update` checks.
 
     Attributes:
         step: int64 scalar tensor, the training step of the last update (0 right after
@@ -78,8 +86,10 @@ class EmaState(NamedTuple):
         self.__reduce__()
 
     def __copy__(self) -> EmaState:
+        """A new state over the same tensors: each EMA tree rebuilt with its own containers (lists, tuples, dicts,
+        any nesting), a read-only ``Shards`` shared as it is."""
         wait_pending(self)
-        return EmaState(self.step, tuple(e if isinstance(e, Shards) else dict(e) for e in self.emas))
+        return EmaState(self.step, tuple(e if isinstance(e, Shards) else _shallow(e) for e in self.emas))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> EmaState:
         wait_pending(self)

@@ -8,8 +8,11 @@ step ``t`` (``t >= 1`` counts optimizer steps)::
 When the EMA is updated only every N steps, :func:`functional_ema.update` compounds the decays of
 the skipped steps: going from step ``t0`` to ``t1`` uses ``interval(t0, t1) = prod_{s=t0+1}^{t1}
 beta(s)``, so the result weighs the current weights exactly as if they had been held since ``t0``.
-Each schedule here provides a closed form for that product; any plain callable ``step -> decay``
-works too (compounded by a product over the skipped steps).
+``constant``, ``half_life`` and ``power`` give that product in closed form; ``litema`` and ``warmup``
+multiply their rising per-step decays and, once at their cap, use the constant's closed form
+``cap ** n``, so a long gap costs no loop (more than 10^6 steps below the cap in one update are
+refused, as for a plain callable). Any plain callable ``step -> decay`` works too (compounded by a
+product over the skipped steps, at most 10^6 of them).
 
 Because the decay depends only on the step (never on a counter inside the state), resuming from a
 checkpoint cannot desynchronise it.
@@ -150,6 +153,34 @@ def _callable_name(beta: Callable[[int], float]) -> str:
     return f"the decay callable {getattr(beta, '__qualname__', beta)!r}"
 
 
+#: Gaps at a schedule's cap up to this many steps are still multiplied step by step (bitwise the per-step
+#: product, at about 0.5 us a step); longer ones use the closed form ``cap ** n`` (equal to ~1e-12 relative).
+_LOOP_AT_CAP = 4096
+
+
+def _capped_product(beta: Callable[[int], float], cap: float, start: int, stop: int, name: str) -> float:
+    """``prod beta(s)`` over ``(start, stop]`` for a non-decreasing ``beta`` that stays at ``cap`` once it reaches
+    it: the per-step product, multiplied in order as :func:`_product` does (bitwise what it gives), until the
+    first step at the cap, then ``cap ** n`` for the ``n`` steps from there when ``n`` exceeds
+    :data:`_LOOP_AT_CAP` (the closed form of a constant, so a long gap costs no loop; a shorter one keeps the
+    per-step product, so ``every_n_steps``-sized gaps stay bitwise what earlier releases gave). More than :data:`MAX_CALLABLE_STEPS` steps below the cap whose product is not yet
+    negligible are refused, as for a plain callable."""
+    out = 1.0
+    for s in range(start + 1, min(stop, start + MAX_CALLABLE_STEPS) + 1):
+        b = beta(s)
+        if b >= cap and stop - s >= _LOOP_AT_CAP:
+            return out * cap ** (stop - s + 1)
+        out *= b
+        if out < _NEGLIGIBLE:
+            return out  # as the per-step product: no further factor can change the update
+    if stop > start + MAX_CALLABLE_STEPS:
+        raise ValueError(
+            f"{name}.interval({start}, {stop}) would multiply more than {MAX_CALLABLE_STEPS} per-step decays below "
+            f"its cap one by one ({stop - start} steps skipped, the bound for a plain callable); update more often"
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class _BuiltinSchedule:
     """What the built-in schedules share: :meth:`interval` checks the steps and compounds the decays
@@ -197,6 +228,9 @@ class _LitEma(_BuiltinSchedule):
     def __call__(self, step: int) -> float:
         return min(self.decay, (1.0 + step) / (10.0 + step))
 
+    def _compound(self, start: int, stop: int) -> float:
+        return _capped_product(self, self.decay, start, stop, f"litema(decay={self.decay})")
+
 
 def litema(decay: float = 0.9999) -> Schedule:
     """LitEma / latent-diffusion warm-up: ``beta(t) = min(decay, (1 + t) / (10 + t))``."""
@@ -218,6 +252,10 @@ class _Warmup(_BuiltinSchedule):
             return 0.0
         value = 1.0 - (1.0 + s / self.inv_gamma) ** -self.power
         return max(self.min_decay, min(value, self.max_decay))
+
+    def _compound(self, start: int, stop: int) -> float:
+        # beta is 0 up to start_step + 1, then rises (clamped) to max_decay and stays there.
+        return _capped_product(self, self.max_decay, start, stop, f"warmup(max_decay={self.max_decay})")
 
 
 def warmup(
@@ -258,15 +296,36 @@ def half_life(steps: float) -> Schedule:
     return _HalfLife(_positive("steps", steps))
 
 
+#: The largest ``gamma`` a power EMA takes. Far beyond any use (``sigma_rel = 0.001`` is ``gamma ~ 1e3``), and
+#: low enough that ``sigma_rel`` (``(gamma + 2) ** 2 * (gamma + 3)``) and its inverse stay finite.
+GAMMA_MAX = 1e12
+
+
+def _gamma(name: str, gamma: Any, low: float) -> float:
+    """``gamma`` as a finite real number in ``(low, GAMMA_MAX]``; else an error naming ``name`` and the range."""
+    g = _positive(name, gamma, low=low)
+    if g > GAMMA_MAX:
+        raise ValueError(
+            f"gamma must be a finite number in ({low:g}, {GAMMA_MAX:g}] (a wider profile than any run has steps for; "
+            f"sigma_rel >= {SIGMA_REL_MIN:.3g}), got {g!r}"
+        )
+    return g
+
+
 def gamma_to_sigma_rel(gamma: float) -> float:
     """Relative standard deviation of the power profile ``t**gamma`` (Karras et al. 2024, eq. 3)."""
-    g = _positive("gamma", gamma, low=-1.0)
+    return _sigma_rel_of(_gamma("gamma", gamma, low=-1.0))
+
+
+def _sigma_rel_of(g: float) -> float:
     return math.sqrt((g + 1.0) / ((g + 2.0) ** 2 * (g + 3.0)))
 
 
 #: ``sigma_rel`` of ``gamma = 0`` (a uniform average over the whole run): ``1/sqrt(12) ~ 0.2887``.
 #: ``sigma_rel`` targets at or above it are refused (they would need ``gamma <= 0``).
 SIGMA_REL_MAX = 12.0**-0.5
+#: The smallest ``sigma_rel`` taken: 1e-12, about that of ``GAMMA_MAX`` (smaller ones overflow the cubic).
+SIGMA_REL_MIN = 1e-12
 
 
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
@@ -279,8 +338,9 @@ def sigma_rel_to_gamma(sigma_rel: float) -> float:
     if s is None:
         raise TypeError(f"sigma_rel must be a real number, got {_describe(sigma_rel)}")
     # For gamma > 0 sigma_rel falls monotonically from 1/sqrt(12) (gamma = 0, a uniform average) to 0.
-    if not 0.0 < s < SIGMA_REL_MAX:
-        raise ValueError(f"sigma_rel must be in (0, {SIGMA_REL_MAX:.6f}) (gamma > 0), got {sigma_rel!r}")
+    if s == 0.0 or not SIGMA_REL_MIN <= s < SIGMA_REL_MAX:  # NaN fails too
+        low = f"[{SIGMA_REL_MIN:g}" if 0.0 < s < SIGMA_REL_MIN else "(0"
+        raise ValueError(f"sigma_rel must be in {low}, {SIGMA_REL_MAX:.6f}) (gamma > 0), got {sigma_rel!r}")
     t = s**-2
     f = lambda g: ((g + 7.0) * g + (16.0 - t)) * g + (12.0 - t)  # noqa: E731
     df = lambda g: (3.0 * g + 14.0) * g + (16.0 - t)  # noqa: E731
@@ -314,7 +374,7 @@ class _Power(_BuiltinSchedule):
 
     @property
     def sigma_rel(self) -> float:
-        return gamma_to_sigma_rel(self.gamma)
+        return _sigma_rel_of(self.gamma)  # gamma was checked by power()
 
     def describe(self) -> dict:
         return {**super().describe(), "sigma_rel": self.sigma_rel}
@@ -330,7 +390,7 @@ def power(gamma: float | None = None, *, sigma_rel: float | None = None) -> Sche
     if gamma is None and sigma_rel is not None:
         return _Power(sigma_rel_to_gamma(sigma_rel))
     if gamma is not None and sigma_rel is None:
-        return _Power(_positive("gamma", gamma))
+        return _Power(_gamma("gamma", gamma, low=0.0))
     raise ValueError(f"power() takes exactly one of gamma= or sigma_rel=, got gamma={gamma!r}, sigma_rel={sigma_rel!r}")
 
 
@@ -351,12 +411,13 @@ class _Callable(_BuiltinSchedule):
 
 def check_decay(decay: Any, what: str = "decay") -> DecayLike:
     """``decay`` if :func:`update <functional_ema.update>` can use it: a real number in [0, 1] (an int
-    or float), a schedule, or a callable ``step -> decay`` (whose values are checked at each update);
+    or float, a numpy scalar, a one-element real tensor: what :func:`constant` takes), a schedule, or a
+    callable ``step -> decay`` (whose values are checked at each update);
     else a ``TypeError``/``ValueError`` naming ``what`` and the value. The check of :func:`as_schedule`,
     for callers that take a decay now and update later (the integrations, at construction)."""
     if isinstance(decay, _BuiltinSchedule) or (callable(decay) and not isinstance(decay, type)):
         return decay
-    if isinstance(decay, (int, float)) and not isinstance(decay, bool):
+    if _real(decay) is not None:  # numpy scalars and one-element real tensors too, as constant() takes them
         _check_decay(what, decay)
         return decay
     raise TypeError(
@@ -370,11 +431,12 @@ def as_schedule(decay: DecayLike) -> Schedule:
     if isinstance(decay, _BuiltinSchedule):
         return decay
     check_decay(decay)
-    if isinstance(decay, (int, float)):
-        return constant(float(decay))
+    real = _real(decay)
+    if real is not None:  # a real number (a float, a numpy scalar, a one-element tensor): a constant decay
+        return constant(real)
     if hasattr(decay, "interval"):
         return cast(Schedule, decay)  # a user schedule following the protocol (callable with .interval)
-    return _Callable(decay)
+    return _Callable(cast(Callable[[int], float], decay))  # check_decay left only callables
 
 
 def interval_decay(decay: DecayLike, start: int, stop: int) -> float:

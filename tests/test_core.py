@@ -714,9 +714,9 @@ def test_nonfinite_guard_skip_and_raise():
             shards["layer1.w"][3] = float("inf")
         if mode == "raise":
             with pytest.raises(fe.NonFiniteError, match=r"shards\['layer1.w'\]"):
-                fe.update(state, shards, decay=0.5, nonfinite=mode)
+                fe.update(state, shards, 1, decay=0.5, nonfinite=mode)
         else:
-            assert fe.update(state, shards, decay=0.5, nonfinite=mode) is state
+            assert fe.update(state, shards, 1, decay=0.5, nonfinite=mode) is state
         assert int(state.step) == 0 and all(torch.equal(state.ema[n], before.ema[n]) for n in shards)
         shards["layer1.w"].copy_(torch.ones(6))
         fe.update(state, shards, 2, decay=0.5, nonfinite=mode)  # clean again: compounds the skipped step
@@ -771,7 +771,8 @@ def test_nonfinite_decided_over_the_shards_group(one_rank_group):
         assert torch.equal(state.ema[n], before.ema[n].lerp(shards[n], 1 - 0.25)), n
     after = copy.deepcopy(state)
     assert fe.update(state, shards, 2, decay=0.5, nonfinite="skip") is state  # same step: nothing to do
-    assert fe.update(state, shards, 2, decay=1.5, nonfinite="skip") is state  # nothing to do, nothing checked
+    with pytest.raises(ValueError, match=r"^decay must be in \[0, 1\], got 1\.5$"):
+        fe.update(state, shards, 2, decay=1.5, nonfinite="skip")  # nothing to do, but the arguments are checked
     assert all(torch.equal(state.ema[n], after.ema[n]) for n in shards)
     with pytest.raises(
         ValueError, match=r"^update\(step=1\) comes before the state's step 2; steps must not decrease$"
@@ -1294,3 +1295,174 @@ def test_core_ranks_decide_nonfinite_together():
         assert got.keys() == want.keys(), rank
         for scenario in want:
             assert got[scenario] == want[scenario], (rank, scenario)
+
+
+# ------------------------------------------------- arguments checked where they enter (adversarial probe J)
+
+
+def test_skip_with_step_none_is_refused_at_the_call():
+    """nonfinite="skip" leaves state.step where it was: with step=None (state.step + 1) the skipped steps would be
+    lost and the schedule evaluated at the wrong step, so the call is refused, naming the fix; with the real step
+    the skipped steps compound (the same EMA as a plain-torch loop that holds the weights over the skip)."""
+    state = fe.init_ema({"w": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"nonfinite='skip' needs the training step.*Pass step="):
+        fe.update(state, {"w": torch.ones(3)}, decay=0.5, nonfinite="skip")
+    assert int(state.step) == 0 and torch.equal(state.ema["w"], torch.zeros(3))
+    fe.update(state, {"w": torch.ones(3)}, decay=0.5, nonfinite="raise")  # raise: nothing is skipped silently
+    assert int(state.step) == 1
+    sched = schedules.power(gamma=2.0)
+    ema, ref, w = fe.init_ema({"w": torch.zeros(3)}), torch.zeros(3), torch.zeros(3)
+    for t in range(1, 11):
+        w = w + 1
+        bad = w.clone()
+        if t in (3, 4):
+            bad[0] = float("nan")
+        fe.update(ema, {"w": bad}, t, decay=sched, nonfinite="skip")
+        if t not in (3, 4):  # the reference: the skipped steps' decays compounded into the next update
+            last = 2 if t == 5 else t - 1
+            ref = ref.lerp(w, 1 - sched.interval(last, t))
+    assert int(ema.step) == 10 and torch.equal(ema.ema["w"], ref)
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "nested", "dict", "shards"])
+def test_copy_copy_keeps_any_tree(kind):
+    """copy.copy(state): a new state over the same tensors, each EMA the tree it was (lists, tuples, nesting)."""
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])
+    tree = {
+        "list": [a, b],
+        "tuple": (a, b),
+        "nested": {"x": [a, {"y": b}], "z": None},
+        "dict": {"b": b, "a": a},
+        "shards": fe.Shards.from_views({"a": a, "b": b}),
+    }[kind]
+    state = fe.init_ema(tree, num_emas=2)
+    dup = copy.copy(state)
+    assert dup.step is state.step
+    for e, d in zip(state.emas, dup.emas):
+        assert type(d) is type(e) and optree.tree_structure(d) == optree.tree_structure(e)
+        assert all(x is y for x, y in zip(optree.tree_leaves(e), optree.tree_leaves(d))) or kind == "shards"
+    if kind == "shards":
+        assert dup.emas[0] is state.emas[0]  # read-only: shared, as the fused plan needs
+    ref = [t.clone().lerp_(t * 3, 0.5) for t in optree.tree_leaves(state.emas[0])]
+    fe.update(dup, optree.tree_map(lambda t: t * 3, tree), 1, decay=(0.5, 0.5))
+    assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(dup.emas[0]), ref))
+
+
+def _same_step_cases(model: torch.nn.Module) -> list[tuple[Any, Any, type, str]]:
+    good = fe.local_shards(model)
+    return [
+        (None, 0.9, fe.TreeMismatchError, "missing from shards"),
+        ("junk", 0.9, TypeError, "shards"),
+        ({"other": torch.zeros(7)}, 0.9, fe.TreeMismatchError, "'other'"),
+        (good, 5.0, ValueError, r"decay must be in \[0, 1\], got 5\.0"),
+        (good, "x", TypeError, "decay must be"),
+        (good, (0.9, 0.9), ValueError, "got 2 decays for a state tracking 1 EMAs"),
+    ]
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_same_step_update_checks_its_arguments(inplace):
+    """update at step == state.step (gradient accumulation) averages nothing, but its arguments are checked as
+    at any other step: shards of another tree and bad decays are refused there, not at the next real step."""
+    model = torch.nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(model))
+    before = {n: t.clone() for n, t in state.ema.items()}
+    for shards, decay, error, match in _same_step_cases(model):
+        with pytest.raises(error, match=match):
+            fe.update(state, shards, 0, decay=decay, inplace=inplace)
+    assert int(state.step) == 0 and all(torch.equal(state.ema[n], before[n]) for n in before)
+    good = fe.local_shards(model)
+    assert (fe.update(state, good, 0, decay=0.9, inplace=inplace) is state) is inplace
+    with pytest.raises(ValueError, match=r"^decay\[1\] must be in \[0, 1\], got 5\.0$"):
+        fe.update(fe.init_ema(good, num_emas=2), good, 0, decay=(0.9, 5.0))
+    # a dict (the per-tensor path) is checked by name and leaf type at the same step too (its shapes at the
+    # next real step); a nested tree is planned in full
+    tree = fe.init_ema({"a": torch.zeros(2), "b": torch.zeros(1)})
+    with pytest.raises(fe.TreeMismatchError, match=r"missing from shards: 'b'; not in state.emas\[0\]: 'c'"):
+        fe.update(tree, {"a": torch.zeros(2), "c": torch.zeros(1)}, 0, decay=0.9)
+    with pytest.raises(TypeError, match=r"shards\['b'\] is a ndarray, expected a torch\.Tensor"):
+        fe.update(tree, {"a": torch.zeros(2), "b": np.zeros(1)}, 0, decay=0.9)
+    nested = fe.init_ema({"x": [torch.zeros(2)]})
+    with pytest.raises(fe.TreeMismatchError, match=r"shards\['x\.0'\] has shape \(3,\)"):
+        fe.update(nested, {"x": [torch.zeros(3)]}, 0, decay=0.9)
+
+
+def test_same_step_checks_over_a_group(one_rank_group):
+    """The group path (nonfinite on) checks the same-step arguments too, on every rank alike."""
+    _, shards = flat_views([5, 6])
+    object.__setattr__(shards, "group", one_rank_group)
+    state = fe.init_ema(shards)
+    with pytest.raises(ValueError, match=r"^decay must be in \[0, 1\], got 1\.5$"):
+        fe.update(state, shards, 0, decay=1.5, nonfinite="skip")
+    assert fe.update(state, shards, 0, decay=0.5, nonfinite="skip") is state
+
+
+def test_emas_of_different_dtypes_refused_before_anything_moves():
+    """EMA k of another dtype (or device) than EMA 0 for one tensor: refused naming both, nothing written."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    made = fe.init_ema(fe.local_shards(model), num_emas=2)
+    for second in (optree.tree_map(lambda x: x.double(), made.emas[1]), made.emas[1].mirror(torch.float64)):
+        state = fe.EmaState(made.step, (made.emas[0], second))
+        before = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        with pytest.raises(
+            ValueError, match=r"state\.emas\[1\]\['0\.(bias|weight)'\] has dtype torch\.float64 .*emas\[0\]"
+        ):
+            fe.update(state, fe.local_shards(model), 1, decay=(0.5, 0.5))
+        assert int(state.step) == 0
+        assert all(torch.equal(e[n], b[n]) for e, b in zip(state.emas, before) for n in b)
+    # one EMA whose tensors differ in dtype among themselves is fine (each tensor planned alone)
+    one = fe.EmaState(torch.tensor(0), ({"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.float64)},))
+    fe.update(one, {"a": torch.ones(2), "b": torch.ones(2)}, 1, decay=0.5)
+    assert one.ema["b"].dtype == torch.float64 and torch.equal(one.ema["b"], torch.full((2,), 0.5, dtype=torch.float64))
+
+
+def test_shards_are_a_torch_pytree_node_like_optree():
+    """torch.utils._pytree sees a state's Shards EMAs as nodes of their tensors (as optree does): tree_map maps
+    over the tensors and rebuilds a dict, leaves are tensors in sorted name order."""
+    import torch.utils._pytree as tp
+
+    model = torch.nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(model))
+    leaves = tp.tree_leaves(state)
+    assert all(isinstance(t, torch.Tensor) for t in leaves)
+    assert [t.shape for t in leaves] == [t.shape for t in optree.tree_leaves(state)]
+    mapped = tp.tree_map(lambda t: t.to(torch.float64), state)
+    assert type(mapped) is fe.EmaState and type(mapped.emas[0]) is dict
+    assert mapped.emas[0].keys() == {"weight", "bias"}
+    assert torch.equal(mapped.emas[0]["weight"], model.weight.detach().double())
+    paths = [tp.keystr(p) for p, _ in tp.tree_flatten_with_path(state)[0]]
+    assert paths[1:] == [".emas[0]['bias']", ".emas[0]['weight']"]
+
+
+def test_complex_and_sparse_shards_refused_naming_exclude():
+    with pytest.raises(TypeError, match=r"shards\['c'\] has dtype torch\.complex64.*exclude=\['c'\]"):
+        fe.init_ema({"c": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(TypeError, match=r"shards\['s'\] is a sparse tensor \(torch\.sparse_coo\).*exclude=\['s'\]"):
+        fe.init_ema({"w": torch.zeros(2), "s": torch.eye(2).to_sparse()})
+
+
+def test_init_ema_on_a_device_this_machine_lacks_is_refused_naming_device():
+    with pytest.raises(ValueError, match=r"device='cuda:99'.*(not available|no cuda device is available)"):
+        fe.init_ema({"w": torch.zeros(3)}, device="cuda:99")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda'.*no cuda device is available"):
+            fe.init_ema({"w": torch.zeros(3)}, device="cuda")
+
+
+@pytest.mark.parametrize("decay", [np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.tensor([0.5])])
+def test_real_number_decays_accepted_like_the_schedules(decay):
+    """A numpy scalar or a one-element tensor decay is the real number it holds (as schedules.constant and a
+    callable's values take it): the same EMA as a plain float, bitwise."""
+    w = {"w": torch.arange(3.0)}
+    ref = fe.update(fe.init_ema({"w": torch.zeros(3)}), w, 3, decay=0.5)
+    got = fe.update(fe.init_ema({"w": torch.zeros(3)}), w, 3, decay=decay)
+    assert torch.equal(got.ema["w"], ref.ema["w"])
+    two = fe.update(fe.init_ema({"w": torch.zeros(3)}, num_emas=2), w, 3, decay=(decay, 0.5))
+    assert torch.equal(two.emas[0]["w"], ref.ema["w"])
+    with pytest.raises(ValueError, match=r"^decay\[1\] must be in \[0, 1\], got 2\.0$"):
+        fe.update(fe.init_ema({"w": torch.zeros(3)}, num_emas=2), w, 3, decay=(decay, np.float32(2.0)))
+    with pytest.raises(TypeError, match=r"^decay\[0\] must be"):
+        fe.update(fe.init_ema({"w": torch.zeros(3)}, num_emas=2), w, 3, decay=("x", decay))

@@ -624,3 +624,71 @@ def test_bad_index_is_refused_at_the_call_naming_the_emas():
             assert "holds 2 EMA(s), index 0 to 1" in str(caught.value), (verb, index, str(caught.value))
             assert all(torch.equal(t, live[n]) for n, t in model.state_dict().items()), (verb, index)
     assert torch.equal(fe.gather_full(state, model, index=1)["0.weight"], model[0].weight.detach())
+
+
+# ------------------------------------------------------------------ odd models, refused at reading (probe J)
+
+
+def test_engine_submodules_reachable_right_after_import():
+    """The documented spellings functional_ema.engines.module.flatten_parameters(model) and
+    functional_ema.engines.fsdp2.flatten_local_shards work right after `import functional_ema`, and importing
+    the package still imports no DeepSpeed (the adapters load on first use)."""
+    code = (
+        "import sys, torch, functional_ema\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+        "print(functional_ema.engines.module.flatten_parameters(m), callable(functional_ema.engines.fsdp2.flatten_local_shards))\n"
+        "print('deepspeed' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "True", "False"]
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        fe.engines.nope  # noqa: B018 - the attribute access is the test
+
+
+def test_lazy_module_read_before_its_first_forward_is_refused_naming_the_parameter():
+    model = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"'0\.weight' is not initialised yet .*run one forward"):
+        fe.local_shards(model)
+    model(torch.zeros(2, 3))  # materialised: read as any module
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = fe.init_ema(fe.local_shards(model))
+    assert all(torch.equal(state.ema[n], ref[n]) for n in ref)
+
+
+def test_sparse_parameter_is_refused_at_reading_suggesting_exclude():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.eye(3).to_sparse())
+            self.b = nn.Parameter(torch.zeros(3))
+
+    model = M()
+    with pytest.raises(TypeError, match=r"parameter 'w' is a sparse tensor \(torch\.sparse_coo\).*exclude=\['w'\]"):
+        fe.local_shards(model)
+    shards = fe.local_shards(model, exclude="w")  # the hint works: the dense rest is averaged
+    assert list(shards) == ["b"]
+    state = fe.init_ema(shards)
+    with torch.no_grad():
+        model.b.add_(2.0)
+    fe.update(state, fe.local_shards(model, exclude="w"), 1, decay=0.5)
+    assert torch.equal(state.ema["b"], torch.zeros(3).lerp_(model.b.detach(), 0.5))
+
+
+def test_model_with_nothing_trainable_is_refused_like_an_empty_selection():
+    """A plain (or DDP) model with no trainable parameter would give an empty EMA: refused as a selection of
+    nothing is ("nothing would be averaged"), with the fix; a model read while it trained keeps its EMA when
+    frozen later, and the adapter itself (as a pipeline stage reads its module) still reads an empty module."""
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    with pytest.raises(
+        ValueError, match=r"no trainable parameter \(all 2 of its parameters are frozen.*nothing would be averaged"
+    ):
+        fe.local_shards(frozen)
+    with pytest.raises(ValueError, match=r"no trainable parameter .*nothing would be averaged"):
+        fe.local_shards(nn.ReLU())
+    assert len(fe.engines.adapter_for(nn.Linear(3, 2).requires_grad_(False)).read().shards) == 0
+    model = nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(model))
+    model.requires_grad_(False)  # frozen after the first read: still averaged, not refused
+    assert list(fe.local_shards(model)) == ["weight", "bias"]
+    assert int(fe.update(state, fe.local_shards(model), 1, decay=0.5).step) == 1

@@ -370,3 +370,104 @@ def test_callable_schedule_calls_and_describes():
             return "Halver()"
 
     assert schedules.as_schedule(Halver()).describe() == {"kind": "callable", "name": "Halver()"}
+
+
+# -------------------------------------------------------------- long gaps, extreme arguments (probe J)
+
+
+def _loop(s, start, stop):
+    """The per-step product, multiplied in order (what interval() computed for every gap before)."""
+    out = 1.0
+    for t in range(start + 1, stop + 1):
+        out *= s(t)
+        if out < 2.0**-54:
+            break
+    return out
+
+
+@pytest.mark.parametrize(
+    "sched",
+    [
+        schedules.warmup(),
+        schedules.warmup(power=2.0, max_decay=1.0),
+        schedules.warmup(inv_gamma=2.0, power=0.5, min_decay=0.2, max_decay=0.6, start_step=3),
+        schedules.warmup(min_decay=1.0, max_decay=1.0),
+        schedules.litema(0.999),
+        schedules.litema(1.0),
+    ],
+    ids=["default", "uncapped", "clamped", "always_one", "litema", "litema_one"],
+)
+def test_warmup_and_litema_intervals_are_the_per_step_product(sched):
+    """Up to the cap, and for gaps at the cap up to _LOOP_AT_CAP steps, the very per-step product (bitwise);
+    a longer gap at the cap within rel 1e-12 of it (the capped steps as cap ** n, the closed form of a constant)."""
+    short = schedules._LOOP_AT_CAP
+    for start, stop in [(0, 1), (0, 9), (1, 2), (3, 40), (5, 6), (100, 164), (999, 1000), (10, 5000), (50, 50 + short)]:
+        below = all(sched(t) < _cap(sched) for t in range(start + 1, stop + 1))
+        got, ref = sched.interval(start, stop), _loop(sched, start, stop)
+        if below or stop - start <= short:
+            assert got == ref, (start, stop)
+        else:
+            assert got == pytest.approx(ref, rel=1e-12, abs=2.0**-54), (start, stop)
+    for t in (1, 2, 50, 10**4, 10**7):  # one step (an update every step): beta(t) itself, bitwise
+        assert sched.interval(t - 1, t) == sched(t)
+
+
+def _cap(sched):
+    return sched.max_decay if hasattr(sched, "max_decay") else sched.decay
+
+
+def test_long_gaps_at_the_cap_are_closed_form_and_uncapped_ones_bounded():
+    """A gap of 10**9 steps costs no loop once the schedule sits at its cap (cap ** n, like constant());
+    more than 10**6 steps below the cap is refused as for a plain callable, naming the fix."""
+    import time
+
+    t0 = time.perf_counter()
+    assert schedules.warmup(min_decay=1.0, max_decay=1.0).interval(1000, 1000 + 10**9) == 1.0
+    assert schedules.warmup(max_decay=0.999).interval(10**7, 10**7 + 10**9) == 0.0  # 0.999 ** 1e9 underflows
+    capped = schedules.warmup(max_decay=0.99).interval(10**6, 10**6 + 10**4)
+    assert capped == 0.99 ** (10**4)
+    assert schedules.litema(0.9999999).interval(10**8, 10**8 + 3 * 10**6) == 0.9999999 ** (3 * 10**6)
+    assert time.perf_counter() - t0 < 1.0
+    with pytest.raises(ValueError, match=r"warmup.*below its cap.*3000000 steps skipped.*update more often"):
+        schedules.warmup(power=2.0, max_decay=1.0).interval(1000, 1000 + 3 * 10**6)
+    # a product that becomes negligible stops early, as before: no refusal
+    assert schedules.litema(1.0).interval(10, 10 + 3 * 10**6) == _loop(schedules.litema(1.0), 10, 10 + 3 * 10**6)
+
+
+def test_power_arguments_out_of_range_refused_at_the_call():
+    """Extreme gamma / sigma_rel would overflow later (beta, describe): refused at the call, naming the range."""
+    with pytest.raises(ValueError, match=r"^sigma_rel must be in \[1e-12, 0\.288675\) .*got 1e-200$"):
+        schedules.power(sigma_rel=1e-200)
+    with pytest.raises(ValueError, match=r"^gamma must be a finite number in \(0, 1e\+12\].*got 1e\+200$"):
+        schedules.power(gamma=1e200)
+    with pytest.raises(ValueError, match=r"gamma must be .*1e\+12.*got 1e\+200$"):
+        schedules.gamma_to_sigma_rel(1e200)
+    top = schedules.power(gamma=schedules.GAMMA_MAX)
+    assert math.isfinite(top.describe()["sigma_rel"]) and top(10**6) >= 0.0
+    low = schedules.power(sigma_rel=schedules.SIGMA_REL_MIN)
+    assert math.isfinite(low.gamma) and math.isfinite(low.describe()["sigma_rel"])
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.float64(0.25), torch.tensor(0.5), torch.tensor([0.75])])
+def test_check_decay_takes_real_numbers_like_constant(value):
+    """check_decay (update's and the integrations' check) takes what schedules.constant takes; a bad value in
+    a sequence is named by its position."""
+    assert schedules.check_decay(value) is value
+    assert schedules.as_schedule(value).describe() == schedules.constant(value).describe()
+    assert schedules.interval_decay(value, 0, 2) == float(value) ** 2
+    with pytest.raises(ValueError, match=r"^decay\[1\] must be in \[0, 1\], got 1\.5$"):
+        schedules.check_decays((value, np.float32(1.5)))
+
+
+def test_core_docs_warmup_row_matches_the_code():
+    """docs/core.md's table row for warmup gives the code's beta: 0 (EMA = weights) up to start_step + 1."""
+    from pathlib import Path
+
+    row = next(
+        line
+        for line in (Path(__file__).resolve().parents[1] / "docs" / "core.md").read_text().splitlines()
+        if line.startswith("| `warmup(")
+    )
+    assert "start_step" in row and "t <= start_step + 1" in row and "(t - start_step - 1)" in row
+    w = schedules.warmup(min_decay=0.5, start_step=10)
+    assert w(11) == 0.0 and w(12) == 0.5  # at t <= start_step + 1 the clamp does not apply: beta = 0

@@ -247,3 +247,45 @@ def test_inplace_false_returns_new_buffers_also_when_nothing_is_averaged(skip):
     fe.update(new, fe.local_shards(model), 2, decay=0.5)  # in place on the new state only (steps 1 and 2)
     assert all(torch.equal(new.ema[n], expect[n]) for n in kept)
     assert int(old.step) == 0 and all(torch.equal(old.ema[n], kept[n]) for n in kept)
+
+
+def test_inference_ema_with_parameter_weights_written_in_inference_mode():
+    """docs/core.md: a tree's single EMA on the weights' device and dtype is written in inference mode, so a
+    state made by hand under torch.inference_mode() updates from dict(model.named_parameters()) (nn.Parameter
+    leaves) as from plain tensors, bitwise a plain lerp_; where the update could not write it (weights of a
+    tensor subclass) it is refused naming the tensor, before anything changes."""
+    model = nn.Linear(3, 2)
+    with torch.inference_mode():
+        ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = fe.EmaState(torch.tensor(0), (ema,))
+    _moved(dict(model.named_parameters()))
+    expect = {n: e.clone().lerp_(p.detach(), 0.5) for n, e in _cloned(ema).items() for p in [model.get_parameter(n)]}
+    fe.update(state, dict(model.named_parameters()), 1, decay=0.5)
+    assert int(state.step) == 1 and all(torch.equal(state.ema[n], expect[n]) for n in expect)
+    assert all(not e.requires_grad and e.grad_fn is None for e in state.ema.values())
+
+    class Sub(torch.Tensor):
+        pass
+
+    before = _cloned(ema)
+    odd = {n: p.detach().clone().as_subclass(Sub) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"state\.emas\[0\]\['(bias|weight)'\] is an inference tensor"):
+        fe.update(state, odd, 2, decay=0.5)
+    assert int(state.step) == 1 and all(torch.equal(state.ema[n], before[n]) for n in before)
+
+
+def _cloned(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    with torch.inference_mode(False):
+        return {n: t.clone() for n, t in tree.items()}
+
+
+def test_same_step_update_checks_reuse_the_fused_plan():
+    """The same-step update (a micro-batch of gradient accumulation) checks its arguments through the plan kept
+    on the EMA: the same Shards object costs one identity check, no new plan."""
+    model = nn.Linear(4, 3)
+    state = fe.init_ema(fe.local_shards(model))
+    fe.update(state, fe.local_shards(model), 1, decay=0.9)
+    memo = state.ema._memo
+    for _ in range(3):
+        assert fe.update(state, fe.local_shards(model), 1, decay=0.9) is state
+    assert state.ema._memo is memo

@@ -8,6 +8,7 @@ core (``init_ema``, ``update``, schedules) imports none of these modules.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -21,6 +22,19 @@ ACCEPTED = (
     "tensor-parallel DTensor parameters, a torch.distributed.pipelining stage, a "
     "torch.nn.parallel.DistributedDataParallel model, or a plain torch.nn.Module"
 )
+
+
+# The adapter modules, imported on first use (by adapter_for, or by the documented spellings such as
+# functional_ema.engines.module.flatten_parameters right after `import functional_ema`), so importing the package
+# loads none of them.
+_SUBMODULES = frozenset({"deepspeed", "fsdp2", "module", "pipelining"})
+
+
+def __getattr__(name: str) -> Any:
+    """``functional_ema.engines.<adapter module>``, imported when first named (PEP 562)."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def adapter_for(x: Any) -> Adapter:

@@ -45,6 +45,7 @@ __all__ = [
     "gather_pieces",
     "warn_low_precision",
     "parameters_put_back",
+    "refuse_sparse",
 ]
 
 # Attribute of the training object under which its reading is kept (see Adapter.read).
@@ -69,7 +70,7 @@ class Reading:
         token: what the adapter compares to decide whether the reading is still current.
     """
 
-    __slots__ = ("shards", "layout", "params", "group", "token", "_all_specs", "_selected")
+    __slots__ = ("shards", "layout", "params", "group", "token", "_all_specs", "_selected", "sparse")
 
     def __init__(
         self, shards: Shards, layout: ShardLayout, params: dict[str, torch.nn.Parameter], group: Any, token: Any
@@ -77,6 +78,9 @@ class Reading:
         self.shards, self.layout, self.params, self.group, self.token = shards, layout, params, group, token
         self._all_specs: list[dict[str, ShardSpec]] | None = None  # every rank's specs, exchanged once
         self._selected: dict[tuple, Reading] = {}  # readings of a selection of these names (see select)
+        # Names of sparse parameters read: no EMA of them exists (a dense lerp_ towards a sparse tensor does not),
+        # so local_shards refuses a selection that keeps one (refuse_sparse), at one truth test a call otherwise.
+        self.sparse: tuple[str, ...] = ()
         shards.group = training_group(layout, group)
 
     def all_specs(self) -> list[dict[str, ShardSpec]]:
@@ -125,6 +129,17 @@ def select(reading: Reading, selection: Selection | None, module: torch.nn.Modul
         cache.pop(next(iter(cache)))
     cache[selection.key] = sub
     return sub
+
+
+def refuse_sparse(reading: Reading, shards: Shards) -> None:
+    """Refuse ``shards`` (a selection of ``reading``) when it keeps a sparse parameter, naming it and the fix."""
+    kept = [n for n in reading.sparse if n in shards]
+    if kept:
+        name = kept[0]
+        raise TypeError(
+            f"parameter {name!r} is a sparse tensor ({reading.params[name].layout}); an EMA averages dense weights: "
+            f"leave it out with local_shards(model, exclude={kept!r}) (and the same exclude= at every call)"
+        )
 
 
 def unread_names(module: torch.nn.Module, read: Mapping[str, Any]) -> dict[str, str | None]:
@@ -291,6 +306,11 @@ class Adapter:
         """``part`` (this rank's part, whole over its data-parallel group) with its tensor-parallel slices joined
         along each parameter's split; a collective over the tensor-parallel group (see :meth:`joins_slices`)."""
         return part
+
+    def refuse_empty_reading(self) -> None:
+        """Called by :func:`functional_ema.local_shards` when the reading holds no parameter: refuse where that
+        cannot be legitimate. Here nothing: a rank of a sharded or pipelined engine may hold no piece (a frozen
+        pipeline stage, a ZeRO-3 rank with nothing)."""
 
     def optimizer_steps(self) -> int | None:
         """The optimizer steps the engine counts itself (DeepSpeed's ``global_steps``), or ``None`` when it

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,9 @@ class _Check(NamedTuple):
         read = {id(p) for p in params.values()}
         frozen = tuple(p for p in module.parameters() if id(p) not in read)
         dicts: tuple[dict, ...] = (*(m._parameters for m in mods), *(m._modules for m in mods))
-        trained = tuple(params.values())
+        # A sparse parameter has no strided memory to compare (is_set_to has no sparse kernel); it is never
+        # averaged (local_shards refuses it unless excluded), and replacing it is seen in the registries.
+        trained = tuple(p for p in params.values() if p.layout is torch.strided)
         parents = tuple(m._modules for m in mods if m._modules)
         return cls(
             trained,
@@ -119,6 +121,9 @@ class ModuleAdapter(Adapter):
                 out.append((name, p))
         return out
 
+    def refuse_empty_reading(self) -> None:
+        refuse_nothing_trainable(self.target)  # every rank holds whole parameters: nothing read is nothing trained
+
     def _is_current(self, reading: Reading) -> bool:
         # What could make the reading stale, each checked without walking the module tree (a walk costs
         # milliseconds for a few hundred parameters): a parameter's memory moved (module.to(...),
@@ -144,6 +149,7 @@ class ModuleAdapter(Adapter):
             self.__class__ = FSDP2Adapter  # type: ignore[assignment]  # the adapter this object becomes (above)
             return self._read(None)
         named = self._params(previous)
+        refuse_uninitialised(named)
         group = getattr(self.target, "process_group", None) if is_ddp(self.target) else None
         if is_ddp(self.target) and group is None and dist.is_initialized():
             group = dist.group.WORLD
@@ -159,13 +165,43 @@ class ModuleAdapter(Adapter):
             "Keep the parameters in fp32 and compute in 16 bits with torch.autocast, or pass the engine that holds "
             "fp32 masters (a DeepSpeed engine, not engine.module)",
         )
-        return Reading(
+        reading = Reading(
             shards,
             ShardLayout(rank, world, 0, specs, engine="module"),
             params,
             group if world > 1 else None,
             _Check.of(self.module(), params),
         )
+        # Refused by local_shards unless its selection leaves them out (exclude=): see Reading.sparse.
+        reading.sparse = tuple(n for n, p in named if p.layout is not torch.strided)
+        return reading
+
+
+def refuse_uninitialised(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Refuse, naming it, a lazy module's ``UninitializedParameter`` (no shape or values before the module's first
+    forward), before torch's own error (about ``load_state_dict``, naming no parameter) escapes from the reading."""
+    for name, p in named:
+        if isinstance(p, torch.nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"parameter {name!r} is not initialised yet (a lazy module's {type(p).__name__}: it has no shape or "
+                "values before the module's first forward): run one forward (or materialise the model) before "
+                "local_shards / init_ema"
+            )
+
+
+def refuse_nothing_trainable(target: torch.nn.Module) -> NoReturn:
+    """Refuse a plain or DDP module read with no trainable parameter: its EMA would be empty, nothing averaged.
+    (Not for a pipeline stage or a sharded engine, whose rank may legitimately hold nothing: their adapters keep
+    ``Adapter.refuse_empty_reading``'s no-op.)"""
+    inner: torch.nn.Module = target.module if is_ddp(target) else target  # type: ignore[assignment]  # DDP's .module
+    frozen = sum(1 for _ in inner.parameters())
+    kind = "DistributedDataParallel model" if is_ddp(target) else f"{type(inner).__name__} module"
+    has = f"all {frozen} of its parameters are frozen (requires_grad=False)" if frozen else "it has no parameters"
+    raise ValueError(
+        f"local_shards: this {kind} has no trainable parameter ({has}), so nothing would be averaged. Read the model "
+        "while its parameters train (fe.local_shards(model) before freezing anything, also when resuming: a "
+        "parameter frozen after the first reading stays in the EMA), or unfreeze what is trained"
+    )
 
 
 def _sharded_since(module: torch.nn.Module) -> bool:
