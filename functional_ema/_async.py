@@ -579,6 +579,9 @@ def _run(job: _Job, handle: SaveHandle) -> None:
             _poll(collect, deadline, job, f"the files of ranks {others}")
             if job.after is not None:  # start order (AsyncSaver._last_shared); that save ends within its timeout
                 job.after.wait()
+                # A rank may have given up meanwhile (its commit_timeout passed): committing would complete a
+                # checkpoint that rank already reported failed and whose files it removed.
+                _raise_remote_error(job, set(os.listdir(job.tag_dir)))
             manifest = writer.build_manifest(job.first, [records[r] for r in sorted(records)], save_id=job.token)
             writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
             _remove_markers(job.tag_dir)

@@ -103,9 +103,14 @@ def normalize_url(url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with credentials written into it (``s3://KEY:SECRET@bucket/run``) replaced by ``***``, for
-    messages and the paths this library names: a secret never reaches a log."""
-    return _CREDENTIALS.sub(r"\1***@", url)
+    """``url`` with a secret written into it (``s3://KEY:SECRET@bucket/run``: user-info holding a ``:``) replaced
+    by ``***``, for messages: a secret never reaches a log. User-info without a ``:`` is no secret but part of
+    where the URL points (Azure's ``abfs://container@account/...``, ``sftp://user@host/...``): it stays, so the
+    paths named and returned (:attr:`FsspecStorage.location`) still name the place written."""
+    creds = _CREDENTIALS.match(url)
+    if creds is None or ":" not in creds.group(2):
+        return url
+    return f"{creds.group(1)}***@{url[creds.end() :]}"
 
 
 #: The user-info part of a URL (``scheme://user:secret@``).
@@ -276,6 +281,8 @@ class FsspecStorage(Storage):
                 ) from None
         else:
             root = fs._strip_protocol(url)
+        # Only a URL built without storage_for can carry a secret here (normalize_url refuses one): kept out
+        # of the location, which messages name; any other user-info is part of the place (redact_url).
         self.fs, self.root, self.location = fs, str(root).rstrip("/"), redact_url(url)
 
     def _full(self, rel: str) -> str:

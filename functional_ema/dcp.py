@@ -51,9 +51,12 @@ What is verified, and when:
 
 How DCP calls it: ``state_dict()`` for a save and for the load's template, with neither its ``no_dist``
 nor its ``process_group``; :class:`EMAStateful` reads them, and which call it is, from DCP's entry point
-(its frame's arguments). The load's template holds placeholders (nothing checksummed, replicas not compared:
-the load overwrites them; one left in place means DCP loaded nothing under the key, refused). The
-collectives run over DCP's ``process_group``; with ``no_dist=True`` none runs.
+(its frame's arguments; a warning when a DCP frame is on the stack but its entry point is not found, and the
+call is taken as a save). The load's template holds placeholders (nothing checksummed, replicas not compared:
+the load overwrites them; one left in place means DCP loaded nothing under the key, refused). The save's record
+exchange and the load's agreement run over DCP's ``process_group``; the check of the state against the model's
+layout agrees over the model's group (the one ``local_shards`` read its layout from). With ``no_dist=True``
+none runs.
 
 Errors that DCP raises while it reads (a garbage ``.metadata``, a missing or truncated ``.distcp``, a
 1-EMA checkpoint loaded into a 2-EMA state: "Missing key ... ema.emas.1...") are DCP's own exceptions;
@@ -283,7 +286,31 @@ def _dcp_call(stateful: object) -> _Call:
             frame = frame.f_back
     finally:
         del frame  # a frame held in a local keeps every frame above it alive
+    _warn_entry_not_found(alone)
     return _Call("", alone, None, None)
+
+
+def _warn_entry_not_found(alone: bool) -> None:
+    """Warn when DCP's entry frame was not found yet DCP is on the stack (nested deeper than _DCP_FRAMES, or an
+    entry point torch renamed): the call is then taken as a save with DCP's defaults, which may be wrong (a
+    load's template checksummed, ``no_dist`` or ``process_group`` ignored), so the user must hear of it."""
+    frame: FrameType | None = sys._getframe(2)
+    try:
+        while frame is not None and not frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            frame = frame.f_back
+        if frame is None:
+            return  # not called by DCP at all: a save, as documented
+        where = f"{frame.f_globals['__name__']}.{frame.f_code.co_name}"
+    finally:
+        del frame
+    warnings.warn(
+        f"functional_ema.dcp.EMAStateful: called from {where} but DCP's entry point (dcp.save, dcp.async_save or "
+        f"dcp.load) was not found within {_DCP_FRAMES} frames; falling back to a save "
+        f"{'in one process' if alone else 'over the default process group'}: a load's template is built as a save's "
+        "state dict, and DCP's no_dist and process_group are not read. Call dcp.save/dcp.load directly with the "
+        "EMAStateful in the state dict, or report the torch version if it does",
+        stacklevel=4,
+    )
 
 
 def _world(call: _Call) -> tuple[Any, int, int]:

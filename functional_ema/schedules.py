@@ -161,15 +161,15 @@ _LOOP_AT_CAP = 4096
 def _capped_product(beta: Callable[[int], float], cap: float, start: int, stop: int, name: str) -> float:
     """``prod beta(s)`` over ``(start, stop]`` for a non-decreasing ``beta`` that stays at ``cap`` once it reaches
     it: the per-step product, multiplied in order as :func:`_product` does (bitwise what it gives), until the
-    first step at the cap, then ``cap ** n`` for the ``n`` steps from there when ``n`` exceeds
-    :data:`_LOOP_AT_CAP` (the closed form of a constant, so a long gap costs no loop; a shorter one keeps the
-    per-step product, so ``every_n_steps``-sized gaps stay bitwise what earlier releases gave). More than :data:`MAX_CALLABLE_STEPS` steps below the cap whose product is not yet
-    negligible are refused, as for a plain callable."""
+    first step at the cap, then :func:`_at_cap` for the ``n`` steps from there (``cap ** n`` past
+    :data:`_LOOP_AT_CAP`, so ``every_n_steps``-sized gaps stay bitwise what earlier releases gave). More than
+    :data:`MAX_CALLABLE_STEPS` steps below the cap whose product is not yet negligible are refused, as for a
+    plain callable; the steps at the cap do not count toward that bound (they cost at most _LOOP_AT_CAP)."""
     out = 1.0
     for s in range(start + 1, min(stop, start + MAX_CALLABLE_STEPS) + 1):
         b = beta(s)
-        if b >= cap and stop - s >= _LOOP_AT_CAP:
-            return out * cap ** (stop - s + 1)
+        if b >= cap:  # beta never exceeds its cap: this step and every later one is exactly cap
+            return _at_cap(out, cap, stop - s + 1)
         out *= b
         if out < _NEGLIGIBLE:
             return out  # as the per-step product: no further factor can change the update
@@ -178,6 +178,18 @@ def _capped_product(beta: Callable[[int], float], cap: float, start: int, stop: 
             f"{name}.interval({start}, {stop}) would multiply more than {MAX_CALLABLE_STEPS} per-step decays below "
             f"its cap one by one ({stop - start} steps skipped, the bound for a plain callable); update more often"
         )
+    return out
+
+
+def _at_cap(out: float, cap: float, n: int) -> float:
+    """``out`` times ``n`` factors ``cap``: one by one up to :data:`_LOOP_AT_CAP` (bitwise the per-step product,
+    stopping where it does once negligible), else the closed form ``cap ** n`` (equal to ~1e-12 relative)."""
+    if n > _LOOP_AT_CAP:
+        return out * cap**n
+    for _ in range(n):
+        out *= cap
+        if out < _NEGLIGIBLE:
+            break
     return out
 
 
@@ -229,7 +241,24 @@ class _LitEma(_BuiltinSchedule):
         return min(self.decay, (1.0 + step) / (10.0 + step))
 
     def _compound(self, start: int, stop: int) -> float:
-        return _capped_product(self, self.decay, start, stop, f"litema(decay={self.decay})")
+        if stop - start <= _LOOP_AT_CAP:  # bitwise the per-step product, as every_n_steps-sized gaps always were
+            return _capped_product(self, self.decay, start, stop, f"litema(decay={self.decay})")
+        # A long gap in closed form, any length, no loop (within ~1e-12 relative of the per-step product): the
+        # steps below the cap telescope (_litema_uncapped), the ones at it are decay ** n. The first step at the
+        # cap is where (1 + t) / (10 + t) >= decay; a step off at that boundary changes a factor by ~1e-16.
+        d = self.decay
+        first_at_cap = stop + 1 if d >= 1.0 else max(0, math.ceil((10.0 * d - 1.0) / (1.0 - d)))
+        below = min(stop, max(start, first_at_cap - 1))
+        return _litema_uncapped(start, below) * d ** (stop - below)
+
+
+def _litema_uncapped(a: int, b: int) -> float:
+    """``prod (1 + t) / (10 + t)`` over ``t`` in ``(a, b]``: the numerators ``a+2 .. b+1`` and denominators
+    ``a+11 .. b+10`` cancel but for nine of each, ``prod_{k=1..9} (a+1+k) / (b+1+k)`` (each ratio of two ints
+    correctly rounded by Python, so ~1e-15 relative at any step)."""
+    if b - a < 9:
+        return math.prod((1.0 + t) / (10.0 + t) for t in range(a + 1, b + 1))
+    return math.prod((a + 1 + k) / (b + 1 + k) for k in range(1, 10))
 
 
 def litema(decay: float = 0.9999) -> Schedule:

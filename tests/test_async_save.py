@@ -1140,6 +1140,22 @@ def test_ranks_commit_through_marker_files(tmp_path, monkeypatch):
     assert sorted(got) == ["a", "b"] and all(torch.equal(got[n], full[n]) for n in full)
 
 
+def test_rank_0_does_not_commit_over_a_rank_that_gave_up_while_it_waited_for_the_previous_save(tmp_path):
+    """Rank 0 has every rank's record but waits for the saver's previous save to commit first (start order);
+    meanwhile rank 1's commit_timeout passes and it gives up (its error marker, its files removed). Rank 0 then
+    fails with rank 1's error instead of committing a checkpoint whose save rank 1 reported failed."""
+    import dataclasses
+
+    jobs, _ = _sim(tmp_path, "t", "0123456789abcdef")
+    previous = threading.Event()
+    jobs = [dataclasses.replace(jobs[0], after=previous), dataclasses.replace(jobs[1], timeout=0.5)]
+    threading.Timer(2.0, previous.set).start()  # long after rank 1's timeout
+    h0, h1 = _run_ranks_in_threads(jobs, stagger=0.05)
+    assert previous.is_set() and h1.done() and "timed out after" in str(h1.exception())
+    assert h0.done() and "failed on rank 1" in str(h0.exception()), h0.exception()
+    assert not (tmp_path / "t" / "ema_manifest.json").exists(), sorted(os.listdir(tmp_path / "t"))
+
+
 def test_a_rank_failure_reaches_the_other_rank(tmp_path, monkeypatch):
     import json
 

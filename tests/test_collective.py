@@ -505,8 +505,8 @@ def _timed_out(
     low, high = (float(limit) - 0.2, float(limit) + 3) if waits else (0.0, 1.0)
     assert low <= float(waited.group(1)) <= high and low <= got["s"] <= high + 2, (got["msg"], got["s"])
     assert got["msg"] == (
-        f"functional_ema.{what}: rank {rank} waited {waited.group(1)} s (limit {limit} s) for the other ranks of the "
-        f"data-parallel group (world size {world}) to call it too, and they did not ({detail}). {what}() is collective: "
+        f"functional_ema.{what}: rank {rank} waited {waited.group(1)} s (limit {limit} s) for the other ranks of its "
+        f"process group (world size {world}) to call it too, and they did not ({detail}). {what}() is collective: "
         f"call it on every rank, with the same arguments. The wait is set by {set_by} "
         "FUNCTIONAL_EMA_TIMEOUT (default 600 s). The process group may be unusable after this"
     )
@@ -960,3 +960,17 @@ def test_timeout_s(monkeypatch: pytest.MonkeyPatch) -> None:
             str(info.value)
             == f"environment variable FUNCTIONAL_EMA_TIMEOUT must be a positive number of seconds, got {bad!r}"
         )
+
+
+def test_a_bad_timeout_env_is_not_read_by_one_process(no_group: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process waits for nobody, so a bad FUNCTIONAL_EMA_TIMEOUT does not break its swapped/gather_full
+    (agree_on returns before reading it)."""
+    import functional_ema as fe
+
+    monkeypatch.setenv(c.TIMEOUT_ENV, "10s")
+    assert c.agree_on("swapped", lambda: {"step": 3}, ("step",), None, 1, 0) == {"step": 3}
+    model = torch.nn.Linear(3, 2)
+    state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.9)
+    assert set(fe.gather_full(state, model)) == {"weight", "bias"}
+    with fe.swapped(model, state):
+        pass

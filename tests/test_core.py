@@ -1376,15 +1376,18 @@ def test_same_step_update_checks_its_arguments(inplace):
     with pytest.raises(ValueError, match=r"^decay\[1\] must be in \[0, 1\], got 5\.0$"):
         fe.update(fe.init_ema(good, num_emas=2), good, 0, decay=(0.9, 5.0))
     # a dict (the per-tensor path) is checked by name and leaf type at the same step too (its shapes at the
-    # next real step); a nested tree is planned in full
+    # next real step); a nested tree at its top level (names, kinds), the rest at the next real step
     tree = fe.init_ema({"a": torch.zeros(2), "b": torch.zeros(1)})
     with pytest.raises(fe.TreeMismatchError, match=r"missing from shards: 'b'; not in state.emas\[0\]: 'c'"):
         fe.update(tree, {"a": torch.zeros(2), "c": torch.zeros(1)}, 0, decay=0.9)
     with pytest.raises(TypeError, match=r"shards\['b'\] is a ndarray, expected a torch\.Tensor"):
         fe.update(tree, {"a": torch.zeros(2), "b": np.zeros(1)}, 0, decay=0.9)
     nested = fe.init_ema({"x": [torch.zeros(2)]})
+    with pytest.raises(fe.TreeMismatchError, match=r"missing from shards: 'x\.0'"):
+        fe.update(nested, {"x": torch.zeros(2)}, 0, decay=0.9)
+    assert fe.update(nested, {"x": [torch.zeros(3)]}, 0, decay=0.9) is nested
     with pytest.raises(fe.TreeMismatchError, match=r"shards\['x\.0'\] has shape \(3,\)"):
-        fe.update(nested, {"x": [torch.zeros(3)]}, 0, decay=0.9)
+        fe.update(nested, {"x": [torch.zeros(3)]}, 1, decay=0.9)
 
 
 def test_same_step_checks_over_a_group(one_rank_group):

@@ -753,3 +753,25 @@ def test_consolidate_dcp_checks_sizes_files_and_reads_older_entries(tmp_path, ca
         lambda: dcp.load({"ema": ema}, checkpoint_id=str(tmp_path / "new"), planner=partial, no_dist=True),
         tmp_path / "new",
     )
+
+
+def test_a_dcp_frame_without_its_entry_point_warns_once_naming_the_fallback():
+    """state_dict() called from inside torch.distributed.checkpoint but past the frames where DCP's entry point
+    is looked for (nested deeper, or renamed by torch): one warning naming the frame and the save it falls back
+    to; called outside DCP, no warning."""
+    import functional_ema as fe
+
+    model = torch.nn.Linear(3, 2)
+    stateful = fe.dcp.EMAStateful(model, fe.init_ema(fe.local_shards(model)))
+    scope = {"__name__": "torch.distributed.checkpoint.renamed_saver"}
+    exec("def save_renamed(s):\n    return s.state_dict()", scope)
+    with pytest.warns(
+        UserWarning,
+        match=r"called from torch\.distributed\.checkpoint\.renamed_saver\.save_renamed "
+        r"but DCP's entry point .* falling back to a save in one process",
+    ) as got:
+        out = scope["save_renamed"](stateful)
+    assert len([w for w in got if "falling back" in str(w.message)]) == 1 and set(out) >= {"step", "emas"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stateful.state_dict()

@@ -537,6 +537,25 @@ def test_another_runs_snapshot_of_the_same_step_is_refused(tmp_path, one_rank_en
     torch.testing.assert_close(got.double(), oracle, rtol=0, atol=1e-5)
 
 
+def test_a_final_snapshot_at_the_last_periodic_step_is_one_snapshot(tmp_path, one_rank_engine):
+    """save_snapshot(tag="snapshot_final") at a step the periodic snapshots also saved: two folders with the same
+    data (their manifests' data checksums agree) count once, and the reconstruction is the single-run one; a
+    folder at that step with other data is still refused naming both."""
+    snap_dir, alone_dir = tmp_path / "snaps", tmp_path / "alone"
+    _, _, state, engine, sched = _walk(snap_dir, one_rank_engine, seed=3)
+    _walk(alone_dir, one_rank_engine, seed=3)
+    posthoc.save_snapshot(state, engine, snap_dir, sched, tag="snapshot_final")
+    assert [s.tag for s in posthoc.list_snapshots(snap_dir)] == [posthoc.snapshot_tag(32 * k) for k in (1, 2, 3, 4)]
+    for sigma_rel in (0.07, 0.10, 0.13):
+        got = posthoc.posthoc_offline(snap_dir, sigma_rel=sigma_rel, max_profile_error=0.5)["a"]
+        ref = posthoc.posthoc_offline(alone_dir, sigma_rel=sigma_rel, max_profile_error=0.5)["a"]
+        assert torch.equal(got, ref), sigma_rel
+    _, _, other, engine_o, _ = _walk(tmp_path / "other", one_rank_engine, seed=4, save=False)
+    posthoc.save_snapshot(other, engine_o, snap_dir, sched, tag="snapshot_final_b")
+    with pytest.raises(ReconstructionError, match=r"'snapshot_000000128' and 'snapshot_final_b'.*different data"):
+        posthoc.posthoc_offline(snap_dir, sigma_rel=0.10)
+
+
 @pytest.mark.parametrize(
     "extra, flag",
     [

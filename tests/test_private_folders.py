@@ -294,3 +294,31 @@ def test_failed_private_commit_keeps_every_folders_previous_checkpoint(tmp_path)
         assert out["files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], out["files"]
         assert out["latest"] == "t" and out["bitwise_t"] and out["bitwise_None"], out
         assert not (tmp_path / f"node{r}" / "u" / "ema_manifest.json").exists()
+
+
+def test_interrupt_during_a_failed_commits_cleanup_releases_the_lock(tmp_path, monkeypatch):
+    """A private commit fails (its manifest cannot be staged) and an interrupt lands while its new files are being
+    removed: the tag folder's lock is released all the same (it was released after the cleanup, so it stayed held),
+    and the next save of the tag takes it at once."""
+    import functional_ema as fe
+    from functional_ema._checkpoint import private
+    from functional_ema._checkpoint.writer import LOCK_NAME
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=DECAY)
+
+    def no_room(*args):
+        raise OSError(28, "No space left on device")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(private, "_stage_manifest", no_room)
+        patch.setattr(private, "remove_unlisted", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            fe.save(state, model, tmp_path / "ck", "t", shared=False)
+    assert not (tmp_path / "ck" / "t" / LOCK_NAME).exists()
+    fe.save(state, model, tmp_path / "ck", "t", shared=False, timeout=5)
+    assert int(fe.load(model, tmp_path / "ck", "t", shared=False).step) == 1

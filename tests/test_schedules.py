@@ -398,13 +398,15 @@ def _loop(s, start, stop):
     ids=["default", "uncapped", "clamped", "always_one", "litema", "litema_one"],
 )
 def test_warmup_and_litema_intervals_are_the_per_step_product(sched):
-    """Up to the cap, and for gaps at the cap up to _LOOP_AT_CAP steps, the very per-step product (bitwise);
-    a longer gap at the cap within rel 1e-12 of it (the capped steps as cap ** n, the closed form of a constant)."""
+    """Gaps up to _LOOP_AT_CAP steps, and warmup's below its cap, are the very per-step product (bitwise); a
+    longer gap at the cap (cap ** n, the closed form of a constant), or any longer litema gap (its closed form
+    below the cap too), within rel 1e-12 of it (both under 2**-54 where the per-step product stops early)."""
     short = schedules._LOOP_AT_CAP
+    closed_below = isinstance(sched, type(schedules.litema()))
     for start, stop in [(0, 1), (0, 9), (1, 2), (3, 40), (5, 6), (100, 164), (999, 1000), (10, 5000), (50, 50 + short)]:
         below = all(sched(t) < _cap(sched) for t in range(start + 1, stop + 1))
         got, ref = sched.interval(start, stop), _loop(sched, start, stop)
-        if below or stop - start <= short:
+        if (below and not closed_below) or stop - start <= short:
             assert got == ref, (start, stop)
         else:
             assert got == pytest.approx(ref, rel=1e-12, abs=2.0**-54), (start, stop)
@@ -431,7 +433,36 @@ def test_long_gaps_at_the_cap_are_closed_form_and_uncapped_ones_bounded():
     with pytest.raises(ValueError, match=r"warmup.*below its cap.*3000000 steps skipped.*update more often"):
         schedules.warmup(power=2.0, max_decay=1.0).interval(1000, 1000 + 3 * 10**6)
     # a product that becomes negligible stops early, as before: no refusal
-    assert schedules.litema(1.0).interval(10, 10 + 3 * 10**6) == _loop(schedules.litema(1.0), 10, 10 + 3 * 10**6)
+    assert schedules.warmup().interval(10, 10 + 3 * 10**6) == _loop(schedules.warmup(), 10, 10 + 3 * 10**6)
+    assert schedules.litema(1.0).interval(10, 10 + 3 * 10**6) < 2.0**-54  # closed form: the update is the same
+
+
+def _litema_exact(decay, start, stop):
+    """litema's product over (start, stop] as exp of the exactly summed logs (~1e-15 relative)."""
+    logs = (
+        math.log1p(-9.0 / (10 + t)) if (1.0 + t) / (10.0 + t) < decay else math.log(decay)
+        for t in range(start + 1, stop + 1)
+    )
+    return math.exp(math.fsum(logs))
+
+
+def test_litema_long_gaps_below_its_cap_are_closed_form():
+    """Below its cap litema's product telescopes, so a gap of any length is computed (2e6 steps below a cap of
+    1 - 1e-9 was refused), within 1e-12 of the exact product, also across the cap; no loop, so it is quick."""
+    for decay, start, stop in [(1 - 1e-9, 10**6, 3 * 10**6), (0.9999, 80_000, 100_000), (0.9999, 85_000, 89_995)]:
+        got = schedules.litema(decay).interval(start, stop)
+        assert got == pytest.approx(_litema_exact(decay, start, stop), rel=1e-12), (decay, start, stop)
+    assert schedules.litema(0.999).interval(10**17, 10**17 + 10**9) == 0.999 ** (10**9)
+
+
+def test_capped_product_finishes_at_the_cap_outside_the_bound():
+    """The cap reached inside the first 10**6 steps of a gap a little longer than that, with fewer than
+    _LOOP_AT_CAP steps at the cap left: the steps at the cap are multiplied on (bitwise the per-step product),
+    not counted toward the 10**6 bound below the cap (the call was refused, miscounting those steps)."""
+    sched = schedules.warmup(inv_gamma=1.0, power=1.0, max_decay=1 - 1 / 2_999_990)  # beta(t) = 1 - 1/t below it
+    first = next(t for t in range(2_999_900, 3_000_100) if sched(t) >= sched.max_decay)
+    assert 2_000_000 + 10**6 >= first > 3_000_100 - schedules._LOOP_AT_CAP
+    assert sched.interval(2_000_000, 3_000_100) == _loop(sched, 2_000_000, 3_000_100)
 
 
 def test_power_arguments_out_of_range_refused_at_the_call():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+import optree
 import pytest
 import torch
 from torch import nn
@@ -289,3 +290,30 @@ def test_same_step_update_checks_reuse_the_fused_plan():
     for _ in range(3):
         assert fe.update(state, fe.local_shards(model), 1, decay=0.9) is state
     assert state.ema._memo is memo
+
+
+def test_same_step_update_of_a_nested_tree_builds_no_plan(monkeypatch):
+    """A nested tree at the same step is checked at its top level (names), not planned in full (~1 ms for 516
+    tensors, nearly a real update) nor flattened (~0.2 ms); a top level that differs is planned, naming what
+    differs; a deeper difference is refused by the next real update before anything moves."""
+    import functional_ema._core as core
+
+    tree = {"a": {"w": torch.zeros(3, 2), "b": torch.zeros(2)}, "c": [torch.zeros(4)]}
+    state = fe.init_ema(tree)
+    fe.update(state, tree, 1, decay=0.9)
+    real = core._per_tensor_plan
+    planned = []
+    monkeypatch.setattr(core, "_per_tensor_plan", lambda *a: planned.append(1) or real(*a))
+    assert fe.update(state, tree, 1, decay=0.9) is state and not planned
+    with pytest.raises(fe.TreeMismatchError, match=r"missing from shards: 'c\.0'"):
+        fe.update(state, {"a": tree["a"]}, 1, decay=0.9)
+    with pytest.raises(fe.TreeMismatchError):
+        fe.update(state, None, 1, decay=0.9)
+    assert planned == [1, 1]
+    deeper = {"a": tree["a"], "c": [torch.zeros(5)]}
+    assert fe.update(state, deeper, 1, decay=0.9) is state  # the same step: top level only
+    before = [t.clone() for t in optree.tree_leaves(state.emas[0])]
+    with pytest.raises(fe.TreeMismatchError, match=r"shards\['c\.0'\] has shape \(5,\)"):
+        fe.update(state, deeper, 2, decay=0.9)
+    assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves(state.emas[0])))
+    assert int(state.step) == 1

@@ -543,3 +543,20 @@ def test_a_file_url_is_the_local_folder_it_names(tmp_path: Path, monkeypatch: py
         assert str(e.value) == (
             f"save_dir: {bad!r} is not a local file URL: write file:///absolute/path (three slashes), or the path itself"
         )
+
+
+def test_user_info_without_a_secret_is_part_of_the_place() -> None:
+    """User-info without a ``:`` (Azure's ``abfs://container@account/...``, ``sftp://user@host/...``) names the place,
+    not a secret: ``save`` returns the URL it wrote, and the tag's parent loads again (it came back as
+    ``memory://***@account/...``, a place nothing was written to). A secret (``user:secret@``) is still redacted from
+    messages."""
+    from functional_ema._storage import redact_url
+
+    m = torch.nn.Linear(3, 2)
+    state = fe.update(fe.init_ema(fe.local_shards(m)), fe.local_shards(m), 1, decay=0.5)
+    out = fe.save(state, m, "memory://container@account/run")
+    assert out == "memory://container@account/run/global_step1"
+    got = fe.load(m, str(out).rsplit("/", 1)[0])
+    assert int(got.step) == 1 and torch.equal(got.emas[0]["weight"], state.emas[0]["weight"])
+    assert redact_url("sftp://user@host/x") == "sftp://user@host/x"
+    assert redact_url("s3://KEY:SECRET@b/x") == "s3://***@b/x"

@@ -1096,3 +1096,46 @@ def test_agree_plans_on_two_ranks(tmp_path: Path) -> None:
     ]
     assert res[0]["shared"] is None and res[1]["shared"] is None
     assert res[0]["left"] == ["r0", "r0/t", f"r0/t/{LOCK_NAME}"]
+
+
+def test_tag_lock_awaiting_a_commit_is_recognised_with_a_long_thread_name(tmp_path: Path) -> None:
+    """A thread whose name is long (and not ASCII: the file once was read 200 bytes at a time, cutting a character,
+    or the text compared) holds a tag's lock until a later commit: a save of the tag from that same thread is
+    refused at once (it waited its whole timeout), while another thread waits and is told who holds the tag."""
+    import threading
+
+    from functional_ema._checkpoint.writer import TagLock
+
+    name = "é" * 150 + "-writer"
+    tag_dir = tmp_path / "t"
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        lock = TagLock.acquire(tag_dir, 1.0, "save")
+        lock.hold_for_commit()
+        t0 = time.monotonic()
+        try:
+            TagLock.acquire(tag_dir, 30.0, "save")
+        except CheckpointError as e:
+            out["own"], out["own_s"] = str(e), time.monotonic() - t0
+        other = threading.Thread(target=lambda: out.setdefault("other", _error_text(tag_dir)))
+        other.start()
+        other.join()
+        lock.release()
+
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    t.join()
+    assert out["own_s"] < 5 and "held by an AsyncSaver.save(shared=False) of this thread" in out["own"], out
+    quoted = _holder(name).encode()[:200].decode(errors="ignore")  # its first 200 bytes, a cut character dropped
+    assert f"another save ({quoted}, awaiting an AsyncSaver commit)" in out["other"], out["other"]
+
+
+def _error_text(tag_dir: Path) -> str:
+    from functional_ema._checkpoint.writer import TagLock
+
+    try:
+        TagLock.acquire(tag_dir, 0.05, "save").release()
+    except CheckpointError as e:
+        return str(e)
+    return "taken"

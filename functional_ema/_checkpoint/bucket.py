@@ -8,16 +8,19 @@ failure), nothing staged on local disk. Object stores have no lock and no rename
 over the process group instead of through the folder:
 
 1. The plan is agreed as for a local save. Rank 0 (the committing rank) picks the generation: one more
-   than the tag's manifest names and than any rank or buffer file already under the tag, so no object a
-   complete checkpoint lists (nor a leftover of a failed save) is ever overwritten; and it publishes a
-   marker object ``<tag>/.ema_store.<token>`` holding this save's random token.
+   than the tag's manifest names, than any rank or buffer file already under the tag and than any other save's
+   marker, so no object a complete checkpoint lists (nor a leftover of a failed save, nor the files a save in
+   flight is uploading) is ever overwritten; and it publishes a marker object
+   ``<tag>/.ema_store.<token>.gen<generation>`` holding this save's random token, before any file is uploaded.
+   It then lists the tag again: a marker of another save with the same generation (both picked it before
+   either marker was there) makes it withdraw its own and pick again (:func:`_claim_generation`).
 2. Every other rank reads the marker and must find the token: else it reaches another store (another
    endpoint, bucket, prefix or credentials) and the save is refused on every rank before any file is written,
    naming where rank 0 wrote the marker and where the ranks that missed it looked (one small all-gather of
    each rank's answer: the URLs are not compared, as nodes may reach one store by other endpoints).
 3. Every rank streams its files; all ranks agree that every upload completed.
-4. Rank 0 publishes the manifest (the checkpoint is complete from here), then ``ema_latest`` (its own
-   object), then removes the marker and the files of older generations (best effort).
+4. Rank 0 publishes the manifest (carrying the token as ``save_id``; the checkpoint is complete from here), then
+   ``ema_latest`` (its own object), then removes its marker, older generations' markers and files (best effort).
 
 A failure anywhere raises on every rank, and each rank removes only the objects it wrote that no manifest
 lists (none at all when the manifest cannot be read: an unreachable server leaves orphans, which the next
@@ -25,9 +28,11 @@ commit of the tag removes, rather than risking a listed file). The previous chec
 
 Not excluded: two jobs saving the same tag of the same prefix at once (there is no lock); within one
 process, an ``AsyncSaver`` waits for its own save of a tag. What is guarded (a blocking ``save`` of a tag
-whose ``AsyncSaver`` save awaits its commit): rank 0 publishes a manifest only if no later generation of the
-tag was committed meanwhile and every file it lists is there, else the save fails on every rank, and a commit
-removes only older generations' files: the tag keeps the later save, complete. Everything stays under the
+whose ``AsyncSaver`` save awaits its commit, in this process or another): the markers give the two saves
+different generations, even while the first one's files are not uploaded yet; rank 0 publishes a manifest only
+if no later generation of the tag was committed meanwhile (nor the same one by another save) and every file it
+lists is there, else the save fails on every rank, and a commit removes only older generations' files and
+markers: the tag keeps the later save, complete. Everything stays under the
 URL's prefix (the tag is one plain name, every path is checked by the seam).
 """
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import random
 import re
 import secrets
 import time
@@ -75,8 +81,14 @@ __all__ = [
     "write_bucket",
 ]
 
-#: Rank 0's marker object in the tag's prefix (step 2 of the module docstring), removed at the commit.
+#: Rank 0's marker object in the tag's prefix (steps 1-2 of the module docstring), removed at the commit.
 MARKER_PREFIX = ".ema_store."
+#: A marker's name: the save's token and the generation it claims (counted by :func:`next_generation`).
+MARKER_NAME = re.compile(r"\.ema_store\.([0-9a-f]{16})\.gen(\d+)")
+#: Picks of a generation before rank 0 gives up when other saves of the tag keep claiming the same one at once,
+#: and the longest random pause before picking again (it parts two saves that withdrew together).
+CLAIM_TRIES = 8
+CLAIM_PAUSE_S = 0.2
 #: How long a rank waits for rank 0's marker to become visible (stores whose listings or reads lag).
 MARKER_WAIT_S = 5.0
 
@@ -96,7 +108,12 @@ class BucketSave(NamedTuple):
 
     @property
     def marker(self) -> str:
-        return f"{self.tag}/{MARKER_PREFIX}{self.first['token']}"
+        return f"{self.tag}/{marker_name(self.first['token'], self.first['generation'])}"
+
+
+def marker_name(token: str, generation: int) -> str:
+    """The name of the marker of the save ``token`` claiming ``generation`` (:data:`MARKER_NAME`)."""
+    return f"{MARKER_PREFIX}{token}.gen{generation}"
 
 
 def url_storage(url: str, shared: bool, options: dict[str, Any], what: str) -> Storage:
@@ -144,8 +161,9 @@ def _verb(what: str) -> str:
 
 
 def next_generation(store: Storage, tag: str) -> int:
-    """The generation of a new save of ``tag`` (module docstring, step 1). A store that cannot be asked
-    raises: guessing 0 could overwrite the files of the complete checkpoint there."""
+    """The generation of a new save of ``tag`` (module docstring, step 1): above the manifest's, every rank or
+    buffer file's and every marker's (a save in flight whose files are not uploaded yet). A store that cannot be
+    asked raises: guessing 0 could overwrite the files of the complete checkpoint there."""
     gens = [-1]
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, or unreadable: the
         gens.append(int(json.loads(store.read_bytes(f"{tag}/{MANIFEST_NAME}"))["generation"]))  # names count
@@ -153,7 +171,40 @@ def next_generation(store: Storage, tag: str) -> int:
         m = RANK_FILE.match(name) or BUFFER_FILE.match(name)
         if m:
             gens.append(int(m.groups()[-1] or 0))
+        elif (claimed := _marker_generation(name)) is not None:
+            gens.append(claimed)
     return max(gens) + 1
+
+
+def _marker_generation(name: str) -> int | None:
+    """The generation a marker named ``name`` claims; ``None`` for any other name."""
+    m = MARKER_NAME.fullmatch(name)
+    return None if m is None else int(m.group(2))
+
+
+def _claim_generation(store: Storage, tag: str, token: str, published: list[str]) -> int:
+    """Step 1 (rank 0): pick the generation and publish the marker claiming it; ``published`` holds the marker
+    while it is there (the caller removes it on a failure). An object store has no lock: two saves (two processes)
+    may both pick N, each having listed before the other's marker was there. Each lists again after publishing, so
+    the later of the two publishes is followed by a listing that shows both markers: a save that sees another
+    marker of its generation withdraws its own and picks again (above it), after a random pause (two that withdrew
+    together pick apart). So no two saves upload the same generation's files."""
+    mine = f"{MARKER_PREFIX}{token}."
+    for _ in range(CLAIM_TRIES):
+        generation = next_generation(store, tag)
+        marker = f"{tag}/{marker_name(token, generation)}"
+        store.publish_bytes(marker, token.encode())
+        published.append(marker)
+        rivals = [n for n in store.listdir(tag) if _marker_generation(n) == generation and not n.startswith(mine)]
+        if not rivals:
+            return generation
+        store.remove(marker)
+        published.remove(marker)
+        time.sleep(random.uniform(0.0, CLAIM_PAUSE_S))  # a random pause: two saves that withdrew together part
+    raise CheckpointError(
+        f"save: tag {tag!r} at {store.describe(tag)}: other saves of the tag claimed the same generation at once "
+        f"{CLAIM_TRIES} times in a row ({', '.join(rivals[:2])}): one save of a tag at a time. Nothing was written"
+    )
 
 
 def prepare_bucket(
@@ -187,12 +238,9 @@ def prepare_bucket(
         if rank == 0:
             p["token"] = f"{secrets.randbits(62):016x}"
             try:
-                p["generation"] = next_generation(store, tag)
-                marker = f"{tag}/{MARKER_PREFIX}{p['token']}"
-                store.publish_bytes(marker, p["token"].encode())
+                p["generation"] = _claim_generation(store, tag, p["token"], published)
             except Exception as e:  # noqa: BLE001 - the store's own errors are not OSError
                 raise store_error(e, rank, store.describe(tag), "write the tag", verb) from None
-            published.append(marker)
         return p
 
     def give_up() -> None:
@@ -297,7 +345,7 @@ def commit_bucket(prep: BucketSave, record: dict[str, Any], what: str) -> None:
     def commit() -> None:
         if written is None:  # not rank 0
             return
-        manifest = build_manifest(prep.first, written)
+        manifest = build_manifest(prep.first, written, save_id=prep.first["token"])
         store, rel = prep.store, f"{prep.tag}/{MANIFEST_NAME}"
         try:
             _check_still_newest(prep, manifest)
@@ -326,9 +374,18 @@ def _check_still_newest(prep: BucketSave, manifest: dict[str, Any]) -> None:
     this one's files as an older generation's; publishing would then replace a complete checkpoint by one
     whose files are gone."""
     store, tag, generation = prep.store, prep.tag, prep.first["generation"]
-    there = -1
-    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, or unreadable: no newer
-        there = int(json.loads(store.read_bytes(f"{tag}/{MANIFEST_NAME}"))["generation"])
+    there, their_id = -1, None
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):  # none, or
+        committed = json.loads(store.read_bytes(f"{tag}/{MANIFEST_NAME}"))  # unreadable: no newer
+        there, their_id = int(committed["generation"]), committed.get("save_id")
+    if there == generation and their_id != prep.first["token"]:
+        # Another save claimed this generation too (step 1 should make that impossible: a store whose listings
+        # lag, or a save by an older version without markers): its manifest lists files of this one's names.
+        raise CheckpointError(
+            f"{prep.verb}: tag {tag!r} at {prep.tag_dir} was committed by another save of the same generation "
+            f"({generation}, save_id {their_id!r}) while this one (step {prep.first['step']}) was being written: "
+            "this save is dropped. One save of a tag at a time: AsyncSaver.wait() before saving the tag again"
+        )
     if there > generation:
         raise CheckpointError(
             f"{prep.verb}: tag {tag!r} at {prep.tag_dir} was committed by a later save (generation {there}) while "
@@ -366,17 +423,22 @@ def abandon_bucket(prep: BucketSave) -> None:
 
 
 def _cleanup(prep: BucketSave, keep: set[str]) -> None:
-    """After the commit (rank 0): the marker, older generations' files and markers of failed saves. Never a
-    file of a newer generation than this save's: another save of the tag may be writing it (no lock here)."""
+    """After the commit (rank 0): the marker, older generations' files and markers of older (failed or
+    superseded) saves. Never a file or marker of a newer generation than this save's: another save of the tag
+    may be writing it (no lock here), and its marker is what keeps a third save off its generation."""
     generation = prep.first["generation"]
 
     def older(m: re.Match | None) -> bool:
         return m is not None and int(m.groups()[-1] or 0) < generation
 
+    def stale_marker(name: str) -> bool:
+        claimed = _marker_generation(name)
+        return name.startswith(MARKER_PREFIX) and (claimed is None or claimed <= generation)  # None: no claim
+
     def run() -> None:
         for name in prep.store.listdir(prep.tag):
             stale_file = older(RANK_FILE.match(name) or BUFFER_FILE.match(name)) and name not in keep
-            if stale_file or name.startswith(MARKER_PREFIX):
+            if stale_file or stale_marker(name):
                 _quietly(functools.partial(prep.store.remove, f"{prep.tag}/{name}"))
 
     _quietly(run)

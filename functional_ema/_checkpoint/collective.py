@@ -132,10 +132,13 @@ def agree_on(
     """
     if 3 + 2 * len(fields) > AGREE_WORDS:  # a caller's bug, the same on every rank of one call site
         raise ValueError(f"{what}: agree_on compares at most {(AGREE_WORDS - 3) // 2} fields, got {len(fields)}")
-    t = timeout_s(timeout)  # a bad FUNCTIONAL_EMA_TIMEOUT is refused before fn runs
+    alone = world <= 1 or not dist.is_initialized()
+    # Read only where a bounded wait uses it (one process waits for nobody; bounded=False all-reduces), and
+    # before fn runs, so a bad FUNCTIONAL_EMA_TIMEOUT is refused before anything is written.
+    t = timeout_s(timeout) if bounded and not alone else None
     payload, local_exc = run_local(fn, rank)
     record = payload[1] if local_exc is None else None
-    if world <= 1 or not dist.is_initialized():
+    if alone:
         if local_exc is not None:
             raise local_exc
         return payload[1]  # this rank's record: fn succeeded
@@ -146,9 +149,11 @@ def agree_on(
     verb = value_digest(what)
     words = [verb, -verb, int(record is None)] + [v for d in digests for v in (d, -d)]
     set_by = "the environment variable" if timeout is None else "timeout= or the environment variable"
-    reduced = _agreement(what, words, (group, world, rank), t, set_by) if bounded else all_reduce_max(words, group)
+    reduced = (
+        _agreement(what, words, (group, world, rank), t, set_by) if t is not None else all_reduce_max(words, group)
+    )
     if reduced[0] != -reduced[1]:  # every rank sees it: each names the verb the others called, then raises
-        called = exchange(what, barrier_group(group, t), world)
+        called = exchange(what, barrier_group(group, t if t is not None else timeout_s(timeout)), world)
         shown = ", ".join(f"rank {r}: {_shown(v)}" for r, v in enumerate(called))
         raise mismatch(
             f"{what}: the ranks called different collective verbs ({shown}); call each on every rank, in the same order"
@@ -409,7 +414,7 @@ def _timed_out(what: str, rank: int, world: int, t: float, waited: float, e: Exc
     detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
     return CheckpointTimeoutError(
         f"functional_ema.{what}: rank {rank} waited {waited:.1f} s (limit {t:g} s) for the other ranks "
-        f"of the data-parallel group (world size {world}) to call it too, and they did not ({detail}). {what}() is "
+        f"of its process group (world size {world}) to call it too, and they did not ({detail}). {what}() is "
         f"collective: call it on every rank, with the same arguments. The wait is set by {set_by} "
         f"{TIMEOUT_ENV} (default {DEFAULT_TIMEOUT_S:g} s). The process group may be unusable after this"
     )

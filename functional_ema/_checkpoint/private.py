@@ -225,11 +225,13 @@ def commit_private(prep: PrivateSave, record: dict[str, Any], timeout: float, wh
         stage = lambda: manifest.append(_stage_manifest(prep, records))  # noqa: E731
         agree(f"{what} (writing the manifests)", stage, group, world, rank, results=False)
     except BaseException:
-        if prep.sharers[0] == rank:
-            drop_pending(prep.tag_dir)
-        remove_unlisted(prep.tag_dir, prep.names)  # after the pending manifest: the live one lists none of them
-        for held in prep.lock:
-            held.release(remove_empty=True)
+        try:
+            if prep.sharers[0] == rank:
+                drop_pending(prep.tag_dir)
+            remove_unlisted(prep.tag_dir, prep.names)  # after the pending manifest: the live one lists none of them
+        finally:  # an interrupt (or a failure) mid-cleanup must not leave the folder locked
+            for held in prep.lock:
+                held.release(remove_empty=True)
         raise
     try:  # every folder holds the pending manifest: publishing it is one rename per folder
         publish = lambda: _publish_manifest(prep, manifest[0])  # noqa: E731
@@ -263,9 +265,11 @@ def _publish_manifest(prep: PrivateSave, manifest: dict[str, Any]) -> None:
 
 def abandon_private(prep: PrivateSave) -> None:
     """A failed private save: remove this rank's new files and release its folder's lock."""
-    remove_unlisted(prep.tag_dir, prep.names)
-    for held in prep.lock:
-        held.release(remove_empty=True)
+    try:
+        remove_unlisted(prep.tag_dir, prep.names)
+    finally:  # an interrupt mid-cleanup must not leave the folder locked
+        for held in prep.lock:
+            held.release(remove_empty=True)
 
 
 def _agree_generation(

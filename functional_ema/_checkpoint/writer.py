@@ -525,9 +525,9 @@ class TagLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                token, holder = _read_holder(fd)
                 os.close(fd)
-                if holder == _holder_text(awaits_commit=True):
+                if token == _commit_token():
                     raise CheckpointError(
                         f"{what}: tag {tag_dir.name!r} in {tag_dir.parent} is held by an AsyncSaver.save(shared=False) "
                         "of this thread, whose commit runs at that saver's next save or wait: waiting here would wait "
@@ -610,17 +610,46 @@ def check_shared(tag_dir: Path, rank: int, what: str, wait: float = 2.0) -> None
         time.sleep(0.05)
 
 
+#: The first line of a :class:`TagLock` file whose holder awaits a later commit (:func:`_commit_token`).
+_AWAITS = "awaiting an AsyncSaver commit:"
+#: How much of a lock file's text a waiter's message quotes (a hostname or thread name may make it long).
+_HOLDER_BYTES = 200
+
+
+def _commit_token() -> str:
+    """What marks a lock held by this thread until a later call of it commits: short and fixed (pid and thread
+    id, no host or thread name of any length), so a save from exactly this thread recognises it whole."""
+    return f"{_AWAITS} pid {os.getpid()} thread id {threading.get_ident()}"
+
+
 def _holder_text(awaits_commit: bool) -> str:
-    """What a :class:`TagLock` file says of its holder: this process and thread (and, for a lock held until a
-    later call of this thread commits, the thread's id: exactly this thread then finds its own text there)."""
-    me = threading.current_thread()
-    text = f"pid {os.getpid()} on {socket.gethostname()}, thread {me.name}"
-    return text + f" (thread id {me.ident}), awaiting an AsyncSaver commit" if awaits_commit else text
+    """What a :class:`TagLock` file says of its holder: this process and thread, for other waiters' messages;
+    for a lock held until a later call of this thread commits, :func:`_commit_token` first, on its own line."""
+    text = f"pid {os.getpid()} on {socket.gethostname()}, thread {threading.current_thread().name}"
+    return f"{_commit_token()}\n{text}" if awaits_commit else text
 
 
-def _read_holder(fd: int) -> str:
+def _read_holder(fd: int) -> tuple[str | None, str]:
+    """A lock file's commit token (``None``: its holder awaits no commit) and the first :data:`_HOLDER_BYTES` of
+    its text, for messages ("holder unknown" when there is none or it is not text)."""
     with contextlib.suppress(OSError, UnicodeDecodeError):
-        text = os.pread(fd, 200, 0).decode()
+        data = os.pread(fd, len(_commit_token()) + 64 + _HOLDER_BYTES, 0)
+        token = None
+        if data.startswith(_AWAITS.encode()) and b"\n" in data:
+            first, data = data.split(b"\n", 1)
+            token = first.decode()
+        text = _decode_head(data[:_HOLDER_BYTES])
         if text:
-            return text
-    return "holder unknown"
+            return token, text + (", awaiting an AsyncSaver commit" if token is not None else "")
+    return None, "holder unknown"
+
+
+def _decode_head(data: bytes) -> str:
+    """``data`` as UTF-8, but for a character the read's bound cut short at its end (dropped); other bytes that
+    are not UTF-8 raise ``UnicodeDecodeError``."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        if e.reason != "unexpected end of data":
+            raise
+        return data[: e.start].decode()

@@ -221,7 +221,9 @@ def list_snapshots(
 
     Each is validated (manifest, every rank file's header and checksum, coverage of every
     parameter) without reading tensor data. Tags without a manifest (an interrupted save) are
-    skipped with a warning. ``shapes`` are the full shapes of the whole model (every model-parallel
+    skipped with a warning. A folder whose data is the same as an earlier-named one's at the same step (a
+    ``tag="snapshot_final"`` save at the last periodic step) is listed once, under the earlier name; other
+    data at the same step is refused. ``shapes`` are the full shapes of the whole model (every model-parallel
     part joined), or of one ``part``'s parameters.
 
     ``snapshot_dir`` may be an fsspec URL (``s3://bucket/run/snapshots``), read in place (one listing
@@ -253,6 +255,7 @@ def _list(root: Location, prefix: str, part: ModelPart | None) -> list[SnapshotI
             stacklevel=3,
         )
     out: list[SnapshotInfo] = []
+    prints: dict[str, Any] = {}
     for tag in tags:
         if tag in incomplete:
             continue
@@ -263,12 +266,14 @@ def _list(root: Location, prefix: str, part: ModelPart | None) -> list[SnapshotI
             with open_checkpoint(root, tag, verify=True, layout=None, part=part) as ckpt:
                 m, shapes = ckpt.manifest, dict(ckpt.shapes)
         out.append(_info(root, tag, m, shapes))
+        prints[tag] = _data_print(m)
     if not out:
         raise ReconstructionError(
             f"no complete snapshot (tags prefix={prefix!r}*) in {root}; write them with posthoc.save_snapshot during training"
         )
     out.sort(key=lambda s: (s.step, s.tag))
-    _check_distinct(root, out)
+    same = _check_distinct(root, out, prints)
+    out = [s for s in out if s.tag not in same]  # a copy of one save is one snapshot (the first tag kept)
     first = out[0]
     for s in out[1:]:
         if s.shapes != first.shapes:
@@ -326,19 +331,41 @@ def _info(root: Location, tag: str, m: dict[str, Any], shapes: dict[str, tuple[i
     return SnapshotInfo(tag, int(m["step"]), tuple(gammas), shapes)
 
 
-def _check_distinct(root: Location, infos: list[SnapshotInfo]) -> None:
-    """Refuse two snapshot folders holding an EMA of the same exponent at the same step (``infos`` sorted by step):
-    the least-squares fit would average them (another run's copy, silently half the result)."""
+def _check_distinct(root: Location, infos: list[SnapshotInfo], prints: dict[str, Any]) -> dict[str, str]:
+    """Two snapshot folders holding an EMA of the same exponent at the same step (``infos`` sorted by step): the
+    least-squares fit would average them. Copies of one save (a final snapshot at the last periodic step: their
+    manifests' data checksums, ``prints``, agree) are one snapshot: returns ``{later tag: the tag kept}`` for the
+    caller to drop. Different data is another run's: refused, naming both."""
     seen: dict[tuple[int, float], str] = {}
+    same: dict[str, str] = {}
     for info in infos:
         for g in info.gammas:
             other = seen.setdefault((info.step, g), info.tag)
-            if other != info.tag:
-                raise ReconstructionError(
-                    f"snapshot folders {other!r} and {info.tag!r} in {root} both hold an EMA of gamma {g:.6g} at step "
-                    f"{info.step}: one step is snapshotted once per run, so one of them is a copy or another run's. "
-                    "Keep one run's snapshots per directory: move one out"
-                )
+            if other == info.tag or same.get(info.tag) == other:
+                continue
+            if prints[info.tag] is not None and prints[info.tag] == prints[other]:
+                same[info.tag] = other
+                continue
+            raise ReconstructionError(
+                f"snapshot folders {other!r} and {info.tag!r} in {root} both hold an EMA of gamma {g:.6g} at step "
+                f"{info.step} with different data: one step is snapshotted once per run, so one of them is a copy "
+                "or another run's. Keep one run's snapshots per directory: move one out"
+            )
+    return same
+
+
+def _data_print(m: dict[str, Any]) -> Any:
+    """What a snapshot's manifest says of its data: everything but its name, save count, note and extra, and its
+    files' sizes and header checksums (the header names the tag); ``None`` for a manifest without files."""
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("bytes", "header_checksum")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    if not m.get("files") and not m.get("parts"):
+        return None
+    return strip({k: v for k, v in m.items() if k not in ("tag", "generation", "note", "library", "extra")})
 
 
 class _FilePlan(NamedTuple):
