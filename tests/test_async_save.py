@@ -897,13 +897,16 @@ def test_saver_wait_raises_each_failure_once_in_order(tmp_path, monkeypatch):
     model = _model()
     state = _state(model)
     saver = fe.AsyncSaver(2)
+    both_started = threading.Event()  # x1's write must not fail before x2 is started (save x2 would raise it)
 
     def fail(path, *args, **kwargs):
+        both_started.wait(60)
         raise OSError(28, f"no space for {path.parent.name}")
 
     monkeypatch.setattr(writer, "write_rank_file", fail)
     h1 = saver.save(state, model, tmp_path, "x1")
     h2 = saver.save(state, model, tmp_path, "x2")
+    both_started.set()
     _wait_done(h1)
     _wait_done(h2)
     raised = [error_of(saver.wait) for _ in range(3)]
