@@ -453,3 +453,40 @@ def test_url_spellings_agree_with_where_the_files_are(tmp_path: Path) -> None:
     from fsspec.implementations.memory import MemoryFileSystem
 
     assert not any("fe-dots" in p for p in MemoryFileSystem.store)
+
+
+def test_forged_markers_and_pending_manifests_do_not_change_what_loads(tmp_path: Path) -> None:
+    """The two file kinds added for safe commits, as hostile inputs: a bucket tag holding foreign ``.ema_store``
+    objects (a name that is not a marker, a forged marker of a far generation with junk bytes) and a private tag
+    folder holding a junk ``ema_manifest.json.pending`` (a crashed commit's). Each load gives the EMA saved
+    (bitwise); a save over them commits and loads too; the forged objects the library did not write as its own
+    marker are left in place."""
+    import functional_ema as fe
+
+    model = torch.nn.Linear(3, 2)
+    state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.5)
+    want = {n: t.clone() for n, t in state.emas[0].items()}
+
+    def same(got: Any) -> bool:
+        return set(got.emas[0]) == set(want) and all(torch.equal(got.emas[0][n], t) for n, t in want.items())
+
+    from functional_ema._storage import storage_for
+
+    url = "memory://fe-forged/run"
+    fe.save(state, model, url, "t")
+    store = storage_for(url)
+    foreign, forged = "t/.ema_store.notamarker", "t/.ema_store." + "f" * 16 + ".gen999"
+    store.publish_bytes(foreign, b"\x00junk")
+    store.publish_bytes(forged, b"\xff" * 3)
+    assert same(fe.load(model, url, "t")) and same(fe.load(model, url))
+    fe.save(state, model, url, "t")  # a later generation than the forged one: committed and loaded
+    assert same(fe.load(model, url, "t"))
+    assert store.exists(foreign)
+
+    local = tmp_path / "ck"
+    fe.save(state, model, local, "t", shared=False)
+    (local / "t" / "ema_manifest.json.pending").write_bytes(b"{not json")
+    assert same(fe.load(model, local, "t", shared=False)) and same(fe.load(model, local, shared=False))
+    fe.save(state, model, local, "t", shared=False)  # the crashed commit's pending manifest is cleaned up
+    assert same(fe.load(model, local, "t", shared=False))
+    assert not (local / "t" / "ema_manifest.json.pending").exists()

@@ -85,6 +85,8 @@ __all__ = [
 MARKER_PREFIX = ".ema_store."
 #: A marker's name: the save's token and the generation it claims (counted by :func:`next_generation`).
 MARKER_NAME = re.compile(r"\.ema_store\.([0-9a-f]{16})\.gen(\d+)")
+#: A marker as releases before generation markers named it (``.ema_store.<token>``): removed by a later commit.
+_OLD_MARKER_NAME = re.compile(r"\.ema_store\.[0-9a-f]{16}")
 #: Picks of a generation before rank 0 gives up when other saves of the tag keep claiming the same one at once,
 #: and the longest random pause before picking again (it parts two saves that withdrew together).
 CLAIM_TRIES = 8
@@ -431,9 +433,9 @@ def _cleanup(prep: BucketSave, keep: set[str]) -> None:
     def older(m: re.Match | None) -> bool:
         return m is not None and int(m.groups()[-1] or 0) < generation
 
-    def stale_marker(name: str) -> bool:
+    def stale_marker(name: str) -> bool:  # only names this library gives its markers: others are not ours
         claimed = _marker_generation(name)
-        return name.startswith(MARKER_PREFIX) and (claimed is None or claimed <= generation)  # None: no claim
+        return claimed <= generation if claimed is not None else _OLD_MARKER_NAME.fullmatch(name) is not None
 
     def run() -> None:
         for name in prep.store.listdir(prep.tag):
