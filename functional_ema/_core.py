@@ -139,7 +139,8 @@ def init_ema(
         dtype: EMA dtype, a ``torch.dtype``: ``torch.float32`` (default), ``float64``, ``float16`` or
             ``bfloat16`` (float8, integer, bool and complex dtypes are refused). A 16-bit EMA warns,
             because at decay 0.9999 the update ``(1 - decay) * (x - ema)`` is below bf16 resolution
-            and the EMA stops moving.
+            and the EMA stops moving; a float16 one is refused (``ValueError`` naming the parameter) when
+            finite starting values exceed its range (65504), which would start the EMA at inf.
         device: where the EMA lives; defaults to each shard's device (with ZeRO-Offload that is
             already the CPU). Not ``"meta"``, nor a device this machine lacks (``"cuda"`` without CUDA);
             shards on the meta device, and sparse ones, are refused too.
@@ -172,13 +173,36 @@ def init_ema(
             f"device={device!r}: an EMA on the meta device holds no values; pass a real device (or None for "
             "each shard's own)"
         )
+    warn_sixteen_bit(dtype, "EMA")
+    state = _allocate(shards, num_emas, dtype, device, pin_memory, step, copy_values=True)
+    if dtype is torch.float16:
+        refuse_overflow(state.emas[0], shards, dtype, "init_ema", "parameter")
+    return state
+
+
+def warn_sixteen_bit(dtype: torch.dtype, what: str) -> None:
     if dtype in _SIXTEEN_BIT:
         warnings.warn(
-            f"keeping the EMA in {dtype} loses updates smaller than its resolution: with decay 0.9999 a "
+            f"keeping the {what} in {dtype} loses updates smaller than its resolution: with decay 0.9999 a "
             "16-bit EMA stalls. Use dtype=torch.float32 (the default) unless memory forces otherwise.",
-            stacklevel=2,
+            stacklevel=3,
         )
-    return _allocate(shards, num_emas, dtype, device, pin_memory, step, copy_values=True)
+
+
+def refuse_overflow(ema: Any, source: Any, dtype: torch.dtype, verb: str, kind: str) -> None:
+    """``ValueError`` naming the first tensor whose finite starting values ``dtype`` cannot hold (float16 tops out at
+    65504): its EMA would start as inf, and stay so, without a word. ``ema``/``source``: the same names."""
+    limit = torch.finfo(dtype).max
+    names, emas, _ = flatten_named(ema)
+    for name, e, src in zip(names, emas, flatten_named(source)[1]):
+        if e.numel() and not bool(torch.isfinite(e).all()):
+            big = src.detach().float().abs().nan_to_num(0.0, posinf=0.0).amax().item()
+            if big > limit:
+                raise ValueError(
+                    f"{verb}(dtype={dtype}): {kind} {name!r} holds values up to {big:.4g}, beyond what {dtype} can "
+                    f"hold (at most {limit:.0f}): its EMA would be inf. Keep the EMA in torch.float32 (the default) "
+                    "or torch.bfloat16"
+                )
 
 
 @torch.inference_mode(False)  # normal tensors also under torch.inference_mode() (an evaluation): see the docstring

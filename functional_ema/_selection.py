@@ -16,7 +16,9 @@ Patterns are shell-style, matched by :func:`fnmatch.fnmatchcase` against the who
 Checked where the argument enters (``local_shards``, the integrations' constructors for the types), each with
 one error naming the argument: a pattern that is not a ``str``, an empty pattern, an empty ``include`` list, a
 pattern that matches none of the model's parameter names (a typo, or a regular expression; a frozen parameter's
-name counts) or only tied aliases, a predicate that raises or returns anything but a ``bool``, and a selection
+name counts) or only tied aliases, one whose brackets spell names it does not match (``"a[0].*"`` for a
+``ModuleDict`` key ``"a[0]"``: write ``"a[[]0].*"``), a selection that decides a tied parameter one way under a later
+name and the other way under its first, a predicate that raises or returns anything but a ``bool``, and a selection
 that leaves no parameter.
 
 This module is a leaf: it imports nothing from the package at import time.
@@ -83,18 +85,53 @@ class Selection:
         to ``None`` (a parameter not read: frozen). Asked only for a pattern that matches no name read: one that
         names a frozen parameter is no typo (frozen later, or unfrozen later, it selects it then), and one that names
         only tied aliases is refused naming the name they are read under."""
+        others: Mapping[str, str | None] | None = None
+
+        def other_names() -> Mapping[str, str | None] | None:
+            nonlocal others
+            if others is None and unread is not None:
+                others = unread()
+            return others
+
         for part, what in ((self.include, "include"), (self.exclude, "exclude")):
             if isinstance(part, tuple):
                 for pattern in part:
+                    if "[" in pattern:
+                        _check_literal(what, pattern, names, other_names())
                     if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                        _check_unread(what, pattern, names, unread() if unread is not None else None)
+                        _check_unread(what, pattern, names, other_names())
         chosen = [n for n in names if self.picks(n)]
+        if unread is not None:
+            self._check_aliases(chosen, other_names() or {})
         if not chosen:
             raise ValueError(
                 f"the selection ({self.describe()}) leaves none of the {len(names)} parameters read "
                 f"(e.g. {', '.join(map(repr, names[:4]))}): nothing would be averaged. Widen include or narrow exclude"
             )
         return chosen
+
+    def _check_aliases(self, chosen: Sequence[str], others: Mapping[str, str | None]) -> None:
+        """Refuse a selection whose ``include`` or ``exclude`` names a tied parameter by a later name (an alias)
+        and is overruled: the parameter is read once, under its first name, so ``include="head.*"`` with
+        ``head.weight`` tied to ``emb.weight`` would leave the head's weight out, and ``exclude="head.*"`` would
+        keep it, without a word. (Naming only the first name decides for both: ``exclude="*wte*"`` leaves out a
+        tied language-model head too.)"""
+        picked = set(chosen)
+        for alias, first in others.items():
+            if first is None:
+                continue
+            if self.include is not None and first not in picked and self.picks(alias):
+                said, part = "selects", "include"
+            elif self.exclude is not None and first in picked and self._excluded(alias):
+                said, part = "leaves out", "exclude"
+            else:
+                continue
+            raise ValueError(
+                f"{part} ({self.describe()}) {said} {alias!r}, a tied alias of {first!r}: one parameter, read once "
+                f"under its first name {first!r}, which the selection {'leaves out' if first not in picked else 'keeps'}"
+                f", so the choice made for {alias!r} would be dropped. Name the parameter by {first!r} (select both "
+                "names or neither)"
+            )
 
     def picks(self, name: str) -> bool:
         """Whether the selection picks ``name`` (``include`` matches it and ``exclude`` does not)."""
@@ -216,6 +253,25 @@ def _check_unread(what: str, pattern: str, names: Sequence[str], unread: Mapping
         )
 
 
+def _check_literal(what: str, pattern: str, names: Sequence[str], others: Mapping[str, str | None] | None) -> None:
+    """Refuse ``pattern`` when its brackets, read literally, spell parameter names it does not match: ``[...]`` is
+    one character of a set in a shell-style pattern, so ``"blocks[0].*"`` selects ``blocks0.*``, or nothing,
+    instead of a ``ModuleDict`` entry named ``"blocks[0]"``."""
+    every = [*names, *(others or {})]
+    literal = pattern.replace("[", "[[]")
+    spelled = [n for n in every if fnmatch.fnmatchcase(n, literal)]
+    if not spelled or all(fnmatch.fnmatchcase(n, pattern) for n in spelled):
+        return
+    from ._tree import short_list
+
+    matched = [n for n in every if fnmatch.fnmatchcase(n, pattern)]
+    raise ValueError(
+        f"{what} pattern {pattern!r}: in a shell-style pattern '[...]' is one character of a set, so it matches "
+        f"{short_list(matched, 4) if matched else 'no parameter name'}, not {short_list(spelled, 4)}, which its "
+        f"brackets spell. Write a literal '[' as '[[]': {literal!r}"
+    )
+
+
 def _type_name(value: Any) -> str:
     """``int``, or ``numpy.bool`` where a builtin's name would mislead (numpy's bool is named ``bool`` too)."""
     kind = type(value)
@@ -227,6 +283,8 @@ def _no_match(what: str, pattern: str, names: Sequence[str], total: int | None =
     searched too (``None``: only the ``names`` read)."""
     regex = any(c in pattern for c in "^$+\\(|")
     hint = " It looks like a regular expression: patterns are shell-style (fnmatch: * ? [seq])." if regex else ""
+    if "[" in pattern and not regex:
+        hint = " In a shell-style pattern '[...]' is one character of a set: write a literal '[' as '[[]'."
     among = f"{len(names)} parameters read" if total is None else f"{total} parameter names of the model"
     unread = "; frozen parameters are not read" if total is None else ""
     return (

@@ -38,7 +38,16 @@ from typing import Any, Literal
 import torch
 
 from ._buffers import loaded_buffer_state, persistent_buffers, split_floating
-from ._core import check_ema_dtype, check_num_emas, check_step, check_step_tensor, decay_weights, refuse_inference
+from ._core import (
+    check_ema_dtype,
+    check_num_emas,
+    check_step,
+    check_step_tensor,
+    decay_weights,
+    refuse_inference,
+    refuse_overflow,
+    warn_sixteen_bit,
+)
 from ._core import update as _update
 from ._state import BufferState
 from .schedules import DecayLike
@@ -78,7 +87,8 @@ def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype
     """Start the buffer EMAs equal to ``x``'s buffers (copies; integer buffers copied as they are).
 
     ``num_emas``, ``step`` and ``dtype`` are checked as :func:`functional_ema.init_ema` checks them
-    (an int >= 1, an int step, a float32/float64/float16/bfloat16 ``torch.dtype``), and buffers on
+    (an int >= 1, an int step, a float32/float64/float16/bfloat16 ``torch.dtype``; a 16-bit one warns, and a
+    float16 one is refused naming the buffer when a buffer's finite values exceed its range), and buffers on
     the meta device are refused, before anything is copied. The copies are normal tensors also under
     ``torch.inference_mode()`` (so that :func:`update_buffers` can write them outside it).
     """
@@ -92,9 +102,12 @@ def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype
                 f"buffer {n!r} is on the meta device: it has a shape but no values to keep. Materialise the model "
                 "(e.g. model.to_empty(device=...) and load or initialise its buffers) before init_buffers"
             )
+    warn_sixteen_bit(dtype, "buffer EMA")
     with torch.no_grad(), torch.inference_mode(False):
         emas = tuple({n: b.detach().to(dtype=dtype, copy=True) for n, b in floats.items()} for _ in range(num_emas))
         copied = {n: b.detach().clone() for n, b in others.items()}
+        if dtype is torch.float16:
+            refuse_overflow(emas[0], floats, dtype, "init_buffers", "buffer")
         return BufferState(torch.tensor(step, dtype=torch.int64), emas, copied)
 
 
@@ -181,7 +194,7 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
     buffers swapped.
 
     Refused before anything changes: an ``index`` that is not one of the EMAs (``TypeError``/``ValueError``),
-    a state of other buffer names or shapes (``ValueError``). A block that re-types (``model.double()``) or
+    a state of other buffer names or shapes, a buffer whose elements share memory (an expanded view) (``ValueError``). A block that re-types (``model.double()``) or
     re-assigns (``load_state_dict(..., assign=True)``) the buffers, or replaces a submodule, has them put back
     on exit (the objects and memory they had on entry, the live values in them), and then
     :class:`~functional_ema.SwappedParametersChangedError` names each (on an exception from the block: that
@@ -197,6 +210,7 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
     sources = ((bstate.emas[index], floats), (bstate.copied, others))
     pairs = [(b, src[n]) for src, live in sources for n, b in live.items()]
     _check_swap_shapes(pairs, [*floats, *others])
+    refuse_overlapping(dict(zip([*floats, *others], (b for b, _ in pairs))), "swapped_buffers")
     with (
         changes_reported("functional_ema.buffers.swapped_buffers(...)") as changes,
         _live_values_back([b for b, _ in pairs]),
@@ -217,6 +231,27 @@ def _check_swap_shapes(pairs: list[tuple[torch.Tensor, torch.Tensor]], names: li
                 f"swapped_buffers: buffer {name!r} has shape {tuple(b.shape)} in the model but {tuple(src.shape)} in "
                 "the buffer state: the buffer state was made for another model"
             )
+
+
+def refuse_overlapping(buffers: dict[str, torch.Tensor], verb: str) -> None:
+    """``ValueError`` naming the first buffer whose elements share memory (an ``expand``-ed view, stride 0), before
+    anything is written: a copy of the EMA into it has no meaning (one memory location would hold several values),
+    and torch's own error names no buffer."""
+    for name, b in buffers.items():
+        if _overlaps(b):
+            raise ValueError(
+                f"{verb}: buffer {name!r} (shape {tuple(b.shape)}, strides {tuple(b.stride())}) has elements that "
+                "share memory (an expanded view), so its EMA cannot be written into it. Register it as its own "
+                "memory (module.register_buffer(name, buffer.contiguous())) before training, or leave it out of the "
+                "state (persistent=False)"
+            )
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    has_overlap = getattr(torch, "_debug_has_internal_overlap", None)  # torch's own test (0 no, 1 yes, 2 unknown)
+    if has_overlap is not None:
+        return bool(has_overlap(t) == 1)
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))  # pragma: no cover
 
 
 @contextlib.contextmanager

@@ -425,3 +425,54 @@ def test_update_buffers_copy_checks_decay_as_average_does(decay):
     b = fe.buffers.update_buffers(b, net, None, decay=[0.5, 0.9], mode="copy")  # a good decay: copied
     live = dict(net.named_buffers())
     assert all(torch.equal(e[n], live[n]) for e in b.emas for n in e)
+
+
+def test_a_buffer_whose_elements_share_memory_is_refused_naming_it_before_anything_changes():
+    """An expanded (stride-0) persistent buffer: init_buffers and update_buffers average it, but swapped_buffers
+    raised torch's own copy_ error naming no buffer, and EMAController.copy_to_model would write the weights first.
+    Both refuse now, naming the buffer, with the model untouched."""
+
+    class PE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("pe", torch.arange(4.0).expand(3, 4))
+
+    model = PE()
+    bstate = fe.buffers.init_buffers(model)
+    model.register_buffer("pe", (torch.arange(4.0) + 1).expand(3, 4))
+    bstate = fe.buffers.update_buffers(bstate, model, 1, decay=0.5)
+    assert torch.equal(bstate.emas[0]["pe"], (torch.arange(4.0) + 0.5).expand(3, 4))
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    shared = r"swapped_buffers: buffer 'pe' \(shape \(3, 4\), strides \(0, 1\)\) has elements"
+    with pytest.raises(ValueError, match=shared), fe.buffers.swapped_buffers(model, bstate):
+        pass
+    ctrl = EMAController(0.5, buffers="average")
+    ctrl.on_step(model, 1)
+    with torch.no_grad():
+        model.lin.weight.add_(1.0)
+    ctrl.on_step(model, 2)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"copy_to_model: buffer 'pe'"):
+        ctrl.copy_to_model(model)
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())  # the weights not written either
+
+
+def test_float16_buffer_ema_warns_and_refuses_values_it_cannot_hold():
+    """init_buffers(dtype=float16) of a running variance of 1e6 stored inf silently (init_ema's 16-bit warning was
+    not given either); a finite value beyond float16's 65504 is refused naming the buffer, as init_ema refuses it
+    naming the parameter. An inf the model already holds is kept as it is."""
+    bn = nn.BatchNorm1d(3)
+    bn.running_var.fill_(1e6)
+    too_big = r"init_buffers\(dtype=torch.float16\): buffer 'running_var' holds values up to 1e\+06"
+    with pytest.warns(UserWarning, match="buffer EMA in torch.float16"), pytest.raises(ValueError, match=too_big):
+        fe.buffers.init_buffers(bn, dtype=torch.float16)
+    with pytest.warns(UserWarning, match="EMA in torch.float16"):
+        with pytest.raises(ValueError, match=r"init_ema\(dtype=torch.float16\): parameter 'a.b' holds values up to 7e"):
+            fe.init_ema({"a": {"b": torch.tensor([7e4, 1.0])}, "c": [torch.ones(2)]}, dtype=torch.float16)
+        state = fe.init_ema({"a": torch.tensor([float("inf"), 1.0])}, dtype=torch.float16)
+    assert torch.equal(state.emas[0]["a"], torch.tensor([float("inf"), 1.0], dtype=torch.float16))
+    bn.running_var.fill_(2.0)
+    with pytest.warns(UserWarning):
+        ok = fe.buffers.init_buffers(bn, dtype=torch.float16)
+    assert torch.equal(ok.emas[0]["running_var"], torch.full((3,), 2.0, dtype=torch.float16))

@@ -312,6 +312,45 @@ def test_patterns_that_name_frozen_parameters_or_tied_aliases(tmp_path):
         fe.local_shards(tied, include="nope.*")
 
 
+def test_a_pattern_naming_a_tied_alias_next_to_other_names_is_not_overruled_silently():
+    """``include="head.*"`` with ``head.weight`` tied to ``emb.weight`` selected only ``head.bias``: the tied weight
+    is read once, as ``emb.weight``, so the pattern's hit on ``head.weight`` was dropped and the head's weight stayed
+    live under swapped and export; ``exclude="head.*"`` kept it averaged. Both are refused now, naming the alias and
+    its first name; naming the first name decides for both (``exclude="emb.*"``: a tied head is left out too)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mid, self.head = nn.Embedding(5, 3), nn.Linear(3, 3), nn.Linear(3, 5)
+            self.head.weight = self.emb.weight
+
+    tied = Tied()
+    alias = r"'head\.weight', a tied alias of 'emb\.weight'.*Name the parameter by 'emb\.weight'"
+    for kw in ({"include": "head.*"}, {"include": lambda n: n.startswith("head.")}):
+        with pytest.raises(ValueError, match=rf"include .* selects {alias}"):
+            fe.local_shards(tied, **kw)
+    with pytest.raises(ValueError, match=rf"exclude .* leaves out {alias}"):
+        fe.local_shards(tied, exclude="head.*")
+    assert list(fe.local_shards(tied, exclude="emb.*")) == ["mid.weight", "mid.bias", "head.bias"]
+    assert list(fe.local_shards(tied, include=["head.*", "emb.*"])) == ["emb.weight", "head.bias"]
+    assert list(fe.local_shards(tied, exclude=["head.*", "emb.*"])) == ["mid.weight", "mid.bias"]
+
+
+def test_brackets_that_spell_a_parameter_name_are_refused_with_the_escape():
+    """``[...]`` is a set of characters in a shell-style pattern: ``include="a[0].weight"`` for a ``ModuleDict`` entry
+    named ``"a[0]"`` selected ``a0.weight`` instead, without a word. A pattern whose brackets, read literally, spell
+    names it does not match is refused, naming both and the escaped form; the escaped form selects the name."""
+    model = nn.ModuleDict({"a[0]": nn.Linear(2, 2), "a0": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+    with pytest.raises(ValueError, match=r"matches 'a0\.weight', not 'a\[0\]\.weight'.*'a\[\[\]0\]\.weight'"):
+        fe.local_shards(model, include="a[0].weight")
+    with pytest.raises(ValueError, match=r"exclude pattern 'a\[0\]\.\*'.*'a\[\[\]0\]\.\*'"):
+        fe.local_shards(model, exclude="a[0].*")
+    assert list(fe.local_shards(model, include="a[[]0].weight")) == ["a[0].weight"]
+    assert list(fe.local_shards(model, include="a[01].*")) == ["a0.weight", "a0.bias"]  # a set, as documented
+    with pytest.raises(ValueError, match=r"matches none.*write a literal '\[' as '\[\[\]'"):
+        fe.local_shards(model, include="b[x].weight")
+
+
 def test_another_selection_is_named_as_the_cause(tmp_path):
     """A state, checkpoint or ``out=`` of one selection used with another: each refusal names both selections; none
     blames freezing or unfreezing (they did, though nothing here is frozen), and the controller's resume hint about

@@ -799,6 +799,7 @@ class EMAController:
                     f"copy_to_model: the buffer EMAs {sorted(saved)} do not fit the model's buffers "
                     f"{sorted(live)} (names or shapes)"
                 )
+            fb.refuse_overlapping(live, "copy_to_model")
         adapter.write_weights(reading, pieces)
         with torch.no_grad():
             for n, t in (
