@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._args import check_bool, check_device, check_int, check_rank
@@ -103,6 +104,9 @@ def process_group(x: Any) -> Any:  # a torch ProcessGroup, or None
 
 #: What every rank of a verb that takes a state must hold alike (:func:`state_pieces`).
 STATE_FIELDS = ("step", "num_emas", "dtype", "selection", "layout")
+# What every rank of a job shares when its parts (tensor-parallel slices, pipeline stages, replicas) hold different
+# pieces: STATE_FIELDS but the part-specific layout.
+JOB_FIELDS = ("step", "num_emas", "selection")
 
 
 def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Mapping[str, torch.Tensor]:
@@ -131,6 +135,26 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
             )
         return state_record(state, index, layout)
 
+    fix = (
+        "Every rank must hold the same EMA state (the same step: update every rank alike, or load every rank from "
+        "one checkpoint)"
+    )
+    if layout.job_ranks > layout.world_size and dist.is_initialized():
+        # Tensor-parallel slices, pipeline stages or HSDP replicas: the data-parallel group below is not the whole
+        # model. Every rank of the job agrees first on what they share (the part-specific layout differs), so a state
+        # one update ahead on another part, or a part that did not call the verb, fails here on every rank instead of
+        # joining two EMAs' slices or waiting in the parts' collective without bound.
+        agree_on(
+            verb,
+            lambda: _job_record(state, index, layout),
+            JOB_FIELDS,
+            dist.group.WORLD,
+            dist.get_world_size(),
+            dist.get_rank(),
+            fallback=StateMismatchError,
+            mismatch=StateMismatchError,
+            fix=fix,
+        )
     agree_on(
         verb,
         check,
@@ -140,10 +164,14 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
         layout.rank,
         fallback=StateMismatchError,
         mismatch=StateMismatchError,
-        fix="Every rank must hold the same EMA state (the same step: update every rank alike, or load every rank "
-        "from one checkpoint)",
+        fix=fix,
     )
     return state.emas[index]
+
+
+def _job_record(state: EmaState, index: int, layout: ShardLayout) -> dict[str, Any]:
+    checked_index(index, state, in_range=True)  # ValueError here; StateMismatchError on the other ranks
+    return {k: v for k, v in state_record(state, index, layout).items() if k in JOB_FIELDS}
 
 
 def checked_index(index: Any, state: Any, *, in_range: bool = False, of: str = "the state") -> int:

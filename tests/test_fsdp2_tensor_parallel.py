@@ -14,6 +14,7 @@ each step), and a plain ``nn.Module`` loaded with it.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -217,6 +218,84 @@ def _mesh_hsdp():
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("fsdp2_tp")
+
+
+#: FUNCTIONAL_EMA_TIMEOUT of the partial-call launch, seconds: the bound on each rank's wait for the others.
+ALONE_S = 3.0
+
+
+def _attempt(fn) -> dict:
+    """``fn()``'s error (class and message; None when it returned) and the seconds it took."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        out: dict = {"error": None}
+    except Exception as e:  # noqa: BLE001 - the parent asserts which error
+        out = {"error": type(e).__name__, "msg": str(e)}
+    out["s"] = time.monotonic() - t0
+    return out
+
+
+def _enter(cm) -> None:
+    with cm:
+        pass
+
+
+def parts_worker() -> dict:
+    """dp 2 x tp 2: a state one update ahead on tensor-parallel rank 1 (each data-parallel group agrees within
+    itself: gather_full joined two EMAs' slices, swapped mixed them), then gather_full called on ranks 0-2 only
+    (rank 3 skips it: the others passed their data-parallel agreement and waited in the slices' join unbounded)."""
+    import torch.distributed as dist
+
+    import functional_ema as fe
+
+    rank = dist.get_rank()
+    mesh = tp_mesh((2, 2))
+    model, opt = tp_model(0, mesh)
+    state = fe.init_ema(fe.local_shards(model))
+    model(tp_batch(1, mesh)).pow(2).mean().backward()
+    opt.step()
+    state = fe.update(state, fe.local_shards(model), 1, decay=DECAY)
+    ahead = fe.EmaState(state.step + fe.shard_layout(model).part.tp, state.emas)
+    r = {
+        "ahead": [
+            _attempt(lambda: fe.gather_full(ahead, model)),
+            _attempt(lambda: fe.gather_full(ahead, model, join_parts=True)),
+            _attempt(lambda: _enter(fe.swapped(model, ahead))),
+        ]
+    }
+    dist.barrier()
+    if rank == 3:
+        time.sleep(ALONE_S + 1)
+        r["partial"] = None
+    else:
+        r["partial"] = _attempt(lambda: fe.gather_full(state, model))
+    return r
+
+
+def test_parts_at_other_steps_or_a_part_absent_fail_on_every_rank():
+    """Ranks of the same job holding other parts (tensor-parallel slices) agree on the state's step before any
+    slice is joined or swapped in, and arrive within FUNCTIONAL_EMA_TIMEOUT: a part one update ahead is refused on
+    every rank naming each rank's step; a verb skipped by one rank fails on the others within the bound, naming the
+    verb, instead of waiting in the slices' join."""
+    res = run_ranks(
+        "tests.test_fsdp2_tensor_parallel:parts_worker",
+        world_size=4,
+        timeout=300,
+        env={"FUNCTIONAL_EMA_TIMEOUT": f"{ALONE_S:g}"},
+    )
+    tp_of = [0, 1, 0, 1]  # mesh (dp, tp): rank = 2 * dp + tp
+    steps = ", ".join(f"rank {k}: {1 + tp_of[k]}" for k in range(4))
+    for rank, r in enumerate(res):
+        for got, verb in zip(r["ahead"], ("gather_full", "gather_full", "swapped")):
+            assert got["error"] == "StateMismatchError", (rank, got)
+            assert got["msg"].startswith(f"{verb}: ranks disagree on step: {steps}"), (rank, got)
+        if rank == 3:
+            continue
+        got = r["partial"]
+        assert got["error"] == "CheckpointTimeoutError", (rank, got)
+        assert got["msg"].startswith(f"functional_ema.gather_full: rank {rank} waited "), (rank, got)
+        assert got["s"] <= ALONE_S + 3, (rank, got)
 
 
 @pytest.fixture(scope="module")

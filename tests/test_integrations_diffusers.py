@@ -1265,6 +1265,17 @@ def fsdp2_worker(root: str, steps: int) -> dict:
         res["shadow_params_refused"] = False
     except RuntimeError as e:
         res["shadow_params_refused"] = "state_dict()" in str(e)
+    # End of training after a validation forward (no backward), which leaves FSDP2's root holding its gathered
+    # weights: copy_to must make the next forward compute with the EMA (it reused the gathered trained weights)
+    noisy, t, enc, _ = _batch(steps + 1, rank)
+    twin = UNet2DConditionModel(**TINY_UNET)
+    twin.load_state_dict(ref)
+    with torch.no_grad():
+        live = unet(noisy, t, enc).sample
+        ema_unet.copy_to(unet.parameters())
+        after, expect = unet(noisy, t, enc).sample, twin(noisy, t, enc).sample
+    res["copy_to_after_eval_forward_is_ema"] = (after - expect).abs().max().item() <= 1e-5
+    res["copy_to_after_eval_forward_moved"] = (after - live).abs().max().item() > 1e-4
     res["seconds"] = time.perf_counter() - t0
     return res
 

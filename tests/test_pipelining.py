@@ -43,6 +43,20 @@ def full_tensor_of(p) -> torch.Tensor:
     return full(p)
 
 
+def _refusal(fn) -> str | None:
+    """``fn()``'s error as ``"Class: message"`` (None when it returned)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the parent asserts which error
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _enter(cm) -> None:
+    with cm:
+        pass
+
+
 def stage_worker(ckpt_dir: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -122,6 +136,14 @@ def stage_worker(ckpt_dir: str) -> dict:
     _, fresh = build()  # a fresh stage (load reads only the layout)
     loaded = fe.gather_full(fe.load(fresh, ckpt_dir, tag="pp_async"), fresh)
     r["reload_bitwise"] = all(torch.equal(loaded[n], gathered[n]) for n in gathered)
+    # A state one update ahead on stage 1: every rank refuses, naming the steps (plain stages have no data-parallel
+    # group to agree in: gather_full(join_parts=True) joined two EMAs' stages, swapped mixed them)
+    ahead = fe.EmaState(state.step + (index == 1), state.emas)
+    r["ahead_refused"] = [
+        _refusal(lambda: fe.gather_full(ahead, stage, join_parts=True)),
+        _refusal(lambda: fe.gather_full(ahead, stage)),
+        _refusal(lambda: _enter(fe.swapped(stage, ahead))),
+    ]
     if dp > 1:  # plain stage modules on 4 ranks: two ranks would hold each stage whole, unsharded
         plain = PipelineStage(_stage_module(index), index, 2, torch.device("cpu"), group=mesh.get_group("pp"))
         try:
@@ -157,6 +179,9 @@ def test_pipeline_stages_every_verb(run):
         assert r["update_collectives"] == [0] * STEPS and r["gather_bitwise"], where
         assert r["swap_equals_twin"] and r["swap_differs_from_live"] and r["swap_restored"], where
         assert r["training_refused"] and r["reload_bitwise"] and r["joined_bitwise"], where
+        steps = ", ".join(f"rank {k}: {STEPS + (k // dp == 1)}" for k in range(world))
+        for got, verb in zip(r["ahead_refused"], ("gather_full", "gather_full", "swapped")):
+            assert got and got.startswith(f"StateMismatchError: {verb}: ranks disagree on step: {steps}"), (got, where)
         if dp > 1:
             assert r["unsharded_refused"] and "pipeline stage" in r["unsharded_refused"], where
     files = [f"ema_tp000of001_pp{s:03d}of002_rank_{k:05d}_of_{dp:05d}.safetensors" for s in (0, 1) for k in range(dp)]

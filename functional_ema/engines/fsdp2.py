@@ -462,6 +462,13 @@ class FSDP2Adapter(Adapter):
         with _swap(self, reading, pieces, changes) as stats:
             yield stats
 
+    def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
+        # A forward without a backward (validation, sampling) leaves the root's gathered weights, and those of
+        # modules that do not reshard after forward, in place: the next forward would reuse them and compute with
+        # the trained weights. Resharding first makes it all-gather the shards written here.
+        _reshard(fsdp_modules(self.target))
+        super().write_weights(reading, pieces)
+
 
 # How many times FSDP2 has replaced a sharded parameter or its local tensor in this process (see
 # _count_replacements); None until counting is installed (then readings compare each parameter).
