@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import inspect
 import os
+import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -1228,7 +1229,8 @@ rows(
     eval_index=R(NONE_DEFAULT),
     posthoc_dir=R(NONE_DEFAULT, names=("posthoc_dir", "posthoc_every")),
     posthoc_every=R(NONE_DEFAULT, names=("posthoc_dir", "posthoc_every")),
-    export_path=R(NONE_DEFAULT, STR_PATH),
+    # A folder (an existing one, the root) is refused when the controller is made, not after the whole run.
+    export_path=R(NONE_DEFAULT, STR_PATH, values={"existing_folder": tempfile.gettempdir, "root": lambda: os.sep}),
     copy_to_model=BOOL,
     tag=R(names=("tag",), str="a plain folder name"),
     dtype=EMA_DTYPE,

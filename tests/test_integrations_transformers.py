@@ -638,3 +638,279 @@ def test_a_backbone_unfrozen_by_a_callback_joins_the_ema(tmp_path, recwarn):
         assert all(torch.equal(got.ema[n], t) for n, t in ref_again.ref.emas[0].items()), step
         if trained:  # the same trajectory as the uninterrupted run
             assert all(torch.equal(got.ema[n], t) for n, t in ema.state.ema.items())
+
+
+# ------------------------------------------------------------------------ one process: the EMA evaluation is invisible
+
+
+class _DropNet(torch.nn.Module):
+    """BNNet's sizes with dropout 0.5: its training draws from the global torch generator at every step."""
+
+    def __init__(self):
+        super().__init__()
+        from tests._integration_models import BNNet
+
+        self.net, self.drop = BNNet(), torch.nn.Dropout(0.5)
+
+    def forward(self, x, labels=None):
+        y = self.net.out(self.drop(torch.tanh(self.net.mid(torch.tanh(self.net.norm(self.net.inp(x)))))))
+        return {"logits": y} if labels is None else {"loss": ((y - labels) ** 2).mean(), "logits": y}
+
+
+def _reference(ref, at: dict | None = None):
+    """A callback feeding ``ref`` (a ReferenceEMA) the plain module's parameters after each optimizer step; ``at``
+    keeps a copy of its first EMA per step."""
+    from transformers import TrainerCallback
+
+    class Reference(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if ref.due(state.global_step):
+                ref.feed(state.global_step, {n: p.detach() for n, p in model.named_parameters()})
+            if at is not None and ref.emas is not None:
+                at[state.global_step] = {n: t.clone() for n, t in ref.emas[0].items()}
+
+    return Reference()
+
+
+def test_the_ema_evaluation_changes_neither_the_training_nor_the_events(tmp_path):
+    """A model with dropout, evaluated at every step: the run with the EMA evaluation trains bitwise as the run
+    without it (the random generators are put back), and its EMA equals a reference EMA of the live weights. Every
+    other callback hears one on_evaluate per evaluation (whose metrics hold the EMA loss), on_log still carries the EMA
+    metrics, and a callback's on_log during the EMA evaluation changes no control flag: EarlyStoppingCallback on
+    eval_ema_loss stops where its rule, applied once per evaluation to the logged losses, stops."""
+    from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import ReferenceEMA, RegressionData, cpu_training_args, equal, quiet
+
+    quiet()
+
+    class Record(TrainerCallback):  # after the EMA callback: sees the events other callbacks see
+        def __init__(self):
+            self.evaluated, self.logged = [], []
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.evaluated.append((state.global_step, "eval_ema_loss" in metrics))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "eval_ema_loss" in logs:  # the EMA evaluation's own log: nothing set here may reach the training
+                self.logged.append(state.global_step)
+                control.should_training_stop = control.should_save = True
+
+    def run(name, eval_index, lr, decay=0.9, stop=None):
+        ref, record = ReferenceEMA([0.9]), Record()
+        early = [] if stop is None else [EarlyStoppingCallback(early_stopping_patience=stop)]
+        args = cpu_training_args(
+            tmp_path / name, max_steps=10, eval_strategy="steps", eval_steps=1, learning_rate=lr, seed=0,
+            metric_for_best_model="eval_ema_loss" if stop else None, greater_is_better=False if stop else None,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        ema = EMACallback(decay=decay, eval_index=eval_index)
+        trainer = Trainer(
+            model=_DropNet(),
+            args=args,
+            train_dataset=RegressionData(64, seed=1),
+            eval_dataset=RegressionData(16, seed=2),
+            callbacks=[ema, *early, record, _reference(ref)],
+        )
+        trainer.train()
+        return trainer, ema, ref, record
+
+    without, _, _, _ = run("without", None, 1e-2)
+    with_ema, ema, ref, record = run("with", 0, 1e-2)
+    live = {n: p.detach() for n, p in with_ema.model.named_parameters()}
+    assert equal(live, {n: p.detach() for n, p in without.model.named_parameters()})
+    assert with_ema.state.global_step == 10 and int(ema.state.step) == 10
+    assert all(torch.equal(ema.state.ema[n], t) for n, t in ref.emas[0].items())
+    assert record.evaluated == [(s, True) for s in range(1, 11)] and record.logged == list(range(1, 11))
+
+    stopped, _, _, record = run("early", 0, 1.0, decay=0.6, stop=2)
+    losses = _logged(stopped, "eval_ema_loss")
+    best, waited, expected = float("inf"), 0, None
+    for step, loss in enumerate(losses, start=1):  # EarlyStoppingCallback's rule, once per evaluation
+        best, waited = (loss, 0) if loss < best else (best, waited + 1)
+        if waited >= 2:
+            expected = step
+            break
+    assert expected is not None and expected < 10, losses  # the run stops early: the test sees the counting
+    assert stopped.state.global_step == expected == len(losses)
+    assert record.evaluated == [(s, True) for s in range(1, expected + 1)]
+
+
+def test_seq2seq_ema_evaluation_generates_with_the_calls_settings(tmp_path):
+    """Seq2SeqTrainer.evaluate(max_new_tokens=2) with predict_with_generate: the EMA evaluation generates with the
+    call's settings (2 tokens generated, as for the live metrics; 11 with the model's default),
+    and the Trainer keeps the call's generation settings afterwards."""
+    import numpy as np
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, T5Config, T5ForConditionalGeneration
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+
+    class Pairs(torch.utils.data.Dataset):
+        def __init__(self, n, seed):
+            g = torch.Generator().manual_seed(seed)
+            self.x, self.y = torch.randint(2, 32, (n, 6), generator=g), torch.randint(2, 32, (n, 5), generator=g)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "labels": self.y[i]}
+
+    config = T5Config(
+        vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)
+    gen = model.generation_config  # by default 11 tokens after the start one, never the pad (0) or eos (1)
+    gen.max_length, gen.eos_token_id, gen.suppress_tokens = 12, None, [0, 1]
+
+    def length(p):
+        preds = p.predictions[0] if isinstance(p.predictions, tuple) else p.predictions
+        return {"gen_len": float((np.asarray(preds) > 1).sum(1).mean())}  # the tokens generated, padding left out
+
+    args = Seq2SeqTrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=8,
+        predict_with_generate=True, report_to=[], disable_tqdm=True, use_cpu=True, save_strategy="no",
+    )  # fmt: skip
+    trainer = Seq2SeqTrainer(
+        model=model, args=args, train_dataset=Pairs(8, 1), eval_dataset=Pairs(8, 2), compute_metrics=length,
+        callbacks=[EMACallback(decay=0.8)],
+    )  # fmt: skip
+    trainer.train()
+    m = trainer.evaluate(max_new_tokens=2)
+    assert m["eval_gen_len"] == m["eval_ema_gen_len"] == 2.0
+    assert trainer._gen_kwargs == {"max_new_tokens": 2}
+
+
+def _plain_trainer(out: Path, callbacks, max_steps: int, **overrides):
+    """One process, BNNet, 64 samples (8 optimizer steps per epoch), a checkpoint every 2 steps."""
+    from transformers import Trainer
+
+    from tests._integration_models import BNNet, RegressionData, cpu_training_args, quiet
+
+    quiet()
+    args = cpu_training_args(out, max_steps=max_steps, save_strategy="steps", save_steps=2, seed=0, **overrides)
+    torch.manual_seed(0)
+    return Trainer(
+        model=BNNet(),
+        args=args,
+        train_dataset=RegressionData(64, seed=1),
+        eval_dataset=RegressionData(16, seed=2),
+        callbacks=list(callbacks),
+    )
+
+
+@pytest.mark.filterwarnings("ignore:`get_trial_id` is meant to only be called")  # outside a Ray trial, as intended
+def test_a_hyperparameter_search_trial_keeps_its_ema_in_its_own_checkpoints(tmp_path):
+    """Under hyperparameter_search the Trainer saves a trial's checkpoints into output_dir/<run name>/ (the Trainer's
+    own code path, with the Ray backend set and a dict trial: no Ray cluster): the EMA goes into the same folders,
+    is rotated with them (save_total_limit), nothing lands in output_dir/checkpoint-N, and a resume from the trial's
+    checkpoint ends with the uninterrupted trial's EMA, bitwise."""
+    from transformers.trainer_utils import HPSearchBackend
+
+    from functional_ema.integrations.transformers import EMACallback
+
+    def trial_run(out, max_steps, resume=None):
+        ema = EMACallback(decay=0.8)
+        trainer = _plain_trainer(out, [ema], max_steps, save_total_limit=2)
+        trainer.hp_search_backend, trainer.hp_name = HPSearchBackend.RAY, lambda trial: "run-A"
+        trainer.train(resume_from_checkpoint=resume, trial={"learning_rate": 1e-2})
+        return ema
+
+    pytest.importorskip("ray.tune")  # the Trainer names a Ray trial's folder with ray.tune's context
+    full = trial_run(tmp_path / "full", 6)
+    run = tmp_path / "full" / "run-A"
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["run-A"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4", "checkpoint-6"]  # checkpoint-2 rotated, EMA too
+    assert all((run / c / "ema" / "ema_manifest.json").is_file() for c in ("checkpoint-4", "checkpoint-6"))
+    resumed = trial_run(tmp_path / "again", 6, resume=str(run / "checkpoint-4"))
+    assert int(resumed.state.step) == int(full.state.step) == 6
+    assert all(torch.equal(resumed.state.ema[n], t) for n, t in full.state.ema.items())
+
+
+def test_load_best_model_at_end_exports_and_copies_the_best_checkpoints_ema(tmp_path):
+    """load_best_model_at_end: the export (and copy_to_model) hold the EMA saved in the best checkpoint, the one whose
+    weights the Trainer loaded, equal to a reference EMA at that step, bitwise, whether the best metric is the EMA's
+    or a live one. A best checkpoint saved before the EMA started keeps the final EMA, with a warning naming it."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import ReferenceEMA
+
+    class Chosen(TrainerCallback):  # a metric whose best is the evaluation at step 2 (greater_is_better=False)
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_chosen"] = float(abs(state.global_step - 2))
+
+    for name, best, start, copy in (
+        ("ema_metric", "eval_ema_loss", 0, False),
+        ("live_metric", "eval_loss", 0, True),
+        ("before_start", "eval_chosen", 3, True),
+    ):
+        at: dict = {}
+        ref, export = ReferenceEMA([0.7], start=start), tmp_path / f"{name}.safetensors"
+        ema = EMACallback(decay=0.7, start_step=start, export_path=export, copy_to_model=copy)
+        trainer = _plain_trainer(
+            tmp_path / name, [ema, Chosen(), _reference(ref, at)], 12, learning_rate=3.0, eval_strategy="steps",
+            eval_steps=2, load_best_model_at_end=True, metric_for_best_model=best, greater_is_better=False,
+        )  # fmt: skip
+        if start:
+            with pytest.warns(UserWarning, match=r"best checkpoint .*checkpoint-2 holds no EMA.*final EMA"):
+                trainer.train()
+        else:
+            trainer.train()
+        step = int(Path(trainer.state.best_model_checkpoint).name.removeprefix("checkpoint-"))
+        want = at[12] if start else at[step]
+        assert (step == 2) if start else (2 < step < 12), (name, step)  # a checkpoint other than the last one
+        exported = load_file(export)
+        assert all(torch.equal(exported[n], t) for n, t in want.items()), name
+        if copy:  # the model holds the same EMA (not the final one over the best weights)
+            assert all(torch.equal(p.detach(), want[n]) for n, p in trainer.model.named_parameters()), name
+
+
+def test_an_ema_metric_named_as_another_datasets_live_one_is_refused(tmp_path):
+    """trainer.evaluate({"b": B, "ema_b": E}): B's EMA metrics (eval_ema_b_*) would be E's live ones. Refused at the
+    call's first dataset, whichever comes first, naming both datasets and metric_prefix, before any EMA metric is
+    logged; the Trainer's own dict of datasets too."""
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import RegressionData
+
+    b, e = RegressionData(16, seed=3), RegressionData(16, seed=4)
+    trainer = _one_process_trainer(tmp_path, [EMACallback(decay=0.7, start_step=0)], {"b": b, "ema_b": e})
+    trainer.args.eval_strategy = "no"  # trained without evaluating; then each call below
+    trainer.train()
+    for datasets in ({"b": b, "ema_b": e}, {"ema_b": e, "b": b}, None):
+        with pytest.raises(ValueError, match=r"metric_prefix='eval_ema': the EMA metrics of dataset 'b' \(eval_ema_b_\*\)"
+                           r" would take the names of the live metrics of dataset 'ema_b'"):  # fmt: skip
+            trainer.evaluate(datasets)
+    # Logged: the live metrics only (E's are named eval_ema_b_*), no EMA metric of either dataset.
+    assert not any(k.startswith("eval_ema_ema_b") for h in trainer.state.log_history for k in h)
+    assert close(_logged(trainer, "eval_ema_b_loss"), [_loss(trainer.model, e)])  # the call evaluating "ema_b" first
+    m = trainer.evaluate({"b": b, "e": e})  # no clash: answered
+    assert {"eval_ema_b_loss", "eval_ema_e_loss", "eval_b_loss", "eval_e_loss"} <= set(m)
+
+
+def test_a_tag_or_export_path_the_trainer_would_collide_with_is_refused_at_construction(tmp_path):
+    """A tag named like a file the Trainer writes into each checkpoint folder, and an export_path that is a folder,
+    are refused when the callback is built, not at the first save or after the whole run; the export_path refusal
+    is the end-of-training one, word for word."""
+    from functional_ema.checkpoint import InvalidTagError, OutputPathError
+    from functional_ema.integrations.transformers import EMACallback
+
+    for tag in ("model.safetensors", "trainer_state.json", "rng_state.pth", "scheduler.pt", "optimizer.pt",
+                "training_args.bin", "config.json", "spiece.model", "pytorch_model_fsdp_0"):  # fmt: skip
+        with pytest.raises(InvalidTagError, match=rf"tag='{tag}' (looks like a file name|is the name of a folder)"):
+            EMACallback(decay=0.9, tag=tag)
+    assert EMACallback(decay=0.9, tag="ema_best").ema.tag == "ema_best"
+    (tmp_path / "final").mkdir()
+    for folder in (tmp_path / "final", Path("/"), Path("/tmp")):
+        message = f"export_path: refusing to write {folder}: it is a directory; give a .safetensors file name"
+        with pytest.raises(OutputPathError) as refused:
+            EMACallback(decay=0.9, export_path=folder)
+        assert str(refused.value) == message
+    assert EMACallback(decay=0.9, export_path=tmp_path / "final.safetensors").ema.export_path is not None

@@ -245,7 +245,10 @@ class EMAController:
         make_selection(include, exclude)  # the types now; the names at the first local_shards
         self.include, self.exclude = include, exclude
         self.posthoc_dir = posthoc_path
-        self.export_path = None if export_path is None else check_path(export_path, "export_path")
+        # Refused now as at the end of training (a folder, a checkpoint's own file), not after the whole run.
+        self.export_path = (
+            None if export_path is None else check_export_path(check_path(export_path, "export_path"), "export_path")
+        )
         self.state: fe.EmaState | None = None
         self.buffer_state: fb.BufferState | None = None
         self._saver = fe.AsyncSaver() if async_save else None

@@ -45,18 +45,26 @@ EMA.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 import os
+import random
+import re
 import sys
+import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from functional_ema._args import check_str
+from functional_ema._checkpoint.errors import InvalidTagError
+from functional_ema._checkpoint.format import MANIFEST_NAME
 from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
@@ -71,6 +79,67 @@ _LIVE_PREFIX = "eval"  # the Trainer's default metric_key_prefix, which metric_p
 # reason: Trainers evaluating with EMA weights swapped in now (weak: none is kept alive): the events of that
 # evaluation are not answered, by this callback (no recursion) nor by another EMACallback on the same Trainer.
 _EMA_EVALUATING: weakref.WeakSet[Any] = weakref.WeakSet()  # reason: Trainers in an EMA evaluation (weak)
+
+logger = logging.getLogger("functional_ema")
+
+# What the Trainer writes into each checkpoint folder, beside the EMA's tag folder: files (model.safetensors,
+# trainer_state.json, optimizer.pt, rng_state.pth, training_args.bin, config.json, tokenizer files, ...) and, under
+# FSDP, the folders pytorch_model_fsdp_<N> and optimizer_<N>. A tag of such a name would collide with one of them.
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".txt", ".model", ".jinja", ".md", ".py", ".ckpt")
+_TRAINER_FOLDERS = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+")
+
+
+def _check_trainer_tag(tag: str) -> str:
+    """``tag``: a folder name that none of the Trainer's own checkpoint files or folders can have."""
+    lowered = tag.lower()
+    why = None
+    if lowered.endswith(_FILE_SUFFIXES):
+        why = f"looks like a file name (it ends in {os.path.splitext(lowered)[1]})"
+    elif _TRAINER_FOLDERS.fullmatch(lowered):
+        why = "is the name of a folder the Trainer writes under FSDP"
+    if why is not None:
+        raise InvalidTagError(
+            f"tag={tag!r} {why}: the Trainer writes its own files (model.safetensors, trainer_state.json, optimizer.pt, "
+            "rng_state.pth, ...) into each checkpoint folder, beside the EMA's tag folder, and would collide with a "
+            "folder of that name. Use a plain folder name such as the default 'ema'"
+        )
+    return tag
+
+
+@contextlib.contextmanager
+def _rng_kept() -> Iterator[None]:
+    """Put back the global random generators the EMA evaluation advances (dropout, sampling, a shuffling eval
+    sampler): torch's CPU one, every CUDA device's (when CUDA is initialised), numpy's and Python's. Without this,
+    turning the EMA evaluation on changes what the training that follows draws, and so the trained weights."""
+    import numpy as np
+
+    cpu, py, npy = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        random.setstate(py)
+        np.random.set_state(npy)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _answer_nobody(args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> Any:
+    """The callback handler's ``on_evaluate`` during an EMA evaluation: no callback hears it (an
+    ``EarlyStoppingCallback`` would count one evaluation twice; the outer event's ``metrics``, which they all
+    receive, holds the EMA metrics), as the handler's own would leave ``control``."""
+    control.should_evaluate = False
+    return control
+
+
+def _generation_kwargs(trainer: Any) -> dict[str, Any]:
+    """The generation settings of the live evaluation being answered (``Seq2SeqTrainer.evaluate(**gen_kwargs)``
+    keeps them in ``_gen_kwargs`` for its prediction steps), for the EMA evaluation to generate the same way."""
+    from transformers import Seq2SeqTrainer
+
+    gen = getattr(trainer, "_gen_kwargs", None)
+    return dict(gen) if isinstance(trainer, Seq2SeqTrainer) and isinstance(gen, dict) else {}
 
 
 def _check_metric_prefix(value: Any) -> str:
@@ -153,6 +222,7 @@ class EMACallback(TrainerCallback):
         self, decay: DecayLike | Sequence[DecayLike] = 0.9999, *, metric_prefix: str = "eval_ema", **kwargs: Any
     ) -> None:
         self.ema = EMAController(decay, **kwargs)
+        _check_trainer_tag(self.ema.tag)
         self.metric_prefix = _check_metric_prefix(metric_prefix)
         self._trainer_ref: weakref.ReferenceType[Any] | None = None  # weak: the Trainer holds this callback
         self._resume_arg: Any = None
@@ -286,6 +356,14 @@ class EMACallback(TrainerCallback):
         wrapped = getattr(t, "model_wrapped", None)
         return wrapped if wrapped is not None else t.model
 
+    def _run_dir(self, args: Any) -> Any:
+        """The folder the Trainer writes this run's ``checkpoint-<N>`` folders into: ``output_dir``, or under
+        ``hyperparameter_search`` the trial's own ``output_dir/<run name>`` (``Trainer._get_output_dir``)."""
+        trainer = self._trainer()
+        if trainer is not None and hasattr(trainer, "_trial") and callable(getattr(trainer, "_get_output_dir", None)):
+            return trainer._get_output_dir(trial=trainer._trial)
+        return args.output_dir
+
     def _resume_dir(self, args: Any, state: Any) -> str:
         arg = self._resume_arg
         if isinstance(arg, (str, os.PathLike)) and os.path.isdir(arg):
@@ -297,7 +375,7 @@ class EMACallback(TrainerCallback):
                 last = get_last_checkpoint(args.output_dir)
                 if last is not None:
                     return last
-        return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        return os.path.join(self._run_dir(args), f"checkpoint-{state.global_step}")
 
     # -------------------------------------------------------------------------------- events
 
@@ -342,7 +420,8 @@ class EMACallback(TrainerCallback):
         self.ema.on_step(self._target(), state.global_step)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        output_dir = local_folder(args.output_dir, "TrainingArguments.output_dir", _HF)
+        # The folder the Trainer just saved into (a trial's own under hyperparameter_search): rotated together.
+        output_dir = local_folder(self._run_dir(args), "TrainingArguments.output_dir", _HF)
         self.ema.save(self._target(), output_dir / f"checkpoint-{state.global_step}", state.global_step)
 
     def on_evaluate(
@@ -365,13 +444,9 @@ class EMACallback(TrainerCallback):
                 f"EMACallback read metric_key_prefix={live!r} from the evaluate call on the stack, but the metrics "
                 f"of this evaluation are {sorted(metrics)}: it cannot tell which evaluation it answers"
             )
+        self._check_dataset_names()
         prefix = self._ema_prefix(live)
-        _EMA_EVALUATING.add(trainer)
-        try:
-            with self.ema.swapped(self._target()):
-                ema_metrics = trainer.evaluate(eval_dataset=dataset, ignore_keys=ignore_keys, metric_key_prefix=prefix)
-        finally:
-            _EMA_EVALUATING.discard(trainer)
+        ema_metrics = self._ema_evaluate(trainer, dataset, ignore_keys, prefix)
         if metrics is not None:
             ours = {k: v for k, v in ema_metrics.items() if k.startswith(prefix + "_")}
             clash = sorted(set(ours) & set(metrics))
@@ -382,5 +457,90 @@ class EMACallback(TrainerCallback):
                 )
             metrics.update(ours)  # the dict evaluate() returns: metric_for_best_model can name an EMA metric
 
+    def _check_dataset_names(self) -> None:
+        """For a dict of datasets evaluated in one call (the outer ``evaluate`` frame on the stack): refuse, at its
+        first dataset's event, before any metric is written, an EMA prefix of one dataset that is the live prefix
+        of another (``{"b": B, "ema_b": E}``: ``eval_ema_b_loss`` would be both B's EMA loss and E's live one)."""
+        from transformers import Trainer
+
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            owner = _method_self(frame) if frame.f_code.co_name == "evaluate" else None
+            if isinstance(owner, Trainer) and self in getattr(owner.callback_handler, "callbacks", ()):
+                datasets, outer = frame.f_locals.get("eval_dataset"), frame.f_locals.get("metric_key_prefix")
+                if isinstance(datasets, dict) and isinstance(outer, str):
+                    live = {f"{outer}_{name}": name for name in datasets}
+                    for name in datasets:
+                        other = live.get(self._ema_prefix(f"{outer}_{name}"))
+                        if other is not None:
+                            raise ValueError(
+                                f"metric_prefix={self.metric_prefix!r}: the EMA metrics of dataset {name!r} "
+                                f"({self._ema_prefix(f'{outer}_{name}')}_*) would take the names of the live metrics "
+                                f"of dataset {other!r} in the same evaluate call; rename one of the datasets or "
+                                "choose another metric_prefix"
+                            )
+                    return
+            frame = frame.f_back
+
+    def _ema_evaluate(self, trainer: Any, dataset: Any, ignore_keys: Any, prefix: str) -> dict[str, float]:
+        """``trainer.evaluate`` of the same dataset with the EMA weights swapped in. The Trainer sees no trace of it
+        but the logged metrics: no callback hears its ``on_evaluate`` (one evaluation, one event), ``control`` and
+        the random generators are as before (the training that follows is the one without it), and a
+        ``Seq2SeqTrainer`` generates with the live call's settings, which it keeps afterwards."""
+        handler, control = trainer.callback_handler, trainer.control
+        flags, gen_kwargs = dict(vars(control)), getattr(trainer, "_gen_kwargs", None)
+        patched = handler.__dict__.get("on_evaluate")  # an instance attribute someone set, put back after
+        _EMA_EVALUATING.add(trainer)
+        handler.on_evaluate = _answer_nobody
+        try:
+            with _rng_kept(), self.ema.swapped(self._target()):
+                return trainer.evaluate(
+                    eval_dataset=dataset,
+                    ignore_keys=ignore_keys,
+                    metric_key_prefix=prefix,
+                    **_generation_kwargs(trainer),
+                )
+        finally:
+            if patched is None:
+                del handler.on_evaluate
+            else:
+                handler.on_evaluate = patched
+            _EMA_EVALUATING.discard(trainer)
+            trainer.control = control  # a callback's on_log may have set should_training_stop, should_save, ...
+            vars(control).update(flags)
+            if gen_kwargs is not None:
+                trainer._gen_kwargs = gen_kwargs
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        best = getattr(state, "best_model_checkpoint", None)
+        if getattr(args, "load_best_model_at_end", False) and best is not None and self.ema.started:
+            self.ema.wait()  # the best checkpoint's EMA may still be on its way (async_save)
+            self._load_best_ema(best)
         self.ema.on_train_end(self._target())
+
+    def _load_best_ema(self, checkpoint: str) -> None:
+        """``load_best_model_at_end``: the Trainer holds the best checkpoint's weights now; the EMA saved with them
+        replaces the final one, so the export and ``copy_to_model`` hold the EMA of the same checkpoint (and
+        ``copy_to_model`` does not overwrite the best model with the final EMA). A checkpoint without an EMA (saved
+        before it started, or without this callback) keeps the final EMA, with a warning."""
+        folder = local_folder(checkpoint, "TrainerState.best_model_checkpoint", _HF)
+        step = re.fullmatch(r"checkpoint-(\d+)", folder.name)
+        final, saved = (self.ema.state, self.ema.buffer_state), (folder / self.ema.tag / MANIFEST_NAME).is_file()
+        if saved:
+            self.ema.load(self._target(), folder, framework_step=int(step.group(1)) if step else None)
+        if self.ema.state is None or not saved:  # None: a newer not-started record there supersedes its EMA
+            self.ema.state, self.ema.buffer_state = final
+            warnings.warn(
+                f"load_best_model_at_end: the best checkpoint {folder} holds no EMA ({folder / self.ema.tag} has no "
+                f"{MANIFEST_NAME}: saved before the EMA started?), so the export and copy_to_model use the final "
+                "EMA, not the best checkpoint's",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        logger.info(
+            "load_best_model_at_end: the EMA saved in the best checkpoint %s (EMA step %d) replaces the final one, "
+            "for the export and copy_to_model",
+            folder,
+            int(self.ema.state.step),
+        )
