@@ -139,11 +139,12 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
         "Every rank must hold the same EMA state (the same step: update every rank alike, or load every rank from "
         "one checkpoint)"
     )
-    if layout.job_ranks > layout.world_size and dist.is_initialized():
+    if layout.job_ranks > layout.world_size and dist.is_initialized() and dist.get_world_size() == layout.job_ranks:
         # Tensor-parallel slices, pipeline stages or HSDP replicas: the data-parallel group below is not the whole
         # model. Every rank of the job agrees first on what they share (the part-specific layout differs), so a state
         # one update ahead on another part, or a part that did not call the verb, fails here on every rank instead of
-        # joining two EMAs' slices or waiting in the parts' collective without bound.
+        # joining two EMAs' slices or waiting in the parts' collective without bound. Only where the model's mesh is
+        # the whole job (WORLD), as save and load require; a mesh over some of the ranks agrees per group, as before.
         agree_on(
             verb,
             lambda: _job_record(state, index, layout),

@@ -120,7 +120,7 @@ class Selection:
         for alias, first in others.items():
             if first is None:
                 continue
-            if self.include is not None and first not in picked and self.picks(alias):
+            if self.include is not None and first not in picked and self.picks(alias) and not self._excluded(first):
                 said, part = "selects", "include"
             elif self.exclude is not None and first in picked and self._excluded(alias):
                 said, part = "leaves out", "exclude"

@@ -697,9 +697,10 @@ def test_the_ema_evaluation_changes_neither_the_training_nor_the_events(tmp_path
                 self.logged.append(state.global_step)
                 control.should_training_stop = control.should_save = True
 
-    def run(name, eval_index, lr, decay=0.9, stop=None):
+    def run(name, eval_index, lr, decay=0.9, stop=None, early_first=False):
         ref, record = ReferenceEMA([0.9]), Record()
         early = [] if stop is None else [EarlyStoppingCallback(early_stopping_patience=stop)]
+        first, early = (early, []) if early_first else ([], early)
         args = cpu_training_args(
             tmp_path / name, max_steps=10, eval_strategy="steps", eval_steps=1, learning_rate=lr, seed=0,
             metric_for_best_model="eval_ema_loss" if stop else None, greater_is_better=False if stop else None,
@@ -711,7 +712,7 @@ def test_the_ema_evaluation_changes_neither_the_training_nor_the_events(tmp_path
             args=args,
             train_dataset=RegressionData(64, seed=1),
             eval_dataset=RegressionData(16, seed=2),
-            callbacks=[ema, *early, record, _reference(ref)],
+            callbacks=[*first, ema, *early, record, _reference(ref)],
         )
         trainer.train()
         return trainer, ema, ref, record
@@ -734,6 +735,12 @@ def test_the_ema_evaluation_changes_neither_the_training_nor_the_events(tmp_path
             break
     assert expected is not None and expected < 10, losses  # the run stops early: the test sees the counting
     assert stopped.state.global_step == expected == len(losses)
+    assert record.evaluated == [(s, True) for s in range(1, expected + 1)]
+    # EarlyStoppingCallback placed before the EMA callback (trainer.add_callback(ema) puts it last) meets the outer
+    # event before the EMA metrics are added: it finds them in the EMA evaluation's own event, which it still hears
+    # (it heard none, and never stopped, when no callback heard that event), and the stop it decides there stands
+    stopped, _, _, record = run("early_first", 0, 1.0, decay=0.6, stop=2, early_first=True)
+    assert _logged(stopped, "eval_ema_loss") == losses and stopped.state.global_step == expected
     assert record.evaluated == [(s, True) for s in range(1, expected + 1)]
 
 

@@ -334,6 +334,9 @@ def test_a_pattern_naming_a_tied_alias_next_to_other_names_is_not_overruled_sile
     assert list(fe.local_shards(tied, exclude="emb.*")) == ["mid.weight", "mid.bias", "head.bias"]
     assert list(fe.local_shards(tied, include=["head.*", "emb.*"])) == ["emb.weight", "head.bias"]
     assert list(fe.local_shards(tied, exclude=["head.*", "emb.*"])) == ["mid.weight", "mid.bias"]
+    # an include spelled out does not overrule an exclude of the first name (exclude wins, and decides for both)
+    for include in ("*", "*.weight", ["head.*", "mid.*"]):
+        assert "emb.weight" not in fe.local_shards(tied, include=include, exclude="emb.*"), include
 
 
 def test_brackets_that_spell_a_parameter_name_are_refused_with_the_escape():

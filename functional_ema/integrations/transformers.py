@@ -86,7 +86,7 @@ logger = logging.getLogger("functional_ema")
 # trainer_state.json, optimizer.pt, rng_state.pth, training_args.bin, config.json, tokenizer files, ...) and, under
 # FSDP, the folders pytorch_model_fsdp_<N> and optimizer_<N>. A tag of such a name would collide with one of them.
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".txt", ".model", ".jinja", ".md", ".py", ".ckpt")
-_TRAINER_FOLDERS = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+")
+_TRAINER_FOLDERS = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+|global_step\d+|latest|zero_to_fp32")
 
 
 def _check_trainer_tag(tag: str) -> str:
@@ -96,7 +96,7 @@ def _check_trainer_tag(tag: str) -> str:
     if lowered.endswith(_FILE_SUFFIXES):
         why = f"looks like a file name (it ends in {os.path.splitext(lowered)[1]})"
     elif _TRAINER_FOLDERS.fullmatch(lowered):
-        why = "is the name of a folder the Trainer writes under FSDP"
+        why = "is the name of a folder or file the Trainer writes under FSDP or DeepSpeed"
     if why is not None:
         raise InvalidTagError(
             f"tag={tag!r} {why}: the Trainer writes its own files (model.safetensors, trainer_state.json, optimizer.pt, "
@@ -125,12 +125,47 @@ def _rng_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def _answer_nobody(args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> Any:
-    """The callback handler's ``on_evaluate`` during an EMA evaluation: no callback hears it (an
-    ``EarlyStoppingCallback`` would count one evaluation twice; the outer event's ``metrics``, which they all
-    receive, holds the EMA metrics), as the handler's own would leave ``control``."""
-    control.should_evaluate = False
-    return control
+def _answer_earlier(handler: Any, earlier: list[Any], flags: dict[str, Any], kept: dict[str, Any]) -> Any:
+    """The callback handler's ``on_evaluate`` during an EMA evaluation: heard only by the callbacks ``earlier``
+    than the EMA callback in the handler's list, which met the outer event before the EMA metrics were added to it
+    (an ``EarlyStoppingCallback`` on ``eval_ema_loss`` placed before it finds them only here); the later ones get
+    them in the outer event's ``metrics``, and hearing this one too would count one evaluation twice. They meet
+    ``control`` as it was before the EMA evaluation (``flags``: not as its ``on_log`` left it), and the flags they
+    change go into ``kept``, to survive the EMA evaluation's restore."""
+
+    def on_evaluate(args: Any, state: Any, control: Any, metrics: Any = None) -> Any:
+        vars(control).update(flags)
+        control.should_evaluate = False  # as the handler's own on_evaluate
+        everyone = handler.callbacks
+        handler.callbacks = earlier
+        try:
+            control = handler.call_event("on_evaluate", args, state, control, metrics=metrics)
+        finally:
+            handler.callbacks = everyone
+        kept.update({k: v for k, v in vars(control).items() if flags.get(k) != v and k != "should_evaluate"})
+        return control
+
+    return on_evaluate
+
+
+def _agreed_everywhere(flag: bool) -> bool:
+    """``flag`` where every rank of the job found it true (one bounded exchange; the rank alone when there is no
+    process group): a decision that leads into a collective (``load``) is taken by every rank alike, also when
+    some ranks see another folder (node-local disks) or a file late (a slow shared filesystem)."""
+    import torch.distributed as dist
+
+    from functional_ema._checkpoint.collective import agree_on
+    from functional_ema._checkpoint.errors import CheckpointMismatchError
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        agree_on("load_best_model_at_end", lambda: {"found": flag}, ("found",), None, world, rank)
+    except CheckpointMismatchError as disagree:  # raised on every rank alike: an agreed "no", warned about below
+        logger.info("load_best_model_at_end: the ranks did not all find the best checkpoint's EMA: %s", disagree)
+        return False
+    return flag
 
 
 def _generation_kwargs(trainer: Any) -> dict[str, Any]:
@@ -490,8 +525,11 @@ class EMACallback(TrainerCallback):
         handler, control = trainer.callback_handler, trainer.control
         flags, gen_kwargs = dict(vars(control)), getattr(trainer, "_gen_kwargs", None)
         patched = handler.__dict__.get("on_evaluate")  # an instance attribute someone set, put back after
+        everyone = list(handler.callbacks)
+        kept: dict[str, Any] = {}
+        earlier = everyone[: everyone.index(self)] if self in everyone else []
         _EMA_EVALUATING.add(trainer)
-        handler.on_evaluate = _answer_nobody
+        handler.on_evaluate = _answer_earlier(handler, earlier, flags, kept)
         try:
             with _rng_kept(), self.ema.swapped(self._target()):
                 return trainer.evaluate(
@@ -508,6 +546,7 @@ class EMACallback(TrainerCallback):
             _EMA_EVALUATING.discard(trainer)
             trainer.control = control  # a callback's on_log may have set should_training_stop, should_save, ...
             vars(control).update(flags)
+            vars(control).update(kept)  # ... but what the earlier callbacks decided on the EMA metrics stands
             if gen_kwargs is not None:
                 trainer._gen_kwargs = gen_kwargs
 
@@ -525,7 +564,8 @@ class EMACallback(TrainerCallback):
         before it started, or without this callback) keeps the final EMA, with a warning."""
         folder = local_folder(checkpoint, "TrainerState.best_model_checkpoint", _HF)
         step = re.fullmatch(r"checkpoint-(\d+)", folder.name)
-        final, saved = (self.ema.state, self.ema.buffer_state), (folder / self.ema.tag / MANIFEST_NAME).is_file()
+        final = (self.ema.state, self.ema.buffer_state)
+        saved = _agreed_everywhere((folder / self.ema.tag / MANIFEST_NAME).is_file())
         if saved:
             self.ema.load(self._target(), folder, framework_step=int(step.group(1)) if step else None)
         if self.ema.state is None or not saved:  # None: a newer not-started record there supersedes its EMA
