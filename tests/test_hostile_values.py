@@ -212,8 +212,12 @@ NOT_ATTACKED: dict[str, str] = {
             "on_train_start",
             "on_before_optimizer_step",
             "on_train_batch_end",
+            "on_validation_start",
             "on_validation_epoch_start",
             "on_validation_epoch_end",
+            "on_test_start",
+            "on_test_epoch_start",
+            "on_test_epoch_end",
             "on_exception",
             "on_train_end",
         )

@@ -11,6 +11,7 @@ step K), as a reference EMA of the full weights.
 
 from __future__ import annotations
 
+import contextlib
 import runpy
 import sys
 import time
@@ -88,7 +89,7 @@ def _start_rule(kind: str) -> dict:
                 return deepspeed_full_fp32(model)
             return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
-        emas = {k: AcceleratorEMA(acc, model, decay=decays, start_step=k) for k in (0, RULE_START)}
+        emas = {k: AcceleratorEMA(acc, model, decay=decays, start_step=k, tag=f"ema{k}") for k in (0, RULE_START)}
         refs = {k: ReferenceEMA(decays, start=max(1, k)) for k in emas}
         seen = {k: record_start(e.ema) for k, e in emas.items()}
         start_weights = full()
@@ -287,3 +288,127 @@ def test_a_loop_that_accumulates_by_hand_counts_its_real_optimizer_steps():
     ema.remove_hooks()
     assert ema.optimizer_step == 7 and int(ema.state.step) == 7
     assert all(torch.equal(ema.state.ema[n], t) for n, t in ref.emas[0].items())
+
+
+def _prepared(seed: int = 0):
+    """A fresh CPU accelerator with a small model and its SGD optimizer prepared (one process)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from torch import nn
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a new Accelerator, whatever the previous test made
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return acc, model, optimizer
+
+
+def _train(acc, model, optimizer, helpers, steps: int = 3) -> None:
+    for k in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(k))
+        acc.backward(model(x).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        for h in helpers:
+            h.step()
+
+
+def test_two_helpers_of_one_accelerator_need_their_own_tags(tmp_path):
+    """A second live ``AcceleratorEMA`` of one accelerator with the tag of the first is refused (both would write
+    ``<folder>/<tag>/`` at ``save_state``, the second overwriting the first), before registering any hook; with their
+    own tags each resumes its own EMA; ``remove_hooks()`` or garbage collection frees a tag."""
+    import gc
+
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, optimizer = _prepared()
+    fast = AcceleratorEMA(acc, model, decay=0.5)
+    with pytest.raises(ValueError, match=r"tag='ema': another AcceleratorEMA of this accelerator .* own tag="):
+        AcceleratorEMA(acc, model, decay=0.9)
+    assert len(acc._save_model_state_pre_hook) == 1 and len(acc._load_model_state_pre_hook) == 1
+    slow = AcceleratorEMA(acc, model, decay=0.9, tag="ema_slow")
+    _train(acc, model, optimizer, (fast, slow))
+    want = {h.ema.tag: fe.gather_full(h.state, model) for h in (fast, slow)}
+    acc.save_state(str(tmp_path / "ckpt"))
+    fast.remove_hooks(), slow.remove_hooks()
+    acc, model, optimizer = _prepared(seed=1)
+    helpers = [AcceleratorEMA(acc, model, decay=0.5), AcceleratorEMA(acc, model, decay=0.9, tag="ema_slow")]
+    acc.load_state(str(tmp_path / "ckpt"))
+    for h in helpers:
+        got = fe.gather_full(h.state, model)
+        assert all(torch.equal(got[n], t) for n, t in want[h.ema.tag].items()), h.ema.tag
+    assert not torch.equal(want["ema"]["0.weight"], want["ema_slow"]["0.weight"])
+    helpers[0].remove_hooks()
+    AcceleratorEMA(acc, model, decay=0.5).remove_hooks()  # the removed helper's tag is free again
+
+    class Hookless:  # an accelerator that keeps no reference to the hooks: only the tag registry sees the helper
+        def register_save_state_pre_hook(self, hook):
+            return contextlib.nullcontext()
+
+        register_load_state_pre_hook = register_save_state_pre_hook
+
+    bare = Hookless()
+    first = AcceleratorEMA(bare, model, decay=0.5)
+    with pytest.raises(ValueError, match="tag='ema'"):
+        AcceleratorEMA(bare, model, decay=0.5)
+    del first
+    gc.collect()
+    assert AcceleratorEMA(bare, model, decay=0.5).ema.tag == "ema"  # the collected helper freed it
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "model.safetensors",
+        "model_1.safetensors",
+        "optimizer.bin",
+        "scheduler.bin",
+        "sampler.bin",
+        "random_states_0.pkl",
+        "custom_checkpoint_0.pkl",
+        "pytorch_model",
+        "pytorch_model_fsdp_0",
+        "optimizer_0",
+        "Optimizer_1",
+    ],
+)
+def test_tags_named_like_what_save_state_writes_are_refused(tag):
+    """A tag named like a file or folder ``accelerator.save_state`` writes into its folder (the model, optimizer,
+    scheduler, sampler, random states, custom objects; DeepSpeed's checkpoint, FSDP's sharded folders) is refused at
+    construction, before any hook is registered, not at the first save_state after training."""
+    from functional_ema.checkpoint import InvalidTagError
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, _ = _prepared()
+    with pytest.raises(InvalidTagError, match=rf"tag='{tag}' (looks like a file name|is the name of a folder)"):
+        AcceleratorEMA(acc, model, decay=0.9, tag=tag)
+    assert len(acc._save_model_state_pre_hook) == 0
+    AcceleratorEMA(acc, model, decay=0.9, tag="ema_best").remove_hooks()
+
+
+def test_export_of_a_compiled_model_loads_into_the_plain_model(tmp_path):
+    """Over a ``torch.compile``'d model the export drops the ``_orig_mod.`` its wrapper adds: it loads strict=True
+    into the uncompiled model and holds the EMA."""
+    from safetensors.torch import load_file
+    from torch import nn
+
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, _, _ = _prepared()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    model = torch.compile(plain, backend="eager")
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    _train(acc, model, optimizer, (ema,))
+    averaged = fe.gather_full(ema.state, model)
+    assert sorted(averaged) == ["_orig_mod.0.bias", "_orig_mod.0.weight", "_orig_mod.2.bias", "_orig_mod.2.weight"]
+    exported = load_file(ema.export(tmp_path / "ema.safetensors"))
+    fresh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    assert str(fresh.load_state_dict(exported, strict=True)) == "<All keys matched successfully>"
+    assert all(torch.equal(exported[n.removeprefix("_orig_mod.")], t) for n, t in averaged.items())
+    assert not torch.equal(exported["0.weight"], plain[0].weight.detach())  # the EMA, not the live weights

@@ -741,3 +741,149 @@ def test_backbone_finetuning_under_ddp_warns_that_the_ranks_drift(tmp_path):
         text = r["warnings"][0]
         assert "trains 4 parameters but all-reduces the gradients of 2" in text, text
         assert "(new in this reading: 'backbone.weight', 'backbone.bias')" in text, text
+
+
+def _tiny_module(save_in_validation: str | None = None):
+    """A linear network without dropout or batch norm (its losses are plain functions of its weights), logging
+    ``val_loss`` and ``test_loss`` over two batches of 8; ``save_in_validation``: a checkpoint path the first
+    validation step saves to (``trainer.save_checkpoint`` inside the EMA evaluation)."""
+    import lightning.pytorch as pl
+
+    from tests._integration_models import RegressionData
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.Tanh(), torch.nn.Linear(12, 5))
+
+        def loss(self, batch):
+            return torch.nn.functional.mse_loss(self.net(batch["x"]), batch["labels"])
+
+        def training_step(self, batch, batch_idx):
+            return self.loss(batch)
+
+        def validation_step(self, batch, batch_idx):
+            if save_in_validation is not None and batch_idx == 0:
+                self.trainer.save_checkpoint(save_in_validation)
+            self.log("val_loss", self.loss(batch))
+
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.loss(batch))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(RegressionData(32, seed=1), batch_size=4)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(RegressionData(16, seed=2), batch_size=8)
+
+        test_dataloader = val_dataloader
+
+    return Tiny()
+
+
+def _tiny_loss(weights: dict) -> float:
+    """The validation (and test) loss of ``_tiny_module`` holding ``weights``: the mean of its two batches'."""
+    from tests._integration_models import RegressionData
+
+    module = _tiny_module()
+    module.load_state_dict(weights, strict=True)
+    data = RegressionData(16, seed=2)
+    with torch.no_grad():
+        return sum(float(module.loss(data[8 * k : 8 * k + 8])) for k in range(2)) / 2
+
+
+def _tiny_trainer(root: Path, callbacks: list, max_epochs: int = 1):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        default_root_dir=str(root),
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        **QUIET,
+    )
+
+
+def test_validate_and_test_with_a_ckpt_path_evaluate_the_ema_saved_beside_it(tmp_path):
+    """``validate``/``test(ckpt_path=...)`` after a fit, and on a fresh trainer: the metrics are those of the EMA saved
+    beside that checkpoint (not the final EMA in memory, nor the live weights), which is the callback's EMA afterwards;
+    the model holds the checkpoint's live weights after each. A checkpoint without an EMA beside it evaluates the live
+    weights, with a warning naming it (not the 'before the EMA starts' one)."""
+    import shutil
+    import warnings
+
+    import lightning.pytorch as pl
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback, ema_dir_for
+    from tests._integration_models import quiet
+
+    quiet()
+    ema = EMACallback(decay=0.8)
+    saves = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_epochs=1, save_top_k=-1)
+    trainer, module = _tiny_trainer(tmp_path, [ema, saves], max_epochs=3), _tiny_module()
+    trainer.fit(module)
+    first = tmp_path / "ckpt" / "epoch=0-step=8.ckpt"
+    saved = fe.checkpoint.load_checkpoint(module, ema_dir_for(first), "ema").state
+    best, live = fe.gather_full(saved, module), torch.load(first, weights_only=False)["state_dict"]
+    assert int(ema.state.step) == 24 and _tiny_loss(best) != pytest.approx(_tiny_loss(live), rel=1e-3)
+    got = trainer.validate(module, ckpt_path=str(first), verbose=False)[0]["val_loss"]
+    assert got == pytest.approx(_tiny_loss(best), rel=1e-6)
+    assert int(ema.state.step) == 8 and all(torch.equal(ema.state.ema[n], t) for n, t in saved.ema.items())
+    got = trainer.test(module, ckpt_path=str(first), verbose=False)[0]["test_loss"]
+    assert got == pytest.approx(_tiny_loss(best), rel=1e-6)
+    assert all(torch.equal(p, live[n]) for n, p in module.state_dict().items())  # swapped out again
+
+    shutil.rmtree(str(tmp_path / "ckpt" / "epoch=1-step=16.ckpt") + ".ema")
+    for verb, metric in (("validate", "val_loss"), ("test", "test_loss")):
+        fresh = EMACallback(decay=0.8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = getattr(_tiny_trainer(tmp_path, [fresh]), verb)
+            got = run(_tiny_module(), ckpt_path=str(first), verbose=False)[0][metric]
+            assert got == pytest.approx(_tiny_loss(best), rel=1e-6), verb
+            second = tmp_path / "ckpt" / "epoch=1-step=16.ckpt"
+            got = run(_tiny_module(), ckpt_path=str(second), verbose=False)[0][metric]
+        live_second = torch.load(second, weights_only=False)["state_dict"]
+        assert got == pytest.approx(_tiny_loss(live_second), rel=1e-6), verb
+        seen = [str(w.message) for w in caught if w.category is UserWarning and "EMACallback" in str(w.message)]
+        assert len(seen) == 1 and f"trainer.{verb}(ckpt_path='{second}')" in seen[0], seen
+        assert "no EMA was saved beside that checkpoint" in seen[0], seen
+        assert int(fresh.state.step) == 8  # the live evaluation kept the EMA it had
+
+
+def test_a_save_during_the_ema_validation_writes_the_live_weights(tmp_path):
+    """``trainer.save_checkpoint`` inside the EMA validation (a validation_step, and a callback before EMACallback in
+    on_validation_epoch_end): the checkpoints hold the live weights bitwise, and the validation goes on with the EMA
+    (its loss is the EMA's)."""
+    import lightning.pytorch as pl
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+
+    class SaveAtEpochEnd(pl.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "epoch_end.ckpt")
+            self.after = {n: t.detach().clone() for n, t in pl_module.state_dict().items()}
+
+    ema, saver = EMACallback(decay=0.8), SaveAtEpochEnd()
+    module = _tiny_module(save_in_validation=str(tmp_path / "in_step.ckpt"))
+    trainer = _tiny_trainer(tmp_path, [saver, ema])
+    trainer.fit(module)
+    live = {n: t.detach().clone() for n, t in module.state_dict().items()}  # 1 epoch: the validation's live weights
+    averaged = fe.gather_full(ema.state, module)
+    assert _tiny_loss(averaged) != pytest.approx(_tiny_loss(live), rel=1e-3)
+    for name in ("in_step.ckpt", "epoch_end.ckpt"):
+        written = torch.load(tmp_path / name, weights_only=False)["state_dict"]
+        assert sorted(written) == sorted(live) and all(torch.equal(written[n], t) for n, t in live.items()), name
+    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(_tiny_loss(averaged), rel=1e-6)
+    assert all(torch.equal(saver.after[n], t) for n, t in averaged.items())  # the EMA swapped in again

@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
@@ -70,13 +71,21 @@ from functional_ema._checkpoint.writer import TagLock, describe_decays, read_gen
 from functional_ema._core import check_ema_dtype
 from functional_ema._io import atomic_write_bytes, write_tensors
 from functional_ema._selection import SelectionLike, make_selection, selection_record
-from functional_ema._storage import Storage, is_url
+from functional_ema._storage import Storage, is_url, storage_for
 from functional_ema._tree import short_list
 from functional_ema.checkpoint import Loaded
 from functional_ema.engines._base import any_requires_grad, read_for
 from functional_ema.schedules import DecayLike, Schedule, check_decays
 
-__all__ = ["EMAController", "expected_ema_step", "grown_state", "RECORD_NAME"]
+__all__ = [
+    "EMAController",
+    "agreed_everywhere",
+    "check_folder_tag",
+    "expected_ema_step",
+    "grown_state",
+    "has_saved_ema",
+    "RECORD_NAME",
+]
 
 logger = logging.getLogger("functional_ema")
 
@@ -98,6 +107,55 @@ def expected_ema_step(framework_step: int, start_step: int, every_n_steps: int) 
     if framework_step < first:
         return None
     return max(first, (int(framework_step) // int(every_n_steps)) * int(every_n_steps))
+
+
+# The endings of the files the frameworks write into a checkpoint folder, beside the EMA's tag folder (the HF
+# Trainer's model.safetensors, trainer_state.json, optimizer.pt, rng_state.pth, ...; Accelerate's optimizer.bin,
+# random_states_0.pkl, custom_checkpoint_0.pkl, ...): a tag with one of them could collide with such a file.
+_FILE_SUFFIXES = (
+    ".safetensors", ".bin", ".pt", ".pth", ".json", ".txt", ".model", ".jinja", ".md", ".py", ".ckpt", ".pkl"
+)  # fmt: skip
+
+
+def check_folder_tag(tag: str, reserved: re.Pattern[str], framework: str, examples: str) -> str:
+    """``tag``: a folder name that none of ``framework``'s own checkpoint files (named like files: an ending of
+    :data:`_FILE_SUFFIXES`) or folders (``reserved``, matched whole, case-insensitively) can have. ``examples``: a
+    few of the files it writes, for the message."""
+    lowered = tag.lower()
+    why = None
+    if lowered.endswith(_FILE_SUFFIXES):
+        why = f"looks like a file name (it ends in {os.path.splitext(lowered)[1]})"
+    elif reserved.fullmatch(lowered):
+        why = f"is the name of a folder or file {framework} writes under FSDP or DeepSpeed"
+    if why is not None:
+        raise fe.checkpoint.InvalidTagError(
+            f"tag={tag!r} {why}: {framework} writes its own files ({examples}, ...) into each checkpoint folder, "
+            "beside the EMA's tag folder, and would collide with a folder of that name. Use a plain folder name such "
+            "as the default 'ema'"
+        )
+    return tag
+
+
+def agreed_everywhere(flag: bool, what: str) -> bool:
+    """``flag`` where every rank of the job found it true (one bounded exchange, named ``what``; the rank alone when
+    there is no process group): a decision that leads into a collective (``load``) is taken by every rank alike,
+    also when some ranks see another folder (node-local disks) or a file late (a slow shared filesystem)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        agree_on(what, lambda: {"found": flag}, ("found",), None, world, rank)
+    except fe.checkpoint.CheckpointMismatchError as disagree:  # raised on every rank alike: an agreed "no"
+        logger.info("%s: the ranks did not all find it: %s", what, disagree)
+        return False
+    return flag
+
+
+def has_saved_ema(folder: Path | str, tag: str) -> bool:
+    """Whether ``folder/tag`` (a local folder or a URL) holds a complete EMA checkpoint (its manifest), asked now."""
+    if isinstance(folder, str) and is_url(folder):
+        return storage_for(folder.rstrip("/")).file_size(f"{tag}/{MANIFEST_NAME}") is not None
+    return (Path(folder) / tag / MANIFEST_NAME).is_file()
 
 
 #: A checkpoint folder: a local one, or a prefix of a storage (a URL, ``str`` as its messages show it).

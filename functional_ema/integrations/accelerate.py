@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import weakref
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -44,9 +46,44 @@ from functional_ema._state import EmaState
 from functional_ema.engines import adapter_for
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, local_folder
+from ._common import EMAController, check_folder_tag, local_folder
 
 __all__ = ["AcceleratorEMA"]
+
+# The folders (and extension-less files) accelerator.save_state writes into its folder besides files with an
+# extension (model.safetensors, optimizer.bin, random_states_0.pkl, ...): DeepSpeed's checkpoint (its tag
+# "pytorch_model", "latest", zero_to_fp32.py) and FSDP's sharded model and optimizer folders.
+_ACCELERATE_FOLDERS = re.compile(r"pytorch_model|(pytorch_model_fsdp|optimizer)_\d+|latest|zero_to_fp32")
+
+# Set on an accelerator: its live helpers by tag (weak: a helper garbage collected frees its tag), so that two
+# helpers do not write their EMAs into one folder of a save_state, the second overwriting the first.
+_HELPERS_ATTR = "_functional_ema_helpers"
+
+# What torch.compile's wrapper (OptimizedModule) puts before the names of the model it compiled.
+_COMPILED_PREFIX = "_orig_mod."
+
+
+def _claim_tag(accelerator: Any, tag: str, helper: AcceleratorEMA) -> None:
+    """Record ``helper`` as the one writing ``tag`` at this accelerator's ``save_state``; refuse a second live one."""
+    helpers = getattr(accelerator, _HELPERS_ATTR, None)
+    if helpers is None:
+        helpers = weakref.WeakValueDictionary()
+        setattr(accelerator, _HELPERS_ATTR, helpers)
+    other = helpers.get(tag)
+    if other is not None and other is not helper:
+        raise ValueError(
+            f"tag={tag!r}: another AcceleratorEMA of this accelerator already uses it; both would write their EMA "
+            f"into <save_state folder>/{tag}/, the second overwriting the first. Give each helper its own tag= "
+            "(e.g. tag='ema_slow'), or call remove_hooks() on the other one first"
+        )
+    helpers[tag] = helper
+
+
+def _compiled_prefix(model: Any) -> str:
+    """The prefix torch.compile's wrapper adds to the names of ``model`` (``""`` when it is not compiled)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return _COMPILED_PREFIX if isinstance(model, OptimizedModule) else ""
 
 
 class AcceleratorEMA:
@@ -74,6 +111,10 @@ class AcceleratorEMA:
         except TypeError as e:
             raise TypeError(f"model: {e}") from None
         self.ema = EMAController(decay, **kwargs)  # every other argument checked there, before the hooks
+        check_folder_tag(
+            self.ema.tag, _ACCELERATE_FOLDERS, "accelerator.save_state", "model.safetensors, optimizer.bin"
+        )
+        _claim_tag(accelerator, self.ema.tag, self)
         self.accelerator, self.model = accelerator, model
         self._steps = 0
         self._pending: list[int] = []  # per hooked optimizer: the steps it took since the last step() call
@@ -164,8 +205,9 @@ class AcceleratorEMA:
             self._steps = self.ema.load(self.model, folder, framework_step=None)
 
     def export(self, path: str | os.PathLike, index: int | None = None) -> Path | None:
-        """Consolidated EMA ``index`` into one safetensors file (rank 0 writes). Collective."""
-        return self.ema.export(self.model, path, index)
+        """Consolidated EMA ``index`` into one safetensors file (rank 0 writes). Collective. Named as the model's
+        own parameters: without the ``_orig_mod.`` torch.compile's wrapper adds, so it loads into the plain model."""
+        return self.ema.export(self.model, path, index, strip_prefix=_compiled_prefix(self.model))
 
     def copy_to_model(self, index: int | None = None) -> None:
         """Overwrite the model's weights with EMA ``index`` (end of training). Collective."""
@@ -177,9 +219,13 @@ class AcceleratorEMA:
 
     def end(self) -> None:
         """The configured final export / copy into the model (``export_path=``, ``copy_to_model=``)."""
-        self.ema.on_train_end(self.model)
+        self.ema.on_train_end(self.model, strip_prefix=_compiled_prefix(self.model))
 
     def remove_hooks(self) -> None:
+        """Detach from the accelerator: no save/load of the EMA with its state, no step counted; frees the tag."""
         for h in self._handles:
             h.remove()
         self._handles, self._pending = [], []
+        helpers = getattr(self.accelerator, _HELPERS_ATTR, {})
+        if helpers.get(self.ema.tag) is self:
+            del helpers[self.ema.tag]

@@ -16,7 +16,10 @@ Per Lightning event:
 * validation: ``on_validation_epoch_start`` swaps the EMA weights in (the model's own validation
   metrics are then the EMA's), ``on_validation_epoch_end`` swaps them out (also on an exception); a
   validation before the EMA starts (``start_step``) runs with the live weights, under the same metric names:
-  warned once (``UserWarning``);
+  warned once (``UserWarning``); ``trainer.test`` alike (``on_test_epoch_start`` / ``on_test_epoch_end``);
+* ``validate``/``test(ckpt_path=...)`` outside ``fit``: ``on_validation_start`` / ``on_test_start`` load the EMA
+  saved beside that checkpoint, which stays the callback's EMA afterwards; without one there, the live weights
+  are evaluated, with a ``UserWarning`` naming the checkpoint;
 * saving: every ``trainer.save_checkpoint`` (``ModelCheckpoint`` included) also writes every rank's
   EMA pieces: inside the checkpoint folder when the checkpoint is a folder (DeepSpeed,
   distributed FSDP2 checkpoints: ``<ckpt>/ema/``), else beside the file (``<ckpt>.ema/ema/``),
@@ -24,7 +27,8 @@ Per Lightning event:
   do not share: Ray Train's ``RayTrainReportCallback`` saves into each worker's own folder) each rank writes
   beside its own path, not rank 0's. Lightning's callback hooks are not
   told the checkpoint path, so the callback wraps this trainer's ``save_checkpoint`` and its
-  strategy's ``remove_checkpoint`` (instance attributes, set up in ``setup``);
+  strategy's ``remove_checkpoint`` (instance attributes, set up in ``setup``). A save while the EMA is swapped
+  in writes the live weights (swapped out for the save, in again after it);
 * ``on_train_start`` of ``fit(ckpt_path=...)``: load the EMA saved with that checkpoint (any world
   size: it reshards);
 * ``on_train_end``: optional export to one safetensors file, or copy into the model.
@@ -58,7 +62,7 @@ from functional_ema._state import EmaState
 from functional_ema._storage import is_url, remove_tree, storage_for
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController
+from ._common import EMAController, agreed_everywhere, has_saved_ema
 
 __all__ = ["EMACallback", "ema_dir_for"]
 
@@ -110,6 +114,8 @@ class EMACallback(pl.Callback):
         self._swap: contextlib.ExitStack | None = None
         self._last_saved: str | None = None
         self._warned_live = False  # a validation before the EMA started was warned about (once)
+        self._loaded_meta: dict[str, Any] | None = None  # this callback's state in the checkpoint being restored
+        self._live_run = False  # this validate/test run's checkpoint has no EMA: it evaluates the live weights
 
     @property
     def state(self) -> EmaState | None:
@@ -124,6 +130,8 @@ class EMACallback(pl.Callback):
     # ----------------------------------------------------------------------------------- wiring
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Per run, before Lightning restores its checkpoint: no metadata of an earlier run's checkpoint is kept.
+        self._loaded_meta, self._live_run = None, False
         if getattr(trainer, _WRAPPED_ATTR, None) is self:
             return
         save, strategy = trainer.save_checkpoint, trainer.strategy
@@ -135,8 +143,16 @@ class EMACallback(pl.Callback):
             # Every rank broadcasts either way, so ranks configured apart reach the save, which refuses them.
             rank0_path = os.fspath(trainer.strategy.broadcast(filepath))
             path = rank0_path if self.ema.shared else os.fspath(filepath)
-            save(filepath, *args, **kwargs)
-            self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
+            # A save during the EMA evaluation (a callback's epoch-end hook, a validation_step) writes the live
+            # weights, not the EMA's; the evaluation then goes on with the EMA.
+            swapped = self._swap is not None
+            self._unswap()
+            try:
+                save(filepath, *args, **kwargs)
+                self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
+            finally:
+                if swapped:
+                    self._swap_in(trainer)
             self._last_saved = path
 
         def remove_checkpoint(filepath: str | Path) -> None:
@@ -199,10 +215,47 @@ class EMACallback(pl.Callback):
     ) -> None:
         self.ema.on_step(self._target(trainer), trainer.global_step)
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load_evaluated_checkpoint(trainer)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load_evaluated_checkpoint(trainer)
+
+    def _load_evaluated_checkpoint(self, trainer: pl.Trainer) -> None:
+        """``validate``/``test(ckpt_path=...)`` (not inside ``fit``): Lightning loaded that checkpoint's weights, so
+        the EMA saved beside it is the one to evaluate; it replaces the EMA in memory. Without one there (every rank
+        must find it), the live weights are evaluated, with a warning: not the EMA of another checkpoint."""
+        verb = getattr(trainer.state.fn, "value", trainer.state.fn)  # TrainerFn: "fit", "validate", "test", ...
+        if verb not in ("validate", "test") or not trainer.ckpt_path:
+            return
+        ckpt = os.fspath(trainer.ckpt_path)
+        where = ema_dir_for(ckpt)
+        saved = agreed_everywhere(has_saved_ema(where, self.ema.tag), "EMACallback: the evaluated checkpoint's EMA")
+        if saved:
+            self.ema.load(self._target(trainer), where, framework_step=None)  # the step: the EMA's own record's
+            self._check_own_record(where)
+        if saved and self.ema.started:  # not started: a newer not-started record there superseded that EMA
+            return
+        self._live_run = self.ema.eval_index is not None
+        if self._live_run:
+            warnings.warn(
+                f"EMACallback: trainer.{verb}(ckpt_path={ckpt!r}) evaluates the live weights: no EMA was "
+                f"saved beside that checkpoint (no complete EMA in {where}/{self.ema.tag}: saved before the EMA "
+                "started, or without this callback), so its metrics are the live weights', not an EMA's",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or self._swap is not None:
+        if trainer.sanity_checking or self._swap is not None or self._live_run:
             return
         self._warn_live_validation(trainer.global_step)
+        self._swap_in(trainer)
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_validation_epoch_start(trainer, pl_module)  # the test evaluates the same EMA as validation
+
+    def _swap_in(self, trainer: pl.Trainer) -> None:
         stack = contextlib.ExitStack()
         stack.enter_context(self.ema.swapped(self._target(trainer)))
         self._swap = stack
@@ -228,6 +281,9 @@ class EMACallback(pl.Callback):
             stack.close()
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._unswap()
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._unswap()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

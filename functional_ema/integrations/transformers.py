@@ -63,12 +63,11 @@ import torch
 from transformers import TrainerCallback
 
 from functional_ema._args import check_str
-from functional_ema._checkpoint.errors import InvalidTagError
 from functional_ema._checkpoint.format import MANIFEST_NAME
 from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, local_folder
+from ._common import EMAController, agreed_everywhere, check_folder_tag, local_folder
 
 __all__ = ["EMACallback"]
 
@@ -82,28 +81,16 @@ _EMA_EVALUATING: weakref.WeakSet[Any] = weakref.WeakSet()  # reason: Trainers in
 
 logger = logging.getLogger("functional_ema")
 
-# What the Trainer writes into each checkpoint folder, beside the EMA's tag folder: files (model.safetensors,
-# trainer_state.json, optimizer.pt, rng_state.pth, training_args.bin, config.json, tokenizer files, ...) and, under
-# FSDP, the folders pytorch_model_fsdp_<N> and optimizer_<N>. A tag of such a name would collide with one of them.
-_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".txt", ".model", ".jinja", ".md", ".py", ".ckpt")
+# The folders (and extension-less files) the Trainer writes into a checkpoint folder under FSDP (pytorch_model_fsdp_<N>,
+# optimizer_<N>) or DeepSpeed; its files with an extension are refused by check_folder_tag's ending rule.
 _TRAINER_FOLDERS = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+|global_step\d+|latest|zero_to_fp32")
 
 
 def _check_trainer_tag(tag: str) -> str:
     """``tag``: a folder name that none of the Trainer's own checkpoint files or folders can have."""
-    lowered = tag.lower()
-    why = None
-    if lowered.endswith(_FILE_SUFFIXES):
-        why = f"looks like a file name (it ends in {os.path.splitext(lowered)[1]})"
-    elif _TRAINER_FOLDERS.fullmatch(lowered):
-        why = "is the name of a folder or file the Trainer writes under FSDP or DeepSpeed"
-    if why is not None:
-        raise InvalidTagError(
-            f"tag={tag!r} {why}: the Trainer writes its own files (model.safetensors, trainer_state.json, optimizer.pt, "
-            "rng_state.pth, ...) into each checkpoint folder, beside the EMA's tag folder, and would collide with a "
-            "folder of that name. Use a plain folder name such as the default 'ema'"
-        )
-    return tag
+    return check_folder_tag(
+        tag, _TRAINER_FOLDERS, "the Trainer", "model.safetensors, trainer_state.json, optimizer.pt, rng_state.pth"
+    )
 
 
 @contextlib.contextmanager
@@ -146,26 +133,6 @@ def _answer_earlier(handler: Any, earlier: list[Any], flags: dict[str, Any], kep
         return control
 
     return on_evaluate
-
-
-def _agreed_everywhere(flag: bool) -> bool:
-    """``flag`` where every rank of the job found it true (one bounded exchange; the rank alone when there is no
-    process group): a decision that leads into a collective (``load``) is taken by every rank alike, also when
-    some ranks see another folder (node-local disks) or a file late (a slow shared filesystem)."""
-    import torch.distributed as dist
-
-    from functional_ema._checkpoint.collective import agree_on
-    from functional_ema._checkpoint.errors import CheckpointMismatchError
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    world, rank = dist.get_world_size(), dist.get_rank()
-    try:
-        agree_on("load_best_model_at_end", lambda: {"found": flag}, ("found",), None, world, rank)
-    except CheckpointMismatchError as disagree:  # raised on every rank alike: an agreed "no", warned about below
-        logger.info("load_best_model_at_end: the ranks did not all find the best checkpoint's EMA: %s", disagree)
-        return False
-    return flag
 
 
 def _generation_kwargs(trainer: Any) -> dict[str, Any]:
@@ -565,7 +532,7 @@ class EMACallback(TrainerCallback):
         folder = local_folder(checkpoint, "TrainerState.best_model_checkpoint", _HF)
         step = re.fullmatch(r"checkpoint-(\d+)", folder.name)
         final = (self.ema.state, self.ema.buffer_state)
-        saved = _agreed_everywhere((folder / self.ema.tag / MANIFEST_NAME).is_file())
+        saved = agreed_everywhere((folder / self.ema.tag / MANIFEST_NAME).is_file(), "load_best_model_at_end")
         if saved:
             self.ema.load(self._target(), folder, framework_step=int(step.group(1)) if step else None)
         if self.ema.state is None or not saved:  # None: a newer not-started record there supersedes its EMA
