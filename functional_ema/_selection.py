@@ -16,10 +16,11 @@ Patterns are shell-style, matched by :func:`fnmatch.fnmatchcase` against the who
 Checked where the argument enters (``local_shards``, the integrations' constructors for the types), each with
 one error naming the argument: a pattern that is not a ``str``, an empty pattern, an empty ``include`` list, a
 pattern that matches none of the model's parameter names (a typo, or a regular expression; a frozen parameter's
-name counts) or only tied aliases, one whose brackets spell names it does not match (``"a[0].*"`` for a
+name counts; under pipeline parallelism a stage checks its own names only, so a pattern matching nothing on any
+stage goes undetected there) or only tied aliases, one whose brackets spell names it does not match (``"a[0].*"`` for a
 ``ModuleDict`` key ``"a[0]"``: write ``"a[[]0].*"``), a selection that decides a tied parameter one way under a later
 name and the other way under its first, a predicate that raises or returns anything but a ``bool``, and a selection
-that leaves no parameter.
+that leaves no parameter (under pipeline parallelism: a stage it leaves nothing averages nothing, as a frozen stage).
 
 This module is a leaf: it imports nothing from the package at import time.
 """
@@ -78,13 +79,22 @@ class Selection:
         """JSON for a checkpoint's manifest: patterns as lists, a predicate as ``"<predicate module.name>"``."""
         return {"include": _recorded(self.include), "exclude": _recorded(self.exclude)}
 
-    def apply(self, names: Sequence[str], unread: Callable[[], Mapping[str, str | None]] | None = None) -> list[str]:
+    def apply(
+        self,
+        names: Sequence[str],
+        unread: Callable[[], Mapping[str, str | None]] | None = None,
+        partial: bool = False,
+    ) -> list[str]:
         """The selected ``names``, in their order; every pattern and predicate checked (see the module docstring).
 
         ``unread``: gives the model's other parameter names, each mapped to the read name it is a tied alias of, or
         to ``None`` (a parameter not read: frozen). Asked only for a pattern that matches no name read: one that
         names a frozen parameter is no typo (frozen later, or unfrozen later, it selects it then), and one that names
-        only tied aliases is refused naming the name they are read under."""
+        only tied aliases is refused naming the name they are read under.
+
+        ``partial``: ``names`` are one pipeline stage's, not the model's. A pattern matching none of them may name
+        another stage's parameters, and a selection may leave this stage nothing (it then averages nothing), so
+        neither is refused here: one selection, the same on every stage, must describe the whole model."""
         others: Mapping[str, str | None] | None = None
 
         def other_names() -> Mapping[str, str | None] | None:
@@ -99,11 +109,11 @@ class Selection:
                     if "[" in pattern:
                         _check_literal(what, pattern, names, other_names())
                     if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                        _check_unread(what, pattern, names, other_names())
+                        _check_unread(what, pattern, names, other_names(), partial)
         chosen = [n for n in names if self.picks(n)]
         if unread is not None:
             self._check_aliases(chosen, other_names() or {})
-        if not chosen:
+        if not chosen and not partial:
             raise ValueError(
                 f"the selection ({self.describe()}) leaves none of the {len(names)} parameters read "
                 f"(e.g. {', '.join(map(repr, names[:4]))}): nothing would be averaged. Widen include or narrow exclude"
@@ -239,10 +249,15 @@ def _matches(part: _Part, name: str, what: str, default: bool) -> bool:
     return got
 
 
-def _check_unread(what: str, pattern: str, names: Sequence[str], unread: Mapping[str, str | None] | None) -> None:
-    """Refuse ``pattern`` (which matches no name read) unless it names a parameter that is not read (frozen)."""
+def _check_unread(
+    what: str, pattern: str, names: Sequence[str], unread: Mapping[str, str | None] | None, partial: bool = False
+) -> None:
+    """Refuse ``pattern`` (which matches no name read) unless it names a parameter that is not read (frozen), or
+    ``names`` are one pipeline stage's (``partial``: another stage may hold what it matches)."""
     hits = [n for n in unread or () if fnmatch.fnmatchcase(n, pattern)]
     if not hits:
+        if partial:
+            return
         raise ValueError(_no_match(what, pattern, names, None if unread is None else len(names) + len(unread)))
     aliases = {n: unread[n] for n in hits if unread is not None and unread[n] is not None}
     if len(aliases) == len(hits):

@@ -25,6 +25,7 @@ parameters named by their global expert index) and Ulysses sequence parallelism.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -498,8 +499,144 @@ def pipe_worker(out: str, phase: str, tp: int = 1) -> dict:
         report["resharded_equal"] = _equal(
             fe.gather_full(state, engine), _load_tensors(out / f"{name}_g{SAVE_AT}_pp{part.pp}_tp{part.tp}.safetensors")
         )
+        if tp == 1:  # 2 stages at 2 ranks: tied layers and selections, in the launch already made
+            report["tied"] = _pipe_tied(out)
+            report["selected"] = _pipe_selected(out)
         return report
     raise ValueError(phase)
+
+
+def _two_stage_engine(layers, **kwargs):
+    """A 2-stage PipelineEngine (data parallel 1, 2 ranks) of ``layers``, ZeRO-1 fp32."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from torch import nn
+
+    from functional_ema._testing.multirank import ds_config
+
+    torch.manual_seed(0)
+    module = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), **kwargs)
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2), config=ds_config(1)
+    )
+    return engine
+
+
+def _train_selected(engine, selections: dict[str, dict], width: int) -> tuple[dict, dict]:
+    """Train ``engine`` 3 steps, one EMA per selection (``{key: local_shards kwargs}``): ``(states, oracles)``, the
+    oracle of each the plain-torch EMA of DeepSpeed's full fp32 weights of every stage, of the names it selects."""
+    from functional_ema._selection import make_selection
+
+    def batch(step):
+        g = torch.Generator().manual_seed(1234 + 1000 * step)
+        return iter([(torch.randn(4, 7, generator=g), torch.randn(4, width, generator=g))])
+
+    states = {k: fe.init_ema(fe.local_shards(engine, **kw), num_emas=2) for k, kw in selections.items()}
+    ref = _Ref(_reference(engine), 0)
+    for step in range(1, 4):
+        engine.train_batch(batch(step))
+        states = {
+            k: fe.update(s, fe.local_shards(engine, **selections[k]), step, decay=list(DECAYS))
+            for k, s in states.items()
+        }
+        ref.feed(_reference(engine), step)
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, ref.emas[0])
+    whole = {n: t for r in reversed(every) for n, t in r.items()}  # a name of both stages: stage 0's
+    oracles: dict = {"differ": sorted({n for r in every for n in r if not torch.equal(r[n], whole[n])})}
+    for k, kw in selections.items():
+        sel = make_selection(kw.get("include"), kw.get("exclude"))
+        oracles[k] = {n: t for n, t in whole.items() if sel is None or sel.picks(n)}
+    return states, oracles
+
+
+def _refusal(fn) -> str | None:
+    """The message of the ``MismatchError`` ``fn`` raises, ``None`` when it returns."""
+    try:
+        fn()
+    except fe.MismatchError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _joined_and_consolidated(engine, state, oracle: dict, where: Path) -> dict:
+    """``gather_full(join_parts=True)`` (to every rank, and to rank 1 only) and ``save`` + ``consolidate`` of
+    ``state``: each refusal's message (``None``: it gave a result) and whether each result is ``oracle``."""
+    rank = torch.distributed.get_rank()
+    got: dict = {}
+
+    def join(dst):
+        got[dst] = fe.gather_full(state, engine, join_parts=True, dst=dst)
+
+    report = {"join": _refusal(lambda: join(None)), "join_dst": _refusal(lambda: join(1))}
+    report["join_equal"] = None in got and _equal(got[None], oracle)
+    report["join_dst_equal"] = 1 in got and _equal(got[1], oracle if rank == 1 else {})
+    fe.save(state, engine, where, "t")
+    torch.distributed.barrier()
+    if rank == 0:
+        report["consolidate"] = _refusal(lambda: got.update(c=fe.consolidate(where, "t")))
+        report["consolidate_equal"] = "c" in got and _equal(got["c"], oracle)
+    return report
+
+
+def _pipe_tied(out: Path) -> dict:
+    """A ``TiedLayerSpec`` layer on both stages: with only its weight tied (DeepSpeed's default), and its bias too."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    from torch import nn
+
+    report: dict = {}
+    for attrs in (["weight"], ["weight", "bias"]):
+
+        def tied(attrs=attrs):
+            return TiedLayerSpec("emb", nn.Linear, 7, 7, tied_weight_attr=attrs)
+
+        layers = [tied(), LayerSpec(nn.Tanh), LayerSpec(nn.Linear, 7, 7), LayerSpec(nn.Tanh), tied()]
+        engine = _two_stage_engine(layers, partition_method="uniform")
+        kws = {"all": {}, "no_bias": {"exclude": "tied_modules.emb.bias"}} if attrs == ["weight"] else {"all": {}}
+        states, oracles = _train_selected(engine, kws, 7)
+        key = "+".join(attrs)
+        report[f"{key}:names"] = sorted(fe.local_shards(engine))
+        report[f"{key}:differ"] = oracles["differ"]  # the oracle's names whose stages' values differ
+        for k, state in states.items():
+            got = _joined_and_consolidated(engine, state, oracles[k], out / f"tied_{key}_{k}")
+            report.update({f"{key}:{k}:{what}": v for what, v in got.items()})
+    return report
+
+
+def _pipe_selected(out: Path) -> dict:
+    """Selections of a 2-stage pipeline (stage 0 holds layers 0 and 2, stage 1 layer 4) that leave the last stage
+    nothing, or name each stage's parameters in patterns the other stage's names do not match."""
+    from torch import nn
+
+    from functional_ema._checkpoint.format import MANIFEST_NAME
+    from functional_ema._selection import selection_record
+
+    engine = _two_stage_engine([nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 40), nn.Tanh(), nn.Linear(40, 5)])
+    kws = {"exclude_last": {"exclude": "4.*"}, "include_first": {"include": "0.*"}, "both": {"include": ["0.*", "4.*"]}}
+    states, oracles = _train_selected(engine, kws, 5)
+    report: dict = {}
+    for k, state in states.items():
+        got = _joined_and_consolidated(engine, state, oracles[k], out / f"sel_{k}")
+        report.update({f"{k}:{what}": v for what, v in got.items()})
+        report[f"{k}:names"] = sorted(fe.local_shards(engine, **kws[k]))
+        records: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(records, selection_record(state.emas[0]))
+        manifest = json.loads((out / f"sel_{k}" / "t" / MANIFEST_NAME).read_text())
+        report[f"{k}:records"] = [*records, manifest.get("selection")]
+        report[f"{k}:swapped"] = _swap_selected(engine, state, oracles[k])
+        loaded = fe.load(engine, out / f"sel_{k}", "t", **kws[k])
+        report[f"{k}:loaded_equal"] = _equal(fe.gather_full(loaded, engine, join_parts=True), oracles[k])
+    return report
+
+
+def _swap_selected(engine, state, oracle: dict) -> bool:
+    """Inside ``swapped``, the selected parameters hold the EMA and the others their live values; after it, every
+    parameter its live value again."""
+    live = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with torch.no_grad(), fe.swapped(engine, state):
+        inside = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    after = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return _equal(after, live) and _equal(inside, {n: oracle.get(n, t) for n, t in live.items()})
 
 
 @pytest.fixture(scope="module")
@@ -556,6 +693,51 @@ def test_pipeline_stages_every_verb(pipe_runs):
         msg = r["module_refused"]
         assert msg and "DeepSpeed PipelineModule" in msg and "the object deepspeed.initialize returned" in msg, msg
     assert _equal(_load_tensors(out / "pp_tp1_relayout.safetensors"), {**stages[0], **stages[1]})
+
+
+def test_pipeline_tied_layer(pipe_runs):
+    """A name held by two stages is joined (online and offline) only where the copies are equal: a TiedLayerSpec's
+    tied weight; its untied bias is refused in both paths, on every rank, naming it and the fix."""
+    reshard = pipe_runs[3]
+    both = ["tied_modules.emb.bias", "tied_modules.emb.weight"]
+    for rank, r in enumerate(reshard):
+        t = r["tied"]
+        assert t["weight:names"] == t["weight+bias:names"] == (["2.bias", "2.weight", *both] if rank == 0 else both)
+        assert t["weight:differ"] == ["tied_modules.emb.bias"] and t["weight+bias:differ"] == [], t
+        refusals = [t["weight:all:join"], t["weight:all:join_dst"]] + (
+            [t["weight:all:consolidate"]] if rank == 0 else []
+        )
+        for msg in refusals:
+            assert msg and "MismatchError" in msg and "'tied_modules.emb.bias'" in msg and "stages [0, 1]" in msg, msg
+            assert "tied_weight_attr=['weight', 'bias']" in msg and "exclude=['tied_modules.emb.bias']" in msg, msg
+            assert "'tied_modules.emb.weight'" not in msg, msg
+        for k in ("weight:no_bias", "weight+bias:all"):
+            assert t[f"{k}:join"] is None and t[f"{k}:join_dst"] is None, t
+            assert t[f"{k}:join_equal"] and t[f"{k}:join_dst_equal"], (k, t)
+            if rank == 0:
+                assert t[f"{k}:consolidate"] is None and t[f"{k}:consolidate_equal"], (k, t)
+
+
+def test_pipeline_selection_spans_stages(pipe_runs):
+    """One selection for the whole pipeline: a pattern for another stage's parameters is no typo on this stage, and
+    a stage it leaves nothing averages nothing; every verb gives exactly the selected parameters' oracle EMA."""
+    reshard = pipe_runs[3]
+    names = {
+        "exclude_last": [["0.bias", "0.weight", "2.bias", "2.weight"], []],
+        "include_first": [["0.bias", "0.weight"], []],
+        "both": [["0.bias", "0.weight"], ["4.bias", "4.weight"]],
+    }
+    for rank, r in enumerate(reshard):
+        s = r["selected"]
+        for k, per_stage in names.items():
+            assert s[f"{k}:names"] == per_stage[rank], (k, s)
+            assert s[f"{k}:join"] is None and s[f"{k}:join_dst"] is None, (k, s)
+            assert s[f"{k}:join_equal"] and s[f"{k}:join_dst_equal"] and s[f"{k}:loaded_equal"], (k, s)
+            assert s[f"{k}:swapped"], k  # the selected hold the EMA inside, the others stay live; all restored
+            records = s[f"{k}:records"]  # each stage's state, then the manifest
+            assert records[0] is not None and all(x == records[0] for x in records), (k, records)
+            if rank == 0:
+                assert s[f"{k}:consolidate"] is None and s[f"{k}:consolidate_equal"], (k, s)
 
 
 # ------------------------------------------------------------------ tensor x pipeline x data parallel

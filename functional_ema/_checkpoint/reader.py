@@ -76,6 +76,7 @@ __all__ = [
     "open_checkpoint",
     "open_parts",
     "open_joined",
+    "untied_copies",
     "fill_all",
     "StoragePath",
 ]
@@ -1048,8 +1049,10 @@ class JoinedReader:
     """The full parameters of a whole checkpoint, every model-parallel part joined: what the offline
     tools (``consolidate``, post-hoc EMA from files, buffers' ``consolidate``) read.
 
-    Pipeline stages hold different parameters: their names are merged (a name held by several stages,
-    a tied layer, is read from the first). Tensor-parallel ranks hold slices of the same parameters:
+    Pipeline stages hold different parameters: their names are merged. A name held by several stages (a
+    ``TiedLayerSpec`` layer) is read from the first only when every stage's copy is bitwise equal (a tied weight,
+    which DeepSpeed keeps in sync); copies that differ are refused (:func:`untied_copies`), at the cost of reading
+    those names' copies once here. Tensor-parallel ranks hold slices of the same parameters:
     they are concatenated along each parameter's split dimension (``tp_dims``: given here, else as the
     engine recorded it at save time), or one rank's slices are read alone (``tp_rank``).
 
@@ -1060,7 +1063,11 @@ class JoinedReader:
     """
 
     def __init__(
-        self, readers: list[CheckpointReader], tp_dims: dict[str, int | None] | None = None, tp_rank: int | None = None
+        self,
+        readers: list[CheckpointReader],
+        tp_dims: dict[str, int | None] | None = None,
+        tp_rank: int | None = None,
+        verify: bool = True,
     ) -> None:
         self.readers = readers
         first = readers[0]
@@ -1076,6 +1083,8 @@ class JoinedReader:
         # name -> (list of (reader, local shape), dim or None): the sources of each output tensor
         self.sources: dict[str, tuple[list[tuple[CheckpointReader, tuple[int, ...]]], int | None]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        # name -> (stage, its sources) of every stage holding a name held by several (tied layers)
+        copies: dict[str, list[tuple[int, tuple[list[tuple[CheckpointReader, tuple[int, ...]]], int | None]]]] = {}
         for pp in range(first.part.pp_size):
             stage = sorted((r for r in readers if r.part.pp == pp), key=lambda r: r.part.tp)
             if tp_rank is not None:
@@ -1089,8 +1098,6 @@ class JoinedReader:
                     )
             dims = self._dims(stage, names, tp_dims) if len(stage) > 1 else {n: None for n in names}
             for n in names:
-                if n in self.sources:
-                    continue  # a tied layer held by an earlier stage too
                 d = dims[n]
                 group = [stage[0]] if d is None else stage
                 shapes = [r.shapes[n] for r in group]
@@ -1104,8 +1111,35 @@ class JoinedReader:
                             f"parameter {n!r}: its tensor-parallel slices {shapes} do not join along dimension {d}"
                         )
                     full[d] = sum(s[d] for s in shapes)
-                self.sources[n] = ([(r, r.shapes[n]) for r in group], d)
+                source = ([(r, r.shapes[n]) for r in group], d)
+                if n in self.sources:  # a tied layer held by an earlier stage too: compared below
+                    if tuple(full) != self.shapes[n]:
+                        raise CheckpointMismatchError(
+                            untied_copies(f"tag {self.tag!r}", {n: [p for p, _ in copies[n]] + [pp]})
+                        )
+                    copies[n].append((pp, source))
+                    continue
+                copies[n] = [(pp, source)]
+                self.sources[n] = source
                 self.shapes[n] = tuple(full)
+        self._check_tied({n: c for n, c in copies.items() if len(c) > 1}, verify)
+
+    def _check_tied(self, copies: dict[str, list[tuple[int, Any]]], verify: bool) -> None:
+        """Refuse names held by several stages whose copies differ in any EMA (see :func:`untied_copies`): reads
+        those names' copies only, once each."""
+        differ: dict[str, list[int]] = {}
+        for name, held in copies.items():
+            for k in range(self.num_emas):
+                values = []
+                for _, source in held:
+                    t = torch.empty(self.shapes[name], dtype=self.dtype)
+                    self._fill_from(source, t.view(-1), k, name, verify)
+                    values.append(t)
+                if not all(torch.equal(values[0], v) for v in values[1:]):
+                    differ[name] = [pp for pp, _ in held]
+                    break
+        if differ:
+            raise CheckpointMismatchError(untied_copies(f"tag {self.tag!r}", differ))
 
     def _check_given_dims(self, readers: list[CheckpointReader], given: dict | None) -> None:
         """``tp_dims`` against the checkpoint: every name a saved parameter, every dim one of its dimensions,
@@ -1166,7 +1200,18 @@ class JoinedReader:
             raise ValueError(
                 f"a joined reader fills whole parameters; got elements [{start}, {start + numel}) of {name!r}"
             )
-        group, d = self.sources[name]
+        self._fill_from(self.sources[name], dst, k, name, verify)
+
+    def _fill_from(
+        self,
+        source: tuple[list[tuple[CheckpointReader, tuple[int, ...]]], int | None],
+        dst: torch.Tensor,
+        k: int,
+        name: str,
+        verify: bool,
+    ) -> None:
+        """Write the full EMA ``k`` of ``name`` from ``source`` (one stage's readers, and the split they join along)."""
+        group, d = source
         if d is None:
             reader, shape = group[0]
             reader.fill(dst, k, name, 0, dst.numel(), verify)
@@ -1230,11 +1275,25 @@ def open_joined(
     readers: list[CheckpointReader] = []
     try:  # a URL is read in place, with ranged reads (see the module docstring)
         readers = CheckpointReader.open_parts(load_dir, tag, verify)
-        return JoinedReader(readers, tp_dims, tp_rank)
+        return JoinedReader(readers, tp_dims, tp_rank, verify)
     except BaseException:
         for r in readers:
             r.close()
         raise
+
+
+def untied_copies(where: str, stages: Mapping[str, list[int]]) -> str:
+    """The refusal of parameters held by several pipeline stages with different values (``stages``: name -> the
+    stages holding it), with the fix: shared by ``consolidate`` (``where``: the tag) and ``gather_full``."""
+    name, held = next(iter(stages.items()))
+    others = [n for n in stages if n != name]
+    also = f" (and {short_list(others, 4)})" if others else ""
+    return (
+        f"{where}: parameter {name!r}{also} is held by pipeline stages {held} with different values, so there is no "
+        "one value to join: a TiedLayerSpec ties only the attributes in its tied_weight_attr (by default ['weight']), "
+        "and each stage trains its own copy of the others. Tie it too (TiedLayerSpec(..., tied_weight_attr=['weight', "
+        f"'bias'])), or leave it out of the EMA with local_shards(engine, exclude={sorted(stages)!r})"
+    )
 
 
 class RecutReader:

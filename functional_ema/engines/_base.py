@@ -114,7 +114,10 @@ def select(reading: Reading, selection: Selection | None, module: torch.nn.Modul
         return hit
     layout = reading.layout
     unread = None if module is None else lambda: unread_names(module, layout.specs)
-    names = selection.apply(list(layout.specs), unread)  # raises, naming the pattern or predicate, on a bad selection
+    # A pipeline stage sees its own names only: the selection describes the whole model, so a pattern for another
+    # stage's parameters, or one that leaves this stage nothing, is no error here (that stage averages nothing).
+    pipelined = layout.part.pp_size > 1
+    names = selection.apply(list(layout.specs), unread, partial=pipelined)  # raises, naming the pattern or predicate
     shards = shards_from_views([(n, reading.shards[n]) for n in names])
     sub = Reading(
         shards,
@@ -637,8 +640,12 @@ def join_parts(
     tensor-parallel slices concatenated along each parameter's recorded split (``tp_dims``), in
     tensor-parallel rank order; a parameter replicated over tensor parallelism is taken from rank 0's.
 
+    A name held by several stages (a ``TiedLayerSpec`` layer) is taken from the first stage holding it when
+    every stage's value is bitwise equal (the tied weight).
+
     Raises ``ValueError`` (on every rank, before anything is sent) when the engine records no split
-    for a tensor-parallel model, or ``RuntimeError`` when two stages hold one parameter name.
+    for a tensor-parallel model; ``StateMismatchError`` (on every rank alike: ``dst`` tells the others) when
+    stages hold one name with different values (an attribute the tie leaves out, naming it and the fix).
     """
     layout = reading.layout
     if layout.part.whole:
@@ -656,29 +663,66 @@ def join_parts(
         else None
     )
     world, me = dist.get_world_size(), dist.get_rank()
-    if dst is not None and me != dst:  # a sender only: no receive list off the destination
-        dist.gather_object(payload, None, dst=dst)
-        return {}
     gathered: list[Any] = [None] * world
     if dst is None:
         dist.all_gather_object(gathered, payload)
     else:
-        dist.gather_object(payload, gathered, dst=dst)
+        dist.gather_object(payload, gathered if me == dst else None, dst=dst)
+    stages = _stage_parts(gathered) if dst is None or me == dst else {}
+    problem = _untied(stages)
+    if dst is not None and layout.part.pp_size > 1:  # only dst has seen the parts: every rank raises as it does
+        said = [problem]
+        dist.broadcast_object_list(said, src=dst)
+        problem = said[0]
+    if problem is not None:
+        from .._errors import StateMismatchError
+
+        raise StateMismatchError(problem)
+    out: dict[str, torch.Tensor] = {}
+    for tensors in stages.values():
+        for name, t in tensors.items():
+            if name not in out:  # a name of several stages: equal on each (_untied), taken from the first
+                out[name] = t.to(device if device is not None else t.device)
+    return out
+
+
+def _stage_parts(gathered: list[Any]) -> dict[int, dict[str, torch.Tensor]]:
+    """Each pipeline stage's tensors, in stage order, from the parts ``join_parts`` gathered: the tensor-parallel
+    slices joined along each parameter's recorded split (a replicated one taken from tensor-parallel rank 0)."""
     by_stage: dict[int, dict[int, tuple[dict, dict]]] = {}
     for entry in gathered:
         if entry is not None:
             tp, pp, dims, tensors = entry
             by_stage.setdefault(pp, {})[tp] = (dims, tensors)
-    out: dict[str, torch.Tensor] = {}
+    stages: dict[int, dict[str, torch.Tensor]] = {}
     for pp in sorted(by_stage):
         slices = [by_stage[pp][tp] for tp in sorted(by_stage[pp])]
         dims, first = slices[0]
+        stages[pp] = {}
         for name, t in first.items():
-            if name in out:
-                raise RuntimeError(
-                    f"gather_full(join_parts=True): parameter {name!r} is held by more than one pipeline stage"
-                )
             d = dims.get(name)
-            whole = t if d is None or len(slices) == 1 else torch.cat([s[1][name] for s in slices], dim=d)
-            out[name] = whole.to(device if device is not None else t.device)
-    return out
+            stages[pp][name] = t if d is None or len(slices) == 1 else torch.cat([s[1][name] for s in slices], dim=d)
+    return stages
+
+
+def _untied(stages: dict[int, dict[str, torch.Tensor]]) -> str | None:
+    """The refusal of names held by several stages with different values (``None`` when there is none): a
+    ``TiedLayerSpec`` layer's tied weight is equal on each (DeepSpeed keeps it in sync), its other attributes not."""
+    held: dict[str, list[int]] = {}
+    for pp, tensors in stages.items():
+        for name in tensors:
+            held.setdefault(name, []).append(pp)
+    differ = {
+        name: pps
+        for name, pps in held.items()
+        if len(pps) > 1 and not all(_same(stages[pps[0]][name], stages[pp][name]) for pp in pps[1:])
+    }
+    if not differ:
+        return None
+    from .._checkpoint.reader import untied_copies
+
+    return untied_copies("gather_full(join_parts=True)", differ)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
