@@ -11,7 +11,6 @@ step K), as a reference EMA of the full weights.
 
 from __future__ import annotations
 
-import contextlib
 import runpy
 import sys
 import time
@@ -318,9 +317,7 @@ def _train(acc, model, optimizer, helpers, steps: int = 3) -> None:
 def test_two_helpers_of_one_accelerator_need_their_own_tags(tmp_path):
     """A second live ``AcceleratorEMA`` of one accelerator with the tag of the first is refused (both would write
     ``<folder>/<tag>/`` at ``save_state``, the second overwriting the first), before registering any hook; with their
-    own tags each resumes its own EMA; ``remove_hooks()`` or garbage collection frees a tag."""
-    import gc
-
+    own tags each resumes its own EMA; ``remove_hooks()`` frees a tag."""
     import functional_ema as fe
     from functional_ema.integrations.accelerate import AcceleratorEMA
 
@@ -344,19 +341,39 @@ def test_two_helpers_of_one_accelerator_need_their_own_tags(tmp_path):
     helpers[0].remove_hooks()
     AcceleratorEMA(acc, model, decay=0.5).remove_hooks()  # the removed helper's tag is free again
 
-    class Hookless:  # an accelerator that keeps no reference to the hooks: only the tag registry sees the helper
-        def register_save_state_pre_hook(self, hook):
-            return contextlib.nullcontext()
 
-        register_load_state_pre_hook = register_save_state_pre_hook
+def test_a_helper_holds_its_tag_until_remove_hooks_and_the_accelerator_still_pickles():
+    """With a real ``Accelerator``: the live helpers are found through the accelerator's own save-state pre-hooks,
+    so a helper dropped by the user (still registered, still writing at ``save_state``) keeps its tag until its
+    ``remove_hooks()``; nothing is set on the accelerator, which pickles as it did before the check."""
+    import gc
+    import pickle
 
-    bare = Hookless()
-    first = AcceleratorEMA(bare, model, decay=0.5)
-    with pytest.raises(ValueError, match="tag='ema'"):
-        AcceleratorEMA(bare, model, decay=0.5)
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, optimizer = _prepared()
+    before = set(vars(acc))
+    first = AcceleratorEMA(acc, model, decay=0.5)
+    assert set(vars(acc)) == before  # no attribute of its own on the accelerator
+    pickle.dumps(acc)  # with a helper's hooks registered (its EMA not started), as before the tag check
+    ref = first
     del first
     gc.collect()
-    assert AcceleratorEMA(bare, model, decay=0.5).ema.tag == "ema"  # the collected helper freed it
+    msg = (
+        r"tag='ema': another AcceleratorEMA .* Call remove_hooks\(\) on the other helper, or give this one its own tag="
+    )
+    with pytest.raises(ValueError, match=msg):
+        AcceleratorEMA(acc, model, decay=0.9)  # still registered: it would still write <folder>/ema/ at save_state
+    assert len(acc._save_model_state_pre_hook) == 1
+    other = AcceleratorEMA(acc, model, decay=0.9, tag="ema_slow")
+    pickle.dumps(acc)
+    ref.remove_hooks()
+    again = AcceleratorEMA(acc, model, decay=0.9)  # freed by remove_hooks
+    with pytest.raises(ValueError, match="tag='ema_slow'"):
+        AcceleratorEMA(acc, model, decay=0.9, tag="ema_slow")
+    _train(acc, model, optimizer, (again, other))
+    again.remove_hooks(), other.remove_hooks()
+    assert len(acc._save_model_state_pre_hook) == 0 and len(acc._load_model_state_pre_hook) == 0
 
 
 @pytest.mark.parametrize(
@@ -412,3 +429,49 @@ def test_export_of_a_compiled_model_loads_into_the_plain_model(tmp_path):
     assert str(fresh.load_state_dict(exported, strict=True)) == "<All keys matched successfully>"
     assert all(torch.equal(exported[n.removeprefix("_orig_mod.")], t) for n, t in averaged.items())
     assert not torch.equal(exported["0.weight"], plain[0].weight.detach())  # the EMA, not the live weights
+
+
+@pytest.mark.parametrize("wrapping", ["compile(m)", "compile(DDP(m))", "DDP(compile(m))"])
+def test_export_drops_every_wrapper_prefix_the_names_carry(tmp_path, wrapping):
+    """The export is named as the plain model's parameters whatever the order of the wrappers: torch.compile(DDP(m))
+    (Accelerate's DDP with dynamo: names ``_orig_mod.module.``), DDP(torch.compile(m)) (a model compiled before
+    ``prepare``: the adapter reads DDP's ``.module``, names ``_orig_mod.``), torch.compile(m); it loads strict=True
+    into the plain model and holds the EMA. DDP over a one-rank gloo group."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, _, _ = _prepared()
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", init_method=(tmp_path / "pg").as_uri(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        model = {
+            "compile(m)": lambda: torch.compile(plain, backend="eager"),
+            "compile(DDP(m))": lambda: torch.compile(DDP(plain), backend="eager"),
+            "DDP(compile(m))": lambda: DDP(torch.compile(plain, backend="eager")),
+        }[wrapping]()
+        ema = AcceleratorEMA(acc, model, decay=0.5)
+        for k in range(3):  # the parameters move (the wrappers share them); the helper counts one step per call
+            with torch.no_grad():
+                for p in plain.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
+            ema.step()
+        averaged = fe.gather_full(ema.state, model)
+        prefix = {"compile(m)": "_orig_mod.", "compile(DDP(m))": "_orig_mod.module.", "DDP(compile(m))": "_orig_mod."}
+        assert sorted(averaged) == sorted(prefix[wrapping] + n for n, _ in plain.named_parameters())
+        exported = load_file(ema.export(tmp_path / "ema.safetensors"))
+        fresh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        assert str(fresh.load_state_dict(exported, strict=True)) == "<All keys matched successfully>"
+        assert all(torch.equal(exported[n.removeprefix(prefix[wrapping])], t) for n, t in averaged.items())
+        assert not torch.equal(exported["0.weight"], plain[0].weight.detach())  # the EMA, not the live weights
+        ema.remove_hooks()
+    finally:
+        if ours:
+            dist.destroy_process_group()

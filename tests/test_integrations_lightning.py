@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -887,3 +888,21 @@ def test_a_save_during_the_ema_validation_writes_the_live_weights(tmp_path):
         assert sorted(written) == sorted(live) and all(torch.equal(written[n], t) for n, t in live.items()), name
     assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(_tiny_loss(averaged), rel=1e-6)
     assert all(torch.equal(saver.after[n], t) for n, t in averaged.items())  # the EMA swapped in again
+
+
+@pytest.mark.parametrize(
+    "tag",
+    ["checkpoint", "Checkpoint", "latest", "zero_to_fp32", "zero_to_fp32.py", ".metadata", "__0_0.distcp", "meta.pt"],
+)
+def test_tags_named_like_what_lightning_writes_into_a_folder_checkpoint_are_refused(tag):
+    """Under the DeepSpeed strategy (and a distributed checkpoint's folder) the EMA goes inside the checkpoint folder,
+    beside what Lightning writes there: DeepSpeed's ``checkpoint/`` folder, ``latest`` and ``zero_to_fp32.py``;
+    torch.distributed.checkpoint's ``.metadata`` and ``__<rank>_<n>.distcp``, Lightning's ``meta.pt``. A tag named
+    like one is refused at construction; plain names are accepted."""
+    from functional_ema.checkpoint import InvalidTagError
+    from functional_ema.integrations.lightning import EMACallback
+
+    with pytest.raises(InvalidTagError, match=rf"tag[= ]'{re.escape(tag)}' "):
+        EMACallback(decay=0.9, tag=tag)
+    for ok in ("ema", "ema.v2", "ema_0", "checkpoints", "latest_ema"):
+        assert EMACallback(decay=0.9, tag=ok).ema.tag == ok

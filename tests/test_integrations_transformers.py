@@ -921,3 +921,64 @@ def test_a_tag_or_export_path_the_trainer_would_collide_with_is_refused_at_const
             EMACallback(decay=0.9, export_path=folder)
         assert str(refused.value) == message
     assert EMACallback(decay=0.9, export_path=tmp_path / "final.safetensors").ema.export_path is not None
+
+
+def test_the_trainers_own_callbacks_do_not_hear_the_ema_evaluations_event(tmp_path, monkeypatch):
+    """The EMA evaluation's own ``on_evaluate`` goes to the user's callbacks before ``EMACallback`` only: the
+    Trainer's flow and progress callbacks (DefaultFlowCallback, PrinterCallback here) and a ``report_to``
+    integration, which come first in the handler's list, hear one ``on_evaluate`` per evaluation (the live one; a
+    progress bar would write an extra row, Comet's checkpoint logging would fail), and still get ``on_log`` of the
+    EMA metrics; a user's callback placed before ``EMACallback`` hears the inner event with the EMA metrics."""
+    from transformers import Trainer, TrainerCallback
+    from transformers.integrations import integration_utils
+    from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import RegressionData, cpu_training_args, quiet
+
+    quiet()
+
+    class Recording(TrainerCallback):
+        def __init__(self):
+            self.evaluated, self.logged = [], []
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.evaluated.append((state.global_step, "eval_ema_loss" in metrics))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logged.append((state.global_step, "eval_ema_loss" in logs))
+
+    class Reporting(Recording):  # made by the Trainer from report_to, as its reporting integrations are
+        pass
+
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, "recording_integration", Reporting)
+    user = Recording()
+    args = cpu_training_args(
+        tmp_path / "run", max_steps=3, eval_strategy="steps", eval_steps=1, report_to=["recording_integration"]
+    )
+    torch.manual_seed(0)
+    trainer = Trainer(
+        model=_DropNet(),
+        args=args,
+        train_dataset=RegressionData(32, seed=1),
+        eval_dataset=RegressionData(8, seed=2),
+        callbacks=[user, EMACallback(decay=0.9, eval_index=0)],
+    )
+    handler = trainer.callback_handler
+    reporting = next(c for c in handler.callbacks if isinstance(c, Reporting))
+    heard: dict[str, list[int]] = {}
+    for cls in (DefaultFlowCallback, PrinterCallback):
+        (own,) = [c for c in handler.callbacks if type(c) is cls]
+        inner = own.on_evaluate
+
+        def on_evaluate(args, state, control, _inner=inner, _name=cls.__name__, **kwargs):
+            heard.setdefault(_name, []).append(state.global_step)
+            return _inner(args, state, control, **kwargs)
+
+        own.on_evaluate = on_evaluate  # recorded on the instance: the handler calls it by name
+    assert handler.callbacks.index(reporting) < handler.callbacks.index(user)  # the Trainer's own come first
+    trainer.train()
+    assert heard == {"DefaultFlowCallback": [1, 2, 3], "PrinterCallback": [1, 2, 3]}  # one event per evaluation
+    assert reporting.evaluated == [(1, False), (2, False), (3, False)]  # the live event only
+    assert (1, True) in reporting.logged and (3, True) in reporting.logged  # the EMA metrics logged to it
+    assert user.evaluated == [(s, m) for s in (1, 2, 3) for m in (False, True)]  # live event, then the EMA one

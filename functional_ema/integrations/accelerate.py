@@ -34,8 +34,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -55,35 +54,52 @@ __all__ = ["AcceleratorEMA"]
 # "pytorch_model", "latest", zero_to_fp32.py) and FSDP's sharded model and optimizer folders.
 _ACCELERATE_FOLDERS = re.compile(r"pytorch_model|(pytorch_model_fsdp|optimizer)_\d+|latest|zero_to_fp32")
 
-# Set on an accelerator: its live helpers by tag (weak: a helper garbage collected frees its tag), so that two
-# helpers do not write their EMAs into one folder of a save_state, the second overwriting the first.
-_HELPERS_ATTR = "_functional_ema_helpers"
-
-# What torch.compile's wrapper (OptimizedModule) puts before the names of the model it compiled.
+# What torch.compile's wrapper (OptimizedModule) and an inner DDP put before the names of the module they wrap.
 _COMPILED_PREFIX = "_orig_mod."
+_DDP_PREFIX = "module."
 
 
-def _claim_tag(accelerator: Any, tag: str, helper: AcceleratorEMA) -> None:
-    """Record ``helper`` as the one writing ``tag`` at this accelerator's ``save_state``; refuse a second live one."""
-    helpers = getattr(accelerator, _HELPERS_ATTR, None)
-    if helpers is None:
-        helpers = weakref.WeakValueDictionary()
-        setattr(accelerator, _HELPERS_ATTR, helpers)
-    other = helpers.get(tag)
-    if other is not None and other is not helper:
-        raise ValueError(
-            f"tag={tag!r}: another AcceleratorEMA of this accelerator already uses it; both would write their EMA "
-            f"into <save_state folder>/{tag}/, the second overwriting the first. Give each helper its own tag= "
-            "(e.g. tag='ema_slow'), or call remove_hooks() on the other one first"
-        )
-    helpers[tag] = helper
+def _check_tag(accelerator: Any, tag: str, helper: AcceleratorEMA) -> None:
+    """Refuse ``tag`` when another live helper of this accelerator writes it at ``save_state`` (both would write
+    ``<folder>/<tag>/``, the second overwriting the first). The live helpers are found through the accelerator's own
+    save-state pre-hooks (a helper's bound ``_on_save``): nothing is stored on the accelerator, and a helper holds
+    its tag exactly as long as its hook is registered (until its :meth:`~AcceleratorEMA.remove_hooks`). An
+    accelerator that keeps its hooks elsewhere (another Accelerate version) is not checked."""
+    hooks = getattr(accelerator, "_save_model_state_pre_hook", None)
+    if not isinstance(hooks, Mapping):
+        return
+    for hook in list(hooks.values()):
+        other = getattr(hook, "__self__", None)
+        if (
+            isinstance(other, AcceleratorEMA)
+            and other is not helper
+            and getattr(hook, "__name__", None) == "_on_save"
+            and other.ema.tag == tag
+        ):
+            raise ValueError(
+                f"tag={tag!r}: another AcceleratorEMA of this accelerator already uses it; both would write their "
+                f"EMA into <save_state folder>/{tag}/, the second overwriting the first. Call remove_hooks() on the "
+                "other helper, or give this one its own tag= (e.g. tag='ema_slow')"
+            )
 
 
-def _compiled_prefix(model: Any) -> str:
-    """The prefix torch.compile's wrapper adds to the names of ``model`` (``""`` when it is not compiled)."""
+def _wrapper_prefix(model: Any) -> str:
+    """The prefix the wrappers inside the module the EMA reads add to the names of ``model``'s own module (``""``
+    when there is none): ``_orig_mod.`` per torch.compile wrapper (OptimizedModule), ``module.`` per DDP below the
+    outermost one (whose ``.module`` the adapter reads). torch.compile(DDP(m)), what Accelerate's DDP with dynamo
+    gives: ``_orig_mod.module.``; DDP(torch.compile(m)), a model compiled before ``prepare``: ``_orig_mod.``."""
     from torch._dynamo.eval_frame import OptimizedModule
+    from torch.nn.parallel import DistributedDataParallel
 
-    return _COMPILED_PREFIX if isinstance(model, OptimizedModule) else ""
+    module, prefix = adapter_for(model).module(), ""  # an outermost DDP skipped: its .module is what is read
+    for _ in range(64):  # wrappers nest a few deep; bounded against a module that wraps itself
+        if isinstance(module, OptimizedModule):
+            module, prefix = module._orig_mod, prefix + _COMPILED_PREFIX
+        elif isinstance(module, DistributedDataParallel):
+            module, prefix = module.module, prefix + _DDP_PREFIX
+        else:
+            break
+    return prefix
 
 
 class AcceleratorEMA:
@@ -114,7 +130,7 @@ class AcceleratorEMA:
         check_folder_tag(
             self.ema.tag, _ACCELERATE_FOLDERS, "accelerator.save_state", "model.safetensors, optimizer.bin"
         )
-        _claim_tag(accelerator, self.ema.tag, self)
+        _check_tag(accelerator, self.ema.tag, self)
         self.accelerator, self.model = accelerator, model
         self._steps = 0
         self._pending: list[int] = []  # per hooked optimizer: the steps it took since the last step() call
@@ -206,8 +222,9 @@ class AcceleratorEMA:
 
     def export(self, path: str | os.PathLike, index: int | None = None) -> Path | None:
         """Consolidated EMA ``index`` into one safetensors file (rank 0 writes). Collective. Named as the model's
-        own parameters: without the ``_orig_mod.`` torch.compile's wrapper adds, so it loads into the plain model."""
-        return self.ema.export(self.model, path, index, strip_prefix=_compiled_prefix(self.model))
+        own parameters: without the ``_orig_mod.`` of torch.compile's wrapper and the ``module.`` of a DDP inside it
+        (:func:`_wrapper_prefix`), so it loads into the plain model."""
+        return self.ema.export(self.model, path, index, strip_prefix=_wrapper_prefix(self.model))
 
     def copy_to_model(self, index: int | None = None) -> None:
         """Overwrite the model's weights with EMA ``index`` (end of training). Collective."""
@@ -219,13 +236,10 @@ class AcceleratorEMA:
 
     def end(self) -> None:
         """The configured final export / copy into the model (``export_path=``, ``copy_to_model=``)."""
-        self.ema.on_train_end(self.model, strip_prefix=_compiled_prefix(self.model))
+        self.ema.on_train_end(self.model, strip_prefix=_wrapper_prefix(self.model))
 
     def remove_hooks(self) -> None:
         """Detach from the accelerator: no save/load of the EMA with its state, no step counted; frees the tag."""
         for h in self._handles:
             h.remove()
         self._handles, self._pending = [], []
-        helpers = getattr(self.accelerator, _HELPERS_ATTR, {})
-        if helpers.get(self.ema.tag) is self:
-            del helpers[self.ema.tag]

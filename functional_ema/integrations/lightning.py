@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Sequence
@@ -62,9 +63,15 @@ from functional_ema._state import EmaState
 from functional_ema._storage import is_url, remove_tree, storage_for
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, agreed_everywhere, has_saved_ema
+from ._common import EMAController, agreed_everywhere, check_folder_tag, has_saved_ema
 
 __all__ = ["EMACallback", "ema_dir_for"]
+
+# The folders and extension-less files Lightning writes into a folder checkpoint, beside the EMA's tag folder: the
+# DeepSpeed strategy's (its tag "checkpoint", "latest", zero_to_fp32.py) and a distributed checkpoint's (FSDP's
+# sharded state, ModelParallelStrategy: torch.distributed.checkpoint's .metadata and __<rank>_<n>.distcp files, and
+# meta.pt, refused by check_folder_tag's ending rule).
+_LIGHTNING_FOLDERS = re.compile(r"checkpoint|latest|zero_to_fp32|\.metadata|__\d+_\d+\.distcp")
 
 # Set on a trainer whose save_checkpoint/remove_checkpoint this callback wrapped (setup() runs once per stage).
 _WRAPPED_ATTR = "_functional_ema_wrapped"
@@ -111,6 +118,9 @@ class EMACallback(pl.Callback):
 
     def __init__(self, decay: DecayLike | Sequence[DecayLike] = 0.9999, **kwargs: Any) -> None:
         self.ema = EMAController(decay, **kwargs)
+        check_folder_tag(
+            self.ema.tag, _LIGHTNING_FOLDERS, "Lightning", "DeepSpeed's checkpoint/ and latest, meta.pt, .metadata"
+        )
         self._swap: contextlib.ExitStack | None = None
         self._last_saved: str | None = None
         self._warned_live = False  # a validation before the EMA started was warned about (once)

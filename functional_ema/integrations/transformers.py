@@ -112,9 +112,28 @@ def _rng_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
 
 
+def _framework_callbacks(trainer: Any) -> tuple[type, ...]:
+    """The classes of the callbacks the Trainer adds itself, which must not hear the EMA evaluation's ``on_evaluate``
+    (they count or report one evaluation per event; they get its ``on_log`` with the EMA metrics): the flow and
+    progress ones (``DefaultFlowCallback``, ``ProgressCallback``, ``PrinterCallback``, ``NotebookProgressCallback``)
+    and the reporting integrations of ``args.report_to``. NotebookProgressCallback is looked up only where its module
+    is imported (it needs IPython): without that, no instance of it can be in the handler."""
+    from transformers.integrations import get_reporting_integration_callbacks
+    from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback, ProgressCallback
+
+    classes: list[type] = [DefaultFlowCallback, ProgressCallback, PrinterCallback]
+    notebook = sys.modules.get("transformers.utils.notebook")
+    if isinstance(getattr(notebook, "NotebookProgressCallback", None), type):
+        classes.append(notebook.NotebookProgressCallback)  # type: ignore[union-attr]
+    with contextlib.suppress(ValueError, KeyError, TypeError):  # a report_to the Trainer would refuse: none added
+        classes.extend(get_reporting_integration_callbacks(getattr(trainer.args, "report_to", None)))
+    return tuple(c for c in classes if isinstance(c, type))
+
+
 def _answer_earlier(handler: Any, earlier: list[Any], flags: dict[str, Any], kept: dict[str, Any]) -> Any:
-    """The callback handler's ``on_evaluate`` during an EMA evaluation: heard only by the callbacks ``earlier``
-    than the EMA callback in the handler's list, which met the outer event before the EMA metrics were added to it
+    """The callback handler's ``on_evaluate`` during an EMA evaluation: heard only by the user's callbacks ``earlier``
+    than the EMA callback in the handler's list (the Trainer's own flow, progress and reporting callbacks, which come
+    first, left out: :func:`_framework_callbacks`), which met the outer event before the EMA metrics were added to it
     (an ``EarlyStoppingCallback`` on ``eval_ema_loss`` placed before it finds them only here); the later ones get
     them in the outer event's ``metrics``, and hearing this one too would count one evaluation twice. They meet
     ``control`` as it was before the EMA evaluation (``flags``: not as its ``on_log`` left it), and the flags they
@@ -486,15 +505,21 @@ class EMACallback(TrainerCallback):
 
     def _ema_evaluate(self, trainer: Any, dataset: Any, ignore_keys: Any, prefix: str) -> dict[str, float]:
         """``trainer.evaluate`` of the same dataset with the EMA weights swapped in. The Trainer sees no trace of it
-        but the logged metrics: no callback hears its ``on_evaluate`` (one evaluation, one event), ``control`` and
-        the random generators are as before (the training that follows is the one without it), and a
+        but the logged metrics (every callback hears its ``on_log``): its ``on_evaluate`` is heard only by the user's
+        callbacks placed before this one (:func:`_answer_earlier`: they met the outer event before the EMA metrics
+        were added to it), not by the Trainer's flow, progress and ``report_to`` callbacks nor by the callbacks after
+        this one (one evaluation, one event); ``control`` and the random generators are as before (the training that
+        follows is the one without it), but for what those earlier callbacks decided on the EMA metrics; and a
         ``Seq2SeqTrainer`` generates with the live call's settings, which it keeps afterwards."""
         handler, control = trainer.callback_handler, trainer.control
         flags, gen_kwargs = dict(vars(control)), getattr(trainer, "_gen_kwargs", None)
         patched = handler.__dict__.get("on_evaluate")  # an instance attribute someone set, put back after
         everyone = list(handler.callbacks)
         kept: dict[str, Any] = {}
-        earlier = everyone[: everyone.index(self)] if self in everyone else []
+        framework = _framework_callbacks(trainer)
+        earlier = (
+            [c for c in everyone[: everyone.index(self)] if not isinstance(c, framework)] if self in everyone else []
+        )
         _EMA_EVALUATING.add(trainer)
         handler.on_evaluate = _answer_earlier(handler, earlier, flags, kept)
         try:
