@@ -718,6 +718,43 @@ def test_pipeline_tied_layer(pipe_runs):
                 assert t[f"{k}:consolidate"] is None and t[f"{k}:consolidate_equal"], (k, t)
 
 
+def test_pipeline_untied_copies_checked_when_read(pipe_runs, monkeypatch):
+    """The untied bias's copies are compared when it is read, not when the checkpoint is opened: opening it (what
+    listing snapshots and loads into another layout do) reads no tensor, and a load that does not read the bias
+    works; consolidate and a load of the bias still refuse it, naming it."""
+    from torch import nn
+
+    from functional_ema._checkpoint.reader import CheckpointReader, open_joined
+
+    where = pipe_runs[0] / "tied_weight_all"  # the EMA of every parameter, the default TiedLayerSpec (bias untied)
+    read: list[str] = []
+    fill = CheckpointReader.fill
+
+    def counting(self, dst, k, name, start, numel, verify):
+        read.append(name)
+        return fill(self, dst, k, name, start, numel, verify)
+
+    monkeypatch.setattr(CheckpointReader, "fill", counting)
+    with open_joined(where, "t") as joined:
+        assert joined.shapes["tied_modules.emb.bias"] == (7,) and int(joined.step) == 3
+    assert read == []
+
+    def model(bias: bool) -> nn.Module:
+        m = nn.Module()
+        m.tied_modules = nn.ModuleDict({"emb": nn.Linear(7, 7, bias=bias)})
+        m.add_module("2", nn.Linear(7, 7))
+        return m
+
+    # a model without the bias (another layout: every stage joined, then its names read): loads, reading no bias
+    state = fe.load(model(False), where, "t")
+    assert "tied_modules.emb.bias" not in read and "tied_modules.emb.weight" in read, read
+    # the same training's EMA of every parameter but the bias (saved from the same steps): the oracle
+    assert _equal(fe.gather_full(state, model(False)), fe.consolidate(pipe_runs[0] / "tied_weight_no_bias", "t"))
+    for refused in (lambda: fe.load(model(True), where, "t"), lambda: fe.consolidate(where, "t")):
+        msg = _refusal(refused)
+        assert msg and "'tied_modules.emb.bias'" in msg and "stages [0, 1]" in msg, msg
+
+
 def test_pipeline_selection_spans_stages(pipe_runs):
     """One selection for the whole pipeline: a pattern for another stage's parameters is no typo on this stage, and
     a stage it leaves nothing averages nothing; every verb gives exactly the selected parameters' oracle EMA."""

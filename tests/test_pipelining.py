@@ -21,6 +21,7 @@ from functional_ema._testing.multirank import CollectiveSpy, run_ranks
 DECAY = 0.75
 STEPS = 3
 STAGE_LAYERS = ([0, 1], [2, 3, 4])
+SELECTED = ("0.weight",)  # a parameter of stage 0's only: a pattern naming nothing on stage 1
 
 
 def whole_model() -> nn.Sequential:
@@ -82,6 +83,9 @@ def stage_worker(ckpt_dir: str) -> dict:
     layout = fe.shard_layout(stage)
     r = {"layout": [layout.part.pp, layout.part.pp_size, layout.rank, layout.world_size], "names": list(layout.specs)}
     state = fe.init_ema(fe.local_shards(stage))
+    # A selection of stage 0's layer only: it describes the whole model, so stage 1 averages nothing (its reading
+    # and its module's own reading, in swapped and copies into the model, accept the pattern naming no name of its)
+    sel_state = fe.init_ema(fe.local_shards(stage, include=SELECTED))
     ref = {n: full_tensor_of(p) for n, p in mod.named_parameters()}
     r["update_collectives"] = []
     for step in range(1, STEPS + 1):
@@ -96,6 +100,7 @@ def stage_worker(ckpt_dir: str) -> dict:
         with CollectiveSpy() as spy:
             state = fe.update(state, fe.local_shards(stage), step, decay=DECAY)
         r["update_collectives"].append(spy.total)
+        sel_state = fe.update(sel_state, fe.local_shards(stage, include=SELECTED), step, decay=DECAY)
         for n, p in mod.named_parameters():
             ref[n].lerp_(full_tensor_of(p), 1 - DECAY)
     gathered = fe.gather_full(state, stage)
@@ -119,6 +124,14 @@ def stage_worker(ckpt_dir: str) -> dict:
         except fe.SwappedTrainingError:
             r["training_refused"] = True
 
+    # swapped with the selection: the selected parameters hold the EMA inside, the others stay live; all restored
+    live = {n: full_tensor_of(p) for n, p in mod.named_parameters()}
+    with torch.no_grad(), fe.swapped(stage, sel_state):
+        inside = {n: full_tensor_of(p) for n, p in mod.named_parameters()}
+    after = {n: full_tensor_of(p) for n, p in mod.named_parameters()}
+    r["sel_swap"] = {n: torch.equal(inside[n], ref[n] if n in SELECTED else live[n]) for n in live}
+    r["sel_swap_restored"] = all(torch.equal(after[n], live[n]) for n in live)
+
     fe.save(state, stage, ckpt_dir, tag="pp")
     with fe.AsyncSaver() as saver:
         saver.save(state, stage, ckpt_dir, tag="pp_async")
@@ -127,6 +140,10 @@ def stage_worker(ckpt_dir: str) -> dict:
     whole = {n: t for d in refs for n, t in d.items()}
     joined = fe.gather_full(state, stage, join_parts=True)  # the stages merged: the whole model
     r["joined_bitwise"] = sorted(joined) == sorted(whole) and all(torch.equal(joined[n], whole[n]) for n in whole)
+    sel_joined = fe.gather_full(sel_state, stage, join_parts=True)
+    r["sel_joined"] = sorted(sel_joined) == list(SELECTED) and all(
+        torch.equal(sel_joined[n], whole[n]) for n in SELECTED
+    )
     if rank == 0:
         from safetensors.torch import save_file
 
@@ -179,6 +196,8 @@ def test_pipeline_stages_every_verb(run):
         assert r["update_collectives"] == [0] * STEPS and r["gather_bitwise"], where
         assert r["swap_equals_twin"] and r["swap_differs_from_live"] and r["swap_restored"], where
         assert r["training_refused"] and r["reload_bitwise"] and r["joined_bitwise"], where
+        assert r["sel_swap"] == dict.fromkeys(r["names"], True) and r["sel_swap_restored"], where
+        assert r["sel_joined"], where
         steps = ", ".join(f"rank {k}: {STEPS + (k // dp == 1)}" for k in range(world))
         for got, verb in zip(r["ahead_refused"], ("gather_full", "gather_full", "swapped")):
             assert got and got.startswith(f"StateMismatchError: {verb}: ranks disagree on step: {steps}"), (got, where)

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import stat
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -1051,9 +1052,10 @@ class JoinedReader:
 
     Pipeline stages hold different parameters: their names are merged. A name held by several stages (a
     ``TiedLayerSpec`` layer) is read from the first only when every stage's copy is bitwise equal (a tied weight,
-    which DeepSpeed keeps in sync); copies that differ are refused (:func:`untied_copies`), at the cost of reading
-    those names' copies once here. Tensor-parallel ranks hold slices of the same parameters:
-    they are concatenated along each parameter's split dimension (``tp_dims``: given here, else as the
+    which DeepSpeed keeps in sync); copies that differ are refused (:func:`untied_copies`) when the name is first
+    filled, at the cost of reading its copies once then (opening the reader compares their shapes only, so what
+    reads metadata alone, e.g. listing snapshots, reads no tensor). Tensor-parallel ranks hold slices of the same
+    parameters: they are concatenated along each parameter's split dimension (``tp_dims``: given here, else as the
     engine recorded it at save time), or one rank's slices are read alone (``tp_rank``).
 
     Attributes:
@@ -1122,24 +1124,34 @@ class JoinedReader:
                 copies[n] = [(pp, source)]
                 self.sources[n] = source
                 self.shapes[n] = tuple(full)
-        self._check_tied({n: c for n, c in copies.items() if len(c) > 1}, verify)
+        # Names held by several stages, compared (every EMA, bitwise) the first time one is filled, not here: opening
+        # reads metadata only (listing snapshots, a load into another layout reads the names it needs).
+        self._tied = {n: c for n, c in copies.items() if len(c) > 1}
+        self._tied_checked: dict[str, list[int] | None] = {}  # name -> the stages whose copies differ, None: equal
+        self._tied_lock = threading.Lock()
 
-    def _check_tied(self, copies: dict[str, list[tuple[int, Any]]], verify: bool) -> None:
-        """Refuse names held by several stages whose copies differ in any EMA (see :func:`untied_copies`): reads
-        those names' copies only, once each."""
-        differ: dict[str, list[int]] = {}
-        for name, held in copies.items():
-            for k in range(self.num_emas):
-                values = []
-                for _, source in held:
-                    t = torch.empty(self.shapes[name], dtype=self.dtype)
-                    self._fill_from(source, t.view(-1), k, name, verify)
-                    values.append(t)
-                if not all(torch.equal(values[0], v) for v in values[1:]):
-                    differ[name] = [pp for pp, _ in held]
-                    break
-        if differ:
-            raise CheckpointMismatchError(untied_copies(f"tag {self.tag!r}", differ))
+    def _check_tied(self, name: str, verify: bool) -> None:
+        """Refuse ``name`` when it is held by several stages whose copies differ in any EMA (see
+        :func:`untied_copies`): reads its copies once, the first time it is filled (the outcome kept)."""
+        held = self._tied.get(name)
+        if held is None:
+            return
+        with self._tied_lock:  # fill_all fills from several threads
+            if name not in self._tied_checked:
+                differ = None
+                for k in range(self.num_emas):
+                    values = []
+                    for _, source in held:
+                        t = torch.empty(self.shapes[name], dtype=self.dtype)
+                        self._fill_from(source, t.view(-1), k, name, verify)
+                        values.append(t)
+                    if not all(torch.equal(values[0], v) for v in values[1:]):
+                        differ = [pp for pp, _ in held]
+                        break
+                self._tied_checked[name] = differ
+            stages = self._tied_checked[name]
+        if stages is not None:
+            raise CheckpointMismatchError(untied_copies(f"tag {self.tag!r}", {name: stages}))
 
     def _check_given_dims(self, readers: list[CheckpointReader], given: dict | None) -> None:
         """``tp_dims`` against the checkpoint: every name a saved parameter, every dim one of its dimensions,
@@ -1200,6 +1212,7 @@ class JoinedReader:
             raise ValueError(
                 f"a joined reader fills whole parameters; got elements [{start}, {start + numel}) of {name!r}"
             )
+        self._check_tied(name, verify)
         self._fill_from(self.sources[name], dst, k, name, verify)
 
     def _fill_from(

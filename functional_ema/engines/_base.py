@@ -95,7 +95,9 @@ class Reading:
 _MAX_SELECTIONS = 4
 
 
-def select(reading: Reading, selection: Selection | None, module: torch.nn.Module | None = None) -> Reading:
+def select(
+    reading: Reading, selection: Selection | None, module: torch.nn.Module | None = None, *, partial: bool | None = None
+) -> Reading:
     """The reading of the parameters ``selection`` picks (``reading`` itself for ``None``): the one place every
     engine's pieces are filtered by name (:mod:`functional_ema._selection`).
 
@@ -105,7 +107,10 @@ def select(reading: Reading, selection: Selection | None, module: torch.nn.Modul
     the model) touches the selected parameters only and leaves the others live. Kept on ``reading`` (made once
     per selection while the reading is current), so ``local_shards(x, include=...)`` returns the same object
     every step and ``update`` keeps its fused plan. ``module``: the model whose parameter names a pattern that
-    matches no name read is looked up in (frozen ones, tied aliases; see ``Selection.apply``)."""
+    matches no name read is looked up in (frozen ones, tied aliases; see ``Selection.apply``). ``partial``: the
+    reading is one pipeline stage's (``Selection.apply``'s ``partial``); ``None``: whether its layout has several
+    stages. An adapter that wraps a stage's module (``torch.distributed.pipelining``) passes it for the module's
+    own reading, whose layout is the module's alone (one stage)."""
     if selection is None:
         return reading
     cache = reading._selected
@@ -116,7 +121,7 @@ def select(reading: Reading, selection: Selection | None, module: torch.nn.Modul
     unread = None if module is None else lambda: unread_names(module, layout.specs)
     # A pipeline stage sees its own names only: the selection describes the whole model, so a pattern for another
     # stage's parameters, or one that leaves this stage nothing, is no error here (that stage averages nothing).
-    pipelined = layout.part.pp_size > 1
+    pipelined = layout.part.pp_size > 1 if partial is None else partial
     names = selection.apply(list(layout.specs), unread, partial=pipelined)  # raises, naming the pattern or predicate
     shards = shards_from_views([(n, reading.shards[n]) for n in names])
     sub = Reading(

@@ -76,11 +76,19 @@ class PipelineStageAdapter(Adapter):
     def module(self) -> torch.nn.Module:
         return self.target.submod
 
+    @staticmethod
+    def _select(reading: Reading) -> Reading:
+        """The module's own reading of ``reading``'s selection. Its layout is the module's (one stage), but the
+        selection describes the whole pipeline: a pattern for another stage's parameters, or one leaving this stage
+        nothing, is no error here either (as ``select`` of the staged reading accepted it)."""
+        _, seen = reading.token
+        return select(seen, reading.shards.selection, partial=reading.layout.part.pp_size > 1)
+
     def swap(
         self, reading: Reading, pieces: Mapping[str, torch.Tensor], state: Any, index: int, changes: list[str]
     ) -> Any:
-        inner, seen = reading.token
-        return inner.swap(select(seen, reading.shards.selection), pieces, state, index, changes)
+        inner, _ = reading.token
+        return inner.swap(self._select(reading), pieces, state, index, changes)
 
     def joins_slices(self, reading: Reading) -> bool:
         inner, seen = reading.token
@@ -93,8 +101,8 @@ class PipelineStageAdapter(Adapter):
         return inner.join_slices(seen, part, device)
 
     def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
-        inner, seen = reading.token
-        inner.write_weights(select(seen, reading.shards.selection), pieces)  # the selection's parameters only
+        inner, _ = reading.token
+        inner.write_weights(self._select(reading), pieces)  # the selection's parameters only
 
     def refuse_training(self, why: str) -> Any:  # the inner adapter's context manager
         return self._inner().refuse_training(why)
