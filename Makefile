@@ -56,10 +56,12 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy functional_ema
 
-# Ray Train on a local Ray (loopback) and the local S3 server: the ray extra added to .venv on first use.
+# Ray Train on a local Ray (loopback) and the local S3 server, and the HF Trainer's hyperparameter_search test (its
+# Ray backend imports ray.tune): the ray extra added to .venv on first use.
 test-ray: $(VENV)/.installed
 	@$(PY) -c "import ray.train.torch" 2>/dev/null || $(PY) -m pip install --quiet -e ".[ray]"
-	$(PY) -m pytest -q tests/test_ray_train.py
+	$(PY) -m pytest -q tests/test_ray_train.py \
+		"tests/test_integrations_transformers.py::test_a_hyperparameter_search_trial_keeps_its_ema_in_its_own_checkpoints"
 
 # The smoke subset (.ci/smoke-tests.txt) on the oldest DeepSpeed in pyproject's range, in .venv-oldest.
 test-oldest:
