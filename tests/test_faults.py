@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -440,6 +441,49 @@ def test_bad_tags_refused_on_every_rank(faults):
         disagree = r["schedules_disagree"]
         assert disagree[0] == "CheckpointMismatchError" and "ranks disagree on schedules" in disagree[1], disagree
     _count("9 tags", len(results[0]["bad_tags"]) + 1)
+
+
+def test_integration_tags_named_like_the_frameworks_files_are_refused(tmp_path):
+    """Class 9, the integrations: a tag naming a file or folder the framework writes beside the EMA folder of a
+    checkpoint (the HF Trainer's checkpoint-N, Accelerate's save_state folder, a Lightning folder checkpoint) is
+    refused when the callback is made, naming the tag, with nothing written; a plain folder name is taken as given, and
+    an EMA saved under it loads back bitwise."""
+    from accelerate import Accelerator
+
+    from functional_ema._checkpoint.errors import InvalidTagError
+    from functional_ema.integrations import EMAController
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+    from functional_ema.integrations.lightning import EMACallback as LightningEMA
+    from functional_ema.integrations.transformers import EMACallback as HFEMA
+
+    model = torch.nn.Linear(3, 2)
+    accelerator = Accelerator(cpu=True)
+    makers = {
+        "transformers": lambda tag: HFEMA(decay=0.9, tag=tag),
+        "accelerate": lambda tag: AcceleratorEMA(accelerator, model, decay=0.9, tag=tag).remove_hooks(),
+        "lightning": lambda tag: LightningEMA(decay=0.9, tag=tag),
+    }
+    refused = {
+        "transformers": ["model.safetensors", "trainer_state.json", "optimizer_0", "global_step8", "latest"],
+        "accelerate": ["optimizer.bin", "random_states_0.pkl", "pytorch_model", "pytorch_model_fsdp_0"],
+        "lightning": ["checkpoint", "meta.pt", "__0_0.distcp", "zero_to_fp32"],
+    }
+    before = sorted(os.listdir(tmp_path))
+    for framework, tags in refused.items():
+        for tag in tags:
+            with pytest.raises(InvalidTagError, match=re.escape(repr(tag))):
+                makers[framework](tag)
+            _count("9 tags")
+        for tag in ("ema.v2", "ema_0", "EMA-best"):
+            makers[framework](tag)
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written by a construction
+    ctrl = EMAController(0.5, tag="ema.v2")
+    ctrl.on_step(model, 1)
+    ctrl.save(model, tmp_path / "ck", 1)
+    back = EMAController(0.5, tag="ema.v2")
+    back.load(model, tmp_path / "ck", framework_step=1)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ema.v2", "ema_latest"]  # the tag folder and its pointer
+    assert all(torch.equal(back.state.ema[n], t) for n, t in ctrl.state.ema.items())
 
 
 def _assert_io_error(e, rank_names, errname: str, file_frag: str):
