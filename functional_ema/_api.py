@@ -172,7 +172,8 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
 
 def _job_record(state: EmaState, index: int, layout: ShardLayout) -> dict[str, Any]:
     checked_index(index, state, in_range=True)  # ValueError here; StateMismatchError on the other ranks
-    return {k: v for k, v in state_record(state, index, layout).items() if k in JOB_FIELDS}
+    # JOB_FIELDS only: the dtype and the layout's digest of every shape are compared within each group, by check()
+    return {"step": int(state.step), "num_emas": state.num_emas, "selection": selection_record(state.emas[index])}
 
 
 def checked_index(index: Any, state: Any, *, in_range: bool = False, of: str = "the state") -> int:

@@ -88,9 +88,10 @@ class Selection:
         """The selected ``names``, in their order; every pattern and predicate checked (see the module docstring).
 
         ``unread``: gives the model's other parameter names, each mapped to the read name it is a tied alias of, or
-        to ``None`` (a parameter not read: frozen). Asked only for a pattern that matches no name read: one that
-        names a frozen parameter is no typo (frozen later, or unfrozen later, it selects it then), and one that names
-        only tied aliases is refused naming the name they are read under.
+        to ``None`` (a parameter not read: frozen). Asked once per selection and reading (the result is cached
+        with the reading): a pattern that matches no name read is checked against it (one that names a frozen
+        parameter is no typo: frozen later, or unfrozen later, it selects it then; one that names only tied aliases
+        is refused naming the name they are read under), and so are the tied aliases the selection decides.
 
         ``partial``: ``names`` are one pipeline stage's, not the model's. A pattern matching none of them may name
         another stage's parameters, and a selection may leave this stage nothing (it then averages nothing), so

@@ -21,7 +21,16 @@ import torch
 
 import functional_ema as fe
 from functional_ema._testing.multirank import TP_D as D
-from functional_ema._testing.multirank import CollectiveSpy, TPNet, run_ranks, tp_batch, tp_mesh, tp_model
+from functional_ema._testing.multirank import (
+    CollectiveSpy,
+    TPNet,
+    attempt,
+    entered,
+    run_ranks,
+    tp_batch,
+    tp_mesh,
+    tp_model,
+)
 
 DECAY = 0.75
 STEPS = 3
@@ -224,23 +233,6 @@ def root(tmp_path_factory):
 ALONE_S = 3.0
 
 
-def _attempt(fn) -> dict:
-    """``fn()``'s error (class and message; None when it returned) and the seconds it took."""
-    t0 = time.monotonic()
-    try:
-        fn()
-        out: dict = {"error": None}
-    except Exception as e:  # noqa: BLE001 - the parent asserts which error
-        out = {"error": type(e).__name__, "msg": str(e)}
-    out["s"] = time.monotonic() - t0
-    return out
-
-
-def _enter(cm) -> None:
-    with cm:
-        pass
-
-
 def parts_worker() -> dict:
     """dp 2 x tp 2: a state one update ahead on tensor-parallel rank 1 (each data-parallel group agrees within
     itself: gather_full joined two EMAs' slices, swapped mixed them), then gather_full called on ranks 0-2 only
@@ -259,9 +251,9 @@ def parts_worker() -> dict:
     ahead = fe.EmaState(state.step + fe.shard_layout(model).part.tp, state.emas)
     r = {
         "ahead": [
-            _attempt(lambda: fe.gather_full(ahead, model)),
-            _attempt(lambda: fe.gather_full(ahead, model, join_parts=True)),
-            _attempt(lambda: _enter(fe.swapped(model, ahead))),
+            attempt(lambda: fe.gather_full(ahead, model)),
+            attempt(lambda: fe.gather_full(ahead, model, join_parts=True)),
+            attempt(lambda: entered(fe.swapped(model, ahead))),
         ]
     }
     dist.barrier()
@@ -269,7 +261,7 @@ def parts_worker() -> dict:
         time.sleep(ALONE_S + 1)
         r["partial"] = None
     else:
-        r["partial"] = _attempt(lambda: fe.gather_full(state, model))
+        r["partial"] = attempt(lambda: fe.gather_full(state, model))
     return r
 
 

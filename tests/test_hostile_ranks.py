@@ -38,6 +38,7 @@ import torch
 
 import functional_ema as fe
 from functional_ema._testing.files import hashes as _hashes
+from functional_ema._testing.multirank import attempt as _attempt
 from functional_ema._testing.multirank import run_ranks
 
 COUNTS = ("cases", "refused on all ranks", "silent", "crash", "hang")
@@ -765,18 +766,6 @@ def test_ranks_table(engine: str, tmp_path: Path, s3_server: Any) -> None:
 
 #: FUNCTIONAL_EMA_TIMEOUT of the one-rank launches, seconds: the bound on each rank's wait for the others.
 ALONE_S = 2.0
-
-
-def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    """``fn()``'s error (class and message; None when it returned) and the seconds it took."""
-    t0 = time.monotonic()
-    try:
-        fn()
-        out: dict[str, Any] = {"error": None}
-    except Exception as e:  # noqa: BLE001 - the parent asserts which error
-        out = {"error": type(e).__name__, "msg": str(e)}
-    out["s"] = time.monotonic() - t0
-    return out
 
 
 def _verbs(x: Any, state: fe.EmaState) -> dict[str, Callable[[], Any]]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from functional_ema._testing.multirank import CollectiveSpy, run_ranks
+from functional_ema._testing.multirank import CollectiveSpy, entered, refusal, run_ranks
 
 DECAY = 0.75
 STEPS = 3
@@ -42,20 +42,6 @@ def full_tensor_of(p) -> torch.Tensor:
     from functional_ema._testing.multirank import full_tensor_of as full
 
     return full(p)
-
-
-def _refusal(fn) -> str | None:
-    """``fn()``'s error as ``"Class: message"`` (None when it returned)."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the parent asserts which error
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _enter(cm) -> None:
-    with cm:
-        pass
 
 
 def stage_worker(ckpt_dir: str) -> dict:
@@ -157,9 +143,9 @@ def stage_worker(ckpt_dir: str) -> dict:
     # group to agree in: gather_full(join_parts=True) joined two EMAs' stages, swapped mixed them)
     ahead = fe.EmaState(state.step + (index == 1), state.emas)
     r["ahead_refused"] = [
-        _refusal(lambda: fe.gather_full(ahead, stage, join_parts=True)),
-        _refusal(lambda: fe.gather_full(ahead, stage)),
-        _refusal(lambda: _enter(fe.swapped(stage, ahead))),
+        refusal(lambda: fe.gather_full(ahead, stage, join_parts=True)),
+        refusal(lambda: fe.gather_full(ahead, stage)),
+        refusal(lambda: entered(fe.swapped(stage, ahead))),
     ]
     if dp > 1:  # plain stage modules on 4 ranks: two ranks would hold each stage whole, unsharded
         plain = PipelineStage(_stage_module(index), index, 2, torch.device("cpu"), group=mesh.get_group("pp"))

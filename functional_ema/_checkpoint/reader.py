@@ -1069,7 +1069,6 @@ class JoinedReader:
         readers: list[CheckpointReader],
         tp_dims: dict[str, int | None] | None = None,
         tp_rank: int | None = None,
-        verify: bool = True,
     ) -> None:
         self.readers = readers
         first = readers[0]
@@ -1288,7 +1287,7 @@ def open_joined(
     readers: list[CheckpointReader] = []
     try:  # a URL is read in place, with ranged reads (see the module docstring)
         readers = CheckpointReader.open_parts(load_dir, tag, verify)
-        return JoinedReader(readers, tp_dims, tp_rank, verify)
+        return JoinedReader(readers, tp_dims, tp_rank)
     except BaseException:
         for r in readers:
             r.close()

@@ -937,6 +937,28 @@ def raised(fn: Callable[[], object]) -> list[str] | None:
     return None
 
 
+def refusal(fn: Callable[[], object]) -> str | None:
+    """:func:`raised` as one string, ``"Class: message"`` (``None`` if nothing), for a test's ``startswith``."""
+    got = raised(fn)
+    return None if got is None else f"{got[0]}: {got[1]}"
+
+
+def attempt(fn: Callable[[], object]) -> dict[str, Any]:
+    """``fn()``'s error (``error``: class name, ``msg``; ``error`` None when it returned) and the seconds it took
+    (``s``): what a rank reports for a test that asserts both the error and how long the rank waited."""
+    t0 = time.monotonic()
+    got = raised(fn)
+    out: dict[str, Any] = {"error": None} if got is None else {"error": got[0], "msg": got[1]}
+    out["s"] = time.monotonic() - t0
+    return out
+
+
+def entered(cm: Any) -> None:
+    """Enter and leave the context manager ``cm`` (a collective ``swapped``: what a rank does with it, in one call)."""
+    with cm:
+        pass
+
+
 def full_tensor_of(p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 

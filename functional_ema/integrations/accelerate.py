@@ -51,8 +51,9 @@ __all__ = ["AcceleratorEMA"]
 
 # The folders (and extension-less files) accelerator.save_state writes into its folder besides files with an
 # extension (model.safetensors, optimizer.bin, random_states_0.pkl, ...): DeepSpeed's checkpoint (its tag
-# "pytorch_model", "latest", zero_to_fp32.py) and FSDP's sharded model and optimizer folders.
-_ACCELERATE_FOLDERS = re.compile(r"pytorch_model|(pytorch_model_fsdp|optimizer)_\d+|latest|zero_to_fp32")
+# "pytorch_model", zero_to_fp32.py) and FSDP's sharded model and optimizer folders. ("latest" is every tag's reserved
+# name already: check_tag refuses it first.)
+_ACCELERATE_FOLDERS = re.compile(r"pytorch_model|(pytorch_model_fsdp|optimizer)_\d+|zero_to_fp32")
 
 # What torch.compile's wrapper (OptimizedModule) and an inner DDP put before the names of the module they wrap.
 _COMPILED_PREFIX = "_orig_mod."

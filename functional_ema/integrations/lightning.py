@@ -68,10 +68,10 @@ from ._common import EMAController, agreed_everywhere, check_folder_tag, has_sav
 __all__ = ["EMACallback", "ema_dir_for"]
 
 # The folders and extension-less files Lightning writes into a folder checkpoint, beside the EMA's tag folder: the
-# DeepSpeed strategy's (its tag "checkpoint", "latest", zero_to_fp32.py) and a distributed checkpoint's (FSDP's
+# DeepSpeed strategy's (its tag "checkpoint", zero_to_fp32.py; "latest" is refused for every tag by check_tag) and a distributed checkpoint's (FSDP's
 # sharded state, ModelParallelStrategy: torch.distributed.checkpoint's .metadata and __<rank>_<n>.distcp files, and
 # meta.pt, refused by check_folder_tag's ending rule).
-_LIGHTNING_FOLDERS = re.compile(r"checkpoint|latest|zero_to_fp32|\.metadata|__\d+_\d+\.distcp")
+_LIGHTNING_FOLDERS = re.compile(r"checkpoint|zero_to_fp32|\.metadata|__\d+_\d+\.distcp")
 
 # Set on a trainer whose save_checkpoint/remove_checkpoint this callback wrapped (setup() runs once per stage).
 _WRAPPED_ATTR = "_functional_ema_wrapped"

@@ -67,7 +67,7 @@ from functional_ema._checkpoint.format import MANIFEST_NAME
 from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, agreed_everywhere, check_folder_tag, local_folder
+from ._common import EMAController, agreed_everywhere, check_folder_tag, has_saved_ema, local_folder
 
 __all__ = ["EMACallback"]
 
@@ -83,7 +83,7 @@ logger = logging.getLogger("functional_ema")
 
 # The folders (and extension-less files) the Trainer writes into a checkpoint folder under FSDP (pytorch_model_fsdp_<N>,
 # optimizer_<N>) or DeepSpeed; its files with an extension are refused by check_folder_tag's ending rule.
-_TRAINER_FOLDERS = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+|global_step\d+|latest|zero_to_fp32")
+_TRAINER_FOLDERS = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+|global_step\d+|zero_to_fp32")
 
 
 def _check_trainer_tag(tag: str) -> str:
@@ -336,24 +336,17 @@ class EMACallback(TrainerCallback):
         ``(trainer, eval_dataset, ignore_keys, metric_key_prefix)``, read from the innermost ``evaluate``
         frame on the stack (the one that raised the event, after it resolved ``eval_dataset``: a
         dataset, the name of one of ``trainer.eval_dataset``'s, or ``None`` for the default)."""
-        from transformers import Trainer
-
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None:
-            owner = _method_self(frame) if frame.f_code.co_name == "evaluate" else None
-            if isinstance(owner, Trainer) and self in getattr(owner.callback_handler, "callbacks", ()):
-                found = frame.f_locals
-                prefix = found.get("metric_key_prefix")
-                if "eval_dataset" in found and isinstance(prefix, str):
-                    dataset = found["eval_dataset"]
-                    # The Trainer's own dataset (what evaluate() resolved None to) is passed on as None, as the
-                    # call was made: a subclass's evaluate treats a dataset given to it as a new one (TRL's
-                    # DPOTrainer with precompute_ref_log_probs refuses one after step 0).
-                    if dataset is getattr(owner, "eval_dataset", None):
-                        dataset = None
-                    return owner, dataset, found.get("ignore_keys"), prefix
-                break
-            frame = frame.f_back
+        for owner, found in self._evaluate_frames():
+            prefix = found.get("metric_key_prefix")
+            if "eval_dataset" in found and isinstance(prefix, str):
+                dataset = found["eval_dataset"]
+                # The Trainer's own dataset (what evaluate() resolved None to) is passed on as None, as the
+                # call was made: a subclass's evaluate treats a dataset given to it as a new one (TRL's
+                # DPOTrainer with precompute_ref_log_probs refuses one after step 0).
+                if dataset is getattr(owner, "eval_dataset", None):
+                    dataset = None
+                return owner, dataset, found.get("ignore_keys"), prefix
+            break
         raise RuntimeError(
             "EMACallback.on_evaluate found no Trainer.evaluate call (with eval_dataset and metric_key_prefix) on "
             "the call stack, so it cannot tell which dataset to evaluate the EMA on; raise on_evaluate from "
@@ -482,25 +475,31 @@ class EMACallback(TrainerCallback):
         """For a dict of datasets evaluated in one call (the outer ``evaluate`` frame on the stack): refuse, at its
         first dataset's event, before any metric is written, an EMA prefix of one dataset that is the live prefix
         of another (``{"b": B, "ema_b": E}``: ``eval_ema_b_loss`` would be both B's EMA loss and E's live one)."""
+        for _, found in self._evaluate_frames():
+            datasets, outer = found.get("eval_dataset"), found.get("metric_key_prefix")
+            if isinstance(datasets, dict) and isinstance(outer, str):
+                live = {f"{outer}_{name}": name for name in datasets}
+                for name in datasets:
+                    other = live.get(self._ema_prefix(f"{outer}_{name}"))
+                    if other is not None:
+                        raise ValueError(
+                            f"metric_prefix={self.metric_prefix!r}: the EMA metrics of dataset {name!r} "
+                            f"({self._ema_prefix(f'{outer}_{name}')}_*) would take the names of the live metrics "
+                            f"of dataset {other!r} in the same evaluate call; rename one of the datasets or "
+                            "choose another metric_prefix"
+                        )
+                return
+
+    def _evaluate_frames(self) -> Iterator[tuple[Any, dict[str, Any]]]:
+        """``(trainer, frame locals)`` of each ``Trainer.evaluate`` frame on the stack whose trainer holds this
+        callback, innermost first (the one that raised the event; a dict evaluation's outer call further out)."""
         from transformers import Trainer
 
-        frame: FrameType | None = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(2)
         while frame is not None:
             owner = _method_self(frame) if frame.f_code.co_name == "evaluate" else None
             if isinstance(owner, Trainer) and self in getattr(owner.callback_handler, "callbacks", ()):
-                datasets, outer = frame.f_locals.get("eval_dataset"), frame.f_locals.get("metric_key_prefix")
-                if isinstance(datasets, dict) and isinstance(outer, str):
-                    live = {f"{outer}_{name}": name for name in datasets}
-                    for name in datasets:
-                        other = live.get(self._ema_prefix(f"{outer}_{name}"))
-                        if other is not None:
-                            raise ValueError(
-                                f"metric_prefix={self.metric_prefix!r}: the EMA metrics of dataset {name!r} "
-                                f"({self._ema_prefix(f'{outer}_{name}')}_*) would take the names of the live metrics "
-                                f"of dataset {other!r} in the same evaluate call; rename one of the datasets or "
-                                "choose another metric_prefix"
-                            )
-                    return
+                yield owner, frame.f_locals
             frame = frame.f_back
 
     def _ema_evaluate(self, trainer: Any, dataset: Any, ignore_keys: Any, prefix: str) -> dict[str, float]:
@@ -557,7 +556,7 @@ class EMACallback(TrainerCallback):
         folder = local_folder(checkpoint, "TrainerState.best_model_checkpoint", _HF)
         step = re.fullmatch(r"checkpoint-(\d+)", folder.name)
         final = (self.ema.state, self.ema.buffer_state)
-        saved = agreed_everywhere((folder / self.ema.tag / MANIFEST_NAME).is_file(), "load_best_model_at_end")
+        saved = agreed_everywhere(has_saved_ema(folder, self.ema.tag), "load_best_model_at_end")
         if saved:
             self.ema.load(self._target(), folder, framework_step=int(step.group(1)) if step else None)
         if self.ema.state is None or not saved:  # None: a newer not-started record there supersedes its EMA
