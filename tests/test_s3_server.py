@@ -269,3 +269,32 @@ def test_weed_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
             os.killpg(pid, signal.SIGKILL)
         _remove_sockets(ports)  # weed, SIGKILLed by the kernel, could not remove them; nor could the child
     assert_gone(pid, tmp_path, ports)
+
+
+def test_a_dead_servers_socket_under_a_picked_port_is_removed_at_start(tmp_path: Path, monkeypatch) -> None:
+    # A weed whose test process was SIGKILLed leaves /tmp/seaweedfs-<service>-<port>.sock; a later server
+    # that picks that port (for any service) must not be blamed for it, nor keep it. Here the stale socket
+    # is named for the filer and the port goes to the volume server, as in the CI failure it reproduces.
+    stale: list[Path] = []
+
+    def picking_a_stale_port(names: list[str]) -> dict[str, int]:
+        ports = real_free_ports(names)
+        path = Path(f"/tmp/seaweedfs-filer-{ports['volume']}.sock")
+        with socket.socket(socket.AF_UNIX) as unix:
+            unix.bind(str(path))  # the file stays after close, as a killed weed's does
+        stale.append(path)
+        return ports
+
+    real_free_ports = s3_module._free_ports
+    monkeypatch.setattr(s3_module, "_free_ports", picking_a_stale_port)
+    try:
+        with s3_server(tmp_path) as srv:
+            assert stale and not stale[0].exists(), f"{stale[0]} was kept"
+            srv.make_bucket("bkt")
+            srv.fs().pipe("bkt/a", b"a")
+            assert srv.fs().cat("bkt/a") == b"a"
+            pid, ports = srv.pid, dict(srv.ports)
+        assert_gone(pid, tmp_path, ports)
+    finally:
+        for path in stale:
+            path.unlink(missing_ok=True)

@@ -18,9 +18,10 @@ gRPC port: eight free TCP ports picked at start (:attr:`S3Server.ports`), all bo
 (``-ip`` and ``-ip.bind``); the Iceberg and Lance catalogues are switched off, and no standalone IAM,
 WebDAV, SFTP, metrics, debug or message-queue server is started. ``weed`` also opens Unix sockets
 ``/tmp/seaweedfs-<service>[-grpc]-<port>.sock`` (the gRPC ones at a path it hard-codes); they are removed
-on exit. Telemetry is off. Data, the identity file and the server's log (``weed-<s3 port>.log``) live
-under ``tmp``; entering again with the same ``tmp`` restarts on the same data (new ports and keys), which
-is how a test looks at what a killed server kept.
+on exit, and a dead weed's left under one of the ports just picked is removed at start. Telemetry is off.
+Data, the identity file and the server's log (``weed-<s3 port>.log``) live under ``tmp``; entering again
+with the same ``tmp`` restarts on the same data (new ports and keys), which is how a test looks at what a
+killed server kept.
 
 Cost (2 CPU cores, SeaweedFS 4.48): about 3 s to start (2.3-2.6 s until weed answers HTTP: ``weed server``
 staggers its services by fixed sleeps of 1-2 s; then s3fs's first authenticated call), 170 MiB of memory
@@ -171,6 +172,7 @@ def _start_retrying(weed: str, tmp: Path, key: str, secret: str, deadline: float
 
 def _start(weed: str, tmp: Path, key: str, secret: str) -> S3Server:
     ports = _free_ports([f"{s}{g}" for s in SERVICES for g in ("", ".grpc")])
+    _remove_sockets(ports)  # a dead weed's, named with a port now ours (see there)
     argv = [weed, "-logtostderr", f"-config_dir={tmp / 'config'}", "server", f"-dir={tmp / 'data'}"]
     argv += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.config={tmp / 's3.json'}"]
     for service in SERVICES:
@@ -278,10 +280,13 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _remove_sockets(ports: dict[str, int]) -> None:
-    """The Unix sockets weed made for our ports (a killed weed leaves them); only sockets are removed."""
-    paths = [f"/tmp/seaweedfs-{s}-grpc-{ports[s + '.grpc']}.sock" for s in SERVICES]
-    paths += [f"/tmp/seaweedfs-{s}-{ports[s]}.sock" for s in ("filer", "s3")]
-    for p in paths:
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.lstat(p).st_mode):
-                os.unlink(p)
+    """The Unix sockets ``/tmp/seaweedfs-*-<port>.sock`` named with one of ``ports`` (only sockets).
+
+    Called at exit (a killed weed cannot remove its own) and at start, on the ports just picked: each of
+    them was free to bind, so no live weed serves it, and a socket named with it is left by one that died
+    with no ``finally`` run (its test process SIGKILLed). Left there, it would be taken for ours."""
+    for port in set(ports.values()):
+        for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
