@@ -149,6 +149,16 @@ class SaveHandle:
         self._event.set()
 
 
+def _host_copy(buffers: BufferState) -> BufferState:
+    """The buffers' EMA copied to the host as they are (small whole tensors), for a background write."""
+    with torch.no_grad():
+        return type(buffers)(
+            buffers.step.clone(),
+            tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
+            {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
+        )
+
+
 class AsyncSaver:
     """Save EMA checkpoints in the background; the call costs about one memory copy of this rank's EMA.
 
@@ -247,97 +257,63 @@ class AsyncSaver:
         group, rank, world = collective.job_of(reading)  # the ranks that save this model together
         collective.check_reachable("AsyncSaver.save", group, world)
         self._commit_private()  # earlier private saves first (collective); their failures raise in the plan
+        raw_tag = adapter.default_tag(state) if tag is None else tag
+        checked = collective.timeout_s(timeout)
         if not shared or store is not None:  # both commit over the process group (_async_private)
-            raw_tag = adapter.default_tag(state) if tag is None else tag
             target: Path | Storage = location if isinstance(location, Path) else cast("Storage", store)
-            args = (
-                state,
-                layout,
-                (group, world, rank),
-                target,
-                raw_tag,
-                decay,
-                buffers,
-                extra,
-                collective.timeout_s(timeout),
-            )
-            made: list[SaveHandle] = []
-
-            def make(tag_dir: Path | str, step: int) -> SaveHandle:
-                made.append(SaveHandle(tag_dir, step))
-                return made[0]
-
+            ranks = (group, world, rank)
             ops = _async_private.PRIVATE if store is None else _async_private.BUCKET
-            self._pending.append(_async_private.start(self, make, *args, ops=ops))
-            made[0]._commit = self._commit_private  # its wait(timeout) commits (collective)
-            self._handles.append(made[0])
-            return made[0]
-        save_dir = cast("Path", location)
-        tag = fmt.check_tag(adapter.default_tag(state) if tag is None else tag)
-        tag_dir = save_dir / tag
-        writes = layout.writes_pieces
+            return self._start_private(state, layout, ranks, target, raw_tag, decay, buffers, extra, checked, ops)
+        tag_dir = cast("Path", location) / fmt.check_tag(raw_tag)
         writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
-        collective.check_distinct_writers(
-            "AsyncSaver.save", tag_dir, writer.save_files(layout, 0, writes_buffers, writes), world, timeout
+        files = writer.save_files(layout, 0, writes_buffers, layout.writes_pieces)
+        collective.check_distinct_writers("AsyncSaver.save", tag_dir, files, world, timeout)
+        return self._start_shared(state, layout, (group, world, rank), tag_dir, decay, buffers, extra, checked)
+
+    def _start_private(
+        self,
+        state: EmaState,
+        layout: Any,
+        ranks: tuple[Any, int, int],
+        target: Path | Storage,
+        raw_tag: Any,
+        decay: DecayLike | Sequence[DecayLike] | None,
+        buffers: BufferState | None,
+        extra: dict[str, Any] | None,
+        timeout: float,
+        ops: _async_private.Ops,
+    ) -> SaveHandle:
+        """Start a save committed over the process group (``shared=False``, or a URL): see :meth:`save`."""
+        made: list[SaveHandle] = []
+
+        def make(tag_dir: Path | str, step: int) -> SaveHandle:
+            made.append(SaveHandle(tag_dir, step))
+            return made[0]
+
+        job = _async_private.start(
+            self, make, state, layout, ranks, target, raw_tag, decay, buffers, extra, timeout, ops
         )
-        # Set by plan() (a cell each, as ``lock``): the EMA snapshot and the host copy of the buffers.
-        snapshot: list[tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]] = []
-        copied: list[BufferState] = []
-        lock: list[writer.TagLock] = []
+        self._pending.append(job)
+        made[0]._commit = self._commit_private  # its wait(timeout) commits (collective)
+        self._handles.append(made[0])
+        return made[0]
 
-        def plan() -> dict[str, Any]:
-            self._settle(tag_dir)  # raises a previous failure; inside agree_plans, so on every rank
-            p = dict(writer.plan_save(state, decay, layout, tag, buffers, extra), shared=True)
-            if rank == 0:  # the committing rank holds the tag until its background commit is done
-                lock.append(writer.TagLock.acquire(tag_dir, collective.timeout_s(timeout), "AsyncSaver.save"))
-                p["generation"] = writer.read_generation(tag_dir)
-            if writes:
-                snapshot.append(self._snapshot(state, fmt.parse_dtype(p["dtype"], "save")))
-            if writes_buffers and buffers is not None:  # small whole tensors: copied as they are
-                with torch.no_grad():
-                    copied.append(
-                        type(buffers)(
-                            buffers.step.clone(),
-                            tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
-                            {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
-                        )
-                    )
-            p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
-            return p
-
-        def give_up() -> None:
-            for held in lock:
-                held.release(remove_empty=True)
-
-        try:
-            mine, first = writer.agree_plans(
-                "async save (checking the state)", plan, group, world, rank, on_failure=give_up
-            )
-        except BaseException:
-            if snapshot:  # nothing started: keep the buffer for the next call
-                self._free.append(snapshot[0][1])
-            give_up()
-            raise
-
-        def see_folder() -> None:  # made once the ranks agree on the tag: a disagreement leaves no folder
-            tag_dir.mkdir(parents=True, exist_ok=True)
-            if rank:
-                writer.check_shared(tag_dir, rank, "AsyncSaver.save")
-
-        try:  # every rank must see the folder rank 0 holds, or the background commit could never complete
-            collective.agree(
-                "async save (the folder is shared)",
-                see_folder,
-                group,
-                world,
-                rank,
-                results=False,
-            )
-        except BaseException:
-            if snapshot:
-                self._free.append(snapshot[0][1])
-            give_up()
-            raise
+    def _start_shared(
+        self,
+        state: EmaState,
+        layout: Any,
+        ranks: tuple[Any, int, int],
+        tag_dir: Path,
+        decay: DecayLike | Sequence[DecayLike] | None,
+        buffers: BufferState | None,
+        extra: dict[str, Any] | None,
+        timeout: float,
+    ) -> SaveHandle:
+        """Start a save into a folder every rank shares: agree on the plan and the folder, snapshot, and hand
+        the writing (and rank 0's commit) to a writer thread."""
+        world, rank = ranks[1:]
+        taken = self._agree_shared(state, layout, ranks, tag_dir, decay, buffers, extra, timeout)
+        mine, first, snapshot, copied, lock = taken
         handle = SaveHandle(tag_dir, first["step"])
         emas, buffer, ready = snapshot[0] if snapshot else (None, None, None)
         handle._buffer = buffer
@@ -345,7 +321,7 @@ class AsyncSaver:
         # replicated model without buffers). HSDP replicas other than 0 report a record without files.
         all_write = layout.stage != 0 or buffers is not None or not layout.part.whole or layout.replicas > 1
         job = _Job(
-            save_dir=save_dir,
+            save_dir=tag_dir.parent,
             tag_dir=tag_dir,
             layout=layout,
             rank=rank,
@@ -353,7 +329,7 @@ class AsyncSaver:
             mine=mine,
             token=first["token"],
             writers=list(range(world)) if all_write else [0],
-            writes=writes,
+            writes=layout.writes_pieces,
             emas=emas,
             ready=ready,
             buffers=copied[0] if copied else None,
@@ -365,6 +341,63 @@ class AsyncSaver:
         self._writer_threads().submit(_run, job, handle)
         self._handles.append(handle)
         return handle
+
+    def _agree_shared(
+        self,
+        state: EmaState,
+        layout: Any,
+        ranks: tuple[Any, int, int],
+        tag_dir: Path,
+        decay: DecayLike | Sequence[DecayLike] | None,
+        buffers: BufferState | None,
+        extra: dict[str, Any] | None,
+        timeout: float,
+    ) -> tuple[dict, dict, list, list, list]:
+        """Every rank's plan agreed (rank 0 holding the tag's lock), the EMA snapshot and the buffers' host copy
+        taken, and the folder seen by every rank; on a failure, the lock and the snapshot buffer given back.
+        Returns (this rank's plan, rank 0's plan, [snapshot], [buffers' copy], [lock]) (a cell each: empty
+        where this rank takes none)."""
+        group, world, rank = ranks
+        writes = layout.writes_pieces
+        writes_buffers = buffers is not None and layout.replica == 0
+        snapshot: list[tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]] = []
+        copied: list[BufferState] = []
+        lock: list[writer.TagLock] = []
+
+        def plan() -> dict[str, Any]:
+            self._settle(tag_dir)  # raises a previous failure; inside agree_plans, so on every rank
+            p = dict(writer.plan_save(state, decay, layout, tag_dir.name, buffers, extra), shared=True)
+            if rank == 0:  # the committing rank holds the tag until its background commit is done
+                lock.append(writer.TagLock.acquire(tag_dir, timeout, "AsyncSaver.save"))
+                p["generation"] = writer.read_generation(tag_dir)
+            if writes:
+                snapshot.append(self._snapshot(state, fmt.parse_dtype(p["dtype"], "save")))
+            if writes_buffers and buffers is not None:  # small whole tensors: copied as they are
+                copied.append(_host_copy(buffers))
+            p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
+            return p
+
+        def give_up() -> None:
+            for held in lock:
+                held.release(remove_empty=True)
+
+        def see_folder() -> None:  # made once the ranks agree on the tag: a disagreement leaves no folder
+            tag_dir.mkdir(parents=True, exist_ok=True)
+            if rank:
+                writer.check_shared(tag_dir, rank, "AsyncSaver.save")
+
+        try:
+            mine, first = writer.agree_plans(
+                "async save (checking the state)", plan, group, world, rank, on_failure=give_up
+            )
+            # Every rank must see the folder rank 0 holds, or the background commit could never complete.
+            collective.agree("async save (the folder is shared)", see_folder, group, world, rank, results=False)
+        except BaseException:
+            if snapshot:  # nothing started: keep the buffer for the next call
+                self._free.append(snapshot[0][1])
+            give_up()
+            raise
+        return mine, first, snapshot, copied, lock
 
     def wait(self) -> None:
         """Wait for every save in flight; raise the first failure not yet raised on this rank.

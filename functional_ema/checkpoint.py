@@ -311,21 +311,79 @@ def _save(
     if not shared:
         job = (jgroup, jworld, jrank)
         return save_now(PRIVATE, state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout_s(timeout), what)
-    writes = layout.writes_pieces
+    return _save_shared(state, layout, (jgroup, jworld, jrank), save_dir, raw_tag, decay, buffers, extra, timeout, what)
+
+
+def _save_shared(
+    state: EmaState,
+    layout: Any,
+    job: tuple[Any, int, int],
+    save_dir: Path,
+    raw_tag: Any,
+    decay: DecayLike | Sequence[DecayLike] | None,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float | None,
+    what: str,
+) -> Path:
+    """:func:`save` into a folder every rank shares: the ranks agree on the plan (rank 0 holding the tag's lock
+    from then on), write their rank files, and rank 0 commits the manifest; each step is collective, and a
+    failure in one removes this save's files and gives the lock up on every rank."""
+    jgroup, jworld, jrank = job
     writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
-    if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused below, on every rank together
-        check_distinct_writers(what, save_dir / raw_tag, save_files(layout, 0, writes_buffers, writes), jworld, timeout)
-    tag_dir: Path = save_dir
+    if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused in the plan, on every rank together
+        files = save_files(layout, 0, writes_buffers, layout.writes_pieces)
+        check_distinct_writers(what, save_dir / raw_tag, files, jworld, timeout)
     lock: list[TagLock] = []
+    tag_dir, mine, first = _agree_save_plan(
+        state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, lock, what
+    )
+    done = False
+    try:
+        names = save_files(layout, first["generation"], writes_buffers, layout.writes_pieces)
+        try:
+            written = _write_rank_files(state, layout, job, tag_dir, names, mine, first["generation"], buffers, what)
+            agree(
+                f"{what} (writing the manifest)",
+                lambda: _commit(save_dir, tag_dir, first, written, lock, jrank),
+                jgroup,
+                jworld,
+                jrank,
+                results=False,
+            )
+        except CheckpointError:
+            remove_unlisted(tag_dir, names)
+            raise
+        done = True
+    finally:
+        for held in lock:
+            held.release(remove_empty=not done)
+    return tag_dir
+
+
+def _agree_save_plan(
+    state: EmaState,
+    layout: Any,
+    job: tuple[Any, int, int],
+    save_dir: Path,
+    raw_tag: Any,
+    decay: DecayLike | Sequence[DecayLike] | None,
+    buffers: BufferState | None,
+    extra: dict[str, Any] | None,
+    timeout: float | None,
+    lock: list[TagLock],
+    what: str,
+) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """(the tag's folder, this rank's plan, rank 0's plan), agreed by every rank; rank 0 holds the tag's lock
+    (put in ``lock``) and reads the generation. On a failure anywhere, the lock is given up and every rank raises."""
+    jgroup, jworld, jrank = job
 
     def plan() -> dict[str, Any]:
-        nonlocal tag, tag_dir
         tag = check_tag(raw_tag)  # inside the agreement: a bad tag raises on every rank
-        tag_dir = save_dir / tag
         p = dict(plan_save(state, decay, layout, tag, buffers, extra), shared=True)
         if jrank == 0:  # the committing rank holds the tag for the whole save, then picks the generation
-            lock.append(TagLock.acquire(tag_dir, timeout_s(timeout), what))
-            p["generation"] = read_generation(tag_dir)
+            lock.append(TagLock.acquire(save_dir / tag, timeout_s(timeout), what))
+            p["generation"] = read_generation(save_dir / tag)
         return p
 
     def give_up() -> None:
@@ -337,70 +395,61 @@ def _save(
     except BaseException:
         give_up()  # a failure of this rank's own plan (the others' raise after the agreement)
         raise
-    done = False
+    return save_dir / check_tag(raw_tag), mine, first
+
+
+def _write_rank_files(
+    state: EmaState,
+    layout: Any,
+    job: tuple[Any, int, int],
+    tag_dir: Path,
+    names: list[str],
+    mine: dict[str, Any],
+    generation: int,
+    buffers: BufferState | None,
+    what: str,
+) -> list[dict[str, Any]] | None:
+    """Every rank writes its files (collective: a failure raises on every rank); returns every rank's record,
+    on rank 0 (which writes the manifest), else ``None``."""
+    jgroup, jworld, jrank = job
+    writes_buffers = buffers is not None and layout.replica == 0
+
+    def write() -> dict[str, Any]:
+        path = tag_dir
+        if jrank != 0:
+            check_shared(tag_dir, jrank, what)
+        try:
+            tag_dir.mkdir(parents=True, exist_ok=True)
+            records: dict[str, Any] = {"part": part_record(layout, mine)}
+            if layout.writes_pieces:
+                path = tag_dir / names[0]
+                meta = rank_file_meta(mine, layout, generation)
+                records["file"] = write_rank_file(path, layout, state.emas, parse_dtype(mine["dtype"], what), meta)
+            if writes_buffers and buffers is not None:
+                path = tag_dir / names[-1]
+                meta = buffer_file_meta(mine, layout, generation)
+                records["buffers"] = write_buffer_file(path, layout.rank, buffers, mine["buffers"], meta)
+            return records
+        except OSError as e:
+            raise io_error(e, jrank, path) from None
+
+    mine_written: list[dict[str, Any]] = []
+    agree(
+        f"{what} (writing the rank files)", lambda: mine_written.append(write()), jgroup, jworld, jrank, results=False
+    )
+    return gather_to_first(mine_written[0], jgroup, jworld)  # rank 0 alone writes the manifest
+
+
+def _commit(save_dir: Path, tag_dir: Path, first: dict[str, Any], written: Any, lock: list[TagLock], rank: int) -> None:
+    """Rank 0 writes the manifest (the save is then complete) and gives the tag up before any rank returns."""
+    if written is None:  # not rank 0
+        return
     try:
-        generation = first["generation"]
-        names = save_files(layout, generation, writes_buffers, writes)
-        dtype = parse_dtype(mine["dtype"], what)
-
-        def write() -> dict[str, Any]:
-            path = tag_dir
-            if jrank != 0:
-                check_shared(tag_dir, jrank, what)
-            try:
-                tag_dir.mkdir(parents=True, exist_ok=True)
-                records: dict[str, Any] = {"part": part_record(layout, mine)}
-                if writes:
-                    path = tag_dir / names[0]
-                    records["file"] = write_rank_file(
-                        path, layout, state.emas, dtype, rank_file_meta(mine, layout, generation)
-                    )
-                if writes_buffers and buffers is not None:
-                    path = tag_dir / names[-1]
-                    records["buffers"] = write_buffer_file(
-                        path, layout.rank, buffers, mine["buffers"], buffer_file_meta(mine, layout, generation)
-                    )
-                return records
-            except OSError as e:
-                raise io_error(e, jrank, path) from None
-
-        mine_written: list[dict[str, Any]] = []
-        try:
-            agree(
-                f"{what} (writing the rank files)",
-                lambda: mine_written.append(write()),
-                jgroup,
-                jworld,
-                jrank,
-                results=False,
-            )
-        except CheckpointError:
-            remove_unlisted(tag_dir, names)
-            raise
-        written = gather_to_first(mine_written[0], jgroup, jworld)  # rank 0 alone writes the manifest
-
-        def commit() -> None:
-            if written is None:  # not rank 0
-                return None
-            manifest = build_manifest(first, written)
-            try:
-                commit_manifest(save_dir, tag_dir, manifest)
-            except OSError as e:
-                raise io_error(e, jrank, tag_dir / MANIFEST_NAME) from None
-            for held in lock:  # complete: give the tag up before any rank returns
-                held.release()
-            return None
-
-        try:
-            agree(f"{what} (writing the manifest)", commit, jgroup, jworld, jrank, results=False)
-        except CheckpointError:
-            remove_unlisted(tag_dir, names)
-            raise
-        done = True
-    finally:
-        for held in lock:
-            held.release(remove_empty=not done)
-    return tag_dir
+        commit_manifest(save_dir, tag_dir, build_manifest(first, written))
+    except OSError as e:
+        raise io_error(e, rank, tag_dir / MANIFEST_NAME) from None
+    for held in lock:
+        held.release()
 
 
 def _tag_ok(tag: str) -> bool:
