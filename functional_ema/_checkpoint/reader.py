@@ -548,21 +548,7 @@ class CheckpointReader:
             if verify:  # the checksum lists of the files a reader opens (of the others: never read)
                 check_tensor_checksums(_as_path(tag_dir / MANIFEST_NAME), manifest, e, record)
             _check_inside(path, tag_dir, where, ". Replace the link by the file itself")
-            try:
-                st = _io.SafetensorsFile(_file_source(path), expected_size=int(e["bytes"]))
-            except FileNotFoundError:
-                if not isinstance(path, StoragePath):  # a local folder's files were all found by _locate
-                    raise
-                raise _missing_files(tag, tag_dir, [(e, part)]) from None
-            except _io.PickleFileError as err:
-                raise CorruptCheckpointError(f"{err} [rank {rank} of {world}]") from None
-            except _io.TruncatedFileError as err:
-                raise CorruptCheckpointError(
-                    f"{where} is truncated: {_file_size(path)} bytes, the manifest records {e['bytes']}. The write or "
-                    f"copy was cut short: restore the file or load another tag ({err})"
-                ) from None
-            except _io.FormatError as err:
-                raise CorruptCheckpointError(f"{where}: {err}") from None
+            st = _open_safetensors(tag, tag_dir, path, e, part, where, f"[rank {rank} of {world}]")
             algo, header_sum, crcs = file_checksums(manifest, e, where) if verify else (_io.CHECKSUM, None, {})
             if verify and st.header_checksum(algo) != header_sum:
                 raise CorruptCheckpointError(
@@ -573,36 +559,7 @@ class CheckpointReader:
                     _as_path(tag_dir / MANIFEST_NAME), record, e["chunk_checksums"], algo, st.tensors, where
                 )
             meta = st.metadata
-            if meta.get("format") != FILE_FORMAT:
-                raise CorruptCheckpointError(
-                    f"{where} is not a functional_ema EMA file (format {meta.get('format')!r})"
-                )
-            try:
-                fversion = int(meta.get("format_version", ""))
-            except ValueError:
-                raise CorruptCheckpointError(f"{where}: bad format_version {meta.get('format_version')!r}") from None
-            if fversion > FORMAT_VERSION:
-                raise CheckpointVersionError(
-                    f"{where} was written by a newer functional_ema (format version {fversion}; this one reads up to "
-                    f"{FORMAT_VERSION}). Upgrade functional_ema (pip install -U functional-ema)"
-                )
-            for field, want in (
-                ("tag", manifest["tag"]),
-                ("step", manifest["step"]),
-                ("num_emas", manifest["num_emas"]),
-                ("world_size", world),
-                ("rank", rank),
-                ("zero_stage", part["zero_stage"]),
-                ("generation", manifest["generation"]),
-                ("dtype", dtype_name),
-            ):
-                if meta.get(field) != str(want):
-                    raise CorruptCheckpointError(
-                        f"{where}: metadata {field}={meta.get(field)!r} but the manifest says {want!r}: the file does not "
-                        "belong to this checkpoint (mixed copies of two saves?)"
-                    )
-            check_json_metadata(where, meta, "schedules", manifest)
-            check_json_metadata(where, meta, "extra", manifest)
+            _check_file_metadata(where, meta, manifest, part, rank)
             layout = parse_layout(where, meta.get("layout"), part, rank, e.get("ep"), record)
             differs = (
                 None
@@ -614,31 +571,7 @@ class CheckpointReader:
                     f"{where}: {differs}: the manifest was edited or belongs to another save; restore it from a copy "
                     "or load another tag"
                 )
-            dtype = parse_dtype(dtype_name, where)
-            extra = sorted(
-                set(st.tensors) - {tensor_key(k, n) for k in range(int(manifest["num_emas"])) for n in layout.specs}
-            )
-            if extra:
-                raise CorruptCheckpointError(
-                    f"{where} holds tensors that no EMA of this checkpoint has: {short_list(extra, 4)}"
-                )
-            for k in range(int(manifest["num_emas"])):
-                for n, spec in layout.specs.items():
-                    entry = st.tensors.get(tensor_key(k, n))
-                    if entry is None:
-                        raise CorruptCheckpointError(
-                            f"{where} lacks tensor {tensor_key(k, n)!r} (parameter {n!r}, EMA {k})"
-                        )
-                    if entry.dtype != dtype:
-                        raise CorruptCheckpointError(
-                            f"{where}: dtype mismatch for parameter {n!r} (EMA {k}): the file stores {entry.dtype}, the "
-                            f"manifest says {dtype}. The file was rewritten by another tool; restore it or load another tag"
-                        )
-                    if entry.numel != spec.numel or tuple(spec.shape) != tuple(part["params"].get(n, ())):
-                        raise CorruptCheckpointError(
-                            f"{where}: parameter {n!r} (EMA {k}): {entry.numel} elements stored, layout says {spec.numel} of "
-                            f"{spec.shape}, manifest says shape {part['params'].get(n)}"
-                        )
+            _check_file_tensors(where, st, layout, manifest, part, parse_dtype(dtype_name, where))
             if verify and set(crcs) != set(st.tensors):
                 raise CorruptCheckpointError(
                     f"{where}: the manifest's checksums name other tensors than the file holds"
@@ -1385,3 +1318,84 @@ class RecutReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_safetensors(
+    tag: str, tag_dir: Location, path: Location, e: dict, part: dict, where: str, rank_note: str
+) -> _io.SafetensorsFile:
+    """The rank file ``e`` of ``part`` opened (its header parsed and its size checked); each failure as the
+    checkpoint error that names the file."""
+    try:
+        return _io.SafetensorsFile(_file_source(path), expected_size=int(e["bytes"]))
+    except FileNotFoundError:
+        if not isinstance(path, StoragePath):  # a local folder's files were all found by _locate
+            raise
+        raise _missing_files(tag, tag_dir, [(e, part)]) from None
+    except _io.PickleFileError as err:
+        raise CorruptCheckpointError(f"{err} {rank_note}") from None
+    except _io.TruncatedFileError as err:
+        raise CorruptCheckpointError(
+            f"{where} is truncated: {_file_size(path)} bytes, the manifest records {e['bytes']}. The write or "
+            f"copy was cut short: restore the file or load another tag ({err})"
+        ) from None
+    except _io.FormatError as err:
+        raise CorruptCheckpointError(f"{where}: {err}") from None
+
+
+def _check_file_metadata(where: str, meta: dict, manifest: dict, part: dict, rank: int) -> None:
+    """A rank file's header metadata: one of ours, of a format this reader knows, of this save and this rank."""
+    if meta.get("format") != FILE_FORMAT:
+        raise CorruptCheckpointError(f"{where} is not a functional_ema EMA file (format {meta.get('format')!r})")
+    try:
+        fversion = int(meta.get("format_version", ""))
+    except ValueError:
+        raise CorruptCheckpointError(f"{where}: bad format_version {meta.get('format_version')!r}") from None
+    if fversion > FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"{where} was written by a newer functional_ema (format version {fversion}; this one reads up to "
+            f"{FORMAT_VERSION}). Upgrade functional_ema (pip install -U functional-ema)"
+        )
+    for field, want in (
+        ("tag", manifest["tag"]),
+        ("step", manifest["step"]),
+        ("num_emas", manifest["num_emas"]),
+        ("world_size", int(part["world_size"])),
+        ("rank", rank),
+        ("zero_stage", part["zero_stage"]),
+        ("generation", manifest["generation"]),
+        ("dtype", manifest["dtype"]),
+    ):
+        if meta.get(field) != str(want):
+            raise CorruptCheckpointError(
+                f"{where}: metadata {field}={meta.get(field)!r} but the manifest says {want!r}: the file does not "
+                "belong to this checkpoint (mixed copies of two saves?)"
+            )
+    check_json_metadata(where, meta, "schedules", manifest)
+    check_json_metadata(where, meta, "extra", manifest)
+
+
+def _check_file_tensors(
+    where: str, st: _io.SafetensorsFile, layout: Any, manifest: dict, part: dict, dtype: torch.dtype
+) -> None:
+    """A rank file holds exactly one tensor per EMA and piece of ``layout``, each of the manifest's dtype and size."""
+    num_emas = int(manifest["num_emas"])
+    extra = sorted(set(st.tensors) - {tensor_key(k, n) for k in range(num_emas) for n in layout.specs})
+    if extra:
+        raise CorruptCheckpointError(
+            f"{where} holds tensors that no EMA of this checkpoint has: {short_list(extra, 4)}"
+        )
+    for k in range(num_emas):
+        for n, spec in layout.specs.items():
+            entry = st.tensors.get(tensor_key(k, n))
+            if entry is None:
+                raise CorruptCheckpointError(f"{where} lacks tensor {tensor_key(k, n)!r} (parameter {n!r}, EMA {k})")
+            if entry.dtype != dtype:
+                raise CorruptCheckpointError(
+                    f"{where}: dtype mismatch for parameter {n!r} (EMA {k}): the file stores {entry.dtype}, the "
+                    f"manifest says {dtype}. The file was rewritten by another tool; restore it or load another tag"
+                )
+            if entry.numel != spec.numel or tuple(spec.shape) != tuple(part["params"].get(n, ())):
+                raise CorruptCheckpointError(
+                    f"{where}: parameter {n!r} (EMA {k}): {entry.numel} elements stored, layout says {spec.numel} of "
+                    f"{spec.shape}, manifest says shape {part['params'].get(n)}"
+                )
