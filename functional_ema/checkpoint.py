@@ -452,6 +452,40 @@ def _commit(save_dir: Path, tag_dir: Path, first: dict[str, Any], written: Any, 
         held.release()
 
 
+def _refuse_mismatch(ckpt: Any, layout: Any, selection: Any, dtype: torch.dtype | None) -> None:
+    """``CheckpointMismatchError`` where the opened checkpoint is not this model's EMA as asked: another
+    selection, expert-parallel cut, set of names or shapes, or ``dtype``."""
+    # The selection first: another selection of an MoE model also differs in its experts, and the names
+    # that differ say why where an expert-parallel size mismatch would not.
+    if hasattr(ckpt, "shapes"):  # this part's names as saved (a re-cut of other parts checks its own)
+        check_loaded_selection(f"tag {ckpt.tag!r} in {ckpt.root}", ckpt.manifest.get("selection"), selection,
+                               list(layout.specs), list(ckpt.shapes))  # fmt: skip
+    ckpt.check_experts(layout)
+    ckpt.check_model(layout.specs)
+    if dtype is not None and dtype != ckpt.dtype:
+        raise CheckpointMismatchError(
+            f"tag {ckpt.tag!r} holds {dtype_name(ckpt.dtype)} EMAs but dtype={dtype_name(dtype)} was requested. "
+            f"Pass dtype=None to restore them as saved ({dtype_name(ckpt.dtype)}); cast afterwards only if you "
+            "accept the loss"
+        )
+
+
+def _fill_state(ckpt: Any, layout: Any, shards: Any, target: Any, verify: bool) -> EmaState:
+    """The EMA state read from ``ckpt``: into ``target`` (``load(out=...)``'s tensors) or, when ``None``, into
+    new tensors laid out like :func:`init_ema`'s (so updates stay fused), not filled before being overwritten."""
+    if target is None:
+        state = _allocate(shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
+    else:
+        state = EmaState(torch.tensor(ckpt.step, dtype=torch.int64), target)
+    jobs = [
+        (state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
+        for k in range(ckpt.num_emas)
+        for n, spec in layout.specs.items()
+    ]
+    fill_all(ckpt, jobs, verify)
+    return state
+
+
 def _tag_ok(tag: str) -> bool:
     try:
         check_tag(tag)
@@ -688,19 +722,7 @@ def load_checkpoint(
     @access()
     def open_and_check() -> dict[str, Any]:
         ckpt = box["ckpt"] = opened.enter_context(open_checkpoint(load_dir, tag, verify, layout, local=local))
-        # The selection first: another selection of an MoE model also differs in its experts, and the names
-        # that differ say why where an expert-parallel size mismatch would not.
-        if hasattr(ckpt, "shapes"):  # this part's names as saved (a re-cut of other parts checks its own)
-            check_loaded_selection(f"tag {ckpt.tag!r} in {ckpt.root}", ckpt.manifest.get("selection"), selection,
-                                   list(layout.specs), list(ckpt.shapes))  # fmt: skip
-        ckpt.check_experts(layout)
-        ckpt.check_model(layout.specs)
-        if dtype is not None and dtype != ckpt.dtype:
-            raise CheckpointMismatchError(
-                f"tag {ckpt.tag!r} holds {dtype_name(ckpt.dtype)} EMAs but dtype={dtype_name(dtype)} was requested. "
-                f"Pass dtype=None to restore them as saved ({dtype_name(ckpt.dtype)}); cast afterwards only if you "
-                "accept the loss"
-            )
+        _refuse_mismatch(ckpt, layout, selection, dtype)
         if out is not None:
             box["target"] = _load_target(out, ckpt, layout, reading.shards)
         return load_record(ckpt, layout, not layout.part.whole)
@@ -721,18 +743,8 @@ def load_checkpoint(
             from ._buffers import loaded_buffer_state, persistent_buffers
 
             bstate = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
-        if out is None:
-            # Laid out like init_ema's (so updates stay fused), without copying values that are overwritten.
-            state = _allocate(reading.shards, ckpt.num_emas, ckpt.dtype, None, False, ckpt.step, copy_values=False)
-        else:
-            state = EmaState(torch.tensor(ckpt.step, dtype=torch.int64), box["target"])
-        jobs = [
-            (state.emas[k][n].view(-1), k, n, spec.offset, spec.numel)
-            for k in range(ckpt.num_emas)
-            for n, spec in layout.specs.items()
-        ]
-        box["reading"] = True
-        fill_all(ckpt, jobs, verify)
+        box["reading"] = True  # from here, out= may be partly overwritten
+        state = _fill_state(ckpt, layout, reading.shards, box.get("target"), verify)
         box["loaded"] = Loaded(state, bstate, dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir)))
 
     with opened:
