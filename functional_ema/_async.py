@@ -579,90 +579,113 @@ def _is_save(mpath: Path, token: str) -> bool:
 
 def _run(job: _Job, handle: SaveHandle) -> None:
     """The background part of one rank's save. No collectives (see the module docstring)."""
-    rank = job.rank  # in the ranks that save together (markers and messages use it)
     error: BaseException | None = None
     names = writer.save_files(job.layout, job.first["generation"], job.buffers is not None, job.emas is not None)
     try:
         if job.ready is not None:
             job.ready.synchronize()
-        record: dict[str, Any] = {"part": writer.part_record(job.layout, job.mine)}
-        if job.emas is not None:
-            meta = writer.rank_file_meta(job.mine, job.layout, job.first["generation"])
-            # write_rank_file only indexes ``ema[name]``; its ``dict`` annotation is narrower than the Shards it gets.
-            emas = cast("list[dict[str, torch.Tensor]]", job.emas)
-            record["file"] = writer.write_rank_file(job.tag_dir / names[0], job.layout, emas, job.dtype, meta)
-        if job.buffers is not None:
-            meta = writer.buffer_file_meta(job.mine, job.layout, job.first["generation"])
-            record["buffers"] = writer.write_buffer_file(
-                job.tag_dir / names[-1], job.layout.rank, job.buffers, job.mine["buffers"], meta
-            )
+        record = _write_files(job, names)
         deadline = time.monotonic() + job.timeout
-        if rank == 0:
-            records: dict[int, dict[str, Any]] = {0: record}
-            others = [r for r in job.writers if r != 0]
-
-            def collect() -> bool | None:
-                found = set(os.listdir(job.tag_dir))
-                _raise_remote_error(job, found)
-                for r in others:
-                    if r not in records and _marker(job.token, r, "done") in found:
-                        records[r] = json.loads((job.tag_dir / _marker(job.token, r, "done")).read_text())
-                return True if len(records) == len(job.writers) else None
-
-            _poll(collect, deadline, job, f"the files of ranks {others}")
-            if job.after is not None:  # start order (AsyncSaver._last_shared); that save ends within its timeout
-                job.after.wait()
-                # A rank may have given up meanwhile (its commit_timeout passed): committing would complete a
-                # checkpoint that rank already reported failed and whose files it removed.
-                _raise_remote_error(job, set(os.listdir(job.tag_dir)))
-            manifest = writer.build_manifest(job.first, [records[r] for r in sorted(records)], save_id=job.token)
-            writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
-            _remove_markers(job.tag_dir)
+        if job.rank == 0:
+            _commit_when_all_wrote(job, record, deadline)
         else:
-            if rank in job.writers:
-                _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "done"), json.dumps(record).encode())
-            seen: list[tuple[int, int] | None] = [None]  # the manifest's (mtime, size) at the last parse
-
-            def committed() -> bool | None:
-                mpath = job.tag_dir / fmt.MANIFEST_NAME
-                try:
-                    st = mpath.stat()
-                    if (st.st_mtime_ns, st.st_size) != seen[0]:  # read only a changed manifest
-                        seen[0] = (st.st_mtime_ns, st.st_size)
-                        if _is_save(mpath, job.token):
-                            return True
-                except (OSError, ValueError):
-                    pass  # not there yet, or being replaced
-                _raise_remote_error(job, set(os.listdir(job.tag_dir)))
-                return None
-
-            _poll(committed, deadline, job, "rank 0's manifest")
+            _wait_for_commit(job, record, deadline)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
         error = e
-        if not isinstance(e, _RemoteError):
-            try:  # tell the other ranks, so they fail now rather than at the timeout
-                payload = {
-                    "rank": rank,
-                    "type": type(e).__name__,
-                    "message": str(e),
-                    "checkpoint_error": isinstance(e, CheckpointError),
-                }
-                _io.atomic_write_bytes(job.tag_dir / _marker(job.token, rank, "error"), json.dumps(payload).encode())
-            except Exception as e2:  # noqa: BLE001
-                logger.error("functional_ema: could not record the async save failure for the other ranks: %s", e2)
-        logger.error(
-            "functional_ema: async EMA save of step %s into %s failed on rank %d: %s: %s",
-            job.first["step"],
-            job.tag_dir,
-            rank,
-            type(e).__name__,
-            e,
-        )
+        _report_failure(job, e)
         writer.remove_unlisted(job.tag_dir, names)
     finally:
         if job.lock is not None:
             job.lock.release()
     handle._finish(error)
+
+
+def _write_files(job: _Job, names: list[str]) -> dict[str, Any]:
+    """This rank's EMA and buffer files written; returns their record for the manifest."""
+    record: dict[str, Any] = {"part": writer.part_record(job.layout, job.mine)}
+    if job.emas is not None:
+        meta = writer.rank_file_meta(job.mine, job.layout, job.first["generation"])
+        # write_rank_file only indexes ``ema[name]``; its ``dict`` annotation is narrower than the Shards it gets.
+        emas = cast("list[dict[str, torch.Tensor]]", job.emas)
+        record["file"] = writer.write_rank_file(job.tag_dir / names[0], job.layout, emas, job.dtype, meta)
+    if job.buffers is not None:
+        meta = writer.buffer_file_meta(job.mine, job.layout, job.first["generation"])
+        record["buffers"] = writer.write_buffer_file(
+            job.tag_dir / names[-1], job.layout.rank, job.buffers, job.mine["buffers"], meta
+        )
+    return record
+
+
+def _commit_when_all_wrote(job: _Job, record: dict[str, Any], deadline: float) -> None:
+    """Rank 0: wait for every writer's done marker (or an error marker), then for the save started before this
+    one, then commit the manifest."""
+    records: dict[int, dict[str, Any]] = {0: record}
+    others = [r for r in job.writers if r != 0]
+
+    def collect() -> bool | None:
+        found = set(os.listdir(job.tag_dir))
+        _raise_remote_error(job, found)
+        for r in others:
+            if r not in records and _marker(job.token, r, "done") in found:
+                records[r] = json.loads((job.tag_dir / _marker(job.token, r, "done")).read_text())
+        return True if len(records) == len(job.writers) else None
+
+    _poll(collect, deadline, job, f"the files of ranks {others}")
+    if job.after is not None:  # start order (AsyncSaver._last_shared); that save ends within its timeout
+        job.after.wait()
+        # A rank may have given up meanwhile (its commit_timeout passed): committing would complete a
+        # checkpoint that rank already reported failed and whose files it removed.
+        _raise_remote_error(job, set(os.listdir(job.tag_dir)))
+    manifest = writer.build_manifest(job.first, [records[r] for r in sorted(records)], save_id=job.token)
+    writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
+    _remove_markers(job.tag_dir)
+
+
+def _wait_for_commit(job: _Job, record: dict[str, Any], deadline: float) -> None:
+    """A rank other than 0: leave its done marker (where rank 0 waits for it), then wait for the manifest of
+    this save (or another rank's error marker)."""
+    if job.rank in job.writers:
+        _io.atomic_write_bytes(job.tag_dir / _marker(job.token, job.rank, "done"), json.dumps(record).encode())
+    seen: list[tuple[int, int] | None] = [None]  # the manifest's (mtime, size) at the last parse
+
+    def committed() -> bool | None:
+        mpath = job.tag_dir / fmt.MANIFEST_NAME
+        try:
+            st = mpath.stat()
+            if (st.st_mtime_ns, st.st_size) != seen[0]:  # read only a changed manifest
+                seen[0] = (st.st_mtime_ns, st.st_size)
+                if _is_save(mpath, job.token):
+                    return True
+        except (OSError, ValueError):
+            pass  # not there yet, or being replaced
+        _raise_remote_error(job, set(os.listdir(job.tag_dir)))
+        return None
+
+    _poll(committed, deadline, job, "rank 0's manifest")
+
+
+def _report_failure(job: _Job, e: BaseException) -> None:
+    """Log this rank's failure and, unless it is another rank's, leave an error marker, so that the other
+    ranks fail now rather than at the timeout."""
+    if not isinstance(e, _RemoteError):
+        try:
+            payload = {
+                "rank": job.rank,
+                "type": type(e).__name__,
+                "message": str(e),
+                "checkpoint_error": isinstance(e, CheckpointError),
+            }
+            _io.atomic_write_bytes(job.tag_dir / _marker(job.token, job.rank, "error"), json.dumps(payload).encode())
+        except Exception as e2:  # noqa: BLE001
+            logger.error("functional_ema: could not record the async save failure for the other ranks: %s", e2)
+    logger.error(
+        "functional_ema: async EMA save of step %s into %s failed on rank %d: %s: %s",
+        job.first["step"],
+        job.tag_dir,
+        job.rank,
+        type(e).__name__,
+        e,
+    )
 
 
 class _RemoteError(CheckpointError):
