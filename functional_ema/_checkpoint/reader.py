@@ -629,21 +629,9 @@ class CheckpointReader:
                 f"tag {self.tag!r} in {self.root} was saved without buffers (save(..., buffers=None)): load without them, "
                 "or start the buffer EMAs from the live buffers (functional_ema.buffers.init_buffers)"
             )
-        desc, entries = self.part_manifest["buffers"], self.part_manifest["buffer_files"]
-        by_rank = {e["rank"]: e for e in entries}
-        entry = by_rank.get(rank) if world_size == self.world_size else by_rank.get(0)
-        if entry is None:
-            raise IncompleteCheckpointError(
-                f"{self.tag_dir / MANIFEST_NAME}: field '{self.part_manifest['field']}buffer_files' lists no buffer file of rank "
-                f"{rank if world_size == self.world_size else 0} (saved at world size {self.world_size}); the manifest is damaged"
-            )
-        path, r = self.tag_dir / entry["file"], entry["rank"]
-        where = (
-            f"{path} (buffers of rank {r} of {self.world_size}"
-            + ("" if self.part.whole else f", {self.part.describe()}")
-            + ")"
-        )
-        _check_inside(path, self.tag_dir, where)
+        desc = self.part_manifest["buffers"]
+        entry, path, where = self._buffer_file(rank, world_size)
+        r = entry["rank"]
         try:
             st = _io.SafetensorsFile(_file_source(path), expected_size=int(entry["bytes"]))
         except FileNotFoundError:
@@ -658,7 +646,6 @@ class CheckpointReader:
                 raise CorruptCheckpointError(
                     f"{where}: the header does not match the checksum in the manifest; the file is corrupted"
                 )
-            meta = st.metadata
             expect = {
                 "format": BUFFERS_FORMAT,
                 "tag": self.manifest["tag"],
@@ -670,47 +657,35 @@ class CheckpointReader:
                 "dtype": desc["dtype"],
             }
             for field, want in expect.items():
-                if meta.get(field) != want:
+                if st.metadata.get(field) != want:
                     raise CorruptCheckpointError(
-                        f"{where}: metadata {field}={brief(meta.get(field))} but the manifest says {want!r}: the file does not "
-                        "belong to this checkpoint (a copy from another save, rank or world size?)"
+                        f"{where}: metadata {field}={brief(st.metadata.get(field))} but the manifest says {want!r}: the "
+                        "file does not belong to this checkpoint (a copy from another save, rank or world size?)"
                     )
-            dtype = parse_dtype(desc["dtype"], where)
-            want_tensors = {
-                tensor_key(k, n): (dtype, tuple(shape))
-                for k in range(desc["num_emas"])
-                for n, shape in desc["floating"].items()
-            }
-            want_tensors.update(
-                {f"copied.{n}": (getattr(torch, dt), tuple(shape)) for n, (dt, shape) in desc["copied"].items()}
-            )
-            if set(st.tensors) != set(want_tensors):
-                raise CorruptCheckpointError(
-                    f"{where} holds other tensors than the manifest's field 'buffers' describes: only in the file "
-                    f"{short_list(sorted(set(st.tensors) - set(want_tensors)), 4)}, missing "
-                    f"{short_list(sorted(set(want_tensors) - set(st.tensors)), 4)}"
-                )
-            out = {}
-            for key, (dt, shape) in want_tensors.items():
-                e = st.tensors[key]
-                if e.dtype != dt or tuple(e.shape) != shape:
-                    raise CorruptCheckpointError(
-                        f"{where}: tensor {key!r} is {dtype_name(e.dtype)}{list(e.shape)} in the file but "
-                        f"{dtype_name(dt)}{list(shape)} in the manifest's field 'buffers'"
-                    )
-                if verify and key not in crcs:
-                    raise CorruptCheckpointError(f"{where}: the manifest has no checksum for tensor {key!r}")
-                t = torch.empty(shape, dtype=dt)
-                try:
-                    st.read_into(
-                        key, t, crcs.get(key) if verify else None, f"[buffers of rank {r}, tag {self.tag!r}]", algo
-                    )
-                except _io.FormatError as err:
-                    raise CorruptCheckpointError(f"{err}") from None
-                out[key] = t
+            note = f"[buffers of rank {r}, tag {self.tag!r}]"
+            out = _read_buffer_tensors(st, where, _buffer_tensors_of(desc, where), crcs if verify else None, algo, note)
         emas = tuple({n: out[tensor_key(k, n)] for n in desc["floating"]} for k in range(desc["num_emas"]))
         copied = {n: out[f"copied.{n}"] for n in desc["copied"]}
         return desc["num_emas"], emas, copied
+
+    def _buffer_file(self, rank: int, world_size: int) -> tuple[dict, Location, str]:
+        """(the manifest's entry, the path, a description for messages) of the buffer file ``rank`` reads: its own
+        at the saved world size, else rank 0's."""
+        by_rank = {e["rank"]: e for e in self.part_manifest["buffer_files"]}
+        entry = by_rank.get(rank) if world_size == self.world_size else by_rank.get(0)
+        if entry is None:
+            raise IncompleteCheckpointError(
+                f"{self.tag_dir / MANIFEST_NAME}: field '{self.part_manifest['field']}buffer_files' lists no buffer file of rank "
+                f"{rank if world_size == self.world_size else 0} (saved at world size {self.world_size}); the manifest is damaged"
+            )
+        path, r = self.tag_dir / entry["file"], entry["rank"]
+        where = (
+            f"{path} (buffers of rank {r} of {self.world_size}"
+            + ("" if self.part.whole else f", {self.part.describe()}")
+            + ")"
+        )
+        _check_inside(path, self.tag_dir, where)
+        return entry, path, where
 
     # -- checks
 
@@ -1399,3 +1374,50 @@ def _check_file_tensors(
                     f"{where}: parameter {n!r} (EMA {k}): {entry.numel} elements stored, layout says {spec.numel} of "
                     f"{spec.shape}, manifest says shape {part['params'].get(n)}"
                 )
+
+
+def _buffer_tensors_of(desc: dict, where: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The tensors a buffer file holds by the manifest's field ``buffers``: key -> (dtype, shape)."""
+    dtype = parse_dtype(desc["dtype"], where)
+    wanted = {
+        tensor_key(k, n): (dtype, tuple(shape))
+        for k in range(desc["num_emas"])
+        for n, shape in desc["floating"].items()
+    }
+    wanted.update({f"copied.{n}": (getattr(torch, dt), tuple(shape)) for n, (dt, shape) in desc["copied"].items()})
+    return wanted
+
+
+def _read_buffer_tensors(
+    st: _io.SafetensorsFile,
+    where: str,
+    wanted: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    crcs: dict | None,
+    algo: str,
+    note: str,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``wanted`` read from ``st`` (exactly those, each of its dtype and shape), each checked
+    against its checksum in ``crcs`` (``None``: unverified)."""
+    if set(st.tensors) != set(wanted):
+        raise CorruptCheckpointError(
+            f"{where} holds other tensors than the manifest's field 'buffers' describes: only in the file "
+            f"{short_list(sorted(set(st.tensors) - set(wanted)), 4)}, missing "
+            f"{short_list(sorted(set(wanted) - set(st.tensors)), 4)}"
+        )
+    out = {}
+    for key, (dt, shape) in wanted.items():
+        e = st.tensors[key]
+        if e.dtype != dt or tuple(e.shape) != shape:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {key!r} is {dtype_name(e.dtype)}{list(e.shape)} in the file but "
+                f"{dtype_name(dt)}{list(shape)} in the manifest's field 'buffers'"
+            )
+        if crcs is not None and key not in crcs:
+            raise CorruptCheckpointError(f"{where}: the manifest has no checksum for tensor {key!r}")
+        t = torch.empty(shape, dtype=dt)
+        try:
+            st.read_into(key, t, None if crcs is None else crcs.get(key), note, algo)
+        except _io.FormatError as err:
+            raise CorruptCheckpointError(f"{err}") from None
+        out[key] = t
+    return out
