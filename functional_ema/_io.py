@@ -574,6 +574,21 @@ class SafetensorsFile:
             raise TruncatedFileError(f"{self.path} is truncated: {size} bytes, but its header alone needs {8 + n}")
         self.header_size = 8 + n
         self._header_raw = head + raw
+        header = self._parse_header(head, raw)
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise FormatError(f"{self.path}: __metadata__ must map strings to strings")
+        self.metadata: dict[str, str] = meta
+        self.tensors: dict[str, TensorEntry] = {key: self._entry(key, info) for key, info in header.items()}
+        self.data_size = self._check_spans()
+        self.size = self.header_size + self.data_size
+        self._check_size(size, expected_size)
+        self._fh: IO[bytes] | None = None
+        self._st: safe_open | None = None
+        self._lock = threading.Lock()  # read_into and read_range may be called from several threads
+
+    def _parse_header(self, head: bytes, raw: bytes) -> dict:
+        """The JSON header as a dict; a pickle file, bad JSON or a nesting too deep named as such."""
         try:
             header = json.loads(raw)
             if not isinstance(header, dict):
@@ -590,40 +605,40 @@ class SafetensorsFile:
             raise FormatError(
                 f"{self.path}: the safetensors header is not valid JSON ({e}); the file is corrupted"
             ) from None
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise FormatError(f"{self.path}: __metadata__ must map strings to strings")
-        self.metadata: dict[str, str] = meta
-        self.tensors: dict[str, TensorEntry] = {}
-        spans = []
-        for key, info in header.items():
-            field = _bad_entry_field(info)
-            if field is not None:
-                shown = repr(info.get(field) if isinstance(info, dict) else info)
-                raise FormatError(
-                    f"{self.path}: header entry of tensor {key!r}: field {field!r} is invalid "
-                    f"({shown[:80] + '...' if len(shown) > 80 else shown}); the file is corrupted"
-                )
-            dtype, shape = STR_TO_DTYPE[info["dtype"]], tuple(info["shape"])
-            start, end = info["data_offsets"]
-            entry = TensorEntry(dtype, shape, start, end)
-            if end - start != entry.numel * dtype.itemsize or start < 0:
-                raise FormatError(
-                    f"{self.path}: header entry of tensor {key!r}: its fields 'data_offsets' [{start}, {end}) and 'shape' "
-                    f"{list(shape)[:8]} ({dtype}) disagree; the file is corrupted"
-                )
-            self.tensors[key] = entry
-            spans.append((start, end, key))
-        spans.sort()
+        return header
+
+    def _entry(self, key: str, info: Any) -> TensorEntry:
+        """One header entry, checked: known dtype, a shape of non-negative ints, offsets that fit the shape."""
+        field = _bad_entry_field(info)
+        if field is not None:
+            shown = repr(info.get(field) if isinstance(info, dict) else info)
+            raise FormatError(
+                f"{self.path}: header entry of tensor {key!r}: field {field!r} is invalid "
+                f"({shown[:80] + '...' if len(shown) > 80 else shown}); the file is corrupted"
+            )
+        dtype, shape = STR_TO_DTYPE[info["dtype"]], tuple(info["shape"])
+        start, end = info["data_offsets"]
+        entry = TensorEntry(dtype, shape, start, end)
+        if end - start != entry.numel * dtype.itemsize or start < 0:
+            raise FormatError(
+                f"{self.path}: header entry of tensor {key!r}: its fields 'data_offsets' [{start}, {end}) and 'shape' "
+                f"{list(shape)[:8]} ({dtype}) disagree; the file is corrupted"
+            )
+        return entry
+
+    def _check_spans(self) -> int:
+        """The data's size, once the tensors are seen to tile it exactly (no gap, no overlap)."""
         pos = 0
-        for start, end, key in spans:
+        for start, end, key in sorted((e.start, e.end, k) for k, e in self.tensors.items()):
             if start != pos:
                 raise FormatError(
                     f"{self.path}: tensor {key!r} starts at byte {start} of the data, expected {pos} (gap or overlap)"
                 )
             pos = end
-        self.data_size = pos
-        self.size = self.header_size + pos
+        return pos
+
+    def _check_size(self, size: int, expected_size: int | None) -> None:
+        """The file's ``size`` is what its header describes and (if given) what the manifest records."""
         if expected_size is not None and size < expected_size:
             raise TruncatedFileError(f"{self.path} is truncated: {size} bytes, expected {expected_size}")
         if size < self.size:
@@ -633,9 +648,6 @@ class SafetensorsFile:
                 f"{self.path} has {size} bytes, expected {expected_size if expected_size is not None else self.size}: "
                 "it was modified after it was written"
             )
-        self._fh: IO[bytes] | None = None
-        self._st: safe_open | None = None
-        self._lock = threading.Lock()  # read_into and read_range may be called from several threads
 
     def _read_header(self) -> tuple[int, bytes, bytes, int]:
         """(file size, its first 8 bytes, the JSON header as far as the file holds it, the header's length);
