@@ -325,11 +325,11 @@ def _check_ties(plan: Plan, src: _Source, like: _Like) -> list[str]:
     return [a for a, _ in plan.ties]
 
 
-def _check_peft(like: LikeFolder, plan: Plan) -> str:
+def _check_peft(like: LikeFolder, plan: Plan, adapter_name: str = "default") -> str:
     """The adapter written is what PEFT's loader reads for ``like``'s config (names and shapes); "" when checked,
     else why not (the record's ``loader_check``)."""
     planned = {it.name: tuple(it.shape) for it in plan.items}
-    expected, why = peft_expected(like.config_file, planned)
+    expected, why = peft_expected(like.config_file, planned, adapter_name)
     if expected is not None and expected != planned:
         odd = sorted(set(expected) ^ set(planned)) or sorted(n for n in planned if planned[n] != expected[n])
         shown = [
@@ -522,7 +522,7 @@ def to_hf(
         selection = src.info.get("selection")
         plan = make_plan(src.shapes, src.dtypes, like_folder, view, adapter_name, cast, missing, selection)
         if like_folder.kind == "peft":
-            why_not = _check_peft(like_folder, plan)
+            why_not = _check_peft(like_folder, plan, adapter_name)
         reader = _Like(like_folder)
         tied = _check_ties(plan, src, reader)
         plan, from_ema = (plan, {}) if view is not None else _stale_aliases(plan, like_folder, reader)
@@ -620,14 +620,21 @@ def _stale_aliases(plan: Plan, like: LikeFolder, reader: _Like) -> tuple[Plan, d
 def _config_dtype(like: LikeFolder, plan: Plan, cast: torch.dtype | None) -> torch.dtype | None:
     """The dtype a transformers ``config.json`` must state: the floating weights written (``from_pretrained``'s
     default ``dtype="auto"`` loads the model in it; mixed, float32 holds each exactly). ``None``: ``--like``'s
-    config is copied as it is (no ``dtype`` given, and the dtype it states, if any, is this one)."""
+    config is copied as it is (no ``dtype`` given, and the dtype it states, if any, is this one; or it states none
+    and the weights share one dtype, which ``dtype="auto"`` then takes from the file).
+
+    Mixed weights under a config stating none must state one: ``dtype="auto"`` would take the first floating
+    tensor's dtype from the file (a bf16 copy from ``--like``) and truncate the fp32 EMA."""
     if like.kind != "transformers":
         return None
     floats = {it.dtype for it in plan.items if it.dtype.is_floating_point}
+    mixed = cast is None and len(floats) > 1
     written = cast or (floats.pop() if len(floats) == 1 else max(floats | {torch.float32}, key=lambda d: d.itemsize))
     configs = _configs(like)
     stated = [c[k] for c in configs for k in ("dtype", "torch_dtype") if c.get(k) is not None]
-    return written if cast is not None or any(v != str(written).removeprefix("torch.") for v in stated) else None
+    if cast is not None or (mixed and not stated):
+        return written
+    return written if any(v != str(written).removeprefix("torch.") for v in stated) else None
 
 
 def _write_config(tmp: Path, like: LikeFolder, dtype: torch.dtype | None) -> None:

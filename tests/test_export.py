@@ -692,3 +692,250 @@ def test_a_selection_ema_exports_from_its_checkpoint_or_file_and_refusals_name_i
         with pytest.raises(CorruptCheckpointError, match=rf"forged{i}\.safetensors: safetensors metadata 'selection'"):
             to_hf(tmp_path / f"forged{i}.safetensors", tmp_path / f"o{i}", tmp_path / "like", progress=False)
         assert not (tmp_path / f"o{i}").exists()
+
+
+def _peft_llama_ema(root: Path, adapter: str, targets: list[str]) -> dict[str, torch.Tensor]:
+    """One process: a tiny untied Llama saved as ``root/base``, its LoRA on ``targets`` as adapter ``adapter`` (its
+    folder saved as ``root/like``) trained 3 AdamW steps; the EMA saved as ``root/ckpt`` (tag ``s``). Returns the
+    plain-torch EMA (``lerp``) of the trained parameters, under the PEFT model's names (the oracle)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    import functional_ema as fe
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(_config()).save_pretrained(root / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights="gaussian")
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"), lora, adapter_name=adapter)
+    model.save_pretrained(root / "like")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: p.detach().clone() for n, p in params.items()}
+    for step in range(1, 4):
+        x = _tokens(2, seed=step)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        for n, p in params.items():
+            ref[n].lerp_(p.detach(), 1 - DECAY)
+    fe.save(state, model, root / "ckpt", tag="s")
+    return ref
+
+
+@pytest.mark.parametrize("adapter", ["mlp", "0"])
+def test_an_adapter_named_like_a_module_path_component_exports_peft_names(tmp_path, adapter):
+    """Adapter ``mlp`` on the MLP projections, adapter ``0`` on layer 0's: PEFT removes the adapter name only in
+    its own place (``..lora_A.<adapter>.weight``), so ``model.layers.0.mlp`` stays in the saved names. The export
+    writes PEFT's own names and ``PeftModel.from_pretrained`` loads exactly the plain-torch EMA."""
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import _remove_adapter_name_from_state_dict_key as peft_rule
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from functional_ema.export import hf_name, to_hf
+
+    ref = _peft_llama_ema(tmp_path, adapter, ["gate_proj", "up_proj", "down_proj"])
+    assert all(hf_name(n, adapter) == peft_rule(n, adapter) for n in ref)
+    own = tmp_path / "like" / ("" if adapter == "default" else adapter) / "adapter_model.safetensors"
+    out = to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s", adapter_name=adapter, progress=False)
+    assert sorted(load_file(out / "adapter_model.safetensors")) == sorted(load_file(own))  # PEFT's names
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    got = dict(PeftModel.from_pretrained(base, out, adapter_name=adapter).named_parameters())
+    bad = [n for n, want in ref.items() if n not in got or not torch.equal(got[n].detach(), want)]
+    assert len(ref) == 12 and not bad, bad
+
+
+def test_mixed_dtype_weights_under_a_config_stating_no_dtype_load_as_float32(tmp_path):
+    """A bf16 ``--like`` whose config.json states no dtype (hand-written, other tools), an fp32 EMA of all but the
+    frozen embedding (copied in bf16 from --like): the weights written are mixed, so the export states float32 in
+    config.json; ``from_pretrained`` (``dtype="auto"``) would otherwise take the file's first tensor's bf16 and
+    truncate the EMA. Every loaded tensor is the plain-torch EMA, the frozen one --like's bf16 value, exactly."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    import functional_ema as fe
+    from functional_ema.export import to_hf
+
+    cfg = _config()
+    cfg.tie_word_embeddings = True  # the frozen bf16 embedding is then the file's first floating tensor
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "like")
+    config = json.loads((tmp_path / "like" / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "like" / "config.json").write_text(json.dumps(config))
+    model = model.float()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: p.detach().clone() for n, p in params.items()}
+    for step in range(1, 4):
+        x = _tokens(2, seed=step)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        for n, p in params.items():
+            ref[n].lerp_(p.detach(), 1 - DECAY)
+    fe.save(state, model, tmp_path / "ckpt", tag="s")
+    out = to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s", progress=False)
+    written = load_file(out / "model.safetensors")
+    assert {t.dtype for t in written.values()} == {torch.float32, torch.bfloat16}
+    frozen = load_file(tmp_path / "like" / "model.safetensors")["model.embed_tokens.weight"]
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    want = {**ref, "model.embed_tokens.weight": frozen.float(), "lm_head.weight": frozen.float()}
+    bad = [n for n, t in loaded.state_dict().items() if t.dtype != torch.float32 or not torch.equal(t, want[n])]
+    assert sorted(loaded.state_dict()) == sorted(want) and not bad, bad
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+_KILL_IN_COMMIT = (
+    "import os, signal, sys, pathlib\n"
+    "import functional_ema._export.outdir as od\n"
+    "at, rename, unlink, calls = sys.argv[4], os.rename, pathlib.Path.unlink, []\n"
+    "def die(): os.kill(os.getpid(), signal.SIGKILL)\n"
+    "def renamed(a, b):\n"
+    "    calls.append(b)\n"
+    "    if (at, len(calls)) in (('park', 1), ('commit', 2)): die()\n"
+    "    return rename(a, b)\n"
+    "def unlinked(self, *a, **k):\n"
+    "    if at == 'unmark' and self.parent == pathlib.Path(sys.argv[2]): die()\n"
+    "    return unlink(self, *a, **k)\n"
+    "od.os.rename, pathlib.Path.unlink = renamed, unlinked\n"
+    "from functional_ema.export import to_hf\n"
+    "to_hf(sys.argv[1], sys.argv[2], sys.argv[3], tag='s', overwrite=True, progress=False)\n"
+)
+
+
+@pytest.mark.parametrize("at", ["park", "commit", "unmark"])
+def test_a_kill_inside_the_commit_loses_nothing_and_a_rerun_recovers(tmp_path, at):
+    """``kill -9`` while an ``overwrite`` export commits: before the previous export is parked (``park``), between
+    the two renames (``commit``: out_dir is missing, the previous export parked in ``.ema_hf.old-*``), after the new
+    folder is in place but still marked (``unmark``). Every folder left carries the library's marker; a rerun
+    without ``overwrite`` puts the previous export back (bitwise) or keeps the committed one, removes the leftovers,
+    and refuses the non-empty out_dir; with ``overwrite`` it loads exactly the plain-torch EMA."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import OutputPathError
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    ref = {n: t.lerp(t + 0.01, 1 - DECAY) for n, t in base.items()}  # one update after init, in plain torch
+    out = to_hf(tmp_path / "ckpt", tmp_path / "ema_hf", tmp_path / "base", tag="s", progress=False)
+    previous = hashes(out)
+    argv = [sys.executable, "-c", _KILL_IN_COMMIT, str(tmp_path / "ckpt"), str(out), str(tmp_path / "base"), at]
+    assert subprocess.run(argv, timeout=300).returncode == -9
+    left = sorted(p for p in tmp_path.iterdir() if p.name.startswith(".ema_hf."))
+    assert left and all((p / ".functional_ema_export_in_progress").is_file() for p in left), left
+    parked = [p / "prev" for p in left if (p / "prev").is_dir()]
+    if at == "commit":
+        assert not out.exists() and len(parked) == 1
+        assert hashes(parked[0]) == {k.replace(str(out), str(parked[0])): v for k, v in previous.items()}
+    else:  # unmark: the previous export still parked, about to be removed
+        assert out.is_dir() and len(parked) == (at == "unmark")
+    with pytest.raises(OutputPathError, match="refusing to replace the existing, non-empty folder"):
+        to_hf(tmp_path / "ckpt", out, tmp_path / "base", tag="s", progress=False)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ema_hf.")]
+    if at != "unmark":
+        assert hashes(out) == previous  # the previous export, back or never moved
+    assert sorted(p.name for p in out.iterdir()) == json.loads((out / "ema_export.json").read_text())["written"]
+    to_hf(tmp_path / "ckpt", out, tmp_path / "base", tag="s", overwrite=True, progress=False)
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    bad = [n for n, t in loaded.state_dict().items() if not torch.equal(t, ref[n])]
+    assert sorted(loaded.state_dict()) == sorted(ref) and not bad, bad
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "ckpt", "ema_hf"]
+
+
+def _one_step_ema(base: Path) -> dict[str, torch.Tensor]:
+    """The plain-torch EMA of :func:`_tiny_llama_checkpoint` (one update after init, every weight +0.01)."""
+    from safetensors.torch import load_file
+
+    return {n: t.lerp(t + 0.01, 1 - DECAY) for n, t in load_file(base / "model.safetensors").items()}
+
+
+def _loads_as(out: Path, ref: dict[str, torch.Tensor]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    bad = [n for n, t in loaded.state_dict().items() if not torch.equal(t, ref[n])]
+    assert sorted(loaded.state_dict()) == sorted(ref) and not bad, bad
+
+
+@pytest.mark.parametrize("name", ["e" * 255, "ä" * 127, "[x]*" + "e" * 240], ids=["255", "utf8-254-bytes", "glob"])
+def test_an_out_dir_named_up_to_the_name_limit_exports_and_overwrites(tmp_path, name):
+    """An out_dir name of up to 255 bytes: the hidden ``.<name>.tmp-``/``.old-`` folders beside it are bounded (the
+    name shortened, with a hash of it), so the export and an ``overwrite`` re-export succeed, load as exactly the
+    plain-torch EMA and leave nothing beside out_dir; glob characters in the name are matched literally."""
+    from functional_ema.export import to_hf
+
+    assert len(name.encode()) >= 244  # beyond what .<name>.tmp-<8 hex> fits in 255 bytes
+    _tiny_llama_checkpoint(tmp_path)
+    ref = _one_step_ema(tmp_path / "base")
+    for overwrite in (False, True):
+        out = to_hf(tmp_path / "ckpt", tmp_path / name, tmp_path / "base", tag="s", overwrite=overwrite, progress=False)
+        _loads_as(out, ref)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["base", "ckpt", name])
+
+
+def test_an_out_dir_that_is_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """An empty mount point as out_dir (``docker run -v host:/out``): the export is renamed into place, which a mount
+    point does not allow, so it is refused up front naming out_dir and a subfolder; that subfolder exports. A real
+    tmpfs where this runs as root and may mount, else ``os.path.ismount`` reporting it."""
+    import subprocess
+
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import OutputPathError
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(out)]).returncode == 0
+    try:
+        if not mounted:
+            real = os.path.ismount
+            monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out or real(p))
+        before = hashes(tmp_path)
+        with pytest.raises(OutputPathError, match=rf"out_dir: {out} .*is a mount point.*e\.g\. {out / 'ema_hf'}"):
+            to_hf(tmp_path / "ckpt", out, tmp_path / "base", tag="s", progress=False)
+        assert hashes(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["base", "ckpt", "out"]
+        sub = to_hf(tmp_path / "ckpt", out / "ema_hf", tmp_path / "base", tag="s", progress=False)
+        _loads_as(sub, _one_step_ema(tmp_path / "base"))
+        assert [p.name for p in out.iterdir()] == ["ema_hf"]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(out)], check=True)
+
+
+def test_a_checkpoint_folder_as_like_ships_no_checkpoint_only_files(tmp_path):
+    """--like a Trainer checkpoint folder (the model's files beside DeepSpeed's ``latest`` and ``zero_to_fp32.py``,
+    this library's ``ema_latest``, ``trainer_state.json``, Accelerate's ``random_states_0.pkl``): those belong to the
+    checkpoint, not the model, so they are listed in ``ignored_in_like`` and not shipped; the export loads as exactly
+    the plain-torch EMA."""
+    import shutil
+
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    like = tmp_path / "checkpoint-1"
+    shutil.copytree(tmp_path / "base", like)
+    only = ["ema_latest", "latest", "random_states_0.pkl", "trainer_state.json", "zero_to_fp32.py"]
+    for name in only:
+        (like / name).write_text("checkpoint's own")
+    (like / "tokenizer_config.json").write_text("{}")  # a model file: shipped
+    out = to_hf(tmp_path / "ckpt", tmp_path / "out", like, tag="s", progress=False)
+    _loads_as(out, _one_step_ema(tmp_path / "base"))
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["ignored_in_like"] == only and (out / "tokenizer_config.json").is_file()
+    assert not [n for n in only if (out / n).exists()] and sorted(p.name for p in out.iterdir()) == record["written"]

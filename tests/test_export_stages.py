@@ -11,6 +11,7 @@ writes; the plan's names, prefixes, shapes and ties; PEFT's naming rule; and ``t
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -230,17 +231,27 @@ def test_peft_name_applies_peft_saving_rule():
         ("m.lm_head.modules_to_save.default.sub.bias", "default"): "m.lm_head.sub.bias",
         ("m.lm_head.modules_to_save.other.weight", "default"): "m.lm_head.modules_to_save.other.weight",
         ("m.x.modules_to_save", "default"): "m.x.modules_to_save",
-        ("m.default.modules_to_save.default.weight", "default"): "m.default.weight",
+        # then PEFT's removal of the adapter name as the second-to-last component, on every saved name (peft 0.21)
+        ("m.default.modules_to_save.default.weight", "default"): "m.weight",
         ("m.q.lora_magnitude_vector.default.weight", "default"): "m.q.lora_magnitude_vector",
         ("m.q.lora_magnitude_vector.default", "default"): "m.q.lora_magnitude_vector",
         ("m.q.lora_magnitude_vector.other.weight", "default"): "m.q.lora_magnitude_vector.other.weight",
         ("lora_magnitude_vector.default.weight", "default"): "lora_magnitude_vector",
         ("x.default", "default"): "x",
-        ("default.default", "default"): "default.default",
+        ("default.default", "default"): "default",  # as PEFT: the last component removed
         ("default", "default"): "default",
         ("m.default.w", "a"): "m.default.w",
+        # a module path component equal to the adapter name stays: only PEFT's own place is removed
+        ("m.layers.0.mlp.gate_proj.lora_A.mlp.weight", "mlp"): "m.layers.0.mlp.gate_proj.lora_A.weight",
+        ("m.layers.0.q.lora_B.0.weight", "0"): "m.layers.0.q.lora_B.weight",
+        ("m.mlp.lm_head.modules_to_save.mlp.weight", "mlp"): "m.mlp.lm_head.weight",
     }
     assert {k: names.peft_name(*k) for k in cases} == cases
+    if importlib.util.find_spec("peft") is not None:  # PEFT's own rule agrees where no modules_to_save is involved
+        from peft.tuners.tuners_utils import _remove_adapter_name_from_state_dict_key as peft_rule
+
+        plain = [k for k in cases if "modules_to_save" not in k[0] and "lora_magnitude_vector" not in k[0]]
+        assert {k: peft_rule(*k) for k in plain} == {k: cases[k] for k in plain}
 
 
 def test_adapters_in_finds_the_name_after_the_first_marker():
@@ -573,14 +584,13 @@ def test_commit_dir_replaces_a_previous_export_and_keeps_what_appeared(tmp_path,
     got = _raises(OutputPathError, outdir.commit_dir, tmp, final, Path("out"), False)
     assert got == "out_dir: out was filled while the export ran; it is left as it is"
     assert _listing(final) == {k[4:]: v for k, v in before.items() if k.startswith("out/")} and calls == []
-    assert not (tmp / MARKER).exists() and (tmp / "model.safetensors").read_bytes() == b"new"
+    assert (tmp / MARKER).exists() and (tmp / "model.safetensors").read_bytes() == b"new"  # still marked: removable
 
-    (tmp / MARKER).write_text("{}")
     outdir.commit_dir(tmp, final, Path("out"), True)
     assert [c[0] for c in calls] == ["rename", "rename", "fsync_dir"]
-    old = calls[0][2]
-    assert calls[0][1] == final and old.parent == tmp_path and old.name.startswith(".out.old-")
-    assert len(old.name) == len(".out.old-") + 8 and int(old.name[-8:], 16) >= 0
+    old = calls[0][2].parent  # the previous export parked as <old>/prev in a marked folder
+    assert calls[0][1] == final and calls[0][2].name == "prev" and old.parent == tmp_path
+    assert old.name.startswith(".out.old-") and len(old.name) == len(".out.old-") + 8 and int(old.name[-8:], 16) >= 0
     assert calls[1:] == [("rename", tmp, final), ("fsync_dir", tmp_path)]
     assert _listing(final) == {"model.safetensors": b"new", "ema_export.json": b"{}"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the old one removed, no .tmp- left
@@ -593,7 +603,10 @@ def test_commit_dir_replaces_a_previous_export_and_keeps_what_appeared(tmp_path,
         outdir.commit_dir(tmp, final, Path("out"), True)
     assert _listing(final) == {"model.safetensors": b"newest"}
     (old,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
-    assert _listing(old) == {"model.safetensors": b"new", "ema_export.json": _listing(old)["ema_export.json"]}
+    marker = json.loads((old / MARKER).read_text())
+    assert marker == {"host": socket.gethostname(), "pid": os.getpid()}  # a later export removes it once we are gone
+    prev = _listing(old / "prev")
+    assert prev == {"model.safetensors": b"new", "ema_export.json": prev["ema_export.json"]}
     shutil.rmtree(old)
 
     # A file that appeared in the previous export while the new one was written: nothing is replaced.
@@ -609,7 +622,6 @@ def test_commit_dir_replaces_a_previous_export_and_keeps_what_appeared(tmp_path,
     tmp = _tmp_export(tmp_path, "afile", {})
     got = _raises(OutputPathError, outdir.commit_dir, tmp, afile, afile, False)
     assert got == f"out_dir: {afile} was filled while the export ran; it is left as it is"
-    (tmp / MARKER).write_text("{}")
     got = _raises(OutputPathError, outdir.commit_dir, tmp, afile, afile, True)
     assert got.startswith(f"out_dir: refusing to replace {afile}: it is not a previous export of this tool")
     assert afile.read_text() == "mine"
@@ -2451,7 +2463,7 @@ def test_check_peft_compares_the_adapter_with_what_peft_reads(tmp_path):
     lora = {"base_model.model.m.q.lora_A.weight": (4, 8), "base_model.model.m.q.lora_B.weight": (6, 4)}
     plan_ = Plan([Item(n, F32, s, "ema", n) for n, s in lora.items()], [], "", [])
     _write(like.config_file, {"peft_type": "LORA", "r": 4, "target_modules": ["q"]})
-    assert _check_peft(like, plan_) == ""
+    assert _check_peft(like, plan_, "default") == ""
     _write(like.config_file, {"peft_type": "LORA", "r": 2, "target_modules": ["q"]})
     msg = _raises(CheckpointMismatchError, _check_peft, like, plan_)
     assert msg == (
@@ -2470,7 +2482,9 @@ def test_check_peft_compares_the_adapter_with_what_peft_reads(tmp_path):
     assert "(5 name(s), written vs read: base_model.model.h0.weight [2, 2] vs not read; " in msg
     assert "h3.weight [2, 2] vs not read). Give" in msg
     odd = Plan([Item("m.emb.lora_embedding_A", F32, (4, 8), "ema", "x")], [], "", [])
-    assert _check_peft(like, odd) == "the adapter has weights other than Linear LoRA, DoRA and modules_to_save"
+    assert (
+        _check_peft(like, odd, "default") == "the adapter has weights other than Linear LoRA, DoRA and modules_to_save"
+    )
 
 
 class _Spy:

@@ -13,7 +13,9 @@ peft           ``adapter_config.json``     ``adapter_model.safetensors``; a non-
 =============  ==========================  =============================================================
 
 Other ``*.safetensors`` files (``consolidated.safetensors``, a stray ``adapter_model.safetensors`` in a
-model folder) are ignored: not read, not copied, listed in the record. A folder with both a model's
+model folder) are ignored: not read, not copied, listed in the record; so are a training checkpoint's own files
+(:data:`CHECKPOINT_FILES`: ``trainer_state.json``, DeepSpeed's ``latest`` and ``zero_to_fp32.py``, ``ema_latest``,
+Accelerate's ``random_states_*``), where a checkpoint folder is given as ``--like``. A folder with both a model's
 weights and ``adapter_config.json`` is refused as ambiguous; so is one whose weights exist only as
 pickles (``pytorch_model.bin``: this library never unpickles).
 """
@@ -34,6 +36,9 @@ __all__ = ["LikeFolder", "read_like", "EXPORT_RECORD", "WEIGHT_SUFFIXES"]
 EXPORT_RECORD = "ema_export.json"
 #: Files never copied from ``--like``: weights of any format (the export writes its own) and the record.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json", ".gguf")
+#: Files of a training checkpoint folder (Trainer, DeepSpeed, Accelerate, this library) that are not the model's:
+#: never copied from a checkpoint folder given as ``--like``, listed in ``ignored_in_like``.
+CHECKPOINT_FILES = frozenset({"trainer_state.json", "latest", "latest_universal", "zero_to_fp32.py", "ema_latest"})
 _STEMS = MappingProxyType({"transformers": "model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"})
 _PICKLES = MappingProxyType(
     {"transformers": "pytorch_model", "diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
@@ -93,8 +98,10 @@ def read_like(like: Any, adapter_name: str) -> LikeFolder:
     _check_config(config, config_file, kind)
     weights, used = _weights(folder, kind)
     files = sorted(p for p in folder.iterdir() if p.is_file())
-    copied = [p for p in files if not p.name.endswith(WEIGHT_SUFFIXES) and p.name != EXPORT_RECORD]
+    skipped = [p for p in files if p.name in CHECKPOINT_FILES or p.name.startswith("random_states_")]
+    copied = [p for p in files if not p.name.endswith(WEIGHT_SUFFIXES) and p.name != EXPORT_RECORD and p not in skipped]
     ignored = [p.name for p in files if p.name.endswith(WEIGHT_SUFFIXES) and p.name not in used]
+    ignored = sorted({*ignored, *(p.name for p in skipped)})
     return LikeFolder(given, folder, kind, config, config_file, weights, copied, ignored)
 
 

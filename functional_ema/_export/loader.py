@@ -188,7 +188,7 @@ def _diffusers_view(cls: Any, config: dict[str, Any]) -> LoaderView:
 
 
 def peft_expected(
-    config_file: Path, planned: dict[str, tuple[int, ...]]
+    config_file: Path, planned: dict[str, tuple[int, ...]], adapter_name: str = "default"
 ) -> tuple[dict[str, tuple[int, ...]] | None, str]:
     """What PEFT's loader reads for the adapter folder whose ``adapter_config.json`` is ``config_file``, when
     the adapter written holds ``planned`` (saved name -> shape): (the names and shapes of
@@ -196,7 +196,8 @@ def peft_expected(
     module the adapter names, wrapped by PEFT from this config), or (None, why not built).
 
     So a config that asks for more or other weights than the export writes (another ``target_modules``,
-    ``layers_to_transform``, ``use_dora``, extra parameters such as KaSA's) is seen before it is shipped.
+    ``layers_to_transform``, ``use_dora``, extra parameters such as KaSA's) is seen before it is shipped. The stub
+    is wrapped as ``adapter_name``, so PEFT's own rule removes that name from the names it expects.
 
     Raises:
         ForeignFileError: PEFT cannot wrap the stub from this config (the message names the file).
@@ -213,8 +214,9 @@ def peft_expected(
         try:
             config = PeftConfig.from_pretrained(str(config_file.parent))
             with torch.device("meta"):
-                wrapped = get_peft_model(_stub(modules), config)
-            return {n: tuple(t.shape) for n, t in get_peft_model_state_dict(wrapped).items()}, ""
+                wrapped = get_peft_model(_stub(modules), config, adapter_name=adapter_name)
+            saved = get_peft_model_state_dict(wrapped, adapter_name=adapter_name)
+            return {n: tuple(t.shape) for n, t in saved.items()}, ""
         except Exception as e:  # noqa: BLE001 - any failure of PEFT on this config is the finding, named
             raise ForeignFileError(
                 f"like (--like): {config_file}: PEFT cannot build this adapter over the modules the EMA names "

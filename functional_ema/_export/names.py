@@ -4,7 +4,9 @@ PEFT's own rule (``peft.utils.get_peft_model_state_dict``, peft 0.21), for adapt
 
 * ``x.modules_to_save.a.y`` -> ``x.y`` (a fully trained copy of a module, saved under the module's name);
 * ``x.lora_magnitude_vector.a.weight`` -> ``x.lora_magnitude_vector`` (DoRA keeps its older name);
-* any other component ``a`` is removed (``q_proj.lora_A.a.weight`` -> ``q_proj.lora_A.weight``).
+* then, for every name, ``a`` is removed only as the last or the second-to-last component
+  (``q_proj.lora_A.a.weight`` -> ``q_proj.lora_A.weight``); a module path component equal to ``a`` elsewhere
+  (adapter ``mlp`` in ``layers.0.mlp.gate_proj...``, adapter ``0`` in ``layers.0...``) is kept.
 """
 
 from __future__ import annotations
@@ -40,12 +42,18 @@ def peft_name(name: str, adapter_name: str) -> str:
         i = parts.index("modules_to_save")
         if parts[i + 1 : i + 2] == [adapter_name]:
             del parts[i : i + 2]
-            return ".".join(parts)
-    if parts[-3:] == ["lora_magnitude_vector", adapter_name, "weight"]:
+    elif parts[-3:] == ["lora_magnitude_vector", adapter_name, "weight"]:
         parts.pop()
-    if len(parts) > 1:
-        kept = [p for p in parts if p != adapter_name]
-        parts = kept if kept else parts
+    return _remove_adapter_component(parts, adapter_name)
+
+
+def _remove_adapter_component(parts: list[str], adapter_name: str) -> str:
+    """PEFT's ``_remove_adapter_name_from_state_dict_key``: only the last or the second-to-last component equal to
+    the adapter name is removed, so a module path component that happens to equal it (adapter ``mlp``, ``0``) stays."""
+    if len(parts) > 1 and parts[-1] == adapter_name:
+        del parts[-1]
+    elif len(parts) > 2 and parts[-2] == adapter_name:
+        del parts[-2]
     return ".".join(parts)
 
 

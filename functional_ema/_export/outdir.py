@@ -4,14 +4,23 @@
   previous export: its ``ema_export.json`` says so and the folder holds no file that export did not
   write. Never the current folder, one of its parents, the home folder or ``/``; never inside or
   above what the export reads.
-* The export is built in ``.<name>.tmp-<id>`` beside ``out_dir``, marked with the writer's host and pid,
-  and renamed into place when complete. A later export of the same ``out_dir`` removes the temporary
-  folders of writers that died (same host, pid gone): only folders carrying that marker.
+* ``out_dir`` may not be a mount point: the export is renamed into place, and a mount point can be neither
+  renamed nor removed; the refusal comes before anything is written and suggests a subfolder.
+* The export is built in ``.<name>.tmp-<id>`` beside ``out_dir`` (``<name>`` shortened, with a hash of the
+  full name, where the full name would exceed the file system's 255-byte limit), marked with the writer's
+  host and pid, and renamed into place when complete. With ``overwrite``, the previous export is first moved
+  into a marked ``.<name>.old-<id>`` folder (as its ``prev``), removed once the new one is in place; the
+  new folder's marker is removed last. So a kill at any point leaves every folder marked, and a later
+  export of the same ``out_dir`` finishes the job for writers that died (same host, pid gone): it removes
+  their marked ``.tmp-``/``.old-`` folders, after putting a parked previous export back as ``out_dir`` when
+  ``out_dir`` is missing (the killed export is rolled back), and removes a dead writer's marker left in a
+  committed ``out_dir``. Folders without the library's marker are never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -61,6 +70,13 @@ def check_out_dir(out_dir: Any, avoid: list[Path], overwrite: bool) -> Path:
     for parent in real.parents:
         if parent.exists() and not parent.is_dir():
             raise OutputPathError(f"out_dir: {out} is under {parent}, which is a file, not a folder")
+    if real.parent.is_dir():
+        _recover_killed_commits(real)
+    if real.is_dir() and os.path.ismount(real):
+        raise OutputPathError(
+            f"out_dir: {out} (-> {real}) is a mount point: the export is built beside it and renamed into place, "
+            f"which a mount point does not allow; name a folder inside it, e.g. {out / 'ema_hf'}"
+        )
     if real.exists() and not real.is_dir():
         raise OutputPathError(f"out_dir: {out} exists and is not a folder; choose another name")
     if real.is_dir() and any(real.iterdir()):
@@ -98,24 +114,57 @@ def _check_previous_export(real: Path, out: Path) -> None:
 def new_tmp_dir(real_out: Path) -> Path:
     """A new temporary folder beside ``real_out``, marked as this process's; dead writers' folders removed first."""
     real_out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_tmp_dirs(real_out)
-    tmp = real_out.parent / f".{real_out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    _recover_killed_commits(real_out)
+    tmp = real_out.parent / f"{_hidden_stem(real_out.name)}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    marker = {"host": socket.gethostname(), "pid": os.getpid()}
-    (tmp / _IN_PROGRESS).write_text(json.dumps(marker))
+    _mark(tmp)
     return tmp
 
 
-def _remove_dead_tmp_dirs(real_out: Path) -> None:
-    for d in real_out.parent.glob(f".{real_out.name}.tmp-*"):
-        marker: Any = None
-        with contextlib.suppress(OSError, ValueError, RecursionError):
-            marker = json.loads((d / _IN_PROGRESS).read_bytes())
-        if not (isinstance(marker, dict) and marker.get("host") == socket.gethostname()):
-            continue  # not ours, or another machine's writer: left alone
-        pid = marker.get("pid")
-        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and not _alive(pid):
-            shutil.rmtree(d, ignore_errors=True)
+def _hidden_stem(name: str) -> str:
+    """``.<name>``, shortened (its start and a hash of the whole) where ``.<name>.old-<8 hex>`` would exceed the
+    255 bytes most file systems allow in a name: an ``out_dir`` named up to that limit is still exported."""
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) <= 200:
+        return f".{name}"
+    head = raw[:160].decode("utf-8", "ignore")  # a cut inside a multi-byte character drops that character
+    return f".{head}~{hashlib.sha256(raw).hexdigest()[:16]}"
+
+
+def _mark(folder: Path) -> None:
+    (folder / _IN_PROGRESS).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+
+def _dead_writer(folder: Path) -> bool:
+    """``folder`` carries this library's marker, written on this host by a process that is gone."""
+    marker: Any = None
+    with contextlib.suppress(OSError, ValueError, RecursionError):
+        marker = json.loads((folder / _IN_PROGRESS).read_bytes())
+    if not (isinstance(marker, dict) and marker.get("host") == socket.gethostname()):
+        return False  # not ours, or another machine's writer: left alone
+    pid = marker.get("pid")
+    return isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and not _alive(pid)
+
+
+def _recover_killed_commits(real_out: Path) -> None:
+    """Finish what writers of ``real_out`` that died left (see the module docstring); only marked folders."""
+    if real_out.is_dir() and _dead_writer(real_out):  # killed after its rename into place: the export is complete
+        with contextlib.suppress(OSError):
+            (real_out / _IN_PROGRESS).unlink()
+    stem = _hidden_stem(real_out.name)
+    try:  # not a glob: the name may hold glob characters ('[', '*')
+        leftovers = sorted(d for d in real_out.parent.iterdir() if d.name.startswith((f"{stem}.tmp-", f"{stem}.old-")))
+    except OSError:
+        return
+    for d in leftovers:
+        if not (d.is_dir() and not d.is_symlink() and _dead_writer(d)):
+            continue
+        prev = d / "prev"
+        if d.name.startswith(f"{stem}.old-") and prev.is_dir() and not os.path.lexists(real_out):
+            with contextlib.suppress(OSError):  # killed between its two renames: the previous export goes back
+                os.rename(prev, real_out)
+                _io.fsync_dir(real_out.parent)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -129,11 +178,11 @@ def _alive(pid: int) -> bool:
 
 
 def commit_dir(tmp: Path, final: Path, out: Path, overwrite: bool) -> None:
-    """Rename the complete ``tmp`` to ``final``; a previous export there is moved aside, then removed.
+    """Rename the complete ``tmp`` to ``final``; a previous export there is parked in a marked ``.old-`` folder,
+    then removed. Every folder stays marked until the new one is in place (see the module docstring).
 
     The ownership check runs again here: files that appeared in ``final`` while the export ran are kept.
     """
-    (tmp / _IN_PROGRESS).unlink()
     old = None
     if final.exists():
         if final.is_dir() and not any(final.iterdir()):
@@ -142,9 +191,16 @@ def commit_dir(tmp: Path, final: Path, out: Path, overwrite: bool) -> None:
             raise OutputPathError(f"out_dir: {out} was filled while the export ran; it is left as it is")
         else:
             _check_previous_export(final, out)
-            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(final, old)
+            old = final.with_name(f"{_hidden_stem(final.name)}.old-{uuid.uuid4().hex[:8]}")
+            old.mkdir()
+            _mark(old)  # marked before the previous export moves in: a kill from here on is recovered
+            try:
+                os.rename(final, old / "prev")
+            except OSError:
+                shutil.rmtree(old, ignore_errors=True)
+                raise
     os.rename(tmp, final)
+    (final / _IN_PROGRESS).unlink()
     _io.fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
