@@ -747,6 +747,30 @@ def test_an_adapter_named_like_a_module_path_component_exports_peft_names(tmp_pa
     assert len(ref) == 12 and not bad, bad
 
 
+def test_a_lora_of_the_embeddings_ships_the_frozen_base_layer_peft_saves(tmp_path):
+    """A LoRA whose targets include ``embed_tokens``: PEFT saves the frozen ``embed_tokens.base_layer.weight``
+    beside the adapter (``save_embedding_layers``). The EMA has no such tensor (frozen); the export copies it
+    from --like, records it, and ``PeftModel.from_pretrained`` loads every trained tensor as the plain-torch EMA."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from functional_ema.export import to_hf
+
+    ref = _peft_llama_ema(tmp_path, "default", ["q_proj", "embed_tokens"])
+    frozen = "base_model.model.model.embed_tokens.base_layer.weight"
+    like = load_file(tmp_path / "like" / "adapter_model.safetensors")
+    out = to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s", progress=False)
+    written = load_file(out / "adapter_model.safetensors")
+    assert sorted(written) == sorted(like) and torch.equal(written[frozen], like[frozen])
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["copied_from_like"] == [frozen], record
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    got = dict(PeftModel.from_pretrained(base, out).named_parameters())
+    bad = [n for n, want in ref.items() if n not in got or not torch.equal(got[n].detach(), want)]
+    assert len(ref) == 6 and not bad, bad  # q_proj A, B in two layers; lora_embedding_A, B
+
+
 def test_mixed_dtype_weights_under_a_config_stating_no_dtype_load_as_float32(tmp_path):
     """A bf16 ``--like`` whose config.json states no dtype (hand-written, other tools), an fp32 EMA of all but the
     frozen embedding (copied in bf16 from --like): the weights written are mixed, so the export states float32 in

@@ -95,7 +95,11 @@ def _check_lacking(lacking: list[str], like: LikeFolder, missing: str, selection
     """Weights the loader reads that the EMA lacks: refused for an adapter, with ``missing="error"``, or when
     ``--like`` has no weights to copy them from."""
     chosen = _selected_by(selection)
-    if lacking and like.kind == "peft":  # an adapter has no frozen weights: every one comes from the EMA
+    # An adapter's own weights all come from the EMA; the frozen base layers PEFT saves beside them (a LoRA of
+    # ``embed_tokens`` stores ``embed_tokens.base_layer.weight``: save_embedding_layers) are copied, as for a model.
+    adapter_own = [n for n in lacking if "base_layer" not in n.split(".")] if like.kind == "peft" else []
+    if adapter_own:
+        lacking = adapter_own
         why = (
             f" The checkpoint's selection ({chosen}) left them out of the EMA: export an EMA of every adapter weight "
             "(no include/exclude)."
