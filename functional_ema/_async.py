@@ -485,7 +485,8 @@ class AsyncSaver:
                 self._reap()
                 raise CheckpointError(
                     f"the previous async EMA save (step {h.step}, {h.tag_dir}) failed: {type(h._error).__name__}: "
-                    f"{h._error}. Nothing of it is marked complete; the checkpoint before it is intact"
+                    f"{h._error}. Nothing of it is marked complete, and nothing of the saves before it was changed by this "
+                    "library (unless something else removed their folders, they load as before)"
                 ) from h._error
         self._reap()
 

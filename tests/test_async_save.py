@@ -881,7 +881,8 @@ def test_unwaited_failure_is_raised_by_the_next_call_once(tmp_path, monkeypatch)
         saver.save(state, model, tmp_path, "v")
     assert str(e.value) == (
         f"the previous async EMA save (step 3, {tmp_path / 'u'}) failed: OSError: {ENOSPC}. Nothing of it is "
-        "marked complete; the checkpoint before it is intact"
+        "marked complete, and nothing of the saves before it was changed by this library (unless something else "
+        "removed their folders, they load as before)"
     )
     assert e.value.__cause__ is h.exception() and not (tmp_path / "v").exists()
     assert saver.save(state, model, tmp_path, "v").wait() == tmp_path / "v"  # raised once: the next save goes on
