@@ -869,8 +869,11 @@ def test_plan_checks_like_weights_against_the_loader_view(tmp_path):
         shown = given or "c absent vs [5]; d absent vs [6]; e absent vs [7]; f absent vs [8]"
         assert msg == (
             f"like (--like): the weights in {tmp_path / 'like'} are not what transformers.TinyForCausalLM built from "
-            f"config.json saves ({count} name(s) differ, weights vs config: {shown}): the folder's config and weights "
-            "disagree (a flag such as tie_word_embeddings, or a size, was edited)"
+            f"config.json saves ({count} name(s) differ, weights vs config: {shown}): the folder is not laid out as "
+            "this transformers saves that model. Its weights may be saved from the base model (names without the head "
+            "model's prefix, as in older Hub folders), hold keys the loader drops or lack tied ones it fills, or its "
+            "config (a flag such as tie_word_embeddings, or a size) was edited. Load it with from_pretrained, "
+            "save_pretrained it to a new folder, and pass that as --like"
         )
 
 

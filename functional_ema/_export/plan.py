@@ -210,8 +210,11 @@ def _expected(like: LikeFolder, view: LoaderView | None) -> dict[str, tuple[int,
         ]
         raise ForeignFileError(
             f"like (--like): the weights in {like.folder} are not what {view.cls} built from {like.config_file.name} "
-            f"saves ({len(odd)} name(s) differ, weights vs config: {'; '.join(shown)}): the folder's config and "
-            "weights disagree (a flag such as tie_word_embeddings, or a size, was edited)"
+            f"saves ({len(odd)} name(s) differ, weights vs config: {'; '.join(shown)}): the folder is not laid out as "
+            "this transformers saves that model. Its weights may be saved from the base model (names without the "
+            "head model's prefix, as in older Hub folders), hold keys the loader drops or lack tied ones it fills, "
+            "or its config (a flag such as tie_word_embeddings, or a size) was edited. Load it with from_pretrained, "
+            "save_pretrained it to a new folder, and pass that as --like"
         )
     return dict(view.saved)
 
