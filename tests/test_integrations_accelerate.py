@@ -289,18 +289,18 @@ def test_a_loop_that_accumulates_by_hand_counts_its_real_optimizer_steps():
     assert all(torch.equal(ema.state.ema[n], t) for n, t in ref.emas[0].items())
 
 
-def _prepared(seed: int = 0):
-    """A fresh CPU accelerator with a small model and its SGD optimizer prepared (one process)."""
+def _prepared(seed: int = 0, optimizer: type = torch.optim.SGD, **accelerator_kwargs):
+    """A fresh CPU accelerator with a small model and its optimizer (SGD) prepared (one process)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from torch import nn
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a new Accelerator, whatever the previous test made
     GradientState._reset_state()
-    acc = Accelerator(cpu=True)
+    acc = Accelerator(cpu=True, **accelerator_kwargs)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, optimizer = acc.prepare(model, optimizer(model.parameters(), lr=0.1))
     return acc, model, optimizer
 
 
@@ -354,8 +354,9 @@ def test_a_helper_holds_its_tag_until_remove_hooks_and_the_accelerator_still_pic
     acc, model, optimizer = _prepared()
     before = set(vars(acc))
     first = AcceleratorEMA(acc, model, decay=0.5)
-    assert set(vars(acc)) == before  # no attribute of its own on the accelerator
-    pickle.dumps(acc)  # with a helper's hooks registered (its EMA not started), as before the tag check
+    assert set(vars(acc)) == before | {"save_state"}  # only the wrapper of save_state (set once, by the first)
+    copy = pickle.loads(pickle.dumps(acc))  # with a helper's hooks registered (its EMA not started), as before
+    assert copy.save_state.accelerator is copy  # the wrapper comes back bound to the copy
     ref = first
     del first
     gc.collect()
@@ -368,7 +369,9 @@ def test_a_helper_holds_its_tag_until_remove_hooks_and_the_accelerator_still_pic
     other = AcceleratorEMA(acc, model, decay=0.9, tag="ema_slow")
     pickle.dumps(acc)
     ref.remove_hooks()
+    wrapper = acc.save_state
     again = AcceleratorEMA(acc, model, decay=0.9)  # freed by remove_hooks
+    assert acc.save_state is wrapper  # wrapped once, whatever the number of helpers
     with pytest.raises(ValueError, match="tag='ema_slow'"):
         AcceleratorEMA(acc, model, decay=0.9, tag="ema_slow")
     _train(acc, model, optimizer, (again, other))
@@ -475,3 +478,99 @@ def test_export_drops_every_wrapper_prefix_the_names_carry(tmp_path, wrapping):
     finally:
         if ours:
             dist.destroy_process_group()
+
+
+def _live(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_save_state_inside_swapped_writes_the_live_weights_and_keeps_the_ema_in(tmp_path):
+    """``accelerator.save_state`` inside ``with ema.swapped():`` (save when the EMA validation improves): Accelerate
+    gathers the model's state before its pre-hooks, so the helper's wrapper of ``save_state`` swaps the EMA out for
+    the save. The folder holds the live weights and the EMA, bitwise: ``load_state`` into a fresh model gives the
+    weights of the moment of the save (AdamW: its state too, training on equal); inside the block the model holds
+    the EMA again after the save. A ``save_state`` past the wrapper is refused in the hook, before Accelerate writes
+    the model's file, naming the folder."""
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, optimizer = _prepared(optimizer=torch.optim.AdamW)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    _train(acc, model, optimizer, (ema,), steps=4)
+    live, averaged = _live(model), fe.gather_full(ema.state, model)
+    assert not torch.equal(live["0.weight"], averaged["0.weight"])
+    with ema.swapped() as entered, torch.no_grad():
+        acc.save_state(str(tmp_path / "ckpt"))
+        inside = _live(model)
+    assert entered and all(torch.equal(inside[n], averaged[n]) for n in averaged)  # the EMA in again after the save
+    assert all(torch.equal(p, live[n]) for n, p in _live(model).items())  # and out at the end of the block
+    _train(acc, model, optimizer, (ema,), steps=2)
+    after = _live(model), fe.gather_full(ema.state, model)
+    ema.remove_hooks()
+
+    acc, model, optimizer = _prepared(seed=1, optimizer=torch.optim.AdamW)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    acc.load_state(str(tmp_path / "ckpt"))
+    assert all(torch.equal(p, live[n]) for n, p in _live(model).items())  # the live weights, not the EMA
+    restored = fe.gather_full(ema.state, model)
+    assert ema.optimizer_step == 4 and all(torch.equal(restored[n], t) for n, t in averaged.items())
+    _train(acc, model, optimizer, (ema,), steps=2)  # the resume trains on as the uninterrupted run did
+    assert all(torch.equal(p, after[0][n]) for n, p in _live(model).items())
+    assert all(torch.equal(t, after[1][n]) for n, t in fe.gather_full(ema.state, model).items())
+    refusal = r"save_state\('.*past'\) ran while the EMA is swapped .* Do not"
+    with ema.swapped(), torch.no_grad(), pytest.raises(RuntimeError, match=refusal):
+        type(acc).save_state(acc, str(tmp_path / "past"))  # past the wrapper: refused in the hook
+    assert not (tmp_path / "past" / "model.safetensors").exists()  # before Accelerate wrote the model's weights
+    ema.remove_hooks()
+
+
+def test_async_saves_with_total_limit_rotation_keep_the_newest_checkpoint_whole(tmp_path):
+    """``AcceleratorEMA(async_save=True)`` with ``ProjectConfiguration(automatic_checkpoint_naming=True,
+    total_limit=1)``, ``save_state()`` every step, each EMA write slowed down: Accelerate deletes the previous
+    checkpoint folder at the start of the next ``save_state``, before its hooks; the helper's wrapper commits the
+    EMA save in flight into it first. No error, only the newest folder left, holding a complete EMA equal to a
+    reference EMA (lerp of the live weights) at its step, bitwise; every save was complete before its folder went."""
+    import shutil
+    from pathlib import Path
+
+    from accelerate.utils import ProjectConfiguration
+
+    import functional_ema as fe
+    import functional_ema._async as fe_async
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
+    acc, model, optimizer = _prepared(project_config=project)
+    ema = AcceleratorEMA(acc, model, decay=0.5, async_save=True)
+    write, removed = fe_async._write_files, []
+
+    def slow_write(job, names):
+        time.sleep(0.3)  # the next save_state comes (and would delete this folder) before the write is done
+        return write(job, names)
+
+    rmtree = shutil.rmtree
+
+    def seen_rmtree(path, *args, **kwargs):
+        if Path(path).parent == tmp_path / "checkpoints":  # Accelerate's rotation
+            removed.append((Path(path).name, (Path(path) / "ema" / "ema_manifest.json").is_file()))
+        return rmtree(path, *args, **kwargs)
+
+    reference = None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fe_async, "_write_files", slow_write)
+        mp.setattr(shutil, "rmtree", seen_rmtree)
+        for _ in range(4):
+            _train(acc, model, optimizer, (ema,), steps=1)
+            weights = _live(model)
+            reference = weights if reference is None else {n: reference[n].lerp(w, 0.5) for n, w in weights.items()}
+            acc.save_state()
+        ema.wait()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["checkpoint_3"], names
+    # each folder deleted with its EMA complete
+    assert removed == [(f"checkpoint_{k}", True) for k in range(3)], removed
+    ckpt = tmp_path / "checkpoints" / "checkpoint_3"
+    assert fe.checkpoint.read_manifest(ckpt, "ema")["step"] == 4
+    saved = fe.checkpoint.consolidate(ckpt, "ema")
+    assert sorted(saved) == sorted(reference) and all(torch.equal(saved[n], t) for n, t in reference.items())
+    ema.remove_hooks()

@@ -906,3 +906,146 @@ def test_tags_named_like_what_lightning_writes_into_a_folder_checkpoint_are_refu
         EMACallback(decay=0.9, tag=tag)
     for ok in ("ema", "ema.v2", "ema_0", "checkpoints", "latest_ema"):
         assert EMACallback(decay=0.9, tag=ok).ema.tag == ok
+
+
+def test_checkpoint_paths_given_as_file_urls_are_their_local_paths(tmp_path, monkeypatch):
+    """``file:///abs/...`` checkpoint paths (Lightning reads and writes them through fsspec) name local files: removing
+    such a checkpoint (``remove_checkpoint``, what a rotation calls) removes the EMA beside it; ``fit(ckpt_path="file://...")`` resumes bitwise on the uninterrupted run (EMA and weights);
+    ``validate(ckpt_path="file://...")`` evaluates the EMA saved beside it, with no warning; ``save_checkpoint`` to one
+    writes the EMA beside it; nothing is written under the working directory (a relative ``file:/...`` folder).
+    (``ModelCheckpoint(dirpath="file://...")`` itself writes under the working directory: Lightning's realpath.)"""
+    import warnings
+
+    import lightning.pytorch as pl
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback, ema_dir_for
+    from tests._integration_models import quiet
+
+    quiet()
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    ema, module = EMACallback(decay=0.8), _tiny_module()
+    _tiny_trainer(tmp_path / "full", [ema], max_epochs=3).fit(module)
+    full, live = fe.gather_full(ema.state, module), {n: t.detach().clone() for n, t in module.state_dict().items()}
+
+    url = (tmp_path / "ckpt").as_uri()
+    saves = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_epochs=1, save_top_k=-1)
+    part = _tiny_trainer(tmp_path / "part", [EMACallback(decay=0.8), saves], max_epochs=2)
+    part.fit(_tiny_module())
+    part.strategy.remove_checkpoint(f"{url}/epoch=0-step=8.ckpt")  # what a rotation calls, given a file:// path
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["epoch=1-step=16.ckpt", "epoch=1-step=16.ckpt.ema"], names  # the removed one's EMA with it
+    second = f"{url}/epoch=1-step=16.ckpt"
+    assert ema_dir_for(second) == tmp_path / "ckpt" / "epoch=1-step=16.ckpt.ema"
+
+    ema, module = EMACallback(decay=0.8), _tiny_module()
+    _tiny_trainer(tmp_path / "resumed", [ema], max_epochs=3).fit(module, ckpt_path=second)
+    assert all(torch.equal(t, full[n]) for n, t in fe.gather_full(ema.state, module).items())
+    assert all(torch.equal(t, live[n]) for n, t in module.state_dict().items())
+
+    fresh = EMACallback(decay=0.8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _tiny_trainer(tmp_path / "eval", [fresh]).validate(_tiny_module(), ckpt_path=second, verbose=False)
+    assert not [str(w.message) for w in caught if "EMACallback" in str(w.message)]
+    assert int(fresh.state.step) == 16
+    trainer = _tiny_trainer(tmp_path / "manual", [EMACallback(decay=0.8)])
+    trainer.fit(_tiny_module())
+    trainer.save_checkpoint((tmp_path / "manual.ckpt").as_uri())
+    assert fe.checkpoint.read_manifest(tmp_path / "manual.ckpt.ema", "ema")["step"] == 8
+    assert not [str(p) for p in cwd.rglob("*")]  # nothing under a relative file:/ folder
+
+
+def test_rotation_keeps_a_folder_beside_a_folder_checkpoint(tmp_path):
+    """The EMA of a folder checkpoint (DeepSpeed, a distributed FSDP2 checkpoint) lives inside it, so a ``<ckpt>.ema``
+    folder beside one is not the callback's: removing the checkpoint (``ModelCheckpoint``'s rotation, through the
+    strategy's ``remove_checkpoint``) keeps it. Beside a file checkpoint, the EMA folder goes with the checkpoint."""
+    import lightning.pytorch as pl
+
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    saves = pl.callbacks.ModelCheckpoint(
+        dirpath=str(tmp_path / "ckpt"), every_n_epochs=1, save_top_k=1, monitor="step", mode="max"
+    )
+    trainer = _tiny_trainer(tmp_path, [EMACallback(decay=0.8), saves], max_epochs=2)
+    trainer.fit(_tiny_module())
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["epoch=1-step=16.ckpt", "epoch=1-step=16.ckpt.ema"], names
+    folder = tmp_path / "ckpt" / "dist.ckpt"  # what a distributed checkpoint looks like: a folder
+    (folder / "ema").mkdir(parents=True)
+    (folder / ".metadata").write_text("x")
+    mine = tmp_path / "ckpt" / "dist.ckpt.ema"
+    mine.mkdir()
+    (mine / "my_eval_results.json").write_text("{}")
+    trainer.strategy.remove_checkpoint(str(folder))
+    assert not folder.exists() and (mine / "my_eval_results.json").read_text() == "{}"
+    trainer.strategy.remove_checkpoint(str(tmp_path / "ckpt" / "epoch=1-step=16.ckpt"))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["dist.ckpt.ema"]
+
+
+def test_a_save_before_the_ema_update_of_its_step(tmp_path):
+    """A callback listed before EMACallback calls ``trainer.save_checkpoint`` in ``on_train_batch_end`` (the optimizer
+    stepped, the EMA not updated for that step yet; at the end of the first epoch): the save first gives the EMA that step, so the checkpoint's EMA
+    is a plain lerp of the live weights at its step, bitwise, and a resume from it ends on the uninterrupted run's
+    EMA. Under manual optimization the save is refused, naming the callback order, before Lightning writes."""
+    import lightning.pytorch as pl
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback, ema_dir_for
+    from tests._integration_models import quiet
+
+    quiet()
+    decay = 0.7
+    snaps: dict[int, dict] = {}
+
+    class Oracle(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            step = trainer.global_step
+            if step in snaps:
+                return
+            weights = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            before = snaps.get(step - 1)
+            snaps[step] = weights if before is None else {n: before[n].lerp(w, 1 - decay) for n, w in weights.items()}
+
+    class SaveAt8(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 8 and not (tmp_path / "at8.ckpt").exists():
+                trainer.save_checkpoint(tmp_path / "at8.ckpt")
+
+    def trainer(callbacks):
+        return pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=16, callbacks=callbacks, enable_checkpointing=False, **QUIET
+        )
+
+    ema, module = EMACallback(decay=decay), _tiny_module()
+    trainer([SaveAt8(), ema, Oracle()]).fit(module)
+    full, live = fe.gather_full(ema.state, module), {n: t.detach().clone() for n, t in module.state_dict().items()}
+    where = ema_dir_for(tmp_path / "at8.ckpt")
+    assert fe.checkpoint.read_manifest(where, "ema")["extra"]["framework_step"] == 8
+    saved = fe.checkpoint.consolidate(where, "ema")
+    assert sorted(saved) == sorted(snaps[8]) and all(torch.equal(saved[n], t) for n, t in snaps[8].items())
+    assert all(torch.equal(t, snaps[16][n]) for n, t in full.items())
+    resumed, module = EMACallback(decay=decay), _tiny_module()
+    trainer([resumed]).fit(module, ckpt_path=str(tmp_path / "at8.ckpt"))
+    assert all(torch.equal(t, full[n]) for n, t in fe.gather_full(resumed.state, module).items())
+    assert all(torch.equal(t, live[n]) for n, t in module.state_dict().items())
+
+    class Manual(type(_tiny_module())):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.loss(batch))
+            opt.step()
+
+    (tmp_path / "at8.ckpt").unlink()
+    with pytest.raises(RuntimeError, match=r"at8\.ckpt'\) at global step 8: .* listed before EMACallback .* Nothing"):
+        trainer([SaveAt8(), EMACallback(decay=decay)]).fit(Manual())
+    assert not (tmp_path / "at8.ckpt").exists()

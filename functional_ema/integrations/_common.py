@@ -325,6 +325,11 @@ class EMAController:
         return len(self.decays)
 
     @property
+    def async_save(self) -> bool:
+        """Whether the EMA files are written in the background (``async_save=True``)."""
+        return self._saver is not None
+
+    @property
     def started(self) -> bool:
         return self.state is not None
 

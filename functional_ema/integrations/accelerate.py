@@ -19,7 +19,13 @@ Example (the gradient-accumulation loop; DeepSpeed, FSDP2, DDP or one process al
     accelerator.load_state("ckpt")      # ... and reads them back (any world size: it reshards)
 
 The helper registers a save-state and a load-state pre-hook on the accelerator; each writes or reads
-the EMA inside the folder ``save_state``/``load_state`` uses. The optimizer step is DeepSpeed's
+the EMA inside the folder ``save_state``/``load_state`` uses. Accelerate gathers the model's state (and,
+with ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)``, deletes the oldest checkpoint
+folders) before its pre-hooks run, so the first helper of an accelerator also wraps its ``save_state`` (an
+instance attribute, :class:`_SaveState`, which pickles with the accelerator): a ``save_state`` inside
+``with ema.swapped():`` writes the live (trained) weights, the EMA swapped out for the save and in again after
+it (as the Lightning callback does); with ``async_save=True`` and a ``total_limit``, the EMA save in flight is
+committed on every rank before Accelerate may delete its folder. The optimizer step is DeepSpeed's
 ``engine.global_steps`` under DeepSpeed, else a count of the steps really taken, kept in the checkpoint: the
 steps of the optimizers the accelerator had prepared when the helper was made (those holding the model's
 parameters), counted by a step post-hook on each of them (per instance), so a loop that accumulates by hand
@@ -31,12 +37,13 @@ none is counted inside ``accelerator.accumulate`` or when the fp16 scaler skips 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import accelerate  # noqa: F401 - the framework this module glues to
@@ -60,28 +67,98 @@ _COMPILED_PREFIX = "_orig_mod."
 _DDP_PREFIX = "module."
 
 
-def _check_tag(accelerator: Any, tag: str, helper: AcceleratorEMA) -> None:
-    """Refuse ``tag`` when another live helper of this accelerator writes it at ``save_state`` (both would write
-    ``<folder>/<tag>/``, the second overwriting the first). The live helpers are found through the accelerator's own
-    save-state pre-hooks (a helper's bound ``_on_save``): nothing is stored on the accelerator, and a helper holds
-    its tag exactly as long as its hook is registered (until its :meth:`~AcceleratorEMA.remove_hooks`). An
-    accelerator that keeps its hooks elsewhere (another Accelerate version) is not checked."""
+def _live_helpers(accelerator: Any) -> list[AcceleratorEMA]:
+    """The helpers registered on ``accelerator`` now, found through its own save-state pre-hooks (a helper's bound
+    ``_on_save``): nothing is kept elsewhere, and a helper is live exactly as long as its hook is registered (until
+    its :meth:`~AcceleratorEMA.remove_hooks`). ``[]`` for an accelerator that keeps its hooks elsewhere (another
+    Accelerate version)."""
     hooks = getattr(accelerator, "_save_model_state_pre_hook", None)
     if not isinstance(hooks, Mapping):
-        return
+        return []
+    helpers = []
     for hook in list(hooks.values()):
         other = getattr(hook, "__self__", None)
-        if (
-            isinstance(other, AcceleratorEMA)
-            and other is not helper
-            and getattr(hook, "__name__", None) == "_on_save"
-            and other.ema.tag == tag
-        ):
+        if isinstance(other, AcceleratorEMA) and getattr(hook, "__name__", None) == "_on_save":
+            helpers.append(other)
+    return helpers
+
+
+def _check_tag(accelerator: Any, tag: str, helper: AcceleratorEMA) -> None:
+    """Refuse ``tag`` when another live helper of this accelerator (:func:`_live_helpers`) writes it at
+    ``save_state`` (both would write ``<folder>/<tag>/``, the second overwriting the first)."""
+    for other in _live_helpers(accelerator):
+        if other is not helper and other.ema.tag == tag:
             raise ValueError(
                 f"tag={tag!r}: another AcceleratorEMA of this accelerator already uses it; both would write their "
                 f"EMA into <save_state folder>/{tag}/, the second overwriting the first. Call remove_hooks() on the "
                 "other helper, or give this one its own tag= (e.g. tag='ema_slow')"
             )
+
+
+class _SaveState:
+    """``accelerator.save_state``, wrapped: set on the accelerator (an instance attribute shadowing the method) by its
+    first helper, once. Accelerate gathers the model's state, and deletes the oldest checkpoint folders
+    (``total_limit``), before its save-state pre-hooks run; this runs before both. For each live helper
+    (:func:`_live_helpers`; none after every ``remove_hooks()``: then it only calls through) it commits an async
+    EMA save in flight into a folder Accelerate may delete, and swaps the EMA out of the model for the save and
+    in again after it. A plain object (the accelerator and the callable it wraps), so the accelerator still
+    pickles and deep-copies."""
+
+    def __init__(self, accelerator: Any, inner: Any = None) -> None:
+        self.accelerator = accelerator
+        self.inner = inner  # an instance-level save_state set before this one (another wrapper), else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        acc = self.accelerator
+        save = self.inner if self.inner is not None else functools.partial(type(acc).save_state, acc)
+        with contextlib.ExitStack() as stack:
+            for helper in _live_helpers(acc):
+                stack.enter_context(helper._saving())
+            return save(*args, **kwargs)
+
+
+def _wrap_save_state(accelerator: Any) -> None:
+    """Set :class:`_SaveState` on ``accelerator`` unless it is there already. Not for an accelerator that keeps its
+    hooks elsewhere (another Accelerate version): the wrapper could not find the helpers there, and the helper's
+    save hook refuses a save while its EMA is swapped in instead."""
+    if not isinstance(getattr(accelerator, "_save_model_state_pre_hook", None), Mapping):
+        return
+    current = vars(accelerator).get("save_state")
+    if not isinstance(current, _SaveState):
+        accelerator.save_state = _SaveState(accelerator, current)
+
+
+class _Swapped:
+    """:meth:`AcceleratorEMA.swapped`'s block: the EMA swapped in, out around each ``save_state`` inside it
+    (:meth:`AcceleratorEMA._saving`), then in again."""
+
+    def __init__(self, helper: AcceleratorEMA, index: int | None) -> None:
+        self.helper, self.index = helper, index
+        self.inner: contextlib.AbstractContextManager[bool] | None = None  # the swap in force (None: swapped out)
+
+    def _in(self) -> bool:
+        cm = self.helper.ema.swapped(self.helper.model, self.index)
+        entered = cm.__enter__()
+        self.inner = cm
+        return entered
+
+    def _out(self) -> None:
+        inner, self.inner = self.inner, None
+        if inner is not None:
+            inner.__exit__(None, None, None)
+
+    def __enter__(self) -> bool:
+        entered = self._in()
+        self.helper._swaps.append(self)
+        return entered
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        if self in self.helper._swaps:
+            self.helper._swaps.remove(self)
+        inner, self.inner = self.inner, None
+        return None if inner is None else inner.__exit__(exc_type, exc, tb)
 
 
 def _wrapper_prefix(model: Any) -> str:
@@ -136,10 +213,12 @@ class AcceleratorEMA:
         self._steps = 0
         self._pending: list[int] = []  # per hooked optimizer: the steps it took since the last step() call
         self._seen = 0  # how many prepared optimizers were looked at (one prepared later is hooked at step())
+        self._swaps: list[_Swapped] = []  # the swapped() blocks open now
         self._handles = [
             accelerator.register_save_state_pre_hook(self._on_save),
             accelerator.register_load_state_pre_hook(self._on_load),
         ]
+        _wrap_save_state(accelerator)
         self._hook_optimizers()
 
     def _hook_optimizers(self) -> int:
@@ -202,11 +281,51 @@ class AcceleratorEMA:
             self._steps += int(acc.sync_gradients and not acc.optimizer_step_was_skipped)
         return self.ema.on_step(self.model, self.optimizer_step)
 
-    def swapped(self, index: int | None = None) -> AbstractContextManager[bool]:
-        """Context manager: the model computes with EMA ``index`` (default ``eval_index``)."""
-        return self.ema.swapped(self.model, index)
+    def swapped(self, index: int | None = None) -> contextlib.AbstractContextManager[bool]:
+        """Context manager: the model computes with EMA ``index`` (default ``eval_index``). Yields whether EMA
+        weights are in (``False`` before the EMA started). An ``accelerator.save_state`` inside the block writes the
+        live (trained) weights: the EMA is swapped out for the save, and in again after it."""
+        return _Swapped(self, index)
+
+    @contextlib.contextmanager
+    def _saving(self) -> Iterator[None]:
+        """Around ``accelerator.save_state`` (:class:`_SaveState`), before Accelerate deletes or gathers anything."""
+        config = getattr(self.accelerator, "project_configuration", None)
+        if (
+            self.ema.async_save
+            and getattr(config, "automatic_checkpoint_naming", False)
+            and getattr(config, "total_limit", None) is not None
+        ):
+            # Accelerate deletes the oldest checkpoint folders first, on the main process: an EMA save in flight
+            # into one of them is committed on every rank first (a failure of it is raised here, before anything
+            # is deleted), so a folder goes whole, never mid-write.
+            self.ema.wait()
+            self.accelerator.wait_for_everyone()
+        swaps = [s for s in self._swaps if s.inner is not None]
+        for s in reversed(swaps):
+            s._out()  # the live weights back before Accelerate gathers the model's state
+        # torch.distributed.checkpoint steps an optimizer without state once (zero gradients and lr) to build it
+        # when FSDP's optimizer state is gathered: not a training step, so not counted.
+        pending = list(self._pending)
+        try:
+            yield
+        finally:
+            self._pending[: len(pending)] = pending
+            for s in swaps:
+                s._in()
 
     def _on_save(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        if any(s.inner is not None for s in self._swaps):
+            # Only when save_state was not called through _SaveState (e.g. Accelerator.save_state(acc, ...)):
+            # the model's state gathered before this hook is the EMA's.
+            raise RuntimeError(
+                f"accelerator.save_state({output_dir!r}) ran while the EMA is swapped into the model (inside `with "
+                "ema.swapped():`) and past the helper's wrapper of accelerator.save_state, which swaps the live "
+                f"weights back for the save: Accelerate gathered the EMA as the model's weights, so {output_dir} "
+                "holds EMA weights where the model's belong (under FSDP and DeepSpeed they are written already). Do "
+                "not resume from that folder; call accelerator.save_state(...) itself, or save outside the `with "
+                "ema.swapped():` block"
+            )
         folder = local_folder(output_dir, "accelerator.save_state(output_dir)", "Accelerate")
         self.ema.save(self.model, folder, self.optimizer_step)
 

@@ -23,12 +23,16 @@ Per Lightning event:
 * saving: every ``trainer.save_checkpoint`` (``ModelCheckpoint`` included) also writes every rank's
   EMA pieces: inside the checkpoint folder when the checkpoint is a folder (DeepSpeed,
   distributed FSDP2 checkpoints: ``<ckpt>/ema/``), else beside the file (``<ckpt>.ema/ema/``),
-  removed with it when ``ModelCheckpoint`` rotates checkpoints. With ``shared=False`` (folders the ranks
+  removed with it when ``ModelCheckpoint`` rotates checkpoints (a ``<ckpt>.ema`` beside a folder checkpoint is not
+  the callback's, and stays). A ``file://`` checkpoint path is its local path. With ``shared=False`` (folders the ranks
   do not share: Ray Train's ``RayTrainReportCallback`` saves into each worker's own folder) each rank writes
   beside its own path, not rank 0's. Lightning's callback hooks are not
   told the checkpoint path, so the callback wraps this trainer's ``save_checkpoint`` and its
   strategy's ``remove_checkpoint`` (instance attributes, set up in ``setup``). A save while the EMA is swapped
-  in writes the live weights (swapped out for the save, in again after it);
+  in writes the live weights (swapped out for the save, in again after it). A save after an optimizer step and
+  before this callback's ``on_train_batch_end`` (from a callback listed before it) first updates the EMA for
+  that step, with the weights that step made, as ``on_train_batch_end`` would (automatic optimization; under
+  manual optimization it is refused, before Lightning writes anything);
 * ``on_train_start`` of ``fit(ckpt_path=...)``: load the EMA saved with that checkpoint (any world
   size: it reshards);
 * ``on_train_end``: optional export to one safetensors file, or copy into the model.
@@ -60,10 +64,10 @@ from typing import Any
 import lightning.pytorch as pl
 
 from functional_ema._state import EmaState
-from functional_ema._storage import is_url, remove_tree, storage_for
+from functional_ema._storage import file_url_path, is_url, remove_tree, storage_for
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, agreed_everywhere, check_folder_tag, has_saved_ema
+from ._common import EMAController, agreed_everywhere, check_folder_tag, expected_ema_step, has_saved_ema
 
 __all__ = ["EMACallback", "ema_dir_for"]
 
@@ -82,14 +86,34 @@ def ema_dir_for(ckpt_path: str | os.PathLike) -> Path | str:
     checkpoint at a URL (``s3://bucket/run/epoch=0-step=8.ckpt``), the URL of that place (a ``str``): the
     storage is asked whether the checkpoint is a folder (a prefix) or an object. A local symbolic link (``last.ckpt``
     of ``ModelCheckpoint(save_last="link")``, which Lightning links to a checkpoint without saving it) is resolved to
-    its target: the EMA was saved beside the checkpoint it points to."""
+    its target: the EMA was saved beside the checkpoint it points to. A ``file://`` URL (``file:///abs/x.ckpt``,
+    which Lightning reads through fsspec) is its local path."""
     if isinstance(ckpt_path, str) and is_url(ckpt_path):
         url = ckpt_path.rstrip("/")
         return url if _url_is_folder(url) else url + ".ema"
-    p = Path(ckpt_path)
+    p = _local(ckpt_path)
     if p.is_symlink():
         p = p.resolve()
     return p if p.is_dir() else p.with_name(p.name + ".ema")
+
+
+def _local(path: str | os.PathLike) -> Path:
+    """A local checkpoint path, a ``file://`` URL mapped to the path it names (``ValueError`` for one naming another
+    host)."""
+    local = file_url_path(path) if isinstance(path, str) else None
+    return Path(path if local is None else local)
+
+
+def _ema_beside(ckpt_path: str | os.PathLike) -> Path | str | None:
+    """The folder this callback writes beside the checkpoint ``ckpt_path`` (``<ckpt>.ema``; a URL's: a ``str``),
+    asked before the checkpoint is removed; ``None`` when the checkpoint is a folder (DeepSpeed, a distributed
+    checkpoint): its EMA is inside it, removed with it, and a ``<ckpt>.ema`` beside it is someone else's."""
+    path = os.fspath(ckpt_path)
+    if is_url(path):
+        url = path.rstrip("/")
+        return None if _url_is_folder(url) else url + ".ema"
+    p = _local(path)
+    return None if p.is_dir() else p.with_name(p.name + ".ema")
 
 
 def _url_is_folder(url: str) -> bool:
@@ -126,6 +150,7 @@ class EMACallback(pl.Callback):
         self._warned_live = False  # a validation before the EMA started was warned about (once)
         self._loaded_meta: dict[str, Any] | None = None  # this callback's state in the checkpoint being restored
         self._live_run = False  # this validate/test run's checkpoint has no EMA: it evaluates the live weights
+        self._seen_step: int | None = None  # the step on_train_batch_end last gave the EMA (inside fit)
 
     @property
     def state(self) -> EmaState | None:
@@ -141,7 +166,7 @@ class EMACallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Per run, before Lightning restores its checkpoint: no metadata of an earlier run's checkpoint is kept.
-        self._loaded_meta, self._live_run = None, False
+        self._loaded_meta, self._live_run, self._seen_step = None, False, None
         if getattr(trainer, _WRAPPED_ATTR, None) is self:
             return
         save, strategy = trainer.save_checkpoint, trainer.strategy
@@ -158,6 +183,7 @@ class EMACallback(pl.Callback):
             swapped = self._swap is not None
             self._unswap()
             try:
+                self._catch_up(trainer, filepath)  # before Lightning writes: a refusal leaves nothing behind
                 save(filepath, *args, **kwargs)
                 self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
             finally:
@@ -166,13 +192,13 @@ class EMACallback(pl.Callback):
             self._last_saved = path
 
         def remove_checkpoint(filepath: str | Path) -> None:
+            # Asked before the checkpoint goes: whether it is a file (its EMA beside it, this callback's) or a
+            # folder (its EMA inside it, removed with it).
+            sibling = _ema_beside(filepath) if trainer.is_global_zero else None
             remove(filepath)
-            if isinstance(filepath, str) and is_url(filepath):
-                if trainer.is_global_zero:
-                    _remove_url_ema(filepath)
-                return
-            sibling = Path(os.fspath(filepath) + ".ema")
-            if trainer.is_global_zero and sibling.is_dir():
+            if isinstance(sibling, str):
+                _remove_url_ema(sibling.removesuffix(".ema"))
+            elif sibling is not None and sibling.is_dir():
                 shutil.rmtree(sibling, ignore_errors=True)
 
         # Instance attributes shadowing the methods, on purpose: the hooks are not told the checkpoint path.
@@ -193,7 +219,35 @@ class EMACallback(pl.Callback):
 
     # ----------------------------------------------------------------------------------- events
 
+    def _catch_up(self, trainer: pl.Trainer, filepath: str | Path) -> None:
+        """Before a save: an optimizer step this callback's ``on_train_batch_end`` has not seen yet (the save comes
+        from a callback listed before it, or the module's ``training_step``) is given to the EMA now, with the
+        weights it made, as ``on_train_batch_end`` would (it is then a no-op for that step). Under automatic
+        optimization only: there one optimizer step makes one global step, and the weights stay as it left them
+        until the batch ends. Under manual optimization (several steps per batch, weights changed afterwards) the
+        save is refused, before Lightning writes anything."""
+        seen, step = self._seen_step, trainer.global_step
+        if seen is None or step <= seen:
+            return
+        if step == seen + 1 and trainer.lightning_module.automatic_optimization:
+            self.ema.on_step(self._target(trainer), step)
+            self._seen_step = step
+            return
+        if expected_ema_step(step, self.ema.start_step, self.ema.every_n_steps) == expected_ema_step(
+            seen, self.ema.start_step, self.ema.every_n_steps
+        ):
+            return  # the rules leave the EMA where it is at this step: what is saved is the uninterrupted run's
+        raise RuntimeError(
+            f"trainer.save_checkpoint({os.fspath(filepath)!r}) at global step {step}: the optimizer stepped since "
+            f"EMACallback last updated the EMA (at step {seen}), and its on_train_batch_end for this step has not "
+            "run yet, so the EMA to save with this checkpoint does not exist yet. The save runs before EMACallback's "
+            "on_train_batch_end: from a callback listed before EMACallback in Trainer(callbacks=[...]), or from the "
+            "LightningModule (manual optimization). List EMACallback before the callback that saves, or save from "
+            "on_train_batch_end of a callback listed after it. Nothing was written"
+        )
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._seen_step = trainer.global_step
         if trainer.ckpt_path:
             where = ema_dir_for(trainer.ckpt_path)
             self.ema.load(self._target(trainer), where, framework_step=trainer.global_step)
@@ -224,6 +278,7 @@ class EMACallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.ema.on_step(self._target(trainer), trainer.global_step)
+        self._seen_step = trainer.global_step
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._load_evaluated_checkpoint(trainer)
