@@ -354,9 +354,9 @@ def test_a_helper_holds_its_tag_until_remove_hooks_and_the_accelerator_still_pic
     acc, model, optimizer = _prepared()
     before = set(vars(acc))
     first = AcceleratorEMA(acc, model, decay=0.5)
-    assert set(vars(acc)) == before | {"save_state"}  # only the wrapper of save_state (set once, by the first)
+    assert set(vars(acc)) == before | {"save_state", "load_state"}  # only their wrappers (set once, by the first)
     copy = pickle.loads(pickle.dumps(acc))  # with a helper's hooks registered (its EMA not started), as before
-    assert copy.save_state.accelerator is copy  # the wrapper comes back bound to the copy
+    assert copy.save_state.accelerator is copy and copy.load_state.accelerator is copy  # bound to the copy
     ref = first
     del first
     gc.collect()
@@ -521,6 +521,34 @@ def test_save_state_inside_swapped_writes_the_live_weights_and_keeps_the_ema_in(
     with ema.swapped(), torch.no_grad(), pytest.raises(RuntimeError, match=refusal):
         type(acc).save_state(acc, str(tmp_path / "past"))  # past the wrapper: refused in the hook
     assert not (tmp_path / "past" / "model.safetensors").exists()  # before Accelerate wrote the model's weights
+    ema.remove_hooks()
+
+
+def test_load_state_inside_swapped_loads_the_live_weights_and_swaps_the_loaded_ema_in(tmp_path):
+    """``accelerator.load_state`` inside ``with ema.swapped():``: the helper's wrapper swaps the EMA out first, so
+    the load replaces the live weights (swapped in, the block's end would have put the weights of before the load
+    back, silently undoing it), then swaps the loaded EMA in. Inside: the loaded EMA; after the block: the loaded
+    live weights; both the saved ones, bitwise. A ``load_state`` past the wrapper is refused in the hook."""
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, optimizer = _prepared(optimizer=torch.optim.AdamW)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    _train(acc, model, optimizer, (ema,), steps=4)
+    saved_live, saved_ema = _live(model), fe.gather_full(ema.state, model)
+    acc.save_state(str(tmp_path / "ckpt"))
+    _train(acc, model, optimizer, (ema,), steps=2)  # both move on past the save
+    assert not torch.equal(_live(model)["0.weight"], saved_live["0.weight"])
+    with ema.swapped() as entered, torch.no_grad():
+        acc.load_state(str(tmp_path / "ckpt"))
+        inside = _live(model)
+    assert entered and all(torch.equal(inside[n], t) for n, t in saved_ema.items())  # the loaded EMA is in
+    assert all(torch.equal(p, saved_live[n]) for n, p in _live(model).items())  # the load was not undone
+    assert ema.optimizer_step == 4
+    assert all(torch.equal(t, saved_ema[n]) for n, t in fe.gather_full(ema.state, model).items())
+    refusal = r"load_state\('.*ckpt'\) ran while the EMA is swapped .* load outside"
+    with ema.swapped(), torch.no_grad(), pytest.raises(RuntimeError, match=refusal):
+        type(acc).load_state(acc, str(tmp_path / "ckpt"))  # past the wrapper: refused in the hook
     ema.remove_hooks()
 
 

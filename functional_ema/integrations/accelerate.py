@@ -21,10 +21,11 @@ Example (the gradient-accumulation loop; DeepSpeed, FSDP2, DDP or one process al
 The helper registers a save-state and a load-state pre-hook on the accelerator; each writes or reads
 the EMA inside the folder ``save_state``/``load_state`` uses. Accelerate gathers the model's state (and,
 with ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)``, deletes the oldest checkpoint
-folders) before its pre-hooks run, so the first helper of an accelerator also wraps its ``save_state`` (an
-instance attribute, :class:`_SaveState`, which pickles with the accelerator): a ``save_state`` inside
-``with ema.swapped():`` writes the live (trained) weights, the EMA swapped out for the save and in again after
-it (as the Lightning callback does); with ``async_save=True`` and a ``total_limit``, the EMA save in flight is
+folders) before its pre-hooks run, so the first helper of an accelerator also wraps its ``save_state`` and
+``load_state`` (instance attributes, :class:`_StateVerb`, which pickle with the accelerator): a ``save_state``
+inside ``with ema.swapped():`` writes the live (trained) weights, the EMA swapped out for the save and in again
+after it (as the Lightning callback does), and a ``load_state`` there loads the live weights and swaps the
+loaded EMA in; with ``async_save=True`` and a ``total_limit``, the EMA save in flight is
 committed on every rank before Accelerate may delete its folder. The optimizer step is DeepSpeed's
 ``engine.global_steps`` under DeepSpeed, else a count of the steps really taken, kept in the checkpoint: the
 steps of the optimizers the accelerator had prepared when the helper was made (those holding the model's
@@ -95,37 +96,40 @@ def _check_tag(accelerator: Any, tag: str, helper: AcceleratorEMA) -> None:
             )
 
 
-class _SaveState:
-    """``accelerator.save_state``, wrapped: set on the accelerator (an instance attribute shadowing the method) by its
-    first helper, once. Accelerate gathers the model's state, and deletes the oldest checkpoint folders
-    (``total_limit``), before its save-state pre-hooks run; this runs before both. For each live helper
-    (:func:`_live_helpers`; none after every ``remove_hooks()``: then it only calls through) it commits an async
-    EMA save in flight into a folder Accelerate may delete, and swaps the EMA out of the model for the save and
-    in again after it. A plain object (the accelerator and the callable it wraps), so the accelerator still
-    pickles and deep-copies."""
+class _StateVerb:
+    """``accelerator.save_state`` or ``load_state``, wrapped: set on the accelerator (an instance attribute shadowing
+    the method) by its first helper, once each. Accelerate gathers the model's state, and deletes the oldest
+    checkpoint folders (``total_limit``), before its save-state pre-hooks run, and loads a DeepSpeed or FSDP model
+    before its load-state pre-hooks; this runs before all of that. For each live helper (:func:`_live_helpers`;
+    none after every ``remove_hooks()``: then it only calls through) it enters :meth:`AcceleratorEMA._saving` or
+    :meth:`AcceleratorEMA._loading`: the EMA swapped out of the model for the verb and in again after it. A plain
+    object (the accelerator, the verb's name and the callable it wraps), so the accelerator still pickles and
+    deep-copies."""
 
-    def __init__(self, accelerator: Any, inner: Any = None) -> None:
+    def __init__(self, accelerator: Any, name: str, inner: Any = None) -> None:
         self.accelerator = accelerator
-        self.inner = inner  # an instance-level save_state set before this one (another wrapper), else None
+        self.name = name  # "save_state" or "load_state"
+        self.inner = inner  # an instance-level verb set before this one (another wrapper), else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         acc = self.accelerator
-        save = self.inner if self.inner is not None else functools.partial(type(acc).save_state, acc)
+        verb = self.inner if self.inner is not None else functools.partial(getattr(type(acc), self.name), acc)
         with contextlib.ExitStack() as stack:
             for helper in _live_helpers(acc):
-                stack.enter_context(helper._saving())
-            return save(*args, **kwargs)
+                stack.enter_context(helper._saving() if self.name == "save_state" else helper._loading())
+            return verb(*args, **kwargs)
 
 
-def _wrap_save_state(accelerator: Any) -> None:
-    """Set :class:`_SaveState` on ``accelerator`` unless it is there already. Not for an accelerator that keeps its
-    hooks elsewhere (another Accelerate version): the wrapper could not find the helpers there, and the helper's
-    save hook refuses a save while its EMA is swapped in instead."""
+def _wrap_state_verbs(accelerator: Any) -> None:
+    """Set :class:`_StateVerb` on ``accelerator`` for ``save_state`` and ``load_state``, unless there already. Not
+    for an accelerator that keeps its hooks elsewhere (another Accelerate version): the wrapper could not find the
+    helpers there, and the helper's hooks refuse a save or load while its EMA is swapped in instead."""
     if not isinstance(getattr(accelerator, "_save_model_state_pre_hook", None), Mapping):
         return
-    current = vars(accelerator).get("save_state")
-    if not isinstance(current, _SaveState):
-        accelerator.save_state = _SaveState(accelerator, current)
+    for name in ("save_state", "load_state"):
+        current = vars(accelerator).get(name)
+        if not isinstance(current, _StateVerb):
+            setattr(accelerator, name, _StateVerb(accelerator, name, current))
 
 
 class _Swapped:
@@ -218,7 +222,7 @@ class AcceleratorEMA:
             accelerator.register_save_state_pre_hook(self._on_save),
             accelerator.register_load_state_pre_hook(self._on_load),
         ]
-        _wrap_save_state(accelerator)
+        _wrap_state_verbs(accelerator)
         self._hook_optimizers()
 
     def _hook_optimizers(self) -> int:
@@ -289,7 +293,7 @@ class AcceleratorEMA:
 
     @contextlib.contextmanager
     def _saving(self) -> Iterator[None]:
-        """Around ``accelerator.save_state`` (:class:`_SaveState`), before Accelerate deletes or gathers anything."""
+        """Around ``accelerator.save_state`` (:class:`_StateVerb`), before Accelerate deletes or gathers anything."""
         config = getattr(self.accelerator, "project_configuration", None)
         if (
             self.ema.async_save
@@ -314,9 +318,23 @@ class AcceleratorEMA:
             for s in swaps:
                 s._in()
 
+    @contextlib.contextmanager
+    def _loading(self) -> Iterator[None]:
+        """Around ``accelerator.load_state`` (:class:`_StateVerb`), before Accelerate loads anything: the live weights
+        back, so that the load replaces them (swapped in, the load would be undone at the block's end), and the
+        loaded EMA swapped in after it."""
+        swaps = [s for s in self._swaps if s.inner is not None]
+        for s in reversed(swaps):
+            s._out()
+        try:
+            yield
+        finally:
+            for s in swaps:
+                s._in()
+
     def _on_save(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
         if any(s.inner is not None for s in self._swaps):
-            # Only when save_state was not called through _SaveState (e.g. Accelerator.save_state(acc, ...)):
+            # Only when save_state was not called through _StateVerb (e.g. Accelerator.save_state(acc, ...)):
             # the model's state gathered before this hook is the EMA's.
             raise RuntimeError(
                 f"accelerator.save_state({output_dir!r}) ran while the EMA is swapped into the model (inside `with "
@@ -333,6 +351,15 @@ class AcceleratorEMA:
         # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest. Without
         # DeepSpeed the optimizer-step counter is this helper's own: it comes back from the EMA
         # checkpoint's checksummed record, checked against the EMA's step.
+        if any(s.inner is not None for s in self._swaps):
+            # Only when load_state was not called through _StateVerb (e.g. Accelerator.load_state(acc, ...)).
+            raise RuntimeError(
+                f"accelerator.load_state({input_dir!r}) ran while the EMA is swapped into the model (inside `with "
+                "ema.swapped():`) and past the helper's wrapper of accelerator.load_state, which swaps the live "
+                "weights back for the load: the end of the block would put the weights of before the load back "
+                "(under FSDP and DeepSpeed Accelerate loaded the model already). Call accelerator.load_state(...) "
+                "itself, or load outside the `with ema.swapped():` block"
+            )
         folder = local_folder(input_dir, "accelerator.load_state(input_dir)", "Accelerate")
         self._pending = [0] * len(self._pending)  # the count restarts from the checkpoint's
         if self._engine_steps() is not None:
