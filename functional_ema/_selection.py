@@ -203,6 +203,23 @@ def check_loaded_selection(
     raise CheckpointMismatchError("\n".join(lines))
 
 
+def check_recut_selection(where: str, saved: Any, selection: Selection | None) -> None:
+    """Refuse a load that joins and re-cuts saved parts (another pipeline partitioning or stage count) with
+    another selection than the save's (``saved``: the manifest's record): such a load takes this rank's names from
+    the joined parts, so a narrower selection would silently drop EMAs that the names alone cannot show missing."""
+    from ._checkpoint.errors import CheckpointMismatchError
+
+    mine = None if selection is None else selection.record()
+    if (saved if isinstance(saved, dict) else None) == mine:
+        return
+    raise CheckpointMismatchError(
+        f"{where} was saved with the selection {_describe_record(saved)}, and this load selects "
+        f"{'every parameter (no include/exclude)' if selection is None else selection.describe()}; a load into "
+        "another model-parallel layout (the saved parts joined and re-cut) needs the selection the EMA was saved "
+        "with: pass the same include/exclude (or, to average another selection, start a new EMA with init_ema)"
+    )
+
+
 # ------------------------------------------------------------------------------------------ helpers
 
 

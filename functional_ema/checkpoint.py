@@ -107,6 +107,7 @@ from ._checkpoint.format import (
 from ._checkpoint.reader import (
     CheckpointReader,
     JoinedReader,
+    RecutReader,
     StoragePath,
     fill_all,
     open_checkpoint,
@@ -132,7 +133,7 @@ from ._checkpoint.writer import (
 from ._core import _allocate, check_ema_dtype
 from ._fit import state_problem
 from ._layout import ShardLayout
-from ._selection import SelectionLike, check_loaded_selection, make_selection
+from ._selection import SelectionLike, check_loaded_selection, check_recut_selection, make_selection
 from ._shards import Shards
 from ._state import BufferState, EmaState
 from ._storage import storage_for
@@ -457,9 +458,11 @@ def _refuse_mismatch(ckpt: Any, layout: Any, selection: Any, dtype: torch.dtype 
     selection, expert-parallel cut, set of names or shapes, or ``dtype``."""
     # The selection first: another selection of an MoE model also differs in its experts, and the names
     # that differ say why where an expert-parallel size mismatch would not.
-    if hasattr(ckpt, "shapes"):  # this part's names as saved (a re-cut of other parts checks its own)
-        check_loaded_selection(f"tag {ckpt.tag!r} in {ckpt.root}", ckpt.manifest.get("selection"), selection,
-                               list(layout.specs), list(ckpt.shapes))  # fmt: skip
+    where = f"tag {ckpt.tag!r} in {ckpt.root}"
+    if isinstance(ckpt, RecutReader):  # its names are this rank's by construction: the records are compared
+        check_recut_selection(where, ckpt.manifest.get("selection"), selection)
+    elif hasattr(ckpt, "shapes"):  # this part's names as saved
+        check_loaded_selection(where, ckpt.manifest.get("selection"), selection, list(layout.specs), list(ckpt.shapes))
     ckpt.check_experts(layout)
     ckpt.check_model(layout.specs)
     if dtype is not None and dtype != ckpt.dtype:

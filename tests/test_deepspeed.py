@@ -244,3 +244,37 @@ def test_equals_unsharded_reference_world2():
 def test_equals_unsharded_reference_world1():
     reports = run_ranks("tests.test_deepspeed:equivalence_worker", world_size=1, configs=CONFIGS_1)
     _check_report(reports, 1)
+
+
+def test_an_optimizer_read_as_holding_nothing_is_refused_naming_it():
+    """An engine whose optimizer wrapper functional_ema does not understand (here: flat fp32 copies at ZeRO-0, as
+    DeepSpeed's BF16_Optimizer keeps for a bf16 PipelineEngine) must not read as "no parameter": that gave empty
+    EMAs and empty saves, exit 0. Refused, naming the optimizer; a module that trains nothing still reads empty."""
+    import pytest
+    from torch import nn
+
+    import functional_ema as fe
+
+    class Wrapper:  # fp32 copies in one flat tensor: not the module's parameters
+        def __init__(self, params):
+            self.param_groups = [{"params": [torch.cat([p.detach().reshape(-1) for p in params]).float()]}]
+
+    class DeepSpeedEngine:  # what the adapter reads of an engine, without DeepSpeed
+        global_steps = 0
+
+        def __init__(self):
+            self.module = nn.Linear(3, 2)
+            self.optimizer = Wrapper(list(self.module.parameters()))
+
+        def zero_optimization_stage(self):
+            return 0
+
+    Wrapper.__module__ = DeepSpeedEngine.__module__ = "deepspeed.runtime.fake"
+    engine = DeepSpeedEngine()
+    with pytest.raises(NotImplementedError) as info:
+        fe.local_shards(engine)
+    msg = str(info.value)
+    assert "ZeRO stage 0" in msg and "none of the 2 trained parameters" in msg, msg
+    assert "optimizer deepspeed.runtime.fake." in msg and "Wrapper" in msg, msg
+    engine.module.requires_grad_(False)
+    assert len(fe.local_shards(engine)) == 0

@@ -777,6 +777,151 @@ def test_pipeline_selection_spans_stages(pipe_runs):
                 assert s[f"{k}:consolidate"] is None and s[f"{k}:consolidate_equal"], (k, s)
 
 
+# ------------------------------------------------- bf16 pipeline at ZeRO-0 (BF16_Optimizer), repartitioned stages
+
+
+def _bf16_pipe_engine(seed: int, partition_method: str):
+    """A bf16 2-stage PipelineEngine at ZeRO-0 (2 ranks, data parallel 1): DeepSpeed gives a bf16 pipeline
+    ``BF16_Optimizer`` even at ZeRO-0, its fp32 masters flat partitions (a plain engine gets another wrapper).
+    ``partition_method`` "uniform" cuts the layers [0, 3) [3, 6), "parameters" [0, 1) [1, 6)."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from torch import nn
+
+    from functional_ema._testing.multirank import ds_config
+
+    torch.manual_seed(seed)
+    layers = [LayerSpec(nn.Linear, 7, 200), LayerSpec(nn.Linear, 200, 5), LayerSpec(nn.Linear, 5, 5)]
+    layers += [LayerSpec(nn.Linear, 5, 5), LayerSpec(nn.Tanh), LayerSpec(nn.Tanh)]
+    module = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method=partition_method)
+    engine, *_ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.AdamW(module.parameters(), lr=1e-2), config=ds_config(0, "bf16")
+    )
+    return engine
+
+
+def _bf16_pipe_data(step: int):
+    g = torch.Generator().manual_seed(1234 + 1000 * step)
+    return iter([(torch.randn(4, 7, generator=g).bfloat16(), torch.randn(4, 5, generator=g).bfloat16())])
+
+
+def _bf16_fp32_masters(engine) -> dict[str, torch.Tensor]:
+    """The oracle: DeepSpeed's own full fp32 master of each trained parameter (through ``_hp_mapping``)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {
+        n: safe_get_full_fp32_param(p).detach().clone().float()
+        for n, p in engine.module.named_parameters()
+        if p.requires_grad
+    }
+
+
+def pipe_bf16_worker(out: str, phase: str) -> dict:
+    from tests._integration_models import quiet
+
+    quiet()
+    out = Path(out)
+    report: dict = {}
+    pp = torch.distributed.get_rank()  # data parallel 1: the rank is the stage
+    if phase == "train":
+        engine = _bf16_pipe_engine(0, "uniform")
+        opt = engine.optimizer
+        report["optimizer"] = [type(opt).__name__, engine.zero_optimization_stage()]
+        shards = fe.local_shards(engine)
+        report["names"] = sorted(shards)
+        report["trained"] = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad)
+        flats = {t.untyped_storage().data_ptr() for t in opt.fp32_groups_flat_partition}
+        report["views_of_masters"] = all(t.untyped_storage().data_ptr() in flats for t in shards.values())
+        report["stage"] = fe.shard_layout(engine).stage
+        state = fe.init_ema(shards, num_emas=2)
+        ref = _Ref(_bf16_fp32_masters(engine), 0)
+        for step in range(1, STEPS + 1):
+            engine.train_batch(_bf16_pipe_data(step))
+            state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
+            ref.feed(_bf16_fp32_masters(engine), step)
+            if step == SAVE_AT:
+                fe.save(state, engine, out / "bf16_ck", decay=list(DECAYS))
+                gathered = fe.gather_full(state, engine)
+                report["gathered_at_save_equal_ref"] = _equal(gathered, ref.emas[0])
+                _save_tensors(out / f"bf16_g{SAVE_AT}_pp{pp}.safetensors", gathered)
+        final = fe.gather_full(state, engine)
+        report["final_equal_ref"] = _equal(final, ref.emas[0]) and _equal(
+            fe.gather_full(state, engine, index=1), ref.emas[1]
+        )
+        _save_tensors(out / f"bf16_final_pp{pp}.safetensors", final)
+        engine.eval()
+        report.update(_swap_check(engine, state, lambda: engine.eval_batch(_bf16_pipe_data(99))))
+        return report
+    if phase == "resume":  # fresh processes: resumed, and loaded by stages partitioned otherwise
+        # DeepSpeed 0.19.8 cannot reload this engine's own checkpoint (BF16_Optimizer.load_state_dict indexes the
+        # stage-0 optimizer dict by data-parallel rank: KeyError 0), so the training is replayed (deterministic)
+        engine = _bf16_pipe_engine(0, "uniform")
+        for step in range(1, SAVE_AT + 1):
+            engine.train_batch(_bf16_pipe_data(step))
+        state = fe.load(engine, out / "bf16_ck")
+        report["loaded_step"] = int(state.step)
+        for step in range(SAVE_AT + 1, STEPS + 1):
+            engine.train_batch(_bf16_pipe_data(step))
+            state = fe.update(state, fe.local_shards(engine), step, decay=list(DECAYS))
+        report["continued_bitwise"] = _equal(
+            fe.gather_full(state, engine), _load_tensors(out / f"bf16_final_pp{pp}.safetensors")
+        )
+        # the same 2 stages, the layers split otherwise: each stage's EMA by name from the joined saved stages
+        other = _bf16_pipe_engine(9, "parameters")
+        report["other_names"] = sorted(fe.local_shards(other))
+        got: dict = {}
+        report["repartitioned_refused"] = _refusal(
+            lambda: got.update(
+                fe.gather_full(fe.load(other, out / "bf16_ck", f"global_step{SAVE_AT}"), other, join_parts=True)
+            )
+        )
+        saved = [_load_tensors(out / f"bf16_g{SAVE_AT}_pp{p}.safetensors") for p in (0, 1)]
+        report["repartitioned_names"] = sorted(got)
+        report["repartitioned_equal"] = _equal(got, {**saved[0], **saved[1]})
+        return report
+    raise ValueError(phase)
+
+
+@pytest.fixture(scope="module")
+def pipe_bf16_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipe_bf16")
+    runs = [
+        run_ranks("tests.test_model_parallel:pipe_bf16_worker", world_size=2, timeout=600, out=str(out), phase=phase)
+        for phase in ("train", "resume")
+    ]
+    return (out, *runs)
+
+
+def test_pipeline_bf16_zero0_every_verb(pipe_bf16_runs):
+    """A bf16 PipelineEngine at ZeRO-0 (DeepSpeed's BF16_Optimizer): every stage's trained parameters are read
+    (they read as none before: empty EMAs and saves, exit 0), as views of the optimizer's fp32 partitions; the EMA
+    is bitwise the plain-torch EMA of DeepSpeed's fp32 masters; swap; save, resumed in fresh processes continues
+    bitwise; the stages consolidate into the full EMA."""
+    out, train, resume = pipe_bf16_runs
+    stages = (["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"], ["3.bias", "3.weight"])
+    for pp, r in enumerate(train):
+        assert r["optimizer"] == ["BF16_Optimizer", 0] and r["stage"] == 0, r
+        assert r["names"] == r["trained"] == stages[pp] and r["views_of_masters"], r
+        assert r["gathered_at_save_equal_ref"] and r["final_equal_ref"], r
+        assert r["swapped_equal"] and r["training_refused"], r
+    for r in resume:
+        assert r["loaded_step"] == SAVE_AT and r["continued_bitwise"], r
+    saved = [_load_tensors(out / f"bf16_g{SAVE_AT}_pp{pp}.safetensors") for pp in (0, 1)]
+    assert sorted(saved[0]) == stages[0] and sorted(saved[1]) == stages[1]
+    assert _equal(fe.consolidate(out / "bf16_ck", f"global_step{SAVE_AT}"), {**saved[0], **saved[1]})
+
+
+def test_pipeline_repartitioned_load(pipe_bf16_runs):
+    """Saved by 2 stages partitioned "uniform", loaded by 2 stages partitioned "parameters" (the same stage indices,
+    other layers): joined and re-cut by name, exactly the saved EMA (it was refused as "does not match this model")."""
+    resume = pipe_bf16_runs[2]
+    names = (["0.bias", "0.weight"], ["1.bias", "1.weight", "2.bias", "2.weight", "3.bias", "3.weight"])
+    for pp, r in enumerate(resume):
+        assert r["other_names"] == names[pp], r
+        assert r["repartitioned_refused"] is None, r["repartitioned_refused"]
+        assert r["repartitioned_names"] == sorted(names[0] + names[1]) and r["repartitioned_equal"], r
+
+
 # ------------------------------------------------------------------ tensor x pipeline x data parallel
 
 

@@ -1698,6 +1698,42 @@ def test_recut_to_tensor_parallel_slices(tmp_path: Path) -> None:
         assert not torch.equal(_read(ckpt, "v", 0, 12, verify=False), _full("v", 0)[:, 3:].reshape(-1))
 
 
+def _stages(world: int, split: tuple[tuple[str, ...], ...]) -> list[ShardLayout]:
+    """Pipeline stages holding the names of ``split`` (one tuple per stage), each cut over ``world`` ranks."""
+    out = []
+    for pp, names in enumerate(split):
+        shapes = {n: TP_FULL[n] for n in names}
+        part = ModelPart(pp=pp, pp_size=len(split))
+        out += [ShardLayout(r, world, 3, _even(r, world, shapes), part=part) for r in range(world)]
+    return out
+
+
+def test_recut_to_another_partitioning_of_the_same_stages(tmp_path: Path) -> None:
+    """Saved by 2 stages holding (w, v) and (b), loaded by 2 stages holding (w) and (v, b) (another
+    ``partition_method``): each stage reads its parameters by name from the joined stages, exactly; the part of the
+    same index is not read directly (its names differ). Names no saved stage holds are refused naming the stage."""
+    root = tmp_path / "ck"
+    _write(root, _stages(2, (("w", "v"), ("b",))), buffers=_bufs)
+    for lay in _stages(2, (("w",), ("v", "b"))) + _stages(1, (("w",), ("v", "b"))):
+        with open_checkpoint(root, "t", True, lay) as ckpt:
+            assert isinstance(ckpt, RecutReader) and ckpt.part == lay.part, lay
+            ckpt.check_model(lay.specs)
+            for n, s in lay.specs.items():
+                want = _full(n, 1).reshape(-1)[s.offset : s.offset + s.numel]
+                assert torch.equal(_read(ckpt, n, s.offset, s.numel, k=1), want), (lay.part, n)
+    for lay in _stages(2, (("w", "v"), ("b",))):  # the saved partitioning: this rank's own file, read directly
+        with open_checkpoint(root, "t", True, lay) as ckpt:
+            assert isinstance(ckpt, CheckpointReader) and ckpt.partial
+    # a name no saved stage holds: not another partitioning, another model; refused naming the stage
+    other = _stages(1, (("w",), ("v", "b")))[1]
+    other = other._replace(specs=dict(other.specs, zz=ShardSpec((2,), 0, 2)))
+    with open_checkpoint(root, "t", True, other) as ckpt:
+        assert isinstance(ckpt, CheckpointReader)
+        msg = _msg(CheckpointMismatchError, lambda: ckpt.check_model(other.specs))
+    assert "in the model but not in the checkpoint: ['v', 'zz']" in msg, msg
+    assert "this rank is pipeline stage 1 of 2, and no saved part holds ['zz']: not another pipeline " in msg
+
+
 # ------------------------------------------------------------------------------------ private folders
 
 

@@ -387,6 +387,31 @@ def test_another_selection_is_named_as_the_cause(tmp_path):
     )
 
 
+def test_a_load_that_re_cuts_parts_needs_the_saved_selection():
+    """A load into another model-parallel layout (another pipeline partitioning or stage count) takes this rank's
+    names from the joined saved parts, so its names always match: the selection records are compared instead. The
+    same selection loads; a narrower one, or none where the save had one, is refused naming both (it would drop EMAs
+    silently: manually checked end to end on a 2-stage DeepSpeed pipeline saved with exclude='*.bias', re-partitioned).
+    """
+    from functional_ema._selection import check_recut_selection, make_selection
+
+    saved = {"include": None, "exclude": ["*.bias"]}
+    check_recut_selection("tag 't'", saved, make_selection(None, "*.bias"))
+    check_recut_selection("tag 't'", None, None)
+    for selection, shown in (
+        (make_selection(None, ["*.bias", "0.*"]), "include=None, exclude=['*.bias', '0.*']"),
+        (None, "every parameter (no include/exclude)"),
+    ):
+        with pytest.raises(fe.CheckpointError) as e:
+            check_recut_selection("tag 't'", saved, selection)
+        assert str(e.value).startswith(
+            f"tag 't' was saved with the selection include=None, exclude='*.bias', and this load selects {shown}; a "
+            "load into another model-parallel layout (the saved parts joined and re-cut) needs the selection"
+        ), str(e.value)
+    with pytest.raises(fe.CheckpointError, match="saved with the selection of every parameter"):
+        check_recut_selection("tag 't'", None, make_selection("dec.*", None))
+
+
 def test_selection_record_is_validated(tmp_path):
     model = EncDec()
     fe.save(fe.init_ema(fe.local_shards(model, include="dec.*")), model, tmp_path, "t")

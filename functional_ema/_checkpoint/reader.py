@@ -732,6 +732,12 @@ class CheckpointReader:
             lines.append("  renamed? " + ", ".join(f"{a!r} -> {b!r}" for a, b in renamed[:8]))
         for n, want, got in bad_shapes[:8]:
             lines.append(f"  shape of {n!r}: checkpoint {want}, model {got}")
+        nowhere = [n for n in in_model_only if not any(n in p["params"] for p in self.parts)]
+        if not self.part.whole and nowhere:
+            lines.append(
+                f"  this rank is {self.part.describe()}, and no saved part holds {short_list(nowhere, 4)}: not "
+                "another pipeline partitioning (load joins the saved stages and re-cuts them by name) but another model"
+            )
         lines.append(
             "Load into the model the EMA was saved from (frozen and not-optimized parameters have no EMA), or rebuild "
             "the weights with functional_ema.consolidate, adapt them, and start a new EMA with init_ema"
@@ -903,7 +909,10 @@ def open_checkpoint(
         return CheckpointReader.open(load_dir, tag, verify, part=part)
     # one reading of the manifest, the tag as resolved
     root, tag, tag_dir, manifest = CheckpointReader._locate(load_dir, tag, local)
-    entry = next((p for p in manifest_parts(manifest) if p["part"] == layout.part), None)
+    parts = manifest_parts(manifest)
+    entry = next((p for p in parts if p["part"] == layout.part), None)
+    if entry is not None and _repartitioned(parts, entry, layout):
+        entry = None  # the same stage index, another pipeline partitioning: its parameters are in other saved parts
     if entry is None and local:
         every = [(p, e) for p in manifest_parts(manifest) for e in p["files"]]
         for p, e in every:
@@ -919,6 +928,18 @@ def open_checkpoint(
             return ckpt
         ckpt.close()  # the same world size, cut otherwise: read the pieces from the files that hold them
     return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None, layout.specs, local)
+
+
+def _repartitioned(parts: list[dict], entry: dict, layout: ShardLayout) -> bool:
+    """Whether this rank's part (``entry``, the saved part of the same tensor-parallel rank and pipeline stage)
+    holds other parameters than this rank's stage, every one of which some saved part holds: the same number of
+    pipeline stages with the layers split otherwise (``PipelineModule(partition_method=...)``), loaded by joining
+    the saved stages and taking this stage's parameters by name, as for another number of stages. Where a name is
+    in no saved part the direct reader's ``check_model`` refuses, naming what differs."""
+    if len(parts) < 2 or set(entry["params"]) == set(layout.specs):
+        return False
+    saved = {n for p in parts for n in p["params"]}
+    return all(n in saved for n in layout.specs)
 
 
 def locate_checkpoint(

@@ -9,7 +9,9 @@ the package works without it. Internals relied on (DeepSpeed 0.19):
 * ZeRO-1/2: ``p._hp_mapping.hp_fragment`` is a view into the flat fp32 partition, and
   ``p._hp_mapping.lp_fragment_address`` gives its offset and length in the flattened parameter.
 * ZeRO-0: fp32 training updates the parameters themselves; 16-bit training keeps fp32 copies in
-  the wrapper optimizer (``fp32_groups`` per parameter, or ``fp32_groups_flat``).
+  the wrapper optimizer (``fp32_groups`` per parameter, or ``fp32_groups_flat``). A bf16 ``PipelineEngine``
+  gets ``BF16_Optimizer`` even at ZeRO-0: it is read as at ZeRO-1 (its masters are cut over the
+  data-parallel group, so the layout says stage 1 when that group has several ranks).
 * MoE (``deepspeed.moe.layer.MoE``, ZeRO-1/2): the ``num_local_experts`` experts of expert-parallel
   rank ``ep`` are ``deepspeed_experts.0 .. L-1`` on every rank (global expert ``ep * L + i``, as
   DeepSpeed's own checkpoint names them); their fp32 masters are cut over the expert-data-parallel
@@ -139,12 +141,18 @@ class DeepSpeedAdapter(Adapter):
         group = data_parallel_group(engine)
         rank, world = world_of(group)
         named = _named_params(engine)
+        cut = stage
         if stage == 3:
             pieces = _zero3(engine, named, rank)
-        elif stage in (1, 2):
+        elif stage in (1, 2) or _is_bf16_optimizer(engine.optimizer):
+            # BF16_Optimizer (a bf16 PipelineEngine's at ZeRO-0 too) cuts its fp32 masters over the data-parallel
+            # group like ZeRO-1, whatever the configured stage: pieces of a partition, not replicated parameters
             pieces = _zero12(engine, named)
+            cut = stage or (1 if world > 1 else 0)
         else:
             pieces = _zero0(engine, named)
+        if not pieces:
+            _refuse_nothing_read(engine, named, stage)
         params = {n: p for n, p in named if n in pieces}
         experts = None
         if getattr(engine, "has_moe_layers", False):
@@ -160,7 +168,7 @@ class DeepSpeedAdapter(Adapter):
         layout = ShardLayout(
             rank,
             world,
-            stage,
+            cut,
             {n: s for n, (_, s) in pieces.items()},
             engine="deepspeed",
             part=part,
@@ -492,11 +500,35 @@ def _named_params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
+def _is_bf16_optimizer(opt: Any) -> bool:
+    """Whether ``opt`` is DeepSpeed's ``BF16_Optimizer``: ZeRO-1 with bf16 and fp32 gradient accumulation, and a bf16
+    ``PipelineEngine`` at ZeRO-0 (DeepSpeed 0.19.8 ``_do_optimizer_sanity_check``). Whatever the stage, it keeps
+    the fp32 masters as one flat partition per group over its ``dp_process_group`` (``fp32_groups_flat_partition``),
+    linked to the parameters by ``_hp_mapping``, exactly as at ZeRO-1."""
+    return any(c.__name__ == "BF16_Optimizer" and c.__module__.startswith("deepspeed") for c in type(opt).__mro__)
+
+
+def _refuse_nothing_read(engine: Any, named: list[tuple[str, torch.nn.Parameter]], stage: int) -> None:
+    """A reading that found no fp32 master for any parameter of a module that trains some is refused, naming the
+    optimizer: an optimizer wrapper not understood would otherwise give an EMA of nothing (empty saves, exit 0)."""
+    trained = [n for n, p in named if p.requires_grad]
+    if not trained:
+        return
+    opt = engine.optimizer
+    raise NotImplementedError(
+        f"DeepSpeed engine at ZeRO stage {stage}: functional_ema found the fp32 master of none of the {len(trained)} "
+        f"trained parameters of this rank's module ({short_list(trained, 4)}) in its optimizer "
+        f"{type(opt).__module__}.{type(opt).__qualname__}, whose layout it does not know (or none of them is among "
+        "the optimizer's parameters); averaging nothing would save empty EMAs, so this is refused: report the "
+        "DeepSpeed version and configuration to functional_ema"
+    )
+
+
 def _master_buffers(opt: Any, stage: int) -> list[torch.Tensor]:
     """The tensors holding the fp32 master weights (a few flat buffers, per parameter at stage 0)."""
     if stage == 3:
         return opt.fp32_partitioned_groups_flat
-    if stage in (1, 2):
+    if stage in (1, 2) or _is_bf16_optimizer(opt):
         return getattr(opt, "single_partition_of_fp32_groups", None) or getattr(opt, "fp32_groups_flat_partition", [])
     if hasattr(opt, "fp32_groups_flat"):
         return opt.fp32_groups_flat
