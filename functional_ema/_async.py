@@ -149,16 +149,6 @@ class SaveHandle:
         self._event.set()
 
 
-def _host_copy(buffers: BufferState) -> BufferState:
-    """The buffers' EMA copied to the host as they are (small whole tensors), for a background write."""
-    with torch.no_grad():
-        return type(buffers)(
-            buffers.step.clone(),
-            tuple({n: t.detach().to("cpu", copy=True) for n, t in e.items()} for e in buffers.emas),
-            {n: t.detach().to("cpu", copy=True) for n, t in buffers.copied.items()},
-        )
-
-
 class AsyncSaver:
     """Save EMA checkpoints in the background; the call costs about one memory copy of this rank's EMA.
 
@@ -265,10 +255,10 @@ class AsyncSaver:
             ops = _async_private.PRIVATE if store is None else _async_private.BUCKET
             return self._start_private(state, layout, ranks, target, raw_tag, decay, buffers, extra, checked, ops)
         tag_dir = cast("Path", location) / fmt.check_tag(raw_tag)
-        writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
-        files = writer.save_files(layout, 0, writes_buffers, layout.writes_pieces)
+        request = writer.SaveRequest(state, layout, (group, world, rank), decay, buffers, extra, checked)
+        files = writer.save_files(layout, 0, request.writes_buffers, layout.writes_pieces)
         collective.check_distinct_writers("AsyncSaver.save", tag_dir, files, world, timeout)
-        return self._start_shared(state, layout, (group, world, rank), tag_dir, decay, buffers, extra, checked)
+        return self._start_shared(request, tag_dir)
 
     def _start_private(
         self,
@@ -298,22 +288,11 @@ class AsyncSaver:
         self._handles.append(made[0])
         return made[0]
 
-    def _start_shared(
-        self,
-        state: EmaState,
-        layout: Any,
-        ranks: tuple[Any, int, int],
-        tag_dir: Path,
-        decay: DecayLike | Sequence[DecayLike] | None,
-        buffers: BufferState | None,
-        extra: dict[str, Any] | None,
-        timeout: float,
-    ) -> SaveHandle:
+    def _start_shared(self, request: writer.SaveRequest, tag_dir: Path) -> SaveHandle:
         """Start a save into a folder every rank shares: agree on the plan and the folder, snapshot, and hand
         the writing (and rank 0's commit) to a writer thread."""
-        world, rank = ranks[1:]
-        taken = self._agree_shared(state, layout, ranks, tag_dir, decay, buffers, extra, timeout)
-        mine, first, snapshot, copied, lock = taken
+        layout, buffers, (_, world, rank) = request.layout, request.buffers, request.ranks
+        mine, first, snapshot, copied, lock = self._agree_shared(request, tag_dir)
         handle = SaveHandle(tag_dir, first["step"])
         emas, buffer, ready = snapshot[0] if snapshot else (None, None, None)
         handle._buffer = buffer
@@ -342,24 +321,13 @@ class AsyncSaver:
         self._handles.append(handle)
         return handle
 
-    def _agree_shared(
-        self,
-        state: EmaState,
-        layout: Any,
-        ranks: tuple[Any, int, int],
-        tag_dir: Path,
-        decay: DecayLike | Sequence[DecayLike] | None,
-        buffers: BufferState | None,
-        extra: dict[str, Any] | None,
-        timeout: float,
-    ) -> tuple[dict, dict, list, list, list]:
+    def _agree_shared(self, request: writer.SaveRequest, tag_dir: Path) -> tuple[dict, dict, list, list, list]:
         """Every rank's plan agreed (rank 0 holding the tag's lock), the EMA snapshot and the buffers' host copy
         taken, and the folder seen by every rank; on a failure, the lock and the snapshot buffer given back.
         Returns (this rank's plan, rank 0's plan, [snapshot], [buffers' copy], [lock]) (a cell each: empty
         where this rank takes none)."""
-        group, world, rank = ranks
-        writes = layout.writes_pieces
-        writes_buffers = buffers is not None and layout.replica == 0
+        state, layout, (group, world, rank), decay, buffers, extra, timeout = request
+        writes, writes_buffers = layout.writes_pieces, request.writes_buffers
         snapshot: list[tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]] = []
         copied: list[BufferState] = []
         lock: list[writer.TagLock] = []
@@ -368,12 +336,12 @@ class AsyncSaver:
             self._settle(tag_dir)  # raises a previous failure; inside agree_plans, so on every rank
             p = dict(writer.plan_save(state, decay, layout, tag_dir.name, buffers, extra), shared=True)
             if rank == 0:  # the committing rank holds the tag until its background commit is done
-                lock.append(writer.TagLock.acquire(tag_dir, timeout, "AsyncSaver.save"))
+                lock.append(writer.TagLock.acquire(tag_dir, collective.timeout_s(timeout), "AsyncSaver.save"))
                 p["generation"] = writer.read_generation(tag_dir)
             if writes:
                 snapshot.append(self._snapshot(state, fmt.parse_dtype(p["dtype"], "save")))
             if writes_buffers and buffers is not None:  # small whole tensors: copied as they are
-                copied.append(_host_copy(buffers))
+                copied.append(_async_private._host_copy(buffers))
             p["token"] = f"{secrets.randbits(62):016x}" if rank == 0 else None  # an int64 for agree_plans
             return p
 

@@ -209,8 +209,12 @@ def check_recut_selection(where: str, saved: Any, selection: Selection | None) -
     the joined parts, so a narrower selection would silently drop EMAs that the names alone cannot show missing."""
     from ._checkpoint.errors import CheckpointMismatchError
 
-    mine = None if selection is None else selection.record()
-    if (saved if isinstance(saved, dict) else None) == mine:
+    def normal(record: Any) -> Any:  # the patterns' order does not change what they select
+        if not isinstance(record, dict):
+            return None
+        return {k: sorted(map(str, v)) if isinstance(v, list) else v for k, v in record.items()}
+
+    if normal(saved) == normal(None if selection is None else selection.record()):
         return
     raise CheckpointMismatchError(
         f"{where} was saved with the selection {_describe_record(saved)}, and this load selects "

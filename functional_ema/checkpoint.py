@@ -101,6 +101,7 @@ from ._checkpoint.format import (
     check_tag,
     dtype_name,
     library_version,
+    manifest_parts,
     parse_dtype,
     rank_file_name,
 )
@@ -115,6 +116,7 @@ from ._checkpoint.reader import (
     open_parts,
 )
 from ._checkpoint.writer import (
+    SaveRequest,
     TagLock,
     agree_plans,
     buffer_file_meta,
@@ -137,6 +139,7 @@ from ._selection import SelectionLike, check_loaded_selection, check_recut_selec
 from ._shards import Shards
 from ._state import BufferState, EmaState
 from ._storage import storage_for
+from ._tree import short_list
 from .engines import adapter_for
 from .engines._base import read_for, select, selection_of
 from .schedules import DecayLike
@@ -312,38 +315,26 @@ def _save(
     if not shared:
         job = (jgroup, jworld, jrank)
         return save_now(PRIVATE, state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout_s(timeout), what)
-    return _save_shared(state, layout, (jgroup, jworld, jrank), save_dir, raw_tag, decay, buffers, extra, timeout, what)
+    request = SaveRequest(state, layout, (jgroup, jworld, jrank), decay, buffers, extra, timeout)
+    return _save_shared(request, save_dir, raw_tag, what)
 
 
-def _save_shared(
-    state: EmaState,
-    layout: Any,
-    job: tuple[Any, int, int],
-    save_dir: Path,
-    raw_tag: Any,
-    decay: DecayLike | Sequence[DecayLike] | None,
-    buffers: BufferState | None,
-    extra: dict[str, Any] | None,
-    timeout: float | None,
-    what: str,
-) -> Path:
+def _save_shared(request: SaveRequest, save_dir: Path, raw_tag: Any, what: str) -> Path:
     """:func:`save` into a folder every rank shares: the ranks agree on the plan (rank 0 holding the tag's lock
     from then on), write their rank files, and rank 0 commits the manifest; each step is collective, and a
     failure in one removes this save's files and gives the lock up on every rank."""
-    jgroup, jworld, jrank = job
-    writes_buffers = buffers is not None and layout.replica == 0  # replicas' buffers: replica 0's are saved
+    layout, (jgroup, jworld, jrank) = request.layout, request.ranks
+    writes_buffers = request.writes_buffers
     if isinstance(raw_tag, str) and _tag_ok(raw_tag):  # a bad tag is refused in the plan, on every rank together
         files = save_files(layout, 0, writes_buffers, layout.writes_pieces)
-        check_distinct_writers(what, save_dir / raw_tag, files, jworld, timeout)
+        check_distinct_writers(what, save_dir / raw_tag, files, jworld, request.timeout)
     lock: list[TagLock] = []
-    tag_dir, mine, first = _agree_save_plan(
-        state, layout, job, save_dir, raw_tag, decay, buffers, extra, timeout, lock, what
-    )
+    tag_dir, mine, first = _agree_save_plan(request, save_dir, raw_tag, lock, what)
     done = False
     try:
         names = save_files(layout, first["generation"], writes_buffers, layout.writes_pieces)
         try:
-            written = _write_rank_files(state, layout, job, tag_dir, names, mine, first["generation"], buffers, what)
+            written = _write_rank_files(request, tag_dir, names, mine, first["generation"], what)
             agree(
                 f"{what} (writing the manifest)",
                 lambda: _commit(save_dir, tag_dir, first, written, lock, jrank),
@@ -363,21 +354,11 @@ def _save_shared(
 
 
 def _agree_save_plan(
-    state: EmaState,
-    layout: Any,
-    job: tuple[Any, int, int],
-    save_dir: Path,
-    raw_tag: Any,
-    decay: DecayLike | Sequence[DecayLike] | None,
-    buffers: BufferState | None,
-    extra: dict[str, Any] | None,
-    timeout: float | None,
-    lock: list[TagLock],
-    what: str,
+    request: SaveRequest, save_dir: Path, raw_tag: Any, lock: list[TagLock], what: str
 ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """(the tag's folder, this rank's plan, rank 0's plan), agreed by every rank; rank 0 holds the tag's lock
     (put in ``lock``) and reads the generation. On a failure anywhere, the lock is given up and every rank raises."""
-    jgroup, jworld, jrank = job
+    state, layout, (jgroup, jworld, jrank), decay, buffers, extra, timeout = request
 
     def plan() -> dict[str, Any]:
         tag = check_tag(raw_tag)  # inside the agreement: a bad tag raises on every rank
@@ -400,20 +381,12 @@ def _agree_save_plan(
 
 
 def _write_rank_files(
-    state: EmaState,
-    layout: Any,
-    job: tuple[Any, int, int],
-    tag_dir: Path,
-    names: list[str],
-    mine: dict[str, Any],
-    generation: int,
-    buffers: BufferState | None,
-    what: str,
+    request: SaveRequest, tag_dir: Path, names: list[str], mine: dict[str, Any], generation: int, what: str
 ) -> list[dict[str, Any]] | None:
     """Every rank writes its files (collective: a failure raises on every rank); returns every rank's record,
     on rank 0 (which writes the manifest), else ``None``."""
-    jgroup, jworld, jrank = job
-    writes_buffers = buffers is not None and layout.replica == 0
+    state, layout, (jgroup, jworld, jrank), buffers = request.state, request.layout, request.ranks, request.buffers
+    writes_buffers = request.writes_buffers
 
     def write() -> dict[str, Any]:
         path = tag_dir
@@ -471,6 +444,29 @@ def _refuse_mismatch(ckpt: Any, layout: Any, selection: Any, dtype: torch.dtype 
             f"Pass dtype=None to restore them as saved ({dtype_name(ckpt.dtype)}); cast afterwards only if you "
             "accept the loss"
         )
+
+
+def _refuse_untaken(ckpt: Any, layout: ShardLayout, job: Any) -> None:
+    """Collective: refuse, on every rank, a load of a checkpoint of several model-parallel parts where some saved EMA
+    is taken by no rank of the job. Each rank checks only that its own names were saved; loaded into another
+    partitioning (the saved parts joined and re-cut), a parameter removed or frozen since the save would otherwise
+    leave its EMA behind without a word."""
+    taken = gather_to_first(sorted(layout.specs), job.group, job.world)
+
+    def every_saved_ema_taken() -> None:
+        if taken is None:  # not the first rank: it hears the first's verdict through the agreement
+            return
+        loaded = set().union(*taken)
+        left = sorted({n for p in manifest_parts(ckpt.manifest) for n in p["params"]} - loaded)
+        if left:
+            raise CheckpointMismatchError(
+                f"tag {ckpt.tag!r} in {ckpt.root} holds the EMA of {len(left)} parameter(s) that no rank of this job "
+                f"loads: {short_list(left, 6)}. The model no longer trains them (removed, or frozen since the save): "
+                "load into the model the EMA was saved from, or rebuild the weights with functional_ema.consolidate "
+                "and start a new EMA with init_ema"
+            )
+
+    agree("load (every saved EMA taken)", every_saved_ema_taken, job.group, job.world, job.rank, results=False)
 
 
 def _fill_state(ckpt: Any, layout: Any, shards: Any, target: Any, verify: bool) -> EmaState:
@@ -765,6 +761,8 @@ def load_checkpoint(
             fix="Every rank must read the same complete save: on node-local disks copy one save of the tag to every "
             "node (or load from shared storage), and pass the same tag everywhere",
         )
+        if len(manifest_parts(box["ckpt"].manifest)) > 1:  # the same on every rank: agreed above (save, layout)
+            _refuse_untaken(box["ckpt"], layout, job)
         try:
             agree("load", run, job.group, job.world, job.rank, results=False)
         except Exception as e:

@@ -701,13 +701,19 @@ def _peft_llama_ema(root: Path, adapter: str, targets: list[str]) -> dict[str, t
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    import functional_ema as fe
-
     torch.manual_seed(0)
     LlamaForCausalLM(_config()).save_pretrained(root / "base")
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights="gaussian")
     model = get_peft_model(LlamaForCausalLM.from_pretrained(root / "base"), lora, adapter_name=adapter)
     model.save_pretrained(root / "like")
+    return _train_and_save(model, root / "ckpt")
+
+
+def _train_and_save(model: torch.nn.Module, ckpt: Path) -> dict[str, torch.Tensor]:
+    """3 AdamW steps of a causal LM with an EMA of its trainable parameters, saved under ``ckpt`` (tag ``s``);
+    returns the plain-torch EMA (``lerp``) of the same parameters (the oracle)."""
+    import functional_ema as fe
+
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(params.values(), lr=1e-2)
     state = fe.init_ema(fe.local_shards(model))
@@ -720,7 +726,7 @@ def _peft_llama_ema(root: Path, adapter: str, targets: list[str]) -> dict[str, t
         state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
         for n, p in params.items():
             ref[n].lerp_(p.detach(), 1 - DECAY)
-    fe.save(state, model, root / "ckpt", tag="s")
+    fe.save(state, model, ckpt, tag="s")
     return ref
 
 
@@ -779,7 +785,6 @@ def test_mixed_dtype_weights_under_a_config_stating_no_dtype_load_as_float32(tmp
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    import functional_ema as fe
     from functional_ema.export import to_hf
 
     cfg = _config()
@@ -792,19 +797,7 @@ def test_mixed_dtype_weights_under_a_config_stating_no_dtype_load_as_float32(tmp
     (tmp_path / "like" / "config.json").write_text(json.dumps(config))
     model = model.float()
     model.model.embed_tokens.weight.requires_grad_(False)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW(params.values(), lr=1e-2)
-    state = fe.init_ema(fe.local_shards(model))
-    ref = {n: p.detach().clone() for n, p in params.items()}
-    for step in range(1, 4):
-        x = _tokens(2, seed=step)
-        model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
-        for n, p in params.items():
-            ref[n].lerp_(p.detach(), 1 - DECAY)
-    fe.save(state, model, tmp_path / "ckpt", tag="s")
+    ref = _train_and_save(model, tmp_path / "ckpt")
     out = to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s", progress=False)
     written = load_file(out / "model.safetensors")
     assert {t.dtype for t in written.values()} == {torch.float32, torch.bfloat16}

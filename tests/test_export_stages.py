@@ -576,6 +576,47 @@ def test_commit_dir_renames_into_a_new_or_empty_folder(tmp_path, monkeypatch):
         assert _listing(final) == {"model.safetensors": b"new"} and not tmp.exists()
 
 
+def test_recovery_takes_only_this_out_dirs_leftovers_and_a_failed_commit_puts_the_previous_back(tmp_path):
+    """A dead writer's marked folders are recovered only for their own out_dir: ``.a.old-x.old-<id>`` is out_dir
+    ``a.old-x``'s (its parked export is not moved to ``a``, nor removed), ``.a.tmp-x.tmp-<id>`` is ``a.tmp-x``'s;
+    ``.a.old-<id>`` is ``a``'s (put back as ``a``). And a commit whose final rename fails puts the previous
+    export it parked back in place."""
+    dead = {"host": socket.gethostname(), "pid": _dead_pid()}
+
+    def parked(name: str, files: dict[str, bytes]) -> Path:
+        folder = tmp_path / name
+        (folder / "prev").mkdir(parents=True)
+        for f, data in files.items():
+            (folder / "prev" / f).write_bytes(data)
+        (folder / MARKER).write_text(json.dumps(dead))
+        return folder
+
+    others = [parked(".a.old-x.old-1234abcd", {"model.safetensors": b"x"}), parked(".a.tmp-x.tmp-1234abcd", {})]
+    before = {p.name: _listing(p) for p in others}
+    mine = parked(".a.old-89abcdef", {"model.safetensors": b"a"})
+    with pytest.raises(OutputPathError, match="not a previous export"):  # recovered first, then checked
+        outdir.check_out_dir(tmp_path / "a", [], True)
+    assert {p.name: _listing(p) for p in others} == before  # another out_dir's: untouched
+    assert _listing(tmp_path / "a") == {"model.safetensors": b"a"} and not mine.exists()  # a's own: put back
+
+    final = _previous_export(tmp_path / "out", ["ema_export.json", "model.safetensors"])
+    before = _listing(final)
+    tmp = _tmp_export(tmp_path, "out", {"model.safetensors": b"new", "ema_export.json": b"{}"})
+    rename = os.rename
+
+    def failing_final_rename(src, dst):
+        if Path(src) == tmp:
+            raise OSError(28, "No space left on device")
+        return rename(src, dst)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "rename", failing_final_rename)
+        with pytest.raises(OSError, match="No space left"):
+            outdir.commit_dir(tmp, final, Path("out"), True)
+    assert _listing(final) == before  # the previous export is back in place
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
+
+
 def test_commit_dir_replaces_a_previous_export_and_keeps_what_appeared(tmp_path, monkeypatch):
     calls = _spy_commit(monkeypatch)
     final = _previous_export(tmp_path / "out", ["ema_export.json", "model.safetensors"])

@@ -552,6 +552,42 @@ def test_load_state_inside_swapped_loads_the_live_weights_and_swaps_the_loaded_e
     ema.remove_hooks()
 
 
+def test_save_and_load_inside_two_helpers_nested_blocks_keep_each_block_and_the_live_weights(tmp_path):
+    """Two helpers of one accelerator, ``with a.swapped(): with b.swapped(): save_state / load_state``: every swap in
+    force is taken out newest first (b's, then a's) and put back in opening order, whichever helper was made
+    first. The checkpoint holds the live weights; inside the inner block b's EMA is in again, in the outer a's;
+    after both the live (or loaded) weights. A block entered before its EMA started swaps nothing and does not
+    make a save past the wrapper refused."""
+    from safetensors.torch import load_file
+
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, optimizer = _prepared()
+    late = AcceleratorEMA(acc, model, decay=0.5, tag="ema_late", start_step=100)
+    with late.swapped() as entered:  # nothing to swap in yet: not a swap in force
+        assert not entered
+        type(acc).save_state(acc, str(tmp_path / "early"))  # past the wrapper, but no EMA in the model: taken
+    late.remove_hooks()
+    a = AcceleratorEMA(acc, model, decay=0.5)
+    b = AcceleratorEMA(acc, model, decay=0.9, tag="ema_slow")
+    _train(acc, model, optimizer, (a, b), steps=4)
+    live, ema_a, ema_b = _live(model), fe.gather_full(a.state, model), fe.gather_full(b.state, model)
+    for verb in ("save", "load"):
+        with a.swapped(), torch.no_grad():
+            with b.swapped():
+                if verb == "save":
+                    acc.save_state(str(tmp_path / "ckpt"))
+                else:
+                    acc.load_state(str(tmp_path / "ckpt"))
+                assert all(torch.equal(p, ema_b[n]) for n, p in _live(model).items()), verb  # b's EMA in again
+            assert all(torch.equal(p, ema_a[n]) for n, p in _live(model).items()), verb  # a's in the outer block
+        assert all(torch.equal(p, live[n]) for n, p in _live(model).items()), verb  # the live weights after both
+    saved = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert all(torch.equal(saved[n], live[n]) for n in live)
+    a.remove_hooks(), b.remove_hooks()
+
+
 def test_async_saves_with_total_limit_rotation_keep_the_newest_checkpoint_whole(tmp_path):
     """``AcceleratorEMA(async_save=True)`` with ``ProjectConfiguration(automatic_checkpoint_naming=True,
     total_limit=1)``, ``save_state()`` every step, each EMA write slowed down: Accelerate deletes the previous

@@ -1734,6 +1734,31 @@ def test_recut_to_another_partitioning_of_the_same_stages(tmp_path: Path) -> Non
     assert "this rank is pipeline stage 1 of 2, and no saved part holds ['zz']: not another pipeline " in msg
 
 
+def test_a_load_that_leaves_a_saved_stage_ema_behind_is_refused(tmp_path: Path) -> None:
+    """A checkpoint of 2 pipeline stages loaded by one process into a plain module (the saved stages joined and
+    re-cut by name): with every saved parameter it loads each exactly; with ``v`` gone from the model (removed, or
+    frozen since the save) every name the module has is still found, so only the count over the whole job shows
+    that ``v``'s EMA would be left behind: the load is refused naming it."""
+
+    class Plain(torch.nn.Module):
+        def __init__(self, names: tuple[str, ...]) -> None:
+            super().__init__()
+            for n in names:
+                self.register_parameter(n, torch.nn.Parameter(torch.zeros(TP_FULL[n])))
+
+    root = tmp_path / "ck"
+    _write(root, _stages(1, (("w", "v"), ("b",))))
+    model = Plain(("w", "v", "b"))
+    state = fe.load(model, root, "t")
+    for k in (0, 1):
+        assert all(torch.equal(state.emas[k][n], _full(n, k)) for n in ("w", "v", "b"))
+    msg = _msg(CheckpointMismatchError, lambda: fe.load(Plain(("w", "b")), root, "t"))
+    assert msg.startswith(
+        f"tag 't' in {root} holds the EMA of 1 parameter(s) that no rank of this job loads: 'v'. The model no longer "
+        "trains them (removed, or frozen since the save)"
+    ), msg
+
+
 # ------------------------------------------------------------------------------------ private folders
 
 

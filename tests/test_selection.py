@@ -398,6 +398,7 @@ def test_a_load_that_re_cuts_parts_needs_the_saved_selection():
     saved = {"include": None, "exclude": ["*.bias"]}
     check_recut_selection("tag 't'", saved, make_selection(None, "*.bias"))
     check_recut_selection("tag 't'", None, None)
+    check_recut_selection("tag 't'", {"include": None, "exclude": ["b*", "a*"]}, make_selection(None, ["a*", "b*"]))
     for selection, shown in (
         (make_selection(None, ["*.bias", "0.*"]), "include=None, exclude=['*.bias', '0.*']"),
         (None, "every parameter (no include/exclude)"),

@@ -936,8 +936,8 @@ def _repartitioned(parts: list[dict], entry: dict, layout: ShardLayout) -> bool:
     pipeline stages with the layers split otherwise (``PipelineModule(partition_method=...)``), loaded by joining
     the saved stages and taking this stage's parameters by name, as for another number of stages. Where a name is
     in no saved part the direct reader's ``check_model`` refuses, naming what differs."""
-    if len(parts) < 2 or set(entry["params"]) == set(layout.specs):
-        return False
+    if layout.part.pp_size < 2 or len(parts) < 2 or set(entry["params"]) == set(layout.specs):
+        return False  # only pipeline stages are cut by layer: tensor-parallel parts hold the same names
     saved = {n for p in parts for n in p["params"]}
     return all(n in saved for n in layout.specs)
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -496,6 +496,23 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------ one writer
+
+
+class SaveRequest(NamedTuple):
+    """One save's arguments once its public verb has checked them: what the plan, the files and the commit read."""
+
+    state: EmaState
+    layout: ShardLayout
+    ranks: tuple[Any, int, int]  # (group, world, rank) of the ranks that save the model together
+    decay: DecayLike | Sequence[DecayLike] | None
+    buffers: BufferState | None
+    extra: dict[str, Any] | None
+    timeout: float | None  # seconds (None: FUNCTIONAL_EMA_TIMEOUT's)
+
+    @property
+    def writes_buffers(self) -> bool:
+        """Whether this rank writes a buffer file: replicas' buffers are alike, replica 0's are saved."""
+        return self.buffers is not None and self.layout.replica == 0
 
 
 class TagLock:

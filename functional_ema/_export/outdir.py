@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import uuid
@@ -153,7 +154,9 @@ def _recover_killed_commits(real_out: Path) -> None:
             (real_out / _IN_PROGRESS).unlink()
     stem = _hidden_stem(real_out.name)
     try:  # not a glob: the name may hold glob characters ('[', '*')
-        leftovers = sorted(d for d in real_out.parent.iterdir() if d.name.startswith((f"{stem}.tmp-", f"{stem}.old-")))
+        # Exactly this out_dir's (an id without a dot): ".a.old-x.old-<id>" is out_dir "a.old-x"'s, not "a"'s.
+        own = re.compile(re.escape(stem) + r"\.(tmp|old)-[^.]+")
+        leftovers = sorted(d for d in real_out.parent.iterdir() if own.fullmatch(d.name))
     except OSError:
         return
     for d in leftovers:
@@ -199,7 +202,13 @@ def commit_dir(tmp: Path, final: Path, out: Path, overwrite: bool) -> None:
             except OSError:
                 shutil.rmtree(old, ignore_errors=True)
                 raise
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if old is not None and not os.path.lexists(final):  # the previous export goes back where it was
+            os.rename(old / "prev", final)
+            shutil.rmtree(old, ignore_errors=True)
+        raise
     (final / _IN_PROGRESS).unlink()
     _io.fsync_dir(final.parent)
     if old is not None:

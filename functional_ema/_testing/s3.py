@@ -284,9 +284,11 @@ def _remove_sockets(ports: dict[str, int]) -> None:
 
     Called at exit (a killed weed cannot remove its own) and at start, on the ports just picked: each of
     them was free to bind, so no live weed serves it, and a socket named with it is left by one that died
-    with no ``finally`` run (its test process SIGKILLed). Left there, it would be taken for ours."""
+    with no ``finally`` run (its test process SIGKILLed). Left there, it would be taken for ours. Only this
+    user's sockets: on a shared ``/tmp`` another user's is left alone."""
     for port in set(ports.values()):
         for path in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
+            with contextlib.suppress(OSError):  # gone meanwhile, or not ours to remove (a shared /tmp)
+                st = os.lstat(path)
+                if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid():
                     os.unlink(path)

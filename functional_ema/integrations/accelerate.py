@@ -42,6 +42,7 @@ import contextlib
 import functools
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -114,10 +115,28 @@ class _StateVerb:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         acc = self.accelerator
         verb = self.inner if self.inner is not None else functools.partial(getattr(type(acc), self.name), acc)
+        helpers = _live_helpers(acc)
         with contextlib.ExitStack() as stack:
-            for helper in _live_helpers(acc):
-                stack.enter_context(helper._saving() if self.name == "save_state" else helper._loading())
+            if self.name == "save_state":
+                for helper in helpers:
+                    stack.enter_context(helper._saving())
+            stack.enter_context(_swapped_out([s for h in helpers for s in h._swaps]))
             return verb(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _swapped_out(swaps: list[_Swapped]) -> Iterator[None]:
+    """The live weights in the model for the block: every swap in force, of every helper, swapped out in the reverse
+    of the order the blocks were opened (a nested block's EMA over an outer one's), and in again in that order
+    after it (a load's EMA, for a ``load_state``)."""
+    ordered = sorted((s for s in swaps if s.inner is not None), key=lambda s: s.opened)
+    for s in reversed(ordered):
+        s._out()
+    try:
+        yield
+    finally:
+        for s in ordered:
+            s._in()
 
 
 def _wrap_state_verbs(accelerator: Any) -> None:
@@ -139,6 +158,8 @@ class _Swapped:
     def __init__(self, helper: AcceleratorEMA, index: int | None) -> None:
         self.helper, self.index = helper, index
         self.inner: contextlib.AbstractContextManager[bool] | None = None  # the swap in force (None: swapped out)
+        self.entered = False  # EMA weights went in (False before the EMA started: nothing to swap)
+        self.opened = 0  # when the block was opened (time.monotonic_ns): nested blocks are swapped out last first
 
     def _in(self) -> bool:
         cm = self.helper.ema.swapped(self.helper.model, self.index)
@@ -152,9 +173,10 @@ class _Swapped:
             inner.__exit__(None, None, None)
 
     def __enter__(self) -> bool:
-        entered = self._in()
+        self.opened = time.monotonic_ns()
+        self.entered = self._in()
         self.helper._swaps.append(self)
-        return entered
+        return self.entered
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -305,9 +327,6 @@ class AcceleratorEMA:
             # is deleted), so a folder goes whole, never mid-write.
             self.ema.wait()
             self.accelerator.wait_for_everyone()
-        swaps = [s for s in self._swaps if s.inner is not None]
-        for s in reversed(swaps):
-            s._out()  # the live weights back before Accelerate gathers the model's state
         # torch.distributed.checkpoint steps an optimizer without state once (zero gradients and lr) to build it
         # when FSDP's optimizer state is gathered: not a training step, so not counted.
         pending = list(self._pending)
@@ -315,25 +334,9 @@ class AcceleratorEMA:
             yield
         finally:
             self._pending[: len(pending)] = pending
-            for s in swaps:
-                s._in()
-
-    @contextlib.contextmanager
-    def _loading(self) -> Iterator[None]:
-        """Around ``accelerator.load_state`` (:class:`_StateVerb`), before Accelerate loads anything: the live weights
-        back, so that the load replaces them (swapped in, the load would be undone at the block's end), and the
-        loaded EMA swapped in after it."""
-        swaps = [s for s in self._swaps if s.inner is not None]
-        for s in reversed(swaps):
-            s._out()
-        try:
-            yield
-        finally:
-            for s in swaps:
-                s._in()
 
     def _on_save(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
-        if any(s.inner is not None for s in self._swaps):
+        if any(s.inner is not None and s.entered for s in self._swaps):
             # Only when save_state was not called through _StateVerb (e.g. Accelerator.save_state(acc, ...)):
             # the model's state gathered before this hook is the EMA's.
             raise RuntimeError(
@@ -351,7 +354,7 @@ class AcceleratorEMA:
         # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest. Without
         # DeepSpeed the optimizer-step counter is this helper's own: it comes back from the EMA
         # checkpoint's checksummed record, checked against the EMA's step.
-        if any(s.inner is not None for s in self._swaps):
+        if any(s.inner is not None and s.entered for s in self._swaps):
             # Only when load_state was not called through _StateVerb (e.g. Accelerator.load_state(acc, ...)).
             raise RuntimeError(
                 f"accelerator.load_state({input_dir!r}) ran while the EMA is swapped into the model (inside `with "
