@@ -299,16 +299,22 @@ def _join(parts: list[dict[str, torch.Tensor]], split: dict) -> dict[str, torch.
     return {n: parts[0][n] if d is None else torch.cat([p[n] for p in parts], dim=d) for n, d in split.items()}
 
 
+def _launches(factory, folder: str, worker: str, phases, timeout: int = 600, **kwargs) -> tuple:
+    """One multi-rank launch of ``worker`` (of this module) per ``(phase, world size)``, in order, all on one new
+    folder: ``(folder, *each launch's reports)``, for a module fixture."""
+    out = factory.mktemp(folder)
+    target = f"tests.test_model_parallel:{worker}"
+    return (
+        out,
+        *(run_ranks(target, world_size=w, timeout=timeout, out=str(out), phase=p, **kwargs) for p, w in phases),
+    )
+
+
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    train = run_ranks("tests.test_model_parallel:tp_worker", world_size=4, timeout=600, out=str(out), phase="train")
-    resume = run_ranks("tests.test_model_parallel:tp_worker", world_size=4, timeout=600, out=str(out), phase="resume")
-    reshard = run_ranks("tests.test_model_parallel:tp_worker", world_size=2, timeout=600, out=str(out), phase="reshard")
-    relayout = run_ranks(
-        "tests.test_model_parallel:tp_worker", world_size=2, timeout=600, out=str(out), phase="relayout"
+    return _launches(
+        tmp_path_factory, "tp", "tp_worker", (("train", 4), ("resume", 4), ("reshard", 2), ("relayout", 2))
     )
-    return out, train, resume, reshard, relayout
 
 
 def test_tensor_parallel_mpu_every_verb(tp_runs):
@@ -641,12 +647,9 @@ def _swap_selected(engine, state, oracle: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def pipe_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipe")
-    runs = [
-        run_ranks("tests.test_model_parallel:pipe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
-        for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("relayout", 2))
-    ]
-    return (out, *runs)
+    return _launches(
+        tmp_path_factory, "pipe", "pipe_worker", (("train", 4), ("resume", 4), ("reshard", 2), ("relayout", 2))
+    )
 
 
 def test_pipeline_stages_every_verb(pipe_runs):
@@ -883,12 +886,7 @@ def pipe_bf16_worker(out: str, phase: str) -> dict:
 
 @pytest.fixture(scope="module")
 def pipe_bf16_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipe_bf16")
-    runs = [
-        run_ranks("tests.test_model_parallel:pipe_bf16_worker", world_size=2, timeout=600, out=str(out), phase=phase)
-        for phase in ("train", "resume")
-    ]
-    return (out, *runs)
+    return _launches(tmp_path_factory, "pipe_bf16", "pipe_bf16_worker", (("train", 2), ("resume", 2)))
 
 
 def test_pipeline_bf16_zero0_every_verb(pipe_bf16_runs):
@@ -927,12 +925,8 @@ def test_pipeline_repartitioned_load(pipe_bf16_runs):
 @pytest.fixture(scope="module")
 def tp_pp_runs(tmp_path_factory):
     """Tensor 2 x pipeline 2 x data parallel 2 (8 ranks), resumed at 8 and resharded to data parallel 1 (4 ranks)."""
-    out = tmp_path_factory.mktemp("tppp")
-    runs = [
-        run_ranks("tests.test_model_parallel:pipe_worker", world_size=w, timeout=900, out=str(out), phase=phase, tp=2)
-        for phase, w in (("train", 8), ("resume", 8), ("reshard", 4))
-    ]
-    return (out, *runs)
+    phases = (("train", 8), ("resume", 8), ("reshard", 4))
+    return _launches(tmp_path_factory, "tppp", "pipe_worker", phases, timeout=900, tp=2)
 
 
 def test_tensor_times_pipeline_parallel(tp_pp_runs):
@@ -1327,12 +1321,9 @@ def moe_worker(out: str, phase: str) -> dict:
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe")
-    runs = [
-        run_ranks("tests.test_model_parallel:moe_worker", world_size=w, timeout=600, out=str(out), phase=phase)
-        for phase, w in (("train", 4), ("resume", 4), ("reshard", 2), ("ep_changed", 2))
-    ]
-    return (out, *runs)
+    return _launches(
+        tmp_path_factory, "moe", "moe_worker", (("train", 4), ("resume", 4), ("reshard", 2), ("ep_changed", 2))
+    )
 
 
 def test_expert_parallel_every_verb(moe_runs):
