@@ -102,8 +102,8 @@ class _StateVerb:
     the method) by its first helper, once each. Accelerate gathers the model's state, and deletes the oldest
     checkpoint folders (``total_limit``), before its save-state pre-hooks run, and loads a DeepSpeed or FSDP model
     before its load-state pre-hooks; this runs before all of that. For each live helper (:func:`_live_helpers`;
-    none after every ``remove_hooks()``: then it only calls through) it enters :meth:`AcceleratorEMA._saving` or
-    :meth:`AcceleratorEMA._loading`: the EMA swapped out of the model for the verb and in again after it. A plain
+    none after every ``remove_hooks()``: then it only calls through) a save enters :meth:`AcceleratorEMA._saving`;
+    every swap in force is taken out for the verb and put back after it (:func:`_swapped_out`). A plain
     object (the accelerator, the verb's name and the callable it wraps), so the accelerator still pickles and
     deep-copies."""
 
@@ -152,8 +152,8 @@ def _wrap_state_verbs(accelerator: Any) -> None:
 
 
 class _Swapped:
-    """:meth:`AcceleratorEMA.swapped`'s block: the EMA swapped in, out around each ``save_state`` inside it
-    (:meth:`AcceleratorEMA._saving`), then in again."""
+    """:meth:`AcceleratorEMA.swapped`'s block: the EMA swapped in, out around each ``save_state`` or ``load_state``
+    inside it (:func:`_swapped_out`), then in again."""
 
     def __init__(self, helper: AcceleratorEMA, index: int | None) -> None:
         self.helper, self.index = helper, index
