@@ -528,31 +528,16 @@ def to_hf(
         plan, from_ema = (plan, {}) if view is not None else _stale_aliases(plan, like_folder, reader)
         config_dtype = _config_dtype(like_folder, plan, cast)
         nbytes = {it.name: math.prod(it.shape) * it.dtype.itemsize for it in plan.items}
-        stem = like_folder.stem
         groups = [list(nbytes)] if like_folder.kind == "peft" else _shards(list(nbytes), nbytes, limit)
-        files = (
-            [f"{stem}.safetensors"]
-            if len(groups) == 1
-            else [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-        )
-        index_name = [f"{stem}.safetensors.index.json"] if len(groups) > 1 else []
-        copied = [p.name for p in like_folder.copied]
-        # config.json is --like's (copied; rewritten with a dtype): a PEFT export writes none, so lists none.
-        written = sorted({*files, *index_name, *copied, EXPORT_RECORD})
-        check: dict[str, str | None]
-        if view is not None:
-            check = {"class": view.cls, "result": "names, shapes and ties as save_pretrained writes them"}
-        elif like_folder.kind == "peft" and not why_not:
-            check = {"class": "peft", "result": "names and shapes as PEFT reads them for this adapter_config.json"}
-        else:
-            check = {"class": None, "result": f"not run: {why_not}{_UNSEEN if like_folder.kind != 'peft' else ''}"}
+        files, index_name = _file_names(like_folder.stem, len(groups))
         extra: dict[str, Any] = {
             "tied_left_out": tied,
             "aliases_from_ema": from_ema,
-            "written": written,
-            "loader_check": check,
+            # config.json is --like's (copied; rewritten with a dtype): a PEFT export writes none, so lists none.
+            "written": sorted({*files, *index_name, *(p.name for p in like_folder.copied), EXPORT_RECORD}),
+            "loader_check": _loader_check(view, like_folder, why_not),
+            "config_dtype": None if config_dtype is None else str(config_dtype).removeprefix("torch."),
         }
-        extra["config_dtype"] = None if config_dtype is None else str(config_dtype).removeprefix("torch.")
         record = _record(src, like_folder, plan, cast, files, extra)
         meta = {"format": "pt", "functional_ema": json.dumps({k: record.get(k) for k in _META_KEYS})}
         tmp = new_tmp_dir(real_out)
@@ -563,12 +548,7 @@ def to_hf(
             if verify:
                 _read_back(tmp, plan, files, sums, buffer)
             if index_name:
-                weight_map = {n: f for g, f in zip(groups, files) for n in g}
-                body = {
-                    "metadata": {"total_size": sum(nbytes.values()), "functional_ema": meta["functional_ema"]},
-                    "weight_map": weight_map,
-                }
-                _io.atomic_write_bytes(tmp / index_name[0], json.dumps(body, indent=2).encode())
+                _write_index(tmp / index_name[0], groups, files, sum(nbytes.values()), meta)
             for f in like_folder.copied:
                 shutil.copyfile(f, tmp / f.name)
             _write_config(tmp, like_folder, config_dtype)
@@ -581,6 +561,31 @@ def to_hf(
         finally:
             bar.close()
     return Path(out_dir)
+
+
+def _file_names(stem: str, num_files: int) -> tuple[list[str], list[str]]:
+    """The weight files' names as ``save_pretrained`` gives them (one file unsharded, else
+    ``<stem>-00001-of-0000N``), and the index's name (none for one file)."""
+    if num_files == 1:
+        return [f"{stem}.safetensors"], []
+    files = [f"{stem}-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
+    return files, [f"{stem}.safetensors.index.json"]
+
+
+def _write_index(path: Path, groups: list[list[str]], files: list[str], total_size: int, meta: dict) -> None:
+    """The sharded export's ``*.safetensors.index.json``, as ``save_pretrained`` writes it (plus our record)."""
+    weight_map = {n: f for g, f in zip(groups, files) for n in g}
+    body = {"metadata": {"total_size": total_size, "functional_ema": meta["functional_ema"]}, "weight_map": weight_map}
+    _io.atomic_write_bytes(path, json.dumps(body, indent=2).encode())
+
+
+def _loader_check(view: Any, like_folder: LikeFolder, why_not: str | None) -> dict[str, str | None]:
+    """``ema_export.json``'s ``loader_check``: which loader's reading the plan was checked against, or why none."""
+    if view is not None:
+        return {"class": view.cls, "result": "names, shapes and ties as save_pretrained writes them"}
+    if like_folder.kind == "peft" and not why_not:
+        return {"class": "peft", "result": "names and shapes as PEFT reads them for this adapter_config.json"}
+    return {"class": None, "result": f"not run: {why_not}{_UNSEEN if like_folder.kind != 'peft' else ''}"}
 
 
 #: ``loader_check``'s note without a view: what the export then cannot see.

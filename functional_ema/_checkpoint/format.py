@@ -463,7 +463,12 @@ def validate_manifest(mpath: Path, m: dict) -> None:
     if m.get("parts") is None:
         _validate_part(mpath, m, m, ModelPart(), "")
         return
-    parts = m["parts"]
+    _validate_parts(mpath, m, m["parts"])
+
+
+def _validate_parts(mpath: Path, m: dict, parts: Any) -> None:
+    """A format-4 manifest's ``parts``: distinct parts of one tensor- and pipeline-parallel grid, all of it, each
+    part's fields checked."""
     if not (_is_int(m.get("format_version"), 4) and isinstance(parts, list) and 1 <= len(parts) <= _MAX_PARTS):
         raise _manifest_field_error(
             mpath, "parts", f"a list of 1 to {_MAX_PARTS} model-parallel parts (format 4)", parts

@@ -294,6 +294,17 @@ def _fsdp_piece(name: str, fp: Any, where: _Placement) -> tuple[torch.Tensor, Sh
     return local.detach(), ShardSpec(shape, first * math.prod(shape[1:]) if numel else 0, numel)
 
 
+def _sharding_group(first: tuple[str, _Placement] | None, tp_only: bool) -> tuple[Any, int, int]:
+    """(the group the EMA is sharded over, this rank's replica index, the number of replicas), from the first managed
+    parameter's placement (every other was checked the same)."""
+    if first is not None:
+        return first[1].shard_group, first[1].replica, first[1].replicas
+    if tp_only:  # tensor parallelism without fully_shard: no data-parallel sharding
+        return None, 0, 1
+    # no managed parameter at all (fully_shard on parameter-free modules): replicated
+    return (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None), 0, 1
+
+
 def _check_same(name: str, first: tuple[str, _Placement], where: _Placement) -> None:
     """Every managed parameter on one data-parallel mesh, and every tensor-parallel one on one TP mesh."""
     other, seen = first
@@ -364,13 +375,7 @@ class FSDP2Adapter(Adapter):
         from torch.distributed.tensor import DTensor
 
         tp_only = first is None and any(isinstance(p, DTensor) for _, p, _, _, _ in entries)
-        if first is not None:
-            group, replica, replicas = first[1].shard_group, first[1].replica, first[1].replicas
-        elif tp_only:  # tensor parallelism without fully_shard: no data-parallel sharding
-            group, replica, replicas = None, 0, 1
-        else:  # no managed parameter at all (fully_shard on parameter-free modules): replicated
-            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-            replica, replicas = 0, 1
+        group, replica, replicas = _sharding_group(first, tp_only)
         rank, world = world_of(group) if not tp_only else (0, 1)
 
         named_views, specs, params = [], {}, {}
