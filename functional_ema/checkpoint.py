@@ -721,7 +721,11 @@ def load_checkpoint(
     @access()
     def open_and_check() -> dict[str, Any]:
         ckpt = box["ckpt"] = opened.enter_context(open_checkpoint(load_dir, tag, verify, layout, local=local))
-        _refuse_mismatch(ckpt, layout, selection, dtype)
+        try:
+            _refuse_mismatch(ckpt, layout, selection, dtype)
+        except CheckpointMismatchError as e:
+            _note_frozen(e, ckpt, layout, adapter.module())
+            raise
         if out is not None:
             box["target"] = _load_target(out, ckpt, layout, reading.shards)
         return load_record(ckpt, layout, not layout.part.whole)
@@ -818,6 +822,21 @@ def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout, sha
             "Pass a state made for this model and checkpoint, or load without out= (restores it as saved)",
         )
     return out.emas
+
+
+def _note_frozen(e: BaseException, ckpt: Any, layout: ShardLayout, module: torch.nn.Module) -> None:
+    """Add to a refused load the fix where saved EMAs are of parameters this model holds frozen (a resume with the
+    parameters frozen as they were at the save): a reading leaves out what is frozen when it is first made."""
+    saved = getattr(ckpt, "shapes", {})
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad and n in saved and n not in layout.specs]
+    if frozen:
+        _add_note(
+            e,
+            f"{short_list(frozen, 4)} are parameters of this model, frozen now: a model is read with the parameters "
+            "trainable when it is first read (a parameter frozen later stays in the EMA). When resuming a run that "
+            "froze them, read the model before freezing them: fe.load(model, ...) (or fe.local_shards(model)) before "
+            'requires_grad_(False), as at the start of the run (docs/core.md, "What is averaged")',
+        )
 
 
 def _add_note(e: BaseException, note: str) -> None:

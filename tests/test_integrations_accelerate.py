@@ -410,8 +410,8 @@ def test_tags_named_like_what_save_state_writes_are_refused(tag):
 
 
 def test_export_of_a_compiled_model_loads_into_the_plain_model(tmp_path):
-    """Over a ``torch.compile``'d model the export drops the ``_orig_mod.`` its wrapper adds: it loads strict=True
-    into the uncompiled model and holds the EMA."""
+    """Over a ``torch.compile``'d model the EMA is named as the model it compiles (no ``_orig_mod.``): the export
+    loads strict=True into the uncompiled model and holds the EMA."""
     from safetensors.torch import load_file
     from torch import nn
 
@@ -426,20 +426,21 @@ def test_export_of_a_compiled_model_loads_into_the_plain_model(tmp_path):
     ema = AcceleratorEMA(acc, model, decay=0.5)
     _train(acc, model, optimizer, (ema,))
     averaged = fe.gather_full(ema.state, model)
-    assert sorted(averaged) == ["_orig_mod.0.bias", "_orig_mod.0.weight", "_orig_mod.2.bias", "_orig_mod.2.weight"]
+    assert sorted(averaged) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     exported = load_file(ema.export(tmp_path / "ema.safetensors"))
     fresh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
     assert str(fresh.load_state_dict(exported, strict=True)) == "<All keys matched successfully>"
-    assert all(torch.equal(exported[n.removeprefix("_orig_mod.")], t) for n, t in averaged.items())
+    assert all(torch.equal(exported[n], t) for n, t in averaged.items())
     assert not torch.equal(exported["0.weight"], plain[0].weight.detach())  # the EMA, not the live weights
 
 
 @pytest.mark.parametrize("wrapping", ["compile(m)", "compile(DDP(m))", "DDP(compile(m))"])
 def test_export_drops_every_wrapper_prefix_the_names_carry(tmp_path, wrapping):
-    """The export is named as the plain model's parameters whatever the order of the wrappers: torch.compile(DDP(m))
-    (Accelerate's DDP with dynamo: names ``_orig_mod.module.``), DDP(torch.compile(m)) (a model compiled before
-    ``prepare``: the adapter reads DDP's ``.module``, names ``_orig_mod.``), torch.compile(m); it loads strict=True
-    into the plain model and holds the EMA. DDP over a one-rank gloo group."""
+    """The EMA and the export are named as the plain model's parameters whatever the order of the wrappers:
+    torch.compile(DDP(m)) (Accelerate's DDP with dynamo), DDP(torch.compile(m)) (a model compiled before
+    ``prepare``), torch.compile(m); the adapter reads the model inside them (the names were ``_orig_mod.module.``,
+    ``_orig_mod.`` and ``_orig_mod.``). The export loads strict=True into the plain model and holds the EMA. DDP over
+    a one-rank gloo group."""
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch import nn
@@ -467,12 +468,11 @@ def test_export_drops_every_wrapper_prefix_the_names_carry(tmp_path, wrapping):
                     p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)))
             ema.step()
         averaged = fe.gather_full(ema.state, model)
-        prefix = {"compile(m)": "_orig_mod.", "compile(DDP(m))": "_orig_mod.module.", "DDP(compile(m))": "_orig_mod."}
-        assert sorted(averaged) == sorted(prefix[wrapping] + n for n, _ in plain.named_parameters())
+        assert sorted(averaged) == sorted(n for n, _ in plain.named_parameters())
         exported = load_file(ema.export(tmp_path / "ema.safetensors"))
         fresh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
         assert str(fresh.load_state_dict(exported, strict=True)) == "<All keys matched successfully>"
-        assert all(torch.equal(exported[n.removeprefix(prefix[wrapping])], t) for n, t in averaged.items())
+        assert all(torch.equal(exported[n], t) for n, t in averaged.items())
         assert not torch.equal(exported["0.weight"], plain[0].weight.detach())  # the EMA, not the live weights
         ema.remove_hooks()
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -692,3 +693,357 @@ def test_model_with_nothing_trainable_is_refused_like_an_empty_selection():
     model.requires_grad_(False)  # frozen after the first read: still averaged, not refused
     assert list(fe.local_shards(model)) == ["weight", "bias"]
     assert int(fe.update(state, fe.local_shards(model), 1, decay=0.5).step) == 1
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# torch.compile wrappers, a plain module at several ranks, and DDP edits after wrapping (engines/__init__.py
+# adapter_for, engines/module.py). One 2-rank launch for the distributed checks.
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+        return "accepted"
+    except Exception as e:  # noqa: BLE001 - the type and message are what the test checks
+        return f"{type(e).__name__}: {e}"
+
+
+def _compiled_ddp_case(rank: int, root: Path) -> dict:
+    """torch.compile(DDP(m)): read as the DDP model (names of m, rank r of 2); ranks at different steps are refused
+    at save; at the same step rank 0 writes and every rank loads its EMA."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = _TwoLayers()
+    model = torch.compile(DDP(net), backend="eager")
+    layout = fe.shard_layout(model)
+    out: dict = {"layout": [layout.rank, layout.world_size], "names": list(fe.local_shards(model))}
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        net.a.weight.add_(1.0)
+    steps = 2 if rank == 0 else 1  # rank 1 missed an update
+    for s in range(1, steps + 1):
+        state = fe.update(state, fe.local_shards(model), s, decay=0.5)
+    out["steps differ"] = _outcome(lambda: fe.save(state, model, root / "steps"))
+    state = fe.update(state, fe.local_shards(model), 2, decay=0.5) if rank == 1 else state  # every rank alike now
+    fe.save(state, model, root / "same", tag="t")
+    out["files"] = sorted(os.listdir(root / "same" / "t"))
+    loaded = fe.load(model, root / "same", tag="t")
+    out["loaded"] = all(torch.equal(loaded.ema[n], state.ema[n]) for n in state.ema) and list(loaded.ema) == list(
+        state.ema
+    )
+    return out
+
+
+def _inside_ddp_case(rank: int, root: Path) -> dict:
+    """ddp.module, and a plain module no DDP wraps, at 2 ranks: a one-process model on each rank (rank 0 of 1), its
+    verbs local. So ``if rank == 0: with fe.swapped(ddp.module, state): evaluate()`` (and gather_full, save, load
+    on rank 0 alone) returns at once, while rank 1 waits for it outside any collective; and two ranks saving
+    ddp.module to one tag take turns under the tag's lock, each writing a complete checkpoint."""
+    import time
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(_TwoLayers())
+    inner = ddp.module
+    state = fe.init_ema(fe.local_shards(ddp))  # made from the wrapper, evaluated through the module (rank 0)
+    first = {n: p.detach().clone() for n, p in inner.named_parameters()}
+    with torch.no_grad():
+        for p in inner.parameters():
+            p.add_(1.0)  # alike on every rank: DDP keeps the replicas equal
+    state = fe.update(state, fe.local_shards(ddp), 1, decay=0.5)
+    plain = nn.Linear(2, 2)
+    out: dict = {
+        "inner layout": [fe.shard_layout(inner).rank, fe.shard_layout(inner).world_size],
+        "plain layout": [fe.shard_layout(plain).rank, fe.shard_layout(plain).world_size],
+        "averaged": all(torch.equal(state.ema[n], first[n].lerp(p.detach(), 0.5)) for n, p in inner.named_parameters()),
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    done = root / "rank 0 done"
+    if rank == 0:
+        out["rank 0 alone"] = _rank_zero_alone(inner, state, root / "alone")
+        done.write_text("done")
+    else:  # waits outside any collective: a verb of rank 0 that waited for this rank would time out
+        deadline = time.monotonic() + 120
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    dist.barrier()
+    # Both ranks save ddp.module (weights that now differ by rank) to one tag: each writes the whole model
+    with torch.no_grad():
+        inner.a.weight.add_(float(rank))
+    mine = fe.update(state, fe.local_shards(inner), 2, decay=0.0)
+    fe.save(mine, inner, root / "both", tag="t")
+    dist.barrier()
+    emas = [None, None]
+    dist.all_gather_object(emas, {n: t.clone() for n, t in mine.ema.items()})
+    loaded = fe.load(inner, root / "both", tag="t").ema
+    out["both files"] = sorted(os.listdir(root / "both" / "t"))
+    out["loaded is one rank's whole"] = any(all(torch.equal(loaded[n], e[n]) for n in e) for e in emas)
+    return out
+
+
+def _rank_zero_alone(inner: nn.Module, state: fe.EmaState, root: Path) -> dict:
+    """Rank 0's evaluation of the EMA alone: swapped (output, then the live weights back bitwise), gather_full,
+    save and load, timed."""
+    import time
+
+    start = time.monotonic()
+    live = {n: p.detach().clone() for n, p in inner.named_parameters()}
+    x = torch.randn(5, 4)
+    expect = torch.func.functional_call(inner, dict(state.ema), (x,))
+    out: dict = {}
+    try:
+        with torch.no_grad(), fe.swapped(inner, state):
+            out["swapped output"] = torch.equal(inner(x), expect)
+        out["restored"] = all(torch.equal(p, live[n]) for n, p in inner.named_parameters())
+        full = fe.gather_full(state, inner)
+        out["gather_full"] = list(full) == list(state.ema) and all(torch.equal(full[n], state.ema[n]) for n in full)
+        fe.save(state, inner, root, tag="t")
+        out["files"] = sorted(os.listdir(root / "t"))
+        loaded = fe.load(inner, root, tag="t").ema
+        out["loaded"] = list(loaded) == list(state.ema) and all(torch.equal(loaded[n], state.ema[n]) for n in loaded)
+    except Exception as e:  # noqa: BLE001 - reported: a verb that waited for rank 1 times out here
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def _compiled_fsdp2_case() -> dict:
+    """torch.compile(fully_shard(m)): read as the FSDP2 model, with m's names."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = _TwoLayers()
+    fully_shard(net)
+    model = torch.compile(net, backend="eager")
+    return {
+        "engine": fe.shard_layout(model).engine,
+        "names": list(fe.local_shards(model)),
+        "same reading": fe.local_shards(model) is fe.local_shards(net),
+    }
+
+
+def _replaced_after_wrapping_case(rank: int) -> dict:
+    """DDP(find_unused_parameters=True) reduces the parameter objects it found when built: a submodule or a
+    parameter replaced later keeps the count but trains on each rank's batch alone, and is warned about."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict = {}
+    edits = {
+        "nothing replaced": lambda m: None,
+        "submodule replaced": lambda m: setattr(m, "b", nn.Linear(4, 3)),
+        "parameter replaced": lambda m: setattr(m.a, "weight", nn.Parameter(torch.randn(4, 4))),
+    }
+    for label, edit in edits.items():
+        torch.manual_seed(0)
+        net = _TwoLayers()
+        ddp = DDP(net, find_unused_parameters=True)
+        fe.init_ema(fe.local_shards(ddp))
+        edit(net)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fe.local_shards(ddp)
+        out[label] = [str(w.message) for w in caught if issubclass(w.category, fe.UnsyncedReplicasWarning)]
+    # ddp.module replaced: the reading follows the module DDP runs now (the check walked the old one)
+    torch.manual_seed(0)
+    ddp = DDP(_TwoLayers())
+    state = fe.init_ema(fe.local_shards(ddp))
+    ddp.module = _TwoLayers()
+    with torch.no_grad():
+        ddp.module.a.weight.fill_(5.0)
+    state = fe.update(state, fe.local_shards(ddp), 1, decay=0.0)
+    out["module replaced"] = torch.equal(state.ema["a.weight"], ddp.module.a.weight.detach())
+    out["read before freezing"] = _read_before_freezing_case()
+    return out
+
+
+def _read_before_freezing_case() -> dict:
+    """The model read before freezing (docs/core.md), then wrapped by DDP while frozen: the wrapper's first reading
+    keeps what the model's kept (a new reading refused them as "missing from shards"), and unfreezing, which DDP
+    does not see, is warned about."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = _TwoLayers()
+    state = fe.init_ema(fe.local_shards(net))
+    first = {n: p.detach().clone() for n, p in net.named_parameters()}
+    net.a.requires_grad_(False)
+    ddp = DDP(net)  # reduces b only
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            net.b.weight.add_(1.0)
+        state = fe.update(state, fe.local_shards(ddp), 1, decay=0.5)
+        frozen_phase = [str(w.message) for w in caught if issubclass(w.category, fe.UnsyncedReplicasWarning)]
+        net.a.requires_grad_(True)
+        fe.local_shards(ddp)
+    unfrozen = [str(w.message) for w in caught if issubclass(w.category, fe.UnsyncedReplicasWarning)]
+    return {
+        "names": list(state.ema),
+        "averaged": all(torch.equal(state.ema[n], first[n].lerp(p.detach(), 0.5)) for n, p in net.named_parameters()),
+        "warned while frozen": frozen_phase,
+        "warned at unfreezing": unfrozen[len(frozen_phase) :],
+    }
+
+
+def wrappers_worker(root: str) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    base = Path(root)
+    return {
+        "compiled ddp": _compiled_ddp_case(rank, base / "compiled"),
+        "inside ddp": _inside_ddp_case(rank, base / "inside"),
+        "compiled fsdp2": _compiled_fsdp2_case(),
+        "replaced": _replaced_after_wrapping_case(rank),
+    }
+
+
+def test_compiled_wrappers_and_plain_modules_at_several_ranks(tmp_path):
+    """torch.compile(DDP(m)) (torch's documented order) was read as a one-process model on every rank (world 1,
+    names _orig_mod.module.*): every rank wrote "rank 0 of 1", the last writer won, and ranks at different steps
+    were not refused; it is read as the DDP model now. ddp.module and a plain module stay one-process models on
+    each rank, so rank 0 evaluates, gathers and saves one alone, promptly. A DDP submodule or parameter replaced
+    after wrapping drifted between the ranks with no warning; ddp.module replaced kept the old module's reading."""
+    reports = run_ranks(
+        "tests.test_module:wrappers_worker",
+        world_size=2,
+        timeout=240,
+        # a verb that waits for the other rank fails in 60 s, not the default 600, past which the launch is killed
+        env={"FE_DIST_INIT": "torch", "FUNCTIONAL_EMA_TIMEOUT": "60"},
+        root=str(tmp_path),
+    )
+    one_file = ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
+    alone_files = ["ema_manifest.json", "ema_rank_00000_of_00001.safetensors"]
+    for rank, rep in enumerate(reports):
+        compiled = rep["compiled ddp"]
+        assert compiled["layout"] == [rank, 2] and compiled["names"] == ["a.weight", "a.bias", "b.weight", "b.bias"]
+        assert compiled["steps differ"].startswith("CheckpointMismatchError: save: ranks disagree on tag"), compiled
+        assert "step: rank 0: 2, rank 1: 1" in compiled["steps differ"], compiled
+        assert compiled["files"] == one_file and compiled["loaded"], compiled
+        inside = rep["inside ddp"]
+        assert inside["inner layout"] == inside["plain layout"] == [0, 1] and inside["averaged"], inside
+        # one complete checkpoint: the later writer's (a new generation of the tag's file), the earlier one's gone
+        manifest, data = inside["both files"]
+        assert manifest == "ema_manifest.json" and re.fullmatch(
+            r"ema_rank_00000_of_00001(\.gen\d+)?\.safetensors", data
+        )
+        assert inside["loaded is one rank's whole"], inside
+        assert rep["compiled fsdp2"] == {
+            "engine": "fsdp2",
+            "names": ["a.weight", "a.bias", "b.weight", "b.bias"],
+            "same reading": True,
+        }
+    alone = reports[0]["inside ddp"]["rank 0 alone"]
+    assert "error" not in alone and alone["seconds"] < 30, alone  # FUNCTIONAL_EMA_TIMEOUT is 60 s here
+    assert alone["swapped output"] and alone["restored"] and alone["gather_full"], alone
+    assert alone["files"] == alone_files and alone["loaded"], alone
+    for rep in reports:
+        replaced = rep["replaced"]
+        assert replaced["nothing replaced"] == [], replaced
+        for label, names in (("submodule replaced", "'b.weight', 'b.bias'"), ("parameter replaced", "'a.weight'")):
+            assert len(replaced[label]) == 1, (label, replaced)
+            assert f"that it did not hold when it was built ({names}: replaced since" in replaced[label][0], replaced
+        assert replaced["module replaced"] is True
+        before = replaced["read before freezing"]
+        assert before["names"] == ["a.weight", "a.bias", "b.weight", "b.bias"] and before["averaged"], before
+        assert before["warned while frozen"] == [] and len(before["warned at unfreezing"]) == 1, before
+        assert "trains 4 parameters but all-reduces the gradients of 2" in before["warned at unfreezing"][0], before
+
+
+def test_a_module_whose_parameter_or_module_dict_is_replaced_is_read_again():
+    """A module's ``_parameters`` or ``_modules`` dict replaced whole (``m.__dict__.update(fresh.__dict__)``, a
+    pattern of in-place conversion code) kept the reading current: its check compared the entries of the old dicts,
+    so update averaged weights the forward no longer used."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    first = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = fe.init_ema(fe.local_shards(model))
+    model[2].__dict__.update(nn.Linear(4, 3).__dict__)  # model[2] computes with the fresh module's parameters
+    with torch.no_grad():
+        model[2].weight.fill_(5.0)
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5)
+    for n, p in model.named_parameters():
+        assert torch.equal(state.ema[n], first[n].lerp(p.detach(), 0.5)), n
+
+    root = nn.Sequential(nn.Linear(4, 4))
+    first = {n: p.detach().clone() for n, p in root.named_parameters()}
+    state = fe.init_ema(fe.local_shards(root))
+    root.__dict__["_modules"] = {"0": nn.Linear(4, 4)}  # the root's _modules dict object replaced
+    state = fe.update(state, fe.local_shards(root), 1, decay=0.5)
+    for n, p in root.named_parameters():
+        assert torch.equal(state.ema[n], first[n].lerp(p.detach(), 0.5)), n
+
+
+@pytest.mark.parametrize("inside", ["", "module."], ids=["compile(m)", "compile(DDP(m))"])
+def test_a_checkpoint_saved_under_compiled_names_loads_into_the_compiled_model(tmp_path, inside):
+    """A torch.compile-d model was read under its wrapper's names (``_orig_mod.<name>``, and
+    ``_orig_mod.module.<name>`` for torch.compile(DDP(m))); it is now read as the model inside, with that model's
+    names. A checkpoint written under the old names (here by a module holding the model as ``_orig_mod``, which
+    lists them exactly so) loads into the compiled model, its EMA and buffers bitwise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    old = nn.Module()
+    holder = old
+    if inside:
+        holder._orig_mod = nn.Module()
+        holder = holder._orig_mod
+        holder.module = model
+    else:
+        holder._orig_mod = model
+    state = fe.init_ema(fe.local_shards(old))
+    model(torch.randn(5, 3))  # the running statistics move
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state = fe.update(state, fe.local_shards(old), 1, decay=0.5)
+    bstate = fe.buffers.update_buffers(fe.buffers.init_buffers(old), old, 1, decay=0.5)
+    prefix = f"_orig_mod.{inside}"
+    assert list(state.ema) == [prefix + n for n, _ in model.named_parameters()]
+    fe.save(state, old, tmp_path, buffers=bstate)
+
+    compiled = torch.compile(model, backend="eager")
+    assert list(fe.local_shards(compiled)) == [n for n, _ in model.named_parameters()]
+    loaded = fe.load(compiled, tmp_path)
+    assert list(loaded.ema) == [n for n, _ in model.named_parameters()]
+    assert all(torch.equal(loaded.ema[n], state.ema[prefix + n]) for n in loaded.ema)
+    buffers = fe.buffers.load_buffers(compiled, tmp_path)
+    assert sorted(buffers.emas[0]) == ["1.running_mean", "1.running_var"]
+    assert all(torch.equal(t, bstate.emas[0][prefix + n]) for n, t in buffers.emas[0].items())
+    assert torch.equal(buffers.copied["1.num_batches_tracked"], bstate.copied[prefix + "1.num_batches_tracked"])
+    fe.update(loaded, fe.local_shards(compiled), 2, decay=0.5)  # and it trains on
+
+
+def test_a_resume_with_parameters_frozen_as_at_the_save_names_the_fix(tmp_path):
+    """The EMA of a parameter frozen after the first reading is saved; a resume that freezes it before reading the
+    model is refused (the new reading leaves it out), and the message now says how to resume: read first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    state = fe.init_ema(fe.local_shards(model))
+    model[0].requires_grad_(False)  # the run's schedule: frozen after the first reading, still averaged
+    fe.save(fe.update(state, fe.local_shards(model), 1, decay=0.5), model, tmp_path)
+    resumed = copy.deepcopy(model)  # frozen as at the save, not read yet
+    with pytest.raises(fe.checkpoint.CheckpointMismatchError) as refused:
+        fe.load(resumed, tmp_path)
+    assert "'0.weight', '0.bias' are parameters of this model, frozen now" in str(refused.value)
+    assert "read the model before freezing them: fe.load(model, ...)" in str(refused.value)
+    again = copy.deepcopy(model).requires_grad_(True)  # the fix: read (load) first, then freeze
+    loaded = fe.load(again, tmp_path)
+    again[0].requires_grad_(False)
+    assert list(loaded.ema) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert all(torch.equal(loaded.ema[n], state.ema[n]) for n in state.ema)

@@ -19,7 +19,7 @@ import math
 import os
 import stat
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -262,6 +262,9 @@ class CheckpointReader:
                     self.pieces[n].append((spec.offset, spec.numel, i))
         for p in self.pieces.values():
             p.sort()
+        # {name read: name saved} for a checkpoint of a compiled model saved under the wrapper's names (see rename)
+        self._saved_as: dict[str, str] = {}
+        self._ddp_inside = False
 
     # -- opening
 
@@ -579,6 +582,15 @@ class CheckpointReader:
             files.append(RankFile(rank, st, layout, crcs, algo))
         return files
 
+    def rename(self, saved_as: dict[str, str], ddp_inside: bool) -> None:
+        """Read the parameters (and buffers) saved as ``saved_as[n]`` under the names ``n`` of the model they load
+        into: :func:`compiled_renames`' map of a checkpoint saved from a ``torch.compile``-d model when its names
+        carried the wrapper's ``_orig_mod.`` (now the model inside is read). The files keep their tensor keys."""
+        new_of = {saved: n for n, saved in saved_as.items()}
+        self.shapes = {new_of.get(n, n): s for n, s in self.shapes.items()}
+        self.pieces = {new_of.get(n, n): p for n, p in self.pieces.items()}
+        self._saved_as, self._ddp_inside = saved_as, ddp_inside
+
     def holds(self, specs: dict[str, ShardSpec]) -> bool:
         """Whether the opened files hold exactly the pieces ``specs`` describes (same names, offsets, lengths)."""
         if len(self.files) != 1:
@@ -666,6 +678,9 @@ class CheckpointReader:
             out = _read_buffer_tensors(st, where, _buffer_tensors_of(desc, where), crcs if verify else None, algo, note)
         emas = tuple({n: out[tensor_key(k, n)] for n in desc["floating"]} for k in range(desc["num_emas"]))
         copied = {n: out[f"copied.{n}"] for n in desc["copied"]}
+        if self._saved_as:  # a compiled model's buffers, saved under the wrapper's names too (see rename)
+            emas = tuple({_without_compiled(n, self._ddp_inside): t for n, t in e.items()} for e in emas)
+            copied = {_without_compiled(n, self._ddp_inside): t for n, t in copied.items()}
         return desc["num_emas"], emas, copied
 
     def _buffer_file(self, rank: int, world_size: int) -> tuple[dict, Location, str]:
@@ -749,7 +764,7 @@ class CheckpointReader:
     def fill(self, dst: torch.Tensor, k: int, name: str, start: int, numel: int, verify: bool) -> None:
         """Write elements ``[start, start + numel)`` of flattened EMA ``k`` of ``name`` into 1-D ``dst``,
         checking the checksums of every byte read when ``verify``."""
-        stop, cursor, key = start + numel, start, tensor_key(k, name)
+        stop, cursor, key = start + numel, start, tensor_key(k, self._saved_as.get(name, name))
         for off, cnt, i in self.pieces[name]:
             if cursor >= stop:
                 break
@@ -921,13 +936,49 @@ def open_checkpoint(
         # A RecutReader is not a CheckpointReader: it duck-types what load reads (tag, dtype, check_experts,
         # check_model, check_index, fill, read_buffers, close); typing it honestly needs load's callers typed alike.
         return RecutReader(open_joined(root, tag, verify), layout)  # type: ignore[return-value]  # see above
+    renamed = compiled_renames(entry["params"], layout.specs)
+    read = layout  # the files are opened for the saved names, then read under the model's (see rename)
+    if renamed is not None:
+        read = layout._replace(specs={renamed[0][n]: spec for n, spec in layout.specs.items()})
+    ckpt: CheckpointReader | None = None
     if (int(entry["world_size"]), int(entry["zero_stage"])) == (layout.world_size, layout.stage):
         own = (layout.rank, layout.world_size, layout.stage)
         ckpt = CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, own, local=local)
-        if not ckpt.partial or ckpt.holds(layout.specs):
-            return ckpt
-        ckpt.close()  # the same world size, cut otherwise: read the pieces from the files that hold them
-    return CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None, layout.specs, local)
+        if ckpt.partial and not ckpt.holds(read.specs):
+            ckpt.close()  # the same world size, cut otherwise: read the pieces from the files that hold them
+            ckpt = None
+    if ckpt is None:
+        ckpt = CheckpointReader._for_part(root, tag, tag_dir, manifest, entry, verify, None, read.specs, local)
+    if renamed is not None:
+        ckpt.rename(*renamed)
+    return ckpt
+
+
+_COMPILED = "_orig_mod"  # the component torch.compile's wrapper (OptimizedModule) puts before its model's names
+
+
+def _without_compiled(name: str, ddp_inside: bool) -> str:
+    """``name`` without torch.compile's ``_orig_mod`` components; with ``ddp_inside``, also without the ``module``
+    of a DDP wrapper inside the compiled one (``torch.compile(DDP(m))`` listed ``_orig_mod.module.<m's name>``)."""
+    parts = name.split(".")
+    if ddp_inside and parts[:2] == [_COMPILED, "module"]:
+        parts = parts[2:]
+    return ".".join(p for p in parts if p != _COMPILED)
+
+
+def compiled_renames(saved: Iterable[str], names: Iterable[str]) -> tuple[dict[str, str], bool] | None:
+    """``({name read: name saved}, ddp_inside)`` when the ``saved`` parameter names are exactly ``names`` once
+    torch.compile's ``_orig_mod.`` components are taken out (and, failing that, also the ``module.`` of a DDP inside
+    the compiled wrapper); ``None`` otherwise. A compiled model was read under its wrapper's names before the
+    library read the model inside (``engines.unwrap_compiled``); its checkpoints load into the same model."""
+    saved, wanted = list(saved), set(names)
+    if set(saved) == wanted or not any(_COMPILED in n.split(".") for n in saved):
+        return None
+    for ddp_inside in (False, True):
+        saved_as = {_without_compiled(n, ddp_inside): n for n in saved}
+        if len(saved_as) == len(saved) and saved_as.keys() == wanted:
+            return saved_as, ddp_inside
+    return None
 
 
 def _repartitioned(parts: list[dict], entry: dict, layout: ShardLayout) -> bool:

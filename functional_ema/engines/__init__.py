@@ -9,18 +9,28 @@ core (``init_ema``, ``update``, schedules) imports none of these modules.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import torch
 
 from ._base import Adapter, Reading, SwapStats, known_adapter
 
-__all__ = ["Adapter", "Reading", "SwapStats", "adapter_for", "ACCEPTED", "refuse_engine_internals"]
+__all__ = [
+    "Adapter",
+    "Reading",
+    "SwapStats",
+    "adapter_for",
+    "ACCEPTED",
+    "refuse_engine_internals",
+    "unwrap_compiled",
+]
 
 ACCEPTED = (
     "a deepspeed.DeepSpeedEngine (ZeRO stages 0-3), a torch.nn.Module with FSDP2 (fully_shard) applied or with "
     "tensor-parallel DTensor parameters, a torch.distributed.pipelining stage, a "
-    "torch.nn.parallel.DistributedDataParallel model, or a plain torch.nn.Module"
+    "torch.nn.parallel.DistributedDataParallel model, or a plain torch.nn.Module (each also inside torch.compile's "
+    "wrapper)"
 )
 
 
@@ -37,8 +47,25 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def unwrap_compiled(x: Any) -> Any:
+    """``x`` without the ``torch.compile`` wrappers (``OptimizedModule``) around it: the model they compile, whose
+    parameters they are. So ``torch.compile(DDP(m))`` (torch's documented order) is read as the DDP model and
+    ``torch.compile(fully_shard(m))`` as the FSDP2 one, with the names of the model inside (no ``_orig_mod.``),
+    and the compiled model and the model it wraps share one reading. Cheap: nothing is compiled, so nothing is
+    unwrapped, until torch._dynamo is imported."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    for _ in range(64):  # wrappers nest a few deep; bounded against a module that wraps itself
+        if wrapper is None or not isinstance(x, wrapper):
+            break
+        x = x._orig_mod
+    return x
+
+
 def adapter_for(x: Any) -> Adapter:
-    """The adapter for ``x``; a ``TypeError`` that lists what is accepted for anything else."""
+    """The adapter for ``x`` (torch.compile's wrappers taken off, :func:`unwrap_compiled`); a ``TypeError`` that
+    lists what is accepted for anything else."""
+    x = unwrap_compiled(x)
     known = known_adapter(x)
     if known is not None:
         return known(x)

@@ -70,7 +70,7 @@ class Reading:
         token: what the adapter compares to decide whether the reading is still current.
     """
 
-    __slots__ = ("shards", "layout", "params", "group", "token", "_all_specs", "_selected", "sparse")
+    __slots__ = ("shards", "layout", "params", "group", "token", "_all_specs", "_selected", "sparse", "_overlaps")
 
     def __init__(
         self, shards: Shards, layout: ShardLayout, params: dict[str, torch.nn.Parameter], group: Any, token: Any
@@ -81,6 +81,9 @@ class Reading:
         # Names of sparse parameters read: no EMA of them exists (a dense lerp_ towards a sparse tensor does not),
         # so local_shards refuses a selection that keeps one (refuse_sparse), at one truth test a call otherwise.
         self.sparse: tuple[str, ...] = ()
+        # The clusters of pieces whose memory may overlap (see overlapping), found by the first swap_by_copy of this
+        # reading: its views never move (a moved parameter makes a new reading).
+        self._overlaps: list[list[str]] | None = None
         shards.group = training_group(layout, group)
 
     def all_specs(self) -> list[dict[str, ShardSpec]]:
@@ -450,6 +453,11 @@ def swap_by_copy(
     sees the swapped values, and the live values come back bitwise. Extra memory: one copy of this
     rank's pieces.
 
+    Every live value is kept aside before any EMA is written: parameters tied through memory (two ``Parameter``
+    objects over one storage, ``dec.weight.data = enc.weight.data``) would otherwise keep the first one's EMA as the
+    second one's "live" value. Where pieces overlap in memory, each must then hold its own EMA: if the EMAs differ
+    on the overlap, ``ValueError`` names both before the block runs, the live values back.
+
     Args:
         reading: the reading the pieces fit.
         pieces: ``{name: EMA piece}``.
@@ -459,28 +467,85 @@ def swap_by_copy(
     """
     saved: dict[str, torch.Tensor] = {}
     extra = 0
+    targets = [(name, t) for name, t in reading.shards.items() if t.numel()]
+    if reading._overlaps is None:
+        reading._overlaps = overlapping(targets)
     try:
         with torch.no_grad():
-            for name, target in reading.shards.items():
-                if target.numel() == 0:
-                    continue
+            for name, target in targets:  # all kept aside first: restored in any order, the bits are the live ones
                 saved[name] = target.clone()
                 extra += target.numel() * target.element_size()
+            for name, target in targets:
                 target.copy_(pieces[name].reshape(target.shape))
+            _refuse_disagreeing(reading, pieces, reading._overlaps)
         yield SwapStats(len(saved), extra)
     finally:
-        targets = reading.shards if current is None else current()
+        back = reading.shards if current is None else current()
         with torch.no_grad():
             for name, live in saved.items():
-                target = targets.get(name)
+                target = back.get(name)
                 if target is not None:
                     target.copy_(live.reshape(target.shape))
 
 
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[first byte, one past the last byte)`` that a strided, non-empty tensor's elements lie in."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + extent * t.element_size()
+
+
+def overlapping(named: Iterable[tuple[str, torch.Tensor]]) -> list[list[str]]:
+    """The names whose tensors' memory spans meet, in clusters (each of two or more names, in address order): two
+    tensors of different clusters share no memory. One sort; meta and sparse tensors (no memory to share) and empty
+    ones are left out."""
+    spans = sorted(
+        (*memory_span(t), str(t.device), name)
+        for name, t in named
+        if t.layout is torch.strided and t.numel() and t.device.type != "meta"
+    )
+    clusters: list[list[str]] = []
+    widest: dict[str, tuple[int, list[str]]] = {}  # per device: the greatest end so far, and its cluster
+    for start, end, device, name in spans:
+        seen = widest.get(device)
+        if seen is not None and seen[0] > start:
+            seen[1].append(name)
+            widest[device] = (max(end, seen[0]), seen[1])
+        else:
+            widest[device] = (end, [name])
+            clusters.append(widest[device][1])
+    return [c for c in clusters if len(c) > 1]
+
+
+def meeting(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory spans meet (a strided, non-empty tensor each)."""
+    (a0, a1), (b0, b1) = memory_span(a), memory_span(b)
+    return a.device == b.device and a0 < b1 and b0 < a1
+
+
+def _refuse_disagreeing(reading: Reading, pieces: Mapping[str, torch.Tensor], clusters: list[list[str]]) -> None:
+    """``ValueError`` naming two parameters that share memory where their EMAs differ (each piece written: one that no
+    longer holds its own EMA was overwritten by another's). Nothing to do without overlaps."""
+    for names in clusters:
+        for name in names:
+            t = reading.shards[name]
+            if torch.equal(t, pieces[name].reshape(t.shape).to(t)):
+                continue
+            other = next(n for n in names if n != name and meeting(t, reading.shards[n]))
+            raise ValueError(
+                f"fe.swapped: parameters {name!r} and {other!r} share memory (tied through .data or views of one "
+                "tensor, not as one Parameter object) but their EMAs differ where they overlap, so no weight can "
+                "hold both; nothing was swapped (the live values are back). Tie them as one Parameter "
+                "(model.dec.weight = model.enc.weight) before init_ema, so one EMA averages both, or evaluate "
+                "with fe.gather_full(state, model) and torch.func.functional_call"
+            )
+
+
 def _form(p: torch.Tensor) -> tuple:
-    """What ``swapped`` compares to see a parameter re-typed, moved or re-made in place: dtype, device, shape and
-    where its values are (``.to(dtype)`` gives the same object new memory)."""
-    return (p.dtype, p.device, tuple(p.shape), p.data_ptr())
+    """What ``swapped`` compares to see a parameter re-typed, moved or re-made in place: dtype, device, shape, where
+    its values are (``.to(dtype)`` gives the same object new memory) and its strides (``p.data = p.data.t()`` of a
+    square weight keeps the rest, and would read the restored values transposed)."""
+    return (p.dtype, p.device, tuple(p.shape), p.data_ptr(), p.stride() if p.layout is torch.strided else ())
 
 
 def placeholder_form(p: torch.Tensor) -> tuple:
@@ -497,8 +562,9 @@ def parameters_put_back(
     skip: Callable[[torch.nn.Module, str], bool] | None = None,
 ) -> Iterator[None]:
     """On exit, every submodule, parameter and buffer registration of ``module`` is the object it was on entry, the
-    tensors with the memory (``.data``: dtype, device, storage) they had then; what the block changed is appended
-    to ``changes`` as it is put back (submodules first, so their own registrations are then checked too).
+    tensors with the memory (``.data``: dtype, device, storage, shape and strides) they had then; what the block
+    changed is appended to ``changes`` as it is put back (parametrizations and submodules first, so their own
+    registrations are then checked too).
 
     So a ``model.to(dtype)``, ``load_state_dict(..., assign=True)``, a new ``nn.Parameter`` or a replaced submodule
     (``model[2] = copy.deepcopy(model[2])``) inside a :func:`functional_ema.swapped` block cannot leave the model
@@ -506,15 +572,17 @@ def parameters_put_back(
     values into that memory. Buffers are put back the same way (``model.to(dtype)`` re-types them too), though
     values written into them in place (BatchNorm statistics of a forward in training mode) stay. ``skip(module,
     attr)`` leaves a parameter registration to the engine (FSDP2's managed parameters, which FSDP2 itself
-    re-registers; ``buffers.swapped_buffers`` skips every parameter). Submodules added by the block stay. Cost: one
-    pass over the modules on entry, one over what it recorded on exit.
+    re-registers; ``buffers.swapped_buffers`` skips every parameter). Each module's submodule registry (its current
+    ``_modules``: ``del seq[2]`` makes Sequential a new one) gets exactly its entry items back, in their order, so
+    submodules the block added, removed, moved or replaced are put back as they were; a parametrization the block
+    registered (``weight_norm``, ``register_parametrization``) on a tensor that had none is removed first, its
+    tensor then put back as any other. Cost: one pass over the modules on entry, one over what it recorded on exit.
     """
-    children: list[tuple[dict[str, Any], str, str, torch.nn.Module]] = []
+    parents: list[tuple[torch.nn.Module, str, list[tuple[str, Any]], frozenset[str], tuple, type]] = []
     entry = []
     for prefix, mod in module.named_modules():
-        for attr, child in mod._modules.items():
-            if child is not None:
-                children.append((mod._modules, attr, repr(f"{prefix}.{attr}" if prefix else attr), child))
+        tensors = (tuple(mod._parameters.items()), tuple(mod._buffers.items()))
+        parents.append((mod, prefix, list(mod._modules.items()), _parametrized(mod), tensors, type(mod)))
         for buffer, registry in ((False, mod._parameters), (True, mod._buffers)):
             for attr, t in registry.items():
                 if t is None or (not buffer and skip is not None and skip(mod, attr)):
@@ -525,18 +593,93 @@ def parameters_put_back(
     try:
         yield
     finally:
-        _submodules_back(children, changes)
+        for mod, prefix, _, before, tensors, cls in parents:
+            _parametrizations_back(mod, prefix, before, tensors, cls, changes)
+        for mod, prefix, items, *_ in parents:
+            _submodules_back(mod, prefix, items, changes)
         _tensors_back(entry, changes)
 
 
-def _submodules_back(children: list[tuple[dict[str, Any], str, str, torch.nn.Module]], changes: list[str]) -> None:
-    """Register each recorded submodule again where the block replaced or removed it (``parameters_put_back``)."""
-    for registry, attr, name, child in children:
-        now = registry.get(attr)
-        if now is not child:
-            what = "removed" if now is None else f"replaced by another {type(now).__name__}"
-            changes.append(f"submodule {name} {what}")
-            registry[attr] = child
+def _parametrized(mod: torch.nn.Module) -> frozenset[str]:
+    """The names of ``mod``'s tensors under a parametrization (``torch.nn.utils.parametrize``)."""
+    plists = mod._modules.get("parametrizations")
+    return frozenset(plists._modules) if isinstance(plists, torch.nn.ModuleDict) else frozenset()
+
+
+def _parametrizations_back(
+    mod: torch.nn.Module, prefix: str, before: frozenset[str], tensors: tuple, cls: type, changes: list[str]
+) -> None:
+    """Put ``mod``'s parametrizations (``torch.nn.utils.parametrize``) back as on entry, computing nothing: one the
+    block registered on a tensor that had none (``weight_norm``) loses the property torch put on the module's class
+    and its ``ParametrizationList``, and the entry tensor object is registered again, in its entry place
+    (``tensors``: the entry ``_parameters`` and ``_buffers`` items; ``_tensors_back`` then checks its memory); one
+    the block removed gets its property back (its ``ParametrizationList`` is put back by ``_submodules_back``, as is
+    a parametrization stacked on one from entry). The module's class is its entry one (``cls``) again."""
+    now = _parametrized(mod)
+    added, removed = now - before, before - now
+    if not added and not removed:
+        return
+    plists: Any = mod._modules.get("parametrizations")  # a ModuleDict of ParametrizationLists
+    for tensor in sorted(added):
+        name = f"{prefix}.{tensor}" if prefix else tensor
+        changes.append(f"parametrization registered on {name!r} ({type(plists[tensor][0]).__name__}) removed")
+        delattr(type(mod), tensor)  # the property on the class torch made for this module alone
+        del plists[tensor]
+    if not before:  # none on entry: no holder of ParametrizationLists either
+        del mod._modules["parametrizations"]
+    registries: tuple[dict[str, Any], dict[str, Any]] = (mod._parameters, mod._buffers)
+    for registry, items in zip(registries, tensors):
+        entry = dict(items)
+        for tensor in removed:  # what remove_parametrizations registered in its place
+            if tensor in registry and tensor not in entry:
+                del registry[tensor]
+        for attr in added & entry.keys():
+            registry.setdefault(attr, entry[attr])
+        order = [k for k in entry if k in registry] + [k for k in registry if k not in entry]
+        if list(registry) != order:
+            kept = [(k, registry[k]) for k in order]
+            registry.clear()
+            registry.update(kept)
+    mod.__class__ = cls
+    for tensor in sorted(removed):
+        name = f"{prefix}.{tensor}" if prefix else tensor
+        changes.append(f"parametrization of {name!r} removed, registered again")
+        if not isinstance(cls.__dict__.get(tensor), property):
+            from torch.nn.utils import parametrize
+
+            parametrize._inject_property(mod, tensor)  # what register_parametrization sets: torch's own getter
+
+
+def _submodules_back(mod: torch.nn.Module, prefix: str, items: list[tuple[str, Any]], changes: list[str]) -> None:
+    """Give ``mod``'s current submodule registry exactly its entry ``items``, in order, where the block changed it
+    (``parameters_put_back``), naming each submodule removed, moved, replaced or added."""
+    registry = mod._modules
+    now = list(registry.items())
+    if len(now) == len(items) and all(k == k0 and v is v0 for (k, v), (k0, v0) in zip(now, items)):
+        return
+
+    def name(attr: str) -> str:
+        return repr(f"{prefix}.{attr}" if prefix else attr)
+
+    where = {id(v): k for k, v in now if v is not None}
+    mine = []
+    for attr, child in items:
+        held = registry.get(attr)
+        if held is child:
+            continue
+        if child is None:
+            mine.append(f"submodule {name(attr)} set where None was registered")
+        elif id(child) in where:
+            mine.append(f"submodule {name(attr)} moved to {name(where[id(child)])}")
+        elif held is None or any(held is v for _, v in items):  # its place taken by another one moved there
+            mine.append(f"submodule {name(attr)} removed")
+        else:
+            mine.append(f"submodule {name(attr)} replaced by another {type(held).__name__}")
+    entry_keys = {k for k, _ in items}
+    mine += [f"submodule {name(k)} added" for k, _ in now if k not in entry_keys]
+    changes.extend(mine or [f"submodules of {repr(prefix) if prefix else 'the model'} reordered"])
+    registry.clear()
+    registry.update(items)
 
 
 def _tensors_back(entry: list[tuple], changes: list[str]) -> None:
@@ -552,12 +695,17 @@ def _tensors_back(entry: list[tuple], changes: list[str]) -> None:
                 registry[attr] = t
             now_form = shape_of(t)
             if now_form != seen:
-                changes.append(f"{name} re-typed or moved ({_describe(seen)} -> {_describe(now_form)})")
+                what = f"({_describe(seen, now_form)} -> {_describe(now_form, seen)})"
+                changes.append(f"{name} re-typed, moved or re-strided {what}")
                 t.data = data
 
 
-def _describe(form: tuple) -> str:
-    return " ".join(str(x) for x in form[:3])
+def _describe(form: tuple, other: tuple | None = None) -> str:
+    """dtype, device and shape of a form; its strides too when those are what differs from ``other``'s."""
+    shown = [str(x) for x in form[:3]]
+    if other is not None and len(form) > 4 and form[:3] == other[:3] and form[4] != other[4]:
+        shown.append(f"strides {tuple(form[4])}")
+    return " ".join(shown)
 
 
 def gather_pieces(

@@ -1,0 +1,244 @@
+"""``fe.swapped`` and ``flatten_parameters`` on models whose parameters share memory, and ``swapped`` blocks that
+re-stride a parameter, edit a submodule registry (``del seq[2]``, ``insert``) or register a parametrization.
+
+Each case is checked against plain torch: the forward after the block equals the forward before it bitwise, the
+parameters are the entry objects holding the trained values bitwise, and a memory tie trains as an untouched twin.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations, parametrize
+
+import functional_ema as fe
+from functional_ema.engines.module import flatten_parameters
+
+
+class MemoryTied(nn.Module):
+    """An embedding and a decoder tied through memory: two Parameter objects over one storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Embedding(6, 4)
+        self.dec = nn.Linear(4, 6, bias=False)
+        self.dec.weight.data = self.enc.weight.data
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, idx):
+        return self.head(self.dec(self.enc(idx)))
+
+
+IDX = torch.tensor([0, 1, 2, 5])
+
+
+def _trained(model: nn.Module, inputs, steps: int = 3):
+    """``steps`` SGD steps with an EMA updated after each; the state."""
+    state = fe.init_ema(fe.local_shards(model))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for step in range(1, steps + 1):
+        model(inputs).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state = fe.update(state, fe.local_shards(model), step, decay=0.9)
+    return state
+
+
+def _live(model: nn.Module) -> dict:
+    return {n: (p, p.detach().clone(), p.stride()) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _same_as(model: nn.Module, live: dict) -> bool:
+    """The parameters are the recorded objects, in the recorded order, with their values and strides bitwise."""
+    now = dict(model.named_parameters(remove_duplicate=False))
+    return list(now) == list(live) and all(
+        now[n] is p and torch.equal(p.detach(), v) and p.stride() == s for n, (p, v, s) in live.items()
+    )
+
+
+def test_swapped_memory_tied_weights_hold_the_ema_and_come_back_bitwise():
+    torch.manual_seed(0)
+    model = MemoryTied()
+    state = _trained(model, IDX)
+    live, before = _live(model), model(IDX).detach()
+    ema = dict(state.ema)
+    assert torch.equal(ema["enc.weight"], ema["dec.weight"])  # one memory trained: one average
+    with torch.no_grad(), fe.swapped(model, state):
+        inside = model(IDX)
+        assert torch.equal(model.enc.weight, ema["enc.weight"]) and torch.equal(model.dec.weight, ema["dec.weight"])
+    twin = copy.deepcopy(model)  # untied by the copy, but both loaded with the one EMA
+    twin.load_state_dict(ema)
+    assert torch.equal(inside, twin(IDX).detach())
+    assert _same_as(model, live) and torch.equal(model(IDX).detach(), before)
+    assert model.enc.weight.data_ptr() == model.dec.weight.data_ptr()
+
+    # a view shifted into another parameter's memory: the EMAs differ on the overlap, refused naming both, the live
+    # values untouched; a column split of one weight (spans meet, no element shared) swaps as usual
+    shifted = nn.Linear(4, 4)
+    state = _trained(shifted, torch.randn(3, 4))
+    shifted.bias.data = shifted.weight.data.reshape(-1)[2:6]
+    state = fe.update(state, fe.local_shards(shifted), 4, decay=0.9)
+    live = _live(shifted)
+    shared = r"parameters 'weight' and 'bias' share memory|'bias' and 'weight' share"
+    with pytest.raises(ValueError, match=shared), fe.swapped(shifted, state):
+        pass
+    assert _same_as(shifted, live)
+
+    split = nn.Linear(4, 6)
+    whole = torch.randn(6, 5)
+    split.weight.data, split.bias.data = whole[:, :4], whole[:, 4]
+    state = _trained(split, torch.randn(3, 4))
+    live, x = _live(split), torch.randn(2, 4)
+    before = split(x).detach()
+    with torch.no_grad(), fe.swapped(split, state):
+        assert torch.equal(split.weight, state.ema["weight"]) and torch.equal(split.bias, state.ema["bias"])
+    assert _same_as(split, live) and torch.equal(split(x).detach(), before)
+
+
+def test_flatten_parameters_keeps_memory_ties_and_refuses_partial_overlaps():
+    torch.manual_seed(0)
+    flat = MemoryTied()
+    torch.manual_seed(0)
+    twin = MemoryTied()  # built alike (a deepcopy would untie it)
+    assert flatten_parameters(flat) == 4
+    assert flat.enc.weight.data_ptr() == flat.dec.weight.data_ptr()
+    for model in (flat, twin):  # trained alike, bitwise (the tie kept: one memory, both gradients applied to it)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            model(IDX).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(flat.parameters(), twin.parameters()))
+
+    # partially overlapping parameters: refused naming both, nothing moved
+    shifted = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    shifted[0].bias.data = shifted[0].weight.data.reshape(-1)[2:6]
+    where = [p.data_ptr() for p in shifted.parameters()]
+    with pytest.raises(ValueError, match=r"parameters '0\.weight' \(4, 4\) and '0\.bias' \(4,\) partially share"):
+        flatten_parameters(shifted)
+    assert [p.data_ptr() for p in shifted.parameters()] == where
+
+    # a trainable parameter tied to a frozen one (which stays): it stays too, still tied; the others move
+    frozen = MemoryTied()
+    frozen.enc.weight.requires_grad_(False)
+    assert flatten_parameters(frozen) == 2
+    assert frozen.enc.weight.data_ptr() == frozen.dec.weight.data_ptr()
+    assert frozen.head.bias.data_ptr() == frozen.head.weight.data_ptr() + 4 * 12
+
+
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_swapped_restrided_parameter_is_put_back_and_named(how):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    state = _trained(model, torch.randn(3, 4))
+    live, x = _live(model), torch.randn(2, 4)
+    before = model(x).detach()
+    named = r"'weight' re-typed, moved or re-strided .*strides"
+    with pytest.raises(fe.SwappedParametersChangedError, match=named), torch.no_grad(), fe.swapped(model, state):
+        if how == "data":
+            model.weight.data = model.weight.data.t()
+        else:
+            model.weight.set_(model.weight.t())
+    assert _same_as(model, live) and torch.equal(model(x).detach(), before)
+
+
+def _sequential() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def _first_last(registry: dict) -> None:
+    items = list(registry.items())
+    registry.clear()
+    registry.update(items[1:] + items[:1])
+
+
+SUBMODULE_EDITS = {
+    "del": (lambda m: m.__delitem__(2), "submodule '2' removed; submodule '3' moved to '2'"),
+    "pop": (lambda m: m.pop(2), "submodule '2' removed"),
+    "insert": (lambda m: m.insert(1, nn.Identity()), "submodule '1' moved to '2'"),
+    "append": (lambda m: m.append(nn.ReLU()), "submodule '5' added"),
+    "reorder": (lambda m: _first_last(m._modules), "submodules of the model reordered"),
+    "nested": (lambda m: m[2].__setattr__("extra", nn.Linear(4, 4)), "submodule '2.extra' added"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(SUBMODULE_EDITS))
+def test_swapped_block_that_edits_a_submodule_registry_gets_it_back(edit):
+    change, named = SUBMODULE_EDITS[edit]
+    model = _sequential()
+    state = _trained(model, torch.randn(3, 4))
+    children, live, x = list(model._modules.items()), _live(model), torch.randn(2, 4)
+    before = model(x).detach()
+    with pytest.raises(fe.SwappedParametersChangedError, match=named), torch.no_grad(), fe.swapped(model, state):
+        change(model)
+    now = list(model._modules.items())
+    assert len(now) == len(children) and all(k == k0 and v is v0 for (k, v), (k0, v0) in zip(now, children))
+    assert _same_as(model, live) and torch.equal(model(x).detach(), before)
+    fe.update(state, fe.local_shards(model), 4, decay=0.9)  # the reading is the entry one: no refusal
+
+
+def _custom(m: nn.Module) -> None:
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    parametrize.register_parametrization(m, "bias", Double())
+
+
+PARAMETRIZATIONS = {
+    "weight_norm": (parametrizations.weight_norm, "'0.weight' (_WeightNorm)"),
+    "orthogonal": (parametrizations.orthogonal, "'0.weight' (_Orthogonal)"),
+    "custom": (_custom, "'0.bias' (Double)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PARAMETRIZATIONS))
+@pytest.mark.parametrize("already", [False, True])
+def test_swapped_block_that_registers_a_parametrization_gets_the_trained_forward_back(kind, already):
+    apply, named = PARAMETRIZATIONS[kind]
+    model = _sequential()
+    if already:  # parametrized on entry (another tensor): its class and that parametrization stay
+        parametrize.register_parametrization(model[0], "weight" if kind == "custom" else "bias", nn.Identity())
+    state = _trained(model, torch.randn(3, 4))
+    cls, live, x = type(model[0]), _live(model), torch.randn(2, 4)
+    before = model(x).detach()
+    message = re.escape(f"parametrization registered on {named} removed")
+    with pytest.raises(fe.SwappedParametersChangedError, match=message), torch.no_grad(), fe.swapped(model, state):
+        apply(model[0])
+    assert type(model[0]) is cls and parametrize.is_parametrized(model[0]) == already
+    assert _same_as(model, live) and torch.equal(model(x).detach(), before)
+    fe.update(state, fe.local_shards(model), 4, decay=0.9)
+
+
+def test_swapped_block_that_stacks_a_parametrization_on_one_from_entry_gets_it_back():
+    model = _sequential()
+    parametrize.register_parametrization(model[0], "weight", nn.Identity())
+    state = _trained(model, torch.randn(3, 4))
+    cls, live, x = type(model[0]), _live(model), torch.randn(2, 4)
+    plist = list(model[0].parametrizations.weight)
+    before = model(x).detach()
+    named = r"submodule '0\.parametrizations\.weight\.1' added"
+    with pytest.raises(fe.SwappedParametersChangedError, match=named), torch.no_grad(), fe.swapped(model, state):
+        parametrize.register_parametrization(model[0], "weight", nn.Tanh())
+    assert type(model[0]) is cls and list(model[0].parametrizations.weight) == plist
+    assert _same_as(model, live) and torch.equal(model(x).detach(), before)
+
+
+@pytest.mark.parametrize("leave_parametrized", [False, True])
+def test_swapped_block_that_removes_a_parametrization_from_entry_gets_it_back(leave_parametrized):
+    model = _sequential()
+    _custom(model[0])  # bias parametrized on entry (2 * bias)
+    state = _trained(model, torch.randn(3, 4))
+    cls, live, x = type(model[0]), _live(model), torch.randn(2, 4)
+    before = model(x).detach()
+    named = r"parametrization of '0\.bias' removed, registered again"
+    with pytest.raises(fe.SwappedParametersChangedError, match=named), torch.no_grad(), fe.swapped(model, state):
+        parametrize.remove_parametrizations(model[0], "bias", leave_parametrized=leave_parametrized)
+    assert type(model[0]) is cls and parametrize.is_parametrized(model[0], "bias")
+    assert _same_as(model, live) and torch.equal(model(x).detach(), before)
+    fe.update(state, fe.local_shards(model), 4, decay=0.9)
