@@ -109,7 +109,9 @@ STATE_FIELDS = ("step", "num_emas", "dtype", "selection", "layout")
 JOB_FIELDS = ("step", "num_emas", "selection")
 
 
-def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Mapping[str, torch.Tensor]:
+def state_pieces(
+    state: EmaState, reading: Reading, index: int, verb: str, call: str = ""
+) -> Mapping[str, torch.Tensor]:
     """``state.emas[index]`` once checked against this rank's layout, on every rank together.
 
     The check is local (:func:`functional_ema._fit.state_problem`: names, and each piece's length
@@ -119,7 +121,8 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
     (:func:`~functional_ema._checkpoint.collective.agree_on`).
     So a state cut for another world size or model, or ranks at different steps (one rank skipped an
     update), fail on every rank with :class:`StateMismatchError` naming each rank's value, instead of
-    leaving some ranks in a collective or mixing two states.
+    leaving some ranks in a collective or mixing two states. ``call``: the verb's arguments that decide which
+    collectives follow (``"dst=0"``), agreed with it (ranks that differ raise naming each rank's call).
     """
     layout = reading.layout
 
@@ -155,6 +158,7 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
             fallback=StateMismatchError,
             mismatch=StateMismatchError,
             fix=fix,
+            call=call,
         )
     agree_on(
         verb,
@@ -166,6 +170,7 @@ def state_pieces(state: EmaState, reading: Reading, index: int, verb: str) -> Ma
         fallback=StateMismatchError,
         mismatch=StateMismatchError,
         fix=fix,
+        call=call,
     )
     return state.emas[index]
 
@@ -249,7 +254,8 @@ def gather_full(
         ``named_parameters()``; load it with ``model.load_state_dict(full, strict=False)``.
 
     Raises:
-        StateMismatchError: on every rank, when the state does not fit ``x`` on some rank.
+        StateMismatchError: on every rank, when the state does not fit ``x`` on some rank, or the ranks pass other
+            ``dst``, ``join_parts`` or ``bucket_bytes`` (they decide the collectives: each rank's call is named).
         TypeError, ValueError: ``index`` not one of the state's EMAs (naming it and their number), ``dst`` not ``None`` or a rank of the group (of the job when joining parts),
             ``join_parts`` not a bool; raised on every rank before any collective.
     """
@@ -263,14 +269,25 @@ def gather_full(
     if dst is not None:  # a rank of the job when joining parts, else of the data-parallel group
         job = torch.distributed.get_world_size() if joining and torch.distributed.is_initialized() else None
         dst = check_rank(dst, "dst", reading.layout.world_size if job is None else job)
-    pieces = state_pieces(state, reading, index, "gather_full")
-    if join_parts and not reading.layout.part.whole:
+    # dst, joining and the buckets decide the collectives that follow (an all_gather meeting a gather would block
+    # both ranks): agreed with the state, so ranks that pass other ones fail at once, naming each rank's call
+    call = _gather_call(dst, joining, bucket_bytes)
+    pieces = state_pieces(state, reading, index, "gather_full", call)
+    if joining:
         part = gather_pieces(reading, pieces, device="cpu", bucket_bytes=bucket_bytes)
         return join_parts_of(reading, part, dst=dst, device=device)
     if adapter.joins_slices(reading):  # DTensor parameters: the global shape they report
         part = gather_pieces(reading, pieces, dst=dst, bucket_bytes=bucket_bytes)
         return adapter.join_slices(reading, part, device)
     return gather_pieces(reading, pieces, dst=dst, device=device, bucket_bytes=bucket_bytes)
+
+
+def _gather_call(dst: int | None, joining: bool, bucket_bytes: int) -> str:
+    """The arguments of a :func:`gather_full` call that decide its collectives, those not at their defaults."""
+    shown = [f"dst={dst}"] if dst is not None else []
+    shown += ["join_parts=True"] if joining else []
+    shown += [f"bucket_bytes={bucket_bytes}"] if bucket_bytes != 256 << 20 else []
+    return ", ".join(shown)
 
 
 # ----------------------------------------------------------------------------------- eval swap

@@ -349,11 +349,18 @@ def update(
             naming the parameter, state unchanged. The check reads the weights once more (about
             +33% of the update's memory traffic for one fp32 EMA). With the ``Shards`` of
             ``local_shards(x)`` of a model trained on several ranks (``shards.group``), the ranks
-            decide together: one all-reduce of four int64 per call (on the gloo side group under
-            NCCL; none when ``nonfinite`` is ``None``) tells whether any rank saw a NaN or inf, so
-            every rank skips or none does, and with ``"raise"`` every rank raises: a rank that saw
-            it names its own parameter, the others the lowest rank that saw it. Call it on every rank then; ranks whose states are at different
-            steps are refused on every rank (:class:`~functional_ema.StateMismatchError`).
+            decide together: one small exchange per call (a few int64 between each rank and the
+            group's first, point to point, on the gloo side group under NCCL; none when
+            ``nonfinite`` is ``None``) tells whether any rank saw a NaN or inf, so every rank skips
+            or none does, and with ``"raise"`` every rank raises: a rank that saw it names its own
+            parameter, the others the lowest rank that saw it. Call it on every rank then, with the
+            same ``nonfinite``: ranks whose states are at different steps, or that pass another
+            ``nonfinite``, are refused on every rank (:class:`~functional_ema.StateMismatchError`),
+            and a bad argument on one rank is raised there and named on the others. A rank whose
+            other ranks make no exchange (they called ``update`` without ``nonfinite``, or went on
+            to the training step's collectives) raises
+            :class:`~functional_ema.checkpoint.CheckpointTimeoutError` after ``FUNCTIONAL_EMA_TIMEOUT``
+            seconds (default 600), its EMA unchanged.
         blocking: ``False`` queues the update of a CPU EMA of CUDA weights
             (``init_ema(..., device="cpu", pin_memory=True)``) and returns at once: the weights are
             copied to a pinned host snapshot on a side stream (the current stream waits for that
@@ -372,7 +379,9 @@ def update(
         TreeMismatchError: names or shapes of ``shards`` differ from the state's.
         NonFiniteError: ``nonfinite="raise"`` and a weight (on any rank of ``shards.group``) is NaN or inf.
         StateMismatchError: with ``nonfinite`` on over a group, the ranks' states are at different steps,
-            or the update failed on another rank.
+            the ranks passed different ``nonfinite``, or the update failed on another rank.
+        CheckpointTimeoutError: with ``nonfinite`` on over a group, the other ranks made no exchange
+            within ``FUNCTIONAL_EMA_TIMEOUT`` seconds.
         TypeError: a shard is not floating point, ``step`` is not an int, ``state.step`` is not an
             int64 tensor (a state built by hand), or a decay (or a callable's value at some step)
             is not a real number.
@@ -392,6 +401,58 @@ def update(
         >>> state.emas[0]["a"], state.emas[1]["a"]
         (tensor([0.5000, 0.5000]), tensor([0.7500, 0.7500]))
     """
+    try:  # free unless it raises: the ranks of a nonfinite= decision learn of this rank's bad argument (below)
+        last, step = _update_args(state, step, blocking, inplace, nonfinite)
+    except Exception as e:
+        if nonfinite is None or type(shards) is not Shards or shards.group is None:
+            raise
+        # This rank's error goes through the exchange the other ranks are in, so each raises (instead of waiting
+        # for this rank, or meeting its next collective); never returns.
+        _check_together(state, shards, 0, 0, decay, nonfinite, shards.group, e)
+        raise  # pragma: no cover - _check_together raised
+    group = shards.group if nonfinite is not None and type(shards) is Shards else None
+    if group is not None:  # the ranks decide together (one small bounded exchange): all skip or none
+        plan, weights, finite = _check_together(state, shards, step, last, decay, nonfinite, group)
+        if plan is None or not finite:  # nothing to do (step == state.step), or a rank saw a NaN/inf: all skip
+            return state if inplace else _copied(state)
+    else:
+        if step <= last:
+            if step == last:  # the optimizer has not stepped: nothing to average, the arguments checked all the same
+                _check_same_step(state, shards, decay)
+                return state if inplace else _copied(state)
+            raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
+        plan, weights = _checked_plan(state, shards, step, last, decay)
+        if nonfinite is not None and not _all_finite(state.emas[0], shards, nonfinite):
+            return state if inplace else _copied(state)
+    if not inplace:
+        state = _copied(state)
+        plan = _plan_for(state.emas, shards)
+    if not blocking and queue_update(plan, weights, state.step, last, step):
+        state.step.fill_(step)
+        return state
+    if plan.inference:  # plain tensors, in place: no autograd bookkeeping (see Plan.finish)
+        # torch's own guard object rather than the torch.inference_mode() context manager: the manager's Python
+        # frames cost about 40 us a call on caches an optimizer step has just flushed, more than inference mode
+        # saves on 516 tensors (docs/performance.md). Same mode, same kernels, same bits.
+        guard = torch._C._InferenceMode(True)
+        try:
+            plan.run(weights)
+        finally:
+            del guard
+    elif plan.no_grad:
+        with torch.no_grad():
+            plan.run(weights)
+    else:
+        plan.run(weights)
+    state.step.fill_(step)
+    return state
+
+
+def _update_args(state: EmaState, step: int | None, blocking: bool, inplace: bool, nonfinite: Any) -> tuple[int, int]:
+    """:func:`update`'s checks of its arguments other than the shards and the decays: the state's step counter
+    (waiting for a queued update), ``step``, ``blocking``, ``inplace`` and ``nonfinite``. Returns the state's step
+    and the step to update to. Its errors can differ between ranks (one rank's ``step=None``), so :func:`update`
+    carries them through the ranks' exchange when they decide together."""
     if type(state) is not EmaState:
         raise TypeError(f"update(): state must be an EmaState (from init_ema or load), got {type(state).__name__}")
     if blocking is not True and blocking is not False:
@@ -429,42 +490,7 @@ def update(
         check_bool(inplace, "inplace")
     if nonfinite is not None and not (isinstance(nonfinite, str) and nonfinite in ("skip", "raise")):
         raise ValueError(f'nonfinite must be None, "skip" or "raise", got {nonfinite!r}')
-    group = shards.group if nonfinite is not None and type(shards) is Shards else None
-    if group is not None:  # the ranks decide together (one small all-reduce): all skip or none
-        plan, weights, finite = _check_together(state, shards, step, last, decay, nonfinite, group)
-        if plan is None or not finite:  # nothing to do (step == state.step), or a rank saw a NaN/inf: all skip
-            return state if inplace else _copied(state)
-    else:
-        if step <= last:
-            if step == last:  # the optimizer has not stepped: nothing to average, the arguments checked all the same
-                _check_same_step(state, shards, decay)
-                return state if inplace else _copied(state)
-            raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
-        plan, weights = _checked_plan(state, shards, step, last, decay)
-        if nonfinite is not None and not _all_finite(state.emas[0], shards, nonfinite):
-            return state if inplace else _copied(state)
-    if not inplace:
-        state = _copied(state)
-        plan = _plan_for(state.emas, shards)
-    if not blocking and queue_update(plan, weights, state.step, last, step):
-        state.step.fill_(step)
-        return state
-    if plan.inference:  # plain tensors, in place: no autograd bookkeeping (see Plan.finish)
-        # torch's own guard object rather than the torch.inference_mode() context manager: the manager's Python
-        # frames cost about 40 us a call on caches an optimizer step has just flushed, more than inference mode
-        # saves on 516 tensors (docs/performance.md). Same mode, same kernels, same bits.
-        guard = torch._C._InferenceMode(True)
-        try:
-            plan.run(weights)
-        finally:
-            del guard
-    elif plan.no_grad:
-        with torch.no_grad():
-            plan.run(weights)
-    else:
-        plan.run(weights)
-    state.step.fill_(step)
-    return state
+    return last, step
 
 
 def _checked_plan(
@@ -551,67 +577,98 @@ def _check_together(
     step: int,
     last: int,
     decay: DecayLike | Sequence[DecayLike],
-    mode: Literal["skip", "raise"] | None,
+    mode: Any,
     group: Any,
+    error: Exception | None = None,
 ) -> tuple[Plan | None, list[float], bool]:
-    """:func:`update`'s checks and its non-finite test on this rank, then one all-reduce of four int64 over
-    ``group`` (the shards' training group, on the gloo side group under NCCL): the lowest rank that saw a
-    non-finite weight, the lowest rank whose checks failed, and the state's step (max and -min). Returns
-    the plan, the weights and whether every rank's weights are finite; raises on every rank when any
-    rank's checks failed, the ranks' steps differ, or (``mode="raise"``) any rank saw a non-finite weight.
-    Called on every update of a training group's shards while ``nonfinite`` is on, also when ``step``
-    equals the state's (so the ranks stay in step with each other)."""
+    """:func:`update`'s checks and its non-finite test on this rank, then one bounded exchange of a few int64 over
+    ``group`` (the shards' training group; ``collective.update_exchange``, on the gloo side group under NCCL): the
+    lowest rank that saw a non-finite weight, the lowest rank whose checks failed, a digest of the call (its
+    ``mode``) and the state's step (each as max and -min). Returns the plan, the weights and whether every rank's
+    weights are finite; raises on every rank when any rank's checks failed (``error``: this rank's argument error,
+    found before its checks, which are then skipped), the ranks' modes or steps differ, or (``mode="raise"``) any
+    rank saw a non-finite weight. Called on every update of a training group's shards while ``nonfinite`` is on,
+    also when ``step`` equals the state's (so the ranks stay in step with each other)."""
     import torch.distributed as dist
 
     from ._checkpoint import collective  # the group's plumbing (timeouts, gloo side group); no engine
-    from ._errors import StateMismatchError
+    from ._checkpoint.errors import CheckpointTimeoutError
 
     plan: Plan | None = None
     weights: list[float] = []
     saw = False
-    error: Exception | None = None
-    try:
-        if step < last:
-            raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
-        if step > last:
-            plan, weights = _checked_plan(state, shards, step, last, decay)
-            saw = not _all_finite(state.emas[0], shards, mode)
-        else:  # step == last: nothing to average, the arguments checked all the same (on every rank)
-            _check_same_step(state, shards, decay)
-    except NonFiniteError as e:
-        saw, error = True, e
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
-        error = e
+    if error is None:
+        try:
+            if step < last:
+                raise ValueError(f"update(step={step}) comes before the state's step {last}; steps must not decrease")
+            if step > last:
+                plan, weights = _checked_plan(state, shards, step, last, decay)
+                saw = not _all_finite(state.emas[0], shards, mode)
+            else:  # step == last: nothing to average, the arguments checked all the same (on every rank)
+                _check_same_step(state, shards, decay)
+        except NonFiniteError as e:
+            saw, error = True, e
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks learn of it
+            error = e
     if not dist.is_initialized():
         if error is not None:
             raise error
         return plan, weights, not saw
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    failed = error is not None and not saw
+    failed = error if error is not None and not saw else None
     code = lambda flag: world - rank if flag else 0  # noqa: E731 - the max names the lowest rank
-    bad, broke, high, neg_low = collective.all_reduce_max([code(saw), code(failed), last, -last], group)
+    # The call's digest: ranks in update(nonfinite="skip") and in "raise" would decide differently
+    call = f"update(nonfinite={mode!r})" if isinstance(mode, str) and mode in ("skip", "raise") else "update(?)"
+    verb = collective.value_digest(call)
+    words = [code(saw), code(failed is not None), verb, -verb, last, -last]
+    try:
+        reduced = collective.update_exchange(mode, words, group, world, rank)
+    except CheckpointTimeoutError as timeout:
+        if failed is not None:  # this rank's own error first; the timeout (its cause) says the others made none
+            raise failed from timeout
+        raise
+    _settle_together(mode, reduced, failed, group, (world, last))
+    if reduced[0] and mode == "raise":
+        if error is not None:
+            raise NonFiniteError(f"{error} (on rank {rank} of {world}; every rank left its EMA unchanged)")
+        raise NonFiniteError(
+            f"rank {world - reduced[0]} of {world} saw NaN or inf in its shards; every rank left its EMA unchanged "
+            "(nonfinite='raise')"
+        )
+    return plan, weights, not reduced[0]
+
+
+def _settle_together(
+    mode: Any, reduced: list[int], failed: Exception | None, group: Any, where: tuple[int, int]
+) -> None:
+    """Raise on every rank what :func:`_check_together`'s exchange (``reduced``) found: a rank's failure (``failed``:
+    this rank's own error), ranks that called update with another ``nonfinite=``, or states at other steps."""
+    from ._checkpoint import collective
+    from ._errors import StateMismatchError
+
+    _, broke, verb_high, neg_verb_low, high, neg_low = reduced
+    world, last = where
     if broke:
-        if failed and error is not None:  # failed implies an error; the test narrows it for the type checker
-            raise error
+        if failed is not None:
+            raise failed
         raise StateMismatchError(
             f"update(nonfinite={mode!r}): the update failed on rank {world - broke} of {world} (see its error); "
             "every rank left its EMA unchanged"
         )
-    if high != -neg_low:
-        steps = collective.exchange(last, collective.barrier_group(group, collective.DEFAULT_TIMEOUT_S), world)
+    if verb_high != -neg_verb_low or high != -neg_low:  # every rank sees it: each names every rank's value
+        values = collective.exchange((mode, last), collective.barrier_group(group, collective.DEFAULT_TIMEOUT_S), world)
+        if verb_high != -neg_verb_low:
+            shown = ", ".join(f"rank {r}: nonfinite={m!r}" for r, (m, _) in enumerate(values))
+            raise StateMismatchError(
+                f"update(nonfinite={mode!r}): the ranks called update with different nonfinite= ({shown}); every "
+                "rank left its EMA unchanged. The ranks decide together whether to skip or raise: pass the same "
+                "nonfinite= on every rank"
+            )
         raise StateMismatchError(
-            collective.disagreement(f"update(nonfinite={mode!r})", ("step",), [{"step": s} for s in steps])
+            collective.disagreement(f"update(nonfinite={mode!r})", ("step",), [{"step": s} for _, s in values])
             + ". Every rank left its EMA unchanged; the ranks must update the same state alike (load every rank "
             "from one checkpoint)"
         )
-    if bad and mode == "raise":
-        if error is not None:
-            raise NonFiniteError(f"{error} (on rank {rank} of {world}; every rank left its EMA unchanged)")
-        raise NonFiniteError(
-            f"rank {world - bad} of {world} saw NaN or inf in its shards; every rank left its EMA unchanged "
-            "(nonfinite='raise')"
-        )
-    return plan, weights, not bad
 
 
 def wait_update(state: EmaState) -> EmaState:

@@ -383,6 +383,10 @@ def _agree_on_bounded_cases(r: int, g: dict[str, Any], run: Callable[..., None])
     dist.barrier(group=g["pair"])  # both start together (rank 1 may still be in the last scenario's sleep)
     run("on_verbs", lambda: c.agree_on(["swapped", "gather_full"][r], lambda: record, FIELDS, g["pair"], 2, r))
     dist.barrier(group=g["pair"])
+    # one verb, with arguments that lead to other collectives (an all_gather would meet a gather), then alike
+    run("on_calls", lambda: c.agree_on("gather_full", lambda: record, FIELDS, g["pair"], 2, r, call=["", "dst=0"][r]))
+    run("on_calls_alike", lambda: c.agree_on("gather_full", lambda: record, FIELDS, g["pair"], 2, r, call="dst=0"))
+    dist.barrier(group=g["pair"])
     if r == 0:  # rank 1 never calls; it waits, alive, at the barrier below meanwhile
         run("on_absent", lambda: c.agree_on("swapped", lambda: record, FIELDS, g["on_absent"], 2, 0, timeout=None))
     dist.barrier(group=g["pair"])
@@ -598,6 +602,14 @@ def _assert_agree_on_bounded(res: list[dict[str, Any]], rank: int) -> None:
         _err("CheckpointMismatchError", msg),
         [*_agreed("pair", r), ["all_gather_object", "pair"]],
     )
+    calls = "the ranks called it with arguments that lead to different collectives (rank 0: 'gather_full', rank 1: "
+    _check(
+        res[rank],
+        "on_calls",
+        _err("CheckpointMismatchError", f"gather_full: {calls}'gather_full(dst=0)'); make the same call on every rank"),
+        [*_agreed("pair", r), ["all_gather_object", "pair"]],
+    )
+    _check(res[rank], "on_calls_alike", _ok({"step": 6, "tag": "t", "dtype": "f32"}), _agreed("pair", r))
     if r == 0:
         got = res[rank]["on_absent"]
         assert got["calls"] == [["irecv", "on_absent", 1, AGREE, WORDS]], got

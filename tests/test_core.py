@@ -1297,6 +1297,155 @@ def test_core_ranks_decide_nonfinite_together():
             assert got[scenario] == want[scenario], (rank, scenario)
 
 
+# ----------------------------------- ranks whose update(nonfinite=...) calls differ (adversarial probe W)
+
+#: FUNCTIONAL_EMA_TIMEOUT of :func:`test_ranks_whose_nonfinite_calls_differ`, seconds.
+DIFFER_S = 3.0
+
+
+def _raised(call: Callable[[], Any]) -> dict[str, Any]:
+    """The error ``call()`` raised (class and message, or None) and the seconds it took."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        call()
+        got: dict[str, Any] = {"raised": None, "message": None}
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which asserts it
+        got = {"raised": type(e).__name__, "message": str(e)}
+    return {**got, "s": time.monotonic() - t0}
+
+
+def nonfinite_differ_worker() -> dict[str, Any]:
+    """2 ranks (plain tensors as the ``Shards`` of a training group): ``update(nonfinite=...)`` where both ranks
+    agree (the decision as before), where rank 1 passes another ``nonfinite=``, where one of rank 1's arguments is
+    bad (refused before the exchange), then on fresh groups (a timeout leaves its group unusable) where one rank
+    alone asks for ``nonfinite=``: rank 0, while rank 1 updates without it and goes on to a collective of another
+    size (as DeepSpeed's next all-reduce), and rank 1 while rank 0 updates without it. Returns each case's outcome."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def shards_of(group: Any) -> fe.Shards:
+        _, shards = flat_views([5, 6])
+        object.__setattr__(shards, "group", group)  # what a reading of a DDP/ZeRO/FSDP2 model sets
+        return shards
+
+    shared = dist.new_group([0, 1])
+    shards = shards_of(shared)
+    out: dict[str, Any] = {}
+
+    def case(name: str, call: Callable[[fe.EmaState], Any], nan: bool = False) -> None:
+        state = fe.init_ema(shards, step=4)
+        with torch.no_grad():
+            for t in shards.values():
+                t.add_(1.0)  # the weights move away from the EMA: an update shows
+            if nan and rank == 1:
+                shards["layer1.w"][2] = float("nan")
+        dist.barrier()
+        out[name] = _did(state, shards, lambda: call(state), 0.5)
+        with torch.no_grad():
+            shards["layer1.w"][2] = 0.0
+
+    def both(mode: str) -> Callable[[fe.EmaState], Any]:
+        return lambda s: fe.update(s, shards, 5, decay=0.5, nonfinite=mode)  # type: ignore[arg-type]
+
+    case("skip", both("skip"), nan=True)
+    case("raise", both("raise"), nan=True)
+    case("clean", both("skip"))
+    case("modes", lambda s: fe.update(s, shards, 5, decay=0.5, nonfinite=("skip", "raise")[rank]))  # type: ignore[arg-type]
+    bad: dict[str, dict[str, Any]] = {
+        "step=None": {"step": None},
+        "step='5'": {"step": "5"},
+        "blocking": {"blocking": "no"},
+        "inplace": {"inplace": 2},
+        "nonfinite='warn'": {"nonfinite": "warn"},
+    }
+    for name, kw in bad.items():
+        args = {"step": 5, "decay": 0.5, "nonfinite": "skip", **(kw if rank == 1 else {})}
+        case(f"bad {name}", lambda s, args=args: fe.update(s, shards, **args))
+    case("rank 1 not a state", lambda s: fe.update(s if rank == 0 else {}, shards, 5, decay=0.5, nonfinite="skip"))
+    case("clean after", both("raise"))
+    alone = shards_of(dist.new_group([0, 1]))
+    state = fe.init_ema(alone)
+    dist.barrier()
+    out["rank 0 alone"] = _raised(lambda: fe.update(state, alone, 1, decay=0.5, nonfinite=(None, "skip")[1 - rank]))
+    out["rank 0 alone"]["step"] = int(state.step)
+    if rank == 1:  # then the next collective of its training step, on the same group: it must not meet rank 0's
+        work = dist.all_reduce(torch.zeros(3), group=alone.group, async_op=True)
+        out["rank 1 trains on"] = _raised(lambda: work.wait(timeout=datetime.timedelta(seconds=DIFFER_S + 5)))
+    dist.barrier()
+    alone = shards_of(dist.new_group([0, 1]))
+    state = fe.init_ema(alone)
+    out["rank 1 alone"] = _raised(lambda: fe.update(state, alone, 1, decay=0.5, nonfinite=(None, "raise")[rank]))
+    dist.barrier()
+    return out
+
+
+def test_ranks_whose_nonfinite_calls_differ():
+    """Ranks whose update(nonfinite=...) calls differ fail on every rank, clearly and within FUNCTIONAL_EMA_TIMEOUT
+    (before: gloo aborted a rank whose all-reduce met another collective, or a rank waited in it for good): another
+    nonfinite= is refused on both ranks naming each rank's; a bad argument on one rank is raised there and named on
+    the other; a rank that alone asks for nonfinite= raises CheckpointTimeoutError naming update and what the other
+    rank did, while the other's next collective is not met; matching calls decide as before (skip, raise, update)."""
+    from functional_ema._testing.multirank import run_ranks
+
+    env = {"FE_DIST_INIT": "torch", "FUNCTIONAL_EMA_TIMEOUT": f"{DIFFER_S:g}"}
+    results = run_ranks("tests.test_core:nonfinite_differ_worker", world_size=2, timeout=120, env=env)
+
+    def done(ema: str, step: int) -> dict[str, Any]:
+        return {"raised": None, "message": None, "returned_state": True, "step": step, "ema": ema}
+
+    def refused(cls: str, message: str) -> dict[str, Any]:
+        return {"raised": cls, "message": message, "returned_state": None, "step": 4, "ema": "unchanged"}
+
+    failed = (
+        "update(nonfinite='skip'): the update failed on rank 1 of 2 (see its error); every rank left its EMA unchanged"
+    )
+    own = {
+        "bad step=None": (
+            "ValueError",
+            "update(step=None, nonfinite='skip'): nonfinite='skip' needs the training step",
+        ),
+        "bad step='5'": ("TypeError", "step must be an int, got str '5'"),
+        "bad blocking": ("TypeError", "update(blocking=...) must be a bool, got str 'no'"),
+        "bad inplace": ("TypeError", "inplace must be True or False, got int 2"),
+        "bad nonfinite='warn'": ("ValueError", 'nonfinite must be None, "skip" or "raise", got \'warn\''),
+        "rank 1 not a state": ("TypeError", "update(): state must be an EmaState (from init_ema or load), got dict"),
+    }
+    modes = (
+        "update(nonfinite={!r}): the ranks called update with different nonfinite= (rank 0: nonfinite='skip', rank "
+        "1: nonfinite='raise'); every rank left its EMA unchanged. The ranks decide together whether to skip or "
+        "raise: pass the same nonfinite= on every rank"
+    )
+    for rank, got in enumerate(results):
+        assert got["skip"] == done("unchanged", 4), rank
+        nan = ("rank 1 of 2 saw NaN or inf in its shards", "shards['layer1.w'] holds NaN or inf")[rank]
+        assert got["raise"]["raised"] == "NonFiniteError" and got["raise"]["message"].startswith(nan), (rank, got)
+        assert got["raise"]["step"] == 4 and got["raise"]["ema"] == "unchanged", rank
+        assert got["clean"] == got["clean after"] == done("updated", 5), rank
+        assert got["modes"] == refused("StateMismatchError", modes.format(("skip", "raise")[rank])), rank
+        for name, (cls, message) in own.items():
+            if rank == 0:
+                assert got[name] == refused("StateMismatchError", failed), name
+            else:
+                assert got[name]["raised"] == cls and message in got[name]["message"], (name, got[name])
+                assert (got[name]["step"], got[name]["ema"]) == (4, "unchanged"), name
+    first, second = results[0]["rank 0 alone"], results[1]["rank 1 alone"]
+    for got, rank, mode in ((first, 0, "skip"), (second, 1, "raise")):
+        assert got["raised"] == "CheckpointTimeoutError", got
+        assert got["message"].startswith(f"functional_ema.update(nonfinite={mode!r}): rank {rank} waited "), got
+        assert f"(limit {DIFFER_S:g} s)" in got["message"] and "FUNCTIONAL_EMA_TIMEOUT" in got["message"], got
+        assert "A rank that called update without nonfinite= makes no exchange" in got["message"], got
+        assert DIFFER_S - 0.5 <= got["s"] <= DIFFER_S + 3, got
+    assert first["step"] == 0  # rank 0 left its EMA alone; rank 1 (no nonfinite=) updated without any exchange
+    assert (results[1]["rank 0 alone"]["raised"], results[1]["rank 0 alone"]["step"]) == (None, 1), results[1]
+    assert results[1]["rank 1 trains on"]["s"] <= DIFFER_S + 3, results[1]  # ended when rank 0 gave up, not hung
+    assert results[0]["rank 1 alone"]["raised"] is None
+
+
 # ------------------------------------------------- arguments checked where they enter (adversarial probe J)
 
 

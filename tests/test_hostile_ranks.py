@@ -3,7 +3,7 @@ what it reads.
 
 One table, :data:`CELLS`: a row per collective verb, a column per disagreement (step, tag, save
 generation, a stale rank file, EMA count, dtype, layout, the include/exclude selection, a non-finite weight
-on one rank; for the saves and loads by URL also a local folder on rank 1 while rank 0 uses the URL, and
+on one rank, ``gather_full``'s ``dst`` or ``bucket_bytes`` (which decide its collectives); for the saves and loads by URL also a local folder on rank 1 while rank 0 uses the URL, and
 another prefix of the bucket), and in each cell how to provoke it on rank 1 while rank 0 stays as it was.
 Every cell runs on both ranks of one launch per configuration (2 gloo ranks: FSDP2, then a DeepSpeed ZeRO-2
 engine), and must end with a library error on every rank naming each rank's value (or, for
@@ -140,6 +140,8 @@ STEP = ("ranks disagree on step", "rank 0: 6", "rank 1: 7")
 EMAS = ("ranks disagree on num_emas", "rank 0: 1", "rank 1: 2")
 DTYPE = ("ranks disagree on dtype", "rank 0: 'float32'", "rank 1: 'float64'")
 LAYOUT = ("ranks disagree on layout", "rank 0: ", "rank 1: ")
+GATHER_CALLS = "gather_full: the ranks called it with arguments that lead to different collectives"
+DST = (GATHER_CALLS, "rank 0: 'gather_full'", "rank 1: 'gather_full(dst=0)'")
 FSDP2 = ("fsdp2",)  # DeepSpeed broadcasts the weights at initialize: ranks of other shapes cannot make an engine
 
 
@@ -394,6 +396,13 @@ CELLS: dict[str, dict[str, Cell]] = {
         "dtype": Cell(lambda c: fe.gather_full(mine(c, "f64"), c.model), STATE_ERR, DTYPE),
         "layout": Cell(lambda c: fe.gather_full(mine(c, "other"), c.other), STATE_ERR, LAYOUT, FSDP2),
         "selection": Cell(lambda c: fe.gather_full(mine(c, "sel"), c.model), STATE_ERR, STATE_SELECTION),
+        # the arguments that decide its collectives: an all_gather meeting a gather, buckets of other sizes
+        "dst": Cell(lambda c: fe.gather_full(c.states["6"], c.model, dst=(None, 0)[c.rank]), STATE_ERR, DST),
+        "bucket_bytes": Cell(
+            lambda c: fe.gather_full(c.states["6"], c.model, bucket_bytes=(256 << 20, 64)[c.rank]),
+            STATE_ERR,
+            (GATHER_CALLS, "rank 0: 'gather_full'", "rank 1: 'gather_full(bucket_bytes=64)'"),
+        ),
     },
     "swapped": {
         "step": Cell(lambda c: _swap(c.model, mine(c, "7")), STATE_ERR, STEP),
@@ -408,6 +417,20 @@ CELLS: dict[str, dict[str, Cell]] = {
             lambda c: fe.update(mine(c, "7"), fe.local_shards(c.model), 8, nonfinite="skip", inplace=False),
             STATE_ERR,
             STEP,
+        ),
+        "nonfinite=": Cell(  # rank 1 asks for "raise": the ranks would decide differently
+            lambda c: fe.update(
+                c.states["6"], fe.local_shards(c.model), 7, nonfinite=("skip", "raise")[c.rank], inplace=False
+            ),
+            STATE_ERR,
+            ("ranks called update with different nonfinite=", "rank 0: nonfinite='skip'", "rank 1: nonfinite='raise'"),
+        ),
+        "an argument": Cell(  # rank 1's step=None is refused before the exchange: its error reaches rank 0 through it
+            lambda c: fe.update(
+                c.states["6"], fe.local_shards(c.model), (7, None)[c.rank], nonfinite="skip", inplace=False
+            ),
+            ("StateMismatchError", "ValueError"),
+            ("update(", "nonfinite='skip'"),  # rank 0: "failed on rank 1 of 2"; rank 1: its own ValueError
         ),
     },
     'update(nonfinite="raise")': {

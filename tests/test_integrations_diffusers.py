@@ -15,8 +15,9 @@ store / copy_to / restore equal to a plain model holding that EMA, the live forw
 the full live weights, and the run with validation ending bitwise as the run without; save_pretrained
 loading into ``UNet2DConditionModel.from_pretrained`` as the EMA bitwise; ``save_state`` /
 ``load_state`` through the script's hooks resuming bitwise. Then FSDP2 at 2 ranks (``fully_shard``):
-the same EMA checks against ``full_tensor()``. Accelerate's DDP at 2 ranks: the script as written (its
-main-process blocks on rank 0 alone), the same checks against the DDP model's own weights.
+the same EMA checks against ``full_tensor()``, and mismatched collective calls refused on both ranks naming
+them. Accelerate's DDP at 2 ranks: the script as written (its main-process blocks on rank 0 alone), the same
+checks against the DDP model's own weights.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -846,6 +848,42 @@ def test_deepcopy_and_pickling_of_a_bound_ema():
     assert all(torch.equal(a, b) for a, b in zip(again.shadow_params, fresh.shadow_params))
 
 
+def test_model_taken_over_by_an_engine_after_the_first_step_is_named():
+    """A first ``step`` before ``accelerator.prepare`` binds the EMA to the plain module. Once DeepSpeed has taken it
+    over (ZeRO-1/2: its ``_hp_mapping`` marker on every parameter, which moved into its flat buffers), every later
+    call is refused naming that binding and the fix, not ``local_shards`` and the other functions the user never
+    called ("pass the engine to functional_ema")."""
+    from functional_ema.integrations.diffusers import EMAModel
+
+    model, twin = _seq_pair()
+    ema = EMAModel(twin.parameters(), decay=0.9)
+    _train(model)
+    ema.step(model.parameters())  # the first step: bound to the plain module, its EMA the weights
+    before = [t.clone() for t in ema.shadow_params]
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    for p in model.parameters():  # what deepspeed.initialize does to a ZeRO-1/2 model's parameters
+        p.data = p.data.clone()
+        p._hp_mapping = None
+    calls = {
+        "step": lambda: ema.step(model.parameters()),
+        "state_dict": ema.state_dict,
+        "copy_to": lambda: ema.copy_to(model.parameters()),
+        "store": lambda: ema.store(model.parameters()),
+        "to": lambda: ema.to("cpu"),
+    }
+    for verb, call in calls.items():
+        with pytest.raises(TypeError) as e:
+            call()
+        msg = str(e.value)
+        assert msg.startswith("EMAModel: this EMA bound itself to the Sequential it was given at its first step()"), msg
+        assert "the module of a DeepSpeed engine" in msg and "after accelerator.prepare(...)" in msg, (verb, msg)
+    for p in model.parameters():
+        del p._hp_mapping  # the module alone again: the EMA is as it was, and steps on
+    assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, before))
+    ema.step(model.parameters())
+    assert ema.optimization_step == 2
+
+
 def test_warmup_settings_set_by_hand_are_named():
     """With the warm-up on, settings set by hand out of range are refused naming the attribute set (before:
     the schedule's max_decay / start_step); in range they give diffusers' decay."""
@@ -902,6 +940,33 @@ def _batch(micro: int, rank: int) -> tuple[torch.Tensor, ...]:
     enc = torch.randn(2, 3, 8, generator=g)
     noisy = latents + 0.5 * noise  # the noise scheduler's add_noise, reduced to what the test needs
     return noisy, t, enc, noise
+
+
+def _fsdp2_unet(mesh: Any, frozen: tuple[str, ...] = ()) -> tuple[nn.Module, nn.Module]:
+    """A tiny UNet (seed 0, ``frozen`` parameters frozen) under FSDP2 (``fully_shard`` on each block and the root),
+    and a plain copy of its starting weights."""
+    from diffusers import UNet2DConditionModel
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**TINY_UNET)
+    for name in frozen:
+        unet.get_parameter(name).requires_grad_(False)
+    start = copy.deepcopy(unet)
+    for block in [*unet.down_blocks, *unet.up_blocks]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(unet, mesh=mesh)
+    return unet, start
+
+
+def _train_step(unet: nn.Module, optimizer: torch.optim.Optimizer, step: int, rank: int) -> None:
+    """One step of the script's loss on :func:`_batch`'s inputs."""
+    import torch.nn.functional as F
+
+    noisy, t, enc, target = _batch(step, rank)
+    F.mse_loss(unet(noisy, t, enc).sample, target).backward()
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def _plain_unet(weights: dict[str, torch.Tensor]) -> nn.Module:
@@ -1214,24 +1279,17 @@ def fsdp2_worker(root: str, steps: int) -> dict:
     frozen from the start), no Accelerate: the EMA against a reference of ``full_tensor()``, the swapped and
     live forwards against plain models, save_pretrained, and shadow_params refused (each rank holds pieces)."""
     import torch.distributed as dist
-    import torch.nn.functional as F
     from diffusers import UNet2DConditionModel
     from diffusers.training_utils import EMAModel as DiffusersEMA
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from functional_ema.integrations.diffusers import EMAModel
 
     torch.set_num_threads(1)
     rank, t0 = dist.get_rank(), time.perf_counter()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(**TINY_UNET)
-    unet.conv_out.bias.requires_grad_(False)  # frozen: its own EMA, gathered live when the EMA is written
-    start = copy.deepcopy(unet)
-    for block in [*unet.down_blocks, *unet.up_blocks]:
-        fully_shard(block, mesh=mesh)
-    fully_shard(unet, mesh=mesh)
+    # frozen: its own EMA, gathered live when the EMA is written
+    unet, start = _fsdp2_unet(mesh, frozen=("conv_out.bias",))
     ema_unet = EMAModel(start.parameters(), model_cls=UNet2DConditionModel, model_config=start.config)
     del start
     own = EMAModel(unet.parameters())  # the trained model's own (sharded) parameters: bound at once, no full copy
@@ -1239,10 +1297,7 @@ def fsdp2_worker(root: str, steps: int) -> dict:
     decays = DiffusersEMA([nn.Parameter(torch.zeros(1))])
     ref: dict[str, torch.Tensor] = {}
     for step in range(1, steps + 1):
-        noisy, t, enc, target = _batch(step, rank)
-        F.mse_loss(unet(noisy, t, enc).sample, target).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        _train_step(unet, optimizer, step, rank)
         ema_unet.step(unet.parameters())
         own.step(unet.parameters())
         full = {n: p.full_tensor().detach().clone() for n, p in unet.named_parameters()}
@@ -1284,3 +1339,119 @@ def test_fsdp2_train_text_to_image_loop(tmp_path):
     env = {"FE_DIST_INIT": "torch"}
     results = _ranks_agree("FSDP2 run", "fsdp2_worker", 600, env=env, root=str(tmp_path), steps=4)
     assert "saved_is_ref" in results[0]
+
+
+#: FUNCTIONAL_EMA_TIMEOUT of the mismatched-calls launch, seconds: the bound on each rank's wait for the other.
+ALONE_S = 4.0
+
+
+def _fsdp2_trained(rank: int, steps: int) -> tuple:
+    """A tiny UNet under FSDP2 (each block and the root) trained ``steps`` steps, its EMAModel (decay 0.9, from a
+    copy of the start) stepped after each, and the plain-torch reference EMA of ``full_tensor()``."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    mesh = init_device_mesh("cpu", (2,))
+    unet, start = _fsdp2_unet(mesh)
+    ema = EMAModel(start.parameters(), decay=0.9, model_cls=UNet2DConditionModel, model_config=start.config)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-2)
+    decays = DiffusersEMA([nn.Parameter(torch.zeros(1))], decay=0.9)
+    ref: dict[str, torch.Tensor] = {}
+    for step in range(1, steps + 1):
+        _train_step(unet, optimizer, step, rank)
+        ema.step(unet.parameters())
+        for n, p in unet.named_parameters():
+            v = p.full_tensor().detach().clone()
+            ref[n] = v if step == 1 else ref[n].lerp_(v, 1.0 - decays.get_decay(step))
+    return unet, ema, ref
+
+
+def mismatched_calls_worker(root: str) -> dict:
+    """Two FSDP2 ranks making different collective EMAModel calls (``state_dict`` on rank 0 alone, as in an
+    ``if accelerator.is_main_process:`` block, meeting ``save_pretrained`` on rank 1; ``copy_to`` another model vs
+    ``save_pretrained``; ``copy_to`` after ``store`` vs the end of training's ``copy_to``), each outcome on this rank
+    (error class, message, seconds); then the same calls on both ranks, against the reference; ``save_pretrained``
+    whose write fails on rank 0; and ``state_dict`` on rank 0 alone (last: the timeout leaves the group unusable)."""
+    import torch.distributed as dist
+    from diffusers import UNet2DConditionModel
+
+    from functional_ema._testing.multirank import attempt
+
+    torch.set_num_threads(1)
+    rank, t0 = dist.get_rank(), time.perf_counter()
+    unet, ema, ref = _fsdp2_trained(rank, steps=2)
+    names = [n for n, _ in unet.named_parameters()]
+    other = UNet2DConditionModel(**TINY_UNET)
+    folder = Path(root) / "ema"
+    res: dict = {}
+    res["sd_vs_save"] = attempt(ema.state_dict if rank == 0 else lambda: ema.save_pretrained(folder))
+    res["other_vs_save"] = attempt(
+        (lambda: ema.copy_to(other.parameters())) if rank == 0 else lambda: ema.save_pretrained(folder)
+    )
+    live = {n: p.full_tensor() for n, p in unet.named_parameters()}
+    if rank == 0:
+        ema.store(unet.parameters())
+    res["swap_vs_final"] = attempt(lambda: ema.copy_to(unet.parameters()))
+    if rank == 0:
+        ema.restore(unet.parameters())
+    res["weights_untouched"] = _equal({n: p.full_tensor() for n, p in unet.named_parameters()}, live)
+    res["nothing_saved"] = not folder.exists()
+    # the group is usable after a mismatch: the same calls on both ranks, bitwise the reference
+    res["state_dict_is_ref"] = _equal(dict(zip(names, ema.state_dict()["shadow_params"])), ref)
+    ema.copy_to(other.parameters())
+    res["copy_to_other_is_ref"] = _equal({n: p.detach() for n, p in other.named_parameters()}, ref)
+    ema.save_pretrained(folder)
+    if rank == 0:
+        saved = UNet2DConditionModel.from_pretrained(folder)
+        res["saved_is_ref"] = _equal({n: p.detach() for n, p in saved.named_parameters()}, ref)
+    (Path(root) / "a_file").write_text("not a folder")
+    res["write_fails"] = attempt(lambda: ema.save_pretrained(Path(root) / "a_file" / "ema"))
+    res["after_failed_write"] = _equal(dict(zip(names, ema.state_dict()["shadow_params"])), ref)
+    res["seconds"] = time.perf_counter() - t0
+    if rank == 0:
+        res["alone"] = attempt(ema.state_dict)
+    else:
+        time.sleep(ALONE_S + 1)  # alive meanwhile, in no collective
+    return res
+
+
+def test_fsdp2_mismatched_collective_calls_fail_on_every_rank_naming_them(tmp_path):
+    """Ranks in two different collective EMAModel calls (or one call two ways) fail at once on every rank, naming
+    each rank's call, instead of pairing their gathers (an all_gather meeting a gather) and blocking both for ever;
+    nothing is written or changed, and the group stays usable: the same calls afterwards are bitwise the reference.
+    A save_pretrained whose write fails on rank 0 raises on both ranks (rank 1 waited in a barrier for ever); one
+    on rank 0 alone fails within FUNCTIONAL_EMA_TIMEOUT naming it. One launch."""
+    env = {"FE_DIST_INIT": "torch", "FUNCTIONAL_EMA_TIMEOUT": f"{ALONE_S:g}"}
+    results = _ranks_agree("mismatched calls", "mismatched_calls_worker", 240, env=env, root=str(tmp_path))
+    differ = "the ranks called different collective verbs"
+    sd_vs_save = f"{differ} (rank 0: 'EMAModel.state_dict', rank 1: 'EMAModel.save_pretrained')"
+    other_vs_save = f"{differ} (rank 0: 'EMAModel.copy_to(another model)', rank 1: 'EMAModel.save_pretrained')"
+    swap_vs_final = (
+        "EMAModel.copy_to: the ranks called it with arguments that lead to different collectives (rank 0: "
+        "'EMAModel.copy_to(the trained model, after store())', rank 1: 'EMAModel.copy_to(the trained model, for "
+        "good)'); make the same call on every rank"
+    )
+    cases = {  # each rank's verb, and the message
+        "sd_vs_save": (("EMAModel.state_dict", "EMAModel.save_pretrained"), sd_vs_save),
+        "other_vs_save": (("EMAModel.copy_to", "EMAModel.save_pretrained"), other_vs_save),
+    }
+    for rank, res in enumerate(results):
+        for case, (verbs, msg) in cases.items():
+            got = res[case]
+            assert got["error"] == "StateMismatchError" and got["msg"].startswith(f"{verbs[rank]}: {msg};"), got
+            assert got["s"] < ALONE_S, (rank, got)
+        got = res["swap_vs_final"]
+        assert got["error"] == "StateMismatchError" and got["msg"] == swap_vs_final and got["s"] < ALONE_S, got
+        assert res["saved_is_ref"] if rank == 0 else "saved_is_ref" not in res
+        got = res["write_fails"]
+        assert got["error"] == "CheckpointIOError" and "Not a directory" in got["msg"], (rank, got)
+        if rank == 1:
+            assert "EMAModel.save_pretrained failed on rank 0 of 2 (CheckpointIOError)" in got["msg"], got
+        assert got["s"] < ALONE_S, (rank, got)
+    got = results[0]["alone"]
+    assert got["error"] == "CheckpointTimeoutError", got
+    assert got["msg"].startswith("functional_ema.EMAModel.state_dict: rank 0 waited "), got
+    assert f"(limit {ALONE_S:g} s)" in got["msg"] and got["s"] <= ALONE_S + 3, got

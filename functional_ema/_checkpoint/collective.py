@@ -100,6 +100,7 @@ def agree_on(
     fix: str = "",
     timeout: float | None = None,
     bounded: bool = True,
+    call: str = "",
 ) -> Mapping[str, Any]:
     """Run ``fn()`` on every rank (this rank's checks, returning its record ``{field: value}`` of what the
     verb is about to read: step, tag, save generation, number of EMAs, dtype, layout) and agree on it:
@@ -109,8 +110,10 @@ def agree_on(
     through the group's first rank (:func:`bounded_max`, its own tags, one fixed-size message each way), so a
     verb called on some ranks only fails on each of them with :class:`CheckpointTimeoutError` after the
     timeout (``timeout``, else :data:`TIMEOUT_ENV`, else :data:`DEFAULT_TIMEOUT_S`) instead of blocking in
-    an all-reduce, or crashing gloo when another rank's collective meets it. A digest of ``what`` travels too:
-    ranks in two different verbs (``swapped`` on one, ``gather_full`` on another) raise ``mismatch`` naming each.
+    an all-reduce, or crashing gloo when another rank's collective meets it. A digest of ``what`` (and ``call``)
+    travels too: ranks in two different verbs (``swapped`` on one, ``gather_full`` on another), or in one verb with
+    arguments that lead to other collectives (``gather_full(dst=0)`` on one, ``gather_full`` on another), raise
+    ``mismatch`` naming each rank's call.
     ``bounded=False`` (:func:`agree` after a long ``fn``) all-reduces the same ints instead, with no bound.
 
     Cost: one round trip of :data:`AGREE_WORDS` int64 between each rank and the first (a verb digest, a failure
@@ -126,6 +129,8 @@ def agree_on(
         fields: the fields every rank compares, in a fixed order (the same on every rank).
         timeout: the bound on the wait for the other ranks, in seconds (see above).
         bounded: whether the wait is bounded (see above).
+        call: the arguments of this call that decide which collectives follow (``"dst=0"``), as the message shows
+            them (``gather_full(dst=0)``); ``""`` when there are none, or they are the defaults.
 
     Returns:
         This rank's record (the same values on every rank).
@@ -146,18 +151,15 @@ def agree_on(
         local_exc = CheckpointError(f"{what}: record fields {sorted(record)} are not {sorted(fields)}")
         payload, record = ("error", "CheckpointError", str(local_exc), True, None), None
     digests = [value_digest(record[f]) if record is not None else -1 for f in fields]
-    verb = value_digest(what)
+    verb = value_digest(f"{what}({call})" if call else what)
     words = [verb, -verb, int(record is None)] + [v for d in digests for v in (d, -d)]
     set_by = "the environment variable" if timeout is None else "timeout= or the environment variable"
     reduced = (
         _agreement(what, words, (group, world, rank), t, set_by) if t is not None else all_reduce_max(words, group)
     )
-    if reduced[0] != -reduced[1]:  # every rank sees it: each names the verb the others called, then raises
-        called = exchange(what, barrier_group(group, t if t is not None else timeout_s(timeout)), world)
-        shown = ", ".join(f"rank {r}: {_shown(v)}" for r, v in enumerate(called))
-        raise mismatch(
-            f"{what}: the ranks called different collective verbs ({shown}); call each on every rank, in the same order"
-        )
+    if reduced[0] != -reduced[1]:  # every rank sees it: each names the call the others made, then raises
+        called = exchange((what, call), barrier_group(group, t if t is not None else timeout_s(timeout)), world)
+        raise mismatch(_calls_differ(what, called))
     if (
         record is not None
         and not reduced[2]
@@ -166,6 +168,19 @@ def agree_on(
         return record
     records = settle(what, payload, local_exc, group, world, rank, fallback)  # raises when a rank failed
     raise mismatch(disagreement(what, fields, records) + (f". {fix}" if fix else ""))
+
+
+def _calls_differ(what: str, called: Sequence[tuple[str, str]]) -> str:
+    """:func:`agree_on`'s message when the ranks' verbs (``what``) or their ``call`` arguments differ, naming each."""
+    shown = ", ".join(f"rank {r}: {_shown(f'{v}({c})' if c else v)}" for r, (v, c) in enumerate(called))
+    if len({v for v, _ in called}) > 1:
+        return (
+            f"{what}: the ranks called different collective verbs ({shown}); call each on every rank, in the same order"
+        )
+    return (
+        f"{what}: the ranks called it with arguments that lead to different collectives ({shown}); make the same "
+        "call on every rank"
+    )
 
 
 def layout_record(layout: ShardLayout, across_parts: bool = False) -> str:
@@ -399,14 +414,21 @@ def _agreement(
     """:func:`agree_on`'s exchange: the elementwise maximum of ``words`` over the group (:func:`bounded_max`, padded
     to :data:`AGREE_WORDS`), or :class:`CheckpointTimeoutError` naming ``what`` when a rank waits ``t`` seconds."""
     group, world, rank = where
-    mine = torch.zeros(AGREE_WORDS, dtype=torch.int64)
-    mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
     t0 = time.monotonic()
     try:
-        out = bounded_max(barrier_group(group, t), t, mine, (AGREE_TAG, AGREE_RELEASE_TAG))
+        return _max_words(words, AGREE_WORDS, group, t, (AGREE_TAG, AGREE_RELEASE_TAG))
     except RuntimeError as e:  # gloo reports a timeout or a vanished peer as RuntimeError (DistError)
         raise _timed_out(what, rank, world, t, time.monotonic() - t0, e, set_by) from None
-    return out[: len(words)].tolist()
+
+
+def _max_words(
+    words: list[int], size: int, group: dist.ProcessGroup | None, t: float, tags: tuple[int, int]
+) -> list[int]:
+    """:func:`bounded_max` of ``words`` padded to ``size`` int64 (every message of one exchange has one length), on
+    the gloo side group of ``group``, with ``tags``; ``RuntimeError`` when a rank waits ``t`` seconds."""
+    mine = torch.zeros(size, dtype=torch.int64)
+    mine[: len(words)] = torch.tensor(words, dtype=torch.int64)
+    return bounded_max(barrier_group(group, t), t, mine, tags)[: len(words)].tolist()
 
 
 def _timed_out(what: str, rank: int, world: int, t: float, waited: float, e: Exception, set_by: str) -> Exception:
@@ -501,3 +523,42 @@ def job_of(reading: Reading) -> Job:
             "spans every rank of the job"
         )
     return Job(None, dist.get_rank(), dist.get_world_size())
+
+
+#: Point-to-point tags of :func:`update_exchange` (``update(..., nonfinite=...)`` over a group): others than
+#: :func:`arrive`'s and :func:`agree_on`'s, so an update's message never meets a verb's receive, nor a verb's the
+#: update's (gloo aborts the process when a message of another size meets a receive); the slots of collectives (a
+#: training step's all-reduces, DeepSpeed's) never match a point-to-point tag either.
+#: Tags of :func:`update_exchange`'s messages: its own, so an update's exchange never pairs with a verb's agreement.
+UPDATE_TAG, UPDATE_RELEASE_TAG = 0x454D4105, 0x454D4106
+#: Length, in int64, of every message of :func:`update_exchange` (padded with zeros).
+UPDATE_WORDS = 8
+
+
+def update_exchange(mode: str, words: list[int], group: dist.ProcessGroup | None, world: int, rank: int) -> list[int]:
+    """The elementwise maximum of ``words`` (at most :data:`UPDATE_WORDS` int64) over the ranks of ``group``, for
+    ``update(..., nonfinite=mode)``: one round trip between each rank and the group's first
+    (:func:`bounded_max`, tags :data:`UPDATE_TAG`), bounded by :data:`TIMEOUT_ENV` (else
+    :data:`DEFAULT_TIMEOUT_S`): a rank whose wait reaches it raises :class:`CheckpointTimeoutError` naming the
+    update and what the other ranks were likely doing, instead of blocking in an all-reduce (or crashing gloo when
+    the other ranks' next collective, e.g. a training step's, meets it). On the gloo side group under NCCL."""
+    t = timeout_s(None)
+    t0 = time.monotonic()
+    try:
+        return _max_words(words, UPDATE_WORDS, group, t, (UPDATE_TAG, UPDATE_RELEASE_TAG))
+    except RuntimeError as e:  # gloo reports a timeout or a vanished peer as RuntimeError (DistError)
+        raise _update_timed_out(mode, rank, world, t, time.monotonic() - t0, e) from None
+
+
+def _update_timed_out(mode: str, rank: int, world: int, t: float, waited: float, e: Exception) -> Exception:
+    """The :class:`CheckpointTimeoutError` of an ``update(nonfinite=mode)`` whose other ranks made no exchange."""
+    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return CheckpointTimeoutError(
+        f"functional_ema.update(nonfinite={mode!r}): rank {rank} waited {waited:.1f} s (limit {t:g} s) for the other "
+        f"ranks of the shards' process group (world size {world}) to decide with it whether any saw a NaN or inf, "
+        f"and they did not ({detail}). With nonfinite= on, update is collective over the group: call it on every "
+        "rank, with the same nonfinite=. A rank that called update without nonfinite= makes no exchange, nor does a "
+        "rank already in the training step's collectives or in another functional_ema verb. This rank left its EMA "
+        f"unchanged. The wait is set by the environment variable {TIMEOUT_ENV} (default {DEFAULT_TIMEOUT_S:g} s). "
+        "The process group may be unusable after this"
+    )

@@ -31,7 +31,8 @@ What differs from diffusers' class, and why:
   on the trained model (the EMA is swapped in with :func:`functional_ema.swapped`: under ZeRO-3 the
   forward gathers the EMA, and the trained weights, the fp32 masters and the optimizer state are
   untouched, so training after ``restore`` continues bitwise). Call them on every rank; a call on one
-  rank alone fails after the library's timeout (``FUNCTIONAL_EMA_TIMEOUT``) naming this.
+  rank alone fails after the library's timeout (``FUNCTIONAL_EMA_TIMEOUT``) naming this, and ranks in two
+  different calls (``state_dict`` on one, ``save_pretrained`` on another) fail at once naming each.
 * ``shadow_params`` under sharding is refused (each rank holds only its pieces): ``state_dict()``
   gathers them, ``save_pretrained`` writes them, :attr:`EMAModel.state` is this rank's state.
 * Training between ``store`` and ``restore`` of the trained model is refused: diffusers' ``restore`` undoes
@@ -52,20 +53,19 @@ import copy
 import gc
 import inspect
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import diffusers  # noqa: F401 - the framework this module glues to
 import torch
-import torch.distributed as dist
 
 import functional_ema as fe
 from functional_ema._api import state_pieces, training_refused
 from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
-from functional_ema._checkpoint.collective import Job, arrive, job_of
+from functional_ema._checkpoint.collective import Job, agree_on, check_reachable, job_of
 from functional_ema._selection import Selection, SelectionLike, make_selection
-from functional_ema.engines import adapter_for, refuse_engine_internals
+from functional_ema.engines import Reading, adapter_for, refuse_engine_internals
 from functional_ema.engines._base import read_for, select
 from functional_ema.engines.deepspeed import is_deepspeed_engine
 from functional_ema.engines.module import is_ddp
@@ -405,6 +405,34 @@ def _moved(state: fe.EmaState, x: Any, device: torch.device, pin: bool, non_bloc
     return new
 
 
+def _on_every_rank(what: str, fn: Callable[[], Any], job: Job, bounded: bool) -> None:
+    """Run ``fn`` on every rank of ``job``; return on each once all succeeded, or raise on every rank when one
+    failed (:func:`agree_on`: that rank its own error, the others the library's class of it, or ``RuntimeError``).
+    ``bounded``: the wait for the others is bounded by ``FUNCTIONAL_EMA_TIMEOUT`` (``fn`` takes about as long on
+    every rank); else by the process group's own timeout (``fn`` is one rank's long write, as in ``fe.save``)."""
+    if job.world <= 1:  # its own error as it is
+        fn()
+        return
+
+    def run() -> dict[str, Any]:
+        fn()
+        return {}
+
+    agree_on(what, run, (), job.group, job.world, job.rank, fallback=RuntimeError, bounded=bounded)
+
+
+def _taken_over(model: str, e: TypeError) -> str:
+    """The refusal of a model an engine took over after an EMAModel bound itself to it."""
+    return (
+        f"EMAModel: this EMA bound itself to the {model} it was given at its first step() (or at construction, "
+        f"given that model's sharded parameters), and an engine has taken that model over since: {e}. The EMA was "
+        "laid out over that model as it was then, so it does not follow it into the engine. Make the first "
+        "ema.step(...) after accelerator.prepare(...) (or deepspeed.initialize / fully_shard), with the prepared "
+        "model's parameters; to keep values from before, take ema.state_dict() before the prepare, and "
+        "load_state_dict it into a new EMAModel built from a copy of the model"
+    )
+
+
 # ------------------------------------------------------------------------------------------- the class
 
 
@@ -668,7 +696,7 @@ class EMAModel:
         the state against the model. Returns the model's selected shards (``None`` before the first step)."""
         if self._state is None:
             return None
-        reading = select(adapter_for(self._x).read(), self._selection)
+        reading = select(self._read(), self._selection)
         shards, have = reading.shards, self._state.emas[0]
         if not isinstance(have, fe.Shards) or have.index == shards.index:
             return shards
@@ -690,23 +718,42 @@ class EMAModel:
         self._names, self._state = names, grown
         return shards
 
-    def _job(self, verb: str) -> Job:
-        """The ranks that hold this EMA together, once every one of them has called ``verb`` (a bounded wait:
-        a verb called on one rank alone fails naming itself instead of hanging)."""
-        job = job_of(adapter_for(self._x).read())
+    def _read(self) -> Reading:
+        """The bound model's reading. A model an engine took over after the EMA bound itself to it (its first
+        :meth:`step` before ``accelerator.prepare``) is refused naming that binding, not the library's verbs."""
+        try:
+            return adapter_for(self._x).read()
+        except TypeError as e:
+            if is_deepspeed_engine(self._x):
+                raise
+            try:  # only the refusal of an engine's module is explained (checked again on the error path alone)
+                refuse_engine_internals(self._x)
+            except TypeError:
+                raise TypeError(_taken_over(type(self._x).__name__, e)) from None
+            raise
+
+    def _job(self, verb: str, call: str = "") -> Job:
+        """The ranks that hold this EMA together, once every one of them has called ``verb`` with the same
+        ``call`` (what decides the collectives that follow). Bounded (:func:`agree_on`): a verb called on one
+        rank alone fails naming itself, and ranks in two verbs (``state_dict`` on one, ``save_pretrained`` on
+        another) fail at once naming each, instead of pairing their gathers and hanging. One small exchange."""
+        job = job_of(self._read())
         if job.world > 1:
-            arrive(f"EMAModel.{verb}", job.group, job.world, job.rank, None)
+            what = f"EMAModel.{verb}"
+            check_reachable(what, job.group, job.world)
+            agree_on(what, dict, (), job.group, job.world, job.rank, mismatch=fe.StateMismatchError, call=call)
         return job
 
-    def _full_values(self, dst: int | None, verb: str) -> list[torch.Tensor] | None:
+    def _full_values(self, dst: int | None, verb: str, call: str = "") -> list[torch.Tensor] | None:
         """The whole EMA by position (frozen positions: their live value), on rank ``dst`` of the EMA's group
-        (``None``: every rank); ``None`` on the others. Collective when the EMA is sharded."""
+        (``None``: every rank); ``None`` on the others. Collective when the EMA is sharded (``verb`` and ``call``
+        agreed first, see :meth:`_job`)."""
         if self._x is None or self._state is None:  # the starting values, whole on every rank (ours from now)
             self._keep_start()
             return self._starting_values(verb)
         self._grow()
-        job = self._job(verb)
-        full = fe.gather_full(self._state, self._x, dst=dst)
+        job = self._job(verb, call)
+        full = fe.gather_full(self._state, self._x, dst=dst)  # agrees on dst too (ranks in one verb here)
         frozen = {i: _live_full(p) for i, (n, p) in enumerate(zip(self._names, self._positions)) if n is None}
         if dst is not None and job.rank != dst:
             return None
@@ -843,19 +890,20 @@ class EMAModel:
             if self._swap is not None:
                 return  # already in
             assert self._state is not None
-            job = self._job("copy_to")
             if self._stored is not None:
+                self._job("copy_to", "the trained model, after store()")
                 stack = contextlib.ExitStack()
                 stack.enter_context(fe.swapped(self._x, self._state))
                 self._swap = stack
                 return
+            job = self._job("copy_to", "the trained model, for good")
             adapter = adapter_for(self._x)
             reading = read_for(adapter, self._state)  # the selected parameters; the others keep their values
-            adapter.write_weights(reading, state_pieces(self._state, reading, 0, "EMAModel.copy_to"))
-            if job.world > 1:
-                dist.barrier(group=job.group)
+            pieces = state_pieces(self._state, reading, 0, "EMAModel.copy_to")
+            # The weights are the EMA on every rank when any returns; a rank's failure raises on every rank
+            _on_every_rank("EMAModel.copy_to", lambda: adapter.write_weights(reading, pieces), job, bounded=True)
             return
-        values = self._full_values(None, "copy_to")
+        values = self._full_values(None, "copy_to", "another model")
         assert values is not None
         _copy_into(params, values, "EMAModel.copy_to", "the EMA's values")
 
@@ -895,15 +943,20 @@ class EMAModel:
         if path.exists() and not path.is_dir():
             raise ValueError(f"path={str(path)!r} is a file: save_pretrained writes a folder")
         values = self._full_values(0, "save_pretrained")
-        if values is not None:
-            model = self.model_cls.from_config(self.model_config)
-            model.register_to_config(**self._fields())
-            _copy_into(list(model.parameters()), values, "EMAModel.save_pretrained", "the EMA's values")
-            model.save_pretrained(str(path))
-        if self._x is not None:
-            job = job_of(adapter_for(self._x).read())
-            if job.world > 1:
-                dist.barrier(group=job.group)  # the folder is complete when every rank returns
+
+        def write() -> None:
+            if values is not None:  # rank 0 of the EMA's group (every rank before the first step)
+                model = self.model_cls.from_config(self.model_config)
+                model.register_to_config(**self._fields())
+                _copy_into(list(model.parameters()), values, "EMAModel.save_pretrained", "the EMA's values")
+                model.save_pretrained(str(path))
+
+        if self._x is None:
+            write()
+            return
+        # The folder is complete when every rank returns, and rank 0's failure raises on every rank. Unbounded, as
+        # fe.save's wait after its writes: a slow write on rank 0 must not make the others give up on a good save
+        _on_every_rank("EMAModel.save_pretrained", write, job_of(self._read()), bounded=False)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, model_cls: Any, foreach: bool = False) -> EMAModel:
