@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
 import torch
@@ -103,30 +103,48 @@ def process_group(x: Any) -> Any:  # a torch ProcessGroup, or None
 
 
 #: What every rank of a verb that takes a state must hold alike (:func:`state_pieces`).
-STATE_FIELDS = ("step", "num_emas", "dtype", "selection", "layout")
+STATE_FIELDS = ("step", "num_emas", "index", "dtype", "selection", "layout")
 # What every rank of a job shares when its parts (tensor-parallel slices, pipeline stages, replicas) hold different
 # pieces: STATE_FIELDS but the part-specific layout.
-JOB_FIELDS = ("step", "num_emas", "selection")
+JOB_FIELDS = ("step", "num_emas", "index", "selection")
 
 
 def state_pieces(
-    state: EmaState, reading: Reading, index: int, verb: str, call: str = ""
+    state: EmaState,
+    reading: Reading,
+    index: int,
+    verb: str,
+    call: str = "",
+    arguments: Callable[[], object] | None = None,
 ) -> Mapping[str, torch.Tensor]:
     """``state.emas[index]`` once checked against this rank's layout, on every rank together.
 
     The check is local (:func:`functional_ema._fit.state_problem`: names, and each piece's length
     against this rank's); its outcome, and this rank's record of what the verb reads (:data:`STATE_FIELDS`:
-    the state's step, number of EMAs, dtype, include/exclude selection, and the layout's world size,
-    stage, part and parameter shapes), are agreed in one small all-reduce
+    the state's step, number of EMAs, the index read, dtype, include/exclude selection, and the layout's world
+    size, stage, part and parameter shapes), are agreed in one small all-reduce
     (:func:`~functional_ema._checkpoint.collective.agree_on`).
     So a state cut for another world size or model, or ranks at different steps (one rank skipped an
     update), fail on every rank with :class:`StateMismatchError` naming each rank's value, instead of
     leaving some ranks in a collective or mixing two states. ``call``: the verb's arguments that decide which
     collectives follow (``"dst=0"``), agreed with it (ranks that differ raise naming each rank's call).
+    ``arguments``: the verb's checks of those arguments, run inside the agreement, so a rank passing a bad one
+    raises its own error (``ValueError``) and the others :class:`StateMismatchError` naming its call, at once,
+    instead of waiting for it until the timeout.
     """
     layout = reading.layout
+    refused: list[Exception] = []  # this rank's argument error, raised in place of the ranks' disagreement
+
+    def checked_arguments() -> None:
+        try:
+            if arguments is not None:
+                arguments()
+        except Exception as error:
+            refused.append(error)
+            raise
 
     def check() -> dict[str, Any]:
+        checked_arguments()
         checked_index(index, state, in_range=True)  # ValueError here; StateMismatchError on the other ranks
         problem = state_problem(state, layout.specs, layout.rank, indices=(index,), shards=reading.shards)
         if problem:
@@ -138,47 +156,40 @@ def state_pieces(
             )
         return state_record(state, index, layout)
 
-    fix = (
-        "Every rank must hold the same EMA state (the same step: update every rank alike, or load every rank from "
-        "one checkpoint)"
-    )
+    def job_check() -> dict[str, Any]:
+        checked_arguments()
+        return _job_record(state, index, layout)
+
+    def agree(fn: Callable[[], dict[str, Any]], fields: tuple[str, ...], where: tuple[Any, int, int]) -> None:
+        fix = (
+            "Every rank must hold the same EMA state (the same step: update every rank alike, or load every rank "
+            "from one checkpoint) and pass the same index"
+        )
+        try:
+            agree_on(
+                verb, fn, fields, *where, fallback=StateMismatchError, mismatch=StateMismatchError, fix=fix, call=call
+            )
+        except StateMismatchError:
+            if refused:  # a bad argument makes this rank's call differ: its own error says what is wrong
+                raise refused[0] from None
+            raise
+
     if layout.job_ranks > layout.world_size and dist.is_initialized() and dist.get_world_size() == layout.job_ranks:
         # Tensor-parallel slices, pipeline stages or HSDP replicas: the data-parallel group below is not the whole
         # model. Every rank of the job agrees first on what they share (the part-specific layout differs), so a state
         # one update ahead on another part, or a part that did not call the verb, fails here on every rank instead of
         # joining two EMAs' slices or waiting in the parts' collective without bound. Only where the model's mesh is
         # the whole job (WORLD), as save and load require; a mesh over some of the ranks agrees per group, as before.
-        agree_on(
-            verb,
-            lambda: _job_record(state, index, layout),
-            JOB_FIELDS,
-            dist.group.WORLD,
-            dist.get_world_size(),
-            dist.get_rank(),
-            fallback=StateMismatchError,
-            mismatch=StateMismatchError,
-            fix=fix,
-            call=call,
-        )
-    agree_on(
-        verb,
-        check,
-        STATE_FIELDS,
-        reading.group,
-        layout.world_size,
-        layout.rank,
-        fallback=StateMismatchError,
-        mismatch=StateMismatchError,
-        fix=fix,
-        call=call,
-    )
+        agree(job_check, JOB_FIELDS, (dist.group.WORLD, dist.get_world_size(), dist.get_rank()))
+    agree(check, STATE_FIELDS, (reading.group, layout.world_size, layout.rank))
     return state.emas[index]
 
 
 def _job_record(state: EmaState, index: int, layout: ShardLayout) -> dict[str, Any]:
     checked_index(index, state, in_range=True)  # ValueError here; StateMismatchError on the other ranks
     # JOB_FIELDS only: the dtype and the layout's digest of every shape are compared within each group, by check()
-    return {"step": int(state.step), "num_emas": state.num_emas, "selection": selection_record(state.emas[index])}
+    record = {"step": int(state.step), "num_emas": state.num_emas, "index": index}
+    return {**record, "selection": selection_record(state.emas[index])}
 
 
 def checked_index(index: Any, state: Any, *, in_range: bool = False, of: str = "the state") -> int:
@@ -203,6 +214,8 @@ def state_record(state: EmaState, index: int, layout: ShardLayout) -> dict[str, 
     return {
         "step": int(state.step),
         "num_emas": state.num_emas,
+        # which EMA the verb reads: ranks passing other ones would join (or swap in) halves of two EMAs
+        "index": index,
         "dtype": "/".join(dtypes) or "none",
         # the include/exclude it averages (None: every parameter): named when the ranks' selections differ
         "selection": selection_record(state.emas[index]),
@@ -256,23 +269,31 @@ def gather_full(
     Raises:
         StateMismatchError: on every rank, when the state does not fit ``x`` on some rank, or the ranks pass other
             ``dst``, ``join_parts`` or ``bucket_bytes`` (they decide the collectives: each rank's call is named).
-        TypeError, ValueError: ``index`` not one of the state's EMAs (naming it and their number), ``dst`` not ``None`` or a rank of the group (of the job when joining parts),
-            ``join_parts`` not a bool; raised on every rank before any collective.
+        TypeError, ValueError: ``index`` not one of the state's EMAs (naming it and their number), ``dst`` not
+            ``None`` or a rank of the group (of the job when joining parts), ``bucket_bytes`` not a positive int,
+            ``join_parts`` not a bool; raised before any collective. Where only some ranks pass a bad ``index``
+            (its range), ``dst``, ``bucket_bytes`` or ``device``, those raise it and the others
+            :class:`StateMismatchError` naming them, at once. Ranks passing different ``index`` raise
+            :class:`StateMismatchError` naming each rank's (they would join halves of two EMAs).
     """
     join_parts = check_bool(join_parts, "join_parts")  # checked on every rank before any collective
-    bucket_bytes = check_int(bucket_bytes, "bucket_bytes", minimum=1)
-    device = check_device(device, "device")
     index = checked_index(index, state)  # its range is checked by state_pieces, on every rank together
     adapter = adapter_for(x)
     reading = read_for(adapter, state)  # the state's selection: the parameters it averages
     joining = join_parts and not reading.layout.part.whole
-    if dst is not None:  # a rank of the job when joining parts, else of the data-parallel group
-        job = torch.distributed.get_world_size() if joining and torch.distributed.is_initialized() else None
-        dst = check_rank(dst, "dst", reading.layout.world_size if job is None else job)
+    # dst: a rank of the job when joining parts, else of the data-parallel group
+    ranks = dist.get_world_size() if joining and dist.is_initialized() else reading.layout.world_size
+
+    def arguments() -> tuple[int | None, int, torch.device | None]:
+        ranked = None if dst is None else check_rank(dst, "dst", ranks)
+        return ranked, check_int(bucket_bytes, "bucket_bytes", minimum=1), check_device(device, "device")
+
     # dst, joining and the buckets decide the collectives that follow (an all_gather meeting a gather would block
-    # both ranks): agreed with the state, so ranks that pass other ones fail at once, naming each rank's call
+    # both ranks): agreed with the state, so ranks that pass other ones fail at once, naming each rank's call; and
+    # checked inside that agreement, so a bad one on one rank fails the others at once too, not at the timeout
     call = _gather_call(dst, joining, bucket_bytes)
-    pieces = state_pieces(state, reading, index, "gather_full", call)
+    pieces = state_pieces(state, reading, index, "gather_full", call, arguments)
+    dst, bucket_bytes, device = arguments()  # valid on every rank by now: only their values
     if joining:
         part = gather_pieces(reading, pieces, device="cpu", bucket_bytes=bucket_bytes)
         return join_parts_of(reading, part, dst=dst, device=device)
@@ -332,7 +353,8 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     Raises:
         TypeError, ValueError: ``index`` not one of the state's EMAs (naming it and their number), before anything
             changes (the range agreed on every rank, as the state).
-        StateMismatchError: on every rank, when the state does not fit ``x`` on some rank.
+        StateMismatchError: on every rank, when the state does not fit ``x`` on some rank, or the ranks pass other
+            ``index`` (naming each rank's: the forward would run with halves of two EMAs).
 
     Yields:
         :class:`SwapStats` with the number of swapped parameters and the temporary bytes held.
@@ -348,7 +370,7 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     where = f"fe.swapped(...) on rank {reading.layout.rank}"
     with (
         changes_reported(where) as changes,  # what the block replaced or re-typed, put back by the adapter on exit
-        training_refused(adapter, reading),
+        training_refused(adapter, reading, outer=x),
         adapter.swap(reading, pieces, state, index, changes) as stats,
     ):
         yield stats
@@ -389,7 +411,9 @@ _SWAPPED_WHY = (
 
 
 @contextlib.contextmanager
-def training_refused(adapter: Adapter, reading: Reading, why: str = _SWAPPED_WHY) -> Iterator[None]:
+def training_refused(
+    adapter: Adapter, reading: Reading, why: str = _SWAPPED_WHY, *, outer: Any = None
+) -> Iterator[None]:
     """Refuse backward and optimizer steps (:class:`SwappedTrainingError`, the message ending with ``why``) while
     EMA weights are swapped in, or while the model must not train for another reason.
 
@@ -397,14 +421,15 @@ def training_refused(adapter: Adapter, reading: Reading, why: str = _SWAPPED_WHY
     (forward hooks on each for the block's duration): so also a submodule called alone, or a loss the forward
     stored on the module (``self.aux = ...``), as long as it was computed from some submodule's output. A loss
     built from parameters without any forward (``model.weight.sum()``) is not refused here; the optimizer step
-    that would apply its gradient is."""
+    that would apply its gradient is. ``outer``: the object the user passed, when it wraps the adapter's
+    (``torch.compile``'s wrapper), hooked too."""
     params = {id(p) for p in reading.params.values()}
 
     def on_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
             raise SwappedTrainingError(f"optimizer.step() {why}")
 
-    with _backward_refused(adapter, why):
+    with _backward_refused(adapter, why, outer):
         handle = register_optimizer_step_pre_hook(on_step)
         try:
             with adapter.refuse_training(why):
@@ -414,7 +439,7 @@ def training_refused(adapter: Adapter, reading: Reading, why: str = _SWAPPED_WHY
 
 
 @contextlib.contextmanager
-def _backward_refused(adapter: Adapter, why: str) -> Iterator[None]:
+def _backward_refused(adapter: Adapter, why: str, outer: Any = None) -> Iterator[None]:
     """Forward hooks on the adapter's module, each of its submodules and the engine wrapping them, for the block's
     duration: each output that requires grad gets a gradient hook refusing the backward. A hook set on a leaf
     tensor (a forward returning a parameter) would outlive the graph: it is set once and removed on exit."""
@@ -442,6 +467,10 @@ def _backward_refused(adapter: Adapter, why: str) -> Iterator[None]:
     modules = list(module.modules())
     if target is not module and isinstance(target, torch.nn.Module):  # an engine wrapping the module
         modules.append(target)
+    # torch.compile's wrapper: a compiled forward does not run hooks added to the modules inside after it was
+    # compiled (dynamo traced them without), but the wrapper's own __call__ runs its hooks, outside the graph.
+    if isinstance(outer, torch.nn.Module) and all(outer is not m for m in modules):
+        modules.append(outer)
     handles = [m.register_forward_hook(on_output) for m in modules]
     try:
         yield

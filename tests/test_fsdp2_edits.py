@@ -317,6 +317,16 @@ def _compiled(m: nn.Module) -> nn.Module:
     return wrapper
 
 
+def _sharded_compiled(m: nn.Module) -> nn.Module:
+    """``fully_shard(torch.compile(m))``: FSDP2 applied to the compile wrapper (made once per model)."""
+    from torch.distributed.fsdp import fully_shard
+
+    wrapper = m.__dict__.get("_test_sharded_compiled")
+    if wrapper is None:
+        wrapper = m.__dict__["_test_sharded_compiled"] = fully_shard(torch.compile(m, backend="eager"), mesh=_mesh())
+    return wrapper
+
+
 def _fully_shard_root(m: nn.Module) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -392,6 +402,7 @@ def edits_worker() -> dict[str, dict[str, Any]]:
         )
         out[f"state of the model, then its torch.compile wrapper/{wrap}"] = mixed
     out["fully_shard on the root after the first read/False"] = _scenario(False, _fully_shard_root)
+    out["fully_shard of the torch.compile wrapper/False"] = _scenario(False, lambda m: None, target=_sharded_compiled)
     # the root's own parameter (plain: only the block is fully_shard-ed) re-shaped over the same memory
     out["root parameter re-shaped over its memory/False"] = _scenario(False, _reshape_gate)
     for how in SHARDED_AFTER:
@@ -517,6 +528,16 @@ def test_a_torch_compile_wrapper_is_read_like_the_model(outcomes):
                 out = per_rank[f"{case}/{wrap}"]
                 _right(out, (rank, case, wrap))
                 assert not any("_orig_mod" in n for n in out["gather"]["names"]), (rank, case, wrap, out)
+
+
+def test_fully_shard_of_a_torch_compile_wrapper_is_read_as_the_fsdp2_root(outcomes):
+    """``fully_shard(torch.compile(model))`` was refused as "a submodule inside a module that FSDP manages": the
+    wrapper, itself the FSDP2 root, was taken off. It is read as the root it is, with its names (``_orig_mod.``,
+    as its own state_dict), and the EMA, gather_full and swapped equal the plain-torch reference."""
+    for rank, per_rank in enumerate(outcomes):
+        out = per_rank["fully_shard of the torch.compile wrapper/False"]
+        _right(out, (rank, "fully_shard(torch.compile(model))"))
+        assert all(n.startswith("_orig_mod.") for n in out["gather"]["names"]), (rank, out)
 
 
 def test_a_model_sharded_after_a_plain_read_is_read_as_sharded(outcomes):

@@ -79,8 +79,8 @@ def _async(state, x, d, tag, shared: bool = True, **kw: Any) -> None:
         saver.wait()
 
 
-def _swap(x, state) -> None:
-    with fe.swapped(x, state):
+def _swap(x, state, **kw: Any) -> None:
+    with fe.swapped(x, state, **kw):
         pass
 
 
@@ -142,6 +142,7 @@ DTYPE = ("ranks disagree on dtype", "rank 0: 'float32'", "rank 1: 'float64'")
 LAYOUT = ("ranks disagree on layout", "rank 0: ", "rank 1: ")
 GATHER_CALLS = "gather_full: the ranks called it with arguments that lead to different collectives"
 DST = (GATHER_CALLS, "rank 0: 'gather_full'", "rank 1: 'gather_full(dst=0)'")
+INDEX = ("ranks disagree on index", "rank 0: 0", "rank 1: 1")  # halves of two EMAs joined, or swapped in
 FSDP2 = ("fsdp2",)  # DeepSpeed broadcasts the weights at initialize: ranks of other shapes cannot make an engine
 
 
@@ -396,6 +397,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         "dtype": Cell(lambda c: fe.gather_full(mine(c, "f64"), c.model), STATE_ERR, DTYPE),
         "layout": Cell(lambda c: fe.gather_full(mine(c, "other"), c.other), STATE_ERR, LAYOUT, FSDP2),
         "selection": Cell(lambda c: fe.gather_full(mine(c, "sel"), c.model), STATE_ERR, STATE_SELECTION),
+        "index": Cell(lambda c: fe.gather_full(c.states["2emas"], c.model, index=c.rank), STATE_ERR, INDEX),
         # the arguments that decide its collectives: an all_gather meeting a gather, buckets of other sizes
         "dst": Cell(lambda c: fe.gather_full(c.states["6"], c.model, dst=(None, 0)[c.rank]), STATE_ERR, DST),
         "bucket_bytes": Cell(
@@ -410,6 +412,7 @@ CELLS: dict[str, dict[str, Cell]] = {
         "dtype": Cell(lambda c: _swap(c.model, mine(c, "f64")), STATE_ERR, DTYPE),
         "layout": Cell(lambda c: _swap(c.other, mine(c, "other")), STATE_ERR, LAYOUT, FSDP2),
         "selection": Cell(lambda c: _swap(c.model, mine(c, "sel")), STATE_ERR, STATE_SELECTION),
+        "index": Cell(lambda c: _swap(c.model, c.states["2emas"], index=c.rank), STATE_ERR, INDEX),
     },
     'update(nonfinite="skip")': {
         "non-finite on one rank": Cell(lambda c: _nan_update(c, "skip"), (), (), returns="skipped at step 6"),
@@ -877,3 +880,55 @@ def test_verb_on_one_rank_fails_within_the_timeout(config: str) -> None:
         _named_timeout(res[1]["alone"], "swapped", 1)
     else:  # rank 1 is in DeepSpeed's collective, not a verb: gloo's error once rank 0 gave up, not an abort
         assert res[1]["alone"]["error"] == "RuntimeError" and res[1]["alone"]["s"] <= ALONE_S + 3, res[1]["alone"]
+
+
+# ----------------------------------------------------------------- a bad gather_full argument on one rank
+
+#: FUNCTIONAL_EMA_TIMEOUT of the bad-argument launch, seconds: the other rank must fail well before it.
+BAD_ARG_WAIT_S = 20.0
+#: What rank 1 passes to gather_full, rank 0 passing each valid (the default, or ``dst=0``).
+BAD_ARGS = {
+    "dst": ({"dst": 0}, {"dst": 5}),
+    "bucket_bytes": ({}, {"bucket_bytes": 0}),
+    "device": ({}, {"device": "nodev"}),
+}
+
+
+def bad_argument_worker() -> dict[str, Any]:
+    """``gather_full`` on a DDP model with a bad argument on rank 1 only (each of :data:`BAD_ARGS`), then a valid
+    call on both ranks: whether it returned every trained parameter's live value bitwise (the EMA at init)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from functional_ema._testing.multirank import OddNet
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(OddNet())
+    state = fe.init_ema(fe.local_shards(model))
+    out: dict[str, Any] = {}
+    for what, kws in BAD_ARGS.items():
+        out[what] = _attempt(lambda kw=kws[rank]: fe.gather_full(state, model, **kw))
+    full = fe.gather_full(state, model)  # the group is still usable, and in step
+    live = {n: p for n, p in model.module.named_parameters() if p.requires_grad}  # the frozen one has no EMA
+    out["after"] = sorted(full) == sorted(live) and all(torch.equal(full[n], live[n].detach()) for n in live)
+    return out
+
+
+def test_bad_gather_argument_on_one_rank_fails_every_rank_at_once() -> None:
+    """A bad ``dst``, ``bucket_bytes`` or ``device`` on one rank: that rank raises its ValueError and the other a
+    StateMismatchError naming it, both at once (not the other waiting FUNCTIONAL_EMA_TIMEOUT, then saying the rank
+    did not call gather_full); the group stays usable."""
+    env = {"FUNCTIONAL_EMA_TIMEOUT": f"{BAD_ARG_WAIT_S:g}", "FE_DIST_INIT": "torch"}
+    res = run_ranks("tests.test_hostile_ranks:bad_argument_worker", world_size=2, timeout=150, env=env)
+    named = {
+        "dst": ("dst=5 is not a rank of the group", "rank 1: 'gather_full(dst=5)'"),
+        "bucket_bytes": ("bucket_bytes must be >= 1, got 0", "rank 1: 'gather_full(bucket_bytes=0)'"),
+        "device": ("device='nodev' is not a device", "failed on rank 1 of 2 (ValueError): device='nodev'"),
+    }
+    for what, (own, other) in named.items():
+        bad, good = res[1][what], res[0][what]
+        assert bad["error"] == "ValueError" and own in bad["msg"], bad
+        assert good["error"] == "StateMismatchError" and other in good["msg"], good
+        assert max(bad["s"], good["s"]) < BAD_ARG_WAIT_S / 4, (bad, good)
+    assert res[0]["after"] is True and res[1]["after"] is True, res

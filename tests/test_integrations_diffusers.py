@@ -1455,3 +1455,49 @@ def test_fsdp2_mismatched_collective_calls_fail_on_every_rank_naming_them(tmp_pa
     assert got["error"] == "CheckpointTimeoutError", got
     assert got["msg"].startswith("functional_ema.EMAModel.state_dict: rank 0 waited "), got
     assert f"(limit {ALONE_S:g} s)" in got["msg"] and got["s"] <= ALONE_S + 3, got
+
+
+def compiled_ddp_worker(steps: int) -> dict:
+    """diffusers' EMAModel stepped with ``torch.compile(DDP(m)).parameters()`` (Accelerate's order with a
+    dynamo_backend), then ``state_dict()`` on rank 0 alone (the scripts' save hook under ``is_main_process``)."""
+    import torch.distributed as dist
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref = [p.detach().clone() for p in m.parameters()]
+    ema = EMAModel(m.parameters())
+    model = torch.compile(torch.nn.parallel.DistributedDataParallel(m), backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1 + dist.get_rank())  # the ranks' batches differ; DDP averages the grads
+    for step in range(1, steps + 1):
+        model(torch.randn(8, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ema.step(model.parameters())
+        k = step - 1  # diffusers' get_decay, defaults (decay 0.9999, no warmup, update_after_step 0)
+        decay = 0.0 if k <= 0 else min((1 + k) / (10 + k), 0.9999)
+        for r, p in zip(ref, m.parameters()):
+            r.lerp_(p.detach(), 1.0 - decay)
+    res: dict = {}
+    if dist.get_rank() == 0:
+        t = time.perf_counter()
+        sd = ema.state_dict()  # waited FUNCTIONAL_EMA_TIMEOUT for rank 1 when the job was read as two ranks
+        res["state_dict_prompt"] = time.perf_counter() - t < 5
+        res["state_dict_is_ref"] = all(torch.equal(a, b) for a, b in zip(sd["shadow_params"], ref))
+        res["step_in_state_dict"] = sd["optimization_step"] == steps
+    dist.barrier()
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def test_rank0_state_dict_under_torch_compile_of_ddp():
+    """``torch.compile(DDP(m))`` is DDP: every rank holds its whole EMA, and rank 0 alone reads it (it was taken
+    for a two-rank job, and rank 0's state_dict waited for rank 1)."""
+    results = _ranks_agree(
+        "compile(DDP) runs", "compiled_ddp_worker", 240, env={"FUNCTIONAL_EMA_TIMEOUT": "20"}, steps=3
+    )
+    assert {"state_dict_prompt", "state_dict_is_ref", "step_in_state_dict"} <= set(results[0])

@@ -242,3 +242,85 @@ def test_swapped_block_that_removes_a_parametrization_from_entry_gets_it_back(le
     assert type(model[0]) is cls and parametrize.is_parametrized(model[0], "bias")
     assert _same_as(model, live) and torch.equal(model(x).detach(), before)
     fe.update(state, fe.local_shards(model), 4, decay=0.9)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(torch.int32)  # float32 as integers: NaN equal to itself, -0.0 not equal to 0.0
+
+
+def test_swapped_memory_tied_weights_whose_emas_hold_a_nan_swap_bitwise():
+    torch.manual_seed(0)
+    model = MemoryTied()
+    state = _trained(model, IDX)
+    with torch.no_grad():
+        model.enc.weight[0, 0] = float("nan")
+    state = fe.update(state, fe.local_shards(model), 4, decay=0.9)
+    ema = dict(state.ema)
+    assert torch.equal(_bits(ema["enc.weight"]), _bits(ema["dec.weight"])) and ema["enc.weight"].isnan().any()
+    live = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    with torch.no_grad(), fe.swapped(model, state):  # identical bits on the overlap, NaN included: not refused
+        assert all(torch.equal(_bits(p), _bits(ema[n])) for n, p in model.named_parameters(remove_duplicate=False))
+    assert all(torch.equal(_bits(p), _bits(live[n])) for n, p in model.named_parameters(remove_duplicate=False))
+
+
+class Containers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.pd = nn.ParameterDict({"a": nn.Parameter(torch.randn(3)), "b": nn.Parameter(torch.randn(3))})
+        self.pl = nn.ParameterList([nn.Parameter(torch.randn(3)) for _ in range(2)])
+
+    def forward(self, x):
+        return self.lin(x) * sum(self.pd.values()) + sum(self.pl)
+
+
+def _pop_and_set_again(pd: nn.ParameterDict) -> None:
+    pd["a"] = pd.pop("a")  # the same object, now last
+
+
+_ADDITIONS = {
+    "attribute": (lambda m: setattr(m.lin, "extra", nn.Parameter(torch.zeros(3))), r"parameter 'lin\.extra' added"),
+    "list_append": (lambda m: m.pl.append(nn.Parameter(torch.zeros(3))), r"parameter 'pl\.2' added"),
+    "dict_set": (lambda m: m.pd.__setitem__("c", nn.Parameter(torch.zeros(3))), r"parameter 'pd\.c' added"),
+    "dict_plain": (lambda m: m.pd.__setitem__("s", "text"), r"entry 'pd\.s' added"),
+    "dict_pop": (lambda m: m.pd.pop("a"), r"'pd\.a' removed"),
+    "dict_reorder": (lambda m: _pop_and_set_again(m.pd), r"parameters of 'pd' reordered"),
+    "dict_plain_over_popped": (lambda m: (m.pd.pop("a"), m.pd.__setitem__("a", 1.0)), r"entry 'pd\.a' added"),
+}
+
+
+@pytest.mark.parametrize("edit", list(_ADDITIONS))
+def test_swapped_block_that_edits_parameter_registries_and_containers_gets_them_back(edit):
+    apply, named = _ADDITIONS[edit]
+    torch.manual_seed(0)
+    model = Containers()
+    x = torch.randn(2, 3)
+    state = _trained(model, x)
+    live, before = _live(model), model(x).detach()
+    keys, items, registries = list(model.pd.keys()), list(model.pl), [list(m._parameters) for m in model.modules()]
+    with pytest.raises(fe.SwappedParametersChangedError, match=named), torch.no_grad(), fe.swapped(model, state):
+        apply(model)
+    assert list(model.pd.keys()) == keys and len(model.pd) == 2 and all(model.pd[k] is live[f"pd.{k}"][0] for k in keys)
+    assert len(model.pl) == 2 and all(p is q for p, q in zip(model.pl, items))
+    assert [list(m._parameters) for m in model.modules()] == registries
+    assert _same_as(model, live) and torch.equal(model(x).detach(), before)
+    fe.update(state, fe.local_shards(model), 4, decay=0.9)  # no parameter left that the state lacks
+
+
+def test_swapped_refuses_a_backward_through_a_model_compiled_before_the_block():
+    """Hooks added to the modules inside a torch.compile wrapper after it compiled do not run in its compiled
+    forward; the wrapper's own hooks do. A backward in the block is refused and leaves every .grad as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    compiled = torch.compile(model, backend="eager")
+    state = fe.init_ema(fe.local_shards(compiled))
+    x = torch.randn(3, 4)
+    compiled(x).sum().backward()  # compiled before the block, as in training
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(fe.SwappedTrainingError, match="backward through a forward"), fe.swapped(compiled, state):
+        compiled(x).sum().backward()
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p.detach(), live[n]) for n, p in model.named_parameters())
+    with torch.no_grad(), fe.swapped(compiled, state):  # evaluation in the block still runs compiled
+        assert torch.equal(compiled(x), model(x))

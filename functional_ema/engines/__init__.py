@@ -52,11 +52,19 @@ def unwrap_compiled(x: Any) -> Any:
     parameters they are. So ``torch.compile(DDP(m))`` (torch's documented order) is read as the DDP model and
     ``torch.compile(fully_shard(m))`` as the FSDP2 one, with the names of the model inside (no ``_orig_mod.``),
     and the compiled model and the model it wraps share one reading. Cheap: nothing is compiled, so nothing is
-    unwrapped, until torch._dynamo is imported."""
+    unwrapped, until torch._dynamo is imported.
+
+    A wrapper that ``fully_shard`` was applied to (``fully_shard(torch.compile(m))``) is kept: it is the FSDP2
+    root, which owns the sharding state of the modules inside, and read inside it they would be refused as an
+    FSDP-managed submodule. Its names keep ``_orig_mod.``, as its own ``state_dict`` does."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     wrapper = getattr(eval_frame, "OptimizedModule", None)
+    # Looked up, not imported: FSDP2 was imported if fully_shard was applied to anything.
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     for _ in range(64):  # wrappers nest a few deep; bounded against a module that wraps itself
         if wrapper is None or not isinstance(x, wrapper):
+            break
+        if fsdp_module is not None and isinstance(x, fsdp_module):
             break
         x = x._orig_mod
     return x

@@ -529,7 +529,7 @@ def _refuse_disagreeing(reading: Reading, pieces: Mapping[str, torch.Tensor], cl
     for names in clusters:
         for name in names:
             t = reading.shards[name]
-            if torch.equal(t, pieces[name].reshape(t.shape).to(t)):
+            if same_bits(t, pieces[name].reshape(t.shape).to(t)):
                 continue
             other = next(n for n in names if n != name and meeting(t, reading.shards[n]))
             raise ValueError(
@@ -539,6 +539,20 @@ def _refuse_disagreeing(reading: Reading, pieces: Mapping[str, torch.Tensor], cl
                 "(model.dec.weight = model.enc.weight) before init_ema, so one EMA averages both, or evaluate "
                 "with fe.gather_full(state, model) and torch.func.functional_call"
             )
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold identical bits: ``torch.equal`` calls a NaN unequal to itself
+    (two tied weights whose EMAs both hold it would look different), and ``-0.0`` equal to ``0.0``."""
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    bits = _BITS.get(a.element_size())
+    if bits is None or a.dtype is torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.view(bits), b.view(bits))
 
 
 def _form(p: torch.Tensor) -> tuple:
@@ -574,13 +588,17 @@ def parameters_put_back(
     attr)`` leaves a parameter registration to the engine (FSDP2's managed parameters, which FSDP2 itself
     re-registers; ``buffers.swapped_buffers`` skips every parameter). Each module's submodule registry (its current
     ``_modules``: ``del seq[2]`` makes Sequential a new one) gets exactly its entry items back, in their order, so
-    submodules the block added, removed, moved or replaced are put back as they were; a parametrization the block
+    submodules the block added, removed, moved or replaced are put back as they were; each module's parameter registry
+    its entry names in order (ones the block added removed, unless ``skip``), a ``ParameterDict``'s keys and a
+    ``ParameterList``'s length with them; a parametrization the block
     registered (``weight_norm``, ``register_parametrization``) on a tensor that had none is removed first, its
     tensor then put back as any other. Cost: one pass over the modules on entry, one over what it recorded on exit.
     """
     parents: list[tuple[torch.nn.Module, str, list[tuple[str, Any]], frozenset[str], tuple, type]] = []
+    containers: list[tuple[Any, dict[str, Any]] | None] = []  # a ParameterDict's or ParameterList's own bookkeeping
     entry = []
     for prefix, mod in module.named_modules():
+        containers.append(_container_state(mod))
         tensors = (tuple(mod._parameters.items()), tuple(mod._buffers.items()))
         parents.append((mod, prefix, list(mod._modules.items()), _parametrized(mod), tensors, type(mod)))
         for buffer, registry in ((False, mod._parameters), (True, mod._buffers)):
@@ -597,7 +615,14 @@ def parameters_put_back(
             _parametrizations_back(mod, prefix, before, tensors, cls, changes)
         for mod, prefix, items, *_ in parents:
             _submodules_back(mod, prefix, items, changes)
+        moved = [_reordered(mod._parameters, tensors[0]) for mod, _, _, _, tensors, _ in parents]
         _tensors_back(entry, changes)
+        for (mod, prefix, _, _, tensors, _), held, reordered in zip(parents, containers, moved):
+            _parameters_back(mod, prefix, tensors[0], skip, changes)
+            if reordered:
+                changes.append(f"parameters of {repr(prefix) if prefix else 'the model'} reordered")
+            if held is not None:
+                _container_back(mod, prefix, held, changes)
 
 
 def _parametrized(mod: torch.nn.Module) -> frozenset[str]:
@@ -680,6 +705,85 @@ def _submodules_back(mod: torch.nn.Module, prefix: str, items: list[tuple[str, A
     changes.extend(mine or [f"submodules of {repr(prefix) if prefix else 'the model'} reordered"])
     registry.clear()
     registry.update(items)
+
+
+def _parameters_back(
+    mod: torch.nn.Module,
+    prefix: str,
+    items: tuple[tuple[str, Any], ...],
+    skip: Callable[[torch.nn.Module, str], bool] | None,
+    changes: list[str],
+) -> None:
+    """Give ``mod``'s parameter registry its entry keys in their order (``_tensors_back`` has put each entry object
+    back, at the end where it was removed), naming and removing each parameter the block added: one left registered
+    is read by the next ``update`` and fails it, as the EMA state has none. Ones ``skip`` leaves to the engine stay."""
+    registry = mod._parameters
+    if list(registry) == [k for k, _ in items] and all(registry[k] is None for k, t in items if t is None):
+        return
+    entry = dict(items)
+    for attr in [k for k in registry if k not in entry and not (skip is not None and skip(mod, k))]:
+        changes.append(f"parameter {_dotted(prefix, attr)} added, removed")
+        del registry[attr]
+    for attr, t in items:  # a None registration the block removed or set (the others are back already)
+        if t is None and registry.get(attr, 0) is not None and not (skip is not None and skip(mod, attr)):
+            changes.append(f"parameter {_dotted(prefix, attr)} set where None was registered")
+            registry[attr] = None
+    kept = [(k, registry[k]) for k in entry if k in registry] + [(k, v) for k, v in registry.items() if k not in entry]
+    registry.clear()
+    registry.update(kept)
+
+
+def _reordered(registry: dict[str, Any], items: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether the block re-registered entry keys in another order, none missing (a removed one is named when put
+    back, which also moves it: ``pd["a"] = pd.pop("a")`` removes nothing and reorders ``pd``)."""
+    keys = [k for k, _ in items]
+    entry = set(keys)
+    return entry.issubset(registry) and [k for k in registry if k in entry] != keys
+
+
+def _dotted(prefix: str, attr: str) -> str:
+    """``attr``'s quoted name in the model (``prefix`` its module's)."""
+    return repr(f"{prefix}.{attr}" if prefix else attr)
+
+
+def _container_attrs(mod: torch.nn.Module) -> list[str] | None:
+    """The attributes a ``ParameterDict`` or ``ParameterList`` holds its entries in, in order; ``None`` for others."""
+    if isinstance(mod, torch.nn.ParameterDict):
+        return [mod._key_to_attr(k) for k in mod._keys]
+    if isinstance(mod, torch.nn.ParameterList):
+        return [str(i) for i in range(mod._size)]
+    return None
+
+
+def _container_state(mod: torch.nn.Module) -> tuple[Any, dict[str, Any]] | None:
+    """A ``ParameterDict``'s keys or a ``ParameterList``'s length (their own bookkeeping beside the parameter
+    registry), and the entries that are not parameters (plain attributes); ``None`` for other modules."""
+    attrs = _container_attrs(mod)
+    if attrs is None:
+        return None
+    keys = dict(mod._keys) if isinstance(mod, torch.nn.ParameterDict) else mod._size
+    return keys, {a: mod.__dict__[a] for a in attrs if a in mod.__dict__}
+
+
+def _container_back(mod: torch.nn.Module, prefix: str, held: tuple[Any, dict[str, Any]], changes: list[str]) -> None:
+    """Put a ``ParameterDict``'s keys or a ``ParameterList``'s length back as on entry (``_container_state``), with
+    its plain entries, naming those the block added, removed or replaced; its parameters are back already
+    (``_parameters_back``), so ``keys()``, ``len()`` and iteration agree with them again."""
+    keys, plain = held
+    for attr in _container_attrs(mod) or []:
+        value = mod.__dict__.get(attr, plain.get(attr))
+        shadowing = attr in mod._parameters and attr in mod.__dict__  # a plain value set where a parameter was
+        if shadowing or (attr not in mod._parameters and value is not plain.get(attr)):
+            changes.append(f"entry {_dotted(prefix, attr)} added, removed")
+            mod.__dict__.pop(attr, None)
+    for attr, value in plain.items():
+        if mod.__dict__.get(attr) is not value:
+            changes.append(f"entry {_dotted(prefix, attr)} removed or replaced, put back")
+            mod.__dict__[attr] = value
+    if isinstance(mod, torch.nn.ParameterDict):
+        mod._keys = dict(keys)
+    else:
+        mod._size = keys
 
 
 def _tensors_back(entry: list[tuple], changes: list[str]) -> None:

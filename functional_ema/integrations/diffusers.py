@@ -65,7 +65,7 @@ from functional_ema._api import state_pieces, training_refused
 from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
 from functional_ema._checkpoint.collective import Job, agree_on, check_reachable, job_of
 from functional_ema._selection import Selection, SelectionLike, make_selection
-from functional_ema.engines import Reading, adapter_for, refuse_engine_internals
+from functional_ema.engines import Reading, adapter_for, refuse_engine_internals, unwrap_compiled
 from functional_ema.engines._base import read_for, select
 from functional_ema.engines.deepspeed import is_deepspeed_engine
 from functional_ema.engines.module import is_ddp
@@ -238,11 +238,14 @@ def _training_object(m: Any) -> Any:
     """What the library's verbs take for module ``m``: a DeepSpeed engine as it is, the module inside DDP
     (its EMA is replicated: every rank averages its own copy, with no collective, as diffusers does), an
     FSDP2 root or plain module; ``None`` for a module an engine manages from outside (ZeRO's
-    ``engine.module``, a submodule of an FSDP2 model)."""
+    ``engine.module``, a submodule of an FSDP2 model). torch.compile's wrappers are taken off first, as
+    ``adapter_for`` does: ``torch.compile(DDP(m))`` (Accelerate's order) is DDP, so its EMA stays replicated and
+    rank-local rather than becoming a two-rank job that a rank-0-only ``state_dict`` would wait on."""
+    m = unwrap_compiled(m)
     if is_deepspeed_engine(m):
         return m
     if is_ddp(m):
-        m = m.module
+        m = unwrap_compiled(m.module)
     if not isinstance(m, torch.nn.Module):
         return None
     try:
