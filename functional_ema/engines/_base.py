@@ -541,7 +541,8 @@ def _refuse_disagreeing(reading: Reading, pieces: Mapping[str, torch.Tensor], cl
             )
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: The integer dtypes whose views compare a tensor's bits, by element size (a tuple: no module-level table).
+_BITS = (torch.uint8, torch.int16, None, torch.int32, None, None, None, torch.int64)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -549,7 +550,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     (two tied weights whose EMAs both hold it would look different), and ``-0.0`` equal to ``0.0``."""
     if a.is_complex():
         a, b = torch.view_as_real(a), torch.view_as_real(b)
-    bits = _BITS.get(a.element_size())
+    size = a.element_size()
+    bits = _BITS[size - 1] if 1 <= size <= len(_BITS) else None
     if bits is None or a.dtype is torch.bool:
         return torch.equal(a, b)
     return torch.equal(a.view(bits), b.view(bits))
