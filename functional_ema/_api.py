@@ -24,7 +24,7 @@ from ._selection import SelectionLike, make_selection, selection_record
 from ._shards import Shards
 from ._state import EmaState
 from .engines import Reading, SwapStats, adapter_for
-from .engines._base import Adapter, gather_pieces, read_for, refuse_sparse, select
+from .engines._base import Adapter, OpenSwaps, gather_pieces, read_for, refuse_sparse, select, selection_of
 from .engines._base import join_parts as join_parts_of
 
 __all__ = [
@@ -192,6 +192,23 @@ def _job_record(state: EmaState, index: int, layout: ShardLayout) -> dict[str, A
     return {**record, "selection": selection_record(state.emas[index])}
 
 
+def carried(errors: list[Exception], check: Callable[[], Any], placeholder: Any) -> Any:
+    """``check()``'s value; where it raises ``TypeError``/``ValueError``, ``placeholder``, the error appended to
+    ``errors``: a verb raises it inside its ranks' agreement (:func:`state_pieces`' ``arguments``), so the other ranks
+    fail at once naming this rank's call instead of waiting for it until the timeout."""
+    try:
+        return check()
+    except (TypeError, ValueError) as error:
+        errors.append(error)
+        return placeholder
+
+
+def raise_first(errors: list[Exception]) -> None:
+    """Raise the first error :func:`carried` kept, if any (a verb's ``arguments`` check in :func:`state_pieces`)."""
+    if errors:
+        raise errors[0]
+
+
 def checked_index(index: Any, state: Any, *, in_range: bool = False, of: str = "the state") -> int:
     """``index`` as an int (``TypeError``/``ValueError`` naming it and how many EMAs ``of`` holds), and with
     ``in_range`` one of them (``ValueError``). ``swapped``/``gather_full`` check the type at the call and the range in
@@ -271,13 +288,15 @@ def gather_full(
             ``dst``, ``join_parts`` or ``bucket_bytes`` (they decide the collectives: each rank's call is named).
         TypeError, ValueError: ``index`` not one of the state's EMAs (naming it and their number), ``dst`` not
             ``None`` or a rank of the group (of the job when joining parts), ``bucket_bytes`` not a positive int,
-            ``join_parts`` not a bool; raised before any collective. Where only some ranks pass a bad ``index``
-            (its range), ``dst``, ``bucket_bytes`` or ``device``, those raise it and the others
-            :class:`StateMismatchError` naming them, at once. Ranks passing different ``index`` raise
+            ``join_parts`` not a bool; raised before any data moves. Where only some ranks pass a bad ``index``
+            (its type or range), ``dst``, ``bucket_bytes``, ``device`` or ``join_parts``, those raise it and the
+            others :class:`StateMismatchError` naming them, at once. Ranks passing different ``index`` raise
             :class:`StateMismatchError` naming each rank's (they would join halves of two EMAs).
     """
-    join_parts = check_bool(join_parts, "join_parts")  # checked on every rank before any collective
-    index = checked_index(index, state)  # its range is checked by state_pieces, on every rank together
+    # A bad join_parts or index is raised inside the ranks' agreement (below), so the other ranks learn of it at once
+    errors: list[Exception] = []
+    join_parts = carried(errors, lambda: check_bool(join_parts, "join_parts"), False)
+    index = carried(errors, lambda: checked_index(index, state), 0)  # its range: checked by state_pieces
     adapter = adapter_for(x)
     reading = read_for(adapter, state)  # the state's selection: the parameters it averages
     joining = join_parts and not reading.layout.part.whole
@@ -285,6 +304,7 @@ def gather_full(
     ranks = dist.get_world_size() if joining and dist.is_initialized() else reading.layout.world_size
 
     def arguments() -> tuple[int | None, int, torch.device | None]:
+        raise_first(errors)
         ranked = None if dst is None else check_rank(dst, "dst", ranks)
         return ranked, check_int(bucket_bytes, "bucket_bytes", minimum=1), check_device(device, "device")
 
@@ -328,7 +348,8 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     forward stored on a module), ``engine.backward``/``engine.step`` of a DeepSpeed engine, and
     ``step()`` of any ``torch.optim`` optimizer over these parameters. A backward through a loss
     built from the parameters without any forward (``model.weight.sum()``) is not refused, though
-    the step that would apply it is. Use the block for evaluation and sampling, under ``torch.no_grad()``.
+    the step that would apply it is. So is :func:`update` of ``Shards`` read from the model (the parameters
+    hold the EMA here). Use the block for evaluation and sampling, under ``torch.no_grad()``.
 
     How, per engine:
         * DeepSpeed ZeRO-3: each parameter's local partition (``ds_tensor``) is replaced by the EMA
@@ -348,11 +369,13 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     has them put back on exit (plain, DDP, DeepSpeed: the objects, submodules and memory they had on entry; FSDP2:
     its own sharded parameters, cast back to their dtype), the trained values copied into them bitwise, and then :class:`SwappedParametersChangedError` names what it had changed (on an
     exception from the block, that exception, with a note). Re-typed or replaced buffers are put back too; values
-    a forward writes into them in place (BatchNorm statistics in training mode) stay.
+    a forward writes into them in place (BatchNorm statistics in training mode) stay, and so do buffers the block
+    registers (a cache a first forward makes).
 
     Raises:
         TypeError, ValueError: ``index`` not one of the state's EMAs (naming it and their number), before anything
-            changes (the range agreed on every rank, as the state).
+            changes; where only some ranks pass a bad one, those raise it and the others :class:`StateMismatchError`
+            naming them, at once.
         StateMismatchError: on every rank, when the state does not fit ``x`` on some rank, or the ranks pass other
             ``index`` (naming each rank's: the forward would run with halves of two EMAs).
 
@@ -363,17 +386,37 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
         >>> with fe.swapped(engine, state), torch.no_grad():   # doctest: +SKIP
         ...     val_loss = loss_fn(engine(x_val), y_val)
     """
-    index = checked_index(index, state)  # its range is checked by state_pieces, on every rank together
+    errors: list[Exception] = []  # a bad index is raised inside the ranks' agreement: the others learn of it at once
+    index = carried(errors, lambda: checked_index(index, state), 0)  # its range: checked by state_pieces
     adapter = adapter_for(x)
-    reading = read_for(adapter, state)  # a selection's state swaps its parameters; the others stay live
-    pieces = state_pieces(state, reading, index, "swapped")
+    everything = adapter.read()
+    reading = select(everything, selection_of(state), adapter.module())  # a selection's: the others stay live
+    pieces = state_pieces(state, reading, index, "swapped", arguments=lambda: raise_first(errors))
     where = f"fe.swapped(...) on rank {reading.layout.rank}"
     with (
         changes_reported(where) as changes,  # what the block replaced or re-typed, put back by the adapter on exit
         training_refused(adapter, reading, outer=x),
+        updates_refused(everything),
         adapter.swap(reading, pieces, state, index, changes) as stats,
     ):
         yield stats
+
+
+@contextlib.contextmanager
+def updates_refused(reading: Reading) -> Iterator[None]:
+    """Count a ``swapped`` block into the model's counter of open blocks (``Shards.swapped_in``, shared by every
+    reading of the model and its selections, also ones made inside the block) for the block's duration: ``update``
+    refuses those ``Shards`` while it is open. Inside it a plain, DDP or FSDP2 model's parameters (and a ZeRO-0 fp32
+    engine's, its masters) hold the EMA, so an update would average the EMA into itself while its step advanced
+    (elsewhere on DeepSpeed, whose fp32 masters stay live, the same call is refused too: one rule for every engine)."""
+    if reading.shards.swapped_in is None:  # a reading not made by Adapter.read
+        reading.shards.swapped_in = OpenSwaps()
+    counter = reading.shards.swapped_in
+    counter.count += 1
+    try:
+        yield
+    finally:
+        counter.count -= 1
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import torch
 
 from ._args import MAX_STEP as _MAX_STEP
 from ._args import check_step
+from ._errors import SwappedTrainingError
 from ._offload import queue_update
 from ._plan import Plan
 from ._shards import Shards, clone_tree, selection_note
@@ -377,6 +378,8 @@ def update(
 
     Raises:
         TreeMismatchError: names or shapes of ``shards`` differ from the state's.
+        SwappedTrainingError: ``shards`` read (``local_shards``) from a model inside an open
+            :func:`~functional_ema.swapped` block, on every engine: its parameters hold the EMA there.
         NonFiniteError: ``nonfinite="raise"`` and a weight (on any rank of ``shards.group``) is NaN or inf.
         StateMismatchError: with ``nonfinite`` on over a group, the ranks' states are at different steps,
             the ranks passed different ``nonfinite``, or the update failed on another rank.
@@ -403,6 +406,8 @@ def update(
     """
     try:  # free unless it raises: the ranks of a nonfinite= decision learn of this rank's bad argument (below)
         last, step = _update_args(state, step, blocking, inplace, nonfinite)
+        if type(shards) is Shards and shards.swapped_in is not None and shards.swapped_in.count:
+            _refuse_swapped()
     except Exception as e:
         if nonfinite is None or type(shards) is not Shards or shards.group is None:
             raise
@@ -446,6 +451,14 @@ def update(
         plan.run(weights)
     state.step.fill_(step)
     return state
+
+
+def _refuse_swapped() -> NoReturn:
+    raise SwappedTrainingError(
+        "update() of weights read inside fe.swapped(...): the model holds the EMA weights there (plain, DDP and FSDP2 "
+        "models), so the EMA would be averaged into itself while its step advanced; nothing was changed. Update "
+        "before or after the block (the training step's update comes before its evaluation)"
+    )
 
 
 def _update_args(state: EmaState, step: int | None, blocking: bool, inplace: bool, nonfinite: Any) -> tuple[int, int]:

@@ -95,14 +95,18 @@ class Shards(Mapping):
         selection: the include/exclude selection (``local_shards(x, include=..., exclude=...)``) these
             tensors were chosen by, ``None`` for all of them; ``init_ema`` (``mirror``) and ``clone`` carry
             it into the EMA, so the verbs that take a state (``save``, ``swapped``, ...) read the same names.
+        swapped_in: for the ``Shards`` that ``local_shards`` returns, the model's count of open
+            :func:`functional_ema.swapped` blocks (one counter shared by every reading of the model, so also
+            readings made inside a block); ``update`` refuses these tensors while it is not zero. ``None`` for others.
     """
 
-    __slots__ = ("segments", "index", "_memo", "group", "selection", "__weakref__")
+    __slots__ = ("segments", "index", "_memo", "group", "selection", "swapped_in", "__weakref__")
     segments: tuple[torch.Tensor, ...]
     index: SegmentIndex
     _memo: Any  # the last update's lerp program (see _core), or None
     group: Any  # the training group's process group (torch.distributed.ProcessGroup), or None
     selection: Any  # the include/exclude it was read with (functional_ema._selection.Selection), or None
+    swapped_in: Any  # the model's open swapped() blocks (functional_ema.engines._base.OpenSwaps), or None
 
     def __init__(self, segments: Sequence[torch.Tensor], index: SegmentIndex) -> None:
         if len(segments) != len(index.segment_shapes):
@@ -120,6 +124,8 @@ class Shards(Mapping):
         object.__setattr__(self, "group", None)
         # The selection the tensors were chosen by (set once by the reading that chose them; see _selection).
         object.__setattr__(self, "selection", None)
+        # The counter of fe.swapped blocks open on the model these tensors were read from (set by its reading).
+        object.__setattr__(self, "swapped_in", None)
 
     @classmethod
     def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> Shards:
@@ -163,7 +169,7 @@ class Shards(Mapping):
 
     # -- read-only, and identity semantics (comparing tensors elementwise has no truth value)
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("_memo", "group", "selection"):
+        if name in ("_memo", "group", "selection", "swapped_in"):
             object.__setattr__(self, name, value)
             return
         raise AttributeError("Shards is read-only")

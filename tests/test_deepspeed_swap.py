@@ -283,6 +283,8 @@ def misuse_worker(configs, steps=2):
                             ("engine.backward", lambda: engine.backward(loss)),
                             ("loss.backward", loss.backward),
                             ("engine.step", engine.step),
+                            # refused on every engine (here the masters stay live, elsewhere they hold the EMA)
+                            ("fe.update", lambda: fe.update(state, fe.local_shards(engine), engine.global_steps + 1)),
                         ):
                             try:
                                 call()
@@ -323,7 +325,12 @@ def test_training_inside_swapped_is_refused_and_wrong_states_too():
     ):
         for r in per_rank:
             where = (rank, r["config"])
-            assert r["refused"] == [["engine.backward", True], ["loss.backward", True], ["engine.step", True]], where
+            assert r["refused"] == [
+                ["engine.backward", True],
+                ["loss.backward", True],
+                ["engine.step", True],
+                ["fe.update", True],
+            ], where
             assert r["step_unchanged"] and r["masters_unchanged"], where
             assert r["weights_equal_to_clean_run"], where
             if r["config"][0] != 0:

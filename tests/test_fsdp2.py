@@ -372,6 +372,10 @@ def _train_check(ckpt_dir, tag, dtype, wrap_root, replicas=1):
             opt.step()
         except fe.SwappedTrainingError as e:
             refused.append(f"step: {str(e)[:60]}")
+        try:  # the local shards hold the EMA here: an update would average it into itself
+            fe.update(state, fe.local_shards(model), int(state.step) + 1, nonfinite="skip")
+        except fe.SwappedTrainingError as e:
+            refused.append(f"update: {str(e)[:60]}")
     r["refused"] = refused
     r["grads_untouched"] = all(p.grad is None for p in model.parameters())
     r["refusal_changed_nothing"] = _same_training_state(model, opt, control, opt_c)
@@ -754,7 +758,7 @@ def test_training_after_swapped_continues_bitwise(trained):
 def test_training_inside_swapped_is_refused_and_changes_nothing(trained):
     for world, rank, rep in _reports(trained):
         where = (world, rank, rep["tag"], rep["refused"])
-        assert [r.split(":")[0] for r in rep["refused"]] == ["backward", "step"], where
+        assert [r.split(":")[0] for r in rep["refused"]] == ["backward", "step", "update"], where
         assert rep["grads_untouched"] and rep["refusal_changed_nothing"], where
         assert rep["train_after_refusal_bitwise"], where
 
@@ -883,7 +887,7 @@ def test_hsdp_ema_is_bitwise_with_no_collectives_and_swapped_as_on_one_mesh(hsdp
             assert rep["swap_equals_twin"] and rep["swap_repeat_equal"] and rep["swap_differs_from_live"], where
             assert rep["swap_restored_output"] and rep["swap_restored_weights"], where
             assert rep["train_after_swap_bitwise"] and rep["train_after_refusal_bitwise"], where
-            assert [r.split(":")[0] for r in rep["refused"]] == ["backward", "step"], where
+            assert [r.split(":")[0] for r in rep["refused"]] == ["backward", "step", "update"], where
 
 
 def test_hsdp_save_writes_one_shard_groups_files_and_loads_at_every_layout(hsdp, hsdp_reloaded, ckroot):

@@ -882,7 +882,7 @@ def test_verb_on_one_rank_fails_within_the_timeout(config: str) -> None:
         assert res[1]["alone"]["error"] == "RuntimeError" and res[1]["alone"]["s"] <= ALONE_S + 3, res[1]["alone"]
 
 
-# ----------------------------------------------------------------- a bad gather_full argument on one rank
+# ------------------------------------------------------- a bad gather_full or swapped argument on one rank
 
 #: FUNCTIONAL_EMA_TIMEOUT of the bad-argument launch, seconds: the other rank must fail well before it.
 BAD_ARG_WAIT_S = 20.0
@@ -891,7 +891,13 @@ BAD_ARGS = {
     "dst": ({"dst": 0}, {"dst": 5}),
     "bucket_bytes": ({}, {"bucket_bytes": 0}),
     "device": ({}, {"device": "nodev"}),
+    "join_parts": ({}, {"join_parts": "yes"}),
+    "index": ({}, {"index": "0"}),
 }
+
+
+#: The arguments whose bad value is of a wrong type (TypeError); the others are out of range (ValueError).
+TYPED = ("join_parts", "index")
 
 
 def bad_argument_worker() -> dict[str, Any]:
@@ -909,6 +915,7 @@ def bad_argument_worker() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for what, kws in BAD_ARGS.items():
         out[what] = _attempt(lambda kw=kws[rank]: fe.gather_full(state, model, **kw))
+    out["swapped index"] = _attempt(lambda: _swap(model, state, index=(0, 0.5)[rank]))
     full = fe.gather_full(state, model)  # the group is still usable, and in step
     live = {n: p for n, p in model.module.named_parameters() if p.requires_grad}  # the frozen one has no EMA
     out["after"] = sorted(full) == sorted(live) and all(torch.equal(full[n], live[n].detach()) for n in live)
@@ -916,19 +923,24 @@ def bad_argument_worker() -> dict[str, Any]:
 
 
 def test_bad_gather_argument_on_one_rank_fails_every_rank_at_once() -> None:
-    """A bad ``dst``, ``bucket_bytes`` or ``device`` on one rank: that rank raises its ValueError and the other a
-    StateMismatchError naming it, both at once (not the other waiting FUNCTIONAL_EMA_TIMEOUT, then saying the rank
-    did not call gather_full); the group stays usable."""
+    """A bad ``dst``, ``bucket_bytes``, ``device``, ``join_parts`` or ``index`` on one rank (also ``swapped``'s
+    ``index``): that rank raises its ValueError or TypeError and the other a StateMismatchError naming it, both at
+    once (not the other waiting FUNCTIONAL_EMA_TIMEOUT, then saying the rank did not call the verb); the group stays
+    usable."""
     env = {"FUNCTIONAL_EMA_TIMEOUT": f"{BAD_ARG_WAIT_S:g}", "FE_DIST_INIT": "torch"}
     res = run_ranks("tests.test_hostile_ranks:bad_argument_worker", world_size=2, timeout=150, env=env)
     named = {
         "dst": ("dst=5 is not a rank of the group", "rank 1: 'gather_full(dst=5)'"),
         "bucket_bytes": ("bucket_bytes must be >= 1, got 0", "rank 1: 'gather_full(bucket_bytes=0)'"),
         "device": ("device='nodev' is not a device", "failed on rank 1 of 2 (ValueError): device='nodev'"),
+        "join_parts": ("join_parts must be True or False, got str", "failed on rank 1 of 2 (TypeError): join_parts"),
+        "index": ("index must be an int, got str '0'", "failed on rank 1 of 2 (TypeError): index must be an int"),
+        "swapped index": ("index must be an int, got float", "failed on rank 1 of 2 (TypeError): index must be"),
     }
     for what, (own, other) in named.items():
         bad, good = res[1][what], res[0][what]
-        assert bad["error"] == "ValueError" and own in bad["msg"], bad
+        assert bad["error"] == ("ValueError" if what in BAD_ARGS and what not in TYPED else "TypeError"), bad
+        assert own in bad["msg"], bad
         assert good["error"] == "StateMismatchError" and other in good["msg"], good
         assert max(bad["s"], good["s"]) < BAD_ARG_WAIT_S / 4, (bad, good)
     assert res[0]["after"] is True and res[1]["after"] is True, res

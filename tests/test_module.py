@@ -9,6 +9,7 @@ equals the live gather. The cross-engine case loads an EMA saved by DeepSpeed Ze
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -99,6 +100,8 @@ def run_checks(model, opt, save_dir: str, rank: int, world: int, make_fresh, ste
     opt_state = copy.deepcopy(opt.state_dict())
     grads = [None if p.grad is None else p.grad.clone() for p in inner.parameters()]
     refused = []
+    hoisted = fe.local_shards(model)  # read before the block, as a loop that keeps it would
+    ema_before, step_before = {n: t.clone() for n, t in state.emas[0].items()}, int(state.step)
     with fe.swapped(model, state):
         x, y = _batch(7, rank)
         try:
@@ -109,9 +112,17 @@ def run_checks(model, opt, save_dir: str, rank: int, world: int, make_fresh, ste
             opt.step()
         except fe.SwappedTrainingError:
             refused.append("step")
+        # An update inside the block would average the EMA (what the parameters hold there) into itself.
+        for what, shards, nonfinite in (("update", fe.local_shards(model), None), ("kept", hoisted, "skip")):
+            try:
+                fe.update(state, shards, steps + 1, decay=DECAYS, nonfinite=nonfinite)
+            except fe.SwappedTrainingError as e:
+                refused.append(what if "inside fe.swapped" in str(e) else str(e))
     report["refused"] = refused
     report["untouched_after_refusal"] = (
-        all(torch.equal(p, live[n]) for n, p in inner.named_parameters())
+        int(state.step) == step_before
+        and all(torch.equal(t, ema_before[n]) for n, t in state.emas[0].items())
+        and all(torch.equal(p, live[n]) for n, p in inner.named_parameters())
         and all((g is None and p.grad is None) or torch.equal(g, p.grad) for g, p in zip(grads, inner.parameters()))
         and str(opt.state_dict()) == str(opt_state)
     )
@@ -164,7 +175,7 @@ def _check(report: dict, world: int) -> None:
     assert report["fused"] and report["bitwise"] and report["keys"] == sorted(report["names"])
     assert report["swap_forward_equal"] and report["restored"] and report["tied_frozen_live"]
     assert report["swapped_params"] == 6
-    assert report["refused"] == ["backward", "step"] and report["untouched_after_refusal"]
+    assert report["refused"] == ["backward", "step", "update", "kept"] and report["untouched_after_refusal"]
     if world == 1:
         assert report["training_unchanged"]
     assert report["tag"] == "global_step6"
@@ -296,6 +307,52 @@ def test_swapped_block_that_changes_parameters_puts_the_trained_ones_back():
     _train_step(model, opt, 3)
     _train_step(twin, twin_opt, 3)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+def test_update_inside_swapped_is_refused_for_every_reading_and_allowed_after():
+    """Inside ``swapped`` the parameters hold the EMA: an update would average the EMA into itself. Refused for the
+    Shards of the whole model and of a selection (read before or inside the block), also after a block that raised;
+    the state is unchanged, and the next update after the block is the one a run without the block makes."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    whole = fe.init_ema(fe.local_shards(model))
+    part = fe.init_ema(fe.local_shards(model, include=["mid.*"]))
+    names = sorted(part.emas[0])
+    assert names and set(names) < set(whole.emas[0])
+    _train_step(model, opt, 1)
+    twin = copy.deepcopy(whole)
+    for block_state in (whole, part):
+        for raising in (False, True):
+            before = {n: t.clone() for n, t in whole.emas[0].items()}, {n: t.clone() for n, t in part.emas[0].items()}
+            refused = []
+            with contextlib.suppress(KeyError), fe.swapped(model, block_state), torch.no_grad():
+                for state, kw in ((whole, {}), (part, {"include": ["mid.*"]})):
+                    with pytest.raises(fe.SwappedTrainingError, match=r"update\(\) of weights read inside fe.swapped"):
+                        fe.update(state, fe.local_shards(model, **kw), 1, decay=0.5)
+                    refused.append(int(state.step))
+                if raising:
+                    raise KeyError("the block fails")
+            assert refused == [0, 0]
+            assert all(torch.equal(t, before[0][n]) for n, t in whole.emas[0].items())
+            assert all(torch.equal(t, before[1][n]) for n, t in part.emas[0].items())
+    whole = fe.update(whole, fe.local_shards(model), 1, decay=0.5)  # after the blocks: accepted, as without them
+    part = fe.update(part, fe.local_shards(model, include=["mid.*"]), 1, decay=0.5)
+    twin = fe.update(twin, {n: p.detach() for n, p in model.named_parameters() if n in twin.emas[0]}, 1, decay=0.5)
+    assert all(torch.equal(whole.emas[0][n], twin.emas[0][n]) for n in twin.emas[0])
+    assert all(torch.equal(part.emas[0][n], twin.emas[0][n]) for n in names)
+    # A reading made inside the block (the memory moved there) is refused too: the counter is the model's.
+    with pytest.raises(fe.SwappedParametersChangedError), fe.swapped(model, whole), torch.no_grad():
+        model.mid.weight.data = model.mid.weight.data.clone()
+        remade = fe.local_shards(model)
+        with pytest.raises(fe.SwappedTrainingError):
+            fe.update(whole, remade, 2, decay=0.5)
+    assert int(whole.step) == 1
+    fe.update(whole, fe.local_shards(model), 2, decay=0.5)
+    # A buffer the block registers (a cache a first forward makes) stays, and the block raises nothing.
+    with fe.swapped(model, whole), torch.no_grad():
+        model.mid.register_buffer("cache", torch.ones(2), persistent=False)
+    assert torch.equal(model.mid.cache, torch.ones(2))
 
 
 class Scale(nn.Module):

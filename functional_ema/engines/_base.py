@@ -127,6 +127,7 @@ def select(
     pipelined = layout.part.pp_size > 1 if partial is None else partial
     names = selection.apply(list(layout.specs), unread, partial=pipelined)  # raises, naming the pattern or predicate
     shards = shards_from_views([(n, reading.shards[n]) for n in names])
+    shards.swapped_in = reading.shards.swapped_in  # the model's counter of open swapped() blocks
     sub = Reading(
         shards,
         _select_layout(layout, names),
@@ -189,6 +190,16 @@ def selection_of(state: Any) -> Selection | None:
 def read_for(adapter: Adapter, state: Any) -> Reading:
     """The adapter's reading, of the parameters ``state`` averages (its selection, if any)."""
     return select(adapter.read(), selection_of(state), adapter.module())
+
+
+class OpenSwaps:
+    """How many :func:`functional_ema.swapped` blocks are open on one model: kept by the ``Shards`` of each of its
+    readings (``Shards.swapped_in``), so that :func:`functional_ema.update` refuses them inside a block."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
 
 
 class _Slot:
@@ -254,6 +265,10 @@ class Adapter:
                 close()
             previous = slot.reading if mine else None  # another adapter's reading says nothing about this one's
         reading = self._read(previous)
+        # One counter of open swapped() blocks per model, carried to every reading that replaces another: a reading
+        # made inside a block (the parameters' memory moved there) is refused by update as the one before it.
+        held = slot.reading.shards.swapped_in if isinstance(slot, _Slot) and slot.reading is not None else None
+        reading.shards.swapped_in = held if held is not None else OpenSwaps()
         self.target.__dict__[_SLOT] = _Slot(reading, type(self), type(self.target))
         return reading
 
