@@ -777,6 +777,71 @@ def test_a_lora_of_the_embeddings_ships_the_frozen_base_layer_peft_saves(tmp_pat
     assert len(ref) == 6 and not bad, bad  # q_proj A, B in two layers; lora_embedding_A, B
 
 
+def _task_model(task_type: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny model of the class PEFT's ``task_type`` wraps (seed 0) and the inputs of one step."""
+    import transformers
+
+    if task_type == "SEQ_2_SEQ_LM":
+        t5 = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration(t5), {"decoder_input_ids": _tokens(2, seed=9)}
+    cls = {
+        "CAUSAL_LM": "LlamaForCausalLM",
+        "SEQ_CLS": "LlamaForSequenceClassification",
+        "TOKEN_CLS": "LlamaForTokenClassification",
+        "QUESTION_ANS": "LlamaForQuestionAnswering",
+        "FEATURE_EXTRACTION": "LlamaModel",
+    }[task_type]
+    config = _config()
+    config.pad_token_id = 0  # the sequence classifier pools at the last token that is not padding
+    torch.manual_seed(0)
+    return getattr(transformers, cls)(config), {}
+
+
+@pytest.mark.parametrize(
+    "task_type", ["CAUSAL_LM", "SEQ_CLS", "SEQ_2_SEQ_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION"]
+)
+def test_a_peft_adapter_saved_with_a_task_type_exports_and_loads_as_the_ema(tmp_path, task_type):
+    """``LoraConfig(task_type=...)`` (what TRL's ``peft_config`` runs save): PEFT wraps the model in its task
+    class (``PeftModelForCausalLM`` reads the base model's generation hook; the classifiers' heads join
+    ``modules_to_save``). The export of the EMA with that adapter folder as --like keeps its adapter_config.json
+    (the task type), and ``PeftModel.from_pretrained`` over the real base model builds the same task class
+    holding every trained tensor (LoRA and head copies) as the plain-torch EMA, bitwise."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    import functional_ema as fe
+    from functional_ema.export import to_hf
+
+    model, extra = _task_model(task_type)
+    model.save_pretrained(tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"] if extra else LORA_TARGETS, task_type=task_type)
+    model = get_peft_model(model, lora, adapter_name="default")
+    model.save_pretrained(tmp_path / "like")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: p.detach().clone() for n, p in params.items()}
+    for step in range(1, 4):
+        out = model(input_ids=_tokens(2, seed=step), **extra)
+        next(v for v in out.values() if isinstance(v, torch.Tensor)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        for n, p in params.items():
+            ref[n].lerp_(p.detach(), 1 - DECAY)
+    fe.save(state, model, tmp_path / "ckpt", tag="s")
+    out_dir = to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s", progress=False)
+    written, like = (json.loads((d / "adapter_config.json").read_text()) for d in (out_dir, tmp_path / "like"))
+    assert written == like and written["task_type"] == task_type
+    base, _ = _task_model(task_type)
+    loaded = PeftModel.from_pretrained(type(base).from_pretrained(tmp_path / "base"), out_dir)
+    assert type(loaded) is type(model) and loaded.peft_config["default"].task_type == task_type
+    got = dict(loaded.named_parameters())
+    bad = [n for n, want in ref.items() if n not in got or not torch.equal(got[n].detach(), want)]
+    heads = [n for n in ref if "modules_to_save" in n]
+    assert not bad and len(ref) >= 8 and bool(heads) == (task_type in ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS")), bad
+
+
 def test_mixed_dtype_weights_under_a_config_stating_no_dtype_load_as_float32(tmp_path):
     """A bf16 ``--like`` whose config.json states no dtype (hand-written, other tools), an fp32 EMA of all but the
     frozen embedding (copied in bf16 from --like): the weights written are mixed, so the export states float32 in

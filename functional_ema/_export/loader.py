@@ -246,8 +246,18 @@ def _stub_modules(planned: dict[str, tuple[int, ...]]) -> dict[str, dict[str, An
     return modules if all({"in", "out"} <= set(d) for d in modules.values()) else None
 
 
+class _StubBase(torch.nn.Module):
+    """The stub's root. PEFT's generation task classes (``task_type`` ``CAUSAL_LM``, ``SEQ_2_SEQ_LM``: what TRL's
+    ``peft_config`` runs save) keep the base model's ``prepare_inputs_for_generation`` when they wrap it; the
+    stub has one, so the check builds the class ``PeftModel.from_pretrained`` builds for this config (the
+    classification classes' ``modules_to_save`` included) instead of refusing a sound adapter."""
+
+    def prepare_inputs_for_generation(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return kwargs  # never called: the stub is only wrapped and read
+
+
 def _stub(modules: dict[str, dict[str, Any]]) -> torch.nn.Module:
-    root = torch.nn.Module()
+    root = _StubBase()
     for path, d in modules.items():
         node = root
         *parents, leaf = path.split(".")
