@@ -18,6 +18,10 @@ processes, each Trainer with its own model and callback).
 ``DPOTrainer`` under DDP (one launch), the policy given as a model folder and ``precompute_ref_log_probs=True``
 (no reference model kept): the EMA bitwise, and its evaluation logged (TRL's ``evaluate`` refuses a dataset
 passed to it after step 0 in this mode; the callback passes the Trainer's own dataset on as ``None``).
+
+``SFTTrainer(peft_config=LoraConfig(task_type="CAUSAL_LM"))`` under DDP (one launch): TRL wraps the model after the
+callback was made; the EMA holds the LoRA tensors only, bitwise, and the export with ``like=`` an adapter folder
+(``save_pretrained``'s, the Trainer's ``checkpoint-N``) loads with ``PeftModel.from_pretrained`` holding it.
 """
 
 from __future__ import annotations
@@ -310,11 +314,77 @@ def _dpo_phase(out: str) -> dict:
     }
 
 
+def _sft_peft_phase(out: str) -> dict:
+    """``SFTTrainer(peft_config=LoraConfig(task_type="CAUSAL_LM"))`` under DDP: TRL wraps the model in PEFT after the
+    callback was made; the EMA is the adapter's, bitwise, and exports (``like=`` an adapter folder the Trainer or
+    ``save_pretrained`` wrote) into an adapter ``PeftModel.from_pretrained`` loads holding it."""
+    import torch.distributed as dist
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import ReferenceEMA
+
+    model, tok, like = _tiny(out)
+    ref, box = ReferenceEMA(_decays(), start=START), {}
+    ema = EMACallback(decay=_decays(), start_step=START, export_path=os.path.join(out, "ema.safetensors"))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = SFTTrainer(
+        model=model,
+        args=SFTConfig(**_common(os.path.join(out, "peft"), STEPS, deepspeed=False)),
+        train_dataset=_sft_data(64, seed=1),
+        eval_dataset=_sft_data(16, seed=2),
+        processing_class=tok,
+        peft_config=lora,
+        callbacks=[ema, hf_reference_callback(box, ref, buffers=False)],
+    )
+    box["t"] = trainer
+    trainer.train()
+    assert ref.emas is not None
+    trained = sorted(n for n, p in trainer.model_wrapped.module.named_parameters() if p.requires_grad)
+    ref_emas = [{n: e[n] for n in trained} for e in ref.emas]  # frozen base weights: no EMA
+    ref.emas = ref_emas
+    got = _vs_ref(trainer, ema, ref)
+    report: dict = {"names": sorted(got["full"][0]) == trained, "lora_only": all("lora_" in n for n in trained)}
+    report |= {"count": len(trained), "bitwise": got["bitwise"], "max_diff": got["max_diff"]}
+    report["eval_ema_steps"] = [h["step"] for h in trainer.state.log_history if "eval_ema_loss" in h]
+    if dist.get_rank() == 0:
+        trainer.model.save_pretrained(os.path.join(out, "adapter0"))
+        report["export"] = {
+            src: _adapter_export_check(out, like, os.path.join(out, src), ref_emas[0])
+            for src in ("adapter0", os.path.join("peft", f"checkpoint-{STEPS}"))
+        }
+    dist.barrier()
+    return report
+
+
+def _adapter_export_check(out: str, base: str, like: str, ref_ema: dict[str, torch.Tensor]) -> dict:
+    """Rank 0: the callback's export file as an adapter folder (``to_hf`` with ``like`` a PEFT folder), loaded by
+    ``PeftModel.from_pretrained`` over the base model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import functional_ema as fe
+
+    dest = os.path.join(out, "ema_adapter_" + os.path.basename(like))
+    folder = fe.export.to_hf(os.path.join(out, "ema.safetensors"), dest, like=like)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder)
+    sd = {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        task_type = json.load(f)["task_type"]
+    return {
+        "class": type(model).__name__,
+        "task_type": task_type,
+        "names_equal": sorted(sd) == sorted(ref_ema),
+        "bitwise": all(torch.equal(sd[n], ref_ema[n]) for n in ref_ema if n in sd),
+    }
+
+
 def trl_worker(out: str, phase: str) -> dict:
     from tests._integration_models import quiet_hf
 
     quiet_hf()
-    return _sft_phase(out) if phase == "sft" else _dpo_phase(out)
+    return {"sft": _sft_phase, "dpo": _dpo_phase, "sft_peft": _sft_peft_phase}[phase](out)
 
 
 def _close(got: float, want: float) -> bool:
@@ -367,3 +437,14 @@ def test_dpo_trainer_ddp_ema_precomputed_reference(tmp_path: Path) -> None:
         assert r["eval_ema_steps"] == [4, 8] and r["eval_steps"] == [4, 8]
         assert _close(r["ema_eval"]["logged_last"], r["ema_eval"]["reference"]), r["ema_eval"]
         assert not _close(r["ema_eval"]["live_last"], r["ema_eval"]["reference"]), r["ema_eval"]
+
+
+def test_sft_trainer_with_peft_config_ddp_ema_of_the_adapter_exports(tmp_path: Path) -> None:
+    res = _launch(tmp_path, "sft_peft")
+    for r in res:
+        assert r["names"] and r["lora_only"] and r["count"] == 2 * 2 * 2, r  # 2 layers x (q, v) x (A, B)
+        assert r["bitwise"] == [True, True], r["max_diff"]
+        assert r["eval_ema_steps"] == [4, 8]
+    for src, export in res[0]["export"].items():
+        assert export["class"] == "PeftModelForCausalLM" and export["task_type"] == "CAUSAL_LM", (src, export)
+        assert export["names_equal"] and export["bitwise"], (src, export)
