@@ -795,13 +795,15 @@ def test_seq2seq_ema_evaluation_generates_with_the_calls_settings(tmp_path):
 
 
 def _plain_trainer(out: Path, callbacks, max_steps: int, **overrides):
-    """One process, BNNet, 64 samples (8 optimizer steps per epoch), a checkpoint every 2 steps."""
+    """One process, BNNet, 64 samples (8 optimizer steps per epoch), a checkpoint every 2 steps (``overrides`` win)."""
     from transformers import Trainer
 
     from tests._integration_models import BNNet, RegressionData, cpu_training_args, quiet
 
     quiet()
-    args = cpu_training_args(out, max_steps=max_steps, save_strategy="steps", save_steps=2, seed=0, **overrides)
+    args = cpu_training_args(
+        out, **{"max_steps": max_steps, "save_strategy": "steps", "save_steps": 2, "seed": 0, **overrides}
+    )
     torch.manual_seed(0)
     return Trainer(
         model=BNNet(),
@@ -880,6 +882,101 @@ def test_load_best_model_at_end_exports_and_copies_the_best_checkpoints_ema(tmp_
         assert all(torch.equal(exported[n], t) for n, t in want.items()), name
         if copy:  # the model holds the same EMA (not the final one over the best weights)
             assert all(torch.equal(p.detach(), want[n]) for n, p in trainer.model.named_parameters()), name
+
+
+def _slow_background_writes(monkeypatch, seconds: float = 0.5) -> None:
+    """Every async EMA write sleeps first (a large EMA, a slow disk): the Trainer's next step, and its deletion of
+    checkpoint folders, comes while the write is in flight, every time."""
+    import functional_ema._async as background
+
+    write = background._write_files
+
+    def slow(job, names):
+        time.sleep(seconds)
+        return write(job, names)
+
+    monkeypatch.setattr(background, "_write_files", slow)
+
+
+def test_async_saves_survive_save_total_limit_1_and_load_best_model_at_end(tmp_path, monkeypatch):
+    """async_save=True, save_total_limit=1, a checkpoint and an evaluation every step, load_best_model_at_end (the best:
+    step 2 of 4), every background write slowed: the Trainer deletes the previous checkpoint in its rotation (before
+    on_save) and, at the end, every checkpoint but the best (before on_train_end), both while an EMA save into it would
+    be in flight; the callback waits for it before each. Training completes, the export is the best checkpoint's
+    EMA, every surviving checkpoint's EMA loads (the reference EMA at its step, bitwise), and a resume from the last
+    surviving checkpoint reaches the uninterrupted run's EMA at the last step, bitwise."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    import functional_ema as fe
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import ReferenceEMA
+
+    _slow_background_writes(monkeypatch)
+
+    class Chosen(TrainerCallback):  # the best evaluation is step 2's (greater_is_better=False)
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_chosen"] = float(abs(state.global_step - 2))
+
+    def run(name: str, resume: str | None = None):
+        ref, at, seen = ReferenceEMA([0.7]), {}, {}
+        ema = EMACallback(decay=0.7, async_save=True, export_path=tmp_path / f"{name}.safetensors")
+
+        class Seen(TrainerCallback):  # the callback's own EMA after each step (it replaces it by the best's at the end)
+            def on_step_end(self, args, state, control, **kwargs):
+                seen[state.global_step] = {n: t.clone() for n, t in ema.state.ema.items()}
+
+        trainer = _plain_trainer(
+            tmp_path / "run", [ema, Seen(), Chosen(), _reference(ref, at)], 4, save_steps=1, save_total_limit=1,
+            learning_rate=3.0, eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
+            metric_for_best_model="eval_chosen", greater_is_better=False,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, load_file(tmp_path / f"{name}.safetensors"), at, seen
+
+    trainer, exported, at, seen = run("full")
+    run_dir = tmp_path / "run"
+    assert trainer.state.best_model_checkpoint == str(run_dir / "checkpoint-2")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint-2"]  # the Trainer kept the best one only
+    assert all(torch.equal(exported[n], t) for n, t in at[2].items())
+    assert all(torch.equal(seen[4][n], t) for n, t in at[4].items())  # the uninterrupted run's final EMA
+    for folder in run_dir.iterdir():
+        step = int(folder.name.removeprefix("checkpoint-"))
+        saved = fe.load(trainer.model, folder, "ema")
+        assert int(saved.step) == step and all(torch.equal(saved.ema[n], t) for n, t in at[step].items()), folder
+    _, again, _, resumed = run("resumed", resume=str(run_dir / "checkpoint-2"))
+    assert sorted(resumed) == [3, 4] and all(torch.equal(resumed[4][n], t) for n, t in seen[4].items())
+    assert all(torch.equal(again[n], t) for n, t in exported.items())  # still the best checkpoint's (step 2) EMA
+
+
+def test_a_checkpoint_folder_deleted_under_an_async_ema_save_is_named_with_the_cause(tmp_path, monkeypatch):
+    """A checkpoint folder deleted by something else while its EMA is written in the background (here a callback
+    after EMACallback): the failure is a CheckpointError naming the folder and the cause, not the background's raw
+    FileNotFoundError, whether the next save (step 2) or the end of training (step 1, the last) meets it."""
+    from transformers import TrainerCallback
+
+    from functional_ema.checkpoint import CheckpointError
+    from functional_ema.integrations.transformers import EMACallback
+
+    _slow_background_writes(monkeypatch)
+
+    class Deleting(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                shutil.rmtree(Path(args.output_dir) / "checkpoint-1")
+
+    for name, steps in (("next_save", 2), ("train_end", 1)):
+        ema = EMACallback(decay=0.7, async_save=True)
+        trainer = _plain_trainer(tmp_path / name, [ema, Deleting()], steps, save_steps=1)
+        folder = tmp_path / name / "checkpoint-1"
+        with pytest.raises(CheckpointError) as failed:
+            trainer.train()
+        assert not isinstance(failed.value, FileNotFoundError), name
+        assert str(failed.value).startswith(
+            f"the async EMA save of step 1 into {folder / 'ema'} failed: {folder} was deleted while the EMA was being "
+            "written into it in the background (FileNotFoundError: "
+        ), (name, str(failed.value))
+        assert "resume from another one" in str(failed.value)
 
 
 def test_an_ema_metric_named_as_another_datasets_live_one_is_refused(tmp_path):

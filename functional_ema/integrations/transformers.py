@@ -21,7 +21,10 @@ What it does, per ``Trainer`` event:
   ``eval`` (``eval_ema_loss``, ``eval_ema_<name>_loss`` for a dict of datasets; another
   ``metric_key_prefix``, e.g. ``"test"``, follows it: ``eval_ema_test_loss``);
 * ``on_save``: every rank writes its EMA pieces into the checkpoint folder
-  (``output_dir/checkpoint-<step>/ema/``), so checkpoint rotation removes them together;
+  (``output_dir/checkpoint-<step>/ema/``), so checkpoint rotation removes them together; with
+  ``async_save=True`` and ``save_total_limit``, the save in flight is committed on every rank at the last
+  event before the Trainer may delete its folder (``on_step_end``/``on_epoch_end`` of a step that saves,
+  ``on_log`` once training stops), so a folder is never deleted mid-write;
 * ``on_train_begin`` of a resumed run: load the EMA from the checkpoint being resumed (any world
   size: it reshards);
 * ``on_train_end``: the optional export (one consolidated safetensors file) or copy into the model.
@@ -56,6 +59,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -63,11 +67,12 @@ import torch
 from transformers import TrainerCallback
 
 from functional_ema._args import check_str
+from functional_ema._checkpoint.errors import CheckpointError
 from functional_ema._checkpoint.format import MANIFEST_NAME
 from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, agreed_everywhere, check_folder_tag, has_saved_ema, local_folder
+from ._common import EMAController, _barrier, agreed_everywhere, check_folder_tag, has_saved_ema, local_folder
 
 __all__ = ["EMACallback"]
 
@@ -248,6 +253,8 @@ class EMACallback(TrainerCallback):
         self._trainer_ref: weakref.ReferenceType[Any] | None = None  # weak: the Trainer holds this callback
         self._resume_arg: Any = None
         self._steps_per_epoch: int | None = None  # the Trainer's optimizer steps per epoch, read at on_train_begin
+        # async_save: the checkpoint folder and step of the last EMA save not yet waited for (every rank alike)
+        self._in_flight: tuple[Path, int] | None = None
 
     # -------------------------------------------------------------------------------- wiring
 
@@ -432,11 +439,66 @@ class EMACallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.ema.on_step(self._target(), state.global_step)
+        self._before_deletion(args, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._before_deletion(args, control)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        # The last event before _finalize_training's cleanup is its log of the train metrics: training has stopped.
+        self._before_deletion(args, control, end=bool(control.should_training_stop))
+
+    def _before_deletion(self, args: Any, control: Any, end: bool = False) -> None:
+        """With ``async_save`` and ``save_total_limit``: the Trainer deletes checkpoint folders in ``_save_checkpoint``
+        before ``on_save`` (its rotation, which can take the folder of the EMA save in flight: the previous checkpoint,
+        when it is not the best, or any under mtime ordering) and, ``save_total_limit=1`` with a best checkpoint, at the
+        end of training before ``on_train_end``. At the last events before those (``on_step_end``, ``on_epoch_end``,
+        ``on_log``) where a save (``should_save``; ``save_strategy="best"``: an evaluation) or the end follows, the save
+        in flight is committed on every rank, then a barrier (rank 0 deletes): a folder goes whole, never mid-write,
+        and a failure of the write is raised here. The write still overlaps the training between two saves."""
+        if self._in_flight is None or (getattr(args, "save_total_limit", None) or 0) <= 0:
+            return
+        best = str(getattr(args.save_strategy, "value", args.save_strategy)) == "best" and control.should_evaluate
+        if end or control.should_save or best:
+            self._wait_in_flight()
+            _barrier()
+
+    def _wait_in_flight(self) -> None:
+        """Wait for the async EMA save in flight (``_in_flight``); a failure of it is raised as a
+        :class:`CheckpointError` naming its checkpoint folder: when that folder is gone, with the cause (something
+        deleted it under the write), never as the background's raw ``OSError``."""
+        if self._in_flight is None:
+            return
+        (folder, step), self._in_flight = self._in_flight, None
+        try:
+            self.ema.wait()
+        except Exception as e:
+            where = folder / self.ema.tag
+            if where.is_dir() and not isinstance(e, OSError):
+                raise  # a CheckpointError of the save itself (another rank's failure, ...): it names the folder
+            why = (
+                f"{type(e).__name__}: {e}"
+                if where.is_dir()
+                else f"{folder} was deleted while the EMA was being written into it in the background "
+                f"({type(e).__name__}: {e}). EMACallback waits for its save in flight before the Trainer's own "
+                "deletions (save_total_limit, and the end-of-training cleanup of load_best_model_at_end with "
+                "save_total_limit=1), so something else deleted it: another process, or the Trainer's rotation after "
+                "a callback placed after EMACallback set control.should_save (place EMACallback after that callback)"
+            )
+            raise CheckpointError(
+                f"the async EMA save of step {step} into {where} failed: {why}. That checkpoint holds no complete EMA: "
+                f"resume from another one (whose {self.ema.tag}/ holds {MANIFEST_NAME})"
+            ) from e
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The folder the Trainer just saved into (a trial's own under hyperparameter_search): rotated together.
         output_dir = local_folder(self._run_dir(args), "TrainingArguments.output_dir", _HF)
-        self.ema.save(self._target(), output_dir / f"checkpoint-{state.global_step}", state.global_step)
+        folder = output_dir / f"checkpoint-{state.global_step}"
+        # The save below waits for the previous one anyway (one in flight): waited for here, its failure is named.
+        self._wait_in_flight()
+        self.ema.save(self._target(), folder, state.global_step)
+        if self.ema.async_save:
+            self._in_flight = (folder, int(state.global_step))
 
     def on_evaluate(
         self, args: Any, state: Any, control: Any, metrics: dict[str, float] | None = None, **kwargs: Any
@@ -542,9 +604,9 @@ class EMACallback(TrainerCallback):
                 trainer._gen_kwargs = gen_kwargs
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._wait_in_flight()  # the best checkpoint's EMA may still be on its way (async_save); a failure named
         best = getattr(state, "best_model_checkpoint", None)
         if getattr(args, "load_best_model_at_end", False) and best is not None and self.ema.started:
-            self.ema.wait()  # the best checkpoint's EMA may still be on its way (async_save)
             self._load_best_ema(best)
         self.ema.on_train_end(self._target())
 
