@@ -163,6 +163,8 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         if args.dcp:
             refuse_url(args.checkpoint_dir, "CHECKPOINT_DIR", "--dcp reads a local folder")
         _refuse_local_options(args, args.checkpoint_dir, "CHECKPOINT_DIR")
+        _refuse_mistyped_url(args.checkpoint_dir, "CHECKPOINT_DIR")
+        _refuse_mistyped_url(args.out, "OUT")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -348,6 +350,17 @@ def _run_posthoc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_mistyped_url(location: str, name: str) -> None:
+    """A usage error (``ValueError`` naming the argument) for a path that looks like a URL missing a slash
+    (``s3:/bucket/run``), checked with the other options: the verbs refuse it too, later, as a traceback."""
+    from ._storage import refuse_mistyped_url
+
+    try:
+        refuse_mistyped_url(location)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
 def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     """``posthoc``'s options checked (``ValueError``/``TypeError`` naming the option; ``ImportError`` for ``--plot``
     without matplotlib); returns the file ``--plot`` will write (a name without extension gets ``.png``), or None."""
@@ -359,6 +372,7 @@ def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
     refuse_url(args.plot, "--plot", "the picture is written locally")
     _refuse_local_options(args, args.snapshot_dir, "SNAPSHOT_DIR")
+    _refuse_mistyped_url(args.snapshot_dir, "SNAPSHOT_DIR")
     out = check_path(args.out, "OUT")
     try:
         target_gamma(args.sigma_rel, args.gamma)

@@ -39,6 +39,8 @@ import re
 import secrets
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -66,6 +68,9 @@ __all__ = ["AsyncSaver", "SaveHandle"]
 logger = logging.getLogger("functional_ema")
 
 _MARK = "ema_async."
+#: The names :func:`_marker` makes (a save id is 16 hex digits: ``secrets.randbits(62)``), and their temporary
+#: names (``_io.atomic_write_bytes``): only these are removed, never a user's ``ema_async.log``.
+_MARKER_NAME = re.compile(r"ema_async\.[0-9a-f]{16}\.rank\d{5,}\.(?:done|error)(?:\.tmp-\d+-[0-9a-f]{12})?")
 
 
 def _marker(token: str, rank: int, kind: str) -> str:
@@ -126,13 +131,18 @@ class SaveHandle:
         For a save with ``shared=False`` or to a URL this is collective (call it on every rank): it commits
         the save over the process group (and the saver's earlier ones), as :meth:`AsyncSaver.wait` does. With
         a ``timeout``, the ranks agree whether every rank's background write finished in time: if one did
-        not, every rank raises ``TimeoutError`` and the save stays pending (committed by a later wait).
+        not, every rank raises ``TimeoutError`` and the save stays pending (committed by a later wait). The wait
+        for the other ranks to come is bounded (``timeout``, and at most the smaller of ``commit_timeout`` and the
+        save's timeout): see ``CheckpointTimeoutError`` below.
 
         Raises:
             Exception: the background failure: on the rank where it happened, the original exception
                 (e.g. ``OSError``); on the other ranks, :class:`~functional_ema.checkpoint.CheckpointError`
                 naming the failed rank. Raised on every call to ``wait`` after a failure.
             TimeoutError: ``timeout`` seconds passed first (the save goes on).
+            CheckpointTimeoutError: (a ``TimeoutError``) a ``shared=False`` or URL save whose other ranks did not
+                come to the commit in time: the save failed (nothing committed), and the later ones awaiting
+                their commit with it.
         """
         self._adopt_after_fork()
         if self._commit is not None and not self._event.is_set():
@@ -162,7 +172,9 @@ class AsyncSaver:
             it first waits for the oldest one (the training loop stalls until it is written).
             Each save in flight holds one host copy of this rank's EMA.
         commit_timeout: seconds a rank waits for the other ranks' files (or for rank 0's manifest)
-            before failing the save; bounds the wait when another rank died silently.
+            before failing the save; bounds the wait when another rank died silently. For a ``shared=False``
+            or URL save: how long the commit waits for this rank's write, and at most for the other ranks to
+            come to the commit (with the save's ``timeout``, whichever is smaller).
         pin_memory: snapshot GPU-resident EMAs into pinned host memory (the default, faster
             device-to-host copies). CPU-resident EMAs always use ordinary memory.
 
@@ -185,6 +197,9 @@ class AsyncSaver:
         self._free: list[torch.Tensor] = []  # snapshot buffers of finished saves, for reuse
         self._writers: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started them, threads)
         self._pending: list[_async_private.PendingCommit] = []  # private saves written, not yet committed
+        # Their commit is collective, so it cannot run at exit (the ranks exit at different times, a crashed one
+        # never): what is still pending then is left uncommitted, and said so.
+        weakref.finalize(self, _warn_uncommitted, self._pending)
 
     def _writer_threads(self) -> ThreadPoolExecutor:
         """The background writers, started once (again in a forked child, which inherits no threads):
@@ -396,11 +411,15 @@ class AsyncSaver:
     ) -> None:
         if exc_type is None:
             self.wait()
-        else:  # already failing: finish the writes, report (not raise) their errors
+        else:  # already failing: finish the writes, report (not raise) their errors; every wait is bounded
             try:
                 self.wait()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - the block's own exception is the one raised
                 logger.error("functional_ema: async EMA save failed: %s", e)
+                if exc is not None and hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(
+                        f"functional_ema: leaving the `with fe.AsyncSaver()` block, its saves failed: {type(e).__name__}: {e}"
+                    )
 
     # -- internals
 
@@ -427,10 +446,36 @@ class AsyncSaver:
                 self._pending.pop(0)
                 continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not _async_private.written(p, left):
+            try:
+                ready = _async_private.written(p, left)
+            except BaseException as e:  # a peer never came (or an interrupt): this save and the later ones fail
+                self._fail_pending(e)
+                if not isinstance(e, Exception):
+                    raise
+                return
+            if not ready:
                 raise TimeoutError(f"async EMA save into {p.prep.tag_dir} still running after {timeout} s")
             self._pending.pop(0)
             _async_private.commit(p)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Fail every save awaiting its commit: the first with ``error``, the later ones with an error naming it (their
+        commits would meet the same missing ranks, each after its own wait; the process group may be unusable).
+        Their new files are removed and their locks released once their writes end; nothing is committed."""
+        pending = list(self._pending)
+        self._pending.clear()  # the same list: the exit check (_warn_uncommitted) holds it
+        if not isinstance(error, Exception):  # an interrupt: raised by the caller now, not again by every wait
+            error = CheckpointError(f"the commit was interrupted ({type(error).__name__}); nothing of it is committed")
+        for i, p in enumerate(pending):
+            failure = error
+            if i:
+                failure = CheckpointError(
+                    f"the async EMA save of step {p.handle.step} into {p.prep.tag_dir} was not committed: the commit of "
+                    f"the save before it ({pending[0].prep.tag_dir}) failed: {type(error).__name__}: {error}"
+                )
+                failure.__cause__ = error
+            _async_private.abandon_after_write(p)
+            p.handle._finish(failure)
 
     def _last_shared(self) -> threading.Event | None:
         """The completion of this saver's latest shared-folder save still in flight: a new one commits after
@@ -549,8 +594,9 @@ def _is_save(mpath: Path, token: str) -> bool:
 def _run(job: _Job, handle: SaveHandle) -> None:
     """The background part of one rank's save. No collectives (see the module docstring)."""
     error: BaseException | None = None
-    names = writer.save_files(job.layout, job.first["generation"], job.buffers is not None, job.emas is not None)
-    try:
+    names: list[str] = []
+    try:  # everything: an exception escaping here would die in the executor, the handle never finished
+        names = writer.save_files(job.layout, job.first["generation"], job.buffers is not None, job.emas is not None)
         if job.ready is not None:
             job.ready.synchronize()
         record = _write_files(job, names)
@@ -561,12 +607,18 @@ def _run(job: _Job, handle: SaveHandle) -> None:
             _wait_for_commit(job, record, deadline)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
         error = e
-        _report_failure(job, e)
-        writer.remove_unlisted(job.tag_dir, names)
+        try:
+            _report_failure(job, e)
+            writer.remove_unlisted(job.tag_dir, names)
+        except BaseException as e2:  # noqa: BLE001 - a cleanup; the handle gets the save's own failure
+            logger.error("functional_ema: could not clean up the failed async save in %s: %s", job.tag_dir, e2)
     finally:
-        if job.lock is not None:
-            job.lock.release()
-    handle._finish(error)
+        try:
+            if job.lock is not None:
+                job.lock.release()
+        except BaseException as e:  # noqa: BLE001 - the handle must finish, or wait() blocks forever
+            error = error or e
+        handle._finish(error)
 
 
 def _write_files(job: _Job, names: list[str]) -> dict[str, Any]:
@@ -692,7 +744,7 @@ def _remove_markers(tag_dir: Path) -> None:
     """After the commit: remove this save's markers and those of failed earlier saves (best effort)."""
     removed = False
     for name in os.listdir(tag_dir):
-        if name.startswith(_MARK):
+        if _is_marker(name):
             try:
                 os.unlink(tag_dir / name)
                 removed = True
@@ -700,3 +752,29 @@ def _remove_markers(tag_dir: Path) -> None:
                 pass
     if removed:
         _io.fsync_dir(tag_dir)
+
+
+def _is_marker(name: str) -> bool:
+    """Whether ``name`` is a marker this module writes, or the temporary name of one (a crash mid-write)."""
+    return _MARKER_NAME.fullmatch(name) is not None
+
+
+def _warn_uncommitted(pending: list[_async_private.PendingCommit]) -> None:
+    """At interpreter exit (or when the saver is garbage-collected): warn of every save still awaiting its commit.
+
+    Not committed here: the commit is collective, and at exit the ranks are not together (they exit at different
+    times; a crashed rank never comes). The files are left as they are: the tag's previous checkpoint stays the
+    complete one, and ``ema_latest`` is unchanged."""
+    for p in pending:
+        if p.handle.done():  # committed, failed, or (in a forked child) its parent's
+            continue
+        msg = (
+            f"functional_ema: the async EMA save of step {p.handle.step} into {p.prep.tag_dir} (tag "
+            f"{p.prep.first['tag']!r}) was never committed: the process is ending, or its AsyncSaver was dropped, while "
+            "the save awaited its commit, which a shared=False or URL save gets only from a collective call on every "
+            "rank. Its files are left uncommitted: the tag's previous checkpoint, if any, stays the one that loads, and "
+            "ema_latest is unchanged. Call saver.wait() on every rank before exiting, or use "
+            "`with fe.AsyncSaver(...) as saver:`"
+        )
+        logger.warning("%s", msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=1)

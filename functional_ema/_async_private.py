@@ -11,10 +11,14 @@ the save is split in three:
   locks and generation (as the blocking private save), and the snapshot of this rank's EMA.
 * **In the background** (no collectives): this rank's files, written as the blocking save writes them.
 * **At the saver's next collective call** (training thread): the next ``save`` (of either kind),
-  ``AsyncSaver.wait``/``close``, or this save's ``SaveHandle.wait``, every rank: wait for the background
-  write (at most ``commit_timeout``), agree that every rank's write succeeded, exchange the records,
-  write the manifests, release the locks. A failure anywhere fails the save on every rank and removes
-  its new files.
+  ``AsyncSaver.wait``/``close``, or this save's ``SaveHandle.wait``, every rank: meet the other ranks (a
+  bounded wait: a rank whose peers do not come fails the save rather than block in a collective), wait for
+  the background write (at most ``commit_timeout``), agree that every rank's write succeeded, exchange the
+  records, write the manifests, release the locks. A failure anywhere fails the save on every rank and
+  removes its new files.
+
+Not at interpreter exit: the ranks exit at different times (a crashed one never comes), so a save still
+awaiting its commit then is left uncommitted, with a warning (``_async._warn_uncommitted``).
 
 Until the commit, the folders hold the new files but not their manifest: each folder's previous
 checkpoint stays the complete, loadable one, as after a crash mid-save.
@@ -23,6 +27,8 @@ checkpoint stays the complete, loadable one, as after a crash mid-save.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +39,16 @@ import torch.distributed as dist
 
 from ._checkpoint import collective
 from ._checkpoint.bucket import abandon_bucket, commit_bucket, prepare_bucket, write_bucket
-from ._checkpoint.errors import CheckpointError
+from ._checkpoint.errors import CheckpointError, CheckpointMismatchError, CheckpointTimeoutError
 from ._checkpoint.format import parse_dtype
 from ._checkpoint.private import abandon_private, commit_private, prepare_private, write_private
 from ._layout import ShardLayout
 from ._state import BufferState, EmaState
 from ._storage import Storage
 
-__all__ = ["BUCKET", "PRIVATE", "Ops", "PendingCommit", "commit", "save_now", "start", "written"]
+__all__ = ["BUCKET", "PRIVATE", "Ops", "PendingCommit", "abandon_after_write", "commit", "save_now", "start", "written"]
+
+logger = logging.getLogger("functional_ema")
 
 #: An EMA snapshot: its tensors (views of one host buffer), the buffer, and the end of its device copies.
 Snapshot = tuple[list[Mapping[str, torch.Tensor]], torch.Tensor, "torch.cuda.Event | None"]
@@ -50,6 +58,7 @@ class Handle(Protocol):
     """What this module needs of ``_async.SaveHandle`` (``_async`` imports this module, not the reverse)."""
 
     _buffer: torch.Tensor | None
+    step: int
 
     def done(self) -> bool: ...
 
@@ -206,17 +215,95 @@ def _write(
 
 
 def written(pending: PendingCommit, timeout: float | None) -> bool:
-    """Whether to :func:`commit` ``pending`` now. Every rank waits for its background write, at most ``timeout``
-    (``None``: no bound but ``commit_timeout``, past which the commit fails the save), then the ranks agree in
-    one small all-reduce, so all of them commit or none: ``False`` when a write was not done on some rank as
-    its ``timeout`` passed (the save goes on, still pending). Collective."""
-    bound = pending.commit_timeout if timeout is None else min(timeout, pending.commit_timeout)
+    """Whether to :func:`commit` ``pending`` now. Collective, and every exchange is bounded (a peer that never comes
+    to the commit, e.g. one still training while this rank leaves a ``with`` block on an exception, must not hold
+    this rank in an all-reduce until the process group's own timeout): first the ranks meet (at most
+    :func:`arrival_limit`, or the remaining ``timeout``); then each waits for its own background write, at most
+    ``timeout`` (``None``: ``commit_timeout``, past which the commit fails the save); then they agree, so that all of
+    them commit or none: ``False`` when a write was not done on some rank as its ``timeout`` passed (the save goes
+    on, still pending). Meeting first: a rank whose write ends late is not taken for one that never came.
+
+    Raises:
+        CheckpointTimeoutError: a peer did not come within the bound (the caller fails the save and the later ones).
+    """
+    t0 = time.monotonic()
+    limit = arrival_limit(pending)
+    _exchange(pending, "arrival", 0, limit if timeout is None else min(timeout, limit))
+    left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+    bound = pending.commit_timeout if left is None else min(left, pending.commit_timeout)
     concurrent.futures.wait([pending.write], timeout=bound)
     late = int(not pending.write.done() and bound < pending.commit_timeout)
-    group, world, _ = pending.prep.job
-    if world > 1 and dist.is_initialized():
-        late = collective.all_reduce_max([late], group)[0]
-    return not late
+    # The ranks met just now: each one's wait for its write ends within `most` seconds of that.
+    most = pending.commit_timeout if timeout is None else min(timeout, pending.commit_timeout)
+    return not _exchange(pending, "the background writes", late, most + limit)
+
+
+def arrival_limit(pending: PendingCommit) -> float:
+    """How long a rank waits for the others to come to the commit: the smaller of the saver's ``commit_timeout``
+    and the save's ``timeout`` (``timeout=``, else ``FUNCTIONAL_EMA_TIMEOUT``, else 600 s)."""
+    return min(pending.commit_timeout, pending.timeout)
+
+
+def _exchange(pending: PendingCommit, stage: str, word: int, bound: float) -> int:
+    """The maximum of ``word`` over the save's ranks, each waiting at most ``bound`` seconds on its own clock
+    (``collective.bounded_max``, in :func:`~functional_ema._checkpoint.collective.agree_on`'s message format: a
+    rank in another functional_ema verb learns that the verbs differ, as this one does)."""
+    prep = pending.prep
+    group, world, _ = prep.job
+    if world <= 1 or not dist.is_initialized():
+        return word
+    what = f"AsyncSaver commit ({stage})"
+    verb = collective.value_digest(what)
+    mine = torch.zeros(collective.AGREE_WORDS, dtype=torch.int64)
+    mine[:4] = torch.tensor([verb, -verb, 0, word], dtype=torch.int64)
+    side = collective.barrier_group(group, pending.timeout)
+    bound = round(bound, 3)  # as messages show it: a wait(timeout=1) that reached here after 3 us shows 1 s
+    t0 = time.monotonic()
+    try:
+        got = collective.bounded_max(side, bound, mine, (collective.AGREE_TAG, collective.AGREE_RELEASE_TAG)).tolist()
+    except RuntimeError as e:  # gloo reports a timeout, or a vanished peer, as RuntimeError (DistError)
+        raise _timed_out(pending, stage, bound, time.monotonic() - t0, e) from None
+    if got[0] != -got[1]:  # as agree_on: every rank names the call each rank made
+        called = collective.exchange((what, ""), side, world)
+        shown = ", ".join(f"rank {r}: {v}" for r, (v, _) in enumerate(called))
+        raise CheckpointMismatchError(
+            f"{what} of tag {prep.first['tag']!r}: the ranks called different collective verbs ({shown}); call "
+            "saver.wait() (or the next saver.save) on every rank at the same point"
+        )
+    return int(got[3])
+
+
+def _timed_out(pending: PendingCommit, stage: str, bound: float, waited: float, e: Exception) -> CheckpointTimeoutError:
+    """The error of a commit whose peers did not come: names the tag, the missing rank(s) (as this rank knows them:
+    rank 0 knows which, the others only that rank 0 did not release them), the limit and what sets it."""
+    prep = pending.prep
+    _, world, rank = prep.job
+    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return CheckpointTimeoutError(
+        f"AsyncSaver: the commit of the async save of tag {prep.first['tag']!r} (step {prep.first['step']}) into "
+        f"{prep.tag_dir}: rank {rank} waited {waited:.1f} s (limit {bound:g} s) at the commit's {stage} for the other "
+        f"ranks of its process group (world size {world}), and they did not come ({detail}). The commit of a "
+        "shared=False or URL save is collective: call saver.wait() (or handle.wait(), or the next saver.save) on every "
+        "rank, or leave the `with fe.AsyncSaver(...)` block on every rank. The wait for the others is the smaller of "
+        f"the saver's commit_timeout ({pending.commit_timeout:g} s) and the save's timeout ({pending.timeout:g} s: "
+        f"timeout=, else {collective.TIMEOUT_ENV}), or the wait's own timeout; after the ranks meet, add the time "
+        "each may still spend on its own write. Nothing of this save is committed: each folder's previous "
+        "checkpoint is intact. The process group may be unusable after this"
+    )
+
+
+def abandon_after_write(pending: PendingCommit) -> None:
+    """Remove this rank's new files of a failed save and release its locks, once its background write has ended
+    (at once if it has): removing them while the write goes on could leave a file behind, or free the tag for
+    another save while this one still writes into it. Best effort: a failure is logged."""
+
+    def abandon(_: object) -> None:
+        try:
+            pending.ops.abandon(pending.prep)
+        except Exception as e:  # noqa: BLE001 - a cleanup; the save's failure is the handle's error
+            logger.error("functional_ema: could not clean up the failed async save in %s: %s", pending.prep.tag_dir, e)
+
+    pending.write.add_done_callback(abandon)
 
 
 def commit(pending: PendingCommit) -> None:
@@ -227,7 +314,7 @@ def commit(pending: PendingCommit) -> None:
     group, world, rank = prep.job
     record: list[dict[str, Any]] = []
 
-    def outcome() -> None:
+    def outcome() -> dict[str, Any]:
         try:
             record.append(pending.write.result(timeout=0))  # written() waited up to commit_timeout
         except concurrent.futures.TimeoutError:
@@ -236,13 +323,16 @@ def commit(pending: PendingCommit) -> None:
                 f"not finish within commit_timeout={pending.commit_timeout:g} s. Nothing of it is committed; each "
                 "folder's previous checkpoint is intact"
             ) from None
+        return {}  # agree_on's record: no fields, only whether every rank's write succeeded
 
     error: BaseException | None = None
     try:
-        try:
-            collective.agree("async save (the background writes)", outcome, group, world, rank, results=False)
+        try:  # bounded: the ranks met in written() just now; one that vanished since must not hold the others
+            collective.agree_on(
+                "async save (the background writes)", outcome, (), group, world, rank, timeout=arrival_limit(pending)
+            )
         except BaseException:
-            pending.ops.abandon(prep)
+            abandon_after_write(pending)
             raise
         pending.ops.commit(prep, record[0], pending.timeout, "async save")
     except Exception as e:  # noqa: BLE001 - the save's failure, handed to the caller through the handle

@@ -66,11 +66,40 @@ def is_url(location: str | os.PathLike[str]) -> bool:
     return m is not None and m.group(1).lower() != "file"
 
 
+#: A relative path's first component that is a URL scheme and its colon (``s3:`` of ``s3:/bucket/run``), or that
+#: starts so (``s3:bucket``). A scheme of one letter is a Windows drive (``C:``), never refused.
+_SCHEME_PREFIX = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):([^/]*)")
+#: Schemes whose ``<scheme>:name`` (no slash at all) is refused too: fsspec's usual filesystems. Another word and a
+#: colon (``run:2``) may be a folder's name; a first component that is only ``<word>:`` is refused for any word.
+_KNOWN_SCHEMES = re.compile(r"s3a?|gc?s|az|abfss?|adl|memory|file|hf|https?|(?:web)?hdfs|s?ftp|ssh|oci|oss|dbfs")
+
+
+def refuse_mistyped_url(location: str) -> None:
+    """``ValueError`` when a local path looks like a URL missing a slash (``s3:/bucket/run``, ``s3:bucket/run``,
+    ``gs:/b/x``, ``file:/abs/dir``): ``Path`` would take it as a folder named ``s3:`` under the current directory,
+    and a save would write there, silently. Names the URL most likely meant; an absolute path is never refused."""
+    m = _SCHEME_PREFIX.match(location)
+    if m is None or _URL.match(location) or (m.group(2) and not _KNOWN_SCHEMES.fullmatch(m.group(1).lower())):
+        return
+    scheme, rest = m.group(1), location[m.end(1) + 1 :].lstrip("/")
+    meant = f"file:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+    shown = redact_url(meant)
+    given = f"{location!r}" if shown == meant else "the path given"  # a secret written into it stays out
+    first = location.split("/", 1)[0] if shown == meant else f"{scheme}:"
+    raise ValueError(
+        f"{given} looks like a URL missing a slash, not a local path (a path would name a folder {first!r} under the "
+        f"current directory): write {shown!r}; for a local folder or file of that name, give its absolute path"
+    )
+
+
 def file_url_path(location: str) -> str | None:
     """The local path a ``file://`` URL names (``file:///abs/dir`` or ``file://localhost/abs/dir``: ``/abs/dir``,
     percent-escapes decoded); ``None`` when ``location`` is not a ``file://`` URL. ``ValueError`` for one that
-    names another host (``file://dir/x``: two slashes) or carries a query or fragment: nothing local to use."""
+    names another host (``file://dir/x``: two slashes) or carries a query or fragment: nothing local to use; and
+    for a path that looks like a URL missing a slash (:func:`refuse_mistyped_url`): every local path argument
+    reaches here (``_args.check_path``), so no verb makes a folder ``s3:`` of a mistyped URL."""
     if location[:7].lower() != "file://":
+        refuse_mistyped_url(location)
         return None
     parts = urllib.parse.urlsplit(location)
     if parts.netloc not in ("", "localhost") or parts.query or parts.fragment or not parts.path.startswith("/"):

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -978,10 +979,14 @@ def test_saver_as_context_manager(tmp_path, monkeypatch, caplog):
             saver.save(state, model, tmp_path, "bad")
         assert str(e.value) == ENOSPC
         caplog.clear()
-        with pytest.raises(KeyError), fe.AsyncSaver() as saver:  # already failing: the save's failure is logged
+        with pytest.raises(KeyError) as k, fe.AsyncSaver() as saver:  # already failing: the failure is logged
             h = saver.save(state, model, tmp_path, "bad2")
             raise KeyError("body")
     assert h.done() and str(h.exception()) == ENOSPC
+    if sys.version_info >= (3, 11):  # and added to the block's own exception (raised as it was)
+        assert k.value.args == ("body",) and k.value.__notes__ == [
+            f"functional_ema: leaving the `with fe.AsyncSaver()` block, its saves failed: OSError: {ENOSPC}"
+        ]
     assert f"functional_ema: async EMA save failed: {ENOSPC}" in [r.getMessage() for r in caplog.records]
 
 
@@ -1287,15 +1292,24 @@ def test_remote_error_is_read_from_this_saves_error_marker(tmp_path):
 
 
 def test_remove_markers_removes_every_saves_markers_and_syncs_the_folder(tmp_path, monkeypatch):
+    """Every save's markers (and a crashed write's temporary marker) go; a user's file whose name only starts like
+    one stays (``ema_async.log`` was deleted once)."""
     from functional_ema import _async, _io
 
     synced = []
     monkeypatch.setattr(_io, "fsync_dir", synced.append)
-    names = ["ema_async.aa.rank00001.done", "ema_async.bb.rank00000.error", "ema_manifest.json", "x.safetensors"]
-    for n in names:
+    ours = [
+        _async._marker("0123456789abcdef", 1, "done"),
+        _async._marker("fedcba9876543210", 0, "error"),
+        _async._marker("00000000000000aa", 123456, "done"),
+        _io.tmp_name(tmp_path / _async._marker("0123456789abcdef", 2, "done")).name,
+    ]
+    users = ["ema_async.log", "ema_async_notes.txt", "ema_async.aa.rank00001.done", "ema_async.0123456789abcdef.txt"]
+    for n in [*ours, *users, "ema_manifest.json", "x.safetensors"]:
         (tmp_path / n).write_text("{}")
     _async._remove_markers(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["ema_manifest.json", "x.safetensors"] and synced == [tmp_path]
+    assert sorted(os.listdir(tmp_path)) == sorted([*users, "ema_manifest.json", "x.safetensors"])
+    assert synced == [tmp_path]
     _async._remove_markers(tmp_path)  # nothing to remove: no sync
     assert synced == [tmp_path]
 
@@ -1689,6 +1703,106 @@ def test_async_ranks_private_folders(tmp_path):
     assert [r["g_exists"] for r in res] == [False, False]
 
 
+def peer_missing_worker(root: str) -> dict:
+    """A private async save whose commit a peer does not come to. Two DDP models on two gloo groups of their own (a
+    bounded wait that times out closes its group's connections), the world group between the cases.
+
+    * ``exit``: rank 0 leaves ``with fe.AsyncSaver(commit_timeout=2)`` on an exception while rank 1 is busy for 5 s
+      (still training): rank 0's commit waits 2 s for rank 1 (it waited in an all-reduce until rank 1 came, and would
+      until gloo's 30 min timeout had rank 1 been in another collective), then its own exception leaves the block,
+      the save's failure in a note. Rank 1's commit then fails at once.
+    * ``wait``: rank 0's ``handle.wait(timeout=1)`` while rank 1 comes 4 s later (it returned only then)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import functional_ema as fe
+
+    rank, base, out = dist.get_rank(), Path(root), {}
+    own = base / f"own{rank}"
+    groups = [dist.new_group(backend="gloo") for _ in range(2)]
+
+    def setup(group, tag: str):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3), process_group=group)
+        state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.5)
+        fe.save(state, model, own, tag, decay=0.5, shared=False)  # the previous checkpoint, complete
+        with torch.no_grad():
+            for t in model.parameters():
+                t.add_(1.0)
+        return model, fe.update(state, fe.local_shards(model), 2, decay=0.5)
+
+    model, state = setup(groups[0], "t")
+    t0 = time.monotonic()
+    try:
+        with fe.AsyncSaver(commit_timeout=2) as saver:
+            saver.save(state, model, own, "t", decay=0.5, shared=False)
+            if rank == 0:
+                raise RuntimeError("boom on rank 0")
+            time.sleep(5)  # rank 1 trains on
+    except Exception as e:  # noqa: BLE001
+        out["exit"] = [type(e).__name__, str(e), list(getattr(e, "__notes__", [])), time.monotonic() - t0]
+    out["exit_files"] = sorted(os.listdir(own / "t"))
+    dist.barrier()
+
+    model, state = setup(groups[1], "w")
+    saver = fe.AsyncSaver(commit_timeout=60)
+    h = saver.save(state, model, own, "u", decay=0.5, shared=False)
+    if rank == 1:
+        time.sleep(4)
+    t0 = time.monotonic()
+    out["wait"] = [*(error_of(lambda: h.wait(timeout=1)) or []), time.monotonic() - t0]
+    out["saver_wait"] = error_of(saver.wait)  # raised already by the handle's wait
+    out["wait_files"] = sorted(os.listdir(own / "u"))
+    dist.barrier()
+    return json.loads(json.dumps(out))
+
+
+def test_async_ranks_private_commit_whose_peer_never_comes(tmp_path):
+    """A private async save's commit is bounded: a rank whose peer does not come raises ``CheckpointTimeoutError``
+    (a ``TimeoutError``) naming the tag, the missing rank and the limit, after the limit (``commit_timeout``, or the
+    wait's timeout); an exception leaving the ``with`` block is raised as it is, the failure in a note. Nothing is
+    committed: the tag's previous checkpoint consolidates to its state, bitwise; the new files are removed."""
+    import torch
+
+    import functional_ema as fe
+
+    res = run_ranks(
+        "tests.test_async_save:peer_missing_worker",
+        world_size=2,
+        timeout=120,
+        env={"FE_DIST_INIT": "torch"},
+        root=str(tmp_path),
+    )
+    name, msg, notes, took = res[0]["exit"]
+    assert (name, msg) == ("RuntimeError", "boom on rank 0") and 1.9 < took < 4.5, res[0]["exit"]
+    (note,) = notes
+    assert note.startswith("functional_ema: leaving the `with fe.AsyncSaver()` block, its saves failed: ")
+    assert "CheckpointTimeoutError: AsyncSaver: the commit of the async save of tag 't' (step 2)" in note, note
+    assert "rank(s) [1] of the group did not arrive within 2 s" in note and "(limit 2 s)" in note, note
+    assert "commit_timeout (2 s)" in note and "previous checkpoint is intact" in note, note
+    name, msg, notes, took = res[1]["exit"]  # rank 1 came late: its commit failed at once (no peer)
+    assert name == "CheckpointTimeoutError" and "of tag 't' (step 2)" in msg and took < 8, res[1]["exit"]
+
+    name, msg, mro, took = res[0]["wait"]
+    assert name == "CheckpointTimeoutError" and "TimeoutError" in mro and 0.9 < took < 3, res[0]["wait"]
+    assert "of tag 'u' (step 2)" in msg and "rank(s) [1] of the group did not arrive within 1 s" in msg, msg
+    assert res[1]["wait"][0] == "CheckpointTimeoutError" and res[1]["wait"][-1] < 3, res[1]["wait"]
+    assert [r["saver_wait"] for r in res] == [None, None]
+
+    # Nothing committed, the new files gone: t is the first save's (rank 0 holds the replicated model's pieces, each
+    # folder the manifest), u has no checkpoint.
+    assert [r["exit_files"] for r in res] == [["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]] * 2, res
+    assert [r["wait_files"] for r in res] == [[], []], res
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    want = {n: 0.5 * t.detach() + 0.5 * t.detach() for n, t in model.named_parameters()}  # step 1 from the weights
+    for r in range(2):
+        got = fe.consolidate(tmp_path / f"own{r}", "t")
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_private_save_of_one_process_commits_at_wait(tmp_path):
     """``shared=False`` without a process group: the file is written in the background, the manifest only at the
     commit (the handle's ``wait``, or the saver's next save or ``wait``); what loads is the state at the call."""
@@ -1836,6 +1950,49 @@ def test_save_of_a_tag_pending_in_a_private_async_save_is_refused_at_once(tmp_pa
     at_again = [{n: t.clone() for n, t in e.items()} for e in state.emas]
     fe.save(state, model, tmp_path, "t", shared=False, timeout=30)
     assert _same_trees(list(fe.load(model, tmp_path, "t").emas), at_again)
+
+
+def test_a_failure_before_the_background_write_reaches_wait_and_frees_the_tag(tmp_path, monkeypatch):
+    """An exception of the background job before its file write (``writer.save_files``: e.g. a leftover manifest it
+    cannot plan from) reaches ``wait`` and releases the tag's lock: it died in the executor once, the handle never
+    finished (``wait()`` blocked forever) and the tag stayed locked. The previous checkpoint still loads, and the tag
+    saves again."""
+    import functional_ema as fe
+    from functional_ema._checkpoint import writer
+
+    model = _model()
+    state = _state(model)
+    at_t = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    fe.save(state, model, tmp_path, "t", decay=[0.9, 0.99])
+    real = writer.save_files
+
+    def fails_in_the_background(*args, **kwargs):
+        if threading.current_thread().name.startswith("fe_async_save"):
+            raise RuntimeError("injected: save_files in the background")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "save_files", fails_in_the_background)
+    _bump([t for e in state.emas for t in e.values()])
+    saver = fe.AsyncSaver()
+    h = saver.save(state, model, tmp_path, "t", decay=[0.9, 0.99])
+    with pytest.raises(RuntimeError, match=r"^injected: save_files in the background$"):
+        h.wait(timeout=20)
+    assert h.done() and isinstance(h.exception(), RuntimeError)
+    monkeypatch.undo()
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), at_t)
+    assert sorted(os.listdir(tmp_path / "t")) == sorted(
+        ["ema_manifest.json", "ema_rank_00000_of_00001.safetensors", _async_marker(h, "error")]
+    )
+    t0 = time.monotonic()
+    at_again = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    fe.save(state, model, tmp_path, "t", decay=[0.9, 0.99], timeout=5)  # the tag's lock is free
+    assert time.monotonic() - t0 < 5 and _same_trees(list(fe.load(model, tmp_path, "t").emas), at_again)
+
+
+def _async_marker(handle, kind: str) -> str:
+    """The one marker of ``kind`` in the handle's tag folder."""
+    (name,) = [n for n in os.listdir(handle.tag_dir) if n.startswith("ema_async.") and n.endswith(f".{kind}")]
+    return name
 
 
 def test_handle_wait_of_a_private_save_honours_its_timeout(tmp_path, monkeypatch):

@@ -1,12 +1,18 @@
-"""A rank that ends with an async EMA write in flight (``fe.AsyncSaver``) leaves a complete checkpoint.
+"""A rank that ends with an async EMA write in flight (``fe.AsyncSaver``): into a shared folder, it leaves a
+complete checkpoint; with ``shared=False`` or to a URL (committed only by a collective call), it leaves the save
+uncommitted, and says so.
 
-* A script that exits normally (a real interpreter exit) right after ``AsyncSaver.save``: Python
-  joins the writer threads at exit, so the write finishes and the manifest is committed.
+* A script that exits normally (a real interpreter exit) right after ``AsyncSaver.save`` into a shared folder:
+  Python joins the writer threads at exit, so the write finishes and the manifest is committed.
 * A rank of the test harness (``run_ranks``), which ends with ``os._exit``: the harness waits for
   the rank's saves first (``functional_ema._testing.multirank._finish_async_saves``), as a real exit would.
+* A ``shared=False`` save awaiting its commit when the script ends (rank 0 normally, rank 1 on an uncaught
+  exception): the commit is collective, which cannot run at exit (the ranks exit at different times, a crashed
+  one never); each rank warns (log and ``warnings``) naming the tag, its folder and the fix (``saver.wait()``),
+  and the tag's previous checkpoint stays the complete one.
 
-Both: 2 ranks, gloo, a DDP model (no DeepSpeed: its native threads sometimes abort at interpreter
-teardown), rank 0's file write held back ``DELAY`` seconds by a test-only hook, so that the write
+All: 2 ranks, gloo, a DDP model (no DeepSpeed: its native threads sometimes abort at interpreter
+teardown). The first two: rank 0's file write held back ``DELAY`` seconds by a test-only hook, so that the write
 is really in flight when the rank's last line runs: each rank records there that the manifest did
 not exist yet and its save was not done. From the parent: the manifest reads and the consolidated
 EMA equals the state that was saved, bitwise.
@@ -119,3 +125,64 @@ def test_harness_rank_waits_for_async_save(tmp_path):
     )
     assert [r["save_done"] for r in res] == [False, False], res
     _check_complete(out)
+
+
+def private_save_and_end(out: str):
+    """A complete private save of tag ``ema``, then an async private save of it (step 2) that nobody waits for;
+    rank 1 then raises. Returns the saver (kept alive until exit by the script)."""
+    import torch.distributed as dist
+
+    import functional_ema as fe
+
+    rank, own = dist.get_rank(), Path(out) / f"own{dist.get_rank()}"
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+    state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.5)
+    fe.save(state, model, own, TAG, decay=0.5, shared=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    state = fe.update(state, fe.local_shards(model), 2, decay=0.5)
+    saver = fe.AsyncSaver()
+    saver.save(state, model, own, TAG, decay=0.5, shared=False)
+    saver._pending[0].write.result(timeout=60)  # written, not committed
+    if rank == 1:
+        raise RuntimeError("rank 1 ends on an uncaught exception")
+    return saver
+
+
+# As SCRIPT, but the os._exit handler registered first, so that it runs last: after the exit handler of
+# weakref.finalize (which torch's import may register), where the saver's check runs.
+PRIVATE_SCRIPT = (
+    "import atexit, os, sys; atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0))); "
+    "import torch.distributed as dist; dist.init_process_group('gloo'); "
+    "from tests.test_exit import private_save_and_end; saver = private_save_and_end(sys.argv[1])"
+)
+
+
+def test_exit_with_a_private_save_awaiting_its_commit_warns_and_keeps_the_previous_checkpoint(tmp_path):
+    """It left the save uncommitted silently (``ema_latest`` naming the old save, the new files beside it, nothing
+    said). Now each rank warns at exit; the tag's previous checkpoint is untouched and consolidates to the step-1
+    EMA, bitwise."""
+    import functional_ema as fe
+
+    procs, logs = spawn_ranks([sys.executable, "-c", PRIVATE_SCRIPT, str(tmp_path)], 2, tmp_path)
+    wait_ranks(procs, logs, "a script exiting with a private async save awaiting its commit", timeout=120)
+    for rank, log in enumerate(logs):
+        text = log.read_text()
+        own = tmp_path / f"own{rank}"
+        said = (
+            f"functional_ema: the async EMA save of step 2 into {own / TAG} (tag {TAG!r}) was never committed: the "
+            "process is ending"
+        )
+        assert text.count(said) == 2, text[-4000:]  # the log record and the warning
+        assert "RuntimeWarning" in text and "Call saver.wait() on every rank before exiting" in text, text[-4000:]
+        assert ("rank 1 ends on an uncaught exception" in text) == (rank == 1), text[-4000:]
+        assert (own / "ema_latest").read_text() == f"{TAG}\n"
+        assert fe.checkpoint.read_manifest(own, TAG)["step"] == 1
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    want = {n: t.detach().clone() for n, t in model.named_parameters()}  # step 1 from init: the weights
+    for rank in range(2):
+        got = fe.consolidate(tmp_path / f"own{rank}", TAG)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)

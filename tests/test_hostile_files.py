@@ -89,13 +89,38 @@ def _online_loads(x: Any, cases: Path) -> dict[str, str]:
     return out
 
 
+#: A user's files in a tag folder, named like the library's files or their temporaries (``.tmp-``) but none of them:
+#: put there before a layout's first save, they are left as they are by it and by the re-save of the tag (whose
+#: cleanup removes older generations and crashed saves' temporary files by their exact names only); the
+#: ``user look-alike`` row then attacks them (the readers must read past them).
+USER_LOOKALIKES = (
+    "ema_notes.tmp-backup",
+    "buffers_of_mine.tmp-1",
+    "ema_manifest.json.tmp-copy",
+    "ema_latest.tmp-x",
+    "ema_rank_00000_of_00002.safetensors.tmp-1-aa",
+)
+
+
 def _save_twice(
-    root: Path, save: Callable[[Path], Any], advance: Callable[[], None], x: Any = None, online: Path | None = None
+    root: Path,
+    save: Callable[[Path], Any],
+    advance: Callable[[], None],
+    x: Any = None,
+    online: Path | None = None,
+    user_files: bool = True,
 ) -> dict[str, str]:
     """``save(dir)`` into ``root/ck``; copied to ``root/older`` (and a DCP folder beside it to ``root/older_dcp``)
-    by rank 0; ``advance()``; saved again. With ``online``: then the online loads of ``online/<layout>``."""
+    by rank 0; ``advance()``; saved again. With ``online``: then the online loads of ``online/<layout>``.
+    ``user_files``: rank 0 first puts :data:`USER_LOOKALIKES` into the tag folder; both saves must leave them."""
     import torch.distributed as dist
 
+    user = {root / "ck" / TAG / name: f"{name}: a user's notes\n".encode() for name in USER_LOOKALIKES}
+    if user_files and dist.get_rank() == 0:
+        (root / "ck" / TAG).mkdir(parents=True)
+        for path, data in user.items():
+            path.write_bytes(data)
+    dist.barrier()
     save(root / "ck")
     dist.barrier()
     if dist.get_rank() == 0:
@@ -106,6 +131,9 @@ def _save_twice(
     advance()
     save(root / "ck")
     dist.barrier()
+    if user_files:
+        left = {path.name: path.read_bytes() if path.is_file() else None for path in user}
+        assert left == {path.name: data for path, data in user.items()}, f"a save removed a user's files: {left}"
     return _online_loads(x, online / root.name) if online is not None and (online / root.name).is_dir() else {}
 
 
@@ -310,7 +338,10 @@ def fsdp_builder(root: str, online: str | None = None) -> dict:
                 dcp.save({"ema": fe.dcp.EMAStateful(model, run.state)}, checkpoint_id=str(d.parent / "dcp" / d.name))
 
         advance()
-        loads[layout] = _save_twice(base / layout, save, advance, model, Path(online) if online else None)
+        # private: the merged folder is made anew from the ranks' own folders after each save (no user files)
+        loads[layout] = _save_twice(
+            base / layout, save, advance, model, Path(online) if online else None, user_files=layout != "private"
+        )
         times[layout] = time.monotonic() - t0
     return {"times": times, "loads": loads}
 
@@ -685,6 +716,8 @@ FILE_KINDS: dict[str, FileKind] = {
         r"^(ema|lora|unet)\.safetensors$", ("export file>like_sharded", "export lora", "export unet")
     ),
     "posthoc output": FileKind(r"^posthoc\.safetensors$", ("export posthoc>like",)),
+    # A user's files named like the library's (USER_LOOKALIKES), kept by the saves: never read, whatever they hold.
+    "user look-alike": FileKind(rf"^ck/{TAG}/({'|'.join(map(re.escape, USER_LOOKALIKES))})$", _CKPT),
 }
 # Written, never read as data: the write lock of a tag (an empty file, only ``flock``-ed); the older saves are
 # this test's own copies, and so are the hf layout's references (``ref/``: what its oracle compares with).

@@ -229,6 +229,8 @@ NOT_ATTACKED: dict[str, str] = {
             "on_train_begin",
             "on_pre_optimizer_step",
             "on_step_end",
+            "on_epoch_end",
+            "on_log",
             "on_save",
             "on_evaluate",
             "on_train_end",

@@ -119,6 +119,13 @@ def test_locations_and_arguments() -> None:
     urls, paths = ("s3://b/p", "memory://x", "gs://b"), ("file:///tmp/x", "/tmp/x", "rel/x")
     assert all(is_url(x) for x in urls) and not any(is_url(x) for x in paths)
     assert is_url(Path("s3:/x")) is False
+    for typo, meant in (("s3:/b/x", "s3://b/x"), ("gs:b", "gs://b"), ("file:/tmp/x", "file:///tmp/x")):
+        with pytest.raises(ValueError) as e:  # a URL missing a slash: no local folder "s3:" is made of it
+            storage_for(typo)
+        assert f"write {meant!r}" in str(e.value) and str(e.value).startswith(f"{typo!r} looks like a URL"), str(
+            e.value
+        )
+    assert isinstance(storage_for("run:2/x"), LocalStorage) and isinstance(storage_for("C:/x"), LocalStorage)
     assert isinstance(storage_for("/tmp/x"), LocalStorage) and storage_for("file:///tmp/x").location == "/tmp/x"
     assert isinstance(storage_for("memory://fe-test/x"), FsspecStorage)
     with pytest.raises(TypeError) as e:

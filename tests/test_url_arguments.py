@@ -67,7 +67,73 @@ def test_check_path_refuses_a_url_naming_the_argument() -> None:
     assert str(e.value) == "where takes a local path, got the fsspec URL 'gs://b/x': fe.load reads a URL"
     # local paths as before: relative, absolute, a file:// name is no fsspec URL (is_url's rule)
     assert check_path("a/b", "p") == Path("a/b") and check_path(Path("/x/y"), "p") == Path("/x/y")
-    assert check_path("s3:/bucket/x", "p") == Path("s3:/bucket/x")  # one slash: a local name, as given
+    assert check_path("C:/x", "p") == Path("C:/x")  # a one-letter "scheme" is a Windows drive, not a URL
+    assert check_path("/abs/s3:/bucket/x", "p") == Path("/abs/s3:/bucket/x")  # a local "s3:" folder, named whole
+
+
+def _mistyped(what: str, given: str, meant: str, first: str) -> str:
+    return (
+        f"{what}: {given!r} looks like a URL missing a slash, not a local path (a path would name a folder {first!r} "
+        f"under the current directory): write {meant!r}; for a local folder or file of that name, give its absolute path"
+    )
+
+
+#: A URL missing a slash (or both) where a location or a path is taken: (argument, the call with ``bad``, bad, the
+#: URL it names, the folder ``Path`` would have made of it). Every verb refuses it naming the argument and the URL
+#: meant: it was a local folder ``s3:`` (``s3:bucket``, ``gs:``) under the current directory, saved into silently.
+MISTYPED_URLS: list[tuple[str, Any, str, str, str]] = [
+    ("save_dir", lambda m, s, bad: fe.save(s, m, bad, "t"), "s3:/bucket/run", "s3://bucket/run", "s3:"),
+    ("save_dir", lambda m, s, bad: fe.save(s, m, bad, "t"), "s3:bucket/run", "s3://bucket/run", "s3:bucket"),
+    ("save_dir", lambda m, s, bad: fe.save(s, m, bad, "t"), "gs:/bucket/run", "gs://bucket/run", "gs:"),
+    ("save_dir", lambda m, s, bad: fe.save(s, m, bad, "t", shared=False), "S3:/b/run", "S3://b/run", "S3:"),
+    ("save_dir", lambda m, s, bad: fe.save(s, m, Path(bad), "t"), "s3://b/run", "s3://b/run", "s3:"),  # Path()-ed
+    ("save_dir", lambda m, s, bad: fe.save(s, m, bad, "t"), "file:/abs/dir", "file:///abs/dir", "file:"),
+    ("save_dir", lambda m, s, bad: fe.save(s, m, bad, "t"), "memory:bucket", "memory://bucket", "memory:bucket"),
+    ("save_dir", lambda m, s, bad: fe.AsyncSaver().save(s, m, bad, "t"), "az:/c/run", "az://c/run", "az:"),
+    ("load_dir", lambda m, s, bad: fe.load(m, bad, "t"), "s3:/bucket/run", "s3://bucket/run", "s3:"),
+    ("checkpoint_dir", lambda m, s, bad: fe.consolidate(bad, "t"), "s3:/b/run", "s3://b/run", "s3:"),
+    ("checkpoint_dir", lambda m, s, bad: saved_parts(bad, "t"), "s3:/b/run", "s3://b/run", "s3:"),
+    ("checkpoint_dir", lambda m, s, bad: read_manifest(bad, "t"), "s3:/b/run", "s3://b/run", "s3:"),
+    (
+        "out_path",
+        lambda m, s, bad: fe.consolidate_to_file("ck", bad, "t"),
+        "s3:/b/e.safetensors",
+        "s3://b/e.safetensors",
+        "s3:",
+    ),
+    ("snapshot_dir", lambda m, s, bad: ph.list_snapshots(bad), "gs:/b/snaps", "gs://b/snaps", "gs:"),
+    ("source (SOURCE)", lambda m, s, bad: fx.to_hf(bad, "hf", "like"), "s3:/b/run", "s3://b/run", "s3:"),
+]
+
+
+def test_a_url_missing_a_slash_is_refused_naming_the_url_meant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row of MISTYPED_URLS is refused before anything is read or written (no folder ending in ':' appears);
+    the command line too. A relative name with a colon that is no scheme's (``run:2``), a drive letter (``C:``) and
+    an absolute path holding ``s3:`` are local folders, as before."""
+    from functional_ema.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    m = torch.nn.Linear(3, 2)
+    state = fe.update(fe.init_ema(fe.local_shards(m)), fe.local_shards(m), 1, decay=0.5)
+    for what, call, bad, meant, first in MISTYPED_URLS:
+        with pytest.raises(ValueError) as e:
+            call(m, state, bad)
+        assert str(e.value) == _mistyped(what, str(Path(bad)) if "//" in bad else bad, meant, first), (what, bad)
+    with pytest.raises(ValueError) as e:  # a secret written into it never reaches the message
+        fe.save(state, m, "s3:/KEY:SECRET@b/run")
+    assert "SECRET" not in str(e.value) and "'s3://***@b/run'" in str(e.value), str(e.value)
+    assert main(["export", "s3:/b/run", "hf", "--like", "like"]) == 2
+    for argv in (  # the other commands: a usage error naming the argument, exit 2, no traceback
+        ["consolidate", "s3:/b/run", "out.safetensors"],
+        ["consolidate", "ck", "gs:/b/out.safetensors"],
+        ["posthoc", "s3:/b/snaps", "out.safetensors", "--sigma-rel", "0.1"],
+    ):
+        assert main(argv) == 2, argv
+    _no_s3_folder(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    for local in ("run:2/x", "C:/x", str(tmp_path / "s3:" / "b")):
+        assert fe.save(state, m, local, "t") == Path(local) / "t"
+        assert torch.equal(fe.load(m, local, "t").emas[0]["weight"], state.emas[0]["weight"])
 
 
 def _checkpoint(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import struct
 import threading
@@ -34,7 +35,12 @@ import xxhash
 import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._checkpoint import writer
-from functional_ema._checkpoint.errors import CheckpointError, CheckpointIOError, CheckpointMismatchError
+from functional_ema._checkpoint.errors import (
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+)
 from functional_ema._checkpoint.format import FORMAT_VERSION, LATEST_NAME, LOCK_NAME, MANIFEST_NAME, MAX_EXTRA_BYTES
 from functional_ema._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from functional_ema._state import EmaState
@@ -241,6 +247,102 @@ def test_read_generation(tmp_path: Path) -> None:
     assert writer.read_generation(tmp_path) == 5
     (tmp_path / MANIFEST_NAME).write_text("{not json")
     assert writer.read_generation(tmp_path) == 0
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"generation": 2**62 - 1}))
+    assert writer.read_generation(tmp_path) == 2**62  # the last generation a save may write
+    for bad in (2**62, 2**63 - 1, 2**70, -1):
+        (tmp_path / MANIFEST_NAME).write_text(json.dumps({"generation": bad}))
+        with pytest.raises(CorruptCheckpointError) as e:
+            writer.read_generation(tmp_path)
+        assert str(e.value) == _no_next_generation(tmp_path, bad)
+
+
+def _no_next_generation(tag_dir: Path, generation: int) -> str:
+    """The refusal of a save over a manifest naming ``generation``, which no save can follow."""
+    return (
+        f"{tag_dir / MANIFEST_NAME}: the manifest of tag {tag_dir.name!r} names generation {generation}, outside "
+        "[0, 2**62 - 1]: a save writes one generation more, and no checkpoint may name one above 2**62 "
+        f"(4611686018427387904). The manifest is damaged or was edited (no load reads it). Nothing was written: remove "
+        f"the damaged tag folder {tag_dir} (or restore its manifest from a copy), or save under another tag"
+    )
+
+
+def _forge_generation(manifest: Path, generation: int) -> None:
+    doc = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(dict(doc, generation=generation)))
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_generation_no_save_can_follow_is_refused_before_writing(tmp_path: Path) -> None:
+    """A tag whose manifest names a generation at or above 2**62 (a damaged or forged leftover): every save verb
+    (blocking, async, ``shared=False``) refuses it with a CorruptCheckpointError naming the manifest, the tag, the
+    value and the limit, before writing anything (the folder and ``ema_latest`` bytewise unchanged). One below the
+    limit: the save writes generation 2**62, which loads back bitwise (the reader's bound is the writer's); one above
+    it is refused by the reader, which states the bound."""
+    model = torch.nn.Linear(4, 3)
+    shards = fe.local_shards(model)
+    state = fe.update(fe.init_ema(shards), {n: t + 1 for n, t in shards.items()}, 1, decay=0.5)
+    ck, tag_dir = tmp_path / "ck", tmp_path / "ck" / "t"
+    for generation in (2**62, 2**63 - 1, 2**64):
+        fe.save(state, model, ck, "t")
+        _forge_generation(tag_dir / MANIFEST_NAME, generation)
+        before = _snapshot(ck)
+        for verb in ("save", "async", "private"):
+            with pytest.raises(CorruptCheckpointError) as e:
+                if verb == "async":
+                    fe.AsyncSaver().save(state, model, ck, "t").wait()
+                else:
+                    fe.save(state, model, ck, "t", shared=verb == "save")
+            assert str(e.value) == _no_next_generation(tag_dir, generation), verb
+            assert _snapshot(ck) == before, verb
+        if generation > 2**62:
+            with pytest.raises(CorruptCheckpointError) as e:
+                fe.load(model, ck, "t")
+            assert str(e.value) == (
+                f"{tag_dir / MANIFEST_NAME}: field 'generation' must be at most 2**62 (4611686018427387904), the "
+                f"largest a save writes, got int {generation}. The manifest is damaged or was edited: restore it from "
+                "a copy or load another tag"
+            )
+        (tag_dir / MANIFEST_NAME).unlink()
+    fe.save(state, model, ck, "t")
+    _forge_generation(tag_dir / MANIFEST_NAME, 2**62 - 1)
+    assert fe.save(state, model, ck, "t") == tag_dir
+    assert json.loads((tag_dir / MANIFEST_NAME).read_text())["generation"] == 2**62
+    assert sorted(os.listdir(tag_dir)) == [MANIFEST_NAME, f"ema_rank_00000_of_00001.gen{2**62}.safetensors"]
+    loaded = fe.load(model, ck, "t")
+    assert all(torch.equal(loaded.emas[0][n], state.emas[0][n]) for n in shards) and int(loaded.step) == 1
+
+
+def test_a_generation_no_save_can_follow_is_refused_at_a_url() -> None:
+    """The same at a URL (``memory://``): the generation a save picks from the manifest (or file names) is checked
+    inside the plan's agreement, before any file is uploaded; the store holds what it held (no marker left)."""
+    import fsspec
+
+    model = torch.nn.Linear(4, 3)
+    state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.5)
+    fs = fsspec.filesystem("memory")
+    for i, generation in enumerate((2**62, 2**63 - 1)):
+        url = f"memory://fe-writer-generation-{i}/ck"
+        fe.save(state, model, url, "t")
+        path = f"/fe-writer-generation-{i}/ck/t/{MANIFEST_NAME}"
+        fs.pipe(path, json.dumps(dict(json.loads(fs.cat(path)), generation=generation)).encode())
+        before = {p: fs.cat(p) for p in fs.find(f"/fe-writer-generation-{i}")}
+        for verb in ("save", "async save"):
+            with pytest.raises(CorruptCheckpointError) as e:
+                if verb == "async save":
+                    fe.AsyncSaver().save(state, model, url, "t").wait()
+                else:
+                    fe.save(state, model, url, "t")
+            assert str(e.value) == (
+                f"{verb} (checking the state): tag 't': the next save would write generation {generation + 1}, above "
+                "2**62 (4611686018427387904), the largest a checkpoint may name: the tag's manifest or file names "
+                "claim one no save can follow (damaged or edited). Nothing was written: remove the damaged tag, or "
+                "save under another tag"
+            )
+            assert {p: fs.cat(p) for p in fs.find(f"/fe-writer-generation-{i}")} == before, verb
+        fs.rm(f"/fe-writer-generation-{i}", recursive=True)
 
 
 # ------------------------------------------------------------------------- a rank's files
@@ -525,24 +627,37 @@ def test_build_manifest_refuses_ranks_that_describe_a_part_differently(tmp_path:
 
 def test_commit_manifest_then_cleanup(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The commit writes the manifest (indented JSON) and the ``ema_latest`` pointer, then removes the older
-    generations' files and the temporary files of crashed saves, and nothing else (another library's files,
-    files named almost like its own, the lock); a stale entry it cannot remove is logged."""
+    generations' files and the temporary files of crashed saves (their exact names: a file's name and the suffix
+    ``_io.tmp_name`` gives it), and nothing else (another library's files, a user's files named almost like its
+    own or like its temporaries, the lock); a stale entry it cannot remove is logged."""
+    from functional_ema import _io
+
     tag_dir = tmp_path / "t"
     tag_dir.mkdir()
     stale = [
         "ema_rank_00000_of_00002.safetensors",  # generation 0, replaced by generation 1
         "buffers_rank_00001_of_00002.safetensors",
         "ema_rank_00003_of_00004.gen5.safetensors",  # another world size
-        "ema_rank_00000_of_00002.gen1.safetensors.tmp-123-abcdef",  # crashed saves' temporary files
-        "buffers_rank_00000_of_00002.safetensors.tmp-1-aa",
-        f"{MANIFEST_NAME}.tmp-9-ff",
+        _io.tmp_name("ema_rank_00000_of_00002.gen1.safetensors").name,  # crashed saves' temporary files
+        "buffers_rank_00000_of_00002.safetensors.tmp-1-0123456789ab",
+        f"{MANIFEST_NAME}.tmp-9-ffffffffffff",
+        f"{MANIFEST_NAME}.pending.tmp-9-ffffffffffff",
+        "ema_rank_00001_of_00002.safetensors.tmp-77",  # an older release's (no per-write token)
     ]
     kept = [
         "mp_rank_00_model_states.pt",
-        "mp_rank_00_model_states.pt.tmp-5-aa",  # DeepSpeed's own temporary file
+        "mp_rank_00_model_states.pt.tmp-5-aaaaaaaaaaaa",  # DeepSpeed's own temporary file
         "ema_rank_notes.txt",
         "zero_to_fp32.py",
         LOCK_NAME,
+        # a user's files that only look like the library's temporaries
+        "ema_notes.tmp-backup",
+        "buffers_of_mine.tmp-1",
+        f"{MANIFEST_NAME}.tmp-copy",
+        f"{MANIFEST_NAME}.tmp-1-aa",
+        "ema_latest.tmp-x",
+        "ema_rank_00000_of_00002.safetensors.tmp-1-0123456789ab.bak",
+        "ema_rank_00000_of_00002.safetensors.tmp-1-ABCDEF012345",
     ]
     for name in stale + kept:
         (tag_dir / name).write_bytes(b"x")
@@ -1013,14 +1128,60 @@ def _shared(rank: int, root: Path) -> dict[str, Any]:
     return out
 
 
+def _forged_generation(rank: int, root: Path) -> dict[str, Any]:
+    """A DDP model's tag whose manifest rank 0 edits to a generation no save can follow (2**62, 2**63 - 1: the
+    latter no int64 holds once one is added): each save verb, the seconds it took and what it left; then the process
+    group still serves a save and a load of another tag (its EMA returned for a bitwise check)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+    shards = fe.local_shards(model)
+    state = fe.update(fe.init_ema(shards), {n: t * 2 for n, t in shards.items()}, 1, decay=0.5)
+    ck, out = root / "forged", {}
+    for generation in (2**62, 2**63 - 1):
+        fe.save(state, model, ck, "t")
+        if rank == 0:
+            _forge_generation(ck / "t" / MANIFEST_NAME, generation)
+        dist.barrier()
+        before = _snapshot(ck)
+        for verb in ("save", "async", "private"):
+            start = time.monotonic()
+            try:
+                if verb == "async":
+                    fe.AsyncSaver().save(state, model, ck, "t", timeout=60).wait()
+                else:
+                    fe.save(state, model, ck, "t", shared=verb == "save", timeout=60)
+                got: list[Any] = ["saved"]
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                got = [type(e).__name__, str(e)]
+            seconds = time.monotonic() - start
+            dist.barrier()  # what the save left once every rank is out of it (rank 0 gives the tag's lock up)
+            out[f"{generation}/{verb}"] = [*got, seconds, _snapshot(ck) == before]
+            dist.barrier()  # every rank has looked before the next save takes the tag's lock
+        dist.barrier()
+        if rank == 0:
+            (ck / "t" / MANIFEST_NAME).unlink()
+        dist.barrier()
+    fe.save(state, model, ck, "u")
+    loaded = fe.load(model, ck, "u")
+    out["after"] = {n: [t.tolist(), loaded.emas[0][n].tolist()] for n, t in state.emas[0].items()}
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(ck)  # the later scenarios list what they leave under root
+    dist.barrier()
+    return out
+
+
 def agree_worker(root: str) -> dict[str, Any]:
     """Each rank of test_agree_plans_on_two_ranks: every scenario's result or error and its cost."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    forged = _forged_generation(rank, Path(root))  # before the spies: it counts no collectives
     calls = _spy_collectives()
     out = _agreements(calls, rank) | _failures(calls, rank, Path(root)) | _parts(calls, rank)
-    return out | _shared(rank, Path(root))
+    return out | _shared(rank, Path(root)) | {"forged": forged}
 
 
 def test_agree_plans_on_two_ranks(tmp_path: Path) -> None:
@@ -1096,6 +1257,21 @@ def test_agree_plans_on_two_ranks(tmp_path: Path) -> None:
     ]
     assert res[0]["shared"] is None and res[1]["shared"] is None
     assert res[0]["left"] == ["r0", "r0/t", f"r0/t/{LOCK_NAME}"]
+    # A manifest naming a generation no save can follow: every rank raises a CheckpointError at once (rank 0 its
+    # own, rank 1 naming rank 0), nothing is written, and the process group still serves the next save and load.
+    tag_dir = tmp_path / "forged" / "t"
+    for generation in (2**62, 2**63 - 1):
+        own = _no_next_generation(tag_dir, generation)
+        for verb, what in (("save", "save"), ("async", "async save"), ("private", "save (locking each folder)")):
+            for r in (0, 1):
+                cls, message, seconds, unchanged = res[r]["forged"][f"{generation}/{verb}"]
+                expected = own if r == 0 else f"{what}" + (" (checking the state)" if verb != "private" else "")
+                if r == 1:
+                    expected += f" failed on rank 0 of 2 (CorruptCheckpointError): {own}"
+                assert [cls, message, unchanged] == ["CorruptCheckpointError", expected, True], (generation, verb, r)
+                assert seconds < 10, (generation, verb, r, seconds)
+    for r in (0, 1):
+        assert all(saved == loaded for saved, loaded in res[r]["forged"]["after"].values()), r
 
 
 def test_tag_lock_awaiting_a_commit_is_recognised_with_a_long_thread_name(tmp_path: Path) -> None:

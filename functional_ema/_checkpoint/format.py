@@ -114,12 +114,30 @@ def file_identity(match: re.Match) -> tuple[ModelPart, int, int, int]:
     return part, int(rank), int(world), int(gen or 0)
 
 
+#: The suffix :func:`functional_ema._io.tmp_name` gives one write's temporary file: ``.tmp-<pid>-<12 hex digits>``
+#: (``.tmp-<pid>`` in releases before the per-write token, still recognised: a crashed save of one left it).
+_TMP_SUFFIX = re.compile(r"\.tmp-\d+(?:-[0-9a-f]{12})?$")
+
+
+def is_own_tmp(name: str, finals: Sequence[str]) -> bool:
+    """Whether ``name`` is the temporary file of one write of a rank or buffer file, or of a name in ``finals``:
+    that file's exact name and the exact suffix of :func:`functional_ema._io.tmp_name`. A user's file that merely
+    starts alike (``ema_notes.tmp-backup``, ``buffers_of_mine.tmp-1``) is not one."""
+    m = _TMP_SUFFIX.search(name)
+    if m is None:
+        return False
+    final = name[: m.start()]
+    return final in finals or RANK_FILE.match(final) is not None or BUFFER_FILE.match(final) is not None
+
+
 def is_own_file(name: str) -> bool:
     """Whether ``name`` is one of the files a save writes into a tag folder (or their temporaries)."""
     return bool(
         RANK_FILE.match(name)
         or BUFFER_FILE.match(name)
         or name in (MANIFEST_NAME, PENDING_MANIFEST_NAME, LOCK_NAME, RECORD_NAME)
+        # generous, as this guards names from being written over (an export's output); what a save removes is
+        # matched exactly (is_own_tmp)
         or (_io.is_tmp_name(name) and name.startswith(("ema_", "buffers_", MANIFEST_NAME, RECORD_NAME)))
     )
 
@@ -375,6 +393,9 @@ _MAX_NUM_EMAS = 1 << 16
 _MAX_WORLD = 1 << 20
 _MAX_DIMS = 64
 _MAX_NUMEL = 1 << 62
+#: The largest generation a manifest may name: the writer never picks one above it and the reader accepts none
+#: above it (one bound for both sides; it leaves room for the int64 the ranks agree on and for ``+ 1``).
+MAX_GENERATION = 1 << 62
 _SAVED_DTYPES = tuple(dtype_name(d) for d in _io.DTYPE_TO_STR if d.is_floating_point)
 _COPIED_DTYPES = tuple(dtype_name(d) for d in _io.DTYPE_TO_STR)
 
@@ -435,7 +456,8 @@ def validate_manifest(mpath: Path, m: dict) -> None:
     """Types and ranges of every manifest field, and the file names; before anything else is read."""
     for field, ok, want in (  # in order, each check may rely on the ones before it
         ("tag", lambda v: isinstance(v, str) and _tag_problem(v) is None, "one plain folder name"),
-        ("generation", _is_int, "an int >= 0"),
+        ("generation", lambda v: type(v) is int and v >= 0, "an int >= 0"),
+        ("generation", lambda v: v <= MAX_GENERATION, f"at most 2**62 ({MAX_GENERATION}), the largest a save writes"),
         ("step", lambda v: _is_int(v, 0, 2**63 - 1), "an int in [0, 2**63)"),
         ("num_emas", lambda v: _is_int(v, 1, _MAX_NUM_EMAS), f"an int in [1, {_MAX_NUM_EMAS}]"),
         ("dtype", lambda v: isinstance(v, str) and v in _SAVED_DTYPES, f"one of {list(_SAVED_DTYPES)}"),

@@ -27,7 +27,7 @@ from .._selection import selection_record
 from .._state import BufferState, EmaState
 from ..schedules import DecayLike, as_schedule
 from . import collective, index
-from .errors import CheckpointError, CheckpointMismatchError
+from .errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from .format import (
     BUFFER_FILE,
     BUFFERS_FORMAT,
@@ -38,12 +38,14 @@ from .format import (
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     MAX_EXTRA_BYTES,
+    MAX_GENERATION,
     PENDING_MANIFEST_NAME,
     RANK_FILE,
     WHOLE_FORMAT_VERSION,
     buffer_file_name,
     describe_buffers,
     dtype_name,
+    is_own_tmp,
     join_chunk_checksums,
     library_version,
     manifest_parts,
@@ -138,10 +140,41 @@ def plan_save(
 
 def read_generation(tag_dir: Path) -> int:
     """The generation the next save of ``tag_dir`` writes: one more than the complete checkpoint's there
-    (whose files it must not touch), else 0. Read by rank 0 while it holds the tag's :class:`TagLock`."""
-    with contextlib.suppress(Exception):  # no manifest, or an unreadable one: nothing to preserve
-        return int(json.loads((tag_dir / MANIFEST_NAME).read_text())["generation"]) + 1
-    return 0
+    (whose files it must not touch), else 0. Read by rank 0 while it holds the tag's :class:`TagLock`, inside
+    the plan's agreement: a manifest naming a generation no save can follow (a damaged or forged leftover) is
+    refused there, before anything is written, so every rank raises at once."""
+    mpath = tag_dir / MANIFEST_NAME
+    try:
+        found = int(json.loads(mpath.read_text())["generation"])
+    except Exception:  # noqa: BLE001 - no manifest, or an unreadable one: nothing to preserve
+        return 0
+    if not 0 <= found < MAX_GENERATION:
+        raise CorruptCheckpointError(
+            f"{mpath}: the manifest of tag {tag_dir.name!r} names generation {found}, outside [0, 2**62 - 1]: a "
+            f"save writes one generation more, and no checkpoint may name one above 2**62 ({MAX_GENERATION}). The "
+            f"manifest is damaged or was edited (no load reads it). Nothing was written: remove the damaged tag "
+            f"folder {tag_dir} (or restore its manifest from a copy), or save under another tag"
+        )
+    return found + 1
+
+
+def _checked_generation(plan: Callable[[], dict[str, Any]], what: str) -> Callable[[], dict[str, Any]]:
+    """``plan`` refusing a generation above :data:`MAX_GENERATION` (whatever picked it: a manifest, file names or
+    a store's markers), inside the agreement: the int64 the ranks agree on holds it, and a load would refuse it."""
+
+    def checked() -> dict[str, Any]:
+        p = plan()
+        generation = p.get("generation", 0)
+        if not (type(generation) is int and 0 <= generation <= MAX_GENERATION):
+            raise CorruptCheckpointError(
+                f"{what}: tag {p.get('tag')!r}: the next save would write generation {generation}, above 2**62 "
+                f"({MAX_GENERATION}), the largest a checkpoint may name: the tag's manifest or file names claim "
+                "one no save can follow (damaged or edited). Nothing was written: remove the damaged tag, or save "
+                "under another tag"
+            )
+        return p
+
+    return checked
 
 
 def save_files(layout: ShardLayout, generation: int, has_buffers: bool, writes_pieces: bool) -> list[str]:
@@ -222,7 +255,7 @@ def agree_plans(
     as :func:`collective.agree` does, naming the rank or the field; ``on_failure()`` (e.g. rank 0 giving
     up the tag it locked) runs first on every rank, and no rank raises before every rank has run it.
     """
-    payload, local_exc = collective.run_local(plan, rank)
+    payload, local_exc = collective.run_local(_checked_generation(plan, what), rank)
     if world > 1 and dist.is_initialized():
         mine = payload[1] if local_exc is None else None
         digest, generation, token = -1, -1, -1
@@ -484,7 +517,7 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
     for p in tag_dir.iterdir():
         stale_file = (RANK_FILE.match(p.name) or BUFFER_FILE.match(p.name)) and p.name not in keep
         stale_file = stale_file or p.name == PENDING_MANIFEST_NAME  # a crashed private save's
-        stale_tmp = _io.is_tmp_name(p.name) and p.name.startswith(("ema_", "buffers_", MANIFEST_NAME))
+        stale_tmp = is_own_tmp(p.name, (MANIFEST_NAME, PENDING_MANIFEST_NAME))  # exact names: never a user's file
         if stale_file or stale_tmp:
             try:
                 os.unlink(p)
