@@ -1049,3 +1049,265 @@ def test_a_save_before_the_ema_update_of_its_step(tmp_path):
     with pytest.raises(RuntimeError, match=r"at8\.ckpt'\) at global step 8: .* listed before EMACallback .* Nothing"):
         trainer([SaveAt8(), EMACallback(decay=decay)]).fit(Manual())
     assert not (tmp_path / "at8.ckpt").exists()
+
+
+def _oracle(decay: float, snaps: dict):
+    """A plain EMA of the weights, in ``snaps[step]`` at each new global step (a step-1 EMA equals the weights), as
+    ``EMACallback(decay=decay)`` keeps it (every step, from step 1)."""
+    import lightning.pytorch as pl
+
+    class Oracle(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            step = trainer.global_step
+            if step in snaps:
+                return
+            weights = {n.removeprefix("module."): p.detach().clone() for n, p in pl_module.named_parameters()}
+            before = snaps.get(step - 1)
+            snaps[step] = weights if before is None else {n: before[n].lerp(w, 1 - decay) for n, w in weights.items()}
+
+    return Oracle()
+
+
+def _slow_async_writes(seconds: float, rank: int | None = None) -> None:
+    """Every background EMA write (of ``rank``'s files only, if given) takes ``seconds`` more: a large EMA, a slow
+    disk."""
+    import functional_ema._async as fa
+
+    write = fa._write_files
+
+    def slow(job, names):
+        if rank is None or job.rank == rank:
+            time.sleep(seconds)
+        return write(job, names)
+
+    fa._write_files = slow
+
+
+def killed_rotating_run(root: str, save_last: bool) -> None:
+    """The child process of ``test_async_save_with_rotation_leaves_a_complete_ema_through_a_sigkill``: ``fit`` with
+    ``EMACallback(async_save=True)`` and ``ModelCheckpoint(save_top_k=1)`` rotating at every epoch end (8 steps), each
+    EMA write 2 s slow, SIGKILLed at the first step after the step-16 checkpoint (its EMA still being written when
+    nothing waits for it)."""
+    import signal
+
+    import lightning.pytorch as pl
+
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    _slow_async_writes(2.0)
+
+    class Kill(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 17:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    saves = pl.callbacks.ModelCheckpoint(
+        dirpath=os.path.join(root, "ckpt"),
+        every_n_epochs=1,
+        save_top_k=1,
+        monitor="step",
+        mode="max",
+        save_last=save_last,
+    )
+    _tiny_trainer(Path(root), [EMACallback(decay=0.8, async_save=True), saves, Kill()], max_epochs=3).fit(
+        _tiny_module()
+    )
+
+
+def test_async_save_with_rotation_leaves_a_complete_ema_through_a_sigkill(tmp_path):
+    """``ModelCheckpoint(save_top_k=1)`` removes the step-8 checkpoint right after saving the step-16 one; with
+    ``async_save=True`` the callback completes the step-16 EMA before that removal, so a process SIGKILLed one step
+    later (a real kill, in a subprocess) leaves the step-16 checkpoint with its whole EMA: a plain EMA of the weights at
+    step 16, bitwise, and a resume from it ends on the uninterrupted run's EMA and weights. With
+    ``save_last=True``, ``last.ckpt`` is rewritten at step 16 while its EMA is still the step-8 one at the kill: its
+    resume is refused, naming both steps and the checkpoint to resume from instead."""
+    import signal
+    import subprocess
+    import sys
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback, ema_dir_for
+    from tests._integration_models import quiet
+
+    quiet()
+    snaps: dict[int, dict] = {}
+    whole_ema, whole = EMACallback(decay=0.8), _tiny_module()
+    _tiny_trainer(tmp_path / "whole", [whole_ema, _oracle(0.8, snaps)], max_epochs=3).fit(whole)
+    final, live = fe.gather_full(whole_ema.state, whole), {n: t.detach().clone() for n, t in whole.state_dict().items()}
+    assert all(torch.equal(t, snaps[24][n]) for n, t in final.items())
+    repo = str(Path(__file__).resolve().parents[1])
+    for save_last in (False, True):
+        root = tmp_path / f"killed_last{int(save_last)}"
+        code = f"from tests.test_integrations_lightning import killed_rotating_run as f; f({str(root)!r}, {save_last})"
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=repo,
+            env={**os.environ, "PYTHONPATH": repo},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
+        ck = root / "ckpt"
+        best = ck / "epoch=1-step=16.ckpt"
+        want = ["epoch=1-step=16.ckpt", "epoch=1-step=16.ckpt.ema"] + (
+            ["last.ckpt", "last.ckpt.ema"] if save_last else []
+        )
+        assert sorted(p.name for p in ck.iterdir()) == want
+        saved = fe.checkpoint.consolidate(ema_dir_for(best), "ema")
+        assert sorted(saved) == sorted(snaps[16]) and all(torch.equal(saved[n], t) for n, t in snaps[16].items())
+        if save_last:
+            with pytest.raises(
+                fe.checkpoint.CheckpointMismatchError,
+                match=r"last\.ckpt was saved at step 16 over a checkpoint of step 8 .* the EMA beside it is still the "
+                r"overwritten checkpoint's\. Resume from a checkpoint whose EMA is complete \(\S*epoch=1-step=16\.ckpt\)",
+            ):
+                _tiny_trainer(root, [EMACallback(decay=0.8)], max_epochs=3).fit(
+                    _tiny_module(), ckpt_path=str(ck / "last.ckpt")
+                )
+        resumed, module = EMACallback(decay=0.8), _tiny_module()
+        _tiny_trainer(root, [resumed], max_epochs=3).fit(module, ckpt_path=str(best))
+        assert all(torch.equal(t, final[n]) for n, t in fe.gather_full(resumed.state, module).items())
+        assert all(torch.equal(t, live[n]) for n, t in module.state_dict().items())
+
+
+def rotation_ddp_worker(root: str) -> dict:
+    """2 DDP ranks, ``EMACallback(async_save=True)``, ``ModelCheckpoint(save_top_k=1)`` every 2 steps; rank 1's EMA
+    writes 1.5 s slow. Rank 0 looks into the folder at every batch start: once a checkpoint was removed, one with a
+    complete EMA (its manifest) must be there. Then a save and a removal on rank 0 only (no collective there): the
+    save's EMA is complete when that removal returns."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback, ema_dir_for
+    from tests._integration_models import quiet
+
+    quiet()
+    _slow_async_writes(1.5, rank=1)
+    rank, ck = dist.get_rank(), Path(root) / "ckpt"
+    seen: set[str] = set()
+    bare: list[tuple[int, list[str]]] = []  # (step, the checkpoints there) with none complete after a removal
+
+    class Look(pl.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            names = sorted(p.name for p in ck.glob("*.ckpt")) if rank == 0 and ck.is_dir() else []
+            seen.update(names)
+            if seen - set(names) and not [n for n in names if has(ck / n)]:
+                bare.append((trainer.global_step, names))
+
+    def has(ckpt: Path) -> bool:
+        return (ema_dir_for(ckpt) / "ema" / "ema_manifest.json").is_file()
+
+    snaps: dict[int, dict] = {}
+    saves = pl.callbacks.ModelCheckpoint(
+        dirpath=str(ck), save_top_k=1, monitor="step", mode="max", every_n_train_steps=2
+    )
+    ema = EMACallback(decay=0.8, async_save=True)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=_strategy("ddp"),
+        max_epochs=2,
+        callbacks=[ema, saves, Look(), _oracle(0.8, snaps)],
+        **QUIET,
+        default_root_dir=root,
+        use_distributed_sampler=True,
+    )
+    trainer.fit(_tiny_module())  # 4 steps per epoch at 2 ranks: checkpoints at steps 2, 4, 6, 8
+    last = ck / "epoch=1-step=8.ckpt"
+    out = {"bare": bare, "looked": sorted(seen), "names": sorted(p.name for p in ck.iterdir())}
+    if rank == 0:
+        saved = fe.checkpoint.consolidate(ema_dir_for(last), "ema")
+        out["bitwise"] = sorted(saved) == sorted(snaps[8]) and all(torch.equal(saved[n], snaps[8][n]) for n in saved)
+    extra = Path(root) / "extra.ckpt"
+    trainer.save_checkpoint(extra)  # every rank; rank 1's write still going on after it
+    if rank == 0:
+        trainer.strategy.remove_checkpoint(str(last))
+        out["complete_at_removal"] = has(extra) and not last.exists()
+    dist.barrier()
+    return out
+
+
+def test_async_save_with_rotation_under_ddp_completes_the_ema_before_a_removal(tmp_path):
+    """Two ranks, rank 1's writes slow: ``ModelCheckpoint``'s rotation (on every rank) never leaves the folder without
+    a checkpoint whose EMA is complete, the kept checkpoint's EMA is the plain EMA of the weights at its step, bitwise;
+    a removal on rank 0 alone waits for the commit that rank 0 writes (no collective: no deadlock)."""
+    reports = run_ranks(
+        "tests.test_integrations_lightning:rotation_ddp_worker", world_size=2, timeout=300, root=str(tmp_path)
+    )
+    r = reports[0]
+    # looked at each batch start: the step-8 checkpoint comes after the last one
+    assert r["looked"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt"], r
+    assert r["bare"] == [] and r["bitwise"] is True and r["complete_at_removal"] is True, r
+    assert r["names"] == ["epoch=1-step=8.ckpt", "epoch=1-step=8.ckpt.ema"], r
+
+
+def _dip_module():
+    """``_tiny_module`` logging ``dip``: the global step before each optimizer step, but 0 at step 16 (the first batch
+    after a resume from the step-16 checkpoint), so the first save after that resume is no new best."""
+    module = _tiny_module()
+    cls = type(module)
+
+    class Dip(cls):
+        def training_step(self, batch, batch_idx):
+            step = self.trainer.global_step
+            self.log("dip", 0.0 if step == 16 else float(step))
+            return super().training_step(batch, batch_idx)
+
+    return Dip()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_file_checkpoint_replaced_by_a_save_last_link_loses_its_ema_folder(tmp_path, async_save):
+    """``ModelCheckpoint(save_top_k=1, monitor="dip", save_last="link")`` resumed from ``last``: the first save after the
+    resume is no new best, so Lightning saves ``last.ckpt`` as a file (the EMA beside it); at the next new best it
+    removes that file itself and links ``last.ckpt`` to the best one. The callback then removes the EMA folder it wrote
+    beside the file (nobody's now): the folder holds the best checkpoint, its EMA and the link, and the resumed run
+    ends on the uninterrupted run's EMA (a plain EMA of the weights), bitwise. Only what the callback wrote goes: a
+    file of the user's in such a folder stays, as does a ``.ema`` folder beside a link that the callback never saved."""
+    import lightning.pytorch as pl
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+
+    def fit(root: Path, max_epochs: int, ckpt_path: str | None = None, snaps: dict | None = None):
+        ema = EMACallback(decay=0.8, async_save=async_save)
+        saves = pl.callbacks.ModelCheckpoint(
+            dirpath=str(root / "ckpt"), every_n_train_steps=1, save_top_k=1, monitor="dip", mode="max", save_last="link"
+        )
+        extra = [] if snaps is None else [_oracle(0.8, snaps)]
+        trainer = _tiny_trainer(root, [ema, saves, *extra], max_epochs=max_epochs)
+        module = _dip_module()
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return trainer, ema, module
+
+    snaps: dict[int, dict] = {}
+    _, whole, module = fit(tmp_path / "whole", 3, snaps=snaps)
+    final = fe.gather_full(whole.state, module)
+    assert all(torch.equal(t, snaps[24][n]) for n, t in final.items())
+    fit(tmp_path / "cut", 2)
+    trainer, ema, module = fit(tmp_path / "cut", 3, ckpt_path="last")
+    ck = tmp_path / "cut" / "ckpt"
+    assert sorted(p.name for p in ck.iterdir()) == ["epoch=2-step=24.ckpt", "epoch=2-step=24.ckpt.ema", "last.ckpt"]
+    assert (ck / "last.ckpt").is_symlink() and os.readlink(ck / "last.ckpt") == "epoch=2-step=24.ckpt"
+    assert all(torch.equal(t, final[n]) for n, t in fe.gather_full(ema.state, module).items())
+
+    # A file checkpoint the callback saved, with a file of the user's in its EMA folder, then replaced by a link; and
+    # a link with an EMA folder beside it that the callback never wrote.
+    mine, theirs = ck / "mine.ckpt", ck / "theirs.ckpt"
+    trainer.save_checkpoint(mine)
+    ema.ema.wait()
+    (ck / "mine.ckpt.ema" / "notes.txt").write_text("keep")
+    mine.unlink()
+    mine.symlink_to("epoch=2-step=24.ckpt")
+    theirs.symlink_to("epoch=2-step=24.ckpt")
+    (ck / "theirs.ckpt.ema" / "ema").mkdir(parents=True)
+    ema.on_train_end(trainer, module)  # the callback's next look (as at the end of a fit)
+    assert sorted(p.name for p in (ck / "mine.ckpt.ema").iterdir()) == ["notes.txt"]
+    assert (ck / "theirs.ckpt.ema" / "ema").is_dir()

@@ -24,7 +24,12 @@ Per Lightning event:
   EMA pieces: inside the checkpoint folder when the checkpoint is a folder (DeepSpeed,
   distributed FSDP2 checkpoints: ``<ckpt>/ema/``), else beside the file (``<ckpt>.ema/ema/``),
   removed with it when ``ModelCheckpoint`` rotates checkpoints (a ``<ckpt>.ema`` beside a folder checkpoint is not
-  the callback's, and stays). A ``file://`` checkpoint path is its local path. With ``shared=False`` (folders the ranks
+  the callback's, and stays). With ``async_save=True`` the EMA save in flight is completed before a checkpoint is
+  removed (on every rank that calls ``remove_checkpoint``, as ``ModelCheckpoint`` does; no collective for shared local
+  folders), so a rotation never leaves the run without a complete EMA. A file checkpoint that ``ModelCheckpoint``
+  later replaces by a symbolic link (``save_last="link"``, which removes the file itself) loses the EMA folder this
+  callback wrote beside it at the next batch or the end of training (rank 0; only what the callback wrote). A
+  ``file://`` checkpoint path is its local path. With ``shared=False`` (folders the ranks
   do not share: Ray Train's ``RayTrainReportCallback`` saves into each worker's own folder) each rank writes
   beside its own path, not rank 0's. Lightning's callback hooks are not
   told the checkpoint path, so the callback wraps this trainer's ``save_checkpoint`` and its
@@ -63,6 +68,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from functional_ema._checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompleteCheckpointError
+from functional_ema._checkpoint.format import LATEST_NAME, MANIFEST_NAME
 from functional_ema._state import EmaState
 from functional_ema._storage import file_url_path, is_url, remove_tree, storage_for
 from functional_ema.schedules import DecayLike
@@ -116,6 +123,42 @@ def _ema_beside(ckpt_path: str | os.PathLike) -> Path | str | None:
     return None if p.is_dir() else p.with_name(p.name + ".ema")
 
 
+def _local_key(ckpt_path: str | os.PathLike) -> str:
+    """How :attr:`EMACallback._beside` names a checkpoint: its absolute local path (a URL of a storage: as given)."""
+    path = os.fspath(ckpt_path)
+    return path.rstrip("/") if is_url(path) else os.path.abspath(_local(path))
+
+
+def _remove_own_ema(folder: Path, tag: str) -> None:
+    """What this callback wrote into ``folder`` (a checkpoint's ``<ckpt>.ema``): the tag folder, and the library's
+    ``ema_latest`` pointer beside it; then ``folder`` itself when that left it empty. Anything else stays."""
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    if (folder / tag).is_dir() and not (folder / tag).is_symlink():
+        shutil.rmtree(folder / tag, ignore_errors=True)
+    if (folder / LATEST_NAME).is_file():
+        (folder / LATEST_NAME).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: something else lives there, and stays
+        folder.rmdir()
+
+
+def _complete_ema_beside(ckpt: Path, tag: str) -> list[str]:
+    """The file checkpoints in ``ckpt``'s folder (``*.ckpt``, not links) with a complete EMA beside them (a manifest),
+    other than ``ckpt``: what a refused resume from ``ckpt`` can resume from instead. Asked on that error only."""
+    try:
+        names = sorted(os.listdir(ckpt.parent))
+    except OSError:
+        return []
+    return [
+        str(ckpt.parent / n)
+        for n in names
+        if n.endswith(".ckpt")
+        and n != ckpt.name
+        and not (ckpt.parent / n).is_symlink()
+        and (ckpt.parent / f"{n}.ema" / tag / MANIFEST_NAME).is_file()
+    ]
+
+
 def _url_is_folder(url: str) -> bool:
     """Whether the checkpoint at ``url`` is a folder (a prefix holding objects), asked of the storage now."""
     parent, _, name = url.rpartition("/")
@@ -151,6 +194,12 @@ class EMACallback(pl.Callback):
         self._loaded_meta: dict[str, Any] | None = None  # this callback's state in the checkpoint being restored
         self._live_run = False  # this validate/test run's checkpoint has no EMA: it evaluates the live weights
         self._seen_step: int | None = None  # the step on_train_batch_end last gave the EMA (inside fit)
+        # async_save: the checkpoint path and step of the last EMA save not yet waited for (every rank alike)
+        self._in_flight: tuple[str, int] | None = None
+        # Rank 0: the local file checkpoints this callback wrote an EMA beside (<path>.ema), still there as files;
+        # one that becomes a symbolic link (save_last="link") has its EMA folder removed (_drop_linked_over).
+        self._beside: set[str] = set()
+        self._link_check_due = False  # a save since the last _drop_linked_over
 
     @property
     def state(self) -> EmaState | None:
@@ -185,16 +234,23 @@ class EMACallback(pl.Callback):
             try:
                 self._catch_up(trainer, filepath)  # before Lightning writes: a refusal leaves nothing behind
                 save(filepath, *args, **kwargs)
-                self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
+                self._saved_ema(
+                    trainer, path, self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
+                )
             finally:
                 if swapped:
                     self._swap_in(trainer)
             self._last_saved = path
 
         def remove_checkpoint(filepath: str | Path) -> None:
+            # ModelCheckpoint removes the old checkpoint right after saving the new one: that order is crash-safe only
+            # once the new one's EMA is complete, so the save in flight (async_save) is completed first.
+            self._wait_in_flight(os.fspath(filepath))
             # Asked before the checkpoint goes: whether it is a file (its EMA beside it, this callback's) or a
             # folder (its EMA inside it, removed with it).
             sibling = _ema_beside(filepath) if trainer.is_global_zero else None
+            if trainer.is_global_zero:
+                self._beside.discard(_local_key(filepath))
             remove(filepath)
             if isinstance(sibling, str):
                 _remove_url_ema(sibling.removesuffix(".ema"))
@@ -205,6 +261,58 @@ class EMACallback(pl.Callback):
         trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]  # wrapped per trainer instance
         strategy.remove_checkpoint = remove_checkpoint  # type: ignore[method-assign]  # wrapped per strategy instance
         setattr(trainer, _WRAPPED_ATTR, self)
+
+    def _saved_ema(self, trainer: pl.Trainer, path: str, where: Path | str) -> None:
+        """After the EMA save of the checkpoint ``path`` into ``where``: what the removals and the link check need."""
+        if self.ema.async_save:
+            self._in_flight = (path, int(trainer.global_step))
+        local = None if is_url(path) else _local(path)
+        if (
+            trainer.is_global_zero
+            and local is not None
+            and isinstance(where, Path)
+            and where.parent == _ema_beside(local)
+        ):
+            # Beside a local file checkpoint (inside a folder one, Lightning's removal of the folder takes it).
+            self._beside.add(_local_key(local))
+            self._link_check_due = True
+
+    def _wait_in_flight(self, removing: str) -> None:
+        """Before ``removing`` a checkpoint (``async_save``): wait for the EMA save in flight, on this rank. For a shared
+        local folder this is no collective: rank 0's save completes once every rank's file is in (it writes the
+        manifest last), and every rank's wait fails alike when one rank's write failed. For ``shared=False`` or a URL
+        the commit is collective: ``ModelCheckpoint`` removes on every rank, as Lightning's ``remove_checkpoint`` is
+        meant to be called. A failure is raised before anything is removed, so the checkpoint before stays whole."""
+        if self._in_flight is None:
+            return
+        (path, step), self._in_flight = self._in_flight, None
+        try:
+            self.ema.wait()
+        except Exception as e:
+            raise CheckpointError(
+                f"EMACallback: the async EMA save of step {step} beside the checkpoint {path} failed ({type(e).__name__}: "
+                f"{e}), so that checkpoint holds no complete EMA. The checkpoint it was to replace, {removing}, was not "
+                "removed: resume from it"
+            ) from e
+
+    def _drop_linked_over(self, trainer: pl.Trainer) -> None:
+        """``ModelCheckpoint(save_last="link")`` may replace a file checkpoint this callback saved (``last.ckpt``, saved
+        as a file when no top-k checkpoint was saved since the resume) by a symbolic link, removing the file itself
+        (``_link_checkpoint``, not ``remove_checkpoint``): the EMA folder beside it is nobody's now (a resume from the
+        link reads the EMA beside the link's target), and is removed here, after the save that preceded the link.
+        Rank 0, which removes checkpoints; only what this callback wrote; not while that EMA is still being written."""
+        if not self._link_check_due or not trainer.is_global_zero:
+            return
+        self._link_check_due = False
+        busy = None if self._in_flight is None else _local_key(self._in_flight[0])
+        for key in sorted(self._beside):
+            if key == busy:
+                self._link_check_due = True  # checked again once its save is waited for
+            elif os.path.islink(key):
+                self._beside.discard(key)
+                _remove_own_ema(Path(key + ".ema"), self.ema.tag)
+            elif not os.path.exists(key):
+                self._beside.discard(key)  # removed by something else: what is beside it is not decided here
 
     def state_dict(self) -> dict[str, Any]:
         # Only small metadata goes into Lightning's checkpoint: the pieces are per-rank files.
@@ -250,10 +358,48 @@ class EMACallback(pl.Callback):
         self._seen_step = trainer.global_step
         if trainer.ckpt_path:
             where = ema_dir_for(trainer.ckpt_path)
-            self.ema.load(self._target(trainer), where, framework_step=trainer.global_step)
+            try:
+                self.ema.load(self._target(trainer), where, framework_step=trainer.global_step)
+            except (CheckpointMismatchError, IncompleteCheckpointError) as e:
+                hint = self._unfinished_save_hint(os.fspath(trainer.ckpt_path), where, trainer.global_step, e)
+                if not hint:
+                    raise
+                raise type(e)(f"{e}. {hint}") from e
             self._check_own_record(where)
         elif trainer.global_step == 0:
             self.ema.state = self.ema.buffer_state = None
+
+    def _unfinished_save_hint(self, ckpt: str, where: Path | str, step: int, error: Exception) -> str:
+        """For a refused resume from a local file checkpoint: what a stop during the EMA save leaves (an EMA older than
+        the checkpoint file, rewritten in place; or an incomplete one), and the checkpoints beside it with a complete
+        EMA to resume from instead. Empty when the refusal is something else."""
+        if not isinstance(where, Path) or where.suffix != ".ema" or where.with_suffix("").is_dir():
+            return ""  # a URL, or a folder checkpoint (its EMA inside it)
+        if isinstance(error, IncompleteCheckpointError):
+            if not (where / self.ema.tag).is_dir():
+                return ""  # no EMA was ever saved there: the refusal says so
+            why = (
+                f"The EMA saved with {ckpt} is not complete: the process stopped while it was being written (with "
+                "async_save=True it is written in the background, after the checkpoint file)"
+            )
+        else:
+            import functional_ema as fe
+
+            try:
+                saved = int(fe.checkpoint.read_manifest(where, self.ema.tag)["extra"]["framework_step"])
+            except Exception:  # noqa: BLE001 - no record to compare: the refusal stands as it is
+                return ""
+            if saved >= step:
+                return ""
+            why = (
+                f"{ckpt} was saved at step {step} over a checkpoint of step {saved} (the same name: "
+                "ModelCheckpoint(save_last=True)'s last.ckpt, or a filename without the step), and the process stopped "
+                f"before the EMA of step {step} was complete (with async_save=True it is written in the background): the "
+                f"EMA beside it is still the overwritten checkpoint's"
+            )
+        others = _complete_ema_beside(where.with_suffix(""), self.ema.tag)
+        instead = ", ".join(others) if others else f"none beside it in {where.parent}"
+        return f"{why}. Resume from a checkpoint whose EMA is complete ({instead}), or start a new EMA"
 
     def _check_own_record(self, where: Path | str) -> None:
         """The EMA read from beside the checkpoint must be the one this callback's state in the checkpoint
@@ -277,6 +423,7 @@ class EMACallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._drop_linked_over(trainer)  # a link ModelCheckpoint made after its save at the step before
         self.ema.on_step(self._target(trainer), trainer.global_step)
         self._seen_step = trainer.global_step
 
@@ -358,3 +505,5 @@ class EMACallback(pl.Callback):
         self._unswap()
         # Lightning's DeepSpeed strategy wraps the LightningModule: export with its own names.
         self.ema.on_train_end(self._target(trainer), strip_prefix="_forward_module.")
+        self._in_flight = None  # waited for by on_train_end
+        self._drop_linked_over(trainer)  # a link made by the last saves
