@@ -24,7 +24,7 @@ from ._selection import SelectionLike, make_selection, selection_record
 from ._shards import Shards
 from ._state import EmaState
 from .engines import Reading, SwapStats, adapter_for
-from .engines._base import Adapter, OpenSwaps, gather_pieces, read_for, refuse_sparse, select, selection_of
+from .engines._base import Adapter, gather_pieces, open_swaps, read_for, refuse_sparse, select
 from .engines._base import join_parts as join_parts_of
 
 __all__ = [
@@ -389,29 +389,26 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     errors: list[Exception] = []  # a bad index is raised inside the ranks' agreement: the others learn of it at once
     index = carried(errors, lambda: checked_index(index, state), 0)  # its range: checked by state_pieces
     adapter = adapter_for(x)
-    everything = adapter.read()
-    reading = select(everything, selection_of(state), adapter.module())  # a selection's: the others stay live
+    reading = read_for(adapter, state)  # a selection's state swaps its parameters; the others stay live
     pieces = state_pieces(state, reading, index, "swapped", arguments=lambda: raise_first(errors))
     where = f"fe.swapped(...) on rank {reading.layout.rank}"
     with (
         changes_reported(where) as changes,  # what the block replaced or re-typed, put back by the adapter on exit
         training_refused(adapter, reading, outer=x),
-        updates_refused(everything),
+        updates_refused(adapter.module()),
         adapter.swap(reading, pieces, state, index, changes) as stats,
     ):
         yield stats
 
 
 @contextlib.contextmanager
-def updates_refused(reading: Reading) -> Iterator[None]:
-    """Count a ``swapped`` block into the model's counter of open blocks (``Shards.swapped_in``, shared by every
-    reading of the model and its selections, also ones made inside the block) for the block's duration: ``update``
-    refuses those ``Shards`` while it is open. Inside it a plain, DDP or FSDP2 model's parameters (and a ZeRO-0 fp32
-    engine's, its masters) hold the EMA, so an update would average the EMA into itself while its step advanced
-    (elsewhere on DeepSpeed, whose fp32 masters stay live, the same call is refused too: one rule for every engine)."""
-    if reading.shards.swapped_in is None:  # a reading not made by Adapter.read
-        reading.shards.swapped_in = OpenSwaps()
-    counter = reading.shards.swapped_in
+def updates_refused(module: torch.nn.Module) -> Iterator[None]:
+    """Count a ``swapped`` block into ``module``'s counter of open blocks (``open_swaps``: shared by every reading of
+    the module, through any wrapper, and their selections, also ones made inside the block) for the block's duration:
+    ``update`` refuses those ``Shards`` while it is open. Inside it a plain, DDP or FSDP2 model's parameters (and a
+    ZeRO-0 fp32 engine's, its masters) hold the EMA, so an update would average the EMA into itself while its step
+    advanced (elsewhere on DeepSpeed, whose fp32 masters stay live, the same call is refused too: one rule)."""
+    counter = open_swaps(module)
     counter.count += 1
     try:
         yield

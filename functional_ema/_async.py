@@ -68,9 +68,6 @@ __all__ = ["AsyncSaver", "SaveHandle"]
 logger = logging.getLogger("functional_ema")
 
 _MARK = "ema_async."
-#: The names :func:`_marker` makes (a save id is 16 hex digits: ``secrets.randbits(62)``), and their temporary
-#: names (``_io.atomic_write_bytes``): only these are removed, never a user's ``ema_async.log``.
-_MARKER_NAME = re.compile(r"ema_async\.[0-9a-f]{16}\.rank\d{5,}\.(?:done|error)(?:\.tmp-\d+-[0-9a-f]{12})?")
 
 
 def _marker(token: str, rank: int, kind: str) -> str:
@@ -132,8 +129,8 @@ class SaveHandle:
         the save over the process group (and the saver's earlier ones), as :meth:`AsyncSaver.wait` does. With
         a ``timeout``, the ranks agree whether every rank's background write finished in time: if one did
         not, every rank raises ``TimeoutError`` and the save stays pending (committed by a later wait). The wait
-        for the other ranks to come is bounded (``timeout``, and at most the smaller of ``commit_timeout`` and the
-        save's timeout): see ``CheckpointTimeoutError`` below.
+        for the other ranks to come is bounded by the smaller of ``commit_timeout`` and the save's timeout, not by
+        ``timeout`` (a timed-out exchange closes the group's connections): see ``CheckpointTimeoutError`` below.
 
         Raises:
             Exception: the background failure: on the rank where it happened, the original exception
@@ -756,7 +753,7 @@ def _remove_markers(tag_dir: Path) -> None:
 
 def _is_marker(name: str) -> bool:
     """Whether ``name`` is a marker this module writes, or the temporary name of one (a crash mid-write)."""
-    return _MARKER_NAME.fullmatch(name) is not None
+    return fmt.ASYNC_MARKER.fullmatch(name) is not None
 
 
 def _warn_uncommitted(pending: list[_async_private.PendingCommit]) -> None:

@@ -218,17 +218,19 @@ def written(pending: PendingCommit, timeout: float | None) -> bool:
     """Whether to :func:`commit` ``pending`` now. Collective, and every exchange is bounded (a peer that never comes
     to the commit, e.g. one still training while this rank leaves a ``with`` block on an exception, must not hold
     this rank in an all-reduce until the process group's own timeout): first the ranks meet (at most
-    :func:`arrival_limit`, or the remaining ``timeout``); then each waits for its own background write, at most
-    ``timeout`` (``None``: ``commit_timeout``, past which the commit fails the save); then they agree, so that all of
-    them commit or none: ``False`` when a write was not done on some rank as its ``timeout`` passed (the save goes
-    on, still pending). Meeting first: a rank whose write ends late is not taken for one that never came.
+    :func:`arrival_limit`, never the caller's ``timeout``: an exchange that times out closes the group's
+    connections, so a short ``wait(timeout)`` on ranks that come a little apart must not end it); then each waits for
+    its own background write, at most what is left of ``timeout`` (``None``: ``commit_timeout``, past which the
+    commit fails the save); then they agree, so that all of them commit or none: ``False`` when a write was not done
+    on some rank as its ``timeout`` passed (the save goes on, still pending). Meeting first: a rank whose write ends
+    late is not taken for one that never came.
 
     Raises:
         CheckpointTimeoutError: a peer did not come within the bound (the caller fails the save and the later ones).
     """
     t0 = time.monotonic()
     limit = arrival_limit(pending)
-    _exchange(pending, "arrival", 0, limit if timeout is None else min(timeout, limit))
+    _exchange(pending, "arrival", 0, limit)
     left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
     bound = pending.commit_timeout if left is None else min(left, pending.commit_timeout)
     concurrent.futures.wait([pending.write], timeout=bound)
@@ -286,7 +288,7 @@ def _timed_out(pending: PendingCommit, stage: str, bound: float, waited: float, 
         "shared=False or URL save is collective: call saver.wait() (or handle.wait(), or the next saver.save) on every "
         "rank, or leave the `with fe.AsyncSaver(...)` block on every rank. The wait for the others is the smaller of "
         f"the saver's commit_timeout ({pending.commit_timeout:g} s) and the save's timeout ({pending.timeout:g} s: "
-        f"timeout=, else {collective.TIMEOUT_ENV}), or the wait's own timeout; after the ranks meet, add the time "
+        f"timeout=, else {collective.TIMEOUT_ENV}); after the ranks meet, add the time "
         "each may still spend on its own write. Nothing of this save is committed: each folder's previous "
         "checkpoint is intact. The process group may be unusable after this"
     )

@@ -69,17 +69,18 @@ def is_url(location: str | os.PathLike[str]) -> bool:
 #: A relative path's first component that is a URL scheme and its colon (``s3:`` of ``s3:/bucket/run``), or that
 #: starts so (``s3:bucket``). A scheme of one letter is a Windows drive (``C:``), never refused.
 _SCHEME_PREFIX = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):([^/]*)")
-#: Schemes whose ``<scheme>:name`` (no slash at all) is refused too: fsspec's usual filesystems. Another word and a
-#: colon (``run:2``) may be a folder's name; a first component that is only ``<word>:`` is refused for any word.
+#: The schemes refused: fsspec's usual filesystems. Another word and a colon (``run:2``, ``exp:/x``, ``best:``) may be
+#: a folder's name, and is left alone.
 _KNOWN_SCHEMES = re.compile(r"s3a?|gc?s|az|abfss?|adl|memory|file|hf|https?|(?:web)?hdfs|s?ftp|ssh|oci|oss|dbfs")
 
 
 def refuse_mistyped_url(location: str) -> None:
     """``ValueError`` when a local path looks like a URL missing a slash (``s3:/bucket/run``, ``s3:bucket/run``,
     ``gs:/b/x``, ``file:/abs/dir``): ``Path`` would take it as a folder named ``s3:`` under the current directory,
-    and a save would write there, silently. Names the URL most likely meant; an absolute path is never refused."""
+    and a save would write there, silently. Names the URL most likely meant. Only fsspec's usual schemes
+    (``_KNOWN_SCHEMES``): ``exp:/x`` may name a folder ``exp:``; an absolute path is never refused."""
     m = _SCHEME_PREFIX.match(location)
-    if m is None or _URL.match(location) or (m.group(2) and not _KNOWN_SCHEMES.fullmatch(m.group(1).lower())):
+    if m is None or _URL.match(location) or not _KNOWN_SCHEMES.fullmatch(m.group(1).lower()):
         return
     scheme, rest = m.group(1), location[m.end(1) + 1 :].lstrip("/")
     meant = f"file:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"

@@ -638,3 +638,286 @@ def test_async_saves_with_total_limit_rotation_keep_the_newest_checkpoint_whole(
     saved = fe.checkpoint.consolidate(ckpt, "ema")
     assert sorted(saved) == sorted(reference) and all(torch.equal(saved[n], t) for n, t in reference.items())
     ema.remove_hooks()
+
+
+def _own(model) -> dict:
+    """The weights under the model's own names (a DDP's ``module.`` dropped), as the EMA names them."""
+    return {n: p.detach().clone() for n, p in getattr(model, "module", model).named_parameters()}
+
+
+def _same_folder_run(
+    folder, *, async_save: bool, fail_at: int | None = None, rank_fails: int | None = None, save_at=(3, 6)
+):
+    """A run of 6 optimizer steps saving into ``folder`` every 3 (the docs' idiom), with a reference EMA of the live
+    weights (plain torch lerp, decay 0.5); ``fail_at``: the save_state of that step fails inside, after the EMA's
+    hook and before Accelerate writes its own files (``save_accelerator_state`` raises: what a kill there leaves).
+    ``rank_fails``: only that rank's does. Returns the accelerator, model, helper, weights and EMAs by step."""
+    import accelerate.accelerator as accelerator_module
+
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, optimizer = _prepared()
+    ema = AcceleratorEMA(acc, model, decay=0.5, async_save=async_save)
+    real, weights, emas, reference = accelerator_module.save_accelerator_state, {}, {}, None
+
+    def stopped(*args, **kwargs):
+        if rank_fails is None or acc.process_index == rank_fails:
+            raise RuntimeError("stopped inside save_state (injected)")
+        return real(*args, **kwargs)
+
+    for step in range(1, 7):
+        _train(acc, model, optimizer, (ema,), steps=1)
+        weights[step] = _own(model)
+        reference = (
+            weights[step] if reference is None else {n: reference[n].lerp(w, 0.5) for n, w in weights[step].items()}
+        )
+        emas[step] = reference
+        if step in save_at:
+            with pytest.MonkeyPatch.context() as mp:
+                if step == fail_at:
+                    mp.setattr(accelerator_module, "save_accelerator_state", stopped)
+                try:
+                    acc.save_state(str(folder))
+                except RuntimeError as e:
+                    assert "injected" in str(e)
+    return acc, model, ema, weights, emas
+
+
+def _load_refused(folder, match: str, error: type | None = None):
+    """``load_state(folder)`` into a fresh accelerator and helper: refused (``error``, default
+    ``CheckpointMismatchError``), and nothing loaded (no EMA, the step counter and the model's weights as they were)."""
+    from functional_ema.checkpoint import CheckpointMismatchError
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, _ = _prepared(seed=1)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    before = _own(model)
+    with pytest.raises(error or CheckpointMismatchError, match=match) as refused:
+        acc.load_state(str(folder))
+    assert ema.state is None and ema.optimizer_step == 0
+    assert all(torch.equal(p, before[n]) for n, p in _own(model).items())
+    ema.remove_hooks()
+    return str(refused.value)
+
+
+def _load_whole(folder, weights: dict, ema_at: dict, step: int) -> None:
+    """``load_state(folder)``: the model's weights of the folder's own save (the oracle, as saved) and the
+    uninterrupted run's EMA at that step, bitwise; the helper's counter at that step."""
+    import functional_ema as fe
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, _ = _prepared(seed=1)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    acc.load_state(str(folder))
+    assert ema.optimizer_step == step and int(ema.state.step) == step
+    assert all(torch.equal(p, weights[n]) for n, p in _own(model).items())
+    got = fe.gather_full(ema.state, model)
+    assert sorted(got) == sorted(ema_at) and all(torch.equal(got[n], t) for n, t in ema_at.items())
+    ema.remove_hooks()
+
+
+def test_a_folder_whose_ema_save_failed_or_was_cut_off_is_refused_and_a_whole_one_resumes(tmp_path):
+    """``save_state(folder)`` into one folder every 3 steps (the docs' idiom). The folder's record of each
+    ``save_state`` (written once it returned) lets ``load_state`` tell a folder whose EMA is of another save:
+    (a) ``async_save=True``, the step-6 EMA write fails in the background after Accelerate wrote its step-6 files;
+    (b) ``async_save=True``, the process killed after the step-6 ``save_state`` with its EMA write in flight (the
+    folder copied while the write is held); (c) ``async_save=False``, killed inside the step-6 ``save_state`` after the
+    EMA's hook and before Accelerate's own files (step 3's model, step 6's EMA), into a used folder and a new one.
+    Each is refused naming the folder and both steps, loading nothing; a whole folder resumes the uninterrupted
+    run's EMA bitwise, also without the record (saved by an earlier version) and after a save past the wrapper."""
+    import errno
+    import re
+    import shutil
+    import threading
+
+    from safetensors.torch import load_file
+
+    import functional_ema as fe
+    import functional_ema._async as fe_async
+    from functional_ema.checkpoint import read_manifest
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    write, calls, held, release = fe_async._write_files, [0], threading.Event(), threading.Event()
+
+    def failing(job, names):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return write(job, names)
+
+    with pytest.MonkeyPatch.context() as mp:  # (a)
+        mp.setattr(fe_async, "_write_files", failing)
+        acc, model, ema, weights, emas = _same_folder_run(tmp_path / "a", async_save=True)
+        with pytest.raises(OSError, match="No space left"):  # raised at the next wait or save, as documented
+            ema.wait()
+        ema.remove_hooks()
+    saved = load_file(tmp_path / "a" / "model.safetensors")  # the oracle: the folder's own weights are step 6's
+    assert all(torch.equal(saved[n], t) for n, t in weights[6].items())
+    assert read_manifest(tmp_path / "a", "ema")["step"] == 3
+    message = _load_refused(tmp_path / "a", r"optimizer step 6 .* framework step 3, but the training resumed at step 6")
+    assert str(tmp_path / "a") in message and "async_save write" in message
+
+    hold_at = 2
+
+    def held_write(job, names):
+        calls[0] += 1
+        if calls[0] == hold_at:
+            held.set()
+            release.wait(60)  # the step-6 write in flight while the folder is copied: what a kill leaves
+        return write(job, names)
+
+    calls[0] = 0
+    with pytest.MonkeyPatch.context() as mp:  # (b)
+        mp.setattr(fe_async, "_write_files", held_write)
+        acc, model, ema, weights, emas = _same_folder_run(tmp_path / "b", async_save=True)
+        assert held.wait(60)
+        shutil.copytree(tmp_path / "b", tmp_path / "b_killed")
+        release.set()
+        ema.wait()
+        ema.remove_hooks()
+    _load_refused(tmp_path / "b_killed", r"optimizer step 6 .* framework step 3")
+    calls[0], hold_at = 0, 1  # (b) into a new folder: no EMA checkpoint in the copy at all
+    held.clear(), release.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fe_async, "_write_files", held_write)
+        *_, ema, _, _ = _same_folder_run(tmp_path / "b_new", async_save=True, save_at=(6,))
+        assert held.wait(60)
+        shutil.copytree(tmp_path / "b_new", tmp_path / "b_new_killed")
+        release.set()
+        ema.wait()
+        ema.remove_hooks()
+    folder, incomplete = tmp_path / "b_new_killed", fe.checkpoint.IncompleteCheckpointError
+    _load_refused(folder, r"holds no complete EMA .* optimizer step 6 .* earlier checkpoint folder", incomplete)
+    (folder / "ema_save_state.json").unlink()  # without the record: the same refusal, with no step to name
+    where = re.escape(f"accelerator.load_state('{folder}'): {folder / 'ema'} holds no complete EMA")
+    message = _load_refused(folder, where + ".* earlier checkpoint folder", incomplete)
+    assert "None" not in message
+    _load_whole(tmp_path / "b", weights[6], emas[6], 6)  # the write finished: the folder is whole
+    (tmp_path / "b" / "ema_save_state.json").unlink()  # as saved by an earlier version: loads as before
+    _load_whole(tmp_path / "b", weights[6], emas[6], 6)
+
+    for folder, save_at in (("c", (3, 6)), ("c_new", (6,))):  # (c): a folder saved into at step 3, and a new one
+        *_, ema, weights, emas = _same_folder_run(tmp_path / folder, async_save=False, fail_at=6, save_at=save_at)
+        ema.remove_hooks()
+        assert read_manifest(tmp_path / folder, "ema")["step"] == 6
+        message = _load_refused(tmp_path / folder, r"save_state of optimizer step 6 into this folder did not finish")
+        assert str(tmp_path / folder) in message and "ema_save_state.json" in message
+
+    acc, model, optimizer = _prepared()  # a save past the wrapper leaves no record: checked as before
+    past = AcceleratorEMA(acc, model, decay=0.5)
+    _train(acc, model, optimizer, (past,), steps=2)
+    type(acc).save_state(acc, str(tmp_path / "c"))
+    past.remove_hooks()
+    assert not (tmp_path / "c" / "ema_save_state.json").exists()
+    _load_whole(tmp_path / "c", _own(model), fe.gather_full(past.state, model), 2)
+
+
+def same_folder_worker(root: str) -> dict:
+    """At 2 DDP ranks: (a) the step-6 EMA write of rank 0 (the one that writes the replicated EMA's file and
+    Accelerate's) fails in the background; (c) rank 0 stops inside the step-6 ``save_state`` after the EMA's hook; both
+    refused on every rank, loading nothing; a whole folder resumes the uninterrupted run's EMA bitwise on every
+    rank. (Rank 1 writes no file of a replicated EMA: a failure there may come after rank 0 committed the save
+    whole, a race whose both outcomes load right.)"""
+    import contextlib
+    import errno
+    from pathlib import Path
+
+    import functional_ema as fe
+    import functional_ema._async as fe_async
+
+    folder, write, calls = Path(root), fe_async._write_files, [0]
+
+    def failing(job, names):
+        calls[0] += 1
+        if calls[0] == 2 and job.rank == 0:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return write(job, names)
+
+    fe_async._write_files = failing
+    try:
+        *_, ema, weights, emas = _same_folder_run(folder / "a", async_save=True)
+        with contextlib.suppress(OSError, fe.CheckpointError):  # the failure (rank 1 may not have heard of it yet)
+            ema.wait()
+        ema.remove_hooks()
+    finally:
+        fe_async._write_files = write
+    assert fe.checkpoint.read_manifest(folder / "a", "ema")["step"] == 3  # the oracle: the EMA is step 3's
+    refused = {"a": _load_refused(folder / "a", r"optimizer step 6 .* framework step 3, but the training resumed")}
+    *_, ema, weights, emas = _same_folder_run(folder / "c", async_save=False, fail_at=6, rank_fails=0)
+    ema.remove_hooks()
+    refused["c"] = _load_refused(folder / "c", r"save_state of optimizer step 6 into this folder did not finish")
+    *_, ema, weights, emas = _same_folder_run(folder / "whole", async_save=True)
+    ema.wait()
+    ema.remove_hooks()
+    _load_whole(folder / "whole", weights[6], emas[6], 6)
+    return refused
+
+
+def test_at_two_ranks_a_folder_whose_ema_is_of_another_save_is_refused_on_every_rank(tmp_path):
+    """:func:`same_folder_worker` at 2 DDP ranks: each refusal names the folder, on both ranks alike."""
+    got = run_ranks(
+        "tests.test_integrations_accelerate:same_folder_worker",
+        world_size=2,
+        timeout=300,
+        env={"FE_DIST_INIT": "torch"},
+        root=str(tmp_path),
+    )
+    for case in ("a", "c"):
+        assert got[0][case] == got[1][case] and str(tmp_path / case) in got[0][case], got
+
+
+#: The Files table of the helper's save record (``ema_save_state.json``): each row a damaged or forged record in a
+#: whole folder (step 6, EMA at step 6), the error ``load_state`` must raise, and a fragment of its message. None of
+#: them may load anything. ``forge``: the record rewritten with that field and a valid checksum (a hand edit).
+RECORD_ROWS = (
+    ("truncated", lambda raw: raw[: len(raw) // 2], "CorruptCheckpointError", "not a readable JSON record"),
+    ("empty", lambda raw: b"", "CorruptCheckpointError", "not a readable JSON record"),
+    ("not JSON", lambda raw: b"\x00\xff garbage", "CorruptCheckpointError", "not a readable JSON record"),
+    ("huge", lambda raw: b" " * (1 << 21) + raw, "CorruptCheckpointError", "far more than a record"),
+    (
+        "byte flipped",
+        lambda raw: raw.replace(b'"optimizer_step": 6', b'"optimizer_step": 7'),
+        "CorruptCheckpointError",
+        "checksum",
+    ),
+    ("forged kind", {"kind": "something else"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
+    ("forged tag", {"tag": "other"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
+    ("forged step -1", {"optimizer_step": -1}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
+    ("forged step bool", {"optimizer_step": True}, "CorruptCheckpointError", "is not the accelerator.save_state"),
+    ("forged step str", {"optimizer_step": "6"}, "CorruptCheckpointError", "is not the accelerator.save_state"),
+    ("forged complete", {"complete": "yes"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
+    ("unfinished", {"complete": False}, "CheckpointMismatchError", "optimizer step 6 into this folder did not finish"),
+    ("another step", {"optimizer_step": 3}, "CheckpointMismatchError", "optimizer step 3"),
+)
+
+
+def test_a_damaged_or_forged_save_record_is_refused_loading_nothing(tmp_path):
+    """Every row of :data:`RECORD_ROWS`: refused with its error naming the record's folder, nothing loaded (no EMA,
+    the step counter and the model's weights as they were); the folder it was copied from resumes whole."""
+    import shutil
+
+    import functional_ema as fe
+    from functional_ema._checkpoint.format import read_record, record_bytes
+
+    *_, ema, weights, emas = _same_folder_run(tmp_path / "whole", async_save=False)
+    ema.remove_hooks()
+    record = tmp_path / "whole" / "ema_save_state.json"
+    raw, fields = record.read_bytes(), read_record(record)
+    assert fields is not None and fields["optimizer_step"] == 6 and fields["complete"] is True
+    for name, change, error, fragment in RECORD_ROWS:
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "whole", folder)
+        if callable(change):
+            (folder / record.name).write_bytes(change(raw))
+        else:
+            body = {k: v for k, v in fields.items() if k not in ("format", "checksum")}
+            (folder / record.name).write_bytes(record_bytes({**body, **change}))
+        kind = getattr(fe.checkpoint, error)
+        message = _load_refused(folder, None, kind)
+        assert fragment in message and str(folder) in message, (name, message)
+    (tmp_path / "dir_record").mkdir()
+    shutil.copytree(tmp_path / "whole", tmp_path / "dir_record", dirs_exist_ok=True)
+    (tmp_path / "dir_record" / record.name).unlink()
+    (tmp_path / "dir_record" / record.name).mkdir()  # a folder where the record goes
+    _load_refused(tmp_path / "dir_record", None, fe.checkpoint.CorruptCheckpointError)
+    _load_whole(tmp_path / "whole", weights[6], emas[6], 6)

@@ -113,7 +113,11 @@ def run_checks(model, opt, save_dir: str, rank: int, world: int, make_fresh, ste
         except fe.SwappedTrainingError:
             refused.append("step")
         # An update inside the block would average the EMA (what the parameters hold there) into itself.
-        for what, shards, nonfinite in (("update", fe.local_shards(model), None), ("kept", hoisted, "skip")):
+        for what, shards, nonfinite in (
+            ("update", fe.local_shards(model), None),
+            ("kept", hoisted, "skip"),
+            ("inner", fe.local_shards(inner), None),  # the module a DDP wrapper holds, read through it or alone
+        ):
             try:
                 fe.update(state, shards, steps + 1, decay=DECAYS, nonfinite=nonfinite)
             except fe.SwappedTrainingError as e:
@@ -175,7 +179,7 @@ def _check(report: dict, world: int) -> None:
     assert report["fused"] and report["bitwise"] and report["keys"] == sorted(report["names"])
     assert report["swap_forward_equal"] and report["restored"] and report["tied_frozen_live"]
     assert report["swapped_params"] == 6
-    assert report["refused"] == ["backward", "step", "update", "kept"] and report["untouched_after_refusal"]
+    assert report["refused"] == ["backward", "step", "update", "kept", "inner"] and report["untouched_after_refusal"]
     if world == 1:
         assert report["training_unchanged"]
     assert report["tag"] == "global_step6"
@@ -349,6 +353,10 @@ def test_update_inside_swapped_is_refused_for_every_reading_and_allowed_after():
             fe.update(whole, remade, 2, decay=0.5)
     assert int(whole.step) == 1
     fe.update(whole, fe.local_shards(model), 2, decay=0.5)
+    # A copy of the model made inside the block is a model of its own: no block is open on it.
+    with fe.swapped(model, whole), torch.no_grad():
+        copied = copy.deepcopy(model)
+    fe.update(fe.init_ema(fe.local_shards(copied)), fe.local_shards(copied), 1, decay=0.5)
     # A buffer the block registers (a cache a first forward makes) stays, and the block raises nothing.
     with fe.swapped(model, whole), torch.no_grad():
         model.mid.register_buffer("cache", torch.ones(2), persistent=False)

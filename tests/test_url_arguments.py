@@ -131,7 +131,7 @@ def test_a_url_missing_a_slash_is_refused_naming_the_url_meant(tmp_path: Path, m
         assert main(argv) == 2, argv
     _no_s3_folder(tmp_path)
     assert list(tmp_path.iterdir()) == []
-    for local in ("run:2/x", "C:/x", str(tmp_path / "s3:" / "b")):
+    for local in ("run:2/x", "C:/x", "exp:/x", "best:", str(tmp_path / "s3:" / "b")):  # not fsspec's schemes
         assert fe.save(state, m, local, "t") == Path(local) / "t"
         assert torch.equal(fe.load(m, local, "t").emas[0]["weight"], state.emas[0]["weight"])
 

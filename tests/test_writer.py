@@ -643,6 +643,7 @@ def test_commit_manifest_then_cleanup(tmp_path: Path, caplog: pytest.LogCaptureF
         f"{MANIFEST_NAME}.tmp-9-ffffffffffff",
         f"{MANIFEST_NAME}.pending.tmp-9-ffffffffffff",
         "ema_rank_00001_of_00002.safetensors.tmp-77",  # an older release's (no per-write token)
+        "ema_async.0123456789abcdef.rank00001.done.tmp-4-0123456789ab",  # an async marker's, crashed mid-write
     ]
     kept = [
         "mp_rank_00_model_states.pt",
@@ -658,6 +659,7 @@ def test_commit_manifest_then_cleanup(tmp_path: Path, caplog: pytest.LogCaptureF
         "ema_latest.tmp-x",
         "ema_rank_00000_of_00002.safetensors.tmp-1-0123456789ab.bak",
         "ema_rank_00000_of_00002.safetensors.tmp-1-ABCDEF012345",
+        "ema_async.log.tmp-4-0123456789ab",
     ]
     for name in stale + kept:
         (tag_dir / name).write_bytes(b"x")

@@ -119,6 +119,12 @@ def file_identity(match: re.Match) -> tuple[ModelPart, int, int, int]:
 _TMP_SUFFIX = re.compile(r"\.tmp-\d+(?:-[0-9a-f]{12})?$")
 
 
+#: The marker files of an async save (``_async._marker``: a save id is 16 hex digits, ``secrets.randbits(62)``) and
+#: their temporary names (``_io.atomic_write_bytes``): the only ``ema_async.`` names removed, never a user's
+#: ``ema_async.log``.
+ASYNC_MARKER = re.compile(r"ema_async\.[0-9a-f]{16}\.rank\d{5,}\.(?:done|error)(?:\.tmp-\d+-[0-9a-f]{12})?")
+
+
 def is_own_tmp(name: str, finals: Sequence[str]) -> bool:
     """Whether ``name`` is the temporary file of one write of a rank or buffer file, or of a name in ``finals``:
     that file's exact name and the exact suffix of :func:`functional_ema._io.tmp_name`. A user's file that merely

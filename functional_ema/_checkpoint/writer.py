@@ -29,6 +29,7 @@ from ..schedules import DecayLike, as_schedule
 from . import collective, index
 from .errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from .format import (
+    ASYNC_MARKER,
     BUFFER_FILE,
     BUFFERS_FORMAT,
     FILE_FORMAT,
@@ -518,6 +519,8 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
         stale_file = (RANK_FILE.match(p.name) or BUFFER_FILE.match(p.name)) and p.name not in keep
         stale_file = stale_file or p.name == PENDING_MANIFEST_NAME  # a crashed private save's
         stale_tmp = is_own_tmp(p.name, (MANIFEST_NAME, PENDING_MANIFEST_NAME))  # exact names: never a user's file
+        # an async marker's temporary (a crash mid-write): a later async commit removes markers, a blocking save not
+        stale_tmp = stale_tmp or (_io.is_tmp_name(p.name) and ASYNC_MARKER.fullmatch(p.name) is not None)
         if stale_file or stale_tmp:
             try:
                 os.unlink(p)

@@ -50,6 +50,7 @@ __all__ = [
 
 # Attribute of the training object under which its reading is kept (see Adapter.read).
 _SLOT = "_functional_ema_reading"
+_OPEN_SWAPS = "_functional_ema_open_swaps"  # the module's OpenSwaps
 
 
 class SwapStats(NamedTuple):
@@ -193,13 +194,33 @@ def read_for(adapter: Adapter, state: Any) -> Reading:
 
 
 class OpenSwaps:
-    """How many :func:`functional_ema.swapped` blocks are open on one model: kept by the ``Shards`` of each of its
-    readings (``Shards.swapped_in``), so that :func:`functional_ema.update` refuses them inside a block."""
+    """How many :func:`functional_ema.swapped` blocks are open on one model: kept on the model's module (one for its
+    wrappers too: a DDP model and ``ddp.module`` read alike) and by the ``Shards`` of each of its readings
+    (``Shards.swapped_in``), so that :func:`functional_ema.update` refuses them inside a block. Copies and pickles
+    of the module get a closed one (``None`` once unpickled: a pickled model must not need functional_ema)."""
 
     __slots__ = ("count",)
 
     def __init__(self) -> None:
         self.count = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OpenSwaps:
+        return OpenSwaps()
+
+    def __copy__(self) -> OpenSwaps:
+        return OpenSwaps()
+
+    def __reduce__(self) -> tuple[type[None], tuple[()]]:
+        return type(None), ()
+
+
+def open_swaps(module: torch.nn.Module) -> OpenSwaps:
+    """The counter of ``swapped`` blocks open on ``module`` (made on first use, kept in its ``__dict__`` beside the
+    reading's slot: not an attribute torch registers, saves or moves)."""
+    counter = module.__dict__.get(_OPEN_SWAPS)
+    if not isinstance(counter, OpenSwaps):
+        counter = module.__dict__[_OPEN_SWAPS] = OpenSwaps()
+    return counter
 
 
 class _Slot:
@@ -265,10 +286,9 @@ class Adapter:
                 close()
             previous = slot.reading if mine else None  # another adapter's reading says nothing about this one's
         reading = self._read(previous)
-        # One counter of open swapped() blocks per model, carried to every reading that replaces another: a reading
-        # made inside a block (the parameters' memory moved there) is refused by update as the one before it.
-        held = slot.reading.shards.swapped_in if isinstance(slot, _Slot) and slot.reading is not None else None
-        reading.shards.swapped_in = held if held is not None else OpenSwaps()
+        # One counter of open swapped() blocks per model, on its module: a reading made inside a block (the parameters'
+        # memory moved there), after forget(), or through another wrapper of the module is refused by update too.
+        reading.shards.swapped_in = open_swaps(self.module())
         self.target.__dict__[_SLOT] = _Slot(reading, type(self), type(self.target))
         return reading
 

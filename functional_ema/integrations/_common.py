@@ -80,6 +80,7 @@ from functional_ema.schedules import DecayLike, Schedule, check_decays
 __all__ = [
     "EMAController",
     "agreed_everywhere",
+    "barrier",
     "check_folder_tag",
     "expected_ema_step",
     "grown_state",
@@ -94,7 +95,8 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def barrier() -> None:
+    """``dist.barrier()`` where a process group is initialised (an integration's ranks line up); nothing on one process."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
@@ -648,10 +650,12 @@ class EMAController:
             ):
                 self.state = self.buffer_state = None  # nothing to resume: the EMA starts later, by the rules
                 return int(framework_step)
+            at = "by then" if framework_step is None else f"at framework step {framework_step}"
             raise fe.checkpoint.IncompleteCheckpointError(
                 f"resuming the EMA: {tag_dir} holds no complete EMA checkpoint (no {MANIFEST_NAME}) and no not-started "
-                f"record, but at framework step {framework_step} the EMA (start_step={self.start_step}) must have "
-                "started. Was the EMA callback attached when this checkpoint was written, and did its save finish?"
+                f"record, but the EMA (start_step={self.start_step}) must have started {at}. Was the EMA callback "
+                "attached when this checkpoint was written, and did its save finish? An earlier checkpoint may hold "
+                "a complete EMA"
             )
         return self._load_saved(x, location, tag_dir, saved_names, saved_buffers, framework_step, saved_selection[0])
 
@@ -840,7 +844,7 @@ class EMAController:
             if selection_record(state.emas[0]) is not None:  # the file holds the selected parameters only
                 meta["selection"] = json.dumps(selection_record(state.emas[0]))
             write_tensors(path, tensors, meta)  # atomically, with the file's own checksums
-        _barrier()
+        barrier()
         return path if _rank() == 0 else None
 
     def copy_to_model(self, x: Any, index: int | None = None) -> None:
@@ -872,7 +876,7 @@ class EMAController:
                 {**self.buffer_state.emas[index], **self.buffer_state.copied} if self.buffer_state else {}
             ).items():
                 live[n].copy_(t)
-        _barrier()
+        barrier()
 
     def on_train_end(self, x: Any, strip_prefix: str = "") -> None:
         """Wait for the EMA writes in flight, then the configured final export and/or copy into the model."""

@@ -34,6 +34,12 @@ parameters), counted by a step post-hook on each of them (per instance), so a lo
 none is counted inside ``accelerator.accumulate`` or when the fp16 scaler skips one. With no such optimizer
 (prepared after the helper), one step per :meth:`~AcceleratorEMA.step` call where the accelerator stepped
 (``sync_gradients`` and not ``optimizer_step_was_skipped``).
+
+Each wrapped ``save_state`` also leaves a checksummed record in its folder, ``<tag>_save_state.json``: the optimizer
+step of that save, marked unfinished after the EMA's hook and finished once ``save_state`` returned (Accelerate's own
+files written). ``load_state`` refuses a folder whose save did not finish, or whose EMA is not of the recorded save
+(an ``async_save`` write that failed, or a process that ended before its write committed), before anything is
+loaded; a folder with no record (an earlier version's) loads as before, the step taken from the EMA's own record.
 """
 
 from __future__ import annotations
@@ -49,12 +55,21 @@ from types import TracebackType
 from typing import Any
 
 import accelerate  # noqa: F401 - the framework this module glues to
+import torch.distributed as dist
 
+from functional_ema._checkpoint.collective import agree, arrive, io_error
+from functional_ema._checkpoint.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from functional_ema._checkpoint.format import MANIFEST_NAME, RECORD_NAME, read_record, record_bytes
+from functional_ema._io import atomic_write_bytes
 from functional_ema._state import EmaState
 from functional_ema.engines import adapter_for
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, check_folder_tag, local_folder
+from ._common import EMAController, check_folder_tag, has_saved_ema, local_folder
 
 __all__ = ["AcceleratorEMA"]
 
@@ -63,6 +78,12 @@ __all__ = ["AcceleratorEMA"]
 # "pytorch_model", zero_to_fp32.py) and FSDP's sharded model and optimizer folders. ("latest" is every tag's reserved
 # name already: check_tag refuses it first.)
 _ACCELERATE_FOLDERS = re.compile(r"pytorch_model|(pytorch_model_fsdp|optimizer)_\d+|zero_to_fp32")
+
+# The helper's record of the last save_state into a folder, beside its tag folder (``ema_save_state.json`` for the
+# tag "ema"; no tag can be named so: check_folder_tag refuses tags ending in .json): the optimizer step of that save
+# and whether save_state returned. A resume checks the EMA against it (AcceleratorEMA._recorded_step).
+_SAVE_RECORD = "{tag}_save_state.json"
+_SAVE_RECORD_KIND = "functional_ema.accelerate.save_state"
 
 # What torch.compile's wrapper (OptimizedModule) and an inner DDP put before the names of the module they wrap.
 _COMPILED_PREFIX = "_orig_mod."
@@ -85,6 +106,12 @@ def _live_helpers(accelerator: Any) -> list[AcceleratorEMA]:
     return helpers
 
 
+def _world_rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
 def _check_tag(accelerator: Any, tag: str, helper: AcceleratorEMA) -> None:
     """Refuse ``tag`` when another live helper of this accelerator (:func:`_live_helpers`) writes it at
     ``save_state`` (both would write ``<folder>/<tag>/``, the second overwriting the first)."""
@@ -102,7 +129,8 @@ class _StateVerb:
     the method) by its first helper, once each. Accelerate gathers the model's state, and deletes the oldest
     checkpoint folders (``total_limit``), before its save-state pre-hooks run, and loads a DeepSpeed or FSDP model
     before its load-state pre-hooks; this runs before all of that. For each live helper (:func:`_live_helpers`;
-    none after every ``remove_hooks()``: then it only calls through) a save enters :meth:`AcceleratorEMA._saving`;
+    none after every ``remove_hooks()``: then it only calls through) a save enters :meth:`AcceleratorEMA._saving`,
+    and once the save returned (Accelerate's own files written), marks it whole (:meth:`AcceleratorEMA._saved`);
     every swap in force is taken out for the verb and put back after it (:func:`_swapped_out`). A plain
     object (the accelerator, the verb's name and the callable it wraps), so the accelerator still pickles and
     deep-copies."""
@@ -121,7 +149,11 @@ class _StateVerb:
                 for helper in helpers:
                     stack.enter_context(helper._saving())
             stack.enter_context(_swapped_out([s for h in helpers for s in h._swaps]))
-            return verb(*args, **kwargs)
+            result = verb(*args, **kwargs)
+            if self.name == "save_state":
+                for helper in helpers:  # Accelerate's own files are all written: the save is whole
+                    helper._saved()
+            return result
 
 
 @contextlib.contextmanager
@@ -240,6 +272,9 @@ class AcceleratorEMA:
         self._pending: list[int] = []  # per hooked optimizer: the steps it took since the last step() call
         self._seen = 0  # how many prepared optimizers were looked at (one prepared later is hooked at step())
         self._swaps: list[_Swapped] = []  # the swapped() blocks open now
+        # Inside the wrapper's save_state (None outside): the folders (and optimizer steps) this save marked as being
+        # written, marked whole once it returns (_saved)
+        self._marked: list[tuple[Path, int]] | None = None
         self._handles = [
             accelerator.register_save_state_pre_hook(self._on_save),
             accelerator.register_load_state_pre_hook(self._on_load),
@@ -330,10 +365,12 @@ class AcceleratorEMA:
         # torch.distributed.checkpoint steps an optimizer without state once (zero gradients and lr) to build it
         # when FSDP's optimizer state is gathered: not a training step, so not counted.
         pending = list(self._pending)
+        self._marked = []
         try:
             yield
         finally:
             self._pending[: len(pending)] = pending
+            self._marked = None
 
     def _on_save(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
         if any(s.inner is not None and s.entered for s in self._swaps):
@@ -348,7 +385,82 @@ class AcceleratorEMA:
                 "ema.swapped():` block"
             )
         folder = local_folder(output_dir, "accelerator.save_state(output_dir)", "Accelerate")
-        self.ema.save(self.model, folder, self.optimizer_step)
+        step = self.optimizer_step
+        if self._marked is None:
+            # Past the wrapper, which alone can tell when the save is whole: no record, so a resume from this folder
+            # is checked as one saved before records were (the record of an earlier save would not fit this EMA).
+            self._write_record(folder, None)
+        self.ema.save(self.model, folder, step)
+        if self._marked is not None:
+            # After the EMA's save (a refused one changes nothing) and before Accelerate writes its own files: from
+            # here until save_state returns, the folder may hold files of two saves, and a resume refuses it.
+            self._write_record(folder, step, complete=False)
+            self._marked.append((folder, step))
+
+    def _record_path(self, folder: Path) -> Path:
+        return folder / _SAVE_RECORD.format(tag=self.ema.tag)
+
+    def _writes_record(self) -> bool:
+        """Whether this rank writes the save record: where Accelerate writes its model's files (the main process, or
+        each node's with ``save_on_each_node``), or every rank when each has its own folder (``shared=False``)."""
+        acc = self.accelerator
+        if not self.ema.shared:
+            return True
+        if getattr(getattr(acc, "project_configuration", None), "save_on_each_node", False):
+            return bool(acc.is_local_main_process)
+        return bool(acc.is_main_process)
+
+    def _write_record(self, folder: Path, step: int | None, complete: bool = False) -> None:
+        """The record of this save into ``folder`` (atomically), on the ranks that write it: at ``step``, ``complete``
+        or not; ``step=None`` removes the helper's own record. On every rank (agreed: a failure raises on each)."""
+        path = self._record_path(folder)
+        world, rank = _world_rank()
+
+        def write() -> None:
+            if not self._writes_record():
+                return
+            try:
+                if step is not None:
+                    record = {"kind": _SAVE_RECORD_KIND, "tag": self.ema.tag, "optimizer_step": step}
+                    atomic_write_bytes(path, record_bytes({**record, "complete": complete}))
+                    return
+                with contextlib.suppress(CorruptCheckpointError):  # a file that is not the helper's record stays
+                    if self._read_record(path) is not None:
+                        path.unlink()
+            except OSError as e:
+                raise io_error(e, rank, path) from None
+
+        if complete:  # save_state has no collective after its hooks: each writing rank marks its own folder
+            write()
+        else:
+            agree("accelerator.save_state (EMA save record)", write, None, world, rank, results=False)
+
+    def _read_record(self, path: Path) -> tuple[int, bool] | None:
+        """The (optimizer step, complete) of the save record at ``path``; ``None`` when there is none (a folder
+        saved before records were, or past the wrapper); a damaged or foreign file is refused, naming it."""
+        record = read_record(path)
+        if record is None:
+            return None
+        step, complete = record.get("optimizer_step"), record.get("complete")
+        if (
+            record.get("kind") != _SAVE_RECORD_KIND
+            or record.get("tag") != self.ema.tag
+            or type(step) is not int
+            or step < 0
+            or type(complete) is not bool
+        ):
+            raise CorruptCheckpointError(
+                f"{path} is not the accelerator.save_state record of the EMA tag {self.ema.tag!r} (its kind, tag, "
+                "optimizer_step or complete field is wrong): the file is damaged or was replaced; restore it or "
+                "resume from another checkpoint"
+            )
+        return step, complete
+
+    def _saved(self) -> None:
+        """After the wrapped ``save_state`` returned: each folder it marked is whole (Accelerate's files written)."""
+        marked, self._marked = self._marked or [], []
+        for folder, step in marked:
+            self._write_record(folder, step, complete=True)
 
     def _on_load(self, models: list[Any], input_dir: str) -> None:
         # Runs after DeepSpeed's load_checkpoint (global_steps restored) and before the rest. Without
@@ -364,11 +476,72 @@ class AcceleratorEMA:
                 "itself, or load outside the `with ema.swapped():` block"
             )
         folder = local_folder(input_dir, "accelerator.load_state(input_dir)", "Accelerate")
+        recorded = self._recorded_step(folder)  # the save_state the folder's own files are of (None: no record)
+        engine = self._engine_steps()
+        try:
+            saved = self.ema.load(self.model, folder, framework_step=recorded if engine is None else engine)
+        except (CheckpointMismatchError, IncompleteCheckpointError) as e:
+            raise self._refused(folder, recorded, e) from e
         self._pending = [0] * len(self._pending)  # the count restarts from the checkpoint's
-        if self._engine_steps() is not None:
-            self.ema.load(self.model, folder, framework_step=self.optimizer_step)
-        else:
-            self._steps = self.ema.load(self.model, folder, framework_step=None)
+        if engine is None:
+            self._steps = saved
+
+    def _recorded_step(self, folder: Path) -> int | None:
+        """The optimizer step of the ``save_state`` whose files ``folder`` holds, by its save record, agreed by every
+        rank; ``None`` without one (saved by an earlier version, or past the wrapper: the EMA's own record gives the
+        step, as before). A save that did not finish, or ranks that read different records, are refused."""
+        path = self._record_path(folder)
+        world, rank = _world_rank()
+        what = "accelerator.load_state (EMA save record)"
+        arrive(what, None, world, rank, None)  # bounded, as the EMA's load: a rank loading alone fails, not hangs
+        seen = agree(what, lambda: self._read_record(path), None, world, rank)
+        where = f"accelerator.load_state({str(folder)!r})"
+        if any(v != seen[0] for v in seen):
+            views = ", ".join(
+                f"rank {r}: " + ("none" if v is None else f"step {v[0]}" + ("" if v[1] else " (unfinished)"))
+                for r, v in enumerate(seen)
+            )
+            raise CheckpointMismatchError(
+                f"{where}: the ranks read different save records {path.name} ({views}); every rank must load the "
+                "folder of one save_state"
+            )
+        if seen[0] is None:
+            return None
+        step, complete = seen[0]
+        if not complete:
+            raise CheckpointMismatchError(
+                f"{where}: the save_state of optimizer step {step} into this folder did not finish (its record "
+                f"{path.name} says so): it failed or was stopped after the EMA was written, so the folder may hold "
+                "the model, optimizer and EMA of different saves. Nothing of it was loaded (under DeepSpeed or FSDP "
+                "Accelerate loads the model before this check: load another folder now). Resume from an earlier "
+                "checkpoint folder, or save again from a run at that step"
+            )
+        return step
+
+    def _refused(self, folder: Path, recorded: int | None, e: Exception) -> Exception:
+        """The EMA's refusal to load from ``folder`` with what the helper knows of it: the step of the save_state
+        its files are of (``recorded``), and what most likely left the EMA of another save, or none."""
+        where = f"accelerator.load_state({str(folder)!r})"
+        at = "" if recorded is None else f" of the save_state at optimizer step {recorded} (its record says so)"
+        cause = "an async_save write that failed in the background, or a process that ended before its write committed"
+        if isinstance(e, IncompleteCheckpointError) and not (
+            has_saved_ema(folder, self.ema.tag) or (folder / self.ema.tag / RECORD_NAME).is_file()
+        ):
+            though = "" if recorded is None else f", though the folder is{at},"
+            return IncompleteCheckpointError(
+                f"{where}: {folder / self.ema.tag} holds no complete EMA checkpoint (no {MANIFEST_NAME}) and no "
+                f"not-started record{though} and the EMA (start_step={self.ema.start_step}) must have started by "
+                f"then. Its EMA save did not finish ({cause}), or the "
+                "helper was not attached when it ran. An earlier checkpoint folder may hold a complete EMA: "
+                "load_state that folder, or start a new EMA"
+            )
+        if recorded is None or not isinstance(e, CheckpointMismatchError):
+            return e
+        return CheckpointMismatchError(
+            f"{where}: the folder holds Accelerate's files{at}, but not its EMA: {e}. Where the EMA's step is what "
+            f"differs, the EMA save of that save_state did not finish ({cause}), leaving the EMA of an "
+            "earlier save: resume from an earlier checkpoint folder, or save again from a run at that step"
+        )
 
     def export(self, path: str | os.PathLike, index: int | None = None) -> Path | None:
         """Consolidated EMA ``index`` into one safetensors file (rank 0 writes). Collective. Named as the model's

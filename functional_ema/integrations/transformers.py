@@ -72,7 +72,7 @@ from functional_ema._checkpoint.format import MANIFEST_NAME
 from functional_ema._state import EmaState
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, _barrier, agreed_everywhere, check_folder_tag, has_saved_ema, local_folder
+from ._common import EMAController, agreed_everywhere, barrier, check_folder_tag, has_saved_ema, local_folder
 
 __all__ = ["EMACallback"]
 
@@ -461,7 +461,7 @@ class EMACallback(TrainerCallback):
         best = str(getattr(args.save_strategy, "value", args.save_strategy)) == "best" and control.should_evaluate
         if end or control.should_save or best:
             self._wait_in_flight()
-            _barrier()
+            barrier()
 
     def _wait_in_flight(self) -> None:
         """Wait for the async EMA save in flight (``_in_flight``); a failure of it is raised as a
@@ -474,8 +474,8 @@ class EMACallback(TrainerCallback):
             self.ema.wait()
         except Exception as e:
             where = folder / self.ema.tag
-            if where.is_dir() and not isinstance(e, OSError):
-                raise  # a CheckpointError of the save itself (another rank's failure, ...): it names the folder
+            if where.is_dir() and isinstance(e, CheckpointError):
+                raise  # the save's own (another rank's failure, ...): it names the folder
             why = (
                 f"{type(e).__name__}: {e}"
                 if where.is_dir()
