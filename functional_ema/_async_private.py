@@ -280,7 +280,7 @@ def _timed_out(pending: PendingCommit, stage: str, bound: float, waited: float, 
     rank 0 knows which, the others only that rank 0 did not release them), the limit and what sets it."""
     prep = pending.prep
     _, world, rank = prep.job
-    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    detail = collective.error_detail(e)
     return CheckpointTimeoutError(
         f"AsyncSaver: the commit of the async save of tag {prep.first['tag']!r} (step {prep.first['step']}) into "
         f"{prep.tag_dir}: rank {rank} waited {waited:.1f} s (limit {bound:g} s) at the commit's {stage} for the other "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -447,17 +448,8 @@ def test_diffusers_unet_export_loads_with_from_pretrained(tmp_path):
         layers_per_block=1,
     )
     unet.save_pretrained(tmp_path / "base")
-    opt = torch.optim.AdamW(unet.parameters(), lr=1e-2)
-    state = fe.init_ema(fe.local_shards(unet))
-    ref = {n: p.detach().clone() for n, p in unet.named_parameters()}
     x = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(1))
-    for step in range(1, STEPS + 1):
-        unet(x, step).sample.pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state = fe.update(state, fe.local_shards(unet), step, decay=DECAY)
-        for n, p in unet.named_parameters():
-            ref[n].lerp_(p.detach(), 1 - DECAY)
+    state, ref = _trained_ema(unet, STEPS, lambda step: unet(x, step).sample.pow(2).mean())
     fe.save(state, unet, tmp_path / "ckpt", tag="s4")
     out = to_hf(tmp_path / "ckpt", tmp_path / "unet_ema", tmp_path / "base", tag="s4")
     assert (out / "diffusion_pytorch_model.safetensors").is_file() and (out / "config.json").is_file()
@@ -798,6 +790,27 @@ def _task_model(task_type: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor
     return getattr(transformers, cls)(config), {}
 
 
+def _trained_ema(
+    model: torch.nn.Module, steps: int, loss: Callable[[int], torch.Tensor]
+) -> tuple[object, dict[str, torch.Tensor]]:
+    """``steps`` AdamW steps of ``loss(step)`` with the EMA updated after each (``DECAY``), and the same EMA of the
+    trained parameters computed in plain torch (the oracle): ``(state, {name: reference EMA})``."""
+    import functional_ema as fe
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+    state = fe.init_ema(fe.local_shards(model))
+    ref = {n: p.detach().clone() for n, p in params.items()}
+    for step in range(1, steps + 1):
+        loss(step).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        for n, p in params.items():
+            ref[n].lerp_(p.detach(), 1 - DECAY)
+    return state, ref
+
+
 @pytest.mark.parametrize(
     "task_type", ["CAUSAL_LM", "SEQ_CLS", "SEQ_2_SEQ_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION"]
 )
@@ -817,18 +830,12 @@ def test_a_peft_adapter_saved_with_a_task_type_exports_and_loads_as_the_ema(tmp_
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"] if extra else LORA_TARGETS, task_type=task_type)
     model = get_peft_model(model, lora, adapter_name="default")
     model.save_pretrained(tmp_path / "like")
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW(params.values(), lr=1e-2)
-    state = fe.init_ema(fe.local_shards(model))
-    ref = {n: p.detach().clone() for n, p in params.items()}
-    for step in range(1, 4):
+
+    def loss(step: int) -> torch.Tensor:
         out = model(input_ids=_tokens(2, seed=step), **extra)
-        next(v for v in out.values() if isinstance(v, torch.Tensor)).float().square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
-        for n, p in params.items():
-            ref[n].lerp_(p.detach(), 1 - DECAY)
+        return next(v for v in out.values() if isinstance(v, torch.Tensor)).float().square().mean()
+
+    state, ref = _trained_ema(model, 3, loss)
     fe.save(state, model, tmp_path / "ckpt", tag="s")
     out_dir = to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s", progress=False)
     written, like = (json.loads((d / "adapter_config.json").read_text()) for d in (out_dir, tmp_path / "like"))

@@ -433,7 +433,7 @@ def _max_words(
 
 def _timed_out(what: str, rank: int, world: int, t: float, waited: float, e: Exception, set_by: str) -> Exception:
     """The :class:`CheckpointTimeoutError` of a verb whose other ranks did not come within ``t`` seconds."""
-    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    detail = error_detail(e)
     return CheckpointTimeoutError(
         f"functional_ema.{what}: rank {rank} waited {waited:.1f} s (limit {t:g} s) for the other ranks "
         f"of its process group (world size {world}) to call it too, and they did not ({detail}). {what}() is "
@@ -550,9 +550,16 @@ def update_exchange(mode: str, words: list[int], group: dist.ProcessGroup | None
         raise _update_timed_out(mode, rank, world, t, time.monotonic() - t0, e) from None
 
 
+def error_detail(e: BaseException) -> str:
+    """The first line of ``e``'s message (at most 300 characters), or its class name: what a timed-out exchange's error
+    quotes of gloo's."""
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
 def _update_timed_out(mode: str, rank: int, world: int, t: float, waited: float, e: Exception) -> Exception:
     """The :class:`CheckpointTimeoutError` of an ``update(nonfinite=mode)`` whose other ranks made no exchange."""
-    detail = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    detail = error_detail(e)
     return CheckpointTimeoutError(
         f"functional_ema.update(nonfinite={mode!r}): rank {rank} waited {waited:.1f} s (limit {t:g} s) for the other "
         f"ranks of the shards' process group (world size {world}) to decide with it whether any saw a NaN or inf, "
