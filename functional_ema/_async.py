@@ -11,10 +11,15 @@
 * **In a background thread** (no collectives, no process group at all): write this rank's file
   (temporary name, fsync, rename, folder fsync, as the blocking save), then commit through the
   shared filesystem: every writing rank other than 0 drops a small marker file with its file's
-  record (``ema_async.<id>.rank<r>.done``); rank 0 polls for them, writes ``ema_manifest.json``
-  (which completes the checkpoint, as before) and removes the markers; the other ranks poll until
-  the manifest carrying this save's id appears. A failure on any rank leaves an
-  ``ema_async.<id>.rank<r>.error`` marker, so every rank's handle fails with it instead of waiting.
+  record (``ema_async.<id>.rank<r>.done``); rank 0 polls for them, claims the outcome (links
+  ``ema_async.<id>.rank00000.done`` into place, which fails if it exists), writes ``ema_manifest.json``
+  (which completes the checkpoint, as before) and removes the markers; the other ranks poll until the
+  manifest carrying this save's id appears. A failure on any rank leaves an
+  ``ema_async.<id>.rank<r>.error`` marker, so every rank's handle fails with it instead of waiting. A
+  rank whose failure rank 0 may not wait for (one that writes no file, as a replicated model's ranks
+  other than 0; one whose wait timed out after its done marker) first claims the outcome itself: if
+  its claim comes first, rank 0 fails too; if rank 0's came first, it waits for the manifest and
+  succeeds (the writers wrote everything). Every rank agrees whether the save is complete.
 
 Why not a collective in the background: torch.distributed collectives on one process group must
 be issued in the same order on every rank, and the training thread issues its own (gradients,
@@ -31,6 +36,7 @@ loadable. Markers are never read by :func:`~functional_ema.checkpoint.load`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -39,7 +45,6 @@ import re
 import secrets
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -458,9 +463,16 @@ class AsyncSaver:
     def _fail_pending(self, error: BaseException) -> None:
         """Fail every save awaiting its commit: the first with ``error``, the later ones with an error naming it (their
         commits would meet the same missing ranks, each after its own wait; the process group may be unusable).
-        Their new files are removed and their locks released once their writes end; nothing is committed."""
+        Their new files are removed and their locks released (once their writes end) before their handles fail;
+        nothing is committed."""
         pending = list(self._pending)
         self._pending.clear()  # the same list: the exit check (_warn_uncommitted) holds it
+        # Each one's files are removed and its lock released before its handle fails, so that a save of the tag right
+        # after the failing wait() finds it free: once its write has ended, waited for as the commit would have
+        # (commit_timeout, all of them together); not after an interrupt, which the caller raises now.
+        deadline = time.monotonic() + (
+            max((p.commit_timeout for p in pending), default=0.0) if isinstance(error, Exception) else 0.0
+        )
         if not isinstance(error, Exception):  # an interrupt: raised by the caller now, not again by every wait
             error = CheckpointError(f"the commit was interrupted ({type(error).__name__}); nothing of it is committed")
         for i, p in enumerate(pending):
@@ -471,7 +483,7 @@ class AsyncSaver:
                     f"the save before it ({pending[0].prep.tag_dir}) failed: {type(error).__name__}: {error}"
                 )
                 failure.__cause__ = error
-            _async_private.abandon_after_write(p)
+            _async_private.abandon_when_written(p, max(0.0, deadline - time.monotonic()))
             p.handle._finish(failure)
 
     def _last_shared(self) -> threading.Event | None:
@@ -577,6 +589,14 @@ class _Job:
 _SAVE_ID_WITHIN = 64 << 10
 
 
+#: The most a rank waits for rank 0's manifest once it read rank 0's claim to commit (``_fail_after_vote``), its own
+#: wait (``commit_timeout``) being over already: rank 0 claims right before it writes the manifest, so a longer wait
+#: means rank 0 died or its storage stalls (``max(min(commit_timeout, this), _COMMIT_GRACE_MIN_S)``).
+_COMMIT_GRACE_S = 60.0
+#: The least of that grace: a small ``commit_timeout`` (1-5 s) is no bound on a loaded rank 0's manifest write.
+_COMMIT_GRACE_MIN_S = 10.0
+
+
 def _is_save(mpath: Path, token: str) -> bool:
     """Whether the manifest at ``mpath`` (written whole, by a rename) is the one of the save ``token``.
 
@@ -594,19 +614,17 @@ def _run(job: _Job, handle: SaveHandle) -> None:
     names: list[str] = []
     try:  # everything: an exception escaping here would die in the executor, the handle never finished
         names = writer.save_files(job.layout, job.first["generation"], job.buffers is not None, job.emas is not None)
-        if job.ready is not None:
-            job.ready.synchronize()
-        record = _write_files(job, names)
-        deadline = time.monotonic() + job.timeout
         if job.rank == 0:
-            _commit_when_all_wrote(job, record, deadline)
+            record = _write_files(job, names)
+            _commit_when_all_wrote(job, record, time.monotonic() + job.timeout)
         else:
-            _wait_for_commit(job, record, deadline)
+            _write_and_wait(job, names)
     except BaseException as e:  # noqa: BLE001 - handed to the caller through the handle
         error = e
         try:
             _report_failure(job, e)
-            writer.remove_unlisted(job.tag_dir, names)
+            if not isinstance(e, _Undecided):  # rank 0 may yet commit a manifest listing these files
+                writer.remove_unlisted(job.tag_dir, names)
         except BaseException as e2:  # noqa: BLE001 - a cleanup; the handle gets the save's own failure
             logger.error("functional_ema: could not clean up the failed async save in %s: %s", job.tag_dir, e2)
     finally:
@@ -620,6 +638,8 @@ def _run(job: _Job, handle: SaveHandle) -> None:
 
 def _write_files(job: _Job, names: list[str]) -> dict[str, Any]:
     """This rank's EMA and buffer files written; returns their record for the manifest."""
+    if job.ready is not None:
+        job.ready.synchronize()
     record: dict[str, Any] = {"part": writer.part_record(job.layout, job.mine)}
     if job.emas is not None:
         meta = writer.rank_file_meta(job.mine, job.layout, job.first["generation"])
@@ -636,7 +656,7 @@ def _write_files(job: _Job, names: list[str]) -> dict[str, Any]:
 
 def _commit_when_all_wrote(job: _Job, record: dict[str, Any], deadline: float) -> None:
     """Rank 0: wait for every writer's done marker (or an error marker), then for the save started before this
-    one, then commit the manifest."""
+    one, then decide to commit (:func:`_claim`, unless a rank gave up first) and write the manifest."""
     records: dict[int, dict[str, Any]] = {0: record}
     others = [r for r in job.writers if r != 0]
 
@@ -655,37 +675,209 @@ def _commit_when_all_wrote(job: _Job, record: dict[str, Any], deadline: float) -
         # checkpoint that rank already reported failed and whose files it removed.
         _raise_remote_error(job, set(os.listdir(job.tag_dir)))
     manifest = writer.build_manifest(job.first, [records[r] for r in sorted(records)], save_id=job.token)
-    writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
-    _remove_markers(job.tag_dir)
+    # A rank rank 0 did not wait for (one writing no file; one whose wait timed out) may have claimed an abort first.
+    decided = _claim(job, {"rank": 0, "commit": True}, _manifest_check(job))
+    if not decided.get("commit"):
+        raise _remote(job, decided)
+    try:
+        writer.commit_manifest(job.save_dir, job.tag_dir, manifest)
+    except BaseException as e:
+        if not (isinstance(e, Exception) and _committed_anyway(job, e)):  # not committed: the error marker says so
+            with contextlib.suppress(OSError):
+                os.unlink(job.tag_dir / _marker(job.token, 0, "done"))  # no claim is left behind
+            raise
+    with contextlib.suppress(OSError):  # best effort: the next async commit of the tag removes what is left
+        _remove_markers(job.tag_dir)
 
 
-def _wait_for_commit(job: _Job, record: dict[str, Any], deadline: float) -> None:
-    """A rank other than 0: leave its done marker (where rank 0 waits for it), then wait for the manifest of
-    this save (or another rank's error marker)."""
-    if job.rank in job.writers:
-        _io.atomic_write_bytes(job.tag_dir / _marker(job.token, job.rank, "done"), json.dumps(record).encode())
+def _committed_anyway(job: _Job, error: Exception) -> bool:
+    """Rank 0's commit failed: whether it failed after the manifest was renamed into place (the folder's fsync,
+    ``ema_latest``, the removal of older generations). Then the save is complete, as every other rank sees it: a
+    warning, and success. Raises :class:`_Undecided` where the manifest cannot be read (the others decide by it)."""
+    try:
+        done = _is_save(job.tag_dir / fmt.MANIFEST_NAME, job.token)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise _Undecided(
+            f"async save of tag {job.first['tag']!r} (rank 0): writing its manifest failed ({type(error).__name__}: "
+            f"{error}), and whether the manifest is in place could not be read ({type(e).__name__}: {e}). The files "
+            "are left in place: the save is complete if functional_ema.checkpoint.read_manifest reads this save's "
+            f"manifest in {job.tag_dir}; if not, save again"
+        ) from error
+    if done:
+        logger.warning(
+            "functional_ema: the async EMA save into %s is complete (its manifest is in place), but what follows it "
+            "failed: %s: %s. ema_latest may not name this tag (load it by tag), and files of older generations or "
+            "markers may be left (the next save of the tag removes them)",
+            job.tag_dir,
+            type(error).__name__,
+            error,
+        )
+    return done
+
+
+def _write_and_wait(job: _Job, names: list[str]) -> None:
+    """A rank other than 0: write its files, leave its done marker (a writer: rank 0 waits for it), then wait for the
+    manifest of this save (or another rank's error marker). A failure where rank 0 may commit without this rank's
+    word (it writes no file, or its done marker is out) is decided with rank 0 (:func:`_fail_after_vote`)."""
+    committed = _manifest_check(job)
+    voted = job.rank not in job.writers  # rank 0 commits without waiting for a rank that writes no file
+    try:
+        record = _write_files(job, names)
+        deadline = time.monotonic() + job.timeout
+        if not voted:
+            voted = True  # from here rank 0 may hold this rank's record (a write that fails may have renamed it)
+            _io.atomic_write_bytes(job.tag_dir / _marker(job.token, job.rank, "done"), json.dumps(record).encode())
+        _poll(committed, deadline, job, "rank 0's manifest")
+    except _RemoteError:
+        raise  # rank 0 does not commit: it fails with that rank's error too
+    except Exception as e:  # decided with rank 0 (below), then raised or not
+        if not voted:
+            raise  # rank 0 cannot commit without this rank's record: its error marker (next) fails the save
+        _fail_after_vote(job, e, committed)
+
+
+def _manifest_check(job: _Job) -> Callable[[], bool | None]:
+    """A poll (:func:`_poll`) for the manifest of this save: True once it is there; raises another rank's error."""
     seen: list[tuple[int, int] | None] = [None]  # the manifest's (mtime, size) at the last parse
+    found = [False]  # this save's manifest was seen: the answer stands (asked again after a claim)
 
     def committed() -> bool | None:
         mpath = job.tag_dir / fmt.MANIFEST_NAME
+        if found[0]:
+            return True
         try:
             st = mpath.stat()
             if (st.st_mtime_ns, st.st_size) != seen[0]:  # read only a changed manifest
                 seen[0] = (st.st_mtime_ns, st.st_size)
-                if _is_save(mpath, job.token):
+                found[0] = _is_save(mpath, job.token)
+                if found[0]:
                     return True
         except (OSError, ValueError):
             pass  # not there yet, or being replaced
         _raise_remote_error(job, set(os.listdir(job.tag_dir)))
         return None
 
-    _poll(committed, deadline, job, "rank 0's manifest")
+    return committed
+
+
+def _fail_after_vote(job: _Job, error: Exception, committed: Callable[[], bool | None]) -> None:
+    """A rank that failed where rank 0 may be committing without it: the save fails only if this rank's abort is
+    the claimed outcome (:func:`_claim`), so that every rank agrees. Where rank 0 decided to commit first, wait for
+    its manifest (a short grace: this rank's own wait may have used ``commit_timeout`` already) and succeed.
+
+    Any other failure on the way (making or reading the claim, polling in the grace: EIO, ESTALE) leaves the outcome
+    unknown to this rank: :class:`_Undecided` (no error marker, no file removed: rank 0 may commit a manifest listing
+    them)."""
+    try:
+        _decide_after_vote(job, error, committed)
+    except (_RemoteError, _Undecided):
+        raise  # decided: another rank's failure; or unknown, said so
+    except Exception as e:
+        if e is error:
+            raise  # this rank's abort is the claimed outcome
+        raise _Undecided(
+            f"async save of tag {job.first['tag']!r} (rank {job.rank}): this rank failed ({type(error).__name__}: "
+            f"{error}) after its done marker was out, and then could not learn the save's outcome "
+            f"({type(e).__name__}: {e}). This rank's files are left in place: the save is complete if rank 0 wrote "
+            f"its manifest in {job.tag_dir} (functional_ema.checkpoint.read_manifest); if not, save again"
+        ) from e
+
+
+def _decide_after_vote(job: _Job, error: Exception, committed: Callable[[], bool | None]) -> None:
+    """:func:`_fail_after_vote`: claim this rank's abort; raise ``error`` if it stands, else follow rank 0's claim."""
+    payload = {"rank": job.rank, "type": type(error).__name__, "message": str(error)}
+    payload["checkpoint_error"] = isinstance(error, CheckpointError)
+    decided = _claim(job, payload, committed)
+    # Compared by content (a claim read back is a copy): this abort stands, unless rank 0 committed (and removed its
+    # claim) before it was made.
+    if decided == payload:
+        if committed() is True:
+            with contextlib.suppress(OSError):
+                os.unlink(job.tag_dir / _marker(job.token, 0, "done"))  # the claim just made, left over
+            return
+        raise error
+    if not decided.get("commit"):
+        raise _remote(job, decided)
+    grace = max(min(job.timeout, _COMMIT_GRACE_S), _COMMIT_GRACE_MIN_S)
+    try:
+        _poll(committed, time.monotonic() + grace, job, "the manifest of rank 0, which decided to commit", grace)
+    except _RemoteError:
+        raise  # rank 0 failed writing it (its error marker): nothing is committed
+    except CheckpointError as e:
+        raise _Undecided(
+            f"async save of tag {job.first['tag']!r} (rank {job.rank}): this rank failed ({type(error).__name__}: "
+            f"{error}) after rank 0 decided to commit the save, whose manifest then did not appear in {job.tag_dir} "
+            f"within {grace:g} s (max(min(commit_timeout, {_COMMIT_GRACE_S:g} s), {_COMMIT_GRACE_MIN_S:g} s)): rank 0 died, or its storage stalls. "
+            "This rank's files are left in place: the save is complete if that manifest appears "
+            "(functional_ema.checkpoint.read_manifest); if not, save again"
+        ) from e
+    logger.warning(
+        "functional_ema: rank %d gave up on its part of the async save into %s (%s: %s) after rank 0 decided to commit "
+        "it: the checkpoint is complete (the writing ranks wrote it), and this rank's save succeeds",
+        job.rank,
+        job.tag_dir,
+        type(error).__name__,
+        error,
+    )
+
+
+def _claim(job: _Job, outcome: dict[str, Any], committed: Callable[[], bool | None]) -> dict[str, Any]:
+    """Decide the save's outcome once for every rank: the first of rank 0 (``{"commit": true}``, right before it
+    writes the manifest) and a rank giving up (its error) to make the claim file (rank 0's done marker name, which
+    no rank writes otherwise) wins. Returns the outcome that stands (``outcome`` itself when this rank's won).
+
+    The claim is written whole under a temporary name, then ``os.link``-ed to its name: atomic and exclusive, on
+    NFS too (the classic lock file), so that a claim read is never empty or partial. Not fsynced: it only decides
+    between live ranks, and a crash loses the save anyway (no manifest)."""
+    path = job.tag_dir / _marker(job.token, 0, "done")
+    data = json.dumps(outcome).encode()
+    while True:
+        tmp = _io.tmp_name(path)  # a marker's temporary name: removed with the markers if a crash leaves it
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, path)
+            return outcome
+        except FileExistsError:
+            # NFS: a link retransmitted after its reply got lost is answered EEXIST: then the claim is this one
+            with contextlib.suppress(OSError):
+                if os.stat(tmp).st_nlink == 2:
+                    return outcome
+        except FileNotFoundError:
+            continue  # the temporary removed with the markers of a save just committed: claim again (then read)
+        except OSError:  # NFS: the reply to a link that was made can get lost; then the file has 2 links
+            if os.stat(tmp).st_nlink == 2:
+                return outcome
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        decided = _read_claim(job, path, committed)
+        if decided is not None:
+            return decided
+
+
+def _read_claim(job: _Job, path: Path, committed: Callable[[], bool | None]) -> dict[str, Any] | None:
+    """The outcome claimed in ``path`` (whole: it was linked into place), or None where the claim is gone since
+    (a rank that claimed an abort only removes it after rank 0 committed; rank 0 removes its own when its commit
+    failed): then the manifest decides, or else claim again."""
+    try:
+        return cast("dict[str, Any]", json.loads(path.read_bytes()))
+    except FileNotFoundError:
+        return {"rank": 0, "commit": True} if committed() is True else None
+    except (OSError, ValueError) as e:
+        raise _Undecided(
+            f"async save of tag {job.first['tag']!r} (rank {job.rank}): could not read the save's outcome, claimed in "
+            f"{path} ({type(e).__name__}: {e}). This rank's files are left in place: the save is complete if rank 0 "
+            "wrote its manifest (functional_ema.checkpoint.read_manifest); if not, save again"
+        ) from e
 
 
 def _report_failure(job: _Job, e: BaseException) -> None:
     """Log this rank's failure and, unless it is another rank's, leave an error marker, so that the other
-    ranks fail now rather than at the timeout."""
-    if not isinstance(e, _RemoteError):
+    ranks fail now rather than at the timeout (not where the save may yet be committed: the others wait for it)."""
+    if not isinstance(e, (_RemoteError, _Undecided)):
         try:
             payload = {
                 "rank": job.rank,
@@ -710,6 +902,11 @@ class _RemoteError(CheckpointError):
     """Another rank's background write failed (read from its error marker)."""
 
 
+class _Undecided(CheckpointError):
+    """This rank failed without learning whether rank 0 commits the save (it decided to, and no manifest came): no
+    error marker (the other ranks wait for the manifest) and no file removed (the manifest may list them)."""
+
+
 def _raise_remote_error(job: _Job, names: set[str]) -> None:
     prefix = f"{_MARK}{job.token}."
     for name in sorted(names):
@@ -718,19 +915,26 @@ def _raise_remote_error(job: _Job, names: set[str]) -> None:
                 info = json.loads((job.tag_dir / name).read_text())
             except (OSError, ValueError):
                 continue  # being written (atomically: complete on the next poll)
-            raise _RemoteError(
-                f"async save of tag {job.first['tag']!r} failed on rank {info.get('rank')} "
-                f"({info.get('type')}): {info.get('message')}"
-            )
+            raise _remote(job, info)
 
 
-def _poll(check: Callable[[], bool | None], deadline: float, job: _Job, what: str) -> None:
+def _remote(job: _Job, info: dict[str, Any]) -> _RemoteError:
+    """Another rank's failure, from its error marker (or its claimed outcome)."""
+    return _RemoteError(
+        f"async save of tag {job.first['tag']!r} failed on rank {info.get('rank')} "
+        f"({info.get('type')}): {info.get('message')}"
+    )
+
+
+def _poll(check: Callable[[], bool | None], deadline: float, job: _Job, what: str, limit: float | None = None) -> None:
+    """Call ``check`` until it returns non-None, backing off to 50 ms; past ``deadline`` (``limit`` s, the message
+    says; ``commit_timeout`` unless given) raise."""
     delay = 0.001
     while check() is None:
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"async save of tag {job.first['tag']!r} (rank {job.rank}): timed out after "
-                f"{job.timeout:.0f} s waiting for {what} in {job.tag_dir}. Is the directory shared by all "
+                f"{job.timeout if limit is None else limit:g} s waiting for {what} in {job.tag_dir}. Is the directory shared by all "
                 "ranks, and are they all alive? The checkpoint is not marked complete"
             )
         time.sleep(delay)
@@ -773,5 +977,7 @@ def _warn_uncommitted(pending: list[_async_private.PendingCommit]) -> None:
             "ema_latest is unchanged. Call saver.wait() on every rank before exiting, or use "
             "`with fe.AsyncSaver(...) as saver:`"
         )
+        # Logged only, once: it reaches the handlers that collect a cluster's logs, and with logging unconfigured
+        # Python's last-resort handler prints it on stderr. Not also a warning: said twice on stderr then, and at
+        # exit a blanket filterwarnings("ignore") (common in training scripts) must not hide it, nor "error" raise it.
         logger.warning("%s", msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=1)

@@ -46,7 +46,18 @@ from ._layout import ShardLayout
 from ._state import BufferState, EmaState
 from ._storage import Storage
 
-__all__ = ["BUCKET", "PRIVATE", "Ops", "PendingCommit", "abandon_after_write", "commit", "save_now", "start", "written"]
+__all__ = [
+    "BUCKET",
+    "PRIVATE",
+    "Ops",
+    "PendingCommit",
+    "abandon_after_write",
+    "abandon_when_written",
+    "commit",
+    "save_now",
+    "start",
+    "written",
+]
 
 logger = logging.getLogger("functional_ema")
 
@@ -308,6 +319,19 @@ def abandon_after_write(pending: PendingCommit) -> None:
     pending.write.add_done_callback(abandon)
 
 
+def abandon_when_written(pending: PendingCommit, bound: float) -> None:
+    """:func:`abandon_after_write`, run before the save's failure is reported (its handle finished): an immediate
+    save of the tag from this thread must find it free and its new files gone. Waits for the background write at
+    most ``bound`` seconds. A write still going on then (stalled storage) keeps the tag until it ends; its lock then
+    no longer says it awaits this thread's commit, so a save of the tag waits for it (at most that save's timeout)
+    instead of being refused as waiting for itself."""
+    concurrent.futures.wait([pending.write], timeout=bound)
+    if not pending.write.done():  # nothing releases the lock before abandon_after_write below: no race with it
+        for held in getattr(pending.prep, "lock", ()):  # a bucket has no lock
+            held._note_holder(awaits_commit=False)  # the holder's note (hold_for_commit's inverse)
+    abandon_after_write(pending)
+
+
 def commit(pending: PendingCommit) -> None:
     """The commit (module docstring), once :func:`written` said so (the background writes had their time
     there). Collective. Never raises a failure of the save itself: that is the handle's error, raised by
@@ -334,7 +358,7 @@ def commit(pending: PendingCommit) -> None:
                 "async save (the background writes)", outcome, (), group, world, rank, timeout=arrival_limit(pending)
             )
         except BaseException:
-            abandon_after_write(pending)
+            abandon_when_written(pending, 0.0)  # written() gave the write its commit_timeout already
             raise
         pending.ops.commit(prep, record[0], pending.timeout, "async save")
     except Exception as e:  # noqa: BLE001 - the save's failure, handed to the caller through the handle

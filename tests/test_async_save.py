@@ -1089,6 +1089,19 @@ def _sim(save_dir: Path, tag: str, token: str, *, stage: int = 3, generation: in
     return jobs, full
 
 
+def _setting_when_rank_1_ends(real_run, event: threading.Event):
+    """``_async._run`` that sets ``event`` once rank 1's background part has ended (however it ended)."""
+
+    def run(job, handle):
+        try:
+            real_run(job, handle)
+        finally:
+            if job.rank == 1:
+                event.set()
+
+    return run
+
+
 def _run_ranks_in_threads(jobs, ranks=(0, 1), stagger: float = 0.2) -> list:
     """``_run`` of each job in its own thread, ``stagger`` s apart (rank 0 first: it polls for the others)."""
     from functional_ema import _async
@@ -1206,18 +1219,18 @@ def test_a_rank_alone_times_out_naming_what_it_waited_for(tmp_path):
         (h,) = _run_ranks_in_threads(jobs, ranks=(rank,))
         tag_dir = tmp_path / f"t{rank}"
         msg = (
-            f"async save of tag 't{rank}' (rank {rank}): timed out after 0 s waiting for {what} in {tag_dir}. Is the "
+            f"async save of tag 't{rank}' (rank {rank}): timed out after 0.2 s waiting for {what} in {tag_dir}. Is the "
             "directory shared by all ranks, and are they all alive? The checkpoint is not marked complete"
         )
         assert [type(h.exception()).__name__, str(h.exception())] == ["CheckpointError", msg]
-        error = f"ema_async.{token}.rank{rank:05d}.error"
-        assert sorted(os.listdir(tag_dir)) == sorted([error] + ([f"ema_async.{token}.rank00001.done"] if rank else []))
-        assert json.loads((tag_dir / error).read_text()) == {
-            "rank": rank,
-            "type": "CheckpointError",
-            "message": msg,
-            "checkpoint_error": True,
-        }
+        error, claim = f"ema_async.{token}.rank{rank:05d}.error", f"ema_async.{token}.rank00000.done"
+        # Rank 1 gave up after its done marker: it claimed the outcome (rank 0's commit claim would now fail).
+        want = [error] + ([f"ema_async.{token}.rank00001.done", claim] if rank else [])
+        assert sorted(os.listdir(tag_dir)) == sorted(want)
+        payload = {"rank": rank, "type": "CheckpointError", "message": msg, "checkpoint_error": True}
+        assert json.loads((tag_dir / error).read_text()) == payload
+        if rank:
+            assert json.loads((tag_dir / claim).read_text()) == payload
 
 
 def test_only_rank_0_writes_a_replicated_model(tmp_path):
@@ -1233,6 +1246,521 @@ def test_only_rank_0_writes_a_replicated_model(tmp_path):
     assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
     got = fe.consolidate(tmp_path, "t")
     assert all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_rank_0_of_a_replicated_model_commits_without_waiting_for_rank_1(tmp_path, monkeypatch):
+    """A whole, replicated model: rank 1 writes no file, so rank 0 commits without its word (a done marker of every
+    rank, at thousands of ranks, cost every save thousands of file creates and fsyncs and the slowest rank's delay):
+    here rank 0 is done while rank 1's part is still held, and rank 1 then succeeds, having left no marker."""
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+
+    part_record, release = writer.part_record, threading.Event()
+
+    def held(layout, plan):
+        if layout.rank == 1:
+            release.wait(30)
+        return part_record(layout, plan)
+
+    monkeypatch.setattr(writer, "part_record", held)
+    jobs, full = _sim(tmp_path, "t", "fedcba9876543210", stage=0, writers=(0,), timeout=30.0)
+    threading.Timer(25, release.set).start()  # a bound, should rank 0 wait for rank 1
+    h1 = _async.SaveHandle(jobs[1].tag_dir, 5)
+    rank1 = threading.Thread(target=_async._run, args=(jobs[1], h1))
+    rank1.start()
+    (h0,) = _run_ranks_in_threads(jobs, ranks=(0,))
+    assert h0.done() and h0.exception() is None and not release.is_set()  # rank 0 committed, rank 1 still held
+    assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
+    release.set()
+    rank1.join(30)
+    assert (h0.exception(), h1.done(), h1.exception()) == (None, True, None)
+    assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
+    got = fe.consolidate(tmp_path, "t")
+    assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_a_replicated_models_ranks_agree_whichever_claims_first(tmp_path, monkeypatch):
+    """A whole, replicated model: rank 0 commits without waiting for rank 1 (it writes no file), but rank 1's part can
+    fail. Whoever claims the outcome first decides it for both: rank 1's abort before rank 0's claim (rank 0 held
+    until rank 1 is done): both fail, nothing committed; rank 0's claim first (rank 1 fails once the claim is there,
+    rank 0 held until rank 1 read it), or rank 0's commit done (rank 1 fails once the manifest is there): both succeed
+    (the data is complete: rank 0 wrote it). Rank 0 used to commit and return while rank 1 raised."""
+    import json
+
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+
+    part_record, commit = writer.part_record, writer.commit_manifest
+    real_claim, real_read, real_run = _async._claim, _async._read_claim, _async._run
+    rank1_done, rank1_read = threading.Event(), threading.Event()
+
+    def until(cond):  # bounded: a failing check below says what happened
+        deadline = time.monotonic() + 20
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def claim(job, outcome, committed):
+        if job.rank == 0 and case == "abort":
+            rank1_done.wait(20)
+        return real_claim(job, outcome, committed)
+
+    def read_claim(job, path, committed):
+        decided = real_read(job, path, committed)
+        if job.rank == 1:
+            rank1_read.set()
+        return decided
+
+    def failing(layout, plan):
+        if layout.rank != 1:
+            return part_record(layout, plan)
+        tag_dir = tmp_path / case
+        if case == "claimed":
+            until(lambda: any(n.endswith(".rank00000.done") for n in os.listdir(tag_dir)))
+        elif case == "committed":
+            until((tag_dir / "ema_manifest.json").exists)
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(_async, "_run", _setting_when_rank_1_ends(real_run, rank1_done))
+    monkeypatch.setattr(_async, "_claim", claim)
+    monkeypatch.setattr(_async, "_read_claim", read_claim)
+    monkeypatch.setattr(writer, "part_record", failing)
+    monkeypatch.setattr(
+        writer, "commit_manifest", lambda *a: (rank1_read.wait(20) if case == "claimed" else None, commit(*a))[1]
+    )
+    for case in ("abort", "claimed", "committed"):
+        rank1_done.clear()
+        rank1_read.clear()
+        token = {"abort": "a", "claimed": "b", "committed": "c"}[case] * 16
+        jobs, full = _sim(tmp_path, case, token, stage=0, writers=(0,), timeout=30.0)
+        h0, h1 = _run_ranks_in_threads(jobs, stagger=0.01)
+        files = sorted(os.listdir(tmp_path / case))
+        errors = [[type(h.exception()).__name__, str(h.exception())] for h in (h0, h1)]
+        if case == "abort":
+            assert errors == [
+                ["_RemoteError", f"async save of tag 'abort' failed on rank 1 (OSError): {ENOSPC}"],
+                ["OSError", ENOSPC],
+            ], errors
+            own = f"ema_async.{token}.rank0000"
+            assert files == [f"{own}0.done", f"{own}1.error"], files  # the claim (rank 1's abort), its error marker
+            assert json.loads((tmp_path / case / f"{own}0.done").read_text())["rank"] == 1
+        else:
+            assert errors == [["NoneType", "None"]] * 2, (case, errors)
+            assert files == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], (case, files)
+            assert rank1_read.is_set() or case == "committed", case  # it read rank 0's claim (then the commit)
+            got = fe.consolidate(tmp_path, case)
+            assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_a_claim_stalled_on_rank_0_never_splits_the_ranks(tmp_path, monkeypatch):
+    """Rank 0 stalls (descheduled, slow NFS) right as it claims the commit, for longer than rank 1 takes to give up and
+    claim an abort. The claim is linked into place whole, so rank 1 never reads it empty: both fail, nothing is
+    committed. It was created empty and then written: rank 1 read it empty for 5 s, took rank 0 for dead ("rank
+    unknown"), removed its file, and rank 0 then committed a manifest listing it (a checkpoint that never loads)."""
+    import dataclasses
+
+    from functional_ema import _async
+
+    threads, rank1_done = {}, threading.Event()
+    real_open, real_link, real_run = os.open, os.link, _async._run
+
+    def stalled(path):  # rank 0's thread, at its claim: stall until rank 1 has finished (at most 20 s)
+        if threads.get(0) is threading.current_thread() and str(path).endswith(".rank00000.done"):
+            rank1_done.wait(20)
+
+    def open_(path, *a, **k):
+        fd = real_open(path, *a, **k)
+        stalled(path)  # the file there (a claim made by O_EXCL: empty until written)
+        return fd
+
+    def link(src, dst, *a, **k):
+        stalled(dst)  # before the claim is there
+        return real_link(src, dst, *a, **k)
+
+    def run(job, handle):
+        threads[job.rank] = threading.current_thread()
+        _setting_when_rank_1_ends(real_run, rank1_done)(job, handle)
+
+    monkeypatch.setattr(_async, "_run", run)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "link", link)
+    token = "5" * 16
+    jobs, _ = _sim(tmp_path, "t", token)
+    h0, h1 = _run_ranks_in_threads([jobs[0], dataclasses.replace(jobs[1], timeout=0.5)], stagger=0.05)
+    monkeypatch.undo()
+    assert h0.done() and h1.done()
+    errors = [(type(h.exception()).__name__, str(h.exception())) for h in (h0, h1)]
+    timed_out = "timed out after 0.5 s waiting for rank 0's manifest"
+    assert errors[1][0] == "CheckpointError" and timed_out in errors[1][1], errors
+    assert errors[0][0] == "_RemoteError" and f"failed on rank 1 (CheckpointError): {errors[1][1]}" in errors[0][1]
+    own = f"ema_async.{token}.rank0000"
+    assert sorted(os.listdir(tmp_path / "t")) == [f"{own}0.done", f"{own}1.done", f"{own}1.error"]  # no manifest
+
+
+def test_a_rank_waits_a_short_grace_for_rank_0s_manifest_after_its_claim_and_keeps_its_files(tmp_path, monkeypatch):
+    """Rank 0 claims the commit, then stalls before its manifest (or dies). A rank that gives up meanwhile reads that
+    claim and waits only max(min(commit_timeout, 60 s), 10 s) more for the manifest (here both cut to 2 s), not a second
+    commit_timeout (30 s here: 1800 + 1800 s by default); then it fails without removing its files or leaving an
+    error marker, as the save may still complete: here rank 0 goes on, and its checkpoint loads bitwise."""
+    import dataclasses
+
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+
+    commit, release, part_record = writer.commit_manifest, threading.Event(), writer.part_record
+    monkeypatch.setattr(_async, "_COMMIT_GRACE_S", 2.0)
+    monkeypatch.setattr(_async, "_COMMIT_GRACE_MIN_S", 2.0)
+    monkeypatch.setattr(writer, "commit_manifest", lambda *a: (release.wait(60), commit(*a))[1])
+    for case in ("writer", "replicated"):
+        release.clear()
+        tag, token = case, "e" * 16 if case == "writer" else "d" * 16
+        if case == "writer":  # rank 1's wait (3 s) times out while rank 0 stalls after its claim
+            jobs, full = _sim(tmp_path, tag, token)
+            jobs = [jobs[0], dataclasses.replace(jobs[1], timeout=3.0)]
+        else:  # rank 1 writes no file; its part fails once rank 0 claimed (its commit_timeout: 30 s)
+            jobs, full = _sim(tmp_path, tag, token, stage=0, writers=(0,), timeout=30.0)
+
+            def failing(layout, plan):
+                if layout.rank == 1:
+                    deadline = time.monotonic() + 20
+                    while not (tmp_path / tag / f"ema_async.{token}.rank00000.done").exists():
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
+                    raise OSError(28, "No space left on device (simulated)")
+                return part_record(layout, plan)
+
+            monkeypatch.setattr(writer, "part_record", failing)
+        handles = {r: _async.SaveHandle(jobs[r].tag_dir, 5) for r in (0, 1)}
+        threading.Thread(target=_async._run, args=(jobs[0], handles[0])).start()
+        started = time.monotonic()
+        (h1,) = _run_ranks_in_threads(jobs, ranks=(1,))
+        waited = time.monotonic() - started
+        monkeypatch.setattr(writer, "part_record", part_record)
+        error = h1.exception()
+        assert type(error).__name__ == "_Undecided", error
+        first = "timed out after 3 s waiting for rank 0's manifest" if case == "writer" else ENOSPC
+        assert str(error).startswith(f"async save of tag {tag!r} (rank 1): this rank failed (") and first in str(error)
+        said = (
+            f"after rank 0 decided to commit the save, whose manifest then did not appear in {tmp_path / tag} within "
+            "2 s (max(min(commit_timeout, 2 s), 2 s)): rank 0 died, or its storage stalls. This rank's files are left in place"
+        )
+        assert said in str(error), error
+        assert waited < (3 + 2 if case == "writer" else 2) + 8, waited  # not a second commit_timeout
+        left = sorted(os.listdir(tmp_path / tag))
+        assert not any(n.endswith(".error") for n in left), left  # the other ranks wait on for the manifest
+        if case == "writer":
+            assert "ema_rank_00001_of_00002.safetensors" in left, left  # kept: the manifest will list it
+        release.set()
+        assert handles[0]._event.wait(30) and handles[0].exception() is None
+        got = fe.consolidate(tmp_path, tag)
+        assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_ranks_agree_when_one_gives_up_during_rank_0s_commit(tmp_path, monkeypatch):
+    """Rank 1 left its done marker, then its wait for the manifest times out while rank 0 is between its last look at
+    the markers and its commit (held there until rank 1 has claimed). Whoever claims the outcome first decides it for
+    both: rank 1 (0.3 s) before rank 0's claim (rank 0 held while building the manifest): both fail, nothing committed
+    (rank 0 used to commit and return while rank 1 raised); rank 0's claim first (held while writing the manifest):
+    rank 1 (3 s) waits for that manifest, min(3 s, 60 s) more, after rank 0 is released: both succeed."""
+    import dataclasses
+
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+
+    build, commit, real_claim = writer.build_manifest, writer.commit_manifest, _async._claim
+    claimed = threading.Event()  # rank 1 gave up and claimed (or read) the outcome
+
+    def claim(job, outcome, committed):
+        decided = real_claim(job, outcome, committed)
+        if job.rank == 1:
+            claimed.set()
+        return decided
+
+    after_claim = lambda f: lambda *a, **k: (claimed.wait(30), f(*a, **k))[1]  # noqa: E731
+    monkeypatch.setattr(_async, "_claim", claim)
+    for tag, where, f, limit in (("a", "build_manifest", build, 0.3), ("b", "commit_manifest", commit, 3.0)):
+        claimed.clear()
+        monkeypatch.setattr(writer, where, after_claim(f))
+        token = tag * 16
+        jobs, full = _sim(tmp_path, tag, token)
+        h0, h1 = _run_ranks_in_threads([jobs[0], dataclasses.replace(jobs[1], timeout=limit)], stagger=0.05)
+        monkeypatch.setattr(writer, where, f)
+        files = sorted(os.listdir(tmp_path / tag))
+        assert claimed.is_set(), tag
+        if tag == "a":
+            timed_out = "timed out after 0.3 s waiting for rank 0's manifest"
+            assert type(h1.exception()).__name__ == "CheckpointError" and timed_out in str(h1.exception())
+            assert type(h0.exception()).__name__ == "_RemoteError", h0.exception()
+            assert "failed on rank 1 (CheckpointError)" in str(h0.exception()) and timed_out in str(h0.exception())
+            claim, own = f"ema_async.{token}.rank00000.done", f"ema_async.{token}.rank00001"
+            assert files == [claim, f"{own}.done", f"{own}.error"], files  # rank 1's claim: its abort
+        else:
+            assert (h0.exception(), h1.exception()) == (None, None)
+            assert files == [
+                "ema_manifest.json",
+                "ema_rank_00000_of_00002.safetensors",
+                "ema_rank_00001_of_00002.safetensors",
+            ]
+            got = fe.consolidate(tmp_path, tag)
+            assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_a_claim_removed_by_rank_0s_commit_reads_as_the_commit(tmp_path, monkeypatch):
+    """Rank 1 gives up (its wait timed out) right after rank 0 claimed the outcome, and rank 0 writes its manifest and
+    removes every marker, its claim too, before rank 1 reads that claim: rank 1 finds the claim gone and this save's
+    manifest there, and succeeds with rank 0, leaving no claim behind. The order is set by events only: rank 1's wait
+    "times out" once rank 0's claim exists (no timer decides who claims first)."""
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+    from functional_ema._checkpoint.errors import CheckpointError
+
+    commit, real_read, real_remove, real_poll = (
+        writer.commit_manifest,
+        _async._read_claim,
+        _async._remove_markers,
+        _async._poll,
+    )
+    reading, removed = threading.Event(), threading.Event()
+    claim = tmp_path / "c" / f"ema_async.{'c' * 16}.rank00000.done"
+
+    def poll(check, deadline, job, what, limit=None):  # rank 1's wait for the manifest ends once rank 0 claimed
+        if job.rank == 1 and what == "rank 0's manifest":
+            real_poll(lambda: True if claim.exists() else None, deadline, job, "rank 0's claim")
+            raise CheckpointError("rank 1 gave up waiting for rank 0's manifest (simulated timeout)")
+        return real_poll(check, deadline, job, what, limit)
+
+    def read_claim(job, path, committed):  # rank 1, after its link met rank 0's claim: read once rank 0 cleaned up
+        reading.set()
+        removed.wait(20)
+        return real_read(job, path, committed)
+
+    def remove_markers(tag_dir):
+        real_remove(tag_dir)
+        removed.set()
+
+    monkeypatch.setattr(_async, "_read_claim", read_claim)
+    monkeypatch.setattr(_async, "_remove_markers", remove_markers)
+    monkeypatch.setattr(_async, "_poll", poll)
+    monkeypatch.setattr(writer, "commit_manifest", lambda *a, **k: (reading.wait(20), commit(*a, **k))[1])
+    jobs, full = _sim(tmp_path, "c", "c" * 16)
+    h0, h1 = _run_ranks_in_threads(jobs, stagger=0.05)
+    assert reading.is_set() and removed.is_set() and (h0.exception(), h1.exception()) == (None, None)
+    assert sorted(os.listdir(tmp_path / "c")) == [
+        "ema_manifest.json",
+        "ema_rank_00000_of_00002.safetensors",
+        "ema_rank_00001_of_00002.safetensors",
+    ]
+    got = fe.consolidate(tmp_path, "c")
+    assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def _run_named_ranks(jobs, hold_rank_0: threading.Event | None = None) -> list:
+    """``_run`` of rank 0 then rank 1, in threads named ``r0`` and ``r1`` (for patches that act on one rank); with
+    ``hold_rank_0``, rank 1 finishes before that event is set (the caller's patch holds rank 0 on it)."""
+    from functional_ema import _async
+
+    handles = [_async.SaveHandle(j.tag_dir, 5) for j in jobs]
+    threads = [threading.Thread(target=_async._run, args=(jobs[r], handles[r]), name=f"r{r}") for r in (0, 1)]
+    threads[0].start()
+    threads[1].start()
+    if hold_rank_0 is not None:
+        threads[1].join(30)
+        hold_rank_0.set()
+    for t in threads:
+        t.join(30)
+    assert all(h.done() for h in handles)
+    return handles
+
+
+def test_an_io_error_deciding_after_the_vote_keeps_the_files_and_leaves_no_marker(tmp_path, monkeypatch):
+    """Rank 1 left its done marker, and its wait for the manifest ended (a timeout). Then, deciding the outcome, an
+    I/O error that decides nothing: 'claim', writing its abort claim (EIO; rank 0 held before its own claim); 'grace',
+    polling for the manifest after reading rank 0's commit claim (ESTALE; rank 0 held before its manifest). Rank 1
+    cannot know the outcome: it raises _Undecided, keeps its file and leaves no error marker (it used to remove its
+    file and mark an error while rank 0 committed a manifest listing that file). Rank 0 commits; the tag loads bitwise."""
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+    from functional_ema._checkpoint.errors import CheckpointError
+
+    real_build, real_commit, real_write, real_listdir, real_poll = (
+        writer.build_manifest,
+        writer.commit_manifest,
+        Path.write_bytes,
+        os.listdir,
+        _async._poll,
+    )
+    for case in ("claim", "grace"):
+        gate, tag, token = threading.Event(), case, ("a" if case == "claim" else "b") * 16
+        claim = tmp_path / tag / f"ema_async.{token}.rank00000.done"
+        rank1 = lambda: threading.current_thread().name == "r1"  # noqa: E731
+
+        def poll(check, deadline, job, what, limit=None, claim=claim, case=case):
+            if job.rank == 1 and what == "rank 0's manifest":  # rank 1's wait ends: at once, or once rank 0 claimed
+                if case == "grace":
+                    real_poll(lambda: True if claim.exists() else None, deadline, job, "rank 0's claim")
+                raise CheckpointError("rank 1 gave up waiting for rank 0's manifest (simulated timeout)")
+            return real_poll(check, deadline, job, what, limit)
+
+        def write_bytes(self, data, token=token):
+            if rank1() and self.name.startswith(f"ema_async.{token}.rank00000.done"):
+                raise OSError(5, "Input/output error (simulated)")
+            return real_write(self, data)
+
+        def listdir(path, claim=claim):
+            if rank1() and claim.exists() and b'"commit"' in claim.read_bytes():
+                raise OSError(116, "Stale file handle (simulated)")
+            return real_listdir(path)
+
+        monkeypatch.setattr(_async, "_poll", poll)
+        if case == "claim":
+            monkeypatch.setattr(writer, "build_manifest", lambda *a, **k: (gate.wait(20), real_build(*a, **k))[1])
+            monkeypatch.setattr(Path, "write_bytes", write_bytes)
+        else:
+            monkeypatch.setattr(writer, "commit_manifest", lambda *a, **k: (gate.wait(20), real_commit(*a, **k))[1])
+            monkeypatch.setattr(os, "listdir", listdir)
+        jobs, full = _sim(tmp_path, tag, token)
+        h0, h1 = _run_named_ranks(jobs, hold_rank_0=gate)
+        monkeypatch.undo()
+        error = h1.exception()
+        assert type(error).__name__ == "_Undecided", (case, error)
+        said = "Input/output error" if case == "claim" else "Stale file handle"
+        assert f"async save of tag {tag!r} (rank 1): this rank failed (" in str(error) and said in str(error), error
+        assert "This rank's files are left in place" in str(error), error
+        assert h0.exception() is None, (case, h0.exception())
+        assert sorted(os.listdir(tmp_path / tag)) == [
+            "ema_manifest.json",
+            "ema_rank_00000_of_00002.safetensors",
+            "ema_rank_00001_of_00002.safetensors",
+        ], case
+        got = fe.consolidate(tmp_path, tag)
+        assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_a_failure_after_the_manifest_is_in_place_is_a_committed_save_with_a_warning(tmp_path, monkeypatch, caplog):
+    """Rank 0's manifest is renamed into place, then writing ema_latest fails (EDQUOT): the save is complete (rank 1
+    sees the manifest and succeeds; the tag loads), so rank 0 succeeds too, with a warning naming what failed (it used
+    to raise 'not committed', remove its claim and leave an error marker). The markers are removed as on success."""
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _io
+    from functional_ema._checkpoint import writer
+
+    real = _io.atomic_write_bytes
+
+    def atomic_write_bytes(final, data):
+        if Path(final).name == "ema_latest":
+            raise OSError(122, "Disk quota exceeded (simulated)")
+        return real(final, data)
+
+    monkeypatch.setattr(writer._io, "atomic_write_bytes", atomic_write_bytes)
+    jobs, full = _sim(tmp_path, "t", "cd" * 8)
+    h0, h1 = _run_ranks_in_threads(jobs, stagger=0.05)
+    assert (h0.exception(), h1.exception()) == (None, None)
+    assert sorted(os.listdir(tmp_path)) == ["t"]  # no ema_latest
+    assert sorted(os.listdir(tmp_path / "t")) == [
+        "ema_manifest.json",
+        "ema_rank_00000_of_00002.safetensors",
+        "ema_rank_00001_of_00002.safetensors",
+    ]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        f"the async EMA save into {tmp_path / 't'} is complete (its manifest is in place), but what follows it failed: "
+        "OSError: [Errno 122] Disk quota exceeded (simulated). ema_latest may not name this tag" in m
+        for m in warned
+    ), warned
+    got = fe.consolidate(tmp_path, "t")
+    assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+
+
+def test_the_grace_after_rank_0s_commit_claim_is_at_least_10_s(tmp_path, monkeypatch):
+    """With a small commit_timeout (0.5 s here), a rank that gives up after rank 0 claimed the commit still waits
+    max(min(commit_timeout, 60 s), 10 s) = 10 s for the manifest: rank 0 held 1.5 s after its claim, then commits, and
+    both succeed (the grace used to be min(commit_timeout, 60 s) = 0.5 s: rank 1 raised _Undecided)."""
+    import dataclasses
+
+    import functional_ema as fe
+    from functional_ema._checkpoint import writer
+
+    real = writer.commit_manifest
+    monkeypatch.setattr(writer, "commit_manifest", lambda *a, **k: (time.sleep(1.5), real(*a, **k))[1])
+    jobs, full = _sim(tmp_path, "t", "ef" * 8)
+    h0, h1 = _run_ranks_in_threads([jobs[0], dataclasses.replace(jobs[1], timeout=0.5)], stagger=0.05)
+    assert (h0.exception(), h1.exception()) == (None, None)
+    assert sorted(fe.consolidate(tmp_path, "t")) == sorted(full)
+
+
+def test_a_claim_whose_link_reply_was_lost_is_recognised_as_its_own(tmp_path, monkeypatch):
+    """NFS: rank 1's link of its abort claim is made, but the reply is lost and the retransmitted link is answered
+    EEXIST. Rank 1 recognises the claim as its own (the temporary's second link; the claim read back equals its own):
+    its save fails with its own error (ENOSPC), and rank 0, whose claim comes second, fails naming rank 1. Rank 1 used
+    to read its own claim as another's outcome and raise a _RemoteError naming itself."""
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+
+    gate, part_record, build, link = threading.Event(), writer.part_record, writer.build_manifest, os.link
+
+    def failing(layout, plan):
+        if layout.rank == 1:
+            raise OSError(28, "No space left on device (simulated)")
+        return part_record(layout, plan)
+
+    def lost_reply(src, dst, *a, **k):
+        link(src, dst, *a, **k)
+        if threading.current_thread().name == "r1":
+            raise FileExistsError(17, "File exists (simulated: the retransmitted link)")
+
+    monkeypatch.setattr(writer, "part_record", failing)
+    monkeypatch.setattr(writer, "build_manifest", lambda *a, **k: (gate.wait(20), build(*a, **k))[1])
+    monkeypatch.setattr(_async.os, "link", lost_reply)
+    jobs, _ = _sim(tmp_path, "t", "ab" * 8, stage=0, writers=(0,))  # rank 1 writes no file: it claims its abort
+    h0, h1 = _run_named_ranks(jobs, hold_rank_0=gate)
+    monkeypatch.undo()
+    assert type(h1.exception()) is OSError and str(h1.exception()) == ENOSPC, h1.exception()
+    assert type(h0.exception()).__name__ == "_RemoteError", h0.exception()
+    assert f"failed on rank 1 (OSError): {ENOSPC}" in str(h0.exception())
+    assert "ema_manifest.json" not in os.listdir(tmp_path / "t")
+
+
+def test_a_blocking_save_after_a_failed_async_save_of_the_tag_goes_through(tmp_path):
+    """A failed async save leaves its markers (rank 1's done and error markers, its claim of the abort) until the next
+    async commit of the tag removes them: a blocking save of the tag meanwhile is not disturbed by them (they are no
+    checkpoint file) and loads; the async save after it removes them."""
+    import torch
+
+    import functional_ema as fe
+
+    token = "ab" * 8
+    jobs, _ = _sim(tmp_path, "t", token, timeout=0.2)
+    (h,) = _run_ranks_in_threads(jobs, ranks=(1,))
+    markers = [f"ema_async.{token}.rank0000{r}.{kind}" for r, kind in ((0, "done"), (1, "done"), (1, "error"))]
+    assert type(h.exception()).__name__ == "CheckpointError" and sorted(os.listdir(tmp_path / "t")) == markers
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.5)
+    fe.save(state, model, tmp_path, "t", decay=0.5)
+    assert sorted(os.listdir(tmp_path / "t")) == [*markers, "ema_manifest.json", "ema_rank_00000_of_00001.safetensors"]
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), [dict(e) for e in state.emas])
+    fe.AsyncSaver().save(state, model, tmp_path, "t", decay=0.5).wait()
+    assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00001.gen1.safetensors"]
+    assert _same_trees(list(fe.load(model, tmp_path, "t").emas), [dict(e) for e in state.emas])
 
 
 # ------------------------------------------------------------------------- the helpers, one by one
@@ -1265,9 +1793,12 @@ def test_poll_backs_off_to_50_ms_and_times_out_after_the_deadline(tmp_path, monk
         _async._poll(lambda: None, clock.now, jobs[1], "rank 0's manifest")  # at the deadline: one more look
     assert clock.slept == [0.001]
     assert str(e.value) == (
-        f"async save of tag 't' (rank 1): timed out after 3 s waiting for rank 0's manifest in {tmp_path / 't'}. Is "
-        "the directory shared by all ranks, and are they all alive? The checkpoint is not marked complete"
+        f"async save of tag 't' (rank 1): timed out after 2.6 s waiting for rank 0's manifest in {tmp_path / 't'}. "
+        "Is the directory shared by all ranks, and are they all alive? The checkpoint is not marked complete"
     )
+    with pytest.raises(CheckpointError) as e:  # a wait of its own (not commit_timeout) names its own limit
+        _async._poll(lambda: None, clock.now, jobs[1], "y", 60.0)
+    assert "(rank 1): timed out after 60 s waiting for y in" in str(e.value), e.value
 
 
 def test_remote_error_is_read_from_this_saves_error_marker(tmp_path):
@@ -1375,21 +1906,47 @@ def ranks_worker(root: str) -> dict:
     out["again_id"] = fe.checkpoint.read_manifest(d, "t")["save_id"]
     out["commits"] = list(commits)
 
-    # 2. No buffers: only rank 0 writes, and it commits without waiting for rank 1 (held here until then).
-    part_record, seen = writer.part_record, {}
+    # 2. No buffers: only rank 0 writes, and it commits without waiting for rank 1 (held here until then). A failure
+    #    of rank 1's part: the first claim decides for both. Rank 1 first (rank 0 held until rank 1's error marker is
+    #    there): both fail, nothing committed; rank 0 first (rank 1 fails once the manifest is there): both succeed.
+    from functional_ema import _async
+
+    part_record, seen, claim = writer.part_record, {}, _async._claim
+
+    def until(path_there, what: str) -> None:
+        deadline = time.monotonic() + 20
+        while not path_there() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen[what] = path_there()
 
     def late(layout, plan):
-        deadline = time.monotonic() + 10
-        while not (d / "solo" / "ema_manifest.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        seen["manifest_first"] = (d / "solo" / "ema_manifest.json").exists()
+        until((d / "solo" / "ema_manifest.json").exists, "manifest_first")
         return part_record(layout, plan)
 
     if rank == 1:
         writer.part_record = late
     saver.save(state, model, d, "solo", decay=[0.9, 0.99]).wait()
-    writer.part_record = part_record
-    out["solo"] = [files("solo"), seen]
+    out["solo"] = [files("solo"), dict(seen)]
+
+    def failing(layout, plan):
+        if tag == "rep_commit":
+            until((d / tag / "ema_manifest.json").exists, "manifest_before_failure")
+        raise OSError(28, "No space left on device (simulated)")
+
+    def held_claim(job, outcome, committed):
+        until(lambda: any(n.endswith(".rank00001.error") for n in os.listdir(job.tag_dir)), "abort_before_claim")
+        return claim(job, outcome, committed)
+
+    seen.clear()
+    for tag in ("rep_abort", "rep_commit"):
+        if rank == 1:
+            writer.part_record = failing
+        elif tag == "rep_abort":
+            _async._claim = held_claim
+        h = saver.save(state, model, d, tag, decay=[0.9, 0.99])
+        out[tag] = [error_of(h.wait), files(tag)]
+        writer.part_record, _async._claim = part_record, claim
+    out["rep_seen"] = dict(seen)
 
     # 3. A background failure on one rank reaches wait() on every rank; a later save of the tag clears it.
     for bad, where in ((1, "write_buffer_file"), (0, "write_rank_file")):
@@ -1465,11 +2022,23 @@ def test_async_ranks_commit_through_files(tmp_path):
     assert res[1]["again_id"] == res[0]["again_id"] != res[0]["save_id"]
     gen1 = [f.replace(".safetensors", ".gen1.safetensors") if f.endswith("safetensors") else f for f in full]
     assert [r["again"] for r in res] == [sorted([*gen1, "ema_rank_00000_of_00002.gen1.safetensors"])] * 2
-    assert [(r["commits"], r["commits_total"]) for r in res] == [(["t", "t"], 6), ([], 0)]  # rank 0 commits, once
+    # rank 0 commits, once (t twice, solo, rep_commit, e1, r2, u2)
+    assert [(r["commits"], r["commits_total"]) for r in res] == [(["t", "t"], 7), ([], 0)]
     assert [r["solo"] for r in res] == [
         [["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], {}],
         [["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], {"manifest_first": True}],
     ]
+    # Rank 1's failure (it writes no file): its abort claimed first fails the save on both ranks; after rank 0's
+    # commit, both succeed (rank 0 wrote everything).
+    errors, files = [r["rep_abort"][0][:2] for r in res], [r["rep_abort"][1] for r in res]
+    remote = f"async save of tag 'rep_abort' failed on rank 1 (OSError): {ENOSPC}"
+    assert errors == [["_RemoteError", remote], ["OSError", ENOSPC]], errors
+    token = _token_of(files[0][0])
+    assert files[0] == files[1] == [f"ema_async.{token}.rank00000.done", f"ema_async.{token}.rank00001.error"], files
+    assert [r["rep_commit"] for r in res] == [[None, ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]]] * 2
+    # (rank 0 reaches its claim, held until rank 1's error marker is there, unless it saw that marker first)
+    assert res[0]["rep_seen"] in ({}, {"abort_before_claim": True}), res[0]["rep_seen"]
+    assert res[1]["rep_seen"] == {"manifest_before_failure": True}, res[1]["rep_seen"]
 
     for bad in (1, 0):
         errors, files = [r[f"error{bad}"][0][:2] for r in res], [r[f"error{bad}"][1] for r in res]
@@ -1713,17 +2282,21 @@ def peer_missing_worker(root: str) -> dict:
       the save's failure in a note. Rank 1's commit then fails at once.
     * ``wait``: rank 0's ``handle.wait(timeout=1)`` while rank 1 comes 4 s later (it returned only then): the wait
       for the other ranks is ``commit_timeout`` (2 s), not the wait's own timeout (a timed-out exchange closes the
-      group: a short wait on ranks a little apart must not)."""
+      group: a short wait on ranks a little apart must not).
+    * ``again``: as ``wait``, with rank 0's background write still going on (held 8 s) when its commit fails (2 s),
+      rank 1 coming 5 s late (3 s of margin on either side);
+      then the same tag saved again at once on the same saver (over a group of its own, the last one being closed)."""
     import json
 
     import torch
     import torch.distributed as dist
 
     import functional_ema as fe
+    from functional_ema import _async_private
 
     rank, base, out = dist.get_rank(), Path(root), {}
     own = base / f"own{rank}"
-    groups = [dist.new_group(backend="gloo") for _ in range(2)]
+    groups = [dist.new_group(backend="gloo") for _ in range(4)]
 
     def setup(group, tag: str):
         torch.manual_seed(0)
@@ -1757,6 +2330,31 @@ def peer_missing_worker(root: str) -> dict:
     out["wait"] = [*(error_of(lambda: h.wait(timeout=1)) or []), time.monotonic() - t0]
     out["saver_wait"] = error_of(saver.wait)  # raised already by the handle's wait
     out["wait_files"] = sorted(os.listdir(own / "u"))
+    dist.barrier()
+
+    model, state = setup(groups[2], "a")
+    write, held = _async_private.write_private, [8.0] if rank == 0 else []
+
+    def slow_once(*args):
+        if held:
+            time.sleep(held.pop())
+        return write(*args)
+
+    _async_private.write_private = slow_once
+    saver = fe.AsyncSaver(commit_timeout=20)  # the wait for the others: the save's timeout (2 s)
+    h = saver.save(state, model, own, "v", decay=0.5, shared=False, timeout=2)
+    if rank == 1:
+        time.sleep(5)  # well after rank 0 gave up (2 s), well before its write ends (8 s)
+    out["again_wait"] = error_of(h.wait)
+    out["again_left"] = sorted(os.listdir(own / "v")) if (own / "v").exists() else []  # at once, on either rank
+    again = torch.nn.parallel.DistributedDataParallel(model.module, process_group=groups[3])
+    out["again"] = error_of(lambda: saver.save(state, again, own, "v", decay=0.5, shared=False).wait())
+    _async_private.write_private = write
+    out["again_bitwise"] = False
+    if out["again"] is None:  # the save went through on every rank (it is collective): load it back
+        loaded = fe.load(again, own, "v", shared=False)
+        got, want = list(loaded.emas[0].values()), list(state.emas[0].values())
+        out["again_bitwise"] = int(loaded.step) == 2 and len(got) == len(want) and all(map(torch.equal, got, want))
     dist.barrier()
     return json.loads(json.dumps(out))
 
@@ -1797,6 +2395,10 @@ def test_async_ranks_private_commit_whose_peer_never_comes(tmp_path):
     # folder the manifest), u has no checkpoint.
     assert [r["exit_files"] for r in res] == [["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]] * 2, res
     assert [r["wait_files"] for r in res] == [[], []], res
+    # The failed save's files removed and its lock released before wait() raised (it said "Call saver.wait()" to the
+    # save of the tag right after, a refusal on both ranks): the tag saves again at once, and loads bitwise.
+    assert [r["again_wait"][0] for r in res] == ["CheckpointTimeoutError"] * 2, [r["again_wait"] for r in res]
+    assert [(r["again_left"], r["again"], r["again_bitwise"]) for r in res] == [([], None, True)] * 2, res
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     want = {n: 0.5 * t.detach() + 0.5 * t.detach() for n, t in model.named_parameters()}  # step 1 from the weights
@@ -1857,7 +2459,8 @@ def test_private_save_of_one_process_commits_at_wait(tmp_path):
 
 def test_private_save_background_failure_and_commit_timeout(tmp_path, monkeypatch):
     """A failed background write fails the save at its commit (nothing committed, the new file removed, the
-    tag's previous checkpoint intact); a write that outlives commit_timeout fails it too, naming the limit."""
+    tag's previous checkpoint intact); a write that outlives commit_timeout fails it too, naming the limit, and a
+    save of that tag right after waits for the write to end instead of being refused."""
     import functional_ema as fe
     from functional_ema._checkpoint import private
 
@@ -1892,9 +2495,14 @@ def test_private_save_background_failure_and_commit_timeout(tmp_path, monkeypatc
         f"async save of tag 's' (rank 0): its background write into {tmp_path / 's'} did not finish within "
         "commit_timeout=0.2 s. Nothing of it is committed; each folder's previous checkpoint is intact"
     )
-    release.set()
+    # The tag saved again right away: it waits for the failed save's write to end (its lock no longer says it awaits
+    # this thread's commit: it was refused at once, naming the saver.wait() that had just raised), then goes through.
+    threading.Timer(0.5, release.set).start()
+    at_again = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    slow.save(state, model, tmp_path, "s", decay=[0.9, 0.99], shared=False, timeout=30)
     slow.wait()
-    assert not (tmp_path / "s" / "ema_manifest.json").exists()
+    assert _same_trees(list(fe.load(model, tmp_path, "s").emas), at_again)
+    assert sorted(os.listdir(tmp_path / "s")) == ["ema_manifest.json", "ema_rank_00000_of_00001.safetensors"]
 
 
 def test_saves_in_flight_commit_in_start_order(tmp_path, monkeypatch):

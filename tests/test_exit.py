@@ -8,8 +8,9 @@ uncommitted, and says so.
   the rank's saves first (``functional_ema._testing.multirank._finish_async_saves``), as a real exit would.
 * A ``shared=False`` save awaiting its commit when the script ends (rank 0 normally, rank 1 on an uncaught
   exception): the commit is collective, which cannot run at exit (the ranks exit at different times, a crashed
-  one never); each rank warns (log and ``warnings``) naming the tag, its folder and the fix (``saver.wait()``),
-  and the tag's previous checkpoint stays the complete one.
+  one never); each rank warns once (a log record: with logging unconfigured, on stderr) naming the tag, its folder
+  and the fix (``saver.wait()``), and the tag's previous checkpoint stays the complete one. Without a process
+  group: said once on stderr whatever the warning filters (``-W ignore``, ``-W error``), and logged to a handler.
 
 All: 2 ranks, gloo, a DDP model (no DeepSpeed: its native threads sometimes abort at interpreter
 teardown). The first two: rank 0's file write held back ``DELAY`` seconds by a test-only hook, so that the write
@@ -175,8 +176,8 @@ def test_exit_with_a_private_save_awaiting_its_commit_warns_and_keeps_the_previo
             f"functional_ema: the async EMA save of step 2 into {own / TAG} (tag {TAG!r}) was never committed: the "
             "process is ending"
         )
-        assert text.count(said) == 2, text[-4000:]  # the log record and the warning
-        assert "RuntimeWarning" in text and "Call saver.wait() on every rank before exiting" in text, text[-4000:]
+        assert text.count(said) == 1, text[-4000:]  # the log record, not also a warning of it (it was both)
+        assert "RuntimeWarning" not in text and "Call saver.wait() on every rank before exiting" in text, text[-4000:]
         assert ("rank 1 ends on an uncaught exception" in text) == (rank == 1), text[-4000:]
         assert (own / "ema_latest").read_text() == f"{TAG}\n"
         assert fe.checkpoint.read_manifest(own, TAG)["step"] == 1
@@ -186,3 +187,65 @@ def test_exit_with_a_private_save_awaiting_its_commit_warns_and_keeps_the_previo
     for rank in range(2):
         got = fe.consolidate(tmp_path / f"own{rank}", TAG)
         assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+# One process, no process group: a private save written, never committed, when the script ends.
+SOLO_SCRIPT = (
+    "import sys, torch, functional_ema as fe; torch.manual_seed(0); model = torch.nn.Linear(4, 3); "
+    "state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.5); "
+    "saver = fe.AsyncSaver(); saver.save(state, model, sys.argv[1], 't', shared=False); "
+    "saver._pending[0].write.result(timeout=60)"
+)
+
+
+def test_exit_warning_is_logged_once_whatever_the_warning_filters(tmp_path, caplog):
+    """The exit check (``_async._warn_uncommitted``, run at exit by ``weakref.finalize``) of a private save written,
+    not committed, is a log record: it reaches logging handlers (a cluster's log collection), and with logging
+    unconfigured it is printed once on stderr. It was a warning as well (said twice), then a warning only, which
+    ``-W ignore`` (or a blanket ``filterwarnings("ignore")``) silenced and logging handlers never saw."""
+    import subprocess
+    import warnings
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._testing.multirank import ROOT
+
+    said = "the async EMA save of step 1 into {} (tag 't') was never committed"
+    runs = {}
+    for flags in (("-W", "ignore"), ("-W", "error")):  # without flags: the two-rank test above
+        out = tmp_path / ("solo" + "".join(flags).replace("-W", "_"))
+        runs[flags] = (
+            out,
+            subprocess.Popen(
+                [sys.executable, *flags, "-c", SOLO_SCRIPT, str(out)],
+                cwd=ROOT,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            ),
+        )
+    for flags, (out, proc) in runs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (flags, stderr[-4000:])
+        assert (stdout + stderr).count(said.format(out / "t")) == 1, (flags, stdout[-2000:], stderr[-4000:])
+        assert "RuntimeWarning" not in stderr and "Call saver.wait() on every rank" in stderr, (flags, stderr[-4000:])
+        assert not (out / "t" / "ema_manifest.json").exists() and not (out / "ema_latest").exists(), flags
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.5)
+    saver = fe.AsyncSaver()
+    saver.save(state, model, tmp_path, "t", shared=False)
+    saver._pending[0].write.result(timeout=60)
+    for action in ("default", "ignore", "error"):  # the filters change nothing: one record, at WARNING, no warning
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter(action)
+            _async._warn_uncommitted(saver._pending)
+        assert not seen, (action, [str(w.message) for w in seen])
+        records = [(r.name, r.levelname, r.getMessage().count(said.format(tmp_path / "t"))) for r in caplog.records]
+        assert records == [("functional_ema", "WARNING", 1)], (action, records)
+    saver.wait()  # committed after all: the check says nothing of it
+    caplog.clear()
+    _async._warn_uncommitted(saver._pending)
+    assert not caplog.records and fe.checkpoint.read_manifest(tmp_path, "t")["step"] == 1
