@@ -42,6 +42,7 @@ from functional_ema._checkpoint.errors import (
     CheckpointIOError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     CheckpointVersionError,
     CorruptCheckpointError,
 )
@@ -375,6 +376,7 @@ def _pair_cases(r: int, g: dict[str, Any], fake: dict[str, Any], run: Callable[.
     _side_cases(r, fake["pair"], fake["solo"], pair, fake["backend"], run)
     _barrier_cases(r, g, run)
     _agree_on_bounded_cases(r, g, run)
+    _commit_step_cases(r, g, run)
 
 
 def _agree_on_bounded_cases(r: int, g: dict[str, Any], run: Callable[..., None]) -> None:
@@ -389,6 +391,27 @@ def _agree_on_bounded_cases(r: int, g: dict[str, Any], run: Callable[..., None])
     dist.barrier(group=g["pair"])
     if r == 0:  # rank 1 never calls; it waits, alive, at the barrier below meanwhile
         run("on_absent", lambda: c.agree_on("swapped", lambda: record, FIELDS, g["on_absent"], 2, 0, timeout=None))
+    dist.barrier(group=g["pair"])
+
+
+def _commit_step_cases(r: int, g: dict[str, Any], run: Callable[..., None]) -> None:
+    """commit_step then commit_exchange: a step of a save's commit, then an exchange (no round trip of its own); ranks
+    in steps of two saves (a late message of an earlier save's round) learn it at once; a rank that stopped
+    mid-commit: the other waits the step's 0.6 s."""
+    ref = c.CommitRef("save", "t", "/ck/t", "a" * 16, 0.6)
+    pair = (g["pair"], 2, r)
+    dist.barrier(group=g["pair"])
+    exchange = lambda: c.exchange(r, g["pair"], 2)  # noqa: E731
+    run(
+        "step",
+        lambda: (c.commit_step(ref, "x", lambda: None, pair, str), c.commit_exchange(ref, "y", exchange, pair, str))[1],
+    )
+    other = ref._replace(save_id="ab"[r] * 16)
+    run("step_rounds", lambda: c.commit_step(other, "x", lambda: None, pair, lambda: "-"))
+    dist.barrier(group=g["pair"])
+    if r == 0:  # rank 1 never comes; it waits, alive, at the barrier below meanwhile
+        left = lambda: "Left as it was."  # noqa: E731
+        run("step_stalled", lambda: c.commit_step(ref, "x", lambda: None, (g["stalled"], 2, 0), left))
     dist.barrier(group=g["pair"])
 
 
@@ -435,7 +458,7 @@ def four_ranks(tag: str, link: str) -> dict[str, Any]:
     two, one = [[0, 1], [2, 3]], [[0], [1], [2], [3]]
     g = {
         k: groups(k, two)
-        for k in ("pair", "late1", "late0", "absent1", "absent0", "norel", "fin_ok", "fin_late", "on_absent")
+        for k in ("pair", "late1", "late0", "absent1", "absent0", "norel", "fin_ok", "fin_late", "on_absent", "stalled")
     }
     g["solo"] = groups("solo", one)
     fake = {"pair": groups("fake_pair", two), "solo": groups("fake_solo", one), "backend": dist.get_backend}
@@ -619,6 +642,31 @@ def _assert_agree_on_bounded(res: list[dict[str, Any]], rank: int) -> None:
         assert "on_absent" not in res[rank], res[rank]
 
 
+def _assert_commit_step(res: list[dict[str, Any]], rank: int) -> None:
+    """A step that completes: agree_on's bounded exchange; the exchange after it: the exchange alone. Steps of two saves: a mismatch naming each
+    rank's save id. A rank that never comes: the other raises after 0.6 s naming the commit, the step, the rank
+    missing, the limit and what the checkpoint is left as."""
+    r = rank % 2
+    _check(res[rank], "step", _ok([0, 1]), [*_agreed("pair", r), ["all_gather_object", "pair"]])
+    calls = "the ranks called it with arguments that lead to different collectives (rank 0: "
+    msg = f"save (x): {calls}'save (x)(save_id={'a' * 16})', rank 1: 'save (x)(save_id={'b' * 16})'); make the same "
+    _check(res[rank], "step_rounds", _err("CheckpointMismatchError", msg + "call on every rank"))
+    if r == 1:
+        assert "step_stalled" not in res[rank], res[rank]
+        return
+    got = res[rank]["step_stalled"]
+    waited = re.search(r"rank 0 waited (\d+\.\d) s", got["msg"])
+    assert got["error"] == "CheckpointTimeoutError" and waited is not None, got
+    assert 0.4 <= float(waited.group(1)) <= 3 and 0.4 <= got["s"] <= 5, got
+    assert got["msg"] == (
+        f"functional_ema.save: the commit of tag 't' (/ck/t) stopped at its step 'x': rank 0 waited {waited.group(1)} s "
+        "(limit 0.6 s) for the other ranks of its process group (world size 2) to finish that step, and they did not "
+        "(rank(s) [1] of the group did not arrive within 0.6 s): a rank hung or died mid-commit. Left as it was. The "
+        "limit is the save's timeout (timeout=, else FUNCTIONAL_EMA_TIMEOUT, default 600 s). The process group may "
+        "be unusable after this"
+    )
+
+
 def _assert_sides(res: list[dict[str, Any]], rank: int) -> None:
     """The gloo side group of an "NCCL" pair: asked of torch once per ranks, with the caller's timeout."""
     r, ranks = rank % 2, [rank - rank % 2, rank - rank % 2 + 1]
@@ -741,6 +789,7 @@ def test_collective_ranks(tmp_path: Path) -> None:
         _assert_reach_and_job(res, rank)
         _assert_barriers(res, rank)
         _assert_agree_on_bounded(res, rank)
+        _assert_commit_step(res, rank)
     _assert_job_wide(res, tag)
 
 
@@ -986,3 +1035,26 @@ def test_a_bad_timeout_env_is_not_read_by_one_process(no_group: None, monkeypatc
     assert set(fe.gather_full(state, model)) == {"weight", "bias"}
     with fe.swapped(model, state):
         pass
+
+
+def test_commit_exchange_reports_a_vanished_peer_as_a_stalled_commit_step() -> None:
+    """commit_exchange: what the exchange returns; gloo's error of a peer that vanished (a RuntimeError) as the
+    CheckpointTimeoutError of a commit stopped at that step, naming what the checkpoint is left as; other errors as
+    they are."""
+    ref = c.CommitRef("save", "t", "/ck/t", "a" * 16, 0.6)
+    assert c.commit_exchange(ref, "x", lambda: [1, 2], (None, 2, 1), lambda: "-") == [1, 2]
+    closed = _raise(RuntimeError("[/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:41\nmore"))
+    with pytest.raises(CheckpointTimeoutError) as info:
+        c.commit_exchange(ref, "exchanging the file records", closed, (None, 2, 1), lambda: "Left as it was.")
+    waited = re.search(r"rank 1 waited (\d+\.\d) s", str(info.value))
+    assert waited is not None and float(waited.group(1)) < 1, info.value
+    assert str(info.value) == (
+        "functional_ema.save: the commit of tag 't' (/ck/t) stopped at its step 'exchanging the file records': rank 1 "
+        f"waited {waited.group(1)} s (limit 0.6 s) for the other ranks of its process group (world size 2) to finish "
+        "that step, and they did not (rank 0, which gathers the others, did not answer: [/gloo/transport/tcp/pair.cc:"
+        "534] Connection closed by peer [10.0.0.2]:41): a rank hung or died mid-commit. Left as it was. The limit is "
+        "the save's timeout (timeout=, else FUNCTIONAL_EMA_TIMEOUT, default 600 s). The process group may be unusable "
+        "after this"
+    )
+    with pytest.raises(ValueError, match=r"^mine$"):
+        c.commit_exchange(ref, "x", _raise(ValueError("mine")), (None, 2, 0), lambda: "-")

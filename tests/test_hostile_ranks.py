@@ -944,3 +944,198 @@ def test_bad_gather_argument_on_one_rank_fails_every_rank_at_once() -> None:
         assert good["error"] == "StateMismatchError" and other in good["msg"], good
         assert max(bad["s"], good["s"]) < BAD_ARG_WAIT_S / 4, (bad, good)
     assert res[0]["after"] is True and res[1]["after"] is True, res
+
+
+# ------------------------------------------------------------ a rank that stops inside a save's commit
+
+#: The saves' timeout= in the mid-commit launch, seconds: every wait inside the commit is bounded by it.
+STALL_S = 2.0
+
+
+def _stall(module: Any, name: str, stall: bool, then: Callable[..., Any] | None = None) -> Callable[[], None]:
+    """Replace ``module.name`` on this rank by a pause of twice :data:`STALL_S` (a rank hung mid-commit: a stuck
+    disk or store) followed by the original (or ``then``), when ``stall``; returns what puts the original back."""
+    original = getattr(module, name)
+
+    def stalled(*args: Any) -> Any:
+        time.sleep(2 * STALL_S)
+        return (then or original)(*args)
+
+    if stall:
+        setattr(module, name, stalled)
+    return lambda: setattr(module, name, original)
+
+
+def _fresh_ddp(seed: int = 0) -> Any:
+    """A DDP OddNet over a group of its own (a timed-out exchange leaves its group unusable)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from functional_ema._testing.multirank import OddNet
+
+    group = dist.new_group([0, 1])
+    torch.manual_seed(seed)
+    return DistributedDataParallel(OddNet(), process_group=group)
+
+
+def _ema_at(model: Any, step: int) -> fe.EmaState:
+    """The EMA after ``step`` updates of decay 0.5, the weights raised by 1 before each (the same on both ranks)."""
+    state = fe.init_ema(fe.local_shards(model))
+    for s in range(1, step + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        state = fe.update(state, fe.local_shards(model), s, decay=0.5)
+    return state
+
+
+def _same(got: fe.EmaState, want: fe.EmaState) -> bool:
+    return int(got.step) == int(want.step) and all(
+        set(g) == set(w) and all(torch.equal(g[n], w[n]) for n in w) for g, w in zip(got.emas, want.emas)
+    )
+
+
+def mid_commit_worker(root: str, s3: dict[str, str] | None) -> dict[str, Any]:
+    """Saves whose commit one rank stops in, after the ranks met (``timeout=STALL_S``), each over a group of its own:
+    ``shared=False`` with rank 1 stuck writing its pending manifest, then stuck publishing it, then slow removing its
+    folder's older generation (alive: longer than the timeout); a URL save with rank 0 stuck publishing (its store then
+    failing), then slow removing the older generation's objects. For each: every rank's error and how long it took,
+    the files the tag holds then, and a ``load`` on a fresh group: whether it gives the save the error message says
+    the tag holds, bitwise."""
+    import torch.distributed as dist
+
+    from functional_ema._checkpoint import private, writer
+
+    rank, out = dist.get_rank(), {}
+    base = Path(root)
+    cases = (("staging", private, "_stage_manifest"), ("publishing", private, "_publish_manifest"))
+    for check, module, name in (*cases, ("cleanup", writer, "_cleanup")):
+        model = _fresh_ddp()
+        where = base / check / f"node{rank}"
+        before, after = _ema_at(model, 1), _ema_at(model, 2)
+        fe.save(before, model, where, "t", timeout=STALL_S, shared=False)
+        restore = _stall(module, name, rank == 1)
+        try:
+            out[check] = _attempt(lambda: fe.save(after, model, where, "t", timeout=STALL_S, shared=False))
+        finally:
+            restore()
+        dist.barrier()  # the job's own group: the ranks in step again
+        out[check + " files"] = sorted(p.name for p in (where / "t").iterdir())
+        got = fe.load(_fresh_ddp(), where, "t", timeout=STALL_S, shared=False)
+        out[check + " loads"] = "before" if _same(got, before) else "after" if _same(got, after) else "neither"
+        dist.barrier()
+    if s3 is not None:
+        out.update(_bucket_mid_commit(s3, rank))
+    return out
+
+
+def _bucket_mid_commit(s3: dict[str, str], rank: int) -> dict[str, Any]:
+    """:func:`mid_commit_worker`'s URL saves: rank 0 stuck publishing (then its store failing: ``bucket``); rank 0
+    slow removing the older generation's objects (``bucket cleanup``)."""
+    import torch.distributed as dist
+
+    from functional_ema._checkpoint import bucket
+    from functional_ema._storage import storage_for
+
+    def store_gone(*args: Any) -> None:
+        raise OSError("the store stopped answering")
+
+    opts: dict[str, Any] = {"key": s3["key"], "secret": s3["secret"], "endpoint_url": s3["endpoint"]}
+    opts["client_kwargs"] = {"region_name": "us-east-1"}
+    out: dict[str, Any] = {}
+    for check, name, then in (("bucket", "_check_still_newest", store_gone), ("bucket cleanup", "_cleanup", None)):
+        url = f"s3://{s3['bucket']}/{check.replace(' ', '-')}"
+        model = _fresh_ddp()
+        before, after = _ema_at(model, 1), _ema_at(model, 2)
+        fe.save(before, model, url, "t", timeout=STALL_S, storage_options=opts)
+        restore = _stall(bucket, name, rank == 0, then)
+        try:
+            out[check] = _attempt(lambda: fe.save(after, model, url, "t", timeout=STALL_S, storage_options=opts))
+        finally:
+            restore()
+        dist.barrier()
+        out[check + " files"] = sorted(storage_for(url, **opts).listdir("t"))
+        got = fe.load(_fresh_ddp(), url, "t", timeout=STALL_S, storage_options=opts)
+        out[check + " loads"] = "before" if _same(got, before) else "after" if _same(got, after) else "neither"
+        dist.barrier()
+    return out
+
+
+def _stalled(got: dict[str, Any], rank: int, step: str, tag_at: str, *says: str) -> None:
+    """A bounded mid-commit error: the step, the rank, the limit, where, what is left; well within the limit."""
+    assert got["error"] == "CheckpointTimeoutError", got
+    msg = got["msg"]
+    assert msg.startswith(f"functional_ema.save: the commit of tag 't' ({tag_at}) stopped at its step '{step}': "), msg
+    assert f"rank {rank} waited " in msg and f"(limit {STALL_S:g} s)" in msg, msg
+    assert all(s in msg for s in says), (says, msg)
+    assert STALL_S - 0.5 <= got["s"] <= STALL_S + 3, got
+
+
+def test_rank_stopping_mid_commit_fails_the_others_within_the_timeout(tmp_path: Path, s3_server: Any) -> None:
+    """A rank that stops inside a ``shared=False`` or URL save's commit, after the ranks met (a stuck disk or store),
+    fails the other ranks within the save's ``timeout`` (they used to wait in an unbounded all-reduce, up to gloo's
+    30 minutes: here the save succeeded once the stuck rank came back, however late), with a
+    CheckpointTimeoutError naming the step, the rank waited for, the limit and what the checkpoint is left as;
+    and that is what loads after it, bitwise: the previous save when the commit stopped before publishing.
+    Only what decides the commit is bounded: removing the older generation (one DELETE per object on a store),
+    slow but alive, comes after the last agreement: every rank succeeds, none waits for it, and it is done."""
+    problem = _s3_setup_problem()
+    if problem is not None:
+        pytest.fail(problem)
+    s3 = None
+    if s3_server is not None:
+        s3 = {"endpoint": s3_server.endpoint, "key": s3_server.key, "secret": s3_server.secret}
+        s3["bucket"] = s3_server.make_bucket("mid-commit")
+    env = {"FE_DIST_INIT": "torch"}
+    res = run_ranks(
+        "tests.test_hostile_ranks:mid_commit_worker", world_size=2, timeout=240, env=env, root=str(tmp_path), s3=s3
+    )
+    left = "Nothing of this save is committed: this rank removed its new files and its folder's pending manifest"
+    newer = ["ema_manifest.json", "ema_rank_00000_of_00002.gen1.safetensors"]  # in each folder: DDP's one file
+    for rank in (0, 1):
+        assert res[rank]["staging files"] == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], res[rank]
+        assert res[rank]["staging loads"] == "before", res[rank]
+        assert res[rank]["publishing loads"] == "after", res[rank]  # each folder published (rank 1 late)
+        assert res[rank]["cleanup"]["error"] is None, res[rank]["cleanup"]  # slow removal: not a failed save
+        assert res[rank]["cleanup files"] == newer and res[rank]["cleanup loads"] == "after", res[rank]
+    assert res[0]["cleanup"]["s"] < STALL_S <= 2 * STALL_S <= res[1]["cleanup"]["s"], res  # rank 0 did not wait
+    for check in ("staging", "publishing"):  # the stuck rank, back after the others left: fails too, not hangs
+        assert res[1][check]["error"] == "CheckpointTimeoutError", res[1][check]
+        assert f"the commit of tag 't' ({tmp_path / check / 'node1' / 't'}) stopped at" in res[1][check]["msg"]
+    _stalled(
+        res[0]["staging"],
+        0,
+        "writing the pending manifests",
+        str(tmp_path / "staging" / "node0" / "t"),
+        "(rank(s) [1] of the group did not arrive within 2 s)",
+        left,
+    )
+    _stalled(  # a rename stuck past the timeout: whether rank 1's folder will hold this save, rank 0 cannot know
+        res[0]["publishing"],
+        0,
+        "publishing the manifests",
+        str(tmp_path / "publishing" / "node0" / "t"),
+        "rank(s) [1] of the group did not arrive",
+        f"The folders may disagree: this rank published its folder {tmp_path / 'publishing' / 'node0' / 't'}: it holds "
+        "this save; a folder whose committer stopped before publishing keeps its previous checkpoint",
+    )
+    assert "this rank published its folder" in res[1]["publishing"]["msg"], res[1]["publishing"]  # back, then alone
+    if s3 is None:
+        return
+    url = f"s3://{s3['bucket']}/bucket/t"
+    _stalled(
+        res[1]["bucket"],
+        1,
+        "publishing the manifest",
+        url,
+        "(rank 0, which gathers the others, did not answer: no release from rank 0 of the group within 2 s)",
+        "This rank kept its new objects",
+    )
+    assert res[0]["bucket"]["error"] == "CheckpointTimeoutError", res[0]["bucket"]  # back after rank 1 left
+    assert "Nothing of this save is committed: the tag keeps its previous checkpoint" in res[0]["bucket"]["msg"]
+    assert res[0]["bucket loads"] == res[1]["bucket loads"] == "before", res
+    for rank in (0, 1):  # rank 0's slow removal of the older generation's objects: every rank succeeds, it is done
+        got = res[rank]["bucket cleanup"]
+        assert got["error"] is None and res[rank]["bucket cleanup loads"] == "after", (got, res[rank])
+        assert res[rank]["bucket cleanup files"] == ["ema_manifest.json", newer[1]], res[rank]
+    assert res[1]["bucket cleanup"]["s"] < STALL_S <= 2 * STALL_S <= res[0]["bucket cleanup"]["s"], res

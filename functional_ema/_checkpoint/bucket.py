@@ -55,8 +55,16 @@ from .._layout import ShardLayout
 from .._state import BufferState, EmaState
 from .._storage import Storage, redact_url, storage_for
 from ..schedules import DecayLike
-from .collective import agree, check_distinct_writers, gather_to_first
-from .errors import CheckpointError, CheckpointIOError
+from .collective import (
+    DEFAULT_TIMEOUT_S,
+    CommitRef,
+    agree,
+    check_distinct_writers,
+    commit_exchange,
+    commit_step,
+    gather_to_first,
+)
+from .errors import CheckpointError, CheckpointIOError, CheckpointTimeoutError
 from .format import BUFFER_FILE, LATEST_NAME, MANIFEST_NAME, RANK_FILE, check_tag, manifest_parts, parse_dtype
 from .writer import (
     agree_plans,
@@ -107,6 +115,7 @@ class BucketSave(NamedTuple):
     layout: ShardLayout
     names: list[str]  # the files this rank writes (its pieces' file first, its buffers' last)
     verb: str = "save"  # the public verb, as a refused access names its storage_options ("AsyncSaver.save")
+    timeout: float = DEFAULT_TIMEOUT_S  # the save's bound on each wait for the other ranks (its timeout=)
 
     @property
     def marker(self) -> str:
@@ -252,7 +261,7 @@ def prepare_bucket(
     mine, first = agree_plans(f"{what} (checking the state)", plan, group, world, rank, on_failure=give_up)
     tag = cast("str", mine["tag"])
     names = save_files(layout, first["generation"], writes_buffers, layout.writes_pieces)
-    prep = BucketSave(job, store, tag, store.describe(tag), mine, first, layout, names, verb)
+    prep = BucketSave(job, store, tag, store.describe(tag), mine, first, layout, names, verb, timeout)
     try:
         seen = agree(f"{what} (every rank reaches the store)", lambda: _see_marker(prep), group, world, rank)
         _check_markers(seen)
@@ -338,31 +347,75 @@ def write_bucket(
     return records
 
 
-def commit_bucket(prep: BucketSave, record: dict[str, Any], what: str) -> None:
-    """Step 4: every rank's records to rank 0, which publishes the manifest, then ``ema_latest``, then
-    cleans up. Collective. On a failure every rank raises and removes its unlisted objects."""
+def commit_bucket(prep: BucketSave, record: dict[str, Any], what: str, timeout: float | None = None) -> None:
+    """Step 4: every rank's records to rank 0, which publishes the manifest, then ``ema_latest``; once every rank
+    agreed that it did, rank 0 cleans up (best effort, after the last agreement: removing an older generation's
+    objects one by one keeps no other rank waiting in the commit). Collective. On a failure every rank raises and
+    removes its unlisted objects. Every wait for the other ranks is bounded by ``timeout`` (default: the save's,
+    ``prep.timeout``; :func:`collective.commit_step`): a rank that hangs or dies mid-commit fails the others with
+    :class:`CheckpointTimeoutError` naming the step and what is left; a rank whose wait for rank 0's publishing ran
+    out keeps its objects (rank 0 may still publish a manifest listing them; if not, the tag's next commit removes
+    them)."""
     group, world, rank = prep.job
-    written = gather_to_first(record, group, world)
-
-    def commit() -> None:
-        if written is None:  # not rank 0
-            return
-        manifest = build_manifest(prep.first, written, save_id=prep.first["token"])
-        store, rel = prep.store, f"{prep.tag}/{MANIFEST_NAME}"
-        try:
-            _check_still_newest(prep, manifest)
-            store.publish_bytes(rel, json.dumps(manifest, indent=1).encode())
-            rel = LATEST_NAME
-            store.publish_bytes(rel, (prep.tag + "\n").encode())
-        except Exception as e:  # noqa: BLE001
-            raise store_error(e, rank, store.describe(rel), verb=prep.verb) from None
-        _cleanup(prep, _listed(manifest))
-
+    limit = prep.timeout if timeout is None else timeout
+    ref = CommitRef(what, prep.tag, prep.tag_dir, str(prep.first["token"]), limit)
+    published: list[dict[str, Any]] = []  # rank 0's manifest, once it is the tag's
+    gather = lambda: gather_to_first(record, group, world)  # noqa: E731
+    step = "collecting the file records"
     try:
-        agree(f"{what} (writing the manifest)", commit, group, world, rank, results=False)
-    except BaseException:
-        abandon_bucket(prep)
+        written = commit_exchange(ref, step, gather, prep.job, _not_published)
+        step = "publishing the manifest"
+        publish = lambda: _publish(prep, written, published)  # noqa: E731
+        commit_step(ref, step, publish, prep.job, lambda: _publishing(rank, bool(published)))
+    except BaseException as e:
+        if not (isinstance(e, CheckpointTimeoutError) and step == "publishing the manifest" and rank != 0):
+            abandon_bucket(prep)
         raise
+    if published:  # rank 0, the save committed and agreed: however long the removals take, no rank waits for them
+        _cleanup(prep, _listed(published[0]))
+
+
+def _publish(prep: BucketSave, written: list[dict[str, Any]] | None, published: list[dict[str, Any]]) -> None:
+    """Rank 0 (``written``: every rank's records; None on the others): the manifest, published once no later save
+    of the tag committed (then noted in ``published``: the tag holds this save), then ``ema_latest``."""
+    if written is None:  # not rank 0
+        return
+    manifest = build_manifest(prep.first, written, save_id=prep.first["token"])
+    store, rel = prep.store, f"{prep.tag}/{MANIFEST_NAME}"
+    try:
+        _check_still_newest(prep, manifest)
+        store.publish_bytes(rel, json.dumps(manifest, indent=1).encode())
+        published.append(manifest)
+        rel = LATEST_NAME
+        store.publish_bytes(rel, (prep.tag + "\n").encode())
+    except Exception as e:  # noqa: BLE001
+        raise store_error(e, prep.job[2], store.describe(rel), verb=prep.verb) from None
+
+
+def _not_published() -> str:
+    """What a URL save's commit that stopped before rank 0 published its manifest leaves."""
+    return (
+        "Nothing of this save is committed: rank 0 publishes the manifest only once every rank's records came; the "
+        "tag keeps its previous checkpoint, loadable; this rank removed its new objects. Save again once every rank "
+        "is back."
+    )
+
+
+def _publishing(rank: int, published: bool) -> str:
+    """What a URL save's commit that stopped while rank 0 published its manifest leaves, as ``rank`` knows it."""
+    if rank == 0:
+        if published:
+            return (
+                "This save is committed nevertheless: this rank (rank 0) published its manifest, so the tag holds "
+                "this save, complete and loadable; a rank that did not learn it may raise a timeout too, not knowing "
+                "which checkpoint the tag holds. The older generations' objects stay until the tag's next commit."
+            )
+        return "Nothing of this save is committed: the tag keeps its previous checkpoint, loadable."
+    return (
+        "Rank 0 was publishing this save's manifest: the tag holds either its previous checkpoint or this save, each "
+        "complete and loadable (the manifest is one object, written whole). This rank kept its new objects: a "
+        "manifest rank 0 may still publish lists them (the tag's next commit removes them otherwise)."
+    )
 
 
 def _listed(manifest: dict[str, Any]) -> set[str]:

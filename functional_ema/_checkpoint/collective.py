@@ -101,6 +101,7 @@ def agree_on(
     timeout: float | None = None,
     bounded: bool = True,
     call: str = "",
+    stalled: Callable[[float, float, Exception], Exception] | None = None,
 ) -> Mapping[str, Any]:
     """Run ``fn()`` on every rank (this rank's checks, returning its record ``{field: value}`` of what the
     verb is about to read: step, tag, save generation, number of EMAs, dtype, layout) and agree on it:
@@ -131,6 +132,9 @@ def agree_on(
         bounded: whether the wait is bounded (see above).
         call: the arguments of this call that decide which collectives follow (``"dst=0"``), as the message shows
             them (``gather_full(dst=0)``); ``""`` when there are none, or they are the defaults.
+        stalled: the error a bounded wait that ran out raises, made of (the limit, the seconds waited, gloo's
+            error); default: a verb's ranks that did not all call it (:func:`_timed_out`). A step inside a commit
+            (:func:`commit_step`) names what its ranks were doing instead.
 
     Returns:
         This rank's record (the same values on every rank).
@@ -155,7 +159,9 @@ def agree_on(
     words = [verb, -verb, int(record is None)] + [v for d in digests for v in (d, -d)]
     set_by = "the environment variable" if timeout is None else "timeout= or the environment variable"
     reduced = (
-        _agreement(what, words, (group, world, rank), t, set_by) if t is not None else all_reduce_max(words, group)
+        _agreement(what, words, (group, world, rank), t, set_by, stalled)
+        if t is not None
+        else all_reduce_max(words, group)
     )
     if reduced[0] != -reduced[1]:  # every rank sees it: each names the call the others made, then raises
         called = exchange((what, call), barrier_group(group, t if t is not None else timeout_s(timeout)), world)
@@ -212,8 +218,28 @@ def disagreement(what: str, fields: Sequence[str], records: Sequence[Mapping[str
     for f in fields:
         values = [r[f] for r in records]
         if len({value_digest(v) for v in values}) > 1:
-            parts.append(f"{f}: " + ", ".join(f"rank {r}: {_shown(v)}" for r, v in enumerate(values)))
+            name, values = _first_difference(f, values)
+            parts.append(f"{name}: " + ", ".join(f"rank {r}: {_shown(v)}" for r, v in enumerate(values)))
     return f"{what}: ranks disagree on " + "; and on ".join(parts or ["nothing (a digest collided)"])
+
+
+def _first_difference(name: str, values: list[Any]) -> tuple[str, list[Any]]:
+    """The first entry where lists of one length (or dicts of the same keys) differ, named ``name[i]``: a long value
+    cut for the message (``_shown``) would hide what differs (the second of two schedules)."""
+    while True:
+        first = values[0]
+        if isinstance(first, (list, tuple)) and all(
+            isinstance(v, (list, tuple)) and len(v) == len(first) for v in values
+        ):
+            keys: list[Any] = list(range(len(first)))
+        elif isinstance(first, Mapping) and all(isinstance(v, Mapping) and v.keys() == first.keys() for v in values):
+            keys = list(first)
+        else:
+            return name, values
+        key = next((k for k in keys if len({value_digest(v[k]) for v in values}) > 1), None)
+        if key is None:
+            return name, values
+        name, values = f"{name}[{key!r}]", [v[key] for v in values]
 
 
 def _shown(value: Any) -> str:
@@ -409,16 +435,23 @@ def bounded_max(g: dist.ProcessGroup | None, t: float, mine: torch.Tensor, tags:
 
 
 def _agreement(
-    what: str, words: list[int], where: tuple[dist.ProcessGroup | None, int, int], t: float, set_by: str
+    what: str,
+    words: list[int],
+    where: tuple[dist.ProcessGroup | None, int, int],
+    t: float,
+    set_by: str,
+    stalled: Callable[[float, float, Exception], Exception] | None = None,
 ) -> list[int]:
     """:func:`agree_on`'s exchange: the elementwise maximum of ``words`` over the group (:func:`bounded_max`, padded
-    to :data:`AGREE_WORDS`), or :class:`CheckpointTimeoutError` naming ``what`` when a rank waits ``t`` seconds."""
+    to :data:`AGREE_WORDS`), or, when a rank waits ``t`` seconds, ``stalled(t, waited, e)`` (default: the
+    :class:`CheckpointTimeoutError` of a verb not called on every rank, naming ``what``)."""
     group, world, rank = where
     t0 = time.monotonic()
     try:
         return _max_words(words, AGREE_WORDS, group, t, (AGREE_TAG, AGREE_RELEASE_TAG))
     except RuntimeError as e:  # gloo reports a timeout or a vanished peer as RuntimeError (DistError)
-        raise _timed_out(what, rank, world, t, time.monotonic() - t0, e, set_by) from None
+        waited = time.monotonic() - t0
+        raise (stalled(t, waited, e) if stalled else _timed_out(what, rank, world, t, waited, e, set_by)) from None
 
 
 def _max_words(
@@ -460,6 +493,78 @@ def arrive(what: str, group: dist.ProcessGroup | None, world: int, rank: int, ti
         ) from None
 
 
+class CommitRef(NamedTuple):
+    """A save's commit, as its bounded steps (:func:`commit_step`) name it."""
+
+    what: str  # the public verb ("save", "async save")
+    tag: str
+    where: str  # the tag's folder (this rank's) or URL
+    save_id: str  # the save's token, the same on every rank (agreed with its plan)
+    timeout: float  # the save's bound on each wait for the other ranks, seconds
+
+
+def commit_step(
+    ref: CommitRef,
+    phase: str,
+    fn: Callable[[], object],
+    job: tuple[dist.ProcessGroup | None, int, int],
+    state: Callable[[], str],
+) -> None:
+    """One step of a save's commit, after its ranks met (a private or URL save's manifests): ``fn()`` on every rank,
+    then agree (:func:`agree_on`) that it succeeded everywhere (raising on every rank if not). ``job`` is (group,
+    world, rank). Only for a step whose work decides the commit and is short (a manifest's write or rename): a
+    long one (removing older generations) belongs after the last step, where no rank waits for it.
+
+    Bounded: each rank waits at most ``ref.timeout`` for the others, so a rank that hangs or dies mid-commit makes the
+    others raise :class:`CheckpointTimeoutError` (:func:`_commit_stalled`) instead of blocking until gloo's own
+    timeout (30 minutes). ``ref.save_id`` and ``phase`` go into the exchange's verb digest: a late message of another
+    step, or of an earlier save's step that timed out, is refused as another call (:class:`CheckpointMismatchError`),
+    never taken for this one's. Cost: one round trip of :data:`AGREE_WORDS` int64 between each rank and the first."""
+    group, world, rank = job
+    stalled = _commit_stalled(ref, phase, job, state)
+    what, call = f"{ref.what} ({phase})", f"save_id={ref.save_id}"
+    agree_on(what, lambda: (fn(), {})[1], (), group, world, rank, timeout=ref.timeout, call=call, stalled=stalled)
+
+
+def commit_exchange(
+    ref: CommitRef,
+    phase: str,
+    exchange: Callable[[], Any],
+    job: tuple[dist.ProcessGroup | None, int, int],
+    state: Callable[[], str],
+) -> Any:
+    """A save's commit's first step, its exchange of the file records, entered by every rank right after they agreed
+    that every rank's files are written (nothing runs between, so no rank is left waiting there: no bound of its
+    own, and no extra round trip to meet first); returns what ``exchange()`` returns. A peer that vanished since
+    makes gloo fail it: reported as :func:`commit_step` reports a stalled step."""
+    t0 = time.monotonic()
+    try:
+        return exchange()
+    except RuntimeError as e:  # gloo: a peer that vanished after agreeing (its closed connection)
+        raise _commit_stalled(ref, phase, job, state)(ref.timeout, time.monotonic() - t0, e) from None
+
+
+def _commit_stalled(
+    ref: CommitRef, phase: str, job: tuple[dist.ProcessGroup | None, int, int], state: Callable[[], str]
+) -> Callable[[float, float, Exception], Exception]:
+    """The error of a commit step (:func:`commit_step`, :func:`commit_exchange`) whose peers did not finish it: names
+    the save, ``phase``, the rank(s) missing (as this rank knows them: the first rank knows which; the others that
+    the first did not answer), the limit and ``state()`` (what the checkpoint is left as, as this rank knows it)."""
+    _, world, rank = job
+
+    def stalled(t: float, waited: float, e: Exception) -> Exception:
+        who = "rank 0, which gathers the others, did not answer: " if rank else ""
+        return CheckpointTimeoutError(
+            f"functional_ema.{ref.what}: the commit of tag {ref.tag!r} ({ref.where}) stopped at its step '{phase}': "
+            f"rank {rank} waited {waited:.1f} s (limit {t:g} s) for the other ranks of its process group (world size "
+            f"{world}) to finish that step, and they did not ({who}{error_detail(e)}): a rank hung or died "
+            f"mid-commit. {state()} The limit is the save's timeout (timeout=, else {TIMEOUT_ENV}, default "
+            f"{DEFAULT_TIMEOUT_S:g} s). The process group may be unusable after this"
+        )
+
+    return stalled
+
+
 def check_distinct_writers(
     what: str, tag_dir: Path | str, names: list[str], group_world: int, timeout: float | None
 ) -> None:
@@ -468,7 +573,9 @@ def check_distinct_writers(
     Decided from what each rank would write (the real paths of its files; a URL's tag as named), so any layout where the
     ranks that save are not one data-parallel group is covered: model-parallel ranks with the same
     data-parallel coordinate, several groups saving into one folder. Free when the data-parallel group
-    is the whole job (its file names differ by rank, and by model-parallel part); otherwise one exchange
+    is the whole job (its file names differ by rank, and by model-parallel part; under HSDP only replica 0
+    writes, and the FSDP2 adapter makes a replica one row of the mesh, so its shard ranks are distinct; it
+    refuses a mesh whose replicate groups hold different shards); otherwise one exchange
     over the whole job, which every rank of the job must then join. A model read as a world of its own
     (a plain module, not DDP-wrapped) may be saved by one rank alone, so it is not checked: two such
     savers of one tag take turns (the tag's lock), each writing a complete checkpoint.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,13 +35,14 @@ from typing import Any, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
+from .. import _io
 from .._layout import ShardLayout
 from .._state import BufferState, EmaState
 from ..schedules import DecayLike
-from . import collective
+from . import collective, writer
 from .collective import agree, all_reduce_max, exchange, io_error
 from .errors import CheckpointError, CheckpointMismatchError
-from .format import MANIFEST_NAME, check_tag, parse_dtype
+from .format import LATEST_NAME, MANIFEST_NAME, PENDING_MANIFEST_NAME, check_tag, manifest_parts, parse_dtype
 from .writer import (
     TagLock,
     agree_plans,
@@ -50,7 +52,6 @@ from .writer import (
     drop_pending,
     part_record,
     plan_save,
-    publish_pending,
     rank_file_meta,
     read_generation,
     remove_unlisted,
@@ -214,16 +215,23 @@ def write_private(
 def commit_private(prep: PrivateSave, record: dict[str, Any], timeout: float, what: str) -> None:
     """Step 5: every rank's records to every rank, then the commit in two phases, each agreed over the
     process group: each folder's committer writes the manifest under a pending name; once every folder holds
-    it, each renames it into place and writes ``ema_latest`` and removes older generations. A failure before
-    the second phase (a full disk, a rank dying) removes the pending manifests and this rank's new files:
-    every folder keeps its previous checkpoint and ``ema_latest``, a folder never gets ahead of the others.
+    it, each renames it into place and writes ``ema_latest``; once every folder did, each removes its older
+    generations (best effort, after the last agreement: a slow removal keeps no other rank waiting in the commit).
+    A failure before the second phase (a full disk, a rank dying) removes the pending manifests and this rank's new
+    files: every folder keeps its previous checkpoint and ``ema_latest``, a folder never gets ahead of the others.
+    Every wait for the other ranks is bounded by ``timeout`` (:func:`collective.commit_step`): a rank that hangs
+    or dies mid-commit fails the others with :class:`CheckpointTimeoutError` naming the step and what is left.
     The locks are released. Collective."""
     group, world, rank = prep.job
+    exchange_records = lambda: _everyone(record, group, world, timeout)  # noqa: E731
+    ref = collective.CommitRef(what, prep.first["tag"], str(prep.tag_dir), str(prep.first.get("token")), timeout)
     manifest: list[dict[str, Any]] = []
     try:
-        records = _everyone(record, group, world, timeout)
+        records = collective.commit_exchange(
+            ref, "exchanging the file records", exchange_records, prep.job, _uncommitted
+        )
         stage = lambda: manifest.append(_stage_manifest(prep, records))  # noqa: E731
-        agree(f"{what} (writing the manifests)", stage, group, world, rank, results=False)
+        collective.commit_step(ref, "writing the pending manifests", stage, prep.job, _uncommitted)
     except BaseException:
         try:
             if prep.sharers[0] == rank:
@@ -233,12 +241,42 @@ def commit_private(prep: PrivateSave, record: dict[str, Any], timeout: float, wh
             for held in prep.lock:
                 held.release(remove_empty=True)
         raise
+    published: list[bool] = []
     try:  # every folder holds the pending manifest: publishing it is one rename per folder
-        publish = lambda: _publish_manifest(prep, manifest[0])  # noqa: E731
-        agree(f"{what} (publishing the manifests)", publish, group, world, rank, results=False)
+        publish = lambda: _publish_manifest(prep, manifest[0], published)  # noqa: E731
+        left = lambda: _half_published(prep, bool(published))  # noqa: E731
+        collective.commit_step(ref, "publishing the manifests", publish, prep.job, left)
+        if published:  # every folder holds this save: its older generations go, however long that takes
+            with contextlib.suppress(OSError):  # best effort (the save is committed); the next commit retries
+                writer._cleanup(prep.tag_dir, _listed(manifest[0]))
     finally:
         for held in prep.lock:
             held.release()
+
+
+def _uncommitted() -> str:
+    """What a private save's commit that stopped before publishing leaves (:func:`commit_private`)."""
+    return (
+        "Nothing of this save is committed: this rank removed its new files and its folder's pending manifest; every "
+        "folder keeps its previous checkpoint and ema_latest, loadable (a stopped rank's folder may keep its pending "
+        f"{MANIFEST_NAME}.pending, which no load reads and its next save removes). Save again once every rank is back."
+    )
+
+
+def _half_published(prep: PrivateSave, published: bool) -> str:
+    """What a private save's commit that stopped while the folders published their manifests leaves."""
+    committer = prep.sharers[0]
+    if committer != prep.job[2]:
+        mine = f"this rank's folder {prep.tag_dir} is rank {committer}'s to publish"
+    elif published:
+        mine = f"this rank published its folder {prep.tag_dir}: it holds this save"
+    else:
+        mine = f"this rank's folder {prep.tag_dir} keeps its previous checkpoint"
+    return (
+        f"The folders may disagree: {mine}; a folder whose committer stopped before publishing keeps its previous "
+        f"checkpoint (its older files and {MANIFEST_NAME}) beside this save's complete {MANIFEST_NAME}.pending. "
+        "load(shared=False) refuses folders of two saves, naming them: save the tag again on every rank."
+    )
 
 
 def _stage_manifest(prep: PrivateSave, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -253,14 +291,26 @@ def _stage_manifest(prep: PrivateSave, records: list[dict[str, Any]]) -> dict[st
     return manifest
 
 
-def _publish_manifest(prep: PrivateSave, manifest: dict[str, Any]) -> None:
-    """Second phase: this folder's committer publishes its pending manifest, then ``ema_latest``."""
+def _publish_manifest(prep: PrivateSave, manifest: dict[str, Any], published: list[bool]) -> None:
+    """Second phase: this folder's committer renames its pending manifest into place (then notes it in
+    ``published``: the folder holds this save), then writes ``ema_latest``. Not its older generations' removal
+    (``writer.publish_pending`` does it): that waits for every folder (:func:`commit_private`)."""
     rank = prep.job[2]
     if prep.sharers[0] == rank:
+        path = prep.tag_dir / MANIFEST_NAME
         try:
-            publish_pending(prep.save_dir, prep.tag_dir, manifest)
+            os.replace(prep.tag_dir / PENDING_MANIFEST_NAME, path)
+            published.append(True)  # the folder holds this save from the rename on, whatever fails next
+            _io.fsync_dir(prep.tag_dir)
+            path = prep.save_dir / LATEST_NAME  # the pointer load follows without a tag: once the tag is complete
+            _io.atomic_write_bytes(path, (manifest["tag"] + "\n").encode())
         except OSError as e:
-            raise io_error(e, rank, prep.tag_dir / MANIFEST_NAME) from None
+            raise io_error(e, rank, path) from None
+
+
+def _listed(manifest: dict[str, Any]) -> set[str]:
+    """The files ``manifest`` lists: what the removal of older generations keeps."""
+    return {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])}
 
 
 def abandon_private(prep: PrivateSave) -> None:

@@ -225,8 +225,9 @@ def _agreed(plan: dict) -> tuple[str, ...]:
     )
 
 
-def check_plans(plans: list[dict]) -> None:
-    """Raise :class:`CheckpointMismatchError` naming each rank's value of every field the plans differ in."""
+def check_plans(plans: list[dict], what: str = "save") -> None:
+    """Raise :class:`CheckpointMismatchError` naming each rank's value of every field the plans differ in (``what``:
+    the verb the user called, e.g. ``"save_snapshot"``)."""
     fields = _agreed(plans[0])
     plans = [dict(p, selection=p.get("selection")) for p in plans]  # absent: every parameter (as agree_plans)
     if "buffers" not in fields:  # model-parallel parts: each its own buffers, but all of them save some or none
@@ -234,7 +235,7 @@ def check_plans(plans: list[dict]) -> None:
         plans = [dict(p, buffers=p.get("buffers") is not None) for p in plans]
     if any(len({json.dumps(p.get(f), sort_keys=True) for p in plans}) > 1 for f in fields):
         raise CheckpointMismatchError(
-            collective.disagreement("save", fields, plans)
+            collective.disagreement(what, fields, plans)
             + ". Every rank must save the same state (the same step: update every rank alike) with the same tag"
         )
 
@@ -276,7 +277,7 @@ def agree_plans(
             return mine, first
     try:
         plans = collective.settle(what, payload, local_exc, group, world, rank)
-        check_plans(plans)
+        check_plans(plans, what.split(" (", 1)[0])  # the verb called ("save_snapshot"), not the step of it
     except BaseException:
         if on_failure is not None:
             on_failure()
