@@ -1451,6 +1451,63 @@ def test_a_failed_save_leaves_no_part_of_the_tag_newer(tmp_path):
     _count("14 integration state")
 
 
+#: Accelerate's save record (``<tag>_save_state.json``, functional_ema.integrations.accelerate): a write of it fails
+#: (errno) while marking a ``save_state`` unfinished (before Accelerate writes anything, into the folder used at step 3)
+#: or finished (after, into a new folder).
+SAVE_RECORD_FAULTS = (
+    ("unfinished mark", errno.ENOSPC),
+    ("unfinished mark", errno.EIO),
+    ("finished mark", errno.ENOSPC),
+    ("finished mark", errno.EIO),
+)
+
+
+def test_accelerate_save_record_write_failures(tmp_path):
+    """Each row of :data:`SAVE_RECORD_FAULTS` (the write fails half-way, its temporary file written): the save raises
+    a ``CheckpointIOError`` naming the record's file and the errno, no temporary file is left, and the previous
+    complete save (step 3) loads, resuming the run's state bitwise; an unfinished mark that failed left its folder
+    as it was (hashed), a finished mark that failed leaves its folder refused as unfinished."""
+    pytest.importorskip("accelerate")
+    import functional_ema.integrations.accelerate as fe_accelerate
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+    from tests.test_integrations_accelerate import _load_refused, _load_whole, _own, _prepared, _train
+
+    real = fe_accelerate.atomic_write_bytes
+    for phase, code in SAVE_RECORD_FAULTS:
+        d = tmp_path / f"{phase.split()[0]}_{errno.errorcode[code]}"
+        acc, model, optimizer = _prepared()
+        ema = AcceleratorEMA(acc, model, decay=0.5)
+        _train(acc, model, optimizer, (ema,), steps=3)
+        at3 = _own(model), fe.gather_full(ema.state, model)
+        acc.save_state(str(d / "ckpt"))
+        before = _hashes(d / "ckpt")
+        _train(acc, model, optimizer, (ema,), steps=3)
+
+        def failing(final, data, phase=phase, code=code):
+            if Path(final).name == "ema_save_state.json" and json.loads(data)["complete"] == (phase == "finished mark"):
+                with _io.atomic_open(final) as f:
+                    f.write(data[: len(data) // 2])
+                    raise OSError(code, os.strerror(code), str(final))
+            return real(final, data)
+
+        target = d / ("ckpt" if phase == "unfinished mark" else "next")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fe_accelerate, "atomic_write_bytes", failing)
+            with pytest.raises(ck.CheckpointIOError) as failed:
+                acc.save_state(str(target))
+        ema.remove_hooks()
+        message = str(failed.value)
+        assert str(target / "ema_save_state.json") in message and errno.errorcode[code] in message, (phase, message)
+        assert failed.value.errno == code, (phase, message)
+        leftovers = [p for p in d.rglob("*") if _io.is_tmp_name(p.name)]
+        assert not leftovers, (phase, leftovers)
+        assert _hashes(d / "ckpt") == before, phase  # an unfinished mark fails before anything of the save is written
+        if phase == "finished mark":
+            _load_refused(target, r"save_state of optimizer step 6 into this folder did not finish")
+        _load_whole(d / "ckpt", *at3, 3)
+        _count("14 integration state")
+
+
 # ----------------------------------------------------------------------- class 15: exports (issue 21)
 
 

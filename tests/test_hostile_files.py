@@ -40,6 +40,7 @@ matches.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -368,6 +369,43 @@ def build_controller(root: Path) -> None:
             shutil.copytree(root / where, root / where.replace("ck/", "older/"))
 
 
+#: Accelerate is in the environment: its layout (``build_accelerate``) and the save record's rows run.
+HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
+
+
+def build_accelerate(root: Path) -> None:
+    """``accelerator.save_state`` with an ``AcceleratorEMA`` (one process, tests/test_integrations_accelerate.py's
+    run): ``ck`` saved into at steps 3 and 6 (its save record, the EMA inside, Accelerate's own files), ``older`` the
+    same run's step-3 save."""
+    from tests.test_integrations_accelerate import _same_folder_run
+
+    for where, save_at in (("older", (3,)), ("ck", (3, 6))):
+        *_, ema, _, _ = _same_folder_run(root / where, async_save=False, save_at=save_at)
+        ema.remove_hooks()
+
+
+def _accelerate_load(d: Path) -> tuple:
+    """``accelerator.load_state(ck)`` into a fresh accelerator and helper: (the helper's optimizer step, the EMA, the
+    model's weights). A refusal must leave everything as it was (no EMA, the step counter and weights unchanged): else
+    an ``AssertionError``, which the table counts as a crash."""
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+    from tests.test_integrations_accelerate import _own, _prepared
+
+    acc, model, _ = _prepared(seed=1)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    before = _own(model)
+    try:
+        acc.load_state(str(d / "ck"))
+    except (fe.CheckpointError, fe.MismatchError):
+        changed = [n for n, p in _own(model).items() if not torch.equal(p, before[n])]
+        if ema.state is not None or ema.optimizer_step or changed:
+            raise AssertionError(f"refused, but loaded: EMA {ema.state is not None}, weights {changed}") from None
+        raise
+    finally:
+        ema.remove_hooks()
+    return ema.optimizer_step, fe.gather_full(ema.state, model), _own(model)
+
+
 def build_bucket(root: Path) -> None:
     """A plain module (one process, two EMAs, buffers) saved twice into one tag at a ``memory://`` URL, through
     the object-store writer (``_checkpoint/bucket.py``: streamed objects, a marker, the manifest last); what each
@@ -614,6 +652,7 @@ READERS: dict[str, Callable[[Path], Any]] = {
     "controller.load(2)": _controller(2),
     "controller.load(4)": _controller(4),
     "export": _export_checkpoint,
+    "accelerate.load_state": _accelerate_load,
     **{name: _hf_export(name) for name in HF_EXPORTS},
 }
 
@@ -669,6 +708,8 @@ LAYOUTS: dict[str, Layout] = {
     "bucket": Layout("bucket", (*_CK, "buffers.consolidate", "consolidate url")),
     "controller": Layout("controller", ("controller.load(2)", "controller.load(4)")),
     "hf": Layout("hf", tuple(HF_EXPORTS)),
+    # accelerator.save_state's folder: the helper's save record beside the EMA and Accelerate's own files
+    **({"accelerate": Layout("accelerate", ("accelerate.load_state",))} if HAS_ACCELERATE else {}),
 }
 
 
@@ -687,14 +728,22 @@ def _forge_record(path: Path) -> None:
 
 
 _RANK = r"ema_(?:tp\d+of\d+_pp\d+of\d+_)?rank_\d+_of_\d+(?:\.gen\d+)?\.safetensors"
-_CKPT = (*_CK, "buffers.consolidate", "controller.load(4)", "export ck>like", "consolidate url")
+_CKPT = (
+    *_CK,
+    "buffers.consolidate",
+    "controller.load(4)",
+    "export ck>like",
+    "consolidate url",
+    "accelerate.load_state",
+)
 _HF_LIKE = ("export ck>like", "export file>like_sharded", "export posthoc>like")
 FILE_KINDS: dict[str, FileKind] = {
-    "rank file": FileKind(rf"^ck/({TAG}|started/ema)/{_RANK}$", _CKPT),
+    "rank file": FileKind(rf"^ck/({TAG}|started/ema|ema)/{_RANK}$", _CKPT),
     "buffers file": FileKind(
-        rf"^ck/({TAG}|started/ema)/buffers_(?:tp\d+of\d+_pp\d+of\d+_)?rank_\d+_of_\d+(?:\.gen\d+)?\.safetensors$", _CKPT
+        rf"^ck/({TAG}|started/ema|ema)/buffers_(?:tp\d+of\d+_pp\d+of\d+_)?rank_\d+_of_\d+(?:\.gen\d+)?\.safetensors$",
+        _CKPT,
     ),
-    "manifest": FileKind(rf"^ck/({TAG}|started/ema)/ema_manifest\.json$", _CKPT, json=True),
+    "manifest": FileKind(rf"^ck/({TAG}|started/ema|ema)/ema_manifest\.json$", _CKPT, json=True),
     "ema_latest": FileKind(r"^(ck/(started/)?|snaps/)ema_latest$", (*_CKPT, "posthoc_offline", "posthoc url")),
     "integration record": FileKind(
         r"^ck/unstarted/ema/integration\.json$", ("controller.load(2)",), json=True, forge=_forge_record
@@ -717,11 +766,23 @@ FILE_KINDS: dict[str, FileKind] = {
     ),
     "posthoc output": FileKind(r"^posthoc\.safetensors$", ("export posthoc>like",)),
     # A user's files named like the library's (USER_LOOKALIKES), kept by the saves: never read, whatever they hold.
+    # AcceleratorEMA's record of the last accelerator.save_state into the folder (the curated rows: RECORD_ROWS)
+    **(
+        {
+            "save record": FileKind(
+                r"^ck/ema_save_state\.json$", ("accelerate.load_state",), json=True, forge=_forge_record
+            )
+        }
+        if HAS_ACCELERATE
+        else {}
+    ),
     "user look-alike": FileKind(rf"^ck/{TAG}/({'|'.join(map(re.escape, USER_LOOKALIKES))})$", _CKPT),
 }
+# Accelerate's own files in its layout's folder: read by Accelerate, not by the library (not attacked here).
+_ACCELERATE_OWN = r"^ck/(model\.safetensors|optimizer\.bin|random_states_\d+\.pkl)$"
 # Written, never read as data: the write lock of a tag (an empty file, only ``flock``-ed); the older saves are
 # this test's own copies, and so are the hf layout's references (``ref/``: what its oracle compares with).
-NOT_READ = (r"(^|/)\.ema_write\.lock$", r"^older(_dcp)?/", r"^ref/")
+NOT_READ = (r"(^|/)\.ema_write\.lock$", r"^older(_dcp)?/", r"^ref/", _ACCELERATE_OWN)
 
 
 def _spans(path: Path, raw: bytes) -> dict[str, tuple[int, int]]:
@@ -917,6 +978,8 @@ def built(tmp_path_factory) -> tuple[Path, dict]:
             _build_hf_timed(base, times)
         if "bucket" not in times:  # a cache from before the bucket layout
             _build_bucket_timed(base, times)
+        if HAS_ACCELERATE and "accelerate" not in times:  # a cache from before the accelerate layout
+            _build_accelerate_timed(base, times)
         return base, times
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -936,6 +999,8 @@ def built(tmp_path_factory) -> tuple[Path, dict]:
     times["controller"] = time.monotonic() - t0
     _build_hf_timed(base, times)
     _build_bucket_timed(base, times)
+    if HAS_ACCELERATE:
+        _build_accelerate_timed(base, times)
     return base, times
 
 
@@ -944,6 +1009,14 @@ def _build_bucket_timed(base: Path, times: dict) -> None:
     shutil.rmtree(base / "bucket", ignore_errors=True)
     build_bucket(base / "bucket")
     times["bucket"] = time.monotonic() - t0
+    (base / "built.json").write_text(json.dumps(times))
+
+
+def _build_accelerate_timed(base: Path, times: dict) -> None:
+    t0 = time.monotonic()
+    shutil.rmtree(base / "accelerate", ignore_errors=True)
+    build_accelerate(base / "accelerate")
+    times["accelerate"] = time.monotonic() - t0
     (base / "built.json").write_text(json.dumps(times))
 
 
@@ -1037,7 +1110,7 @@ def _online_pass(base: Path, cases: list[Case], tmp: Path) -> list[tuple[Case, s
     (worst outcome over the ranks, why). Ranks that disagree (one refuses, another loads) count as a crash."""
     root, picked = tmp / "online", {}
     for layout, spec in LAYOUTS.items():
-        if spec.builder in ("controller", "hf", "bucket"):  # built in this process: no ranks to load on
+        if spec.builder in ("controller", "hf", "bucket", "accelerate"):  # built in this process: no ranks to load on
             continue
         pool = [c for c in cases if c.layout == layout and c.kind in ONLINE_KINDS]
         rng = random.Random(f"{SEED}|online|{layout}")
@@ -1141,3 +1214,63 @@ def test_hostile_files_table(built: tuple[Path, dict], tmp_path: Path) -> None:
     for cid, why in sorted(failures.items()):
         print("FAIL", cid, why)
     assert not failures, "\n".join(f"{k} -> {v}" for k, v in sorted(failures.items())[:30])
+
+
+# ------------------------------------------------------- the save record's rows (AcceleratorEMA)
+
+
+#: The curated rows of the ``save record`` kind (AcceleratorEMA's ``ema_save_state.json``; the table's mutations attack
+#: it too, through ``accelerate.load_state``): each row a damaged or forged record in a
+#: whole folder (step 6, EMA at step 6), the error ``load_state`` must raise, and a fragment of its message. None of
+#: them may load anything. ``forge``: the record rewritten with that field and a valid checksum (a hand edit).
+RECORD_ROWS = (
+    ("truncated", lambda raw: raw[: len(raw) // 2], "CorruptCheckpointError", "not a readable JSON record"),
+    ("empty", lambda raw: b"", "CorruptCheckpointError", "not a readable JSON record"),
+    ("not JSON", lambda raw: b"\x00\xff garbage", "CorruptCheckpointError", "not a readable JSON record"),
+    ("huge", lambda raw: b" " * (1 << 21) + raw, "CorruptCheckpointError", "far more than a record"),
+    (
+        "byte flipped",
+        lambda raw: raw.replace(b'"optimizer_step": 6', b'"optimizer_step": 7'),
+        "CorruptCheckpointError",
+        "checksum",
+    ),
+    ("forged kind", {"kind": "something else"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
+    ("forged tag", {"tag": "other"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
+    ("forged step -1", {"optimizer_step": -1}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
+    ("forged step bool", {"optimizer_step": True}, "CorruptCheckpointError", "is not the accelerator.save_state"),
+    ("forged step str", {"optimizer_step": "6"}, "CorruptCheckpointError", "is not the accelerator.save_state"),
+    ("forged complete", {"complete": "yes"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
+    ("unfinished", {"complete": False}, "CheckpointMismatchError", "optimizer step 6 into this folder did not finish"),
+    ("another step", {"optimizer_step": 3}, "CheckpointMismatchError", "optimizer step 3"),
+)
+
+
+@pytest.mark.skipif(not HAS_ACCELERATE, reason="needs accelerate")
+def test_a_damaged_or_forged_save_record_is_refused_loading_nothing(tmp_path):
+    """Every row of :data:`RECORD_ROWS`: refused with its error naming the record's folder, nothing loaded (no EMA,
+    the step counter and the model's weights as they were); the folder it was copied from resumes whole."""
+    from functional_ema._checkpoint.format import read_record, record_bytes
+    from tests.test_integrations_accelerate import _load_refused, _load_whole, _same_folder_run
+
+    *_, ema, weights, emas = _same_folder_run(tmp_path / "whole", async_save=False)
+    ema.remove_hooks()
+    record = tmp_path / "whole" / "ema_save_state.json"
+    raw, fields = record.read_bytes(), read_record(record)
+    assert fields is not None and fields["optimizer_step"] == 6 and fields["complete"] is True
+    for name, change, error, fragment in RECORD_ROWS:
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "whole", folder)
+        if callable(change):
+            (folder / record.name).write_bytes(change(raw))
+        else:
+            body = {k: v for k, v in fields.items() if k not in ("format", "checksum")}
+            (folder / record.name).write_bytes(record_bytes({**body, **change}))
+        kind = getattr(fe.checkpoint, error)
+        message = _load_refused(folder, None, kind)
+        assert fragment in message and str(folder) in message, (name, message)
+    (tmp_path / "dir_record").mkdir()
+    shutil.copytree(tmp_path / "whole", tmp_path / "dir_record", dirs_exist_ok=True)
+    (tmp_path / "dir_record" / record.name).unlink()
+    (tmp_path / "dir_record" / record.name).mkdir()  # a folder where the record goes
+    _load_refused(tmp_path / "dir_record", None, fe.checkpoint.CorruptCheckpointError)
+    _load_whole(tmp_path / "whole", weights[6], emas[6], 6)

@@ -754,7 +754,7 @@ def test_a_folder_whose_ema_save_failed_or_was_cut_off_is_refused_and_a_whole_on
     saved = load_file(tmp_path / "a" / "model.safetensors")  # the oracle: the folder's own weights are step 6's
     assert all(torch.equal(saved[n], t) for n, t in weights[6].items())
     assert read_manifest(tmp_path / "a", "ema")["step"] == 3
-    message = _load_refused(tmp_path / "a", r"optimizer step 6 .* framework step 3, but the training resumed at step 6")
+    message = _load_refused(tmp_path / "a", r"optimizer step 6 .* EMA .* save_state of optimizer step 3: .* Nothing")
     assert str(tmp_path / "a") in message and "async_save write" in message
 
     hold_at = 2
@@ -775,7 +775,7 @@ def test_a_folder_whose_ema_save_failed_or_was_cut_off_is_refused_and_a_whole_on
         release.set()
         ema.wait()
         ema.remove_hooks()
-    _load_refused(tmp_path / "b_killed", r"optimizer step 6 .* framework step 3")
+    _load_refused(tmp_path / "b_killed", r"optimizer step 6 .* save_state of optimizer step 3")
     calls[0], hold_at = 0, 1  # (b) into a new folder: no EMA checkpoint in the copy at all
     held.clear(), release.clear()
     with pytest.MonkeyPatch.context() as mp:
@@ -842,7 +842,7 @@ def same_folder_worker(root: str) -> dict:
     finally:
         fe_async._write_files = write
     assert fe.checkpoint.read_manifest(folder / "a", "ema")["step"] == 3  # the oracle: the EMA is step 3's
-    refused = {"a": _load_refused(folder / "a", r"optimizer step 6 .* framework step 3, but the training resumed")}
+    refused = {"a": _load_refused(folder / "a", r"optimizer step 6 .* save_state of optimizer step 3: ")}
     *_, ema, weights, emas = _same_folder_run(folder / "c", async_save=False, fail_at=6, rank_fails=0)
     ema.remove_hooks()
     refused["c"] = _load_refused(folder / "c", r"save_state of optimizer step 6 into this folder did not finish")
@@ -866,58 +866,314 @@ def test_at_two_ranks_a_folder_whose_ema_is_of_another_save_is_refused_on_every_
         assert got[0][case] == got[1][case] and str(tmp_path / case) in got[0][case], got
 
 
-#: The Files table of the helper's save record (``ema_save_state.json``): each row a damaged or forged record in a
-#: whole folder (step 6, EMA at step 6), the error ``load_state`` must raise, and a fragment of its message. None of
-#: them may load anything. ``forge``: the record rewritten with that field and a valid checksum (a hand edit).
-RECORD_ROWS = (
-    ("truncated", lambda raw: raw[: len(raw) // 2], "CorruptCheckpointError", "not a readable JSON record"),
-    ("empty", lambda raw: b"", "CorruptCheckpointError", "not a readable JSON record"),
-    ("not JSON", lambda raw: b"\x00\xff garbage", "CorruptCheckpointError", "not a readable JSON record"),
-    ("huge", lambda raw: b" " * (1 << 21) + raw, "CorruptCheckpointError", "far more than a record"),
-    (
-        "byte flipped",
-        lambda raw: raw.replace(b'"optimizer_step": 6', b'"optimizer_step": 7'),
-        "CorruptCheckpointError",
-        "checksum",
-    ),
-    ("forged kind", {"kind": "something else"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
-    ("forged tag", {"tag": "other"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
-    ("forged step -1", {"optimizer_step": -1}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
-    ("forged step bool", {"optimizer_step": True}, "CorruptCheckpointError", "is not the accelerator.save_state"),
-    ("forged step str", {"optimizer_step": "6"}, "CorruptCheckpointError", "is not the accelerator.save_state"),
-    ("forged complete", {"complete": "yes"}, "CorruptCheckpointError", "is not the accelerator.save_state record"),
-    ("unfinished", {"complete": False}, "CheckpointMismatchError", "optimizer step 6 into this folder did not finish"),
-    ("another step", {"optimizer_step": 3}, "CheckpointMismatchError", "optimizer step 3"),
-)
+# The Files table of the save record (damaged, forged, foreign records): tests/test_hostile_files.py.
 
 
-def test_a_damaged_or_forged_save_record_is_refused_loading_nothing(tmp_path):
-    """Every row of :data:`RECORD_ROWS`: refused with its error naming the record's folder, nothing loaded (no EMA,
-    the step counter and the model's weights as they were); the folder it was copied from resumes whole."""
-    import shutil
+def _ds_prepared(seed: int):
+    """A fresh DeepSpeed ZeRO-2 accelerator (CPU ranks) with a small model and AdamW prepared."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from torch import nn
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    PartialState(cpu=True)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+    }
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    assert acc.distributed_type == "DEEPSPEED", acc.distributed_type
+    return acc, model, optimizer
+
+
+def _ds_train_step(acc, model, optimizer, ema, step: int) -> None:
+    from torch import nn
+
+    g = torch.Generator().manual_seed(1000 * step + acc.process_index)  # the same batch for the same step
+    x = torch.randn(4, 16, generator=g)
+    acc.backward(nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
+    optimizer.step()
+    optimizer.zero_grad()
+    ema.step()
+
+
+def _flat(obj, prefix: str = "") -> dict:
+    """Every leaf of a nested state (dicts, lists, tensors, numbers), by path: compared bitwise."""
+    if isinstance(obj, dict):
+        return {k: v for key, sub in obj.items() for k, v in _flat(sub, f"{prefix}/{key}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, sub in enumerate(obj) for k, v in _flat(sub, f"{prefix}/{i}").items()}
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj.detach().clone()}
+    if hasattr(obj, "__dict__"):  # an object in the state (DeepSpeed's loss scaler): by its fields
+        return _flat(vars(obj), f"{prefix}:{type(obj).__name__}")
+    return {prefix: obj}
+
+
+def _ds_snapshot(model, ema) -> dict:
+    """This rank's model weights, ZeRO optimizer state (fp32 partitions, AdamW moments), DeepSpeed's step and the
+    full EMA (a collective)."""
+    import functional_ema as fe
+
+    return {
+        "weights": _flat({n: p for n, p in model.module.named_parameters()}),
+        "optimizer": _flat(model.optimizer.state_dict()),
+        "global_steps": model.global_steps,
+        "ema": None if ema.state is None else _flat(fe.gather_full(ema.state, model)),
+    }
+
+
+def _same_flat(a: dict, b: dict) -> bool:
+    def eq(x, y):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+
+    return a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
+
+
+def _same_snapshot(a: dict, b: dict) -> dict:
+    """Per part: True when bitwise equal, else the paths that differ (a few)."""
+
+    def diff(x, y):
+        if not isinstance(x, dict) or not isinstance(y, dict):
+            return x == y or f"{x!r} != {y!r}"
+        keys = sorted(set(x) ^ set(y)) + [k for k in x if k in y and not _same_flat({k: x[k]}, {k: y[k]})]
+        return not keys or keys[:4]
+
+    return {k: diff(a[k], b[k]) for k in a}
+
+
+def deepspeed_refusal_worker(root: str) -> dict:
+    """At 2 DeepSpeed ZeRO-2 ranks (Accelerate loads the engine before its load-state pre-hooks): a run saves at step
+    3 into ``good`` and ``reused``, at step 6 into ``unfinished`` (its record then marked unfinished, as a save cut
+    off after it leaves it) and into ``reused`` again, killed after DeepSpeed wrote the step-6 model and optimizer
+    and before the EMA's hook. At step 7 each bad folder's ``load_state`` is refused, and the model, the ZeRO optimizer,
+    DeepSpeed's step and the EMA are bitwise what they were; ``load_state(good)`` then gives the step-3 state bitwise,
+    and the step after it the uninterrupted run's step 4, bitwise."""
+    from pathlib import Path
 
     import functional_ema as fe
     from functional_ema._checkpoint.format import read_record, record_bytes
+    from functional_ema.integrations.accelerate import AcceleratorEMA
 
-    *_, ema, weights, emas = _same_folder_run(tmp_path / "whole", async_save=False)
+    folder = Path(root)
+    acc, model, optimizer = _ds_prepared(0)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    snaps, out = {}, {}
+    for step in range(1, 8):
+        _ds_train_step(acc, model, optimizer, ema, step)
+        if step in (3, 4):
+            snaps[step] = _ds_snapshot(model, ema)
+        if step == 3:
+            acc.save_state(str(folder / "good"))
+            acc.save_state(str(folder / "reused"))
+        if step == 6:
+            acc.save_state(str(folder / "unfinished"))
+            record = folder / "unfinished" / "ema_save_state.json"
+            if acc.is_main_process:
+                fields = read_record(record)
+                body = {k: v for k, v in fields.items() if k not in ("format", "checksum")}
+                record.write_bytes(record_bytes({**body, "complete": False}))
+            acc.wait_for_everyone()
+            real = model.save_checkpoint
+
+            def killed(*args, **kwargs):
+                real(*args, **kwargs)  # DeepSpeed's step-6 model and optimizer files are written, then the kill
+                raise RuntimeError("killed after DeepSpeed's save_checkpoint (injected)")
+
+            model.save_checkpoint = killed
+            try:
+                acc.save_state(str(folder / "reused"))
+            except RuntimeError as e:
+                out["killed"] = "injected" in str(e)
+            finally:
+                del model.save_checkpoint
+    states = torch.load(folder / "reused" / "pytorch_model" / "mp_rank_00_model_states.pt", weights_only=False)
+    out["reused_model_is_step_6"] = (  # the oracle of the kill: DeepSpeed's files of step 6 beside step 3's EMA
+        states["global_steps"] == 6 and fe.checkpoint.read_manifest(folder / "reused", "ema")["step"] == 3
+    )
+    before = _ds_snapshot(model, ema)
+    out["refused"], out["unchanged"] = {}, {}
+    for name in ("unfinished", "reused"):
+        try:
+            acc.load_state(str(folder / name))
+            out["refused"][name] = None
+        except fe.checkpoint.CheckpointMismatchError as e:
+            out["refused"][name] = str(e)
+        out["unchanged"][name] = _same_snapshot(_ds_snapshot(model, ema), before)
+    acc.load_state(str(folder / "good"))
+    out["good"] = _same_snapshot(_ds_snapshot(model, ema), snaps[3])
+    out["good_step"] = ema.optimizer_step
+    _ds_train_step(acc, model, optimizer, ema, 4)
+    out["resumed"] = _same_snapshot(_ds_snapshot(model, ema), snaps[4])
     ema.remove_hooks()
-    record = tmp_path / "whole" / "ema_save_state.json"
-    raw, fields = record.read_bytes(), read_record(record)
-    assert fields is not None and fields["optimizer_step"] == 6 and fields["complete"] is True
-    for name, change, error, fragment in RECORD_ROWS:
-        folder = tmp_path / name.replace(" ", "_")
-        shutil.copytree(tmp_path / "whole", folder)
-        if callable(change):
-            (folder / record.name).write_bytes(change(raw))
-        else:
-            body = {k: v for k, v in fields.items() if k not in ("format", "checksum")}
-            (folder / record.name).write_bytes(record_bytes({**body, **change}))
-        kind = getattr(fe.checkpoint, error)
-        message = _load_refused(folder, None, kind)
-        assert fragment in message and str(folder) in message, (name, message)
-    (tmp_path / "dir_record").mkdir()
-    shutil.copytree(tmp_path / "whole", tmp_path / "dir_record", dirs_exist_ok=True)
-    (tmp_path / "dir_record" / record.name).unlink()
-    (tmp_path / "dir_record" / record.name).mkdir()  # a folder where the record goes
-    _load_refused(tmp_path / "dir_record", None, fe.checkpoint.CorruptCheckpointError)
-    _load_whole(tmp_path / "whole", weights[6], emas[6], 6)
+    return out
+
+
+def test_deepspeed_a_refused_folder_loads_nothing_and_a_cut_off_save_into_a_used_folder_is_refused(tmp_path):
+    """:func:`deepspeed_refusal_worker`: under DeepSpeed Accelerate loads the engine before its load-state pre-hooks;
+    the helper's wrapper of ``load_state`` checks the save record (and the EMA's step against it) first, so a folder
+    whose save did not finish is refused with the model, optimizer, DeepSpeed's step and EMA untouched, bitwise; and a
+    ``save_state`` into a used folder marks it unfinished before DeepSpeed writes its files, so one killed after them
+    is refused naming the unfinished save (not loaded as step 6's model with step 3's EMA)."""
+    got = run_ranks(
+        "tests.test_integrations_accelerate:deepspeed_refusal_worker", world_size=2, timeout=600, root=str(tmp_path)
+    )
+    for out in got:
+        assert out["killed"] and out["reused_model_is_step_6"], out
+        for name in ("unfinished", "reused"):
+            message = out["refused"][name]
+            assert message is not None, (name, out)
+            assert str(tmp_path / name) in message and "Nothing was loaded" in message, (name, message)
+            assert "save_state of optimizer step 6 into this folder did not finish" in message, (name, message)
+            assert "loaded already" not in message and "load another folder now" not in message, (name, message)
+            assert out["unchanged"][name] == {"weights": True, "optimizer": True, "global_steps": True, "ema": True}, (
+                name,
+                out["unchanged"],
+            )
+        assert out["good"] == {"weights": True, "optimizer": True, "global_steps": True, "ema": True}, out["good"]
+        assert out["good_step"] == 3
+        assert out["resumed"] == {"weights": True, "optimizer": True, "global_steps": True, "ema": True}, out
+    assert got[0]["refused"] == got[1]["refused"]
+
+
+def test_a_save_cut_off_before_the_ema_hook_in_a_used_folder_is_refused(tmp_path, monkeypatch):
+    """A save-state pre-hook registered before the helper's (so it runs first) writes the model's file and raises:
+    what a kill leaves under DeepSpeed, FSDP and Megatron-LM, which write the model before the pre-hooks (taken as
+    such here: ``_writes_model_first``). ``ckpt``, saved into at step 3, gets step 6's model beside step 3's EMA and
+    record: the wrapper marked the save unfinished before Accelerate started, so ``load_state`` refuses it naming the
+    unfinished step-6 save, loading nothing (it loaded step 6's model with step 3's EMA); a folder of a clean save
+    resumes bitwise (one process)."""
+    from safetensors.torch import load_file, save_file
+
+    import functional_ema as fe
+    import functional_ema.integrations.accelerate as integration
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    monkeypatch.setattr(integration, "_writes_model_first", lambda accelerator: True)
+    acc, model, optimizer = _prepared()
+    stop = [False]
+
+    def writes_the_model_then_stops(models, weights, output_dir):
+        if stop[0]:
+            save_file(weights[0], f"{output_dir}/model.safetensors")
+            raise RuntimeError("stopped after the model's file (injected)")
+
+    first = acc.register_save_state_pre_hook(writes_the_model_then_stops)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    _train(acc, model, optimizer, (ema,), steps=3)
+    at3 = _own(model), fe.gather_full(ema.state, model)
+    acc.save_state(str(tmp_path / "ckpt"))
+    acc.save_state(str(tmp_path / "clean"))
+    _train(acc, model, optimizer, (ema,), steps=3)
+    stop[0] = True
+    with pytest.raises(RuntimeError, match="injected"):
+        acc.save_state(str(tmp_path / "ckpt"))
+    first.remove()
+    ema.remove_hooks()
+    saved = load_file(tmp_path / "ckpt" / "model.safetensors")  # the oracle: step 6's model beside step 3's EMA
+    assert all(torch.equal(saved[n], t) for n, t in _own(model).items())
+    assert fe.checkpoint.read_manifest(tmp_path / "ckpt", "ema")["step"] == 3
+    message = _load_refused(tmp_path / "ckpt", r"save_state of optimizer step 6 into this folder did not finish")
+    assert str(tmp_path / "ckpt") in message and "Nothing was loaded" in message
+    _load_whole(tmp_path / "clean", *at3, 3)
+
+
+def test_a_refused_or_failed_ema_save_into_a_used_folder_leaves_its_earlier_save_loadable(tmp_path, monkeypatch):
+    """One process (as DDP: Accelerate writes nothing of its own before its save-state pre-hooks). ``save_state`` into
+    ``refused`` and ``full`` at step 3 (the docs' same-folder idiom); at step 6 the EMA's save into ``refused`` is
+    refused (the EMA's save raises, as the failure of the previous async save surfacing in the next does) and into
+    ``full`` fails at its manifest (disk full, the new rank file written). Accelerate wrote nothing: each folder's
+    record is step 3's, finished, and ``load_state`` gives step 3's model and the plain EMA of step 3, bitwise."""
+    import errno
+    from pathlib import Path
+
+    import functional_ema as fe
+    import functional_ema._io as fe_io
+    from functional_ema._checkpoint.format import read_record
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    acc, model, optimizer = _prepared()
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    weights, emas = {}, {}
+    for step in range(1, 7):
+        _train(acc, model, optimizer, (ema,), steps=1)
+        weights[step] = _own(model)
+        emas[step] = (
+            weights[step] if step == 1 else {n: emas[step - 1][n].lerp(w, 0.5) for n, w in weights[step].items()}
+        )
+        if step == 3:
+            acc.save_state(str(tmp_path / "refused"))
+            acc.save_state(str(tmp_path / "full"))
+
+    def refuse(*args, **kwargs):
+        raise fe.checkpoint.CheckpointError("refused (injected: the previous async save's failure)")
+
+    with monkeypatch.context() as mp, pytest.raises(fe.checkpoint.CheckpointError, match="injected"):
+        mp.setattr(ema.ema, "save", refuse)
+        acc.save_state(str(tmp_path / "refused"))
+    real = fe_io.atomic_write_bytes
+
+    def disk_full(path, data, *args, **kwargs):
+        if Path(path).name == "ema_manifest.json":
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+        return real(path, data, *args, **kwargs)
+
+    with monkeypatch.context() as mp, pytest.raises(Exception, match=r"injected|No space"):
+        mp.setattr(fe_io, "atomic_write_bytes", disk_full)
+        acc.save_state(str(tmp_path / "full"))
+    ema.remove_hooks()
+    for name in ("refused", "full"):
+        record = read_record(tmp_path / name / "ema_save_state.json")
+        assert record["optimizer_step"] == 3 and record["complete"] is True, (name, record)
+        _load_whole(tmp_path / name, weights[3], emas[3], 3)
+
+
+def test_load_state_with_automatic_naming_checks_the_folder_accelerate_picks_before_loading(tmp_path):
+    """``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``save_state()`` twice (``checkpoint_0`` and
+    ``checkpoint_1``, made by Accelerate: the wrapper does not make them first), the newest one's record then marked
+    unfinished; ``load_state()`` picks ``checkpoint_1`` and the wrapper refuses it before anything is loaded, naming
+    it; with that folder gone it loads ``checkpoint_0`` bitwise (one process)."""
+    import shutil
+
+    from accelerate.utils import ProjectConfiguration
+
+    import functional_ema as fe
+    from functional_ema._checkpoint.format import read_record, record_bytes
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    acc, model, optimizer = _prepared(project_config=project)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    _train(acc, model, optimizer, (ema,), steps=2)
+    at2 = _own(model), fe.gather_full(ema.state, model)
+    acc.save_state()
+    _train(acc, model, optimizer, (ema,), steps=2)
+    acc.save_state()
+    ema.remove_hooks()
+    newest = tmp_path / "checkpoints" / "checkpoint_1"
+    fields = read_record(newest / "ema_save_state.json")
+    assert fields["optimizer_step"] == 4 and fields["complete"] is True
+    body = {k: v for k, v in fields.items() if k not in ("format", "checksum")}
+    (newest / "ema_save_state.json").write_bytes(record_bytes({**body, "complete": False}))
+
+    acc, model, _ = _prepared(seed=1, project_config=project)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    with pytest.raises(fe.checkpoint.CheckpointMismatchError, match=r"step 4 into this folder did not finish") as e:
+        acc.load_state()
+    assert str(newest) in str(e.value) and "Nothing was loaded" in str(e.value)  # refused by the wrapper, first
+    assert ema.state is None
+    shutil.rmtree(newest)
+    acc.load_state()
+    got = fe.gather_full(ema.state, model)
+    assert ema.optimizer_step == 2 and all(torch.equal(got[n], t) for n, t in at2[1].items())
+    assert all(torch.equal(p, at2[0][n]) for n, p in _own(model).items())
+    ema.remove_hooks()

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1053,7 +1054,7 @@ def test_a_save_before_the_ema_update_of_its_step(tmp_path):
 
 def _oracle(decay: float, snaps: dict):
     """A plain EMA of the weights, in ``snaps[step]`` at each new global step (a step-1 EMA equals the weights), as
-    ``EMACallback(decay=decay)`` keeps it (every step, from step 1)."""
+    ``EMACallback(decay=decay)`` keeps it (every step, from step 1). Under FSDP2, on every rank."""
     import lightning.pytorch as pl
 
     class Oracle(pl.Callback):
@@ -1061,7 +1062,10 @@ def _oracle(decay: float, snaps: dict):
             step = trainer.global_step
             if step in snaps:
                 return
-            weights = {n.removeprefix("module."): p.detach().clone() for n, p in pl_module.named_parameters()}
+            weights = {
+                n.removeprefix("module."): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in pl_module.named_parameters()
+            }  # an FSDP2 parameter: its whole tensor (collective, on every rank)
             before = snaps.get(step - 1)
             snaps[step] = weights if before is None else {n: before[n].lerp(w, 1 - decay) for n, w in weights.items()}
 
@@ -1070,17 +1074,23 @@ def _oracle(decay: float, snaps: dict):
 
 def _slow_async_writes(seconds: float, rank: int | None = None) -> None:
     """Every background EMA write (of ``rank``'s files only, if given) takes ``seconds`` more: a large EMA, a slow
-    disk."""
+    disk. Shared folders' writes and ``shared=False`` ones (``_async_private``)."""
     import functional_ema._async as fa
+    import functional_ema._async_private as fap
 
-    write = fa._write_files
+    write, write_private = fa._write_files, fap.write_private
 
     def slow(job, names):
         if rank is None or job.rank == rank:
             time.sleep(seconds)
         return write(job, names)
 
-    fa._write_files = slow
+    def slow_private(prep, emas, buffers):
+        if rank is None or prep.job[2] == rank:
+            time.sleep(seconds)
+        return write_private(prep, emas, buffers)
+
+    fa._write_files, fap.write_private = slow, slow_private
 
 
 def killed_rotating_run(root: str, save_last: bool) -> None:
@@ -1173,11 +1183,30 @@ def test_async_save_with_rotation_leaves_a_complete_ema_through_a_sigkill(tmp_pa
         assert all(torch.equal(t, live[n]) for n, t in module.state_dict().items())
 
 
-def rotation_ddp_worker(root: str) -> dict:
-    """2 DDP ranks, ``EMACallback(async_save=True)``, ``ModelCheckpoint(save_top_k=1)`` every 2 steps; rank 1's EMA
-    writes 1.5 s slow. Rank 0 looks into the folder at every batch start: once a checkpoint was removed, one with a
-    complete EMA (its manifest) must be there. Then a save and a removal on rank 0 only (no collective there): the
-    save's EMA is complete when that removal returns."""
+def _tiny_fsdp2_module():
+    """``_tiny_module`` with its network sharded over the 2 ranks (FSDP2, ``ModelParallelStrategy``)."""
+    cls = type(_tiny_module())
+
+    class Sharded(cls):
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            if not getattr(self, "_sharded", False):
+                fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+                self._sharded = True
+
+    return Sharded()
+
+
+def rotation_ddp_worker(root: str, shared: bool = True) -> dict:
+    """2 ranks, ``EMACallback(async_save=True, shared=shared)``, ``ModelCheckpoint(save_top_k=1)`` every 2 steps; rank
+    1's EMA writes 1.5 s slow. Shared: DDP. ``shared=False``: FSDP2 (a sharded EMA, whose ``shared=False`` commit is
+    collective; under DDP each rank's whole EMA commits alone), file checkpoints, each rank's own folder (Ray's
+    per-worker ones). Rank 0 looks into its folder at every batch start: once a checkpoint was removed, one with a
+    complete EMA (its manifest) must be there. Then a save and a removal on rank 0 only. Shared: no collective there,
+    the save's EMA is complete when that removal returns. ``shared=False``: the removal returns at once, the checkpoint
+    still there (with its EMA) until the next collective point (a save on every rank), after which it is gone and the
+    save's EMA is complete."""
     import lightning.pytorch as pl
     import torch.distributed as dist
 
@@ -1187,62 +1216,99 @@ def rotation_ddp_worker(root: str) -> dict:
 
     quiet()
     _slow_async_writes(1.5, rank=1)
-    rank, ck = dist.get_rank(), Path(root) / "ckpt"
+    rank = dist.get_rank()
+    own = Path(root) if shared else Path(root) / f"rank{rank}"
+    ck = own / "ckpt"
     seen: set[str] = set()
     bare: list[tuple[int, list[str]]] = []  # (step, the checkpoints there) with none complete after a removal
+    most = [0]  # the most checkpoints seen at once: 1, ModelCheckpoint's removals are not put off
 
     class Look(pl.Callback):
         def on_train_batch_start(self, trainer, *args):
             names = sorted(p.name for p in ck.glob("*.ckpt")) if rank == 0 and ck.is_dir() else []
             seen.update(names)
+            most[0] = max(most[0], len(names))
             if seen - set(names) and not [n for n in names if has(ck / n)]:
                 bare.append((trainer.global_step, names))
 
     def has(ckpt: Path) -> bool:
         return (ema_dir_for(ckpt) / "ema" / "ema_manifest.json").is_file()
 
+    class Saves(pl.callbacks.ModelCheckpoint):
+        def setup(self, trainer, pl_module, stage):
+            super().setup(trainer, pl_module, stage)
+            self.dirpath = str(ck)  # not rank 0's (broadcast): each rank's own folder when not shared
+
     snaps: dict[int, dict] = {}
-    saves = pl.callbacks.ModelCheckpoint(
-        dirpath=str(ck), save_top_k=1, monitor="step", mode="max", every_n_train_steps=2
-    )
-    ema = EMACallback(decay=0.8, async_save=True)
+    saves = Saves(dirpath=str(ck), save_top_k=1, monitor="step", mode="max", every_n_train_steps=2)
+    ema = EMACallback(decay=0.8, async_save=True, shared=shared)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=_strategy("ddp"),
+        strategy=_strategy("ddp")
+        if shared
+        else pl.strategies.ModelParallelStrategy(2, 1, save_distributed_checkpoint=False),
         max_epochs=2,
         callbacks=[ema, saves, Look(), _oracle(0.8, snaps)],
         **QUIET,
         default_root_dir=root,
         use_distributed_sampler=True,
     )
-    trainer.fit(_tiny_module())  # 4 steps per epoch at 2 ranks: checkpoints at steps 2, 4, 6, 8
+    trainer.fit(_tiny_module() if shared else _tiny_fsdp2_module())  # 4 steps an epoch: checkpoints at 2, 4, 6, 8
     last = ck / "epoch=1-step=8.ckpt"
-    out = {"bare": bare, "looked": sorted(seen), "names": sorted(p.name for p in ck.iterdir())}
-    if rank == 0:
+    out = {"bare": bare, "looked": sorted(seen), "most": most[0], "names": sorted(p.name for p in ck.iterdir())}
+    if not shared:  # each folder holds its rank's shards: the EMA the step-8 save wrote, gathered
+        full = fe.gather_full(ema.state, trainer.strategy.model)
+        out["bitwise"] = sorted(full) == sorted(snaps[8]) and all(torch.equal(full[n], snaps[8][n]) for n in full)
+    elif rank == 0:
         saved = fe.checkpoint.consolidate(ema_dir_for(last), "ema")
         out["bitwise"] = sorted(saved) == sorted(snaps[8]) and all(torch.equal(saved[n], snaps[8][n]) for n in saved)
-    extra = Path(root) / "extra.ckpt"
+    extra = own / "extra.ckpt"
     trainer.save_checkpoint(extra)  # every rank; rank 1's write still going on after it
     if rank == 0:
-        trainer.strategy.remove_checkpoint(str(last))
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.strategy.remove_checkpoint(str(last))
+        out["removal_s"] = time.monotonic() - t0
+        out["warned"] = [str(w.message) for w in caught if "outside ModelCheckpoint" in str(w.message)]
         out["complete_at_removal"] = has(extra) and not last.exists()
+        out["kept_at_removal"] = last.exists() and has(last)
     dist.barrier()
+    if not shared:  # the next collective point commits the save, then removes what waited for it
+        trainer.save_checkpoint(own / "extra2.ckpt")
+        out["after_next_save"] = [has(extra), last.exists(), ema_dir_for(last).exists()]
+        ema.ema.wait()
+        dist.barrier()
     return out
 
 
-def test_async_save_with_rotation_under_ddp_completes_the_ema_before_a_removal(tmp_path):
+@pytest.mark.parametrize("shared", [True, False])
+def test_async_save_with_rotation_under_ddp_completes_the_ema_before_a_removal(tmp_path, shared):
     """Two ranks, rank 1's writes slow: ``ModelCheckpoint``'s rotation (on every rank) never leaves the folder without
-    a checkpoint whose EMA is complete, the kept checkpoint's EMA is the plain EMA of the weights at its step, bitwise;
-    a removal on rank 0 alone waits for the commit that rank 0 writes (no collective: no deadlock)."""
+    a checkpoint whose EMA is complete, the kept checkpoint's EMA is the plain EMA of the weights at its step, bitwise.
+    A removal on rank 0 alone: shared, it waits for the commit that rank 0 writes (no collective: no deadlock);
+    ``shared=False`` (a collective commit), it returns at once (not after the commit's arrival limit, 60 s here, then a
+    failure) and the checkpoint goes after the next save on every rank, once the EMA saved before it is complete."""
     reports = run_ranks(
-        "tests.test_integrations_lightning:rotation_ddp_worker", world_size=2, timeout=300, root=str(tmp_path)
+        "tests.test_integrations_lightning:rotation_ddp_worker",
+        world_size=2,
+        timeout=300,
+        env={"FUNCTIONAL_EMA_TIMEOUT": "60"},
+        root=str(tmp_path),
+        shared=shared,
     )
     r = reports[0]
     # looked at each batch start: the step-8 checkpoint comes after the last one
     assert r["looked"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt"], r
-    assert r["bare"] == [] and r["bitwise"] is True and r["complete_at_removal"] is True, r
+    assert r["bare"] == [] and r["most"] == 1 and r["bitwise"] is True, r
     assert r["names"] == ["epoch=1-step=8.ckpt", "epoch=1-step=8.ckpt.ema"], r
+    if shared:
+        assert r["complete_at_removal"] is True and r["warned"] == [], r
+    else:
+        assert r["removal_s"] < 20 and r["kept_at_removal"] is True, r
+        assert len(r["warned"]) == 1 and "epoch=1-step=8.ckpt') was called outside ModelCheckpoint" in r["warned"][0]
+        assert r["after_next_save"] == [True, False, False], r
 
 
 def _dip_module():
@@ -1311,3 +1377,163 @@ def test_a_file_checkpoint_replaced_by_a_save_last_link_loses_its_ema_folder(tmp
     ema.on_train_end(trainer, module)  # the callback's next look (as at the end of a fit)
     assert sorted(p.name for p in (ck / "mine.ckpt.ema").iterdir()) == ["notes.txt"]
     assert (ck / "theirs.ckpt.ema" / "ema").is_dir()
+
+
+def test_rotation_removes_the_ema_folders_an_earlier_process_saved(tmp_path):
+    """Run 1: ``ModelCheckpoint(every_n_train_steps=2, save_top_k=2, save_last=True)`` for 8 steps. Run 2, a new
+    callback and trainer (as a new process), resumes from its ``last.ckpt`` with ``save_last="link"`` to step 16: the
+    rotation removes run 1's checkpoints and the link replaces run 1's ``last.ckpt`` file, and the EMA folders run 1
+    saved beside them go with them. The kept checkpoints' EMAs are the plain EMA of the weights at their steps, bitwise.
+    Only what is verifiably this library's EMA save goes: a user's folder named like a rotated checkpoint's EMA folder
+    (no EMA files in it) stays whole, and a user's file in an EMA folder stays; each is warned about."""
+    import lightning.pytorch as pl
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    ck, snaps = tmp_path / "ckpt", {}
+
+    def fit(max_epochs: int, save_last: bool | str, ckpt_path: str | None = None) -> None:
+        saves = pl.callbacks.ModelCheckpoint(
+            dirpath=str(ck), every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=save_last
+        )
+        trainer = _tiny_trainer(tmp_path, [EMACallback(decay=0.8), saves, _oracle(0.8, snaps)], max_epochs=max_epochs)
+        trainer.fit(_tiny_module(), ckpt_path=ckpt_path)
+
+    fit(1, True)  # 8 steps: checkpoints at steps 6 and 8 kept, last.ckpt a file
+    assert sorted(p.name for p in ck.iterdir()) == [
+        f"{n}{e}" for n in ("epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt") for e in ("", ".ema")
+    ]
+    theirs = ck / "epoch=0-step=6.ckpt.ema"  # a user's folder in place of the EMA folder: no EMA save in it
+    for f in theirs.rglob("*"):
+        if f.is_file():
+            f.unlink()
+    (theirs / "ema" / "notes.txt").write_text("keep")
+    (ck / "epoch=0-step=8.ckpt.ema" / "results.json").write_text("{}")  # a user's file beside an EMA save
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(2, "link", ckpt_path=str(ck / "last.ckpt"))  # steps 9 to 16
+    assert sorted(p.name for p in ck.iterdir()) == [
+        "epoch=0-step=6.ckpt.ema",
+        "epoch=0-step=8.ckpt.ema",
+        "epoch=1-step=14.ckpt",
+        "epoch=1-step=14.ckpt.ema",
+        "epoch=1-step=16.ckpt",
+        "epoch=1-step=16.ckpt.ema",
+        "last.ckpt",
+    ]
+    assert os.readlink(ck / "last.ckpt") == "epoch=1-step=16.ckpt"
+    assert sorted(str(f.relative_to(theirs)) for f in theirs.rglob("*")) == ["ema", "ema/notes.txt"]
+    assert [f.name for f in (ck / "epoch=0-step=8.ckpt.ema").iterdir()] == ["results.json"]
+    for step in (14, 16):
+        saved = fe.checkpoint.consolidate(ck / f"epoch=1-step={step}.ckpt.ema", "ema")
+        assert sorted(saved) == sorted(snaps[step]) and all(torch.equal(saved[n], snaps[step][n]) for n in saved)
+    left = sorted(str(w.message) for w in caught if "did not write there" in str(w.message))
+    assert len(left) == 2, [str(w.message) for w in caught]
+    assert "epoch=0-step=6.ckpt.ema beside it holds ['ema']" in left[0], left
+    assert "epoch=0-step=8.ckpt.ema beside it holds ['results.json']" in left[1], left
+
+
+def test_a_removal_outside_model_checkpoint_waits_only_while_an_async_save_awaits_its_commit(tmp_path):
+    """One process, ``EMACallback(async_save=True, shared=False, start_step=5)`` (a collective commit) and a callback
+    that saves at every step and then removes the checkpoint before (``strategy.remove_checkpoint`` outside
+    ModelCheckpoint, as a rank-0-only one calls it). Steps 2 to 4, before the EMA starts, a save writes its not-started
+    record at once: nothing awaits a commit, so each removal is done at once (the checkpoint and its EMA folder gone),
+    no warning. From step 5 each save is in flight: the removal waits for its commit, the checkpoint kept (one more
+    on disk) until the next save, then removed; warned once, saying so. At the end of fit the last one is removed,
+    and the step-8 checkpoint's EMA is the plain EMA of the weights from step 5, bitwise."""
+    import lightning.pytorch as pl
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    ck, listed, weights = tmp_path / "ckpt", {}, {}
+
+    class Rotate(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            step = trainer.global_step
+            weights[step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            trainer.save_checkpoint(ck / f"s{step}.ckpt")
+            if step > 1:
+                trainer.strategy.remove_checkpoint(str(ck / f"s{step - 1}.ckpt"))
+            listed[step] = sorted(p.name for p in ck.iterdir())
+
+    ema = EMACallback(decay=0.8, async_save=True, shared=False, start_step=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _tiny_trainer(tmp_path, [ema, Rotate()]).fit(_tiny_module())  # 8 steps
+    pair = lambda step: [f"s{step}.ckpt", f"s{step}.ckpt.ema"]  # noqa: E731
+    assert listed[1] == pair(1)
+    assert [listed[s] for s in (2, 3, 4)] == [pair(2), pair(3), pair(4)], listed
+    assert [listed[s] for s in (5, 6, 7, 8)] == [pair(s - 1) + pair(s) for s in (5, 6, 7, 8)], listed
+    assert sorted(p.name for p in ck.iterdir()) == pair(8)
+    put_off = [str(w.message) for w in caught if "outside ModelCheckpoint" in str(w.message)]
+    assert len(put_off) == 1 and "s4.ckpt" in put_off[0] and "one checkpoint more" in put_off[0], put_off
+    plain = weights[5]
+    for step in (6, 7, 8):
+        plain = {n: plain[n].lerp(w, 0.2) for n, w in weights[step].items()}
+    saved = fe.checkpoint.consolidate(ck / "s8.ckpt.ema", "ema")
+    assert sorted(saved) == sorted(plain) and all(torch.equal(saved[n], plain[n]) for n in saved)
+
+
+def test_rotation_removes_only_the_exact_files_of_a_verified_ema_save(tmp_path):
+    """What a removal of a file checkpoint takes from ``<ckpt>.ema``, by the library's readers and exact names (one
+    process). ``a``: a saved EMA with crash-left temporaries of the library's own files (a rank file's, the manifest's,
+    an async marker's, ``ema_latest``'s beside the tag folder) and a user's ``ema_notes.tmp-1`` and ``integration.json``
+    (not a record): the library's files all go, the user's two stay, warned. ``b``: a tag folder holding a user's
+    ``integration.json`` alone (no valid record: no proof of a save) stays whole, warned. ``c``: a saved EMA plus a
+    crash-left ``ema_latest`` temporary: all gone, no warning. ``u``: a not-started record (a save before the EMA
+    starts), a valid record: all gone, no warning."""
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    ck = tmp_path / "ckpt"
+    trainer = _tiny_trainer(tmp_path / "run", [EMACallback(decay=0.8)])
+    trainer.fit(_tiny_module())
+    for name in ("a", "b", "c"):
+        trainer.save_checkpoint(ck / f"{name}.ckpt")
+    late = _tiny_trainer(tmp_path / "late", [EMACallback(decay=0.8, start_step=100)])
+    late.fit(_tiny_module())
+    late.save_checkpoint(ck / "u.ckpt")
+    assert (ck / "u.ckpt.ema" / "ema" / "integration.json").is_file()  # the oracle: a not-started record alone
+    assert fe.checkpoint.read_manifest(ck / "a.ckpt.ema", "ema")["step"] == 8
+
+    tag = ck / "a.ckpt.ema" / "ema"
+    rank_file = next(p.name for p in tag.iterdir() if p.name.startswith("ema_rank_"))
+    crash_left = [
+        f"{rank_file}.tmp-123-0123456789ab",
+        "ema_manifest.json.tmp-77",
+        "ema_async.0123456789abcdef.rank00000.done.tmp-5-0123456789ab",
+    ]
+    for name in [*crash_left, "ema_notes.tmp-1"]:
+        (tag / name).write_bytes(b"x")
+    (tag / "integration.json").write_text('{"mine": 1}')
+    (ck / "a.ckpt.ema" / "ema_latest.tmp-9-0123456789ab").write_text("ema\n")
+    for f in (ck / "b.ckpt.ema").rglob("*"):
+        if f.is_file():
+            f.unlink()
+    (ck / "b.ckpt.ema" / "ema" / "integration.json").write_text('{"mine": 2}')
+    (ck / "c.ckpt.ema" / "ema_latest.tmp-9-0123456789ab").write_text("ema\n")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in ("a", "b", "c", "u"):
+            trainer.strategy.remove_checkpoint(str(ck / f"{name}.ckpt"))
+    assert sorted(str(f.relative_to(ck)) for f in ck.rglob("*")) == [
+        "a.ckpt.ema",
+        "a.ckpt.ema/ema",
+        "a.ckpt.ema/ema/ema_notes.tmp-1",
+        "a.ckpt.ema/ema/integration.json",
+        "b.ckpt.ema",
+        "b.ckpt.ema/ema",
+        "b.ckpt.ema/ema/integration.json",
+    ]
+    left = sorted(str(w.message) for w in caught if "did not write there" in str(w.message))
+    assert len(left) == 2, [str(w.message) for w in caught]
+    assert "a.ckpt.ema beside it holds ['ema']" in left[0] and "b.ckpt.ema beside it holds ['ema']" in left[1], left

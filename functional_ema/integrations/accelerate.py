@@ -36,10 +36,15 @@ none is counted inside ``accelerator.accumulate`` or when the fp16 scaler skips 
 (``sync_gradients`` and not ``optimizer_step_was_skipped``).
 
 Each wrapped ``save_state`` also leaves a checksummed record in its folder, ``<tag>_save_state.json``: the optimizer
-step of that save, marked unfinished after the EMA's hook and finished once ``save_state`` returned (Accelerate's own
-files written). ``load_state`` refuses a folder whose save did not finish, or whose EMA is not of the recorded save
-(an ``async_save`` write that failed, or a process that ended before its write committed), before anything is
-loaded; a folder with no record (an earlier version's) loads as before, the step taken from the EMA's own record.
+step of that save, marked unfinished in the EMA's hook, before the EMA's save and Accelerate's own files (a refused
+or failed EMA save puts the earlier record back, so the folder's earlier save still loads; a failed mark changes
+nothing), and finished once ``save_state`` returned (Accelerate's own files written). Under DeepSpeed, FSDP and Megatron-LM, which write the model before the
+hooks, an ``output_dir`` given is marked unfinished before Accelerate writes anything, and stays so if the save fails
+(a new ``checkpoint_<n>`` of ``automatic_checkpoint_naming`` holds no earlier record: marked in the hook). The
+wrapped ``load_state`` refuses, before Accelerate loads anything (also under DeepSpeed and FSDP), a folder whose save
+did not finish, whose ranks read different records, or whose EMA is not of the recorded save by its manifest (an
+``async_save`` write that failed, or a process that ended before its write committed); a folder with no record (an
+earlier version's) loads as before, the step taken from the EMA's own record.
 """
 
 from __future__ import annotations
@@ -64,12 +69,13 @@ from functional_ema._checkpoint.errors import (
     IncompleteCheckpointError,
 )
 from functional_ema._checkpoint.format import MANIFEST_NAME, RECORD_NAME, read_record, record_bytes
+from functional_ema._checkpoint.reader import locate_checkpoint
 from functional_ema._io import atomic_write_bytes
 from functional_ema._state import EmaState
 from functional_ema.engines import adapter_for
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, check_folder_tag, has_saved_ema, local_folder
+from ._common import EMAController, check_folder_tag, expected_ema_step, has_saved_ema, local_folder
 
 __all__ = ["AcceleratorEMA"]
 
@@ -129,11 +135,12 @@ class _StateVerb:
     the method) by its first helper, once each. Accelerate gathers the model's state, and deletes the oldest
     checkpoint folders (``total_limit``), before its save-state pre-hooks run, and loads a DeepSpeed or FSDP model
     before its load-state pre-hooks; this runs before all of that. For each live helper (:func:`_live_helpers`;
-    none after every ``remove_hooks()``: then it only calls through) a save enters :meth:`AcceleratorEMA._saving`,
-    and once the save returned (Accelerate's own files written), marks it whole (:meth:`AcceleratorEMA._saved`);
-    every swap in force is taken out for the verb and put back after it (:func:`_swapped_out`). A plain
-    object (the accelerator, the verb's name and the callable it wraps), so the accelerator still pickles and
-    deep-copies."""
+    none after every ``remove_hooks()``: then it only calls through) a save enters :meth:`AcceleratorEMA._saving`
+    (the folder marked unfinished first where Accelerate writes the model before its pre-hooks), and once the save
+    returned (Accelerate's own files written), marks it whole (:meth:`AcceleratorEMA._saved`); a load enters
+    :meth:`AcceleratorEMA._loading` (the folder's record checked); every swap in force is taken out for the verb and
+    put back after it (:func:`_swapped_out`). A plain object (the accelerator, the verb's name and the callable it
+    wraps), so the accelerator still pickles and deep-copies."""
 
     def __init__(self, accelerator: Any, name: str, inner: Any = None) -> None:
         self.accelerator = accelerator
@@ -146,14 +153,96 @@ class _StateVerb:
         helpers = _live_helpers(acc)
         with contextlib.ExitStack() as stack:
             if self.name == "save_state":
+                folder = _save_folder(acc, args, kwargs) if helpers else None
                 for helper in helpers:
-                    stack.enter_context(helper._saving())
+                    stack.enter_context(helper._saving(folder))
+            else:
+                folder = _load_folder(acc, args, kwargs) if helpers else None
+                for helper in helpers:  # before anything is swapped out or loaded: a refusal changes nothing
+                    stack.enter_context(helper._loading(folder))
             stack.enter_context(_swapped_out([s for h in helpers for s in h._swaps]))
             result = verb(*args, **kwargs)
             if self.name == "save_state":
                 for helper in helpers:  # Accelerate's own files are all written: the save is whole
                     helper._saved()
             return result
+
+
+#: The distributed types under which Accelerate's ``save_state`` writes the model (and optimizer) before it runs
+#: its save-state pre-hooks (accelerate 1.16: ``save_fsdp_model``, DeepSpeed's and Megatron-LM's ``save_checkpoint``).
+#: Under every other type it writes nothing of its own before them.
+_WRITES_MODEL_FIRST = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+
+
+def _writes_model_first(accelerator: Any) -> bool:
+    """Whether ``accelerator.save_state`` writes files of its own before its save-state pre-hooks run (the EMA's)."""
+    kind = getattr(accelerator, "distributed_type", None)
+    return str(getattr(kind, "value", kind)) in _WRITES_MODEL_FIRST and bool(getattr(accelerator, "_models", ()))
+
+
+def _save_folder(accelerator: Any, args: tuple, kwargs: dict) -> Path | None:
+    """The folder ``save_state(*args, **kwargs)`` writes into, to be marked unfinished before Accelerate writes
+    there: its ``output_dir``, where the record of an earlier save may lie, and only where Accelerate writes the
+    model before the EMA's hook (:func:`_writes_model_first`). ``None`` elsewhere: the EMA's hook marks the save,
+    and puts an earlier save's record back if the EMA's save is refused or fails (Accelerate wrote nothing yet).
+    ``None`` also with ``automatic_checkpoint_naming`` (Accelerate writes a new ``checkpoint_<n>`` and refuses one
+    that exists: no earlier record can be there, and the folder must not be made before Accelerate makes it) or with
+    no ``output_dir`` (Accelerate refuses that)."""
+    if not _writes_model_first(accelerator):
+        return None
+    if getattr(getattr(accelerator, "project_configuration", None), "automatic_checkpoint_naming", False):
+        return None
+    output_dir = args[0] if args else kwargs.get("output_dir")
+    if output_dir is None:
+        return None
+    return local_folder(output_dir, "accelerator.save_state(output_dir)", "Accelerate")
+
+
+def _numbered_last(root: str) -> str | None:
+    """The folder of ``root`` that Accelerate's ``load_state()`` picks with ``automatic_checkpoint_naming``: the last
+    by the number in its name (Accelerate's own sort, so ties fall alike); ``None`` where Accelerate would fail."""
+    try:
+        folders = [os.path.join(root, name) for name in os.listdir(root)]
+        folders.sort(key=lambda f: [int(n) for n in re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)][0])  # noqa: RUF015
+    except (OSError, IndexError):
+        return None
+    return folders[-1] if folders else None
+
+
+def _load_folder(accelerator: Any, args: tuple, kwargs: dict) -> Path | None:
+    """The folder ``load_state(*args, **kwargs)`` reads, as Accelerate picks it: ``input_dir`` (``~`` expanded), or
+    with ``automatic_checkpoint_naming`` and none given the last numbered checkpoint folder; ``None`` where it names
+    no local folder (Accelerate refuses it; the EMA's hook checks whatever folder Accelerate does load)."""
+    input_dir = args[0] if args else kwargs.get("input_dir")
+    if input_dir is None:
+        config = getattr(accelerator, "project_configuration", None)
+        if not getattr(config, "automatic_checkpoint_naming", False):
+            return None
+        input_dir = _numbered_last(os.path.join(accelerator.project_dir, "checkpoints"))
+    if not isinstance(input_dir, (str, os.PathLike)) or not os.path.isdir(input_dir := os.path.expanduser(input_dir)):
+        return None
+    return local_folder(input_dir, "accelerator.load_state(input_dir)", "Accelerate")
+
+
+def _saved_ema_step(tag_dir: Path, shared: bool) -> tuple[str, int | None]:
+    """What the EMA checkpoint in ``tag_dir`` is, read from its manifest or not-started record alone (no tensor), as
+    the EMA's load decides it: ``("ema" | "unstarted", the framework step it was saved at)`` (``None`` when no record
+    of it can be read: the load judges that), or ``("nothing", None)``."""
+    record = read_record(tag_dir / RECORD_NAME)
+    generation, step = None, None
+    if (tag_dir / MANIFEST_NAME).is_file():
+        *_, manifest = locate_checkpoint(tag_dir.parent, tag_dir.name, local=not shared)
+        generation, extra = int(manifest["generation"]), manifest.get("extra")
+        if isinstance(extra, dict) and extra.get("integration") == 1:
+            step = extra.get("framework_step")
+    if record is not None:
+        newer = record.get("supersedes_generation")
+        if generation is None or (type(newer) is int and newer >= generation):
+            step = record.get("framework_step")
+            return "unstarted", step if type(step) is int else None
+    if generation is None:
+        return "nothing", None
+    return "ema", step if type(step) is int else None
 
 
 @contextlib.contextmanager
@@ -275,6 +364,9 @@ class AcceleratorEMA:
         # Inside the wrapper's save_state (None outside): the folders (and optimizer steps) this save marked as being
         # written, marked whole once it returns (_saved)
         self._marked: list[tuple[Path, int]] | None = None
+        # Inside the wrapper's load_state (None outside): the folder it checked before Accelerate loaded anything, and
+        # the optimizer step of its save record (None: no record), which the load-state hook takes from here
+        self._checked: tuple[Path, int | None] | None = None
         self._handles = [
             accelerator.register_save_state_pre_hook(self._on_save),
             accelerator.register_load_state_pre_hook(self._on_load),
@@ -349,8 +441,12 @@ class AcceleratorEMA:
         return _Swapped(self, index)
 
     @contextlib.contextmanager
-    def _saving(self) -> Iterator[None]:
-        """Around ``accelerator.save_state`` (:class:`_StateVerb`), before Accelerate deletes or gathers anything."""
+    def _saving(self, folder: Path | None = None) -> Iterator[None]:
+        """Around ``accelerator.save_state`` (:class:`_StateVerb`), before Accelerate deletes or gathers anything.
+        ``folder``: given where Accelerate writes the model before its pre-hooks (DeepSpeed, FSDP, Megatron-LM:
+        :func:`_save_folder`): marked unfinished first, before Accelerate writes a file, so a save stopped at any
+        point leaves no finished record of an earlier save beside files of this one. It stays unfinished when the
+        save fails, even before Accelerate wrote anything: which files it wrote cannot be told."""
         config = getattr(self.accelerator, "project_configuration", None)
         if (
             self.ema.async_save
@@ -367,6 +463,10 @@ class AcceleratorEMA:
         pending = list(self._pending)
         self._marked = []
         try:
+            if folder is not None:
+                step = self.optimizer_step
+                self._write_record(folder, step, complete=False)
+                self._marked.append((folder, step))
             yield
         finally:
             self._pending[: len(pending)] = pending
@@ -390,12 +490,48 @@ class AcceleratorEMA:
             # Past the wrapper, which alone can tell when the save is whole: no record, so a resume from this folder
             # is checked as one saved before records were (the record of an earlier save would not fit this EMA).
             self._write_record(folder, None)
-        self.ema.save(self.model, folder, step)
-        if self._marked is not None:
-            # After the EMA's save (a refused one changes nothing) and before Accelerate writes its own files: from
-            # here until save_state returns, the folder may hold files of two saves, and a resume refuses it.
-            self._write_record(folder, step, complete=False)
-            self._marked.append((folder, step))
+        if self._marked is None or (folder, step) in self._marked:  # marked by the wrapper already
+            self.ema.save(self.model, folder, step)
+            return
+        # Accelerate wrote nothing of this save yet, but under _writes_model_first with a new checkpoint_<n> (no
+        # earlier record there: nothing is put back, the mark stays). Marked before the EMA's save, so a failed
+        # mark leaves the folder as it was; from here until save_state returns the folder may hold files of two
+        # saves, and a resume refuses it. An EMA save refused or failed puts the earlier record back: the folder
+        # holds nothing of this save but a partial EMA, which its manifest, written last, does not list.
+        restorable, earlier = self._finished_record(folder)
+        self._write_record(folder, step, complete=False)
+        self._marked.append((folder, step))
+        try:
+            self.ema.save(self.model, folder, step)
+        except BaseException:
+            if restorable:
+                self._put_back(folder, earlier)
+            raise
+
+    def _finished_record(self, folder: Path) -> tuple[bool, int | None]:
+        """On the ranks that write the save record: ``(True, the step of folder's finished record or None when it has
+        none)``; ``(False, None)`` where nothing is to be put back (another rank, an unfinished or unreadable record,
+        which refuse the folder already, or a folder Accelerate wrote the model into before this hook)."""
+        if not self._writes_record() or _writes_model_first(self.accelerator):
+            return False, None
+        try:
+            seen = self._read_record(self._record_path(folder))
+        except CorruptCheckpointError:
+            return False, None
+        if seen is None:
+            return True, None
+        return seen[1], seen[0] if seen[1] else None
+
+    def _put_back(self, folder: Path, step: int | None) -> None:
+        """This rank's record of ``folder`` as it was before the save: finished at ``step``, or none. Local (the save
+        is failing, maybe on this rank alone); a failure to put it back leaves the folder marked unfinished: refused."""
+        path = self._record_path(folder)
+        with contextlib.suppress(OSError):
+            if step is None:
+                path.unlink(missing_ok=True)
+            else:
+                record = {"kind": _SAVE_RECORD_KIND, "tag": self.ema.tag, "optimizer_step": step, "complete": True}
+                atomic_write_bytes(path, record_bytes(record))
 
     def _record_path(self, folder: Path) -> Path:
         return folder / _SAVE_RECORD.format(tag=self.ema.tag)
@@ -421,6 +557,7 @@ class AcceleratorEMA:
                 return
             try:
                 if step is not None:
+                    folder.mkdir(parents=True, exist_ok=True)  # a save's first write (see _saving) may come first
                     record = {"kind": _SAVE_RECORD_KIND, "tag": self.ema.tag, "optimizer_step": step}
                     atomic_write_bytes(path, record_bytes({**record, "complete": complete}))
                     return
@@ -476,7 +613,10 @@ class AcceleratorEMA:
                 "itself, or load outside the `with ema.swapped():` block"
             )
         folder = local_folder(input_dir, "accelerator.load_state(input_dir)", "Accelerate")
-        recorded = self._recorded_step(folder)  # the save_state the folder's own files are of (None: no record)
+        checked = self._checked
+        # The save_state the folder's own files are of (None: no record): checked by the wrapper before Accelerate
+        # loaded anything, or here, past the wrapper (e.g. Accelerator.load_state(acc, ...))
+        recorded = checked[1] if checked is not None and checked[0] == folder else self._recorded_step(folder, False)
         engine = self._engine_steps()
         try:
             saved = self.ema.load(self.model, folder, framework_step=recorded if engine is None else engine)
@@ -486,10 +626,52 @@ class AcceleratorEMA:
         if engine is None:
             self._steps = saved
 
-    def _recorded_step(self, folder: Path) -> int | None:
+    @contextlib.contextmanager
+    def _loading(self, folder: Path | None) -> Iterator[None]:
+        """Around ``accelerator.load_state`` (:class:`_StateVerb`), before Accelerate loads anything (a DeepSpeed or
+        FSDP model is loaded before its pre-hooks): what needs nothing loaded is checked on ``folder`` (the folder
+        it loads, :func:`_load_folder`; ``None``: left to the hook), so a refused folder changes nothing: its save
+        record, and the step its EMA was saved at against the record. The rest the EMA's load checks in the hook."""
+        if folder is not None:
+            recorded = self._recorded_step(folder)
+            if recorded is not None:
+                self._check_saved_ema(folder, recorded)
+            self._checked = (folder, recorded)
+        try:
+            yield
+        finally:
+            self._checked = None
+
+    def _check_saved_ema(self, folder: Path, recorded: int) -> None:
+        """Refuse ``folder`` when its EMA is not of the ``save_state`` at optimizer step ``recorded`` (its record),
+        from the EMA's manifest or not-started record alone (:func:`_saved_ema_step`), read on every rank: an EMA of
+        another save, or none where the EMA must have started by then."""
+        world, rank = _world_rank()
+        tag_dir = folder / self.ema.tag
+        what = "accelerator.load_state (EMA checkpoint)"
+        seen = agree(what, lambda: _saved_ema_step(tag_dir, self.ema.shared), None, world, rank)
+        other = [step for _, step in seen if step is not None and step != recorded]
+        if other:
+            where = f"accelerator.load_state({str(folder)!r})"
+            raise CheckpointMismatchError(
+                f"{where}: the folder holds Accelerate's files of the save_state at optimizer step {recorded} (its "
+                f"record {self._record_path(folder).name} says so), but its EMA {tag_dir} was saved with the "
+                f"save_state of optimizer step {other[0]}: the EMA save of step {recorded} did not finish (an "
+                "async_save write that failed in the background, or a process that ended before its write committed), "
+                "leaving the EMA of another save. Nothing was loaded. Resume from an earlier checkpoint folder, or "
+                "save again from a run at that step"
+            )
+        if all(kind == "nothing" for kind, _ in seen) and (
+            expected_ema_step(recorded, self.ema.start_step, self.ema.every_n_steps) is not None
+        ):
+            missing = IncompleteCheckpointError(f"{tag_dir} holds no EMA checkpoint")
+            raise self._refused(folder, recorded, missing)
+
+    def _recorded_step(self, folder: Path, before_load: bool = True) -> int | None:
         """The optimizer step of the ``save_state`` whose files ``folder`` holds, by its save record, agreed by every
         rank; ``None`` without one (saved by an earlier version, or past the wrapper: the EMA's own record gives the
-        step, as before). A save that did not finish, or ranks that read different records, are refused."""
+        step, as before). A save that did not finish, or ranks that read different records, are refused.
+        ``before_load``: called before Accelerate loaded anything (by the wrapper), else from the load-state hook."""
         path = self._record_path(folder)
         world, rank = _world_rank()
         what = "accelerator.load_state (EMA save record)"
@@ -508,13 +690,19 @@ class AcceleratorEMA:
         if seen[0] is None:
             return None
         step, complete = seen[0]
+        loaded = (
+            "Nothing was loaded."
+            if before_load
+            else "The EMA was not loaded, but this load_state ran past the helper's wrapper of accelerator.load_state "
+            "(which checks before anything is loaded), and under DeepSpeed or FSDP Accelerate loaded the model and "
+            "optimizer already: load another folder now."
+        )
         if not complete:
             raise CheckpointMismatchError(
                 f"{where}: the save_state of optimizer step {step} into this folder did not finish (its record "
-                f"{path.name} says so): it failed or was stopped after the EMA was written, so the folder may hold "
-                "the model, optimizer and EMA of different saves. Nothing of it was loaded (under DeepSpeed or FSDP "
-                "Accelerate loads the model before this check: load another folder now). Resume from an earlier "
-                "checkpoint folder, or save again from a run at that step"
+                f"{path.name} says so): it failed or was stopped while writing, so the folder may hold the model, "
+                f"optimizer and EMA of different saves. {loaded} Resume from an earlier checkpoint folder, or save "
+                "again from a run at that step"
             )
         return step
 

@@ -23,13 +23,21 @@ Per Lightning event:
 * saving: every ``trainer.save_checkpoint`` (``ModelCheckpoint`` included) also writes every rank's
   EMA pieces: inside the checkpoint folder when the checkpoint is a folder (DeepSpeed,
   distributed FSDP2 checkpoints: ``<ckpt>/ema/``), else beside the file (``<ckpt>.ema/ema/``),
-  removed with it when ``ModelCheckpoint`` rotates checkpoints (a ``<ckpt>.ema`` beside a folder checkpoint is not
-  the callback's, and stays). With ``async_save=True`` the EMA save in flight is completed before a checkpoint is
-  removed (on every rank that calls ``remove_checkpoint``, as ``ModelCheckpoint`` does; no collective for shared local
-  folders), so a rotation never leaves the run without a complete EMA. A file checkpoint that ``ModelCheckpoint``
-  later replaces by a symbolic link (``save_last="link"``, which removes the file itself) loses the EMA folder this
-  callback wrote beside it at the next batch or the end of training (rank 0; only what the callback wrote). A
-  ``file://`` checkpoint path is its local path. With ``shared=False`` (folders the ranks
+  removed with it when ``ModelCheckpoint`` rotates checkpoints, also one an earlier process saved (a resumed run), but
+  only the files this library's save writes there, by their exact names (crash-left temporaries of them included),
+  and only when the tag folder verifiably holds such a save (a valid manifest or not-started record, or a rank file
+  with the library's header): a user's folder, or a user's file of any other name, stays, with a ``UserWarning``; a
+  ``<ckpt>.ema`` beside a folder checkpoint is not the callback's, and stays. With ``async_save=True`` the EMA save in
+  flight is completed before a checkpoint is removed (by ``ModelCheckpoint``, which removes on every rank; no
+  collective for shared local folders), so a rotation never leaves the run without a complete EMA. A removal from
+  elsewhere (``trainer.strategy.remove_checkpoint`` from a rank-0-only callback or ``CheckpointIO``) while a
+  ``shared=False`` or URL save awaits its commit, which is collective, is put off until that commit (the next save,
+  rotation, or the end of ``fit``), with a ``UserWarning`` once: until then one checkpoint more than asked is on disk
+  (a save before the EMA starts awaits no commit: its removals are done at once). A file checkpoint that
+  ``ModelCheckpoint`` later replaces by a symbolic link (``save_last="link"``, which removes the file itself) loses
+  the EMA folder saved beside it (by this process, or an earlier one for the checkpoint resumed from or
+  ``last_model_path``) at the next batch or the end of training (rank 0; only what the library wrote).
+  A ``file://`` checkpoint path is its local path. With ``shared=False`` (folders the ranks
   do not share: Ray Train's ``RayTrainReportCallback`` saves into each worker's own folder) each rank writes
   beside its own path, not rank 0's. Lightning's callback hooks are not
   told the checkpoint path, so the callback wraps this trainer's ``save_checkpoint`` and its
@@ -60,16 +68,37 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 
-from functional_ema._checkpoint.errors import CheckpointError, CheckpointMismatchError, IncompleteCheckpointError
-from functional_ema._checkpoint.format import LATEST_NAME, MANIFEST_NAME
+from functional_ema._checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointVersionError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from functional_ema._checkpoint.format import (
+    ASYNC_MARKER,
+    BUFFER_FILE,
+    FILE_FORMAT,
+    LATEST_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    PENDING_MANIFEST_NAME,
+    RANK_FILE,
+    RECORD_NAME,
+    is_own_tmp,
+    read_record,
+    short_list,
+)
+from functional_ema._checkpoint.private import MARKER_PREFIX
+from functional_ema._checkpoint.reader import CheckpointReader
+from functional_ema._io import SafetensorsFile
 from functional_ema._state import EmaState
 from functional_ema._storage import file_url_path, is_url, remove_tree, storage_for
 from functional_ema.schedules import DecayLike
@@ -129,17 +158,101 @@ def _local_key(ckpt_path: str | os.PathLike) -> str:
     return path.rstrip("/") if is_url(path) else os.path.abspath(_local(path))
 
 
-def _remove_own_ema(folder: Path, tag: str) -> None:
-    """What this callback wrote into ``folder`` (a checkpoint's ``<ckpt>.ema``): the tag folder, and the library's
-    ``ema_latest`` pointer beside it; then ``folder`` itself when that left it empty. Anything else stays."""
+def _is_library_save(tag_dir: Path, names: set[str]) -> bool:
+    """Whether the folder ``tag_dir`` (holding ``names``) verifiably holds an EMA save of this library, by the
+    library's own readers: a valid manifest (one of a newer library's format too), a valid not-started record
+    (checksummed), or a rank file (its exact name) whose header says it is this library's EMA file (a save cut off
+    before its manifest leaves rank files). A file merely named like one proves nothing."""
+    if MANIFEST_NAME in names and _own_manifest(tag_dir / MANIFEST_NAME):
+        return True
+    if RECORD_NAME in names and _own_record(tag_dir / RECORD_NAME):
+        return True
+    for name in sorted(n for n in names if RANK_FILE.match(n)):
+        with contextlib.suppress(OSError, ValueError):  # not a readable safetensors file (FormatError): no proof
+            if SafetensorsFile(tag_dir / name).metadata.get("format") == FILE_FORMAT:
+                return True
+    return False
+
+
+def _own_manifest(path: Path) -> bool:
+    """Whether ``path`` is a manifest of this library: read and validated by its reader (a newer library's, which
+    this one cannot load, counts: it is this library's save all the same)."""
+    try:
+        CheckpointReader._read_manifest(path)
+    except CheckpointVersionError:
+        return True
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def _own_record(path: Path) -> bool:
+    """Whether ``path`` is the library's not-started record: read by its reader (checksum verified) and of an
+    integration."""
+    try:
+        record = read_record(path)
+    except (CorruptCheckpointError, OSError):
+        return False
+    return record is not None and record.get("integration") == 1
+
+
+def _is_own_name(tag_dir: Path, name: str) -> bool:
+    """Whether ``name`` in a verified tag folder is a file a save writes there, by its exact name (the library's own
+    cleanup rules, ``writer._cleanup``): rank and buffer files, the manifest (and its pending copy), the lock, the
+    not-started record when it is a valid one, async markers, shared=False folder markers, and the temporaries of
+    those names. A user's file of any other name (``ema_notes.tmp-1``, an ``integration.json`` of theirs) is not."""
+    if RANK_FILE.match(name) or BUFFER_FILE.match(name) or name in (MANIFEST_NAME, PENDING_MANIFEST_NAME, LOCK_NAME):
+        return True
+    if name == RECORD_NAME:
+        return _own_record(tag_dir / name)
+    return (
+        is_own_tmp(name, (MANIFEST_NAME, PENDING_MANIFEST_NAME, RECORD_NAME))
+        or ASYNC_MARKER.fullmatch(name) is not None
+        or name.startswith(MARKER_PREFIX)
+    )
+
+
+def _library_files(tag_dir: Path) -> list[Path] | None:
+    """The files in ``tag_dir`` that this library's saves write, by exact name (:func:`_is_own_name`), when
+    ``tag_dir`` is a real folder that verifiably holds an EMA save (:func:`_is_library_save`). ``None`` otherwise:
+    nothing there is this library's to remove."""
+    if tag_dir.is_symlink() or not tag_dir.is_dir():
+        return None
+    try:
+        entries = list(tag_dir.iterdir())
+    except OSError:
+        return None
+    if not _is_library_save(tag_dir, {e.name for e in entries}):
+        return None
+    return [e for e in entries if _is_own_name(tag_dir, e.name) and e.is_file() and not e.is_symlink()]
+
+
+def _remove_companion(folder: Path, tag: str) -> list[str]:
+    """Remove the EMA folder beside a removed file checkpoint (``<ckpt>.ema``), whichever process saved it, but only
+    what this library's save writes there, and only when it verifiably is such a save (:func:`_library_files`): the
+    tag folder's files, the tag folder once empty, the ``ema_latest`` pointer; then ``folder`` once empty. A folder of
+    the same name that is not an EMA save (a user's), or a user's file in one, stays. Returns the names still in
+    ``folder`` (empty: it is gone, or never was)."""
+    if not folder.exists() and not folder.is_symlink():
+        return []
     if folder.is_symlink() or not folder.is_dir():
-        return
-    if (folder / tag).is_dir() and not (folder / tag).is_symlink():
-        shutil.rmtree(folder / tag, ignore_errors=True)
-    if (folder / LATEST_NAME).is_file():
-        (folder / LATEST_NAME).unlink(missing_ok=True)
+        return [folder.name]  # not a folder a save makes
+    own = _library_files(folder / tag)
+    if own is not None:
+        for f in own:
+            f.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty: a file of someone else's stays, with its folder
+            (folder / tag).rmdir()
+        for name in os.listdir(folder):  # the ema_latest pointer, and a crash-left temporary of it
+            path = folder / name
+            if (name == LATEST_NAME or is_own_tmp(name, (LATEST_NAME,))) and path.is_file() and not path.is_symlink():
+                path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # not empty: something else lives there, and stays
         folder.rmdir()
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
 
 
 def _complete_ema_beside(ckpt: Path, tag: str) -> list[str]:
@@ -200,6 +313,11 @@ class EMACallback(pl.Callback):
         # one that becomes a symbolic link (save_last="link") has its EMA folder removed (_drop_linked_over).
         self._beside: set[str] = set()
         self._link_check_due = False  # a save since the last _drop_linked_over
+        # Removals asked outside ModelCheckpoint (maybe on this rank alone) while the save in flight awaited a collective
+        # commit (shared=False, a URL): (checkpoint, the strategy's own removal), done once that save is committed.
+        self._deferred: list[tuple[str, Callable[[str], None]]] = []
+        self._every_rank = False  # inside a ModelCheckpoint's removal: it runs on every rank
+        self._warned_deferred = False
 
     @property
     def state(self) -> EmaState | None:
@@ -216,6 +334,8 @@ class EMACallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Per run, before Lightning restores its checkpoint: no metadata of an earlier run's checkpoint is kept.
         self._loaded_meta, self._live_run, self._seen_step = None, False, None
+        for saves in trainer.checkpoint_callbacks:
+            self._mark_every_rank(saves)
         if getattr(trainer, _WRAPPED_ATTR, None) is self:
             return
         save, strategy = trainer.save_checkpoint, trainer.strategy
@@ -233,38 +353,132 @@ class EMACallback(pl.Callback):
             self._unswap()
             try:
                 self._catch_up(trainer, filepath)  # before Lightning writes: a refusal leaves nothing behind
+                self._deferred = [d for d in self._deferred if _local_key(d[0]) != _local_key(filepath)]  # saved anew
                 save(filepath, *args, **kwargs)
-                self._saved_ema(
-                    trainer, path, self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
-                )
+                try:
+                    where = self.ema.save(self._target(trainer), ema_dir_for(path), trainer.global_step)
+                except BaseException:
+                    self._deferred = []  # their removal waited for a save that failed: they stay, whole
+                    raise
+                if self.ema.started or self._in_flight is None:
+                    # The async saves before this one are committed (a failed one raised), or none was in flight (a
+                    # save before the EMA starts writes a record alone, at once): what waited for them goes now.
+                    self._drain(trainer)
+                self._saved_ema(trainer, path, where)
             finally:
                 if swapped:
                     self._swap_in(trainer)
             self._last_saved = path
 
         def remove_checkpoint(filepath: str | Path) -> None:
+            path = os.fspath(filepath)
+            if self._must_defer():
+                self._defer(path, remove)
+                return
             # ModelCheckpoint removes the old checkpoint right after saving the new one: that order is crash-safe only
             # once the new one's EMA is complete, so the save in flight (async_save) is completed first.
-            self._wait_in_flight(os.fspath(filepath))
-            # Asked before the checkpoint goes: whether it is a file (its EMA beside it, this callback's) or a
-            # folder (its EMA inside it, removed with it).
-            sibling = _ema_beside(filepath) if trainer.is_global_zero else None
-            if trainer.is_global_zero:
-                self._beside.discard(_local_key(filepath))
-            remove(filepath)
-            if isinstance(sibling, str):
-                _remove_url_ema(sibling.removesuffix(".ema"))
-            elif sibling is not None and sibling.is_dir():
-                shutil.rmtree(sibling, ignore_errors=True)
+            self._wait_in_flight(path)
+            self._drain(trainer)
+            self._remove(trainer, remove, path)
 
         # Instance attributes shadowing the methods, on purpose: the hooks are not told the checkpoint path.
         trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]  # wrapped per trainer instance
         strategy.remove_checkpoint = remove_checkpoint  # type: ignore[method-assign]  # wrapped per strategy instance
         setattr(trainer, _WRAPPED_ATTR, self)
 
+    def _mark_every_rank(self, saves: Any) -> None:
+        """A ``ModelCheckpoint``'s removals run on every rank (its hooks do), so they may commit the async save in
+        flight collectively (``_wait_in_flight``); other callers may be on rank 0 alone (``_must_defer``). Marked by
+        wrapping its ``_remove_checkpoint`` (an instance attribute, as ``save_checkpoint``) once, for every
+        ``EMACallback`` of its trainers."""
+        inner = getattr(saves, "_remove_checkpoint", None)
+        if not isinstance(saves, pl.callbacks.ModelCheckpoint) or inner is None:
+            return
+        marked = getattr(inner, _WRAPPED_ATTR, None)
+        if isinstance(marked, list):  # wrapped already (a stage before, another EMACallback)
+            if not any(m is self for m in marked):
+                marked.append(self)
+            return
+        callbacks: list[EMACallback] = [self]
+
+        def every_rank(trainer: pl.Trainer, filepath: str) -> None:
+            for c in callbacks:
+                c._every_rank = True
+            try:
+                inner(trainer, filepath)
+            finally:
+                for c in callbacks:
+                    c._every_rank = False
+
+        setattr(every_rank, _WRAPPED_ATTR, callbacks)
+        saves._remove_checkpoint = every_rank  # type: ignore[method-assign]  # wrapped per ModelCheckpoint instance
+
+    def _must_defer(self) -> bool:
+        """Whether a removal asked now must wait for a commit it cannot run: an async save is in flight whose commit is
+        collective (``shared=False``, a URL), and the call is not a ``ModelCheckpoint``'s (which removes on every
+        rank): a caller on rank 0 alone (a rank-0-only callback, a ``CheckpointIO`` acting on rank 0) would wait for
+        ranks that never come to the commit, then fail."""
+        if self._in_flight is None or self._every_rank:
+            return False
+        return not self.ema.shared or is_url(self._in_flight[0])
+
+    def _defer(self, path: str, remove: Callable[[str], None]) -> None:
+        """Keep the checkpoint ``path`` (and its EMA) until the save in flight is committed, then remove it
+        (``_drain``): the run is never left without a checkpoint whose EMA is complete."""
+        self._deferred.append((path, remove))
+        if self._warned_deferred or self._in_flight is None:
+            return
+        self._warned_deferred = True
+        saving, step = self._in_flight
+        warnings.warn(
+            f"EMACallback: strategy.remove_checkpoint({path!r}) was called outside ModelCheckpoint while the async EMA "
+            f"save of step {step} beside {saving} awaits its commit, which is collective (shared=False or a URL) and "
+            "cannot run in a call that may come from rank 0 alone. The checkpoint is kept until that save is committed "
+            "(the next trainer.save_checkpoint on every rank, a ModelCheckpoint rotation, or the end of fit), and "
+            "removed then, so that the run always holds a checkpoint with a complete EMA: after the next save, one "
+            "checkpoint more than your removals leave is on disk until it returns (allow the disk space for it). "
+            "Warned once",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def _drain(self, trainer: pl.Trainer) -> None:
+        """The removals deferred (``_defer``) until the async save then in flight was committed: it is, now."""
+        todo, self._deferred = self._deferred, []
+        for path, remove in todo:
+            self._remove(trainer, remove, path)
+
+    def _remove(self, trainer: pl.Trainer, remove: Callable[[str], None], path: str) -> None:
+        """Remove the checkpoint ``path`` (the strategy's own ``remove``) and the EMA folder saved beside it."""
+        # Asked before the checkpoint goes: whether it is a file (its EMA beside it) or a folder (its EMA inside it,
+        # removed with it).
+        sibling = _ema_beside(path) if trainer.is_global_zero else None
+        if trainer.is_global_zero:
+            self._beside.discard(_local_key(path))
+        remove(path)
+        if isinstance(sibling, str):
+            _remove_url_ema(sibling.removesuffix(".ema"))
+        elif sibling is not None:
+            self._drop_companion(path, sibling)
+
+    def _drop_companion(self, ckpt: str, folder: Path) -> None:
+        """The EMA folder beside the removed file checkpoint ``ckpt`` (saved by this process or an earlier one), only
+        as far as it verifiably is this library's (``_remove_companion``); what stays is warned about."""
+        left = _remove_companion(folder, self.ema.tag)
+        if left:
+            warnings.warn(
+                f"EMACallback: the checkpoint {ckpt} is removed, but {folder} beside it holds {short_list(left)}, which "
+                f"this library did not write there (not an EMA save of tag {self.ema.tag!r}): it was left in place. "
+                "Remove it yourself if it is not needed, or keep such files out of <checkpoint>.ema",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def _saved_ema(self, trainer: pl.Trainer, path: str, where: Path | str) -> None:
         """After the EMA save of the checkpoint ``path`` into ``where``: what the removals and the link check need."""
-        if self.ema.async_save:
+        if self.ema.async_save and self.ema.started:
+            # Written in the background (a save before the EMA starts writes its not-started record at once: nothing
+            # in flight, so no removal waits for it: _must_defer)
             self._in_flight = (path, int(trainer.global_step))
         local = None if is_url(path) else _local(path)
         if (
@@ -281,14 +495,15 @@ class EMACallback(pl.Callback):
         """Before ``removing`` a checkpoint (``async_save``): wait for the EMA save in flight, on this rank. For a shared
         local folder this is no collective: rank 0's save completes once every rank's file is in (it writes the
         manifest last), and every rank's wait fails alike when one rank's write failed. For ``shared=False`` or a URL
-        the commit is collective: ``ModelCheckpoint`` removes on every rank, as Lightning's ``remove_checkpoint`` is
-        meant to be called. A failure is raised before anything is removed, so the checkpoint before stays whole."""
+        the commit is collective: run here only for ``ModelCheckpoint``, which removes on every rank (another caller's
+        removal waits for the next collective point: ``_must_defer``). A failure is raised before anything is removed, so the checkpoint before stays whole."""
         if self._in_flight is None:
             return
         (path, step), self._in_flight = self._in_flight, None
         try:
             self.ema.wait()
         except Exception as e:
+            self._deferred = []  # removals put off until this save: they stay too
             raise CheckpointError(
                 f"EMACallback: the async EMA save of step {step} beside the checkpoint {path} failed ({type(e).__name__}: "
                 f"{e}), so that checkpoint holds no complete EMA. The checkpoint it was to replace, {removing}, was not "
@@ -310,7 +525,7 @@ class EMACallback(pl.Callback):
                 self._link_check_due = True  # checked again once its save is waited for
             elif os.path.islink(key):
                 self._beside.discard(key)
-                _remove_own_ema(Path(key + ".ema"), self.ema.tag)
+                self._drop_companion(key, Path(key + ".ema"))
             elif not os.path.exists(key):
                 self._beside.discard(key)  # removed by something else: what is beside it is not decided here
 
@@ -356,6 +571,7 @@ class EMACallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._seen_step = trainer.global_step
+        self._adopt_earlier(trainer)
         if trainer.ckpt_path:
             where = ema_dir_for(trainer.ckpt_path)
             try:
@@ -368,6 +584,23 @@ class EMACallback(pl.Callback):
             self._check_own_record(where)
         elif trainer.global_step == 0:
             self.ema.state = self.ema.buffer_state = None
+
+    def _adopt_earlier(self, trainer: pl.Trainer) -> None:
+        """Rank 0, at a resume: the file checkpoints an earlier process saved that ``ModelCheckpoint(save_last="link")``
+        may replace by a link (the checkpoint resumed from, each ``ModelCheckpoint``'s ``last_model_path``) are watched
+        as this process's own saves are (``_drop_linked_over``): their EMA folder goes once they are linked over, as far
+        as it verifiably is this library's."""
+        if not trainer.is_global_zero:
+            return
+        known = [trainer.ckpt_path, *(getattr(c, "last_model_path", "") for c in trainer.checkpoint_callbacks)]
+        for path in known:
+            if not path or is_url(os.fspath(path)):
+                continue
+            with contextlib.suppress(ValueError):  # a file:// URL naming another host: none of this run's
+                local = _local(path)
+                if local.is_file() and not local.is_symlink() and local.with_name(local.name + ".ema").is_dir():
+                    self._beside.add(_local_key(local))
+                    self._link_check_due = True
 
     def _unfinished_save_hint(self, ckpt: str, where: Path | str, step: int, error: Exception) -> str:
         """For a refused resume from a local file checkpoint: what a stop during the EMA save leaves (an EMA older than
@@ -506,4 +739,5 @@ class EMACallback(pl.Callback):
         # Lightning's DeepSpeed strategy wraps the LightningModule: export with its own names.
         self.ema.on_train_end(self._target(trainer), strip_prefix="_forward_module.")
         self._in_flight = None  # waited for by on_train_end
+        self._drain(trainer)  # removals deferred until the saves in flight were committed: they are now
         self._drop_linked_over(trainer)  # a link made by the last saves
