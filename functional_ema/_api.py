@@ -271,7 +271,10 @@ def gather_full(
         index: which tracked EMA (``state.emas[index]``).
         dst: ``None`` returns the full weights on every rank; a rank number (of the data-parallel
             group) returns them on that rank only (the others get ``{}``), which saves memory on the
-            others. With DTensor tensor parallelism, every tensor-parallel rank at that data-parallel
+            others. Under HSDP the data-parallel group is a shard group (``shard_layout(x).rank``), and
+            ``dst`` is that rank of replica 0 (the shard group on the row of the ``(replicate, shard)`` mesh that
+            holds its lowest rank, so ``dst=0`` is that rank: global rank 0 on a mesh over the whole job; on a 2-D
+            ``init_device_mesh``, global rank ``dst``): the other replicas hold the same EMA and skip the gather. With DTensor tensor parallelism, every tensor-parallel rank at that data-parallel
             rank gets them (the join is a collective over its tensor-parallel group).
         device: where the result goes (default: the EMA's device).
         bucket_bytes: pieces are exchanged in buckets of about this size per rank, so the
@@ -314,6 +317,10 @@ def gather_full(
     call = _gather_call(dst, joining, bucket_bytes)
     pieces = state_pieces(state, reading, index, "gather_full", call, arguments)
     dst, bucket_bytes, device = arguments()  # valid on every rank by now: only their values
+    if dst is not None and not joining and reading.layout.replica != 0:
+        # HSDP: every replica holds replica 0's EMA, so only replica 0's shard group gathers it (onto its rank dst);
+        # a shard group is one replica (a row of the mesh), so all of a group's ranks skip its collectives together
+        return {}
     if joining:
         part = gather_pieces(reading, pieces, device="cpu", bucket_bytes=bucket_bytes)
         return join_parts_of(reading, part, dst=dst, device=device)

@@ -99,13 +99,16 @@ def _tokens(step: int, rank: int, n: int = 6):
     return torch.randint(0, VOCAB, (2, n), generator=g)
 
 
-def _train_step(model, opt, step: int) -> float:
+def _train_step(model, opt, step: int, between=None) -> float:
+    """One step; ``between()`` (if given) runs after the forward, before its backward."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     rank, world = _world()
     tokens = _tokens(step, rank)
     loss = F.cross_entropy(model(tokens).float().reshape(-1, VOCAB), tokens.roll(1, 1).reshape(-1))
+    if between is not None:
+        between()
     loss.backward()
     for p in model.parameters():  # parameters FSDP2 does not manage: averaged like DDP would
         if p.grad is not None and not isinstance(p, DTensor):
@@ -165,6 +168,7 @@ def train_worker(ckpt_dir: str, configs, with_deepspeed: bool = False, replicas:
         out["deepspeed"] = _deepspeed_save(ckpt_dir)
     if replicas > 1:
         out["hsdp_buffers"] = _hsdp_buffers_and_async(ckpt_dir, replicas)
+        out["mesh_order"] = _hsdp_dst_and_mesh_order(ckpt_dir)
     else:
         out["guards"] = _guards()
         out["owned"] = _owned_and_changed()
@@ -1006,3 +1010,159 @@ def test_flatten_local_shards_gives_one_lerp_and_changes_no_number():
                 where
             )  # the flat buffer (+ a replicated root tensor)
             assert r["losses_equal"] and r["training_equal"] and r["ema_bitwise"], where
+
+
+def forward_swap_backward_worker() -> dict:
+    """Per config (root left unsharded: its parameters are plain tensors; root wrapped too): a training forward, an
+    EMA evaluation in ``swapped``, then that forward's backward and the step, against a twin that never swaps; then a
+    forward made inside the block and backpropagated after it (refused)."""
+    import functional_ema as fe
+
+    out = {}
+    for wrap_root in (False, True):
+        model, opt = _fsdp_model(0, "fp32", wrap_root)
+        twin, twin_opt = _fsdp_model(0, "fp32", wrap_root)
+        losses = [[_train_step(model, opt, 1), _train_step(twin, twin_opt, 1)]]  # AdamW state exists
+        state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=DECAY)
+        x = _tokens(99, 0)
+
+        def evaluate() -> None:
+            with fe.swapped(model, state), torch.no_grad():
+                model(x)
+
+        r: dict = {}
+        try:
+            for step in (2, 3):
+                losses.append([_train_step(model, opt, step, between=evaluate), _train_step(twin, twin_opt, step)])
+            r["bitwise"] = _same_training_state(model, opt, twin, twin_opt) and all(a == b for a, b in losses)
+        except RuntimeError as e:
+            r["bitwise"] = f"{type(e).__name__}: {str(e)[:200]}"
+        with fe.swapped(model, state):
+            inside = model(x).float().pow(2).mean()
+        try:
+            inside.backward()
+            r["refused"] = "not refused"
+        except fe.SwappedTrainingError as e:
+            r["refused"] = str(e)
+        r["grads_untouched"] = all(p.grad is None for p in model.parameters())
+        out["root" if wrap_root else "blocks_only"] = r
+    return out
+
+
+def test_backward_of_a_forward_made_before_swapped_runs_after_it_bitwise_at_2_ranks():
+    """docs/core.md: training after the block continues bitwise as if it never ran, also when the block falls
+    between a forward and its backward (the root's own parameters plain tensors, or FSDP2's)."""
+    for rank, res in enumerate(run_ranks("tests.test_fsdp2:forward_swap_backward_worker", world_size=2, timeout=300)):
+        for config, r in res.items():
+            where = (rank, config, r)
+            assert r["bitwise"] is True, where
+            assert "backward through a forward made inside" in r["refused"] and r["grads_untouched"], where
+
+
+# ------------------------------------------------- HSDP: gather_full(dst=) and meshes in another rank order
+
+# (replicate, shard) meshes of the 4-rank HSDP launch: torch numbers each group's ranks in ascending order and FSDP2
+# cuts each parameter by that number, so in MIXED_MESH the replicate group {3, 0} holds shards 1 and 0 (FSDP2 trains
+# it wrong: the replicas all-reduce different shards); in ORDERED_MESH every replicate group holds one shard, though
+# its rows are not in the ranks' order (ranks 1, 2 are replica 0: shard ranks 0, 1)
+MIXED_MESH, ORDERED_MESH = [[3, 1], [0, 2]], [[1, 2], [0, 3]]
+
+
+def _hsdp_trained(mesh):
+    """An HSDP model trained STEPS steps over ``mesh`` with an EMA, and the plain-torch EMA of its full_tensor()s."""
+    from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
+
+    rank, _ = _world()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 3))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state, ref = fe.init_ema(fe.local_shards(model)), _full_trainable(model)
+    for step in range(1, STEPS + 1):
+        x = torch.randn(8, D, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+        for n, full in _full_trainable(model).items():
+            ref[n].lerp_(full, 1 - DECAY)
+    return model, state, ref
+
+
+def _hsdp_dst_and_mesh_order(ckpt_dir):
+    """Per mesh (init_device_mesh's, ORDERED_MESH): this rank's replica, what gather_full(dst=0/1) returns here
+    ("empty", or whether it is bitwise the plain-torch EMA), a save loaded back; and MIXED_MESH's refusal."""
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
+    from functional_ema._testing.multirank import refusal
+
+    names = ("replicate", "shard")
+    meshes = {
+        "init_device_mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=names),
+        "ordered": DeviceMesh("cpu", torch.tensor(ORDERED_MESH), mesh_dim_names=names),
+    }
+    out = {}
+    for kind, mesh in meshes.items():
+        model, state, ref = _hsdp_trained(mesh)
+
+        def bitwise(got):
+            return sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
+
+        r = {"replica": fe.shard_layout(model).replica, "layout_rank": fe.shard_layout(model).rank}
+        for dst in (0, 1):
+            got = fe.gather_full(state, model, dst=dst)
+            r[f"dst{dst}"] = "empty" if got == {} else bitwise(got)
+        fe.save(state, model, ckpt_dir, tag=f"mesh_{kind}")
+        r["loaded_bitwise"] = bitwise(fe.gather_full(fe.load(model, ckpt_dir, tag=f"mesh_{kind}"), model))
+        if _world()[0] == 0:
+            save_file(ref, os.path.join(ckpt_dir, f"mesh_{kind}.ref.safetensors"))
+        out[kind] = r
+    torch.manual_seed(0)
+    mixed = nn.Sequential(nn.Linear(D, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 3))
+    fully_shard(mixed, mesh=DeviceMesh("cpu", torch.tensor(MIXED_MESH), mesh_dim_names=names))
+    out["mixed_refused"] = refusal(lambda: fe.local_shards(mixed))
+    return out
+
+
+def test_hsdp_gather_dst_is_one_rank_of_replica_0_and_mixed_replicate_groups_are_refused(hsdp, ckroot):
+    """gather_full(dst=d) under HSDP: the EMA on shard rank d of replica 0 only (its shard group gathers; the other
+    replicas skip it); a replica is the shard group on one row of the mesh (replica 0: the row holding rank 0), so a
+    mesh in another rank order saves its
+    shards once each and loads back bitwise; a mesh whose replicate groups hold different shards is refused on
+    every rank when read, before anything is saved."""
+    from safetensors.torch import load_file
+
+    import functional_ema as fe
+
+    # (replica, layout rank) of ranks 0..3, and the rank holding the EMA for dst=0 and dst=1
+    expected = {
+        "init_device_mesh": ([(0, 0), (0, 1), (1, 0), (1, 1)], {0: 0, 1: 1}),
+        # replica 0 is the row holding rank 0 ([0, 3]), so dst=0 is global rank 0 (the integrations' rank-0 writers)
+        "ordered": ([(0, 0), (1, 0), (1, 1), (0, 1)], {0: 0, 1: 3}),
+    }
+    for kind, (coords, holder) in expected.items():
+        for rank, res in enumerate(hsdp):
+            r = res["mesh_order"][kind]
+            where = (kind, rank, r)
+            assert (r["replica"], r["layout_rank"]) == coords[rank], where
+            for dst in (0, 1):
+                assert r[f"dst{dst}"] == (True if rank == holder[dst] else "empty"), (dst, where)
+            assert r["loaded_bitwise"] is True, where
+        d = ckroot / "hsdp"
+        assert sorted(os.listdir(d / f"mesh_{kind}")) == [
+            "ema_manifest.json",
+            "ema_rank_00000_of_00002.safetensors",
+            "ema_rank_00001_of_00002.safetensors",
+        ]
+        ref, offline = load_file(d / f"mesh_{kind}.ref.safetensors"), fe.consolidate(d, f"mesh_{kind}")
+        assert sorted(offline) == sorted(ref) and all(torch.equal(offline[n], ref[n]) for n in ref), kind
+    for rank, res in enumerate(hsdp):
+        msg = res["mesh_order"]["mixed_refused"]
+        assert msg is not None and msg.startswith("ValueError: "), (rank, msg)
+        assert "replicate group [3, 0]" in msg and "shards 1 and 0" in msg and "init_device_mesh" in msg, msg

@@ -120,10 +120,10 @@ def train_worker(ckpt_dir: str, shape: list[int], also_load: str | None = None) 
     r["gather_is_the_global_reference"] = sorted(gathered) == sorted(ref) and all(
         torch.equal(gathered[n], ref[n]) and tuple(gathered[n].shape) == tuple(params[n].shape) for n in ref
     )
-    at_0 = fe.gather_full(state, model, dst=0)  # data-parallel rank 0 of each tensor-parallel group
+    at_0 = fe.gather_full(state, model, dst=0)  # shard rank 0 of replica 0 of each tensor-parallel group
     r["gather_dst_is_global"] = (
         sorted(at_0) == sorted(ref) and all(torch.equal(at_0[n], ref[n]) for n in ref)
-        if layout.rank == 0
+        if layout.rank == 0 and layout.replica == 0
         else at_0 == {}
     )
     r["ema_moved"] = not all(torch.equal(ref[n], f) for n, f in _full_params(model).items())

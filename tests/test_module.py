@@ -1112,3 +1112,72 @@ def test_a_resume_with_parameters_frozen_as_at_the_save_names_the_fix(tmp_path):
     again[0].requires_grad_(False)
     assert list(loaded.ema) == ["0.weight", "0.bias", "1.weight", "1.bias"]
     assert all(torch.equal(loaded.ema[n], state.ema[n]) for n in state.ema)
+
+
+def test_backward_of_a_forward_made_before_swapped_runs_after_it_as_without_the_block():
+    """A training forward, an EMA evaluation in ``swapped``, then that forward's backward and the step: parameters and
+    AdamW state bitwise an untouched twin's (autograd's version counters of the saved weights are back as on entry).
+    A forward made inside the block and backpropagated after it is still refused, and so is a loss built from a
+    parameter inside the block whose backward runs after the parameter was changed in place (the versions inside the
+    block are far from the restored ones)."""
+    torch.manual_seed(0)
+    model = TiedNet()  # a module listed twice (mid/tied) and a frozen parameter
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01) for m in (model, twin))
+    _train_step(model, opt, 1)
+    _train_step(twin, twin_opt, 1)  # AdamW state exists before the checked steps
+    state = fe.update(fe.init_ema(fe.local_shards(model)), fe.local_shards(model), 1, decay=0.5)
+    for step in (2, 3):  # twice: the versions after a first block and step are where a second block starts from
+        for m, o in ((model, opt), (twin, twin_opt)):
+            x, y = _batch(step)
+            o.zero_grad(set_to_none=True)
+            loss = ((m(x) - y) ** 2).mean()
+            if m is model:
+                with fe.swapped(model, state), torch.no_grad():
+                    model.eval()
+                    model(x)
+                    model.train()
+            loss.backward()
+            o.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert all(torch.equal(b, c) for b, c in zip(model.buffers(), twin.buffers()))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert opt.state[p].keys() == twin_opt.state[q].keys()
+        assert all(torch.equal(opt.state[p][k], twin_opt.state[q][k]) for k in opt.state[p])
+
+    opt.zero_grad(set_to_none=True)
+    with fe.swapped(model, state):
+        inside = ((model(_batch(4)[0]) - _batch(4)[1]) ** 2).mean()
+        weight = model.head.weight
+        built = (weight * weight).sum()  # no forward: no hook, autograd saved the weight as the block left it
+    with pytest.raises(fe.SwappedTrainingError, match="backward through a forward made inside"):
+        inside.backward()
+    with torch.no_grad():
+        weight.mul_(1.0)  # an in-place step after the block: same values, the version moves on by one
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        built.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_an_edit_inside_swapped_through_a_shared_version_counter_stays_visible_to_autograd():
+    """Parameters that are views of one buffer share one autograd version counter; a frozen one (not averaged, so
+    not swapped) edited in place inside the block: the counter is left as the edit moved it, so the backward of a
+    forward made before the block is refused as without the block (restoring it hid the edit: a silently stale
+    gradient)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
+    at = 0
+    for name, p in list(m.named_parameters()):
+        owner, attr = name.rsplit(".", 1)
+        setattr(m.get_submodule(owner), attr, torch.nn.Parameter(flat[at : at + p.numel()].view(p.shape)))
+        at += p.numel()
+    m[0].weight.requires_grad_(False)  # shares the counter with the trained ones
+    state = fe.update(fe.init_ema(fe.local_shards(m)), fe.local_shards(m), 1, decay=0.5)
+    h = torch.randn(5, 4, requires_grad=True)
+    loss = m(h).pow(2).sum()  # saves m[0].weight for the gradient of h
+    with fe.swapped(m, state), torch.no_grad():
+        m[0].weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

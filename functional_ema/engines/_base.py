@@ -505,6 +505,7 @@ def swap_by_copy(
     targets = [(name, t) for name, t in reading.shards.items() if t.numel()]
     if reading._overlaps is None:
         reading._overlaps = overlapping(targets)
+    versions = entry_versions(targets)  # before any copy: views of one tensor share one counter
     try:
         with torch.no_grad():
             for name, target in targets:  # all kept aside first: restored in any order, the bits are the live ones
@@ -512,15 +513,58 @@ def swap_by_copy(
                 extra += target.numel() * target.element_size()
             for name, target in targets:
                 target.copy_(pieces[name].reshape(target.shape))
+            set_versions(versions.values(), _INSIDE)
             _refuse_disagreeing(reading, pieces, reading._overlaps)
         yield SwapStats(len(saved), extra)
     finally:
+        # Only counters nothing else moved inside the block: an in-place edit through a tensor sharing one (a frozen
+        # or unselected view of the same buffer) must stay visible to autograd, as without the version handling.
+        untouched = {n for n, (t, v) in versions.items() if t._version == v + _INSIDE}
         back = reading.shards if current is None else current()
+        exact = []
         with torch.no_grad():
             for name, live in saved.items():
                 target = back.get(name)
                 if target is not None:
                     target.copy_(live.reshape(target.shape))
+                    exact.append((name, target))
+        # Bitwise the entry values again: so are autograd's versions, or the backward of a forward made before the
+        # block would refuse the tensors it saved (docs/core.md: training continues as if the block never ran).
+        set_versions([versions[n] for n, t in exact if n in untouched and _same_tensor(t, versions[n][0])], 0)
+
+
+#: Added to each parameter's version inside a ``swapped`` block (hidden from the user on exit): a tensor autograd
+#: saved inside the block (a grad-enabled loss built there) keeps a version far above the restored one, so the
+#: backward of it after the block is still refused, even after a few in-place steps had moved the version on.
+_INSIDE = 1 << 20
+
+_set_version_counter: Callable[[tuple[torch.Tensor, ...], tuple[int, ...]], None] | None
+try:  # torch's setter behind torch.autograd.graph._unsafe_preserve_version_counter (tuples of tensors, versions)
+    _set_version_counter = torch._C._autograd._unsafe_set_version_counter
+except AttributeError:  # pragma: no cover - a torch without it: versions move, as they did before
+    _set_version_counter = None
+
+
+def entry_versions(targets: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each tensor's autograd version counter, by name (inference tensors, which have none, left out)."""
+    if _set_version_counter is None:  # pragma: no cover - older torch
+        return {}
+    return {name: (t, t._version) for name, t in targets if not t.is_inference()}
+
+
+def _same_tensor(now: torch.Tensor, entry: torch.Tensor) -> bool:
+    """Whether the live values went back into the tensor a version was read from (an engine that re-reads the model
+    on exit gives a new view of the same memory; memory the block replaced keeps the versions it has)."""
+    return now is entry or now.is_set_to(entry)
+
+
+def set_versions(entries: Iterable[tuple[torch.Tensor, int]], offset: int) -> None:
+    """Set each tensor's version counter (shared with the parameter it views) to its version plus ``offset``: one C
+    call. Only for tensors whose values are bitwise those the version was read with (``offset=0``), or inside the
+    block (``_INSIDE``)."""
+    pairs = list(entries)
+    if pairs and _set_version_counter is not None:
+        _set_version_counter(tuple(t for t, _ in pairs), tuple(v + offset for _, v in pairs))
 
 
 def memory_span(t: torch.Tensor) -> tuple[int, int]:

@@ -24,9 +24,11 @@ Decisions:
 
 * ``Shard(0)`` on a 1-D mesh (plain ``fully_shard``) and HSDP, ``(Replicate(), Shard(0))`` on a 2-D
   ``(replicate, shard)`` mesh, are read. Under HSDP each replica is a data-parallel group of its own
-  (the layout's rank and world are the shard dimension's) and the layout names the replica: the
-  pieces of replica ``r`` equal replica 0's, so only replica 0 writes checkpoint files and the
-  checkpoint is that of one shard group (loadable at any layout). ``Shard(d>0)`` from
+  (the layout's rank and world are the shard dimension's) and the layout names the replica (the row
+  of the mesh its shard group lies on, so each shard rank of a replica is one rank): the pieces of
+  replica ``r`` equal replica 0's, so only replica 0 writes checkpoint files and the checkpoint is
+  that of one shard group (loadable at any layout). A mesh whose replicate groups hold different
+  shards (FSDP2 trains it wrong) is refused, see ``_check_replicate_groups``. ``Shard(d>0)`` from
   ``shard_placement_fn`` raises, naming the parameter.
 * Tensor parallelism (``parallelize_module`` over a 1-D mesh, with ``fully_shard`` over the rest of a
   2-D or 3-D mesh, or alone): the layout's part is the tensor-parallel rank and ``tp_dims`` each
@@ -252,9 +254,19 @@ def _placement(name: str, fp: Any) -> _Placement:
             f"parameter {name!r} is a DTensor placed {placements}: FSDP2 shards it along dim {fp.fsdp_placement.dim} "
             "(shard_placement_fn with Shard(dim>0)); functional_ema reads FSDP2 parameters sharded along dim 0"
         )
-    replica, replicas = (
-        (info.replicate_mesh_rank, info.replicate_mesh_size) if isinstance(info, HSDPMeshInfo) else (0, 1)
-    )
+    # HSDP: the replica is the row of the (replicate, shard) mesh this rank's shard group lies on, not FSDP2's
+    # replicate_mesh_rank (its place in the replicate group, ascending): on a mesh in another rank order that number
+    # can differ within one shard group, and two ranks of one shard rank then both count as replica 0. Replica 0 is the
+    # row holding the mesh's lowest rank (rows 0 and that one trade numbers), so that shard rank 0 of replica 0 is that
+    # rank (global rank 0 on a whole-job mesh): where the integrations' rank-0 writers expect gather_full(dst=0).
+    replica, replicas = 0, 1
+    if isinstance(info, HSDPMeshInfo):  # this rank holds the parameter's shard: it is on the mesh
+        dim = info.replicate_mesh_dim or 0
+        row = list(info.mesh.get_coordinate() or ())[dim]
+        grid = info.mesh.mesh
+        lowest = int((grid == grid.min()).nonzero()[0][dim])
+        replica = lowest if row == 0 else 0 if row == lowest else row
+        replicas = info.replicate_mesh_size
     tp_mesh, tp_dim = None, None
     spec = getattr(fp, "_unsharded_dtensor_spec", None) if fp.is_dtensor else None
     if fp.is_dtensor:
@@ -292,6 +304,32 @@ def _fsdp_piece(name: str, fp: Any, where: _Placement) -> tuple[torch.Tensor, Sh
         raise RuntimeError(f"parameter {name!r}: FSDP2's local shard is not contiguous (stride {local.stride()})")
     numel = local.numel()
     return local.detach(), ShardSpec(shape, first * math.prod(shape[1:]) if numel else 0, numel)
+
+
+def _check_replicate_groups(name: str, where: _Placement) -> None:
+    """Refuse an HSDP mesh whose replicate groups hold different shards; plain arithmetic on the mesh (no exchange),
+    the same on every rank of it, so every rank refuses it when the model is read, before anything is saved.
+
+    torch numbers each process group's ranks in ascending order, and FSDP2 cuts each parameter by that number in
+    the shard group (``shard_mesh_rank``), whatever the mesh's order. On a mesh such as ``[[3, 1], [0, 2]]`` the
+    replicate group ``[3, 0]`` then holds shards 1 and 0: FSDP2 all-reduces different shards' gradients (its
+    replicas train apart), and no replica's EMA is the model's."""
+    if where.replicas == 1 or where.dp_mesh is None:
+        return
+    grid = where.dp_mesh.mesh.reshape(where.replicas, -1)  # FSDP2's HSDP mesh: (replicate, shard), 2-D
+    shard = grid.argsort(dim=1).argsort(dim=1)  # each rank's number in its shard group (a row), as torch gives it
+    mixed = (shard != shard[:1]).any(dim=0).nonzero().flatten().tolist()
+    if not mixed:
+        return
+    ranks, shards = grid[:, mixed[0]].tolist(), shard[:, mixed[0]].tolist()
+    listed = ", ".join(str(s) for s in shards[:-1]) + f" and {shards[-1]}"
+    raise ValueError(
+        f"parameter {name!r} is sharded by FSDP2 over the HSDP mesh {grid.tolist()} (replicate, shard), whose "
+        f"replicate group {ranks} holds shards {listed}: torch numbers a shard group's ranks in ascending order "
+        "and FSDP2 cuts each parameter by that number, so this group all-reduces different shards' gradients and "
+        "its replicas train apart (no replica's EMA would be the model's). Build the mesh so that each column's "
+        "ranks have the same place in their rows' ascending order (init_device_mesh's ranks in order do)"
+    )
 
 
 def _sharding_group(first: tuple[str, _Placement] | None, tp_only: bool) -> tuple[Any, int, int]:
@@ -372,6 +410,7 @@ class FSDP2Adapter(Adapter):
         if first is not None:
             for name, w in where.items():
                 _check_same(name, first, w)
+            _check_replicate_groups(*first)  # one mesh for all (checked): once per reading
         from torch.distributed.tensor import DTensor
 
         tp_only = first is None and any(isinstance(p, DTensor) for _, p, _, _, _ in entries)
