@@ -235,7 +235,7 @@ def worker(out_dir: str, mib: int, stage: int, repeat: int):
             for i in range(repeat):
                 tag = f"bench{i}"
                 ops = [
-                    ("consolidate_file", lambda: fe.consolidate_to_file(d, out, tag, progress=False)),
+                    ("consolidate_file", lambda: fe.consolidate_to_file(d, out, tag, progress=False, overwrite=True)),
                     ("plain_consolidate_file", plain_to_file),
                 ]
                 for name, fn in ops if i % 2 == 0 else ops[::-1]:

@@ -364,7 +364,8 @@ def _refuse_mistyped_url(location: str, name: str) -> None:
 def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     """``posthoc``'s options checked (``ValueError``/``TypeError`` naming the option; ``ImportError`` for ``--plot``
     without matplotlib); returns the file ``--plot`` will write (a name without extension gets ``.png``), or None."""
-    from ._args import check_path, check_real, refuse_url
+    from ._args import check_int, check_path, check_real, refuse_url
+    from ._posthoc.files import check_out_folder
     from ._posthoc.plot import plot_file
     from ._posthoc.profiles import target_gamma
 
@@ -374,12 +375,15 @@ def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     _refuse_local_options(args, args.snapshot_dir, "SNAPSHOT_DIR")
     _refuse_mistyped_url(args.snapshot_dir, "SNAPSHOT_DIR")
     out = check_path(args.out, "OUT")
+    check_out_folder(out, "OUT")  # else found last, after every snapshot was read, naming a temporary file
     try:
         target_gamma(args.sigma_rel, args.gamma)
     except ValueError as e:
         raise ValueError(f"{'--sigma-rel' if args.gamma is None else '--gamma'}: {e}") from None
     if args.step is not None and args.step < 1:  # a power EMA has no profile before step 1
         raise ValueError(f"--step must be >= 1 (a training step with snapshots at or before it), got {args.step}")
+    if args.step is not None:  # a step is an int64 (update's rule), as posthoc_to_file refuses it later
+        check_int(args.step, "--step")
     check_real(args.max_profile_error, "--max-profile-error", low=0.0)
     if args.plot is None:
         return None

@@ -54,7 +54,10 @@ __all__ = [
     "storage_for",
 ]
 
-#: ``scheme://...`` with a scheme other than ``file`` names an fsspec filesystem.
+#: ``scheme://...`` with a scheme other than these names an fsspec filesystem; ``local://`` is fsspec's other name
+#: for ``file://``: both name a local folder, written through the local path's own atomic renames (fsspec's local
+#: filesystem makes no parent folders, which an object store needs none of).
+_LOCAL_SCHEMES = ("file", "local")
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
@@ -63,7 +66,7 @@ def is_url(location: str | os.PathLike[str]) -> bool:
     if not isinstance(location, str):
         return False
     m = _URL.match(location)
-    return m is not None and m.group(1).lower() != "file"
+    return m is not None and m.group(1).lower() not in _LOCAL_SCHEMES
 
 
 #: A relative path's first component that is a URL scheme and its colon (``s3:`` of ``s3:/bucket/run``), or that
@@ -71,7 +74,7 @@ def is_url(location: str | os.PathLike[str]) -> bool:
 _SCHEME_PREFIX = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+):([^/]*)")
 #: The schemes refused: fsspec's usual filesystems. Another word and a colon (``run:2``, ``exp:/x``, ``best:``) may be
 #: a folder's name, and is left alone.
-_KNOWN_SCHEMES = re.compile(r"s3a?|gc?s|az|abfss?|adl|memory|file|hf|https?|(?:web)?hdfs|s?ftp|ssh|oci|oss|dbfs")
+_KNOWN_SCHEMES = re.compile(r"s3a?|gc?s|az|abfss?|adl|memory|file|local|hf|https?|(?:web)?hdfs|s?ftp|ssh|oci|oss|dbfs")
 
 
 def refuse_mistyped_url(location: str) -> None:
@@ -83,7 +86,7 @@ def refuse_mistyped_url(location: str) -> None:
     if m is None or _URL.match(location) or not _KNOWN_SCHEMES.fullmatch(m.group(1).lower()):
         return
     scheme, rest = m.group(1), location[m.end(1) + 1 :].lstrip("/")
-    meant = f"file:///{rest}" if scheme.lower() == "file" else f"{scheme}://{rest}"
+    meant = f"{scheme}:///{rest}" if scheme.lower() in _LOCAL_SCHEMES else f"{scheme}://{rest}"
     shown = redact_url(meant)
     given = f"{location!r}" if shown == meant else "the path given"  # a secret written into it stays out
     first = location.split("/", 1)[0] if shown == meant else f"{scheme}:"
@@ -94,18 +97,20 @@ def refuse_mistyped_url(location: str) -> None:
 
 
 def file_url_path(location: str) -> str | None:
-    """The local path a ``file://`` URL names (``file:///abs/dir`` or ``file://localhost/abs/dir``: ``/abs/dir``,
-    percent-escapes decoded); ``None`` when ``location`` is not a ``file://`` URL. ``ValueError`` for one that
+    """The local path a ``file://`` (or ``local://``) URL names (``file:///abs/dir`` or ``file://localhost/abs/dir``:
+    ``/abs/dir``, percent-escapes decoded); ``None`` when ``location`` is not such a URL. ``ValueError`` for one that
     names another host (``file://dir/x``: two slashes) or carries a query or fragment: nothing local to use; and
     for a path that looks like a URL missing a slash (:func:`refuse_mistyped_url`): every local path argument
     reaches here (``_args.check_path``), so no verb makes a folder ``s3:`` of a mistyped URL."""
-    if location[:7].lower() != "file://":
+    m = _URL.match(location)
+    if m is None or m.group(1).lower() not in _LOCAL_SCHEMES:
         refuse_mistyped_url(location)
         return None
     parts = urllib.parse.urlsplit(location)
     if parts.netloc not in ("", "localhost") or parts.query or parts.fragment or not parts.path.startswith("/"):
         raise ValueError(
-            f"{location!r} is not a local file URL: write file:///absolute/path (three slashes), or the path itself"
+            f"{location!r} is not a local file URL: write {m.group(1)}:///absolute/path (three slashes), or the path "
+            "itself"
         )
     return urllib.parse.unquote(parts.path)
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-from ._buffers import loaded_buffer_state, persistent_buffers, split_floating
+from ._buffers import exact_dtype, loaded_buffer_state, persistent_buffers, refuse_unstorable, split_floating
 from ._core import (
     check_ema_dtype,
     check_num_emas,
@@ -89,7 +89,8 @@ def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype
     ``num_emas``, ``step`` and ``dtype`` are checked as :func:`functional_ema.init_ema` checks them
     (an int >= 1, an int step, a float32/float64/float16/bfloat16 ``torch.dtype``; a 16-bit one warns, and a
     float16 one is refused naming the buffer when a buffer's finite values exceed its range), and buffers on
-    the meta device are refused, before anything is copied. The copies are normal tensors also under
+    the meta device, or kept as they are (not floating) in a dtype a checkpoint cannot store (complex, uint16,
+    ...), are refused naming the buffer, before anything is copied. The copies are normal tensors also under
     ``torch.inference_mode()`` (so that :func:`update_buffers` can write them outside it).
     """
     num_emas = check_num_emas(num_emas)
@@ -102,6 +103,7 @@ def init_buffers(x: Any, *, num_emas: int = 1, step: int = 0, dtype: torch.dtype
                 f"buffer {n!r} is on the meta device: it has a shape but no values to keep. Materialise the model "
                 "(e.g. model.to_empty(device=...) and load or initialise its buffers) before init_buffers"
             )
+    refuse_unstorable(others, "init_buffers")  # the averaged ones are kept in dtype, which is storable
     warn_sixteen_bit(dtype, "buffer EMA")
     with torch.no_grad(), torch.inference_mode(False):
         emas = tuple({n: b.detach().to(dtype=dtype, copy=True) for n, b in floats.items()} for _ in range(num_emas))
@@ -153,8 +155,13 @@ def update_buffers(
     """Move the buffer EMAs towards ``x``'s buffers (``mode="average"``) or copy them (``"copy"``).
 
     ``"average"`` is :func:`functional_ema.update` over the floating buffers with the same
-    ``step`` and ``decay`` as the parameters' EMA (so the two stay in step, compounded alike);
-    ``"copy"`` sets every EMA to the live values. Integer buffers are copied in both modes. An
+    ``step`` and ``decay`` as the parameters' EMA (so the two stay in step, compounded alike: pass the EMA
+    state's step after :func:`functional_ema.update`, ``int(state.step)``, which stays the last step when
+    ``update(..., nonfinite="skip")`` skipped one, so the buffers skip it too and ``save`` takes both);
+    ``"copy"`` sets every EMA to the live values, bitwise: a state whose dtype cannot hold a buffer's
+    values exactly (a float64 buffer in the default float32 state) is widened first, every EMA to the one
+    dtype that holds them all (float64 there; :func:`init_buffers` with that ``dtype`` copies exactly from the
+    start). Integer buffers are copied in both modes. An
     update at the state's own step is a no-op, as for :func:`functional_ema.update`. In place.
     ``bstate.step``, ``step`` and ``decay`` (also with ``"copy"``, which does not use it) are checked as
     :func:`functional_ema.update` checks them, and a state holding inference tensors is refused, before
@@ -171,19 +178,36 @@ def update_buffers(
     step = last + 1 if step is None else check_step(step, "step")
     if step == last:
         return bstate
+    emas = bstate.emas
     if mode == "copy":
         if step > last:  # an earlier step is refused by update below, as in "average"
             # Checked as in "average", then unused; a single decay stands for every EMA here (nothing to compound),
             # so a state of several EMAs copies with the default decay too.
             decay_weights(bstate.num_emas if isinstance(decay, (list, tuple)) else 1, decay, last, step)
+            emas = _widened(emas, floats)
         decay = [0.0] * bstate.num_emas if bstate.num_emas > 1 else 0.0
     from ._state import EmaState
 
-    inner = _update(EmaState(bstate.step, bstate.emas), floats, step, decay=decay)
+    inner = _update(EmaState(bstate.step, emas), floats, step, decay=decay)
+    for mine, wide in zip(bstate.emas, emas):  # in place: the widened copies (if any) are the state's now
+        mine.update(wide)
     with torch.no_grad():
         for n, b in others.items():
             bstate.copied[n].copy_(b)
-    return BufferState(inner.step, inner.emas, bstate.copied)
+    return BufferState(inner.step, bstate.emas, bstate.copied)
+
+
+def _widened(emas: tuple[dict[str, torch.Tensor], ...], floats: dict[str, torch.Tensor]) -> tuple:
+    """``emas``, or new copies of them in a dtype that holds every live buffer exactly when theirs does not (a float64
+    buffer in the default float32 state): a copy is then bitwise the live values. One dtype for all (a checkpoint
+    stores the buffer EMAs in one); the copies are new dicts, so that a refusal by ``update`` leaves the state as
+    it was."""
+    have = [t.dtype for ema in emas for t in ema.values()]
+    want = exact_dtype([*have, *(b.dtype for b in floats.values())]) if have else None
+    if all(d == want for d in have):
+        return emas
+    with torch.no_grad(), torch.inference_mode(False):  # normal tensors, as init_buffers makes them
+        return tuple({n: t.to(dtype=want, copy=True) for n, t in ema.items()} for ema in emas)
 
 
 @contextlib.contextmanager

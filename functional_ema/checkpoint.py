@@ -959,7 +959,7 @@ def consolidate_to_file(
     index: int = 0,
     verify: bool = True,
     progress: bool | None = None,
-    overwrite: bool = True,
+    overwrite: bool = False,
     tp_dims: dict[str, int | None] | None = None,
     tp_rank: int | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -981,7 +981,8 @@ def consolidate_to_file(
             is refused with :class:`OutputPathError`, symlinks resolved; a URL is refused (write
             locally, then upload: the export reads a consolidated file at a URL).
         progress: show a progress bar; ``None`` shows one when stderr is a terminal.
-        overwrite: replace an existing ``out_path``; ``False`` refuses (the CLI's default).
+        overwrite: replace an existing ``out_path``; ``False`` (the default, as the CLI without ``--overwrite``, the
+            post-hoc ``posthoc_to_file`` and ``export.to_hf``) refuses it, naming ``overwrite=True``.
 
     Returns:
         ``out_path``. Its metadata records the source tag, step, EMA index and schedule; its names

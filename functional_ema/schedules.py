@@ -145,8 +145,19 @@ def _product(beta: Callable[[int], float], start: int, stop: int, checked: bool 
             b = _checked_decay(b, _callable_name(beta), f"at step {s}") if checked else float(b)
         out *= b
         if out < _NEGLIGIBLE:
+            if checked:  # the product is settled, but every later decay is still checked (a NaN is refused)
+                _check_decays(beta, s, stop)
             break
     return out
+
+
+def _check_decays(beta: Callable[[int], float], start: int, stop: int) -> None:
+    """Each of ``beta``'s decays over ``(start, stop]`` checked in [0, 1] (:func:`_checked_decay`), not multiplied:
+    a step past the point where the product no longer changes may still return a NaN or 2.0, which is refused."""
+    for s in range(start + 1, stop + 1):
+        b = beta(s)
+        if type(b) is not float or not 0.0 <= b <= 1.0:  # NaN fails too
+            _checked_decay(b, _callable_name(beta), f"at step {s}")
 
 
 def _callable_name(beta: Callable[[int], float]) -> str:

@@ -476,3 +476,148 @@ def test_float16_buffer_ema_warns_and_refuses_values_it_cannot_hold():
     with pytest.warns(UserWarning):
         ok = fe.buffers.init_buffers(bn, dtype=torch.float16)
     assert torch.equal(ok.emas[0]["running_var"], torch.full((3,), 2.0, dtype=torch.float16))
+
+
+def _f64_net():
+    """A BatchNorm (float32 statistics) and a float64 buffer whose values float32 cannot hold."""
+    net = _net()
+    net.register_buffer("t", torch.zeros(3, dtype=torch.float64))
+    return net
+
+
+def _move_f64(net, step: int) -> None:
+    net(torch.randn(16, 5))
+    with torch.no_grad():
+        net.t.copy_(torch.tensor([1 + 1e-12, 1 / 3, 2.0**-30], dtype=torch.float64) * step)
+
+
+def test_copy_mode_copies_float64_buffers_bitwise_and_average_mode_stays_float32(tmp_path):
+    """``mode="copy"`` is the live values bitwise (a float64 buffer too: the state is widened to float64), in the
+    state, inside ``swapped_buffers``, after a save in ``consolidate`` and ``load_buffers``; ``mode="average"`` is
+    unchanged: a float32 EMA (plain ``lerp_`` of float32 copies)."""
+    net = _f64_net()
+    cp, avg = fe.buffers.init_buffers(net), fe.buffers.init_buffers(net)
+    ref = {n: b.detach().to(torch.float32, copy=True) for n, b in net.named_buffers() if b.is_floating_point()}
+    state = fe.init_ema(fe.local_shards(net))
+    for step in (1, 2):
+        _move_f64(net, step)
+        cp2 = fe.buffers.update_buffers(cp, net, step, mode="copy")
+        avg = fe.buffers.update_buffers(avg, net, step, decay=0.5)
+        state = fe.update(state, fe.local_shards(net), step)
+        for n, b in net.named_buffers():
+            if b.is_floating_point():
+                ref[n].lerp_(b.to(torch.float32), 0.5)
+    live = {n: b.detach().clone() for n, b in net.named_buffers()}
+    assert cp.emas is cp2.emas and {t.dtype for t in cp.emas[0].values()} == {torch.float64}  # in place, one dtype
+    assert all(torch.equal(cp.emas[0][n], live[n].to(torch.float64)) for n in ref)
+    assert torch.equal(cp.emas[0]["t"], live["t"]) and cp.emas[0]["t"][0].item() == 2 * (1 + 1e-12)
+    assert {t.dtype for t in avg.emas[0].values()} == {torch.float32}
+    assert all(torch.equal(avg.emas[0][n], ref[n]) for n in ref)
+    with fe.buffers.swapped_buffers(net, cp):
+        assert torch.equal(net.t, live["t"]) and torch.equal(net[1].running_var, live["1.running_var"])
+    fe.save(state, net, tmp_path, "t", buffers=cp)
+    sd = fe.buffers.consolidate(tmp_path, "t")
+    assert sd["t"].dtype == torch.float64 and torch.equal(sd["t"], live["t"])
+    loaded = fe.buffers.load_buffers(net, tmp_path, "t")
+    assert all(torch.equal(loaded.emas[0][n], cp.emas[0][n]) and loaded.emas[0][n].dtype == torch.float64 for n in ref)
+
+
+def test_controller_copy_mode_float64_buffer_exact_from_the_first_step(tmp_path):
+    """The callbacks' controller with ``buffers="copy"`` starts the copies in a dtype that holds every buffer (float64
+    here): the state, the evaluation and the export hold the live values bitwise at the start and after updates."""
+    from safetensors.torch import load_file
+
+    net = _f64_net()
+    _move_f64(net, 1)
+    c = EMAController(0.5, buffers="copy")
+    c.on_step(net, 1)
+    assert torch.equal(c.buffer_state.emas[0]["t"], net.t)  # at the start: no float32 rounding
+    _move_f64(net, 2)
+    c.on_step(net, 2)
+    live = {n: b.detach().clone() for n, b in net.named_buffers()}
+    with c.swapped(net):
+        assert torch.equal(net.t, live["t"])
+    c.export(net, tmp_path / "ema.safetensors")
+    exported = load_file(tmp_path / "ema.safetensors")
+    assert all(torch.equal(exported[n].to(b.dtype), b) for n, b in live.items())
+    assert EMAController(0.5, buffers="average")._init_buffers(net, 1).emas[0]["t"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16])
+def test_buffer_of_a_dtype_no_checkpoint_stores_refused_at_init_buffers(tmp_path, dtype):
+    """A complex or uint16 buffer is refused when the buffer state is made, naming the buffer, its dtype, the storable
+    dtypes (the writer's list) and what to do; not steps later at the first save. A non-persistent one (torchtitan's
+    freqs_cis is registered persistent=False) is not in the state at all: saved and loaded."""
+    from functional_ema._io import DTYPE_TO_STR
+
+    net = _net()
+    net.register_buffer("freqs_cis", torch.ones(4, dtype=dtype))
+    with pytest.raises(TypeError) as e:
+        fe.buffers.init_buffers(net)
+    msg = str(e.value)
+    assert f"init_buffers: buffer 'freqs_cis' has dtype {dtype}, which a checkpoint cannot store" in msg
+    assert all(str(d).removeprefix("torch.") in msg for d in DTYPE_TO_STR) and "persistent=False" in msg
+    with pytest.raises(TypeError, match="buffer 'freqs_cis' has dtype"):
+        EMAController(0.5, buffers="average").on_step(net, 1)
+    del net.freqs_cis
+    net.register_buffer("freqs_cis", torch.ones(4, dtype=dtype), persistent=False)
+    b = fe.buffers.update_buffers(fe.buffers.init_buffers(net), net, 1)
+    assert "freqs_cis" not in {**b.emas[0], **b.copied}
+    fe.save(fe.init_ema(fe.local_shards(net), step=1), net, tmp_path, "t", buffers=b)
+    assert int(fe.buffers.load_buffers(net, tmp_path, "t").step) == 1
+
+
+class _Shared(nn.Module):
+    """One buffer tensor registered under two names (``base`` and ``sub.shared``), as ``state_dict`` lists it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("base", torch.zeros(6))
+        self.sub = nn.Module()
+        self.sub.register_buffer("shared", self.base)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.base.add_(torch.arange(6.0))
+        return self.lin(x)
+
+
+def test_a_buffer_shared_under_two_names_consolidates_for_strict_load(tmp_path):
+    """Every ``state_dict`` name is in the state and in ``buffers.consolidate`` (so ``load_state_dict(strict=True)``
+    loads it), each name the plain-torch EMA of the one tensor; a checkpoint saved with the first name only (as 0.4.0
+    saved them) still loads, the second name filled from the first."""
+    net = _Shared()
+    b = fe.buffers.init_buffers(net)
+    ref = net.base.detach().clone()
+    for step in (1, 2, 3):
+        net(torch.randn(2, 4))
+        b = fe.buffers.update_buffers(b, net, step, decay=0.5)
+        ref.lerp_(net.base, 0.5)
+    assert sorted(fe.buffers.module_buffers(net)) == sorted(n for n in net.state_dict() if not n.startswith("lin."))
+    assert torch.equal(b.emas[0]["base"], ref) and torch.equal(b.emas[0]["sub.shared"], ref)
+    state = fe.update(fe.init_ema(fe.local_shards(net)), fe.local_shards(net), 3)
+    fe.save(state, net, tmp_path, "t", buffers=b)
+    sd = fe.buffers.consolidate(tmp_path, "t")
+    twin = _Shared()
+    assert not twin.load_state_dict(sd, strict=True).missing_keys
+    assert torch.equal(twin.sub.shared, ref)
+    old = fe.buffers.BufferState(b.step, ({"base": b.emas[0]["base"]},), {})  # what 0.4.0 saved
+    fe.save(state, net, tmp_path, "old", buffers=old)
+    loaded = fe.buffers.load_buffers(net, tmp_path, "old")
+    assert sorted(loaded.emas[0]) == ["base", "sub.shared"] and torch.equal(loaded.emas[0]["sub.shared"], ref)
+    assert loaded.emas[0]["sub.shared"].data_ptr() != loaded.emas[0]["base"].data_ptr()  # each moves once an update
+    fe.buffers.update_buffers(loaded, net, 4, decay=0.5)
+    assert torch.equal(loaded.emas[0]["sub.shared"], loaded.emas[0]["base"])
+
+
+def test_copy_mode_keeps_float8_buffers_in_float32():
+    """torch does not promote float8 types: a copy-mode buffer state over a float8 buffer is float32 (which holds it
+    exactly), not a raw RuntimeError from the dtype promotion."""
+    m = nn.Linear(2, 2)
+    m.register_buffer("scale", torch.tensor([0.5, 448.0]).to(torch.float8_e4m3fn))
+    m.register_buffer("count", torch.tensor(3))
+    bs = fe.buffers.init_buffers(m)
+    bs = fe.buffers.update_buffers(bs, m, 1, decay=0.9, mode="copy")
+    with fe.buffers.swapped_buffers(m, bs):
+        assert m.scale.dtype == torch.float8_e4m3fn and torch.equal(m.scale.float(), torch.tensor([0.5, 448.0]))

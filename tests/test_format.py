@@ -1679,7 +1679,9 @@ def test_describe_buffers():
             _bstate(3, [{}]),
             1,
             CheckpointMismatchError,
-            "the buffer state is at step 3 but the EMA state at step 4; update both at the same steps (update_buffers with the step given to update) so a resume reads one step",
+            "the buffer state is at step 3 but the EMA state at step 4; update both at the same steps so a resume reads "
+            "one step: pass update_buffers the EMA state's step after update, int(state.step) (update(..., "
+            'nonfinite="skip") keeps it at the last step it averaged, and the buffers then skip that step too)',
         ),
         (
             _bstate(4, [{}, {}]),

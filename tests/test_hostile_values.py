@@ -1234,6 +1234,8 @@ rows(
     buffers=R(NONE_DEFAULT),
     eval_index=R(NONE_DEFAULT),
     posthoc_dir=R(NONE_DEFAULT, names=("posthoc_dir", "posthoc_every")),
+    # posthoc_every not a multiple of every_n_steps (a check of the two together, which this table's one-argument
+    # cases with posthoc off cannot reach) is refused at construction: tests/test_integrations_common.py.
     posthoc_every=R(NONE_DEFAULT, names=("posthoc_dir", "posthoc_every")),
     # A folder (an existing one, the root) is refused when the controller is made, not after the whole run.
     export_path=R(NONE_DEFAULT, STR_PATH, values={"existing_folder": tempfile.gettempdir, "root": lambda: os.sep}),

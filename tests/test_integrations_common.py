@@ -20,6 +20,7 @@ from functional_ema._testing.multirank import full_tensor_of, run_ranks
 from functional_ema.integrations import EMAController
 from tests._integration_models import Backboned, ReferenceEMA
 
+POWER = fe.schedules.power(sigma_rel=0.1)
 BAD_CONSTRUCTION = [
     # (keyword arguments, error class, words of the message)
     ({"decay": 1.5}, ValueError, "decay must be in [0, 1], got 1.5"),
@@ -38,6 +39,13 @@ BAD_CONSTRUCTION = [
     ({"eval_index": 2}, ValueError, "eval_index=2 is not one of the 1 EMAs"),
     ({"posthoc_dir": "snaps", "posthoc_every": 0}, ValueError, "posthoc_every must be >= 1"),
     ({"posthoc_dir": 5, "posthoc_every": 2}, TypeError, "posthoc_dir must be a path"),
+    # Snapshots are taken where the EMA moves: posthoc_every=2 with every_n_steps=3 wrote only steps 6, 12, ...
+    (
+        {"decay": POWER, "posthoc_dir": "snaps", "posthoc_every": 2, "every_n_steps": 3},
+        ValueError,
+        "posthoc_every=2 is not a multiple of every_n_steps=3",
+    ),
+    ({"decay": POWER, "posthoc_dir": "snaps", "posthoc_every": 4, "every_n_steps": 6}, ValueError, "(e.g. 12)"),
     ({"export_path": 3.0}, TypeError, "export_path must be a path"),
     ({"copy_to_model": "yes"}, TypeError, "copy_to_model must be True or False"),
     ({"async_save": 1}, TypeError, "async_save must be True or False"),
@@ -407,3 +415,28 @@ def test_fsdp2_unfreezing_and_resume(tmp_path):
         "tests.test_integrations_common:fsdp2_unfreezing_worker", world_size=2, timeout=300, out=str(tmp_path)
     )
     assert got == [{"grown": True, "resumed": True, "frozen": True}] * 2
+
+
+def test_posthoc_snapshot_at_every_multiple_of_posthoc_every(tmp_path):
+    """With ``every_n_steps=2`` (started at step 3) and ``posthoc_every=4`` each multiple of 4 gets its snapshot, and
+    it holds the EMA of that step (the controller's after its update there; it moves at 3, 4, 6, 8, ...)."""
+    import os
+
+    decays = [fe.schedules.power(sigma_rel=0.05), fe.schedules.power(sigma_rel=0.2)]
+    model = torch.nn.Linear(3, 2)
+    c = EMAController(decays, every_n_steps=2, start_step=3, posthoc_dir=tmp_path, posthoc_every=4)
+    emas: dict[int, torch.Tensor] = {}
+    for step in range(1, 13):
+        with torch.no_grad():
+            model.weight.add_(0.25 * step)
+        if c.on_step(model, step):
+            emas[step] = c.state.emas[1]["weight"].clone()
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("snapshot_")) == [
+        "snapshot_000000004",
+        "snapshot_000000008",
+        "snapshot_000000012",
+    ]
+    assert sorted(emas) == [3, 4, 6, 8, 10, 12]
+    assert [i.step for i in fe.posthoc.list_snapshots(tmp_path)] == [4, 8, 12]
+    for k in (4, 8, 12):
+        assert torch.equal(fe.consolidate(tmp_path, f"snapshot_{k:09d}", index=1)["weight"], emas[k])

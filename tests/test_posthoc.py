@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 import sys
 
 import numpy as np
@@ -539,11 +540,16 @@ def test_another_runs_snapshot_of_the_same_step_is_refused(tmp_path, one_rank_en
 
 def test_a_final_snapshot_at_the_last_periodic_step_is_one_snapshot(tmp_path, one_rank_engine):
     """save_snapshot(tag="snapshot_final") at a step the periodic snapshots also saved: two folders with the same
-    data (their manifests' data checksums agree) count once, and the reconstruction is the single-run one; a
+    data (their manifests' data checksums agree) count once, and the reconstruction is the single-run one, also
+    when the periodic one was saved twice (a resumed run: its rank file's name carries a generation suffix); a
     folder at that step with other data is still refused naming both."""
     snap_dir, alone_dir = tmp_path / "snaps", tmp_path / "alone"
     _, _, state, engine, sched = _walk(snap_dir, one_rank_engine, seed=3)
     _walk(alone_dir, one_rank_engine, seed=3)
+    posthoc.save_snapshot(state, engine, snap_dir, sched)  # snapshot_000000128 again: generation 1
+    assert [p.name for p in (snap_dir / posthoc.snapshot_tag(128)).glob("*.safetensors")] == [
+        "ema_rank_00000_of_00001.gen1.safetensors"
+    ]
     posthoc.save_snapshot(state, engine, snap_dir, sched, tag="snapshot_final")
     assert [s.tag for s in posthoc.list_snapshots(snap_dir)] == [posthoc.snapshot_tag(32 * k) for k in (1, 2, 3, 4)]
     for sigma_rel in (0.07, 0.10, 0.13):
@@ -566,6 +572,8 @@ def test_a_final_snapshot_at_the_last_periodic_step_is_one_snapshot(tmp_path, on
         (["--sigma-rel", "0.29"], "--sigma-rel"),
         (["--sigma-rel", "0.1", "--step", "0"], "--step"),
         (["--sigma-rel", "0.1", "--step", "-5"], "--step"),
+        (["--sigma-rel", "0.1", "--step", str(2**63)], "--step"),  # past int64: refused with the options
+        (["--sigma-rel", "0.1", "--step", "99999999999999999999999"], "--step"),
         (["--sigma-rel", "0.1", "--max-profile-error", "-1"], "--max-profile-error"),
         (["--sigma-rel", "0.1", "--max-profile-error", "nan"], "--max-profile-error"),
         (["--sigma-rel", "0.1", "--plot", ""], "--plot"),
@@ -584,6 +592,44 @@ def test_cli_bad_numbers_are_usage_errors(tmp_path, capsys, extra, flag):
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and flag in err, err
     assert "[-inf, inf]" not in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_out_in_a_missing_folder_is_refused_naming_it_before_any_snapshot_is_read(tmp_path, capsys):
+    """OUT (out_path) whose folder does not exist, or is a file: refused first (the snapshot folder does not even
+    exist), naming that folder, not the temporary file the write would have failed on; the CLI's exit is 2."""
+    from functional_ema import checkpoint
+    from functional_ema.__main__ import main
+
+    (tmp_path / "afile").write_text("not a folder")
+    for out in (tmp_path / "nodir" / "o.safetensors", tmp_path / "afile" / "o.safetensors"):
+        with pytest.raises(checkpoint.OutputPathError, match=f"out_path: the folder {out.parent} of {out} does not"):
+            posthoc.posthoc_to_file(tmp_path / "no-snaps", out, sigma_rel=0.1)
+        assert main(["posthoc", str(tmp_path / "no-snaps"), str(out), "--sigma-rel", "0.1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: OUT: the folder {out.parent} of {out} does not exist"), err
+        assert len(err.splitlines()) == 1 and ".tmp" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_posthoc_to_file_replaces_an_existing_file_only_with_overwrite(tmp_path, one_rank_engine):
+    """An existing file is the user's: refused by default (before any snapshot is read: here the snapshot folder
+    does not exist), its bytes kept; overwrite=True replaces it with the post-hoc EMA (posthoc_offline's)."""
+    from safetensors.torch import load_file
+
+    from functional_ema import checkpoint
+
+    mine = tmp_path / "ema.safetensors"
+    mine.write_bytes(b"my own weights")
+    refused = re.escape(f"existing file {mine}: pass --overwrite (overwrite=True)")
+    with pytest.raises(checkpoint.OutputPathError, match=refused):
+        posthoc.posthoc_to_file(tmp_path / "no-snaps", mine, sigma_rel=0.1)
+    snaps = tmp_path / "snaps"
+    _walk(snaps, one_rank_engine, seed=5, steps=64)
+    with pytest.raises(checkpoint.OutputPathError, match=refused):
+        posthoc.posthoc_to_file(snaps, mine, sigma_rel=0.1)
+    assert mine.read_bytes() == b"my own weights"
+    assert posthoc.posthoc_to_file(snaps, mine, sigma_rel=0.1, overwrite=True) == mine
+    assert torch.equal(load_file(str(mine))["a"], posthoc.posthoc_offline(snaps, sigma_rel=0.1)["a"])
 
 
 def test_cli_plot_path_is_checked_before_anything_is_written(tmp_path, one_rank_engine, capsys, monkeypatch):

@@ -209,6 +209,44 @@ def test_decay_callable_values_checked_naming_the_step(value, err, match):
         schedules.as_schedule(my_decay).interval(0, 3)
 
 
+@pytest.mark.parametrize("late", [math.nan, 2.0, -0.5, None, 0.75], ids=str)
+def test_decay_callable_checked_at_every_step_after_the_product_is_negligible(late):
+    """The product stops changing once below 2**-54 (a 0.0 at step 2, or 0.5 ** 55 at step 56), but every later
+    step's value is still asked and checked, before the state moves: a NaN or 2.0 at a skipped step is refused
+    naming it; a valid one (0.75) leaves the product bitwise the per-step one (_loop)."""
+    import functional_ema as fe
+
+    calls: list[int] = []
+
+    def zero_then(step):
+        calls.append(step)
+        return 0.0 if step == 2 else (late if step == 4 else 0.5)
+
+    def halves(step):
+        calls.append(step)
+        return late if step == 58 else 0.5
+
+    err = TypeError if late is None else ValueError
+    for fn, bad in ((zero_then, 4), (halves, 58)):
+        state = fe.update(fe.init_ema({"w": torch.zeros(2)}), {"w": torch.ones(2)}, 1, decay=0.5)
+        if late == 0.75:
+            calls.clear()
+            got = schedules.interval_decay(fn, 0, 60)
+            assert calls == list(range(1, 61)) and got == _loop(fn, 0, 60)  # every step asked once
+            after = fe.update(state, {"w": torch.full((2,), 3.0)}, 60, decay=fn)  # steps 2..60 compounded
+            assert after.emas[0]["w"].tolist() == [3.0, 3.0]  # 0.5 + (1 - ~0) * (3 - 0.5), in float32
+            continue
+        for call in (
+            lambda: schedules.interval_decay(fn, 0, 60),
+            lambda: schedules.as_schedule(fn).interval(0, 60),
+            lambda: fe.update(state, {"w": torch.full((2,), 3.0)}, 60, decay=fn),
+        ):
+            with pytest.raises(err, match=rf"the decay callable '.*{fn.__name__}' gave .* at step {bad}"):
+                call()
+        assert state.emas[0]["w"].tolist() == [0.5, 0.5] and int(state.step) == 1  # nothing moved
+    assert schedules.interval_decay(halves, 0, 57) == 0.5**55  # multiplied up to 2**-55, then stopped
+
+
 def test_schedule_interval_values_checked_naming_the_steps():
     class Odd:
         def __init__(self, value):

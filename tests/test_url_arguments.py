@@ -581,7 +581,7 @@ def test_posthoc_snapshots_in_a_bucket(tmp_path: Path, s3: Any, no_fsspec_config
 
 
 def test_a_file_url_is_the_local_folder_it_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``file:///abs/dir`` is the folder ``/abs/dir`` for every verb taking a location or a path (it was the relative
+    """``file:///abs/dir`` (or fsspec's ``local:///abs/dir``) is the folder ``/abs/dir`` for every verb taking a location or a path (it was the relative
     folder ``file:/abs/dir`` under the current directory: saved there, and the real folder never read); a file URL
     naming no local path is refused naming the argument."""
     import functional_ema as fe
@@ -602,7 +602,11 @@ def test_a_file_url_is_the_local_folder_it_names(tmp_path: Path, monkeypatch: py
     out = tmp_path / "full.safetensors"
     fe.consolidate_to_file(url, "file://" + str(out), "t")
     assert out.is_file() and check_path("FILE:///x/y", "p") == Path("/x/y")
-    assert not any(p.name.lower().startswith("file:") for p in tmp_path.iterdir())
+    # fsspec's other name for file:// (its local filesystem makes no parent folders: the save failed there)
+    assert fe.save(state, m, "local://" + str(folder), "w") == folder / "w"
+    assert check_path("LOCAL:///x/y", "p") == Path("/x/y")
+    assert torch.equal(fe.load(m, "local://" + str(folder), "w").emas[0]["weight"], state.emas[0]["weight"])
+    assert not any(p.name.lower().startswith(("file:", "local:")) for p in tmp_path.iterdir())
     for bad in ("file://host/x", "file://rel/x", "file:///x?q=1"):
         with pytest.raises(ValueError) as e:
             fe.save(state, m, bad, "t")

@@ -1041,7 +1041,9 @@ def describe_buffers(buffers: object, state: EmaState) -> dict | None:
     if int(buffers.step) != int(state.step):
         raise CheckpointMismatchError(
             f"save(buffers=...): the buffer state is at step {int(buffers.step)} but the EMA state at step {int(state.step)}; "
-            "update both at the same steps (update_buffers with the step given to update) so a resume reads one step"
+            "update both at the same steps so a resume reads one step: pass update_buffers the EMA state's step after "
+            'update, int(state.step) (update(..., nonfinite="skip") keeps it at the last step it averaged, and the '
+            "buffers then skip that step too)"
         )
     if buffers.num_emas != state.num_emas:
         raise CheckpointMismatchError(

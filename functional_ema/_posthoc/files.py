@@ -28,7 +28,7 @@ from .._args import (
     check_storage_options,
     check_str,
 )
-from .._checkpoint.errors import CheckpointNotFoundError
+from .._checkpoint.errors import CheckpointNotFoundError, OutputPathError
 from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
 from .._checkpoint.reader import Location, StoragePath, open_checkpoint, open_joined
 from .._core import check_ema_dtype
@@ -356,11 +356,13 @@ def _check_distinct(root: Location, infos: list[SnapshotInfo], prints: dict[str,
 
 def _data_print(m: dict[str, Any]) -> Any:
     """What a snapshot's manifest says of its data: everything but its name, save count, note and extra, and its
-    files' sizes and header checksums (the header names the tag); ``None`` for a manifest without files."""
+    files' names, sizes and header checksums (the header names the tag; a re-save of a step names its files with
+    a generation suffix, ``...gen1.safetensors``); the chunk checksums, shapes, dtype, step and schedules stay.
+    ``None`` for a manifest without files."""
 
     def strip(x: Any) -> Any:
         if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in ("bytes", "header_checksum")}
+            return {k: strip(v) for k, v in x.items() if k not in ("file", "bytes", "header_checksum")}
         return [strip(v) for v in x] if isinstance(x, list) else x
 
     if not m.get("files") and not m.get("parts"):
@@ -620,7 +622,7 @@ def posthoc_to_file(
     verify: bool = True,
     prefix: str = SNAPSHOT_PREFIX,
     buffer_bytes: int = 1 << 30,
-    overwrite: bool = True,
+    overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> Path:
     """Stream the post-hoc EMA (as :func:`posthoc_offline`) into one safetensors file, atomically.
@@ -630,8 +632,10 @@ def posthoc_to_file(
     combined (those at or before ``step``). Memory: the accumulators of one group (``buffer_bytes``)
     plus one parameter.
 
-    ``out_path`` inside the snapshot directory's folders is refused (``checkpoint.OutputPathError``),
-    and so is an existing file unless ``overwrite``. ``snapshot_dir`` may be an fsspec URL, with
+    ``out_path`` inside the snapshot directory's folders is refused (``checkpoint.OutputPathError``), and so
+    are an ``out_path`` whose folder does not exist and an existing file unless ``overwrite=True`` (replaced
+    atomically; the default refuses, as the command line without ``--overwrite``), these two before any
+    snapshot is read. ``snapshot_dir`` may be an fsspec URL, with
     ``storage_options`` (see :func:`posthoc_offline`); ``out_path`` is a local file (a URL is refused).
 
     Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
@@ -639,9 +643,24 @@ def posthoc_to_file(
     reading = _check_reading(verify, dtype, buffer_bytes, sigma_rel, gamma, step, max_profile_error, prefix)
     out_path = check_path(out_path, "out_path")
     overwrite = check_bool(overwrite, "overwrite")
+    check_out_folder(out_path, "out_path")
     root = _snapshot_root(snapshot_dir, storage_options, "posthoc_to_file")
+    # Refused before any snapshot is read (_to_file checks again against the tag folders it reads): an output inside
+    # the snapshot folders first (a snapshot's rank file is never a file to replace, whatever overwrite says), then a
+    # directory or an existing file unless overwrite.
+    check_output(out_path, root if isinstance(root, Path) else str(root), [], overwrite)
     with _url_access(root, "posthoc_to_file"):
         return _to_file(root, out_path, reading, overwrite)
+
+
+def check_out_folder(out: Path, what: str) -> None:
+    """Refuse (``OutputPathError``, naming ``what``) an output file whose folder does not exist, before any snapshot
+    is read: the write would otherwise fail last, naming its temporary file."""
+    if not out.parent.is_dir():  # Path("o.safetensors").parent is Path("."): always there
+        raise OutputPathError(
+            f"{what}: the folder {out.parent} of {out} does not exist (or is not a folder): create it first, or "
+            "choose another path"
+        )
 
 
 def _to_file(root: Location, out_path: Path, reading: _Reading, overwrite: bool) -> Path:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import warnings
@@ -55,6 +56,7 @@ import functional_ema as fe
 from functional_ema import buffers as fb
 from functional_ema._api import state_pieces
 from functional_ema._args import check_bool, check_int, check_location, check_optional_int, check_path, check_str
+from functional_ema._buffers import exact_dtype, split_floating
 from functional_ema._checkpoint.bucket import next_generation, store_error, url_storage
 from functional_ema._checkpoint.collective import agree, agree_on, arrive, io_error, job_of, timeout_s
 from functional_ema._checkpoint.format import (
@@ -231,7 +233,8 @@ class EMAController:
         eval_index: which EMA the evaluation swaps in (``None``: evaluate with the live weights).
         posthoc_dir: write post-hoc snapshots (:func:`functional_ema.posthoc.save_snapshot`) into
             this folder every ``posthoc_every`` steps; the decays must be power schedules.
-        posthoc_every: snapshot interval in optimizer steps.
+        posthoc_every: snapshot interval in optimizer steps; a multiple of ``every_n_steps`` (a snapshot is
+            the EMA at its step, which moves only at the multiples of ``every_n_steps``).
         export_path: at the end of training, write the consolidated EMA ``eval_index`` (parameters,
             tied aliases and buffers) to this safetensors file (rank 0 writes it).
         copy_to_model: at the end of training, copy EMA ``eval_index`` into the model's weights.
@@ -288,6 +291,15 @@ class EMAController:
         self.posthoc_every = check_optional_int(posthoc_every, "posthoc_every", minimum=1)
         if (posthoc_path is None) != (self.posthoc_every is None):
             raise ValueError("posthoc_dir and posthoc_every go together: give both or neither")
+        if self.posthoc_every is not None and self.posthoc_every % self.every_n_steps:
+            # A snapshot is the EMA at its step, and the EMA moves only at multiples of every_n_steps: on_step would
+            # skip the other snapshot steps silently (refused, not moved: extra updates would change the EMA).
+            both = math.lcm(self.every_n_steps, self.posthoc_every)
+            raise ValueError(
+                f"posthoc_every={self.posthoc_every} is not a multiple of every_n_steps={self.every_n_steps}: a "
+                "snapshot is taken where the EMA moves, so only the common multiples would be written. Give a "
+                f"posthoc_every that is a multiple of every_n_steps (e.g. {both})"
+            )
         if self.posthoc_every is not None:
             # Post-hoc synthesis needs power EMAs; refuse anything else now, not at the first snapshot
             # (a bare float would be read as a sigma_rel by posthoc.snapshot_gammas).
@@ -343,6 +355,16 @@ class EMAController:
                 "set state and buffer_state together (both None: the EMA restarts)"
             )
         return self.buffer_state
+
+    def _init_buffers(self, x: Any, step: int) -> fb.BufferState:
+        """The buffer EMAs started from ``x``'s buffers at ``step``: float32 (as :func:`fb.init_buffers`), or with
+        ``buffers="copy"`` a dtype that holds every floating buffer exactly (float64 when one is), so that the copies
+        are the live values bitwise from the first step on."""
+        floats = split_floating(fb.module_buffers(x))[0]
+        dtype = torch.float32
+        if self.buffers == "copy":
+            dtype = exact_dtype([dtype, *(b.dtype for b in floats.values())])
+        return fb.init_buffers(x, num_emas=self.num_emas, step=step, dtype=dtype)
 
     def _grown(self, shards: Any, late_model: Any = None) -> fe.EmaState | None:
         """The state with the parameters added that were frozen when it began (or was resumed) and are trained
@@ -421,7 +443,7 @@ class EMAController:
             self.state = fe.init_ema(shards, num_emas=self.num_emas, dtype=self.dtype, step=step)
             self._frozen, self._frozen_of = _frozen_params(x, self.state), weakref.ref(shards)
             if self.buffers:
-                self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=step)
+                self.buffer_state = self._init_buffers(x, step)
             moved = True
         elif step % self.every_n_steps or step == int(self.state.step):
             return False
@@ -693,7 +715,7 @@ class EMAController:
         elif loaded.buffers is not None:
             self.buffer_state = loaded.buffers
         else:  # saved without buffers: start them from the live ones at the EMA's step (as a new run would)
-            self.buffer_state = fb.init_buffers(x, num_emas=self.num_emas, step=int(loaded.state.step))
+            self.buffer_state = self._init_buffers(x, int(loaded.state.step))
         return saved_step
 
     def _unfrozen_hint(self, x: Any, saved: set[str], saved_selection: dict[str, Any] | None) -> str:
