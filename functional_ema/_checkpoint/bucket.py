@@ -65,7 +65,15 @@ from .collective import (
     gather_to_first,
 )
 from .errors import CheckpointError, CheckpointIOError, CheckpointTimeoutError
-from .format import BUFFER_FILE, LATEST_NAME, MANIFEST_NAME, RANK_FILE, check_tag, manifest_parts, parse_dtype
+from .format import (
+    BUFFER_FILE,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    RANK_FILE,
+    check_tag,
+    listed_files,
+    parse_dtype,
+)
 from .writer import (
     agree_plans,
     buffer_file_meta,
@@ -372,7 +380,7 @@ def commit_bucket(prep: BucketSave, record: dict[str, Any], what: str, timeout: 
             abandon_bucket(prep)
         raise
     if published:  # rank 0, the save committed and agreed: however long the removals take, no rank waits for them
-        _cleanup(prep, _listed(published[0]))
+        _cleanup(prep, listed_files(published[0]))
 
 
 def _publish(prep: BucketSave, written: list[dict[str, Any]] | None, published: list[dict[str, Any]]) -> None:
@@ -418,10 +426,6 @@ def _publishing(rank: int, published: bool) -> str:
     )
 
 
-def _listed(manifest: dict[str, Any]) -> set[str]:
-    return {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])}
-
-
 def _check_still_newest(prep: BucketSave, manifest: dict[str, Any]) -> None:
     """Before publishing (rank 0): no later save of the tag committed meanwhile, and every file the manifest
     lists is in the store. Object stores have no lock: another save of the tag (a blocking ``save`` while an
@@ -448,7 +452,7 @@ def _check_still_newest(prep: BucketSave, manifest: dict[str, Any]) -> None:
             "and the tag keeps the later one. One save of a tag at a time: wait for an AsyncSaver's save of it "
             "(AsyncSaver.wait()) before saving the tag again"
         )
-    missing = sorted(_listed(manifest) - set(store.listdir(tag)))
+    missing = sorted(listed_files(manifest) - set(store.listdir(tag)))
     if missing:
         raise CheckpointError(
             f"{prep.verb}: {len(missing)} file(s) of this save are gone from {prep.tag_dir} before its commit "

@@ -450,6 +450,11 @@ def manifest_parts(m: dict) -> list[dict]:
     ]
 
 
+def listed_files(manifest: dict) -> set[str]:
+    """Every file a validated manifest lists (rank and buffers files, every part's): what a cleanup keeps."""
+    return {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])}
+
+
 def _selection_ok(v: Any) -> bool:
     """A manifest's ``selection`` record (functional_ema._selection.Selection.record) is well-formed."""
     parts = (v.get("include"), v.get("exclude")) if isinstance(v, dict) else ((),)

@@ -42,7 +42,14 @@ from ..schedules import DecayLike
 from . import collective, writer
 from .collective import agree, all_reduce_max, exchange, io_error
 from .errors import CheckpointError, CheckpointMismatchError
-from .format import LATEST_NAME, MANIFEST_NAME, PENDING_MANIFEST_NAME, check_tag, manifest_parts, parse_dtype
+from .format import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    PENDING_MANIFEST_NAME,
+    check_tag,
+    listed_files,
+    parse_dtype,
+)
 from .writer import (
     TagLock,
     agree_plans,
@@ -248,7 +255,7 @@ def commit_private(prep: PrivateSave, record: dict[str, Any], timeout: float, wh
         collective.commit_step(ref, "publishing the manifests", publish, prep.job, left)
         if published:  # every folder holds this save: its older generations go, however long that takes
             with contextlib.suppress(OSError):  # best effort (the save is committed); the next commit retries
-                writer._cleanup(prep.tag_dir, _listed(manifest[0]))
+                writer._cleanup(prep.tag_dir, listed_files(manifest[0]))
     finally:
         for held in prep.lock:
             held.release()
@@ -294,7 +301,7 @@ def _stage_manifest(prep: PrivateSave, records: list[dict[str, Any]]) -> dict[st
 def _publish_manifest(prep: PrivateSave, manifest: dict[str, Any], published: list[bool]) -> None:
     """Second phase: this folder's committer renames its pending manifest into place (then notes it in
     ``published``: the folder holds this save), then writes ``ema_latest``. Not its older generations' removal
-    (``writer.publish_pending`` does it): that waits for every folder (:func:`commit_private`)."""
+    (done once every folder is published: :func:`commit_private`)."""
     rank = prep.job[2]
     if prep.sharers[0] == rank:
         path = prep.tag_dir / MANIFEST_NAME
@@ -306,11 +313,6 @@ def _publish_manifest(prep: PrivateSave, manifest: dict[str, Any], published: li
             _io.atomic_write_bytes(path, (manifest["tag"] + "\n").encode())
         except OSError as e:
             raise io_error(e, rank, path) from None
-
-
-def _listed(manifest: dict[str, Any]) -> set[str]:
-    """The files ``manifest`` lists: what the removal of older generations keeps."""
-    return {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])}
 
 
 def abandon_private(prep: PrivateSave) -> None:

@@ -49,7 +49,7 @@ from .format import (
     is_own_tmp,
     join_chunk_checksums,
     library_version,
-    manifest_parts,
+    listed_files,
     rank_file_name,
     tensor_key,
 )
@@ -463,21 +463,13 @@ def commit_manifest(save_dir: Path, tag_dir: Path, manifest: dict, pending: bool
     """Rank 0, once every file of the save is durable: write the manifest (which completes the checkpoint),
     then ``ema_latest`` and remove what older generations and crashed saves left. ``pending``: the first
     phase of a private save's commit (``private.py``): the manifest goes to :data:`PENDING_MANIFEST_NAME`
-    only, where no reader looks, until :func:`publish_pending` once every folder holds its own."""
+    only, where no reader looks, until ``private._publish_manifest`` renames it once every folder holds its own."""
     _io.fsync_dir(save_dir)  # the tag folder's own entry
     data = json.dumps(manifest, indent=1).encode()
     if pending:
         _io.atomic_write_bytes(tag_dir / PENDING_MANIFEST_NAME, data)
         return
     _io.atomic_write_bytes(tag_dir / MANIFEST_NAME, data)
-    _finish_commit(save_dir, tag_dir, manifest)
-
-
-def publish_pending(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
-    """The second phase of a private save's commit: the pending manifest (the bytes of ``manifest``) becomes
-    the tag's manifest by one rename, then as :func:`commit_manifest`."""
-    os.replace(tag_dir / PENDING_MANIFEST_NAME, tag_dir / MANIFEST_NAME)
-    _io.fsync_dir(tag_dir)
     _finish_commit(save_dir, tag_dir, manifest)
 
 
@@ -491,7 +483,7 @@ def _finish_commit(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
     # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
     # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
     _io.atomic_write_bytes(save_dir / LATEST_NAME, (manifest["tag"] + "\n").encode())
-    _cleanup(tag_dir, {e["file"] for p in manifest_parts(manifest) for e in p["files"] + (p.get("buffer_files") or [])})
+    _cleanup(tag_dir, listed_files(manifest))
 
 
 def remove_unlisted(tag_dir: Path, fnames: Sequence[str]) -> None:
