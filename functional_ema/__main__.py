@@ -16,7 +16,8 @@ Commands:
         Write the EMA as a Hugging Face model folder (sharded safetensors + index, config and tokenizer
         files copied from --like) that from_pretrained loads; or, when --like is a PEFT adapter folder,
         as a PEFT adapter folder. SOURCE: a checkpoint, or a consolidated .safetensors file this library
-        wrote, or either at an fsspec URL (s3://..., with --storage-options). The export checks itself (docs/shipping.md) and refuses rather than ship anything but the EMA;
+        wrote, or either at an fsspec URL (s3://..., with --storage-options); for a file, --tag and --index are
+        omitted or the file's own. The export checks itself (docs/shipping.md) and refuses rather than ship anything but the EMA;
         --overwrite replaces only a previous export or an empty folder.
     posthoc SNAPSHOT_DIR OUT.safetensors (--sigma-rel S | --gamma G) [--step N] [--plot PNG] [--storage-options JSON]
         Synthesise the post-hoc EMA of any length from power-EMA snapshots (functional_ema.posthoc).
@@ -32,13 +33,16 @@ Adding a command: write ``_add_<name>(subparsers)`` that registers a parser with
 ``set_defaults(run=<function taking the parsed args, returning an exit code>)`` and append it to
 ``_COMMANDS``.
 
-Exit codes: 0 success, 1 checkpoint or reconstruction error (message on stderr), 2 usage error.
+Exit codes: 0 success, 1 checkpoint or reconstruction error (message on stderr), 2 usage error, 130 interrupted
+(Ctrl-C: one line, the output being written not in place).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -55,7 +59,12 @@ def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str)
     """The arguments every command shares: where to read, the .safetensors file to write."""
     p.add_argument(source, help=source_help)
     p.add_argument("out", help="output .safetensors file (written atomically; never inside the checkpoint being read)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (atomically); refused otherwise")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if it exists (atomically); refused otherwise, also for a file that appears at OUT while this "
+        "runs (kept, and nothing written)",
+    )
     p.add_argument(
         "--no-verify",
         action="store_true",
@@ -154,7 +163,8 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 
     from safetensors import safe_open
 
-    from ._args import refuse_url
+    from ._args import check_path, refuse_url
+    from ._checkpoint.format import check_out_folder
     from .checkpoint import consolidate_to_file, saved_parts
 
     t0 = time.perf_counter()
@@ -164,12 +174,13 @@ def _run_consolidate(args: argparse.Namespace) -> int:
             refuse_url(args.checkpoint_dir, "CHECKPOINT_DIR", "--dcp reads a local folder")
         _refuse_local_options(args, args.checkpoint_dir, "CHECKPOINT_DIR")
         _refuse_mistyped_url(args.checkpoint_dir, "CHECKPOINT_DIR")
-        _refuse_mistyped_url(args.out, "OUT")
+        out = check_path(args.out, "OUT")  # a file:///abs/o.safetensors URL is the file it names
+        check_out_folder(out, "OUT")  # else found last, after the checkpoint was read, naming a temporary file
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dcp:
-        return _run_consolidate_dcp(args, t0)
+        return _run_consolidate_dcp(args, out, t0)
     if args.key is not None:
         print("error: --key applies only with --dcp", file=sys.stderr)
         return 2
@@ -179,18 +190,18 @@ def _run_consolidate(args: argparse.Namespace) -> int:
             return 2
     tp_dims = _tp_dims(args.tp_dim) if args.tp_dim else None
     ranks: list[int | None] = [args.tp_rank]
-    outs = [Path(args.out)]
+    outs = [out]
     saved = saved_parts(args.checkpoint_dir, args.tag, storage_options=args.storage_options)
     if tp_dims is None and args.tp_rank is None and saved.tp_size > 1 and not saved.tp_split_known:
         # how the tensor-parallel slices join is unknown: one file per tensor-parallel rank
         ranks = list(range(saved.tp_size))
-        outs = [_per_rank_name(Path(args.out), t, saved.tp_size) for t in range(saved.tp_size)]
+        outs = [_per_rank_name(out, t, saved.tp_size) for t in range(saved.tp_size)]
         print(
             f"tag saved with tensor-parallel size {saved.tp_size} and no recorded split: writing one file per "
             "tensor-parallel rank (join them with --tp-dim NAME=DIM ...)"
         )
     for rank, path in zip(ranks, outs):
-        out = consolidate_to_file(
+        written = consolidate_to_file(
             args.checkpoint_dir,
             path,
             args.tag,
@@ -202,21 +213,22 @@ def _run_consolidate(args: argparse.Namespace) -> int:
             tp_rank=rank,
             storage_options=args.storage_options,
         )
-        with safe_open(str(out), framework="pt") as f:
+        with safe_open(str(written), framework="pt") as f:
             meta, n = f.metadata() or {}, len(list(f.keys()))
-        size = out.stat().st_size
+        size = written.stat().st_size
         print(
-            f"wrote {out}: {n} tensors, {size / 2**20:.1f} MiB, EMA {meta.get('ema_index')} of tag {meta.get('tag')!r} "
+            f"wrote {written}: {n} tensors, {size / 2**20:.1f} MiB, EMA {meta.get('ema_index')} of tag {meta.get('tag')!r} "
             f"(step {meta.get('step')}){'' if rank is None else f', tensor-parallel rank {rank}'} in "
             f"{time.perf_counter() - t0:.2f} s"
         )
     return 0
 
 
-def _run_consolidate_dcp(args: argparse.Namespace, t0: float) -> int:
+def _run_consolidate_dcp(args: argparse.Namespace, out: Path, t0: float) -> int:
     import os
     import time
 
+    from ._args import check_path
     from ._io import write_tensors
     from .checkpoint import OutputPathError
     from .dcp import _consolidate
@@ -236,7 +248,11 @@ def _run_consolidate_dcp(args: argparse.Namespace, t0: float) -> int:
     if args.index < 0:
         print(f"error: --index is an EMA index (>= 0), got {args.index}", file=sys.stderr)
         return 2
-    out, src = Path(args.out), Path(args.checkpoint_dir)
+    try:
+        src = check_path(args.checkpoint_dir, "CHECKPOINT_DIR")  # a file:///abs/dcp URL is the folder it names
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     real_out, real_src = os.path.realpath(out), os.path.realpath(src)
     if real_out == real_src or real_out.startswith(real_src + os.sep):
         raise OutputPathError(f"{out} is inside the DCP checkpoint {src} being read: write it elsewhere")
@@ -247,7 +263,7 @@ def _run_consolidate_dcp(args: argparse.Namespace, t0: float) -> int:
     key = "ema" if args.key is None else args.key
     full, step = _consolidate(src, key, args.index, not args.no_verify)
     meta = {"format": "functional_ema.export", "source": "dcp", "ema_index": str(args.index), "step": str(step)}
-    write_tensors(out, full, meta)
+    write_tensors(out, full, meta, replace=args.overwrite)  # without it, a file that appeared at OUT meanwhile is kept
     print(
         f"wrote {out}: {len(full)} tensors, {out.stat().st_size / 2**20:.1f} MiB, EMA {args.index} of DCP key "
         f"{key!r} (step {step}){'' if not args.no_verify else ', checksums not verified (--no-verify)'} in "
@@ -313,16 +329,14 @@ def _add_posthoc(subparsers: _Subparsers) -> None:
 def _run_posthoc(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
-    from ._checkpoint.format import check_output
-    from .posthoc import list_snapshots, plot_profile, posthoc_to_file
+    from ._posthoc.plot import draw_profile
+    from .posthoc import list_snapshots, posthoc_to_file
 
     try:  # every option checked before any snapshot is read: a usage error is one line and exit 2
         plot = _posthoc_usage(args)
     except (ValueError, TypeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if plot is not None:  # the output rules of OUT (inside the snapshots, an existing file): refused before any write
-        check_output(plot, args.snapshot_dir, [], args.overwrite)
     out = posthoc_to_file(
         args.snapshot_dir,
         args.out,
@@ -345,7 +359,8 @@ def _run_posthoc(args: argparse.Namespace) -> int:
         infos = list_snapshots(args.snapshot_dir, prefix=args.prefix, storage_options=args.storage_options)
         gammas = [g for i in infos for g in i.gammas]
         steps = [i.step for i in infos for _ in i.gammas]
-        plot_profile(gammas, steps, plot, gamma=float(meta["gamma"]), step=int(meta["step"]))
+        # without --overwrite, a file that appears at --plot meanwhile is kept
+        draw_profile(gammas, steps, plot, gamma=float(meta["gamma"]), step=int(meta["step"]), replace=args.overwrite)
         print(f"wrote {plot}")
     return 0
 
@@ -365,9 +380,11 @@ def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     """``posthoc``'s options checked (``ValueError``/``TypeError`` naming the option; ``ImportError`` for ``--plot``
     without matplotlib); returns the file ``--plot`` will write (a name without extension gets ``.png``), or None."""
     from ._args import check_int, check_path, check_real, refuse_url
-    from ._posthoc.files import check_out_folder
+    from ._checkpoint.errors import OutputPathError
+    from ._checkpoint.format import check_out_folder, check_output
     from ._posthoc.plot import plot_file
     from ._posthoc.profiles import target_gamma
+    from ._storage import is_url
 
     # before any Path() of them: Path("s3://b/x") is the local folder s3:/b/x
     refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
@@ -393,6 +410,12 @@ def _posthoc_usage(args: argparse.Namespace) -> Path | None:
         raise ValueError(f"--plot: the folder {parent} of {plot} does not exist")
     if plot.resolve() == out.resolve():
         raise ValueError(f"--plot {plot} is OUT: the picture and the weights need two files")
+    # OUT's rules (never inside the snapshots, an existing file only with --overwrite): a usage error too
+    snapshots = args.snapshot_dir if is_url(args.snapshot_dir) else check_path(args.snapshot_dir, "SNAPSHOT_DIR")
+    try:
+        check_output(plot, snapshots, [], args.overwrite, "--plot")
+    except OutputPathError as e:  # the message names --plot already
+        raise ValueError(str(e)) from None
     return plot
 
 
@@ -415,8 +438,19 @@ def _add_export(subparsers: _Subparsers) -> None:
         help="folder to create (built under a temporary name, renamed when complete); never the current folder or above",
     )
     p.add_argument("--like", required=True, help="the model's save_pretrained folder, or a PEFT adapter folder")
-    p.add_argument("--tag", default=None, help="tag folder to read (default: the one named in 'latest')")
-    p.add_argument("--index", type=int, default=0, help="which EMA, when several were tracked (default 0)")
+    p.add_argument(
+        "--tag",
+        default=None,
+        help="tag folder to read (default: the one named in 'latest'); for a .safetensors SOURCE, omit it or give "
+        "the file's own tag (refused otherwise)",
+    )
+    p.add_argument(
+        "--index",
+        type=int,
+        default=None,
+        help="which EMA, when several were tracked (default 0); for a .safetensors SOURCE (one EMA), omit it or give "
+        "the file's own ema_index (refused otherwise)",
+    )
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 for floating tensors (default: as saved)")
     p.add_argument("--max-shard-size", default="5GB", help="most bytes per shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument(
@@ -500,6 +534,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return int(args.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: the writers have removed their temporary files; no traceback
+        print(
+            f"error: {args.command} interrupted: the output it was writing is not in place (its temporary file was "
+            "removed)",
+            file=sys.stderr,
+        )
+        return 130
     except (CheckpointError, ReconstructionError, OSError) as e:  # OSError: e.g. a full disk while writing OUT
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -522,5 +563,20 @@ def _storage_client_error(e: Exception) -> bool:
     return boto is not None and isinstance(e, boto.BotoCoreError)
 
 
+def _exit(code: int) -> None:
+    """Exit with ``code``; after Ctrl-C (130) by SIGINT itself, so that a shell loop around the command stops too
+    (bash goes on when a child exits 130 normally: it takes that as the child having handled the signal)."""
+    if code == 130 and hasattr(signal, "SIGINT"):
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(code)
+
+
+def cli() -> None:
+    """The ``functional-ema`` console script: :func:`main`, exiting as :func:`_exit` does."""
+    _exit(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

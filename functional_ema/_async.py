@@ -13,7 +13,8 @@
   shared filesystem: every writing rank other than 0 drops a small marker file with its file's
   record (``ema_async.<id>.rank<r>.done``); rank 0 polls for them, claims the outcome (links
   ``ema_async.<id>.rank00000.done`` into place, which fails if it exists), writes ``ema_manifest.json``
-  (which completes the checkpoint, as before) and removes the markers; the other ranks poll until the
+  (which completes the checkpoint, as before) and removes its markers (and those of earlier saves that failed on
+  every rank, not another save's still in flight); the other ranks poll until the
   manifest carrying this save's id appears. A failure on any rank leaves an
   ``ema_async.<id>.rank<r>.error`` marker, so every rank's handle fails with it instead of waiting. A
   rank whose failure rank 0 may not wait for (one that writes no file, as a replicated model's ranks
@@ -26,10 +27,11 @@ be issued in the same order on every rank, and the training thread issues its ow
 ZeRO); a second thread issuing collectives concurrently could interleave differently on different
 ranks and deadlock or corrupt both. Files on the (already required) shared directory need no
 ordering. The cost: a rank that dies silently is noticed by the others only after
-``commit_timeout`` seconds.
+``commit_timeout`` seconds (counted from the last change of the save's files: a write still going on is waited for).
 
 Crash safety is the blocking save's: rank files are written under new names when the tag already
-holds a complete EMA, and only the manifest (written last, atomically) makes a checkpoint
+holds a complete EMA (and under a generation no earlier save took, where other ranks than 0 write files: rank 0
+records it, so a failed save's rank still writing never meets the next save's files), and only the manifest (written last, atomically) makes a checkpoint
 complete, so a process killed at any point of the background write leaves the previous checkpoint
 loadable. Markers are never read by :func:`~functional_ema.checkpoint.load`.
 """
@@ -174,7 +176,10 @@ class AsyncSaver:
             it first waits for the oldest one (the training loop stalls until it is written).
             Each save in flight holds one host copy of this rank's EMA.
         commit_timeout: seconds a rank waits for the other ranks' files (or for rank 0's manifest)
-            before failing the save; bounds the wait when another rank died silently. For a ``shared=False``
+            before failing the save; bounds the wait when another rank died silently. Counted from the last
+            change seen in the save's files (looked at every quarter of it): a write still going on, such as a
+            replicated model's rank 0 writing alone while the other ranks wait, is not given up on, and a rank
+            that stops writing is noticed within 1.25 ``commit_timeout`` of its last write. For a ``shared=False``
             or URL save: how long the commit waits for this rank's write, and at most for the other ranks to
             come to the commit (with the save's ``timeout``, whichever is smaller).
         pin_memory: snapshot GPU-resident EMAs into pinned host memory (the default, faster
@@ -313,9 +318,7 @@ class AsyncSaver:
         handle = SaveHandle(tag_dir, first["step"])
         emas, buffer, ready = snapshot[0] if snapshot else (None, None, None)
         handle._buffer = buffer
-        # Ranks whose record rank 0 waits for: all of them, except where only rank 0 writes (a whole,
-        # replicated model without buffers). HSDP replicas other than 0 report a record without files.
-        all_write = layout.stage != 0 or buffers is not None or not layout.part.whole or layout.replicas > 1
+        all_write = _all_write(layout, buffers)
         job = _Job(
             save_dir=tag_dir.parent,
             tag_dir=tag_dir,
@@ -333,6 +336,7 @@ class AsyncSaver:
             dtype=fmt.parse_dtype(first["dtype"], "save"),
             timeout=self.commit_timeout,
             after=self._last_shared(),
+            world=world,
         )
         self._writer_threads().submit(_run, job, handle)
         self._handles.append(handle)
@@ -354,7 +358,7 @@ class AsyncSaver:
             p = dict(writer.plan_save(state, decay, layout, tag_dir.name, buffers, extra), shared=True)
             if rank == 0:  # the committing rank holds the tag until its background commit is done
                 lock.append(writer.TagLock.acquire(tag_dir, collective.timeout_s(timeout), "AsyncSaver.save"))
-                p["generation"] = writer.read_generation(tag_dir)
+                p["generation"] = _take_generation(lock[-1], layout, buffers, world)
             if writes:
                 snapshot.append(self._snapshot(state, fmt.parse_dtype(p["dtype"], "save")))
             if writes_buffers and buffers is not None:  # small whole tensors: copied as they are
@@ -364,6 +368,7 @@ class AsyncSaver:
 
         def give_up() -> None:
             for held in lock:
+                held.untake_generation()  # refused at the call: nothing written
                 held.release(remove_empty=True)
 
         def see_folder() -> None:  # made once the ranks agree on the tag: a disagreement leaves no folder
@@ -562,6 +567,22 @@ class AsyncSaver:
         return emas, buffer, ready
 
 
+def _take_generation(lock: writer.TagLock, layout: ShardLayout, buffers: BufferState | None, world: int) -> int:
+    """Rank 0, holding the tag's lock: the generation of its save, recorded as taken where other ranks write files
+    (:meth:`~functional_ema._checkpoint.writer.TagLock.take_generation`). Rank 0 holds the lock until its own write
+    and commit end, but not another rank's: one whose save failed may still write when the next save takes the tag,
+    which must then write other names. Where rank 0 alone writes, nothing is recorded (nothing left after a failure)."""
+    if world > 1 and _all_write(layout, buffers):
+        return lock.take_generation()
+    return writer.read_generation(lock.tag_dir)
+
+
+def _all_write(layout: ShardLayout, buffers: BufferState | None) -> bool:
+    """Whether rank 0 waits for every rank's record: yes, except where only rank 0 writes (a whole, replicated model
+    without buffers). HSDP replicas other than 0 report a record without files."""
+    return layout.stage != 0 or buffers is not None or not layout.part.whole or layout.replicas > 1
+
+
 @dataclass(frozen=True)
 class _Job:
     """What the background part of one rank's save needs: plain data, fixed at the call."""
@@ -582,6 +603,7 @@ class _Job:
     dtype: torch.dtype
     timeout: float  # commit_timeout
     after: threading.Event | None = None  # the saver's previous save still in flight: committed before this one
+    world: int | None = None  # the ranks of this save, in its error markers (None: unknown, the markers never stale)
 
 
 #: How far into a manifest its ``save_id`` is written: after the format, library, note and tag
@@ -668,7 +690,7 @@ def _commit_when_all_wrote(job: _Job, record: dict[str, Any], deadline: float) -
                 records[r] = json.loads((job.tag_dir / _marker(job.token, r, "done")).read_text())
         return True if len(records) == len(job.writers) else None
 
-    _poll(collect, deadline, job, f"the files of ranks {others}")
+    _poll(collect, deadline, job, f"the files of ranks {others}", progress=_writes_progress(job))
     if job.after is not None:  # start order (AsyncSaver._last_shared); that save ends within its timeout
         job.after.wait()
         # A rank may have given up meanwhile (its commit_timeout passed): committing would complete a
@@ -686,8 +708,8 @@ def _commit_when_all_wrote(job: _Job, record: dict[str, Any], deadline: float) -
             with contextlib.suppress(OSError):
                 os.unlink(job.tag_dir / _marker(job.token, 0, "done"))  # no claim is left behind
             raise
-    with contextlib.suppress(OSError):  # best effort: the next async commit of the tag removes what is left
-        _remove_markers(job.tag_dir)
+    with contextlib.suppress(OSError):  # best effort: the next commit of the tag removes what is left
+        _remove_markers(job.tag_dir, job.token)
 
 
 def _committed_anyway(job: _Job, error: Exception) -> bool:
@@ -729,7 +751,9 @@ def _write_and_wait(job: _Job, names: list[str]) -> None:
         if not voted:
             voted = True  # from here rank 0 may hold this rank's record (a write that fails may have renamed it)
             _io.atomic_write_bytes(job.tag_dir / _marker(job.token, job.rank, "done"), json.dumps(record).encode())
-        _poll(committed, deadline, job, "rank 0's manifest")
+        # Not given up while the writers' files still change: a replicated model's rank 0 alone writes the file, and
+        # this rank (writing none) started its clock at once; commit_timeout bounds a stall, not rank 0's write.
+        _poll(committed, deadline, job, "rank 0's manifest", progress=_writes_progress(job))
     except _RemoteError:
         raise  # rank 0 does not commit: it fails with that rank's error too
     except Exception as e:  # decided with rank 0 (below), then raised or not
@@ -875,16 +899,23 @@ def _read_claim(job: _Job, path: Path, committed: Callable[[], bool | None]) -> 
 
 
 def _report_failure(job: _Job, e: BaseException) -> None:
-    """Log this rank's failure and, unless it is another rank's, leave an error marker, so that the other
-    ranks fail now rather than at the timeout (not where the save may yet be committed: the others wait for it)."""
-    if not isinstance(e, (_RemoteError, _Undecided)):
+    """Log this rank's failure and leave an error marker, so that the other ranks fail now rather than at the
+    timeout (not where the save may yet be committed: the others wait for it). Another rank's failure is recorded
+    too, as that rank's (the marker's name says who wrote it): once every rank of the save has its error marker, no
+    rank reads the save's markers again, and a later save of the tag may remove them
+    (``writer._failed_async_markers``)."""
+    if not isinstance(e, _Undecided):
         try:
-            payload = {
-                "rank": job.rank,
-                "type": type(e).__name__,
-                "message": str(e),
-                "checkpoint_error": isinstance(e, CheckpointError),
-            }
+            if isinstance(e, _RemoteError):  # the failing rank's record: the others read the same message from either
+                payload = dict(e.info)
+            else:
+                payload = {
+                    "rank": job.rank,
+                    "type": type(e).__name__,
+                    "message": str(e),
+                    "checkpoint_error": isinstance(e, CheckpointError),
+                }
+            payload["world"] = job.world
             _io.atomic_write_bytes(job.tag_dir / _marker(job.token, job.rank, "error"), json.dumps(payload).encode())
         except Exception as e2:  # noqa: BLE001
             logger.error("functional_ema: could not record the async save failure for the other ranks: %s", e2)
@@ -899,7 +930,9 @@ def _report_failure(job: _Job, e: BaseException) -> None:
 
 
 class _RemoteError(CheckpointError):
-    """Another rank's background write failed (read from its error marker)."""
+    """Another rank's background write failed (read from its error marker): ``info``, that marker's record."""
+
+    info: dict[str, Any]
 
 
 class _Undecided(CheckpointError):
@@ -920,18 +953,36 @@ def _raise_remote_error(job: _Job, names: set[str]) -> None:
 
 def _remote(job: _Job, info: dict[str, Any]) -> _RemoteError:
     """Another rank's failure, from its error marker (or its claimed outcome)."""
-    return _RemoteError(
+    error = _RemoteError(
         f"async save of tag {job.first['tag']!r} failed on rank {info.get('rank')} "
         f"({info.get('type')}): {info.get('message')}"
     )
+    error.info = {k: info.get(k) for k in ("rank", "type", "message", "checkpoint_error")}
+    return error
 
 
-def _poll(check: Callable[[], bool | None], deadline: float, job: _Job, what: str, limit: float | None = None) -> None:
+def _poll(
+    check: Callable[[], bool | None],
+    deadline: float,
+    job: _Job,
+    what: str,
+    limit: float | None = None,
+    progress: Callable[[], bool] | None = None,
+) -> None:
     """Call ``check`` until it returns non-None, backing off to 50 ms; past ``deadline`` (``limit`` s, the message
-    says; ``commit_timeout`` unless given) raise."""
+    says; ``commit_timeout`` unless given) raise. ``progress`` (:func:`_writes_progress`), asked every quarter of
+    the limit: where it saw the save's files change, the deadline is ``limit`` s from then, so the limit bounds a
+    stall (a writer that died or hangs), not a write that takes longer."""
     delay = 0.001
+    span = job.timeout if limit is None else limit
+    look = time.monotonic() + span / 4
     while check() is None:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if progress is not None and now >= min(look, deadline):
+            look = now + span / 4
+            if progress():
+                deadline = max(deadline, now + span)
+        if now > deadline:
             raise CheckpointError(
                 f"async save of tag {job.first['tag']!r} (rank {job.rank}): timed out after "
                 f"{job.timeout if limit is None else limit:g} s waiting for {what} in {job.tag_dir}. Is the directory shared by all "
@@ -941,11 +992,55 @@ def _poll(check: Callable[[], bool | None], deadline: float, job: _Job, what: st
         delay = min(2 * delay, 0.05)
 
 
-def _remove_markers(tag_dir: Path) -> None:
-    """After the commit: remove this save's markers and those of failed earlier saves (best effort)."""
+def _writes_progress(job: _Job) -> Callable[[], bool]:
+    """For :func:`_poll`: whether the files of this save (its generation's rank and buffer files and their
+    temporaries, any rank's) changed since the last call: a write going on (its temporary grows), or one just
+    renamed into place. Another generation's files, and the leftovers of a crashed save (which do not change), are
+    not this save's progress. A failure to list the folder is none. Only temporaries are stat-ed (the writes going
+    on): a finished file's rename shows in the names alone."""
+    generation = job.first["generation"]
+
+    def seen() -> frozenset[tuple[str, int, int]] | None:
+        found = set()
+        try:
+            names = os.listdir(job.tag_dir)
+        except OSError:
+            return None
+        for name in names:
+            final = fmt.tmp_final(name)
+            m = fmt.RANK_FILE.match(final or name) or fmt.BUFFER_FILE.match(final or name)
+            if m is None or fmt.file_identity(m)[3] != generation:
+                continue
+            if final is None:
+                found.add((name, -1, -1))
+                continue
+            with contextlib.suppress(OSError):  # renamed or removed meanwhile: seen at the next look
+                st = os.stat(job.tag_dir / name)
+                found.add((name, st.st_size, st.st_mtime_ns))
+        return frozenset(found)
+
+    last = [seen()]
+
+    def progressed() -> bool:
+        now = seen()
+        if now is None:
+            return False
+        changed, last[0] = now != last[0], now
+        return changed
+
+    return progressed
+
+
+def _remove_markers(tag_dir: Path, token: str) -> None:
+    """After the commit: remove this save's markers and those of earlier saves that failed on every rank
+    (``writer._failed_async_markers``), best effort. Not another save's still in flight: a failed save's late rank
+    still reads its peers' error markers (removed, it would wait out its ``commit_timeout``) and writes its own."""
+    names = os.listdir(tag_dir)
+    mine = f"{_MARK}{token}."
+    stale = set(writer._failed_async_markers(tag_dir, names))
     removed = False
-    for name in os.listdir(tag_dir):
-        if _is_marker(name):
+    for name in names:
+        if (name.startswith(mine) and _is_marker(name)) or name in stale:
             try:
                 os.unlink(tag_dir / name)
                 removed = True

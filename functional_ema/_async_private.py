@@ -183,6 +183,11 @@ def start(
     copied: list[BufferState] = []
 
     def take() -> None:
+        # A folder that other ranks write too (its committer holds the lock until its own write ends, not theirs):
+        # the generation recorded as taken, as a shared-folder save's. A rank whose write does not finish before the
+        # commit gives up goes on writing, and the next save must not take its file's name.
+        for held in getattr(prep, "lock", ()) if len(getattr(prep, "sharers", ())) > 1 else ():
+            held.take_generation(prep.first["generation"])
         if prep.names and prep.names[0].startswith("ema_"):  # this rank writes its folder's copy of the pieces
             snapshot.append(saver._snapshot(state, parse_dtype(prep.mine["dtype"], "save")))
         if buffers is not None and prep.names and prep.names[-1].startswith("buffers_"):
@@ -193,6 +198,8 @@ def start(
     except BaseException:
         if snapshot:
             saver._free.append(snapshot[0][1])
+        for held in getattr(prep, "lock", ()):
+            held.untake_generation()  # refused at the call: nothing written
         ops.abandon(prep)
         raise
     emas, buffer, ready = snapshot[0] if snapshot else ([], None, None)

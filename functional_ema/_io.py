@@ -155,11 +155,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(final: str | os.PathLike) -> Iterator[IO[bytes]]:
+def atomic_open(final: str | os.PathLike, *, replace: bool = True) -> Iterator[IO[bytes]]:
     """Open a temporary file that replaces ``final`` atomically when the block exits cleanly.
 
     On exit the file is flushed, fsynced, ``os.replace``-d over ``final`` and the directory is
     fsynced. On an exception the temporary file is removed and ``final`` is left as it was.
+    ``replace=False`` commits only if ``final`` does not exist at that moment (:func:`_commit_new`): a file that
+    appeared there while the block ran (another process's, a user's) is kept, the temporary file removed, and
+    ``FileExistsError`` names ``final``. Checkpoint saves keep the default: they replace their own files by design.
 
     Example:
         >>> import tempfile, os
@@ -177,7 +180,10 @@ def atomic_open(final: str | os.PathLike) -> Iterator[IO[bytes]]:
         f.flush()
         os.fsync(f.fileno())
         f.close()
-        os.replace(tmp, final)
+        if replace:
+            os.replace(tmp, final)
+        else:
+            _commit_new(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):  # on a full disk close() fails too (flushing its buffer)
             f.close()
@@ -185,6 +191,60 @@ def atomic_open(final: str | os.PathLike) -> Iterator[IO[bytes]]:
             os.unlink(tmp)
         raise
     fsync_dir(final.parent)
+
+
+def _commit_new(tmp: Path, final: Path) -> None:
+    """Move the complete ``tmp`` to ``final`` only if no file is there, atomically: a hard link fails with
+    ``EEXIST`` when ``final`` exists (``os.replace`` would silently drop that file), then ``tmp`` is unlinked.
+    ``FileExistsError`` naming ``final`` when something is there (``tmp`` is removed by the caller)."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        if _same_file(tmp, final):  # NFS: a retransmitted link that had succeeded answers EEXIST (open(2)'s advice)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return
+        raise _appeared(final) from None
+    except OSError:
+        # No hard links here (EPERM on FAT; FUSE, SMB mounts answer various errnos, EACCES too): the exclusive open
+        # below reproduces a genuine error (EACCES, EROFS, ENOSPC) itself.
+        # No hard links here (FAT/exFAT, some FUSE and SMB mounts): reserve the name with O_EXCL, then rename over
+        # the reservation. Two writers of ours never both commit; only a writer that opens ``final`` without
+        # O_EXCL in the microseconds between the two calls can still be replaced (not the whole run, as before).
+        try:
+            fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise _appeared(final) from None
+        try:
+            reserved = os.fstat(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, final)
+        except BaseException:  # Ctrl-C too: our empty reservation is not left behind as a "result"
+            with contextlib.suppress(OSError):
+                now = os.lstat(final)
+                if (now.st_dev, now.st_ino, now.st_size) == (reserved.st_dev, reserved.st_ino, 0):  # still ours
+                    os.unlink(final)
+            raise
+        return
+    with contextlib.suppress(OSError):  # committed: a leftover temporary name is recognisable (is_tmp_name)
+        os.unlink(tmp)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _appeared(final: Path) -> FileExistsError:
+    return FileExistsError(  # one argument: str() is the message alone, as the CLI prints it
+        f"refusing to replace {final}: it appeared while this file was being written (another process or a user "
+        "created it), and is left as it is; nothing was written. Pass --overwrite (overwrite=True) to replace it, or "
+        "choose another name"
+    )
 
 
 def atomic_write_bytes(final: str | os.PathLike, data: bytes) -> None:
@@ -399,6 +459,7 @@ class StreamingWriter:
     ``sink``: another atomic destination instead (a ``Storage.writer(rel)``, e.g. an S3 multipart upload),
     entered here, exited cleanly by :meth:`commit` (which publishes it) or with an error by :meth:`abort`
     (which publishes nothing); ``path`` then only names the file in messages and records.
+    ``replace=False``: :meth:`commit` keeps a file that appeared at ``path`` meanwhile (see :func:`atomic_open`).
 
     Example:
         >>> import tempfile, os, torch
@@ -422,6 +483,7 @@ class StreamingWriter:
         algo: str = CHECKSUM,
         self_checksums: bool = False,
         sink: contextlib.AbstractContextManager[IO[bytes]] | None = None,
+        replace: bool = True,
     ) -> None:
         if sink is not None and self_checksums:  # they are written over the header's placeholder: a seek
             raise ValueError("StreamingWriter: self_checksums need a local file, not a stream (sink=)")
@@ -442,7 +504,7 @@ class StreamingWriter:
             self._self_at = self._header.index(f'"{SELF_CHECKSUMS}":"'.encode()) + len(SELF_CHECKSUMS) + 4
         self._order = list(self.table)
         self._next = 0
-        self._cm = atomic_open(self.path) if sink is None else sink
+        self._cm = atomic_open(self.path, replace=replace) if sink is None else sink
         self._f = self._cm.__enter__()
         self._f.write(self._header)
         self.header_checksum = self._hash(self._header)  # ``algo`` of the 8-byte prefix + JSON header
@@ -509,11 +571,14 @@ class StreamingWriter:
             self.abort()
 
 
-def write_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> int:
+def write_tensors(
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *, replace: bool = True
+) -> int:
     """``tensors`` (whole, in memory) into the safetensors file ``path``, atomically, carrying its own checksums
-    (:data:`SELF_CHECKSUMS`); the size written. Tied aliases are written as separate tensors."""
+    (:data:`SELF_CHECKSUMS`); the size written. Tied aliases are written as separate tensors. ``replace=False``:
+    a file that appeared at ``path`` while writing is kept (``FileExistsError``, see :func:`atomic_open`)."""
     entries = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-    with StreamingWriter(path, entries, metadata, self_checksums=True) as w:
+    with StreamingWriter(path, entries, metadata, self_checksums=True, replace=replace) as w:
         for n, t in tensors.items():
             w.write(n, t.detach().reshape(-1))
         return w.commit()

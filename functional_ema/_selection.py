@@ -280,7 +280,7 @@ def _check_unread(
     if not hits:
         if partial:
             return
-        raise ValueError(_no_match(what, pattern, names, None if unread is None else len(names) + len(unread)))
+        raise ValueError(_no_match(what, pattern, names, None if unread is None else [*names, *unread]))
     aliases = {n: unread[n] for n in hits if unread is not None and unread[n] is not None}
     if len(aliases) == len(hits):
         shown = ", ".join(f"{n!r} of {of!r}" for n, of in list(aliases.items())[:4])
@@ -315,19 +315,37 @@ def _type_name(value: Any) -> str:
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _no_match(what: str, pattern: str, names: Sequence[str], total: int | None = None) -> str:
-    """``total``: the number of the model's parameter names, frozen ones and tied aliases included, where they were
-    searched too (``None``: only the ``names`` read)."""
+def _no_match(what: str, pattern: str, names: Sequence[str], every: Sequence[str] | None = None) -> str:
+    """``every``: the model's parameter names, frozen ones and tied aliases included, where they were searched too
+    (``None``: only the ``names`` read)."""
+    total = None if every is None else len(every)
     regex = any(c in pattern for c in "^$+\\(|")
     hint = " It looks like a regular expression: patterns are shell-style (fnmatch: * ? [seq])." if regex else ""
     if "[" in pattern and not regex:
         hint = " In a shell-style pattern '[...]' is one character of a set: write a literal '[' as '[[]'."
     among = f"{len(names)} parameters read" if total is None else f"{total} parameter names of the model"
     unread = "; frozen parameters are not read" if total is None else ""
+    check = " Check the names with [n for n, _ in model.named_parameters()]"
+    inner = _unwrapped(pattern)
+    # The wrapper's names list the prefix, the names read (the wrapped module's) do not. Only where the rest names a
+    # parameter: a model may have a submodule of its own called "module" (its names then do start so: a typo there)
+    if inner != pattern and any(fnmatch.fnmatchcase(n, inner) for n in every or names):
+        check = (
+            f" The names are the wrapped module's, without DDP's 'module.' or torch.compile's '_orig_mod.' prefix: "
+            f"write {inner!r}; check them with [n for n, _ in model.module.named_parameters()] (DDP) or "
+            "model._orig_mod.named_parameters() (torch.compile)"
+        )
     return (
         f"{what} pattern {pattern!r} matches none of the {among} (e.g. {', '.join(map(repr, names[:4]))}{unread})."
-        f"{hint} Check the names with [n for n, _ in model.named_parameters()]"
+        f"{hint}{check}"
     )
+
+
+def _unwrapped(pattern: str) -> str:
+    """``pattern`` without the leading ``module.`` / ``_orig_mod.`` prefixes DDP and torch.compile add to names."""
+    while pattern.startswith(("module.", "_orig_mod.")):
+        pattern = pattern.split(".", 1)[1]
+    return pattern
 
 
 def _key(part: _Part) -> Any:

@@ -365,6 +365,8 @@ def _agree_save_plan(
         p = dict(plan_save(state, decay, layout, tag, buffers, extra), shared=True)
         if jrank == 0:  # the committing rank holds the tag for the whole save, then picks the generation
             lock.append(TagLock.acquire(save_dir / tag, timeout_s(timeout), what))
+            # Not recorded as taken (TagLock.take_generation): the ranks agree on a failure once every write ended
+            # (but for one outlasting the agreement's timeout); read_generation honours an async save's record
             p["generation"] = read_generation(save_dir / tag)
         return p
 
@@ -1029,7 +1031,8 @@ def consolidate_to_file(
         try:
             # One buffer, the size of the largest parameter, reused for each (faulted in once).
             buffer = _memory.empty(max((math.prod(s) for s in ckpt.shapes.values()), default=0), dtype=ckpt.dtype)
-            with _io.StreamingWriter(out_path, entries, meta, self_checksums=True) as w:  # the file checks itself
+            # the file checks itself; without overwrite, a file that appeared at out_path meanwhile is kept (exclusive commit)
+            with _io.StreamingWriter(out_path, entries, meta, self_checksums=True, replace=overwrite) as w:
                 for name, shape in ckpt.shapes.items():
                     full = buffer[: math.prod(shape)]
                     ckpt.fill(full, index, name, 0, full.numel(), verify)  # checked before it is written

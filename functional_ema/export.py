@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _io, _memory
-from ._args import check_bool, check_location, check_storage_options, check_str, refuse_url
+from ._args import check_bool, check_location, check_path, check_storage_options, check_str, refuse_url
 from ._checkpoint.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -59,7 +59,7 @@ from ._export.loader import loader_view, peft_expected
 from ._export.names import WRAPPER_PREFIXES, peft_name, strip_wrappers
 from ._export.outdir import EXPORT_FORMAT, check_out_dir, commit_dir, new_tmp_dir
 from ._export.plan import Item, Plan, make_plan
-from ._storage import is_url, storage_for
+from ._storage import file_url_path, is_url, storage_for
 
 __all__ = ["EXPORT_RECORD", "WRAPPER_PREFIXES", "hf_name", "parse_dtype", "parse_size", "to_hf"]
 
@@ -139,7 +139,7 @@ class _Source(NamedTuple):
 def _open_source(
     source: str | os.PathLike,
     tag: str | None,
-    index: int,
+    index: int | None,
     verify: bool,
     tp_dims: dict | None,
     options: dict[str, Any],
@@ -148,13 +148,14 @@ def _open_source(
     path = Path(source)
     if url and str(source).endswith(".safetensors"):  # a consolidated file at a URL: ranged reads, in place
         folder, _, name = str(source).rstrip("/").rpartition("/")
-        with _open_file_source(StoragePath(storage_for(folder, **options)) / name, verify) as src:
+        with _open_file_source(StoragePath(storage_for(folder, **options)) / name, verify, tag, index) as src:
             yield src
         return
     if not url and path.is_file():
-        with _open_file_source(path, verify) as src:
+        with _open_file_source(path, verify, tag, index) as src:
             yield src
         return
+    index = 0 if index is None else index
     ckpt: JoinedReader
     where = StoragePath(storage_for(str(source), **options)) if url else path
     with open_joined(where, tag, verify, tp_dims) as ckpt:
@@ -192,9 +193,12 @@ def _open_source(
 
 
 @contextlib.contextmanager
-def _open_file_source(path: Path | StoragePath, verify: bool) -> Iterator[_Source]:
+def _open_file_source(
+    path: Path | StoragePath, verify: bool, tag: str | None = None, index: int | None = None
+) -> Iterator[_Source]:
     """A consolidated file this library wrote (its ``format`` metadata says which), validated, read per tensor
-    (a file at a URL: with ranged reads of the storage, as a checkpoint's)."""
+    (a file at a URL: with ranged reads of the storage, as a checkpoint's). ``tag``/``index``, when given, must be
+    the file's own (:func:`_check_file_choice`)."""
     try:
         opened = _io.SafetensorsFile(path.source() if isinstance(path, StoragePath) else path)
     except FileNotFoundError:
@@ -209,6 +213,7 @@ def _open_file_source(path: Path | StoragePath, verify: bool) -> Iterator[_Sourc
                 f"is {fmt!r}, expected one of {list(SOURCE_FORMATS)}); export a checkpoint folder, or the output of "
                 "consolidate, consolidate --dcp or posthoc"
             )
+        _check_file_choice(path, f.metadata, tag, index)
         shapes = {n: e.shape for n, e in f.tensors.items()}
         dtypes = {n: e.dtype for n, e in f.tensors.items()}
         try:
@@ -223,19 +228,39 @@ def _open_file_source(path: Path | StoragePath, verify: bool) -> Iterator[_Sourc
                 raise CorruptCheckpointError(f"source: {e}") from None
 
         step = f.metadata.get("step", "")
-        index = f.metadata.get("ema_index", "")
+        recorded = f.metadata.get("ema_index", "")
         info: dict[str, Any] = {
             "source": str(path),
             "source_kind": "file",
             "source_format": fmt,
             "step": int(step) if step.isdigit() else None,
-            "ema_index": int(index) if index.isdigit() else None,
+            "ema_index": int(recorded) if recorded.isdigit() else None,
             "source_verified": sums is not None,  # older consolidated files carry no checksums of their own
             "source_metadata": {k: f.metadata[k] for k in sorted(f.metadata)},
         }
         if "selection" in f.metadata:  # consolidate_to_file of an EMA of an include/exclude selection
             info["selection"] = _file_selection(path, f.metadata["selection"])
         yield _Source(shapes, dtypes, fill_file, info, [path] if isinstance(path, Path) else [])
+
+
+def _check_file_choice(path: Path | StoragePath, meta: dict[str, str], tag: str | None, index: int | None) -> None:
+    """A file source holds one EMA, of one tag: a ``tag`` or ``index`` asked for must be the one its metadata records
+    (it was ignored: another EMA than the one asked for was exported). An index 0 is the only EMA of a file that
+    records none (a post-hoc file); a tag needs one recorded."""
+    fix = "omit --tag and --index for a file (it holds one EMA), or export the checkpoint folder"
+    held = meta.get("tag")
+    if tag is not None and tag != held:
+        what = f"holds tag {held!r}" if held is not None else "records no tag (its metadata has none)"
+        raise CheckpointMismatchError(f"tag={tag!r}, but the file {path} {what}: {fix}")
+    recorded = meta.get("ema_index", "")
+    own = int(recorded) if recorded.isdigit() else 0
+    if index is not None and index != own:
+        what = (
+            f"holds EMA {own}{f' of tag {held!r}' if held is not None else ''} only"
+            if recorded.isdigit()
+            else "holds one EMA (index 0: it records no ema_index)"
+        )
+        raise CheckpointMismatchError(f"index={index}, but the file {path} {what}: {fix}")
 
 
 def _file_selection(path: Path | StoragePath, text: str) -> dict[str, Any]:
@@ -278,7 +303,7 @@ def _check_options(
     limit = parse_size(max_shard_size)
     if missing not in ("like", "error"):
         raise ValueError(f'missing (--missing) must be "like" or "error", got {missing!r}')
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
         raise ValueError(f"index (--index) must be an int >= 0, got {index!r}")
     if not isinstance(adapter_name, str) or not adapter_name or any(c in adapter_name for c in "./\\\x00 \t\n"):
         raise ValueError(
@@ -454,7 +479,7 @@ def to_hf(
     like: str | os.PathLike,
     *,
     tag: str | None = None,
-    index: int = 0,
+    index: int | None = None,
     dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     missing: str = "like",
@@ -475,8 +500,10 @@ def to_hf(
         out_dir: the local folder to create (must not exist, or be empty, or with ``overwrite`` be a previous export).
         like: the model's ``save_pretrained`` folder (``config.json``; its weights, when present, fix
             the names and supply what the EMA lacks), or a PEFT adapter folder (``adapter_config.json``).
-        tag, index, verify, tp_dims: as for :func:`functional_ema.consolidate` (ignored for a file source,
-            which holds one EMA). ``verify`` also reads the written files back against their checksums.
+        tag, index, verify, tp_dims: as for :func:`functional_ema.consolidate` (``index=None``: 0). A file source
+            holds one EMA: ``tag`` and ``index`` must then be omitted or match the file's own ``tag`` /
+            ``ema_index`` metadata (refused otherwise, as a checkpoint refuses an index it does not hold).
+            ``verify`` also reads the written files back against their checksums.
         dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` (or the torch dtype) for floating tensors; ``None``: as saved.
             Integer tensors keep their dtype. Values that do not fit ``fp16`` are refused.
         max_shard_size: the most bytes per ``model-*.safetensors`` shard (``"5GB"`` as Hugging Face
@@ -509,6 +536,7 @@ def to_hf(
     options = check_storage_options(storage_options, source, "to_hf(storage_options=...)")
     refuse_url(out_dir, "out_dir (OUT_DIR)", "the export builds a local folder; upload it once it is written")
     refuse_url(like, "like (--like)", "give the model's save_pretrained folder on a local disk")
+    out_dir, like = _local(out_dir, "out_dir (OUT_DIR)"), _local(like, "like (--like)")
     flags = {"overwrite": overwrite, "verify": verify, "progress": progress}
     cast, limit = _check_options(dtype, max_shard_size, missing, index, adapter_name, flags)
     like_folder = read_like(like, adapter_name)
@@ -561,6 +589,15 @@ def to_hf(
         finally:
             bar.close()
     return Path(out_dir)
+
+
+def _local(value: Any, what: str) -> Any:
+    """A ``file:///abs/dir`` (or ``local://``) URL as the local path it names (``_args.check_path``, as every verb
+    reads one; ``Path`` would make it the relative folder ``file:``); anything else as given, for its own checks."""
+    if isinstance(value, str) and value and "\x00" not in value:
+        local = check_path(value, what)  # refuses a file URL naming no local path, or one missing a slash
+        return local if file_url_path(value) is not None else value  # else as given: messages quote it so
+    return value
 
 
 def _file_names(stem: str, num_files: int) -> tuple[list[str], list[str]]:

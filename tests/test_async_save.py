@@ -451,7 +451,11 @@ def test_sigkill_during_background_write_keeps_previous(world1):
             assert o["state"] in (("incomplete", "new") if scenario == "new_tag" else ("old", "new")), where
             seen.add(o["state"])
             assert o["after_loads_new"], where
-            assert not any(".tmp-" in f or f.startswith("ema_async.") for f in o["after"]), o["after"]
+            # The later save removes every temporary but a marker's; the killed save's markers stay (rank 0 died before
+            # writing its error marker: nothing says no rank of it still reads them), no marker of the later save
+            assert not any(".tmp-" in f and not f.startswith("ema_async.") for f in o["after"]), o["after"]
+            assert {f for f in o["after"] if f.startswith("ema_async.")} <= set(o["leftovers"]), o
+            assert ".ema_generation" not in o["after"], o["after"]
             assert sum(f.startswith("ema_rank_") for f in o["after"]) == 1, o["after"]
         assert seen == ({"incomplete", "new"} if scenario == "new_tag" else {"old", "new"}), (scenario, seen)
 
@@ -859,6 +863,7 @@ def test_background_failure_reaches_wait_and_leaves_only_its_marker(tmp_path, mo
         "type": "OSError",
         "message": ENOSPC,
         "checkpoint_error": False,
+        "world": 1,  # how many ranks' error markers make the save's markers stale (writer._failed_async_markers)
     }
     assert f"functional_ema: async EMA save of step 3 into {tmp_path / 'f'} failed on rank 0: OSError: {ENOSPC}" in [
         r.getMessage() for r in caplog.records
@@ -1083,6 +1088,7 @@ def _sim(save_dir: Path, tag: str, token: str, *, stage: int = 3, generation: in
                 lock=None,
                 dtype=torch.float32,
                 timeout=timeout,
+                world=2,
             )
         )
     (save_dir / tag).mkdir(parents=True, exist_ok=True)
@@ -1200,14 +1206,14 @@ def test_a_rank_failure_reaches_the_other_rank(tmp_path, monkeypatch):
         remote = f"async save of tag 't{bad}' failed on rank {bad} (OSError): {ENOSPC}"
         assert errors[bad] == ["OSError", ENOSPC] and errors[1 - bad] == ["_RemoteError", remote], errors
         assert isinstance(handles[1 - bad].exception(), _async.CheckpointError)
-        files = sorted(os.listdir(tmp_path / f"t{bad}"))  # no rank file is left, nor a marker of rank 0's
-        assert files == (
-            [f"ema_async.{token}.rank00001.error"]
-            if bad
-            else [f"ema_async.{token}.rank00000.error", f"ema_async.{token}.rank00001.done"]
-        ), files
-        payload = json.loads((tmp_path / f"t{bad}" / f"ema_async.{token}.rank{bad:05d}.error").read_text())
-        assert payload == {"rank": bad, "type": "OSError", "message": ENOSPC, "checkpoint_error": False}
+        files = sorted(os.listdir(tmp_path / f"t{bad}"))  # no rank file is left; each rank's error marker
+        own = f"ema_async.{token}.rank0000"
+        assert (
+            files == [f"{own}0.error", f"{own}1.error"] if bad else [f"{own}0.error", f"{own}1.done", f"{own}1.error"]
+        )
+        payload = {"rank": bad, "type": "OSError", "message": ENOSPC, "checkpoint_error": False, "world": 2}
+        for r in (0, 1):  # the other rank's marker repeats the failing rank's record
+            assert json.loads((tmp_path / f"t{bad}" / f"{own}{r}.error").read_text()) == payload, r
 
 
 def test_a_rank_alone_times_out_naming_what_it_waited_for(tmp_path):
@@ -1228,7 +1234,7 @@ def test_a_rank_alone_times_out_naming_what_it_waited_for(tmp_path):
         want = [error] + ([f"ema_async.{token}.rank00001.done", claim] if rank else [])
         assert sorted(os.listdir(tag_dir)) == sorted(want)
         payload = {"rank": rank, "type": "CheckpointError", "message": msg, "checkpoint_error": True}
-        assert json.loads((tag_dir / error).read_text()) == payload
+        assert json.loads((tag_dir / error).read_text()) == dict(payload, world=2)
         if rank:
             assert json.loads((tag_dir / claim).read_text()) == payload
 
@@ -1347,7 +1353,8 @@ def test_a_replicated_models_ranks_agree_whichever_claims_first(tmp_path, monkey
                 ["OSError", ENOSPC],
             ], errors
             own = f"ema_async.{token}.rank0000"
-            assert files == [f"{own}0.done", f"{own}1.error"], files  # the claim (rank 1's abort), its error marker
+            # the claim (rank 1's abort), each rank's error marker
+            assert files == [f"{own}0.done", f"{own}0.error", f"{own}1.error"], files
             assert json.loads((tmp_path / case / f"{own}0.done").read_text())["rank"] == 1
         else:
             assert errors == [["NoneType", "None"]] * 2, (case, errors)
@@ -1399,7 +1406,7 @@ def test_a_claim_stalled_on_rank_0_never_splits_the_ranks(tmp_path, monkeypatch)
     assert errors[1][0] == "CheckpointError" and timed_out in errors[1][1], errors
     assert errors[0][0] == "_RemoteError" and f"failed on rank 1 (CheckpointError): {errors[1][1]}" in errors[0][1]
     own = f"ema_async.{token}.rank0000"
-    assert sorted(os.listdir(tmp_path / "t")) == [f"{own}0.done", f"{own}1.done", f"{own}1.error"]  # no manifest
+    assert sorted(os.listdir(tmp_path / "t")) == [f"{own}0.done", f"{own}0.error", f"{own}1.done", f"{own}1.error"]
 
 
 def test_a_rank_waits_a_short_grace_for_rank_0s_manifest_after_its_claim_and_keeps_its_files(tmp_path, monkeypatch):
@@ -1503,8 +1510,10 @@ def test_ranks_agree_when_one_gives_up_during_rank_0s_commit(tmp_path, monkeypat
             assert type(h1.exception()).__name__ == "CheckpointError" and timed_out in str(h1.exception())
             assert type(h0.exception()).__name__ == "_RemoteError", h0.exception()
             assert "failed on rank 1 (CheckpointError)" in str(h0.exception()) and timed_out in str(h0.exception())
-            claim, own = f"ema_async.{token}.rank00000.done", f"ema_async.{token}.rank00001"
-            assert files == [claim, f"{own}.done", f"{own}.error"], files  # rank 1's claim: its abort
+            own = f"ema_async.{token}.rank0000"
+            assert files == [f"{own}0.done", f"{own}0.error", f"{own}1.done", f"{own}1.error"], (
+                files
+            )  # 0.done: the abort
         else:
             assert (h0.exception(), h1.exception()) == (None, None)
             assert files == [
@@ -1537,19 +1546,19 @@ def test_a_claim_removed_by_rank_0s_commit_reads_as_the_commit(tmp_path, monkeyp
     reading, removed = threading.Event(), threading.Event()
     claim = tmp_path / "c" / f"ema_async.{'c' * 16}.rank00000.done"
 
-    def poll(check, deadline, job, what, limit=None):  # rank 1's wait for the manifest ends once rank 0 claimed
+    def poll(check, deadline, job, what, limit=None, progress=None):  # rank 1: until rank 0 claimed
         if job.rank == 1 and what == "rank 0's manifest":
             real_poll(lambda: True if claim.exists() else None, deadline, job, "rank 0's claim")
             raise CheckpointError("rank 1 gave up waiting for rank 0's manifest (simulated timeout)")
-        return real_poll(check, deadline, job, what, limit)
+        return real_poll(check, deadline, job, what, limit, progress)
 
     def read_claim(job, path, committed):  # rank 1, after its link met rank 0's claim: read once rank 0 cleaned up
         reading.set()
         removed.wait(20)
         return real_read(job, path, committed)
 
-    def remove_markers(tag_dir):
-        real_remove(tag_dir)
+    def remove_markers(tag_dir, token):
+        real_remove(tag_dir, token)
         removed.set()
 
     monkeypatch.setattr(_async, "_read_claim", read_claim)
@@ -1611,12 +1620,12 @@ def test_an_io_error_deciding_after_the_vote_keeps_the_files_and_leaves_no_marke
         claim = tmp_path / tag / f"ema_async.{token}.rank00000.done"
         rank1 = lambda: threading.current_thread().name == "r1"  # noqa: E731
 
-        def poll(check, deadline, job, what, limit=None, claim=claim, case=case):
+        def poll(check, deadline, job, what, limit=None, progress=None, claim=claim, case=case):
             if job.rank == 1 and what == "rank 0's manifest":  # rank 1's wait ends: at once, or once rank 0 claimed
                 if case == "grace":
                     real_poll(lambda: True if claim.exists() else None, deadline, job, "rank 0's claim")
                 raise CheckpointError("rank 1 gave up waiting for rank 0's manifest (simulated timeout)")
-            return real_poll(check, deadline, job, what, limit)
+            return real_poll(check, deadline, job, what, limit, progress)
 
         def write_bytes(self, data, token=token):
             if rank1() and self.name.startswith(f"ema_async.{token}.rank00000.done"):
@@ -1740,9 +1749,10 @@ def test_a_claim_whose_link_reply_was_lost_is_recognised_as_its_own(tmp_path, mo
 
 
 def test_a_blocking_save_after_a_failed_async_save_of_the_tag_goes_through(tmp_path):
-    """A failed async save leaves its markers (rank 1's done and error markers, its claim of the abort) until the next
-    async commit of the tag removes them: a blocking save of the tag meanwhile is not disturbed by them (they are no
-    checkpoint file) and loads; the async save after it removes them."""
+    """An async save whose rank 0 never came (dead) leaves its markers (rank 1's done and error markers, its claim of
+    the abort): a later save of the tag keeps them (rank 0 left no error marker: nothing says every rank of it is done
+    with them, and a commit must not remove the markers of a save still in flight), is not disturbed by them (they
+    are no checkpoint file) and loads, blocking or async."""
     import torch
 
     import functional_ema as fe
@@ -1759,8 +1769,262 @@ def test_a_blocking_save_after_a_failed_async_save_of_the_tag_goes_through(tmp_p
     assert sorted(os.listdir(tmp_path / "t")) == [*markers, "ema_manifest.json", "ema_rank_00000_of_00001.safetensors"]
     assert _same_trees(list(fe.load(model, tmp_path, "t").emas), [dict(e) for e in state.emas])
     fe.AsyncSaver().save(state, model, tmp_path, "t", decay=0.5).wait()
-    assert sorted(os.listdir(tmp_path / "t")) == ["ema_manifest.json", "ema_rank_00000_of_00001.gen1.safetensors"]
+    assert sorted(os.listdir(tmp_path / "t")) == [
+        *markers,
+        "ema_manifest.json",
+        "ema_rank_00000_of_00001.gen1.safetensors",
+    ]
     assert _same_trees(list(fe.load(model, tmp_path, "t").emas), [dict(e) for e in state.emas])
+
+
+def test_a_replicated_rank_1_waits_out_rank_0s_write_that_outlasts_commit_timeout(tmp_path, monkeypatch):
+    """A replicated model's rank 1 writes no file: its clock starts at once, while rank 0 still writes. It gives up
+    only once commit_timeout (2 s here) passes with no change of the save's files. "slow": rank 0's write takes about
+    2.7 s, a change every 0.9 s: both ranks commit, the checkpoint equals the pieces bitwise (rank 1 used to claim
+    its abort after 2 s, failing the save on both ranks). "dead": rank 0 stops mid-write (held, as a killed rank
+    would): rank 1 still gives up within commit_timeout (plus a quarter of it, when it looks) of the last change,
+    and its abort, claimed first, fails rank 0 too once it goes on: nothing is committed."""
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _io
+
+    orig_write, orig_commit = _io.StreamingWriter.write, _io.StreamingWriter.commit
+    stop, last_change = threading.Event(), [0.0]
+
+    def step(w) -> None:  # rank 0's bytes so far on disk (not in Python's buffer), then a pause shorter than 2 s
+        w._f.flush()
+        last_change[0] = time.monotonic()
+        if case == "dead" and w._next == 1:
+            stop.wait(30)  # no change from here: a dead (or hung) rank 0
+        time.sleep(0.9)
+
+    def write(w, key, tensor):
+        step(w)
+        return orig_write(w, key, tensor)
+
+    def commit(w):
+        step(w)
+        return orig_commit(w)
+
+    monkeypatch.setattr(_io.StreamingWriter, "write", write)
+    monkeypatch.setattr(_io.StreamingWriter, "commit", commit)
+    for case in ("slow", "dead"):
+        jobs, full = _sim(tmp_path, case, {"slow": "5", "dead": "d"}[case] * 16, stage=0, writers=(0,), timeout=2.0)
+        start = time.monotonic()
+        if case == "slow":
+            h1, h0 = _run_ranks_in_threads(jobs, ranks=(1, 0), stagger=0.01)
+            assert time.monotonic() - start > 2.6  # the write outlasted commit_timeout (2 s)
+            assert (h0.exception(), h1.exception()) == (None, None), (h0.exception(), h1.exception())
+            assert sorted(os.listdir(tmp_path / case)) == ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]
+            got = fe.consolidate(tmp_path, case)
+            assert sorted(got) == sorted(full) and all(torch.equal(got[n], full[n]) for n in full)
+            continue
+        bound = threading.Timer(20, stop.set)  # should rank 1 never give up
+        bound.start()
+        handles: dict = {}
+
+        def run(r: int) -> None:
+            handles[r] = _run_ranks_in_threads(jobs, ranks=(r,))[0]
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in (1, 0)]
+        for t in threads:
+            t.start()
+        threads[0].join(30)
+        bound.cancel()
+        gave_up = time.monotonic() - last_change[0]
+        # commit_timeout after the last change at the least (without it, 2 s after rank 1 started: about 1.1 s after
+        # that change); within 1.25 commit_timeout of it, plus a generous slack for a loaded machine (2 cores in CI)
+        assert not stop.is_set() and 2.0 <= gave_up <= 2.0 * 1.25 + 4.0, gave_up
+        timed_out = "timed out after 2 s waiting for rank 0's manifest"
+        assert type(handles[1].exception()).__name__ == "CheckpointError" and timed_out in str(handles[1].exception())
+        stop.set()  # rank 0 goes on: its commit claim finds rank 1's abort
+        threads[1].join(30)
+        assert type(handles[0].exception()).__name__ == "_RemoteError", handles[0].exception()
+        assert "ema_manifest.json" not in os.listdir(tmp_path / case)
+
+
+def test_a_failed_saves_late_rank_never_touches_the_next_save_of_the_tag(tmp_path, monkeypatch):
+    """Save 1 fails on rank 0 (ENOSPC) while its rank 1 still writes; save 2 of the tag then takes another generation
+    (rank 0 recorded the one save 1 took), so save 1's late rank 1 neither replaces save 2's file of the same name nor
+    removes it as its own unlisted one. Save 1's rank 1 resumes "written": once save 2's rank 1 left its done marker
+    (it used to remove that file: save 2 committed a manifest listing a missing file), or "committed": after save 2's
+    commit (it used to write over the committed file: checksum mismatch), which keeps save 1's error marker (another
+    save's in flight): its rank 1 fails at once with rank 0's error instead of waiting out its commit_timeout. Both
+    times a previous checkpoint of the tag is replaced by save 2's, which loads bitwise (plain torch copies)."""
+    import dataclasses
+
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+
+    write, claim = writer.write_rank_file, _async._claim
+    resume, commit = threading.Event(), threading.Event()
+
+    def write_rank_file(path, layout, *args):
+        name = threading.current_thread().name
+        if name == "s1r0":
+            raise OSError(28, "No space left on device (simulated)")
+        if name == "s1r1":
+            resume.wait(30)  # still writing
+        return write(path, layout, *args)
+
+    def held_claim(job, outcome, committed):
+        if threading.current_thread().name == "s2r0":
+            commit.wait(30)
+        return claim(job, outcome, committed)
+
+    monkeypatch.setattr(writer, "write_rank_file", write_rank_file)
+    monkeypatch.setattr(_async, "_claim", held_claim)
+
+    def start(tag, token, name, timeout=10.0):
+        """A save's ranks, in threads ``<name>r0``, ``<name>r1``; rank 0 holds the tag's lock and takes the
+        generation as its plan does (both ranks write files)."""
+        lock = writer.TagLock.acquire(tmp_path / tag, 10, "test")
+        layout = _sim(tmp_path, tag, token)[0][0].layout
+        jobs, full = _sim(
+            tmp_path, tag, token, timeout=timeout, generation=_async._take_generation(lock, layout, None, 2)
+        )
+        jobs[0] = dataclasses.replace(jobs[0], lock=lock)
+        handles = [_async.SaveHandle(j.tag_dir, 5) for j in jobs]
+        threads = [
+            threading.Thread(target=_async._run, args=(j, h), name=f"{name}r{j.rank}") for j, h in zip(jobs, handles)
+        ]
+        for t in threads:
+            t.start()
+        return threads, handles, {n: t.clone() for n, t in full.items()}
+
+    for case in ("written", "committed"):
+        d = tmp_path / case
+        threads, handles, _ = start(case, "0" * 16, "s0")
+        for t in threads:
+            t.join(30)
+        assert [h.exception() for h in handles] == [None, None]  # the previous checkpoint of the tag (generation 0)
+        resume.clear(), commit.clear()
+        s1, h1, _ = start(case, "1" * 16, "s1", timeout=6.0)
+        s1[0].join(30)
+        assert type(h1[0].exception()) is OSError and not h1[1].done()
+        s2, h2, want = start(case, "2" * 16, "s2")  # generation 2: save 1 took 1
+        deadline = time.monotonic() + 20
+        while not (d / f"ema_async.{'2' * 16}.rank00001.done").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if case == "committed":
+            commit.set()
+            s2[0].join(30)
+        resume.set()
+        t0 = time.monotonic()
+        s1[1].join(30)
+        late = time.monotonic() - t0
+        commit.set()
+        for t in s2:
+            t.join(30)
+        assert type(h1[1].exception()).__name__ == "_RemoteError", h1[1].exception()
+        assert late < 4.0, late  # rank 0's error marker was there (commit_timeout: 6 s)
+        assert [h.exception() for h in h2] == [None, None]
+        files = ["ema_rank_00000_of_00002.gen2.safetensors", "ema_rank_00001_of_00002.gen2.safetensors"]
+        left = [f"ema_async.{'1' * 16}.rank0000{r}.{k}" for r, k in ((0, "error"), (1, "done"), (1, "error"))]
+        if case == "written":  # save 1 ended before save 2's commit, on every rank: its markers are removed
+            left = []
+        got = fe.consolidate(
+            tmp_path, case
+        )  # save 2's files, whole: no IncompleteCheckpointError, no checksum mismatch
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want), case
+        assert sorted(os.listdir(d)) == sorted([*left, "ema_manifest.json", *files]), case
+
+
+def test_a_blocking_save_removes_exactly_the_markers_of_async_saves_that_failed_on_every_rank(tmp_path, monkeypatch):
+    """Every rank of a failed async save leaves its error marker (another rank's failure recorded as that rank's), and
+    a rank reads no marker of the save after writing its own. A blocking save of the tag, once committed, removes
+    the markers of the saves every rank of which left its error marker ("a": rank 1's write failed; "b": a replicated
+    model's rank 1 claimed an abort first; "d" once its rank 1, still in flight at the first blocking save, has
+    ended), and keeps: those of a save still in flight on a rank ("d" at first), of one whose rank 0 never came ("c":
+    a dead rank), of an older release (no number of ranks in them), and a user's files named alike. A blocking save
+    that fails before its commit removes nothing. The checkpoint loads bitwise (plain torch clones)."""
+    import json
+
+    import torch
+
+    import functional_ema as fe
+    from functional_ema import _async
+    from functional_ema._checkpoint import writer
+
+    write, part_record = writer.write_rank_file, writer.part_record
+    fail = {"write": None, "part": None}  # the rank whose rank file write / part record fails
+    held = threading.Event()
+
+    def write_rank_file(path, layout, *args):
+        if layout.rank == fail["write"]:
+            raise OSError(28, "No space left on device (simulated)")
+        return write(path, layout, *args)
+
+    def failing_part(layout, plan):
+        if layout.rank == fail["part"]:
+            raise OSError(28, "No space left on device (simulated)")
+        if layout.rank == 1 and fail["write"] == 0:  # "d": rank 1 in flight until released
+            held.wait(30)
+        return part_record(layout, plan)
+
+    monkeypatch.setattr(writer, "write_rank_file", write_rank_file)
+    monkeypatch.setattr(writer, "part_record", failing_part)
+    tokens = {k: k * 16 for k in "abcd"}
+    fail["write"] = 1  # a: a ZeRO-3-like save whose rank 1 cannot write
+    jobs, _ = _sim(tmp_path, "t", tokens["a"])
+    assert all(type(h.exception()).__name__ in ("OSError", "_RemoteError") for h in _run_ranks_in_threads(jobs))
+    fail.update(write=None, part=1)  # b: a replicated model's rank 1 fails first and claims the abort
+    jobs, _ = _sim(tmp_path, "t", tokens["b"], stage=0, writers=(0,))
+    _run_ranks_in_threads(jobs, ranks=(1,))
+    assert type(_run_ranks_in_threads(jobs, ranks=(0,))[0].exception()).__name__ == "_RemoteError"
+    fail["part"] = None  # c: rank 0 never comes (dead): rank 1 times out and claims the abort
+    jobs, _ = _sim(tmp_path, "t", tokens["c"], timeout=0.2)
+    _run_ranks_in_threads(jobs, ranks=(1,))
+    fail["write"] = 0  # d: rank 0 fails, rank 1 still writing (held) when the blocking save runs
+    jobs, _ = _sim(tmp_path, "t", tokens["d"])
+    h1 = _async.SaveHandle(jobs[1].tag_dir, 5)
+    rank1 = threading.Thread(target=_async._run, args=(jobs[1], h1))
+    rank1.start()
+    (h0,) = _run_ranks_in_threads(jobs, ranks=(0,))
+    assert type(h0.exception()).__name__ == "OSError" and not h1.done()
+    fail["write"] = None
+    d = tmp_path / "t"
+    old = "0123456789abcdef"  # an older release's error marker: no number of ranks
+    (d / f"ema_async.{old}.rank00000.error").write_text(json.dumps({"rank": 0, "type": "X", "message": "m"}))
+    user = ["ema_async.log", f"ema_async.{'a' * 16}.rank00000.error.bak", f"ema_async.{'a' * 16}.rank0.error"]
+    user += [f"ema_async.{'A' * 16}.rank00000.error", "ema_async.aaaaaaaaaaaaaaaa.rank00000.error.tmp-x"]
+    for name in user:
+        (d / name).write_text("{}")
+    own = {k: f"ema_async.{t}.rank0000" for k, t in tokens.items()}
+    failed = {
+        "a": [f"{own['a']}0.error", f"{own['a']}1.error"],
+        "b": [f"{own['b']}0.done", f"{own['b']}0.error", f"{own['b']}1.error"],
+    }
+    kept = [f"{own['c']}0.done", f"{own['c']}1.done", f"{own['c']}1.error", f"{own['d']}0.error"]
+    kept += [f"ema_async.{old}.rank00000.error", *user]
+    assert sorted(os.listdir(d)) == sorted([*failed["a"], *failed["b"], *kept])
+
+    model = torch.nn.Linear(4, 3)
+    state = _state(model, num_emas=1)
+    want = [{n: t.clone() for n, t in e.items()} for e in state.emas]  # plain torch: the oracle
+    eio = lambda *a: (_ for _ in ()).throw(OSError(5, "EIO (simulated)"))  # noqa: E731
+    monkeypatch.setattr(fe.checkpoint, "write_rank_file", eio)  # the blocking save's own write
+    with pytest.raises(fe.checkpoint.CheckpointIOError):  # not committed: nothing removed
+        fe.save(state, model, tmp_path, "t")
+    assert sorted(os.listdir(d)) == sorted([*failed["a"], *failed["b"], *kept])
+    monkeypatch.undo()  # the blocking save writes for real (d's rank 1 read its patched part_record already)
+    fe.save(state, model, tmp_path, "t")
+    assert sorted(os.listdir(d)) == sorted([*kept, "ema_manifest.json", "ema_rank_00000_of_00001.safetensors"])
+    assert _same_trees([dict(e.items()) for e in fe.load(model, tmp_path, "t").emas], want)
+
+    held.set()  # d's rank 1 ends: it writes its file, then finds rank 0's error marker and leaves its own
+    rank1.join(30)
+    assert h1.done() and type(h1.exception()).__name__ == "_RemoteError", h1.exception()
+    kept += [f"{own['d']}1.done", f"{own['d']}1.error"]
+    assert sorted(os.listdir(d)) == sorted([*kept, "ema_manifest.json", "ema_rank_00000_of_00001.safetensors"])
+    fe.save(state, model, tmp_path, "t")
+    kept = [k for k in kept if not k.startswith(own["d"])]
+    assert sorted(os.listdir(d)) == sorted([*kept, "ema_manifest.json", "ema_rank_00000_of_00001.gen1.safetensors"])
+    assert _same_trees([dict(e.items()) for e in fe.load(model, tmp_path, "t").emas], want)
 
 
 # ------------------------------------------------------------------------- the helpers, one by one
@@ -1822,26 +2086,34 @@ def test_remote_error_is_read_from_this_saves_error_marker(tmp_path):
     assert str(e.value) == "async save of tag 't' failed on rank 4 (OSError): disk full"
 
 
-def test_remove_markers_removes_every_saves_markers_and_syncs_the_folder(tmp_path, monkeypatch):
-    """Every save's markers (and a crashed write's temporary marker) go; a user's file whose name only starts like
-    one stays (``ema_async.log`` was deleted once)."""
+def test_remove_markers_removes_this_saves_and_failed_saves_markers_and_syncs_the_folder(tmp_path, monkeypatch):
+    """The committed save's markers (and a temporary one) go, and those of a save that failed on every rank (each
+    rank's error marker, naming the save's number of ranks); another save's still in flight (a rank of it has left
+    no error marker: it still reads its peers' ones) stays, as does a user's file whose name only starts like one
+    (``ema_async.log`` was deleted once)."""
+    import json
+
     from functional_ema import _async, _io
 
     synced = []
     monkeypatch.setattr(_io, "fsync_dir", synced.append)
+    mine, failed, flying = "0123456789abcdef", "fedcba9876543210", "00000000000000aa"
     ours = [
-        _async._marker("0123456789abcdef", 1, "done"),
-        _async._marker("fedcba9876543210", 0, "error"),
-        _async._marker("00000000000000aa", 123456, "done"),
-        _io.tmp_name(tmp_path / _async._marker("0123456789abcdef", 2, "done")).name,
+        _async._marker(mine, 1, "done"),
+        _async._marker(mine, 123456, "done"),
+        _io.tmp_name(tmp_path / _async._marker(mine, 2, "done")).name,
+        _async._marker(failed, 0, "error"),
+        _async._marker(failed, 1, "error"),
+        _async._marker(failed, 1, "done"),
     ]
+    others = [_async._marker(flying, 0, "error"), _async._marker(flying, 1, "done")]  # rank 1 still in flight
     users = ["ema_async.log", "ema_async_notes.txt", "ema_async.aa.rank00001.done", "ema_async.0123456789abcdef.txt"]
-    for n in [*ours, *users, "ema_manifest.json", "x.safetensors"]:
-        (tmp_path / n).write_text("{}")
-    _async._remove_markers(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == sorted([*users, "ema_manifest.json", "x.safetensors"])
+    for n in [*ours, *others, *users, "ema_manifest.json", "x.safetensors"]:
+        (tmp_path / n).write_text(json.dumps({"rank": 0, "world": 2}) if n.endswith(".error") else "{}")
+    _async._remove_markers(tmp_path, mine)
+    assert sorted(os.listdir(tmp_path)) == sorted([*others, *users, "ema_manifest.json", "x.safetensors"])
     assert synced == [tmp_path]
-    _async._remove_markers(tmp_path)  # nothing to remove: no sync
+    _async._remove_markers(tmp_path, mine)  # nothing to remove: no sync
     assert synced == [tmp_path]
 
 
@@ -1948,6 +2220,26 @@ def ranks_worker(root: str) -> dict:
         writer.part_record, _async._claim = part_record, claim
     out["rep_seen"] = dict(seen)
 
+    #    Rank 0's write outlasting commit_timeout (0.4 s before each of its 8 tensors, 1.5 s allowed): rank 1, which
+    #    writes no file and starts its clock at once, waits while the file grows. Both commit; it loads bitwise.
+    from functional_ema import _io
+
+    orig_write = _io.StreamingWriter.write
+
+    def slow_write(w, key, tensor):
+        w._f.flush()  # the bytes so far on disk, where rank 1 sees them
+        time.sleep(0.4)
+        return orig_write(w, key, tensor)
+
+    if rank == 0:
+        _io.StreamingWriter.write = slow_write
+    at_call = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    start = time.monotonic()
+    h = fe.AsyncSaver(commit_timeout=1.5).save(state, model, d, "slow", decay=[0.9, 0.99])
+    out["slow"] = [error_of(h.wait), time.monotonic() - start > 1.5, files("slow")]
+    _io.StreamingWriter.write = orig_write
+    out["slow_loaded"] = _same_trees(list(fe.load(model, d, "slow").emas), at_call)
+
     # 3. A background failure on one rank reaches wait() on every rank; a later save of the tag clears it.
     for bad, where in ((1, "write_buffer_file"), (0, "write_rank_file")):
         orig = getattr(writer, where)
@@ -1962,6 +2254,10 @@ def ranks_worker(root: str) -> dict:
     h = saver.save(state, model, d, "e1", decay=[0.9, 0.99], buffers=bufs)
     h.wait()
     out["cleared"] = files("e1")
+    #    A blocking save of the other failed tag: committed, it removes that save's markers (each rank left its own).
+    at_call = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    fe.save(state, model, d, "e0", decay=[0.9, 0.99])
+    out["cleared_blocking"] = [files("e0"), _same_trees(list(fe.load(model, d, "e0").emas), at_call)]
 
     # 4. A rank refuses its state: every rank raises, the tag folder rank 0 locked is gone, rank 0's
     #    snapshot buffer is kept for the next save.
@@ -2022,8 +2318,8 @@ def test_async_ranks_commit_through_files(tmp_path):
     assert res[1]["again_id"] == res[0]["again_id"] != res[0]["save_id"]
     gen1 = [f.replace(".safetensors", ".gen1.safetensors") if f.endswith("safetensors") else f for f in full]
     assert [r["again"] for r in res] == [sorted([*gen1, "ema_rank_00000_of_00002.gen1.safetensors"])] * 2
-    # rank 0 commits, once (t twice, solo, rep_commit, e1, r2, u2)
-    assert [(r["commits"], r["commits_total"]) for r in res] == [(["t", "t"], 7), ([], 0)]
+    # rank 0 commits, once (t twice, solo, rep_commit, slow, e1, r2, u2)
+    assert [(r["commits"], r["commits_total"]) for r in res] == [(["t", "t"], 8), ([], 0)]
     assert [r["solo"] for r in res] == [
         [["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], {}],
         [["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"], {"manifest_first": True}],
@@ -2034,11 +2330,15 @@ def test_async_ranks_commit_through_files(tmp_path):
     remote = f"async save of tag 'rep_abort' failed on rank 1 (OSError): {ENOSPC}"
     assert errors == [["_RemoteError", remote], ["OSError", ENOSPC]], errors
     token = _token_of(files[0][0])
-    assert files[0] == files[1] == [f"ema_async.{token}.rank00000.done", f"ema_async.{token}.rank00001.error"], files
+    own = f"ema_async.{token}.rank0000"
+    assert files[0] == files[1] == [f"{own}0.done", f"{own}0.error", f"{own}1.error"], files
     assert [r["rep_commit"] for r in res] == [[None, ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]]] * 2
     # (rank 0 reaches its claim, held until rank 1's error marker is there, unless it saw that marker first)
     assert res[0]["rep_seen"] in ({}, {"abort_before_claim": True}), res[0]["rep_seen"]
     assert res[1]["rep_seen"] == {"manifest_before_failure": True}, res[1]["rep_seen"]
+    # Rank 0's write longer than commit_timeout: committed on both ranks (rank 1 used to claim its abort), bitwise.
+    slow = [None, True, ["ema_manifest.json", "ema_rank_00000_of_00002.safetensors"]]
+    assert [r["slow"] for r in res] == [slow, slow] and [r["slow_loaded"] for r in res] == [True, True], res
 
     for bad in (1, 0):
         errors, files = [r[f"error{bad}"][0][:2] for r in res], [r[f"error{bad}"][1] for r in res]
@@ -2047,15 +2347,17 @@ def test_async_ranks_commit_through_files(tmp_path):
             "_RemoteError",
             f"async save of tag 'e{bad}' failed on rank {bad} (OSError): {ENOSPC}",
         ]
-        assert files[0] == files[1] and len({_token_of(f) for f in files[0]}) == 1, files  # one save id on both ranks
-        token = _token_of(files[0][0])
-        want = (
-            [f"ema_async.{token}.rank00001.error"]
-            if bad
-            else [f"ema_async.{token}.rank00000.error", f"ema_async.{token}.rank00001.done"]
-        )
-        assert files[0] == want, files
-    assert [r["cleared"] for r in res] == [[*full, "ema_rank_00000_of_00002.safetensors"]] * 2
+        # one save id on both ranks; and the generation it took (0: both ranks write files, one could write late)
+        assert files[0] == files[1] and files[0][0] == ".ema_generation", files
+        assert len({_token_of(f) for f in files[0][1:]}) == 1, files
+        token = _token_of(files[0][1])
+        own = f"ema_async.{token}.rank0000"
+        want = [f"{own}0.error", f"{own}1.error"] if bad else [f"{own}0.error", f"{own}1.done", f"{own}1.error"]
+        assert files[0] == [".ema_generation", *want], files
+    # The later saves of those tags take generation 1, and their commits remove the record
+    assert [r["cleared"] for r in res] == [[*gen1, "ema_rank_00000_of_00002.gen1.safetensors"]] * 2
+    blocking = [["ema_manifest.json", "ema_rank_00000_of_00002.gen1.safetensors"], True]
+    assert [r["cleared_blocking"] for r in res] == [blocking] * 2, [r["cleared_blocking"] for r in res]
 
     decays = "got 1 decays for a state tracking 2 EMAs"
     assert [r["refused"][:2] for r in res] == [

@@ -278,3 +278,169 @@ def test_an_optimizer_read_as_holding_nothing_is_refused_naming_it():
     assert "optimizer deepspeed.runtime.fake." in msg and "Wrapper" in msg, msg
     engine.module.requires_grad_(False)
     assert len(fe.local_shards(engine)) == 0
+
+
+def unfreeze_worker(configs, steps=2):
+    """``frozen`` is in the client optimizer (an AdamW over every parameter but ``not_optimized``) but frozen when
+    the EMA starts; after a step it is unfrozen (and, at ZeRO-0 fp32, ``mid.weight`` frozen) and training goes on.
+    Per configuration: whether DeepSpeed trains it, what ``local_shards`` reads, what ``update`` of the first state
+    says, and (where it is read) the EMA of a state made afterwards against plain-torch lerps of the weights
+    DeepSpeed steps (at ZeRO-0 fp32, the module parameters themselves)."""
+    import deepspeed
+
+    import functional_ema as fe
+    from functional_ema._testing.multirank import ds_config, raised
+
+    out = []
+    for stage, dtype in configs:
+        torch.manual_seed(0)
+        model = OddNet()
+        params = [p for n, p in model.named_parameters() if n != "not_optimized"]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, dtype))
+        state = fe.init_ema(fe.local_shards(engine))
+        train_step(engine, 0)
+        state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.5)
+        before = forward_weights(engine, ["frozen"])["frozen"]
+        model.frozen.requires_grad_(True)
+        if (stage, dtype) == (0, "fp32"):  # frozen after the first reading: stays in the EMA
+            model.mid.weight.requires_grad_(False)
+        for i in range(1, 1 + steps):
+            train_step(engine, i)
+        report = {
+            "config": [stage, dtype],
+            "trained": not torch.equal(forward_weights(engine, ["frozen"])["frozen"], before),
+            "read": sorted(fe.local_shards(engine)),
+            "update": raised(lambda: fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.5)),
+        }
+        if "frozen" in report["read"]:
+            named = dict(model.named_parameters())
+            state = fe.init_ema(fe.local_shards(engine), step=engine.global_steps)
+            oracle = {n: named[n].detach().clone().float() for n in report["read"]}
+            for i in range(1 + steps, 1 + 2 * steps):
+                train_step(engine, i)
+                state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.5)
+                for n, t in oracle.items():
+                    t.lerp_(named[n].detach().float(), 0.5)
+            ema = fe.gather_full(state, engine)
+            report["ema_is_oracle"] = sorted(ema) == sorted(oracle) and all(
+                torch.equal(ema[n], oracle[n]) for n in oracle
+            )
+        out.append(report)
+        engine = None  # drop this configuration's engine before the next one is built
+    return out
+
+
+def test_unfreezing_a_parameter_deepspeed_then_trains_is_noticed():
+    """docs/core.md: "Unfreezing a parameter that was left out is noticed: local_shards reads it in and update
+    refuses the state that lacks it, naming it." DeepSpeed trains such a parameter only at ZeRO-0 fp32, where the
+    client optimizer steps the module parameters themselves; the 16-bit wrappers and ZeRO-1/2/3 build their groups
+    from the parameters trainable at ``deepspeed.initialize`` and never train it (checked here, so a DeepSpeed that
+    starts to is seen). Unfixed, ZeRO-0 fp32 trained it while local_shards never read it and update accepted."""
+    configs = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16"), (3, "bf16")]
+    reports = run_ranks("tests.test_deepspeed:unfreeze_worker", world_size=2, configs=configs)
+    nine = sorted(n for n, _ in OddNet().named_parameters() if n not in ("frozen", "not_optimized"))
+    for rank, per_rank in enumerate(reports):
+        assert [r["config"] for r in per_rank] == [list(c) for c in configs]
+        for r in per_rank:
+            where = (rank, r["config"])
+            if r["config"] == [0, "fp32"]:
+                assert r["trained"], where
+                assert r["read"] == sorted([*nine, "frozen"]), where  # mid.weight, frozen since, stays in
+                kind, message = r["update"]
+                assert kind == "TreeMismatchError" and "not in state.emas[0]: 'frozen'" in message, (where, r["update"])
+                assert r["ema_is_oracle"], where
+            else:
+                assert not r["trained"] and r["read"] == nine and r["update"] is None, (where, r)
+
+
+def controller_unfreeze_worker(out: str, unfreeze_at: int = 3, last: int = 5) -> dict:
+    """At ZeRO-0 fp32, driven as the integration callbacks drive it (``EMAController``: ``before_optimizer_step``
+    between backward and the step, ``on_step`` after it): ``frozen`` (in the client optimizer, frozen at the start)
+    is unfrozen before step ``unfreeze_at``; a save at ``last`` is then resumed into a new engine with it frozen
+    again (a fresh process's model: no reading kept on it) and trained on, kept frozen. Against plain-torch lerps
+    of the module parameters, which ZeRO-0 fp32 steps itself; ``frozen``'s from its value at the unfreeze."""
+    import copy
+    import warnings
+    from pathlib import Path
+
+    import deepspeed
+
+    from functional_ema._testing.multirank import batch, ds_config, raised
+    from functional_ema.integrations import EMAController
+
+    def build(weights=None):
+        torch.manual_seed(0)
+        model = OddNet()
+        if weights is not None:
+            model.load_state_dict(weights)  # ``frozen`` keeps requires_grad=False, as OddNet builds it
+        opt = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "not_optimized"], lr=1e-2)
+        return deepspeed.initialize(model=model, optimizer=opt, config=ds_config(0, "fp32"))[0]
+
+    def train(c, engine, oracle, steps, unfreeze_at=None) -> None:
+        named = dict(engine.module.named_parameters())
+        for step in steps:
+            if step == unfreeze_at:
+                engine.module.frozen.requires_grad_(True)
+                oracle["frozen"] = named["frozen"].detach().clone()  # its EMA starts from its value at the unfreeze
+            x, y = batch(engine, step)
+            engine.backward(((engine(x) - y) ** 2).mean())
+            c.before_optimizer_step(engine)
+            if c.state is not None and "frozen" in c.state.emas[0]:
+                grown_at.append(step)  # in the EMA before the step that first trains it
+            engine.step()
+            c.on_step(engine, step)
+            if step == 1:  # the EMA starts equal to the weights after the first step
+                oracle.update({n: named[n].detach().clone() for n in c.state.emas[0]})
+            else:
+                for n, t in oracle.items():
+                    t.lerp_(named[n].detach(), 0.5)
+
+    def agrees(c, engine, oracle) -> bool:
+        ema = c.full_state_dict(engine, dst=None)  # full shapes (the state holds flat pieces)
+        return sorted(ema) == sorted(oracle) and all(torch.equal(ema[n], oracle[n]) for n in oracle)
+
+    def resume(engine, c, oracle) -> dict:
+        """The save at ``last`` loaded into a new engine, ``frozen`` frozen again, trained two steps on."""
+        c.save(engine, Path(out), last)
+        again, c2 = build(copy.deepcopy(engine.module.state_dict())), EMAController(0.5)
+        got: dict = {"resume": raised(lambda: c2.load(again, Path(out), framework_step=last))}
+        if got["resume"] is None:
+            got["resumed_as_saved"] = agrees(c2, again, oracle)
+            oracle2 = {n: t.clone() for n, t in oracle.items()}
+            got["after_resume"] = raised(lambda: train(c2, again, oracle2, range(last + 1, last + 3)))
+            got["resumed"] = got["after_resume"] is None and agrees(c2, again, oracle2)
+        got["still_frozen"] = not again.module.frozen.requires_grad
+        return got
+
+    report: dict = {}
+    grown_at: list[int] = []
+    engine, c, oracle = build(), EMAController(0.5), {}
+    before = engine.module.frozen.detach().clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report["grow"] = raised(lambda: train(c, engine, oracle, range(1, last + 1), unfreeze_at))
+        report["grown_at"] = list(grown_at)
+        if report["grow"] is None:
+            report["grown"] = agrees(c, engine, oracle)
+            report["trained"] = not torch.equal(engine.module.frozen.detach(), before)
+            report.update(resume(engine, c, oracle))
+    report["warned"] = [str(w.message) for w in caught if "EMA" in str(w.message)]
+    return report
+
+
+def test_unfreezing_at_zero0_fp32_grows_the_controllers_ema_and_resumes_frozen(tmp_path):
+    """docs/integrations.md, progressive unfreezing: "a parameter frozen when the EMA started joins it when
+    unfrozen, as if averaged all along". ZeRO-0 fp32 trains a parameter of its client optimizer unfrozen later, so the
+    callbacks' ``EMAController`` adds it at the unfreeze (``before_optimizer_step``) from its value then, bitwise
+    against plain torch, the others a plain lerp of the masters; resumed into a fresh engine with it frozen again,
+    the checkpoint's parameter stays in the EMA (averaging its constant value) as with a plain module. Unfixed, the
+    controller saw no joinable parameter at DeepSpeed (update then refused 'frozen'), and the resume left it out of
+    the reading (the checkpoint then mismatched)."""
+    got = run_ranks("tests.test_deepspeed:controller_unfreeze_worker", world_size=2, timeout=300, out=str(tmp_path))
+    for rank, r in enumerate(got):
+        assert r["grow"] is None and r["grown_at"] == [3, 4, 5], (rank, r)
+        assert r["grown"] and r["trained"], (rank, r)
+        assert r["resume"] is None and r["resumed_as_saved"], (rank, r)
+        assert r["after_resume"] is None and r["resumed"] and r["still_frozen"], (rank, r)
+        assert r["warned"] == [], (rank, r)

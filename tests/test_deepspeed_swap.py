@@ -11,6 +11,7 @@ from functional_ema._testing.multirank import (
     OddNet,
     batch,
     change_inside_swapped,
+    forward_weights,
     full_fp32_reference,
     make_engine,
     run_ranks,
@@ -459,3 +460,82 @@ def test_optimizer_step_inside_swapped_is_refused_on_every_stage():
             assert r["moved"] == [], where
             assert r["attributes_restored"], where
             assert r["losses_equal"] and r["final_differs"] == [], where
+
+
+# ------------------------------------------- ZeRO++ hpZ: the secondary partitions the gather prefers
+
+
+def _plain_forward(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The forward of a plain bf16 ``OddNet`` (seed 0, as ``make_engine``'s) holding ``weights``."""
+    with torch.no_grad():
+        return _reference_model(0, "bf16", weights)(x).float()
+
+
+def hpz_worker(steps=3):
+    """ZeRO-3 bf16 with ZeRO++ hpZ (``zero_hpz_partition_size=2``): DeepSpeed's gather reads a parameter's
+    ``ds_secondary_tensor`` whenever one exists, and releasing a gathered parameter builds one from the gathered
+    values. Two runs: one evaluates with the EMA right after a step (the README loop: no forward in between), one
+    does not and ends with ``EMAController.copy_to_model`` after an evaluation forward. Oracle: an EMA of
+    DeepSpeed's own full fp32 masters (``safe_get_full_fp32_param``) lerped in plain torch, in a plain model."""
+    import functional_ema as fe
+    from functional_ema.integrations._common import EMAController
+
+    report: dict[str, Any] = {}
+    runs = []
+    for with_eval in (True, False):
+        engine = make_engine(3, "bf16", seed=0, zero_hpz_partition_size=2)
+        state = fe.init_ema(fe.local_shards(engine))
+        oracle = full_fp32_reference(engine)
+        losses = []
+        for i in range(2 * steps):
+            losses.append(train_step(engine, i))
+            state = fe.update(state, fe.local_shards(engine), engine.global_steps, decay=0.5)
+            for n, w in full_fp32_reference(engine).items():
+                oracle[n].lerp_(w, 0.5)
+            if with_eval and i == steps - 1:
+                x = batch(engine, 999)[0]
+                engine.eval()
+                with torch.no_grad():
+                    with fe.swapped(engine, state):
+                        inside = engine(x).float()
+                    after = engine(x).float()
+                engine.train()
+                report["inside_is_ema"] = torch.equal(inside, _plain_forward(x, oracle))
+                report["after_is_live"] = torch.equal(after, _plain_forward(x, full_fp32_reference(engine)))
+        ema = fe.gather_full(state, engine)
+        report["ema_is_oracle"] = all(torch.equal(ema[n], oracle[n]) for n in oracle)
+        runs.append((losses, full_fp32_reference(engine)))
+        if not with_eval:  # a final validation forward, then the integrations' end-of-training copy
+            x = batch(engine, 998)[0]
+            engine.eval()
+            with torch.no_grad():
+                engine(x)
+            controller = EMAController(0.5)
+            controller.state = state
+            controller.copy_to_model(engine)
+            with torch.no_grad():
+                copied = engine(x).float()
+            masters = full_fp32_reference(engine)
+            gathered = forward_weights(engine, list(oracle))
+            report["copy_masters"] = all(torch.equal(masters[n], oracle[n]) for n in oracle)
+            report["copy_forward"] = torch.equal(copied, _plain_forward(x, oracle))
+            report["copy_gathered"] = all(
+                torch.equal(gathered[n], oracle[n].to(torch.bfloat16).view(gathered[n].shape)) for n in oracle
+            )
+        engine = None  # drop this run's engine before the next one is built
+    report["losses_equal"] = runs[0][0] == runs[1][0]
+    report["weights_equal"] = all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+    return report
+
+
+def test_hpz_swap_and_copy_to_model_leave_no_stale_secondary_partition():
+    """hpZ: after ``swapped`` the forward computes with the trained weights again, and training goes on bitwise as
+    in a run without the block; after ``copy_to_model`` the forward and ``GatheredParameters`` give the EMA.
+    Unfixed, the release on exit left secondary partitions built from the EMA (the next forward and the training
+    step computed with the EMA), and copy_to_model left ones built from the trained weights (the forward ignored
+    the copy). Its own launch: an hpZ engine leaves DeepSpeed's global hpZ group behind for later engines."""
+    for rank, r in enumerate(run_ranks("tests.test_deepspeed_swap:hpz_worker", world_size=2)):
+        assert r["ema_is_oracle"] and r["inside_is_ema"], (rank, r)
+        assert r["after_is_live"], (rank, r)
+        assert r["losses_equal"] and r["weights_equal"], (rank, r)
+        assert r["copy_masters"] and r["copy_forward"] and r["copy_gathered"], (rank, r)

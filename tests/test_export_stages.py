@@ -2162,6 +2162,48 @@ def test_to_hf_from_files_this_library_wrote(tmp_path):
     assert record2["format"] == FORMAT and record2["source_metadata"]["format"] == "functional_ema.export"
 
 
+def test_a_file_source_refuses_a_tag_or_index_it_does_not_hold(tmp_path, capsys):
+    """A consolidated file holds one EMA of one tag: --tag / --index were ignored (asked --tag s6, got the file's s3;
+    --index 1 on a file of EMA 0 exported EMA 0). Now a value other than the file's own ``tag`` / ``ema_index``
+    metadata is refused, naming both, as a checkpoint refuses an index it does not hold; omitted or matching, the
+    export is the file's EMA. A file recording no ema_index (post-hoc) holds EMA 0 only, and no tag to match."""
+    import functional_ema as fe
+    from functional_ema.__main__ import main
+    from functional_ema.export import to_hf
+
+    run = _tiny_run(tmp_path)
+    ckpt, like, want = run["ckpt"], run["like"], run["want"]
+    src = fe.consolidate_to_file(ckpt, tmp_path / "ema.safetensors", "t", index=1, progress=False)
+    fix = "omit --tag and --index for a file (it holds one EMA), or export the checkpoint folder"
+    for kw, why in (
+        ({"index": 0}, f"index=0, but the file {src} holds EMA 1 of tag 't' only"),
+        ({"index": 2}, f"index=2, but the file {src} holds EMA 1 of tag 't' only"),
+        ({"tag": "s6"}, f"tag='s6', but the file {src} holds tag 't'"),
+        ({"tag": "s6", "index": 1}, f"tag='s6', but the file {src} holds tag 't'"),
+    ):
+        assert _raises(CheckpointMismatchError, to_hf, src, tmp_path / "hf", like, **kw) == f"{why}: {fix}", kw
+    assert main(["export", str(src), str(tmp_path / "hf"), "--like", str(like), "--index", "0"]) == 1
+    assert capsys.readouterr().err == f"error: index=0, but the file {src} holds EMA 1 of tag 't' only: {fix}\n"
+    assert not (tmp_path / "hf").exists()
+    omitted = to_hf(src, tmp_path / "omitted", like, progress=False)
+    matching = to_hf(src, tmp_path / "matching", like, tag="t", index=1, progress=False)
+    assert main(["export", str(src), str(tmp_path / "cli"), "--like", str(like), "--tag", "t", "--index", "1"]) == 0
+    got = _read_all(matching)
+    assert all(torch.equal(got[n], want[n]) for n, _ in _Tiny().named_parameters())  # EMA 1, as asked
+    for other in (omitted, tmp_path / "cli"):
+        assert _same(_read_all(other), got)
+    # a post-hoc file: no ema_index, no tag recorded
+    post = tmp_path / "post.safetensors"
+    save_file(dict(want), post, metadata={"format": "functional_ema.posthoc", "step": "1"})
+    assert _raises(CheckpointMismatchError, to_hf, post, tmp_path / "hf", like, index=1) == (
+        f"index=1, but the file {post} holds one EMA (index 0: it records no ema_index): {fix}"
+    )
+    assert _raises(CheckpointMismatchError, to_hf, post, tmp_path / "hf", like, tag="t") == (
+        f"tag='t', but the file {post} records no tag (its metadata has none): {fix}"
+    )
+    assert _same(_read_all(to_hf(post, tmp_path / "post_hf", like, index=0, progress=False)), want)
+
+
 def test_to_hf_refuses_foreign_or_corrupt_files_and_fp16_overflow(tmp_path):
     import functional_ema as fe
     from functional_ema._checkpoint.errors import CorruptCheckpointError

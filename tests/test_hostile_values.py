@@ -1136,7 +1136,7 @@ rows(
     out_dir=R(STR_PATH, names=("out_dir",), values=URL_VALUE),
     like=R(names=("like",), values=URL_VALUE),
     tag=TAG_READ,
-    index=INDEX,
+    index=R(OPT_INT),
     dtype=R(NONE_DEFAULT, names=("dtype",)),
     max_shard_size=SHARD_SIZE,
     missing=R(names=("missing",)),

@@ -14,6 +14,8 @@ from __future__ import annotations
 import runpy
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -869,7 +871,7 @@ def test_at_two_ranks_a_folder_whose_ema_is_of_another_save_is_refused_on_every_
 # The Files table of the save record (damaged, forged, foreign records): tests/test_hostile_files.py.
 
 
-def _ds_prepared(seed: int):
+def _ds_prepared(seed: int, **accelerator_kwargs):
     """A fresh DeepSpeed ZeRO-2 accelerator (CPU ranks) with a small model and AdamW prepared."""
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.state import AcceleratorState, GradientState, PartialState
@@ -885,7 +887,7 @@ def _ds_prepared(seed: int):
         "zero_optimization": {"stage": 2},
         "zero_allow_untested_optimizer": True,
     }
-    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), **accelerator_kwargs)
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
     model, optimizer = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
@@ -983,19 +985,7 @@ def deepspeed_refusal_worker(root: str) -> dict:
                 body = {k: v for k, v in fields.items() if k not in ("format", "checksum")}
                 record.write_bytes(record_bytes({**body, "complete": False}))
             acc.wait_for_everyone()
-            real = model.save_checkpoint
-
-            def killed(*args, **kwargs):
-                real(*args, **kwargs)  # DeepSpeed's step-6 model and optimizer files are written, then the kill
-                raise RuntimeError("killed after DeepSpeed's save_checkpoint (injected)")
-
-            model.save_checkpoint = killed
-            try:
-                acc.save_state(str(folder / "reused"))
-            except RuntimeError as e:
-                out["killed"] = "injected" in str(e)
-            finally:
-                del model.save_checkpoint
+            out["killed"] = _killed_after_save_checkpoint(acc, model, str(folder / "reused"))
     states = torch.load(folder / "reused" / "pytorch_model" / "mp_rank_00_model_states.pt", weights_only=False)
     out["reused_model_is_step_6"] = (  # the oracle of the kill: DeepSpeed's files of step 6 beside step 3's EMA
         states["global_steps"] == 6 and fe.checkpoint.read_manifest(folder / "reused", "ema")["step"] == 3
@@ -1177,3 +1167,150 @@ def test_load_state_with_automatic_naming_checks_the_folder_accelerate_picks_bef
     assert ema.optimizer_step == 2 and all(torch.equal(got[n], t) for n, t in at2[1].items())
     assert all(torch.equal(p, at2[0][n]) for n, p in _own(model).items())
     ema.remove_hooks()
+
+
+def deepspeed_automatic_naming_worker(root: str) -> dict:
+    """At 2 DeepSpeed ZeRO-2 ranks with ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``save_state()``
+    at step 3 (``checkpoint_0``); at step 6 one killed after DeepSpeed wrote its model and optimizer into
+    ``checkpoint_1`` and before the EMA's hook. At step 7 ``load_state()`` picks ``checkpoint_1`` and must refuse it,
+    the model, ZeRO optimizer, DeepSpeed's step and EMA bitwise unchanged; with it gone, ``checkpoint_0`` loads step 3's
+    state bitwise."""
+    import shutil
+    from pathlib import Path
+
+    from accelerate.utils import ProjectConfiguration
+
+    import functional_ema as fe
+    from functional_ema._checkpoint.format import read_record
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    project = ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True)
+    acc, model, optimizer = _ds_prepared(0, project_config=project)
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    out, checkpoints = {}, Path(root) / "checkpoints"
+    for step in range(1, 7):
+        _ds_train_step(acc, model, optimizer, ema, step)
+        if step == 3:
+            at3 = _ds_snapshot(model, ema)
+            acc.save_state()
+    out["killed"] = _killed_after_save_checkpoint(acc, model, None)
+    states = torch.load(
+        checkpoints / "checkpoint_1" / "pytorch_model" / "mp_rank_00_model_states.pt", weights_only=False
+    )
+    out["model_is_step_6"] = states["global_steps"] == 6 and not (checkpoints / "checkpoint_1" / "ema").exists()
+    first = read_record(checkpoints / "checkpoint_0" / "ema_save_state.json")
+    out["first_record"] = [first["optimizer_step"], first["complete"]]
+    _ds_train_step(acc, model, optimizer, ema, 7)  # a load of checkpoint_1's step-6 model would show
+    before = _ds_snapshot(model, ema)
+    try:
+        acc.load_state()
+        out["refused"] = None
+    except fe.checkpoint.CheckpointError as e:  # any refusal: which one, and what it left loaded, is checked
+        out["refused"] = f"{type(e).__name__}: {e}"
+    out["unchanged"] = _same_snapshot(_ds_snapshot(model, ema), before)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        shutil.rmtree(checkpoints / "checkpoint_1")
+    acc.wait_for_everyone()
+    acc.load_state()
+    out["earlier"] = _same_snapshot(_ds_snapshot(model, ema), at3)
+    ema.remove_hooks()
+    return out
+
+
+def test_deepspeed_automatic_naming_a_save_cut_off_before_the_ema_hook_is_refused(tmp_path):
+    """:func:`deepspeed_automatic_naming_worker`: with ``automatic_checkpoint_naming`` the folder (``checkpoint_<n>``)
+    is new and made by Accelerate, so the wrapper marks it unfinished once Accelerate has named it, before DeepSpeed
+    writes into it: a save killed between DeepSpeed's write and the EMA's hook leaves it refused by ``load_state``
+    (naming it and the unfinished save, before anything is loaded), not loaded as step 6's model without its EMA."""
+    got = run_ranks(
+        "tests.test_integrations_accelerate:deepspeed_automatic_naming_worker",
+        world_size=2,
+        timeout=600,
+        root=str(tmp_path),
+    )
+    for out in got:
+        assert out["killed"] and out["model_is_step_6"] and out["first_record"] == [3, True], out
+        message = out["refused"]
+        assert message is not None, out
+        assert out["unchanged"] == {"weights": True, "optimizer": True, "global_steps": True, "ema": True}, out
+        assert str(tmp_path / "checkpoints" / "checkpoint_1") in message and "Nothing was loaded" in message, message
+        assert message.startswith("CheckpointMismatchError"), message
+        assert "save_state of optimizer step 6 into this folder did not finish" in message, message
+        assert out["earlier"] == {"weights": True, "optimizer": True, "global_steps": True, "ema": True}, out
+
+
+def test_automatic_naming_marks_at_accelerates_own_barrier_not_at_a_subclass_barrier_before_it(tmp_path, monkeypatch):
+    """An ``Accelerator`` subclass whose ``save_state`` calls ``wait_for_everyone()`` before ``super().save_state()``,
+    with ``automatic_checkpoint_naming`` where Accelerate writes the model first (taken as such: ``_writes_model_first``):
+    that barrier passes through (a mark there would make ``checkpoint_<n>`` before Accelerate checks that it is new, and
+    every save would raise "already exists"); Accelerate's own barrier after the naming marks the folder unfinished
+    before anything is written into it (a save-state pre-hook registered before the helper's, so run first, reads the
+    unfinished record); each save's record is finished afterwards, at its optimizer step (one process)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+    from torch import nn
+
+    import functional_ema.integrations.accelerate as integration
+    from functional_ema._checkpoint.format import read_record
+    from functional_ema.integrations.accelerate import AcceleratorEMA
+
+    monkeypatch.setattr(integration, "_writes_model_first", lambda accelerator: True)
+    barriers = []
+
+    class Barriered(Accelerator):
+        def save_state(self, *args, **kwargs):
+            self.wait_for_everyone()  # "every rank finished its step": before Accelerate names the folder
+            barriers.append(sorted(p.name for p in (tmp_path / "checkpoints").glob("checkpoint_*")))
+            return super().save_state(*args, **kwargs)
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    acc = Barriered(cpu=True, project_config=project)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    model, optimizer = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    seen = []  # (folder, the record there) when Accelerate's first save-state hook runs
+    first = acc.register_save_state_pre_hook(
+        lambda models, weights, output_dir: seen.append((Path(output_dir).name, _record_of(Path(output_dir))))
+    )
+    ema = AcceleratorEMA(acc, model, decay=0.5)
+    for steps in (3, 2):
+        _train(acc, model, optimizer, (ema,), steps=steps)
+        acc.save_state()
+    first.remove()
+    ema.remove_hooks()
+    assert barriers == [[], ["checkpoint_0"]] and acc.save_iteration == 2 and "wait_for_everyone" not in vars(acc)
+    assert [(name, r["optimizer_step"], r["complete"]) for name, r in seen] == [
+        ("checkpoint_0", 3, False),
+        ("checkpoint_1", 5, False),
+    ], seen
+    records = [read_record(tmp_path / "checkpoints" / f"checkpoint_{i}" / "ema_save_state.json") for i in (0, 1)]
+    assert [(r["optimizer_step"], r["complete"]) for r in records] == [(3, True), (5, True)], records
+
+
+def _record_of(folder: Path) -> dict | None:
+    from functional_ema._checkpoint.format import read_record
+
+    return read_record(folder / "ema_save_state.json") if (folder / "ema_save_state.json").is_file() else None
+
+
+def _killed_after_save_checkpoint(acc: Any, model: Any, folder: str | None) -> bool:
+    """``acc.save_state(folder)`` cut off right after DeepSpeed's ``save_checkpoint`` (its model and optimizer files
+    written, the EMA's hook not reached), as a kill there would; whether the injected stop was what ended it."""
+    real = model.save_checkpoint
+
+    def killed(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        raise RuntimeError("killed after DeepSpeed's save_checkpoint (injected)")
+
+    model.save_checkpoint = killed
+    try:
+        acc.save_state(folder)
+    except RuntimeError as e:
+        return "injected" in str(e)
+    finally:
+        del model.save_checkpoint
+    return False

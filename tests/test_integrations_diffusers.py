@@ -23,6 +23,7 @@ checks against the DDP model's own weights.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 import warnings
@@ -908,6 +909,316 @@ def test_warmup_settings_set_by_hand_are_named():
         setattr(ours, f, v)
         setattr(theirs, f, v)
         assert all(ours.get_decay(s) == theirs.get_decay(s) for s in range(30)), f
+
+
+def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer, g: torch.Generator, d_in: int = 4) -> None:
+    model(torch.randn(8, d_in, generator=g)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("core_first", [False, True])
+def test_selection_naming_frozen_parameters_survives_an_unfreezing(core_first):
+    """``include=`` naming layers frozen at the start, unfrozen one by one (progressive unfreezing), and
+    ``exclude=`` naming a part frozen throughout while another is unfrozen: the model's reading made anew after an
+    unfreezing checked the patterns without the model's names, so a pattern naming a parameter still frozen was
+    taken for a typo and step, state_dict and shadow_params all raised; whether a core ``local_shards`` with the
+    same patterns had run first (filling the selection's cache) decided it. Now each unfrozen layer joins from its
+    value at that step, with the warning naming it, either way; the EMA is a plain-torch ``lerp_`` of those names."""
+    import functional_ema as fe
+    from functional_ema.integrations.diffusers import EMAModel
+
+    for kwargs, frozen, unfreeze, picked in (
+        ({"include": ["2.*", "1.*", "0.*"]}, (0, 1), {4: 1, 6: 0}, ("0", "1", "2")),
+        ({"exclude": "0.*"}, (0, 1), {3: 1}, ("1", "2")),
+    ):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        for i in frozen:
+            model[i].requires_grad_(False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        ema = EMAModel(copy.deepcopy(model).parameters(), decay=0.8, **kwargs)
+        ref: dict[str, torch.Tensor] = {}
+        for step in range(1, 8):
+            if step in unfreeze:
+                model[unfreeze[step]].requires_grad_(True)
+            _sgd_step(model, opt, g)
+            if core_first:
+                fe.local_shards(model, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ema.step(model.parameters())
+            joined = [str(w.message) for w in caught if "were frozen when the EMA started" in str(w.message)]
+            if step in unfreeze and step > 1:
+                assert len(joined) == 1 and f"'{unfreeze[step]}.weight'" in joined[0], (kwargs, step, joined)
+            d = ema.cur_decay_value
+            for n, p in model.named_parameters():
+                if n.split(".")[0] in picked and p.requires_grad:
+                    ref[n] = p.detach().clone() if n not in ref else ref[n].lerp_(p.detach(), 1 - d)
+        names = [n for n, _ in model.named_parameters()]
+        shadow = dict(zip(names, ema.state_dict()["shadow_params"]))
+        assert all(torch.equal(a, b) for a, b in zip(ema.shadow_params, shadow.values()))
+        live = {n: p.detach() for n, p in model.named_parameters()}
+        for n in names:
+            assert torch.equal(shadow[n], ref.get(n, live[n])), (kwargs, n)
+        assert sorted(ema.state.emas[0]) == sorted(ref), kwargs
+
+
+def test_some_parameters_with_a_selection_are_checked_as_all_of_them():
+    """``EMAModel([p for p in model.parameters() if p.requires_grad], include=/exclude=)``: the patterns were folded
+    into a predicate over the positions' names before any check, so a typo (``exclude="nrom.*"``, one pattern of an
+    include list) was accepted silently, and a regular expression, ``exclude="*"`` and a predicate returning a numpy
+    bool were refused naming the fold (``_Among``). Now each is refused with the message ``model.parameters()``
+    gets; a selection that leaves none of the parameters given is refused naming it; a pattern naming a parameter
+    outside the list (frozen) is accepted, as with the whole model."""
+    import numpy as np
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    net_cls = tiny_net_class()
+    torch.manual_seed(0)
+    model = net_cls()
+    model.frozen.bias.requires_grad_(False)
+
+    def trainable(m: nn.Module) -> list[torch.Tensor]:
+        return [p for p in m.parameters() if p.requires_grad]
+
+    def refusal(params: Any, kwargs: dict) -> str:
+        with pytest.raises((TypeError, ValueError)) as e:
+            EMAModel(copy.deepcopy(params), **kwargs).step(params)
+        return str(e.value)
+
+    for kwargs in (
+        {"exclude": "nrom.*"},
+        {"include": ["inp.*", "out.*", "nrom.*"]},
+        {"include": r"inp\..*"},
+        {"exclude": "*"},
+        {"include": lambda n: np.bool_(True)},
+    ):
+        whole = refusal(list(model.parameters()), kwargs)
+        some = refusal(trainable(model), kwargs)
+        assert some == whole and "_Among" not in some, (kwargs, some, whole)
+    assert "regular expression" in refusal(trainable(model), {"include": r"inp\..*"})
+    some = [p for n, p in model.named_parameters() if not n.startswith("frozen")]
+    msg = refusal(some, {"include": "frozen.*"})
+    assert "(include='frozen.*', exclude=None) leaves none of the 6 parameters given" in msg, msg
+    ema = EMAModel(copy.deepcopy(trainable(model)), exclude=["frozen.*", "*.bias"])  # frozen.bias is not given
+    ema.step(trainable(model))
+    assert list(ema.state.emas[0]) == ["inp.weight", "norm.weight", "out.weight"]
+
+
+def _selected_run(frozen: bool = False, **sel: Any) -> Any:
+    """A TinyNet (``frozen`` frozen before the first step when ``frozen``) trained 3 SGD steps with an
+    ``EMAModel(decay=0.8, **sel)`` stepped after each, and a plain-torch ``lerp_`` EMA of every trainable parameter
+    with its decays (``ref``). ``new(bound=False, **kwargs)`` makes another EMAModel from the starting copy (bound:
+    stepped once on the model, decay 0)."""
+    from types import SimpleNamespace
+
+    from functional_ema.integrations.diffusers import EMAModel
+
+    net_cls = tiny_net_class()
+    torch.manual_seed(0)
+    model = net_cls()
+    if frozen:
+        model.frozen.requires_grad_(False)
+    start = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+
+    def new(bound: bool = False, **kwargs: Any) -> EMAModel:
+        ema = EMAModel(
+            copy.deepcopy(start).parameters(), decay=0.8, model_cls=net_cls, model_config=start.config, **kwargs
+        )
+        if bound:
+            ema.step(model.parameters())
+        return ema
+
+    ema, ref = new(**sel), {}
+    for _ in range(3):
+        _sgd_step(model, opt, g, d_in=6)
+        ema.step(model.parameters())
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                ref[n] = p.detach().clone() if n not in ref else ref[n].lerp_(p.detach(), 1 - ema.cur_decay_value)
+    return SimpleNamespace(net_cls=net_cls, model=model, new=new, ema=ema, ref=ref)
+
+
+def _same_values(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_resume_with_another_selection_is_refused(tmp_path):
+    """After the first step ``state_dict()`` records the selection (its patterns and ``mask``, one character per
+    position: averaged ``1``, left out ``0``, not read ``.``) and ``save_pretrained`` writes it to
+    ``ema_selection.json``. Values saved with a selection that averaged other positions are refused naming them
+    (they loaded silently, by position: the parameters the save did not average started from the live values it
+    kept): by ``load_state_dict`` after the first step, else at the first step, before anything is made. The same
+    positions by other patterns load; diffusers' own ``EMAModel`` loads the dict and the folder, and its dict, without
+    a record, loads as before. Without a selection the dict is diffusers' own."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema import MismatchError
+    from functional_ema.integrations.diffusers import FIELDS, SELECTION_KEY, EMAModel
+
+    r = _selected_run(include=["inp.*", "out.*"], exclude="*.bias")
+    sd = r.ema.state_dict()
+    assert sd[SELECTION_KEY] == {"include": ["inp.*", "out.*"], "exclude": ["*.bias"], "mask": "10000010"}
+    assert set(r.new(bound=True).state_dict()) == {*FIELDS, "shadow_params"}  # no selection: diffusers' dict
+    r.ema.save_pretrained(tmp_path / "ema")
+    loaded = EMAModel.from_pretrained(tmp_path / "ema", r.net_cls)
+    assert loaded.state_dict()[SELECTION_KEY] == sd[SELECTION_KEY]  # passed on with the values
+    every = r"(?s)selects every parameter .*averaged by this EMA, left out by the save .*'inp\.bias' \(#1\)"
+    with pytest.raises(MismatchError, match=every):
+        r.new(bound=True).load_state_dict(sd)
+    with pytest.raises(MismatchError, match=r"averaged by the save, not by this EMA: 'inp\.weight' \(#0\), 'out"):
+        r.new(bound=True, include="norm.*").load_state_dict(loaded.state_dict())
+    late = r.new(include="norm.*")  # before the first step: the positions are known at it
+    late.load_state_dict(loaded.state_dict())
+    with pytest.raises(MismatchError, match=r"before EMAModel\.step were saved with the selection include=\['inp"):
+        late.step(r.model.parameters())
+    assert late.state is None
+    for bound in (False, True):
+        for same in ({"include": ["out.*", "inp.*"], "exclude": "*.bias"}, {"include": ["out.weight", "inp.weight"]}):
+            resumed = r.new(bound, **same)
+            resumed.load_state_dict(loaded.state_dict())
+            assert _same_values(resumed.state_dict()["shadow_params"], sd["shadow_params"]), (bound, same)
+            resumed.step(r.model.parameters())
+    theirs = DiffusersEMA(copy.deepcopy(r.model).parameters(), model_cls=r.net_cls, model_config=r.model.config)
+    theirs.load_state_dict(sd)
+    assert _same_values(theirs.shadow_params, sd["shadow_params"])
+    theirs = DiffusersEMA.from_pretrained(tmp_path / "ema", r.net_cls)
+    assert theirs.optimization_step == 3 and _same_values(theirs.shadow_params, sd["shadow_params"])
+    for bound in (False, True):  # no record: as before
+        r.new(bound, include="norm.*").load_state_dict(theirs.state_dict())
+
+
+def test_the_selection_record_is_a_file_beside_diffusers_config(tmp_path):
+    """The record was an entry of config.json: ``from_config`` kept it in ``model.config``, so diffusers' EMA loaded
+    from the folder wrote it again with values averaging everything, and a later load into an EMA without a
+    selection was refused; every ``from_pretrained`` of the folder logged it as an unexpected config attribute. Now
+    it is ``ema_selection.json`` (written only with a selection; a save without one into the folder removes an
+    earlier one), and config.json is diffusers' own."""
+    from diffusers.training_utils import EMAModel as DiffusersEMA
+
+    from functional_ema.integrations.diffusers import SELECTION_KEY, EMAModel
+
+    r = _selected_run(include="inp.*")
+    r.ema.save_pretrained(tmp_path / "ema")
+    config = json.loads((tmp_path / "ema" / "config.json").read_text())
+    assert SELECTION_KEY not in config and config["optimization_step"] == 3
+    assert json.loads((tmp_path / "ema" / "ema_selection.json").read_text())["mask"] == "11000000"
+    theirs = DiffusersEMA.from_pretrained(tmp_path / "ema", r.net_cls)
+    assert SELECTION_KEY not in theirs.model_config
+    theirs.save_pretrained(tmp_path / "theirs")  # diffusers' EMA averages every parameter
+    assert not (tmp_path / "theirs" / "ema_selection.json").exists()
+    back = EMAModel.from_pretrained(tmp_path / "theirs", r.net_cls).state_dict()
+    assert SELECTION_KEY not in back
+    resumed = r.new(bound=True)
+    resumed.load_state_dict(back)
+    assert _same_values(resumed.state_dict()["shadow_params"], r.ema.state_dict()["shadow_params"])
+    r.new(bound=True).save_pretrained(tmp_path / "ema")  # no selection, into the same folder
+    assert not (tmp_path / "ema" / "ema_selection.json").exists()
+    assert SELECTION_KEY not in EMAModel.from_pretrained(tmp_path / "ema", r.net_cls).state_dict()
+
+
+def test_recording_the_selection_asks_the_predicate_about_no_new_name(tmp_path):
+    """The record was made by calling the user's predicate on every position's name, frozen ones included, which
+    it had never been asked about: a predicate that raises there (or returns a numpy bool) made ``state_dict`` and
+    ``save_pretrained`` fail where they had worked. Now the record is what the steps decided: the names read
+    (asked already) averaged or left out, the frozen ones ``.``. The values: a plain-torch ``lerp_`` EMA of the
+    names picked, the others live (bitwise)."""
+    import numpy as np
+
+    from functional_ema.integrations.diffusers import SELECTION_KEY
+
+    def raising(name: str) -> bool:
+        if name.startswith("frozen."):
+            raise KeyError(name)
+        return name.endswith(".weight")
+
+    def numpy_there(name: str) -> bool:
+        return np.bool_(True) if name.startswith("frozen.") else name.endswith(".weight")  # type: ignore[return-value]
+
+    for predicate in (raising, numpy_there):
+        r = _selected_run(frozen=True, include=predicate)
+        sd = r.ema.state_dict()
+        assert sd[SELECTION_KEY]["mask"] == "1010..10", predicate
+        live = {n: p.detach() for n, p in r.model.named_parameters()}
+        names = list(live)
+        for n, v in zip(names, sd["shadow_params"]):
+            assert torch.equal(v, r.ref[n] if n.endswith(".weight") and n in r.ref else live[n]), (predicate, n)
+        r.ema.save_pretrained(tmp_path / predicate.__name__)
+        assert json.loads((tmp_path / predicate.__name__ / "ema_selection.json").read_text())["mask"] == "1010..10"
+
+
+def test_a_resume_whose_names_changed_is_compared_by_position():
+    """Values load by position, but the selections were compared as sets of names: a legitimate resume where a
+    submodule was compiled in place (its parameters named ``out._orig_mod.*``) was refused. Now the positions
+    averaged are compared; the names only name them in a refusal."""
+    from functional_ema.integrations.diffusers import SELECTION_KEY
+
+    r = _selected_run(include=["inp.*", "out.*"])
+    sd = r.ema.state_dict()
+    r.model.out = torch.compile(r.model.out)  # wrapped only: nothing is compiled before a forward
+    assert "out._orig_mod.weight" in dict(r.model.named_parameters())
+    for bound in (True, False):
+        resumed = r.new(bound, include=["inp.*", "out.*"])
+        resumed.load_state_dict(sd)
+        if not bound:
+            resumed.optimization_step = 2  # one step back: this step's decay is the saved EMA's last
+            resumed.step(r.model.parameters())
+            assert resumed.cur_decay_value == r.ema.cur_decay_value
+        assert resumed.state_dict()[SELECTION_KEY]["mask"] == sd[SELECTION_KEY]["mask"] == "11000011"
+        if bound:
+            assert _same_values(resumed.state_dict()["shadow_params"], sd["shadow_params"])
+
+
+def test_from_pretrained_then_step_keeps_or_refuses_the_saved_selection(tmp_path):
+    """``EMAModel.from_pretrained(dir, cls)`` stepped itself averaged every parameter, the positions the save had
+    not averaged starting from the live values it kept, silently. Now its first step refuses, naming them, and
+    ``from_pretrained(..., include=, exclude=)`` resumes the selection (bitwise the uninterrupted EMA). A folder
+    without a record resumed with a selection is accepted (as documented)."""
+    from functional_ema import MismatchError
+    from functional_ema.integrations.diffusers import EMAModel
+
+    r = _selected_run(include="inp.*")
+    r.ema.save_pretrained(tmp_path / "ema")
+    plain = EMAModel.from_pretrained(tmp_path / "ema", r.net_cls)
+    with pytest.raises(MismatchError, match=r"(?s)selects every parameter .*'norm\.weight' \(#2\), 'norm\.bias' \(#3"):
+        plain.step(r.model.parameters())
+    assert plain.state is None
+    same = EMAModel.from_pretrained(tmp_path / "ema", r.net_cls, include=["inp.weight", "inp.bias"])
+    same.step(r.model.parameters())
+    r.ema.step(r.model.parameters())
+    assert same.optimization_step == 4 and _same_values(
+        same.state_dict()["shadow_params"], r.ema.state_dict()["shadow_params"]
+    )
+    r.new(bound=True).save_pretrained(tmp_path / "plain")
+    EMAModel.from_pretrained(tmp_path / "plain", r.net_cls, include="inp.*").step(r.model.parameters())
+
+
+def test_selection_records_without_positions_are_not_compared():
+    """A record made before the first step held the patterns alone, and was compared as text: equivalent patterns
+    were refused, and two predicates of one name (two lambdas) passed whatever they picked. Now no record is made
+    before the positions are known, a record without ``mask`` is not compared, and a predicate's is compared by the
+    positions it averaged."""
+    from functional_ema import MismatchError
+    from functional_ema.integrations.diffusers import FIELDS, SELECTION_KEY
+
+    r = _selected_run()
+    assert set(r.new(include="inp.*").state_dict()) == {*FIELDS, "shadow_params"}
+    old = {**r.ema.state_dict(), SELECTION_KEY: {"include": ["inp.*"], "exclude": None}}
+    for bound in (True, False):
+        resumed = r.new(bound, include=["inp.weight", "inp.bias"])
+        resumed.load_state_dict(old)
+        resumed.step(r.model.parameters())
+    one, two = (lambda n: n.startswith("inp.")), (lambda n: n.startswith("out."))
+    r = _selected_run(include=one)
+    sd = r.ema.state_dict()
+    assert sd[SELECTION_KEY]["include"] == r.new(bound=True, include=two).state_dict()[SELECTION_KEY]["include"]
+    with pytest.raises(MismatchError, match=r"averaged by the save, not by this EMA: 'inp\.weight' \(#0\)"):
+        r.new(bound=True, include=two).load_state_dict(sd)
 
 
 # ------------------------------------------------------------------------------------------ ranks

@@ -1483,8 +1483,9 @@ def test_a_removal_outside_model_checkpoint_waits_only_while_an_async_save_await
 def test_rotation_removes_only_the_exact_files_of_a_verified_ema_save(tmp_path):
     """What a removal of a file checkpoint takes from ``<ckpt>.ema``, by the library's readers and exact names (one
     process). ``a``: a saved EMA with crash-left temporaries of the library's own files (a rank file's, the manifest's,
-    an async marker's, ``ema_latest``'s beside the tag folder) and a user's ``ema_notes.tmp-1`` and ``integration.json``
-    (not a record): the library's files all go, the user's two stay, warned. ``b``: a tag folder holding a user's
+    an async marker's, ``ema_latest``'s beside the tag folder), a crash-left ``shared=False`` marker, and a user's
+    ``ema_notes.tmp-1``, ``integration.json`` (not a record) and ``.ema_present.notes`` (named like a marker, not one):
+    the library's files all go, the user's three stay, warned. ``b``: a tag folder holding a user's
     ``integration.json`` alone (no valid record: no proof of a save) stays whole, warned. ``c``: a saved EMA plus a
     crash-left ``ema_latest`` temporary: all gone, no warning. ``u``: a not-started record (a save before the EMA
     starts), a valid record: all gone, no warning."""
@@ -1510,8 +1511,9 @@ def test_rotation_removes_only_the_exact_files_of_a_verified_ema_save(tmp_path):
         f"{rank_file}.tmp-123-0123456789ab",
         "ema_manifest.json.tmp-77",
         "ema_async.0123456789abcdef.rank00000.done.tmp-5-0123456789ab",
+        ".ema_present.0123456789abcdef.000001",
     ]
-    for name in [*crash_left, "ema_notes.tmp-1"]:
+    for name in [*crash_left, "ema_notes.tmp-1", ".ema_present.notes"]:
         (tag / name).write_bytes(b"x")
     (tag / "integration.json").write_text('{"mine": 1}')
     (ck / "a.ckpt.ema" / "ema_latest.tmp-9-0123456789ab").write_text("ema\n")
@@ -1528,6 +1530,7 @@ def test_rotation_removes_only_the_exact_files_of_a_verified_ema_save(tmp_path):
     assert sorted(str(f.relative_to(ck)) for f in ck.rglob("*")) == [
         "a.ckpt.ema",
         "a.ckpt.ema/ema",
+        "a.ckpt.ema/ema/.ema_present.notes",
         "a.ckpt.ema/ema/ema_notes.tmp-1",
         "a.ckpt.ema/ema/integration.json",
         "b.ckpt.ema",
@@ -1537,3 +1540,256 @@ def test_rotation_removes_only_the_exact_files_of_a_verified_ema_save(tmp_path):
     left = sorted(str(w.message) for w in caught if "did not write there" in str(w.message))
     assert len(left) == 2, [str(w.message) for w in caught]
     assert "a.ckpt.ema beside it holds ['ema']" in left[0] and "b.ckpt.ema beside it holds ['ema']" in left[1], left
+
+
+def test_rotation_at_a_url_removes_only_the_exact_objects_of_a_verified_ema_save(tmp_path):
+    """A checkpoint at a URL (``memory://``, one process) loses, with the checkpoint, only what the library's saves
+    write under ``<ckpt>.ema/``, by exact names, as a local folder does. ``a``: a saved EMA plus a failed save's
+    leftovers of the library's names (a rank file of a later generation, a save marker) and a user's objects (one
+    beside the tag, one in it, one named like a marker but not one, one in a sub-prefix of the tag): the library's
+    all go, the user's stay, warned. ``b``: a tag holding a user's ``integration.json`` (no valid record) and a user's
+    object named like a rank file (no library header): no proof of a save, all stays, warned. ``u``: a not-started
+    record, valid: all gone, no warning."""
+    import fsspec
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    fs = fsspec.filesystem("memory")
+    base = f"memory://fe-rotation-{tmp_path.name}/ck"
+    trainer = _tiny_trainer(tmp_path / "run", [EMACallback(decay=0.8)])
+    trainer.fit(_tiny_module())
+    for name in ("a", "b"):
+        trainer.save_checkpoint(f"{base}/{name}.ckpt")
+    late = _tiny_trainer(tmp_path / "late", [EMACallback(decay=0.8, start_step=100)])
+    late.fit(_tiny_module())
+    late.save_checkpoint(f"{base}/u.ckpt")
+    root = base.removeprefix("memory://")
+
+    def listing() -> list[str]:
+        return sorted(p.removeprefix("/").removeprefix(root + "/") for p in fs.find(root))
+
+    saved = listing()  # the oracle: what the saves wrote
+    assert "a.ckpt.ema/ema/ema_manifest.json" in saved and "u.ckpt.ema/ema/integration.json" in saved, saved
+    assert fe.checkpoint.read_manifest(f"{base}/a.ckpt.ema", "ema")["step"] == 8
+    rank_file = next(n for n in saved if n.startswith("a.ckpt.ema/ema/ema_rank_")).rsplit("/", 1)[1]
+    leftovers = [rank_file.replace(".safetensors", ".gen9.safetensors"), ".ema_store.0123456789abcdef.gen9"]
+    users = ["a.ckpt.ema/notes.txt", "a.ckpt.ema/ema/results.json", "a.ckpt.ema/ema/.ema_store.mine"]
+    users += ["a.ckpt.ema/ema/sub/x.bin"]
+    for name in leftovers:
+        fs.pipe_file(f"{root}/a.ckpt.ema/ema/{name}", b"x")
+    for name in users:
+        fs.pipe_file(f"{root}/{name}", b"mine")
+    for name in [n for n in saved if n.startswith("b.ckpt.ema/")]:
+        fs.rm_file(f"{root}/{name}")
+    theirs = ["b.ckpt.ema/ema/integration.json", f"b.ckpt.ema/ema/{rank_file}"]
+    for name in theirs:
+        fs.pipe_file(f"{root}/{name}", b'{"mine": 2}')
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in ("a", "b", "u"):
+            trainer.strategy.remove_checkpoint(f"{base}/{name}.ckpt")
+    assert listing() == sorted(users + theirs)
+    left = sorted(str(w.message) for w in caught if "did not write there" in str(w.message))
+    assert len(left) == 2, [str(w.message) for w in caught]
+    assert "a.ckpt.ema beside it holds ['ema', 'notes.txt']" in left[0], left
+    assert "b.ckpt.ema beside it holds ['ema']" in left[1], left
+    fs.rm(root, recursive=True)
+
+
+def private_rotation_worker(root: str) -> dict:
+    """2 ranks (DDP), ``EMACallback(shared=False)``, ``ModelCheckpoint(save_top_k=1)`` every 2 steps, 6 steps (saves
+    at 2, 4, 6). ``own``: each rank's own folder (Ray's per-worker ones, node-local disks); ``one``: one folder both
+    ranks write (the ranks of a node). After the step-2 save a user's files are put beside the checkpoints and into
+    the step-2 EMA folder. Returns each case's listing (from this rank), the step-6 EMA of this rank's folder against
+    a plain EMA of the weights, and the warnings about files left in place."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    rank, out = dist.get_rank(), {}
+    early: list[str] = []  # an EMA folder removal begun while its checkpoint was still there
+    _slow_checkpoint_removal(early)
+    for case in ("own", "one"):
+        ck = Path(root) / case / (f"rank{rank}" if case == "own" else "all") / "ckpt"
+
+        class Saves(pl.callbacks.ModelCheckpoint):
+            def setup(self, trainer, pl_module, stage):
+                super().setup(trainer, pl_module, stage)
+                self.dirpath = str(ck)  # this rank's own folder, not rank 0's (broadcast)
+
+        class Plant(pl.Callback):
+            def on_train_batch_start(self, trainer, *args):
+                if trainer.global_step == 2 and (case == "own" or rank == 0):  # the step-2 checkpoint is saved
+                    (ck / "keep.txt").write_text("mine")
+                    (ck / "epoch=0-step=2.ckpt.ema" / "ema" / "results.json").write_text("{}")
+
+        snaps: dict[int, dict] = {}
+        saves = Saves(dirpath=str(ck), save_top_k=1, monitor="step", mode="max", every_n_train_steps=2)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=_strategy("ddp"),
+            max_steps=6,
+            callbacks=[EMACallback(decay=0.8, shared=False), saves, Plant(), _oracle(0.8, snaps)],
+            default_root_dir=root,
+            **QUIET,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_tiny_module())
+        dist.barrier()
+        saved = fe.checkpoint.consolidate(ck / "epoch=1-step=6.ckpt.ema", "ema")
+        out[case] = {
+            "names": sorted(n for n in (str(p.relative_to(ck)) for p in ck.rglob("*")) if "step=6" not in n),
+            "top": sorted(p.name for p in ck.iterdir()),
+            "bitwise": sorted(saved) == sorted(snaps[6]) and all(torch.equal(saved[n], snaps[6][n]) for n in saved),
+            "left": [str(w.message) for w in caught if "did not write there" in str(w.message)],
+        }
+    out["early"] = early
+    return out
+
+
+def _slow_checkpoint_removal(early: list[str]) -> None:
+    """In this rank's process: Lightning's removal of a checkpoint file takes 0.5 s (a slow filesystem), and each
+    removal of an EMA folder beside a checkpoint still there is noted in ``early``."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    import functional_ema.integrations.lightning as integration
+
+    remove, drop = TorchCheckpointIO.remove_checkpoint, integration._remove_companion
+
+    def slow_remove(self, path):
+        time.sleep(0.5)
+        remove(self, path)
+
+    def noted_drop(folder, tag):
+        if Path(str(folder).removesuffix(".ema")).exists():
+            early.append(str(folder))
+        return drop(folder, tag)
+
+    TorchCheckpointIO.remove_checkpoint = slow_remove
+    integration._remove_companion = noted_drop
+
+
+def test_rotation_with_private_folders_removes_every_ranks_ema_folder(tmp_path):
+    """:func:`private_rotation_worker`: Lightning removes the rotated checkpoint on rank 0 only; with ``shared=False``
+    each rank removes the EMA folder beside its own path (only the library's files), so after 3 saves each rank's
+    folder holds only the last EMA (the plain EMA of the weights at step 6, bitwise) and the user's files, each
+    warned about once per rank; in a folder both ranks share, the two removals together leave the same. The EMA
+    folders go after the checkpoint, also when its removal is slow (no rank removes an EMA whose checkpoint is there)."""
+    got = run_ranks(
+        "tests.test_integrations_lightning:private_rotation_worker", world_size=2, timeout=300, root=str(tmp_path)
+    )
+    for rank, out in enumerate(got):
+        assert out["early"] == [], (rank, out["early"])  # the checkpoint goes first, the EMA folders after it
+        for case in ("own", "one"):
+            r = out[case]
+            last = ["epoch=1-step=6.ckpt"] if rank == 0 or case == "one" else []
+            assert r["top"] == sorted(["epoch=0-step=2.ckpt.ema", *last, "epoch=1-step=6.ckpt.ema", "keep.txt"]), (
+                rank,
+                case,
+                r,
+            )
+            assert r["names"] == [
+                "epoch=0-step=2.ckpt.ema",
+                "epoch=0-step=2.ckpt.ema/ema",
+                "epoch=0-step=2.ckpt.ema/ema/results.json",
+                "keep.txt",
+            ], (rank, case, r)
+            assert r["bitwise"] is True, (rank, case)
+            assert len(r["left"]) == 1 and "epoch=0-step=2.ckpt.ema beside it holds ['ema']" in r["left"][0], r
+
+
+def rank_zero_pruning_worker(root: str) -> dict:
+    """2 ranks (DDP), ``EMACallback(shared=False)`` and a ``ModelCheckpoint`` subclass (save_top_k=-1, every 2 steps,
+    4 steps) whose ``on_train_end`` prunes on rank 0 only through its ``_remove_checkpoint`` (rank-zero-only
+    housekeeping), in a folder both ranks share. Then, on rank 0 alone, a removal taken as one of every rank's (as
+    inside ``ModelCheckpoint``'s saves when the ranks decide differently), which must fail within the arrival limit
+    (``FUNCTIONAL_EMA_TIMEOUT``), removing nothing. Returns the listing after each, the step-4 EMA against a plain EMA
+    of the weights, and the failure."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    import functional_ema as fe
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    rank, ck = dist.get_rank(), Path(root) / "ckpt"
+
+    class Prune(pl.callbacks.ModelCheckpoint):
+        def on_train_end(self, trainer, pl_module):
+            if trainer.is_global_zero:
+                for p in sorted(ck.glob("*.ckpt"))[:-1]:
+                    self._remove_checkpoint(trainer, str(p))
+
+    snaps: dict[int, dict] = {}
+    ema = EMACallback(decay=0.8, shared=False)
+    saves = Prune(dirpath=str(ck), save_top_k=-1, every_n_train_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=_strategy("ddp"),
+        max_steps=4,
+        callbacks=[ema, saves, _oracle(0.8, snaps)],
+        default_root_dir=root,
+        **QUIET,
+    )
+    trainer.fit(_tiny_module())
+    dist.barrier()
+    saved = fe.checkpoint.consolidate(ck / "epoch=0-step=4.ckpt.ema", "ema")
+    out: dict = {
+        "pruned": sorted(p.name for p in ck.iterdir()),
+        "bitwise": sorted(saved) == sorted(snaps[4]) and all(torch.equal(saved[n], snaps[4][n]) for n in saved),
+    }
+    dist.barrier()
+    done = Path(root) / "rank0_done"
+    if rank == 0:
+        ema._every_rank = True  # as inside ModelCheckpoint's _save_topk_checkpoint, on this rank alone
+        t0 = time.monotonic()
+        try:
+            trainer.strategy.remove_checkpoint(str(ck / "epoch=0-step=4.ckpt"))
+            out["alone"] = None
+        except Exception as e:  # noqa: BLE001 - which error, and its message, are checked
+            out["alone"] = f"{type(e).__name__}: {e}"
+        out["alone_s"] = time.monotonic() - t0
+        out["after_alone"] = sorted(str(p.relative_to(ck)) for p in ck.rglob("*"))
+        done.write_text("")
+    else:  # no collective meanwhile: rank 1 is elsewhere
+        while not done.exists():
+            time.sleep(0.1)
+    return out
+
+
+def test_a_rank_zero_only_removal_with_private_folders_removes_rank_zeros_files_and_a_lone_one_fails_bounded(tmp_path):
+    """:func:`rank_zero_pruning_worker`: with ``shared=False`` a ``ModelCheckpoint`` subclass removing on rank 0 only
+    outside its every-rank saves takes no collective (it hung or crashed gloo: "Connection closed by peer"): rank 0
+    removes the checkpoint and its EMA folder (every rank's files of it, by their names), the last EMA stays, the plain
+    EMA of the weights at step 4 bitwise. A removal that only rank 0 takes as every rank's fails there within the
+    arrival limit (5 s here) with a ``CheckpointTimeoutError`` naming the checkpoint, the rank and the cause, and
+    removes nothing."""
+    got = run_ranks(
+        "tests.test_integrations_lightning:rank_zero_pruning_worker",
+        world_size=2,
+        timeout=150,
+        env={"FUNCTIONAL_EMA_TIMEOUT": "5"},
+        root=str(tmp_path),
+    )
+    for out in got:
+        assert out["pruned"] == ["epoch=0-step=4.ckpt", "epoch=0-step=4.ckpt.ema"], out
+        assert out["bitwise"] is True, out
+    alone = got[0]["alone"]
+    assert alone is not None and alone.startswith("CheckpointTimeoutError: EMACallback(shared=False): rank 0"), alone
+    assert "epoch=0-step=4.ckpt with it" in alone and "sync_dist=True" in alone and "Nothing was removed" in alone
+    assert 4 < got[0]["alone_s"] < 60, got[0]
+    ema_files = sorted(str(p.relative_to(tmp_path / "ckpt")) for p in (tmp_path / "ckpt").rglob("*"))
+    assert got[0]["after_alone"] == ema_files and "epoch=0-step=4.ckpt" in ema_files, ema_files
+    assert any(n.endswith("ema_manifest.json") for n in ema_files), ema_files

@@ -10,7 +10,8 @@ callback at an fsspec URL, against a real S3 server (SeaweedFS on loopback, ``fu
   incomplete; ``shared=False`` with a URL is refused naming it; nothing is ever written to a local ``s3:`` folder.
 * Lightning (DDP, ``ModelCheckpoint(dirpath="s3://...")``): the EMA of a 3-epoch fit is bitwise a plain-torch EMA
   of the full weights (and buffers) taken at each optimizer step; the top-1 rotation removes each older
-  checkpoint's ``.ema`` prefix and nothing else (decoy objects sharing the prefix's name stay); a 2-epoch fit into
+  checkpoint's EMA objects under its ``.ema`` prefix, by their exact names, and nothing else (decoy objects sharing
+  the prefix's name stay, and so do a user's objects inside the prefix, beside the tag and in it); a 2-epoch fit into
   another prefix, resumed from its ``s3://`` checkpoint for a third epoch, ends bitwise on the uninterrupted EMA.
 * Without a server: a URL reaching the Accelerate or HF Trainer callbacks' folders is refused naming the argument.
 """
@@ -216,6 +217,11 @@ def lightning_worker(root: str) -> dict:
     rank = dist.get_rank()
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     decoys = [f"{BUCKET}/full/epoch=0-step=2.ckpt.emax/keep", f"{BUCKET}/full/keep.txt"]
+    # a user's objects inside a rotated checkpoint's EMA prefix: not the callback's
+    decoys += [
+        f"{BUCKET}/full/epoch=0-step=2.ckpt.ema/notes.txt",
+        f"{BUCKET}/full/epoch=0-step=2.ckpt.ema/ema/mine.json",
+    ]
     if rank == 0:
         for d in decoys:
             fs.pipe_file(d, b"not the callback's")
@@ -254,8 +260,17 @@ def test_lightning_checkpoints_in_a_bucket(tmp_path: Path) -> None:
     for r in res:
         assert r["steps"] == [6, 6] and r["bitwise"] == [True, True] and r["buffers_bitwise"] == [True, True]
         listing = r["listing"]
-        # the top-1 rotation removed the older checkpoints and their .ema prefixes; the decoys stay
-        assert {n.split("/")[0] for n in listing} == {last, f"{last}.ema", "epoch=0-step=2.ckpt.emax", "keep.txt"}
+        # the top-1 rotation removed the older checkpoints and their EMA objects; the decoys stay, and only they
+        users = ["epoch=0-step=2.ckpt.ema/ema/mine.json", "epoch=0-step=2.ckpt.ema/notes.txt"]
+        assert [n for n in listing if n.startswith("epoch=0-step=2.ckpt.ema/")] == users, listing
+        assert {n.split("/")[0] for n in listing} == {
+            last,
+            f"{last}.ema",
+            "epoch=0-step=2.ckpt.ema",
+            "epoch=0-step=2.ckpt.emax",
+            "keep.txt",
+        }
+        assert not [n for n in listing if n.startswith("epoch=1-step=4.ckpt")], listing
         assert f"{last}.ema/ema/ema_manifest.json" in listing and f"{last}.ema/ema_latest" in listing
         assert {f"epoch={e}-step={2 * e + 2}.ckpt.ema/ema/ema_manifest.json" for e in (0, 1)} <= set(r["part_listing"])
         assert r["resumed_steps"] == [6, 6] and r["resumed_bitwise"] == [True, True]

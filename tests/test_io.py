@@ -78,6 +78,55 @@ def test_atomic_open_failure_leaves_the_target_and_no_temporary(tmp_path, monkey
     assert calls == [] and target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
 
+def test_atomic_open_without_replace_keeps_a_file_that_appears_meanwhile(tmp_path, monkeypatch):
+    """``replace=False`` (consolidate/posthoc/--plot without --overwrite): a file created at the target while the
+    block runs (a user's, another run's) is kept, the temporary file removed, and ``FileExistsError`` names the
+    target; ``os.replace`` dropped it silently. Also where the file system has no hard links (``os.link``: EPERM),
+    through an O_EXCL reservation. With no file there, the bytes are committed as with ``replace=True``, which
+    (saves' default) still replaces."""
+    import errno
+
+    real_link = os.link
+
+    def no_links(src, dst, **kw):
+        raise OSError(errno.EPERM, "Operation not permitted", str(src))
+
+    for links in ("hard links", "no hard links"):
+        if links == "no hard links":
+            monkeypatch.setattr(os, "link", no_links)
+        folder = tmp_path / links.replace(" ", "_")
+        folder.mkdir()
+        target = folder / "ema.safetensors"
+        with pytest.raises(FileExistsError) as e, _io.atomic_open(target, replace=False) as f:
+            f.write(b"ours")
+            target.write_bytes(b"USER DATA")  # appears while the file is written
+        assert str(e.value) == (
+            f"refusing to replace {target}: it appeared while this file was being written (another process or a user "
+            "created it), and is left as it is; nothing was written. Pass --overwrite (overwrite=True) to replace it, "
+            "or choose another name"
+        )
+        assert target.read_bytes() == b"USER DATA" and [p.name for p in folder.iterdir()] == ["ema.safetensors"]
+        target.unlink()
+        with _io.atomic_open(target, replace=False) as f:  # nothing there: committed
+            f.write(b"ours")
+        assert target.read_bytes() == b"ours" and [p.name for p in folder.iterdir()] == ["ema.safetensors"]
+        with _io.atomic_open(target) as f:  # the default replaces (checkpoint saves, --overwrite)
+            f.write(b"again")
+        assert target.read_bytes() == b"again" and [p.name for p in folder.iterdir()] == ["ema.safetensors"]
+    monkeypatch.setattr(os, "link", real_link)
+    # the streaming writer and write_tensors pass it on
+    target = tmp_path / "w.safetensors"
+    with pytest.raises(FileExistsError), _io.StreamingWriter(target, [("w", torch.float32, (2,))], replace=False) as w:
+        w.write("w", torch.ones(2))
+        target.write_bytes(b"USER DATA")
+        w.commit()
+    assert target.read_bytes() == b"USER DATA"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hard_links", "no_hard_links", "w.safetensors"]
+    target.unlink()
+    _io.write_tensors(target, {"w": torch.arange(3.0)}, {}, replace=False)
+    assert torch.equal(load_file(target)["w"], torch.arange(3.0))
+
+
 def test_tmp_names_are_unique_siblings():
     a, b = _io.tmp_name("/x/y/ema.safetensors"), _io.tmp_name("/x/y/ema.safetensors")
     assert a != b and a.parent == Path("/x/y") and a.name.startswith(f"ema.safetensors.tmp-{os.getpid()}-")
@@ -657,3 +706,43 @@ def test_self_checksums_of_three_tensors_at_chunk_boundaries(tmp_path):
     )
     with pytest.raises(_io.FormatError, match="is not 3 hex checksums of 16 digits"):
         _io.self_checksums(_io.SafetensorsFile(forged))
+
+
+def test_exclusive_commit_counts_a_lost_link_reply_and_never_leaves_its_reservation(tmp_path, monkeypatch):
+    """Review of the exclusive commit: (1) on NFS a retransmitted ``link`` that had succeeded answers EEXIST: our own
+    complete file is at the target, so the commit stands (it was reported refused and the temporary removed);
+    (2) without hard links, an interrupt (Ctrl-C) between the O_EXCL reservation and the rename left an empty file at
+    the target: it is removed, and only if it is still the reservation (a file someone put there instead stays)."""
+    import errno
+
+    real_link, real_replace = os.link, os.replace
+
+    def lost_reply(src, dst, **kw):
+        real_link(src, dst)
+        raise FileExistsError(errno.EEXIST, "File exists", str(dst))
+
+    monkeypatch.setattr(os, "link", lost_reply)
+    target = tmp_path / "a.st"
+    with _io.atomic_open(target, replace=False) as f:
+        f.write(b"ours")
+    assert target.read_bytes() == b"ours" and [p.name for p in tmp_path.iterdir()] == ["a.st"]
+
+    def no_links(src, dst, **kw):
+        raise OSError(errno.EACCES, "Permission denied", str(src))  # some FUSE/SMB mounts answer EACCES
+
+    monkeypatch.setattr(os, "link", no_links)
+    for swapped_in in (False, True):
+
+        def interrupted(src, dst, swapped_in=swapped_in):
+            if swapped_in:  # someone replaced our reservation meanwhile
+                Path(dst).unlink()
+                Path(dst).write_bytes(b"THEIRS")
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(os, "replace", interrupted)
+        target = tmp_path / f"b{int(swapped_in)}.st"
+        with pytest.raises(KeyboardInterrupt), _io.atomic_open(target, replace=False) as f:
+            f.write(b"ours")
+        monkeypatch.setattr(os, "replace", real_replace)
+        assert (target.read_bytes() == b"THEIRS") if swapped_in else not target.exists()
+        assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -611,6 +611,32 @@ def test_out_in_a_missing_folder_is_refused_naming_it_before_any_snapshot_is_rea
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
+def test_a_file_given_as_the_snapshot_folder_is_named_a_file(tmp_path, one_rank_engine, capsys):
+    """``posthoc SNAPS/ema_latest OUT`` (an existing file as SNAPSHOT_DIR) said it "does not exist"; it says the path
+    is a file, not a folder, and which folder was likely meant. A missing folder still "does not exist"."""
+    from functional_ema import checkpoint
+    from functional_ema.__main__ import main
+
+    snaps = tmp_path / "snaps"
+    _walk(snaps, one_rank_engine, seed=4, steps=64)
+    given = snaps / "ema_latest"
+    assert given.is_file()
+    want = (
+        f"snapshot directory {given} is a file, not a folder: give the folder holding the snapshot_<step> folders "
+        f"(here perhaps {snaps})"
+    )
+    with pytest.raises(checkpoint.CheckpointNotFoundError) as e:
+        posthoc.list_snapshots(given)
+    assert str(e.value) == want
+    assert main(["posthoc", str(given), str(tmp_path / "o.safetensors"), "--sigma-rel", "0.1"]) == 1
+    assert capsys.readouterr().err == f"error: {want}\n"
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError, match=f"^snapshot directory {tmp_path / 'no'} does not exist$"
+    ):
+        posthoc.list_snapshots(tmp_path / "no")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
 def test_posthoc_to_file_replaces_an_existing_file_only_with_overwrite(tmp_path, one_rank_engine):
     """An existing file is the user's: refused by default (before any snapshot is read: here the snapshot folder
     does not exist), its bytes kept; overwrite=True replaces it with the post-hoc EMA (posthoc_offline's)."""
@@ -647,11 +673,15 @@ def test_cli_plot_path_is_checked_before_anything_is_written(tmp_path, one_rank_
 
     mine = tmp_path / "figure.png"
     mine.write_text("my own figure")
-    rc, cap = cli(mine)  # an existing file, as OUT: only with --overwrite
-    assert rc == 1 and "--overwrite" in cap.err and mine.read_text() == "my own figure"
+    rc, cap = cli(mine)  # an existing file, as OUT: only with --overwrite; a usage error (one line, exit 2)
+    assert rc == 2 and cap.err == (
+        f"error: --plot: refusing to replace the existing file {mine}: pass --overwrite (overwrite=True) to replace it "
+        "(atomically), or choose another name\n"
+    )
+    assert mine.read_text() == "my own figure"
     inside = snaps / posthoc.snapshot_tag(128) / "profile.png"
     rc, cap = cli(inside)  # inside a snapshot folder, as OUT: refused
-    assert rc == 1 and "inside" in cap.err and not inside.exists()
+    assert rc == 2 and cap.err.startswith("error: --plot: refusing") and "inside" in cap.err and not inside.exists()
     for bad in (tmp_path / "p.svgx", tmp_path / "o.safetensors", tmp_path / "nowhere" / "p.png"):
         rc, cap = cli(bad)
         assert rc == 2 and cap.err.startswith("error: --plot") and "Traceback" not in cap.err, cap.err

@@ -283,6 +283,35 @@ def test_locate_refuses_a_tag_without_its_manifest(tmp_path: Path) -> None:
     )
 
 
+def test_ema_latest_refusals_name_ema_latest_not_deepspeed(tmp_path: Path) -> None:
+    """Without DeepSpeed's 'latest' (an FSDP2 or plain run), ``ema_latest`` naming a tag whose manifest is gone was
+    explained as DeepSpeed's 'latest' and engine.save_checkpoint; it names ema_latest now. ``ema_latest`` replaced by
+    a folder (a link to a tag folder) is named as such, and no pointer name is listed among the tags."""
+    root = tmp_path / "ck"
+    _write(root, _zero3(1), tag="a")
+    _write(root, _zero3(1), tag="b")
+    (root / "b" / MANIFEST_NAME).unlink()
+    (root / LATEST_NAME).write_text("b")
+    assert not (root / "latest").exists()
+    assert _msg(IncompleteCheckpointError, lambda: locate_checkpoint(root)) == (
+        f"tag 'b' in {root} has no complete EMA checkpoint: found 1 EMA rank file(s) ['{_rank_file(0, 1)}'] but the "
+        "manifest, written last, is missing. 'ema_latest' names this tag (functional_ema.save writes it once a tag is "
+        "complete), so the tag's manifest was removed or the folder copied or pruned partially since. Load another "
+        "tag; tags here with a complete EMA: ['a']"
+    )
+    (root / LATEST_NAME).write_text("zz")
+    assert _msg(CheckpointNotFoundError, lambda: locate_checkpoint(root)) == (
+        f"no tag 'zz' in {root} (named by ema_latest). Tags here with a complete EMA: ['a']"
+    )
+    (root / LATEST_NAME).unlink()
+    (root / LATEST_NAME).symlink_to(root / "a", target_is_directory=True)
+    assert _msg(CheckpointNotFoundError, lambda: locate_checkpoint(root)) == (
+        f"{root} has no 'latest' file (DeepSpeed writes it in save_checkpoint) nor 'ema_latest' (functional_ema.save "
+        "writes it); 'ema_latest' here is a folder (a link to a folder), not the pointer file naming a tag (replace it "
+        "with that file): pass tag=... Tags here with a complete EMA: ['a']"
+    )
+
+
 def test_locate_refuses_missing_files_unless_local(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     m = _write(root, _zero3(5))

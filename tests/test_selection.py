@@ -251,6 +251,49 @@ def test_controller_refuses_a_selection_of_no_name_at_the_first_update():
         EMAController(DECAY, exclude=3)
 
 
+def test_a_wrapper_prefix_in_a_pattern_is_named():
+    """Names are read from the wrapped module: a pattern with DDP's ``module.`` or torch.compile's ``_orig_mod.``
+    prefix (what the wrapper's ``named_parameters()`` lists) matches nothing. The refusal pointed at
+    ``model.named_parameters()``, which lists the prefixed names; it now names the pattern to write and the inner
+    module's names. A pattern without the prefix keeps the general hint."""
+    model = EncDec()
+    compiled = torch.compile(model)  # wrapped only: nothing is compiled before a forward
+    assert next(n for n, _ in compiled.named_parameters()).startswith("_orig_mod.")
+    for x, kwargs, inner in (
+        (compiled, {"include": "_orig_mod.enc.*"}, "enc.*"),
+        (model, {"exclude": "module.dec.*"}, "dec.*"),  # as DDP(model).named_parameters() spells it
+    ):
+        with pytest.raises(ValueError) as e:
+            fe.local_shards(x, **kwargs)
+        msg = str(e.value)
+        assert f"write {inner!r}" in msg and "model.module.named_parameters()" in msg, msg
+        assert "[n for n, _ in model.named_parameters()]" not in msg, msg
+    with pytest.raises(ValueError, match=r"Check the names with \[n for n, _ in model\.named_parameters\(\)\]$"):
+        fe.local_shards(model, include="encoder.*")
+
+
+def test_the_wrapper_prefix_hint_only_where_the_rest_names_a_parameter():
+    """A model with a submodule of its own called ``module``: its names start with ``module.``, so a typo there
+    (``"module.weigth"``) is no wrapper prefix. The hint said "write 'weigth'" (and "write ''" for ``"module."``);
+    it is given now only where the pattern without the prefix matches a parameter name."""
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.head = nn.Linear(2, 2)
+
+    model = Holder()
+    for pattern in ("module.weigth", "module.", "_orig_mod.module.weigth"):
+        with pytest.raises(ValueError) as e:
+            fe.local_shards(model, exclude=pattern)
+        msg = str(e.value)
+        assert "wrapped module's" not in msg and "write " not in msg, msg
+        assert msg.endswith("Check the names with [n for n, _ in model.named_parameters()]"), msg
+    with pytest.raises(ValueError, match=r"write 'head\.weight'"):  # the rest names a parameter: the hint
+        fe.local_shards(model, exclude="module.head.weight")
+
+
 def test_patterns_that_name_frozen_parameters_or_tied_aliases(tmp_path):
     """A pattern is checked against every parameter name of the model, not only those read. One that names a
     parameter frozen later (``exclude="enc.*"``, the encoder frozen at step 2) was refused as a typo by the resume

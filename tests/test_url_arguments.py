@@ -630,3 +630,292 @@ def test_user_info_without_a_secret_is_part_of_the_place() -> None:
     assert int(got.step) == 1 and torch.equal(got.emas[0]["weight"], state.emas[0]["weight"])
     assert redact_url("sftp://user@host/x") == "sftp://user@host/x"
     assert redact_url("s3://KEY:SECRET@b/x") == "s3://***@b/x"
+
+
+def test_every_local_only_argument_takes_a_file_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/checkpoints.md: every location argument, the local-only paths too, takes ``file:///abs/path`` as what it
+    names. Each command's and verb's local-only argument given as a file URL (consolidate's OUT, ``--dcp``'s DCP_DIR
+    and OUT, export's OUT_DIR and ``--like``, posthoc's SNAPSHOT_DIR, OUT and ``--plot``; ``consolidate_to_file``,
+    ``to_hf``, ``posthoc_to_file``) writes where it names, bitwise what the plain path writes, and nothing lands
+    under a relative folder ``file:`` (the export wrote there, exit 0; ``consolidate`` raised a traceback; ``--like``
+    and ``--dcp`` were refused as missing folders)."""
+    from safetensors.torch import load_file
+
+    from functional_ema.__main__ import main
+
+    monkeypatch.chdir(tmp_path)  # where a relative "file:" folder would appear
+    ck, expected = _checkpoint(tmp_path)
+    like = _like(tmp_path)
+    snaps = tmp_path / "snaps"
+    _snapshot_run(snaps, steps=64, every=16)
+    model = _dcp_folder(tmp_path / "d")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def url(p: Path) -> str:
+        return "file://" + str(p)
+
+    # each pair: the plain-path run and the file-URL run, then their outputs compared
+    assert main(["consolidate", str(ck), str(out / "c.st")]) == 0
+    assert main(["consolidate", str(ck), url(out / "c_url.st")]) == 0
+    assert fe.consolidate_to_file(url(ck), url(out / "c_api.st")) == out / "c_api.st"
+    assert main(["consolidate", "--dcp", str(tmp_path / "d"), str(out / "d.st")]) == 0
+    assert main(["consolidate", "--dcp", url(tmp_path / "d"), url(out / "d_url.st")]) == 0
+    assert main(["export", str(ck), str(out / "hf"), "--like", str(like), "--no-progress"]) == 0
+    assert main(["export", str(ck), url(out / "hf_url"), "--like", url(like), "--no-progress"]) == 0
+    assert fx.to_hf(ck, url(out / "hf_api"), url(like), progress=False) == out / "hf_api"
+    ph_args = ["--sigma-rel", "0.1"]
+    assert main(["posthoc", str(snaps), str(out / "p.st"), *ph_args, "--plot", str(out / "p.svg")]) == 0
+    assert main(["posthoc", url(snaps), url(out / "p_url.st"), *ph_args, "--plot", url(out / "p_url.svg")]) == 0
+    assert ph.posthoc_to_file(url(snaps), url(out / "p_api.st"), sigma_rel=0.1) == out / "p_api.st"
+
+    for plain, others in (
+        ("c.st", ("c_url.st", "c_api.st")),
+        ("d.st", ("d_url.st",)),
+        ("p.st", ("p_url.st", "p_api.st")),
+    ):
+        for other in others:
+            assert (out / other).read_bytes() == (out / plain).read_bytes(), other
+    consolidated = load_file(out / "c_url.st")
+    assert consolidated.keys() == expected.keys()
+    assert all(torch.allclose(consolidated[n], expected[n], rtol=1e-6, atol=1e-7) for n in expected)  # plain torch
+    assert all(torch.equal(t, model.state_dict()[n]) for n, t in load_file(out / "d_url.st").items())
+    assert _hf_export(out / "hf_url") == _hf_export(out / "hf_api") == _hf_export(out / "hf")
+    assert (out / "p_url.svg").read_bytes()[:5] == (out / "p.svg").read_bytes()[:5] == b"<?xml"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "d", "like", "out", "snaps"]  # no "file:" folder
+
+
+def _appears_at(monkeypatch: pytest.MonkeyPatch, target: Path) -> None:
+    """A user's file created at ``target`` while the output is written (at its first tensor): a race made exact."""
+    from functional_ema import _io
+
+    write = _io.StreamingWriter.write
+
+    def racing(self: Any, key: str, tensor: torch.Tensor) -> list[int]:
+        if self.path == target and not target.exists():
+            target.write_bytes(b"USER DATA")
+        return write(self, key, tensor)
+
+    monkeypatch.setattr(_io.StreamingWriter, "write", racing)
+
+
+def _only_user_data(target: Path) -> None:
+    assert target.read_bytes() == b"USER DATA"
+    assert [p.name for p in target.parent.iterdir() if p.name.startswith(target.name)] == [target.name]  # no temp
+
+
+def test_outputs_without_overwrite_keep_a_file_that_appears_while_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """docs: an existing file is replaced only with overwrite=True (--overwrite). OUT was checked once, at the start,
+    then the write ended with os.replace: a file created at OUT while ``posthoc``, ``consolidate --dcp`` or
+    ``--plot`` ran was silently replaced, exit 0. Now it is kept, the temporary file removed, and the refusal names
+    OUT (exit 1: found while writing); with --overwrite the result replaces it, bitwise the plain run's."""
+    from safetensors.torch import load_file
+
+    from functional_ema.__main__ import main
+
+    pytest.importorskip("matplotlib")
+    snaps = tmp_path / "snaps"
+    _snapshot_run(snaps, steps=64, every=16)
+    model = _dcp_folder(tmp_path / "d")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert main(["posthoc", str(snaps), str(ref / "p.st"), "--sigma-rel", "0.1"]) == 0
+    assert main(["consolidate", "--dcp", str(tmp_path / "d"), str(ref / "d.st")]) == 0
+    capsys.readouterr()
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = {
+        "p.st": lambda *more: main(["posthoc", str(snaps), str(out / "p.st"), "--sigma-rel", "0.1", *more]),
+        "api.st": lambda *more: ph.posthoc_to_file(snaps, out / "api.st", sigma_rel=0.1, overwrite=bool(more)) and 0,
+        "d.st": lambda *more: main(["consolidate", "--dcp", str(tmp_path / "d"), str(out / "d.st"), *more]),
+    }
+    for name, run in runs.items():
+        with monkeypatch.context() as m:
+            _appears_at(m, out / name)
+            if name == "api.st":
+                with pytest.raises(FileExistsError, match=f"refusing to replace {out / name}: it appeared"):
+                    run()
+            else:
+                assert run() == 1, name
+                err = capsys.readouterr().err
+                assert (
+                    err
+                    == f"error: refusing to replace {out / name}: it appeared while this file was being written (another process or a user created it), and is left as it is; nothing was written. Pass --overwrite (overwrite=True) to replace it, or choose another name\n"
+                ), err
+        _only_user_data(out / name)
+        assert run("--overwrite") == 0, name  # asked to replace: replaced
+        assert (out / name).read_bytes() == (ref / ("p.st" if name == "api.st" else name)).read_bytes(), name
+    assert all(torch.equal(t, model.state_dict()[n]) for n, t in load_file(out / "d.st").items())
+    # --plot: the picture drawn last, after OUT is written
+    import matplotlib.figure
+
+    savefig = matplotlib.figure.Figure.savefig
+    plot = out / "p.svg"
+
+    def racing_savefig(self: Any, *a: Any, **kw: Any) -> None:
+        plot.write_bytes(b"USER DATA")
+        savefig(self, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", racing_savefig)
+    assert main(["posthoc", str(snaps), str(out / "q.st"), "--sigma-rel", "0.1", "--plot", str(plot)]) == 1
+    assert f"error: refusing to replace {plot}: it appeared" in capsys.readouterr().err
+    _only_user_data(plot)
+    assert (out / "q.st").read_bytes() == (ref / "p.st").read_bytes()
+
+
+def test_consolidate_without_overwrite_keeps_a_file_that_appears_while_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """As above, for ``consolidate`` and ``consolidate_to_file`` (the probe's race: a user's file created at OUT mid-run
+    was replaced; two concurrent consolidates onto one OUT both exited 0)."""
+    from functional_ema.__main__ import main
+
+    ck, _ = _checkpoint(tmp_path)
+    out = tmp_path / "o.st"
+    _appears_at(monkeypatch, out)
+    assert main(["consolidate", str(ck), str(out)]) == 1
+    assert f"error: refusing to replace {out}: it appeared" in capsys.readouterr().err
+    _only_user_data(out)
+    out.unlink()
+    with pytest.raises(FileExistsError, match="it appeared"):
+        fe.consolidate_to_file(ck, out)
+    _only_user_data(out)
+
+
+def test_an_output_whose_folder_is_missing_or_not_writable_is_refused_naming_out_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``consolidate`` (both forms) and ``export``: OUT's folder missing, a file, or not writable is a usage error
+    (one line naming OUT and its folder, exit 2) before anything is read (here the checkpoint does not even exist):
+    they failed last, naming a temporary file (``[Errno 2] ... 'nodir/o.st.tmp-...'``). ``consolidate_to_file`` names
+    its out_path before writing. A quoted ``~`` is named (no shell expanded it). As ``posthoc`` already did."""
+    from functional_ema.__main__ import main
+    from functional_ema.checkpoint import OutputPathError
+
+    monkeypatch.chdir(tmp_path)
+    ck, _ = _checkpoint(tmp_path)
+    like = _like(tmp_path)
+    (tmp_path / "afile").write_text("not a folder")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access
+    # the tests run as root, whom permissions do not stop: the folder is made unwritable for os.access alone
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != locked and access(p, mode, **kw))
+    home = os.path.expanduser("~")
+    for out, why in (
+        (tmp_path / "nodir" / "o.st", "does not exist (or is not a folder): create it first, or choose another path"),
+        (tmp_path / "afile" / "o.st", "does not exist (or is not a folder): create it first, or choose another path"),
+        (
+            Path("~/o.st"),
+            f"does not exist (or is not a folder) ('~' is not expanded here: write the path out, e.g. {home}/o.st): create it first, or choose another path",
+        ),
+        (locked / "o.st", "is not writable by this user: choose another path, or make it writable"),
+    ):
+        want = f"error: OUT: the folder {out.parent} of {out} {why}\n"
+        for argv in (
+            ["consolidate", str(tmp_path / "nock"), str(out)],
+            ["consolidate", "--dcp", str(tmp_path / "nodcp"), str(out)],
+        ):
+            assert main(argv) == 2, argv
+            assert capsys.readouterr().err == want, argv
+        with pytest.raises(OutputPathError) as e:
+            fe.consolidate_to_file(ck, out)
+        assert str(e.value) == f"out_path: the folder {out.parent} of {out} {why}", str(e.value)
+    assert main(["export", str(ck), str(locked / "hf"), "--like", str(like)]) == 1  # refused before it is built
+    assert capsys.readouterr().err == (
+        f"error: out_dir: cannot write {locked / 'hf'} (-> {locked / 'hf'}): the folder {locked} is not writable by "
+        "this user; choose another place, or make it writable\n"
+    )
+    with pytest.raises(OutputPathError, match=f"the folder {locked} is not writable"):
+        fx.to_hf(ck, locked / "new" / "hf", like)  # its missing folders would be made in the locked one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ck", "like", "locked"]
+    assert list(locked.iterdir()) == []
+
+
+def test_an_interrupted_command_exits_130_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Ctrl-C (SIGINT: KeyboardInterrupt) while a command writes OUT printed a traceback; it is one ``error:`` line
+    and exit 130, and the temporary file is removed (OUT not created, an existing one with --overwrite kept)."""
+    from functional_ema import _io
+    from functional_ema.__main__ import main
+
+    ck, _ = _checkpoint(tmp_path)
+    snaps = tmp_path / "snaps"
+    _snapshot_run(snaps, steps=32, every=16)
+
+    def interrupted(self: Any, key: str, tensor: torch.Tensor) -> list[int]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_io.StreamingWriter, "write", interrupted)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept.st").write_bytes(b"previous")
+    for verb, argv in (
+        ("consolidate", ["consolidate", str(ck), str(out / "o.st")]),
+        ("consolidate", ["consolidate", str(ck), str(out / "kept.st"), "--overwrite"]),
+        ("posthoc", ["posthoc", str(snaps), str(out / "p.st"), "--sigma-rel", "0.1"]),
+    ):
+        assert main(argv) == 130, argv
+        assert capsys.readouterr().err == (
+            f"error: {verb} interrupted: the output it was writing is not in place (its temporary file was removed)\n"
+        )
+        assert [p.name for p in out.iterdir()] == ["kept.st"] and (out / "kept.st").read_bytes() == b"previous"
+
+
+def test_an_interrupted_command_ends_by_sigint_so_a_shell_loop_stops(tmp_path: Path) -> None:
+    """Review: exit 130 by a normal exit made bash take Ctrl-C as handled by the command, so `for t in ...; do python -m
+    functional_ema ...; done` went on to the next one. The command (``python -m`` and the console script, ``cli``) now
+    ends by SIGINT itself after its one line, and a shell loop around it stops at the first Ctrl-C (sent, as a terminal
+    does, to the whole foreground process group)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    started = tmp_path / "started"
+    script = tmp_path / "cmd.py"
+    script.write_text(
+        "import pathlib, sys, time\n"
+        "from functional_ema import __main__ as m\n"
+        "def main(argv=None):\n"
+        "    try:\n"
+        f"        pathlib.Path({str(started)!r}).touch(); time.sleep(60)\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('error: export interrupted', file=sys.stderr)\n"
+        "        return 130\n"
+        "m.main = main\n"
+        "m.cli()\n"
+    )
+    loop = f'for i in 1 2; do "{sys.executable}" "{script}"; echo "went on $i"; done'
+    shell = subprocess.Popen(
+        ["bash", "-c", loop], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.killpg(shell.pid, signal.SIGINT)
+        out, err = shell.communicate(timeout=60)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+    assert err == "error: export interrupted\n" and "went on" not in out, (shell.returncode, out, err)
+
+
+def _dcp_folder(folder: Path) -> torch.nn.Module:
+    """A one-process DCP checkpoint of an EMA (``EMAStateful`` under the key ``ema``) of a new model written into
+    ``folder``; returns the model (its EMA is its weights: no update)."""
+    from torch.distributed import checkpoint as dcp
+
+    model = torch.nn.Linear(4, 3)
+    with pytest.warns(UserWarning):  # DCP's warning: no process group
+        dcp.save(
+            {"ema": fe.dcp.EMAStateful(model, fe.init_ema(fe.local_shards(model)))},
+            checkpoint_id=str(folder),
+            no_dist=True,
+        )
+    return model

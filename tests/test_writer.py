@@ -256,6 +256,58 @@ def test_read_generation(tmp_path: Path) -> None:
         assert str(e.value) == _no_next_generation(tmp_path, bad)
 
 
+def test_a_taken_generation_is_never_taken_again(tmp_path: Path) -> None:
+    """TagLock.take_generation records what it takes (.ema_generation): the next save takes a later one, with or
+    without a manifest (a failed save's late ranks may still write the generation it took); a damaged record is
+    ignored; untake_generation (a save refused before any write) puts the record back as it was, a folder it made
+    goes; the commit of a later generation removes the record, and a record above the manifest's stays. A record
+    that cannot be written names its file."""
+    rec = tmp_path / ".ema_generation"
+
+    def take(generation=None) -> int:
+        lock = writer.TagLock.acquire(tmp_path, 5, "save")
+        try:
+            return lock.take_generation(generation)
+        finally:
+            lock.release()
+
+    assert [take() for _ in range(3)] == [0, 1, 2] and rec.read_bytes() == b"2\n"
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"generation": 0}))  # an older complete checkpoint
+    assert writer.read_generation(tmp_path) == 3 and take() == 3 and take(7) == 7  # 7: agreed over private folders
+    assert writer.read_generation(tmp_path) == 8
+    for damaged in (b"", b"x\n", b"-5\n", str(2**62 + 1).encode()):
+        rec.write_bytes(damaged)
+        assert writer.read_generation(tmp_path) == 1, damaged
+    rec.write_bytes(str(2**62).encode())  # the last one a save may write: none after it
+    assert writer.read_generation(tmp_path) == 2**62 + 1
+    rec.write_bytes(b"4\n")
+    lock = writer.TagLock.acquire(tmp_path, 5, "save")
+    assert lock.take_generation() == 5 and rec.read_bytes() == b"5\n"
+    lock.untake_generation()
+    lock.untake_generation()  # idempotent
+    lock.release(remove_empty=True)
+    assert rec.read_bytes() == b"4\n" and writer.read_generation(tmp_path) == 5
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"generation": 3}))  # above it: kept by that commit
+    writer._cleanup(tmp_path, set())
+    assert rec.read_bytes() == b"4\n" and writer.read_generation(tmp_path) == 5
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"generation": 4}))
+    writer._cleanup(tmp_path, set())
+    assert not rec.exists() and writer.read_generation(tmp_path) == 5
+
+    made = tmp_path / "made"
+    lock = writer.TagLock.acquire(made, 5, "save")
+    assert lock.take_generation() == 0 and (made / ".ema_generation").exists()
+    lock.untake_generation()
+    lock.release(remove_empty=True)
+    assert not made.exists()
+    lock = writer.TagLock.acquire(made, 5, "save")
+    (made / ".ema_generation").mkdir()  # cannot be written
+    with pytest.raises(OSError) as e:
+        lock.take_generation()
+    lock.release()
+    assert e.value.filename == str(made / ".ema_generation") and e.value.errno == errno.EISDIR
+
+
 def _no_next_generation(tag_dir: Path, generation: int) -> str:
     """The refusal of a save over a manifest naming ``generation``, which no save can follow."""
     return (
@@ -643,9 +695,12 @@ def test_commit_manifest_then_cleanup(tmp_path: Path, caplog: pytest.LogCaptureF
         f"{MANIFEST_NAME}.tmp-9-ffffffffffff",
         f"{MANIFEST_NAME}.pending.tmp-9-ffffffffffff",
         "ema_rank_00001_of_00002.safetensors.tmp-77",  # an older release's (no per-write token)
-        "ema_async.0123456789abcdef.rank00001.done.tmp-4-0123456789ab",  # an async marker's, crashed mid-write
+        ".ema_generation",  # the generation this save took (its manifest's: the manifest alone fences it now)
     ]
     kept = [
+        # an async marker's temporary: maybe a late rank of a failed save writing it now (removed with that save's
+        # markers once every rank of it failed: _failed_async_markers)
+        "ema_async.0123456789abcdef.rank00001.done.tmp-4-0123456789ab",
         "mp_rank_00_model_states.pt",
         "mp_rank_00_model_states.pt.tmp-5-aaaaaaaaaaaa",  # DeepSpeed's own temporary file
         "ema_rank_notes.txt",
@@ -662,7 +717,7 @@ def test_commit_manifest_then_cleanup(tmp_path: Path, caplog: pytest.LogCaptureF
         "ema_async.log.tmp-4-0123456789ab",
     ]
     for name in stale + kept:
-        (tag_dir / name).write_bytes(b"x")
+        (tag_dir / name).write_bytes(b"1\n" if name == ".ema_generation" else b"x")
     (tag_dir / "ema_rank_00009_of_00010.safetensors").mkdir()  # named like a rank file: unlink fails
     buffers = fb.init_buffers(_model(), num_emas=2, step=7)
     records = [_write(tag_dir, _zero3(r), 1, buffers) for r in (0, 1)]

@@ -63,6 +63,10 @@ RANK_FILE = re.compile(r"^ema_" + _PART_NAME + r"rank_(\d+)_of_(\d+)(?:\.gen(\d+
 BUFFER_FILE = re.compile(r"^buffers_" + _PART_NAME + r"rank_(\d+)_of_(\d+)(?:\.gen(\d+))?\.safetensors$")
 #: Held (``flock``) by the save writing a tag folder, and removed by it; never read as data.
 LOCK_NAME = ".ema_write.lock"
+#: The generation the last save of a tag folder took (rank 0, holding its :data:`LOCK_NAME`), so that the next save
+#: takes a later one even where that save failed and its late ranks still write its files (``writer.take_generation``).
+#: Removed by the next commit (its manifest's generation is later); never read as data.
+GENERATION_NAME = ".ema_generation"
 #: A framework integration's record in a tag folder where the EMA has not started yet (see
 #: :func:`record_bytes`); once it has, the record lives in the manifest's ``extra``.
 RECORD_NAME = "integration.json"
@@ -136,12 +140,18 @@ def is_own_tmp(name: str, finals: Sequence[str]) -> bool:
     return final in finals or RANK_FILE.match(final) is not None or BUFFER_FILE.match(final) is not None
 
 
+def tmp_final(name: str) -> str | None:
+    """The file whose write's temporary ``name`` is (``x.tmp-<pid>-<token>`` is ``x``'s), else None."""
+    m = _TMP_SUFFIX.search(name)
+    return None if m is None else name[: m.start()]
+
+
 def is_own_file(name: str) -> bool:
     """Whether ``name`` is one of the files a save writes into a tag folder (or their temporaries)."""
     return bool(
         RANK_FILE.match(name)
         or BUFFER_FILE.match(name)
-        or name in (MANIFEST_NAME, PENDING_MANIFEST_NAME, LOCK_NAME, RECORD_NAME)
+        or name in (MANIFEST_NAME, PENDING_MANIFEST_NAME, LOCK_NAME, RECORD_NAME, GENERATION_NAME)
         # generous, as this guards names from being written over (an export's output); what a save removes is
         # matched exactly (is_own_tmp)
         or (_io.is_tmp_name(name) and name.startswith(("ema_", "buffers_", MANIFEST_NAME, RECORD_NAME)))
@@ -977,16 +987,53 @@ def check_export_path(out_path: str | os.PathLike, what: str = "export") -> Path
     return out
 
 
+def writable(folder: Path) -> bool:
+    """Whether this process may create files in ``folder``, by its effective ids where the platform can say (a setuid
+    process, a container user with CAP_DAC_OVERRIDE: the real ids would refuse what the write would do)."""
+    return os.access(folder, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids)
+
+
+def check_out_folder(out: Path, what: str) -> None:
+    """Refuse (``OutputPathError``, naming ``what`` and ``out``) an output file whose folder is missing, not a folder
+    or not writable: the write would otherwise fail last, after everything was read, naming its temporary file.
+    A leading ``~`` is named: nothing here expands it (a shell does, unquoted)."""
+    parent = out.parent  # Path("o.safetensors").parent is Path("."): always there
+    # a folder that exists only once ".." is folded ("ck/sub/../x", sub missing) is left to the checks of where
+    # the path leads (inside a checkpoint: refused as such)
+    folder = parent if parent.is_dir() else Path(os.path.realpath(parent))
+    tilde = (
+        f" ('~' is not expanded here: write the path out, e.g. {Path(os.path.expanduser(str(out)))})"
+        if out.parts and out.parts[0].startswith("~")
+        else ""
+    )
+    if not folder.is_dir():
+        raise OutputPathError(
+            f"{what}: the folder {parent} of {out} does not exist (or is not a folder){tilde}: create it first, or "
+            "choose another path"
+        )
+    if not writable(folder):
+        raise OutputPathError(
+            f"{what}: the folder {parent} of {out} is not writable by this user: choose another path, or make it "
+            "writable"
+        )
+
+
 def check_output(
-    out_path: str | os.PathLike, root: str | os.PathLike, tag_dirs: Sequence[Path], overwrite: bool
+    out_path: str | os.PathLike,
+    root: str | os.PathLike,
+    tag_dirs: Sequence[Path],
+    overwrite: bool,
+    what: str = "out_path",
 ) -> Path:
     """Refuse an output that would land inside the checkpoint being read, or replace a file unasked.
 
     ``root`` is the checkpoint (or snapshot) directory and ``tag_dirs`` the tag folders being read.
     Refused, after resolving symlinks: anything inside a tag folder being read or inside any other
     folder of ``root`` (DeepSpeed's and functional_ema's tag folders), the pointer files beside them
-    (``latest``, ...), ``root`` itself, any directory; an existing file unless ``overwrite``. A ``root`` that is a
-    URL (a checkpoint in a bucket) has no local folder to keep the output out of: only the last two apply.
+    (``latest``, ...), ``root`` itself, any directory; an existing file unless ``overwrite``; a file whose folder is
+    missing or not writable (:func:`check_out_folder`, naming ``what``). A ``root`` that is a URL (a checkpoint in
+    a bucket) has no local folder to keep the output out of: only the last three apply. ``out_path`` is a local
+    path (a ``file://`` URL is converted by the caller, ``_args.check_path``).
     """
     out = Path(out_path)
     try:
@@ -1002,6 +1049,7 @@ def check_output(
             f"refusing to replace the existing file {out}: pass --overwrite (overwrite=True) to replace it "
             "(atomically), or choose another name"
         )
+    check_out_folder(out, what)
     return out
 
 

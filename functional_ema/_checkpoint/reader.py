@@ -181,6 +181,20 @@ def _pointed_tag(root: StoragePath) -> str:
     )
 
 
+def _tags_here(root: Path) -> list[str]:
+    """The tags a refusal lists: the complete ones, never a pointer name (``ema_latest`` made a link to a tag folder
+    would otherwise be listed as a tag)."""
+    return [t for t in complete_tags(root) if t not in ("latest", LATEST_NAME)]
+
+
+def _pointer_folder(folder: Path | None) -> str:
+    """A refusal's note on a pointer name (``latest``/``ema_latest``) that is a folder or a link to one."""
+    if folder is None:
+        return ""
+    link = " (a link to a folder)" if folder.is_symlink() else ""
+    return f"; {folder.name!r} here is a folder{link}, not the pointer file naming a tag (replace it with that file)"
+
+
 def _missing_files(tag: str, tag_dir: Location, missing: list[tuple[dict, dict]]) -> IncompleteCheckpointError:
     """The refusal of a tag whose manifest lists files (``(file record, part)``) that are not there."""
     listed = ", ".join(
@@ -351,24 +365,25 @@ class CheckpointReader:
                 if not latest.is_file():
                     latest = root / LATEST_NAME  # ours, written by save() once a tag is complete
                 if not latest.is_file():
+                    odd = next((p for p in (root / "latest", latest) if p.is_dir()), None)
                     raise CheckpointNotFoundError(
                         f"{root} has no 'latest' file (DeepSpeed writes it in save_checkpoint) nor {LATEST_NAME!r} "
-                        f"(functional_ema.save writes it): pass tag=... "
-                        f"Tags here with a complete EMA: {complete_tags(root)}"
+                        f"(functional_ema.save writes it){_pointer_folder(odd)}: pass tag=... "
+                        f"Tags here with a complete EMA: {_tags_here(root)}"
                     )
                 tag = read_latest(root, latest)
                 if not tag:
                     raise CheckpointNotFoundError(
                         f"{latest} is empty (a crash while DeepSpeed wrote it?): pass tag=... "
-                        f"Tags here with a complete EMA: {complete_tags(root)}"
+                        f"Tags here with a complete EMA: {_tags_here(root)}"
                     )
                 from_latest = True
             tag = check_tag(tag, saving=False)
             tag_dir = root / tag
             if not tag_dir.is_dir():
                 raise CheckpointNotFoundError(
-                    f"no tag {tag!r} in {root}{' (named by latest)' if from_latest else ''}. "
-                    f"Tags here with a complete EMA: {complete_tags(root)}"
+                    f"no tag {tag!r} in {root}{f' (named by {latest.name})' if from_latest else ''}. "
+                    f"Tags here with a complete EMA: {_tags_here(root)}"
                 )
         mpath = tag_dir / MANIFEST_NAME
         if not mpath.is_file():
@@ -378,15 +393,20 @@ class CheckpointReader:
                 if found
                 else "there are no EMA files at all (was functional_ema.save called for this tag?)"
             )
-            hint = (
-                " 'latest' names this tag: DeepSpeed finished its save but the EMA save did not (call "
-                "functional_ema.save before engine.save_checkpoint to avoid this)."
-                if from_latest
-                else ""
-            )
+            hint = ""
+            if from_latest and latest.name == "latest":
+                hint = (
+                    " 'latest' names this tag: DeepSpeed finished its save but the EMA save did not (call "
+                    "functional_ema.save before engine.save_checkpoint to avoid this)."
+                )
+            elif from_latest:  # written by save() only once the tag's manifest was in place: removed since
+                hint = (
+                    f" {LATEST_NAME!r} names this tag (functional_ema.save writes it once a tag is complete), so the "
+                    "tag's manifest was removed or the folder copied or pruned partially since."
+                )
             raise IncompleteCheckpointError(
                 f"tag {tag!r} in {root} has no complete EMA checkpoint: {what}.{hint} Load another tag; "
-                f"tags here with a complete EMA: {[t for t in complete_tags(root) if t != tag]}"
+                f"tags here with a complete EMA: {[t for t in _tags_here(root) if t != tag]}"
             )
         manifest = cls._read_manifest(mpath)
         if local:

@@ -34,6 +34,7 @@ from .format import (
     BUFFERS_FORMAT,
     FILE_FORMAT,
     FORMAT_VERSION,
+    GENERATION_NAME,
     LATEST_NAME,
     LOCK_NAME,
     MANIFEST_FORMAT,
@@ -141,14 +142,15 @@ def plan_save(
 
 def read_generation(tag_dir: Path) -> int:
     """The generation the next save of ``tag_dir`` writes: one more than the complete checkpoint's there
-    (whose files it must not touch), else 0. Read by rank 0 while it holds the tag's :class:`TagLock`, inside
+    (whose files it must not touch) and than the one the last save took (:meth:`TagLock.take_generation`: a failed
+    save's late ranks may still write its files), else 0. Read by rank 0 while it holds the tag's :class:`TagLock`, inside
     the plan's agreement: a manifest naming a generation no save can follow (a damaged or forged leftover) is
     refused there, before anything is written, so every rank raises at once."""
     mpath = tag_dir / MANIFEST_NAME
     try:
         found = int(json.loads(mpath.read_text())["generation"])
     except Exception:  # noqa: BLE001 - no manifest, or an unreadable one: nothing to preserve
-        return 0
+        return _taken_generation(tag_dir) + 1
     if not 0 <= found < MAX_GENERATION:
         raise CorruptCheckpointError(
             f"{mpath}: the manifest of tag {tag_dir.name!r} names generation {found}, outside [0, 2**62 - 1]: a "
@@ -156,7 +158,32 @@ def read_generation(tag_dir: Path) -> int:
             f"manifest is damaged or was edited (no load reads it). Nothing was written: remove the damaged tag "
             f"folder {tag_dir} (or restore its manifest from a copy), or save under another tag"
         )
-    return found + 1
+    return max(found, _taken_generation(tag_dir)) + 1
+
+
+def _write_record(path: Path, data: bytes) -> None:
+    """The :data:`GENERATION_NAME` record written: one small write, neither renamed nor fsynced (an async save's call
+    makes no such I/O: its background thread does). It only fences off ranks alive to write late: a crash mid-write
+    leaves an empty record, ignored, as after a power loss, which ends those ranks too. Raises ``OSError`` naming it."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def _taken_generation(tag_dir: Path) -> int:
+    """The generation recorded by :meth:`TagLock.take_generation` (-1: none, or not one a save may write: a damaged record
+    is ignored, as it only fences off late writers and the next save records a valid one)."""
+    try:
+        with open(tag_dir / GENERATION_NAME, "rb") as f:
+            taken = int(f.read(64))
+    except (OSError, ValueError):
+        return -1
+    return taken if 0 <= taken <= MAX_GENERATION else -1
 
 
 def _checked_generation(plan: Callable[[], dict[str, Any]], what: str) -> Callable[[], dict[str, Any]]:
@@ -505,15 +532,27 @@ def remove_unlisted(tag_dir: Path, fnames: Sequence[str]) -> None:
 
 
 def _cleanup(tag_dir: Path, keep: set[str]) -> None:
-    """Remove files of older generations and temporary files of crashed saves (best effort; the caller
-    holds the tag's :class:`TagLock`, so no other save is writing here)."""
-    removed = False
-    for p in tag_dir.iterdir():
+    """Remove files of older generations, temporary files of crashed saves, the markers of async saves that
+    failed on every rank and the taken generation's record, once the committed manifest's is as late (best effort;
+    the caller holds the tag's :class:`TagLock` and has committed: nothing removed here is a file the tag's complete
+    checkpoint needs). The late ranks of a failed save may still write here (their own generation's files, which
+    are then removed, and their markers, which are left to them)."""
+    removed = _drop_taken_record(tag_dir)
+    names = os.listdir(tag_dir)
+    failed = set(_failed_async_markers(tag_dir, names))
+    for name in sorted(failed):
+        try:
+            os.unlink(tag_dir / name)
+            removed = True
+        except OSError as e:  # pragma: no cover
+            logger.warning("functional_ema: could not remove the marker %s of a failed async save: %s", name, e)
+    for p in (tag_dir / n for n in names if n not in failed):
         stale_file = (RANK_FILE.match(p.name) or BUFFER_FILE.match(p.name)) and p.name not in keep
         stale_file = stale_file or p.name == PENDING_MANIFEST_NAME  # a crashed private save's
-        stale_tmp = is_own_tmp(p.name, (MANIFEST_NAME, PENDING_MANIFEST_NAME))  # exact names: never a user's file
-        # an async marker's temporary (a crash mid-write): a later async commit removes markers, a blocking save not
-        stale_tmp = stale_tmp or (_io.is_tmp_name(p.name) and ASYNC_MARKER.fullmatch(p.name) is not None)
+        # Exact names: never a user's file. Not an async marker's temporary: it may be a late rank's marker being
+        # written (removing it fails that rank's rename, and its peers wait out their timeout); a failed save's are
+        # in ``failed``, and a crash leaves a small one.
+        stale_tmp = is_own_tmp(p.name, (MANIFEST_NAME, PENDING_MANIFEST_NAME))
         if stale_file or stale_tmp:
             try:
                 os.unlink(p)
@@ -522,6 +561,57 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
                 logger.warning("functional_ema: could not remove stale %s: %s", p, e)
     if removed:
         _io.fsync_dir(tag_dir)
+
+
+def _drop_taken_record(tag_dir: Path) -> bool:
+    """After a commit: remove the :data:`GENERATION_NAME` record when the manifest's generation is as late (the
+    manifest alone then makes the next save's later: :func:`read_generation`). Returns whether it was removed."""
+    if not (tag_dir / GENERATION_NAME).exists():
+        return False
+    try:
+        if int(json.loads((tag_dir / MANIFEST_NAME).read_bytes())["generation"]) < _taken_generation(tag_dir):
+            return False  # not this commit's (edited, or a save this one cannot see): kept, it only skips numbers
+        os.unlink(tag_dir / GENERATION_NAME)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _failed_async_markers(tag_dir: Path, names: Sequence[str]) -> list[str]:
+    """The markers in ``names`` (exact names: :data:`ASYNC_MARKER`, with their temporaries) of the async saves that
+    failed on every rank: each rank of the save left its error marker, all of them naming the same number of ranks.
+    A rank writes its error marker last, once it failed (its own failure or another rank's), and reads no marker of
+    the save after it, so these are stale wherever the save's ranks run. Kept: the markers of a save still in flight
+    on any rank (it has not written its error marker), of one whose rank died or could not learn the outcome
+    (``_async._Undecided``: none), and those an older release wrote (no number of ranks in them)."""
+    by_save: dict[str, list[str]] = {}
+    for name in names:
+        if ASYNC_MARKER.fullmatch(name) is not None:  # ema_async.<id>.rank<r>.<kind>[.tmp-...]
+            by_save.setdefault(name.split(".")[1], []).append(name)
+    stale: list[str] = []
+    for own in by_save.values():
+        worlds: dict[int, object] = {}  # rank -> the number of ranks its error marker names
+        for name in own:
+            _, _, rank, kind, *tmp = name.split(".")
+            if kind == "error" and not tmp:
+                worlds[int(rank[len("rank") :])] = _marker_world(tag_dir / name)
+        world = next(iter(worlds.values()), None)
+        if type(world) is int and set(worlds) == set(range(world)) and all(w == world for w in worlds.values()):
+            stale += own
+    return stale
+
+
+def _marker_world(path: Path) -> object:
+    """The number of ranks an async save's error marker names (``None`` where it cannot be read or names none)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)  # a marker is a small record; a larger file is no marker of ours
+        if len(data) == 1 << 20:
+            return None
+        record = json.loads(data)
+    except (OSError, ValueError):
+        return None
+    return record.get("world") if isinstance(record, dict) else None
 
 
 # ------------------------------------------------------------------------------------ one writer
@@ -556,6 +646,7 @@ class TagLock:
 
     def __init__(self, tag_dir: Path, fd: int | None, created: bool) -> None:
         self.tag_dir, self._fd, self.created = tag_dir, fd, created
+        self._replaced: list[bytes | None] = []  # the record take_generation replaced (empty: none taken)
 
     @classmethod
     def acquire(cls, tag_dir: Path, timeout: float, what: str) -> TagLock:
@@ -619,6 +710,37 @@ class TagLock:
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, _holder_text(awaits_commit).encode(), 0)
+
+    def take_generation(self, generation: int | None = None) -> int:
+        """Record that this save takes ``generation`` (default :func:`read_generation`'s) in :data:`GENERATION_NAME`,
+        before any rank writes a file of it, and return it: the next save of the tag takes a later one. Without it, a
+        save that failed on rank 0 while another rank still writes leaves no manifest, the next save takes the same
+        generation, and that rank's late write replaces (or its cleanup removes) the next save's file of that name.
+        A crash after it only skips a number; the next commit removes the record (:func:`_cleanup`)."""
+        path = self.tag_dir / GENERATION_NAME
+        try:
+            with open(path, "rb") as f:
+                replaced: bytes | None = f.read(64)  # a record is a number: more is no record of ours
+        except FileNotFoundError:
+            replaced = None
+        taken = read_generation(self.tag_dir) if generation is None else generation
+        self._replaced = [replaced]
+        _write_record(path, f"{taken}\n".encode())
+        return taken
+
+    def untake_generation(self) -> None:
+        """Put the record back as it was before :meth:`take_generation`, for a save refused at its call (before any
+        rank wrote a file of it: none can write late), so that it leaves the folder as it was. Best effort;
+        idempotent."""
+        if not self._replaced:
+            return
+        (replaced,) = self._replaced
+        self._replaced = []
+        with contextlib.suppress(OSError):
+            if replaced is None:
+                os.unlink(self.tag_dir / GENERATION_NAME)
+            else:
+                _write_record(self.tag_dir / GENERATION_NAME, replaced)
 
     def release(self, remove_empty: bool = False) -> None:
         """Give the tag up (idempotent); ``remove_empty`` also removes the folder if this lock created it

@@ -32,6 +32,7 @@ from typing import Any
 
 from .. import _io
 from .._checkpoint.errors import OutputPathError
+from .._checkpoint.format import writable
 from .like import EXPORT_RECORD
 
 __all__ = ["EXPORT_FORMAT", "check_out_dir", "new_tmp_dir", "commit_dir"]
@@ -71,6 +72,13 @@ def check_out_dir(out_dir: Any, avoid: list[Path], overwrite: bool) -> Path:
     for parent in real.parents:
         if parent.exists() and not parent.is_dir():
             raise OutputPathError(f"out_dir: {out} is under {parent}, which is a file, not a folder")
+    # the export is built beside out_dir (its missing folders made first): else refused last, naming a temporary folder
+    existing = next(p for p in real.parents if p.exists())  # "/" at worst
+    if not writable(existing):
+        raise OutputPathError(
+            f"out_dir: cannot write {out} (-> {real}): the folder {existing} is not writable by this user; choose "
+            "another place, or make it writable"
+        )
     if real.parent.is_dir():
         _recover_killed_commits(real)
     if real.is_dir() and os.path.ismount(real):

@@ -28,8 +28,8 @@ from .._args import (
     check_storage_options,
     check_str,
 )
-from .._checkpoint.errors import CheckpointNotFoundError, OutputPathError
-from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_output, short_list
+from .._checkpoint.errors import CheckpointNotFoundError
+from .._checkpoint.format import FORMAT_VERSION, MANIFEST_NAME, check_out_folder, check_output, short_list
 from .._checkpoint.reader import Location, StoragePath, open_checkpoint, open_joined
 from .._core import check_ema_dtype
 from .._layout import ModelPart, ShardLayout
@@ -204,6 +204,11 @@ def _snapshot_tags(root: Location, prefix: str) -> tuple[list[str], list[str]]:
         names = [n for n in every if n.startswith(prefix)]
         tags = [n for n in names if (root / n).size() is None]  # a file of that name is no tag folder
         return tags, [t for t in tags if (root / t / MANIFEST_NAME).size() is None]
+    if root.exists() and not root.is_dir():  # e.g. SNAPSHOT_DIR/ema_latest given: it exists, as a file
+        raise CheckpointNotFoundError(
+            f"snapshot directory {root} is a file, not a folder: give the folder holding the snapshot_<step> folders "
+            f"(here perhaps {root.parent})"
+        )
     if not root.is_dir():
         raise CheckpointNotFoundError(f"snapshot directory {root} does not exist")
     tags = sorted(d.name for d in root.iterdir() if d.is_dir() and d.name.startswith(prefix))
@@ -633,9 +638,10 @@ def posthoc_to_file(
     plus one parameter.
 
     ``out_path`` inside the snapshot directory's folders is refused (``checkpoint.OutputPathError``), and so
-    are an ``out_path`` whose folder does not exist and an existing file unless ``overwrite=True`` (replaced
-    atomically; the default refuses, as the command line without ``--overwrite``), these two before any
-    snapshot is read. ``snapshot_dir`` may be an fsspec URL, with
+    are an ``out_path`` whose folder does not exist (or is not writable) and an existing file unless
+    ``overwrite=True`` (replaced atomically; the default refuses, as the command line without ``--overwrite``), these
+    before any snapshot is read; without ``overwrite``, a file that appears at ``out_path`` while this runs is kept
+    too (``FileExistsError``, nothing written). ``snapshot_dir`` may be an fsspec URL, with
     ``storage_options`` (see :func:`posthoc_offline`); ``out_path`` is a local file (a URL is refused).
 
     Command line: ``python -m functional_ema posthoc SNAPSHOT_DIR --sigma-rel 0.15 OUT.safetensors``.
@@ -651,16 +657,6 @@ def posthoc_to_file(
     check_output(out_path, root if isinstance(root, Path) else str(root), [], overwrite)
     with _url_access(root, "posthoc_to_file"):
         return _to_file(root, out_path, reading, overwrite)
-
-
-def check_out_folder(out: Path, what: str) -> None:
-    """Refuse (``OutputPathError``, naming ``what``) an output file whose folder does not exist, before any snapshot
-    is read: the write would otherwise fail last, naming its temporary file."""
-    if not out.parent.is_dir():  # Path("o.safetensors").parent is Path("."): always there
-        raise OutputPathError(
-            f"{what}: the folder {out.parent} of {out} does not exist (or is not a folder): create it first, or "
-            "choose another path"
-        )
 
 
 def _to_file(root: Location, out_path: Path, reading: _Reading, overwrite: bool) -> Path:
@@ -680,7 +676,8 @@ def _to_file(root: Location, out_path: Path, reading: _Reading, overwrite: bool)
     }
     ranges = {n: (0, math.prod(s), s) for n, s in plan.shapes.items()}
     entries = [(n, reading.dtype, s) for n, s in plan.shapes.items()]
-    with _io.StreamingWriter(out_path, entries, meta, self_checksums=True) as w:  # the file checks itself
+    # the file checks itself; without overwrite, a file that appears at out_path while this runs is kept
+    with _io.StreamingWriter(out_path, entries, meta, self_checksums=True, replace=overwrite) as w:
         for name, t in reading.stream(plan, ranges):
             w.write(name, t)
         w.commit()

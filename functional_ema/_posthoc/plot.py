@@ -49,6 +49,34 @@ def plot_profile(
     Example:
         >>> plot_profile(gammas, steps, "profile.png", sigma_rel=0.15)   # doctest: +SKIP
     """
+    return draw_profile(
+        snapshot_gammas,
+        snapshot_steps,
+        path,
+        sigma_rel=sigma_rel,
+        gamma=gamma,
+        step=step,
+        coeffs=coeffs,
+        num=num,
+        dpi=dpi,
+    )
+
+
+def draw_profile(
+    snapshot_gammas: Sequence[float],
+    snapshot_steps: Sequence[float],
+    path: str | os.PathLike,
+    *,
+    sigma_rel: float | None = None,
+    gamma: float | None = None,
+    step: float | None = None,
+    coeffs: Sequence[float] | None = None,
+    num: int = 2000,
+    dpi: int = 120,
+    replace: bool = True,
+) -> ProfileComparison:
+    """:func:`plot_profile`; ``replace=False`` (the CLI's ``--plot`` without ``--overwrite``) keeps a file at
+    ``path``, even one that appears while the picture is drawn (``FileExistsError``, see ``_io.atomic_open``)."""
     from .._args import check_int
 
     out, fmt = plot_file(path)
@@ -91,7 +119,7 @@ def plot_profile(
         ax_d.set_ylabel("difference")
         ax_d.set_xlabel("training step")
         ax_d.grid(alpha=0.3)
-        with _io.atomic_open(out) as f:  # a failed drawing leaves an existing picture as it was
+        with _io.atomic_open(out, replace=replace) as f:  # a failed drawing leaves an existing picture as it was
             fig.savefig(f, format=fmt, dpi=dpi)
     finally:
         plt.close(fig)

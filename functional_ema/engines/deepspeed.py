@@ -36,7 +36,9 @@ from ._base import (
     Adapter,
     Reading,
     SwapStats,
+    any_requires_grad,
     gather_pieces,
+    is_read,
     parameters_put_back,
     placeholder_form,
     warn_low_precision,
@@ -119,29 +121,39 @@ class DeepSpeedAdapter(Adapter):
         """DeepSpeed's own default tag, ``f"global_step{engine.global_steps}"``."""
         return f"global_step{self.target.global_steps}"
 
-    def _token(self) -> tuple:
+    def _token(self, waiting: tuple = ()) -> tuple:
         opt = self.target.optimizer
-        return (opt, tuple(map(_data_ptr, _master_buffers(opt, self.target.zero_optimization_stage()))))
+        return (opt, tuple(map(_data_ptr, _master_buffers(opt, self.target.zero_optimization_stage()))), waiting)
 
     def _is_current(self, reading: Reading) -> bool:
         # DeepSpeed does not move its master buffers in normal training; if it ever does (or the
-        # optimizer is replaced), everything is read again.
-        opt, ptrs = reading.token
+        # optimizer is replaced), everything is read again. `waiting`: ZeRO-0's parameters its optimizer holds but
+        # left out as frozen, one C-level pass (unfreezing one makes DeepSpeed train it, so it is read in).
+        opt, ptrs, waiting = reading.token
         return (
-            self.target.optimizer is opt and tuple(map(_data_ptr, _master_buffers(opt, reading.layout.stage))) == ptrs
+            self.target.optimizer is opt
+            and not any_requires_grad(*waiting)
+            and tuple(map(_data_ptr, _master_buffers(opt, reading.layout.stage))) == ptrs
         )
+
+    def frozen_in_optimizer(self) -> tuple[torch.nn.Parameter, ...]:
+        """The frozen parameters the engine's optimizer holds and the reading leaves out (ZeRO-0 only: in fp32 any
+        the client optimizer holds, which DeepSpeed trains once unfrozen; in 16 bits those trainable at
+        ``deepspeed.initialize`` and frozen before the first reading; none at stages 1-3, whose partitions are read
+        whatever ``requires_grad`` says), and which then join an integration's EMA."""
+        return self.read().token[2]
 
     def _read(self, previous: Reading | None = None) -> Reading:
         engine = self.target
         reason = unsupported_reason(engine)
         if reason:
             raise NotImplementedError(reason)
-        token = self._token()
         stage = engine.zero_optimization_stage()
         group = data_parallel_group(engine)
         rank, world = world_of(group)
         named = _named_params(engine)
         cut = stage
+        waiting: tuple[torch.nn.Parameter, ...] = ()
         if stage == 3:
             pieces = _zero3(engine, named, rank)
         elif stage in (1, 2) or _is_bf16_optimizer(engine.optimizer):
@@ -150,7 +162,8 @@ class DeepSpeedAdapter(Adapter):
             pieces = _zero12(engine, named)
             cut = stage or (1 if world > 1 else 0)
         else:
-            pieces = _zero0(engine, named)
+            pieces, waiting = _zero0(engine, named, previous, self.keep)
+        token = self._token(waiting)
         if not pieces:
             _refuse_nothing_read(engine, named, stage)
         params = {n: p for n, p in named if n in pieces}
@@ -241,6 +254,11 @@ class DeepSpeedAdapter(Adapter):
                     numel = reading.layout.specs[n].numel
                     if numel:
                         p.ds_tensor.data.view(-1)[:numel].copy_(pieces[n].reshape(-1))
+                    # ZeRO++ hpZ: the release above built a secondary partition from the old gathered weights, and
+                    # the next gather reads it whenever one exists; dropped as a step drops it
+                    # (``invalidate_secondary_tensor``), so the next gather reads the new ``ds_tensor``.
+                    if getattr(p, "ds_secondary_tensor", None) is not None:
+                        p.ds_secondary_tensor = None
             else:
                 for n, p in reading.params.items():
                     p.data.copy_(full[n].to(p.dtype))
@@ -587,7 +605,14 @@ def _zero12(engine: Any, named: list[tuple[str, torch.nn.Parameter]]) -> dict[st
     return out
 
 
-def _zero0(engine: Any, named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
+def _zero0(
+    engine: Any, named: list[tuple[str, torch.nn.Parameter]], previous: Reading | None, keep: frozenset[str]
+) -> tuple[dict[str, tuple[torch.Tensor, ShardSpec]], tuple[torch.nn.Parameter, ...]]:
+    """The pieces (whole parameters), and the parameters the optimizer holds but left out as frozen: ZeRO-0 steps
+    whatever its optimizer holds that has a gradient, so one unfrozen later is trained (with fp32 parameters, the
+    client optimizer holds every parameter passed to it, frozen ones too) and must be read in. Which parameters
+    are read follows a module's reading (``_base.is_read``): one frozen after a reading stays in, and so does one
+    in ``keep`` (``Adapter.read(keep=...)``: an EMA resumed with it, frozen again at the resume)."""
     opt = engine.optimizer
     pairs: dict[int, torch.Tensor] = {}  # id(module param) -> fp32 master
     if hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups"):  # FP16_UnfusedOptimizer
@@ -605,12 +630,16 @@ def _zero0(engine: Any, named: list[tuple[str, torch.nn.Parameter]]) -> dict[str
             for p in group["params"]:
                 pairs[id(p)] = p
     out: dict[str, tuple[torch.Tensor, ShardSpec]] = {}
+    waiting: list[torch.nn.Parameter] = []
     for name, p in named:
         hp = pairs.get(id(p))
-        if hp is None or not p.requires_grad:
+        if hp is None:
+            continue
+        if not is_read(name, p, previous, keep):
+            waiting.append(p)
             continue
         out[name] = (_flat(hp), ShardSpec(tuple(p.shape), 0, p.numel()))
-    return out
+    return out, tuple(waiting)
 
 
 # ----------------------------------------------------------------------------------- eval swap
@@ -645,7 +674,10 @@ def _swap_zero3(engine: Any, reading: Reading, ema: Mapping[str, torch.Tensor]) 
         engine.empty_partition_cache()  # drop gathered EMA weights before training resumes
         for p, data, secondary in saved:
             p.ds_tensor.data = data
-            if secondary is not None:
+            # ZeRO++ hpZ: the release above built a secondary partition from the gathered EMA, and the next gather
+            # reads it whenever one exists. Put back the one held on entry, or none (as a step leaves it,
+            # ``invalidate_secondary_tensor``: the next gather then reads ``ds_tensor`` over the whole group).
+            if hasattr(p, "ds_secondary_tensor"):
                 p.ds_secondary_tensor = secondary
 
 

@@ -87,6 +87,7 @@ __all__ = [
     "expected_ema_step",
     "grown_state",
     "has_saved_ema",
+    "read_record_at",
     "RECORD_NAME",
 ]
 
@@ -180,7 +181,7 @@ class _StoredRecord(StoragePath):
         return self.store.read_bytes(self.rel)
 
 
-def _read_record_at(path: Where) -> dict | None:
+def read_record_at(path: Where) -> dict | None:
     """:func:`read_record` of a local file or of an object at a URL (checksum verified alike)."""
     if isinstance(path, StoragePath):
         return read_record(cast(Path, _StoredRecord(path.store, path.rel)))
@@ -631,7 +632,7 @@ class EMAController:
         saved_selection: list[Any] = [None]  # the manifest's selection record (None: every parameter)
 
         def decide() -> tuple[str, dict[str, Any] | None, bool]:
-            record = _read_record_at(tag_dir / RECORD_NAME)
+            record = read_record_at(tag_dir / RECORD_NAME)
             if record is not None and record.get("started") is not False:
                 raise fe.checkpoint.CorruptCheckpointError(
                     f"{tag_dir / RECORD_NAME}: a record beside an EMA must say 'started': false; the file is damaged"
@@ -929,9 +930,17 @@ def _frozen_params(x: Any, state: fe.EmaState) -> dict[str, torch.Tensor]:
     """The model's frozen parameters that ``state`` lacks, by name: the ones that may join it once trained
     (``EMAController._grown``)."""
     adapter = fe.engines.adapter_for(x)
-    if not adapter.keeps_frozen:  # DeepSpeed reads its optimizer's groups: unfreezing adds nothing to them
-        return {}
     have = state.emas[0]
+    in_optimizer = getattr(adapter, "frozen_in_optimizer", None)
+    if in_optimizer is not None:
+        # DeepSpeed reads its optimizer's groups: at ZeRO-0 the frozen parameters they hold, left out of the reading,
+        # join once unfrozen (see DeepSpeedAdapter.frozen_in_optimizer); none at stages 1-3
+        waiting = {id(p) for p in in_optimizer()}
+        if not waiting:
+            return {}
+        return {n: p for n, p in adapter.module().named_parameters() if id(p) in waiting and n not in have}
+    if not adapter.keeps_frozen:
+        return {}
     return {n: p for n, p in adapter.module().named_parameters() if not p.requires_grad and n not in have}
 
 
@@ -941,9 +950,10 @@ def _read_frozen(x: Any, saved: set[str]) -> None:
     parameter frozen during a run does. Afresh: a reading kept from earlier in this process holds every parameter
     trained since it was made (see ``engines._base.is_read``), and a resume into the same model object (a rollback,
     a second ``fit``) starts from the checkpoint and the model as they are now, as a new process would. A module's
-    and FSDP2's readings; DeepSpeed reads its optimizer's groups."""
+    and FSDP2's readings, and a DeepSpeed engine's (at ZeRO-0 fp32 its optimizer holds frozen parameters, read
+    alike; elsewhere its groups decide, and the names kept change nothing)."""
     adapter = fe.engines.adapter_for(x)
-    if adapter.keeps_frozen:
+    if adapter.keeps_frozen or hasattr(adapter, "frozen_in_optimizer"):
         keep = {n for n, p in adapter.module().named_parameters() if n in saved and not p.requires_grad}
         adapter.forget()
         adapter.read(keep=keep)
@@ -965,7 +975,7 @@ def _drop_superseded_url_record(tag_dir: StoragePath) -> None:
     removed (best effort: one that names this manifest's generation or a newer one stays, and a leftover is
     ignored at load as long as it is older than the manifest)."""
     with contextlib.suppress(Exception):  # best effort: load() decides by the generations anyway
-        old = _read_record_at(tag_dir / RECORD_NAME)
+        old = read_record_at(tag_dir / RECORD_NAME)
         if old is None:
             return
         generation = int(json.loads(tag_dir.store.read_bytes(f"{tag_dir.rel}/{MANIFEST_NAME}"))["generation"])

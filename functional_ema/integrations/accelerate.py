@@ -39,8 +39,9 @@ Each wrapped ``save_state`` also leaves a checksummed record in its folder, ``<t
 step of that save, marked unfinished in the EMA's hook, before the EMA's save and Accelerate's own files (a refused
 or failed EMA save puts the earlier record back, so the folder's earlier save still loads; a failed mark changes
 nothing), and finished once ``save_state`` returned (Accelerate's own files written). Under DeepSpeed, FSDP and Megatron-LM, which write the model before the
-hooks, an ``output_dir`` given is marked unfinished before Accelerate writes anything, and stays so if the save fails
-(a new ``checkpoint_<n>`` of ``automatic_checkpoint_naming`` holds no earlier record: marked in the hook). The
+hooks, the folder is marked unfinished before Accelerate writes anything (an ``output_dir`` given: first; a new
+``checkpoint_<n>`` of ``automatic_checkpoint_naming``: once Accelerate has named it, :func:`_marked_once_named`),
+and stays so if the save fails. The
 wrapped ``load_state`` refuses, before Accelerate loads anything (also under DeepSpeed and FSDP), a folder whose save
 did not finish, whose ranks read different records, or whose EMA is not of the recorded save by its manifest (an
 ``async_save`` write that failed, or a process that ended before its write committed); a folder with no record (an
@@ -51,15 +52,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
-import accelerate  # noqa: F401 - the framework this module glues to
+import accelerate  # the framework this module glues to
 import torch.distributed as dist
 
 from functional_ema._checkpoint.collective import agree, arrive, io_error
@@ -156,6 +159,8 @@ class _StateVerb:
                 folder = _save_folder(acc, args, kwargs) if helpers else None
                 for helper in helpers:
                     stack.enter_context(helper._saving(folder))
+                if helpers:
+                    stack.enter_context(_marked_once_named(acc, helpers))
             else:
                 folder = _load_folder(acc, args, kwargs) if helpers else None
                 for helper in helpers:  # before anything is swapped out or loaded: a refusal changes nothing
@@ -196,6 +201,67 @@ def _save_folder(accelerator: Any, args: tuple, kwargs: dict) -> Path | None:
     if output_dir is None:
         return None
     return local_folder(output_dir, "accelerator.save_state(output_dir)", "Accelerate")
+
+
+@contextlib.contextmanager
+def _marked_once_named(accelerator: Any, helpers: list[AcceleratorEMA]) -> Iterator[None]:
+    """For one ``save_state`` with ``automatic_checkpoint_naming`` where Accelerate writes the model before the EMA's
+    hook (:func:`_writes_model_first`): the new folder is marked unfinished by every helper (:meth:`AcceleratorEMA.
+    _mark`) once Accelerate has named it and before it writes anything, so a save stopped between the model's write
+    and the EMA's hook leaves the folder refused, not loadable as one saved before records were. It cannot be marked
+    before ``save_state`` (:func:`_save_folder`): Accelerate refuses a ``checkpoint_<iteration>`` that exists, and
+    deletes the oldest folders first (``total_limit``). Accelerate (1.16) names it, checks that it is new, then calls
+    ``self.wait_for_everyone()`` on every rank before it makes the folder: that call, shadowed on the accelerator
+    instance for this ``save_state`` only, waits (every rank has checked the folder is new), then marks the folder
+    named by ``output_dir`` in Accelerate's frame. Only a call from Accelerate's own ``save_state`` (:func:`_named_by`)
+    marks: a barrier before it (a subclass's ``save_state`` before ``super()``, another wrapper) comes before the check
+    and passes through, the shadow kept for Accelerate's. An Accelerate that does not call it there leaves the mark to
+    the EMA's hook, as for a folder Accelerate wrote nothing into first."""
+    config = getattr(accelerator, "project_configuration", None)
+    if not (_writes_model_first(accelerator) and getattr(config, "automatic_checkpoint_naming", False)):
+        yield
+        return
+    name = "wait_for_everyone"
+    shadowed, real = vars(accelerator).get(name), getattr(accelerator, name)
+
+    def put_back() -> None:
+        if shadowed is not None:
+            setattr(accelerator, name, shadowed)
+        elif name in vars(accelerator):
+            delattr(accelerator, name)
+
+    def wait_then_mark() -> Any:
+        path = _named_by(sys._getframe(1))
+        if path is None:  # not Accelerate's barrier after the naming: the folder may not be checked yet
+            return real()
+        put_back()  # once: the call after the naming
+        waited = real()  # first: every rank has checked that the folder is new before the mark makes it
+        folder = local_folder(path, "accelerator.save_state(output_dir)", "Accelerate")
+        try:
+            for helper in helpers:
+                helper._mark(folder)  # collective: every rank returns once the mark is written
+        except BaseException:
+            with contextlib.suppress(OSError):  # made for the mark alone: Accelerate's next save would refuse it
+                folder.rmdir()
+            raise
+        return waited
+
+    setattr(accelerator, name, wait_then_mark)
+    try:
+        yield
+    finally:
+        put_back()
+
+
+def _named_by(caller: FrameType) -> str | None:
+    """The folder Accelerate's own ``save_state`` has named and checked to be new (its local ``output_dir``), when
+    ``caller`` is that function's frame (the base class's code: a subclass's ``save_state`` calling ``super()`` is
+    not it, nor a wrapper that patched the class, whose ``__wrapped__`` leads to it); ``None`` for any other caller."""
+    own = inspect.unwrap(accelerate.Accelerator.save_state)
+    if caller.f_code is not getattr(own, "__code__", None):
+        return None
+    output_dir = caller.f_locals.get("output_dir")
+    return os.fspath(output_dir) if isinstance(output_dir, (str, os.PathLike)) else None
 
 
 def _numbered_last(root: str) -> str | None:
@@ -464,13 +530,19 @@ class AcceleratorEMA:
         self._marked = []
         try:
             if folder is not None:
-                step = self.optimizer_step
-                self._write_record(folder, step, complete=False)
-                self._marked.append((folder, step))
+                self._mark(folder)
             yield
         finally:
             self._pending[: len(pending)] = pending
             self._marked = None
+
+    def _mark(self, folder: Path) -> None:
+        """Inside the wrapped ``save_state``, before Accelerate writes into ``folder``: its record marked unfinished at
+        this optimizer step (collective), and the folder remembered to be marked whole once the save returns."""
+        step = self.optimizer_step
+        self._write_record(folder, step, complete=False)
+        if self._marked is not None:
+            self._marked.append((folder, step))
 
     def _on_save(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
         if any(s.inner is not None and s.entered for s in self._swaps):
@@ -493,8 +565,8 @@ class AcceleratorEMA:
         if self._marked is None or (folder, step) in self._marked:  # marked by the wrapper already
             self.ema.save(self.model, folder, step)
             return
-        # Accelerate wrote nothing of this save yet, but under _writes_model_first with a new checkpoint_<n> (no
-        # earlier record there: nothing is put back, the mark stays). Marked before the EMA's save, so a failed
+        # Accelerate wrote nothing of this save yet, but under _writes_model_first with a new checkpoint_<n> whose naming
+        # _marked_once_named did not see (another Accelerate; no earlier record there: nothing is put back). Marked before the EMA's save, so a failed
         # mark leaves the folder as it was; from here until save_state returns the folder may hold files of two
         # saves, and a resume refuses it. An EMA save refused or failed puts the earlier record back: the folder
         # holds nothing of this save but a partial EMA, which its manifest, written last, does not list.

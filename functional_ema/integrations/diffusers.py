@@ -52,6 +52,7 @@ import contextlib
 import copy
 import gc
 import inspect
+import json
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -64,9 +65,10 @@ import functional_ema as fe
 from functional_ema._api import state_pieces, training_refused
 from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
 from functional_ema._checkpoint.collective import Job, agree_on, check_reachable, job_of
+from functional_ema._io import atomic_write_bytes
 from functional_ema._selection import Selection, SelectionLike, make_selection
 from functional_ema.engines import Reading, adapter_for, refuse_engine_internals, unwrap_compiled
-from functional_ema.engines._base import read_for, select
+from functional_ema.engines._base import read_for, select, unread_names
 from functional_ema.engines.deepspeed import is_deepspeed_engine
 from functional_ema.engines.module import is_ddp
 
@@ -78,6 +80,17 @@ __all__ = ["EMAModel"]
 #: ``save_pretrained`` writes).
 FIELDS = ("decay", "min_decay", "optimization_step", "update_after_step", "use_ema_warmup", "inv_gamma", "power")
 _DEPRECATED = ("max_value", "min_value", "device")
+#: The key in ``state_dict()`` of the include/exclude the EMA was made with: ``Selection.record()`` (as a
+#: checkpoint's manifest records it) and ``mask``, one character per position (diffusers' values are by position):
+#: ``"1"`` averaged, ``"0"`` left out by the selection, ``"."`` not read (frozen: the selection was not asked about
+#: it). Only for an EMA with a selection, once its positions are known (its first step), so that a load with another
+#: one is refused; diffusers' ``EMAModel.load_state_dict`` ignores keys it does not know.
+SELECTION_KEY = "ema_selection"
+#: The file ``save_pretrained`` writes that record to, beside the model's: the config stays diffusers' own (an
+#: entry there would be kept in ``model.config`` by ``from_config``, re-saved by diffusers' EMA as if it were its
+#: own, and logged as an unexpected config attribute by every ``from_pretrained`` of the folder).
+SELECTION_FILE = "ema_selection.json"
+_MASK = frozenset("10.")
 _PARAMETERS_CODE = torch.nn.Module.parameters.__code__
 _STORED_WHY = (
     "between EMAModel.store(parameters) and restore(parameters) of the trained model: store() keeps no copy "
@@ -229,6 +242,21 @@ class _Among:
 
     def __hash__(self) -> int:
         return hash((self.names, self.user))
+
+
+def _check_among(reading: Reading, module: torch.nn.Module, user: Selection, subset: list[str], verb: str) -> None:
+    """Check the user's selection as ``local_shards`` checks it (each pattern against the model's names, frozen
+    ones included; predicates on every name read; not everything left out), with its own messages, before it is
+    folded into an ``_Among`` (whose messages would name the fold); then refuse one that leaves none of the
+    parameters given."""
+    names = list(reading.layout.specs)
+    picked = set(user.apply(names, lambda: unread_names(module, reading.layout.specs)))
+    if not any(n in picked for n in subset):
+        raise ValueError(
+            f"EMAModel.{verb}: the selection ({user.describe()}) leaves none of the {len(subset)} parameters given "
+            f"(e.g. {', '.join(map(repr, subset[:4]))}): nothing would be averaged. Widen include or narrow "
+            "exclude, or pass the parameters it selects"
+        )
 
 
 # ------------------------------------------------------------------------------------------- the owner
@@ -408,6 +436,91 @@ def _moved(state: fe.EmaState, x: Any, device: torch.device, pin: bool, non_bloc
     return new
 
 
+def _checked_record(record: Any, what: str) -> dict[str, Any] | None:
+    """A selection record (``SELECTION_KEY``) as ``_selection_record`` writes it, or ``None``; else refused. One
+    without ``mask`` (none is written so now) is kept, and compared with nothing."""
+    if record is None:
+        return None
+    ok = isinstance(record, Mapping) and {"include", "exclude"} <= set(record)
+    mask = record.get("mask") if ok else None
+    if mask is not None and not (isinstance(mask, str) and set(mask) <= _MASK):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{what} must be the selection record EMAModel.state_dict() writes (a dict with 'include', 'exclude' "
+            f"and 'mask', a str of '1', '0', '.' per parameter), got {type(record).__name__} {record!r:.80}"
+        )
+    return dict(record)
+
+
+def _position_mask(
+    adapter: Any, positions: list[torch.Tensor], averaged: Sequence[str | None]
+) -> tuple[str, list[str]]:
+    """The ``mask`` of ``SELECTION_KEY`` for ``positions`` (the bound model's; ``averaged``: each one's name in the
+    EMA, ``None`` where it is not averaged), and their names. From what the steps decided alone: the selection is
+    not asked again (a predicate is never called on a frozen name, which it may not expect); a position read but
+    not averaged is one the selection left out."""
+    module = adapter.module()
+    read = {id(p): n for n, p in adapter.read().params.items()}
+    named = {id(p): n for n, p in module.named_parameters()}
+    mask = "".join("1" if a is not None else "0" if id(p) in read else "." for p, a in zip(positions, averaged))
+    return mask, [a or named.get(id(p), f"parameters[{i}]") for i, (p, a) in enumerate(zip(positions, averaged))]
+
+
+def _check_mask(saved: dict[str, Any], mine: tuple[str, list[str]], user: Selection | None, where: str) -> None:
+    """Refuse values saved with a selection (``saved``: their record) that averaged other positions than this EMA
+    does (``mine``: its mask and names): loaded by position, a parameter the save did not average would start from
+    the live value it kept, and one it averaged would be dropped. Positions not read on either side (frozen) are not
+    compared (neither selection was asked about them), nor are names (a submodule compiled in place renames its
+    parameters); a record without ``mask`` is not compared. Values without a record (diffusers', or saved without a
+    selection) are not checked at all: they say nothing of what was averaged, so an EMA with a selection takes them
+    as they are (the positions it leaves out keep their live values)."""
+    theirs, (mask, names) = saved.get("mask"), mine
+    if theirs is None:
+        return
+    from functional_ema._checkpoint.errors import CheckpointMismatchError
+
+    def shown(i: list[int]) -> str:  # the names by position (names may have changed since: the position counts)
+        more = f" and {len(i) - 8} more" if len(i) > 8 else ""
+        return ", ".join(f"{names[k]!r} (#{k})" for k in i[:8]) + more
+
+    lines = [
+        f"{where} were saved with the selection include={saved['include']!r}, exclude={saved['exclude']!r}, and "
+        f"this EMAModel selects {'every parameter (no include/exclude)' if user is None else user.describe()}"
+    ]
+    if len(theirs) != len(mask):
+        lines[0] += f": the save's record has {len(theirs)} positions, this EMA {len(mask)}"
+    else:
+        pairs = list(zip(theirs, mask))
+        only_saved = [i for i, (a, b) in enumerate(pairs) if (a, b) == ("1", "0")]
+        only_mine = [i for i, (a, b) in enumerate(pairs) if (a, b) == ("0", "1")]
+        if not only_saved and not only_mine:
+            return
+        lines[0] += ", averaging other parameters (by position):"
+        if only_saved:
+            lines.append(f"  averaged by the save, not by this EMA: {shown(only_saved)}")
+        if only_mine:
+            lines.append(f"  averaged by this EMA, left out by the save (its values are live ones): {shown(only_mine)}")
+    lines.append(
+        "Construct the EMAModel (or EMAModel.from_pretrained(path, model_cls, include=..., exclude=...)) with the "
+        "include=/exclude= the EMA was saved with; to average another selection, start a new EMAModel instead of "
+        "loading these values"
+    )
+    raise CheckpointMismatchError("\n".join(lines))
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The selection record ``save_pretrained`` wrote beside the model in folder ``path`` (``None``: none)."""
+    file = path / SELECTION_FILE
+    if not file.is_file():
+        return None
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not readable JSON ({type(e).__name__}: {e}); save_pretrained writes it") from e
+    return _checked_record(record, str(file))
+
+
 def _on_every_rank(what: str, fn: Callable[[], Any], job: Job, bounded: bool) -> None:
     """Run ``fn`` on every rank of ``job``; return on each once all succeeded, or raise on every rank when one
     failed (:func:`agree_on`: that rank its own error, the others the library's class of it, or ``RuntimeError``).
@@ -463,7 +576,15 @@ class EMAModel:
         include, exclude: not diffusers': which parameters are averaged, by name (as for
             :func:`functional_ema.local_shards`); the others are treated as frozen ones are: not averaged,
             their live values in ``state_dict``, ``save_pretrained`` and ``shadow_params``, left live by
-            ``copy_to``. The names are checked at the first :meth:`step`.
+            ``copy_to``. The names are checked at the first :meth:`step`, against every parameter name of
+            the model (given some of its parameters too: a pattern may name one not given, e.g. frozen), with
+            the messages of :func:`functional_ema.local_shards`. After the first step ``state_dict`` records the
+            selection (``"ema_selection"``: the patterns and which positions are averaged; diffusers' ``EMAModel``
+            ignores it) and ``save_pretrained`` writes it to ``ema_selection.json`` beside the model (the config
+            stays diffusers'). Values saved with a selection that averaged other positions than this EMA's are
+            refused, naming them: by ``load_state_dict`` after the first step, else at the first step (also for
+            :meth:`from_pretrained`'s EMA); values without a record (diffusers', or saved without a selection) load
+            as before.
         **kwargs: diffusers' deprecated ``max_value`` (for ``decay``), ``min_value`` (for ``min_decay``),
             ``device`` (for :meth:`to`), with its warning; any other keyword is refused.
 
@@ -489,6 +610,7 @@ class EMAModel:
     _stored: contextlib.ExitStack | None
     _swap: contextlib.ExitStack | None
     _warmup: tuple[tuple[float, float, float, float, int], fe.schedules.Schedule] | None
+    _loaded_record: dict[str, Any] | None = None  # (a class default: an EMAModel pickled before it existed)
 
     def __init__(
         self,
@@ -557,6 +679,7 @@ class EMAModel:
         self._stored = None  # store() was given the trained model: training refused until restore()
         self._swap = None  # copy_to() after store(): the EMA swapped in
         self._warmup = None  # (settings, fe.schedules.warmup of them)
+        self._loaded_record = None  # the selection record that came with the values loaded (SELECTION_KEY)
 
     # ------------------------------------------------------------------------------- copies
 
@@ -651,7 +774,11 @@ class EMAModel:
         adapter = adapter_for(x)
         module = adapter.module()
         subset = self._subset_of(module, params, verb)
-        selection = self._selection if subset is None else Selection(_Among(subset, self._selection), None)
+        selection = self._selection
+        if subset is not None:  # some of the parameters: the user's selection among them
+            if selection is not None:
+                _check_among(adapter.read(), module, selection, subset, verb)
+            selection = Selection(_Among(subset, selection), None)
         reading = select(adapter.read(), selection, module)  # positions left out: not averaged
         if not reading.layout.part.whole:
             raise NotImplementedError(
@@ -660,6 +787,13 @@ class EMAModel:
             )
         by_id = {id(p): n for n, p in reading.params.items()}
         names = [by_id.get(id(p)) for p in params]
+        if self._loaded_record is not None:  # values loaded before the positions were known: checked now
+            _check_mask(
+                self._loaded_record,
+                _position_mask(adapter, params, names),
+                self._selection,
+                f"the values loaded into this EMAModel (load_state_dict, from_pretrained) before EMAModel.{verb}",
+            )
         # Bound at construction (a sharded model's own parameters) there are no starting values: the weights are.
         pending = self._starting_values(verb) if start_counts and self._pending is not None else self._pending
         if pending is not None:
@@ -671,6 +805,7 @@ class EMAModel:
             _fill(state, reading.layout, names, pending)
         self._x, self._positions, self._names, self._state, self._pending = x, list(params), names, state, None
         self._selection, self._subset, self._counted = selection, subset, step
+        self._loaded_record = None  # the state's own selection is recorded from now
 
     @staticmethod
     def _subset_of(module: torch.nn.Module, params: list[torch.Tensor], verb: str) -> list[str] | None:
@@ -699,7 +834,9 @@ class EMAModel:
         the state against the model. Returns the model's selected shards (``None`` before the first step)."""
         if self._state is None:
             return None
-        reading = select(self._read(), self._selection)
+        # The module too: a pattern naming a parameter still frozen is checked against the model's names, as at
+        # the first step (without it, a reading made anew after an unfreezing would take it for a typo)
+        reading = select(self._read(), self._selection, adapter_for(self._x).module())
         shards, have = reading.shards, self._state.emas[0]
         if not isinstance(have, fe.Shards) or have.index == shards.index:
             return shards
@@ -934,6 +1071,23 @@ class EMAModel:
     def _fields(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in FIELDS}
 
+    def _user_selection(self) -> Selection | None:
+        """The ``include=`` / ``exclude=`` given (bound to some parameters, it is folded into an ``_Among``)."""
+        sel = self._selection
+        return sel.include.user if sel is not None and isinstance(sel.include, _Among) else sel
+
+    def _selection_record(self) -> dict[str, Any] | None:
+        """What ``state_dict`` records of the selection (see ``SELECTION_KEY``): ``None`` without one (diffusers'
+        dict as it is). Before the first step the positions are unknown: the record the values were loaded with
+        (``from_pretrained``'s EMA passes it on), or none."""
+        if self._x is None:
+            return self._loaded_record
+        user = self._user_selection()
+        if user is None:
+            return None
+        mask, _ = _position_mask(adapter_for(self._x), self._positions, self._names)
+        return {**user.record(), "mask": mask}
+
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``model_cls.from_config(model_config)`` holding the EMA (fp32, bitwise) and the EMA's settings
         in its config, with the model's ``save_pretrained``: a folder ``model_cls.from_pretrained`` loads and
@@ -946,13 +1100,17 @@ class EMAModel:
         if path.exists() and not path.is_dir():
             raise ValueError(f"path={str(path)!r} is a file: save_pretrained writes a folder")
         values = self._full_values(0, "save_pretrained")
+        record = self._selection_record()
 
         def write() -> None:
             if values is not None:  # rank 0 of the EMA's group (every rank before the first step)
                 model = self.model_cls.from_config(self.model_config)
                 model.register_to_config(**self._fields())
                 _copy_into(list(model.parameters()), values, "EMAModel.save_pretrained", "the EMA's values")
+                (path / SELECTION_FILE).unlink(missing_ok=True)  # an earlier save's into this folder: not these values'
                 model.save_pretrained(str(path))
+                if record is not None:
+                    atomic_write_bytes(path / SELECTION_FILE, json.dumps(record, indent=1).encode())
 
         if self._x is None:
             write()
@@ -962,10 +1120,20 @@ class EMAModel:
         _on_every_rank("EMAModel.save_pretrained", write, job_of(self._read()), bounded=False)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, model_cls: Any, foreach: bool = False) -> EMAModel:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        model_cls: Any,
+        foreach: bool = False,
+        *,
+        include: SelectionLike = None,
+        exclude: SelectionLike = None,
+    ) -> EMAModel:
         """An EMA starting from a folder :meth:`save_pretrained` wrote (its weights and settings), whole on
         this rank until its first :meth:`step` or :meth:`load_state_dict` into another EMA (the resume hook:
-        ``ema_unet.load_state_dict(EMAModel.from_pretrained(dir, UNet2DConditionModel).state_dict())``)."""
+        ``ema_unet.load_state_dict(EMAModel.from_pretrained(dir, UNet2DConditionModel).state_dict())``).
+        ``include`` / ``exclude`` (not diffusers'): the EMA's selection, as for the constructor, for stepping this
+        EMA itself; values saved with a selection averaging other positions are refused at its first step."""
         path = check_path(path, "path")
         model_cls = _check_model_cls(model_cls, "model_cls", ("from_pretrained", "load_config", "from_config"))
         if model_cls is None:
@@ -974,39 +1142,61 @@ class EMAModel:
         config = model_cls.load_config(str(path))
         fields = {f: config[f] for f in FIELDS if f in config}  # what diffusers reads back (unused config kwargs)
         model = model_cls.from_pretrained(str(path))
-        ema = cls(model.parameters(), model_cls=model_cls, model_config=model.config, foreach=foreach)
+        ema = cls(
+            model.parameters(),
+            model_cls=model_cls,
+            model_config=model.config,
+            foreach=foreach,
+            include=include,
+            exclude=exclude,
+        )
         ema._owned = True  # no one else holds this model: its tensors are the EMA's own values
         ema.load_state_dict(fields)
+        # Kept with the values (its state_dict() passes it on), checked where their positions are known
+        ema._loaded_record = _read_record(path)
         return ema
 
     def state_dict(self) -> dict[str, Any]:
         """diffusers' dict: the settings and ``shadow_params``, the whole EMA by position. Sharded: a
         collective that gathers a full fp32 copy of the model onto every rank."""
-        return {**self._fields(), "shadow_params": self._full_values(None, "state_dict")}
+        out = {**self._fields(), "shadow_params": self._full_values(None, "state_dict")}
+        selected = self._selection_record()
+        if selected is not None:  # diffusers' dict, with the selection (see SELECTION_KEY)
+            out[SELECTION_KEY] = selected
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take the settings and (if present) ``shadow_params`` (whole tensors by position, e.g. from
         :meth:`from_pretrained`'s EMA), copied as diffusers copies them: each rank keeps its slice. Everything
         is checked before anything changes; unknown keys are refused. Positions the EMA does not average
-        (frozen parameters) keep their live value. No communication."""
+        (frozen parameters) keep their live value. Values saved with a selection (``"ema_selection"``) averaging
+        other positions than this EMA's are refused, naming them; before the first step (the positions unknown)
+        at the first step instead. No communication."""
         self._load(check_mapping(state_dict, "state_dict"), "state_dict['shadow_params']")
 
     def _load(self, sd: Mapping[str, Any], shadow_name: str) -> None:
         """:meth:`load_state_dict` of ``sd``; ``shadow_name``: how messages name its ``shadow_params``."""
-        unknown = sorted(str(k) for k in sd if k not in (*FIELDS, "shadow_params"))
+        known = (*FIELDS, "shadow_params", SELECTION_KEY)
+        unknown = sorted(str(k) for k in sd if k not in known)
         if unknown:
-            raise ValueError(f"state_dict has unknown key(s) {unknown}; EMAModel's hold {[*FIELDS, 'shadow_params']}")
+            raise ValueError(f"state_dict has unknown key(s) {unknown}; EMAModel's hold {list(known)}")
         fields = _check_fields({f: sd.get(f, getattr(self, f)) for f in FIELDS}, lambda f: f"state_dict[{f!r}]")
         where = "EMAModel.load_state_dict" if shadow_name.startswith("state_dict") else "EMAModel.shadow_params"
         self._no_swap(where.removeprefix("EMAModel."))
         self._grow()
         values = self._checked_shadow(sd.get("shadow_params"), shadow_name, where)
+        record = _checked_record(sd.get(SELECTION_KEY), f"state_dict[{SELECTION_KEY!r}]")
+        if record is not None and values is not None and self._x is not None:  # unbound: checked at the first step
+            mine = _position_mask(adapter_for(self._x), self._positions, self._names)
+            _check_mask(record, mine, self._user_selection(), f"the values given to {where}")
         if values is not None and self._state is not None:
             _fill(self._state, adapter_for(self._x).read().layout, self._names, values)
         elif values is not None:  # copies: diffusers deep-copies the state_dict (the source may change on)
             self._pending, self._owned = [t.detach().clone() for t in values], True
         for f, v in fields.items():
             setattr(self, f, v)
+        if values is not None and self._x is None:  # the values' own selection (none known without a record)
+            self._loaded_record = record
         if self._state is not None:
             self._state.step.fill_(fields["optimization_step"])
             self._counted = fields["optimization_step"]

@@ -39,7 +39,12 @@ Per Lightning event:
   ``last_model_path``) at the next batch or the end of training (rank 0; only what the library wrote).
   A ``file://`` checkpoint path is its local path. With ``shared=False`` (folders the ranks
   do not share: Ray Train's ``RayTrainReportCallback`` saves into each worker's own folder) each rank writes
-  beside its own path, not rank 0's. Lightning's callback hooks are not
+  beside its own path, not rank 0's, and a ``ModelCheckpoint`` rotation inside its saves (which run on every rank)
+  removes each rank's EMA folder beside its own path (Lightning removes the checkpoint on rank 0 only, first; by the
+  same rules, on every rank together; a removal made on some ranks only fails there with ``CheckpointTimeoutError``
+  after ``FUNCTIONAL_EMA_TIMEOUT``, removing nothing). Other removals (a subclass's own ``_remove_checkpoint`` call,
+  a rank-0-only callback) and the ``save_last="link"`` cleanup act on rank 0's path alone: another rank's own
+  ``<ckpt>.ema`` (its ``last.ckpt.ema`` once rank 0 links ``last.ckpt``) stays. Lightning's callback hooks are not
   told the checkpoint path, so the callback wraps this trainer's ``save_checkpoint`` and its
   strategy's ``remove_checkpoint`` (instance attributes, set up in ``setup``). A save while the EMA is swapped
   in writes the live weights (swapped out for the save, in again after it). A save after an optimizer step and
@@ -52,8 +57,9 @@ Per Lightning event:
 
 Checkpoints in a bucket: with ``ModelCheckpoint(dirpath="s3://bucket/run")`` (any fsspec URL; Lightning writes
 there through fsspec) the EMA is saved at ``<ckpt>.ema/ema/`` under the same prefix, read back from there by
-``fit(ckpt_path="s3://...")``, and removed with the checkpoint when ``ModelCheckpoint`` rotates it (the objects
-under ``<ckpt>.ema/`` only, through :mod:`functional_ema._storage`). The credentials come from fsspec's
+``fit(ckpt_path="s3://...")``, and removed with the checkpoint when ``ModelCheckpoint`` rotates it (under
+``<ckpt>.ema/``, through :mod:`functional_ema._storage`, by the same rules as a local folder: only the objects of a
+verified EMA save, by their exact names; a user's object there stays, with a ``UserWarning``). The credentials come from fsspec's
 configuration, which Lightning reads too (``FSSPEC_S3_KEY``, ``FSSPEC_S3_SECRET``, ``FSSPEC_S3_ENDPOINT_URL``, or
 s3fs's own, e.g. ``AWS_*``).
 
@@ -74,10 +80,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 
+from functional_ema._checkpoint.bucket import _OLD_MARKER_NAME as OLD_BUCKET_MARKER
+from functional_ema._checkpoint.bucket import MARKER_NAME as BUCKET_MARKER
+from functional_ema._checkpoint.collective import TIMEOUT_ENV, agree, agree_on
 from functional_ema._checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointTimeoutError,
     CheckpointVersionError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -86,6 +97,7 @@ from functional_ema._checkpoint.format import (
     ASYNC_MARKER,
     BUFFER_FILE,
     FILE_FORMAT,
+    GENERATION_NAME,
     LATEST_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
@@ -97,13 +109,20 @@ from functional_ema._checkpoint.format import (
     short_list,
 )
 from functional_ema._checkpoint.private import MARKER_PREFIX
-from functional_ema._checkpoint.reader import CheckpointReader
+from functional_ema._checkpoint.reader import CheckpointReader, StoragePath
 from functional_ema._io import SafetensorsFile
 from functional_ema._state import EmaState
-from functional_ema._storage import file_url_path, is_url, remove_tree, storage_for
+from functional_ema._storage import Storage, file_url_path, is_url, storage_for
 from functional_ema.schedules import DecayLike
 
-from ._common import EMAController, agreed_everywhere, check_folder_tag, expected_ema_step, has_saved_ema
+from ._common import (
+    EMAController,
+    agreed_everywhere,
+    check_folder_tag,
+    expected_ema_step,
+    has_saved_ema,
+    read_record_at,
+)
 
 __all__ = ["EMACallback", "ema_dir_for"]
 
@@ -115,6 +134,16 @@ _LIGHTNING_FOLDERS = re.compile(r"checkpoint|zero_to_fp32|\.metadata|__\d+_\d+\.
 
 # Set on a trainer whose save_checkpoint/remove_checkpoint this callback wrapped (setup() runs once per stage).
 _WRAPPED_ATTR = "_functional_ema_wrapped"
+
+# The ModelCheckpoint methods (Lightning 2.x) that its hooks call on every rank alike, and that remove the checkpoint
+# they replace (_save_topk_checkpoint through _save_monitor_checkpoint/_update_best_and_save, or
+# _save_none_monitor_checkpoint). Only a removal inside them is taken as one of every rank's: a subclass may call
+# _remove_checkpoint on rank 0 alone (rank-zero-only housekeeping).
+_EVERY_RANK_SAVES = ("_save_topk_checkpoint", "_save_last_checkpoint", "_save_none_monitor_checkpoint")
+
+# The marker a shared=False save leaves for a moment in its tag folder (private.folder_group): ".ema_present.", the
+# save's token (16 hex digits), the rank (6 digits or more). Matched exactly: a user's ".ema_present.notes" is not one.
+_PRIVATE_MARKER = re.compile(re.escape(MARKER_PREFIX) + r"[0-9a-f]{16}\.\d{6,}")
 
 
 def ema_dir_for(ckpt_path: str | os.PathLike) -> Path | str:
@@ -203,12 +232,14 @@ def _is_own_name(tag_dir: Path, name: str) -> bool:
     those names. A user's file of any other name (``ema_notes.tmp-1``, an ``integration.json`` of theirs) is not."""
     if RANK_FILE.match(name) or BUFFER_FILE.match(name) or name in (MANIFEST_NAME, PENDING_MANIFEST_NAME, LOCK_NAME):
         return True
+    if name == GENERATION_NAME:  # the generation a save took (writer.TagLock.take_generation)
+        return True
     if name == RECORD_NAME:
         return _own_record(tag_dir / name)
     return (
         is_own_tmp(name, (MANIFEST_NAME, PENDING_MANIFEST_NAME, RECORD_NAME))
         or ASYNC_MARKER.fullmatch(name) is not None
-        or name.startswith(MARKER_PREFIX)
+        or _PRIVATE_MARKER.fullmatch(name) is not None
     )
 
 
@@ -243,12 +274,17 @@ def _remove_companion(folder: Path, tag: str) -> list[str]:
             f.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty: a file of someone else's stays, with its folder
             (folder / tag).rmdir()
-        for name in os.listdir(folder):  # the ema_latest pointer, and a crash-left temporary of it
+        for name in _names_in(folder):  # the ema_latest pointer, and a crash-left temporary of it
             path = folder / name
             if (name == LATEST_NAME or is_own_tmp(name, (LATEST_NAME,))) and path.is_file() and not path.is_symlink():
                 path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # not empty: something else lives there, and stays
         folder.rmdir()
+    return _names_in(folder)
+
+
+def _names_in(folder: Path) -> list[str]:
+    """The names in ``folder``; none when it is gone (also removed meanwhile by a rank that shares it)."""
     try:
         return sorted(os.listdir(folder))
     except OSError:
@@ -279,10 +315,105 @@ def _url_is_folder(url: str) -> bool:
     return store.file_size(name) is None and bool(store.listdir(name))
 
 
-def _remove_url_ema(ckpt_url: str) -> None:
-    """The EMA objects this callback wrote beside the checkpoint ``ckpt_url`` (under ``<ckpt>.ema/``), and
-    nothing else: the prefix is walked through the storage seam, each object removed by its exact name."""
-    remove_tree(storage_for(ckpt_url.rstrip("/") + ".ema"))
+def _on_every_rank(inner: Callable[..., Any], callbacks: list[EMACallback]) -> Callable[..., Any]:
+    """``inner`` (a ``ModelCheckpoint`` method of :data:`_EVERY_RANK_SAVES`) with each of ``callbacks`` told, while it
+    runs, that a removal now is every rank's (their ``_every_rank``; put back as it was after: these methods nest)."""
+
+    def every_rank(*args: Any, **kwargs: Any) -> Any:
+        before = [(c, c._every_rank) for c in callbacks]
+        for c, _ in before:
+            c._every_rank = True
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            for c, was in before:
+                c._every_rank = was
+
+    setattr(every_rank, _WRAPPED_ATTR, callbacks)
+    return every_rank
+
+
+def _removal_stalled(path: str, rank: int, limit: float, waited: float, e: Exception) -> CheckpointTimeoutError:
+    """The error of a ``shared=False`` removal inside ``ModelCheckpoint``'s saves that the other ranks did not join."""
+    return CheckpointTimeoutError(
+        f"EMACallback(shared=False): rank {rank} waited {waited:.1f} s (limit {limit:g} s, {TIMEOUT_ENV}) for the "
+        f"other ranks to remove the rotated checkpoint {path} with it, and they did not ({type(e).__name__}: {e}). "
+        "With shared=False each rank removes its own EMA folder, so ModelCheckpoint's removals inside its saves "
+        "(_save_topk_checkpoint, _save_last_checkpoint) run on every rank together; this one was decided on some "
+        "ranks only (a metric in the checkpoint's name that differs between ranks: log it with sync_dist=True; or a "
+        "subclass that removes on some ranks from those methods). Nothing was removed"
+    )
+
+
+def _remove_url_ema(ckpt_url: str, tag: str) -> list[str]:
+    """The EMA objects a save of this library wrote beside the checkpoint ``ckpt_url`` (under ``<ckpt>.ema/``),
+    whichever process saved them, removed by their exact names (:func:`_url_library_objects`), as
+    :func:`_remove_companion` does for a local folder: a user's object under that prefix stays. Returns the names
+    still directly under the prefix (empty: nothing is left there)."""
+    store = storage_for(ckpt_url.rstrip("/") + ".ema")
+    for rel in _url_library_objects(store, tag):
+        store.remove(rel)
+    return store.listdir()
+
+
+def _url_library_objects(store: Storage, tag: str) -> list[str]:
+    """The objects of ``store`` (the ``<ckpt>.ema`` prefix) that this library's saves write, by exact name, when its
+    tag holds verifiably such a save (:func:`_is_url_library_save`): the rank and buffer files (those its manifest
+    lists, and a failed save's leftovers of those names), the manifest, a valid not-started record, the save markers
+    (``.ema_store.<token>.gen<N>``), and ``ema_latest`` beside the tag. ``[]`` otherwise."""
+    names = store.listdir(tag)
+    if not _is_url_library_save(store, tag, names):
+        return []
+    own = [
+        f"{tag}/{n}"
+        for n in names
+        if RANK_FILE.match(n)
+        or BUFFER_FILE.match(n)
+        or n == MANIFEST_NAME
+        or BUCKET_MARKER.fullmatch(n)
+        or OLD_BUCKET_MARKER.fullmatch(n)
+        or (n == RECORD_NAME and _own_url_record(store, f"{tag}/{n}"))
+    ]
+    # listed entries may be prefixes ("folders" of a user's objects): only objects are removed
+    own = [rel for rel in own if store.file_size(rel) is not None]
+    return own + ([LATEST_NAME] if store.file_size(LATEST_NAME) is not None else [])
+
+
+def _is_url_library_save(store: Storage, tag: str, names: list[str]) -> bool:
+    """:func:`_is_library_save` of a tag at a URL, by the same readers: a valid manifest, a valid not-started record,
+    or a rank file whose header says it is this library's."""
+    if MANIFEST_NAME in names and _own_url_manifest(store, f"{tag}/{MANIFEST_NAME}"):
+        return True
+    if RECORD_NAME in names and _own_url_record(store, f"{tag}/{RECORD_NAME}"):
+        return True
+    for name in sorted(n for n in names if RANK_FILE.match(n)):
+        with contextlib.suppress(OSError, ValueError):  # not a readable safetensors object: no proof
+            if SafetensorsFile((store, f"{tag}/{name}")).metadata.get("format") == FILE_FORMAT:
+                return True
+    return False
+
+
+def _own_url_manifest(store: Storage, rel: str) -> bool:
+    """:func:`_own_manifest` of the object ``rel``: read and validated by the library's reader."""
+    try:
+        size = store.file_size(rel)
+        if size is None:
+            return False
+        CheckpointReader._parse_manifest(StoragePath(store, rel), size, lambda: store.read_bytes(rel))
+    except CheckpointVersionError:
+        return True
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def _own_url_record(store: Storage, rel: str) -> bool:
+    """Whether the object ``rel`` is the library's not-started record (checksum verified), of an integration."""
+    try:
+        record = read_record_at(StoragePath(store, rel))
+    except (CorruptCheckpointError, OSError):
+        return False
+    return record is not None and record.get("integration") == 1
 
 
 class EMACallback(pl.Callback):
@@ -379,7 +510,7 @@ class EMACallback(pl.Callback):
             # once the new one's EMA is complete, so the save in flight (async_save) is completed first.
             self._wait_in_flight(path)
             self._drain(trainer)
-            self._remove(trainer, remove, path)
+            self._remove(trainer, remove, path, every_rank=self._every_rank)
 
         # Instance attributes shadowing the methods, on purpose: the hooks are not told the checkpoint path.
         trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]  # wrapped per trainer instance
@@ -387,31 +518,23 @@ class EMACallback(pl.Callback):
         setattr(trainer, _WRAPPED_ATTR, self)
 
     def _mark_every_rank(self, saves: Any) -> None:
-        """A ``ModelCheckpoint``'s removals run on every rank (its hooks do), so they may commit the async save in
-        flight collectively (``_wait_in_flight``); other callers may be on rank 0 alone (``_must_defer``). Marked by
-        wrapping its ``_remove_checkpoint`` (an instance attribute, as ``save_checkpoint``) once, for every
-        ``EMACallback`` of its trainers."""
-        inner = getattr(saves, "_remove_checkpoint", None)
-        if not isinstance(saves, pl.callbacks.ModelCheckpoint) or inner is None:
+        """A removal inside a ``ModelCheckpoint``'s saves (:data:`_EVERY_RANK_SAVES`) runs on every rank (its hooks
+        call them on every rank), so it may commit the async save in flight collectively (``_wait_in_flight``) and,
+        with ``shared=False``, remove every rank's EMA folder together (``_remove_private``); its other removals (a
+        subclass's, maybe on rank 0 alone) are taken as one rank's (``_must_defer``). Marked by wrapping those methods
+        (instance attributes, as ``save_checkpoint``) once, for every ``EMACallback`` of its trainers."""
+        if not isinstance(saves, pl.callbacks.ModelCheckpoint):
             return
-        marked = getattr(inner, _WRAPPED_ATTR, None)
-        if isinstance(marked, list):  # wrapped already (a stage before, another EMACallback)
-            if not any(m is self for m in marked):
-                marked.append(self)
-            return
-        callbacks: list[EMACallback] = [self]
-
-        def every_rank(trainer: pl.Trainer, filepath: str) -> None:
-            for c in callbacks:
-                c._every_rank = True
-            try:
-                inner(trainer, filepath)
-            finally:
-                for c in callbacks:
-                    c._every_rank = False
-
-        setattr(every_rank, _WRAPPED_ATTR, callbacks)
-        saves._remove_checkpoint = every_rank  # type: ignore[method-assign]  # wrapped per ModelCheckpoint instance
+        for name in _EVERY_RANK_SAVES:
+            inner = getattr(saves, name, None)
+            if inner is None:
+                continue
+            marked = getattr(inner, _WRAPPED_ATTR, None)
+            if isinstance(marked, list):  # wrapped already (a stage before, another EMACallback)
+                if not any(m is self for m in marked):
+                    marked.append(self)
+                continue
+            setattr(saves, name, _on_every_rank(inner, [self]))
 
     def _must_defer(self) -> bool:
         """Whether a removal asked now must wait for a commit it cannot run: an async save is in flight whose commit is
@@ -446,10 +569,15 @@ class EMACallback(pl.Callback):
         """The removals deferred (``_defer``) until the async save then in flight was committed: it is, now."""
         todo, self._deferred = self._deferred, []
         for path, remove in todo:
-            self._remove(trainer, remove, path)
+            self._remove(trainer, remove, path)  # asked on this rank alone, maybe: no collective
 
-    def _remove(self, trainer: pl.Trainer, remove: Callable[[str], None], path: str) -> None:
-        """Remove the checkpoint ``path`` (the strategy's own ``remove``) and the EMA folder saved beside it."""
+    def _remove(self, trainer: pl.Trainer, remove: Callable[[str], None], path: str, every_rank: bool = False) -> None:
+        """Remove the checkpoint ``path`` (the strategy's own ``remove``) and the EMA folder saved beside it.
+        ``every_rank``: the removal runs on every rank (a ``ModelCheckpoint``'s), so with ``shared=False`` each rank's
+        own EMA folder goes too (:meth:`_remove_private`)."""
+        if every_rank and not self.ema.shared:
+            self._remove_private(trainer, remove, path)
+            return
         # Asked before the checkpoint goes: whether it is a file (its EMA beside it) or a folder (its EMA inside it,
         # removed with it).
         sibling = _ema_beside(path) if trainer.is_global_zero else None
@@ -457,14 +585,61 @@ class EMACallback(pl.Callback):
             self._beside.discard(_local_key(path))
         remove(path)
         if isinstance(sibling, str):
-            _remove_url_ema(sibling.removesuffix(".ema"))
+            self._warn_left(path, sibling, _remove_url_ema(sibling.removesuffix(".ema"), self.ema.tag))
         elif sibling is not None:
             self._drop_companion(path, sibling)
+
+    def _remove_private(self, trainer: pl.Trainer, remove: Callable[[str], None], path: str) -> None:
+        """``shared=False``, a ``ModelCheckpoint``'s removal (on every rank, each with its own ``path``): Lightning
+        removes the checkpoint on rank 0 only, so each rank removes the EMA folder beside its own path, by the library's
+        exact names (``_remove_companion``). Every rank asks first, before rank 0 removes anything, whether its
+        checkpoint is a folder (its EMA inside it: Lightning's to remove) or a file: once a folder a rank shares with
+        rank 0 is gone, it would take a ``<ckpt>.ema`` beside it, which is not the callback's, for the EMA's. Ranks
+        that share a folder (a node's, on node-local disks) remove it together: removals by exact name whose target
+        may already be gone, so none fails; what is left is read once every rank is done, and warned about.
+        Collective (a bounded arrival, then two small all-reduces); a failure anywhere raises on every rank."""
+        joined = dist.is_available() and dist.is_initialized()
+        world, rank = (dist.get_world_size(), dist.get_rank()) if joined else (1, 0)
+        sibling = _ema_beside(path)  # shared=False takes no URL: a local path
+        # Bounded: the ranks' arrival. A removal decided on some ranks only (a metric in the file name that differs
+        # between ranks) fails on them after the timeout, nothing removed, instead of hanging; past it every rank is
+        # here, and the removals, however long, are waited for without a bound.
+        agree_on(
+            "EMACallback: removing a rotated checkpoint (shared=False)",
+            dict,
+            (),
+            None,
+            world,
+            rank,
+            stalled=lambda t, waited, e: _removal_stalled(path, rank, t, waited, e),
+        )
+        if trainer.is_global_zero:
+            self._beside.discard(_local_key(path))
+        # The checkpoint first, in its own step: no rank's EMA goes while the checkpoint it belongs to is still there.
+        agree(
+            "EMACallback: removing a rotated checkpoint's file (shared=False)",
+            lambda: remove(path),
+            None,
+            world,
+            rank,
+            False,
+        )
+
+        def drop() -> None:  # a folder checkpoint (no sibling) held its EMA: gone with it. Every rank takes the step.
+            if isinstance(sibling, Path):
+                _remove_companion(sibling, self.ema.tag)
+
+        agree("EMACallback: removing a rotated checkpoint's EMA (shared=False)", drop, None, world, rank, False)
+        if isinstance(sibling, Path):
+            self._warn_left(path, sibling, _names_in(sibling))
 
     def _drop_companion(self, ckpt: str, folder: Path) -> None:
         """The EMA folder beside the removed file checkpoint ``ckpt`` (saved by this process or an earlier one), only
         as far as it verifiably is this library's (``_remove_companion``); what stays is warned about."""
-        left = _remove_companion(folder, self.ema.tag)
+        self._warn_left(ckpt, folder, _remove_companion(folder, self.ema.tag))
+
+    def _warn_left(self, ckpt: str, folder: Path | str, left: list[str]) -> None:
+        """Warn of what stays in the EMA folder ``folder`` of the removed checkpoint ``ckpt``: not the library's."""
         if left:
             warnings.warn(
                 f"EMACallback: the checkpoint {ckpt} is removed, but {folder} beside it holds {short_list(left)}, which "
