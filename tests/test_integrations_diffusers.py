@@ -1120,6 +1120,13 @@ def test_the_selection_record_is_a_file_beside_diffusers_config(tmp_path):
     r.new(bound=True).save_pretrained(tmp_path / "ema")  # no selection, into the same folder
     assert not (tmp_path / "ema" / "ema_selection.json").exists()
     assert SELECTION_KEY not in EMAModel.from_pretrained(tmp_path / "ema", r.net_cls).state_dict()
+    # a file of that name that save_pretrained did not write is never removed: refused, naming it
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "ema_selection.json").write_text("my notes")
+    with pytest.raises(ValueError, match=r"ema_selection\.json is not readable JSON"):
+        r.ema.save_pretrained(mine)
+    assert (mine / "ema_selection.json").read_text() == "my notes" and not (mine / "config.json").exists()
 
 
 def test_recording_the_selection_asks_the_predicate_about_no_new_name(tmp_path):

@@ -1107,7 +1107,9 @@ class EMAModel:
                 model = self.model_cls.from_config(self.model_config)
                 model.register_to_config(**self._fields())
                 _copy_into(list(model.parameters()), values, "EMAModel.save_pretrained", "the EMA's values")
-                (path / SELECTION_FILE).unlink(missing_ok=True)  # an earlier save's into this folder: not these values'
+                if (path / SELECTION_FILE).is_file():  # an earlier save's into this folder: not these values'
+                    _read_record(path)  # only one save_pretrained wrote (else refused, naming it, nothing written)
+                    (path / SELECTION_FILE).unlink()
                 model.save_pretrained(str(path))
                 if record is not None:
                     atomic_write_bytes(path / SELECTION_FILE, json.dumps(record, indent=1).encode())
