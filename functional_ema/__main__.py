@@ -414,8 +414,8 @@ def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     snapshots = args.snapshot_dir if is_url(args.snapshot_dir) else check_path(args.snapshot_dir, "SNAPSHOT_DIR")
     try:
         check_output(plot, snapshots, [], args.overwrite, "--plot")
-    except OutputPathError as e:  # the message names --plot already
-        raise ValueError(str(e)) from None
+    except OutputPathError as e:  # named once: some of check_output's messages start with what they check
+        raise ValueError(str(e) if str(e).startswith("--plot") else f"--plot: {e}") from None
     return plot
 
 

@@ -890,8 +890,16 @@ def test_an_interrupted_command_ends_by_sigint_so_a_shell_loop_stops(tmp_path: P
         "m.cli()\n"
     )
     loop = f'for i in 1 2; do "{sys.executable}" "{script}"; echo "went on $i"; done'
+    # SIGINT's default action in the shell and the command: a job started in the background (`cmd &`, as CI may run
+    # the suite) inherits SIGINT ignored, and then neither a shell nor Python reacts to it at all
+    # (reset here, then exec'ed: a default disposition survives exec)
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp('bash', ['bash', '-c', sys.argv[1]])"
     shell = subprocess.Popen(
-        ["bash", "-c", loop], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", reset, loop],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
