@@ -33,8 +33,17 @@ Adding a command: write ``_add_<name>(subparsers)`` that registers a parser with
 ``set_defaults(run=<function taking the parsed args, returning an exit code>)`` and append it to
 ``_COMMANDS``.
 
+Every path argument (CHECKPOINT_DIR, SNAPSHOT_DIR, SOURCE, OUT, OUT_DIR, --like, --plot) takes a leading ``~`` as the
+user's home (``os.path.expanduser``), quoted or not (``~name`` of no user is refused, unless a file or folder of that
+name is in the current folder); ``file://~/x`` names a host ``~`` and is refused. OUT (and --plot) at or inside the
+checkpoint or snapshot folder given (with a tag folder given: its root itself, a pointer file there such as
+``latest`` or another tag folder, as the library refuses them), or in a folder not writable, is a usage error; so is
+export's OUT_DIR at, inside or above SOURCE or --like, the current or home folder or above, under a file, or in a
+folder not writable.
+
 Exit codes: 0 success, 1 checkpoint or reconstruction error (message on stderr), 2 usage error, 130 interrupted
-(Ctrl-C: one line, the output being written not in place).
+(Ctrl-C: one line saying of each output whether it is complete and kept, the previous file unchanged, or not
+written, from what changed on disk since the command began).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,10 +65,35 @@ if TYPE_CHECKING:
     _Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
+def _user_path(text: str) -> str:
+    """A path argument as it enters: a leading ``~`` or ``~user`` expanded (``os.path.expanduser``), as a shell
+    does unquoted; a quoted one, or one from a config file, would otherwise name a folder ``~`` in the current
+    directory (``export`` made ``./~/hf``). A URL never starts with ``~``; ``file://~/x`` names the host ``~``
+    and is refused as such (a URL is not a shell word). ``~name`` for no user ``name`` is left as a shell leaves
+    it where a file or folder of that name is in the current folder, else refused as the usage error it is (the
+    library's hint, "'~' is not expanded here", would suggest the same path)."""
+    if not text.startswith("~"):
+        return text
+    path = os.path.expanduser(text)
+    first = text.split("/", 1)[0]
+    if path == text and not os.path.lexists(first):
+        user = first[1:]
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: there is no user {user!r} (a leading {first} is that user's home); write the path out"
+            if user
+            else f"{text!r}: the home folder is unknown (HOME is not set); write the path out"
+        )
+    return path
+
+
 def _add_input_output(p: argparse.ArgumentParser, source: str, source_help: str) -> None:
     """The arguments every command shares: where to read, the .safetensors file to write."""
-    p.add_argument(source, help=source_help)
-    p.add_argument("out", help="output .safetensors file (written atomically; never inside the checkpoint being read)")
+    p.add_argument(source, type=_user_path, help=source_help)
+    p.add_argument(
+        "out",
+        type=_user_path,
+        help="output .safetensors file (written atomically; never inside the checkpoint being read)",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -158,24 +193,38 @@ def _add_consolidate(subparsers: _Subparsers) -> None:
     p.set_defaults(run=_run_consolidate)
 
 
+def _consolidate_usage(args: argparse.Namespace) -> Path:
+    """OUT as a local path, after the usage errors found before anything is read (``ValueError`` naming the
+    argument): a URL where a local path is taken, local-only options with a URL, OUT in a missing or unwritable
+    folder or at or inside the checkpoint read."""
+    from ._args import check_path, refuse_url
+    from ._checkpoint.format import check_out_folder
+
+    # before any Path() of them: Path("s3://b/x") is the local folder s3:/b/x
+    refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
+    if args.dcp:
+        refuse_url(args.checkpoint_dir, "CHECKPOINT_DIR", "--dcp reads a local folder")
+    _refuse_local_options(args, args.checkpoint_dir, "CHECKPOINT_DIR")
+    _refuse_mistyped_url(args.checkpoint_dir, "CHECKPOINT_DIR")
+    out = check_path(args.out, "OUT")  # a file:///abs/o.safetensors URL is the file it names
+    check_out_folder(out, "OUT")  # else found last, after the checkpoint was read, naming a temporary file
+    if args.dcp:
+        _refuse_inside(out, "OUT", args.checkpoint_dir, "CHECKPOINT_DIR", "DCP checkpoint")
+    else:  # a tag folder given as CHECKPOINT_DIR (its manifest there, no --tag) is read with its root above it
+        _refuse_inside(out, "OUT", args.checkpoint_dir, "CHECKPOINT_DIR", "checkpoint", args.tag is None)
+    return out
+
+
 def _run_consolidate(args: argparse.Namespace) -> int:
     import time
 
     from safetensors import safe_open
 
-    from ._args import check_path, refuse_url
-    from ._checkpoint.format import check_out_folder
     from .checkpoint import consolidate_to_file, saved_parts
 
     t0 = time.perf_counter()
-    try:  # before any Path() of them: Path("s3://b/x") is the local folder s3:/b/x
-        refuse_url(args.out, "OUT", "the file is written locally; upload it afterwards")
-        if args.dcp:
-            refuse_url(args.checkpoint_dir, "CHECKPOINT_DIR", "--dcp reads a local folder")
-        _refuse_local_options(args, args.checkpoint_dir, "CHECKPOINT_DIR")
-        _refuse_mistyped_url(args.checkpoint_dir, "CHECKPOINT_DIR")
-        out = check_path(args.out, "OUT")  # a file:///abs/o.safetensors URL is the file it names
-        check_out_folder(out, "OUT")  # else found last, after the checkpoint was read, naming a temporary file
+    try:
+        out = _consolidate_usage(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -200,6 +249,7 @@ def _run_consolidate(args: argparse.Namespace) -> int:
             f"tag saved with tensor-parallel size {saved.tp_size} and no recorded split: writing one file per "
             "tensor-parallel rank (join them with --tp-dim NAME=DIM ...)"
         )
+    args.outputs.expect(*outs)  # before the first is written: Ctrl-C's message compares them
     for rank, path in zip(ranks, outs):
         written = consolidate_to_file(
             args.checkpoint_dir,
@@ -225,7 +275,6 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 
 
 def _run_consolidate_dcp(args: argparse.Namespace, out: Path, t0: float) -> int:
-    import os
     import time
 
     from ._args import check_path
@@ -253,16 +302,14 @@ def _run_consolidate_dcp(args: argparse.Namespace, out: Path, t0: float) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    real_out, real_src = os.path.realpath(out), os.path.realpath(src)
-    if real_out == real_src or real_out.startswith(real_src + os.sep):
-        raise OutputPathError(f"{out} is inside the DCP checkpoint {src} being read: write it elsewhere")
-    if out.is_dir():
+    if out.is_dir():  # an OUT inside the checkpoint was refused with the other usage errors (_refuse_inside)
         raise OutputPathError(f"{out} is a folder: name the .safetensors file to write")
     if out.exists() and not args.overwrite:
         raise OutputPathError(f"{out} exists: pass --overwrite to replace it")
     key = "ema" if args.key is None else args.key
     full, step = _consolidate(src, key, args.index, not args.no_verify)
     meta = {"format": "functional_ema.export", "source": "dcp", "ema_index": str(args.index), "step": str(step)}
+    args.outputs.expect(out)
     write_tensors(out, full, meta, replace=args.overwrite)  # without it, a file that appeared at OUT meanwhile is kept
     print(
         f"wrote {out}: {len(full)} tensors, {out.stat().st_size / 2**20:.1f} MiB, EMA {args.index} of DCP key "
@@ -315,6 +362,7 @@ def _add_posthoc(subparsers: _Subparsers) -> None:
     p.add_argument(
         "--plot",
         metavar="PNG",
+        type=_user_path,
         default=None,
         help="also save the synthesised vs requested profile (needs matplotlib; the format is the extension, .png "
         "appended to a name without one; an existing file only with --overwrite)",
@@ -329,6 +377,7 @@ def _add_posthoc(subparsers: _Subparsers) -> None:
 def _run_posthoc(args: argparse.Namespace) -> int:
     from safetensors import safe_open
 
+    from ._args import check_path
     from ._posthoc.plot import draw_profile
     from .posthoc import list_snapshots, posthoc_to_file
 
@@ -337,6 +386,7 @@ def _run_posthoc(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    args.outputs.expect(check_path(args.out, "OUT"), *([] if plot is None else [plot]))
     out = posthoc_to_file(
         args.snapshot_dir,
         args.out,
@@ -363,6 +413,37 @@ def _run_posthoc(args: argparse.Namespace) -> int:
         draw_profile(gammas, steps, plot, gamma=float(meta["gamma"]), step=int(meta["step"]), replace=args.overwrite)
         print(f"wrote {plot}")
     return 0
+
+
+def _refuse_inside(out: Path, what: str, source: str, source_name: str, kind: str, tag_folder: bool = False) -> None:
+    """A usage error (``ValueError`` naming ``what``, ``out`` and the folder) for an output at or inside the local
+    folder ``source`` being read, checked before anything is read (``check_outside``). With ``tag_folder``, when
+    ``source`` is a tag folder (:func:`_tag_roots`), its root is held to what the library refuses there (the root,
+    its pointer files, its tag folders), no more. A URL source has no local folder to keep out of."""
+    from ._args import check_path
+    from ._checkpoint.errors import OutputPathError
+    from ._checkpoint.format import check_outside
+    from ._storage import is_url
+
+    if is_url(source):
+        return
+    src = check_path(source, source_name)  # a file:///abs/dir URL is the folder it names
+    try:
+        check_outside(out, src, f"{kind} {src} ({source_name})", _tag_roots(src) if tag_folder else [])
+    except OutputPathError as e:  # a usage error, named once
+        raise ValueError(f"{what}: {e}") from None
+
+
+def _tag_roots(local: Path) -> list[Path]:
+    """The checkpoint roots above ``local`` when it is a tag folder (its manifest there: the reader and ``to_hf``,
+    handed it with no tag, read it with its root above it): the parent of the path as typed
+    (``os.path.abspath``, as they take it: a link's own folder) and, where a link leads elsewhere, its target's.
+    [] for any other path."""
+    from ._checkpoint.format import MANIFEST_NAME
+
+    if not (local / MANIFEST_NAME).is_file():
+        return []
+    return list(dict.fromkeys([Path(os.path.abspath(local)).parent, Path(os.path.realpath(local)).parent]))
 
 
 def _refuse_mistyped_url(location: str, name: str) -> None:
@@ -393,6 +474,7 @@ def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     _refuse_mistyped_url(args.snapshot_dir, "SNAPSHOT_DIR")
     out = check_path(args.out, "OUT")
     check_out_folder(out, "OUT")  # else found last, after every snapshot was read, naming a temporary file
+    _refuse_inside(out, "OUT", args.snapshot_dir, "SNAPSHOT_DIR", "snapshot folder")
     try:
         target_gamma(args.sigma_rel, args.gamma)
     except ValueError as e:
@@ -411,6 +493,7 @@ def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     if plot.resolve() == out.resolve():
         raise ValueError(f"--plot {plot} is OUT: the picture and the weights need two files")
     # OUT's rules (never inside the snapshots, an existing file only with --overwrite): a usage error too
+    _refuse_inside(plot, "--plot", args.snapshot_dir, "SNAPSHOT_DIR", "snapshot folder")
     snapshots = args.snapshot_dir if is_url(args.snapshot_dir) else check_path(args.snapshot_dir, "SNAPSHOT_DIR")
     try:
         check_output(plot, snapshots, [], args.overwrite, "--plot")
@@ -431,13 +514,18 @@ def _add_export(subparsers: _Subparsers) -> None:
         ),
     )
     p.add_argument(
-        "source", help="checkpoint directory (or tag folder), or a consolidated .safetensors file this library wrote"
+        "source",
+        type=_user_path,
+        help="checkpoint directory (or tag folder), or a consolidated .safetensors file this library wrote",
     )
     p.add_argument(
         "out_dir",
+        type=_user_path,
         help="folder to create (built under a temporary name, renamed when complete); never the current folder or above",
     )
-    p.add_argument("--like", required=True, help="the model's save_pretrained folder, or a PEFT adapter folder")
+    p.add_argument(
+        "--like", required=True, type=_user_path, help="the model's save_pretrained folder, or a PEFT adapter folder"
+    )
     p.add_argument(
         "--tag",
         default=None,
@@ -486,6 +574,9 @@ def _run_export(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         _refuse_local_options(args, args.source, "SOURCE")
+        out_dir = _export_out_place(args)
+        if out_dir is not None:
+            args.outputs.expect(out_dir)
         out = to_hf(
             args.source,
             args.out_dir,
@@ -507,12 +598,52 @@ def _run_export(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)  # a bad option value (named in the message): a usage error
         return 2
     record = json.loads((out / EXPORT_RECORD).read_text())
+    # hidden ones (huggingface-cli download's .cache/) are listed in the record, not said
+    subfolders = [n for n in record.get("ignored_in_like", []) if n.endswith("/") and not n.startswith(".")]
+    if subfolders:  # only --like's files are copied: said, as the record says it
+        print(
+            f"note: --like's subfolders {', '.join(subfolders)} were not copied (the export copies the folder's own "
+            f"files); listed in {EXPORT_RECORD} (ignored_in_like)",
+            file=sys.stderr,
+        )
     size = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith(".safetensors"))
     print(
         f"wrote {out}: {len(record['files'])} file(s), {size / 2**20:.1f} MiB ({record['dtype']}), EMA "
         f"{record.get('ema_index')} at step {record.get('step')} in {time.perf_counter() - t0:.2f} s"
     )
     return 0
+
+
+def _export_out_place(args: argparse.Namespace) -> Path | None:
+    """OUT_DIR's place checked before the source is read (``check_out_place``): the current or home folder or above,
+    inside or above SOURCE or --like, under a file, in a folder not writable: a usage error (exit 2, naming OUT_DIR),
+    as the other verbs refuse OUT. Returns OUT_DIR as a local path; None for a URL or a malformed path, left to
+    ``to_hf``, which names it. A tag folder as SOURCE: its root too, as ``to_hf`` refuses it."""
+    from ._args import check_path
+    from ._export.outdir import check_out_place
+    from ._storage import is_url
+
+    if is_url(args.out_dir):
+        return None
+    avoid = []
+    for path, name in ((args.source, "source (SOURCE)"), (args.like, "like (--like)")):
+        try:
+            local = None if is_url(path) else check_path(path, name)
+        except ValueError:  # to_hf names it
+            local = None
+        if local is not None and os.path.lexists(local):  # a missing source is to_hf's to name, not OUT_DIR's
+            avoid.append(local)
+            if name == "source (SOURCE)":  # a tag folder: to_hf avoids its root
+                avoid.extend(_tag_roots(local))
+    try:
+        out = check_path(args.out_dir, "out_dir (OUT_DIR)")
+    except ValueError:
+        return None
+    try:
+        check_out_place(os.fspath(out), avoid)  # named as given (a file:// URL as its path)
+    except ValueError as e:  # an OutputPathError, a CheckpointError too: raised as the usage error it is
+        raise ValueError(str(e)) from None
+    return out
 
 
 _COMMANDS: list[Callable[[_Subparsers], None]] = [_add_consolidate, _add_export, _add_posthoc]
@@ -532,14 +663,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .posthoc import ReconstructionError
 
+    args.outputs = _Outputs()  # what the verb writes, for Ctrl-C's message
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: the writers have removed their temporary files; no traceback
-        print(
-            f"error: {args.command} interrupted: the output it was writing is not in place (its temporary file was "
-            "removed)",
-            file=sys.stderr,
-        )
+        print(f"error: {args.command} interrupted: {args.outputs.interrupted()}", file=sys.stderr)
         return 130
     except (CheckpointError, ReconstructionError, OSError) as e:  # OSError: e.g. a full disk while writing OUT
         print(f"error: {e}", file=sys.stderr)
@@ -553,6 +681,91 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _identity(path: Path) -> tuple[Any, ...] | None:
+    """What tells a committed output from the one before it: every writer renames a new file (folder) into place,
+    so its inode differs (and a file's mtime, should the inode be reused); the link and what it leads to. None: absent.
+    A folder's mtime is left out: an export's recovery may remove a dead writer's marker from the previous one."""
+    import stat
+
+    try:
+        link = os.lstat(path)
+    except OSError:
+        return None
+    try:
+        target: os.stat_result | None = os.stat(path)
+    except OSError:  # a broken link
+        target = None
+    return tuple(
+        None if st is None else (st.st_dev, st.st_ino, None if stat.S_ISDIR(st.st_mode) else st.st_mtime_ns)
+        for st in (link, target)
+    )
+
+
+@dataclass
+class _Outputs:
+    """The outputs a verb writes, for Ctrl-C's message (``main``): each one's :func:`_identity` taken before the verb
+    writes any (``expect``). After Ctrl-C, one whose identity changed was committed, complete (a writer renames only
+    a complete file into place), whether or not the verb got to say so; one unchanged is the previous file or is
+    not written (its temporary file removed)."""
+
+    paths: list[Path] = field(default_factory=list)
+    before: list[tuple[Any, ...] | None] = field(default_factory=list)
+
+    def expect(self, *paths: Path) -> None:
+        for path in paths:
+            self.paths.append(Path(path))
+            self.before.append(_identity(Path(path)))
+
+    def interrupted(self) -> str:
+        if not self.paths:  # interrupted before it named them: nothing was written yet
+            return "the output it was writing is not in place (its temporary file was removed)"
+        complete: list[str] = []
+        previous: list[str] = []
+        missing: list[str] = []
+        parked: list[str] = []
+        for path, was in zip(self.paths, self.before):
+            now = _identity(path)
+            old = _parked(path) if now is None and was is not None else None
+            if old is not None:  # export --overwrite, interrupted between commit_dir's two renames
+                parked.append(
+                    f"{path} is not in place: the previous export is parked in {old}, and the next export to it puts it back"
+                )
+                continue
+            (missing if now is None else complete if now != was else previous).append(str(path))
+        parts = [f"{_listed(complete)} complete and kept"] if complete else []
+        if previous:
+            kind = "folder" if all(Path(p).is_dir() for p in previous) else "file"
+            parts.append(f"{_listed(previous)} the previous {kind}{'s' if len(previous) > 1 else ''}, unchanged")
+        if missing:
+            parts.append(f"{_listed(missing)} not written (no partial file left)")
+        parts.extend(parked)
+        if complete and len(complete) == len(self.paths):
+            parts[0] += f" (interrupted after writing {'it' if len(complete) == 1 else 'them all'})"
+        return "; ".join(parts)
+
+
+def _parked(path: Path) -> Path | None:
+    """Where ``export --overwrite`` parked the previous export of the folder ``path`` (``commit_dir``: moved into
+    ``.NAME.old-<id>/prev`` before the new one is renamed into place), when it is there; else None."""
+    import re
+
+    from ._export.outdir import _hidden_stem
+
+    real = Path(os.path.realpath(path))
+    own = re.compile(re.escape(_hidden_stem(real.name)) + r"\.old-[^.]+")  # as commit_dir names it, not a glob
+    try:
+        return next(
+            (d / "prev" for d in sorted(real.parent.iterdir()) if own.fullmatch(d.name) and (d / "prev").is_dir()), None
+        )
+    except OSError:
+        return None
+
+
+def _listed(paths: list[str]) -> str:
+    """``a is`` / ``a, b are``."""
+    return f"{', '.join(paths)} {'is' if len(paths) == 1 else 'are'}"
 
 
 def _storage_client_error(e: Exception) -> bool:

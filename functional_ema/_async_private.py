@@ -98,7 +98,7 @@ class Ops:
     prepare: Callable[..., Any]
     write: Callable[[Any, Sequence[Mapping[str, torch.Tensor]], BufferState | None], dict[str, Any]]
     commit: Callable[[Any, dict[str, Any], float, str], None]  # (prep, the records, timeout, what)
-    abandon: Callable[[Any], None]
+    abandon: Callable[[Any, bool], None]  # (prep, whether every rank's write is known to have ended)
 
 
 # The module's functions are looked up at each call (tests replace them, e.g. a background write that fails).
@@ -106,13 +106,13 @@ PRIVATE = Ops(
     lambda *args: prepare_private(*args),  # noqa: PLW0108
     lambda prep, emas, buffers: write_private(prep, emas, buffers),  # noqa: PLW0108
     lambda prep, record, timeout, what: commit_private(prep, record, timeout, what),  # noqa: PLW0108
-    lambda prep: abandon_private(prep),  # noqa: PLW0108
+    lambda prep, ended: abandon_private(prep),
 )
 BUCKET = Ops(
     lambda *args: prepare_bucket(*args),  # noqa: PLW0108
     lambda prep, emas, buffers: write_bucket(prep, emas, buffers),  # noqa: PLW0108
     lambda prep, record, timeout, what: commit_bucket(prep, record, what),
-    lambda prep: abandon_bucket(prep),  # noqa: PLW0108
+    lambda prep, ended: abandon_bucket(prep, ended),  # noqa: PLW0108 - ended: rank 0 may remove its marker
 )
 
 
@@ -138,8 +138,9 @@ def save_now(
     try:
         write = lambda: written.append(ops.write(prep, state.emas, buffers))  # noqa: E731
         collective.agree(f"{what} (writing the rank files)", write, group, world, rank, results=False)
-    except BaseException:
-        ops.abandon(prep)
+    except BaseException as e:
+        # Agreed (a CheckpointError, not the wait's timeout) once every rank's write ended: none writes late
+        ops.abandon(prep, isinstance(e, CheckpointError) and not isinstance(e, CheckpointTimeoutError))
         raise
     ops.commit(prep, written[0], timeout, what)
     return prep.tag_dir
@@ -200,7 +201,7 @@ def start(
             saver._free.append(snapshot[0][1])
         for held in getattr(prep, "lock", ()):
             held.untake_generation()  # refused at the call: nothing written
-        ops.abandon(prep)
+        ops.abandon(prep, True)
         raise
     emas, buffer, ready = snapshot[0] if snapshot else ([], None, None)
     handle = make_handle(prep.tag_dir, prep.first["step"])
@@ -319,7 +320,7 @@ def abandon_after_write(pending: PendingCommit) -> None:
 
     def abandon(_: object) -> None:
         try:
-            pending.ops.abandon(pending.prep)
+            pending.ops.abandon(pending.prep, False)  # another rank's write may go on
         except Exception as e:  # noqa: BLE001 - a cleanup; the save's failure is the handle's error
             logger.error("functional_ema: could not clean up the failed async save in %s: %s", pending.prep.tag_dir, e)
 

@@ -317,6 +317,7 @@ def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
     from ._args import check_bool, check_path
     from ._checkpoint.collective import agree, arrive, job_of
     from ._checkpoint.reader import open_checkpoint
+    from .checkpoint import _private_advice
 
     load_dir, verify = check_path(load_dir, "load_dir"), check_bool(verify, "verify")
     from .engines import adapter_for
@@ -327,8 +328,14 @@ def load_buffers(x: Any, load_dir: str | os.PathLike, tag: str | None = None, *,
     arrive("load_buffers", job.group, job.world, job.rank, None)
     box = {}
 
+    advice = (
+        "(a save with shared=False into each rank's own folder, which load_buffers cannot read: restore its buffers "
+        "with functional_ema.checkpoint.load_checkpoint(x, load_dir, tag, buffers=True, shared=False), or merge the "
+        "folders first)"
+    )
+
     def run() -> None:
-        with open_checkpoint(load_dir, tag, verify, layout) as ckpt:
+        with _private_advice(advice), open_checkpoint(load_dir, tag, verify, layout) as ckpt:
             box["state"] = loaded_buffer_state(persistent_buffers(adapter.module()), layout, ckpt, verify)
 
     agree("load_buffers", run, job.group, job.world, job.rank, results=False)

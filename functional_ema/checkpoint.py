@@ -63,7 +63,7 @@ import torch
 
 from . import _io, _memory
 from ._args import check_bool, check_location, check_path, check_state, check_storage_options
-from ._async import AsyncSaver, SaveHandle
+from ._async import AsyncSaver, SaveHandle, _take_generation
 from ._async_private import BUCKET, PRIVATE, save_now
 from ._checkpoint.bucket import access_refused, url_storage
 from ._checkpoint.collective import (
@@ -343,8 +343,12 @@ def _save_shared(request: SaveRequest, save_dir: Path, raw_tag: Any, what: str) 
                 jrank,
                 results=False,
             )
-        except CheckpointError:
+        except CheckpointError as e:
             remove_unlisted(tag_dir, names)
+            if not isinstance(e, CheckpointTimeoutError):  # agreed once every rank's write ended: none writes late
+                for held in lock:
+                    if held.held:  # not once the commit gave the tag up
+                        held.untake_generation()  # the folder as it was (the generation's record too)
             raise
         done = True
     finally:
@@ -365,13 +369,16 @@ def _agree_save_plan(
         p = dict(plan_save(state, decay, layout, tag, buffers, extra), shared=True)
         if jrank == 0:  # the committing rank holds the tag for the whole save, then picks the generation
             lock.append(TagLock.acquire(save_dir / tag, timeout_s(timeout), what))
-            # Not recorded as taken (TagLock.take_generation): the ranks agree on a failure once every write ended
-            # (but for one outlasting the agreement's timeout); read_generation honours an async save's record
-            p["generation"] = read_generation(save_dir / tag)
+            # Recorded as taken where other ranks write (as an async save's): the ranks agree on a failure once
+            # every write ended (the record is then put back), but a failure of that wait itself (the gloo side
+            # group's timeout, a rank gone) has rank 0 give the tag up while a rank may still write, and the next
+            # save must take other file names than that late write's. read_generation honours the record
+            p["generation"] = _take_generation_if_written(lock[-1], layout, buffers, jworld)
         return p
 
-    def give_up() -> None:
+    def give_up() -> None:  # refused at the call: no rank wrote a file of the generation, none can write late
         for held in lock:
+            held.untake_generation()
             held.release(remove_empty=True)
 
     try:
@@ -380,6 +387,26 @@ def _agree_save_plan(
         give_up()  # a failure of this rank's own plan (the others' raise after the agreement)
         raise
     return save_dir / check_tag(raw_tag), mine, first
+
+
+def _take_generation_if_written(lock: TagLock, layout: ShardLayout, buffers: BufferState | None, world: int) -> int:
+    """Rank 0's generation, recorded as taken (:func:`_agree_save_plan`) where the record can be written: where it
+    cannot (a full disk), the save goes on unrecorded, as before there was a record, and a full disk then fails it
+    at the rank files, naming them; a warning names the record."""
+    try:
+        return _take_generation(lock, layout, buffers, world)
+    except OSError as e:
+        lock.untake_generation()  # what the failed write left
+        generation = read_generation(lock.tag_dir)
+        logger.warning(
+            "functional_ema: could not record generation %d as taken by the save of tag %r in %s (%s): a rank "
+            "still writing after this save failed could write over the next save's file of the same name",
+            generation,
+            lock.tag_dir.name,
+            lock.tag_dir.parent,
+            e,
+        )
+        return generation
 
 
 def _write_rank_files(
@@ -539,11 +566,36 @@ def read_manifest(
     as for :func:`load`.
     """
     checkpoint_dir = _load_location(checkpoint_dir, storage_options, "read_manifest", "checkpoint_dir")
+    advice = (
+        f"(a save with shared=False into each rank's own folder: read_manifest checks every listed file; each rank's "
+        f"folder holds the same manifest, {MANIFEST_NAME} in the tag folder, plain JSON: read it with json.load)"
+    )
     with (
         url_access(_url_of(checkpoint_dir), "read_manifest"),
+        _private_advice(advice),
         open_checkpoint(checkpoint_dir, tag, verify=True) as ckpt,
     ):
         return dict(ckpt.manifest, tag_dir=str(ckpt.tag_dir))
+
+
+#: How the reader's refusal of a tag that lacks files its manifest lists ends: advice for the verbs that take
+#: ``shared=`` (a private save's folder holds only its ranks' files).
+_SHARED_ADVICE = (
+    "(a save with shared=False into each rank's own folder: load it with shared=False, or merge the folders first)"
+)
+
+
+@contextlib.contextmanager
+def _private_advice(advice: str) -> Iterator[None]:
+    """For a verb without ``shared=`` (``read_manifest``, ``buffers.load_buffers``): the reader's refusal of a tag
+    missing listed files ends with ``advice`` (what works for it) instead of "load it with shared=False"."""
+    try:
+        yield
+    except IncompleteCheckpointError as e:
+        text = str(e)
+        if not text.endswith(_SHARED_ADVICE):
+            raise
+        raise IncompleteCheckpointError(text[: -len(_SHARED_ADVICE)] + advice) from None
 
 
 def load(

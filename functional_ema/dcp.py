@@ -29,13 +29,16 @@ What is verified, and when:
 
 - Saving: every rank checksums its own pieces (no data moves); one small exchange of these records over
   DCP's process group makes one record, the same on every rank, which DCP writes once. HSDP
-  replicas of a piece must agree, or the save is refused on every rank.
+  replicas of a piece must agree, and the pieces must make every whole tensor (DCP writes only the
+  pieces of the ranks that save), or the save is refused on every rank, before anything is written.
 - ``dcp.load`` into an :class:`EMAStateful` (``load_state_dict``, after DCP has read): the number of
   EMAs, the dtype, the parameter names and the step (an integer >= 0, equal to ``ema.step``) are checked,
-  and each rank recomputes the checksum of every saved row it now holds whole, from the bytes DCP
-  loaded. Rows are the unit so that any resharding along dimension 0 (FSDP2 or HSDP at another size, a
-  plain module, tensor-parallel pieces loaded into a layout that keeps their columns together) holds
-  every saved row whole: then every byte read is verified. A saved row that the new layout splits
+  every element this rank holds must lie in a piece the record lists (DCP leaves what no saved chunk
+  covers as it was, silently: refused, naming the parameter and the missing block), and each rank
+  recomputes the checksum of every saved row it now holds whole, from the bytes DCP loaded. Rows are
+  the unit so that any resharding along dimension 0 (FSDP2 or HSDP at another size, a plain module,
+  tensor-parallel pieces loaded into a layout that keeps their columns together) holds every saved row
+  whole: then every byte read is verified. A saved row that the new layout splits
   across ranks (loading into tensor parallelism that cuts dimension 1 where the save did not) cannot be
   checked without moving data; ``load_state_dict`` then warns with the number of bytes left unverified,
   and :func:`consolidate_dcp` (or ``python -m functional_ema consolidate --dcp``) verifies every byte
@@ -56,7 +59,10 @@ call is taken as a save). The load's template holds placeholders (nothing checks
 the load overwrites them; one left in place means DCP loaded nothing under the key, refused). The save's record
 exchange and the load's agreement run over DCP's ``process_group``; the check of the state against the model's
 layout agrees over the model's group (the one ``local_shards`` read its layout from). With ``no_dist=True``
-none runs.
+none runs, and a save writes only this rank's pieces. Either way a save whose ranks do not hold every
+element of each tensor (``no_dist=True`` on one rank of FSDP2 or tensor parallelism, a ``process_group``
+smaller than the model's group) is refused, naming the parameter and the missing block; whole tensors (a
+plain module, replicas) saved by one rank are accepted.
 
 Errors that DCP raises while it reads (a garbage ``.metadata``, a missing or truncated ``.distcp``, a
 1-EMA checkpoint loaded into a 2-EMA state: "Missing key ... ema.emas.1...") are DCP's own exceptions;
@@ -74,6 +80,7 @@ never unpickles).
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import os
@@ -81,7 +88,6 @@ import pickle
 import stat
 import sys
 import warnings
-from bisect import bisect_left
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType, MappingProxyType
@@ -412,15 +418,39 @@ def _saved_record(state: EmaState, emas: Mapping[str, Mapping[str, torch.Tensor]
                 f"EMAStateful.state_dict: rank {r} saves {other['num_emas']} EMAs at step {other['step']}, rank "
                 f"{rank} {mine['num_emas']} at step {mine['step']}: every rank must save the same state"
             )
+    merged = _merged(every)
+    _check_whole(merged)  # the same on every rank of the save: all refuse alike
     record = {
         "format": _RECORD_FORMAT,
         "version": _RECORD_VERSION,
         "checksum": _io.CHECKSUM,
         "num_emas": mine["num_emas"],
         "step": mine["step"],
-        "emas": _merged(every),
+        "emas": merged,
     }
     return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+
+def _check_whole(merged: Mapping[str, Mapping[str, Any]]) -> None:
+    """The pieces the ranks of this save hold make every whole tensor: DCP writes only theirs, so a save from
+    some ranks of a sharded layout (``no_dist=True`` on one rank, a ``process_group`` smaller than the model's
+    group) would write a checkpoint that lacks the others' rows, found only when a load cannot fill them."""
+    for k, ema in merged.items():
+        for name, slot in ema.items():
+            gap = _gap([0] * len(slot["shape"]), slot["shape"], slot["pieces"])
+            if gap is None:
+                continue
+            missing, first, last = gap
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0  # the global rank
+            raise CheckpointError(
+                f"EMAStateful.state_dict on rank {rank}: EMA {k} parameter {name!r} (shape {slot['shape']}): {missing} "
+                f"of its {math.prod(slot['shape'])} elements lie in no piece the ranks of this save hold (the first "
+                f"missing block: {first} to {last}, inclusive), so the checkpoint would lack them; nothing was "
+                "written. A save from only some ranks of a sharded layout (dcp.save with no_dist=True, or with a "
+                "process_group smaller than the model's group) writes only their pieces: call dcp.save on every rank "
+                "of the model's group, without no_dist and with a process_group that holds them all (the default "
+                "group does), or save with functional_ema.save(state, model, save_dir) on every rank"
+            )
 
 
 def _merged(every: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -590,6 +620,67 @@ def _verify(
     return held_bytes - verified
 
 
+def _grid(lo: list[int], hi: list[int], a: Any, b: Any) -> tuple[list[Any], Any]:
+    """The grid that the boxes' boundaries cut the box ``[lo, hi)`` into, and per cell the number of boxes
+    ``[a[i], b[i])`` (int64 arrays, one row per box, inside ``[lo, hi)``) that cover it: the cells are the
+    coarsest blocks no boundary crosses, so a count holds for every element of its cell."""
+    if not lo:  # a 0-d box is one cell, which each 0-d box covers
+        return [], np.array(len(a))
+    cuts = [np.unique(np.concatenate(([lo[d], hi[d]], a[:, d], b[:, d]))) for d in range(len(lo))]
+    ends = [[np.searchsorted(c, x[:, d]) for d, c in enumerate(cuts)] for x in (a, b)]
+    # a difference array (one cell longer per axis): each box adds +1 at its first cell and +-1, alternating,
+    # at its other corners just past its end; the prefix sums along every axis are then each cell's count.
+    # Vectorised, not a loop over boxes: a save from many ranks lists many pieces per tensor
+    counts = np.zeros([len(c) for c in cuts], dtype=np.int64)
+    for corner in itertools.product((0, 1), repeat=len(lo)):
+        np.add.at(counts, tuple(ends[up][d] for d, up in enumerate(corner)), (-1) ** sum(corner))
+    for d in range(len(lo)):
+        counts = np.cumsum(counts, axis=d)
+    return cuts, counts[tuple(slice(0, len(c) - 1) for c in cuts)]
+
+
+def _boxes(pieces: list, dim: int) -> tuple[Any, Any]:
+    """The boxes ``[offsets, offsets + sizes)`` of pieces (``[offsets, sizes, ...]``) as two int64 arrays."""
+    off = np.array([p[0] for p in pieces], dtype=np.int64).reshape(len(pieces), dim)
+    return off, off + np.array([p[1] for p in pieces], dtype=np.int64).reshape(len(pieces), dim)
+
+
+def _gap(lo: list[int], hi: list[int], pieces: list) -> tuple[int, list[int], list[int]] | None:
+    """The elements of the box ``[lo, hi)`` (global offsets) that no saved piece (``[offsets, sizes, ...]``)
+    covers: their number and the first missing block (its first and last index, inclusive); None if none."""
+    a, b = _boxes([p for p in pieces if len(p[0]) == len(lo)], len(lo))
+    a, b = np.maximum(a, lo), np.minimum(b, hi)  # the pieces' parts inside the box
+    inside = (a < b).all(axis=1)
+    cuts, counts = _grid(lo, hi, a[inside], b[inside])
+    uncovered = counts == 0
+    if not uncovered.any():
+        return None
+    volume = np.ones(counts.shape, dtype=np.int64)  # the elements in each cell
+    for d, c in enumerate(cuts):
+        volume = volume * np.diff(c).reshape([-1 if e == d else 1 for e in range(len(cuts))])
+    cell = np.argwhere(uncovered)[0].tolist()
+    first, last = [int(c[i]) for c, i in zip(cuts, cell)], [int(c[i + 1]) - 1 for c, i in zip(cuts, cell)]
+    return int(volume[uncovered].sum()), first, last
+
+
+def _check_covered(held: torch.Tensor, offsets: list[int], pieces: list, what: str) -> None:
+    """Every element of ``held`` (at global ``offsets``) lies in a saved piece: DCP reads the parts of the
+    template that the checkpoint's chunks cover and leaves the rest as it was, silently (a checkpoint saved
+    by some ranks of a sharded layout lacks the other ranks' pieces; the save refuses that, older saves did not)."""
+    gap = _gap(offsets, [o + n for o, n in zip(offsets, held.shape)], pieces)
+    if gap is None:
+        return
+    missing, first, last = gap
+    block = f"the first missing block: {first} to {last}, inclusive" if held.dim() else "its one element"
+    raise CorruptCheckpointError(
+        f"{what}: {missing} of the {held.numel()} elements this rank holds (offsets {offsets}, sizes "
+        f"{list(held.shape)}) lie in no piece the checkpoint saved ({block}); dcp.load left them unloaded. Its saved "
+        f"pieces (offsets, sizes): {[(p[0], p[1]) for p in pieces][:8]}. A checkpoint saved by only some ranks of a "
+        "sharded layout (no_dist=True, or a process_group smaller than the model's) lacks the other ranks' pieces: "
+        "save again with dcp.save on every rank of the model's group"
+    )
+
+
 def _check_loaded(
     state_dict: Mapping[str, Any], state: EmaState, where: str, key: str | None
 ) -> tuple[int, dict[str, list[str]], list[str]]:
@@ -635,6 +726,7 @@ def _check_loaded(
                     f"init_ema(..., dtype=torch.{want}) and cast after loading"
                 )
             unverified += _verify(held, offsets, saved[name]["pieces"], name, str(k), lambda _o: where)
+            _check_covered(held, offsets, saved[name]["pieces"], f"{where}: EMA {k} parameter {name!r}")
     return unverified, {k: sorted(ema) for k, ema in record["emas"].items()}, sorted(state_dict["emas"]["0"])
 
 
@@ -940,16 +1032,12 @@ def _check_tiling(at: Path, fqn: str, size: list[int], chunks: list[tuple[list[i
             f"{at}: {fqn}: its pieces hold {covered} elements, its size {size} {total}: "
             + ("some are read twice" if covered > total else "some were never saved")
         )
-    # on the grid of the pieces' own boundaries, every cell lies in exactly one piece
-    cuts = [sorted({0, s, *(o[d] for o, _ in chunks), *(o[d] + n[d] for o, n in chunks)}) for d, s in enumerate(size)]
-    seen = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
-    for offsets, sizes in chunks:
-        box = tuple(slice(bisect_left(c, o), bisect_left(c, o + n)) for c, o, n in zip(cuts, offsets, sizes))
-        if seen[box].any():
-            raise CorruptCheckpointError(
-                f"{at}: {fqn}: the piece at offsets {offsets} (sizes {sizes}) overlaps another"
-            )
-        seen[box] = True
+    a, b = _boxes(chunks, len(size))
+    cuts, counts = _grid([0] * len(size), size, a, b)
+    if (counts != 1).any():  # as many elements as the size: some lie in two pieces (and others in none)
+        point = [int(c[i]) for c, i in zip(cuts, np.argwhere(counts > 1)[0])]
+        both = [(o, n) for (o, n), x, y in zip(chunks, a, b) if ((x <= point) & (point < y)).all()][:2]
+        raise CorruptCheckpointError(f"{at}: {fqn}: the pieces (offsets, sizes) {both} overlap at {point}")
 
 
 def _first_failure(e: BaseException) -> str:

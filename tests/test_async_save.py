@@ -2838,6 +2838,43 @@ def test_saves_in_flight_commit_in_start_order(tmp_path, monkeypatch):
     assert torch.equal(fe.load(model, tmp_path, "s4").step, torch.tensor(4))
 
 
+def test_ema_latest_never_goes_back_to_a_save_started_earlier(tmp_path, monkeypatch):
+    """An async save committed after a blocking save started later (its commit awaits the saver's next call, or its
+    write is slow): ``ema_latest`` keeps naming the later save and ``load(tag=None)`` resumes it bitwise, in a private
+    folder, a shared one (the commit thread beside the blocking save) and at a URL (it went back to the older save)."""
+    import functional_ema as fe
+    from functional_ema._checkpoint import writer
+    from functional_ema._storage import storage_for
+
+    real = writer.write_rank_file
+
+    def slow_for_s2(path, *a, **k):
+        if path.parent.name == "s2":
+            time.sleep(1.0)  # the async save's write ends after the blocking save committed
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(writer, "write_rank_file", slow_for_s2)
+    model = _model()
+    url = f"memory://fe-latest-{tmp_path.name}/run"
+    for where, shared in ((tmp_path / "private", False), (tmp_path / "shared", True), (url, True)):
+        saver, state = fe.AsyncSaver(), fe.init_ema(fe.local_shards(model))
+        _bump(list(model.parameters()))
+        state = fe.update(state, fe.local_shards(model), 2, decay=0.5)
+        saver.save(state, model, where, "s2", shared=shared)
+        _bump(list(model.parameters()))
+        state = fe.update(state, fe.local_shards(model), 3, decay=0.5)
+        at_s3 = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+        fe.save(state, model, where, "s3", shared=shared)
+        saver.wait()
+        latest = (
+            storage_for(url).read_bytes("ema_latest") if where == url else (Path(where) / "ema_latest").read_bytes()
+        )
+        assert latest == b"s3\n", where
+        loaded = fe.load(model, where, shared=shared)
+        assert int(loaded.step) == 3 and _same_trees(list(loaded.emas), at_s3), where
+        assert int(fe.load(model, where, "s2", shared=shared).step) == 2, where  # the older save is complete
+
+
 def test_save_of_a_tag_pending_in_a_private_async_save_is_refused_at_once(tmp_path):
     """A blocking save (private or shared) of a tag whose private async save awaits its commit in this thread
     would wait for itself: refused at once naming ``saver.wait()`` (it waited its whole timeout); after the

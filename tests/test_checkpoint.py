@@ -1090,9 +1090,9 @@ def test_outputs_never_replace_a_checkpoint_root_file_and_cli_ranges_are_usage_e
     for name in names:
         with pytest.raises(OutputPathError, match="inside the checkpoint directory"):
             fe.consolidate_to_file(ck, ck / name)
-        assert main(["consolidate", str(ck), str(ck / name), "--overwrite"]) == 1, name
+        assert main(["consolidate", str(ck), str(ck / name), "--overwrite"]) == 2, name
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: refusing to write"), (name, err)
+        assert len(err) == 1 and err[0].startswith("error: OUT: refusing to write"), (name, err)
     assert hashes(ck) == before
     full = fe.consolidate(ck)  # follows ema_latest
     assert sorted(full) == sorted(want) and all(torch.equal(full[n], want[n]) for n in want)

@@ -10,6 +10,7 @@ after it. The reference throughout: ``fe.gather_full(..., join_parts=True)`` bef
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import pytest
@@ -226,7 +227,7 @@ def test_dcp_reshards_the_ema_bitwise(root):
     inside = subprocess.run(
         [*cli[:-1], str(root / "dp_tp" / "x.safetensors")], cwd=str(ROOT), capture_output=True, text=True, timeout=300
     )
-    assert inside.returncode == 1 and "inside the DCP checkpoint" in inside.stderr, inside.stderr
+    assert inside.returncode == 2 and "inside the DCP checkpoint" in inside.stderr, inside.stderr
 
 
 def test_dcp_resume_continues_bitwise_and_async_save_writes_the_call(root):
@@ -608,6 +609,7 @@ def load_fixes_worker(root: str) -> dict:
         out["no_dist_bitwise"] = all(torch.equal(loaded.emas[0][n].view(t.shape), t) for n, t in alone_ref.items())
         out["no_dist_step"], out["no_dist_fast"] = int(loaded.step), time.monotonic() - t0 < 60
     dist.barrier()
+    out.update(_no_dist_sharded(root, hsdp, plain))
     dcp.save({"model": plain(0).state_dict()}, checkpoint_id=os.path.join(root, "model_only"))
     fresh = plain(5)
     loaded = fe.init_ema(fe.local_shards(fresh))
@@ -625,6 +627,79 @@ def load_fixes_worker(root: str) -> dict:
     return out
 
 
+def _no_dist_sharded(root: str, hsdp, plain) -> dict:
+    """2 ranks. Rank 0 alone saving with no_dist=True: from FSDP2 at 2 (half of each tensor) refused, from HSDP's
+    whole replicas accepted and loaded into FSDP2 at 2 bitwise. Each rank saving over a process group of its own
+    (smaller than the model's): from FSDP2 refused on both, from HSDP's replicas accepted. A checkpoint of half
+    the rows, as those saves wrote before they were refused, loaded by rank 0 alone and by both ranks: refused,
+    the step not restored."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
+
+    rank, out = dist.get_rank(), {}
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+
+    def fsdp2(seed: int):
+        torch.manual_seed(seed)
+        m = torch.nn.Linear(6, 4)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    sharded, sharded_state, _ = _moved_ema(fsdp2, 6)
+    whole, whole_state, whole_ref = _moved_ema(hsdp, 7)
+
+    def path(name: str) -> str:
+        return os.path.join(root, name)
+
+    def load(make, name: str, **kw) -> tuple[str, int]:
+        fresh = make(8 + rank)
+        state = fe.init_ema(fe.local_shards(fresh))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to load in a single process"
+            got = _attempt(lambda: dcp.load({"ema": fe.dcp.EMAStateful(fresh, state)}, checkpoint_id=path(name), **kw))
+        return got, int(state.step)
+
+    if rank == 0:  # rank 1 waits in the barrier: nothing here may reach it
+        save = dcp.save
+        out["nodist_sharded"] = _attempt(
+            lambda: save(
+                {"ema": fe.dcp.EMAStateful(sharded, sharded_state)}, checkpoint_id=path("sharded"), no_dist=True
+            )
+        )
+        out["nodist_sharded_nothing"] = not os.path.exists(path("sharded/.metadata"))
+        out["nodist_whole"] = _attempt(
+            lambda: save({"ema": fe.dcp.EMAStateful(whole, whole_state)}, checkpoint_id=path("whole"), no_dist=True)
+        )
+        check, fe.dcp._check_whole = fe.dcp._check_whole, lambda *a: None  # the save as it was before the refusal
+        try:
+            save({"ema": fe.dcp.EMAStateful(sharded, sharded_state)}, checkpoint_id=path("half"), no_dist=True)
+        finally:
+            fe.dcp._check_whole = check
+        out["half_alone"] = load(plain, "half", no_dist=True)
+    dist.barrier()
+    out["half_fsdp2"] = load(fsdp2, "half")
+    own = [dist.new_group([r]) for r in range(2)][rank]  # every rank makes every group
+    for kind, model, state in (("sharded", sharded, sharded_state), ("whole", whole, whole_state)):
+        name = f"own_{kind}{rank}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP's own about a process_group of one
+            out[f"own_{kind}"] = _attempt(
+                lambda m=model, s=state, n=name: dcp.save(
+                    {"ema": fe.dcp.EMAStateful(m, s)}, checkpoint_id=path(n), process_group=own
+                )
+            )
+        out[f"own_{kind}_written"] = os.path.exists(path(f"{name}/.metadata"))
+    fresh = fsdp2(9)
+    state = fe.init_ema(fe.local_shards(fresh))
+    dcp.load({"ema": fe.dcp.EMAStateful(fresh, state)}, checkpoint_id=path("whole"))
+    out["whole_fsdp2_bitwise"] = _equals(state, fresh, whole_ref)
+    return out
+
+
 def test_dcp_loads_fresh_replicas_runs_alone_with_no_dist_and_refuses_a_partial_load(tmp_path):
     got = run_ranks("tests.test_dcp:load_fixes_worker", world_size=2, timeout=240, root=str(tmp_path))
     for rank, out in enumerate(got):
@@ -634,6 +709,30 @@ def test_dcp_loads_fresh_replicas_runs_alone_with_no_dist_and_refuses_a_partial_
         assert "no functional_ema EMA under key 'ema'" in out["partial"] and "allow_partial_load" in out["partial"]
         assert out["partial_untouched"], (rank, out)
     assert got[0]["no_dist_bitwise"] and got[0]["no_dist_step"] == 1 and got[0]["no_dist_fast"], got[0]
+    # no_dist=True from one rank of a sharded layout, or each rank over a process group of its own: refused at the
+    # save on every rank, naming the parameter and the rows the others hold, nothing written; whole replicas saved
+    saves = [(0, got[0]["nodist_sharded"], "[2] to [3]")]  # the first parameter by name: 'bias'
+    saves += [(rank, out["own_sharded"], f"[{2 - 2 * rank}] to [{3 - 2 * rank}]") for rank, out in enumerate(got)]
+    for rank, refused, block in saves:
+        assert refused.startswith(f"CheckpointError: EMAStateful.state_dict on rank {rank}: EMA 0 parameter "), refused
+        assert "'bias' (shape [4]): 2 of its 4 elements" in refused, refused
+        assert f"first missing block: {block}, inclusive" in refused and "nothing was written" in refused, refused
+        assert "process_group smaller than the model's group" in refused and "gather_full" not in refused, refused
+    assert got[0]["nodist_sharded_nothing"] and got[0]["nodist_whole"] == "accepted", got[0]
+    for out in got:
+        assert not out["own_sharded_written"] and out["own_whole"] == "accepted" and out["own_whole_written"], out
+    # the whole replicas rank 0 saved alone load into FSDP2 at 2, bitwise
+    assert got[0]["whole_fsdp2_bitwise"] and got[1]["whole_fsdp2_bitwise"], got
+    # a checkpoint holding rows 0-1 of 4 (one FSDP2 rank's pieces): refused wherever a rank holds missing rows
+    missing = "EMA 0 parameter 'weight': 12 of the {} elements this rank holds"
+    refused, step = got[0]["half_alone"]
+    assert refused.startswith("CorruptCheckpointError") and step == 0, refused
+    assert missing.format(24) in refused and "[2, 0] to [3, 5]" in refused, refused
+    assert "(no_dist=True, or a process_group smaller than the model's)" in refused, refused
+    for rank, out in enumerate(got):  # rank 1's rows are missing; rank 0 refuses with it
+        refused, step = out["half_fsdp2"]
+        assert refused.startswith("CorruptCheckpointError") and step == 0, (rank, refused)
+        assert missing.format(12) in refused and "[2, 0] to [3, 5]" in refused, (rank, refused)
 
 
 # ------------------------------------------------------- offline: sizes, folders, older entries
@@ -714,7 +813,9 @@ def test_consolidate_dcp_checks_sizes_files_and_reads_older_entries(tmp_path, ca
     _refused(CorruptCheckpointError, [str(data), "not a file"], lambda: fe.dcp.consolidate_dcp(d), d)
     from functional_ema.dcp import _check_tiling
 
-    with pytest.raises(CorruptCheckpointError, match="overlaps another"):
+    with pytest.raises(
+        CorruptCheckpointError, match=re.escape("([0, 0], [2, 6]), ([1, 0], [2, 6])] overlap at [1, 0]")
+    ):
         _check_tiling(d, "w", [4, 6], [([0, 0], [2, 6]), ([1, 0], [2, 6])])  # 24 elements, row 1 twice, row 3 never
 
     # an entry 0.3.0 wrote (step and EMAs, no checksum record): read unverified, with a warning
@@ -775,3 +876,56 @@ def test_a_dcp_frame_without_its_entry_point_warns_once_naming_the_fallback():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stateful.state_dict()
+
+
+def test_coverage_and_tiling_checks_match_a_dense_count():
+    """The piece grid that the save's and the load's coverage checks (``_gap``) and consolidate_dcp's tiling check
+    share, against a dense count of every element in plain numpy: random pieces of 0-d to 3-d tensors, boxes
+    inside them, empty sizes included; the missing count, a first missing block that is missing, the refusals."""
+    import itertools
+    import json
+    import random
+
+    import numpy as np
+
+    from functional_ema.checkpoint import CorruptCheckpointError
+    from functional_ema.dcp import _check_tiling, _gap
+
+    rng = random.Random(0)
+    for _ in range(400):
+        shape = [rng.randint(0, 5) for _ in range(rng.randint(0, 3))]
+        lo = [rng.randint(0, s) for s in shape]
+        hi = [rng.randint(a, s) for a, s in zip(lo, shape)]
+        pieces = []
+        for _ in range(rng.randint(0, 4)):
+            off = [rng.randint(0, s) for s in shape]
+            pieces.append([off, [rng.randint(0, s - o) for o, s in zip(off, shape)], ""])
+        count = np.zeros(shape, dtype=np.int64)
+        for off, sizes, _ in pieces:
+            count[tuple(slice(o, o + n) for o, n in zip(off, sizes))] += 1
+        box = count[tuple(slice(a, b) for a, b in zip(lo, hi))]
+        got = _gap(lo, hi, pieces)
+        if not (box == 0).any():
+            assert got is None, (shape, lo, hi, pieces, got)
+        else:
+            missing, first, last = got
+            assert missing == int((box == 0).sum()), (shape, lo, hi, pieces, got)
+            assert all(a <= f <= g < b for a, f, g, b in zip(lo, first, last, hi)), (lo, hi, got)
+            assert not count[tuple(slice(f, g + 1) for f, g in zip(first, last))].any(), (shape, pieces, got)
+    for _ in range(200):  # tilings: a random grid of pieces, then one piece moved back onto its neighbour
+        shape = [rng.randint(1, 5) for _ in range(rng.randint(0, 3))]
+        cuts = [sorted({0, s, *rng.sample(range(1, s + 1), rng.randint(0, s - 1))}) for s in shape]
+        grid = itertools.product(*[list(itertools.pairwise(c)) for c in cuts])
+        chunks = [([a for a, _ in cell], [b - a for a, b in cell]) for cell in grid]
+        _check_tiling("at", "w", shape, chunks)
+        moved = next((i for i, (off, _) in enumerate(chunks) if off and off[0]), None)
+        if moved is None:
+            continue
+        chunks[moved] = ([chunks[moved][0][0] - 1, *chunks[moved][0][1:]], chunks[moved][1])
+        with pytest.raises(CorruptCheckpointError, match=" overlap at ") as refused:
+            _check_tiling("at", "w", shape, chunks)
+        both, point = re.search(r"\(offsets, sizes\) (.*) overlap at (.*)$", str(refused.value)).groups()
+        count = np.zeros(shape, dtype=np.int64)
+        for off, sizes in chunks:
+            count[tuple(slice(o, o + n) for o, n in zip(off, sizes))] += 1
+        assert count[tuple(json.loads(point))] == 2 and len(json.loads(both.replace("(", "[").replace(")", "]"))) == 2

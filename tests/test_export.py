@@ -1028,3 +1028,208 @@ def test_a_checkpoint_folder_as_like_ships_no_checkpoint_only_files(tmp_path):
     record = json.loads((out / "ema_export.json").read_text())
     assert record["ignored_in_like"] == only and (out / "tokenizer_config.json").is_file()
     assert not [n for n in only if (out / n).exists()] and sorted(p.name for p in out.iterdir()) == record["written"]
+
+
+def test_like_subfolders_are_listed_not_copied_and_said_on_stderr(tmp_path, capsys):
+    """Review: ``--like``'s subfolders (``tokenizer/``, ``scheduler/``, a Trainer checkpoint's ``global_step4/``) were
+    neither copied nor recorded: dropped silently. The export copies the folder's own files only (docs/shipping.md:
+    config, generation config, tokenizer files); each subfolder is now listed in ``ignored_in_like`` with a trailing
+    ``/`` and named in one stderr line. None is followed, copied or changed (a symlink out of the folder included), and
+    the export still loads as exactly the plain-torch EMA."""
+    import shutil
+
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    _tiny_llama_checkpoint(tmp_path)
+    like = tmp_path / "like"
+    shutil.copytree(tmp_path / "base", like)
+    (like / "tokenizer").mkdir()
+    (like / "tokenizer" / "tokenizer.json").write_text("{}")
+    (like / "scheduler").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.txt").write_text("not the model's")
+    (like / "linked").symlink_to(elsewhere, target_is_directory=True)
+    before = hashes(tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["export", str(tmp_path / "ckpt"), str(out), "--like", str(like), "--tag", "s", "--no-progress"]) == 0
+    assert capsys.readouterr().err == (
+        "note: --like's subfolders linked/, scheduler/, tokenizer/ were not copied (the export copies the folder's own "
+        "files); listed in ema_export.json (ignored_in_like)\n"
+    )
+    _loads_as(out, _one_step_ema(tmp_path / "base"))
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["ignored_in_like"] == ["linked/", "scheduler/", "tokenizer/"]
+    assert all(p.is_file() for p in out.iterdir()) and sorted(p.name for p in out.iterdir()) == record["written"]
+    assert {k: v for k, v in hashes(tmp_path).items() if not k.startswith(str(out))} == before
+
+
+def test_export_takes_a_leading_tilde_as_the_home_folder(tmp_path, monkeypatch, capsys):
+    """Review: a quoted ``'~/hf'`` OUT_DIR (or one from a config file) made ``./~/hf`` in the current folder. SOURCE,
+    OUT_DIR and ``--like`` are expanded where they enter (``os.path.expanduser``): the export lands in the home
+    folder and loads as exactly the plain-torch EMA; the current folder stays empty. ``file://~/hf`` names the host
+    ``~``: refused, exit 2, nothing written."""
+    from functional_ema.__main__ import main
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    _tiny_llama_checkpoint(home)
+    assert main(["export", "~/ckpt", "~/hf", "--like", "~/base", "--tag", "s", "--no-progress"]) == 0
+    _loads_as(home / "hf", _one_step_ema(home / "base"))
+    assert list(work.iterdir()) == []
+    capsys.readouterr()
+    from tests.test_exit import file_urls_of_a_host_named_tilde_are_refused
+
+    file_urls_of_a_host_named_tilde_are_refused(
+        capsys,
+        (["export", "~/ckpt", "file://~/hf2", "--like", "~/base", "--tag", "s"], "out_dir (OUT_DIR)"),
+        (["export", "~/ckpt", "~/hf2", "--like", "file://~/base", "--tag", "s"], "like (--like)"),
+    )
+    assert list(work.iterdir()) == [] and sorted(p.name for p in home.iterdir()) == ["base", "ckpt", "hf"]
+
+
+def test_cli_out_dir_refusals_that_need_nothing_read_are_usage_errors(tmp_path, monkeypatch, capsys):
+    """Review: export's OUT_DIR inside the checkpoint (or --like, or a tag folder's root), the current folder or under
+    a file was exit 1, refused after the source was opened, where consolidate and posthoc refuse OUT as usage errors
+    (exit 2); and an OUT_DIR under a file was said to be "not writable by this user" once the writable pre-check came
+    first. Each is now a usage error found before anything is read (the missing source ``none`` proves it), naming
+    OUT_DIR and why, exit 2, nothing written or changed; the API (``to_hf``) names the file too. Outside, the export
+    loads as exactly the plain-torch EMA."""
+    from functional_ema.__main__ import main
+    from functional_ema._checkpoint.errors import OutputPathError
+    from functional_ema._testing.files import hashes
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    ckpt, base, tag, afile = tmp_path / "ckpt", tmp_path / "base", tmp_path / "ckpt" / "s", tmp_path / "afile"
+    afile.write_text("hi")
+    before = hashes(tmp_path)
+    under = f"error: out_dir: afile/sub/hf is under {afile}, which is a file, not a folder\n"
+    capsys.readouterr()
+    for argv, want in (
+        (["ckpt", "afile/sub/hf", "--tag", "s"], under),
+        (["none", "afile/sub/hf"], under),
+        (["ckpt", "ckpt/hf", "--tag", "s"], f"inside {ckpt}, which this export reads. Write it elsewhere, e.g. "),
+        (["none", "base/hf"], f"inside {base}, which this export reads. Write it elsewhere, e.g. "),
+        (["ckpt/s", "ckpt/x"], f"inside {ckpt}, which this export reads. Write it elsewhere, e.g. "),
+        (["ckpt/s", "ckpt/s/x"], f"inside {tag}, which this export reads. Write it elsewhere, e.g. "),
+        (["ckpt", "..", "--tag", "s"], "the current folder, one of its parents, the home folder or '/'"),
+    ):
+        assert main(["export", argv[0], argv[1], "--like", "base", *argv[2:]]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: out_dir: ") and want in err and err.count("\n") == 1, (argv, err)
+        assert hashes(tmp_path) == before, argv
+    with pytest.raises(OutputPathError) as e:
+        to_hf(ckpt, afile / "sub" / "hf", base, tag="s", progress=False)
+    assert str(e.value) == f"out_dir: {afile / 'sub' / 'hf'} is under {afile}, which is a file, not a folder"
+    assert hashes(tmp_path) == before
+    assert main(["export", "ckpt", "hf", "--like", "base", "--tag", "s", "--no-progress"]) == 0
+    _loads_as(tmp_path / "hf", _one_step_ema(base))
+
+
+def test_like_broken_links_and_special_files_are_listed_and_hidden_folders_not_said(tmp_path, capsys):
+    """Review: a broken symlink or a FIFO in ``--like`` was neither copied nor listed (dropped silently), and the stderr
+    note named ``.cache/`` (which ``huggingface-cli download --local-dir`` creates) as if the model had lost a part.
+    Both are now listed in ``ignored_in_like`` (never followed or opened: the FIFO would block a reader); ``.cache/``
+    is listed there but not said. The export loads as exactly the plain-torch EMA and nothing in --like changes."""
+    import shutil
+
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    _tiny_llama_checkpoint(tmp_path)
+    like = tmp_path / "like"
+    shutil.copytree(tmp_path / "base", like)
+    (like / ".cache" / "huggingface").mkdir(parents=True)
+    (like / "dangling").symlink_to(tmp_path / "gone")
+    os.mkfifo(like / "pipe")
+    before = hashes(tmp_path)  # a FIFO is not read (hashes skips it)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ckpt"), str(out), "--like", str(like), "--tag", "s", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+    _loads_as(out, _one_step_ema(tmp_path / "base"))
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["ignored_in_like"] == [".cache/", "dangling", "pipe"]
+    assert sorted(p.name for p in out.iterdir()) == record["written"] and all(p.is_file() for p in out.iterdir())
+    after = {k: v for k, v in hashes(tmp_path).items() if not k.startswith(str(out))}
+    assert after == before and (like / "pipe").is_fifo() and (like / "dangling").is_symlink()
+
+
+def test_cli_out_dir_refusals_suggest_a_place_that_is_not_refused_too(tmp_path, monkeypatch, capsys):
+    """Review: an OUT_DIR refused for being near what the export reads suggested ``a.parent.parent / name``: one
+    folder too high for a folder read (``export ckpt ckpt/e7`` suggested beside ``tmp_path``'s parent), the refused
+    path itself for a file read (``export cons/c.safetensors cons``). The suggestion is now beside the folder read
+    (the file's folder), else beside the root of a tag folder given, and left out where that would be refused too;
+    exit 2, nothing written."""
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    _tiny_llama_checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cons").mkdir()
+    (tmp_path / "cons" / "c.safetensors").write_bytes(b"a source that exists: it is refused before it is read")
+    before = hashes(tmp_path)
+    capsys.readouterr()
+    ckpt = tmp_path / "ckpt"
+    for argv, want in (
+        (["ckpt", "ckpt/e7", "--tag", "s"], f"ckpt/e7 (-> {ckpt / 'e7'}): it is inside {ckpt}, which this export "
+         f"reads. Write it elsewhere, e.g. {tmp_path / 'e7'}"),
+        (["ckpt/s", "ckpt/s/x"], f"ckpt/s/x (-> {ckpt / 's' / 'x'}): it is inside {ckpt / 's'}, which this export "
+         f"reads. Write it elsewhere, e.g. {tmp_path / 'x'}"),
+        (["cons/c.safetensors", "cons"], f"cons (-> {tmp_path / 'cons'}): it is equal to or above "
+         f"{tmp_path / 'cons' / 'c.safetensors'}, which this export reads. Write it elsewhere"),
+    ):  # fmt: skip
+        assert main(["export", argv[0], argv[1], "--like", "base", *argv[2:]]) == 2, argv
+        assert capsys.readouterr().err == f"error: out_dir: refusing to write {want}\n", argv
+        assert hashes(tmp_path) == before, argv
+
+
+_CTRL_C_IN_COMMIT = (
+    "import os, sys\n"
+    "from pathlib import Path\n"
+    "rename = os.rename\n"
+    "def interrupted(src, dst, *a, **k):\n"
+    "    if Path(src).name.startswith('.ema_hf.tmp-') and Path(dst) == Path(sys.argv[2]):  # the new one into place\n"
+    "        raise KeyboardInterrupt\n"
+    "    return rename(src, dst, *a, **k)\n"
+    "os.rename = interrupted\n"
+    "from functional_ema.__main__ import main\n"
+    "sys.exit(main(['export', sys.argv[1], sys.argv[2], '--like', sys.argv[3], '--tag', 's', '--overwrite', "
+    "'--no-progress']))\n"
+)
+
+
+def test_cli_ctrl_c_between_the_commit_renames_says_where_the_previous_export_is(tmp_path):
+    """Review: Ctrl-C during ``export --overwrite`` between ``commit_dir``'s two renames (the previous export moved
+    into ``.ema_hf.old-<id>/prev``, the new one not yet in place) said OUT_DIR "is not written (no partial file
+    left)", as if nothing had been there. The message (exit 130) now names where the previous export is parked and
+    that the next export puts it back, which it does, bitwise, once the interrupted process is gone."""
+    import subprocess
+    import sys
+
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import OutputPathError
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    out = to_hf(tmp_path / "ckpt", tmp_path / "ema_hf", tmp_path / "base", tag="s", progress=False)
+    previous = hashes(out)
+    argv = [sys.executable, "-c", _CTRL_C_IN_COMMIT, str(tmp_path / "ckpt"), str(out), str(tmp_path / "base")]
+    run = subprocess.run(argv, timeout=300, capture_output=True, text=True)
+    assert run.returncode == 130, run.stderr
+    (parked,) = [p / "prev" for p in tmp_path.iterdir() if p.name.startswith(".ema_hf.old-")]
+    assert not out.exists() and hashes(parked) == {k.replace(str(out), str(parked)): v for k, v in previous.items()}
+    assert run.stderr.splitlines()[-1] == (
+        f"error: export interrupted: {out} is not in place: the previous export is parked in {parked}, and the next "
+        "export to it puts it back"
+    )
+    with pytest.raises(OutputPathError, match="refusing to replace the existing, non-empty folder"):
+        to_hf(tmp_path / "ckpt", out, tmp_path / "base", tag="s", progress=False)
+    assert hashes(out) == previous and sorted(p.name for p in tmp_path.iterdir()) == ["base", "ckpt", "ema_hf"]

@@ -287,9 +287,12 @@ def _listing(root: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
-def _previous_export(folder: Path, written: object = None, files: tuple[str, ...] = ("model.safetensors",)) -> Path:
+def _previous_export(
+    folder: Path, written: object = None, files: tuple[str, ...] = ("model.safetensors",), version: object = 2
+) -> Path:
+    """A folder as an export of record ``version`` left it (``written`` None: the record has no such key)."""
     folder.mkdir(parents=True)
-    record: dict = {"format": FORMAT, "format_version": 2}
+    record: dict = {"format": FORMAT, "format_version": version}
     if written is not None:
         record["written"] = written
     (folder / "ema_export.json").write_text(json.dumps(record))
@@ -349,18 +352,19 @@ def test_check_out_dir_stays_away_from_what_is_read(tmp_path):
     source_file = tmp_path / "ema.safetensors"
     source_file.write_bytes(b"x")
     avoid = [src, source_file]
-    for out, where, a in (
-        (src, "equal to or above", src),
-        (src / "hf", "inside", src),
-        (src / "tag" / "hf", "inside", src),
-        (src.parent, "equal to or above", src),
-        (tmp_path / "w", "equal to or above", src),
-        (source_file, "equal to or above", source_file),
+    # the suggestion: beside the folder read (the file's folder), unless that is refused too (then none)
+    for out, where, a, fix in (
+        (src, "equal to or above", src, None),  # src.parent / "ckpt" is src
+        (src / "hf", "inside", src, src.parent / "hf"),
+        (src / "tag" / "hf", "inside", src, src.parent / "hf"),
+        (src.parent, "equal to or above", src, src.parent / "run"),
+        (tmp_path / "w", "equal to or above", src, src.parent / "w"),
+        (source_file, "equal to or above", source_file, tmp_path.parent / source_file.name),
     ):
         got = _raises(OutputPathError, outdir.check_out_dir, out, avoid, True)
         assert got == (
             f"out_dir: refusing to write {out} (-> {out}): it is {where} {a}, which this export reads. Write it "
-            f"elsewhere, e.g. {a.parent.parent / out.name}"
+            f"elsewhere{'' if fix is None else f', e.g. {fix}'}"
         )
     # Under a file: not inside what is read (a file holds no folder), and refused as a path under a file.
     for out in (source_file / "hf", source_file / "x" / "hf"):
@@ -395,9 +399,17 @@ def test_check_out_dir_files_empty_and_non_empty_folders(tmp_path):
     )
     assert _raises(OutputPathError, outdir.check_out_dir, link, [], True) == not_ours
     record = tmp_path / "real" / "ema_export.json"
-    for body in ("{", "[1]", json.dumps({"format": "other"}), json.dumps({"written": ["keep.txt"]}), "[" * 100_000):
+    for body, why in (  # what is wrong with a file that is no record, named (read as foreign.read_json_object reads)
+        ("{", "is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+        ("[1]", "must hold a JSON object, got list"),
+        ("null", "must hold a JSON object, got NoneType"),
+        (json.dumps({"format": "other"}), None),
+        (json.dumps({"written": ["keep.txt"]}), None),
+        ("[" * 100_000, "is nested too deeply to be a model folder's JSON file"),
+    ):
         record.write_text(body)
-        assert _raises(OutputPathError, outdir.check_out_dir, link, [], True) == not_ours
+        want = not_ours if why is None else not_ours.replace("in it)", f"in it: {record} {why})")
+        assert _raises(OutputPathError, outdir.check_out_dir, link, [], True) == want, body[:9]
     record.write_text(json.dumps({"format": FORMAT}))
     real_read = Path.read_bytes
 
@@ -408,10 +420,12 @@ def test_check_out_dir_files_empty_and_non_empty_folders(tmp_path):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Path, "read_bytes", unreadable)
-        assert _raises(OutputPathError, outdir.check_out_dir, link, [], True) == not_ours
+        got = _raises(OutputPathError, outdir.check_out_dir, link, [], True)
+        assert got == not_ours.replace("in it)", f"in it: cannot read {record}: [Errno 13] Permission denied)")
     record.unlink()
     record.mkdir()  # a folder of that name is no record
-    assert _raises(OutputPathError, outdir.check_out_dir, link, [], True) == not_ours
+    got = _raises(OutputPathError, outdir.check_out_dir, link, [], True)
+    assert got == not_ours.replace("in it)", f"in it: {tmp_path / 'real' / 'ema_export.json'} is a folder)")
     record.rmdir()
     (tmp_path / "real" / "keep.txt").write_text("mine")
     assert _listing(tmp_path)["real/keep.txt"] == before["real/keep.txt"] == b"mine"
@@ -421,10 +435,8 @@ def test_overwrite_replaces_only_a_previous_export_of_its_own_files(tmp_path):
     written = ["config.json", "ema_export.json", "model.safetensors"]
     prev = _previous_export(tmp_path / "prev", written, ("model.safetensors", "config.json"))
     assert outdir.check_out_dir(prev, [], True) == prev
-    v1 = _previous_export(tmp_path / "v1", None, ("model.safetensors", "notes.md"))  # format 1: no list of files
-    assert outdir.check_out_dir(v1, [], True) == v1
-    odd = _previous_export(tmp_path / "odd", {"model.safetensors": 1}, ("model.safetensors", "notes.md"))
-    assert outdir.check_out_dir(odd, [], True) == odd  # 'written' not a list: an older record's shape
+    v1 = _previous_export(tmp_path / "v1", None, ("model.safetensors", "notes.md"), version=1)  # no list of files
+    assert outdir.check_out_dir(v1, [], True) == v1  # replaced whole, as version 1 exports always were
     extra = ["a.md", "b.md", "c", "d", "e", "f"]
     for name in extra:
         (prev / name).write_text("mine")
@@ -442,6 +454,71 @@ def test_overwrite_replaces_only_a_previous_export_of_its_own_files(tmp_path):
     assert _listing(tmp_path)["prev/a.md"] == before["prev/a.md"]
     got = _raises(OutputPathError, outdir.check_out_dir, prev, [], False)  # no overwrite: refused before the record
     assert "refusing to replace the existing, non-empty folder" in got
+
+
+def test_overwrite_refuses_a_damaged_record_removing_nothing(tmp_path):
+    """A record of version 2 or later whose ``written`` was missing, null or not a list was taken for a version 1
+    record, and the folder replaced whole: the user's ``notes.md`` beside it was deleted. Only a version 1 record
+    (``format_version`` 1, as the exports before ``written`` wrote it) replaces the folder whole; any other record
+    needs a list of plain file names, else it is refused naming the record and what is wrong, nothing removed. A
+    record that is a link (even to a valid record), a folder or a dangling link is not one the export wrote."""
+    files = ("model.safetensors", "notes.md")
+    rows = (
+        ("no written", None, 2, "(format_version 2) has no 'written' list of the files its export wrote"),
+        ("no version", None, None, "(format_version None) has no 'written' list of the files its export wrote"),
+        ("version str", None, "1", "(format_version '1') has no 'written' list of the files its export wrote"),
+        ("version bool", None, True, "(format_version True) has no 'written' list of the files its export wrote"),
+        ("version 3", None, 3, "(format_version 3) has no 'written' list of the files its export wrote"),
+        ("written str", "notes.md", 2, "has 'written' str 'notes.md', not a list of file names"),
+        (
+            "written dict",
+            {"model.safetensors": 1},
+            2,
+            "has 'written' dict {'model.safetensors': 1}, not a list of file names",
+        ),
+        ("written up", ["ema_export.json", "../x"], 2, "has 'written' naming '../x', not a file name of the folder"),
+        ("written sub", ["a/notes.md"], 2, "has 'written' naming 'a/notes.md', not a file name of the folder"),
+        ("written dots", [".."], 1, "has 'written' naming '..', not a file name of the folder"),
+        ("written int", [1], 2, "has 'written' naming 1, not a file name of the folder"),
+    )
+    for name, written, version, problem in rows:
+        folder = _previous_export(tmp_path / name.replace(" ", "_"), written, files, version)
+        before = _listing(tmp_path)
+        got = _raises(OutputPathError, outdir.check_out_dir, folder, [], True)
+        assert got == (
+            f"out_dir: refusing to replace {folder}: its ema_export.json {problem}, so which files its export wrote "
+            "is unknown and nothing is removed. Move out what you want to keep and remove the folder yourself, or "
+            "choose another name"
+        ), name
+        tmp = _tmp_export(tmp_path, folder.name, {"model.safetensors": b"new"})
+        assert _raises(OutputPathError, outdir.commit_dir, tmp, folder, folder, True) == got  # checked again there
+        shutil.rmtree(tmp)
+        assert _listing(tmp_path) == before, name
+    null = _previous_export(tmp_path / "null", None, files)
+    _write(null / "ema_export.json", {"format": FORMAT, "format_version": 2, "written": None})
+    got = _raises(OutputPathError, outdir.check_out_dir, null, [], True)
+    assert "its ema_export.json (format_version 2) has no 'written' list" in got
+    valid = _write(tmp_path / "valid.json", {"format": FORMAT, "format_version": 1})  # would replace the folder whole
+    link_kind = (  # a hub cache snapshot's files all link into its blobs/: never replaced, said so
+        "a symbolic link, which an export never writes (a hub cache snapshot's files all are: export to another folder)"
+    )
+    for kind, make in (
+        (link_kind, lambda f: f.symlink_to(valid)),
+        (link_kind, lambda f: f.symlink_to(tmp_path / "missing.json")),
+        ("a folder", lambda f: f.mkdir()),
+    ):
+        folder = tmp_path / f"link{len(list(tmp_path.glob('link*')))}"
+        folder.mkdir()
+        (folder / "notes.md").write_text("mine")
+        make(folder / "ema_export.json")
+        before = _listing(tmp_path)
+        got = _raises(OutputPathError, outdir.check_out_dir, folder, [], True)
+        assert got == (
+            f"out_dir: refusing to replace {folder}: it is not a previous export of this tool (no ema_export.json "
+            f"written by functional_ema in it: {folder / 'ema_export.json'} is {kind}); --overwrite replaces only a "
+            "previous export or an empty folder. Remove it yourself or choose another name"
+        )
+        assert _listing(tmp_path) == before
 
 
 def test_new_tmp_dir_marks_its_folder_and_removes_only_dead_writers_folders(tmp_path, monkeypatch):
@@ -1083,6 +1160,7 @@ def test_read_like_transformers_folder_weights_copied_and_ignored_files(tmp_path
             "consolidated.safetensors",
             "model.safetensors.index.json",
             "pytorch_model.bin",
+            "sub/",  # a subfolder: listed, never copied (nor followed)
             "x.gguf",
         ],
     )

@@ -714,17 +714,20 @@ def test_cli_never_overwrites_its_inputs(faults, tmp_path, capsys):
     before = _hashes(tmp_path)
     for src, out in refused:
         code, _, err = _cli("consolidate", src, out, capsys=capsys)
-        assert code == 1 and err.startswith("error: refusing to write"), (out, code, err)
-        assert str(out) in err and "Traceback" not in err and ("outside the checkpoint" in err or "directory" in err), (
-            err
-        )
+        # a usage error, before anything is read (the command line's own check, the library's rule)
+        assert code == 2 and err.startswith("error: OUT: refusing to write"), (out, code, err)
+        assert (
+            str(out) in err
+            and "Traceback" not in err
+            and ("outside the checkpoint" in err or "directory" in err or "inside the checkpoint" in err)
+        ), err
         _count("3 CLI outputs")
     for args in (
         ["posthoc", snaps, snaps / snap_tag / "ema_rank_00000_of_00002.safetensors", "--gamma", "6.94"],
         ["posthoc", snaps, snaps / snap_tag / "x.safetensors", "--sigma-rel", "0.1"],
     ):
         code, _, err = _cli(*args, capsys=capsys)
-        assert code == 1 and "refusing to write" in err and "Traceback" not in err, err
+        assert code == 2 and "refusing to write" in err and "Traceback" not in err, err
         _count("3 CLI outputs")
     assert _hashes(tmp_path) == before, "a refused CLI call modified files"
 
@@ -745,14 +748,14 @@ def test_cli_never_overwrites_its_inputs(faults, tmp_path, capsys):
     assert all(torch.equal(got[n], want[n]) for n in want) and out.stat().st_ino != inode
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
     _count("3 CLI outputs")
-    # The real command line: exit code 1, one line on stderr, no traceback.
+    # The real command line: a usage error (exit code 2), one line on stderr, no traceback.
     proc = subprocess.run(
         [sys.executable, "-m", "functional_ema", "consolidate", str(d), str(d / "latest")],
         capture_output=True,
         text=True,
         cwd=str(Path(__file__).resolve().parents[1]),
     )
-    assert proc.returncode == 1 and proc.stderr.startswith("error: refusing") and "Traceback" not in proc.stderr, (
+    assert proc.returncode == 2 and proc.stderr.startswith("error: OUT: refusing") and "Traceback" not in proc.stderr, (
         proc.stderr
     )
     assert (d / "latest").read_text().strip() == TAG

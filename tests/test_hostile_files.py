@@ -1274,3 +1274,238 @@ def test_a_damaged_or_forged_save_record_is_refused_loading_nothing(tmp_path):
     (tmp_path / "dir_record" / record.name).mkdir()  # a folder where the record goes
     _load_refused(tmp_path / "dir_record", None, fe.checkpoint.CorruptCheckpointError)
     _load_whole(tmp_path / "whole", weights[6], emas[6], 6)
+
+
+# ------------------------------------------- the export record's and the selection record's rows
+
+
+#: What the record tests below lower ``foreign.MAX_JSON_BYTES`` to (64 MiB), so that a row over it is quick to hash.
+_JSON_CAP = 2**18  # above the nested row's 100_000 bytes
+
+
+def _sparse(f: Path, size: int) -> None:
+    """A file of ``size`` zero bytes, stored sparse."""
+    with open(f, "wb") as out:
+        out.truncate(size)
+
+
+def _tree(d: Path) -> tuple[dict[str, str], list[str]]:
+    """What a refusal must leave as it was: every file's hash (a link's target) and every path, folders too."""
+    return hashes(d), sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+#: The curated rows of ``ema_export.json`` at ``to_hf(..., overwrite=True)`` into a previous export beside which the
+#: user put ``notes.md``: each a damaged or forged record (``change``: a callable on (the record, a valid record
+#: elsewhere), or the fields forged into the valid record, ``...`` removing one) and a fragment of the refusal, which
+#: must name the folder; nothing in it may change. A record this tool wrote lists its files (``written``, record
+#: version 2 on); none but a version 1 record, listing none, replaces the folder whole.
+EXPORT_RECORD_ROWS = (
+    ("junk", lambda f, valid: f.write_bytes(b"\xff\x00 garbage"), "is not a previous export of this tool"),
+    ("a folder", lambda f, valid: f.mkdir(), "ema_export.json is a folder)"),
+    ("a link to a valid record", lambda f, valid: f.symlink_to(valid), "ema_export.json is a symbolic link, which"),
+    ("a dangling link", lambda f, valid: f.symlink_to(f.parent / "gone"), "export to another folder)"),
+    ("JSON null", lambda f, valid: f.write_text("null"), "ema_export.json must hold a JSON object, got NoneType"),
+    ("nested JSON", lambda f, valid: f.write_text("[" * 100_000), "is not a previous export of this tool"),
+    ("v2 without written", {"written": ...}, "ema_export.json (format_version 2) has no 'written' list"),
+    ("v2 written null", {"written": None}, "ema_export.json (format_version 2) has no 'written' list"),
+    ("v2 written a string", {"written": "notes.md"}, "has 'written' str 'notes.md', not a list of file names"),
+    ("v2 written ../x", {"written": ["ema_export.json", "../x"]}, "has 'written' naming '../x', not a file name"),
+    ("v2 written a\\b", {"written": ["ema_export.json", "a\\b"]}, "has 'written' naming 'a\\\\b', not a file name"),
+    ("no version", {"format_version": ..., "written": ...}, "(format_version None) has no 'written' list"),
+    ("too large", lambda f, valid: _sparse(f, _JSON_CAP + 1), f"has {_JSON_CAP + 1} bytes, more than a model folder's"),
+)
+
+
+def test_a_damaged_or_forged_export_record_replaces_nothing(tmp_path, monkeypatch):
+    """Every row of :data:`EXPORT_RECORD_ROWS`: ``to_hf(overwrite=True)`` refuses, naming the folder and what is
+    wrong with its record, and the folder (the user's ``notes.md`` too) is as it was, no temporary folder left; a
+    record of version 1 (as exports before ``written`` wrote it) replaces it whole, as documented, with the EMA."""
+    pytest.importorskip("transformers")
+    monkeypatch.setattr("functional_ema._export.foreign.MAX_JSON_BYTES", _JSON_CAP)  # the "too large" row
+    from safetensors.torch import load_file
+
+    from functional_ema.checkpoint import OutputPathError
+    from functional_ema.export import to_hf
+    from tests.test_export import _tiny_llama_checkpoint
+
+    ema = _tiny_llama_checkpoint(tmp_path)
+    good = to_hf(tmp_path / "ckpt", tmp_path / "good", tmp_path / "base", tag="s")
+    raw = json.loads((good / "ema_export.json").read_text())
+    assert raw["format_version"] == 2 and "notes.md" not in raw["written"]
+    valid = tmp_path / "valid.json"
+    shutil.copyfile(good / "ema_export.json", valid)
+    for name, change, fragment in EXPORT_RECORD_ROWS:
+        d = tmp_path / "rows" / name.replace(" ", "_")
+        shutil.copytree(good, d)
+        (d / "notes.md").write_text("mine")
+        record = d / "ema_export.json"
+        record.unlink()
+        if callable(change):
+            change(record, valid)
+        else:
+            record.write_text(json.dumps({k: v for k, v in {**raw, **change}.items() if v is not ...}))
+        before = _tree(tmp_path / "rows")
+        with pytest.raises(OutputPathError) as refused:
+            to_hf(tmp_path / "ckpt", d, tmp_path / "base", tag="s", overwrite=True)
+        message = str(refused.value)
+        assert fragment in message and f"refusing to replace {d}:" in message, (name, message)
+        assert _tree(tmp_path / "rows") == before, name
+    v1 = tmp_path / "rows" / "v1"
+    shutil.copytree(good, v1)
+    (v1 / "ema_export.json").write_text(
+        json.dumps({k: v for k, v in {**raw, "format_version": 1}.items() if k != "written"})
+    )
+    (v1 / "stale.md").write_text("from the older export")
+    to_hf(tmp_path / "ckpt", v1, tmp_path / "base", tag="s", overwrite=True)
+    got = load_file(v1 / "model.safetensors")
+    assert set(got) == set(ema) and all(torch.equal(got[n], ema[n]) for n in ema)
+    assert not (v1 / "stale.md").exists() and json.loads((v1 / "ema_export.json").read_text())["format_version"] == 2
+
+
+#: The curated rows of ``ema_selection.json`` (diffusers ``EMAModel.save_pretrained``'s record of its selection) in a
+#: folder it saved with ``include="inp.*"``: how the record is damaged (a callable on (the record, a valid record of
+#: the same selection elsewhere, a valid record of another selection)), then what ``from_pretrained`` +
+#: ``load_state_dict`` into an EMA of the saving selection and ``save_pretrained`` into the folder must do: ``"ok"``
+#: (as documented: the EMA loads bitwise; the record is replaced by the new save's), or a fragment of the refusal,
+#: which must name the record; a refusal changes nothing in the folder.
+SELECTION_RECORD_ROWS = (
+    ("junk", lambda f, same, other: f.write_bytes(b"\xff\x00 garbage"), "is not valid JSON", "is not valid JSON"),
+    ("JSON null", lambda f, same, other: f.write_text("null"), "must hold a JSON object", "must hold a JSON object"),
+    ("a list", lambda f, same, other: f.write_text("[1]"), "must hold a JSON object", "must hold a JSON object"),
+    ("too large", lambda f, same, other: _sparse(f, _JSON_CAP + 1), "more than a model folder's", "more than a"),
+    ("an interrupted save's mark", lambda f, same, other: f.write_text('{"incomplete": "x"}'), "Save again", "ok"),
+    ("a forged mark", lambda f, same, other: f.write_text('{"incomplete": 1, "a": 2}'), "Save again", "beside other"),
+    ("a folder", lambda f, same, other: f.mkdir(), "is a folder, not the selection", "is a folder, not the selection"),
+    ("a link to a valid record", lambda f, same, other: f.symlink_to(same), "ok", "is a symbolic link, not the"),
+    ("a dangling link", lambda f, same, other: f.symlink_to(same.parent / "gone"), "is a link to nothing", "symbolic"),
+    ("nested JSON", lambda f, same, other: f.write_text("[" * 100_000), "nested too deeply", "nested too deeply"),
+    ("another selection", lambda f, same, other: shutil.copyfile(other, f), "averaged by the save, not by", "ok"),
+)
+
+
+def test_a_damaged_or_forged_selection_record_is_refused_changing_nothing(tmp_path, monkeypatch):
+    """Every row of :data:`SELECTION_RECORD_ROWS`, at ``EMAModel.from_pretrained`` + ``load_state_dict`` and at
+    ``save_pretrained``: refused naming the record with the folder unchanged (a folder of that name let the save
+    rewrite the weights, then raised ``IsADirectoryError``, and the load took it for no record; nested JSON raised a
+    raw ``RecursionError``), or, where documented, accepted with the EMA bitwise."""
+    pytest.importorskip("diffusers")
+    monkeypatch.setattr("functional_ema._export.foreign.MAX_JSON_BYTES", _JSON_CAP)  # the "too large" row
+    from functional_ema import MismatchError
+    from functional_ema.integrations.diffusers import SELECTION_FILE, EMAModel
+    from tests.test_integrations_diffusers import _same_values, _selected_run
+
+    r, other = _selected_run(include="inp.*"), _selected_run(include="out.*")
+    r.ema.save_pretrained(tmp_path / "saved")
+    other.ema.save_pretrained(tmp_path / "other")
+    saved = r.ema.state_dict()
+    r.ema.step(r.model.parameters())  # what a later save writes: not the saved values
+    later = r.ema.state_dict()
+    same, theirs = tmp_path / "same.json", tmp_path / "other" / SELECTION_FILE
+    shutil.copyfile(tmp_path / "saved" / SELECTION_FILE, same)
+    for name, change, at_load, at_save in SELECTION_RECORD_ROWS:
+        d = tmp_path / "rows" / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "saved", d)
+        record = d / SELECTION_FILE
+        record.unlink()
+        change(record, same, theirs)
+        before = _tree(d)
+        try:
+            resumed = r.new(bound=True, include="inp.*")
+            resumed.load_state_dict(EMAModel.from_pretrained(d, r.net_cls).state_dict())
+            assert at_load == "ok", (name, "loaded")
+            assert _same_values(resumed.state_dict()["shadow_params"], saved["shadow_params"]), name
+        except ValueError as e:  # MismatchError too
+            assert at_load != "ok" and at_load in str(e), (name, e)
+            # a damaged record is named; values of another selection are refused naming the positions
+            named = "'out.weight' (#6)" if isinstance(e, MismatchError) else str(record)
+            assert named in str(e), (name, e)
+        assert _tree(d) == before, name
+        try:
+            r.ema.save_pretrained(d)
+            assert at_save == "ok", (name, "saved")
+            loaded = EMAModel.from_pretrained(d, r.net_cls).state_dict()
+            assert loaded["ema_selection"] == later["ema_selection"], name
+            assert _same_values(loaded["shadow_params"], later["shadow_params"]), name
+        except ValueError as e:
+            assert at_save != "ok" and at_save in str(e) and str(record) in str(e), (name, e)
+            assert _tree(d) == before, name
+
+
+# ------------------------------------------------------------------ the taken generation's rows
+
+
+#: The curated rows of ``.ema_generation`` (the generation a save took: ``writer.TagLock.take_generation``) in the tag
+#: folder of a complete checkpoint, at the next save of the tag: how it is damaged or forged (a callable on (the
+#: record, a user's file outside the checkpoint, a path outside that does not exist)), then what the save must do:
+#: ``"ok"`` (a record that is no generation a save may follow with one more is ignored, as documented: the save
+#: takes the manifest's generation + 1 and loads back bitwise), ``"last"`` (a record one below the largest generation
+#: a checkpoint may name: the save takes that one and loads back bitwise; the next save of the tag is refused as
+#: one no save can follow, never blaming the library's own manifest as damaged), or a fragment of the refusal, which
+#: names the record; a refusal changes nothing (the user's file keeps its bytes, no file appears outside, the thing
+#: at the record's name stays) and the tag loads its previous checkpoint bitwise.
+GENERATION_RECORD_ROWS = (
+    ("junk", lambda f, notes, gone: f.write_bytes(b"\xff\x00 garbage"), "ok"),
+    ("empty", lambda f, notes, gone: f.write_bytes(b""), "ok"),
+    ("negative", lambda f, notes, gone: f.write_bytes(b"-5\n"), "ok"),
+    ("2**62 - 1", lambda f, notes, gone: f.write_bytes(b"%d\n" % (2**62 - 1)), "last"),
+    ("2**62", lambda f, notes, gone: f.write_bytes(b"%d\n" % 2**62), "ok"),
+    ("huge", lambda f, notes, gone: f.write_bytes(b"9" * 100_000), "ok"),
+    ("a folder", lambda f, notes, gone: f.mkdir(), "is a folder, not the generation record"),
+    ("a link to a user's file", lambda f, notes, gone: f.symlink_to(notes), "is a symbolic link, not the generation"),
+    ("a dangling link", lambda f, notes, gone: f.symlink_to(gone), "is a symbolic link, not the generation record"),
+)
+
+
+def _generation_rows_tree(d: Path) -> tuple[dict[str, str], list[str]]:
+    """Every file's hash (a link's target) and every path under ``d``, folders too."""
+    return hashes(d), sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+def test_a_damaged_or_forged_generation_record_is_ignored_or_refused(tmp_path):
+    """Every row of :data:`GENERATION_RECORD_ROWS`, at a blocking ``save`` and at an ``AsyncSaver.save(shared=False)``
+    of the tag (1 rank, a plain module): the save and its load bitwise, or a refusal naming the record that changes
+    nothing (a link there was written through, the user's file outside overwritten, and the link deleted at the
+    commit; a record of 2**62 - 1 made a save whose tag every later save called damaged)."""
+    from functional_ema._checkpoint.format import MANIFEST_NAME
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    shards = fe.local_shards(model)
+    first = fe.update(fe.init_ema(shards), {n: t + 1 for n, t in shards.items()}, 1, decay=0.5)
+    second = fe.update(first, {n: t - 2 for n, t in shards.items()}, 2, decay=0.5)
+    clean = tmp_path / "clean"
+    fe.save(first, model, clean, TAG)
+
+    def same(state: Any, want: Any) -> bool:
+        got = fe.load(model, d / "ck", TAG)
+        return int(got.step) == int(want.step) and all(torch.equal(got.emas[0][n], want.emas[0][n]) for n in shards)
+
+    for name, change, want in GENERATION_RECORD_ROWS:
+        for verb in ("save", "async"):
+            d = tmp_path / "rows" / f"{name.replace(' ', '_')}_{verb}"
+            shutil.copytree(clean, d / "ck")
+            notes, gone, rec = d / "notes.txt", d / "outside" / "gone", d / "ck" / TAG / ".ema_generation"
+            notes.write_text("my precious notes\n")
+            change(rec, notes, gone)
+            before = _generation_rows_tree(d)
+            try:
+                if verb == "async":
+                    fe.AsyncSaver().save(second, model, d / "ck", TAG, shared=False).wait()
+                else:
+                    fe.save(second, model, d / "ck", TAG)
+            except fe.checkpoint.CheckpointError as e:
+                assert want not in ("ok", "last") and f"save: {rec} {want}" in str(e), (name, verb, e)
+                assert _generation_rows_tree(d) == before and same(None, first), (name, verb)
+                continue
+            assert want in ("ok", "last"), (name, verb, "saved")
+            assert notes.read_text() == "my precious notes\n" and not gone.exists(), (name, verb)
+            generation = json.loads((d / "ck" / TAG / MANIFEST_NAME).read_text())["generation"]
+            assert generation == (2**62 if want == "last" else 1) and same(None, second), (name, verb)
+            if want == "last":  # no save can follow: refused naming why, the checkpoint kept (never called damaged)
+                kept = _generation_rows_tree(d)
+                with pytest.raises(fe.checkpoint.CheckpointError) as refused:
+                    fe.save(first, model, d / "ck", TAG)
+                told = str(refused.value).replace(str(d), "<d>")  # the test's folder is named "damaged" too
+                assert type(refused.value) is fe.checkpoint.CheckpointError and "damaged" not in told, told
+                assert "the largest a checkpoint may name" in str(refused.value) and "loadable" in str(refused.value)
+                assert _generation_rows_tree(d) == kept and same(None, second), (name, verb)

@@ -1124,9 +1124,161 @@ def test_the_selection_record_is_a_file_beside_diffusers_config(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "ema_selection.json").write_text("my notes")
-    with pytest.raises(ValueError, match=r"ema_selection\.json is not readable JSON"):
+    with pytest.raises(ValueError, match=r"ema_selection\.json is not valid JSON"):
         r.ema.save_pretrained(mine)
     assert (mine / "ema_selection.json").read_text() == "my notes" and not (mine / "config.json").exists()
+
+
+def test_save_pretrained_never_leaves_weights_that_load_unchecked(tmp_path, monkeypatch):
+    """``save_pretrained`` removed an earlier ``ema_selection.json`` before writing the weights: a failure (or kill)
+    while diffusers wrote them left weights beside no record, which loaded without the selection check; a folder
+    named ``ema_selection.json`` passed the existing-record check, the weights were rewritten, then a raw
+    ``IsADirectoryError`` was raised. Now the earlier record is checked before anything is written (a folder is
+    refused naming it, the folder's files unchanged); a save whose record is the earlier one writes the weights alone,
+    any other first replaces the record by the mark of an unfinished save, which every load refuses until a save
+    completes (no temporary file is open while the weights are written)."""
+    from functional_ema._testing.files import hashes
+    from functional_ema.integrations.diffusers import SELECTION_FILE, EMAModel
+
+    r = _selected_run(include="inp.*")
+    r.ema.save_pretrained(tmp_path / "ema")
+    record = (tmp_path / "ema" / SELECTION_FILE).read_bytes()
+    r.ema.step(r.model.parameters())  # the values a later save writes differ from the saved ones
+    seen: list[list[str]] = []
+
+    def failing(self: Any, save_directory: str, **kwargs: Any) -> None:
+        seen.append(sorted(p.name for p in Path(save_directory).iterdir()))
+        seen.append(json.loads((Path(save_directory) / SELECTION_FILE).read_text()))
+        (Path(save_directory) / "diffusion_pytorch_model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    mark = {"incomplete": "EMAModel.save_pretrained into this folder did not finish: save again"}
+    with monkeypatch.context() as patch:
+        patch.setattr(r.net_cls, "save_pretrained", failing)
+        for ema, folder, left in (
+            (r.ema, "ema", json.loads(record)),
+            (r.new(bound=True), "ema", mark),
+            (r.ema, "new", mark),
+        ):
+            with pytest.raises(OSError, match="No space left"):
+                ema.save_pretrained(tmp_path / folder)
+            assert json.loads((tmp_path / folder / SELECTION_FILE).read_text()) == left, folder
+    saved = ["config.json", "diffusion_pytorch_model.safetensors", SELECTION_FILE]
+    assert seen == [saved, json.loads(record), saved, mark, [SELECTION_FILE], mark]  # no temporary file among them
+    assert sorted(os.listdir(tmp_path / "ema")) == saved
+    for folder in ("ema", "new"):
+        with pytest.raises(
+            ValueError,
+            match=f"{tmp_path / folder / SELECTION_FILE} marks an EMAModel.save_pretrained "
+            "that did not finish .* Save again",
+        ):
+            EMAModel.from_pretrained(tmp_path / folder, r.net_cls)
+    (tmp_path / "ema" / SELECTION_FILE).unlink()
+    (tmp_path / "ema" / SELECTION_FILE).mkdir()
+    before = hashes(tmp_path / "ema")
+    for call in (
+        lambda: r.ema.save_pretrained(tmp_path / "ema"),
+        lambda: EMAModel.from_pretrained(tmp_path / "ema", r.net_cls),
+    ):
+        with pytest.raises(ValueError, match=f"{tmp_path / 'ema' / SELECTION_FILE} is a folder, not the selection"):
+            call()
+    assert hashes(tmp_path / "ema") == before and (tmp_path / "ema" / SELECTION_FILE).is_dir()
+    (tmp_path / "ema" / SELECTION_FILE).rmdir()
+    r.ema.save_pretrained(tmp_path / "ema")  # a whole save: the new record and values, bitwise
+    loaded = EMAModel.from_pretrained(tmp_path / "ema", r.net_cls).state_dict()
+    assert loaded["ema_selection"] == json.loads(record) and _same_values(
+        loaded["shadow_params"], r.ema.state_dict()["shadow_params"]
+    )
+
+
+def test_a_save_stopped_between_its_weights_and_its_record_loads_nothing(tmp_path, monkeypatch):
+    """An EMA with ``include="out.*"`` saved into the folder of one with ``include="inp.*"``; stopped (a kill, an
+    error) after its weights were written and before its record replaced the earlier one, it left the ``out.*``
+    save's weights beside the ``inp.*`` record: an ``inp.*`` EMA loaded them unrefused and went on from live values
+    of ``inp.*`` as if they were its EMA (writing the new record first had the mirror problem). Now the folder holds
+    the mark of an unfinished save meanwhile: refused at every load, naming the record, until a save completes; no
+    temporary file is left. Stopped in the weights, then at the rename of the record; saved again, the folder is the
+    ``out.*`` EMA's, bitwise, and an ``inp.*`` EMA refuses it."""
+    from functional_ema import MismatchError
+    from functional_ema.integrations.diffusers import SELECTION_FILE, EMAModel
+
+    r1, r2 = _selected_run(include="inp.*"), _selected_run(include="out.*")
+    save, replace = r2.net_cls.save_pretrained, os.replace
+
+    def weights_then_killed(self: Any, save_directory: str, **kwargs: Any) -> None:
+        save(self, save_directory, **kwargs)
+        raise KeyboardInterrupt("killed")
+
+    def killed_at_the_record(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(dst).name == SELECTION_FILE and b"incomplete" not in Path(src).read_bytes():
+            raise KeyboardInterrupt("killed")
+        replace(src, dst, *args, **kwargs)
+
+    for target, name, stop in (
+        (r2.net_cls, "save_pretrained", weights_then_killed),
+        (os, "replace", killed_at_the_record),
+    ):
+        folder = tmp_path / name
+        r1.ema.save_pretrained(folder)
+        with monkeypatch.context() as patch:
+            patch.setattr(target, name, stop)
+            with pytest.raises(KeyboardInterrupt):
+                r2.ema.save_pretrained(folder)
+        assert sorted(os.listdir(folder)) == ["config.json", "diffusion_pytorch_model.safetensors", SELECTION_FILE]
+        for load in (
+            lambda: EMAModel.from_pretrained(folder, r1.net_cls),
+            lambda: EMAModel.from_pretrained(folder, r1.net_cls, include="inp.*"),
+        ):
+            with pytest.raises(ValueError, match=f"{folder / SELECTION_FILE} marks an .* did not finish.* Save again"):
+                load()
+        r2.ema.save_pretrained(folder)  # saved again: the out.* EMA's folder, bitwise
+        loaded = EMAModel.from_pretrained(folder, r1.net_cls).state_dict()
+        assert loaded["ema_selection"] == r2.ema.state_dict()["ema_selection"], name
+        assert _same_values(loaded["shadow_params"], r2.ema.state_dict()["shadow_params"]), name
+        live = dict(r2.model.named_parameters())
+        for n, v in zip(live, loaded["shadow_params"]):  # the plain-torch EMA of out.*, live values elsewhere
+            assert torch.equal(v, r2.ref[n] if n.startswith("out.") else live[n].detach()), (name, n)
+        with pytest.raises(MismatchError, match="averaged by this EMA, left out by the save"):
+            r1.new(bound=True, include="inp.*").load_state_dict(loaded)
+
+
+def test_save_pretrained_leaves_no_temporary_file_and_removes_dead_ones(tmp_path, monkeypatch):
+    """A kill while ``save_pretrained`` wrote the weights left ``ema_selection.json.tmp-<pid>-<hex>`` in the folder
+    for good (the new record's temporary file was open across the weights' write), shipped by ``push_to_hub``. Now
+    none is open then, and a save removes those of processes that no longer run (that exact name only; a live
+    process's, and other names, are kept)."""
+    import subprocess
+    import sys
+
+    from functional_ema.integrations.diffusers import SELECTION_FILE
+
+    r, other = _selected_run(include="inp.*"), _selected_run(include="out.*")
+    folder = tmp_path / "ema"
+    other.ema.save_pretrained(folder)  # an earlier record the save replaces
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = f"{SELECTION_FILE}.tmp-{gone.pid}-0123456789ab"
+    kept = [
+        f"{SELECTION_FILE}.tmp-{os.getpid()}-0123456789ab",  # a live process's
+        f"{SELECTION_FILE}.tmp-{gone.pid}-0123456789abc",
+        f"{SELECTION_FILE}.tmp-{gone.pid}-0123456789AB",
+        f"{SELECTION_FILE}.tmp-notes",
+        f"x{SELECTION_FILE}.tmp-{gone.pid}-0123456789ab",
+    ]
+    for n in (dead, *kept):
+        (folder / n).write_text("{")
+    save, seen = r.net_cls.save_pretrained, []
+
+    def watched(self: Any, save_directory: str, **kwargs: Any) -> None:
+        seen.append(sorted(os.listdir(save_directory)))
+        save(self, save_directory, **kwargs)
+
+    monkeypatch.setattr(r.net_cls, "save_pretrained", watched)
+    r.ema.save_pretrained(folder)
+    weights = ["config.json", "diffusion_pytorch_model.safetensors", SELECTION_FILE]
+    assert seen == [sorted([*weights, *kept])]  # the dead one removed first; no temporary file of this save's
+    assert sorted(os.listdir(folder)) == sorted([*weights, *kept])
+    assert json.loads((folder / SELECTION_FILE).read_text()) == r.ema.state_dict()["ema_selection"]
 
 
 def test_recording_the_selection_asks_the_predicate_about_no_new_name(tmp_path):

@@ -1600,6 +1600,55 @@ def test_rotation_at_a_url_removes_only_the_exact_objects_of_a_verified_ema_save
     fs.rm(root, recursive=True)
 
 
+def test_rotation_at_a_url_removes_a_failed_saves_marker_left_alone_and_not_a_forged_one(tmp_path):
+    """A failed save at a URL whose late rank may still upload keeps rank 0's marker (``bucket.abandon_bucket``),
+    for the tag's next commit; Lightning saves a checkpoint's tag once, so the marker can be all that is left of the
+    save. ``f``: that marker (named ``.ema_store.<token>.gen<N>``, holding its token, as ``bucket`` publishes it)
+    beside a user's object: the rotation removes the marker by its name, the user's object stays, warned. ``g``:
+    objects named like markers whose content is not their token (another token; the token and more) are no proof
+    of a save: all stay, warned."""
+    import fsspec
+
+    from functional_ema._checkpoint import bucket
+    from functional_ema.integrations.lightning import EMACallback
+    from tests._integration_models import quiet
+
+    quiet()
+    fs = fsspec.filesystem("memory")
+    base = f"memory://fe-marker-rotation-{tmp_path.name}/ck"
+    root = base.removeprefix("memory://")
+    trainer = _tiny_trainer(tmp_path / "run", [EMACallback(decay=0.8)])
+    trainer.fit(_tiny_module())
+    token = "0123456789abcdef"
+    marker = ".ema_store.0123456789abcdef.gen0"
+    assert bucket.marker_name(token, 0) == marker  # the name the library gives it
+    planted = {
+        "f.ckpt": b"ckpt",
+        f"f.ckpt.ema/ema/{marker}": token.encode(),
+        "f.ckpt.ema/ema/results.json": b"mine",
+        "g.ckpt": b"ckpt",
+        "g.ckpt.ema/ema/.ema_store.fedcba9876543210.gen0": token.encode(),
+        "g.ckpt.ema/ema/.ema_store.0123456789abcdef.gen1": token.encode() + b"\n",
+    }
+    for name, data in planted.items():
+        fs.pipe_file(f"{root}/{name}", data)
+
+    def listing() -> list[str]:
+        return sorted(p.removeprefix("/").removeprefix(root + "/") for p in fs.find(root))
+
+    assert listing() == sorted(planted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in ("f", "g"):
+            trainer.strategy.remove_checkpoint(f"{base}/{name}.ckpt")
+    kept = sorted(n for n in planted if n.startswith(("f.ckpt.ema/ema/results", "g.ckpt.ema/")))
+    assert listing() == kept
+    left = sorted(str(w.message) for w in caught if "did not write there" in str(w.message))
+    assert len(left) == 2, [str(w.message) for w in caught]
+    assert "f.ckpt.ema beside it holds ['ema']" in left[0] and "g.ckpt.ema beside it holds ['ema']" in left[1], left
+    fs.rm(root, recursive=True)
+
+
 def private_rotation_worker(root: str) -> dict:
     """2 ranks (DDP), ``EMACallback(shared=False)``, ``ModelCheckpoint(save_top_k=1)`` every 2 steps, 6 steps (saves
     at 2, 4, 6). ``own``: each rank's own folder (Ray's per-worker ones, node-local disks); ``one``: one folder both

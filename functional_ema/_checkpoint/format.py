@@ -1003,7 +1003,8 @@ def check_out_folder(out: Path, what: str) -> None:
     folder = parent if parent.is_dir() else Path(os.path.realpath(parent))
     tilde = (
         f" ('~' is not expanded here: write the path out, e.g. {Path(os.path.expanduser(str(out)))})"
-        if out.parts and out.parts[0].startswith("~")
+        # not where a file or folder of that very name is there: the path names it, as a shell leaves the word
+        if out.parts and out.parts[0].startswith("~") and not os.path.lexists(out.parts[0])
         else ""
     )
     if not folder.is_dir():
@@ -1053,6 +1054,44 @@ def check_output(
     return out
 
 
+def check_outside(out_path: str | os.PathLike, folder: Path, kind: str, roots: Sequence[Path] = ()) -> None:
+    """Refuse (``OutputPathError``) an output at or inside the local ``folder`` being read, ``kind`` naming it
+    ("checkpoint ck (CHECKPOINT_DIR)"): the command line's check, before anything is read, stricter than
+    :func:`check_output` for the folder given (a new file or subfolder in it is refused too). ``roots``: the
+    checkpoint roots the reader takes above ``folder`` when it is a tag folder given as the checkpoint, held to
+    :func:`check_output`'s rules and no more (the root itself, its pointer files, its tag-like folders; a new file
+    or another subfolder there, ``exports/``, is not the checkpoint's and stays open, as the library leaves it)."""
+    out = Path(out_path)
+    try:
+        real, real_folder = out.resolve(), folder.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise OutputPathError(f"cannot resolve the output path {out}: {e}") from None
+    if real == real_folder or real_folder in real.parents:
+        # advice beyond the root: a name beside the tag folder could be one of the root's refused ones
+        beside = Path(roots[0]).resolve() if roots else real_folder
+        raise OutputPathError(
+            f"refusing to write {_shown(out, real)}: it is inside the {kind} being read, and would add to or replace "
+            f"its files. {_outside_fix(out, beside, '')}"
+        )
+    for root in roots:
+        _check_outside(out, real, root, [folder])
+
+
+def _shown(out: Path, real: Path) -> str:
+    """``out`` as given, with where it leads when a link or ``..`` takes it elsewhere."""
+    return f"{out}{f' (-> {real})' if real != out.absolute() else ''}"
+
+
+def _outside_fix(out: Path, real_root: Path, of: str = " the checkpoint") -> str:
+    """The advice of a refusal: the same name beside the checkpoint ``real_root``; the root's own name with
+    ``.safetensors`` where that is no file name (``.``, ``..``: OUT given as the checkpoint or above a tag folder),
+    would be the checkpoint itself, or is an existing folder there."""
+    beside = real_root.parent / out.name
+    if out.name in ("", ".", "..") or beside == real_root or beside.is_dir():
+        beside = real_root.parent / f"{real_root.name}.safetensors"
+    return f"Write it outside{of}, e.g. {beside}"
+
+
 def _check_outside(out: Path, real: Path, root: str | os.PathLike, tag_dirs: Sequence[Path]) -> None:
     """:func:`check_output`'s refusal of an output (``real``: resolved) inside the local checkpoint ``root``."""
     try:
@@ -1060,15 +1099,11 @@ def _check_outside(out: Path, real: Path, root: str | os.PathLike, tag_dirs: Seq
         real_tags = [Path(t).resolve() for t in tag_dirs]
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
         raise OutputPathError(f"cannot resolve the output path {out}: {e}") from None
-    # the same name beside the checkpoint, unless that is the checkpoint itself (OUT given as the checkpoint folder)
-    beside = real_root.parent / out.name
-    beside = beside if beside != real_root else beside.with_name(f"{beside.name}.safetensors")
-    fix = f"Write it outside the checkpoint, e.g. {beside}"
     inside = next((t for t in real_tags if real == t or t in real.parents), None)
     if inside is not None:
         raise OutputPathError(
-            f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the tag folder "
-            f"{inside} being read, and would replace or add to that checkpoint's files. {fix}"
+            f"refusing to write {_shown(out, real)}: it is inside the tag folder {inside} being read, and would "
+            f"replace or add to that checkpoint's files. {_outside_fix(out, real_root)}"
         )
     first = real_root / real.relative_to(real_root).parts[0] if real_root in real.parents else None
     # in the root: any name of a file DeepSpeed or functional_ema writes there or in a tag (a root read as
@@ -1076,8 +1111,8 @@ def _check_outside(out: Path, real: Path, root: str | os.PathLike, tag_dirs: Seq
     own = first == real and (_is_checkpoint_file(real.name) or _is_checkpoint_file(real.name.lower()))
     if real == real_root or (first is not None and (own or (first != real and _looks_like_tag(first)))):
         raise OutputPathError(
-            f"refusing to write {out}{f' (-> {real})' if real != out.absolute() else ''}: it is inside the checkpoint "
-            f"directory {real_root} being read (a tag folder or a pointer file such as 'latest'). {fix}"
+            f"refusing to write {_shown(out, real)}: it is inside the checkpoint directory {real_root} being read "
+            f"(a tag folder or a pointer file such as 'latest'). {_outside_fix(out, real_root)}"
         )
 
 

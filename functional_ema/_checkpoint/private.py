@@ -59,6 +59,7 @@ from .writer import (
     drop_pending,
     part_record,
     plan_save,
+    publish_latest,
     rank_file_meta,
     read_generation,
     remove_unlisted,
@@ -310,7 +311,7 @@ def _publish_manifest(prep: PrivateSave, manifest: dict[str, Any], published: li
             published.append(True)  # the folder holds this save from the rename on, whatever fails next
             _io.fsync_dir(prep.tag_dir)
             path = prep.save_dir / LATEST_NAME  # the pointer load follows without a tag: once the tag is complete
-            _io.atomic_write_bytes(path, (manifest["tag"] + "\n").encode())
+            publish_latest(prep.save_dir, manifest)  # unless it names a save started later
         except OSError as e:
             raise io_error(e, rank, path) from None
 

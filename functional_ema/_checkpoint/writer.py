@@ -10,9 +10,10 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -41,10 +42,12 @@ from .format import (
     MANIFEST_NAME,
     MAX_EXTRA_BYTES,
     MAX_GENERATION,
+    MAX_MANIFEST_BYTES,
     PENDING_MANIFEST_NAME,
     RANK_FILE,
     WHOLE_FORMAT_VERSION,
     buffer_file_name,
+    check_tag,
     describe_buffers,
     dtype_name,
     is_own_tmp,
@@ -137,6 +140,9 @@ def plan_save(
         "model_parallel": not layout.part.whole,
         "layout": collective.layout_record(layout, across_parts=not layout.part.whole),
         "generation": 0,
+        # When the save started (rank 0's is agreed): ema_latest is not moved back to a save started earlier
+        # than the one it names (:func:`publish_latest`). Wall-clock time: comparable across jobs and hosts.
+        "started_ns": time.time_ns(),
     }
 
 
@@ -151,39 +157,85 @@ def read_generation(tag_dir: Path) -> int:
         found = int(json.loads(mpath.read_text())["generation"])
     except Exception:  # noqa: BLE001 - no manifest, or an unreadable one: nothing to preserve
         return _taken_generation(tag_dir) + 1
+    if found == MAX_GENERATION:  # a valid checkpoint (it loads), the last a tag may hold: no save can follow it
+        raise CheckpointError(
+            f"{mpath}: tag {tag_dir.name!r} holds generation {found} (2**62), the largest a checkpoint may name: no "
+            "later save of this tag can be written (each takes one generation more). Its checkpoint stays as it is, "
+            "loadable. Nothing was written: save under another tag"
+        )
     if not 0 <= found < MAX_GENERATION:
         raise CorruptCheckpointError(
-            f"{mpath}: the manifest of tag {tag_dir.name!r} names generation {found}, outside [0, 2**62 - 1]: a "
-            f"save writes one generation more, and no checkpoint may name one above 2**62 ({MAX_GENERATION}). The "
-            f"manifest is damaged or was edited (no load reads it). Nothing was written: remove the damaged tag "
-            f"folder {tag_dir} (or restore its manifest from a copy), or save under another tag"
+            f"{mpath}: the manifest of tag {tag_dir.name!r} names generation {found}, outside [0, 2**62]: no "
+            f"checkpoint may name one above 2**62 ({MAX_GENERATION}). The manifest is damaged or was edited (no load "
+            f"reads it). Nothing was written: remove the damaged tag folder {tag_dir} (or restore its manifest from "
+            "a copy), or save under another tag"
         )
     return max(found, _taken_generation(tag_dir)) + 1
 
 
 def _write_record(path: Path, data: bytes) -> None:
-    """The :data:`GENERATION_NAME` record written: one small write, neither renamed nor fsynced (an async save's call
-    makes no such I/O: its background thread does). It only fences off ranks alive to write late: a crash mid-write
-    leaves an empty record, ignored, as after a power loss, which ends those ranks too. Raises ``OSError`` naming it."""
+    """The :data:`GENERATION_NAME` record written: a temporary file renamed over it, so a link or a hard-linked copy
+    at that name (a backup made with ``cp -al``) is replaced, never written through; neither fsynced (an async save's
+    call makes no such I/O: its background thread does). It only fences off ranks alive to write late: a crash
+    leaves an older or no record (and maybe the temporary, removed at the next commit), as after a power loss,
+    which ends those ranks too. Raises ``OSError`` naming it."""
+    tmp = _io.tmp_name(path)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             os.write(fd, data)
         finally:
             os.close(fd)
+        os.replace(tmp, path)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise OSError(e.errno, e.strerror, str(path)) from None
 
 
-def _taken_generation(tag_dir: Path) -> int:
-    """The generation recorded by :meth:`TagLock.take_generation` (-1: none, or not one a save may write: a damaged record
-    is ignored, as it only fences off late writers and the next save records a valid one)."""
+def _read_record(tag_dir: Path) -> bytes | None:
+    """The :data:`GENERATION_NAME` record's first bytes (``None``: there is none; ``b""``: unreadable, ignored as a
+    damaged one). Anything else at that name (a symbolic link, a folder, a pipe) is refused with
+    :class:`CheckpointError` naming it, before the save writes anything: it is not the library's record, and the
+    library neither writes through it nor removes it."""
+    path = tag_dir / GENERATION_NAME
     try:
-        with open(tag_dir / GENERATION_NAME, "rb") as f:
-            taken = int(f.read(64))
-    except (OSError, ValueError):
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return b""
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "not a file"
+        )
+        raise CheckpointError(
+            f"save: {path} is {kind}, not the generation record functional_ema writes at that name (a small file "
+            f"holding one number): the save would replace or write through it. Nothing was written: remove "
+            f"{GENERATION_NAME} from the tag folder {tag_dir} (the library writes it anew) and save again"
+        )
+    try:  # O_NOFOLLOW/O_NONBLOCK: a link or a pipe swapped in since the lstat is refused by the kernel, never waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, 64) if stat.S_ISREG(os.fstat(fd).st_mode) else b""  # a record is a number: 64 bytes hold it
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def _taken_generation(tag_dir: Path) -> int:
+    """The generation recorded by :meth:`TagLock.take_generation` (-1: none, or not one a save may follow with a later
+    one: a damaged record is ignored, as it only fences off late writers and the next save records a valid one).
+    Refuses what is not a file at that name (:func:`_read_record`)."""
+    data = _read_record(tag_dir)  # outside the try: its refusal, a CheckpointError, is a ValueError
+    try:
+        taken = int(data or b"")
+    except ValueError:
         return -1
-    return taken if 0 <= taken <= MAX_GENERATION else -1
+    return taken if 0 <= taken < MAX_GENERATION else -1  # the next save takes taken + 1 <= MAX_GENERATION
 
 
 def _checked_generation(plan: Callable[[], dict[str, Any]], what: str) -> Callable[[], dict[str, Any]]:
@@ -287,7 +339,7 @@ def agree_plans(
     payload, local_exc = collective.run_local(_checked_generation(plan, what), rank)
     if world > 1 and dist.is_initialized():
         mine = payload[1] if local_exc is None else None
-        digest, generation, token = -1, -1, -1
+        digest, generation, token, started = -1, -1, -1, -1
         if mine is not None:
             agreed = json.dumps(
                 [mine.get(f) for f in _agreed(mine)] + [mine["buffers"] is not None], sort_keys=True
@@ -296,11 +348,14 @@ def agree_plans(
             if rank == 0:
                 generation = mine["generation"]
                 token = int(mine["token"], 16) if mine.get("token") else -1  # only async saves carry one
-        failed, high, neg_low, generation, token = collective.all_reduce_max(
-            [int(mine is None), digest, -digest, generation, token], group
+                started = mine.get("started_ns", -1)
+        failed, high, neg_low, generation, token, started = collective.all_reduce_max(
+            [int(mine is None), digest, -digest, generation, token, started], group
         )
         if mine is not None and not failed and high == -neg_low:
             first = dict(mine, generation=generation, token=f"{token:016x}" if token >= 0 else None)
+            if started >= 0:  # rank 0's, as every manifest of the save names it
+                first["started_ns"] = started
             return mine, first
     try:
         plans = collective.settle(what, payload, local_exc, group, world, rank)
@@ -469,6 +524,8 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]], **extra:
         + ("." if whole else ", and which model-parallel part (tensor-parallel rank, pipeline stage) it holds."),
         "tag": plan["tag"],
         **extra,  # before anything long: an async save's ranks look for their save_id in the file's head
+        # An optional field (older readers ignore it; no format change): when the save started (publish_latest)
+        **({"started_ns": plan["started_ns"]} if type(plan.get("started_ns")) is int else {}),
         "generation": plan["generation"],
         "step": plan["step"],
         "num_emas": plan["num_emas"],
@@ -509,8 +566,78 @@ def drop_pending(tag_dir: Path) -> None:
 def _finish_commit(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
     # The pointer that load/consolidate follow when no tag is given and there is no DeepSpeed
     # 'latest' (FSDP2, plain and DDP models): written only once the tag is complete.
-    _io.atomic_write_bytes(save_dir / LATEST_NAME, (manifest["tag"] + "\n").encode())
+    publish_latest(save_dir, manifest)
     _cleanup(tag_dir, listed_files(manifest))
+
+
+#: How far ahead of this host's clock a manifest's ``started_ns`` may be and still hold ``ema_latest`` back (clock
+#: skew between hosts): a later one is damaged or edited, and would keep the pointer from ever moving again.
+_CLOCK_SKEW_NS = 3600 * 10**9
+#: The most of ``ema_latest`` read: a tag name; a larger file is no pointer of ours.
+_POINTER_BYTES = 4096
+
+
+def later_save_named(read: Callable[[str], bytes], manifest: dict[str, Any]) -> str | None:
+    """The tag ``ema_latest`` names where that tag's complete save started after this one (``manifest``, being
+    committed), else ``None``: the pointer then stays (the docs' promise: it names the last save started, which
+    commits need not follow: an ``AsyncSaver`` save committed after a blocking save started later, or a rank's
+    slow write). ``read(relative path)``: the bytes of a file of the checkpoint directory. Anything else (no
+    pointer, a tag that is missing, incomplete or unreadable, a manifest of an older release without
+    ``started_ns``, or one implausibly far ahead of this clock) gives ``None``: the pointer is overwritten."""
+    mine = manifest.get("started_ns")
+    if type(mine) is not int:
+        return None
+    try:
+        tag = read(LATEST_NAME)[:_POINTER_BYTES].decode().strip()
+        if tag == manifest["tag"] or check_tag(tag, saving=False) != tag:
+            return None
+        theirs = json.loads(read(f"{tag}/{MANIFEST_NAME}")).get("started_ns")
+    except Exception:  # noqa: BLE001 - whatever the pointer or its manifest is, it is overwritten as before
+        return None
+    if type(theirs) is int and mine < theirs <= time.time_ns() + _CLOCK_SKEW_NS:
+        return tag
+    return None
+
+
+def publish_latest(save_dir: Path, manifest: dict[str, Any]) -> None:
+    """Point ``save_dir``'s ``ema_latest`` at the tag just committed (``manifest``'s) unless it names a save that
+    started later (:func:`later_save_named`). Read, compared and written under a ``flock`` of ``save_dir`` itself
+    (no file added): two commits of one process (an ``AsyncSaver``'s commit thread and a blocking save) or of two
+    processes of this host would otherwise both read the older pointer, and the earlier save's write could land
+    last. Where the folder cannot be locked (some network mounts) it goes on unlocked."""
+
+    def read(rel: str) -> bytes:
+        with open(save_dir / rel, "rb") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
+
+    with _folder_lock(save_dir):
+        later = later_save_named(read, manifest)
+        if later is not None:
+            logger.info(
+                "functional_ema: tag %r in %s is committed; %s keeps naming %r, a save started after this one",
+                manifest["tag"],
+                save_dir,
+                LATEST_NAME,
+                later,
+            )
+            return
+        _io.atomic_write_bytes(save_dir / LATEST_NAME, (manifest["tag"] + "\n").encode())
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive ``flock`` of ``folder``'s own descriptor for the block (best effort: unlocked where it fails)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held a few reads and one small write; released at close
+        yield
+    finally:
+        os.close(fd)
 
 
 def remove_unlisted(tag_dir: Path, fnames: Sequence[str]) -> None:
@@ -552,7 +679,7 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
         # Exact names: never a user's file. Not an async marker's temporary: it may be a late rank's marker being
         # written (removing it fails that rank's rename, and its peers wait out their timeout); a failed save's are
         # in ``failed``, and a crash leaves a small one.
-        stale_tmp = is_own_tmp(p.name, (MANIFEST_NAME, PENDING_MANIFEST_NAME))
+        stale_tmp = is_own_tmp(p.name, (MANIFEST_NAME, PENDING_MANIFEST_NAME, GENERATION_NAME))
         if stale_file or stale_tmp:
             try:
                 os.unlink(p)
@@ -566,13 +693,16 @@ def _cleanup(tag_dir: Path, keep: set[str]) -> None:
 def _drop_taken_record(tag_dir: Path) -> bool:
     """After a commit: remove the :data:`GENERATION_NAME` record when the manifest's generation is as late (the
     manifest alone then makes the next save's later: :func:`read_generation`). Returns whether it was removed."""
-    if not (tag_dir / GENERATION_NAME).exists():
+    try:  # only a file: a link or folder at that name is no record of ours (it was refused at the plan)
+        if not stat.S_ISREG(os.lstat(tag_dir / GENERATION_NAME).st_mode):
+            return False
+    except OSError:
         return False
     try:
         if int(json.loads((tag_dir / MANIFEST_NAME).read_bytes())["generation"]) < _taken_generation(tag_dir):
             return False  # not this commit's (edited, or a save this one cannot see): kept, it only skips numbers
         os.unlink(tag_dir / GENERATION_NAME)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # ValueError: a CheckpointError too (a link swapped in)
         return False
     return True
 
@@ -718,11 +848,7 @@ class TagLock:
         generation, and that rank's late write replaces (or its cleanup removes) the next save's file of that name.
         A crash after it only skips a number; the next commit removes the record (:func:`_cleanup`)."""
         path = self.tag_dir / GENERATION_NAME
-        try:
-            with open(path, "rb") as f:
-                replaced: bytes | None = f.read(64)  # a record is a number: more is no record of ours
-        except FileNotFoundError:
-            replaced = None
+        replaced = _read_record(self.tag_dir)  # refuses a link or folder there: never written through or replaced
         taken = read_generation(self.tag_dir) if generation is None else generation
         self._replaced = [replaced]
         _write_record(path, f"{taken}\n".encode())
@@ -738,9 +864,15 @@ class TagLock:
         self._replaced = []
         with contextlib.suppress(OSError):
             if replaced is None:
-                os.unlink(self.tag_dir / GENERATION_NAME)
+                if stat.S_ISREG(os.lstat(self.tag_dir / GENERATION_NAME).st_mode):  # ours: nothing was there
+                    os.unlink(self.tag_dir / GENERATION_NAME)
             else:
                 _write_record(self.tag_dir / GENERATION_NAME, replaced)
+
+    @property
+    def held(self) -> bool:
+        """Whether this lock still holds the tag (not yet released; ``False`` also where the folder has no flock)."""
+        return self._fd is not None
 
     def release(self, remove_empty: bool = False) -> None:
         """Give the tag up (idempotent); ``remove_empty`` also removes the folder if this lock created it

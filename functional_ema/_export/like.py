@@ -13,11 +13,13 @@ peft           ``adapter_config.json``     ``adapter_model.safetensors``; a non-
 =============  ==========================  =============================================================
 
 Other ``*.safetensors`` files (``consolidated.safetensors``, a stray ``adapter_model.safetensors`` in a
-model folder) are ignored: not read, not copied, listed in the record; so are a training checkpoint's own files
-(:data:`CHECKPOINT_FILES`: ``trainer_state.json``, DeepSpeed's ``latest`` and ``zero_to_fp32.py``, ``ema_latest``,
-Accelerate's ``random_states_*``), where a checkpoint folder is given as ``--like``. A folder with both a model's
-weights and ``adapter_config.json`` is refused as ambiguous; so is one whose weights exist only as
-pickles (``pytorch_model.bin``: this library never unpickles).
+model folder) are ignored: not read, not copied, listed in the record (``ignored_in_like``); so are the folder's
+subfolders (``tokenizer/``, ``scheduler/``: named with a trailing ``/``, never followed), broken links and special
+files (FIFOs, sockets), and a training checkpoint's own files (:data:`CHECKPOINT_FILES`: ``trainer_state.json``,
+DeepSpeed's ``latest`` and ``zero_to_fp32.py``, ``ema_latest``, Accelerate's ``random_states_*``), where a
+checkpoint folder is given as ``--like``. A folder with both a model's weights and ``adapter_config.json`` is
+refused as ambiguous; so is one whose weights exist only as pickles (``pytorch_model.bin``: this library never
+unpickles).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class LikeFolder(NamedTuple):
         config_file: its path.
         weights: saved name -> (file, header entry); empty when the folder holds no weights.
         copied: the files copied into the export (every regular file that is not a weight file).
-        ignored: weight-like files present that the loader of this kind does not read.
+        ignored: weight-like files present that the loader of this kind does not read, a training checkpoint's
+            own files, the subfolders (named with a trailing ``/``), broken links and special files: none copied.
     """
 
     given: Path
@@ -101,7 +104,11 @@ def read_like(like: Any, adapter_name: str) -> LikeFolder:
     skipped = [p for p in files if p.name in CHECKPOINT_FILES or p.name.startswith("random_states_")]
     copied = [p for p in files if not p.name.endswith(WEIGHT_SUFFIXES) and p.name != EXPORT_RECORD and p not in skipped]
     ignored = [p.name for p in files if p.name.endswith(WEIGHT_SUFFIXES) and p.name not in used]
-    ignored = sorted({*ignored, *(p.name for p in skipped)})
+    # the rest is not copied: subfolders (tokenizer/, scheduler/, a Trainer's global_step*/, a link to one: a "/"
+    # ends each name; the loaders read the folder's own files), broken links, sockets, FIFOs, devices; listed, never
+    # followed or opened, so nothing is dropped silently
+    others = [f"{p.name}/" if p.is_dir() else p.name for p in folder.iterdir() if not p.is_file()]
+    ignored = sorted({*ignored, *(p.name for p in skipped), *others})
     return LikeFolder(given, folder, kind, config, config_file, weights, copied, ignored)
 
 

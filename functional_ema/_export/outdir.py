@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import _io
-from .._checkpoint.errors import OutputPathError
+from .._checkpoint.errors import ForeignFileError, OutputPathError
 from .._checkpoint.format import writable
+from .foreign import plain_file_name, read_json_object
 from .like import EXPORT_RECORD
 
-__all__ = ["EXPORT_FORMAT", "check_out_dir", "new_tmp_dir", "commit_dir"]
+__all__ = ["EXPORT_FORMAT", "check_out_dir", "check_out_place", "new_tmp_dir", "commit_dir"]
 
 EXPORT_FORMAT = "functional_ema.hf_export"
 _IN_PROGRESS = ".functional_ema_export_in_progress"
@@ -47,38 +48,7 @@ def check_out_dir(out_dir: Any, avoid: list[Path], overwrite: bool) -> Path:
     Raises:
         OutputPathError: naming ``out_dir`` and why.
     """
-    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir) or "\x00" in os.fspath(out_dir):
-        raise OutputPathError(f"out_dir (OUT_DIR) must name a new folder, got {out_dir!r}")
-    out = Path(out_dir)
-    try:
-        real = out.resolve()
-        avoid_real = [p.resolve() for p in avoid]
-        cwd = Path.cwd().resolve()
-    except (OSError, RuntimeError) as e:
-        raise OutputPathError(f"out_dir: cannot resolve {out}: {e}") from None
-    home = Path(os.path.expanduser("~")).resolve()
-    if real in (cwd, home) or real in cwd.parents or real in home.parents or real.parent == real:
-        raise OutputPathError(
-            f"out_dir: refusing to write {out_dir!r} (-> {real}): it is the current folder, one of its parents, the "
-            "home folder or '/'; name a new folder for the export"
-        )
-    for a in avoid_real:
-        inside = a.is_dir() and a in real.parents
-        if real == a or inside or real in a.parents:
-            raise OutputPathError(
-                f"out_dir: refusing to write {out} (-> {real}): it is {'inside' if inside else 'equal to or above'} "
-                f"{a}, which this export reads. Write it elsewhere, e.g. {a.parent.parent / (out.name or 'ema_hf')}"
-            )
-    for parent in real.parents:
-        if parent.exists() and not parent.is_dir():
-            raise OutputPathError(f"out_dir: {out} is under {parent}, which is a file, not a folder")
-    # the export is built beside out_dir (its missing folders made first): else refused last, naming a temporary folder
-    existing = next(p for p in real.parents if p.exists())  # "/" at worst
-    if not writable(existing):
-        raise OutputPathError(
-            f"out_dir: cannot write {out} (-> {real}): the folder {existing} is not writable by this user; choose "
-            "another place, or make it writable"
-        )
+    out, real = check_out_place(out_dir, avoid)
     if real.parent.is_dir():
         _recover_killed_commits(real)
     if real.is_dir() and os.path.ismount(real):
@@ -98,26 +68,133 @@ def check_out_dir(out_dir: Any, avoid: list[Path], overwrite: bool) -> Path:
     return real
 
 
-def _check_previous_export(real: Path, out: Path) -> None:
-    """``overwrite`` replaces only a previous export holding nothing but what it wrote."""
-    record_file = real / EXPORT_RECORD
-    record: Any = None
-    with contextlib.suppress(OSError, ValueError, RecursionError):
-        record = json.loads(record_file.read_bytes()) if record_file.is_file() else None
-    if not isinstance(record, dict) or record.get("format") != EXPORT_FORMAT:
+def check_out_place(out_dir: Any, avoid: list[Path]) -> tuple[Path, Path]:
+    """``out_dir`` as given and resolved, after the checks of where it is, which need nothing read: not the current
+    folder, the home folder, one of their parents or ``/``; not inside, at or above a path of ``avoid``; not under a
+    file; in a folder this user may write (the export is built beside ``out_dir``, its missing folders made first:
+    else refused last, naming a temporary folder). The command line calls it first, with its other usage errors
+    (exit 2), before the source is read.
+
+    Raises:
+        OutputPathError: naming ``out_dir`` and why.
+    """
+    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir) or "\x00" in os.fspath(out_dir):
+        raise OutputPathError(f"out_dir (OUT_DIR) must name a new folder, got {out_dir!r}")
+    out = Path(out_dir)
+    try:
+        real = out.resolve()
+        avoid_real = [p.resolve() for p in avoid]
+        cwd = Path.cwd().resolve()
+    except (OSError, RuntimeError) as e:
+        raise OutputPathError(f"out_dir: cannot resolve {out}: {e}") from None
+    home = Path(os.path.expanduser("~")).resolve()
+    if _home_or_above(real, cwd, home):
         raise OutputPathError(
-            f"out_dir: refusing to replace {out}: it is not a previous export of this tool (no {EXPORT_RECORD} "
-            "written by functional_ema in it); --overwrite replaces only a previous export or an empty folder. "
-            "Remove it yourself or choose another name"
+            f"out_dir: refusing to write {out_dir!r} (-> {real}): it is the current folder, one of its parents, the "
+            "home folder or '/'; name a new folder for the export"
+        )
+    for a in avoid_real:
+        inside = a.is_dir() and a in real.parents
+        if _near(real, a):
+            raise OutputPathError(
+                f"out_dir: refusing to write {out} (-> {real}): it is {'inside' if inside else 'equal to or above'} "
+                f"{a}, which this export reads. Write it elsewhere{_elsewhere(out, a, avoid_real, cwd, home)}"
+            )
+    # before the writable check: a file on the way is not a folder to make writable
+    existing = next(p for p in real.parents if p.exists())  # "/" at worst
+    if not existing.is_dir():
+        raise OutputPathError(f"out_dir: {out} is under {existing}, which is a file, not a folder")
+    if not writable(existing):
+        raise OutputPathError(
+            f"out_dir: cannot write {out} (-> {real}): the folder {existing} is not writable by this user; choose "
+            "another place, or make it writable"
+        )
+    return out, real
+
+
+def _home_or_above(real: Path, cwd: Path, home: Path) -> bool:
+    """``real`` is the current folder, the home folder, one of their parents or ``/``."""
+    return real in (cwd, home) or real in cwd.parents or real in home.parents or real.parent == real
+
+
+def _near(real: Path, a: Path) -> bool:
+    """``real`` is ``a``, above it, or inside it (a folder)."""
+    return real == a or real in a.parents or (a.is_dir() and a in real.parents)
+
+
+def _elsewhere(out: Path, a: Path, avoid_real: list[Path], cwd: Path, home: Path) -> str:
+    """The advice of a refusal for being near ``a``: a folder of ``out``'s name beside ``a``'s folder (``a`` itself
+    when a folder, else the one holding the file), else beside a path read above ``a`` (a tag folder's root); ""
+    where each would be refused too (the same place, near a path read, the current or home folder or above)."""
+    name = out.name if out.name not in ("", ".", "..") else "ema_hf"
+    for b in (a, *(b for b in avoid_real if b in a.parents)):
+        fix = (b if b.is_dir() else b.parent).parent / name
+        if not (fix.exists() or _home_or_above(fix, cwd, home) or any(_near(fix, c) for c in avoid_real)):
+            return f", e.g. {fix}"
+    return ""
+
+
+def _check_previous_export(real: Path, out: Path) -> None:
+    """``overwrite`` replaces only a previous export holding nothing but what it wrote: its record lists those files
+    (``written``, from record version 2 on); only a version 1 record, which listed none, replaces the folder whole."""
+    record, what = _export_record(real / EXPORT_RECORD)
+    if record is None:
+        raise OutputPathError(
+            f"out_dir: refusing to replace {out}: it is not a previous export of this tool ({what}); --overwrite "
+            "replaces only a previous export or an empty folder. Remove it yourself or choose another name"
+        )
+    problem = _written_problem(record)
+    if problem:  # a damaged or forged record: which files the export wrote is unknown, so nothing may go
+        raise OutputPathError(
+            f"out_dir: refusing to replace {out}: its {EXPORT_RECORD} {problem}, so which files its export wrote is "
+            "unknown and nothing is removed. Move out what you want to keep and remove the folder yourself, or "
+            "choose another name"
         )
     written = record.get("written")
-    if isinstance(written, list):  # format_version >= 2: every file the export wrote is listed
+    if written is not None:
         extra = sorted(p.name for p in real.iterdir() if p.name not in written)
         if extra:
             raise OutputPathError(
                 f"out_dir: refusing to replace {out}: it holds files its export did not write ({', '.join(extra[:5])}); "
                 "move them out first, or choose another name"
             )
+
+
+def _export_record(file: Path) -> tuple[dict | None, str]:
+    """(``file``'s record, "") when it is one this tool wrote: a regular file (the export writes no link or folder;
+    a link's target is someone else's) holding a JSON object of ``EXPORT_FORMAT`` (read as a hostile file:
+    :func:`read_json_object`); else (None, why not)."""
+    not_ours = f"no {EXPORT_RECORD} written by functional_ema in it"
+    if file.is_symlink():  # e.g. a hub cache snapshot, whose files all link into its blobs/
+        why = "which an export never writes (a hub cache snapshot's files all are: export to another folder)"
+        return None, f"{not_ours}: {file} is a symbolic link, {why}"
+    if os.path.lexists(file) and not file.is_file():
+        return None, f"{not_ours}: {file} is {'a folder' if file.is_dir() else 'not a regular file'}"
+    if not os.path.lexists(file):
+        return None, not_ours
+    try:
+        record = read_json_object(file, "out_dir")
+    except ForeignFileError as e:
+        return None, f"{not_ours}: {str(e).removeprefix('out_dir: ')}"
+    if record.get("format") != EXPORT_FORMAT:
+        return None, not_ours
+    return record, ""
+
+
+def _written_problem(record: dict) -> str:
+    """What is wrong with ``record``'s list of the files its export wrote ("" when nothing): version 1 records have
+    none (the folder is replaced whole, as before), every later one a list of plain file names of the folder."""
+    version, written = record.get("format_version"), record.get("written")
+    if written is None:
+        if type(version) is int and version == 1:
+            return ""
+        return f"(format_version {version!r}) has no 'written' list of the files its export wrote"
+    if not isinstance(written, list):
+        return f"has 'written' {type(written).__name__} {written!r:.60}, not a list of file names"
+    for name in written:
+        if not plain_file_name(name):
+            return f"has 'written' naming {name!r:.60}, not a file name of the folder"
+    return ""
 
 
 def new_tmp_dir(real_out: Path) -> Path:

@@ -360,9 +360,10 @@ def _check_distinct(root: Location, infos: list[SnapshotInfo], prints: dict[str,
 
 
 def _data_print(m: dict[str, Any]) -> Any:
-    """What a snapshot's manifest says of its data: everything but its name, save count, note and extra, and its
-    files' names, sizes and header checksums (the header names the tag; a re-save of a step names its files with
-    a generation suffix, ``...gen1.safetensors``); the chunk checksums, shapes, dtype, step and schedules stay.
+    """What a snapshot's manifest says of its data: everything but its name, save count, start time, note and
+    extra, and its files' names, sizes and header checksums (the header names the tag; a re-save of a step names its
+    files with a generation suffix, ``...gen1.safetensors``); the chunk checksums, shapes, dtype, step and schedules
+    stay.
     ``None`` for a manifest without files."""
 
     def strip(x: Any) -> Any:
@@ -372,7 +373,8 @@ def _data_print(m: dict[str, Any]) -> Any:
 
     if not m.get("files") and not m.get("parts"):
         return None
-    return strip({k: v for k, v in m.items() if k not in ("tag", "generation", "note", "library", "extra")})
+    skipped = ("tag", "generation", "started_ns", "note", "library", "extra")
+    return strip({k: v for k, v in m.items() if k not in skipped})
 
 
 class _FilePlan(NamedTuple):

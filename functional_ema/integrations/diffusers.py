@@ -53,6 +53,8 @@ import copy
 import gc
 import inspect
 import json
+import os
+import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -65,7 +67,10 @@ import functional_ema as fe
 from functional_ema._api import state_pieces, training_refused
 from functional_ema._args import check_bool, check_device, check_int, check_mapping, check_path, check_real
 from functional_ema._checkpoint.collective import Job, agree_on, check_reachable, job_of
-from functional_ema._io import atomic_write_bytes
+from functional_ema._checkpoint.errors import ForeignFileError
+from functional_ema._export.foreign import read_json_object
+from functional_ema._export.outdir import _alive
+from functional_ema._io import atomic_write_bytes, fsync_dir
 from functional_ema._selection import Selection, SelectionLike, make_selection
 from functional_ema.engines import Reading, adapter_for, refuse_engine_internals, unwrap_compiled
 from functional_ema.engines._base import read_for, select, unread_names
@@ -90,6 +95,11 @@ SELECTION_KEY = "ema_selection"
 #: entry there would be kept in ``model.config`` by ``from_config``, re-saved by diffusers' EMA as if it were its
 #: own, and logged as an unexpected config attribute by every ``from_pretrained`` of the folder).
 SELECTION_FILE = "ema_selection.json"
+#: What ``save_pretrained`` puts in ``SELECTION_FILE`` while it replaces weights whose record changes (see
+#: ``_save_with_record``): the weights may be partly another EMA's than any record describes, so every load refuses it
+#: until a save completes. Its one key (``_INCOMPLETE_KEY``) tells it from a record.
+_INCOMPLETE_KEY = "incomplete"
+_INCOMPLETE = {_INCOMPLETE_KEY: "EMAModel.save_pretrained into this folder did not finish: save again"}
 _MASK = frozenset("10.")
 _PARAMETERS_CODE = torch.nn.Module.parameters.__code__
 _STORED_WHY = (
@@ -437,10 +447,17 @@ def _moved(state: fe.EmaState, x: Any, device: torch.device, pin: bool, non_bloc
 
 
 def _checked_record(record: Any, what: str) -> dict[str, Any] | None:
-    """A selection record (``SELECTION_KEY``) as ``_selection_record`` writes it, or ``None``; else refused. One
-    without ``mask`` (none is written so now) is kept, and compared with nothing."""
+    """A selection record (``SELECTION_KEY``) as ``_selection_record`` writes it, or ``None``; else refused (the mark
+    of an unfinished ``save_pretrained``, ``_INCOMPLETE``, saying to save again). One without ``mask`` (none is written
+    so now) is kept, and compared with nothing."""
     if record is None:
         return None
+    if isinstance(record, Mapping) and _INCOMPLETE_KEY in record:
+        raise ValueError(
+            f"{what} marks an EMAModel.save_pretrained that did not finish (killed or failed while it replaced the "
+            "weights): the weights beside it may be partly another EMA's, and are not loaded. Save again "
+            "(EMAModel.save_pretrained into that folder), or load an earlier save"
+        )
     ok = isinstance(record, Mapping) and {"include", "exclude"} <= set(record)
     mask = record.get("mask") if ok else None
     if mask is not None and not (isinstance(mask, str) and set(mask) <= _MASK):
@@ -509,16 +526,99 @@ def _check_mask(saved: dict[str, Any], mine: tuple[str, list[str]], user: Select
     raise CheckpointMismatchError("\n".join(lines))
 
 
-def _read_record(path: Path) -> dict[str, Any] | None:
-    """The selection record ``save_pretrained`` wrote beside the model in folder ``path`` (``None``: none)."""
+def _record_json(path: Path, verb: str) -> Any:
+    """The JSON object in ``path``'s ``SELECTION_FILE`` (``None``: no such file), read as a hostile file
+    (:func:`read_json_object`: a regular file or a link to one, at most ``MAX_JSON_BYTES``, nesting refused). Anything
+    else of that name (a folder, a dangling link, junk, JSON that is no object, ``null`` included) is refused naming
+    it, never taken for no record: the values would then load without the selection check."""
     file = path / SELECTION_FILE
-    if not file.is_file():
+    if not os.path.lexists(file):
         return None
+    if not file.is_file():
+        what = "a folder" if file.is_dir() else "a link to nothing" if file.is_symlink() else "not a regular file"
+        raise ValueError(
+            f"{file} is {what}, not the selection record EMAModel.save_pretrained writes (a JSON file); remove or "
+            "rename it"
+        )
     try:
-        record = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} is not readable JSON ({type(e).__name__}: {e}); save_pretrained writes it") from e
-    return _checked_record(record, str(file))
+        return read_json_object(file, f"EMAModel.{verb}")
+    except ForeignFileError as e:
+        raise ValueError(
+            f"{e}: not the selection record EMAModel.save_pretrained writes; remove or rename it"
+        ) from None
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The selection record ``save_pretrained`` wrote beside the model in folder ``path`` (``None``: none). A link
+    to a file is read (a hub download's folder holds links); a record that is not one is refused naming it, as is the
+    mark of a save that did not finish (``_INCOMPLETE``): its weights may be another EMA's than any record says."""
+    return _checked_record(_record_json(path, "from_pretrained"), str(path / SELECTION_FILE))
+
+
+def _earlier_record(path: Path) -> Any:
+    """What folder ``path`` holds of an earlier save's selection record, which ``save_pretrained`` replaces: ``None``
+    (none), the record, or ``_INCOMPLETE`` (a save that did not finish; the next one finishes it). Checked before
+    anything is written. Only a regular file that save_pretrained wrote is replaced: a link (its target is someone
+    else's), a folder, a file that is not such a record, or one nested too deeply is refused, naming it."""
+    file = path / SELECTION_FILE
+    if file.is_symlink():
+        raise ValueError(
+            f"{file} is a symbolic link, not the selection record EMAModel.save_pretrained writes (a file), and is "
+            "not replaced; nothing was written. Remove it, or save into another folder"
+        )
+    doc = _record_json(path, "save_pretrained")
+    if isinstance(doc, dict) and _INCOMPLETE_KEY in doc:  # the mark of a save that did not finish: this one will
+        if list(doc) == [_INCOMPLETE_KEY]:
+            return _INCOMPLETE
+        raise ValueError(
+            f"{file} holds {_INCOMPLETE_KEY!r} beside other keys: not what EMAModel.save_pretrained writes, and is not "
+            "replaced; nothing was written. Remove or rename it"
+        )
+    return _checked_record(doc, str(file))
+
+
+def _save_with_record(model: Any, path: Path, record: str | None, earlier: Any) -> None:
+    """``model.save_pretrained(path)`` beside its selection record ``record`` (None: the values have none), where
+    ``earlier`` is what ``_earlier_record`` found there. Where the record stays as it is, only the weights are written
+    (a kill leaves weights the record describes, or a partial weights file, which does not load). Else the record is
+    first replaced by ``_INCOMPLETE``, which every load refuses ("save again"), then the weights are written, then the
+    mark is replaced by the new record (or removed). Writing either record around the weights alone left, after a
+    kill between them, weights of one selection beside the record of another, which loaded unrefused. A kill
+    * while the mark is written: the earlier record and weights, as they were (and perhaps a temporary file, which
+      the next save removes: ``_remove_dead_temporaries``);
+    * after it, before the new record or the removal is done: the mark, refused at every load until a save completes.
+    No temporary file is open while the weights are written: only for the instant each small record is renamed in.
+    """
+    _remove_dead_temporaries(path)
+    new = None if record is None else json.loads(record)
+    if new == earlier:  # the weights replaced are described by the record they get (also: none, none)
+        model.save_pretrained(str(path))
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path / SELECTION_FILE, json.dumps(_INCOMPLETE, indent=1).encode())
+    model.save_pretrained(str(path))
+    if record is not None:
+        atomic_write_bytes(path / SELECTION_FILE, record.encode())
+    else:
+        (path / SELECTION_FILE).unlink()
+        fsync_dir(path)
+
+
+def _remove_dead_temporaries(path: Path) -> None:
+    """Remove the temporary files of ``SELECTION_FILE`` (``_io.tmp_name``'s exact form) that a process killed while
+    writing it left in ``path``, so that they are not shipped with the folder (``push_to_hub``): those of a pid that
+    no longer runs on this host. (Another host's writer into the same folder at the same moment would lose its write
+    and fail; two concurrent saves into one folder are not supported.)"""
+    own = re.compile(re.escape(SELECTION_FILE) + r"\.tmp-([1-9][0-9]{0,8})-[0-9a-f]{12}")  # a pid os.kill takes
+    try:
+        names = [m for m in map(own.fullmatch, os.listdir(path)) if m is not None]
+    except OSError:  # no folder yet
+        return
+    for m in names:
+        tmp = path / m.group(0)
+        if tmp.is_file() and not tmp.is_symlink() and not _alive(int(m.group(1))):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 def _on_every_rank(what: str, fn: Callable[[], Any], job: Job, bounded: bool) -> None:
@@ -1091,7 +1191,10 @@ class EMAModel:
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``model_cls.from_config(model_config)`` holding the EMA (fp32, bitwise) and the EMA's settings
         in its config, with the model's ``save_pretrained``: a folder ``model_cls.from_pretrained`` loads and
-        :meth:`from_pretrained` resumes from. Sharded: collective, rank 0 of the EMA's group writes."""
+        :meth:`from_pretrained` resumes from. Sharded: collective, rank 0 of the EMA's group writes. Into a folder
+        saved with another selection (or none), the folder is marked unfinished while the weights are replaced: a
+        kill or an error there leaves it refused at every load ("save again"), never weights beside a record that is
+        not theirs (``_save_with_record``)."""
         if self.model_cls is None:
             raise ValueError("`save_pretrained` can only be used if `model_cls` was defined at __init__.")
         if self.model_config is None:
@@ -1104,15 +1207,11 @@ class EMAModel:
 
         def write() -> None:
             if values is not None:  # rank 0 of the EMA's group (every rank before the first step)
+                earlier = _earlier_record(path)  # checked before anything is written (else refused, naming it)
                 model = self.model_cls.from_config(self.model_config)
                 model.register_to_config(**self._fields())
                 _copy_into(list(model.parameters()), values, "EMAModel.save_pretrained", "the EMA's values")
-                if (path / SELECTION_FILE).is_file():  # an earlier save's into this folder: not these values'
-                    _read_record(path)  # only one save_pretrained wrote (else refused, naming it, nothing written)
-                    (path / SELECTION_FILE).unlink()
-                model.save_pretrained(str(path))
-                if record is not None:
-                    atomic_write_bytes(path / SELECTION_FILE, json.dumps(record, indent=1).encode())
+                _save_with_record(model, path, None if record is None else json.dumps(record, indent=1), earlier)
 
         if self._x is None:
             write()
@@ -1141,6 +1240,7 @@ class EMAModel:
         if model_cls is None:
             raise TypeError("model_cls must be a diffusers model class (e.g. UNet2DConditionModel), got None")
         foreach = check_bool(foreach, "foreach")
+        record = _read_record(path)  # before the model is loaded: a damaged record is refused, naming it
         config = model_cls.load_config(str(path))
         fields = {f: config[f] for f in FIELDS if f in config}  # what diffusers reads back (unused config kwargs)
         model = model_cls.from_pretrained(str(path))
@@ -1155,7 +1255,7 @@ class EMAModel:
         ema._owned = True  # no one else holds this model: its tensors are the EMA's own values
         ema.load_state_dict(fields)
         # Kept with the values (its state_dict() passes it on), checked where their positions are known
-        ema._loaded_record = _read_record(path)
+        ema._loaded_record = record
         return ema
 
     def state_dict(self) -> dict[str, Any]:

@@ -237,7 +237,7 @@ def _is_own_name(tag_dir: Path, name: str) -> bool:
     if name == RECORD_NAME:
         return _own_record(tag_dir / name)
     return (
-        is_own_tmp(name, (MANIFEST_NAME, PENDING_MANIFEST_NAME, RECORD_NAME))
+        is_own_tmp(name, (MANIFEST_NAME, PENDING_MANIFEST_NAME, RECORD_NAME, GENERATION_NAME))
         or ASYNC_MARKER.fullmatch(name) is not None
         or _PRIVATE_MARKER.fullmatch(name) is not None
     )
@@ -358,9 +358,10 @@ def _remove_url_ema(ckpt_url: str, tag: str) -> list[str]:
 
 def _url_library_objects(store: Storage, tag: str) -> list[str]:
     """The objects of ``store`` (the ``<ckpt>.ema`` prefix) that this library's saves write, by exact name, when its
-    tag holds verifiably such a save (:func:`_is_url_library_save`): the rank and buffer files (those its manifest
-    lists, and a failed save's leftovers of those names), the manifest, a valid not-started record, the save markers
-    (``.ema_store.<token>.gen<N>``), and ``ema_latest`` beside the tag. ``[]`` otherwise."""
+    tag holds verifiably such a save (:func:`_is_url_library_save`; a failed save's marker alone is one): the rank
+    and buffer files (those its manifest lists, and a failed save's leftovers of those names), the manifest, a valid
+    not-started record, the save markers (``.ema_store.<token>.gen<N>``), and ``ema_latest`` beside the tag. ``[]``
+    otherwise."""
     names = store.listdir(tag)
     if not _is_url_library_save(store, tag, names):
         return []
@@ -381,7 +382,7 @@ def _url_library_objects(store: Storage, tag: str) -> list[str]:
 
 def _is_url_library_save(store: Storage, tag: str, names: list[str]) -> bool:
     """:func:`_is_library_save` of a tag at a URL, by the same readers: a valid manifest, a valid not-started record,
-    or a rank file whose header says it is this library's."""
+    a rank file whose header says it is this library's, or a valid save marker (:func:`_own_url_marker`)."""
     if MANIFEST_NAME in names and _own_url_manifest(store, f"{tag}/{MANIFEST_NAME}"):
         return True
     if RECORD_NAME in names and _own_url_record(store, f"{tag}/{RECORD_NAME}"):
@@ -390,7 +391,23 @@ def _is_url_library_save(store: Storage, tag: str, names: list[str]) -> bool:
         with contextlib.suppress(OSError, ValueError):  # not a readable safetensors object: no proof
             if SafetensorsFile((store, f"{tag}/{name}")).metadata.get("format") == FILE_FORMAT:
                 return True
-    return False
+    return any(_own_url_marker(store, tag, n) for n in names if BUCKET_MARKER.fullmatch(n))
+
+
+def _own_url_marker(store: Storage, tag: str, name: str) -> bool:
+    """Whether ``name`` in ``tag`` is the marker rank 0 of a save at a URL publishes (``bucket._claim_generation``):
+    named ``.ema_store.<token>.gen<N>`` and holding exactly that token. A failed save whose late rank may still
+    upload keeps it, for the tag's next commit to remove (``bucket.abandon_bucket``); Lightning saves each
+    checkpoint's tag once, so no commit comes and the marker can be all that is left: proof enough to remove it.
+    An object merely named like one (other content) proves nothing."""
+    m = BUCKET_MARKER.fullmatch(name)
+    if m is None:
+        return False
+    token, rel = m.group(1).encode(), f"{tag}/{name}"
+    try:  # the size first: a large object of that name is not read
+        return store.file_size(rel) == len(token) and store.read_bytes(rel) == token
+    except (OSError, ValueError):  # unreadable: no proof
+        return False
 
 
 def _own_url_manifest(store: Storage, rel: str) -> bool:
