@@ -364,15 +364,17 @@ def test_the_generation_record_is_never_written_through_or_removed_when_not_ours
 
 
 def test_ema_latest_keeps_naming_a_save_started_later(tmp_path: Path) -> None:
-    """publish_latest: ``ema_latest`` is left where it names a complete save that started after the one committing;
-    overwritten where it names a save started earlier, a missing or incomplete tag, one whose manifest has no
-    ``started_ns`` (an older release's) or one implausibly far ahead of this clock, or is no pointer at all."""
+    """publish_latest: ``ema_latest`` is left where it names a complete save that started after the one committing
+    at a step as late; overwritten where it names a save started earlier, one started later at an earlier step (a
+    wall clock set back: a later step's save is never kept off the pointer), a missing or incomplete tag, one whose
+    manifest has no ``started_ns`` (an older release's), or is no pointer at all (a pipe or a folder there is never
+    waited on)."""
     ck = tmp_path / "ck"
     ck.mkdir()
     now = time.time_ns()
 
-    def tag(name: str, started: Any = ...) -> dict[str, Any]:
-        manifest = {"tag": name, "generation": 0, **({} if started is ... else {"started_ns": started})}
+    def tag(name: str, started: Any = ..., step: int = 5) -> dict[str, Any]:
+        manifest = {"tag": name, "generation": 0, "step": step, **({} if started is ... else {"started_ns": started})}
         (ck / name).mkdir(exist_ok=True)
         (ck / name / MANIFEST_NAME).write_text(json.dumps(manifest))
         return manifest
@@ -383,17 +385,19 @@ def test_ema_latest_keeps_naming_a_save_started_later(tmp_path: Path) -> None:
     mine = tag("mine", now - 10)
     writer.publish_latest(ck, mine)  # no pointer yet
     assert latest() == "mine\n"
-    for name, started, kept in (
-        ("later", now, True),
-        ("earlier", now - 20, False),
-        ("old_release", ..., False),
-        ("future", now + 10**18, False),  # ~30 years ahead: damaged or edited
-        ("no_manifest", None, False),
+    for name, started, step, kept in (
+        ("later", now, 5, True),
+        ("later_step", now, 9, True),
+        ("future", now + 10**18, 5, True),  # far ahead: held while its step is as late (no clock read here)
+        ("clock_set_back", now, 4, False),  # started "later" by a clock, at an earlier step
+        ("earlier", now - 20, 9, False),
+        ("old_release", ..., 9, False),
+        ("no_manifest", None, 0, False),
     ):
         if started is None:
             (ck / name).mkdir()
         else:
-            tag(name, started)
+            tag(name, started, step)
         (ck / LATEST_NAME).write_text(f"{name}\n")
         writer.publish_latest(ck, mine)
         assert latest() == (f"{name}\n" if kept else "mine\n"), name
@@ -401,6 +405,22 @@ def test_ema_latest_keeps_naming_a_save_started_later(tmp_path: Path) -> None:
         (ck / LATEST_NAME).write_bytes(pointer)
         writer.publish_latest(ck, mine)
         assert latest() == "mine\n", pointer
+    for odd in ("fifo", "folder"):  # not a pointer: replaced, never read from (a pipe would block the save)
+        (ck / LATEST_NAME).unlink()
+        os.mkfifo(ck / LATEST_NAME) if odd == "fifo" else (ck / LATEST_NAME).mkdir()
+        if odd == "folder":
+            with pytest.raises(OSError):  # the atomic rename cannot replace a folder: the save's error names it
+                writer.publish_latest(ck, mine)
+            (ck / LATEST_NAME).rmdir()
+            continue
+        writer.publish_latest(ck, mine)
+        assert latest() == "mine\n", odd
+    fifo_manifest = tag("piped", now)
+    (ck / "piped" / MANIFEST_NAME).unlink()
+    os.mkfifo(ck / "piped" / MANIFEST_NAME)
+    (ck / LATEST_NAME).write_text("piped\n")
+    writer.publish_latest(ck, mine)
+    assert latest() == "mine\n" and fifo_manifest["tag"] == "piped"
     writer.publish_latest(ck, {"tag": "t_without_start"})  # a manifest built without started_ns: as before
     assert latest() == "t_without_start\n"
 
@@ -1594,3 +1614,33 @@ def _error_text(tag_dir: Path) -> str:
     except CheckpointError as e:
         return str(e)
     return "taken"
+
+
+def test_a_save_folder_held_locked_by_another_tool_delays_ema_latest_only_boundedly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: ``publish_latest`` waited without limit for the save folder's ``flock`` (a backup script's
+    ``flock DIR cmd`` held it: the save hung after writing its manifest). It now waits a bounded time, warns, and
+    writes the pointer unlocked; and it unlocks before closing (a child forked meanwhile shares the lock)."""
+    import fcntl
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    monkeypatch.setattr(writer, "_FOLDER_LOCK_WAIT_S", 0.3)
+    other = os.open(ck, os.O_RDONLY)  # another open file description: flock conflicts as another process's would
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="functional_ema"):
+            writer.publish_latest(ck, {"tag": "t", "step": 1, "started_ns": time.time_ns()})
+        assert time.monotonic() - t0 < 10 and (ck / LATEST_NAME).read_text() == "t\n"
+        assert "stayed locked" in caplog.text and str(ck) in caplog.text
+    finally:
+        os.close(other)
+    writer.publish_latest(ck, {"tag": "u", "step": 2, "started_ns": time.time_ns()})  # free again: locked, no wait
+    probe = os.open(ck, os.O_RDONLY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by publish_latest
+    finally:
+        os.close(probe)
+    assert (ck / LATEST_NAME).read_text() == "u\n"

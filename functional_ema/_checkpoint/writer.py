@@ -570,31 +570,34 @@ def _finish_commit(save_dir: Path, tag_dir: Path, manifest: dict) -> None:
     _cleanup(tag_dir, listed_files(manifest))
 
 
-#: How far ahead of this host's clock a manifest's ``started_ns`` may be and still hold ``ema_latest`` back (clock
-#: skew between hosts): a later one is damaged or edited, and would keep the pointer from ever moving again.
-_CLOCK_SKEW_NS = 3600 * 10**9
 #: The most of ``ema_latest`` read: a tag name; a larger file is no pointer of ours.
 _POINTER_BYTES = 4096
+#: How long a commit waits for another commit's hold of the save folder's ``flock`` (held for a few small reads and
+#: one write) before it goes on unlocked, with a warning: another tool may hold it (``flock DIR cmd`` in a script).
+_FOLDER_LOCK_WAIT_S = 30.0
 
 
 def later_save_named(read: Callable[[str], bytes], manifest: dict[str, Any]) -> str | None:
     """The tag ``ema_latest`` names where that tag's complete save started after this one (``manifest``, being
-    committed), else ``None``: the pointer then stays (the docs' promise: it names the last save started, which
-    commits need not follow: an ``AsyncSaver`` save committed after a blocking save started later, or a rank's
-    slow write). ``read(relative path)``: the bytes of a file of the checkpoint directory. Anything else (no
-    pointer, a tag that is missing, incomplete or unreadable, a manifest of an older release without
-    ``started_ns``, or one implausibly far ahead of this clock) gives ``None``: the pointer is overwritten."""
-    mine = manifest.get("started_ns")
-    if type(mine) is not int:
+    committed) at a step as late, else ``None``: the pointer then stays (the docs' promise: it names the last save
+    started, which commits need not follow: an ``AsyncSaver`` save committed after a blocking save started later, or
+    a rank's slow write). The step too, because start times come from wall clocks: a clock set back (NTP, another
+    host) must not keep a later step's save off the pointer; and it is read from the manifests alone, so every
+    rank's folder decides alike. ``read(relative path)``: the bytes of a file of the checkpoint directory. Anything
+    else (no pointer, a tag that is missing, incomplete or unreadable, a manifest of an older release without
+    ``started_ns``) gives ``None``: the pointer is overwritten."""
+    mine, my_step = manifest.get("started_ns"), manifest.get("step")
+    if type(mine) is not int or type(my_step) is not int:
         return None
     try:
         tag = read(LATEST_NAME)[:_POINTER_BYTES].decode().strip()
         if tag == manifest["tag"] or check_tag(tag, saving=False) != tag:
             return None
-        theirs = json.loads(read(f"{tag}/{MANIFEST_NAME}")).get("started_ns")
+        theirs = json.loads(read(f"{tag}/{MANIFEST_NAME}"))
+        started, step = theirs.get("started_ns"), theirs.get("step")
     except Exception:  # noqa: BLE001 - whatever the pointer or its manifest is, it is overwritten as before
         return None
-    if type(theirs) is int and mine < theirs <= time.time_ns() + _CLOCK_SKEW_NS:
+    if type(started) is int and type(step) is int and started > mine and step >= my_step:
         return tag
     return None
 
@@ -606,15 +609,19 @@ def publish_latest(save_dir: Path, manifest: dict[str, Any]) -> None:
     processes of this host would otherwise both read the older pointer, and the earlier save's write could land
     last. Where the folder cannot be locked (some network mounts) it goes on unlocked."""
 
-    def read(rel: str) -> bytes:
-        with open(save_dir / rel, "rb") as f:
+    def read(rel: str) -> bytes:  # a regular file only: a pipe there is never waited on (no save hangs on it)
+        fd = os.open(save_dir / rel, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{save_dir / rel} is not a file")
             return f.read(MAX_MANIFEST_BYTES + 1)
 
     with _folder_lock(save_dir):
         later = later_save_named(read, manifest)
         if later is not None:
-            logger.info(
-                "functional_ema: tag %r in %s is committed; %s keeps naming %r, a save started after this one",
+            logger.warning(
+                "functional_ema: tag %r in %s is committed; %s keeps naming %r, a save started after this one at a "
+                "step as late (load this one by its tag)",
                 manifest["tag"],
                 save_dir,
                 LATEST_NAME,
@@ -626,18 +633,43 @@ def publish_latest(save_dir: Path, manifest: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _folder_lock(folder: Path) -> Iterator[None]:
-    """An exclusive ``flock`` of ``folder``'s own descriptor for the block (best effort: unlocked where it fails)."""
-    try:
+    """An exclusive ``flock`` of ``folder``'s own descriptor for the block, waited for at most
+    :data:`_FOLDER_LOCK_WAIT_S` (best effort: unlocked where it fails or the wait runs out, with a warning then).
+    Unlocked explicitly before the close: a child forked meanwhile shares the descriptor's lock."""
+    fd = None
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        yield
-        return
+    locked = fd is not None and _flock_within(fd, _FOLDER_LOCK_WAIT_S, folder)
     try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held a few reads and one small write; released at close
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            if locked:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def _flock_within(fd: int, seconds: float, folder: Path) -> bool:
+    """Take an exclusive ``flock`` of ``fd`` within ``seconds``; False (with a warning where another holder kept it)
+    otherwise: where ``flock`` is not supported at all, no warning."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "functional_ema: %s stayed locked (flock) by another process for %.0f s: ema_latest is written "
+                    "without the lock",
+                    folder,
+                    seconds,
+                )
+                return False
+            time.sleep(0.01)
+        except OSError:
+            return False
 
 
 def remove_unlisted(tag_dir: Path, fnames: Sequence[str]) -> None:

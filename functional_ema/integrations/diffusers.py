@@ -55,6 +55,7 @@ import inspect
 import json
 import os
 import re
+import types
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -99,7 +100,9 @@ SELECTION_FILE = "ema_selection.json"
 #: ``_save_with_record``): the weights may be partly another EMA's than any record describes, so every load refuses it
 #: until a save completes. Its one key (``_INCOMPLETE_KEY``) tells it from a record.
 _INCOMPLETE_KEY = "incomplete"
-_INCOMPLETE = {_INCOMPLETE_KEY: "EMAModel.save_pretrained into this folder did not finish: save again"}
+_INCOMPLETE = types.MappingProxyType(
+    {_INCOMPLETE_KEY: "EMAModel.save_pretrained into this folder did not finish: save again"}
+)  # read-only: a constant, not state
 _MASK = frozenset("10.")
 _PARAMETERS_CODE = torch.nn.Module.parameters.__code__
 _STORED_WHY = (
@@ -595,7 +598,7 @@ def _save_with_record(model: Any, path: Path, record: str | None, earlier: Any) 
         model.save_pretrained(str(path))
         return
     path.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path / SELECTION_FILE, json.dumps(_INCOMPLETE, indent=1).encode())
+    atomic_write_bytes(path / SELECTION_FILE, json.dumps(dict(_INCOMPLETE), indent=1).encode())
     model.save_pretrained(str(path))
     if record is not None:
         atomic_write_bytes(path / SELECTION_FILE, record.encode())
