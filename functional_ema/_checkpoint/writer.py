@@ -214,14 +214,22 @@ def _read_record(tag_dir: Path) -> bytes | None:
             f"holding one number): the save would replace or write through it. Nothing was written: remove "
             f"{GENERATION_NAME} from the tag folder {tag_dir} (the library writes it anew) and save again"
         )
-    try:  # O_NOFOLLOW/O_NONBLOCK: a link or a pipe swapped in since the lstat is refused by the kernel, never waited on
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:  # a link or a pipe swapped in since the lstat is refused by the kernel, never waited on
+        return _read_regular(path, 64, follow=False)  # a record is a number: 64 bytes hold it
     except OSError:
         return b""
+
+
+def _read_regular(path: Path, limit: int, follow: bool = True) -> bytes:
+    """At most ``limit`` bytes of the regular file ``path``; ``OSError`` for anything else (a pipe is never waited
+    on: ``O_NONBLOCK``; with ``follow=False`` a symbolic link is refused by the kernel)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
-        return os.read(fd, 64) if stat.S_ISREG(os.fstat(fd).st_mode) else b""  # a record is a number: 64 bytes hold it
-    except OSError:
-        return b""
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit)
     finally:
         os.close(fd)
 
@@ -610,11 +618,7 @@ def publish_latest(save_dir: Path, manifest: dict[str, Any]) -> None:
     last. Where the folder cannot be locked (some network mounts) it goes on unlocked."""
 
     def read(rel: str) -> bytes:  # a regular file only: a pipe there is never waited on (no save hangs on it)
-        fd = os.open(save_dir / rel, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(f"{save_dir / rel} is not a file")
-            return f.read(MAX_MANIFEST_BYTES + 1)
+        return _read_regular(save_dir / rel, MAX_MANIFEST_BYTES + 1)
 
     with _folder_lock(save_dir):
         later = later_save_named(read, manifest)
