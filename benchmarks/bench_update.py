@@ -650,6 +650,13 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
     def lib_update_only():
         fe.update(state, shards, decay=DECAY)
 
+    # --- the same with the NaN/inf guard: one more read of the weights and a 256-byte all-reduce per update
+    state_g = fe.init_ema(shards)
+    guard_step = iter(range(1, 1 << 62))
+
+    def lib_guard():
+        fe.update(state_g, fe.local_shards(engine), next(guard_step), decay=DECAY, nonfinite="skip")
+
     # --- roofline: one flat lerp_ over the same number of fp32 elements
     src_flat = torch.cat([t.reshape(-1) for t in shards.values()])
     ema_flat = src_flat.clone()
@@ -706,6 +713,7 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
         "lib": lib,
         "lib_update_only": lib_update_only,
         "lib_k2": lib_k2,
+        "lib_guard": lib_guard,
         "roofline": roofline,
         "roofline_k2": roofline_k2,
         "roofline_again": roofline_again,
@@ -713,7 +721,7 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
         "ds_chat": ds_chat,
         "gather_all": gather_all,
     }
-    fast = ["lib", "lib_update_only", "lib_k2", "roofline", "roofline_k2", "roofline_again", "litema"]
+    fast = ["lib", "lib_update_only", "lib_k2", "lib_guard", "roofline", "roofline_k2", "roofline_again", "litema"]
     for fn in approaches.values():  # warm up (plans, page faults)
         dist.barrier()
         fn()
@@ -775,6 +783,7 @@ def _bench_config(stage, model_name, rounds, inner, quick, counter):
         "lib": fe.ema_nbytes(state),
         "lib_update_only": fe.ema_nbytes(state),
         "lib_k2": fe.ema_nbytes(state2),
+        "lib_guard": fe.ema_nbytes(state_g),
         "roofline": ema_flat.numel() * 4,
         "roofline_k2": ema_k2.numel() * 4,
         "roofline_again": ema_flat2.numel() * 4,
@@ -806,6 +815,7 @@ LABELS = {
     "lib": "functional_ema: local_shards + update",
     "lib_update_only": "functional_ema: update alone",
     "lib_k2": "functional_ema: K=2 EMAs, one pass",
+    "lib_guard": 'functional_ema: local_shards + update(nonfinite="skip")',
     "roofline": "roofline: one flat lerp_",
     "roofline_k2": "roofline for K=2: flat lerp_ moving 20 B/element",
     "roofline_again": "noise check: the roofline on other buffers",

@@ -41,14 +41,18 @@ checkpoint or snapshot folder given (with a tag folder given: its root itself, a
 export's OUT_DIR at, inside or above SOURCE or --like, the current or home folder or above, under a file, or in a
 folder not writable.
 
-Exit codes: 0 success, 1 checkpoint or reconstruction error (message on stderr), 2 usage error, 130 interrupted
+Exit codes: 0 success, 1 checkpoint or reconstruction error (message on stderr), 2 usage error (an existing OUT
+without --overwrite, or a folder where a file is due, included: checked before any tensor is read), 130 interrupted
 (Ctrl-C: one line saying of each output whether it is complete and kept, the previous file unchanged, or not
-written, from what changed on disk since the command began).
+written, from what changed on disk since the command began; then killed by SIGINT), 143 terminated (SIGTERM, as
+sent by timeout, Slurm or Kubernetes: the same cleanup and line, then killed by SIGTERM, status 143 in a shell;
+``main()`` called by another program ends its process so too, as SIGTERM's default action would).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -196,7 +200,9 @@ def _add_consolidate(subparsers: _Subparsers) -> None:
 def _consolidate_usage(args: argparse.Namespace) -> Path:
     """OUT as a local path, after the usage errors found before anything is read (``ValueError`` naming the
     argument): a URL where a local path is taken, local-only options with a URL, OUT in a missing or unwritable
-    folder or at or inside the checkpoint read."""
+    folder or at or inside the checkpoint read; OUT a folder, or an existing file without --overwrite, where OUT is
+    the file written (``--dcp``, ``--tp-dim`` or ``--tp-rank``: else a tag saved tensor-parallel with no recorded split
+    writes one file per rank instead, each checked once the manifest names them, and OUT itself is left alone)."""
     from ._args import check_path, refuse_url
     from ._checkpoint.format import check_out_folder
 
@@ -212,7 +218,22 @@ def _consolidate_usage(args: argparse.Namespace) -> Path:
         _refuse_inside(out, "OUT", args.checkpoint_dir, "CHECKPOINT_DIR", "DCP checkpoint")
     else:  # a tag folder given as CHECKPOINT_DIR (its manifest there, no --tag) is read with its root above it
         _refuse_inside(out, "OUT", args.checkpoint_dir, "CHECKPOINT_DIR", "checkpoint", args.tag is None)
+    if args.dcp or args.tp_dim or args.tp_rank is not None:  # OUT is the one file written
+        _refuse_existing(out, "OUT", args.overwrite)
     return out
+
+
+def _refuse_existing(out: Path, what: str, overwrite: bool) -> None:
+    """A usage error (``ValueError`` naming ``what`` and the fix) for an output file that is a folder, or that exists
+    without ``overwrite``: the library refuses both too, but only once the source is read (exit 1). A file that
+    appears while the command runs is still the library's to keep (exit 1)."""
+    if out.is_dir():
+        raise ValueError(f"{what}: refusing to write {out}: it is a folder; name the .safetensors file to write")
+    if not overwrite and (out.exists() or out.is_symlink()):
+        raise ValueError(
+            f"{what}: refusing to replace the existing file {out}: pass --overwrite to replace it (atomically), or "
+            "choose another name"
+        )
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
@@ -220,35 +241,24 @@ def _run_consolidate(args: argparse.Namespace) -> int:
 
     from safetensors import safe_open
 
-    from .checkpoint import consolidate_to_file, saved_parts
+    from .checkpoint import consolidate_to_file
 
     t0 = time.perf_counter()
     try:
         out = _consolidate_usage(args)
+        tp_dims = None if args.dcp else _consolidate_options(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dcp:
         return _run_consolidate_dcp(args, out, t0)
-    if args.key is not None:
-        print("error: --key applies only with --dcp", file=sys.stderr)
+    ranks, outs = _consolidate_outputs(args, out, tp_dims)
+    try:  # the files written are known only now (the tag's manifest, no tensor read): refused as OUT is, none written
+        for path in outs:
+            _refuse_existing(path, "OUT", args.overwrite)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    for flag, value, what in (("--index", args.index, "an EMA index"), ("--tp-rank", args.tp_rank, "a rank")):
-        if value is not None and not 0 <= value < 2**63:  # a usage error: one line, exit 2, no traceback
-            print(f"error: {flag} is {what} (0 to 2**63 - 1), got {value}", file=sys.stderr)
-            return 2
-    tp_dims = _tp_dims(args.tp_dim) if args.tp_dim else None
-    ranks: list[int | None] = [args.tp_rank]
-    outs = [out]
-    saved = saved_parts(args.checkpoint_dir, args.tag, storage_options=args.storage_options)
-    if tp_dims is None and args.tp_rank is None and saved.tp_size > 1 and not saved.tp_split_known:
-        # how the tensor-parallel slices join is unknown: one file per tensor-parallel rank
-        ranks = list(range(saved.tp_size))
-        outs = [_per_rank_name(out, t, saved.tp_size) for t in range(saved.tp_size)]
-        print(
-            f"tag saved with tensor-parallel size {saved.tp_size} and no recorded split: writing one file per "
-            "tensor-parallel rank (join them with --tp-dim NAME=DIM ...)"
-        )
     args.outputs.expect(*outs)  # before the first is written: Ctrl-C's message compares them
     for rank, path in zip(ranks, outs):
         written = consolidate_to_file(
@@ -274,12 +284,40 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consolidate_options(args: argparse.Namespace) -> dict[str, int | None] | None:
+    """``consolidate``'s options without ``--dcp`` checked (``ValueError`` naming the flag: a usage error, one line,
+    exit 2, no traceback); returns ``--tp-dim``'s values as ``tp_dims``."""
+    if args.key is not None:
+        raise ValueError("--key applies only with --dcp")
+    for flag, value, what in (("--index", args.index, "an EMA index"), ("--tp-rank", args.tp_rank, "a rank")):
+        if value is not None and not 0 <= value < 2**63:
+            raise ValueError(f"{flag} is {what} (0 to 2**63 - 1), got {value}")
+    return _tp_dims(args.tp_dim) if args.tp_dim else None
+
+
+def _consolidate_outputs(
+    args: argparse.Namespace, out: Path, tp_dims: dict[str, int | None] | None
+) -> tuple[list[int | None], list[Path]]:
+    """(tensor-parallel ranks, files) to write: OUT, or, for a tag saved tensor-parallel with no recorded split and
+    no --tp-dim/--tp-rank, one file per tensor-parallel rank (said on stdout)."""
+    from .checkpoint import saved_parts
+
+    saved = saved_parts(args.checkpoint_dir, args.tag, storage_options=args.storage_options)
+    if not (tp_dims is None and args.tp_rank is None and saved.tp_size > 1 and not saved.tp_split_known):
+        return [args.tp_rank], [out]
+    # how the tensor-parallel slices join is unknown: one file per tensor-parallel rank
+    print(
+        f"tag saved with tensor-parallel size {saved.tp_size} and no recorded split: writing one file per "
+        "tensor-parallel rank (join them with --tp-dim NAME=DIM ...)"
+    )
+    return list(range(saved.tp_size)), [_per_rank_name(out, t, saved.tp_size) for t in range(saved.tp_size)]
+
+
 def _run_consolidate_dcp(args: argparse.Namespace, out: Path, t0: float) -> int:
     import time
 
     from ._args import check_path
     from ._io import write_tensors
-    from .checkpoint import OutputPathError
     from .dcp import _consolidate
 
     given = [
@@ -302,10 +340,6 @@ def _run_consolidate_dcp(args: argparse.Namespace, out: Path, t0: float) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if out.is_dir():  # an OUT inside the checkpoint was refused with the other usage errors (_refuse_inside)
-        raise OutputPathError(f"{out} is a folder: name the .safetensors file to write")
-    if out.exists() and not args.overwrite:
-        raise OutputPathError(f"{out} exists: pass --overwrite to replace it")
     key = "ema" if args.key is None else args.key
     full, step = _consolidate(src, key, args.index, not args.no_verify)
     meta = {"format": "functional_ema.export", "source": "dcp", "ema_index": str(args.index), "step": str(step)}
@@ -320,11 +354,13 @@ def _run_consolidate_dcp(args: argparse.Namespace, out: Path, t0: float) -> int:
 
 
 def _tp_dims(items: list[str]) -> dict[str, int | None]:
+    """``--tp-dim``'s values as ``tp_dims``; ``ValueError`` naming the flag for a malformed one."""
     out: dict[str, int | None] = {}
     for item in items:
         name, sep, dim = item.rpartition("=")
-        if not sep or not name or not (dim.isdigit() or dim.lower() == "none"):
-            raise SystemExit(f"error: --tp-dim takes NAME=DIM (DIM an int or 'none'), got {item!r}")
+        # ASCII digits only: str.isdigit also takes '²', which int() refuses
+        if not sep or not name or not ((dim.isascii() and dim.isdigit()) or dim.lower() == "none"):
+            raise ValueError(f"--tp-dim takes NAME=DIM (DIM an int >= 0 or 'none'), got {item!r}")
         out[name] = None if dim.lower() == "none" else int(dim)
     return out
 
@@ -428,10 +464,50 @@ def _refuse_inside(out: Path, what: str, source: str, source_name: str, kind: st
     if is_url(source):
         return
     src = check_path(source, source_name)  # a file:///abs/dir URL is the folder it names
+    roots = _tag_roots(src) if tag_folder else []
     try:
-        check_outside(out, src, f"{kind} {src} ({source_name})", _tag_roots(src) if tag_folder else [])
+        check_outside(out, src, f"{kind} {src} ({source_name})", roots)
     except OutputPathError as e:  # a usage error, named once
         raise ValueError(f"{what}: {e}") from None
+    for folder in (src, *roots):
+        _refuse_in_linked_tag(out, what, folder, f"{kind} {folder}")
+
+
+def _refuse_in_linked_tag(out: Path, what: str, root: Path, kind: str) -> None:
+    """A usage error for an output inside a tag folder of ``root`` that is a link leading elsewhere (``ck/t1 ->
+    ../other/t1``): ``check_outside`` compares resolved paths and so misses it, while the reader reads the tag through
+    the link, and nothing later refuses the output: it would be written into the other checkpoint's tag folder. Found
+    as the path is typed (``os.path.abspath``: ``ck/t1/x``) and however it is spelled (``ck_link/t1/x``,
+    ``../other/t1/x``: resolved, against each link of the resolved root). A folder of another kind (``ck/exports``, a
+    link to another disk) stays open."""
+    from ._checkpoint.format import _looks_like_tag, _outside_fix
+
+    typed, base = Path(os.path.abspath(out)), Path(os.path.abspath(root))
+    first = base / typed.relative_to(base).parts[0] if base in typed.parents else None
+    if first is None or first == typed or not _looks_like_tag(first):
+        first = _linked_tag_holding(out, root)
+    if first is not None:
+        real = Path(os.path.realpath(first))
+        link = f" (a link to {real})" if real != first else ""
+        raise ValueError(
+            f"{what}: refusing to write {out}: it is inside the tag folder {first}{link} of the {kind} being read, "
+            f"and would add to or replace that checkpoint's files. {_outside_fix(out, Path(root).resolve())}"
+        )
+
+
+def _linked_tag_holding(out: Path, root: Path) -> Path | None:
+    """The entry of ``root`` (resolved) that is a link to a tag folder holding ``out`` (resolved), or None."""
+    from ._checkpoint.format import _looks_like_tag
+
+    real_out, real_root = Path(os.path.realpath(out)), Path(os.path.realpath(root))
+    try:
+        entries = [e for e in real_root.iterdir() if e.is_symlink()]
+    except OSError:  # not a folder (a missing root is the reader's to name)
+        return None
+    for entry in entries:
+        if Path(os.path.realpath(entry)) in real_out.parents and _looks_like_tag(entry):
+            return entry
+    return None
 
 
 def _tag_roots(local: Path) -> list[Path]:
@@ -475,6 +551,7 @@ def _posthoc_usage(args: argparse.Namespace) -> Path | None:
     out = check_path(args.out, "OUT")
     check_out_folder(out, "OUT")  # else found last, after every snapshot was read, naming a temporary file
     _refuse_inside(out, "OUT", args.snapshot_dir, "SNAPSHOT_DIR", "snapshot folder")
+    _refuse_existing(out, "OUT", args.overwrite)
     try:
         target_gamma(args.sigma_rel, args.gamma)
     except ValueError as e:
@@ -608,20 +685,32 @@ def _run_export(args: argparse.Namespace) -> int:
         )
     size = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith(".safetensors"))
     print(
-        f"wrote {out}: {len(record['files'])} file(s), {size / 2**20:.1f} MiB ({record['dtype']}), EMA "
-        f"{record.get('ema_index')} at step {record.get('step')} in {time.perf_counter() - t0:.2f} s"
+        f"wrote {out}: {len(record['files'])} file(s), {size / 2**20:.1f} MiB ({record['dtype']}), "
+        f"{_exported_ema(record)} at step {record.get('step')} in {time.perf_counter() - t0:.2f} s"
     )
     return 0
 
 
+def _exported_ema(record: dict) -> str:
+    """Which EMA an export holds, for its summary line: a file without an index (a post-hoc synthesis) by its
+    sigma_rel where recorded, not "EMA None"."""
+    if record.get("ema_index") is not None:
+        return f"EMA {record['ema_index']}"
+    sigma = (record.get("source_metadata") or {}).get("sigma_rel")
+    return f"the post-hoc EMA of sigma_rel {sigma}" if sigma else "the file's EMA"
+
+
 def _export_out_place(args: argparse.Namespace) -> Path | None:
-    """OUT_DIR's place checked before the source is read (``check_out_place``): the current or home folder or above,
-    inside or above SOURCE or --like, under a file, in a folder not writable: a usage error (exit 2, naming OUT_DIR),
-    as the other verbs refuse OUT. Returns OUT_DIR as a local path; None for a URL or a malformed path, left to
-    ``to_hf``, which names it. A tag folder as SOURCE: its root too, as ``to_hf`` refuses it."""
+    """OUT_DIR checked before the source is read (``check_out_dir``): the current or home folder or above, inside or
+    above SOURCE or --like, under a file, in a folder not writable, a mount point, a file, a non-empty folder without
+    --overwrite or, with it, one that is not a previous export (its record read, nothing of the source): a usage error
+    (exit 2, naming OUT_DIR), as the other verbs refuse OUT. A dead export's marked folders beside it are recovered
+    first, as the export does, once every option is valid (a usage error writes nothing). Returns OUT_DIR as a local path; None for a URL or a malformed path, left to ``to_hf``,
+    which names it. A tag folder as SOURCE: its root too, as ``to_hf`` refuses it."""
     from ._args import check_path
-    from ._export.outdir import check_out_place
+    from ._export.outdir import check_out_dir
     from ._storage import is_url
+    from .export import _check_options
 
     if is_url(args.out_dir):
         return None
@@ -640,7 +729,10 @@ def _export_out_place(args: argparse.Namespace) -> Path | None:
     except ValueError:
         return None
     try:
-        check_out_place(os.fspath(out), avoid)  # named as given (a file:// URL as its path)
+        # every option first: check_out_dir recovers a dead export's marked folders, which a usage error must not do
+        flags = {"overwrite": args.overwrite, "verify": not args.no_verify, "progress": args.progress}
+        _check_options(args.dtype, args.max_shard_size, args.missing, args.index, args.adapter_name, flags)
+        check_out_dir(os.fspath(out), avoid, args.overwrite)  # named as given (a file:// URL as its path)
     except ValueError as e:  # an OutputPathError, a CheckpointError too: raised as the usage error it is
         raise ValueError(str(e)) from None
     return out
@@ -664,8 +756,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .posthoc import ReconstructionError
 
     args.outputs = _Outputs()  # what the verb writes, for Ctrl-C's message
+    term = _OnSigterm()  # read before the try, installed in it, restored in its finally: no window leaks the handler
     try:
+        term.install()
         return int(args.run(args) or 0)
+    except _Terminated:  # SIGTERM (timeout, Slurm, Kubernetes): Ctrl-C's cleanup and line
+        print(f"error: {args.command} terminated (SIGTERM): {args.outputs.interrupted()}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:  # Ctrl-C: the writers have removed their temporary files; no traceback
         print(f"error: {args.command} interrupted: {args.outputs.interrupted()}", file=sys.stderr)
         return 130
@@ -681,6 +778,51 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        term.restore()  # then, after SIGTERM, ends the process by it (an API caller too, as SIGTERM's default does)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by :class:`_OnSigterm`. A ``KeyboardInterrupt``: every writer's
+    cleanup and every ``except KeyboardInterrupt: raise`` of the library treat it as Ctrl-C (DCP's reader turns
+    other exceptions into a corruption error)."""
+
+
+class _OnSigterm:
+    """SIGTERM raising :class:`_Terminated` while :func:`main` runs (once: a second one during the cleanup is ignored,
+    so that the temporary files still go); its default action would end the process at once and leave
+    ``OUT.tmp-*`` behind. Only where SIGTERM has its default action, in the main thread (elsewhere ``signal.signal``
+    is refused): an ignored or handled SIGTERM stays as the caller set it. One per call of main, not module state."""
+
+    def __init__(self) -> None:
+        import threading
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        ours = hasattr(signal, "SIGTERM") and main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        self.ours, self.fired, self.closing = ours, False, False
+
+    def install(self) -> None:
+        if self.ours:
+            signal.signal(signal.SIGTERM, self)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.fired:
+            self.fired = True
+            if not self.closing:  # during restore(): noted only, delivered again once the default is back
+                raise _Terminated()
+
+    def restore(self) -> None:
+        """SIGTERM's default action back; after a SIGTERM, the signal sent again so that the process ends by it
+        (a parent sees -15, a shell 143), its one line and cleanup done, as :func:`_exit` does for Ctrl-C."""
+        self.closing = True  # first: a SIGTERM from here on is noted, not raised out of main's finally
+        if not self.ours:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.fired:
+            for stream in (sys.stdout, sys.stderr):  # what was said before the process ends
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _identity(path: Path) -> tuple[Any, ...] | None:

@@ -22,7 +22,7 @@ from ._fit import state_problem
 from ._layout import ShardLayout
 from ._selection import SelectionLike, make_selection, selection_record
 from ._shards import Shards
-from ._state import EmaState
+from ._state import EmaState, marked_swapped
 from .engines import Reading, SwapStats, adapter_for
 from .engines._base import Adapter, gather_pieces, open_swaps, read_for, refuse_sparse, select
 from .engines._base import join_parts as join_parts_of
@@ -278,7 +278,9 @@ def gather_full(
             rank gets them (the join is a collective over its tensor-parallel group).
         device: where the result goes (default: the EMA's device).
         bucket_bytes: pieces are exchanged in buckets of about this size per rank, so the
-            transient memory is ``world_size * bucket_bytes`` plus the result.
+            transient memory is ``world_size * bucket_bytes`` plus the result; a piece larger than
+            ``bucket_bytes`` is sent whole, in a bucket of its own (the bound is then ``world_size`` times
+            the largest piece).
         join_parts: join the model-parallel parts into the whole model (see above; ``dst`` is then a
             rank of the job, and every part's tensors pass through CPU memory there).
 
@@ -355,8 +357,10 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     forward stored on a module), ``engine.backward``/``engine.step`` of a DeepSpeed engine, and
     ``step()`` of any ``torch.optim`` optimizer over these parameters. A backward through a loss
     built from the parameters without any forward (``model.weight.sum()``) is not refused, though
-    the step that would apply it is. So is :func:`update` of ``Shards`` read from the model (the parameters
-    hold the EMA here). Use the block for evaluation and sampling, under ``torch.no_grad()``.
+    the step that would apply it is. So is :func:`update` of ``state`` itself, whatever weights it is given
+    (``local_shards(x)``, a dict of the model's parameters, also one read before the block: the parameters hold
+    this EMA here, so it would be averaged into itself while its step advanced), and of ``Shards`` read from
+    the model into any state. Use the block for evaluation and sampling, under ``torch.no_grad()``.
 
     How, per engine:
         * DeepSpeed ZeRO-3: each parameter's local partition (``ds_tensor``) is replaced by the EMA
@@ -400,6 +404,7 @@ def swapped(x: Any, state: EmaState, *, index: int = 0) -> Iterator[SwapStats]:
     pieces = state_pieces(state, reading, index, "swapped", arguments=lambda: raise_first(errors))
     where = f"fe.swapped(...) on rank {reading.layout.rank}"
     with (
+        marked_swapped(state),  # update(state, ...) is refused in the block, whatever weights it is given
         changes_reported(where) as changes,  # what the block replaced or re-typed, put back by the adapter on exit
         training_refused(adapter, reading, outer=x),
         updates_refused(adapter.module()),

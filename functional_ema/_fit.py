@@ -99,6 +99,9 @@ def state_problem(
             seg_dtypes = {seg.dtype for seg in ema.segments}
             if dtype is None or seg_dtypes == {dtype}:
                 dtypes |= seg_dtypes
+                other = _other_whole_shapes(k, ema, specs, shards)
+                if other is not None:  # the same pieces, of parameters of other whole shapes
+                    return other
                 continue  # the reading's own segment layout: names and lengths agree by construction
         if not isinstance(ema, Mapping):
             return FitProblem(
@@ -131,8 +134,30 @@ def state_problem(
             if contiguous and not t.is_contiguous():
                 return FitProblem(f"state.emas[{k}][{n!r}] is not contiguous; it is filled in place", True)
             dtypes.add(t.dtype)
+        other = _other_whole_shapes(k, ema, specs, shards)
+        if other is not None:  # every piece fits: of parameters of other whole shapes all the same?
+            return other
     if one_dtype and len(dtypes) > 1:
         return FitProblem(f"the EMA tensors mix dtypes {sorted(map(str, dtypes))}; a checkpoint stores one EMA dtype")
+    return None
+
+
+def _other_whole_shapes(k: int, ema: Any, specs: Mapping[str, ShardSpec], shards: Shards | None) -> FitProblem | None:
+    """The problem of an EMA made for parameters of other whole shapes than ``specs``' (``ema.full_shapes``, recorded
+    by the reading it was made from): this rank's pieces may have the same lengths (a (4, 6) weight's and a (6, 4)
+    one's; under ZeRO-3 on some ranks only), so the piece checks let it through; the whole shapes are the same
+    on every rank."""
+    if not isinstance(ema, Shards) or ema.full_shapes is None:
+        return None  # nothing recorded (a dict, Shards.from_views)
+    if shards is not None and ema.full_shapes is shards.full_shapes:
+        return None  # the reading's own record (identity: a constant cost)
+    for name, shape in zip(ema.index.names, ema.full_shapes or ()):
+        spec = specs.get(name)
+        if spec is not None and shape is not None and tuple(shape) != tuple(spec.shape):
+            return FitProblem(
+                f"state.emas[{k}][{name!r}] was made for a parameter of shape {tuple(shape)} but this model's has "
+                f"{tuple(spec.shape)}: the state was made for another model"
+            )
     return None
 
 

@@ -98,15 +98,20 @@ class Shards(Mapping):
         swapped_in: for the ``Shards`` that ``local_shards`` returns, the model's count of open
             :func:`functional_ema.swapped` blocks (one counter shared by every reading of the model, so also
             readings made inside a block); ``update`` refuses these tensors while it is not zero. ``None`` for others.
+        full_shapes: for the ``Shards`` that ``local_shards`` returns, the whole shape of each parameter (as the
+            engine's layout records it), in ``index.names`` order; ``init_ema`` and ``clone`` carry it into the EMA.
+            ``update`` refuses an EMA whose parameters had other shapes, although its pieces on this rank may have
+            the same lengths (a (4, 6) weight's and a (6, 4) one's). ``None`` where unknown (``from_views``).
     """
 
-    __slots__ = ("segments", "index", "_memo", "group", "selection", "swapped_in", "__weakref__")
+    __slots__ = ("segments", "index", "_memo", "group", "selection", "swapped_in", "full_shapes", "__weakref__")
     segments: tuple[torch.Tensor, ...]
     index: SegmentIndex
     _memo: Any  # the last update's lerp program (see _core), or None
     group: Any  # the training group's process group (torch.distributed.ProcessGroup), or None
     selection: Any  # the include/exclude it was read with (functional_ema._selection.Selection), or None
     swapped_in: Any  # the model's open swapped() blocks (functional_ema.engines._base.OpenSwaps), or None
+    full_shapes: tuple[tuple[int, ...], ...] | None  # each parameter's whole shape, in index.names order, or None
 
     def __init__(self, segments: Sequence[torch.Tensor], index: SegmentIndex) -> None:
         if len(segments) != len(index.segment_shapes):
@@ -126,6 +131,8 @@ class Shards(Mapping):
         object.__setattr__(self, "selection", None)
         # The counter of fe.swapped blocks open on the model these tensors were read from (set by its reading).
         object.__setattr__(self, "swapped_in", None)
+        # The parameters' whole shapes (set by the reading; the index holds this rank's pieces only).
+        object.__setattr__(self, "full_shapes", None)
 
     @classmethod
     def from_views(cls, named: Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> Shards:
@@ -169,7 +176,7 @@ class Shards(Mapping):
 
     # -- read-only, and identity semantics (comparing tensors elementwise has no truth value)
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("_memo", "group", "selection", "swapped_in"):
+        if name in ("_memo", "group", "selection", "swapped_in", "full_shapes"):
             object.__setattr__(self, name, value)
             return
         raise AttributeError("Shards is read-only")
@@ -215,6 +222,7 @@ class Shards(Mapping):
             segs.append(new.zero_() if fill and not gapless else new)
         out = Shards(segs, self.index)
         out.selection = self.selection  # the EMA of a selection is saved and swapped as that selection
+        out.full_shapes = self.full_shapes  # so update knows the parameters this EMA was made for
         if fill:
             with torch.no_grad():
                 if gapless:
@@ -233,6 +241,7 @@ class Shards(Mapping):
             segs.append(new.copy_(seg))
         out = Shards(segs, self.index)
         out.selection = self.selection
+        out.full_shapes = self.full_shapes
         return out
 
     def _gapless(self) -> bool:

@@ -6,6 +6,9 @@ nothing under ``_checkpoint`` imports the public :mod:`functional_ema.buffers` a
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any, NamedTuple, NoReturn, SupportsIndex
 
 import optree
@@ -13,13 +16,21 @@ import torch
 
 from ._shards import Shards, clone_tree
 
-__all__ = ["BufferState", "EmaState", "wait_pending"]
+__all__ = ["BufferState", "EmaState", "marked_swapped", "swapped_count", "wait_pending"]
 
 # The attribute of ``state.step`` that holds the update queued by ``update(..., blocking=False)``
 # (a :class:`functional_ema._offload.PendingUpdate`). On the step tensor because an EmaState is an
 # immutable NamedTuple and every state sharing these EMA buffers (``inplace=True`` returns the same
 # objects) shares its step tensor: whoever reads the state finds the work in flight there.
 PENDING_ATTR = "_fe_pending"
+
+# The attribute of ``state.step`` counting the ``fe.swapped`` (or ``buffers.swapped_buffers``) blocks open with the
+# state: inside one the model holds this state's EMA, so weights read from it in any form (``local_shards``, a dict
+# of its parameters, one read before the block: the same tensors) are the EMA itself, and ``update`` refuses the
+# state. On the step tensor for the reason above: one attribute read on ``update``'s path, shared by every state
+# over these buffers (``inplace=True`` results, ``copy.copy``); a state with its own step (``deepcopy``,
+# ``update(..., inplace=False)`` made before the block) is another state and is not marked.
+SWAPPED_ATTR = "_fe_swapped"
 
 
 def wait_pending(state: object) -> None:
@@ -34,6 +45,37 @@ def wait_pending(state: object) -> None:
     if pending is not None:
         setattr(counter, PENDING_ATTR, None)  # cleared first: a failure is raised once
         pending.wait()
+
+
+# Swap blocks of one state may open and close on several threads: the count's read-modify-write under one lock
+# (a lost count would leave a closed state refused for good, or an open one unmarked).
+_MARK_LOCK = threading.Lock()
+
+
+def swapped_count(counter: torch.Tensor) -> int:
+    """How many swap blocks hold the state whose step tensor is ``counter``. The mark names the tensor it was set on
+    (``id``): a copy of the tensor (``copy.deepcopy``, ``torch.save``/``load``, which carry a tensor's attributes)
+    taken inside a block is another state's step, never marked by it."""
+    mark = getattr(counter, SWAPPED_ATTR, None)
+    return mark[1] if mark is not None and mark[0] == id(counter) else 0
+
+
+@contextlib.contextmanager
+def marked_swapped(state: EmaState | BufferState) -> Iterator[None]:
+    """Count a swap block into ``state.step``'s :data:`SWAPPED_ATTR` for the block's duration (nested blocks add
+    up); the attribute is removed when the last one closes, also when the block raises."""
+    counter = state.step
+    with _MARK_LOCK:
+        setattr(counter, SWAPPED_ATTR, (id(counter), swapped_count(counter) + 1))
+    try:
+        yield
+    finally:
+        with _MARK_LOCK:
+            count = swapped_count(counter) - 1
+            if count > 0:
+                setattr(counter, SWAPPED_ATTR, (id(counter), count))
+            else:
+                vars(counter).pop(SWAPPED_ATTR, None)  # the tensor as it was: nothing of the block stays on it
 
 
 def _shallow(tree: Any) -> Any:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 
@@ -49,7 +49,8 @@ from ._core import (
     warn_sixteen_bit,
 )
 from ._core import update as _update
-from ._state import BufferState
+from ._errors import SwappedTrainingError
+from ._state import BufferState, marked_swapped, swapped_count
 from .schedules import DecayLike
 
 __all__ = [
@@ -165,12 +166,15 @@ def update_buffers(
     update at the state's own step is a no-op, as for :func:`functional_ema.update`. In place.
     ``bstate.step``, ``step`` and ``decay`` (also with ``"copy"``, which does not use it) are checked as
     :func:`functional_ema.update` checks them, and a state holding inference tensors is refused, before
-    any buffer value changes.
+    any buffer value changes. A state swapped into a model by an open :func:`swapped_buffers` block is refused
+    (:class:`~functional_ema.SwappedTrainingError`): the buffers hold its EMA there.
     """
     if not (isinstance(mode, str) and mode in ("average", "copy")):
         raise ValueError(f'mode must be "average" or "copy", got {mode!r}')
     _check_bstate(bstate)
     check_step_tensor(bstate.step, "bstate.step", "init_buffers", "load_buffers")
+    if swapped_count(bstate.step):
+        _refuse_swapped_buffers()
     floats, others = split_floating(module_buffers(x))
     _check_names(bstate, floats, others, "update_buffers")
     _check_writable(bstate)
@@ -195,6 +199,15 @@ def update_buffers(
         for n, b in others.items():
             bstate.copied[n].copy_(b)
     return BufferState(inner.step, bstate.emas, bstate.copied)
+
+
+def _refuse_swapped_buffers() -> NoReturn:
+    raise SwappedTrainingError(
+        "update_buffers() of a buffer state that is swapped into a model by an open "
+        "functional_ema.buffers.swapped_buffers(...) block: the model's buffers hold this state's EMA there, so it "
+        "would be averaged into itself while its step advanced; nothing was changed. Update the buffers before or "
+        "after the block (with the parameters' update, before the evaluation)"
+    )
 
 
 def _widened(emas: tuple[dict[str, torch.Tensor], ...], floats: dict[str, torch.Tensor]) -> tuple:
@@ -222,7 +235,8 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
     re-assigns (``load_state_dict(..., assign=True)``) the buffers, or replaces a submodule, has them put back
     on exit (the objects and memory they had on entry, the live values in them), and then
     :class:`~functional_ema.SwappedParametersChangedError` names each (on an exception from the block: that
-    exception, with a note). The parameters are left as the block left them."""
+    exception, with a note). The parameters are left as the block left them. :func:`update_buffers` of
+    ``bstate`` is refused inside the block (:class:`~functional_ema.SwappedTrainingError`)."""
     from ._api import changes_reported, checked_index
     from .engines._base import parameters_put_back
 
@@ -236,6 +250,7 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
     _check_swap_shapes(pairs, [*floats, *others])
     refuse_overlapping(dict(zip([*floats, *others], (b for b, _ in pairs))), "swapped_buffers")
     with (
+        marked_swapped(bstate),  # update_buffers(bstate, ...) is refused in the block: the buffers hold its EMA
         changes_reported("functional_ema.buffers.swapped_buffers(...)") as changes,
         _live_values_back([b for b, _ in pairs]),
         parameters_put_back(module, changes, skip=lambda _mod, _attr: True),  # buffers and submodules only

@@ -132,7 +132,7 @@ from ._checkpoint.writer import (
     write_buffer_file,
     write_rank_file,
 )
-from ._core import _allocate, check_ema_dtype
+from ._core import _allocate, check_ema_dtype, check_step_tensor, refuse_inference
 from ._fit import state_problem
 from ._layout import ShardLayout
 from ._selection import SelectionLike, check_loaded_selection, check_recut_selection, make_selection
@@ -640,7 +640,9 @@ def load(
             faulted in. It must hold the saved number of EMAs, in the saved dtype, with this rank's
             pieces (same names and sizes); that is checked on every rank before any byte is read. If
             the load fails after reading began (a checksum mismatch), ``out``'s values are partly
-            overwritten (the error says so): discard it. Its ``step`` tensor is left as it was.
+            overwritten (the error says so): discard it. Its ``step`` tensor is set to the saved step in
+            place too, last, once every value is in on every rank (as :func:`functional_ema.update` writes
+            it), so ``out`` and the returned state agree; a failed load leaves it as it was.
         shared: ``False`` for a save made with ``save(..., shared=False)`` and read from each rank's own
             folder: this rank's folder may lack the other ranks' files; those it reads must be there (at
             the world size and layout of the save, its own). At another world size merge the folders
@@ -657,7 +659,7 @@ def load(
 
     Returns:
         ``EmaState`` with ``step`` and ``num_emas`` as saved and this rank's pieces (``out``'s
-        buffers when given).
+        buffers and step tensor when given).
 
     Raises:
         CheckpointError: on every rank, with the reason, as one of its subclasses
@@ -667,6 +669,8 @@ def load(
             is joined and re-cut for this rank's part where every split is known, else refused with
             ``CheckpointMismatchError`` naming the parameter.
         TypeError: ``out`` is not an ``EmaState`` or holds tensors a load cannot fill in place.
+        TypeError, ValueError: ``out.step`` cannot take the saved step in place (not a one-element int64 tensor
+            on a real device, or an inference tensor outside inference mode); before any byte is read.
 
     Example:
         >>> engine.load_checkpoint("ckpt")                        # doctest: +SKIP
@@ -831,6 +835,9 @@ def load_checkpoint(
                     "discard it (load into a fresh state, or without out=)",
                 )
             raise
+        if out is not None:  # every value is in, on every rank: out's step last, in place, as update writes it
+            out.step.fill_(box["ckpt"].step)
+            box["loaded"] = box["loaded"]._replace(state=EmaState(out.step, box["loaded"].state.emas))
     return box["loaded"]
 
 
@@ -875,6 +882,11 @@ def _load_target(out: EmaState, ckpt: CheckpointReader, layout: ShardLayout, sha
             f"load(out=...) on rank {layout.rank}",
             "Pass a state made for this model and checkpoint, or load without out= (restores it as saved)",
         )
+    # The saved step is written into out.step once every value is in: refused now, before any byte is read, if it
+    # cannot hold it
+    check_step_tensor(out.step, "load(out=...): out.step", "init_ema", "functional_ema.load")
+    if out.step.is_inference() and not torch.is_inference_mode_enabled():
+        refuse_inference("load(out=...): out.step")
     return out.emas
 
 

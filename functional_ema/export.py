@@ -54,6 +54,7 @@ from ._checkpoint.errors import (
 )
 from ._checkpoint.format import CONSOLIDATED_FORMAT, _selection_ok, library_version, short_list
 from ._checkpoint.reader import JoinedReader, StoragePath, open_joined
+from ._core import all_finite
 from ._export.like import EXPORT_RECORD, LikeFolder, read_like
 from ._export.loader import loader_view, peft_expected
 from ._export.names import WRAPPER_PREFIXES, peft_name, strip_wrappers
@@ -439,7 +440,7 @@ def _write(
 
 
 def _check_cast(before: torch.Tensor, after: torch.Tensor, name: str) -> None:
-    if bool(torch.isfinite(after).all()):  # the common case: one pass, no mask kept
+    if all_finite(after):  # the common case: one read, no mask
         return
     overflow = torch.isfinite(before) & ~torch.isfinite(after)
     if bool(overflow.any()):

@@ -69,6 +69,9 @@ or on disk, one safetensors file per rank per snapshot (DeepSpeed, any ZeRO stag
     pieces = posthoc.posthoc_local("snapshots", engine, sigma_rel=0.15) # this rank's pieces
     posthoc.plot_profile(gammas, steps, "profile.png", sigma_rel=0.15)  # how faithful it is
 
+Memory of the synthesis: float64 accumulators (of the whole tree in memory; of one group of at most
+``buffer_bytes`` from files) plus one parameter and 4 MiB of scratch; see :func:`posthoc_offline`.
+
 Snapshots can be saved to and read from an fsspec URL (``s3://bucket/run/snapshots``): every verb that
 takes ``snapshot_dir`` takes a URL with ``storage_options=`` (fsspec's arguments; ``None``: its configuration).
 

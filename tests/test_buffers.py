@@ -621,3 +621,36 @@ def test_copy_mode_keeps_float8_buffers_in_float32():
     bs = fe.buffers.update_buffers(bs, m, 1, decay=0.9, mode="copy")
     with fe.buffers.swapped_buffers(m, bs):
         assert m.scale.dtype == torch.float8_e4m3fn and torch.equal(m.scale.float(), torch.tensor([0.5, 448.0]))
+
+
+@pytest.mark.parametrize("mode", ["average", "copy"])
+def test_update_buffers_inside_swapped_buffers_of_the_same_state_is_refused(mode):
+    """Inside ``swapped_buffers(net, bstate)`` the buffers hold ``bstate``'s EMA: ``update_buffers(bstate, net)``
+    is refused (``SwappedTrainingError``) before anything changes, also in nested blocks and after an exception
+    leaves one; another buffer state updates as usual. After the block the update is ``torch.lerp`` bitwise."""
+    net = _net()
+    bstate = fe.buffers.init_buffers(net)
+    net.train()
+    net(torch.randn(8, 5))  # the running statistics move away from the EMA
+    live = {n: b.detach().clone() for n, b in net.named_buffers()}
+    ema0 = {n: t.clone() for n, t in bstate.emas[0].items()}
+    copied0 = {n: t.clone() for n, t in bstate.copied.items()}
+    other = fe.buffers.init_buffers(net)
+    with torch.no_grad(), fe.buffers.swapped_buffers(net, bstate):
+        with fe.buffers.swapped_buffers(net, bstate):
+            pass
+        with pytest.raises(fe.SwappedTrainingError, match="swapped_buffers"):  # the outer block is still open
+            fe.buffers.update_buffers(bstate, net, 1, decay=0.5, mode=mode)
+        with pytest.raises(fe.SwappedTrainingError, match="before or after the block"):
+            fe.buffers.update_buffers(bstate, net, 0, decay=0.5, mode=mode)  # the state's own step too
+    assert int(bstate.step) == 0 and all(torch.equal(bstate.emas[0][n], ema0[n]) for n in ema0)
+    assert all(torch.equal(bstate.copied[n], copied0[n]) for n in copied0)
+    assert int(fe.buffers.update_buffers(other, net, 1, mode=mode).step) == 1  # another state: not marked
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), fe.buffers.swapped_buffers(net, bstate):
+        raise RuntimeError("boom")
+    assert all(torch.equal(b, live[n]) for n, b in net.named_buffers())
+    bstate = fe.buffers.update_buffers(bstate, net, 1, decay=0.5, mode=mode)  # after the block: the live buffers
+    weight = 1.0 if mode == "copy" else 0.5
+    assert int(bstate.step) == 1
+    assert all(torch.equal(bstate.emas[0][n], torch.lerp(ema0[n], live[n], weight)) for n in ema0)
+    assert all(torch.equal(bstate.copied[n], live[n]) for n in copied0)

@@ -300,7 +300,7 @@ def world2_resume_worker(root, configs, reverse):
 
 def _load_into_checks(engine, d: Path, loaded) -> dict:
     """``load(out=...)`` into a fresh ``init_ema`` state: the same values as ``loaded`` (a plain load),
-    in the target's own buffers, with the saved step."""
+    in the target's own buffers, with the saved step (written into the target's own step tensor too)."""
     import functional_ema as fe
 
     target = fe.init_ema(fe.local_shards(engine), num_emas=loaded.num_emas)
@@ -310,7 +310,7 @@ def _load_into_checks(engine, d: Path, loaded) -> dict:
         "mismatch": diff_emas(list(into.emas), [dict(e) for e in loaded.emas]),
         "same_buffers": [[t.data_ptr() for t in e.values()] for e in into.emas] == ptrs,
         "step": int(into.step),
-        "target_step_kept": int(target.step) == 0,
+        "target_step_set": into.step is target.step and int(target.step) == int(into.step),
     }
 
 
@@ -530,7 +530,7 @@ def test_exact_resume_bitwise(world2_resume):
             assert r["views"], where  # loaded into init_ema's flat buffers: update keeps its fused path
             into = rep["resume"][_name(stage, dtype) + "/out"]
             assert into["mismatch"] == [], f"{where}: load(out=) differs from load(): {into['mismatch'][:5]}"
-            assert into["same_buffers"] and into["step"] == K and into["target_step_kept"], (where, into)
+            assert into["same_buffers"] and into["step"] == K and into["target_step_set"], (where, into)
             cs = r["client_state"]
             assert cs["holds_weights"] is False and cs["step"] == K and cs["zero_stage"] == stage, cs
 
@@ -1112,3 +1112,41 @@ def test_outputs_never_replace_a_checkpoint_root_file_and_cli_ranges_are_usage_e
         timeout=300,
     )
     assert proc.returncode == 2 and proc.stderr.startswith("error: --tp-rank") and "Traceback" not in proc.stderr
+
+
+def test_load_out_sets_the_step_in_place_and_a_failed_load_leaves_it(tmp_path):
+    """``load(x, dir, out=state)`` (a plain module) writes the saved EMAs and, last, the saved step into ``state``'s
+    own tensors, so ``state`` itself reads as the returned state does (values bitwise as saved, the step too, the same
+    step tensor); a load refused before reading, or failing while reading, leaves the step as it was."""
+    import functional_ema as fe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    state = fe.init_ema(fe.local_shards(model), num_emas=2)
+    for step in range(1, 4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.25 * step)
+        state = fe.update(state, fe.local_shards(model), step, decay=(0.5, 0.75))
+    saved = [{n: t.clone() for n, t in e.items()} for e in state.emas]
+    fe.save(state, model, tmp_path / "ck", tag="t")
+    out = fe.init_ema(fe.local_shards(model), num_emas=2)
+    counter = out.step
+    got = fe.load(model, tmp_path / "ck", tag="t", out=out)
+    assert out.step is counter and got.step is counter and int(counter) == 3  # in place, as update writes it
+    assert all(torch.equal(out.emas[k][n], saved[k][n]) for k in range(2) for n in saved[k])
+    assert all(got.emas[k][n].data_ptr() == out.emas[k][n].data_ptr() for k in range(2) for n in saved[k])
+    fresh = fe.init_ema(fe.local_shards(model), num_emas=2)
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "ck", bad)
+    victim = next((bad / "t").glob("ema_rank_*.safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF  # a byte of the last tensor's data: the load fails after reading began
+    victim.write_bytes(bytes(data))
+    with pytest.raises(fe.checkpoint.CorruptCheckpointError, match="out= was partly overwritten"):
+        fe.load(model, bad, tag="t", out=fresh)
+    assert int(fresh.step) == 0
+    with torch.inference_mode():
+        odd = fe.EmaState(torch.zeros((), dtype=torch.int64), fresh.emas)
+    with pytest.raises(ValueError, match=r"load\(out=...\): out.step is an inference tensor"):
+        fe.load(model, tmp_path / "ck", tag="t", out=odd)  # refused before a byte is read: it could not be set

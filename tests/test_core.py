@@ -418,6 +418,44 @@ def test_tree_mismatch_names_the_parameters():
         assert int(state.step) == 0
 
 
+def test_state_of_parameters_of_other_whole_shapes_refused_though_pieces_match():
+    # A reading's Shards records its parameters' whole shapes: ZeRO-3 pieces of a (4, 6) and a (6, 4) weight have one
+    # length, so the indexes agree. An EMA made for other shapes is refused, naming the parameter and both shapes,
+    # on the fused path (same index) and the per-tensor one (the bias lengths differ too), before anything moves.
+    def module(w: tuple[int, int], b: int) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.weight, m.bias = torch.nn.Parameter(torch.ones(w)), torch.nn.Parameter(torch.ones(b))
+        return m
+
+    def flat(shards: fe.Shards) -> fe.Shards:  # one rank's 1-D pieces, keeping the reading's whole shapes
+        out = fe.Shards.from_views({n: t.detach().reshape(-1) for n, t in shards.items()})
+        out.full_shapes = shards.full_shapes
+        return out
+
+    mine = fe.local_shards(module((4, 6), 4))
+    assert mine.full_shapes == ((4, 6), (4,))
+    for other, fused in ((module((6, 4), 4), True), (module((6, 4), 6), False)):
+        state = fe.init_ema(flat(mine))
+        assert state.emas[0].full_shapes == ((4, 6), (4,)) and state.emas[0].clone().full_shapes == ((4, 6), (4,))
+        shards = flat(fe.local_shards(other))
+        assert (state.emas[0].index == shards.index) is fused
+        said = (  # where the pieces differ too (the bias), that is said first
+            r"shards\['weight'\] is a piece of a parameter of shape \(6, 4\) but the EMA \(emas\[0\]\) was made for "
+            r"one of shape \(4, 6\)"
+            if fused
+            else r"shards\['bias'\] has shape \(6,\) but the EMA \(emas\[0\]\) has \(4,\)"
+        )
+        with pytest.raises(fe.TreeMismatchError, match=said):
+            fe.update(state, shards, 1, decay=0.5)
+        assert int(state.step) == 0 and all(torch.equal(t, torch.ones(t.shape)) for t in state.ema.values())
+    # The same model's reading still updates (fused); so does a state without whole shapes (from_views).
+    other = module((6, 4), 4)
+    state = fe.update(fe.init_ema(fe.local_shards(other)), fe.local_shards(other), 1, decay=0.5)
+    assert int(state.step) == 1 and fe.update_info(state, fe.local_shards(other)).fused
+    plain = fe.init_ema(fe.Shards.from_views({n: t.reshape(-1) for n, t in mine.items()}))
+    assert int(fe.update(plain, flat(fe.local_shards(other)), 1, decay=0.5).step) == 1
+
+
 def test_step_ordering_and_same_step_is_a_no_op():
     state = fe.init_ema({"a": torch.zeros(2)}, step=5)
     same = fe.update(state, {"a": torch.ones(2)}, 5)  # e.g. gradient accumulation: no optimizer step yet
@@ -728,6 +766,90 @@ def test_nonfinite_guard_skip_and_raise():
     fe.update(state, shards, decay=0.5, nonfinite="raise")
     with pytest.raises(ValueError, match="nonfinite"):
         fe.update(state, shards, decay=0.5, nonfinite="warn")
+
+
+def test_all_finite_agrees_with_isfinite():
+    """The nonfinite guard's check (aminmax: one read, no mask) against torch.isfinite: NaN, inf and -inf at the
+    ends, the middle and random places, every float dtype, sizes across the vectorised and threaded widths."""
+    from functional_ema._core import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    cases = 0
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        for size in [*range(1, 40), 255, 256, 257, 1025, 32771, 327_687, 3_000_001]:
+            clean = torch.randn(size, generator=gen).to(dtype)
+            assert all_finite(clean) and bool(torch.isfinite(clean).all())
+            where = {0, size - 1, size // 2, int(torch.randint(size, (1,), generator=gen))}
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                for i in where:
+                    t = clean.clone()
+                    t[i] = bad
+                    assert all_finite(t) is False, (dtype, size, bad, i)
+                    cases += 1
+    assert cases > 1000
+    big = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max])  # finite, opposite ends
+    assert all_finite(big) and all_finite(torch.empty(0)) and all_finite(torch.arange(3))
+    assert not all_finite(torch.tensor([float("inf"), -float("inf")])) and not all_finite(
+        torch.full((9,), float("nan"))
+    )
+
+
+def test_nonfinite_guard_refuses_weights_a_float16_ema_cannot_hold():
+    """A float16 EMA of fp32 weights: a finite weight above 65504 casts to inf in the lerp (the EMA inf, or NaN
+    at decay 0.5); the guard checks what the EMA's dtype can hold, not only that the weight is finite."""
+    w = {"a": torch.ones(3), "b": torch.ones(4)}
+    for mode in ("skip", "raise"):
+        with pytest.warns(UserWarning):  # a 16-bit EMA warns (resolution)
+            state = fe.init_ema(w, dtype=torch.float16)
+        w["b"][2] = 65519.0  # rounds to 65504 in float16: fits
+        state = fe.update(state, w, 1, decay=0.5, nonfinite=mode)
+        oracle = torch.ones(4).half().lerp(w["b"].half(), 0.5)  # the weight cast to the EMA's dtype, then lerped
+        assert int(state.step) == 1 and torch.equal(state.ema["b"], oracle) and state.ema["b"][2].item() == 32752.0
+        before = {n: t.clone() for n, t in state.ema.items()}
+        w["b"][2] = 2e5
+        if mode == "raise":
+            with pytest.raises(
+                fe.NonFiniteError, match=r"shards\['b'\] holds values beyond what its EMA's torch.float16"
+            ):
+                fe.update(state, w, 2, decay=0.5, nonfinite=mode)
+        else:
+            assert fe.update(state, w, 2, decay=0.5, nonfinite=mode) is state
+        assert int(state.step) == 1 and all(torch.equal(state.ema[n], before[n]) for n in w)
+        w["b"][2] = float("nan")  # a NaN is still named as one
+        if mode == "raise":
+            with pytest.raises(fe.NonFiniteError, match=r"shards\['b'\] holds NaN or inf"):
+                fe.update(state, w, 2, decay=0.5, nonfinite=mode)
+        w["b"][2] = 1.0
+    unguarded = fe.update(
+        fe.init_ema({"a": torch.ones(2)}, dtype=torch.float16), {"a": torch.full((2,), 2e5)}, 1, decay=0.5
+    )
+    assert torch.isnan(unguarded.ema["a"]).all()  # what the guard prevents (documented)
+    bf16 = fe.init_ema({"a": torch.ones(2)}, dtype=torch.bfloat16)
+    assert int(fe.update(bf16, {"a": torch.full((2,), 1e38)}, 1, decay=0.5, nonfinite="raise").step) == 1
+
+
+def test_nonfinite_guard_pairs_each_weight_with_its_own_emas_dtype():
+    """Review: the guard took the first EMA leaf's dtype for every weight: with an fp16 EMA first, a finite weight
+    of an fp32 EMA above 65504 was skipped; with it second, an fp16 EMA's overflow went through (NaN)."""
+    weights = {"a": torch.ones(2), "b": torch.full((3,), 1e5)}
+    first16 = fe.EmaState(torch.tensor(0), ({"a": torch.ones(2, dtype=torch.float16), "b": torch.ones(3)},))
+    out = fe.update(first16, weights, 1, decay=0.5, nonfinite="raise")
+    assert int(out.step) == 1 and torch.equal(out.ema["b"], torch.ones(3).lerp(weights["b"], 0.5))
+    second16 = fe.EmaState(torch.tensor(0), ({"a": torch.ones(2), "b": torch.ones(3, dtype=torch.float16)},))
+    with pytest.raises(fe.NonFiniteError, match=r"shards\['b'\] holds values beyond what its EMA's torch.float16"):
+        fe.update(second16, weights, 1, decay=0.5, nonfinite="raise")
+    assert fe.update(second16, weights, 1, decay=0.5, nonfinite="skip") is second16 and int(second16.step) == 0
+    assert torch.equal(second16.ema["b"], torch.ones(3, dtype=torch.float16))
+    # Shards weights whose order is not the names' (z, a), with a dict EMA, or a Shards EMA of another layout
+    z, a = torch.ones(3), torch.ones(2)
+    z[1] = 2e5
+    views = fe.Shards.from_views([("z", z), ("a", a)])
+    for ema in (
+        {"a": torch.ones(2), "z": torch.ones(3, dtype=torch.float16)},
+        fe.Shards.from_views([("a", torch.ones(2)), ("z", torch.ones(3, dtype=torch.float16))]),
+    ):
+        with pytest.raises(fe.NonFiniteError, match=r"shards\['z'\] holds values beyond what its EMA's torch.float16"):
+            fe.update(fe.EmaState(torch.tensor(0), (ema,)), views, 1, decay=0.5, nonfinite="raise")
 
 
 @pytest.fixture

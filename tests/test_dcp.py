@@ -223,7 +223,7 @@ def test_dcp_reshards_the_ema_bitwise(root):
     got, ref = load_file(out), load_file(root / "dp_tp.ref.safetensors")
     assert sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
     again = subprocess.run(cli, cwd=str(ROOT), capture_output=True, text=True, timeout=300)  # no --overwrite
-    assert again.returncode == 1 and "--overwrite" in again.stderr, again.stderr
+    assert again.returncode == 2 and "--overwrite" in again.stderr, again.stderr
     inside = subprocess.run(
         [*cli[:-1], str(root / "dp_tp" / "x.safetensors")], cwd=str(ROOT), capture_output=True, text=True, timeout=300
     )

@@ -444,3 +444,99 @@ def test_unfreezing_at_zero0_fp32_grows_the_controllers_ema_and_resumes_frozen(t
         assert r["resume"] is None and r["resumed_as_saved"], (rank, r)
         assert r["after_resume"] is None and r["resumed"] and r["still_frozen"], (rank, r)
         assert r["warned"] == [], (rank, r)
+
+
+class _Shaped(torch.nn.Module):
+    """A weight of a given shape (and a bias): two of these, same names, other shapes (see other_shapes_worker)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(*shape))
+        self.b = torch.nn.Parameter(torch.randn(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1)[:, : self.w.numel()] * self.w.reshape(-1) + self.b.sum()
+
+
+def other_shapes_worker(cases, save_dir):
+    """Per (made from, used with) shapes of ``w``: ``update`` at ZeRO-3 of a state ``init_ema`` made from another
+    engine, with this rank's piece lengths, what it raised, and whether the state moved; then a state of the engine
+    itself updated and gathered (a collective: the ranks still agree) against the plain-torch lerp."""
+    import deepspeed
+
+    import functional_ema as fe
+    from functional_ema._testing.multirank import ds_config, raised
+
+    out = []
+    for made, used in cases:
+
+        def engine_of(shape):
+            torch.manual_seed(0)
+            m = _Shaped(tuple(shape))
+            return deepspeed.initialize(
+                model=m, optimizer=torch.optim.AdamW(m.parameters(), 1e-2), config=ds_config(3)
+            )[0]
+
+        other = engine_of(made)
+        state = fe.init_ema(fe.local_shards(other))
+        del other  # the other model is gone: only its state is left
+        before = {n: t.clone() for n, t in state.ema.items()}
+        engine = engine_of(used)
+        shards = fe.local_shards(engine)
+        report = {
+            "pieces": [list(state.ema["w"].shape), list(shards["w"].shape)],
+            "update": raised(lambda: fe.update(state, shards, 1, decay=0.5)),
+            "step": int(state.step),
+            "unchanged": all(torch.equal(state.ema[n], before[n]) for n in before),
+        }
+
+        def swap():
+            with fe.swapped(engine, state):
+                pass
+
+        # the collective verbs check the state too (agreed over the ranks): each refuses alike on every rank
+        report["verbs"] = [
+            (raised(fn) or [None])[0]
+            for fn in (swap, lambda: fe.gather_full(state, engine), lambda: fe.save(state, engine, save_dir))
+        ]
+        own = fe.init_ema(shards)
+        full = {n: p.clone() for n, p in fe.gather_full(own, engine).items()}
+        with torch.no_grad():  # new weights: the masters doubled, through the views
+            for t in shards.values():
+                t.mul_(2)
+        own = fe.update(own, fe.local_shards(engine), 1, decay=0.5)
+        ema = fe.gather_full(own, engine)
+        report["own"] = int(own.step) == 1 and all(torch.equal(ema[n], full[n].lerp(full[n] * 2, 0.5)) for n in full)
+        out.append(report)
+        engine = None
+    return out
+
+
+def test_zero3_state_of_other_whole_shapes_refused_on_every_rank(tmp_path):
+    """README: update raises TreeMismatchError when "names or shapes differ". At ZeRO-3 a rank's pieces of a
+    (4, 6) and a (6, 4) weight have one length, and of a 23- and a 24-element one on rank 0 only. Unfixed, update
+    accepted both on rank 0 (its state moved to step 1) and the second on rank 1 raised: the ranks diverged. Now
+    every rank refuses alike, naming the parameter and both whole shapes, and the state stays as it was."""
+    cases = [[[4, 6], [6, 4]], [[23], [24]]]
+    reports = run_ranks(
+        "tests.test_deepspeed:other_shapes_worker", world_size=2, timeout=300, cases=cases, save_dir=str(tmp_path)
+    )
+    assert [r["pieces"] for r in reports[0]] == [[[12], [12]], [[12], [12]]]  # rank 0's pieces agree in both
+    assert reports[1][1]["pieces"] == [[11], [12]]
+    for rank, per_rank in enumerate(reports):
+        for (made, used), r in zip(cases, per_rank):
+            full_shapes = (
+                f"shards['w'] is a piece of a parameter of shape {tuple(used)} but the EMA (emas[0]) was made for one "
+                f"of shape {tuple(made)}; was the state made from another model? Make the state with "
+                "init_ema(local_shards(model)) from the model as it trains (functional_ema.load reshards a saved one)"
+            )
+            if r["pieces"][0] == r["pieces"][1]:  # the pieces agree: only the whole shapes tell
+                assert r["update"] == ["TreeMismatchError", full_shapes], (rank, r)
+            else:  # rank 1 of 23 against 24: its pieces differ, said first
+                assert r["update"][0] == "TreeMismatchError" and "shards['w'] has shape (12,)" in r["update"][1], r
+            assert r["step"] == 0 and r["unchanged"] and r["own"], (rank, r)
+            assert r["verbs"] == ["StateMismatchError"] * 2 + ["CheckpointMismatchError"], (
+                rank,
+                r,
+            )  # swap, gather, save
+    assert not any(tmp_path.iterdir())  # nothing saved

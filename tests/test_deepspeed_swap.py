@@ -539,3 +539,54 @@ def test_hpz_swap_and_copy_to_model_leave_no_stale_secondary_partition():
         assert r["after_is_live"], (rank, r)
         assert r["losses_equal"] and r["weights_equal"], (rank, r)
         assert r["copy_masters"] and r["copy_forward"] and r["copy_gathered"], (rank, r)
+
+
+# --------------------------------------------- update of the swapped state, whatever weights it is given
+
+
+def swapped_state_update_worker(configs):
+    """Inside ``fe.swapped(engine, state)``: ``update(state, ...)`` with a dict of the engine's pieces (read before the
+    block) and with ``local_shards`` (also under ``nonfinite="skip"``, which decides over the group) is refused on every
+    rank, the state unchanged; after the block the same dict updates bitwise as ``torch.lerp`` per piece."""
+    import functional_ema as fe
+
+    out = []
+    for stage, dtype in configs:
+        engine = make_engine(stage, dtype, seed=0)
+        state = fe.init_ema(fe.local_shards(engine))
+        train_step(engine, 1)
+        pieces = dict(fe.local_shards(engine))  # a plain dict over the engine's fp32 pieces
+        live = {n: t.detach().clone() for n, t in pieces.items()}
+        ema0 = {n: t.clone() for n, t in state.ema.items()}
+        refused = []
+        with torch.no_grad(), fe.swapped(engine, state):
+            for name, call in (
+                ("dict", lambda: fe.update(state, pieces, 1, decay=0.5)),
+                ("dict inplace=False", lambda: fe.update(state, pieces, 1, decay=0.5, inplace=False)),
+                ("skip", lambda: fe.update(state, fe.local_shards(engine), 1, decay=0.5, nonfinite="skip")),
+            ):
+                try:
+                    call()
+                    refused.append([name, None])
+                except fe.SwappedTrainingError as e:
+                    refused.append(
+                        [name, "swapped into a model" in str(e) or "weights read inside fe.swapped" in str(e)]
+                    )
+        unchanged = int(state.step) == 0 and all(torch.equal(state.ema[n], ema0[n]) for n in ema0)
+        state = fe.update(state, pieces, 1, decay=0.5)
+        after = all(torch.equal(state.ema[n], torch.lerp(ema0[n], live[n], 0.5)) for n in ema0)
+        out.append({"config": [stage, dtype], "refused": refused, "unchanged": unchanged, "after": after})
+        engine = None  # drop this configuration's engine before the next one is built
+    return out
+
+
+def test_update_of_the_swapped_state_is_refused_on_every_rank_whatever_weights():
+    configs = [(0, "fp32"), (3, "fp32")]
+    reports = run_ranks(
+        "tests.test_deepspeed_swap:swapped_state_update_worker", world_size=2, timeout=300, configs=configs
+    )
+    for rank, per_rank in enumerate(reports):
+        for r in per_rank:
+            where = (rank, r["config"])
+            assert r["refused"] == [["dict", True], ["dict inplace=False", True], ["skip", True]], (where, r)
+            assert r["unchanged"] and r["after"], (where, r)

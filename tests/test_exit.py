@@ -620,3 +620,430 @@ def test_cli_a_tilde_of_no_user_is_said_to_name_no_user(tmp_path, monkeypatch, c
     assert main(["consolidate", str(ck), f"~{user}/x.safetensors"]) == 0
     got = load_file(work / f"~{user}" / "x.safetensors")
     assert sorted(got) == sorted(expected) and all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_cli_out_inside_a_linked_tag_folder_of_the_root_is_exit_2(tmp_path, capsys):
+    """Review: with a tag folder of the checkpoint given that is a link to another checkpoint's (``ck2/t ->
+    ck/t``), ``consolidate ck2 ck2/t/x.safetensors`` passed the check of an OUT inside the checkpoint (it compared
+    resolved paths only), read the checkpoint, then failed exit 1 with the library's message. An OUT inside a tag
+    folder of the root as typed is now refused with the other usage errors, before anything is read: exit 2, one line
+    naming OUT, nothing written; the same for a linked tag folder beside a tag folder given. A linked folder that is no
+    tag (``ck2/exports``, another disk) stays open, and the file is bitwise the plain-torch EMA."""
+    from safetensors.torch import load_file
+
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    ck, expected = _cli_checkpoint(tmp_path)
+    ck2, elsewhere = tmp_path / "ck2", tmp_path / "elsewhere"
+    ck2.mkdir()
+    elsewhere.mkdir()
+    (ck2 / "t").symlink_to(ck / "t", target_is_directory=True)
+    (ck2 / "ema_latest").write_text("t\n")
+    (tmp_path / "o").mkdir()
+    other, _ = _cli_checkpoint(tmp_path / "o")  # another checkpoint, its tag folder linked as one of ck's
+    (ck / "u").symlink_to(other / "t", target_is_directory=True)  # beside the tag folder given ck/t: in its root
+    (ck2 / "exports").symlink_to(elsewhere, target_is_directory=True)
+    before = hashes(tmp_path)
+    capsys.readouterr()
+    for argv, out, folder, target, root in (
+        (["consolidate", str(ck2)], ck2 / "t" / "x.safetensors", ck2 / "t", ck / "t", ck2),
+        (["consolidate", str(ck2), "--overwrite"], ck2 / "t" / "sub" / "x.safetensors", ck2 / "t", ck / "t", ck2),
+        (["consolidate", str(ck / "t")], ck / "u" / "x.safetensors", ck / "u", other / "t", ck),
+    ):
+        (ck / "t" / "sub").mkdir(exist_ok=True)
+        assert main([argv[0], argv[1], str(out), *argv[2:]]) == 2, out
+        assert capsys.readouterr().err == (
+            f"error: OUT: refusing to write {out}: it is inside the tag folder {folder} (a link to {target}) of the "
+            f"checkpoint {root} being read, and would add to or replace that checkpoint's files. Write it outside the "
+            f"checkpoint, e.g. {root.parent / 'x.safetensors'}\n"
+        ), out
+        (ck / "t" / "sub").rmdir()
+        assert hashes(tmp_path) == before, out
+    assert main(["consolidate", str(ck2), str(ck2 / "exports" / "o.safetensors")]) == 0
+    got = load_file(elsewhere / "o.safetensors")
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_cli_a_malformed_tp_dim_is_a_usage_error_exit_2(tmp_path, capsys):
+    """Review: a malformed ``--tp-dim`` (``x``, ``x=-1``) exited 1 (``SystemExit`` of a string), where every other
+    malformed option is a usage error, exit 2; ``x=²`` (a digit to ``str.isdigit``, not to ``int``) was a traceback.
+    Each is now one ``error:`` line naming the flag and the value, exit 2, nothing written."""
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    ck, _ = _cli_checkpoint(tmp_path)
+    before = hashes(tmp_path)
+    capsys.readouterr()
+    for value in ("x", "x=-1", "=0", "w=", "w=1.5", "w=\u00b2"):
+        assert (
+            main(["consolidate", str(ck), str(tmp_path / "o.safetensors"), "--tp-dim", "0.weight=0", "--tp-dim", value])
+            == 2
+        )
+        assert capsys.readouterr().err == (
+            f"error: --tp-dim takes NAME=DIM (DIM an int >= 0 or 'none'), got {value!r}\n"
+        ), value
+        assert hashes(tmp_path) == before, value
+
+
+def test_cli_an_existing_out_is_a_usage_error_exit_2_before_anything_is_read(tmp_path, monkeypatch, capsys):
+    """Review: an existing OUT without ``--overwrite`` was exit 1 for ``consolidate``, ``consolidate --dcp`` and
+    ``posthoc`` (refused by the library once the source was read), while posthoc's ``--plot`` was exit 2, and
+    posthoc.md says both follow one rule: a usage error. OUT a folder was exit 1 too, with ``--overwrite`` as well.
+    Each is now exit 2 before the source is read (the source ``none`` does not exist; ``consolidate`` without
+    ``--dcp``: its manifest read, which says whether OUT or one file per tensor-parallel rank is written), one line
+    naming OUT and the fix, nothing changed; the files named per tensor-parallel rank are refused so too, before
+    either is written. With
+    ``--overwrite`` an existing file is replaced: bitwise the plain-torch EMA."""
+    from safetensors.torch import load_file
+
+    from functional_ema import checkpoint
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    ck, expected = _cli_checkpoint(tmp_path)
+    mine, folder, none = tmp_path / "mine.safetensors", tmp_path / "folder", str(tmp_path / "none")
+    mine.write_text("mine")
+    folder.mkdir()
+    before = hashes(tmp_path)
+    capsys.readouterr()
+    exists = "error: OUT: refusing to replace the existing file {}: pass --overwrite to replace it (atomically), or choose another name\n"
+    is_folder = "error: OUT: refusing to write {}: it is a folder; name the .safetensors file to write\n"
+    for verb, extra in (
+        (["consolidate", str(ck)], []),
+        (["consolidate", none], ["--tp-dim", "0.weight=0"]),
+        (["consolidate", "--dcp", none], []),
+        (["posthoc", none], ["--sigma-rel", "0.1"]),
+    ):
+        for out, flags, want in ((mine, [], exists), (folder, [], is_folder), (folder, ["--overwrite"], is_folder)):
+            argv = [*verb, str(out), *extra, *flags]
+            assert main(argv) == 2, argv
+            assert capsys.readouterr().err == want.format(out), argv
+            assert hashes(tmp_path) == before, argv
+    # a tag saved by two tensor-parallel ranks with no recorded split: one file per rank, named from the manifest
+    two = checkpoint.SavedParts(**{**checkpoint.saved_parts(ck)._asdict(), "tp_size": 2, "tp_split_known": False})
+    monkeypatch.setattr(checkpoint, "saved_parts", lambda *a, **k: two)
+    tp1 = tmp_path / "o.tp1of2.safetensors"
+    tp1.write_text("mine")
+    assert main(["consolidate", str(ck), str(tmp_path / "o.safetensors")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == exists.format(tp1).rstrip("\n")
+    assert not (tmp_path / "o.tp0of2.safetensors").exists() and tp1.read_text() == "mine"
+    monkeypatch.undo()
+    assert main(["consolidate", str(ck), str(mine), "--overwrite"]) == 0
+    got = load_file(mine)
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+# A child running the command line with every file write held in flight: StreamingWriter.write (every verb's) writes,
+# then says so and waits, so that the temporary file is there when SIGTERM comes. SIGTERM's default action is reset
+# first: a job may inherit it ignored, and the command then leaves it so.
+_TERM_SCRIPT = (
+    "import pathlib, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+    "from functional_ema import _io, __main__ as m\n"
+    "write, started = _io.StreamingWriter.write, pathlib.Path(sys.argv.pop(1))\n"
+    "def held(self, key, tensor):\n"
+    "    crcs = write(self, key, tensor)\n"
+    "    if not started.exists():\n"
+    "        started.touch()\n"
+    "        time.sleep(120)\n"
+    "    return crcs\n"
+    "_io.StreamingWriter.write = held\n"
+    "m.cli()\n"
+)
+
+
+def sigterm_leaves_no_temporary_file(tmp_path: Path, runs: list[tuple[str, list[str], Path]]) -> None:
+    """Each ``(verb, argv, out)`` run in a child (all at once) and sent SIGTERM while its output is in flight (its
+    temporary file beside ``out``): it says in one line that ``out`` is not written, then is killed by SIGTERM (a
+    parent sees -15, a shell 143), and the folder of
+    ``out`` holds what it held before (``test_export.py`` uses it too)."""
+    import signal
+    import subprocess
+
+    from functional_ema._testing.multirank import ROOT
+
+    children = []
+    for i, (verb, argv, out) in enumerate(runs):
+        started, listed = tmp_path / f"started{i}", sorted(p.name for p in out.parent.iterdir())
+        child = subprocess.Popen(
+            [sys.executable, "-c", _TERM_SCRIPT, str(started), *argv],
+            cwd=str(ROOT),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        children.append((verb, out, started, listed, child))
+    try:
+        for verb, out, started, listed, child in children:
+            deadline = time.monotonic() + 120
+            while not started.exists() and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            in_flight = [p.name for p in out.parent.iterdir() if p.name not in listed]
+            assert in_flight and all(".tmp-" in n for n in in_flight), (verb, in_flight, child.poll())
+            child.send_signal(signal.SIGTERM)
+            _, err = child.communicate(timeout=60)
+            assert child.returncode == -signal.SIGTERM, (verb, child.returncode, err[-4000:])
+            assert err == f"error: {verb} terminated (SIGTERM): {out} is not written (no partial file left)\n", err
+            assert sorted(p.name for p in out.parent.iterdir()) == listed, verb
+    finally:
+        for *_, child in children:
+            if child.poll() is None:
+                child.kill()
+
+
+def test_sigterm_removes_the_temporary_file_as_ctrl_c_does(tmp_path):
+    """Review: SIGTERM (what ``timeout``, Slurm and Kubernetes send) ended a command at once and left
+    ``OUT.tmp-<pid>-<token>`` beside OUT, up to the full output's size, which no later run removed; Ctrl-C was
+    cleaned up. SIGTERM now takes Ctrl-C's path: the temporary file is removed, one line says OUT is not written,
+    then killed by SIGTERM (status 143 in a shell), for ``consolidate``, ``consolidate --dcp`` and ``posthoc`` (``export``: test_export.py)."""
+    import pytest
+
+    ck, _ = _cli_checkpoint(tmp_path)
+    dcp = tmp_path / "dcp"
+    _dcp_checkpoint(dcp)
+    _cli_snapshots(tmp_path / "snaps")
+    outs = [tmp_path / name / "o.safetensors" for name in ("c", "d", "p")]
+    for out in outs:
+        out.parent.mkdir()
+    (outs[0].parent / "kept.txt").write_text("mine")  # the folder's other files stay
+    if not hasattr(__import__("signal"), "SIGTERM"):
+        pytest.skip("no SIGTERM on this platform")
+    sigterm_leaves_no_temporary_file(
+        tmp_path,
+        [
+            ("consolidate", ["consolidate", str(ck), str(outs[0])], outs[0]),
+            ("consolidate", ["consolidate", "--dcp", str(dcp), str(outs[1])], outs[1]),
+            ("posthoc", ["posthoc", str(tmp_path / "snaps"), str(outs[2]), "--sigma-rel", "0.1"], outs[2]),
+        ],
+    )
+
+
+# A child calling main() as another program would, SIGTERM raised at a point named by argv[1]: "run" while the verb
+# runs (a second one during the cleanup, ignored), "install" right after the handler is installed, "except" while an
+# except branch formats its message. Then the caller's own code, which must not run: the process ends by SIGTERM.
+_TERM_CALLER = (
+    "import signal, sys\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+    "from functional_ema import checkpoint, __main__ as m\n"
+    "where = sys.argv.pop(1)\n"
+    "class Late(checkpoint.CheckpointError):\n"
+    "    def __str__(self):\n"
+    "        signal.raise_signal(signal.SIGTERM)\n"
+    "        return 'late'\n"
+    "def writer(*args, **kwargs):\n"
+    "    if where == 'except':\n"
+    "        raise Late()\n"
+    "    try:\n"
+    "        signal.raise_signal(signal.SIGTERM)\n"
+    "    finally:\n"
+    "        signal.raise_signal(signal.SIGTERM)\n"
+    "        print('cleaned up', flush=True)\n"
+    "checkpoint.consolidate_to_file = writer\n"
+    "install = m._OnSigterm.install\n"
+    "def install_then_term(self):\n"
+    "    install(self)\n"
+    "    signal.raise_signal(signal.SIGTERM)\n"
+    "if where == 'install':\n"
+    "    m._OnSigterm.install = install_then_term\n"
+    "rc = m.main(sys.argv[1:])\n"
+    "print('caller goes on with', rc, signal.getsignal(signal.SIGTERM), flush=True)\n"
+)
+
+
+def test_sigterm_ends_a_calling_program_too_from_any_point_of_main(tmp_path):
+    """Review: ``main()`` called as a function by another program returned 143 on SIGTERM and the program went on
+    (before the handler, SIGTERM ended it); a SIGTERM right after the handler was installed, or while an except branch
+    printed, escaped main and left the handler installed with later SIGTERMs ignored. Now in each case main does its
+    cleanup (its line where it reaches it), restores SIGTERM's default action and sends it again: the process is killed
+    by SIGTERM (the parent sees -15) and the caller's next line never runs; nothing is written."""
+    import signal
+    import subprocess
+
+    from functional_ema._testing.multirank import ROOT
+
+    ck, _ = _cli_checkpoint(tmp_path)
+    out = tmp_path / "o.safetensors"
+    line = f"error: consolidate terminated (SIGTERM): {out} is not written (no partial file left)\n"
+    early = "error: consolidate terminated (SIGTERM): the output it was writing is not in place (its temporary file was removed)\n"
+    for where, stdout, stderr in (("run", "cleaned up\n", line), ("install", "", early), ("except", "", "")):
+        child = subprocess.run(
+            [sys.executable, "-c", _TERM_CALLER, where, "consolidate", str(ck), str(out)],
+            cwd=str(ROOT),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert child.returncode == -signal.SIGTERM, (where, child.returncode, child.stdout, child.stderr[-4000:])
+        assert (child.stdout, child.stderr) == (stdout, stderr), where
+        assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ck"], where
+
+
+def test_main_leaves_sigterm_as_it_found_it_on_every_return_or_raise(tmp_path, monkeypatch, capsys):
+    """``main`` handles SIGTERM only while it runs and only where SIGTERM has its default action: after it returns
+    (0, a usage error 2, an error 1) or raises (an unexpected exception), ``signal.getsignal(SIGTERM)`` is what it was
+    before, its default action, a caller's own handler, or SIGTERM ignored; the latter two stay in place during the
+    call (checked from inside the verb)."""
+    import signal
+
+    import pytest
+
+    from functional_ema import checkpoint
+    from functional_ema.__main__ import main
+
+    ck, _ = _cli_checkpoint(tmp_path)
+    seen: list[Any] = []
+
+    def custom(signum: int, frame: Any) -> None:
+        pass
+
+    def verb(*args: Any, **kwargs: Any) -> Path:
+        seen.append(signal.getsignal(signal.SIGTERM))
+        if kwargs.get("index") == 3:
+            raise checkpoint.CheckpointError("an error")
+        if kwargs.get("index") == 4:
+            raise RuntimeError("unexpected")
+        return real(*args, **{**kwargs, "overwrite": True})
+
+    real = checkpoint.consolidate_to_file
+    monkeypatch.setattr(checkpoint, "consolidate_to_file", verb)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    out = str(tmp_path / "o.safetensors")
+    try:
+        for disposition in (signal.SIG_DFL, custom, signal.SIG_IGN):
+            signal.signal(signal.SIGTERM, disposition)
+            seen.clear()
+            assert main(["consolidate", str(ck), out, "--overwrite"]) == 0
+            assert main(["consolidate", str(ck), out, "--index", "-1"]) == 2
+            assert main(["consolidate", str(ck), out, "--index", "3", "--overwrite"]) == 1
+            with pytest.raises(RuntimeError, match="unexpected"):
+                main(["consolidate", str(ck), out, "--index", "4", "--overwrite"])
+            assert signal.getsignal(signal.SIGTERM) is disposition, disposition
+            assert len(seen) == 3, seen
+            if disposition is signal.SIG_DFL:  # main's own handler while it runs
+                assert all(callable(s) and s is not custom for s in seen), seen
+            else:
+                assert seen == [disposition] * 3, seen
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    capsys.readouterr()
+
+
+def test_cli_a_tag_folder_given_as_the_root_is_said_to_be_one(tmp_path, capsys):
+    """Review: ``consolidate ck/t OUT --tag t`` said "no tag 't' in ck/t. Tags here with a complete EMA: []", and a
+    tag folder whose manifest is missing (a save in progress or interrupted), given directly, was said to lack
+    'latest' files. The first now says the folder given is itself the tag folder of that tag (drop --tag, or give its
+    root), or another tag's (give the root); the second that it holds EMA rank files but no manifest, as the refusal
+    through its root says. Exit 1 (the checkpoint read), one line, nothing written; the tag folder without --tag, or
+    its root with it, is bitwise the plain-torch EMA."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    ck, expected = _cli_checkpoint(tmp_path)
+    tag, part = ck / "t", tmp_path / "part" / "t2"
+    shutil.copytree(tag, part)
+    (part / "ema_manifest.json").unlink()
+    ranks = sorted(p.name for p in part.iterdir() if p.name.startswith("ema_rank_"))
+    before = hashes(tmp_path)
+    capsys.readouterr()
+    out = str(tmp_path / "o.safetensors")
+    for argv, want in (
+        (
+            [str(tag), out, "--tag", "t"],
+            f"no tag 't' in {tag}: the folder given is itself the tag folder of that tag, not a checkpoint directory "
+            f"holding tag folders; drop tag=... (--tag) to read it, or give its root {ck} with --tag t (tag='t')",
+        ),
+        (
+            [str(tag), out, "--tag", "t9"],
+            f"no tag 't9' in {tag}: the folder given is itself a tag folder (of tag 't'), not a checkpoint directory "
+            f"holding tag folders; give the checkpoint's root {ck} with --tag t9 (tag='t9')",
+        ),
+        (
+            [str(part), out],
+            f"{part} is a tag folder with no complete EMA checkpoint: found {len(ranks)} EMA rank file(s) {ranks} but "
+            f"the manifest, written last, is missing (the save of tag 't2' is in progress or was interrupted). Load "
+            f"another tag; tags beside it in {part.parent} with a complete EMA: []",
+        ),
+    ):
+        assert main(["consolidate", *argv]) == 1, argv
+        assert capsys.readouterr().err == f"error: {want}\n", argv
+        assert hashes(tmp_path) == before, argv
+    for argv in ([str(tag), out], [str(ck), out, "--tag", "t", "--overwrite"]):
+        assert main(["consolidate", *argv]) == 0, argv
+        got = load_file(out)
+        assert sorted(got) == sorted(expected) and all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_cli_an_existing_out_does_not_block_the_one_file_per_rank_split(tmp_path, monkeypatch, capsys):
+    """Review: with the existing-OUT refusal, a tag saved tensor-parallel with no recorded split (one file per rank,
+    ``OUT.tp<r>of<n>.safetensors``, OUT itself never written) was refused exit 2 when OUT existed, e.g. a file joined
+    by an earlier ``--tp-dim`` run. OUT is now checked only where it is the file written: the split runs, exit 0, OUT is
+    unchanged and each rank's file is bitwise the plain-torch EMA (the tag is TP=1 here, each rank read whole)."""
+    from safetensors.torch import load_file
+
+    from functional_ema import checkpoint
+    from functional_ema.__main__ import main
+
+    ck, expected = _cli_checkpoint(tmp_path)
+    out = tmp_path / "ema.safetensors"
+    out.write_text("joined earlier")
+    real = checkpoint.consolidate_to_file
+    two = checkpoint.SavedParts(**{**checkpoint.saved_parts(ck)._asdict(), "tp_size": 2, "tp_split_known": False})
+    monkeypatch.setattr(checkpoint, "saved_parts", lambda *a, **k: two)
+    monkeypatch.setattr(checkpoint, "consolidate_to_file", lambda *a, **k: real(*a, **{**k, "tp_rank": None}))
+    assert main(["consolidate", str(ck), str(out)]) == 0, capsys.readouterr().err
+    assert out.read_text() == "joined earlier"
+    for t in (0, 1):
+        got = load_file(tmp_path / f"ema.tp{t}of2.safetensors")
+        assert sorted(got) == sorted(expected) and all(torch.equal(got[n], expected[n]) for n in expected), t
+    # the split's own names still refused when they exist, none written; OUT itself refused with --tp-dim
+    (tmp_path / "ema.tp0of2.safetensors").unlink()
+    assert main(["consolidate", str(ck), str(out)]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"refusing to replace the existing file {tmp_path / 'ema.tp1of2.safetensors'}: "
+        "pass --overwrite to replace it (atomically), or choose another name\n"
+    )
+    assert not (tmp_path / "ema.tp0of2.safetensors").exists()
+    assert main(["consolidate", str(ck), str(out), "--tp-dim", "0.weight=0"]) == 2
+    assert f"refusing to replace the existing file {out}:" in capsys.readouterr().err
+
+
+def test_cli_out_inside_a_linked_tag_folder_is_refused_however_it_is_spelled(tmp_path, capsys):
+    """Review: the refusal of an OUT inside a tag folder of the root that is a link (``ck/u -> other/t``) compared the
+    paths as typed, so ``consolidate ck cklink/u/x.safetensors`` (``cklink -> ck``), or OUT named by the link's target
+    itself, was exit 0 and wrote into the other checkpoint's tag folder, which the reader reads as tag ``u``. Now exit
+    2 for every spelling, one line naming OUT and the linked tag folder, nothing written; an OUT beside it is bitwise
+    the plain-torch EMA."""
+    from safetensors.torch import load_file
+
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    ck, expected = _cli_checkpoint(tmp_path)
+    (tmp_path / "o").mkdir()
+    other, _ = _cli_checkpoint(tmp_path / "o")
+    (ck / "u").symlink_to(other / "t", target_is_directory=True)
+    (tmp_path / "cklink").symlink_to(ck, target_is_directory=True)
+    before = hashes(tmp_path)
+    capsys.readouterr()
+    for out in (
+        tmp_path / "cklink" / "u" / "x.safetensors",
+        other / "t" / "x.safetensors",
+        tmp_path / "o" / "ck" / "." / "t" / "sub" / ".." / "x.safetensors",
+    ):
+        (other / "t" / "sub").mkdir()
+        assert main(["consolidate", str(ck), str(out)]) == 2, out
+        assert capsys.readouterr().err == (
+            f"error: OUT: refusing to write {out}: it is inside the tag folder {ck / 'u'} (a link to {other / 't'}) of "
+            f"the checkpoint {ck} being read, and would add to or replace that checkpoint's files. Write it outside "
+            f"the checkpoint, e.g. {tmp_path / 'x.safetensors'}\n"
+        ), out
+        (other / "t" / "sub").rmdir()
+        assert hashes(tmp_path) == before, out
+    assert main(["consolidate", str(ck), str(tmp_path / "cklink" / ".." / "x.safetensors")]) == 0
+    got = load_file(tmp_path / "x.safetensors")
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[n], expected[n]) for n in expected)

@@ -349,7 +349,7 @@ def test_export_refuses_hostile_outputs_and_options(zero3, capsys):
     rc = main(["export", str(ckpt), str(out / "bad"), "--like", str(base), "--tag", "ema", "--max-shard-size", "x"])
     assert rc == 2 and "--max-shard-size" in capsys.readouterr().err
     rc = main(["export", str(ckpt), str(existing), "--like", str(base), "--tag", "ema"])
-    assert rc == 1 and "refusing to replace" in capsys.readouterr().err
+    assert rc == 2 and "refusing to replace" in capsys.readouterr().err  # a usage error, before the source is read
     rc = main(["export", str(ckpt), str(out / "bad"), "--like", str(out / "nowhere"), "--tag", "ema"])
     assert rc == 1 and "--like" in capsys.readouterr().err
     assert not (out / "bad").exists()
@@ -1109,6 +1109,8 @@ def test_cli_out_dir_refusals_that_need_nothing_read_are_usage_errors(tmp_path, 
     monkeypatch.chdir(tmp_path)
     ckpt, base, tag, afile = tmp_path / "ckpt", tmp_path / "base", tmp_path / "ckpt" / "s", tmp_path / "afile"
     afile.write_text("hi")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.md").write_text("mine")
     before = hashes(tmp_path)
     under = f"error: out_dir: afile/sub/hf is under {afile}, which is a file, not a folder\n"
     capsys.readouterr()
@@ -1120,6 +1122,13 @@ def test_cli_out_dir_refusals_that_need_nothing_read_are_usage_errors(tmp_path, 
         (["ckpt/s", "ckpt/x"], f"inside {ckpt}, which this export reads. Write it elsewhere, e.g. "),
         (["ckpt/s", "ckpt/s/x"], f"inside {tag}, which this export reads. Write it elsewhere, e.g. "),
         (["ckpt", "..", "--tag", "s"], "the current folder, one of its parents, the home folder or '/'"),
+        # what is there, not only where: a file, a folder of someone else's files (exit 1, after reading, before)
+        (["none", "afile"], "out_dir: afile exists and is not a folder; choose another name\n"),
+        (["none", "full"], "out_dir: refusing to replace the existing, non-empty folder full: pass overwrite=True "),
+        (
+            ["none", "full", "--overwrite"],
+            "out_dir: refusing to replace full: it is not a previous export of this tool",
+        ),
     ):
         assert main(["export", argv[0], argv[1], "--like", "base", *argv[2:]]) == 2, argv
         err = capsys.readouterr().err
@@ -1233,3 +1242,80 @@ def test_cli_ctrl_c_between_the_commit_renames_says_where_the_previous_export_is
     with pytest.raises(OutputPathError, match="refusing to replace the existing, non-empty folder"):
         to_hf(tmp_path / "ckpt", out, tmp_path / "base", tag="s", progress=False)
     assert hashes(out) == previous and sorted(p.name for p in tmp_path.iterdir()) == ["base", "ckpt", "ema_hf"]
+
+
+def test_sigterm_mid_export_removes_its_temporary_folder(tmp_path):
+    """Review: SIGTERM (``timeout``, Slurm, Kubernetes) ended ``export`` at once, leaving its marked temporary folder
+    beside OUT_DIR until the next export of it; Ctrl-C removed it. SIGTERM now takes Ctrl-C's path: the folder is
+    removed at once, one line says OUT_DIR is not written, then the process is killed by SIGTERM (status 143 in a
+    shell; the next run's recovery of a killed export's folder stays: test_export_stages.py)."""
+    from tests.test_exit import sigterm_leaves_no_temporary_file
+
+    _tiny_llama_checkpoint(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = ["export", str(tmp_path / "ckpt"), str(work / "hf"), "--like", str(tmp_path / "base"), "--tag", "s"]
+    sigterm_leaves_no_temporary_file(tmp_path, [("export", [*argv, "--no-progress"], work / "hf")])
+
+
+def test_export_of_a_tag_folder_given_as_the_root_says_it_is_one(tmp_path, capsys):
+    """Review: ``export ckpt/s OUT_DIR --tag s`` said "no tag 's' in ckpt/s. Tags here with a complete EMA: []". It
+    now says the folder given is itself the tag folder of that tag (drop --tag, or give its root): exit 1, one line,
+    nothing written; without --tag it exports, loading as exactly the plain-torch EMA."""
+    from functional_ema.__main__ import main
+
+    _tiny_llama_checkpoint(tmp_path)
+    tag, out = tmp_path / "ckpt" / "s", tmp_path / "hf"
+    capsys.readouterr()
+    assert main(["export", str(tag), str(out), "--like", str(tmp_path / "base"), "--tag", "s", "--no-progress"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: no tag 's' in {tag}: the folder given is itself the tag folder of that tag, not a checkpoint "
+        f"directory holding tag folders; drop tag=... (--tag) to read it, or give its root {tag.parent} with --tag s (tag='s')\n"
+    )
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert main(["export", str(tag), str(out), "--like", str(tmp_path / "base"), "--no-progress"]) == 0
+    _loads_as(out, _one_step_ema(tmp_path / "base"))
+
+
+def test_cli_a_bad_option_leaves_a_dead_exports_folders_to_the_export_that_runs(tmp_path, monkeypatch, capsys):
+    """Review: the command line's early check of OUT_DIR (``check_out_dir``) also recovered a killed export's marked
+    folders (removed its temporary folder, rolled a parked previous export back), and ran before the options were
+    checked: ``--dtype fp8`` was exit 2, a usage error, yet changed the disk. Every option is now checked first: each
+    bad one is exit 2 with its one line, the dead writer's folder untouched; the export that runs then recovers it and
+    writes the EMA bitwise."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from functional_ema.__main__ import main
+    from functional_ema._testing.files import hashes
+
+    ema = _tiny_llama_checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    tmp = tmp_path / ".hf.tmp-deadbeef"
+    tmp.mkdir()
+    (tmp / ".functional_ema_export_in_progress").write_text(
+        json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)})
+    )
+    (tmp / "model.safetensors").write_text("half written")
+    before = hashes(tmp_path)
+    capsys.readouterr()
+    argv = ["export", "ckpt", "hf", "--like", "base", "--tag", "s", "--no-progress"]
+    for bad, flag in (
+        (["--dtype", "fp8"], "dtype (--dtype)"),
+        (["--max-shard-size", "lots"], "max_shard_size"),
+        (["--index", "-1"], "index (--index)"),
+        (["--adapter-name", "a.b"], "adapter_name (--adapter-name)"),
+    ):
+        assert main([*argv, *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag}") and err.count("\n") == 1, (bad, err)
+        assert hashes(tmp_path) == before, bad
+    assert main(argv) == 0, capsys.readouterr().err
+    assert not tmp.exists()
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(ema) and all(torch.equal(got[n], ema[n]) for n in ema)

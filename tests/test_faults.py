@@ -736,7 +736,7 @@ def test_cli_never_overwrites_its_inputs(faults, tmp_path, capsys):
     out.write_bytes(b"precious")
     for cmd in (["consolidate", d, out], ["posthoc", snaps, out, "--sigma-rel", "0.1"]):
         code, _, err = _cli(*cmd, capsys=capsys)
-        assert code == 1 and "refusing to replace the existing file" in err and "--overwrite" in err, err
+        assert code == 2 and "refusing to replace the existing file" in err and "--overwrite" in err, err
         assert out.read_bytes() == b"precious"
         _count("3 CLI outputs")
     inode = out.stat().st_ino

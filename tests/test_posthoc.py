@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
 import re
 import sys
 
@@ -450,6 +451,17 @@ def test_posthoc_to_file_and_cli(tmp_path, one_rank_engine, capsys):
     assert main(["posthoc", str(snap_dir), str(tmp_path / "x.safetensors"), "--sigma-rel", "0.28"]) == 1
     assert "cannot be synthesised" in capsys.readouterr().err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_export_summary_names_the_post_hoc_ema():
+    """The CLI export's summary line of a post-hoc file (no ema_index) names its sigma_rel, not "EMA None"."""
+    from functional_ema.__main__ import _exported_ema
+
+    assert _exported_ema({"ema_index": 1}) == "EMA 1"
+    assert _exported_ema({"ema_index": None, "source_metadata": {"sigma_rel": "0.12"}}) == (
+        "the post-hoc EMA of sigma_rel 0.12"
+    )
+    assert _exported_ema({"ema_index": None, "source_metadata": {}}) == "the file's EMA"
 
 
 def test_snapshot_file_errors(tmp_path, one_rank_engine):
@@ -1016,3 +1028,157 @@ def test_ctrl_c_after_out_is_committed_says_out_is_complete_and_kept(tmp_path, o
     )
     got = load_file(out2)
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+# ----------------------------------------------------------------------- synthesis memory (probe AL)
+
+
+def _old_scaled_sum(pieces_and_coeffs, dtype: torch.dtype) -> torch.Tensor:
+    """The synthesis as it was before its scaling was chunked, in plain torch: a float64 copy of each whole piece,
+    multiplied by its coefficient, then added (the oracle of the bits)."""
+    acc = None
+    for t, c in pieces_and_coeffs:
+        acc = torch.zeros(t.shape, dtype=torch.float64) if acc is None else acc
+        if c != 0.0:
+            acc.add_(t.to(torch.float64, copy=True).mul_(c))
+    assert acc is not None
+    return acc.to(dtype)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(5, 7, generator=g).t(),  # strided, rows under a chunk
+        lambda g: torch.randn(3, 40, generator=g).t(),  # strided, whole rows per block
+        lambda g: torch.randn(4, 6, 50, generator=g).permute(2, 0, 1),  # strided, rows over a chunk
+        lambda g: torch.randn(100, generator=g)[::3],  # 1-D strided
+        lambda g: torch.randn(9, 11, generator=g),  # contiguous, several chunks and a short last one
+        lambda g: torch.tensor(1.2345678, dtype=torch.float32),  # 0-dim
+        lambda g: torch.randn(0, 3, generator=g),  # empty
+        lambda g: torch.randn(13, generator=g).to(torch.bfloat16),  # another snapshot dtype
+    ],
+)
+def test_chunked_scaling_is_bitwise_the_whole_tensor_arithmetic(make, monkeypatch):
+    """Chunks of any size over any strides give the bits of one whole-tensor multiply-then-add."""
+    from functional_ema._posthoc import synthesis
+
+    monkeypatch.setattr(synthesis, "SCALE_CHUNK", 16)
+    g = torch.Generator().manual_seed(3)
+    trees = [{"w": make(g) * (1 + i)} for i in range(3)]
+    coeffs = [0.1234567891234, -2.718281828459045, 1e-3 / 3]
+    want = _old_scaled_sum([(t["w"], c) for t, c in zip(trees, coeffs)], torch.float64)
+    got = posthoc.synthesize(trees, coeffs, dtype=torch.float64)["w"]
+    assert got.shape == want.shape and got.dtype == torch.float64
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64)) if want.numel() else True
+
+
+_MEMORY_SCRIPT = r"""
+import json, sys, torch
+import functional_ema as fe
+from functional_ema import posthoc
+
+snap, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+def mib(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+
+
+def peak(fn):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident size (VmHWM) restarts from the resident size now
+    base = mib("VmRSS")
+    result = fn()
+    return result, mib("VmHWM") - base
+
+
+posthoc.list_snapshots(snap)  # the readers' imports, before any peak is taken
+kw = dict(sigma_rel=0.08, max_profile_error=None, buffer_bytes=1)  # one parameter a group
+peaks = {}
+_, peaks["posthoc_to_file"] = peak(lambda: posthoc.posthoc_to_file(snap, out + "/file.safetensors", **kw))
+r, peaks["posthoc_offline"] = peak(lambda: posthoc.posthoc_offline(snap, **kw))
+torch.save(r, out + "/offline.pt")
+del r
+layout = fe.ShardLayout(0, 1, 0, {"weight": fe.ShardSpec((n // 4096, 4096), 0, n), "bias": fe.ShardSpec((n // 4096,), 0, n // 4096)})
+r, peaks["posthoc_local"] = peak(lambda: posthoc.posthoc_local(snap, layout, **kw))
+torch.save(r, out + "/local.pt")
+del r
+g = torch.Generator().manual_seed(11)
+trees = [{"w": torch.randn(n, generator=g)} for _ in range(2)]
+r, peaks["synthesize"] = peak(lambda: posthoc.synthesize(trees, [0.7310585786300049, -0.2689414213699951], dtype=torch.float16))
+torch.save(r, out + "/memory.pt")
+print(json.dumps(peaks))
+"""
+
+
+@pytest.mark.skipif(
+    not os.access("/proc/self/clear_refs", os.W_OK), reason="resets and reads the peak resident size through /proc"
+)
+def test_synthesis_memory_is_the_accumulators_and_one_parameter_and_its_bits_are_unchanged(tmp_path):
+    """Probe AL: each piece was copied whole into float64 before it was scaled (8 bytes an element beside the 8 of
+    its accumulator and the 4 of the piece), so the file verbs peaked at ~1.7x, and the in-memory synthesis at ~1.6x,
+    the accumulators plus one parameter that they document. Measured as the peak resident size of a fresh process
+    (its kernel-kept high-water mark, reset before each verb: no sampling), with glibc's large blocks mapped on
+    their own (fixed mmap threshold) so that freed ones leave the resident size; and the results are bitwise those
+    of the old whole-piece arithmetic."""
+    import json
+    import os
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    n = 3072 * 4096  # one 48 MiB fp32 parameter: its float64 accumulator is 96 MiB
+    model = torch.nn.Linear(4096, 3072)
+    sched = [schedules.power(sigma_rel=s) for s in TRACKED]
+    state = fe.init_ema(fe.local_shards(model), num_emas=2)
+    snap = tmp_path / "snaps"
+    for step in range(1, 5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9).add_(0.01 * step)
+        state = fe.update(state, fe.local_shards(model), step, decay=sched)
+        if step % 2 == 0:
+            posthoc.save_snapshot(state, model, snap, sched)
+    del state
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    run = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(snap), str(tmp_path), str(n)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    peaks = json.loads(run.stdout.strip().splitlines()[-1])
+    mib = 1 << 20
+    one_param = 4 * n / mib  # the largest parameter, in the snapshots' (and the result's) fp32
+    for verb in ("posthoc_to_file", "posthoc_offline", "posthoc_local"):
+        bound = 1.25 * (2 * one_param + one_param)  # its float64 accumulator and one parameter, +25%
+        assert peaks[verb] < bound, f"{verb}: peak {peaks[verb]:.1f} MiB over {bound:.1f} MiB ({peaks})"
+    bound = 1.25 * (2 * one_param + one_param / 2)  # the float64 accumulator and the fp16 result, +25%
+    assert peaks["synthesize"] < bound, f"synthesize: peak {peaks['synthesize']:.1f} MiB over {bound:.1f} MiB"
+
+    # The bits: the old arithmetic in plain torch over the rank files' tensors (read with safetensors).
+    infos = posthoc.list_snapshots(snap)
+    gammas = [g for i in infos for g in i.gammas]
+    steps = [i.step for i in infos for _ in i.gammas]
+    x = posthoc.solve_coefficients(gammas, steps, sigma_rel=0.08, max_profile_error=None)
+    files = [load_file(next((snap / i.tag).glob("*.safetensors"))) for i in infos]
+    terms = [(f, k) for f, i in zip(files, infos) for k in range(len(i.gammas))]
+    want = {
+        name: _old_scaled_sum([(f[f"emas.{k}.{name}"], float(c)) for (f, k), c in zip(terms, x)], torch.float32)
+        for name in ("weight", "bias")
+    }
+    assert sum(float(c) != 0.0 for c in x) >= 2
+    got_file = load_file(tmp_path / "file.safetensors")
+    got_offline = torch.load(tmp_path / "offline.pt")
+    got_local = torch.load(tmp_path / "local.pt")
+    for name, w in want.items():
+        assert torch.equal(got_file[name], w.view(got_file[name].shape)), name
+        assert torch.equal(got_offline[name], w.view(got_offline[name].shape)), name
+        assert torch.equal(got_local[name], w.reshape(-1)), name
+    g = torch.Generator().manual_seed(11)
+    trees = [torch.randn(n, generator=g) for _ in range(2)]
+    want_memory = _old_scaled_sum(list(zip(trees, [0.7310585786300049, -0.2689414213699951])), torch.float16)
+    assert torch.equal(torch.load(tmp_path / "memory.pt")["w"], want_memory)

@@ -324,3 +324,89 @@ def test_swapped_refuses_a_backward_through_a_model_compiled_before_the_block():
     assert all(torch.equal(p.detach(), live[n]) for n, p in model.named_parameters())
     with torch.no_grad(), fe.swapped(compiled, state):  # evaluation in the block still runs compiled
         assert torch.equal(compiled(x), model(x))
+
+
+def test_update_of_the_swapped_state_is_refused_whatever_weights_it_is_given():
+    """Inside ``fe.swapped(model, state)`` the parameters hold ``state``'s EMA: ``update(state, ...)`` is refused
+    (before anything changes) with a dict of the model's weights too, read before or inside the block, also with
+    ``inplace=False`` or at the state's own step, in nested blocks until the last closes, and after an exception
+    leaves a block the mark is gone. After the blocks the same dict updates bitwise as ``torch.lerp``."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    other = nn.Linear(4, 3)
+    state = fe.init_ema(fe.local_shards(model))
+    before = dict(fe.local_shards(model))  # a plain dict over the parameters, read before the block
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # "training": the weights move away from the EMA
+    other.load_state_dict(model.state_dict())
+    ema0 = {n: t.clone() for n, t in state.ema.items()}
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def refused(st, tree, step, **kw):
+        with pytest.raises(fe.SwappedTrainingError, match=r"swapped into a model by an open fe\.swapped"):
+            fe.update(st, tree, step, decay=0.5, **kw)
+
+    with torch.no_grad(), fe.swapped(model, state):
+        refused(state, before, 1)
+        refused(state, dict(model.named_parameters()), 1)
+        with pytest.raises(fe.SwappedTrainingError, match=r"update\(\) of weights read inside fe\.swapped"):
+            fe.update(state, fe.local_shards(model), 1, decay=0.5)  # a Shards read inside: said as such
+        refused(state, before, 1, inplace=False)
+        refused(state, before, 0)  # the state's own step: refused all the same
+        refused(copy.copy(state), before, 1)  # shares the step tensor: the same state
+        with fe.swapped(other, state):
+            refused(state, before, 1)
+        refused(state, before, 1)  # the outer block is still open
+        own = copy.deepcopy(state)  # its own step and buffers: another state, updated as usual
+        assert int(fe.update(own, {n: t.clone() for n, t in live.items()}, 1, decay=0.5).step) == 1
+    assert int(state.step) == 0 and all(torch.equal(state.ema[n], ema0[n]) for n in ema0)
+    assert all(torch.equal(p.detach(), live[n]) for n, p in model.named_parameters())
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), fe.swapped(model, state):
+        raise RuntimeError("boom")
+    assert not hasattr(state.step, "_fe_swapped")  # cleared on exit, also on an exception: nothing left on the tensor
+    state = fe.update(state, before, 1, decay=0.5)  # after the block: the trained weights
+    assert int(state.step) == 1
+    assert all(torch.equal(state.ema[n], torch.lerp(ema0[n], live[n], 0.5)) for n in ema0)
+
+
+def test_the_swapped_mark_stays_with_the_state_and_survives_threads(tmp_path):
+    """Review: the mark was a count in the step tensor's ``__dict__``, which ``copy.deepcopy`` and
+    ``torch.save``/``load`` of the tensor carry: a copy taken inside a block was refused for good; and its
+    read-modify-write lost counts across threads (a closed state refused for good)."""
+    import io
+    import sys
+    import threading
+
+    from functional_ema._state import marked_swapped, swapped_count
+
+    model = nn.Linear(3, 2)
+    state = fe.init_ema(fe.local_shards(model))
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad(), fe.swapped(model, state):
+        step_copy = copy.deepcopy(state.step)
+        buf = io.BytesIO()
+        torch.save(state.step, buf)
+        buf.seek(0)
+        step_loaded = torch.load(buf, weights_only=True)
+    for step in (step_copy, step_loaded):  # other states' steps: never marked by the block
+        other = fe.EmaState(step, ({n: t.clone() for n, t in state.ema.items()},))
+        assert int(fe.update(other, weights, 1, decay=0.5).step) == 1
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+
+        def churn():
+            for _ in range(300):
+                with marked_swapped(state):
+                    assert swapped_count(state.step) >= 1
+
+        threads = [threading.Thread(target=churn) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert swapped_count(state.step) == 0 and not hasattr(state.step, "_fe_swapped")
+    assert int(fe.update(state, weights, 1, decay=0.5).step) == 1

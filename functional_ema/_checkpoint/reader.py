@@ -187,6 +187,39 @@ def _tags_here(root: Path) -> list[str]:
     return [t for t in complete_tags(root) if t not in ("latest", LATEST_NAME)]
 
 
+def _refuse_given_tag_folder(root: Path, tag: str | None) -> None:
+    """Refuse, saying so, a tag folder given where its root was looked for (it holds a manifest or EMA rank files
+    itself), rather than as a root missing ``latest`` or tag ``tag``: with ``tag``, the folder is that tag's own (drop
+    it) or another's (give the root); without, its manifest is missing (the save is in progress or was interrupted),
+    as the refusal reached through its root says. Returns for any other folder."""
+    try:
+        found = sorted(p.name for p in root.iterdir() if RANK_FILE.match(p.name))
+    except OSError:
+        return
+    has_manifest = (root / MANIFEST_NAME).is_file()
+    if tag is not None and (has_manifest or found):
+        with_tag = f"with --tag {tag} (tag={tag!r})"
+        if tag == root.name:
+            whose = "itself the tag folder of that tag"
+            fix = f"drop tag=... (--tag) to read it, or give its root {root.parent} {with_tag}"
+        else:
+            whose, fix = (
+                f"itself a tag folder (of tag {root.name!r})",
+                f"give the checkpoint's root {root.parent} {with_tag}",
+            )
+        raise CheckpointNotFoundError(
+            f"no tag {tag!r} in {root}: the folder given is {whose}, not a checkpoint directory holding tag folders; "
+            f"{fix}"
+        )
+    if tag is None and found and not has_manifest:
+        raise IncompleteCheckpointError(
+            f"{root} is a tag folder with no complete EMA checkpoint: found {len(found)} EMA rank file(s) "
+            f"{short_list(found, 4)} but the manifest, written last, is missing (the save of tag {root.name!r} is in "
+            f"progress or was interrupted). Load another tag; tags beside it in {root.parent} with a complete EMA: "
+            f"{[t for t in _tags_here(root.parent) if t != root.name]}"
+        )
+
+
 def _pointer_folder(folder: Path | None) -> str:
     """A refusal's note on a pointer name (``latest``/``ema_latest``) that is a folder or a link to one."""
     if folder is None:
@@ -365,6 +398,7 @@ class CheckpointReader:
                 if not latest.is_file():
                     latest = root / LATEST_NAME  # ours, written by save() once a tag is complete
                 if not latest.is_file():
+                    _refuse_given_tag_folder(root, None)
                     odd = next((p for p in (root / "latest", latest) if p.is_dir()), None)
                     raise CheckpointNotFoundError(
                         f"{root} has no 'latest' file (DeepSpeed writes it in save_checkpoint) nor {LATEST_NAME!r} "
@@ -381,6 +415,7 @@ class CheckpointReader:
             tag = check_tag(tag, saving=False)
             tag_dir = root / tag
             if not tag_dir.is_dir():
+                _refuse_given_tag_folder(root, tag)
                 raise CheckpointNotFoundError(
                     f"no tag {tag!r} in {root}{f' (named by {latest.name})' if from_latest else ''}. "
                     f"Tags here with a complete EMA: {_tags_here(root)}"

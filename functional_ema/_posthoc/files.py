@@ -47,7 +47,7 @@ from .profiles import (
     solve_coefficients,
     target_gamma,
 )
-from .synthesis import copied, gammas_and_step, scaled_like
+from .synthesis import add_scaled, copied, gammas_and_step
 
 # ----------------------------------------------------------------------------------- snapshot files
 
@@ -477,7 +477,9 @@ def _stream(
 
     Parameters are taken in groups whose float64 accumulators fit ``buffer_bytes`` (at least one
     parameter a group); each snapshot checkpoint is opened once per group. With ``layout`` (this
-    rank's), a snapshot saved with that layout is read from this rank's file alone.
+    rank's), a snapshot saved with that layout is read from this rank's file alone. Beside the group's
+    accumulators, one piece is held at a time (the readers fill whole pieces) and scaled through
+    :func:`add_scaled`'s bounded scratch; each accumulator is freed once cast.
     """
     names = list(ranges)
     groups: list[list[str]] = []
@@ -505,9 +507,10 @@ def _stream(
                         start, numel, _ = ranges[n]
                         piece = torch.empty(numel, dtype=ckpt.dtype)
                         ckpt.fill(piece, k, n, start, numel, verify)
-                        acc[n].add_(scaled_like(piece, c, acc[n]))
+                        add_scaled(acc[n], piece, c)
+                        del piece  # one piece at a time, never two (the next one is allocated before this is rebound)
         for n in group:
-            yield n, acc.pop(n).to(dtype).view(ranges[n][2])
+            yield n, acc.pop(n).to(dtype).view(ranges[n][2])  # the float64 accumulator is freed once cast
 
 
 def posthoc_offline(
@@ -531,6 +534,14 @@ def posthoc_offline(
     in float64, parameter by parameter (groups of at most ``buffer_bytes`` of accumulators), reading
     only the snapshots with a nonzero coefficient.
 
+    Memory at the peak, beyond the process's own: the float64 accumulators of one group (at most
+    ``buffer_bytes``, and at least the largest parameter's: 8 bytes an element), one parameter read in the
+    snapshots' dtype (or, while an accumulator is cast, that parameter in ``dtype``: each accumulator is
+    freed once cast), 4 MiB of scratch (pieces are scaled 512Ki elements at a time), and the result built so
+    far; a parameter split across model-parallel parts adds one part's slice while it is joined. Measured
+    (``benchmarks/bench_posthoc_memory.py``, a 160.5 MiB fp32 model whose largest parameter is 62.5 MiB):
+    192 MiB with ``buffer_bytes=32 << 20``, 388 MiB with the default.
+
     Args:
         snapshot_dir: the directory :func:`save_snapshot` wrote into, or its fsspec URL
             (``s3://bucket/run/snapshots``): read in place, with ranged reads of the pieces needed.
@@ -539,7 +550,8 @@ def posthoc_offline(
         dtype: result dtype.
         verify: check the checksums of every byte read.
         prefix: tag prefix of the snapshot folders.
-        buffer_bytes: memory for float64 accumulators; smaller streams in more passes.
+        buffer_bytes: memory for float64 accumulators (8 bytes an element; a parameter larger than it is
+            a group of its own); smaller opens each snapshot more often. The peak is stated above.
         storage_options: for a URL ``snapshot_dir``, fsspec's arguments (``key``, ``secret``,
             ``endpoint_url``, ...) as for :func:`functional_ema.load`; ``None``: fsspec's configuration.
             Refused with a local folder. A storage refusing access raises ``PermissionError`` naming the
@@ -582,6 +594,11 @@ def posthoc_local(
             DeepSpeed engine. Any world size and ZeRO stage: each piece is read from the saved
             pieces that overlap it.
         others: as in :func:`posthoc_offline` (``storage_options`` for a URL ``snapshot_dir``).
+
+    Memory: as :func:`posthoc_offline`'s, of this rank's pieces (accumulators of one group of pieces, one
+    piece in the snapshots' dtype, 4 MiB of scratch, and the pieces done so far; pieces cut otherwise than the
+    saved ones, after a change of world size, also read their range widened to the 4 MiB checksum chunks when
+    verifying: up to one more piece).
 
     Returns:
         ``{name: 1-D tensor}`` shaped like ``local_shards(engine)``; e.g. wrap it as
@@ -636,8 +653,14 @@ def posthoc_to_file(
 
     The file's names are the module's parameter names; its metadata records ``sigma_rel``,
     ``gamma``, ``step``, the profile error and ``num_snapshots``, the number of snapshot folders the fit
-    combined (those at or before ``step``). Memory: the accumulators of one group (``buffer_bytes``)
-    plus one parameter.
+    combined (those at or before ``step``).
+
+    Memory at the peak: the float64 accumulators of one group (at most ``buffer_bytes``, at least the largest
+    parameter's: 8 bytes an element), plus one parameter in the snapshots' dtype (or in ``dtype`` while it is
+    cast), plus 4 MiB of scratch: :func:`posthoc_offline`'s without the result, each parameter written and freed
+    before the next group is read. Measured (``benchmarks/bench_posthoc_memory.py``, a 160.5 MiB fp32 model
+    whose largest parameter is 62.5 MiB, 2 EMAs, 2 snapshots): 192 MiB with ``buffer_bytes=32 << 20``
+    (125 + 62.5 + 4), 388 MiB with the default (321 + 62.5 + 4).
 
     ``out_path`` inside the snapshot directory's folders is refused (``checkpoint.OutputPathError``), and so
     are an ``out_path`` whose folder does not exist (or is not writable) and an existing file unless
@@ -682,5 +705,6 @@ def _to_file(root: Location, out_path: Path, reading: _Reading, overwrite: bool)
     with _io.StreamingWriter(out_path, entries, meta, self_checksums=True, replace=overwrite) as w:
         for name, t in reading.stream(plan, ranges):
             w.write(name, t)
+            del t  # written: not held while the next group's accumulators are filled
         w.commit()
     return out_path

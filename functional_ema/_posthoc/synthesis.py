@@ -33,6 +33,10 @@ def synthesize(
     (float64 by default: the coefficients alternate in sign, and fp32 snapshots are exact in it)
     and returned in ``dtype``.
 
+    Memory beyond the snapshots: accumulators for the whole tree in ``accumulate_dtype``, 4 MiB of
+    scratch (:func:`add_scaled`), and at the end one leaf in ``dtype`` beside them (each accumulator is
+    freed once cast), so the peak is the accumulators plus the largest leaf in ``dtype``.
+
     Args:
         snapshots: name-keyed trees (e.g. ``dict[str, Tensor]``), all with the same names and shapes.
         coeffs: one float per snapshot, e.g. from :func:`solve_coefficients`.
@@ -65,14 +69,51 @@ def synthesize(
                     raise TreeMismatchError(
                         f"snapshots[{i}][{name!r}] has shape {tuple(leaf.shape)}, snapshots[0] has {tuple(a.shape)}"
                     )
-                a.add_(scaled_like(leaf, c, a))
-    return optree.tree_unflatten(spec0, [a.to(dtype) for a in acc])
+                add_scaled(a, leaf, c)
+    out = []
+    for j in range(len(acc)):  # each accumulator freed once cast: never every one beside every output
+        out.append(acc[j].to(dtype))
+        acc[j] = out[-1]
+    del acc
+    return optree.tree_unflatten(spec0, out)
 
 
-def scaled_like(t: torch.Tensor, c: float, like: torch.Tensor) -> torch.Tensor:
-    # Multiply, then add (two roundings, never a fused multiply-add): every element gets the same
-    # arithmetic wherever it sits in a tensor, so per-rank pieces reconstruct bitwise like full ones.
-    return t.to(device=like.device, dtype=like.dtype, copy=True).mul_(c)
+#: Elements scaled at a time by :func:`add_scaled`: its scratch is at most this many accumulator elements
+#: (4 MiB in float64), however large the tensor.
+SCALE_CHUNK = 1 << 19
+
+
+def add_scaled(acc: torch.Tensor, t: torch.Tensor, c: float) -> None:
+    """``acc += c * t`` for a contiguous ``acc`` of ``t``'s shape, :data:`SCALE_CHUNK` elements at a time.
+
+    Each element is converted to ``acc``'s dtype, multiplied by ``c``, then added: two roundings, never a
+    fused multiply-add, so every element gets the same arithmetic wherever it sits in a tensor and per-rank
+    pieces reconstruct bitwise like full ones. Chunks change no value (the arithmetic is elementwise); they
+    bound the scratch, which a whole-tensor copy made as large as the accumulator itself.
+    """
+    scratch = torch.empty(min(t.numel(), SCALE_CHUNK), dtype=acc.dtype, device=acc.device)
+    _add_scaled(acc, t, c, scratch)
+
+
+def _add_scaled(acc: torch.Tensor, t: torch.Tensor, c: float, scratch: torch.Tensor) -> None:
+    """:func:`add_scaled` with its scratch (one buffer for every chunk: a fresh one a chunk costs page faults)."""
+    if t.numel() <= scratch.numel():
+        buf = scratch[: t.numel()].view(t.shape)
+        acc.add_(buf.copy_(t).mul_(c))  # copy_ converts as .to() does (the same cast)
+    elif t.dim() == 1 or t.is_contiguous():  # flat views of both (reshape of these is a view, never a copy)
+        a, f = acc.view(-1), t.reshape(-1)
+        for s in range(0, f.numel(), SCALE_CHUNK):
+            n = min(SCALE_CHUNK, f.numel() - s)
+            a.narrow(0, s, n).add_(scratch[:n].copy_(f.narrow(0, s, n)).mul_(c))
+    else:  # strided (e.g. a transposed snapshot): blocks of whole rows, or row by row for rows over a chunk
+        rows = SCALE_CHUNK // max(1, t[0].numel())
+        if rows == 0:
+            for i in range(t.shape[0]):
+                _add_scaled(acc[i], t[i], c, scratch)
+            return
+        for s in range(0, t.shape[0], rows):
+            n = min(rows, t.shape[0] - s)
+            _add_scaled(acc.narrow(0, s, n), t.narrow(0, s, n), c, scratch)
 
 
 # ------------------------------------------------------------------------------ in-memory snapshots
@@ -203,7 +244,8 @@ def reconstruct(
 
     ``EMA ~ sum_{snapshot j, EMA k} x_jk * snapshots[j].emas[k]`` with ``x`` from
     :func:`solve_coefficients`. Works on any tree, e.g. this rank's shards (then gather, or gather
-    the snapshots first: the result is the same).
+    the snapshots first: the result is the same). Memory: :func:`synthesize`'s (float64 accumulators for
+    the whole tree, plus its largest leaf in ``dtype``, plus 4 MiB).
 
     Example:
         >>> ema = reconstruct(snaps, sigma_rel=0.15)   # doctest: +SKIP

@@ -86,12 +86,23 @@ class Reading:
         # reading: its views never move (a moved parameter makes a new reading).
         self._overlaps: list[list[str]] | None = None
         shards.group = training_group(layout, group)
+        shards.full_shapes = _full_shapes(shards, layout)
 
     def all_specs(self) -> list[dict[str, ShardSpec]]:
         """Every rank's specs (a collective the first time it is asked for, on every rank)."""
         if self._all_specs is None:
             self._all_specs = exchange_specs(self.layout, self.group)
         return self._all_specs
+
+
+def _full_shapes(shards: Shards, layout: ShardLayout) -> tuple[tuple[int, ...], ...] | None:
+    """Each parameter's whole shape as ``layout`` records it, in ``shards``' order (``None`` if it lacks a name): the
+    index holds this rank's 1-D pieces only, which two models' parameters of other shapes may share. Made once per
+    reading, never per call; the same on every rank, so ``update`` refuses an EMA of other shapes on every rank."""
+    specs = layout.specs
+    if not all(n in specs for n in shards.index.names):
+        return None
+    return tuple(tuple(int(d) for d in specs[n].shape) for n in shards.index.names)
 
 
 # How many selections of one reading are kept (see select): a loop that passes a new predicate object at
