@@ -24,7 +24,7 @@ from ._args import check_step
 from ._errors import SwappedTrainingError
 from ._offload import queue_update
 from ._plan import Plan
-from ._shards import Shards, clone_tree, selection_note
+from ._shards import Shards, clone_tree, other_whole_shape, selection_note
 from ._state import PENDING_ATTR, EmaState, swapped_count, wait_pending
 from ._tree import TreeMismatchError, check_same_names, flatten_named
 from .schedules import DecayLike, check_decay, interval_decay
@@ -808,12 +808,9 @@ def _plan_for(emas: tuple, shards: Any) -> Plan:
 
 
 def _check_full_shapes(emas: tuple, shards: Shards) -> None:
-    """Refuse an EMA made from a model whose parameters of the same names had other whole shapes.
-
-    Both plans compare this rank's pieces, whose lengths two such parameters may share (a (4, 6) weight and a
-    (6, 4) one; under ZeRO-3 a 23- and a 24-element one on one rank only); the whole shapes are the same on every
-    rank, so every rank refuses alike, before anything is written. Other names are left to the names check.
-    """
+    """Refuse an EMA made from a model whose parameters of the same names had other whole shapes
+    (``other_whole_shape``: the plans compare this rank's pieces only), before anything is written. An EMA of other
+    names is left to the names check."""
     mine = shards.full_shapes
     if mine is None:  # Shards.from_views: the shapes are unknown
         return
@@ -821,18 +818,18 @@ def _check_full_shapes(emas: tuple, shards: Shards) -> None:
     for k, e in enumerate(emas):
         theirs = e.full_shapes if type(e) is Shards else None
         if theirs is None or theirs is mine or (e.index.names == names and theirs == mine):
+            continue  # nothing recorded, or the reading's own record (identity: a constant cost per step)
+        if set(e.index.names) != set(names):
             continue
-        was = dict(zip(e.index.names, theirs))
-        if was.keys() != set(names):
-            continue
-        for name, shape in zip(names, mine):
-            if was[name] != shape:
-                raise TreeMismatchError(
-                    f"shards[{name!r}] is a piece of a parameter of shape {shape} but the EMA (emas[{k}]) was made "
-                    f"for one of shape {was[name]}; was the state made from another model? Make the state with "
-                    "init_ema(local_shards(model)) from the model as it trains (functional_ema.load reshards a "
-                    "saved one)"
-                )
+        other = other_whole_shape(e, dict(zip(names, mine)))
+        if other is not None:
+            name, was, now = other
+            raise TreeMismatchError(
+                f"shards[{name!r}] is a piece of a parameter of shape {now} but the EMA (emas[{k}]) was made "
+                f"for one of shape {was}; was the state made from another model? Make the state with "
+                "init_ema(local_shards(model)) from the model as it trains (functional_ema.load reshards a "
+                "saved one)"
+            )
 
 
 def _check_segment(shards: Shards, j: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._layout import ShardSpec
-from ._shards import Shards, selection_note
+from ._shards import Shards, other_whole_shape, selection_note
 from ._state import EmaState, wait_pending
 from ._tree import compile_hint, short_list
 
@@ -143,22 +143,17 @@ def state_problem(
 
 
 def _other_whole_shapes(k: int, ema: Any, specs: Mapping[str, ShardSpec], shards: Shards | None) -> FitProblem | None:
-    """The problem of an EMA made for parameters of other whole shapes than ``specs``' (``ema.full_shapes``, recorded
-    by the reading it was made from): this rank's pieces may have the same lengths (a (4, 6) weight's and a (6, 4)
-    one's; under ZeRO-3 on some ranks only), so the piece checks let it through; the whole shapes are the same
-    on every rank."""
-    if not isinstance(ema, Shards) or ema.full_shapes is None:
-        return None  # nothing recorded (a dict, Shards.from_views)
-    if shards is not None and ema.full_shapes is shards.full_shapes:
+    """The problem of an EMA made for parameters of other whole shapes than ``specs``' (``other_whole_shape``)."""
+    if shards is not None and isinstance(ema, Shards) and ema.full_shapes is shards.full_shapes:
         return None  # the reading's own record (identity: a constant cost)
-    for name, shape in zip(ema.index.names, ema.full_shapes or ()):
-        spec = specs.get(name)
-        if spec is not None and shape is not None and tuple(shape) != tuple(spec.shape):
-            return FitProblem(
-                f"state.emas[{k}][{name!r}] was made for a parameter of shape {tuple(shape)} but this model's has "
-                f"{tuple(spec.shape)}: the state was made for another model"
-            )
-    return None
+    other = other_whole_shape(ema, {name: spec.shape for name, spec in specs.items()})
+    if other is None:
+        return None
+    name, was, now = other
+    return FitProblem(
+        f"state.emas[{k}][{name!r}] was made for a parameter of shape {was} but this model's has {now}: the state was "
+        "made for another model"
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -27,7 +27,7 @@ import torch.utils._pytree
 
 from . import _memory
 
-__all__ = ["SegmentIndex", "Shards", "clone_tree", "selection_note", "shards_from_views"]
+__all__ = ["SegmentIndex", "Shards", "clone_tree", "other_whole_shape", "selection_note", "shards_from_views"]
 
 # Two views of one source buffer stay in one segment while the gap between them is at most this
 # many elements (ZeRO-3 pads each partition to ceil(numel / world_size); ZeRO-1/2 align groups).
@@ -373,6 +373,24 @@ def segment_count(tree: Any) -> int:
     if isinstance(tree, Shards):
         return len(tree.segments)
     return len(optree.tree_leaves(tree, none_is_leaf=False))
+
+
+def other_whole_shape(
+    ema: Any, shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+    """The first parameter, in ``ema``'s order, that ``ema`` was made for at another whole shape than ``shapes``
+    names for it: ``(name, shape made for, shape now)``; None where all agree or ``ema`` recorded no shapes (a
+    mapping, ``Shards.from_views``). Names missing from ``shapes`` are left to the names checks.
+
+    This rank's pieces of two such parameters may have equal lengths (a (4, 6) weight's and a (6, 4) one's; under
+    ZeRO-3 on some ranks only), so the piece checks let them through; the whole shapes are the same on every rank,
+    so every rank refuses alike."""
+    recorded = ema.full_shapes if isinstance(ema, Shards) else None
+    for name, was in zip(ema.index.names, recorded or ()):
+        now = shapes.get(name)
+        if now is not None and tuple(was) != tuple(now):
+            return name, tuple(was), tuple(now)
+    return None
 
 
 def selection_note(ema: Any, shards: Any) -> str:
