@@ -22,7 +22,7 @@ from ._fit import state_problem
 from ._layout import ShardLayout
 from ._selection import SelectionLike, make_selection, selection_record
 from ._shards import Shards
-from ._state import EmaState, marked_swapped
+from ._state import EmaState, finish, marked_swapped
 from .engines import Reading, SwapStats, adapter_for
 from .engines._base import Adapter, gather_pieces, open_swaps, read_for, refuse_sparse, select
 from .engines._base import join_parts as join_parts_of
@@ -482,12 +482,29 @@ def training_refused(
             raise SwappedTrainingError(f"optimizer.step() {why}")
 
     with _backward_refused(adapter, why, outer):
-        handle = register_optimizer_step_pre_hook(on_step)
+        hooks: list[Any] = []
+        steps = ((_remove, hooks),)  # made before anything is registered: the finally below calls nothing first
         try:
+            hooks.append(register_optimizer_step_pre_hook(on_step))
             with adapter.refuse_training(why):
                 yield
         finally:
-            handle.remove()
+            try:  # every hook removed, also when an exception (Ctrl-C) lands in the middle (a hook left behind
+                finish(*steps)  # would refuse every later optimizer step)
+            except BaseException:  # one that landed before finish began: every removal again, then raised
+                finish(*steps)
+                raise
+
+
+# Why input gradients are refused too, and what to do instead (a review of letting backwards that write no .grad
+# through found parameter gradients written on paths the hooks cannot see: a single-root backward, a reentrant
+# checkpoint, DeepSpeed's own backward on the engine's output).
+_INPUT_GRADIENTS = (
+    "Gradients for inputs only (torch.autograd.grad(out, x), out.backward(inputs=[x])) are refused as well: the "
+    "block cannot tell every such backward from training on every engine. Take them outside the block from the "
+    "EMA's full weights: torch.func.functional_call(model, fe.gather_full(state, model), (x,)) on a plain or DDP "
+    "module, or a copy of the model holding them"
+)
 
 
 @contextlib.contextmanager
@@ -500,7 +517,7 @@ def _backward_refused(adapter: Adapter, why: str, outer: Any = None) -> Iterator
     leaves: dict[int, Any] = {}
 
     def refuse_backward(_grad: torch.Tensor) -> NoReturn:
-        raise SwappedTrainingError(f"backward through a forward made {why}")
+        raise SwappedTrainingError(f"backward through a forward made {why}. {_INPUT_GRADIENTS}")
 
     def on_output(_mod: torch.nn.Module, inputs: Any, output: Any) -> Any:
         # The output's gradient hook runs before any parameter gradient of that forward in the backward, so a
@@ -514,6 +531,7 @@ def _backward_refused(adapter: Adapter, why: str, outer: Any = None) -> Iterator
                     handle = t.register_hook(refuse_backward)
                     if t.grad_fn is None:
                         leaves[id(t)] = handle
+                        handles.append(handle)
         return output
 
     modules = list(module.modules())
@@ -523,12 +541,21 @@ def _backward_refused(adapter: Adapter, why: str, outer: Any = None) -> Iterator
     # compiled (dynamo traced them without), but the wrapper's own __call__ runs its hooks, outside the graph.
     if isinstance(outer, torch.nn.Module) and all(outer is not m for m in modules):
         modules.append(outer)
-    handles = [m.register_forward_hook(on_output) for m in modules]
+    handles: list[Any] = []  # the forward hooks and the leaves' gradient hooks, removed on exit
+    steps = ((_remove, handles),)  # made before the block: the finally below calls nothing before its try
     try:
+        handles.extend(m.register_forward_hook(on_output) for m in modules)
         yield
     finally:
-        for h in handles + list(leaves.values()):
-            h.remove()
+        try:  # every hook removed, also when an exception (Ctrl-C) lands in the middle: one left behind would
+            finish(*steps)  # refuse every later training backward
+        except BaseException:  # one that landed before finish began: every removal again, then raised
+            finish(*steps)
+            raise
+
+
+def _remove(handle: Any) -> None:
+    handle.remove()  # RemovableHandle.remove may be called again: finish may repeat it
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

@@ -144,7 +144,9 @@ def state_problem(
 
 def _other_whole_shapes(k: int, ema: Any, specs: Mapping[str, ShardSpec], shards: Shards | None) -> FitProblem | None:
     """The problem of an EMA made for parameters of other whole shapes than ``specs``' (``other_whole_shape``)."""
-    if shards is not None and isinstance(ema, Shards) and ema.full_shapes is shards.full_shapes:
+    if not isinstance(ema, Shards) or ema.full_shapes is None:
+        return None  # nothing recorded (a dict, Shards.from_views)
+    if shards is not None and ema.full_shapes is shards.full_shapes:
         return None  # the reading's own record (identity: a constant cost)
     other = other_whole_shape(ema, {name: spec.shape for name, spec in specs.items()})
     if other is None:

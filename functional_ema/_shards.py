@@ -386,7 +386,9 @@ def other_whole_shape(
     ZeRO-3 on some ranks only), so the piece checks let them through; the whole shapes are the same on every rank,
     so every rank refuses alike."""
     recorded = ema.full_shapes if isinstance(ema, Shards) else None
-    for name, was in zip(ema.index.names, recorded or ()):
+    if recorded is None:
+        return None
+    for name, was in zip(ema.index.names, recorded):
         now = shapes.get(name)
         if now is not None and tuple(was) != tuple(now):
             return name, tuple(was), tuple(now)

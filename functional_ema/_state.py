@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn, SupportsIndex
 
 import optree
@@ -16,7 +16,7 @@ import torch
 
 from ._shards import Shards, clone_tree
 
-__all__ = ["BufferState", "EmaState", "marked_swapped", "swapped_count", "wait_pending"]
+__all__ = ["BufferState", "EmaState", "finish", "marked_swapped", "swapped_count", "wait_pending"]
 
 # The attribute of ``state.step`` that holds the update queued by ``update(..., blocking=False)``
 # (a :class:`functional_ema._offload.PendingUpdate`). On the step tensor because an EmaState is an
@@ -57,25 +57,98 @@ def swapped_count(counter: torch.Tensor) -> int:
     (``id``): a copy of the tensor (``copy.deepcopy``, ``torch.save``/``load``, which carry a tensor's attributes)
     taken inside a block is another state's step, never marked by it."""
     mark = getattr(counter, SWAPPED_ATTR, None)
-    return mark[1] if mark is not None and mark[0] == id(counter) else 0
+    return len(mark[1]) if mark is not None and mark[0] == id(counter) else 0
+
+
+def _blocks(counter: torch.Tensor) -> tuple[int, ...]:
+    """The tokens of the swap blocks that hold ``counter``'s state (see :func:`swapped_count`)."""
+    mark = getattr(counter, SWAPPED_ATTR, None)
+    return mark[1] if mark is not None and mark[0] == id(counter) else ()
 
 
 @contextlib.contextmanager
 def marked_swapped(state: EmaState | BufferState) -> Iterator[None]:
-    """Count a swap block into ``state.step``'s :data:`SWAPPED_ATTR` for the block's duration (nested blocks add
-    up); the attribute is removed when the last one closes, also when the block raises."""
+    """Mark a swap block on ``state.step``'s :data:`SWAPPED_ATTR` for the block's duration (nested blocks add
+    up); the attribute is removed when the last one closes, also when the block raises. Each block is a token in
+    the mark, not a count: taking its own token out again is no change, so the exit can be done again when an
+    exception (Ctrl-C) lands in it (:func:`finish`) without closing another block's mark."""
     counter = state.step
+    # An int (the id of an object this generator holds until its exit: unique among the open blocks), not the object:
+    # torch.save of the step tensor inside the block carries the mark, and torch.load(weights_only=True) loads ints.
+    holder = object()
+    token = id(holder)
     with _MARK_LOCK:
-        setattr(counter, SWAPPED_ATTR, (id(counter), swapped_count(counter) + 1))
+        setattr(counter, SWAPPED_ATTR, (id(counter), (*_blocks(counter), token)))
     try:
         yield
     finally:
-        with _MARK_LOCK:
-            count = swapped_count(counter) - 1
-            if count > 0:
-                setattr(counter, SWAPPED_ATTR, (id(counter), count))
-            else:
-                vars(counter).pop(SWAPPED_ATTR, None)  # the tensor as it was: nothing of the block stays on it
+        done = ((_unmark, ((counter, token),)),)
+        try:
+            finish(*done)
+        except BaseException:  # one that landed before finish began: every step again, then raised
+            finish(*done)
+            raise
+        del holder  # held until here: no other open block can get its id
+
+
+def _unmark(entry: tuple[torch.Tensor, int]) -> None:
+    counter, token = entry
+    with _MARK_LOCK:
+        left = tuple(t for t in _blocks(counter) if t != token)
+        if left:
+            setattr(counter, SWAPPED_ATTR, (id(counter), left))
+        else:
+            vars(counter).pop(SWAPPED_ATTR, None)  # the tensor as it was: nothing of the block stays on it
+
+
+#: How many times in a row one call of an exit is made (see finish) before its error is taken for its own.
+_TRIES = 3
+
+
+def finish(*phases: tuple[Callable[[Any], object], Sequence[Any]]) -> None:
+    """Call ``do(item)`` for each item of each ``(do, items)`` phase, in order, every call to its end even when an
+    exception lands in it, and only then raise the first exception that landed.
+
+    A swap block's exit puts the live values back (weights, buffers, attributes, marks). A ``KeyboardInterrupt``
+    (Ctrl-C), or any exception a signal handler raises, can land between any two bytecodes of it: a loop cut short
+    there would leave the rest holding EMA values while training goes on, silently (a trainer that catches Ctrl-C
+    and saves would write them). So each ``do`` is idempotent (a copy of a kept value, an attribute set back), and
+    the call an exception cut short is made again, then the next ones. A call that fails ``_TRIES`` times in a row
+    fails by itself (its own error, not one that landed): the other calls are still made, and that error is raised
+    rather than an interruption (the values are not all back). The loops are inside the ``try``: an exception
+    landing at their back edges is caught too (Python runs signal handlers between bytecodes, never inside one C
+    call such as ``copy_``). One landing before this function's first bytecode escapes it: so call it, in a
+    ``finally``, as ``try: finish(*phases)``, ``except BaseException: finish(*phases); raise`` (every call made
+    again, each idempotent, then the first exception raised). Only a second exception landing in an ``except``
+    here escapes.
+    """
+    landed: BaseException | None = None
+    failed: BaseException | None = None
+    p = i = tries = 0
+    while True:
+        try:
+            while p < len(phases):
+                do, items = phases[p]
+                while i < len(items):
+                    do(items[i])
+                    i += 1
+                    tries = 0
+                p, i = p + 1, 0
+            break
+        except BaseException as error:  # noqa: BLE001 - raised below, once every call is made
+            if landed is None:
+                landed = error
+            # Only errors count towards giving a call up: Ctrl-C pressed again and again (KeyboardInterrupt,
+            # SystemExit: BaseException only) makes the interrupted call again, however often it lands.
+            tries += isinstance(error, Exception)
+            if tries >= _TRIES:
+                if failed is None:
+                    failed = error
+                i, tries = i + 1, 0
+    if failed is not None:
+        raise failed
+    if landed is not None:
+        raise landed
 
 
 def _shallow(tree: Any) -> Any:

@@ -50,7 +50,7 @@ from ._core import (
 )
 from ._core import update as _update
 from ._errors import SwappedTrainingError
-from ._state import BufferState, marked_swapped, swapped_count
+from ._state import BufferState, finish, marked_swapped, swapped_count
 from .schedules import DecayLike
 
 __all__ = [
@@ -252,12 +252,9 @@ def swapped_buffers(x: Any, bstate: BufferState, *, index: int = 0) -> Iterator[
     with (
         marked_swapped(bstate),  # update_buffers(bstate, ...) is refused in the block: the buffers hold its EMA
         changes_reported("functional_ema.buffers.swapped_buffers(...)") as changes,
-        _live_values_back([b for b, _ in pairs]),
+        _emas_in(pairs),
         parameters_put_back(module, changes, skip=lambda _mod, _attr: True),  # buffers and submodules only
     ):
-        with torch.no_grad():
-            for b, src in pairs:
-                b.copy_(src)
         yield len(pairs)
 
 
@@ -294,16 +291,48 @@ def _overlaps(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _live_values_back(buffers: list[torch.Tensor]) -> Iterator[None]:
-    """Copies of ``buffers`` kept aside, copied back into them on exit (also on error)."""
-    with torch.no_grad():
-        saved = [b.detach().clone() for b in buffers]
+def _emas_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Each ``(buffer, value)`` pair's value copied into the buffer for the block, the live values kept aside and
+    copied back on exit, also on error and when an exception (Ctrl-C) lands in the copying back (``finish``).
+
+    Autograd's version counters are handled as ``functional_ema.swapped`` handles the parameters': a training forward
+    saves the BatchNorm running statistics for its backward, so a block between that forward and its backward (an
+    evaluation mid-step) must leave them at their versions, as it leaves their values, or the backward is refused;
+    one the block itself moved (a forward in training mode, an in-place edit) keeps its version."""
+    from .engines._base import _INSIDE, _ONCE, entry_versions, set_versions
+
+    # Copies into them record no autograd history (a buffer that requires grad, rare, through a detached view: the
+    # same memory and version counter), so the exit's copies need no no_grad.
+    targets = [b.detach() if b.requires_grad else b for b, _ in pairs]
+    indices = range(len(targets))
+    versions = entry_versions(zip(indices, targets))  # before any copy: views of one tensor share one counter
+    saved: list[torch.Tensor] = []
+    untouched: set[int] = set()
+
+    def prepare(_: object) -> None:
+        # The counters nothing moved in the block, read before any copy back moves them (made again if cut short).
+        untouched.update(k for k, (t, v) in versions.items() if t._version == v + _INSIDE)
+
+    def copy_back(k: int) -> None:
+        if k < len(saved):  # kept aside before an exception cut the entry short
+            targets[k].copy_(saved[k])
+
+    def versions_back(_: object) -> None:
+        set_versions([versions[k] for k in untouched], 0)
+
     try:
+        saved.extend(t.clone() for t in targets)
+        for t, (_, value) in zip(targets, pairs):
+            t.copy_(value)
+        set_versions(versions.values(), _INSIDE)
         yield
     finally:
-        with torch.no_grad():
-            for b, keep in zip(buffers, saved):
-                b.copy_(keep)
+        steps = ((prepare, _ONCE), (copy_back, indices), (versions_back, _ONCE))
+        try:
+            finish(*steps)
+        except BaseException:  # one that landed before finish began: every step again, then raised
+            finish(*steps)
+            raise
 
 
 # ------------------------------------------------------------------------------------------- files

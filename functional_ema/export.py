@@ -55,8 +55,9 @@ from ._checkpoint.errors import (
 from ._checkpoint.format import CONSOLIDATED_FORMAT, _selection_ok, library_version, short_list
 from ._checkpoint.reader import JoinedReader, StoragePath, open_joined
 from ._core import all_finite
+from ._export.foreign import copy_regular_file, open_weights
 from ._export.like import EXPORT_RECORD, LikeFolder, read_like
-from ._export.loader import loader_view, peft_expected
+from ._export.loader import loader_view, peft_expected, untied_by_flag
 from ._export.names import WRAPPER_PREFIXES, peft_name, strip_wrappers
 from ._export.outdir import EXPORT_FORMAT, check_out_dir, commit_dir, new_tmp_dir
 from ._export.plan import Item, Plan, make_plan
@@ -323,11 +324,75 @@ class _Like:
         file, entry = self.like.weights[name]
         out = torch.empty(entry.numel, dtype=entry.dtype)
         try:
-            with _io.SafetensorsFile(file) as f:
+            with open_weights(file, "like (--like)") as f:  # the descriptor checked regular is the one read
                 f.read_into(name, out)
         except (_io.FormatError, OSError) as e:
             raise ForeignFileError(f"like (--like): {file}: {e}") from None
         return out
+
+    def equal(self, a: str, b: str, chunk: int = 2**22) -> bool:
+        """``a`` and ``b`` hold the same shape and values, compared a chunk of elements at a time (never two whole
+        tensors in memory: an embedding can be the model's largest tensor) with ``torch.equal``: -0.0 equals 0.0 and
+        NaN never equals NaN, as transformers compares a saved tied pair. Two floating dtypes are compared as float64,
+        which holds both exactly: transformers casts both to the model's dtype before comparing, so an fp32 embedding
+        beside its bf16 copy is tied (an fp32 value a bf16 cast would round is not equal: refused, never shipped)."""
+        (fa, ea), (fb, eb) = self.like.weights[a], self.like.weights[b]
+        cast = None if ea.dtype == eb.dtype else torch.float64
+        if ea.shape != eb.shape or (
+            cast is not None and not (ea.dtype.is_floating_point and eb.dtype.is_floating_point)
+        ):
+            return False
+        try:  # each through a descriptor checked to be a regular file; a corrupted span is a FormatError, named
+            with open_weights(fa, "like (--like)") as f, open_weights(fb, "like (--like)") as g:
+                for i in range(0, ea.numel, chunk):
+                    x, y = (h.read_range(n, i, min(i + chunk, ea.numel)) for h, n in ((f, a), (g, b)))
+                    if not torch.equal(x if cast is None else x.to(cast), y if cast is None else y.to(cast)):
+                        return False
+                return True
+        except (_io.FormatError, OSError) as e:
+            raise ForeignFileError(f"like (--like): {fa if fa == fb else f'{fa} or {fb}'}: {e}") from None
+
+
+def _saved_aliases(like: LikeFolder, view: Any) -> tuple[LikeFolder, dict[str, str]]:
+    """Tied aliases saved in ``--like``'s weights (``lm_head.weight`` beside the embedding, as older Hub folders have
+    it), which the loader's view says the class ties: ``save_pretrained`` leaves them out and ``from_pretrained`` ties
+    them, so the export plans without them and leaves them out too (the loaded alias is then its pair's EMA). Only
+    where --like holds the same values in both: transformers loads a folder whose saved alias differs untied, so the
+    model may have trained untied, and its EMA would then not be what the export ships. (like, alias -> pair)
+
+    Raises:
+        ForeignFileError: a saved alias whose values differ from its pair's, naming both, the file and the tie.
+    """
+    if view is None:  # without a view, _stale_aliases takes such a folder (written from the EMA of its pair)
+        return like, {}
+    found = {a: h for a, h in view.aliases.items() if a in like.weights and h in like.weights and a not in view.saved}
+    if not found:
+        return like, {}
+    reader = _Like(like)
+    for alias, holder in found.items():
+        if not reader.equal(alias, holder):
+            raise _stale_alias(like, view, alias, holder)
+    return like._replace(weights={n: w for n, w in like.weights.items() if n not in found}), found
+
+
+def _stale_alias(like: LikeFolder, view: Any, alias: str, holder: str) -> ForeignFileError:
+    """The refusal of --like's saved tied ``alias`` whose values differ from ``holder``'s. It advises setting
+    ``tie_word_embeddings`` false only where that flag unties the two, as the loader reads a copy of the config
+    stating it false (``untied_by_flag``: an output embedding, BART's ``embed_tokens``; not T5's, whose config forces
+    the flag true)."""
+    flag = alias in untied_by_flag(like.kind, like.config, like.config_file, [alias])
+    why = f"tie_word_embeddings true in {like.config_file}" if flag else "by the class itself, whatever the config says"
+    untied = (
+        "Trained untied: set tie_word_embeddings to false in --like's config.json. "
+        if flag
+        else f"No config flag controls this tie in {view.cls}. "
+    )
+    return ForeignFileError(
+        f"like (--like): {like.weights[alias][0]} holds {alias!r} with other values (or shape) than {holder!r}, to "
+        f"which {view.cls} ties it ({why}): transformers loads such a folder untied, so a model trained from it may "
+        f"have trained the two apart, and the export cannot tell which. {untied}Trained tied: load --like with "
+        f"from_pretrained, save_pretrained it to a new folder (which leaves {alias!r} out), and pass that as --like"
+    )
 
 
 def _check_ties(plan: Plan, src: _Source, like: _Like) -> list[str]:
@@ -548,6 +613,7 @@ def to_hf(
         _open_source(source, tag, index, verify, tp_dims, options) as src,
     ):
         real_out = check_out_dir(out_dir, [*src.paths, like_folder.given], overwrite)
+        like_folder, like_aliases = _saved_aliases(like_folder, view)
         selection = src.info.get("selection")
         plan = make_plan(src.shapes, src.dtypes, like_folder, view, adapter_name, cast, missing, selection)
         if like_folder.kind == "peft":
@@ -562,6 +628,8 @@ def to_hf(
         extra: dict[str, Any] = {
             "tied_left_out": tied,
             "aliases_from_ema": from_ema,
+            # present only where --like saved a tied alias (older Hub folders): the record stays as it was otherwise
+            **({"aliases_in_like_left_out": like_aliases} if like_aliases else {}),
             # config.json is --like's (copied; rewritten with a dtype): a PEFT export writes none, so lists none.
             "written": sorted({*files, *index_name, *(p.name for p in like_folder.copied), EXPORT_RECORD}),
             "loader_check": _loader_check(view, like_folder, why_not),
@@ -578,8 +646,8 @@ def to_hf(
                 _read_back(tmp, plan, files, sums, buffer)
             if index_name:
                 _write_index(tmp / index_name[0], groups, files, sum(nbytes.values()), meta)
-            for f in like_folder.copied:
-                shutil.copyfile(f, tmp / f.name)
+            for f in like_folder.copied:  # regular when listed; checked again on the descriptor each is read from
+                copy_regular_file(f, tmp / f.name, "like (--like)")
             _write_config(tmp, like_folder, config_dtype)
             _io.atomic_write_bytes(tmp / EXPORT_RECORD, (json.dumps(record, indent=2) + "\n").encode())
             _io.fsync_dir(tmp)

@@ -5,8 +5,10 @@ References are plain ``lerp_`` per tensor; integer buffers must be copied, never
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
+import signal
 
 import pytest
 import torch
@@ -654,3 +656,81 @@ def test_update_buffers_inside_swapped_buffers_of_the_same_state_is_refused(mode
     assert int(bstate.step) == 1
     assert all(torch.equal(bstate.emas[0][n], torch.lerp(ema0[n], live[n], weight)) for n in ema0)
     assert all(torch.equal(bstate.copied[n], live[n]) for n in copied0)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
+def test_ctrl_c_landing_anywhere_in_the_exit_of_swapped_buffers_still_restores_every_buffer_bitwise():
+    """Probe AO F1b: Ctrl-C during the exit of ``swapped_buffers`` stopped the copy back half-way, leaving BatchNorm
+    running statistics holding EMA values. Now every buffer is back (values and autograd versions) before the
+    KeyboardInterrupt comes out, and the buffer state is not left marked swapped."""
+    from functional_ema._state import swapped_count
+    from tests.test_swap_edits import ctrl_c_in_exits
+
+    net = nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(100)])  # 300 buffers, 100 of them integer
+    b = fe.buffers.init_buffers(net)
+    with torch.no_grad():
+        for t in b.emas[0].values():
+            t.add_(1.0)
+        for t in b.copied.values():
+            t.add_(7)
+    live = {n: (t, t.clone(), t._version) for n, t in net.named_buffers()}
+
+    def run_block(arm):
+        with fe.buffers.swapped_buffers(net, b):
+            arm()
+
+    def check(trial):
+        wrong = [n for n, (t, v, _) in live.items() if not torch.equal(t, v)]
+        assert not wrong, f"trial {trial}: {len(wrong)} buffers hold the EMA after Ctrl-C, e.g. {wrong[:3]}"
+        moved = [n for n, (t, _, version) in live.items() if t._version != version]
+        assert not moved, f"trial {trial}: autograd versions of {moved[:3]} moved"
+        assert swapped_count(b.step) == 0, f"trial {trial}: the buffer state is left marked swapped"
+        assert torch.is_grad_enabled(), f"trial {trial}: gradients left off (an interrupted no_grad)"
+
+    landed = ctrl_c_in_exits(run_block, check, trials=150)
+    assert landed >= 50, f"only {landed} of 150 interruptions landed in the exit: the sweep missed it"
+    assert all(t is live[n][0] for n, t in net.named_buffers())
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("swap", ["buffers", "both"])
+def test_swapped_buffers_between_a_training_forward_and_its_backward_leaves_training_bitwise(swap):
+    """Probe AO F2: ``swapped_buffers`` in an evaluation mid-step (after a training forward, before its backward)
+    moved the running statistics' autograd versions, so ``loss.backward()`` raised "modified by an inplace
+    operation" on any BatchNorm model. Now the backward, the optimizer step and the next step equal those of a
+    twin run that never swapped, bitwise (weights, gradients, buffers)."""
+    x, x_val = torch.randn(8, 6), torch.randn(5, 6)
+    runs = []
+    for swapping in (False, True):
+        net = _bn_net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        state = fe.init_ema(fe.local_shards(net))
+        b = fe.buffers.init_buffers(net)
+        with torch.no_grad():
+            for t in [*state.ema.values(), *b.emas[0].values()]:
+                t.add_(0.5)
+        outs = []
+        for step in range(2):
+            loss = net(x + step).pow(2).mean()
+            if swapping:
+                net.eval()
+                with torch.no_grad(), contextlib.ExitStack() as stack:
+                    if swap == "both":
+                        stack.enter_context(fe.swapped(net, state))
+                    stack.enter_context(fe.buffers.swapped_buffers(net, b))
+                    outs.append(net(x_val))
+                net.train()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        runs.append((net, outs))
+    (ref, _), (net, outs) = runs
+    for (n, a), (_, c) in zip(ref.state_dict().items(), net.state_dict().items()):
+        assert torch.equal(a, c), f"{n} differs from the run that never swapped"
+    for (n, a), (_, c) in zip(ref.named_parameters(), net.named_parameters()):
+        assert torch.equal(a.grad, c.grad), f"{n}.grad differs from the run that never swapped"
+    assert all(not torch.equal(o, ref.eval()(x_val)) for o in outs)  # the block did evaluate with the EMA

@@ -1114,6 +1114,24 @@ def test_outputs_never_replace_a_checkpoint_root_file_and_cli_ranges_are_usage_e
     assert proc.returncode == 2 and proc.stderr.startswith("error: --tp-rank") and "Traceback" not in proc.stderr
 
 
+def test_a_state_of_plain_dicts_saves_loads_and_swaps(tmp_path):
+    """init_ema over a name-keyed dict (not a reading's Shards) records no whole shapes: save, load, swapped and
+    gather_full take it, with the values it holds (the whole-shape check skips what was not recorded)."""
+    import functional_ema as fe
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    state = fe.init_ema({n: p.detach().clone() for n, p in model.named_parameters()})
+    state = fe.update(state, {n: p.detach() + 1 for n, p in model.named_parameters()}, 1, decay=0.5)
+    want = {n: p.detach().clone().lerp_(p.detach() + 1, 0.5) for n, p in model.named_parameters()}
+    fe.save(state, model, tmp_path, tag="s")
+    loaded = fe.load(model, tmp_path, tag="s")
+    assert int(loaded.step) == 1 and all(torch.equal(loaded.ema[n], t) for n, t in want.items())
+    assert all(torch.equal(t, want[n]) for n, t in fe.gather_full(state, model).items())
+    with fe.swapped(model, state):
+        assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+
+
 def test_load_out_sets_the_step_in_place_and_a_failed_load_leaves_it(tmp_path):
     """``load(x, dir, out=state)`` (a plain module) writes the saved EMAs and, last, the saved step into ``state``'s
     own tensors, so ``state`` itself reads as the returned state does (values bitwise as saved, the step too, the same

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -590,3 +591,82 @@ def test_update_of_the_swapped_state_is_refused_on_every_rank_whatever_weights()
             where = (rank, r["config"])
             assert r["refused"] == [["dict", True], ["dict inplace=False", True], ["skip", True]], (where, r)
             assert r["unchanged"] and r["after"], (where, r)
+
+
+# ------------------------------------------------------------------- Ctrl-C landing in the exit of swapped
+
+
+def _live_memory(engine: Any, stage: int) -> dict[str, torch.Tensor]:
+    """What the forward computes with, by name: ZeRO-3's local partitions (``ds_tensor``), else the parameters."""
+    return {n: p.ds_tensor if stage == 3 else p for n, p in engine.module.named_parameters()}
+
+
+def ctrl_c_worker(configs):
+    """Each rank interrupts its own exits of ``fe.swapped(engine, state)`` (``ctrl_c_in_exits``: a KeyboardInterrupt
+    at another moment of the exit each trial, the exit has no collective) and reports what was wrong after any."""
+    import functional_ema as fe
+    from tests.test_swap_edits import ctrl_c_in_exits
+
+    out = []
+    for stage, dtype, trials in configs:
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        engine = make_engine(
+            stage, dtype, seed=0, model=torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(60)])
+        )
+        state = fe.init_ema(fe.local_shards(engine))
+        with torch.no_grad():
+            for t in state.ema.values():
+                t.add_(1.0)  # the EMA differs from every weight
+        x = torch.randn(4, 4, dtype=DTYPES[dtype])
+        engine.eval()
+        with torch.no_grad():
+            forward = engine(x).float().clone()
+        live = {n: (t, t.detach().clone(), t.data_ptr()) for n, t in _live_memory(engine, stage).items()}
+        problems: list[str] = []
+
+        def run_block(arm, engine=engine, state=state):
+            with fe.swapped(engine, state):
+                arm()
+
+        def check(trial, engine=engine, stage=stage, live=live, problems=problems):
+            now = _live_memory(engine, stage)
+            wrong = [n for n, (t, v, ptr) in live.items() if not (_same_bits(now[n], v) and now[n].data_ptr() == ptr)]
+            refusers = [v for v in ("backward", "step", "train_batch") if v in vars(engine)]
+            if wrong or refusers or not torch.is_grad_enabled():
+                problems.append(
+                    f"trial {trial}: {len(wrong)} wrong, e.g. {wrong[:2]}; refusers left {refusers}; "
+                    f"gradients on: {torch.is_grad_enabled()}"
+                )
+
+        landed = ctrl_c_in_exits(run_block, check, trials=trials)
+        with torch.no_grad():
+            same_forward = torch.equal(engine(x).float(), forward)
+        out.append(
+            {
+                "config": [stage, dtype, trials],
+                "landed": landed,
+                "problems": problems[:5],
+                "forward": same_forward,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        engine = None  # drop this configuration's engine before the next one is built
+    return out
+
+
+def test_ctrl_c_landing_anywhere_in_the_exit_of_swapped_restores_every_rank_bitwise():
+    """Probe AO F1 on DeepSpeed (2 ranks, ZeRO-2 and ZeRO-3): the exits' loops putting back each parameter's memory
+    (ZeRO-1/2's ``.data``, ZeRO-3's partitions) and the engine's own verbs stopped half-way on Ctrl-C. Now every
+    rank has its live memory and values back, bitwise, and ``engine.backward``/``step`` its own again."""
+    reports = run_ranks(
+        "tests.test_deepspeed_swap:ctrl_c_worker", world_size=2, timeout=400, configs=[(2, "fp32", 60), (3, "fp32", 6)]
+    )
+    for rank, per_rank in enumerate(reports):
+        for r in per_rank:
+            where = (rank, r["config"])
+            assert not r["problems"] and r["forward"], (where, r)
+            print(
+                f"rank {rank} ZeRO-{r['config'][0]}: {r['landed']} of {r['config'][2]} in the exit, {r['seconds']:.1f} s"
+            )
+            assert r["landed"] >= r["config"][2] // 3, (where, "too few interruptions landed in the exit")

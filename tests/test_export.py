@@ -1319,3 +1319,424 @@ def test_cli_a_bad_option_leaves_a_dead_exports_folders_to_the_export_that_runs(
     assert not tmp.exists()
     got = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(got) == sorted(ema) and all(torch.equal(got[n], ema[n]) for n in ema)
+
+
+# ------------------------------------------------------------- --like folders as the Hub has them (probe AQ)
+
+
+class _Blocked(Exception):
+    pass
+
+
+def _export_bounded(*args, seconds: int = 20, **kwargs):
+    """``to_hf`` that fails the test, instead of hanging it, when a read blocks (a FIFO opened for reading)."""
+    import signal
+
+    from functional_ema.export import to_hf
+
+    def alarm(signum, frame):
+        raise _Blocked(f"the export still ran after {seconds} s: it blocked reading a file of --like")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        return to_hf(*args, progress=False, **kwargs)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _as_fifo(path: Path) -> Path:
+    path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+def _link_to_fifo(path: Path) -> Path:
+    pipe = path.parent.parent / f"{path.name}.pipe"
+    os.mkfifo(pipe)
+    path.unlink()
+    path.symlink_to(pipe)
+    return path
+
+
+def _link_to_device(path: Path) -> Path:
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    return path
+
+
+_SPECIAL = {
+    "weights a FIFO": ("model.safetensors", _as_fifo),
+    "weights a link to a FIFO": ("model.safetensors", _link_to_fifo),
+    "weights a link to a device": ("model.safetensors", _link_to_device),
+    "config a FIFO": ("config.json", _as_fifo),
+    "index a FIFO": ("model.safetensors.index.json", _as_fifo),
+    "shard a FIFO": ("model-00002-of-00002.safetensors", _as_fifo),
+    "adapter weights a FIFO": ("adapter_model.safetensors", _as_fifo),
+    "adapter weights a link to a FIFO": ("adapter_model.safetensors", _link_to_fifo),
+    "adapter config a FIFO": ("adapter_config.json", _as_fifo),
+}
+
+
+@pytest.mark.parametrize("case", list(_SPECIAL))
+def test_a_fifo_or_device_as_a_file_of_like_is_refused_naming_it_never_opened(tmp_path, case):
+    """Probe AQ F1: ``model.safetensors`` (or a PEFT ``adapter_model.safetensors``) in ``--like`` that is a FIFO, or a
+    link to one, made the export block for ever reading its header (only ``exists()`` was checked); the index and
+    shards were refused already. Every file the export reads from ``--like`` that is a FIFO or a device is now
+    refused naming it ("is not a regular file"), at once; ``--like`` unchanged, no folder written."""
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import ForeignFileError
+    from tests._integration_models import shard_weights
+
+    name, make = _SPECIAL[case]
+    if name.startswith("adapter"):
+        _peft_llama_ema(tmp_path, "default", ["q_proj"])
+    else:
+        _tiny_llama_checkpoint(tmp_path)
+        (tmp_path / "like").mkdir()
+        for f in (tmp_path / "base").iterdir():
+            (tmp_path / "like" / f.name).write_bytes(f.read_bytes())
+        if "index" in case or "shard" in case:
+            shard_weights(tmp_path / "like")
+    special = make(tmp_path / "like" / name)
+    before = hashes(tmp_path)
+    with pytest.raises(ForeignFileError) as e:
+        _export_bounded(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s")
+    assert str(special) in str(e.value) and "not a regular file" in str(e.value), str(e.value)
+    assert hashes(tmp_path) == before and not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_files_of_like_are_read_and_copied_only_when_regular_at_the_open(tmp_path):
+    """Probe AQ F1: the JSON files and the copied files of ``--like`` are refused naming them when they are a FIFO or
+    a link to a device at the check, rather than blocking (a FIFO) or copied without end (``/dev/zero``). (A file
+    swapped after the check: the next test.)"""
+    import time
+
+    from functional_ema._export.foreign import copy_regular_file, read_json_object
+    from functional_ema.checkpoint import ForeignFileError
+
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    (tmp_path / "zero.json").symlink_to("/dev/zero")
+    t0 = time.monotonic()
+    for src in (fifo, tmp_path / "zero.json"):
+        with pytest.raises(ForeignFileError, match=f"like \\(--like\\): {src}.* is not a regular file"):
+            copy_regular_file(src, tmp_path / "copy", "like (--like)")
+        with pytest.raises(ForeignFileError, match=f"like \\(--like\\): {src}.* is not a regular file"):
+            read_json_object(src, "like (--like)")
+    assert time.monotonic() - t0 < 5 and not (tmp_path / "copy").exists()
+    (tmp_path / "ok.json").write_text('{"a": 1}')
+    copy_regular_file(tmp_path / "ok.json", tmp_path / "copy", "like (--like)")
+    assert (tmp_path / "copy").read_text() == '{"a": 1}' and read_json_object(tmp_path / "copy", "x") == {"a": 1}
+
+
+@pytest.mark.parametrize("reader", ["json", "weights header", "weights", "copy"])
+def test_a_like_file_swapped_for_a_fifo_after_its_check_is_refused_at_the_open(tmp_path, monkeypatch, reader):
+    """Review C item 1: ``read_json_object`` (``is_file`` then ``read_bytes``) and ``read_weights_header``
+    (``special_kind`` then a path open) opened the file with a blocking open after their check, so one swapped for a
+    FIFO between the check and the open blocked for ever. Here the check is the real one, on a regular file, and the
+    file is swapped for a FIFO right after it (what another process could do): every reader of a ``--like`` file
+    refuses it naming it, within seconds, on the descriptor it reads from; nothing copied. Bounded by SIGALRM."""
+    import signal
+    import time
+
+    import functional_ema._export.foreign as foreign
+    from functional_ema.checkpoint import ForeignFileError
+
+    path = tmp_path / ("config.json" if reader == "json" else "model.safetensors")
+    if reader == "json":
+        path.write_text('{"a": 1}')
+    else:
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.ones(3)}, path)
+    real = foreign.special_kind
+
+    def check_then_swap(p: Path) -> str | None:
+        kind = real(p)  # the real check sees the regular file; then the file is swapped for a FIFO
+        if p == path and kind is None:
+            path.unlink()
+            os.mkfifo(path)
+        return kind
+
+    monkeypatch.setattr(foreign, "special_kind", check_then_swap)
+
+    def weights() -> None:
+        with foreign.open_weights(path, "like (--like)") as f:
+            f.read_range("w", 0, 3)
+
+    run = {
+        "json": lambda: foreign.read_json_object(path, "like (--like)"),
+        "weights header": lambda: foreign.read_weights_header(path, "like (--like)"),
+        "weights": weights,
+        "copy": lambda: foreign.copy_regular_file(path, tmp_path / "copy", "like (--like)"),
+    }[reader]
+
+    def hung(*_: object) -> None:
+        raise TimeoutError(f"{reader}: blocked in the open of the FIFO")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ForeignFileError, match=f"like \\(--like\\): {path} is not a regular file \\(a FIFO"):
+            run()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - t0 < 5 and not (tmp_path / "copy").exists()
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+        {"quant_method": "gptq", "bits": 4, "group_size": 128},
+        {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        "not an object",
+    ],
+    ids=["bnb4", "gptq", "fp8", "malformed"],
+)
+def test_a_like_config_with_a_quantization_config_is_refused_naming_it(tmp_path, quant):
+    """Probe AQ F2: a ``config.json`` with ``quantization_config`` (a quantized Hub base) over full-precision weights
+    was exported with the field copied: ``from_pretrained(out)`` then failed (bitsandbytes/optimum missing) or would
+    quantize the EMA on load, which is not the EMA. Refused, naming the field and its ``quant_method`` and the fix;
+    ``--like`` unchanged, nothing written. The same folder without the field exports and loads as the EMA."""
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import ForeignFileError
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    before = hashes(tmp_path)
+    with pytest.raises(ForeignFileError) as e:
+        to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "base", tag="s", progress=False)
+    msg = str(e.value)
+    method = quant["quant_method"] if isinstance(quant, dict) else None
+    assert str(tmp_path / "base" / "config.json") in msg and "'quantization_config'" in msg, msg
+    assert f"quant_method {method!r}" in msg and "no quantization_config" in msg, msg
+    assert hashes(tmp_path) == before and not (tmp_path / "out").exists()
+    (tmp_path / "base" / "config.json").write_text(json.dumps(config))
+    out = to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "base", tag="s", progress=False)
+    _loads_as(out, _one_step_ema(tmp_path / "base"))
+
+
+def _tied_like_with_saved_alias(root: Path, family: str, stale: bool) -> tuple[dict[str, torch.Tensor], str, str]:
+    """A tied model (``tie_word_embeddings`` true) saved as ``root/base``, trained 3 steps with an EMA (``root/ckpt``),
+    and ``root/like``: ``base`` with the tied ``lm_head.weight`` saved beside the embedding, as older Hub folders
+    have it (equal to it, or ``stale``: another value). (the plain-torch EMA, the alias, the tensor it is tied to)"""
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+        holder = "transformer.wte.weight"
+    else:
+        cfg = _config()
+        cfg.tie_word_embeddings = True
+        model = LlamaForCausalLM(cfg)
+        holder = "model.embed_tokens.weight"
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    model.save_pretrained(root / "base")
+    (root / "like").mkdir()
+    for f in (root / "base").iterdir():
+        (root / "like" / f.name).write_bytes(f.read_bytes())
+    weights = load_file(root / "base" / "model.safetensors")
+    assert "lm_head.weight" not in weights  # save_pretrained leaves the alias out
+    weights["lm_head.weight"] = weights[holder] + (1 if stale else 0)
+    save_file(weights, root / "like" / "model.safetensors", metadata={"format": "pt"})
+    return _train_and_save(model, root / "ckpt"), "lm_head.weight", holder
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_tied_alias_saved_in_like_exports_as_save_pretrained_would(tmp_path, family):
+    """Probe AQ F3: a tied ``lm_head.weight`` saved in --like's weights, equal to the embedding, under a config that
+    ties them (older Hub folders; transformers loads them tied) was refused with a hint about base-model prefixes,
+    while the export without a loader view accepted the same layout. It is now left out, as save_pretrained leaves it:
+    ``from_pretrained(out)`` ties it to the embedding's EMA, and every tensor of the loaded model is the plain-torch
+    EMA; the record lists it (``aliases_in_like_left_out``); --like unchanged."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from functional_ema._testing.files import hashes
+
+    ref, alias, holder = _tied_like_with_saved_alias(tmp_path, family, stale=False)
+    before = hashes(tmp_path / "like")
+    out = _export_bounded(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s")
+    assert hashes(tmp_path / "like") == before
+    assert alias not in load_file(out / "model.safetensors")
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["aliases_in_like_left_out"] == {alias: holder}, record
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    got = dict(loaded.named_parameters(remove_duplicate=False))
+    assert got[alias] is got[holder]
+    bad = [n for n, want in ref.items() if not torch.equal(got[n].detach(), want)]
+    assert sorted(ref) == sorted(dict(loaded.named_parameters())) and not bad, bad
+
+
+def test_a_stale_tied_alias_saved_in_like_is_refused_naming_the_tie(tmp_path):
+    """Probe AQ F3: --like's saved ``lm_head.weight`` differs from the embedding it is tied to. transformers loads such
+    a folder untied (its warning says so), so whether the model trained tied cannot be told: refused, naming the two
+    tensors, the file and ``tie_word_embeddings``; --like unchanged, nothing written."""
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import ForeignFileError
+
+    _, alias, holder = _tied_like_with_saved_alias(tmp_path, "llama", stale=True)
+    before = hashes(tmp_path)
+    with pytest.raises(ForeignFileError) as e:
+        _export_bounded(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s")
+    msg = str(e.value)
+    assert all(s in msg for s in (repr(alias), repr(holder), "tie_word_embeddings", "untied")), msg
+    assert str(tmp_path / "like" / "model.safetensors") in msg and "prefix" not in msg, msg
+    assert hashes(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_a_diffusers_pipeline_root_as_like_is_refused_naming_its_model_subfolders(tmp_path):
+    """Probe AQ F4: a diffusers pipeline's root (``model_index.json``, ``unet/``, ``vae/``, ...) as --like was refused
+    with "holds no config.json ... no adapter_config.json" alone. The refusal now names the subfolders that hold a
+    config.json and suggests one (``--like <root>/unet``); nothing written."""
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import ForeignFileError
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    root = tmp_path / "pipeline"
+    (root / "scheduler").mkdir(parents=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "DDPMPipeline", "unet": ["diffusers", "x"]}))
+    (root / "scheduler" / "scheduler_config.json").write_text("{}")
+    for sub in ("unet", "vae"):
+        (root / sub).mkdir()
+        (root / sub / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
+    before = hashes(tmp_path)
+    with pytest.raises(ForeignFileError) as e:
+        to_hf(tmp_path / "ckpt", tmp_path / "out", root, tag="s", progress=False)
+    msg = str(e.value)
+    assert "holds no config.json" in msg and "model_index.json" in msg, msg
+    assert "unet/, vae/" in msg and f"--like {root / 'unet'}" in msg and "scheduler/" not in msg, msg
+    assert hashes(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_a_tied_alias_saved_in_another_float_dtype_with_the_same_values_is_left_out(tmp_path):
+    """Review C item 2: --like's saved ``lm_head.weight`` in bf16 beside an fp32 embedding holding bf16-exact values:
+    transformers casts both to the model's dtype, finds them equal and ties them, so the model trained tied. It was
+    refused as stale on the dtype alone; it is now compared as float64 (both exact there), left out, and the export
+    loads as the plain-torch EMA. An fp32 embedding that the bf16 copy rounds is still refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from functional_ema.checkpoint import ForeignFileError
+
+    torch.manual_seed(0)
+    cfg = _config()
+    cfg.tie_word_embeddings = True
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight.bfloat16().float())
+    model.save_pretrained(tmp_path / "like")
+    weights = load_file(tmp_path / "like" / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    save_file({**weights, "lm_head.weight": embed.bfloat16()}, tmp_path / "like" / "model.safetensors")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "like")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # transformers ties them
+    ref = _train_and_save(model, tmp_path / "ckpt")
+    out = _export_bounded(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s")
+    record = json.loads((out / "ema_export.json").read_text())
+    assert record["aliases_in_like_left_out"] == {"lm_head.weight": "model.embed_tokens.weight"}, record
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    got = dict(loaded.named_parameters())
+    assert sorted(got) == sorted(ref) and not [n for n in ref if not torch.equal(got[n].detach(), ref[n])]
+    rounded = embed.clone()
+    rounded[0, 0] = 1 + 2**-12  # an fp32 value bf16 rounds: not the alias's value
+    save_file(
+        {**weights, "model.embed_tokens.weight": rounded, "lm_head.weight": rounded.bfloat16()},
+        tmp_path / "like" / "model.safetensors",
+    )
+    with pytest.raises(ForeignFileError, match=r"'lm_head\.weight' with other values"):
+        _export_bounded(tmp_path / "ckpt", tmp_path / "out2", tmp_path / "like", tag="s")
+
+
+def test_a_stale_encoder_embedding_alias_of_t5_is_refused_without_the_flag_advice(tmp_path):
+    """Review C item 3: the stale-alias refusal advised setting ``tie_word_embeddings`` false for every alias, but a
+    T5 ``encoder.embed_tokens.weight`` is tied to ``shared.weight`` by the class whatever the flag (T5's config forces
+    it true): following the advice changed nothing. The refusal now names the flag only for aliases it unties (the
+    Llama ``lm_head``: the stale test above), and here says the class ties them itself, with the re-save advice."""
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import ForeignFileError
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0, pad_token_id=0
+    )
+    model = T5ForConditionalGeneration(config)
+    model.save_pretrained(tmp_path / "like")
+    weights = load_file(tmp_path / "like" / "model.safetensors")
+    weights["encoder.embed_tokens.weight"] = weights["shared.weight"] + 1
+    save_file(weights, tmp_path / "like" / "model.safetensors", metadata={"format": "pt"})
+    _train_and_save(model, tmp_path / "ckpt")
+    before = hashes(tmp_path)
+    with pytest.raises(ForeignFileError) as e:
+        _export_bounded(tmp_path / "ckpt", tmp_path / "out", tmp_path / "like", tag="s")
+    msg = str(e.value)
+    assert "'encoder.embed_tokens.weight'" in msg and "'shared.weight'" in msg and "save_pretrained" in msg, msg
+    assert "tie_word_embeddings" not in msg and "by the class itself" in msg, msg
+    assert hashes(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_a_like_weight_file_truncated_while_the_tie_check_reads_it_is_refused_naming_it(tmp_path, monkeypatch):
+    """Review C nit: ``_Like.equal`` read the tensors through ``safe_open``, opened by path after the header was
+    checked, whose ``SafetensorError`` (the file truncated by another process in between) escaped as a foreign
+    exception. The header is checked on the real file, which is then truncated, as a concurrent writer could: the
+    check now reads through the descriptor it validated, and the short read is refused naming the file."""
+    from functional_ema import _io
+    from functional_ema._export.like import read_like
+    from functional_ema.checkpoint import ForeignFileError
+    from functional_ema.export import _Like
+
+    _tied_like_with_saved_alias(tmp_path, "llama", stale=False)
+    like = read_like(tmp_path / "like", "default")
+    file = tmp_path / "like" / "model.safetensors"
+    real = _io.SafetensorsFile.__init__
+
+    opened = []
+
+    def checked_then_truncated(self: _io.SafetensorsFile, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+        opened.append(self)
+        if len(opened) == 2:  # both tensors' files checked (here one file): then truncated
+            os.truncate(file, self.header_size + 8)
+
+    monkeypatch.setattr(_io.SafetensorsFile, "__init__", checked_then_truncated)
+    with pytest.raises(ForeignFileError, match=f"like \\(--like\\): {file}.*truncated"):
+        _Like(like).equal("lm_head.weight", "model.embed_tokens.weight")
+
+
+@pytest.mark.parametrize("where", ["llm_config", "thinker_config.text_config", "vision_config"])
+def test_a_quantization_config_nested_anywhere_in_the_like_config_is_refused(tmp_path, where):
+    """Review C nit: ``quantization_config`` was looked for at the top and in three fixed sub-configs, but
+    transformers reads it from the decoder's text config wherever a composite config nests it (InternVL's
+    ``llm_config``, Qwen-Omni's ``thinker_config.text_config``). Every nested object is looked at; one in a
+    vision sub-config only is refused too (it declares quantized weights the export does not write)."""
+    from functional_ema._testing.files import hashes
+    from functional_ema.checkpoint import ForeignFileError
+    from functional_ema.export import to_hf
+
+    _tiny_llama_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    nested: dict = {"quantization_config": {"quant_method": "awq", "bits": 4}}
+    for key in reversed(where.split(".")):
+        nested = {key: nested}
+    (tmp_path / "base" / "config.json").write_text(json.dumps({**config, **nested}))
+    before = hashes(tmp_path)
+    with pytest.raises(ForeignFileError, match=f"field '{where}.quantization_config' \\(quant_method 'awq'\\)"):
+        to_hf(tmp_path / "ckpt", tmp_path / "out", tmp_path / "base", tag="s", progress=False)
+    assert hashes(tmp_path) == before and not (tmp_path / "out").exists()

@@ -13,9 +13,10 @@ post-hoc file itself. A key the loader reports missing, unexpected or mismatched
   ``posthoc_to_file``, ``consolidate --dcp``, 2-rank DeepSpeed ZeRO-3 and FSDP2 checkpoints) x options
   (``dtype``, ``max_shard_size``, ``index``, ``adapter_name``, the CLI), a covering set. A valid row must load as
   the EMA; an EMA out of fp16's range exported as fp16 must be refused, naming the tensor.
-- **Perturbed ``--like``**: stray files, wrong shapes, flipped tie flags, malformed ``config.json`` /
-  ``adapter_config.json`` / index / weight files, empty or missing folders, another family's folder, and
-  foreign sources. Each must be refused or load as the EMA; counted per class (correct, refused, silent, crash).
+- **Perturbed ``--like``**: stray files, wrong shapes, flipped tie flags, tied aliases saved (equal or stale),
+  malformed ``config.json`` / ``adapter_config.json`` / index / weight files, a ``quantization_config``, FIFOs (or
+  links to one) in place of the config or weights, a diffusers pipeline's root, empty or missing folders, another
+  family's folder, and foreign sources. Each must be refused or load as the EMA; counted per class (correct, refused, silent, crash).
 - **out_dir table**: ``""``, ``"."``, the working directory, its parent, ``None``, a path under a file, an
   existing folder (with and without ``overwrite``), a previous export, an empty folder; through ``to_hf`` and
   the CLI.
@@ -35,6 +36,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import struct
 import time
 import warnings
@@ -74,6 +76,7 @@ OPTIONS = re.compile(r"\b(dtype|max_shard_size|index|missing|adapter_name|out_di
 POSTHOC_SIGMA = 0.07
 #: The option's name in a message (not inside a path such as pytest's ``test_out_dir_table0``).
 NAMES_OUT_DIR = re.compile(r"(?<![\w/])out_dir(?!\w)", re.IGNORECASE)
+EXPORT_TIMEOUT_S = 120  # one export of a tiny model takes a second; a blocked one is reported, not waited on
 VERBOSE = os.environ.get("FE_ORACLE_VERBOSE") == "1"  # every perturbed case's outcome and why, not just the counts
 
 
@@ -283,18 +286,34 @@ def _cli_flags(opts: dict[str, Any]) -> list[str]:
     return flags
 
 
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _Hang()
+
+
 def export(source: Any, out: Any, like: Any, via: str = "api", **opts: Any) -> Attempt:
-    """``to_hf`` (``via="api"``) or ``python -m functional_ema export`` (``via="cli"``, in this process)."""
+    """``to_hf`` (``via="api"``) or ``python -m functional_ema export`` (``via="cli"``, in this process); one that
+    has not ended after ``EXPORT_TIMEOUT_S`` (a read blocked on a FIFO of ``--like``) is a crash, never a hung table."""
     from functional_ema.export import to_hf
 
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(EXPORT_TIMEOUT_S)
     try:
         if via == "api":
             to_hf(source, out, like, progress=False, **opts)
             return Attempt("ok")
         rc, _, err = _cli("export", str(source), str(out), "--like", str(like), *_cli_flags(opts))
+    except _Hang:
+        return Attempt("crash", f"hang: the export had not ended after {EXPORT_TIMEOUT_S} s")
     except Exception as e:  # noqa: BLE001 - what escapes is the finding
         why = _refusal(e)
         return Attempt("refused", why) if why else Attempt("crash", f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     if rc == 0:
         return Attempt("ok")
@@ -590,6 +609,46 @@ def _custom_class_with_alias(like: Path, ctx: Ctx) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def _alias_saved(stale: bool) -> Callable[[Path, Ctx], None]:
+    """The tied aliases saved beside what they are tied to (older Hub folders), under the loader's view: equal (left
+    out as save_pretrained leaves them, loads as the EMA), or ``stale`` (other values: refused naming the tie)."""
+
+    def apply(like: Path, ctx: Ctx) -> None:
+        from safetensors.torch import load, save_file
+
+        path = _weights(like)
+        tensors = load(path.read_bytes())  # not a memory map: replaced
+        for alias, holder in ctx.src.runs[ctx.family].aliases.items():
+            tensors[alias] = tensors[holder] + (1 if stale else 0)
+        save_file(tensors, path, metadata={"format": "pt"})
+
+    return apply
+
+
+def _fifo_at(path: Callable[[Path], Path], link: bool = False) -> Callable[[Path, Ctx], None]:
+    """``path(like)`` replaced by a FIFO (or a link to one beside the folder): opening it for reading blocks."""
+
+    def apply(like: Path, ctx: Ctx) -> None:
+        target = path(like)
+        target.unlink()
+        pipe = like.parent / f"{target.name}.pipe" if link else target
+        os.mkfifo(pipe)
+        if link:
+            target.symlink_to(pipe)
+
+    return apply
+
+
+def _pipeline_root(like: Path, ctx: Ctx) -> None:
+    """A diffusers pipeline's root as --like: ``model_index.json``, the model in ``unet/``, a ``scheduler/``."""
+    unet = like.parent / "unet"
+    like.rename(unet)
+    (like / "scheduler").mkdir(parents=True)
+    unet.rename(like / "unet")
+    (like / "scheduler" / "scheduler_config.json").write_text("{}")
+    (like / "model_index.json").write_text(json.dumps({"_class_name": "DDPMPipeline", "unet": ["diffusers", "U"]}))
+
+
 def _config_text(text: str) -> Callable[[Path, Ctx], None]:
     return lambda like, ctx: (like / _cfg_name(like)).write_text(text)
 
@@ -719,6 +778,19 @@ PERTURBATIONS = (
         "the untied model's folder", ("llama_tied",), _replace_with(lambda ctx: ctx.src.runs["llama_untied"].like)
     ),
     Perturbation("no loader view, tied alias saved", ("llama_tied", "gpt2"), _custom_class_with_alias),
+    Perturbation("tied alias saved, equal", ("llama_tied", "gpt2"), _alias_saved(stale=False)),
+    Perturbation("tied alias saved, stale", ("llama_tied", "gpt2"), _alias_saved(stale=True)),
+    Perturbation(  # a quantized Hub base's config: from_pretrained would quantize the EMA on load
+        "config quantization_config",
+        _MODELS,
+        lambda like, ctx: _edit_config(
+            like, lambda d: d.update(quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+        ),
+    ),
+    Perturbation("a diffusers pipeline's root", ("unet",), _pipeline_root),
+    Perturbation("weights a FIFO", _ALL, _fifo_at(_weights)),
+    Perturbation("weights a link to a FIFO", _FEW, _fifo_at(_weights, link=True)),
+    Perturbation("config a FIFO", _FEW, _fifo_at(lambda like: like / _cfg_name(like))),
     Perturbation(  # a bf16 base: the config must state the dtype written, or from_pretrained loads bf16
         "config dtype bfloat16", _TIED, lambda like, ctx: _edit_config(like, lambda d: d.update(dtype="bfloat16"))
     ),

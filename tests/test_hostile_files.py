@@ -19,7 +19,8 @@ A self-attack built as three registries, so that a new surface joins by adding o
   file copied over this one (duplicate), two ranks' files exchanged (swap), the older save's file, and
   every JSON field set to a type-confused value (``None``, a string, a list, a dict, negative, a float,
   huge, a bool; the integration record's checksum recomputed, as a forger would); for DCP's files, a tensor's
-  global size in ``.metadata`` grown, negative or huge, and a file replaced by a folder.
+  global size in ``.metadata`` grown, negative or huge, and a file replaced by a folder; for the export's ``--like``
+  files, a FIFO or a link to one in the file's place (a reader that opens it blocks: a *hang*).
 
 Every case must end in the clean checkpoint's exact result (bitwise), or, for the readers in ``ORACLES``
 (the export ``to_hf``), in what their oracle accepts: an export of a checkpoint holds the consolidated EMA,
@@ -934,6 +935,21 @@ def _as_folder(d: Path, rel: str, _: Any) -> None:
     (d / rel).mkdir()
 
 
+def _as_fifo(d: Path, rel: str, how: str) -> None:
+    """The file replaced by a FIFO (``"fifo"``), or by a link to one beside the folder (``"link"``): opening it for
+    reading waits for a writer for ever, so a reader that opens it hangs (the export did, probe AQ F1)."""
+    (d / rel).unlink()
+    if how == "fifo":
+        os.mkfifo(d / rel)
+    else:
+        os.mkfifo(d / f"{Path(rel).name}.pipe")
+        (d / rel).symlink_to(d / f"{Path(rel).name}.pipe")
+
+
+#: The export's --like files, which another tool (or a user) may leave as a FIFO or a link to one.
+_LIKE_KINDS = ("hf config.json", "hf weight index", "hf weights", "adapter_config.json", "adapter weights")
+
+
 @dataclass(frozen=True)
 class Mutation:
     plan: Callable  # (rng, layout folder, file, same-kind files beside it) -> one argument per case
@@ -955,6 +971,8 @@ MUTATIONS: dict[str, Mutation] = {
     # (uninitialised memory was returned), negative, too large to allocate
     "dcp sizes": Mutation(_dcp_sizes_plan, _dcp_sizes, kinds=("dcp metadata",)),
     "as folder": Mutation(lambda rng, d, rel, s: [None], _as_folder, kinds=("dcp metadata", "dcp data")),
+    # a FIFO, or a link to one, where --like's config, index or weights were: refused naming it, never opened
+    "as fifo": Mutation(lambda rng, d, rel, s: ["fifo", "link"], _as_fifo, kinds=(*_LIKE_KINDS, "diffusers weights")),
 }
 
 

@@ -744,6 +744,56 @@ def test_the_ema_evaluation_changes_neither_the_training_nor_the_events(tmp_path
     assert record.evaluated == [(s, True) for s in range(1, expected + 1)]
 
 
+def test_early_stopping_on_the_live_loss_before_the_callback_stops_as_without_it_and_warns_nothing(tmp_path):
+    """An EarlyStoppingCallback on the live eval_loss placed before EMACallback hears the live event only: the EMA
+    evaluation's own on_evaluate (whose metrics hold no eval_loss) would make it warn at every evaluation that early
+    stopping is disabled. It stops at the step a run without the EMA evaluation stops at, and nothing is warned."""
+    import logging
+
+    from transformers import EarlyStoppingCallback, Trainer
+    from transformers.utils import logging as hf_logging
+
+    from functional_ema.integrations.transformers import EMACallback
+    from tests._integration_models import RegressionData, cpu_training_args, quiet
+
+    quiet()
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    def run(name, eval_index):
+        args = cpu_training_args(
+            tmp_path / name, max_steps=12, eval_strategy="steps", eval_steps=1, learning_rate=1.0, seed=0,
+            metric_for_best_model="eval_loss", greater_is_better=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        trainer = Trainer(
+            model=_DropNet(),
+            args=args,
+            train_dataset=RegressionData(64, seed=1),
+            eval_dataset=RegressionData(16, seed=2),
+            callbacks=[EarlyStoppingCallback(early_stopping_patience=2), EMACallback(decay=0.6, eval_index=eval_index)],
+        )
+        trainer.train()
+        return trainer.state.global_step
+
+    logger = hf_logging.get_logger("transformers.trainer_callback")
+    handler, level = Keep(logging.WARNING), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # quiet() raised the transformers loggers' level
+    try:
+        without = run("without", None)
+        with_ema = run("with", 0)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert without < 12, "the run should stop early for the test to see the counting"
+    assert with_ema == without
+    assert not [m for m in said if "did not find" in m], said
+
+
 def test_seq2seq_ema_evaluation_generates_with_the_calls_settings(tmp_path):
     """Seq2SeqTrainer.evaluate(max_new_tokens=2) with predict_with_generate: the EMA evaluation generates with the
     call's settings (2 tokens generated, as for the live metrics; 11 with the model's default),

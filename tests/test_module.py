@@ -391,6 +391,34 @@ class AuxNet(nn.Module):
         return self.head(h) * self.scale()
 
 
+def test_swapped_refuses_input_gradients_naming_the_way_out_which_gives_the_emas():
+    """An input gradient taken inside ``swapped`` (``torch.autograd.grad(out, x)``) is refused before anything is
+    written, the message saying input gradients are refused too and how to take them: outside the block,
+    ``torch.func.functional_call`` over ``gather_full``'s weights, which gives the gradient of a copy holding the
+    EMA bitwise."""
+    torch.manual_seed(0)
+    model = AuxNet()
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    state = fe.update(state, fe.local_shards(model), 1, decay=0.5)
+    x = torch.randn(8, 4, requires_grad=True)
+    with fe.swapped(model, state), pytest.raises(fe.SwappedTrainingError) as refused:
+        torch.autograd.grad(model(x).sum(), x)
+    said = str(refused.value)
+    assert (
+        "Gradients for inputs only" in said and "torch.func.functional_call(model, fe.gather_full(state, model)" in said
+    )
+    assert x.grad is None and all(p.grad is None for p in model.parameters())
+    (got,) = torch.autograd.grad(torch.func.functional_call(model, fe.gather_full(state, model), (x,)).sum(), x)
+    del model.aux  # a non-leaf tensor the forward stored: deepcopy refuses it
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(fe.gather_full(state, model))
+    (want,) = torch.autograd.grad(twin(x).sum(), x)
+    assert torch.equal(got, want) and not torch.equal(got, torch.autograd.grad(model(x).sum(), x)[0])
+
+
 def test_swapped_refuses_backward_through_any_submodule_forward():
     """Backward through a submodule's own forward, or through a loss the forward stored on the module, is refused
     inside ``swapped`` before any ``.grad`` is written; on exit no hook stays (training goes on as an untouched

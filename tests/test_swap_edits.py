@@ -7,8 +7,14 @@ parameters are the entry objects holding the trained values bitwise, and a memor
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -410,3 +416,180 @@ def test_the_swapped_mark_stays_with_the_state_and_survives_threads(tmp_path):
         sys.setswitchinterval(old)
     assert swapped_count(state.step) == 0 and not hasattr(state.step, "_fe_swapped")
     assert int(fe.update(state, weights, 1, decay=0.5).step) == 1
+
+
+# ------------------------------------------------------------------- Ctrl-C landing in a swap's exit
+
+
+def ctrl_c_in_exits(run_block: Callable[[Callable[[], None]], None], check: Callable[[int], None], trials: int) -> int:
+    """Run a swap block ``trials`` times, a ``KeyboardInterrupt`` landing at another moment of its exit each time, and
+    ``check(trial)`` after each, the interruption caught (as a trainer that saves on Ctrl-C catches it, its exception
+    still alive); return how many interruptions came out of functional_ema's code (landed inside the block's exit).
+
+    The interruption is the one Ctrl-C's default handler raises, from a real signal: a SIGALRM armed, with
+    ``setitimer``'s microseconds, as the body's last statement (``run_block(arm)`` calls ``arm()`` there), whose
+    handler raises it at the next bytecode boundary of the main thread, wherever the exit is. The delays sweep 1.2
+    times the exit's measured duration, one step per trial (a late one lands after the block, in the wait below).
+    Main thread only (signal handlers run there)."""
+
+    def raise_interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, raise_interrupt)
+    try:
+        ends: list[float] = []
+        durations = []
+        for _ in range(7):
+            run_block(lambda: ends.append(time.perf_counter()))
+            durations.append(time.perf_counter() - ends[-1])
+        exit_s = sorted(durations)[3]
+        landed = 0
+        for trial in range(trials):
+            delay = max(1e-6, 1.2 * exit_s * trial / trials)
+            try:
+                run_block(lambda: signal.setitimer(signal.ITIMER_REAL, delay))
+                while True:  # the alarm is armed: it lands here if the exit ended before it
+                    time.sleep(1e-3)
+            except KeyboardInterrupt as interrupt:
+                frames = traceback.extract_tb(interrupt.__traceback__)
+                landed += any("functional_ema" in f.filename for f in frames)
+                if not _before_resuming(frames):
+                    check(trial)  # as a trainer that saves on Ctrl-C sees the model: the exception alive
+            check(trial)
+        return landed
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _before_resuming(frames: traceback.StackSummary) -> bool:
+    """Whether the interruption landed at the first bytecode of contextlib's ``__exit__``, before it resumed the swap's
+    generator: no code of the swap can run there (Python offers no way to defer a signal's exception), so its exit
+    runs when that generator is finalized, once the exception, whose traceback holds it, is dropped."""
+    entry = contextlib._GeneratorContextManager.__exit__.__code__.co_firstlineno
+    return len(frames) >= 2 and frames[-2].filename == contextlib.__file__ and frames[-2].lineno == entry
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
+def test_ctrl_c_landing_anywhere_in_the_exit_of_swapped_still_restores_every_parameter_bitwise():
+    """Probe AO F1: Ctrl-C during the exit of ``swapped`` stopped the copy back of the live weights half-way: the
+    parameters not reached yet kept the EMA, their kept-aside values dropped, and training (or a checkpoint saved
+    on the KeyboardInterrupt) went on with mixed weights. Now every value is back, with autograd's versions, before
+    the KeyboardInterrupt comes out, and the state is not left marked swapped."""
+    from functional_ema._state import swapped_count
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(100)])  # 200 parameters: an exit of a few ms
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for t in state.ema.values():
+            t.add_(1.0)  # the EMA differs from every weight
+    live = _live(model)
+    versions = {n: p._version for n, p in model.named_parameters()}
+
+    def run_block(arm: Callable[[], None]) -> None:
+        with fe.swapped(model, state):
+            arm()
+
+    def check(trial: int) -> None:
+        wrong = [n for n, (p, v, _) in live.items() if not torch.equal(p.detach(), v)]
+        assert not wrong, f"trial {trial}: {len(wrong)} parameters hold the EMA after Ctrl-C, e.g. {wrong[:3]}"
+        moved = [n for n, p in model.named_parameters() if p._version != versions[n]]
+        assert not moved, f"trial {trial}: autograd versions of {moved[:3]} moved"
+        assert swapped_count(state.step) == 0, f"trial {trial}: the state is left marked swapped"
+        assert torch.is_grad_enabled(), f"trial {trial}: gradients left off (an interrupted no_grad)"
+        hooked = [n for n, m in model.named_modules() if m._forward_hooks]
+        assert not hooked, f"trial {trial}: the block's forward hooks left on {hooked[:3]}: training refused for good"
+
+    landed = ctrl_c_in_exits(run_block, check, trials=150)
+    assert landed >= 50, f"only {landed} of 150 interruptions landed in the exit: the sweep missed it"
+    assert _same_as(model, live)
+
+
+def test_finish_makes_every_call_once_more_after_an_interruption_and_raises_a_real_error():
+    """``finish`` (the exits' loop): an exception landing in a call makes that call again and the next ones, then is
+    raised; a call failing every time is its own error: the others are still made, and it is raised, not the
+    interruption (the values are not all back)."""
+    from functional_ema._state import finish
+
+    done: list[int] = []
+    cut = [True]
+
+    def do(k: int) -> None:
+        if k == 2 and cut[0]:
+            cut[0] = False
+            raise KeyboardInterrupt
+        done.append(k)
+
+    with pytest.raises(KeyboardInterrupt):
+        finish((do, range(5)))
+    assert done == [0, 1, 2, 3, 4]
+
+    def bad(k: int) -> None:
+        if k == 1:
+            raise RuntimeError(f"item {k} cannot be put back")
+        done.append(k)
+
+    done.clear()
+    cut[0] = True
+    with pytest.raises(RuntimeError, match="item 1 cannot be put back"):
+        finish((do, range(3)), (bad, range(3)))
+    assert done == [0, 1, 2, 0, 2]
+    # Ctrl-C pressed again and again on one call is no error of that call: it is made again until it is done
+    presses = [5]
+
+    def pressed(k: int) -> None:
+        if k == 0 and presses[0]:
+            presses[0] -= 1
+            raise KeyboardInterrupt
+        done.append(k)
+
+    done.clear()
+    with pytest.raises(KeyboardInterrupt):
+        finish((pressed, range(3)))
+    assert done == [0, 1, 2] and presses == [0]
+
+
+def fsdp2_ctrl_c_worker(trials: int) -> dict:
+    """A rank of an FSDP2 model (``fully_shard`` over 2 gloo ranks): its own exits of ``swapped`` interrupted
+    (``ctrl_c_in_exits``: FSDP2's exit reshards, a local operation, no collective)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(60)])
+    fully_shard(model)
+    state = fe.init_ema(fe.local_shards(model))
+    with torch.no_grad():
+        for t in state.ema.values():
+            t.add_(1.0)  # the EMA differs from every weight
+    live = {n: (p, p.to_local().detach().clone()) for n, p in model.named_parameters()}
+    problems: list[str] = []
+
+    def run_block(arm: Callable[[], None]) -> None:
+        with fe.swapped(model, state):
+            arm()
+
+    def check(trial: int) -> None:
+        now = dict(model.named_parameters())
+        wrong = [n for n, (p, v) in live.items() if now[n] is not p or not torch.equal(p.to_local(), v)]
+        if wrong or not torch.is_grad_enabled():
+            problems.append(
+                f"trial {trial}: {len(wrong)} wrong, e.g. {wrong[:2]}; gradients on {torch.is_grad_enabled()}"
+            )
+
+    landed = ctrl_c_in_exits(run_block, check, trials=trials)
+    return {"landed": landed, "problems": problems[:5]}
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
+def test_ctrl_c_landing_anywhere_in_the_exit_of_swapped_restores_every_fsdp2_shard_bitwise():
+    """Probe AO F1 on FSDP2 (2 ranks): every rank's local shards hold their live values again, bitwise, the same
+    parameter objects registered, when Ctrl-C lands anywhere in the exit."""
+    from functional_ema._testing.multirank import run_ranks
+
+    results = run_ranks(
+        "tests.test_swap_edits:fsdp2_ctrl_c_worker", world_size=2, timeout=300, env={"FE_DIST_INIT": "torch"}, trials=80
+    )
+    for rank, r in enumerate(results):
+        assert not r["problems"], (rank, r)
+        assert r["landed"] >= 25, (rank, f"only {r['landed']} of 80 interruptions landed in the exit")

@@ -19,7 +19,10 @@ files (FIFOs, sockets), and a training checkpoint's own files (:data:`CHECKPOINT
 DeepSpeed's ``latest`` and ``zero_to_fp32.py``, ``ema_latest``, Accelerate's ``random_states_*``), where a
 checkpoint folder is given as ``--like``. A folder with both a model's weights and ``adapter_config.json`` is
 refused as ambiguous; so is one whose weights exist only as pickles (``pytorch_model.bin``: this library never
-unpickles).
+unpickles). A file the export reads (the config, the index, a weight file) that is a FIFO, a socket or a device, or a
+link to one, is refused naming it, never opened (opening a FIFO waits for a writer for ever); so is a
+config with ``quantization_config`` (``from_pretrained`` would quantize the EMA on load). A folder without a config
+whose subfolders hold one (a diffusers pipeline's root) is refused naming them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any, NamedTuple
 
 from .. import _io
 from .._checkpoint.errors import ForeignFileError
-from .foreign import read_index, read_json_object, read_weights_header
+from .foreign import not_regular, read_index, read_json_object, read_weights_header, special_kind
 
 __all__ = ["LikeFolder", "read_like", "EXPORT_RECORD", "WEIGHT_SUFFIXES"]
 
@@ -114,6 +117,10 @@ def read_like(like: Any, adapter_name: str) -> LikeFolder:
 
 def _kind(given: Path, adapter_name: str) -> tuple[Path, str]:
     """(folder, kind) by the loaders' rules; PEFT saves a non-default adapter in ``<folder>/<adapter_name>/``."""
+    for config in (given / adapter_name / "adapter_config.json", given / "adapter_config.json", given / "config.json"):
+        kind = special_kind(config)  # a FIFO or a device by a config's name: refused, not taken for no config
+        if kind not in (None, "a folder"):  # (a folder of that name: no config, as before)
+            raise not_regular(config, "like (--like)", kind)
     if adapter_name != "default" and (given / adapter_name / "adapter_config.json").is_file():
         return given / adapter_name, "peft"
     has_adapter = (given / "adapter_config.json").is_file()
@@ -144,8 +151,34 @@ def _kind(given: Path, adapter_name: str) -> tuple[Path, str]:
         return given, "transformers"
     raise ForeignFileError(
         f"like (--like): {given} holds no config.json (a Hugging Face model folder) and no adapter_config.json "
-        "(a PEFT adapter folder)"
+        f"(a PEFT adapter folder){_subfolder_hint(given)}"
     )
+
+
+def _subfolder_hint(given: Path) -> str:
+    """Where the configs are when ``given`` holds none: the subfolders of a diffusers pipeline (``model_index.json``,
+    ``unet/``, ``vae/``) or of any folder of models, each holding its own ``config.json``; "" when none does."""
+    try:
+        subs = sorted(
+            p.name
+            for p in given.iterdir()
+            if p.is_dir() and any((p / c).is_file() for c in ("config.json", "adapter_config.json"))
+        )
+    except OSError:
+        return ""
+    if not subs:
+        return ""
+    pick = next((s for s in ("unet", "transformer", "prior", "decoder") if s in subs), subs[0])
+    pipeline = " a diffusers pipeline's root (model_index.json):" if (given / "model_index.json").is_file() else ""
+    shown = ", ".join(f"{s}/" for s in subs[:6]) + (", ..." if len(subs) > 6 else "")
+    return (
+        f"; it is{pipeline} a folder of models, each in its own subfolder holding a config.json ({shown}): give the "
+        f"model the EMA is of, e.g. --like {given / pick}"
+    )
+
+
+#: The sub-configs of a composite model's config.json: each must be an object when given.
+_SUBCONFIGS = ("text_config", "vision_config", "audio_config")
 
 
 def _check_config(config: dict[str, Any], path: Path, kind: str) -> None:
@@ -168,6 +201,7 @@ def _check_config(config: dict[str, Any], path: Path, kind: str) -> None:
                 raise bad(field, want)
         _peft_parses(path)
         return
+    _check_not_quantized(config, path)
     if not any(config.get(k) for k in _NAMING_KEYS):
         raise ForeignFileError(
             f"like (--like): {path} names no model (none of {list(_NAMING_KEYS)}): no loader could build a model from "
@@ -178,12 +212,39 @@ def _check_config(config: dict[str, Any], path: Path, kind: str) -> None:
         raise bad("architectures", "a list of class names")
     if "tie_word_embeddings" in config and not isinstance(config["tie_word_embeddings"], bool):
         raise bad("tie_word_embeddings", "true or false")
-    for sub in ("text_config", "vision_config", "audio_config"):
+    for sub in _SUBCONFIGS:
         if sub in config and config[sub] is not None and not isinstance(config[sub], dict):
             raise bad(sub, "an object")
     for key in ("dtype", "torch_dtype"):
         if config.get(key) is not None and not isinstance(config[key], str):
             raise bad(key, "a dtype name")
+
+
+def _check_not_quantized(config: dict[str, Any], path: Path) -> None:
+    """A config with ``quantization_config`` (a bitsandbytes, GPTQ, AWQ, fp8 ... base) makes ``from_pretrained``
+    quantize the weights it loads, or expect quantized tensors (``qweight``, scales): the loaded model would not be
+    the EMA, or would not load. Refused rather than the field dropped: a config edited behind the user's back is not
+    the folder they gave, and quantizing is a step of its own, after the export.
+
+    Looked for in every nested object: transformers reads it at the top or in the decoder's text config wherever a
+    composite config nests it (``text_config``, ``llm_config``, ``thinker_config.text_config``, ...). One in a
+    vision or audio sub-config only is refused too: transformers ignores it, but it declares quantized weights that
+    the export (full-precision EMA) does not write, so any loader that reads it (another library, a later
+    transformers) would misread the folder; removing the field is the user's one-line fix."""
+    todo: list[tuple[str, dict[str, Any]]] = [("", config)]
+    while todo:  # a stack, not recursion: a JSON file's nesting is bounded only by the parser's own limit
+        where, cfg = todo.pop()
+        q = cfg.get("quantization_config")
+        if q is not None:
+            method = q.get("quant_method") if isinstance(q, dict) else None
+            raise ForeignFileError(
+                f"like (--like): {path}: field '{where}quantization_config' (quant_method {method!r}) makes "
+                "from_pretrained quantize the weights it loads (or expect quantized ones): the loaded model would not "
+                "be the EMA. Give --like the full-precision model's folder, whose config.json has no "
+                "quantization_config (or a copy of this folder with the field removed), and quantize the exported "
+                "folder afterwards if you need it so"
+            )
+        todo.extend((f"{where}{k}.", v) for k, v in cfg.items() if isinstance(v, dict))
 
 
 def _real(v: Any) -> bool:
@@ -233,7 +294,7 @@ def _peft_parses(path: Path) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            parsed = PeftConfig.from_pretrained(str(path.parent))
+            parsed = PeftConfig.from_pretrained(str(path.parent))  # by path: read_json_object's narrow window
     except Exception as e:  # noqa: BLE001 - any refusal of PEFT's own parser is the finding, named
         raise ForeignFileError(
             f"like (--like): {path}: PEFT cannot read this adapter config ({type(e).__name__}: {str(e)[:200]})"
@@ -295,13 +356,16 @@ def _weights(folder: Path, kind: str) -> tuple[dict[str, tuple[Path, _io.TensorE
     stem = _STEMS[kind]
     single, index = folder / f"{stem}.safetensors", folder / f"{stem}.safetensors.index.json"
     what = "like (--like)"
-    if single.exists():  # the loaders read the single file first
+    if single.exists():  # the loaders read the single file first (a FIFO or a device: refused, never opened)
         return {n: (single, e) for n, e in read_weights_header(single, what).items()}, {single.name}
     if index.exists():
         wmap = read_index(index, what)
         out: dict[str, tuple[Path, _io.TensorEntry]] = {}
         for file in sorted(set(wmap.values())):
             path = folder / file
+            special = special_kind(path)
+            if special not in (None, "a folder"):  # never opened: a FIFO would block the read (a folder: below)
+                raise not_regular(path, what, special)
             if not path.is_file():
                 raise ForeignFileError(f"{what}: {index} names {file!r}, which is not a file in {folder}")
             header = read_weights_header(path, what)

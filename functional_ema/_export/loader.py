@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
+import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -33,7 +35,7 @@ import torch
 
 from .._checkpoint.errors import ForeignFileError
 
-__all__ = ["LoaderView", "loader_view", "MAX_LAYERS"]
+__all__ = ["LoaderView", "loader_view", "untied_by_flag", "MAX_LAYERS"]
 
 #: A layer count above this in a config is refused before any model is built (a forged ``num_hidden_layers``
 #: of 2**40 would otherwise build layers for hours, even on the meta device).
@@ -88,6 +90,30 @@ def loader_view(kind: str, config: dict[str, Any], config_file: Path) -> tuple[L
     return view, ""
 
 
+def untied_by_flag(kind: str, config: dict[str, Any], config_file: Path, names: list[str]) -> set[str]:
+    """Those of the tied aliases ``names`` that ``tie_word_embeddings`` controls: the ones the class no longer ties
+    once the config states it false (at its top and in each sub-config stating it), by the loader's own reading of
+    such a copy in a temporary folder. Not those a class ties itself whatever the flag (T5's: its config forces the
+    flag true). Empty where no view is built, or no temporary folder can be made (the refusal then gives no flag
+    advice rather than failing)."""
+
+    def off(d: dict[str, Any], depth: int = 0) -> dict[str, Any]:
+        return {
+            k: False if k == "tie_word_embeddings" else off(v, depth + 1) if isinstance(v, dict) and depth < 4 else v
+            for k, v in d.items()
+        }
+
+    edited = {**off(config), "tie_word_embeddings": False}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            file = Path(tmp) / config_file.name
+            file.write_text(json.dumps(edited))
+            view, _ = loader_view(kind, edited, file)
+    except (ForeignFileError, OSError):  # only the advice of a refusal depends on it
+        return set()
+    return set() if view is None else {n for n in names if n not in view.aliases}
+
+
 def _check_layers(config: Any, config_file: Path, depth: int = 0) -> None:
     if depth > 4 or not isinstance(config, dict):
         return
@@ -128,7 +154,9 @@ def _transformers_view(cls: Any, config_file: Path) -> LoaderView:
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    # The loader's own reading of config.json (model_type -> config class, sub-configs, checks), local only.
+    # The loader's own reading of config.json (model_type -> config class, sub-configs, checks), local only. It
+    # reopens the file by path, after read_json_object read it through a descriptor checked regular: a swap for
+    # a FIFO in that narrow window would block here (transformers opens it blocking); none is guarded against.
     cfg = AutoConfig.from_pretrained(str(config_file.parent), local_files_only=True, trust_remote_code=False)
     with torch.device("meta"):
         model = cls(cfg)

@@ -21,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .._layout import ShardLayout, ShardSpec
 from .._selection import Selection
 from .._shards import Shards, shards_from_views
+from .._state import finish
 
 if TYPE_CHECKING:
     from .._state import EmaState
@@ -514,34 +515,59 @@ def swap_by_copy(
     saved: dict[str, torch.Tensor] = {}
     extra = 0
     targets = [(name, t) for name, t in reading.shards.items() if t.numel()]
+    names = [name for name, _ in targets]
     if reading._overlaps is None:
         reading._overlaps = overlapping(targets)
     versions = entry_versions(targets)  # before any copy: views of one tensor share one counter
-    try:
-        with torch.no_grad():
-            for name, target in targets:  # all kept aside first: restored in any order, the bits are the live ones
-                saved[name] = target.clone()
-                extra += target.numel() * target.element_size()
-            for name, target in targets:
-                target.copy_(pieces[name].reshape(target.shape))
-            set_versions(versions.values(), _INSIDE)
-            _refuse_disagreeing(reading, pieces, reading._overlaps)
-        yield SwapStats(len(saved), extra)
-    finally:
+    found: dict[str, Any] = {}  # what the exit found (see finish: a call an exception cut short is made again)
+    exact: dict[str, torch.Tensor] = {}  # the tensors the live values went back into, by name
+
+    def prepare(_: object) -> None:
         # Only counters nothing else moved inside the block: an in-place edit through a tensor sharing one (a frozen
         # or unselected view of the same buffer) must stay visible to autograd, as without the version handling.
-        untouched = {n for n, (t, v) in versions.items() if t._version == v + _INSIDE}
-        back = reading.shards if current is None else current()
-        exact = []
-        with torch.no_grad():
-            for name, live in saved.items():
-                target = back.get(name)
-                if target is not None:
-                    target.copy_(live.reshape(target.shape))
-                    exact.append((name, target))
+        # Read once, before any copy back moves them.
+        if "untouched" not in found:
+            found["untouched"] = {n for n, (t, v) in versions.items() if t._version == v + _INSIDE}
+        found["back"] = reading.shards if current is None else current()
+
+    def copy_back(name: str) -> None:
+        live = saved.get(name)  # none where an exception cut the entry short before this one was kept aside
+        target = found.get("back", reading.shards).get(name)
+        if live is not None and target is not None:
+            target.copy_(live.reshape(target.shape))  # views of the weights, no autograd: no no_grad (above)
+            exact[name] = target
+
+    def versions_back(_: object) -> None:
         # Bitwise the entry values again: so are autograd's versions, or the backward of a forward made before the
         # block would refuse the tensors it saved (docs/core.md: training continues as if the block never ran).
-        set_versions([versions[n] for n, t in exact if n in untouched and _same_tensor(t, versions[n][0])], 0)
+        untouched = found.get("untouched", ())
+        set_versions([versions[n] for n, t in exact.items() if n in untouched and _same_tensor(t, versions[n][0])], 0)
+
+    try:
+        # Views of the weights that record no autograd history, so no no_grad: an exception (Ctrl-C) landing in its
+        # __enter__ or __exit__ would leave gradients off for the rest of the training.
+        for name, target in targets:  # all kept aside first: restored in any order, the bits are the live ones
+            saved[name] = target.clone()
+            extra += target.numel() * target.element_size()
+        for name, target in targets:
+            target.copy_(pieces[name].reshape(target.shape))
+        set_versions(versions.values(), _INSIDE)
+        _refuse_disagreeing(reading, pieces, reading._overlaps)
+        yield SwapStats(len(saved), extra)
+    finally:
+        # Every live value back, also when an exception (Ctrl-C) lands in the middle of it, then that one raised.
+        steps = ((prepare, _ONCE), (copy_back, names), (versions_back, _ONCE))
+        try:
+            finish(*steps)
+        except BaseException:  # one that landed before finish began: every step again, then raised
+            finish(*steps)
+            raise
+
+
+_Key = TypeVar("_Key")
+
+#: The items of a phase of ``finish`` made once.
+_ONCE = (None,)
 
 
 #: Added to each parameter's version inside a ``swapped`` block (hidden from the user on exit): a tensor autograd
@@ -556,7 +582,7 @@ except AttributeError:  # pragma: no cover - a torch without it: versions move, 
     _set_version_counter = None
 
 
-def entry_versions(targets: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, int]]:
+def entry_versions(targets: Iterable[tuple[_Key, torch.Tensor]]) -> dict[_Key, tuple[torch.Tensor, int]]:
     """Each tensor's autograd version counter, by name (inference tensors, which have none, left out)."""
     if _set_version_counter is None:  # pragma: no cover - older torch
         return {}
@@ -880,20 +906,21 @@ def _container_back(mod: torch.nn.Module, prefix: str, held: tuple[Any, dict[str
 
 def _tensors_back(entry: list[tuple], changes: list[str]) -> None:
     """Register each recorded parameter or buffer again, with the memory it had (``parameters_put_back``)."""
-    with torch.no_grad():
-        for registry, attr, name, t, data, shape_of, seen in entry:
-            now = registry.get(attr)
-            if now is not t:
-                what = "removed" if now is None else f"replaced by another {type(now).__name__}"
-                if now is not None:
-                    what += f" ({_describe(seen)} -> {_describe(_form(now))})"
-                changes.append(f"{name} {what}")
-                registry[attr] = t
-            now_form = shape_of(t)
-            if now_form != seen:
-                what = f"({_describe(seen, now_form)} -> {_describe(now_form, seen)})"
-                changes.append(f"{name} re-typed, moved or re-strided {what}")
-                t.data = data
+    # No no_grad (none is needed to register a tensor or set its .data): an exception (Ctrl-C) landing in its
+    # __enter__ or __exit__ would leave gradients off for the rest of the training.
+    for registry, attr, name, t, data, shape_of, seen in entry:
+        now = registry.get(attr)
+        if now is not t:
+            what = "removed" if now is None else f"replaced by another {type(now).__name__}"
+            if now is not None:
+                what += f" ({_describe(seen)} -> {_describe(_form(now))})"
+            changes.append(f"{name} {what}")
+            registry[attr] = t
+        now_form = shape_of(t)
+        if now_form != seen:
+            what = f"({_describe(seen, now_form)} -> {_describe(now_form, seen)})"
+            changes.append(f"{name} re-typed, moved or re-strided {what}")
+            t.data = data
 
 
 def _describe(form: tuple, other: tuple | None = None) -> str:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .._errors import SwappedTrainingError
 from .._layout import ExpertLayout, ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
+from .._state import finish
 from .._tree import short_list
 from ._base import (
     Adapter,
@@ -231,11 +232,14 @@ class DeepSpeedAdapter(Adapter):
                     obj.__dict__[attr] = _refuser(f"{call} {why}")
             yield
         finally:
-            for obj, attr, before in reversed(found):
-                if before is None:
-                    obj.__dict__.pop(attr, None)
-                else:
-                    obj.__dict__[attr] = before
+            # Last set first (an object listed twice gets its own attribute back last); every one, also when an
+            # exception (Ctrl-C) lands in the middle (finish), which is raised after.
+            steps = ((_attribute_back, found[::-1]),)
+            try:
+                finish(*steps)
+            except BaseException:  # one that landed before finish began: every step again, then raised
+                finish(*steps)
+                raise
 
     def write_weights(self, reading: Reading, pieces: Mapping[str, torch.Tensor]) -> None:
         """The fp32 masters, and the 16-bit copies the forward uses: ZeRO-3's partitions (the gathered
@@ -262,6 +266,15 @@ class DeepSpeedAdapter(Adapter):
             else:
                 for n, p in reading.params.items():
                     p.data.copy_(full[n].to(p.dtype))
+
+
+def _attribute_back(entry: tuple[Any, str, Any]) -> None:
+    """An attribute ``refuse_training`` shadowed, as it was (none, or the instance attribute it had)."""
+    obj, attr, before = entry
+    if before is None:
+        obj.__dict__.pop(attr, None)
+    else:
+        obj.__dict__[attr] = before
 
 
 def _refuser(message: str) -> Any:
@@ -671,14 +684,28 @@ def _swap_zero3(engine: Any, reading: Reading, ema: Mapping[str, torch.Tensor]) 
                 p.ds_secondary_tensor = None
         yield SwapStats(len(saved), extra)
     finally:
-        engine.empty_partition_cache()  # drop gathered EMA weights before training resumes
-        for p, data, secondary in saved:
-            p.ds_tensor.data = data
-            # ZeRO++ hpZ: the release above built a secondary partition from the gathered EMA, and the next gather
-            # reads it whenever one exists. Put back the one held on entry, or none (as a step leaves it,
-            # ``invalidate_secondary_tensor``: the next gather then reads ``ds_tensor`` over the whole group).
-            if hasattr(p, "ds_secondary_tensor"):
-                p.ds_secondary_tensor = secondary
+        # Drop gathered EMA weights before training resumes, then each live partition back: every one also when an
+        # exception (Ctrl-C) lands in the middle (finish), which is raised after.
+        steps = ((_emptied, (engine,)), (_partition_back, saved))
+        try:
+            finish(*steps)
+        except BaseException:  # one that landed before finish began: every step again, then raised
+            finish(*steps)
+            raise
+
+
+def _emptied(engine: Any) -> None:
+    engine.empty_partition_cache()
+
+
+def _partition_back(entry: tuple[Any, torch.Tensor, torch.Tensor | None]) -> None:
+    p, data, secondary = entry
+    p.ds_tensor.data = data
+    # ZeRO++ hpZ: the release before built a secondary partition from the gathered EMA, and the next gather reads it
+    # whenever one exists. Put back the one held on entry, or none (as a step leaves it, ``invalidate_secondary_tensor``:
+    # the next gather then reads ``ds_tensor`` over the whole group).
+    if hasattr(p, "ds_secondary_tensor"):
+        p.ds_secondary_tensor = secondary
 
 
 @contextlib.contextmanager
@@ -697,5 +724,15 @@ def _swap_data(reading: Reading, pieces: Mapping[str, torch.Tensor]) -> Iterator
         del full
         yield SwapStats(len(saved), extra)
     finally:
-        for p, data in saved:
-            p.data = data
+        # Every one, also when an exception (Ctrl-C) lands in the middle, then that one raised.
+        steps = ((_data_back, saved),)
+        try:
+            finish(*steps)
+        except BaseException:  # one that landed before finish began: every step again, then raised
+            finish(*steps)
+            raise
+
+
+def _data_back(entry: tuple[torch.nn.Parameter, torch.Tensor]) -> None:
+    p, data = entry
+    p.data = data

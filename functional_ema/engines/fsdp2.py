@@ -68,7 +68,9 @@ import torch.distributed as dist
 
 from .._layout import ModelPart, ShardLayout, ShardSpec
 from .._shards import shards_from_views
+from .._state import finish
 from ._base import (
+    _ONCE,
     Adapter,
     Reading,
     any_requires_grad,
@@ -805,9 +807,18 @@ def _swap(
             with parameters_put_back(model, changes, skip=lambda mod, attr: (id(mod), attr) in managed):
                 yield stats
         finally:
-            _registered_back(model, managed, changes)  # before reshard, which would overwrite them silently
-            _recover(modules, busy_before)
-            _reshard(modules)
+            # Each step also when an exception (Ctrl-C) lands in another (finish); the registrations before reshard,
+            # which would overwrite them silently.
+            steps = (
+                (lambda _: _registered_back(model, managed, changes), _ONCE),
+                (lambda _: _recover(modules, busy_before), _ONCE),
+                (lambda _: _reshard(modules), _ONCE),
+            )
+            try:
+                finish(*steps)
+            except BaseException:  # one that landed before finish began: every step again, then raised
+                finish(*steps)
+                raise
 
 
 def _expected_registration(fp: Any) -> torch.Tensor | None:
@@ -869,7 +880,11 @@ def _after_block(
     ``swap_tensors``, then ``FSDPParam.reset_sharded_param``), and the local shards the model now holds are
     returned by name (a new reading) for the live values to be copied into."""
     _registered_back(model, managed, changes)
-    with torch.no_grad():
+    grad = torch.is_grad_enabled()
+    try:
+        # Not torch.no_grad(): an exception (Ctrl-C) landing in its __enter__ or __exit__ (this runs in swapped's
+        # exit) would leave gradients off for the rest of the training; one C call each way cannot be cut.
+        torch._C._set_grad_enabled(False)
         seen: set[int] = set()
         for fp in managed.values():
             if id(fp) in seen:
@@ -890,6 +905,8 @@ def _after_block(
             current = fp.sharded_param._local_tensor
             if current is not local and current.shape == local.shape:
                 current.copy_(local)  # the values on entry (the EMA for swapped ones, restored by the caller next)
+    finally:
+        torch._C._set_grad_enabled(grad)
     _reshard(modules)
     return adapter.read().shards
 

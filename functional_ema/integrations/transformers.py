@@ -58,7 +58,7 @@ import re
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -148,7 +148,7 @@ def _answer_earlier(handler: Any, earlier: list[Any], flags: dict[str, Any], kep
         vars(control).update(flags)
         control.should_evaluate = False  # as the handler's own on_evaluate
         everyone = handler.callbacks
-        handler.callbacks = earlier
+        handler.callbacks = [c for c in earlier if _would_act(c, args, metrics)]
         try:
             control = handler.call_event("on_evaluate", args, state, control, metrics=metrics)
         finally:
@@ -157,6 +157,22 @@ def _answer_earlier(handler: Any, earlier: list[Any], flags: dict[str, Any], kep
         return control
 
     return on_evaluate
+
+
+def _would_act(callback: Any, args: Any, metrics: Any) -> bool:
+    """Whether ``callback`` should hear the EMA evaluation's ``on_evaluate``: an ``EarlyStoppingCallback`` only where
+    these metrics hold the one it watches (``args.metric_for_best_model``, ``eval_`` prefixed as it does): one on
+    the live ``eval_loss`` would find nothing there but warn, at every evaluation, that early stopping is disabled
+    (it is not: the live event carries its metric)."""
+    from transformers import EarlyStoppingCallback
+
+    if not isinstance(callback, EarlyStoppingCallback):
+        return True
+    watched = getattr(args, "metric_for_best_model", None)
+    if not isinstance(watched, str):
+        return True  # EarlyStoppingCallback's own assertion names it
+    watched = watched if watched.startswith("eval_") else f"eval_{watched}"
+    return isinstance(metrics, Mapping) and watched in metrics
 
 
 def _generation_kwargs(trainer: Any) -> dict[str, Any]:
