@@ -77,12 +77,12 @@ def marked_swapped(state: EmaState | BufferState) -> Iterator[None]:
     # torch.save of the step tensor inside the block carries the mark, and torch.load(weights_only=True) loads ints.
     holder = object()
     token = id(holder)
+    done = ((_unmark, ((counter, token),)),)  # made before the block: the finally calls nothing before its try
     with _MARK_LOCK:
         setattr(counter, SWAPPED_ATTR, (id(counter), (*_blocks(counter), token)))
     try:
         yield
     finally:
-        done = ((_unmark, ((counter, token),)),)
         try:
             finish(*done)
         except BaseException:  # one that landed before finish began: every step again, then raised

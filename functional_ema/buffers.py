@@ -320,6 +320,7 @@ def _emas_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
     def versions_back(_: object) -> None:
         set_versions([versions[k] for k in untouched], 0)
 
+    steps = ((prepare, _ONCE), (copy_back, indices), (versions_back, _ONCE))  # before the block (see finish)
     try:
         saved.extend(t.clone() for t in targets)
         for t, (_, value) in zip(targets, pairs):
@@ -327,7 +328,6 @@ def _emas_in(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
         set_versions(versions.values(), _INSIDE)
         yield
     finally:
-        steps = ((prepare, _ONCE), (copy_back, indices), (versions_back, _ONCE))
         try:
             finish(*steps)
         except BaseException:  # one that landed before finish began: every step again, then raised

@@ -543,6 +543,9 @@ def swap_by_copy(
         untouched = found.get("untouched", ())
         set_versions([versions[n] for n, t in exact.items() if n in untouched and _same_tensor(t, versions[n][0])], 0)
 
+    # Every live value back, also when an exception (Ctrl-C) lands in the middle of it, then that one raised; made
+    # before the block, so that the finally calls nothing before its try.
+    steps = ((prepare, _ONCE), (copy_back, names), (versions_back, _ONCE))
     try:
         # Views of the weights that record no autograd history, so no no_grad: an exception (Ctrl-C) landing in its
         # __enter__ or __exit__ would leave gradients off for the rest of the training.
@@ -555,8 +558,6 @@ def swap_by_copy(
         _refuse_disagreeing(reading, pieces, reading._overlaps)
         yield SwapStats(len(saved), extra)
     finally:
-        # Every live value back, also when an exception (Ctrl-C) lands in the middle of it, then that one raised.
-        steps = ((prepare, _ONCE), (copy_back, names), (versions_back, _ONCE))
         try:
             finish(*steps)
         except BaseException:  # one that landed before finish began: every step again, then raised
